@@ -1,0 +1,30 @@
+"""hepti: heterogeneity-aware parallel transformer inference on MPI clusters of edge devices.
+
+CMake-free on purpose: everything compiled is compiled by Numba at run time (and cached).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="hepti",
+    version="0.1.0",
+    description="Heterogeneity-aware parallel transformer inference for clusters of edge devices",
+    python_requires=">=3.10",
+    package_dir={"": "src"},
+    packages=find_packages("src"),
+    install_requires=[
+        "mpi4py>=4.0",
+        "mpich",  # brings mpiexec (Hydra) into the venv; no system MPI needed
+        "numpy>=1.26",
+        "numba>=0.60",
+        "h5py>=3.10",
+        "tqdm>=4.60",
+        "scipy>=1.11",  # HiGHS LP/MILP for the partitioner
+        "safetensors>=0.4",
+        "tokenizers>=0.15",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6"],
+        "plot": ["matplotlib>=3.7"],
+    },
+    entry_points={"console_scripts": ["hepti=hepti.cli:main"]},
+)

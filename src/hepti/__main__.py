@@ -1,0 +1,5 @@
+import sys
+
+from hepti.cli import main
+
+sys.exit(main())

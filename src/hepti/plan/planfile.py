@@ -1,0 +1,149 @@
+"""The plan file: what `hepti plan --json` writes and `hepti run --plan` reads.
+
+Schema (version 1), JSON object:
+
+    {
+      "hepti_plan": 1,
+      "strategy": "rows" | "tensor" | "stream" | "even" | "pipeline" | "single",
+      "world_size": N,
+      "ratios": {"heads": [N floats], "ffn": [N floats], "rows": [N floats]},
+      "counts": {"heads": [N ints], "ffn": [N ints], "rows": [N ints]},   # informative
+      "layers": [[start, stop), ...] per rank,       # pipeline only, else null
+      "mem_budget": bytes per rank or null,          # stream only
+      "model": "name", "seq_len": L, "batch": B,     # what the plan was made for
+      "predicted_latency_s": float or null,
+      "predicted": {"per_rank": [{"compute_s": .., "comm_s": {kind: s}, "mem_bytes": ..}]},
+      "solve_s": float or null,
+      "explanation": "one or two sentences"
+    }
+
+Only `strategy`, `world_size` and `ratios` (or `layers` for pipeline) are needed to run; the
+runtime recomputes integer counts from the ratios with `hepti.counts.counts`, because the token
+row count depends on the actual input. Everything else is the planner's account of itself.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hepti.errors import PlanError
+
+STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
+DIMS = ("heads", "ffn", "rows")
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Plan:
+    strategy: str
+    world_size: int
+    ratios: dict[str, list[float]]
+    layers: list[list[int]] | None = None
+    mem_budget: int | None = None
+    counts: dict[str, list[int]] | None = None
+    model: str = ""
+    seq_len: int | None = None
+    batch: int | None = None
+    predicted_latency_s: float | None = None
+    predicted: dict = field(default_factory=dict)
+    solve_s: float | None = None
+    explanation: str = ""
+
+    def validate(self, world_size: int | None = None) -> "Plan":
+        """Raise PlanError (saying what to change) unless this plan can run on world_size ranks."""
+        if self.strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if world_size is not None and self.world_size != world_size:
+            raise PlanError(
+                f"the plan is for {self.world_size} ranks but the job has {world_size}; launch with "
+                f"`mpiexec -n {self.world_size}` or make a plan for {world_size} ranks")
+        for dim in DIMS:
+            vec = self.ratios.get(dim)
+            if vec is None:
+                raise PlanError(f"the plan lacks ratios for {dim!r}; give heads, ffn and rows")
+            check_ratio_vector(vec, self.world_size, f"{dim} ratios")
+        if self.strategy == "pipeline":
+            if self.layers is None or len(self.layers) != self.world_size:
+                raise PlanError("a pipeline plan needs `layers`: one [start, stop) range per rank")
+        return self
+
+    def to_json(self) -> str:
+        d = {"hepti_plan": SCHEMA_VERSION, **asdict(self)}
+        return json.dumps(d, indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "plan") -> "Plan":
+        if not isinstance(d, dict) or d.get("hepti_plan") != SCHEMA_VERSION:
+            raise PlanError(f"{source}: not a hepti plan (version {SCHEMA_VERSION}); make one with "
+                            "`hepti plan --json`")
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        for k in ("strategy", "world_size", "ratios"):
+            if k not in known:
+                raise PlanError(f"{source}: missing {k!r}")
+        try:
+            return cls(**known)
+        except TypeError as e:
+            raise PlanError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise PlanError(f"{path}: no such plan file") from None
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(d, source=str(path))
+
+
+def check_ratio_vector(vec, world_size: int, what: str) -> list[float]:
+    """A ratio vector must have one finite, non-negative share per rank and not be all zeros."""
+    try:
+        vals = [float(x) for x in vec]
+    except (TypeError, ValueError):
+        raise PlanError(f"{what} {vec!r} must be a list of numbers") from None
+    if len(vals) != world_size:
+        raise PlanError(f"{what} {vals} has {len(vals)} entries but there are {world_size} ranks; "
+                        f"give exactly one share per rank")
+    for i, v in enumerate(vals):
+        if not math.isfinite(v) or v < 0:
+            raise PlanError(f"{what} {vals}: entry {i} is {v}; shares must be finite and >= 0")
+    if sum(vals) <= 0:
+        raise PlanError(f"{what} {vals} is all zeros; at least one rank needs a positive share")
+    s = sum(vals)
+    return [v / s for v in vals]
+
+
+def parse_ratios(text: str, world_size: int) -> dict[str, list[float]]:
+    """Parse `--ratios`: one vector for every dimension ("0.5,0.3,0.2") or one per dimension
+    ("heads=0.5,0.5;ffn=0.6,0.4;rows=0.5,0.5"; a missing dimension takes the first one given)."""
+    text = text.strip()
+    if not text:
+        raise PlanError("--ratios is empty; give e.g. 0.5,0.5")
+
+    def vec(s: str, what: str) -> list[float]:
+        try:
+            vals = [float(x) for x in s.split(",") if x.strip() != ""]
+        except ValueError:
+            raise PlanError(f"--ratios {what} {s!r}: not a comma-separated list of numbers") from None
+        return check_ratio_vector(vals, world_size, f"--ratios {what}")
+
+    if "=" not in text:
+        v = vec(text, "vector")
+        return {d: list(v) for d in DIMS}
+    out: dict[str, list[float]] = {}
+    for part in text.split(";"):
+        if not part.strip():
+            continue
+        if "=" not in part:
+            raise PlanError(f"--ratios part {part!r}: expected DIM=v1,v2,... with DIM in {DIMS}")
+        dim, s = part.split("=", 1)
+        dim = dim.strip()
+        if dim not in DIMS:
+            raise PlanError(f"--ratios: unknown dimension {dim!r}; use {', '.join(DIMS)}")
+        out[dim] = vec(s, dim)
+    first = next(iter(out.values()))
+    return {d: out.get(d, list(first)) for d in DIMS}
