@@ -101,7 +101,7 @@ HF_OTHER_MAP = {
     "pooler.dense.weight": ("pooler.weight", True),
     "pooler.dense.bias": ("pooler.bias", False),
 }
-# Keys that carry no weights and are skipped silently.
+# Keys that carry no weights (buffers); skipped, and listed among what convert skipped.
 HF_IGNORED_SUFFIXES = ("position_ids",)
 
 

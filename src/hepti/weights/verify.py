@@ -1,0 +1,124 @@
+"""`hepti verify DIR`: check a converted model end to end, listing every problem found.
+
+Checks each shard's size and sha256 against index.json, every tensor the config implies is
+recorded with the right shape, and every recorded tensor is in its shard as a chunked,
+Fletcher32-checked float32 dataset. When a shard's hash is wrong, its tensors are read through
+so the message can name the damaged ones (Fletcher32 catches damage inside chunk data).
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hepti.errors import HeptiError, WeightsError
+from hepti.weights import layout
+from hepti.weights.index import INDEX_NAME, index_config, load_index
+
+READ_BLOCK_BYTES = 16 * 1024 * 1024
+
+
+def verify(path: str | Path) -> list[str]:
+    """Problems found in the converted model at `path`; an empty list means it is intact."""
+    path = Path(path)
+    try:
+        index = load_index(path)
+    except WeightsError as e:
+        return [str(e)]
+    problems: list[str] = []
+    tensors, shards = index["tensors"], index["shards"]
+    damaged: set[str] = set()
+    for shard, info in shards.items():
+        p = path / shard
+        if not p.is_file():
+            problems.append(f"{p}: shard file missing")
+            damaged.add(shard)
+            continue
+        size = p.stat().st_size
+        if size != info.get("bytes"):
+            problems.append(f"{p}: {size} bytes, {INDEX_NAME} records {info.get('bytes')} "
+                            "(truncated or replaced)")
+            damaged.add(shard)
+        digest = _sha256(p)
+        if digest != info.get("sha256"):
+            problems.append(f"{p}: sha256 {digest[:16]}... does not match {INDEX_NAME} "
+                            f"({str(info.get('sha256'))[:16]}...): the file is corrupted; re-run `hepti convert`")
+            damaged.add(shard)
+    try:
+        config = index_config(index)
+    except HeptiError as e:
+        problems.append(f"{path / INDEX_NAME}: config: {e}")
+        config = None
+    if config is not None:
+        pooler = "pooler.weight" in tensors or "pooler.bias" in tensors
+        expected = layout.expected_shapes(config, pooler=pooler)
+        for name, shape in expected.items():
+            if name not in tensors:
+                problems.append(f"{path / INDEX_NAME}: tensor {name} missing")
+            elif tuple(tensors[name].get("shape", ())) != shape:
+                problems.append(f"{path / INDEX_NAME}: tensor {name} has shape "
+                                f"{tensors[name].get('shape')}, the config implies {list(shape)}")
+        for name in tensors:
+            if name not in expected:
+                problems.append(f"{path / INDEX_NAME}: unexpected tensor {name}")
+    by_shard: dict[str, list[str]] = {}
+    for name, t in tensors.items():
+        by_shard.setdefault(t.get("shard"), []).append(name)
+    for shard, names in by_shard.items():
+        if shard not in shards:
+            problems.append(f"{path / INDEX_NAME}: tensors {', '.join(names[:4])} are in shard "
+                            f"{shard!r}, which is not listed among the shards")
+            continue
+        if (path / shard).is_file():
+            problems += _check_datasets(path / shard, names, tensors, read_all=shard in damaged)
+    return problems
+
+
+def _check_datasets(p: Path, names: list[str], tensors: dict, read_all: bool) -> list[str]:
+    """Each named dataset exists as recorded; with read_all, read it through its checksums."""
+    problems = []
+    try:
+        h5 = h5py.File(p, "r", rdcc_nbytes=0)
+    except OSError as e:
+        return [f"{p}: HDF5 cannot open it ({e})"]
+    with h5:
+        for name in names:
+            t = tensors[name]
+            try:
+                dset = h5[name]
+                wrong = (dset.shape != tuple(t["shape"]) or dset.dtype != np.float32
+                         or not dset.fletcher32 or dset.chunks is None
+                         or dset.chunks[0] != t["chunk_rows"])
+            except (KeyError, OSError, ValueError) as e:
+                problems.append(f"{p}: tensor {name} cannot be opened ({e})")
+                continue
+            if wrong:
+                problems.append(f"{p}: tensor {name} is {dset.dtype}{list(dset.shape)} chunks "
+                                f"{dset.chunks} fletcher32={dset.fletcher32}; {INDEX_NAME} says "
+                                f"float32{t['shape']} with {t['chunk_rows']}-row chunks")
+            elif read_all and not _reads_cleanly(dset):
+                problems.append(f"{p}: tensor {name} fails its Fletcher32 checksum (damaged data)")
+    return problems
+
+
+def _reads_cleanly(dset: h5py.Dataset) -> bool:
+    """Read a dataset through, a block of whole chunks at a time; False on a checksum error."""
+    rows = dset.shape[0]
+    row_bytes = dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64))
+    step = max(dset.chunks[0], READ_BLOCK_BYTES // max(row_bytes, 1) // dset.chunks[0] * dset.chunks[0])
+    try:
+        for a in range(0, rows, step):
+            dset[a:min(a + step, rows)]
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
+def _sha256(p: Path) -> str:
+    digest = hashlib.sha256()
+    with open(p, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

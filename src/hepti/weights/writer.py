@@ -1,0 +1,190 @@
+"""Writing a converted model: sharded HDF5 + index.json, atomically, one block of rows at a time.
+
+Tensors arrive as `TensorSpec`s whose `rows(a, b)` produce float32 rows in stored orientation,
+so a writer never holds more than one block (`BLOCK_BYTES`) of one tensor. Everything is written
+into a hidden sibling folder, fsync'ed, and renamed into place at the end: an interrupted or
+failed write leaves no folder behind and never a half model (an existing model being replaced
+stays intact until the final rename).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import h5py
+import numpy as np
+from tqdm import tqdm
+
+import hepti
+from hepti.config import BertConfig
+from hepti.errors import WeightsError
+from hepti.weights import layout
+from hepti.weights.index import FORMAT, FORMAT_VERSION, INDEX_NAME, is_model_dir, shard_name
+
+BLOCK_BYTES = 8 * 1024 * 1024  # rows handed to HDF5 per write (rounded to whole chunks)
+# HDF5 file-format bounds: 1.10 brings the compact fixed-array chunk index; files stay
+# readable by any HDF5 >= 1.10 (h5py wheels since 2.8), which edge devices may still carry.
+LIBVER = ("v110", "v110")
+
+
+@dataclass
+class TensorSpec:
+    """One tensor to write: its stored name and shape, and where its rows come from."""
+
+    name: str
+    shape: tuple[int, ...]
+    rows: Callable[[int, int], np.ndarray]  # (start, stop) -> float32 [stop-start, *shape[1:]]
+    origin: str | None = None  # HF name it was converted from
+    transposed: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * layout.ITEMSIZE
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse to write over anything but an empty folder, or a hepti model with overwrite."""
+    if out.exists() and not out.is_dir():
+        raise WeightsError(f"{out} exists and is a file; give a folder path for the converted model")
+    if out.is_dir() and any(out.iterdir()):
+        if not is_model_dir(out):
+            raise WeightsError(f"{out} is not empty and is not a hepti model; refusing to write "
+                               "there. Choose a new or empty folder")
+        if not overwrite:
+            raise WeightsError(f"{out} already holds a converted model; pass overwrite "
+                               "(`--overwrite`) to replace it, or choose another folder")
+
+
+def plan_shards(specs: list[TensorSpec], shard_layers: int | None,
+                max_shard_bytes: int | None) -> list[list[TensorSpec]]:
+    """Group tensors into shards: whole layers, at most `shard_layers` layers and about
+    `max_shard_bytes` bytes per shard (either limit may be None); embeddings (and pooler)
+    open the first shard. A group bigger than the byte cap gets a shard of its own."""
+    if shard_layers is not None and shard_layers < 1:
+        raise ValueError(f"shard_layers must be >= 1 or None, got {shard_layers}")
+    if max_shard_bytes is not None and max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1 or None, got {max_shard_bytes}")
+    groups: list[tuple[int | None, list[TensorSpec]]] = []
+    for spec in specs:
+        layer, _ = layout.local_name(spec.name)
+        if not groups or groups[-1][0] != layer:
+            groups.append((layer, []))
+        groups[-1][1].append(spec)
+    shards: list[list[TensorSpec]] = [[]]
+    n_layers = n_bytes = 0
+    for layer, group in groups:
+        size = sum(s.nbytes for s in group)
+        full = ((layer is not None and shard_layers is not None and n_layers >= shard_layers)
+                or (max_shard_bytes is not None and n_bytes + size > max_shard_bytes))
+        if shards[-1] and full:
+            shards.append([])
+            n_layers = n_bytes = 0
+        shards[-1].extend(group)
+        n_layers += layer is not None
+        n_bytes += size
+    return shards
+
+
+def write_model(out: str | Path, config: BertConfig, specs: list[TensorSpec], *, source: dict,
+                copy_files: dict[str, Path] | None = None, shard_layers: int | None = 4,
+                max_shard_bytes: int | None = None, overwrite: bool = False,
+                progress: bool = True, desc: str = "convert") -> Path:
+    """Write `specs` as shard-*.h5 + index.json into `out` atomically; returns `out`."""
+    out = Path(out)
+    check_out_dir(out, overwrite)
+    shards = plan_shards(specs, shard_layers, max_shard_bytes)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        index = {"format": FORMAT, "format_version": FORMAT_VERSION,
+                 "hepti_version": hepti.__version__, "source": source,
+                 "config": config.to_dict(), "files": [], "tensors": {}, "shards": {}}
+        total = sum(s.nbytes for s in specs)
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                  disable=not progress, file=sys.stderr) as bar:
+            for k, group in enumerate(shards):
+                fname = shard_name(k)
+                with h5py.File(tmp / fname, "w", libver=LIBVER) as h5:
+                    for spec in group:
+                        rows = _write_tensor(h5, spec, config.head_dim, bar)
+                        index["tensors"][spec.name] = {
+                            "shard": fname, "shape": list(spec.shape), "dtype": layout.DTYPE,
+                            "chunk_rows": rows, "from": spec.origin, "transposed": spec.transposed}
+                index["shards"][fname] = {"sha256": _sha256_and_sync(tmp / fname),
+                                          "bytes": (tmp / fname).stat().st_size}
+        for name, path in sorted((copy_files or {}).items()):
+            shutil.copyfile(path, tmp / name)
+            _sha256_and_sync(tmp / name)
+            index["files"].append(name)
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
+        _sha256_and_sync(tmp / INDEX_NAME)
+        _fsync_dir(tmp)
+        _install(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_tensor(h5: h5py.File, spec: TensorSpec, head_dim: int, bar: tqdm) -> int:
+    """Create one chunked, Fletcher32-checked dataset and fill it block by block."""
+    rows = layout.chunk_rows(spec.name, spec.shape, head_dim)
+    dset = h5.create_dataset(spec.name, shape=spec.shape, dtype=layout.DTYPE,
+                             chunks=(rows,) + tuple(spec.shape[1:]), fletcher32=True)
+    row_bytes = spec.nbytes // max(spec.shape[0], 1)
+    block = max(rows, (BLOCK_BYTES // max(row_bytes, 1)) // rows * rows)
+    for a in range(0, spec.shape[0], block):
+        b = min(a + block, spec.shape[0])
+        data = spec.rows(a, b)  # [b-a, *shape[1:]]
+        if data.shape != (b - a,) + tuple(spec.shape[1:]) or data.dtype != np.float32:
+            raise AssertionError(f"{spec.name} rows {a}:{b} came as {data.dtype}{data.shape}")
+        dset.write_direct(np.ascontiguousarray(data), dest_sel=np.s_[a:b])
+        bar.update(data.nbytes)
+    return rows
+
+
+def _sha256_and_sync(path: Path) -> str:
+    """sha256 of a file, and fsync it so it survives a power cut once renamed into place."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+        os.fsync(fh.fileno())
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename the finished folder into place, replacing an old model only at the last step."""
+    old = None
+    if out.exists():
+        if any(out.iterdir()):
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+        else:
+            out.rmdir()
+    try:
+        os.rename(tmp, out)
+    except OSError as e:
+        if old is not None:
+            os.rename(old, out)
+        raise WeightsError(f"could not move the converted model into {out} ({e}); "
+                           "was something else writing there?") from None
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
