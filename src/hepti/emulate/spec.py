@@ -1,0 +1,271 @@
+"""The emulated-cluster spec: a JSON file that lists devices and, optionally, changes over time.
+
+Schema (JSON object):
+
+    {
+      "name": "emu-mixed4",                       # required; letters, digits, - _ .
+      "description": "free text",                 # optional
+      "devices": [                                # required; 1..64 devices, rank i runs on device i
+        {"name": "pi4-a",                         # required; a hostname: a-z 0-9 -, unique
+         "cpu": 0.5,                              # required; cores (0.01 .. machine cores)
+         "mem": "600MiB",                         # optional; cap with unit, or null = no cap
+         "link_mbit": 940},                       # optional; Mbit/s each way, or null = unshaped
+        ...],
+      "schedule": [                               # optional; applied by the launcher while it runs
+        {"t": 20.0, "device": 2, "link_mbit": 100},      # device by index or by name
+        {"t": 30.0, "device": "pi4-c", "cpu": 0.1}]
+    }
+
+- `cpu` is a CFS quota: 0.25 means a quarter of one core's time, spread over any cores.
+- `mem` takes B, KB/MB/GB (powers of 1000), KiB/MiB/GiB or K/M/G (powers of 1024). It caps
+  everything the device's processes use (their RSS and the page cache they fault in); going over
+  it is a real out-of-memory kill.
+- `link_mbit` is the TCP payload rate the device gets to or from the switch, i.e. what iperf or
+  `hepti profile` measures (a gigabit Raspberry Pi 4 measures about 940). The shaper's wire rate
+  is set higher by the Ethernet/IP/TCP header overhead so that the payload rate is the figure
+  given. A transfer between devices i and j runs at min(link_i, link_j).
+- A schedule event changes `link_mbit` and/or `cpu` of one device at `t` seconds after COMMAND
+  starts. Memory caps do not change at run time (lowering a cap under use fails in cgroup v1).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hepti.errors import HeptiError
+
+MAX_DEVICES = 64
+MIN_CPU = 0.01  # cores; below this the CFS period would have to exceed a second
+MIN_MEM = 64 << 20  # an MPI rank with Python and numpy cannot even start below this
+MAX_LINK_MBIT = 100_000.0
+SPEC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+DEVICE_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")  # RFC 1123 host label
+MEM_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "k": 1 << 10, "m": 1 << 20,
+             "g": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+TOP_FIELDS = ("name", "description", "devices", "schedule")
+DEVICE_FIELDS = ("name", "cpu", "mem", "link_mbit")
+EVENT_FIELDS = ("t", "device", "link_mbit", "cpu")
+
+
+class EmulateError(HeptiError):
+    """`hepti emulate` cannot set up, run or tear down an emulated cluster; the message says why."""
+
+
+class SpecError(EmulateError, ValueError):
+    """A cluster spec that cannot be emulated; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """One emulated device: CPU share in cores, memory cap in bytes, link rate in Mbit/s."""
+
+    name: str
+    cpu: float
+    mem_bytes: int | None = None
+    link_mbit: float | None = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "cpu": self.cpu,
+                "mem": None if self.mem_bytes is None else format_mem(self.mem_bytes),
+                "mem_bytes": self.mem_bytes, "link_mbit": self.link_mbit}
+
+
+@dataclass(frozen=True)
+class ScheduleEvent:
+    """At `t` seconds after COMMAND starts, set device `device`'s link rate and/or CPU share."""
+
+    t: float
+    device: int
+    link_mbit: float | None = None
+    cpu: float | None = None
+
+    def to_dict(self) -> dict:
+        d = {"t": self.t, "device": self.device}
+        if self.link_mbit is not None:
+            d["link_mbit"] = self.link_mbit
+        if self.cpu is not None:
+            d["cpu"] = self.cpu
+        return d
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A validated spec; `devices[i]` is where MPI rank i runs."""
+
+    name: str
+    devices: tuple[Device, ...]
+    schedule: tuple[ScheduleEvent, ...] = ()
+    description: str = ""
+    source: str = field(default="spec", compare=False)
+
+    @property
+    def total_cpu(self) -> float:
+        return sum(d.cpu for d in self.devices)
+
+    def peak_cpu(self) -> float:
+        """Largest total CPU share over the whole schedule (the schedule may raise shares)."""
+        cpus = [d.cpu for d in self.devices]
+        peak = sum(cpus)
+        for ev in self.schedule:
+            if ev.cpu is not None:
+                cpus[ev.device] = ev.cpu
+                peak = max(peak, sum(cpus))
+        return peak
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "description": self.description,
+                "devices": [d.to_dict() for d in self.devices],
+                "schedule": [e.to_dict() for e in self.schedule]}
+
+
+def parse_mem(value, what: str = "mem") -> int:
+    """Bytes from '600MiB', '1.5GB', '512M' or a plain integer of bytes."""
+    if isinstance(value, bool):
+        raise SpecError(f"{what}: {value!r} is not a size; write e.g. \"600MiB\"")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in MEM_UNITS:
+            raise SpecError(f"{what}: {value!r} is not a size; write a number with one of the units "
+                            "B, KB, MB, GB (x1000), KiB, MiB, GiB or K, M, G (x1024), e.g. \"600MiB\"")
+        n = int(float(m.group(1)) * MEM_UNITS[unit])
+    else:
+        raise SpecError(f"{what}: {value!r} is not a size; write e.g. \"600MiB\"")
+    if n < MIN_MEM:
+        raise SpecError(f"{what}: {value!r} is {n} bytes; a rank needs at least "
+                        f"{format_mem(MIN_MEM)} to start (Python, numpy and MPI)")
+    return n
+
+
+def format_mem(n: int) -> str:
+    """'600MiB' style text for a byte count (exact when it is a whole number of MiB/GiB)."""
+    if n % (1 << 30) == 0:
+        return f"{n >> 30}GiB"
+    if n % (1 << 20) == 0:
+        return f"{n >> 20}MiB"
+    return f"{n / (1 << 20):.1f}MiB"
+
+
+def _number(value, what: str, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{what}: {value!r} is not a number")
+    v = float(value)
+    if not math.isfinite(v) or v < lo or v > hi:
+        raise SpecError(f"{what}: {value!r} is out of range; give a number in [{lo:g}, {hi:g}]")
+    return v
+
+
+def _check_fields(d, known: tuple[str, ...], what: str) -> None:
+    if not isinstance(d, dict):
+        raise SpecError(f"{what}: expected a JSON object, got {type(d).__name__}")
+    unknown = [k for k in d if k not in known]
+    if unknown:
+        raise SpecError(f"{what}: unknown field {unknown[0]!r}; known fields: {', '.join(known)}")
+
+
+def _device(d, i: int, src: str) -> Device:
+    """Validate devices[i]."""
+    what = f"{src}: devices[{i}]"
+    _check_fields(d, DEVICE_FIELDS, what)
+    for k in ("name", "cpu"):
+        if k not in d:
+            raise SpecError(f"{what}: missing {k!r}")
+    name = d["name"]
+    if not isinstance(name, str) or not DEVICE_NAME.match(name):
+        raise SpecError(f"{what}.name: {name!r} must be a hostname label (a-z, 0-9 and '-', "
+                        "at most 63, not starting or ending with '-'), e.g. \"pi4-a\"")
+    cpu = _number(d["cpu"], f"{what}.cpu", MIN_CPU, 4096)
+    mem = d.get("mem")
+    mem_bytes = None if mem is None else parse_mem(mem, f"{what}.mem")
+    link = d.get("link_mbit")
+    link_mbit = None if link is None else _number(link, f"{what}.link_mbit", 0.1, MAX_LINK_MBIT)
+    return Device(name=name, cpu=cpu, mem_bytes=mem_bytes, link_mbit=link_mbit)
+
+
+def _event(d, j: int, devices: list[Device], src: str) -> ScheduleEvent:
+    """Validate schedule[j] against the devices."""
+    what = f"{src}: schedule[{j}]"
+    _check_fields(d, EVENT_FIELDS, what)
+    for k in ("t", "device"):
+        if k not in d:
+            raise SpecError(f"{what}: missing {k!r}")
+    t = _number(d["t"], f"{what}.t", 0.0, 1e7)
+    dev = d["device"]
+    names = [x.name for x in devices]
+    if isinstance(dev, str) and dev in names:
+        index = names.index(dev)
+    elif isinstance(dev, int) and not isinstance(dev, bool) and 0 <= dev < len(devices):
+        index = dev
+    else:
+        raise SpecError(f"{what}.device: {dev!r} is not a device; give an index 0..{len(devices) - 1} "
+                        f"or a name ({', '.join(names)})")
+    if "link_mbit" not in d and "cpu" not in d:
+        raise SpecError(f"{what}: changes nothing; give link_mbit and/or cpu")
+    link = None if d.get("link_mbit") is None else _number(d["link_mbit"], f"{what}.link_mbit",
+                                                          0.1, MAX_LINK_MBIT)
+    if link is not None and devices[index].link_mbit is None:
+        raise SpecError(f"{what}: device {devices[index].name} has no link_mbit, so its link is "
+                        "not shaped and cannot change rate; give it a link_mbit")
+    cpu = None if d.get("cpu") is None else _number(d["cpu"], f"{what}.cpu", MIN_CPU, 4096)
+    return ScheduleEvent(t=t, device=index, link_mbit=link, cpu=cpu)
+
+
+def parse_spec(d, source: str = "spec") -> ClusterSpec:
+    """Validate a spec dict; raise SpecError naming the first bad field."""
+    _check_fields(d, TOP_FIELDS, source)
+    name = d.get("name")
+    if not isinstance(name, str) or not SPEC_NAME.match(name):
+        raise SpecError(f"{source}: name {name!r} must be 1-63 letters, digits, '-', '_' or '.'")
+    desc = d.get("description", "")
+    if not isinstance(desc, str):
+        raise SpecError(f"{source}: description must be a string")
+    raw = d.get("devices")
+    if not isinstance(raw, list) or not raw:
+        raise SpecError(f"{source}: devices must be a non-empty list of device objects")
+    if len(raw) > MAX_DEVICES:
+        raise SpecError(f"{source}: {len(raw)} devices; at most {MAX_DEVICES} can be emulated")
+    devices = [_device(x, i, source) for i, x in enumerate(raw)]
+    seen: set[str] = set()
+    for i, dev in enumerate(devices):
+        if dev.name in seen:
+            raise SpecError(f"{source}: devices[{i}].name {dev.name!r} is used twice; names must differ")
+        seen.add(dev.name)
+    raw_sched = d.get("schedule", [])
+    if not isinstance(raw_sched, list):
+        raise SpecError(f"{source}: schedule must be a list of events")
+    events = [_event(x, j, devices, source) for j, x in enumerate(raw_sched)]
+    events.sort(key=lambda e: e.t)  # stable: events at the same t keep file order
+    return ClusterSpec(name=name, description=desc, devices=tuple(devices), schedule=tuple(events),
+                       source=source)
+
+
+def load_spec(path: str | Path) -> ClusterSpec:
+    """Read and validate a spec file."""
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such spec file; see hostfiles/README.md for the shipped ones") from None
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read it ({e.strerror})") from None
+    return parse_spec(d, source=str(path))
+
+
+def check_cpu_fits(spec: ClusterSpec, cpu_count: int) -> None:
+    """Refuse a spec whose CPU shares (at any point of its schedule) exceed the machine's cores."""
+    for i, dev in enumerate(spec.devices):
+        if dev.cpu > cpu_count:
+            raise SpecError(f"{spec.source}: devices[{i}] ({dev.name}) asks for {dev.cpu:g} cores but "
+                            f"this machine has {cpu_count}; lower its cpu")
+    peak = spec.peak_cpu()
+    if peak > cpu_count + 1e-9:
+        raise SpecError(f"{spec.source}: the devices ask for {peak:g} cores in total but this machine "
+                        f"has {cpu_count}; an emulated device would then run slower than its share. "
+                        f"Lower the cpu values so they sum to at most {cpu_count}")
