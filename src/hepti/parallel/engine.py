@@ -1,0 +1,472 @@
+"""The distributed job behind `mpiexec -n N hepti run`: plan -> load slices -> run -> report.
+
+Rank 0 is the primary: it reads and tokenises the inputs, embeds them, and ends with the outputs.
+Failure discipline:
+- checks that every rank can make alone (plan, ratios, budget) run identically everywhere and
+  raise `AgreedError`: rank 0 prints it, every rank exits 2, nobody is left in a collective;
+- checks only some ranks can make (input files on the primary, weight files on each device's
+  disk) go through `agree()`, which turns them into the same AgreedError on every rank;
+- anything else on any rank is fatal: the CLI prints the rank and the cause and calls
+  MPI_Abort, which ends every rank at once (see hepti.cli).
+Ranks with no share take part in nothing costly: they wait for the end in a sleeping poll.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from hepti.counts import counts, offsets
+from hepti.errors import HeptiError, PlanError
+from hepti.plan.planfile import DIMS, Plan, parse_ratios
+
+FAULT_ENV = "HEPTI_FAULT_RANK"  # test-only: this rank raises in its first forward
+
+
+class AgreedError(HeptiError):
+    """An error every rank raised together; the primary reports it."""
+
+
+def agree(world, fn):
+    """Run fn on every rank; if a HeptiError was raised on any, raise AgreedError on all."""
+    err, result = None, None
+    try:
+        result = fn()
+    except HeptiError as e:
+        err = str(e)
+    errs = world.mpi.allgather(err) if not world.solo else [err]
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        msgs = {e for _, e in bad}
+        if len(msgs) == 1 and len(bad) == len(errs):
+            raise AgreedError(bad[0][1])
+        raise AgreedError("; ".join(f"rank {r}: {e}" for r, e in bad))
+    return result
+
+
+def parse_bytes(text: str | None) -> int | None:
+    """'512MiB', '2GB', '1e9' -> bytes."""
+    if text is None:
+        return None
+    t = str(text).strip()
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
+    low = t.lower()
+    for u in sorted(units, key=len, reverse=True):
+        if low.endswith(u):
+            try:
+                return int(float(low[: -len(u)]) * units[u])
+            except ValueError:
+                break
+    try:
+        return int(float(t))
+    except ValueError:
+        raise PlanError(f"--mem-budget {text!r}: not a size; write e.g. 64MiB or 200000000") from None
+
+
+def resolve_plan(args, world_size: int, cfg) -> Plan:
+    """The plan from --plan, or from --strategy and --ratios (even shares by default)."""
+    if getattr(args, "plan", None):
+        plan = Plan.load(args.plan).validate(world_size)
+        if getattr(args, "mem_budget", None):
+            plan.mem_budget = parse_bytes(args.mem_budget)
+    else:
+        strategy = args.strategy or ("single" if world_size == 1 else "tensor")
+        if strategy == "even" and args.ratios:
+            raise PlanError("--strategy even always uses equal shares; drop --ratios, or use "
+                            "--strategy tensor with your ratios")
+        if strategy == "single" and args.ratios:
+            raise PlanError("--strategy single runs on rank 0 alone; drop --ratios")
+        if strategy == "single":
+            vec = [1.0] + [0.0] * (world_size - 1)
+            ratios = {d: list(vec) for d in DIMS}
+        elif args.ratios and strategy != "even":
+            ratios = parse_ratios(args.ratios, world_size)
+        else:
+            ratios = {d: [1.0 / world_size] * world_size for d in DIMS}
+        plan = Plan(strategy=strategy, world_size=world_size, ratios=ratios,
+                    mem_budget=parse_bytes(getattr(args, "mem_budget", None)))
+        if strategy == "pipeline":
+            from hepti.parallel.pipeline import layer_ranges
+            plan.layers = [list(r) for r in layer_ranges(cfg.num_hidden_layers, ratios["rows"])]
+        plan.validate(world_size)
+    if plan.strategy == "stream" and not plan.mem_budget:
+        raise PlanError("--strategy stream needs --mem-budget BYTES (per rank), e.g. --mem-budget 64MiB")
+    if plan.strategy != "stream" and plan.mem_budget and not getattr(args, "plan", None):
+        raise PlanError("--mem-budget applies to --strategy stream only")
+    return plan
+
+
+def _counts_of(plan: Plan, cfg) -> dict:
+    return {"heads": counts(cfg.num_attention_heads, plan.ratios["heads"]),
+            "ffn": counts(cfg.intermediate_size, plan.ratios["ffn"])}
+
+
+def active_ranks(plan: Plan, cfg) -> list[int]:
+    """Ranks that do any work (the primary always takes part: it holds inputs and outputs)."""
+    n = plan.world_size
+    if plan.strategy == "single":
+        return [0]
+    if plan.strategy == "pipeline":
+        return [r for r in range(n) if r == 0 or plan.layers[r][1] > plan.layers[r][0]]
+    if plan.strategy == "rows":
+        return [r for r in range(n) if r == 0 or plan.ratios["rows"][r] > 0]
+    c = _counts_of(plan, cfg)
+    return [r for r in range(n)
+            if r == 0 or c["heads"][r] or c["ffn"][r] or plan.ratios["rows"][r] > 0]
+
+
+def stream_window(plan: Plan, cfg, rank: int) -> int:
+    """Layers of its slices a rank may hold under --mem-budget (checked before any work)."""
+    from hepti.model.sizes import layer_slice_bytes
+    c = _counts_of(plan, cfg)
+    per_layer = layer_slice_bytes(cfg, c["heads"][rank], c["ffn"][rank])
+    window = plan.mem_budget // max(per_layer, 1)
+    if window < 1:
+        raise PlanError(
+            f"--mem-budget {plan.mem_budget} bytes is below one layer's slice on rank {rank} "
+            f"({per_layer} bytes for {c['heads'][rank]} heads and {c['ffn'][rank]} FFN columns); "
+            f"raise it to at least {per_layer} or give rank {rank} a smaller share")
+    return int(min(window, cfg.num_hidden_layers))
+
+
+def sub_ratios(plan: Plan, active: list[int]) -> dict:
+    return {d: [plan.ratios[d][r] for r in active] for d in DIMS}
+
+
+def gentle_barrier(mpi_comm, interval: float = 0.0005):
+    """A barrier that sleeps while it waits (MPICH's blocking barrier spins and burns a core)."""
+    req = mpi_comm.Ibarrier()
+    while not req.Test():
+        time.sleep(interval)
+
+
+class Job:
+    """One rank's part of a distributed run: its group, its slices, its executor."""
+
+    def __init__(self, world, store, plan: Plan, threads: int = 1):
+        from hepti.model.bert import Embeddings
+        from hepti.parallel.comm import Comm
+        from hepti.parallel.layers import ResidentLayers, StreamingLayers
+
+        self.world, self.store, self.plan = world, store, plan
+        reset_peak_rss()
+        self.rss_before_load = current_rss()
+        cfg = self.cfg = store.config
+        rank = world.rank
+        self.active = active_ranks(plan, cfg)
+        self.is_active = rank in self.active
+        # one sub-communicator of the ranks that work; the others skip straight to the end
+        color = 0 if self.is_active else _MPI().UNDEFINED
+        sub = world.mpi.Split(color, key=rank) if not world.solo else None
+        self.group = (Comm(sub, world.tracer) if sub is not None and sub != _MPI().COMM_NULL
+                      else Comm(None, world.tracer)) if self.is_active else None
+        if plan.strategy == "single":
+            self.group = Comm(None, world.tracer) if rank == 0 else None
+        self.layers = self.executor = None
+        self.embeddings = None
+        if not self.is_active:
+            return
+        if rank == 0:
+            self.embeddings = Embeddings(cfg, {n: store.read(n) for n in (
+                "emb.word", "emb.position", "emb.token_type", "emb.ln.gamma", "emb.ln.beta")})
+        H, F, L = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers
+        s = plan.strategy
+        if s == "pipeline":
+            from hepti.parallel.pipeline import PipelineExecutor
+            a, b = plan.layers[rank]
+            self.layers = ResidentLayers(store, L, (0, H), (0, F), layers=range(a, b))
+            self.executor = PipelineExecutor(world, cfg, self.layers, self.embeddings,
+                                             [tuple(x) for x in plan.layers], threads)
+            return
+        if s in ("rows", "single"):
+            from hepti.parallel.rows import RowsExecutor
+            from hepti.parallel.tensor import TensorExecutor
+            self.layers = ResidentLayers(store, L, (0, H), (0, F))
+            ratios = sub_ratios(plan, self.active) if s == "rows" else {d: [1.0] for d in DIMS}
+            cls = RowsExecutor if s == "rows" else TensorExecutor
+            self.executor = cls(self.group, cfg, self.layers, self.embeddings, ratios, threads)
+            return
+        c = _counts_of(plan, cfg)
+        ho, fo = offsets(c["heads"]), offsets(c["ffn"])
+        heads = (ho[rank], ho[rank] + c["heads"][rank])
+        ffn = (fo[rank], fo[rank] + c["ffn"][rank])
+        if s == "stream":
+            self.layers = StreamingLayers(store, L, heads, ffn, stream_window(plan, cfg, rank))
+        else:
+            self.layers = ResidentLayers(store, L, heads, ffn)
+        from hepti.parallel.tensor import TensorExecutor
+        self.executor = TensorExecutor(self.group, cfg, self.layers, self.embeddings,
+                                       sub_ratios(plan, self.active), threads)
+
+    def run_all(self, batches, n: int, on_done=None) -> list:
+        """Run n batches; on the primary returns hidden states [B, T, C] per batch."""
+        if not self.is_active:
+            return []
+        fault = os.environ.get(FAULT_ENV)
+        if fault is not None and int(fault) == self.world.rank:
+            raise RuntimeError(f"injected fault ({FAULT_ENV}={fault})")
+        rank0 = self.world.rank == 0
+        C = self.cfg.hidden_size
+        if self.plan.strategy == "pipeline":
+            inputs = []
+            if rank0:
+                for b in batches:
+                    x0 = self.embeddings(b.ids, b.token_type)
+                    inputs.append((x0, b.mask.astype(np.float32)))
+            outs = self.executor.forward_many(inputs, n, on_done)
+            return [o.reshape(b.ids.shape[0], b.ids.shape[1], C) for o, b in zip(outs, batches)] if rank0 else []
+        outs = []
+        g = self.group
+        for k in range(n):
+            b = batches[k] if rank0 else None
+            B, T = g.bcast_obj(b.ids.shape if rank0 else None)
+            key_mask = g.bcast_to_all(b.mask.astype(np.float32) if rank0 else None, (B, T))
+            x0 = None
+            if rank0:
+                with g.tracer.span("embed", "compute"):
+                    x0 = self.embeddings(b.ids, b.token_type)  # [M, C]
+            h = self.executor.forward(x0, key_mask, B, T)
+            if rank0:
+                outs.append(h.reshape(B, T, C))
+                if on_done:
+                    on_done()
+        return outs
+
+    def close(self):
+        if self.layers is not None:
+            self.layers.close()
+
+    def rank_stats(self, runs: list[dict]) -> dict:
+        """This rank's figures: medians over the timed runs, plus memory and disk reads."""
+        med = lambda key: statistics.median(r[key] for r in runs) if runs else 0.0  # noqa: E731
+        kinds = sorted({k for r in runs for k in r["seconds"] if k not in ("compute", "io")})
+        comm_s = {k: statistics.median(r["seconds"].get(k, 0.0) for r in runs) for k in kinds}
+        layer_bytes = self.layers.peak_bytes if self.layers is not None else 0
+        emb = self.embeddings.nbytes if self.embeddings is not None else 0
+        return {
+            "rank": self.world.rank,
+            "host": os.uname().nodename,
+            "active": self.is_active,
+            "wall_s": med("wall"),
+            "compute_s": statistics.median(r["seconds"].get("compute", 0.0) for r in runs) if runs else 0.0,
+            "comm_s": comm_s,
+            "comm_total_s": sum(comm_s.values()),
+            "io_wait_s": statistics.median(r["seconds"].get("io", 0.0) for r in runs) if runs else 0.0,
+            "bytes_sent": int(med("bytes_sent")),
+            "bytes_recv": int(med("bytes_recv")),
+            "layer_weight_bytes_resident": int(layer_bytes),
+            "weight_bytes_resident": int(layer_bytes + emb),
+            "weight_bytes_read": int(self.store.bytes_read),
+            "peak_rss_bytes": peak_rss(),
+            "rss_before_load_bytes": self.rss_before_load,
+        }
+
+
+def _MPI():
+    from mpi4py import MPI
+    return MPI
+
+
+def reset_peak_rss() -> None:
+    """Start the peak-RSS count afresh (Linux: writing 5 to clear_refs resets VmHWM), so a
+    job's peak is its own and not an earlier job's in the same process."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int:
+    """Peak resident set size (bytes) since the last reset_peak_rss (VmHWM), else lifetime."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss() -> int:
+    """Resident set size now (bytes), from /proc/self/statm."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def world_comm(trace: bool = False):
+    """The world as a Comm (MPI.COMM_WORLD with a Tracer)."""
+    from mpi4py import MPI
+
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.trace import Tracer
+    return Comm(MPI.COMM_WORLD, Tracer(MPI.COMM_WORLD.Get_rank(), record_events=trace))
+
+
+def run_plan(model_dir, plan: Plan, batches, threads: int = 1, world=None):
+    """Library entry: run `batches` (needed on the primary only) under `plan` on every rank of
+    the world. Returns (hidden states per batch on the primary / [] elsewhere, the Job)."""
+    from hepti.weights import WeightStore
+    world = world or world_comm()
+    store = agree(world, lambda: WeightStore(model_dir))
+    plan = agree(world, lambda: plan.validate(world.size))
+    if plan.strategy == "stream":
+        agree(world, lambda: [stream_window(plan, store.config, r) for r in active_ranks(plan, store.config)])
+    n = world.bcast_obj(len(batches) if world.rank == 0 else None)
+    job = agree(world, lambda: Job(world, store, plan, threads))
+    try:
+        return job.run_all(batches, n), job
+    finally:
+        job.close()
+        gentle_barrier(world.mpi)
+
+
+def run_distributed(args) -> int:
+    """`hepti run` under mpiexec (or with --strategy): every rank calls this."""
+    import numba
+    from mpi4py import MPI
+    from tqdm import tqdm
+
+    from hepti.inputs import check_output_path
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.trace import Tracer, chrome_trace
+    from hepti.runner import assemble, encode_inputs, finish
+    from hepti.model.pooling import pool
+    from hepti.weights import WeightStore
+
+    mpi = MPI.COMM_WORLD
+    world = Comm(mpi, Tracer(mpi.Get_rank()))
+    rank, size = world.rank, world.size
+    rank0 = rank == 0
+    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+
+    store = agree(world, lambda: WeightStore(args.model))  # each device's own copy of the files
+    cfg = store.config
+    plan = agree(world, lambda: resolve_plan(args, size, cfg))
+    if plan.strategy == "stream":
+        agree(world, lambda: [stream_window(plan, cfg, r) for r in active_ranks(plan, cfg)])
+
+    def read_inputs():
+        if not rank0:
+            return None
+        check_output_path(args.output)
+        if args.trace:
+            check_output_path(args.trace)
+        return encode_inputs(args, cfg, __import__("pathlib").Path(args.model))
+
+    batches = agree(world, read_inputs)
+    n = world.bcast_obj(len(batches) if rank0 else None)
+    t0 = time.perf_counter()
+    job = agree(world, lambda: Job(world, store, plan, args.threads))
+    load_s = time.perf_counter() - t0
+
+    progress = rank0 and not args.json and n > 1
+
+    def one_run(show: bool):
+        bar = tqdm(total=n, desc="batches", unit="batch", file=sys.stderr, disable=not show)
+        outs = job.run_all(batches, n, on_done=bar.update)
+        bar.close()
+        return outs
+
+    outs = one_run(progress)  # warm-up: JIT, first-touch, caches
+    gentle_barrier(mpi)
+    world.tracer.set_epoch()
+    world.tracer.record_events = bool(args.trace)
+    runs = []
+    for _ in range(max(args.repeat, 1)):
+        world.tracer.reset()
+        gentle_barrier(mpi)  # start together; idle ranks sleep instead of spinning
+        t1 = time.perf_counter()
+        outs = one_run(False)
+        wall = time.perf_counter() - t1  # on the primary: until it holds every output
+        runs.append({"wall": wall, "seconds": dict(world.tracer.seconds),
+                     "bytes_sent": world.tracer.bytes_sent, "bytes_recv": world.tracer.bytes_recv})
+    events = world.tracer.events
+    gentle_barrier(mpi)
+    stats = mpi.gather(job.rank_stats(runs), root=0)
+    all_events = mpi.gather(events, root=0) if args.trace else None
+    job.close()
+    if not rank0:
+        return 0
+
+    latencies = [r["wall"] for r in runs]
+    pooled = [pool(h, b.mask, args.pool, args.normalize) for h, b in zip(outs, batches)]
+    result = assemble(pooled, batches, args.pool)
+    M = batches[0].ids.shape[0] * batches[0].ids.shape[1]
+    used = {"heads": counts(cfg.num_attention_heads, plan.ratios["heads"]),
+            "ffn": counts(cfg.intermediate_size, plan.ratios["ffn"]),
+            "rows": counts(M, plan.ratios["rows"])}
+    if plan.strategy == "pipeline":
+        used = {"layers": plan.layers}
+    report = {
+        "model": cfg.name or os.path.basename(os.path.normpath(args.model)),
+        "strategy": plan.strategy,
+        "world_size": size,
+        "active_ranks": job.active,
+        "ratios": plan.ratios,
+        "counts": used,
+        "n_inputs": int(result.shape[0]),
+        "tokens": [int(b.ids.shape[1]) for b in batches],
+        "pool": args.pool,
+        "threads": args.threads,
+        "load_s": load_s,
+        "latency_s": {"median": statistics.median(latencies), "runs": latencies},
+        "throughput_inputs_per_s": result.shape[0] / statistics.median(latencies),
+        "per_rank": stats,
+    }
+    if plan.mem_budget:
+        report["mem_budget"] = plan.mem_budget
+    if plan.predicted_latency_s is not None:
+        report["predicted_latency_s"] = plan.predicted_latency_s
+        report["predicted"] = plan.predicted
+    if args.trace:
+        import json
+        with open(args.trace, "w") as f:
+            json.dump(chrome_trace(all_events, {"strategy": plan.strategy, "world_size": size}), f)
+        report["trace"] = args.trace
+    finish(args, result, report, batches)
+    if not args.json:
+        print(format_rank_table(report))
+    return 0
+
+
+def format_rank_table(report: dict) -> str:
+    lines = [f"{'rank':>4} {'compute ms':>10} {'comm ms':>9} {'sent KB':>9} {'recv KB':>9} "
+             f"{'layer w MB':>10} {'read MB':>8} {'peak RSS MB':>11}"]
+    for s in report["per_rank"]:
+        lines.append(f"{s['rank']:>4} {s['compute_s'] * 1e3:>10.2f} {s['comm_total_s'] * 1e3:>9.2f} "
+                     f"{s['bytes_sent'] / 1e3:>9.1f} {s['bytes_recv'] / 1e3:>9.1f} "
+                     f"{s['layer_weight_bytes_resident'] / 1e6:>10.2f} {s['weight_bytes_read'] / 1e6:>8.2f} "
+                     f"{s['peak_rss_bytes'] / 1e6:>11.1f}")
+    return "\n".join(lines)
+
+
+def run_guarded(args) -> int:
+    """run_distributed with the failure discipline of the module docstring."""
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
+    try:
+        return run_distributed(args)
+    except AgreedError as e:
+        if rank == 0:
+            print(f"hepti run: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except BaseException as e:  # noqa: BLE001 - any other failure ends the whole job
+        if isinstance(e, HeptiError):
+            print(f"hepti run: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        else:
+            import traceback
+            traceback.print_exc()
+            print(f"hepti run: rank {rank} failed: {type(e).__name__}: {e}; aborting all ranks",
+                  file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
+        return 1

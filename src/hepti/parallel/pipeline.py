@@ -1,0 +1,95 @@
+"""`pipeline` (PipeEdge baseline): contiguous layer ranges per rank, activations passed along.
+
+Stage s runs layers [start_s, stop_s) on all M rows and sends [M, C] (with the batch's key mask)
+to the next stage; the last stage sends the hidden state back to the primary. A run of several
+batches is a stream of microbatches: while stage 2 works on batch k, stage 1 already works on
+batch k+1, so throughput is set by the slowest stage. The primary pre-posts a receive for every
+output before it sends anything, so the ring of blocking sends can never deadlock.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hepti import kernels as K
+from hepti.counts import counts, offsets
+
+
+def layer_ranges(n_layers: int, ratios: list[float]) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) per rank from a ratio vector (largest remainder)."""
+    c = counts(n_layers, ratios)
+    return [(o, o + n) for o, n in zip(offsets(c), c)]
+
+
+class PipelineExecutor:
+    name = "pipeline"
+
+    def __init__(self, world, cfg, layers, embeddings, ranges, threads=1):
+        self.w, self.cfg, self.layers, self.emb, self.threads = world, cfg, layers, embeddings, threads
+        self.ranges = ranges
+        self.stages = [r for r, (a, b) in enumerate(ranges) if b > a]  # ranks that hold layers
+
+    def _run_layers(self, x, key_mask):
+        tr, eps = self.w.tracer, self.cfg.layer_norm_eps
+        a, b = self.ranges[self.w.rank]
+        for i in range(a, b):
+            s = self.layers.get(i)
+            with tr.span(f"L{i}", "compute"):
+                part = s.attention_partial(x, key_mask, self.threads)
+                x = K.add_layernorm(part, s.o_bias, x, *s.ln1, eps)
+                part = s.ffn_partial(x, self.threads)
+                x = K.add_layernorm(part, s.down_bias, x, *s.ln2, eps)
+            self.layers.done(i)
+        return x
+
+    def forward_many(self, inputs, n: int, on_done=None):
+        """inputs: on the primary a list of (x0 [M, C], key_mask [B, T]); n batches in all.
+        Returns the hidden states [M, C] per batch on the primary, [] elsewhere."""
+        w, rank = self.w, self.w.rank
+        stages = self.stages
+        if rank == 0:
+            from mpi4py import MPI
+            outs, reqs = [], []
+            last = stages[-1]
+            for x0, _ in inputs:  # pre-post every output receive (no deadlock, see docstring)
+                buf = np.empty(x0.shape, np.float32)
+                outs.append(buf)
+                reqs.append(w.mpi.Irecv(buf, source=last, tag=1) if last != 0 else None)
+            for k, (x0, mask) in enumerate(inputs):
+                x = self._run_layers(x0, mask) if 0 in stages else x0
+                nxt = self._next(0)
+                if nxt is None:  # rank 0 is the only stage
+                    outs[k] = x
+                    if on_done:
+                        on_done()
+                else:
+                    w.send_array(x, nxt, meta=mask)
+            if last != 0:
+                for k, r in enumerate(reqs):
+                    with w.tracer.span("Recv(output)", "recv"):
+                        r.Wait(MPI.Status())
+                    w.tracer.add_bytes(0, outs[k].nbytes)
+                    if on_done:
+                        on_done()
+            return outs
+        if rank not in stages:
+            return []
+        prev = self._prev(rank)
+        nxt = self._next(rank)
+        for _ in range(n):
+            x, mask = w.recv_array(prev)
+            x = self._run_layers(x, mask)
+            if nxt is None:
+                with w.tracer.span("Send(output)", "send"):
+                    w.mpi.Send(np.ascontiguousarray(x, np.float32), dest=0, tag=1)
+                w.tracer.add_bytes(x.nbytes, 0)
+            else:
+                w.send_array(x, nxt, meta=mask)
+        return []
+
+    def _prev(self, rank):
+        before = [s for s in self.stages if s < rank]
+        return before[-1] if before else 0
+
+    def _next(self, rank):
+        after = [s for s in self.stages if s > rank]
+        return after[0] if after else None

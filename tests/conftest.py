@@ -1,0 +1,31 @@
+"""Shared fixtures: converted test models (made once per session from tests/fixtures/)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import FIXTURES, ROOT, convert_once, minilm_source  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """The odd-shaped random BERT (hidden 96, 6 heads, FFN 200, 3 layers), converted."""
+    return convert_once(FIXTURES / "tiny-odd", tmp_path_factory.mktemp("w") / "tiny-odd")
+
+
+@pytest.fixture(scope="session")
+def minilm_dir(tmp_path_factory) -> Path:
+    """all-MiniLM-L6-v2 converted: bin/setup's weights/minilm-l6, else converted here."""
+    made = ROOT / "weights" / "minilm-l6"
+    if (made / "index.json").exists() and not os.environ.get("HEPTI_TEST_RECONVERT"):
+        return made
+    return convert_once(minilm_source(), tmp_path_factory.mktemp("w") / "minilm")

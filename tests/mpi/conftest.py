@@ -1,0 +1,51 @@
+"""Distributed tests: every rank runs the same tests in the same order (mpiexec -n 2 ...
+python -m mpi4py -m pytest). Only rank 0 reports; verdicts are reduced across ranks first
+(`all_ok`), so every rank passes or fails together and none is left waiting in a collective.
+An exception outside a collective assertion aborts the job through `python -m mpi4py`."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import FIXTURES, ROOT, convert_once, minilm_source  # noqa: E402
+from mpi_helpers import COMM  # noqa: E402
+
+
+@pytest.hookimpl(trylast=True)  # after the terminal plugin has registered its reporter
+def pytest_configure(config):
+    if COMM.Get_rank() != 0:
+        rep = config.pluginmanager.getplugin("terminalreporter")
+        if rep is not None:
+            config.pluginmanager.unregister(rep)
+
+
+def _shared_dir(name: str) -> Path:
+    """One converted copy per session, made on rank 0 and seen by all (same machine)."""
+    import tempfile
+    base = COMM.bcast(tempfile.mkdtemp(prefix="hepti-mpi-") if COMM.Get_rank() == 0 else None)
+    return Path(base) / name
+
+
+@pytest.fixture(scope="session")
+def tiny_dir():
+    out = _shared_dir("tiny-odd")
+    if COMM.Get_rank() == 0:
+        convert_once(FIXTURES / "tiny-odd", out)
+    COMM.Barrier()
+    return out
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+    made = ROOT / "weights" / "minilm-l6"
+    if (made / "index.json").exists():
+        return made
+    out = _shared_dir("minilm")
+    if COMM.Get_rank() == 0:
+        convert_once(minilm_source(), out)
+    COMM.Barrier()
+    return out

@@ -1,0 +1,115 @@
+"""Distributed == single-device, for every strategy and baseline and several ratio vectors.
+
+Used two ways:
+- by tests/mpi/test_equivalence.py under `mpiexec -n 2 ... pytest`;
+- standalone for other world sizes (tests/test_equivalence_n.py launches it):
+  mpiexec -n N python -m mpi4py tests/mpi/equivalence.py --model DIR [--model DIR ...]
+  prints one JSON line per case on rank 0 and exits 1 if any case is off.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from hepti.inputs import Batch
+from hepti.model.bert import BertEncoder
+from hepti.model.pooling import pool
+from hepti.model.sizes import layer_slice_bytes
+from hepti.counts import counts
+from hepti.parallel.engine import run_plan, world_comm
+from hepti.parallel.pipeline import layer_ranges
+from hepti.plan.planfile import DIMS, Plan
+from hepti.weights import WeightStore
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
+RATIOS = {
+    1: {"even": [1.0]},
+    2: {"even": [0.5, 0.5], "skewed": [0.7, 0.3], "zero": [0.0, 1.0]},
+    3: {"even": [1 / 3] * 3, "skewed": [0.7, 0.2, 0.1], "zero": [0.5, 0.0, 0.5]},
+    4: {"even": [0.25] * 4, "skewed": [0.4, 0.3, 0.2, 0.1], "zero": [0.5, 0.0, 0.5, 0.0]},
+}
+TOL = 1e-4
+
+
+def inputs_for(model_dir: Path):
+    """The fixture inputs that match the model (padded batches of different lengths)."""
+    name = "tiny_odd_expected.npz" if WeightStore(model_dir).config.hidden_size == 96 else "minilm_expected.npz"
+    z = np.load(FIXTURES / name)
+    return [Batch(z["ids"], z["mask"], z["token_type"])]
+
+
+def make_plan(strategy: str, vec: list[float], cfg, world: int) -> Plan:
+    if strategy == "single":
+        vec = [1.0] + [0.0] * (world - 1)
+    if strategy == "even":
+        vec = [1.0 / world] * world
+    if strategy == "tensor" and len(vec) > 1 and vec[0] != vec[1]:
+        # a different vector per dimension too: rows reversed
+        ratios = {"heads": vec, "ffn": vec, "rows": vec[::-1]}
+    else:
+        ratios = {d: list(vec) for d in DIMS}
+    plan = Plan(strategy=strategy, world_size=world, ratios=ratios)
+    if strategy == "pipeline":
+        plan.layers = [list(r) for r in layer_ranges(cfg.num_hidden_layers, vec)]
+    if strategy == "stream":  # a budget of two layers of the largest slice
+        h = counts(cfg.num_attention_heads, vec)
+        f = counts(cfg.intermediate_size, vec)
+        plan.mem_budget = 2 * max(layer_slice_bytes(cfg, a, b) for a, b in zip(h, f))
+    return plan
+
+
+def cases(world: int):
+    for strategy in STRATEGIES:
+        for rname, vec in RATIOS[world].items():
+            if strategy in ("single", "even") and rname != "even":
+                continue  # these ignore the ratio vector
+            yield strategy, rname, vec
+
+
+def check_case(model_dir, strategy, vec, world, reference=None):
+    """Run one case on every rank; on rank 0 return (max |diff| hidden at real tokens, pooled)."""
+    cfg = WeightStore(model_dir).config
+    batches = inputs_for(model_dir)
+    outs, _ = run_plan(model_dir, make_plan(strategy, vec, cfg, world), batches)
+    if not outs:
+        return None
+    b = batches[0]
+    ref = reference if reference is not None else single_reference(model_dir, b)
+    m = b.mask.astype(bool)
+    dh = float(np.abs(outs[0][m] - ref[m]).max())
+    dp = float(np.abs(pool(outs[0], b.mask, "mean", True) - pool(ref, b.mask, "mean", True)).max())
+    return dh, dp
+
+
+def single_reference(model_dir, b: Batch) -> np.ndarray:
+    return BertEncoder.from_store(WeightStore(model_dir)).forward(b.ids, b.mask, b.token_type)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", action="append", required=True)
+    args = ap.parse_args(argv)
+    world = world_comm()
+    n = world.size
+    bad = 0
+    for d in args.model:
+        ref = single_reference(d, inputs_for(d)[0]) if world.rank == 0 else None
+        for strategy, rname, vec in cases(n):
+            res = check_case(d, strategy, vec, n, ref)
+            if world.rank == 0:
+                ok = res[0] <= TOL and res[1] <= TOL
+                bad += not ok
+                print(json.dumps({"model": Path(d).name, "world": n, "strategy": strategy,
+                                  "ratios": rname, "max_diff_hidden": res[0],
+                                  "max_diff_pooled": res[1], "ok": ok}), flush=True)
+    bad = world.mpi.bcast(bad)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Under mpiexec -n 2: every strategy and baseline equals the single-device engine."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mpi_helpers import COMM, all_ok  # noqa: E402
+from equivalence import TOL, cases, check_case  # noqa: E402
+
+CASES = list(cases(COMM.Get_size()))
+
+
+@pytest.mark.parametrize("model", ["tiny", "minilm"])
+@pytest.mark.parametrize("strategy,rname,vec", CASES, ids=[f"{s}-{r}" for s, r, _ in CASES])
+def test_equals_single_device(model, strategy, rname, vec, tiny_dir, minilm_dir):
+    d = tiny_dir if model == "tiny" else minilm_dir
+    res = check_case(d, strategy, vec, COMM.Get_size())
+    ok = res is None or (res[0] <= TOL and res[1] <= TOL)  # only the primary holds outputs
+    msg = "" if res is None else f"{strategy} {rname}: max |diff| hidden {res[0]:.2e}, pooled {res[1]:.2e}"
+    all_ok(ok, msg)

@@ -1,0 +1,68 @@
+"""Under mpiexec -n 2: `measure_profile` gives every rank the same valid profile, the cache
+reuses a fresh one and re-measures a stale one, and the planner accepts what was measured."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mpi_helpers import COMM, all_ok  # noqa: E402
+
+from hepti.config import preset_config  # noqa: E402
+from hepti.parallel.profiling import available_memory, cached_profile, measure_profile  # noqa: E402
+from hepti.plan.partition import make_plan  # noqa: E402
+from hepti.plan.profile import profile_from_dict  # noqa: E402
+
+CFG = preset_config("tiny-odd")
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return measure_profile(COMM, CFG, seq_len=32, mem_cap=None)
+
+
+def test_every_rank_gets_the_same_valid_profile(measured):
+    texts = COMM.allgather(json.dumps(measured, sort_keys=True))
+    all_ok(len(set(texts)) == 1, "ranks disagree on the profile")
+    prof = profile_from_dict(measured)
+    all_ok(prof.world_size == COMM.Get_size() and prof.source == "measured", f"{prof.world_size}")
+    avail, _ = available_memory()
+    for dev in prof.devices:
+        all_ok(dev.gemm.peak > 1e8 and dev.attention_flops() > 1e7 and dev.elementwise_per_s > 1e6,
+               f"rank {dev.rank}: implausible speeds {dev.to_json()}")
+        all_ok(0 < dev.memory_bytes <= avail * 1.5, f"rank {dev.rank}: memory {dev.memory_bytes}")
+        all_ok(dev.bandwidth_Bps > 1e6 and dev.latency_s >= 0, f"rank {dev.rank}: link {dev.to_json()}")
+    table = measured["devices"][0]["gemm_flops"]
+    all_ok(len(table) >= 2 and table[0][0] < table[-1][0], f"GeMM table by size: {table}")
+    if COMM.Get_rank() == 0:
+        print(json.dumps({k: v for k, v in measured.items() if k != "devices"}),
+              *(json.dumps(d) for d in measured["devices"]), sep="\n")
+
+
+def test_memory_cap_is_applied():
+    prof = measure_profile(COMM, CFG, seq_len=16, mem_cap=123_456_789, disk=False)
+    all_ok(all(d["memory_bytes"] == 123_456_789 for d in prof["devices"]), "cap not applied")
+
+
+def test_cache_reuses_a_fresh_profile_and_remeasures_a_stale_one(tmp_path, monkeypatch):
+    base = COMM.bcast(str(tmp_path) if COMM.Get_rank() == 0 else None)
+    monkeypatch.setenv("HEPTI_CACHE", base)
+    hostfile = Path(base) / "hosts"
+    if COMM.Get_rank() == 0:
+        hostfile.write_text("localhost:2\n")
+    COMM.Barrier()
+    first, new1 = cached_profile(COMM, CFG, 16, hostfile=str(hostfile), max_age_s=3600)
+    again, new2 = cached_profile(COMM, CFG, 16, hostfile=str(hostfile), max_age_s=3600)
+    all_ok(new1 and not new2 and again.created == first.created, f"{new1} {new2}")
+    later, new3 = cached_profile(COMM, CFG, 16, hostfile=str(hostfile), max_age_s=0.0)
+    all_ok(new3 and later.created > first.created, "a stale profile was not re-measured")
+
+
+def test_a_measured_profile_plans(measured):
+    prof = profile_from_dict(measured)
+    plan = make_plan(CFG, prof, 32)
+    plan.validate(COMM.Get_size())
+    all_ok(plan.predicted_latency_s > 0 and plan.explanation != "", plan.explanation)

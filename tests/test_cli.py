@@ -1,0 +1,145 @@
+"""The `hepti` command end to end: outputs, and bad input answered with a clear message and a
+non-zero exit, never a traceback as the only explanation."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+
+def hepti(*args, cwd=None):
+    p = subprocess.run([sys.executable, "-m", "hepti", *map(str, args)], capture_output=True,
+                       text=True, cwd=cwd, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def assert_clean_error(code, err, *needles):
+    assert code != 0
+    assert "Traceback" not in err, err
+    for n in needles:
+        assert n in err, f"{n!r} not in {err!r}"
+
+
+def test_info():
+    code, out, err = hepti("info", "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    for k in ("python", "numpy", "numba", "mpi4py", "mpi_library", "h5py", "cpu_flags"):
+        assert k in info
+
+
+def test_help_explains():
+    code, out, _ = hepti("run", "--help")
+    assert code == 0 and "--input-ids" in out and "--strategy" in out
+
+
+def test_run_texts_json_and_output(minilm_dir, tmp_path):
+    out = tmp_path / "emb.npy"
+    code, stdout, err = hepti("run", "--model", minilm_dir, "--text", "a cat", "a dog sat down",
+                              "--normalize", "--output", out, "--json", "--repeat", "2")
+    assert code == 0, err
+    rep = json.loads(stdout)
+    assert rep["n_inputs"] == 2 and len(rep["latency_s"]["runs"]) == 2
+    e = np.load(out)
+    assert e.shape == (2, 384) and np.allclose(np.linalg.norm(e, axis=1), 1, atol=1e-5)
+
+
+def test_run_input_ids_hidden_keeps_length(tiny_dir, tmp_path):
+    ids = np.array([[2, 5, 7, 0, 0, 0, 0], [3, 4, 5, 6, 7, 8, 9]])
+    f = tmp_path / "ids.npz"
+    np.savez(f, ids=ids, mask=(ids > 0).astype(np.int64))
+    out = tmp_path / "h.npy"
+    code, _, err = hepti("run", "--model", tiny_dir, "--input-ids", f, "--pool", "none", "--output", out,
+                         "--batch-size", "1")
+    assert code == 0, err
+    assert np.load(out).shape == (2, 7, 96)
+
+
+def test_run_input_file_batches(minilm_dir, tmp_path):
+    f = tmp_path / "in.txt"
+    f.write_text("one\n\ntwo words\nthree words here\n")
+    out = tmp_path / "e.npy"
+    code, _, err = hepti("run", "--model", minilm_dir, "--input", f, "--batch-size", "2", "--output", out)
+    assert code == 0, err
+    assert np.load(out).shape == (3, 384)
+
+
+def test_error_missing_shard(tiny_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    shard = sorted(d.glob("shard-*.h5"))[-1]
+    shard.unlink()
+    code, _, err = hepti("run", "--model", d, "--input-ids", _ids(tmp_path))
+    assert_clean_error(code, err, shard.name)
+
+
+def test_error_corrupted_shard(tiny_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    shard = sorted(d.glob("shard-*.h5"))[-1]
+    raw = bytearray(shard.read_bytes())
+    mid = len(raw) // 2
+    raw[mid:mid + 64] = bytes(255 - b for b in raw[mid:mid + 64])  # flip bytes inside the data
+    shard.write_bytes(bytes(raw))
+    code, _, err = hepti("run", "--model", d, "--input-ids", _ids(tmp_path))
+    assert_clean_error(code, err, shard.name)
+    code, out, err = hepti("verify", d)
+    assert code != 0 and shard.name in err
+
+
+def test_error_unsupported_model_type(tmp_path, fixtures_dir):
+    src = tmp_path / "src"
+    shutil.copytree(fixtures_dir / "tiny-odd", src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, _, err = hepti("convert", src, "--out", tmp_path / "out")
+    assert_clean_error(code, err, "gpt2", "bert")
+    assert not (tmp_path / "out").exists()
+
+
+def test_error_empty_input_file(minilm_dir, tmp_path):
+    f = tmp_path / "empty.txt"
+    f.write_text("\n \n")
+    code, _, err = hepti("run", "--model", minilm_dir, "--input", f)
+    assert_clean_error(code, err, "empty")
+
+
+def test_error_ids_file_without_ids(tiny_dir, tmp_path):
+    f = tmp_path / "x.npz"
+    np.savez(f, tokens=np.zeros((1, 3), np.int64))
+    code, _, err = hepti("run", "--model", tiny_dir, "--input-ids", f)
+    assert_clean_error(code, err, "`ids`", "tokens")
+
+
+def test_error_ids_outside_vocab(tiny_dir, tmp_path):
+    f = tmp_path / "x.npz"
+    np.savez(f, ids=np.array([[1, 2, 5000]]))
+    code, _, err = hepti("run", "--model", tiny_dir, "--input-ids", f)
+    assert_clean_error(code, err, "5000", "vocabulary")
+
+
+def test_error_unknown_flag():
+    code, _, err = hepti("run", "--text", "x", "--no-such-flag")
+    assert_clean_error(code, err, "--no-such-flag")
+
+
+def test_error_output_in_missing_folder(tiny_dir, tmp_path):
+    code, _, err = hepti("run", "--model", tiny_dir, "--input-ids", _ids(tmp_path),
+                         "--output", tmp_path / "nope" / "o.npy")
+    assert_clean_error(code, err, "does not exist")
+
+
+def test_error_missing_model(tmp_path):
+    code, _, err = hepti("run", "--model", tmp_path / "nothing", "--text", "x")
+    assert_clean_error(code, err, "hepti convert")
+
+
+def _ids(tmp_path):
+    f = tmp_path / "ok.npz"
+    np.savez(f, ids=np.array([[1, 2, 3]]))
+    return f

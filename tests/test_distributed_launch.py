@@ -1,0 +1,108 @@
+"""Distributed runs launched by the test itself: world sizes other than 2, fault handling, and
+bad plans rejected before any work. (The bulk of the distributed tests runs under
+`mpiexec -n 2` in tests/mpi.)"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mpiexec() -> str:
+    exe = Path(sys.executable).parent / "mpiexec"
+    found = str(exe) if exe.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.skip("no mpiexec (install the `mpich` wheel: bin/setup does)")
+    return found
+
+
+def launch(n: int, *args, env=None, timeout=600):
+    cmd = [mpiexec(), "-n", str(n), sys.executable, *map(str, args)]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_equivalence_other_world_sizes(n, tiny_dir, minilm_dir):
+    """Every strategy and ratio vector at N ranks equals the single-device engine (1e-4)."""
+    code, out, err, _ = launch(n, "-m", "mpi4py", ROOT / "tests/mpi/equivalence.py",
+                               "--model", tiny_dir, "--model", minilm_dir)
+    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
+    expected = 2 * (6 if n == 1 else 14)  # (strategies x ratio vectors) per model
+    assert len(rows) == expected and all(r["ok"] for r in rows), rows
+
+
+@pytest.fixture
+def ids_file(tmp_path):
+    f = tmp_path / "ids.npz"
+    np.savez(f, ids=np.array([[2, 5, 7, 9, 11, 0], [3, 4, 5, 6, 7, 8]]),
+             mask=np.array([[1, 1, 1, 1, 1, 0], [1] * 6]))
+    return f
+
+
+def test_fault_on_rank_1_ends_job(tiny_dir, ids_file):
+    import os
+    env = dict(os.environ, HEPTI_FAULT_RANK="1")
+    code, out, err, secs = launch(2, "-m", "hepti", "run", "--model", tiny_dir, "--input-ids",
+                                  ids_file, "--strategy", "tensor", env=env, timeout=120)
+    assert code != 0
+    assert secs < 30, f"took {secs:.1f} s to end"
+    assert "rank 1" in err and "injected fault" in err, err
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--strategy", "tensor", "--ratios", "0.5,0.3,0.2"], "3 entries but there are 2 ranks"),
+    (["--strategy", "tensor", "--ratios", "0.5,-0.5"], "finite and >= 0"),
+    (["--strategy", "rows", "--ratios", "nan,1"], "finite and >= 0"),
+    (["--strategy", "tensor", "--ratios", "0,0"], "all zeros"),
+    (["--strategy", "stream", "--mem-budget", "1000"], "below one layer's slice"),
+    (["--strategy", "stream"], "needs --mem-budget"),
+])
+def test_bad_vector_rejected_before_work(tiny_dir, ids_file, extra, msg):
+    code, out, err, secs = launch(2, "-m", "hepti", "run", "--model", tiny_dir, "--input-ids",
+                                  ids_file, *extra, timeout=120)
+    assert code != 0 and msg in err, err
+    assert "Traceback" not in err
+    assert err.count(msg) == 1, "only the primary reports an error every rank agrees on"
+
+
+def test_plan_for_other_world_size_rejected(tiny_dir, ids_file, tmp_path):
+    from hepti.plan.planfile import Plan
+    p = tmp_path / "plan.json"
+    p.write_text(Plan(strategy="tensor", world_size=3,
+                      ratios={d: [0.5, 0.25, 0.25] for d in ("heads", "ffn", "rows")}).to_json())
+    code, out, err, _ = launch(2, "-m", "hepti", "run", "--model", tiny_dir, "--input-ids", ids_file,
+                               "--plan", p, timeout=120)
+    assert code != 0 and "plan is for 3 ranks but the job has 2" in err, err
+
+
+def test_run_json_reports_per_rank(tiny_dir, ids_file, tmp_path):
+    trace = tmp_path / "trace.json"
+    code, out, err, _ = launch(2, "-m", "hepti", "run", "--model", tiny_dir, "--input-ids", ids_file,
+                               "--strategy", "tensor", "--ratios", "0.75,0.25", "--json",
+                               "--repeat", "3", "--trace", trace, timeout=120)
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["strategy"] == "tensor" and rep["counts"]["heads"] == [5, 1]  # 4.5|1.5: tie to rank 0
+    assert len(rep["per_rank"]) == 2
+    for r in rep["per_rank"]:
+        for k in ("compute_s", "comm_s", "bytes_sent", "bytes_recv", "weight_bytes_resident",
+                  "weight_bytes_read", "peak_rss_bytes"):
+            assert k in r
+        assert set(r["comm_s"]) >= {"reduce_scatter", "allgatherv"}
+        assert r["bytes_sent"] > 0 and r["bytes_recv"] > 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["tid"] for e in events if e.get("ph") == "X"}
+    assert tracks == {0, 1}
+    names = {e["name"] for e in events if e.get("ph") == "X"}
+    assert {"Reduce_scatter", "Allgatherv"} <= names
