@@ -1,0 +1,182 @@
+"""GeMM speed of hepti's Numba kernels against numpy's BLAS, single-threaded, shape by shape.
+
+Each repetition times hepti's `matmul` (packs B on the fly), `gemm` (B packed beforehand) and
+numpy's `a @ b` back to back, so that load from other processes hits all three alike; the
+report gives each one's median GFLOP/s and the median of the per-repetition ratios to numpy. numpy is single-threaded only
+if OPENBLAS_NUM_THREADS (or OMP/MKL equivalents) was 1 before numpy was imported (the `hepti`
+CLI does that); the result records the setting it ran under.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import numpy as np
+
+# Transformer shapes (MiniLM FFN1, BERT-base FFN1, a square one) and awkward ones.
+DEFAULT_SHAPES = [
+    (128, 384, 1536),
+    (128, 768, 3072),
+    (256, 1024, 1024),
+    (1, 384, 1536),
+    (127, 383, 1531),
+    (64, 100, 200),
+]
+TRANSFORMER_SHAPES = DEFAULT_SHAPES[:3]
+_BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_N_WEIGHTS = 3  # distinct B matrices per shape, used in turn
+
+
+def _cpu_flags() -> dict:
+    """CPU model name and AVX-512 presence from /proc/cpuinfo (empty where unavailable)."""
+    info = {"machine": platform.machine(), "model": "", "avx512f": None, "avx2": None}
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        if line.startswith("model name") and not info["model"]:
+            info["model"] = line.split(":", 1)[1].strip()
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            info["avx512f"] = "avx512f" in flags
+            info["avx2"] = "avx2" in flags
+            break
+    return info
+
+
+def _blas_threads() -> dict:
+    """The BLAS thread settings numpy started under, and whether they mean one thread."""
+    env = {name: os.environ.get(name) for name in _BLAS_THREAD_VARS}
+    single = env["OPENBLAS_NUM_THREADS"] == "1" or (
+        env["OPENBLAS_NUM_THREADS"] is None and env["OMP_NUM_THREADS"] == "1")
+    return {"env": env, "single_threaded": single}
+
+
+def _gflops(m: int, k: int, n: int, seconds: float) -> float:
+    return 2.0 * m * k * n / seconds / 1e9
+
+
+def run_kernel_bench(repeat: int = 20, shapes=None, progress: bool = True) -> dict:
+    """Median GFLOP/s of hepti matmul, hepti gemm (pre-packed B) and numpy a @ b per shape."""
+    from tqdm import tqdm
+
+    from hepti.kernels import config, gemm, matmul, pack_b
+
+    shapes = [tuple(int(v) for v in s) for s in (shapes or DEFAULT_SHAPES)]
+    rng = np.random.default_rng(0)
+    rows = []
+    bar = tqdm(total=len(shapes) * repeat, desc="kernel bench", unit="rep", disable=not progress)
+    for m, k, n in shapes:
+        a = rng.standard_normal((m, k), dtype=np.float32)
+        # a few different weights in turn, as a model's layers do, so B is not always in cache
+        bs = [rng.standard_normal((k, n), dtype=np.float32) for _ in range(_N_WEIGHTS)]
+        pbs = [pack_b(b) for b in bs]
+        out = np.empty((m, n), np.float32)
+        ref = a @ bs[0]
+        err = float(np.max(np.abs(gemm(a, pbs[0]) - ref))
+                    / max(float(np.max(np.abs(ref))), 1e-30))
+        matmul(a, bs[0], out=out)  # compile / warm up
+        times = {"matmul": [], "gemm": [], "numpy": []}
+        for rep in range(repeat):
+            b, pb = bs[rep % _N_WEIGHTS], pbs[rep % _N_WEIGHTS]
+            t0 = time.perf_counter()
+            matmul(a, b, out=out)
+            t1 = time.perf_counter()
+            gemm(a, pb, out=out)
+            t2 = time.perf_counter()
+            np.matmul(a, b, out=out)
+            t3 = time.perf_counter()
+            times["matmul"].append(t1 - t0)
+            times["gemm"].append(t2 - t1)
+            times["numpy"].append(t3 - t2)
+            bar.update(1)
+        med = {name: float(np.median(ts)) for name, ts in times.items()}
+        row = {"m": m, "k": k, "n": n, "max_rel_err": err}
+        for name, seconds in med.items():
+            row[f"{name}_ms"] = seconds * 1e3
+            row[f"{name}_gflops"] = _gflops(m, k, n, seconds)
+        # ratio per repetition (the three calls ran back to back under the same load), median
+        t_np = np.array(times["numpy"])
+        row["matmul_vs_numpy"] = float(np.median(t_np / np.array(times["matmul"])))
+        row["gemm_vs_numpy"] = float(np.median(t_np / np.array(times["gemm"])))
+        rows.append(row)
+    bar.close()
+    return {
+        "repeat": repeat,
+        "rows": rows,
+        "blas_threads": _blas_threads(),
+        "cpu": _cpu_flags(),
+        "codegen": config.simd_status(),
+        "numpy": np.__version__,
+    }
+
+
+def format_kernel_table(result: dict) -> str:
+    """A plain-text table of run_kernel_bench's result."""
+    cpu, gen, blas = result["cpu"], result["codegen"], result["blas_threads"]
+    lines = [
+        f"CPU: {cpu.get('model') or cpu.get('machine')}  avx512f={cpu.get('avx512f')}  "
+        f"numba target={gen['cpu_name']} zmm={gen['zmm']} slp={gen['slp_vectorize']}",
+        "numpy BLAS threads: " + ", ".join(f"{k}={v}" for k, v in blas["env"].items())
+        + ("" if blas["single_threaded"] else "   (WARNING: numpy may be multi-threaded)"),
+        f"median of {result['repeat']} interleaved repetitions, GFLOP/s (higher is better); "
+        "ratios: median of per-repetition numpy_time / hepti_time",
+        "",
+        f"{'M x K x N':>18} {'matmul':>8} {'gemm':>8} {'numpy':>8} {'matmul/np':>10} "
+        f"{'gemm/np':>8} {'rel err':>9}",
+    ]
+    for r in result["rows"]:
+        shape = f"{r['m']}x{r['k']}x{r['n']}"
+        lines.append(
+            f"{shape:>18} {r['matmul_gflops']:8.1f} {r['gemm_gflops']:8.1f} "
+            f"{r['numpy_gflops']:8.1f} {r['matmul_vs_numpy']:10.2f} {r['gemm_vs_numpy']:8.2f} "
+            f"{r['max_rel_err']:9.1e}")
+    return "\n".join(lines)
+
+
+ATTENTION_SHAPES = [(128, 12, 32), (256, 12, 64)]  # (T, heads, head_dim): MiniLM, BERT-base
+
+
+def run_attention_bench(repeat: int = 20, shapes=None, batch: int = 1) -> dict:
+    """Median milliseconds of hepti's attention core per layer (one batch of `batch` sequences
+    of T tokens, q/k/v as column blocks of a fused QKV buffer), with 1 and 2 threads."""
+    from hepti.kernels import attention
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for t, heads, d in shapes or ATTENTION_SHAPES:
+        width = heads * d
+        qkv = rng.standard_normal((batch * t, 3 * width), dtype=np.float32)
+        q, k, v = qkv[:, :width], qkv[:, width:2 * width], qkv[:, 2 * width:]
+        mask = np.ones((batch, t), np.float32)
+        out = np.empty((batch * t, width), np.float32)
+        times = {1: [], 2: []}
+        for threads in times:
+            attention(q, k, v, mask, heads, out=out, threads=threads)  # compile / warm up
+        for _ in range(repeat):
+            for threads, ts in times.items():
+                t0 = time.perf_counter()
+                attention(q, k, v, mask, heads, out=out, threads=threads)
+                ts.append(time.perf_counter() - t0)
+        flops = 4.0 * batch * t * t * d * heads
+        row = {"t": t, "heads": heads, "head_dim": d, "batch": batch}
+        for threads, ts in times.items():
+            seconds = float(np.median(ts))
+            row[f"ms_{threads}t"] = seconds * 1e3
+            row[f"gflops_{threads}t"] = flops / seconds / 1e9
+        rows.append(row)
+    return {"repeat": repeat, "rows": rows}
+
+
+def format_attention_table(result: dict) -> str:
+    """A plain-text table of run_attention_bench's result."""
+    lines = [f"attention core per layer, median of {result['repeat']} (ms; GFLOP/s)",
+             f"{'T x H x D':>12} {'1 thread':>16} {'2 threads':>16}"]
+    for r in result["rows"]:
+        shape = f"{r['t']}x{r['heads']}x{r['head_dim']}"
+        lines.append(f"{shape:>12} {r['ms_1t']:7.3f} ({r['gflops_1t']:5.1f}) "
+                     f"{r['ms_2t']:7.3f} ({r['gflops_2t']:5.1f})")
+    return "\n".join(lines)

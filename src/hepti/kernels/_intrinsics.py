@@ -1,0 +1,49 @@
+"""Two LLVM operations Numba does not expose, written as Numba intrinsics.
+
+* `int32_bits_as_float32(i)`: reinterpret an integer's low 32 bits as a float32 (builds 2**n in
+  the vectorisable exp of mathfn.py).
+* `prefetch_l2(arr, i)`: hint the CPU to bring the cache line holding arr[i] into L2 ahead of
+  use (prefetcht1). The GeMM issues these for the next B panel while it computes the current
+  one, so that panel arrives from L3/memory during arithmetic instead of stalling it. A
+  prefetch never faults, so i may point past the array.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+@intrinsic
+def int32_bits_as_float32(typingctx, bits):
+    """Reinterpret the low 32 bits of an integer as a float32 (a register move; vectorises)."""
+    if not isinstance(bits, types.Integer):
+        return None
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):
+        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
+        return builder.bitcast(low, ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch_l2(typingctx, arr, index):
+    """Prefetch the cache line of arr[index] (1-D array, no bounds check) into L2."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer)):
+        return None
+    sig = types.void(arr, index)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # args: address, rw = 0 (read), locality = 2 (-> prefetcht1: L2), cache = 1 (data)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -1,0 +1,177 @@
+"""Scaled dot-product attention core, per head and per sequence, on the GeMM micro-kernels.
+
+For one sequence b and head h (q, k, v rows of width D = head_dim):
+    S = Q_h K_h^T / sqrt(D) + (1 - mask_b) * float32_min     [nq, T]
+    P = softmax(S) row by row                                   (HF BERT semantics)
+    ctx_h = P V_h                                               [nq, D]
+Both products run on the register-tiled kernels of packed_gemm: Q_h is packed as the A operand
+and K_h^T as B panels (K_h's rows are read in place: that is the transpose-packing of pack_b),
+then P is packed as A and V_h as B panels. Every operand is addressed through a flat view
+with a row stride, so q, k and v may be column blocks of one fused QKV output and ctx may be a
+column block of a bigger buffer; nothing is copied beyond the small per-head packing.
+
+Rows are flattened token rows, g = b*T + t. q holds rows row0 .. row0+Mq-1 (a rank may own any
+contiguous range, spanning sequences); k, v hold all B*T rows. Work items are (sequence, head)
+pairs; threads > 1 spreads them over Numba threads.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from hepti.kernels._microkernels import MR, NR
+from hepti.kernels._views import EMPTY, check_float32, check_no_overlap, flat_rows, output, workspace
+from hepti.kernels.config import FASTMATH_GEMM, JIT, KC
+from hepti.kernels.packed_gemm import _pack_a, _pack_panel, _strip
+from hepti.kernels.softmax import softmax_row
+
+
+@njit(**JIT)
+def _head_sizes(nq, t, d):
+    """Workspace parts for one (sequence, head) item, in floats, each padded to 16:
+    packed Q, packed K^T panels, scores [nq, T_pad], packed P, packed V panels, a partial strip."""
+    n_qt, n_tp, n_dp = -(-nq // MR), -(-t // NR), -(-d // NR)
+    sizes = (n_qt * d * MR, n_tp * d * NR, nq * n_tp * NR, n_qt * t * MR, n_dp * t * NR, nq * NR)
+    total = 0
+    for size in sizes:
+        total += -(-size // 16) * 16
+    return sizes, total
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _attend(q, q_off, ldq, nq, kf, k_off, ldk, vf, v_off, ldv, t, d, mask, scale,
+            out, o_off, ldo, kc_max, epi, ws):
+    """ctx [nq, d] at out[o_off + i*ldo + j] for one head of one sequence.
+
+    Query row i is q[q_off + i*ldq : ... + d]; key/value row r is kf[k_off + r*ldk : ... + d]
+    (vf likewise), r < t; mask [t] is the sequence's key mask.
+    """
+    n_qt, n_tp, n_dp = -(-nq // MR), -(-t // NR), -(-d // NR)
+    t_pad = n_tp * NR
+    sizes, _ = _head_sizes(nq, t, d)
+    o = 0
+    aq = ws[o:o + sizes[0]].reshape((n_qt, d, MR))
+    o += -(-sizes[0] // 16) * 16
+    kt = ws[o:o + sizes[1]].reshape((n_tp, d, NR))
+    o += -(-sizes[1] // 16) * 16
+    s = ws[o:o + sizes[2]]  # scores / probabilities, [nq, t_pad] row-major
+    o += -(-sizes[2] // 16) * 16
+    ap = ws[o:o + sizes[3]].reshape((n_qt, t, MR))
+    o += -(-sizes[3] // 16) * 16
+    vp = ws[o:o + sizes[4]].reshape((n_dp, t, NR))
+    o += -(-sizes[4] // 16) * 16
+    scratch = ws[o:o + sizes[5]]
+
+    # S = Q K^T: K^T panels are zero-padded past t, so S's padding columns are 0 (never read)
+    _pack_a(q, q_off, ldq, 0, nq, d, aq)
+    for jp in range(n_tp):
+        _pack_panel(kf, k_off, ldk, True, d, jp * NR, min(NR, t - jp * NR), kt[jp])
+        _strip(aq, nq, d, kc_max, kt[jp], s, 0, t_pad, jp * NR, NR, scratch, epi,
+               s, 0, 0, 0, 0)
+    for i in range(nq):
+        softmax_row(s[i * t_pad:i * t_pad + t], mask, True, scale)
+    # ctx = P V
+    _pack_a(s, 0, t_pad, 0, nq, t, ap)
+    for jp in range(n_dp):
+        _pack_panel(vf, v_off, ldv, False, t, jp * NR, min(NR, d - jp * NR), vp[jp])
+        _strip(ap, nq, t, kc_max, vp[jp], out, o_off, ldo, jp * NR, min(NR, d - jp * NR),
+               scratch, epi, s, 0, 0, 0, 0)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _items(lo, hi, work, q, ldq, kf, ldk, vf, ldv, key_mask, t, d, row0, scale, out, ldo,
+           kc_max, epi, ws):
+    """Work items lo .. hi-1; work[w] = (sequence b, head h, first row g0, end row g1)."""
+    for w in range(lo, hi):
+        b, h, g0, g1 = work[w, 0], work[w, 1], work[w, 2], work[w, 3]
+        _attend(q, (g0 - row0) * ldq + h * d, ldq, g1 - g0, kf, b * t * ldk + h * d, ldk,
+                vf, b * t * ldv + h * d, ldv, t, d, key_mask[b], scale,
+                out, (g0 - row0) * ldo + h * d, ldo, kc_max, epi, ws)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _attention_serial(work, q, ldq, kf, ldk, vf, ldv, key_mask, t, d, row0, scale, out, ldo,
+                      kc_max, epi, ws):
+    """All work items on the calling thread."""
+    _items(0, work.shape[0], work, q, ldq, kf, ldk, vf, ldv, key_mask, t, d, row0, scale, out,
+           ldo, kc_max, epi, ws)
+
+
+@njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
+def _attention_parallel(n_chunks, work, q, ldq, kf, ldk, vf, ldv, key_mask, t, d, row0, scale,
+                        out, ldo, kc_max, epi, ws, ws_per_chunk):
+    """Work items split into n_chunks contiguous ranges, one per thread, each with its own
+    slice of the workspace."""
+    n = work.shape[0]
+    for chunk in prange(n_chunks):
+        _items(chunk * n // n_chunks, (chunk + 1) * n // n_chunks, work, q, ldq, kf, ldk, vf,
+               ldv, key_mask, t, d, row0, scale, out, ldo, kc_max, epi,
+               ws[chunk * ws_per_chunk:(chunk + 1) * ws_per_chunk])
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray, n_heads: int,
+              row0: int = 0, out: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
+    """ctx [Mq, H*D]: per head, softmax(q_h k_h^T / sqrt(D) masked) v_h, each query row
+    attending to the keys of its own sequence.
+
+    q: float32 [Mq, H*D], flattened rows row0 .. row0+Mq-1 (row g = b*T + t).
+    k, v: float32 [B*T, H*D], all rows. key_mask: float32 [B, T], 1 = real token, 0 = padding.
+    q, k, v and out need contiguous rows only (column blocks of a fused QKV output are fine);
+    out must not overlap them.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("key_mask", key_mask)):
+        check_float32(x, name, 2)
+    n_seq, t = key_mask.shape
+    mq, width = q.shape
+    if k.shape != (n_seq * t, width) or v.shape != (n_seq * t, width):
+        raise ValueError(f"k and v must have shape {(n_seq * t, width)} (B*T rows for key_mask "
+                         f"{key_mask.shape}, q's width), got {k.shape} and {v.shape}")
+    n_heads = int(n_heads)
+    if n_heads < 1 or width % n_heads:
+        raise ValueError(f"q's width {width} is not a multiple of n_heads={n_heads}")
+    row0 = int(row0)
+    if row0 < 0 or row0 + mq > n_seq * t:
+        raise ValueError(f"query rows {row0} .. {row0 + mq - 1} are outside the {n_seq * t} "
+                         f"rows of the batch")
+    threads = int(threads)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    ctx = output(out, (mq, width))
+    if out is not None:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            check_no_overlap(ctx, x, name)
+    if mq == 0 or width == 0:
+        return ctx
+    d = width // n_heads
+    q_flat, ldq = flat_rows(q, "q")
+    k_flat, ldk = flat_rows(k, "k")
+    v_flat, ldv = flat_rows(v, "v")
+    o_flat, ldo = flat_rows(ctx, "out")
+    mask = np.ascontiguousarray(key_mask)
+
+    work = []
+    for b in range(row0 // t, -(-(row0 + mq) // t)):
+        g0, g1 = max(row0, b * t), min(row0 + mq, (b + 1) * t)
+        work += [(b, h, g0, g1) for h in range(n_heads)]
+    work = np.array(work, np.int64)
+    longest = int((work[:, 3] - work[:, 2]).max())
+    ws_item = _head_sizes(longest, t, d)[1]
+    n_chunks = max(1, min(threads, numba.config.NUMBA_NUM_THREADS, len(work)))
+    ws = workspace(n_chunks * ws_item)
+    epi = (EMPTY, False, False, EMPTY, 0, 1, False)  # no bias, GeLU or residual
+    scale = np.float32(1.0 / math.sqrt(d))
+    if n_chunks == 1:
+        _attention_serial(work, q_flat, ldq, k_flat, ldk, v_flat, ldv, mask, t, d, row0, scale,
+                          o_flat, ldo, KC, epi, ws)
+    else:
+        previous = numba.get_num_threads()
+        numba.set_num_threads(n_chunks)
+        try:
+            _attention_parallel(n_chunks, work, q_flat, ldq, k_flat, ldk, v_flat, ldv, mask, t,
+                                d, row0, scale, o_flat, ldo, KC, epi, ws, ws_item)
+        finally:
+            numba.set_num_threads(previous)
+    return ctx

@@ -1,0 +1,107 @@
+"""Kernel constants (block sizes, fastmath flags, jit options) and the Numba code-generation setup.
+
+Imported first by `hepti.kernels`, before any kernel is compiled, because two LLVM settings are
+read when Numba compiles and both matter for the GeMM micro-kernel:
+
+* SLP vectorisation (`NUMBA_SLP_VECTORIZE`, off by default in Numba) is what turns the
+  micro-kernel's MR x NR scalar accumulators into vector registers.
+* LLVM tunes AVX-512 cores such as Ice Lake / Sapphire Rapids with "prefer-256-bit", so even the
+  SLP vectoriser emits ymm code (half the FMA width; ~112 GFLOP/s in-cache here instead of ~160).
+  Adding "-prefer-256-bit" to the target features lets it use zmm. Numba builds its target
+  machine once per process from `NUMBA_CPU_FEATURES`, so this must happen before the first
+  compile in the process; `simd_status()` says whether it took effect.
+
+SLP is set through the environment (so Numba's `reload_config`, which re-reads it whenever the
+environment changes, keeps it). The CPU features are set on numba.config only, not exported,
+so that a process started from this one (say an mpiexec rank on another machine) derives its
+own; the target machine is then built at once, after which config changes cannot undo it.
+Both are left alone when the user set them (NUMBA_SLP_VECTORIZE, NUMBA_CPU_NAME/_FEATURES),
+and both apply to every Numba function compiled in this process.
+
+Numba's on-disk cache is keyed on each kernel's own source file, not on this one: after editing
+a constant here that a kernel reads at compile time (the fastmath sets), delete the
+`__pycache__` of src/hepti/kernels (block sizes are passed at run time, so they need nothing).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_SLP_VECTORIZE", "1")
+
+import numba  # noqa: E402  (after the environment above)
+from numba.core.registry import cpu_target  # noqa: E402
+
+numba.config.reload_config()
+if numba.config.CPU_FEATURES is None and numba.config.CPU_NAME is None:
+    from numba.core.codegen import get_host_cpu_features
+
+    _features = get_host_cpu_features()
+    if "+avx512f" in _features:
+        numba.config.CPU_FEATURES = _features + ",-prefer-256-bit"
+cpu_target.target_context  # noqa: B018  (builds the target machine with the settings above)
+
+# --- GeMM blocking ---------------------------------------------------------------------------
+
+
+def _cache_bytes(level: int, default: int) -> int:
+    """Size of this CPU's level-`level` data (or unified) cache per core, from Linux sysfs."""
+    from pathlib import Path
+
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if int((index / "level").read_text()) != level:
+                continue
+            if (index / "type").read_text().strip() not in ("Data", "Unified"):
+                continue
+            size = (index / "size").read_text().strip().upper()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+        try:
+            return int(size.rstrip("KM")) * scale
+        except ValueError:
+            continue
+    return default
+
+
+MR = 8  # rows of C per micro-tile (the generated kernels in _microkernels.py fix this)
+NR = 32  # columns per packed B panel = two zmm registers of float32
+L1_BYTES = _cache_bytes(1, 32 << 10)  # Zen 4: 32 KiB, Sapphire Rapids: 48 KiB
+L2_BYTES = _cache_bytes(2, 1 << 20)  # Zen 4: 1 MiB, Sapphire Rapids: 2 MiB
+# KC: depth of one k-block. The KC x NR slice of a B panel is reused by every row tile, so it
+# should stay in L1 next to the streaming A tiles: about 2/3 of L1 (256 for 48 KiB).
+KC = max(64, min(512, (L1_BYTES * 2 // 3) // (NR * 4) // 32 * 32))
+# A is packed in blocks of up to MC rows x K that stay in L2 while all panels pass over them.
+A_BLOCK_BYTES = L2_BYTES // 2
+# Software prefetch (0 turns it off): the next pre-packed B panel is prefetched into L2 while
+# the current one is computed, and packing B on the fly prefetches this many rows ahead.
+PREFETCH_ROWS = 16
+
+# --- fastmath ----------------------------------------------------------------------------------
+# GeMM: no 'reassoc', so LLVM keeps the k-loop a chain of FMAs per accumulator (register tiles);
+# with reassoc it vectorises the k reduction instead and the accumulators spill.
+FASTMATH_GEMM = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
+# Row reductions (LayerNorm, softmax sums): 'reassoc' lets the sums vectorise (a 16-lane
+# pairwise-like sum, no less accurate than the serial one). No 'nnan'/'ninf': masked scores
+# sit near float32 min and must keep IEEE behaviour.
+FASTMATH_ROWS = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+# Numba compiles a callee that does not set `fastmath` with the flags of the caller it is first
+# compiled for; a function whose result depends on strict IEEE order says fastmath=False.
+
+# Options for every @njit kernel: nogil so the runtime can prefetch weights on another thread;
+# error_model="numpy" so a division is a plain (vectorisable) IEEE division, not a
+# ZeroDivisionError check.
+JIT = dict(nogil=True, cache=True, error_model="numpy")
+
+
+def simd_status() -> dict:
+    """What the code generator targets: CPU name, whether AVX-512 is present and whether zmm is on."""
+    codegen = cpu_target.target_context.codegen()
+    features = getattr(codegen, "_tm_features", "") or ""
+    return {
+        "cpu_name": codegen._get_host_cpu_name(),
+        "avx512f": "+avx512f" in features,
+        "zmm": "+avx512f" in features and "-prefer-256-bit" in features,
+        "slp_vectorize": bool(numba.config.SLP_VECTORIZE),
+    }

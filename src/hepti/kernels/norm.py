@@ -1,0 +1,78 @@
+"""Row LayerNorm, alone or fused with the bias + residual add that precedes it in BERT.
+
+`add_layernorm` is what runs after the attention output projection and after the second MLP
+GeMM, including in tensor parallelism after a Reduce_scatter of partial sums (the bias is added
+once, after the sum). One pass over each row: the sum is formed while the row is written, then
+variance and normalisation while the row is in L1. Statistics are float32, as in PyTorch.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from hepti.kernels._views import EMPTY, check_float32, flat_rows, output, vector
+from hepti.kernels.config import FASTMATH_ROWS, JIT
+
+
+@njit(fastmath=FASTMATH_ROWS, **JIT)
+def _add_layernorm(x, ldx, m, c, bias, has_bias, res, ldr, has_res, gamma, beta, eps, y, ldy):
+    """y[i] = LayerNorm(x[i] (+ bias) (+ res[i])) * gamma + beta for i < m; rows of c floats."""
+    inv_c = np.float32(1.0) / np.float32(c)
+    for i in range(m):
+        xr = x[i * ldx:i * ldx + c]
+        yr = y[i * ldy:i * ldy + c]
+        for j in range(c):
+            yr[j] = xr[j]
+        if has_bias:
+            for j in range(c):
+                yr[j] += bias[j]
+        if has_res:
+            rr = res[i * ldr:i * ldr + c]
+            for j in range(c):
+                yr[j] += rr[j]
+        total = np.float32(0.0)
+        for j in range(c):
+            total += yr[j]
+        mean = total * inv_c
+        sq = np.float32(0.0)
+        for j in range(c):
+            d = yr[j] - mean
+            sq += d * d
+        rstd = np.float32(1.0) / np.sqrt(sq * inv_c + eps)
+        for j in range(c):
+            yr[j] = (yr[j] - mean) * rstd * gamma[j] + beta[j]
+
+
+def add_layernorm(x: np.ndarray, bias: np.ndarray | None, residual: np.ndarray | None,
+                  gamma: np.ndarray, beta: np.ndarray, eps: float,
+                  out: np.ndarray | None = None) -> np.ndarray:
+    """y = LayerNorm(x + bias + residual) over the last axis of float32 [M, C] arrays.
+
+    bias [C] and residual [M, C] may be None. out may be x or residual (in place) or another
+    [M, C] buffer; all 2-D arrays need contiguous rows only.
+    """
+    check_float32(x, "x", 2)
+    m, c = x.shape
+    y = output(out, (m, c))
+    x_flat, ldx = flat_rows(x, "x")
+    y_flat, ldy = flat_rows(y, "out")
+    bias_v = vector(bias, "bias", c)
+    gamma_v = vector(gamma, "gamma", c)
+    beta_v = vector(beta, "beta", c)
+    if residual is not None:
+        check_float32(residual, "residual", 2)
+        if residual.shape != (m, c):
+            raise ValueError(f"residual must have shape {(m, c)}, got {residual.shape}")
+        res_flat, ldr = flat_rows(residual, "residual")
+    else:
+        res_flat, ldr = EMPTY, 1
+    if m and c:
+        _add_layernorm(x_flat, ldx, m, c, bias_v, bias is not None, res_flat, ldr,
+                       residual is not None, gamma_v, beta_v, np.float32(eps), y_flat, ldy)
+    return y
+
+
+def layernorm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float,
+              out: np.ndarray | None = None) -> np.ndarray:
+    """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last axis of float32 [M, C]."""
+    return add_layernorm(x, None, None, gamma, beta, eps, out=out)

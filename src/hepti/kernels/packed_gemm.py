@@ -1,0 +1,422 @@
+"""Blocked float32 GeMM with a fused epilogue: C = A @ B (+ bias) (-> GeLU) (+ residual).
+
+Two layers (STUMPY style): `pack_b`, `gemm` and `matmul` check arguments, allocate and choose
+block sizes; the @njit functions below only do arithmetic.
+
+Layout. B is cut into NR-wide column panels, each stored [K, NR] with rows contiguous
+(`PackedB.panels`, [n_panels, K, NR]); the last panel is zero-padded. A and C are read and
+written in place through flat views (see _views.py), so row slices and column blocks cost nothing.
+
+Loop order, for each block of MC rows of A (packed into MR-row tiles, k-major, kept in L2):
+    for each panel jp (prange over panel ranges when threads > 1)
+        for each k-block of KC rows of the panel (KC x NR floats, stays in L1)
+            for each MR-row tile: C tile (+)= A tile @ panel slice   (register tile)
+        then bias, GeLU, residual on the strip (rows x NR) while it is in L1/L2.
+While a pre-packed panel is computed, the next one is prefetched into L2 (software prefetch).
+`matmul` packs B on the fly, a group of panels (~L2/4) per pass over B's rows, into a
+per-thread buffer just before use, so it reads B once and never writes a packed copy out.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from hepti.kernels import config
+from hepti.kernels._intrinsics import prefetch_l2
+from hepti.kernels._microkernels import MR, NR, copy_row, full_tiles, micro_tile, pack_a_tile
+from hepti.kernels._views import (EMPTY, aligned_empty, check_float32, check_no_overlap,
+                                  flat_rows, output, pad16, vector, workspace)
+from hepti.kernels.config import FASTMATH_GEMM, JIT, KC
+from hepti.kernels.mathfn import gelu32
+
+_PANELS_NONE = np.zeros((0, 0, NR), np.float32)  # stands in for "no pre-packed B"
+
+
+class PackedB:
+    """A weight B [K, N] packed once (at load time) into NR-wide panels for `gemm`.
+
+    panels: float32 [n_panels, K, NR]; panels[jp, p, j] = B[p, jp * NR + j], zero past N.
+    """
+
+    __slots__ = ("panels", "k", "n")
+
+    def __init__(self, panels: np.ndarray, n: int):
+        if panels.ndim != 3 or panels.shape[2] != NR or panels.shape[0] != -(-n // NR):
+            raise ValueError(f"panels of shape {panels.shape} do not hold {n} columns in "
+                             f"panels of {NR}")
+        self.panels = panels  # [n_panels, K, NR]
+        self.k = panels.shape[1]
+        self.n = n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the packed panels (including the zero padding of the last one)."""
+        return self.panels.nbytes
+
+    def __repr__(self) -> str:
+        return f"PackedB(k={self.k}, n={self.n}, nbytes={self.nbytes})"
+
+
+# ------------------------------------------------------------------------------------------
+# @njit kernels: arithmetic only
+# ------------------------------------------------------------------------------------------
+
+
+@njit(**JIT)
+def _pack_panel(b, b_off, ldb, trans, k, j0, ncols, dst):
+    """dst [k, NR] = columns j0 .. j0+ncols-1 of B, zero-padded to NR.
+
+    B [K, N] is flat: B[p, j] = b[b_off + p*ldb + j], or when trans (B given as its
+    transpose [N, K], e.g. PyTorch's [out, in] weights) B[p, j] = b[b_off + j*ldb + p].
+    """
+    if not trans:
+        for p in range(k):
+            src = b[b_off + p * ldb + j0:b_off + p * ldb + j0 + ncols]
+            row = dst[p]
+            if ncols == NR:
+                copy_row(src, row)
+                continue
+            for j in range(ncols):
+                row[j] = src[j]
+            for j in range(ncols, NR):
+                row[j] = 0.0
+    else:
+        for j in range(ncols):
+            src = b[b_off + (j0 + j) * ldb:b_off + (j0 + j) * ldb + k]
+            for p in range(k):
+                dst[p, j] = src[p]
+        for p in range(k):
+            row = dst[p]
+            for j in range(ncols, NR):
+                row[j] = 0.0
+
+
+@njit(**JIT)
+def _pack_group(b, b_off, ldb, k, j0, ncols, pf_dist, dst, d0):
+    """dst[d0:d0+g] = the g = ceil(ncols/NR) panels [k, NR] of columns j0 .. j0+ncols-1 of B.
+
+    Reads each row of B once, contiguously (g * NR floats), and prefetches the row pf_dist
+    ahead: rows of a wide B are pages apart, where hardware prefetchers do not follow.
+    """
+    g_full = ncols // NR
+    rem = ncols - g_full * NR
+    for p in range(k):
+        if pf_dist > 0 and p + pf_dist < k:
+            ahead = b_off + (p + pf_dist) * ldb + j0
+            for q in range(0, ncols, 16):
+                prefetch_l2(b, ahead + q)
+            prefetch_l2(b, ahead + ncols - 1)
+        src = b[b_off + p * ldb + j0:b_off + p * ldb + j0 + ncols]
+        for g in range(g_full):
+            copy_row(src[g * NR:g * NR + NR], dst[d0 + g, p])
+        if rem:
+            row = dst[d0 + g_full, p]
+            for j in range(rem):
+                row[j] = src[g_full * NR + j]
+            for j in range(rem, NR):
+                row[j] = 0.0
+
+
+@njit(**JIT)
+def _pack_all(b, b_off, ldb, trans, k, n, group, pf_dist, panels):
+    """Pack all of B into panels [n_panels, k, NR], `group` panels per pass over B's rows."""
+    n_panels = panels.shape[0]
+    for g0 in range(0, n_panels, 1 if trans else group):
+        j0 = g0 * NR
+        if trans:
+            _pack_panel(b, b_off, ldb, True, k, j0, min(NR, n - j0), panels[g0])
+        else:
+            g1 = min(n_panels, g0 + group)
+            _pack_group(b, b_off, ldb, k, j0, min(n, g1 * NR) - j0, pf_dist, panels, g0)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _epilogue(c, c_off, ldc, rows, cols, j0, epi):
+    """On C[rows, cols] at c_off: += bias[j0 + j], then GeLU, then += residual.
+
+    epi = (bias [N], has_bias, gelu, residual flat, offset of the residual's element matching
+    c[c_off], its row stride, has_residual).
+    """
+    bias, has_bias, gelu, res, r_off, ldr, has_res = epi
+    for i in range(rows):
+        cr = c[c_off + i * ldc:c_off + i * ldc + cols]
+        if has_bias:
+            br = bias[j0:j0 + cols]
+            for j in range(cols):
+                cr[j] += br[j]
+        if gelu:
+            for j in range(cols):
+                cr[j] = gelu32(cr[j])
+        if has_res:
+            rr = res[r_off + i * ldr:r_off + i * ldr + cols]
+            for j in range(cols):
+                cr[j] += rr[j]
+
+
+@njit(**JIT)
+def _shift_epi(epi, rows, cols):
+    """The epilogue tuple for a sub-block starting `rows` rows and `cols` columns further on."""
+    bias, has_bias, gelu, res, r_off, ldr, has_res = epi
+    return (bias, has_bias, gelu, res, r_off + rows * ldr + cols, ldr, has_res)
+
+
+@njit(**JIT)
+def _pack_a(a, a_off, lda, m0, m1, k, apack):
+    """apack [n_tiles, k, MR]: rows m0 .. m1-1 of the flat A, MR rows per tile, k-major.
+
+    apack[t, p, i] = A[m0 + t*MR + i, p]; rows past m1 in the last tile are left unset (the
+    micro-kernel for a short tile never reads them).
+    """
+    for t in range(-(-(m1 - m0) // MR)):
+        tile = apack[t]
+        rows = min(MR, m1 - m0 - t * MR)
+        if rows == MR:
+            pack_a_tile(a, a_off + (m0 + t * MR) * lda, lda, k, tile)
+            continue
+        for i in range(rows):
+            r = a_off + (m0 + t * MR + i) * lda
+            row = a[r:r + k]
+            for p in range(k):
+                tile[p, i] = row[p]
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _strip(apack, rows, k, kc_max, bp, c, c_off, ldc, j0, ncols, scratch, epi,
+           pf, pf_base, pf_stride, pf_width, pf_rows):
+    """C[0:rows, j0:j0+ncols] = epilogue(packed A block @ panel bp [k, NR]).
+
+    c_off and epi point at row 0 of the block. A full panel (ncols == NR) is written straight
+    into C; the last, partial one goes through scratch [rows * NR] and only its ncols valid
+    columns are copied out. The epilogue runs on the strip after its last k-block, while the
+    strip (rows x NR floats) is still in L1/L2. Meanwhile B data needed next (pf_rows rows of
+    pf_width floats, row r at pf[pf_base + r*pf_stride]) is prefetched into L2, spread over
+    the full tiles (none when there is no full tile: with so few rows, B streams anyway).
+    """
+    full = ncols == NR
+    if full:
+        dst, d_off, ldd = c, c_off + j0, ldc
+    else:
+        dst, d_off, ldd = scratch, 0, NR
+    n_kblocks = max(1, -(-k // kc_max))
+    n_full = rows // MR
+    rem = rows - n_full * MR
+    pf_per_block = -(-pf_rows // n_kblocks)
+    for kb in range(n_kblocks):
+        k0 = kb * kc_max
+        kc = min(kc_max, k - k0)
+        r_lo = min(pf_rows, kb * pf_per_block)
+        r_hi = min(pf_rows, r_lo + pf_per_block)
+        full_tiles(0, n_full, kc, apack, bp, k0, dst, d_off, ldd, kb > 0,
+                   pf, pf_base + r_lo * pf_stride, pf_stride, pf_width, r_hi - r_lo)
+        if rem:
+            micro_tile(rem, kc, apack[n_full], bp, k0, dst, d_off + n_full * MR * ldd, ldd,
+                       kb > 0)
+    if not full:
+        for i in range(rows):
+            src = scratch[i * NR:i * NR + ncols]
+            cr = c[c_off + i * ldc + j0:c_off + i * ldc + j0 + ncols]
+            for j in range(ncols):
+                cr[j] = src[j]
+    if epi[1] or epi[2] or epi[6]:
+        _epilogue(c, c_off + j0, ldc, rows, ncols, j0, _shift_epi(epi, 0, j0))
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _panel_range(p_lo, p_hi, apack, rows, k, n, panels, b, b_off, ldb, buf, c, c_off, ldc,
+                 blocks, scratch, epi):
+    """Panels p_lo .. p_hi-1 of C for one packed block of A.
+
+    With pre-packed `panels`, the next panel is prefetched while one is computed. Otherwise
+    the flat B [K, N] (row p at b[b_off + p*ldb]) is packed on the fly into buf [group, k, NR],
+    `group` panels per pass over its rows, and the next group's rows are prefetched while
+    this group is computed.
+    """
+    kc_max, group, pf_dist = blocks[1], blocks[2], blocks[3]
+    if panels.shape[0] > 0:
+        panels_flat = panels.reshape(-1)
+        for jp in range(p_lo, p_hi):
+            pf_rows = k if pf_dist > 0 and jp + 1 < p_hi else 0
+            _strip(apack, rows, k, kc_max, panels[jp], c, c_off, ldc, jp * NR,
+                   min(NR, n - jp * NR), scratch, epi, panels_flat, (jp + 1) * k * NR, NR, NR,
+                   pf_rows)
+        return
+    for g0 in range(p_lo, p_hi, group):
+        g1 = min(p_hi, g0 + group)
+        _pack_group(b, b_off, ldb, k, g0 * NR, min(n, g1 * NR) - g0 * NR, pf_dist, buf, 0)
+        # while this group is computed, prefetch the next group's rows of B, a share per panel
+        next_cols = min(n, min(p_hi, g1 + group) * NR) - g1 * NR
+        prefetch_next = pf_dist > 0 and g1 < p_hi
+        for jp in range(g0, g1):
+            r_lo = (jp - g0) * k // (g1 - g0)
+            r_hi = (jp - g0 + 1) * k // (g1 - g0)
+            _strip(apack, rows, k, kc_max, buf[jp - g0], c, c_off, ldc, jp * NR,
+                   min(NR, n - jp * NR), scratch, epi, b, b_off + r_lo * ldb + g1 * NR, ldb,
+                   next_cols, r_hi - r_lo if prefetch_next else 0)
+
+
+@njit(**JIT)
+def _carve(ws, n_chunks, mc, k, buf_panels):
+    """Split the workspace into packed A [tiles, k, MR], per-chunk B buffers
+    [chunks, buf_panels, k, NR] and per-chunk partial C strips [chunks, >= mc * NR]."""
+    n_a = -(-mc // MR) * k * MR
+    n_buf = buf_panels * k * NR
+    n_a16, n_buf16, n_s16 = -(-n_a // 16) * 16, -(-n_buf // 16) * 16, -(-mc * NR // 16) * 16
+    apack = ws[:n_a].reshape((-(-mc // MR), k, MR))
+    o = n_a16
+    bufs = ws[o:o + n_chunks * n_buf16].reshape((n_chunks, n_buf16))
+    o += n_chunks * n_buf16
+    scratches = ws[o:o + n_chunks * n_s16].reshape((n_chunks, n_s16))
+    return apack, bufs, scratches
+
+
+def workspace_size(n_chunks: int, mc: int, k: int, buf_panels: int) -> int:
+    """Floats of workspace `_carve` needs (keep in step with it)."""
+    n_a = -(-mc // MR) * k * MR
+    return pad16(n_a) + n_chunks * (pad16(buf_panels * k * NR) + pad16(mc * NR))
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _gemm_serial(a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc, blocks, epi, ws):
+    """Whole GeMM on the calling thread: row blocks of A, each packed, times all panels.
+
+    blocks = (MC rows of A per block, KC, panels per on-the-fly group, prefetch distance).
+    """
+    mc, group = blocks[0], blocks[2]
+    buf_panels = 0 if panels.shape[0] > 0 else group
+    apack, bufs, scratches = _carve(ws, 1, mc, k, buf_panels)
+    buf = bufs[0, :buf_panels * k * NR].reshape((buf_panels, k, NR))
+    for m0 in range(0, m, mc):
+        m1 = min(m, m0 + mc)
+        _pack_a(a, a_off, lda, m0, m1, k, apack)
+        _panel_range(0, -(-n // NR), apack, m1 - m0, k, n, panels, b, b_off, ldb, buf, c,
+                     c_off + m0 * ldc, ldc, blocks, scratches[0], _shift_epi(epi, m0, 0))
+
+
+@njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
+def _gemm_parallel(n_chunks, a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc,
+                   blocks, epi, ws):
+    """Whole GeMM with the panels split into n_chunks contiguous ranges, one per thread."""
+    mc, group = blocks[0], blocks[2]
+    buf_panels = 0 if panels.shape[0] > 0 else group
+    n_panels = -(-n // NR)
+    apack, bufs, scratches = _carve(ws, n_chunks, mc, k, buf_panels)
+    for m0 in range(0, m, mc):
+        m1 = min(m, m0 + mc)
+        _pack_a(a, a_off, lda, m0, m1, k, apack)
+        for chunk in prange(n_chunks):
+            buf = bufs[chunk, :buf_panels * k * NR].reshape((buf_panels, k, NR))
+            _panel_range(chunk * n_panels // n_chunks, (chunk + 1) * n_panels // n_chunks,
+                         apack, m1 - m0, k, n, panels, b, b_off, ldb, buf, c,
+                         c_off + m0 * ldc, ldc, blocks, scratches[chunk],
+                         _shift_epi(epi, m0, 0))
+
+
+# ------------------------------------------------------------------------------------------
+# Public API: checks, allocation, block sizes
+# ------------------------------------------------------------------------------------------
+
+
+def row_block(m: int, k: int) -> int:
+    """MC: rows of A per block, so that an MC x K block fits the L2 budget.
+
+    The M rows are cut into equal blocks (a multiple of MR each), not full blocks plus a sliver.
+    """
+    cap = max(MR, config.A_BLOCK_BYTES // (4 * max(k, 1)) // MR * MR)
+    n_blocks = -(-m // cap)
+    return min(cap, -(-(-(-m // n_blocks)) // MR) * MR)
+
+
+def panel_group(k: int) -> int:
+    """Panels packed per pass over B's rows when packing on the fly: a group fills ~L2/4."""
+    return max(1, config.L2_BYTES // 4 // (max(k, 1) * NR * 4))
+
+
+def pack_b(w: np.ndarray, trans: bool = False) -> PackedB:
+    """Pack a weight for `gemm`: w is float32 B [K, N], or with trans=True its transpose [N, K].
+
+    PyTorch stores Linear weights as [out, in] = B^T, so pass those with trans=True; they are
+    read in place (rows must be contiguous, else one contiguous copy is made first).
+    """
+    check_float32(w, "w", 2)
+    if w.shape[1] > 1 and w.strides[1] != 4:
+        w = np.ascontiguousarray(w)
+    flat, ld = flat_rows(w, "w")
+    n, k = w.shape if trans else w.shape[::-1]
+    panels = aligned_empty((-(-n // NR), k, NR))
+    if panels.size:
+        _pack_all(flat, 0, ld, bool(trans), k, n, panel_group(k), config.PREFETCH_ROWS, panels)
+    return PackedB(panels, n)
+
+
+def _run(a, k, n, panels, b_flat, ldb, bias, gelu, residual, out, threads):
+    """Shared tail of gemm/matmul: check epilogue operands, pick the path and run it."""
+    m = a.shape[0]
+    c = output(out, (m, n))
+    a_flat, lda = flat_rows(a, "a")
+    c_flat, ldc = flat_rows(c, "out")
+    bias_v = vector(bias, "bias", n)
+    if residual is not None:
+        check_float32(residual, "residual", 2)
+        if residual.shape != (m, n):
+            raise ValueError(f"residual must have shape {(m, n)}, got {residual.shape}")
+        res_flat, ldr = flat_rows(residual, "residual")
+    else:
+        res_flat, ldr = EMPTY, 1
+    if out is not None:
+        check_no_overlap(c, a, "a")
+        check_no_overlap(c, residual, "residual")
+    if m == 0 or n == 0:
+        return c
+    threads = int(threads)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    n_panels = -(-n // NR)
+    n_chunks = max(1, min(threads, numba.config.NUMBA_NUM_THREADS, n_panels))
+    mc = min(row_block(m, k), m)
+    on_the_fly = panels.shape[0] == 0
+    group = min(panel_group(k), -(-n_panels // n_chunks)) if on_the_fly else 1
+    blocks = (mc, config.KC, group, config.PREFETCH_ROWS)
+    epi = (bias_v, bias is not None, bool(gelu), res_flat, 0, ldr, residual is not None)
+    ws = workspace(workspace_size(n_chunks, mc, k, group if on_the_fly else 0))
+    args = (a_flat, 0, lda, m, k, n, panels, b_flat, 0, ldb, c_flat, 0, ldc, blocks, epi, ws)
+    if n_chunks == 1:
+        _gemm_serial(*args)
+    else:
+        previous = numba.get_num_threads()
+        numba.set_num_threads(n_chunks)
+        try:
+            _gemm_parallel(n_chunks, *args)
+        finally:
+            numba.set_num_threads(previous)
+    return c
+
+
+def gemm(a: np.ndarray, pb: PackedB, bias: np.ndarray | None = None, gelu: bool = False,
+         residual: np.ndarray | None = None, out: np.ndarray | None = None,
+         threads: int = 1) -> np.ndarray:
+    """c = a @ B (+ bias [N]) (then GeLU) (+ residual [M, N]) with B pre-packed by `pack_b`.
+
+    a: float32 [M, K] with contiguous rows (may be a row slice or a column block of a bigger
+    array). out: optional float32 [M, N] with contiguous rows (may be a column block of a bigger
+    buffer); it must not overlap a or residual. threads > 1 splits the panels over that many
+    Numba threads; threads == 1 runs on the calling thread (which releases the GIL).
+    """
+    if not isinstance(pb, PackedB):
+        raise TypeError(f"pb must be a PackedB from pack_b(), got {type(pb).__name__}")
+    check_float32(a, "a", 2)
+    if a.shape[1] != pb.k:
+        raise ValueError(f"a has {a.shape[1]} columns but the packed B has K={pb.k} rows")
+    return _run(a, pb.k, pb.n, pb.panels, EMPTY, 1, bias, gelu, residual, out, threads)
+
+
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
+           threads: int = 1) -> np.ndarray:
+    """a @ b for float32 a [M, K] and b [K, N] (rows contiguous), packing b on the fly."""
+    check_float32(a, "a", 2)
+    check_float32(b, "b", 2)
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"cannot multiply a {a.shape} by b {b.shape}: inner sizes differ")
+    k, n = b.shape
+    b_flat, ldb = flat_rows(b, "b")
+    return _run(a, k, n, _PANELS_NONE, b_flat, ldb, None, False, None, out, threads)

@@ -1,0 +1,293 @@
+"""Every Numba kernel against its plain-numpy reference (hepti.kernels.naive, float64).
+
+Shapes are chosen to hit the edges of the blocking: 1x1, one row, primes, K past one k-block
+(KC) and N past one panel (NR) without being multiples of them, M not a multiple of MR. Inputs
+are also given as views (row slices, column blocks of a fused buffer) and outputs as column
+blocks of a bigger buffer. Tolerance: 1e-5 * sqrt(K) relative to sum_k |a_ik| |b_kj|.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hepti.kernels import (PackedB, add_layernorm, attention, config, gemm, layernorm, matmul,
+                           naive, pack_b, softmax_rows)
+from hepti.kernels import _gen_microkernels
+
+RNG = np.random.default_rng(20240601)
+KC, MR, NR = config.KC, config.MR, config.NR
+
+
+def rand(*shape) -> np.ndarray:
+    return RNG.standard_normal(shape, dtype=np.float32)
+
+
+def assert_gemm_close(c, ref, a, b, k):
+    """|c - ref| <= 1e-5 * sqrt(K) * (|a| @ |b|) elementwise (plus a tiny floor)."""
+    scale = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    tol = 1e-5 * math.sqrt(max(k, 1)) * scale + 1e-30
+    err = np.abs(c.astype(np.float64) - ref)
+    worst = np.unravel_index(np.argmax(err - tol), err.shape) if err.size else ()
+    assert np.all(err <= tol), f"max error {err[worst]} > tol {tol[worst]} at {worst}"
+
+
+def test_generated_microkernels_are_current():
+    """_microkernels.py on disk is what the generator writes for config's MR and NR."""
+    assert _gen_microkernels.TARGET.read_text() == _gen_microkernels.source(), \
+        "run: python src/hepti/kernels/_gen_microkernels.py"
+
+
+# --- GeMM -------------------------------------------------------------------------------------
+
+SHAPES = [
+    (1, 1, 1), (1, 384, 1536), (7, 13, 17), (MR, KC, NR), (MR + 1, KC + 1, NR + 1),
+    (3 * MR - 1, 2 * KC + 37, 3 * NR - 5), (127, 383, 1531), (64, 100, 200), (2, 5, 3),
+]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_matmul_shapes(m, k, n):
+    a, b = rand(m, k), rand(k, n)
+    assert_gemm_close(matmul(a, b), naive.gemm(a, b), a, b, k)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_packed_both_orientations(m, k, n, trans, threads):
+    a, b = rand(m, k), rand(k, n)
+    pb = pack_b(np.ascontiguousarray(b.T), trans=True) if trans else pack_b(b)
+    assert (pb.k, pb.n) == (k, n)
+    assert pb.nbytes == -(-n // NR) * k * NR * 4
+    assert_gemm_close(gemm(a, pb, threads=threads), naive.gemm(a, b), a, b, k)
+
+
+def test_pack_orientations_give_identical_panels():
+    n = NR + 13
+    b = rand(70, n)
+    assert np.array_equal(pack_b(b).panels, pack_b(np.ascontiguousarray(b.T), trans=True).panels)
+    panels = pack_b(b).panels  # [2, 70, NR]
+    assert np.array_equal(panels[0], b[:, :NR])
+    assert np.array_equal(panels[1, :, :13], b[:, NR:])
+    assert np.all(panels[1, :, 13:] == 0.0)  # zero padding past N
+
+
+def test_pack_b_read_only_weights():
+    """Weights mapped read-only from a file pack like any others."""
+    b = rand(40, 50)
+    ro = b.copy()
+    ro.flags.writeable = False
+    ro_t = np.ascontiguousarray(b.T)
+    ro_t.flags.writeable = False
+    assert np.array_equal(pack_b(ro).panels, pack_b(b).panels)
+    assert np.array_equal(pack_b(ro_t, trans=True).panels, pack_b(b).panels)
+
+
+@pytest.mark.parametrize("bias,gelu,residual", [
+    (True, False, False), (False, True, False), (False, False, True), (True, True, False),
+    (True, False, True), (True, True, True),
+])
+@pytest.mark.parametrize("m,k,n", [(1, 7, 5), (37, 300, 70), (16, 64, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_epilogues(m, k, n, bias, gelu, residual, threads):
+    a, b = rand(m, k), rand(k, n)
+    bv = rand(n) if bias else None
+    rv = rand(m, n) if residual else None
+    c = gemm(a, pack_b(b), bias=bv, gelu=gelu, residual=rv, threads=threads)
+    ref = naive.gemm(a, b, bv, gelu, rv)
+    scale = np.abs(a.astype(np.float64)) @ np.abs(b) + (np.abs(bv) if bias else 0)
+    tol = 1e-5 * math.sqrt(k) * scale + (np.abs(rv) * 1e-6 if residual else 0) + 1e-6
+    assert np.all(np.abs(c - ref) <= tol)
+
+
+def test_gemm_views_in_and_out():
+    """a as a row slice and as a column block, out as a column block of a bigger buffer."""
+    m, k, n = 45, 130, 70
+    big_a = rand(m + 10, 3 * k)
+    a = big_a[5:5 + m, k:2 * k]  # rows contiguous, row stride 3k
+    b = rand(k, n)
+    res_big = rand(m, 2 * n)
+    residual = res_big[:, n:]
+    big_out = np.full((m, 3 * n), 7.0, np.float32)
+    out = big_out[:, n:2 * n]
+    bias = rand(n)
+    c = gemm(a, pack_b(b), bias=bias, residual=residual, out=out, threads=2)
+    assert c is out
+    assert_gemm_close(out, naive.gemm(a, b, bias, False, residual), a, b, k + 2)
+    assert np.all(big_out[:, :n] == 7.0) and np.all(big_out[:, 2 * n:] == 7.0)
+    out2 = big_out[:, 2 * n:]
+    matmul(a, b, out=out2)
+    assert_gemm_close(out2, naive.gemm(a, b), a, b, k)
+
+
+def test_gemm_k_zero_and_empty():
+    a, b = np.zeros((3, 0), np.float32), np.zeros((0, 4), np.float32)
+    assert np.array_equal(matmul(a, b), np.zeros((3, 4), np.float32))
+    bias = rand(4)
+    assert np.allclose(gemm(a, pack_b(b), bias=bias), np.broadcast_to(bias, (3, 4)))
+    assert matmul(np.zeros((0, 5), np.float32), rand(5, 4)).shape == (0, 4)
+
+
+def test_gemm_rejects_bad_arguments():
+    a, b = rand(4, 5), rand(5, 6)
+    pb = pack_b(b)
+    with pytest.raises(TypeError, match="float32"):
+        gemm(a.astype(np.float64), pb)
+    with pytest.raises(ValueError, match="columns"):
+        gemm(rand(4, 6), pb)
+    with pytest.raises(ValueError, match="shape"):
+        gemm(a, pb, out=np.empty((4, 5), np.float32))
+    with pytest.raises(ValueError, match="overlaps"):
+        r = rand(4, 6)
+        gemm(a, pb, residual=r, out=r)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        matmul(np.asfortranarray(rand(4, 5)), b)
+    with pytest.raises(TypeError, match="PackedB"):
+        gemm(a, b)
+    assert isinstance(pb, PackedB)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 300), n=st.integers(1, 100),
+       bias=st.booleans(), gelu=st.booleans(), threads=st.sampled_from([1, 2]))
+def test_gemm_random_shapes(m, k, n, bias, gelu, threads):
+    a, b = rand(m, k), rand(k, n)
+    bv = rand(n) if bias else None
+    c = gemm(a, pack_b(b), bias=bv, gelu=gelu, threads=threads)
+    ref = naive.gemm(a, b, bv, gelu)
+    scale = np.abs(a.astype(np.float64)) @ np.abs(b) + (np.abs(bv) if bias else 0)
+    assert np.all(np.abs(c - ref) <= 1e-5 * math.sqrt(k) * scale + 1e-6)
+    assert_gemm_close(matmul(a, b, threads=threads), naive.gemm(a, b), a, b, k)
+
+
+# --- elementwise math -------------------------------------------------------------------------
+
+
+def test_gelu_matches_erf_form():
+    """The erf approximation stays within a few float32 ulps of the exact erf GeLU."""
+    x = np.linspace(-12, 12, 100_001).astype(np.float32)[None, :]
+    eye = pack_b(np.eye(1, dtype=np.float32))
+    y = gemm(x.T.copy(), eye, gelu=True)[:, 0]  # GeLU through the real epilogue
+    ref = naive.gemm(x.T, np.eye(1), gelu=True)[:, 0]
+    assert np.max(np.abs(y - ref)) < 2e-6
+
+
+# --- LayerNorm --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m,c", [(1, 1), (3, 7), (17, 384), (5, 1000)])
+def test_layernorm(m, c):
+    x, g, b = rand(m, c) * 3 + 1, rand(c), rand(c)
+    np.testing.assert_allclose(layernorm(x, g, b, 1e-12), naive.layernorm(x, g, b, 1e-12),
+                               rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("with_bias,with_res", [(True, True), (False, True), (True, False)])
+def test_add_layernorm_and_in_place(with_bias, with_res):
+    m, c = 9, 96
+    x, g, b = rand(m, c), rand(c), rand(c)
+    bias = rand(c) if with_bias else None
+    res = rand(m, c) if with_res else None
+    ref = naive.add_layernorm(x, bias, res, g, b, 1e-5)
+    np.testing.assert_allclose(add_layernorm(x, bias, res, g, b, 1e-5), ref, rtol=1e-5,
+                               atol=2e-5)
+    x2 = x.copy()
+    add_layernorm(x2, bias, res, g, b, 1e-5, out=x2)
+    np.testing.assert_allclose(x2, ref, rtol=1e-5, atol=2e-5)
+    big = rand(m + 2, 2 * c)  # input and output as strided views
+    big[1:1 + m, c:] = x
+    out_big = np.zeros((m, 3 * c), np.float32)
+    add_layernorm(big[1:1 + m, c:], bias, res, g, b, 1e-5, out=out_big[:, c:2 * c])
+    np.testing.assert_allclose(out_big[:, c:2 * c], ref, rtol=1e-5, atol=2e-5)
+    assert not out_big[:, :c].any() and not out_big[:, 2 * c:].any()
+
+
+# --- softmax ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 37, 128, 300])
+def test_softmax_rows_with_padding(n):
+    x = rand(6, n) * 4
+    mask = (RNG.random(n) > 0.3).astype(np.float32)
+    mask[0] = 1.0
+    y = softmax_rows(x, mask, scale=0.125)
+    np.testing.assert_allclose(y, naive.softmax_rows(x, mask, 0.125), rtol=1e-5, atol=1e-7)
+    assert np.all(y[:, mask == 0] == 0.0)
+    np.testing.assert_allclose(y.sum(axis=1), 1.0, rtol=1e-5)
+
+
+def test_softmax_rows_edge_cases():
+    x = rand(3, 20)
+    np.testing.assert_allclose(softmax_rows(x), naive.softmax_rows(x), rtol=1e-5, atol=1e-7)
+    all_masked = softmax_rows(x, np.zeros(20, np.float32))  # HF: uniform
+    np.testing.assert_allclose(all_masked, 1 / 20, rtol=1e-5)
+    big = np.full((1, 4), 80.0, np.float32)
+    big[0, 0] = 200.0  # needs the max subtraction
+    np.testing.assert_allclose(softmax_rows(big), naive.softmax_rows(big), atol=1e-7)
+    x2 = x.copy()
+    assert softmax_rows(x2, out=x2) is x2
+    np.testing.assert_allclose(x2, naive.softmax_rows(x), rtol=1e-5, atol=1e-7)
+
+
+# --- attention --------------------------------------------------------------------------------
+
+
+def attention_case(n_seq, t, h, d, pad):
+    """Fused QKV [B*T, 3*H*D] and a key mask whose sequence b has `pad[b]` padded keys."""
+    qkv = rand(n_seq * t, 3 * h * d)
+    mask = np.ones((n_seq, t), np.float32)
+    for b, p in enumerate(pad):
+        if p:
+            mask[b, t - p:] = 0.0
+    hd = h * d
+    return qkv[:, :hd], qkv[:, hd:2 * hd], qkv[:, 2 * hd:], mask
+
+
+@pytest.mark.parametrize("n_seq,t,h,d,pad", [
+    (1, 1, 1, 1, [0]), (2, 7, 3, 5, [0, 3]), (2, 50, 2, 48, [10, 0]), (3, 33, 4, 32, [0, 5, 32]),
+    (1, 128, 12, 32, [40]), (1, 70, 2, 64, [0]),
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_fused_qkv(n_seq, t, h, d, pad, threads):
+    """q, k, v are column blocks of one fused QKV output (row stride 3*H*D), with padding."""
+    q, k, v, mask = attention_case(n_seq, t, h, d, pad)
+    ctx = attention(q, k, v, mask, h, threads=threads)
+    np.testing.assert_allclose(ctx, naive.attention(q, k, v, mask, h), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("row0,mq", [(0, 1), (5, 10), (30, 20), (39, 1), (0, 120), (37, 83)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_row_ranges(row0, mq, threads):
+    """A rank's query rows start anywhere and may span sequences (T = 40 here)."""
+    n_seq, t, h, d = 3, 40, 2, 16
+    q, k, v, mask = attention_case(n_seq, t, h, d, [0, 7, 39])
+    ref = naive.attention(q, k, v, mask, h)
+    big_out = np.full((mq, 3 * h * d), 3.0, np.float32)
+    out = big_out[:, h * d:2 * h * d]  # output as a column block of a bigger buffer
+    ctx = attention(q[row0:row0 + mq], k, v, mask, h, row0=row0, out=out, threads=threads)
+    assert ctx is out
+    np.testing.assert_allclose(out, ref[row0:row0 + mq], rtol=1e-4, atol=1e-5)
+    assert np.all(big_out[:, :h * d] == 3.0) and np.all(big_out[:, 2 * h * d:] == 3.0)
+
+
+def test_attention_contiguous_inputs_match_strided():
+    q, k, v, mask = attention_case(2, 21, 3, 8, [0, 4])
+    strided = attention(q, k, v, mask, 3)
+    dense = attention(q.copy(), k.copy(), v.copy(), mask, 3)
+    np.testing.assert_array_equal(strided, dense)
+
+
+def test_attention_rejects_bad_arguments():
+    q, k, v, mask = attention_case(2, 10, 2, 4, [0, 0])
+    with pytest.raises(ValueError, match="n_heads"):
+        attention(q, k, v, mask, 3)
+    with pytest.raises(ValueError, match="outside"):
+        attention(q[:5], k, v, mask, 2, row0=16)
+    with pytest.raises(ValueError, match="shape"):
+        attention(q, k[:10], v, mask, 2)
+    with pytest.raises(ValueError, match="overlaps"):
+        attention(q, k, v, mask, 2, out=q)
