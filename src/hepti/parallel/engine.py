@@ -435,8 +435,21 @@ def run_distributed(args) -> int:
         report["trace"] = args.trace
     finish(args, result, report, batches)
     if not args.json:
+        print(format_plan_line(report, plan))
         print(format_rank_table(report))
     return 0
+
+
+def format_plan_line(report: dict, plan: Plan) -> str:
+    c = report["counts"]
+    parts = [f"plan: {plan.strategy} on ranks {report['active_ranks']}"]
+    parts += [f"{k} {v}" for k, v in c.items()]
+    line = ", ".join(parts)
+    if plan.explanation:
+        line += f"\n  why: {plan.explanation}"
+    if plan.predicted_latency_s:
+        line += f"\n  predicted latency {plan.predicted_latency_s * 1e3:.1f} ms"
+    return line
 
 
 def format_rank_table(report: dict) -> str:
