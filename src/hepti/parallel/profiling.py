@@ -1,0 +1,355 @@
+"""`hepti profile`: measure every rank's speed, memory and link, as a profile for the planner.
+
+All ranks measure at the same time, so ranks sharing a machine see each other's load as they
+will during a run. Per rank:
+- GeMM FLOP/s with the engine's own kernel (`hepti.kernels.gemm` on `pack_b` weights) on one
+  layer's four GeMMs at the model's shapes, for a few row counts m up to M = batch * seq_len:
+  a table by the GeMM's smallest dimension (small slices run slower per FLOP);
+- the fixed cost of one kernel call (Python and dispatch), charged per operation;
+- attention FLOP/s (`hepti.kernels.attention`) and elementwise elements/s (`add_layernorm`)
+  on [M, C];
+- memory available to hepti: MemAvailable (or the cgroup's limit minus usage, if lower) shared
+  by the ranks on the same machine, and at most the user's cap;
+- optionally, reading a file from local disk (page cache dropped first);
+- its link: MPI ping-pong with rank 0 at a few message sizes, least-squares fitted to
+  one-way time = latency + bytes / bandwidth. Rank 0's own link is taken as the fastest path it
+  measured (a star's path is as slow as its slower end).
+A run takes a few seconds. `cached_profile` keeps the result per hostfile, model and world size
+under $HEPTI_CACHE (default ~/.cache/hepti) and measures again when it is older than asked.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hepti.config import BertConfig
+from hepti.errors import PlanError
+from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, Profile, load_profile, profile_from_dict
+
+PING_SIZES = (8, 4096, 65536, 262144, 1 << 20, 4 << 20)  # bytes; larger skipped on slow links
+PING_TARGET_S = 0.02  # the largest message should take about this long one way
+MIN_TIME_S = 0.03  # time each compute measurement for at least this long
+DISK_PROBE_BYTES = 32 << 20
+
+
+# --- compute ---------------------------------------------------------------------------------
+
+def _timed(fn, min_time: float = MIN_TIME_S, max_reps: int = 50) -> float:
+    """Median seconds of fn() after one warm-up call (which also compiles)."""
+    return _timed_many({0: fn}, rounds=1, min_time=min_time, max_reps=max_reps)[0]
+
+
+def _timed_many(fns: dict, rounds: int = 4, min_time: float = MIN_TIME_S / 3,
+                max_reps: int = 50) -> dict:
+    """Median seconds of each fn, measured in `rounds` interleaved rounds (each fn at least 2
+    calls or `min_time` per round), so that a burst of load from elsewhere spreads over all
+    of them instead of spoiling one. One warm-up call each first (it also compiles)."""
+    for fn in fns.values():
+        fn()
+    times = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            start, n = time.perf_counter(), 0
+            while n < 2 or (time.perf_counter() - start < min_time and n < max_reps):
+                t0 = time.perf_counter()
+                fn()
+                times[key].append(time.perf_counter() - t0)
+                n += 1
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
+def gemm_sizes(config: BertConfig, rows: int) -> list[int]:
+    """Row counts m at which to time a layer's GeMMs: small slices up to all M rows."""
+    sizes = {s for s in (8, 32, 128, 512) if s < rows} | {rows}
+    return sorted(sizes)
+
+
+def measure_gemm(config: BertConfig, rows: int, threads: int = 1) -> list[list[float]]:
+    """[[m, FLOP/s], ...]: the engine's GeMM on one layer's four GeMMs for m token rows,
+    [m,C]x[C,3C] (+bias), [m,C]x[C,C], [m,C]x[C,F] (+bias, GeLU), [m,F]x[F,C], weights packed
+    once as the runtime packs them. Keyed by min(m, C): the smallest dimension of most of them."""
+    from hepti import kernels as K
+    rng = np.random.default_rng(0)
+    C, F = config.hidden_size, config.intermediate_size
+
+    def weight(k, n):
+        return K.pack_b(rng.standard_normal((k, n), dtype=np.float32) * np.float32(0.05))
+
+    qkv, o, up, down = weight(C, 3 * C), weight(C, C), weight(C, F), weight(F, C)
+    b3, bf = np.zeros(3 * C, np.float32), np.zeros(F, np.float32)
+
+    def layer_fn(m: int):
+        x = rng.standard_normal((m, C), dtype=np.float32)
+        h = np.empty((m, F), np.float32)
+
+        def layer():
+            K.gemm(x, qkv, bias=b3, threads=threads)
+            K.gemm(x, o, threads=threads)
+            K.gemm(x, up, bias=bf, gelu=True, out=h, threads=threads)
+            K.gemm(h, down, threads=threads)
+        return layer
+
+    sizes = gemm_sizes(config, rows)
+    seconds = _timed_many({m: layer_fn(m) for m in sizes})
+    return [[float(min(m, C)), 2.0 * m * C * (3 * C + C + 2 * F) / seconds[m]] for m in sizes]
+
+
+def measure_call_overhead() -> float:
+    """Seconds of a kernel call that does almost nothing: its Python and dispatch cost."""
+    from hepti import kernels as K
+    w = K.pack_b(np.ones((8, 32), np.float32))
+    a = np.ones((1, 8), np.float32)
+    return _timed(lambda: K.gemm(a, w), min_time=0.005, max_reps=200)
+
+
+def measure_attention(config: BertConfig, batch: int, seq_len: int, threads: int = 1) -> float:
+    """FLOP/s of `hepti.kernels.attention` on all M rows and heads (4 M T C FLOPs)."""
+    from hepti import kernels as K
+    rng = np.random.default_rng(1)
+    M, C, H = batch * seq_len, config.hidden_size, config.num_attention_heads
+    q, k, v = (rng.standard_normal((M, C), dtype=np.float32) for _ in range(3))
+    mask = np.ones((batch, seq_len), np.float32)
+    out = np.empty((M, C), np.float32)
+    return 4.0 * M * seq_len * C / _timed(lambda: K.attention(q, k, v, mask, H, out=out, threads=threads))
+
+
+def measure_elementwise(config: BertConfig, rows: int) -> float:
+    """Elements/s of `hepti.kernels.add_layernorm` (bias + residual + LayerNorm) on [M, C]."""
+    from hepti import kernels as K
+    rng = np.random.default_rng(2)
+    C = config.hidden_size
+    x, res = (rng.standard_normal((rows, C), dtype=np.float32) for _ in range(2))
+    bias, gamma, beta = (rng.standard_normal(C, dtype=np.float32) for _ in range(3))
+    out = np.empty_like(x)
+    eps = config.layer_norm_eps
+    return rows * C / _timed(lambda: K.add_layernorm(x, bias, res, gamma, beta, eps, out=out))
+
+
+def measure_disk(directory: str | None = None, nbytes: int = DISK_PROBE_BYTES) -> float | None:
+    """Bytes/s reading a fresh file from local disk with its pages dropped from the cache."""
+    if not hasattr(os, "posix_fadvise"):
+        return None
+    fd, path = tempfile.mkstemp(prefix="hepti-disk-", dir=directory)
+    try:
+        block = np.random.default_rng(3).integers(0, 255, 1 << 20, dtype=np.uint8).tobytes()
+        with os.fdopen(fd, "wb") as f:
+            for _ in range(nbytes // len(block)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.read(1 << 22):
+                pass
+        return nbytes / (time.perf_counter() - t0)
+    finally:
+        os.unlink(path)
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_memory() -> tuple[int, str]:
+    """(bytes, source): MemAvailable, or what the cgroup still allows if that is less."""
+    avail, source = None, "MemAvailable"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        source = "free pages"
+    for limit_f, usage_f in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                             ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                              "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_f), _read_int(usage_f)
+        if limit is not None and usage is not None and limit < (1 << 60) and limit - usage < avail:
+            avail, source = max(0, limit - usage), f"cgroup limit ({limit_f})"
+    return avail, source
+
+
+def _rss_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# --- links -----------------------------------------------------------------------------------
+
+def fit_link(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares of one-way time = latency + bytes / bandwidth -> (latency_s, bandwidth_Bps),
+    in relative error (weights 1/time), so that small messages decide the latency and large
+    ones the bandwidth."""
+    x = np.array([p[0] for p in points], float)
+    y = np.array([p[1] for p in points], float)
+    slope, icpt = np.polyfit(x, y, 1, w=1.0 / np.maximum(y, 1e-9))
+    if slope <= 0:  # all sizes equally fast: take the largest message's rate
+        slope = y[-1] / x[-1]
+    return float(max(icpt, 0.0)), float(1.0 / slope)
+
+
+def ping_pong(comm, peer: int, nbytes: int, reps: int) -> float:
+    """Median one-way seconds (half the round trip) of nbytes between rank 0 and `peer`, as
+    timed by rank 0; both must call it. The first round trip is a warm-up."""
+    from mpi4py import MPI
+    buf = np.zeros(max(nbytes, 1), np.uint8)
+    rank = comm.Get_rank()
+    times = []
+    for _ in range(reps + 1):
+        t0 = MPI.Wtime()
+        if rank == 0:
+            comm.Send([buf, nbytes, MPI.BYTE], dest=peer, tag=7)
+            comm.Recv([buf, nbytes, MPI.BYTE], source=peer, tag=7)
+        else:
+            comm.Recv([buf, nbytes, MPI.BYTE], source=0, tag=7)
+            comm.Send([buf, nbytes, MPI.BYTE], dest=0, tag=7)
+        times.append((MPI.Wtime() - t0) / 2)
+    return statistics.median(times[1:])
+
+
+def measure_links(comm) -> list[dict]:
+    """Every rank's path to rank 0: points, latency_s, bandwidth_Bps (rank 0's: None)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    out = []
+    for peer in range(1, size):
+        points = []
+        for nbytes in PING_SIZES:
+            reps = 20 if nbytes <= 65536 else 5
+            t = ping_pong(comm, peer, nbytes, reps) if rank in (0, peer) else 0.0
+            t = comm.bcast(t, root=0)
+            points.append((nbytes, t))
+            if t > PING_TARGET_S:  # a slow link: larger messages would take too long
+                break
+        lat, bw = fit_link(points)
+        out.append({"rank": peer, "points": points, "latency_s": lat, "bandwidth_Bps": bw})
+    return out
+
+
+# --- the whole profile -------------------------------------------------------------------------
+
+def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | None = None,
+                    batch: int = 1, threads: int = 1, hostfile: str | None = None,
+                    disk: bool = True) -> dict:
+    """Measure every rank (all ranks call this) -> the same profile dict on every rank."""
+    comm = getattr(comm, "mpi", comm)  # a hepti Comm or an mpi4py communicator
+    from mpi4py import MPI
+    t_start = time.perf_counter()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    M = batch * seq_len
+    comm.Barrier()
+    gemm = measure_gemm(config, M, threads)
+    attention = measure_attention(config, batch, seq_len, threads)
+    elementwise = measure_elementwise(config, M)
+    overhead = measure_call_overhead()
+    comm.Barrier()
+    disk_bps = measure_disk() if disk else None
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    on_host = local.Get_size()
+    local.Free()
+    avail, mem_source = available_memory()
+    memory = avail / on_host
+    if mem_cap is not None:
+        memory = min(memory, float(mem_cap))
+    comm.Barrier()
+    links = measure_links(comm)
+    mine = {"rank": rank, "host": MPI.Get_processor_name(), "gemm_flops": gemm,
+            "attention_flops": attention, "elementwise_per_s": elementwise,
+            "memory_bytes": float(memory), "disk_read_Bps": disk_bps, "call_overhead_s": overhead,
+            "measured": {"memory_source": mem_source, "ranks_on_host": on_host,
+                         "rss_bytes": _rss_bytes(), "threads": threads}}
+    devices = comm.allgather(mine)
+    paths = {p["rank"]: p for p in links}
+    if size > 1:
+        fastest = min(paths.values(), key=lambda p: (p["latency_s"], -p["bandwidth_Bps"]))
+        devices[0]["latency_s"] = fastest["latency_s"]
+        devices[0]["bandwidth_Bps"] = max(p["bandwidth_Bps"] for p in paths.values())
+        for r in range(1, size):
+            devices[r]["latency_s"] = paths[r]["latency_s"]
+            devices[r]["bandwidth_Bps"] = paths[r]["bandwidth_Bps"]
+            devices[r]["measured"]["ping_pong"] = paths[r]["points"]
+    else:  # one rank: no link is used; any positive figures will do
+        devices[0]["latency_s"], devices[0]["bandwidth_Bps"] = 0.0, 1e12
+    for d in devices:
+        if d["disk_read_Bps"] is None:
+            del d["disk_read_Bps"]
+    elapsed = comm.allreduce(time.perf_counter() - t_start, op=MPI.MAX)
+    prof = {"hepti_profile": SCHEMA_VERSION, "created": time.time(), "source": "measured",
+            "hostfile": hostfile, "model": config.name or None, "seq_len": seq_len,
+            "network": dict(NETWORK_DEFAULTS), "devices": devices,
+            "measure_s": elapsed, "batch": batch}
+    prof = comm.bcast(prof, root=0)
+    profile_from_dict(prof, "measured profile")  # the schema check the planner will make
+    return prof
+
+
+# --- cache -------------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HEPTI_CACHE") or Path.home() / ".cache" / "hepti")
+
+
+def profile_cache_path(hostfile: str | None, model_name: str, world_size: int,
+                       hosts: list[str] | None = None) -> Path:
+    """Where the profile of this hostfile (its contents count) or these rank host names, model
+    and world size is kept."""
+    host_text = ",".join(hosts) if hosts else ""
+    if hostfile:
+        try:
+            host_text = Path(hostfile).read_text()
+        except OSError:
+            host_text = str(Path(hostfile).resolve())
+    key = json.dumps([host_text, str(model_name), int(world_size)])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(model_name))[:40]
+    return cache_dir() / f"profile-{safe}-n{world_size}-{digest}.json"
+
+
+def cached_profile(comm, config: BertConfig, seq_len: int, hostfile: str | None = None,
+                   max_age_s: float = 24 * 3600, mem_cap: float | None = None, batch: int = 1,
+                   threads: int = 1, refresh: bool = False) -> tuple[Profile, bool]:
+    """(profile, measured_now): the cached profile if fresh enough, else measure and cache it.
+    All ranks call this; rank 0 decides and writes the file. Without a hostfile the cache is
+    keyed by every rank's host name, in rank order."""
+    comm = getattr(comm, "mpi", comm)
+    size = comm.Get_size()
+    hosts = comm.allgather(os.uname().nodename)
+    path = profile_cache_path(hostfile, config.name, size, hosts=hosts)
+    text = None
+    if comm.Get_rank() == 0 and path.exists() and not refresh:
+        try:
+            load_profile(path, world_size=size, max_age_s=max_age_s)
+            text = path.read_text()
+        except PlanError:
+            text = None  # stale, from another world size, or damaged: measure again
+    text = comm.bcast(text, root=0)
+    if text is not None:
+        return profile_from_dict(json.loads(text), str(path)), False
+    prof = measure_profile(comm, config, seq_len, mem_cap, batch, threads, hostfile)
+    if comm.Get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(prof, indent=2) + "\n")
+        tmp.replace(path)
+    comm.Barrier()
+    return profile_from_dict(prof, "measured profile"), True

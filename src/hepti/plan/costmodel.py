@@ -1,0 +1,370 @@
+"""The cost model's generic core: a program of compute phases and collectives, and its evaluation.
+
+A `Program` is what one inference does, written as phases. A phase is some compute on every rank
+(`Work`: FLOPs or elements proportional to the rank's count of a split dimension) followed by at
+most one collective. Collectives synchronise the ranks, so a phase costs the slowest rank's
+compute plus the collective's time; the inference costs the sum over phases (layers repeat).
+Both BERT strategies (hepti.plan.workloads) and the Hepti paper's 5-MatMul experiment are
+programs, and the partitioner's LP (hepti.plan.partition) is built from the very same phase list
+and the same per-rank collective formulas (`link_terms`), so the two cannot disagree.
+
+Network model: a star through a switch, each device's own full-duplex link (latency alpha_i,
+bandwidth beta_i) is its bottleneck. A collective costs the slowest participant's
+`steps * alpha_i + bytes_i / beta_i` (+ its reduction work), where steps and bytes_i follow the
+algorithm MPICH picks for that size (thresholds in the profile's "network" section):
+
+    allgatherv      recursive doubling / Bruck (log2 n steps) or ring (n-1); rank i receives
+                    S - c_i bytes (and sends about as much: exact with equal links)
+    reduce_scatter  >= long: pairwise, n-1 steps, sends S - c_i, receives (n-1) c_i and adds it;
+                    below: recursive halving, log2 n steps (+2 if n is not a power of 2, whose
+                    pre-step moves a whole vector), about S - c_i each way
+    bcast           binomial tree (ceil(log2 n) hops of the whole buffer) below 12 KiB or 8 ranks,
+                    else scatter + allgather (the root's link carries about 2 S)
+    scatterv/gatherv root 0 posts one message per peer: (n-1) alpha_0 + (S - c_0)/beta_0;
+                    peer i: alpha_i + c_i / beta_i
+
+Participants are the active ranks: rank 0 (it holds inputs and outputs) and every rank with a
+nonzero count. c_i is rank i's block in bytes, S the whole buffer. Compute speeds come from the
+profile (GeMM FLOP/s by the GeMM's smallest dimension, attention FLOP/s, elementwise elements/s),
+and every Work a rank does costs it one kernel call's fixed overhead (`call_overhead_s`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hepti.plan.profile import Device, Profile
+
+ROOT = "root"  # pseudo-dimension: work or memory on rank 0 only (embeddings)
+ACTIVE = "active"  # pseudo-dimension: memory every active rank holds whatever its share
+
+
+@dataclass(frozen=True)
+class Work:
+    """Compute a rank does in a phase: `per_unit * count` FLOPs (or elements) of `kind`.
+
+    The speed is looked up at size min(size_fixed, size_per_unit * count): the GeMM's smallest
+    dimension, which is what makes small slices slower per FLOP.
+    """
+
+    kind: str  # "gemm" | "attention" | "elementwise"
+    dim: str  # "heads" | "ffn" | "rows" | ROOT
+    per_unit: float
+    size_fixed: float = math.inf
+    size_per_unit: float = math.inf
+    name: str = ""
+
+    def size(self, count: float) -> float:
+        return min(self.size_fixed, self.size_per_unit * count)
+
+    def speed(self, dev: Device, count: float) -> float:
+        if self.kind == "gemm":
+            return dev.gemm_flops(self.size(count))
+        if self.kind == "attention":
+            return dev.attention_flops(self.size(count))
+        return dev.elementwise_per_s
+
+    def seconds(self, dev: Device, count: float) -> float:
+        """Time of this work on `dev` for `count` units: FLOPs / speed + one kernel call."""
+        if count <= 0:
+            return 0.0
+        return self.per_unit * count / self.speed(dev, count) + dev.call_overhead_s
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective over the active ranks. Blocks are `unit_bytes * count[dim]` per rank; a
+    bcast (dim None) moves `unit_bytes` from rank 0 to all."""
+
+    kind: str  # "bcast" | "scatterv" | "gatherv" | "allgatherv" | "reduce_scatter"
+    dim: str | None
+    unit_bytes: float
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Phase:
+    works: tuple[Work, ...]
+    collective: Collective | None = None
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class MemTerm:
+    """Memory a rank holds: `per_unit` bytes per unit of `dim` (ACTIVE: once if active; ROOT:
+    on rank 0). `what` is "weights", "activations" or "buffers". A `per_layer` term is held
+    once per resident layer: L times, or a stream window's worth."""
+
+    what: str
+    dim: str
+    per_unit: float
+    per_layer: bool = False
+
+
+@dataclass
+class Stream:
+    """`stream` strategy: each layer's slices are read from disk during the previous layer.
+
+    `read_per_unit[dim]` bytes per unit and `read_fixed` bytes per active rank, per layer.
+    `window` is the number of layers each rank holds (>= 2 overlaps reading with compute)."""
+
+    read_per_unit: dict[str, float]
+    read_fixed: float
+    window: int
+    budget: float | None = None  # the runtime's --mem-budget: window_i = budget // slice_i
+
+
+@dataclass
+class Program:
+    """One inference: start phases, `repeat` x layer phases, end phases; and its memory."""
+
+    name: str
+    totals: dict[str, int]  # units of each split dimension (heads H, ffn F, rows M)
+    start: list[Phase]
+    layer: list[Phase]
+    end: list[Phase]
+    repeat: int
+    memory: list[MemTerm]
+    integer_dims: tuple[str, ...] = ()
+    stream: Stream | None = None
+    n_layers: int = 1  # layers whose per_layer memory terms are resident (unless streaming)
+
+    def phases(self):
+        """(phase, multiplicity, group) over the whole inference; group: start/layer/end."""
+        for p in self.start:
+            yield p, 1, "start"
+        for p in self.layer:
+            yield p, self.repeat, "layer"
+        for p in self.end:
+            yield p, 1, "end"
+
+
+# --- collectives ---------------------------------------------------------------------------
+
+def _pof2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _log2c(n: int) -> int:
+    return max(0, math.ceil(math.log2(n))) if n > 1 else 0
+
+
+def link_terms(coll: Collective, n: int, total_bytes: float, dev: Device, is_root: bool,
+               network: dict) -> list[tuple[float, float]]:
+    """Rank time in a collective as max over branches of (const + coef * own_block_bytes).
+
+    n is the number of participants, total_bytes the whole buffer S. Linear in the rank's own
+    block for a fixed n: this is what lets the partitioner write it as LP constraints.
+    """
+    return branch_terms(coll.kind, n, total_bytes, dev.latency_s, dev.bandwidth_Bps,
+                  dev.elementwise_per_s, is_root, network)
+
+
+def branch_terms(kind: str, n: int, S: float, a, b, e, is_root: bool, network: dict) -> list[tuple]:
+    """link_terms on plain numbers, or on numpy arrays of every rank's a, b, e at once."""
+    if n <= 1:
+        return [(0.0 * a, 0.0 * a)]
+    zero = 0.0 * a
+    if kind == "allgatherv":
+        if S < network["allgather_long_bytes"] and (_pof2(n) or S < network["allgather_short_bytes"]):
+            steps = _log2c(n)  # recursive doubling (pof2) or Bruck
+        else:
+            steps = n - 1  # ring
+        return [(steps * a + S / b, -1.0 / b)]
+    if kind == "reduce_scatter":
+        if S >= network["reduce_scatter_long_bytes"]:  # pairwise exchange
+            red = (n - 1) / (4.0 * e)  # seconds per own-block byte: (n-1) c_i / 4 float adds
+            return [((n - 1) * a + S / b, -1.0 / b + red),  # sending S - c_i
+                    ((n - 1) * a + zero, (n - 1) / b + red)]  # receiving (n-1) c_i
+        extra = 0.0 if _pof2(n) else S  # non-pof2: a pre-step sends a whole vector
+        steps = _log2c(n) + (0 if _pof2(n) else 2)
+        per = 1.0 / b + 1.0 / (4.0 * e)
+        return [(steps * a + (S + extra) * per, -per)]
+    if kind == "bcast":
+        if S < network["bcast_short_bytes"] or n < network["bcast_min_procs"]:
+            hops = _log2c(n)  # binomial tree
+            return [(hops * (a + S / b), zero)]
+        steps = _log2c(n) + n - 1  # scatter + ring allgather
+        vol = 2.0 * S * (n - 1) / n if is_root else S
+        return [(steps * a + vol / b, zero)]
+    if kind in ("scatterv", "gatherv"):
+        if is_root:
+            return [((n - 1) * a + S / b, -1.0 / b)]
+        return [(a + zero, 1.0 / b)]
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def collective_times(coll: Collective, counts: dict[str, list[float]], active: list[bool],
+                     profile: Profile) -> list[float]:
+    """Each rank's time in `coll` (0 for ranks that do not take part)."""
+    N = profile.world_size
+    n = sum(active)
+    if coll.dim is None:
+        blocks = [0.0] * N
+        S = coll.unit_bytes
+    else:
+        blocks = [coll.unit_bytes * c for c in counts[coll.dim]]
+        S = sum(blocks)
+    out = []
+    for i, dev in enumerate(profile.devices):
+        if not active[i]:
+            out.append(0.0)
+            continue
+        terms = link_terms(coll, n, S, dev, i == 0, profile.network)
+        out.append(max(c + k * blocks[i] for c, k in terms))
+    return out
+
+
+# --- evaluation ----------------------------------------------------------------------------
+
+def active_ranks(program: Program, counts: dict[str, list[float]], world_size: int) -> list[bool]:
+    """Rank 0 always takes part; any other rank with a nonzero count of some dimension does."""
+    return [i == 0 or any(counts[d][i] > 0 for d in program.totals) for i in range(world_size)]
+
+
+@dataclass
+class RankPrediction:
+    rank: int
+    active: bool
+    compute_s: float = 0.0
+    comm_s: dict[str, float] = field(default_factory=dict)  # transfer time per collective kind
+    wait_s: float = 0.0  # idle at sync points, waiting for slower ranks' compute
+    read_s: float = 0.0  # stream: disk reading (overlapped with compute when window >= 2)
+    mem: dict[str, float] = field(default_factory=dict)  # bytes: weights, activations, buffers
+
+    @property
+    def mem_bytes(self) -> float:
+        return sum(self.mem.values())
+
+    @property
+    def comm_total_s(self) -> float:
+        return sum(self.comm_s.values())
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "active": self.active, "compute_s": self.compute_s,
+                "comm_s": dict(self.comm_s), "wait_s": self.wait_s, "read_s": self.read_s,
+                "mem_bytes": self.mem_bytes, "mem": dict(self.mem)}
+
+
+@dataclass
+class Prediction:
+    latency_s: float
+    per_rank: list[RankPrediction]
+    phases: list[dict]  # per distinct phase: name, multiplicity, compute_s (max), comm_s
+    counts: dict[str, list[float]]
+
+    def to_dict(self) -> dict:
+        return {"latency_s": self.latency_s, "per_rank": [r.to_dict() for r in self.per_rank],
+                "phases": self.phases}
+
+
+def layer_slice_bytes(program: Program, counts: dict[str, list[float]], rank: int) -> float:
+    """Bytes of one layer's weights on this rank (the per_layer memory terms)."""
+    total = 0.0
+    for t in program.memory:
+        if t.per_layer:
+            total += t.per_unit if t.dim == ACTIVE else t.per_unit * counts[t.dim][rank]
+    return total
+
+
+def layers_held(program: Program, counts: dict[str, list[float]], active: list[bool]) -> list[int]:
+    """Layers of weights each rank holds: all of them, or its stream window (0 if inactive).
+    With a budget, the window is what the runtime derives: budget // slice bytes, at most L."""
+    out = []
+    for i, a in enumerate(active):
+        if not a:
+            out.append(0)
+        elif program.stream is None:
+            out.append(program.n_layers)
+        elif program.stream.budget is not None:
+            per = layer_slice_bytes(program, counts, i)
+            out.append(int(min(program.n_layers, program.stream.budget // max(per, 1.0))))
+        else:
+            out.append(program.stream.window)
+    return out
+
+
+def memory_bytes(program: Program, counts: dict[str, list[float]], active: list[bool],
+                 rank: int) -> dict[str, float]:
+    """A rank's memory by kind (weights / activations / buffers) for these counts."""
+    mem: dict[str, float] = {}
+    if not active[rank]:
+        return mem
+    held = layers_held(program, counts, active)[rank]
+    for t in program.memory:
+        if t.dim == ACTIVE:
+            amount = t.per_unit
+        elif t.dim == ROOT:
+            amount = t.per_unit if rank == 0 else 0.0
+        else:
+            amount = t.per_unit * counts[t.dim][rank]
+        if t.per_layer:
+            amount *= held
+        mem[t.what] = mem.get(t.what, 0.0) + amount
+    return mem
+
+
+def read_bytes(program: Program, counts: dict[str, list[float]], rank: int) -> float:
+    s = program.stream
+    return s.read_fixed + sum(b * counts[d][rank] for d, b in s.read_per_unit.items())
+
+
+def evaluate(program: Program, counts: dict[str, list[float]], profile: Profile) -> Prediction:
+    """Predict latency, per-rank compute/communication/wait and memory for these counts."""
+    N = profile.world_size
+    for d, total in program.totals.items():
+        if len(counts[d]) != N:
+            raise ValueError(f"counts[{d!r}] has {len(counts[d])} entries for {N} ranks")
+    counts = {**counts, ROOT: [1.0] + [0.0] * (N - 1)}
+    active = active_ranks(program, counts, N)
+    ranks = [RankPrediction(i, active[i]) for i in range(N)]
+    latency = 0.0
+    layer_s = end_s = 0.0
+    phases = []
+    comp_of: dict[tuple, list[float]] = {}  # phases repeat: each distinct one computed once
+    coll_of: dict[Collective, float] = {}
+    for phase, mult, group in program.phases():
+        comp = comp_of.get(phase.works)
+        if comp is None:
+            comp = comp_of[phase.works] = [
+                sum(w.seconds(profile.devices[i], counts[w.dim][i]) for w in phase.works)
+                if active[i] else 0.0 for i in range(N)]
+        slowest = max(comp)
+        coll_s = 0.0
+        if phase.collective is not None:
+            if phase.collective not in coll_of:
+                coll_of[phase.collective] = max(collective_times(phase.collective, counts, active, profile))
+            coll_s = coll_of[phase.collective]
+        t = slowest + coll_s
+        latency += mult * t
+        if group == "layer":
+            layer_s += t
+        elif group == "end":
+            end_s += t
+        for i in range(N):
+            r = ranks[i]
+            r.compute_s += mult * comp[i]
+            if active[i]:
+                r.wait_s += mult * (slowest - comp[i])
+                if phase.collective is not None:
+                    k = phase.collective.kind
+                    r.comm_s[k] = r.comm_s.get(k, 0.0) + mult * coll_s
+        phases.append({"name": phase.name, "times": mult, "compute_s": slowest, "comm_s": coll_s})
+    if program.stream is not None:
+        # every layer (the `end` phases are the last one) lasts at least its slowest read
+        windows = layers_held(program, counts, active)
+        reads = [read_bytes(program, counts, i) / profile.devices[i].disk_read_Bps if active[i]
+                 else 0.0 for i in range(N)]
+        overlapped = max((reads[i] for i in range(N) if windows[i] >= 2), default=0.0)
+        serial = max((reads[i] for i in range(N) if windows[i] == 1), default=0.0)
+        extra = 0.0
+        for t, mult in ((layer_s, program.repeat), (end_s, 1)):
+            extra += mult * (max(t + serial, overlapped) - t)
+        latency += extra
+        for i in range(N):
+            ranks[i].read_s = (program.repeat + 1) * reads[i]
+            if active[i]:
+                ranks[i].wait_s += extra
+    for i in range(N):
+        ranks[i].mem = memory_bytes(program, counts, active, i)
+    return Prediction(latency, ranks, phases, {d: list(counts[d]) for d in program.totals})

@@ -1,0 +1,190 @@
+"""The partitioner's linear program for one set of participating ranks, built from a `Program`.
+
+For every split dimension d and participating rank i, x[d,i] is rank i's count (whole heads are
+integers, which makes it a small MILP; FFN columns and token rows are continuous and rounded
+afterwards by the largest remainder). With n participants fixed, every collective's per-rank
+time is linear in the rank's own block (hepti.plan.costmodel.link_terms), so, in milliseconds:
+
+    minimise  sum over distinct phases of  multiplicity * (tc_p + tm_c)
+    subject to
+      tc_p >= compute of rank i in phase p                 (linear in x[., i])
+      tm_c >= const_b(n) + coef_b(n) * block_i             (every branch b of every participant)
+      memory_i(x) <= cap_i                                 (weights, activations, buffers)
+      sum_i x[d,i] = total_d;  x[d,i] = 0 for ranks that do not take part
+
+This is exactly the cost model for fixed speeds. Only the GeMM speed's dependence on the slice
+size is not linear, so `solve` takes the speeds at reference counts and the caller iterates.
+Which ranks take part is searched outside (hepti.plan.partition), one LP per candidate set: a
+formulation with binary participation and big-M terms was tried first and took seconds at 16-32
+devices, because its LP relaxation spreads work thinly over every rank at almost no cost.
+`stream` adds a per-layer time at least every rank's read of its slices, and one memory budget
+that every rank's window must fit (the runtime's --mem-budget).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from hepti.plan.costmodel import ACTIVE, ROOT, Collective, Program, link_terms
+from hepti.plan.profile import Profile
+
+MS = 1e3  # the LP works in milliseconds: coefficients near 1 solve more reliably
+
+
+class _Model:
+    """A tiny sparse-LP builder over scipy.optimize.milp."""
+
+    def __init__(self):
+        self.lb, self.ub, self.cost, self.integer = [], [], [], []
+        self.rows, self.cols, self.vals, self.rlb, self.rub = [], [], [], [], []
+
+    def var(self, lb=0.0, ub=math.inf, cost=0.0, integer=False) -> int:
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.cost.append(cost)
+        self.integer.append(1 if integer else 0)
+        return len(self.lb) - 1
+
+    def row(self, coeffs: dict[int, float], lb=-math.inf, ub=math.inf) -> None:
+        r = len(self.rlb)
+        for j, v in coeffs.items():
+            if v != 0.0:
+                self.rows.append(r)
+                self.cols.append(j)
+                self.vals.append(v)
+        self.rlb.append(lb)
+        self.rub.append(ub)
+
+    def solve(self, time_limit: float):
+        A = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.rlb), len(self.lb))).tocsr()
+        return milp(c=np.array(self.cost), integrality=np.array(self.integer),
+                    bounds=Bounds(np.array(self.lb), np.array(self.ub)),
+                    constraints=[LinearConstraint(A, np.array(self.rlb), np.array(self.rub))],
+                    options={"time_limit": time_limit, "mip_rel_gap": 1e-3})
+
+
+def _add(acc: dict[int, float], j: int, v: float) -> None:
+    acc[j] = acc.get(j, 0.0) + v
+
+
+def solve(program: Program, profile: Profile, caps: list[float], ref_counts: dict[str, list[float]],
+          active: list[bool], time_limit: float = 5.0, relax: bool = False,
+          fixed: dict[str, list[float]] | None = None) -> dict | None:
+    """Optimal counts when exactly the `active` ranks take part (rank 0 always does), with
+    speeds taken at `ref_counts`; None if they cannot fit the memory caps. `relax` drops the
+    integrality of whole heads (a plain LP); `fixed` pins the counts of some dimensions."""
+    N = profile.world_size
+    devs = profile.devices
+    act = [i for i in range(N) if active[i] or i == 0]
+    n = len(act)
+    m = _Model()
+    integer = () if relax else program.integer_dims
+    x = {d: [m.var(0.0, float(program.totals[d]) if (active[i] or i == 0) else 0.0,
+                   integer=d in integer) for i in range(N)]
+         for d in program.totals}
+    for d, vec in (fixed or {}).items():
+        for i in range(N):
+            m.lb[x[d][i]] = m.ub[x[d][i]] = float(vec[i])
+    for d, total in program.totals.items():
+        m.row({x[d][i]: 1.0 for i in act}, float(total), float(total))
+
+    tc: dict[tuple, int] = {}
+    tm: dict[Collective, int] = {}
+    per_layer_terms: dict[str, dict[int, float]] = {"layer": {}, "end": {}}
+    objective: dict[int, float] = {}
+    for phase, mult, group in program.phases():
+        if phase.works not in tc:
+            v = tc[phase.works] = m.var()
+            for i in act:
+                row, const = {v: 1.0}, 0.0
+                for w in phase.works:
+                    if w.dim == ROOT:
+                        const += MS * w.seconds(devs[0], 1.0) if i == 0 else 0.0
+                        continue
+                    ref = ref_counts[w.dim][i] or program.totals[w.dim] / n
+                    _add(row, x[w.dim][i], -MS * w.per_unit / w.speed(devs[i], ref))
+                    const += MS * devs[i].call_overhead_s  # charged as if every work runs
+                m.row(row, lb=const)
+        terms = [tc[phase.works]]
+        coll = phase.collective
+        if coll is not None and n > 1:
+            if coll not in tm:
+                tm[coll] = _collective_var(m, coll, program, profile, x, act)
+            terms.append(tm[coll])
+        target = (per_layer_terms[group] if program.stream is not None and group != "start"
+                  else objective)
+        w_ = 1.0 if target is not objective else float(mult)
+        for j in terms:
+            _add(target, j, w_)
+
+    budget = None
+    if program.stream is not None:
+        st = program.stream
+        read = m.var()  # the slowest rank's read of one layer's slices, ms
+        for i in act:
+            bw = devs[i].disk_read_Bps
+            row = {read: 1.0}
+            for d, b in st.read_per_unit.items():
+                _add(row, x[d][i], -MS * b / bw)
+            m.row(row, lb=MS * st.read_fixed / bw)
+        serial = 1.0 if st.window < 2 else 0.0
+        for group, mult in (("layer", program.repeat), ("end", 1)):
+            t = m.var()
+            _add(objective, t, float(mult))
+            m.row({t: 1.0, **{j: -v for j, v in per_layer_terms[group].items()}, read: -serial}, lb=0.0)
+            if st.window >= 2:
+                m.row({t: 1.0, read: -1.0}, lb=0.0)
+        budget = m.var()
+
+    # --- memory: caps, and for stream the one budget every rank's window must fit -----------
+    held = program.n_layers if program.stream is None else program.stream.window
+    for i in act:
+        per_layer, other, const = {}, {}, 0.0
+        for t in program.memory:
+            if t.dim == ACTIVE or (t.dim == ROOT and i == 0):
+                amount = t.per_unit
+                if t.per_layer:
+                    per_layer[-1] = per_layer.get(-1, 0.0) + amount
+                else:
+                    const += amount
+            elif t.dim in program.totals:
+                _add(per_layer if t.per_layer else other, x[t.dim][i], t.per_unit)
+        slice_const = per_layer.pop(-1, 0.0)
+        if const + held * slice_const > caps[i]:
+            return None  # cannot even hold its fixed part
+        row = dict(other)
+        for j, v in per_layer.items():
+            _add(row, j, held * v)
+        m.row(row, ub=caps[i] - const - held * slice_const)
+        if budget is not None:
+            m.row({budget: 1.0, **other}, ub=caps[i] - const)
+            m.row({budget: -1.0, **{j: held * v for j, v in per_layer.items()}},
+                  ub=-held * slice_const)
+
+    for j, v in objective.items():
+        m.cost[j] += v
+    res = m.solve(time_limit)
+    if res.x is None:
+        return None
+    out = {d: [max(0.0, float(res.x[x[d][i]])) for i in range(N)] for d in program.totals}
+    for d in integer:
+        out[d] = [float(round(v)) for v in out[d]]
+    return {"counts": out, "objective_s": res.fun / MS, "status": res.status}
+
+
+def _collective_var(m: _Model, coll: Collective, program: Program, profile: Profile, x,
+                    act: list[int]) -> int:
+    """A variable at least every participant's time in `coll` (each branch of link_terms)."""
+    t = m.var()
+    unit = coll.unit_bytes
+    S = coll.unit_bytes if coll.dim is None else unit * program.totals[coll.dim]
+    for i in act:
+        for const, coef in link_terms(coll, len(act), S, profile.devices[i], i == 0, profile.network):
+            row = {t: 1.0}
+            if coll.dim is not None:
+                _add(row, x[coll.dim][i], -MS * coef * unit)
+            m.row(row, lb=MS * const)
+    return t

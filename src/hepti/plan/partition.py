@@ -1,0 +1,387 @@
+"""The planner: strategy by memory status, ratio vectors by LP, baselines, and the explanation.
+
+`make_plan(config, profile, seq_len, ...)` is what `hepti plan` and `hepti run --strategy auto`
+call. With strategy "auto":
+
+- every rank that would take part can hold the whole model -> `rows` or `tensor`, whichever the
+  cost model predicts faster (rows is considered on the ranks that can hold the model, since
+  rank 0 always takes part it must be one of them);
+- only the devices' combined memory holds it -> `tensor` with memory-capped shares;
+- not even that -> `stream` (a window of 2 layers if it fits, else 1);
+- nothing fits -> PlanError saying how much memory is missing.
+
+Shares come from hepti.plan.search: an LP per candidate set of participating ranks (whole heads
+rounded by a min-max rule), judged by the exact cost model (hepti.plan.costmodel.evaluate). A
+rank whose share would only add communication gets nothing and drops out; up to 5 devices every
+set is considered, so adding a device never makes the plan slower (see search.py for larger
+clusters). The plan explains itself in a sentence or two: the memory status, who dropped out and
+why (memory, link or compute), whose share memory capped. Baselines for benchmarks: `even` (Megatron-LM),
+`proportional` (shares by GeMM speed alone; planned as `tensor`), `pipeline` (PipeEdge's
+dynamic program), `single` (rank 0 alone). With `ratios` the plan is evaluated, not optimised.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+from hepti.config import BertConfig
+from hepti.counts import counts as split_counts
+from hepti.counts import offsets
+from hepti.errors import PlanError
+from hepti.model.sizes import model_bytes
+from hepti.plan.costmodel import ACTIVE, ROOT, Prediction, Program, evaluate
+from hepti.plan.pipeline import evaluate_pipeline, pipeline_ranges
+from hepti.plan.planfile import DIMS, Plan, parse_ratios
+from hepti.plan.profile import Profile
+from hepti.plan.search import Candidate, fits_memory, min_footprint, optimise, stream_budget
+from hepti.plan.workloads import program_for
+
+PLANNERS = ("auto", "rows", "tensor", "stream", "even", "proportional", "pipeline", "single")
+DEFAULT_DISK_READ_BPS = 100e6  # assumed when a stream plan meets a device without disk_read_Bps
+
+
+# --- memory --------------------------------------------------------------------------------
+
+def memory_caps(profile: Profile, mem_budget: float | None = None) -> list[float]:
+    """Bytes each rank may use for the model: its usable memory, capped by the user's budget."""
+    caps = [dev.usable_bytes for dev in profile.devices]
+    if mem_budget is not None:
+        caps = [min(c, float(mem_budget)) for c in caps]
+    return caps
+
+
+# --- evaluation of given shares -------------------------------------------------------------
+
+def counts_from_ratios(program: Program, ratios: dict[str, list[float]]) -> dict[str, list[float]]:
+    return {d: [float(c) for c in split_counts(t, ratios[d])] for d, t in program.totals.items()}
+
+
+def evaluate_ratios(program: Program, profile: Profile, ratios: dict[str, list[float]],
+                    strategy: str | None = None) -> Candidate:
+    cnt = counts_from_ratios(program, ratios)
+    if program.stream is not None:
+        program.stream.budget = stream_budget(program, cnt)
+    pred = evaluate(program, cnt, profile)
+    c = Candidate(strategy or program.name, cnt, pred, program, pred.latency_s)
+    if program.stream is not None:
+        c.mem_budget = int(program.stream.budget)
+    return c
+
+
+def _pipeline_candidate(cfg, B, T, profile, caps, ranges=None) -> Candidate | None:
+    if ranges is None:
+        ranges = pipeline_ranges(cfg, B, T, profile, caps)
+        if ranges is None:
+            return None
+    ev = evaluate_pipeline(cfg, B, T, profile, ranges)
+    L = cfg.num_hidden_layers
+    share = [(b - a) / L for a, b in ranges]
+    pred = Prediction(ev["latency_s"], ev["per_rank"], [], {})
+    c = Candidate("pipeline", {d: share for d in DIMS}, pred, None, ev["latency_s"],
+                  layers=[list(r) for r in ranges], extra={"bottleneck_s": ev["bottleneck_s"]})
+    return c
+
+
+# --- explanations --------------------------------------------------------------------------
+
+def _mb(b: float) -> str:
+    return f"{b / 1e6:,.0f} MB" if b >= 1e6 else f"{b / 1e3:,.0f} kB"
+
+
+def _link(dev) -> str:
+    mbit = dev.bandwidth_Bps * 8 / 1e6
+    bw = f"{mbit / 1000:.1f} Gbit/s" if mbit >= 1000 else f"{mbit:.0f} Mbit/s"
+    return f"{bw} link" + (f" ({dev.latency_s * 1e3:.1f} ms latency)" if dev.latency_s >= 1e-3 else "")
+
+
+def _sentences(parts: list[str]) -> str:
+    """Join clauses into sentences, each capitalised and ended with a full stop."""
+    return " ".join(p[0].upper() + p[1:] + ("" if p.endswith(".") else ".") for p in parts if p)
+
+
+def _who(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:6])) + (f" and {len(ranks) - 6} more" if len(ranks) > 6 else "")
+    return f"rank {shown} gets" if len(ranks) == 1 else f"ranks {shown} get"
+
+
+def _dropout_reasons(cand: Candidate, profile: Profile, caps: list[float]) -> list[str]:
+    """Why ranks got nothing, grouped: memory too small, link too slow, or compute too slow."""
+    if cand.prediction is None or cand.program is None:
+        return []
+    members = [profile.devices[r.rank] for r in cand.prediction.per_rank if r.active]
+    slowest_bw = min(d.bandwidth_Bps for d in members)
+    worst_lat = max(d.latency_s for d in members)
+    memory, link, compute = [], [], []
+    for i, dev in enumerate(profile.devices):
+        if i == 0 or cand.prediction.per_rank[i].active:
+            continue
+        if min_footprint(cand.program, i) > caps[i]:
+            memory.append(i)
+        elif dev.bandwidth_Bps < slowest_bw or dev.latency_s > worst_lat:
+            link.append(i)
+        else:
+            compute.append(i)
+    out = []
+    if memory:
+        need = min(min_footprint(cand.program, i) for i in memory)
+        mem = f"its {_mb(caps[memory[0]])} of memory" if len(memory) == 1 else "their memory"
+        out.append(f"{_who(memory)} no share: {mem} cannot hold even the smallest part ({_mb(need)})")
+    if link:
+        if len(link) == 1:
+            why = f"its {_link(profile.devices[link[0]])} would cost more than its compute saves"
+        else:
+            why = "their links would cost more than their compute saves"
+        out.append(f"{_who(link)} no share: {why}")
+    if compute:
+        out.append(f"{_who(compute)} no share: too slow to save more compute than one more rank "
+                   f"adds to every collective")
+    return out
+
+
+def _capped(cand: Candidate, caps: list[float]) -> list[str]:
+    if cand.prediction is None:
+        return []
+    return [f"rank {r.rank}'s share is capped by its memory ({_mb(caps[r.rank])})"
+            for r in cand.prediction.per_rank
+            if r.active and r.rank and r.mem_bytes >= 0.985 * caps[r.rank] and cand.strategy != "rows"]
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
+
+
+# --- strategies ----------------------------------------------------------------------------
+
+def _normalise_ratios(ratios, world_size: int) -> dict[str, list[float]] | None:
+    if ratios is None:
+        return None
+    if isinstance(ratios, str):
+        return parse_ratios(ratios, world_size)
+    if isinstance(ratios, dict):
+        text = ";".join(f"{d}={','.join(str(v) for v in vec)}" for d, vec in ratios.items())
+        return parse_ratios(text, world_size)
+    return parse_ratios(",".join(str(v) for v in ratios), world_size)
+
+
+def _stream_candidate(cfg, B, T, profile, caps, ratios=None) -> tuple[Candidate | None, bool]:
+    """The best stream plan (window 2, else 1) and whether a default disk speed was assumed."""
+    assumed = any(dev.disk_read_Bps is None for dev in profile.devices)
+    prof = profile
+    if assumed:
+        prof = copy.deepcopy(profile)
+        for dev in prof.devices:
+            dev.disk_read_Bps = dev.disk_read_Bps or DEFAULT_DISK_READ_BPS
+    for window in (2, 1):
+        program = program_for("stream", cfg, B, T, window)
+        if ratios is not None:
+            c = evaluate_ratios(program, prof, ratios, "stream")
+        else:
+            c = optimise(program, prof, caps)
+        # given ratios that fit no window are still evaluated (the plan says what is missing)
+        if c is not None and (not fits_memory(c.prediction, caps) or (ratios is not None and window == 1)):
+            c.extra["window"] = window
+            return c, assumed
+    return None, assumed
+
+
+def _missing_memory_error(cfg: BertConfig, B: int, T: int, profile: Profile, caps: list[float]):
+    program = program_for("stream", cfg, B, T, 1)
+    fixed, need_units = [], 0.0
+    for i in range(profile.world_size):
+        f = 0.0
+        for t in program.memory:
+            if t.dim == ACTIVE:
+                f += t.per_unit
+            elif t.dim == ROOT and i == 0:
+                f += t.per_unit
+        fixed.append(f)
+    for t in program.memory:
+        if t.dim in program.totals:
+            need_units += t.per_unit * program.totals[t.dim]
+    if caps[0] < fixed[0] + 1:
+        raise PlanError(
+            f"nothing fits: rank 0 (which embeds the tokens and collects the outputs) needs at least "
+            f"{_mb(fixed[0])} for the embeddings and activations at {B}x{T} tokens but has "
+            f"{_mb(caps[0])}; give rank 0 {_mb(fixed[0] - caps[0])} more, or use shorter inputs")
+    avail = sum(max(0.0, c - f) for c, f in zip(caps, fixed))
+    missing = need_units - avail
+    raise PlanError(
+        f"nothing fits, not even streaming one layer at a time: the devices have {_mb(sum(caps))} "
+        f"for hepti, and one layer's slices plus activations at {B}x{T} tokens need about "
+        f"{_mb(missing)} more than is left after each rank's fixed part; add a device or memory, "
+        f"or use shorter inputs")
+
+
+def _finish(cand: Candidate, cfg: BertConfig, B: int, T: int, profile: Profile, caps,
+            explanation: str, solve_s: float | None, extra_pred: dict | None = None) -> Plan:
+    N = profile.world_size
+    strategy = cand.strategy
+    if cand.layers is None:
+        totals = {"heads": cfg.num_attention_heads, "ffn": cfg.intermediate_size, "rows": B * T}
+        cnt = {d: [int(round(v)) for v in cand.counts.get(d, [0] * N)] for d in DIMS}
+        for d in DIMS:  # dimensions the strategy does not split run whole on the active ranks
+            if d not in cand.counts:
+                cnt[d] = split_counts(totals[d], cand.counts["rows"])
+        ratios = {d: [c / totals[d] for c in cnt[d]] for d in DIMS}
+        for d in DIMS:
+            assert split_counts(totals[d], ratios[d]) == cnt[d], (d, cnt[d], ratios[d])
+    else:
+        ratios = {d: list(cand.counts[d]) for d in DIMS}
+        cnt = {"layers": [b - a for a, b in cand.layers]}
+    pred = cand.prediction
+    over = fits_memory(pred, caps)
+    per_rank = [dict(r.to_dict(), host=profile.devices[r.rank].host) for r in pred.per_rank]
+    predicted = {"per_rank": per_rank, "phases": pred.phases, "fits_memory": not over,
+                 "mem_caps": list(caps)}
+    predicted.update(cand.extra)
+    predicted.update(extra_pred or {})
+    if over:
+        explanation += " " + "; ".join(
+            f"rank {i} would need {_mb(pred.per_rank[i].mem_bytes)} but has {_mb(caps[i])}"
+            for i in over) + "."
+    return Plan(strategy=strategy, world_size=N, ratios=ratios, layers=cand.layers,
+                mem_budget=cand.mem_budget, counts=cnt, model=cfg.name, seq_len=T, batch=B,
+                predicted_latency_s=cand.latency_s, predicted=predicted, solve_s=solve_s,
+                explanation=explanation.strip())
+
+
+def make_plan(config: BertConfig, profile: Profile, seq_len: int, batch: int = 1,
+              strategy: str = "auto", ratios=None, mem_budget: float | None = None) -> Plan:
+    """A plan for `batch` inputs of `seq_len` tokens on the profiled devices.
+
+    strategy: one of PLANNERS. ratios (evaluate instead of optimise): a vector for every
+    dimension, a dict per dimension, or the `--ratios` text. mem_budget caps every rank's memory
+    for hepti (bytes), on top of the profile.
+    """
+    if strategy not in PLANNERS:
+        raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(PLANNERS)}")
+    if seq_len < 1 or batch < 1:
+        raise PlanError(f"seq_len {seq_len} and batch {batch} must be at least 1")
+    if seq_len > config.max_position_embeddings:
+        raise PlanError(f"seq_len {seq_len} exceeds the model's {config.max_position_embeddings} positions")
+    t0 = time.perf_counter()
+    N, B, T = profile.world_size, batch, seq_len
+    caps = memory_caps(profile, mem_budget)
+    given = _normalise_ratios(ratios, N)
+    if given is not None and strategy in ("even", "single", "proportional"):
+        raise PlanError(f"--strategy {strategy} sets its own shares; drop --ratios, or use "
+                        "--strategy tensor (or rows, stream, pipeline) with your ratios")
+    mb = model_bytes(config)
+
+    if strategy == "pipeline":
+        if given is not None:
+            per = split_counts(config.num_hidden_layers, given["rows"])
+            ranges = [(o, o + n) for o, n in zip(offsets(per), per)]  # as the executor splits
+            cand = _pipeline_candidate(config, B, T, profile, caps, ranges)
+            why = "Pipeline (PipeEdge) with the given layer shares."
+        else:
+            cand = _pipeline_candidate(config, B, T, profile, caps)
+            if cand is None:
+                raise PlanError("no pipeline fits: some layer range must fit each stage's memory; "
+                                "use --strategy stream or add memory")
+            used = [i for i, (a, b) in enumerate(cand.layers) if b > a]
+            why = (f"Pipeline baseline (PipeEdge's dynamic program): layer ranges on ranks "
+                   f"{', '.join(map(str, used))} minimise the slowest stage "
+                   f"({_ms(cand.extra['bottleneck_s'])} per batch, transfers included).")
+        return _finish(cand, config, B, T, profile, caps, why, time.perf_counter() - t0)
+
+    if strategy in ("even", "proportional", "single"):
+        program = program_for("tensor", config, B, T)
+        if strategy == "even":
+            vec = [1.0 / N] * N
+            why = "Even baseline (Megatron-LM): equal shares of heads, FFN columns and rows."
+        elif strategy == "single":
+            vec = [1.0] + [0.0] * (N - 1)
+            why = "Single-device baseline: rank 0 runs the whole model alone."
+        else:
+            speed = [dev.gemm.peak for dev in profile.devices]
+            vec = [s / sum(speed) for s in speed]
+            why = ("Proportional baseline (CoEdge/MoDNN-style): tensor shares by GeMM speed alone, "
+                   "the network ignored.")
+        cand = evaluate_ratios(program, profile, {d: vec for d in DIMS},
+                               "single" if strategy == "single" else ("even" if strategy == "even" else "tensor"))
+        return _finish(cand, config, B, T, profile, caps, why, time.perf_counter() - t0,
+                       {"planner": strategy})
+
+    # rows / tensor / stream / auto
+    if strategy in ("rows", "tensor"):
+        program = program_for(strategy, config, B, T)
+        if given is not None:
+            cand = evaluate_ratios(program, profile, given, strategy)
+            why = f"{strategy} with the given ratios (evaluated, not optimised)."
+        else:
+            cand = optimise(program, profile, caps)
+            if cand is None:
+                raise PlanError(_infeasible_message(strategy, config, B, T, profile, caps))
+            why = _sentences([f"{strategy} with shares chosen by the LP"]
+                             + _dropout_reasons(cand, profile, caps) + _capped(cand, caps))
+        return _finish(cand, config, B, T, profile, caps, why, time.perf_counter() - t0)
+
+    if strategy == "stream":
+        cand, assumed = _stream_candidate(config, B, T, profile, caps, given)
+        if cand is None:
+            _missing_memory_error(config, B, T, profile, caps)
+        why = (f"stream: each rank holds a window of {cand.extra['window']} layer(s) of its slices "
+               f"(--mem-budget {_mb(cand.mem_budget)}) and reads the next from disk while computing.")
+        if assumed:
+            why += f" Disk speed not in the profile: assumed {DEFAULT_DISK_READ_BPS / 1e6:.0f} MB/s."
+        return _finish(cand, config, B, T, profile, caps, why, time.perf_counter() - t0)
+
+    # auto: strategy by memory status
+    holds_all = [cap >= min_footprint(program_for("rows", config, B, T), i) for i, cap in enumerate(caps)]
+    options: dict[str, Candidate] = {}
+    for s in ("rows", "tensor"):
+        program = program_for(s, config, B, T)
+        if given is not None:
+            c = evaluate_ratios(program, profile, given, s)
+            if not fits_memory(c.prediction, caps):
+                options[s] = c
+        elif s == "tensor" or holds_all[0]:
+            c = optimise(program, profile, caps)
+            if c is not None:
+                options[s] = c
+    if options:
+        best = min(options.values(), key=lambda c: c.latency_s)
+        lat = {s: c.latency_s for s, c in options.items()}
+        if all(holds_all):
+            why = (f"Every device can hold the whole model ({_mb(mb)}), so rows and tensor were both "
+                   f"considered; {best.strategy} is faster ({' vs '.join(f'{s} {_ms(v)}' for s, v in lat.items())}).")
+        elif "rows" in options:
+            can = [i for i, h in enumerate(holds_all) if h]
+            who = f"rank {can[0]}" if len(can) == 1 else f"ranks {', '.join(map(str, can))}"
+            why = (f"Only {who} can hold the whole model ({_mb(mb)}); "
+                   f"{best.strategy} is faster ({' vs '.join(f'{s} {_ms(v)}' for s, v in lat.items())}).")
+        else:
+            why = (f"The model ({_mb(mb)}) fits only in the devices' combined memory, so the weights "
+                   f"are sliced (tensor) with memory-capped shares.")
+        if given is None:
+            why = _sentences([why] + _dropout_reasons(best, profile, caps) + _capped(best, caps))
+        else:
+            why += " Shares as given (evaluated, not optimised)."
+        return _finish(best, config, B, T, profile, caps, why, time.perf_counter() - t0,
+                       {"candidates_s": lat})
+    cand, assumed = _stream_candidate(config, B, T, profile, caps, given)
+    if cand is None:
+        _missing_memory_error(config, B, T, profile, caps)
+    why = (f"Not even the devices' combined memory ({_mb(sum(caps))}) holds the model ({_mb(mb)}) "
+           f"at these shapes, so each rank streams its slices from disk, holding a window of "
+           f"{cand.extra['window']} layer(s).")
+    if assumed:
+        why += f" Disk speed not in the profile: assumed {DEFAULT_DISK_READ_BPS / 1e6:.0f} MB/s."
+    if given is None:
+        why = _sentences([why] + _dropout_reasons(cand, profile, caps))
+    return _finish(cand, config, B, T, profile, caps, why, time.perf_counter() - t0)
+
+
+def _infeasible_message(strategy, cfg, B, T, profile, caps) -> str:
+    program = program_for(strategy, cfg, B, T)
+    need0 = min_footprint(program, 0)
+    if strategy == "rows":
+        return (f"rows needs rank 0 (always taking part) to hold the whole model and its activations "
+                f"({_mb(need0)}) but it has {_mb(caps[0])}; use --strategy tensor or stream")
+    total = sum(t.per_unit * (cfg.num_hidden_layers if t.per_layer else 1)
+                * (program.totals[t.dim] if t.dim in program.totals else 1)
+                for t in program.memory if t.dim != ROOT) + sum(
+        t.per_unit for t in program.memory if t.dim == ROOT)
+    return (f"tensor does not fit: the model's slices and activations need about {_mb(total)} "
+            f"across the ranks, which have {_mb(sum(caps))}; use --strategy stream")

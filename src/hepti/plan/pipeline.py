@@ -1,0 +1,175 @@
+"""The `pipeline` baseline: PipeEdge's dynamic program over contiguous layer ranges.
+
+The executor (hepti.parallel.pipeline) runs stages in rank order: rank 0 embeds, every rank with
+layers runs its range [a, b) on all M rows and Sends [M, C] (after a small pickled header with
+the key mask) to the next stage; the last stage Sends the result back to rank 0. Sends block, so
+a stage's period is receive + compute + send; a stream of batches moves at the slowest period.
+
+PipeEdge (Hu et al., 2022) chooses the ranges by dynamic programming to minimise the slowest
+stage, counting transfers. Here the stage order is the rank order (the executor's), so the
+program is f(k, l) = min over an earlier stage (j, a) of max(f(j, a), in(j->k) + compute_k(a, l)):
+the slowest period so far when rank k's stage ends at layer l, each transfer charged to its
+receiver (the last stage also pays the return to rank 0). Ranges that do not fit a rank's
+memory are excluded. O(N^2 L^2); exact periods and latency are then evaluated for the winner.
+"""
+from __future__ import annotations
+
+import math
+
+from hepti.config import BertConfig
+from hepti.model.sizes import embedding_bytes, layer_bytes
+from hepti.plan.costmodel import ROOT, RankPrediction, Work
+from hepti.plan.profile import Profile
+from hepti.plan.workloads import F32, _tensor_layer
+
+HEADER_BYTES = 256  # pickled (shape, key mask) header before each activation (plus the mask)
+
+
+def _layer_seconds(cfg: BertConfig, B: int, T: int, profile: Profile) -> list[float]:
+    """One whole layer's compute on each device (all heads, columns and rows)."""
+    full = {"heads": cfg.num_attention_heads, "ffn": cfg.intermediate_size, "rows": B * T}
+    works = [w for p in _tensor_layer(cfg, B, T, last=False) for w in p.works]
+    return [sum(w.seconds(dev, full[w.dim]) for w in works) for dev in profile.devices]
+
+
+def _embed_seconds(cfg: BertConfig, B: int, T: int, profile: Profile) -> float:
+    return Work("elementwise", ROOT, 4.0 * B * T * cfg.hidden_size).seconds(profile.devices[0], 1.0)
+
+
+def _transfer(profile: Profile, j: int, k: int, nbytes: float, header: float) -> float:
+    """Seconds to move nbytes (after a header message) from rank j to rank k through the switch."""
+    if j == k:
+        return 0.0
+    a, b = profile.devices[j], profile.devices[k]
+    bw = min(a.bandwidth_Bps, b.bandwidth_Bps)
+    msgs = 2 if header else 1
+    return msgs * (a.latency_s + b.latency_s) + (nbytes + header) / bw
+
+
+def stage_memory(cfg: BertConfig, B: int, T: int, rank: int, n_layers: int) -> dict[str, float]:
+    M, C, F = B * T, cfg.hidden_size, cfg.intermediate_size
+    mem = {"weights": float(n_layers * layer_bytes(cfg)),
+           "activations": F32 * (4.0 * M * C + T * T + 4.0 * M * cfg.head_dim * cfg.num_attention_heads
+                                 + M * F) if n_layers else F32 * 2.0 * M * C,
+           "buffers": F32 * 1.0 * M * C}
+    if rank == 0:
+        mem["weights"] += embedding_bytes(cfg)
+        mem["activations"] += F32 * 3.0 * M * C
+    return mem
+
+
+def pipeline_ranges(cfg: BertConfig, B: int, T: int, profile: Profile, caps: list[float]
+                    ) -> list[tuple[int, int]] | None:
+    """PipeEdge's ranges [start, stop) per rank (empty for unused ranks), or None if no
+    assignment fits the memory caps."""
+    N, L = profile.world_size, cfg.num_hidden_layers
+    lt = _layer_seconds(cfg, B, T, profile)
+    emb = _embed_seconds(cfg, B, T, profile)
+    S = F32 * B * T * cfg.hidden_size
+    head = HEADER_BYTES + F32 * B * T
+    fits = [[sum(stage_memory(cfg, B, T, k, n).values()) <= caps[k] for n in range(L + 1)]
+            for k in range(N)]
+    if not fits[0][0]:
+        return None
+    INF = math.inf
+    # f[k][l]: slowest period so far with rank k's stage ending at layer l; back-pointers
+    f = [[INF] * (L + 1) for _ in range(N)]
+    back: dict[tuple[int, int], tuple[int, int] | None] = {}
+    for l in range(L + 1):  # rank 0 runs layers [0, l) after embedding (l may be 0)
+        if fits[0][l]:
+            f[0][l] = emb + l * lt[0]
+            back[(0, l)] = None
+    for k in range(1, N):
+        ret = _transfer(profile, k, 0, S, 0)  # paid by rank k if its stage is the last
+        for l in range(1, L + 1):
+            best, arg = INF, None
+            for j in range(k):
+                tr = _transfer(profile, j, k, S, head) + (ret if l == L else 0.0)
+                for a in range(l):
+                    if f[j][a] == INF or not fits[k][l - a]:
+                        continue
+                    v = max(f[j][a], tr + (l - a) * lt[k])
+                    if v < best:
+                        best, arg = v, (j, a)
+            f[k][l] = best
+            back[(k, l)] = arg
+    end = min(range(N), key=lambda k: f[k][L])
+    if f[end][L] == INF:
+        return None
+    ranges = [(0, 0)] * N
+    k, l = end, L
+    while True:
+        prev = back[(k, l)]
+        a = 0 if prev is None else prev[1]
+        ranges[k] = (a, l)
+        if prev is None:
+            break
+        k, l = prev
+    # unused ranks get an empty range where the layers before them end (rank order)
+    out, pos = [], 0
+    for k in range(N):
+        a, b = ranges[k]
+        if b > a:
+            pos = b
+            out.append((a, b))
+        else:
+            out.append((pos, pos))
+    return out
+
+
+def pipeedge_bottleneck(cfg: BertConfig, B: int, T: int, profile: Profile,
+                        ranges: list[tuple[int, int]]) -> float:
+    """The dynamic program's objective for given ranges: the slowest stage period with each
+    transfer charged to its receiver (and the return to rank 0 to the last stage)."""
+    lt = _layer_seconds(cfg, B, T, profile)
+    S = F32 * B * T * cfg.hidden_size
+    head = HEADER_BYTES + F32 * B * T
+    stages = [k for k in range(profile.world_size) if ranges[k][1] > ranges[k][0]]
+    periods = [_embed_seconds(cfg, B, T, profile) + (ranges[0][1] - ranges[0][0]) * lt[0]]
+    prev = 0
+    for k in stages:
+        if k == 0:
+            continue
+        p = _transfer(profile, prev, k, S, head) + (ranges[k][1] - ranges[k][0]) * lt[k]
+        if k == stages[-1]:
+            p += _transfer(profile, k, 0, S, 0)
+        periods.append(p)
+        prev = k
+    return max(periods)
+
+
+def evaluate_pipeline(cfg: BertConfig, B: int, T: int, profile: Profile,
+                      ranges: list[tuple[int, int]]) -> dict:
+    """Latency of one batch, the slowest period, and per-rank predictions for these ranges."""
+    N = profile.world_size
+    lt = _layer_seconds(cfg, B, T, profile)
+    emb = _embed_seconds(cfg, B, T, profile)
+    S = F32 * B * T * cfg.hidden_size
+    head = HEADER_BYTES + F32 * B * T
+    stages = [k for k in range(N) if ranges[k][1] > ranges[k][0]]
+    ranks = [RankPrediction(k, k == 0 or k in stages) for k in range(N)]
+    ranks[0].compute_s = emb
+    latency = emb
+    prev = 0
+    periods = {0: emb}
+    for k in stages:
+        tin = _transfer(profile, prev, k, S, head)
+        comp = (ranges[k][1] - ranges[k][0]) * lt[k]
+        latency += tin + comp
+        ranks[k].compute_s += comp
+        if tin:
+            ranks[k].comm_s["recv"] = tin
+            ranks[prev].comm_s["send"] = ranks[prev].comm_s.get("send", 0.0) + tin
+        periods[prev] = periods.get(prev, 0.0) + tin
+        periods[k] = periods.get(k, 0.0) + tin + comp
+        prev = k
+    if prev != 0:
+        tout = _transfer(profile, prev, 0, S, 0)
+        latency += tout
+        ranks[prev].comm_s["send"] = ranks[prev].comm_s.get("send", 0.0) + tout
+        ranks[0].comm_s["recv"] = ranks[0].comm_s.get("recv", 0.0) + tout
+        periods[prev] += tout
+    for k in range(N):
+        if ranks[k].active:
+            ranks[k].mem = stage_memory(cfg, B, T, k, ranges[k][1] - ranges[k][0])
+    return {"latency_s": latency, "bottleneck_s": max(periods.values()), "per_rank": ranks}

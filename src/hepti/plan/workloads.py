@@ -1,0 +1,136 @@
+"""What each strategy does, as cost-model programs: BERT `rows`, `tensor`, `stream`, and the
+Hepti paper's chain of MatMuls.
+
+Each program mirrors its executor in hepti.parallel (rows.py, tensor.py, engine.py) phase by
+phase: one Phase per stretch of compute that ends in a collective. Per batch, the engine first
+broadcasts the batch shape (a pickled object) and the key mask [B, T], and rank 0 embeds the
+tokens. Notation: M = B*T token rows, C hidden, F FFN width, H heads, D = C/H, L layers;
+GeMM [m,k]x[k,n] = 2mkn FLOPs; attention of m query rows on h heads against T keys = 4mThD.
+The FFN's GeLU (and every bias) is fused into its GeMM's epilogue, so it has no Work of its own:
+the profiler's GeMM speed is measured on a layer's GeMMs with that epilogue.
+
+Memory is an estimate of what the executors hold at their peak: weights (hepti.model.sizes, the
+numbers the runtime itself budgets with), activations and collective buffers.
+"""
+from __future__ import annotations
+
+from hepti.config import BertConfig
+from hepti.model.sizes import embedding_bytes, layer_bytes
+from hepti.plan.costmodel import ACTIVE, ROOT, Collective, MemTerm, Phase, Program, Stream, Work
+
+F32 = 4
+SHAPE_OBJ_BYTES = 64  # the pickled (B, T) the engine broadcasts before each batch
+
+
+def _preamble(B: int, T: int) -> list[Phase]:
+    return [Phase((), Collective("bcast", None, SHAPE_OBJ_BYTES, "shape"), "batch shape"),
+            Phase((), Collective("bcast", None, F32 * B * T, "mask"), "key mask")]
+
+
+def _embed(cfg: BertConfig, M: int) -> Work:
+    # gather three embedding rows, add, LayerNorm: about 4 passes over [M, C]
+    return Work("elementwise", ROOT, 4.0 * M * cfg.hidden_size, name="embed")
+
+
+def rows_program(cfg: BertConfig, B: int, T: int) -> Program:
+    """`rows`: weights replicated; each rank's r_i token rows; K/V rows Allgatherv'd per layer."""
+    C, F, L, M = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, B * T
+    qkv = Work("gemm", "rows", 2.0 * C * 3 * C, C, 1, "qkv")  # [r,C]x[C,3C]
+    attn = Work("attention", "rows", 4.0 * T * C, name="attention")  # r rows vs T keys
+    out = Work("gemm", "rows", 2.0 * C * C, C, 1, "o-proj")
+    ln = Work("elementwise", "rows", 1.0 * C, name="add+ln")
+    up = Work("gemm", "rows", 2.0 * C * F, C, 1, "ffn up")
+    down = Work("gemm", "rows", 2.0 * F * C, C, 1, "ffn down")
+    kv = Collective("allgatherv", "rows", F32 * 2 * C, "K/V rows")
+    body = (attn, out, ln, up, down, ln)
+    start = _preamble(B, T) + [
+        Phase((_embed(cfg, M),), Collective("scatterv", "rows", F32 * C, "input rows"), "embed+scatter"),
+        Phase((qkv,), kv, "layer 0 qkv"),
+    ]
+    layer = [Phase(body + (qkv,), kv, "layer")]
+    end = [Phase(body, Collective("gatherv", "rows", F32 * C, "output rows"), "last layer")]
+    memory = [
+        MemTerm("weights", ACTIVE, float(layer_bytes(cfg)), per_layer=True),
+        MemTerm("weights", ROOT, float(embedding_bytes(cfg))),
+        MemTerm("activations", ACTIVE, F32 * (2.0 * M * C + T * T + B * T)),  # all K/V, scores
+        MemTerm("activations", "rows", F32 * (9.0 * C + F)),  # x, qkv, ctx, ffn hidden, outputs
+        MemTerm("activations", ROOT, F32 * 4.0 * M * C),  # embedding temporaries, gathered output
+        MemTerm("buffers", ACTIVE, F32 * 2.0 * M * C),  # Allgatherv temporaries
+    ]
+    return Program("rows", {"rows": M}, start, layer, end, L - 1, memory, n_layers=L)
+
+
+def _tensor_layer(cfg: BertConfig, B: int, T: int, last: bool) -> list[Phase]:
+    C, F, D, M = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, B * T
+    qkv = Work("gemm", "heads", 2.0 * M * C * 3 * D, min(M, C), 3 * D, "qkv")  # [M,C]x[C,3hD]
+    attn = Work("attention", "heads", 4.0 * M * T * D, name="attention")
+    out = Work("gemm", "heads", 2.0 * M * D * C, min(M, C), D, "o-proj")  # [M,hD]x[hD,C]
+    ln = Work("elementwise", "rows", 1.0 * C, name="add+ln")
+    up = Work("gemm", "ffn", 2.0 * M * C, min(M, C), 1, "ffn up")  # [M,C]x[C,f]
+    down = Work("gemm", "ffn", 2.0 * M * C, min(M, C), 1, "ffn down")  # [M,f]x[f,C]
+    rs = Collective("reduce_scatter", "rows", F32 * C, "partial sums")
+    ag = Collective("allgatherv", "rows", F32 * C, "rows")
+    final = Collective("gatherv", "rows", F32 * C, "output rows") if last else ag
+    return [Phase((qkv, attn, out), rs, "attention"), Phase((ln,), ag, "add+ln 1"),
+            Phase((up, down), rs, "ffn"), Phase((ln,), final, "add+ln 2")]
+
+
+def _tensor_memory(cfg: BertConfig, B: int, T: int) -> list[MemTerm]:
+    C, D, M = cfg.hidden_size, cfg.head_dim, B * T
+    return [
+        # per layer held: 4 h D C + 3 h D (Q, K, V, O rows + QKV bias), 2 f C + f, 6 C whole
+        # (hepti.model.sizes.layer_slice_bytes)
+        MemTerm("weights", "heads", F32 * (4.0 * D * C + 3 * D), per_layer=True),
+        MemTerm("weights", "ffn", F32 * (2.0 * C + 1), per_layer=True),
+        MemTerm("weights", ACTIVE, F32 * 6.0 * C, per_layer=True),
+        MemTerm("weights", ROOT, float(embedding_bytes(cfg))),
+        MemTerm("activations", ACTIVE, F32 * (4.0 * M * C + T * T + B * T)),  # x, partials, scores
+        MemTerm("activations", "heads", F32 * 4.0 * M * D),  # qkv [M,3hD], ctx [M,hD]
+        MemTerm("activations", "ffn", F32 * 1.0 * M),  # ffn hidden [M, f]
+        MemTerm("activations", "rows", F32 * 2.0 * C),  # own rows after Reduce_scatter
+        MemTerm("activations", ROOT, F32 * 3.0 * M * C),  # embedding temporaries, output
+        MemTerm("buffers", ACTIVE, F32 * 1.0 * M * C),  # collective temporaries
+    ]
+
+
+def tensor_program(cfg: BertConfig, B: int, T: int, name: str = "tensor") -> Program:
+    """`tensor` (also `even`, `single`): heads, FFN columns and token rows split by ratio."""
+    H, F, L, M = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers, B * T
+    start = _preamble(B, T) + [
+        Phase((_embed(cfg, M),), Collective("bcast", None, F32 * M * cfg.hidden_size, "input"),
+              "embed+bcast")]
+    return Program(name, {"heads": H, "ffn": F, "rows": M}, start,
+                   _tensor_layer(cfg, B, T, last=False), _tensor_layer(cfg, B, T, last=True),
+                   L - 1, _tensor_memory(cfg, B, T), integer_dims=("heads",), n_layers=L)
+
+
+def stream_program(cfg: BertConfig, B: int, T: int, window: int) -> Program:
+    """`stream`: `tensor` with `window` layers of slices in RAM, the next read while computing.
+    The `end` phases are the last layer, so the per-layer read bound applies to them too."""
+    D, C = cfg.head_dim, cfg.hidden_size
+    prog = tensor_program(cfg, B, T, "stream")
+    prog.stream = Stream({"heads": F32 * (4.0 * D * C + 3 * D), "ffn": F32 * (2.0 * C + 1)},
+                         F32 * 6.0 * C, window)
+    return prog
+
+
+def matmul_chain_program(m: int, k: int, n: int, chain: int) -> Program:
+    """The Hepti paper's motivating experiment: `chain` MatMuls [m,k]x[k,n] (k == n) on rows
+    split by ratio; input scattered once, output gathered once, weights replicated."""
+    mm = tuple(Work("gemm", "rows", 2.0 * k * n, min(k, n), 1, f"matmul {j}") for j in range(chain))
+    start = [Phase((), Collective("scatterv", "rows", F32 * k, "input rows"), "scatter")]
+    end = [Phase(mm, Collective("gatherv", "rows", F32 * n, "output rows"), "matmuls+gather")]
+    memory = [MemTerm("weights", ACTIVE, F32 * chain * k * n),
+              MemTerm("activations", "rows", F32 * 2.0 * max(k, n)),
+              MemTerm("activations", ROOT, F32 * m * (k + n))]
+    return Program("matmul-chain", {"rows": m}, start, [], end, 0, memory)
+
+
+def program_for(strategy: str, cfg: BertConfig, B: int, T: int, window: int = 2) -> Program:
+    if strategy == "rows":
+        return rows_program(cfg, B, T)
+    if strategy in ("tensor", "even", "single"):
+        return tensor_program(cfg, B, T, strategy)
+    if strategy == "stream":
+        return stream_program(cfg, B, T, window)
+    raise ValueError(f"no program for strategy {strategy!r}")

@@ -1,0 +1,37 @@
+"""The profiler's pure parts: the link fit and the cache path (the MPI part is tests/mpi)."""
+from __future__ import annotations
+
+import pytest
+
+from hepti.parallel.profiling import fit_link, gemm_sizes, profile_cache_path
+from hepti.config import preset_config
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    alpha, beta = 1.5e-4, 1.2e8
+    points = [(n, alpha + n / beta) for n in (8, 4096, 65536, 1 << 20)]
+    lat, bw = fit_link(points)
+    assert lat == pytest.approx(alpha, rel=1e-6) and bw == pytest.approx(beta, rel=1e-6)
+    # noisy loopback figures: never a negative latency, bandwidth from the large messages
+    lat, bw = fit_link([(8, 2e-6), (4096, 1.8e-6), (1 << 20, 1.7e-4), (4 << 20, 6.5e-4)])
+    assert lat >= 0 and 5e9 < bw < 8e9
+
+
+def test_cache_path_depends_on_hostfile_contents_model_and_world(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEPTI_CACHE", str(tmp_path))
+    hosts = tmp_path / "hosts"
+    hosts.write_text("pi-a:1\npi-b:1\n")
+    p = profile_cache_path(str(hosts), "all-MiniLM-L6-v2", 2)
+    assert p.parent == tmp_path and p.name.startswith("profile-all-MiniLM-L6-v2-n2-")
+    assert profile_cache_path(str(hosts), "all-MiniLM-L6-v2", 2) == p
+    assert profile_cache_path(str(hosts), "bert-base", 2) != p
+    assert profile_cache_path(str(hosts), "all-MiniLM-L6-v2", 3) != p
+    hosts.write_text("pi-a:1\npi-c:1\n")
+    assert profile_cache_path(str(hosts), "all-MiniLM-L6-v2", 2) != p
+    assert profile_cache_path(None, "m", 1).parent == tmp_path
+
+
+def test_gemm_sizes_reach_all_rows():
+    cfg = preset_config("bert-base")
+    assert gemm_sizes(cfg, 256) == [8, 32, 128, 256]
+    assert gemm_sizes(cfg, 16) == [8, 16]
