@@ -55,6 +55,29 @@ def test_matmul_shapes(m, k, n):
     assert_gemm_close(matmul(a, b), naive.gemm(a, b), a, b, k)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matmul_several_groups_and_kblocks(threads):
+    """matmul packs B a group of panels per k-block: N spanning more than two groups with a
+    partial last panel, K spanning two k-blocks, M with a short last tile."""
+    from hepti.kernels.packed_gemm import otf_group
+    m, k, n = MR + 3, KC + 5, 2 * otf_group(KC) * NR + 17
+    a, b = rand(m, k), rand(k, n)
+    assert_gemm_close(matmul(a, b, threads=threads), naive.gemm(a, b), a, b, k)
+
+
+def test_matmul_single_row_views():
+    """One row of A (the direct GEMV path) from a column block, B and out as column blocks."""
+    k, n = 70, 45
+    a = rand(3, 2 * k)[1:2, k:]
+    big_b = rand(k, 3 * n)
+    b = big_b[:, n:2 * n]
+    big_out = np.full((2, 2 * n), 7.0, np.float32)
+    out = big_out[1:2, :n]
+    assert matmul(a, b, out=out) is out
+    assert_gemm_close(out, naive.gemm(a, b), a, b, k)
+    assert np.all(big_out[0] == 7.0) and np.all(big_out[1, n:] == 7.0)
+
+
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("trans", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])

@@ -7,14 +7,20 @@ Layout. B is cut into NR-wide column panels, each stored [K, NR] with rows conti
 (`PackedB.panels`, [n_panels, K, NR]); the last panel is zero-padded. A and C are read and
 written in place through flat views (see _views.py), so row slices and column blocks cost nothing.
 
-Loop order, for each block of MC rows of A (packed into MR-row tiles, k-major, kept in L2):
+Loop order with B pre-packed (`gemm`), for each block of MC rows of A (packed into MR-row
+tiles, k-major, kept in L2):
     for each panel jp (prange over panel ranges when threads > 1)
         for each k-block of KC rows of the panel (KC x NR floats, stays in L1)
             for each MR-row tile: C tile (+)= A tile @ panel slice   (register tile)
         then bias, GeLU, residual on the strip (rows x NR) while it is in L1/L2.
 While a pre-packed panel is computed, the next one is prefetched into L2 (software prefetch).
-`matmul` packs B on the fly, a group of panels (~L2/4) per pass over B's rows, into a
-per-thread buffer just before use, so it reads B once and never writes a packed copy out.
+
+`matmul` packs B on the fly with the k-blocks outermost (`_on_the_fly`): for each k-block, a
+group of panels (~L2/8) is packed from B's rows [KC, group * NR] into a per-thread buffer, each
+row segment read in one sequential pass, then every row tile runs over each panel slice. So B
+is read once per A block, a few pages per k-block rather than one page per row and panel (the
+earlier panel-outer order read B at ~5 GB/s, page by page, and lost 10-15% to it). A single
+row (M = 1) skips packing and streams B's rows (`_gemv`).
 """
 from __future__ import annotations
 
@@ -182,37 +188,26 @@ def _pack_a(a, a_off, lda, m0, m1, k, apack):
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _strip(apack, rows, k, kc_max, bp, c, c_off, ldc, j0, ncols, scratch, epi,
-           pf, pf_base, pf_stride, pf_width, pf_rows):
-    """C[0:rows, j0:j0+ncols] = epilogue(packed A block @ panel bp [k, NR]).
-
-    c_off and epi point at row 0 of the block. A full panel (ncols == NR) is written straight
-    into C; the last, partial one goes through scratch [rows * NR] and only its ncols valid
-    columns are copied out. The epilogue runs on the strip after its last k-block, while the
-    strip (rows x NR floats) is still in L1/L2. Meanwhile B data needed next (pf_rows rows of
-    pf_width floats, row r at pf[pf_base + r*pf_stride]) is prefetched into L2, spread over
-    the full tiles (none when there is no full tile: with so few rows, B streams anyway).
-    """
-    full = ncols == NR
-    if full:
-        dst, d_off, ldd = c, c_off + j0, ldc
-    else:
-        dst, d_off, ldd = scratch, 0, NR
-    n_kblocks = max(1, -(-k // kc_max))
+def _kblock(apack, rows, k0, kc, bp, bk0, dst, d_off, ldd, accumulate,
+            pf, pf_base, pf_stride, pf_width, pf_rows):
+    """dst rows 0 .. rows-1 (flat, from d_off, stride ldd; NR wide) (+)= packed A block
+    columns k0 .. k0+kc-1 @ bp rows bk0 .. bk0+kc-1. Meanwhile pf_rows rows of pf_width floats
+    (row r at pf[pf_base + r*pf_stride]) are prefetched into L2, spread over the full tiles."""
     n_full = rows // MR
     rem = rows - n_full * MR
-    pf_per_block = -(-pf_rows // n_kblocks)
-    for kb in range(n_kblocks):
-        k0 = kb * kc_max
-        kc = min(kc_max, k - k0)
-        r_lo = min(pf_rows, kb * pf_per_block)
-        r_hi = min(pf_rows, r_lo + pf_per_block)
-        full_tiles(0, n_full, kc, apack, bp, k0, dst, d_off, ldd, kb > 0,
-                   pf, pf_base + r_lo * pf_stride, pf_stride, pf_width, r_hi - r_lo)
-        if rem:
-            micro_tile(rem, kc, apack[n_full], bp, k0, dst, d_off + n_full * MR * ldd, ldd,
-                       kb > 0)
-    if not full:
+    full_tiles(0, n_full, kc, apack, bp, k0, bk0, dst, d_off, ldd, accumulate,
+               pf, pf_base, pf_stride, pf_width, pf_rows)
+    if rem:
+        micro_tile(rem, kc, apack[n_full], bp, k0, bk0, dst, d_off + n_full * MR * ldd, ldd,
+                   accumulate)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _finish(rows, c, c_off, ldc, j0, ncols, scratch, epi):
+    """After a strip's last k-block: copy a partial panel's ncols valid columns out of scratch
+    [rows * NR] into C (a full one was written in place), then run the epilogue on the strip
+    while it is still in L1/L2."""
+    if ncols < NR:
         for i in range(rows):
             src = scratch[i * NR:i * NR + ncols]
             cr = c[c_off + i * ldc + j0:c_off + i * ldc + j0 + ncols]
@@ -223,44 +218,93 @@ def _strip(apack, rows, k, kc_max, bp, c, c_off, ldc, j0, ncols, scratch, epi,
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
+def _strip(apack, rows, k, kc_max, bp, c, c_off, ldc, j0, ncols, scratch, epi,
+           pf, pf_base, pf_stride, pf_width, pf_rows):
+    """C[0:rows, j0:j0+ncols] = epilogue(packed A block @ pre-packed panel bp [k, NR]).
+
+    c_off and epi point at row 0 of the block. A full panel (ncols == NR) is written straight
+    into C; the last, partial one goes through scratch [rows * NR]. Meanwhile B data needed
+    next (pf_rows rows of pf_width floats, row r at pf[pf_base + r*pf_stride]) is prefetched
+    into L2, a share per k-block.
+    """
+    if ncols == NR:
+        dst, d_off, ldd = c, c_off + j0, ldc
+    else:
+        dst, d_off, ldd = scratch, 0, NR
+    n_kblocks = max(1, -(-k // kc_max))
+    pf_per_block = -(-pf_rows // n_kblocks)
+    for kb in range(n_kblocks):
+        k0 = kb * kc_max
+        r_lo = min(pf_rows, kb * pf_per_block)
+        r_hi = min(pf_rows, r_lo + pf_per_block)
+        _kblock(apack, rows, k0, min(kc_max, k - k0), bp, k0, dst, d_off, ldd, kb > 0,
+                pf, pf_base + r_lo * pf_stride, pf_stride, pf_width, r_hi - r_lo)
+    _finish(rows, c, c_off, ldc, j0, ncols, scratch, epi)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _on_the_fly(p_lo, p_hi, apack, rows, k, n, b, b_off, ldb, buf, c, c_off, ldc, blocks,
+                scratch, epi):
+    """Panels p_lo .. p_hi-1 of C for one packed block of A, B [K, N] packed as it is used.
+
+    k-blocks outermost: for each, B's rows k0 .. k0+kc-1 are packed a group of panels at a
+    time into buf [group, KC, NR] (each row segment read in one sequential pass: a few pages
+    per k-block, which the hardware prefetchers follow, rather than one page per row and
+    panel), then each panel of the group is multiplied into its C strip by every row tile
+    while its KC x NR slice sits in L1. C strips accumulate over the k-blocks (a partial last
+    panel in scratch [rows * NR]); the epilogue runs after the last. No software prefetch of
+    the next group: measured no faster, sometimes slower.
+    """
+    kc_max, group = blocks[1], blocks[2]
+    n_kblocks = max(1, -(-k // kc_max))
+    for kb in range(n_kblocks):
+        k0 = kb * kc_max
+        kc = min(kc_max, k - k0)
+        for g0 in range(p_lo, p_hi, group):
+            g1 = min(p_hi, g0 + group)
+            _pack_group(b, b_off + k0 * ldb, ldb, kc, g0 * NR, min(n, g1 * NR) - g0 * NR, 0,
+                        buf, 0)
+            for jp in range(g0, g1):
+                j0 = jp * NR
+                ncols = min(NR, n - j0)
+                if ncols == NR:
+                    dst, d_off, ldd = c, c_off + j0, ldc
+                else:
+                    dst, d_off, ldd = scratch, 0, NR
+                _kblock(apack, rows, k0, kc, buf[jp - g0], 0, dst, d_off, ldd, kb > 0,
+                        b, 0, ldb, 0, 0)
+                if kb == n_kblocks - 1:
+                    _finish(rows, c, c_off, ldc, j0, ncols, scratch, epi)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
 def _panel_range(p_lo, p_hi, apack, rows, k, n, panels, b, b_off, ldb, buf, c, c_off, ldc,
                  blocks, scratch, epi):
     """Panels p_lo .. p_hi-1 of C for one packed block of A.
 
-    With pre-packed `panels`, the next panel is prefetched while one is computed. Otherwise
-    the flat B [K, N] (row p at b[b_off + p*ldb]) is packed on the fly into buf [group, k, NR],
-    `group` panels per pass over its rows, and the next group's rows are prefetched while
-    this group is computed.
+    With pre-packed `panels`, the next panel is prefetched into L2 while one is computed.
+    Otherwise the flat B [K, N] (row p at b[b_off + p*ldb]) is packed as it is used
+    (`_on_the_fly`, into buf).
     """
-    kc_max, group, pf_dist = blocks[1], blocks[2], blocks[3]
-    if panels.shape[0] > 0:
-        panels_flat = panels.reshape(-1)
-        for jp in range(p_lo, p_hi):
-            pf_rows = k if pf_dist > 0 and jp + 1 < p_hi else 0
-            _strip(apack, rows, k, kc_max, panels[jp], c, c_off, ldc, jp * NR,
-                   min(NR, n - jp * NR), scratch, epi, panels_flat, (jp + 1) * k * NR, NR, NR,
-                   pf_rows)
+    if panels.shape[0] == 0:
+        _on_the_fly(p_lo, p_hi, apack, rows, k, n, b, b_off, ldb, buf, c, c_off, ldc, blocks,
+                    scratch, epi)
         return
-    for g0 in range(p_lo, p_hi, group):
-        g1 = min(p_hi, g0 + group)
-        _pack_group(b, b_off, ldb, k, g0 * NR, min(n, g1 * NR) - g0 * NR, pf_dist, buf, 0)
-        # while this group is computed, prefetch the next group's rows of B, a share per panel
-        next_cols = min(n, min(p_hi, g1 + group) * NR) - g1 * NR
-        prefetch_next = pf_dist > 0 and g1 < p_hi
-        for jp in range(g0, g1):
-            r_lo = (jp - g0) * k // (g1 - g0)
-            r_hi = (jp - g0 + 1) * k // (g1 - g0)
-            _strip(apack, rows, k, kc_max, buf[jp - g0], c, c_off, ldc, jp * NR,
-                   min(NR, n - jp * NR), scratch, epi, b, b_off + r_lo * ldb + g1 * NR, ldb,
-                   next_cols, r_hi - r_lo if prefetch_next else 0)
+    kc_max, pf_dist = blocks[1], blocks[3]
+    panels_flat = panels.reshape(-1)
+    for jp in range(p_lo, p_hi):
+        pf_rows = k if pf_dist > 0 and jp + 1 < p_hi else 0
+        _strip(apack, rows, k, kc_max, panels[jp], c, c_off, ldc, jp * NR,
+               min(NR, n - jp * NR), scratch, epi, panels_flat, (jp + 1) * k * NR, NR, NR,
+               pf_rows)
 
 
 @njit(**JIT)
-def _carve(ws, n_chunks, mc, k, buf_panels):
+def _carve(ws, n_chunks, mc, k, buf_panels, buf_rows):
     """Split the workspace into packed A [tiles, k, MR], per-chunk B buffers
-    [chunks, buf_panels, k, NR] and per-chunk partial C strips [chunks, >= mc * NR]."""
+    [chunks, >= buf_panels * buf_rows * NR] and per-chunk partial C strips [chunks, >= mc * NR]."""
     n_a = -(-mc // MR) * k * MR
-    n_buf = buf_panels * k * NR
+    n_buf = buf_panels * buf_rows * NR
     n_a16, n_buf16, n_s16 = -(-n_a // 16) * 16, -(-n_buf // 16) * 16, -(-mc * NR // 16) * 16
     apack = ws[:n_a].reshape((-(-mc // MR), k, MR))
     o = n_a16
@@ -270,10 +314,10 @@ def _carve(ws, n_chunks, mc, k, buf_panels):
     return apack, bufs, scratches
 
 
-def workspace_size(n_chunks: int, mc: int, k: int, buf_panels: int) -> int:
+def workspace_size(n_chunks: int, mc: int, k: int, buf_panels: int, buf_rows: int) -> int:
     """Floats of workspace `_carve` needs (keep in step with it)."""
     n_a = -(-mc // MR) * k * MR
-    return pad16(n_a) + n_chunks * (pad16(buf_panels * k * NR) + pad16(mc * NR))
+    return pad16(n_a) + n_chunks * (pad16(buf_panels * buf_rows * NR) + pad16(mc * NR))
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -284,8 +328,9 @@ def _gemm_serial(a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc, b
     """
     mc, group = blocks[0], blocks[2]
     buf_panels = 0 if panels.shape[0] > 0 else group
-    apack, bufs, scratches = _carve(ws, 1, mc, k, buf_panels)
-    buf = bufs[0, :buf_panels * k * NR].reshape((buf_panels, k, NR))
+    buf_rows = min(k, blocks[1])
+    apack, bufs, scratches = _carve(ws, 1, mc, k, buf_panels, buf_rows)
+    buf = bufs[0, :buf_panels * buf_rows * NR].reshape((buf_panels, buf_rows, NR))
     for m0 in range(0, m, mc):
         m1 = min(m, m0 + mc)
         _pack_a(a, a_off, lda, m0, m1, k, apack)
@@ -299,17 +344,46 @@ def _gemm_parallel(n_chunks, a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c
     """Whole GeMM with the panels split into n_chunks contiguous ranges, one per thread."""
     mc, group = blocks[0], blocks[2]
     buf_panels = 0 if panels.shape[0] > 0 else group
+    buf_rows = min(k, blocks[1])
     n_panels = -(-n // NR)
-    apack, bufs, scratches = _carve(ws, n_chunks, mc, k, buf_panels)
+    apack, bufs, scratches = _carve(ws, n_chunks, mc, k, buf_panels, buf_rows)
     for m0 in range(0, m, mc):
         m1 = min(m, m0 + mc)
         _pack_a(a, a_off, lda, m0, m1, k, apack)
         for chunk in prange(n_chunks):
-            buf = bufs[chunk, :buf_panels * k * NR].reshape((buf_panels, k, NR))
+            buf = bufs[chunk, :buf_panels * buf_rows * NR].reshape((buf_panels, buf_rows, NR))
             _panel_range(chunk * n_panels // n_chunks, (chunk + 1) * n_panels // n_chunks,
                          apack, m1 - m0, k, n, panels, b, b_off, ldb, buf, c,
                          c_off + m0 * ldc, ldc, blocks, scratches[chunk],
                          _shift_epi(epi, m0, 0))
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _gemv(a, a_off, k, n, b, b_off, ldb, c, c_off):
+    """c[c_off:c_off+n] = a[a_off:a_off+k] @ B for the flat B [K, N] (row p at b[b_off+p*ldb]).
+
+    One row of A needs each element of B once: packing would only add a copy, so B's rows
+    are streamed in order (what the hardware prefetchers follow), four per pass over c.
+    """
+    cr = c[c_off:c_off + n]
+    for j in range(n):
+        cr[j] = 0.0
+    p = 0
+    while p + 4 <= k:
+        x0, x1, x2, x3 = a[a_off + p], a[a_off + p + 1], a[a_off + p + 2], a[a_off + p + 3]
+        r0 = b[b_off + p * ldb:b_off + p * ldb + n]
+        r1 = b[b_off + (p + 1) * ldb:b_off + (p + 1) * ldb + n]
+        r2 = b[b_off + (p + 2) * ldb:b_off + (p + 2) * ldb + n]
+        r3 = b[b_off + (p + 3) * ldb:b_off + (p + 3) * ldb + n]
+        for j in range(n):
+            cr[j] += (x0 * r0[j] + x1 * r1[j]) + (x2 * r2[j] + x3 * r3[j])
+        p += 4
+    while p < k:
+        x0 = a[a_off + p]
+        r0 = b[b_off + p * ldb:b_off + p * ldb + n]
+        for j in range(n):
+            cr[j] += x0 * r0[j]
+        p += 1
 
 
 # ------------------------------------------------------------------------------------------
@@ -328,8 +402,15 @@ def row_block(m: int, k: int) -> int:
 
 
 def panel_group(k: int) -> int:
-    """Panels packed per pass over B's rows when packing on the fly: a group fills ~L2/4."""
+    """Panels packed per pass over B's rows by `pack_b`: a group of k-row panels fills ~L2/4."""
     return max(1, config.L2_BYTES // 4 // (max(k, 1) * NR * 4))
+
+
+def otf_group(kc: int) -> int:
+    """Panels packed at a time when packing on the fly, kc rows each: a group fills ~L2/8
+    (256 KiB with a 2 MiB L2, 8 panels at KC = 256), leaving L2 to the packed A block.
+    L2/4 and L2/16 measured within ~2% of it; L2/2 was ~5% slower."""
+    return max(1, config.L2_BYTES // 8 // (max(kc, 1) * NR * 4))
 
 
 def pack_b(w: np.ndarray, trans: bool = False) -> PackedB:
@@ -375,10 +456,11 @@ def _run(a, k, n, panels, b_flat, ldb, bias, gelu, residual, out, threads):
     n_chunks = max(1, min(threads, numba.config.NUMBA_NUM_THREADS, n_panels))
     mc = min(row_block(m, k), m)
     on_the_fly = panels.shape[0] == 0
-    group = min(panel_group(k), -(-n_panels // n_chunks)) if on_the_fly else 1
+    buf_rows = min(k, config.KC)  # rows of B packed at a time on the fly: one k-block
+    group = min(otf_group(buf_rows), -(-n_panels // n_chunks)) if on_the_fly else 1
     blocks = (mc, config.KC, group, config.PREFETCH_ROWS)
     epi = (bias_v, bias is not None, bool(gelu), res_flat, 0, ldr, residual is not None)
-    ws = workspace(workspace_size(n_chunks, mc, k, group if on_the_fly else 0))
+    ws = workspace(workspace_size(n_chunks, mc, k, group if on_the_fly else 0, buf_rows))
     args = (a_flat, 0, lda, m, k, n, panels, b_flat, 0, ldb, c_flat, 0, ldc, blocks, epi, ws)
     if n_chunks == 1:
         _gemm_serial(*args)
@@ -412,11 +494,18 @@ def gemm(a: np.ndarray, pb: PackedB, bias: np.ndarray | None = None, gelu: bool 
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
            threads: int = 1) -> np.ndarray:
-    """a @ b for float32 a [M, K] and b [K, N] (rows contiguous), packing b on the fly."""
+    """a @ b for float32 a [M, K] and b [K, N] (rows contiguous), packing b on the fly (a
+    single row of a on one thread streams b directly instead: `_gemv`)."""
     check_float32(a, "a", 2)
     check_float32(b, "b", 2)
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"cannot multiply a {a.shape} by b {b.shape}: inner sizes differ")
     k, n = b.shape
     b_flat, ldb = flat_rows(b, "b")
+    if a.shape[0] == 1 and int(threads) == 1 and k > 0 and n > 0:
+        c = output(out, (1, n))
+        check_no_overlap(c, a, "a")
+        c_flat, _ = flat_rows(c, "out")
+        _gemv(flat_rows(a, "a")[0], 0, k, n, b_flat, 0, ldb, c_flat, 0)
+        return c
     return _run(a, k, n, _PANELS_NONE, b_flat, ldb, None, False, None, out, threads)
