@@ -86,6 +86,14 @@ def flat_rows(x: np.ndarray, name: str) -> tuple[np.ndarray, int]:
                              f"pass np.ascontiguousarray({name})")
         ld = s_row // ITEM
     span = (rows - 1) * ld + cols
+    base = x.base
+    if (isinstance(base, np.ndarray) and base.dtype == np.float32 and base.flags.c_contiguous
+            and x.flags.writeable == base.flags.writeable):
+        # A column block of a contiguous array (e.g. q, k, v of a fused QKV output): slice the
+        # base's flat view, ~20x cheaper than as_strided, which costs ~10 us a call.
+        off = x.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+        if off % ITEM == 0 and 0 <= off and off // ITEM + span <= base.size:
+            return base.reshape(-1)[off // ITEM: off // ITEM + span], ld
     return as_strided(x, shape=(span,), strides=(ITEM,)), ld
 
 

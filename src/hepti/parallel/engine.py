@@ -224,19 +224,26 @@ class Job:
         outs = []
         g = self.group
         for k in range(n):
-            b = batches[k] if rank0 else None
-            B, T = g.bcast_obj(b.ids.shape if rank0 else None)
-            key_mask = g.bcast_to_all(b.mask.astype(np.float32) if rank0 else None, (B, T))
-            x0 = None
+            with g.tracer.span(f"batch {k}", "batch"):
+                out = self._one_batch(batches[k] if rank0 else None)
             if rank0:
-                with g.tracer.span("embed", "compute"):
-                    x0 = self.embeddings(b.ids, b.token_type)  # [M, C]
-            h = self.executor.forward(x0, key_mask, B, T)
-            if rank0:
-                outs.append(h.reshape(B, T, C))
+                outs.append(out)
                 if on_done:
                     on_done()
         return outs
+
+    def _one_batch(self, b):
+        """One batch through the executor: the shapes and the key mask first (every rank needs
+        them), the embedding on the primary. Returns hidden [B, T, C] on the primary."""
+        g, rank0, C = self.group, self.world.rank == 0, self.cfg.hidden_size
+        B, T = g.bcast_obj(b.ids.shape if rank0 else None)
+        key_mask = g.bcast_to_all(b.mask.astype(np.float32) if rank0 else None, (B, T))
+        x0 = None
+        if rank0:
+            with g.tracer.span("embed", "compute"):
+                x0 = self.embeddings(b.ids, b.token_type)  # [M, C]
+        h = self.executor.forward(x0, key_mask, B, T)
+        return h.reshape(B, T, C) if rank0 else None
 
     def close(self):
         if self.layers is not None:
@@ -245,7 +252,7 @@ class Job:
     def rank_stats(self, runs: list[dict]) -> dict:
         """This rank's figures: medians over the timed runs, plus memory and disk reads."""
         med = lambda key: statistics.median(r[key] for r in runs) if runs else 0.0  # noqa: E731
-        kinds = sorted({k for r in runs for k in r["seconds"] if k not in ("compute", "io")})
+        kinds = sorted({k for r in runs for k in r["seconds"] if k not in ("compute", "io", "batch")})
         comm_s = {k: statistics.median(r["seconds"].get(k, 0.0) for r in runs) for k in kinds}
         layer_bytes = self.layers.peak_bytes if self.layers is not None else 0
         emb = self.embeddings.nbytes if self.embeddings is not None else 0
