@@ -143,3 +143,59 @@ def _ids(tmp_path):
     f = tmp_path / "ok.npz"
     np.savez(f, ids=np.array([[1, 2, 3]]))
     return f
+
+
+def _profile(tmp_path, devices, **extra):
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps({"hepti_profile": 1, "created": extra.pop("created", 0),
+                             "source": extra.pop("source", "declared"),
+                             "devices": [dict(d, rank=i) if "gemm_flops" in d and "memory_bytes" in d else d
+                                         for i, d in enumerate(devices)], **extra}))
+    return p
+
+
+DEV = {"gemm_flops": 5e10, "memory_bytes": 4e9, "latency_s": 1e-4, "bandwidth_Bps": 1.2e8}
+
+
+def test_plan_explains_and_writes_plan_file(minilm_dir, tmp_path):
+    prof = _profile(tmp_path, [dict(DEV), dict(DEV, gemm_flops=2e10, bandwidth_Bps=1.2e7)])
+    code, out, err = hepti("plan", "--model", minilm_dir, "--profile", prof)
+    assert code == 0, err
+    assert "predicted latency" in out and "rank" in out
+    code, out, err = hepti("plan", "--model", minilm_dir, "--profile", prof, "--json")
+    plan = json.loads(out)
+    assert plan["hepti_plan"] == 1 and plan["predicted_latency_s"] > 0 and plan["solve_s"] >= 0
+    assert plan["explanation"]
+
+
+def test_plan_evaluates_given_ratios(minilm_dir, tmp_path):
+    prof = _profile(tmp_path, [dict(DEV), dict(DEV)])
+    code, out, err = hepti("plan", "--model", minilm_dir, "--profile", prof, "--strategy", "tensor",
+                           "--ratios", "0.75,0.25", "--json")
+    assert code == 0, err
+    assert json.loads(out)["ratios"]["heads"] == [0.75, 0.25]
+
+
+@pytest.mark.parametrize("devices,extra,needle", [
+    ([dict(DEV, gemm_flops=0), dict(DEV)], {}, "gemm"),
+    ([dict(DEV, memory_bytes=0), dict(DEV)], {}, "memory"),
+    ([{"rank": 0, "gemm_flops": 1e9}, dict(DEV, rank=1)], {}, "memory_bytes"),
+    ([dict(DEV), dict(DEV)], {"source": "measured", "created": 1.0}, "old"),
+])
+def test_plan_rejects_bad_profiles(minilm_dir, tmp_path, devices, extra, needle):
+    prof = _profile(tmp_path, devices, **extra)
+    code, _, err = hepti("plan", "--model", minilm_dir, "--profile", prof, "--max-age", "3600")
+    assert_clean_error(code, err, needle)
+
+
+def test_plan_rejects_malformed_profile(minilm_dir, tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text("{not json")
+    code, _, err = hepti("plan", "--model", minilm_dir, "--profile", p)
+    assert_clean_error(code, err, "JSON")
+
+
+def test_plan_says_how_much_memory_is_missing(minilm_dir, tmp_path):
+    prof = _profile(tmp_path, [dict(DEV, memory_bytes=20e6), dict(DEV, memory_bytes=20e6)])
+    code, _, err = hepti("plan", "--model", minilm_dir, "--profile", prof)
+    assert_clean_error(code, err, "MB")
