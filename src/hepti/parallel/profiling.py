@@ -37,6 +37,7 @@ PING_SIZES = (8, 4096, 65536, 262144, 1 << 20, 4 << 20)  # bytes; larger skipped
 PING_TARGET_S = 0.02  # the largest message should take about this long one way
 MIN_TIME_S = 0.03  # time each compute measurement for at least this long
 DISK_PROBE_BYTES = 32 << 20
+COLD_WEIGHT_BYTES = 48 << 20  # more than this machine's L2s together; see measure_gemm
 
 
 # --- compute ---------------------------------------------------------------------------------
@@ -82,14 +83,21 @@ def measure_gemm(config: BertConfig, rows: int, threads: int = 1) -> list[list[f
     def weight(k, n):
         return K.pack_b(rng.standard_normal((k, n), dtype=np.float32) * np.float32(0.05))
 
-    qkv, o, up, down = weight(C, 3 * C), weight(C, C), weight(C, F), weight(F, C)
+    # A real forward meets each layer's weights cold (the layers before evicted them), so cycle
+    # through enough copies of the layer that none is still in cache when its turn comes.
+    layer_bytes = 4 * C * (4 * C + 2 * F)
+    copies = max(2, -(-COLD_WEIGHT_BYTES // layer_bytes))
+    layers = [(weight(C, 3 * C), weight(C, C), weight(C, F), weight(F, C)) for _ in range(copies)]
     b3, bf = np.zeros(3 * C, np.float32), np.zeros(F, np.float32)
 
     def layer_fn(m: int):
         x = rng.standard_normal((m, C), dtype=np.float32)
         h = np.empty((m, F), np.float32)
+        turn = [0]
 
         def layer():
+            qkv, o, up, down = layers[turn[0] % copies]
+            turn[0] += 1
             K.gemm(x, qkv, bias=b3, threads=threads)
             K.gemm(x, o, threads=threads)
             K.gemm(x, up, bias=bf, gelu=True, out=h, threads=threads)
@@ -299,8 +307,51 @@ def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | Non
             "network": dict(NETWORK_DEFAULTS), "devices": devices,
             "measure_s": elapsed, "batch": batch}
     prof = comm.bcast(prof, root=0)
+    if size > 1:
+        prof["network"]["calibration"] = calibrate_collectives(comm, prof, config, M)
     profile_from_dict(prof, "measured profile")  # the schema check the planner will make
     return prof
+
+
+def calibrate_collectives(comm, prof: dict, config: BertConfig, rows: int, reps: int = 15) -> dict:
+    """{kind: measured / modelled seconds} for the collectives the strategies use, timed for
+    real on an [rows, C] activation split evenly over all ranks. The analytic model (MPICH's
+    algorithms over the measured links) has the right shape across sizes and subsets, but over
+    shared memory or a real NIC its constants can be several times off; this puts them right
+    at the size that matters."""
+    from mpi4py import MPI
+
+    from hepti.counts import counts as split, offsets
+    from hepti.plan.costmodel import Collective, collective_times
+    size = comm.Get_size()
+    C = config.hidden_size
+    rc = split(rows, [1.0] * size)
+    w = [c * C for c in rc]
+    full = np.ones((rows, C), np.float32)
+    mine = np.ones((rc[comm.Get_rank()], C), np.float32)
+    probes = {
+        "reduce_scatter": lambda: comm.Reduce_scatter(full, mine, w, op=MPI.SUM),
+        "allgatherv": lambda: comm.Allgatherv(mine, [full, (w, [o * C for o in offsets(rc)]), MPI.FLOAT]),
+        "bcast": lambda: comm.Bcast(full, root=0),
+    }
+    profile = profile_from_dict(prof, "measured profile")
+    everyone = [True] * size
+    factors = {}
+    for kind, fn in probes.items():
+        fn()
+        ts = []
+        for _ in range(reps):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        measured = comm.allreduce(statistics.median(ts), op=MPI.MAX)
+        coll = Collective(kind, None if kind == "bcast" else "rows", 4.0 * C * (rows if kind == "bcast" else 1))
+        modelled = max(collective_times(coll, {"rows": rc}, everyone, profile))
+        factors[kind] = float(min(max(measured / modelled, 0.2), 50.0)) if modelled > 0 else 1.0
+    # Scatterv/Gatherv move the same bytes from/to one root as a Bcast does to all
+    factors["scatterv"] = factors["gatherv"] = factors["bcast"]
+    return factors
 
 
 # --- cache -------------------------------------------------------------------------------------

@@ -27,6 +27,15 @@ Participants are the active ranks: rank 0 (it holds inputs and outputs) and ever
 nonzero count. c_i is rank i's block in bytes, S the whole buffer. Compute speeds come from the
 profile (GeMM FLOP/s by the GeMM's smallest dimension, attention FLOP/s, elementwise elements/s),
 and every Work a rank does costs it one kernel call's fixed overhead (`call_overhead_s`).
+
+One kind of Work is not arithmetic: a "transfer" is bytes crossing the rank's own link to or
+from rank 0 while the other ranks compute (the Hepti paper's offload experiment,
+hepti.bench.offload: rank 0 posts non-blocking sends and receives, computes its own rows, and
+the replies wait in its socket buffers). Rank i > 0 spends bytes / beta_i on it, rank 0 nothing,
+so such a phase costs max(rank 0's compute, max over i > 0 of its transfers + compute). It is
+reported as communication (comm_s["transfer"]), not compute. It leaves out link latency (tenths
+of a ms against tens of ms of transfer) and the sharing of rank 0's link by several peers (exact
+for one), so that it stays linear in the rank's own block for the LP.
 """
 from __future__ import annotations
 
@@ -41,13 +50,14 @@ ACTIVE = "active"  # pseudo-dimension: memory every active rank holds whatever i
 
 @dataclass(frozen=True)
 class Work:
-    """Compute a rank does in a phase: `per_unit * count` FLOPs (or elements) of `kind`.
+    """Compute a rank does in a phase: `per_unit * count` FLOPs (elements; bytes for "transfer")
+    of `kind`.
 
     The speed is looked up at size min(size_fixed, size_per_unit * count): the GeMM's smallest
     dimension, which is what makes small slices slower per FLOP.
     """
 
-    kind: str  # "gemm" | "attention" | "elementwise"
+    kind: str  # "gemm" | "attention" | "elementwise" | "transfer" (bytes over the rank's link)
     dim: str  # "heads" | "ffn" | "rows" | ROOT
     per_unit: float
     size_fixed: float = math.inf
@@ -58,6 +68,8 @@ class Work:
         return min(self.size_fixed, self.size_per_unit * count)
 
     def speed(self, dev: Device, count: float) -> float:
+        if self.kind == "transfer":  # to/from rank 0, at the rank's link speed
+            return math.inf if dev.rank == 0 else dev.bandwidth_Bps
         if self.kind == "gemm":
             return dev.gemm_flops(self.size(count))
         if self.kind == "attention":
@@ -66,7 +78,7 @@ class Work:
 
     def seconds(self, dev: Device, count: float) -> float:
         """Time of this work on `dev` for `count` units: FLOPs / speed + one kernel call."""
-        if count <= 0:
+        if count <= 0 or (self.kind == "transfer" and dev.rank == 0):
             return 0.0
         return self.per_unit * count / self.speed(dev, count) + dev.call_overhead_s
 
@@ -161,7 +173,16 @@ def link_terms(coll: Collective, n: int, total_bytes: float, dev: Device, is_roo
 
 
 def branch_terms(kind: str, n: int, S: float, a, b, e, is_root: bool, network: dict) -> list[tuple]:
-    """link_terms on plain numbers, or on numpy arrays of every rank's a, b, e at once."""
+    """link_terms on plain numbers, or on numpy arrays of every rank's a, b, e at once, scaled
+    by the profile's measured calibration of that collective kind (network["calibration"]:
+    measured / modelled time of the real collective at the profiled size; a factor on both
+    terms keeps them linear in the rank's block)."""
+    f = float(network.get("calibration", {}).get(kind, 1.0))
+    terms = _branch_terms(kind, n, S, a, b, e, is_root, network)
+    return terms if f == 1.0 else [(c * f, k * f) for c, k in terms]
+
+
+def _branch_terms(kind: str, n: int, S: float, a, b, e, is_root: bool, network: dict) -> list[tuple]:
     if n <= 1:
         return [(0.0 * a, 0.0 * a)]
     zero = 0.0 * a
@@ -309,6 +330,18 @@ def read_bytes(program: Program, counts: dict[str, list[float]], rank: int) -> f
     return s.read_fixed + sum(b * counts[d][rank] for d, b in s.read_per_unit.items())
 
 
+def _phase_seconds(phase: Phase, counts: dict[str, list[float]], active: list[bool],
+                   profile: Profile) -> tuple[list[float], list[float]]:
+    """Each rank's busy time in a phase before its collective (compute and transfers), and the
+    part of it that is "transfer" Work."""
+    busy, moved = [], []
+    for i, dev in enumerate(profile.devices):
+        t = [(w.kind, w.seconds(dev, counts[w.dim][i])) for w in phase.works] if active[i] else []
+        busy.append(sum(s for _, s in t))
+        moved.append(sum(s for k, s in t if k == "transfer"))
+    return busy, moved
+
+
 def evaluate(program: Program, counts: dict[str, list[float]], profile: Profile) -> Prediction:
     """Predict latency, per-rank compute/communication/wait and memory for these counts."""
     N = profile.world_size
@@ -321,14 +354,12 @@ def evaluate(program: Program, counts: dict[str, list[float]], profile: Profile)
     latency = 0.0
     layer_s = end_s = 0.0
     phases = []
-    comp_of: dict[tuple, list[float]] = {}  # phases repeat: each distinct one computed once
+    comp_of: dict[tuple, tuple] = {}  # phases repeat: each distinct one computed once
     coll_of: dict[Collective, float] = {}
     for phase, mult, group in program.phases():
-        comp = comp_of.get(phase.works)
-        if comp is None:
-            comp = comp_of[phase.works] = [
-                sum(w.seconds(profile.devices[i], counts[w.dim][i]) for w in phase.works)
-                if active[i] else 0.0 for i in range(N)]
+        if phase.works not in comp_of:
+            comp_of[phase.works] = _phase_seconds(phase, counts, active, profile)
+        comp, moved = comp_of[phase.works]
         slowest = max(comp)
         coll_s = 0.0
         if phase.collective is not None:
@@ -343,7 +374,9 @@ def evaluate(program: Program, counts: dict[str, list[float]], profile: Profile)
             end_s += t
         for i in range(N):
             r = ranks[i]
-            r.compute_s += mult * comp[i]
+            r.compute_s += mult * (comp[i] - moved[i])
+            if moved[i] > 0:
+                r.comm_s["transfer"] = r.comm_s.get("transfer", 0.0) + mult * moved[i]
             if active[i]:
                 r.wait_s += mult * (slowest - comp[i])
                 if phase.collective is not None:

@@ -264,6 +264,13 @@ def profile_from_dict(d, source_name: str = "profile") -> Profile:
     devices.sort(key=lambda dev: dev.rank)
     network = dict(NETWORK_DEFAULTS)
     for k, v in (d.get("network") or {}).items():
+        if k == "calibration":  # {collective kind: measured / modelled time}, from hepti profile
+            if not isinstance(v, dict) or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in v.values()):
+                raise PlanError(f"{source_name}: network calibration must map collective kinds to "
+                                f"positive factors, got {v!r}")
+            network[k] = {str(kind): float(x) for kind, x in v.items()}
+            continue
         if k not in NETWORK_DEFAULTS:
             raise PlanError(f"{source_name}: unknown network setting {k!r}; known: "
                             f"{', '.join(NETWORK_DEFAULTS)}")
