@@ -199,3 +199,26 @@ def test_plan_says_how_much_memory_is_missing(minilm_dir, tmp_path):
     prof = _profile(tmp_path, [dict(DEV, memory_bytes=20e6), dict(DEV, memory_bytes=20e6)])
     code, _, err = hepti("plan", "--model", minilm_dir, "--profile", prof)
     assert_clean_error(code, err, "MB")
+
+
+def test_run_matches_pytorch_fixture(minilm_dir, fixtures_dir, tmp_path):
+    """`hepti run` end to end (ids in, .npy out) against transformers' outputs."""
+    exp = np.load(fixtures_dir / "minilm_expected.npz")
+    ids = tmp_path / "ids.npz"
+    np.savez(ids, ids=exp["ids"], mask=exp["mask"], token_type=exp["token_type"])
+    emb, hid = tmp_path / "emb.npy", tmp_path / "hid.npy"
+    assert hepti("run", "--model", minilm_dir, "--input-ids", ids, "--normalize", "--output", emb)[0] == 0
+    assert hepti("run", "--model", minilm_dir, "--input-ids", ids, "--pool", "none", "--output", hid)[0] == 0
+    m = exp["mask"].astype(bool)
+    assert np.abs(np.load(emb) - exp["mean_normalized"]).max() <= 1e-4
+    assert np.abs(np.load(hid)[m] - exp["hidden"][m]).max() <= 1e-3
+
+
+def test_run_texts_match_pytorch_fixture(minilm_dir, fixtures_dir, tmp_path):
+    """Texts through hepti's tokenizer give transformers' embeddings."""
+    exp = np.load(fixtures_dir / "minilm_expected.npz")
+    emb = tmp_path / "emb.npy"
+    code, _, err = hepti("run", "--model", minilm_dir, "--text", *[str(t) for t in exp["texts"]],
+                         "--normalize", "--output", emb)
+    assert code == 0, err
+    assert np.abs(np.load(emb) - exp["mean_normalized"]).max() <= 1e-4
