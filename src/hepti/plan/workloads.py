@@ -1,5 +1,5 @@
 """What each strategy does, as cost-model programs: BERT `rows`, `tensor`, `stream`, and the
-Hepti paper's chain of MatMuls.
+Hepti paper's chain of MatMuls (with blocking collectives, and as hepti.bench.offload runs it).
 
 Each program mirrors its executor in hepti.parallel (rows.py, tensor.py, engine.py) phase by
 phase: one Phase per stretch of compute that ends in a collective. Per batch, the engine first
@@ -114,16 +114,44 @@ def stream_program(cfg: BertConfig, B: int, T: int, window: int) -> Program:
     return prog
 
 
-def matmul_chain_program(m: int, k: int, n: int, chain: int) -> Program:
-    """The Hepti paper's motivating experiment: `chain` MatMuls [m,k]x[k,n] (k == n) on rows
-    split by ratio; input scattered once, output gathered once, weights replicated."""
+def _chain_parts(m: int, k: int, n: int, chain: int) -> tuple[tuple[Work, ...], list[MemTerm]]:
+    """The chain's MatMuls (each [r,k]x[k,n] on a rank's r rows) and its memory."""
     mm = tuple(Work("gemm", "rows", 2.0 * k * n, min(k, n), 1, f"matmul {j}") for j in range(chain))
-    start = [Phase((), Collective("scatterv", "rows", F32 * k, "input rows"), "scatter")]
-    end = [Phase(mm, Collective("gatherv", "rows", F32 * n, "output rows"), "matmuls+gather")]
     memory = [MemTerm("weights", ACTIVE, F32 * chain * k * n),
               MemTerm("activations", "rows", F32 * 2.0 * max(k, n)),
               MemTerm("activations", ROOT, F32 * m * (k + n))]
+    return mm, memory
+
+
+def matmul_chain_program(m: int, k: int, n: int, chain: int) -> Program:
+    """The Hepti paper's motivating experiment run with blocking collectives: `chain` MatMuls
+    [m,k]x[k,n] (k == n) on rows split by ratio; input scattered once (Scatterv), output
+    gathered once (Gatherv), weights replicated. Latency = scatter + slowest compute + gather."""
+    mm, memory = _chain_parts(m, k, n, chain)
+    start = [Phase((), Collective("scatterv", "rows", F32 * k, "input rows"), "scatter")]
+    end = [Phase(mm, Collective("gatherv", "rows", F32 * n, "output rows"), "matmuls+gather")]
     return Program("matmul-chain", {"rows": m}, start, [], end, 0, memory)
+
+
+def offload_chain_program(m: int, k: int, n: int, chain: int) -> Program:
+    """The same chain as hepti.bench.offload runs it, communication overlapped with compute:
+    rank 0 posts non-blocking sends of each other rank's input rows (and receives for their
+    output rows), then computes its own rows of all `chain` MatMuls; rank i receives its rows,
+    computes them and sends the outputs back, which land in rank 0's socket buffers while rank 0
+    still computes (measured on shaped TCP links: with the secondary done first, rank 0 found
+    them there within half a ms of its own compute's end). Each rank's transfers are "transfer"
+    Works over its own link. With one secondary holding share s of the rows, t_p and t_s each
+    device's time for all rows, c_in and c_out the transfer times of all rows:
+
+        latency = max(t_p (1 - s), (c_in + t_s + c_out) s)
+
+    minimal where the two cross, s* = t_p / (t_p + c_in + t_s + c_out): the best share falls as
+    the link slows (c_in, c_out grow) and as the secondary slows (t_s grows)."""
+    mm, memory = _chain_parts(m, k, n, chain)
+    rows_in = Work("transfer", "rows", F32 * k, name="input rows (Isend)")
+    rows_out = Work("transfer", "rows", F32 * n, name="output rows (Send)")
+    end = [Phase((rows_in,) + mm + (rows_out,), None, "isend+matmuls+send")]
+    return Program("offload-chain", {"rows": m}, [], [], end, 0, memory)
 
 
 def program_for(strategy: str, cfg: BertConfig, B: int, T: int, window: int = 2) -> Program:
