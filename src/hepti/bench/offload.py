@@ -41,6 +41,7 @@ M, K, CHAIN = 256, 1024, 5  # the paper's shapes: CHAIN MatMuls [M,K]x[K,K]
 TAG_IN, TAG_OUT, TAG_PING = 41, 42, 43
 POLL_S = 5e-4  # how often an idle wait tests its requests
 PROFILE_ROUNDS = 5
+IDLE_GAP_S = 0.01  # the profile times each chain after this long idle, as the sweep runs it
 
 
 # --- the problem and the chain -----------------------------------------------------------------
@@ -157,11 +158,11 @@ def chain_speed_table(packed: list, m: int = M, rounds: int = PROFILE_ROUNDS) ->
     times = {r: [] for r in sizes}
     for _ in range(rounds):
         for r in sizes:
-            reps = max(1, round(m / r))
-            t0 = time.perf_counter()
-            for _ in range(reps):
+            for _ in range(max(1, round(m / r))):
+                time.sleep(IDLE_GAP_S)
+                t0 = time.perf_counter()
                 chain_rows(inputs[r], packed)
-            times[r].append((time.perf_counter() - t0) / reps)
+                times[r].append(time.perf_counter() - t0)
     return [[float(r), flops_per_row * r / statistics.median(times[r])] for r in sizes]
 
 

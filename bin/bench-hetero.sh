@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# hepti's plans (auto) against the baselines (even, proportional, pipeline, single) on the emulated
+# clusters of hostfiles/emu-*.json. Needs root (hepti emulate). Writes results/hetero.json,
+# results/hetero.csv and (with matplotlib) results/hetero.png; prints a table and the targets.
+# Makes the BERT-base- and BERT-large-shaped random models if they are missing.
+#   sudo bin/bench-hetero.sh            full run: every spec, BERT-base @256 tokens everywhere,
+#                                       MiniLM @128 and BERT-large @128 on emu-mixed4 (< 15 min)
+#   sudo bin/bench-hetero.sh --quick    CI: one pair spec, MiniLM only, fewer runs (< 2 min)
+# Other options (--spec, --case, --repeat, --run-unfit, ...): python -m hepti.bench.hetero --help
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ "$(id -u)" != 0 ]; then
+  echo "bench-hetero: needs root (hepti emulate makes network namespaces, tc shapers and cgroups); run it with sudo" >&2
+  exit 2
+fi
+"$ROOT/bin/setup"
+VENV="${HEPTI_VENV:-$ROOT/.venv}"
+export PATH="$VENV/bin:$PATH"
+cd "$ROOT"
+if ! python -c "import matplotlib" 2>/dev/null; then
+  echo "bench-hetero: matplotlib is not installed, so results/hetero.png will not be drawn (JSON and CSV" \
+       "still are); to get the plot: $VENV/bin/pip install -e '$ROOT[plot]'" >&2
+fi
+quick=0
+for a in "$@"; do [ "$a" = "--quick" ] && quick=1; done
+if [ "$quick" = 0 ]; then
+  [ -f weights/bert-base/index.json ] || hepti convert --random bert-base --out weights/bert-base
+  [ -f weights/bert-large/index.json ] || hepti convert --random bert-large --out weights/bert-large
+fi
+exec python -m hepti.bench.hetero "$@"

@@ -1,0 +1,396 @@
+"""`bin/bench-hetero.sh`: hepti's plans against the baselines on emulated heterogeneous clusters.
+
+For each cluster spec (hostfiles/emu-*.json) and model case, every strategy runs in its own
+launch, `hepti emulate --cluster SPEC -- mpiexec -n N hepti run --repeat R --json`, so an
+out-of-memory kill is the launch's own and the baselines run in the same runtime as hepti:
+
+1. `auto` first, with a fresh profile cache per spec: it profiles the devices under the
+   emulation, plans and runs. Its cached profile is the one the baselines are planned with
+   (`--profile`), so every strategy gets a prediction from the same measurements. (Specs whose
+   device names are equal would share one cache entry otherwise; emu-mixed4/tight/starved do.)
+2. Each baseline (`even`, `proportional`, `pipeline`, `single`) is first planned in this
+   process: when the planner says it cannot fit the devices' memory it is recorded as
+   `cannot_run` with the planner's reason instead of being run into an OOM kill
+   (`--run-unfit` runs it anyway). Extra strategies (default: `rows` on emu-tight) are run
+   as they are, so a refusal is the runtime planner's own.
+3. R (timed runs inside one launch, after a warm-up run) is chosen from the prediction so a
+   launch times about `--target-s` seconds, between `--min-repeat` and `--repeat`.
+
+Numba's cache is warmed outside the emulation first (a 0.15-core device compiling kernels would
+take minutes and LLVM's memory could exceed its cap). The figure per run is the median latency
+over its R runs; per-rank compute and communication are the medians the runtime reports, next to
+the planner's predicted ones. Results: results/hetero.json, hetero.csv, hetero.png and a table.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hepti.bench import hetero_report as report
+
+ROOT = Path(__file__).resolve().parents[3]
+HOSTFILES = ROOT / "hostfiles"
+SPECS = ("emu-mixed4", "emu-tight", "emu-starved", "emu-pair-940-full", "emu-pair-940-quarter",
+         "emu-pair-240-full", "emu-pair-240-quarter")
+STRATEGIES = ("auto", "even", "proportional", "pipeline", "single")
+BASELINES = ("even", "proportional", "pipeline", "single")  # checked against memory before a launch
+EXTRA = ("emu-tight:rows",)
+CASES = ("weights/bert-base:256", "weights/minilm-l6:128:emu-mixed4", "weights/bert-large:128:emu-mixed4")
+QUICK = {"spec": ["emu-pair-940-quarter"], "case": ["weights/minilm-l6:128"], "repeat": 3,
+         "min_repeat": 2, "target_s": 2.0, "timeout": 120.0}
+LAUNCHER_OOM = re.compile(r"rank \d+ \(device [^)]*\) was killed by the out-of-memory killer[^\n]*")
+
+
+# --- launching ---------------------------------------------------------------------------------
+
+def hepti_cmd() -> list[str]:
+    return [sys.executable, "-m", "hepti"]
+
+
+def mpiexec() -> str:
+    cand = Path(sys.executable).parent / "mpiexec"
+    return str(cand) if cand.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def launch(spec_path: Path, n: int, hepti_args: list[str], cache: Path, timeout: float,
+           workdir: Path) -> dict:
+    """One `hepti emulate ... -- mpiexec -n n hepti ARGS`: return code, stdout, stderr, the
+    launcher's summary (OOM kills and peak memory per device) and the wall time."""
+    summary = workdir / f"summary-{time.monotonic_ns()}.json"
+    cmd = hepti_cmd() + ["emulate", "--cluster", str(spec_path), "--summary", str(summary),
+                         "--timeout", f"{timeout:g}", "--", mpiexec(), "-n", str(n)] + hepti_cmd() + hepti_args
+    env = dict(os.environ, HEPTI_CACHE=str(cache))
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout + 60)
+    out = {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr, "wall_s": time.perf_counter() - t0,
+           "summary": None, "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    if summary.exists():
+        out["summary"] = json.loads(summary.read_text())
+        summary.unlink()
+    return out
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [ln.strip() for ln in stderr.splitlines()
+            if ln.strip() and not ln.startswith("[hepti emulate]") and "%|" not in ln]
+
+
+def classify(res: dict) -> tuple[str, str, dict | None]:
+    """(status, reason, hepti's JSON report) of one launch."""
+    summ = res["summary"] or {}
+    killed = [d for d in summ.get("devices", []) if d.get("oom_kills")]
+    if killed:
+        msgs = LAUNCHER_OOM.findall(res["stderr"])
+        return "oom", "; ".join(msgs) or "out-of-memory kill on " + ", ".join(d["name"] for d in killed), None
+    if summ.get("timed_out") or res["rc"] == 124:
+        return "timeout", f"stopped after the time limit ({res['wall_s']:.0f} s)", None
+    if res["rc"] == 0:
+        try:
+            return "ok", "", json.loads(res["stdout"])
+        except json.JSONDecodeError:
+            return "failed", "exit 0 but no JSON report on stdout", None
+    lines = _error_lines(res["stderr"])
+    refusal = [ln.split("error:", 1)[1].strip() for ln in lines if ln.startswith("hepti run: error:")]
+    if res["rc"] == 2 and refusal:
+        return "refused", refusal[-1], None
+    launcher = [ln for ln in res["stderr"].splitlines() if ln.startswith("hepti emulate: error:")]
+    reason = launcher[-1] if launcher else " | ".join(lines[-3:]) or f"exit code {res['rc']}"
+    return "failed", f"exit {res['rc']}: {reason}", None
+
+
+def run_record(spec, case: dict, strategy: str, status: str, reason: str, rep: dict | None,
+               res: dict | None, repeat: int | None) -> dict:
+    """The result record of one strategy on one spec (see hepti.bench.hetero_report)."""
+    rec = {"spec": spec.name, "model": case["name"], "seq": case["seq"], "strategy": strategy,
+           "status": status, "reason": reason, "repeat": repeat,
+           "launch_s": None if res is None else round(res["wall_s"], 2),
+           # the machine's 1-minute load average before and after the launch: other jobs on
+           # this shared machine slow the emulated devices down (their quotas are caps, not shares)
+           "loadavg_1min": None if res is None else res.get("loadavg_1min")}
+    devices = (res or {}).get("summary") or {}
+    dev = {d["device"]: d for d in devices.get("devices", [])}
+    if rep is None:
+        if dev:
+            rec["per_rank"] = [{"rank": i, "host": d["name"], "device_peak_mem_bytes": d.get("peak_mem_bytes"),
+                                "mem_cap_bytes": d.get("mem_bytes"), "oom_kills": d.get("oom_kills")}
+                               for i, d in sorted(dev.items())]
+        return rec
+    med = rep["latency_s"]["median"]
+    pred = rep.get("predicted_latency_s")
+    rec.update({"ran": rep["strategy"], "active_ranks": rep.get("active_ranks"), "counts": rep.get("counts"),
+                "median_latency_s": med, "latencies_s": rep["latency_s"]["runs"],
+                "predicted_latency_s": pred, "prediction_error": None if not pred else med / pred - 1,
+                "load_s": rep.get("load_s"), "mem_budget": rep.get("mem_budget"),
+                "explanation": rep.get("explanation", "")})
+    ranks = []
+    for s in rep["per_rank"]:
+        p = s.get("predicted") or {}
+        d = dev.get(s["rank"], {})
+        ranks.append({"rank": s["rank"], "host": s["host"], "active": s["active"],
+                      "compute_s": s["compute_s"], "comm_s": s["comm_s"], "comm_total_s": s["comm_total_s"],
+                      "io_wait_s": s.get("io_wait_s"), "bytes_sent": s["bytes_sent"], "bytes_recv": s["bytes_recv"],
+                      "predicted_compute_s": p.get("compute_s"),
+                      "predicted_comm_s": sum(p["comm_s"].values()) if p.get("comm_s") is not None else None,
+                      "predicted_comm_by_kind_s": p.get("comm_s"), "predicted_wait_s": p.get("wait_s"),
+                      "predicted_mem_bytes": p.get("mem_bytes"),
+                      "weight_bytes_resident": s["weight_bytes_resident"], "peak_rss_bytes": s["peak_rss_bytes"],
+                      "device_peak_mem_bytes": d.get("peak_mem_bytes"), "mem_cap_bytes": d.get("mem_bytes"),
+                      "oom_kills": d.get("oom_kills")})
+    rec["per_rank"] = ranks
+    return rec
+
+
+# --- planning in this process (predictions, memory pre-check) ---------------------------------
+
+def find_cached_profile(cache: Path, n: int, model_name: str) -> Path | None:
+    """The profile `auto` measured and cached for this spec and model (newest first)."""
+    paths = sorted(glob.glob(str(cache / f"profile-*-n{n}-*.json")), key=os.path.getmtime, reverse=True)
+    for p in paths:
+        try:
+            if json.loads(Path(p).read_text()).get("model") in (model_name, None):
+                return Path(p)
+        except (OSError, json.JSONDecodeError):
+            continue
+    return None
+
+
+def plan_baseline(case: dict, profile_path: Path, strategy: str):
+    """(plan or None, reason it cannot run or ''): the planner's view of a baseline."""
+    from hepti.errors import HeptiError
+    from hepti.plan.partition import make_plan
+    from hepti.plan.profile import load_profile
+    try:
+        plan = make_plan(case["config"], load_profile(profile_path), case["seq"], 1, strategy=strategy)
+    except HeptiError as e:
+        return None, f"the planner refuses it: {e}"
+    if not plan.predicted.get("fits_memory", True):
+        caps = plan.predicted.get("mem_caps", [])
+        over = [f"rank {r['rank']} needs {r['mem_bytes'] / 2**20:,.0f} MiB but has {caps[r['rank']] / 2**20:,.0f} MiB"
+                for r in plan.predicted["per_rank"] if r["active"] and r["mem_bytes"] > caps[r["rank"]]]
+        return plan, "does not fit memory (planner): " + "; ".join(over)
+    return plan, ""
+
+
+def choose_repeat(predicted_s: float | None, args) -> int:
+    """Timed runs per launch: about target_s seconds of them, within [min_repeat, repeat]."""
+    if not predicted_s:
+        return args.repeat
+    return int(min(args.repeat, max(args.min_repeat, math.ceil(args.target_s / predicted_s))))
+
+
+def profile_summary(spec, case: dict, profile_path: Path, source: str) -> dict:
+    """The profile next to the spec: measured link rate and memory against the spec's, and
+    GeMM speed per core of CPU share (equal across devices when the caps are faithful)."""
+    prof = json.loads(profile_path.read_text())
+    devs = []
+    for d, dev in zip(prof["devices"], spec.devices):
+        g = d["gemm_flops"]
+        peak = max(v for _, v in g) if isinstance(g, list) else g
+        devs.append({"rank": d["rank"], "host": d.get("host"), "cpu_share": dev.cpu,
+                     "gemm_peak_gflops": round(peak / 1e9, 2),
+                     "gemm_gflops_per_core_share": round(peak / 1e9 / dev.cpu, 1),
+                     "link_mbit_spec": dev.link_mbit,
+                     "link_mbit_profiled": round(d["bandwidth_Bps"] * 8 / 1e6, 1),
+                     "latency_ms_profiled": round(d["latency_s"] * 1e3, 3),
+                     "mem_cap_mib_spec": None if dev.mem_bytes is None else round(dev.mem_bytes / 2**20),
+                     "memory_mib_profiled": round(d["memory_bytes"] / 2**20)})
+    return {"spec": spec.name, "model": case["name"], "seq": case["seq"], "source": source,
+            "devices": devs, "profile": prof}
+
+
+# --- the sweep ---------------------------------------------------------------------------------
+
+def parse_case(text: str, specs: list[str]) -> dict:
+    """MODEL_DIR:SEQ[:SPEC+SPEC...] -> {"dir", "name", "seq", "specs"}."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not parts[1].isdigit():
+        raise SystemExit(f"--case {text!r}: write MODEL_DIR:SEQ or MODEL_DIR:SEQ:SPEC+SPEC")
+    only = parts[2].split("+") if len(parts) == 3 else list(specs)
+    return {"dir": parts[0], "name": Path(parts[0]).name, "seq": int(parts[1]),
+            "specs": [s for s in only if s in specs]}
+
+
+def make_inputs(case: dict, workdir: Path) -> None:
+    """Fixed-shape synthetic input (no padding) and the model's config, into the case."""
+    from hepti.bench.model import synthetic_batch
+    from hepti.weights import WeightStore
+    cfg = WeightStore(case["dir"]).config
+    ids, mask = synthetic_batch(cfg, 1, case["seq"])
+    case["ids"] = workdir / f"{case['name']}-{case['seq']}.npz"
+    np.savez(case["ids"], ids=ids, mask=mask)
+    case["config"] = cfg
+
+
+def warm_numba(cases: list[dict], workdir: Path) -> float:
+    """Compile or load every kernel outside the emulation: each model once on one process, and
+    the distributed paths (profile, tensor, rows, pipeline, stream) on two ranks."""
+    t0 = time.perf_counter()
+    small = workdir / "warm-ids.npz"
+    first = cases[0]
+    ids, mask = np.full((1, 16), 101, np.int64), np.ones((1, 16), np.int64)
+    np.savez(small, ids=ids, mask=mask)
+    env = dict(os.environ, HEPTI_CACHE=str(workdir / "warm-cache"))
+    base = ["run", "--input-ids", str(small), "--json"]
+    cmds = [hepti_cmd() + base + ["--model", c["dir"]] for c in cases]
+    two = [mpiexec(), "-n", "2"] + hepti_cmd()
+    cmds.append(two + ["profile", "--model", first["dir"], "--seq", "16", "--out", str(workdir / "warm-profile.json")])
+    for extra in (["--strategy", "tensor"], ["--strategy", "rows"], ["--strategy", "pipeline"],
+                  ["--strategy", "stream", "--mem-budget", "2GiB"]):
+        cmds.append(two + base + ["--model", first["dir"]] + extra)
+    for cmd in cmds:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        if p.returncode != 0:
+            raise SystemExit(f"warming Numba's cache failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")
+    return time.perf_counter() - t0
+
+
+def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[list[dict], list[dict]]:
+    """Every strategy on every spec and case; returns (run records, profile summaries)."""
+    runs, profiles = [], []
+    extras = [e.split(":", 1) for e in args.extra]
+    for spec, spec_path in specs:
+        n = len(spec.devices)
+        for case in cases:
+            if spec.name not in case["specs"]:
+                continue
+            cache = workdir / "cache" / f"{spec.name}-{case['name']}"
+            cache.mkdir(parents=True, exist_ok=True)
+            strategies = list(args.strategies) + [s for sp, s in extras if sp == spec.name]
+            common = ["run", "--model", case["dir"], "--input-ids", str(case["ids"]), "--json"]
+            profile_path = None
+            for strategy in strategies:
+                bar.set_description(f"{spec.name} {case['name']}@{case['seq']} {strategy}")
+                if strategy != "auto" and profile_path is None:
+                    profile_path = find_cached_profile(cache, n, case["config"].name)
+                    source = "auto's own profile (cached)"
+                    if profile_path is None:  # auto did not get as far: measure one for the baselines
+                        profile_path = workdir / f"profile-{spec.name}-{case['name']}.json"
+                        launch(spec_path, n, ["profile", "--model", case["dir"], "--seq", str(case["seq"]),
+                                              "--out", str(profile_path)], cache, args.timeout, workdir)
+                        source = "hepti profile (auto did not profile)"
+                        if not profile_path.exists():
+                            profile_path = None
+                    if profile_path is not None:
+                        profiles.append(profile_summary(spec, case, profile_path, source))
+                plan, unfit = None, ""
+                if strategy in BASELINES and profile_path is not None:
+                    plan, unfit = plan_baseline(case, profile_path, strategy)
+                if unfit and not args.run_unfit:
+                    runs.append(run_record(spec, case, strategy, "cannot_run", unfit, None, None, None))
+                    bar.update(1)
+                    continue
+                repeat = choose_repeat(plan.predicted_latency_s if plan is not None else None, args)
+                extra = ["--strategy", strategy, "--repeat", str(repeat)]
+                if strategy != "auto" and profile_path is not None:
+                    extra += ["--profile", str(profile_path)]
+                res = launch(spec_path, n, common + extra, cache, args.timeout, workdir)
+                status, reason, rep = classify(res)
+                runs.append(run_record(spec, case, strategy, status, reason, rep, res, repeat))
+                bar.update(1)
+    return runs, profiles
+
+
+def count_runs(args, specs, cases) -> int:
+    extras = [e.split(":", 1) for e in args.extra]
+    return sum(len(args.strategies) + sum(1 for sp, _ in extras if sp == spec.name)
+               for spec, _ in specs for case in cases if spec.name in case["specs"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="CI: one pair spec, MiniLM at 128 tokens, fewer runs (under 2 minutes)")
+    ap.add_argument("--spec", action="append", metavar="NAME", help=f"emu spec name (default: {', '.join(SPECS)})")
+    ap.add_argument("--case", action="append", metavar="MODEL_DIR:SEQ[:SPEC+SPEC]",
+                    help="a model folder and token count, optionally only on some specs "
+                         f"(default: {' '.join(CASES)})")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), help="default: %(default)s")
+    ap.add_argument("--extra", action="append", metavar="SPEC:STRATEGY",
+                    help=f"one more strategy on one spec, run as is (default: {' '.join(EXTRA)})")
+    ap.add_argument("--repeat", type=int, default=5, help="at most this many timed runs per launch")
+    ap.add_argument("--min-repeat", type=int, default=3, help="at least this many timed runs per launch")
+    ap.add_argument("--target-s", type=float, default=5.0, help="aim for this many seconds of timed runs")
+    ap.add_argument("--timeout", type=float, default=300.0, help="stop a launch after S seconds")
+    ap.add_argument("--run-unfit", action="store_true",
+                    help="run baselines even when the planner says they do not fit memory")
+    ap.add_argument("--out-dir", default="results", help="where hetero.json/.csv/.png go")
+    ap.add_argument("--no-warm", action="store_true", help="skip warming Numba's cache")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            if getattr(args, k) in (None, build_parser().get_default(k)):
+                setattr(args, k, v)
+    args.spec = args.spec or list(SPECS)
+    args.case = args.case or list(CASES)
+    args.extra = EXTRA if args.extra is None else args.extra
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    if os.geteuid() != 0:
+        print("bench-hetero: needs root (hepti emulate makes network namespaces, tc shapers and "
+              "cgroups); run it with sudo", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    from hepti.emulate.spec import load_spec
+    specs = [(load_spec(HOSTFILES / f"{s}.json"), HOSTFILES / f"{s}.json") for s in args.spec]
+    cases = [parse_case(c, args.spec) for c in args.case]
+    missing = [c["dir"] for c in cases if not (Path(c["dir"]) / "index.json").exists()]
+    if missing:
+        print(f"bench-hetero: no converted model in {', '.join(missing)}; make it with e.g. "
+              f"`hepti convert --random bert-large --out weights/bert-large`", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="hepti-hetero-"))
+    try:
+        for c in cases:
+            make_inputs(c, workdir)
+        warm_s = 0.0 if args.no_warm else warm_numba(cases, workdir)
+        bar = tqdm(total=count_runs(args, specs, cases), unit="run", file=sys.stderr)
+        runs, profiles = sweep(args, specs, cases, workdir, bar)
+        bar.close()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    targets = report.check_targets(runs)
+    doc = {"benchmark": "hetero", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "command": " ".join(["python -m hepti.bench.hetero"] + list(argv if argv is not None else sys.argv[1:])),
+           "machine": {"cores": os.cpu_count(), "node": os.uname().nodename},
+           "settings": {"quick": args.quick, "specs": args.spec, "cases": args.case,
+                        "strategies": args.strategies, "extra": list(args.extra), "repeat": args.repeat,
+                        "min_repeat": args.min_repeat, "target_s": args.target_s, "timeout_s": args.timeout,
+                        "run_unfit": args.run_unfit, "threads_per_rank": 1},
+           "specs": {s.name: s.to_dict() for s, _ in specs},
+           "duration_s": round(time.perf_counter() - t_start, 1), "numba_warm_s": round(warm_s, 1),
+           "runs": runs, "targets": targets, "profiles": profiles}
+    out = Path(args.out_dir)
+    report.write_json(doc, out / "hetero.json")
+    report.write_csv(runs, out / "hetero.csv")
+    why_not = report.draw(runs, out / "hetero.png")
+    print(report.format_table(runs))
+    print("targets (issue 5):")
+    print(report.format_targets(targets))
+    print(f"wrote {out / 'hetero.json'}, {out / 'hetero.csv'}"
+          + (f", {out / 'hetero.png'}" if why_not is None else ""))
+    if why_not:
+        print(f"bench-hetero: {why_not}", file=sys.stderr)
+    print(f"took {doc['duration_s']:.0f} s (Numba warm-up {warm_s:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

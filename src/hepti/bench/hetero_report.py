@@ -1,0 +1,243 @@
+"""What `bin/bench-hetero.sh` writes: results/hetero.json, hetero.csv, hetero.png, the summary
+table and the issue's targets checked against the measurements.
+
+Pure functions of the result document (a dict, see `hepti.bench.hetero`), so they are tested on
+small hand-made documents. A run record:
+
+    {"spec": "emu-mixed4", "model": "bert-base", "seq": 256, "strategy": "auto",
+     "status": "ok" | "refused" | "cannot_run" | "oom" | "timeout" | "failed",
+     "reason": "why it did not run (the planner's or the launcher's message)",
+     "ran": "rows",                      # the strategy that actually ran (auto's choice)
+     "median_latency_s": 0.98, "latencies_s": [...], "predicted_latency_s": 0.66,
+     "prediction_error": 0.47,           # measured / predicted - 1
+     "per_rank": [{"rank": 0, "host": "minipc-a", "active": true, "compute_s": .., "comm_total_s": ..,
+                   "comm_s": {kind: s}, "predicted_compute_s": .., "predicted_comm_s": ..,
+                   "device_peak_mem_bytes": .., "oom_kills": 0}, ...]}
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+HEADLINE = ("emu-mixed4", "bert-base", 256)
+FIT_TOLERANCE = 0.15
+STATUS_LABEL = {"refused": "refused", "cannot_run": "cannot run", "oom": "OOM kill",
+                "timeout": "timeout", "failed": "failed"}
+CSV_FIELDS = ("spec", "model", "seq", "strategy", "status", "ran", "median_ms", "predicted_ms",
+              "prediction_error_pct", "rank", "host", "active", "compute_ms", "comm_ms",
+              "predicted_compute_ms", "predicted_comm_ms", "device_peak_mem_mib", "oom_kills", "reason")
+
+
+def _ms(s) -> float | None:
+    return None if s is None else round(s * 1e3, 3)
+
+
+def groups(runs: list[dict]) -> dict[tuple, list[dict]]:
+    """Runs by (spec, model, seq), in the order they first appear."""
+    out: dict[tuple, list[dict]] = {}
+    for r in runs:
+        out.setdefault((r["spec"], r["model"], r["seq"]), []).append(r)
+    return out
+
+
+def find(runs: list[dict], spec: str, model: str, seq: int, strategy: str) -> dict | None:
+    for r in runs:
+        if (r["spec"], r["model"], r["seq"], r["strategy"]) == (spec, model, seq, strategy):
+            return r
+    return None
+
+
+# --- JSON and CSV ----------------------------------------------------------------------------
+
+def write_json(doc: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def csv_rows(runs: list[dict]) -> list[dict]:
+    """One row per run and rank (a run that did not start has one row without a rank)."""
+    rows = []
+    for r in runs:
+        base = {"spec": r["spec"], "model": r["model"], "seq": r["seq"], "strategy": r["strategy"],
+                "status": r["status"], "ran": r.get("ran") or "",
+                "median_ms": _ms(r.get("median_latency_s")),
+                "predicted_ms": _ms(r.get("predicted_latency_s")),
+                "prediction_error_pct": (None if r.get("prediction_error") is None
+                                         else round(100 * r["prediction_error"], 1)),
+                "reason": r.get("reason") or ""}
+        ranks = r.get("per_rank") or [None]
+        for pr in ranks:
+            row = dict(base)
+            if pr is not None:
+                peak = pr.get("device_peak_mem_bytes")
+                row.update({"rank": pr["rank"], "host": pr.get("host", ""), "active": pr.get("active"),
+                            "compute_ms": _ms(pr.get("compute_s")), "comm_ms": _ms(pr.get("comm_total_s")),
+                            "predicted_compute_ms": _ms(pr.get("predicted_compute_s")),
+                            "predicted_comm_ms": _ms(pr.get("predicted_comm_s")),
+                            "device_peak_mem_mib": None if peak is None else round(peak / 2**20, 1),
+                            "oom_kills": pr.get("oom_kills")})
+            rows.append(row)
+    return rows
+
+
+def csv_text(runs: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
+    w.writeheader()
+    for row in csv_rows(runs):
+        w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_FIELDS})
+    return buf.getvalue()
+
+
+def write_csv(runs: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(csv_text(runs))
+
+
+# --- the summary table -----------------------------------------------------------------------
+
+def _cell_ms(s) -> str:
+    return "" if s is None else f"{s * 1e3:,.1f}"
+
+
+def format_table(runs: list[dict]) -> str:
+    """Per cluster and model: each strategy's status, median and predicted latency, the
+    prediction's error, and how much lower auto's latency is."""
+    lines = []
+    for (spec, model, seq), rs in groups(runs).items():
+        auto = next((r for r in rs if r["strategy"] == "auto" and r["status"] == "ok"), None)
+        lines.append(f"{spec}  {model} @{seq} tokens")
+        lines.append(f"  {'strategy':<13}{'status':<11}{'ran':<10}{'median ms':>11}{'predicted':>11}"
+                     f"{'error':>8}{'auto lower':>12}")
+        for r in rs:
+            med, pred = r.get("median_latency_s"), r.get("predicted_latency_s")
+            err = r.get("prediction_error")
+            lower = ""
+            if auto is not None and r is not auto and med:
+                lower = f"{100 * (1 - auto['median_latency_s'] / med):+.0f}%"
+            status = STATUS_LABEL.get(r["status"], r["status"])
+            lines.append(f"  {r['strategy']:<13}{status:<11}{(r.get('ran') or ''):<10}{_cell_ms(med):>11}"
+                         f"{_cell_ms(pred):>11}{'' if err is None else f'{100 * err:+.0f}%':>8}{lower:>12}")
+            if r["status"] != "ok" and r.get("reason"):
+                lines.append(f"      {r['reason'][:150]}")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# --- the issue's targets ---------------------------------------------------------------------
+
+def _target(name: str, ok, detail: str) -> dict:
+    return {"target": name, "ok": ok, "detail": detail}
+
+
+def _lower_by(runs, spec, model, seq, base: str, at_least: float | None) -> dict:
+    """auto's median at least `at_least` lower than `base`'s (or simply lower when None)."""
+    name = (f"{spec} {model}@{seq}: auto " +
+            (f">= {at_least:.0%} lower than {base}" if at_least else f"lower than {base}"))
+    a, b = find(runs, spec, model, seq, "auto"), find(runs, spec, model, seq, base)
+    if a is None or b is None:
+        return _target(name, None, "not run")
+    if a["status"] != "ok":
+        return _target(name, False, f"auto did not run: {a['status']}: {a.get('reason', '')}")
+    if b["status"] != "ok":
+        return _target(name, None, f"{base} has no measurement ({b['status']}: {b.get('reason', '')[:100]})")
+    gain = 1 - a["median_latency_s"] / b["median_latency_s"]
+    need = at_least or 0.0
+    return _target(name, gain >= need if at_least else gain > 0,
+                   f"auto {a['median_latency_s'] * 1e3:.0f} ms ({a.get('ran')}) vs {base} "
+                   f"{b['median_latency_s'] * 1e3:.0f} ms: {gain:+.1%} lower")
+
+
+def check_targets(runs: list[dict]) -> list[dict]:
+    """The issue's targets that this benchmark measures, each ok True/False (None: not measured)."""
+    spec, model, seq = HEADLINE
+    out = [_lower_by(runs, spec, model, seq, "even", 0.30),
+           _lower_by(runs, spec, model, seq, "proportional", 0.15),
+           _lower_by(runs, spec, model, seq, "single", None),
+           _lower_by(runs, spec, model, seq, "pipeline", None)]
+    for r in runs:
+        if r["strategy"] != "auto":
+            continue
+        name = f"{r['spec']} {r['model']}@{r['seq']}: auto within {FIT_TOLERANCE:.0%} of its prediction"
+        if r["status"] != "ok" or r.get("predicted_latency_s") is None:
+            out.append(_target(name, False, f"auto {r['status']}: {r.get('reason', '')[:120]}"))
+            continue
+        err = r["prediction_error"]
+        out.append(_target(name, abs(err) <= FIT_TOLERANCE,
+                           f"measured {r['median_latency_s'] * 1e3:.0f} ms, predicted "
+                           f"{r['predicted_latency_s'] * 1e3:.0f} ms ({err:+.1%}), ran {r.get('ran')}"))
+    for spec_name, want in (("emu-tight", "tensor"), ("emu-starved", "stream")):
+        for r in runs:
+            if r["spec"] == spec_name and r["strategy"] == "auto":
+                name = f"{spec_name} {r['model']}@{r['seq']}: auto picks {want} and completes without OOM"
+                ok = r["status"] == "ok" and r.get("ran") == want
+                out.append(_target(name, ok, f"status {r['status']}, ran {r.get('ran')}"
+                                   + (f": {r['reason'][:150]}" if r.get("reason") else "")))
+    for r in runs:
+        if r["spec"] == "emu-tight" and r["strategy"] == "rows":
+            name = f"emu-tight {r['model']}@{r['seq']}: rows refused by the planner before it starts"
+            out.append(_target(name, r["status"] == "refused",
+                               f"status {r['status']}" + (f": {r['reason'][:150]}" if r.get("reason") else "")))
+    return out
+
+
+def format_targets(targets: list[dict]) -> str:
+    mark = {True: "MET ", False: "MISS", None: "n/a "}
+    return "\n".join(f"  [{mark[t['ok']]}] {t['target']}: {t['detail']}" for t in targets) + "\n"
+
+
+# --- the plot ----------------------------------------------------------------------------------
+
+def draw(runs: list[dict], path: Path) -> str | None:
+    """Latency by strategy per cluster (one panel per cluster and model), predicted latency
+    marked; strategies that did not run are labelled with why. Returns None when drawn, else
+    the reason it was not (matplotlib missing)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ("matplotlib is not installed, so no plot was drawn (JSON and CSV are written); "
+                "install it with `pip install -e '.[plot]'` (or `pip install matplotlib`) in hepti's venv")
+    panels = list(groups(runs).items())
+    if not panels:
+        return "no runs to draw"
+    ncol = min(4, len(panels))
+    nrow = (len(panels) + ncol - 1) // ncol
+    fig, axes = plt.subplots(nrow, ncol, figsize=(max(4.2 * ncol, 6.5), 3.6 * nrow + 0.4), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, ((spec, model, seq), rs) in zip(axes.flat, panels):
+        names = [r["strategy"] for r in rs]
+        meas = [r.get("median_latency_s") or 0.0 for r in rs]
+        colors = ["tab:green" if n == "auto" else "tab:gray" for n in names]
+        x = range(len(rs))
+        ax.bar(x, [m * 1e3 for m in meas], color=colors)
+        pred = [(i, r["predicted_latency_s"] * 1e3) for i, r in enumerate(rs)
+                if r.get("predicted_latency_s") is not None and r["status"] == "ok"]
+        if pred:
+            ax.scatter([p[0] for p in pred], [p[1] for p in pred], marker="_", s=400, color="black",
+                       linewidths=2, zorder=3, label="predicted")
+        top = max([m * 1e3 for m in meas] + [p[1] for p in pred] + [1.0])
+        for i, r in enumerate(rs):
+            if r["status"] != "ok":
+                ax.text(i, top * 0.03, STATUS_LABEL.get(r["status"], r["status"]), rotation=90,
+                        ha="center", va="bottom", fontsize=8, color="tab:red")
+            elif r["strategy"] == "auto" and r.get("ran"):
+                ax.text(i, meas[i] * 1e3, r["ran"], ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylim(0, top * 1.15)
+        ax.set_title(f"{spec}\n{model} @{seq} tokens", fontsize=9)
+        ax.set_ylabel("median latency (ms)", fontsize=8)
+        if pred:
+            ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle("hepti on emulated clusters: auto (green) vs baselines, black mark = predicted",
+                 fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

@@ -1,0 +1,172 @@
+"""Tests of `bin/bench-hetero.sh`'s parts: the CSV/JSON writers, the table and the targets on a
+small hand-made result document, how a launch's outcome is classified, and (root only: it runs
+`hepti emulate`) that `--quick` on the smallest spec accounts for every strategy.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hepti.bench import hetero
+from hepti.bench import hetero_report as rep
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rank(r, compute, comm, pred_compute=None, pred_comm=None, peak=None):
+    return {"rank": r, "host": f"d{r}", "active": True, "compute_s": compute, "comm_total_s": comm,
+            "comm_s": {"allgatherv": comm}, "predicted_compute_s": pred_compute,
+            "predicted_comm_s": pred_comm, "device_peak_mem_bytes": peak, "oom_kills": 0}
+
+
+def ok(spec, strategy, median, predicted, ran=None, model="bert-base", seq=256, ranks=2):
+    return {"spec": spec, "model": model, "seq": seq, "strategy": strategy, "status": "ok", "reason": "",
+            "ran": ran or strategy, "median_latency_s": median, "latencies_s": [median] * 3,
+            "predicted_latency_s": predicted, "prediction_error": median / predicted - 1,
+            "per_rank": [rank(i, median * 0.6, median * 0.3, predicted * 0.6, predicted * 0.3, 300 << 20)
+                         for i in range(ranks)]}
+
+
+def not_run(spec, strategy, status, reason, model="bert-base", seq=256):
+    return {"spec": spec, "model": model, "seq": seq, "strategy": strategy, "status": status,
+            "reason": reason}
+
+
+@pytest.fixture
+def runs():
+    return [
+        ok("emu-mixed4", "auto", 0.60, 0.55, ran="tensor"),
+        ok("emu-mixed4", "even", 1.00, 0.90),
+        ok("emu-mixed4", "proportional", 0.65, 0.70, ran="tensor"),
+        ok("emu-mixed4", "pipeline", 0.90, 0.80),
+        ok("emu-mixed4", "single", 0.58, 0.60, ranks=1),
+        ok("emu-tight", "auto", 0.80, 0.60, ran="tensor"),
+        not_run("emu-tight", "single", "cannot_run", "does not fit memory (planner): rank 0 needs 450 MiB but has 300 MiB"),
+        not_run("emu-tight", "rows", "refused", "rows needs rank 0 ... use --strategy tensor or stream"),
+        not_run("emu-starved", "auto", "oom", "rank 2 (device pi4-c) was killed by the out-of-memory killer"),
+    ]
+
+
+def test_csv_has_one_row_per_run_and_rank(runs):
+    rows = list(csv.DictReader(io.StringIO(rep.csv_text(runs))))
+    assert len(rows) == sum(len(r.get("per_rank") or [None]) for r in runs)
+    assert list(rows[0]) == list(rep.CSV_FIELDS)
+    auto0 = rows[0]
+    assert (auto0["strategy"], auto0["ran"], auto0["rank"]) == ("auto", "tensor", "0")
+    assert float(auto0["median_ms"]) == pytest.approx(600.0)
+    assert float(auto0["compute_ms"]) == pytest.approx(360.0)
+    assert float(auto0["prediction_error_pct"]) == pytest.approx(9.1)
+    assert float(auto0["device_peak_mem_mib"]) == pytest.approx(300.0)
+    refused = [r for r in rows if r["status"] == "refused"]
+    assert len(refused) == 1 and refused[0]["rank"] == "" and "use --strategy tensor" in refused[0]["reason"]
+
+
+def test_writers_round_trip(tmp_path, runs):
+    doc = {"benchmark": "hetero", "runs": runs, "targets": rep.check_targets(runs)}
+    rep.write_json(doc, tmp_path / "r" / "hetero.json")
+    rep.write_csv(runs, tmp_path / "r" / "hetero.csv")
+    back = json.loads((tmp_path / "r" / "hetero.json").read_text())
+    assert back["runs"] == runs
+    assert (tmp_path / "r" / "hetero.csv").read_text() == rep.csv_text(runs)
+
+
+def test_table_shows_status_and_how_much_lower_auto_is(runs):
+    text = rep.format_table(runs)
+    mixed = text.split("emu-tight")[0]
+    even_line = next(ln for ln in mixed.splitlines() if ln.strip().startswith("even"))
+    assert "1,000.0" in even_line and even_line.rstrip().endswith("+40%")  # 1 - 0.6 / 1.0
+    single_line = next(ln for ln in mixed.splitlines() if ln.strip().startswith("single"))
+    assert single_line.rstrip().endswith("-3%")  # auto slower than single here
+    assert "cannot run" in text and "refused" in text and "OOM kill" in text
+    assert "rank 0 needs 450 MiB" in text  # the reason is shown under a strategy that did not run
+
+
+def test_targets_met_missed_and_unmeasured(runs):
+    t = {x["target"]: x for x in rep.check_targets(runs)}
+    assert t["emu-mixed4 bert-base@256: auto >= 30% lower than even"]["ok"] is True
+    assert t["emu-mixed4 bert-base@256: auto >= 15% lower than proportional"]["ok"] is False  # 7.7%
+    assert t["emu-mixed4 bert-base@256: auto lower than single"]["ok"] is False
+    assert t["emu-mixed4 bert-base@256: auto lower than pipeline"]["ok"] is True
+    assert t["emu-mixed4 bert-base@256: auto within 15% of its prediction"]["ok"] is True  # +9%
+    assert t["emu-tight bert-base@256: auto within 15% of its prediction"]["ok"] is False  # +33%
+    assert t["emu-tight bert-base@256: auto picks tensor and completes without OOM"]["ok"] is True
+    assert t["emu-starved bert-base@256: auto picks stream and completes without OOM"]["ok"] is False
+    assert t["emu-tight bert-base@256: rows refused by the planner before it starts"]["ok"] is True
+    runs[1] = not_run("emu-mixed4", "even", "oom", "killed")
+    t = {x["target"]: x for x in rep.check_targets(runs)}
+    assert t["emu-mixed4 bert-base@256: auto >= 30% lower than even"]["ok"] is None
+    assert "MISS" in rep.format_targets(rep.check_targets(runs))
+
+
+def test_plot_is_drawn_or_says_why(tmp_path, runs):
+    out = tmp_path / "hetero.png"
+    why = rep.draw(runs, out)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in why and not out.exists()
+    else:
+        assert why is None and out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def launch_result(rc=0, stdout="", stderr="", devices=(), timed_out=False):
+    return {"rc": rc, "stdout": stdout, "stderr": stderr, "wall_s": 12.0,
+            "summary": {"timed_out": timed_out, "devices": list(devices)}}
+
+
+def test_classify_launch_outcomes():
+    report = {"strategy": "tensor", "latency_s": {"median": 0.5, "runs": [0.5]}, "per_rank": []}
+    assert hetero.classify(launch_result(stdout=json.dumps(report)))[:2] == ("ok", "")
+    oom = "[hepti emulate] rank 2 (device pi4-c) was killed by the out-of-memory killer: its 400MiB cap is too small\n"
+    st, why, _ = hetero.classify(launch_result(rc=1, stderr=oom, devices=[
+        {"device": 2, "name": "pi4-c", "oom_kills": 1, "peak_mem_bytes": 400 << 20, "mem_bytes": 400 << 20}]))
+    assert st == "oom" and why.startswith("rank 2 (device pi4-c) was killed")
+    st, why, _ = hetero.classify(launch_result(rc=2, stderr="hepti run: error: rows needs rank 0 to hold it\n"))
+    assert (st, why) == ("refused", "rows needs rank 0 to hold it")
+    assert hetero.classify(launch_result(rc=124, timed_out=True))[0] == "timeout"
+    st, why, _ = hetero.classify(launch_result(rc=1, stderr="Traceback\nhepti run: rank 1 failed: ValueError: x\n"))
+    assert st == "failed" and "rank 1 failed" in why
+
+
+def test_repeat_follows_the_prediction():
+    args = hetero.build_parser().parse_args(["--repeat", "6", "--min-repeat", "2", "--target-s", "4"])
+    assert hetero.choose_repeat(None, args) == 6
+    assert hetero.choose_repeat(0.1, args) == 6
+    assert hetero.choose_repeat(1.0, args) == 4
+    assert hetero.choose_repeat(7.0, args) == 2
+
+
+def test_parse_case():
+    specs = ["emu-mixed4", "emu-tight"]
+    c = hetero.parse_case("weights/bert-base:256", specs)
+    assert (c["name"], c["seq"], c["specs"]) == ("bert-base", 256, specs)
+    assert hetero.parse_case("weights/minilm-l6:128:emu-tight+emu-other", specs)["specs"] == ["emu-tight"]
+    with pytest.raises(SystemExit, match="MODEL_DIR:SEQ"):
+        hetero.parse_case("weights/bert-base", specs)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: `hepti emulate` makes namespaces, tc shapers, cgroups")
+def test_quick_run_accounts_for_every_strategy(tmp_path):
+    if not (REPO / "weights" / "minilm-l6" / "index.json").exists():
+        pytest.skip("weights/minilm-l6 is missing; bin/setup makes it")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "hepti.bench.hetero", "--quick", "--spec", "emu-pair-940-full",
+           "--repeat", "1", "--min-repeat", "1", "--out-dir", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads((tmp_path / "hetero.json").read_text())
+    runs = {r["strategy"]: r for r in doc["runs"]}
+    assert set(runs) == set(hetero.STRATEGIES)
+    for r in runs.values():
+        assert r["status"] in ("ok", "refused", "cannot_run", "oom", "timeout", "failed"), r
+        assert r["status"] == "ok" or r["reason"], r  # anything that did not run says why
+    assert runs["auto"]["status"] == "ok" and runs["auto"]["predicted_latency_s"] > 0, runs["auto"]
+    assert (tmp_path / "hetero.csv").read_text().startswith(",".join(rep.CSV_FIELDS))
+    assert doc["profiles"] and doc["profiles"][0]["spec"] == "emu-pair-940-full"
