@@ -119,20 +119,28 @@ def run_single(args) -> int:
     outs, lat = timed_runs(forward, batches, args, progress=not args.json)
     result = assemble(outs, batches, args.pool)
     report = {
-        "model": config.name or Path(args.model).name,
-        "strategy": "single",
-        "world_size": 1,
-        "n_inputs": int(result.shape[0]),
-        "tokens": [int(b.ids.shape[1]) for b in batches],
-        "pool": args.pool,
-        "threads": args.threads,
-        "load_s": load_s,
-        "latency_s": {"median": statistics.median(lat), "runs": lat},
+        **base_report(args, config, result, batches, load_s, lat, "single", 1),
         "weight_bytes_resident": engine.layer_bytes + engine.embeddings.nbytes,
         "weight_bytes_read": store.bytes_read,
     }
     finish(args, result, report, batches)
     return 0
+
+
+def base_report(args, config, result, batches, load_s: float, latencies: list[float],
+                strategy: str, world_size: int) -> dict:
+    """The fields every `hepti run --json` report has, single-device or distributed."""
+    return {
+        "model": config.name or Path(args.model).name,
+        "strategy": strategy,
+        "world_size": world_size,
+        "n_inputs": int(result.shape[0]),
+        "tokens": [int(b.ids.shape[1]) for b in batches],
+        "pool": args.pool,
+        "threads": args.threads,
+        "load_s": load_s,
+        "latency_s": {"median": statistics.median(latencies), "runs": latencies},
+    }
 
 
 def finish(args, result: np.ndarray, report: dict, batches) -> None:

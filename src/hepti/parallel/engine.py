@@ -381,7 +381,7 @@ def run_distributed(args) -> int:
     from hepti.inputs import check_output_path
     from hepti.parallel.comm import Comm
     from hepti.parallel.trace import Tracer, chrome_trace
-    from hepti.runner import assemble, encode_inputs, finish
+    from hepti.runner import assemble, base_report, encode_inputs, finish
     from hepti.model.pooling import pool
     from hepti.weights import WeightStore
 
@@ -453,18 +453,10 @@ def run_distributed(args) -> int:
     if plan.strategy == "pipeline":
         used = {"layers": plan.layers}
     report = {
-        "model": cfg.name or os.path.basename(os.path.normpath(args.model)),
-        "strategy": plan.strategy,
-        "world_size": size,
+        **base_report(args, cfg, result, batches, load_s, latencies, plan.strategy, size),
         "active_ranks": job.active,
         "ratios": plan.ratios,
         "counts": used,
-        "n_inputs": int(result.shape[0]),
-        "tokens": [int(b.ids.shape[1]) for b in batches],
-        "pool": args.pool,
-        "threads": args.threads,
-        "load_s": load_s,
-        "latency_s": {"median": statistics.median(latencies), "runs": latencies},
         "throughput_inputs_per_s": result.shape[0] / statistics.median(latencies),
         "per_rank": stats,
     }

@@ -8,6 +8,7 @@ so the message can name the damaged ones (Fletcher32 catches damage inside chunk
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import h5py
@@ -41,7 +42,7 @@ def verify(path: str | Path) -> list[str]:
             problems.append(f"{p}: {size} bytes, {INDEX_NAME} records {info.get('bytes')} "
                             "(truncated or replaced)")
             damaged.add(shard)
-        digest = _sha256(p)
+        digest = file_sha256(p)
         if digest != info.get("sha256"):
             problems.append(f"{p}: sha256 {digest[:16]}... does not match {INDEX_NAME} "
                             f"({str(info.get('sha256'))[:16]}...): the file is corrupted; re-run `hepti convert`")
@@ -116,9 +117,13 @@ def _reads_cleanly(dset: h5py.Dataset) -> bool:
     return True
 
 
-def _sha256(p: Path) -> str:
+def file_sha256(p: Path, fsync: bool = False) -> str:
+    """sha256 of a file, read in 1 MiB pieces; with fsync, also flush it to disk (the writer
+    does, so a shard survives a power cut once renamed into place)."""
     digest = hashlib.sha256()
     with open(p, "rb") as fh:
         while chunk := fh.read(1 << 20):
             digest.update(chunk)
+        if fsync:
+            os.fsync(fh.fileno())
     return digest.hexdigest()

@@ -8,7 +8,6 @@ stays intact until the final rename).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -153,12 +152,8 @@ def _write_tensor(h5: h5py.File, spec: TensorSpec, head_dim: int, bar: tqdm) -> 
 
 def _sha256_and_sync(path: Path) -> str:
     """sha256 of a file, and fsync it so it survives a power cut once renamed into place."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-        os.fsync(fh.fileno())
-    return digest.hexdigest()
+    from hepti.weights.verify import file_sha256
+    return file_sha256(path, fsync=True)
 
 
 def _fsync_dir(path: Path) -> None:
