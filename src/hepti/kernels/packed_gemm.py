@@ -33,7 +33,7 @@ from hepti.kernels._intrinsics import prefetch_l2
 from hepti.kernels._microkernels import MR, NR, copy_row, full_tiles, micro_tile, pack_a_tile
 from hepti.kernels._views import (EMPTY, aligned_empty, check_float32, check_no_overlap,
                                   flat_rows, output, pad16, vector, workspace)
-from hepti.kernels.config import FASTMATH_GEMM, JIT, KC
+from hepti.kernels.config import FASTMATH_GEMM, JIT
 from hepti.kernels.mathfn import gelu32
 
 _PANELS_NONE = np.zeros((0, 0, NR), np.float32)  # stands in for "no pre-packed B"

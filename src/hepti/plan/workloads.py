@@ -61,7 +61,7 @@ def rows_program(cfg: BertConfig, B: int, T: int) -> Program:
 
 
 def _tensor_layer(cfg: BertConfig, B: int, T: int, last: bool) -> list[Phase]:
-    C, F, D, M = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, B * T
+    C, D, M = cfg.hidden_size, cfg.head_dim, B * T
     qkv = Work("gemm", "heads", 2.0 * M * C * 3 * D, min(M, C), 3 * D, "qkv")  # [M,C]x[C,3hD]
     attn = Work("attention", "heads", 4.0 * M * T * D, name="attention")
     out = Work("gemm", "heads", 2.0 * M * D * C, min(M, C), D, "o-proj")  # [M,hD]x[hD,C]
