@@ -18,6 +18,7 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -400,7 +401,7 @@ def run_distributed(args) -> int:
         check_output_path(args.output)
         if args.trace:
             check_output_path(args.trace)
-        return encode_inputs(args, cfg, __import__("pathlib").Path(args.model))
+        return encode_inputs(args, cfg, Path(args.model))
 
     batches = agree(world, read_inputs)
     n, shape = world.bcast_obj((len(batches), batches[0].ids.shape) if rank0 else None)
