@@ -321,8 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--extra", action="append", metavar="SPEC:STRATEGY",
                     help=f"one more strategy on one spec, run as is (default: {' '.join(EXTRA)})")
     ap.add_argument("--repeat", type=int, default=5, help="at most this many timed runs per launch")
-    ap.add_argument("--min-repeat", type=int, default=3, help="at least this many timed runs per launch")
-    ap.add_argument("--target-s", type=float, default=5.0, help="aim for this many seconds of timed runs")
+    ap.add_argument("--min-repeat", type=int, default=2, help="at least this many timed runs per launch")
+    ap.add_argument("--target-s", type=float, default=4.0,
+                    help="aim for this many seconds of timed runs per launch (by the prediction)")
     ap.add_argument("--timeout", type=float, default=300.0, help="stop a launch after S seconds")
     ap.add_argument("--run-unfit", action="store_true",
                     help="run baselines even when the planner says they do not fit memory")
