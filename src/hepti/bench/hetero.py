@@ -16,6 +16,11 @@ out-of-memory kill is the launch's own and the baselines run in the same runtime
 3. R (timed runs inside one launch, after a warm-up run) is chosen from the prediction so a
    launch times about `--target-s` seconds, between `--min-repeat` and `--repeat`.
 
+The default set, sized to run in under 15 minutes here: BERT-base @256 tokens on every spec,
+MiniLM @128 and BERT-large @128 on emu-mixed4 only (`--case` changes it); `--quick` is one pair
+spec with MiniLM (under 2 minutes). Each record keeps the machine's load average around its
+launch: device quotas are caps, so other jobs on a shared machine slow the devices down.
+
 Numba's cache is warmed outside the emulation first (a 0.15-core device compiling kernels would
 take minutes and LLVM's memory could exceed its cap). The figure per run is the median latency
 over its R runs; per-rank compute and communication are the medians the runtime reports, next to
@@ -41,7 +46,8 @@ import numpy as np
 from hepti.bench import hetero_report as report
 
 ROOT = Path(__file__).resolve().parents[3]
-HOSTFILES = ROOT / "hostfiles"
+# the specs shipped in the repo: bin/bench-hetero.sh runs from its root; else next to the source
+HOSTFILES = Path("hostfiles") if Path("hostfiles/emu-mixed4.json").exists() else ROOT / "hostfiles"
 SPECS = ("emu-mixed4", "emu-tight", "emu-starved", "emu-pair-940-full", "emu-pair-940-quarter",
          "emu-pair-240-full", "emu-pair-240-quarter")
 STRATEGIES = ("auto", "even", "proportional", "pipeline", "single")
@@ -56,10 +62,12 @@ LAUNCHER_OOM = re.compile(r"rank \d+ \(device [^)]*\) was killed by the out-of-m
 # --- launching ---------------------------------------------------------------------------------
 
 def hepti_cmd() -> list[str]:
+    """hepti in this Python (the venv bin/bench-hetero.sh set up)."""
     return [sys.executable, "-m", "hepti"]
 
 
 def mpiexec() -> str:
+    """MPICH's mpiexec next to this Python, else the one on PATH."""
     cand = Path(sys.executable).parent / "mpiexec"
     return str(cand) if cand.exists() else (shutil.which("mpiexec") or "mpiexec")
 
@@ -304,13 +312,15 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
 
 
 def count_runs(args, specs, cases) -> int:
+    """Launches the sweep will make (the progress bar's total)."""
     extras = [e.split(":", 1) for e in args.extra]
     return sum(len(args.strategies) + sum(1 for sp, _ in extras if sp == spec.name)
                for spec, _ in specs for case in cases if spec.name in case["specs"])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """The options of `python -m hepti.bench.hetero` (and bin/bench-hetero.sh)."""
+    ap = argparse.ArgumentParser(prog="bin/bench-hetero.sh", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="CI: one pair spec, MiniLM at 128 tokens, fewer runs (under 2 minutes)")
     ap.add_argument("--spec", action="append", metavar="NAME", help=f"emu spec name (default: {', '.join(SPECS)})")

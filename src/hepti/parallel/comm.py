@@ -6,8 +6,14 @@ world of one rank returns at once (no MPI call, no copy where none is needed). C
 happens only through these verbs, so the strategies' forwards show every sync point.
 
 Buffers are float32 and C-contiguous; the verbs allocate their outputs.
+
+Every verb posts the non-blocking call and `wait`s for it, sleeping between tests: MPICH's
+blocking calls busy-poll, and a rank whose CPU is capped (an emulated device, or a device shared
+with other work) spends its quota polling and is then throttled just when the data arrives.
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -39,7 +45,7 @@ class Comm:
             return a
         buf = np.ascontiguousarray(a, dtype=dtype) if self.rank == root else np.empty(shape, dtype)
         with self.tracer.span("Bcast", "bcast"):
-            self.mpi.Bcast(buf, root=root)
+            wait(self.mpi.Ibcast(buf, root=root))
         n = buf.nbytes
         self.tracer.add_bytes(n * (self.size - 1) if self.rank == root else 0, 0 if self.rank == root else n)
         return buf
@@ -62,7 +68,7 @@ class Comm:
         send = [np.ascontiguousarray(a, np.float32), (sizes, [o * w for o in offsets(counts)]),
                 _MPI().FLOAT] if self.rank == root else None
         with self.tracer.span("Scatterv", "scatterv"):
-            self.mpi.Scatterv(send, out, root=root)
+            wait(self.mpi.Iscatterv(send, out, root=root))
         if self.rank == root:
             self.tracer.add_bytes(4 * (sum(sizes) - sizes[root]), 0)
         else:
@@ -80,7 +86,7 @@ class Comm:
         out = np.empty((sum(counts), *tail), np.float32) if self.rank == root else None
         recv = [out, (sizes, [o * w for o in offsets(counts)]), _MPI().FLOAT] if self.rank == root else None
         with self.tracer.span("Gatherv", "gatherv"):
-            self.mpi.Gatherv(np.ascontiguousarray(a, np.float32), recv, root=root)
+            wait(self.mpi.Igatherv(np.ascontiguousarray(a, np.float32), recv, root=root))
         if self.rank == root:
             self.tracer.add_bytes(0, 4 * (sum(sizes) - sizes[root]))
         else:
@@ -97,8 +103,8 @@ class Comm:
         sizes = [c * w for c in counts]
         out = np.empty((sum(counts), *tail), np.float32)
         with self.tracer.span("Allgatherv", "allgatherv"):
-            self.mpi.Allgatherv(np.ascontiguousarray(a, np.float32),
-                                [out, (sizes, [o * w for o in offsets(counts)]), _MPI().FLOAT])
+            wait(self.mpi.Iallgatherv(np.ascontiguousarray(a, np.float32),
+                                      [out, (sizes, [o * w for o in offsets(counts)]), _MPI().FLOAT]))
         mine = sizes[self.rank] * 4
         self.tracer.add_bytes(mine * (self.size - 1), out.nbytes - mine)
         return out
@@ -112,8 +118,8 @@ class Comm:
         w = int(np.prod(tail, dtype=np.int64))
         out = np.empty((counts[self.rank], *tail), np.float32)
         with self.tracer.span("Reduce_scatter", "reduce_scatter"):
-            self.mpi.Reduce_scatter(np.ascontiguousarray(partial, np.float32), out,
-                                    [c * w for c in counts], op=_MPI().SUM)
+            wait(self.mpi.Ireduce_scatter(np.ascontiguousarray(partial, np.float32), out,
+                                          [c * w for c in counts], op=_MPI().SUM))
         self.tracer.add_bytes(partial.nbytes - out.nbytes, out.nbytes * (self.size - 1))
         return out
 
@@ -122,21 +128,39 @@ class Comm:
         """Send a float32 array; a small pickled header (shape, meta) goes first."""
         with self.tracer.span("Send", "send"):
             self.mpi.send((a.shape, meta), dest=dest, tag=tag)
-            self.mpi.Send(np.ascontiguousarray(a, np.float32), dest=dest, tag=tag)
+            wait(self.mpi.Isend(np.ascontiguousarray(a, np.float32), dest=dest, tag=tag))
         self.tracer.add_bytes(a.nbytes, 0)
 
     def recv_array(self, source: int, tag: int = 0):
         """-> (array, meta) sent by send_array."""
         with self.tracer.span("Recv", "recv"):
-            shape, meta = self.mpi.recv(source=source, tag=tag)
+            shape, meta = wait_obj(self.mpi.irecv(source=source, tag=tag))
             out = np.empty(shape, np.float32)
-            self.mpi.Recv(out, source=source, tag=tag)
+            wait(self.mpi.Irecv(out, source=source, tag=tag))
         self.tracer.add_bytes(0, out.nbytes)
         return out, meta
 
     def barrier(self):
         if not self.solo:
             self.mpi.Barrier()
+
+
+WAIT_SLEEP_S = 50e-6  # between tests of a pending request; far below a message's time on a link
+
+
+def wait(req) -> None:
+    """Complete a non-blocking MPI request, sleeping between tests instead of spinning."""
+    while not req.Test():
+        time.sleep(WAIT_SLEEP_S)
+
+
+def wait_obj(req):
+    """Complete a non-blocking pickled receive (mpi4py `irecv`) the same way; its object."""
+    while True:
+        done, obj = req.test()
+        if done:
+            return obj
+        time.sleep(WAIT_SLEEP_S)
 
 
 def _MPI():
