@@ -14,7 +14,7 @@ time is linear in the rank's own block (hepti.plan.costmodel.link_terms), so, in
 
 This is exactly the cost model for fixed speeds. Only the GeMM speed's dependence on the slice
 size is not linear, so `solve` takes the speeds at reference counts and the caller iterates.
-Which ranks take part is searched outside (hepti.plan.partition), one LP per candidate set: a
+Which ranks take part is searched outside (hepti.plan.search), one LP per candidate set: a
 formulation with binary participation and big-M terms was tried first and took seconds at 16-32
 devices, because its LP relaxation spreads work thinly over every rank at almost no cost.
 `stream` adds a per-layer time at least every rank's read of its slices, and one memory budget

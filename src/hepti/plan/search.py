@@ -16,8 +16,13 @@ Whole heads: the LP is solved with continuous heads, then heads are assigned by 
 min-max rule (give the next head to the rank that would finish its attention soonest), which is
 optimal for the attention phase given each rank's bound ceil(LP heads); if that breaks a memory
 cap the LP is solved again with those heads fixed, and as a last resort as a MILP.
-Speeds that depend on the slice size (profile tables) are re-read at the chosen counts and the
-chosen set is solved again, up to LP_ITERATIONS times; the exact cost model keeps the best.
+Speeds that depend on the slice size (profile tables) make the cost nonlinear. Every candidate
+set is therefore solved at its own counts: the LP starts from speeds at an even split over the
+set, and is solved again with the speeds at the counts it chose until they agree (up to
+LP_ITERATIONS LPs, usually two); the set is judged by the exact cost model at its best counts.
+Solving the sets at one even split over all ranks and re-solving only the winner judged thin
+slices at thick-slice speeds, and on the Hepti paper's offload pair with the secondary at a
+quarter CPU chose no offload where the model's own optimum is 10-14%.
 """
 from __future__ import annotations
 
@@ -34,8 +39,8 @@ from hepti.plan.costmodel import (ACTIVE, ROOT, Collective, Prediction, Program,
 from hepti.plan.profile import Profile
 
 EXACT_MAX_OPTIONAL = 4  # up to 5 devices: every set of participants is a candidate ...
-EXACT_MAX_LPS = 16  # ... solved in order of its lower bound, until the bound passes the best
-LP_ITERATIONS = 3
+EXACT_MAX_SETS = 16  # ... solved in order of its lower bound, until the bound passes the best
+LP_ITERATIONS = 3  # LPs per set at most, each with the speeds at the previous one's counts
 
 
 @dataclass
@@ -123,9 +128,40 @@ def _greedy_heads(program: Program, profile: Profile, dim: str, raw: list[float]
     return [float(v) for v in h]
 
 
-def solve_set(program: Program, profile: Profile, caps: list[float], ref, active: list[bool],
-              time_limit: float = 5.0) -> Candidate | None:
-    """The best counts when exactly `active` take part (LP, whole-head repair, exact evaluation)."""
+def set_reference(program: Program, active: list[bool]) -> dict[str, list[float]]:
+    """Counts of an even split over the ranks of `active` (rank 0 always among them): where
+    a set's speeds are first read."""
+    members = [i == 0 or a for i, a in enumerate(active)]
+    n = sum(members)
+    return {d: [t / n if m else 0.0 for m in members] for d, t in program.totals.items()}
+
+
+def speeds_agree(program: Program, profile: Profile, ref, cnt) -> bool:
+    """Whether every rank with work runs each of its Works at the same speed at `cnt` as at
+    `ref`: then an LP solved with speeds at `ref` was exact for `cnt`. The LP reads a rank with
+    no reference count at an even split over the participants (hepti.plan.lp)."""
+    N = profile.world_size
+    devs = profile.devices
+    n = sum(1 for i in range(N) if i == 0 or any(cnt[d][i] > 0 for d in program.totals))
+    seen = set()
+    for phase, _, _ in program.phases():
+        for w in phase.works:
+            if w.dim == ROOT or w.kind in ("elementwise", "transfer") or w in seen:
+                continue
+            seen.add(w)
+            for i in range(N):
+                c = cnt[w.dim][i]
+                if c > 0:
+                    r = ref[w.dim][i] or program.totals[w.dim] / n
+                    a, b = w.speed(devs[i], r), w.speed(devs[i], c)
+                    if abs(a - b) > 1e-9 * max(a, b):
+                        return False
+    return True
+
+
+def _solve_once(program: Program, profile: Profile, caps: list[float], ref, active: list[bool],
+                time_limit: float) -> Candidate | None:
+    """One LP with speeds at `ref` (whole-head repair, exact evaluation at the rounded counts)."""
     lp_caps = [c - rounding_margin(program) for c in caps]
     sol = lp.solve(program, profile, lp_caps, ref, active, time_limit, relax=True)
     if sol is None:
@@ -151,6 +187,30 @@ def solve_set(program: Program, profile: Profile, caps: list[float], ref, active
     if program.stream is not None:
         c.mem_budget = int(program.stream.budget)
     return c
+
+
+def solve_set(program: Program, profile: Profile, caps: list[float], active: list[bool],
+              time_limit: float = 5.0, ref=None) -> Candidate | None:
+    """The best counts when exactly `active` take part, judged by the exact cost model.
+
+    The LP takes each rank's speeds at reference counts (first an even split over the set, or
+    `ref`). Where a speed depends on the slice size, the LP is solved again with the speeds at
+    the counts it chose, until they agree (or after LP_ITERATIONS LPs); the set is worth the
+    best of those evaluated at their own counts. Reading the speeds at an even split instead
+    made a thin slice look as fast as a thick one: on the offload pair at a quarter CPU it
+    judged a 14% share slower than none at all."""
+    ref = set_reference(program, active) if ref is None else ref
+    best = None
+    for _ in range(LP_ITERATIONS):
+        c = _solve_once(program, profile, caps, ref, active, time_limit)
+        if c is None:
+            break
+        if best is None or c.latency_s < best.latency_s:
+            best = c
+        if speeds_agree(program, profile, ref, c.counts):
+            break
+        ref = c.counts
+    return best
 
 
 # --- the approximate model that orders ranks for large clusters ----------------------------
@@ -232,14 +292,13 @@ def optimise(program: Program, profile: Profile, caps: list[float], time_limit: 
     eligible = [min_footprint(program, i) <= caps[i] for i in range(N)]
     if not eligible[0]:
         return None
-    ref = {d: [t / N] * N for d, t in program.totals.items()}
     optional = [i for i in range(1, N) if eligible[i]]
     tried: dict[tuple, Candidate | None] = {}
 
     def attempt(active: list[bool]) -> Candidate | None:
         key = tuple(active)
         if key not in tried:
-            tried[key] = solve_set(program, profile, caps, ref, active, time_limit)
+            tried[key] = solve_set(program, profile, caps, active, time_limit)
         return tried[key]
 
     if len(optional) <= EXACT_MAX_OPTIONAL:
@@ -252,7 +311,7 @@ def optimise(program: Program, profile: Profile, caps: list[float], time_limit: 
         for k in np.argsort(bounds, kind="stable"):
             if bounds[k] >= best_s * (1 - 1e-9):
                 break
-            if len(tried) >= EXACT_MAX_LPS:
+            if len(tried) >= EXACT_MAX_SETS:
                 exact = False  # the bound is weak here: keep the best of the most promising
                 break
             c = attempt(sets[k])
@@ -281,16 +340,6 @@ def optimise(program: Program, profile: Profile, caps: list[float], time_limit: 
         actual = [r.active for r in c.prediction.per_rank]
         attempt(actual)
     best = min((c for c in tried.values() if c is not None), key=lambda c: c.latency_s)
-    if _size_dependent(profile):
-        active = [r.active for r in best.prediction.per_rank]
-        cur = best
-        for _ in range(LP_ITERATIONS - 1):
-            c = solve_set(program, profile, caps, cur.counts, active, time_limit)
-            if c is None or c.counts == cur.counts:
-                break
-            cur = c
-            if c.latency_s < best.latency_s:
-                best = c
     best = polish(program, profile, caps, best)
     if program.stream is not None:
         program.stream.budget = best.mem_budget
@@ -299,11 +348,26 @@ def optimise(program: Program, profile: Profile, caps: list[float], time_limit: 
     return best
 
 
+def _fastest_seconds(w, dev, count: float) -> float:
+    """`w.seconds(dev, count)` at the best speed of any slice of up to `count` units: a lower
+    bound on the time per unit of every smaller slice too (measured tables often peak below the
+    largest size)."""
+    if count <= 0 or (w.kind == "transfer" and dev.rank == 0):
+        return 0.0
+    speed = w.speed(dev, count)
+    table = {"gemm": dev.gemm, "attention": dev.attention}.get(w.kind)
+    if table is not None:
+        size = w.size(count)
+        speed = max([speed] + [v for s, v in zip(table.sizes, table.values) if s <= size])
+    return w.per_unit * count / speed + dev.call_overhead_s
+
+
 def set_bounds(program: Program, profile: Profile, sets: np.ndarray) -> np.ndarray:
     """A lower bound on the latency of each set of participants (rows of `sets`, [K, N] bool).
 
-    Compute: every phase perfectly balanced over the set at full-size speeds (valid while a GeMM
-    is no faster on a smaller slice; each rank pays a call's overhead at most once per work).
+    Compute: every phase perfectly balanced over the set, each rank at the best speed its
+    table gives at any slice size up to the whole (`_fastest_seconds`; each rank pays a call's
+    overhead at most once per work).
     Communication: each collective on its own at its best blocks, min over blocks summing to S
     of max over ranks of link_terms (found by bisection on the time); the collectives share one
     block vector in reality, so the sum of their separate minima is a lower bound. Memory is
@@ -315,7 +379,7 @@ def set_bounds(program: Program, profile: Profile, sets: np.ndarray) -> np.ndarr
     out = np.zeros(K)
     colls: dict[Collective, float] = {}
     for phase, mult, _ in program.phases():
-        t = np.array([sum(w.seconds(devs[i], full[w.dim]) for w in phase.works if w.dim != ROOT)
+        t = np.array([sum(_fastest_seconds(w, devs[i], full[w.dim]) for w in phase.works if w.dim != ROOT)
                       for i in range(N)])
         root = sum(w.seconds(devs[0], 1.0) for w in phase.works if w.dim == ROOT)
         rate = sets @ np.where(t > 0, 1.0 / np.maximum(t, 1e-30), 0.0)  # [K]
@@ -412,6 +476,3 @@ def polish(program: Program, profile: Profile, caps: list[float], cand: Candidat
         best.mem_budget = int(program.stream.budget)
     return best
 
-
-def _size_dependent(profile: Profile) -> bool:
-    return any(len(d.gemm.values) > 1 or len(d.attention.values) > 1 for d in profile.devices)
