@@ -7,12 +7,12 @@ happens only through these verbs, so the strategies' forwards show every sync po
 
 Buffers are float32 and C-contiguous; the verbs allocate their outputs.
 
-Every verb posts the non-blocking call and `wait`s for it, sleeping between tests: MPICH's
-blocking calls busy-poll, and a rank whose CPU is capped (an emulated device, or a device shared
-with other work) spends its quota polling and is then throttled just when the data arrives.
+Every verb posts the non-blocking call and `wait`s for it. An uncapped rank blocks in MPI; a rank
+whose CPU is capped sleeps between tests, so it does not spend its quota polling (`wait`).
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -148,14 +148,64 @@ class Comm:
 WAIT_SLEEP_S = 50e-6  # between tests of a pending request; far below a message's time on a link
 
 
+def _cpu_quota_cores(cgroup_root: str = "/sys/fs/cgroup") -> float | None:
+    """This process's CPU quota in cores from its own cgroup (v1 `cpu.cfs_quota_us` or v2
+    `cpu.max`), or None when it has none."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            f = f"{cgroup_root}{path}/cpu.max"
+            try:
+                quota, period = open(f).read().split()
+            except (OSError, ValueError):
+                continue
+            return None if quota == "max" else int(quota) / int(period)
+        if "cpu" in controllers.split(","):
+            d = f"{cgroup_root}/{controllers}{path}"
+            try:
+                quota = int(open(f"{d}/cpu.cfs_quota_us").read())
+                period = int(open(f"{d}/cpu.cfs_period_us").read())
+            except (OSError, ValueError):
+                continue
+            return None if quota < 0 else quota / period
+    return None
+
+
+def _choose_sleepy() -> bool:
+    """Sleep between tests only where spinning costs: a rank whose CPU is capped below one core
+    (an emulated device, or a container slice) spends its quota polling and is then throttled
+    just when the data arrives. An uncapped rank blocks in MPI's own progress loop, which
+    completes a shared-memory collective in tens of microseconds; a sleeping loop made every
+    one of MiniLM's 24 collectives per forward at least one timer slack (~60-100 us) late.
+    `HEPTI_MPI_WAIT=sleep|block` overrides the choice."""
+    forced = os.environ.get("HEPTI_MPI_WAIT", "").strip().lower()
+    if forced in ("sleep", "block"):
+        return forced == "sleep"
+    quota = _cpu_quota_cores()
+    return quota is not None and quota < 1.0
+
+
+SLEEPY = _choose_sleepy()
+
+
 def wait(req) -> None:
-    """Complete a non-blocking MPI request, sleeping between tests instead of spinning."""
+    """Complete a non-blocking MPI request: block in MPI, or sleep between tests (see
+    `_choose_sleepy`)."""
+    if not SLEEPY:
+        req.Wait()
+        return
     while not req.Test():
         time.sleep(WAIT_SLEEP_S)
 
 
 def wait_obj(req):
     """Complete a non-blocking pickled receive (mpi4py `irecv`) the same way; its object."""
+    if not SLEEPY:
+        return req.wait()
     while True:
         done, obj = req.test()
         if done:
