@@ -12,6 +12,8 @@ whose CPU is capped sleeps between tests, so it does not spend its quota polling
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
 import time
 
@@ -19,10 +21,6 @@ import numpy as np
 
 from hepti.counts import offsets
 from hepti.parallel.trace import Tracer
-
-
-def _row_elems(a: np.ndarray) -> int:
-    return int(np.prod(a.shape[1:], dtype=np.int64)) if a.ndim > 1 else 1
 
 
 class Comm:
@@ -62,10 +60,10 @@ class Comm:
         """Scatterv: root's [sum(counts), *tail] -> this rank's [counts[rank], *tail]."""
         if self.solo:
             return a
-        w = int(np.prod(tail, dtype=np.int64))
+        w = math.prod(tail)
         out = np.empty((counts[self.rank], *tail), np.float32)
-        sizes = [c * w for c in counts]
-        send = [np.ascontiguousarray(a, np.float32), (sizes, [o * w for o in offsets(counts)]),
+        sizes, displs = _layout(tuple(counts), w)
+        send = [np.ascontiguousarray(a, np.float32), (sizes, displs),
                 _MPI().FLOAT] if self.rank == root else None
         with self.tracer.span("Scatterv", "scatterv"):
             wait(self.mpi.Iscatterv(send, out, root=root))
@@ -81,10 +79,10 @@ class Comm:
         if self.solo:
             return a
         tail = a.shape[1:]
-        w = int(np.prod(tail, dtype=np.int64))
-        sizes = [c * w for c in counts]
+        w = math.prod(tail)
+        sizes, displs = _layout(tuple(counts), w)
         out = np.empty((sum(counts), *tail), np.float32) if self.rank == root else None
-        recv = [out, (sizes, [o * w for o in offsets(counts)]), _MPI().FLOAT] if self.rank == root else None
+        recv = [out, (sizes, displs), _MPI().FLOAT] if self.rank == root else None
         with self.tracer.span("Gatherv", "gatherv"):
             wait(self.mpi.Igatherv(np.ascontiguousarray(a, np.float32), recv, root=root))
         if self.rank == root:
@@ -99,12 +97,12 @@ class Comm:
         if self.solo:
             return a
         tail = a.shape[1:]
-        w = int(np.prod(tail, dtype=np.int64))
-        sizes = [c * w for c in counts]
+        w = math.prod(tail)
+        sizes, displs = _layout(tuple(counts), w)
         out = np.empty((sum(counts), *tail), np.float32)
         with self.tracer.span("Allgatherv", "allgatherv"):
             wait(self.mpi.Iallgatherv(np.ascontiguousarray(a, np.float32),
-                                      [out, (sizes, [o * w for o in offsets(counts)]), _MPI().FLOAT]))
+                                      [out, (sizes, displs), _MPI().FLOAT]))
         mine = sizes[self.rank] * 4
         self.tracer.add_bytes(mine * (self.size - 1), out.nbytes - mine)
         return out
@@ -115,11 +113,11 @@ class Comm:
         if self.solo:
             return partial
         tail = partial.shape[1:]
-        w = int(np.prod(tail, dtype=np.int64))
+        w = math.prod(tail)
         out = np.empty((counts[self.rank], *tail), np.float32)
         with self.tracer.span("Reduce_scatter", "reduce_scatter"):
             wait(self.mpi.Ireduce_scatter(np.ascontiguousarray(partial, np.float32), out,
-                                          [c * w for c in counts], op=_MPI().SUM))
+                                          _layout(tuple(counts), w)[0], op=_MPI().SUM))
         self.tracer.add_bytes(partial.nbytes - out.nbytes, out.nbytes * (self.size - 1))
         return out
 
@@ -213,6 +211,14 @@ def wait_obj(req):
         time.sleep(WAIT_SLEEP_S)
 
 
+@functools.lru_cache(maxsize=256)
+def _layout(counts: tuple, w: int) -> tuple[list[int], list[int]]:
+    """Element counts and displacements of row blocks `counts` of rows w floats wide (the same
+    few layouts recur every layer, so they are built once)."""
+    return [c * w for c in counts], [o * w for o in offsets(list(counts))]
+
+
+@functools.cache
 def _MPI():
     from mpi4py import MPI
     return MPI
