@@ -17,7 +17,7 @@ from hepti.plan.pipeline import pipeedge_bottleneck, pipeline_ranges
 from hepti.plan.planfile import DIMS, Plan
 from hepti.plan.profile import declared_profile
 from hepti.plan.report import format_plan
-from hepti.plan.search import fits_memory
+from hepti.plan.search import fits_memory, optimise
 from hepti.plan.workloads import program_for
 
 BERT = preset_config("bert-base")
@@ -202,6 +202,18 @@ def test_32_devices_give_a_consistent_plan():
             has = any(plan.counts[d][r["rank"]] for d in DIMS)
             assert r["active"] == (has or r["rank"] == 0)
         assert plan.solve_s is not None and plan.solve_s > 0
+
+
+@pytest.mark.parametrize("tables", [False, True])
+def test_sets_solved_on_their_own_ranks_predict_what_all_ranks_do(tables):
+    """Each set is solved on a profile of its ranks alone; the plan's prediction must be what
+    evaluating its counts on the whole 32-device profile gives."""
+    p = random_profile(random.Random(32), 32, mem=(2e8, 2e9), rank0_mem=2e9, tables=tables)
+    for strategy in ("rows", "tensor", "stream"):
+        program = program_for(strategy, BERT, 1, 128)
+        best = optimise(program, p, memory_caps(p))
+        assert sum(r.active for r in best.prediction.per_rank) > 1
+        assert evaluate(program, best.counts, p).to_dict() == best.prediction.to_dict()
 
 
 # --- strategy by memory status -------------------------------------------------------------------

@@ -60,10 +60,13 @@ class _Model:
 
     def solve(self, time_limit: float):
         A = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.rlb), len(self.lb))).tocsr()
+        # a plain LP this small solves faster without HiGHS's presolve (0.2-0.3 ms of ~1.2)
+        options = ({"time_limit": time_limit, "mip_rel_gap": 1e-3} if any(self.integer)
+                   else {"time_limit": time_limit, "presolve": False})
         return milp(c=np.array(self.cost), integrality=np.array(self.integer),
                     bounds=Bounds(np.array(self.lb), np.array(self.ub)),
                     constraints=[LinearConstraint(A, np.array(self.rlb), np.array(self.rub))],
-                    options={"time_limit": time_limit, "mip_rel_gap": 1e-3})
+                    options=options)
 
 
 def _add(acc: dict[int, float], j: int, v: float) -> None:

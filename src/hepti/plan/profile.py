@@ -69,6 +69,7 @@ class SpeedTable:
         pts = sorted((float(s), float(v)) for s, v in points)
         self.sizes = [s for s, _ in pts]
         self.values = [v for _, v in pts]
+        self._memo: dict[float, float] = {}  # the planner asks the same sizes many times
 
     def at(self, size: float) -> float:
         s, v = self.sizes, self.values
@@ -76,10 +77,16 @@ class SpeedTable:
             return v[0]
         if size >= s[-1]:
             return v[-1]
-        j = bisect.bisect_right(s, size)
-        x0, x1 = math.log(s[j - 1]), math.log(s[j])
-        w = (math.log(size) - x0) / (x1 - x0)
-        return v[j - 1] + w * (v[j] - v[j - 1])
+        got = self._memo.get(size)
+        if got is None:
+            j = bisect.bisect_right(s, size)
+            x0, x1 = math.log(s[j - 1]), math.log(s[j])
+            w = (math.log(size) - x0) / (x1 - x0)
+            got = v[j - 1] + w * (v[j] - v[j - 1])
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            self._memo[size] = got
+        return got
 
     @property
     def peak(self) -> float:

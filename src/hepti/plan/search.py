@@ -7,19 +7,26 @@ collective at its own best blocks) orders them, and LPs are solved until the nex
 the best latency found, so the result is the optimum of the cost model (up to whole-head
 rounding, below) and adding a device can never make it slower (the old set is still a
 candidate). With more devices, an approximate model (every phase perfectly balanced by speed,
-collectives at even blocks) orders the ranks by backward elimination, and the LP is solved
-along that nested sequence around the approximate optimum, walking while it improves: a handful
-of LPs. On random 6-8 device profiles this found the exhaustive optimum every time (24 of 24),
-but it is not guaranteed to.
+collectives at even blocks) orders the ranks by backward elimination; the sets of that nested
+sequence are solved from the approximate model's favourite on, then by lower bound until the
+bound passes the best latency found: the best set of the sequence, usually after one to four
+sets. The best set need not be in the sequence: on 48 random 6-8 device profiles (rows and
+tensor, half with size-dependent speeds) it was 44 times, and the worst miss was 5% (the walk
+along the sequence this replaced did no better on any of them).
+
+Each set is solved on a profile of its own ranks (`solve_set`), so a set of 4 costs the same
+in a cluster of 32 as alone; the bounds and the elimination share one table of every
+collective's terms at every participant count.
 
 Whole heads: the LP is solved with continuous heads, then heads are assigned by the greedy
 min-max rule (give the next head to the rank that would finish its attention soonest), which is
 optimal for the attention phase given each rank's bound ceil(LP heads); if that breaks a memory
 cap the LP is solved again with those heads fixed, and as a last resort as a MILP.
 Speeds that depend on the slice size (profile tables) make the cost nonlinear. Every candidate
-set is therefore solved at its own counts: the LP starts from speeds at an even split over the
-set, and is solved again with the speeds at the counts it chose until they agree (up to
-LP_ITERATIONS LPs, usually two); the set is judged by the exact cost model at its best counts.
+set is therefore solved at its own counts: the LP starts from speeds at the best counts found so
+far (an even split over the set for the first), and is solved again with the speeds at the
+counts it chose until they agree (up to LP_ITERATIONS LPs, usually two); the set is judged by
+the exact cost model at its best counts after `polish`.
 Solving the sets at one even split over all ranks and re-solving only the winner judged thin
 slices at thick-slice speeds, and on the Hepti paper's offload pair with the secondary at a
 quarter CPU chose no offload where the model's own optimum is 10-14%.
@@ -34,8 +41,8 @@ import numpy as np
 
 from hepti.counts import counts as split_counts
 from hepti.plan import lp
-from hepti.plan.costmodel import (ACTIVE, ROOT, Collective, Prediction, Program, branch_terms, evaluate,
-                                  layer_slice_bytes, link_terms)
+from hepti.plan.costmodel import (ACTIVE, ROOT, Collective, Prediction, Program, RankPrediction, branch_terms,
+                                  evaluate, layer_slice_bytes, link_terms)
 from hepti.plan.profile import Profile
 
 EXACT_MAX_OPTIONAL = 4  # up to 5 devices: every set of participants is a candidate ...
@@ -191,67 +198,105 @@ def _solve_once(program: Program, profile: Profile, caps: list[float], ref, acti
 
 def solve_set(program: Program, profile: Profile, caps: list[float], active: list[bool],
               time_limit: float = 5.0, ref=None) -> Candidate | None:
-    """The best counts when exactly `active` take part, judged by the exact cost model.
+    """The best counts when exactly `active` take part (rank 0 always does), judged by the
+    exact cost model; None if they cannot fit the memory caps.
 
     The LP takes each rank's speeds at reference counts (first an even split over the set, or
     `ref`). Where a speed depends on the slice size, the LP is solved again with the speeds at
     the counts it chose, until they agree (or after LP_ITERATIONS LPs); the set is worth the
-    best of those evaluated at their own counts. Reading the speeds at an even split instead
-    made a thin slice look as fast as a thick one: on the offload pair at a quarter CPU it
-    judged a 14% share slower than none at all."""
-    ref = set_reference(program, active) if ref is None else ref
+    best of those evaluated at their own counts, polished unit by unit. Reading the speeds at an
+    even split over all ranks instead made a thin slice look as fast as a thick one: on the
+    offload pair at a quarter CPU it judged a 14% share slower than none at all. The work is
+    done on a profile of the set's ranks alone (rank 0 first), so that it costs the same
+    whether the cluster has 4 devices or 32."""
+    N = profile.world_size
+    idx = [i for i in range(N) if i == 0 or active[i]]
+    sub = Profile(devices=[profile.devices[i] for i in idx], network=profile.network)
+    sub_caps = [caps[i] for i in idx]
+    members = [True] * len(idx)
+    ref = (set_reference(program, members) if ref is None
+           else {d: [ref[d][i] for i in idx] for d in program.totals})
     best = None
     for _ in range(LP_ITERATIONS):
-        c = _solve_once(program, profile, caps, ref, active, time_limit)
+        c = _solve_once(program, sub, sub_caps, ref, members, time_limit)
         if c is None:
             break
         if best is None or c.latency_s < best.latency_s:
             best = c
-        if speeds_agree(program, profile, ref, c.counts):
+        if speeds_agree(program, sub, ref, c.counts):
             break
         ref = c.counts
-    return best
+    if best is None:
+        return None
+    return _expand(polish(program, sub, sub_caps, best), idx, N)
+
+
+def _expand(cand: Candidate, idx: list[int], N: int) -> Candidate:
+    """A candidate solved on the ranks `idx` alone, as a candidate of all N ranks (the others
+    inactive, with nothing: exactly what evaluating it on all ranks gives)."""
+    def spread(vec):
+        out = [0.0] * N
+        for v, i in zip(vec, idx):
+            out[i] = v
+        return out
+
+    cnt = {d: spread(v) for d, v in cand.counts.items()}
+    pred = cand.prediction
+    per_rank = [RankPrediction(i, False) for i in range(N)]
+    for r, i in zip(pred.per_rank, idx):
+        r.rank = i
+        per_rank[i] = r
+    full = Prediction(pred.latency_s, per_rank, pred.phases, {d: spread(v) for d, v in pred.counts.items()})
+    return Candidate(cand.strategy, cnt, full, cand.program, cand.latency_s, cand.layers,
+                     cand.mem_budget, cand.extra)
 
 
 # --- the approximate model that orders ranks for large clusters ----------------------------
 
-def _elimination_sequence(program: Program, profile: Profile, eligible: list[bool]
+def _phase_groups(program: Program) -> tuple[list[tuple[tuple, float]], dict[Collective, float]]:
+    """The program's distinct compute (phases with the same works) with their summed
+    multiplicities, and each distinct collective's multiplicity."""
+    works: dict[tuple, float] = {}
+    colls: dict[Collective, float] = {}
+    for phase, mult, _ in program.phases():
+        works[phase.works] = works.get(phase.works, 0.0) + mult
+        if phase.collective is not None:
+            colls[phase.collective] = colls.get(phase.collective, 0.0) + mult
+    return list(works.items()), colls
+
+
+def _elimination_sequence(program: Program, profile: Profile, eligible: list[bool], table=None
                           ) -> tuple[list[list[bool]], list[float]]:
     """Nested sets from all eligible ranks down to rank 0 alone, each step dropping the rank
     whose removal the approximate model likes best; and the approximate latency of each set.
 
     The approximate model: each phase perfectly balanced by the ranks' speeds at full size
-    (time = multiplicity / sum of rates), each collective at even blocks."""
+    (time = multiplicity / sum of rates), each collective at even blocks. `table`: the
+    collectives' `_branch_table` at every participant count, if already made."""
     N = profile.world_size
     devs = profile.devices
     full = {d: float(t) for d, t in program.totals.items()}
-    rates, weights = [], []  # per phase: each rank's rate (1/s for the whole phase)
-    colls: dict[Collective, float] = {}
-    for phase, mult, _ in program.phases():
-        t = np.array([sum(w.seconds(devs[i], full[w.dim]) for w in phase.works if w.dim != ROOT)
+    rates, weights = [], []  # per distinct phase: each rank's rate (1/s for the whole phase)
+    groups, colls = _phase_groups(program)
+    for works, mult in groups:
+        t = np.array([sum(w.seconds(devs[i], full[w.dim]) for w in works if w.dim != ROOT)
                       for i in range(N)])
         if t.max() > 0:
             rates.append(1.0 / np.maximum(t, 1e-30))
             weights.append(float(mult))
-        if phase.collective is not None:
-            colls[phase.collective] = colls.get(phase.collective, 0.0) + mult
     rates_a = np.array(rates).reshape(len(rates), N)
     w_a = np.array(weights)[:, None]
     cmult = np.array(list(colls.values()))[:, None]
-    a = np.array([d.latency_s for d in devs])
-    b = np.array([d.bandwidth_Bps for d in devs])
-    e = np.array([d.elementwise_per_s for d in devs])
+    if colls and N > 1:
+        S, A, G = table if table is not None else _branch_table(program, profile, list(colls),
+                                                                  list(range(2, N + 1)))
+        ns = np.arange(N + 1)
+        with np.errstate(divide="ignore", invalid="ignore"):  # n = 0, 1: never used
+            even = S[:, None] / np.maximum(ns, 1)[None, :]  # [C, N+1] bytes per rank
+            link_at = (A + G * even[:, :, None, None]).max(axis=2)  # [C, N+1, N]
 
     def links(n: int) -> np.ndarray:  # [collectives, N]: each rank's time with n taking part
-        out = np.zeros((len(colls), N))
-        for ci, coll in enumerate(colls):
-            S = coll.unit_bytes if coll.dim is None else coll.unit_bytes * program.totals[coll.dim]
-            blk = 0.0 if coll.dim is None else S / n
-            terms = branch_terms(coll.kind, n, S, a, b, e, False, profile.network)
-            out[ci] = np.max([c + k * blk for c, k in terms], axis=0)
-            root = link_terms(coll, n, S, devs[0], True, profile.network)
-            out[ci, 0] = max(c + k * blk for c, k in root)
-        return out
+        return link_at[:, n]
 
     def approx(members: np.ndarray, n: int) -> float:
         comp = float(np.sum(w_a[:, 0] / rates_a[:, members].sum(axis=1))) if len(weights) else 0.0
@@ -298,40 +343,40 @@ def optimise(program: Program, profile: Profile, caps: list[float], time_limit: 
     def attempt(active: list[bool]) -> Candidate | None:
         key = tuple(active)
         if key not in tried:
-            tried[key] = solve_set(program, profile, caps, active, time_limit)
+            # speeds first read at the best counts so far (the sets share most ranks): fewer LPs
+            found = [c for c in tried.values() if c is not None]
+            warm = min(found, key=lambda c: c.latency_s).counts if found else None
+            tried[key] = solve_set(program, profile, caps, active, time_limit, warm)
         return tried[key]
 
     if len(optional) <= EXACT_MAX_OPTIONAL:
-        # every set, cheapest compute bound first; once the bound reaches the best latency
+        # every set, cheapest lower bound first; once the bound reaches the best latency
         # found, no later set can win
         sets = [[i == 0 or i in sub for i in range(N)]
                 for k in range(len(optional) + 1) for sub in itertools.combinations(optional, k)]
-        bounds = set_bounds(program, profile, np.array(sets, bool))
-        best_s, exact = math.inf, True
-        for k in np.argsort(bounds, kind="stable"):
-            if bounds[k] >= best_s * (1 - 1e-9):
-                break
-            if len(tried) >= EXACT_MAX_SETS:
-                exact = False  # the bound is weak here: keep the best of the most promising
-                break
-            c = attempt(sets[k])
-            if c is not None:
-                best_s = min(best_s, c.latency_s)
+        first, exact, table = None, True, None
     else:
-        exact = False
-        seq, approx = _elimination_sequence(program, profile, eligible)
-        attempt(seq[0])  # every eligible rank
-        k = int(np.argmin(approx))
-        c = attempt(seq[k])
-        here = c.latency_s if c else math.inf
-        for step in (-1, 1):  # walk along the sequence while the LP improves
-            j, prev = k + step, here
-            while 0 <= j < len(seq):
-                c = attempt(seq[j])
-                v = c.latency_s if c else math.inf
-                if v >= prev:
-                    break
-                prev, j = v, j + step
+        # the nested sets of the approximate model, its favourite first, then by lower bound:
+        # the best set of the sequence (unless EXACT_MAX_SETS stops it), not of all sets
+        _, colls = _phase_groups(program)
+        table = _branch_table(program, profile, list(colls), list(range(2, N + 1)))
+        sets, approx = _elimination_sequence(program, profile, eligible, table)
+        first, exact = int(np.argmin(approx)), False
+    bounds = set_bounds(program, profile, np.array(sets, bool), table)
+    order = [int(k) for k in np.argsort(bounds, kind="stable")]
+    if first is not None:
+        order.remove(first)
+        order.insert(0, first)
+    best_s = math.inf
+    for k in order:
+        if bounds[k] >= best_s * (1 - 1e-9):
+            break
+        if len(tried) >= EXACT_MAX_SETS:
+            exact = False  # the bound is weak here: keep the best of the most promising
+            break
+        c = attempt(sets[k])
+        if c is not None:
+            best_s = min(best_s, c.latency_s)
     found = [c for c in tried.values() if c is not None]
     if not found:
         return None
@@ -340,7 +385,6 @@ def optimise(program: Program, profile: Profile, caps: list[float], time_limit: 
         actual = [r.active for r in c.prediction.per_rank]
         attempt(actual)
     best = min((c for c in tried.values() if c is not None), key=lambda c: c.latency_s)
-    best = polish(program, profile, caps, best)
     if program.stream is not None:
         program.stream.budget = best.mem_budget
     best.extra["sets_tried"] = len(tried)
@@ -362,34 +406,16 @@ def _fastest_seconds(w, dev, count: float) -> float:
     return w.per_unit * count / speed + dev.call_overhead_s
 
 
-def set_bounds(program: Program, profile: Profile, sets: np.ndarray) -> np.ndarray:
-    """A lower bound on the latency of each set of participants (rows of `sets`, [K, N] bool).
+BOUND_BISECTIONS = 14  # from the even-block time down: the bound is within 1e-4 of it
 
-    Compute: every phase perfectly balanced over the set, each rank at the best speed its
-    table gives at any slice size up to the whole (`_fastest_seconds`; each rank pays a call's
-    overhead at most once per work).
-    Communication: each collective on its own at its best blocks, min over blocks summing to S
-    of max over ranks of link_terms (found by bisection on the time); the collectives share one
-    block vector in reality, so the sum of their separate minima is a lower bound. Memory is
-    ignored. Vectorised over all sets at once."""
+
+def _branch_table(program: Program, profile: Profile, colls: list[Collective], ns: list[int]):
+    """Each collective's whole buffer S [C] and its branches at each participant count n in
+    `ns`, as const A and coefficient G of every rank's block: [C, N+1, 2, N], padded to two
+    branches (a padding branch has const -inf and coefficient 0: it never binds). Rank 0's
+    entries are its root terms."""
     N = profile.world_size
     devs = profile.devices
-    K = sets.shape[0]
-    full = {d: float(t) for d, t in program.totals.items()}
-    out = np.zeros(K)
-    colls: dict[Collective, float] = {}
-    for phase, mult, _ in program.phases():
-        t = np.array([sum(_fastest_seconds(w, devs[i], full[w.dim]) for w in phase.works if w.dim != ROOT)
-                      for i in range(N)])
-        root = sum(w.seconds(devs[0], 1.0) for w in phase.works if w.dim == ROOT)
-        rate = sets @ np.where(t > 0, 1.0 / np.maximum(t, 1e-30), 0.0)  # [K]
-        out += mult * np.maximum(np.where(rate > 0, 1.0 / np.maximum(rate, 1e-300), 0.0), root)
-        if phase.collective is not None:
-            colls[phase.collective] = colls.get(phase.collective, 0.0) + mult
-    if not colls or N == 1:
-        return out
-    # every collective's branches for every participant count n, padded to two branches
-    # (a padding branch has const -inf and coefficient 0: it never binds)
     a = np.array([d.latency_s for d in devs])
     b = np.array([d.bandwidth_Bps for d in devs])
     e = np.array([d.elementwise_per_s for d in devs])
@@ -397,25 +423,60 @@ def set_bounds(program: Program, profile: Profile, sets: np.ndarray) -> np.ndarr
     A = np.full((C, N + 1, 2, N), -np.inf)
     G = np.zeros((C, N + 1, 2, N))
     S = np.zeros(C)
-    mult = np.array(list(colls.values()))
     for ci, coll in enumerate(colls):
         total = coll.unit_bytes if coll.dim is None else coll.unit_bytes * program.totals[coll.dim]
         S[ci] = 0.0 if coll.dim is None else total
-        for n in range(2, N + 1):
+        for n in ns:
             terms = branch_terms(coll.kind, n, total, a, b, e, False, profile.network)
             root = link_terms(coll, n, total, devs[0], True, profile.network)
             for br, ((c, k), (rc, rk)) in enumerate(zip(terms, root)):
                 A[ci, n, br], G[ci, n, br] = c, (0.0 if coll.dim is None else k)
                 A[ci, n, br, 0], G[ci, n, br, 0] = rc, (0.0 if coll.dim is None else rk)
+    return S, A, G
+
+
+def set_bounds(program: Program, profile: Profile, sets: np.ndarray, table=None) -> np.ndarray:
+    """A lower bound on the latency of each set of participants (rows of `sets`, [K, N] bool).
+
+    Compute: every phase perfectly balanced over the set, each rank at the best speed its
+    table gives at any slice size up to the whole (`_fastest_seconds`; each rank pays a call's
+    overhead at most once per work).
+    Communication: each collective on its own at its best blocks, min over blocks summing to S
+    of max over ranks of link_terms (found by bisection on the time, from the time at even
+    blocks down; the lower end is returned); the collectives share one block vector in
+    reality, so the sum of their separate minima is a lower bound. Memory is ignored.
+    Vectorised over all sets at once. `table`: the collectives' `_branch_table`, if made."""
+    N = profile.world_size
+    devs = profile.devices
+    K = sets.shape[0]
+    full = {d: float(t) for d, t in program.totals.items()}
+    out = np.zeros(K)
+    groups, colls = _phase_groups(program)
+    for works, mult in groups:
+        t = np.array([sum(_fastest_seconds(w, devs[i], full[w.dim]) for w in works if w.dim != ROOT)
+                      for i in range(N)])
+        root = sum(w.seconds(devs[0], 1.0) for w in works if w.dim == ROOT)
+        rate = sets @ np.where(t > 0, 1.0 / np.maximum(t, 1e-30), 0.0)  # [K]
+        out += mult * np.maximum(np.where(rate > 0, 1.0 / np.maximum(rate, 1e-300), 0.0), root)
+    if not colls or N == 1:
+        return out
     sizes = sets.sum(axis=1)
+    S, A, G = table if table is not None else _branch_table(
+        program, profile, list(colls), sorted(set(sizes.tolist()) - {0, 1}))
+    mult = np.array(list(colls.values()))
+    C = len(colls)
     As, Gs = A[:, sizes], G[:, sizes]  # [C, K, 2, N]
     member = sets[None, :, :]  # [1, K, N]
     Sb = S[:, None]  # [C, 1]
+    # even blocks are feasible: their time bounds the minimum from above
+    with np.errstate(invalid="ignore"):
+        even = (As + Gs * (Sb / np.maximum(sizes, 1)[None, :])[:, :, None, None]).max(axis=2)
+    hi = np.where(member, even, -np.inf).max(axis=2) * (1 + 1e-9) + 1e-12  # [C, K]
+    hi = np.where(sizes[None, :] > 1, hi, 0.0)
     lo = np.zeros((C, K))
-    hi = np.full((C, K), float(np.max(np.where(np.isfinite(A), A, 0.0) + np.maximum(G, 0.0) * S.max())) + 1.0)
     neg, pos, flat = Gs < 0, Gs > 0, Gs == 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        for _ in range(30):
+        for _ in range(BOUND_BISECTIONS):
             t = 0.5 * (lo + hi)
             tt = t[:, :, None, None]
             cut = (tt - As) / Gs  # block bound of each branch at time t
