@@ -14,8 +14,9 @@ will during a run. Per rank:
 - its link: MPI ping-pong with rank 0 at a few message sizes, least-squares fitted to
   one-way time = latency + bytes / bandwidth. Rank 0's own link is taken as the fastest path it
   measured (a star's path is as slow as its slower end).
-A run takes a few seconds. `cached_profile` keeps the result per hostfile, model and world size
-under $HEPTI_CACHE (default ~/.cache/hepti) and measures again when it is older than asked.
+A run takes a few seconds. `cached_profile` keeps the result per hostfile, model, world size,
+shape and every rank's caps (cgroup CPU quota and memory limit, emulated device) under
+$HEPTI_CACHE (default ~/.cache/hepti) and measures again when it is older than asked.
 """
 from __future__ import annotations
 
@@ -191,27 +192,94 @@ def available_memory() -> tuple[int, str]:
     return avail, source
 
 
+def _cgroup_mounts(mountinfo: str) -> dict[str, tuple[str, str]]:
+    """Controller ('' for cgroup v2) -> (mount point, mount root), from /proc/self/mountinfo's text."""
+    out: dict[str, tuple[str, str]] = {}
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        fields, rfields = left.split(), right.split()
+        if len(fields) < 5 or len(rfields) < 3:
+            continue
+        if rfields[0] == "cgroup2":
+            out.setdefault("", (fields[4], fields[3]))
+        elif rfields[0] == "cgroup":
+            for opt in rfields[2].split(","):
+                out.setdefault(opt, (fields[4], fields[3]))
+    return out
+
+
+def cgroup_dirs(controller: str, proc_cgroup: str | None = None,
+                mountinfo: str | None = None) -> list[str]:
+    """This process's cgroup directory for `controller` ('cpu', 'memory'; '' for cgroup v2) and
+    each of its ancestors up to the hierarchy's root, innermost first. From /proc/self/cgroup
+    and /proc/self/mountinfo unless their texts are given. (Without a cgroup namespace the files
+    at the mount's root are the root group's, not ours: `hepti emulate` caps each device's group.)"""
+    try:
+        proc_cgroup = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
+        mountinfo = mountinfo if mountinfo is not None else Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return []
+    mounts = _cgroup_mounts(mountinfo)
+    for line in proc_cgroup.splitlines():
+        _, controllers, path = line.split(":", 2)
+        mine = controllers == "" if controller == "" else controller in controllers.split(",")
+        if not mine or controller not in mounts:
+            continue
+        point, root = mounts[controller]
+        if root != "/" and path.startswith(root):
+            path = path[len(root):]
+        parts = [p for p in path.split("/") if p]
+        return ["/".join([point.rstrip("/")] + parts[:k]) for k in range(len(parts), -1, -1)]
+    return []
+
+
 def cgroup_memory_files() -> list[tuple[str, str]]:
     """(limit file, usage file) of this process's own memory cgroup and each of its ancestors,
-    v2 and v1, from /proc/self/cgroup. (Without a cgroup namespace the files at the mount's root
-    are the root group's, not ours: `hepti emulate` caps each device's group.)"""
-    out = []
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            base, limit, usage = "/sys/fs/cgroup", "memory.max", "memory.current"
-        elif "memory" in controllers.split(","):
-            base, limit, usage = "/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
-        else:
+    v2 and v1."""
+    return ([(f"{d}/memory.max", f"{d}/memory.current") for d in cgroup_dirs("")]
+            + [(f"{d}/memory.limit_in_bytes", f"{d}/memory.usage_in_bytes") for d in cgroup_dirs("memory")])
+
+
+def memory_limit(**paths) -> int | None:
+    """The tightest memory limit (bytes) on this process's cgroup or its ancestors; None if none."""
+    limits = [_read_int(f"{d}/memory.max") for d in cgroup_dirs("", **paths)]
+    limits += [_read_int(f"{d}/memory.limit_in_bytes") for d in cgroup_dirs("memory", **paths)]
+    limits = [x for x in limits if x is not None and x < (1 << 60)]  # v1 says "no limit" with ~2^63
+    return min(limits) if limits else None
+
+
+def cpu_limit(**paths) -> tuple[float | None, float | None]:
+    """(cores, CFS period in seconds) of the tightest CPU quota on this process's cgroup or its
+    ancestors (cgroup v1 cpu.cfs_quota_us / cpu.cfs_period_us, v2 cpu.max); (None, None) if none."""
+    found = []
+    for d in cgroup_dirs("", **paths):
+        try:
+            quota, period = Path(f"{d}/cpu.max").read_text().split()[:2]
+        except (OSError, ValueError):
             continue
-        parts = [p for p in path.split("/") if p]
-        for k in range(len(parts), -1, -1):
-            d = "/".join([base] + parts[:k])
-            out.append((f"{d}/{limit}", f"{d}/{usage}"))
+        if quota.isdigit() and period.isdigit() and int(period) > 0:
+            found.append((int(quota) / int(period), int(period) / 1e6))
+    for d in cgroup_dirs("cpu", **paths):
+        quota, period = _read_int(f"{d}/cpu.cfs_quota_us"), _read_int(f"{d}/cpu.cfs_period_us")
+        if quota is not None and period:  # a quota of -1 (none) is not read as a number
+            found.append((quota / period, period / 1e6))
+    return min(found) if found else (None, None)
+
+
+def resource_limits() -> dict:
+    """This rank's caps as its own cgroups set them, and its emulated device (spec name, CPU
+    share, memory cap, link rate now) when it runs under `hepti emulate`: what makes two
+    clusters with the same host names differ (the profile cache's key, and a record in the
+    profile)."""
+    from hepti.emulate.state import current_device, read_state
+    cores, period = cpu_limit()
+    out = {"cpu_cores": None if cores is None else round(cores, 4),
+           "cpu_period_s": period, "mem_limit_bytes": memory_limit()}
+    state = read_state()
+    device = current_device(state)
+    if state is not None and device is not None:
+        out["emulated"] = {"spec": state.get("spec"),
+                           **{k: device.get(k) for k in ("name", "cpu", "mem_bytes", "link_mbit")}}
     return out
 
 
@@ -305,13 +373,14 @@ def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | Non
     memory = avail / on_host
     if mem_cap is not None:
         memory = min(memory, float(mem_cap))
-    comm.Barrier()
+    _barrier(comm)
     links = measure_links(comm)
     mine = {"rank": rank, "host": MPI.Get_processor_name(), "gemm_flops": gemm,
             "attention_flops": attention, "elementwise_per_s": elementwise,
             "memory_bytes": float(memory), "disk_read_Bps": disk_bps, "call_overhead_s": overhead,
             "measured": {"memory_source": mem_source, "ranks_on_host": on_host,
-                         "rss_bytes": _rss_bytes(), "threads": threads}}
+                         "rss_bytes": _rss_bytes(), "threads": threads,
+                         "limits": resource_limits()}}
     devices = comm.allgather(mine)
     paths = {p["rank"]: p for p in links}
     if size > 1:
@@ -388,16 +457,21 @@ def cache_dir() -> Path:
 
 
 def profile_cache_path(hostfile: str | None, model_name: str, world_size: int,
-                       hosts: list[str] | None = None) -> Path:
+                       hosts: list[str] | None = None, limits: list[dict] | None = None,
+                       rows: int | None = None, threads: int = 1) -> Path:
     """Where the profile of this hostfile (its contents count) or these rank host names, model
-    and world size is kept."""
+    and world size is kept. Also keyed by each rank's caps (`resource_limits`: its cgroup CPU
+    quota and memory limit, its emulated device and spec), so that clusters with the same host
+    names but other caps or links (emu-mixed4, emu-tight and emu-starved) never share a profile,
+    and by the token rows per batch and threads the speeds were measured at."""
     host_text = ",".join(hosts) if hosts else ""
     if hostfile:
         try:
             host_text = Path(hostfile).read_text()
         except OSError:
             host_text = str(Path(hostfile).resolve())
-    key = json.dumps([host_text, str(model_name), int(world_size)])
+    key = json.dumps([host_text, str(model_name), int(world_size), limits or None, rows, int(threads)],
+                     sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(model_name))[:40]
     return cache_dir() / f"profile-{safe}-n{world_size}-{digest}.json"
@@ -408,11 +482,14 @@ def cached_profile(comm, config: BertConfig, seq_len: int, hostfile: str | None 
                    threads: int = 1, refresh: bool = False) -> tuple[Profile, bool]:
     """(profile, measured_now): the cached profile if fresh enough, else measure and cache it.
     All ranks call this; rank 0 decides and writes the file. Without a hostfile the cache is
-    keyed by every rank's host name, in rank order."""
+    keyed by every rank's host name, in rank order; with or without one, also by every rank's
+    caps (see `profile_cache_path`)."""
     comm = getattr(comm, "mpi", comm)
     size = comm.Get_size()
     hosts = comm.allgather(os.uname().nodename)
-    path = profile_cache_path(hostfile, config.name, size, hosts=hosts)
+    limits = comm.allgather(resource_limits())
+    path = profile_cache_path(hostfile, config.name, size, hosts=hosts, limits=limits,
+                              rows=batch * seq_len, threads=threads)
     text = None
     if comm.Get_rank() == 0 and path.exists() and not refresh:
         try:
