@@ -37,33 +37,45 @@ from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, Profile, load_p
 PING_SIZES = (8, 4096, 65536, 262144, 1 << 20, 4 << 20)  # bytes; larger skipped on slow links
 PING_TARGET_S = 0.06  # the largest message should take about this long one way
 MIN_TIME_S = 0.03  # time each compute measurement for at least this long
+QUOTA_PERIODS = 20  # under a CPU quota, time each round over at least this many CFS periods
 DISK_PROBE_BYTES = 32 << 20
 COLD_WEIGHT_BYTES = 48 << 20  # more than this machine's L2s together; see measure_gemm
 
 
 # --- compute ---------------------------------------------------------------------------------
 
-def _timed(fn, min_time: float = MIN_TIME_S, max_reps: int = 50) -> float:
-    """Median seconds of fn() after one warm-up call (which also compiles)."""
-    return _timed_many({0: fn}, rounds=1, min_time=min_time, max_reps=max_reps)[0]
+def _timed(fn, min_time: float = MIN_TIME_S, rounds: int = 3) -> float:
+    """Seconds per call of fn() (see `_timed_many`)."""
+    return _timed_many({0: fn}, rounds=rounds, min_time=min_time)[0]
 
 
-def _timed_many(fns: dict, rounds: int = 4, min_time: float = MIN_TIME_S / 3,
-                max_reps: int = 50) -> dict:
-    """Median seconds of each fn, measured in `rounds` interleaved rounds (each fn at least 2
-    calls or `min_time` per round), so that a burst of load from elsewhere spreads over all
-    of them instead of spoiling one. One warm-up call each first (it also compiles)."""
+def timing_window(min_time: float) -> float:
+    """Seconds to time each round for: `min_time`, or under a CFS CPU quota at least
+    `QUOTA_PERIODS` of its periods. A capped process runs its quota's worth at full speed, then
+    waits for the next period: a call shorter than the quota is usually timed at full speed,
+    so 0.15 and 0.3 of a core once profiled at 2-4x their share. Whole periods hold whole
+    quotas, so a window of many periods, timed end to end, gets the share right to within
+    1/QUOTA_PERIODS whatever the calls' length."""
+    _, period = cpu_limit()
+    return min_time if period is None else max(min_time, QUOTA_PERIODS * period)
+
+
+def _timed_many(fns: dict, rounds: int = 4, min_time: float = MIN_TIME_S / 3) -> dict:
+    """Seconds per call of each fn: in each of `rounds` interleaved rounds, the wall time of
+    at least 2 calls, back to back, over at least `timing_window(min_time)` seconds, divided by
+    the calls; the median over the rounds. Interleaving spreads a burst of load from elsewhere
+    over all fns instead of spoiling one. One warm-up call each first (it also compiles)."""
+    window = timing_window(min_time)
     for fn in fns.values():
         fn()
     times = {key: [] for key in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
             start, n = time.perf_counter(), 0
-            while n < 2 or (time.perf_counter() - start < min_time and n < max_reps):
-                t0 = time.perf_counter()
+            while n < 2 or time.perf_counter() - start < window:
                 fn()
-                times[key].append(time.perf_counter() - t0)
                 n += 1
+            times[key].append((time.perf_counter() - start) / n)
     return {key: statistics.median(v) for key, v in times.items()}
 
 
@@ -115,7 +127,7 @@ def measure_call_overhead() -> float:
     from hepti import kernels as K
     w = K.pack_b(np.ones((8, 32), np.float32))
     a = np.ones((1, 8), np.float32)
-    return _timed(lambda: K.gemm(a, w), min_time=0.005, max_reps=200)
+    return _timed(lambda: K.gemm(a, w), min_time=0.005)
 
 
 def measure_attention(config: BertConfig, batch: int, seq_len: int, threads: int = 1) -> float:
@@ -350,6 +362,14 @@ def measure_links(comm) -> list[dict]:
 
 # --- the whole profile -------------------------------------------------------------------------
 
+def _barrier(comm) -> None:
+    """A barrier that waits as the runtime waits (`hepti.parallel.comm.wait`: asleep on a
+    CPU-capped rank). MPICH's blocking barrier spins: a rank done measuring early would burn its
+    quota and, sharing a CPU with a rank still measuring, evict that rank's caches."""
+    from hepti.parallel.comm import wait
+    wait(comm.Ibarrier())
+
+
 def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | None = None,
                     batch: int = 1, threads: int = 1, hostfile: str | None = None,
                     disk: bool = True) -> dict:
@@ -359,12 +379,12 @@ def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | Non
     t_start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
     M = batch * seq_len
-    comm.Barrier()
+    _barrier(comm)
     gemm = measure_gemm(config, M, threads)
     attention = measure_attention(config, batch, seq_len, threads)
     elementwise = measure_elementwise(config, M)
     overhead = measure_call_overhead()
-    comm.Barrier()
+    _barrier(comm)
     disk_bps = measure_disk() if disk else None
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     on_host = local.Get_size()
