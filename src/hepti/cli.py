@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cluster", metavar="SPEC.json", help="the cluster spec (see hostfiles/)")
     s.add_argument("--dry-run", action="store_true", help="print what would run; needs no root")
     s.add_argument("--keep", action="store_true", help="leave the emulation up after COMMAND (debug)")
+    s.add_argument("--no-idle-fill", action="store_true",
+                   help="let idle CPUs halt (by default SCHED_IDLE loops keep them busy; see hepti.emulate.idle)")
     s.add_argument("--timeout", type=float, default=None, help="stop COMMAND after S seconds")
     s.add_argument("--summary", metavar="FILE.json", help="write per-device memory peaks, OOM kills, schedule events")
     s.add_argument("--cleanup", action="store_true", help="remove leftovers of earlier runs and exit")
@@ -263,7 +265,8 @@ def cmd_emulate(args) -> int:
     if not args.cluster or not cmd:
         raise InputError("give a cluster and a command: hepti emulate --cluster SPEC.json -- COMMAND ...")
     return run_emulated(args.cluster, cmd, keep=args.keep, dry_run=args.dry_run,
-                        timeout=args.timeout, summary_path=args.summary)
+                        timeout=args.timeout, summary_path=args.summary,
+                        idle_fill=not args.no_idle_fill)
 
 
 def cmd_profile(args) -> int:

@@ -20,7 +20,8 @@ How a rank lands on its device (no flags needed on the user's mpiexec):
    MPICH's Hydra; a bare `mpiexec` is taken from next to sys.executable (the hepti venv) first.
 
 Around COMMAND: a monitor thread applies the spec's schedule and rewrites the state file
-(state.py); when COMMAND ends, out-of-memory kills are reported per device. Teardown (kill every
+(state.py), and idle fillers keep the CPUs from halting (idle.py); when COMMAND ends,
+out-of-memory kills are reported per device. Teardown (kill every
 process in the run's cgroups and namespaces, delete veths, bridge, namespaces, cgroups, run
 directory) happens on success, failure, Ctrl-C, SIGTERM/SIGHUP and `timeout`; a second Ctrl-C
 skips the grace period. If the launcher itself is SIGKILLed, mpiexec dies with it
@@ -40,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hepti.emulate import actions, net
+from hepti.emulate import actions, idle, net
 from hepti.emulate.cgroups import Cgroups, kill_procs, remove_tree
 from hepti.emulate.command import find_mpiexec, log, prepare_command
 from hepti.emulate.leftovers import (check_leftovers, cleanup, find_runs, proc_starttime,
@@ -122,6 +123,7 @@ class _Run:
     stop_signal: int | None = None
     force: bool = False
     timed_out: bool = False
+    idle_fill: bool = True
     started_at: float = 0.0
     devices_now: list[dict] = field(default_factory=list)
     applied: list[dict] = field(default_factory=list)
@@ -240,8 +242,13 @@ class _Run:
         self.started_at = time.time()
         self.save_state()
         self.phase = "running"  # from here a signal stops COMMAND instead of aborting setup
-        proc = subprocess.Popen([str(self.run_dir / "head.sh"), *command], env=self.env(),
-                                start_new_session=True, preexec_fn=_set_pdeathsig)
+        fillers = idle.start_fillers(idle.filler_cpus()) if self.idle_fill else []
+        try:
+            proc = subprocess.Popen([str(self.run_dir / "head.sh"), *command], env=self.env(),
+                                    start_new_session=True, preexec_fn=_set_pdeathsig)
+        except BaseException:
+            idle.stop_fillers(fillers)
+            raise
         mon = threading.Thread(target=self.monitor, name="hepti-emulate-schedule", daemon=True)
         mon.start()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -279,6 +286,7 @@ class _Run:
             if proc.poll() is None:
                 self._signal_group(proc, signal.SIGKILL)
                 proc.wait()
+            idle.stop_fillers(fillers)
             mon.join(timeout=5)
         if self.timed_out:
             return 124
@@ -351,6 +359,8 @@ def _dry_run(run: _Run, command: list[str]) -> None:
             out.append(f"# --- {names.run_dir}/{name} ---")
             out += ["#   " + line for line in text.rstrip("\n").splitlines()]
     out += [actions.render(a) for a in run.setup_actions()]
+    if run.idle_fill:
+        out.append(idle.describe(idle.filler_cpus()))
     out.append("# COMMAND, in the head namespace and cgroup:")
     env = {k: v for k, v in run.env().items() if os.environ.get(k) != v}
     out.append(shlex.join(["env", *(f"{k}={v}" for k, v in sorted(env.items())),
@@ -366,18 +376,20 @@ def _dry_run(run: _Run, command: list[str]) -> None:
 
 
 def run_emulated(spec_path, command: list[str], *, keep: bool = False, dry_run: bool = False,
-                 timeout: float | None = None, summary_path=None) -> int:
+                 timeout: float | None = None, summary_path=None, idle_fill: bool = True) -> int:
     """Run COMMAND on the cluster described by the spec at spec_path; return its exit code.
 
     keep: leave namespaces, cgroups and the run directory for inspection (remove them later with
     `hepti emulate --cleanup`). dry_run: print the commands instead of running them (no root
     needed). timeout: stop COMMAND after this many seconds (exit code 124). summary_path: write a
     JSON summary (exit code, per-device OOM kills and peak memory, schedule events applied).
+    idle_fill: keep the CPUs from halting while COMMAND runs (hepti.emulate.idle explains why).
     Exit code 128+N when stopped by signal N (130 for Ctrl-C)."""
     spec = load_spec(spec_path)
     check_cpu_fits(spec, os.cpu_count() or 1)
     command = prepare_command(list(command), len(spec.devices))
-    run = _Run(spec=spec, names=RunNames(os.getpid(), len(spec.devices)), cg=Cgroups.detect())
+    run = _Run(spec=spec, names=RunNames(os.getpid(), len(spec.devices)), cg=Cgroups.detect(),
+               idle_fill=idle_fill)
     if dry_run:
         _dry_run(run, command)
         return 0
