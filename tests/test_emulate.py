@@ -410,6 +410,39 @@ def test_oom_kill_is_reported(root_env, tmp_path, capfd):
     assert "rank 1 (device small) was killed by the out-of-memory killer: its 160MiB cap" in err
 
 
+def _idle_children(pid: int) -> list[tuple[int, int]]:
+    """(pid, CPU it may run on) of pid's children under SCHED_IDLE."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid and os.sched_getscheduler(int(d.name)) == os.SCHED_IDLE:
+                out.append((int(d.name), *os.sched_getaffinity(int(d.name))))
+        except (OSError, IndexError, ValueError, TypeError):
+            continue
+    return out
+
+
+def test_idle_fillers_run_with_command_and_go_with_it(root_env, tmp_path):
+    """One SCHED_IDLE busy loop pinned to each CPU while COMMAND runs (hepti.emulate.idle);
+    none before or after, and none with --no-idle-fill."""
+    spec = _write(tmp_path, "one.json", {"name": "test-idle", "devices": [
+        {"name": "solo", "cpu": 0.2, "mem": "256MiB", "link_mbit": 100}]})
+    seen = tmp_path / "seen.json"
+    probe = (f"import json, os, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+             f"from test_emulate import _idle_children; "
+             f"json.dump(_idle_children({os.getpid()}), open({str(seen)!r}, 'w'))")
+    assert _idle_children(os.getpid()) == []
+    assert launch.run_emulated(spec, [sys.executable, "-c", probe]) == 0
+    fillers = json.loads(seen.read_text())
+    assert sorted(cpu for _, cpu in fillers) == sorted(os.sched_getaffinity(0)), fillers
+    assert _idle_children(os.getpid()) == []
+    assert launch.run_emulated(spec, [sys.executable, "-c", probe], idle_fill=False) == 0
+    assert json.loads(seen.read_text()) == []
+
+
 def test_leftovers_detected_and_cleaned(root_env, tmp_path):
     """A --keep run leaves its objects (with the schedule applied); the next run refuses; cleanup."""
     spec = _write(tmp_path, "one.json", {"name": "test-keep", "devices": [

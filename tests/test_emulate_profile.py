@@ -1,21 +1,41 @@
-"""The profile's view of emulated devices: each rank's caps as its own cgroups set them (read
-from a cgroup tree built here), and the profile cache keyed by them, so a profile made under one
-spec is never reused under another whose devices have the same names (emu-mixed4, emu-tight and
-emu-starved).
+"""`hepti profile` under `hepti emulate`: the profile sees each device as the spec made it.
+
+Always: each rank's caps as its own cgroups set them (read from a cgroup tree built here), and
+the profile cache keyed by them, so a profile made under one spec is never reused under
+another whose devices have the same names (emu-mixed4, emu-tight and emu-starved).
+
+As root (skipped with the reason printed otherwise): under an emulated cluster `hepti profile`
+measures each link within 10% of its spec's rate and each rank's compute speed within 15% of its
+CPU share times an uncapped rank's speed (each the median over interleaved runs). It runs in
+bin/test's unit phase (tests/, not tests/mpi); about 35 s here.
 """
 from __future__ import annotations
 
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
 
-
+from hepti.emulate import launch
 from hepti.emulate.cgroups import cpu_quota
 from hepti.emulate.spec import load_spec
 from hepti.emulate.state import DEVICE_ENV, STATE_ENV, write_state
 from hepti.parallel.profiling import (cgroup_dirs, cpu_limit, memory_limit, profile_cache_path,
                                       resource_limits)
+from hepti.plan.profile import profile_from_dict
+from hepti.plan.costmodel import evaluate
+from hepti.plan.workloads import program_for
+from hepti.weights import WeightStore
 
+import test_emulate
 from test_emulate import HOSTFILES
+
+root_env = test_emulate.root_env  # the fixture: skips, saying why, unless emulation can run here
 
 GIB = 1 << 30
 
@@ -126,3 +146,85 @@ def test_cache_never_mixes_specs_with_the_same_device_names(tmp_path, monkeypatc
     assert profile_cache_path(None, "bert-base", 4, hosts=hosts, limits=limits, rows=128) != seen["emu-tight"]
     assert profile_cache_path(None, "bert-base", 4, hosts=hosts, limits=limits, rows=256,
                               threads=2) != seen["emu-tight"]
+
+
+# -- under emulation (root) ----------------------------------------------------------------------------
+
+# Three devices whose links are each seen by one measured path: rank 0's path to rank i runs at
+# min(link_0, link_i), and the profile takes rank 0's own link as its fastest path.
+SPEC = {"name": "test-profile", "devices": [
+    {"name": "dev-a", "cpu": 0.5, "mem": "1GiB", "link_mbit": 240},
+    {"name": "dev-b", "cpu": 0.25, "mem": "1GiB", "link_mbit": 240},
+    {"name": "dev-c", "cpu": 0.25, "mem": "1GiB", "link_mbit": 100}]}
+SEQ = 128
+EMULATED_RUNS = 2  # each rank's figure is the median of these ...
+UNCAPPED_RUNS = 3  # ... and the uncapped speed the median of these, interleaved with them
+
+
+def _profile_cmd(model: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "hepti", "profile", "--model", str(model), "--seq", str(SEQ),
+            "--out", str(out)]
+
+
+def _forward_compute_s(dev: dict, cfg) -> float:
+    """A whole forward's compute on this device alone, as the planner reads the profile (GeMMs
+    by size, attention, elementwise, per-call overhead): the device's compute speed."""
+    one = profile_from_dict({"hepti_profile": 1, "created": 0, "source": "declared",
+                             "devices": [{**dev, "rank": 0, "reserved_bytes": 0}]})
+    program = program_for("rows", cfg, 1, SEQ)
+    return evaluate(program, {"rows": [float(SEQ)]}, one).per_rank[0].compute_s
+
+
+def test_profile_sees_each_link_and_cpu_share(root_env, tmp_path, minilm_dir, monkeypatch):
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(SPEC))
+    spec = load_spec(spec_path)
+    cfg = WeightStore(minilm_dir).config
+    env = {**os.environ, "HEPTI_CACHE": str(tmp_path / "cache")}
+    uncapped, emulated, cached = [], [], []
+    t0 = time.monotonic()
+    for k in range(UNCAPPED_RUNS + EMULATED_RUNS):
+        out = tmp_path / f"profile-{k}.json"
+        if k % 2 == 0:  # an uncapped process, outside the emulation
+            subprocess.run(_profile_cmd(minilm_dir, out), env=env, check=True, capture_output=True)
+            uncapped.append(json.loads(out.read_text())["devices"][0])
+            continue
+        cache = tmp_path / f"cache-{k}"
+        monkeypatch.setenv("HEPTI_CACHE", str(cache))  # COMMAND's environment is the launcher's
+        rc = launch.run_emulated(spec_path, ["mpiexec", "-n", "3", *_profile_cmd(minilm_dir, out)],
+                                 timeout=120)
+        assert rc == 0
+        emulated.append(json.loads(out.read_text())["devices"])
+        cached += [json.loads(p.read_text()) for p in cache.glob("profile-*.json")]
+    elapsed = time.monotonic() - t0
+
+    ref_s = statistics.median(_forward_compute_s(d, cfg) for d in uncapped)
+    print(f"\n{EMULATED_RUNS} emulated and {UNCAPPED_RUNS} uncapped profiles in {elapsed:.0f} s; "
+          f"uncapped forward compute {ref_s * 1e3:.1f} ms (runs: "
+          + ", ".join(f"{_forward_compute_s(d, cfg) * 1e3:.1f}" for d in uncapped) + ")")
+    rates, speeds = [], []
+    for i, dev in enumerate(spec.devices):
+        others = [d.link_mbit for j, d in enumerate(spec.devices) if j != 0]
+        path = max(min(dev.link_mbit, o) for o in others) if i == 0 else min(dev.link_mbit, spec.devices[0].link_mbit)
+        mbit = statistics.median(run[i]["bandwidth_Bps"] * 8 / 1e6 for run in emulated)
+        share = statistics.median(ref_s / _forward_compute_s(run[i], cfg) for run in emulated) / dev.cpu
+        rates.append((mbit, path))
+        speeds.append(share)
+        print(f"rank {i} ({dev.name}, {dev.cpu:g} core, {dev.link_mbit:g} Mbit/s): link "
+              f"{mbit:.1f} Mbit/s (path {path:g}; runs "
+              + ", ".join(f"{run[i]['bandwidth_Bps'] * 8e-6:.1f}" for run in emulated)
+              + f"); compute {share:.3f} x share x uncapped (runs "
+              + ", ".join(f"{ref_s / _forward_compute_s(run[i], cfg) / dev.cpu:.3f}" for run in emulated)
+              + "); GeMM GFLOP/s by size " + " | ".join(
+                  ", ".join(f"{m:g}:{f / 1e9:.1f}" for m, f in run[i]["gemm_flops"]) for run in emulated))
+    for i, (mbit, path) in enumerate(rates):
+        assert mbit == pytest.approx(path, rel=0.10), f"rank {i}: link {mbit:.1f} Mbit/s, spec {path:g}"
+    for i, share in enumerate(speeds):
+        assert share == pytest.approx(1.0, rel=0.15), f"rank {i}: {share:.3f} x its share of an uncapped rank"
+    # each rank measured its own caps, which key the cache
+    assert len(cached) == EMULATED_RUNS
+    for prof in cached:
+        for i, dev in enumerate(spec.devices):
+            lim = prof["devices"][i]["measured"]["limits"]
+            assert lim["cpu_cores"] == pytest.approx(dev.cpu) and lim["mem_limit_bytes"] == dev.mem_bytes
+            assert lim["emulated"]["spec"] == SPEC["name"] and lim["emulated"]["name"] == dev.name
