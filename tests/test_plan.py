@@ -156,7 +156,7 @@ def test_pairwise_reduce_scatter_receives_n_minus_1_blocks():
 def test_tensor_compute_conserves_flops_and_single_rank_matches_rows():
     cfg = preset_config("bert-base")
     B, T = 1, 128
-    M, C, F, L, H = B * T, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads
+    M, C, F, L = B * T, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     p = flat(3, gemm_flops=1e11, attention_flops=1e11, elementwise_per_s=1e30)
     gemm = 2 * M * C * (3 * C + C + 2 * F) * L
     attn = 4 * M * T * C * L

@@ -239,6 +239,55 @@ def test_combined_memory_only_gives_tensor_with_capped_shares():
     assert plan.strategy == "tensor"
     assert "fits only in the devices' combined memory" in plan.explanation
     assert not fits_memory_of(plan, memory_caps(p))
+    stream = make_plan(BERT, p, 128, strategy="stream").predicted_latency_s
+    assert plan.predicted_latency_s <= stream  # and the choice was by predicted latency
+    assert plan.predicted["candidates_s"]["stream"] == pytest.approx(stream)
+    assert f"tensor: predicted {plan.predicted_latency_s * 1e3:.1f} ms vs stream {stream * 1e3:.1f} ms" \
+        in plan.explanation
+
+
+def starved():
+    """emu-starved's devices (hostfiles/emu-starved.json), declared: only their combined memory
+    holds BERT-base sliced, and capping the fast devices' shares forces work onto slow ones."""
+    return declared_profile([dev(2.6e8), dev(1.9e8, gemm_flops=3e10),
+                             dev(1.7e8, gemm_flops=1.5e10, bandwidth_Bps=3e7),
+                             dev(1.7e8, gemm_flops=1.5e10, bandwidth_Bps=1.25e7)])
+
+
+def test_combined_memory_only_streams_when_capped_tensor_is_slower():
+    p = starved()
+    plan = make_plan(BERT, p, 256)
+    tensor = make_plan(BERT, p, 256, strategy="tensor")
+    stream = make_plan(BERT, p, 256, strategy="stream")
+    assert tensor.strategy == "tensor" and tensor.predicted["fits_memory"]  # tensor does fit ...
+    assert stream.predicted_latency_s < 0.7 * tensor.predicted_latency_s  # ... but is much slower
+    assert plan.strategy == "stream" and plan.predicted_latency_s == pytest.approx(stream.predicted_latency_s)
+    assert plan.counts == stream.counts and plan.mem_budget == stream.mem_budget
+    assert not fits_memory_of(plan, memory_caps(p))
+    assert (f"stream: predicted {stream.predicted_latency_s * 1e3:.1f} ms vs tensor with capped shares "
+            f"{tensor.predicted_latency_s * 1e3:.1f} ms") in plan.explanation
+    assert "fits only in the devices' combined memory" in plan.explanation
+    # with more memory on the fast devices (still not the whole model) tensor wins again
+    roomy = declared_profile([dict(d.to_json(), memory_bytes=1.6 * d.memory_bytes) if i < 2 else d.to_json()
+                              for i, d in enumerate(p.devices)])
+    assert make_plan(BERT, roomy, 256).strategy == "tensor"
+
+
+def test_auto_is_never_slower_than_any_strategy_it_may_choose():
+    """Whatever auto skips (stream where a lower bound shows it cannot win) would not have won."""
+    profiles = [starved(), declared_profile([dev(3.0e8), dev(2.5e8), dev(2.5e8)]),
+                random_profile(random.Random(32), 32, mem=(2e8, 2e9), rank0_mem=2e9)]
+    for p in profiles:
+        plan = make_plan(BERT, p, 128)
+        for strategy in ("rows", "tensor", "stream"):
+            try:
+                other = make_plan(BERT, p, 128, strategy=strategy)
+            except PlanError:
+                continue
+            if other.predicted["fits_memory"]:
+                assert plan.predicted_latency_s <= other.predicted_latency_s * (1 + 1e-9), strategy
+        if "stream" not in plan.predicted["candidates_s"]:
+            assert "stream cannot be faster" in plan.explanation
 
 
 def test_not_even_combined_memory_gives_stream_and_nothing_says_what_is_missing():

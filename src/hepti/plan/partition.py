@@ -3,12 +3,19 @@
 `make_plan(config, profile, seq_len, ...)` is what `hepti plan` and `hepti run --strategy auto`
 call. With strategy "auto":
 
-- every rank that would take part can hold the whole model -> `rows` or `tensor`, whichever the
-  cost model predicts faster (rows is considered on the ranks that can hold the model, since
-  rank 0 always takes part it must be one of them);
-- only the devices' combined memory holds it -> `tensor` with memory-capped shares;
+- every device can hold the whole model -> `rows` or `tensor`, whichever the cost model
+  predicts faster (`stream` is tensor plus reading from disk, and nothing caps tensor's shares
+  here, so it cannot win);
+- only the devices' combined memory holds it -> the faster of `tensor` with memory-capped
+  shares and `stream` (and `rows` on the ranks that can hold the whole model, if rank 0 is one:
+  it always takes part). Capping the fast devices' shares can force work onto slow devices and
+  slow links: on emu-starved's devices tensor predicts 1.5 s where streaming predicts 0.77 s.
+  Stream is solved only where a lower bound says it could beat the best so far (its sets'
+  bounds are tensor's);
 - not even that -> `stream` (a window of 2 layers if it fits, else 1);
 - nothing fits -> PlanError saying how much memory is missing.
+The explanation names the predicted latencies compared ("stream: predicted 774.1 ms vs tensor
+with capped shares 1488.8 ms").
 
 Shares come from hepti.plan.search: an LP per candidate set of participating ranks (whole heads
 rounded by a min-max rule), judged by the exact cost model (hepti.plan.costmodel.evaluate). A
@@ -22,6 +29,7 @@ dynamic program), `single` (rank 0 alone). With `ratios` the plan is evaluated, 
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 from hepti.config import BertConfig
@@ -163,8 +171,10 @@ def _normalise_ratios(ratios, world_size: int) -> dict[str, list[float]] | None:
     return parse_ratios(",".join(str(v) for v in ratios), world_size)
 
 
-def _stream_candidate(cfg, B, T, profile, caps, ratios=None) -> tuple[Candidate | None, bool]:
-    """The best stream plan (window 2, else 1) and whether a default disk speed was assumed."""
+def _stream_candidate(cfg, B, T, profile, caps, ratios=None, cutoff: float = math.inf,
+                      memo: dict | None = None) -> tuple[Candidate | None, bool]:
+    """The best stream plan (window 2, else 1) and whether a default disk speed was assumed.
+    With a `cutoff` latency, None also when no plan could beat it (`memo`: see optimise)."""
     assumed = any(dev.disk_read_Bps is None for dev in profile.devices)
     prof = profile
     if assumed:
@@ -176,7 +186,7 @@ def _stream_candidate(cfg, B, T, profile, caps, ratios=None) -> tuple[Candidate 
         if ratios is not None:
             c = evaluate_ratios(program, prof, ratios, "stream")
         else:
-            c = optimise(program, prof, caps)
+            c = optimise(program, prof, caps, cutoff=cutoff, memo=memo)
         # given ratios that fit no window are still evaluated (the plan says what is missing)
         if c is not None and (not fits_memory(c.prediction, caps) or (ratios is not None and window == 1)):
             c.extra["window"] = window
@@ -266,8 +276,6 @@ def make_plan(config: BertConfig, profile: Profile, seq_len: int, batch: int = 1
     if given is not None and strategy in ("even", "single", "proportional"):
         raise PlanError(f"--strategy {strategy} sets its own shares; drop --ratios, or use "
                         "--strategy tensor (or rows, stream, pipeline) with your ratios")
-    mb = model_bytes(config)
-
     if strategy == "pipeline":
         if given is not None:
             per = split_counts(config.num_hidden_layers, given["rows"])
@@ -328,49 +336,102 @@ def make_plan(config: BertConfig, profile: Profile, seq_len: int, batch: int = 1
         return _finish(cand, config, B, T, profile, caps, why, time.perf_counter() - t0)
 
     # auto: strategy by memory status
-    holds_all = [cap >= min_footprint(program_for("rows", config, B, T), i) for i, cap in enumerate(caps)]
+    return _auto(config, B, T, profile, caps, given, t0)
+
+
+def _auto(cfg: BertConfig, B: int, T: int, profile: Profile, caps: list[float], given, t0: float) -> Plan:
+    """`auto`: every device holds the whole model -> rows or tensor by predicted latency; else
+    the combined memory holds it sliced -> the fastest of tensor with memory-capped shares,
+    stream, and rows on the ranks that hold the whole model (if rank 0 does); else stream."""
+    mb = model_bytes(cfg)
+    rows_program = program_for("rows", cfg, B, T)
+    tensor_program = program_for("tensor", cfg, B, T)
+    holds_all = [cap >= min_footprint(rows_program, i) for i, cap in enumerate(caps)]
     options: dict[str, Candidate] = {}
-    for s in ("rows", "tensor"):
-        program = program_for(s, config, B, T)
+    memo: dict = {}  # tensor and stream share their candidate sets and bounds
+    for s, program in (("rows", rows_program), ("tensor", tensor_program)):
         if given is not None:
             c = evaluate_ratios(program, profile, given, s)
             if not fits_memory(c.prediction, caps):
                 options[s] = c
         elif s == "tensor" or holds_all[0]:
-            c = optimise(program, profile, caps)
+            c = optimise(program, profile, caps, memo=memo)
             if c is not None:
                 options[s] = c
-    if options:
+    lat = {s: c.latency_s for s, c in options.items()}
+    note = "" if given is None else " Shares as given (evaluated, not optimised)."
+
+    if options and all(holds_all):
+        # stream is tensor plus reading from disk, and nothing caps tensor's shares: it cannot win
         best = min(options.values(), key=lambda c: c.latency_s)
-        lat = {s: c.latency_s for s, c in options.items()}
-        if all(holds_all):
-            why = (f"Every device can hold the whole model ({_mb(mb)}), so rows and tensor were both "
-                   f"considered; {best.strategy} is faster ({' vs '.join(f'{s} {_ms(v)}' for s, v in lat.items())}).")
-        elif "rows" in options:
-            can = [i for i, h in enumerate(holds_all) if h]
-            who = f"rank {can[0]}" if len(can) == 1 else f"ranks {', '.join(map(str, can))}"
-            why = (f"Only {who} can hold the whole model ({_mb(mb)}); "
-                   f"{best.strategy} is faster ({' vs '.join(f'{s} {_ms(v)}' for s, v in lat.items())}).")
-        else:
-            why = (f"The model ({_mb(mb)}) fits only in the devices' combined memory, so the weights "
-                   f"are sliced (tensor) with memory-capped shares.")
-        if given is None:
-            why = _sentences([why] + _dropout_reasons(best, profile, caps) + _capped(best, caps))
-        else:
-            why += " Shares as given (evaluated, not optimised)."
-        return _finish(best, config, B, T, profile, caps, why, time.perf_counter() - t0,
-                       {"candidates_s": lat})
-    cand, assumed = _stream_candidate(config, B, T, profile, caps, given)
-    if cand is None:
-        _missing_memory_error(config, B, T, profile, caps)
-    why = (f"Not even the devices' combined memory ({_mb(sum(caps))}) holds the model ({_mb(mb)}) "
-           f"at these shapes, so each rank streams its slices from disk, holding a window of "
-           f"{cand.extra['window']} layer(s).")
-    if assumed:
-        why += f" Disk speed not in the profile: assumed {DEFAULT_DISK_READ_BPS / 1e6:.0f} MB/s."
-    if given is None:
-        why = _sentences([why] + _dropout_reasons(cand, profile, caps))
-    return _finish(cand, config, B, T, profile, caps, why, time.perf_counter() - t0)
+        why = (f"Every device can hold the whole model ({_mb(mb)}), so rows and tensor were both "
+               f"considered; {_versus(best.strategy, lat)}.")
+        return _finish(best, cfg, B, T, profile, caps, _explain(why, best, profile, caps, given) + note,
+                       time.perf_counter() - t0, {"candidates_s": lat})
+
+    # not every device holds the model: tensor's shares may be capped by memory, and streaming
+    # the slices from disk can then be faster; it is solved only where it could beat the best
+    # so far (its sets' lower bounds are tensor's: it is tensor plus reading)
+    cutoff = min(lat.values(), default=math.inf) if given is None else math.inf
+    stream, assumed = _stream_candidate(cfg, B, T, profile, caps, given, cutoff, memo)
+    if stream is not None:
+        lat["stream"] = stream.latency_s
+        options["stream"] = stream
+    if not options:
+        _missing_memory_error(cfg, B, T, profile, caps)
+    best = min(options.values(), key=lambda c: (c.latency_s, c.strategy == "stream"))
+    disk = (f" Disk speed not in the profile: assumed {DEFAULT_DISK_READ_BPS / 1e6:.0f} MB/s."
+            if best.strategy == "stream" and assumed else "")
+    names = dict(lat)
+    if "tensor" in names and (_memory_bound(options["tensor"], caps) or not all(
+            min_footprint(tensor_program, i) <= caps[i] for i in range(profile.world_size))):
+        names["tensor with capped shares"] = names.pop("tensor")
+    versus = _versus(_label(best.strategy, names), names)
+    if "stream" not in lat and "tensor" in options and given is None:
+        versus += "; stream cannot be faster (a lower bound on its latency is not below that)"
+    if best.strategy == "stream":
+        versus = (f"streaming is faster ({versus}): each rank holds a window of "
+                  f"{best.extra['window']} layer(s) of its slices and reads the next from disk "
+                  f"while computing")
+    if "tensor" not in options and "rows" not in options:
+        why = (f"Not even the devices' combined memory ({_mb(sum(caps))}) holds the model ({_mb(mb)}) "
+               f"at these shapes, so each rank streams its slices from disk, holding a window of "
+               f"{best.extra['window']} layer(s).")
+    elif "rows" in options:
+        can = [i for i, h in enumerate(holds_all) if h]
+        who = (f"rank {can[0]}" if len(can) == 1 else f"ranks {', '.join(map(str, can))}" if len(can) <= 6
+               else f"{len(can)} of the {len(caps)} devices")
+        why = f"Only {who} can hold the whole model ({_mb(mb)}); {versus}."
+    elif best.strategy == "stream":
+        why = (f"The model ({_mb(mb)}) fits only in the devices' combined memory, where memory caps "
+               f"tensor's shares; {versus}.")
+    else:
+        why = (f"The model ({_mb(mb)}) fits only in the devices' combined memory, so the weights are "
+               f"sliced (tensor) with memory-capped shares; {versus}.")
+    return _finish(best, cfg, B, T, profile, caps, _explain(why, best, profile, caps, given) + note + disk,
+                   time.perf_counter() - t0, {"candidates_s": lat})
+
+
+def _memory_bound(cand: Candidate, caps: list[float]) -> bool:
+    """Whether some rank's share stops at its memory cap."""
+    return any(r.active and r.mem_bytes >= 0.985 * caps[r.rank] for r in cand.prediction.per_rank)
+
+
+def _label(strategy: str, names: dict[str, float]) -> str:
+    return "tensor with capped shares" if strategy == "tensor" and strategy not in names else strategy
+
+
+def _versus(winner: str, lat: dict[str, float]) -> str:
+    """'stream: predicted 757.0 ms vs tensor with capped shares 1.6 s'."""
+    others = " vs ".join(f"{s} {_ms(v)}" for s, v in lat.items() if s != winner)
+    return f"{winner}: predicted {_ms(lat[winner])}" + (f" vs {others}" if others else "")
+
+
+def _explain(why: str, best: Candidate, profile: Profile, caps, given) -> str:
+    if given is not None:
+        return why
+    capped = _capped(best, caps) if best.strategy != "stream" else []
+    return _sentences([why] + _dropout_reasons(best, profile, caps) + capped)
 
 
 def _infeasible_message(strategy, cfg, B, T, profile, caps) -> str:

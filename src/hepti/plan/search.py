@@ -330,14 +330,17 @@ def _elimination_sequence(program: Program, profile: Profile, eligible: list[boo
     return seq, values
 
 
-def optimise(program: Program, profile: Profile, caps: list[float], time_limit: float = 5.0
-             ) -> Candidate | None:
-    """The best participants and counts for `program` under the caps, or None if nothing fits."""
+def optimise(program: Program, profile: Profile, caps: list[float], time_limit: float = 5.0,
+             cutoff: float = math.inf, memo: dict | None = None) -> Candidate | None:
+    """The best participants and counts for `program` under the caps, or None if nothing fits
+    (or, given a `cutoff` latency, if no set's lower bound is below it: it cannot win).
+
+    `memo`: a dict shared by calls on the same devices (speeds, links; disk speeds do not
+    matter) keeps the candidate sets and their bounds, which `tensor` and `stream` share."""
     N = profile.world_size
     eligible = [min_footprint(program, i) <= caps[i] for i in range(N)]
     if not eligible[0]:
         return None
-    optional = [i for i in range(1, N) if eligible[i]]
     tried: dict[tuple, Candidate | None] = {}
 
     def attempt(active: list[bool]) -> Candidate | None:
@@ -349,27 +352,24 @@ def optimise(program: Program, profile: Profile, caps: list[float], time_limit: 
             tried[key] = solve_set(program, profile, caps, active, time_limit, warm)
         return tried[key]
 
-    if len(optional) <= EXACT_MAX_OPTIONAL:
-        # every set, cheapest lower bound first; once the bound reaches the best latency
-        # found, no later set can win
-        sets = [[i == 0 or i in sub for i in range(N)]
-                for k in range(len(optional) + 1) for sub in itertools.combinations(optional, k)]
-        first, exact, table = None, True, None
+    groups, colls = _phase_groups(program)
+    key = (tuple(groups), tuple(colls.items()), tuple(program.totals.items()), tuple(eligible))
+    if memo is not None and key in memo:
+        sets, first, bounds = memo[key]
     else:
-        # the nested sets of the approximate model, its favourite first, then by lower bound:
-        # the best set of the sequence (unless EXACT_MAX_SETS stops it), not of all sets
-        _, colls = _phase_groups(program)
-        table = _branch_table(program, profile, list(colls), list(range(2, N + 1)))
-        sets, approx = _elimination_sequence(program, profile, eligible, table)
-        first, exact = int(np.argmin(approx)), False
-    bounds = set_bounds(program, profile, np.array(sets, bool), table)
+        sets, first, bounds = _candidate_sets(program, profile, eligible)
+        if memo is not None:
+            memo[key] = sets, first, bounds
+    exact = first is None
     order = [int(k) for k in np.argsort(bounds, kind="stable")]
     if first is not None:
         order.remove(first)
         order.insert(0, first)
-    best_s = math.inf
+    best_s = cutoff
     for k in order:
         if bounds[k] >= best_s * (1 - 1e-9):
+            if k == first:  # out of bound order: the others may still be below
+                continue
             break
         if len(tried) >= EXACT_MAX_SETS:
             exact = False  # the bound is weak here: keep the best of the most promising
@@ -390,6 +390,26 @@ def optimise(program: Program, profile: Profile, caps: list[float], time_limit: 
     best.extra["sets_tried"] = len(tried)
     best.extra["exact_search"] = exact
     return best
+
+
+def _candidate_sets(program: Program, profile: Profile, eligible: list[bool]
+                    ) -> tuple[list[list[bool]], int | None, np.ndarray]:
+    """The sets of participants `optimise` considers, the one to solve first (None: cheapest
+    bound first), and each set's lower bound."""
+    N = profile.world_size
+    optional = [i for i in range(1, N) if eligible[i]]
+    if len(optional) <= EXACT_MAX_OPTIONAL:
+        # every set, cheapest lower bound first; once the bound reaches the best latency
+        # found, no later set can win
+        sets = [[i == 0 or i in sub for i in range(N)]
+                for k in range(len(optional) + 1) for sub in itertools.combinations(optional, k)]
+        return sets, None, set_bounds(program, profile, np.array(sets, bool))
+    # the nested sets of the approximate model, its favourite first, then by lower bound: the
+    # best set of the sequence (unless EXACT_MAX_SETS stops it), not of all sets
+    _, colls = _phase_groups(program)
+    table = _branch_table(program, profile, list(colls), list(range(2, N + 1)))
+    sets, approx = _elimination_sequence(program, profile, eligible, table)
+    return sets, int(np.argmin(approx)), set_bounds(program, profile, np.array(sets, bool), table)
 
 
 def _fastest_seconds(w, dev, count: float) -> float:
