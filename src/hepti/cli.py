@@ -153,7 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--profile", required=True, metavar="P.json", help="from `hepti profile` or written by hand")
     s.add_argument("--seq", type=_positive_int, default=128, help="tokens per input (default 128)")
     s.add_argument("--batch", type=_positive_int, default=1, help="inputs per batch (default 1)")
-    s.add_argument("--strategy", choices=PLANNERS, default="auto", help="default auto")
+    s.add_argument("--strategy", choices=PLANNERS, default="auto",
+                   help="auto (default) picks by memory status: rows or tensor when every device "
+                        "holds the model, the faster of memory-capped tensor and stream when only "
+                        "their combined memory does, else stream; any other name plans just that "
+                        "strategy (even, proportional and pipeline are the baselines)")
     s.add_argument("--ratios", metavar="R", help="evaluate these shares instead of optimising")
     s.add_argument("--mem-budget", metavar="BYTES", help="cap every rank's memory for hepti")
     s.add_argument("--max-age", type=float, default=None, metavar="S",
