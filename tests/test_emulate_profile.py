@@ -26,7 +26,7 @@ from hepti.emulate.cgroups import cpu_quota
 from hepti.emulate.spec import load_spec
 from hepti.emulate.state import DEVICE_ENV, STATE_ENV, write_state
 from hepti.parallel.profiling import (cgroup_dirs, cpu_limit, memory_limit, profile_cache_path,
-                                      resource_limits)
+                                      reclaimable_cache, resource_limits)
 from hepti.plan.profile import profile_from_dict
 from hepti.plan.costmodel import evaluate
 from hepti.plan.workloads import program_for
@@ -94,6 +94,18 @@ def test_caps_from_cgroup_v2_and_a_container_mount_root(tmp_path):
     _tree(tmp_path, {"cpu/cpu.cfs_quota_us": "150000", "cpu/cpu.cfs_period_us": "100000"})
     assert cgroup_dirs("cpu", proc_cgroup="1:cpu:/docker/abc\n", mountinfo=mi) == [f"{root}/cpu"]
     assert cpu_limit(proc_cgroup="1:cpu:/docker/abc\n", mountinfo=mi) == (1.5, 0.1)
+
+
+def test_page_cache_counts_as_free():
+    """A device is charged for the files it touches first (rank 0: 57-160 MiB under emu-starved);
+    the kernel reclaims that before an OOM kill, so the profile counts it as free memory."""
+    MiB = 1 << 20
+    v1 = {"total_rss": 137 * MiB, "total_cache": 100 * MiB, "total_active_file": 40 * MiB,
+          "total_inactive_file": 58 * MiB, "total_shmem": 2 * MiB, "total_mapped_file": 25 * MiB}
+    assert reclaimable_cache(v1) == 98 * MiB  # file pages only: not shared memory, not anonymous
+    v2 = {"anon": 137 * MiB, "file": 60 * MiB, "active_file": 20 * MiB, "inactive_file": 40 * MiB}
+    assert reclaimable_cache(v2) == 60 * MiB
+    assert reclaimable_cache({}) == 0
 
 
 def test_emulated_device_is_part_of_the_caps(tmp_path, monkeypatch):

@@ -39,6 +39,9 @@ PING_TARGET_S = 0.06  # the largest message should take about this long one way
 MIN_TIME_S = 0.03  # time each compute measurement for at least this long
 QUOTA_PERIODS = 20  # under a CPU quota, time each round over at least this many CFS periods
 DISK_PROBE_BYTES = 32 << 20
+MEMORY_STAT_KEYS = ("total_rss", "total_cache", "total_mapped_file", "total_active_file",
+                    "total_inactive_file", "anon", "file", "file_mapped", "active_file",
+                    "inactive_file")  # kept in the profile: what the cgroup's usage is made of
 COLD_WEIGHT_BYTES = 48 << 20  # more than this machine's L2s together; see measure_gemm
 
 
@@ -185,8 +188,43 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def _memory_stat(d: str) -> dict[str, int]:
+    """A memory cgroup directory's memory.stat as {name: bytes} ({} if unreadable)."""
+    try:
+        lines = Path(f"{d}/memory.stat").read_text().splitlines()
+    except OSError:
+        return {}
+    pairs = (ln.split() for ln in lines)
+    return {p[0]: int(p[1]) for p in pairs if len(p) == 2 and p[1].isdigit()}
+
+
+def cgroup_memory_stat() -> dict[str, int]:
+    """This process's own memory cgroup's memory.stat (v2 or v1), e.g. {"total_rss",
+    "total_cache", "total_inactive_file", ...} or {"anon", "file", "inactive_file", ...}."""
+    for d in cgroup_dirs("")[:1] + cgroup_dirs("memory")[:1]:
+        stat = _memory_stat(d)
+        if stat:
+            return stat
+    return {}
+
+
+def reclaimable_cache(stat: dict[str, int]) -> int:
+    """Bytes of a memory cgroup's page cache (memory.stat's active and inactive file pages, v1
+    or v2), which the kernel reclaims before it lets the group exceed its limit, as MemAvailable
+    counts it for the whole machine. Part of it is shared libraries' code in use, which comes
+    back by page faults when needed; the planner's activation estimates leave room for that."""
+    def get(v1: str, v2: str) -> int:
+        return stat.get(v1, stat.get(v2, 0))
+    return get("total_active_file", "active_file") + get("total_inactive_file", "inactive_file")
+
+
 def available_memory() -> tuple[int, str]:
-    """(bytes, source): MemAvailable, or what the cgroup still allows if that is less."""
+    """(bytes, source): MemAvailable, or what the cgroup still allows if that is less: its limit
+    minus its usage, except page cache (`reclaimable_cache`). A capped device is charged for the
+    files its processes touch first: on emu-starved's rank 0, 57-160 MiB of cache (shared
+    libraries, Numba's cache files) next to 137 MiB of anonymous memory that was the same in
+    every run, so counting the cache as used measured rank 0 with 42-185 MiB free from run to
+    run under one 340 MiB cap, and the plan changed with it."""
     avail, source = None, "MemAvailable"
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -199,8 +237,11 @@ def available_memory() -> tuple[int, str]:
         source = "free pages"
     for limit_f, usage_f in cgroup_memory_files():
         limit, usage = _read_int(limit_f), _read_int(usage_f)
-        if limit is not None and usage is not None and limit < (1 << 60) and limit - usage < avail:
-            avail, source = max(0, limit - usage), f"cgroup limit ({limit_f})"
+        if limit is None or usage is None or limit >= (1 << 60):
+            continue
+        cache = min(usage, reclaimable_cache(_memory_stat(str(Path(limit_f).parent))))
+        if limit - usage + cache < avail:
+            avail, source = max(0, limit - usage + cache), f"cgroup limit ({limit_f})"
     return avail, source
 
 
@@ -400,6 +441,8 @@ def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | Non
             "memory_bytes": float(memory), "disk_read_Bps": disk_bps, "call_overhead_s": overhead,
             "measured": {"memory_source": mem_source, "ranks_on_host": on_host,
                          "rss_bytes": _rss_bytes(), "threads": threads,
+                         "cgroup_memory_stat": {k: v for k, v in cgroup_memory_stat().items()
+                                                if k in MEMORY_STAT_KEYS},
                          "limits": resource_limits()}}
     devices = comm.allgather(mine)
     paths = {p["rank"]: p for p in links}
