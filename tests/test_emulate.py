@@ -177,7 +177,7 @@ def test_dry_run_prints_plan(capsys):
 
 # -- shipped specs (pure) ----------------------------------------------------------------------------
 
-BASELINE = 250 << 20  # an idle hepti-like rank: ~200 MiB RSS measured + headroom (hostfiles/README.md)
+BASELINE = 150 << 20  # a rank's own memory when it plans: 137 MiB anonymous measured + headroom (hostfiles/README.md)
 ACT_256 = 30 << 20    # activations and buffers of BERT-base at 256 tokens, generous
 
 
@@ -235,8 +235,8 @@ def test_memory_specs_bracket_bert_base():
     starved = load_spec(HOSTFILES / "emu-starved.json")
     assert sum(max(0, budget(starved, i)) for i in range(len(starved.devices))) < layers
     per_layer = layers / preset_config("bert-base").num_hidden_layers
-    assert all(budget(starved, i) >= 2 * per_layer / len(starved.devices)
-               for i in range(len(starved.devices)))  # a two-layer window of even slices fits
+    assert budget(starved, 0) + budget(starved, 1) >= 2 * per_layer  # ranks 0-1 stream a 2-layer window
+    assert all(d.mem_bytes >= 190 << 20 for d in starved.devices)  # `hepti profile` peaks at ~180 MiB
 
 
 # -- real emulation (root) ------------------------------------------------------------------------
