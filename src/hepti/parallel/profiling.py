@@ -11,6 +11,8 @@ will during a run. Per rank:
 - memory available to hepti: MemAvailable (or the cgroup's limit minus usage, if lower) shared
   by the ranks on the same machine, and at most the user's cap;
 - optionally, reading a file from local disk (page cache dropped first);
+- turning stored weights into packed slices (HDF5 read + checks + pack_b), bytes/s: the CPU
+  work `stream` adds to every layer;
 - its link: MPI ping-pong with rank 0 at a few message sizes, least-squares fitted to
   one-way time = latency + bytes / bandwidth. Rank 0's own link is taken as the fastest path it
   measured (a star's path is as slow as its slower end).
@@ -176,6 +178,44 @@ def measure_disk(directory: str | None = None, nbytes: int = DISK_PROBE_BYTES) -
         return nbytes / (time.perf_counter() - t0)
     finally:
         os.unlink(path)
+
+
+def measure_weight_load(config: BertConfig, directory: str | None = None) -> float:
+    """Stored bytes/s of turning weights into a packed layer slice, as `stream` does for every
+    layer of every forward: `WeightStore.read_layer_slice` (HDF5 from the page cache, Fletcher32
+    checked) and `LayerShard.from_tensors` (pack_b), on a quarter of one layer of this shape,
+    written to a temporary folder first. This is CPU work on the rank's own CPU (the prefetch
+    thread's), so on a capped device it competes with the compute instead of overlapping it as
+    waiting for the disk does: BERT-base's 8-of-12-heads slices cost 295 ms per forward on one
+    uncapped core here (770-900 MB/s), 0.5-0.6 s at half a core, which `stream` plans do not
+    count yet (the planner reads `disk_read_Bps` only)."""
+    from hepti.model.bert import LayerShard
+    from hepti.weights import WeightStore
+    from hepti.weights.layout import expected_shapes
+    from hepti.weights.writer import TensorSpec, write_model
+
+    one = BertConfig.from_dict({**config.to_dict(), "num_hidden_layers": 1, "vocab_size": 8},
+                               name="weight-load-probe")
+
+    def zeros(shape):
+        return lambda a, b: np.zeros((b - a,) + tuple(shape[1:]), np.float32)
+
+    specs = [TensorSpec(n, s, zeros(s)) for n, s in expected_shapes(one, pooler=False).items()]
+    heads = (0, max(1, one.num_attention_heads // 4))
+    ffn = (0, max(1, one.intermediate_size // 4))
+    with tempfile.TemporaryDirectory(prefix="hepti-load-", dir=directory) as tmp:
+        path = write_model(Path(tmp) / "probe", one, specs, source={"probe": "weight load"},
+                           progress=False)
+        store = WeightStore(path)
+        try:
+            before = store.bytes_read
+            LayerShard.from_tensors(0, store.read_layer_slice(0, heads, ffn), heads, ffn)
+            per_load = store.bytes_read - before
+            seconds = _timed(lambda: LayerShard.from_tensors(0, store.read_layer_slice(0, heads, ffn),
+                                                              heads, ffn))
+        finally:
+            store.close()
+    return per_load / seconds
 
 
 # --- memory ----------------------------------------------------------------------------------
@@ -425,6 +465,7 @@ def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | Non
     attention = measure_attention(config, batch, seq_len, threads)
     elementwise = measure_elementwise(config, M)
     overhead = measure_call_overhead()
+    weight_load = measure_weight_load(config)
     _barrier(comm)
     disk_bps = measure_disk() if disk else None
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -439,6 +480,7 @@ def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | Non
     mine = {"rank": rank, "host": MPI.Get_processor_name(), "gemm_flops": gemm,
             "attention_flops": attention, "elementwise_per_s": elementwise,
             "memory_bytes": float(memory), "disk_read_Bps": disk_bps, "call_overhead_s": overhead,
+            "weight_load_Bps": weight_load,
             "measured": {"memory_source": mem_source, "ranks_on_host": on_host,
                          "rss_bytes": _rss_bytes(), "threads": threads,
                          "cgroup_memory_stat": {k: v for k, v in cgroup_memory_stat().items()
