@@ -4,10 +4,11 @@ A capped device runs its quota, then its group is throttled until the next 10 ms
 nothing else wants that CPU, the kernel halts it, and in a virtual machine (this one: KVM,
 `haltpoll` with polling off) a halted vCPU gives its physical core back to the host: it comes
 back with cold caches and a wake-up delay, every period. A real slow device pays no such toll.
-Measured by tests/test_emulate_profile.py (3 devices at 0.5/0.25/0.25 core, MiniLM's shapes):
-a forward's compute as `hepti profile` measured it, per core of share, against an uncapped
-process, was 0.83-0.88 on the 0.25-core devices without fillers and 0.92-0.96 with them
-(attention alone 0.62-0.84 without, 0.83-0.98 with).
+Measured with `hepti profile` (3 devices at 0.5/0.25/0.25 core, MiniLM's shapes): a forward's
+compute as the profile reads, per core of share, against an uncapped process run next, was
+0.83-0.88 on the 0.25-core devices without fillers and 0.92-0.96 with them (attention alone
+0.62-0.84 without, 0.83-0.98 with). A 9 MB matmul loop alone under a 0.25-core cap ran at 0.73
+of its uncapped speed per CPU second without fillers and 0.92 with them.
 
 So the launcher runs one busy loop per CPU under SCHED_IDLE: it gets only CPU time nobody else
 wants (a waking task of any other policy preempts it at once), and the CPUs never halt. The

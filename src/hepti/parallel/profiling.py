@@ -8,7 +8,8 @@ will during a run. Per rank:
 - the fixed cost of one kernel call (Python and dispatch), charged per operation;
 - attention FLOP/s (`hepti.kernels.attention`) and elementwise elements/s (`add_layernorm`)
   on [M, C];
-- memory available to hepti: MemAvailable (or the cgroup's limit minus usage, if lower) shared
+- memory available to hepti: MemAvailable (or the cgroup's limit minus usage other than page
+  cache, if lower) shared
   by the ranks on the same machine, and at most the user's cap;
 - optionally, reading a file from local disk (page cache dropped first);
 - turning stored weights into packed slices (HDF5 read + checks + pack_b), bytes/s: the CPU
