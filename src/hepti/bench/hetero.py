@@ -126,7 +126,9 @@ def run_record(spec, case: dict, strategy: str, status: str, reason: str, rep: d
            "status": status, "reason": reason, "repeat": repeat,
            "launch_s": None if res is None else round(res["wall_s"], 2),
            # the machine's 1-minute load average before and after the launch: other jobs on
-           # this shared machine slow the emulated devices down (their quotas are caps, not shares)
+           # this shared machine slow the emulated devices down (their quotas are caps, not
+           # shares). hepti emulate's idle fillers (one SCHED_IDLE loop per CPU) count in it
+           # while a launch runs: about +1 per CPU, decaying over the next minute
            "loadavg_1min": None if res is None else res.get("loadavg_1min")}
     devices = (res or {}).get("summary") or {}
     dev = {d["device"]: d for d in devices.get("devices", [])}
