@@ -146,33 +146,6 @@ class Comm:
 WAIT_SLEEP_S = 50e-6  # between tests of a pending request; far below a message's time on a link
 
 
-def _cpu_quota_cores(cgroup_root: str = "/sys/fs/cgroup") -> float | None:
-    """This process's CPU quota in cores from its own cgroup (v1 `cpu.cfs_quota_us` or v2
-    `cpu.max`), or None when it has none."""
-    try:
-        lines = open("/proc/self/cgroup").read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2
-            f = f"{cgroup_root}{path}/cpu.max"
-            try:
-                quota, period = open(f).read().split()
-            except (OSError, ValueError):
-                continue
-            return None if quota == "max" else int(quota) / int(period)
-        if "cpu" in controllers.split(","):
-            d = f"{cgroup_root}/{controllers}{path}"
-            try:
-                quota = int(open(f"{d}/cpu.cfs_quota_us").read())
-                period = int(open(f"{d}/cpu.cfs_period_us").read())
-            except (OSError, ValueError):
-                continue
-            return None if quota < 0 else quota / period
-    return None
-
-
 def _choose_sleepy() -> bool:
     """Sleep between tests only where spinning costs: a rank whose CPU is capped below one core
     (an emulated device, or a container slice) spends its quota polling and is then throttled
@@ -183,8 +156,9 @@ def _choose_sleepy() -> bool:
     forced = os.environ.get("HEPTI_MPI_WAIT", "").strip().lower()
     if forced in ("sleep", "block"):
         return forced == "sleep"
-    quota = _cpu_quota_cores()
-    return quota is not None and quota < 1.0
+    from hepti.parallel.profiling import cpu_limit  # the profile reads the same caps
+    cores, _ = cpu_limit()
+    return cores is not None and cores < 1.0
 
 
 SLEEPY = _choose_sleepy()
