@@ -182,3 +182,32 @@ def test_memory_model_uses_the_runtime_slice_sizes():
     assert rows.per_rank[1].mem["weights"] == L * layer_bytes(cfg)  # every rank holds it all
     assert all(r.mem_bytes > 0 for r in pred.per_rank)
     assert math.isfinite(pred.latency_s)
+
+
+def test_weight_load_is_parsed_round_trips_and_must_be_positive():
+    d = json.loads(json.dumps(MINIMAL))
+    d["devices"][1]["weight_load_Bps"] = 4e8
+    p = profile_from_dict(d)
+    assert p.devices[0].weight_load_Bps is None and p.devices[1].weight_load_Bps == 4e8
+    assert profile_from_dict(p.to_dict()).to_dict() == p.to_dict()
+    d["devices"][1]["weight_load_Bps"] = 0
+    with pytest.raises(PlanError, match="weight_load_Bps"):
+        profile_from_dict(d)
+
+
+def test_stream_counts_slice_loading_as_cpu_work_of_every_layer():
+    """On one rank (no collectives, reading from a fast disk) loading adds exactly each layer's
+    slice bytes / weight_load_Bps per layer; without the figure nothing changes."""
+    from hepti.plan.workloads import stream_program
+    cfg = preset_config("bert-base")
+    L, H, F = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.intermediate_size
+    cnt = {"heads": [float(H)], "ffn": [float(F)], "rows": [128.0]}
+    plain = evaluate(stream_program(cfg, 1, 128, 2), cnt, flat(1, disk_read_Bps=1e15))
+    loaded = evaluate(stream_program(cfg, 1, 128, 2), cnt,
+                      flat(1, disk_read_Bps=1e15, weight_load_Bps=5e8))
+    sliced = layer_slice_bytes(cfg, H, F) - 4 * 6 * cfg.hidden_size  # the whole vectors aside
+    assert plain.per_rank[0].load_s == 0.0
+    assert loaded.per_rank[0].load_s == pytest.approx(L * sliced / 5e8)
+    assert loaded.latency_s - plain.latency_s == pytest.approx(L * sliced / 5e8)
+    assert loaded.per_rank[0].compute_s == pytest.approx(plain.per_rank[0].compute_s)
+    assert plain.latency_s == pytest.approx(evaluate(tensor_program(cfg, 1, 128), cnt, flat(1)).latency_s)

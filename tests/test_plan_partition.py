@@ -273,6 +273,21 @@ def test_combined_memory_only_streams_when_capped_tensor_is_slower():
     assert make_plan(BERT, roomy, 256).strategy == "tensor"
 
 
+def test_stream_moves_slices_away_from_a_rank_slow_at_loading_them():
+    """Equal devices but rank 1 makes packed slices at a tenth of rank 0's speed: the planner
+    counts that CPU work, so rank 1 gets less, and the prediction includes its load time."""
+    same = [dev(1e9, disk_read_Bps=1e10, weight_load_Bps=4e8) for _ in range(2)]
+    even = make_plan(BERT, declared_profile(same), 256, strategy="stream")
+    slow = make_plan(BERT, declared_profile([same[0], dict(same[1], weight_load_Bps=4e7)]), 256,
+                     strategy="stream")
+    assert even.counts["ffn"][1] == pytest.approx(even.counts["ffn"][0], rel=0.05)
+    assert slow.counts["ffn"][1] < 0.6 * slow.counts["ffn"][0]
+    assert slow.counts["heads"][1] < slow.counts["heads"][0]
+    ranks = slow.predicted["per_rank"]
+    assert ranks[1]["load_s"] > ranks[0]["load_s"] > 0
+    assert slow.predicted_latency_s > even.predicted_latency_s
+
+
 def test_auto_is_never_slower_than_any_strategy_it_may_choose():
     """Whatever auto skips (stream where a lower bound shows it cannot win) would not have won."""
     profiles = [starved(), declared_profile([dev(3.0e8), dev(2.5e8), dev(2.5e8)]),

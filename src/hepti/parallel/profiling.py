@@ -188,8 +188,8 @@ def measure_weight_load(config: BertConfig, directory: str | None = None) -> flo
     written to a temporary folder first. This is CPU work on the rank's own CPU (the prefetch
     thread's), so on a capped device it competes with the compute instead of overlapping it as
     waiting for the disk does: BERT-base's 8-of-12-heads slices cost 295 ms per forward on one
-    uncapped core here (770-900 MB/s), 0.5-0.6 s at half a core, which `stream` plans do not
-    count yet (the planner reads `disk_read_Bps` only)."""
+    uncapped core here (770-900 MB/s), 0.5-0.6 s at half a core. The planner counts it as CPU
+    work of every layer ("load" Work of hepti.plan.workloads.stream_program)."""
     from hepti.model.bert import LayerShard
     from hepti.weights import WeightStore
     from hepti.weights.layout import expected_shapes

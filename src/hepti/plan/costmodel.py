@@ -36,6 +36,13 @@ so such a phase costs max(rank 0's compute, max over i > 0 of its transfers + co
 reported as communication (comm_s["transfer"]), not compute. It leaves out link latency (tenths
 of a ms against tens of ms of transfer) and the sharing of rank 0's link by several peers (exact
 for one), so that it stays linear in the rank's own block for the LP.
+
+Another is "load": `stream` turning a layer's stored weight slices into packed ones (read from
+the page cache, checksum, pack) on the rank's prefetch thread, bytes / the profile's
+`weight_load_Bps` (0 if the profile has none: not counted). It is CPU work on the rank's own
+CPU, which a capped device (a cgroup quota; or one core per rank) shares with its compute, so
+it is counted in the phase like compute, not overlapped; it is reported as `load_s`, apart
+from compute. Waiting for the disk is not CPU work: that part stays overlapped (`Stream`).
 """
 from __future__ import annotations
 
@@ -58,6 +65,7 @@ class Work:
     """
 
     kind: str  # "gemm" | "attention" | "elementwise" | "transfer" (bytes over the rank's link)
+    #            | "load" (stored weight bytes made into packed slices on the rank's CPU)
     dim: str  # "heads" | "ffn" | "rows" | ROOT
     per_unit: float
     size_fixed: float = math.inf
@@ -74,11 +82,15 @@ class Work:
             return dev.gemm_flops(self.size(count))
         if self.kind == "attention":
             return dev.attention_flops(self.size(count))
+        if self.kind == "load":  # not counted without a measured or declared figure
+            return dev.weight_load_Bps or math.inf
         return dev.elementwise_per_s
 
     def seconds(self, dev: Device, count: float) -> float:
         """Time of this work on `dev` for `count` units: FLOPs / speed + one kernel call."""
         if count <= 0 or (self.kind == "transfer" and dev.rank == 0):
+            return 0.0
+        if self.kind == "load" and dev.weight_load_Bps is None:
             return 0.0
         return self.per_unit * count / self.speed(dev, count) + dev.call_overhead_s
 
@@ -251,6 +263,7 @@ class RankPrediction:
     comm_s: dict[str, float] = field(default_factory=dict)  # transfer time per collective kind
     wait_s: float = 0.0  # idle at sync points, waiting for slower ranks' compute
     read_s: float = 0.0  # stream: disk reading (overlapped with compute when window >= 2)
+    load_s: float = 0.0  # stream: making slices on the rank's CPU ("load" Work, not overlapped)
     mem: dict[str, float] = field(default_factory=dict)  # bytes: weights, activations, buffers
 
     @property
@@ -263,7 +276,7 @@ class RankPrediction:
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "active": self.active, "compute_s": self.compute_s,
-                "comm_s": dict(self.comm_s), "wait_s": self.wait_s, "read_s": self.read_s,
+                "comm_s": dict(self.comm_s), "wait_s": self.wait_s, "read_s": self.read_s, "load_s": self.load_s,
                 "mem_bytes": self.mem_bytes, "mem": dict(self.mem)}
 
 
@@ -332,14 +345,15 @@ def read_bytes(program: Program, counts: dict[str, list[float]], rank: int) -> f
 
 def _phase_seconds(phase: Phase, counts: dict[str, list[float]], active: list[bool],
                    profile: Profile) -> tuple[list[float], list[float]]:
-    """Each rank's busy time in a phase before its collective (compute and transfers), and the
-    part of it that is "transfer" Work."""
-    busy, moved = [], []
+    """Each rank's busy time in a phase before its collective (compute, transfers, loads), and
+    the parts of it that are "transfer" and "load" Work."""
+    busy, moved, loaded = [], [], []
     for i, dev in enumerate(profile.devices):
         t = [(w.kind, w.seconds(dev, counts[w.dim][i])) for w in phase.works] if active[i] else []
         busy.append(sum(s for _, s in t))
         moved.append(sum(s for k, s in t if k == "transfer"))
-    return busy, moved
+        loaded.append(sum(s for k, s in t if k == "load"))
+    return busy, moved, loaded
 
 
 def evaluate(program: Program, counts: dict[str, list[float]], profile: Profile) -> Prediction:
@@ -359,7 +373,7 @@ def evaluate(program: Program, counts: dict[str, list[float]], profile: Profile)
     for phase, mult, group in program.phases():
         if phase.works not in comp_of:
             comp_of[phase.works] = _phase_seconds(phase, counts, active, profile)
-        comp, moved = comp_of[phase.works]
+        comp, moved, loaded = comp_of[phase.works]
         slowest = max(comp)
         coll_s = 0.0
         if phase.collective is not None:
@@ -374,7 +388,8 @@ def evaluate(program: Program, counts: dict[str, list[float]], profile: Profile)
             end_s += t
         for i in range(N):
             r = ranks[i]
-            r.compute_s += mult * (comp[i] - moved[i])
+            r.compute_s += mult * (comp[i] - moved[i] - loaded[i])
+            r.load_s += mult * loaded[i]
             if moved[i] > 0:
                 r.comm_s["transfer"] = r.comm_s.get("transfer", 0.0) + mult * moved[i]
             if active[i]:

@@ -23,6 +23,10 @@ planner does not care which. Schema (version 1), a JSON object:
          "latency_s": 1e-4,             # this device's link to the switch: latency ...
          "bandwidth_Bps": 1.17e8,       # ... and bandwidth in bytes/s (full duplex)
          "disk_read_Bps": 2e8,          # optional; reading weight slices from local disk
+         "weight_load_Bps": 4e8,        # optional; stored bytes/s of turning weights into a
+                                        #   packed layer slice on this rank's own CPU (checksum,
+                                        #   copy, pack); `stream` pays it per layer (default:
+                                        #   not counted)
          "call_overhead_s": 2e-5}       # optional; fixed cost of one kernel call (default 0)
       ]
     }
@@ -113,6 +117,7 @@ class Device:
     reserved_bytes: float = 0.0
     disk_read_Bps: float | None = None
     call_overhead_s: float = 0.0
+    weight_load_Bps: float | None = None  # CPU speed of loading weight slices (None: not counted)
 
     def gemm_flops(self, size: float = math.inf) -> float:
         return self.gemm.at(size)
@@ -135,6 +140,8 @@ class Device:
             d["disk_read_Bps"] = self.disk_read_Bps
         if self.call_overhead_s:
             d["call_overhead_s"] = self.call_overhead_s
+        if self.weight_load_Bps is not None:
+            d["weight_load_Bps"] = self.weight_load_Bps
         return d
 
 
@@ -242,7 +249,8 @@ def device_from_dict(d: dict, index: int) -> Device:
         latency_s=_positive(d, "latency_s", what, zero_ok=True),
         bandwidth_Bps=_positive(d, "bandwidth_Bps", what),
         disk_read_Bps=_positive(d, "disk_read_Bps", what, optional=True),
-        call_overhead_s=_positive(d, "call_overhead_s", what, optional=True, zero_ok=True) or 0.0)
+        call_overhead_s=_positive(d, "call_overhead_s", what, optional=True, zero_ok=True) or 0.0,
+        weight_load_Bps=_positive(d, "weight_load_Bps", what, optional=True))
 
 
 def profile_from_dict(d, source_name: str = "profile") -> Profile:

@@ -106,11 +106,28 @@ def tensor_program(cfg: BertConfig, B: int, T: int, name: str = "tensor") -> Pro
 
 def stream_program(cfg: BertConfig, B: int, T: int, window: int) -> Program:
     """`stream`: `tensor` with `window` layers of slices in RAM, the next read while computing.
-    The `end` phases are the last layer, so the per-layer read bound applies to them too."""
+    The `end` phases are the last layer, so the per-layer read bound applies to them too.
+
+    Besides waiting for the disk (`Stream`, overlapped with compute when window >= 2), the
+    prefetch thread spends CPU on every layer's slices (checksum, copy, pack: the profile's
+    `weight_load_Bps`). That CPU is the rank's own, shared with its compute on a capped device,
+    so each layer's phases carry it as "load" Work: its heads' slices (Q, K, V, O rows and QKV
+    bias) in the attention phase, its FFN columns in the FFN phase, which is about when the
+    prefetch thread makes them (it starts the next layer's slices, heads first, as a layer
+    begins). The 6 C whole vectors per layer (18 KiB) are left out. On a device with a core to
+    spare for the prefetch thread this over-counts; leave `weight_load_Bps` out there."""
     D, C = cfg.head_dim, cfg.hidden_size
+    per_unit = {"heads": F32 * (4.0 * D * C + 3 * D), "ffn": F32 * (2.0 * C + 1)}
     prog = tensor_program(cfg, B, T, "stream")
-    prog.stream = Stream({"heads": F32 * (4.0 * D * C + 3 * D), "ffn": F32 * (2.0 * C + 1)},
-                         F32 * 6.0 * C, window)
+    prog.stream = Stream(per_unit, F32 * 6.0 * C, window)
+    load = {"attention": Work("load", "heads", per_unit["heads"], name="load heads"),
+            "ffn": Work("load", "ffn", per_unit["ffn"], name="load ffn")}
+
+    def with_load(phases: list[Phase]) -> list[Phase]:
+        return [Phase(p.works + (load[p.name],), p.collective, p.name) if p.name in load else p
+                for p in phases]
+
+    prog.layer, prog.end = with_load(prog.layer), with_load(prog.end)
     return prog
 
 
