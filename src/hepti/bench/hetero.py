@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="default: %(default)s")
     ap.add_argument("--extra", action="append", metavar="SPEC:STRATEGY",
                     help=f"one more strategy on one spec, run as is (default: {' '.join(EXTRA)})")
-    ap.add_argument("--repeat", type=int, default=5, help="at most this many timed runs per launch")
+    ap.add_argument("--repeat", type=int, default=20,
+                    help="at most this many timed runs per launch (fast cases: medians of more runs)")
     ap.add_argument("--min-repeat", type=int, default=2, help="at least this many timed runs per launch")
     ap.add_argument("--target-s", type=float, default=4.0,
                     help="aim for this many seconds of timed runs per launch (by the prediction)")
