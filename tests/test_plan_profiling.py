@@ -35,3 +35,12 @@ def test_gemm_sizes_reach_all_rows():
     cfg = preset_config("bert-base")
     assert gemm_sizes(cfg, 256) == [8, 32, 128, 256]
     assert gemm_sizes(cfg, 16) == [8, 16]
+
+
+def test_weight_load_probe_gives_a_finite_speed_and_leaves_no_files(tmp_path):
+    """The probe writes a one-layer model, makes slices beside a GeMM and cleans up."""
+    from hepti.parallel.profiling import measure_weight_load
+    cfg = preset_config("tiny-odd")
+    bps = measure_weight_load(cfg, directory=str(tmp_path), rounds=1)
+    assert 0 < bps < float("inf")
+    assert list(tmp_path.iterdir()) == []
