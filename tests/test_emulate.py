@@ -114,7 +114,7 @@ def test_tbf_sized_for_payload_rate():
     args = tbf_args(100)
     rate_kbit = int(args[args.index("rate") + 1].removesuffix("kbit"))
     assert rate_kbit == round(100_000 * 1514 / 1448)  # wire rate above the payload rate
-    assert int(args[args.index("burst") + 1]) == 16384  # floor at low rates
+    assert int(args[args.index("burst") + 1]) == 96 << 10  # floor: one whole GSO packet
     args = tbf_args(940)
     assert int(args[args.index("burst") + 1]) == int(940e6 * 1514 / 1448 / 8 / 1000)  # 1 ms
 

@@ -16,8 +16,18 @@ Sizing the bucket (measured here, MTU 1500, TCP with timestamps):
   wire rate is set to link_mbit * 1514/1448 and a TCP stream (or an MPI transfer) measures
   link_mbit. Without the factor, 100 Mbit/s measured 95.5.
 - The bucket must hold about 1 ms of traffic at high rates: at 940 Mbit/s a 30 KB bucket
-  reached only 834, 80 KB reached 938. Buckets are max(1 ms of traffic, 16 KiB); a message
-  smaller than that passes at veth speed, an error of at most 1 ms per burst.
+  reached only 834, 80 KB reached 938.
+- The bucket must also hold one whole TCP segment: TCP hands the qdisc GSO packets of up to
+  64 KiB. With a 16 KiB floor, a 240 Mbit/s link (31 KB bucket) split each into 1514-byte frames
+  and re-armed its timer (qdisc_watchdog) for every frame, two tbfs per packet: ~35,000 timer
+  interrupts a second while a transfer ran, 20-40 us each. Their CPU time is charged to
+  whichever task runs on that CPU, so a capped rank computing next to a transfer lost most of
+  its quota (the offload primary at 240 Mbit/s took 19.6 ms for 3 ms of compute; perf counted
+  18,200 watchdog expiries of 23,000 timer expiries). A 96 KiB floor passes a GSO packet whole,
+  one timer per packet (350 expiries). It is also tc's own rule, burst >= rate / HZ.
+  So buckets are max(1 ms of traffic, 96 KiB). A message smaller than the bucket passes at veth
+  speed after an idle spell: up to 3.3 ms early at 240 Mbit/s, 7.9 ms at 100. Bulk rates (what
+  `hepti profile` fits, from its two largest messages) are unchanged.
 - The queue holds 20 ms of traffic; more adds queueing delay to small messages behind a bulk one.
 """
 from __future__ import annotations
@@ -34,7 +44,7 @@ from hepti.emulate.spec import ClusterSpec, EmulateError
 
 WIRE_PER_PAYLOAD = 1514 / 1448  # Ethernet frame bytes per TCP payload byte at MTU 1500
 BURST_S = 0.001
-MIN_BURST = 16 << 10
+MIN_BURST = 96 << 10  # see the module docstring: one whole 64 KiB GSO packet
 QUEUE_LATENCY_MS = 20
 CLONE_NEWNET = 0x40000000
 
