@@ -182,14 +182,21 @@ def measure_disk(directory: str | None = None, nbytes: int = DISK_PROBE_BYTES) -
         os.unlink(path)
 
 
-def measure_weight_load(config: BertConfig, directory: str | None = None, rounds: int = 3) -> float:
+def measure_weight_load(config: BertConfig, directory: str | None = None, rounds: int = 3,
+                        cold: bool = True) -> float:
     """Stored bytes/s of turning weights into a packed layer slice, as `stream` does for every
     layer of every forward, *as it costs the compute running beside it*: what the planner
     counts as per-layer CPU work ("load" Work of hepti.plan.workloads.stream_program).
 
-    The load is `WeightStore.read_layer_slice` (HDF5 from the page cache, Fletcher32 checked)
-    and `LayerShard.from_tensors` (pack_b), on a quarter of one layer of this shape, written to
-    a temporary folder first. `stream` makes slices on a prefetch thread while the main thread
+    The load is `WeightStore.read_layer_slice` (HDF5, Fletcher32 checked) and
+    `LayerShard.from_tensors` (pack_b), on a quarter of one layer of this shape, written to a
+    temporary folder first. With `cold` (the default) the probe's pages are dropped from the
+    page cache before every load, so each read goes to the disk as `stream`'s do: it is
+    planned when the slices do not fit in memory, so neither do they in the page cache, and a
+    rank at its memory cap re-reads them from disk every forward (emu-starved: 1583 ms when the
+    shards' pages were charged to the capped ranks, 1280-1350 ms when an earlier run had left
+    them cached outside). The kernel's read path and reclaim are CPU work too: 235 MB/s cold
+    vs 333 warm at half a core. `stream` makes slices on a prefetch thread while the main thread
     computes, so this times the same: a thread makes `n` slices back to back while this thread
     runs a small GeMM over and over until they are done; the time the GeMMs lost against their
     speed alone, per slice, is what a slice costs (bytes / that). On a device whose CPU is a
@@ -219,9 +226,20 @@ def measure_weight_load(config: BertConfig, directory: str | None = None, rounds
     with tempfile.TemporaryDirectory(prefix="hepti-load-", dir=directory) as tmp:
         path = write_model(Path(tmp) / "probe", one, specs, source={"probe": "weight load"},
                            progress=False)
+        shards = sorted(Path(path).glob("shard-*.h5"))
+        for f in shards:  # clean pages, so that dropping them below really drops them
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
         store = WeightStore(path)
         try:
             def load():
+                if cold and hasattr(os, "posix_fadvise"):
+                    for f in shards:
+                        fd = os.open(f, os.O_RDONLY)
+                        try:
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                        finally:
+                            os.close(fd)
                 return LayerShard.from_tensors(0, store.read_layer_slice(0, heads, ffn), heads, ffn)
 
             before = store.bytes_read
