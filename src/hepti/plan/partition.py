@@ -9,13 +9,14 @@ call. With strategy "auto":
 - only the devices' combined memory holds it -> the faster of `tensor` with memory-capped
   shares and `stream` (and `rows` on the ranks that can hold the whole model, if rank 0 is one:
   it always takes part). Capping the fast devices' shares can force work onto slow devices and
-  slow links: on emu-starved's devices tensor predicts 1.5 s where streaming predicts 0.77 s.
+  slow links, and then streaming, which pays for reading and packing every slice on every
+  forward, can still be the faster of the two.
   Stream is solved only where a lower bound says it could beat the best so far (its sets'
   bounds are tensor's);
 - not even that -> `stream` (a window of 2 layers if it fits, else 1);
 - nothing fits -> PlanError saying how much memory is missing.
-The explanation names the predicted latencies compared ("stream: predicted 774.1 ms vs tensor
-with capped shares 1488.8 ms").
+The explanation names the predicted latencies compared ("stream: predicted X ms vs tensor with
+capped shares Y ms").
 
 Shares come from hepti.plan.search: an LP per candidate set of participating ranks (whole heads
 rounded by a min-max rule), judged by the exact cost model (hepti.plan.costmodel.evaluate). A
