@@ -13,7 +13,8 @@ from hepti.model.sizes import embedding_bytes, layer_bytes, layer_slice_bytes
 from hepti.plan import profile as prof_mod
 from hepti.plan.costmodel import Collective, evaluate, link_terms
 from hepti.plan.profile import SpeedTable, declared_profile, load_profile, profile_from_dict
-from hepti.plan.workloads import matmul_chain_program, rows_program, tensor_program
+from hepti.plan.workloads import (ALLOC_OVERHEAD, matmul_chain_program, rows_program, stream_program,
+                                  tensor_program)
 
 MINIMAL = {"hepti_profile": 1, "created": 0, "source": "declared",
            "devices": [
@@ -182,6 +183,14 @@ def test_memory_model_uses_the_runtime_slice_sizes():
     assert rows.per_rank[1].mem["weights"] == L * layer_bytes(cfg)  # every rank holds it all
     assert all(r.mem_bytes > 0 for r in pred.per_rank)
     assert math.isfinite(pred.latency_s)
+    # what the heap keeps after packing, and one raw layer slice while it is packed
+    assert pred.per_rank[1].mem["overhead"] == pytest.approx(
+        ALLOC_OVERHEAD * L * layer_slice_bytes(cfg, 5, 1072) + layer_slice_bytes(cfg, 5, 1072))
+    assert rows.per_rank[0].mem["overhead"] == pytest.approx(
+        ALLOC_OVERHEAD * (L * layer_bytes(cfg) + embedding_bytes(cfg)) + layer_bytes(cfg))
+    stream = evaluate(stream_program(cfg, 1, 128, 2), {"heads": [7.0, 5.0], "ffn": [2000.0, 1072.0],
+                                                       "rows": [64.0, 64.0]}, flat(2, disk_read_Bps=1e15))
+    assert "overhead" not in stream.per_rank[1].mem  # a window's peak is its budget's
 
 
 def test_weight_load_is_parsed_round_trips_and_must_be_positive():

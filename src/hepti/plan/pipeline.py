@@ -20,7 +20,7 @@ from hepti.config import BertConfig
 from hepti.model.sizes import embedding_bytes, layer_bytes
 from hepti.plan.costmodel import ROOT, RankPrediction, Work
 from hepti.plan.profile import Profile
-from hepti.plan.workloads import F32, _tensor_layer
+from hepti.plan.workloads import ALLOC_OVERHEAD, F32, _tensor_layer
 
 HEADER_BYTES = 256  # pickled (shape, key mask) header before each activation (plus the mask)
 
@@ -55,6 +55,8 @@ def stage_memory(cfg: BertConfig, B: int, T: int, rank: int, n_layers: int) -> d
     if rank == 0:
         mem["weights"] += embedding_bytes(cfg)
         mem["activations"] += F32 * 3.0 * M * C
+    # see hepti.plan.workloads.with_overhead: heap kept after loading, one raw layer in packing
+    mem["overhead"] = ALLOC_OVERHEAD * mem["weights"] + (layer_bytes(cfg) if n_layers else 0.0)
     return mem
 
 
