@@ -173,6 +173,10 @@ def test_dry_run_prints_plan(capsys):
     assert "ip netns add hepti-" in out and ("cfs_quota_us" in out or "cpu.max" in out)
     assert "HYDRA_LAUNCHER_EXEC=" in out and "MPIR_CVAR_NOLOCAL=1" in out
     assert "ip netns del" in out  # the teardown is shown too
+    assert "/proc/sys/vm/drop_caches" in out  # devices start with a cold page cache ...
+    launch.run_emulated(HOSTFILES / "emu-mixed4.json", ["mpiexec", "-n", "4", "hepti", "profile"],
+                        dry_run=True, cold_cache=False)
+    assert "drop_caches" not in capsys.readouterr().out  # ... unless told to keep it
 
 
 # -- shipped specs (pure) ----------------------------------------------------------------------------

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep", action="store_true", help="leave the emulation up after COMMAND (debug)")
     s.add_argument("--no-idle-fill", action="store_true",
                    help="let idle CPUs halt (by default SCHED_IDLE loops keep them busy; see hepti.emulate.idle)")
+    s.add_argument("--keep-page-cache", action="store_true",
+                   help="do not drop the host's page cache before COMMAND (by default every "
+                        "device starts cold, as a device's RAM holds its own page cache)")
     s.add_argument("--timeout", type=float, default=None, help="stop COMMAND after S seconds")
     s.add_argument("--summary", metavar="FILE.json", help="write per-device memory peaks, OOM kills, schedule events")
     s.add_argument("--cleanup", action="store_true", help="remove leftovers of earlier runs and exit")
@@ -270,7 +273,7 @@ def cmd_emulate(args) -> int:
         raise InputError("give a cluster and a command: hepti emulate --cluster SPEC.json -- COMMAND ...")
     return run_emulated(args.cluster, cmd, keep=args.keep, dry_run=args.dry_run,
                         timeout=args.timeout, summary_path=args.summary,
-                        idle_fill=not args.no_idle_fill)
+                        idle_fill=not args.no_idle_fill, cold_cache=not args.keep_page_cache)
 
 
 def cmd_profile(args) -> int:

@@ -21,7 +21,13 @@ How a rank lands on its device (no flags needed on the user's mpiexec):
 
 Around COMMAND: a monitor thread applies the spec's schedule and rewrites the state file
 (state.py), and idle fillers keep the CPUs from halting (idle.py); when COMMAND ends,
-out-of-memory kills are reported per device. Teardown (kill every
+out-of-memory kills are reported per device. Before COMMAND starts, the host's clean page cache
+is dropped (`--keep-page-cache` skips it): a device's RAM holds its own page cache, and a cgroup
+is charged only for the file pages it faults in first, so weights an earlier run left cached
+outside the caps would be served to a capped device for free. emu-starved's `stream`, which
+re-reads its slices every forward, took 1380 ms after earlier runs had cached the shards and
+1500-1580 ms with the pages charged to its own ranks, as on a device with that little RAM.
+Teardown (kill every
 process in the run's cgroups and namespaces, delete veths, bridge, namespaces, cgroups, run
 directory) happens on success, failure, Ctrl-C, SIGTERM/SIGHUP and `timeout`; a second Ctrl-C
 skips the grace period. If the launcher itself is SIGKILLed, mpiexec dies with it
@@ -112,6 +118,19 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def drop_page_cache() -> None:
+    """Write back dirty pages, then drop every clean page-cache page on the host."""
+    os.sync()
+    try:
+        Path(DROP_CACHES).write_text("1\n")
+    except OSError as e:  # e.g. a container without a writable /proc/sys: say so, go on warm
+        log(f"could not drop the page cache ({e}); devices may read files cached by earlier "
+            "runs for free; pass --keep-page-cache to skip this step")
+
+
 @dataclass
 class _Run:
     """One emulation: its names, files, state and the COMMAND process."""
@@ -124,6 +143,7 @@ class _Run:
     force: bool = False
     timed_out: bool = False
     idle_fill: bool = True
+    cold_cache: bool = True
     started_at: float = 0.0
     devices_now: list[dict] = field(default_factory=list)
     applied: list[dict] = field(default_factory=list)
@@ -242,6 +262,8 @@ class _Run:
         self.started_at = time.time()
         self.save_state()
         self.phase = "running"  # from here a signal stops COMMAND instead of aborting setup
+        if self.cold_cache:
+            drop_page_cache()
         fillers = idle.start_fillers(idle.filler_cpus()) if self.idle_fill else []
         try:
             proc = subprocess.Popen([str(self.run_dir / "head.sh"), *command], env=self.env(),
@@ -359,6 +381,8 @@ def _dry_run(run: _Run, command: list[str]) -> None:
             out.append(f"# --- {names.run_dir}/{name} ---")
             out += ["#   " + line for line in text.rstrip("\n").splitlines()]
     out += [actions.render(a) for a in run.setup_actions()]
+    if run.cold_cache:
+        out.append(f"sync; echo 1 > {DROP_CACHES}   # every device starts with a cold page cache")
     if run.idle_fill:
         out.append(idle.describe(idle.filler_cpus()))
     out.append("# COMMAND, in the head namespace and cgroup:")
@@ -376,7 +400,8 @@ def _dry_run(run: _Run, command: list[str]) -> None:
 
 
 def run_emulated(spec_path, command: list[str], *, keep: bool = False, dry_run: bool = False,
-                 timeout: float | None = None, summary_path=None, idle_fill: bool = True) -> int:
+                 timeout: float | None = None, summary_path=None, idle_fill: bool = True,
+                 cold_cache: bool = True) -> int:
     """Run COMMAND on the cluster described by the spec at spec_path; return its exit code.
 
     keep: leave namespaces, cgroups and the run directory for inspection (remove them later with
@@ -384,12 +409,13 @@ def run_emulated(spec_path, command: list[str], *, keep: bool = False, dry_run: 
     needed). timeout: stop COMMAND after this many seconds (exit code 124). summary_path: write a
     JSON summary (exit code, per-device OOM kills and peak memory, schedule events applied).
     idle_fill: keep the CPUs from halting while COMMAND runs (hepti.emulate.idle explains why).
+    cold_cache: drop the host's clean page cache before COMMAND (see the module docstring).
     Exit code 128+N when stopped by signal N (130 for Ctrl-C)."""
     spec = load_spec(spec_path)
     check_cpu_fits(spec, os.cpu_count() or 1)
     command = prepare_command(list(command), len(spec.devices))
     run = _Run(spec=spec, names=RunNames(os.getpid(), len(spec.devices)), cg=Cgroups.detect(),
-               idle_fill=idle_fill)
+               idle_fill=idle_fill, cold_cache=cold_cache)
     if dry_run:
         _dry_run(run, command)
         return 0
