@@ -141,6 +141,9 @@ def test_repeat_follows_the_prediction():
     assert hetero.choose_repeat(0.1, args) == 6
     assert hetero.choose_repeat(1.0, args) == 4
     assert hetero.choose_repeat(7.0, args) == 2
+    args = hetero.build_parser().parse_args([])  # defaults: fast cases get many runs, auto few
+    assert hetero.choose_repeat(0.06, args) == 20
+    assert hetero.choose_repeat(None, args) == hetero.UNPLANNED_REPEAT < 20
 
 
 def test_parse_case():
