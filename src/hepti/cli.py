@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the plan file (for `hepti run --plan`)")
     s.add_argument("--out", metavar="PLAN.json", help="also write the plan file here")
 
-    s = sub.add_parser("bench", help="benchmarks: kernels, model")
+    s = sub.add_parser("bench", help="benchmarks: kernels, model, solver")
     bsub = s.add_subparsers(dest="bench", metavar="WHAT", required=True)
     b = bsub.add_parser("kernels", help="GFLOP/s of hepti's GeMM vs numpy, single-threaded, interleaved")
     b.add_argument("--repeat", type=_positive_int, default=20, help="repetitions per shape (default 20)")
@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=_positive_int, default=1, help="batch size (default 1)")
     b.add_argument("--repeat", type=_positive_int, default=30, help="timed runs (default 30)")
     b.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b = bsub.add_parser("solver", help="the planner's solve time (solve_s) on random declared "
+                                       "clusters of 2-32 devices, every strategy, interleaved")
+    b.add_argument("--devices", default="2,4,8,16,32", help="cluster sizes (default 2,4,8,16,32)")
+    b.add_argument("--rounds", type=_positive_int, default=15, help="interleaved rounds (default 15)")
+    b.add_argument("--out", default="results/solver.json", help="write the JSON here (default %(default)s)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -253,6 +259,19 @@ def cmd_bench(args) -> int:
         from hepti.bench.kernels import format_kernel_table, run_kernel_bench
         res = run_kernel_bench(repeat=args.repeat, progress=not args.json)
         print(json.dumps(res, indent=2) if args.json else format_kernel_table(res))
+        return 0
+    if args.bench == "solver":
+        from hepti.bench.solver import format_solver, run_solver_bench, write
+        from hepti.errors import InputError
+        try:
+            devices = tuple(int(x) for x in args.devices.split(","))
+        except ValueError:
+            raise InputError(f"--devices {args.devices!r}: give cluster sizes like 2,4,8,16,32") from None
+        if any(n < 1 for n in devices):
+            raise InputError(f"--devices {args.devices!r}: every cluster size must be at least 1")
+        res = run_solver_bench(devices, rounds=args.rounds, progress=not args.json)
+        write(res, args.out)
+        print(json.dumps(res, indent=2) if args.json else format_solver(res) + f"\nwrote {args.out}")
         return 0
     from hepti.bench.model import format_model_bench, run_model_bench
     res = run_model_bench(args.model, seq=args.seq, batch=args.batch, repeat=args.repeat,
