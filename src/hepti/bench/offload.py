@@ -12,7 +12,8 @@ Over TCP the secondary's output rows land in the primary's socket buffers while 
 computes, so both directions overlap the primary's compute. The planner models exactly this
 schedule (hepti.plan.workloads.offload_chain_program):
 latency = max(t_p (1 - s), (c_in + t_s + c_out) s). Waits sleep between tests instead of
-spinning (`wait_idle`), so a rank does not burn the CPU share it then needs to compute.
+spinning on a CPU-capped rank (`hepti.parallel.comm.wait`, as the runtime waits), so an emulated
+device does not burn the CPU share it then needs to compute.
 
 `run_offload_sweep` measures the latency for offloaded shares 0%..100% (interleaved rounds,
 medians) and asks the planner for its share given a profile measured right there: each rank's
@@ -36,10 +37,10 @@ import numpy as np
 
 from hepti.counts import counts as split_counts
 from hepti.errors import InputError
+from hepti.parallel.comm import wait
 
 M, K, CHAIN = 256, 1024, 5  # the paper's shapes: CHAIN MatMuls [M,K]x[K,K]
-TAG_IN, TAG_OUT, TAG_PING = 41, 42, 43
-POLL_S = 5e-4  # how often an idle wait tests its requests
+TAG_IN, TAG_OUT = 41, 42
 PROFILE_ROUNDS = 5
 
 
@@ -84,18 +85,8 @@ def _mpi(comm):
     return getattr(comm, "mpi", comm)  # a hepti Comm or an mpi4py communicator
 
 
-def wait_idle(reqs: list, poll_s: float = POLL_S) -> None:
-    """Complete MPI requests without busy-polling: test, sleep, test again. MPICH's own waits
-    spin, which burns the CPU share a rank waits in: an emulated 0.15-core device (a cgroup
-    quota of 1.5 ms per 10 ms) spent its quota spinning for its input, then computed throttled,
-    and its input seemed to take 10 ms to arrive whatever its size. Costs at most poll_s."""
-    from mpi4py import MPI
-    while not MPI.Request.Testall(reqs):
-        time.sleep(poll_s)
-
-
 def barrier_idle(comm) -> None:
-    wait_idle([comm.Ibarrier()])
+    wait(comm.Ibarrier())
 
 
 def offload_once(comm, x: np.ndarray | None, packed: list, counts: list[int]) -> tuple:
@@ -119,7 +110,7 @@ def offload_once(comm, x: np.ndarray | None, packed: list, counts: list[int]) ->
         t_post = time.perf_counter()
         chain_rows(x[:counts[0]], packed, out[:counts[0]])
         t_comp = time.perf_counter()
-        wait_idle(reqs)
+        wait(reqs)
         t_end = time.perf_counter()
         return out, {"post_s": t_post - t0, "compute_s": t_comp - t_post,
                      "out_s": t_end - t_comp, "latency_s": t_end - t0}
@@ -127,11 +118,11 @@ def offload_once(comm, x: np.ndarray | None, packed: list, counts: list[int]) ->
     if rows == 0:
         return None, {}
     h = np.empty((rows, packed[0].k), np.float32)  # [rows, k]
-    wait_idle([comm.Irecv(h, source=0, tag=TAG_IN)])
+    wait(comm.Irecv(h, source=0, tag=TAG_IN))
     t_in = time.perf_counter()
     y = chain_rows(h, packed)  # [rows, n]
     t_comp = time.perf_counter()
-    wait_idle([comm.Isend(y, dest=0, tag=TAG_OUT)])
+    wait(comm.Isend(y, dest=0, tag=TAG_OUT))
     t_end = time.perf_counter()
     return None, {"in_s": t_in - t0, "compute_s": t_comp - t_in, "send_s": t_end - t_comp}
 
@@ -165,31 +156,13 @@ def chain_speed_table(packed: list, m: int = M, rounds: int = PROFILE_ROUNDS) ->
     return [[float(r), flops_per_row * r / statistics.median(times[r])] for r in sizes]
 
 
-def ping_pong_idle(comm, peer: int, nbytes: int, reps: int) -> float:
-    """Median one-way seconds (half a round trip, timed by rank 0) of nbytes between rank 0 and
-    `peer`, waiting as the runtime does (`wait_idle`); both call it; one warm-up round trip."""
-    buf = np.zeros(max(nbytes, 1), np.uint8)
-    rank = comm.Get_rank()
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        if rank == 0:
-            wait_idle([comm.Isend(buf[:nbytes], dest=peer, tag=TAG_PING)])
-            wait_idle([comm.Irecv(buf[:nbytes], source=peer, tag=TAG_PING)])
-        else:
-            wait_idle([comm.Irecv(buf[:nbytes], source=0, tag=TAG_PING)])
-            wait_idle([comm.Isend(buf[:nbytes], dest=0, tag=TAG_PING)])
-        times.append((time.perf_counter() - t0) / 2)
-    return statistics.median(times[1:])
-
-
 def measure_chain_links(comm, row_bytes: int, m: int = M, reps: int = 4) -> dict[int, dict]:
     """Each rank's link to rank 0: ping-pong at the sizes this experiment sends (m/8 .. m rows),
     fitted to latency + bytes / bandwidth (hepti.parallel.profiling.fit_link). Not
     `profiling.measure_links`: its small messages (8 B - 64 KiB) dominate its fit, and on a
     shaped link they pass within the token bucket's burst at veth speed (it gave 2352 Mbit/s on
-    a 940 Mbit/s link, 387 on a 240 one); and its blocking waits spin (see `wait_idle`)."""
-    from hepti.parallel.profiling import fit_link
+    a 940 Mbit/s link, 387 on a 240 one)."""
+    from hepti.parallel.profiling import fit_link, ping_pong
     rank = comm.Get_rank()
     sizes = sorted({max(1, m // 8), max(1, m // 4), max(1, m // 2), m})
     out = {}
@@ -197,7 +170,7 @@ def measure_chain_links(comm, row_bytes: int, m: int = M, reps: int = 4) -> dict
         points = []
         for rows in sizes:
             nbytes = rows * row_bytes
-            t = ping_pong_idle(comm, peer, nbytes, reps) if rank in (0, peer) else 0.0
+            t = ping_pong(comm, peer, nbytes, reps) if rank in (0, peer) else 0.0
             points.append((nbytes, comm.bcast(t, root=0)))
         lat, bw = fit_link(points)
         out[peer] = {"latency_s": lat, "bandwidth_Bps": bw, "points": points}

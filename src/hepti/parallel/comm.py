@@ -165,8 +165,16 @@ SLEEPY = _choose_sleepy()
 
 
 def wait(req) -> None:
-    """Complete a non-blocking MPI request: block in MPI, or sleep between tests (see
-    `_choose_sleepy`)."""
+    """Complete a non-blocking MPI request, or a list of them: block in MPI, or sleep between
+    tests (see `_choose_sleepy`)."""
+    if isinstance(req, list):
+        MPI = _MPI()
+        if not SLEEPY:
+            MPI.Request.Waitall(req)
+            return
+        while not MPI.Request.Testall(req):
+            time.sleep(WAIT_SLEEP_S)
+        return
     if not SLEEPY:
         req.Wait()
         return

@@ -93,13 +93,20 @@ def _tensor_layer(cfg: BertConfig, B: int, T: int, last: bool) -> list[Phase]:
             Phase((up, down), rs, "ffn"), Phase((ln,), final, "add+ln 2")]
 
 
+def _slice_bytes(cfg: BertConfig) -> dict[str, float]:
+    """Stored bytes of one layer's slice per head (Q, K, V, O rows + QKV bias) and per FFN
+    column (up and down rows + bias); plus 6 C whole vectors (hepti.model.sizes.layer_slice_bytes)."""
+    C, D = cfg.hidden_size, cfg.head_dim
+    return {"heads": F32 * (4.0 * D * C + 3 * D), "ffn": F32 * (2.0 * C + 1)}
+
+
 def _tensor_memory(cfg: BertConfig, B: int, T: int) -> list[MemTerm]:
+    """What a `tensor` rank holds, before `with_overhead` (`stream` holds a window instead)."""
     C, D, M = cfg.hidden_size, cfg.head_dim, B * T
-    return with_overhead([
-        # per layer held: 4 h D C + 3 h D (Q, K, V, O rows + QKV bias), 2 f C + f, 6 C whole
-        # (hepti.model.sizes.layer_slice_bytes)
-        MemTerm("weights", "heads", F32 * (4.0 * D * C + 3 * D), per_layer=True),
-        MemTerm("weights", "ffn", F32 * (2.0 * C + 1), per_layer=True),
+    per = _slice_bytes(cfg)
+    return [
+        MemTerm("weights", "heads", per["heads"], per_layer=True),
+        MemTerm("weights", "ffn", per["ffn"], per_layer=True),
         MemTerm("weights", ACTIVE, F32 * 6.0 * C, per_layer=True),
         MemTerm("weights", ROOT, float(embedding_bytes(cfg))),
         MemTerm("activations", ACTIVE, F32 * (4.0 * M * C + T * T + B * T)),  # x, partials, scores
@@ -108,7 +115,7 @@ def _tensor_memory(cfg: BertConfig, B: int, T: int) -> list[MemTerm]:
         MemTerm("activations", "rows", F32 * 2.0 * C),  # own rows after Reduce_scatter
         MemTerm("activations", ROOT, F32 * 3.0 * M * C),  # embedding temporaries, output
         MemTerm("buffers", ACTIVE, F32 * 1.0 * M * C),  # collective temporaries
-    ])
+    ]
 
 
 def tensor_program(cfg: BertConfig, B: int, T: int, name: str = "tensor") -> Program:
@@ -119,7 +126,7 @@ def tensor_program(cfg: BertConfig, B: int, T: int, name: str = "tensor") -> Pro
               "embed+bcast")]
     return Program(name, {"heads": H, "ffn": F, "rows": M}, start,
                    _tensor_layer(cfg, B, T, last=False), _tensor_layer(cfg, B, T, last=True),
-                   L - 1, _tensor_memory(cfg, B, T), integer_dims=("heads",), n_layers=L)
+                   L - 1, with_overhead(_tensor_memory(cfg, B, T)), integer_dims=("heads",), n_layers=L)
 
 
 def stream_program(cfg: BertConfig, B: int, T: int, window: int) -> Program:
@@ -134,13 +141,12 @@ def stream_program(cfg: BertConfig, B: int, T: int, window: int) -> Program:
     prefetch thread makes them (it starts the next layer's slices, heads first, as a layer
     begins). The 6 C whole vectors per layer (18 KiB) are left out. On a device with a core to
     spare for the prefetch thread this over-counts; leave `weight_load_Bps` out there."""
-    D, C = cfg.head_dim, cfg.hidden_size
-    per_unit = {"heads": F32 * (4.0 * D * C + 3 * D), "ffn": F32 * (2.0 * C + 1)}
+    per_unit = _slice_bytes(cfg)
     prog = tensor_program(cfg, B, T, "stream")
     # A window's peak is set by the runtime's budget (window = budget // slice bytes) and stays
-    # within it plus a constant (tests/mpi); tensor's whole-model "overhead" terms do not apply.
-    prog.memory = [t for t in prog.memory if t.what != "overhead"]
-    prog.stream = Stream(per_unit, F32 * 6.0 * C, window)
+    # within it plus a constant (tests/mpi): no `with_overhead` for the whole model here.
+    prog.memory = _tensor_memory(cfg, B, T)
+    prog.stream = Stream(per_unit, F32 * 6.0 * cfg.hidden_size, window)
     load = {"attention": Work("load", "heads", per_unit["heads"], name="load heads"),
             "ffn": Work("load", "ffn", per_unit["ffn"], name="load ffn")}
 
