@@ -216,6 +216,27 @@ def test_sets_solved_on_their_own_ranks_predict_what_all_ranks_do(tables):
         assert evaluate(program, best.counts, p).to_dict() == best.prediction.to_dict()
 
 
+@pytest.mark.parametrize("strategy", ["rows", "tensor", "stream"])
+def test_highs_called_directly_solves_as_scipys_milp_does(strategy):
+    """lp.solve hands its model to HiGHS itself (scipy's private module, for speed); scipy's
+    public milp must find the same optimum, with whole heads (a MILP) and without."""
+    from hepti.plan import lp
+    from hepti.plan.search import set_reference
+
+    assert lp._highs is not None, "scipy.optimize._highspy is gone: the planner falls back to milp"
+    p = random_profile(random.Random(7), 5, mem=(1e9, 2e9), tables=True)  # rows fits everywhere
+    program = program_for(strategy, BERT, 1, 128, *([2] if strategy == "stream" else []))
+    caps, active = memory_caps(p), [True] * 5
+    ref = set_reference(program, active)
+    for relax in (True, False):
+        fast = lp.solve(program, p, caps, ref, active, relax=relax)
+        slow = lp.solve(program, p, caps, ref, active, relax=relax, direct=False)
+        assert fast is not None and slow is not None
+        assert fast["objective_s"] == pytest.approx(slow["objective_s"], rel=2e-3 if not relax else 1e-9)
+    assert lp.solve(program, p, [1e6] * 5, ref, active) is None  # nothing fits: both say None
+    assert lp.solve(program, p, [1e6] * 5, ref, active, direct=False) is None
+
+
 # --- strategy by memory status -------------------------------------------------------------------
 
 def dev(mem, **kw):
