@@ -349,7 +349,7 @@ def _auto(cfg: BertConfig, B: int, T: int, profile: Profile, caps: list[float], 
     tensor_program = program_for("tensor", cfg, B, T)
     holds_all = [cap >= min_footprint(rows_program, i) for i, cap in enumerate(caps)]
     options: dict[str, Candidate] = {}
-    memo: dict = {}  # tensor and stream share their candidate sets and bounds
+    memo: dict = {}  # shared cost tables, candidate sets and bounds (see optimise)
     for s, program in (("rows", rows_program), ("tensor", tensor_program)):
         if given is not None:
             c = evaluate_ratios(program, profile, given, s)
