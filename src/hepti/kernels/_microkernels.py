@@ -126,20 +126,24 @@ def micro_tile(mr, kc, ap, bp, k0, bk0, c, c_off, ldc, accumulate):
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
 def full_tiles(t0, n_tiles, kc, apack, bp, k0, bk0, c, c_off, ldc, accumulate,
-               pf, pf_base, pf_stride, pf_width, pf_rows):
+               pf, pf_lo, pf_hi):
     """Tiles t0 .. n_tiles-1 (8 rows each) of a strip: C (+)= apack[t] @ bp over kc
     rows (from k0 in A, bk0 in bp); tile t's rows start at c[c_off + t*MR*ldc].
-    Before each tile, a share of pf_rows rows (pf_width floats at
-    pf[pf_base + r*pf_stride]) is prefetched.
+    Meanwhile the cache lines of pf[pf_lo:pf_hi] (64-byte aligned at pf_lo) are
+    prefetched into L2, an equal share per tile, one line every kc/share k steps.
     """
     bb = bp[bk0:bk0 + kc]
-    pf_per_tile = -(-pf_rows // max(n_tiles - t0, 1))
+    per_tile = -(-(-(-(pf_hi - pf_lo) // 16)) // max(n_tiles - t0, 1))  # lines
     for t in range(t0, n_tiles):
-        for r in range((t - t0) * pf_per_tile, min(pf_rows, (t - t0 + 1) * pf_per_tile)):
-            o = pf_base + r * pf_stride
-            for q in range(0, pf_width, 16):
-                prefetch_l2(pf, o + q)
-            prefetch_l2(pf, o + pf_width - 1)
+        q = pf_lo + (t - t0) * per_tile * 16
+        q_end = min(pf_hi, q + per_tile * 16)
+        n_here = max(0, -(-(q_end - q) // 16))
+        while n_here > kc:  # more lines than k steps: the excess up front
+            prefetch_l2(pf, q)
+            q += 16
+            n_here -= 1
+        every = max(1, kc // max(n_here, 1))
+        countdown = every
         ab = apack[t, k0:k0 + kc]
         c0_0 = c0_1 = c0_2 = c0_3 = c0_4 = c0_5 = c0_6 = c0_7 = c0_8 = c0_9 = c0_10 = c0_11 = c0_12 = c0_13 = c0_14 = c0_15 = c0_16 = c0_17 = c0_18 = c0_19 = c0_20 = c0_21 = c0_22 = c0_23 = c0_24 = c0_25 = c0_26 = c0_27 = c0_28 = c0_29 = c0_30 = c0_31 = np.float32(0.0)
         c1_0 = c1_1 = c1_2 = c1_3 = c1_4 = c1_5 = c1_6 = c1_7 = c1_8 = c1_9 = c1_10 = c1_11 = c1_12 = c1_13 = c1_14 = c1_15 = c1_16 = c1_17 = c1_18 = c1_19 = c1_20 = c1_21 = c1_22 = c1_23 = c1_24 = c1_25 = c1_26 = c1_27 = c1_28 = c1_29 = c1_30 = c1_31 = np.float32(0.0)
@@ -150,6 +154,12 @@ def full_tiles(t0, n_tiles, kc, apack, bp, k0, bk0, c, c_off, ldc, accumulate,
         c6_0 = c6_1 = c6_2 = c6_3 = c6_4 = c6_5 = c6_6 = c6_7 = c6_8 = c6_9 = c6_10 = c6_11 = c6_12 = c6_13 = c6_14 = c6_15 = c6_16 = c6_17 = c6_18 = c6_19 = c6_20 = c6_21 = c6_22 = c6_23 = c6_24 = c6_25 = c6_26 = c6_27 = c6_28 = c6_29 = c6_30 = c6_31 = np.float32(0.0)
         c7_0 = c7_1 = c7_2 = c7_3 = c7_4 = c7_5 = c7_6 = c7_7 = c7_8 = c7_9 = c7_10 = c7_11 = c7_12 = c7_13 = c7_14 = c7_15 = c7_16 = c7_17 = c7_18 = c7_19 = c7_20 = c7_21 = c7_22 = c7_23 = c7_24 = c7_25 = c7_26 = c7_27 = c7_28 = c7_29 = c7_30 = c7_31 = np.float32(0.0)
         for p in range(kc):
+            countdown -= 1
+            if countdown == 0:
+                countdown = every
+                if q < q_end:
+                    prefetch_l2(pf, q)
+                    q += 16
             ar = ab[p]
             br = bb[p]
             b0 = br[0]; b1 = br[1]; b2 = br[2]; b3 = br[3]; b4 = br[4]; b5 = br[5]; b6 = br[6]; b7 = br[7]; b8 = br[8]; b9 = br[9]; b10 = br[10]; b11 = br[11]; b12 = br[12]; b13 = br[13]; b14 = br[14]; b15 = br[15]; b16 = br[16]; b17 = br[17]; b18 = br[18]; b19 = br[19]; b20 = br[20]; b21 = br[21]; b22 = br[22]; b23 = br[23]; b24 = br[24]; b25 = br[25]; b26 = br[26]; b27 = br[27]; b28 = br[28]; b29 = br[29]; b30 = br[30]; b31 = br[31]

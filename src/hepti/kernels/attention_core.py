@@ -70,7 +70,7 @@ def _attend(q, q_off, ldq, nq, kf, k_off, ldk, vf, v_off, ldv, t, d, mask, scale
     for jp in range(n_tp):
         _pack_panel(kf, k_off, ldk, True, d, jp * NR, min(NR, t - jp * NR), kt[jp])
         _strip(aq, nq, d, kc_max, kt[jp], s, 0, t_pad, jp * NR, NR, scratch, epi,
-               s, 0, 0, 0, 0)
+               s, 0, 0)
     for i in range(nq):
         softmax_row(s[i * t_pad:i * t_pad + t], mask, True, scale)
     # ctx = P V
@@ -78,7 +78,7 @@ def _attend(q, q_off, ldq, nq, kf, k_off, ldk, vf, v_off, ldv, t, d, mask, scale
     for jp in range(n_dp):
         _pack_panel(vf, v_off, ldv, False, t, jp * NR, min(NR, d - jp * NR), vp[jp])
         _strip(ap, nq, t, kc_max, vp[jp], out, o_off, ldo, jp * NR, min(NR, d - jp * NR),
-               scratch, epi, s, 0, 0, 0, 0)
+               scratch, epi, s, 0, 0)
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)

@@ -13,7 +13,9 @@ tiles, k-major, kept in L2):
         for each k-block of KC rows of the panel (KC x NR floats, stays in L1)
             for each MR-row tile: C tile (+)= A tile @ panel slice   (register tile)
         then bias, GeLU, residual on the strip (rows x NR) while it is in L1/L2.
-While a pre-packed panel is computed, the next one is prefetched into L2 (software prefetch).
+While a pre-packed panel is computed, the next one (contiguous after it) is prefetched into
+L2 by software prefetch, one cache line every few k steps of the micro-kernel (see
+_gen_microkernels._full_tiles): MiniLM's weights, 42 MB, are read from DRAM every forward.
 
 `matmul` packs B on the fly with the k-blocks outermost (`_on_the_fly`): for each k-block, a
 group of panels (~L2/8) is packed from B's rows [KC, group * NR] into a per-thread buffer, each
@@ -188,15 +190,17 @@ def _pack_a(a, a_off, lda, m0, m1, k, apack):
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _kblock(apack, rows, k0, kc, bp, bk0, dst, d_off, ldd, accumulate,
-            pf, pf_base, pf_stride, pf_width, pf_rows):
+def _kblock(apack, rows, k0, kc, bp, bk0, dst, d_off, ldd, accumulate, pf, pf_lo, pf_hi):
     """dst rows 0 .. rows-1 (flat, from d_off, stride ldd; NR wide) (+)= packed A block
-    columns k0 .. k0+kc-1 @ bp rows bk0 .. bk0+kc-1. Meanwhile pf_rows rows of pf_width floats
-    (row r at pf[pf_base + r*pf_stride]) are prefetched into L2, spread over the full tiles."""
+    columns k0 .. k0+kc-1 @ bp rows bk0 .. bk0+kc-1. Meanwhile pf[pf_lo:pf_hi] is prefetched
+    into L2, spread over the full tiles' k loops (all at once if there are none)."""
     n_full = rows // MR
     rem = rows - n_full * MR
+    if n_full == 0:
+        for q in range(pf_lo, pf_hi, 16):
+            prefetch_l2(pf, q)
     full_tiles(0, n_full, kc, apack, bp, k0, bk0, dst, d_off, ldd, accumulate,
-               pf, pf_base, pf_stride, pf_width, pf_rows)
+               pf, pf_lo, pf_hi)
     if rem:
         micro_tile(rem, kc, apack[n_full], bp, k0, bk0, dst, d_off + n_full * MR * ldd, ldd,
                    accumulate)
@@ -218,27 +222,26 @@ def _finish(rows, c, c_off, ldc, j0, ncols, scratch, epi):
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _strip(apack, rows, k, kc_max, bp, c, c_off, ldc, j0, ncols, scratch, epi,
-           pf, pf_base, pf_stride, pf_width, pf_rows):
+def _strip(apack, rows, k, kc_max, bp, c, c_off, ldc, j0, ncols, scratch, epi, pf, pf_lo,
+           pf_hi):
     """C[0:rows, j0:j0+ncols] = epilogue(packed A block @ pre-packed panel bp [k, NR]).
 
     c_off and epi point at row 0 of the block. A full panel (ncols == NR) is written straight
     into C; the last, partial one goes through scratch [rows * NR]. Meanwhile B data needed
-    next (pf_rows rows of pf_width floats, row r at pf[pf_base + r*pf_stride]) is prefetched
-    into L2, a share per k-block.
+    next (pf[pf_lo:pf_hi], 64-byte aligned at pf_lo) is prefetched into L2, a share per
+    k-block.
     """
     if ncols == NR:
         dst, d_off, ldd = c, c_off + j0, ldc
     else:
         dst, d_off, ldd = scratch, 0, NR
     n_kblocks = max(1, -(-k // kc_max))
-    pf_per_block = -(-pf_rows // n_kblocks)
+    per_block = -(-(pf_hi - pf_lo) // (n_kblocks * 16)) * 16  # whole cache lines
     for kb in range(n_kblocks):
         k0 = kb * kc_max
-        r_lo = min(pf_rows, kb * pf_per_block)
-        r_hi = min(pf_rows, r_lo + pf_per_block)
+        lo = min(pf_hi, pf_lo + kb * per_block)
         _kblock(apack, rows, k0, min(kc_max, k - k0), bp, k0, dst, d_off, ldd, kb > 0,
-                pf, pf_base + r_lo * pf_stride, pf_stride, pf_width, r_hi - r_lo)
+                pf, lo, min(pf_hi, lo + per_block))
     _finish(rows, c, c_off, ldc, j0, ncols, scratch, epi)
 
 
@@ -272,7 +275,7 @@ def _on_the_fly(p_lo, p_hi, apack, rows, k, n, b, b_off, ldb, buf, c, c_off, ldc
                 else:
                     dst, d_off, ldd = scratch, 0, NR
                 _kblock(apack, rows, k0, kc, buf[jp - g0], 0, dst, d_off, ldd, kb > 0,
-                        b, 0, ldb, 0, 0)
+                        b, 0, 0)
                 if kb == n_kblocks - 1:
                     _finish(rows, c, c_off, ldc, j0, ncols, scratch, epi)
 
@@ -293,10 +296,10 @@ def _panel_range(p_lo, p_hi, apack, rows, k, n, panels, b, b_off, ldb, buf, c, c
     kc_max, pf_dist = blocks[1], blocks[3]
     panels_flat = panels.reshape(-1)
     for jp in range(p_lo, p_hi):
-        pf_rows = k if pf_dist > 0 and jp + 1 < p_hi else 0
+        pf_lo = (jp + 1) * k * NR  # the next panel: contiguous after this one
+        pf_hi = pf_lo + k * NR if pf_dist > 0 and jp + 1 < p_hi else pf_lo
         _strip(apack, rows, k, kc_max, panels[jp], c, c_off, ldc, jp * NR,
-               min(NR, n - jp * NR), scratch, epi, panels_flat, (jp + 1) * k * NR, NR, NR,
-               pf_rows)
+               min(NR, n - jp * NR), scratch, epi, panels_flat, pf_lo, pf_hi)
 
 
 @njit(**JIT)
