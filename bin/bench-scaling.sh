@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # 1 rank vs 2 ranks (rows, tensor; even shares; one thread per rank), interleaved rounds.
+# 9 rounds: a launch alone moves MiniLM by up to 7% on this machine (the same process, run
+# again, lands on other pages and cores), so a median needs several launches.
 # Writes results/scaling.json. Makes the BERT-base-shaped random model if it is missing.
 #   bin/bench-scaling.sh            full run (MiniLM @128 tokens, BERT-base @256 tokens)
 #   bin/bench-scaling.sh --quick    MiniLM only, fewer rounds
@@ -14,4 +16,4 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 [ -f weights/bert-base/index.json ] || hepti convert --random bert-base --out weights/bert-base
 exec python -m hepti.bench.scaling --case weights/minilm-l6:128 --case weights/bert-base:256 \
-  --rounds 5 --repeat 10 "$@"
+  --rounds 9 --repeat 10 "$@"
