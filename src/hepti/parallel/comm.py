@@ -167,18 +167,12 @@ SLEEPY = _choose_sleepy()
 def wait(req) -> None:
     """Complete a non-blocking MPI request, or a list of them: block in MPI, or sleep between
     tests (see `_choose_sleepy`)."""
-    if isinstance(req, list):
-        MPI = _MPI()
-        if not SLEEPY:
-            MPI.Request.Waitall(req)
-            return
-        while not MPI.Request.Testall(req):
-            time.sleep(WAIT_SLEEP_S)
-        return
+    reqs = req if isinstance(req, list) else [req]  # Waitall of one: +0.2 us, nothing per forward
+    MPI = _MPI()
     if not SLEEPY:
-        req.Wait()
+        MPI.Request.Waitall(reqs)
         return
-    while not req.Test():
+    while not MPI.Request.Testall(reqs):
         time.sleep(WAIT_SLEEP_S)
 
 
