@@ -429,7 +429,9 @@ def run_distributed(args) -> int:
     progress = rank0 and not args.json and n > 1
 
     def one_run(show: bool):
-        bar = tqdm(total=n, desc="batches", unit="batch", file=sys.stderr, disable=not show)
+        if not show:  # a disabled tqdm still costs ~0.1 ms per run, inside the timed wall
+            return job.run_all(batches, n)
+        bar = tqdm(total=n, desc="batches", unit="batch", file=sys.stderr)
         outs = job.run_all(batches, n, on_done=bar.update)
         bar.close()
         return outs
