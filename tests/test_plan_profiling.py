@@ -31,10 +31,31 @@ def test_cache_path_depends_on_hostfile_contents_model_and_world(tmp_path, monke
     assert profile_cache_path(None, "m", 1).parent == tmp_path
 
 
-def test_gemm_sizes_reach_all_rows():
+def test_gemm_sizes_reach_all_rows_and_half_of_them():
     cfg = preset_config("bert-base")
     assert gemm_sizes(cfg, 256) == [8, 32, 128, 256]
+    assert gemm_sizes(cfg, 200) == [8, 32, 100, 128, 200]
     assert gemm_sizes(cfg, 16) == [8, 16]
+
+
+def test_layer_measurement_gives_gemm_and_attention_tables_by_call_size():
+    """Both tables come from one layer's work; attention is keyed by the FLOPs of the call
+    (4 m T C for m query rows), which the cost model's attention Works look up."""
+    from hepti.config import BertConfig
+    from hepti.parallel.profiling import measure_layer
+    from hepti.plan.profile import SpeedTable
+    from hepti.plan.workloads import rows_program
+    cfg = BertConfig.from_dict({"model_type": "bert", "vocab_size": 10, "hidden_size": 64,
+                                "num_hidden_layers": 1, "num_attention_heads": 4,
+                                "intermediate_size": 128})
+    T = 32
+    gemm, attention = measure_layer(cfg, batch=1, seq_len=T)
+    assert [s for s, _ in gemm] == [8.0, 16.0, 32.0]  # min(m, C) for m = 8, 16, 32
+    assert [s for s, _ in attention] == [4.0 * m * T * 64 for m in (8, 16, 32)]
+    assert all(v > 0 and v < 1e13 for _, v in gemm + attention)
+    work = next(w for p in rows_program(cfg, 1, T).layer for w in p.works if w.kind == "attention")
+    assert work.size(16) == attention[1][0]  # a 16-row `rows` share reads the 16-row entry
+    assert SpeedTable(attention).at(work.size(16)) == attention[1][1]
 
 
 def test_weight_load_probe_gives_a_finite_speed_and_leaves_no_files(tmp_path):

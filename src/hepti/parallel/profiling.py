@@ -6,8 +6,9 @@ will during a run. Per rank:
   layer's four GeMMs at the model's shapes, for a few row counts m up to M = batch * seq_len:
   a table by the GeMM's smallest dimension (small slices run slower per FLOP);
 - the fixed cost of one kernel call (Python and dispatch), charged per operation;
-- attention FLOP/s (`hepti.kernels.attention`) and elementwise elements/s (`add_layernorm`)
-  on [M, C];
+- attention FLOP/s (`hepti.kernels.attention`), timed inside that layer's work, for the same
+  row counts: a table by the FLOPs of one call;
+- elementwise elements/s (`add_layernorm`) on [M, C];
 - memory available to hepti: MemAvailable (or the cgroup's limit minus usage other than page
   cache, if lower) shared
   by the ranks on the same machine, and at most the user's cap;
@@ -46,7 +47,11 @@ DISK_PROBE_BYTES = 32 << 20
 MEMORY_STAT_KEYS = ("total_rss", "total_cache", "total_mapped_file", "total_active_file",
                     "total_inactive_file", "anon", "file", "file_mapped", "active_file",
                     "inactive_file")  # kept in the profile: what the cgroup's usage is made of
-COLD_WEIGHT_BYTES = 48 << 20  # more than this machine's L2s together; see measure_gemm
+COLD_WEIGHT_BYTES = 48 << 20  # more than this machine's L2s together; see measure_layer
+# Interleaved rounds of the layer timing. With 4, two identical cores of this machine came out
+# 10% apart in one profile (BERT-base, 128 rows: 114.7 and 127.2 GFLOP/s), and the planner
+# gave the "faster" one 136 of 256 rows, which ran 5% slower than 128 each.
+LAYER_ROUNDS = 8
 
 
 # --- compute ---------------------------------------------------------------------------------
@@ -87,18 +92,33 @@ def _timed_many(fns: dict, rounds: int = 4, min_time: float = MIN_TIME_S / 3) ->
 
 
 def gemm_sizes(config: BertConfig, rows: int) -> list[int]:
-    """Row counts m at which to time a layer's GeMMs: small slices up to all M rows."""
-    sizes = {s for s in (8, 32, 128, 512) if s < rows} | {rows}
+    """Row counts m at which to time a layer's GeMMs: small slices up to all M rows, and half of
+    them (two ranks' `rows` shares: measured, not interpolated)."""
+    sizes = {s for s in (8, 32, 128, 512) if s < rows} | {rows} | ({rows // 2} if rows >= 16 else set())
     return sorted(sizes)
 
 
-def measure_gemm(config: BertConfig, rows: int, threads: int = 1) -> list[list[float]]:
-    """[[m, FLOP/s], ...]: the engine's GeMM on one layer's four GeMMs for m token rows,
-    [m,C]x[C,3C] (+bias), [m,C]x[C,C], [m,C]x[C,F] (+bias, GeLU), [m,F]x[F,C], weights packed
-    once as the runtime packs them. Keyed by min(m, C): the smallest dimension of most of them."""
+def measure_layer(config: BertConfig, batch: int, seq_len: int, threads: int = 1
+                  ) -> tuple[list[list[float]], list[list[float]]]:
+    """(GeMM table, attention table), from one layer's work run as a forward runs it, for a few
+    row counts m up to M = batch * seq_len:
+      qkv = [m,C]x[C,3C] (+bias); its K/V into an [M, 2C] buffer (as the Allgatherv leaves
+      them); attention of m query rows against all M keys (timed on its own);
+      [m,C]x[C,C]; [m,C]x[C,F] (+bias, GeLU); [m,F]x[F,C],
+    with weights packed as the runtime packs them.
+    GeMM: [[min(m, C), FLOP/s], ...], keyed by the GeMM's smallest dimension (most of them).
+    Attention: [[FLOPs of the call, FLOP/s], ...], 4 m T C FLOPs each: keyed by the call's
+    size so that one table serves `rows` (m rows, every head) and `tensor` (M rows, h heads).
+
+    Attention is timed here rather than alone: on hot buffers, back to back, it ran 71 GFLOP/s
+    on BERT-base's 128 of 256 rows, but in a forward (the layer's GeMMs between calls) 50-53,
+    and MiniLM's 64 of 128 rows 49 against 35 (`hepti run --trace`); timed alone at all M rows
+    (as before), 2-rank `rows` plans were predicted 0.8 ms (MiniLM) and 8 ms (BERT-base) fast
+    per forward."""
     from hepti import kernels as K
     rng = np.random.default_rng(0)
-    C, F = config.hidden_size, config.intermediate_size
+    C, F, H, T = config.hidden_size, config.intermediate_size, config.num_attention_heads, seq_len
+    M = batch * seq_len
 
     def weight(k, n):
         return K.pack_b(rng.standard_normal((k, n), dtype=np.float32) * np.float32(0.05))
@@ -109,24 +129,40 @@ def measure_gemm(config: BertConfig, rows: int, threads: int = 1) -> list[list[f
     copies = max(2, -(-COLD_WEIGHT_BYTES // layer_bytes))
     layers = [(weight(C, 3 * C), weight(C, C), weight(C, F), weight(F, C)) for _ in range(copies)]
     b3, bf = np.zeros(3 * C, np.float32), np.zeros(F, np.float32)
+    kv = rng.standard_normal((M, 2 * C), dtype=np.float32)
+    mask = np.ones((batch, seq_len), np.float32)
+    attention_s = {}
 
     def layer_fn(m: int):
         x = rng.standard_normal((m, C), dtype=np.float32)
         h = np.empty((m, F), np.float32)
+        ctx = np.empty((m, C), np.float32)
         turn = [0]
+        spent = attention_s[m] = []  # seconds of each attention call but the warm-up's
 
         def layer():
-            qkv, o, up, down = layers[turn[0] % copies]
+            qkv_w, o, up, down = layers[turn[0] % copies]
             turn[0] += 1
-            K.gemm(x, qkv, bias=b3, threads=threads)
-            K.gemm(x, o, threads=threads)
+            qkv = K.gemm(x, qkv_w, bias=b3, threads=threads)
+            kv[:m] = qkv[:, C:]
+            t0 = time.perf_counter()
+            K.attention(qkv[:, :C], kv[:, :C], kv[:, C:], mask, H, out=ctx, threads=threads)
+            if turn[0] > 1:
+                spent.append(time.perf_counter() - t0)
+            K.gemm(ctx, o, threads=threads)
             K.gemm(x, up, bias=bf, gelu=True, out=h, threads=threads)
             K.gemm(h, down, threads=threads)
         return layer
 
-    sizes = gemm_sizes(config, rows)
-    seconds = _timed_many({m: layer_fn(m) for m in sizes})
-    return [[float(min(m, C)), 2.0 * m * C * (3 * C + C + 2 * F) / seconds[m]] for m in sizes]
+    sizes = gemm_sizes(config, M)
+    seconds = _timed_many({m: layer_fn(m) for m in sizes}, rounds=LAYER_ROUNDS)
+    gemm, attention = [], []
+    for m in sizes:
+        att = statistics.median(attention_s[m])
+        gemm.append([float(min(m, C)), 2.0 * m * C * (3 * C + C + 2 * F) / max(seconds[m] - att, 1e-9)])
+        flops = 4.0 * m * T * C
+        attention.append([flops, flops / att])
+    return gemm, attention
 
 
 def measure_call_overhead() -> float:
@@ -135,17 +171,6 @@ def measure_call_overhead() -> float:
     w = K.pack_b(np.ones((8, 32), np.float32))
     a = np.ones((1, 8), np.float32)
     return _timed(lambda: K.gemm(a, w), min_time=0.005)
-
-
-def measure_attention(config: BertConfig, batch: int, seq_len: int, threads: int = 1) -> float:
-    """FLOP/s of `hepti.kernels.attention` on all M rows and heads (4 M T C FLOPs)."""
-    from hepti import kernels as K
-    rng = np.random.default_rng(1)
-    M, C, H = batch * seq_len, config.hidden_size, config.num_attention_heads
-    q, k, v = (rng.standard_normal((M, C), dtype=np.float32) for _ in range(3))
-    mask = np.ones((batch, seq_len), np.float32)
-    out = np.empty((M, C), np.float32)
-    return 4.0 * M * seq_len * C / _timed(lambda: K.attention(q, k, v, mask, H, out=out, threads=threads))
 
 
 def measure_elementwise(config: BertConfig, rows: int) -> float:
@@ -527,8 +552,7 @@ def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | Non
     rank, size = comm.Get_rank(), comm.Get_size()
     M = batch * seq_len
     _barrier(comm)
-    gemm = measure_gemm(config, M, threads)
-    attention = measure_attention(config, batch, seq_len, threads)
+    gemm, attention = measure_layer(config, batch, seq_len, threads)
     elementwise = measure_elementwise(config, M)
     overhead = measure_call_overhead()
     weight_load = measure_weight_load(config)
@@ -650,6 +674,11 @@ def calibrate_collectives(comm, prof: dict, config: BertConfig, rows: int, reps:
 
 # --- cache -------------------------------------------------------------------------------------
 
+# Part of the cache key: bump it when what a profile measures changes, so cached profiles
+# measured the old way are measured again (2: attention timed inside a layer, by call size).
+PROFILER_REVISION = 2
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("HEPTI_CACHE") or Path.home() / ".cache" / "hepti")
 
@@ -661,15 +690,16 @@ def profile_cache_path(hostfile: str | None, model_name: str, world_size: int,
     and world size is kept. Also keyed by each rank's caps (`resource_limits`: its cgroup CPU
     quota and memory limit, its emulated device and spec), so that clusters with the same host
     names but other caps or links (emu-mixed4, emu-tight and emu-starved) never share a profile,
-    and by the token rows per batch and threads the speeds were measured at."""
+    and by the token rows per batch and threads the speeds were measured at, and by
+    `PROFILER_REVISION`."""
     host_text = ",".join(hosts) if hosts else ""
     if hostfile:
         try:
             host_text = Path(hostfile).read_text()
         except OSError:
             host_text = str(Path(hostfile).resolve())
-    key = json.dumps([host_text, str(model_name), int(world_size), limits or None, rows, int(threads)],
-                     sort_keys=True)
+    key = json.dumps([host_text, str(model_name), int(world_size), limits or None, rows, int(threads),
+                      PROFILER_REVISION], sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(model_name))[:40]
     return cache_dir() / f"profile-{safe}-n{world_size}-{digest}.json"

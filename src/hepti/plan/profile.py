@@ -14,7 +14,8 @@ planner does not care which. Schema (version 1), a JSON object:
         {"rank": 0, "host": "pi-a",
          "gemm_flops": 2.5e10,          # GeMM FLOP/s: a number, or a table [[size, flops], ...]
                                         #   by the GeMM's smallest dimension (interpolated)
-         "attention_flops": 1.5e10,     # optional; FLOP/s of the attention kernel (default: GeMM)
+         "attention_flops": 1.5e10,     # optional; FLOP/s of the attention kernel (default: GeMM):
+                                        #   a number, or a table by the FLOPs of one call
          "elementwise_per_s": 4e8,      # optional; elements/s of add+LayerNorm, GeLU
                                         #   (default: GeMM FLOP/s / 100)
          "memory_bytes": 4e9,           # RAM hepti may use on this device

@@ -5,7 +5,8 @@ Each program mirrors its executor in hepti.parallel (rows.py, tensor.py, engine.
 phase: one Phase per stretch of compute that ends in a collective. Per batch, the engine first
 broadcasts the batch shape (a pickled object) and the key mask [B, T], and rank 0 embeds the
 tokens. Notation: M = B*T token rows, C hidden, F FFN width, H heads, D = C/H, L layers;
-GeMM [m,k]x[k,n] = 2mkn FLOPs; attention of m query rows on h heads against T keys = 4mThD.
+GeMM [m,k]x[k,n] = 2mkn FLOPs; attention of m query rows on h heads against T keys = 4mThD,
+at the profile's attention speed for a call of that many FLOPs.
 The FFN's GeLU (and every bias) is fused into its GeMM's epilogue, so it has no Work of its own:
 the profiler's GeMM speed is measured on a layer's GeMMs with that epilogue.
 
@@ -53,7 +54,8 @@ def rows_program(cfg: BertConfig, B: int, T: int) -> Program:
     """`rows`: weights replicated; each rank's r_i token rows; K/V rows Allgatherv'd per layer."""
     C, F, L, M = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, B * T
     qkv = Work("gemm", "rows", 2.0 * C * 3 * C, C, 1, "qkv")  # [r,C]x[C,3C]
-    attn = Work("attention", "rows", 4.0 * T * C, name="attention")  # r rows vs T keys
+    attn = Work("attention", "rows", 4.0 * T * C, size_per_unit=4.0 * T * C,
+                name="attention")  # r rows vs T keys; speed by the call's FLOPs
     out = Work("gemm", "rows", 2.0 * C * C, C, 1, "o-proj")
     ln = Work("elementwise", "rows", 1.0 * C, name="add+ln")
     up = Work("gemm", "rows", 2.0 * C * F, C, 1, "ffn up")
@@ -81,7 +83,8 @@ def rows_program(cfg: BertConfig, B: int, T: int) -> Program:
 def _tensor_layer(cfg: BertConfig, B: int, T: int, last: bool) -> list[Phase]:
     C, D, M = cfg.hidden_size, cfg.head_dim, B * T
     qkv = Work("gemm", "heads", 2.0 * M * C * 3 * D, min(M, C), 3 * D, "qkv")  # [M,C]x[C,3hD]
-    attn = Work("attention", "heads", 4.0 * M * T * D, name="attention")
+    attn = Work("attention", "heads", 4.0 * M * T * D, size_per_unit=4.0 * M * T * D,
+                name="attention")  # speed by the call's FLOPs
     out = Work("gemm", "heads", 2.0 * M * D * C, min(M, C), D, "o-proj")  # [M,hD]x[hD,C]
     ln = Work("elementwise", "rows", 1.0 * C, name="add+ln")
     up = Work("gemm", "ffn", 2.0 * M * C, min(M, C), 1, "ffn up")  # [M,C]x[C,f]
