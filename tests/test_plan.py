@@ -12,6 +12,7 @@ from hepti.errors import PlanError
 from hepti.model.sizes import embedding_bytes, layer_bytes, layer_slice_bytes
 from hepti.plan import profile as prof_mod
 from hepti.plan.costmodel import Collective, evaluate, link_terms
+from hepti.plan.partition import make_plan
 from hepti.plan.profile import SpeedTable, declared_profile, load_profile, profile_from_dict
 from hepti.plan.workloads import (ALLOC_OVERHEAD, matmul_chain_program, rows_program, stream_program,
                                   tensor_program)
@@ -161,13 +162,34 @@ def test_tensor_compute_conserves_flops_and_single_rank_matches_rows():
     p = flat(3, gemm_flops=1e11, attention_flops=1e11, elementwise_per_s=1e30)
     gemm = 2 * M * C * (3 * C + C + 2 * F) * L
     attn = 4 * M * T * C * L
-    pred = evaluate(tensor_program(cfg, B, T), {"heads": [6.0, 4.0, 2.0], "ffn": [1000.0, 1000.0, 1072.0],
+    # FFN columns in whole weight panels (32), so that no partial panel is charged as a whole
+    pred = evaluate(tensor_program(cfg, B, T), {"heads": [6.0, 4.0, 2.0], "ffn": [992.0, 1024.0, 1056.0],
                                                 "rows": [50.0, 50.0, 28.0]}, p)
     assert sum(r.compute_s for r in pred.per_rank) == pytest.approx((gemm + attn) / 1e11, rel=1e-6)
     one = flat(1, gemm_flops=1e11, attention_flops=1e11, elementwise_per_s=1e30)
     t1 = evaluate(tensor_program(cfg, B, T), {"heads": [12.0], "ffn": [float(F)], "rows": [128.0]}, one)
     r1 = evaluate(rows_program(cfg, B, T), {"rows": [128.0]}, one)
     assert t1.latency_s == pytest.approx(r1.latency_s) == pytest.approx((gemm + attn) / 1e11, rel=1e-6)
+
+
+def test_partial_gemm_blocks_cost_whole_ones_and_the_planner_avoids_them():
+    """65 rows cost what 72 do in the GeMM (8-row tiles): two equal ranks get 64 + 64 rows of
+    128, not the 65 + 63 a continuous model is indifferent to; FFN columns go in panels of 32."""
+    from hepti.kernels.config import MR, NR
+    from hepti.plan.workloads import GEMM_COL_PANEL, GEMM_ROW_TILE
+    assert (GEMM_ROW_TILE, GEMM_COL_PANEL) == (MR, NR)  # the planner's copy of the kernel's blocks
+    cfg = preset_config("bert-base")
+    one = flat(1, gemm_flops=1e11, attention_flops=1e11, elementwise_per_s=1e30)
+    prog = rows_program(cfg, 1, 128)
+    t = {r: evaluate(prog, {"rows": [float(r)]}, one).latency_s for r in (64, 65, 72)}
+    assert t[64] < t[65] and t[65] == pytest.approx(t[72], rel=0.02)
+    # rank 0 a hair faster: a continuous optimum near 64.2 rows; the plan is still 64 + 64
+    p = flat(2, latency_s=1e-5, bandwidth_Bps=1e10, elementwise_per_s=1e30)
+    p.devices[0].gemm = SpeedTable([(0.0, 1.004e11)])
+    for strategy in ("rows", "tensor"):
+        plan = make_plan(cfg, p, seq_len=128, strategy=strategy)
+        assert plan.counts["rows"] == [64, 64], (strategy, plan.counts)
+        assert all(c % 32 == 0 for c in plan.counts["ffn"]), plan.counts
 
 
 def test_memory_model_uses_the_runtime_slice_sizes():

@@ -192,6 +192,13 @@ def _solve_once(program: Program, profile: Profile, caps: list[float], ref, acti
             raw = sol["counts"]
     cnt = round_counts(program, raw)
     pred = _evaluate(program, cnt, profile)
+    # The LP sees a GeMM's time as linear in its rows, but 65 rows cost what 72 do: two equal
+    # ranks were planned 65 + 63 rows, both 6% slower than at 64 + 64. Whole blocks, if better.
+    snapped = snap_to_blocks(program, cnt)
+    if snapped != cnt:
+        other = _evaluate(program, snapped, profile)
+        if other.latency_s < pred.latency_s and not fits_memory(other, caps):
+            cnt, pred = snapped, other
     c = Candidate(program.name, cnt, pred, program, pred.latency_s,
                   extra={"lp_objective_s": sol["objective_s"]})
     if program.stream is not None:
@@ -531,34 +538,66 @@ POLISH_MAX_UNITS = 1024  # dimensions this small are polished unit by unit after
 POLISH_PASSES = 8
 
 
+def snap_to_blocks(program: Program, counts: dict[str, list[float]]) -> dict[str, list[float]]:
+    """`counts` with every dimension that a kernel does in blocks (`Work.quantum`: GeMM row
+    tiles, weight panels) in whole blocks, by the largest remainder, and the total's odd part
+    (total mod quantum) on the rank with the most. Nothing else changes."""
+    quanta = {d: max(w.quantum for p, _, _ in program.phases() for w in p.works if w.dim == d)
+              for d in program.totals if any(w.dim == d for p, _, _ in program.phases() for w in p.works)}
+    out = {d: list(v) for d, v in counts.items()}
+    for d, q in quanta.items():
+        total = int(program.totals[d])
+        if q <= 1 or total < 2 * q:
+            continue
+        blocks = split_counts(total // q, [max(v, 0.0) for v in counts[d]])
+        snapped = [float(b * q) for b in blocks]
+        snapped[int(np.argmax(snapped))] += total % q
+        out[d] = snapped
+    return out
+
+
 def polish(program: Program, profile: Profile, caps: list[float], cand: Candidate) -> Candidate:
     """Move single units (whole heads, token rows) from the busiest rank of a dimension to one of
     its three least busy ranks while the exact cost model improves. Rounding the LP's shares can
     cost a few percent when one unit is a large part of a slow rank's work (a row on a slow
     primary that also embeds); when the rounded plan is within 0.2% of the LP's own objective
-    there is nothing to win and this returns at once."""
-    lp_s = cand.extra.get("lp_objective_s")
-    if lp_s is not None and cand.latency_s <= lp_s * 1.002:
-        return cand
+    there is nothing to win and this returns at once. A dimension done in kernel blocks
+    (`Work.quantum`) also moves a block at a time."""
     N = profile.world_size
     devs = profile.devices
-    works = {d: [w for p, _, _ in program.phases() for w in p.works if w.dim == d] for d in program.totals}
     best = cand
+    lp_s = best.extra.get("lp_objective_s")
+    if lp_s is not None and best.latency_s <= lp_s * 1.002:
+        return best
+    works = {d: [w for p, _, _ in program.phases() for w in p.works if w.dim == d] for d in program.totals}
+    # moves of one unit, and of one kernel block where the dimension has them (from 56 + 72
+    # rows, 48 + 80 is one move; 55 + 73 and 57 + 71 both add a partial tile)
+    steps = {d: [s for s in (1, max((w.quantum for w in works[d]), default=1))
+                 if total / s <= POLISH_MAX_UNITS] for d, total in program.totals.items()}
+    steps = {d: sorted(set(v)) for d, v in steps.items()}
     for _ in range(POLISH_PASSES):
         improved = False
-        for d, total in program.totals.items():
-            if total > POLISH_MAX_UNITS or not works[d]:
+        for d in program.totals:
+            if not works[d] or not steps[d]:
                 continue
             active = [i for i in range(N) if best.prediction.per_rank[i].active]
             load = {i: sum(w.seconds(devs[i], best.counts[d][i]) for w in works[d]) for i in active}
             order = sorted(active, key=lambda i: load[i])
             donor = order[-1]
-            for j in order[:3]:
-                if j == donor or best.counts[d][donor] < 1:
+            moves = [(donor, j, step) for j in order[:3] for step in steps[d]]
+            q = steps[d][-1]
+            if q > 1:  # a rank's partial block: to a least busy other rank, or filled by the busiest
+                for i in active:
+                    rem = int(best.counts[d][i]) % q
+                    if rem:
+                        moves += [(i, j, rem) for j in [k for k in order if k != i][:2]]
+                        moves.append((donor, i, q - rem))
+            for src, dst, step in moves:
+                if src == dst or best.counts[d][src] < step:
                     continue
                 cnt = {k: list(v) for k, v in best.counts.items()}
-                cnt[d][donor] -= 1
-                cnt[d][j] += 1
+                cnt[d][src] -= step
+                cnt[d][dst] += step
                 pred = _evaluate(program, cnt, profile)
                 if pred.latency_s < best.latency_s * (1 - 1e-9) and not fits_memory(pred, caps):
                     best = Candidate(best.strategy, cnt, pred, program, pred.latency_s,

@@ -20,6 +20,11 @@ from hepti.model.sizes import embedding_bytes, layer_bytes
 from hepti.plan.costmodel import ACTIVE, ROOT, Collective, MemTerm, Phase, Program, Stream, Work
 
 F32 = 4
+# The GeMM kernel's blocks (hepti.kernels.config.MR and NR, which tests/test_plan_workloads.py
+# checks; not imported, since importing the kernels sets Numba up, which the planner does not
+# need): row tiles of MR rows, weight panels of NR output columns.
+GEMM_ROW_TILE = 8
+GEMM_COL_PANEL = 32
 SHAPE_OBJ_BYTES = 64  # the pickled (B, T) the engine broadcasts before each batch
 # Memory a rank holds beyond its packed weights' own bytes, per byte of them: the heap keeps
 # what loading freed (each slice is read raw, packed into fresh panels, and the raw arrays
@@ -53,13 +58,14 @@ def _embed(cfg: BertConfig, M: int) -> Work:
 def rows_program(cfg: BertConfig, B: int, T: int) -> Program:
     """`rows`: weights replicated; each rank's r_i token rows; K/V rows Allgatherv'd per layer."""
     C, F, L, M = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, B * T
-    qkv = Work("gemm", "rows", 2.0 * C * 3 * C, C, 1, "qkv")  # [r,C]x[C,3C]
+    tile = GEMM_ROW_TILE
+    qkv = Work("gemm", "rows", 2.0 * C * 3 * C, C, 1, "qkv", tile)  # [r,C]x[C,3C]
     attn = Work("attention", "rows", 4.0 * T * C, size_per_unit=4.0 * T * C,
                 name="attention")  # r rows vs T keys; speed by the call's FLOPs
-    out = Work("gemm", "rows", 2.0 * C * C, C, 1, "o-proj")
+    out = Work("gemm", "rows", 2.0 * C * C, C, 1, "o-proj", tile)
     ln = Work("elementwise", "rows", 1.0 * C, name="add+ln")
-    up = Work("gemm", "rows", 2.0 * C * F, C, 1, "ffn up")
-    down = Work("gemm", "rows", 2.0 * F * C, C, 1, "ffn down")
+    up = Work("gemm", "rows", 2.0 * C * F, C, 1, "ffn up", tile)
+    down = Work("gemm", "rows", 2.0 * F * C, C, 1, "ffn down", tile)
     kv = Collective("allgatherv", "rows", F32 * 2 * C, "K/V rows")
     body = (attn, out, ln, up, down, ln)
     start = _preamble(B, T) + [
@@ -87,7 +93,7 @@ def _tensor_layer(cfg: BertConfig, B: int, T: int, last: bool) -> list[Phase]:
                 name="attention")  # speed by the call's FLOPs
     out = Work("gemm", "heads", 2.0 * M * D * C, min(M, C), D, "o-proj")  # [M,hD]x[hD,C]
     ln = Work("elementwise", "rows", 1.0 * C, name="add+ln")
-    up = Work("gemm", "ffn", 2.0 * M * C, min(M, C), 1, "ffn up")  # [M,C]x[C,f]
+    up = Work("gemm", "ffn", 2.0 * M * C, min(M, C), 1, "ffn up", GEMM_COL_PANEL)  # [M,C]x[C,f]
     down = Work("gemm", "ffn", 2.0 * M * C, min(M, C), 1, "ffn down")  # [M,f]x[f,C]
     rs = Collective("reduce_scatter", "rows", F32 * C, "partial sums")
     ag = Collective("allgatherv", "rows", F32 * C, "rows")
