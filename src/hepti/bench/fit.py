@@ -1,0 +1,110 @@
+"""`bin/bench-fit.sh`: does the planner's predicted latency hold on this machine's own ranks?
+
+The loopback check of the planner issue: N ranks on this machine (shared memory between
+them), for each case a fresh profile (`hepti profile`), then `hepti run --strategy auto` from
+it, and the measured median latency against the plan's `predicted_latency_s`. One launch can
+land on a busy spell of this shared host (a whole 30-run launch 20% slow, then the next at
+the usual speed), so every case is measured in several interleaved rounds, each with its own
+profile and plan; the JSON keeps every round. The figure is the median error over the rounds
+(the target: within `--bound`), and how many rounds are within it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hepti.bench.scaling import _hepti_cmd, _mpiexec, synthetic_ids
+
+
+def _run(cmd: list[str]) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
+    return p.stdout
+
+
+def one_round(model_dir: str, seq: int, ids_file: Path, prof_file: Path, ranks: int,
+              repeat: int) -> dict:
+    """Profile, plan and run once; the plan's prediction against the measured median."""
+    mpi = [_mpiexec(), "-n", str(ranks)]
+    _run(mpi + _hepti_cmd() + ["profile", "--model", model_dir, "--seq", str(seq),
+                               "--out", str(prof_file)])
+    rep = json.loads(_run(mpi + _hepti_cmd() + [
+        "run", "--model", model_dir, "--input-ids", str(ids_file), "--profile", str(prof_file),
+        "--strategy", "auto", "--repeat", str(repeat), "--json"]))
+    measured, predicted = rep["latency_s"]["median"], rep["predicted_latency_s"]
+    return {"strategy": rep["strategy"], "counts": rep["counts"], "measured_s": measured,
+            "predicted_s": predicted, "error": measured / predicted - 1,
+            "per_rank": [{"rank": r["rank"], "compute_s": r["compute_s"],
+                          "comm_total_s": r["comm_total_s"],
+                          "predicted_compute_s": r["predicted"]["compute_s"],
+                          "predicted_comm_s": sum(r["predicted"]["comm_s"].values())}
+                         for r in rep["per_rank"]]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", action="append", metavar="MODEL_DIR:SEQ", required=True,
+                    help="a model folder and a token count, e.g. weights/minilm-l6:128")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="profile + plan + run, per case")
+    ap.add_argument("--repeat", type=int, default=30, help="timed runs inside each launch")
+    ap.add_argument("--bound", type=float, default=0.15, help="target |error| (default 0.15)")
+    ap.add_argument("--out", default="results/fit.json")
+    args = ap.parse_args(argv)
+    from tqdm import tqdm
+
+    tmp = Path(tempfile.mkdtemp(prefix="hepti-fit-"))
+    cases = []
+    for case in args.case:
+        model_dir, seq = case.rsplit(":", 1)
+        ids_file = tmp / f"{Path(model_dir).name}-{seq}.npz"
+        synthetic_ids(model_dir, int(seq), ids_file)
+        cases.append((model_dir, int(seq), ids_file))
+    rounds = {c[0]: [] for c in cases}
+    bar = tqdm(total=len(cases) * args.rounds, desc="fit", unit="round", file=sys.stderr)
+    try:
+        for _ in range(args.rounds):
+            for model_dir, seq, ids_file in cases:  # interleaved
+                rounds[model_dir].append(one_round(model_dir, seq, ids_file, tmp / "profile.json",
+                                                   args.ranks, args.repeat))
+                bar.update(1)
+    finally:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    results = []
+    for model_dir, seq, _ in cases:
+        errs = [r["error"] for r in rounds[model_dir]]
+        results.append({"model": Path(model_dir).name, "seq": seq, "ranks": args.ranks,
+                        "median_error": statistics.median(errs), "min_error": min(errs),
+                        "max_error": max(errs),
+                        "rounds_within_bound": sum(abs(e) <= args.bound for e in errs),
+                        "rounds": rounds[model_dir]})
+    met = all(abs(r["median_error"]) <= args.bound for r in results)
+    out = {"benchmark": "fit", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "machine": {"cores": os.cpu_count(), "node": os.uname().nodename},
+           "rounds": args.rounds, "repeat_per_launch": args.repeat, "bound": args.bound,
+           "met": met, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"{'model':<14}{'seq':>5}  {'plans':<22}{'median':>8}{'min':>8}{'max':>8}  within")
+    for r in results:
+        plans = ",".join(sorted({x["strategy"] for x in r["rounds"]}))
+        print(f"{r['model']:<14}{r['seq']:>5}  {plans:<22}{r['median_error']:>+8.1%}"
+              f"{r['min_error']:>+8.1%}{r['max_error']:>+8.1%}  {r['rounds_within_bound']}/{args.rounds}")
+    print(f"measured vs predicted latency, median of {args.rounds} rounds within {args.bound:.0%}: "
+          f"{'MET' if met else 'NOT MET'}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
