@@ -376,10 +376,15 @@ def test_links_cpu_schedule_and_identity(root_env, tmp_path, monkeypatch):
           f"{r0['matmul_per_s']:.0f}/s = {share0:.2f}x, used {r0['cpu_fraction']:.2f} core; dev-b (0.25 core) "
           f"{r1['matmul_per_s']:.0f}/s = {share1:.2f}x, used {r1['cpu_fraction']:.2f} core")
     assert not r0["switched_early"], "the machine was too slow: the schedule hit during the first measurement"
-    assert r0["before"]["0to1"] == pytest.approx(100, rel=0.10)  # dev-a upload
-    assert r1["before"]["1to0"] == pytest.approx(100, rel=0.10)  # dev-a download
-    assert r0["after"]["0to1"] == pytest.approx(50, rel=0.10)    # dev-b download
-    assert r1["after"]["1to0"] == pytest.approx(50, rel=0.10)    # dev-b upload
+    # A shaper is an upper bound, which no transfer may pass; below it, a busy machine slows the
+    # quarter-core dev-b's end (44 of 50 Mbit/s in one fresh-clone bin/test): still far from
+    # the other rates, so each figure still shows which shaper applied.
+    def shaped(measured, spec):
+        return 0.8 * spec <= measured <= 1.1 * spec
+    assert shaped(r0["before"]["0to1"], 100)  # dev-a upload
+    assert shaped(r1["before"]["1to0"], 100)  # dev-a download
+    assert shaped(r0["after"]["0to1"], 50)    # dev-b download
+    assert shaped(r1["after"]["1to0"], 50)    # dev-b upload
     # CPU: the cap is an upper bound: the capped rank never gets much more than its share of CPU
     # time. Lower bounds are loose: other jobs on this machine can slow any rank down.
     assert r1["cpu_fraction"] < 0.25 * 1.15
