@@ -83,7 +83,8 @@ class Work:
         """`count` rounded up to whole blocks of `quantum` units: what the kernel computes.
         Measured on MiniLM's four layer GeMMs: 65 rows took 11.2 ms like 72 (11.7), not like 64
         (10.5), and 63 took 11.2 too (the rows past 8 tiles run as 4 + 2 + 1-row strips, each a
-        pass over the weights). An LP cannot see these steps; `polish` does."""
+        pass over the weights). An LP cannot see these steps; hepti.plan.search's
+        `snap_to_blocks` and `polish` do."""
         if self.quantum <= 1:
             return count
         return math.ceil(count / self.quantum - 1e-9) * self.quantum

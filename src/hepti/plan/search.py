@@ -542,8 +542,11 @@ def snap_to_blocks(program: Program, counts: dict[str, list[float]]) -> dict[str
     """`counts` with every dimension that a kernel does in blocks (`Work.quantum`: GeMM row
     tiles, weight panels) in whole blocks, by the largest remainder, and the total's odd part
     (total mod quantum) on the rank with the most. Nothing else changes."""
-    quanta = {d: max(w.quantum for p, _, _ in program.phases() for w in p.works if w.dim == d)
-              for d in program.totals if any(w.dim == d for p, _, _ in program.phases() for w in p.works)}
+    quanta: dict[str, int] = {}
+    for phase, _, _ in program.phases():
+        for w in phase.works:
+            if w.dim in program.totals:
+                quanta[w.dim] = max(quanta.get(w.dim, 1), w.quantum)
     out = {d: list(v) for d, v in counts.items()}
     for d, q in quanta.items():
         total = int(program.totals[d])

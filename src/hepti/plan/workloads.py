@@ -20,8 +20,8 @@ from hepti.model.sizes import embedding_bytes, layer_bytes
 from hepti.plan.costmodel import ACTIVE, ROOT, Collective, MemTerm, Phase, Program, Stream, Work
 
 F32 = 4
-# The GeMM kernel's blocks (hepti.kernels.config.MR and NR, which tests/test_plan_workloads.py
-# checks; not imported, since importing the kernels sets Numba up, which the planner does not
+# The GeMM kernel's blocks (hepti.kernels.config.MR and NR, which tests/test_plan.py checks;
+# not imported, since importing the kernels sets Numba up, which the planner does not
 # need): row tiles of MR rows, weight panels of NR output columns.
 GEMM_ROW_TILE = 8
 GEMM_COL_PANEL = 32
