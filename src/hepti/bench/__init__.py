@@ -1,0 +1,25 @@
+"""Benchmarks. The batch scripts (bin/bench-*.sh) launch hepti as a user would, through these."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def hepti_cmd() -> list[str]:
+    """hepti in this Python (the venv the bin/bench-*.sh scripts set up)."""
+    return [sys.executable, "-m", "hepti"]
+
+
+def mpiexec() -> str:
+    """MPICH's mpiexec: next to this Python first, then on PATH (a clear error if neither)."""
+    from hepti.emulate.command import find_mpiexec
+    return find_mpiexec()
+
+
+def run_cmd(cmd: list[str], timeout: float = 1800) -> str:
+    """Run a command to the end; its stdout, or a RuntimeError with the command and the tail of
+    its stderr."""
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
+    return p.stdout

@@ -15,29 +15,22 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from hepti.bench.scaling import _hepti_cmd, _mpiexec, synthetic_ids
-
-
-def _run(cmd: list[str]) -> str:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
-    return p.stdout
+from hepti.bench import hepti_cmd, mpiexec, run_cmd
+from hepti.bench.scaling import synthetic_ids
 
 
 def one_round(model_dir: str, seq: int, ids_file: Path, prof_file: Path, ranks: int,
               repeat: int) -> dict:
     """Profile, plan and run once; the plan's prediction against the measured median."""
-    mpi = [_mpiexec(), "-n", str(ranks)]
-    _run(mpi + _hepti_cmd() + ["profile", "--model", model_dir, "--seq", str(seq),
+    mpi = [mpiexec(), "-n", str(ranks)]
+    run_cmd(mpi + hepti_cmd() + ["profile", "--model", model_dir, "--seq", str(seq),
                                "--out", str(prof_file)])
-    rep = json.loads(_run(mpi + _hepti_cmd() + [
+    rep = json.loads(run_cmd(mpi + hepti_cmd() + [
         "run", "--model", model_dir, "--input-ids", str(ids_file), "--profile", str(prof_file),
         "--strategy", "auto", "--repeat", str(repeat), "--json"]))
     measured, predicted = rep["latency_s"]["median"], rep["predicted_latency_s"]

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hepti.bench import hepti_cmd, mpiexec
 from hepti.bench import hetero_report as report
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -60,17 +61,6 @@ LAUNCHER_OOM = re.compile(r"rank \d+ \(device [^)]*\) was killed by the out-of-m
 
 
 # --- launching ---------------------------------------------------------------------------------
-
-def hepti_cmd() -> list[str]:
-    """hepti in this Python (the venv bin/bench-hetero.sh set up)."""
-    return [sys.executable, "-m", "hepti"]
-
-
-def mpiexec() -> str:
-    """MPICH's mpiexec next to this Python, else the one on PATH."""
-    cand = Path(sys.executable).parent / "mpiexec"
-    return str(cand) if cand.exists() else (shutil.which("mpiexec") or "mpiexec")
-
 
 def launch(spec_path: Path, n: int, hepti_args: list[str], cache: Path, timeout: float,
            workdir: Path) -> dict:

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,14 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def _hepti_cmd() -> list[str]:
-    return [sys.executable, "-m", "hepti"]
-
-
-def _mpiexec() -> str:
-    cand = Path(sys.executable).parent / "mpiexec"
-    return str(cand) if cand.exists() else (shutil.which("mpiexec") or "mpiexec")
+from hepti.bench import hepti_cmd, mpiexec, run_cmd
 
 
 def synthetic_ids(model_dir: str, seq: int, path: Path) -> None:
@@ -38,16 +30,13 @@ def synthetic_ids(model_dir: str, seq: int, path: Path) -> None:
 
 
 def run_once(model_dir, ids_file, ranks: int, strategy: str | None, repeat: int) -> dict:
-    cmd = _hepti_cmd() + ["run", "--model", str(model_dir), "--input-ids", str(ids_file),
+    cmd = hepti_cmd() + ["run", "--model", str(model_dir), "--input-ids", str(ids_file),
                           "--pool", "mean", "--repeat", str(repeat), "--json"]
     if strategy:
         cmd += ["--strategy", strategy]
     if ranks > 1:
-        cmd = [_mpiexec(), "-n", str(ranks)] + cmd
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
-    return json.loads(p.stdout)
+        cmd = [mpiexec(), "-n", str(ranks)] + cmd
+    return json.loads(run_cmd(cmd))
 
 
 def main(argv=None) -> int:
