@@ -538,17 +538,23 @@ POLISH_MAX_UNITS = 1024  # dimensions this small are polished unit by unit after
 POLISH_PASSES = 8
 
 
-def snap_to_blocks(program: Program, counts: dict[str, list[float]]) -> dict[str, list[float]]:
-    """`counts` with every dimension that a kernel does in blocks (`Work.quantum`: GeMM row
-    tiles, weight panels) in whole blocks, by the largest remainder, and the total's odd part
-    (total mod quantum) on the rank with the most. Nothing else changes."""
-    quanta: dict[str, int] = {}
+def block_sizes(program: Program) -> dict[str, int]:
+    """Each split dimension's kernel block (`Work.quantum`; the largest of its Works'), 1 for
+    a dimension no kernel blocks."""
+    quanta = {d: 1 for d in program.totals}
     for phase, _, _ in program.phases():
         for w in phase.works:
-            if w.dim in program.totals:
-                quanta[w.dim] = max(quanta.get(w.dim, 1), w.quantum)
+            if w.dim in quanta:
+                quanta[w.dim] = max(quanta[w.dim], w.quantum)
+    return quanta
+
+
+def snap_to_blocks(program: Program, counts: dict[str, list[float]]) -> dict[str, list[float]]:
+    """`counts` with every dimension that a kernel does in blocks (`block_sizes`: GeMM row
+    tiles, weight panels) in whole blocks, by the largest remainder, and the total's odd part
+    (total mod quantum) on the rank with the most. Nothing else changes."""
     out = {d: list(v) for d, v in counts.items()}
-    for d, q in quanta.items():
+    for d, q in block_sizes(program).items():
         total = int(program.totals[d])
         if q <= 1 or total < 2 * q:
             continue
@@ -575,9 +581,9 @@ def polish(program: Program, profile: Profile, caps: list[float], cand: Candidat
     works = {d: [w for p, _, _ in program.phases() for w in p.works if w.dim == d] for d in program.totals}
     # moves of one unit, and of one kernel block where the dimension has them (from 56 + 72
     # rows, 48 + 80 is one move; 55 + 73 and 57 + 71 both add a partial tile)
-    steps = {d: [s for s in (1, max((w.quantum for w in works[d]), default=1))
-                 if total / s <= POLISH_MAX_UNITS] for d, total in program.totals.items()}
-    steps = {d: sorted(set(v)) for d, v in steps.items()}
+    quanta = block_sizes(program)
+    steps = {d: sorted({s for s in (1, quanta[d]) if total / s <= POLISH_MAX_UNITS})
+             for d, total in program.totals.items()}
     for _ in range(POLISH_PASSES):
         improved = False
         for d in program.totals:
@@ -588,7 +594,7 @@ def polish(program: Program, profile: Profile, caps: list[float], cand: Candidat
             order = sorted(active, key=lambda i: load[i])
             donor = order[-1]
             moves = [(donor, j, step) for j in order[:3] for step in steps[d]]
-            q = steps[d][-1]
+            q = quanta[d]
             if q > 1:  # a rank's partial block: to a least busy other rank, or filled by the busiest
                 for i in active:
                     rem = int(best.counts[d][i]) % q
