@@ -133,7 +133,8 @@ def full_tiles(t0, n_tiles, kc, apack, bp, k0, bk0, c, c_off, ldc, accumulate,
     prefetched into L2, an equal share per tile, one line every kc/share k steps.
     """
     bb = bp[bk0:bk0 + kc]
-    per_tile = -(-(-(-(pf_hi - pf_lo) // 16)) // max(n_tiles - t0, 1))  # lines
+    n_lines = -(-(pf_hi - pf_lo) // 16)
+    per_tile = -(-n_lines // max(n_tiles - t0, 1))
     for t in range(t0, n_tiles):
         q = pf_lo + (t - t0) * per_tile * 16
         q_end = min(pf_hi, q + per_tile * 16)
