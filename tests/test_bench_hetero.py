@@ -176,7 +176,7 @@ def test_quick_run_accounts_for_every_strategy(tmp_path):
 
 
 def test_solver_bench_times_the_planners_own_solve_s(tmp_path):
-    from hepti.bench import solver
+    from hepti.bench import solver, write_json
     res = solver.run_solver_bench(devices=(2, 3), strategies=("tensor", "rows"), rounds=2, progress=False)
     assert {(r["devices"], r["speeds"], r["strategy"]) for r in res["results"]} == {
         (n, s, st) for n in (2, 3) for s in ("flat", "size-dependent") for st in ("tensor", "rows")}
@@ -184,5 +184,5 @@ def test_solver_bench_times_the_planners_own_solve_s(tmp_path):
     assert timed and all(r["runs"] == 2 and 0 < r["median_solve_s"] <= r["max_solve_s"] for r in timed)
     assert solver.random_devices(4, 0, True) == solver.random_devices(4, 0, True)  # reproducible
     assert "devices" in solver.format_solver(res)
-    solver.write(res, str(tmp_path / "s.json"))
+    write_json(res, str(tmp_path / "s.json"))
     assert (tmp_path / "s.json").read_text().startswith("{")

@@ -134,25 +134,40 @@ def test_rows_split_of_the_chain_is_compute_plus_scatter_and_gather():
     assert pred.per_rank[1].wait_s == pytest.approx(compute - 192 * flops_per_row / 6e10)
 
 
-def test_allgather_with_equal_links_sends_what_the_most_loaded_rank_receives():
-    """The model charges each rank S - c_i; with equal links the slowest is the rank with the
-    smallest block, which in a ring is also the largest sender (S - c_min)."""
+def test_allgather_direct_exchange_charges_each_rank_its_busier_direction():
+    """Rank i receives S - c_i and sends its own block to each of the n-1 others: with equal
+    links the smallest block receives most, the largest sends most, and the larger decides."""
     coll = Collective("allgatherv", "rows", 4.0)
     p = flat(3, bandwidth_Bps=1e6, latency_s=0.0)
     S = 4.0 * 300
     blocks = [50, 100, 150]
     times = [max(c + k * 4 * b for c, k in link_terms(coll, 3, S, p.devices[i], i == 0, p.network))
              for i, b in enumerate(blocks)]
-    assert max(times) == pytest.approx((S - 4 * 50) / 1e6)
+    assert times == pytest.approx([(S - 4 * 50) / 1e6, 2 * 4 * 100 / 1e6, 2 * 4 * 150 / 1e6])
 
 
-def test_pairwise_reduce_scatter_receives_n_minus_1_blocks():
+def test_reduce_scatter_direct_exchange_receives_n_minus_1_blocks():
     coll = Collective("reduce_scatter", "rows", 4.0 * 768)
     p = flat(4, latency_s=0.0, bandwidth_Bps=1e8, elementwise_per_s=1e30)
-    S = 4.0 * 768 * 256  # 786 kB >= 512 KiB: pairwise exchange
-    c = S / 2  # a rank owning half the rows receives 3 half-buffers
+    S = 4.0 * 768 * 256
+    c = S / 2  # a rank owning half the rows receives 3 half-buffers, and sends one
     t = max(a + k * c for a, k in link_terms(coll, 4, S, p.devices[1], False, p.network))
     assert t == pytest.approx(3 * c / 1e8)
+    c = S / 8  # one owning an eighth sends 7 eighths and receives 3
+    t = max(a + k * c for a, k in link_terms(coll, 4, S, p.devices[1], False, p.network))
+    assert t == pytest.approx(7 * c / 1e8)
+
+
+def test_profiles_with_mpi_algorithm_settings_still_load():
+    """Profiles measured before the row verbs were direct exchanges name MPICH's Allgatherv and
+    Reduce_scatter switch points; they load, and the settings are ignored."""
+    d = flat(2).to_dict()
+    d["network"] = {"allgather_long_bytes": 524288, "reduce_scatter_long_bytes": 524288,
+                    "bcast_short_bytes": 4096}
+    p = profile_from_dict(d, "old profile")
+    assert p.network["bcast_short_bytes"] == 4096 and "allgather_long_bytes" not in p.network
+    with pytest.raises(PlanError, match="unknown network setting 'allgather_fast'"):
+        profile_from_dict({**d, "network": {"allgather_fast": 1}}, "bad profile")
 
 
 def test_tensor_compute_conserves_flops_and_single_rank_matches_rows():

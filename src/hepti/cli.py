@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the plan file (for `hepti run --plan`)")
     s.add_argument("--out", metavar="PLAN.json", help="also write the plan file here")
 
-    s = sub.add_parser("bench", help="benchmarks: kernels, model, solver")
+    s = sub.add_parser("bench", help="benchmarks: kernels, model, solver, comm")
     bsub = s.add_subparsers(dest="bench", metavar="WHAT", required=True)
     b = bsub.add_parser("kernels", help="GFLOP/s of hepti's GeMM vs numpy, single-threaded, interleaved")
     b.add_argument("--repeat", type=_positive_int, default=20, help="repetitions per shape (default 20)")
@@ -185,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--devices", default="2,4,8,16,32", help="cluster sizes (default 2,4,8,16,32)")
     b.add_argument("--rounds", type=_positive_int, default=15, help="interleaved rounds (default 15)")
     b.add_argument("--out", default="results/solver.json", help="write the JSON here (default %(default)s)")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b = bsub.add_parser("comm", help="under mpiexec -n N: hepti's row verbs (direct exchange) vs "
+                                     "MPI's Allgatherv and Reduce_scatter on a forward's shapes")
+    b.add_argument("--repeat", type=_positive_int, default=200, help="calls of each (default 200)")
+    b.add_argument("--out", default="results/comm.json", help="write the JSON here (default %(default)s)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -261,7 +266,8 @@ def cmd_bench(args) -> int:
         print(json.dumps(res, indent=2) if args.json else format_kernel_table(res))
         return 0
     if args.bench == "solver":
-        from hepti.bench.solver import format_solver, run_solver_bench, write
+        from hepti.bench import write_json
+        from hepti.bench.solver import format_solver, run_solver_bench
         from hepti.errors import InputError
         try:
             devices = tuple(int(x) for x in args.devices.split(","))
@@ -270,13 +276,33 @@ def cmd_bench(args) -> int:
         if any(n < 1 for n in devices):
             raise InputError(f"--devices {args.devices!r}: every cluster size must be at least 1")
         res = run_solver_bench(devices, rounds=args.rounds, progress=not args.json)
-        write(res, args.out)
+        write_json(res, args.out)
         print(json.dumps(res, indent=2) if args.json else format_solver(res) + f"\nwrote {args.out}")
         return 0
+    if args.bench == "comm":
+        from hepti.parallel.engine import run_guarded_fn
+        return run_guarded_fn("bench comm", _bench_comm, args)
     from hepti.bench.model import format_model_bench, run_model_bench
     res = run_model_bench(args.model, seq=args.seq, batch=args.batch, repeat=args.repeat,
                           torch=not args.no_torch, progress=not args.json)
     print(json.dumps(res, indent=2) if args.json else format_model_bench(res))
+    return 0
+
+
+def _bench_comm(args) -> int:
+    import json
+
+    from mpi4py import MPI
+
+    from hepti.bench.comm import format_comm, run_comm_bench
+    from hepti.bench import write_json
+    if MPI.COMM_WORLD.Get_size() < 2:
+        from hepti.errors import InputError
+        raise InputError("bench comm needs two or more ranks: mpiexec -n 2 hepti bench comm")
+    res = run_comm_bench(MPI.COMM_WORLD, repeat=args.repeat, progress=not args.json)
+    if res is not None:
+        write_json(res, args.out)
+        print(json.dumps(res, indent=2) if args.json else format_comm(res) + f"\nwrote {args.out}")
     return 0
 
 

@@ -1,8 +1,10 @@
 """Benchmarks. The batch scripts (bin/bench-*.sh) launch hepti as a user would, through these."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 
 def hepti_cmd() -> list[str]:
@@ -23,3 +25,9 @@ def run_cmd(cmd: list[str], timeout: float = 1800) -> str:
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
     return p.stdout
+
+
+def write_json(doc: dict, path) -> None:
+    """A result file under results/ (its folder made if missing)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")

@@ -10,11 +10,9 @@ this.
 """
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
-from pathlib import Path
 
 DEVICES = (2, 4, 8, 16, 32)
 STRATEGIES = ("auto", "tensor", "rows", "stream")
@@ -97,8 +95,3 @@ def format_solver(res: dict) -> str:
         verdict = f" ({'MET' if worst <= 0.05 else 'MISS'}: {res['target']})" if top == 32 else ""
         lines.append(f"slowest median at {top} devices: {worst * 1e3:.1f} ms{verdict}")
     return "\n".join(lines)
-
-
-def write(res: dict, path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(res, indent=2) + "\n")

@@ -613,31 +613,30 @@ def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | Non
 
 def calibrate_collectives(comm, prof: dict, config: BertConfig, rows: int, reps: int = 15) -> dict:
     """{kind: measured / modelled seconds} for the collectives the strategies use, timed for
-    real on an [rows, C] activation split evenly over all ranks. The analytic model (MPICH's
-    algorithms over the measured links) has the right shape across sizes and subsets, but over
-    shared memory or a real NIC its constants can be several times off; this puts them right
-    at the size that matters.
+    real on an [rows, C] activation split evenly over all ranks, through the runtime's own
+    verbs. The analytic model (the verbs' algorithms over the measured links) has the right
+    shape across sizes and subsets, but over shared memory or a real NIC its constants can be
+    several times off; this puts them right at the size that matters.
 
     Each kind is timed two ways, and the slower counts. (1) After what precedes it in a
     forward: a GeMM (the FFN's down projection, on this rank's share of the columns) that
     writes the buffer it sends, then a barrier. Over shared memory that is what a forward
-    pays: MiniLM's collectives took 85-100 us there, as in the runtime's traces, against
-    35-40 us back to back; calibrated back to back only, 2-rank `tensor` on MiniLM was
-    predicted 14-15% fast, all of it in the collectives. (2) Back to back, after a barrier
-    only. Over a shaped link (hepti emulate's token bucket) the pause for the GeMM lets the
-    bucket refill, and the collective then passes partly at veth speed: timed that way alone,
-    Allgatherv came out 15-20% faster than back to back, and emulated `tensor` plans were
-    predicted faster than they ran."""
+    pays: MiniLM's collectives (MPI's own, then) took 85-100 us there, as in the runtime's
+    traces, against 35-40 us back to back; calibrated back to back only, 2-rank `tensor` on
+    MiniLM was predicted 14-15% fast, all of it in the collectives. (2) Back to back, after a
+    barrier only. Over a shaped link (hepti emulate's token bucket) the pause for the GeMM lets
+    the bucket refill, and the collective then passes partly at veth speed: timed that way
+    alone, Allgatherv came out 15-20% faster than back to back, and emulated `tensor` plans
+    were predicted faster than they ran."""
     from mpi4py import MPI
 
     from hepti import kernels as K
     from hepti.counts import counts as split, offsets
     from hepti.plan.costmodel import Collective, collective_times
-    from hepti.parallel.comm import wait
+    from hepti.parallel.comm import Comm
     size, rank = comm.Get_size(), comm.Get_rank()
     C, F = config.hidden_size, config.intermediate_size
     rc = split(rows, [1.0] * size)
-    w = [c * C for c in rc]
     row0 = offsets(rc)[rank]
     full = np.ones((rows, C), np.float32)
     mine = np.ones((rc[rank], C), np.float32)
@@ -650,10 +649,11 @@ def calibrate_collectives(comm, prof: dict, config: BertConfig, rows: int, reps:
         K.gemm(x, down, out=full)
         mine[:] = full[row0:row0 + rc[rank]]
 
-    probes = {  # waited for as the runtime waits
-        "reduce_scatter": lambda: wait(comm.Ireduce_scatter(full, mine, w, op=MPI.SUM)),
-        "allgatherv": lambda: wait(comm.Iallgatherv(mine, [full, (w, [o * C for o in offsets(rc)]), MPI.FLOAT])),
-        "bcast": lambda: wait(comm.Ibcast(full, root=0)),
+    g = Comm(comm)
+    probes = {  # the runtime's own verbs
+        "reduce_scatter": lambda: g.reduce_scatter_rows(full, rc),
+        "allgatherv": lambda: g.allgather_rows(mine, rc),
+        "bcast": lambda: g.bcast_to_all(full, full.shape),
     }
     profile = profile_from_dict(prof, "measured profile")
     everyone = [True] * size
@@ -684,8 +684,9 @@ def calibrate_collectives(comm, prof: dict, config: BertConfig, rows: int, reps:
 
 # Part of the cache key: bump it when what a profile measures changes, so cached profiles
 # measured the old way are measured again (2: attention timed inside a layer, by call size;
-# 3: its part of the layer scaled to the windowed layer time).
-PROFILER_REVISION = 3
+# 3: its part of the layer scaled to the windowed layer time; 4: collectives calibrated through
+# the runtime's direct-exchange verbs).
+PROFILER_REVISION = 4
 
 
 def cache_dir() -> Path:

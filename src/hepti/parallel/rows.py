@@ -9,8 +9,6 @@ Per layer: 1 Allgatherv. Per batch: 1 Scatterv of the embedded rows, 1 Gatherv o
 """
 from __future__ import annotations
 
-import numpy as np
-
 from hepti import kernels as K
 from hepti.counts import counts, offsets
 
@@ -34,8 +32,7 @@ class RowsExecutor:
                 s = self.layers.get(i)  # resident: at once; stream: waits for the prefetch
             with tr.span(f"L{i} qkv", "compute"):
                 qkv = K.gemm(x, s.qkv, bias=s.qkv_bias, threads=th)  # [r, 3C]: q | k | v
-                kv_mine = np.ascontiguousarray(qkv[:, C:])  # [r, 2C]
-            kv = g.allgather_rows(kv_mine, rc)  # [M, 2C]  <- sync: every rank's K/V rows
+            kv = g.allgather_rows(qkv[:, C:], rc)  # [M, 2C]  <- sync: every rank's K/V rows
             with tr.span(f"L{i} attention", "compute"):
                 ctx = K.attention(qkv[:, :C], kv[:, :C], kv[:, C:], key_mask, H, row0=r0,
                                   threads=th)  # [r, C]

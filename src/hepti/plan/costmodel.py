@@ -10,16 +10,16 @@ and the same per-rank collective formulas (`link_terms`), so the two cannot disa
 
 Network model: a star through a switch, each device's own full-duplex link (latency alpha_i,
 bandwidth beta_i) is its bottleneck. A collective costs the slowest participant's
-`steps * alpha_i + bytes_i / beta_i` (+ its reduction work), where steps and bytes_i follow the
-algorithm MPICH picks for that size (thresholds in the profile's "network" section):
+`steps * alpha_i + bytes_i / beta_i` (+ its reduction work), where steps is the number of
+messages the rank posts and bytes_i what crosses its link, for the algorithm the runtime uses:
 
-    allgatherv      recursive doubling / Bruck (log2 n steps) or ring (n-1); rank i receives
-                    S - c_i bytes (and sends about as much: exact with equal links)
-    reduce_scatter  >= long: pairwise, n-1 steps, sends S - c_i, receives (n-1) c_i and adds it;
-                    below: recursive halving, log2 n steps (+2 if n is not a power of 2, whose
-                    pre-step moves a whole vector), about S - c_i each way
-    bcast           binomial tree (ceil(log2 n) hops of the whole buffer) below 12 KiB or 8 ranks,
-                    else scatter + allgather (the root's link carries about 2 S)
+    allgatherv      direct exchange (hepti.parallel.comm): rank i posts n-1 receives and n-1
+                    sends of its block; it receives S - c_i and sends (n-1) c_i
+    reduce_scatter  direct exchange: rank i sends S - c_i (each peer its rows), receives
+                    (n-1) c_i and adds it
+    bcast           MPI's own, MPICH's choice: binomial tree (ceil(log2 n) hops of the whole
+                    buffer) below 12 KiB or 8 ranks, else scatter + allgather (the root's link
+                    carries about 2 S); thresholds in the profile's "network" section
     scatterv/gatherv root 0 posts one message per peer: (n-1) alpha_0 + (S - c_0)/beta_0;
                     peer i: alpha_i + c_i / beta_i
 
@@ -179,10 +179,6 @@ class Program:
 
 # --- collectives ---------------------------------------------------------------------------
 
-def _pof2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _log2c(n: int) -> int:
     return max(0, math.ceil(math.log2(n))) if n > 1 else 0
 
@@ -212,21 +208,13 @@ def _branch_terms(kind: str, n: int, S: float, a, b, e, is_root: bool, network: 
     if n <= 1:
         return [(0.0 * a, 0.0 * a)]
     zero = 0.0 * a
-    if kind == "allgatherv":
-        if S < network["allgather_long_bytes"] and (_pof2(n) or S < network["allgather_short_bytes"]):
-            steps = _log2c(n)  # recursive doubling (pof2) or Bruck
-        else:
-            steps = n - 1  # ring
-        return [(steps * a + S / b, -1.0 / b)]
-    if kind == "reduce_scatter":
-        if S >= network["reduce_scatter_long_bytes"]:  # pairwise exchange
-            red = (n - 1) / (4.0 * e)  # seconds per own-block byte: (n-1) c_i / 4 float adds
-            return [((n - 1) * a + S / b, -1.0 / b + red),  # sending S - c_i
-                    ((n - 1) * a + zero, (n - 1) / b + red)]  # receiving (n-1) c_i
-        extra = 0.0 if _pof2(n) else S  # non-pof2: a pre-step sends a whole vector
-        steps = _log2c(n) + (0 if _pof2(n) else 2)
-        per = 1.0 / b + 1.0 / (4.0 * e)
-        return [(steps * a + (S + extra) * per, -per)]
+    if kind == "allgatherv":  # direct exchange
+        return [((n - 1) * a + S / b, -1.0 / b),  # receiving S - c_i
+                ((n - 1) * a + zero, (n - 1) / b)]  # sending (n-1) c_i
+    if kind == "reduce_scatter":  # direct exchange
+        red = (n - 1) / (4.0 * e)  # seconds per own-block byte: (n-1) c_i / 4 float adds
+        return [((n - 1) * a + S / b, -1.0 / b + red),  # sending S - c_i
+                ((n - 1) * a + zero, (n - 1) / b + red)]  # receiving (n-1) c_i
     if kind == "bcast":
         if S < network["bcast_short_bytes"] or n < network["bcast_min_procs"]:
             hops = _log2c(n)  # binomial tree

@@ -56,15 +56,16 @@ SCHEMA_VERSION = 1
 SOURCES = ("measured", "declared")
 ELEMENTWISE_PER_GEMM_FLOP = 1 / 100  # default elements/s per GeMM FLOP/s when not declared
 
-# MPICH's algorithm switch points (bytes), its documented defaults. A profile may override them
-# under "network" (e.g. after tuning MPIR_CVAR_*): they pick the step counts the cost model uses.
+# MPICH's Bcast algorithm switch points (bytes), its documented defaults. A profile may override
+# them under "network" (e.g. after tuning MPIR_CVAR_*): they pick the step counts the cost model
+# uses. The row verbs are hepti's own direct exchanges (hepti.parallel.comm) and have none.
 NETWORK_DEFAULTS = {
-    "allgather_short_bytes": 81920,       # MPIR_CVAR_ALLGATHER_SHORT_MSG_SIZE: Bruck below (non-pof2)
-    "allgather_long_bytes": 524288,       # MPIR_CVAR_ALLGATHER_LONG_MSG_SIZE: ring at or above
-    "reduce_scatter_long_bytes": 524288,  # MPIR_CVAR_REDUCE_SCATTER_COMMUTATIVE_LONG_MSG_SIZE
     "bcast_short_bytes": 12288,           # MPIR_CVAR_BCAST_SHORT_MSG_SIZE: binomial below
     "bcast_min_procs": 8,                 # MPIR_CVAR_BCAST_MIN_PROCS: binomial below this size
 }
+# settings of MPI's Allgatherv and Reduce_scatter algorithms, which profiles measured before the
+# row verbs became direct exchanges carry: read and ignored
+RETIRED_NETWORK_KEYS = ("allgather_short_bytes", "allgather_long_bytes", "reduce_scatter_long_bytes")
 
 
 class SpeedTable:
@@ -286,6 +287,8 @@ def profile_from_dict(d, source_name: str = "profile") -> Profile:
                 raise PlanError(f"{source_name}: network calibration must map collective kinds to "
                                 f"positive factors, got {v!r}")
             network[k] = {str(kind): float(x) for kind, x in v.items()}
+            continue
+        if k in RETIRED_NETWORK_KEYS:
             continue
         if k not in NETWORK_DEFAULTS:
             raise PlanError(f"{source_name}: unknown network setting {k!r}; known: "
