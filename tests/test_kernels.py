@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hepti.kernels import (PackedB, add_layernorm, attention, config, gemm, layernorm, matmul,
+from hepti.kernels import (PackedB, add_layernorm, attention, attention_qkv, config, gemm, layernorm, matmul,
                            naive, pack_b, softmax_rows)
 from hepti.kernels import _gen_microkernels
 
@@ -302,6 +302,36 @@ def test_attention_contiguous_inputs_match_strided():
     strided = attention(q, k, v, mask, 3)
     dense = attention(q.copy(), k.copy(), v.copy(), mask, 3)
     np.testing.assert_array_equal(strided, dense)
+
+
+@pytest.mark.parametrize("row0,mq", [(0, 120), (0, 1), (37, 83), (39, 1)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_qkv_equals_attention_on_views(row0, mq, threads):
+    """The fused-QKV entry point: all rows (`tensor`, one device) and a rank's rows against
+    gathered K/V (`rows`) give what attention() gives on the column views."""
+    n_seq, t, h, d = 3, 40, 2, 16
+    q, k, v, mask = attention_case(n_seq, t, h, d, [0, 7, 39])
+    qkv = q.base
+    np.testing.assert_array_equal(attention_qkv(qkv, mask, h, threads=threads),
+                                  attention(q, k, v, mask, h, threads=threads))
+    kv = np.ascontiguousarray(qkv[:, h * d:])
+    mine = np.ascontiguousarray(qkv[row0:row0 + mq])
+    np.testing.assert_array_equal(attention_qkv(mine, mask, h, kv=kv, row0=row0, threads=threads),
+                                  attention(q[row0:row0 + mq], k, v, mask, h, row0=row0,
+                                            threads=threads))
+
+
+def test_attention_qkv_rejects_bad_arguments():
+    q, k, v, mask = attention_case(2, 10, 2, 4, [0, 0])
+    qkv = q.base
+    with pytest.raises(ValueError, match="C-contiguous"):
+        attention_qkv(qkv[:, :-1], mask, 2)
+    with pytest.raises(ValueError, match="all 20 rows"):
+        attention_qkv(qkv[:5].copy(), mask, 2)
+    with pytest.raises(ValueError, match="kv must be"):
+        attention_qkv(qkv[:5].copy(), mask, 2, kv=qkv[:, 8:17].copy())
+    with pytest.raises(ValueError, match="outside"):
+        attention_qkv(qkv[:5].copy(), mask, 2, kv=np.ascontiguousarray(qkv[:, 8:]), row0=16)
 
 
 def test_attention_rejects_bad_arguments():

@@ -26,6 +26,8 @@ row (M = 1) skips packing and streams B's rows (`_gemv`).
 """
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -436,8 +438,8 @@ def pack_b(w: np.ndarray, trans: bool = False) -> PackedB:
 def _run(a, k, n, panels, b_flat, ldb, bias, gelu, residual, out, threads):
     """Shared tail of gemm/matmul: check epilogue operands, pick the path and run it."""
     m = a.shape[0]
-    c = output(out, (m, n))
-    a_flat, lda = flat_rows(a, "a")
+    c = np.empty((m, n), np.float32) if out is None else output(out, (m, n))
+    a_flat, lda = (a.reshape(-1), k) if a.flags.c_contiguous and m else flat_rows(a, "a")
     c_flat, ldc = flat_rows(c, "out")
     bias_v = vector(bias, "bias", n)
     if residual is not None:
@@ -452,18 +454,9 @@ def _run(a, k, n, panels, b_flat, ldb, bias, gelu, residual, out, threads):
         check_no_overlap(c, residual, "residual")
     if m == 0 or n == 0:
         return c
-    threads = int(threads)
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    n_panels = -(-n // NR)
-    n_chunks = max(1, min(threads, numba.config.NUMBA_NUM_THREADS, n_panels))
-    mc = min(row_block(m, k), m)
-    on_the_fly = panels.shape[0] == 0
-    buf_rows = min(k, config.KC)  # rows of B packed at a time on the fly: one k-block
-    group = min(otf_group(buf_rows), -(-n_panels // n_chunks)) if on_the_fly else 1
-    blocks = (mc, config.KC, group, config.PREFETCH_ROWS)
+    n_chunks, blocks, ws_size = _plan(m, k, n, int(threads), panels.shape[0] == 0)
     epi = (bias_v, bias is not None, bool(gelu), res_flat, 0, ldr, residual is not None)
-    ws = workspace(workspace_size(n_chunks, mc, k, group if on_the_fly else 0, buf_rows))
+    ws = workspace(ws_size)
     args = (a_flat, 0, lda, m, k, n, panels, b_flat, 0, ldb, c_flat, 0, ldc, blocks, epi, ws)
     if n_chunks == 1:
         _gemm_serial(*args)
@@ -475,6 +468,23 @@ def _run(a, k, n, panels, b_flat, ldb, bias, gelu, residual, out, threads):
         finally:
             numba.set_num_threads(previous)
     return c
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(m: int, k: int, n: int, threads: int, on_the_fly: bool) -> tuple:
+    """(chunks, blocks, workspace floats) of one GeMM shape. A forward repeats a few shapes,
+    and inside one the interpreter's own data is cold (the GeMMs have just streamed megabytes
+    of weights through the caches): working these out on every call cost ~5 of the ~15 us of
+    Python per GeMM call in a MiniLM layer."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    n_panels = -(-n // NR)
+    n_chunks = max(1, min(threads, numba.config.NUMBA_NUM_THREADS, n_panels))
+    mc = min(row_block(m, k), m)
+    buf_rows = min(k, config.KC)  # rows of B packed at a time on the fly: one k-block
+    group = min(otf_group(buf_rows), -(-n_panels // n_chunks)) if on_the_fly else 1
+    blocks = (mc, config.KC, group, config.PREFETCH_ROWS)
+    return n_chunks, blocks, workspace_size(n_chunks, mc, k, group if on_the_fly else 0, buf_rows)
 
 
 def gemm(a: np.ndarray, pb: PackedB, bias: np.ndarray | None = None, gelu: bool = False,

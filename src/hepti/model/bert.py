@@ -76,10 +76,8 @@ class LayerShard:
         M, C = x.shape
         if self.qkv is None:
             return np.zeros((M, C), dtype=np.float32)
-        hd = self.qkv.n // 3
         qkv = K.gemm(x, self.qkv, bias=self.qkv_bias, threads=threads)  # [M, 3hD]
-        ctx = K.attention(qkv[:, :hd], qkv[:, hd:2 * hd], qkv[:, 2 * hd:], key_mask,
-                          self.n_heads, threads=threads)  # [M, hD]
+        ctx = K.attention_qkv(qkv, key_mask, self.n_heads, threads=threads)  # [M, hD]
         return K.gemm(ctx, self.o, threads=threads)  # [M, C] partial
 
     def ffn_partial(self, x: np.ndarray, threads: int = 1) -> np.ndarray:

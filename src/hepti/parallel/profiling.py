@@ -136,7 +136,6 @@ def measure_layer(config: BertConfig, batch: int, seq_len: int, threads: int = 1
     def layer_fn(m: int):
         x = rng.standard_normal((m, C), dtype=np.float32)
         h = np.empty((m, F), np.float32)
-        ctx = np.empty((m, C), np.float32)
         turn = [0]
         spent = attention_s[m] = []  # (attention, whole layer) seconds of each call but the first
 
@@ -147,7 +146,7 @@ def measure_layer(config: BertConfig, batch: int, seq_len: int, threads: int = 1
             qkv = K.gemm(x, qkv_w, bias=b3, threads=threads)
             kv[:m] = qkv[:, C:]
             t0 = time.perf_counter()
-            K.attention(qkv[:, :C], kv[:, :C], kv[:, C:], mask, H, out=ctx, threads=threads)
+            ctx = K.attention_qkv(qkv, mask, H, kv=kv, threads=threads)
             t1 = time.perf_counter()
             K.gemm(ctx, o, threads=threads)
             K.gemm(x, up, bias=bf, gelu=True, out=h, threads=threads)

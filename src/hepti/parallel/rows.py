@@ -34,8 +34,7 @@ class RowsExecutor:
                 qkv = K.gemm(x, s.qkv, bias=s.qkv_bias, threads=th)  # [r, 3C]: q | k | v
             kv = g.allgather_rows(qkv[:, C:], rc)  # [M, 2C]  <- sync: every rank's K/V rows
             with tr.span(f"L{i} attention", "compute"):
-                ctx = K.attention(qkv[:, :C], kv[:, :C], kv[:, C:], key_mask, H, row0=r0,
-                                  threads=th)  # [r, C]
+                ctx = K.attention_qkv(qkv, key_mask, H, kv=kv, row0=r0, threads=th)  # [r, C]
             with tr.span(f"L{i} o-proj+ln", "compute"):
                 x = K.add_layernorm(K.gemm(ctx, s.o, threads=th), s.o_bias, x, *s.ln1, eps)
             with tr.span(f"L{i} ffn+ln", "compute"):
