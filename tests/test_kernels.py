@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hepti.kernels import (PackedB, add_layernorm, attention, attention_qkv, config, gemm, layernorm, matmul,
+from hepti.kernels import (PackedB, add_layernorm, attention, attention_qkv, config, embed_layernorm, gemm, layernorm, matmul,
                            naive, pack_b, softmax_rows)
 from hepti.kernels import _gen_microkernels
 
@@ -344,3 +344,16 @@ def test_attention_rejects_bad_arguments():
         attention(q, k[:10], v, mask, 2)
     with pytest.raises(ValueError, match="overlaps"):
         attention(q, k, v, mask, 2, out=q)
+
+
+def test_embed_layernorm_equals_numpy_gathers_then_layernorm():
+    rng = np.random.default_rng(3)
+    word, position, types = rand(50, 24), rand(16, 24), rand(2, 24)
+    gamma, beta = rand(24), rand(24)
+    ids = rng.integers(0, 50, (3, 11))
+    token_type = rng.integers(0, 2, (3, 11))
+    x = (word[ids] + position[:11][None] + types[token_type]).reshape(33, 24)
+    np.testing.assert_allclose(embed_layernorm(ids, token_type, word, position, types, gamma, beta, 1e-12),
+                               naive.layernorm(x, gamma, beta, 1e-12), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="tables disagree"):
+        embed_layernorm(ids, token_type, word, position[:5], types, gamma, beta, 1e-12)

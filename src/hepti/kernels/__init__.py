@@ -6,6 +6,7 @@ Public API (what the model code calls):
     matmul(a, b, out=None, threads=1)                a @ b, packing b on the fly
     layernorm(x, gamma, beta, eps, out=None)
     add_layernorm(x, bias, residual, gamma, beta, eps, out=None)
+    embed_layernorm(ids, token_type, word, position, type_table, gamma, beta, eps)
     softmax_rows(x, key_mask=None, scale=1.0, out=None)
     attention(q, k, v, key_mask, n_heads, row0=0, out=None, threads=1)
     attention_qkv(qkv, key_mask, n_heads, kv=None, row0=0, threads=1)   on a fused QKV output
@@ -14,9 +15,9 @@ code-generation options the kernels need before anything is compiled.
 """
 from hepti.kernels import config  # noqa: F401  (first: sets up Numba before any compile)
 from hepti.kernels.attention_core import attention, attention_qkv
-from hepti.kernels.norm import add_layernorm, layernorm
+from hepti.kernels.norm import add_layernorm, embed_layernorm, layernorm
 from hepti.kernels.packed_gemm import PackedB, gemm, matmul, pack_b
 from hepti.kernels.softmax import softmax_rows
 
-__all__ = ["PackedB", "pack_b", "gemm", "matmul", "layernorm", "add_layernorm", "softmax_rows",
-           "attention", "attention_qkv"]
+__all__ = ["PackedB", "pack_b", "gemm", "matmul", "layernorm", "add_layernorm", "embed_layernorm",
+           "softmax_rows", "attention", "attention_qkv"]

@@ -128,10 +128,8 @@ class Embeddings:
 
     def __call__(self, ids: np.ndarray, token_type: np.ndarray) -> np.ndarray:
         """ids, token_type [B, T] -> x [B*T, C] float32."""
-        B, T = ids.shape
-        x = self.word[ids] + self.position[:T][None] + self.token_type[token_type]  # (B, T, C)
-        x = np.ascontiguousarray(x.reshape(B * T, -1), dtype=np.float32)
-        return K.layernorm(x, self.ln[0], self.ln[1], self.config.layer_norm_eps)
+        return K.embed_layernorm(ids, token_type, self.word, self.position, self.token_type,
+                                 self.ln[0], self.ln[1], self.config.layer_norm_eps)
 
 
 class BertEncoder:

@@ -72,7 +72,7 @@ class Comm:
         """Scatterv: root's [sum(counts), *tail] -> this rank's [counts[rank], *tail]."""
         if self.solo:
             return a
-        o, r = offsets(counts), self.rank
+        o, r = _offsets(tuple(counts)), self.rank
         with self.tracer.span("Scatterv", "scatterv"):
             if r == root:
                 a = np.ascontiguousarray(a, np.float32)
@@ -92,7 +92,7 @@ class Comm:
         """Gatherv: each rank's [counts[rank], *tail] -> root's [sum(counts), *tail]; None elsewhere."""
         if self.solo:
             return a
-        o, r = offsets(counts), self.rank
+        o, r = _offsets(tuple(counts)), self.rank
         with self.tracer.span("Gatherv", "gatherv"):
             if r != root:
                 if counts[r]:
@@ -115,7 +115,7 @@ class Comm:
         its rows of the result, and sent from there."""
         if self.solo:
             return a
-        o, r = offsets(counts), self.rank
+        o, r = _offsets(tuple(counts)), self.rank
         out = np.empty((sum(counts), *a.shape[1:]), np.float32)
         mine = out[o[r]:o[r] + counts[r]]
         with self.tracer.span("Allgatherv", "allgatherv"):
@@ -135,7 +135,7 @@ class Comm:
         depend on which messages came first."""
         if self.solo:
             return partial
-        o, r, n = offsets(counts), self.rank, self.size
+        o, r, n = _offsets(tuple(counts)), self.rank, self.size
         partial = np.ascontiguousarray(partial, np.float32)
         blocks = [partial[o[j]:o[j] + counts[j]] for j in range(n)]
         got = [partial[o[r]:o[r] + counts[r]] if j == r else np.empty_like(blocks[r])
@@ -151,9 +151,9 @@ class Comm:
         self.tracer.add_bytes(partial.nbytes - blocks[r].nbytes, blocks[r].nbytes * (n - 1))
         return out
 
-    def _peers(self, counts: list[int]) -> list[int]:
+    def _peers(self, counts: list[int]) -> tuple[int, ...]:
         """The other ranks with rows: every block a direct exchange moves is one of theirs."""
-        return [j for j in range(self.size) if j != self.rank and counts[j]]
+        return _peers(tuple(counts), self.rank)
 
     # --- point to point (pipeline) -------------------------------------------------------
     def send_array(self, a: np.ndarray, dest: int, meta=None, tag: int = 0):
@@ -223,6 +223,17 @@ def wait_obj(req):
         if done:
             return obj
         time.sleep(WAIT_SLEEP_S)
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets(counts: tuple[int, ...]) -> tuple[int, ...]:
+    """Row offsets of row blocks `counts` (the same few layouts recur every layer)."""
+    return tuple(offsets(list(counts)))
+
+
+@functools.lru_cache(maxsize=256)
+def _peers(counts: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    return tuple(j for j in range(len(counts)) if j != rank and counts[j])
 
 
 @functools.cache
