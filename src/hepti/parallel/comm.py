@@ -145,7 +145,11 @@ class Comm:
                     if j != r and counts[r]]
             reqs += [self.mpi.Isend(blocks[j], dest=j, tag=_TAG_REDUCE) for j in self._peers(counts)]
             wait(reqs)
-            out = got[0] + got[1]
+            # into a received block (ours to overwrite), in rank order: got[1] + got[0] is
+            # got[0] + got[1] exactly, so rank 0 may start from rank 1's block
+            first = 1 if r == 0 else 0
+            out = got[first]
+            out += got[1 - first]
             for j in range(2, n):
                 out += got[j]
         self.tracer.add_bytes(partial.nbytes - blocks[r].nbytes, blocks[r].nbytes * (n - 1))
