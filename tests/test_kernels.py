@@ -14,8 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hepti.kernels import (PackedB, add_layernorm, attention, attention_qkv, config, embed_layernorm, gemm, layernorm, matmul,
-                           naive, pack_b, softmax_rows)
+from hepti.kernels import (PackedB, add_layernorm, attention, attention_qkv, config,
+                           embed_layernorm, ffn, gemm, layernorm, matmul, naive, pack_b,
+                           softmax_rows)
 from hepti.kernels import _gen_microkernels
 
 RNG = np.random.default_rng(20240601)
@@ -357,3 +358,13 @@ def test_embed_layernorm_equals_numpy_gathers_then_layernorm():
                                naive.layernorm(x, gamma, beta, 1e-12), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="tables disagree"):
         embed_layernorm(ids, token_type, word, position[:5], types, gamma, beta, 1e-12)
+
+
+@pytest.mark.parametrize("m", [1, 8, 37, 128])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ffn_equals_two_gemms(m, threads):
+    x, up, down, bias = rand(m, 40), pack_b(rand(40, 70)), pack_b(rand(70, 24)), rand(70)
+    want = gemm(gemm(x, up, bias=bias, gelu=True), down)
+    np.testing.assert_array_equal(ffn(x, up, bias, down, threads=threads), want)
+    with pytest.raises(ValueError, match="cannot chain"):
+        ffn(x, up, bias, pack_b(rand(24, 70)))

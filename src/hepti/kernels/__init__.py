@@ -4,6 +4,7 @@ Public API (what the model code calls):
     PackedB, pack_b(w, trans=False)                  weights packed once, at load time
     gemm(a, pb, bias, gelu, residual, out, threads)  a @ B with a fused epilogue
     matmul(a, b, out=None, threads=1)                a @ b, packing b on the fly
+    ffn(x, up, up_bias, down, threads=1)             GeLU(x @ up + up_bias) @ down in one call
     layernorm(x, gamma, beta, eps, out=None)
     add_layernorm(x, bias, residual, gamma, beta, eps, out=None)
     embed_layernorm(ids, token_type, word, position, type_table, gamma, beta, eps)
@@ -16,8 +17,8 @@ code-generation options the kernels need before anything is compiled.
 from hepti.kernels import config  # noqa: F401  (first: sets up Numba before any compile)
 from hepti.kernels.attention_core import attention, attention_qkv
 from hepti.kernels.norm import add_layernorm, embed_layernorm, layernorm
-from hepti.kernels.packed_gemm import PackedB, gemm, matmul, pack_b
+from hepti.kernels.packed_gemm import PackedB, ffn, gemm, matmul, pack_b
 from hepti.kernels.softmax import softmax_rows
 
-__all__ = ["PackedB", "pack_b", "gemm", "matmul", "layernorm", "add_layernorm", "embed_layernorm",
-           "softmax_rows", "attention", "attention_qkv"]
+__all__ = ["PackedB", "pack_b", "gemm", "ffn", "matmul", "layernorm", "add_layernorm",
+           "embed_layernorm", "softmax_rows", "attention", "attention_qkv"]

@@ -505,6 +505,45 @@ def gemm(a: np.ndarray, pb: PackedB, bias: np.ndarray | None = None, gelu: bool 
     return _run(a, pb.k, pb.n, pb.panels, EMPTY, 1, bias, gelu, residual, out, threads)
 
 
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _ffn_serial(x, m, k, up, f, up_blocks, up_epi, h, down, n, down_blocks, no_epi, out, ws,
+                none):
+    """out [m, n] = GeLU(x [m, k] @ up + bias) @ down, both GeMMs in one call (h [m, f] between)."""
+    _gemm_serial(x, 0, k, m, k, f, up, none, 0, 1, h, 0, f, up_blocks, up_epi, ws)
+    _gemm_serial(h, 0, f, m, f, n, down, none, 0, 1, out, 0, n, down_blocks, no_epi, ws)
+
+
+def ffn(x: np.ndarray, up: PackedB, up_bias: np.ndarray, down: PackedB,
+        threads: int = 1) -> np.ndarray:
+    """GeLU(x @ up + up_bias) @ down for float32 x [M, K]: BERT's MLP without its output bias.
+
+    The same arithmetic as gemm(gemm(x, up, up_bias, gelu=True), down), in one call on one
+    thread: a forward makes six of these per rank, and each kernel call's Python runs with
+    the interpreter's data pushed out of the caches by the GeMMs around it (~15 us a call in
+    a MiniLM layer). threads > 1 runs the two gemm() calls.
+    """
+    if not isinstance(up, PackedB) or not isinstance(down, PackedB):
+        raise TypeError("up and down must be PackedB from pack_b()")
+    check_float32(x, "x", 2)
+    if x.shape[1] != up.k or up.n != down.k:
+        raise ValueError(f"cannot chain x {x.shape} -> up [K={up.k}, N={up.n}] -> down "
+                         f"[K={down.k}, N={down.n}]")
+    if int(threads) != 1 or not x.flags.c_contiguous or x.shape[0] == 0:
+        return gemm(gemm(x, up, bias=up_bias, gelu=True, threads=threads), down, threads=threads)
+    m, k, f, n = x.shape[0], up.k, up.n, down.n
+    _, up_blocks, up_ws = _plan(m, k, f, 1, False)
+    _, down_blocks, down_ws = _plan(m, f, n, 1, False)
+    h = np.empty((m, f), np.float32)
+    out = np.empty((m, n), np.float32)
+    up_epi = (vector(up_bias, "up_bias", f), up_bias is not None, True, EMPTY, 0, 1, False)
+    _ffn_serial(x.reshape(-1), m, k, up.panels, f, up_blocks, up_epi, h.reshape(-1), down.panels,
+                n, down_blocks, _NO_EPI, out.reshape(-1), workspace(max(up_ws, down_ws)), EMPTY)
+    return out
+
+
+_NO_EPI = (EMPTY, False, False, EMPTY, 0, 1, False)
+
+
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
            threads: int = 1) -> np.ndarray:
     """a @ b for float32 a [M, K] and b [K, N] (rows contiguous), packing b on the fly (a

@@ -84,8 +84,7 @@ class LayerShard:
         """x [M, C] -> this shard's partial sum of the FFN output [M, C] (without bias)."""
         if self.up is None:
             return np.zeros_like(x)
-        h = K.gemm(x, self.up, bias=self.up_bias, gelu=True, threads=threads)  # [M, f]
-        return K.gemm(h, self.down, threads=threads)  # [M, C] partial
+        return K.ffn(x, self.up, self.up_bias, self.down, threads=threads)  # [M, C] partial
 
 
 def validate_inputs(config: BertConfig, ids: np.ndarray, mask: np.ndarray | None,
