@@ -474,8 +474,8 @@ def _run(a, k, n, panels, b_flat, ldb, bias, gelu, residual, out, threads):
 def _plan(m: int, k: int, n: int, threads: int, on_the_fly: bool) -> tuple:
     """(chunks, blocks, workspace floats) of one GeMM shape. A forward repeats a few shapes,
     and inside one the interpreter's own data is cold (the GeMMs have just streamed megabytes
-    of weights through the caches): working these out on every call cost ~5 of the ~15 us of
-    Python per GeMM call in a MiniLM layer."""
+    of weights through the caches): working these out on every call cost 1-5 of the 12-25 us
+    of Python per GeMM call in a MiniLM layer."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     n_panels = -(-n // NR)

@@ -14,13 +14,13 @@ whose CPU is capped sleeps between tests, so it does not spend its quota polling
 The row verbs (Scatterv, Gatherv, Allgatherv, Reduce_scatter) are direct exchanges of
 point-to-point messages: each rank posts one receive per peer's block and one send per block a
 peer needs, then sums what it received where the verb reduces. Between two ranks on this
-machine MPICH 5's Allgatherv and Reduce_scatter took 1.1-1.3x as long for the same bytes
-(`mpiexec -n 2 hepti bench comm`), and in a forward, where the collectives meet ranks that
-arrive at different moments, the gap was wider: MiniLM's 12 Reduce_scatters per 2-rank `tensor`
-forward went from about 1.9 to 1.0 ms (`hepti run --trace`), and the forwards of both strategies got
-3-4% faster. A direct exchange sends each byte once, as a ring does, in one round instead of
-N-1; hepti's clusters have a handful of devices, where one round of N-1 messages per rank is
-the better trade. Bcast stays MPI's own: a tree matters there, and it carries one array a batch.
+machine MPICH 5's Allgatherv and Reduce_scatter took 1.1-1.4x as long for the same bytes
+(`mpiexec -n 2 hepti bench comm` -> results/comm.json), and in a forward, where the ranks
+arrive at different moments, the gap was wider: MiniLM's 12 Reduce_scatters per 2-rank
+`tensor` forward went from about 1.9 to 1.0 ms (`hepti run --trace`, when this was written).
+A direct exchange sends each byte once, as a ring does, in one round instead of N-1; hepti's
+clusters have a handful of devices, where one round of N-1 messages per rank is the better
+trade. Bcast stays MPI's own: a tree matters there, and it carries one array a batch.
 """
 from __future__ import annotations
 
