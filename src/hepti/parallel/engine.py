@@ -27,6 +27,7 @@ from hepti.errors import HeptiError, PlanError
 from hepti.plan.planfile import DIMS, Plan, parse_ratios
 
 FAULT_ENV = "HEPTI_FAULT_RANK"  # test-only: this rank raises in its first forward
+ABORT_GRACE_S = 0.3  # a failing rank's message gets this long to reach mpiexec before the abort
 
 
 class AgreedError(HeptiError):
@@ -537,11 +538,16 @@ def run_guarded_fn(name: str, fn, args) -> int:
         return 2
     except BaseException as e:  # noqa: BLE001 - any other failure ends the whole job
         if isinstance(e, HeptiError):
-            print(f"hepti {name}: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+            text = f"hepti {name}: rank {rank}: error: {e}\n"
         else:
             import traceback
-            traceback.print_exc()
-            print(f"hepti {name}: rank {rank} failed: {type(e).__name__}: {e}; aborting all ranks",
-                  file=sys.stderr, flush=True)
+            text = (traceback.format_exc() + f"hepti {name}: rank {rank} failed: "
+                    f"{type(e).__name__}: {e}; aborting all ranks\n")
+        # One write, then a moment for mpiexec to forward it: MPI_Abort tears down the
+        # process managers' pipes at once, and a fresh-clone test run once caught only the
+        # traceback's first line, without the rank and the cause.
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)
         MPI.COMM_WORLD.Abort(1)
         return 1
