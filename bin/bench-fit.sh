@@ -6,10 +6,6 @@
 #   bin/bench-fit.sh             MiniLM @128 tokens and BERT-base @256 tokens, 2 ranks, 5 rounds
 #   bin/bench-fit.sh --rounds 3  (any option of python -m hepti.bench.fit)
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$ROOT/bin/setup"
-VENV="${HEPTI_VENV:-$ROOT/.venv}"
-export PATH="$VENV/bin:$PATH"
-cd "$ROOT"
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 [ -f weights/bert-base/index.json ] || hepti convert --random bert-base --out weights/bert-base
 exec python -m hepti.bench.fit --case weights/minilm-l6:128 --case weights/bert-base:256 "$@"

@@ -8,15 +8,11 @@
 #   sudo bin/bench-hetero.sh --quick    CI: one pair spec, MiniLM only, fewer runs (< 2 min)
 # Other options (--spec, --case, --repeat, --run-unfit, ...): python -m hepti.bench.hetero --help
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ "$(id -u)" != 0 ]; then
   echo "bench-hetero: needs root (hepti emulate makes network namespaces, tc shapers and cgroups); run it with sudo" >&2
   exit 2
 fi
-"$ROOT/bin/setup"
-VENV="${HEPTI_VENV:-$ROOT/.venv}"
-export PATH="$VENV/bin:$PATH"
-cd "$ROOT"
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 if ! python -c "import matplotlib" 2>/dev/null; then
   echo "bench-hetero: matplotlib is not installed, so results/hetero.png will not be drawn (JSON and CSV" \
        "still are); to get the plot: $VENV/bin/pip install -e '$ROOT[plot]'" >&2

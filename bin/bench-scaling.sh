@@ -6,11 +6,7 @@
 #   bin/bench-scaling.sh            full run (MiniLM @128 tokens, BERT-base @256 tokens)
 #   bin/bench-scaling.sh --quick    MiniLM only, fewer rounds
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$ROOT/bin/setup"
-VENV="${HEPTI_VENV:-$ROOT/.venv}"
-export PATH="$VENV/bin:$PATH"
-cd "$ROOT"
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 if [ "${1:-}" = "--quick" ]; then
   exec python -m hepti.bench.scaling --case weights/minilm-l6:128 --rounds 3 --repeat 5
 fi
