@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hepti.bench import hetero
+from hepti.bench import hetero, write_json
 from hepti.bench import hetero_report as rep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def test_csv_has_one_row_per_run_and_rank(runs):
 
 def test_writers_round_trip(tmp_path, runs):
     doc = {"benchmark": "hetero", "runs": runs, "targets": rep.check_targets(runs)}
-    rep.write_json(doc, tmp_path / "r" / "hetero.json")
+    write_json(doc, tmp_path / "r" / "hetero.json")
     rep.write_csv(runs, tmp_path / "r" / "hetero.csv")
     back = json.loads((tmp_path / "r" / "hetero.json").read_text())
     assert back["runs"] == runs

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -31,3 +33,9 @@ def write_json(doc: dict, path) -> None:
     """A result file under results/ (its folder made if missing)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def result_doc(benchmark: str, **fields) -> dict:
+    """The head every results/*.json shares (what ran, when, on which machine), then fields."""
+    return {"benchmark": benchmark, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "machine": {"cores": os.cpu_count(), "node": os.uname().nodename}, **fields}

@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from hepti.bench import result_doc
+
 # (case, verb, rows, width): MiniLM at 128 tokens (hidden 384) and BERT-base at 256 (hidden 768)
 CASES = (("MiniLM@128 rows K/V", "allgather", 128, 768),
          ("MiniLM@128 tensor rows", "allgather", 128, 384),
@@ -65,10 +67,10 @@ def run_comm_bench(mpi_comm, repeat: int = 200, progress: bool = True) -> dict |
     bar.close()
     if r != 0:
         return None
-    return {"benchmark": "comm", "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "ranks": n,
-            "repeat": repeat, "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-            "note": "median seconds per call, the slowest rank's; calls of the two ways alternate",
-            "results": results}
+    return result_doc("comm", ranks=n, repeat=repeat,
+                      mpi_library=MPI.Get_library_version().splitlines()[0].strip(),
+                      note="median seconds per call, the slowest rank's; calls of the two ways "
+                           "alternate", results=results)
 
 
 def format_comm(res: dict) -> str:

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from hepti.bench import hepti_cmd, mpiexec, run_cmd
+from hepti.bench import hepti_cmd, mpiexec, result_doc, run_cmd, write_json
 from hepti.bench.scaling import synthetic_ids
 
 
@@ -82,12 +80,8 @@ def main(argv=None) -> int:
                         "rounds_within_bound": sum(abs(e) <= args.bound for e in errs),
                         "rounds": rounds[model_dir]})
     met = all(abs(r["median_error"]) <= args.bound for r in results)
-    out = {"benchmark": "fit", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "machine": {"cores": os.cpu_count(), "node": os.uname().nodename},
-           "rounds": args.rounds, "repeat_per_launch": args.repeat, "bound": args.bound,
-           "met": met, "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_json(result_doc("fit", rounds=args.rounds, repeat_per_launch=args.repeat,
+                          bound=args.bound, met=met, results=results), args.out)
     print(f"{'model':<14}{'seq':>5}  {'plans':<22}{'median':>8}{'min':>8}{'max':>8}  within")
     for r in results:
         plans = ",".join(sorted({x["strategy"] for x in r["rounds"]}))

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hepti.bench import hepti_cmd, mpiexec
+from hepti.bench import hepti_cmd, mpiexec, result_doc, write_json
 from hepti.bench import hetero_report as report
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -376,18 +376,18 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     targets = report.check_targets(runs)
-    doc = {"benchmark": "hetero", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "command": " ".join(["python -m hepti.bench.hetero"] + list(argv if argv is not None else sys.argv[1:])),
-           "machine": {"cores": os.cpu_count(), "node": os.uname().nodename},
-           "settings": {"quick": args.quick, "specs": args.spec, "cases": args.case,
-                        "strategies": args.strategies, "extra": list(args.extra), "repeat": args.repeat,
-                        "min_repeat": args.min_repeat, "target_s": args.target_s, "timeout_s": args.timeout,
-                        "run_unfit": args.run_unfit, "threads_per_rank": 1},
-           "specs": {s.name: s.to_dict() for s, _ in specs},
-           "duration_s": round(time.perf_counter() - t_start, 1), "numba_warm_s": round(warm_s, 1),
-           "runs": runs, "targets": targets, "profiles": profiles}
+    doc = result_doc(
+        "hetero",
+        command=" ".join(["python -m hepti.bench.hetero"] + list(argv if argv is not None else sys.argv[1:])),
+        settings={"quick": args.quick, "specs": args.spec, "cases": args.case,
+                  "strategies": args.strategies, "extra": list(args.extra), "repeat": args.repeat,
+                  "min_repeat": args.min_repeat, "target_s": args.target_s, "timeout_s": args.timeout,
+                  "run_unfit": args.run_unfit, "threads_per_rank": 1},
+        specs={s.name: s.to_dict() for s, _ in specs},
+        duration_s=round(time.perf_counter() - t_start, 1), numba_warm_s=round(warm_s, 1),
+        runs=runs, targets=targets, profiles=profiles)
     out = Path(args.out_dir)
-    report.write_json(doc, out / "hetero.json")
+    write_json(doc, out / "hetero.json")
     report.write_csv(runs, out / "hetero.csv")
     why_not = report.draw(runs, out / "hetero.png")
     print(report.format_table(runs))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 
 HEADLINE = ("emu-mixed4", "bert-base", 256)
@@ -50,11 +49,6 @@ def find(runs: list[dict], spec: str, model: str, seq: int, strategy: str) -> di
 
 
 # --- JSON and CSV ----------------------------------------------------------------------------
-
-def write_json(doc: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-
 
 def csv_rows(runs: list[dict]) -> list[dict]:
     """One row per run and rank (a run that did not start has one row without a rank)."""

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hepti.bench import result_doc, write_json
 from hepti.counts import counts as split_counts
 from hepti.errors import InputError
 from hepti.parallel.comm import wait
@@ -325,8 +326,7 @@ def run_offload_sweep(comm, steps: int = 11, repeat: int = 7, progress: bool = T
         from hepti.emulate.state import read_state
         state = read_state()  # the emulated devices, when run under `hepti emulate`
         result = {
-            "benchmark": "offload", "scenario": scenario,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **result_doc("offload"), "scenario": scenario,
             "shape": {"m": M, "k": K, "n": K, "chain": CHAIN}, "world_size": world,
             "steps": steps, "repeat": repeat, "max_abs_err": max_err,
             "measured_best_share": best["share"], "measured_best_latency_s": best["latency_s"],
@@ -453,7 +453,7 @@ def collect(results: list[dict]) -> dict:
         "measured_best_falls": f"{sum(m['measured_move'] == 'falls' for m in moves)} of {len(moves)}",
         "planner_share_falls": f"{sum(m['planner_move'] == 'falls' for m in moves)} of {len(moves)}",
     }
-    return {"benchmark": "offload", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    return {**result_doc("offload"),
             "paper": {"alone_ms": 109.3, "best_share": {f"{k[0]} Mbit/s, {k[1]} CPU": v
                                                          for k, v in PAPER_BEST.items()}},
             "summary": summary, "moves": moves, "checks": checks, "scenarios": results}
@@ -568,8 +568,7 @@ def main(argv=None) -> int:
     if args.collect:
         combined = collect([json.loads(Path(p).read_text()) for p in args.collect])
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(combined, indent=2) + "\n")
+            write_json(combined, args.out)
             print(f"wrote {args.out}", file=sys.stderr)
         if args.plot and plot_offload(combined, args.plot):
             print(f"wrote {args.plot}", file=sys.stderr)
@@ -586,8 +585,7 @@ def main(argv=None) -> int:
         return 2
     if comm.Get_rank() == 0:
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+            write_json(res, args.out)
         print(json.dumps(res, indent=2) if args.json else format_offload(res))
         if args.out:
             print(f"wrote {args.out}", file=sys.stderr)

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from hepti.bench import hepti_cmd, mpiexec, run_cmd
+from hepti.bench import hepti_cmd, mpiexec, result_doc, run_cmd, write_json
 
 
 def synthetic_ids(model_dir: str, seq: int, path: Path) -> None:
@@ -80,12 +78,8 @@ def main(argv=None) -> int:
             results.append(row)
     bar.close()
     shutil.rmtree(tmp, ignore_errors=True)
-    out = {"benchmark": "scaling", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "machine": {"cores": os.cpu_count(), "node": os.uname().nodename},
-           "rounds": args.rounds, "repeat_per_launch": args.repeat, "threads_per_rank": 1,
-           "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_json(result_doc("scaling", rounds=args.rounds, repeat_per_launch=args.repeat,
+                          threads_per_rank=1, results=results), args.out)
     print(f"{'model':<14}{'seq':>5}{'ranks':>6}  {'strategy':<9}{'median ms':>10}{'speedup':>9}")
     for r in results:
         print(f"{r['model']:<14}{r['seq']:>5}{r['ranks']:>6}  {r['strategy']:<9}"

@@ -14,6 +14,8 @@ import random
 import statistics
 import time
 
+from hepti.bench import result_doc
+
 DEVICES = (2, 4, 8, 16, 32)
 STRATEGIES = ("auto", "tensor", "rows", "stream")
 SEQ = 256
@@ -70,9 +72,9 @@ def run_solver_bench(devices=DEVICES, strategies=STRATEGIES, rounds: int = 15, s
         rows.append({"devices": n, "speeds": "size-dependent" if tables else "flat", "strategy": strategy,
                      "median_solve_s": statistics.median(t) if t else None,
                      "max_solve_s": max(t) if t else None, "runs": len(t), "refused": refused.get(case)})
-    return {"benchmark": "solver", "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": "bert-base",
-            "seq_len": SEQ, "rounds": rounds, "seed": seed, "wall_s": time.perf_counter() - t0,
-            "target": "solve_s <= 50 ms at 32 devices", "results": rows}
+    return result_doc("solver", model="bert-base", seq_len=SEQ, rounds=rounds, seed=seed,
+                      wall_s=time.perf_counter() - t0, target="solve_s <= 50 ms at 32 devices",
+                      results=rows)
 
 
 def format_solver(res: dict) -> str:
