@@ -104,7 +104,7 @@ def measure_layer(config: BertConfig, batch: int, seq_len: int, threads: int = 1
     row counts m up to M = batch * seq_len:
       qkv = [m,C]x[C,3C] (+bias); its K/V into an [M, 2C] buffer (as the Allgatherv leaves
       them); attention of m query rows against all M keys (timed on its own);
-      [m,C]x[C,C]; [m,C]x[C,F] (+bias, GeLU); [m,F]x[F,C],
+      [m,C]x[C,C]; [m,C]x[C,F] (+bias, GeLU) then [m,F]x[F,C] in one `ffn` call,
     with weights packed as the runtime packs them.
     GeMM: [[min(m, C), FLOP/s], ...], keyed by the GeMM's smallest dimension (most of them).
     Attention: [[FLOPs of the call, FLOP/s], ...], 4 m T C FLOPs each: keyed by the call's
@@ -135,7 +135,6 @@ def measure_layer(config: BertConfig, batch: int, seq_len: int, threads: int = 1
 
     def layer_fn(m: int):
         x = rng.standard_normal((m, C), dtype=np.float32)
-        h = np.empty((m, F), np.float32)
         turn = [0]
         spent = attention_s[m] = []  # (attention, whole layer) seconds of each call but the first
 
@@ -149,8 +148,7 @@ def measure_layer(config: BertConfig, batch: int, seq_len: int, threads: int = 1
             ctx = K.attention_qkv(qkv, mask, H, kv=kv, threads=threads)
             t1 = time.perf_counter()
             K.gemm(ctx, o, threads=threads)
-            K.gemm(x, up, bias=bf, gelu=True, out=h, threads=threads)
-            K.gemm(h, down, threads=threads)
+            K.ffn(x, up, bf, down, threads=threads)  # as LayerShard.ffn_partial runs the MLP
             if turn[0] > 1:
                 spent.append((t1 - t0, time.perf_counter() - start))
         return layer
@@ -684,8 +682,8 @@ def calibrate_collectives(comm, prof: dict, config: BertConfig, rows: int, reps:
 # Part of the cache key: bump it when what a profile measures changes, so cached profiles
 # measured the old way are measured again (2: attention timed inside a layer, by call size;
 # 3: its part of the layer scaled to the windowed layer time; 4: collectives calibrated through
-# the runtime's direct-exchange verbs).
-PROFILER_REVISION = 4
+# the runtime's direct-exchange verbs; 5: the MLP's GeMMs timed as one `ffn` call).
+PROFILER_REVISION = 5
 
 
 def cache_dir() -> Path:
