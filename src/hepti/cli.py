@@ -186,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=_positive_int, default=15, help="interleaved rounds (default 15)")
     b.add_argument("--out", default="results/solver.json", help="write the JSON here (default %(default)s)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b = bsub.add_parser("comm", help="under mpiexec -n N: hepti's row verbs (direct exchange) vs "
-                                     "MPI's Allgatherv and Reduce_scatter on a forward's shapes")
+    b = bsub.add_parser("comm", help="under mpiexec -n N: hepti's row verbs (point-to-point, and "
+                                     "the shared window on one host) vs MPI's Allgatherv and "
+                                     "Reduce_scatter on a forward's shapes")
     b.add_argument("--repeat", type=_positive_int, default=200, help="calls of each (default 200)")
     b.add_argument("--out", default="results/comm.json", help="write the JSON here (default %(default)s)")
     b.add_argument("--json", action="store_true", help="print one JSON object")

@@ -1,5 +1,6 @@
 """Under mpiexec -n N: each row verb of hepti.parallel.comm against the same arithmetic in numpy,
-with uneven counts, ranks of zero rows, strided inputs and a tail of more than one axis."""
+with uneven counts, ranks of zero rows, strided inputs and a tail of more than one axis, on both
+transports (point-to-point messages; the shared window, when the ranks share a host)."""
 from __future__ import annotations
 
 import sys
@@ -12,9 +13,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi_helpers import COMM, all_ok  # noqa: E402
 
 from hepti.counts import offsets  # noqa: E402
-from hepti.parallel.comm import Comm  # noqa: E402
+from hepti.parallel.comm import RING, Comm, choose_transport  # noqa: E402
 
 N, RANK = COMM.Get_size(), COMM.Get_rank()
+ONE_HOST = N > 1 and choose_transport(COMM, "auto") == "shm"  # one rank: no transport at all
+TRANSPORTS = ["p2p", pytest.param("shm", marks=pytest.mark.skipif(
+    not ONE_HOST, reason="the ranks do not share a host (or HEPTI_COMM / MPIR_CVAR_NOLOCAL)"))]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def group(request):
+    g = Comm(COMM, transport=request.param)
+    assert g.transport == (request.param if N > 1 else "solo")
+    yield g
+    g.close()
 
 
 def layouts():
@@ -34,8 +46,8 @@ def data(total: int, tail: tuple, salt: int) -> np.ndarray:
 
 @pytest.mark.parametrize("rc", list(layouts()), ids=str)
 @pytest.mark.parametrize("tail", [(6,), (2, 3)], ids=str)
-def test_row_verbs_match_numpy(rc, tail):
-    g, o, m = Comm(COMM), offsets(rc), sum(rc)
+def test_row_verbs_match_numpy(group, rc, tail):
+    g, o, m = group, offsets(rc), sum(rc)
     mine = slice(o[RANK], o[RANK] + rc[RANK])
     full = data(m, tail, 0)
     errs = []
@@ -57,12 +69,21 @@ def test_row_verbs_match_numpy(rc, tail):
     got = g.reduce_scatter_rows(partial, rc)
     if got.shape != want.shape or not np.array_equal(got, want):
         errs.append("reduce_scatter_rows")
+    buf = g.partial_buffer(partial.shape)  # computed in place, as the forward's GeMMs do
+    if buf is not None:
+        buf[...] = partial
+    got = g.reduce_scatter_rows(partial if buf is None else buf, rc)
+    if got.shape != want.shape or not np.array_equal(got, want):
+        errs.append("reduce_scatter_rows in partial_buffer")
+    got = g.bcast_to_all(full if RANK == 0 else None, full.shape)
+    if not np.array_equal(got, full):
+        errs.append("bcast_to_all")
     all_ok(not errs, f"counts {rc}, tail {tail}: wrong {errs}")
 
 
-def test_bytes_counted_once_per_message():
+def test_bytes_counted_once_per_message(group):
     """Each rank's sent bytes are what its peers received: the tracer counts what moved."""
-    g = Comm(COMM)
+    g = group
     rc = [2 * j + 1 for j in range(N)]
     m = sum(rc)
     g.allgather_rows(np.ones((rc[RANK], 4), np.float32), rc)
@@ -70,3 +91,46 @@ def test_bytes_counted_once_per_message():
     sent = COMM.allreduce(g.tracer.bytes_sent)
     recv = COMM.allreduce(g.tracer.bytes_recv)
     all_ok(sent == recv and sent == 2 * 4 * 4 * m * (N - 1), f"sent {sent} received {recv}")
+
+
+def test_transports_sum_alike():
+    """A Reduce_scatter's sums are bit for bit the same on both transports (rank order)."""
+    rng = np.random.default_rng(RANK)
+    rc = [5 + j for j in range(N)]
+    partial = rng.standard_normal((sum(rc), 7)).astype(np.float32)
+    got = {}
+    for t in ("p2p", "shm") if ONE_HOST else ("p2p",):
+        g = Comm(COMM, transport=t)
+        got[t] = g.reduce_scatter_rows(partial, rc).copy()
+        g.close()
+    all_ok(all(np.array_equal(v, got["p2p"]) for v in got.values()), "p2p and shm sums differ")
+
+
+@pytest.mark.skipif(not ONE_HOST, reason="the shared window needs the ranks on one host")
+def test_shared_results_live_until_the_third_verb_after():
+    """An Allgatherv result in the shared window survives the group's next RING - 2 verbs,
+    also across the window's growth (the outgrown window is freed later, collectively)."""
+    g = Comm(COMM, transport="shm")
+    rc = [3] * N
+    first = g.allgather_rows(np.full((3, 4), RANK, np.float32), rc)
+    want = first.copy()
+    g.reduce_scatter_rows(np.full((3 * N, 4), 7.0, np.float32), rc)
+    g.allgather_rows(np.full((3, 4), -1.0, np.float32), rc)
+    ok = np.array_equal(first, want)
+    big = g.allgather_rows(np.full((1 << 16, 8), RANK, np.float32), [1 << 16] * N)  # grows
+    want_big = big.copy()
+    g.allgather_rows(np.full((3, 4), 5.0, np.float32), rc)
+    ok = ok and np.array_equal(big, want_big) and RING >= 3
+    for _ in range(2 * RING):  # cycles the ring and frees the outgrown window
+        g.reduce_scatter_rows(np.ones((3 * N, 4), np.float32), rc)
+    ok = ok and not g.shm.retired
+    g.close()
+    all_ok(ok, "a shared result was overwritten too soon, or the old window was kept")
+
+
+def test_transport_choice():
+    with pytest.raises(ValueError, match="HEPTI_COMM='tcp'"):
+        choose_transport(COMM, "tcp")
+    assert choose_transport(COMM, "p2p") == "p2p"
+    if N > 1:
+        assert choose_transport(COMM, "auto") == ("shm" if ONE_HOST else "p2p")

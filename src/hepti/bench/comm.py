@@ -1,11 +1,14 @@
 """`mpiexec -n N hepti bench comm`: hepti's row verbs against MPI's own collectives.
 
 hepti.parallel.comm moves rows by direct point-to-point exchange instead of calling
-MPI_Allgatherv / MPI_Reduce_scatter (see its docstring). This measures the choice, on the
-shapes of a forward: for each case, MPI's collective and hepti's verb run alternately in one
-loop, each call on freshly written input (a forward sends what a kernel has just written, which
-is slower to move between cores than a buffer sent again and again), and the median of each is
-quoted with their ratio. Every rank takes part; rank 0 prints and writes the JSON.
+MPI_Allgatherv / MPI_Reduce_scatter, or, when every rank is on one host, through a shared
+window (see its docstring). This measures both choices on the shapes of a forward: for each
+case, MPI's collective ("mpi"), hepti's verb over point-to-point messages ("p2p") and, on one
+host, over the shared window ("shm") run in turn in one loop (the order rotating), each call on
+freshly written input (a forward sends what a kernel has just written, which is slower to move
+between cores than a buffer sent again and again; on "shm" a Reduce_scatter's input is written
+straight into the verb's buffer, as the forward's GeMM writes it). The median of each is quoted
+with the ratios. Every rank takes part; rank 0 prints and writes the JSON.
 """
 from __future__ import annotations
 
@@ -25,59 +28,81 @@ CASES = (("MiniLM@128 rows K/V", "allgather", 128, 768),
 
 
 def run_comm_bench(mpi_comm, repeat: int = 200, progress: bool = True) -> dict | None:
-    """Median seconds per call of each verb both ways; the dict on rank 0, None elsewhere."""
+    """Median seconds per call of each verb each way; the dict on rank 0, None elsewhere."""
     from mpi4py import MPI
     from tqdm import tqdm
 
     from hepti.counts import counts, offsets
-    from hepti.parallel.comm import Comm
+    from hepti.parallel.comm import Comm, choose_transport
 
-    comm = Comm(mpi_comm)
-    r, n = comm.rank, comm.size
+    groups = {"p2p": Comm(mpi_comm, transport="p2p")}
+    if choose_transport(mpi_comm, "auto") == "shm":
+        groups["shm"] = Comm(mpi_comm, transport="shm")
+    r, n = mpi_comm.Get_rank(), mpi_comm.Get_size()
     results = []
-    bar = tqdm(total=len(CASES) * repeat, desc="comm", unit="pair",
+    bar = tqdm(total=len(CASES) * repeat, desc="comm", unit="round",
                disable=not progress or r != 0)
     for name, verb, m, w in CASES:
         rc = counts(m, [1.0 / n] * n)
         o = offsets(rc)
         sizes, displs = [c * w for c in rc], [x * w for x in o]
+        ways = {}
         if verb == "allgather":
             src = np.empty((rc[r], w), np.float32)
             full = np.empty((m, w), np.float32)
-            ours = lambda: comm.allgather_rows(src, rc)  # noqa: E731
-            theirs = lambda: mpi_comm.Allgatherv(src, [full, (sizes, displs), MPI.FLOAT])  # noqa: E731
+            ways["mpi"] = (lambda: src, lambda a: mpi_comm.Allgatherv(a, [full, (sizes, displs), MPI.FLOAT]))
+            for t, g in groups.items():
+                ways[t] = (lambda: src, lambda a, g=g: g.allgather_rows(a, rc))
         else:
             src = np.empty((m, w), np.float32)
             mine = np.empty((rc[r], w), np.float32)
-            ours = lambda: comm.reduce_scatter_rows(src, rc)  # noqa: E731
-            theirs = lambda: mpi_comm.Reduce_scatter(src, mine, sizes, op=MPI.SUM)  # noqa: E731
-        times = {"mpi": [], "hepti": []}
+            ways["mpi"] = (lambda: src, lambda a: mpi_comm.Reduce_scatter(a, mine, sizes, op=MPI.SUM))
+            for t, g in groups.items():  # "shm": the input written into the verb's own buffer
+                ways[t] = (lambda g=g: _or(g.partial_buffer((m, w)), src),
+                           lambda a, g=g: g.reduce_scatter_rows(a, rc))
+        times = {way: [] for way in ways}
+        order = list(ways)
         for k in range(repeat):
-            for way, fn in (("mpi", theirs), ("hepti", ours)) if k % 2 else (("hepti", ours), ("mpi", theirs)):
-                src.fill(k)  # freshly written, as a kernel's output is
+            for way in order[k % len(order):] + order[:k % len(order)]:
+                target, fn = ways[way]
+                a = target()
+                a.fill(k)  # freshly written, as a kernel's output is
                 mpi_comm.Barrier()
                 t0 = time.perf_counter()
-                fn()
+                fn(a)
                 times[way].append(time.perf_counter() - t0)
             bar.update(1)
         slowest = {way: max(mpi_comm.allgather(statistics.median(t))) for way, t in times.items()}
-        results.append({"case": name, "verb": verb, "rows": m, "width": w, "row_counts": rc,
-                        "mpi_s": slowest["mpi"], "hepti_s": slowest["hepti"],
-                        "mpi_over_hepti": slowest["mpi"] / slowest["hepti"]})
+        row = {"case": name, "verb": verb, "rows": m, "width": w, "row_counts": rc}
+        row.update({f"{way}_s": t for way, t in slowest.items()})
+        row["mpi_over_p2p"] = slowest["mpi"] / slowest["p2p"]
+        if "shm" in slowest:
+            row["p2p_over_shm"] = slowest["p2p"] / slowest["shm"]
+        results.append(row)
     bar.close()
+    for g in groups.values():
+        g.close()
     if r != 0:
         return None
-    return result_doc("comm", ranks=n, repeat=repeat,
+    return result_doc("comm", ranks=n, repeat=repeat, transports=["mpi", *groups],
                       mpi_library=MPI.Get_library_version().splitlines()[0].strip(),
-                      note="median seconds per call, the slowest rank's; calls of the two ways "
-                           "alternate", results=results)
+                      note="median seconds per call, the slowest rank's; the ways take turns, "
+                           "their order rotating", results=results)
+
+
+def _or(a, b):
+    return b if a is None else a
 
 
 def format_comm(res: dict) -> str:
-    lines = [f"row verbs on {res['ranks']} ranks, median of {res['repeat']} alternating calls "
-             f"({res['mpi_library']})",
-             f"{'case':<34} {'verb':<15} {'MPI us':>8} {'hepti us':>9} {'MPI/hepti':>10}"]
+    shm = "shm" in res["transports"]
+    lines = [f"row verbs on {res['ranks']} ranks, median of {res['repeat']} calls each, taking "
+             f"turns ({res['mpi_library']})",
+             f"{'case':<34} {'verb':<15} {'MPI us':>8} {'p2p us':>8}" + (f" {'shm us':>8}" if shm else "")
+             + f" {'MPI/p2p':>8}" + (f" {'p2p/shm':>8}" if shm else "")]
     for x in res["results"]:
-        lines.append(f"{x['case']:<34} {x['verb']:<15} {x['mpi_s'] * 1e6:>8.1f} "
-                     f"{x['hepti_s'] * 1e6:>9.1f} {x['mpi_over_hepti']:>10.2f}")
+        line = f"{x['case']:<34} {x['verb']:<15} {x['mpi_s'] * 1e6:>8.1f} {x['p2p_s'] * 1e6:>8.1f}"
+        line += f" {x['shm_s'] * 1e6:>8.1f}" if shm else ""
+        line += f" {x['mpi_over_p2p']:>8.2f}" + (f" {x['p2p_over_shm']:>8.2f}" if shm else "")
+        lines.append(line)
     return "\n".join(lines)

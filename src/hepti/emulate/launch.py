@@ -15,7 +15,8 @@ How a rank lands on its device (no flags needed on the user's mpiexec):
    device count are refused: one rank per device).
 4. MPICH is told to use TCP over the shaped links: `MPIR_CVAR_NOLOCAL=1`,
    `MPIR_CVAR_CH4_NETMOD=ofi`, `FI_PROVIDER=tcp`, `FI_TCP_IFACE=emu0` (without NOLOCAL it would
-   use shared memory; distinct hostnames per device also keep it off shared memory).
+   use shared memory; distinct hostnames per device also keep it off shared memory), and
+   `HEPTI_COMM=p2p` keeps hepti's own shared-window transport (parallel/comm.py) off them too.
    Open MPI cannot do this (its PMIx server binds 127.0.0.1), so COMMAND's mpiexec must be
    MPICH's Hydra; a bare `mpiexec` is taken from next to sys.executable (the hepti venv) first.
 
@@ -57,7 +58,7 @@ from hepti.emulate.spec import ClusterSpec, EmulateError, check_cpu_fits, format
 from hepti.emulate.state import DEVICE_ENV, STATE_ENV, write_state
 
 MPICH_TCP_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
-                 "FI_TCP_IFACE": INNER_IFACE}
+                 "FI_TCP_IFACE": INNER_IFACE, "HEPTI_COMM": "p2p"}
 GRACE_S = (3.0, 3.0)  # after SIGINT, then after SIGTERM, before SIGKILL
 PR_SET_PDEATHSIG = 1
 _ONE_RUN = threading.Lock()  # names derive from the pid: one run per process at a time

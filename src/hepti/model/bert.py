@@ -69,22 +69,31 @@ class LayerShard:
                    down, vecs[5], (vecs[6], vecs[7]), nbytes)
 
     # --- the operations the strategies compose ------------------------------------------
-    def attention_partial(self, x: np.ndarray, key_mask: np.ndarray, threads: int = 1
-                          ) -> np.ndarray:
+    def attention_partial(self, x: np.ndarray, key_mask: np.ndarray, threads: int = 1,
+                          out: np.ndarray | None = None) -> np.ndarray:
         """x [M, C] (all rows) -> this shard's partial sum of the attention output [M, C]
-        (out-projection of its heads only; without bias). Zero heads -> zeros."""
-        M, C = x.shape
+        (out-projection of its heads only; without bias), in `out` if given. Zero heads ->
+        zeros."""
         if self.qkv is None:
-            return np.zeros((M, C), dtype=np.float32)
+            return _zeros(out, x.shape)
         qkv = K.gemm(x, self.qkv, bias=self.qkv_bias, threads=threads)  # [M, 3hD]
         ctx = K.attention_qkv(qkv, key_mask, self.n_heads, threads=threads)  # [M, hD]
-        return K.gemm(ctx, self.o, threads=threads)  # [M, C] partial
+        return K.gemm(ctx, self.o, out=out, threads=threads)  # [M, C] partial
 
-    def ffn_partial(self, x: np.ndarray, threads: int = 1) -> np.ndarray:
-        """x [M, C] -> this shard's partial sum of the FFN output [M, C] (without bias)."""
+    def ffn_partial(self, x: np.ndarray, threads: int = 1, out: np.ndarray | None = None
+                    ) -> np.ndarray:
+        """x [M, C] -> this shard's partial sum of the FFN output [M, C] (without bias), in
+        `out` if given."""
         if self.up is None:
-            return np.zeros_like(x)
-        return K.ffn(x, self.up, self.up_bias, self.down, threads=threads)  # [M, C] partial
+            return _zeros(out, x.shape)
+        return K.ffn(x, self.up, self.up_bias, self.down, threads=threads, out=out)
+
+
+def _zeros(out: np.ndarray | None, shape: tuple) -> np.ndarray:
+    if out is None:
+        return np.zeros(shape, np.float32)
+    out[...] = 0.0
+    return out
 
 
 def validate_inputs(config: BertConfig, ids: np.ndarray, mask: np.ndarray | None,

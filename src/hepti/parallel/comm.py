@@ -21,6 +21,20 @@ arrive at different moments, the gap was wider: MiniLM's 12 Reduce_scatters per 
 A direct exchange sends each byte once, as a ring does, in one round instead of N-1; hepti's
 clusters have a handful of devices, where one round of N-1 messages per rank is the better
 trade. Bcast stays MPI's own: a tree matters there, and it carries one array a batch.
+
+**Ranks on one host share memory instead** (transport "shm"): the group maps one MPI-3 shared
+window (`MPI_Win_allocate_shared`) cut into RING slots; a verb's ranks write their rows into
+a slot, one barrier orders every write before any read, and each rank reads its peers' rows
+where they lie. MPICH moves a message between two local ranks through its own cells (a copy
+in, a copy out, a handshake); here a byte is written once and read once, and a kernel can
+write its output straight into the slot (`gather_buffer`, `partial_buffer`): the QKV GeMM of
+`rows`, the partial sums of `tensor`. Measured in MiniLM's 2-rank forwards (`hepti run
+--trace`, the later rank's time in the verb): `rows`' K/V Allgatherv 100 -> 65 us, `tensor`'s
+Allgatherv 38 -> 19 us and Reduce_scatter 54 -> 41-51 us; `bin/bench-scaling.sh` quotes what
+that does to the forward. It is chosen when every rank of the group is on one host
+(`MPI_COMM_TYPE_SHARED`), unless $HEPTI_COMM=p2p or MPICH's MPIR_CVAR_NOLOCAL=1 asks for the
+network path; `hepti emulate` sets both, so that its shaped links carry every byte. The
+bytes a verb counts are the same on both transports: what crosses between ranks.
 """
 from __future__ import annotations
 
@@ -36,26 +50,44 @@ from hepti.parallel.trace import Tracer
 
 
 class Comm:
-    """A group of ranks (an mpi4py communicator, or None for one process) with its verbs."""
+    """A group of ranks (an mpi4py communicator, or None for one process) with its verbs.
 
-    def __init__(self, mpi_comm=None, tracer: Tracer | None = None):
+    Constructing one is collective (it asks MPI which ranks share a host), and so is `close()`,
+    which frees the shared window if the group has one."""
+
+    def __init__(self, mpi_comm=None, tracer: Tracer | None = None, transport: str | None = None):
         self.mpi = mpi_comm
         self.rank = mpi_comm.Get_rank() if mpi_comm is not None else 0
         self.size = mpi_comm.Get_size() if mpi_comm is not None else 1
         self.tracer = tracer or Tracer(self.rank)
+        self.transport = "solo" if self.solo else choose_transport(mpi_comm, transport)
+        self.shm = _SharedSlots(mpi_comm) if self.transport == "shm" else None
+        self._parts = self._my_part = None  # the slot of a pending partial_buffer()
+        self._gathered = self._my_rows = None  # the slot of a pending gather_buffer()
 
     @property
     def solo(self) -> bool:
         return self.size == 1
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
 
     # --- one to all ----------------------------------------------------------------------
     def bcast_to_all(self, a: np.ndarray | None, shape, dtype=np.float32, root: int = 0) -> np.ndarray:
         """Bcast: root's array `a` of known shape to every rank."""
         if self.solo:
             return a
-        buf = np.ascontiguousarray(a, dtype=dtype) if self.rank == root else np.empty(shape, dtype)
         with self.tracer.span("Bcast", "bcast"):
-            wait(self.mpi.Ibcast(buf, root=root))
+            if self.shm is not None and np.dtype(dtype) == np.float32:
+                slot = self.shm.take(math.prod(shape)).reshape(shape)
+                if self.rank == root:
+                    slot[...] = a
+                self.shm.sync()
+                buf = np.ascontiguousarray(a, np.float32) if self.rank == root else slot.copy()
+            else:
+                buf = np.ascontiguousarray(a, dtype=dtype) if self.rank == root else np.empty(shape, dtype)
+                wait(self.mpi.Ibcast(buf, root=root))
         n = buf.nbytes
         self.tracer.add_bytes(n * (self.size - 1) if self.rank == root else 0, 0 if self.rank == root else n)
         return buf
@@ -76,9 +108,17 @@ class Comm:
         with self.tracer.span("Scatterv", "scatterv"):
             if r == root:
                 a = np.ascontiguousarray(a, np.float32)
+                out = a[o[r]:o[r] + counts[r]]
+            if self.shm is not None:
+                slot = self.shm.take(sum(counts) * math.prod(tail)).reshape(sum(counts), *tail)
+                if r == root:
+                    slot[...] = a
+                self.shm.sync()
+                if r != root:
+                    out = slot[o[r]:o[r] + counts[r]].copy()
+            elif r == root:
                 wait([self.mpi.Isend(a[o[j]:o[j] + counts[j]], dest=j, tag=_TAG_SCATTER)
                       for j in self._peers(counts)])
-                out = a[o[r]:o[r] + counts[r]]
             else:
                 out = np.empty((counts[r], *tail), np.float32)
                 if counts[r]:
@@ -93,66 +133,139 @@ class Comm:
         if self.solo:
             return a
         o, r = _offsets(tuple(counts)), self.rank
+        m = sum(counts)
         with self.tracer.span("Gatherv", "gatherv"):
-            if r != root:
+            if self.shm is not None:
+                slot = self.shm.take(m * math.prod(a.shape[1:])).reshape(m, *a.shape[1:])
+                if r != root:
+                    slot[o[r]:o[r] + counts[r]] = a
+                self.shm.sync()
+                if r == root:
+                    out = slot.copy()
+                    out[o[r]:o[r] + counts[r]] = a
+            elif r != root:
                 if counts[r]:
                     wait(self.mpi.Isend(np.ascontiguousarray(a, np.float32), dest=root,
                                         tag=_TAG_GATHER))
-                self.tracer.add_bytes(a.nbytes, 0)
-                return None
-            out = np.empty((sum(counts), *a.shape[1:]), np.float32)
-            reqs = [self.mpi.Irecv(out[o[j]:o[j] + counts[j]], source=j, tag=_TAG_GATHER)
-                    for j in self._peers(counts)]
-            out[o[r]:o[r] + counts[r]] = a
-            wait(reqs)
+            else:
+                out = np.empty((m, *a.shape[1:]), np.float32)
+                reqs = [self.mpi.Irecv(out[o[j]:o[j] + counts[j]], source=j, tag=_TAG_GATHER)
+                        for j in self._peers(counts)]
+                out[o[r]:o[r] + counts[r]] = a
+                wait(reqs)
+        if r != root:
+            self.tracer.add_bytes(a.nbytes, 0)
+            return None
         self.tracer.add_bytes(0, out.nbytes - a.nbytes)
         return out
 
     # --- all to all ----------------------------------------------------------------------
-    def allgather_rows(self, a: np.ndarray, counts: list[int]) -> np.ndarray:
+    def gather_buffer(self, counts: list[int], tail: tuple) -> np.ndarray | None:
+        """Where to compute this rank's rows [counts[rank], *tail] of the next `allgather_rows`:
+        on the "shm" transport, its rows of a shared slot, so the verb copies nothing;
+        otherwise None (compute into a fresh array). Call it on every rank or on none, as a
+        verb: it takes a slot of the ring."""
+        if self.shm is None:
+            return None
+        o, r, m = _offsets(tuple(counts)), self.rank, sum(counts)
+        self._gathered = self.shm.take(m * math.prod(tail)).reshape(m, *tail)
+        self._my_rows = self._gathered[o[r]:o[r] + counts[r]]
+        return self._my_rows
+
+    def allgather_rows(self, a: np.ndarray, counts: list[int], cols: slice | None = None
+                       ) -> np.ndarray:
         """Allgatherv: each rank's [counts[rank], *tail] -> everyone's [sum(counts), *tail].
-        `a` may be a strided view (e.g. K/V columns of a QKV output): it is copied once, into
-        its rows of the result, and sent from there."""
+        With `cols`, only those columns of each rank's rows (e.g. K and V of a QKV output).
+        `a` (or its columns) may be strided: they are copied once, into the rank's rows of
+        the result, and sent from there; on "shm", an `a` computed in `gather_buffer` is not
+        copied at all.
+
+        On the "shm" transport the result is a view of the shared window (its rows may be
+        strided), written by every rank: read it, do not write it, and be done with it before
+        this group's third verb call after this one (`RING`). The forwards use it within a
+        layer."""
         if self.solo:
-            return a
+            return a if cols is None else a[:, cols]
         o, r = _offsets(tuple(counts)), self.rank
-        out = np.empty((sum(counts), *a.shape[1:]), np.float32)
-        mine = out[o[r]:o[r] + counts[r]]
+        src = a if cols is None else a[:, cols]
+        shape = (sum(counts), *src.shape[1:])
         with self.tracer.span("Allgatherv", "allgatherv"):
-            reqs = [self.mpi.Irecv(out[o[j]:o[j] + counts[j]], source=j, tag=_TAG_ALLGATHER)
-                    for j in self._peers(counts)]
-            mine[...] = a
-            if counts[r]:
-                reqs += [self.mpi.Isend(mine, dest=j, tag=_TAG_ALLGATHER)
-                         for j in range(self.size) if j != r]
-            wait(reqs)
-        self.tracer.add_bytes(mine.nbytes * (self.size - 1), out.nbytes - mine.nbytes)
+            if self.shm is not None:
+                if self._gathered is None:  # a slot of its own, for src's columns only
+                    self.gather_buffer(counts, src.shape[1:])
+                    self._my_rows[...] = src
+                    cols = None
+                elif a is not self._my_rows:  # a pending buffer, but computed elsewhere
+                    (self._my_rows if cols is None else self._my_rows[:, cols])[...] = src
+                full, self._gathered, self._my_rows = self._gathered, None, None
+                self.shm.sync()
+                out = full if cols is None else full[:, cols]
+            else:
+                out = np.empty(shape, np.float32)
+                mine = out[o[r]:o[r] + counts[r]]
+                reqs = [self.mpi.Irecv(out[o[j]:o[j] + counts[j]], source=j, tag=_TAG_ALLGATHER)
+                        for j in self._peers(counts)]
+                mine[...] = src
+                if counts[r]:
+                    reqs += [self.mpi.Isend(mine, dest=j, tag=_TAG_ALLGATHER)
+                             for j in range(self.size) if j != r]
+                wait(reqs)
+        mine_bytes = 4 * counts[r] * math.prod(shape[1:])
+        self.tracer.add_bytes(mine_bytes * (self.size - 1), 4 * math.prod(shape) - mine_bytes)
         return out
+
+    def partial_buffer(self, shape: tuple) -> np.ndarray | None:
+        """Where to compute the partial sums that go to `reduce_scatter_rows` next: on the
+        "shm" transport this rank's block of a shared slot (float32, `shape`, contiguous), so
+        the verb copies nothing; otherwise None (compute into a fresh array). Call it on every
+        rank of the group or on none, as a verb: it takes a slot of the ring."""
+        if self.shm is None:
+            return None
+        n, size = self.size, math.prod(shape)
+        stride = _pad16(size)  # each rank's block starts on a cache line
+        flat = self.shm.take(n * stride)
+        self._parts = [flat[j * stride:j * stride + size].reshape(shape) for j in range(n)]
+        self._my_part = self._parts[self.rank]
+        return self._my_part
 
     def reduce_scatter_rows(self, partial: np.ndarray, counts: list[int]) -> np.ndarray:
         """Reduce_scatter (sum): everyone's partial [sum(counts), *tail] -> this rank's summed
-        rows [counts[rank], *tail]. Summed in rank order on every rank, so a result does not
-        depend on which messages came first."""
+        rows [counts[rank], *tail]. Summed in rank order on every rank and on either
+        transport, so a result does not depend on which messages came first."""
         if self.solo:
             return partial
         o, r, n = _offsets(tuple(counts)), self.rank, self.size
-        partial = np.ascontiguousarray(partial, np.float32)
-        blocks = [partial[o[j]:o[j] + counts[j]] for j in range(n)]
-        got = [partial[o[r]:o[r] + counts[r]] if j == r else np.empty_like(blocks[r])
-               for j in range(n)]  # got[j]: rank j's partial of my rows
+        mine = slice(o[r], o[r] + counts[r])
         with self.tracer.span("Reduce_scatter", "reduce_scatter"):
-            reqs = [self.mpi.Irecv(got[j], source=j, tag=_TAG_REDUCE) for j in range(n)
-                    if j != r and counts[r]]
-            reqs += [self.mpi.Isend(blocks[j], dest=j, tag=_TAG_REDUCE) for j in self._peers(counts)]
-            wait(reqs)
-            # into a received block (ours to overwrite), in rank order: got[1] + got[0] is
-            # got[0] + got[1] exactly, so rank 0 may start from rank 1's block
-            first = 1 if r == 0 else 0
-            out = got[first]
-            out += got[1 - first]
+            if self.shm is not None:
+                if partial is not self._my_part:  # not computed in place: copy it in (into
+                    # the pending slot if there is one: every rank must take the same slots)
+                    mine_part = self._my_part if self._parts else self.partial_buffer(partial.shape)
+                    mine_part[...] = partial
+                parts, self._parts = self._parts, None
+                self._my_part = None
+                self.shm.sync()
+                got = [p[mine] for p in parts]
+                out = got[0] + got[1]
+            else:
+                partial = np.ascontiguousarray(partial, np.float32)
+                blocks = [partial[o[j]:o[j] + counts[j]] for j in range(n)]
+                got = [partial[mine] if j == r else np.empty_like(blocks[r])
+                       for j in range(n)]  # got[j]: rank j's partial of my rows
+                reqs = [self.mpi.Irecv(got[j], source=j, tag=_TAG_REDUCE) for j in range(n)
+                        if j != r and counts[r]]
+                reqs += [self.mpi.Isend(blocks[j], dest=j, tag=_TAG_REDUCE)
+                         for j in self._peers(counts)]
+                wait(reqs)
+                # into a received block (ours to overwrite), in rank order: got[1] + got[0] is
+                # got[0] + got[1] exactly, so rank 0 may start from rank 1's block
+                first = 1 if r == 0 else 0
+                out = got[first]
+                out += got[1 - first]
             for j in range(2, n):
                 out += got[j]
-        self.tracer.add_bytes(partial.nbytes - blocks[r].nbytes, blocks[r].nbytes * (n - 1))
+        mine_bytes = 4 * counts[r] * math.prod(partial.shape[1:])
+        self.tracer.add_bytes(4 * partial.size - mine_bytes, mine_bytes * (n - 1))
         return out
 
     def _peers(self, counts: list[int]) -> tuple[int, ...]:
@@ -227,6 +340,92 @@ def wait_obj(req):
         if done:
             return obj
         time.sleep(WAIT_SLEEP_S)
+
+
+# --- the shared-memory transport ---------------------------------------------------------------
+TRANSPORT_ENV = "HEPTI_COMM"  # auto (default) | shm | p2p
+RING = 4  # slots the shared window cycles through; an Allgatherv result lives until the
+# group's third verb after it: its slot is written again RING verbs later, by a rank that has
+# returned from the verb before that one, so every rank has entered verb +RING-1 by then.
+
+
+def choose_transport(mpi_comm, requested: str | None = None) -> str:
+    """"shm" when every rank of the group is on this host and nothing asks for the network
+    path, else "p2p". `requested` (or $HEPTI_COMM) forces one; "shm" off one host is an error.
+    Collective: every rank of the group calls it."""
+    want = (requested or os.environ.get(TRANSPORT_ENV) or "auto").strip().lower()
+    if want not in ("auto", "shm", "p2p"):
+        raise ValueError(f"{TRANSPORT_ENV}={want!r}: use auto, shm or p2p")
+    node = mpi_comm.Split_type(_MPI().COMM_TYPE_SHARED)
+    one_host = node.Get_size() == mpi_comm.Get_size()
+    node.Free()
+    if want == "shm" and not one_host:
+        raise ValueError(f"{TRANSPORT_ENV}=shm needs every rank on one host; these ranks span "
+                         "several. Use auto or p2p.")
+    # MPICH's NOLOCAL asks for the network even between local ranks (hepti emulate sets it,
+    # with HEPTI_COMM=p2p, so that its shaped links carry every byte)
+    nolocal = os.environ.get("MPIR_CVAR_NOLOCAL", "0").strip() not in ("", "0")
+    if want == "p2p" or (want == "auto" and (nolocal or not one_host)):
+        return "p2p"
+    return "shm"
+
+
+class _SharedSlots:
+    """RING slots of float32 in one MPI-3 shared window over a group on one host.
+
+    `take(n)` hands out the next slot's first n floats (the same slot on every rank: verbs
+    call it in the same order everywhere), growing the window when n does not fit; `sync()`
+    orders every rank's writes before anyone's reads. A window outgrown is freed once no
+    result can still point into it (RING verbs on), collectively, as all of this is."""
+
+    def __init__(self, mpi_comm):
+        self.mpi = mpi_comm
+        self.win = None
+        self.slots = np.empty((RING, 0), np.float32)
+        self.k = 0  # slots taken so far
+        self.retired: list[tuple[int, object]] = []  # (k when outgrown, window)
+
+    def take(self, n: int) -> np.ndarray:
+        if n > self.slots.shape[1] or self.win is None:
+            self._grow(n)
+        while self.retired and self.k - self.retired[0][0] >= RING:
+            self._free(self.retired.pop(0)[1])
+        slot = self.slots[self.k % RING]
+        self.k += 1
+        return slot[:n]
+
+    def sync(self) -> None:
+        self.win.Sync()
+        wait(self.mpi.Ibarrier())
+        self.win.Sync()
+
+    def _grow(self, n: int) -> None:
+        MPI = _MPI()
+        cap = _pad16(max(n, 2 * self.slots.shape[1], 1 << 16))
+        win = MPI.Win.Allocate_shared(RING * cap * 4 if self.mpi.Get_rank() == 0 else 0, 4,
+                                      comm=self.mpi)
+        win.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch for Win.Sync (writes stay plain stores)
+        buf, _ = win.Shared_query(0)
+        if self.win is not None:
+            self.retired.append((self.k, self.win))
+        self.win, self.slots = win, np.ndarray(buffer=buf, dtype=np.float32, shape=(RING, cap))
+
+    @staticmethod
+    def _free(win) -> None:
+        win.Unlock_all()
+        win.Free()
+
+    def close(self) -> None:
+        for _, w in self.retired:
+            self._free(w)
+        if self.win is not None:
+            self._free(self.win)
+        self.win, self.retired = None, []
+        self.slots = np.empty((RING, 0), np.float32)
+
+
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
 
 
 @functools.lru_cache(maxsize=256)

@@ -261,8 +261,11 @@ class Job:
         return h.reshape(B, T, C) if rank0 else None
 
     def close(self):
+        """Collective over the active ranks (the group frees its shared window)."""
         if self.layers is not None:
             self.layers.close()
+        if self.group is not None:
+            self.group.close()
 
     def rank_stats(self, runs: list[dict]) -> dict:
         """This rank's figures: medians over the timed runs, plus memory and disk reads."""

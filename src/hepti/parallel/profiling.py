@@ -642,13 +642,20 @@ def calibrate_collectives(comm, prof: dict, config: BertConfig, rows: int, reps:
     x = rng.standard_normal((rows, f), dtype=np.float32)
     down = K.pack_b(rng.standard_normal((f, C), dtype=np.float32) / np.float32(math.sqrt(f)))
 
-    def compute():  # the down projection's partial sums, and this rank's rows of them
-        K.gemm(x, down, out=full)
-        mine[:] = full[row0:row0 + rc[rank]]
-
     g = Comm(comm)
+    part = [full]  # where the partial sums are: the verb's own buffer, as in a forward, if any
+
+    def compute():  # the down projection's partial sums, and this rank's rows of them
+        buf = g.partial_buffer(full.shape)
+        part[0] = full if buf is None else buf
+        K.gemm(x, down, out=part[0])
+        mine[:] = part[0][row0:row0 + rc[rank]]
+
+    def no_compute():
+        part[0] = full
+
     probes = {  # the runtime's own verbs
-        "reduce_scatter": lambda: g.reduce_scatter_rows(full, rc),
+        "reduce_scatter": lambda: g.reduce_scatter_rows(part[0], rc),
         "allgatherv": lambda: g.allgather_rows(mine, rc),
         "bcast": lambda: g.bcast_to_all(full, full.shape),
     }
@@ -667,13 +674,14 @@ def calibrate_collectives(comm, prof: dict, config: BertConfig, rows: int, reps:
 
     for kind, fn in probes.items():
         fn()
-        mine_s = max(timed(fn, compute), timed(fn, lambda: None))
+        mine_s = max(timed(fn, compute), timed(fn, no_compute))
         measured = comm.allreduce(mine_s, op=MPI.MAX)
         coll = Collective(kind, None if kind == "bcast" else "rows", 4.0 * C * (rows if kind == "bcast" else 1))
         modelled = max(collective_times(coll, {"rows": rc}, everyone, profile))
         factors[kind] = float(min(max(measured / modelled, 0.2), 50.0)) if modelled > 0 else 1.0
     # Scatterv/Gatherv move the same bytes from/to one root as a Bcast does to all
     factors["scatterv"] = factors["gatherv"] = factors["bcast"]
+    g.close()
     return factors
 
 
@@ -682,8 +690,9 @@ def calibrate_collectives(comm, prof: dict, config: BertConfig, rows: int, reps:
 # Part of the cache key: bump it when what a profile measures changes, so cached profiles
 # measured the old way are measured again (2: attention timed inside a layer, by call size;
 # 3: its part of the layer scaled to the windowed layer time; 4: collectives calibrated through
-# the runtime's direct-exchange verbs; 5: the MLP's GeMMs timed as one `ffn` call).
-PROFILER_REVISION = 5
+# the runtime's direct-exchange verbs; 5: the MLP's GeMMs timed as one `ffn` call; 6: ranks on
+# one host calibrate the shared-memory transport).
+PROFILER_REVISION = 6
 
 
 def cache_dir() -> Path:

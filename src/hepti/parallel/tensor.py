@@ -34,13 +34,14 @@ class TensorExecutor:
             with tr.span(f"L{i} weights", "io"):
                 s = self.layers.get(i)  # resident: at once; stream: waits for the prefetch
             with tr.span(f"L{i} attention", "compute"):
-                part = s.attention_partial(x, key_mask, th)  # [M, C] partial sums of own heads
+                # [M, C] partial sums of own heads, straight into the Reduce_scatter's buffer
+                part = s.attention_partial(x, key_mask, th, out=g.partial_buffer((M, C)))
             rows = g.reduce_scatter_rows(part, rc)  # [r, C]  <- sync
             with tr.span(f"L{i} add+ln", "compute"):
                 x1 = K.add_layernorm(rows, s.o_bias, x[mine], *s.ln1, eps)  # [r, C]
             x = g.allgather_rows(x1, rc)  # [M, C]  <- sync
             with tr.span(f"L{i} ffn", "compute"):
-                part = s.ffn_partial(x, th)  # [M, C] partial sums of own FFN columns
+                part = s.ffn_partial(x, th, out=g.partial_buffer((M, C)))  # own FFN columns'
             rows = g.reduce_scatter_rows(part, rc)  # [r, C]  <- sync
             with tr.span(f"L{i} add+ln", "compute"):
                 x2 = K.add_layernorm(rows, s.down_bias, x[mine], *s.ln2, eps)  # [r, C]
