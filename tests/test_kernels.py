@@ -335,17 +335,6 @@ def test_attention_qkv_rejects_bad_arguments():
         attention_qkv(qkv[:5].copy(), mask, 2, kv=np.ascontiguousarray(qkv[:, 8:]), row0=16)
 
 
-def test_attention_qkv_kv_may_be_columns_of_a_wider_buffer():
-    """`rows` on one host gathers every rank's whole QKV rows in a shared buffer and passes
-    its K/V columns, rows 3*H*D apart: the same answer as a contiguous copy of them."""
-    q, k, v, mask = attention_case(2, 10, 2, 4, [0, 3])
-    qkv = q.base  # [20, 24]: q | k | v
-    w = qkv.shape[1] // 3
-    want = attention_qkv(qkv[5:12].copy(), mask, 2, kv=np.ascontiguousarray(qkv[:, w:]), row0=5)
-    got = attention_qkv(qkv[5:12], mask, 2, kv=qkv[:, w:], row0=5)
-    np.testing.assert_array_equal(got, want)
-
-
 def test_attention_rejects_bad_arguments():
     q, k, v, mask = attention_case(2, 10, 2, 4, [0, 0])
     with pytest.raises(ValueError, match="n_heads"):

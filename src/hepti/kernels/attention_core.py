@@ -143,9 +143,8 @@ def attention_qkv(qkv: np.ndarray, key_mask: np.ndarray, n_heads: int,
     """attention() on the output of a fused QKV GeMM, as the encoder layers call it.
 
     qkv: C-contiguous float32 [Mq, 3*H*D], columns q | k | v of rows row0 .. row0+Mq-1. With
-    kv (float32 [B*T, 2*H*D] with contiguous rows, columns k | v of every row: what `rows`
-    gathers, possibly the K/V columns of every rank's QKV output in one shared buffer), the
-    queries attend to kv's keys; without it, qkv holds every row and its own k and v.
+    kv (C-contiguous float32 [B*T, 2*H*D], columns k | v of every row: what `rows` gathers),
+    the queries attend to kv's keys; without it, qkv holds every row and its own k and v.
     Returns a new ctx [Mq, H*D].
 
     The same computation as attention(q, k, v) on column views, but the views are taken here
@@ -167,11 +166,11 @@ def attention_qkv(qkv: np.ndarray, key_mask: np.ndarray, n_heads: int,
                              f"of key_mask {key_mask.shape}")
         k, v = (flat[width:], w3), (flat[2 * width:], w3)
     else:
-        if kv.shape != (n_seq * t, 2 * width):
-            raise ValueError(f"kv must be {(n_seq * t, 2 * width)} with contiguous rows, got "
-                             f"shape {kv.shape}")
-        kf, ld = flat_rows(kv, "kv")  # C-contiguous, or rows of a wider buffer
-        k, v = (kf, ld), (kf[width:], ld)
+        check_float32(kv, "kv", 2)
+        if kv.shape != (n_seq * t, 2 * width) or not kv.flags.c_contiguous:
+            raise ValueError(f"kv must be C-contiguous {(n_seq * t, 2 * width)}, got {kv.shape}")
+        kf = kv.reshape(-1)
+        k, v = (kf, 2 * width), (kf[width:], 2 * width)
     ctx = np.empty((mq, width), np.float32)
     return _attend_all((flat, w3), k, v, key_mask, ctx, n_heads, row0, threads)
 

@@ -26,12 +26,13 @@ trade. Bcast stays MPI's own: a tree matters there, and it carries one array a b
 window (`MPI_Win_allocate_shared`) cut into RING slots; a verb's ranks write their rows into
 a slot, one barrier orders every write before any read, and each rank reads its peers' rows
 where they lie. MPICH moves a message between two local ranks through its own cells (a copy
-in, a copy out, a handshake); here a byte is written once and read once, and a kernel can
-write its output straight into the slot (`gather_buffer`, `partial_buffer`): the QKV GeMM of
-`rows`, the partial sums of `tensor`. Measured in MiniLM's 2-rank forwards (`hepti run
---trace`, the later rank's time in the verb): `rows`' K/V Allgatherv 100 -> 65 us, `tensor`'s
-Allgatherv 38 -> 19 us and Reduce_scatter 54 -> 41-51 us; `bin/bench-scaling.sh` quotes what
-that does to the forward. It is chosen when every rank of the group is on one host
+in, a copy out, a handshake); here a byte is written once and read once, and `tensor`'s GeMMs
+write their partial sums straight into the slot (`partial_buffer`). Measured in MiniLM's
+2-rank forwards (`hepti run --trace`, the later rank's time in the verb): `rows`' K/V
+Allgatherv 100 -> 65 us, `tensor`'s Allgatherv 38 -> 19 us and Reduce_scatter 54 -> 41-51
+us; `bin/bench-scaling.sh` quotes what that does to the forward. (Writing `rows`' QKV GeMM
+into the slot as well saved the K/V copy but not time: attention then read K/V with rows
+three times wider, half of them from the other core's cache; A/B equal.) It is chosen when every rank of the group is on one host
 (`MPI_COMM_TYPE_SHARED`), unless $HEPTI_COMM=p2p or MPICH's MPIR_CVAR_NOLOCAL=1 asks for the
 network path; `hepti emulate` sets both, so that its shaped links carry every byte. The
 bytes a verb counts are the same on both transports: what crosses between ranks.
@@ -63,7 +64,6 @@ class Comm:
         self.transport = "solo" if self.solo else choose_transport(mpi_comm, transport)
         self.shm = _SharedSlots(mpi_comm) if self.transport == "shm" else None
         self._parts = self._my_part = None  # the slot of a pending partial_buffer()
-        self._gathered = self._my_rows = None  # the slot of a pending gather_buffer()
 
     @property
     def solo(self) -> bool:
@@ -160,52 +160,30 @@ class Comm:
         return out
 
     # --- all to all ----------------------------------------------------------------------
-    def gather_buffer(self, counts: list[int], tail: tuple) -> np.ndarray | None:
-        """Where to compute this rank's rows [counts[rank], *tail] of the next `allgather_rows`:
-        on the "shm" transport, its rows of a shared slot, so the verb copies nothing;
-        otherwise None (compute into a fresh array). Call it on every rank or on none, as a
-        verb: it takes a slot of the ring."""
-        if self.shm is None:
-            return None
-        o, r, m = _offsets(tuple(counts)), self.rank, sum(counts)
-        self._gathered = self.shm.take(m * math.prod(tail)).reshape(m, *tail)
-        self._my_rows = self._gathered[o[r]:o[r] + counts[r]]
-        return self._my_rows
-
-    def allgather_rows(self, a: np.ndarray, counts: list[int], cols: slice | None = None
-                       ) -> np.ndarray:
+    def allgather_rows(self, a: np.ndarray, counts: list[int]) -> np.ndarray:
         """Allgatherv: each rank's [counts[rank], *tail] -> everyone's [sum(counts), *tail].
-        With `cols`, only those columns of each rank's rows (e.g. K and V of a QKV output).
-        `a` (or its columns) may be strided: they are copied once, into the rank's rows of
-        the result, and sent from there; on "shm", an `a` computed in `gather_buffer` is not
-        copied at all.
+        `a` may be a strided view (e.g. K/V columns of a QKV output): it is copied once, into
+        its rows of the result, and sent from there.
 
-        On the "shm" transport the result is a view of the shared window (its rows may be
-        strided), written by every rank: read it, do not write it, and be done with it before
-        this group's third verb call after this one (`RING`). The forwards use it within a
-        layer."""
+        On the "shm" transport the result is a view of the shared window, written by every
+        rank: read it, do not write it, and be done with it before this group's third verb
+        call after this one (`RING`). The forwards use it within a layer. (Copying it out
+        instead made `tensor` ~2.5% slower: its GeMMs stream the rows in place well.)"""
         if self.solo:
-            return a if cols is None else a[:, cols]
+            return a
         o, r = _offsets(tuple(counts)), self.rank
-        src = a if cols is None else a[:, cols]
-        shape = (sum(counts), *src.shape[1:])
+        shape = (sum(counts), *a.shape[1:])
         with self.tracer.span("Allgatherv", "allgatherv"):
             if self.shm is not None:
-                if self._gathered is None:  # a slot of its own, for src's columns only
-                    self.gather_buffer(counts, src.shape[1:])
-                    self._my_rows[...] = src
-                    cols = None
-                elif a is not self._my_rows:  # a pending buffer, but computed elsewhere
-                    (self._my_rows if cols is None else self._my_rows[:, cols])[...] = src
-                full, self._gathered, self._my_rows = self._gathered, None, None
+                out = self.shm.take(math.prod(shape)).reshape(shape)
+                out[o[r]:o[r] + counts[r]] = a
                 self.shm.sync()
-                out = full if cols is None else full[:, cols]
             else:
                 out = np.empty(shape, np.float32)
                 mine = out[o[r]:o[r] + counts[r]]
                 reqs = [self.mpi.Irecv(out[o[j]:o[j] + counts[j]], source=j, tag=_TAG_ALLGATHER)
                         for j in self._peers(counts)]
-                mine[...] = src
+                mine[...] = a
                 if counts[r]:
                     reqs += [self.mpi.Isend(mine, dest=j, tag=_TAG_ALLGATHER)
                              for j in range(self.size) if j != r]

@@ -30,9 +30,9 @@ class RowsExecutor:
         for i in range(cfg.num_hidden_layers):
             with tr.span(f"L{i} weights", "io"):
                 s = self.layers.get(i)  # resident: at once; stream: waits for the prefetch
-            with tr.span(f"L{i} qkv", "compute"):  # [r, 3C]: q | k | v (on one host: shared)
-                qkv = K.gemm(x, s.qkv, bias=s.qkv_bias, threads=th, out=g.gather_buffer(rc, (3 * C,)))
-            kv = g.allgather_rows(qkv, rc, cols=slice(C, 3 * C))  # [M, 2C] <- sync: all K/V rows
+            with tr.span(f"L{i} qkv", "compute"):
+                qkv = K.gemm(x, s.qkv, bias=s.qkv_bias, threads=th)  # [r, 3C]: q | k | v
+            kv = g.allgather_rows(qkv[:, C:], rc)  # [M, 2C]  <- sync: every rank's K/V rows
             with tr.span(f"L{i} attention", "compute"):
                 ctx = K.attention_qkv(qkv, key_mask, H, kv=kv, row0=r0, threads=th)  # [r, C]
             with tr.span(f"L{i} o-proj+ln", "compute"):
