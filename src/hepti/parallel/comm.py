@@ -32,10 +32,11 @@ write their partial sums straight into the slot (`partial_buffer`). Measured in 
 Allgatherv 100 -> 65 us, `tensor`'s Allgatherv 38 -> 19 us and Reduce_scatter 54 -> 41-51
 us; `bin/bench-scaling.sh` quotes what that does to the forward. (Writing `rows`' QKV GeMM
 into the slot as well saved the K/V copy but not time: attention then read K/V with rows
-three times wider, half of them from the other core's cache; A/B equal.) It is chosen when every rank of the group is on one host
-(`MPI_COMM_TYPE_SHARED`), unless $HEPTI_COMM=p2p or MPICH's MPIR_CVAR_NOLOCAL=1 asks for the
-network path; `hepti emulate` sets both, so that its shaped links carry every byte. The
-bytes a verb counts are the same on both transports: what crosses between ranks.
+three times wider, half of them from the other core's cache; A/B equal.)
+It is chosen when every rank of the group is on one host (`MPI_COMM_TYPE_SHARED`), unless
+$HEPTI_COMM=p2p or MPICH's MPIR_CVAR_NOLOCAL=1 asks for the network path; `hepti emulate` sets
+both, so that its shaped links carry every byte. The bytes a verb counts are the same on both
+transports: what crosses between ranks.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ import time
 import numpy as np
 
 from hepti.counts import offsets
+from hepti.errors import InputError
 from hepti.parallel.trace import Tracer
 
 
@@ -333,12 +335,12 @@ def choose_transport(mpi_comm, requested: str | None = None) -> str:
     Collective: every rank of the group calls it."""
     want = (requested or os.environ.get(TRANSPORT_ENV) or "auto").strip().lower()
     if want not in ("auto", "shm", "p2p"):
-        raise ValueError(f"{TRANSPORT_ENV}={want!r}: use auto, shm or p2p")
+        raise InputError(f"{TRANSPORT_ENV}={want!r}: use auto, shm or p2p")
     node = mpi_comm.Split_type(_MPI().COMM_TYPE_SHARED)
     one_host = node.Get_size() == mpi_comm.Get_size()
     node.Free()
     if want == "shm" and not one_host:
-        raise ValueError(f"{TRANSPORT_ENV}=shm needs every rank on one host; these ranks span "
+        raise InputError(f"{TRANSPORT_ENV}=shm needs every rank on one host; these ranks span "
                          "several. Use auto or p2p.")
     # MPICH's NOLOCAL asks for the network even between local ranks (hepti emulate sets it,
     # with HEPTI_COMM=p2p, so that its shaped links carry every byte)
