@@ -198,7 +198,8 @@ class Comm:
         """Where to compute the partial sums that go to `reduce_scatter_rows` next: on the
         "shm" transport this rank's block of a shared slot (float32, `shape`, contiguous), so
         the verb copies nothing; otherwise None (compute into a fresh array). Call it on every
-        rank of the group or on none, as a verb: it takes a slot of the ring."""
+        rank of the group or on none, as a verb: it takes a slot of the ring; and hand the
+        partial sums to reduce_scatter_rows before any other verb of the group."""
         if self.shm is None:
             return None
         n, size = self.size, math.prod(shape)
