@@ -368,3 +368,10 @@ def test_ffn_equals_two_gemms(m, threads):
     np.testing.assert_array_equal(ffn(x, up, bias, down, threads=threads), want)
     with pytest.raises(ValueError, match="cannot chain"):
         ffn(x, up, bias, pack_b(rand(24, 70)))
+    out = np.full((m, 24), np.nan, np.float32)  # a buffer of the caller's (tensor's shared slot)
+    assert ffn(x, up, bias, down, threads=threads, out=out) is out
+    np.testing.assert_array_equal(out, want)
+    wide = np.full((m, 30), np.nan, np.float32)  # a column block: rows contiguous, not the whole
+    got = ffn(x, up, bias, down, threads=threads, out=wide[:, 3:27])
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(wide[:, 3:27], want)
