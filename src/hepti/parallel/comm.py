@@ -25,9 +25,10 @@ trade. Bcast stays MPI's own: a tree matters there, and it carries one array a b
 **Ranks on one host share memory instead** (transport "shm"): the group maps one MPI-3 shared
 window (`MPI_Win_allocate_shared`) cut into RING slots; a verb's ranks write their rows into
 a slot, one barrier orders every write before any read, and each rank reads its peers' rows
-where they lie. MPICH moves a message between two local ranks through its own cells (a copy
-in, a copy out, a handshake); here a byte is written once and read once, and `tensor`'s GeMMs
-write their partial sums straight into the slot (`partial_buffer`). Measured in MiniLM's
+where they lie (Scatterv, Gatherv and Bcast go the same way, their results copied out, as
+the caller may keep them). MPICH moves a message between two local ranks through its own
+cells (a copy in, a copy out, a handshake); here a byte is written once and read once, and
+`tensor`'s GeMMs write their partial sums straight into the slot (`partial_buffer`). Measured in MiniLM's
 2-rank forwards (`hepti run --trace`, the later rank's time in the verb): `rows`' K/V
 Allgatherv 100 -> 65 us, `tensor`'s Allgatherv 38 -> 19 us and Reduce_scatter 54 -> 41-51
 us; `bin/bench-scaling.sh` quotes what that does to the forward. (Writing `rows`' QKV GeMM
@@ -82,7 +83,7 @@ class Comm:
             return a
         with self.tracer.span("Bcast", "bcast"):
             if self.shm is not None and np.dtype(dtype) == np.float32:
-                slot = self.shm.take(math.prod(shape)).reshape(shape)
+                slot = self.shm.take(shape)
                 if self.rank == root:
                     slot[...] = a
                 self.shm.sync()
@@ -112,9 +113,10 @@ class Comm:
                 a = np.ascontiguousarray(a, np.float32)
                 out = a[o[r]:o[r] + counts[r]]
             if self.shm is not None:
-                slot = self.shm.take(sum(counts) * math.prod(tail)).reshape(sum(counts), *tail)
-                if r == root:
-                    slot[...] = a
+                slot = self.shm.take((sum(counts), *tail))
+                if r == root:  # the peers' rows: the root keeps its own where they are
+                    slot[:o[r]] = a[:o[r]]
+                    slot[o[r] + counts[r]:] = a[o[r] + counts[r]:]
                 self.shm.sync()
                 if r != root:
                     out = slot[o[r]:o[r] + counts[r]].copy()
@@ -138,7 +140,7 @@ class Comm:
         m = sum(counts)
         with self.tracer.span("Gatherv", "gatherv"):
             if self.shm is not None:
-                slot = self.shm.take(m * math.prod(a.shape[1:])).reshape(m, *a.shape[1:])
+                slot = self.shm.take((m, *a.shape[1:]))
                 if r != root:
                     slot[o[r]:o[r] + counts[r]] = a
                 self.shm.sync()
@@ -177,7 +179,7 @@ class Comm:
         shape = (sum(counts), *a.shape[1:])
         with self.tracer.span("Allgatherv", "allgatherv"):
             if self.shm is not None:
-                out = self.shm.take(math.prod(shape)).reshape(shape)
+                out = self.shm.take(shape)
                 out[o[r]:o[r] + counts[r]] = a
                 self.shm.sync()
             else:
@@ -204,7 +206,7 @@ class Comm:
             return None
         n, size = self.size, math.prod(shape)
         stride = _pad16(size)  # each rank's block starts on a cache line
-        flat = self.shm.take(n * stride)
+        flat = self.shm.take((n * stride,))
         self._parts = [flat[j * stride:j * stride + size].reshape(shape) for j in range(n)]
         self._my_part = self._parts[self.rank]
         return self._my_part
@@ -354,8 +356,9 @@ def choose_transport(mpi_comm, requested: str | None = None) -> str:
 class _SharedSlots:
     """RING slots of float32 in one MPI-3 shared window over a group on one host.
 
-    `take(n)` hands out the next slot's first n floats (the same slot on every rank: verbs
-    call it in the same order everywhere), growing the window when n does not fit; `sync()`
+    `take(shape)` hands out the next slot's first floats as an array of that shape (the same
+    slot on every rank: verbs call it in the same order everywhere), growing the window when
+    they do not fit; `sync()`
     orders every rank's writes before anyone's reads. A window outgrown is freed once no
     result can still point into it (RING verbs on), collectively, as all of this is."""
 
@@ -366,14 +369,15 @@ class _SharedSlots:
         self.k = 0  # slots taken so far
         self.retired: list[tuple[int, object]] = []  # (k when outgrown, window)
 
-    def take(self, n: int) -> np.ndarray:
+    def take(self, shape: tuple) -> np.ndarray:
+        n = math.prod(shape)
         if n > self.slots.shape[1] or self.win is None:
             self._grow(n)
         while self.retired and self.k - self.retired[0][0] >= RING:
             self._free(self.retired.pop(0)[1])
         slot = self.slots[self.k % RING]
         self.k += 1
-        return slot[:n]
+        return slot[:n].reshape(shape)
 
     def sync(self) -> None:
         self.win.Sync()
