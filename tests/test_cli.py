@@ -38,12 +38,14 @@ def test_help_explains():
 
 
 def test_run_texts_json_and_output(minilm_dir, tmp_path):
-    out = tmp_path / "emb.npy"
+    out, report = tmp_path / "emb.npy", tmp_path / "report.json"
     code, stdout, err = hepti("run", "--model", minilm_dir, "--text", "a cat", "a dog sat down",
-                              "--normalize", "--output", out, "--json", "--repeat", "2")
+                              "--normalize", "--output", out, "--json", "--repeat", "2",
+                              "--report", report)
     assert code == 0, err
     rep = json.loads(stdout)
     assert rep["n_inputs"] == 2 and len(rep["latency_s"]["runs"]) == 2
+    assert json.loads(report.read_text()) == rep  # --report writes what --json prints
     e = np.load(out)
     assert e.shape == (2, 384) and np.allclose(np.linalg.norm(e, axis=1), 1, atol=1e-5)
 
@@ -132,6 +134,12 @@ def test_error_output_in_missing_folder(tiny_dir, tmp_path):
     code, _, err = hepti("run", "--model", tiny_dir, "--input-ids", _ids(tmp_path),
                          "--output", tmp_path / "nope" / "o.npy")
     assert_clean_error(code, err, "does not exist")
+
+
+def test_error_report_in_missing_folder(tiny_dir, tmp_path):
+    code, _, err = hepti("run", "--model", tiny_dir, "--input-ids", _ids(tmp_path),
+                         "--report", tmp_path / "nope" / "r.json")
+    assert_clean_error(code, err, "--report")
 
 
 def test_error_missing_model(tmp_path):

@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=_positive_int, default=1,
                    help="compute threads per process (default 1)")
     s.add_argument("--json", action="store_true", help="print one JSON report on stdout")
+    s.add_argument("--report", metavar="REPORT.json",
+                   help="also write that JSON report to a file, whatever is printed")
     d = s.add_argument_group("distributed (under mpiexec -n N)")
     d.add_argument("--strategy", choices=PLANNERS, default=None,
                    help="auto: profile the devices, plan, run; rows: weights replicated, token "

@@ -61,12 +61,13 @@ def read_ids(path: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | Non
     return ids, mask, tt
 
 
-def check_output_path(path: str | None) -> None:
+def check_output_path(path: str | None, flag: str = "--output") -> None:
+    """Fail before any work if `path` (given with `flag`) could not be written."""
     if path is None:
         return
     parent = Path(path).resolve().parent
     if not parent.is_dir():
-        raise InputError(f"--output {path}: folder {parent} does not exist; create it first "
+        raise InputError(f"{flag} {path}: folder {parent} does not exist; create it first "
                          f"(mkdir -p {parent})")
 
 

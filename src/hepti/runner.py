@@ -106,6 +106,7 @@ def run_single(args) -> int:
     from hepti.weights import WeightStore
 
     check_output_path(args.output)
+    check_output_path(args.report, "--report")
     store = WeightStore(args.model)
     config = store.config
     batches = encode_inputs(args, config, Path(args.model))
@@ -146,10 +147,12 @@ def base_report(args, config, result, batches, load_s: float, latencies: list[fl
 
 
 def finish(args, result: np.ndarray, report: dict, batches) -> None:
-    """Write --output, then print --json or a human summary (primary rank only)."""
+    """Write --output and --report, then print --json or a human summary (primary rank only)."""
     if args.output:
         np.save(args.output, result)
         report["output"] = str(args.output)
+    if args.report:
+        Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         print(json.dumps(report, indent=2))
         return

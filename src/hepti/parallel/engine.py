@@ -416,8 +416,8 @@ def run_distributed(args) -> int:
         if not rank0:
             return None
         check_output_path(args.output)
-        if args.trace:
-            check_output_path(args.trace)
+        check_output_path(args.report, "--report")
+        check_output_path(args.trace, "--trace")
         return encode_inputs(args, cfg, Path(args.model))
 
     batches = agree(world, read_inputs)
