@@ -28,7 +28,9 @@ def _cpu_flags() -> list[str]:
     return []
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), e.g. 'AMD EPYC'; results name it, as the machine
+    behind a session can change."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -45,7 +47,7 @@ def collect_info() -> dict:
         "hepti": hepti.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "cpu_flags": _cpu_flags(),
     }

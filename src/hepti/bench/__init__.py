@@ -35,7 +35,27 @@ def write_json(doc: dict, path) -> None:
     Path(path).write_text(json.dumps(doc, indent=2) + "\n")
 
 
+def git_commit() -> str | None:
+    """The commit of the hepti tree being measured (with '+dirty' if it has uncommitted
+    changes), or None outside a git checkout."""
+    root = Path(__file__).resolve().parents[3]
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def result_doc(benchmark: str, **fields) -> dict:
-    """The head every results/*.json shares (what ran, when, on which machine), then fields."""
+    """The head every results/*.json shares (what ran, when, at which commit, on which
+    machine: this project's machine is not always the same CPU), then fields."""
+    from hepti.info import cpu_model
     return {"benchmark": benchmark, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "machine": {"cores": os.cpu_count(), "node": os.uname().nodename}, **fields}
+            "commit": git_commit(),
+            "machine": {"cores": os.cpu_count(), "cpu": cpu_model(), "node": os.uname().nodename},
+            **fields}
