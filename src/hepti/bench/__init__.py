@@ -36,15 +36,17 @@ def write_json(doc: dict, path) -> None:
 
 
 def git_commit() -> str | None:
-    """The commit of the hepti tree being measured (with '+dirty' if it has uncommitted
-    changes), or None outside a git checkout."""
+    """The commit of the hepti tree being measured (with '+dirty' if its code, src/ bin/
+    setup.py, has uncommitted changes; results/ written by earlier benchmarks do not count),
+    or None outside a git checkout."""
     root = Path(__file__).resolve().parents[3]
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10)
         if rev.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no",
+                                "--", "src", "bin", "setup.py"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
