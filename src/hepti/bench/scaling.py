@@ -3,7 +3,9 @@
 Each round runs every configuration once (each run is `hepti run --repeat R --json`, one
 thread per rank, fixed-shape synthetic input with no padding) and the rounds alternate, so slow
 drifts of this shared machine hit every configuration alike. The figure is the median over
-rounds of each configuration's median latency, and the speedup is single / parallel.
+rounds of each configuration's median latency, and the speedup is single / parallel. Beside
+it, `speedup_paired` is the median of the per-round ratios (each round's 1-rank launch against
+the same round's N-rank one), which a drift across the rounds moves less.
 """
 from __future__ import annotations
 
@@ -69,9 +71,11 @@ def main(argv=None) -> int:
         single = statistics.median(per[(1, None)])
         for c in configs:
             med = statistics.median(per[c])
+            paired = statistics.median(s / p for s, p in zip(per[(1, None)], per[c]))
             row = {"model": Path(model_dir).name, "seq": int(seq), "ranks": c[0],
                    "strategy": c[1] or "single", "median_latency_s": med,
-                   "round_medians_s": per[c], "speedup_vs_1_rank": single / med}
+                   "round_medians_s": per[c], "speedup_vs_1_rank": single / med,
+                   "speedup_paired": paired}
             if c[0] > 1:
                 row["per_rank"] = [{k: r[k] for k in ("rank", "compute_s", "comm_total_s", "comm_s")}
                                    for r in detail[c]["per_rank"]]
@@ -80,10 +84,12 @@ def main(argv=None) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     write_json(result_doc("scaling", rounds=args.rounds, repeat_per_launch=args.repeat,
                           threads_per_rank=1, results=results), args.out)
-    print(f"{'model':<14}{'seq':>5}{'ranks':>6}  {'strategy':<9}{'median ms':>10}{'speedup':>9}")
+    print(f"{'model':<14}{'seq':>5}{'ranks':>6}  {'strategy':<9}{'median ms':>10}{'speedup':>9}"
+          f"{'paired':>8}")
     for r in results:
         print(f"{r['model']:<14}{r['seq']:>5}{r['ranks']:>6}  {r['strategy']:<9}"
-              f"{r['median_latency_s'] * 1e3:>10.2f}{r['speedup_vs_1_rank']:>9.2f}")
+              f"{r['median_latency_s'] * 1e3:>10.2f}{r['speedup_vs_1_rank']:>9.2f}"
+              f"{r['speedup_paired']:>8.2f}")
     print(f"wrote {args.out}")
     return 0
 
