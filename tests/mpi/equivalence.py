@@ -2,7 +2,7 @@
 
 Used two ways:
 - by tests/mpi/test_equivalence.py under `mpiexec -n 2 ... pytest`;
-- standalone for other world sizes (tests/test_equivalence_n.py launches it):
+- standalone for other world sizes (tests/test_distributed_launch.py launches it):
   mpiexec -n N python -m mpi4py tests/mpi/equivalence.py --model DIR [--model DIR ...]
   prints one JSON line per case on rank 0 and exits 1 if any case is off.
 """

@@ -182,3 +182,39 @@ class BertEncoder:
         for s in self.layers:
             x = self.layer(s, x, key_mask)
         return x.reshape(B, T, -1)
+
+
+def load_kernels(threads: int = 1) -> None:
+    """Have Numba load (or, on a cold cache, compile) every kernel a forward calls, by running
+    each once on a tiny random one-layer model with the call types the runtime uses.
+
+    A kernel's first call in a process maps its compiled code: about 70 MiB of RSS for the set
+    here, the same for any model. A distributed job calls this before it counts its own memory,
+    so that what it reports against a plan or --mem-budget is slices, activations and buffers,
+    and so that the first request does not pay for the loading either.
+    """
+    rng = np.random.default_rng(0)
+    C, H, F, T = 64, 2, 64, 8  # hidden, heads (head_dim 32), FFN columns, tokens
+    r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    t = {"attn.q.weight": r(C, C), "attn.k.weight": r(C, C), "attn.v.weight": r(C, C),
+         "attn.q.bias": r(C), "attn.k.bias": r(C), "attn.v.bias": r(C),
+         "attn.o.weight": r(C, C), "attn.o.bias": r(C), "attn.ln.gamma": r(C), "attn.ln.beta": r(C),
+         "ffn.up.weight": r(F, C), "ffn.up.bias": r(F), "ffn.down.weight": r(F, C),
+         "ffn.down.bias": r(C), "ffn.ln.gamma": r(C), "ffn.ln.beta": r(C)}
+    s = LayerShard.from_tensors(0, t, (0, H), (0, F))  # pack_b, both orientations
+    cfg = BertConfig(vocab_size=16, hidden_size=C, num_hidden_layers=1, num_attention_heads=H,
+                     intermediate_size=F, max_position_embeddings=T)
+    emb = Embeddings(cfg, {"emb.word": r(16, C), "emb.position": r(T, C),
+                           "emb.token_type": r(2, C), "emb.ln.gamma": r(C), "emb.ln.beta": r(C)})
+    ids = np.arange(T, dtype=np.int64).reshape(1, T)
+    key_mask = np.ones((1, T), np.float32)
+    x = emb(ids, np.zeros_like(ids))  # [T, C]
+    # the single-device / `tensor` layer, partial sums into a caller's buffer as well
+    x = BertEncoder(cfg, emb, [s], threads).layer(s, x, key_mask)
+    s.attention_partial(x, key_mask, threads, out=np.empty_like(x))
+    s.ffn_partial(x, threads, out=np.empty_like(x))
+    # the `rows` layer: own query rows against every row's gathered keys and values
+    qkv = K.gemm(x[:4], s.qkv, bias=s.qkv_bias, threads=threads)  # [4, 3C]
+    kv = np.ascontiguousarray(K.gemm(x, s.qkv, bias=s.qkv_bias, threads=threads)[:, C:])  # [T, 2C]
+    ctx = K.attention_qkv(qkv, key_mask, H, kv=kv, row0=0, threads=threads)
+    K.add_layernorm(K.gemm(ctx, s.o, threads=threads), s.o_bias, x[:4], *s.ln1, cfg.layer_norm_eps)

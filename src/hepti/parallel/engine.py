@@ -159,17 +159,19 @@ class Job:
     """One rank's part of a distributed run: its group, its slices, its executor."""
 
     def __init__(self, world, store, plan: Plan, threads: int = 1):
-        from hepti.model.bert import Embeddings
+        from hepti.model.bert import Embeddings, load_kernels
         from hepti.parallel.comm import Comm
         from hepti.parallel.layers import ResidentLayers, StreamingLayers
 
         self.world, self.store, self.plan = world, store, plan
-        reset_peak_rss()
-        self.rss_before_load = current_rss()
         cfg = self.cfg = store.config
         rank = world.rank
         self.active = active_ranks(plan, cfg)
         self.is_active = rank in self.active
+        if self.is_active:
+            load_kernels(threads)  # the kernels' code (~70 MiB) is the runtime's, not the job's
+        reset_peak_rss()
+        self.rss_before_load = current_rss()
         # one sub-communicator of the ranks that work; the others skip straight to the end
         color = 0 if self.is_active else _MPI().UNDEFINED
         sub = world.mpi.Split(color, key=rank) if not world.solo else None
