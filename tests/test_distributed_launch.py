@@ -87,12 +87,13 @@ def test_plan_for_other_world_size_rejected(tiny_dir, ids_file, tmp_path):
 
 
 def test_run_json_reports_per_rank(tiny_dir, ids_file, tmp_path):
-    trace = tmp_path / "trace.json"
+    trace, report = tmp_path / "trace.json", tmp_path / "report.json"
     code, out, err, _ = launch(2, "-m", "hepti", "run", "--model", tiny_dir, "--input-ids", ids_file,
                                "--strategy", "tensor", "--ratios", "0.75,0.25", "--json",
-                               "--repeat", "3", "--trace", trace, timeout=120)
+                               "--repeat", "3", "--trace", trace, "--report", report, timeout=120)
     assert code == 0, err
     rep = json.loads(out)
+    assert json.loads(report.read_text()) == rep  # --report: the same report, in a file
     assert rep["strategy"] == "tensor" and rep["counts"]["heads"] == [5, 1]  # 4.5|1.5: tie to rank 0
     assert len(rep["per_rank"]) == 2
     for r in rep["per_rank"]:
