@@ -55,7 +55,8 @@ def git_commit() -> str | None:
 
 def result_doc(benchmark: str, **fields) -> dict:
     """The head every results/*.json shares (what ran, when, at which commit, on which
-    machine: this project's machine is not always the same CPU), then fields."""
+    machine: this project's machine is not always the same CPU), then fields. A long run
+    passes commit=git_commit() taken when it started."""
     from hepti.info import cpu_model
     return {"benchmark": benchmark, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "commit": git_commit(),

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hepti.bench import hepti_cmd, mpiexec, result_doc, write_json
+from hepti.bench import git_commit, hepti_cmd, mpiexec, result_doc, write_json
 from hepti.bench import hetero_report as report
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -365,6 +365,7 @@ def main(argv=None) -> int:
               f"`hepti convert --random bert-large --out weights/bert-large`", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
+    commit = git_commit()  # of the code measured: the run takes minutes, HEAD may move
     workdir = Path(tempfile.mkdtemp(prefix="hepti-hetero-"))
     try:
         for c in cases:
@@ -377,7 +378,7 @@ def main(argv=None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     targets = report.check_targets(runs)
     doc = result_doc(
-        "hetero",
+        "hetero", commit=commit,
         command=" ".join(["python -m hepti.bench.hetero"] + list(argv if argv is not None else sys.argv[1:])),
         settings={"quick": args.quick, "specs": args.spec, "cases": args.case,
                   "strategies": args.strategies, "extra": list(args.extra), "repeat": args.repeat,
