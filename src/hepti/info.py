@@ -14,7 +14,8 @@ def _version(mod: str) -> str:
         return f"not importable ({type(e).__name__}: {e})"
 
 
-def _cpu_flags() -> list[str]:
+def cpu_flags() -> list[str]:
+    """The vector-unit flags that matter for the kernels, of those this CPU has."""
     interesting = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                    "avx512_bf16", "neon", "asimd")
     try:
@@ -49,7 +50,7 @@ def collect_info() -> dict:
         "platform": platform.platform(),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
-        "cpu_flags": _cpu_flags(),
+        "cpu_flags": cpu_flags(),
     }
     for mod in ("numpy", "numba", "mpi4py", "h5py", "scipy", "tokenizers", "safetensors", "tqdm"):
         info[mod] = _version(mod)

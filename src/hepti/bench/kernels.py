@@ -29,22 +29,11 @@ _N_WEIGHTS = 3  # distinct B matrices per shape, used in turn
 
 
 def _cpu_flags() -> dict:
-    """CPU model name and AVX-512 presence from /proc/cpuinfo (empty where unavailable)."""
-    info = {"machine": platform.machine(), "model": "", "avx512f": None, "avx2": None}
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return info
-    for line in text.splitlines():
-        if line.startswith("model name") and not info["model"]:
-            info["model"] = line.split(":", 1)[1].strip()
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            info["avx512f"] = "avx512f" in flags
-            info["avx2"] = "avx2" in flags
-            break
-    return info
+    """CPU model name and AVX-512 / AVX2 presence (from hepti.info, which `hepti info` prints)."""
+    from hepti.info import cpu_flags, cpu_model
+    flags = cpu_flags()
+    return {"machine": platform.machine(), "model": cpu_model(), "avx512f": "avx512f" in flags,
+            "avx2": "avx2" in flags}
 
 
 def _blas_threads() -> dict:
