@@ -53,12 +53,12 @@ def git_commit() -> str | None:
     return rev.stdout.strip() + ("+dirty" if dirty else "")
 
 
-def result_doc(benchmark: str, **fields) -> dict:
+def result_doc(benchmark: str, commit: str | None = None, **fields) -> dict:
     """The head every results/*.json shares (what ran, when, at which commit, on which
     machine: this project's machine is not always the same CPU), then fields. A long run
-    passes commit=git_commit() taken when it started."""
+    passes the `commit` it took when it started (git_commit()); otherwise it is taken now."""
     from hepti.info import cpu_model
     return {"benchmark": benchmark, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "commit": git_commit(),
+            "commit": commit or git_commit(),
             "machine": {"cores": os.cpu_count(), "cpu": cpu_model(), "node": os.uname().nodename},
             **fields}
