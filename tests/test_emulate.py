@@ -179,6 +179,17 @@ def test_dry_run_prints_plan(capsys):
     assert "drop_caches" not in capsys.readouterr().out  # ... unless told to keep it
 
 
+def test_command_finds_the_venv_without_path(capsys, monkeypatch):
+    """`.venv/bin/hepti emulate -- mpiexec -n 2 hepti run` with the venv off PATH: Hydra's proxies
+    find `hepti` by PATH, so the venv's bin must lead COMMAND's PATH (else "execvp error")."""
+    _mpiexec_or_skip()
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    launch.run_emulated(HOSTFILES / "emu-pair-940-full.json", ["mpiexec", "-n", "2", "hepti", "run"],
+                        dry_run=True)
+    venv_bin = os.path.dirname(sys.executable)
+    assert f"PATH={venv_bin}:/usr/bin:/bin " in capsys.readouterr().out
+
+
 # -- shipped specs (pure) ----------------------------------------------------------------------------
 
 BASELINE = 150 << 20  # a rank's own memory when it plans: 137 MiB anonymous measured + headroom (hostfiles/README.md)

@@ -18,7 +18,8 @@ How a rank lands on its device (no flags needed on the user's mpiexec):
    use shared memory; distinct hostnames per device also keep it off shared memory), and
    `HEPTI_COMM=p2p` keeps hepti's own shared-window transport (parallel/comm.py) off them too.
    Open MPI cannot do this (its PMIx server binds 127.0.0.1), so COMMAND's mpiexec must be
-   MPICH's Hydra; a bare `mpiexec` is taken from next to sys.executable (the hepti venv) first.
+   MPICH's Hydra; a bare `mpiexec` is taken from next to sys.executable (the hepti venv) first,
+   and that directory leads COMMAND's PATH, so the ranks' bare `hepti` or `python` is found too.
 
 Around COMMAND: a monitor thread applies the spec's schedule and rewrites the state file
 (state.py), and idle fillers keep the CPUs from halting (idle.py); when COMMAND ends,
@@ -43,6 +44,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -165,6 +167,13 @@ class _Run:
         for k in ("HYDRA_BOOTSTRAP", "HYDRA_BOOTSTRAP_EXEC", "HYDRA_HOST_FILE", "HYDRA_CONFIG_FILE"):
             env.pop(k, None)
         env.update(MPICH_TCP_ENV)
+        # Hydra's proxies execvp the program after mpiexec's options (`hepti`, `python`) by
+        # PATH. The mpiexec is taken from hepti's venv even when the venv is not on PATH
+        # (`.venv/bin/hepti emulate ...`), so its programs would fail with a bare "execvp error
+        # on file hepti"; the venv's bin goes first, as activating it would do.
+        venv_bin = os.path.dirname(sys.executable)
+        if venv_bin not in env.get("PATH", "").split(os.pathsep):
+            env["PATH"] = os.pathsep.join(p for p in (venv_bin, env.get("PATH")) if p)
         env.update({"HYDRA_HOST_FILE": str(self.run_dir / "hostfile"), "HYDRA_LAUNCHER": "ssh",
                     "HYDRA_LAUNCHER_EXEC": str(self.run_dir / "launch.sh"),
                     "HYDRA_LAUNCHER_AUTOFORK": "0", "HYDRA_IFACE": INNER_IFACE,
