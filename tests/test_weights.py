@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import signal
 import struct
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -506,13 +511,117 @@ def test_output_folder_rules(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     convert_checkpoint(src, empty, progress=False)  # an empty folder is fine
-    with pytest.raises(WeightsError, match="overwrite"):
+    with pytest.raises(WeightsError, match="--force"):  # the CLI's flag (there is no --overwrite)
         convert_checkpoint(src, empty, progress=False)
     other = write_hf(tmp_path / "hf2", TINY, hf_tensors(TINY, seed=1))
     convert_checkpoint(other, empty, progress=False, overwrite=True)
     assert_round_trip(empty, hf_tensors(TINY, seed=1))
     with pytest.raises(WeightsError, match="checkpoint folder itself"):
         convert_checkpoint(src, src, progress=False)
+
+
+def _blocking_source(started: threading.Event, go_on: threading.Event):
+    """A convert_checkpoint whose source stops at its first tensor until `go_on` is set."""
+    real_rows = SafetensorsFile.rows
+
+    def rows(self, key, start, stop, transpose):
+        if not started.is_set():
+            started.set()
+            assert go_on.wait(60), "the test never let the first convert go on"
+        return real_rows(self, key, start, stop, transpose)
+    return rows
+
+
+def test_second_convert_into_a_folder_being_written_is_refused(tmp_path, monkeypatch):
+    """Two converts into one folder: the second is refused at once, the first one's model lands
+    intact, and no lock or partial folder is left behind."""
+    src = write_hf(tmp_path / "hf", TINY, hf_tensors(TINY))
+    other = write_hf(tmp_path / "hf2", TINY, hf_tensors(TINY, seed=1))
+    out = tmp_path / "models" / "m"
+    started, go_on = threading.Event(), threading.Event()
+    monkeypatch.setattr(SafetensorsFile, "rows", _blocking_source(started, go_on))
+    first: dict = {}
+
+    def convert_first():
+        try:
+            first["out"] = convert_checkpoint(src, out, progress=False)
+        except BaseException as e:  # reported by the assertions below
+            first["error"] = e
+
+    t = threading.Thread(target=convert_first)
+    t.start()
+    try:
+        assert started.wait(60)
+        for overwrite in (False, True):  # --force does not let a second writer in either
+            with pytest.raises(WeightsError) as err:
+                convert_checkpoint(other, out, progress=False, overwrite=overwrite)
+            msg = str(err.value)
+            assert f"is writing a model into {out}" in msg and f"process {os.getpid()}" in msg
+            assert "--force" in msg and "--out" in msg  # what to do about it
+    finally:
+        go_on.set()
+        t.join(60)
+    assert "error" not in first, first
+    assert_round_trip(out, hf_tensors(TINY))  # the first convert's model, not the second's
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m"]  # no lock, no partial folder
+    with pytest.raises(WeightsError, match="already holds a converted model"):
+        convert_checkpoint(other, out, progress=False)  # once it is done: the usual refusal
+
+
+def test_model_that_appeared_during_the_write_is_not_replaced(tmp_path, monkeypatch):
+    """A model installed into the folder while a convert ran (by a writer that took no lock,
+    e.g. a copy) is found by the check under the lock right before the rename."""
+    src = write_hf(tmp_path / "hf", TINY, hf_tensors(TINY))
+    theirs = convert_checkpoint(write_hf(tmp_path / "hf2", TINY, hf_tensors(TINY, seed=1)),
+                                tmp_path / "theirs", progress=False)
+    out = tmp_path / "models" / "m"
+    real_rows = SafetensorsFile.rows
+
+    def rows(self, key, start, stop, transpose):
+        if not out.exists():
+            shutil.copytree(theirs, out)
+        return real_rows(self, key, start, stop, transpose)
+
+    monkeypatch.setattr(SafetensorsFile, "rows", rows)
+    with pytest.raises(WeightsError, match="already holds a converted model; pass --force"):
+        convert_checkpoint(src, out, progress=False)
+    assert_round_trip(out, hf_tensors(TINY, seed=1))
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m"]
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from hepti.weights.writer import write_lock
+with write_lock(Path(sys.argv[1])):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_convert_lock_across_processes_and_after_a_kill(tmp_path):
+    """`hepti convert` while another process writes: exit 2, a message naming that process and
+    what to do. Once the holder is killed with -9 (flock dies with it), convert goes ahead."""
+    from hepti.weights.writer import lock_path
+    out = tmp_path / "m"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        convert = [sys.executable, "-m", "hepti", "convert", "--random", "tiny-odd", "--out", str(out)]
+        p = subprocess.run(convert, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2, p.stderr
+        assert "Traceback" not in p.stderr
+        assert f"(process {holder.pid}) is writing a model into {out}" in p.stderr
+        assert not out.exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(60)
+    assert lock_path(out).exists()  # the killed holder left its file, but no lock on it
+    p = subprocess.run(convert, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["m"]
+    assert verify(out) == []
 
 
 def test_writer_cleans_up_after_a_bad_source(tmp_path):

@@ -5,17 +5,28 @@ so a writer never holds more than one block (`BLOCK_BYTES`) of one tensor. Every
 into a hidden sibling folder, fsync'ed, and renamed into place at the end: an interrupted or
 failed write leaves no folder behind and never a half model (an existing model being replaced
 stays intact until the final rename).
+
+One writer per folder: `write_model` holds an exclusive `flock` on `.NAME.lock` beside the
+folder from its first check to the rename, and a second writer into the same folder is refused
+at once, naming the first one's pid. flock (not a pid file made with O_EXCL) because the kernel
+drops it when its process dies, so a convert killed with -9 leaves no lock that blocks the next
+one; the file itself is removed by the writer that held it. Whether the folder already holds a
+model is checked again under the lock, right before the rename, so a model that appeared while
+this one was being written (by a writer that took no lock) is not replaced without overwrite.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
 import sys
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import h5py
 import numpy as np
@@ -57,8 +68,55 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
             raise WeightsError(f"{out} is not empty and is not a hepti model; refusing to write "
                                "there. Choose a new or empty folder")
         if not overwrite:
-            raise WeightsError(f"{out} already holds a converted model; pass overwrite "
-                               "(`--overwrite`) to replace it, or choose another folder")
+            raise WeightsError(f"{out} already holds a converted model; pass --force to "
+                               "replace it (overwrite=True from Python), or choose another "
+                               "folder")
+
+
+def lock_path(out: Path) -> Path:
+    """The lock file of writes into `out`: hidden, beside the folder (the folder is renamed)."""
+    return out.parent / f".{out.name}.lock"
+
+
+@contextmanager
+def write_lock(out: Path) -> Iterator[None]:
+    """Hold the one-writer lock of `out`, or raise WeightsError at once if another holds it."""
+    path = lock_path(out)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.read(fd, 64).decode(errors="replace").strip()
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise WeightsError(f"could not lock {path} ({e}); convert into a folder on a "
+                                   "local disk") from None
+            who = f"process {holder}" if holder.isdigit() else "another process"
+            raise WeightsError(f"another `hepti convert` ({who}) is writing a model into {out} "
+                               f"right now (it holds {path}). Wait for it to finish and use its "
+                               "model (re-run with --force once it is done to replace it), or "
+                               "choose another --out") from None
+        # The previous holder removes the file on release; if it did so between our open and
+        # our flock, we hold a lock on a deleted file that the next writer cannot see: retry.
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+        fst = os.fstat(fd)
+        if st is not None and (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino):
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        try:
+            os.unlink(path)  # while still locked, so no one else is holding this file
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 def plan_shards(specs: list[TensorSpec], shard_layers: int | None,
@@ -100,6 +158,17 @@ def write_model(out: str | Path, config: BertConfig, specs: list[TensorSpec], *,
     check_out_dir(out, overwrite)
     shards = plan_shards(specs, shard_layers, max_shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
+    with write_lock(out):
+        check_out_dir(out, overwrite)  # a writer may have finished between the check and the lock
+        return _write_locked(out, config, specs, shards, source=source, copy_files=copy_files,
+                             overwrite=overwrite, progress=progress, desc=desc)
+
+
+def _write_locked(out: Path, config: BertConfig, specs: list[TensorSpec],
+                  shards: list[list[TensorSpec]], *, source: dict,
+                  copy_files: dict[str, Path] | None, overwrite: bool, progress: bool,
+                  desc: str) -> Path:
+    """write_model's body, run while holding out's write lock."""
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -126,6 +195,7 @@ def write_model(out: str | Path, config: BertConfig, specs: list[TensorSpec], *,
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
         _sha256_and_sync(tmp / INDEX_NAME)
         _fsync_dir(tmp)
+        check_out_dir(out, overwrite)  # again, under the lock: what is there now is replaced
         _install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
