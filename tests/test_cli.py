@@ -147,6 +147,17 @@ def test_error_missing_model(tmp_path):
     assert_clean_error(code, err, "hepti convert")
 
 
+def test_error_text_on_a_model_without_tokenizer(tmp_path):
+    """A `convert --random` model has no tokenizer: the error says to pass --input-ids and how
+    to make the .npz."""
+    code, _, err = hepti("convert", "--random", "tiny-odd", "--out", tmp_path / "rnd")
+    assert code == 0, err
+    code, _, err = hepti("run", "--model", tmp_path / "rnd", "--text", "hi")
+    assert code == 2
+    assert_clean_error(code, err, "no tokenizer.json", "convert --random", "--input-ids FILE.npz",
+                       "`ids` [n, L]", "np.savez(")
+
+
 def _ids(tmp_path):
     f = tmp_path / "ok.npz"
     np.savez(f, ids=np.array([[1, 2, 3]]))

@@ -19,8 +19,12 @@ class TextTokenizer:
 
         path = Path(path)
         if not path.exists():
-            raise InputError(f"{path}: no tokenizer.json in the model folder; give token ids with "
-                             "--input-ids FILE.npz, or convert a checkpoint that has tokenizer.json")
+            raise InputError(f"{path.parent} has no tokenizer.json (a `hepti convert --random` "
+                             "model has none), so texts cannot become token ids. Give the ids "
+                             "with --input-ids FILE.npz: an .npz with an integer array `ids` "
+                             "[n, L] and optionally `mask` [n, L] (1 = token, 0 = padding) and "
+                             "`token_type` [n, L], e.g. np.savez('ids.npz', ids=ids, mask=mask). "
+                             "Or convert a checkpoint that has tokenizer.json")
         self.tok = Tokenizer.from_file(str(path))
         # Padding and truncation are ours to set, whatever the file says.
         self.tok.no_padding()
