@@ -222,6 +222,25 @@ def test_real_cluster_hostfile_template():
     assert len(hosts) == 4 and all(re.fullmatch(r"[A-Za-z0-9.-]+:1", h) for h in hosts)
 
 
+def test_real_cluster_template_commands_parse():
+    """Every `hepti ...` command the template shows is accepted by hepti's own parser, and the
+    steps chain: profile writes what plan reads, plan writes what run reads."""
+    import shlex
+
+    from hepti.cli import build_parser
+
+    lines = (HOSTFILES / "pi4-cluster.example").read_text().splitlines()
+    examples = [x for x in lines if re.match(r"#\s{2,}(mpiexec|hepti)\s", x)]  # indented
+    cmds = [shlex.split(x[1:]) for x in examples]
+    parsed = {}
+    for cmd in cmds:
+        args = build_parser().parse_args(cmd[cmd.index("hepti") + 1:])  # exits 2 on a bad flag
+        parsed[cmd[cmd.index("hepti") + 1]] = args
+    assert set(parsed) == {"profile", "plan", "run"}
+    assert parsed["plan"].profile == parsed["profile"].out
+    assert parsed["run"].plan == parsed["plan"].out
+
+
 def test_pair_specs_match_the_paper_scenarios():
     for link in (940, 240):
         full = load_spec(HOSTFILES / f"emu-pair-{link}-full.json")
