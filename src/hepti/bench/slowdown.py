@@ -1,0 +1,302 @@
+"""`python -m hepti.bench.slowdown`: is an emulated device uniformly slower? (root)
+
+A device emulated at share s should run every compute phase, however short, in 1/s of the time
+it takes uncapped, and still move bytes at its link's rate. This measures both on two-device
+clusters under `hepti emulate`: rank 0 ("hub", 1.0 core: a single thread is never throttled)
+and rank 1 (the device under test, s core), 940 Mbit/s links. Per round, interleaved:
+- the hub times each phase uncapped: a Numba GeMM (`hepti.kernels.gemm`, [m, 768] x [768, 768],
+  m sized on the hub to take 0.1, 1, 10 or 100 ms), back to back;
+- the device times the same phases three ways: `alone` (back to back), `sleep` (each phase
+  followed by a sleep of 1/s of the phase's uncapped time, as a rank waits for a peer of its
+  own speed) and `mpi` (each phase followed by an exchange with the hub, which answers after
+  that long; through hepti.parallel.comm's verbs, as a forward waits at a collective). Each
+  phase and wait is a `Tracer` span, as in the executors;
+- ping-pong with the hub (hepti.parallel.profiling.ping_pong, the profile's own) at 1 and 4 MiB,
+  alone and each right after a 10 ms compute phase.
+The ratio quoted is measured / (uncapped / s): 1.0 is a faithful device; below 1 it ran faster
+than its share. `median` is the median phase; `mean` the block's wall time per phase. Bandwidth
+is one-way payload bytes/s against the link's rate.
+
+    sudo python -m hepti.bench.slowdown [--rounds 3] [--launches 2] [--shares 0.15,0.3,0.6]
+                                        [--modes quota,stretch] [--out results/slowdown.json]
+
+`--modes`: `quota` runs with HEPTI_EMULATE_STRETCH=0 (the device is a CFS quota of s alone),
+`stretch` with the emulator's default (hepti.emulate.stretch). Launches alternate shares and
+modes, and each launch runs `--rounds` interleaved rounds; medians over every round.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+TARGETS_S = (1e-4, 1e-3, 1e-2, 1e-1)
+WIDTH = 768
+LINK_MBIT = 940.0
+PING_BYTES = (1 << 20, 4 << 20)
+WAYS = ("alone", "sleep", "mpi")
+STRETCH_ENV = "HEPTI_EMULATE_STRETCH"
+
+
+def _reps(target: float) -> int:
+    return {1e-4: 200, 1e-3: 60, 1e-2: 12, 1e-1: 4}[target]
+
+
+# --- the worker: runs on the emulated pair ----------------------------------------------------
+
+def worker(out: str, rounds: int) -> None:
+    from mpi4py import MPI
+
+    from hepti import kernels as K
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.profiling import ping_pong
+    from hepti.parallel.trace import Tracer
+
+    mpi = MPI.COMM_WORLD
+    rank = mpi.Get_rank()
+    assert mpi.Get_size() == 2, "hepti.bench.slowdown runs on 2 ranks: hub and device"
+    tr = Tracer(rank)
+    g = Comm(mpi, tr, transport="p2p")
+    rng = np.random.default_rng(rank)
+    w = K.pack_b(rng.standard_normal((WIDTH, WIDTH), dtype=np.float32) * np.float32(0.03))
+
+    def gemm_s(m: int, n: int = 5) -> float:
+        x = rng.standard_normal((m, WIDTH), dtype=np.float32)
+        c = np.empty((m, WIDTH), np.float32)
+        K.gemm(x, w, out=c)
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            K.gemm(x, w, out=c)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    # sizes, on the uncapped hub: m with gemm time ~ target
+    if rank == 0:
+        per_row = gemm_s(2048) / 2048
+        ms = []
+        for t in TARGETS_S:
+            m = max(1, round(t / per_row))
+            for _ in range(3):  # small m are slower per row: correct twice
+                m = max(1, round(m * t / gemm_s(m, 9)))
+            ms.append(m)
+    else:
+        ms = None
+    ms = mpi.bcast(ms, root=0)
+    share = mpi.bcast(None if rank == 0 else _my_share(), root=1)
+    bufs = {m: (rng.standard_normal((m, WIDTH), dtype=np.float32), np.empty((m, WIDTH), np.float32))
+            for m in ms}
+    token = np.zeros(16, np.float32)
+    rec = {"share": share, "rows": ms, "uncapped": {}, "device": {}, "ping": {}}
+    for t in TARGETS_S:
+        rec["uncapped"][str(t)] = []
+        rec["device"][str(t)] = {way: {"median": [], "mean": []} for way in WAYS}
+    for key in ("alone", "after_compute"):
+        rec["ping"][key] = {str(b): [] for b in PING_BYTES}
+
+    def phase(m: int) -> float:
+        x, c = bufs[m]
+        t0 = time.perf_counter()
+        with tr.span("phase", "compute"):
+            K.gemm(x, w, out=c)
+        return time.perf_counter() - t0
+
+    def sync():
+        from hepti.parallel.comm import wait
+        wait(mpi.Ibarrier())
+
+    for rnd in range(rounds):
+        # the hub, uncapped (the device waits)
+        sync()
+        if rank == 0:
+            for t, m in zip(TARGETS_S, ms):
+                phase(m)
+                rec["uncapped"][str(t)].append(statistics.median(phase(m) for _ in range(_reps(t))))
+        sync()
+        ways = WAYS[rnd % 3:] + WAYS[:rnd % 3]
+        for t, m in zip(TARGETS_S, ms):
+            uncapped = statistics.median(rec["uncapped"][str(t)]) if rank == 0 else None
+            wait_s = mpi.bcast(None if rank != 0 else uncapped / share, root=0)
+            for way in ways:
+                sync()
+                n = _reps(t)
+                if rank == 1:
+                    phase(m)
+                    times = []
+                    start = time.perf_counter()
+                    for _ in range(n):
+                        times.append(phase(m))
+                        if way == "sleep":
+                            with tr.span("wait", "sleep"):
+                                time.sleep(wait_s)
+                        elif way == "mpi":
+                            g.send_array(token, 0)
+                            g.recv_array(0)
+                    block = time.perf_counter() - start
+                    waits = n * wait_s if way != "alone" else 0.0
+                    d = rec["device"][str(t)][way]
+                    d["median"].append(statistics.median(times))
+                    d["mean"].append(sum(times) / n if way != "alone" else block / n)
+                    d.setdefault("block_minus_waits", []).append((block - waits) / n)
+                elif way == "mpi":
+                    for _ in range(n):
+                        g.recv_array(1)
+                        time.sleep(wait_s)
+                        g.send_array(token, 1)
+        # ping-pong, alone and right after a 10 ms compute phase on the device
+        m10 = ms[TARGETS_S.index(1e-2)]
+        for key in ("alone", "after_compute"):
+            for nbytes in PING_BYTES:
+                ts = []
+                for _ in range(5):
+                    sync()
+                    if key == "after_compute" and rank == 1:
+                        phase(m10)
+                    ts.append(ping_pong(mpi, 1, nbytes, 1))
+                if rank == 0:
+                    rec["ping"][key][str(nbytes)].append(nbytes / statistics.median(ts))
+    rec["device_stretch"] = mpi.bcast(_stretch_state() if rank == 1 else None, root=1)
+    if rank == 0:
+        dev = mpi.recv(source=1, tag=99)
+        rec["device"] = dev
+        Path(out).write_text(json.dumps(rec))
+    else:
+        mpi.send(rec["device"], dest=0, tag=99)
+
+
+def _stretch_state() -> dict | None:
+    try:
+        from hepti.emulate import stretch
+    except ImportError:  # before the stretch existed: the quota alone
+        return None
+    return stretch.describe()
+
+
+def _my_share() -> float:
+    from hepti.emulate.state import current_device
+    dev = current_device()
+    if dev is None:
+        raise SystemExit("hepti.bench.slowdown worker: run it under `hepti emulate` (no device found)")
+    return float(dev["cpu"])
+
+
+# --- the driver: launches the pairs and sums up ---------------------------------------------------
+
+def spec(share: float) -> dict:
+    return {"name": f"slowdown-{share:g}", "description": "hepti.bench.slowdown: hub + device",
+            "devices": [{"name": "hub", "cpu": 1.0, "link_mbit": LINK_MBIT},
+                        {"name": "device", "cpu": share, "link_mbit": LINK_MBIT}]}
+
+
+def launch(share: float, mode: str, rounds: int, tmp: Path) -> dict:
+    from hepti.bench import hepti_cmd, mpiexec
+    spec_path = tmp / f"spec-{share:g}.json"
+    spec_path.write_text(json.dumps(spec(share)))
+    out = tmp / f"out-{share:g}-{mode}.json"
+    env = dict(os.environ)
+    if mode == "quota":
+        env[STRETCH_ENV] = "0"
+    else:
+        env.pop(STRETCH_ENV, None)
+    cmd = [*hepti_cmd(), "emulate", "--cluster", str(spec_path), "--", mpiexec(), "-n", "2",
+           sys.executable, "-m", "hepti.bench.slowdown", "worker", "--out", str(out),
+           "--rounds", str(rounds)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over every round of every launch, by mode, share, phase and way."""
+    out: dict = {}
+    for r in runs:
+        out.setdefault(r["mode"], {}).setdefault(str(r["share"]), []).append(r)
+    table = {}
+    for mode, by_share in out.items():
+        table[mode] = {}
+        for share, rs in by_share.items():
+            s = float(share)
+            row = {"phases": {}, "ping": {}, "stretch": rs[0].get("device_stretch")}
+            for t in TARGETS_S:
+                unc = statistics.median(x for r in rs for x in r["uncapped"][str(t)])
+                ph = {"uncapped_s": unc, "nominal_s": unc / s}
+                for way in WAYS:
+                    for stat in ("median", "mean"):
+                        v = statistics.median(x for r in rs for x in r["device"][str(t)][way][stat])
+                        ph[f"{way}_{stat}_s"] = v
+                        ph[f"{way}_{stat}_ratio"] = v / (unc / s)
+                row["phases"][f"{t * 1e3:g}ms"] = ph
+            for key in ("alone", "after_compute"):
+                for b in PING_BYTES:
+                    bps = statistics.median(x for r in rs for x in r["ping"][key][str(b)])
+                    row["ping"][f"{key}_{b >> 20}MiB"] = {"Bps": bps,
+                                                         "ratio_to_link": bps * 8 / (LINK_MBIT * 1e6)}
+            table[mode][share] = row
+    return table
+
+
+def format_table(table: dict) -> str:
+    lines = []
+    for mode, by_share in table.items():
+        lines.append(f"mode {mode}: measured / (uncapped / share), median phase (mean)")
+        lines.append(f"{'share':>6} {'phase':>6} {'alone':>13} {'sleep':>13} {'mpi':>13}   uncapped")
+        for share, row in sorted(by_share.items(), key=lambda kv: float(kv[0])):
+            for name, ph in row["phases"].items():
+                cells = [f"{ph[f'{w}_median_ratio']:.2f} ({ph[f'{w}_mean_ratio']:.2f})" for w in WAYS]
+                lines.append(f"{float(share):>6g} {name:>6} " + " ".join(f"{c:>13}" for c in cells)
+                             + f"   {ph['uncapped_s'] * 1e3:.3f} ms")
+            pings = ", ".join(f"{k} {v['ratio_to_link']:.2f}" for k, v in row["ping"].items())
+            lines.append(f"{'':>6} ping-pong / link: {pings}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hepti.bench.slowdown", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    w = sub.add_parser("worker")
+    w.add_argument("--out", required=True)
+    w.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per launch")
+    ap.add_argument("--launches", type=int, default=2, help="launches per share and mode")
+    ap.add_argument("--shares", default="0.15,0.3,0.6")
+    ap.add_argument("--modes", default="quota,stretch")
+    ap.add_argument("--out", default="results/slowdown.json")
+    args = ap.parse_args(argv)
+    if args.cmd == "worker":
+        worker(args.out, args.rounds)
+        return 0
+    from hepti.bench import git_commit, result_doc, write_json
+    commit = git_commit()
+    shares = [float(x) for x in args.shares.split(",")]
+    modes = args.modes.split(",")
+    runs = []
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="hepti-slowdown-") as tmp:
+        for k in range(args.launches):
+            for share in shares:
+                for mode in (modes if k % 2 == 0 else modes[::-1]):
+                    r = launch(share, mode, args.rounds, Path(tmp))
+                    r["mode"] = mode
+                    runs.append(r)
+                    print(f"[{time.time() - t0:.0f} s] share {share:g} {mode}: done", file=sys.stderr)
+    table = summarize(runs)
+    print(format_table(table))
+    doc = result_doc("slowdown", commit=commit, shares=shares, modes=modes, rounds=args.rounds,
+                     launches=args.launches, link_mbit=LINK_MBIT, targets_s=list(TARGETS_S),
+                     summary=table, runs=runs,
+                     command="sudo python -m hepti.bench.slowdown " + " ".join(argv or sys.argv[1:]))
+    write_json(doc, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
