@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 
 import pytest
 
@@ -349,6 +350,46 @@ def test_slow_link_device_drops_out_and_the_explanation_says_why():
     plan = make_plan(BERT, p, 128, strategy="tensor")
     assert all(plan.counts[d][2] == 0 for d in DIMS)
     assert "Rank 2 gets no share: its 100 Mbit/s link would cost more than its compute saves." in plan.explanation
+
+
+MINILM = BertConfig.from_dict(dict(model_type="bert", vocab_size=30522, hidden_size=384,
+                                   num_hidden_layers=6, num_attention_heads=12,
+                                   intermediate_size=1536, max_position_embeddings=512,
+                                   type_vocab_size=2), name="minilm-shape")
+
+
+def _duration(text: str) -> float:
+    value, unit = text.split()
+    return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
+
+
+@pytest.mark.parametrize("link", [dict(latency_s=1e-4, bandwidth_Bps=1.2e8),   # 940 Mbit/s
+                                  dict(latency_s=5e-5, bandwidth_Bps=1e9)])
+def test_equal_ranks_on_tiny_work_are_told_the_work_is_small_not_that_they_are_slow(link):
+    """MiniLM at 3 tokens on two equal ranks: rank 1 stays out because the compute it would
+    save is less than the communication it would add, and the explanation says so, quoting
+    the cost model's figures; it is not "too slow" (it is exactly as fast as rank 0)."""
+    p = declared_profile([dict(gemm_flops=9e10, memory_bytes=4e9, **link)] * 2)
+    plan = make_plan(MINILM, p, 3)
+    assert all(plan.counts[d][1] == 0 for d in DIMS)
+    assert "too slow" not in plan.explanation
+    m = re.search(r"Rank 1 gets no share: the work is too small to be worth splitting \((\S+ \S+) "
+                  r"of compute; a share for rank 1 would save (\S+ \S+) of it but add (\S+ \S+) over "
+                  r"(\d+) collectives, about (\S+ \S+) each\)", plan.explanation)
+    assert m, plan.explanation
+    compute, saved, added, n, each = m.groups()
+    assert _duration(saved) < _duration(added)  # what "not worth splitting" means
+    assert _duration(compute) == pytest.approx(plan.predicted_latency_s, rel=0.05, abs=1e-4)
+    assert int(n) > 0 and _duration(each) == pytest.approx(_duration(added) / int(n), rel=0.05)
+
+
+def test_a_much_slower_rank_is_still_called_too_slow():
+    p = declared_profile([dev(4e9), dev(4e9), dev(4e9, gemm_flops=2e9)])
+    plan = make_plan(BERT, p, 128)
+    assert all(plan.counts[d][2] == 0 for d in DIMS) and plan.counts["rows"][1] > 0
+    assert ("Rank 2 gets no share: too slow to save more compute than one more rank adds to "
+            "every collective (GeMM 2 GFLOP/s against 50 on rank 0)") in plan.explanation
+    assert "too small" not in plan.explanation
 
 
 # --- baselines, evaluate-only, plan files, report ------------------------------------------------

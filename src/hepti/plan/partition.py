@@ -30,6 +30,7 @@ dynamic program), `single` (rank 0 alone). With `ratios` the plan is evaluated, 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 
@@ -113,8 +114,53 @@ def _who(ranks: list[int]) -> str:
     return f"rank {shown} gets" if len(ranks) == 1 else f"ranks {shown} get"
 
 
+def _compute_and_comm(pred: Prediction) -> tuple[float, float, int]:
+    """A prediction's compute (slowest rank per phase) and communication, summed over the
+    inference, and how many collectives with a cost it runs."""
+    compute = sum(ph["times"] * ph["compute_s"] for ph in pred.phases)
+    comm = sum(ph["times"] * ph["comm_s"] for ph in pred.phases)
+    return compute, comm, sum(ph["times"] for ph in pred.phases if ph["comm_s"] > 0)
+
+
+def _join_effect(cand: Candidate, profile: Profile, ranks: list[int],
+                 speeds_of: int | None = None) -> tuple[float, float, int]:
+    """By the cost model: what shares for `ranks` beside the active ranks (all shares by GeMM
+    speed) would change: (compute saved, communication added, collectives then run).
+    speeds_of: give `ranks` that rank's compute figures instead of their own (a what-if)."""
+    devices = list(profile.devices)
+    if speeds_of is not None:
+        f = devices[speeds_of]
+        for i in ranks:
+            devices[i] = dataclasses.replace(
+                devices[i], gemm=f.gemm, attention=f.attention, elementwise_per_s=f.elementwise_per_s,
+                call_overhead_s=f.call_overhead_s, weight_load_Bps=f.weight_load_Bps)
+    what_if = dataclasses.replace(profile, devices=devices)
+    members = [r.rank for r in cand.prediction.per_rank if r.active] + list(ranks)
+    speed = sum(devices[i].gemm.peak for i in members)
+    vec = [devices[i].gemm.peak / speed if i in members else 0.0 for i in range(len(devices))]
+    program = copy.deepcopy(cand.program)  # evaluate_ratios sets a stream program's budget
+    joined = evaluate_ratios(program, what_if, {d: vec for d in program.totals}).prediction
+    (c0, m0, _), (c1, m1, n) = _compute_and_comm(cand.prediction), _compute_and_comm(joined)
+    return c0 - c1, m1 - m0, n
+
+
+def _pays(effect: tuple[float, float, int]) -> bool:
+    saved, added, _ = effect
+    return saved > added
+
+
+def _us(s: float) -> str:
+    return f"{s * 1e6:.0f} us" if s < 1e-3 else _ms(s)
+
+
 def _dropout_reasons(cand: Candidate, profile: Profile, caps: list[float]) -> list[str]:
-    """Why ranks got nothing, grouped: memory too small, link too slow, or compute too slow."""
+    """Why ranks got nothing, grouped: memory too small, link too slow, the work too small to
+    be worth splitting, or compute too slow.
+
+    A rank with nothing against its memory or link is "too slow" only if a share would pay
+    were it as fast as the fastest active rank; if even then the compute it saves is below the
+    communication it adds, the work is too small (MiniLM at a few tokens on equal ranks), and
+    the cost model's figures for that are quoted."""
     if cand.prediction is None or cand.program is None:
         return []
     members = [profile.devices[r.rank] for r in cand.prediction.per_rank if r.active]
@@ -141,10 +187,31 @@ def _dropout_reasons(cand: Candidate, profile: Profile, caps: list[float]) -> li
         else:
             why = "their links would cost more than their compute saves"
         out.append(f"{_who(link)} no share: {why}")
-    if compute:
-        out.append(f"{_who(compute)} no share: too slow to save more compute than one more rank "
-                   f"adds to every collective")
+    fastest = max(members, key=lambda d: d.gemm.peak).rank
+    small = [i for i in compute if profile.devices[i].gemm.peak >= profile.devices[fastest].gemm.peak
+             or not _pays(_join_effect(cand, profile, [i], speeds_of=fastest))]
+    if small:
+        saved, added, n = effect = _join_effect(cand, profile, small)
+        total = _compute_and_comm(cand.prediction)[0]
+        them = f"a share for rank {small[0]}" if len(small) == 1 else "shares for them"
+        figures = (f"{_us(total)} of compute; {them} would save {_us(saved)} of it but add "
+                   f"{_us(added)} over {n} collectives, about {_us(added / n)} each"
+                   if not _pays(effect) and n else
+                   f"{_us(total)} of compute; one more rank adds more to the collectives than "
+                   "its share saves")  # the LP's integer steps can differ from shares by speed
+        out.append(f"{_who(small)} no share: the work is too small to be worth splitting "
+                   f"({figures}); longer inputs or larger batches split better")
+    slow = [i for i in compute if i not in small]
+    if slow:
+        out.append(f"{_who(slow)} no share: too slow to save more compute than one more rank "
+                   f"adds to every collective (GeMM {_gflops(slow, profile)} against "
+                   f"{profile.devices[fastest].gemm.peak / 1e9:.0f} on rank {fastest})")
     return out
+
+
+def _gflops(ranks: list[int], profile: Profile) -> str:
+    g = [profile.devices[i].gemm.peak / 1e9 for i in ranks]
+    return f"{g[0]:.0f} GFLOP/s" if len(g) == 1 else f"{min(g):.0f}-{max(g):.0f} GFLOP/s"
 
 
 def _capped(cand: Candidate, caps: list[float]) -> list[str]:
