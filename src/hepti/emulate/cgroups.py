@@ -86,6 +86,7 @@ class Cgroups:
     version: int
     cpu_base: str  # directory the run's group is made in, cpu hierarchy
     memory_base: str  # same, memory hierarchy (equal to cpu_base under v2)
+    quota_factor: float = 1.0  # quota = factor x share (hepti.emulate.stretch.GUARD when stretched)
 
     @classmethod
     def detect(cls) -> "Cgroups":
@@ -130,8 +131,9 @@ class Cgroups:
         return f"{self.memory_base}/{names.cgroup_leaf(i)}"
 
     def cpu_actions(self, names: RunNames, i: int, cpu: float) -> list[Action]:
-        """Quota and period for `cpu` cores, and a weight proportional to the share."""
-        quota, period = cpu_quota(cpu)
+        """Quota and period for `cpu` cores (times `quota_factor`), and a weight proportional
+        to the share."""
+        quota, period = cpu_quota(cpu * self.quota_factor)
         d = self._cpu_dir(names, i)
         if self.version == 2:
             return [Write(f"{d}/cpu.max", f"{quota} {period}"),

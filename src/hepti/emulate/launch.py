@@ -38,6 +38,7 @@ skips the grace period. If the launcher itself is SIGKILLed, mpiexec dies with i
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import shlex
@@ -50,7 +51,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hepti.emulate import actions, idle, net
+from hepti.emulate import actions, idle, net, stretch
 from hepti.emulate.cgroups import Cgroups, kill_procs, remove_tree
 from hepti.emulate.command import find_mpiexec, log, prepare_command
 from hepti.emulate.leftovers import (check_leftovers, cleanup, find_runs, proc_starttime,
@@ -424,7 +425,9 @@ def run_emulated(spec_path, command: list[str], *, keep: bool = False, dry_run: 
     spec = load_spec(spec_path)
     check_cpu_fits(spec, os.cpu_count() or 1)
     command = prepare_command(list(command), len(spec.devices))
-    run = _Run(spec=spec, names=RunNames(os.getpid(), len(spec.devices)), cg=Cgroups.detect(),
+    # stretched devices (hepti.emulate.stretch) keep a quota a little above their share as a guard
+    cg = dataclasses.replace(Cgroups.detect(), quota_factor=stretch.GUARD if stretch.stretch_wanted() else 1.0)
+    run = _Run(spec=spec, names=RunNames(os.getpid(), len(spec.devices)), cg=cg,
                idle_fill=idle_fill, cold_cache=cold_cache)
     if dry_run:
         _dry_run(run, command)

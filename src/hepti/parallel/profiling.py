@@ -18,6 +18,8 @@ will during a run. Per rank:
 - its link: MPI ping-pong with rank 0 at a few message sizes, least-squares fitted to
   one-way time = latency + bytes / bandwidth. Rank 0's own link is taken as the fastest path it
   measured (a star's path is as slow as its slower end).
+Under `hepti emulate` each timed call is stretched as the runtime's compute spans are
+(hepti.emulate.stretch), so the profile measures the stretched device as it would a slow board.
 A run takes a few seconds. `cached_profile` keeps the result per hostfile, model, world size,
 shape and every rank's caps (cgroup CPU quota and memory limit, emulated device) under
 $HEPTI_CACHE (default ~/.cache/hepti) and measures again when it is older than asked.
@@ -36,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from hepti.config import BertConfig
+from hepti.emulate import stretch as _stretch
 from hepti.errors import PlanError
 from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, Profile, load_profile, profile_from_dict
 
@@ -78,6 +81,8 @@ def _timed_many(fns: dict, rounds: int = 4, min_time: float = MIN_TIME_S / 3) ->
     the calls; the median over the rounds. Interleaving spreads a burst of load from elsewhere
     over all fns instead of spoiling one. One warm-up call each first (it also compiles)."""
     window = timing_window(min_time)
+    if _stretch.ON:  # each call one unit of work on the emulated device (see the module docstring)
+        fns = {key: _stretch.wrap(fn) for key, fn in fns.items()}
     for fn in fns.values():
         fn()
     times = {key: [] for key in fns}
@@ -280,6 +285,9 @@ def measure_weight_load(config: BertConfig, directory: str | None = None, rounds
             def gemm():
                 K.gemm(x, shard.up, threads=1)
 
+            if _stretch.ON:  # the loader's CPU counts in the process's, hence in these calls'
+                gemm = _stretch.wrap(gemm)
+
             times = _timed_many({"load": load, "gemm": gemm})
             alone, gemm_s = times["load"], times["gemm"]
             n = max(4, math.ceil(timing_window(MIN_TIME_S) / alone))
@@ -467,7 +475,7 @@ def resource_limits() -> dict:
     state = read_state()
     device = current_device(state)
     if state is not None and device is not None:
-        out["emulated"] = {"spec": state.get("spec"),
+        out["emulated"] = {"spec": state.get("spec"), "stretch": _stretch.ON,
                            **{k: device.get(k) for k in ("name", "cpu", "mem_bytes", "link_mbit")}}
     return out
 
@@ -653,6 +661,9 @@ def calibrate_collectives(comm, prof: dict, config: BertConfig, rows: int, reps:
 
     def no_compute():
         part[0] = full
+
+    if _stretch.ON:
+        compute = _stretch.wrap(compute)
 
     probes = {  # the runtime's own verbs
         "reduce_scatter": lambda: g.reduce_scatter_rows(part[0], rc),

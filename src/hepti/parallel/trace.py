@@ -4,11 +4,18 @@ Every rank measures on its own `time.perf_counter`, relative to an epoch taken r
 barrier, so all ranks share one clock to within the barrier's release skew (microseconds on one
 box, about one network latency on a real cluster). `Tracer.span(name, cat)` times a block: its
 seconds add to `seconds[cat]` and, when tracing is on, it becomes one "X" event.
+
+Under `hepti emulate` the spans are also where an emulated device is slowed down uniformly
+(hepti.emulate.stretch): a "compute" span ends by paying the device's backlog, and any other
+span but "batch" (a collective, a wait for weights) pays it before it starts; what is paid there
+counts as compute. Outside the emulator that is one test of a module flag per span.
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+
+from hepti.emulate import stretch as _stretch
 
 
 class Tracer:
@@ -47,10 +54,16 @@ class _Span:
         self.tracer, self.name, self.cat, self.args = tracer, name, cat, args
 
     def __enter__(self):
+        if _stretch.ON:
+            paid = _stretch.span_enter(self.cat)
+            if paid:
+                self.tracer.seconds["compute"] += paid
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> bool:
+        if _stretch.ON:
+            _stretch.span_exit(self.cat)
         t1 = time.perf_counter()
         tr = self.tracer
         tr.seconds[self.cat] += t1 - self.t0

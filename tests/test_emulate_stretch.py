@@ -1,0 +1,141 @@
+"""hepti.emulate.stretch: the bookkeeping (fake clocks, any user) and the uniform slowdown of
+an emulated device (root: a real `hepti emulate` run, the one timing threshold the issue asks
+for)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from hepti.emulate import stretch
+from hepti.emulate.state import DEVICE_ENV
+from test_emulate import root_env  # noqa: F401 - the fixture: root, MPICH, no leftovers
+
+
+class FakeClocks:
+    """process_time, thread_time, perf_counter and sleep of one made-up process."""
+
+    def __init__(self):
+        self.wall = self.proc = self.thread = 0.0
+        self.slept = []
+
+    def run(self, cpu: float, main: bool = True, wall: float | None = None):
+        """The process computes `cpu` seconds (on the main thread or another) over `wall`."""
+        self.proc += cpu
+        if main:
+            self.thread += cpu
+        self.wall += cpu if wall is None else wall
+
+    def tick(self) -> float:
+        """The wall clock, a tenth of a microsecond later than last read (a spin ends)."""
+        self.wall += 1e-7
+        return self.wall
+
+    def sleep(self, s: float):
+        self.slept.append(s)
+        self.wall += s
+
+
+@pytest.fixture
+def clocks(monkeypatch):
+    c = FakeClocks()
+    monkeypatch.setattr(stretch.time, "process_time", lambda: c.proc)
+    monkeypatch.setattr(stretch.time, "thread_time", lambda: c.thread)
+    monkeypatch.setattr(stretch.time, "perf_counter", c.tick)
+    monkeypatch.setattr(stretch.time, "sleep", c.sleep)
+    stretch.enable(0.25)
+    yield c
+    stretch.disable()
+
+
+def test_compute_span_pays_cpu_over_share(clocks):
+    stretch.span_enter("compute")
+    clocks.run(0.004)
+    stretch.span_exit("compute")
+    assert clocks.wall == pytest.approx(0.004 / 0.25, abs=1e-5)  # 4 ms of work at a quarter core: 16 ms
+
+
+def test_small_debt_is_carried_then_paid_before_a_wait(clocks):
+    stretch.span_enter("compute")
+    clocks.run(1e-5)  # 30 us owed: below PAY_MIN_S, carried
+    stretch.span_exit("compute")
+    assert clocks.wall == pytest.approx(1e-5, abs=2e-6)
+    stretch.span_enter("allgatherv")  # a collective must not start before the work is done
+    assert clocks.wall == pytest.approx(4e-5, abs=2e-6)
+
+
+def test_waiting_is_not_work_but_a_background_thread_is(clocks):
+    stretch.span_enter("recv")
+    clocks.run(0.002)  # the main thread polls: not work
+    clocks.run(0.001, main=False, wall=0.0)  # a prefetch thread loads beside it: work
+    stretch.span_exit("recv")
+    # 1 ms of background work needs 4 ms of the virtual CPU; the wait gave it 2 ms
+    assert stretch._backlog == pytest.approx(0.002, abs=1e-5)
+    stretch.span_enter("compute")
+    stretch.span_exit("compute")
+    assert clocks.wall == pytest.approx(0.004, abs=1e-5)
+
+
+def test_idle_time_is_not_banked(clocks):
+    stretch.span_enter("sleep")
+    clocks.run(0.0, wall=0.1)
+    stretch.span_exit("sleep")
+    stretch.span_enter("compute")
+    clocks.run(0.001)
+    stretch.span_exit("compute")
+    assert clocks.wall == pytest.approx(0.1 + 0.004, abs=1e-5)
+
+
+def test_preempted_compute_sleeps_only_the_rest(clocks):
+    stretch.span_enter("compute")
+    clocks.run(0.001, wall=0.003)  # descheduled or throttled for 2 ms of it
+    stretch.span_exit("compute")
+    assert clocks.wall == pytest.approx(0.004, abs=1e-5)
+
+
+def test_tracer_counts_the_stretch_as_compute(clocks):
+    from hepti.parallel.trace import Tracer
+    tr = Tracer(0)
+    with tr.span("gemm", "compute"):
+        clocks.run(0.002)
+    assert tr.seconds["compute"] == pytest.approx(0.008, abs=1e-5)
+
+
+def test_off_outside_the_emulator():
+    if os.environ.get(DEVICE_ENV) is None:
+        assert not stretch.ON
+    assert stretch.stretch_wanted({}) and not stretch.stretch_wanted({stretch.ENV: "0"})
+
+
+SHARES = (0.15, 0.3, 0.6)
+TOLERANCE = 0.10
+
+
+def test_uniform_slowdown(root_env, tmp_path):  # noqa: F811
+    """Under `hepti emulate`, a device at share s runs GeMM phases of 0.1, 1, 10 and 100 ms
+    (sized on an uncapped hub) in 1/s of the hub's time, within 10%, back to back and between
+    waits (a sleep, an MPI exchange): hepti.bench.slowdown, one launch per share, the median
+    of 2 rounds per phase and way. A few minutes."""
+    from hepti.bench import slowdown
+    runs = []
+    for share in SHARES:
+        r = slowdown.launch(share, "stretch", 2, tmp_path)
+        r["mode"] = "stretch"
+        runs.append(r)
+    table = slowdown.summarize(runs)
+    print("\n" + slowdown.format_table(table))
+    bad = []
+    for share, row in table["stretch"].items():
+        for name, ph in row["phases"].items():
+            for way in slowdown.WAYS:
+                ratio = ph[f"{way}_median_ratio"]
+                if abs(ratio - 1.0) > TOLERANCE:
+                    bad.append(f"share {share} {name} {way}: {ratio:.2f}")
+    assert not bad, "not within 10% of 1/share of the uncapped time: " + "; ".join(bad)
+    json.dumps(table)  # the summary stays JSON
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-s"]))
