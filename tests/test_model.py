@@ -68,11 +68,15 @@ def test_tokenizer_matches_fixture(minilm_dir, minilm_expected):
 
 
 def test_long_input_truncated_with_warning(minilm_dir, caplog):
+    """Inputs are counted in tokens before any work: one warning for all that are too long."""
+    from hepti.inputs import InputSource
     from hepti.model.tokenize import TextTokenizer
     tok = TextTokenizer(minilm_dir / "tokenizer.json", 16)
-    ids, mask, _ = tok.encode(["word " * 40, "short"])
-    assert ids.shape == (2, 16) and mask[1].sum() < 16
-    assert "truncated" in caplog.text
+    src = InputSource.from_texts(["word " * 40, "short", "word " * 30], tok, 2, None, 0)
+    assert "2 input(s) longer than 16 tokens will be truncated (first: input 0)" in caplog.text
+    assert src.lengths == [16, 16]
+    b = src.batch(0)
+    assert b.ids.shape == (2, 16) and b.mask[1].sum() < 16
 
 
 def test_pooling_ignores_padding():

@@ -70,15 +70,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "run", help="embed texts (or token ids) with a converted model",
-        description="Run the encoder on texts or token ids and print/write embeddings. Under "
-                    "mpiexec the work is split between the ranks.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run the encoder on texts or token ids and write embeddings. Under mpiexec "
+                    "the work is split between the ranks.\n\n"
+                    "Every input and flag is checked before any work. The inputs run once, in "
+                    "batches; each batch is pooled and written to --output as it completes, into "
+                    "OUT.npy.partial beside it, which becomes OUT.npy when every row is in. Row i "
+                    "of the output is input i (for --input, line i; a blank line is embedded as "
+                    "the empty text, as sentence-transformers does). A run that is stopped "
+                    "(Ctrl-C, a killed rank) keeps its partial file: the same command with "
+                    "--resume continues from its last complete batch.",
+        epilog="examples:\n"
+               "  hepti run --text 'A cat sat.' 'A dog sat.' --normalize\n"
+               "  hepti run --input texts.txt --output emb.npy          # row i = line i\n"
+               "  hepti run --input texts.txt --output emb.npy --resume # after an interruption\n"
+               "  hepti run --input-ids ids.npz --pool none --output hidden.npy\n"
+               "  mpiexec -n 2 hepti run --input texts.txt --output emb.npy --strategy auto")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model folder (default {DEFAULT_MODEL})")
     inp = s.add_mutually_exclusive_group(required=True)
     inp.add_argument("--text", nargs="+", metavar="T", help="one or more texts")
-    inp.add_argument("--input", metavar="FILE", help="a text file, one input per line")
+    inp.add_argument("--input", metavar="FILE",
+                     help="a UTF-8 text file, one input per line; blank lines are empty texts")
     inp.add_argument("--input-ids", metavar="FILE.npz",
-                     help="token ids: arrays ids [n, L] and optional mask, token_type [n, L]")
-    s.add_argument("--output", metavar="OUT.npy", help="write the embeddings / hidden states here")
+                     help="token ids: arrays ids [n, L] and optional mask, token_type [n, L] "
+                          "(for models without a tokenizer, such as `convert --random` ones)")
+    s.add_argument("--output", metavar="OUT.npy",
+                   help="write the embeddings [n, C] (or hidden states [n, L, C]) here, as a "
+                        ".npy array, batch by batch")
+    s.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run that left OUT.npy.partial (same command, "
+                        "same inputs); rows already written are kept")
     s.add_argument("--pool", choices=("mean", "cls", "none"), default="mean",
                    help="mean over real tokens (default), CLS token, or none: hidden states [n, L, C]")
     s.add_argument("--normalize", action="store_true", help="L2-normalise pooled embeddings")
@@ -86,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq", type=_positive_int, default=None,
                    help="pad (and truncate) texts to this many tokens, for fixed-shape timing")
     s.add_argument("--repeat", type=_positive_int, default=1,
-                   help="time N runs after a warm-up and report the median (default 1)")
+                   help="benchmark: after a warm-up on one batch, run the inputs N times (the "
+                        "first writes --output) and report the median forward time (default 1: "
+                        "one pass, no warm-up)")
     s.add_argument("--threads", type=_positive_int, default=1,
                    help="compute threads per process (default 1)")
     s.add_argument("--json", action="store_true", help="print one JSON report on stdout")
@@ -339,7 +362,7 @@ def _profile_job(args) -> int:
     world = world_comm()
     cfg = agree(world, lambda: WeightStore(args.model).config)
     profile, _ = cached_profile(world.mpi, cfg, args.seq, batch=args.batch, threads=args.threads,
-                                mem_cap=parse_bytes(args.mem_cap) if args.mem_cap else None,
+                                mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None,
                                 refresh=True)
     if world.rank == 0:
         text = json.dumps(profile.to_dict(), indent=2)
@@ -357,6 +380,8 @@ def cmd_plan(args) -> int:
     from hepti.weights import WeightStore
     cfg = WeightStore(args.model).config
     profile = load_profile(args.profile, max_age_s=args.max_age)
+    for note in profile.check_model(cfg, source=f"--profile {args.profile}"):
+        logging.getLogger("hepti").warning(note)
     plan = make_plan(cfg, profile, args.seq, args.batch, strategy=args.strategy,
                      ratios=args.ratios, mem_budget=parse_bytes(args.mem_budget))
     if args.out:
@@ -381,7 +406,7 @@ def main(argv=None) -> int:
         print(f"hepti {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("hepti: interrupted", file=sys.stderr)
+        print(f"hepti {args.cmd}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -97,6 +97,25 @@ class BertConfig:
         """HF-style dict (round-trips through from_dict)."""
         return asdict(self)
 
+    @property
+    def shape(self) -> dict:
+        """What the cost of running this model depends on: plans and profiles record it."""
+        return {"layers": self.num_hidden_layers, "hidden": self.hidden_size,
+                "heads": self.num_attention_heads, "ffn": self.intermediate_size}
+
+
+def model_mismatch(name: str | None, shape: dict | None, config: BertConfig) -> tuple[str | None, bool]:
+    """Compare a plan's or profile's record of its model with `config`: (what differs, or None;
+    whether that makes it unusable). A different shape does; a different name with the same
+    shape does not (costs depend on the shape alone), unless no shape was recorded."""
+    if shape:
+        diff = [f"{k} {shape.get(k)} vs {v}" for k, v in config.shape.items() if shape.get(k) != v]
+        if diff:
+            return (f"it was made for {name or 'a model'} ({', '.join(diff)} in this model)", True)
+    if name and config.name and name != config.name:
+        return (f"it was made for {name}, not {config.name}", not shape)
+    return None, False
+
 
 # Standard shapes for `hepti convert --random` (benchmarks need them; no pretrained weights offline).
 RANDOM_PRESETS = {

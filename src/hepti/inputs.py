@@ -1,6 +1,9 @@
 """Reading inference inputs (texts, text files, id arrays) and checking output paths, up front.
 
-Every check here runs before any model work, so a bad flag loses nothing.
+Every check here runs before any model work, so a bad flag loses nothing. Row i of every output
+is input i: a blank line of an --input file is the empty text (as sentence-transformers embeds
+it), never skipped. `InputSource` hands out batch k on demand, so the primary holds the texts
+but never all their token ids at once.
 """
 from __future__ import annotations
 
@@ -22,18 +25,21 @@ class Batch:
 
 
 def read_texts(texts: list[str] | None, input_file: str | None) -> list[str]:
+    """--text as given, or one text per line of --input (blank lines kept as empty texts)."""
     if texts:
-        if any(not t.strip() for t in texts):
-            raise InputError("--text got an empty string; give non-empty texts")
         return list(texts)
     path = Path(input_file)
     if not path.is_file():
         raise InputError(f"--input {path}: no such file")
     try:
-        lines = [ln.rstrip("\r\n") for ln in path.read_text(encoding="utf-8").splitlines()]
+        # split on newlines only: str.splitlines() would also split at \x0b, \x1c, U+2028 and
+        # others inside a line, and row i would no longer be line i
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise InputError(f"--input {path}: not UTF-8 text ({e})") from None
-    lines = [ln for ln in lines if ln.strip()]
+    lines = [ln[:-1] if ln.endswith("\r") else ln for ln in text.split("\n")]
+    if lines and lines[-1] == "":  # the newline that ends the last line starts no new one
+        lines.pop()
     if not lines:
         raise InputError(f"--input {path} is empty; it needs one text per line")
     return lines
@@ -62,13 +68,109 @@ def read_ids(path: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | Non
 
 
 def check_output_path(path: str | None, flag: str = "--output") -> None:
-    """Fail before any work if `path` (given with `flag`) could not be written."""
+    """Fail before any work if `path` (given with `flag`) could not be written: its folder must
+    exist and take a new file (tried for real: permission bits say nothing to root, and /proc
+    refuses files whatever they say), and it must not be a folder itself."""
     if path is None:
         return
-    parent = Path(path).resolve().parent
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{flag} {path} is a folder; give a file name, e.g. {p / 'out'}"
+                         f"{'.npy' if flag == '--output' else '.json'}")
+    parent = p.resolve().parent
     if not parent.is_dir():
         raise InputError(f"{flag} {path}: folder {parent} does not exist; create it first "
                          f"(mkdir -p {parent})")
+    import tempfile
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{p.name}.", suffix=".probe"):
+            pass
+    except OSError as e:
+        raise InputError(f"{flag} {path}: cannot write into {parent} ({e.strerror or e}); "
+                         "choose a folder you can write to") from None
+
+
+def npy_output_path(path: str | None) -> Path | None:
+    """--output names a .npy file: checked, and refused without the suffix (np.save would
+    silently write NAME.npy instead)."""
+    if path is None:
+        return None
+    check_output_path(path)
+    p = Path(path)
+    if p.suffix != ".npy":
+        raise InputError(f"--output {path}: hepti writes a NumPy array, so the name must end in "
+                         f".npy; use --output {p.name}.npy")
+    return p
+
+
+class InputSource:
+    """A run's inputs, handed out one batch at a time: batch k holds rows [k*bs, (k+1)*bs).
+
+    Made (and so checked) whole before any work. `lengths` is each batch's token count T,
+    known up front so an output of hidden states [n, L, C] can be laid out before the first
+    batch. `digest` identifies the inputs, so --resume continues only the same job."""
+
+    def __init__(self, n: int, batch_size: int, lengths: list[int], make_batch, digest: str):
+        self.n, self.batch_size, self.lengths = n, batch_size, lengths
+        self._make, self.digest = make_batch, digest
+
+    @property
+    def n_batches(self) -> int:
+        return len(self.lengths)
+
+    def rows(self, k: int) -> tuple[int, int]:
+        return k * self.batch_size, min(self.n, (k + 1) * self.batch_size)
+
+    def batch(self, k: int) -> Batch:
+        return self._make(*self.rows(k))
+
+    def batches(self, start: int = 0):
+        return (self.batch(k) for k in range(start, self.n_batches))
+
+    @classmethod
+    def from_ids(cls, path: str, config, batch_size: int) -> "InputSource":
+        """--input-ids: arrays ids [n, L] and optional mask, token_type, checked whole."""
+        import hashlib
+
+        from hepti.model.bert import validate_inputs
+        ids, mask, tt = read_ids(path)
+        ids = np.asarray(ids)
+        mask = np.ones(ids.shape, np.int64) if mask is None else np.asarray(mask)
+        tt = np.zeros(ids.shape, np.int64) if tt is None else np.asarray(tt)
+        if mask.shape != ids.shape or tt.shape != ids.shape:
+            raise InputError(f"--input-ids: mask/token_type shapes {mask.shape}/{tt.shape} differ "
+                             f"from ids {ids.shape}")
+        validate_inputs(config, ids, mask, tt)
+        n = len(ids)
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return cls(n, batch_size, [ids.shape[1]] * -(-n // batch_size),
+                   lambda a, b: Batch(ids[a:b], mask[a:b], tt[a:b]), digest)
+
+    @classmethod
+    def from_texts(cls, texts: list[str], tokenizer, batch_size: int, seq: int | None,
+                   pad_id: int) -> "InputSource":
+        """Texts, tokenised batch by batch; with `seq`, every batch padded to seq tokens."""
+        import hashlib
+        import logging
+
+        raw = tokenizer.token_counts(texts)
+        counts = np.minimum(raw, tokenizer.max_len)
+        long = np.flatnonzero(raw > tokenizer.max_len)
+        if len(long):
+            logging.getLogger("hepti").warning(
+                "%d input(s) longer than %d tokens will be truncated (first: input %d)",
+                len(long), tokenizer.max_len, long[0])
+        n = len(texts)
+        lengths = [seq or int(counts[a:a + batch_size].max()) for a in range(0, n, batch_size)]
+
+        def make(a: int, b: int) -> Batch:
+            batch = Batch(*tokenizer.encode(texts[a:b]))
+            return pad_to(batch, seq, pad_id) if seq else batch
+
+        h = hashlib.sha256()
+        for t in texts:
+            h.update(t.encode("utf-8", "surrogatepass") + b"\n")
+        return cls(n, batch_size, lengths, make, h.hexdigest())
 
 
 def pad_to(batch: Batch, length: int, pad_id: int) -> Batch:

@@ -1,7 +1,16 @@
-"""`hepti run`: read inputs, tokenise, batch, run an engine, pool, write outputs, time it.
+"""`hepti run`: check every input, then one pass over the batches, each pooled and written as
+it completes; time the pass that runs anyway.
 
-The engine is the single-device `BertEncoder` or, under mpiexec, a distributed strategy from
-hepti.parallel; both turn a batch of ids into hidden states [B, T, C] on the primary rank.
+The engine is the single-device `BertEncoder` or, under mpiexec, a distributed `Job` from
+hepti.parallel.engine. Both have `run_all(batches, n, on_output)`, which calls on_output(k,
+hidden [B, T, C]) on the primary rank as batch k completes, so the primary holds a batch or
+two, never the whole input's hidden states. The pieces here (`prepare`, `Feed`, `Sink`,
+`run_passes`, `finish`) are shared by both paths.
+
+Timing: pass 1 is the real job (it writes the output) and is timed; its forward time is its
+wall time less what the primary spent making batches and pooling and writing them. `--repeat
+N` (N > 1) is a benchmark option: a warm-up on the first batch, then pass 1, then N - 1 more
+passes that write nothing, and `latency_s` is the median of the N passes' forward times.
 """
 from __future__ import annotations
 
@@ -10,83 +19,237 @@ import logging
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from hepti.errors import InputError
-from hepti.inputs import Batch, check_output_path, pad_to, read_ids, read_texts
+from hepti.inputs import InputSource, check_output_path, npy_output_path, read_texts
 from hepti.model.pooling import pool
+from hepti.output import OutputFile
 
 log = logging.getLogger("hepti")
+SHOW_SIMILARITY_MAX = 12  # texts: up to this many, the summary prints their similarity table
 
 
-def encode_inputs(args, config, model_dir: Path) -> list[Batch]:
-    """Turn --text/--input/--input-ids into padded batches (each padded to its own longest)."""
+def open_inputs(args, config, model_dir: Path) -> InputSource:
+    """--text/--input/--input-ids as an InputSource, every input checked (and texts counted
+    in tokens) before any model work."""
     bs = args.batch_size
     if args.input_ids:
-        ids, mask, tt = read_ids(args.input_ids)
-        ids = np.asarray(ids)
-        mask = np.ones(ids.shape, np.int64) if mask is None else np.asarray(mask)
-        tt = np.zeros(ids.shape, np.int64) if tt is None else np.asarray(tt)
-        if mask.shape != ids.shape or tt.shape != ids.shape:
-            raise InputError(f"--input-ids: mask/token_type shapes {mask.shape}/{tt.shape} differ "
-                             f"from ids {ids.shape}")
-        from hepti.model.bert import validate_inputs
-        validate_inputs(config, ids, mask, tt)  # fail before any work
-        return [Batch(ids[i:i + bs], mask[i:i + bs], tt[i:i + bs]) for i in range(0, len(ids), bs)]
+        return InputSource.from_ids(args.input_ids, config, bs)
     texts = read_texts(args.text, args.input)
     from hepti.model.tokenize import TextTokenizer
-    max_len = min(config.max_position_embeddings, args.seq) if args.seq else config.max_position_embeddings
+    max_len = min(config.max_position_embeddings, args.seq or config.max_position_embeddings)
     tok = TextTokenizer(model_dir / "tokenizer.json", max_len, pad_id=config.pad_token_id)
-    batches = [Batch(*tok.encode(texts[i:i + bs])) for i in range(0, len(texts), bs)]
-    if args.seq:
-        batches = [pad_to(b, args.seq, config.pad_token_id) for b in batches]
-    return batches
+    return InputSource.from_texts(texts, tok, bs, args.seq, config.pad_token_id)
 
 
-def assemble(outputs: list[np.ndarray], batches: list[Batch], pool_kind: str) -> np.ndarray:
-    """Concatenate per-batch outputs; hidden states are zero-padded to the longest batch."""
-    if pool_kind != "none":
-        return np.concatenate(outputs)
-    L = max(o.shape[1] for o in outputs)
-    out = np.zeros((sum(o.shape[0] for o in outputs), L, outputs[0].shape[2]), np.float32)
-    i = 0
-    for o in outputs:
-        out[i:i + len(o), :o.shape[1]] = o
-        i += len(o)
-    return out
+def output_shape(args, config, source: InputSource) -> tuple[int, ...]:
+    C = config.hidden_size
+    return (source.n, max(source.lengths), C) if args.pool == "none" else (source.n, C)
 
 
-def run_batches(forward, batches, args, progress: bool):
-    """Run every batch through `forward`; return per-batch pooled outputs (None off the primary)."""
+def check_flags(args) -> None:
+    """Flags that would fail only after the work: the report and trace files."""
+    check_output_path(args.report, "--report")
+    check_output_path(getattr(args, "trace", None), "--trace")
+    if args.resume and not args.output:
+        raise InputError("--resume continues an interrupted --output file; give the same "
+                         "--output as the run that was interrupted")
+
+
+@dataclass
+class Prepared:
+    source: InputSource
+    out: OutputFile | None
+
+
+def prepare(args, config, model_dir: Path) -> Prepared:
+    """Check every input and open the output (resuming if asked), before any weights load."""
+    path = npy_output_path(args.output)
+    check_flags(args)
+    source = open_inputs(args, config, model_dir)
+    out = None
+    if path is not None:
+        job = {"model": config.name or Path(model_dir).name,
+               "model_shape": [config.num_hidden_layers, config.hidden_size,
+                               config.num_attention_heads, config.intermediate_size],
+               "inputs": source.digest, "seq": args.seq, "pool": args.pool,
+               "normalize": bool(args.normalize)}
+        out = OutputFile(path, output_shape(args, config, source), args.batch_size, job,
+                         resume=args.resume)
+    elif source.n > SHOW_SIMILARITY_MAX and not args.json:
+        log.warning("no --output: the %d results are computed but not saved; add --output "
+                    "FILE.npy to keep them", source.n)
+    return Prepared(source, out)
+
+
+class Feed:
+    """Batches [start, n) for one pass, made on demand; keeps each batch's mask until the sink
+    pools it, and the seconds spent making them (tokenising), which are not forward time."""
+
+    def __init__(self, source: InputSource, start: int, stop: int | None = None):
+        self.source, self.start = source, start
+        self.stop = source.n_batches if stop is None else stop
+        self.masks: dict[int, np.ndarray] = {}
+        self.seconds = 0.0
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __iter__(self):
+        for k in range(self.start, self.stop):
+            t0 = time.perf_counter()
+            b = self.source.batch(k)
+            self.masks[k] = b.mask
+            self.seconds += time.perf_counter() - t0
+            yield b
+
+
+class Sink:
+    """Pools each completed batch and writes it at its rows; keeps a few results for the
+    summary's similarity table; advances the progress bar. Counts its own seconds."""
+
+    def __init__(self, args, feed: Feed, out: OutputFile | None, bar=None, keep: bool = False):
+        self.args, self.feed, self.out, self.bar = args, feed, out, bar
+        self.kept: list[np.ndarray] | None = [] if keep else None
+        self.seconds = 0.0
+        self.width = max(feed.source.lengths) if args.pool == "none" else None
+
+    def __call__(self, i: int, hidden: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        k = self.feed.start + i
+        rows = pool(hidden, self.feed.masks.pop(k), self.args.pool, self.args.normalize)
+        if self.width is not None and rows.shape[1] < self.width:  # hidden states, zero-padded
+            rows = np.pad(rows, ((0, 0), (0, self.width - rows.shape[1]), (0, 0)))
+        if self.out is not None:
+            self.out.write(k, rows)
+        if self.kept is not None:
+            self.kept.append(rows)
+        self.seconds += time.perf_counter() - t0
+        if self.bar is not None:
+            self.bar.update()
+
+
+def progress_bar(args, source: InputSource, start: int):
+    """A bar over the batches this pass computes (none for one batch, or under --json when
+    stderr is not a terminal, where nobody would see it)."""
+    if source.n_batches - start <= 1 or (args.json and not sys.stderr.isatty()):
+        return None
     from tqdm import tqdm
-
-    outs = []
-    # No tqdm object at all when no bar is shown: even a disabled one costs ~0.1 ms to make
-    # and close, which every timed run (--repeat) would count.
-    show = progress and len(batches) > 1
-    it = tqdm(batches, desc="batches", unit="batch", file=sys.stderr) if show else batches
-    for b in it:
-        hidden = forward(b)
-        if hidden is not None:
-            outs.append(pool(hidden, b.mask, args.pool, args.normalize))
-    return outs
+    return tqdm(total=source.n_batches, initial=start, desc="batches", unit="batch",
+                file=sys.stderr, dynamic_ncols=True)
 
 
-def timed_runs(forward, batches, args, progress: bool):
-    """One run (or a warm-up and --repeat timed runs); returns (outputs, latencies)."""
-    outs = run_batches(forward, batches, args, progress)  # also the warm-up (JIT, caches)
-    lat = []
-    for _ in range(args.repeat if args.repeat > 1 else 0):
+def run_passes(job, prep: Prepared | None, n: int, args, start_pass=None, end_pass=None) -> list[dict]:
+    """Pass 1 over the n batches left to compute, through job.run_all, writing as it goes; with
+    --repeat N, a warm-up on one batch first and N - 1 timed passes after. Returns one dict per
+    pass: wall, forward, inputs and output seconds. Every rank of a distributed job calls this,
+    the primary with its inputs and output (`prep`), the others with None; start_pass and
+    end_pass are the job's barrier and per-pass counters."""
+    primary = prep is not None
+    start = prep.out.start if primary and prep.out is not None else 0
+    if args.repeat > 1 and n > 0:  # JIT, first touch, caches: on one batch, not the input
+        job.run_all(Feed(prep.source, start, start + 1) if primary else (), 1)
+    runs = []
+    for p in range(args.repeat if n > 0 else 0):
+        feed = sink = bar = None
+        if primary:
+            feed = Feed(prep.source, start)
+            bar = progress_bar(args, prep.source, start) if p == 0 else None
+            keep = (p == 0 and args.pool != "none" and args.text is not None
+                    and 1 < prep.source.n <= SHOW_SIMILARITY_MAX)
+            sink = Sink(args, feed, prep.out if p == 0 else None, bar, keep)
+        if start_pass:
+            start_pass()
         t0 = time.perf_counter()
-        outs = run_batches(forward, batches, args, False)
-        lat.append(time.perf_counter() - t0)
-    if not lat:  # a single run: time a second pass so the figure excludes compilation/loading
+        try:
+            job.run_all(feed if primary else (), n, sink)
+        finally:
+            if bar is not None:
+                bar.close()
+        wall = time.perf_counter() - t0
+        own = (feed.seconds + sink.seconds) if primary else 0.0
+        runs.append({"wall_s": wall, "forward_s": wall - own,
+                     "inputs_s": feed.seconds if primary else 0.0,
+                     "output_s": sink.seconds if primary else 0.0,
+                     "kept": sink.kept if primary else None})
+        if end_pass:
+            end_pass(runs[-1])
+    if primary and prep.out is not None:
+        prep.out.commit()
+    return runs
+
+
+class SingleJob:
+    """The single-device engine behind the same run_all as a distributed Job."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def run_all(self, batches, n: int, on_output=None) -> None:
+        for i, b in enumerate(batches):
+            hidden = self.engine.forward(b.ids, b.mask, b.token_type)
+            if on_output is not None:
+                on_output(i, hidden)
+
+
+def run_single(args) -> int:
+    """The single-device job (no MPI)."""
+    from hepti.model.bert import BertEncoder, load_kernels
+    from hepti.weights import WeightStore
+
+    t_start = time.perf_counter()
+    store = WeightStore(args.model)
+    config = store.config
+    prep = prepare(args, config, Path(args.model))
+    try:
+        import numba
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
         t0 = time.perf_counter()
-        outs = run_batches(forward, batches, args, False)
-        lat.append(time.perf_counter() - t0)
-    return outs, lat
+        load_kernels(args.threads)  # as a distributed Job does: the pass times forwards alone
+        engine = BertEncoder.from_store(store, threads=args.threads)
+        load_s = time.perf_counter() - t0
+        start = prep.out.start if prep.out is not None else 0
+        runs = run_passes(SingleJob(engine), prep, prep.source.n_batches - start, args)
+    finally:
+        if prep.out is not None:
+            prep.out.close()
+    report = {
+        **base_report(args, config, prep, load_s, runs, "single", 1, t_start),
+        "weight_bytes_resident": engine.layer_bytes + engine.embeddings.nbytes,
+        "weight_bytes_read": store.bytes_read,
+    }
+    finish(args, report, runs)
+    return 0
+
+
+def base_report(args, config, prep: Prepared, load_s: float, runs: list[dict], strategy: str,
+                world_size: int, t_start: float) -> dict:
+    """The fields every `hepti run --json` report has, single-device or distributed."""
+    source, out = prep.source, prep.out
+    start = out.start if out is not None else 0
+    forward = [r["forward_s"] for r in runs]
+    first = runs[0] if runs else {"wall_s": 0.0, "forward_s": 0.0, "inputs_s": 0.0, "output_s": 0.0}
+    return {
+        "model": config.name or Path(args.model).name,
+        "strategy": strategy,
+        "world_size": world_size,
+        "n_inputs": source.n,
+        "batches": source.n_batches,
+        "resumed_from_batch": start if out is not None and out.resumed else None,
+        "tokens": source.lengths,
+        "pool": args.pool,
+        "threads": args.threads,
+        "load_s": load_s,
+        # pass 1, the one that wrote the output: its wall time, the forwards' share of it, and
+        # the primary's own work between them (making batches; pooling and writing them)
+        "pass_s": {k: first[k] for k in ("wall_s", "forward_s", "inputs_s", "output_s")},
+        "elapsed_s": time.perf_counter() - t_start,
+        "latency_s": {"median": statistics.median(forward) if forward else 0.0, "runs": forward},
+    }
 
 
 def similarity_table(texts: list[str], emb: np.ndarray) -> str:
@@ -100,69 +263,33 @@ def similarity_table(texts: list[str], emb: np.ndarray) -> str:
     return "\n".join(lines)
 
 
-def run_single(args) -> int:
-    """The single-device job (no MPI)."""
-    from hepti.model.bert import BertEncoder
-    from hepti.weights import WeightStore
-
-    check_output_path(args.output)
-    check_output_path(args.report, "--report")
-    store = WeightStore(args.model)
-    config = store.config
-    batches = encode_inputs(args, config, Path(args.model))
-    import numba
-    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    t0 = time.perf_counter()
-    engine = BertEncoder.from_store(store, threads=args.threads)
-    load_s = time.perf_counter() - t0
-
-    def forward(b: Batch):
-        return engine.forward(b.ids, b.mask, b.token_type)
-
-    outs, lat = timed_runs(forward, batches, args, progress=not args.json)
-    result = assemble(outs, batches, args.pool)
-    report = {
-        **base_report(args, config, result, batches, load_s, lat, "single", 1),
-        "weight_bytes_resident": engine.layer_bytes + engine.embeddings.nbytes,
-        "weight_bytes_read": store.bytes_read,
-    }
-    finish(args, result, report, batches)
-    return 0
-
-
-def base_report(args, config, result, batches, load_s: float, latencies: list[float],
-                strategy: str, world_size: int) -> dict:
-    """The fields every `hepti run --json` report has, single-device or distributed."""
-    return {
-        "model": config.name or Path(args.model).name,
-        "strategy": strategy,
-        "world_size": world_size,
-        "n_inputs": int(result.shape[0]),
-        "tokens": [int(b.ids.shape[1]) for b in batches],
-        "pool": args.pool,
-        "threads": args.threads,
-        "load_s": load_s,
-        "latency_s": {"median": statistics.median(latencies), "runs": latencies},
-    }
-
-
-def finish(args, result: np.ndarray, report: dict, batches) -> None:
-    """Write --output and --report, then print --json or a human summary (primary rank only)."""
+def finish(args, report: dict, runs: list[dict]) -> None:
+    """Write --report, then print --json or a human summary (primary rank only). The output
+    itself is already written, batch by batch."""
     if args.output:
-        np.save(args.output, result)
         report["output"] = str(args.output)
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"model {report['model']}: {report['n_inputs']} input(s) -> {args.pool} "
-          f"{'normalised ' if args.normalize else ''}output {tuple(result.shape)}")
-    print(f"latency {report['latency_s']['median'] * 1e3:.1f} ms (median of "
-          f"{len(report['latency_s']['runs'])}), strategy {report['strategy']}, "
-          f"{report['world_size']} rank(s)")
-    texts = args.text or (read_texts(None, args.input) if args.input else None)
-    if texts and args.pool != "none" and 1 < len(texts) <= 12:
-        print(similarity_table(texts, result))
+    n, shape_tail = report["n_inputs"], ("L", "C") if args.pool == "none" else ("C",)
+    print(f"model {report['model']}: {n} input(s) -> {args.pool} "
+          f"{'normalised ' if args.normalize else ''}output [{n}, {', '.join(shape_tail)}]")
+    if report["resumed_from_batch"] is not None:
+        print(f"resumed at batch {report['resumed_from_batch']} of {report['batches']}: the "
+              f"earlier run's rows were kept")
+    lat, ps = report["latency_s"], report["pass_s"]
+    if len(lat["runs"]) > 1:
+        print(f"forward {lat['median'] * 1e3:.1f} ms (median of {len(lat['runs'])} passes over "
+              f"{report['batches']} batch(es)), strategy {report['strategy']}, "
+              f"{report['world_size']} rank(s)")
+    elif lat["runs"]:
+        print(f"forward {lat['median'] * 1e3:.1f} ms over {report['batches']} batch(es) "
+              f"({ps['wall_s'] * 1e3:.1f} ms with tokenising, pooling and writing), strategy "
+              f"{report['strategy']}, {report['world_size']} rank(s)")
+    kept = runs[0]["kept"] if runs else None
+    if kept:
+        print(similarity_table(args.text, np.concatenate(kept)))
     if args.output:
         print(f"wrote {args.output}")

@@ -12,7 +12,10 @@ log = logging.getLogger("hepti")
 
 
 class TextTokenizer:
-    """Pads a batch to its longest text and truncates to the model's positions (with a warning)."""
+    """Pads a batch to its longest text and truncates to `max_len` tokens.
+
+    `token_counts` measures texts before any work (how many will be truncated, how long the
+    longest is); `encode` then turns one batch at a time into arrays."""
 
     def __init__(self, path: str | Path, max_len: int, pad_id: int = 0):
         from tokenizers import Tokenizer
@@ -28,25 +31,24 @@ class TextTokenizer:
         self.tok = Tokenizer.from_file(str(path))
         # Padding and truncation are ours to set, whatever the file says.
         self.tok.no_padding()
-        self.tok.no_truncation()
+        self.tok.enable_truncation(max_len)
         self.max_len = max_len
         self.pad_id = pad_id
+
+    def token_counts(self, texts: list[str], chunk: int = 4096) -> np.ndarray:
+        """Tokens per text before truncation, int64 [n] (in chunks: no ids are kept)."""
+        self.tok.no_truncation()
+        try:
+            return np.array([len(e.ids) for i in range(0, len(texts), chunk)
+                             for e in self.tok.encode_batch(texts[i:i + chunk])], np.int64)
+        finally:
+            self.tok.enable_truncation(self.max_len)
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """-> ids [B, T] int64, mask [B, T] int64 (1 = real token), token_type [B, T] int64."""
         if not texts:
             raise InputError("no input texts")
         encs = self.tok.encode_batch(list(texts))
-        long = [i for i, e in enumerate(encs) if len(e.ids) > self.max_len]
-        if long:
-            log.warning("%d input(s) longer than the model's %d positions were truncated "
-                        "(first: input %d, %d tokens)", len(long), self.max_len, long[0],
-                        len(encs[long[0]].ids))
-            self.tok.enable_truncation(self.max_len)
-            try:
-                encs = self.tok.encode_batch(list(texts))
-            finally:
-                self.tok.no_truncation()
         T = max(len(e.ids) for e in encs)
         B = len(encs)
         ids = np.full((B, T), self.pad_id, dtype=np.int64)

@@ -13,6 +13,7 @@ Ranks with no share take part in nothing costly: they wait for the end in a slee
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import statistics
@@ -26,6 +27,7 @@ from hepti.counts import counts, offsets
 from hepti.errors import HeptiError, PlanError
 from hepti.plan.planfile import DIMS, Plan, parse_ratios
 
+log = logging.getLogger("hepti")
 FAULT_ENV = "HEPTI_FAULT_RANK"  # test-only: this rank raises in its first forward
 ABORT_GRACE_S = 0.3  # a failing rank's message gets this long to reach mpiexec before the abort
 
@@ -51,24 +53,30 @@ def agree(world, fn):
     return result
 
 
-def parse_bytes(text: str | None) -> int | None:
-    """'512MiB', '2GB', '1e9' -> bytes."""
+def parse_bytes(text: str | None, flag: str = "--mem-budget") -> int | None:
+    """'512MiB', '2GB', '1e9' -> bytes, which must be positive."""
     if text is None:
         return None
     t = str(text).strip()
     units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
              "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
     low = t.lower()
+    value = None
     for u in sorted(units, key=len, reverse=True):
         if low.endswith(u):
             try:
-                return int(float(low[: -len(u)]) * units[u])
+                value = int(float(low[: -len(u)]) * units[u])
             except ValueError:
-                break
-    try:
-        return int(float(t))
-    except ValueError:
-        raise PlanError(f"--mem-budget {text!r}: not a size; write e.g. 64MiB or 200000000") from None
+                pass
+            break
+    if value is None:
+        try:
+            value = int(float(t))
+        except (ValueError, OverflowError):
+            raise PlanError(f"{flag} {text!r}: not a size; write e.g. 64MiB or 200000000") from None
+    if value <= 0:
+        raise PlanError(f"{flag} {text!r}: must be a positive size, e.g. 64MiB")
+    return value
 
 
 def resolve_plan(args, world_size: int, cfg) -> Plan:
@@ -219,33 +227,41 @@ class Job:
         self.executor = TensorExecutor(self.group, cfg, self.layers, self.embeddings,
                                        sub_ratios(plan, self.active), threads)
 
-    def run_all(self, batches, n: int, on_done=None) -> list:
-        """Run n batches; on the primary returns hidden states [B, T, C] per batch."""
+    def run_all(self, batches, n: int, on_output=None) -> None:
+        """Run n batches, in order. `batches` is an iterable on the primary (ignored elsewhere);
+        there on_output(i, hidden [B, T, C]) is called as the i-th completes, so the primary
+        never holds more than the batches in flight."""
         if not self.is_active:
-            return []
+            return
         fault = os.environ.get(FAULT_ENV)
         if fault is not None and int(fault) == self.world.rank:
             raise RuntimeError(f"injected fault ({FAULT_ENV}={fault})")
         rank0 = self.world.rank == 0
-        C = self.cfg.hidden_size
         if self.plan.strategy == "pipeline":
-            inputs = []
-            if rank0:
-                for b in batches:
-                    x0 = self.embeddings(b.ids, b.token_type)
-                    inputs.append((x0, b.mask.astype(np.float32)))
-            outs = self.executor.forward_many(inputs, n, on_done)
-            return [o.reshape(b.ids.shape[0], b.ids.shape[1], C) for o, b in zip(outs, batches)] if rank0 else []
-        outs = []
+            self._run_pipeline(batches if rank0 else (), n, on_output)
+            return
         g = self.group
+        it = iter(batches) if rank0 else None
         for k in range(n):
             with g.tracer.span(f"batch {k}", "batch"):
-                out = self._one_batch(batches[k] if rank0 else None)
-            if rank0:
-                outs.append(out)
-                if on_done:
-                    on_done()
-        return outs
+                out = self._one_batch(next(it) if rank0 else None)
+            if rank0 and on_output is not None:
+                on_output(k, out)
+
+    def _run_pipeline(self, batches, n: int, on_output) -> None:
+        """The primary embeds each batch as it enters the pipeline, and gets [B, T, C] back."""
+        C, shapes = self.cfg.hidden_size, {}
+
+        def inputs():
+            for k, b in enumerate(batches):
+                shapes[k] = b.ids.shape
+                yield self.embeddings(b.ids, b.token_type), b.mask.astype(np.float32)
+
+        def done(k, out):
+            if on_output is not None:
+                on_output(k, out.reshape(*shapes.pop(k), C))
+
+        self.executor.forward_many(inputs(), n, done)
 
     def _one_batch(self, b):
         """One batch through the executor: the shapes and the key mask first (every rank needs
@@ -351,8 +367,10 @@ def run_plan(model_dir, plan: Plan, batches, threads: int = 1, world=None):
         agree(world, lambda: [stream_window(plan, store.config, r) for r in active_ranks(plan, store.config)])
     n = world.bcast_obj(len(batches) if world.rank == 0 else None)
     job = agree(world, lambda: Job(world, store, plan, threads))
+    outs = []
     try:
-        return job.run_all(batches, n), job
+        job.run_all(batches, n, lambda i, h: outs.append(h))
+        return outs, job
     finally:
         job.close()
         gentle_barrier(world.mpi)
@@ -373,11 +391,17 @@ def plan_with_profile(args, world, cfg, batch: int, seq_len: int) -> Plan:
     from hepti.plan.profile import load_profile
 
     if args.profile:
-        profile = agree(world, lambda: load_profile(args.profile, world_size=world.size)
-                        if world.rank == 0 else None)
+        def load_checked():
+            if world.rank != 0:
+                return None
+            prof = load_profile(args.profile, world_size=world.size)
+            for note in prof.check_model(cfg, source=f"--profile {args.profile}"):
+                log.warning(note)
+            return prof
+        profile = agree(world, load_checked)
     else:
         profile, measured = cached_profile(world.mpi, cfg, seq_len, batch=batch, threads=args.threads,
-                                           mem_cap=parse_bytes(args.mem_cap) if args.mem_cap else None)
+                                           mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None)
         if world.rank == 0 and measured and not args.json:
             print("profiled the devices (cached for reuse)", file=sys.stderr)
 
@@ -396,15 +420,13 @@ def run_distributed(args) -> int:
     """`hepti run` under mpiexec (or with --strategy): every rank calls this."""
     import numba
     from mpi4py import MPI
-    from tqdm import tqdm
 
-    from hepti.inputs import check_output_path
     from hepti.parallel.comm import Comm
-    from hepti.parallel.trace import Tracer, chrome_trace
-    from hepti.runner import assemble, base_report, encode_inputs, finish
-    from hepti.model.pooling import pool
+    from hepti.parallel.trace import Tracer
+    from hepti.runner import prepare
     from hepti.weights import WeightStore
 
+    t_start = time.perf_counter()
     mpi = MPI.COMM_WORLD
     world = Comm(mpi, Tracer(mpi.Get_rank()))
     rank, size = world.rank, world.size
@@ -413,75 +435,79 @@ def run_distributed(args) -> int:
 
     store = agree(world, lambda: WeightStore(args.model))  # each device's own copy of the files
     cfg = store.config
+    # Every input is checked, and the output opened (or resumed), before any weights load.
+    prep = agree(world, lambda: prepare(args, cfg, Path(args.model)) if rank0 else None)
+    try:
+        return _run_prepared(args, world, store, prep, t_start)
+    finally:
+        if prep is not None and prep.out is not None:
+            prep.out.close()  # a no-op once committed; else the partial file stays for --resume
 
-    def read_inputs():
-        if not rank0:
-            return None
-        check_output_path(args.output)
-        check_output_path(args.report, "--report")
-        check_output_path(args.trace, "--trace")
-        return encode_inputs(args, cfg, Path(args.model))
 
-    batches = agree(world, read_inputs)
-    n, shape = world.bcast_obj((len(batches), batches[0].ids.shape) if rank0 else None)
+def _run_prepared(args, world, store, prep, t_start: float) -> int:
+    """run_distributed once the inputs are checked and the output open (`prep`, primary only)."""
+    from hepti.parallel.trace import chrome_trace
+    from hepti.runner import base_report, finish, run_passes
+
+    mpi, rank, size, cfg = world.mpi, world.rank, world.size, store.config
+    rank0 = rank == 0
+    source = prep.source if rank0 else None
+    start = prep.out.start if rank0 and prep.out is not None else 0
+    if rank0:  # the plan is made for the first batch's shape
+        first = min(start, source.n_batches - 1)
+        a, b = source.rows(first)
+        shape = (b - a, source.lengths[first])
+    n, shape = world.bcast_obj((source.n_batches - start, shape) if rank0 else None)
     if needs_planner(args):
         plan = plan_with_profile(args, world, cfg, batch=shape[0], seq_len=shape[1])
     else:
         plan = agree(world, lambda: resolve_plan(args, size, cfg))
+    if args.plan:
+        notes = agree(world, lambda: plan.check_model(cfg, source=f"--plan {args.plan}"))
+        for note in notes if rank0 else ():
+            log.warning(note)
     if plan.strategy == "stream":
         agree(world, lambda: [stream_window(plan, cfg, r) for r in active_ranks(plan, cfg)])
     t0 = time.perf_counter()
     job = agree(world, lambda: Job(world, store, plan, args.threads))
     load_s = time.perf_counter() - t0
 
-    progress = rank0 and not args.json and n > 1
-
-    def one_run(show: bool):
-        if not show:  # a disabled tqdm still costs ~0.1 ms per run, inside the timed wall
-            return job.run_all(batches, n)
-        bar = tqdm(total=n, desc="batches", unit="batch", file=sys.stderr)
-        outs = job.run_all(batches, n, on_done=bar.update)
-        bar.close()
-        return outs
-
-    outs = one_run(progress)  # warm-up: JIT, first-touch, caches
-    gentle_barrier(mpi)
-    world.tracer.set_epoch()
     world.tracer.record_events = bool(args.trace)
-    runs = []
-    for _ in range(max(args.repeat, 1)):
-        world.tracer.reset()
+    per_pass = []
+
+    def start_pass():
         gentle_barrier(mpi)  # start together; idle ranks sleep instead of spinning
-        t1 = time.perf_counter()
-        outs = one_run(False)
-        wall = time.perf_counter() - t1  # on the primary: until it holds every output
-        runs.append({"wall": wall, "seconds": dict(world.tracer.seconds),
-                     "bytes_sent": world.tracer.bytes_sent, "bytes_recv": world.tracer.bytes_recv})
+        world.tracer.reset()
+        world.tracer.set_epoch()
+
+    def end_pass(run):
+        per_pass.append({"wall": run["wall_s"], "seconds": dict(world.tracer.seconds),
+                         "bytes_sent": world.tracer.bytes_sent, "bytes_recv": world.tracer.bytes_recv})
+
+    runs = run_passes(job, prep, n, args, start_pass=start_pass, end_pass=end_pass)
     events = world.tracer.events
     gentle_barrier(mpi)
-    stats = mpi.gather(job.rank_stats(runs), root=0)
+    stats = mpi.gather(job.rank_stats(per_pass), root=0)
     all_events = mpi.gather(events, root=0) if args.trace else None
     job.close()
     if not rank0:
         return 0
 
-    latencies = [r["wall"] for r in runs]
-    pooled = [pool(h, b.mask, args.pool, args.normalize) for h, b in zip(outs, batches)]
-    result = assemble(pooled, batches, args.pool)
-    M = batches[0].ids.shape[0] * batches[0].ids.shape[1]
+    M = shape[0] * shape[1]
     used = {"heads": counts(cfg.num_attention_heads, plan.ratios["heads"]),
             "ffn": counts(cfg.intermediate_size, plan.ratios["ffn"]),
             "rows": counts(M, plan.ratios["rows"])}
     if plan.strategy == "pipeline":
         used = {"layers": plan.layers}
-    report = {
-        **base_report(args, cfg, result, batches, load_s, latencies, plan.strategy, size),
+    report = base_report(args, cfg, prep, load_s, runs, plan.strategy, size, t_start)
+    report.update({
         "active_ranks": job.active,
         "ratios": plan.ratios,
         "counts": used,
-        "throughput_inputs_per_s": result.shape[0] / statistics.median(latencies),
+        "throughput_inputs_per_s": (prep.source.n / report["latency_s"]["median"]
+                                    if runs and report["latency_s"]["median"] > 0 else None),
         "per_rank": stats,
-    }
+    })
     if plan.mem_budget:
         report["mem_budget"] = plan.mem_budget
     if plan.predicted_latency_s is not None:
@@ -491,11 +517,10 @@ def run_distributed(args) -> int:
             st["predicted"] = pr
         report["explanation"] = plan.explanation
     if args.trace:
-        import json
         with open(args.trace, "w") as f:
             json.dump(chrome_trace(all_events, {"strategy": plan.strategy, "world_size": size}), f)
         report["trace"] = args.trace
-    finish(args, result, report, batches)
+    finish(args, report, runs)
     if not args.json:
         print(format_plan_line(report, plan))
         print(format_rank_table(report))
@@ -541,6 +566,16 @@ def run_guarded_fn(name: str, fn, args) -> int:
         if rank == 0:
             print(f"hepti {name}: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:
+        # mpiexec passes Ctrl-C to every rank: one line from the primary, no traceback, and
+        # out at once, without MPI_Finalize, which would wait for a peer that may be inside a
+        # collective that never completes (the process manager ends such a peer). The output's
+        # partial file was closed on the way out (a `finally`), ready for --resume.
+        if rank == 0:
+            sys.stderr.write(f"hepti {name}: interrupted\n")
+            sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)  # for mpiexec to forward the line (see below)
+        os._exit(130)
     except BaseException as e:  # noqa: BLE001 - any other failure ends the whole job
         if isinstance(e, HeptiError):
             text = f"hepti {name}: rank {rank}: error: {e}\n"

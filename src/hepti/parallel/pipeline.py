@@ -3,8 +3,10 @@
 Stage s runs layers [start_s, stop_s) on all M rows and sends [M, C] (with the batch's key mask)
 to the next stage; the last stage sends the hidden state back to the primary. A run of several
 batches is a stream of microbatches: while stage 2 works on batch k, stage 1 already works on
-batch k+1, so throughput is set by the slowest stage. The primary pre-posts a receive for every
-output before it sends anything, so the ring of blocking sends can never deadlock.
+batch k+1, so throughput is set by the slowest stage. The primary posts the receive for a
+batch's output before it sends the batch, so the ring of blocking sends can never deadlock; it
+keeps at most `window` batches in flight (one per stage and one more), so its memory does not
+grow with the number of batches.
 """
 from __future__ import annotations
 
@@ -41,38 +43,16 @@ class PipelineExecutor:
             self.layers.done(i)
         return x
 
-    def forward_many(self, inputs, n: int, on_done=None):
-        """inputs: on the primary a list of (x0 [M, C], key_mask [B, T]); n batches in all.
-        Returns the hidden states [M, C] per batch on the primary, [] elsewhere."""
+    def forward_many(self, inputs, n: int, on_output=None):
+        """inputs: on the primary an iterable of (x0 [M, C], key_mask [B, T]); n batches in all.
+        On the primary on_output(k, hidden [M, C]) is called for each batch, in order."""
         w, rank = self.w, self.w.rank
         stages = self.stages
         if rank == 0:
-            from mpi4py import MPI
-            outs, reqs = [], []
-            last = stages[-1]
-            for x0, _ in inputs:  # pre-post every output receive (no deadlock, see docstring)
-                buf = np.empty(x0.shape, np.float32)
-                outs.append(buf)
-                reqs.append(w.mpi.Irecv(buf, source=last, tag=1) if last != 0 else None)
-            for k, (x0, mask) in enumerate(inputs):
-                x = self._run_layers(x0, mask) if 0 in stages else x0
-                nxt = self._next(0)
-                if nxt is None:  # rank 0 is the only stage
-                    outs[k] = x
-                    if on_done:
-                        on_done()
-                else:
-                    w.send_array(x, nxt, meta=mask)
-            if last != 0:
-                for k, r in enumerate(reqs):
-                    with w.tracer.span("Recv(output)", "recv"):
-                        r.Wait(MPI.Status())
-                    w.tracer.add_bytes(0, outs[k].nbytes)
-                    if on_done:
-                        on_done()
-            return outs
+            self._feed(inputs, on_output or (lambda k, x: None))
+            return
         if rank not in stages:
-            return []
+            return
         prev = self._prev(rank)
         nxt = self._next(rank)
         for _ in range(n):
@@ -84,7 +64,35 @@ class PipelineExecutor:
                 w.tracer.add_bytes(x.nbytes, 0)
             else:
                 w.send_array(x, nxt, meta=mask)
-        return []
+
+    def _feed(self, inputs, on_output) -> None:
+        """The primary: send batches in, take outputs back, at most `window` in flight."""
+        from collections import deque
+
+        from mpi4py import MPI
+        w, last = self.w, self.stages[-1]
+        window = len(self.stages) + 1
+        pending = deque()  # (k, output buffer, its posted receive)
+
+        def take_oldest():
+            k, buf, req = pending.popleft()
+            with w.tracer.span("Recv(output)", "recv"):
+                req.Wait(MPI.Status())
+            w.tracer.add_bytes(0, buf.nbytes)
+            on_output(k, buf)
+
+        for k, (x0, mask) in enumerate(inputs):
+            if last == 0:  # rank 0 is the only stage
+                on_output(k, self._run_layers(x0, mask))
+                continue
+            if len(pending) == window:
+                take_oldest()
+            buf = np.empty(x0.shape, np.float32)
+            pending.append((k, buf, w.mpi.Irecv(buf, source=last, tag=1)))
+            x = self._run_layers(x0, mask) if 0 in self.stages else x0
+            w.send_array(x, self._next(0), meta=mask)
+        while pending:
+            take_oldest()
 
     def _prev(self, rank):
         before = [s for s in self.stages if s < rank]

@@ -606,7 +606,8 @@ def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | Non
             del d["disk_read_Bps"]
     elapsed = comm.allreduce(time.perf_counter() - t_start, op=MPI.MAX)
     prof = {"hepti_profile": SCHEMA_VERSION, "created": time.time(), "source": "measured",
-            "hostfile": hostfile, "model": config.name or None, "seq_len": seq_len,
+            "hostfile": hostfile, "model": config.name or None, "model_shape": config.shape,
+            "seq_len": seq_len,
             "network": dict(NETWORK_DEFAULTS), "devices": devices,
             "measure_s": elapsed, "batch": batch}
     prof = comm.bcast(prof, root=0)

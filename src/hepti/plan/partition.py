@@ -341,7 +341,8 @@ def _finish(cand: Candidate, cfg: BertConfig, B: int, T: int, profile: Profile, 
             f"rank {i} would need {_mb(pred.per_rank[i].mem_bytes)} but has {_mb(caps[i])}"
             for i in over) + "."
     return Plan(strategy=strategy, world_size=N, ratios=ratios, layers=cand.layers,
-                mem_budget=cand.mem_budget, counts=cnt, model=cfg.name, seq_len=T, batch=B,
+                mem_budget=cand.mem_budget, counts=cnt, model=cfg.name, model_shape=cfg.shape,
+                seq_len=T, batch=B,
                 predicted_latency_s=cand.latency_s, predicted=predicted, solve_s=solve_s,
                 explanation=explanation.strip())
 

@@ -11,6 +11,7 @@ Schema (version 1), JSON object:
       "layers": [[start, stop), ...] per rank,       # pipeline only, else null
       "mem_budget": bytes per rank or null,          # stream only
       "model": "name", "seq_len": L, "batch": B,     # what the plan was made for
+      "model_shape": {"layers": .., "hidden": .., "heads": .., "ffn": ..},   # checked at run
       "predicted_latency_s": float or null,
       "predicted": {"per_rank": [{"compute_s": .., "comm_s": {kind: s}, "mem_bytes": ..}]},
       "solve_s": float or null,
@@ -44,6 +45,7 @@ class Plan:
     mem_budget: int | None = None
     counts: dict[str, list[int]] | None = None
     model: str = ""
+    model_shape: dict | None = None
     seq_len: int | None = None
     batch: int | None = None
     predicted_latency_s: float | None = None
@@ -68,6 +70,32 @@ class Plan:
             if self.layers is None or len(self.layers) != self.world_size:
                 raise PlanError("a pipeline plan needs `layers`: one [start, stop) range per rank")
         return self
+
+    def check_model(self, config, source: str = "the plan") -> list[str]:
+        """Raise PlanError unless this plan fits `config` (the model's shape, a pipeline's layer
+        ranges); return warnings for what differs harmlessly."""
+        from hepti.config import model_mismatch
+        why, fatal = model_mismatch(self.model, self.model_shape, config)
+        remake = (f"make a plan for this model: hepti plan --model MODEL_DIR --profile "
+                  f"PROFILE.json --strategy {self.strategy} --out PLAN.json")
+        if fatal:
+            raise PlanError(f"{source} does not fit this model: {why}; {remake}")
+        if self.strategy == "pipeline":
+            L, at = config.num_hidden_layers, 0
+            for r, pair in enumerate(self.layers):
+                try:
+                    a, b = (int(x) for x in pair)
+                except (TypeError, ValueError):
+                    raise PlanError(f"{source}: rank {r}'s layers {pair!r} are not a [start, stop) "
+                                    f"pair; {remake}") from None
+                if a != at or b < a:
+                    raise PlanError(f"{source}: rank {r}'s layers [{a}, {b}) do not follow on from "
+                                    f"layer {at}; the ranges must cover 0..{L} in order; {remake}")
+                at = b
+            if at != L:
+                raise PlanError(f"{source}: its layer ranges cover {at} layers but the model has "
+                                f"{L}; {remake}")
+        return [f"{source}: {why}; its shape matches, so it is used"] if why else []
 
     def to_json(self) -> str:
         d = {"hepti_plan": SCHEMA_VERSION, **asdict(self)}

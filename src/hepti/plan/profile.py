@@ -8,6 +8,8 @@ planner does not care which. Schema (version 1), a JSON object:
       "created": 1718000000.0,          # unix time the figures were taken
       "source": "measured" | "declared",
       "hostfile": "hostfiles/lab" | null, "model": "all-MiniLM-L6-v2" | null,
+      "model_shape": {"layers": 6, "hidden": 384, "heads": 12, "ffn": 1536} | null,
+                                        # a measured profile's model, checked against the run's
       "seq_len": 128 | null,            # what a measured profile was measured for (informative)
       "network": {...},                 # optional MPICH thresholds, see NETWORK_DEFAULTS
       "devices": [                      # one per rank, ranks 0..N-1
@@ -154,6 +156,7 @@ class Profile:
     source: str = "declared"
     hostfile: str | None = None
     model: str | None = None
+    model_shape: dict | None = None
     seq_len: int | None = None
     network: dict = field(default_factory=lambda: dict(NETWORK_DEFAULTS))
     extra: dict = field(default_factory=dict)  # anything else a measurement recorded
@@ -167,13 +170,26 @@ class Profile:
 
     def to_dict(self) -> dict:
         d = {"hepti_profile": SCHEMA_VERSION, "created": self.created, "source": self.source,
-             "hostfile": self.hostfile, "model": self.model, "seq_len": self.seq_len,
-             "network": dict(self.network), "devices": [dev.to_json() for dev in self.devices]}
+             "hostfile": self.hostfile, "model": self.model, "model_shape": self.model_shape,
+             "seq_len": self.seq_len, "network": dict(self.network),
+             "devices": [dev.to_json() for dev in self.devices]}
         d.update({k: v for k, v in self.extra.items() if k not in d})
         return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+    def check_model(self, config, source: str = "the profile") -> list[str]:
+        """Raise PlanError unless this profile was measured for `config`'s shape (its speed
+        tables are by that model's GeMM sizes); declared profiles name no model and always fit.
+        Returns warnings for what differs harmlessly."""
+        from hepti.config import model_mismatch
+        why, fatal = model_mismatch(self.model, self.model_shape, config)
+        if fatal:
+            raise PlanError(f"{source} does not fit this model: {why}; measure this model: "
+                            f"mpiexec -n {self.world_size} hepti profile --model MODEL_DIR "
+                            f"--out PROFILE.json")
+        return [f"{source}: {why}; its shape matches, so it is used"] if why else []
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
@@ -296,9 +312,15 @@ def profile_from_dict(d, source_name: str = "profile") -> Profile:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
             raise PlanError(f"{source_name}: network {k} must be a positive number, got {v!r}")
         network[k] = v
-    known = {"hepti_profile", "created", "source", "hostfile", "model", "seq_len", "network", "devices"}
+    known = {"hepti_profile", "created", "source", "hostfile", "model", "model_shape", "seq_len",
+             "network", "devices"}
+    shape = d.get("model_shape")
+    if shape is not None and not isinstance(shape, dict):
+        raise PlanError(f"{source_name}: model_shape must be an object like "
+                        '{"layers": 6, "hidden": 384, "heads": 12, "ffn": 1536}')
     return Profile(devices=devices, created=float(created), source=d["source"],
-                   hostfile=d.get("hostfile"), model=d.get("model"), seq_len=d.get("seq_len"),
+                   hostfile=d.get("hostfile"), model=d.get("model"), model_shape=shape,
+                   seq_len=d.get("seq_len"),
                    network=network, extra={k: v for k, v in d.items() if k not in known})
 
 
