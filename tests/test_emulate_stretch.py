@@ -113,11 +113,17 @@ SHARES = (0.15, 0.3, 0.6)
 TOLERANCE = 0.10
 
 
+OPT_IN = "HEPTI_SLOWDOWN_TEST"
+
+
 def test_uniform_slowdown(root_env, tmp_path):  # noqa: F811
     """Under `hepti emulate`, a device at share s runs GeMM phases of 0.1, 1, 10 and 100 ms
     (sized on an uncapped hub) in 1/s of the hub's time, within 10%, back to back and between
     waits (a sleep, an MPI exchange): hepti.bench.slowdown, one launch per share, the median
     of 2 rounds per phase and way. A few minutes."""
+    if os.environ.get(OPT_IN) != "1":
+        pytest.skip(f"takes 5 minutes of a quiet machine (two copies run at once by two suites "
+                    f"failed each other); run it with {OPT_IN}=1 as root")
     from hepti.bench import slowdown
     runs = []
     for share in SHARES:

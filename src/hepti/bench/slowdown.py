@@ -5,7 +5,11 @@ it takes uncapped, and still move bytes at its link's rate. This measures both o
 clusters under `hepti emulate`: rank 0 ("hub", 1.0 core: a single thread is never throttled)
 and rank 1 (the device under test, s core), 940 Mbit/s links. Per round, interleaved:
 - the hub times each phase uncapped: a Numba GeMM (`hepti.kernels.gemm`, [m, 768] x [768, 768],
-  m sized on the hub to take 0.1, 1, 10 or 100 ms), back to back;
+  m sized on the hub to take 0.1, 1, 10 or 100 ms), by its CPU seconds, each after a sleep as
+  long as the gap the device leaves between its phases (so that both meet caches equally cold:
+  a 0.1 ms phase reads a 2.4 MB weight that the machine's other jobs evict in the gaps, and
+  took 0.5 ms of CPU after 3 ms asleep against 0.1 back to back), right before the device's
+  block;
 - the device times the same phases three ways: `alone` (back to back), `sleep` (each phase
   followed by a sleep of 1/s of the phase's uncapped time, as a rank waits for a peer of its
   own speed) and `mpi` (each phase followed by an exchange with the hub, which answers after
@@ -13,7 +17,8 @@ and rank 1 (the device under test, s core), 940 Mbit/s links. Per round, interle
   phase and wait is a `Tracer` span, as in the executors;
 - ping-pong with the hub (hepti.parallel.profiling.ping_pong, the profile's own) at 1 and 4 MiB,
   alone and each right after a 10 ms compute phase.
-The ratio quoted is measured / (uncapped / s): 1.0 is a faithful device; below 1 it ran faster
+The ratio quoted is measured / (uncapped / s), each device block against the hub's block just
+before it (the machine is shared: its speed drifts over minutes), the median: 1.0 is a faithful device; below 1 it ran faster
 than its share. `median` is the median phase; `mean` the block's wall time per phase. Bandwidth
 is one-way payload bytes/s against the link's rate.
 
@@ -92,6 +97,13 @@ def worker(out: str, rounds: int) -> None:
         ms = None
     ms = mpi.bcast(ms, root=0)
     share = mpi.bcast(None if rank == 0 else _my_share(), root=1)
+    hot = {m: statistics.median(gemm_s(m, 9) for _ in range(3)) for m in ms} if rank == 0 else None
+    if rank == 0:  # the hub is the uncapped reference, never stretched
+        try:
+            from hepti.emulate import stretch
+            stretch.disable()
+        except ImportError:
+            pass
     bufs = {m: (rng.standard_normal((m, WIDTH), dtype=np.float32), np.empty((m, WIDTH), np.float32))
             for m in ms}
     token = np.zeros(16, np.float32)
@@ -109,25 +121,41 @@ def worker(out: str, rounds: int) -> None:
             K.gemm(x, w, out=c)
         return time.perf_counter() - t0
 
+    def hub_phase(m: int) -> float:
+        """The uncapped reference: the phase's CPU seconds (its wall time, less what other jobs
+        of this shared machine took from it)."""
+        x, c = bufs[m]
+        t0 = time.thread_time()
+        K.gemm(x, w, out=c)
+        return time.thread_time() - t0
+
     def sync():
         from hepti.parallel.comm import wait
         wait(mpi.Ibarrier())
 
     for rnd in range(rounds):
-        # the hub, uncapped (the device waits)
-        sync()
-        if rank == 0:
-            for t, m in zip(TARGETS_S, ms):
-                phase(m)
-                rec["uncapped"][str(t)].append(statistics.median(phase(m) for _ in range(_reps(t))))
-        sync()
         ways = WAYS[rnd % 3:] + WAYS[:rnd % 3]
         for t, m in zip(TARGETS_S, ms):
-            uncapped = statistics.median(rec["uncapped"][str(t)]) if rank == 0 else None
-            wait_s = mpi.bcast(None if rank != 0 else uncapped / share, root=0)
+            n = _reps(t)
             for way in ways:
+                # the hub uncapped, then the device, back to back: the machine is shared, and a
+                # reference taken minutes apart from what it is compared with drifts with its load
                 sync()
-                n = _reps(t)
+                if rank == 0:
+                    hub_phase(m)
+                    hub = []
+                    # the device's timeline, uncapped: each phase after the gap the device
+                    # leaves between its phases (its stretch, and its wait), so that both meet
+                    # caches as cold (this shared machine's other jobs run in the gaps)
+                    gap = hot[m] * (1 / share - 1) + (hot[m] / share if way != "alone" else 0.0)
+                    for _ in range(n):
+                        hub.append(hub_phase(m))
+                        time.sleep(gap)
+                    rec["uncapped"][str(t)].append(statistics.median(hub))
+                    rec.setdefault("uncapped_by_way", {}).setdefault(f"{t}:{way}", []).append(
+                        statistics.median(hub))
+                wait_s = mpi.bcast(hot[m] / share if rank == 0 else None, root=0)
+                sync()
                 if rank == 1:
                     phase(m)
                     times = []
@@ -141,11 +169,9 @@ def worker(out: str, rounds: int) -> None:
                             g.send_array(token, 0)
                             g.recv_array(0)
                     block = time.perf_counter() - start
-                    waits = n * wait_s if way != "alone" else 0.0
                     d = rec["device"][str(t)][way]
                     d["median"].append(statistics.median(times))
                     d["mean"].append(sum(times) / n if way != "alone" else block / n)
-                    d.setdefault("block_minus_waits", []).append((block - waits) / n)
                 elif way == "mpi":
                     for _ in range(n):
                         g.recv_array(1)
@@ -215,6 +241,15 @@ def launch(share: float, mode: str, rounds: int, tmp: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def _hub(r: dict, t: float, way: str) -> list[float]:
+    """The hub's uncapped phase medians that preceded each of the device's blocks (older
+    files: the round's one uncapped figure for every way)."""
+    by_way = r.get("uncapped_by_way")
+    if by_way is not None:
+        return by_way[f"{t}:{way}"]
+    return r["uncapped"][str(t)]
+
+
 def summarize(runs: list[dict]) -> dict:
     """Medians over every round of every launch, by mode, share, phase and way."""
     out: dict = {}
@@ -231,9 +266,11 @@ def summarize(runs: list[dict]) -> dict:
                 ph = {"uncapped_s": unc, "nominal_s": unc / s}
                 for way in WAYS:
                     for stat in ("median", "mean"):
-                        v = statistics.median(x for r in rs for x in r["device"][str(t)][way][stat])
-                        ph[f"{way}_{stat}_s"] = v
-                        ph[f"{way}_{stat}_ratio"] = v / (unc / s)
+                        # each device block against the hub's block just before it, same way
+                        pairs = [(dev, hub) for r in rs for dev, hub in zip(
+                            r["device"][str(t)][way][stat], _hub(r, t, way))]
+                        ph[f"{way}_{stat}_s"] = statistics.median(d for d, _ in pairs)
+                        ph[f"{way}_{stat}_ratio"] = statistics.median(d / (h / s) for d, h in pairs)
                 row["phases"][f"{t * 1e3:g}ms"] = ph
             for key in ("alone", "after_compute"):
                 for b in PING_BYTES:
