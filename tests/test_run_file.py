@@ -167,15 +167,21 @@ def test_mem_budget_must_be_positive(tiny_dir, tmp_path, budget):
 def _interrupt(cmd, partial: Path, timeout=120):
     """Start cmd, wait until the partial output holds a batch, send SIGINT; (rc, stderr)."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    t_end = time.monotonic() + timeout
-    while not (partial.exists() and partial.stat().st_size > 4096) and time.monotonic() < t_end:
-        if p.poll() is not None:
-            break
-        time.sleep(0.01)
-    assert p.poll() is None, "finished before it could be interrupted: give it more work"
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=60)
-    return p.returncode, err
+    try:
+        t_end = time.monotonic() + timeout
+        while not (partial.exists() and partial.stat().st_size > 4096) and time.monotonic() < t_end:
+            if p.poll() is not None:
+                break
+            time.sleep(0.01)
+        assert p.poll() is None, "finished before it could be interrupted: give it more work"
+        assert partial.exists(), f"no {partial.name} after {timeout} s"
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+        return p.returncode, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -228,14 +234,21 @@ def test_resume_after_kill_equals_uninterrupted_run(tiny_dir, tmp_path):
     partial = Path(f"{out}.partial")
     cmd = [mpiexec(), "-n", "2", sys.executable, *map(str, run), "--output", str(out)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    half = 128 + n // 2 * 96 * 4  # header + half the rows
-    while p.poll() is None and not (partial.exists() and partial.stat().st_size >= half):
-        time.sleep(0.005)
-    assert p.poll() is None, "the run finished before it could be killed"
-    pid = _rank_pid(str(out), 1)
-    assert pid, "rank 1 not found"
-    os.kill(pid, signal.SIGKILL)
-    p.communicate(timeout=120)
+    try:
+        half = 128 + n // 2 * 96 * 4  # header + half the rows
+        t_end = time.monotonic() + 300
+        while p.poll() is None and not (partial.exists() and partial.stat().st_size >= half):
+            assert time.monotonic() < t_end, f"{partial.name} never reached half the rows"
+            time.sleep(0.005)
+        assert p.poll() is None, "the run finished before it could be killed"
+        pid = _rank_pid(str(out), 1)
+        assert pid, "rank 1 not found"
+        os.kill(pid, signal.SIGKILL)
+        p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
     assert p.returncode != 0 and not out.exists()
     rows_kept = (partial.stat().st_size - 128) // (96 * 4)
     assert n // 4 < rows_kept < n
