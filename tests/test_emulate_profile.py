@@ -114,7 +114,8 @@ def test_emulated_device_is_part_of_the_caps(tmp_path, monkeypatch):
     monkeypatch.setenv(STATE_ENV, str(state))
     monkeypatch.setenv(DEVICE_ENV, "0")
     assert resource_limits()["emulated"] == {"spec": "emu-tight", "name": "minipc-a", "cpu": 0.5,
-                                             "mem_bytes": 560 << 20, "link_mbit": 940.0}
+                                             "mem_bytes": 560 << 20, "link_mbit": 940.0,
+                                             "stretch": False}
     monkeypatch.delenv(STATE_ENV)
     assert "emulated" not in resource_limits()
 

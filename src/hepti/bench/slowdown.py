@@ -26,7 +26,7 @@ is one-way payload bytes/s against the link's rate.
                                         [--modes quota,stretch] [--out results/slowdown.json]
 
 `--modes`: `quota` runs with HEPTI_EMULATE_STRETCH=0 (the device is a CFS quota of s alone),
-`stretch` with the emulator's default (hepti.emulate.stretch). Launches alternate shares and
+`stretch` with HEPTI_EMULATE_STRETCH=1 (hepti.emulate.stretch). Launches alternate shares and
 modes, and each launch runs `--rounds` interleaved rounds; medians over every round.
 """
 from __future__ import annotations
@@ -228,10 +228,7 @@ def launch(share: float, mode: str, rounds: int, tmp: Path) -> dict:
     spec_path.write_text(json.dumps(spec(share)))
     out = tmp / f"out-{share:g}-{mode}.json"
     env = dict(os.environ)
-    if mode == "quota":
-        env[STRETCH_ENV] = "0"
-    else:
-        env.pop(STRETCH_ENV, None)
+    env[STRETCH_ENV] = "0" if mode == "quota" else "1"
     cmd = [*hepti_cmd(), "emulate", "--cluster", str(spec_path), "--", mpiexec(), "-n", "2",
            sys.executable, "-m", "hepti.bench.slowdown", "worker", "--out", str(out),
            "--rounds", str(rounds)]

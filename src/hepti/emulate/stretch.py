@@ -30,8 +30,9 @@ up to `CREDIT_MAX_S`.
 Where it runs: `hepti.parallel.trace.Tracer` spans (cat "compute" and "batch" are work, every
 other cat is a wait) and the profiler's timed calls (`hepti.parallel.profiling`) through
 `wrap`. The kernels and the planner do not know about it. It is on in a process started by
-`hepti emulate` for a device (HEPTI_EMULATE_DEVICE and HEPTI_EMULATE_STATE set) unless
-HEPTI_EMULATE_STRETCH=0 (then the launcher also sets the quota at s exactly, as before). The
+`hepti emulate` for a device (HEPTI_EMULATE_DEVICE and HEPTI_EMULATE_STATE set) when
+HEPTI_EMULATE_STRETCH=1; otherwise the launcher sets the quota at s exactly, as before (the
+default until the stretch is validated, see `stretch_wanted`). The
 share is re-read from the launcher's state file (hepti.emulate.state) at most every `POLL_S`,
 so a schedule that changes a device's CPU changes its stretch too. Outside `hepti emulate`,
 `ON` is False and every hook is one test of it.
@@ -43,7 +44,7 @@ import os
 import threading
 import time
 
-ENV = "HEPTI_EMULATE_STRETCH"  # "0": the quota alone (no stretch, quota = share)
+ENV = "HEPTI_EMULATE_STRETCH"  # "1": stretch (quota = GUARD x share); else the quota alone
 GUARD = 1.25  # the launcher's CPU quota is GUARD x share when the stretch is on
 PAY_MIN_S = 5e-5  # a compute span pays its backlog at its end when it is at least this
 SPIN_S = 3e-5  # the last part of a payment is spun, not slept (sleep overshoots ~10-25 us)
@@ -68,8 +69,11 @@ _stats = {"paid_s": 0.0, "payments": 0, "work_cpu_s": 0.0}
 
 
 def stretch_wanted(env=None) -> bool:
-    """Whether the launcher should run devices stretched (HEPTI_EMULATE_STRETCH is not "0")."""
-    return (env if env is not None else os.environ).get(ENV, "1").strip() != "0"
+    """Whether devices run stretched: HEPTI_EMULATE_STRETCH=1. Opt-in until its
+    uniform-slowdown test passes (tests/test_emulate_stretch.py; issue 16 is open): on this
+    shared host it came out 1.2-5x off, so by default the emulator stays the quota alone, as
+    every figure in the README was measured."""
+    return (env if env is not None else os.environ).get(ENV, "0").strip() == "1"
 
 
 def enable(share: float, state_path: str | None = None, device: int | None = None) -> None:
