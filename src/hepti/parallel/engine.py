@@ -1,6 +1,7 @@
 """The distributed job behind `mpiexec -n N hepti run`: plan -> load slices -> run -> report.
 
-Rank 0 is the primary: it reads and tokenises the inputs, embeds them, and ends with the outputs.
+Rank 0 is the primary: it reads and tokenises the inputs, embeds them, and pools and writes
+each batch's output as it completes (hepti.runner).
 Failure discipline:
 - checks that every rank can make alone (plan, ratios, budget) run identically everywhere and
   raise `AgreedError`: rank 0 prints it, every rank exits 2, nobody is left in a collective;
@@ -464,8 +465,9 @@ def _run_prepared(args, world, store, prep, t_start: float) -> int:
         plan = agree(world, lambda: resolve_plan(args, size, cfg))
     if args.plan:
         notes = agree(world, lambda: plan.check_model(cfg, source=f"--plan {args.plan}"))
-        for note in notes if rank0 else ():
-            log.warning(note)
+        if rank0:
+            for note in notes:
+                log.warning(note)
     if plan.strategy == "stream":
         agree(world, lambda: [stream_window(plan, cfg, r) for r in active_ranks(plan, cfg)])
     t0 = time.perf_counter()
