@@ -34,6 +34,12 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _paragraphs(*texts: str) -> str:
+    """A description of several paragraphs, wrapped (RawDescriptionHelpFormatter keeps them)."""
+    import textwrap
+    return "\n\n".join(textwrap.fill(t, 88) for t in texts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hepti", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
@@ -71,15 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "run", help="embed texts (or token ids) with a converted model",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run the encoder on texts or token ids and write embeddings. Under mpiexec "
-                    "the work is split between the ranks.\n\n"
-                    "Every input and flag is checked before any work. The inputs run once, in "
-                    "batches; each batch is pooled and written to --output as it completes, into "
-                    "OUT.npy.partial beside it, which becomes OUT.npy when every row is in. Row i "
-                    "of the output is input i (for --input, line i; a blank line is embedded as "
-                    "the empty text, as sentence-transformers does). A run that is stopped "
-                    "(Ctrl-C, a killed rank) keeps its partial file: the same command with "
-                    "--resume continues from its last complete batch.",
+        description=_paragraphs(
+            "Run the encoder on texts or token ids and write embeddings. Under mpiexec the work "
+            "is split between the ranks.",
+            "Every input and flag is checked before any work. The inputs run once, in batches; "
+            "each batch is pooled and written to --output as it completes, into OUT.npy.partial "
+            "beside it, which becomes OUT.npy when every row is in. Row i of the output is input "
+            "i (for --input, line i; a blank line is embedded as the empty text, as "
+            "sentence-transformers does). A run that is stopped (Ctrl-C, a killed rank) keeps "
+            "its partial file: the same command with --resume continues from its last complete "
+            "batch."),
         epilog="examples:\n"
                "  hepti run --text 'A cat sat.' 'A dog sat.' --normalize\n"
                "  hepti run --input texts.txt --output emb.npy          # row i = line i\n"
