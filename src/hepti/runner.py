@@ -74,8 +74,7 @@ def prepare(args, config, model_dir: Path) -> Prepared:
     out = None
     if path is not None:
         job = {"model": config.name or Path(model_dir).name,
-               "model_shape": [config.num_hidden_layers, config.hidden_size,
-                               config.num_attention_heads, config.intermediate_size],
+               "model_shape": config.shape,
                "inputs": source.digest, "seq": args.seq, "pool": args.pool,
                "normalize": bool(args.normalize)}
         out = OutputFile(path, output_shape(args, config, source), args.batch_size, job,
@@ -95,9 +94,6 @@ class Feed:
         self.stop = source.n_batches if stop is None else stop
         self.masks: dict[int, np.ndarray] = {}
         self.seconds = 0.0
-
-    def __len__(self) -> int:
-        return self.stop - self.start
 
     def __iter__(self):
         for k in range(self.start, self.stop):
