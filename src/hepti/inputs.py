@@ -124,9 +124,6 @@ class InputSource:
     def batch(self, k: int) -> Batch:
         return self._make(*self.rows(k))
 
-    def batches(self, start: int = 0):
-        return (self.batch(k) for k in range(start, self.n_batches))
-
     @classmethod
     def from_ids(cls, path: str, config, batch_size: int) -> "InputSource":
         """--input-ids: arrays ids [n, L] and optional mask, token_type, checked whole."""
