@@ -557,11 +557,47 @@ def run_guarded(args) -> int:
     return run_guarded_fn("run", run_distributed, args)
 
 
+def _on_interrupt(name: str, rank: int):
+    """Ctrl-C: mpiexec passes it to every rank. One line from the primary, no traceback, exit
+    130 without MPI_Finalize (which would wait for a peer inside a collective that never
+    completes; the process manager ends such a peer). Python raises KeyboardInterrupt only
+    between bytecodes, and a rank blocked in an MPI wait for a peer that has already left
+    would never get there: so a watcher thread, woken through the signal wakeup fd (mpi4py
+    releases the GIL in blocking calls), does the same at once. Returns the function both
+    call; whichever is first ends the process."""
+    import signal
+    import threading
+    once = threading.Lock()
+
+    def interrupted():
+        with once:
+            if rank == 0:
+                sys.stderr.write(f"hepti {name}: interrupted\n")
+                sys.stderr.flush()
+            time.sleep(ABORT_GRACE_S)  # for mpiexec to forward the line (see below)
+            os._exit(130)
+
+    if threading.current_thread() is threading.main_thread():
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+        def watch():
+            while True:
+                got = os.read(r, 64)
+                if signal.SIGINT in got:
+                    interrupted()
+
+        threading.Thread(target=watch, name="hepti-interrupt", daemon=True).start()
+    return interrupted
+
+
 def run_guarded_fn(name: str, fn, args) -> int:
     """Run fn(args) on every rank: agreed errors are reported once by rank 0 (exit 2); any
     other failure on any rank names the rank and aborts the whole job."""
     from mpi4py import MPI
     rank = MPI.COMM_WORLD.Get_rank()
+    interrupted = _on_interrupt(name, rank)
     try:
         return fn(args)
     except AgreedError as e:
@@ -569,15 +605,7 @@ def run_guarded_fn(name: str, fn, args) -> int:
             print(f"hepti {name}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
-        # mpiexec passes Ctrl-C to every rank: one line from the primary, no traceback, and
-        # out at once, without MPI_Finalize, which would wait for a peer that may be inside a
-        # collective that never completes (the process manager ends such a peer). The output's
-        # partial file was closed on the way out (a `finally`), ready for --resume.
-        if rank == 0:
-            sys.stderr.write(f"hepti {name}: interrupted\n")
-            sys.stderr.flush()
-        time.sleep(ABORT_GRACE_S)  # for mpiexec to forward the line (see below)
-        os._exit(130)
+        interrupted()  # the partial output was closed on the way here (a `finally`)
     except BaseException as e:  # noqa: BLE001 - any other failure ends the whole job
         if isinstance(e, HeptiError):
             text = f"hepti {name}: rank {rank}: error: {e}\n"
