@@ -81,7 +81,6 @@ def test_bad_output_refused_before_work(tiny_dir, tmp_path, name, needle):
     (tmp_path / "DIR").mkdir()
     path = name if name.startswith("/") else tmp_path / name
     ids = ids_file(tmp_path / "i.npz", 3)
-    t0 = time.monotonic()
     code, out, err = hepti("run", "--model", tiny_dir, "--input-ids", ids, "--output", path)
     assert code == 2
     assert_clean_error(code, err, needle)

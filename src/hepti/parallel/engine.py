@@ -430,7 +430,7 @@ def run_distributed(args) -> int:
     t_start = time.perf_counter()
     mpi = MPI.COMM_WORLD
     world = Comm(mpi, Tracer(mpi.Get_rank()))
-    rank, size = world.rank, world.size
+    rank = world.rank
     rank0 = rank == 0
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
 
