@@ -213,10 +213,12 @@ def wrap(fn):
 
 
 def _from_environment() -> None:
-    """On at import in a rank that `hepti emulate` started for a device, unless turned off."""
+    """On at import in a rank that `hepti emulate` started for a device, when asked for."""
+    if not stretch_wanted():  # first: every run imports this module (hepti.parallel.trace)
+        return
     from hepti.emulate.state import DEVICE_ENV, STATE_ENV, current_device, read_state
     index, path = os.environ.get(DEVICE_ENV), os.environ.get(STATE_ENV)
-    if not index or not path or not stretch_wanted() or not index.isdigit():
+    if not index or not path or not index.isdigit():
         return
     device = current_device(read_state(path))
     if device is None or not device.get("cpu"):
