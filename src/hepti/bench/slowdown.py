@@ -18,8 +18,13 @@ and rank 1 (the device under test, s core), 940 Mbit/s links. Per round, interle
 - ping-pong with the hub (hepti.parallel.profiling.ping_pong, the profile's own) at 1 and 4 MiB,
   alone and each right after a 10 ms compute phase.
 The ratio quoted is measured / (uncapped / s), each device block against the hub's block just
-before it (the machine is shared: its speed drifts over minutes), the median: 1.0 is a faithful device; below 1 it ran faster
-than its share. `median` is the median phase; `mean` the block's wall time per phase. Bandwidth
+before it (the machine is shared: its speed drifts over minutes), the median: 1.0 is a faithful
+device; below 1 it ran faster than its share. `_matched` ratios take instead a second hub block
+run right after the device's, each phase one device cycle (phase and wait, as measured) after
+the last: on this VM a phase that follows an idle gap costs more CPU than one back to back (a
+0.1 ms GeMM: 0.096 ms warm, 0.148 ms after 0.6 ms asleep), and a device slowed by sleeping
+idles longer between phases than the first block's nominal gap assumes, so at 0.1 ms the two
+references differ; the stretch scales the CPU the phase took, whichever it was. `median` is the median phase; `mean` the block's wall time per phase. Bandwidth
 is one-way payload bytes/s against the link's rate.
 
     sudo python -m hepti.bench.slowdown [--rounds 3] [--launches 2] [--shares 0.15,0.3,0.6]
@@ -175,11 +180,24 @@ def worker(out: str, rounds: int) -> None:
                     d = rec["device"][str(t)][way]
                     d["median"].append(statistics.median(times))
                     d["mean"].append(sum(times) / n if way != "alone" else block / n)
-                elif way == "mpi":
+                    mpi.send(block / n, dest=0, tag=7)
+                else:
+                    if way == "mpi":
+                        for _ in range(n):
+                            g.recv_array(1)
+                            time.sleep(wait_s)
+                            g.send_array(token, 1)
+                    # the matched reference: the hub again, right after, each phase starting
+                    # one device cycle after the last (the device's measured time per phase and
+                    # wait), so that its caches sit idle as long as the device's did
+                    cycle = mpi.recv(source=1, tag=7)
+                    hub = []
                     for _ in range(n):
-                        g.recv_array(1)
-                        time.sleep(wait_s)
-                        g.send_array(token, 1)
+                        t0 = time.perf_counter()
+                        hub.append(hub_phase(m))
+                        time.sleep(max(0.0, cycle - (time.perf_counter() - t0)))
+                    rec.setdefault("uncapped_matched_by_way", {}).setdefault(f"{t}:{way}", []).append(
+                        statistics.median(hub))
         # ping-pong, alone and right after a 10 ms compute phase on the device
         m10 = ms[TARGETS_S.index(1e-2)]
         for key in ("alone", "after_compute"):
@@ -241,9 +259,13 @@ def launch(share: float, mode: str, rounds: int, tmp: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def _hub(r: dict, t: float, way: str) -> list[float]:
+def _hub(r: dict, t: float, way: str, matched: bool = False) -> list[float]:
     """The hub's uncapped phase medians that preceded each of the device's blocks (older
-    files: the round's one uncapped figure for every way)."""
+    files: the round's one uncapped figure for every way), or with `matched` the ones that
+    followed it on the device's own timeline (None in older files)."""
+    if matched:
+        by_way = r.get("uncapped_matched_by_way")
+        return None if by_way is None else by_way[f"{t}:{way}"]
     by_way = r.get("uncapped_by_way")
     if by_way is not None:
         return by_way[f"{t}:{way}"]
@@ -271,6 +293,11 @@ def summarize(runs: list[dict]) -> dict:
                             r["device"][str(t)][way][stat], _hub(r, t, way))]
                         ph[f"{way}_{stat}_s"] = statistics.median(d for d, _ in pairs)
                         ph[f"{way}_{stat}_ratio"] = statistics.median(d / (h / s) for d, h in pairs)
+                        if all(_hub(r, t, way, True) is not None for r in rs):
+                            pairs = [(dev, hub) for r in rs for dev, hub in zip(
+                                r["device"][str(t)][way][stat], _hub(r, t, way, True))]
+                            ph[f"{way}_{stat}_ratio_matched"] = statistics.median(
+                                d / (h / s) for d, h in pairs)
                 row["phases"][f"{t * 1e3:g}ms"] = ph
             for key in ("alone", "after_compute"):
                 for b in PING_BYTES:
@@ -284,12 +311,14 @@ def summarize(runs: list[dict]) -> dict:
 def format_table(table: dict) -> str:
     lines = []
     for mode, by_share in table.items():
-        lines.append(f"mode {mode}: measured / (uncapped / share), median phase (mean)")
-        lines.append(f"{'share':>6} {'phase':>6} {'alone':>13} {'sleep':>13} {'mpi':>13}   uncapped")
+        lines.append(f"mode {mode}: measured / (uncapped / share), median phase (mean) matched")
+        lines.append(f"{'share':>6} {'phase':>6} {'alone':>18} {'sleep':>18} {'mpi':>18}   uncapped")
         for share, row in sorted(by_share.items(), key=lambda kv: float(kv[0])):
             for name, ph in row["phases"].items():
-                cells = [f"{ph[f'{w}_median_ratio']:.2f} ({ph[f'{w}_mean_ratio']:.2f})" for w in WAYS]
-                lines.append(f"{float(share):>6g} {name:>6} " + " ".join(f"{c:>13}" for c in cells)
+                cells = [f"{ph[f'{w}_median_ratio']:.2f} ({ph[f'{w}_mean_ratio']:.2f})"
+                         + (f" {ph[f'{w}_median_ratio_matched']:.2f}" if f"{w}_median_ratio_matched" in ph else "")
+                         for w in WAYS]
+                lines.append(f"{float(share):>6g} {name:>6} " + " ".join(f"{c:>18}" for c in cells)
                              + f"   {ph['uncapped_s'] * 1e3:.3f} ms")
             pings = ", ".join(f"{k} {v['ratio_to_link']:.2f}" for k, v in row["ping"].items())
             lines.append(f"{'':>6} ping-pong / link: {pings}")
