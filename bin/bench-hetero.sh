@@ -4,7 +4,8 @@
 # results/hetero.csv and (with matplotlib) results/hetero.png; prints a table and the targets.
 # Makes the BERT-base- and BERT-large-shaped random models if they are missing.
 #   sudo bin/bench-hetero.sh            full run: every spec, BERT-base @256 tokens everywhere,
-#                                       MiniLM @128 and BERT-large @128 on emu-mixed4 (< 15 min)
+#                                       MiniLM @128 and BERT-large @128 on emu-mixed4; 3 rounds
+#                                       taking turns (about 15 min a round; --rounds 1 for one)
 #   sudo bin/bench-hetero.sh --quick    CI: one pair spec, MiniLM only, fewer runs (< 2 min)
 # Other options (--spec, --case, --repeat, --run-unfit, ...): python -m hepti.bench.hetero --help
 set -euo pipefail

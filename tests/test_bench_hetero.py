@@ -105,6 +105,39 @@ def test_targets_met_missed_and_unmeasured(runs):
     assert "MISS" in rep.format_targets(rep.check_targets(runs))
 
 
+def test_every_strategy_against_its_own_prediction_and_auto_against_the_fastest(runs):
+    t = {x["target"]: x for x in rep.check_targets(runs)}
+    assert t["emu-mixed4 bert-base@256: even within 15% of its prediction"]["ok"] is True  # +11%
+    assert t["emu-mixed4 bert-base@256: single within 15% of its prediction"]["ok"] is True  # -3%
+    assert "emu-tight bert-base@256: single within 15% of its prediction" not in t  # did not run
+    # auto 0.60 against single 0.58: +3.4%, more than 3%, and beyond a spread of 0
+    assert t["emu-mixed4 bert-base@256: auto fastest, or within 3% of it"]["ok"] is False
+    name = "emu-mixed4 bert-base@256: auto not slower than single beyond the rounds' spread"
+    assert t[name]["ok"] is False
+    runs[0]["spread_s"] = 0.03  # the rounds' spread covers the 20 ms
+    assert {x["target"]: x for x in rep.check_targets(runs)}[name]["ok"] is True
+    runs[0]["median_latency_s"] = 0.59  # within 3% of the fastest
+    t = {x["target"]: x for x in rep.check_targets(runs)}
+    assert t["emu-mixed4 bert-base@256: auto fastest, or within 3% of it"]["ok"] is True
+
+
+def test_rounds_merge_to_the_median_round():
+    rounds = [{**ok("emu-mixed4", "even", m, 1.0), "round": k} for k, m in enumerate((1.2, 0.9, 1.0))]
+    rounds.append({**not_run("emu-mixed4", "even", "timeout", "took too long"), "round": 3})
+    rounds.append({**not_run("emu-mixed4", "auto", "oom", "killed"), "round": 0})
+    merged = rep.merge_rounds(rounds)
+    even = rep.find(merged, "emu-mixed4", "bert-base", 256, "even")
+    assert even["median_latency_s"] == 1.0 and even["round_latency_s"] == [1.2, 0.9, 1.0]
+    assert even["spread_s"] == pytest.approx(0.3) and even["rounds_not_ok"] == 1
+    assert even["prediction_error"] == pytest.approx(0.0) and even["round"] == 2  # the median round
+    auto = rep.find(merged, "emu-mixed4", "bert-base", 256, "auto")
+    assert auto["status"] == "oom" and auto["rounds_not_ok"] == 1
+    two = rep.merge_rounds([{**ok("s", "even", m, 1.0), "round": k} for k, m in enumerate((1.0, 2.0))])
+    assert two[0]["median_latency_s"] == 1.5 and two[0]["round"] == 0
+    plain = ok("s", "even", 1.0, 1.0)  # a record of a one-round document passes through
+    assert rep.merge_rounds([plain]) == [plain]
+
+
 def test_plot_is_drawn_or_says_why(tmp_path, runs):
     out = tmp_path / "hetero.png"
     why = rep.draw(runs, out)

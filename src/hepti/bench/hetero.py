@@ -15,10 +15,15 @@ out-of-memory kill is the launch's own and the baselines run in the same runtime
    as they are, so a refusal is the runtime planner's own.
 3. R (timed runs inside one launch, after a warm-up run) is chosen from the prediction so a
    launch times about `--target-s` seconds, between `--min-repeat` and `--repeat`.
+4. `--rounds` K (default 3): the strategies above run K times, taking turns (round k starts k
+   strategies further on). A strategy's figure is the median of its rounds' medians, the range
+   of those its spread (`hetero_report.merge_rounds`); `round_runs` in the JSON keeps every
+   launch. The targets check every strategy against its own prediction, and `auto` against the
+   fastest strategy and against `single` beyond the spread (issue 16).
 
-The default set, sized to run in under 15 minutes here: BERT-base @256 tokens on every spec,
-MiniLM @128 and BERT-large @128 on emu-mixed4 only (`--case` changes it); `--quick` is one pair
-spec with MiniLM (under 2 minutes). Each record keeps the machine's load average around its
+The default set, about 15 minutes a round here: BERT-base @256 tokens on every spec, MiniLM @128
+and BERT-large @128 on emu-mixed4 only (`--case` changes it); `--quick` is one pair spec with
+MiniLM, one round (under 2 minutes). Each record keeps the machine's load average around its
 launch: device quotas are caps, so other jobs on a shared machine slow the devices down.
 
 Numba's cache is warmed outside the emulation first (a 0.15-core device compiling kernels would
@@ -55,7 +60,7 @@ STRATEGIES = ("auto", "even", "proportional", "pipeline", "single")
 BASELINES = ("even", "proportional", "pipeline", "single")  # checked against memory before a launch
 EXTRA = ("emu-tight:rows",)
 CASES = ("weights/bert-base:256", "weights/minilm-l6:128:emu-mixed4", "weights/bert-large:128:emu-mixed4")
-QUICK = {"spec": ["emu-pair-940-quarter"], "case": ["weights/minilm-l6:128"], "repeat": 3,
+QUICK = {"spec": ["emu-pair-940-quarter"], "case": ["weights/minilm-l6:128"], "repeat": 3, "rounds": 1,
          "min_repeat": 2, "target_s": 2.0, "timeout": 120.0}
 LAUNCHER_OOM = re.compile(r"rank \d+ \(device [^)]*\) was killed by the out-of-memory killer[^\n]*")
 
@@ -276,7 +281,12 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
             strategies = list(args.strategies) + [s for sp, s in extras if sp == spec.name]
             common = ["run", "--model", case["dir"], "--input-ids", str(case["ids"]), "--json"]
             profile_path = None
-            for strategy in strategies:
+            # rounds take turns: round k starts k strategies further on (round 0 with auto,
+            # whose profile the baselines are planned with), so a slow minute of this shared
+            # machine does not fall on one strategy's every run
+            order = [(k, strategies[k % len(strategies):] + strategies[:k % len(strategies)])
+                     for k in range(args.rounds)]
+            for k, strategy in ((k, s) for k, ss in order for s in ss):
                 bar.set_description(f"{spec.name} {case['name']}@{case['seq']} {strategy}")
                 if strategy != "auto" and profile_path is None:
                     profile_path = find_cached_profile(cache, n, case["config"].name)
@@ -294,7 +304,8 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
                 if strategy in BASELINES and profile_path is not None:
                     plan, unfit = plan_baseline(case, profile_path, strategy)
                 if unfit and not args.run_unfit:
-                    runs.append(run_record(spec, case, strategy, "cannot_run", unfit, None, None, None))
+                    runs.append({**run_record(spec, case, strategy, "cannot_run", unfit, None, None, None),
+                                 "round": k})
                     bar.update(1)
                     continue
                 repeat = choose_repeat(plan.predicted_latency_s if plan is not None else None, args)
@@ -303,16 +314,24 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
                     extra += ["--profile", str(profile_path)]
                 res = launch(spec_path, n, common + extra, cache, args.timeout, workdir)
                 status, reason, rep = classify(res)
-                runs.append(run_record(spec, case, strategy, status, reason, rep, res, repeat))
+                runs.append({**run_record(spec, case, strategy, status, reason, rep, res, repeat),
+                             "round": k})
                 bar.update(1)
     return runs, profiles
+
+
+def _emulator_mode() -> dict:
+    """How the devices were slowed down: the CPU quota alone, or the stretch with a guard quota."""
+    from hepti.emulate import stretch
+    on = stretch.stretch_wanted()
+    return {"stretch": on, "quota_factor": stretch.GUARD if on else 1.0}
 
 
 def count_runs(args, specs, cases) -> int:
     """Launches the sweep will make (the progress bar's total)."""
     extras = [e.split(":", 1) for e in args.extra]
-    return sum(len(args.strategies) + sum(1 for sp, _ in extras if sp == spec.name)
-               for spec, _ in specs for case in cases if spec.name in case["specs"])
+    return args.rounds * sum(len(args.strategies) + sum(1 for sp, _ in extras if sp == spec.name)
+                             for spec, _ in specs for case in cases if spec.name in case["specs"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -327,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="default: %(default)s")
     ap.add_argument("--extra", action="append", metavar="SPEC:STRATEGY",
                     help=f"one more strategy on one spec, run as is (default: {' '.join(EXTRA)})")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="launches per strategy, taking turns; each figure is the median of the "
+                         "rounds' medians, and their range is the spread (default: %(default)s)")
     ap.add_argument("--repeat", type=int, default=20,
                     help="at most this many timed runs per launch (fast cases: medians of more runs)")
     ap.add_argument("--min-repeat", type=int, default=2, help="at least this many timed runs per launch")
@@ -372,10 +394,11 @@ def main(argv=None) -> int:
             make_inputs(c, workdir)
         warm_s = 0.0 if args.no_warm else warm_numba(cases, workdir)
         bar = tqdm(total=count_runs(args, specs, cases), unit="run", file=sys.stderr)
-        runs, profiles = sweep(args, specs, cases, workdir, bar)
+        round_runs, profiles = sweep(args, specs, cases, workdir, bar)
         bar.close()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    runs = report.merge_rounds(round_runs)
     targets = report.check_targets(runs)
     doc = result_doc(
         "hetero", commit=commit,
@@ -383,16 +406,17 @@ def main(argv=None) -> int:
         settings={"quick": args.quick, "specs": args.spec, "cases": args.case,
                   "strategies": args.strategies, "extra": list(args.extra), "repeat": args.repeat,
                   "min_repeat": args.min_repeat, "target_s": args.target_s, "timeout_s": args.timeout,
-                  "run_unfit": args.run_unfit, "threads_per_rank": 1},
+                  "run_unfit": args.run_unfit, "threads_per_rank": 1, "rounds": args.rounds},
         specs={s.name: s.to_dict() for s, _ in specs},
         duration_s=round(time.perf_counter() - t_start, 1), numba_warm_s=round(warm_s, 1),
-        runs=runs, targets=targets, profiles=profiles)
+        runs=runs, targets=targets, profiles=profiles, round_runs=round_runs,
+        emulator=_emulator_mode())
     out = Path(args.out_dir)
     write_json(doc, out / "hetero.json")
     report.write_csv(runs, out / "hetero.csv")
     why_not = report.draw(runs, out / "hetero.png")
     print(report.format_table(runs))
-    print("targets (issue 5):")
+    print("targets (issues 5 and 16):")
     print(report.format_targets(targets))
     print(f"wrote {out / 'hetero.json'}, {out / 'hetero.csv'}"
           + (f", {out / 'hetero.png'}" if why_not is None else ""))
