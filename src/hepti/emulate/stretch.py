@@ -30,9 +30,9 @@ up to `CREDIT_MAX_S`.
 Where it runs: `hepti.parallel.trace.Tracer` spans (cat "compute" and "batch" are work, every
 other cat is a wait) and the profiler's timed calls (`hepti.parallel.profiling`) through
 `wrap`. The kernels and the planner do not know about it. It is on in a process started by
-`hepti emulate` for a device (HEPTI_EMULATE_DEVICE and HEPTI_EMULATE_STATE set) when
-HEPTI_EMULATE_STRETCH=1; otherwise the launcher sets the quota at s exactly, as before (the
-default until the stretch is validated, see `stretch_wanted`). The
+`hepti emulate` for a device (HEPTI_EMULATE_DEVICE and HEPTI_EMULATE_STATE set) unless
+HEPTI_EMULATE_STRETCH=0, which makes the launcher set the quota at s exactly, as before (see
+`stretch_wanted`). The
 share is re-read from the launcher's state file (hepti.emulate.state) at most every `POLL_S`,
 so a schedule that changes a device's CPU changes its stretch too. Outside `hepti emulate`,
 `ON` is False and every hook is one test of it.
@@ -44,7 +44,8 @@ import os
 import threading
 import time
 
-ENV = "HEPTI_EMULATE_STRETCH"  # "1": stretch (quota = GUARD x share); else the quota alone
+ENV = "HEPTI_EMULATE_STRETCH"  # "0": the quota alone; else stretch (quota = GUARD x share)
+DEVICE_ENV, STATE_ENV = "HEPTI_EMULATE_DEVICE", "HEPTI_EMULATE_STATE"  # hepti.emulate.state's
 GUARD = 1.25  # the launcher's CPU quota is GUARD x share when the stretch is on
 PAY_MIN_S = 5e-5  # a compute span pays its backlog at its end when it is at least this
 SPIN_S = 3e-5  # the last part of a payment is spun, not slept (sleep overshoots ~10-25 us)
@@ -69,11 +70,13 @@ _stats = {"paid_s": 0.0, "payments": 0, "work_cpu_s": 0.0}
 
 
 def stretch_wanted(env=None) -> bool:
-    """Whether devices run stretched: HEPTI_EMULATE_STRETCH=1. Opt-in until its
-    uniform-slowdown test passes (tests/test_emulate_stretch.py; issue 16 is open): on this
-    shared host it came out 1.2-5x off, so by default the emulator stays the quota alone, as
-    every figure in the README was measured."""
-    return (env if env is not None else os.environ).get(ENV, "0").strip() == "1"
+    """Whether devices run stretched: yes unless HEPTI_EMULATE_STRETCH=0 (the quota alone).
+    On by default since bin/bench-hetero.sh and bin/bench-offload.sh were remade with it
+    (results/hetero.json: 35 of 41 strategies within 15% of their own prediction, where the
+    quota alone put `proportional` 53% under it; README). Phases of 1 ms and more ran at
+    1/share within 5% on a quiet host (results/slowdown-stretch.json); 0.1 ms phases did not
+    (tests/test_emulate_stretch.py says why)."""
+    return (env if env is not None else os.environ).get(ENV, "1").strip() != "0"
 
 
 def enable(share: float, state_path: str | None = None, device: int | None = None) -> None:
@@ -214,12 +217,12 @@ def wrap(fn):
 
 def _from_environment() -> None:
     """On at import in a rank that `hepti emulate` started for a device, when asked for."""
-    if not stretch_wanted():  # first: every run imports this module (hepti.parallel.trace)
-        return
-    from hepti.emulate.state import DEVICE_ENV, STATE_ENV, current_device, read_state
+    # first the environment alone: every run imports this module (hepti.parallel.trace), and
+    # outside `hepti emulate` it must not import the emulator's state module
     index, path = os.environ.get(DEVICE_ENV), os.environ.get(STATE_ENV)
-    if not index or not path or not index.isdigit():
+    if not index or not path or not index.isdigit() or not stretch_wanted():
         return
+    from hepti.emulate.state import current_device, read_state
     device = current_device(read_state(path))
     if device is None or not device.get("cpu"):
         return

@@ -5,7 +5,7 @@ barrier, so all ranks share one clock to within the barrier's release skew (micr
 box, about one network latency on a real cluster). `Tracer.span(name, cat)` times a block: its
 seconds add to `seconds[cat]` and, when tracing is on, it becomes one "X" event.
 
-Under `hepti emulate` with HEPTI_EMULATE_STRETCH=1 the spans are also where an emulated
+Under `hepti emulate` (unless HEPTI_EMULATE_STRETCH=0) the spans are also where an emulated
 device is slowed down uniformly (hepti.emulate.stretch): a "compute" span ends by paying the
 device's backlog, and any other span but "batch" (a collective, a wait for weights) pays it
 before it starts; what is paid there counts as compute. Outside the emulator that is one test of a module flag per span.
