@@ -18,6 +18,11 @@ CASES = list(cases(COMM.Get_size()))
 def test_equals_single_device(model, strategy, rname, vec, tiny_dir, minilm_dir):
     d = tiny_dir if model == "tiny" else minilm_dir
     res = check_case(d, strategy, vec, COMM.Get_size())
-    ok = res is None or (res[0] <= TOL and res[1] <= TOL)  # only the primary holds outputs
-    msg = "" if res is None else f"{strategy} {rname}: max |diff| hidden {res[0]:.2e}, pooled {res[1]:.2e}"
+    if COMM.Get_rank() != 0:  # only the primary (rank 0) holds outputs
+        ok, msg = res is None, f"{strategy} {rname}: a rank other than the primary returned outputs"
+    elif res is None:  # an empty result is a failure, not a pass
+        ok, msg = False, f"{strategy} {rname}: the primary returned no outputs"
+    else:
+        ok = res[0] <= TOL and res[1] <= TOL
+        msg = f"{strategy} {rname}: max |diff| hidden {res[0]:.2e}, pooled {res[1]:.2e}"
     all_ok(ok, msg)
