@@ -67,14 +67,32 @@ class Comm:
         self.transport = "solo" if self.solo else choose_transport(mpi_comm, transport)
         self.shm = _SharedSlots(mpi_comm) if self.transport == "shm" else None
         self._parts = self._my_part = None  # the slot of a pending partial_buffer()
+        self._owns_mpi = False  # made by split(): close() frees the communicator too
 
     @property
     def solo(self) -> bool:
         return self.size == 1
 
+    def split(self, member: bool) -> "Comm | None":
+        """Collective: the group of the ranks that pass member=True, as a Comm that owns its
+        communicator (its close() frees it); None on the other ranks."""
+        if self.solo:
+            return Comm(None, self.tracer) if member else None
+        sub = self.mpi.Split(0 if member else _MPI().UNDEFINED, key=self.rank)
+        if not member:
+            return None
+        group = Comm(sub, self.tracer)
+        group._owns_mpi = True
+        return group
+
     def close(self) -> None:
+        """Collective: frees the shared window, and the communicator if split() made it."""
         if self.shm is not None:
             self.shm.close()
+            self.shm = None
+        if self._owns_mpi:
+            self.mpi.Free()
+            self._owns_mpi = False
 
     # --- one to all ----------------------------------------------------------------------
     def bcast_to_all(self, a: np.ndarray | None, shape, dtype=np.float32, root: int = 0) -> np.ndarray:
@@ -271,6 +289,24 @@ class Comm:
             wait(self.mpi.Irecv(out, source=source, tag=tag))
         self.tracer.add_bytes(0, out.nbytes)
         return out, meta
+
+    def send_known(self, a: np.ndarray, dest: int, tag: int = 0, name: str = "Send"):
+        """Send a float32 array whose shape the receiver already knows (no header): the match
+        of a receive posted with `post_recv`."""
+        with self.tracer.span(name, "send"):
+            wait(self.mpi.Isend(np.ascontiguousarray(a, np.float32), dest=dest, tag=tag))
+        self.tracer.add_bytes(a.nbytes, 0)
+
+    def post_recv(self, buf: np.ndarray, source: int, tag: int = 0):
+        """Post a receive into `buf` now (float32, of the shape the sender sends) and return its
+        handle; `complete_recv` waits for it. The pipeline posts its outputs' receives early."""
+        return self.mpi.Irecv(buf, source=source, tag=tag), buf.nbytes
+
+    def complete_recv(self, handle, name: str = "Recv") -> None:
+        req, nbytes = handle
+        with self.tracer.span(name, "recv"):
+            wait(req)
+        self.tracer.add_bytes(0, nbytes)
 
     def barrier(self):
         if not self.solo:

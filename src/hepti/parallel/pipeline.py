@@ -59,9 +59,7 @@ class PipelineExecutor:
             x, mask = w.recv_array(prev)
             x = self._run_layers(x, mask)
             if nxt is None:
-                with w.tracer.span("Send(output)", "send"):
-                    w.mpi.Send(np.ascontiguousarray(x, np.float32), dest=0, tag=1)
-                w.tracer.add_bytes(x.nbytes, 0)
+                w.send_known(x, 0, tag=1, name="Send(output)")
             else:
                 w.send_array(x, nxt, meta=mask)
 
@@ -69,16 +67,13 @@ class PipelineExecutor:
         """The primary: send batches in, take outputs back, at most `window` in flight."""
         from collections import deque
 
-        from mpi4py import MPI
         w, last = self.w, self.stages[-1]
         window = len(self.stages) + 1
         pending = deque()  # (k, output buffer, its posted receive)
 
         def take_oldest():
-            k, buf, req = pending.popleft()
-            with w.tracer.span("Recv(output)", "recv"):
-                req.Wait(MPI.Status())
-            w.tracer.add_bytes(0, buf.nbytes)
+            k, buf, handle = pending.popleft()
+            w.complete_recv(handle, name="Recv(output)")
             on_output(k, buf)
 
         for k, (x0, mask) in enumerate(inputs):
@@ -88,7 +83,7 @@ class PipelineExecutor:
             if len(pending) == window:
                 take_oldest()
             buf = np.empty(x0.shape, np.float32)
-            pending.append((k, buf, w.mpi.Irecv(buf, source=last, tag=1)))
+            pending.append((k, buf, w.post_recv(buf, last, tag=1)))
             x = self._run_layers(x0, mask) if 0 in self.stages else x0
             w.send_array(x, self._next(0), meta=mask)
         while pending:
