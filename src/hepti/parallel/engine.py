@@ -181,12 +181,11 @@ class Job:
             load_kernels(threads)  # the kernels' code (~70 MiB) is the runtime's, not the job's
         reset_peak_rss()
         self.rss_before_load = current_rss()
-        # one sub-communicator of the ranks that work; the others skip straight to the end
-        color = 0 if self.is_active else _MPI().UNDEFINED
-        sub = world.mpi.Split(color, key=rank) if not world.solo else None
-        self.group = (Comm(sub, world.tracer) if sub is not None and sub != _MPI().COMM_NULL
-                      else Comm(None, world.tracer)) if self.is_active else None
-        if plan.strategy == "single":
+        # one sub-communicator of the ranks that work (freed by close()); the others skip
+        # straight to the end
+        self.group = world.split(self.is_active)
+        if plan.strategy == "single" and self.group is not None:
+            self.group.close()
             self.group = Comm(None, world.tracer) if rank == 0 else None
         self.layers = self.executor = None
         self.embeddings = None
@@ -310,11 +309,6 @@ class Job:
             "peak_rss_bytes": peak_rss(),
             "rss_before_load_bytes": self.rss_before_load,
         }
-
-
-def _MPI():
-    from mpi4py import MPI
-    return MPI
 
 
 def reset_peak_rss() -> None:
