@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from hepti.config import preset_config
+from hepti.model.sizes import layer_bytes
 from hepti.emulate import launch
 from hepti.emulate import stretch
 from hepti.emulate.cgroups import Cgroups, cpu_quota, procs_in
@@ -200,7 +201,7 @@ ACT_256 = 30 << 20    # activations and buffers of BERT-base at 256 tokens, gene
 def bert_base_bytes() -> tuple[int, int]:
     """(layer weights, embeddings) of the BERT-base shape in fp32 bytes."""
     c = preset_config("bert-base")
-    layers = 4 * c.num_hidden_layers * c.layer_weight_count
+    layers = c.num_hidden_layers * layer_bytes(c)
     emb = 4 * c.hidden_size * (c.vocab_size + c.max_position_embeddings + c.type_vocab_size)
     return layers, emb
 

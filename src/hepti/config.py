@@ -32,12 +32,6 @@ class BertConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    @property
-    def layer_weight_count(self) -> int:
-        """Number of float parameters in one encoder layer (weights, biases, LayerNorms)."""
-        c, f = self.hidden_size, self.intermediate_size
-        return 4 * c * c + 4 * c + 2 * c * f + f + c + 4 * c
-
     @classmethod
     def from_dict(cls, d: dict, name: str = "") -> "BertConfig":
         mt = d.get("model_type")

@@ -65,8 +65,3 @@ def offsets(cnts: Sequence[int]) -> list[int]:
         out.append(acc)
         acc += int(c)
     return out
-
-
-def even(n: int) -> list[float]:
-    """The even ratio vector for n ranks."""
-    return [1.0 / n] * n

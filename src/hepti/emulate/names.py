@@ -95,8 +95,3 @@ def owner_of_netns(name: str) -> int | None:
 def owner_of_link(name: str) -> int | None:
     m = LINK_RE.match(name)
     return int(m.group(1)) if m else None
-
-
-def owner_of_cgroup(dirname: str) -> int | None:
-    m = CGROUP_RE.match(dirname)
-    return int(m.group(1)) if m else None

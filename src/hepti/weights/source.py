@@ -132,10 +132,6 @@ class Checkpoint:
     skipped: list[str]
     files: list[SafetensorsFile]
 
-    @property
-    def has_pooler(self) -> bool:
-        return "pooler.weight" in self.tensors
-
     def close(self) -> None:
         for f in self.files:
             f.close()
