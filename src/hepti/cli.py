@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: profile the devices, plan, run; rows: weights replicated, token "
                         "rows split; tensor: weights sliced by ratio; stream: tensor within "
                         "--mem-budget; even: tensor, equal shares (Megatron); proportional: "
-                        "tensor, shares by compute speed (CoEdge); pipeline: layer ranges "
+                        "tensor, shares by compute speed alone (MoDNN); pipeline: layer ranges "
                         "(PipeEdge); single: rank 0 alone. Default: tensor with even shares "
                         "under mpiexec, else single")
     d.add_argument("--profile", metavar="P.json",

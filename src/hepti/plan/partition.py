@@ -396,7 +396,7 @@ def make_plan(config: BertConfig, profile: Profile, seq_len: int, batch: int = 1
         else:
             speed = [dev.gemm.peak for dev in profile.devices]
             vec = [s / sum(speed) for s in speed]
-            why = ("Proportional baseline (CoEdge/MoDNN-style): tensor shares by GeMM speed alone, "
+            why = ("Proportional baseline (MoDNN's rule): tensor shares by GeMM speed alone, "
                    "the network ignored.")
         cand = evaluate_ratios(program, profile, {d: vec for d in DIMS},
                                "single" if strategy == "single" else ("even" if strategy == "even" else "tensor"))
