@@ -1,12 +1,12 @@
 """`pipeline` (PipeEdge baseline): contiguous layer ranges per rank, activations passed along.
 
 Stage s runs layers [start_s, stop_s) on all M rows and sends [M, C] (with the batch's key mask)
-to the next stage; the last stage sends the hidden state back to the primary. A batch is never split: in a run of
-several batches, while stage 2 works on batch k, stage 1 already works on batch k+1, so
-throughput is set by the slowest stage, and one batch's latency is the sum of the stages'. The primary posts the receive for a
-batch's output before it sends the batch, so the ring of blocking sends can never deadlock; it
-keeps at most `window` batches in flight (one per stage and one more), so its memory does not
-grow with the number of batches.
+to the next stage; the last stage sends the hidden state back to the primary. A batch is never
+split: in a run of several batches, while stage 2 works on batch k, stage 1 already works on
+batch k+1, so throughput is set by the slowest stage, and one batch's latency is the sum of the
+stages'. The primary posts the receive for a batch's output before it sends the batch, so the
+ring of blocking sends can never deadlock; it keeps at most `window` batches in flight (one per
+stage and one more), so its memory does not grow with the number of batches.
 """
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ will during a run. Per rank:
 - its link: MPI ping-pong with rank 0 at a few message sizes, least-squares fitted to
   one-way time = latency + bytes / bandwidth. Rank 0's own link is taken as the fastest path it
   measured (a star's path is as slow as its slower end).
-Under `hepti emulate` (unless HEPTI_EMULATE_STRETCH=0) each timed call is stretched as the runtime's compute spans are
-(hepti.emulate.stretch), so the profile measures the stretched device as it would a slow board.
+Under `hepti emulate` (unless HEPTI_EMULATE_STRETCH=0) each timed call is stretched as the
+runtime's compute spans are (hepti.emulate.stretch), so the profile measures the stretched device
+as it would a slow board.
 A run takes a few seconds. `cached_profile` keeps the result per hostfile, model, world size,
 shape and every rank's caps (cgroup CPU quota and memory limit, emulated device) under
 $HEPTI_CACHE (default ~/.cache/hepti) and measures again when it is older than asked.

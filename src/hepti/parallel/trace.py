@@ -8,7 +8,8 @@ seconds add to `seconds[cat]` and, when tracing is on, it becomes one "X" event.
 Under `hepti emulate` (unless HEPTI_EMULATE_STRETCH=0) the spans are also where an emulated
 device is slowed down uniformly (hepti.emulate.stretch): a "compute" span ends by paying the
 device's backlog, and any other span but "batch" (a collective, a wait for weights) pays it
-before it starts; what is paid there counts as compute. Outside the emulator that is one test of a module flag per span.
+before it starts; what is paid there counts as compute. Outside the emulator that is one test
+of a module flag per span.
 """
 from __future__ import annotations
 
