@@ -32,9 +32,8 @@ other cat is a wait) and the profiler's timed calls (`hepti.parallel.profiling`)
 `wrap`. The kernels and the planner do not know about it. It is on in a process started by
 `hepti emulate` for a device (HEPTI_EMULATE_DEVICE and HEPTI_EMULATE_STATE set) unless
 HEPTI_EMULATE_STRETCH=0, which makes the launcher set the quota at s exactly, as before (see
-`stretch_wanted`). The
-share is re-read from the launcher's state file (hepti.emulate.state) at most every `POLL_S`,
-so a schedule that changes a device's CPU changes its stretch too. Outside `hepti emulate`,
+`stretch_wanted`). The share is re-read from the launcher's state file (hepti.emulate.state) at
+most every `POLL_S`, so a schedule that changes a device's CPU changes its stretch too. Outside `hepti emulate`,
 `ON` is False and every hook is one test of it.
 """
 from __future__ import annotations
@@ -216,7 +215,7 @@ def wrap(fn):
 
 
 def _from_environment() -> None:
-    """On at import in a rank that `hepti emulate` started for a device, when asked for."""
+    """On at import in a rank that `hepti emulate` started for a device, unless turned off."""
     # first the environment alone: every run imports this module (hepti.parallel.trace), and
     # outside `hepti emulate` it must not import the emulator's state module
     index, path = os.environ.get(DEVICE_ENV), os.environ.get(STATE_ENV)
