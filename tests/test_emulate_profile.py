@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hepti.emulate import launch
+from hepti.emulate import launch, stretch
 from hepti.emulate.cgroups import cpu_quota
 from hepti.emulate.spec import load_spec
 from hepti.emulate.state import DEVICE_ENV, STATE_ENV, write_state
@@ -229,5 +229,9 @@ def test_profile_sees_each_link_and_cpu_share(root_env, tmp_path, minilm_dir, mo
     for prof in cached:
         for i, dev in enumerate(spec.devices):
             lim = prof["devices"][i]["measured"]["limits"]
-            assert lim["cpu_cores"] == pytest.approx(dev.cpu) and lim["mem_limit_bytes"] == dev.mem_bytes
+            # the quota is the device's share, times the guard when the stretch slows it down
+            guard = stretch.GUARD if stretch.stretch_wanted() else 1.0
+            assert lim["cpu_cores"] == pytest.approx(dev.cpu * guard, rel=1e-3)
+            assert lim["mem_limit_bytes"] == dev.mem_bytes
+            assert lim["emulated"]["stretch"] == stretch.stretch_wanted()
             assert lim["emulated"]["spec"] == SPEC["name"] and lim["emulated"]["name"] == dev.name
