@@ -326,10 +326,14 @@ def _choose_sleepy() -> bool:
     just when the data arrives. An uncapped rank blocks in MPI's own progress loop, which
     completes a shared-memory collective in tens of microseconds; a sleeping loop made every
     one of MiniLM's 24 collectives per forward at least one timer slack (~60-100 us) late.
+    Under `hepti emulate` the device's share decides (its quota is a guard above it).
     `HEPTI_MPI_WAIT=sleep|block` overrides the choice."""
     forced = os.environ.get("HEPTI_MPI_WAIT", "").strip().lower()
     if forced in ("sleep", "block"):
         return forced == "sleep"
+    from hepti.emulate import stretch  # an emulated device's share, not its guard quota (1.25x)
+    if stretch.ON:
+        return stretch.share() < 1.0
     from hepti.parallel.profiling import cpu_limit  # the profile reads the same caps
     cores, _ = cpu_limit()
     return cores is not None and cores < 1.0
