@@ -24,8 +24,9 @@ run right after the device's, each phase one device cycle (phase and wait, as me
 the last: on this VM a phase that follows an idle gap costs more CPU than one back to back (a
 0.1 ms GeMM: 0.096 ms warm, 0.148 ms after 0.6 ms asleep), and a device slowed by sleeping
 idles longer between phases than the first block's nominal gap assumes, so at 0.1 ms the two
-references differ; the stretch scales the CPU the phase took, whichever it was. `median` is the median phase; `mean` the block's wall time per phase. Bandwidth
-is one-way payload bytes/s against the link's rate.
+references differ; the stretch scales the CPU the phase took, whichever it was. `median` is the
+median phase; `mean` the block's wall time per phase. Bandwidth is one-way payload bytes/s
+against the link's rate.
 
     sudo python -m hepti.bench.slowdown [--rounds 3] [--launches 2] [--shares 0.15,0.3,0.6]
                                         [--modes quota,stretch] [--out results/slowdown.json]
@@ -288,16 +289,17 @@ def summarize(runs: list[dict]) -> dict:
                 ph = {"uncapped_s": unc, "nominal_s": unc / s}
                 for way in WAYS:
                     for stat in ("median", "mean"):
-                        # each device block against the hub's block just before it, same way
-                        pairs = [(dev, hub) for r in rs for dev, hub in zip(
-                            r["device"][str(t)][way][stat], _hub(r, t, way))]
-                        ph[f"{way}_{stat}_s"] = statistics.median(d for d, _ in pairs)
-                        ph[f"{way}_{stat}_ratio"] = statistics.median(d / (h / s) for d, h in pairs)
-                        if all(_hub(r, t, way, True) is not None for r in rs):
-                            pairs = [(dev, hub) for r in rs for dev, hub in zip(
-                                r["device"][str(t)][way][stat], _hub(r, t, way, True))]
-                            ph[f"{way}_{stat}_ratio_matched"] = statistics.median(
-                                d / (h / s) for d, h in pairs)
+                        ph[f"{way}_{stat}_s"] = statistics.median(
+                            d for r in rs for d in r["device"][str(t)][way][stat])
+                        # each device block against the hub's block just before it, same way,
+                        # and against the one right after it on its own timeline (when recorded)
+                        for suffix, matched in (("", False), ("_matched", True)):
+                            hubs = [_hub(r, t, way, matched) for r in rs]
+                            if any(h is None for h in hubs):
+                                continue
+                            ph[f"{way}_{stat}_ratio{suffix}"] = statistics.median(
+                                d / (h / s) for r, hs in zip(rs, hubs)
+                                for d, h in zip(r["device"][str(t)][way][stat], hs))
                 row["phases"][f"{t * 1e3:g}ms"] = ph
             for key in ("alone", "after_compute"):
                 for b in PING_BYTES:
