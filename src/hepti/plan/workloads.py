@@ -3,7 +3,7 @@ Hepti paper's chain of MatMuls (with blocking collectives, and as hepti.bench.of
 
 Each program mirrors its executor in hepti.parallel (rows.py, tensor.py, engine.py) phase by
 phase: one Phase per stretch of compute that ends in a collective. Per batch, the engine first
-broadcasts the batch shape (a pickled object) and the key mask [B, T], and rank 0 embeds the
+broadcasts the batch shape (an int64 [B, T]) and the key mask [B, T], and rank 0 embeds the
 tokens. Notation: M = B*T token rows, C hidden, F FFN width, H heads, D = C/H, L layers;
 GeMM [m,k]x[k,n] = 2mkn FLOPs; attention of m query rows on h heads against T keys = 4mThD,
 at the profile's attention speed for a call of that many FLOPs.
@@ -25,7 +25,7 @@ F32 = 4
 # need): row tiles of MR rows, weight panels of NR output columns.
 GEMM_ROW_TILE = 8
 GEMM_COL_PANEL = 32
-SHAPE_OBJ_BYTES = 64  # the pickled (B, T) the engine broadcasts before each batch
+SHAPE_BYTES = 16  # the int64 [B, T] the engine broadcasts before each batch (engine.Job._one_batch)
 # Memory a rank holds beyond its packed weights' own bytes, per byte of them: the heap keeps
 # what loading freed (each slice is read raw, packed into fresh panels, and the raw arrays
 # freed between panels that stay). Measured here on BERT-large's 10-of-16-heads slices: RSS
@@ -46,7 +46,7 @@ def with_overhead(memory: list[MemTerm]) -> list[MemTerm]:
 
 
 def _preamble(B: int, T: int) -> list[Phase]:
-    return [Phase((), Collective("bcast", None, SHAPE_OBJ_BYTES, "shape"), "batch shape"),
+    return [Phase((), Collective("bcast", None, SHAPE_BYTES, "shape"), "batch shape"),
             Phase((), Collective("bcast", None, F32 * B * T, "mask"), "key mask")]
 
 
