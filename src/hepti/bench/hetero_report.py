@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import io
+import statistics
 from pathlib import Path
 
 HEADLINE = ("emu-mixed4", "bert-base", 256)
@@ -71,7 +72,7 @@ def merge_rounds(runs: list[dict]) -> list[dict]:
         meds = sorted(r["median_latency_s"] for r in ok)
         mid = meds[(len(meds) - 1) // 2]
         pick = next(r for r in ok if r["median_latency_s"] == mid)
-        med = (meds[len(meds) // 2] + meds[(len(meds) - 1) // 2]) / 2
+        med = statistics.median(meds)
         pred = pick.get("predicted_latency_s")
         out.append({**pick, "median_latency_s": med,
                     "round_latency_s": [r["median_latency_s"] for r in ok],

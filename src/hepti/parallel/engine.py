@@ -169,7 +169,6 @@ class Job:
 
     def __init__(self, world, store, plan: Plan, threads: int = 1):
         from hepti.model.bert import Embeddings, load_kernels
-        from hepti.parallel.comm import Comm
         from hepti.parallel.layers import ResidentLayers, StreamingLayers
 
         self.world, self.store, self.plan = world, store, plan
@@ -182,11 +181,8 @@ class Job:
         reset_peak_rss()
         self.rss_before_load = current_rss()
         # one sub-communicator of the ranks that work (freed by close()); the others skip
-        # straight to the end
+        # straight to the end. `single`'s is rank 0 alone: a group of one, whose verbs return
         self.group = world.split(self.is_active)
-        if plan.strategy == "single" and self.group is not None:
-            self.group.close()
-            self.group = Comm(None, world.tracer) if rank == 0 else None
         self.layers = self.executor = None
         self.embeddings = None
         if not self.is_active:
