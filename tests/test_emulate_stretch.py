@@ -114,13 +114,16 @@ def test_off_outside_the_emulator():
 
 SHARES = (0.15, 0.3, 0.6)
 TOLERANCE = 0.10
-# A 0.1 ms phase is held to 1.5x, not 10%: on this VM the CPU such a phase takes is itself 1.0-1.5x
-# its back-to-back time, by how long the core idled before it (0.096 ms warm, 0.148 ms after
-# 0.6 ms asleep: the docstring of hepti.bench.slowdown), and a device slowed by sleeping idles
-# between phases by construction. The stretch charges the CPU the phase took; what it cannot do
-# is keep the caches as warm as a board that never sleeps. The quota alone ran these phases at
+# A 0.1 ms phase is judged against the matched hub reference (each hub phase one device cycle after
+# the last), at 25%: on this VM the CPU such a phase takes is itself 1.0-1.5x its back-to-back
+# time, by how long the core idled before it (0.096 ms warm, 0.148 ms after 0.6 ms asleep: the
+# docstring of hepti.bench.slowdown), and a device slowed by sleeping idles between phases by
+# construction, so against the back-to-back hub it reads 1.0-1.8 at share 0.15. The stretch charges
+# the CPU the phase took; what it cannot do is keep the caches as warm as a board that never
+# sleeps. Against the matched hub, 0.86-1.17 on a quiet host (2026-11-25); the sleep's own
+# overshoot (~50 us against 0.57 ms at 0.15) is part of that. The quota alone ran these phases at
 # 0.24-0.83 of their nominal time (results/slowdown.json); 1 ms phases at 0.29-0.56.
-SHORT_S, SHORT_TOLERANCE = 1e-4, 0.50
+SHORT_S, SHORT_TOLERANCE = 1e-4, 0.25
 
 
 OPT_IN = "HEPTI_SLOWDOWN_TEST"
@@ -128,10 +131,10 @@ OPT_IN = "HEPTI_SLOWDOWN_TEST"
 
 def test_uniform_slowdown(root_env, tmp_path):  # noqa: F811
     """Under `hepti emulate`, a device at share s runs GeMM phases of 1, 10 and 100 ms (sized on
-    an uncapped hub) in 1/s of the hub's time, within 10%, and phases of 0.1 ms within 50%
-    (SHORT_TOLERANCE), back to back and between waits (a sleep, an MPI exchange):
-    hepti.bench.slowdown, one launch per share, the median of 2 rounds per phase and way, each
-    against the hub's block right before it. About 8 minutes."""
+    an uncapped hub) in 1/s of the hub's time, within 10% of both hub references, and phases of
+    0.1 ms within 25% of the matched one (SHORT_TOLERANCE), back to back and between waits (a
+    sleep, an MPI exchange): hepti.bench.slowdown, one launch per share, the median of 2 rounds per
+    phase and way, each against the hub's block right before it. About 5 minutes."""
     if os.environ.get(OPT_IN) != "1":
         pytest.skip(f"takes 5 minutes of a quiet machine (two copies run at once by two suites "
                     f"failed each other); run it with {OPT_IN}=1 as root")
@@ -146,11 +149,15 @@ def test_uniform_slowdown(root_env, tmp_path):  # noqa: F811
     bad = []
     for share, row in table["stretch"].items():
         for name, ph in row["phases"].items():
-            tol = SHORT_TOLERANCE if name == f"{SHORT_S * 1e3:g}ms" else TOLERANCE
+            short = name == f"{SHORT_S * 1e3:g}ms"
+            tol = SHORT_TOLERANCE if short else TOLERANCE
+            refs = ("_matched",) if short else ("", "_matched")
             for way in slowdown.WAYS:
-                ratio = ph[f"{way}_median_ratio"]
-                if abs(ratio - 1.0) > tol:
-                    bad.append(f"share {share} {name} {way}: {ratio:.2f} (allowed {1 - tol:.2f}-{1 + tol:.2f})")
+                for ref in refs:
+                    ratio = ph[f"{way}_median_ratio{ref}"]
+                    if abs(ratio - 1.0) > tol:
+                        bad.append(f"share {share} {name} {way}{ref or ''}: {ratio:.2f} "
+                                   f"(allowed {1 - tol:.2f}-{1 + tol:.2f})")
     assert not bad, "not within its tolerance of 1/share of the uncapped time: " + "; ".join(bad)
     json.dumps(table)  # the summary stays JSON
 
