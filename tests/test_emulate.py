@@ -28,7 +28,7 @@ from hepti.emulate import stretch
 from hepti.emulate.cgroups import Cgroups, cpu_quota, procs_in
 from hepti.emulate.leftovers import cleanup, find_runs
 from hepti.emulate.names import RunNames
-from hepti.emulate.net import tbf_args
+from hepti.emulate.net import htb_args
 from hepti.emulate.spec import (ClusterSpec, EmulateError, SpecError, check_cpu_fits, load_spec,
                                 parse_mem, parse_spec)
 from hepti.emulate.state import current_device, read_state, write_state
@@ -112,13 +112,15 @@ def test_load_spec_errors(tmp_path):
 
 # -- mechanism pieces (pure) -------------------------------------------------------------------------
 
-def test_tbf_sized_for_payload_rate():
-    args = tbf_args(100)
-    rate_kbit = int(args[args.index("rate") + 1].removesuffix("kbit"))
-    assert rate_kbit == round(100_000 * 1514 / 1448)  # wire rate above the payload rate
-    assert int(args[args.index("burst") + 1]) == 96 << 10  # floor: one whole GSO packet
-    args = tbf_args(940)
-    assert int(args[args.index("burst") + 1]) == int(940e6 * 1514 / 1448 / 8 / 1000)  # 1 ms
+def test_shaper_sized_for_payload_rate():
+    a = htb_args(100)
+    assert int(a["rate"].removesuffix("kbit")) == round(100_000 * 1514 / 1448)  # wire above payload
+    assert int(a["burst"]) == int(100e6 * 1514 / 1448 / 8 / 1000)  # 1 ms: no 64 KiB of credit
+    assert int(a["limit"]) == 4 * (64 << 10)  # four whole GSO packets
+    a = htb_args(940)
+    assert int(a["burst"]) == int(940e6 * 1514 / 1448 / 8 / 1000)
+    assert int(a["limit"]) == int(940e6 * 1514 / 1448 / 8 * 0.020)  # 20 ms of traffic
+    assert int(htb_args(1)["burst"]) == 2 * 1514  # never under two frames
 
 
 def test_cpu_quota_short_period():
@@ -171,7 +173,7 @@ def test_dry_run_prints_plan(capsys):
                              dry_run=True)
     out = capsys.readouterr().out
     assert rc == 0
-    assert out.count("tbf rate") == 2 * 4  # both ends of each device's link
+    assert out.count("htb rate") == 2 * 4  # both ends of each device's link
     assert "ip netns add hepti-" in out and ("cfs_quota_us" in out or "cpu.max" in out)
     assert "HYDRA_LAUNCHER_EXEC=" in out and "MPIR_CVAR_NOLOCAL=1" in out
     assert "ip netns del" in out  # the teardown is shown too
@@ -498,9 +500,9 @@ def test_leftovers_detected_and_cleaned(root_env, tmp_path):
     assert f"hepti-{pid}-0" in left.netns and not left.alive
     # the schedule reached the kernel: the kept shaper and CPU quota have the new values
     names = RunNames(pid, 1)
-    qdisc = subprocess.run(["tc", "-n", names.netns(0), "qdisc", "show", "dev", "emu0"],
-                           capture_output=True, text=True).stdout
-    assert "rate 52279Kbit" in qdisc, qdisc  # 50 Mbit/s payload
+    shaper = subprocess.run(["tc", "-n", names.netns(0), "class", "show", "dev", "emu0"],
+                            capture_output=True, text=True).stdout
+    assert "rate 52279Kbit" in shaper, shaper  # 50 Mbit/s payload
     cg = Cgroups.detect()
     cpu_dir = f"{cg.cpu_base}/{names.cgroup_leaf(0)}"
     quota = (Path(cpu_dir, "cpu.max").read_text().split()[0] if cg.version == 2

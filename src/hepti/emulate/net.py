@@ -1,4 +1,4 @@
-"""The emulated network: one namespace per device on a private bridge, links shaped by `tc tbf`.
+"""The emulated network: one namespace per device on a private bridge, links shaped by `tc htb`.
 
 Topology (a star, like devices on one Ethernet switch):
 
@@ -6,29 +6,33 @@ Topology (a star, like devices on one Ethernet switch):
     namespace hepti-<pid>-<i>:                        emu0 10.213.0.(10+i) ┘   one per device
     namespace hepti-<pid>-head:                       emu0 10.213.0.1          mpiexec (unshaped)
 
-Each device's link is shaped in both directions with a token bucket filter on the egress of
-both veth ends: in the namespace (the device's upload) and on the bridge side (its download).
-`netem` is not in this kernel, so no delay is added: a link has the rate given and the
-latency of a veth (tens of microseconds).
+Each device's link is shaped in both directions on the egress of both veth ends: in the
+namespace (the device's upload) and on the bridge side (its download). `netem` is not in this
+kernel, so no delay is added: a link has the rate given and the latency of a veth (tens of
+microseconds).
 
-Sizing the bucket (measured here, MTU 1500, TCP with timestamps):
+Why HTB with a small bucket, not TBF (measured here, MTU 1500, TCP with timestamps):
+- A real link has no credit: after an idle spell the next message still takes its size over the
+  rate. A token bucket refills while the device computes and lets the next message's first
+  `burst` bytes through at veth speed.
+- TBF must hold a whole packet in its bucket, and TCP hands the qdisc GSO packets of up to
+  64 KiB. A smaller TBF bucket splits each into 1514-byte frames and re-arms its timer for every
+  frame: ~35,000 timer interrupts a second at 240 Mbit/s, 20-40 us each, charged to whichever
+  task runs on that CPU, so a capped rank next to a transfer lost most of its quota. So TBF's
+  bucket was max(1 ms, 96 KiB), and on emu-mixed4 the 100 Mbit/s device's Reduce_scatters of
+  ~169 KB took 6.4-10.2 ms against 13.5 at the rate; `proportional`, many such collectives
+  per layer, ran 24-30% faster than predicted (MiniLM at 128 tokens).
+- HTB sends a packet whenever its class has tokens left and then goes into debt for the rest,
+  so a GSO packet passes whole (one timer per packet, no splitting) with a bucket of 1 ms.
+  What a message can gain over a real link is that bucket plus its last packet's time on the
+  link. The same run: `proportional` 411 ms against 374 predicted, `even` 426 against 360
+  (under TBF 257 and 304), `auto` 57 against 59 (58); the profile fits 930, 930, 240 and
+  104 Mbit/s for links of 940, 940, 240 and 100.
 - tc counts Ethernet frames (1514 bytes) while TCP delivers 1448 payload bytes per frame, so the
   wire rate is set to link_mbit * 1514/1448 and a TCP stream (or an MPI transfer) measures
   link_mbit. Without the factor, 100 Mbit/s measured 95.5.
-- The bucket must hold about 1 ms of traffic at high rates: at 940 Mbit/s a 30 KB bucket
-  reached only 834, 80 KB reached 938.
-- The bucket must also hold one whole TCP segment: TCP hands the qdisc GSO packets of up to
-  64 KiB. With a 16 KiB floor, a 240 Mbit/s link (31 KB bucket) split each into 1514-byte frames
-  and re-armed its timer (qdisc_watchdog) for every frame, two tbfs per packet: ~35,000 timer
-  interrupts a second while a transfer ran, 20-40 us each. Their CPU time is charged to
-  whichever task runs on that CPU, so a capped rank computing next to a transfer lost most of
-  its quota (the offload primary at 240 Mbit/s took 19.6 ms for 3 ms of compute; perf counted
-  18,200 watchdog expiries of 23,000 timer expiries). A 96 KiB floor passes a GSO packet whole,
-  one timer per packet (350 expiries). It is also tc's own rule, burst >= rate / HZ.
-  So buckets are max(1 ms of traffic, 96 KiB). A message smaller than the bucket passes at veth
-  speed after an idle spell: up to 3.3 ms early at 240 Mbit/s, 7.9 ms at 100. Bulk rates (what
-  `hepti profile` fits, from its two largest messages) are unchanged.
-- The queue holds 20 ms of traffic; more adds queueing delay to small messages behind a bulk one.
+- The queue (a byte FIFO under the class) holds 20 ms of traffic, at least four GSO packets;
+  more adds queueing delay to small messages behind a bulk one.
 """
 from __future__ import annotations
 
@@ -43,25 +47,39 @@ from hepti.emulate.names import INNER_IFACE, PREFIX_LEN, RunNames
 from hepti.emulate.spec import ClusterSpec, EmulateError
 
 WIRE_PER_PAYLOAD = 1514 / 1448  # Ethernet frame bytes per TCP payload byte at MTU 1500
-BURST_S = 0.001
-MIN_BURST = 96 << 10  # see the module docstring: one whole 64 KiB GSO packet
-QUEUE_LATENCY_MS = 20
+BURST_S = 0.001  # the bucket: 1 ms of traffic ...
+MIN_BURST = 2 * 1514  # ... and at least two frames
+GSO_MAX = 64 << 10  # the largest packet TCP hands the qdisc
+QUEUE_S = 0.020  # the FIFO under the class: 20 ms of traffic ...
+MIN_QUEUE_PACKETS = 4  # ... and at least this many whole GSO packets
 CLONE_NEWNET = 0x40000000
 
 
-def tbf_args(link_mbit: float) -> list[str]:
-    """`tc qdisc ... tbf` parameters giving a TCP payload rate of link_mbit Mbit/s."""
+def htb_args(link_mbit: float) -> dict[str, str]:
+    """The shaper's settings for a TCP payload rate of link_mbit Mbit/s: the class's rate and
+    bucket (`burst`, `cburst`) and the FIFO's `limit`, in tc's units."""
     rate_bit = link_mbit * 1e6 * WIRE_PER_PAYLOAD
     burst = max(int(rate_bit / 8 * BURST_S), MIN_BURST)
-    return ["tbf", "rate", f"{round(rate_bit / 1000)}kbit", "burst", str(burst),
-            "latency", f"{QUEUE_LATENCY_MS}ms"]
+    limit = max(int(rate_bit / 8 * QUEUE_S), MIN_QUEUE_PACKETS * GSO_MAX)
+    return {"rate": f"{round(rate_bit / 1000)}kbit", "burst": str(burst), "limit": str(limit)}
+
+
+def _shaper(tc: list[str], dev: str, link_mbit: float) -> list[Action]:
+    """`replace` throughout, so the same actions set up a link and change its rate later."""
+    a = htb_args(link_mbit)
+    # quantum: only one class, so it does not matter; set, it keeps HTB from warning about r2q
+    return [cmd(*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"),
+            cmd(*tc, "class", "replace", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+                "rate", a["rate"], "ceil", a["rate"], "burst", a["burst"], "cburst", a["burst"],
+                "quantum", str(GSO_MAX)),
+            cmd(*tc, "qdisc", "replace", "dev", dev, "parent", "1:1", "handle", "10:", "bfifo",
+                "limit", a["limit"])]
 
 
 def shape_actions(names: RunNames, i: int, link_mbit: float) -> list[Action]:
     """Shape device i's link both ways (also used to change the rate while running)."""
-    tbf = tbf_args(link_mbit)
-    return [cmd("tc", "-n", names.netns(i), "qdisc", "replace", "dev", INNER_IFACE, "root", *tbf),
-            cmd("tc", "qdisc", "replace", "dev", names.veth(i), "root", *tbf)]
+    return (_shaper(["tc", "-n", names.netns(i)], INNER_IFACE, link_mbit)
+            + _shaper(["tc"], names.veth(i), link_mbit))
 
 
 def _node_actions(names: RunNames, netns: str, veth: str, address: str) -> list[Action]:
