@@ -125,6 +125,17 @@ def test_shaper_sized_for_payload_rate():
     assert int(htb_args(1)["burst"]) == 2 * 1514  # never under two frames
 
 
+def test_packets_are_at_most_1_ms_of_the_slowest_link():
+    from hepti.emulate.net import GSO_MAX, packet_bytes
+    assert packet_bytes(load_spec(HOSTFILES / "emu-mixed4.json")) == 12500  # 100 Mbit/s
+    assert packet_bytes(load_spec(HOSTFILES / "emu-pair-240-full.json")) == 30000
+    fast = parse_spec({"name": "f", "devices": [{"name": "a", "cpu": 1, "link_mbit": 10000}]})
+    assert packet_bytes(fast) == GSO_MAX  # never above TCP's own largest
+    slow = parse_spec({"name": "s", "devices": [{"name": "a", "cpu": 1, "link_mbit": 1000}],
+                       "schedule": [{"t": 1, "device": 0, "link_mbit": 1}]})
+    assert packet_bytes(slow) == 3 * 1448  # the schedule's slowest, but at least three frames
+
+
 def test_cpu_quota_short_period():
     assert cpu_quota(0.25) == (2500, 10000)
     assert cpu_quota(1.5) == (15000, 10000)
@@ -176,6 +187,7 @@ def test_dry_run_prints_plan(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert out.count("classid 1:1 htb rate") == 2 * 4  # both ends of each device's link
+    assert out.count("gso_max_size 12500") == 4  # 1 ms of the slowest link (100 Mbit/s), on each
     assert "ip netns add hepti-" in out and ("cfs_quota_us" in out or "cpu.max" in out)
     assert "HYDRA_LAUNCHER_EXEC=" in out and "MPIR_CVAR_NOLOCAL=1" in out
     assert "ip netns del" in out  # the teardown is shown too
