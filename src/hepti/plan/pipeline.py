@@ -18,9 +18,9 @@ import math
 
 from hepti.config import BertConfig
 from hepti.model.sizes import embedding_bytes, layer_bytes
-from hepti.plan.costmodel import ROOT, RankPrediction, Work
+from hepti.plan.costmodel import RankPrediction
 from hepti.plan.profile import Profile
-from hepti.plan.workloads import ALLOC_OVERHEAD, F32, _tensor_layer
+from hepti.plan.workloads import ALLOC_OVERHEAD, F32, embed_works, layer_works
 
 HEADER_BYTES = 256  # pickled (shape, key mask) header before each activation (plus the mask)
 
@@ -28,12 +28,12 @@ HEADER_BYTES = 256  # pickled (shape, key mask) header before each activation (p
 def _layer_seconds(cfg: BertConfig, B: int, T: int, profile: Profile) -> list[float]:
     """One whole layer's compute on each device (all heads, columns and rows)."""
     full = {"heads": cfg.num_attention_heads, "ffn": cfg.intermediate_size, "rows": B * T}
-    works = [w for p in _tensor_layer(cfg, B, T, last=False) for w in p.works]
+    works = layer_works(cfg, B, T)
     return [sum(w.seconds(dev, full[w.dim]) for w in works) for dev in profile.devices]
 
 
 def _embed_seconds(cfg: BertConfig, B: int, T: int, profile: Profile) -> float:
-    return Work("elementwise", ROOT, 4.0 * B * T * cfg.hidden_size).seconds(profile.devices[0], 1.0)
+    return sum(w.seconds(profile.devices[0], 1.0) for w in embed_works(cfg, B, T))
 
 
 def _transfer(profile: Profile, j: int, k: int, nbytes: float, header: float) -> float:
