@@ -61,9 +61,10 @@ def bert(cfg, B: int, T: int) -> Graph:
     layer = attn + [add_layernorm_op("add+ln 1", C, "attn_out", "x", "x1", ln1_w)] + ffn + [
         add_layernorm_op("add+ln 2", C, "ffn_out", "x1", "x", ln2_w)]
     weights = attn_w + ffn_w + [Weight(n, C) for n in ln1_w + ln2_w]
-    emb = [Weight("emb.word", cfg.vocab_size * C), Weight("emb.position", cfg.max_position_embeddings * C),
-           Weight("emb.token_type", cfg.type_vocab_size * C), Weight("emb.ln.gamma", C),
-           Weight("emb.ln.beta", C)]
+    emb = [Weight("emb.word", cfg.vocab_size * C),
+           Weight("emb.position", cfg.max_position_embeddings * C),
+           Weight("emb.token_type", cfg.type_vocab_size * C),
+           Weight("emb.ln.gamma", C), Weight("emb.ln.beta", C)]
     # gather three embedding rows, add, LayerNorm: about 4 passes over [M, C]
     embed = Op("embed", "embed", ("ids",), ("x",), (ON_PRIMARY,), per_row=4.0 * C,
                weights=tuple(w.name for w in emb))
@@ -83,5 +84,6 @@ def family_graph(cfg, B: int, T: int) -> Graph:
     try:
         build = FAMILIES[cfg.model_type]
     except KeyError:
-        raise ValueError(f"no graph for model_type {cfg.model_type!r}; known: {', '.join(FAMILIES)}") from None
+        raise ValueError(f"no graph for model_type {cfg.model_type!r}; "
+                         f"known: {', '.join(FAMILIES)}") from None
     return build(cfg, B, T)

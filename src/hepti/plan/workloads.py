@@ -161,7 +161,7 @@ def offload_chain_program(m: int, k: int, n: int, chain: int) -> Program:
     return Program("offload-chain", {"rows": m}, [], [], end, 0, memory)
 
 
-def program_for(strategy: str, cfg: BertConfig, B: int, T: int, window: int = 2) -> Program:
+def program_for(strategy: str, cfg, B: int, T: int, window: int = 2) -> Program:
     if strategy == "rows":
         return rows_program(cfg, B, T)
     if strategy in ("tensor", "even", "single"):
