@@ -110,7 +110,10 @@ class Comm:
                 buf = np.ascontiguousarray(a, dtype=dtype) if self.rank == root else np.empty(shape, dtype)
                 wait(self.mpi.Ibcast(buf, root=root))
         n = buf.nbytes
-        self.tracer.add_bytes("bcast", n * (self.size - 1) if self.rank == root else 0, 0 if self.rank == root else n)
+        if self.rank == root:
+            self.tracer.add_bytes("bcast", n * (self.size - 1), 0)
+        else:
+            self.tracer.add_bytes("bcast", 0, n)
         return buf
 
     def bcast_obj(self, obj, root: int = 0):

@@ -34,7 +34,7 @@ class Tracer:
         self.bytes_sent = 0
         self.bytes_recv = 0
         self.events: list[dict] = []
-        if getattr(self, "messages", None) is not None:
+        if self.messages is not None:
             self.messages = []
 
     def set_epoch(self):
