@@ -116,7 +116,9 @@ def test_shaper_sized_for_payload_rate():
     a = htb_args(100)
     assert int(a["rate"].removesuffix("kbit")) == round(100_000 * 1514 / 1448)  # wire above payload
     assert int(a["burst"]) == int(100e6 * 1514 / 1448 / 8 / 1000)  # 1 ms: no 64 KiB of credit
-    assert int(a["limit"]) == 4 * (64 << 10)  # four whole GSO packets
+    assert int(a["limit"]) == 1 << 20  # an incast of 786 KB fits
+    assert int(a["small"].removesuffix("kbit")) + int(a["bulk"].removesuffix("kbit")) == pytest.approx(
+        int(a["rate"].removesuffix("kbit")), abs=1)  # the two classes share the link's rate
     a = htb_args(940)
     assert int(a["burst"]) == int(940e6 * 1514 / 1448 / 8 / 1000)
     assert int(a["limit"]) == int(940e6 * 1514 / 1448 / 8 * 0.020)  # 20 ms of traffic
@@ -173,7 +175,7 @@ def test_dry_run_prints_plan(capsys):
                              dry_run=True)
     out = capsys.readouterr().out
     assert rc == 0
-    assert out.count("htb rate") == 2 * 4  # both ends of each device's link
+    assert out.count("classid 1:1 htb rate") == 2 * 4  # both ends of each device's link
     assert "ip netns add hepti-" in out and ("cfs_quota_us" in out or "cpu.max" in out)
     assert "HYDRA_LAUNCHER_EXEC=" in out and "MPIR_CVAR_NOLOCAL=1" in out
     assert "ip netns del" in out  # the teardown is shown too
