@@ -109,3 +109,20 @@ def test_unknown_family_and_strategy_are_refused():
         family_graph(type("C", (), {"model_type": "gpt2"})(), 1, 8)
     with pytest.raises(ValueError, match="no assignment for strategy 'zigzag'"):
         lower.assignment(family_graph(cfg, 1, 8), "zigzag")
+
+
+def test_schedule_runs_every_op_once_in_order_with_the_program_s_syncs():
+    """The rank schedule the executors are to run and the cost program are one list: its ops
+    in graph order, layer by layer, and its sync steps the program's collectives."""
+    cfg = preset_config("tiny-odd")
+    g = family_graph(cfg, 1, 16)
+    for strategy in ("rows", "tensor"):
+        assign = lower.assignment(g, strategy)
+        steps = lower.schedule(g, assign, g.n_layers)
+        ops = [(s.op.name, s.layer) for s in steps if s.kind == "op"]
+        assert ops == [(op.name, None) for op in g.prologue] + [
+            (op.name, i) for i in range(g.n_layers) for op in g.layer]
+        syncs = [(s.kind, s.tensor) for s in steps if s.kind != "op"]
+        program = [(p.collective.kind, p.collective.name)
+                   for p in lower.phases(g, assign, g.n_layers) if p.collective is not None]
+        assert [("bcast", "shape")] + syncs == program

@@ -7,6 +7,8 @@ between two sync points, ending in the collective. Nothing here knows a model fa
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hepti.graph.ir import (BY_COLS, BY_K, BY_ROWS, BY_UNIT, F32, FULL, ON_PRIMARY, PRIMARY, Graph,
                             Op, after, needs, produces, transition)
 from hepti.plan.costmodel import ACTIVE, ROOT, Collective, MemTerm, Phase, Stream, Work
@@ -93,13 +95,49 @@ def _load_works(graph: Graph, ops: list[tuple[Op, str]]) -> tuple[Work, ...]:
     return tuple(Work("load", u, b, name=f"load {u}") for u, b in per.items())
 
 
-def phases(graph: Graph, assign: dict[str, str], n_layers: int, stream: bool = False) -> list[Phase]:
-    """The whole inference's phases, layers unrolled: the engine's batch header, the inputs every
-    rank needs, then the work between sync points, each phase ending in its collective."""
-    out = [Phase((), Collective("bcast", None, SHAPE_BYTES, "shape"), "batch shape")]
-    out += [Phase((), _collective(graph, "bcast", t), t) for t in graph.inputs_everywhere]
+@dataclass(frozen=True)
+class Step:
+    """One entry of a rank's schedule: run `op` under `split` in `layer` (None outside the
+    layers), or sync: the collective `kind` on `tensor`."""
+
+    kind: str  # "op" | a collective: "bcast", "scatterv", "gatherv", "allgatherv", "reduce_scatter"
+    op: Op | None = None
+    split: str | None = None
+    layer: int | None = None
+    tensor: str | None = None
+
+
+def schedule(graph: Graph, assign: dict[str, str], n_layers: int) -> list[Step]:
+    """Every rank's schedule for one batch, layers unrolled: the inputs every rank needs, then
+    each operator, with a sync step wherever an input's layout is not the one it needs (the
+    collective `ir.transition` names), and at the end the output gathered on rank 0. The cost
+    program (`phases`) is cut from this same list."""
+    steps = [Step("bcast", tensor=t) for t in graph.inputs_everywhere]
     layout = {t: PRIMARY for t, ten in graph.tensors.items() if ten.kind == "input"}
     layout.update({t: FULL for t in graph.inputs_everywhere})
+    ops = ([(op, None) for op in graph.prologue]
+           + [(op, i) for i in range(n_layers) for op in graph.layer]
+           + [(op, None) for op in graph.epilogue])
+    for op, layer in ops:
+        split = assign[op.name]
+        for t, need in needs(op, split):
+            kind = transition(layout[t], need)
+            if kind is not None:
+                steps.append(Step(kind, tensor=t))
+            layout[t] = after(layout[t], need)
+        steps.append(Step("op", op, split, layer))
+        for t in op.outputs:
+            layout[t] = produces(op, split)
+    kind = transition(layout[graph.output], PRIMARY)
+    if kind is not None:
+        steps.append(Step(kind, tensor=graph.output))
+    return steps
+
+
+def phases(graph: Graph, assign: dict[str, str], n_layers: int, stream: bool = False) -> list[Phase]:
+    """The whole inference's phases, layers unrolled: the engine's batch header, then the
+    schedule cut at its sync steps, each phase the work before one, ending in its collective."""
+    out = [Phase((), Collective("bcast", None, SHAPE_BYTES, "shape"), "batch shape")]
     pending: list[tuple[Op, str]] = []
 
     def close(coll: Collective | None) -> None:
@@ -110,18 +148,13 @@ def phases(graph: Graph, assign: dict[str, str], n_layers: int, stream: bool = F
         out.append(Phase(works, coll, name))
         pending.clear()
 
-    for op in graph.prologue + graph.layer * n_layers + graph.epilogue:
-        split = assign[op.name]
-        for t, need in needs(op, split):
-            kind = transition(layout[t], need)
-            if kind is not None:
-                close(_collective(graph, kind, t))
-            layout[t] = after(layout[t], need)
-        pending.append((op, split))
-        for t in op.outputs:
-            layout[t] = produces(op, split)
-    kind = transition(layout[graph.output], PRIMARY)
-    close(_collective(graph, kind, graph.output) if kind else None)
+    for step in schedule(graph, assign, n_layers):
+        if step.kind == "op":
+            pending.append((step.op, step.split))
+        else:
+            close(_collective(graph, step.kind, step.tensor))
+    if pending:
+        close(None)
     return out
 
 
