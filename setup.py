@@ -21,6 +21,7 @@ setup(
         "scipy>=1.11",  # HiGHS LP/MILP for the partitioner
         "safetensors>=0.4",
         "tokenizers>=0.15",
+        "Pillow>=9.0",  # image files for vision models (hepti.images)
     ],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6"],

@@ -42,6 +42,16 @@ def test_equivalence_other_world_sizes(n, tiny_dir, minilm_dir):
     assert len(rows) == expected and all(r["ok"] for r in rows), rows
 
 
+def test_messages_equal_the_program_at_3_ranks(tiny_dir, minilm_dir):
+    """tests/mpi/agreement.py at 3 ranks: every strategy's verb calls (kind, bytes sent and
+    received per rank) equal its cost program's collectives."""
+    code, out, err, _ = launch(3, "-m", "mpi4py", ROOT / "tests/mpi/agreement.py",
+                               "--model", tiny_dir, "--model", minilm_dir)
+    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
+    assert len(rows) == 2 * 14 and all(r["ok"] for r in rows), rows  # 14 cases per model
+
+
 @pytest.fixture
 def ids_file(tmp_path):
     f = tmp_path / "ids.npz"

@@ -152,3 +152,47 @@ def test_tiny_configs_parse(folder):
     preset = RANDOM_PRESETS["tiny-odd"]
     assert {k: getattr(cfg, k) for k in preset} == preset
     assert cfg.max_position_embeddings == 64 and cfg.hidden_act == "gelu"
+
+
+# ---------------------------------------------------------------- ViT (make_vit_fixture.py)
+VIT_HIDDEN, VIT_FFN, VIT_LAYERS, VIT_TOKENS = 90, 150, 2, 1 + (32 // 8) ** 2  # CLS + 16 patches
+
+
+def test_vit_expected():
+    with np.load(FIXTURES / "vit_expected.npz", allow_pickle=False) as f:
+        d = dict(f)
+    assert d["pixels"].shape == (3, 3, 32, 32)
+    assert d["hidden"].shape == (3, VIT_TOKENS, VIT_HIDDEN)
+    for key in ("processed", "processed_shortest_edge", "processed_la"):
+        assert d[key].shape == (1, 3, 32, 32), key
+    assert all(v.dtype == np.float32 and np.isfinite(v).all() for v in d.values())
+    np.testing.assert_array_equal(d["cls"], d["hidden"][:, 0])
+    np.testing.assert_allclose(d["mean"], d["hidden"].mean(1), atol=1e-6)
+    assert np.abs(d["cls"][0] - d["cls"][1]).max() > 1e-2
+
+
+def test_vit_checkpoint_keys_and_shapes():
+    """transformers 5 calls these layers.N.attention.q_proj in memory but saves the hub's spelling."""
+    w = load_file(FIXTURES / "vit-tiny-odd" / "model.safetensors")
+    per_layer = {"attention.attention.query": (VIT_HIDDEN, VIT_HIDDEN),
+                 "attention.attention.key": (VIT_HIDDEN, VIT_HIDDEN),
+                 "attention.attention.value": (VIT_HIDDEN, VIT_HIDDEN),
+                 "attention.output.dense": (VIT_HIDDEN, VIT_HIDDEN),
+                 "intermediate.dense": (VIT_FFN, VIT_HIDDEN), "output.dense": (VIT_HIDDEN, VIT_FFN),
+                 "layernorm_before": (VIT_HIDDEN,), "layernorm_after": (VIT_HIDDEN,)}
+    want = {"embeddings.cls_token": (1, 1, VIT_HIDDEN),
+            "embeddings.position_embeddings": (1, VIT_TOKENS, VIT_HIDDEN),
+            "embeddings.patch_embeddings.projection.weight": (VIT_HIDDEN, 3, 8, 8),
+            "embeddings.patch_embeddings.projection.bias": (VIT_HIDDEN,),
+            "layernorm.weight": (VIT_HIDDEN,), "layernorm.bias": (VIT_HIDDEN,),
+            "pooler.dense.weight": (VIT_HIDDEN, VIT_HIDDEN), "pooler.dense.bias": (VIT_HIDDEN,)}
+    for i in range(VIT_LAYERS):
+        for name, shape in per_layer.items():
+            want[f"encoder.layer.{i}.{name}.weight"] = shape
+            want[f"encoder.layer.{i}.{name}.bias"] = shape[:1]
+    assert {k: v.shape for k, v in w.items()} == want
+    for k, v in w.items():  # random LayerNorms and biases, not HF's 1/0 init
+        if "layernorm" in k and k.endswith("weight"):
+            assert np.abs(v - 1).max() > 0.1, k
+        elif k.endswith("bias"):
+            assert np.abs(v).max() > 0.01, k

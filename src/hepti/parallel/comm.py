@@ -110,7 +110,10 @@ class Comm:
                 buf = np.ascontiguousarray(a, dtype=dtype) if self.rank == root else np.empty(shape, dtype)
                 wait(self.mpi.Ibcast(buf, root=root))
         n = buf.nbytes
-        self.tracer.add_bytes(n * (self.size - 1) if self.rank == root else 0, 0 if self.rank == root else n)
+        if self.rank == root:
+            self.tracer.add_bytes("bcast", n * (self.size - 1), 0)
+        else:
+            self.tracer.add_bytes("bcast", 0, n)
         return buf
 
     def bcast_obj(self, obj, root: int = 0):
@@ -146,7 +149,7 @@ class Comm:
                 if counts[r]:
                     wait(self.mpi.Irecv(out, source=root, tag=_TAG_SCATTER))
         sent = 4 * math.prod(tail) * (sum(counts) - counts[root]) if r == root else 0
-        self.tracer.add_bytes(sent, 0 if r == root else out.nbytes)
+        self.tracer.add_bytes("scatterv", sent, 0 if r == root else out.nbytes)
         return out
 
     # --- all to one ----------------------------------------------------------------------
@@ -176,9 +179,9 @@ class Comm:
                 out[o[r]:o[r] + counts[r]] = a
                 wait(reqs)
         if r != root:
-            self.tracer.add_bytes(a.nbytes, 0)
+            self.tracer.add_bytes("gatherv", a.nbytes, 0)
             return None
-        self.tracer.add_bytes(0, out.nbytes - a.nbytes)
+        self.tracer.add_bytes("gatherv", 0, out.nbytes - a.nbytes)
         return out
 
     # --- all to all ----------------------------------------------------------------------
@@ -211,7 +214,7 @@ class Comm:
                              for j in range(self.size) if j != r]
                 wait(reqs)
         mine_bytes = 4 * counts[r] * math.prod(shape[1:])
-        self.tracer.add_bytes(mine_bytes * (self.size - 1), 4 * math.prod(shape) - mine_bytes)
+        self.tracer.add_bytes("allgatherv", mine_bytes * (self.size - 1), 4 * math.prod(shape) - mine_bytes)
         return out
 
     def partial_buffer(self, shape: tuple) -> np.ndarray | None:
@@ -266,7 +269,7 @@ class Comm:
             for j in range(2, n):
                 out += got[j]
         mine_bytes = 4 * counts[r] * math.prod(partial.shape[1:])
-        self.tracer.add_bytes(4 * partial.size - mine_bytes, mine_bytes * (n - 1))
+        self.tracer.add_bytes("reduce_scatter", 4 * partial.size - mine_bytes, mine_bytes * (n - 1))
         return out
 
     def _peers(self, counts: list[int]) -> tuple[int, ...]:
@@ -279,7 +282,7 @@ class Comm:
         with self.tracer.span("Send", "send"):
             self.mpi.send((a.shape, meta), dest=dest, tag=tag)
             wait(self.mpi.Isend(np.ascontiguousarray(a, np.float32), dest=dest, tag=tag))
-        self.tracer.add_bytes(a.nbytes, 0)
+        self.tracer.add_bytes("send", a.nbytes, 0)
 
     def recv_array(self, source: int, tag: int = 0):
         """-> (array, meta) sent by send_array."""
@@ -287,7 +290,7 @@ class Comm:
             shape, meta = wait_obj(self.mpi.irecv(source=source, tag=tag))
             out = np.empty(shape, np.float32)
             wait(self.mpi.Irecv(out, source=source, tag=tag))
-        self.tracer.add_bytes(0, out.nbytes)
+        self.tracer.add_bytes("recv", 0, out.nbytes)
         return out, meta
 
     def send_known(self, a: np.ndarray, dest: int, tag: int = 0, name: str = "Send"):
@@ -295,7 +298,7 @@ class Comm:
         of a receive posted with `post_recv`."""
         with self.tracer.span(name, "send"):
             wait(self.mpi.Isend(np.ascontiguousarray(a, np.float32), dest=dest, tag=tag))
-        self.tracer.add_bytes(a.nbytes, 0)
+        self.tracer.add_bytes("send", a.nbytes, 0)
 
     def post_recv(self, buf: np.ndarray, source: int, tag: int = 0):
         """Post a receive into `buf` now (float32, of the shape the sender sends) and return its
@@ -306,7 +309,7 @@ class Comm:
         req, nbytes = handle
         with self.tracer.span(name, "recv"):
             wait(req)
-        self.tracer.add_bytes(0, nbytes)
+        self.tracer.add_bytes("recv", 0, nbytes)
 
     def barrier(self):
         if not self.solo:

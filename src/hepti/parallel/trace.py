@@ -20,9 +20,12 @@ from hepti.emulate import stretch as _stretch
 
 
 class Tracer:
-    def __init__(self, rank: int, record_events: bool = False):
+    def __init__(self, rank: int, record_events: bool = False, record_messages: bool = False):
         self.rank = rank
         self.record_events = record_events
+        # with record_messages: (verb kind, bytes sent, bytes received) of every verb call, in
+        # order (tests/mpi/agreement.py compares them with the planner's program)
+        self.messages: list[tuple[str, int, int]] | None = [] if record_messages else None
         self.epoch = time.perf_counter()
         self.reset()
 
@@ -31,6 +34,8 @@ class Tracer:
         self.bytes_sent = 0
         self.bytes_recv = 0
         self.events: list[dict] = []
+        if self.messages is not None:
+            self.messages = []
 
     def set_epoch(self):
         """Call right after a barrier on every rank."""
@@ -40,9 +45,12 @@ class Tracer:
         """`with tracer.span(...)`: time the block (see the module docstring)."""
         return _Span(self, name, cat, args)
 
-    def add_bytes(self, sent: int, recv: int):
+    def add_bytes(self, kind: str, sent: int, recv: int):
+        """What one verb call moved: `kind` is the collective ("allgatherv", ...) or "send"/"recv"."""
         self.bytes_sent += int(sent)
         self.bytes_recv += int(recv)
+        if self.messages is not None:
+            self.messages.append((kind, int(sent), int(recv)))
 
 
 class _Span:

@@ -250,6 +250,38 @@ def collective_times(coll: Collective, counts: dict[str, list[float]], active: l
     return out
 
 
+def rank_bytes(coll: Collective, counts: dict[str, list[float]], active: list[bool]
+               ) -> list[tuple[float, float]]:
+    """(bytes sent, bytes received) of each rank in `coll`: the data hepti.parallel.comm's verbs
+    hand over and take, which tests/mpi/agreement.py holds equal to what they record. For the
+    direct exchanges and Scatterv/Gatherv these are what the branch terms above charge; a Bcast
+    is MPI's own, so there the root's count is its data for every peer, not what its link
+    carries (the branch terms model MPICH's algorithm). A collective among fewer than two
+    active ranks moves nothing."""
+    N, n = len(active), sum(active)
+    if n <= 1:
+        return [(0.0, 0.0)] * N
+    c = [coll.unit_bytes * x for x in counts[coll.dim]] if coll.dim is not None else [0.0] * N
+    S = sum(c) if coll.dim is not None else coll.unit_bytes
+    out = []
+    for i in range(N):
+        if not active[i]:
+            out.append((0.0, 0.0))
+        elif coll.kind == "allgatherv":
+            out.append(((n - 1) * c[i], S - c[i]))
+        elif coll.kind == "reduce_scatter":
+            out.append((S - c[i], (n - 1) * c[i]))
+        elif coll.kind == "bcast":
+            out.append(((n - 1) * S, 0.0) if i == 0 else (0.0, S))
+        elif coll.kind == "scatterv":
+            out.append((S - c[0], 0.0) if i == 0 else (0.0, c[i]))
+        elif coll.kind == "gatherv":
+            out.append((0.0, S - c[0]) if i == 0 else (c[i], 0.0))
+        else:
+            raise ValueError(f"unknown collective kind {coll.kind!r}")
+    return out
+
+
 # --- evaluation ----------------------------------------------------------------------------
 
 def active_ranks(program: Program, counts: dict[str, list[float]], world_size: int) -> list[bool]:

@@ -18,9 +18,9 @@ import math
 
 from hepti.config import BertConfig
 from hepti.model.sizes import embedding_bytes, layer_bytes
-from hepti.plan.costmodel import ROOT, RankPrediction, Work
+from hepti.plan.costmodel import RankPrediction
 from hepti.plan.profile import Profile
-from hepti.plan.workloads import ALLOC_OVERHEAD, F32, _tensor_layer
+from hepti.plan.workloads import ALLOC_OVERHEAD, F32, embed_works, layer_works
 
 HEADER_BYTES = 256  # pickled (shape, key mask) header before each activation (plus the mask)
 
@@ -28,12 +28,12 @@ HEADER_BYTES = 256  # pickled (shape, key mask) header before each activation (p
 def _layer_seconds(cfg: BertConfig, B: int, T: int, profile: Profile) -> list[float]:
     """One whole layer's compute on each device (all heads, columns and rows)."""
     full = {"heads": cfg.num_attention_heads, "ffn": cfg.intermediate_size, "rows": B * T}
-    works = [w for p in _tensor_layer(cfg, B, T, last=False) for w in p.works]
+    works = layer_works(cfg, B, T)
     return [sum(w.seconds(dev, full[w.dim]) for w in works) for dev in profile.devices]
 
 
 def _embed_seconds(cfg: BertConfig, B: int, T: int, profile: Profile) -> float:
-    return Work("elementwise", ROOT, 4.0 * B * T * cfg.hidden_size).seconds(profile.devices[0], 1.0)
+    return sum(w.seconds(profile.devices[0], 1.0) for w in embed_works(cfg, B, T))
 
 
 def _transfer(profile: Profile, j: int, k: int, nbytes: float, header: float) -> float:
@@ -67,7 +67,7 @@ def pipeline_ranges(cfg: BertConfig, B: int, T: int, profile: Profile, caps: lis
     N, L = profile.world_size, cfg.num_hidden_layers
     lt = _layer_seconds(cfg, B, T, profile)
     emb = _embed_seconds(cfg, B, T, profile)
-    S = F32 * B * T * cfg.hidden_size
+    S = activation_bytes(cfg, B, T)
     head = HEADER_BYTES + F32 * B * T
     fits = [[sum(stage_memory(cfg, B, T, k, n).values()) <= caps[k] for n in range(L + 1)]
             for k in range(N)]
@@ -119,25 +119,40 @@ def pipeline_ranges(cfg: BertConfig, B: int, T: int, profile: Profile, caps: lis
     return out
 
 
+def activation_bytes(cfg: BertConfig, B: int, T: int) -> int:
+    """Bytes of the [M, C] hidden state each hop of `stage_hops` carries."""
+    return F32 * B * T * cfg.hidden_size
+
+
+def stage_hops(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The executor's messages of [M, C] activations for one batch, in order, as (from, to):
+    into each stage from the one before (rank 0 embeds, so the first comes from rank 0),
+    then from the last stage back to rank 0. Each but the return follows a header message
+    (HEADER_BYTES and the key mask)."""
+    stages = [k for k in range(len(ranges)) if ranges[k][1] > ranges[k][0] and k != 0]
+    hops, prev = [], 0
+    for k in stages:
+        hops.append((prev, k))
+        prev = k
+    if prev != 0:
+        hops.append((prev, 0))
+    return hops
+
+
 def pipeedge_bottleneck(cfg: BertConfig, B: int, T: int, profile: Profile,
                         ranges: list[tuple[int, int]]) -> float:
     """The dynamic program's objective for given ranges: the slowest stage period with each
     transfer charged to its receiver (and the return to rank 0 to the last stage)."""
     lt = _layer_seconds(cfg, B, T, profile)
-    S = F32 * B * T * cfg.hidden_size
+    S = activation_bytes(cfg, B, T)
     head = HEADER_BYTES + F32 * B * T
-    stages = [k for k in range(profile.world_size) if ranges[k][1] > ranges[k][0]]
-    periods = [_embed_seconds(cfg, B, T, profile) + (ranges[0][1] - ranges[0][0]) * lt[0]]
-    prev = 0
-    for k in stages:
-        if k == 0:
-            continue
-        p = _transfer(profile, prev, k, S, head) + (ranges[k][1] - ranges[k][0]) * lt[k]
-        if k == stages[-1]:
-            p += _transfer(profile, k, 0, S, 0)
-        periods.append(p)
-        prev = k
-    return max(periods)
+    periods = {0: _embed_seconds(cfg, B, T, profile) + (ranges[0][1] - ranges[0][0]) * lt[0]}
+    for j, k in stage_hops(ranges):
+        if k == 0:  # the return: the last stage's
+            periods[j] += _transfer(profile, j, k, S, 0)
+        else:
+            periods[k] = _transfer(profile, j, k, S, head) + (ranges[k][1] - ranges[k][0]) * lt[k]
+    return max(periods.values())
 
 
 def evaluate_pipeline(cfg: BertConfig, B: int, T: int, profile: Profile,
@@ -146,31 +161,23 @@ def evaluate_pipeline(cfg: BertConfig, B: int, T: int, profile: Profile,
     N = profile.world_size
     lt = _layer_seconds(cfg, B, T, profile)
     emb = _embed_seconds(cfg, B, T, profile)
-    S = F32 * B * T * cfg.hidden_size
+    S = activation_bytes(cfg, B, T)
     head = HEADER_BYTES + F32 * B * T
     stages = [k for k in range(N) if ranges[k][1] > ranges[k][0]]
     ranks = [RankPrediction(k, k == 0 or k in stages) for k in range(N)]
-    ranks[0].compute_s = emb
-    latency = emb
-    prev = 0
-    periods = {0: emb}
-    for k in stages:
-        tin = _transfer(profile, prev, k, S, head)
-        comp = (ranges[k][1] - ranges[k][0]) * lt[k]
-        latency += tin + comp
+    ranks[0].compute_s = emb + (ranges[0][1] - ranges[0][0]) * lt[0]
+    latency = ranks[0].compute_s
+    periods = {0: ranks[0].compute_s}
+    for j, k in stage_hops(ranges):
+        t = _transfer(profile, j, k, S, head if k != 0 else 0)
+        comp = (ranges[k][1] - ranges[k][0]) * lt[k] if k != 0 else 0.0
+        latency += t + comp
         ranks[k].compute_s += comp
-        if tin:
-            ranks[k].comm_s["recv"] = tin
-            ranks[prev].comm_s["send"] = ranks[prev].comm_s.get("send", 0.0) + tin
-        periods[prev] = periods.get(prev, 0.0) + tin
-        periods[k] = periods.get(k, 0.0) + tin + comp
-        prev = k
-    if prev != 0:
-        tout = _transfer(profile, prev, 0, S, 0)
-        latency += tout
-        ranks[prev].comm_s["send"] = ranks[prev].comm_s.get("send", 0.0) + tout
-        ranks[0].comm_s["recv"] = ranks[0].comm_s.get("recv", 0.0) + tout
-        periods[prev] += tout
+        ranks[k].comm_s["recv"] = ranks[k].comm_s.get("recv", 0.0) + t
+        ranks[j].comm_s["send"] = ranks[j].comm_s.get("send", 0.0) + t
+        periods[j] = periods.get(j, 0.0) + t
+        if k != 0:
+            periods[k] = periods.get(k, 0.0) + t + comp
     for k in range(N):
         if ranks[k].active:
             ranks[k].mem = stage_memory(cfg, B, T, k, ranges[k][1] - ranges[k][0])

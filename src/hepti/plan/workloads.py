@@ -1,31 +1,27 @@
-"""What each strategy does, as cost-model programs: BERT `rows`, `tensor`, `stream`, and the
-Hepti paper's chain of MatMuls (with blocking collectives, and as hepti.bench.offload runs it).
+"""What each strategy does, as cost-model programs: encoder `rows`, `tensor`, `stream` (lowered
+from the model's operator graph, hepti.graph), and the Hepti paper's chain of MatMuls (with
+blocking collectives, and as hepti.bench.offload runs it).
 
-Each program mirrors its executor in hepti.parallel (rows.py, tensor.py, engine.py) phase by
-phase: one Phase per stretch of compute that ends in a collective. Per batch, the engine first
-broadcasts the batch shape (an int64 [B, T]) and the key mask [B, T], and rank 0 embeds the
-tokens. Notation: M = B*T token rows, C hidden, F FFN width, H heads, D = C/H, L layers;
-GeMM [m,k]x[k,n] = 2mkn FLOPs; attention of m query rows on h heads against T keys = 4mThD,
-at the profile's attention speed for a call of that many FLOPs.
-The FFN's GeLU (and every bias) is fused into its GeMM's epilogue, so it has no Work of its own:
-the profiler's GeMM speed is measured on a layer's GeMMs with that epilogue.
+A strategy's phases, collectives and weight memory come from lowering its assignment of split
+choices on the model's graph (hepti.graph.lower): one Phase per stretch of compute that ends in
+a sync point, the same walk that places the executors' collectives. Notation: M = B*T token
+rows, C hidden, F FFN width, H heads, D = C/H, L layers; GeMM [m,k]x[k,n] = 2mkn FLOPs;
+attention of m query rows on h heads against T keys = 4mThD, at the profile's attention speed
+for a call of that many FLOPs. The FFN's GeLU (and every bias) is fused into its GeMM's
+epilogue, so it has no Work of its own: the profiler's GeMM speed is measured on a layer's
+GeMMs with that epilogue.
 
-Memory is an estimate of what the executors hold at their peak: weights (hepti.model.sizes, the
-numbers the runtime itself budgets with), activations and collective buffers.
+Memory is an estimate of what the executors hold at their peak: weights (from the graph: what
+each rank's split keeps of every layer), activations and collective buffers (written here per
+strategy, until they come from the graph's tensors live at each step).
 """
 from __future__ import annotations
 
-from hepti.config import BertConfig
-from hepti.model.sizes import embedding_bytes, layer_bytes
-from hepti.plan.costmodel import ACTIVE, ROOT, Collective, MemTerm, Phase, Program, Stream, Work
+from hepti.graph import lower
+from hepti.graph.encoder import family_graph
+from hepti.plan.costmodel import ACTIVE, ROOT, Collective, MemTerm, Phase, Program, Work
 
 F32 = 4
-# The GeMM kernel's blocks (hepti.kernels.config.MR and NR, which tests/test_plan.py checks;
-# not imported, since importing the kernels sets Numba up, which the planner does not
-# need): row tiles of MR rows, weight panels of NR output columns.
-GEMM_ROW_TILE = 8
-GEMM_COL_PANEL = 32
-SHAPE_BYTES = 16  # the int64 [B, T] the engine broadcasts before each batch (engine.Job._one_batch)
 # Memory a rank holds beyond its packed weights' own bytes, per byte of them: the heap keeps
 # what loading freed (each slice is read raw, packed into fresh panels, and the raw arrays
 # freed between panels that stay). Measured here on BERT-large's 10-of-16-heads slices: RSS
@@ -33,6 +29,7 @@ SHAPE_BYTES = 16  # the int64 [B, T] the engine broadcasts before each batch (en
 # bin/bench-hetero.sh runs peak RSS exceeded the plan's memory by about 12% of the weights. A
 # plan that filled a 1 GiB device to 99% of its free memory without this was OOM-killed.
 ALLOC_OVERHEAD = 0.13
+GEMM_ROW_TILE, GEMM_COL_PANEL, SHAPE_BYTES = lower.GEMM_ROW_TILE, lower.GEMM_COL_PANEL, lower.SHAPE_BYTES
 
 
 def with_overhead(memory: list[MemTerm]) -> list[MemTerm]:
@@ -45,79 +42,33 @@ def with_overhead(memory: list[MemTerm]) -> list[MemTerm]:
     return memory + extra
 
 
-def _preamble(B: int, T: int) -> list[Phase]:
-    return [Phase((), Collective("bcast", None, SHAPE_BYTES, "shape"), "batch shape"),
-            Phase((), Collective("bcast", None, F32 * B * T, "mask"), "key mask")]
+def _lowered(cfg, B: int, T: int, strategy: str, stream: bool = False) -> Program:
+    """The strategy's program from the graph, with the weights' memory and no other."""
+    g = family_graph(cfg, B, T)
+    assign = lower.assignment(g, strategy)
+    start, layer, end, repeat = lower.compress(g, assign, stream)
+    dims = lower.totals(g, assign)
+    return Program(strategy, dims, start, layer, end, repeat, lower.weight_memory(g, assign),
+                   integer_dims=tuple(u for u in g.whole_units if u in dims), n_layers=g.n_layers)
 
 
-def _embed(cfg: BertConfig, M: int) -> Work:
-    # gather three embedding rows, add, LayerNorm: about 4 passes over [M, C]
-    return Work("elementwise", ROOT, 4.0 * M * cfg.hidden_size, name="embed")
-
-
-def rows_program(cfg: BertConfig, B: int, T: int) -> Program:
+def rows_program(cfg, B: int, T: int) -> Program:
     """`rows`: weights replicated; each rank's r_i token rows; K/V rows Allgatherv'd per layer."""
-    C, F, L, M = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, B * T
-    tile = GEMM_ROW_TILE
-    qkv = Work("gemm", "rows", 2.0 * C * 3 * C, C, 1, "qkv", tile)  # [r,C]x[C,3C]
-    attn = Work("attention", "rows", 4.0 * T * C, size_per_unit=4.0 * T * C,
-                name="attention")  # r rows vs T keys; speed by the call's FLOPs
-    out = Work("gemm", "rows", 2.0 * C * C, C, 1, "o-proj", tile)
-    ln = Work("elementwise", "rows", 1.0 * C, name="add+ln")
-    up = Work("gemm", "rows", 2.0 * C * F, C, 1, "ffn up", tile)
-    down = Work("gemm", "rows", 2.0 * F * C, C, 1, "ffn down", tile)
-    kv = Collective("allgatherv", "rows", F32 * 2 * C, "K/V rows")
-    body = (attn, out, ln, up, down, ln)
-    start = _preamble(B, T) + [
-        Phase((_embed(cfg, M),), Collective("scatterv", "rows", F32 * C, "input rows"), "embed+scatter"),
-        Phase((qkv,), kv, "layer 0 qkv"),
-    ]
-    layer = [Phase(body + (qkv,), kv, "layer")]
-    end = [Phase(body, Collective("gatherv", "rows", F32 * C, "output rows"), "last layer")]
-    memory = [
-        MemTerm("weights", ACTIVE, float(layer_bytes(cfg)), per_layer=True),
-        MemTerm("weights", ROOT, float(embedding_bytes(cfg))),
+    C, F, M = cfg.hidden_size, cfg.intermediate_size, B * T
+    prog = _lowered(cfg, B, T, "rows")
+    prog.memory = with_overhead(prog.memory + [
         MemTerm("activations", ACTIVE, F32 * (2.0 * M * C + T * T + B * T)),  # all K/V, scores
         MemTerm("activations", "rows", F32 * (9.0 * C + F)),  # x, qkv, ctx, ffn hidden, outputs
         MemTerm("activations", ROOT, F32 * 4.0 * M * C),  # embedding temporaries, gathered output
         MemTerm("buffers", ACTIVE, F32 * 2.0 * M * C),  # Allgatherv temporaries
-    ]
-    memory = with_overhead(memory)
-    return Program("rows", {"rows": M}, start, layer, end, L - 1, memory, n_layers=L)
+    ])
+    return prog
 
 
-def _tensor_layer(cfg: BertConfig, B: int, T: int, last: bool) -> list[Phase]:
+def _tensor_activations(cfg, B: int, T: int) -> list[MemTerm]:
+    """What a `tensor` rank holds besides weights (`stream` too)."""
     C, D, M = cfg.hidden_size, cfg.head_dim, B * T
-    qkv = Work("gemm", "heads", 2.0 * M * C * 3 * D, min(M, C), 3 * D, "qkv")  # [M,C]x[C,3hD]
-    attn = Work("attention", "heads", 4.0 * M * T * D, size_per_unit=4.0 * M * T * D,
-                name="attention")  # speed by the call's FLOPs
-    out = Work("gemm", "heads", 2.0 * M * D * C, min(M, C), D, "o-proj")  # [M,hD]x[hD,C]
-    ln = Work("elementwise", "rows", 1.0 * C, name="add+ln")
-    up = Work("gemm", "ffn", 2.0 * M * C, min(M, C), 1, "ffn up", GEMM_COL_PANEL)  # [M,C]x[C,f]
-    down = Work("gemm", "ffn", 2.0 * M * C, min(M, C), 1, "ffn down")  # [M,f]x[f,C]
-    rs = Collective("reduce_scatter", "rows", F32 * C, "partial sums")
-    ag = Collective("allgatherv", "rows", F32 * C, "rows")
-    final = Collective("gatherv", "rows", F32 * C, "output rows") if last else ag
-    return [Phase((qkv, attn, out), rs, "attention"), Phase((ln,), ag, "add+ln 1"),
-            Phase((up, down), rs, "ffn"), Phase((ln,), final, "add+ln 2")]
-
-
-def _slice_bytes(cfg: BertConfig) -> dict[str, float]:
-    """Stored bytes of one layer's slice per head (Q, K, V, O rows + QKV bias) and per FFN
-    column (up and down rows + bias); plus 6 C whole vectors (hepti.model.sizes.layer_slice_bytes)."""
-    C, D = cfg.hidden_size, cfg.head_dim
-    return {"heads": F32 * (4.0 * D * C + 3 * D), "ffn": F32 * (2.0 * C + 1)}
-
-
-def _tensor_memory(cfg: BertConfig, B: int, T: int) -> list[MemTerm]:
-    """What a `tensor` rank holds, before `with_overhead` (`stream` holds a window instead)."""
-    C, D, M = cfg.hidden_size, cfg.head_dim, B * T
-    per = _slice_bytes(cfg)
     return [
-        MemTerm("weights", "heads", per["heads"], per_layer=True),
-        MemTerm("weights", "ffn", per["ffn"], per_layer=True),
-        MemTerm("weights", ACTIVE, F32 * 6.0 * C, per_layer=True),
-        MemTerm("weights", ROOT, float(embedding_bytes(cfg))),
         MemTerm("activations", ACTIVE, F32 * (4.0 * M * C + T * T + B * T)),  # x, partials, scores
         MemTerm("activations", "heads", F32 * 4.0 * M * D),  # qkv [M,3hD], ctx [M,hD]
         MemTerm("activations", "ffn", F32 * 1.0 * M),  # ffn hidden [M, f]
@@ -127,44 +78,47 @@ def _tensor_memory(cfg: BertConfig, B: int, T: int) -> list[MemTerm]:
     ]
 
 
-def tensor_program(cfg: BertConfig, B: int, T: int, name: str = "tensor") -> Program:
+def tensor_program(cfg, B: int, T: int, name: str = "tensor") -> Program:
     """`tensor` (also `even`, `single`): heads, FFN columns and token rows split by ratio."""
-    H, F, L, M = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers, B * T
-    start = _preamble(B, T) + [
-        Phase((_embed(cfg, M),), Collective("bcast", None, F32 * M * cfg.hidden_size, "input"),
-              "embed+bcast")]
-    return Program(name, {"heads": H, "ffn": F, "rows": M}, start,
-                   _tensor_layer(cfg, B, T, last=False), _tensor_layer(cfg, B, T, last=True),
-                   L - 1, with_overhead(_tensor_memory(cfg, B, T)), integer_dims=("heads",), n_layers=L)
+    prog = _lowered(cfg, B, T, name)
+    prog.memory = with_overhead(prog.memory + _tensor_activations(cfg, B, T))
+    return prog
 
 
-def stream_program(cfg: BertConfig, B: int, T: int, window: int) -> Program:
+def stream_program(cfg, B: int, T: int, window: int) -> Program:
     """`stream`: `tensor` with `window` layers of slices in RAM, the next read while computing.
     The `end` phases are the last layer, so the per-layer read bound applies to them too.
 
     Besides waiting for the disk (`Stream`, overlapped with compute when window >= 2), the
     prefetch thread spends CPU on every layer's slices (checksum, copy, pack: the profile's
     `weight_load_Bps`). That CPU is the rank's own, shared with its compute on a capped device,
-    so each layer's phases carry it as "load" Work: its heads' slices (Q, K, V, O rows and QKV
+    so each layer's phases carry it as "load" Work: the slices of the weights the phase's
+    operators use (hepti.graph.lower `_load_works`): its heads' slices (Q, K, V, O rows and QKV
     bias) in the attention phase, its FFN columns in the FFN phase, which is about when the
     prefetch thread makes them (it starts the next layer's slices, heads first, as a layer
     begins). The 6 C whole vectors per layer (18 KiB) are left out. On a device with a core to
     spare for the prefetch thread this over-counts; leave `weight_load_Bps` out there."""
-    per_unit = _slice_bytes(cfg)
-    prog = tensor_program(cfg, B, T, "stream")
+    prog = _lowered(cfg, B, T, "stream", stream=True)
+    g = family_graph(cfg, B, T)
     # A window's peak is set by the runtime's budget (window = budget // slice bytes) and stays
     # within it plus a constant (tests/mpi): no `with_overhead` for the whole model here.
-    prog.memory = _tensor_memory(cfg, B, T)
-    prog.stream = Stream(per_unit, F32 * 6.0 * cfg.hidden_size, window)
-    load = {"attention": Work("load", "heads", per_unit["heads"], name="load heads"),
-            "ffn": Work("load", "ffn", per_unit["ffn"], name="load ffn")}
-
-    def with_load(phases: list[Phase]) -> list[Phase]:
-        return [Phase(p.works + (load[p.name],), p.collective, p.name) if p.name in load else p
-                for p in phases]
-
-    prog.layer, prog.end = with_load(prog.layer), with_load(prog.end)
+    prog.memory = prog.memory + _tensor_activations(cfg, B, T)
+    prog.stream = lower.stream_reads(g, lower.assignment(g, "stream"), window)
     return prog
+
+
+def layer_works(cfg, B: int, T: int) -> list[Work]:
+    """One whole layer's work on one device (the `pipeline` baseline's stage compute)."""
+    g = family_graph(cfg, B, T)
+    assign = lower.assignment(g, "tensor")
+    return [lower.work(g, op, assign[op.name]) for op in g.layer]
+
+
+def embed_works(cfg, B: int, T: int) -> list[Work]:
+    """What rank 0 does before the first layer (the embeddings)."""
+    g = family_graph(cfg, B, T)
+    assign = lower.assignment(g, "tensor")
+    return [lower.work(g, op, assign[op.name]) for op in g.prologue]
 
 
 def _chain_parts(m: int, k: int, n: int, chain: int) -> tuple[tuple[Work, ...], list[MemTerm]]:
@@ -207,7 +161,7 @@ def offload_chain_program(m: int, k: int, n: int, chain: int) -> Program:
     return Program("offload-chain", {"rows": m}, [], [], end, 0, memory)
 
 
-def program_for(strategy: str, cfg: BertConfig, B: int, T: int, window: int = 2) -> Program:
+def program_for(strategy: str, cfg, B: int, T: int, window: int = 2) -> Program:
     if strategy == "rows":
         return rows_program(cfg, B, T)
     if strategy in ("tensor", "even", "single"):

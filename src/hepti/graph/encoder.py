@@ -1,0 +1,89 @@
+"""Transformer encoders as operator graphs, built from two shared pieces (attention, FFN).
+
+A family's builder says how its layer is put together from those pieces and what comes before
+and after the layers; the pieces say how each operator can be split. BERT: embeddings (on rank
+0), then post-LayerNorm layers (x = LN(x + Attn(x)); x = LN(x + MLP(x))).
+
+Weight names are the stored local names of hepti.weights.layout (`layer.{i}.<name>`).
+"""
+from __future__ import annotations
+
+from hepti.graph.ir import BY_COLS, BY_K, BY_ROWS, BY_UNIT, ON_PRIMARY, Graph, Op, Tensor, Weight
+
+
+def attention_ops(C: int, H: int, x: str, out: str) -> tuple[list[Op], list[Weight]]:
+    """qkv = x W_qkv + b (one GeMM: Q | K | V); ctx = attention(q, kv) on H heads; out = ctx W_o.
+    Split by token rows, or by whole heads: QKV column-wise, attention per head, the output
+    projection block-wise (its input rows are the heads' columns), leaving partial sums."""
+    D = C // H
+    weights = [Weight(f"attn.{w}.weight", C * C, "heads", D * C) for w in "qkv"]
+    weights += [Weight(f"attn.{w}.bias", C, "heads", D) for w in "qkv"]
+    weights += [Weight("attn.o.weight", C * C, "heads", D * C)]
+    ops = [
+        Op("qkv", "gemm", (x,), ("q", "kv"), (BY_ROWS, BY_COLS), k=C, n=3 * C, unit="heads",
+           unit_width=3 * D, weights=tuple(w.name for w in weights[:6]), block="attention"),
+        Op("attention", "attention", ("q", "kv"), ("ctx",), (BY_ROWS, BY_UNIT), k=D, heads=H,
+           unit="heads", block="attention"),
+        Op("o-proj", "gemm", ("ctx",), (out,), (BY_ROWS, BY_K), k=C, n=C, unit="heads", unit_width=D,
+           weights=("attn.o.weight",), block="attention"),
+    ]
+    return ops, weights
+
+
+def ffn_ops(C: int, F: int, x: str, out: str) -> tuple[list[Op], list[Weight]]:
+    """h = GeLU(x W_up + b_up); out = h W_down. Split by token rows, or by FFN columns: up
+    column-wise, down block-wise (partial sums)."""
+    weights = [Weight("ffn.up.weight", F * C, "ffn", C), Weight("ffn.up.bias", F, "ffn", 1),
+               Weight("ffn.down.weight", F * C, "ffn", C)]
+    ops = [
+        Op("ffn up", "gemm", (x,), ("h",), (BY_ROWS, BY_COLS), k=C, n=F, unit="ffn", unit_width=1,
+           weights=("ffn.up.weight", "ffn.up.bias"), block="ffn"),
+        Op("ffn down", "gemm", ("h",), (out,), (BY_ROWS, BY_K), k=F, n=C, unit="ffn", unit_width=1,
+           weights=("ffn.down.weight",), block="ffn"),
+    ]
+    return ops, weights
+
+
+def add_layernorm_op(name: str, C: int, total: str, residual: str, out: str,
+                     weights: tuple[str, ...]) -> Op:
+    """out = LayerNorm(total + bias + residual), on each rank's own rows."""
+    return Op(name, "elementwise", (total, residual), (out,), (BY_ROWS,), per_row=float(C),
+              weights=weights)
+
+
+def bert(cfg, B: int, T: int) -> Graph:
+    """A BERT-family encoder (hepti.config.BertConfig) for batches of B x T tokens."""
+    C, H, F = cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size
+    attn, attn_w = attention_ops(C, H, "x", "attn_out")
+    ffn, ffn_w = ffn_ops(C, F, "x1", "ffn_out")
+    ln1_w = ("attn.o.bias", "attn.ln.gamma", "attn.ln.beta")
+    ln2_w = ("ffn.down.bias", "ffn.ln.gamma", "ffn.ln.beta")
+    layer = attn + [add_layernorm_op("add+ln 1", C, "attn_out", "x", "x1", ln1_w)] + ffn + [
+        add_layernorm_op("add+ln 2", C, "ffn_out", "x1", "x", ln2_w)]
+    weights = attn_w + ffn_w + [Weight(n, C) for n in ln1_w + ln2_w]
+    emb = [Weight("emb.word", cfg.vocab_size * C),
+           Weight("emb.position", cfg.max_position_embeddings * C),
+           Weight("emb.token_type", cfg.type_vocab_size * C),
+           Weight("emb.ln.gamma", C), Weight("emb.ln.beta", C)]
+    # gather three embedding rows, add, LayerNorm: about 4 passes over [M, C]
+    embed = Op("embed", "embed", ("ids",), ("x",), (ON_PRIMARY,), per_row=4.0 * C,
+               weights=tuple(w.name for w in emb))
+    tensors = [Tensor("ids", 1, "input"), Tensor("mask", 1, "input"), Tensor("x", C),
+               Tensor("q", C), Tensor("kv", 2 * C), Tensor("ctx", C), Tensor("attn_out", C),
+               Tensor("x1", C), Tensor("h", F), Tensor("ffn_out", C)]
+    return Graph("bert", {t.name: t for t in tensors}, {w.name: w for w in weights + emb},
+                 [embed], layer, [], cfg.num_hidden_layers, {"heads": H, "ffn": F, "rows": B * T},
+                 seq_len=T, output="x", inputs_everywhere=("mask",), whole_units=("heads",))
+
+
+FAMILIES = {"bert": bert}
+
+
+def family_graph(cfg, B: int, T: int) -> Graph:
+    """The graph of the family `cfg.model_type` names, for batches of B x T tokens."""
+    try:
+        build = FAMILIES[cfg.model_type]
+    except KeyError:
+        raise ValueError(f"no graph for model_type {cfg.model_type!r}; "
+                         f"known: {', '.join(FAMILIES)}") from None
+    return build(cfg, B, T)

@@ -1,0 +1,218 @@
+"""Strategies as assignments of split choices, and lowering an assignment to the cost program.
+
+An assignment maps each operator to one of its splits. Walking the operators in order with
+each tensor's layout (hepti.graph.ir), every input whose layout is not what the operator needs
+becomes a sync point: the collective `ir.transition` names. A cost-program Phase is the work
+between two sync points, ending in the collective. Nothing here knows a model family.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hepti.graph.ir import (BY_COLS, BY_K, BY_ROWS, BY_UNIT, F32, FULL, ON_PRIMARY, PRIMARY, Graph,
+                            Op, after, needs, produces, transition)
+from hepti.plan.costmodel import ACTIVE, ROOT, Collective, MemTerm, Phase, Stream, Work
+
+# The GeMM kernel's blocks (hepti.kernels.config.MR and NR, which tests/test_plan.py checks;
+# not imported, since importing the kernels sets Numba up, which the planner does not
+# need): row tiles of MR rows, weight panels of NR output columns.
+GEMM_ROW_TILE = 8
+GEMM_COL_PANEL = 32
+SHAPE_BYTES = 16  # the int64 [B, T] the engine broadcasts before each batch (engine.Job._one_batch)
+
+ROWS_SPLITS = {"gemm": BY_ROWS, "attention": BY_ROWS, "elementwise": BY_ROWS, "embed": ON_PRIMARY}
+UNIT_SPLITS = {"gemm": None, "attention": BY_UNIT, "elementwise": BY_ROWS, "embed": ON_PRIMARY}
+
+
+def assignment(graph: Graph, strategy: str) -> dict[str, str]:
+    """Each operator's split under a strategy. `rows`: every operator on its token rows
+    (weights replicated). `tensor` (and `even`, `single`, `stream`, which differ in shares or in
+    where the weights live): GeMMs split by their unit, column-wise where they read a whole
+    input and block-wise (partial sums) where they read the split before's columns; attention
+    by heads; elementwise work on token rows."""
+    ops = graph.prologue + graph.layer + graph.epilogue
+    if strategy == "rows":
+        return {op.name: ROWS_SPLITS[op.kind] for op in ops}
+    if strategy in ("tensor", "even", "single", "stream"):
+        out = {}
+        for op in ops:
+            split = UNIT_SPLITS[op.kind]
+            if split is None:
+                split = BY_K if BY_K in op.splits and _reads_split_columns(graph, op, out) else BY_COLS
+            out[op.name] = split
+        return out
+    raise ValueError(f"no assignment for strategy {strategy!r}")
+
+
+def _reads_split_columns(graph: Graph, op: Op, done: dict[str, str]) -> bool:
+    made_by = {t: o for o in graph.prologue + graph.layer + graph.epilogue for t in o.outputs}
+    src = made_by.get(op.inputs[0])
+    return src is not None and done.get(src.name) in (BY_COLS, BY_UNIT)
+
+
+# --- cost ------------------------------------------------------------------------------------
+
+def work(graph: Graph, op: Op, split: str) -> Work:
+    """What `op` costs a rank under `split`, per unit of the dimension the rank's count is in."""
+    M, T = graph.units["rows"], graph.seq_len
+    if op.kind == "embed":
+        return Work("elementwise", ROOT, M * op.per_row, name=op.name)
+    if op.kind == "elementwise":
+        return Work("elementwise", "rows", op.per_row, name=op.name)
+    if op.kind == "attention":
+        per = 4.0 * T * op.k * op.heads if split == BY_ROWS else 4.0 * M * T * op.k
+        dim = "rows" if split == BY_ROWS else op.unit
+        return Work("attention", dim, per, size_per_unit=per, name=op.name)  # speed by call FLOPs
+    k, n = op.k, op.n
+    if split == BY_ROWS:  # [r, k] x [k, n]
+        return Work("gemm", "rows", 2.0 * k * n, min(k, n), 1, op.name, GEMM_ROW_TILE)
+    if split == BY_COLS:  # [M, k] x [k, u w]
+        w = op.unit_width
+        return Work("gemm", op.unit, 2.0 * M * k * w, min(M, k), w, op.name, max(1, GEMM_COL_PANEL // w))
+    if split == BY_K:  # [M, u w] x [u w, n]
+        w = op.unit_width
+        return Work("gemm", op.unit, 2.0 * M * w * n, min(M, n), w, op.name)
+    raise ValueError(f"{op.name}: no cost for split {split!r}")
+
+
+def _collective(graph: Graph, kind: str, tensor: str) -> Collective:
+    t = graph.tensors[tensor]
+    if kind == "bcast":
+        return Collective("bcast", None, float(graph.units["rows"] * t.row_bytes()), tensor)
+    return Collective(kind, "rows", float(t.row_bytes()), tensor)
+
+
+def _load_works(graph: Graph, ops: list[tuple[Op, str]]) -> tuple[Work, ...]:
+    """`stream`: the CPU of turning the phase's ops' stored slices into packed ones, one Work
+    per unit (hepti.plan.workloads' `stream_program` says why it sits in the phase)."""
+    per: dict[str, float] = {}
+    for op, split in ops:
+        if split in (BY_COLS, BY_K):
+            for w in op.weights:
+                wt = graph.weights[w]
+                if wt.split is not None:
+                    per[wt.split] = per.get(wt.split, 0.0) + F32 * wt.per_unit
+    return tuple(Work("load", u, b, name=f"load {u}") for u, b in per.items())
+
+
+@dataclass(frozen=True)
+class Step:
+    """One entry of a rank's schedule: run `op` under `split` in `layer` (None outside the
+    layers), or sync: the collective `kind` on `tensor`."""
+
+    kind: str  # "op" | a collective: "bcast", "scatterv", "gatherv", "allgatherv", "reduce_scatter"
+    op: Op | None = None
+    split: str | None = None
+    layer: int | None = None
+    tensor: str | None = None
+
+
+def schedule(graph: Graph, assign: dict[str, str], n_layers: int) -> list[Step]:
+    """Every rank's schedule for one batch, layers unrolled: the inputs every rank needs, then
+    each operator, with a sync step wherever an input's layout is not the one it needs (the
+    collective `ir.transition` names), and at the end the output gathered on rank 0. The cost
+    program (`phases`) is cut from this same list."""
+    steps = [Step("bcast", tensor=t) for t in graph.inputs_everywhere]
+    layout = {t: PRIMARY for t, ten in graph.tensors.items() if ten.kind == "input"}
+    layout.update({t: FULL for t in graph.inputs_everywhere})
+    ops = ([(op, None) for op in graph.prologue]
+           + [(op, i) for i in range(n_layers) for op in graph.layer]
+           + [(op, None) for op in graph.epilogue])
+    for op, layer in ops:
+        split = assign[op.name]
+        for t, need in needs(op, split):
+            kind = transition(layout[t], need)
+            if kind is not None:
+                steps.append(Step(kind, tensor=t))
+            layout[t] = after(layout[t], need)
+        steps.append(Step("op", op, split, layer))
+        for t in op.outputs:
+            layout[t] = produces(op, split)
+    kind = transition(layout[graph.output], PRIMARY)
+    if kind is not None:
+        steps.append(Step(kind, tensor=graph.output))
+    return steps
+
+
+def phases(graph: Graph, assign: dict[str, str], n_layers: int, stream: bool = False) -> list[Phase]:
+    """The whole inference's phases, layers unrolled: the engine's batch header, then the
+    schedule cut at its sync steps, each phase the work before one, ending in its collective."""
+    out = [Phase((), Collective("bcast", None, SHAPE_BYTES, "shape"), "batch shape")]
+    pending: list[tuple[Op, str]] = []
+
+    def close(coll: Collective | None) -> None:
+        works = tuple(work(graph, op, s) for op, s in pending)
+        if stream:
+            works += _load_works(graph, pending)
+        name = "+".join(dict.fromkeys(op.piece for op, _ in pending)) or coll.name
+        out.append(Phase(works, coll, name))
+        pending.clear()
+
+    for step in schedule(graph, assign, n_layers):
+        if step.kind == "op":
+            pending.append((step.op, step.split))
+        else:
+            close(_collective(graph, step.kind, step.tensor))
+    if pending:
+        close(None)
+    return out
+
+
+def compress(graph: Graph, assign: dict[str, str], stream: bool = False
+             ) -> tuple[list[Phase], list[Phase], list[Phase], int]:
+    """(start, layer, end, repeat): the unrolled phases with the layers' repeating part folded,
+    so that the LP has one set of constraints per distinct phase. The repeating block is found
+    on a lowering with two more layers (so that it shows at least twice), then checked."""
+    L = graph.n_layers
+    full = phases(graph, assign, L, stream)
+    more = phases(graph, assign, L + 2, stream)
+    p = len(phases(graph, assign, L + 1, stream)) - len(full)
+    for s in range(len(more) - 2 * p + 1):
+        block = more[s:s + p]
+        if p > 0 and more[s + p:s + 2 * p] == block:
+            start, end = full[:s], full[s + (L - 1) * p:]
+            if start + block * (L - 1) + end == full:
+                return start, block, end, L - 1
+            break
+    return full, [], [], 0
+
+
+def totals(graph: Graph, assign: dict[str, str]) -> dict[str, int]:
+    """The split dimensions the assignment uses (token rows, or an op's unit), with their counts."""
+    used = set()
+    for op in graph.prologue + graph.layer + graph.epilogue:
+        split = assign[op.name]
+        if split == BY_ROWS:
+            used.add("rows")
+        elif split in (BY_COLS, BY_K, BY_UNIT):
+            used.add(op.unit)
+    return {d: n for d, n in graph.units.items() if d in used}
+
+
+def weight_memory(graph: Graph, assign: dict[str, str]) -> list[MemTerm]:
+    """Weights a rank holds: per unit of its share for sliced weights, whole (every active
+    rank) for the rest, and the prologue's (the embeddings) on rank 0."""
+    sliced: dict[str, float] = {}
+    whole = 0.0
+    for op in graph.layer:
+        split = assign[op.name]
+        for w in op.weights:
+            wt = graph.weights[w]
+            if wt.split is not None and split in (BY_COLS, BY_K):
+                sliced[wt.split] = sliced.get(wt.split, 0.0) + F32 * wt.per_unit
+            else:
+                whole += wt.whole_bytes()
+    terms = [MemTerm("weights", u, b, per_layer=True) for u, b in sliced.items()]
+    terms.append(MemTerm("weights", ACTIVE, whole, per_layer=True))
+    root = sum(graph.weights[w].whole_bytes() for op in graph.prologue + graph.epilogue
+               if assign[op.name] == ON_PRIMARY for w in op.weights)
+    terms.append(MemTerm("weights", ROOT, float(root)))
+    return terms
+
+
+def stream_reads(graph: Graph, assign: dict[str, str], window: int) -> Stream:
+    """What `stream` reads per layer: each sliced weight's bytes per unit, the rest whole."""
+    terms = weight_memory(graph, assign)
+    per_unit = {t.dim: t.per_unit for t in terms if t.per_layer and t.dim != ACTIVE}
+    fixed = sum(t.per_unit for t in terms if t.per_layer and t.dim == ACTIVE)
+    return Stream(per_unit, fixed, window)

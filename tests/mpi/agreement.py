@@ -1,0 +1,114 @@
+"""What the executors send == what the planner's program says they send.
+
+For each strategy and ratio vector, one batch runs with every verb call recorded (kind, bytes
+sent, bytes received, per rank: hepti.parallel.trace `record_messages`), and the sequence is
+compared with the collectives of the program the planner evaluates for the same counts
+(hepti.plan.workloads.program_for, lowered from the model's graph), each rank's bytes by
+hepti.plan.costmodel.rank_bytes; for `pipeline`, with the hops PipeEdge's program charges
+(hepti.plan.pipeline.stage_hops). Equal, or the test fails: a change to either side alone shows.
+
+Used two ways, like equivalence.py:
+- by tests/mpi/test_agreement.py under `mpiexec -n 2 ... pytest`;
+- standalone for other world sizes (tests/test_distributed_launch.py launches it):
+  mpiexec -n N python -m mpi4py tests/mpi/agreement.py --model DIR [--model DIR ...]
+  prints one JSON line per case on rank 0 and exits 1 if any case disagrees.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from equivalence import RATIOS, inputs_for, make_plan  # noqa: E402
+from hepti.counts import counts as split_counts  # noqa: E402
+from hepti.parallel.comm import Comm  # noqa: E402
+from hepti.parallel.engine import run_plan  # noqa: E402
+from hepti.parallel.trace import Tracer  # noqa: E402
+from hepti.plan.costmodel import active_ranks, rank_bytes  # noqa: E402
+from hepti.plan.pipeline import activation_bytes, stage_hops  # noqa: E402
+from hepti.plan.workloads import program_for  # noqa: E402
+from hepti.weights import WeightStore  # noqa: E402
+
+STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
+
+
+def cases(world: int):
+    for strategy in STRATEGIES:
+        for rname, vec in RATIOS[world].items():
+            if strategy in ("single", "even") and rname != "even":
+                continue  # these ignore the ratio vector
+            yield strategy, rname, vec
+
+
+def predicted(model_dir, strategy: str, plan, B: int, T: int, rank: int) -> list[tuple[str, int, int]]:
+    """This rank's (kind, sent, received) for every collective of the program, in order; for
+    `pipeline`, its sends and receives of the hidden state (hepti.plan.pipeline.stage_hops)."""
+    cfg = WeightStore(model_dir).config
+    if strategy == "pipeline":
+        S = activation_bytes(cfg, B, T)
+        return [("send", S, 0) if j == rank else ("recv", 0, S)
+                for j, k in stage_hops([tuple(r) for r in plan.layers]) if rank in (j, k)]
+    prog = program_for(strategy, cfg, B, T)
+    N = plan.world_size
+    cnt = {d: [float(x) for x in split_counts(total, plan.ratios[d])] for d, total in prog.totals.items()}
+    active = active_ranks(prog, cnt, N)
+    if not active[rank] or sum(active) < 2:
+        return []
+    out = []
+    for phase in prog.start + prog.layer * prog.repeat + prog.end:  # in the order they run
+        if phase.collective is not None:
+            sent, recv = rank_bytes(phase.collective, cnt, active)[rank]
+            out.append((phase.collective.kind, int(sent), int(recv)))
+    return out
+
+
+def traced(model_dir, plan, world_mpi) -> list[tuple[str, int, int]]:
+    """This rank's verb calls during one batch of the fixture inputs."""
+    tracer = Tracer(world_mpi.Get_rank(), record_messages=True)
+    world = Comm(world_mpi, tracer)
+    batches = inputs_for(model_dir)
+    run_plan(model_dir, plan, batches, world=world)
+    return list(tracer.messages)
+
+
+def check_case(model_dir, strategy: str, vec, world_mpi) -> tuple[bool, str]:
+    cfg = WeightStore(model_dir).config
+    n, rank = world_mpi.Get_size(), world_mpi.Get_rank()
+    plan = make_plan(strategy, vec, cfg, n)
+    b = inputs_for(model_dir)[0]
+    B, T = b.ids.shape
+    got = traced(model_dir, plan, world_mpi)
+    want = predicted(model_dir, strategy, plan, B, T, rank)
+    if got == want:
+        return True, f"{len(got)} verb calls agree"
+    first = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+    return False, (f"{len(got)} traced, {len(want)} in the program; first difference at call {first}: "
+                   f"traced {got[first] if first < len(got) else None}, "
+                   f"program {want[first] if first < len(want) else None}")
+
+
+def main(argv=None) -> int:
+    from mpi4py import MPI
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", action="append", required=True)
+    args = ap.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    bad = 0
+    for d in args.model:
+        for strategy, rname, vec in cases(comm.Get_size()):
+            ok, msg = check_case(d, strategy, vec, comm)
+            results = comm.gather((ok, msg), root=0)
+            if comm.Get_rank() == 0:
+                good = all(o for o, _ in results)
+                bad += not good
+                print(json.dumps({"model": Path(d).name, "world": comm.Get_size(), "strategy": strategy,
+                                  "ratios": rname, "ok": good,
+                                  "ranks": [m for _, m in results]}), flush=True)
+    bad = comm.bcast(bad)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

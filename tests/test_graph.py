@@ -1,0 +1,128 @@
+"""hepti.graph: layouts, sync points, and the cost program lowered from an assignment.
+
+What the executors send is checked against the lowered program under MPI
+(tests/mpi/test_agreement.py); here the lowering itself, on the graph alone.
+"""
+from __future__ import annotations
+
+import pytest
+
+from hepti.config import RANDOM_PRESETS, BertConfig, preset_config
+from hepti.graph import ir, lower
+from hepti.graph.encoder import family_graph
+from hepti.model.sizes import embedding_bytes, layer_slice_bytes
+
+CONFIGS = [preset_config(n) for n in RANDOM_PRESETS] + [
+    BertConfig.from_dict({"model_type": "bert", "vocab_size": 10, "hidden_size": 64,
+                          "num_hidden_layers": L, "num_attention_heads": 4, "intermediate_size": 96})
+    for L in (1, 2)]
+
+
+def test_transitions_name_the_collective_and_refuse_what_none_does():
+    assert ir.transition(ir.ROWS, ir.FULL) == "allgatherv"
+    assert ir.transition(ir.PARTIAL, ir.ROWS) == "reduce_scatter"
+    assert ir.transition(ir.PRIMARY, ir.FULL) == "bcast"
+    assert ir.transition(ir.PRIMARY, ir.ROWS) == "scatterv"
+    assert ir.transition(ir.ROWS, ir.PRIMARY) == "gatherv"
+    assert ir.transition(ir.FULL, ir.ROWS) is None and ir.transition(ir.FULL, ir.PRIMARY) is None
+    with pytest.raises(ValueError, match="no collective turns a partial tensor into a local"):
+        ir.transition(ir.PARTIAL, ir.LOCAL)
+
+
+def _syncs(phases):
+    return [(p.collective.kind, p.collective.name) for p in phases if p.collective is not None]
+
+
+def test_sync_points_follow_from_layouts():
+    """The messages per layer a reader of the executors counts: `rows` one Allgatherv of K/V;
+    `tensor` two Reduce_scatters and two Allgathervs of [M, C]; the last layer gathers its rows
+    on rank 0."""
+    cfg = preset_config("tiny-odd")  # 3 layers
+    g = family_graph(cfg, 1, 16)
+    start, layer, end, repeat = lower.compress(g, lower.assignment(g, "rows"))
+    assert repeat == 2
+    assert _syncs(start) == [("bcast", "shape"), ("bcast", "mask"), ("scatterv", "x"), ("allgatherv", "kv")]
+    assert _syncs(layer) == [("allgatherv", "kv")]
+    assert _syncs(end) == [("gatherv", "x")]
+    start, layer, end, repeat = lower.compress(g, lower.assignment(g, "tensor"))
+    assert _syncs(start) == [("bcast", "shape"), ("bcast", "mask"), ("bcast", "x")]
+    assert _syncs(layer) == [("reduce_scatter", "attn_out"), ("allgatherv", "x1"),
+                             ("reduce_scatter", "ffn_out"), ("allgatherv", "x")]
+    assert _syncs(end) == [("reduce_scatter", "attn_out"), ("allgatherv", "x1"),
+                           ("reduce_scatter", "ffn_out"), ("gatherv", "x")]
+    assert [p.name for p in layer] == ["attention", "add+ln 1", "ffn", "add+ln 2"]
+    assert [w.name for w in layer[0].works] == ["qkv", "attention", "o-proj"]
+
+
+@pytest.mark.parametrize("strategy", ["rows", "tensor", "stream"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.name or 'L'}{c.num_hidden_layers}")
+def test_folded_program_unrolls_to_the_whole_inference(cfg, strategy):
+    g = family_graph(cfg, 2, 8)
+    assign = lower.assignment(g, strategy)
+    start, layer, end, repeat = lower.compress(g, assign, stream=strategy == "stream")
+    assert repeat == cfg.num_hidden_layers - 1 and layer  # the LP sees each layer phase once
+    assert start + layer * repeat + end == lower.phases(g, assign, cfg.num_hidden_layers,
+                                                        stream=strategy == "stream")
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.name or 'L'}{c.num_hidden_layers}")
+def test_weight_memory_matches_the_runtime_slice_sizes(cfg):
+    """Per-unit weight bytes from the graph's weights, against hepti.model.sizes' formula (which
+    the runtime budgets with) for a few shares."""
+    g = family_graph(cfg, 1, 8)
+    terms = lower.weight_memory(g, lower.assignment(g, "tensor"))
+    per = {t.dim: t.per_unit for t in terms}
+    for h, f in ((1, 1), (cfg.num_attention_heads, cfg.intermediate_size), (2, 37)):
+        assert per["heads"] * h + per["ffn"] * f + per["active"] == layer_slice_bytes(cfg, h, f)
+    assert per["root"] == embedding_bytes(cfg)
+    whole = {t.dim: t.per_unit for t in lower.weight_memory(g, lower.assignment(g, "rows"))}
+    assert whole["active"] == layer_slice_bytes(cfg, cfg.num_attention_heads, cfg.intermediate_size)
+
+
+def test_flops_of_a_split_add_up_to_the_whole():
+    """Every split of a GeMM does the whole GeMM's FLOPs between the ranks: [M,k]x[k,n] = 2Mkn."""
+    cfg = preset_config("bert-base")
+    g = family_graph(cfg, 1, 128)
+    M = g.units["rows"]
+    for op in g.layer:
+        if op.kind != "gemm":
+            continue
+        whole = 2.0 * M * op.k * op.n
+        for split in op.splits:
+            w = lower.work(g, op, split)
+            assert w.per_unit * g.units[w.dim] == pytest.approx(whole), (op.name, split)
+
+
+def test_stream_loads_each_slice_in_the_phase_that_uses_it():
+    cfg = preset_config("tiny-odd")
+    g = family_graph(cfg, 1, 16)
+    _, layer, _, _ = lower.compress(g, lower.assignment(g, "stream"), stream=True)
+    loads = {p.name: [(w.dim, w.per_unit) for w in p.works if w.kind == "load"] for p in layer}
+    C, D = cfg.hidden_size, cfg.head_dim
+    assert loads == {"attention": [("heads", 4 * (4 * D * C + 3 * D))], "add+ln 1": [],
+                     "ffn": [("ffn", 4 * (2 * C + 1))], "add+ln 2": []}
+
+
+def test_unknown_family_and_strategy_are_refused():
+    cfg = preset_config("tiny-odd")
+    with pytest.raises(ValueError, match="no graph for model_type 'gpt2'"):
+        family_graph(type("C", (), {"model_type": "gpt2"})(), 1, 8)
+    with pytest.raises(ValueError, match="no assignment for strategy 'zigzag'"):
+        lower.assignment(family_graph(cfg, 1, 8), "zigzag")
+
+
+def test_schedule_runs_every_op_once_in_order_with_the_program_s_syncs():
+    """The rank schedule the executors are to run and the cost program are one list: its ops
+    in graph order, layer by layer, and its sync steps the program's collectives."""
+    cfg = preset_config("tiny-odd")
+    g = family_graph(cfg, 1, 16)
+    for strategy in ("rows", "tensor"):
+        assign = lower.assignment(g, strategy)
+        steps = lower.schedule(g, assign, g.n_layers)
+        ops = [(s.op.name, s.layer) for s in steps if s.kind == "op"]
+        assert ops == [(op.name, None) for op in g.prologue] + [
+            (op.name, i) for i in range(g.n_layers) for op in g.layer]
+        syncs = [(s.kind, s.tensor) for s in steps if s.kind != "op"]
+        program = [(p.collective.kind, p.collective.name)
+                   for p in lower.phases(g, assign, g.n_layers) if p.collective is not None]
+        assert [("bcast", "shape")] + syncs == program
