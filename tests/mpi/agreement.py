@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from equivalence import RATIOS, inputs_for, make_plan  # noqa: E402
+from equivalence import cases, inputs_for, make_plan  # noqa: E402  (every strategy and ratio vector)
 from hepti.counts import counts as split_counts  # noqa: E402
 from hepti.parallel.comm import Comm  # noqa: E402
 from hepti.parallel.engine import run_plan  # noqa: E402
@@ -30,17 +30,6 @@ from hepti.plan.costmodel import active_ranks, rank_bytes  # noqa: E402
 from hepti.plan.pipeline import activation_bytes, stage_hops  # noqa: E402
 from hepti.plan.workloads import program_for  # noqa: E402
 from hepti.weights import WeightStore  # noqa: E402
-
-STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
-
-
-def cases(world: int):
-    for strategy in STRATEGIES:
-        for rname, vec in RATIOS[world].items():
-            if strategy in ("single", "even") and rname != "even":
-                continue  # these ignore the ratio vector
-            yield strategy, rname, vec
-
 
 def predicted(model_dir, strategy: str, plan, B: int, T: int, rank: int) -> list[tuple[str, int, int]]:
     """This rank's (kind, sent, received) for every collective of the program, in order; for
