@@ -1,9 +1,11 @@
-"""Strategies as assignments of split choices, and lowering an assignment to the cost program.
+"""Strategies as assignments of split choices, and lowering an assignment to a rank schedule
+and to the cost program.
 
 An assignment maps each operator to one of its splits. Walking the operators in order with
 each tensor's layout (hepti.graph.ir), every input whose layout is not what the operator needs
-becomes a sync point: the collective `ir.transition` names. A cost-program Phase is the work
-between two sync points, ending in the collective. Nothing here knows a model family.
+becomes a sync point: the collective `ir.transition` names (`schedule`). A cost-program Phase
+is the work between two sync points, ending in the collective (`phases`, folded by `compress`).
+Nothing here knows a model family.
 """
 from __future__ import annotations
 
