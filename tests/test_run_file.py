@@ -165,7 +165,11 @@ def test_mem_budget_must_be_positive(tiny_dir, tmp_path, budget):
 
 def _interrupt(cmd, partial: Path, timeout=120):
     """Start cmd, wait until the partial output holds a batch, send SIGINT; (rc, stderr)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    # Ctrl-C as a terminal delivers it: with SIGINT's default action. A suite started in the
+    # background (`bin/test &`) inherits SIGINT ignored, and so would the child, which would
+    # then run to the end (a fresh-clone run did: exit 0)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         t_end = time.monotonic() + timeout
         while not (partial.exists() and partial.stat().st_size > 4096) and time.monotonic() < t_end:
