@@ -22,7 +22,6 @@ LOCAL = "local"  # rank i holds its own columns (a column split's output), for t
 PRIMARY = "primary"  # rank 0 alone holds it
 
 # Split choices an operator may support:
-REPLICATE = "replicate"  # every active rank does all of it (not used by a strategy yet)
 BY_ROWS = "rows"  # each rank its token rows; weights whole on every rank
 BY_COLS = "cols"  # each rank its output columns, in units of `Op.unit` (heads or FFN columns)
 BY_K = "k"  # each rank its block of the reduction dimension: the output is a partial sum
@@ -68,10 +67,6 @@ class Op:
     of the split dimension's elements one unit is (a head's D columns of each of Q, K, V: 3D).
     """
 
-    @property
-    def piece(self) -> str:
-        return self.block or self.name
-
     name: str
     kind: str
     inputs: tuple[str, ...]
@@ -85,6 +80,10 @@ class Op:
     unit: str | None = None
     unit_width: int = 1
     block: str = ""  # the piece it belongs to ("attention", "ffn"); phases are named by blocks
+
+    @property
+    def piece(self) -> str:
+        return self.block or self.name
 
 
 @dataclass
@@ -108,9 +107,6 @@ class Graph:
     inputs_everywhere: tuple[str, ...] = ()  # sent to every rank before the first op (the mask)
     whole_units: tuple[str, ...] = ()  # units that cannot be cut ("heads")
 
-    def layer_weights(self) -> list[Weight]:
-        return [self.weights[w] for op in self.layer for w in op.weights]
-
 
 # --- layouts: what a split needs and makes ----------------------------------------------------
 
@@ -119,10 +115,10 @@ def needs(op: Op, split: str) -> list[tuple[str, str]]:
     ROWS (a rank takes its own rows) and PRIMARY."""
     if split == ON_PRIMARY:
         return [(t, PRIMARY) for t in op.inputs]
-    if split in (BY_ROWS, REPLICATE):
+    if split == BY_ROWS:
         if op.kind == "attention":  # own query rows against every key and value
-            return [(op.inputs[0], ROWS if split == BY_ROWS else FULL), (op.inputs[1], FULL)]
-        return [(t, ROWS if split == BY_ROWS else FULL) for t in op.inputs]
+            return [(op.inputs[0], ROWS), (op.inputs[1], FULL)]
+        return [(t, ROWS) for t in op.inputs]
     if split == BY_COLS:  # all rows of the input, own columns of the output
         return [(t, FULL) for t in op.inputs]
     if split in (BY_K, BY_UNIT):  # own columns of the input, as the split before made them
@@ -131,8 +127,7 @@ def needs(op: Op, split: str) -> list[tuple[str, str]]:
 
 
 def produces(op: Op, split: str) -> str:
-    return {ON_PRIMARY: PRIMARY, BY_ROWS: ROWS, REPLICATE: FULL, BY_COLS: LOCAL, BY_K: PARTIAL,
-            BY_UNIT: LOCAL}[split]
+    return {ON_PRIMARY: PRIMARY, BY_ROWS: ROWS, BY_COLS: LOCAL, BY_K: PARTIAL, BY_UNIT: LOCAL}[split]
 
 
 def satisfies(have: str, need: str) -> bool:

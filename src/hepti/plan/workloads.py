@@ -42,14 +42,18 @@ def with_overhead(memory: list[MemTerm]) -> list[MemTerm]:
     return memory + extra
 
 
-def _lowered(cfg, B: int, T: int, strategy: str, stream: bool = False) -> Program:
-    """The strategy's program from the graph, with the weights' memory and no other."""
+def _lowered(cfg, B: int, T: int, strategy: str, window: int | None = None) -> Program:
+    """The strategy's program from the graph, with the weights' memory and no other; with a
+    `window`, `stream`'s: loads in the phases and the per-layer reads."""
     g = family_graph(cfg, B, T)
     assign = lower.assignment(g, strategy)
-    start, layer, end, repeat = lower.compress(g, assign, stream)
+    start, layer, end, repeat = lower.compress(g, assign, stream=window is not None)
     dims = lower.totals(g, assign)
-    return Program(strategy, dims, start, layer, end, repeat, lower.weight_memory(g, assign),
+    prog = Program(strategy, dims, start, layer, end, repeat, lower.weight_memory(g, assign),
                    integer_dims=tuple(u for u in g.whole_units if u in dims), n_layers=g.n_layers)
+    if window is not None:
+        prog.stream = lower.stream_reads(g, assign, window)
+    return prog
 
 
 def rows_program(cfg, B: int, T: int) -> Program:
@@ -98,12 +102,10 @@ def stream_program(cfg, B: int, T: int, window: int) -> Program:
     prefetch thread makes them (it starts the next layer's slices, heads first, as a layer
     begins). The 6 C whole vectors per layer (18 KiB) are left out. On a device with a core to
     spare for the prefetch thread this over-counts; leave `weight_load_Bps` out there."""
-    prog = _lowered(cfg, B, T, "stream", stream=True)
-    g = family_graph(cfg, B, T)
+    prog = _lowered(cfg, B, T, "stream", window)
     # A window's peak is set by the runtime's budget (window = budget // slice bytes) and stays
     # within it plus a constant (tests/mpi): no `with_overhead` for the whole model here.
     prog.memory = prog.memory + _tensor_activations(cfg, B, T)
-    prog.stream = lower.stream_reads(g, lower.assignment(g, "stream"), window)
     return prog
 
 
