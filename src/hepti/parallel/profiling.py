@@ -148,21 +148,21 @@ def measure_layer(config: BertConfig, batch: int, seq_len: int, threads: int = 1
     def layer_fn(m: int):
         x = rng.standard_normal((m, C), dtype=np.float32)
         turn = [0]
-        spent = attention_s[m] = []  # (attention, whole layer) seconds of each call but the first
+        spent = attention_s[m] = []  # (attention, whole layer) CPU seconds of each call but the first
 
         def layer():
             qkv_w, o, up, down = layers[turn[0] % copies]
             turn[0] += 1
-            start = time.perf_counter()
+            start = time.process_time()
             qkv = K.gemm(x, qkv_w, bias=b3, threads=threads)
             kv[:m] = qkv[:, C:]
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             ctx = K.attention_qkv(qkv, mask, H, kv=kv, threads=threads)
-            t1 = time.perf_counter()
+            t1 = time.process_time()
             K.gemm(ctx, o, threads=threads)
             K.ffn(x, up, bf, down, threads=threads)  # as LayerShard.ffn_partial runs the MLP
             if turn[0] > 1:
-                spent.append((t1 - t0, time.perf_counter() - start))
+                spent.append((t1 - t0, time.process_time() - start))
         return layer
 
     sizes = gemm_sizes(config, M)
@@ -174,6 +174,12 @@ def measure_layer(config: BertConfig, batch: int, seq_len: int, threads: int = 1
         # its own time is too short for the quota, while the windows get the share right
         # (`timing_window`); subtracting an unthrottled attention from a throttled layer made
         # the GeMMs of capped devices look slow (emu-starved predicted 15% slow).
+        # The part is a part of the calls' CPU time (process_time), not of their wall time: a
+        # capped process is throttled in whole periods, which land mostly in the long GeMMs, so
+        # by the wall clock a 1 ms attention was a fifth of its true part. A 0.15-core device
+        # profiled attention at 34 GFLOP/s, 4.5x its share of the 50 uncapped (a 0.6-core one
+        # at 47-55), and `even` on emu-pair-940-quarter ran 20% over its prediction, all of it
+        # in the attention phase of the 0.15-core rank (52 ms against 44 per layer).
         part = statistics.median(a / t for a, t in attention_s[m])
         att = part * seconds[m]
         gemm.append([float(min(m, C)), 2.0 * m * C * (3 * C + C + 2 * F) / max(seconds[m] - att, 1e-9)])
