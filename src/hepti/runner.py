@@ -1,10 +1,10 @@
 """`hepti run`: check every input, then one pass over the batches, each pooled and written as
 it completes; time the pass that runs anyway.
 
-The engine is the single-device `BertEncoder` or, under mpiexec, a distributed `Job` from
-hepti.parallel.engine. Both have `run_all(batches, n, on_output)`, which calls on_output(k,
-hidden [B, T, C]) on the primary rank as batch k completes, so the primary holds a batch or
-two, never the whole input's hidden states. The pieces here (`prepare`, `Feed`, `Sink`,
+The engine is the single-device `BertEncoder` (the interpreter on one process) or, under
+mpiexec, a distributed `Job` from hepti.parallel.engine. Both have `run_all(batches, n,
+on_output)`, which calls on_output(k, hidden [B, T, C]) on the primary rank as batch k
+completes, so the primary holds a batch or two, never the whole input's hidden states. The pieces here (`prepare`, `Feed`, `Sink`,
 `run_passes`, `finish`) are shared by both paths.
 
 Timing: pass 1 is the real job (it writes the output) and is timed; its forward time is its

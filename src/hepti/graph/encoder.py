@@ -21,11 +21,12 @@ def attention_ops(C: int, H: int, x: str, out: str) -> tuple[list[Op], list[Weig
     weights += [Weight("attn.o.weight", C * C, "heads", D * C)]
     ops = [
         Op("qkv", "gemm", (x,), ("q", "kv"), (BY_ROWS, BY_COLS), k=C, n=3 * C, unit="heads",
-           unit_width=3 * D, weights=tuple(w.name for w in weights[:6]), block="attention"),
+           unit_width=3 * D, weights=tuple(w.name for w in weights[:6]), block="attention",
+           matrices=tuple(w.name for w in weights[:3]), bias=tuple(w.name for w in weights[3:6])),
         Op("attention", "attention", ("q", "kv"), ("ctx",), (BY_ROWS, BY_UNIT), k=D, heads=H,
            unit="heads", block="attention"),
         Op("o-proj", "gemm", ("ctx",), (out,), (BY_ROWS, BY_K), k=C, n=C, unit="heads", unit_width=D,
-           weights=("attn.o.weight",), block="attention"),
+           weights=("attn.o.weight",), block="attention", matrices=("attn.o.weight",)),
     ]
     return ops, weights
 
@@ -37,18 +38,20 @@ def ffn_ops(C: int, F: int, x: str, out: str) -> tuple[list[Op], list[Weight]]:
                Weight("ffn.down.weight", F * C, "ffn", C)]
     ops = [
         Op("ffn up", "gemm", (x,), ("h",), (BY_ROWS, BY_COLS), k=C, n=F, unit="ffn", unit_width=1,
-           weights=("ffn.up.weight", "ffn.up.bias"), block="ffn"),
+           weights=("ffn.up.weight", "ffn.up.bias"), block="ffn", matrices=("ffn.up.weight",),
+           bias=("ffn.up.bias",), act="gelu"),
         Op("ffn down", "gemm", ("h",), (out,), (BY_ROWS, BY_K), k=F, n=C, unit="ffn", unit_width=1,
-           weights=("ffn.down.weight",), block="ffn"),
+           weights=("ffn.down.weight",), block="ffn", matrices=("ffn.down.weight",)),
     ]
     return ops, weights
 
 
 def add_layernorm_op(name: str, C: int, total: str, residual: str, out: str,
-                     weights: tuple[str, ...]) -> Op:
-    """out = LayerNorm(total + bias + residual), on each rank's own rows."""
+                     weights: tuple[str, ...], eps: float) -> Op:
+    """out = LayerNorm(total + bias + residual), on each rank's own rows; weights (bias,
+    gamma, beta)."""
     return Op(name, "elementwise", (total, residual), (out,), (BY_ROWS,), per_row=float(C),
-              weights=weights)
+              weights=weights, fn="add_ln", eps=eps)
 
 
 def bert(cfg, B: int, T: int) -> Graph:
@@ -58,8 +61,9 @@ def bert(cfg, B: int, T: int) -> Graph:
     ffn, ffn_w = ffn_ops(C, F, "x1", "ffn_out")
     ln1_w = ("attn.o.bias", "attn.ln.gamma", "attn.ln.beta")
     ln2_w = ("ffn.down.bias", "ffn.ln.gamma", "ffn.ln.beta")
-    layer = attn + [add_layernorm_op("add+ln 1", C, "attn_out", "x", "x1", ln1_w)] + ffn + [
-        add_layernorm_op("add+ln 2", C, "ffn_out", "x1", "x", ln2_w)]
+    eps = cfg.layer_norm_eps
+    layer = attn + [add_layernorm_op("add+ln 1", C, "attn_out", "x", "x1", ln1_w, eps)] + ffn + [
+        add_layernorm_op("add+ln 2", C, "ffn_out", "x1", "x", ln2_w, eps)]
     weights = attn_w + ffn_w + [Weight(n, C) for n in ln1_w + ln2_w]
     emb = [Weight("emb.word", cfg.vocab_size * C),
            Weight("emb.position", cfg.max_position_embeddings * C),

@@ -59,10 +59,17 @@ class Weight:
 class Op:
     """One kernel call's work on token rows.
 
-    kind "gemm": [m, k] x [k, n] (+ bias, + GeLU: fused, no cost of their own), m token rows.
+    kind "gemm": [m, k] x [k, n] (+ bias, + GeLU: fused, no cost of their own), m token rows;
+    its stored `matrices` (side by side along n, each stored with the dimension a rank slices
+    as axis 0: [n, k] for a column split, [k, n] for a block-wise one: hepti.weights.layout),
+    `bias` (its pieces, side by side) and `act` ("gelu" or ""). Several outputs are its
+    columns, side by side, in proportion to their widths (Q | K V).
     kind "attention": softmax(q k^T) v for `heads` heads of width `k` against `T` keys;
-    inputs (q, kv). kind "elementwise": `per_row` elements of work per token row (bias +
-    residual + LayerNorm: one pass); kind "embed": `per_row` elements per row, on rank 0.
+    inputs (q, kv), q the first columns of a fused QKV GeMM's output.
+    kind "elementwise": `per_row` elements of work per token row, one pass; `fn` says which:
+    "add_ln" is LayerNorm(total + bias + residual) over inputs (total, residual) with weights
+    (bias, gamma, beta) and `eps`. kind "embed": `per_row` elements per row, on rank 0, done by
+    the family's own code (the runtime is handed it).
     `unit` names what a cols, k or unit split counts ("heads", "ffn"); `unit_width` how many
     of the split dimension's elements one unit is (a head's D columns of each of Q, K, V: 3D).
     """
@@ -80,6 +87,11 @@ class Op:
     unit: str | None = None
     unit_width: int = 1
     block: str = ""  # the piece it belongs to ("attention", "ffn"); phases are named by blocks
+    matrices: tuple[str, ...] = ()  # gemm: stored weight matrices, side by side along n
+    bias: tuple[str, ...] = ()  # gemm: bias pieces, side by side
+    act: str = ""  # gemm: "gelu" after the bias
+    fn: str = ""  # elementwise: "add_ln"
+    eps: float = 0.0  # elementwise: LayerNorm's epsilon
 
     @property
     def piece(self) -> str:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hepti.graph.ir import (BY_COLS, BY_K, BY_ROWS, BY_UNIT, F32, FULL, ON_PRIMARY, PRIMARY, Graph,
-                            Op, after, needs, produces, transition)
+from hepti.graph.ir import (BY_COLS, BY_K, BY_ROWS, BY_UNIT, F32, FULL, ON_PRIMARY, PRIMARY, ROWS,
+                            Graph, Op, after, needs, produces, transition)
 from hepti.plan.costmodel import ACTIVE, ROOT, Collective, MemTerm, Phase, Stream, Work
 
 # The GeMM kernel's blocks (hepti.kernels.config.MR and NR, which tests/test_plan.py checks;
@@ -107,6 +107,7 @@ class Step:
     split: str | None = None
     layer: int | None = None
     tensor: str | None = None
+    own_rows: tuple[str, ...] = ()  # inputs held whole (FULL) of which the op takes its rank's rows
 
 
 def schedule(graph: Graph, assign: dict[str, str], n_layers: int) -> list[Step]:
@@ -122,12 +123,15 @@ def schedule(graph: Graph, assign: dict[str, str], n_layers: int) -> list[Step]:
            + [(op, None) for op in graph.epilogue])
     for op, layer in ops:
         split = assign[op.name]
+        own = []
         for t, need in needs(op, split):
             kind = transition(layout[t], need)
             if kind is not None:
                 steps.append(Step(kind, tensor=t))
+            elif layout[t] == FULL and need == ROWS:
+                own.append(t)
             layout[t] = after(layout[t], need)
-        steps.append(Step("op", op, split, layer))
+        steps.append(Step("op", op, split, layer, own_rows=tuple(own)))
         for t in op.outputs:
             layout[t] = produces(op, split)
     kind = transition(layout[graph.output], PRIMARY)

@@ -169,7 +169,7 @@ class Job:
 
     def __init__(self, world, store, plan: Plan, threads: int = 1):
         from hepti.model.bert import Embeddings, load_kernels
-        from hepti.parallel.layers import ResidentLayers, StreamingLayers
+        from hepti.parallel.layers import ResidentLayers, StreamingLayers, slice_packer
 
         self.world, self.store, self.plan = world, store, plan
         cfg = self.cfg = store.config
@@ -192,36 +192,54 @@ class Job:
                 "emb.word", "emb.position", "emb.token_type", "emb.ln.gamma", "emb.ln.beta")})
         H, F, L = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers
         s = plan.strategy
-        if s == "pipeline":
-            from hepti.parallel.pipeline import PipelineExecutor
-            a, b = plan.layers[rank]
-            self.layers = ResidentLayers(store, L, (0, H), (0, F), layers=range(a, b))
-            self.executor = PipelineExecutor(world, cfg, self.layers, self.embeddings,
-                                             [tuple(x) for x in plan.layers], threads)
+        from hepti.graph import lower
+        from hepti.graph.encoder import family_graph
+        from hepti.parallel.interpreter import Interpreter
+        graph = family_graph(cfg, 1, 1)  # the schedule does not depend on the batch's shape
+        pack = slice_packer(graph)
+        if s == "pipeline":  # each stage its layers whole, on a group of itself alone
+            from hepti.parallel.comm import Comm
+            from hepti.parallel.pipeline import PipelineExecutor, stage_steps
+            ranges = [tuple(x) for x in plan.layers]
+            a, b = ranges[rank]
+            self.layers = ResidentLayers(store, L, (0, H), (0, F), pack, layers=range(a, b))
+            stage = None
+            if b > a:
+                last = rank == max(r for r, (x, y) in enumerate(ranges) if y > x)
+                steps = stage_steps(lower.schedule(graph, lower.assignment(graph, "single"), L),
+                                    a, b, last)
+                stage = Interpreter(Comm(None, tracer=world.tracer), graph, steps, self.layers, {},
+                                    [1.0], {"heads": [H], "ffn": [F]}, threads)
+            self.executor = PipelineExecutor(world, stage, ranges)
             return
         if s in ("rows", "single"):
-            from hepti.parallel.rows import RowsExecutor
-            from hepti.parallel.tensor import TensorExecutor
-            self.layers = ResidentLayers(store, L, (0, H), (0, F))
-            # `rows` on one active rank is the single-device forward: run it as `single` does.
-            # RowsExecutor would copy K/V and attend through separate Q/K/V views for nothing,
-            # 3-5% slower at half a core (emu-mixed4, MiniLM, where `auto` leaves rank 0 alone)
+            # `rows` on one active rank is the single-device forward: run it as `single` does,
+            # by heads and columns of one rank (attention on the QKV output in place; `rows`
+            # would gather K/V into a copy and attend through it, 3-5% slower at half a core:
+            # emu-mixed4, MiniLM, where `auto` leaves rank 0 alone)
             split = s == "rows" and len(self.active) > 1
-            ratios = sub_ratios(plan, self.active) if split else {d: [1.0] for d in DIMS}
-            cls = RowsExecutor if split else TensorExecutor
-            self.executor = cls(self.group, cfg, self.layers, self.embeddings, ratios, threads)
-            return
-        c = _counts_of(plan, cfg)
-        ho, fo = offsets(c["heads"]), offsets(c["ffn"])
-        heads = (ho[rank], ho[rank] + c["heads"][rank])
-        ffn = (fo[rank], fo[rank] + c["ffn"][rank])
-        if s == "stream":
-            self.layers = StreamingLayers(store, L, heads, ffn, stream_window(plan, cfg, rank))
+            rows = sub_ratios(plan, self.active)["rows"] if split else [1.0]
+            units = {"heads": [H] * len(rows), "ffn": [F] * len(rows)}
+            assign = lower.assignment(graph, "rows" if split else "single")
+            self.layers = ResidentLayers(store, L, (0, H), (0, F), pack)
         else:
-            self.layers = ResidentLayers(store, L, heads, ffn)
-        from hepti.parallel.tensor import TensorExecutor
-        self.executor = TensorExecutor(self.group, cfg, self.layers, self.embeddings,
-                                       sub_ratios(plan, self.active), threads)
+            c = _counts_of(plan, cfg)
+            ho, fo = offsets(c["heads"]), offsets(c["ffn"])
+            heads = (ho[rank], ho[rank] + c["heads"][rank])
+            ffn = (fo[rank], fo[rank] + c["ffn"][rank])
+            if s == "stream":
+                self.layers = StreamingLayers(store, L, heads, ffn, pack, stream_window(plan, cfg, rank))
+            else:
+                self.layers = ResidentLayers(store, L, heads, ffn, pack)
+            rows = sub_ratios(plan, self.active)["rows"]
+            units = {u: [c[u][r] for r in self.active] for u in ("heads", "ffn")}
+            assign = lower.assignment(graph, "tensor")
+        self.executor = Interpreter(self.group, graph, lower.schedule(graph, assign, L), self.layers,
+                                    {"embed": self._embed}, rows, units, threads)
+
+    def _embed(self, b):
+        """The graph's "embed" operator, on rank 0 (the interpreter traces it)."""
+        return self.embeddings(b.ids, b.token_type)  # [M, C]
 
     def run_all(self, batches, n: int, on_output=None) -> None:
         """Run n batches, in order. `batches` is an iterable on the primary (ignored elsewhere);
@@ -260,18 +278,13 @@ class Job:
         self.executor.forward_many(inputs(), n, done)
 
     def _one_batch(self, b):
-        """One batch through the executor: the shapes and the key mask first (every rank needs
-        them), the embedding on the primary. Returns hidden [B, T, C] on the primary."""
+        """One batch through the executor: its shape first (every rank needs it), then the
+        schedule. Returns hidden [B, T, C] on the primary."""
         g, rank0, C = self.group, self.world.rank == 0, self.cfg.hidden_size
         # the shape as two integers, not a pickled tuple (40 us inside a forward, against 2-5)
         B, T = (int(v) for v in g.bcast_to_all(np.array(b.ids.shape, np.int64) if rank0 else None,
                                                (2,), np.int64))
-        key_mask = g.bcast_to_all(b.mask.astype(np.float32) if rank0 else None, (B, T))
-        x0 = None
-        if rank0:
-            with g.tracer.span("embed", "compute"):
-                x0 = self.embeddings(b.ids, b.token_type)  # [M, C]
-        h = self.executor.forward(x0, key_mask, B, T)
+        h = self.executor.forward(b, B, T)  # the mask to every rank, the embedding, the layers
         return h.reshape(B, T, C) if rank0 else None
 
     def close(self):

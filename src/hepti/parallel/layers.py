@@ -10,21 +10,29 @@ from __future__ import annotations
 import queue
 import threading
 
-from hepti.model.bert import LayerShard
+from hepti.parallel.slices import LayerSlice
+
+
+def slice_packer(graph):
+    """pack(i, tensors) -> the LayerSlice of layer i for the interpreter."""
+    return lambda i, tensors: LayerSlice.pack(graph, i, tensors)
 
 
 class ResidentLayers:
-    def __init__(self, store, n_layers: int, heads, ffn, layers: range | None = None):
+    def __init__(self, store, n_layers: int, heads, ffn, pack, layers: range | None = None,
+                 progress=None):
         self.layers = {}
         for i in (layers if layers is not None else range(n_layers)):
-            self.layers[i] = LayerShard.from_tensors(i, store.read_layer_slice(i, heads, ffn), heads, ffn)
+            self.layers[i] = pack(i, store.read_layer_slice(i, heads, ffn))
+            if progress is not None:
+                progress.update(1)
         self.peak_bytes = self.resident_bytes
 
     @property
     def resident_bytes(self) -> int:
         return sum(s.nbytes for s in self.layers.values())
 
-    def get(self, i: int) -> LayerShard:
+    def get(self, i: int):
         return self.layers[i]
 
     def done(self, i: int) -> None:
@@ -37,17 +45,18 @@ class ResidentLayers:
 class StreamingLayers:
     """Layer slices 0..L-1, over and over (one pass per forward), at most `window` in RAM."""
 
-    def __init__(self, store, n_layers: int, heads, ffn, window: int):
+    def __init__(self, store, n_layers: int, heads, ffn, pack, window: int):
         if window < 1:
             raise ValueError("window must be >= 1")
         self.store, self.n_layers, self.heads, self.ffn, self.window = store, n_layers, heads, ffn, window
+        self.pack = pack
         self.slots = threading.Semaphore(window)
         self.ready: queue.Queue = queue.Queue()
         self.stop = threading.Event()
         self.resident = 0
         self.peak_bytes = 0
         self.lock = threading.Lock()
-        self.current: dict[int, LayerShard] = {}
+        self.current: dict = {}
         self.thread = threading.Thread(target=self._prefetch, name="hepti-prefetch", daemon=True)
         self.thread.start()
 
@@ -58,8 +67,7 @@ class StreamingLayers:
                 while not self.slots.acquire(timeout=0.1):
                     if self.stop.is_set():
                         return
-                s = LayerShard.from_tensors(i, self.store.read_layer_slice(i, self.heads, self.ffn),
-                                            self.heads, self.ffn)
+                s = self.pack(i, self.store.read_layer_slice(i, self.heads, self.ffn))
                 with self.lock:
                     self.resident += s.nbytes
                     self.peak_bytes = max(self.peak_bytes, self.resident)
@@ -72,7 +80,7 @@ class StreamingLayers:
     def resident_bytes(self) -> int:
         return self.resident
 
-    def get(self, i: int) -> LayerShard:
+    def get(self, i: int):
         s = self.ready.get()
         if isinstance(s, BaseException):
             raise RuntimeError(f"reading layer {i}'s weights failed: {s}") from s

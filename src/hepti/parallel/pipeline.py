@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from hepti import kernels as K
 from hepti.counts import counts, offsets
 
 
@@ -22,26 +21,30 @@ def layer_ranges(n_layers: int, ratios: list[float]) -> list[tuple[int, int]]:
     return [(o, o + n) for o, n in zip(offsets(c), c)]
 
 
+def stage_steps(steps, start: int, stop: int, last: bool):
+    """A stage's part of a one-rank schedule (hepti.graph.lower.schedule with every operator
+    whole): the operators of layers [start, stop), and on the last stage the ones after the
+    layers. Its sync steps are the pipeline's sends, not collectives: dropped."""
+    end = max(i for i, s in enumerate(steps) if s.layer is not None)
+    return [s for i, s in enumerate(steps) if s.kind == "op" and (
+        (s.layer is not None and start <= s.layer < stop) or (last and i > end))]
+
+
 class PipelineExecutor:
     name = "pipeline"
 
-    def __init__(self, world, cfg, layers, embeddings, ranges, threads=1):
-        self.w, self.cfg, self.layers, self.emb, self.threads = world, cfg, layers, embeddings, threads
-        self.ranges = ranges
+    def __init__(self, world, stage, ranges):
+        """stage: a hepti.parallel.interpreter.Interpreter of this rank's layers on a group of
+        itself alone (None on a rank without layers); ranges: every rank's [start, stop)."""
+        self.w, self.stage, self.ranges = world, stage, ranges
         self.stages = [r for r, (a, b) in enumerate(ranges) if b > a]  # ranks that hold layers
 
     def _run_layers(self, x, key_mask):
-        tr, eps = self.w.tracer, self.cfg.layer_norm_eps
-        a, b = self.ranges[self.w.rank]
-        for i in range(a, b):
-            s = self.layers.get(i)
-            with tr.span(f"L{i}", "compute"):
-                part = s.attention_partial(x, key_mask, self.threads)
-                x = K.add_layernorm(part, s.o_bias, x, *s.ln1, eps)
-                part = s.ffn_partial(x, self.threads)
-                x = K.add_layernorm(part, s.down_bias, x, *s.ln2, eps)
-            self.layers.done(i)
-        return x
+        B, T = key_mask.shape
+        graph = self.stage.graph
+        layers_read = graph.layer[0].inputs[0]  # and rewrite: what goes to the next stage
+        out = graph.output if self.w.rank == self.stages[-1] else layers_read
+        return self.stage.run({layers_read: x, "mask": key_mask}, None, B, T, out)
 
     def forward_many(self, inputs, n: int, on_output=None):
         """inputs: on the primary an iterable of (x0 [M, C], key_mask [B, T]); n batches in all.

@@ -160,7 +160,7 @@ def measure_layer(config: BertConfig, batch: int, seq_len: int, threads: int = 1
             ctx = K.attention_qkv(qkv, mask, H, kv=kv, threads=threads)
             t1 = time.process_time()
             K.gemm(ctx, o, threads=threads)
-            K.ffn(x, up, bf, down, threads=threads)  # as LayerShard.ffn_partial runs the MLP
+            K.ffn(x, up, bf, down, threads=threads)  # as the interpreter runs an MLP
             if turn[0] > 1:
                 spent.append((t1 - t0, time.process_time() - start))
         return layer
@@ -237,7 +237,7 @@ def measure_weight_load(config: BertConfig, directory: str | None = None, rounds
     counts as per-layer CPU work ("load" Work of hepti.plan.workloads.stream_program).
 
     The load is `WeightStore.read_layer_slice` (HDF5, Fletcher32 checked) and
-    `LayerShard.from_tensors` (pack_b), on a quarter of one layer of this shape, written to a
+    `LayerSlice.pack` (pack_b), on a quarter of one layer of this shape, written to a
     temporary folder first. With `cold` (the default) the probe's pages are dropped from the
     page cache before every load, so each read goes to the disk as `stream`'s do: it is
     planned when the slices do not fit in memory, so neither do they in the page cache, and a
@@ -257,7 +257,8 @@ def measure_weight_load(config: BertConfig, directory: str | None = None, rounds
     import threading
 
     from hepti import kernels as K
-    from hepti.model.bert import LayerShard
+    from hepti.graph.encoder import family_graph
+    from hepti.parallel.slices import LayerSlice
     from hepti.weights import WeightStore
     from hepti.weights.layout import expected_shapes
     from hepti.weights.writer import TensorSpec, write_model
@@ -271,6 +272,7 @@ def measure_weight_load(config: BertConfig, directory: str | None = None, rounds
     specs = [TensorSpec(n, s, zeros(s)) for n, s in expected_shapes(one, pooler=False).items()]
     heads = (0, max(1, one.num_attention_heads // 4))
     ffn = (0, max(1, one.intermediate_size // 4))
+    graph = family_graph(one, 1, 1)
     with tempfile.TemporaryDirectory(prefix="hepti-load-", dir=directory) as tmp:
         path = write_model(Path(tmp) / "probe", one, specs, source={"probe": "weight load"},
                            progress=False)
@@ -288,15 +290,17 @@ def measure_weight_load(config: BertConfig, directory: str | None = None, rounds
                             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                         finally:
                             os.close(fd)
-                return LayerShard.from_tensors(0, store.read_layer_slice(0, heads, ffn), heads, ffn)
+                return LayerSlice.pack(graph, 0, store.read_layer_slice(0, heads, ffn))
 
             before = store.bytes_read
             shard = load()
             per_load = store.bytes_read - before
             x = np.random.default_rng(0).standard_normal((64, one.hidden_size)).astype(np.float32)
 
+            up = shard.params["ffn up"][0]
+
             def gemm():
-                K.gemm(x, shard.up, threads=1)
+                K.gemm(x, up, threads=1)
 
             if _stretch.ON:  # the loader's CPU counts in the process's, hence in these calls'
                 gemm = _stretch.wrap(gemm)

@@ -1,0 +1,229 @@
+"""The one executor of `rows`, `tensor`, `even`, `proportional`, `stream` and `single`: it runs
+the rank schedule hepti.graph.lower makes from the model's graph and the strategy's assignment.
+
+The schedule is the same list on every rank: operators, and between them the sync points, each a
+collective on one tensor (`Step.kind`). A reader counts a layer's messages by reading it:
+`python -c "from hepti.graph import lower; ..."` or the trace of a run. The cost program the
+planner evaluates is cut from the same list (`lower.phases`), and tests/mpi/agreement.py checks
+that the collectives this executor sends are the ones the program charges for.
+
+Per step:
+- a collective moves a tensor between layouts (hepti.graph.ir) through the verbs (comm.py);
+- an operator runs its kernel under its split, on what this rank holds: its token rows
+  (`rows`, counts["rows"]), or all rows and its units' columns (`cols`, `unit`), or its units'
+  block of the reduction (`k`, leaving a partial sum, computed straight into the buffer of the
+  reduce_scatter that follows when the transport has one: `partial_buffer`);
+- an operator on the primary (`primary`: the embeddings) runs the family's own code, handed in.
+Two GeMMs in a row where the first's only output feeds only the second, the first with a GeLU
+and the second with neither bias nor activation (an MLP), run as one `K.ffn` call: the same
+arithmetic in one kernel call (its docstring says what that saves).
+
+Compute is traced as one span per (layer, piece) run of operators ("L3 attention", "L3 ffn"),
+collectives by the verbs; each layer's slice is fetched (`layers.get`, an "io" span: the
+stream window may wait for it) before its first operator and released after its last.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hepti import kernels as K
+from hepti.counts import counts, offsets
+from hepti.graph.ir import BY_COLS, BY_K, BY_ROWS, ON_PRIMARY, Graph
+from hepti.graph.lower import Step
+
+
+class Interpreter:
+    name = "graph"
+
+    def __init__(self, group, graph: Graph, steps: list[Step], layers, primary_ops: dict,
+                 row_ratios: list[float], units: dict[str, list[int]], threads: int = 1):
+        """group: the active ranks' Comm; steps: lower.schedule(graph, assignment, L); layers:
+        ResidentLayers or StreamingLayers of LayerSlice; primary_ops: {op kind: fn(batch) ->
+        array} for the operators rank 0 runs alone; row_ratios: each group rank's share of a
+        batch's token rows; units: each group rank's count of each unit its slices hold."""
+        self.g, self.graph, self.steps, self.layers = group, graph, steps, layers
+        self.primary_ops, self.row_ratios, self.units = primary_ops, row_ratios, units
+        self.threads = threads
+        self._plan = self._prepare(steps)
+
+    def _prepare(self, steps: list[Step]) -> list[tuple]:
+        """The steps as entries to run: ("sync", kind, tensor), or ("ops", items, release): a
+        run of operators of one (layer, piece), each item (step, its MLP partner or None[,
+        the output to compute into the next reduce_scatter's buffer]), and `release` the layer
+        whose slice is done after the run (its last operator), or None."""
+        out, run = [], []
+        readers: dict[str, int] = {}  # how many of the graph's operators read each tensor
+        for op in self.graph.prologue + self.graph.layer + self.graph.epilogue:
+            for t in op.inputs:
+                readers[t] = readers.get(t, 0) + 1
+        for s in steps:
+            if s.kind != "op":
+                if run:
+                    out.append(("ops", run))
+                    run = []
+                out.append(("sync", s.kind, s.tensor))
+                continue
+            if run and (run[-1][0].layer, run[-1][0].op.piece) != (s.layer, s.op.piece):
+                out.append(("ops", run))
+                run = []
+            prev = run[-1] if run else None
+            if (prev is not None and prev[1] is None and _mlp_pair(prev[0], s, readers)):
+                run[-1] = (prev[0], s)  # the pair runs as one K.ffn call
+            else:
+                run.append((s, None))
+        if run:
+            out.append(("ops", run))
+        last_run = {}
+        for j, entry in enumerate(out):
+            if entry[0] == "ops" and entry[1][0][0].layer is not None:
+                last_run[entry[1][0][0].layer] = j
+        out = [("ops", e[1], None) if e[0] == "ops" else e for e in out]
+        for layer, j in last_run.items():
+            out[j] = ("ops", out[j][1], layer)
+        # an operator whose output goes straight into a reduce_scatter computes into its buffer
+        for j, entry in enumerate(out[:-1]):
+            nxt = out[j + 1]
+            if entry[0] == "ops" and nxt[:2] == ("sync", "reduce_scatter"):
+                last = entry[1][-1]
+                step = last[1] or last[0]
+                if nxt[2] in step.op.outputs:
+                    entry[1][-1] = (*last, nxt[2])
+        return out
+
+    # --- one batch -----------------------------------------------------------------------
+    def forward(self, batch, B: int, T: int):
+        """Run the schedule on one batch. `batch` (rank 0; None elsewhere) has the inputs
+        (`mask` [B, T]) and whatever the primary operators read. Returns the graph's output
+        [M, width] on rank 0, None elsewhere."""
+        env = {"mask": np.asarray(batch.mask, np.float32)} if self.g.rank == 0 else {}
+        return self.run(env, batch, B, T)
+
+    def run(self, env: dict, batch, B: int, T: int, output: str | None = None):
+        """Run the steps on the tensors in `env` (by name; a pipeline stage hands in the layer
+        input and the mask); returns `output` (the graph's) where this rank holds it, else None."""
+        g, tr = self.g, self.g.tracer
+        M = B * T
+        rc = counts(M, self.row_ratios)
+        r0 = offsets(rc)[g.rank]
+        ctx = _Batch(B, T, M, rc, r0, slice(r0, r0 + rc[g.rank]))
+        fused: dict[str, np.ndarray] = {}  # a GeMM's whole output, by each of its outputs
+        layer = None
+        for entry in self._plan:
+            if entry[0] == "sync":
+                _, kind, t = entry
+                env[t] = self._sync(kind, t, env.get(t), ctx)
+                fused.pop(t, None)  # no longer that GeMM's columns
+                continue
+            _, run, release = entry
+            first = run[0][0]
+            if first.split == ON_PRIMARY and g.rank != 0:
+                continue
+            if first.layer is not None and first.layer != layer:
+                layer = first.layer
+                with tr.span(f"L{layer} weights", "io"):
+                    params = self.layers.get(layer).params
+            label = first.op.piece if first.layer is None else f"L{first.layer} {first.op.piece}"
+            with tr.span(label, "compute"):
+                for item in run:
+                    self._op(item, env, fused, params if first.layer is not None else None,
+                             batch, ctx)
+            if release is not None:
+                self.layers.done(release)
+        return env.get(output or self.graph.output)
+
+    def _sync(self, kind: str, t: str, a, ctx: "_Batch"):
+        g = self.g
+        ten = self.graph.tensors[t]
+        if kind == "bcast":
+            shape = (ctx.B, ctx.T) if ten.kind == "input" else (ctx.M, ten.width)
+            return g.bcast_to_all(a, shape)
+        if kind == "scatterv":
+            return g.scatter_rows(a, ctx.rc, (ten.width,))
+        if kind == "allgatherv":
+            return g.allgather_rows(a, ctx.rc)
+        if kind == "reduce_scatter":
+            return g.reduce_scatter_rows(a, ctx.rc)
+        if kind == "gatherv":
+            return g.gather_rows(a, ctx.rc)
+        raise ValueError(f"unknown collective {kind!r}")
+
+    def _op(self, item: tuple, env: dict, fused: dict, params, batch, ctx: "_Batch") -> None:
+        step, pair = item[0], item[1]
+        into = item[2] if len(item) > 2 else None
+        op, split = step.op, step.split
+        if split == ON_PRIMARY:
+            if self.g.rank == 0:
+                env[op.outputs[0]] = self.primary_ops[op.kind](batch)
+            return
+        ins = [env[t][ctx.mine] if t in step.own_rows else env[t] for t in op.inputs]
+        rows, th = ins[0].shape[0], self.threads
+        out = None
+        if into is not None:
+            out = self.g.partial_buffer((rows, self.graph.tensors[into].width))
+        if op.kind == "gemm" and pair is not None:  # GeLU(x W1 + b1) W2 in one call
+            (w1, b1), (w2, _) = params[op.name], params[pair.op.name]
+            if w1 is None or w2 is None:  # none of the units: a partial sum of zero
+                env[pair.op.outputs[0]] = _zeros(out, (rows, pair.op.n))
+            else:
+                env[pair.op.outputs[0]] = K.ffn(ins[0], w1, b1, w2, threads=th, out=out)
+        elif op.kind == "gemm":
+            w, b = params[op.name]
+            if w is not None:
+                y = K.gemm(ins[0], w, bias=b, gelu=op.act == "gelu", out=out, threads=th)
+            elif split == BY_K:
+                y = _zeros(out, (rows, op.n))
+            else:
+                y = np.empty((rows, 0), np.float32)
+            if len(op.outputs) == 1:
+                env[op.outputs[0]] = y
+                return
+            # several outputs: y's columns, side by side, in proportion to their widths
+            widths = [self.graph.tensors[t].width for t in op.outputs]
+            col = 0
+            for t, w_t in zip(op.outputs, widths):
+                n_t = y.shape[1] * w_t // sum(widths)
+                env[t] = y[:, col:col + n_t]
+                fused[t] = y
+                col += n_t
+        elif op.kind == "attention":
+            q, kv = op.inputs
+            qkv = fused[q]  # the fused QKV output q is the first columns of
+            heads = op.heads if split == BY_ROWS else self.units[op.unit][self.g.rank]
+            if heads == 0:
+                env[op.outputs[0]] = np.empty((rows, 0), np.float32)
+            elif fused.get(kv) is qkv:  # its own rows' keys and values: every row's
+                env[op.outputs[0]] = K.attention_qkv(qkv, env["mask"], heads, threads=th)
+            else:  # every row's keys and values, gathered
+                env[op.outputs[0]] = K.attention_qkv(qkv, env["mask"], heads, kv=env[kv],
+                                                     row0=ctx.r0, threads=th)
+        elif op.kind == "elementwise" and op.fn == "add_ln":
+            bias, gamma, beta = params[op.name]
+            env[op.outputs[0]] = K.add_layernorm(ins[0], bias, ins[1], gamma, beta, op.eps,
+                                                 out=out)
+        else:
+            raise ValueError(f"{op.name}: no kernel for a {op.kind} operator ({op.fn or '-'}) "
+                             f"split by {split}")
+
+
+class _Batch:
+    """A batch's shape and this rank's token rows."""
+    __slots__ = ("B", "T", "M", "rc", "r0", "mine")
+
+    def __init__(self, B, T, M, rc, r0, mine):
+        self.B, self.T, self.M, self.rc, self.r0, self.mine = B, T, M, rc, r0, mine
+
+
+def _mlp_pair(a: Step, b: Step, readers: dict[str, int]) -> bool:
+    """Whether gemm steps a then b are an MLP: a's one output read by b alone, a with GeLU, b with no bias or activation, split alike (rows and rows, or a's
+    columns and b's block of k)."""
+    x, y = a.op, b.op
+    return (x.kind == y.kind == "gemm" and len(x.outputs) == 1 and y.inputs == x.outputs
+            and readers.get(x.outputs[0]) == 1 and x.act == "gelu" and not y.act and not y.bias
+            and (a.split, b.split) in ((BY_ROWS, BY_ROWS), (BY_COLS, BY_K)) and a.layer == b.layer)
+
+
+def _zeros(out, shape) -> np.ndarray:
+    if out is None:
+        return np.zeros(shape, np.float32)
+    out[...] = 0.0
+    return out

@@ -1,0 +1,53 @@
+"""A rank's slice of one layer, packed for the kernels, keyed by the graph's operators.
+
+`LayerSlice.pack` reads what the graph says each operator needs from the tensors a rank read
+(hepti.weights.store.read_layer_slice: its rows of every sliced weight, the small ones whole):
+- a gemm: its `matrices` side by side along n, packed for the GeMM kernel (`K.pack_b`), and its
+  `bias` pieces joined. A weight is stored with the dimension a rank slices as axis 0
+  (hepti.weights.layout), so a gemm that can be split by columns has its matrices stored
+  [n, k] (packed transposed) and one split block-wise stored [k, n]. A rank that holds none of
+  a sliced gemm's units gets None;
+- any other operator: its `weights`, in order, as float32 arrays.
+Nothing here knows a family: the operator names and weight names come from the graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hepti import kernels as K
+from hepti.graph.ir import BY_COLS, Graph
+
+
+def _f32(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+@dataclass
+class LayerSlice:
+    """Layer `index`: `params[op name]` is (PackedB | None, bias | None) for a gemm and the
+    tuple of its weights for any other operator; `nbytes` what that holds in RAM."""
+
+    index: int
+    params: dict[str, tuple]
+    nbytes: int
+
+    @classmethod
+    def pack(cls, graph: Graph, index: int, tensors: dict[str, np.ndarray]) -> "LayerSlice":
+        params, nbytes = {}, 0
+        for op in graph.layer:
+            if op.kind == "gemm":
+                by_cols = BY_COLS in op.splits  # stored [n, k]; else [k, n]
+                mats = [tensors[w] for w in op.matrices]
+                m = np.concatenate(mats) if len(mats) > 1 else mats[0]
+                packed = K.pack_b(_f32(m), trans=by_cols) if m.shape[0] else None
+                bias = _f32(np.concatenate([tensors[w] for w in op.bias])) if op.bias else None
+                params[op.name] = (packed, bias)
+                nbytes += (packed.nbytes if packed is not None else 0)
+                nbytes += bias.nbytes if bias is not None else 0
+            elif op.weights:
+                vecs = tuple(_f32(tensors[w]) for w in op.weights)
+                params[op.name] = vecs
+                nbytes += sum(v.nbytes for v in vecs)
+        return cls(index, params, nbytes)
