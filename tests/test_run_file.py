@@ -33,10 +33,10 @@ def ids_file(path: Path, n: int, seed: int = 0) -> Path:
 def test_one_pass_runs_each_batch_once(tiny_dir, tmp_path, monkeypatch):
     """--repeat 1 (the default) runs every batch once: no second, timed pass over the input."""
     from hepti import cli
-    from hepti.model.bert import BertEncoder
+    from hepti.model.family import SingleDevice
     calls = []
-    forward = BertEncoder.forward
-    monkeypatch.setattr(BertEncoder, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    run = SingleDevice.run
+    monkeypatch.setattr(SingleDevice, "run", lambda self, *a, **k: calls.append(1) or run(self, *a, **k))
     out = tmp_path / "o.npy"
     assert cli.main(["run", "--model", str(tiny_dir), "--input-ids", str(ids_file(tmp_path / "i.npz", 10)),
                      "--batch-size", "3", "--output", str(out), "--json"]) == 0

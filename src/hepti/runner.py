@@ -1,7 +1,7 @@
 """`hepti run`: check every input, then one pass over the batches, each pooled and written as
 it completes; time the pass that runs anyway.
 
-The engine is the single-device `BertEncoder` (the interpreter on one process) or, under
+The engine is the single-device `SingleDevice` (the interpreter on one process) or, under
 mpiexec, a distributed `Job` from hepti.parallel.engine. Both have `run_all(batches, n,
 on_output)`, which calls on_output(k, hidden [B, T, C]) on the primary rank as batch k
 completes, so the primary holds a batch or two, never the whole input's hidden states. The pieces here (`prepare`, `Feed`, `Sink`,
@@ -187,14 +187,14 @@ class SingleJob:
 
     def run_all(self, batches, n: int, on_output=None) -> None:
         for i, b in enumerate(batches):
-            hidden = self.engine.forward(b.ids, b.mask, b.token_type)
+            hidden = self.engine.run(b)
             if on_output is not None:
                 on_output(i, hidden)
 
 
 def run_single(args) -> int:
     """The single-device job (no MPI)."""
-    from hepti.model.bert import BertEncoder, load_kernels
+    from hepti.model.family import SingleDevice, family
     from hepti.weights import WeightStore
 
     t_start = time.perf_counter()
@@ -205,8 +205,8 @@ def run_single(args) -> int:
         import numba
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
         t0 = time.perf_counter()
-        load_kernels(args.threads)  # as a distributed Job does: the pass times forwards alone
-        engine = BertEncoder.from_store(store, threads=args.threads)
+        family(config).load_kernels(args.threads)  # as a Job does: the pass times forwards alone
+        engine = SingleDevice.from_store(store, threads=args.threads)
         load_s = time.perf_counter() - t0
         start = prep.out.start if prep.out is not None else 0
         runs = run_passes(SingleJob(engine), prep, prep.source.n_batches - start, args)
@@ -215,7 +215,7 @@ def run_single(args) -> int:
             prep.out.close()
     report = {
         **base_report(args, config, prep, load_s, runs, "single", 1, t_start),
-        "weight_bytes_resident": engine.layer_bytes + engine.embeddings.nbytes,
+        "weight_bytes_resident": engine.layer_bytes + engine.primary_bytes,
         "weight_bytes_read": store.bytes_read,
     }
     finish(args, report, runs)

@@ -68,8 +68,10 @@ class Op:
     inputs (q, kv), q the first columns of a fused QKV GeMM's output.
     kind "elementwise": `per_row` elements of work per token row, one pass; `fn` says which:
     "add_ln" is LayerNorm(total + bias + residual) over inputs (total, residual) with weights
-    (bias, gamma, beta) and `eps`. kind "embed": `per_row` elements per row, on rank 0, done by
-    the family's own code (the runtime is handed it).
+    (bias, gamma, beta) and `eps`; "ln" LayerNorm(x) with (gamma, beta); "add" total + bias +
+    residual with (bias,). kind "embed": on rank 0, done by the family's own code (the runtime
+    is handed it): `per_row` elements per row, or a [m, k] x [k, n] GeMM when k and n are set
+    (patches times the patch embedding).
     `unit` names what a cols, k or unit split counts ("heads", "ffn"); `unit_width` how many
     of the split dimension's elements one unit is (a head's D columns of each of Q, K, V: 3D).
     """
@@ -90,7 +92,7 @@ class Op:
     matrices: tuple[str, ...] = ()  # gemm: stored weight matrices, side by side along n
     bias: tuple[str, ...] = ()  # gemm: bias pieces, side by side
     act: str = ""  # gemm: "gelu" after the bias
-    fn: str = ""  # elementwise: "add_ln"
+    fn: str = ""  # elementwise: "add_ln", "ln", "add"
     eps: float = 0.0  # elementwise: LayerNorm's epsilon
 
     @property

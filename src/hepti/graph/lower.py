@@ -57,6 +57,8 @@ def _reads_split_columns(graph: Graph, op: Op, done: dict[str, str]) -> bool:
 def work(graph: Graph, op: Op, split: str) -> Work:
     """What `op` costs a rank under `split`, per unit of the dimension the rank's count is in."""
     M, T = graph.units["rows"], graph.seq_len
+    if op.kind == "embed" and op.k and op.n:  # a GeMM on rank 0 (patch embedding)
+        return Work("gemm", ROOT, 2.0 * M * op.k * op.n, min(M, op.k, op.n), name=op.name)
     if op.kind == "embed":
         return Work("elementwise", ROOT, M * op.per_row, name=op.name)
     if op.kind == "elementwise":

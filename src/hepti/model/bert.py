@@ -54,58 +54,35 @@ class Embeddings:
         self.ln = (t["emb.ln.gamma"], t["emb.ln.beta"])
         self.nbytes = sum(a.nbytes for a in t.values())
 
-    def __call__(self, ids: np.ndarray, token_type: np.ndarray) -> np.ndarray:
-        """ids, token_type [B, T] -> x [B*T, C] float32."""
-        return K.embed_layernorm(ids, token_type, self.word, self.position, self.token_type,
-                                 self.ln[0], self.ln[1], self.config.layer_norm_eps)
+    def __call__(self, batch) -> np.ndarray:
+        """A batch's ids, token_type [B, T] -> x [B*T, C] float32."""
+        return K.embed_layernorm(batch.ids, batch.token_type, self.word, self.position,
+                                 self.token_type, self.ln[0], self.ln[1], self.config.layer_norm_eps)
 
 
-class _Batch:
-    """What the interpreter's forward reads of a batch: the mask, and the embedding's inputs."""
-
-    def __init__(self, ids, mask, token_type):
-        self.ids, self.mask, self.token_type = ids, mask, token_type
+def primary_ops(config: BertConfig, store) -> dict:
+    """The operators rank 0 runs alone: {"embed": fn(batch) -> x [M, C]}."""
+    emb = Embeddings(config, {n: store.read(n) for n in (
+        "emb.word", "emb.position", "emb.token_type", "emb.ln.gamma", "emb.ln.beta")})
+    return {"embed": emb}
 
 
 class BertEncoder:
-    """The single-device engine: the graph's `single` schedule (every operator whole) run by
-    the interpreter (hepti.parallel.interpreter) on a group of one process, the same code that
-    runs every distributed strategy."""
+    """The single-device engine on token ids (hepti.model.family.SingleDevice), checking them."""
 
-    def __init__(self, config: BertConfig, embeddings: Embeddings, layers, executor):
-        self.config, self.embeddings, self.layers, self.executor = config, embeddings, layers, executor
+    def __init__(self, engine):
+        self.engine, self.config = engine, engine.config
 
     @classmethod
     def from_store(cls, store, threads: int = 1, progress=None) -> "BertEncoder":
-        from hepti.graph import lower
-        from hepti.graph.encoder import family_graph
-        from hepti.parallel.comm import Comm
-        from hepti.parallel.interpreter import Interpreter
-        from hepti.parallel.layers import ResidentLayers, slice_packer
-
-        cfg = store.config
-        emb = Embeddings(cfg, {n: store.read(n) for n in
-                               ("emb.word", "emb.position", "emb.token_type", "emb.ln.gamma",
-                                "emb.ln.beta")})
-        H, F, L = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers
-        graph = family_graph(cfg, 1, 1)
-        layers = ResidentLayers(store, L, (0, H), (0, F), slice_packer(graph), progress=progress)
-        steps = lower.schedule(graph, lower.assignment(graph, "single"), L)
-        executor = Interpreter(Comm(None), graph, steps, layers,
-                               {"embed": lambda b: emb(b.ids, b.token_type)}, [1.0],
-                               {"heads": [H], "ffn": [F]}, threads)
-        return cls(cfg, emb, layers, executor)
-
-    @property
-    def layer_bytes(self) -> int:
-        return self.layers.resident_bytes
+        from hepti.model.family import SingleDevice
+        return cls(SingleDevice.from_store(store, threads, progress))
 
     def forward(self, ids, mask=None, token_type=None) -> np.ndarray:
         """ids [B, T] -> last hidden state [B, T, C]."""
+        from hepti.inputs import Batch
         ids, key_mask, token_type = validate_inputs(self.config, ids, mask, token_type)
-        B, T = ids.shape
-        x = self.executor.forward(_Batch(ids, key_mask, token_type), B, T)  # [M, C]
-        return x.reshape(B, T, -1)
+        return self.engine.run(Batch(ids, key_mask, token_type))
 
 
 def load_kernels(threads: int = 1) -> None:
@@ -128,7 +105,8 @@ def load_kernels(threads: int = 1) -> None:
                            "emb.token_type": r(2, C), "emb.ln.gamma": r(C), "emb.ln.beta": r(C)})
     ids = np.arange(T, dtype=np.int64).reshape(1, T)
     key_mask = np.ones((1, T), np.float32)
-    x = emb(ids, np.zeros_like(ids))  # [T, C]
+    from hepti.inputs import Batch
+    x = emb(Batch(ids, key_mask, np.zeros_like(ids)))  # [T, C]
     # every row's own keys and values (`single`, `tensor`), partial sums into a caller's buffer
     qkv = K.gemm(x, qkv_w, bias=r(3 * C), threads=threads)
     ctx = K.attention_qkv(qkv, key_mask, H, threads=threads)

@@ -168,7 +168,7 @@ class Job:
     """One rank's part of a distributed run: its group, its slices, its executor."""
 
     def __init__(self, world, store, plan: Plan, threads: int = 1):
-        from hepti.model.bert import Embeddings, load_kernels
+        from hepti.model.family import family
         from hepti.parallel.layers import ResidentLayers, StreamingLayers, slice_packer
 
         self.world, self.store, self.plan = world, store, plan
@@ -176,20 +176,20 @@ class Job:
         rank = world.rank
         self.active = active_ranks(plan, cfg)
         self.is_active = rank in self.active
+        fam = family(cfg)
         if self.is_active:
-            load_kernels(threads)  # the kernels' code (~70 MiB) is the runtime's, not the job's
+            fam.load_kernels(threads)  # the kernels' code (~70 MiB) is the runtime's, not the job's
         reset_peak_rss()
         self.rss_before_load = current_rss()
         # one sub-communicator of the ranks that work (freed by close()); the others skip
         # straight to the end. `single`'s is rank 0 alone: a group of one, whose verbs return
         self.group = world.split(self.is_active)
         self.layers = self.executor = None
-        self.embeddings = None
+        self.primary_ops = {}
         if not self.is_active:
             return
-        if rank == 0:
-            self.embeddings = Embeddings(cfg, {n: store.read(n) for n in (
-                "emb.word", "emb.position", "emb.token_type", "emb.ln.gamma", "emb.ln.beta")})
+        if rank == 0:  # the operators only the primary runs (embeddings), with their weights
+            self.primary_ops = fam.primary_ops(cfg, store)
         H, F, L = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers
         s = plan.strategy
         from hepti.graph import lower
@@ -235,11 +235,7 @@ class Job:
             units = {u: [c[u][r] for r in self.active] for u in ("heads", "ffn")}
             assign = lower.assignment(graph, "tensor")
         self.executor = Interpreter(self.group, graph, lower.schedule(graph, assign, L), self.layers,
-                                    {"embed": self._embed}, rows, units, threads)
-
-    def _embed(self, b):
-        """The graph's "embed" operator, on rank 0 (the interpreter traces it)."""
-        return self.embeddings(b.ids, b.token_type)  # [M, C]
+                                    self.primary_ops, rows, units, threads)
 
     def run_all(self, batches, n: int, on_output=None) -> None:
         """Run n batches, in order. `batches` is an iterable on the primary (ignored elsewhere);
@@ -268,8 +264,8 @@ class Job:
 
         def inputs():
             for k, b in enumerate(batches):
-                shapes[k] = b.ids.shape
-                yield self.embeddings(b.ids, b.token_type), b.mask.astype(np.float32)
+                shapes[k] = b.mask.shape
+                yield self.primary_ops["embed"](b), b.mask.astype(np.float32)
 
         def done(k, out):
             if on_output is not None:
@@ -282,7 +278,7 @@ class Job:
         schedule. Returns hidden [B, T, C] on the primary."""
         g, rank0, C = self.group, self.world.rank == 0, self.cfg.hidden_size
         # the shape as two integers, not a pickled tuple (40 us inside a forward, against 2-5)
-        B, T = (int(v) for v in g.bcast_to_all(np.array(b.ids.shape, np.int64) if rank0 else None,
+        B, T = (int(v) for v in g.bcast_to_all(np.array(b.mask.shape, np.int64) if rank0 else None,
                                                (2,), np.int64))
         h = self.executor.forward(b, B, T)  # the mask to every rank, the embedding, the layers
         return h.reshape(B, T, C) if rank0 else None
@@ -300,7 +296,7 @@ class Job:
         kinds = sorted({k for r in runs for k in r["seconds"] if k not in ("compute", "io", "batch")})
         comm_s = {k: statistics.median(r["seconds"].get(k, 0.0) for r in runs) for k in kinds}
         layer_bytes = self.layers.peak_bytes if self.layers is not None else 0
-        emb = self.embeddings.nbytes if self.embeddings is not None else 0
+        emb = sum(getattr(f, "nbytes", 0) for f in self.primary_ops.values())
         return {
             "rank": self.world.rank,
             "host": os.uname().nodename,

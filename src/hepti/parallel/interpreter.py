@@ -95,7 +95,9 @@ class Interpreter:
         """Run the schedule on one batch. `batch` (rank 0; None elsewhere) has the inputs
         (`mask` [B, T]) and whatever the primary operators read. Returns the graph's output
         [M, width] on rank 0, None elsewhere."""
-        env = {"mask": np.asarray(batch.mask, np.float32)} if self.g.rank == 0 else {}
+        env = {}
+        if self.g.rank == 0 and "mask" in self.graph.tensors:
+            env["mask"] = np.asarray(batch.mask, np.float32)
         return self.run(env, batch, B, T)
 
     def run(self, env: dict, batch, B: int, T: int, output: str | None = None):
@@ -192,14 +194,22 @@ class Interpreter:
             if heads == 0:
                 env[op.outputs[0]] = np.empty((rows, 0), np.float32)
             elif fused.get(kv) is qkv:  # its own rows' keys and values: every row's
-                env[op.outputs[0]] = K.attention_qkv(qkv, env["mask"], heads, threads=th)
+                env[op.outputs[0]] = K.attention_qkv(qkv, ctx.mask(env), heads, threads=th)
             else:  # every row's keys and values, gathered
-                env[op.outputs[0]] = K.attention_qkv(qkv, env["mask"], heads, kv=env[kv],
+                env[op.outputs[0]] = K.attention_qkv(qkv, ctx.mask(env), heads, kv=env[kv],
                                                      row0=ctx.r0, threads=th)
         elif op.kind == "elementwise" and op.fn == "add_ln":
             bias, gamma, beta = params[op.name]
             env[op.outputs[0]] = K.add_layernorm(ins[0], bias, ins[1], gamma, beta, op.eps,
                                                  out=out)
+        elif op.kind == "elementwise" and op.fn == "ln":
+            gamma, beta = params[op.name]
+            env[op.outputs[0]] = K.add_layernorm(ins[0], None, None, gamma, beta, op.eps, out=out)
+        elif op.kind == "elementwise" and op.fn == "add":  # total + bias + residual
+            (bias,) = params[op.name]
+            y = np.add(ins[0], ins[1], out=out)
+            y += bias
+            env[op.outputs[0]] = y
         else:
             raise ValueError(f"{op.name}: no kernel for a {op.kind} operator ({op.fn or '-'}) "
                              f"split by {split}")
@@ -207,10 +217,21 @@ class Interpreter:
 
 class _Batch:
     """A batch's shape and this rank's token rows."""
-    __slots__ = ("B", "T", "M", "rc", "r0", "mine")
+    __slots__ = ("B", "T", "M", "rc", "r0", "mine", "_ones")
 
     def __init__(self, B, T, M, rc, r0, mine):
         self.B, self.T, self.M, self.rc, self.r0, self.mine = B, T, M, rc, r0, mine
+        self._ones = None
+
+    def mask(self, env: dict) -> np.ndarray:
+        """The key mask [B, T]: the graph's `mask` input, or every key real in a graph without
+        one (images have no padding)."""
+        m = env.get("mask")
+        if m is None:
+            if self._ones is None:
+                self._ones = np.ones((self.B, self.T), np.float32)
+            m = self._ones
+        return m
 
 
 def _mlp_pair(a: Step, b: Step, readers: dict[str, int]) -> bool:
