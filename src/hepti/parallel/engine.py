@@ -170,6 +170,7 @@ class Job:
     def __init__(self, world, store, plan: Plan, threads: int = 1):
         from hepti.model.family import family
         from hepti.parallel.layers import ResidentLayers, StreamingLayers, slice_packer
+        from hepti.parallel.slices import outside_layers
 
         self.world, self.store, self.plan = world, store, plan
         cfg = self.cfg = store.config
@@ -209,7 +210,8 @@ class Job:
                 steps = stage_steps(lower.schedule(graph, lower.assignment(graph, "single"), L),
                                     a, b, last)
                 stage = Interpreter(Comm(None, tracer=world.tracer), graph, steps, self.layers, {},
-                                    [1.0], {"heads": [H], "ffn": [F]}, threads)
+                                    [1.0], {"heads": [H], "ffn": [F]}, threads,
+                                    outside_layers(graph, store) if last else None)
             self.executor = PipelineExecutor(world, stage, ranges)
             return
         if s in ("rows", "single"):
@@ -235,7 +237,8 @@ class Job:
             units = {u: [c[u][r] for r in self.active] for u in ("heads", "ffn")}
             assign = lower.assignment(graph, "tensor")
         self.executor = Interpreter(self.group, graph, lower.schedule(graph, assign, L), self.layers,
-                                    self.primary_ops, rows, units, threads)
+                                    self.primary_ops, rows, units, threads,
+                                    outside_layers(graph, store))
 
     def run_all(self, batches, n: int, on_output=None) -> None:
         """Run n batches, in order. `batches` is an iterable on the primary (ignored elsewhere);

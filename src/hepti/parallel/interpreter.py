@@ -36,14 +36,18 @@ class Interpreter:
     name = "graph"
 
     def __init__(self, group, graph: Graph, steps: list[Step], layers, primary_ops: dict,
-                 row_ratios: list[float], units: dict[str, list[int]], threads: int = 1):
+                 row_ratios: list[float], units: dict[str, list[int]], threads: int = 1,
+                 outside=None):
         """group: the active ranks' Comm; steps: lower.schedule(graph, assignment, L); layers:
         ResidentLayers or StreamingLayers of LayerSlice; primary_ops: {op kind: fn(batch) ->
         array} for the operators rank 0 runs alone; row_ratios: each group rank's share of a
-        batch's token rows; units: each group rank's count of each unit its slices hold."""
+        batch's token rows; units: each group rank's count of each unit its slices hold;
+        outside: the LayerSlice of the other operators before and after the layers
+        (slices.outside_layers), if the steps have any."""
         self.g, self.graph, self.steps, self.layers = group, graph, steps, layers
         self.primary_ops, self.row_ratios, self.units = primary_ops, row_ratios, units
         self.threads = threads
+        self.outside = outside.params if outside is not None else {}
         self._plan = self._prepare(steps)
 
     def _prepare(self, steps: list[Step]) -> list[tuple]:
@@ -127,7 +131,7 @@ class Interpreter:
             label = first.op.piece if first.layer is None else f"L{first.layer} {first.op.piece}"
             with tr.span(label, "compute"):
                 for item in run:
-                    self._op(item, env, fused, params if first.layer is not None else None,
+                    self._op(item, env, fused, params if first.layer is not None else self.outside,
                              batch, ctx)
             if release is not None:
                 self.layers.done(release)

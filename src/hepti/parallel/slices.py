@@ -34,9 +34,11 @@ class LayerSlice:
     nbytes: int
 
     @classmethod
-    def pack(cls, graph: Graph, index: int, tensors: dict[str, np.ndarray]) -> "LayerSlice":
+    def pack(cls, graph: Graph, index: int, tensors: dict[str, np.ndarray],
+             ops=None) -> "LayerSlice":
+        """Layer `index` from its tensors; or, with `ops`, those operators' weights (index -1)."""
         params, nbytes = {}, 0
-        for op in graph.layer:
+        for op in (graph.layer if ops is None else ops):
             if op.kind == "gemm":
                 by_cols = BY_COLS in op.splits  # stored [n, k]; else [k, n]
                 mats = [tensors[w] for w in op.matrices]
@@ -51,3 +53,11 @@ class LayerSlice:
                 params[op.name] = vecs
                 nbytes += sum(v.nbytes for v in vecs)
         return cls(index, params, nbytes)
+
+
+def outside_layers(graph: Graph, store) -> "LayerSlice":
+    """The weights of the operators before and after the layers that every rank may run (not
+    the primary's own, which its family code reads): read whole from the store."""
+    from hepti.graph.ir import ON_PRIMARY
+    ops = [op for op in graph.prologue + graph.epilogue if ON_PRIMARY not in op.splits]
+    return LayerSlice.pack(graph, -1, {w: store.read(w) for op in ops for w in op.weights}, ops)
