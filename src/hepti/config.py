@@ -1,14 +1,20 @@
-"""Model configuration: the subset of a Hugging Face `config.json` hepti runs, validated."""
+"""Model configuration: the subset of a Hugging Face `config.json` hepti runs, validated.
+
+Two families: BERT text encoders (`BertConfig`) and ViT image encoders (`ViTConfig`).
+`config_from_dict` / `config_from_json` pick the class by the config's `model_type`; use them
+wherever a config of either family may turn up (checkpoints, converted models, plans).
+"""
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Union
 
 from hepti.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("bert",)
-SUPPORTED_ACTS = ("gelu",)  # erf form, as BERT uses
+SUPPORTED_MODEL_TYPES = ("bert", "vit")
+SUPPORTED_ACTS = ("gelu",)  # erf form, as BERT and ViT use
 
 
 @dataclass(frozen=True)
@@ -32,26 +38,21 @@ class BertConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens an input may have (positions)."""
+        return self.max_position_embeddings
+
     @classmethod
     def from_dict(cls, d: dict, name: str = "") -> "BertConfig":
-        mt = d.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"unsupported model_type {mt!r}; hepti supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        act = d.get("hidden_act", "gelu")
-        if act not in SUPPORTED_ACTS:
-            raise ConfigError(
-                f"unsupported hidden_act {act!r}; hepti supports: {', '.join(SUPPORTED_ACTS)}"
-            )
+        mt = _check_model_type(d, "bert")
+        act = _check_act(d)
         pet = d.get("position_embedding_type", "absolute")
         if pet != "absolute":
             raise ConfigError(f"unsupported position_embedding_type {pet!r}; only 'absolute' is")
         required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size")
-        missing = [k for k in required if k not in d]
-        if missing:
-            raise ConfigError(f"config.json lacks {', '.join(missing)}")
+        _check_required(d, required)
         cfg = cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
@@ -66,26 +67,13 @@ class BertConfig:
             model_type=mt,
             name=name or str(d.get("_name_or_path", "")),
         )
-        for k in required:
-            if getattr(cfg, k) <= 0:
-                raise ConfigError(f"config {k} must be positive, got {getattr(cfg, k)}")
-        if cfg.hidden_size % cfg.num_attention_heads:
-            raise ConfigError(
-                f"hidden_size {cfg.hidden_size} is not divisible by num_attention_heads "
-                f"{cfg.num_attention_heads}"
-            )
+        _check_positive(cfg, required)
+        _check_heads(cfg)
         return cfg
 
     @classmethod
     def from_json(cls, path: str | Path, name: str = "") -> "BertConfig":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such file; a model folder needs config.json") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(d, name=name)
+        return cls.from_dict(_read_json(path), name=name)
 
     def to_dict(self) -> dict:
         """HF-style dict (round-trips through from_dict)."""
@@ -98,7 +86,178 @@ class BertConfig:
                 "heads": self.num_attention_heads, "ffn": self.intermediate_size}
 
 
-def model_mismatch(name: str | None, shape: dict | None, config: BertConfig) -> tuple[str | None, bool]:
+@dataclass(frozen=True)
+class ViTConfig:
+    """Shape and numerics of a ViT image encoder (Hugging Face ViTModel): square images of
+    `image_size` pixels cut into (image_size // patch_size) ** 2 square patches, plus a CLS
+    token."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    image_size: int = 224
+    patch_size: int = 16
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+    qkv_bias: bool = True
+    model_type: str = "vit"
+    name: str = ""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per image: the CLS token and one per patch."""
+        return self.n_patches + 1
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens an input may have: every image has seq_len."""
+        return self.seq_len
+
+    @classmethod
+    def from_dict(cls, d: dict, name: str = "") -> "ViTConfig":
+        mt = _check_model_type(d, "vit")
+        act = _check_act(d)
+        qkv_bias = d.get("qkv_bias", True)
+        if qkv_bias is not True:
+            raise ConfigError(f"qkv_bias {qkv_bias!r} is not supported: hepti's ViT layers have "
+                              "query/key/value biases (qkv_bias true, as every standard ViT)")
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        _check_required(d, required)
+        cfg = cls(
+            hidden_size=int(d["hidden_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=int(d["num_attention_heads"]),
+            intermediate_size=int(d["intermediate_size"]),
+            image_size=_square(d, "image_size", 224),
+            patch_size=_square(d, "patch_size", 16),
+            num_channels=int(d.get("num_channels", 3)),
+            layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
+            hidden_act=act,
+            qkv_bias=True,
+            model_type=mt,
+            name=name or str(d.get("_name_or_path", "")),
+        )
+        _check_positive(cfg, required + ("image_size", "patch_size", "num_channels"))
+        _check_heads(cfg)
+        if cfg.image_size % cfg.patch_size:
+            raise ConfigError(f"image_size {cfg.image_size} is not divisible by patch_size "
+                              f"{cfg.patch_size}; ViT cuts the image into whole patches")
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str | Path, name: str = "") -> "ViTConfig":
+        return cls.from_dict(_read_json(path), name=name)
+
+    def to_dict(self) -> dict:
+        """HF-style dict (round-trips through from_dict)."""
+        return asdict(self)
+
+    @property
+    def shape(self) -> dict:
+        """What the cost of running this model depends on: plans and profiles record it."""
+        return {"layers": self.num_hidden_layers, "hidden": self.hidden_size,
+                "heads": self.num_attention_heads, "ffn": self.intermediate_size}
+
+
+ModelConfig = Union[BertConfig, ViTConfig]
+CONFIG_CLASSES = {"bert": BertConfig, "vit": ViTConfig}  # model_type -> class
+
+
+def config_from_dict(d: dict, name: str = "") -> ModelConfig:
+    """A BertConfig or ViTConfig, chosen by d['model_type'] (ConfigError for other types)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"a model config must be a JSON object, not {type(d).__name__}")
+    mt = d.get("model_type")
+    if mt not in CONFIG_CLASSES:
+        raise ConfigError(_unsupported(mt))
+    return CONFIG_CLASSES[mt].from_dict(d, name=name)
+
+
+def config_from_json(path: str | Path, name: str = "") -> ModelConfig:
+    """config_from_dict of a config.json file."""
+    return config_from_dict(_read_json(path), name=name)
+
+
+def _read_json(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; a model folder needs config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def _unsupported(mt) -> str:
+    if mt is None:
+        return f"the config has no model_type; hepti supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    return f"unsupported model_type {mt!r}; hepti supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+
+
+def _check_model_type(d: dict, want: str) -> str:
+    mt = d.get("model_type")
+    if mt == want:
+        return mt
+    if mt in CONFIG_CLASSES:
+        raise ConfigError(f"model_type {mt!r} is not a {want!r} config; load it with "
+                          "hepti.config.config_from_dict, which picks the class by model_type")
+    raise ConfigError(_unsupported(mt))
+
+
+def _check_act(d: dict) -> str:
+    act = d.get("hidden_act", "gelu")
+    if act not in SUPPORTED_ACTS:
+        raise ConfigError(
+            f"unsupported hidden_act {act!r}; hepti supports: {', '.join(SUPPORTED_ACTS)}"
+        )
+    return act
+
+
+def _check_required(d: dict, required: tuple[str, ...]) -> None:
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ConfigError(f"config.json lacks {', '.join(missing)}")
+
+
+def _check_positive(cfg, keys: tuple[str, ...]) -> None:
+    for k in keys:
+        if getattr(cfg, k) <= 0:
+            raise ConfigError(f"config {k} must be positive, got {getattr(cfg, k)}")
+
+
+def _check_heads(cfg) -> None:
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ConfigError(
+            f"hidden_size {cfg.hidden_size} is not divisible by num_attention_heads "
+            f"{cfg.num_attention_heads}"
+        )
+
+
+def _square(d: dict, key: str, default: int) -> int:
+    """An int, or a [height, width] pair of equal ints (some configs spell sizes so)."""
+    v = d.get(key, default)
+    if isinstance(v, (list, tuple)):
+        if len(v) != 2 or v[0] != v[1]:
+            raise ConfigError(f"config {key} {list(v)} is not square; hepti's ViT takes square "
+                              "images and patches")
+        v = v[0]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+        raise ConfigError(f"config {key} must be a whole number, got {v!r}")
+    return int(v)
+
+
+def model_mismatch(name: str | None, shape: dict | None,
+                   config: ModelConfig) -> tuple[str | None, bool]:
     """Compare a plan's or profile's record of its model with `config`: (what differs, or None;
     whether that makes it unusable). A different shape does; a different name with the same
     shape does not (costs depend on the shape alone), unless no shape was recorded."""
@@ -112,6 +271,7 @@ def model_mismatch(name: str | None, shape: dict | None, config: BertConfig) -> 
 
 
 # Standard shapes for `hepti convert --random` (benchmarks need them; no pretrained weights offline).
+# Entries without a model_type are BERT.
 RANDOM_PRESETS = {
     "bert-base": dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12,
                       num_attention_heads=12, intermediate_size=3072),
@@ -119,13 +279,26 @@ RANDOM_PRESETS = {
                        num_attention_heads=16, intermediate_size=4096),
     "tiny-odd": dict(vocab_size=1000, hidden_size=96, num_hidden_layers=3,
                      num_attention_heads=6, intermediate_size=200),
+    "vit-base": dict(model_type="vit", hidden_size=768, num_hidden_layers=12,
+                     num_attention_heads=12, intermediate_size=3072, image_size=224,
+                     patch_size=16),
+    "vit-large": dict(model_type="vit", hidden_size=1024, num_hidden_layers=24,
+                      num_attention_heads=16, intermediate_size=4096, image_size=224,
+                      patch_size=16),
+}
+# What a preset leaves out, per family (HF's defaults)
+PRESET_DEFAULTS = {
+    "bert": dict(max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12,
+                 hidden_act="gelu"),
+    "vit": dict(num_channels=3, layer_norm_eps=1e-12, hidden_act="gelu", qkv_bias=True),
 }
 
 
-def preset_config(name: str) -> BertConfig:
+def preset_config(name: str) -> ModelConfig:
+    """The config of a RANDOM_PRESETS entry: a BertConfig or a ViTConfig (name 'random-NAME')."""
     if name not in RANDOM_PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(RANDOM_PRESETS)} "
                           "or give a config.json path")
-    d = dict(RANDOM_PRESETS[name], model_type="bert", max_position_embeddings=512,
-             type_vocab_size=2, layer_norm_eps=1e-12, hidden_act="gelu")
-    return BertConfig.from_dict(d, name=f"random-{name}")
+    d = dict(RANDOM_PRESETS[name])
+    mt = d.setdefault("model_type", "bert")
+    return config_from_dict({**PRESET_DEFAULTS[mt], **d}, name=f"random-{name}")

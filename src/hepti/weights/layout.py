@@ -22,6 +22,15 @@ Embeddings (`emb.word` [V, C], `emb.position` [P, C], `emb.token_type` [T, C],
 `emb.ln.{gamma,beta}`) are read by the primary rank only. The pooler (`pooler.weight` [K, N],
 `pooler.bias`) is kept when the checkpoint has it; hepti's pooling (mean/CLS) does not use it.
 
+ViT (model_type "vit") stores the same attention and FFN tensors under the same names, sliced
+the same way; its LayerNorms come before each sublayer (pre-norm) and are named for that:
+`ln1.{gamma,beta}` (HF layernorm_before) and `ln2.{gamma,beta}` (HF layernorm_after), read whole.
+Not per layer: `emb.patch.weight` [C, ch*P*P] (the patch convolution's [C, ch, P, P] weight with
+each filter flattened in (channel, row, col) order, so a patch flattened the same way times its
+transpose is the convolution), `emb.patch.bias` [C], `emb.cls` [C], `emb.position` [S, C]
+(S = patches + 1), and the final LayerNorm `final_ln.{gamma,beta}` [C]. The pooler and task
+heads are not stored. Which tensors a family has, and their HF names, are in `FAMILIES`.
+
 Chunking (`chunk_rows`): HDF5 chunks span whole rows and a small number of them (a head's D
 rows for attention weights, `FFN_ROWS_PER_CHUNK` rows for FFN weights), so a slice touches only
 its own chunks (plus at most one partial chunk at each end), and Fletcher32 checks exactly those.
@@ -32,6 +41,8 @@ would not pull the whole table. Every chunk is stored at full size (also the par
 chunk) plus a 4-byte Fletcher32 checksum, which is what `stored_chunk_bytes` counts.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 # Matrices whose rows are a rank's slice, and by which dimension ("heads" or "ffn").
 COLUMN_WISE = {"attn.q.weight": "heads", "attn.k.weight": "heads", "attn.v.weight": "heads",
@@ -55,14 +66,15 @@ def layer_name(i: int, local: str) -> str:
     return f"layer.{i}.{local}"
 
 
-def slice_dim(local: str) -> str | None:
+def slice_dim(local: str, model_type: str = "bert") -> str | None:
     """'heads', 'ffn' or None (read whole) for a per-layer tensor's local name."""
-    return {**COLUMN_WISE, **BLOCK_WISE, **SLICED_BIASES}.get(local)
+    return family(model_type).sliced.get(local)
 
 
-def row_range(local: str, start: int, stop: int, head_dim: int) -> tuple[int, int]:
+def row_range(local: str, start: int, stop: int, head_dim: int,
+              model_type: str = "bert") -> tuple[int, int]:
     """Rows of the stored tensor for a slice [start, stop) of heads or FFN columns."""
-    dim = slice_dim(local)
+    dim = slice_dim(local, model_type)
     if dim == "heads":
         return start * head_dim, stop * head_dim
     if dim == "ffn":
@@ -104,6 +116,118 @@ HF_OTHER_MAP = {
 # Keys that carry no weights (buffers); skipped, and listed among what convert skipped.
 HF_IGNORED_SUFFIXES = ("position_ids",)
 
+# ViT per-layer tensors read whole (the sliced ones are BERT's: COLUMN_WISE, BLOCK_WISE, ...)
+VIT_WHOLE = ("attn.o.bias", "ln1.gamma", "ln1.beta", "ffn.down.bias", "ln2.gamma", "ln2.beta")
+VIT_LAYER_TENSORS = tuple(COLUMN_WISE) + tuple(BLOCK_WISE) + tuple(SLICED_BIASES) + VIT_WHOLE
+VIT_EMBEDDING_TENSORS = ("emb.patch.weight", "emb.patch.bias", "emb.cls", "emb.position")
+VIT_FINAL_TENSORS = ("final_ln.gamma", "final_ln.beta")  # after the last layer
+# Hugging Face ViT names, as on the hub and as transformers 4.x (and 5.x's save_pretrained) write
+# them: per layer under `encoder.layer.{i}.`
+VIT_HF_LAYER_MAP = {
+    "attention.attention.query.weight": ("attn.q.weight", False),
+    "attention.attention.query.bias": ("attn.q.bias", False),
+    "attention.attention.key.weight": ("attn.k.weight", False),
+    "attention.attention.key.bias": ("attn.k.bias", False),
+    "attention.attention.value.weight": ("attn.v.weight", False),
+    "attention.attention.value.bias": ("attn.v.bias", False),
+    "attention.output.dense.weight": ("attn.o.weight", True),
+    "attention.output.dense.bias": ("attn.o.bias", False),
+    "intermediate.dense.weight": ("ffn.up.weight", False),
+    "intermediate.dense.bias": ("ffn.up.bias", False),
+    "output.dense.weight": ("ffn.down.weight", True),
+    "output.dense.bias": ("ffn.down.bias", False),
+    "layernorm_before.weight": ("ln1.gamma", False),
+    "layernorm_before.bias": ("ln1.beta", False),
+    "layernorm_after.weight": ("ln2.gamma", False),
+    "layernorm_after.bias": ("ln2.beta", False),
+}
+# transformers 5.x's in-memory ViTModel names (its conversion_mapping "ViTModel" renames the hub
+# names to these on load): per layer under `layers.{i}.`; the other names are unchanged.
+VIT_HF_LAYER_MAP_V5 = {
+    "attention.q_proj.weight": ("attn.q.weight", False),
+    "attention.q_proj.bias": ("attn.q.bias", False),
+    "attention.k_proj.weight": ("attn.k.weight", False),
+    "attention.k_proj.bias": ("attn.k.bias", False),
+    "attention.v_proj.weight": ("attn.v.weight", False),
+    "attention.v_proj.bias": ("attn.v.bias", False),
+    "attention.o_proj.weight": ("attn.o.weight", True),
+    "attention.o_proj.bias": ("attn.o.bias", False),
+    "mlp.fc1.weight": ("ffn.up.weight", False),
+    "mlp.fc1.bias": ("ffn.up.bias", False),
+    "mlp.fc2.weight": ("ffn.down.weight", True),
+    "mlp.fc2.bias": ("ffn.down.bias", False),
+    "layernorm_before.weight": ("ln1.gamma", False),
+    "layernorm_before.bias": ("ln1.beta", False),
+    "layernorm_after.weight": ("ln2.gamma", False),
+    "layernorm_after.bias": ("ln2.beta", False),
+}
+VIT_HF_OTHER_MAP = {
+    "embeddings.patch_embeddings.projection.weight": ("emb.patch.weight", False),  # reshaped
+    "embeddings.patch_embeddings.projection.bias": ("emb.patch.bias", False),
+    "embeddings.cls_token": ("emb.cls", False),                       # [1, 1, C] -> [C]
+    "embeddings.position_embeddings": ("emb.position", False),        # [1, S, C] -> [S, C]
+    "layernorm.weight": ("final_ln.gamma", False),
+    "layernorm.bias": ("final_ln.beta", False),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the stored layout of one model family (a config's model_type) consists of.
+
+    `hf_layers` lists the spellings of Hugging Face per-layer names the converter accepts, each
+    as (label, layer prefix with {i}, map of names after the prefix); a checkpoint uses one.
+    Keys under `hf_refused` prefixes that are not in the maps would change the arithmetic and
+    are refused; `hf_skipped` keys are known and not needed (the ViT pooler, its mask token).
+    """
+
+    model_type: str
+    label: str     # for messages: "BERT", "ViT"
+    hf_model: str  # the transformers class whose state dict the HF names are: "BertModel", ...
+    layer_tensors: tuple[str, ...]  # per layer, in file order
+    other_tensors: tuple[str, ...]  # embeddings and the like, in file order (pooler aside)
+    sliced: dict[str, str] = field(default_factory=lambda: {**COLUMN_WISE, **BLOCK_WISE,
+                                                            **SLICED_BIASES})
+    hf_layers: tuple[tuple[str, str, dict], ...] = ()
+    hf_other: dict = field(default_factory=dict)
+    hf_model_prefix: str = ""  # stripped: the encoder inside a task model (BertForMaskedLM, ...)
+    hf_refused: tuple[str, ...] = ()
+    hf_skipped: tuple[str, ...] = ()
+
+
+FAMILIES = {
+    "bert": Family("bert", "BERT", "BertModel", LAYER_TENSORS, EMBEDDING_TENSORS,
+                   hf_layers=(("BERT", "encoder.layer.{i}.", HF_LAYER_MAP),),
+                   hf_other=HF_OTHER_MAP, hf_model_prefix="bert.",
+                   hf_refused=("embeddings.", "encoder.", "pooler.")),
+    "vit": Family("vit", "ViT", "ViTModel", VIT_LAYER_TENSORS,
+                  VIT_EMBEDDING_TENSORS + VIT_FINAL_TENSORS,
+                  hf_layers=(("transformers 4.x / hub", "encoder.layer.{i}.", VIT_HF_LAYER_MAP),
+                             ("transformers 5.x", "layers.{i}.", VIT_HF_LAYER_MAP_V5)),
+                  hf_other=VIT_HF_OTHER_MAP, hf_model_prefix="vit.",
+                  hf_refused=("embeddings.", "encoder.", "layers.", "layernorm."),
+                  hf_skipped=("pooler.", "embeddings.mask_token")),
+}
+
+
+def family(model_type: str) -> Family:
+    """The layout of a model family; ValueError names the supported ones."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(f"no weight layout for model_type {model_type!r}; hepti has: "
+                         f"{', '.join(FAMILIES)}") from None
+
+
+def layer_tensors(model_type: str = "bert") -> tuple[str, ...]:
+    """Local names of a layer's stored tensors, in file order."""
+    return family(model_type).layer_tensors
+
+
+def embedding_tensors(model_type: str = "bert") -> tuple[str, ...]:
+    """Stored tensors outside the layers (pooler aside), read by the primary rank only."""
+    return family(model_type).other_tensors
+
 
 def local_name(name: str) -> tuple[int | None, str]:
     """Split 'layer.3.attn.q.weight' into (3, 'attn.q.weight'); other names give (None, name)."""
@@ -113,13 +237,13 @@ def local_name(name: str) -> tuple[int | None, str]:
     return None, name
 
 
-def chunk_rows(name: str, shape: tuple[int, ...], head_dim: int) -> int:
+def chunk_rows(name: str, shape: tuple[int, ...], head_dim: int, model_type: str = "bert") -> int:
     """Rows per HDF5 chunk of a stored tensor (full name), by the chunking rule above."""
     rows = int(shape[0])
     if len(shape) == 1:
         return max(rows, 1)
-    _, local = local_name(name)
-    dim = slice_dim(local)
+    layer, local = local_name(name)
+    dim = slice_dim(local, model_type) if layer is not None else None
     if dim == "heads":
         return min(head_dim, rows)
     if dim == "ffn":
@@ -138,7 +262,12 @@ def stored_chunk_bytes(shape: tuple[int, ...], rows_per_chunk: int, start: int, 
 
 
 def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:
-    """Every stored tensor name -> its stored shape for a BertConfig, in file order."""
+    """Every stored tensor name -> its stored shape for a config, in file order.
+
+    `pooler` (whether the pooler is stored) matters for BERT only; ViT never stores one.
+    """
+    if config.model_type == "vit":
+        return _vit_shapes(config)
     c, f = config.hidden_size, config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "emb.word": (config.vocab_size, c),
@@ -162,6 +291,41 @@ def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:
         for local in LAYER_TENSORS:
             shapes[layer_name(i, local)] = per_layer[local]
     return shapes
+
+
+def _vit_shapes(config) -> dict[str, tuple[int, ...]]:
+    c, f, p = config.hidden_size, config.intermediate_size, config.patch_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "emb.patch.weight": (c, config.num_channels * p * p),
+        "emb.patch.bias": (c,),
+        "emb.cls": (c,),
+        "emb.position": (config.seq_len, c),
+        "final_ln.gamma": (c,),
+        "final_ln.beta": (c,),
+    }
+    per_layer = {
+        "attn.q.weight": (c, c), "attn.k.weight": (c, c), "attn.v.weight": (c, c),
+        "attn.o.weight": (c, c), "ffn.up.weight": (f, c), "ffn.down.weight": (f, c),
+        "attn.q.bias": (c,), "attn.k.bias": (c,), "attn.v.bias": (c,), "ffn.up.bias": (f,),
+        "attn.o.bias": (c,), "ln1.gamma": (c,), "ln1.beta": (c,),
+        "ffn.down.bias": (c,), "ln2.gamma": (c,), "ln2.beta": (c,),
+    }
+    assert set(per_layer) == set(VIT_LAYER_TENSORS)
+    assert tuple(shapes) == embedding_tensors("vit")
+    for i in range(config.num_hidden_layers):
+        for local in VIT_LAYER_TENSORS:
+            shapes[layer_name(i, local)] = per_layer[local]
+    return shapes
+
+
+def hf_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Stored tensors whose Hugging Face shape is a reshape of the stored one (more than a
+    transpose) -> that HF shape; the data are the same in row-major order."""
+    if config.model_type != "vit":
+        return {}
+    c, p = config.hidden_size, config.patch_size
+    return {"emb.patch.weight": (c, config.num_channels, p, p), "emb.cls": (1, 1, c),
+            "emb.position": (1, config.seq_len, c)}
 
 
 def _prod(dims) -> int:

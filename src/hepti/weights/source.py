@@ -1,11 +1,12 @@
-"""Reading a Hugging Face BERT checkpoint folder: safetensors files, name mapping, validation.
+"""Reading a Hugging Face BERT or ViT checkpoint folder: safetensors files, names, validation.
 
 A checkpoint folder holds config.json and either one `model.safetensors` or several shards
 listed in `model.safetensors.index.json`. Tensors are memory-mapped and handed out a block of
 rows at a time (in hepti's stored orientation), so converting never holds a whole model in RAM.
 The safetensors format is read here directly (8-byte header length, JSON header, raw data)
 rather than through `safetensors.numpy`, because numpy has no bfloat16 and many checkpoints are
-BF16; the parser checks every offset against the file size.
+BF16; the parser checks every offset against the file size. The family (config.json's
+model_type) decides which HF names are expected: `layout.FAMILIES`.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hepti.config import BertConfig
+from hepti.config import ModelConfig, config_from_json
 from hepti.errors import WeightsError
 from hepti.weights import layout
 
@@ -25,7 +26,7 @@ from hepti.weights import layout
 SOURCE_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
 # Top-level prefixes of task heads that BERT checkpoints carry and the encoder does not use.
 HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.", "lm_head.")
-MODEL_PREFIX = "bert."  # BertForMaskedLM, BertForSequenceClassification, ... wrap the encoder
+MODEL_PREFIX = "bert."  # BertForMaskedLM, ... wrap the encoder (each family's: layout.Family)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 ITEMSIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
              "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -69,10 +70,12 @@ class SafetensorsFile:
     def dtype(self, key: str) -> str:
         return self.entries[key][0]
 
-    def rows(self, key: str, start: int, stop: int, transpose: bool) -> np.ndarray:
-        """Rows [start, stop) of the tensor (of its transpose if `transpose`), as float32."""
-        dtype, shape, b0, b1 = self.entries[key]
-        raw = self._map[b0:b1].view(SOURCE_DTYPES[dtype]).reshape(shape)
+    def rows(self, key: str, start: int, stop: int, transpose: bool,
+             shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """Rows [start, stop) of the tensor (of its transpose if `transpose`), as float32.
+        `shape`: view the data as this shape first (row-major, same number of elements)."""
+        dtype, stored, b0, b1 = self.entries[key]
+        raw = self._map[b0:b1].view(SOURCE_DTYPES[dtype]).reshape(shape or stored)
         part = raw[:, start:stop].T if transpose else raw[start:stop]
         if dtype == "BF16":  # bfloat16 is the top half of a float32
             wide = np.empty(part.shape, np.uint32)  # C order, whatever the view's order
@@ -85,27 +88,39 @@ class SafetensorsFile:
         self._map = None
 
 
-def map_hf_key(key: str) -> tuple[str, bool] | None:
+def map_hf_key(key: str, model_type: str = "bert") -> tuple[str, bool] | None:
     """HF key -> (our name, transpose?), or None for a tensor the encoder does not use.
 
-    Raises WeightsError for an unknown key inside embeddings/encoder/pooler: it would change
-    the arithmetic, so silently dropping it would give wrong outputs.
+    Raises WeightsError for an unknown key inside the encoder (embeddings, layers, ...): it
+    would change the arithmetic, so silently dropping it would give wrong outputs.
     """
-    k = key[len(MODEL_PREFIX):] if key.startswith(MODEL_PREFIX) else key
+    mapped = _map_key(key, layout.family(model_type))
+    return None if mapped is None else mapped[:2]
+
+
+def _map_key(key: str, fam: layout.Family) -> tuple[str, bool, str | None] | None:
+    """map_hf_key, plus the spelling (label in fam.hf_layers) of a per-layer key, else None."""
+    k = key[len(fam.hf_model_prefix):] if key.startswith(fam.hf_model_prefix) else key
     k = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", k)
     k = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)
-    if k.endswith(layout.HF_IGNORED_SUFFIXES):
+    if k.endswith(layout.HF_IGNORED_SUFFIXES) or k.startswith(fam.hf_skipped):
         return None
-    m = re.fullmatch(r"encoder\.layer\.(\d+)\.(.+)", k)
-    if m and m.group(2) in layout.HF_LAYER_MAP:
-        local, transpose = layout.HF_LAYER_MAP[m.group(2)]
-        return layout.layer_name(int(m.group(1)), local), transpose
-    if k in layout.HF_OTHER_MAP:
-        return layout.HF_OTHER_MAP[k]
-    if k.startswith(("embeddings.", "encoder.", "pooler.")):
-        raise WeightsError(f"unrecognised encoder tensor {key!r}: hepti converts standard BERT "
-                           "encoders (BertModel layout) only")
+    for spelling, prefix, table in fam.hf_layers:
+        m = re.fullmatch(_layer_pattern(prefix), k)
+        if m and m.group(2) in table:
+            local, transpose = table[m.group(2)]
+            return layout.layer_name(int(m.group(1)), local), transpose, spelling
+    if k in fam.hf_other:
+        return (*fam.hf_other[k], None)
+    if k.startswith(fam.hf_refused):
+        raise WeightsError(f"unrecognised encoder tensor {key!r}: hepti converts standard "
+                           f"{fam.label} encoders ({fam.hf_model} layout) only")
     return None
+
+
+def _layer_pattern(prefix: str) -> str:
+    """'encoder.layer.{i}.' -> a regex matching 'encoder.layer.3.<rest>' (groups: 3, rest)."""
+    return re.escape(prefix).replace(re.escape("{i}"), r"(\d+)") + "(.+)"
 
 
 @dataclass
@@ -117,8 +132,11 @@ class SourceTensor:
     file: SafetensorsFile
     transpose: bool
     shape: tuple[int, ...]  # stored shape (after the transpose)
+    view: tuple[int, ...] | None = None  # stored shape, when it is a reshape of the HF one
 
     def rows(self, start: int, stop: int) -> np.ndarray:
+        if self.view is not None:
+            return self.file.rows(self.hf_key, start, stop, self.transpose, shape=self.view)
         return self.file.rows(self.hf_key, start, stop, self.transpose)
 
 
@@ -127,7 +145,7 @@ class Checkpoint:
     """A validated HF checkpoint: config, every tensor we need, and what was skipped."""
 
     path: Path
-    config: BertConfig
+    config: ModelConfig
     tensors: dict[str, SourceTensor]  # in stored file order (layout.expected_shapes)
     skipped: list[str]
     files: list[SafetensorsFile]
@@ -165,29 +183,34 @@ def safetensors_files(src: Path) -> list[Path]:
 def open_checkpoint(src: str | Path, name: str | None = None) -> Checkpoint:
     """Open and validate a HF checkpoint folder; nothing is read beyond headers.
 
-    Checks: config.json is a supported BERT; every tensor the config implies is present once
-    with the right shape; no unknown encoder tensors; pooler weight and bias come together.
-    `name` (default: the folder's name) becomes config.name.
+    Checks: config.json is a supported model (BERT or ViT); every tensor the config implies is
+    present once with the right shape; no unknown encoder tensors; one spelling of the HF names
+    (ViT has two); pooler weight and bias come together. `name` (default: the folder's name)
+    becomes config.name.
     """
     src = Path(src)
     if not src.is_dir():
         raise WeightsError(f"{src}: no such checkpoint folder (expected config.json + *.safetensors)")
-    config = BertConfig.from_json(src / "config.json", name=name or src.name)
+    config = config_from_json(src / "config.json", name=name or src.name)
+    fam = layout.family(config.model_type)
     files = [SafetensorsFile(p) for p in safetensors_files(src)]
     found: dict[str, SourceTensor] = {}
     skipped: list[str] = []
     errors: list[str] = []
+    spellings: dict[str, str] = {}  # spelling of per-layer names -> first key spelt so
     for f in files:
         for key in f.entries:
             try:
-                mapped = map_hf_key(key)
+                mapped = _map_key(key, fam)
             except WeightsError as e:
                 errors.append(str(e))
                 continue
             if mapped is None:
                 skipped.append(key)
                 continue
-            name, transpose = mapped
+            name, transpose, spelling = mapped
+            if spelling is not None:
+                spellings.setdefault(spelling, key)
             if f.dtype(key) not in SOURCE_DTYPES:
                 errors.append(f"{key} has dtype {f.dtype(key)}; hepti converts float checkpoints "
                               f"({', '.join(SOURCE_DTYPES)}) only")
@@ -197,19 +220,33 @@ def open_checkpoint(src: str | Path, name: str | None = None) -> Checkpoint:
                 continue
             shape = f.shape(key)[::-1] if transpose else f.shape(key)
             found[name] = SourceTensor(name, key, f, transpose, shape)
+    if len(spellings) > 1:
+        errors.append("the per-layer tensor names mix spellings: " + "; ".join(
+            f"{s} ({k}, ...)" for s, k in spellings.items()) + ". Re-save the checkpoint with "
+            "one transformers version")
+    spelling = next(iter(spellings), fam.hf_layers[0][0])
     pooler = "pooler.weight" in found or "pooler.bias" in found
     expected = layout.expected_shapes(config, pooler=pooler)
     missing = [n for n in expected if n not in found]
     if missing:
-        errors.append(f"missing {len(missing)} tensor(s): {_hf_names(missing)}")
+        errors.append(f"missing {len(missing)} tensor(s): {_hf_names(missing, fam, spelling)}")
     extra = [n for n in found if n not in expected]
     if extra:
         errors.append(f"tensors beyond config.json (num_hidden_layers="
                       f"{config.num_hidden_layers}): {', '.join(found[n].hf_key for n in extra[:8])}")
+    reshaped = layout.hf_shapes(config)  # HF shape of tensors stored as a reshape of it
     for n, shape in expected.items():
-        if n in found and found[n].shape != shape:
-            t = found[n]
-            want = shape[::-1] if t.transpose else shape
+        if n not in found:
+            continue
+        t = found[n]
+        if n in reshaped:
+            assert not t.transpose, n
+            want, ok = reshaped[n], t.file.shape(t.hf_key) == reshaped[n]
+            if ok:
+                t.shape = t.view = shape
+        else:
+            want, ok = (shape[::-1] if t.transpose else shape), t.shape == shape
+        if not ok:
             errors.append(f"{t.hf_key} has shape {list(t.file.shape(t.hf_key))}, config.json "
                           f"implies {list(want)}")
     if errors:
@@ -219,13 +256,14 @@ def open_checkpoint(src: str | Path, name: str | None = None) -> Checkpoint:
     return Checkpoint(src, config, {n: found[n] for n in expected}, skipped, files)
 
 
-def _hf_names(names: list[str], limit: int = 8) -> str:
-    """Our names -> HF names for an error message, shortened after `limit`."""
-    inverse = {v[0]: k for k, v in layout.HF_LAYER_MAP.items()}
-    inverse_other = {v[0]: k for k, v in layout.HF_OTHER_MAP.items() if "gamma" not in k and "beta" not in k}
+def _hf_names(names: list[str], fam: layout.Family, spelling: str, limit: int = 8) -> str:
+    """Our names -> HF names (in `spelling`) for an error message, shortened after `limit`."""
+    prefix, table = next((p, t) for s, p, t in fam.hf_layers if s == spelling)
+    inverse = {v[0]: k for k, v in table.items()}
+    inverse_other = {v[0]: k for k, v in fam.hf_other.items() if "gamma" not in k and "beta" not in k}
     shown = []
     for n in names[:limit]:
         i, local = layout.local_name(n)
-        shown.append(f"encoder.layer.{i}.{inverse[local]}" if i is not None else inverse_other[n])
+        shown.append(prefix.format(i=i) + inverse[local] if i is not None else inverse_other[n])
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(shown) + more

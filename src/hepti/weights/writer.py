@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 import hepti
-from hepti.config import BertConfig
+from hepti.config import ModelConfig
 from hepti.errors import WeightsError
 from hepti.weights import layout
 from hepti.weights.index import FORMAT, FORMAT_VERSION, INDEX_NAME, is_model_dir, shard_name
@@ -149,7 +149,7 @@ def plan_shards(specs: list[TensorSpec], shard_layers: int | None,
     return shards
 
 
-def write_model(out: str | Path, config: BertConfig, specs: list[TensorSpec], *, source: dict,
+def write_model(out: str | Path, config: ModelConfig, specs: list[TensorSpec], *, source: dict,
                 copy_files: dict[str, Path] | None = None, shard_layers: int | None = 4,
                 max_shard_bytes: int | None = None, overwrite: bool = False,
                 progress: bool = True, desc: str = "convert") -> Path:
@@ -164,7 +164,7 @@ def write_model(out: str | Path, config: BertConfig, specs: list[TensorSpec], *,
                              overwrite=overwrite, progress=progress, desc=desc)
 
 
-def _write_locked(out: Path, config: BertConfig, specs: list[TensorSpec],
+def _write_locked(out: Path, config: ModelConfig, specs: list[TensorSpec],
                   shards: list[list[TensorSpec]], *, source: dict,
                   copy_files: dict[str, Path] | None, overwrite: bool, progress: bool,
                   desc: str) -> Path:
@@ -182,7 +182,7 @@ def _write_locked(out: Path, config: BertConfig, specs: list[TensorSpec],
                 fname = shard_name(k)
                 with h5py.File(tmp / fname, "w", libver=LIBVER) as h5:
                     for spec in group:
-                        rows = _write_tensor(h5, spec, config.head_dim, bar)
+                        rows = _write_tensor(h5, spec, config, bar)
                         index["tensors"][spec.name] = {
                             "shard": fname, "shape": list(spec.shape), "dtype": layout.DTYPE,
                             "chunk_rows": rows, "from": spec.origin, "transposed": spec.transposed}
@@ -203,9 +203,9 @@ def _write_locked(out: Path, config: BertConfig, specs: list[TensorSpec],
     return out
 
 
-def _write_tensor(h5: h5py.File, spec: TensorSpec, head_dim: int, bar: tqdm) -> int:
+def _write_tensor(h5: h5py.File, spec: TensorSpec, config: ModelConfig, bar: tqdm) -> int:
     """Create one chunked, Fletcher32-checked dataset and fill it block by block."""
-    rows = layout.chunk_rows(spec.name, spec.shape, head_dim)
+    rows = layout.chunk_rows(spec.name, spec.shape, config.head_dim, config.model_type)
     dset = h5.create_dataset(spec.name, shape=spec.shape, dtype=layout.DTYPE,
                              chunks=(rows,) + tuple(spec.shape[1:]), fletcher32=True)
     row_bytes = spec.nbytes // max(spec.shape[0], 1)
