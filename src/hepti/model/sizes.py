@@ -1,33 +1,52 @@
-"""Byte counts of weight slices, from the config alone (no weights needed).
+"""Byte counts of weight slices, from the model's graph alone (no weights needed).
 
 The runtime checks a memory budget with these before it reads anything; the planner's cost model
-uses the same numbers, so the two agree on what a share costs.
+uses the same numbers, so the two agree on what a share costs. Any family: the weights are the
+ones its graph's operators name (hepti.graph), with how a unit of a split cuts them.
 """
 from __future__ import annotations
 
-from hepti.config import BertConfig
+from functools import lru_cache
 
-F32 = 4
-
-
-def layer_slice_bytes(cfg: BertConfig, n_heads: int, n_ffn: int) -> int:
-    """Weight bytes of one layer's slice with `n_heads` whole heads and `n_ffn` FFN columns."""
-    C, D = cfg.hidden_size, cfg.head_dim
-    hd = n_heads * D
-    sliced = 3 * hd * C + 3 * hd + hd * C + 2 * n_ffn * C + n_ffn  # QKV(+bias), O rows, up(+bias), down rows
-    whole = 6 * C  # o bias, ln1 gamma/beta, down bias, ln2 gamma/beta
-    return F32 * (sliced + whole)
+from hepti.graph.ir import F32, ON_PRIMARY
 
 
-def layer_bytes(cfg: BertConfig) -> int:
+@lru_cache(maxsize=32)
+def _graph(cfg):
+    from hepti.graph.encoder import family_graph
+    return family_graph(cfg, 1, 1)
+
+
+def _names(ops) -> list[str]:
+    return list(dict.fromkeys(w for op in ops for w in op.weights))
+
+
+def layer_slice_bytes(cfg, n_heads: int, n_ffn: int) -> int:
+    """Weight bytes of one layer's slice with `n_heads` whole heads and `n_ffn` FFN columns:
+    each sliced weight's share, every other layer weight whole."""
+    g = _graph(cfg)
+    count = {"heads": n_heads, "ffn": n_ffn}
+    total = 0
+    for name in _names(g.layer):
+        w = g.weights[name]
+        total += w.per_unit * count[w.split] if w.split is not None else w.elements
+    return F32 * total
+
+
+def layer_bytes(cfg) -> int:
     """Weight bytes of one whole encoder layer."""
     return layer_slice_bytes(cfg, cfg.num_attention_heads, cfg.intermediate_size)
 
 
-def embedding_bytes(cfg: BertConfig) -> int:
-    C = cfg.hidden_size
-    return F32 * (cfg.vocab_size * C + cfg.max_position_embeddings * C + cfg.type_vocab_size * C + 2 * C)
+def embedding_bytes(cfg) -> int:
+    """Weight bytes of the operators the primary runs alone (the embeddings)."""
+    g = _graph(cfg)
+    ops = [op for op in g.prologue + g.epilogue if ON_PRIMARY in op.splits]
+    return F32 * sum(g.weights[n].elements for n in _names(ops))
 
 
-def model_bytes(cfg: BertConfig) -> int:
-    return embedding_bytes(cfg) + cfg.num_hidden_layers * layer_bytes(cfg)
+def model_bytes(cfg) -> int:
+    g = _graph(cfg)
+    rest = _names([op for op in g.prologue + g.epilogue if ON_PRIMARY not in op.splits])
+    return (embedding_bytes(cfg) + cfg.num_hidden_layers * layer_bytes(cfg)
+            + F32 * sum(g.weights[n].elements for n in rest))

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hepti.config import BertConfig
+from hepti.config import ModelConfig, config_from_dict
 from hepti.emulate import stretch as _stretch
 from hepti.errors import PlanError
 from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, Profile, load_profile, profile_from_dict
@@ -103,14 +103,14 @@ def _timed_many(fns: dict, rounds: int = 4, min_time: float = MIN_TIME_S / 3) ->
     return {key: statistics.median(v) for key, v in times.items()}
 
 
-def gemm_sizes(config: BertConfig, rows: int) -> list[int]:
+def gemm_sizes(config: ModelConfig, rows: int) -> list[int]:
     """Row counts m at which to time a layer's GeMMs: small slices up to all M rows, and half of
     them (two ranks' `rows` shares: measured, not interpolated)."""
     sizes = {s for s in (8, 32, 128, 512) if s < rows} | {rows} | ({rows // 2} if rows >= 16 else set())
     return sorted(sizes)
 
 
-def measure_layer(config: BertConfig, batch: int, seq_len: int, threads: int = 1
+def measure_layer(config: ModelConfig, batch: int, seq_len: int, threads: int = 1
                   ) -> tuple[list[list[float]], list[list[float]]]:
     """(GeMM table, attention table), from one layer's work run as a forward runs it, for a few
     row counts m up to M = batch * seq_len:
@@ -196,7 +196,7 @@ def measure_call_overhead() -> float:
     return _timed(lambda: K.gemm(a, w), min_time=0.005)
 
 
-def measure_elementwise(config: BertConfig, rows: int) -> float:
+def measure_elementwise(config: ModelConfig, rows: int) -> float:
     """Elements/s of `hepti.kernels.add_layernorm` (bias + residual + LayerNorm) on [M, C]."""
     from hepti import kernels as K
     rng = np.random.default_rng(2)
@@ -230,7 +230,7 @@ def measure_disk(directory: str | None = None, nbytes: int = DISK_PROBE_BYTES) -
         os.unlink(path)
 
 
-def measure_weight_load(config: BertConfig, directory: str | None = None, rounds: int = 3,
+def measure_weight_load(config: ModelConfig, directory: str | None = None, rounds: int = 3,
                         cold: bool = True) -> float:
     """Stored bytes/s of turning weights into a packed layer slice, as `stream` does for every
     layer of every forward, *as it costs the compute running beside it*: what the planner
@@ -263,8 +263,10 @@ def measure_weight_load(config: BertConfig, directory: str | None = None, rounds
     from hepti.weights.layout import expected_shapes
     from hepti.weights.writer import TensorSpec, write_model
 
-    one = BertConfig.from_dict({**config.to_dict(), "num_hidden_layers": 1, "vocab_size": 8},
-                               name="weight-load-probe")
+    d = {**config.to_dict(), "num_hidden_layers": 1}
+    if "vocab_size" in d:  # a token embedding table the probe does not need
+        d["vocab_size"] = 8
+    one = config_from_dict(d, name="weight-load-probe")
 
     def zeros(shape):
         return lambda a, b: np.zeros((b - a,) + tuple(shape[1:]), np.float32)
@@ -572,7 +574,7 @@ def _barrier(comm) -> None:
     wait(comm.Ibarrier())
 
 
-def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | None = None,
+def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | None = None,
                     batch: int = 1, threads: int = 1, hostfile: str | None = None,
                     disk: bool = True) -> dict:
     """Measure every rank (all ranks call this) -> the same profile dict on every rank."""
@@ -634,7 +636,7 @@ def measure_profile(comm, config: BertConfig, seq_len: int, mem_cap: float | Non
     return prof
 
 
-def calibrate_collectives(comm, prof: dict, config: BertConfig, rows: int, reps: int = 15) -> dict:
+def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps: int = 15) -> dict:
     """{kind: measured / modelled seconds} for the collectives the strategies use, timed for
     real on an [rows, C] activation split evenly over all ranks, through the runtime's own
     verbs. The analytic model (the verbs' algorithms over the measured links) has the right
@@ -750,7 +752,7 @@ def profile_cache_path(hostfile: str | None, model_name: str, world_size: int,
     return cache_dir() / f"profile-{safe}-n{world_size}-{digest}.json"
 
 
-def cached_profile(comm, config: BertConfig, seq_len: int, hostfile: str | None = None,
+def cached_profile(comm, config: ModelConfig, seq_len: int, hostfile: str | None = None,
                    max_age_s: float = 24 * 3600, mem_cap: float | None = None, batch: int = 1,
                    threads: int = 1, refresh: bool = False) -> tuple[Profile, bool]:
     """(profile, measured_now): the cached profile if fresh enough, else measure and cache it.

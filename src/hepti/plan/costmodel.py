@@ -4,7 +4,7 @@ A `Program` is what one inference does, written as phases. A phase is some compu
 (`Work`: FLOPs or elements proportional to the rank's count of a split dimension) followed by at
 most one collective. Collectives synchronise the ranks, so a phase costs the slowest rank's
 compute plus the collective's time; the inference costs the sum over phases (layers repeat).
-Both BERT strategies (hepti.plan.workloads) and the Hepti paper's 5-MatMul experiment are
+The encoder strategies (hepti.plan.workloads) and the Hepti paper's 5-MatMul experiment are
 programs, and the partitioner's LP (hepti.plan.partition) is built from the very same phase list
 and the same per-rank collective formulas (`link_terms`), so the two cannot disagree.
 

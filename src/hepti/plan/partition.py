@@ -34,7 +34,7 @@ import dataclasses
 import math
 import time
 
-from hepti.config import BertConfig
+from hepti.config import ModelConfig
 from hepti.counts import counts as split_counts
 from hepti.counts import offsets
 from hepti.errors import PlanError
@@ -262,7 +262,7 @@ def _stream_candidate(cfg, B, T, profile, caps, ratios=None, cutoff: float = mat
     return None, assumed
 
 
-def _missing_memory_error(cfg: BertConfig, B: int, T: int, profile: Profile, caps: list[float]):
+def _missing_memory_error(cfg: ModelConfig, B: int, T: int, profile: Profile, caps: list[float]):
     program = program_for("stream", cfg, B, T, 1)
     fixed, need_units = [], 0.0
     for i in range(profile.world_size):
@@ -299,7 +299,7 @@ def _rank0_alone(cand: Candidate) -> bool:
     return all(not any(v[1:]) for v in cand.counts.values())
 
 
-def _as_single(cand: Candidate, cfg: BertConfig, B: int, T: int, profile: Profile) -> Candidate:
+def _as_single(cand: Candidate, cfg: ModelConfig, B: int, T: int, profile: Profile) -> Candidate:
     """A plan that leaves every rank but the primary idle runs as `single`: the same forward
     with no group, no scatter or gather, the peers not even waiting in a collective (`rows` on
     rank 0 alone ran MiniLM in 58.4 ms against `single`'s 54.0 on emu-pair-940-quarter). It
@@ -309,7 +309,7 @@ def _as_single(cand: Candidate, cfg: BertConfig, B: int, T: int, profile: Profil
     return evaluate_ratios(program_for("tensor", cfg, B, T), profile, {d: one for d in DIMS}, "single")
 
 
-def _finish(cand: Candidate, cfg: BertConfig, B: int, T: int, profile: Profile, caps,
+def _finish(cand: Candidate, cfg: ModelConfig, B: int, T: int, profile: Profile, caps,
             explanation: str, solve_s: float | None, extra_pred: dict | None = None) -> Plan:
     N = profile.world_size
     if N > 1 and _rank0_alone(cand):
@@ -347,7 +347,7 @@ def _finish(cand: Candidate, cfg: BertConfig, B: int, T: int, profile: Profile, 
                 explanation=explanation.strip())
 
 
-def make_plan(config: BertConfig, profile: Profile, seq_len: int, batch: int = 1,
+def make_plan(config: ModelConfig, profile: Profile, seq_len: int, batch: int = 1,
               strategy: str = "auto", ratios=None, mem_budget: float | None = None) -> Plan:
     """A plan for `batch` inputs of `seq_len` tokens on the profiled devices.
 
@@ -359,8 +359,8 @@ def make_plan(config: BertConfig, profile: Profile, seq_len: int, batch: int = 1
         raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(PLANNERS)}")
     if seq_len < 1 or batch < 1:
         raise PlanError(f"seq_len {seq_len} and batch {batch} must be at least 1")
-    if seq_len > config.max_position_embeddings:
-        raise PlanError(f"seq_len {seq_len} exceeds the model's {config.max_position_embeddings} positions")
+    if seq_len > config.max_tokens:
+        raise PlanError(f"seq_len {seq_len} exceeds the model's {config.max_tokens} positions")
     t0 = time.perf_counter()
     N, B, T = profile.world_size, batch, seq_len
     caps = memory_caps(profile, mem_budget)
@@ -431,7 +431,7 @@ def make_plan(config: BertConfig, profile: Profile, seq_len: int, batch: int = 1
     return _auto(config, B, T, profile, caps, given, t0)
 
 
-def _auto(cfg: BertConfig, B: int, T: int, profile: Profile, caps: list[float], given, t0: float) -> Plan:
+def _auto(cfg: ModelConfig, B: int, T: int, profile: Profile, caps: list[float], given, t0: float) -> Plan:
     """`auto`: every device holds the whole model -> rows or tensor by predicted latency; else
     the combined memory holds it sliced -> the fastest of tensor with memory-capped shares,
     stream, and rows on the ranks that hold the whole model (if rank 0 does); else stream."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from hepti.config import BertConfig
+from hepti.config import ModelConfig
 from hepti.model.sizes import embedding_bytes, layer_bytes
 from hepti.plan.costmodel import RankPrediction
 from hepti.plan.profile import Profile
@@ -25,14 +25,14 @@ from hepti.plan.workloads import ALLOC_OVERHEAD, F32, embed_works, layer_works
 HEADER_BYTES = 256  # pickled (shape, key mask) header before each activation (plus the mask)
 
 
-def _layer_seconds(cfg: BertConfig, B: int, T: int, profile: Profile) -> list[float]:
+def _layer_seconds(cfg: ModelConfig, B: int, T: int, profile: Profile) -> list[float]:
     """One whole layer's compute on each device (all heads, columns and rows)."""
     full = {"heads": cfg.num_attention_heads, "ffn": cfg.intermediate_size, "rows": B * T}
     works = layer_works(cfg, B, T)
     return [sum(w.seconds(dev, full[w.dim]) for w in works) for dev in profile.devices]
 
 
-def _embed_seconds(cfg: BertConfig, B: int, T: int, profile: Profile) -> float:
+def _embed_seconds(cfg: ModelConfig, B: int, T: int, profile: Profile) -> float:
     return sum(w.seconds(profile.devices[0], 1.0) for w in embed_works(cfg, B, T))
 
 
@@ -46,7 +46,7 @@ def _transfer(profile: Profile, j: int, k: int, nbytes: float, header: float) ->
     return msgs * (a.latency_s + b.latency_s) + (nbytes + header) / bw
 
 
-def stage_memory(cfg: BertConfig, B: int, T: int, rank: int, n_layers: int) -> dict[str, float]:
+def stage_memory(cfg: ModelConfig, B: int, T: int, rank: int, n_layers: int) -> dict[str, float]:
     M, C, F = B * T, cfg.hidden_size, cfg.intermediate_size
     mem = {"weights": float(n_layers * layer_bytes(cfg)),
            "activations": F32 * (4.0 * M * C + T * T + 4.0 * M * cfg.head_dim * cfg.num_attention_heads
@@ -60,7 +60,7 @@ def stage_memory(cfg: BertConfig, B: int, T: int, rank: int, n_layers: int) -> d
     return mem
 
 
-def pipeline_ranges(cfg: BertConfig, B: int, T: int, profile: Profile, caps: list[float]
+def pipeline_ranges(cfg: ModelConfig, B: int, T: int, profile: Profile, caps: list[float]
                     ) -> list[tuple[int, int]] | None:
     """PipeEdge's ranges [start, stop) per rank (empty for unused ranks), or None if no
     assignment fits the memory caps."""
@@ -119,7 +119,7 @@ def pipeline_ranges(cfg: BertConfig, B: int, T: int, profile: Profile, caps: lis
     return out
 
 
-def activation_bytes(cfg: BertConfig, B: int, T: int) -> int:
+def activation_bytes(cfg: ModelConfig, B: int, T: int) -> int:
     """Bytes of the [M, C] hidden state each hop of `stage_hops` carries."""
     return F32 * B * T * cfg.hidden_size
 
@@ -139,7 +139,7 @@ def stage_hops(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return hops
 
 
-def pipeedge_bottleneck(cfg: BertConfig, B: int, T: int, profile: Profile,
+def pipeedge_bottleneck(cfg: ModelConfig, B: int, T: int, profile: Profile,
                         ranges: list[tuple[int, int]]) -> float:
     """The dynamic program's objective for given ranges: the slowest stage period with each
     transfer charged to its receiver (and the return to rank 0 to the last stage)."""
@@ -155,7 +155,7 @@ def pipeedge_bottleneck(cfg: BertConfig, B: int, T: int, profile: Profile,
     return max(periods.values())
 
 
-def evaluate_pipeline(cfg: BertConfig, B: int, T: int, profile: Profile,
+def evaluate_pipeline(cfg: ModelConfig, B: int, T: int, profile: Profile,
                       ranges: list[tuple[int, int]]) -> dict:
     """Latency of one batch, the slowest period, and per-rank predictions for these ranges."""
     N = profile.world_size
