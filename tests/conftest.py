@@ -23,6 +23,13 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vit_dir(tmp_path_factory) -> Path:
+    """The odd-shaped random ViT (hidden 90, 5 heads, MLP 150, 2 layers, 32x32 in 8x8 patches:
+    17 tokens), converted."""
+    return convert_once(FIXTURES / "vit-tiny-odd", tmp_path_factory.mktemp("w") / "vit-tiny-odd")
+
+
+@pytest.fixture(scope="session")
 def minilm_dir(tmp_path_factory) -> Path:
     """all-MiniLM-L6-v2 converted: bin/setup's weights/minilm-l6, else converted here."""
     made = ROOT / "weights" / "minilm-l6"

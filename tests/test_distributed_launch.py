@@ -32,24 +32,25 @@ def launch(n: int, *args, env=None, timeout=600):
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])
-def test_equivalence_other_world_sizes(n, tiny_dir, minilm_dir):
-    """Every strategy and ratio vector at N ranks equals the single-device engine (1e-4)."""
+def test_equivalence_other_world_sizes(n, tiny_dir, minilm_dir, vit_dir):
+    """Every strategy and ratio vector at N ranks equals the single-device engine (1e-4), for
+    both families."""
     code, out, err, _ = launch(n, "-m", "mpi4py", ROOT / "tests/mpi/equivalence.py",
-                               "--model", tiny_dir, "--model", minilm_dir)
+                               "--model", tiny_dir, "--model", minilm_dir, "--model", vit_dir)
     rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
     assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
-    expected = 2 * (6 if n == 1 else 14)  # (strategies x ratio vectors) per model
+    expected = 3 * (6 if n == 1 else 14)  # (strategies x ratio vectors) per model
     assert len(rows) == expected and all(r["ok"] for r in rows), rows
 
 
-def test_messages_equal_the_program_at_3_ranks(tiny_dir, minilm_dir):
+def test_messages_equal_the_program_at_3_ranks(tiny_dir, minilm_dir, vit_dir):
     """tests/mpi/agreement.py at 3 ranks: every strategy's verb calls (kind, bytes sent and
-    received per rank) equal its cost program's collectives."""
+    received per rank) equal its cost program's collectives, for both families."""
     code, out, err, _ = launch(3, "-m", "mpi4py", ROOT / "tests/mpi/agreement.py",
-                               "--model", tiny_dir, "--model", minilm_dir)
+                               "--model", tiny_dir, "--model", minilm_dir, "--model", vit_dir)
     rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
     assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
-    assert len(rows) == 2 * 14 and all(r["ok"] for r in rows), rows  # 14 cases per model
+    assert len(rows) == 3 * 14 and all(r["ok"] for r in rows), rows  # 14 cases per model
 
 
 @pytest.fixture

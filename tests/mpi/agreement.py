@@ -67,7 +67,7 @@ def check_case(model_dir, strategy: str, vec, world_mpi) -> tuple[bool, str]:
     n, rank = world_mpi.Get_size(), world_mpi.Get_rank()
     plan = make_plan(strategy, vec, cfg, n)
     b = inputs_for(model_dir)[0]
-    B, T = b.ids.shape
+    B, T = b.mask.shape
     got = traced(model_dir, plan, world_mpi)
     want = predicted(model_dir, strategy, plan, B, T, rank)
     if got == want:

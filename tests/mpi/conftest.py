@@ -40,6 +40,15 @@ def tiny_dir():
 
 
 @pytest.fixture(scope="session")
+def vit_dir():
+    out = _shared_dir("vit-tiny-odd")
+    if COMM.Get_rank() == 0:
+        convert_once(FIXTURES / "vit-tiny-odd", out)
+    COMM.Barrier()
+    return out
+
+
+@pytest.fixture(scope="session")
 def minilm_dir():
     made = ROOT / "weights" / "minilm-l6"
     if (made / "index.json").exists():

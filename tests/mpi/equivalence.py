@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from hepti.inputs import Batch
-from hepti.model.bert import BertEncoder
+from hepti.model.family import SingleDevice
 from hepti.model.pooling import pool
 from hepti.model.sizes import layer_slice_bytes
 from hepti.counts import counts
@@ -37,8 +37,13 @@ TOL = 1e-4
 
 
 def inputs_for(model_dir: Path):
-    """The fixture inputs that match the model (padded batches of different lengths)."""
-    name = "tiny_odd_expected.npz" if WeightStore(model_dir).config.hidden_size == 96 else "minilm_expected.npz"
+    """The fixture inputs that match the model (texts: padded batches of different lengths;
+    images: the ViT fixture's pixels)."""
+    cfg = WeightStore(model_dir).config
+    if cfg.model_type == "vit":
+        px = np.load(FIXTURES / "vit_expected.npz")["pixels"]
+        return [Batch(None, np.ones((len(px), cfg.seq_len), np.int64), None, px)]
+    name = "tiny_odd_expected.npz" if cfg.hidden_size == 96 else "minilm_expected.npz"
     z = np.load(FIXTURES / name)
     return [Batch(z["ids"], z["mask"], z["token_type"])]
 
@@ -87,7 +92,7 @@ def check_case(model_dir, strategy, vec, world, reference=None):
 
 
 def single_reference(model_dir, b: Batch) -> np.ndarray:
-    return BertEncoder.from_store(WeightStore(model_dir)).forward(b.ids, b.mask, b.token_type)
+    return SingleDevice.from_store(WeightStore(model_dir)).run(b)
 
 
 def main(argv=None) -> int:

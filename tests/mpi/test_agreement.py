@@ -13,8 +13,9 @@ from agreement import cases, check_case  # noqa: E402
 CASES = list(cases(COMM.Get_size()))
 
 
-@pytest.mark.parametrize("model", ["tiny", "minilm"])
+@pytest.mark.parametrize("model", ["tiny", "minilm", "vit"])
 @pytest.mark.parametrize("strategy,rname,vec", CASES, ids=[f"{s}-{r}" for s, r, _ in CASES])
-def test_messages_equal_the_program(model, strategy, rname, vec, tiny_dir, minilm_dir):
-    ok, msg = check_case(tiny_dir if model == "tiny" else minilm_dir, strategy, vec, COMM)
+def test_messages_equal_the_program(model, strategy, rname, vec, tiny_dir, minilm_dir, vit_dir):
+    d = {"tiny": tiny_dir, "minilm": minilm_dir, "vit": vit_dir}[model]
+    ok, msg = check_case(d, strategy, vec, COMM)
     all_ok(ok, f"{strategy} {rname}: {msg}")

@@ -13,10 +13,10 @@ from equivalence import TOL, cases, check_case  # noqa: E402
 CASES = list(cases(COMM.Get_size()))
 
 
-@pytest.mark.parametrize("model", ["tiny", "minilm"])
+@pytest.mark.parametrize("model", ["tiny", "minilm", "vit"])
 @pytest.mark.parametrize("strategy,rname,vec", CASES, ids=[f"{s}-{r}" for s, r, _ in CASES])
-def test_equals_single_device(model, strategy, rname, vec, tiny_dir, minilm_dir):
-    d = tiny_dir if model == "tiny" else minilm_dir
+def test_equals_single_device(model, strategy, rname, vec, tiny_dir, minilm_dir, vit_dir):
+    d = {"tiny": tiny_dir, "minilm": minilm_dir, "vit": vit_dir}[model]
     res = check_case(d, strategy, vec, COMM.Get_size())
     if COMM.Get_rank() != 0:  # only the primary (rank 0) holds outputs
         ok, msg = res is None, f"{strategy} {rname}: a rank other than the primary returned outputs"

@@ -2,7 +2,9 @@
 
 A family's builder says how its layer is put together from those pieces and what comes before
 and after the layers; the pieces say how each operator can be split. BERT: embeddings (on rank
-0), then post-LayerNorm layers (x = LN(x + Attn(x)); x = LN(x + MLP(x))).
+0), then post-LayerNorm layers (x = LN(x + Attn(x)); x = LN(x + MLP(x))). ViT: patch
+embeddings (on rank 0), pre-LayerNorm layers (x += Attn(LN(x)); x += MLP(LN(x))), a final
+LayerNorm.
 
 Weight names are the stored local names of hepti.weights.layout (`layer.{i}.<name>`).
 """
@@ -80,7 +82,49 @@ def bert(cfg, B: int, T: int) -> Graph:
                  seq_len=T, output="x", inputs_everywhere=("mask",), whole_units=("heads",))
 
 
-FAMILIES = {"bert": bert}
+def layernorm_op(name: str, C: int, x: str, out: str, weights: tuple[str, str], eps: float) -> Op:
+    """out = LayerNorm(x), on each rank's own rows; weights (gamma, beta)."""
+    return Op(name, "elementwise", (x,), (out,), (BY_ROWS,), per_row=float(C), weights=weights,
+              fn="ln", eps=eps)
+
+
+def add_op(name: str, C: int, total: str, residual: str, out: str, bias: str) -> Op:
+    """out = total + bias + residual, on each rank's own rows."""
+    return Op(name, "elementwise", (total, residual), (out,), (BY_ROWS,), per_row=float(C),
+              weights=(bias,), fn="add")
+
+
+def vit(cfg, B: int, T: int) -> Graph:
+    """A ViT encoder (hepti.config.ViTConfig) for batches of B images, T = patches + 1 tokens:
+    the patch embedding, CLS token and positions (on rank 0), then pre-LayerNorm layers
+    (x1 = x + Attn(LN1(x)); x = x1 + MLP(LN2(x1))), then a final LayerNorm."""
+    C, H, F, eps = cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size, cfg.layer_norm_eps
+    attn, attn_w = attention_ops(C, H, "y", "attn_out")
+    ffn, ffn_w = ffn_ops(C, F, "y2", "ffn_out")
+    ln = ("ln1.gamma", "ln1.beta", "ln2.gamma", "ln2.beta")
+    layer = ([layernorm_op("ln 1", C, "x", "y", ln[:2], eps)] + attn
+             + [add_op("add 1", C, "attn_out", "x", "x1", "attn.o.bias"),
+                layernorm_op("ln 2", C, "x1", "y2", ln[2:], eps)] + ffn
+             + [add_op("add 2", C, "ffn_out", "x1", "x", "ffn.down.bias")])
+    weights = attn_w + ffn_w + [Weight(n, C) for n in ln + ("attn.o.bias", "ffn.down.bias")]
+    k = cfg.num_channels * cfg.patch_size ** 2
+    emb = [Weight("emb.patch.weight", C * k), Weight("emb.patch.bias", C), Weight("emb.cls", C),
+           Weight("emb.position", cfg.seq_len * C)]
+    # patches [B * (T - 1), k] x [k, C]; the CLS row and the positions are additions
+    embed = Op("embed", "embed", ("pixels",), ("x",), (ON_PRIMARY,), k=k, n=C,
+               weights=tuple(w.name for w in emb))
+    final = [Weight("final_ln.gamma", C), Weight("final_ln.beta", C)]
+    tensors = [Tensor("pixels", 1, "input"), Tensor("x", C), Tensor("y", C), Tensor("q", C),
+               Tensor("kv", 2 * C), Tensor("ctx", C), Tensor("attn_out", C), Tensor("x1", C),
+               Tensor("y2", C), Tensor("h", F), Tensor("ffn_out", C), Tensor("out", C)]
+    return Graph("vit", {t.name: t for t in tensors}, {w.name: w for w in weights + emb + final},
+                 [embed], layer, [layernorm_op("final ln", C, "x", "out", ("final_ln.gamma",
+                                                                           "final_ln.beta"), eps)],
+                 cfg.num_hidden_layers, {"heads": H, "ffn": F, "rows": B * T}, seq_len=T,
+                 output="out", whole_units=("heads",))
+
+
+FAMILIES = {"bert": bert, "vit": vit}
 
 
 def family_graph(cfg, B: int, T: int) -> Graph:

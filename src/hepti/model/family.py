@@ -30,7 +30,12 @@ def _bert() -> Family:
     return Family("bert", bert.primary_ops, bert.load_kernels)
 
 
-FAMILIES = {"bert": _bert}
+def _vit() -> Family:
+    from hepti.model import vit
+    return Family("vit", vit.primary_ops, vit.load_kernels)
+
+
+FAMILIES = {"bert": _bert, "vit": _vit}
 
 
 def family(config) -> Family:
@@ -57,6 +62,7 @@ class SingleDevice:
         from hepti.parallel.comm import Comm
         from hepti.parallel.interpreter import Interpreter
         from hepti.parallel.layers import ResidentLayers, slice_packer
+        from hepti.parallel.slices import outside_layers
 
         cfg = store.config
         ops = family(cfg).primary_ops(cfg, store)
@@ -65,7 +71,7 @@ class SingleDevice:
         layers = ResidentLayers(store, L, (0, H), (0, F), slice_packer(graph), progress=progress)
         steps = lower.schedule(graph, lower.assignment(graph, "single"), L)
         executor = Interpreter(Comm(None), graph, steps, layers, ops, [1.0],
-                               {"heads": [H], "ffn": [F]}, threads)
+                               {"heads": [H], "ffn": [F]}, threads, outside_layers(graph, store))
         return cls(cfg, layers, executor, sum(getattr(f, "nbytes", 0) for f in ops.values()))
 
     @property
