@@ -13,12 +13,17 @@ from hepti.parallel.interpreter import Interpreter
 from hepti.parallel.pipeline import stage_steps
 
 
-def _runs(strategy: str, n_layers: int = 2):
+class _Group:
+    """Rank 0 of a group of two, as far as laying out the runs goes."""
+    rank, solo = 0, False
+
+
+def _runs(strategy: str, n_layers: int = 2, group=None):
     cfg = preset_config("tiny-odd")
     g = family_graph(cfg, 1, 8)
     steps = lower.schedule(g, lower.assignment(g, strategy), n_layers)
     units = {"heads": [cfg.num_attention_heads], "ffn": [cfg.intermediate_size]}
-    return Interpreter(Comm(None), g, steps, None, {}, [1.0], units)._plan
+    return Interpreter(group or _Group(), g, steps, None, {}, [1.0], units)._plan
 
 
 def _describe(plan):
@@ -29,7 +34,7 @@ def _describe(plan):
         else:
             ops = ["+".join(s.op.name for s in item[:2] if s is not None)
                    + ("->" + item[2] if len(item) > 2 else "") for item in e[1]]
-            out.append((ops, e[2]))
+            out.append((ops, e[2]))  # (items, the layer released after it)
     return out
 
 
@@ -40,6 +45,12 @@ def test_tensor_runs_fuse_the_mlp_and_write_partial_sums_into_the_reduce_scatter
                  (["add+ln 1"], None), "allgatherv",
                  (["ffn up+ffn down->ffn_out"], None), "reduce_scatter",
                  (["add+ln 2"], 0), "gatherv"]
+
+
+def test_a_group_of_one_skips_the_verbs():
+    d = _describe(_runs("single", 1, Comm(None)))
+    assert d == [(["embed"], None), (["qkv", "attention", "o-proj"], None), (["add+ln 1"], None),
+                 (["ffn up+ffn down"], None), (["add+ln 2"], 0)]
 
 
 def test_rows_runs_split_at_the_kv_allgather_and_release_each_layer_after_its_last_op():

@@ -65,7 +65,8 @@ class Interpreter:
                 if run:
                     out.append(("ops", run))
                     run = []
-                out.append(("sync", s.kind, s.tensor))
+                if not self.g.solo:  # a group of one: every verb hands its input back
+                    out.append(("sync", s.kind, s.tensor))
                 continue
             if run and (run[-1][0].layer, run[-1][0].op.piece) != (s.layer, s.op.piece):
                 out.append(("ops", run))
@@ -84,6 +85,13 @@ class Interpreter:
         out = [("ops", e[1], None) if e[0] == "ops" else e for e in out]
         for layer, j in last_run.items():
             out[j] = ("ops", out[j][1], layer)
+        # each run's span names, worked out once: ("ops", items, release, label, weights label)
+        for j, e in enumerate(out):
+            if e[0] == "ops":
+                first = e[1][0][0]
+                lay = first.layer
+                label = first.op.piece if lay is None else f"L{lay} {first.op.piece}"
+                out[j] = (*e, label, None if lay is None else f"L{lay} weights")
         # an operator whose output goes straight into a reduce_scatter computes into its buffer
         for j, entry in enumerate(out[:-1]):
             nxt = out[j + 1]
@@ -120,15 +128,14 @@ class Interpreter:
                 env[t] = self._sync(kind, t, env.get(t), ctx)
                 fused.pop(t, None)  # no longer that GeMM's columns
                 continue
-            _, run, release = entry
+            _, run, release, label, weights_label = entry
             first = run[0][0]
             if first.split == ON_PRIMARY and g.rank != 0:
                 continue
             if first.layer is not None and first.layer != layer:
                 layer = first.layer
-                with tr.span(f"L{layer} weights", "io"):
+                with tr.span(weights_label, "io"):
                     params = self.layers.get(layer).params
-            label = first.op.piece if first.layer is None else f"L{first.layer} {first.op.piece}"
             with tr.span(label, "compute"):
                 for item in run:
                     self._op(item, env, fused, params if first.layer is not None else self.outside,
@@ -161,7 +168,10 @@ class Interpreter:
             if self.g.rank == 0:
                 env[op.outputs[0]] = self.primary_ops[op.kind](batch)
             return
-        ins = [env[t][ctx.mine] if t in step.own_rows else env[t] for t in op.inputs]
+        if step.own_rows:
+            ins = [env[t][ctx.mine] if t in step.own_rows else env[t] for t in op.inputs]
+        else:
+            ins = [env[t] for t in op.inputs]
         rows, th = ins[0].shape[0], self.threads
         out = None
         if into is not None:
