@@ -2,8 +2,9 @@
 # 1 rank vs 2 ranks (rows, tensor; even shares; one thread per rank), interleaved rounds.
 # 9 rounds: a launch alone moves MiniLM by up to 7% on this machine (the same process, run
 # again, lands on other pages and cores), so a median needs several launches.
-# Writes results/scaling.json. Makes the BERT-base-shaped random model if it is missing.
-#   bin/bench-scaling.sh            full run (MiniLM @128 tokens, BERT-base @256 tokens)
+# Writes results/scaling.json. Makes the BERT-base- and ViT-base-shaped random models if missing.
+#   bin/bench-scaling.sh            full run (MiniLM @128 tokens, BERT-base @256, ViT-base @224
+#                                   pixels = 197 tokens)
 #   bin/bench-scaling.sh --quick    MiniLM only, fewer rounds
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
@@ -11,5 +12,6 @@ if [ "${1:-}" = "--quick" ]; then
   exec python -m hepti.bench.scaling --case weights/minilm-l6:128 --rounds 3 --repeat 5
 fi
 [ -f weights/bert-base/index.json ] || hepti convert --random bert-base --out weights/bert-base
+[ -f weights/vit-base/index.json ] || hepti convert --random vit-base --out weights/vit-base
 exec python -m hepti.bench.scaling --case weights/minilm-l6:128 --case weights/bert-base:256 \
-  --rounds 9 --repeat 10 "$@"
+  --case weights/vit-base:197 --rounds 9 --repeat 10 "$@"

@@ -22,15 +22,29 @@ import numpy as np
 from hepti.bench import hepti_cmd, mpiexec, result_doc, run_cmd, write_json
 
 
-def synthetic_ids(model_dir: str, seq: int, path: Path) -> None:
+def synthetic_input(model_dir: str, seq: int, tmp: Path) -> tuple[str, Path]:
+    """(flag, file) of one fixed-shape input: token ids of `seq` tokens, or for a vision model
+    one image's normalised pixels (its `seq` must be the model's tokens per image)."""
     from hepti.bench.model import synthetic_batch
     from hepti.weights import WeightStore
-    ids, mask = synthetic_batch(WeightStore(model_dir).config, 1, seq)
+    cfg = WeightStore(model_dir).config
+    if cfg.model_type == "vit":
+        if seq != cfg.seq_len:
+            raise SystemExit(f"{model_dir} takes {cfg.seq_len} tokens per image "
+                             f"({cfg.image_size}px in {cfg.patch_size}px patches), not {seq}")
+        path = tmp / f"{Path(model_dir).name}-{seq}.npy"
+        px = np.random.default_rng(0).standard_normal(
+            (1, cfg.num_channels, cfg.image_size, cfg.image_size)).astype(np.float32)
+        np.save(path, px)
+        return "--input-pixels", path
+    path = tmp / f"{Path(model_dir).name}-{seq}.npz"
+    ids, mask = synthetic_batch(cfg, 1, seq)
     np.savez(path, ids=ids, mask=mask)
+    return "--input-ids", path
 
 
-def run_once(model_dir, ids_file, ranks: int, strategy: str | None, repeat: int) -> dict:
-    cmd = hepti_cmd() + ["run", "--model", str(model_dir), "--input-ids", str(ids_file),
+def run_once(model_dir, inp: tuple[str, Path], ranks: int, strategy: str | None, repeat: int) -> dict:
+    cmd = hepti_cmd() + ["run", "--model", str(model_dir), inp[0], str(inp[1]),
                           "--pool", "mean", "--repeat", str(repeat), "--json"]
     if strategy:
         cmd += ["--strategy", strategy]
@@ -42,7 +56,8 @@ def run_once(model_dir, ids_file, ranks: int, strategy: str | None, repeat: int)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", action="append", metavar="MODEL_DIR:SEQ", required=True,
-                    help="a model folder and a token count, e.g. weights/minilm-l6:128")
+                    help="a model folder and a token count, e.g. weights/minilm-l6:128 "
+                         "(a vision model: its tokens per image, weights/vit-base:197)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--strategies", default="rows,tensor")
     ap.add_argument("--rounds", type=int, default=5)
@@ -58,8 +73,7 @@ def main(argv=None) -> int:
     bar = tqdm(total=total, desc="scaling", unit="run", file=sys.stderr)
     for case in args.case:
         model_dir, seq = case.rsplit(":", 1)
-        ids_file = tmp / f"{Path(model_dir).name}-{seq}.npz"
-        synthetic_ids(model_dir, int(seq), ids_file)
+        ids_file = synthetic_input(model_dir, int(seq), tmp)
         per = {c: [] for c in configs}
         detail = {c: None for c in configs}
         for _ in range(args.rounds):
