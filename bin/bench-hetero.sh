@@ -2,9 +2,10 @@
 # hepti's plans (auto) against the baselines (even, proportional, pipeline, single) on the emulated
 # clusters of hostfiles/emu-*.json. Needs root (hepti emulate). Writes results/hetero.json,
 # results/hetero.csv and (with matplotlib) results/hetero.png; prints a table and the targets.
-# Makes the BERT-base- and BERT-large-shaped random models if they are missing.
+# Makes the BERT-base-, BERT-large- and ViT-large-shaped random models if they are missing.
 #   sudo bin/bench-hetero.sh            full run: every spec, BERT-base @256 tokens everywhere,
-#                                       MiniLM @128 and BERT-large @128 on emu-mixed4; 3 rounds
+#                                       MiniLM @128, BERT-large @128 and ViT-L/16 @224 (197
+#                                       tokens) on emu-mixed4; 3 rounds
 #                                       taking turns (about 15 min a round; --rounds 1 for one)
 #   sudo bin/bench-hetero.sh --quick    CI: one pair spec, MiniLM only, fewer runs (< 2 min)
 # Other options (--spec, --case, --repeat, --run-unfit, ...): python -m hepti.bench.hetero --help
@@ -23,5 +24,6 @@ for a in "$@"; do [ "$a" = "--quick" ] && quick=1; done
 if [ "$quick" = 0 ]; then
   [ -f weights/bert-base/index.json ] || hepti convert --random bert-base --out weights/bert-base
   [ -f weights/bert-large/index.json ] || hepti convert --random bert-large --out weights/bert-large
+  [ -f weights/vit-large/index.json ] || hepti convert --random vit-large --out weights/vit-large
 fi
 exec python -m hepti.bench.hetero "$@"

@@ -21,8 +21,8 @@ out-of-memory kill is the launch's own and the baselines run in the same runtime
    launch. The targets check every strategy against its own prediction, and `auto` against the
    fastest strategy and against `single` beyond the spread (issue 16).
 
-The default set, about 15 minutes a round here: BERT-base @256 tokens on every spec, MiniLM @128
-and BERT-large @128 on emu-mixed4 only (`--case` changes it); `--quick` is one pair spec with
+The default set, about 15 minutes a round here: BERT-base @256 tokens on every spec, MiniLM @128,
+BERT-large @128 and ViT-L/16 @224 (197 tokens) on emu-mixed4 only (`--case` changes it); `--quick` is one pair spec with
 MiniLM, one round (under 2 minutes). Each record keeps the machine's load average around its
 launch: device quotas are caps, so other jobs on a shared machine slow the devices down.
 
@@ -59,7 +59,8 @@ SPECS = ("emu-mixed4", "emu-tight", "emu-starved", "emu-pair-940-full", "emu-pai
 STRATEGIES = ("auto", "even", "proportional", "pipeline", "single")
 BASELINES = ("even", "proportional", "pipeline", "single")  # checked against memory before a launch
 EXTRA = ("emu-tight:rows",)
-CASES = ("weights/bert-base:256", "weights/minilm-l6:128:emu-mixed4", "weights/bert-large:128:emu-mixed4")
+CASES = ("weights/bert-base:256", "weights/minilm-l6:128:emu-mixed4", "weights/bert-large:128:emu-mixed4",
+         "weights/vit-large:197:emu-mixed4")
 QUICK = {"spec": ["emu-pair-940-quarter"], "case": ["weights/minilm-l6:128"], "repeat": 3, "rounds": 1,
          "min_repeat": 2, "target_s": 2.0, "timeout": 120.0}
 LAUNCHER_OOM = re.compile(r"rank \d+ \(device [^)]*\) was killed by the out-of-memory killer[^\n]*")
@@ -234,14 +235,12 @@ def parse_case(text: str, specs: list[str]) -> dict:
 
 
 def make_inputs(case: dict, workdir: Path) -> None:
-    """Fixed-shape synthetic input (no padding) and the model's config, into the case."""
-    from hepti.bench.model import synthetic_batch
+    """Fixed-shape synthetic input (no padding: token ids, or a vision model's pixels) and the
+    model's config, into the case."""
+    from hepti.bench.scaling import synthetic_input
     from hepti.weights import WeightStore
-    cfg = WeightStore(case["dir"]).config
-    ids, mask = synthetic_batch(cfg, 1, case["seq"])
-    case["ids"] = workdir / f"{case['name']}-{case['seq']}.npz"
-    np.savez(case["ids"], ids=ids, mask=mask)
-    case["config"] = cfg
+    case["input"] = list(synthetic_input(case["dir"], case["seq"], workdir))
+    case["config"] = WeightStore(case["dir"]).config
 
 
 def warm_numba(cases: list[dict], workdir: Path) -> float:
@@ -253,8 +252,9 @@ def warm_numba(cases: list[dict], workdir: Path) -> float:
     ids, mask = np.full((1, 16), 101, np.int64), np.ones((1, 16), np.int64)
     np.savez(small, ids=ids, mask=mask)
     env = dict(os.environ, HEPTI_CACHE=str(workdir / "warm-cache"))
-    base = ["run", "--input-ids", str(small), "--json"]
-    cmds = [hepti_cmd() + base + ["--model", c["dir"]] for c in cases]
+    base = (["run", "--input-ids", str(small), "--json"] if first["input"][0] == "--input-ids"
+            else ["run", *map(str, first["input"]), "--json"])  # a vision model: its own pixels
+    cmds = [hepti_cmd() + ["run", *map(str, c["input"]), "--json", "--model", c["dir"]] for c in cases]
     two = [mpiexec(), "-n", "2"] + hepti_cmd()
     cmds.append(two + ["profile", "--model", first["dir"], "--seq", "16", "--out", str(workdir / "warm-profile.json")])
     for extra in (["--strategy", "tensor"], ["--strategy", "rows"], ["--strategy", "pipeline"],
@@ -279,7 +279,7 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
             cache = workdir / "cache" / f"{spec.name}-{case['name']}"
             cache.mkdir(parents=True, exist_ok=True)
             strategies = list(args.strategies) + [s for sp, s in extras if sp == spec.name]
-            common = ["run", "--model", case["dir"], "--input-ids", str(case["ids"]), "--json"]
+            common = ["run", "--model", case["dir"], *map(str, case["input"]), "--json"]
             profile_path = None
             # rounds take turns: round k starts k strategies further on (round 0 with auto,
             # whose profile the baselines are planned with), so a slow minute of this shared
