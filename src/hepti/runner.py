@@ -320,7 +320,7 @@ def finish(args, report: dict, runs: list[dict]) -> None:
               f"{report['world_size']} rank(s)")
     elif lat["runs"]:
         print(f"forward {lat['median'] * 1e3:.1f} ms over {report['batches']} batch(es) "
-              f"({ps['wall_s'] * 1e3:.1f} ms with tokenising, pooling and writing), strategy "
+              f"({ps['wall_s'] * 1e3:.1f} ms with preparing inputs, pooling and writing), strategy "
               f"{report['strategy']}, {report['world_size']} rank(s)")
     kept = runs[0]["kept"] if runs else None
     if kept:
