@@ -17,8 +17,30 @@ SUPPORTED_MODEL_TYPES = ("bert", "vit")
 SUPPORTED_ACTS = ("gelu",)  # erf form, as BERT and ViT use
 
 
+class _Encoder:
+    """What every family's config has: the transformer's shape, JSON in and out."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_json(cls, path: str | Path, name: str = ""):
+        return cls.from_dict(_read_json(path), name=name)
+
+    def to_dict(self) -> dict:
+        """HF-style dict (round-trips through from_dict)."""
+        return asdict(self)
+
+    @property
+    def shape(self) -> dict:
+        """What the cost of running this model depends on: plans and profiles record it."""
+        return {"layers": self.num_hidden_layers, "hidden": self.hidden_size,
+                "heads": self.num_attention_heads, "ffn": self.intermediate_size}
+
+
 @dataclass(frozen=True)
-class BertConfig:
+class BertConfig(_Encoder):
     """Shape and numerics of a BERT-family encoder."""
 
     vocab_size: int
@@ -33,10 +55,6 @@ class BertConfig:
     pad_token_id: int = 0
     model_type: str = "bert"
     name: str = ""
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     @property
     def max_tokens(self) -> int:
@@ -71,23 +89,9 @@ class BertConfig:
         _check_heads(cfg)
         return cfg
 
-    @classmethod
-    def from_json(cls, path: str | Path, name: str = "") -> "BertConfig":
-        return cls.from_dict(_read_json(path), name=name)
-
-    def to_dict(self) -> dict:
-        """HF-style dict (round-trips through from_dict)."""
-        return asdict(self)
-
-    @property
-    def shape(self) -> dict:
-        """What the cost of running this model depends on: plans and profiles record it."""
-        return {"layers": self.num_hidden_layers, "hidden": self.hidden_size,
-                "heads": self.num_attention_heads, "ffn": self.intermediate_size}
-
 
 @dataclass(frozen=True)
-class ViTConfig:
+class ViTConfig(_Encoder):
     """Shape and numerics of a ViT image encoder (Hugging Face ViTModel): square images of
     `image_size` pixels cut into (image_size // patch_size) ** 2 square patches, plus a CLS
     token."""
@@ -104,10 +108,6 @@ class ViTConfig:
     qkv_bias: bool = True
     model_type: str = "vit"
     name: str = ""
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     @property
     def n_patches(self) -> int:
@@ -153,20 +153,6 @@ class ViTConfig:
             raise ConfigError(f"image_size {cfg.image_size} is not divisible by patch_size "
                               f"{cfg.patch_size}; ViT cuts the image into whole patches")
         return cfg
-
-    @classmethod
-    def from_json(cls, path: str | Path, name: str = "") -> "ViTConfig":
-        return cls.from_dict(_read_json(path), name=name)
-
-    def to_dict(self) -> dict:
-        """HF-style dict (round-trips through from_dict)."""
-        return asdict(self)
-
-    @property
-    def shape(self) -> dict:
-        """What the cost of running this model depends on: plans and profiles record it."""
-        return {"layers": self.num_hidden_layers, "hidden": self.hidden_size,
-                "heads": self.num_attention_heads, "ffn": self.intermediate_size}
 
 
 ModelConfig = Union[BertConfig, ViTConfig]
