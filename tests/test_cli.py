@@ -241,3 +241,13 @@ def test_run_texts_match_pytorch_fixture(minilm_dir, fixtures_dir, tmp_path):
                          "--normalize", "--output", emb)
     assert code == 0, err
     assert np.abs(np.load(emb) - exp["mean_normalized"]).max() <= 1e-4
+
+
+@pytest.mark.parametrize("module", ["scaling", "fit", "hetero", "offload", "against", "slowdown", "filejob"])
+def test_bench_scripts_start(module):
+    """Every python -m hepti.bench.X behind a bin/bench-*.sh imports and explains itself (a
+    renamed helper once broke bench.fit with nothing else noticing)."""
+    p = subprocess.run([sys.executable, "-m", f"hepti.bench.{module}", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "usage" in p.stdout

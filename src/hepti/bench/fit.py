@@ -19,17 +19,17 @@ import tempfile
 from pathlib import Path
 
 from hepti.bench import hepti_cmd, mpiexec, result_doc, run_cmd, write_json
-from hepti.bench.scaling import synthetic_ids
+from hepti.bench.scaling import synthetic_input
 
 
-def one_round(model_dir: str, seq: int, ids_file: Path, prof_file: Path, ranks: int,
+def one_round(model_dir: str, seq: int, inp: tuple[str, Path], prof_file: Path, ranks: int,
               repeat: int) -> dict:
     """Profile, plan and run once; the plan's prediction against the measured median."""
     mpi = [mpiexec(), "-n", str(ranks)]
     run_cmd(mpi + hepti_cmd() + ["profile", "--model", model_dir, "--seq", str(seq),
                                "--out", str(prof_file)])
     rep = json.loads(run_cmd(mpi + hepti_cmd() + [
-        "run", "--model", model_dir, "--input-ids", str(ids_file), "--profile", str(prof_file),
+        "run", "--model", model_dir, inp[0], str(inp[1]), "--profile", str(prof_file),
         "--strategy", "auto", "--repeat", str(repeat), "--json"]))
     measured, predicted = rep["latency_s"]["median"], rep["predicted_latency_s"]
     return {"strategy": rep["strategy"], "counts": rep["counts"], "measured_s": measured,
@@ -57,15 +57,13 @@ def main(argv=None) -> int:
     cases = []
     for case in args.case:
         model_dir, seq = case.rsplit(":", 1)
-        ids_file = tmp / f"{Path(model_dir).name}-{seq}.npz"
-        synthetic_ids(model_dir, int(seq), ids_file)
-        cases.append((model_dir, int(seq), ids_file))
+        cases.append((model_dir, int(seq), synthetic_input(model_dir, int(seq), tmp)))
     rounds = {c[0]: [] for c in cases}
     bar = tqdm(total=len(cases) * args.rounds, desc="fit", unit="round", file=sys.stderr)
     try:
         for _ in range(args.rounds):
-            for model_dir, seq, ids_file in cases:  # interleaved
-                rounds[model_dir].append(one_round(model_dir, seq, ids_file, tmp / "profile.json",
+            for model_dir, seq, inp in cases:  # interleaved
+                rounds[model_dir].append(one_round(model_dir, seq, inp, tmp / "profile.json",
                                                    args.ranks, args.repeat))
                 bar.update(1)
     finally:
