@@ -51,10 +51,11 @@ class Interpreter:
         self._plan = self._prepare(steps)
 
     def _prepare(self, steps: list[Step]) -> list[tuple]:
-        """The steps as entries to run: ("sync", kind, tensor), or ("ops", items, release): a
-        run of operators of one (layer, piece), each item (step, its MLP partner or None[,
-        the output to compute into the next reduce_scatter's buffer]), and `release` the layer
-        whose slice is done after the run (its last operator), or None."""
+        """The steps as entries to run: ("sync", kind, tensor) (none on a group of one), or
+        ("ops", items, release, label, weights label): a run of operators of one (layer,
+        piece), each item (step, its MLP partner or None[, the output to compute into the next
+        reduce_scatter's buffer]), `release` the layer whose slice is done after the run (its
+        last operator) or None, and the names of its compute span and of its layer's fetch."""
         out, run = [], []
         readers: dict[str, int] = {}  # how many of the graph's operators read each tensor
         for op in self.graph.prologue + self.graph.layer + self.graph.epilogue:
