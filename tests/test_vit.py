@@ -96,3 +96,16 @@ def test_bad_inputs_are_refused_clearly(vit_dir, minilm_dir, tmp_path):
     assert_clean_error(code, err, "--image")
     code, _, err = hepti("run", "--model", minilm_dir, "--input-pixels", wrong)
     assert_clean_error(code, err, "vision models")
+
+
+def test_profile_and_plan_take_the_images_token_count(vit_dir, tmp_path):
+    """A vision model has one token count (patches + CLS): profile and plan use it without
+    --seq, and refuse another."""
+    prof = tmp_path / "p.json"
+    code, _, err = hepti("profile", "--model", vit_dir, "--out", prof)
+    assert code == 0, err
+    code, out, err = hepti("plan", "--model", vit_dir, "--profile", prof)
+    assert code == 0, err
+    assert "17 tokens" in out, out
+    code, _, err = hepti("plan", "--model", vit_dir, "--profile", prof, "--seq", "100")
+    assert_clean_error(code, err, "17 tokens per image")

@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "free memory, and its link to rank 0 (MPI ping-pong fitted to latency + "
                     "bytes/bandwidth). Takes a few seconds; the result is cached per cluster and model.")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model (default {DEFAULT_MODEL})")
-    s.add_argument("--seq", type=_positive_int, default=128, help="tokens per input (default 128)")
+    s.add_argument("--seq", type=_positive_int, default=None,
+                   help="tokens per input (default 128; a vision model: its tokens per image)")
     s.add_argument("--batch", type=_positive_int, default=1, help="inputs per batch (default 1)")
     s.add_argument("--mem-cap", metavar="BYTES", help="memory each rank may use, if lower than free")
     s.add_argument("--threads", type=_positive_int, default=1, help="compute threads per rank (default 1)")
@@ -194,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "evaluate those shares instead of optimising.")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model (default {DEFAULT_MODEL})")
     s.add_argument("--profile", required=True, metavar="P.json", help="from `hepti profile` or written by hand")
-    s.add_argument("--seq", type=_positive_int, default=128, help="tokens per input (default 128)")
+    s.add_argument("--seq", type=_positive_int, default=None,
+                   help="tokens per input (default 128; a vision model: its tokens per image)")
     s.add_argument("--batch", type=_positive_int, default=1, help="inputs per batch (default 1)")
     s.add_argument("--strategy", choices=PLANNERS, default="auto",
                    help="auto (default) picks by memory status: rows or tensor when every device "
@@ -367,6 +369,19 @@ def cmd_profile(args) -> int:
     return run_guarded_fn("profile", _profile_job, args)
 
 
+def _tokens(args, cfg) -> int:
+    """--seq, or its default: 128 tokens, or every image's tokens for a vision model (which
+    take no other count)."""
+    from hepti.errors import InputError
+    if cfg.model_type == "vit":
+        if args.seq is not None and args.seq != cfg.seq_len:
+            raise InputError(f"--seq {args.seq}: {args.model} takes {cfg.seq_len} tokens per image "
+                             f"({cfg.image_size}px in {cfg.patch_size}px patches, and CLS); leave "
+                             "--seq out")
+        return cfg.seq_len
+    return args.seq or 128
+
+
 def _profile_job(args) -> int:
     import json
 
@@ -376,7 +391,7 @@ def _profile_job(args) -> int:
     from hepti.weights import WeightStore
     world = world_comm()
     cfg = agree(world, lambda: WeightStore(args.model).config)
-    profile, _ = cached_profile(world.mpi, cfg, args.seq, batch=args.batch, threads=args.threads,
+    profile, _ = cached_profile(world.mpi, cfg, _tokens(args, cfg), batch=args.batch, threads=args.threads,
                                 mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None,
                                 refresh=True)
     if world.rank == 0:
@@ -397,7 +412,7 @@ def cmd_plan(args) -> int:
     profile = load_profile(args.profile, max_age_s=args.max_age)
     for note in profile.check_model(cfg, source=f"--profile {args.profile}"):
         logging.getLogger("hepti").warning(note)
-    plan = make_plan(cfg, profile, args.seq, args.batch, strategy=args.strategy,
+    plan = make_plan(cfg, profile, _tokens(args, cfg), args.batch, strategy=args.strategy,
                      ratios=args.ratios, mem_budget=parse_bytes(args.mem_budget))
     if args.out:
         with open(args.out, "w") as f:
