@@ -200,18 +200,22 @@ class Job:
         pack = slice_packer(graph)
         if s == "pipeline":  # each stage its layers whole, on a group of itself alone
             from hepti.parallel.comm import Comm
-            from hepti.parallel.pipeline import PipelineExecutor, stage_steps
+            from hepti.parallel.pipeline import PipelineExecutor, prologue_steps, stage_steps
             ranges = [tuple(x) for x in plan.layers]
             a, b = ranges[rank]
             self.layers = ResidentLayers(store, L, (0, H), (0, F), pack, layers=range(a, b))
+            whole = lower.schedule(graph, lower.assignment(graph, "single"), L)
+            units = {"heads": [H], "ffn": [F]}
+            if rank == 0:  # the embeddings of each batch as it enters the pipeline
+                self.prologue = Interpreter(Comm(None, tracer=world.tracer), graph,
+                                            prologue_steps(whole), None, self.primary_ops, [1.0],
+                                            units, threads)
             stage = None
             if b > a:
                 last = rank == max(r for r, (x, y) in enumerate(ranges) if y > x)
-                steps = stage_steps(lower.schedule(graph, lower.assignment(graph, "single"), L),
-                                    a, b, last)
-                stage = Interpreter(Comm(None, tracer=world.tracer), graph, steps, self.layers, {},
-                                    [1.0], {"heads": [H], "ffn": [F]}, threads,
-                                    outside_layers(graph, store) if last else None)
+                stage = Interpreter(Comm(None, tracer=world.tracer), graph,
+                                    stage_steps(whole, a, b, last), self.layers, {}, [1.0], units,
+                                    threads, outside_layers(graph, store) if last else None)
             self.executor = PipelineExecutor(world, stage, ranges)
             return
         if s in ("rows", "single"):
@@ -265,10 +269,11 @@ class Job:
         """The primary embeds each batch as it enters the pipeline, and gets [B, T, C] back."""
         C, shapes = self.cfg.hidden_size, {}
 
-        def inputs():
+        def inputs():  # on the primary only
+            layers_read = self.prologue.graph.layer[0].inputs[0]
             for k, b in enumerate(batches):
-                shapes[k] = b.mask.shape
-                yield self.primary_ops["embed"](b), b.mask.astype(np.float32)
+                shapes[k] = B, T = b.mask.shape
+                yield self.prologue.run({}, b, B, T, layers_read), b.mask.astype(np.float32)
 
         def done(k, out):
             if on_output is not None:

@@ -33,8 +33,6 @@ from hepti.graph.lower import Step
 
 
 class Interpreter:
-    name = "graph"
-
     def __init__(self, group, graph: Graph, steps: list[Step], layers, primary_ops: dict,
                  row_ratios: list[float], units: dict[str, list[int]], threads: int = 1,
                  outside=None):
@@ -44,7 +42,7 @@ class Interpreter:
         batch's token rows; units: each group rank's count of each unit its slices hold;
         outside: the LayerSlice of the other operators before and after the layers
         (slices.outside_layers), if the steps have any."""
-        self.g, self.graph, self.steps, self.layers = group, graph, steps, layers
+        self.g, self.graph, self.layers = group, graph, layers
         self.primary_ops, self.row_ratios, self.units = primary_ops, row_ratios, units
         self.threads = threads
         self.outside = outside.params if outside is not None else {}
