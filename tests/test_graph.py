@@ -126,3 +126,25 @@ def test_schedule_runs_every_op_once_in_order_with_the_program_s_syncs():
         program = [(p.collective.kind, p.collective.name)
                    for p in lower.phases(g, assign, g.n_layers) if p.collective is not None]
         assert [("bcast", "shape")] + syncs == program
+
+
+def test_activation_memory_counts_the_tensors_live_at_each_step():
+    """Worked by hand from the schedule: `tensor` in the MLP holds the FFN's input gathered
+    whole (M x C), the down projection's partial sums (M x C) and its FFN columns' hidden
+    state (M per column); `rows` at attention holds every row's K/V (M x 2C), the scores'
+    [T, T] block, and its own rows' fused QKV output (3C), the layer's input (C, the residual)
+    and the context (C)."""
+    from hepti.plan.costmodel import steps_of
+    cfg = preset_config("tiny-odd")
+    B, T = 2, 8
+    M, C = B * T, cfg.hidden_size
+    g = family_graph(cfg, B, T)
+    held = {name: [{t.dim: t.per_unit for t in ts}
+                   for ts in steps_of(lower.program_activations(g, lower.assignment(g, name))).values()]
+            for name in ("tensor", "rows")}
+    assert {"active": 4.0 * 2 * M * C, "ffn": 4.0 * M} in held["tensor"]
+    assert {"active": 4.0 * (2 * M * C + T * T), "rows": 4.0 * 5 * C} in held["rows"]
+    # no step kept that another holds at least as much of in every dimension
+    for steps in held.values():
+        for a in steps:
+            assert not any(b is not a and all(b.get(d, 0) >= v for d, v in a.items()) for b in steps)

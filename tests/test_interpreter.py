@@ -10,7 +10,7 @@ from hepti.graph import lower
 from hepti.graph.encoder import family_graph
 from hepti.parallel.comm import Comm
 from hepti.parallel.interpreter import Interpreter
-from hepti.parallel.pipeline import stage_steps
+from hepti.graph.lower import stage_steps
 
 
 class _Group:
@@ -33,7 +33,7 @@ def _describe(plan):
             out.append(e[1])
         else:
             ops = ["+".join(s.op.name for s in item[:2] if s is not None)
-                   + ("->" + item[2] if len(item) > 2 else "") for item in e[1]]
+                   + ("->" + item[2] if item[2] else "") for item in e[1]]
             out.append((ops, e[2]))  # (items, the layer released after it)
     return out
 
@@ -45,6 +45,17 @@ def test_tensor_runs_fuse_the_mlp_and_write_partial_sums_into_the_reduce_scatter
                  (["add+ln 1"], None), "allgatherv",
                  (["ffn up+ffn down->ffn_out"], None), "reduce_scatter",
                  (["add+ln 2"], 0), "gatherv"]
+
+
+def test_each_tensor_is_dropped_after_its_last_reader():
+    """As hepti.graph.lower.activation_memory counts them: the fused QKV output goes once
+    attention has read it, the FFN's input once the MLP has, a layer's input once its residual
+    add has, and the output stays."""
+    drops = {"+".join(s.op.name for s in item[:2] if s is not None): set(item[3])
+             for e in _runs("tensor", 1) if e[0] == "ops" for item in e[1]}
+    assert drops == {"embed": {"ids"}, "qkv": set(), "attention": {"q", "kv"}, "o-proj": {"ctx"},
+                     "add+ln 1": {"attn_out", "x"}, "ffn up+ffn down": {"h"},
+                     "add+ln 2": {"ffn_out", "x1"}}
 
 
 def test_a_group_of_one_skips_the_verbs():

@@ -114,7 +114,7 @@ def vit(cfg, B: int, T: int) -> Graph:
     embed = Op("embed", "embed", ("pixels",), ("x",), (ON_PRIMARY,), k=k, n=C,
                weights=tuple(w.name for w in emb))
     final = [Weight("final_ln.gamma", C), Weight("final_ln.beta", C)]
-    tensors = [Tensor("pixels", 1, "input"), Tensor("x", C), Tensor("y", C), Tensor("q", C),
+    tensors = [Tensor("pixels", k, "input"), Tensor("x", C), Tensor("y", C), Tensor("q", C),
                Tensor("kv", 2 * C), Tensor("ctx", C), Tensor("attn_out", C), Tensor("x1", C),
                Tensor("y2", C), Tensor("h", F), Tensor("ffn_out", C), Tensor("out", C)]
     return Graph("vit", {t.name: t for t in tensors}, {w.name: w for w in weights + emb + final},

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hepti.graph.ir import (BY_COLS, BY_K, BY_ROWS, BY_UNIT, F32, FULL, ON_PRIMARY, PRIMARY, ROWS,
-                            Graph, Op, after, needs, produces, transition)
+from hepti.graph.ir import (BY_COLS, BY_K, BY_ROWS, BY_UNIT, F32, FULL, LOCAL, ON_PRIMARY, PARTIAL,
+                            PRIMARY, ROWS, Graph, Op, after, needs, produces, transition)
 from hepti.plan.costmodel import ACTIVE, ROOT, Collective, MemTerm, Phase, Stream, Work
 
 # The GeMM kernel's blocks (hepti.kernels.config.MR and NR, which tests/test_plan.py checks;
@@ -142,6 +142,22 @@ def schedule(graph: Graph, assign: dict[str, str], n_layers: int) -> list[Step]:
     return steps
 
 
+def prologue_steps(steps: list[Step]) -> list[Step]:
+    """The operators before the first layer's (the embeddings, which a pipeline's primary runs
+    as each batch enters it)."""
+    first = min(i for i, s in enumerate(steps) if s.layer is not None)
+    return [s for s in steps[:first] if s.kind == "op"]
+
+
+def stage_steps(steps: list[Step], start: int, stop: int, last: bool) -> list[Step]:
+    """A pipeline stage's part of a one-rank schedule (`schedule` with every operator whole):
+    the operators of layers [start, stop), and on the last stage the ones after the layers.
+    Its sync steps are the pipeline's sends, not collectives: dropped."""
+    end = max(i for i, s in enumerate(steps) if s.layer is not None)
+    return [s for i, s in enumerate(steps) if s.kind == "op" and (
+        (s.layer is not None and start <= s.layer < stop) or (last and i > end))]
+
+
 def phases(graph: Graph, assign: dict[str, str], n_layers: int, stream: bool = False) -> list[Phase]:
     """The whole inference's phases, layers unrolled: the engine's batch header, then the
     schedule cut at its sync steps, each phase the work before one, ending in its collective."""
@@ -224,3 +240,113 @@ def stream_reads(graph: Graph, assign: dict[str, str], window: int) -> Stream:
     per_unit = {t.dim: t.per_unit for t in terms if t.per_layer and t.dim != ACTIVE}
     fixed = sum(t.per_unit for t in terms if t.per_layer and t.dim == ACTIVE)
     return Stream(per_unit, fixed, window)
+
+
+# --- activation memory: the tensors live at each step -----------------------------------------
+
+def _placed(graph: Graph, tensor: str, layout: str, unit: str | None) -> dict[str, float]:
+    """Bytes a rank holds of `tensor` in `layout`, by the dimension they scale with: every
+    row (FULL, PARTIAL: ACTIVE; PRIMARY: ROOT), its own rows ("rows"), or its units' columns
+    (LOCAL, per unit of the split that made it: the tensor's width over the units)."""
+    b = graph.units["rows"] * graph.tensors[tensor].row_bytes()
+    if layout in (FULL, PARTIAL):
+        return {ACTIVE: float(b)}
+    if layout == PRIMARY:
+        return {ROOT: float(b)}
+    if layout == ROWS:
+        return {"rows": float(graph.tensors[tensor].row_bytes())}
+    if layout == LOCAL:
+        return {unit: b / graph.units[unit]}
+    raise ValueError(f"{tensor}: unknown layout {layout!r}")
+
+
+def _scratch(graph: Graph, step: Step) -> dict[str, float]:
+    """What a step allocates beyond the tensors it makes, for its own duration: attention's
+    scores (a [T, T] block at a time), the embeddings' temporaries (per_row passes or the
+    patch matrix, on rank 0), and a Reduce_scatter's received blocks (bounded by all rows)."""
+    M, T = graph.units["rows"], graph.seq_len
+    if step.kind == "reduce_scatter":
+        return {ACTIVE: float(M * graph.tensors[step.tensor].row_bytes())}
+    if step.kind != "op":
+        return {}
+    op = step.op
+    if op.kind == "attention":
+        return {ACTIVE: float(F32 * T * T)}
+    if op.kind == "embed":
+        return {ROOT: float(F32 * M * max(op.per_row, op.k))}
+    return {}
+
+
+def activation_memory(graph: Graph, steps: list[Step], keep: tuple[str, ...] = ()
+                      ) -> list[MemTerm]:
+    """A rank's activation memory over `steps` (a schedule, or a pipeline stage's part), from
+    the tensors live at each step, as the interpreter holds them (it drops each tensor after
+    its last reader): one allocation per operator's outputs (a fused QKV output is one array
+    until its K/V columns are gathered into their own), one per collective's result, each
+    live from the step that makes it to the last step that reads it, or to the end for the
+    tensors in `keep` (what the steps hand back). Tensors read before any step makes them (the
+    inputs, a stage's received activations) are live from the start, whole on every rank.
+
+    Returns MemTerms ("activations") with a `step`: each step's bytes by the dimension they
+    scale with (every rank, rank 0, per row or unit of a rank's share). A rank holds the step
+    that comes to the most for its counts (costmodel.held_bytes); the LP caps every step. Steps
+    that hold no more of any dimension than another step are left out."""
+    lives: list[tuple[int, int, dict[str, float]]] = []  # (first step, last step, bytes)
+    held: dict[str, int] = {}  # tensor -> the allocation its current value is part of
+    layout: dict[str, str] = {}
+    end = len(steps) - 1
+
+    def make(tensors, j: int, where: str, unit: str | None) -> None:
+        size: dict[str, float] = {}
+        for t in tensors:
+            for d, b in _placed(graph, t, where, unit).items():
+                size[d] = size.get(d, 0.0) + b
+            held[t] = len(lives)
+            layout[t] = where
+        lives.append((j, j, size))
+
+    def read(t: str, j: int) -> None:
+        if t not in held:  # an input, or a stage's received activations
+            where = PRIMARY if graph.tensors[t].kind == "input" and t not in graph.inputs_everywhere else FULL
+            make([t], -1, where, None)
+        a = held[t]
+        first, last, size = lives[a]
+        lives[a] = (first, max(last, j), size)
+
+    for j, s in enumerate(steps):
+        if s.kind == "op":
+            for t in s.op.inputs:
+                read(t, j)
+            make(s.op.outputs, j, produces(s.op, s.split), s.op.unit)
+        else:
+            read(s.tensor, j)
+            new = {"allgatherv": FULL, "bcast": FULL, "reduce_scatter": ROWS,
+                   "scatterv": ROWS, "gatherv": PRIMARY}[s.kind]
+            make([s.tensor], j, new, None)
+    for t in keep:
+        if t in held:
+            first, _, size = lives[held[t]]
+            lives[held[t]] = (first, end, size)
+    at: list[dict[str, float]] = []
+    for j, s in enumerate(steps):
+        now = dict(_scratch(graph, s))
+        for first, last, size in lives:
+            if first <= j <= last:
+                for d, b in size.items():
+                    now[d] = now.get(d, 0.0) + b
+        at.append(now)
+    dims = sorted({d for now in at for d in now})
+    vecs = sorted({tuple(now.get(d, 0.0) for d in dims) for now in at}, reverse=True)
+    kept: list[tuple[float, ...]] = []
+    for v in vecs:  # the steps no other step holds at least as much as in every dimension
+        if not any(all(a >= b for a, b in zip(k, v)) for k in kept):
+            kept.append(v)
+    return [MemTerm("activations", d, b, step=k) for k, v in enumerate(kept)
+            for d, b in zip(dims, v) if b]
+
+
+def program_activations(graph: Graph, assign: dict[str, str]) -> list[MemTerm]:
+    """`activation_memory` of an inference under `assign`: two layers show every tensor's
+    lifetime across a layer's boundary; more only repeat them."""
+    steps = schedule(graph, assign, min(graph.n_layers, 2))
+    return activation_memory(graph, steps, keep=(graph.output,))

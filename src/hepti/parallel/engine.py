@@ -200,7 +200,8 @@ class Job:
         pack = slice_packer(graph)
         if s == "pipeline":  # each stage its layers whole, on a group of itself alone
             from hepti.parallel.comm import Comm
-            from hepti.parallel.pipeline import PipelineExecutor, prologue_steps, stage_steps
+            from hepti.graph.lower import prologue_steps, stage_steps
+            from hepti.parallel.pipeline import PipelineExecutor
             ranges = [tuple(x) for x in plan.layers]
             a, b = ranges[rank]
             self.layers = ResidentLayers(store, L, (0, H), (0, F), pack, layers=range(a, b))

@@ -92,13 +92,19 @@ class Interpreter:
                 label = first.op.piece if lay is None else f"L{lay} {first.op.piece}"
                 out[j] = (*e, label, None if lay is None else f"L{lay} weights")
         # an operator whose output goes straight into a reduce_scatter computes into its buffer
+        into = {}
         for j, entry in enumerate(out[:-1]):
             nxt = out[j + 1]
             if entry[0] == "ops" and nxt[:2] == ("sync", "reduce_scatter"):
-                last = entry[1][-1]
-                step = last[1] or last[0]
+                step = entry[1][-1][1] or entry[1][-1][0]
                 if nxt[2] in step.op.outputs:
-                    entry[1][-1] = (*last, nxt[2])
+                    into[step] = nxt[2]
+        # items as (step, MLP partner, output to compute into or None, tensors to drop after)
+        dead = _last_reads(steps)
+        for e in out:
+            if e[0] == "ops":
+                e[1][:] = [(a, b, into.get(b or a), dead.get(a, ()) + (dead.get(b, ()) if b else ()))
+                           for a, b in e[1]]
         return out
 
     # --- one batch -----------------------------------------------------------------------
@@ -139,6 +145,9 @@ class Interpreter:
                 for item in run:
                     self._op(item, env, fused, params if first.layer is not None else self.outside,
                              batch, ctx)
+                    for t in item[3]:  # past its last reader (lower.activation_memory)
+                        env.pop(t, None)
+                        fused.pop(t, None)
             if release is not None:
                 self.layers.done(release)
         return env.get(output or self.graph.output)
@@ -160,8 +169,7 @@ class Interpreter:
         raise ValueError(f"unknown collective {kind!r}")
 
     def _op(self, item: tuple, env: dict, fused: dict, params, batch, ctx: "_Batch") -> None:
-        step, pair = item[0], item[1]
-        into = item[2] if len(item) > 2 else None
+        step, pair, into, _ = item
         op, split = step.op, step.split
         if split == ON_PRIMARY:
             if self.g.rank == 0:
@@ -245,6 +253,28 @@ class _Batch:
                 self._ones = np.ones((self.B, self.T), np.float32)
             m = self._ones
         return m
+
+
+def _last_reads(steps: list[Step]) -> dict[Step, tuple[str, ...]]:
+    """Each operator step's inputs that no later step reads before they are made again: the
+    tensors to drop after it (as hepti.graph.lower.activation_memory counts them). A sync
+    step's result replaces its tensor, so syncs only read."""
+    out: dict[Step, tuple[str, ...]] = {}
+    pending: dict[str, Step | None] = {}  # tensor -> the last op step to read it so far
+    for s in steps:
+        if s.kind != "op":
+            pending[s.tensor] = None  # read by the sync, and replaced
+            continue
+        for t in s.op.inputs:
+            pending[t] = s
+        for t in s.op.outputs:
+            last = pending.pop(t, None)
+            if last is not None:
+                out[last] = out.get(last, ()) + (t,)
+    for t, last in pending.items():
+        if last is not None:
+            out[last] = out.get(last, ()) + (t,)
+    return out
 
 
 def _mlp_pair(a: Step, b: Step, readers: dict[str, int]) -> bool:

@@ -21,22 +21,6 @@ def layer_ranges(n_layers: int, ratios: list[float]) -> list[tuple[int, int]]:
     return [(o, o + n) for o, n in zip(offsets(c), c)]
 
 
-def prologue_steps(steps):
-    """The operators before the first layer's (the embeddings, which the primary runs as each
-    batch enters the pipeline)."""
-    first = min(i for i, s in enumerate(steps) if s.layer is not None)
-    return [s for s in steps[:first] if s.kind == "op"]
-
-
-def stage_steps(steps, start: int, stop: int, last: bool):
-    """A stage's part of a one-rank schedule (hepti.graph.lower.schedule with every operator
-    whole): the operators of layers [start, stop), and on the last stage the ones after the
-    layers. Its sync steps are the pipeline's sends, not collectives: dropped."""
-    end = max(i for i, s in enumerate(steps) if s.layer is not None)
-    return [s for i, s in enumerate(steps) if s.kind == "op" and (
-        (s.layer is not None and start <= s.layer < stop) or (last and i > end))]
-
-
 class PipelineExecutor:
     name = "pipeline"
 

@@ -130,13 +130,38 @@ class Phase:
 @dataclass(frozen=True)
 class MemTerm:
     """Memory a rank holds: `per_unit` bytes per unit of `dim` (ACTIVE: once if active; ROOT:
-    on rank 0). `what` is "weights", "activations" or "buffers". A `per_layer` term is held
-    once per resident layer: L times, or a stream window's worth."""
+    on rank 0). `what` is "weights", "activations" or "overhead". A `per_layer` term is held
+    once per resident layer: L times, or a stream window's worth. A term with a `step` is held
+    at that step of the schedule only: a rank holds the largest step's (hepti.graph.lower's
+    activation_memory), all of whose terms share the same `what`."""
 
     what: str
     dim: str
     per_unit: float
     per_layer: bool = False
+    step: int | None = None
+
+
+def envelope(memory: list[MemTerm]) -> list[MemTerm]:
+    """`memory` with the stepped terms replaced by one term per dimension, its largest over
+    the steps: linear in a rank's counts, and never below the largest step's memory."""
+    top: dict[tuple[str, str], float] = {}
+    out = []
+    for t in memory:
+        if t.step is None:
+            out.append(t)
+        else:
+            top[(t.what, t.dim)] = max(top.get((t.what, t.dim), 0.0), t.per_unit)
+    return out + [MemTerm(what, dim, b) for (what, dim), b in top.items()]
+
+
+def steps_of(memory: list[MemTerm]) -> dict[int, list[MemTerm]]:
+    """The stepped terms of `memory`, by step."""
+    out: dict[int, list[MemTerm]] = {}
+    for t in memory:
+        if t.step is not None:
+            out.setdefault(t.step, []).append(t)
+    return out
 
 
 @dataclass
@@ -298,7 +323,7 @@ class RankPrediction:
     wait_s: float = 0.0  # idle at sync points, waiting for slower ranks' compute
     read_s: float = 0.0  # stream: disk reading (overlapped with compute when window >= 2)
     load_s: float = 0.0  # stream: making slices on the rank's CPU ("load" Work, not overlapped)
-    mem: dict[str, float] = field(default_factory=dict)  # bytes: weights, activations, buffers
+    mem: dict[str, float] = field(default_factory=dict)  # bytes: weights, activations, overhead
 
     @property
     def mem_bytes(self) -> float:
@@ -354,21 +379,40 @@ def layers_held(program: Program, counts: dict[str, list[float]], active: list[b
 
 def memory_bytes(program: Program, counts: dict[str, list[float]], active: list[bool],
                  rank: int) -> dict[str, float]:
-    """A rank's memory by kind (weights / activations / buffers) for these counts."""
+    """A rank's memory by kind (weights / activations / overhead) for these counts."""
     mem: dict[str, float] = {}
     if not active[rank]:
         return mem
     held = layers_held(program, counts, active)[rank]
-    for t in program.memory:
+    mine = {d: c[rank] for d, c in counts.items()}
+    return held_bytes(program.memory, mine, rank == 0, held)
+
+
+def held_bytes(memory: list[MemTerm], counts: dict[str, float], primary: bool, layers: int
+               ) -> dict[str, float]:
+    """Bytes by kind a rank holds with these counts of each dimension, on the primary or not,
+    with `layers` layers' weights resident: every term without a step, and the step whose
+    terms come to the most. (One pass: the planner calls this for every rank of every
+    candidate.)"""
+    mem: dict[str, float] = {}
+    at: dict[int, float] = {}
+    what = ""
+    for t in memory:
         if t.dim == ACTIVE:
-            amount = t.per_unit
+            b = t.per_unit
         elif t.dim == ROOT:
-            amount = t.per_unit if rank == 0 else 0.0
+            b = t.per_unit if primary else 0.0
         else:
-            amount = t.per_unit * counts[t.dim][rank]
+            b = t.per_unit * counts[t.dim]
         if t.per_layer:
-            amount *= held
-        mem[t.what] = mem.get(t.what, 0.0) + amount
+            b *= layers
+        if t.step is None:
+            mem[t.what] = mem.get(t.what, 0.0) + b
+        else:
+            at[t.step] = at.get(t.step, 0.0) + b
+            what = t.what
+    if at:
+        mem[what] = mem.get(what, 0.0) + max(at.values())
     return mem
 
 

@@ -9,7 +9,7 @@ time is linear in the rank's own block (hepti.plan.costmodel.link_terms), so, in
     subject to
       tc_p >= compute of rank i in phase p                 (linear in x[., i])
       tm_c >= const_b(n) + coef_b(n) * block_i             (every branch b of every participant)
-      memory_i(x) <= cap_i                                 (weights, activations, buffers)
+      memory_i(x) <= cap_i                                 (weights, each step's activations)
       sum_i x[d,i] = total_d;  x[d,i] = 0 for ranks that do not take part
 
 This is exactly the cost model for fixed speeds. Only the GeMM speed's dependence on the slice
@@ -28,7 +28,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from hepti.plan.costmodel import ACTIVE, ROOT, Collective, Program, link_terms
+from hepti.plan.costmodel import ACTIVE, ROOT, Collective, Program, link_terms, steps_of
 from hepti.plan.profile import Profile
 
 MS = 1e3  # the LP works in milliseconds: coefficients near 1 solve more reliably
@@ -192,29 +192,37 @@ def solve(program: Program, profile: Profile, caps: list[float], ref_counts: dic
         budget = m.var()
 
     # --- memory: caps, and for stream the one budget every rank's window must fit -----------
+    # Activations differ by step of the schedule (MemTerm.step): every step's must fit, so
+    # each gets its own row (the steps no other step dominates: a few per program), unless it
+    # would fit even with every unit on this rank (then it cannot bind: most rows, most plans).
     held = program.n_layers if program.stream is None else program.stream.window
+    steps = list(steps_of(program.memory).values()) or [[]]
     for i in act:
-        per_layer, other, const = {}, {}, 0.0
-        for t in program.memory:
-            if t.dim == ACTIVE or (t.dim == ROOT and i == 0):
-                amount = t.per_unit
-                if t.per_layer:
-                    per_layer[-1] = per_layer.get(-1, 0.0) + amount
-                else:
-                    const += amount
-            elif t.dim in program.totals:
-                _add(per_layer if t.per_layer else other, x[t.dim][i], t.per_unit)
-        slice_const = per_layer.pop(-1, 0.0)
-        if const + held * slice_const > caps[i]:
-            return None  # cannot even hold its fixed part
-        row = dict(other)
-        for j, v in per_layer.items():
-            _add(row, j, held * v)
-        m.row(row, ub=caps[i] - const - held * slice_const)
-        if budget is not None:
-            m.row({budget: 1.0, **other}, ub=caps[i] - const)
-            m.row({budget: -1.0, **{j: held * v for j, v in per_layer.items()}},
-                  ub=-held * slice_const)
+        for step in steps:
+            per_layer, other, const, most = {}, {}, 0.0, 0.0
+            for t in [t for t in program.memory if t.step is None] + step:
+                if t.dim == ACTIVE or (t.dim == ROOT and i == 0):
+                    amount = t.per_unit
+                    if t.per_layer:
+                        per_layer[-1] = per_layer.get(-1, 0.0) + amount
+                    else:
+                        const += amount
+                elif t.dim in program.totals:
+                    _add(per_layer if t.per_layer else other, x[t.dim][i], t.per_unit)
+                    most += t.per_unit * (held if t.per_layer else 1) * program.totals[t.dim]
+            slice_const = per_layer.pop(-1, 0.0)
+            if const + held * slice_const > caps[i]:
+                return None  # cannot even hold its fixed part
+            if budget is None and const + held * slice_const + most <= caps[i]:
+                continue
+            row = dict(other)
+            for j, v in per_layer.items():
+                _add(row, j, held * v)
+            m.row(row, ub=caps[i] - const - held * slice_const)
+            if budget is not None:
+                m.row({budget: 1.0, **other}, ub=caps[i] - const)
+                m.row({budget: -1.0, **{j: held * v for j, v in per_layer.items()}},
+                      ub=-held * slice_const)
 
     for j, v in objective.items():
         m.cost[j] += v

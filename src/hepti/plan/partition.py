@@ -39,7 +39,7 @@ from hepti.counts import counts as split_counts
 from hepti.counts import offsets
 from hepti.errors import PlanError
 from hepti.model.sizes import model_bytes
-from hepti.plan.costmodel import ACTIVE, ROOT, Prediction, Program, evaluate
+from hepti.plan.costmodel import ACTIVE, ROOT, Prediction, Program, envelope, evaluate
 from hepti.plan.pipeline import evaluate_pipeline, pipeline_ranges
 from hepti.plan.planfile import DIMS, Plan, parse_ratios
 from hepti.plan.profile import Profile
@@ -265,15 +265,16 @@ def _stream_candidate(cfg, B, T, profile, caps, ratios=None, cutoff: float = mat
 def _missing_memory_error(cfg: ModelConfig, B: int, T: int, profile: Profile, caps: list[float]):
     program = program_for("stream", cfg, B, T, 1)
     fixed, need_units = [], 0.0
+    memory = envelope(program.memory)
     for i in range(profile.world_size):
         f = 0.0
-        for t in program.memory:
+        for t in memory:
             if t.dim == ACTIVE:
                 f += t.per_unit
             elif t.dim == ROOT and i == 0:
                 f += t.per_unit
         fixed.append(f)
-    for t in program.memory:
+    for t in memory:
         if t.dim in program.totals:
             need_units += t.per_unit * program.totals[t.dim]
     if caps[0] < fixed[0] + 1:
@@ -534,7 +535,7 @@ def _infeasible_message(strategy, cfg, B, T, profile, caps) -> str:
                 f"({_mb(need0)}) but it has {_mb(caps[0])}; use --strategy tensor or stream")
     total = sum(t.per_unit * (cfg.num_hidden_layers if t.per_layer else 1)
                 * (program.totals[t.dim] if t.dim in program.totals else 1)
-                for t in program.memory if t.dim != ROOT) + sum(
-        t.per_unit for t in program.memory if t.dim == ROOT)
+                for t in envelope(program.memory) if t.dim != ROOT) + sum(
+        t.per_unit for t in envelope(program.memory) if t.dim == ROOT)
     return (f"tensor does not fit: the model's slices and activations need about {_mb(total)} "
             f"across the ranks, which have {_mb(sum(caps))}; use --strategy stream")

@@ -15,10 +15,13 @@ memory are excluded. O(N^2 L^2); exact periods and latency are then evaluated fo
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from hepti.config import ModelConfig
+from hepti.graph import lower
+from hepti.graph.encoder import family_graph
 from hepti.model.sizes import embedding_bytes, layer_bytes
-from hepti.plan.costmodel import RankPrediction
+from hepti.plan.costmodel import RankPrediction, held_bytes
 from hepti.plan.profile import Profile
 from hepti.plan.workloads import ALLOC_OVERHEAD, F32, embed_works, layer_works
 
@@ -47,17 +50,32 @@ def _transfer(profile: Profile, j: int, k: int, nbytes: float, header: float) ->
 
 
 def stage_memory(cfg: ModelConfig, B: int, T: int, rank: int, n_layers: int) -> dict[str, float]:
-    M, C, F = B * T, cfg.hidden_size, cfg.intermediate_size
+    """What a stage of `n_layers` whole layers holds (rank 0 also embeds and collects the
+    output): weights, and the activations its part of a one-rank schedule keeps live at its
+    peak (hepti.graph.lower.activation_memory), every split dimension at its whole count."""
     mem = {"weights": float(n_layers * layer_bytes(cfg)),
-           "activations": F32 * (4.0 * M * C + T * T + 4.0 * M * cfg.head_dim * cfg.num_attention_heads
-                                 + M * F) if n_layers else F32 * 2.0 * M * C,
-           "buffers": F32 * 1.0 * M * C}
+           "activations": _stage_activations(cfg, B, T, rank == 0, min(n_layers, 2))}
     if rank == 0:
         mem["weights"] += embedding_bytes(cfg)
-        mem["activations"] += F32 * 3.0 * M * C
     # see hepti.plan.workloads.with_overhead: heap kept after loading, one raw layer in packing
     mem["overhead"] = ALLOC_OVERHEAD * mem["weights"] + (layer_bytes(cfg) if n_layers else 0.0)
     return mem
+
+
+@lru_cache(maxsize=256)
+def _stage_activations(cfg: ModelConfig, B: int, T: int, primary: bool, n_layers: int) -> float:
+    """Peak activation bytes of a stage (its layers, all of their rows and units; the
+    prologue too on the primary); two layers show all a longer stage holds."""
+    g = family_graph(cfg, B, T)
+    steps = lower.schedule(g, lower.assignment(g, "single"), max(1, n_layers))
+    part = lower.stage_steps(steps, 0, n_layers, last=True) if n_layers else []
+    if primary:
+        part = lower.prologue_steps(steps) + part
+    if not part:
+        return 0.0
+    layer_in = g.layer[0].inputs[0]  # what a stage receives and passes on
+    terms = lower.activation_memory(g, part, keep=(g.output, layer_in))
+    return held_bytes(terms, dict(g.units), primary, 1).get("activations", 0.0)
 
 
 def pipeline_ranges(cfg: ModelConfig, B: int, T: int, profile: Profile, caps: list[float]

@@ -42,7 +42,7 @@ import numpy as np
 from hepti.counts import counts as split_counts
 from hepti.plan import lp
 from hepti.plan.costmodel import (ACTIVE, ROOT, Collective, Prediction, Program, RankPrediction, branch_terms,
-                                  evaluate, layer_slice_bytes, link_terms)
+                                  envelope, evaluate, layer_slice_bytes, link_terms)
 from hepti.plan.profile import Profile
 
 EXACT_MAX_OPTIONAL = 4  # up to 5 devices: every set of participants is a candidate ...
@@ -76,7 +76,7 @@ def min_footprint(program: Program, rank: int) -> float:
     """Memory a rank needs to take part with one unit of its cheapest dimension."""
     held = program.n_layers if program.stream is None else program.stream.window
     fixed, per_dim = 0.0, {d: 0.0 for d in program.totals}
-    for t in program.memory:
+    for t in envelope(program.memory):
         k = held if t.per_layer else 1
         if t.dim == ACTIVE:
             fixed += t.per_unit * k
@@ -90,7 +90,7 @@ def min_footprint(program: Program, rank: int) -> float:
 def rounding_margin(program: Program) -> float:
     """Memory of one unit of every continuous dimension: rounding adds at most that."""
     held = program.n_layers if program.stream is None else program.stream.window
-    return sum(t.per_unit * (held if t.per_layer else 1) for t in program.memory
+    return sum(t.per_unit * (held if t.per_layer else 1) for t in envelope(program.memory)
                if t.dim in program.totals and t.dim not in program.integer_dims)
 
 

@@ -11,11 +11,14 @@ for a call of that many FLOPs. The FFN's GeLU (and every bias) is fused into its
 epilogue, so it has no Work of its own: the profiler's GeMM speed is measured on a layer's
 GeMMs with that epilogue.
 
-Memory is an estimate of what the executors hold at their peak: weights (from the graph: what
-each rank's split keeps of every layer), activations and collective buffers (written here per
-strategy, until they come from the graph's tensors live at each step).
+Memory is an estimate of what the executors hold at their peak, all from the graph: weights
+(what each rank's split keeps of every layer), and activations, the tensors live at each step
+of the schedule (hepti.graph.lower.activation_memory), with what the allocator keeps
+(`with_overhead`).
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 from hepti.graph import lower
 from hepti.graph.encoder import family_graph
@@ -42,14 +45,27 @@ def with_overhead(memory: list[MemTerm]) -> list[MemTerm]:
     return memory + extra
 
 
-def _lowered(cfg, B: int, T: int, strategy: str, window: int | None = None) -> Program:
-    """The strategy's program from the graph, with the weights' memory and no other; with a
-    `window`, `stream`'s: loads in the phases and the per-layer reads."""
+@lru_cache(maxsize=64)
+def _lowering(cfg, B: int, T: int, strategy: str, stream: bool):
+    """The graph's lowering for a strategy: (graph, assignment, (start, layer, end, repeat)
+    phases, dimensions, weight memory, activation memory). Read only: the planner asks for the same few
+    programs for every candidate it weighs, so it is worked out once per shape."""
     g = family_graph(cfg, B, T)
     assign = lower.assignment(g, strategy)
-    start, layer, end, repeat = lower.compress(g, assign, stream=window is not None)
-    dims = lower.totals(g, assign)
-    prog = Program(strategy, dims, start, layer, end, repeat, lower.weight_memory(g, assign),
+    return (g, assign, lower.compress(g, assign, stream=stream), lower.totals(g, assign),
+            tuple(lower.weight_memory(g, assign)), tuple(lower.program_activations(g, assign)))
+
+
+def _lowered(cfg, B: int, T: int, strategy: str, window: int | None = None,
+             overhead: bool = True) -> Program:
+    """The strategy's program from the graph: phases, and memory (weights, the activations
+    live at each step, and with `overhead` what the allocator keeps: `with_overhead`); with a
+    `window`, `stream`'s: loads in the phases and the per-layer reads."""
+    g, assign, (start, layer, end, repeat), dims, weights, activations = _lowering(
+        cfg, B, T, strategy, window is not None)
+    memory = list(weights) + list(activations)
+    prog = Program(strategy, dict(dims), list(start), list(layer), list(end), repeat,
+                   with_overhead(memory) if overhead else memory,
                    integer_dims=tuple(u for u in g.whole_units if u in dims), n_layers=g.n_layers)
     if window is not None:
         prog.stream = lower.stream_reads(g, assign, window)
@@ -58,35 +74,12 @@ def _lowered(cfg, B: int, T: int, strategy: str, window: int | None = None) -> P
 
 def rows_program(cfg, B: int, T: int) -> Program:
     """`rows`: weights replicated; each rank's r_i token rows; K/V rows Allgatherv'd per layer."""
-    C, F, M = cfg.hidden_size, cfg.intermediate_size, B * T
-    prog = _lowered(cfg, B, T, "rows")
-    prog.memory = with_overhead(prog.memory + [
-        MemTerm("activations", ACTIVE, F32 * (2.0 * M * C + T * T + B * T)),  # all K/V, scores
-        MemTerm("activations", "rows", F32 * (9.0 * C + F)),  # x, qkv, ctx, ffn hidden, outputs
-        MemTerm("activations", ROOT, F32 * 4.0 * M * C),  # embedding temporaries, gathered output
-        MemTerm("buffers", ACTIVE, F32 * 2.0 * M * C),  # Allgatherv temporaries
-    ])
-    return prog
-
-
-def _tensor_activations(cfg, B: int, T: int) -> list[MemTerm]:
-    """What a `tensor` rank holds besides weights (`stream` too)."""
-    C, D, M = cfg.hidden_size, cfg.head_dim, B * T
-    return [
-        MemTerm("activations", ACTIVE, F32 * (4.0 * M * C + T * T + B * T)),  # x, partials, scores
-        MemTerm("activations", "heads", F32 * 4.0 * M * D),  # qkv [M,3hD], ctx [M,hD]
-        MemTerm("activations", "ffn", F32 * 1.0 * M),  # ffn hidden [M, f]
-        MemTerm("activations", "rows", F32 * 2.0 * C),  # own rows after Reduce_scatter
-        MemTerm("activations", ROOT, F32 * 3.0 * M * C),  # embedding temporaries, output
-        MemTerm("buffers", ACTIVE, F32 * 1.0 * M * C),  # collective temporaries
-    ]
+    return _lowered(cfg, B, T, "rows")
 
 
 def tensor_program(cfg, B: int, T: int, name: str = "tensor") -> Program:
     """`tensor` (also `even`, `single`): heads, FFN columns and token rows split by ratio."""
-    prog = _lowered(cfg, B, T, name)
-    prog.memory = with_overhead(prog.memory + _tensor_activations(cfg, B, T))
-    return prog
+    return _lowered(cfg, B, T, name)
 
 
 def stream_program(cfg, B: int, T: int, window: int) -> Program:
@@ -102,11 +95,9 @@ def stream_program(cfg, B: int, T: int, window: int) -> Program:
     prefetch thread makes them (it starts the next layer's slices, heads first, as a layer
     begins). The 6 C whole vectors per layer (18 KiB) are left out. On a device with a core to
     spare for the prefetch thread this over-counts; leave `weight_load_Bps` out there."""
-    prog = _lowered(cfg, B, T, "stream", window)
     # A window's peak is set by the runtime's budget (window = budget // slice bytes) and stays
     # within it plus a constant (tests/mpi): no `with_overhead` for the whole model here.
-    prog.memory = prog.memory + _tensor_activations(cfg, B, T)
-    return prog
+    return _lowered(cfg, B, T, "stream", window, overhead=False)
 
 
 def layer_works(cfg, B: int, T: int) -> list[Work]:
