@@ -456,3 +456,45 @@ def test_plan_file_round_trip_and_report():
         text = format_plan(plan)
         assert "predicted latency" in text and plan.explanation in text
         assert len([ln for ln in text.splitlines() if ln.strip().startswith(("0 ", "1 "))]) == 2
+
+
+SLOW_LINK = dict(gemm_flops=3e9, memory_bytes=4e9, latency_s=2e-3, bandwidth_Bps=2e6)
+FAST_LINK = dict(gemm_flops=5e10, memory_bytes=4e9, latency_s=1e-4, bandwidth_Bps=1.2e8)
+
+
+@pytest.mark.parametrize("strategy", ["rows", "tensor", "auto"])
+def test_a_rank_0_behind_a_slow_link_is_not_the_primary(strategy):
+    """Every batch's scatter and gather would cross rank 0's 16 Mbit/s link; with rank 1 as
+    the primary only the inputs and the output do, once each. The plan says so, in world ranks,
+    and its prediction counts that hand-over."""
+    from hepti.plan.partition import _make_plan
+    prof = declared_profile([SLOW_LINK, FAST_LINK, FAST_LINK])
+    plan = make_plan(BERT, prof, 128, strategy=strategy)
+    kept = _make_plan(BERT, prof, 128, strategy=strategy)  # rank 0 as the primary
+    assert kept.primary == 0 and plan.primary in (1, 2)
+    assert all(plan.counts[d][0] == 0 for d in DIMS) and all(plan.counts["rows"][1:])
+    relay = plan.predicted["relay_s"]
+    assert 0.1 < relay < plan.predicted_latency_s < kept.predicted_latency_s / 5
+    assert f"Rank {plan.primary} is the primary" in plan.explanation
+    assert "Rank 0 gets no share" in plan.explanation
+    assert [r["rank"] for r in plan.predicted["per_rank"]] == [0, 1, 2]
+    assert not plan.predicted["per_rank"][0]["active"] and plan.predicted["per_rank"][plan.primary]["active"]
+    assert f"primary rank {plan.primary}" in format_plan(plan)
+    assert Plan.from_dict(json.loads(plan.to_json())).primary == plan.primary
+
+
+def test_rank_0_with_a_share_and_a_fair_link_stays_the_primary():
+    plan = make_plan(BERT, declared_profile([FAST_LINK, FAST_LINK]), 128, strategy="rows")
+    assert plan.primary == 0 and plan.counts["rows"][0] > 0
+
+
+@pytest.mark.parametrize("mutate,words", [
+    (dict(primary=2), "primary 2 is not a rank"),
+    (dict(primary=-1), "primary -1 is not a rank"),
+    (dict(primary=True), "primary True"),
+    (dict(primary=1, strategy="single"), "primary is rank 0"),
+])
+def test_a_bad_primary_is_refused(mutate, words):
+    fields = dict(strategy="rows", world_size=2, ratios={d: [0.5, 0.5] for d in DIMS}) | mutate
+    with pytest.raises(PlanError, match=words):
+        Plan(**fields).validate(2)

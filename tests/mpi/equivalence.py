@@ -48,7 +48,7 @@ def inputs_for(model_dir: Path):
     return [Batch(z["ids"], z["mask"], z["token_type"])]
 
 
-def make_plan(strategy: str, vec: list[float], cfg, world: int) -> Plan:
+def make_plan(strategy: str, vec: list[float], cfg, world: int, primary: int = 0) -> Plan:
     if strategy == "single":
         vec = [1.0] + [0.0] * (world - 1)
     if strategy == "even":
@@ -58,7 +58,7 @@ def make_plan(strategy: str, vec: list[float], cfg, world: int) -> Plan:
         ratios = {"heads": vec, "ffn": vec, "rows": vec[::-1]}
     else:
         ratios = {d: list(vec) for d in DIMS}
-    plan = Plan(strategy=strategy, world_size=world, ratios=ratios)
+    plan = Plan(strategy=strategy, world_size=world, ratios=ratios, primary=primary)
     if strategy == "pipeline":
         plan.layers = [list(r) for r in layer_ranges(cfg.num_hidden_layers, vec)]
     if strategy == "stream":  # a budget of two layers of the largest slice
@@ -69,18 +69,26 @@ def make_plan(strategy: str, vec: list[float], cfg, world: int) -> Plan:
 
 
 def cases(world: int):
+    """(strategy, ratios' name, vector) to run. "moved": the last rank is the primary and rank 0
+    (which still reads the inputs and takes the outputs) has no share."""
     for strategy in STRATEGIES:
         for rname, vec in RATIOS[world].items():
             if strategy in ("single", "even") and rname != "even":
                 continue  # these ignore the ratio vector
             yield strategy, rname, vec
+        if world > 1 and strategy in ("rows", "tensor", "stream"):
+            yield strategy, "moved", [0.0] + [1.0 / (world - 1)] * (world - 1)
 
 
-def check_case(model_dir, strategy, vec, world, reference=None):
+def primary_of(rname: str, world: int) -> int:
+    return world - 1 if rname == "moved" else 0
+
+
+def check_case(model_dir, strategy, vec, world, reference=None, primary: int = 0):
     """Run one case on every rank; on rank 0 return (max |diff| hidden at real tokens, pooled)."""
     cfg = WeightStore(model_dir).config
     batches = inputs_for(model_dir)
-    outs, _ = run_plan(model_dir, make_plan(strategy, vec, cfg, world), batches)
+    outs, _ = run_plan(model_dir, make_plan(strategy, vec, cfg, world, primary), batches)
     if not outs:
         return None
     b = batches[0]
@@ -105,7 +113,7 @@ def main(argv=None) -> int:
     for d in args.model:
         ref = single_reference(d, inputs_for(d)[0]) if world.rank == 0 else None
         for strategy, rname, vec in cases(n):
-            res = check_case(d, strategy, vec, n, ref)
+            res = check_case(d, strategy, vec, n, ref, primary_of(rname, n))
             if world.rank == 0:
                 ok = res is not None and res[0] <= TOL and res[1] <= TOL  # no outputs: a failure
                 res = res or (float("inf"), float("inf"))

@@ -52,6 +52,8 @@ from hepti.counts import offsets
 from hepti.errors import InputError
 from hepti.parallel.trace import Tracer
 
+_TAG_SCATTER, _TAG_GATHER, _TAG_ALLGATHER, _TAG_REDUCE, _TAG_OBJ = 101, 102, 103, 104, 105
+
 
 class Comm:
     """A group of ranks (an mpi4py communicator, or None for one process) with its verbs.
@@ -73,12 +75,13 @@ class Comm:
     def solo(self) -> bool:
         return self.size == 1
 
-    def split(self, member: bool) -> "Comm | None":
-        """Collective: the group of the ranks that pass member=True, as a Comm that owns its
-        communicator (its close() frees it); None on the other ranks."""
+    def split(self, member: bool, first: bool = False) -> "Comm | None":
+        """Collective: the group of the ranks that pass member=True, in rank order but for the
+        one that passes first=True, which is the group's rank 0 (the root of its verbs), as a
+        Comm that owns its communicator (its close() frees it); None on the other ranks."""
         if self.solo:
             return Comm(None, self.tracer) if member else None
-        sub = self.mpi.Split(0 if member else _MPI().UNDEFINED, key=self.rank)
+        sub = self.mpi.Split(0 if member else _MPI().UNDEFINED, key=0 if first else self.rank + 1)
         if not member:
             return None
         group = Comm(sub, self.tracer)
@@ -293,6 +296,20 @@ class Comm:
         self.tracer.add_bytes("recv", 0, out.nbytes)
         return out, meta
 
+    def send_obj(self, obj, dest: int, tag: int = _TAG_OBJ):
+        """Send a small Python object (a batch of token ids, a header), pickled: between
+        hepti's own ranks only, never from a file."""
+        with self.tracer.span("Send", "send"):
+            wait(self.mpi.isend(obj, dest=dest, tag=tag))
+
+    def recv_obj(self, source: int, tag: int = _TAG_OBJ):
+        """-> the object send_obj sent, of any size (mpi4py's irecv takes 32 KiB at most: a
+        batch of images is more), once a probe sees it: sleeping between probes, as `wait`."""
+        with self.tracer.span("Recv", "recv"):
+            while SLEEPY and not self.mpi.iprobe(source=source, tag=tag):
+                time.sleep(WAIT_SLEEP_S)
+            return self.mpi.recv(source=source, tag=tag)
+
     def send_known(self, a: np.ndarray, dest: int, tag: int = 0, name: str = "Send"):
         """Send a float32 array whose shape the receiver already knows (no header): the match
         of a receive posted with `post_recv`."""
@@ -317,7 +334,6 @@ class Comm:
 
 
 # one tag per row verb: a verb's messages can never match another's, whatever the order of posting
-_TAG_SCATTER, _TAG_GATHER, _TAG_ALLGATHER, _TAG_REDUCE = 101, 102, 103, 104
 
 
 WAIT_SLEEP_S = 50e-6  # between tests of a pending request; far below a message's time on a link

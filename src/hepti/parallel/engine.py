@@ -1,7 +1,10 @@
 """The distributed job behind `mpiexec -n N hepti run`: plan -> load slices -> run -> report.
 
-Rank 0 is the primary: it reads and tokenises the inputs, embeds them, and pools and writes
-each batch's output as it completes (hepti.runner).
+Rank 0 reads and tokenises the inputs, and pools and writes each batch's output as it
+completes (hepti.runner). The plan's primary (rank 0 unless the plan says otherwise) embeds each
+batch and collects its output: it is its group's rank 0, the root of the verbs. When the primary
+is another rank, rank 0 hands it each batch and gets the output back (`Job.run_all`), and takes
+part in the work only if the plan gives it a share.
 Failure discipline:
 - checks that every rank can make alone (plan, ratios, budget) run identically everywhere and
   raise `AgreedError`: rank 0 prints it, every rank exits 2, nobody is left in a collective;
@@ -119,17 +122,19 @@ def _counts_of(plan: Plan, cfg) -> dict:
 
 
 def active_ranks(plan: Plan, cfg) -> list[int]:
-    """Ranks that do any work (the primary always takes part: it holds inputs and outputs)."""
-    n = plan.world_size
+    """Ranks that do any work, in group order: the primary first (it always takes part: it
+    embeds the inputs and collects the outputs), then the others in rank order."""
+    n, p = plan.world_size, plan.primary
     if plan.strategy == "single":
         return [0]
     if plan.strategy == "pipeline":
-        return [r for r in range(n) if r == 0 or plan.layers[r][1] > plan.layers[r][0]]
-    if plan.strategy == "rows":
-        return [r for r in range(n) if r == 0 or plan.ratios["rows"][r] > 0]
-    c = _counts_of(plan, cfg)
-    return [r for r in range(n)
-            if r == 0 or c["heads"][r] or c["ffn"][r] or plan.ratios["rows"][r] > 0]
+        works = [plan.layers[r][1] > plan.layers[r][0] for r in range(n)]
+    elif plan.strategy == "rows":
+        works = [plan.ratios["rows"][r] > 0 for r in range(n)]
+    else:
+        c = _counts_of(plan, cfg)
+        works = [bool(c["heads"][r] or c["ffn"][r] or plan.ratios["rows"][r] > 0) for r in range(n)]
+    return [p] + [r for r in range(n) if works[r] and r != p]
 
 
 def stream_window(plan: Plan, cfg, rank: int) -> int:
@@ -184,12 +189,12 @@ class Job:
         self.rss_before_load = current_rss()
         # one sub-communicator of the ranks that work (freed by close()); the others skip
         # straight to the end. `single`'s is rank 0 alone: a group of one, whose verbs return
-        self.group = world.split(self.is_active)
+        self.group = world.split(self.is_active, first=rank == plan.primary)
         self.layers = self.executor = None
         self.primary_ops = {}
         if not self.is_active:
             return
-        if rank == 0:  # the operators only the primary runs (embeddings), with their weights
+        if rank == plan.primary:  # the operators only it runs (embeddings), with their weights
             self.primary_ops = fam.primary_ops(cfg, store)
         H, F, L = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers
         s = plan.strategy
@@ -246,23 +251,35 @@ class Job:
                                     outside_layers(graph, store))
 
     def run_all(self, batches, n: int, on_output=None) -> None:
-        """Run n batches, in order. `batches` is an iterable on the primary (ignored elsewhere);
-        there on_output(i, hidden [B, T, C]) is called as the i-th completes, so the primary
-        never holds more than the batches in flight."""
-        if not self.is_active:
+        """Run n batches, in order. `batches` is an iterable on rank 0 (ignored elsewhere);
+        there on_output(i, hidden [B, T, C]) is called as the i-th completes, so rank 0 never
+        holds more than the batches in flight. With a primary other than rank 0, rank 0 sends
+        it each batch (before its own part of the batch, if it has one) and receives the
+        output after."""
+        rank0, p = self.world.rank == 0, self.plan.primary
+        relay = p != 0 and (rank0 or self.world.rank == p)
+        if not self.is_active and not relay:
             return
         fault = os.environ.get(FAULT_ENV)
         if fault is not None and int(fault) == self.world.rank:
             raise RuntimeError(f"injected fault ({FAULT_ENV}={fault})")
-        rank0 = self.world.rank == 0
         if self.plan.strategy == "pipeline":
             self._run_pipeline(batches if rank0 else (), n, on_output)
             return
-        g = self.group
+        w, g = self.world, self.group
         it = iter(batches) if rank0 else None
         for k in range(n):
-            with g.tracer.span(f"batch {k}", "batch"):
-                out = self._one_batch(next(it) if rank0 else None)
+            b = next(it) if rank0 else None
+            with w.tracer.span(f"batch {k}", "batch"):
+                if relay and rank0:
+                    w.send_obj(b, p)
+                elif relay:
+                    b = w.recv_obj(0)
+                out = self._one_batch(b) if self.is_active else None
+                if relay and rank0:
+                    out = w.recv_array(p)[0]
+                elif relay:
+                    w.send_array(out, 0)
             if rank0 and on_output is not None:
                 on_output(k, out)
 
@@ -285,7 +302,8 @@ class Job:
     def _one_batch(self, b):
         """One batch through the executor: its shape first (every rank needs it), then the
         schedule. Returns hidden [B, T, C] on the primary."""
-        g, rank0, C = self.group, self.world.rank == 0, self.cfg.hidden_size
+        g, C = self.group, self.cfg.hidden_size
+        rank0 = g.rank == 0  # the primary
         # the shape as two integers, not a pickled tuple (40 us inside a forward, against 2-5)
         B, T = (int(v) for v in g.bcast_to_all(np.array(b.mask.shape, np.int64) if rank0 else None,
                                                (2,), np.int64))
@@ -511,7 +529,8 @@ def _run_prepared(args, world, store, prep, t_start: float) -> int:
         used = {"layers": plan.layers}
     report = base_report(args, cfg, prep, load_s, runs, plan.strategy, size, t_start)
     report.update({
-        "active_ranks": job.active,
+        "active_ranks": sorted(job.active),
+        "primary": plan.primary,
         "ratios": plan.ratios,
         "counts": used,
         "throughput_inputs_per_s": (prep.source.n / report["latency_s"]["median"]
@@ -539,7 +558,9 @@ def _run_prepared(args, world, store, prep, t_start: float) -> int:
 
 def format_plan_line(report: dict, plan: Plan) -> str:
     c = report["counts"]
-    parts = [f"plan: {plan.strategy} on ranks {report['active_ranks']}"]
+    parts = [f"plan: {plan.strategy} on ranks {sorted(report['active_ranks'])}"]
+    if plan.primary:
+        parts.append(f"primary rank {plan.primary}")
     parts += [f"{k} {v}" for k, v in c.items()]
     line = ", ".join(parts)
     if plan.explanation:

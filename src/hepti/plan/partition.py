@@ -355,7 +355,89 @@ def make_plan(config: ModelConfig, profile: Profile, seq_len: int, batch: int = 
     strategy: one of PLANNERS. ratios (evaluate instead of optimise): a vector for every
     dimension, a dict per dimension, or the `--ratios` text. mem_budget caps every rank's memory
     for hepti (bytes), on top of the profile.
+
+    The primary (embeddings, the output's collection) is rank 0, unless the plan gives rank 0
+    no share of the work: then the same strategy is also planned with the rank that has the
+    largest share as the primary (`_moved_primary`), and kept if faster.
     """
+    t0 = time.perf_counter()
+    plan = _make_plan(config, profile, seq_len, batch, strategy, ratios, mem_budget)
+    if ratios is None and strategy in ("rows", "tensor", "stream", "auto"):
+        plan = _moved_primary(plan, config, profile, seq_len, batch, strategy, mem_budget)
+        plan.solve_s = time.perf_counter() - t0
+    return plan
+
+
+def _moved_primary(plan: Plan, cfg: ModelConfig, profile: Profile, T: int, B: int,
+                   strategy: str, mem_budget: float | None) -> Plan:
+    """`plan`, or the same strategy planned with another rank as the primary, if that is
+    predicted faster. Tried where rank 0 makes a poor primary: it has no share of `plan`'s work
+    (yet would embed, scatter and gather, and under `rows` hold the whole model), or its link is
+    less than half as fast as every other's (every batch's scatter and gather cross it).
+
+    Rank 0 keeps reading the inputs and writing the outputs (hepti.parallel.engine), so a
+    primary p > 0 costs handing it each batch and taking the output back: added to the
+    prediction as two messages each way over the slower of the two links. The planner itself
+    always puts the primary first: it plans on the profile with the devices reordered so that
+    p is first, and reorders the result back."""
+    N = profile.world_size
+    cnt = plan.counts or {}
+    if N < 2 or plan.strategy == "single" or not cnt:
+        return plan
+    idle = not any(cnt[d][0] for d in cnt)
+    slow_link = profile.devices[0].bandwidth_Bps * 2 < min(d.bandwidth_Bps for d in profile.devices[1:])
+    if not (idle or slow_link):
+        return plan
+    share = [sum(cnt[d][r] / max(1, sum(cnt[d])) for d in cnt) for r in range(N)]
+    p = max(range(1, N), key=lambda r: share[r])
+    order = [p] + [r for r in range(N) if r != p]
+    moved = dataclasses.replace(profile, devices=[dataclasses.replace(profile.devices[r], rank=i)
+                                                  for i, r in enumerate(order)])
+    try:
+        other = _make_plan(cfg, moved, T, B, strategy, None, mem_budget)
+    except PlanError:
+        return plan
+    a, b = profile.devices[0], profile.devices[p]
+    from hepti.graph.encoder import family_graph
+    g = family_graph(cfg, B, T)
+    nbytes = B * T * (sum(t.row_bytes() for t in g.tensors.values() if t.kind == "input")
+                      + g.tensors[g.output].row_bytes())
+    relay = 2 * (a.latency_s + b.latency_s) + nbytes / min(a.bandwidth_Bps, b.bandwidth_Bps)
+    if other.predicted_latency_s is None or plan.predicted_latency_s is None or (
+            other.predicted_latency_s + relay >= plan.predicted_latency_s):
+        return plan
+    back = [order.index(r) for r in range(N)]  # world rank -> its place in `order`
+    other.explanation = _renumbered(other.explanation, order)
+    other.predicted["mem_caps"] = [other.predicted["mem_caps"][i] for i in back]
+    other.ratios = {d: [v[i] for i in back] for d, v in other.ratios.items()}
+    other.counts = {d: [v[i] for i in back] for d, v in other.counts.items()}
+    per_rank = other.predicted.get("per_rank", [])
+    if per_rank:
+        other.predicted["per_rank"] = [dict(per_rank[i], rank=r, host=profile.devices[r].host)
+                                       for r, i in enumerate(back)]
+    other.predicted["relay_s"] = relay
+    other.predicted_latency_s += relay
+    other.primary = p
+    why = "has no share of the work" if idle else "has the slowest link by far"
+    other.explanation += (f" Rank {p} is the primary (it embeds the inputs and collects the "
+                          f"outputs): rank 0 {why}, and handing rank {p} each batch "
+                          f"({_ms(relay)}) costs less than keeping rank 0 in every collective "
+                          f"({_ms(plan.predicted_latency_s)} with rank 0 as the primary).")
+    return other
+
+
+def _renumbered(text: str, order: list[int]) -> str:
+    """`text` with the rank numbers of the reordered devices ("rank 2", "ranks 1, 3 and 4")
+    turned back into world ranks."""
+    import re
+
+    def ranks(m):
+        return m.group(1) + re.sub(r"\d+", lambda n: str(order[int(n.group())]), m.group(2))
+    return re.sub(r"\b([Rr]anks? )(\d+(?:(?:, | and |-)\d+(?!\d| more))*)", ranks, text)
+
+
+def _make_plan(config: ModelConfig, profile: Profile, seq_len: int, batch: int = 1,
+               strategy: str = "auto", ratios=None, mem_budget: float | None = None) -> Plan:
     if strategy not in PLANNERS:
         raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(PLANNERS)}")
     if seq_len < 1 or batch < 1:

@@ -10,6 +10,7 @@ Schema (version 1), JSON object:
       "counts": {"heads": [N ints], "ffn": [N ints], "rows": [N ints]},   # informative
       "layers": [[start, stop), ...] per rank,       # pipeline only, else null
       "mem_budget": bytes per rank or null,          # stream only
+      "primary": rank,                               # embeds and collects (default 0)
       "model": "name", "seq_len": L, "batch": B,     # what the plan was made for
       "model_shape": {"layers": .., "hidden": .., "heads": .., "ffn": ..},   # checked at run
       "predicted_latency_s": float or null,
@@ -17,6 +18,11 @@ Schema (version 1), JSON object:
       "solve_s": float or null,
       "explanation": "one or two sentences"
     }
+
+The primary runs what the model does once per batch on one device (the embeddings) and holds
+each batch's output; rank 0, where `hepti run` reads its inputs and writes its outputs, hands
+it each batch and gets its output back when it is another rank (a primary other than 0 is the
+planner's choice where rank 0 would otherwise be kept busy, or hold the model, for that alone).
 
 Only `strategy`, `world_size` and `ratios` (or `layers` for pipeline) are needed to run; the
 runtime recomputes integer counts from the ratios with `hepti.counts.counts`, because the token
@@ -43,6 +49,7 @@ class Plan:
     ratios: dict[str, list[float]]
     layers: list[list[int]] | None = None
     mem_budget: int | None = None
+    primary: int = 0
     counts: dict[str, list[int]] | None = None
     model: str = ""
     model_shape: dict | None = None
@@ -69,6 +76,13 @@ class Plan:
         if self.strategy == "pipeline":
             if self.layers is None or len(self.layers) != self.world_size:
                 raise PlanError("a pipeline plan needs `layers`: one [start, stop) range per rank")
+        if (not isinstance(self.primary, int) or isinstance(self.primary, bool)
+                or not 0 <= self.primary < self.world_size):
+            raise PlanError(f"primary {self.primary!r} is not a rank of the {self.world_size}; "
+                            f"give 0 to {self.world_size - 1}, or leave it out (rank 0)")
+        if self.primary != 0 and self.strategy in ("pipeline", "single"):
+            raise PlanError(f"a {self.strategy} plan's primary is rank 0 (its stages start there); "
+                            f"drop \"primary\": {self.primary}")
         return self
 
     def check_model(self, config, source: str = "the plan") -> list[str]:

@@ -26,7 +26,7 @@ def format_plan(plan: Plan) -> str:
         else:
             cnt = plan.counts or {}
             shares = " ".join(
-                f"{'all' if plan.ratios['rows'][i] or i == 0 else '-':>12}"
+                f"{'all' if plan.ratios['rows'][i] or i == plan.primary else '-':>12}"
                 if plan.strategy == "rows" and d != "rows"  # rows: every rank holds every weight
                 else _share(cnt.get(d, [0] * plan.world_size)[i], plan.ratios[d][i]) for d in DIMS)
         comm = sum(r.get("comm_s", {}).values()) * 1e3
@@ -40,6 +40,8 @@ def format_plan(plan: Plan) -> str:
         tail += f", model {plan.model}"
     if plan.seq_len:
         tail += f", {plan.batch or 1} x {plan.seq_len} tokens"
+    if plan.primary:
+        tail += f", primary rank {plan.primary} (rank 0 hands it the inputs)"
     lines.append("")
     lines.append(tail)
     if lat is not None:
