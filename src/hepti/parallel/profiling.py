@@ -112,12 +112,13 @@ def gemm_sizes(config: ModelConfig, rows: int) -> list[int]:
 
 def measure_layer(config: ModelConfig, batch: int, seq_len: int, threads: int = 1
                   ) -> tuple[list[list[float]], list[list[float]]]:
-    """(GeMM table, attention table), from one layer's work run as a forward runs it, for a few
-    row counts m up to M = batch * seq_len:
-      qkv = [m,C]x[C,3C] (+bias); its K/V into an [M, 2C] buffer (as the Allgatherv leaves
-      them); attention of m query rows against all M keys (timed on its own);
-      [m,C]x[C,C]; [m,C]x[C,F] (+bias, GeLU) then [m,F]x[F,C] in one `ffn` call,
-    with weights packed as the runtime packs them.
+    """(GeMM table, attention table), from one layer of the model's graph (hepti.graph) run as
+    a `rows` forward runs it, for a few row counts m up to M = batch * seq_len: each GeMM
+    operator on m rows with its weights packed as the runtime packs them (+ bias, GeLU), an
+    MLP pair in one `ffn` call as the interpreter runs it, and attention of m query rows on
+    every head against all M keys (the K/V of a fused QKV output go into an [M, 2C] buffer, as
+    the Allgatherv leaves them). Elementwise operators are the profile's elementwise speed, not
+    timed here.
     GeMM: [[min(m, C), FLOP/s], ...], keyed by the GeMM's smallest dimension (most of them).
     Attention: [[FLOPs of the call, FLOP/s], ...], 4 m T C FLOPs each: keyed by the call's
     size so that one table serves `rows` (m rows, every head) and `tensor` (M rows, h heads).
@@ -128,45 +129,73 @@ def measure_layer(config: ModelConfig, batch: int, seq_len: int, threads: int = 
     (as before), 2-rank `rows` plans were predicted 0.8 ms (MiniLM) and 8 ms (BERT-base) fast
     per forward."""
     from hepti import kernels as K
+    from hepti.graph import lower
+    from hepti.graph.encoder import family_graph
+    from hepti.parallel.interpreter import _mlp_pair
     rng = np.random.default_rng(0)
-    C, F, H, T = config.hidden_size, config.intermediate_size, config.num_attention_heads, seq_len
-    M = batch * seq_len
+    g = family_graph(config, batch, seq_len)
+    C, T, M = config.hidden_size, seq_len, batch * seq_len
+    steps = [s for s in lower.schedule(g, lower.assignment(g, "rows"), 1)
+             if s.kind == "op" and s.layer == 0 and s.op.kind in ("gemm", "attention")]
+    readers: dict[str, int] = {}
+    for op in g.layer:
+        for t in op.inputs:
+            readers[t] = readers.get(t, 0) + 1
+    calls = []  # (step, its MLP partner or None), as the interpreter groups them
+    for s in steps:
+        if calls and calls[-1][1] is None and _mlp_pair(calls[-1][0], s, readers):
+            calls[-1] = (calls[-1][0], s)
+        else:
+            calls.append((s, None))
+    gemm_ops = [s.op for s in steps if s.op.kind == "gemm"]
 
     def weight(k, n):
         return K.pack_b(rng.standard_normal((k, n), dtype=np.float32) * np.float32(0.05))
 
     # A real forward meets each layer's weights cold (the layers before evicted them), so cycle
     # through enough copies of the layer that none is still in cache when its turn comes.
-    layer_bytes = 4 * C * (4 * C + 2 * F)
+    layer_bytes = 4 * sum(op.k * op.n for op in gemm_ops)
     copies = max(2, -(-COLD_WEIGHT_BYTES // layer_bytes))
-    layers = [(weight(C, 3 * C), weight(C, C), weight(C, F), weight(F, C)) for _ in range(copies)]
-    b3, bf = np.zeros(3 * C, np.float32), np.zeros(F, np.float32)
-    kv = rng.standard_normal((M, 2 * C), dtype=np.float32)
+    layers = [{op.name: weight(op.k, op.n) for op in gemm_ops} for _ in range(copies)]
+    biases = {op.name: np.zeros(op.n, np.float32) for op in gemm_ops if op.bias}
+    kv_all = rng.standard_normal((M, 2 * C), dtype=np.float32)  # every row's K/V, gathered
     mask = np.ones((batch, seq_len), np.float32)
     attention_s = {}
 
     def layer_fn(m: int):
-        x = rng.standard_normal((m, C), dtype=np.float32)
+        x = {t: rng.standard_normal((m, ten.width), dtype=np.float32)
+             for t, ten in g.tensors.items() if ten.kind != "input"}  # stand-ins for elementwise outputs
         turn = [0]
         spent = attention_s[m] = []  # (attention, whole layer) CPU seconds of each call but the first
 
         def layer():
-            qkv_w, o, up, down = layers[turn[0] % copies]
+            w = layers[turn[0] % copies]
             turn[0] += 1
+            env, att = dict(x), 0.0
             start = time.process_time()
-            qkv = K.gemm(x, qkv_w, bias=b3, threads=threads)
-            kv[:m] = qkv[:, C:]
-            t0 = time.process_time()
-            ctx = K.attention_qkv(qkv, mask, H, kv=kv, threads=threads)
-            t1 = time.process_time()
-            K.gemm(ctx, o, threads=threads)
-            K.ffn(x, up, bf, down, threads=threads)  # as the interpreter runs an MLP
+            for step, pair in calls:
+                op = step.op
+                if op.kind == "attention":
+                    qkv = env[op.inputs[0]]
+                    kv_all[:m] = qkv[:, C:]
+                    t0 = time.process_time()
+                    env[op.outputs[0]] = K.attention_qkv(qkv, mask, op.heads, kv=kv_all, threads=threads)
+                    att += time.process_time() - t0
+                elif pair is not None:
+                    env[pair.op.outputs[0]] = K.ffn(env[op.inputs[0]], w[op.name], biases.get(op.name),
+                                                    w[pair.op.name], threads=threads)
+                else:
+                    y = K.gemm(env[op.inputs[0]], w[op.name], bias=biases.get(op.name),
+                               gelu=op.act == "gelu", threads=threads)
+                    for t in op.outputs:  # a fused output (Q | K V): its readers take all of it
+                        env[t] = y
             if turn[0] > 1:
-                spent.append((t1 - t0, time.process_time() - start))
+                spent.append((att, time.process_time() - start))
         return layer
 
     sizes = gemm_sizes(config, M)
     seconds = _timed_many({m: layer_fn(m) for m in sizes}, rounds=LAYER_ROUNDS)
+    flops_per_row = 2.0 * sum(op.k * op.n for op in gemm_ops)
     gemm, attention = [], []
     for m in sizes:
         # attention's part of a layer, from the calls timed one by one, applied to the layer's
@@ -182,7 +211,7 @@ def measure_layer(config: ModelConfig, batch: int, seq_len: int, threads: int = 
         # in the attention phase of the 0.15-core rank (52 ms against 44 per layer).
         part = statistics.median(a / t for a, t in attention_s[m])
         att = part * seconds[m]
-        gemm.append([float(min(m, C)), 2.0 * m * C * (3 * C + C + 2 * F) / max(seconds[m] - att, 1e-9)])
+        gemm.append([float(min(m, C)), m * flops_per_row / max(seconds[m] - att, 1e-9)])
         flops = 4.0 * m * T * C
         attention.append([flops, flops / att])
     return gemm, attention
@@ -299,7 +328,8 @@ def measure_weight_load(config: ModelConfig, directory: str | None = None, round
             per_load = store.bytes_read - before
             x = np.random.default_rng(0).standard_normal((64, one.hidden_size)).astype(np.float32)
 
-            up = shard.params["ffn up"][0]
+            up = next(shard.params[op.name][0] for op in graph.layer  # an FFN column slice
+                      if op.kind == "gemm" and op.unit == "ffn")
 
             def gemm():
                 K.gemm(x, up, threads=1)
