@@ -152,7 +152,7 @@ def test_read_layer_slice_gives_the_rows_of_heads_and_ffn_columns(vit_model):
         empty = store.read_layer_slice(0, (2, 2), (5, 5), whole=False)
         assert empty["attn.q.weight"].shape == (0, C) and "ln1.gamma" not in empty
         assert store.bytes_read == before  # empty ranges read nothing
-    assert list(part) == list(layout.layer_tensors("vit"))
+    assert list(part) == list(layout.layer_tensors(WeightStore(vit_model).config))
     assert {"ln1.gamma", "ln1.beta", "ln2.gamma", "ln2.beta"} <= set(part)
     heads = slice(1 * D, 3 * D)  # heads 1 and 2: rows 18..54
     want = {"attn.q.weight": hf[p + "attention.attention.query.weight"][heads],
@@ -170,20 +170,25 @@ def test_read_layer_slice_gives_the_rows_of_heads_and_ffn_columns(vit_model):
         np.testing.assert_array_equal(part[name], value, err_msg=name)
 
 
-def test_layout_is_keyed_by_family_and_bert_is_unchanged():
-    assert layout.layer_tensors() == layout.layer_tensors("bert") == layout.LAYER_TENSORS
-    assert "attn.ln.gamma" in layout.LAYER_TENSORS and "ln1.gamma" not in layout.LAYER_TENSORS
-    assert set(layout.layer_tensors("vit")) == (set(layout.LAYER_TENSORS) - {
+def test_layout_is_the_graph_s_and_the_families_share_attention_and_ffn():
+    bert = BertConfig.from_dict(dict(model_type="bert", vocab_size=10, hidden_size=C,
+                                     num_hidden_layers=1, num_attention_heads=H, intermediate_size=96))
+    vit = ViTConfig(hidden_size=C, num_hidden_layers=L, num_attention_heads=H, intermediate_size=96,
+                    image_size=32, patch_size=P)
+    bert_layer = layout.layer_tensors(bert)
+    assert len(bert_layer) == 16 and "attn.ln.gamma" in bert_layer and "ln1.gamma" not in bert_layer
+    assert set(layout.layer_tensors(vit)) == (set(bert_layer) - {
         "attn.ln.gamma", "attn.ln.beta", "ffn.ln.gamma", "ffn.ln.beta"}) | {
         "ln1.gamma", "ln1.beta", "ln2.gamma", "ln2.beta"}
-    assert layout.embedding_tensors("vit") == ("emb.patch.weight", "emb.patch.bias", "emb.cls",
-                                               "emb.position", "final_ln.gamma", "final_ln.beta")
-    for mt in ("bert", "vit"):
-        assert layout.slice_dim("attn.o.weight", mt) == "heads"
-        assert layout.slice_dim("ffn.down.weight", mt) == "ffn"
-        assert layout.slice_dim("attn.o.bias", mt) is None
-        assert layout.row_range("attn.k.bias", 1, 3, D, mt) == (18, 54)
-    assert layout.slice_dim("ln1.gamma", "vit") is None
+    assert layout.embedding_tensors(vit) == ("emb.patch.weight", "emb.patch.bias", "emb.cls",
+                                             "emb.position", "final_ln.gamma", "final_ln.beta")
+    for cfg in (bert, vit):
+        assert layout.slice_dim("attn.o.weight", cfg) == "heads"
+        assert layout.slice_dim("ffn.down.weight", cfg) == "ffn"
+        assert layout.slice_dim("attn.o.bias", cfg) is None
+        assert layout.row_range("attn.k.bias", 1, 3, cfg) == (D, 3 * D)
+        assert layout.row_range("ffn.down.weight", 10, 60, cfg) == (10, 60)
+    assert layout.slice_dim("ln1.gamma", vit) is None
     with pytest.raises(ValueError, match="bert, vit"):
         layout.family("gpt2")
 

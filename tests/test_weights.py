@@ -193,13 +193,13 @@ def test_index_records_everything(tiny_model):
     for shard, info in index["shards"].items():
         data = (model / shard).read_bytes()
         assert info == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    cfg = BertConfig.from_dict(TINY, name="hf")
     for name, t in index["tensors"].items():
         with h5py.File(model / t["shard"], "r") as h5:
             dset = h5[name]
             assert list(dset.shape) == t["shape"] and t["dtype"] == "float32"
             assert dset.fletcher32 and dset.chunks[0] == t["chunk_rows"]
-            assert t["chunk_rows"] == layout.chunk_rows(name, dset.shape, head_dim)
+            assert t["chunk_rows"] == layout.chunk_rows(name, dset.shape, cfg)
     assert index["tensors"]["emb.word"]["shard"] == "shard-00000.h5"
 
 
@@ -242,10 +242,10 @@ def test_layer_slice_equals_slice_of_full_tensor(tiny_model, heads, ffn):
     with WeightStore(model) as store:
         for i in range(TINY["num_hidden_layers"]):
             part = store.read_layer_slice(i, heads=heads, ffn=ffn)
-            assert set(part) == set(layout.LAYER_TENSORS)
+            assert set(part) == set(layout.layer_tensors(store.config))
             for local, got in part.items():
                 full = store.read(layout.layer_name(i, local))
-                dim = layout.slice_dim(local)
+                dim = layout.slice_dim(local, store.config)
                 if dim == "heads":
                     want = full[heads[0] * d:heads[1] * d]
                 elif dim == "ffn":
@@ -278,14 +278,14 @@ def test_bytes_read_counts_only_the_slice(tmp_path):
         store.read_layer_slice(1, heads=(0, 0), ffn=(0, 0), whole=False)
         assert store.bytes_read == 0  # reading nothing reads nothing
         parts = store.read_layer_slice(1, heads=(0, 0), ffn=(0, 0))
-        assert all(parts[n].shape[0] == 0 for n in layout.COLUMN_WISE)
+        sliced = [n for n in layout.layer_tensors(store.config) if layout.slice_dim(n, store.config)]
+        assert len(sliced) == 10 and all(parts[n].shape[0] == 0 for n in sliced)
         assert store.bytes_read == whole_only < 0.05 * layer_bytes
         before = store.bytes_read
         store.read_layer_slice(1, heads=(1, 2), ffn=(32, 64))  # a quarter of heads and FFN
         quarter = store.bytes_read - before
-        matrices = sum(store.stored_bytes(layout.layer_name(1, n))
-                       for n in {**layout.COLUMN_WISE, **layout.BLOCK_WISE})
-        biases = sum(store.stored_bytes(layout.layer_name(1, n)) for n in layout.SLICED_BIASES)
+        matrices = sum(store.stored_bytes(layout.layer_name(1, n)) for n in sliced if n.endswith("weight"))
+        biases = sum(store.stored_bytes(layout.layer_name(1, n)) for n in sliced if n.endswith("bias"))
         assert whole_only + matrices + biases == layer_bytes
         # aligned: exactly a quarter of each matrix's chunks; 1-D biases are one chunk, read whole
         assert quarter == whole_only + biases + matrices // 4

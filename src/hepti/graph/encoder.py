@@ -18,9 +18,9 @@ def attention_ops(C: int, H: int, x: str, out: str) -> tuple[list[Op], list[Weig
     Split by token rows, or by whole heads: QKV column-wise, attention per head, the output
     projection block-wise (its input rows are the heads' columns), leaving partial sums."""
     D = C // H
-    weights = [Weight(f"attn.{w}.weight", C * C, "heads", D * C) for w in "qkv"]
-    weights += [Weight(f"attn.{w}.bias", C, "heads", D) for w in "qkv"]
-    weights += [Weight("attn.o.weight", C * C, "heads", D * C)]
+    weights = [Weight(f"attn.{w}.weight", (C, C), "heads", D * C) for w in "qkv"]
+    weights += [Weight(f"attn.{w}.bias", (C,), "heads", D) for w in "qkv"]
+    weights += [Weight("attn.o.weight", (C, C), "heads", D * C)]
     ops = [
         Op("qkv", "gemm", (x,), ("q", "kv"), (BY_ROWS, BY_COLS), k=C, n=3 * C, unit="heads",
            unit_width=3 * D, weights=tuple(w.name for w in weights[:6]), block="attention",
@@ -36,8 +36,8 @@ def attention_ops(C: int, H: int, x: str, out: str) -> tuple[list[Op], list[Weig
 def ffn_ops(C: int, F: int, x: str, out: str) -> tuple[list[Op], list[Weight]]:
     """h = GeLU(x W_up + b_up); out = h W_down. Split by token rows, or by FFN columns: up
     column-wise, down block-wise (partial sums)."""
-    weights = [Weight("ffn.up.weight", F * C, "ffn", C), Weight("ffn.up.bias", F, "ffn", 1),
-               Weight("ffn.down.weight", F * C, "ffn", C)]
+    weights = [Weight("ffn.up.weight", (F, C), "ffn", C), Weight("ffn.up.bias", (F,), "ffn", 1),
+               Weight("ffn.down.weight", (F, C), "ffn", C)]
     ops = [
         Op("ffn up", "gemm", (x,), ("h",), (BY_ROWS, BY_COLS), k=C, n=F, unit="ffn", unit_width=1,
            weights=("ffn.up.weight", "ffn.up.bias"), block="ffn", matrices=("ffn.up.weight",),
@@ -66,11 +66,11 @@ def bert(cfg, B: int, T: int) -> Graph:
     eps = cfg.layer_norm_eps
     layer = attn + [add_layernorm_op("add+ln 1", C, "attn_out", "x", "x1", ln1_w, eps)] + ffn + [
         add_layernorm_op("add+ln 2", C, "ffn_out", "x1", "x", ln2_w, eps)]
-    weights = attn_w + ffn_w + [Weight(n, C) for n in ln1_w + ln2_w]
-    emb = [Weight("emb.word", cfg.vocab_size * C),
-           Weight("emb.position", cfg.max_position_embeddings * C),
-           Weight("emb.token_type", cfg.type_vocab_size * C),
-           Weight("emb.ln.gamma", C), Weight("emb.ln.beta", C)]
+    weights = attn_w + ffn_w + [Weight(n, (C,)) for n in ln1_w + ln2_w]
+    emb = [Weight("emb.word", (cfg.vocab_size, C)),
+           Weight("emb.position", (cfg.max_position_embeddings, C)),
+           Weight("emb.token_type", (cfg.type_vocab_size, C)),
+           Weight("emb.ln.gamma", (C,)), Weight("emb.ln.beta", (C,))]
     # gather three embedding rows, add, LayerNorm: about 4 passes over [M, C]
     embed = Op("embed", "embed", ("ids",), ("x",), (ON_PRIMARY,), per_row=4.0 * C,
                weights=tuple(w.name for w in emb))
@@ -106,14 +106,14 @@ def vit(cfg, B: int, T: int) -> Graph:
              + [add_op("add 1", C, "attn_out", "x", "x1", "attn.o.bias"),
                 layernorm_op("ln 2", C, "x1", "y2", ln[2:], eps)] + ffn
              + [add_op("add 2", C, "ffn_out", "x1", "x", "ffn.down.bias")])
-    weights = attn_w + ffn_w + [Weight(n, C) for n in ln + ("attn.o.bias", "ffn.down.bias")]
+    weights = attn_w + ffn_w + [Weight(n, (C,)) for n in ln + ("attn.o.bias", "ffn.down.bias")]
     k = cfg.num_channels * cfg.patch_size ** 2
-    emb = [Weight("emb.patch.weight", C * k), Weight("emb.patch.bias", C), Weight("emb.cls", C),
-           Weight("emb.position", cfg.seq_len * C)]
+    emb = [Weight("emb.patch.weight", (C, k)), Weight("emb.patch.bias", (C,)), Weight("emb.cls", (C,)),
+           Weight("emb.position", (cfg.seq_len, C))]
     # patches [B * (T - 1), k] x [k, C]; the CLS row and the positions are additions
     embed = Op("embed", "embed", ("pixels",), ("x",), (ON_PRIMARY,), k=k, n=C,
                weights=tuple(w.name for w in emb))
-    final = [Weight("final_ln.gamma", C), Weight("final_ln.beta", C)]
+    final = [Weight("final_ln.gamma", (C,)), Weight("final_ln.beta", (C,))]
     tensors = [Tensor("pixels", k, "input"), Tensor("x", C), Tensor("y", C), Tensor("q", C),
                Tensor("kv", 2 * C), Tensor("ctx", C), Tensor("attn_out", C), Tensor("x1", C),
                Tensor("y2", C), Tensor("h", F), Tensor("ffn_out", C), Tensor("out", C)]

@@ -43,13 +43,21 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Weight:
-    """A stored weight. `split`: the unit ("heads", "ffn") a sliced weight is cut by, with
+    """A stored weight and its stored `shape` (hepti.weights.layout: the dimension a rank
+    slices is axis 0). `split`: the unit ("heads", "ffn") a sliced weight is cut by, with
     `per_unit` of its elements per unit; None when every rank that needs it reads it whole."""
 
     name: str
-    elements: int
+    shape: tuple[int, ...]
     split: str | None = None
     per_unit: int = 0
+
+    @property
+    def elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
 
     def whole_bytes(self) -> int:
         return F32 * self.elements

@@ -29,7 +29,12 @@ Not per layer: `emb.patch.weight` [C, ch*P*P] (the patch convolution's [C, ch, P
 each filter flattened in (channel, row, col) order, so a patch flattened the same way times its
 transpose is the convolution), `emb.patch.bias` [C], `emb.cls` [C], `emb.position` [S, C]
 (S = patches + 1), and the final LayerNorm `final_ln.{gamma,beta}` [C]. The pooler and task
-heads are not stored. Which tensors a family has, and their HF names, are in `FAMILIES`.
+heads are not stored.
+
+Which tensors a family stores, their shapes, and the unit that slices each are its operator
+graph's weights (hepti.graph.encoder: `layer_tensors`, `expected_shapes`, `slice_dim` read
+it); the tables above describe them. What stays here per family is how Hugging Face names
+them (`FAMILIES`).
 
 Chunking (`chunk_rows`): HDF5 chunks span whole rows and a small number of them (a head's D
 rows for attention weights, `FFN_ROWS_PER_CHUNK` rows for FFN weights), so a slice touches only
@@ -43,17 +48,8 @@ chunk) plus a 4-byte Fletcher32 checksum, which is what `stored_chunk_bytes` cou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
-# Matrices whose rows are a rank's slice, and by which dimension ("heads" or "ffn").
-COLUMN_WISE = {"attn.q.weight": "heads", "attn.k.weight": "heads", "attn.v.weight": "heads",
-               "ffn.up.weight": "ffn"}
-BLOCK_WISE = {"attn.o.weight": "heads", "ffn.down.weight": "ffn"}
-SLICED_BIASES = {"attn.q.bias": "heads", "attn.k.bias": "heads", "attn.v.bias": "heads",
-                 "ffn.up.bias": "ffn"}
-WHOLE = ("attn.o.bias", "attn.ln.gamma", "attn.ln.beta", "ffn.down.bias", "ffn.ln.gamma",
-         "ffn.ln.beta")
-LAYER_TENSORS = tuple(COLUMN_WISE) + tuple(BLOCK_WISE) + tuple(SLICED_BIASES) + WHOLE
-EMBEDDING_TENSORS = ("emb.word", "emb.position", "emb.token_type", "emb.ln.gamma", "emb.ln.beta")
 FFN_ROWS_PER_CHUNK = 16
 WHOLE_CHUNK_BYTES = 64 * 1024  # target chunk size of matrices that are read whole
 DTYPE = "float32"              # every stored tensor
@@ -66,20 +62,33 @@ def layer_name(i: int, local: str) -> str:
     return f"layer.{i}.{local}"
 
 
-def slice_dim(local: str, model_type: str = "bert") -> str | None:
+@lru_cache(maxsize=32)
+def _graph(config):
+    """The model's operator graph (hepti.graph): which tensors a family stores, their shapes,
+    and which unit slices each, come from its operators' weights."""
+    from hepti.graph.encoder import family_graph
+    return family_graph(config, 1, 1)
+
+
+def _weights(ops) -> list:
+    return list(dict.fromkeys(w for op in ops for w in op.weights))
+
+
+def slice_dim(local: str, config) -> str | None:
     """'heads', 'ffn' or None (read whole) for a per-layer tensor's local name."""
-    return family(model_type).sliced.get(local)
+    g = _graph(config)
+    return g.weights[local].split if local in _weights(g.layer) else None
 
 
-def row_range(local: str, start: int, stop: int, head_dim: int,
-              model_type: str = "bert") -> tuple[int, int]:
-    """Rows of the stored tensor for a slice [start, stop) of heads or FFN columns."""
-    dim = slice_dim(local, model_type)
-    if dim == "heads":
-        return start * head_dim, stop * head_dim
-    if dim == "ffn":
-        return start, stop
-    raise KeyError(f"{local} is not sliced; read it whole")
+def row_range(local: str, start: int, stop: int, config) -> tuple[int, int]:
+    """Rows of the stored tensor for a slice [start, stop) of heads or FFN columns: a unit is
+    the stored rows over the units (a head's D rows, one FFN column's row)."""
+    dim = slice_dim(local, config)
+    if dim is None:
+        raise KeyError(f"{local} is not sliced; read it whole")
+    g = _graph(config)
+    per = g.weights[local].shape[0] // g.units[dim]
+    return start * per, stop * per
 
 
 # Hugging Face BERT name -> (our name, transpose?) ; {i} is the layer index.
@@ -116,11 +125,6 @@ HF_OTHER_MAP = {
 # Keys that carry no weights (buffers); skipped, and listed among what convert skipped.
 HF_IGNORED_SUFFIXES = ("position_ids",)
 
-# ViT per-layer tensors read whole (the sliced ones are BERT's: COLUMN_WISE, BLOCK_WISE, ...)
-VIT_WHOLE = ("attn.o.bias", "ln1.gamma", "ln1.beta", "ffn.down.bias", "ln2.gamma", "ln2.beta")
-VIT_LAYER_TENSORS = tuple(COLUMN_WISE) + tuple(BLOCK_WISE) + tuple(SLICED_BIASES) + VIT_WHOLE
-VIT_EMBEDDING_TENSORS = ("emb.patch.weight", "emb.patch.bias", "emb.cls", "emb.position")
-VIT_FINAL_TENSORS = ("final_ln.gamma", "final_ln.beta")  # after the last layer
 # Hugging Face ViT names, as on the hub and as transformers 4.x (and 5.x's save_pretrained) write
 # them: per layer under `encoder.layer.{i}.`
 VIT_HF_LAYER_MAP = {
@@ -173,35 +177,33 @@ VIT_HF_OTHER_MAP = {
 
 @dataclass(frozen=True)
 class Family:
-    """What the stored layout of one model family (a config's model_type) consists of.
+    """How one model family's (a config's model_type) Hugging Face checkpoints map onto the
+    stored tensors; which tensors those are, their shapes and slicing, are its graph's.
 
     `hf_layers` lists the spellings of Hugging Face per-layer names the converter accepts, each
     as (label, layer prefix with {i}, map of names after the prefix); a checkpoint uses one.
     Keys under `hf_refused` prefixes that are not in the maps would change the arithmetic and
     are refused; `hf_skipped` keys are known and not needed (the ViT pooler, its mask token).
+    `pooler`: the family may store BERT's pooler (unused by hepti's pooling).
     """
 
     model_type: str
     label: str     # for messages: "BERT", "ViT"
     hf_model: str  # the transformers class whose state dict the HF names are: "BertModel", ...
-    layer_tensors: tuple[str, ...]  # per layer, in file order
-    other_tensors: tuple[str, ...]  # embeddings and the like, in file order (pooler aside)
-    sliced: dict[str, str] = field(default_factory=lambda: {**COLUMN_WISE, **BLOCK_WISE,
-                                                            **SLICED_BIASES})
     hf_layers: tuple[tuple[str, str, dict], ...] = ()
     hf_other: dict = field(default_factory=dict)
     hf_model_prefix: str = ""  # stripped: the encoder inside a task model (BertForMaskedLM, ...)
     hf_refused: tuple[str, ...] = ()
     hf_skipped: tuple[str, ...] = ()
+    pooler: bool = False
 
 
 FAMILIES = {
-    "bert": Family("bert", "BERT", "BertModel", LAYER_TENSORS, EMBEDDING_TENSORS,
+    "bert": Family("bert", "BERT", "BertModel",
                    hf_layers=(("BERT", "encoder.layer.{i}.", HF_LAYER_MAP),),
                    hf_other=HF_OTHER_MAP, hf_model_prefix="bert.",
-                   hf_refused=("embeddings.", "encoder.", "pooler.")),
-    "vit": Family("vit", "ViT", "ViTModel", VIT_LAYER_TENSORS,
-                  VIT_EMBEDDING_TENSORS + VIT_FINAL_TENSORS,
+                   hf_refused=("embeddings.", "encoder.", "pooler."), pooler=True),
+    "vit": Family("vit", "ViT", "ViTModel",
                   hf_layers=(("transformers 4.x / hub", "encoder.layer.{i}.", VIT_HF_LAYER_MAP),
                              ("transformers 5.x", "layers.{i}.", VIT_HF_LAYER_MAP_V5)),
                   hf_other=VIT_HF_OTHER_MAP, hf_model_prefix="vit.",
@@ -219,14 +221,16 @@ def family(model_type: str) -> Family:
                          f"{', '.join(FAMILIES)}") from None
 
 
-def layer_tensors(model_type: str = "bert") -> tuple[str, ...]:
-    """Local names of a layer's stored tensors, in file order."""
-    return family(model_type).layer_tensors
+def layer_tensors(config) -> tuple[str, ...]:
+    """Local names of a layer's stored tensors, in file order (the order its operators name
+    them)."""
+    return tuple(_weights(_graph(config).layer))
 
 
-def embedding_tensors(model_type: str = "bert") -> tuple[str, ...]:
+def embedding_tensors(config) -> tuple[str, ...]:
     """Stored tensors outside the layers (pooler aside), read by the primary rank only."""
-    return family(model_type).other_tensors
+    g = _graph(config)
+    return tuple(_weights(g.prologue + g.epilogue))
 
 
 def local_name(name: str) -> tuple[int | None, str]:
@@ -237,15 +241,15 @@ def local_name(name: str) -> tuple[int | None, str]:
     return None, name
 
 
-def chunk_rows(name: str, shape: tuple[int, ...], head_dim: int, model_type: str = "bert") -> int:
+def chunk_rows(name: str, shape: tuple[int, ...], config) -> int:
     """Rows per HDF5 chunk of a stored tensor (full name), by the chunking rule above."""
     rows = int(shape[0])
     if len(shape) == 1:
         return max(rows, 1)
     layer, local = local_name(name)
-    dim = slice_dim(local, model_type) if layer is not None else None
+    dim = slice_dim(local, config) if layer is not None else None
     if dim == "heads":
-        return min(head_dim, rows)
+        return min(config.head_dim, rows)
     if dim == "ffn":
         return min(FFN_ROWS_PER_CHUNK, rows)
     row_bytes = ITEMSIZE * _prod(shape[1:])
@@ -262,59 +266,18 @@ def stored_chunk_bytes(shape: tuple[int, ...], rows_per_chunk: int, start: int, 
 
 
 def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:
-    """Every stored tensor name -> its stored shape for a config, in file order.
-
-    `pooler` (whether the pooler is stored) matters for BERT only; ViT never stores one.
+    """Every stored tensor name -> its stored shape for a config, in file order: the graph's
+    weights outside the layers, the pooler if stored (`pooler`: BERT's only), every layer's.
     """
-    if config.model_type == "vit":
-        return _vit_shapes(config)
-    c, f = config.hidden_size, config.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "emb.word": (config.vocab_size, c),
-        "emb.position": (config.max_position_embeddings, c),
-        "emb.token_type": (config.type_vocab_size, c),
-        "emb.ln.gamma": (c,),
-        "emb.ln.beta": (c,),
-    }
-    if pooler:
+    g = _graph(config)
+    shapes = {n: tuple(g.weights[n].shape) for n in embedding_tensors(config)}
+    if pooler and family(config.model_type).pooler:
+        c = config.hidden_size
         shapes["pooler.weight"] = (c, c)
         shapes["pooler.bias"] = (c,)
-    per_layer = {
-        "attn.q.weight": (c, c), "attn.k.weight": (c, c), "attn.v.weight": (c, c),
-        "attn.o.weight": (c, c), "ffn.up.weight": (f, c), "ffn.down.weight": (f, c),
-        "attn.q.bias": (c,), "attn.k.bias": (c,), "attn.v.bias": (c,), "ffn.up.bias": (f,),
-        "attn.o.bias": (c,), "attn.ln.gamma": (c,), "attn.ln.beta": (c,),
-        "ffn.down.bias": (c,), "ffn.ln.gamma": (c,), "ffn.ln.beta": (c,),
-    }
-    assert set(per_layer) == set(LAYER_TENSORS)
     for i in range(config.num_hidden_layers):
-        for local in LAYER_TENSORS:
-            shapes[layer_name(i, local)] = per_layer[local]
-    return shapes
-
-
-def _vit_shapes(config) -> dict[str, tuple[int, ...]]:
-    c, f, p = config.hidden_size, config.intermediate_size, config.patch_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "emb.patch.weight": (c, config.num_channels * p * p),
-        "emb.patch.bias": (c,),
-        "emb.cls": (c,),
-        "emb.position": (config.seq_len, c),
-        "final_ln.gamma": (c,),
-        "final_ln.beta": (c,),
-    }
-    per_layer = {
-        "attn.q.weight": (c, c), "attn.k.weight": (c, c), "attn.v.weight": (c, c),
-        "attn.o.weight": (c, c), "ffn.up.weight": (f, c), "ffn.down.weight": (f, c),
-        "attn.q.bias": (c,), "attn.k.bias": (c,), "attn.v.bias": (c,), "ffn.up.bias": (f,),
-        "attn.o.bias": (c,), "ln1.gamma": (c,), "ln1.beta": (c,),
-        "ffn.down.bias": (c,), "ln2.gamma": (c,), "ln2.beta": (c,),
-    }
-    assert set(per_layer) == set(VIT_LAYER_TENSORS)
-    assert tuple(shapes) == embedding_tensors("vit")
-    for i in range(config.num_hidden_layers):
-        for local in VIT_LAYER_TENSORS:
-            shapes[layer_name(i, local)] = per_layer[local]
+        for local in layer_tensors(config):
+            shapes[layer_name(i, local)] = tuple(g.weights[local].shape)
     return shapes
 
 

@@ -124,7 +124,7 @@ class WeightStore:
                          ffn: tuple[int, int] | None = None, *, whole: bool = True
                          ) -> dict[str, np.ndarray]:
         """A rank's slice of layer i, keyed by local name ('attn.q.weight', ...; the family's
-        `layout.layer_tensors(config.model_type)`).
+        `layout.layer_tensors(config)`).
 
         heads=(h0, h1) and ffn=(f0, f1) are half-open ranges (None: all). Sliced tensors hold
         the rows `layout.row_range` gives; an empty range gives 0-row arrays and reads nothing.
@@ -142,11 +142,11 @@ class WeightStore:
         ranges = {"heads": _check_range("heads", heads, cfg.num_attention_heads),
                   "ffn": _check_range("ffn", ffn, cfg.intermediate_size)}
         reads = []
-        for local in layout.layer_tensors(cfg.model_type):
-            dim = layout.slice_dim(local, cfg.model_type)
+        for local in layout.layer_tensors(cfg):
+            dim = layout.slice_dim(local, cfg)
             if dim is not None:
                 reads.append((layout.layer_name(i, local),
-                              layout.row_range(local, *ranges[dim], cfg.head_dim, cfg.model_type)))
+                              layout.row_range(local, *ranges[dim], cfg)))
             elif whole:
                 reads.append((layout.layer_name(i, local), None))
         return reads

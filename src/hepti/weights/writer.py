@@ -205,7 +205,7 @@ def _write_locked(out: Path, config: ModelConfig, specs: list[TensorSpec],
 
 def _write_tensor(h5: h5py.File, spec: TensorSpec, config: ModelConfig, bar: tqdm) -> int:
     """Create one chunked, Fletcher32-checked dataset and fill it block by block."""
-    rows = layout.chunk_rows(spec.name, spec.shape, config.head_dim, config.model_type)
+    rows = layout.chunk_rows(spec.name, spec.shape, config)
     dset = h5.create_dataset(spec.name, shape=spec.shape, dtype=layout.DTYPE,
                              chunks=(rows,) + tuple(spec.shape[1:]), fletcher32=True)
     row_bytes = spec.nbytes // max(spec.shape[0], 1)
