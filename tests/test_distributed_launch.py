@@ -39,7 +39,7 @@ def test_equivalence_other_world_sizes(n, tiny_dir, minilm_dir, vit_dir):
                                "--model", tiny_dir, "--model", minilm_dir, "--model", vit_dir)
     rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
     assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
-    expected = 3 * (6 if n == 1 else 14)  # (strategies x ratio vectors) per model
+    expected = 3 * (6 if n == 1 else 17)  # (strategies x ratio vectors, "moved" too) per model
     assert len(rows) == expected and all(r["ok"] for r in rows), rows
 
 
@@ -50,7 +50,7 @@ def test_messages_equal_the_program_at_3_ranks(tiny_dir, minilm_dir, vit_dir):
                                "--model", tiny_dir, "--model", minilm_dir, "--model", vit_dir)
     rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
     assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
-    assert len(rows) == 3 * 14 and all(r["ok"] for r in rows), rows  # 14 cases per model
+    assert len(rows) == 3 * 17 and all(r["ok"] for r in rows), rows  # 17 cases per model
 
 
 @pytest.fixture

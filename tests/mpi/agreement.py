@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from equivalence import cases, inputs_for, make_plan  # noqa: E402  (every strategy and ratio vector)
+from equivalence import cases, inputs_for, make_plan, primary_of  # noqa: E402  (every strategy and ratio vector)
 from hepti.counts import counts as split_counts  # noqa: E402
 from hepti.parallel.comm import Comm  # noqa: E402
-from hepti.parallel.engine import run_plan  # noqa: E402
+from hepti.parallel.engine import active_ranks as group_order, run_plan  # noqa: E402
 from hepti.parallel.trace import Tracer  # noqa: E402
 from hepti.plan.costmodel import active_ranks, rank_bytes  # noqa: E402
 from hepti.plan.pipeline import activation_bytes, stage_hops  # noqa: E402
@@ -40,16 +40,29 @@ def predicted(model_dir, strategy: str, plan, B: int, T: int, rank: int) -> list
         return [("send", S, 0) if j == rank else ("recv", 0, S)
                 for j, k in stage_hops([tuple(r) for r in plan.layers]) if rank in (j, k)]
     prog = program_for(strategy, cfg, B, T)
-    N = plan.world_size
     cnt = {d: [float(x) for x in split_counts(total, plan.ratios[d])] for d, total in prog.totals.items()}
-    active = active_ranks(prog, cnt, N)
-    if not active[rank] or sum(active) < 2:
-        return []
     out = []
-    for phase in prog.start + prog.layer * prog.repeat + prog.end:  # in the order they run
-        if phase.collective is not None:
-            sent, recv = rank_bytes(phase.collective, cnt, active)[rank]
-            out.append((phase.collective.kind, int(sent), int(recv)))
+    if plan.primary:  # the program's ranks are the group's: the primary first (its root)
+        order = group_order(plan, cfg)
+        cnt = {d: [v[r] for r in order] for d, v in cnt.items()}
+        if "rows" in cnt:  # as the runtime splits rows: by the ratios in group order
+            cnt["rows"] = [float(x) for x in split_counts(prog.totals["rows"],
+                                                           [plan.ratios["rows"][r] for r in order])]
+        active = active_ranks(prog, cnt, len(order))
+        me = order.index(rank) if rank in order else None
+    else:
+        active = active_ranks(prog, cnt, plan.world_size)
+        me = rank if active[rank] else None
+    if me is not None and sum(active) >= 2:
+        for phase in prog.start + prog.layer * prog.repeat + prog.end:  # in the order they run
+            if phase.collective is not None:
+                sent, recv = rank_bytes(phase.collective, cnt, active)[me]
+                out.append((phase.collective.kind, int(sent), int(recv)))
+    out_bytes = 4 * B * T * cfg.hidden_size  # a primary other than rank 0 sends it the output
+    if plan.primary and rank == plan.primary:
+        out.append(("send", out_bytes, 0))
+    if plan.primary and rank == 0:
+        out.append(("recv", 0, out_bytes))
     return out
 
 
@@ -62,10 +75,10 @@ def traced(model_dir, plan, world_mpi) -> list[tuple[str, int, int]]:
     return list(tracer.messages)
 
 
-def check_case(model_dir, strategy: str, vec, world_mpi) -> tuple[bool, str]:
+def check_case(model_dir, strategy: str, vec, world_mpi, primary: int = 0) -> tuple[bool, str]:
     cfg = WeightStore(model_dir).config
     n, rank = world_mpi.Get_size(), world_mpi.Get_rank()
-    plan = make_plan(strategy, vec, cfg, n)
+    plan = make_plan(strategy, vec, cfg, n, primary)
     b = inputs_for(model_dir)[0]
     B, T = b.mask.shape
     got = traced(model_dir, plan, world_mpi)
@@ -87,7 +100,7 @@ def main(argv=None) -> int:
     bad = 0
     for d in args.model:
         for strategy, rname, vec in cases(comm.Get_size()):
-            ok, msg = check_case(d, strategy, vec, comm)
+            ok, msg = check_case(d, strategy, vec, comm, primary_of(rname, comm.Get_size()))
             results = comm.gather((ok, msg), root=0)
             if comm.Get_rank() == 0:
                 good = all(o for o, _ in results)
