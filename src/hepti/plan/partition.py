@@ -38,6 +38,7 @@ from hepti.config import ModelConfig
 from hepti.counts import counts as split_counts
 from hepti.counts import offsets
 from hepti.errors import PlanError
+from hepti.graph.encoder import family_graph
 from hepti.model.sizes import model_bytes
 from hepti.plan.costmodel import ACTIVE, ROOT, Prediction, Program, envelope, evaluate
 from hepti.plan.pipeline import evaluate_pipeline, pipeline_ranges
@@ -319,7 +320,7 @@ def _finish(cand: Candidate, cfg: ModelConfig, B: int, T: int, profile: Profile,
         cand = _as_single(cand, cfg, B, T, profile)
     strategy = cand.strategy
     if cand.layers is None:
-        totals = {"heads": cfg.num_attention_heads, "ffn": cfg.intermediate_size, "rows": B * T}
+        totals = family_graph(cfg, B, T).units
         cnt = {d: [int(round(v)) for v in cand.counts.get(d, [0] * N)] for d in DIMS}
         for d in DIMS:  # dimensions the strategy does not split run whole on the active ranks
             if d not in cand.counts:
@@ -398,7 +399,6 @@ def _moved_primary(plan: Plan, cfg: ModelConfig, profile: Profile, T: int, B: in
     except PlanError:
         return plan
     a, b = profile.devices[0], profile.devices[p]
-    from hepti.graph.encoder import family_graph
     g = family_graph(cfg, B, T)
     nbytes = B * T * (sum(t.row_bytes() for t in g.tensors.values() if t.kind == "input")
                       + g.tensors[g.output].row_bytes())

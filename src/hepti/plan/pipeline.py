@@ -30,7 +30,7 @@ HEADER_BYTES = 256  # pickled (shape, key mask) header before each activation (p
 
 def _layer_seconds(cfg: ModelConfig, B: int, T: int, profile: Profile) -> list[float]:
     """One whole layer's compute on each device (all heads, columns and rows)."""
-    full = {"heads": cfg.num_attention_heads, "ffn": cfg.intermediate_size, "rows": B * T}
+    full = family_graph(cfg, B, T).units  # a stage runs every row and unit of its layers
     works = layer_works(cfg, B, T)
     return [sum(w.seconds(dev, full[w.dim]) for w in works) for dev in profile.devices]
 
@@ -139,7 +139,8 @@ def pipeline_ranges(cfg: ModelConfig, B: int, T: int, profile: Profile, caps: li
 
 def activation_bytes(cfg: ModelConfig, B: int, T: int) -> int:
     """Bytes of the [M, C] hidden state each hop of `stage_hops` carries."""
-    return F32 * B * T * cfg.hidden_size
+    g = family_graph(cfg, B, T)
+    return B * T * g.tensors[g.layer[0].inputs[0]].row_bytes()  # the layers' input and output
 
 
 def stage_hops(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
