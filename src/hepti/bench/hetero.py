@@ -256,7 +256,9 @@ def warm_numba(cases: list[dict], workdir: Path) -> float:
             else ["run", *map(str, first["input"]), "--json"])  # a vision model: its own pixels
     cmds = [hepti_cmd() + ["run", *map(str, c["input"]), "--json", "--model", c["dir"]] for c in cases]
     two = [mpiexec(), "-n", "2"] + hepti_cmd()
-    cmds.append(two + ["profile", "--model", first["dir"], "--seq", "16", "--out", str(workdir / "warm-profile.json")])
+    text = first["input"][0] == "--input-ids"  # a vision model profiles at its own token count
+    cmds.append(two + ["profile", "--model", first["dir"], *(["--seq", "16"] if text else []),
+                       "--out", str(workdir / "warm-profile.json")])
     for extra in (["--strategy", "tensor"], ["--strategy", "rows"], ["--strategy", "pipeline"],
                   ["--strategy", "stream", "--mem-budget", "2GiB"]):
         cmds.append(two + base + ["--model", first["dir"]] + extra)
