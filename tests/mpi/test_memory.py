@@ -22,21 +22,25 @@ def batch(cfg, T=64):
     return [Batch(ids, np.ones((1, T), np.int64), np.zeros((1, T), np.int64))]
 
 
-@pytest.fixture(scope="module")
-def deep_dir(tmp_path_factory):
-    """16 layers of hidden 512: big enough that holding every layer shows in RSS."""
-    cfg = BertConfig.from_dict(dict(model_type="bert", vocab_size=1000, hidden_size=512,
-                                    num_hidden_layers=16, num_attention_heads=8,
-                                    intermediate_size=2048, max_position_embeddings=128),
-                               name="deep-test")
+def random_model(name: str, **shape):
+    """A BERT of this shape with random weights, written by rank 0 to a folder every rank
+    reads: (folder, config)."""
     import tempfile
     from pathlib import Path
+    cfg = BertConfig.from_dict(dict(model_type="bert", **shape), name=name)
     base = COMM.bcast(tempfile.mkdtemp(prefix="hepti-mem-") if RANK == 0 else None)
-    out = Path(base) / "deep"
+    out = Path(base) / name
     if RANK == 0:
         write_random(cfg, out, seed=1, progress=False)
     COMM.Barrier()
     return out, cfg
+
+
+@pytest.fixture(scope="module")
+def deep_dir():
+    """16 layers of hidden 512: big enough that holding every layer shows in RSS."""
+    return random_model("deep-test", vocab_size=1000, hidden_size=512, num_hidden_layers=16,
+                        num_attention_heads=8, intermediate_size=2048, max_position_embeddings=128)
 
 
 def test_tensor_rank_holds_and_reads_its_share(minilm_dir):
@@ -79,21 +83,11 @@ def test_stream_peak_rss_within_budget(deep_dir):
 
 
 @pytest.fixture(scope="module")
-def wide_dir(tmp_path_factory):
+def wide_dir():
     """Small weights, large activations: hidden 256, FFN 4096, 512 tokens x 4 sequences (the
     FFN's hidden state alone is 32 MiB), so that activations are what a batch adds to RSS."""
-    cfg = BertConfig.from_dict(dict(model_type="bert", vocab_size=100, hidden_size=256,
-                                    num_hidden_layers=2, num_attention_heads=4,
-                                    intermediate_size=4096, max_position_embeddings=1024),
-                               name="wide-test")
-    import tempfile
-    from pathlib import Path
-    base = COMM.bcast(tempfile.mkdtemp(prefix="hepti-act-") if RANK == 0 else None)
-    out = Path(base) / "wide"
-    if RANK == 0:
-        write_random(cfg, out, seed=1, progress=False)
-    COMM.Barrier()
-    return out, cfg
+    return random_model("wide-test", vocab_size=100, hidden_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=4096, max_position_embeddings=1024)
 
 
 def _fixed_mmap_threshold() -> None:
