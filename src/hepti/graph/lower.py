@@ -293,7 +293,6 @@ def activation_memory(graph: Graph, steps: list[Step], keep: tuple[str, ...] = (
     that hold no more of any dimension than another step are left out."""
     lives: list[tuple[int, int, dict[str, float]]] = []  # (first step, last step, bytes)
     held: dict[str, int] = {}  # tensor -> the allocation its current value is part of
-    layout: dict[str, str] = {}
     end = len(steps) - 1
 
     def make(tensors, j: int, where: str, unit: str | None) -> None:
@@ -302,13 +301,12 @@ def activation_memory(graph: Graph, steps: list[Step], keep: tuple[str, ...] = (
             for d, b in _placed(graph, t, where, unit).items():
                 size[d] = size.get(d, 0.0) + b
             held[t] = len(lives)
-            layout[t] = where
         lives.append((j, j, size))
 
     def read(t: str, j: int) -> None:
-        if t not in held:  # an input, or a stage's received activations
-            where = PRIMARY if graph.tensors[t].kind == "input" and t not in graph.inputs_everywhere else FULL
-            make([t], -1, where, None)
+        if t not in held:  # an input (on rank 0 unless sent to all), or a stage's activations
+            on_primary = graph.tensors[t].kind == "input" and t not in graph.inputs_everywhere
+            make([t], -1, PRIMARY if on_primary else FULL, None)
         a = held[t]
         first, last, size = lives[a]
         lives[a] = (first, max(last, j), size)

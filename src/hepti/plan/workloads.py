@@ -48,8 +48,8 @@ def with_overhead(memory: list[MemTerm]) -> list[MemTerm]:
 @lru_cache(maxsize=64)
 def _lowering(cfg, B: int, T: int, strategy: str, stream: bool):
     """The graph's lowering for a strategy: (graph, assignment, (start, layer, end, repeat)
-    phases, dimensions, weight memory, activation memory). Read only: the planner asks for the same few
-    programs for every candidate it weighs, so it is worked out once per shape."""
+    phases, dimensions, weight memory, activation memory). Read only: the planner asks for the
+    same few programs for every candidate it weighs, so it is worked out once per shape."""
     g = family_graph(cfg, B, T)
     assign = lower.assignment(g, strategy)
     return (g, assign, lower.compress(g, assign, stream=stream), lower.totals(g, assign),
