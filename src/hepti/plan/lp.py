@@ -221,8 +221,9 @@ def solve(program: Program, profile: Profile, caps: list[float], ref_counts: dic
             m.row(row, ub=caps[i] - const - held * slice_const)
             if budget is not None:
                 m.row({budget: 1.0, **other}, ub=caps[i] - const)
-                m.row({budget: -1.0, **{j: held * v for j, v in per_layer.items()}},
-                      ub=-held * slice_const)
+                if step is steps[0]:  # the window's slices: the same for every step
+                    m.row({budget: -1.0, **{j: held * v for j, v in per_layer.items()}},
+                          ub=-held * slice_const)
 
     for j, v in objective.items():
         m.cost[j] += v
