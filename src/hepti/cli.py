@@ -210,6 +210,66 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the plan file (for `hepti run --plan`)")
     s.add_argument("--out", metavar="PLAN.json", help="also write the plan file here")
 
+    from hepti.serve.http import ROUTES_HELP
+    s = sub.add_parser(
+        "serve", help="serve embeddings over HTTP (or --jsonl) from a long-lived MPI job",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_paragraphs(
+            "Start N worker ranks with mpiexec (weights loaded once, planned as `hepti run` "
+            "plans) and answer embeddings requests. The front end (this process, no MPI) owns "
+            "the request queue: requests that come while the workers are busy are batched, up "
+            "to --max-batch-tokens. If the workers end (a rank killed, a device unplugged), "
+            "the batch in flight goes back to the queue and the job is relaunched, without a "
+            "host whose rank was killed (-f HOSTFILE minus that host; on one machine, one "
+            "rank fewer); no accepted request is lost.",
+            "Under `hepti emulate --cluster SPEC -- hepti serve -n N ...` worker rank i runs "
+            "on emulated device i and the service is still reachable at the host's "
+            "127.0.0.1:PORT."),
+        epilog=ROUTES_HELP + "\nmore examples:\n"
+               "  hepti serve --model weights/minilm-l6 -n 2 --port 8080\n"
+               "  hepti serve -n 4 -f hostfiles/my-cluster --host 0.0.0.0 --api-key \"$KEY\"\n"
+               "  hepti serve -n 2 --jsonl < requests.jsonl > answers.jsonl\n"
+               "  sudo hepti emulate --cluster hostfiles/emu-mixed4.json -- hepti serve -n 4")
+    s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model folder (default {DEFAULT_MODEL})")
+    s.add_argument("-n", type=_positive_int, default=1, dest="n", help="worker ranks (default 1)")
+    s.add_argument("-f", "--hostfile", metavar="HOSTFILE", help="MPICH hostfile: where the ranks run")
+    s.add_argument("--strategy", choices=PLANNERS, default=None,
+                   help="as `hepti run --strategy` (default: auto with -n above 1, else single)")
+    s.add_argument("--ratios", metavar="R", help="as `hepti run --ratios`")
+    s.add_argument("--plan", metavar="PLAN.json", help="a plan file (from `hepti plan --json`)")
+    s.add_argument("--profile", metavar="P.json", help="plan from this profile instead of measuring")
+    s.add_argument("--mem-cap", metavar="BYTES", help="auto: memory each rank may use")
+    s.add_argument("--mem-budget", metavar="BYTES", help="stream: weight RAM per rank")
+    s.add_argument("--plan-seq", type=_positive_int, default=128,
+                   help="tokens per input the plan is made for (default 128)")
+    s.add_argument("--plan-batch", type=_positive_int, default=1,
+                   help="inputs per batch the plan is made for (default 1)")
+    s.add_argument("--threads", type=_positive_int, default=1, help="compute threads per rank (default 1)")
+    s.add_argument("--pool", choices=("mean", "cls"), default="mean", help="pooling (default mean)")
+    s.add_argument("--no-normalize", action="store_true",
+                   help="answer raw pooled vectors (by default they are L2-normalised, as "
+                        "OpenAI's and TEI's are)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    s.add_argument("--api-key", metavar="KEY",
+                   help="require `Authorization: Bearer KEY` (default: $HEPTI_API_KEY if set)")
+    s.add_argument("--jsonl", action="store_true",
+                   help="no HTTP: read one request body per line from stdin, write one answer "
+                        "per line to stdout, in order; end at end of input")
+    s.add_argument("--max-batch-tokens", type=_positive_int, default=8192,
+                   help="a batch's inputs x its longest input, at most (default 8192)")
+    s.add_argument("--max-batch-inputs", type=_positive_int, default=64,
+                   help="inputs per batch, at most (default 64)")
+    s.add_argument("--max-inputs", type=_positive_int, default=256,
+                   help="inputs per request, at most (default 256)")
+    s.add_argument("--max-request-tokens", type=_positive_int, default=65536,
+                   help="tokens per request, at most (default 65536)")
+    s.add_argument("--max-body-bytes", type=_positive_int, default=8 << 20,
+                   help="request body size, at most (default 8 MiB)")
+    s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="answer 503 to a request not done in S seconds (default 600)")
+
     s = sub.add_parser("bench", help="benchmarks: kernels, model, solver, comm")
     bsub = s.add_subparsers(dest="bench", metavar="WHAT", required=True)
     b = bsub.add_parser("kernels", help="GFLOP/s of hepti's GeMM vs numpy, single-threaded, interleaved")
@@ -402,6 +462,11 @@ def _profile_job(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from hepti.serve.app import run
+    return run(args)
+
+
 def cmd_plan(args) -> int:
     from hepti.parallel.engine import parse_bytes
     from hepti.plan.partition import make_plan
@@ -421,7 +486,7 @@ def cmd_plan(args) -> int:
     return 0
 
 
-COMMANDS = {"emulate": cmd_emulate, "plan": cmd_plan, "profile": cmd_profile, "info": cmd_info, "convert": cmd_convert, "verify": cmd_verify, "run": cmd_run,
+COMMANDS = {"serve": cmd_serve, "emulate": cmd_emulate, "plan": cmd_plan, "profile": cmd_profile, "info": cmd_info, "convert": cmd_convert, "verify": cmd_verify, "run": cmd_run,
             "bench": cmd_bench}
 
 

@@ -55,6 +55,9 @@ def prepare_command(command: list[str], n_devices: int) -> list[str]:
         raise EmulateError("no COMMAND given; write it after `--`, e.g. "
                            "`hepti emulate --cluster SPEC.json -- mpiexec -n 4 hepti profile`")
     command = list(command)
+    serve = "serve" in command[:4] and any(Path(c).name == "hepti" for c in command[:3])
+    if serve:  # hepti serve runs `mpiexec -n N` itself, with the hosts the environment names
+        return command
     if not any("mpiexec" in c or "mpirun" in c for c in command):
         log("note: COMMAND does not call mpiexec; processes not started by mpiexec run in the head "
             "namespace without any device's caps")

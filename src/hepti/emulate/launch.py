@@ -58,7 +58,7 @@ from hepti.emulate.leftovers import (check_leftovers, cleanup, find_runs, proc_s
                                      require_root, require_tools)
 from hepti.emulate.names import INNER_IFACE, RunNames
 from hepti.emulate.spec import ClusterSpec, EmulateError, check_cpu_fits, format_mem, load_spec
-from hepti.emulate.state import DEVICE_ENV, STATE_ENV, write_state
+from hepti.emulate.state import DEVICE_ENV, HOST_NETNS_ENV, STATE_ENV, write_state
 
 MPICH_TCP_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
                  "FI_TCP_IFACE": INNER_IFACE, "HEPTI_COMM": "p2p"}
@@ -178,7 +178,10 @@ class _Run:
         env.update({"HYDRA_HOST_FILE": str(self.run_dir / "hostfile"), "HYDRA_LAUNCHER": "ssh",
                     "HYDRA_LAUNCHER_EXEC": str(self.run_dir / "launch.sh"),
                     "HYDRA_LAUNCHER_AUTOFORK": "0", "HYDRA_IFACE": INNER_IFACE,
-                    STATE_ENV: str(self.state_path)})
+                    STATE_ENV: str(self.state_path),
+                    # the host's own network, where a service under COMMAND (`hepti serve`) opens
+                    # its port, so that 127.0.0.1:PORT on the host reaches it
+                    HOST_NETNS_ENV: f"/proc/{os.getpid()}/ns/net"})
         return env
 
     def files(self) -> dict[str, str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 STATE_ENV = "HEPTI_EMULATE_STATE"
 DEVICE_ENV = "HEPTI_EMULATE_DEVICE"
+HOST_NETNS_ENV = "HEPTI_EMULATE_HOST_NETNS"  # COMMAND's way back to the host's network namespace
 STATE_VERSION = 1
 
 

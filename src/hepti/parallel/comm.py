@@ -332,6 +332,29 @@ class Comm:
         if not self.solo:
             self.mpi.Barrier()
 
+    def bcast_idle(self, a: np.ndarray | None, n: int, spin_s: float = 0.002,
+                   interval: float = 0.0005) -> np.ndarray:
+        """Bcast of n int64 from rank 0 that the others may wait in for minutes (a service
+        between requests): it polls for `spin_s`, then sleeps `interval` between tests, so an
+        idle rank costs no CPU and a busy one's command arrives without a sleep's delay. Not
+        traced: the wait is for work, not part of it."""
+        if self.solo:
+            return a
+        buf = np.ascontiguousarray(a, np.int64) if self.rank == 0 else np.empty(n, np.int64)
+        req = self.mpi.Ibcast(buf, root=0)
+        t_end = time.perf_counter() + spin_s
+        while not req.Test():
+            if time.perf_counter() > t_end:
+                time.sleep(interval)
+        return buf
+
+    def gather_obj(self, obj, root: int = 0) -> list | None:
+        """Small Python objects (a rank's host and pid, its figures) to root; pickled, between
+        hepti's own ranks only."""
+        if self.solo:
+            return [obj]
+        return self.mpi.gather(obj, root=root)
+
 
 # one tag per row verb: a verb's messages can never match another's, whatever the order of posting
 

@@ -1,0 +1,94 @@
+"""`hepti serve`: start the workers, then answer HTTP (or --jsonl) until stopped."""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import threading
+
+from hepti.errors import InputError
+
+log = logging.getLogger("hepti")
+API_KEY_ENV = "HEPTI_API_KEY"
+
+
+def worker_args(args) -> list[str]:
+    """The flags every worker rank gets (hepti.serve.worker's)."""
+    out = ["--threads", str(args.threads), "--plan-seq", str(args.plan_seq),
+           "--plan-batch", str(args.plan_batch), "--pool", args.pool,
+           "--normalize", "0" if args.no_normalize else "1"]
+    strategy = args.strategy or ("single" if args.n == 1 else "auto")
+    if not args.plan:
+        out += ["--strategy", strategy]
+    for flag in ("ratios", "plan", "profile", "mem_cap", "mem_budget"):
+        value = getattr(args, flag)
+        if value:
+            out += ["--" + flag.replace("_", "-"), str(value)]
+    return out
+
+
+def check_args(args) -> None:
+    """What would fail only once the workers run: say it now."""
+    from hepti.weights import WeightStore
+    if args.plan and (args.strategy or args.ratios):
+        raise InputError("--plan already sets the strategy and ratios; drop --strategy/--ratios")
+    for flag in ("plan", "profile", "hostfile"):
+        path = getattr(args, flag)
+        if path and not os.path.isfile(path):
+            raise InputError(f"--{flag} {path}: no such file")
+    cfg = WeightStore(args.model).config
+    if cfg.model_type == "vit":
+        raise InputError(f"{args.model} is a vision model; hepti serve embeds texts and token "
+                         "ids (use `hepti run --image` for images)")
+    if not _loopback(args.host) and not (args.api_key or os.environ.get(API_KEY_ENV)):
+        log.warning("serving on %s without --api-key: anyone who reaches this address can use "
+                    "the service", args.host)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run(args) -> int:
+    from hepti.serve.http import make_server, serve_jsonl
+    from hepti.serve.listen import listening_socket
+    from hepti.serve.requests import Limits
+    from hepti.serve.supervisor import Supervisor
+
+    check_args(args)
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs,
+                    max_request_tokens=args.max_request_tokens)
+    sock = None if args.jsonl else listening_socket(args.host, args.port)  # before any launch
+    sup = Supervisor(args.model, args.n, hostfile=args.hostfile, worker_args=worker_args(args),
+                     max_batch_tokens=args.max_batch_tokens, max_batch_inputs=args.max_batch_inputs,
+                     request_timeout_s=args.request_timeout).start()
+    try:
+        if args.jsonl:
+            errors = serve_jsonl(sup, sys.stdin.buffer, sys.stdout, limits, log)
+            if errors:
+                log.error("%d request(s) were answered with an error (their lines say why)", errors)
+            return 1 if errors else 0
+        server = make_server(sup, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                             limits=limits, sock=sock, log=log)
+        host, port = server.server_address[:2]
+        print(f"hepti serve: listening on http://{host}:{port} (model {sup.name}, "
+              f"{args.n} rank(s)); GET /health says when the workers are ready; Ctrl-C stops",
+              file=sys.stderr, flush=True)
+
+        def stop(signum, frame):
+            threading.Thread(target=server.shutdown, daemon=True).start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, stop)
+        server.serve_forever(poll_interval=0.2)
+        server.server_close()
+        print("hepti serve: stopped", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        sup.stop()
+        if sock is not None:
+            sock.close()

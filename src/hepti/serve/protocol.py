@@ -1,0 +1,80 @@
+"""The channel between `hepti serve`'s front end and the workers' rank 0: framed messages on TCP.
+
+A frame is a 4-byte big-endian length, a JSON header of that length, then `header["nbytes"]`
+bytes of raw array data (token ids int64 one way, embeddings float32 the other), so arrays
+cross without base64 or pickling: nothing read from the socket is ever unpickled. The front end
+listens; rank 0 connects, and its first frame (`hello`) carries the shared secret the front end
+gave it in its environment (HEPTI_SERVE_TOKEN), so no other process on the network can attach
+itself as the workers.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+import numpy as np
+
+CONTROL_ENV = "HEPTI_SERVE_CONTROL"  # host:port of the front end's channel, for rank 0
+TOKEN_ENV = "HEPTI_SERVE_TOKEN"  # the secret rank 0 must present in its hello
+MAX_HEADER = 1 << 20  # a header is a small JSON object; anything larger is not ours
+_LEN = struct.Struct(">I")
+
+
+class ChannelClosed(ConnectionError):
+    """The peer closed the channel (or it broke) before a whole frame arrived."""
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ChannelClosed(f"channel closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def send(sock: socket.socket, header: dict, payload: np.ndarray | None = None) -> None:
+    """One frame: the header, then the array's bytes (C order) if there is one."""
+    data = b"" if payload is None else np.ascontiguousarray(payload).tobytes()
+    head = json.dumps({**header, "nbytes": len(data)}).encode()
+    sock.sendall(_LEN.pack(len(head)) + head + data)
+
+
+def recv(sock: socket.socket) -> tuple[dict, bytes]:
+    """One frame: (header, payload bytes)."""
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > MAX_HEADER:
+        raise ChannelClosed(f"a frame header of {n} bytes: not a hepti serve peer")
+    header = json.loads(_recv_exact(sock, n))
+    nbytes = int(header.get("nbytes", 0))
+    return header, _recv_exact(sock, nbytes) if nbytes else b""
+
+
+def pack_ids(inputs: list[np.ndarray]) -> tuple[list[int], np.ndarray]:
+    """Token id lists as (lengths, one concatenated int64 array)."""
+    lengths = [len(x) for x in inputs]
+    flat = np.concatenate([np.asarray(x, np.int64) for x in inputs]) if inputs else np.zeros(0, np.int64)
+    return lengths, flat
+
+
+def unpack_ids(lengths: list[int], data: bytes) -> list[np.ndarray]:
+    flat = np.frombuffer(data, np.int64)
+    if flat.size != sum(lengths):
+        raise ValueError(f"{flat.size} token ids for lengths summing to {sum(lengths)}")
+    out, at = [], 0
+    for n in lengths:
+        out.append(flat[at:at + n])
+        at += n
+    return out
+
+
+def connect(address: str, timeout: float = 30.0) -> socket.socket:
+    """Rank 0's side: connect to host:port."""
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock

@@ -1,0 +1,260 @@
+"""hepti serve end to end: the front end's queue and batcher driving real MPI workers (launched by
+the test, as `hepti serve` does), every answer checked against the single-device engine; a
+worker rank killed mid-request; workers that cannot start. The HTTP layer's own checks are in
+test_serve_http.py."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from hepti.model.pooling import pool
+from hepti.serve import ServiceUnavailable
+from hepti.serve.supervisor import Supervisor, rank_hosts, read_hostfile
+from test_distributed_launch import mpiexec
+from test_emulate import root_env  # noqa: F401 - the fixture: root, MPICH, no leftovers
+
+
+def single_device(model_dir, inputs, normalize=True):
+    """Each input alone (no padding) through the single-device engine, mean-pooled."""
+    from hepti.inputs import Batch
+    from hepti.model.family import SingleDevice
+    from hepti.weights import WeightStore
+    eng = SingleDevice.from_store(WeightStore(model_dir))
+    rows = []
+    for x in inputs:
+        ids = np.asarray(x, np.int64)[None]
+        mask = np.ones_like(ids)
+        b = Batch(ids, mask, np.zeros_like(ids))
+        rows.append(pool(eng.run(b), mask, "mean", normalize)[0])
+    return np.stack(rows)
+
+
+def texts_ids(sup, texts):
+    return [np.array(e.ids, np.int64) for e in sup.tokenizer.encode_batch(texts)]
+
+
+TEXTS = ["A cat sat.", "A dog sat on the mat, and then it slept for a very long time indeed.",
+         "hello", "Edge devices differ in speed, memory and link.", "x " * 60]
+
+
+@pytest.fixture
+def served(minilm_dir):
+    mpiexec()  # skips without one
+    made = []
+
+    def start(n, *worker_args, **kw):
+        s = Supervisor(minilm_dir, n, worker_args=list(worker_args), **kw).start()
+        made.append(s)
+        return s
+    yield start
+    for s in made:
+        s.stop()
+
+
+def test_answers_equal_the_single_device_engine_and_requests_are_batched(served, minilm_dir):
+    sup = served(2, "--strategy", "tensor", max_batch_tokens=4096)
+    ids = texts_ids(sup, TEXTS)
+    want = single_device(minilm_dir, ids)
+    got = {}
+
+    def ask(i):
+        got[i] = sup.embed([ids[i % len(ids)]])
+
+    first = sup.embed(ids)  # several inputs of different lengths in one request: one padded batch
+    np.testing.assert_allclose(first, want, atol=2e-5)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(20)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for i in range(20):
+        np.testing.assert_allclose(got[i][0], want[i % len(ids)], atol=2e-5)
+    m = sup.metrics()
+    assert m["requests"]["answered"] == 21 and m["requests"]["failed"] == 0
+    assert m["batches"]["count"] < 21  # requests that came while a batch ran shared the next one
+    assert m["plan"]["strategy"] == "tensor" and len(m["ranks"]) == 2
+    json.dumps(m)
+
+
+def test_token_ids_on_a_model_without_a_tokenizer(tiny_dir):
+    mpiexec()
+    sup = Supervisor(tiny_dir, 2, worker_args=["--strategy", "rows"]).start()
+    try:
+        assert sup.tokenizer is None
+        ids = [np.array([2, 5, 7, 9, 11]), np.array([3, 4]), np.arange(1, 30)]
+        np.testing.assert_allclose(sup.embed(ids), single_device(tiny_dir, ids), atol=2e-5)
+    finally:
+        sup.stop()
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_a_killed_rank_loses_no_accepted_request(served, minilm_dir, victim):
+    """kill -9 of a worker rank (the primary, or another) while requests are in flight: the job ends, the front end
+    relaunches on the ranks left (one fewer here, on one machine) and answers every request,
+    each equal to the single-device embeddings."""
+    sup = served(3, "--strategy", "tensor")
+    ids = texts_ids(sup, TEXTS)
+    want = single_device(minilm_dir, ids)
+    sup.embed(ids[:1])  # the workers are up
+    got, errors, done_at = {}, {}, {}
+
+    def ask(i):
+        try:
+            got[i] = sup.embed(ids)
+            done_at[i] = time.monotonic()
+        except Exception as e:  # noqa: BLE001 - recorded, asserted below
+            errors[i] = e
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    [t.start() for t in threads]
+    time.sleep(0.05)
+    pid = next(r["pid"] for r in sup.ranks if r["rank"] == victim)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    [t.join(300) for t in threads]
+    assert not errors, errors
+    assert sorted(got) == list(range(8))
+    for i in range(8):
+        np.testing.assert_allclose(got[i], want, atol=2e-5)
+    first = sup.launches[0]
+    assert first.get("lost") == {"rank": victim, "host": "localhost"}, first
+    assert sup.health()["status"] == "ok" and sup.health()["world_size"] == 2
+    after = sorted(t - killed_at for t in done_at.values() if t > killed_at)
+    print(f"\nkill -9 of rank {victim}: next answer {after[0]:.2f} s later (relaunch on 2 ranks "
+          f"{sup.launches[1]['ready_s']:.2f} s); all 8 requests answered")
+
+
+def test_workers_that_cannot_start_end_the_service_with_their_error(minilm_dir):
+    mpiexec()
+    sup = Supervisor(minilm_dir, 2, worker_args=["--strategy", "tensor", "--ratios", "1,2,3"],
+                     request_timeout_s=120).start()
+    try:
+        with pytest.raises(ServiceUnavailable, match="ratio"):
+            sup.embed([np.array([101, 102])])
+        assert sup.health()["status"] == "failed"
+        assert len(sup.launches) == 2  # tried twice, then gave up
+    finally:
+        sup.stop()
+
+
+def test_hostfile_slots_map_ranks_as_hydra_does(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("# a comment\nalpha:2\nbeta\n\ngamma:1\n")
+    entries = read_hostfile(f)
+    assert entries == [("alpha", 2), ("beta", 1), ("gamma", 1)]
+    assert rank_hosts(entries, 6) == [0, 0, 1, 2, 0, 0]
+
+
+def start_cli(args, env=None):
+    """`hepti serve ... --port 0` as a user starts it; -> (process, base URL) once it listens."""
+    p = subprocess.Popen([sys.executable, "-m", "hepti", "serve", "--port", "0", *map(str, args)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in p.stderr:
+        if "listening on http://" in line:
+            url = line.split("listening on ")[1].split()[0]
+            threading.Thread(target=p.stderr.read, daemon=True).start()  # keep the pipe drained
+            return p, url
+    raise AssertionError(f"hepti serve never listened (exit {p.wait()})")
+
+
+def http(url, body=None, headers=None):
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def wait_ready(url, timeout=120):
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        code, body = http(url + "/health")
+        if code == 200:
+            return body
+        assert body["status"] in ("starting", "relaunching"), body
+        time.sleep(0.3)
+    raise AssertionError("the workers were not ready")
+
+
+def test_the_command_serves_http_and_stops_cleanly_on_ctrl_c(minilm_dir):
+    mpiexec()
+    p, url = start_cli(["--model", minilm_dir, "-n", "2", "--strategy", "rows", "--api-key", "s3cret"])
+    try:
+        assert wait_ready(url)["world_size"] == 2
+        key = {"Authorization": "Bearer s3cret"}
+        code, body = http(url + "/v1/embeddings", {"input": TEXTS[:2]})
+        assert code == 401 and body["error"]["type"] == "authentication_error"
+        code, body = http(url + "/v1/embeddings", {"input": ""}, key)  # bad: 400, still serving
+        assert code == 400
+        code, body = http(url + "/v1/embeddings", {"input": TEXTS[:2]}, key)
+        assert code == 200, body
+        got = np.array([d["embedding"] for d in body["data"]], np.float32)
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+        tok.no_padding()  # the file pads to 128; the service embeds each input's own tokens
+        want = single_device(minilm_dir, [e.ids for e in tok.encode_batch(TEXTS[:2])])
+        np.testing.assert_allclose(got, want, atol=2e-5)
+        assert body["usage"]["prompt_tokens"] == sum(len(e.ids) for e in tok.encode_batch(TEXTS[:2]))
+        code, m = http(url + "/metrics", headers=key)
+        assert code == 200 and m["plan"]["strategy"] == "rows" and m["requests"]["answered"] == 1
+    finally:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) == 0
+    assert subprocess.run(["pgrep", "-f", f"hepti.serve.worker --model {minilm_dir}"]).returncode == 1
+
+
+def test_jsonl_mode_answers_every_line_in_order(tiny_dir):
+    mpiexec()
+    lines = [json.dumps({"id": "a", "input": [2, 5, 7]}), "not json",
+             json.dumps({"id": "c", "input": [[3, 4], [9, 9, 9, 9]]}), ""]
+    p = subprocess.run([sys.executable, "-m", "hepti", "serve", "--model", str(tiny_dir), "-n", "2",
+                        "--strategy", "tensor", "--jsonl"], input="\n".join(lines) + "\n",
+                       capture_output=True, text=True, timeout=300)
+    out = [json.loads(x) for x in p.stdout.splitlines()]
+    assert p.returncode == 1, p.stderr[-2000:]  # one line was an error
+    assert [o.get("id") for o in out] == ["a", None, "c"]
+    assert out[1]["status"] == 400 and "error" in out[1]
+    want = single_device(tiny_dir, [[2, 5, 7], [3, 4], [9, 9, 9, 9]])
+    got = [out[0]["data"][0]["embedding"], *(d["embedding"] for d in out[2]["data"])]
+    np.testing.assert_allclose(np.array(got, np.float32), want, atol=2e-5)
+
+
+def test_under_hepti_emulate_ranks_run_on_the_devices_and_the_port_is_the_hosts(root_env, tiny_dir,  # noqa: F811
+                                                                                 tmp_path):
+    """`hepti emulate --cluster SPEC -- hepti serve -n 2`: the workers run on the emulated devices
+    (their hostnames are the devices' names) and the test, in the host's network namespace,
+    reaches the service at 127.0.0.1:PORT."""
+    spec = tmp_path / "pair.json"
+    spec.write_text(json.dumps({"name": "test-serve", "devices": [
+        {"name": "dev-a", "cpu": 0.5, "link_mbit": 500}, {"name": "dev-b", "cpu": 0.3, "link_mbit": 200}]}))
+    p = subprocess.Popen([sys.executable, "-m", "hepti", "emulate", "--cluster", str(spec), "--timeout",
+                          "240", "--", "hepti", "serve", "--model", str(tiny_dir), "-n", "2",
+                          "--strategy", "tensor", "--port", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in p.stderr:
+            if "listening on http://" in line:
+                url = line.split("listening on ")[1].split()[0]
+                break
+        assert url and url.startswith("http://127.0.0.1:"), url
+        threading.Thread(target=p.stderr.read, daemon=True).start()
+        wait_ready(url)
+        code, body = http(url + "/v1/embeddings", {"input": [[2, 5, 7, 9], [3, 4]]})
+        assert code == 200, body
+        got = np.array([d["embedding"] for d in body["data"]], np.float32)
+        np.testing.assert_allclose(got, single_device(tiny_dir, [[2, 5, 7, 9], [3, 4]]), atol=2e-5)
+        code, m = http(url + "/metrics")
+        assert [r["host"] for r in m["ranks"]] == ["dev-a", "dev-b"]
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
