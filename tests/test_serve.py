@@ -258,3 +258,32 @@ def test_under_hepti_emulate_ranks_run_on_the_devices_and_the_port_is_the_hosts(
     finally:
         p.send_signal(signal.SIGINT)
         p.wait(60)
+
+
+def test_a_plan_switch_mid_serving_keeps_every_answer_exact(served, minilm_dir):
+    """switch_plan while requests flow (what a re-plan does): the ranks load the new slices
+    beside the serving plan, then switch together between batches. Every answer before, during
+    and after equals the single-device one; a switch that leaves a rank's weights as they were
+    (rows -> rows) reads nothing."""
+    sup = served(2, "--strategy", "tensor", replan=True)
+    ids = texts_ids(sup, TEXTS)
+    want = single_device(minilm_dir, ids)
+    sup.embed(ids[:1])
+    plans = [{"hepti_plan": 1, "strategy": "rows", "world_size": 2,
+              "ratios": {d: [0.3, 0.7] for d in ("heads", "ffn", "rows")}},
+             {"hepti_plan": 1, "strategy": "rows", "world_size": 2,
+              "ratios": {d: [0.6, 0.4] for d in ("heads", "ffn", "rows")}}]
+    for plan in plans:
+        epoch = sup.epoch
+        sup.switch_plan(plan)
+        deadline = time.monotonic() + 120
+        while sup.epoch == epoch:
+            np.testing.assert_allclose(sup.embed(ids), want, atol=2e-5)
+            assert time.monotonic() < deadline, sup.metrics()["replans"]
+        np.testing.assert_allclose(sup.embed(ids), want, atol=2e-5)
+        assert sup.metrics()["plan"]["ratios"]["rows"] == plan["ratios"]["rows"]
+    switched = [e for e in sup.replans if "switched_at" in e]
+    assert len(switched) == 2, sup.replans
+    to_rows, rows_to_rows = switched
+    assert all(b > 0 for b in to_rows["bytes_read"])  # tensor slices -> the whole model
+    assert rows_to_rows["bytes_read"] == [0, 0]  # rows keeps every layer: nothing read

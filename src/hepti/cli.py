@@ -267,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per request, at most (default 65536)")
     s.add_argument("--max-body-bytes", type=_positive_int, default=8 << 20,
                    help="request body size, at most (default 8 MiB)")
+    s.add_argument("--replan", choices=("on", "off"), default="off",
+                   help="on (with -n above 1): watch each batch's per-rank times against the "
+                        "plan's prediction and re-plan when devices' speed or links change (the "
+                        "workers measure a profile at start; /metrics lists every re-plan). Off "
+                        "(default) keeps the first plan: the re-planner is new and not yet "
+                        "measured against a fixed plan over a whole scenario")
     s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="answer 503 to a request not done in S seconds (default 600)")
 

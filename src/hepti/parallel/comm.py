@@ -342,18 +342,30 @@ class Comm:
             return a
         buf = np.ascontiguousarray(a, np.int64) if self.rank == 0 else np.empty(n, np.int64)
         req = self.mpi.Ibcast(buf, root=0)
-        t_end = time.perf_counter() + spin_s
+        # a capped rank does not spin at all: it would spend its quota on it (`wait`)
+        t_end = time.perf_counter() + (0.0 if SLEEPY else spin_s)
         while not req.Test():
             if time.perf_counter() > t_end:
                 time.sleep(interval)
         return buf
 
     def gather_obj(self, obj, root: int = 0) -> list | None:
-        """Small Python objects (a rank's host and pid, its figures) to root; pickled, between
-        hepti's own ranks only."""
+        """Small Python objects (a rank's host and pid) to root; pickled, between hepti's own
+        ranks only."""
         if self.solo:
             return [obj]
         return self.mpi.gather(obj, root=root)
+
+    def gather_floats(self, values: list[float], root: int = 0) -> list[list[float]] | None:
+        """Every rank's n floats (n the same everywhere) to root, as [size][n]; waited for as
+        the verbs wait (`wait`: a capped rank sleeps instead of spending its quota spinning,
+        which MPI's blocking Gather would do for as long as the slowest rank computes)."""
+        a = np.asarray(values, np.float64)
+        if self.solo:
+            return [a.tolist()]
+        out = np.empty((self.size, a.size), np.float64) if self.rank == root else None
+        wait(self.mpi.Igather(a, out, root=root))
+        return out.tolist() if self.rank == root else None
 
 
 # one tag per row verb: a verb's messages can never match another's, whatever the order of posting

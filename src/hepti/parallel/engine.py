@@ -169,12 +169,50 @@ def gentle_barrier(mpi_comm, interval: float = 0.0005, spin_s: float = 0.002):
             time.sleep(interval)
 
 
-class Job:
-    """One rank's part of a distributed run: its group, its slices, its executor."""
+def layer_spec(plan: Plan, cfg, rank: int) -> tuple | None:
+    """What this rank's layer weights are under `plan`, as a key: two plans with the same key
+    hold the same weights on this rank (a new plan can keep them: hepti.serve re-plans).
+    None for a rank that holds none."""
+    H, F, L = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers
+    s = plan.strategy
+    if rank not in active_ranks(plan, cfg):
+        return None
+    if s == "pipeline":
+        a, b = plan.layers[rank]
+        return ("resident", (0, H), (0, F), (a, b)) if b > a else None
+    if s in ("rows", "single"):
+        return ("resident", (0, H), (0, F), (0, L))
+    c = _counts_of(plan, cfg)
+    ho, fo = offsets(c["heads"]), offsets(c["ffn"])
+    heads = (ho[rank], ho[rank] + c["heads"][rank])
+    ffn = (fo[rank], fo[rank] + c["ffn"][rank])
+    if s == "stream":
+        return ("stream", heads, ffn, stream_window(plan, cfg, rank))
+    return ("resident", heads, ffn, (0, L))
 
-    def __init__(self, world, store, plan: Plan, threads: int = 1):
+
+def build_layers(store, spec: tuple, pack):
+    """The layer weights a `layer_spec` names, read from this device's own files (no MPI: a
+    background thread may build them while another plan serves)."""
+    from hepti.parallel.layers import ResidentLayers, StreamingLayers
+    kind, heads, ffn, extra = spec
+    L = store.config.num_hidden_layers
+    if kind == "stream":
+        return StreamingLayers(store, L, heads, ffn, pack, extra)
+    layers = None if extra == (0, L) else range(*extra)
+    return ResidentLayers(store, L, heads, ffn, pack, layers=layers)
+
+
+class Job:
+    """One rank's part of a distributed run: its group, its slices, its executor.
+
+    `layers`, when given, are this rank's weights for `plan` built ahead (`build_layers` of its
+    `layer_spec`), and `primary_ops` the primary's embeddings from a job before; the job then
+    reads neither. Collective over the world (the group's split)."""
+
+    def __init__(self, world, store, plan: Plan, threads: int = 1, layers=None, primary_ops=None):
         from hepti.model.family import family
-        from hepti.parallel.layers import ResidentLayers, StreamingLayers, slice_packer
+        from hepti.parallel.layers import slice_packer
         from hepti.parallel.slices import outside_layers
 
         self.world, self.store, self.plan = world, store, plan
@@ -192,10 +230,11 @@ class Job:
         self.group = world.split(self.is_active, first=rank == plan.primary)
         self.layers = self.executor = None
         self.primary_ops = {}
+        self.spec = layer_spec(plan, cfg, rank)
         if not self.is_active:
             return
         if rank == plan.primary:  # the operators only it runs (embeddings), with their weights
-            self.primary_ops = fam.primary_ops(cfg, store)
+            self.primary_ops = primary_ops or fam.primary_ops(cfg, store)
         H, F, L = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers
         s = plan.strategy
         from hepti.graph import lower
@@ -203,13 +242,14 @@ class Job:
         from hepti.parallel.interpreter import Interpreter
         graph = family_graph(cfg, 1, 1)  # the schedule does not depend on the batch's shape
         pack = slice_packer(graph)
+        if self.spec is not None:
+            self.layers = layers if layers is not None else build_layers(store, self.spec, pack)
         if s == "pipeline":  # each stage its layers whole, on a group of itself alone
             from hepti.parallel.comm import Comm
             from hepti.graph.lower import prologue_steps, stage_steps
             from hepti.parallel.pipeline import PipelineExecutor
             ranges = [tuple(x) for x in plan.layers]
             a, b = ranges[rank]
-            self.layers = ResidentLayers(store, L, (0, H), (0, F), pack, layers=range(a, b))
             whole = lower.schedule(graph, lower.assignment(graph, "single"), L)
             units = {"heads": [H], "ffn": [F]}
             if rank == 0:  # the embeddings of each batch as it enters the pipeline
@@ -233,16 +273,8 @@ class Job:
             rows = sub_ratios(plan, self.active)["rows"] if split else [1.0]
             units = {"heads": [H] * len(rows), "ffn": [F] * len(rows)}
             assign = lower.assignment(graph, "rows" if split else "single")
-            self.layers = ResidentLayers(store, L, (0, H), (0, F), pack)
         else:
             c = _counts_of(plan, cfg)
-            ho, fo = offsets(c["heads"]), offsets(c["ffn"])
-            heads = (ho[rank], ho[rank] + c["heads"][rank])
-            ffn = (fo[rank], fo[rank] + c["ffn"][rank])
-            if s == "stream":
-                self.layers = StreamingLayers(store, L, heads, ffn, pack, stream_window(plan, cfg, rank))
-            else:
-                self.layers = ResidentLayers(store, L, heads, ffn, pack)
             rows = sub_ratios(plan, self.active)["rows"]
             units = {u: [c[u][r] for r in self.active] for u in ("heads", "ffn")}
             assign = lower.assignment(graph, "tensor")
@@ -310,9 +342,10 @@ class Job:
         h = self.executor.forward(b, B, T)  # the mask to every rank, the embedding, the layers
         return h.reshape(B, T, C) if rank0 else None
 
-    def close(self):
-        """Collective over the active ranks (the group frees its shared window)."""
-        if self.layers is not None:
+    def close(self, keep_layers: bool = False):
+        """Collective over the active ranks (the group frees its shared window). keep_layers:
+        the weights stay open for a next job that holds the same (`layer_spec`)."""
+        if self.layers is not None and not keep_layers:
             self.layers.close()
         if self.group is not None:
             self.group.close()
@@ -406,15 +439,10 @@ def run_plan(model_dir, plan: Plan, batches, threads: int = 1, world=None):
 PLANNED = ("auto", "proportional")
 
 
-def needs_planner(args) -> bool:
-    return getattr(args, "strategy", None) in PLANNED or bool(getattr(args, "profile", None))
-
-
-def plan_with_profile(args, world, cfg, batch: int, seq_len: int) -> Plan:
-    """The planner's plan for this input shape: from --profile, else a fresh cached or newly
-    measured profile. Rank 0 plans; every rank gets the same plan."""
+def get_profile(args, world, cfg, batch: int, seq_len: int):
+    """--profile's (checked against the model), else a cached or newly measured one; on rank 0
+    (None elsewhere when read from a file)."""
     from hepti.parallel.profiling import cached_profile
-    from hepti.plan.partition import make_plan
     from hepti.plan.profile import load_profile
 
     if args.profile:
@@ -425,12 +453,25 @@ def plan_with_profile(args, world, cfg, batch: int, seq_len: int) -> Plan:
             for note in prof.check_model(cfg, source=f"--profile {args.profile}"):
                 log.warning(note)
             return prof
-        profile = agree(world, load_checked)
-    else:
-        profile, measured = cached_profile(world.mpi, cfg, seq_len, batch=batch, threads=args.threads,
-                                           mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None)
-        if world.rank == 0 and measured and not args.json:
-            print("profiled the devices (cached for reuse)", file=sys.stderr)
+        return agree(world, load_checked)
+    profile, measured = cached_profile(world.mpi, cfg, seq_len, batch=batch, threads=args.threads,
+                                       mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None)
+    if world.rank == 0 and measured and not args.json:
+        print("profiled the devices (cached for reuse)", file=sys.stderr)
+    return profile
+
+
+def needs_planner(args) -> bool:
+    return getattr(args, "strategy", None) in PLANNED or bool(getattr(args, "profile", None))
+
+
+def plan_with_profile(args, world, cfg, batch: int, seq_len: int, profile=None) -> Plan:
+    """The planner's plan for this input shape: from --profile, else a fresh cached or newly
+    measured profile (or `profile`, from `get_profile`). Rank 0 plans; every rank gets the same
+    plan."""
+    from hepti.plan.partition import make_plan
+    if profile is None:
+        profile = get_profile(args, world, cfg, batch, seq_len)
 
     def plan_on_primary():
         if world.rank != 0:

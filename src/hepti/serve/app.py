@@ -66,7 +66,8 @@ def run(args) -> int:
     sock = None if args.jsonl else listening_socket(args.host, args.port)  # before any launch
     sup = Supervisor(args.model, args.n, hostfile=args.hostfile, worker_args=worker_args(args),
                      max_batch_tokens=args.max_batch_tokens, max_batch_inputs=args.max_batch_inputs,
-                     request_timeout_s=args.request_timeout).start()
+                     request_timeout_s=args.request_timeout,
+                     replan=args.replan == "on" and args.n > 1).start()
     try:
         if args.jsonl:
             errors = serve_jsonl(sup, sys.stdin.buffer, sys.stdout, limits, log)

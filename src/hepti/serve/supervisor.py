@@ -26,7 +26,6 @@ import collections
 import ctypes
 import logging
 import os
-import re
 import secrets
 import selectors
 import signal
@@ -116,7 +115,7 @@ class Supervisor:
     def __init__(self, model_dir: str | Path, n: int, hostfile: str | None = None,
                  worker_args: list[str] | None = None, max_batch_tokens: int = 8192,
                  max_batch_inputs: int = 64, start_timeout_s: float = 900.0,
-                 request_timeout_s: float = 600.0):
+                 request_timeout_s: float = 600.0, replan: bool = False):
         from hepti.weights import WeightStore
         self.model_dir = Path(model_dir)
         cfg = WeightStore(self.model_dir).config
@@ -126,7 +125,8 @@ class Supervisor:
         self.max_tokens = cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
         self.tokenizer = _load_tokenizer(self.model_dir / "tokenizer.json")
-        self.worker_args = list(worker_args or [])
+        self.worker_args = list(worker_args or []) + (["--replan", "1"] if replan else [])
+        self.replan = replan
         self.max_batch_tokens, self.max_batch_inputs = max_batch_tokens, max_batch_inputs
         self.start_timeout_s, self.request_timeout_s = start_timeout_s, request_timeout_s
         # where ranks run: a hostfile's entries (yours, or hepti emulate's), else this machine
@@ -150,6 +150,8 @@ class Supervisor:
         self.plan: dict | None = None
         self.ranks: list[dict] = []
         self.launches: list[dict] = []
+        self.replans: list[dict] = []  # each re-fit and its decision, for /metrics
+        self.watcher = None  # hepti.serve.replan.PlanWatcher, with --replan on
         self.counts = collections.Counter()
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self._batch_walls: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
@@ -207,7 +209,18 @@ class Supervisor:
             "batches": {"count": self.counts["batches"],
                         "wall_ms_p50": statistics.median(self._batch_walls) * 1e3 if self._batch_walls else None},
             "launches": self.launches,
+            "replans": self.replans,
+            "residuals": self.watcher.residuals() if self.watcher is not None else None,
         }
+
+    def switch_plan(self, plan: dict) -> None:
+        """Serve on `plan` (a plan file's JSON) from a batch boundary on, as a re-plan would:
+        each rank loads its new slices beside the serving plan, then all switch together.
+        Needs the re-planner (replan=True)."""
+        from hepti.plan.planfile import Plan
+        if self.watcher is None:
+            raise RuntimeError("switch_plan needs the workers up with replan=True")
+        self.watcher.requested = Plan.from_dict(plan).validate(len(self.ranks))
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Tell the workers to stop, wait for them, and fail what is still queued."""
@@ -291,6 +304,7 @@ class Supervisor:
         log.info("serve: starting %d worker rank(s): %s", self.n, " ".join(cmd))
         self._stderr_tail.clear()
         self._closed.clear()
+        self.watcher = None  # the next hello brings the new job's plan and profile
         for key in list(self._watch.get_map().values()):  # the last launch's lines
             try:
                 self._watch.unregister(key.fileobj)
@@ -332,6 +346,9 @@ class Supervisor:
                 self.epoch += 1
                 self.plan, self.ranks = hello["plan"], hello["ranks"]
                 self._status = "ok"
+            if self.replan and hello.get("profile"):
+                from hepti.serve.replan import PlanWatcher
+                self.watcher = PlanWatcher(self, hello["profile"], hello["probe_base"])
             launch = self.launches[-1]
             launch.update(ready_s=time.time() - launch["started_at"], strategy=self.plan["strategy"],
                           ratios=self.plan.get("ratios"))
@@ -374,11 +391,34 @@ class Supervisor:
                 except (OSError, protocol.ChannelClosed) as e:
                     self._requeue(batch)
                     raise protocol.ChannelClosed(str(e)) from None
-                self._batch_walls.append(time.perf_counter() - t0)
+                wall = time.perf_counter() - t0
+                self._batch_walls.append(wall)
                 emb = np.frombuffer(data, np.float32).reshape(header["shape"])
                 self._deliver(batch, emb)
+                if self.watcher is not None and "ranks_s" in header:
+                    self._watch_plan(sock, batch, header["ranks_s"], wall)
         finally:
             sock.close()
+
+    def _watch_plan(self, sock, batch: list[Piece], ranks_s: list, wall: float) -> None:
+        """The re-planner after a batch. A fault of its own ends re-planning, not the service:
+        the current plan keeps serving, and /metrics says why it stopped."""
+        shape = (len(batch), max(len(p.ids) for p in batch))
+        try:
+            self.watcher.after_batch(sock, shape, ranks_s, wall)
+        except (OSError, protocol.ChannelClosed):
+            raise  # the workers are gone: relaunch
+        except Exception as e:  # noqa: BLE001 - logged with its traceback, reported
+            log.exception("serve: re-planning failed; serving on with the current plan")
+            self.replans.append({"t": time.time(), "decision": "stopped",
+                                 "reason": f"re-planning failed: {type(e).__name__}: {e}"})
+            self.watcher = None
+
+    def command(self, sock: socket.socket, header: dict) -> dict:
+        """One command to the workers between batches (probe, prepare, switch): its answer."""
+        protocol.send(sock, header)
+        answer, _ = protocol.recv(sock)
+        return answer
 
     def _take_batch(self) -> list[Piece] | None:
         """The next batch from the queue (waiting for one), or None when stopping."""

@@ -22,7 +22,13 @@ import time
 
 import numpy as np
 
-OP_STOP, OP_BATCH = 0, 1
+OP_STOP, OP_BATCH, OP_PROBE, OP_PREPARE, OP_SWITCH = 0, 1, 2, 3, 4
+OPS = {"stop": OP_STOP, "batch": OP_BATCH, "probe": OP_PROBE, "prepare": OP_PREPARE,
+       "switch": OP_SWITCH}
+# (bytes, round trips). The bandwidth comes from the two largest: a shaped link (a switch port)
+# passes a burst at line rate, so small messages alone read a 940 Mbit/s link as 1.3-2.4 Gbit/s.
+# About 0.25 s per link at 100 Mbit/s.
+PROBE_SIZES = ((1024, 5), (262144, 2), (1048576, 2))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--plan-batch", type=int, default=1, help="inputs per batch the plan is made for")
     ap.add_argument("--pool", choices=("mean", "cls"), default="mean")
     ap.add_argument("--normalize", type=int, default=1)
+    ap.add_argument("--replan", type=int, default=0,
+                    help="1: send the profile and each batch's per-rank times (hepti.serve.monitor)")
     args = ap.parse_args(argv)
     args.json = True  # plan_with_profile: no chatter on stdout
     return args
@@ -58,13 +66,13 @@ def make_batch(inputs: list[np.ndarray], pad_id: int):
 
 
 def serve(args) -> int:
-    """Every rank: load, plan, then run batches until the front end says stop or goes away."""
+    """Every rank: load, plan, then run the front end's commands until it says stop or goes
+    away."""
     import numba
     from mpi4py import MPI
 
-    from hepti.model.pooling import pool
     from hepti.parallel.comm import Comm
-    from hepti.parallel.engine import (Job, agree, needs_planner, plan_with_profile,
+    from hepti.parallel.engine import (Job, agree, get_profile, needs_planner, plan_with_profile,
                                        resolve_plan)
     from hepti.parallel.trace import Tracer
     from hepti.serve import protocol
@@ -77,8 +85,11 @@ def serve(args) -> int:
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     store = agree(world, lambda: WeightStore(args.model))
     cfg = store.config
+    profile = None
+    if needs_planner(args) or args.replan:
+        profile = get_profile(args, world, cfg, args.plan_batch, args.plan_seq)
     if needs_planner(args):
-        plan = plan_with_profile(args, world, cfg, batch=args.plan_batch, seq_len=args.plan_seq)
+        plan = plan_with_profile(args, world, cfg, args.plan_batch, args.plan_seq, profile)
     else:
         plan = agree(world, lambda: resolve_plan(args, world.size, cfg))
     job = agree(world, lambda: Job(world, store, plan, args.threads))
@@ -89,11 +100,22 @@ def serve(args) -> int:
     protocol.send(watch, {"op": "watch", "token": os.environ.get(protocol.TOKEN_ENV, ""), **me})
     ranks = world.gather_obj(me)  # after every rank's watch line: the hello comes last
     sock = None
+    state = _State(world, store, job, args)
+    probe_base = None
+    if args.replan:  # every rank's speed probe at start: what an idle rank is judged against
+        for _ in range(2):
+            state.speed_probe()
+        mine = sorted(state.speed_probe() for _ in range(5))[2]
+        probe_base = world.gather_floats([mine])
+        probe_base = [v[0] for v in probe_base] if rank0 else None
     if rank0:
         sock = protocol.connect(os.environ[protocol.CONTROL_ENV])
         protocol.send(sock, {"op": "hello", "token": os.environ.get(protocol.TOKEN_ENV, ""),
-                             "plan": json.loads(plan.to_json()), "ranks": ranks, "world_size": world.size,
-                             "hidden_size": cfg.hidden_size, "load_s": time.perf_counter() - t_start})
+                             "plan": json.loads(plan.to_json()), "ranks": ranks,
+                             "world_size": world.size, "hidden_size": cfg.hidden_size,
+                             "profile": profile.to_dict() if profile is not None else None,
+                             "probe_base": probe_base,
+                             "load_s": time.perf_counter() - t_start})
     try:
         while True:
             header = data = None
@@ -102,30 +124,161 @@ def serve(args) -> int:
                     header, data = protocol.recv(sock)
                 except protocol.ChannelClosed:
                     header = {"op": "stop"}
-                op = OP_BATCH if header["op"] == "batch" else OP_STOP
-                cmd = np.array([op, int(header.get("id", 0))], np.int64)
+                cmd = np.array([OPS[header["op"]], int(header.get("id", 0))], np.int64)
             else:
                 cmd = None
             op, batch_id = (int(v) for v in world.bcast_idle(cmd, 2))
             if op == OP_STOP:
                 return 0
-            batch = None
+            if op == OP_BATCH:
+                answer = state.batch(header, data)
+            elif op == OP_PROBE:
+                answer = state.probe(header)
+            elif op == OP_PREPARE:
+                answer = state.prepare(header)
+            else:
+                answer = state.switch()
             if rank0:
-                inputs = protocol.unpack_ids(header["lengths"], data)
-                batch = make_batch(inputs, cfg.pad_token_id)
-            out = {}
-            t0 = time.perf_counter()
-            job.run_all([batch] if rank0 else (), 1, lambda k, h: out.setdefault("h", h))
-            if rank0:
-                wall = time.perf_counter() - t0
-                emb = pool(out["h"], batch.mask, args.pool, bool(args.normalize))
-                protocol.send(sock, {"op": "result", "id": batch_id, "shape": list(emb.shape),
-                                     "wall_s": wall}, emb)
+                head, payload = answer
+                protocol.send(sock, {"id": batch_id, **head}, payload)
     finally:
         if sock is not None:
             sock.close()
-        job.close()
+        state.close()
         watch.close()
+
+
+class _State:
+    """A rank's serving state: its job, and the next plan's weights while they load."""
+
+    def __init__(self, world, store, job, args):
+        self.world, self.store, self.job, self.args = world, store, job, args
+        self.cfg = store.config
+        self.next = None  # (plan, spec, thread, holder) while a new plan's weights load
+        self._probe = None  # speed_probe's buffers
+
+    def batch(self, header, data):
+        """One batch through the job; rank 0's answer: the pooled embeddings, and with --replan
+        every rank's compute and communication seconds (one small gather)."""
+        from hepti.model.pooling import pool
+        from hepti.parallel.profiling import available_memory
+        from hepti.serve import protocol
+        w, rank0 = self.world, self.world.rank == 0
+        batch = None
+        if rank0:
+            batch = make_batch(protocol.unpack_ids(header["lengths"], data), self.cfg.pad_token_id)
+        w.tracer.reset()
+        out = {}
+        t0 = time.perf_counter()
+        self.job.run_all([batch] if rank0 else (), 1, lambda k, h: out.setdefault("h", h))
+        wall = time.perf_counter() - t0
+        head = {"op": "result", "wall_s": wall}
+        if self.args.replan:
+            sec = w.tracer.seconds
+            compute = sum(v for k, v in sec.items() if k in ("compute", "io"))
+            comm = sum(v for k, v in sec.items() if k not in ("compute", "io", "batch"))
+            ready = self.next is None or not self.next[2].is_alive()
+            probe = 0.0 if self.job.is_active else self.speed_probe()
+            mine = [compute, comm, float(available_memory()[0]), float(ready), probe]
+            head["ranks_s"] = w.gather_floats(mine)
+        if not rank0:
+            return None
+        emb = pool(out["h"], batch.mask, self.args.pool, bool(self.args.normalize))
+        head["shape"] = list(emb.shape)
+        return head, emb
+
+    def speed_probe(self) -> float:
+        """A rank with no share of the plan still tells its speed: the seconds of one small
+        GeMM ([32, C] x [C, C], ~1 ms at a few GFLOP/s, run twice, the second timed), as
+        compute (an emulated device's stretch applies, as to its work). The monitor watches its drift (a device that is fast
+        again should get its share back)."""
+        from hepti import kernels as K
+        if self._probe is None:
+            C = self.cfg.hidden_size
+            rng = np.random.default_rng(0)
+            self._probe = (rng.standard_normal((32, C), dtype=np.float32),
+                           K.pack_b(rng.standard_normal((C, C), dtype=np.float32)),
+                           np.empty((32, C), np.float32))
+        x, w, c = self._probe
+        tr = self.world.tracer
+        with tr.span("speed probe (warm-up)", "compute"):  # the first call after an idle
+            K.gemm(x, w, out=c)  # spell meets cold caches (4-10x at 0.2 core): not timed
+        t0 = time.perf_counter()
+        with tr.span("speed probe", "compute"):  # a span of its own: an emulated device's
+            K.gemm(x, w, out=c)  # stretch is paid as the span ends
+        return time.perf_counter() - t0
+
+    def probe(self, header):
+        """Rank 0 times a ping-pong with each rank named (at three sizes) and fits its link."""
+        from hepti.parallel.profiling import fit_link, ping_pong
+        w = self.world
+        peers = w.bcast_obj(header["ranks"] if w.rank == 0 else None)
+        links = {}
+        for peer in peers:
+            points = []
+            for nbytes, reps in PROBE_SIZES:
+                if w.rank in (0, peer):
+                    points.append((nbytes, ping_pong(w.mpi, peer, nbytes, reps)))
+            if w.rank == 0:
+                lat, bw = fit_link(points)
+                links[str(peer)] = {"latency_s": lat, "bandwidth_Bps": bw, "points": points}
+        return ({"op": "probed", "links": links}, None) if w.rank == 0 else None
+
+    def prepare(self, header):
+        """Start reading this rank's weights for the next plan on a background thread, unless
+        they are the ones it holds; the current plan keeps serving meanwhile."""
+        import threading
+
+        from hepti.graph.encoder import family_graph
+        from hepti.parallel.engine import build_layers, layer_spec
+        from hepti.parallel.layers import slice_packer
+        from hepti.plan.planfile import Plan
+        w = self.world
+        text = w.bcast_obj(json.dumps(header["plan"]) if w.rank == 0 else None)
+        plan = Plan.from_dict(json.loads(text)).validate(w.size)
+        spec = layer_spec(plan, self.cfg, w.rank)
+        holder = {"read0": self.store.bytes_read}
+
+        def load():
+            try:
+                if spec is not None and spec != self.job.spec:
+                    holder["layers"] = build_layers(self.store, spec,
+                                                    slice_packer(family_graph(self.cfg, 1, 1)))
+            except BaseException as e:  # noqa: BLE001 - raised by switch(), on the main thread
+                holder["error"] = e
+        thread = threading.Thread(target=load, name="hepti-next-plan", daemon=True)
+        thread.start()
+        self.next = (plan, spec, thread, holder)
+        return ({"op": "prepared"}, None) if w.rank == 0 else None
+
+    def switch(self):
+        """Every rank together, between batches: wait for the next plan's weights, close the
+        current job (keeping its weights if the next plan holds the same) and start the next.
+        Rank 0's answer: the stall, and each rank's bytes read for the switch."""
+        from hepti.parallel.engine import Job
+        w = self.world
+        t0 = time.perf_counter()
+        plan, spec, thread, holder = self.next
+        thread.join()
+        if "error" in holder:
+            raise holder["error"]
+        keep = spec is not None and spec == self.job.spec
+        layers = self.job.layers if keep else holder.get("layers")
+        ops = self.job.primary_ops or None  # the primary's embeddings, if it stays the primary
+        self.job.close(keep_layers=keep)
+        self.job = Job(w, self.store, plan, self.args.threads, layers=layers, primary_ops=ops)
+        self.next = None
+        read = self.store.bytes_read - holder["read0"]
+        stall = time.perf_counter() - t0
+        per_rank = w.gather_obj({"rank": w.rank, "bytes_read": read, "kept": keep,
+                                 "stall_s": stall})
+        return ({"op": "switched", "ranks": per_rank, "strategy": plan.strategy}, None) \
+            if w.rank == 0 else None
+
+    def close(self):
+        if self.next is not None:
+            self.next[2].join()
+        self.job.close()
 
 
 def main(argv=None) -> int:

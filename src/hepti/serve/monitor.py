@@ -1,0 +1,198 @@
+"""Watching the plan while serving: each batch's per-rank times against the cost model's, drift
+detection, and the re-fit of the profile that the planner then re-solves on.
+
+**Residuals.** Per batch and rank, x = log(measured / predicted), for compute (the rank's own
+kernels: its speed) and for communication (time inside collectives, which includes waiting for
+slower peers and the links). Predictions come from the same cost model the planner used, for
+the batch's own shape, on the current profile.
+
+**Detection: CUSUM with a baseline and a two-sample confirmation.** A series' baseline mu0 is
+the median of its first `BASELINE_N` residuals after a (re)start: the cost model's standing
+bias for that rank (a few percent) is not a change. Then the two one-sided sums
+S+ = max(0, S+ + x - mu0 - DELTA) and S- = max(0, S- - x + mu0 - DELTA) alarm past LAMBDA,
+each residual adding at most SAMPLE_CAP x LAMBDA, and only when the last two residuals both
+lie beyond mu0 +- DELTA: one outlier (a neighbour's burst on a shared host) never alarms
+alone, nor with one ordinary sample after it. Why CUSUM and not Page-Hinkley: PH compares with
+the running mean since the start, which absorbs part of a step and so alarms later; against a
+frozen baseline a step of size d > DELTA alarms after max(2, ceil(LAMBDA / (d - DELTA)))
+batches: a halved or doubled speed (|d| = 0.69) on the 2nd batch after it, a 25% slowdown on
+the 3rd (tests/test_serve_monitor.py). False alarms, simulated on Gaussian residual noise:
+none in 200,000 batches at a standard deviation of 0.03 or 0.05, one at 0.08; a series whose
+warm-up is noisier than that widens its own bounds (DELTA to 2.5 sigma, LAMBDA to 6 sigma).
+The re-planner waits one more batch before it acts, and sizes the step by the median of the
+last three residuals (the first after a change may straddle it).
+
+**Telling compute from links.** A slower rank raises its own compute residual; every rank
+then waits longer at collectives, so communication residuals rise too. A communication alarm
+therefore counts only in a batch where no compute residual alarms, and it triggers a brief
+re-probe of the links (rank 0's ping-pong with each rank, hepti.serve.worker): the link that
+changed is the one whose measured bandwidth or latency moved.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import OrderedDict
+
+DELTA = 0.10  # residual drift allowed (log): 10%, or 2.5 sigma of the series if that is more
+LAMBDA = 0.40  # CUSUM alarm threshold (log), or 6 sigma of the series if that is more
+BASELINE_N = 6  # residuals that set a series' baseline and noise after a (re)start
+SAMPLE_CAP = 0.7  # of LAMBDA: what one residual may add to a sum (two are needed to alarm)
+SKIP_N = 3  # batches of a new plan not watched at all (first touch of buffers, caches)
+IDLE_N, IDLE_MOVE = 3, 1.5  # an idle rank: median of its last 3 probes, moved 1.5x
+MIN_PREDICTED_S = 2e-3  # series whose prediction is shorter than this are too noisy to watch
+# Communication includes waiting for the slowest peer, so its residual carries every rank's
+# compute noise: 2-7x swings on 2-rank MiniLM batches whose transfers are predicted at a few
+# ms (940 Mbit/s). It is watched with wider bounds, and only where transfers alone (not the
+# wait) are predicted to take MIN_TRANSFER_S: a link that drops from 940 to 100 Mbit/s makes
+# them about 9x longer (log 2.2), still 2 batches to an alarm.
+COMM_DELTA, COMM_LAMBDA, MIN_TRANSFER_S = 0.35, 1.2, 3e-3
+
+
+class Cusum:
+    """Two-sided CUSUM on log residuals against a frozen baseline (see the module docstring)."""
+
+    def __init__(self, delta: float = DELTA, lam: float = LAMBDA):
+        self.baseline: float | None = None
+        self.delta, self.lam = delta, lam
+        self.warm: list[float] = []
+        self.up = self.down = 0.0
+        self.last: list[float] = []
+        self.recent: list[float] = []  # the last three (the step's size, once confirmed)
+
+    def add(self, x: float) -> int:
+        """Take one residual; +1 (slower than predicted), -1 (faster) or 0 (no alarm)."""
+        if self.baseline is None:
+            self.warm.append(x)
+            if len(self.warm) >= BASELINE_N:
+                self.baseline = statistics.median(self.warm)
+                sigma = 1.4826 * statistics.median(abs(w - self.baseline) for w in self.warm)
+                self.delta, self.lam = max(self.delta, 2.5 * sigma), max(self.lam, 6 * sigma)
+            return 0
+        d = x - self.baseline
+        cap = SAMPLE_CAP * self.lam  # one sample, however far out, fills at most this much
+        self.up = max(0.0, self.up + min(d - self.delta, cap))
+        self.down = max(0.0, self.down + min(-d - self.delta, cap))
+        self.last = (self.last + [d])[-2:]
+        self.recent = (self.recent + [d])[-3:]
+        if self.up > self.lam and len(self.last) == 2 and min(self.last) > self.delta:
+            return 1
+        if self.down > self.lam and len(self.last) == 2 and max(self.last) < -self.delta:
+            return -1
+        return 0
+
+    def shift(self) -> float:
+        """The step's size in log: the median of the last three residuals less the baseline
+        (at an alarm the first of them may straddle the change: see PlanWatcher's confirmation)."""
+        return statistics.median(self.recent) if self.recent else 0.0
+
+    def restart(self) -> None:
+        """After a re-fit of the same plan: the sums from zero, the baseline and noise kept."""
+        self.up = self.down = 0.0
+        self.last, self.recent = [], []
+
+
+@dataclasses.dataclass
+class Alarm:
+    kind: str  # "compute" or "comm"
+    rank: int
+    direction: int  # +1 slower, -1 faster
+    factor: float  # measured / predicted, against the baseline
+    absolute: bool = False  # factor against the rank's speed at start (an idle rank's probe)
+
+
+class Monitor:
+    """Per-rank detectors for one plan (restarted at every switch or re-fit)."""
+
+    def __init__(self, cfg, profile, plan):
+        self.cfg, self.profile, self.plan = cfg, profile, plan
+        self.compute: dict[int, Cusum] = {}
+        self.comm: dict[int, Cusum] = {}
+        self.idle: dict[int, list[float]] = {}  # ranks with no share: their speed probes (s)
+        self.comm_lambda = COMM_LAMBDA  # raised after probes that found nothing (PlanWatcher)
+        self._predicted: OrderedDict = OrderedDict()
+        self.batches = 0
+
+    def predicted(self, B: int, T: int):
+        """The plan's per-rank prediction at this batch shape (cached)."""
+        key = (B, T)
+        got = self._predicted.get(key)
+        if got is None:
+            got = predict(self.cfg, self.profile, self.plan, B, T)
+            self._predicted[key] = got
+            if len(self._predicted) > 256:
+                self._predicted.popitem(last=False)
+        return got
+
+    def observe(self, B: int, T: int, ranks_s: list[list[float]], probe_base=None,
+                factors=None) -> list[Alarm]:
+        """One batch's measured [compute_s, comm_s, free, ready, probe_s] per rank -> its
+        alarms. An idle rank (no share) is judged by its speed probe against the same probe at
+        start (`probe_base`), and alarms when that moved IDLE_MOVE from its current factor."""
+        self.batches += 1
+        if self.batches <= SKIP_N:
+            return []
+        pred = self.predicted(B, T).predicted.get("per_rank", [])
+        compute_alarms, comm_alarms = [], []
+        for r, (p, m) in enumerate(zip(pred, ranks_s)):
+            if not p.get("active", True):
+                if probe_base and len(m) > 4 and m[4] > 0:
+                    seen = self.idle.setdefault(r, [])
+                    seen.append(m[4])
+                    del seen[:-IDLE_N]
+                    f = statistics.median(seen) / probe_base[r]
+                    now = factors[r] if factors else 1.0
+                    if len(seen) == IDLE_N and abs(math.log(f / now)) > math.log(IDLE_MOVE):
+                        compute_alarms.append(Alarm("compute", r, 1 if f > now else -1, f, True))
+                        seen.clear()
+                continue
+            pc = p["compute_s"]
+            if pc >= MIN_PREDICTED_S and m[0] > 0:
+                a = self.compute.setdefault(r, Cusum()).add(math.log(m[0] / pc))
+                if a:
+                    compute_alarms.append(Alarm("compute", r, a, math.exp(self.compute[r].shift())))
+            transfers = sum(p.get("comm_s", {}).values())
+            pm = transfers + p.get("wait_s", 0.0)
+            if transfers >= MIN_TRANSFER_S and m[1] > 0:
+                a = self.comm.setdefault(r, Cusum(COMM_DELTA, self.comm_lambda)).add(math.log(m[1] / pm))
+                if a:
+                    comm_alarms.append(Alarm("comm", r, a, math.exp(self.comm[r].shift())))
+        return compute_alarms or comm_alarms
+
+
+def predict(cfg, profile, plan, B: int, T: int):
+    """`plan`'s shares evaluated on `profile` at this shape: a Plan with `predicted`."""
+    from hepti.plan.partition import make_plan
+    s = plan.strategy
+    if s == "single":
+        return make_plan(cfg, profile, T, B, strategy="single")
+    if s in ("even", "proportional"):
+        s = "tensor"
+    ratios = plan.ratios if s != "pipeline" else {d: [(b - a) / cfg.num_hidden_layers
+                                                       for a, b in plan.layers] for d in plan.ratios}
+    return make_plan(cfg, profile, T, B, strategy=s, ratios=ratios,
+                     mem_budget=plan.mem_budget if s == "stream" else None)
+
+
+def scaled_speed(profile, rank: int, factor: float):
+    """The profile with rank's compute `factor` times slower (gemm, attention, elementwise)."""
+    from hepti.plan.profile import SpeedTable
+    devs = list(profile.devices)
+    d = devs[rank]
+
+    def slower(t):
+        return SpeedTable([(s, v / factor) for s, v in zip(t.sizes, t.values)])
+    devs[rank] = dataclasses.replace(d, gemm=slower(d.gemm), attention=slower(d.attention),
+                                     elementwise_per_s=d.elementwise_per_s / factor)
+    return dataclasses.replace(profile, devices=devs)
+
+
+def with_links(profile, links: dict):
+    """The profile with re-probed links: {rank: {"latency_s", "bandwidth_Bps"}}."""
+    devs = list(profile.devices)
+    for r, link in links.items():
+        r = int(r)
+        devs[r] = dataclasses.replace(devs[r], latency_s=link["latency_s"],
+                                      bandwidth_Bps=link["bandwidth_Bps"])
+    return dataclasses.replace(profile, devices=devs)

@@ -1,0 +1,301 @@
+"""Re-planning while serving: after each batch, watch the plan (hepti.serve.monitor); on an
+alarm, re-fit the profile, re-solve with the same planner, and switch plans when it pays.
+
+The steps, all between batches on the front end's thread that talks to the workers:
+1. an alarm: a rank's compute drifted (its speeds are scaled by the measured factor), or the
+   communication did with no compute alarm (the links are re-probed: `probe`);
+2. re-solve (`make_plan` on the re-fitted profile, at the recent batch shape, with the
+   service's strategy) and compare with the current plan evaluated on the same profile;
+3. switch only if the predicted gain per batch, over the batches expected in `HORIZON_S`,
+   beats the switch's cost (`SWITCH_COST_S`: the stall, and the slower batches while the next
+   plan's weights load beside the serving one), and not within `COOLDOWN_S` of the last switch;
+4. `prepare`: every rank reads its new slices on a background thread (nothing if they are
+   unchanged) while batches keep running on the current plan; once every rank reports ready
+   (a flag in each batch's gather), `switch`: all ranks change plans together, between two
+   batches, so no request sees two plans;
+5. judge the new plan on its first `JUDGE_N` batches against the old plan's batches measured
+   under the same conditions (those run between the alarm and the switch); if it is slower by
+   more than `ROLLBACK_MARGIN`, switch back.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+
+from hepti.serve.monitor import COMM_LAMBDA, Monitor, predict, scaled_speed, with_links
+
+log = logging.getLogger("hepti")
+HORIZON_S = 10.0  # conditions are assumed to hold this long after a change
+SWITCH_COST_S = 0.5  # what a switch costs, in seconds of serving
+MIN_GAIN = 0.05  # a new plan must be predicted at least this much faster (fraction)
+COOLDOWN_S = 3.0  # no new decision this soon after a switch
+JUDGE_N = 5  # batches of a new plan judged before it is kept
+ROLLBACK_MARGIN = 0.05  # a new plan measured this much slower than the old one is undone
+
+
+class PlanWatcher:
+    def __init__(self, sup, profile: dict, probe_base: list[float]):
+        from hepti.plan.planfile import Plan
+        from hepti.plan.profile import profile_from_dict
+        self.sup = sup
+        self.cfg = sup.config
+        # the profile is always the measured one with what serving has learnt applied: each
+        # rank's compute factor and each re-probed link (`_refit`), never a refit of a refit,
+        # so a wrong step is undone by undoing it (a rollback restores both)
+        self.base = profile_from_dict(profile, "the workers' profile")
+        self.factors = [1.0] * self.base.world_size
+        self.links: dict = {}
+        self.probe_base = probe_base  # each rank's speed probe at start (s), for idle ranks
+        self.profile = self.base
+        self.plan = Plan.from_dict(sup.plan)
+        self.strategy = _strategy(sup.worker_args)
+        self.monitor = Monitor(self.cfg, self.profile, self.plan)
+        self.pending = None  # (plan, reason) being prepared
+        self.previous = None  # (plan, walls measured under the new conditions) for a rollback
+        self.judging: list[float] | None = None
+        self.previous_before = None  # (factors, links) before the switch being judged
+        self.confirming = None  # alarms waiting one batch to size their step
+        self.comm_lambda_scale = 1.0  # doubled by each probe that found the links unchanged
+        self.requested = None  # a plan asked for from outside (Supervisor.switch_plan)
+        self.bias_before: dict[int, float] = {}  # ranks' compute baselines under the last plan
+        self.walls_since_alarm: list[float] = []
+        self.last_switch = -math.inf
+        self.shapes: list[tuple[int, int]] = []
+        self.batch_times: list[float] = []
+        self.last_residuals: dict = {}
+
+    # --- after every batch -----------------------------------------------------------------
+    def after_batch(self, sock, shape: tuple[int, int], ranks_s: list, wall: float) -> None:
+        now = time.monotonic()
+        self.shapes = (self.shapes + [shape])[-20:]
+        self.batch_times = (self.batch_times + [now])[-20:]
+        self.walls_since_alarm.append(wall)
+        if self.judging is not None:
+            self._judge(sock, wall)
+            return
+        if self.pending is not None:
+            if all(r[3] for r in ranks_s):  # every rank's next weights are loaded
+                self._switch(sock, *self.pending)
+            return
+        if self.requested is not None:
+            plan, self.requested = self.requested, None
+            event = {"t": time.time(), "reason": "asked for (Supervisor.switch_plan)",
+                     "decision": "switch", "new_strategy": plan.strategy,
+                     "new_ratios": plan.ratios, "before": (list(self.factors), dict(self.links))}
+            self.sup.replans.append(event)
+            self._prepare(sock, plan, event)
+            return
+        alarms = self.monitor.observe(*shape, ranks_s, self.probe_base, self.factors)
+        self._note_residuals(shape, ranks_s)
+        if self.confirming is not None:  # one more batch in the new regime sizes the step
+            alarms, self.confirming = self.confirming, None
+            for a in alarms:
+                if a.kind == "compute" and not a.absolute:
+                    a.factor = math.exp(self.monitor.compute[a.rank].shift())
+        elif alarms and alarms[0].kind == "compute" and not alarms[0].absolute:
+            self.confirming = alarms
+            return
+        else:
+            alarms = alarms or self._bias_moved()
+        if not alarms or now - self.last_switch < COOLDOWN_S:
+            return
+        event = {"t": time.time(), "batch_shape": list(shape),
+                 "alarms": [a.__dict__ for a in alarms]}
+        t0 = time.perf_counter()
+        event["before"] = (list(self.factors), dict(self.links))
+        if alarms[0].kind == "compute":
+            for a in alarms:
+                if a.absolute:  # an idle rank: its probe against its own at start
+                    self.factors[a.rank] = a.factor
+                else:
+                    self.factors[a.rank] *= a.factor
+            self._refit()
+            event["reason"] = "; ".join(
+                f"rank {a.rank} {'probes' if a.absolute else 'computes'} {a.factor:.2f}x its "
+                f"{'speed at start' if a.absolute else 'predicted time'}" for a in alarms)
+        else:
+            peers = [r for r in range(self.profile.world_size) if r != 0]
+            answer = self.sup.command(sock, {"op": "probe", "ranks": peers})
+            before = self.profile
+            self.links.update(answer["links"])
+            self._refit()
+            moved = any(_moved(before.devices[int(r)], v) for r, v in answer["links"].items())
+            event["links_changed"] = moved
+            if not moved:  # a false alarm: wait for a larger excursion before probing again
+                self.comm_lambda_scale = min(8.0, self.comm_lambda_scale * 2)
+            event["reason"] = "communication {:.2f}x its prediction; links re-probed: {}".format(
+                alarms[0].factor, ", ".join(
+                    f"rank {r} {v['bandwidth_Bps'] * 8 / 1e6:.0f} Mbit/s"
+                    for r, v in sorted(answer["links"].items())))
+            event["probe_s"] = time.perf_counter() - t0
+        self._decide(sock, event)
+
+    # --- deciding ------------------------------------------------------------------------------
+    def _decide(self, sock, event: dict) -> None:
+        from hepti.plan.partition import make_plan
+        B = int(statistics.median(s[0] for s in self.shapes))
+        T = int(statistics.median(s[1] for s in self.shapes))
+        t0 = time.perf_counter()
+        best = make_plan(self.cfg, self.profile, T, B, strategy=self.strategy)
+        event["solve_s"] = time.perf_counter() - t0
+        now = predict(self.cfg, self.profile, self.plan, B, T).predicted_latency_s
+        new = best.predicted_latency_s
+        rate = self._batches_per_s()
+        gain = now - new
+        event.update(current_predicted_s=now, new_predicted_s=new, new_strategy=best.strategy,
+                     new_ratios=best.ratios, batches_per_s=rate)
+        if gain < MIN_GAIN * now or gain * rate * HORIZON_S < SWITCH_COST_S or _same(best, self.plan):
+            event["decision"] = "keep"
+            # links as profiled: the communication's new level is this plan's normal, not a
+            # change to act on again
+            self._refitted(relearn_comm=event.get("links_changed") is False)
+        else:
+            event["decision"] = "switch"
+            self._prepare(sock, best, event)
+        log.info("serve: re-plan: %s -> %s (predicted %.1f -> %.1f ms)", event["reason"],
+                 event["decision"], now * 1e3, new * 1e3)
+        self.sup.replans.append(event)
+
+    def _prepare(self, sock, plan, event) -> None:
+        import json
+        answer = self.sup.command(sock, {"op": "prepare", "plan": json.loads(plan.to_json())})
+        assert answer["op"] == "prepared", answer
+        self.pending = (plan, event)
+        self.walls_since_alarm = []
+
+    def _switch(self, sock, plan, event) -> None:
+        import json
+        rollback = event.get("decision") == "rollback"
+        answer = self.sup.command(sock, {"op": "switch"})
+        assert answer["op"] == "switched", answer
+        self.previous = None if rollback else (self.plan, list(self.walls_since_alarm))
+        self.previous_before = event.get("before")
+        self.plan, self.pending = plan, None
+        self.last_switch = time.monotonic()
+        event.update(switched_at=time.time(),
+                     stall_s=max(r["stall_s"] for r in answer["ranks"]),
+                     bytes_read=[r["bytes_read"] for r in answer["ranks"]])
+        with self.sup._cv:
+            self.sup.epoch += 1
+            self.sup.plan = json.loads(plan.to_json())
+        event["epoch"] = self.sup.epoch
+        self.judging = None if rollback else []
+        # a new plan has its own biases (other shares, other GeMM sizes): learn them afresh,
+        # and compare them with the old plan's (`_bias_moved`)
+        self.bias_before = {r: c.baseline for r, c in self.monitor.compute.items()
+                            if c.baseline is not None}
+        self.monitor = Monitor(self.cfg, self.profile, self.plan)
+
+    def _judge(self, sock, wall: float) -> None:
+        """The new plan's first batches against the old plan's under the same conditions."""
+        self.judging.append(wall)
+        if len(self.judging) < JUDGE_N:
+            return
+        old_plan, old_walls = self.previous
+        new_med = statistics.median(self.judging)
+        self.judging = None
+        if len(old_walls) >= 2 and new_med > statistics.median(old_walls) * (1 + ROLLBACK_MARGIN):
+            event = {"t": time.time(), "reason": f"the new plan's batches took {new_med * 1e3:.1f} ms, "
+                     f"the old one's {statistics.median(old_walls) * 1e3:.1f} ms",
+                     "decision": "rollback", "new_strategy": old_plan.strategy,
+                     "new_ratios": old_plan.ratios}
+            self.sup.replans.append(event)
+            log.info("serve: re-plan: %s -> rollback", event["reason"])
+            # what the switch was made for was wrong: forget it too
+            self.factors, self.links = (list(x) if isinstance(x, list) else dict(x)
+                                        for x in self.previous_before)
+            self._refit()
+            answer = self.sup.command(sock, {"op": "prepare", "plan": _plan_json(old_plan)})
+            assert answer["op"] == "prepared", answer
+            # the old plan's weights load on the ranks' threads; switch when they are in
+            self.pending = (old_plan, event)
+            self.previous = None
+
+    def _bias_moved(self) -> list:
+        """Once the new plan's baselines are learnt: a rank whose compute now sits off the
+        prediction by more than its old bias did was mis-sized by the step's factor (the
+        alarm's estimate): an alarm for the difference."""
+        from hepti.serve.monitor import DELTA, Alarm
+        out = []
+        for r, old in list(self.bias_before.items()):
+            c = self.monitor.compute.get(r)
+            if c is None or c.baseline is None:
+                continue
+            del self.bias_before[r]
+            d = c.baseline - old
+            if abs(d) > 1.5 * DELTA:
+                out.append(Alarm("compute", r, 1 if d > 0 else -1, math.exp(d)))
+                c.baseline = old  # the refit moves the prediction by the difference
+        return out
+
+    def _refit(self) -> None:
+        p = self.base
+        for r, f in enumerate(self.factors):
+            if f != 1.0:
+                p = scaled_speed(p, r, f)
+        self.profile = with_links(p, self.links) if self.links else p
+
+    def _refitted(self, relearn_comm: bool = False) -> None:
+        """The same plan on a re-fitted profile: predictions anew, each series' sums from zero
+        (its baseline, the model's standing bias there, and its noise kept; the communication's
+        learnt anew if asked)."""
+        old = self.monitor
+        self.monitor = Monitor(self.cfg, self.profile, self.plan)
+        self.monitor.batches = old.batches
+        self.monitor.idle = old.idle
+        pairs = [(self.monitor.compute, old.compute)]
+        if not relearn_comm:
+            pairs.append((self.monitor.comm, old.comm))
+        for mine, theirs in pairs:
+            for r, c in theirs.items():
+                c.restart()
+                mine[r] = c
+        self.monitor.comm_lambda = COMM_LAMBDA * self.comm_lambda_scale
+        for c in self.monitor.comm.values():
+            c.lam = max(c.lam, self.monitor.comm_lambda)
+
+    # --- figures ---------------------------------------------------------------------------------
+    def _batches_per_s(self) -> float:
+        t = self.batch_times
+        return (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 1.0
+
+    def _note_residuals(self, shape, ranks_s) -> None:
+        pred = self.monitor.predicted(*shape).predicted.get("per_rank", [])
+        self.last_residuals = {
+            "batch_shape": list(shape),
+            "ranks": [{"rank": r, "compute_s": m[0], "comm_s": m[1],
+                       "predicted_compute_s": p["compute_s"],
+                       "predicted_comm_s": sum(p.get("comm_s", {}).values()) + p.get("wait_s", 0.0),
+                       "free_bytes": m[2]}
+                      for r, (p, m) in enumerate(zip(pred, ranks_s))]}
+
+    def residuals(self) -> dict:
+        return self.last_residuals
+
+
+def _plan_json(plan) -> dict:
+    import json
+    return json.loads(plan.to_json())
+
+
+def _moved(dev, link: dict, by: float = 0.2) -> bool:
+    """A re-probed link more than `by` away from the profile's, in bandwidth or latency."""
+    bw = link["bandwidth_Bps"] / dev.bandwidth_Bps
+    return abs(math.log(bw)) > math.log1p(by) or abs(link["latency_s"] - dev.latency_s) > 2e-3
+
+
+def _same(a, b) -> bool:
+    if a.strategy != b.strategy or a.primary != b.primary:
+        return False
+    return all(abs(x - y) < 0.02 for d in a.ratios for x, y in zip(a.ratios[d], b.ratios[d]))
+
+
+def _strategy(worker_args: list[str]) -> str:
+    """The service's strategy (the workers' --strategy), or auto."""
+    s = "auto"
+    for i, a in enumerate(worker_args[:-1]):
+        if a == "--strategy":
+            s = worker_args[i + 1]
+    return s

@@ -1,0 +1,63 @@
+"""hepti.serve.monitor: the drift detector's reaction time and its quiet on noise (seeded), and
+the profile re-fits it drives."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hepti.serve import monitor as M
+
+
+def feed(c: M.Cusum, xs) -> list[int]:
+    return [c.add(float(x)) for x in xs]
+
+
+@pytest.mark.parametrize("step, within", [(math.log(2.0), 2), (math.log(3.0), 2), (0.25, 5)])
+def test_a_step_alarms_within_its_bound(step, within):
+    """A step of size d alarms within ceil(LAMBDA / (d - DELTA)) samples (at least 2: the
+    confirmation), on residuals with 3% noise around a standing bias of -5%."""
+    rng = np.random.default_rng(1)
+    c = M.Cusum()
+    assert not any(feed(c, -0.05 + 0.03 * rng.standard_normal(20)))
+    after = feed(c, -0.05 + step + 0.03 * rng.standard_normal(10))
+    first = after.index(1) + 1
+    assert first <= max(2, math.ceil(M.LAMBDA / (step - M.DELTA))) <= within
+    assert c.shift() == pytest.approx(step, abs=0.1)
+
+
+def test_faster_is_an_alarm_too():
+    c = M.Cusum()
+    feed(c, [0.0] * 10)
+    assert feed(c, [-0.7, -0.7]) == [0, -1]
+
+
+def test_no_alarm_on_noise_nor_on_one_outlier():
+    """50,000 batches of 5% noise (seeded), and single 3x spikes every 100 batches: silent."""
+    rng = np.random.default_rng(7)
+    c = M.Cusum()
+    xs = 0.05 * rng.standard_normal(50_000)
+    xs[::100] += math.log(3.0)
+    assert not any(feed(c, xs))
+
+
+def test_noisy_series_get_wider_bounds():
+    """A series whose warm-up is noisier than DELTA / 2.5 gets delta and lambda from its own
+    noise, so it does not alarm on its usual swings."""
+    rng = np.random.default_rng(3)
+    c = M.Cusum()
+    feed(c, 0.3 * rng.standard_normal(M.BASELINE_N))
+    assert c.delta > M.DELTA and c.lam > M.LAMBDA
+    assert not any(feed(c, 0.3 * rng.standard_normal(2000)))
+
+
+def test_refits_scale_speed_and_set_links():
+    from hepti.plan.profile import declared_profile
+    dev = {"gemm_flops": 1e10, "memory_bytes": 1e9, "latency_s": 1e-4, "bandwidth_Bps": 1e8}
+    p = declared_profile([dict(dev), dict(dev)])
+    q = M.scaled_speed(p, 1, 2.0)
+    assert q.devices[1].gemm_flops(1e6) == pytest.approx(p.devices[1].gemm_flops(1e6) / 2)
+    assert q.devices[0].gemm_flops(1e6) == p.devices[0].gemm_flops(1e6)
+    r = M.with_links(q, {"1": {"latency_s": 0.002, "bandwidth_Bps": 12.5e6}})
+    assert r.devices[1].bandwidth_Bps == 12.5e6 and r.devices[1].latency_s == 0.002
