@@ -611,3 +611,27 @@ def _run_as_nobody(spec: Path) -> str:
     msg = os.read(r, 4096).decode()
     os.close(r)
     return msg
+
+
+def test_schedule_can_wait_for_usr1(root_env, tmp_path):
+    """--schedule-on-usr1: no event before the launcher gets SIGUSR1, then each at its time from
+    the signal (bin/bench-adapt.sh starts the clock once its service is up)."""
+    spec = _write(tmp_path, "one.json", {
+        "name": "test-usr1", "devices": [{"name": "dev-a", "cpu": 0.5, "link_mbit": 100}],
+        "schedule": [{"t": 1.0, "device": 0, "cpu": 0.3}]})
+    out = tmp_path / "seen.json"
+    code = textwrap.dedent(f'''
+        import json, os, signal, time
+        def cpu():
+            return json.load(open(os.environ["HEPTI_EMULATE_STATE"]))["devices"][0]["cpu"]
+        time.sleep(2.5)
+        before = cpu()
+        os.kill(os.getppid(), signal.SIGUSR1)
+        time.sleep(0.5)
+        early = cpu()
+        time.sleep(1.5)
+        json.dump([before, early, cpu()], open({str(out)!r}, "w"))
+    ''')
+    rc = launch.run_emulated(spec, [sys.executable, "-c", code], timeout=60, schedule_on_usr1=True)
+    assert rc == 0
+    assert json.loads(out.read_text()) == [0.5, 0.5, 0.3]

@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not drop the host's page cache before COMMAND (by default every "
                         "device starts cold, as a device's RAM holds its own page cache)")
     s.add_argument("--timeout", type=float, default=None, help="stop COMMAND after S seconds")
+    s.add_argument("--schedule-on-usr1", action="store_true",
+                   help="count the spec's schedule times from a SIGUSR1 sent to this process "
+                        "(e.g. by a benchmark once its service is up), not from COMMAND's start")
     s.add_argument("--summary", metavar="FILE.json", help="write per-device memory peaks, OOM kills, schedule events")
     s.add_argument("--cleanup", action="store_true", help="remove leftovers of earlier runs and exit")
     s.add_argument("--all", action="store_true", help="with --cleanup: also stop runs still alive")
@@ -427,7 +430,8 @@ def cmd_emulate(args) -> int:
         raise InputError("give a cluster and a command: hepti emulate --cluster SPEC.json -- COMMAND ...")
     return run_emulated(args.cluster, cmd, keep=args.keep, dry_run=args.dry_run,
                         timeout=args.timeout, summary_path=args.summary,
-                        idle_fill=not args.no_idle_fill, cold_cache=not args.keep_page_cache)
+                        idle_fill=not args.no_idle_fill, cold_cache=not args.keep_page_cache,
+                        schedule_on_usr1=args.schedule_on_usr1)
 
 
 def cmd_profile(args) -> int:

@@ -149,6 +149,9 @@ class _Run:
     idle_fill: bool = True
     cold_cache: bool = True
     started_at: float = 0.0
+    schedule_on_usr1: bool = False  # the schedule's clock starts at SIGUSR1, not with COMMAND
+    schedule_t0: float | None = None
+    schedule_go: threading.Event = field(default_factory=threading.Event)
     devices_now: list[dict] = field(default_factory=list)
     applied: list[dict] = field(default_factory=list)
     stop_monitor: threading.Event = field(default_factory=threading.Event)
@@ -246,10 +249,17 @@ class _Run:
             log(f"warning: {f}")
 
     def monitor(self) -> None:
-        """Apply schedule events at their times until stopped."""
+        """Apply schedule events at their times until stopped (times from COMMAND's start, or
+        with schedule_on_usr1 from the SIGUSR1 that starts the schedule's clock)."""
+        if self.schedule_on_usr1:
+            while not self.schedule_go.wait(1.0):
+                if self.stop_monitor.is_set():
+                    return
+            log("schedule started (SIGUSR1)")
+        t0 = self.schedule_t0 if self.schedule_t0 is not None else self.started_at
         for ev in self.spec.schedule:
             while True:
-                wait = self.started_at + ev.t - time.time()
+                wait = t0 + ev.t - time.time()
                 if wait <= 0:
                     break
                 if self.stop_monitor.wait(min(wait, 1.0)):
@@ -259,6 +269,11 @@ class _Run:
             self.apply_event(ev)
 
     # -- signals ---------------------------------------------------------------------------------
+    def on_usr1(self, signum, frame) -> None:
+        if self.schedule_t0 is None:
+            self.schedule_t0 = time.time()
+            self.schedule_go.set()
+
     def on_signal(self, signum, frame) -> None:
         if self.phase == "setup":
             raise _Interrupted(signum)
@@ -415,7 +430,7 @@ def _dry_run(run: _Run, command: list[str]) -> None:
 
 def run_emulated(spec_path, command: list[str], *, keep: bool = False, dry_run: bool = False,
                  timeout: float | None = None, summary_path=None, idle_fill: bool = True,
-                 cold_cache: bool = True) -> int:
+                 cold_cache: bool = True, schedule_on_usr1: bool = False) -> int:
     """Run COMMAND on the cluster described by the spec at spec_path; return its exit code.
 
     keep: leave namespaces, cgroups and the run directory for inspection (remove them later with
@@ -424,14 +439,15 @@ def run_emulated(spec_path, command: list[str], *, keep: bool = False, dry_run: 
     JSON summary (exit code, per-device OOM kills and peak memory, schedule events applied).
     idle_fill: keep the CPUs from halting while COMMAND runs (hepti.emulate.idle explains why).
     cold_cache: drop the host's clean page cache before COMMAND (see the module docstring).
-    Exit code 128+N when stopped by signal N (130 for Ctrl-C)."""
+    schedule_on_usr1: the schedule's times count from the SIGUSR1 this process receives (a
+    benchmark sends it when its measured part begins, after COMMAND's start-up). Exit code 128+N when stopped by signal N (130 for Ctrl-C)."""
     spec = load_spec(spec_path)
     check_cpu_fits(spec, os.cpu_count() or 1)
     command = prepare_command(list(command), len(spec.devices))
     # stretched devices (hepti.emulate.stretch) keep a quota a little above their share as a guard
     cg = dataclasses.replace(Cgroups.detect(), quota_factor=stretch.GUARD if stretch.stretch_wanted() else 1.0)
     run = _Run(spec=spec, names=RunNames(os.getpid(), len(spec.devices)), cg=cg,
-               idle_fill=idle_fill, cold_cache=cold_cache)
+               idle_fill=idle_fill, cold_cache=cold_cache, schedule_on_usr1=schedule_on_usr1)
     if dry_run:
         _dry_run(run, command)
         return 0
@@ -456,6 +472,8 @@ def _run(run: _Run, command: list[str], *, keep: bool, timeout: float | None, su
     if in_main:
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             old[s] = signal.signal(s, run.on_signal)
+        if run.schedule_on_usr1:
+            old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, run.on_usr1)
     rc, t0 = 1, time.monotonic()
     oom: list[dict] = []
     set_up = False

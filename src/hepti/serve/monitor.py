@@ -40,7 +40,9 @@ LAMBDA = 0.40  # CUSUM alarm threshold (log), or 6 sigma of the series if that i
 BASELINE_N = 6  # residuals that set a series' baseline and noise after a (re)start
 SAMPLE_CAP = 0.7  # of LAMBDA: what one residual may add to a sum (two are needed to alarm)
 SKIP_N = 3  # batches of a new plan not watched at all (first touch of buffers, caches)
-IDLE_N, IDLE_MOVE = 3, 1.5  # an idle rank: median of its last 3 probes, moved 1.5x
+# an idle rank: the median of its last 5 probes, moved 1.6x (single probes at 0.2 core read
+# 0.7-2.3x of the truth on this shared host: bench-adapt's first run)
+IDLE_N, IDLE_MOVE = 5, 1.6
 MIN_PREDICTED_S = 2e-3  # series whose prediction is shorter than this are too noisy to watch
 # Communication includes waiting for the slowest peer, so its residual carries every rank's
 # compute noise: 2-7x swings on 2-rank MiniLM batches whose transfers are predicted at a few

@@ -59,7 +59,6 @@ class PlanWatcher:
         self.confirming = None  # alarms waiting one batch to size their step
         self.comm_lambda_scale = 1.0  # doubled by each probe that found the links unchanged
         self.requested = None  # a plan asked for from outside (Supervisor.switch_plan)
-        self.bias_before: dict[int, float] = {}  # ranks' compute baselines under the last plan
         self.walls_since_alarm: list[float] = []
         self.last_switch = -math.inf
         self.shapes: list[tuple[int, int]] = []
@@ -97,8 +96,6 @@ class PlanWatcher:
         elif alarms and alarms[0].kind == "compute" and not alarms[0].absolute:
             self.confirming = alarms
             return
-        else:
-            alarms = alarms or self._bias_moved()
         if not alarms or now - self.last_switch < COOLDOWN_S:
             return
         event = {"t": time.time(), "batch_shape": list(shape),
@@ -150,7 +147,8 @@ class PlanWatcher:
             event["decision"] = "keep"
             # links as profiled: the communication's new level is this plan's normal, not a
             # change to act on again
-            self._refitted(relearn_comm=event.get("links_changed") is False)
+            self._refitted(alarmed={a["rank"] for a in event["alarms"]},
+                           relearn_comm=event.get("links_changed") is False)
         else:
             event["decision"] = "switch"
             self._prepare(sock, best, event)
@@ -182,11 +180,12 @@ class PlanWatcher:
             self.sup.plan = json.loads(plan.to_json())
         event["epoch"] = self.sup.epoch
         self.judging = None if rollback else []
-        # a new plan has its own biases (other shares, other GeMM sizes): learn them afresh,
-        # and compare them with the old plan's (`_bias_moved`)
-        self.bias_before = {r: c.baseline for r, c in self.monitor.compute.items()
-                            if c.baseline is not None}
-        self.monitor = Monitor(self.cfg, self.profile, self.plan)
+        # each rank's series go on with their baselines: relearning them would leave the
+        # monitor blind for BASELINE_N batches, 6-12 s at BERT-base's 0.7-1.3 s per request
+        # (bench-adapt's first run: the CPU halving was flagged 11 s late). Where the new plan
+        # sits differently against the model (other shares, other GeMM sizes), that shows as an
+        # alarm on its first batches and is re-fitted as any other.
+        self._refitted(alarmed=None)
 
     def _judge(self, sock, wall: float) -> None:
         """The new plan's first batches against the old plan's under the same conditions."""
@@ -213,23 +212,6 @@ class PlanWatcher:
             self.pending = (old_plan, event)
             self.previous = None
 
-    def _bias_moved(self) -> list:
-        """Once the new plan's baselines are learnt: a rank whose compute now sits off the
-        prediction by more than its old bias did was mis-sized by the step's factor (the
-        alarm's estimate): an alarm for the difference."""
-        from hepti.serve.monitor import DELTA, Alarm
-        out = []
-        for r, old in list(self.bias_before.items()):
-            c = self.monitor.compute.get(r)
-            if c is None or c.baseline is None:
-                continue
-            del self.bias_before[r]
-            d = c.baseline - old
-            if abs(d) > 1.5 * DELTA:
-                out.append(Alarm("compute", r, 1 if d > 0 else -1, math.exp(d)))
-                c.baseline = old  # the refit moves the prediction by the difference
-        return out
-
     def _refit(self) -> None:
         p = self.base
         for r, f in enumerate(self.factors):
@@ -237,10 +219,11 @@ class PlanWatcher:
                 p = scaled_speed(p, r, f)
         self.profile = with_links(p, self.links) if self.links else p
 
-    def _refitted(self, relearn_comm: bool = False) -> None:
-        """The same plan on a re-fitted profile: predictions anew, each series' sums from zero
-        (its baseline, the model's standing bias there, and its noise kept; the communication's
-        learnt anew if asked)."""
+    def _refitted(self, alarmed: set | None, relearn_comm: bool = False) -> None:
+        """Predictions anew (a re-fitted profile, or a new plan); every series keeps its
+        baseline (the model's standing bias there) and noise; the sums of the alarmed ranks'
+        series (all, if None) start from zero, and the communication's baselines are learnt
+        anew if asked (links that were probed unchanged)."""
         old = self.monitor
         self.monitor = Monitor(self.cfg, self.profile, self.plan)
         self.monitor.batches = old.batches
@@ -250,7 +233,8 @@ class PlanWatcher:
             pairs.append((self.monitor.comm, old.comm))
         for mine, theirs in pairs:
             for r, c in theirs.items():
-                c.restart()
+                if alarmed is None or r in alarmed:
+                    c.restart()
                 mine[r] = c
         self.monitor.comm_lambda = COMM_LAMBDA * self.comm_lambda_scale
         for c in self.monitor.comm.values():

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Re-planning while serving (hepti serve --replan on) against a fixed plan, per-phase oracle plans
+# and even shares, on hostfiles/emu-drift4.json: node-c's link 940 -> 100 Mbit/s at 20 s, node-b's
+# CPU halved at 40 s, both restored at 60 s, node-d down to 0.05 core at 80 s. BERT-base shape at
+# 256 tokens, closed-loop requests. Needs root (hepti emulate). Writes results/adapt.{json,csv,png}.
+# Makes the BERT-base-shaped random model if it is missing. About 25 minutes.
+#   sudo bin/bench-adapt.sh             the scenario
+#   sudo bin/bench-adapt.sh --flap      node-c's link flapping 940 <-> 100 Mbit/s every 2 s:
+#                                       results/adapt-flap.{json,csv,png}
+# Other options (--duration, --seq, --variants): python -m hepti.bench.adapt --help
+set -euo pipefail
+if [ "$(id -u)" != 0 ]; then
+  echo "bench-adapt: needs root (hepti emulate makes network namespaces, tc shapers and cgroups); run it with sudo" >&2
+  exit 2
+fi
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+[ -f weights/bert-base/index.json ] || hepti convert --random bert-base --out weights/bert-base
+exec python -m hepti.bench.adapt "$@"

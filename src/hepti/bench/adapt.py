@@ -1,0 +1,328 @@
+"""`python -m hepti.bench.adapt` (bin/bench-adapt.sh, root): re-planning while serving, on an
+emulated cluster whose links and CPUs change on a schedule.
+
+Each variant is one `hepti emulate --schedule-on-usr1 -- hepti serve ...` launch on the same
+spec (hostfiles/emu-drift4.json); once the service is up, the benchmark sends the launcher
+SIGUSR1 (the schedule's clock starts) and a closed-loop client sends one request at a time
+(SEQ token ids, one input) for DURATION seconds, recording each request's start and latency.
+Variants:
+- `adaptive`: `--strategy auto --replan on`;
+- `static`: `--strategy auto`, the plan made at t = 0, kept;
+- `oracle-K` for each distinct phase K of the schedule: `--plan P_K`, where P_K is `hepti plan`
+  on a profile that `hepti profile` measured on the spec with phase K's conditions; the
+  piecewise oracle takes, in each phase, the oracle made for it;
+- `even`: `--strategy even`.
+Figures (results/adapt.json, .csv, .png): per phase, each variant's median latency; per event,
+when the adaptive service flagged it (requests and seconds after it) and whether within 5
+requests the median of its next 20 came within 1.10x of the phase's oracle; the time-weighted
+mean latency of each variant (sum of latency^2 / sum of latency: a closed loop's requests
+cover the time); the re-plans with their reasons, solve times, stalls and bytes read.
+
+    sudo python -m hepti.bench.adapt [--duration 100] [--seq 256] [--model weights/bert-base]
+                                     [--variants adaptive,static,oracle,even] [--flap]
+`--flap` runs the second scenario instead: node-c's link flaps 940 <-> 100 Mbit/s every 2 s
+for DURATION s, `adaptive` against the static plans made for each of the two links.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from hepti.bench import git_commit, hepti_cmd, mpiexec, result_doc, write_json
+
+ROOT = Path(__file__).resolve().parents[3]
+SPEC = ROOT / "hostfiles" / "emu-drift4.json"
+RECOVER_WITHIN, RECOVER_NEXT, RECOVER_RATIO = 5, 20, 1.10
+
+
+def phases(spec: dict, duration: float) -> list[dict]:
+    """The schedule cut into phases: [{start, end, devices (conditions)}], events at a time merged."""
+    devs = copy.deepcopy(spec["devices"])
+    names = [d["name"] for d in devs]
+    out, t = [], 0.0
+    events = sorted(spec.get("schedule", []), key=lambda e: e["t"])
+    times = sorted({e["t"] for e in events if e["t"] < duration})
+    for nxt in times + [duration]:
+        out.append({"start": t, "end": nxt, "devices": copy.deepcopy(devs)})
+        for e in (e for e in events if e["t"] == nxt):
+            i = e["device"] if isinstance(e["device"], int) else names.index(e["device"])
+            for k in ("cpu", "link_mbit"):
+                if k in e:
+                    devs[i][k] = e[k]
+        t = nxt
+    return out
+
+
+def conditions_key(devs: list[dict]) -> str:
+    return json.dumps([(d["cpu"], d.get("link_mbit")) for d in devs])
+
+
+# --- one served run ---------------------------------------------------------------------------
+
+def served_run(spec_path: Path, model: str, n: int, serve_args: list[str], duration: float,
+               seq: int, port: int, log_path: Path) -> dict:
+    """Launch hepti serve on the emulated spec, start the schedule, drive requests; the
+    requests (t from the schedule's start, latency) and the service's /metrics at the end."""
+    cmd = [*hepti_cmd(), "emulate", "--cluster", str(spec_path), "--schedule-on-usr1",
+           "--timeout", str(duration + 900), "--", "hepti", "serve", "--model", model, "-n", str(n),
+           "--port", str(port), "--plan-seq", str(seq), *serve_args]
+    with open(log_path, "w") as logf:
+        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(url, p, timeout=900)
+            ids = [(7 * i + 3) % 30000 + 1000 for i in range(seq)]
+            body = json.dumps({"input": ids, "encoding_format": "base64"}).encode()
+            _post(url, body)  # one request before the clock: first-touch costs are not a phase
+            os.kill(p.pid, signal.SIGUSR1)
+            t0 = time.time()
+            reqs = []
+            while time.time() - t0 < duration:
+                a = time.time()
+                _post(url, body)
+                reqs.append((a - t0, time.time() - a))
+            metrics = json.loads(urllib.request.urlopen(url + "/metrics", timeout=60).read())
+        finally:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(120)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return {"t0": t0, "requests": reqs, "metrics": metrics, "command": cmd}
+
+
+def _post(url: str, body: bytes) -> None:
+    req = urllib.request.Request(url + "/v1/embeddings", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        r.read()
+
+
+def _wait_ready(url: str, proc, timeout: float) -> None:
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the service exited ({proc.returncode}) before it was ready")
+        try:
+            if json.loads(urllib.request.urlopen(url + "/health", timeout=5).read())["status"] == "ok":
+                return
+        except Exception:  # noqa: BLE001 - not up yet (refused, 503)
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the service was not ready in time")
+
+
+# --- oracle plans --------------------------------------------------------------------------------
+
+def oracle_plan(devs: list[dict], base: dict, model: str, n: int, seq: int, work: Path, k: int) -> Path:
+    """`hepti profile` on the spec with these conditions (no schedule), then `hepti plan`."""
+    spec = {**{k2: v for k2, v in base.items() if k2 != "schedule"}, "name": f"adapt-oracle-{k}",
+            "devices": devs}
+    spec_path = work / f"oracle-{k}.json"
+    spec_path.write_text(json.dumps(spec))
+    prof, plan = work / f"profile-{k}.json", work / f"plan-{k}.json"
+    subprocess.run([*hepti_cmd(), "emulate", "--cluster", str(spec_path), "--", mpiexec(), "-n", str(n),
+                    "hepti", "profile", "--model", model, "--seq", str(seq), "--out", str(prof)],
+                   check=True, capture_output=True, text=True, timeout=1800)
+    subprocess.run([*hepti_cmd(), "plan", "--model", model, "--profile", str(prof), "--seq", str(seq),
+                    "--out", str(plan)], check=True, capture_output=True, text=True, timeout=600)
+    return plan
+
+
+# --- figures ----------------------------------------------------------------------------------------
+
+def in_phase(reqs, ph) -> list[float]:
+    return [lat for t, lat in reqs if ph["start"] <= t < ph["end"]]
+
+
+def time_weighted(lats: list[float]) -> float | None:
+    return sum(x * x for x in lats) / sum(lats) if lats else None
+
+
+def summarize(runs: dict, phs: list[dict], oracle_of_phase: list[str | None]) -> dict:
+    out = {"phases": [], "variants": {}}
+    piecewise = []
+    for i, ph in enumerate(phs):
+        row = {"start": ph["start"], "end": ph["end"], "median_ms": {}}
+        for name, r in runs.items():
+            lats = in_phase(r["requests"], ph)
+            row["median_ms"][name] = statistics.median(lats) * 1e3 if lats else None
+        o = oracle_of_phase[i]
+        row["oracle"] = o
+        if o in runs:
+            piecewise += in_phase(runs[o]["requests"], ph)
+        out["phases"].append(row)
+    out["piecewise_oracle_tw_ms"] = (time_weighted(piecewise) or 0) * 1e3
+    for name, r in runs.items():
+        lats = [lat for _, lat in r["requests"]]
+        tw = time_weighted(lats)
+        out["variants"][name] = {"requests": len(lats), "time_weighted_ms": tw * 1e3 if tw else None,
+                                 "vs_piecewise_oracle": (tw * 1e3 / out["piecewise_oracle_tw_ms"])
+                                 if tw and out["piecewise_oracle_tw_ms"] else None}
+    if "adaptive" in runs:
+        out["events"] = events_figures(runs["adaptive"], phs, runs, oracle_of_phase)
+    return out
+
+
+def events_figures(run: dict, phs: list[dict], runs: dict, oracle_of_phase) -> list[dict]:
+    """Per phase change: when the adaptive service first re-planned after it, and its recovery."""
+    t0, reqs = run["t0"], run["requests"]
+    replans = [dict(e, at=e["t"] - t0) for e in run["metrics"].get("replans", []) if "t" in e]
+    out = []
+    for i, ph in enumerate(phs[1:], 1):
+        t_ev = ph["start"]
+        flagged = next((e for e in replans if t_ev <= e["at"] < ph["end"]), None)
+        row = {"t": t_ev, "flagged_after_s": None, "flagged_after_requests": None}
+        if flagged is not None:
+            row["flagged_after_s"] = flagged["at"] - t_ev
+            row["flagged_after_requests"] = sum(1 for t, lat in reqs if t_ev <= t + lat <= flagged["at"])
+            row["decision"] = flagged.get("decision")
+            row["reason"] = flagged.get("reason")
+        after = [(t, lat) for t, lat in reqs if t >= t_ev and t < ph["end"]]
+        nxt = [lat for _, lat in after[RECOVER_WITHIN:RECOVER_WITHIN + RECOVER_NEXT]]
+        o = oracle_of_phase[i]
+        oracle = statistics.median(in_phase(runs[o]["requests"], ph)) if o in runs and in_phase(runs[o]["requests"], ph) else None
+        if nxt and oracle:
+            row["recovered_median_ms"] = statistics.median(nxt) * 1e3
+            row["oracle_median_ms"] = oracle * 1e3
+            row["ratio"] = statistics.median(nxt) / oracle
+            row["met"] = row["ratio"] <= RECOVER_RATIO
+        out.append(row)
+    return out
+
+
+def plot(runs: dict, phs: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(11, 5))
+    for name, r in runs.items():
+        ax.plot([t for t, _ in r["requests"]], [lat * 1e3 for _, lat in r["requests"]], label=name,
+                lw=1.4 if name == "adaptive" else 0.8, alpha=1.0 if name == "adaptive" else 0.6)
+    for ph in phs[1:]:
+        ax.axvline(ph["start"], color="k", ls="--", lw=0.8)
+    if "adaptive" in runs:
+        r = runs["adaptive"]
+        for e in r["metrics"].get("replans", []):
+            if e.get("decision") in ("switch", "rollback") and "t" in e:
+                ax.axvline(e["t"] - r["t0"], color="tab:red", lw=0.6, alpha=0.6)
+    ax.set_xlabel("s since the schedule started (dashed: events; red: adaptive's switches)")
+    ax.set_ylabel("request latency, ms")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def flap_spec(base: dict, duration: float) -> dict:
+    spec = copy.deepcopy(base)
+    spec["name"] = "emu-drift4-flap"
+    spec["schedule"] = [{"t": float(t), "device": "node-c", "link_mbit": 100 if (t // 2) % 2 else 940}
+                        for t in range(2, int(duration), 2)]
+    return spec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hepti.bench.adapt", description=__doc__.split("\n")[0])
+    ap.add_argument("--duration", type=float, default=100.0, help="seconds of requests per run")
+    ap.add_argument("--seq", type=int, default=256, help="tokens per request (default 256)")
+    ap.add_argument("--model", default="weights/bert-base")
+    ap.add_argument("--variants", default="adaptive,static,oracle,even")
+    ap.add_argument("--flap", action="store_true", help="the flapping-link scenario instead")
+    ap.add_argument("--port", type=int, default=8790)
+    ap.add_argument("--out", default=None, help="default results/adapt.json (results/adapt-flap.json)")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench-adapt: needs root (hepti emulate)", file=sys.stderr)
+        return 2
+    if not (Path(args.model) / "index.json").exists():
+        print(f"bench-adapt: no converted model in {args.model}; make it with "
+              f"`hepti convert --random bert-base --out {args.model}`", file=sys.stderr)
+        return 2
+    out = Path(args.out or ("results/adapt-flap.json" if args.flap else "results/adapt.json"))
+    commit = git_commit()
+    base = json.loads(SPEC.read_text())
+    n = len(base["devices"])
+    spec = flap_spec(base, args.duration) if args.flap else base
+    work = Path(tempfile.mkdtemp(prefix="hepti-adapt-"))
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    phs = phases(spec, args.duration) if not args.flap else [{"start": 0.0, "end": args.duration,
+                                                             "devices": base["devices"]}]
+    variants = args.variants.split(",")
+    serve = {"adaptive": ["--strategy", "auto", "--replan", "on"], "static": ["--strategy", "auto"],
+             "even": ["--strategy", "even"]}
+    # oracle plans: one per distinct condition (for --flap: the two links)
+    oracle_of_phase: list[str | None] = [None] * len(phs)
+    plans: dict[str, Path] = {}
+    if "oracle" in variants or args.flap:
+        if args.flap:
+            slow = copy.deepcopy(base["devices"])
+            slow[2]["link_mbit"] = 100
+            conds = [("link-940", base["devices"]), ("link-100", slow)]
+            for name, devs in conds:
+                plans[name] = oracle_plan(devs, base, args.model, n, args.seq, work, len(plans))
+                serve[f"static-{name}"] = ["--plan", str(plans[name])]
+        else:
+            seen: dict[str, str] = {}
+            for i, ph in enumerate(phs):
+                key = conditions_key(ph["devices"])
+                if key not in seen:
+                    name = f"oracle-{len(seen)}"
+                    print(f"[bench-adapt] profiling and planning {name} (phase {ph['start']:g}-"
+                          f"{ph['end']:g} s)", file=sys.stderr, flush=True)
+                    plans[name] = oracle_plan(ph["devices"], base, args.model, n, args.seq, work, i)
+                    serve[name] = ["--plan", str(plans[name])]
+                    seen[key] = name
+                oracle_of_phase[i] = seen[key]
+    names = ([v for v in variants if v != "oracle"] + [k for k in serve if k.startswith("oracle-")]
+             if not args.flap else ["adaptive"] + [k for k in serve if k.startswith("static-")])
+    runs = {}
+    for name in names:
+        print(f"[bench-adapt] {name}: {args.duration:g} s of requests", file=sys.stderr, flush=True)
+        runs[name] = served_run(spec_path, args.model, n, serve[name], args.duration, args.seq,
+                                args.port, work / f"{name}.log")
+        lats = [lat for _, lat in runs[name]["requests"]]
+        print(f"[bench-adapt] {name}: {len(lats)} requests, median {statistics.median(lats) * 1e3:.0f} ms",
+              file=sys.stderr, flush=True)
+    summary = summarize(runs, phs, oracle_of_phase)
+    if args.flap:
+        best_static = min(runs[k]["requests"] and time_weighted([lat for _, lat in runs[k]["requests"]])
+                          for k in runs if k.startswith("static-"))
+        switches = [e for e in runs["adaptive"]["metrics"].get("replans", [])
+                    if e.get("decision") in ("switch", "rollback")]
+        summary["flap"] = {"switches": len(switches), "best_static_tw_ms": best_static * 1e3,
+                           "adaptive_vs_best_static": summary["variants"]["adaptive"]["time_weighted_ms"]
+                           / (best_static * 1e3)}
+    doc = result_doc("adapt", commit=commit, spec=spec, duration_s=args.duration, seq=args.seq,
+                     model=args.model, phases=[{k: v for k, v in p.items()} for p in phs],
+                     plans={k: json.loads(v.read_text()) for k, v in plans.items()},
+                     summary=summary, runs=runs,
+                     command="sudo python -m hepti.bench.adapt " + " ".join(argv or sys.argv[1:]))
+    write_json(doc, out)
+    with open(out.with_suffix(".csv"), "w") as f:
+        f.write("variant,t_s,latency_ms\n")
+        for name, r in runs.items():
+            for t, lat in r["requests"]:
+                f.write(f"{name},{t:.3f},{lat * 1e3:.2f}\n")
+    drawn = plot(runs, phs, out.with_suffix(".png"))
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {out}, {out.with_suffix('.csv')}" + (f", {out.with_suffix('.png')}" if drawn else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
