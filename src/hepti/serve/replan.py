@@ -33,6 +33,10 @@ MIN_GAIN = 0.05  # a new plan must be predicted at least this much faster (fract
 COOLDOWN_S = 3.0  # no new decision this soon after a switch
 JUDGE_N = 5  # batches of a new plan judged before it is kept
 ROLLBACK_MARGIN = 0.05  # a new plan measured this much slower than the old one is undone
+# A link whose probes moved FLAP_CHANGES times within FLAP_WINDOW_S flaps: the plan takes its
+# worst recent state (bench-adapt --flap: 940 <-> 100 Mbit/s every 2 s; the plan made for 100
+# served at 746 ms in both states, the one for 940 at 853 ms)
+FLAP_CHANGES, FLAP_WINDOW_S = 3, 20.0
 
 
 class PlanWatcher:
@@ -58,6 +62,7 @@ class PlanWatcher:
         self.previous_before = None  # (factors, links) before the switch being judged
         self.confirming = None  # alarms waiting one batch to size their step
         self.comm_lambda_scale = 1.0  # doubled by each probe that found the links unchanged
+        self.link_changes: dict[str, list] = {}  # rank -> [(when, probed link)] that moved
         self.requested = None  # a plan asked for from outside (Supervisor.switch_plan)
         self.walls_since_alarm: list[float] = []
         self.last_switch = -math.inf
@@ -116,11 +121,22 @@ class PlanWatcher:
             peers = [r for r in range(self.profile.world_size) if r != 0]
             answer = self.sup.command(sock, {"op": "probe", "ranks": peers})
             before = self.profile
-            self.links.update(answer["links"])
+            now_t = time.monotonic()
+            for r, v in answer["links"].items():
+                if _moved(before.devices[int(r)], v):
+                    seen = self.link_changes.setdefault(r, [])
+                    seen.append((now_t, v))
+                    seen[:] = [x for x in seen if now_t - x[0] < FLAP_WINDOW_S]
+                    if len(seen) >= FLAP_CHANGES:  # flapping: plan for its worst recent state
+                        v = min((x[1] for x in seen), key=lambda x: x["bandwidth_Bps"])
+                        event["flapping"] = sorted(set(event.get("flapping", []) + [int(r)]))
+                self.links[r] = v
             self._refit()
-            moved = any(_moved(before.devices[int(r)], v) for r, v in answer["links"].items())
+            moved = any(_moved(before.devices[int(r)], v) for r, v in self.links.items())
             event["links_changed"] = moved
-            if not moved:  # a false alarm: wait for a larger excursion before probing again
+            if not moved or "flapping" in event:
+                # a false alarm, or a link that flaps: probing each swing costs more than it
+                # tells; wait for a larger excursion before probing again
                 self.comm_lambda_scale = min(8.0, self.comm_lambda_scale * 2)
             event["reason"] = "communication {:.2f}x its prediction; links re-probed: {}".format(
                 alarms[0].factor, ", ".join(
