@@ -28,7 +28,12 @@ from hepti.serve.monitor import COMM_LAMBDA, Monitor, predict, scaled_speed, wit
 
 log = logging.getLogger("hepti")
 HORIZON_S = 10.0  # conditions are assumed to hold this long after a change
-SWITCH_COST_S = 0.5  # what a switch costs, in seconds of serving
+SWITCH_COST_S = 0.5  # what a switch costs, in seconds of serving, besides loading weights
+# Loading a rank's new slices competes with its serving for its CPU: bench-adapt's first runs
+# switched rows onto a 0.15-core device, whose 340 MB load took its batches from 0.8 to
+# 1.7-2.1 s for about 5 s. So a switch is charged its slowest rank's load time as well
+# (bytes / the profile's weight_load_Bps, scaled by the rank's factor), at this fraction.
+LOAD_COST_FRACTION = 1.0
 MIN_GAIN = 0.05  # a new plan must be predicted at least this much faster (fraction)
 COOLDOWN_S = 3.0  # no new decision this soon after a switch
 JUDGE_N = 5  # batches of a new plan judged before it is kept
@@ -159,7 +164,10 @@ class PlanWatcher:
         gain = now - new
         event.update(current_predicted_s=now, new_predicted_s=new, new_strategy=best.strategy,
                      new_ratios=best.ratios, batches_per_s=rate)
-        if gain < MIN_GAIN * now or gain * rate * HORIZON_S < SWITCH_COST_S or _same(best, self.plan):
+        load_s = self._load_seconds(best)
+        cost = SWITCH_COST_S + LOAD_COST_FRACTION * load_s
+        event.update(load_s=load_s, switch_cost_s=cost)
+        if gain < MIN_GAIN * now or gain * rate * HORIZON_S < cost or _same(best, self.plan):
             event["decision"] = "keep"
             # links as profiled: the communication's new level is this plan's normal, not a
             # change to act on again
@@ -227,6 +235,23 @@ class PlanWatcher:
             # the old plan's weights load on the ranks' threads; switch when they are in
             self.pending = (old_plan, event)
             self.previous = None
+
+    def _load_seconds(self, plan) -> float:
+        """The slowest rank's time to read and pack its new slices for `plan` (0 for a rank
+        whose slices stay: `layer_spec`)."""
+        from hepti.model.sizes import layer_slice_bytes
+        from hepti.parallel.engine import layer_spec
+        cfg, worst = self.cfg, 0.0
+        for r, dev in enumerate(self.base.devices):
+            new, old = layer_spec(plan, cfg, r), layer_spec(self.plan, cfg, r)
+            if new is None or new == old:
+                continue
+            kind, heads, ffn, extra = new
+            layers = extra if kind == "stream" else extra[1] - extra[0]
+            nbytes = layer_slice_bytes(cfg, heads[1] - heads[0], ffn[1] - ffn[0]) * layers
+            speed = (dev.weight_load_Bps or dev.disk_read_Bps or 50e6) / self.factors[r]
+            worst = max(worst, nbytes / speed)
+        return worst
 
     def _refit(self) -> None:
         p = self.base
