@@ -61,7 +61,7 @@ class PlanWatcher:
         self.plan = Plan.from_dict(sup.plan)
         self.strategy = _strategy(sup.worker_args)
         self.monitor = Monitor(self.cfg, self.profile, self.plan)
-        self.pending = None  # (plan, reason) being prepared
+        self.pending = None  # (plan, event) whose weights the ranks are loading
         self.previous = None  # (plan, walls measured under the new conditions) for a rollback
         self.judging: list[float] | None = None
         self.previous_before = None  # (factors, links) before the switch being judged
