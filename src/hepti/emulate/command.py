@@ -6,7 +6,9 @@ that and run ranks outside their devices, so they are refused with a message nam
 """
 from __future__ import annotations
 
+import ctypes
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +88,13 @@ def prepare_command(command: list[str], n_devices: int) -> list[str]:
                                    f"({n_devices}); each rank runs on one device")
         k += 3 if flag in PAIR_FLAGS else 2 if flag in VALUE_FLAGS else 1
     return command
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In a child before exec (`preexec_fn`): be sent `sig` when the parent dies, so a killed
+    launcher or service leaves no job running. (Use with start_new_session=True to take the
+    child out of the parent's process group as well.)"""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)

@@ -37,7 +37,6 @@ skips the grace period. If the launcher itself is SIGKILLed, mpiexec dies with i
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
@@ -53,7 +52,7 @@ from pathlib import Path
 
 from hepti.emulate import actions, idle, net, stretch
 from hepti.emulate.cgroups import Cgroups, kill_procs, remove_tree
-from hepti.emulate.command import find_mpiexec, log, prepare_command
+from hepti.emulate.command import die_with_parent, find_mpiexec, log, prepare_command
 from hepti.emulate.leftovers import (check_leftovers, cleanup, find_runs, proc_starttime,
                                      require_root, require_tools)
 from hepti.emulate.names import INNER_IFACE, RunNames
@@ -63,7 +62,6 @@ from hepti.emulate.state import DEVICE_ENV, HOST_NETNS_ENV, STATE_ENV, write_sta
 MPICH_TCP_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
                  "FI_TCP_IFACE": INNER_IFACE, "HEPTI_COMM": "p2p"}
 GRACE_S = (3.0, 3.0)  # after SIGINT, then after SIGTERM, before SIGKILL
-PR_SET_PDEATHSIG = 1
 _ONE_RUN = threading.Lock()  # names derive from the pid: one run per process at a time
 
 __all__ = ["run_emulated", "cleanup", "find_mpiexec", "find_runs"]  # what the CLI and tests use
@@ -107,11 +105,6 @@ def _head_script(names: RunNames, cg: Cgroups) -> str:
               for d in cg.leaf_dirs(names, None)]
     lines += [f'exec nsenter --net=/run/netns/{names.head_netns} -- "$@"', ""]
     return "\n".join(lines)
-
-
-def _set_pdeathsig() -> None:
-    """In the child before exec: die with the launcher, so a killed launcher leaves no job running."""
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class _Interrupted(Exception):
@@ -296,7 +289,7 @@ class _Run:
         fillers = idle.start_fillers(idle.filler_cpus()) if self.idle_fill else []
         try:
             proc = subprocess.Popen([str(self.run_dir / "head.sh"), *command], env=self.env(),
-                                    start_new_session=True, preexec_fn=_set_pdeathsig)
+                                    start_new_session=True, preexec_fn=die_with_parent)
         except BaseException:
             idle.stop_fillers(fillers)
             raise

@@ -341,12 +341,8 @@ class Comm:
         if self.solo:
             return a
         buf = np.ascontiguousarray(a, np.int64) if self.rank == 0 else np.empty(n, np.int64)
-        req = self.mpi.Ibcast(buf, root=0)
         # a capped rank does not spin at all: it would spend its quota on it (`wait`)
-        t_end = time.perf_counter() + (0.0 if SLEEPY else spin_s)
-        while not req.Test():
-            if time.perf_counter() > t_end:
-                time.sleep(interval)
+        wait_idle(self.mpi.Ibcast(buf, root=0), 0.0 if SLEEPY else spin_s, interval)
         return buf
 
     def gather_obj(self, obj, root: int = 0) -> list | None:
@@ -406,6 +402,16 @@ def wait(req) -> None:
         return
     while not MPI.Request.Testall(reqs):
         time.sleep(WAIT_SLEEP_S)
+
+
+def wait_idle(req, spin_s: float = 0.002, interval: float = 0.0005) -> None:
+    """Complete a request that may take long (the next command, the next pass): test it for
+    `spin_s`, then sleep `interval` between tests. Blocking in MPI spins and burns a core an
+    idle rank must not; sleeping from the start would add up to `interval` to short waits."""
+    t_end = time.perf_counter() + spin_s
+    while not req.Test():
+        if time.perf_counter() > t_end:
+            time.sleep(interval)
 
 
 def wait_obj(req):

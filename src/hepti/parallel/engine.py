@@ -162,11 +162,8 @@ def gentle_barrier(mpi_comm, interval: float = 0.0005, spin_s: float = 0.002):
     for the next request) must not do. But sleeping from the start released ranks up to one
     `interval` apart, and the timed loop's barrier then put that lag into every measured
     latency (0.45 ms of a 19 ms MiniLM forward). Polling first keeps short waits exact."""
-    req = mpi_comm.Ibarrier()
-    t_end = time.perf_counter() + spin_s
-    while not req.Test():
-        if time.perf_counter() > t_end:
-            time.sleep(interval)
+    from hepti.parallel.comm import wait_idle
+    wait_idle(mpi_comm.Ibarrier(), spin_s, interval)
 
 
 def layer_spec(plan: Plan, cfg, rank: int) -> tuple | None:
@@ -298,7 +295,7 @@ class Job:
         if self.plan.strategy == "pipeline":
             self._run_pipeline(batches if rank0 else (), n, on_output)
             return
-        w, g = self.world, self.group
+        w = self.world
         it = iter(batches) if rank0 else None
         for k in range(n):
             b = next(it) if rank0 else None

@@ -111,9 +111,12 @@ class Plan:
                                 f"{L}; {remake}")
         return [f"{source}: {why}; its shape matches, so it is used"] if why else []
 
+    def to_dict(self) -> dict:
+        """The plan file's JSON object (what `from_dict` reads)."""
+        return {"hepti_plan": SCHEMA_VERSION, **asdict(self)}
+
     def to_json(self) -> str:
-        d = {"hepti_plan": SCHEMA_VERSION, **asdict(self)}
-        return json.dumps(d, indent=2)
+        return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> "Plan":

@@ -181,14 +181,12 @@ class PlanWatcher:
         self.sup.replans.append(event)
 
     def _prepare(self, sock, plan, event) -> None:
-        import json
-        answer = self.sup.command(sock, {"op": "prepare", "plan": json.loads(plan.to_json())})
+        answer = self.sup.command(sock, {"op": "prepare", "plan": plan.to_dict()})
         assert answer["op"] == "prepared", answer
         self.pending = (plan, event)
         self.walls_since_alarm = []
 
     def _switch(self, sock, plan, event) -> None:
-        import json
         rollback = event.get("decision") == "rollback"
         answer = self.sup.command(sock, {"op": "switch"})
         assert answer["op"] == "switched", answer
@@ -201,7 +199,7 @@ class PlanWatcher:
                      bytes_read=[r["bytes_read"] for r in answer["ranks"]])
         with self.sup._cv:
             self.sup.epoch += 1
-            self.sup.plan = json.loads(plan.to_json())
+            self.sup.plan = plan.to_dict()
         event["epoch"] = self.sup.epoch
         self.judging = None if rollback else []
         # each rank's series go on with their baselines: relearning them would leave the
@@ -230,7 +228,7 @@ class PlanWatcher:
             self.factors, self.links = (list(x) if isinstance(x, list) else dict(x)
                                         for x in self.previous_before)
             self._refit()
-            answer = self.sup.command(sock, {"op": "prepare", "plan": _plan_json(old_plan)})
+            answer = self.sup.command(sock, {"op": "prepare", "plan": old_plan.to_dict()})
             assert answer["op"] == "prepared", answer
             # the old plan's weights load on the ranks' threads; switch when they are in
             self.pending = (old_plan, event)
@@ -298,11 +296,6 @@ class PlanWatcher:
 
     def residuals(self) -> dict:
         return self.last_residuals
-
-
-def _plan_json(plan) -> dict:
-    import json
-    return json.loads(plan.to_json())
 
 
 def _moved(dev, link: dict, by: float = 0.2) -> bool:

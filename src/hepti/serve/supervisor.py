@@ -23,7 +23,7 @@ a third time (it may be what kills the workers). Launches that fail before hello
 from __future__ import annotations
 
 import collections
-import ctypes
+import functools
 import logging
 import os
 import secrets
@@ -41,13 +41,13 @@ from pathlib import Path
 
 import numpy as np
 
+from hepti.emulate.command import die_with_parent
 from hepti.serve import ServiceUnavailable, protocol
 
 log = logging.getLogger("hepti")
 MAX_FAILED_STARTS = 2  # launches in a row that never said hello before the service gives up
 MAX_ATTEMPTS = 2  # failures an input's batch may be part of before the input is refused
 LATENCY_WINDOW = 2000  # requests whose latency /metrics' percentiles cover
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -99,14 +99,6 @@ def route_address(host: str) -> str:
             return s.getsockname()[0]
         except OSError:
             return "0.0.0.0"
-
-
-def _die_with_parent():
-    try:
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    os.setsid()
 
 
 class Supervisor:
@@ -313,7 +305,8 @@ class Supervisor:
             key.fileobj.close()
         self._proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, errors="replace",
-                                      preexec_fn=_die_with_parent)
+                                      start_new_session=True,  # our own group: killpg
+                                      preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
         self._reader = threading.Thread(target=self._forward_output, args=(self._proc,), daemon=True)
         self._reader.start()
         deadline = time.monotonic() + self.start_timeout_s

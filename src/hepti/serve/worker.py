@@ -15,7 +15,6 @@ sees the channel close and mpiexec exit, and relaunches (hepti.serve.supervisor)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -111,7 +110,7 @@ def serve(args) -> int:
     if rank0:
         sock = protocol.connect(os.environ[protocol.CONTROL_ENV])
         protocol.send(sock, {"op": "hello", "token": os.environ.get(protocol.TOKEN_ENV, ""),
-                             "plan": json.loads(plan.to_json()), "ranks": ranks,
+                             "plan": plan.to_dict(), "ranks": ranks,
                              "world_size": world.size, "hidden_size": cfg.hidden_size,
                              "profile": profile.to_dict() if profile is not None else None,
                              "probe_base": probe_base,
@@ -234,8 +233,7 @@ class _State:
         from hepti.parallel.layers import slice_packer
         from hepti.plan.planfile import Plan
         w = self.world
-        text = w.bcast_obj(json.dumps(header["plan"]) if w.rank == 0 else None)
-        plan = Plan.from_dict(json.loads(text)).validate(w.size)
+        plan = Plan.from_dict(w.bcast_obj(header["plan"] if w.rank == 0 else None)).validate(w.size)
         spec = layer_spec(plan, self.cfg, w.rank)
         holder = {"read0": self.store.bytes_read}
 
