@@ -48,6 +48,7 @@ log = logging.getLogger("hepti")
 MAX_FAILED_STARTS = 2  # launches in a row that never said hello before the service gives up
 MAX_ATTEMPTS = 2  # failures an input's batch may be part of before the input is refused
 LATENCY_WINDOW = 2000  # requests whose latency /metrics' percentiles cover
+REPLANS_KEPT = 500  # re-plan events /metrics lists
 
 
 @dataclass
@@ -142,7 +143,9 @@ class Supervisor:
         self.plan: dict | None = None
         self.ranks: list[dict] = []
         self.launches: list[dict] = []
-        self.replans: list[dict] = []  # each re-fit and its decision, for /metrics
+        # each re-fit and its decision, for /metrics: the last REPLANS_KEPT (a service runs for
+        # days, and a noisy device can make a "keep" decision every few seconds)
+        self.replans: collections.deque[dict] = collections.deque(maxlen=REPLANS_KEPT)
         self.watcher = None  # hepti.serve.replan.PlanWatcher, with --replan on
         self.counts = collections.Counter()
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
@@ -201,7 +204,7 @@ class Supervisor:
             "batches": {"count": self.counts["batches"],
                         "wall_ms_p50": statistics.median(self._batch_walls) * 1e3 if self._batch_walls else None},
             "launches": self.launches,
-            "replans": self.replans,
+            "replans": list(self.replans),
             "residuals": self.watcher.residuals() if self.watcher is not None else None,
         }
 
