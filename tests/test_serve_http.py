@@ -304,9 +304,9 @@ def test_content_type_and_body(addr, content_type, raw, status, code, needle):
     assert post(conn, {"input": [4]})[0] == 200
 
 
-def raw_exchange(addr, head: bytes) -> tuple[int, dict, bytes, bool]:
+def raw_exchange(addr, head: bytes, close_wait: float = 10.0) -> tuple[int, dict, bytes, bool]:
     """Send request headers (no body) on a fresh socket and read the answer:
-    -> (status, headers, body, did the server close the connection after it)."""
+    -> (status, headers, body, did the server close the connection within close_wait s)."""
     with socket.create_connection(addr, timeout=5) as s:
         s.sendall(head)
         data = b""
@@ -317,7 +317,9 @@ def raw_exchange(addr, head: bytes) -> tuple[int, dict, bytes, bool]:
         headers = dict(line.split(": ", 1) for line in lines[1:])
         while len(body) < int(headers["Content-Length"]):
             body += s.recv(65536)
-        s.settimeout(0.5)
+        # where a close is expected, wait long for it: 0.5 s failed 1 run in 6 on a loaded
+        # host (the close came late, not never); where it is not, a short wait shows it
+        s.settimeout(close_wait)
         try:
             closed = s.recv(1) == b""
         except TimeoutError:
@@ -339,8 +341,9 @@ def test_oversize_body_refused_unread(extra):
 
 
 def test_length_required(addr):
-    status, _, body, closed = raw_exchange(addr, b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n"
-                                                 b"Content-Type: application/json\r\n\r\n")
+    status, _, body, closed = raw_exchange(
+        addr, b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\r\n",
+        close_wait=0.5)
     assert status == 411 and "Content-Length header" in body["error"]["message"]
     assert not closed   # no Content-Length, no body: the connection stays usable
     conn = http.client.HTTPConnection(*addr, timeout=10)
