@@ -168,6 +168,7 @@ def worker(out: str, rounds: int) -> None:
                 if rank == 1:
                     phase(m)
                     times = []
+                    throttled = _throttled_us()
                     start = time.perf_counter()
                     for _ in range(n):
                         times.append(phase(m))
@@ -179,6 +180,8 @@ def worker(out: str, rounds: int) -> None:
                             g.recv_array(0)
                     block = time.perf_counter() - start
                     d = rec["device"][str(t)][way]
+                    if throttled is not None:  # the quota's share of the block, per phase
+                        d.setdefault("throttled_s", []).append((_throttled_us() - throttled) / 1e6 / n)
                     d["median"].append(statistics.median(times))
                     d["mean"].append(sum(times) / n if way != "alone" else block / n)
                     mpi.send(block / n, dest=0, tag=7)
@@ -226,6 +229,28 @@ def _stretch_state() -> dict | None:
     except ImportError:  # before the stretch existed: the quota alone
         return None
     return stretch.describe()
+
+
+def _throttled_us() -> float | None:
+    """Microseconds this process's cgroup has been throttled by its CPU quota (`cpu.stat`:
+    cgroup v1's throttled_time in ns, v2's throttled_usec), or None where it cannot be read: a
+    block that was throttled ran slower than its stretch alone would make it."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, rel = line.split(":", 2)
+            if "cpu" in controllers.split(","):  # v1
+                stat, key, scale = Path(f"/sys/fs/cgroup/{controllers}{rel}/cpu.stat"), "throttled_time", 1e-3
+                break
+        else:  # v2: the one line "0::/path"
+            rel = Path("/proc/self/cgroup").read_text().strip().split(":", 2)[2]
+            stat, key, scale = Path(f"/sys/fs/cgroup{rel}/cpu.stat"), "throttled_usec", 1.0
+        for line in stat.read_text().splitlines():
+            k, value = line.split()
+            if k == key:
+                return float(value) * scale
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
 
 
 def _my_share() -> float:
@@ -300,6 +325,9 @@ def summarize(runs: list[dict]) -> dict:
                             ph[f"{way}_{stat}_ratio{suffix}"] = statistics.median(
                                 d / (h / s) for r, hs in zip(rs, hubs)
                                 for d, h in zip(r["device"][str(t)][way][stat], hs))
+                    throttled = [x for r in rs for x in r["device"][str(t)][way].get("throttled_s", [])]
+                    if throttled:  # the guard quota's throttling, per phase (should be ~0 below 1 ms)
+                        ph[f"{way}_throttled_s"] = statistics.median(throttled)
                 row["phases"][f"{t * 1e3:g}ms"] = ph
             for key in ("alone", "after_compute"):
                 for b in PING_BYTES:
