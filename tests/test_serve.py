@@ -264,15 +264,18 @@ def test_a_plan_switch_mid_serving_keeps_every_answer_exact(served, minilm_dir):
     """switch_plan while requests flow (what a re-plan does): the ranks load the new slices
     beside the serving plan, then switch together between batches. Every answer before, during
     and after equals the single-device one; a switch that leaves a rank's weights as they were
-    (rows -> rows) reads nothing."""
+    (rows -> rows) reads nothing, and neither does the switch back to the first plan, whose
+    slices each rank kept."""
     sup = served(2, "--strategy", "tensor", replan=True)
     ids = texts_ids(sup, TEXTS)
     want = single_device(minilm_dir, ids)
     sup.embed(ids[:1])
+    first = dict(sup.plan)
     plans = [{"hepti_plan": 1, "strategy": "rows", "world_size": 2,
               "ratios": {d: [0.3, 0.7] for d in ("heads", "ffn", "rows")}},
              {"hepti_plan": 1, "strategy": "rows", "world_size": 2,
-              "ratios": {d: [0.6, 0.4] for d in ("heads", "ffn", "rows")}}]
+              "ratios": {d: [0.6, 0.4] for d in ("heads", "ffn", "rows")}},
+             first]
     for plan in plans:
         epoch = sup.epoch
         sup.switch_plan(plan)
@@ -283,7 +286,9 @@ def test_a_plan_switch_mid_serving_keeps_every_answer_exact(served, minilm_dir):
         np.testing.assert_allclose(sup.embed(ids), want, atol=2e-5)
         assert sup.metrics()["plan"]["ratios"]["rows"] == plan["ratios"]["rows"]
     switched = [e for e in sup.replans if "switched_at" in e]
-    assert len(switched) == 2, sup.replans
-    to_rows, rows_to_rows = switched
+    assert len(switched) == 3, sup.replans
+    to_rows, rows_to_rows, back = switched
     assert all(b > 0 for b in to_rows["bytes_read"])  # tensor slices -> the whole model
     assert rows_to_rows["bytes_read"] == [0, 0]  # rows keeps every layer: nothing read
+    assert back["bytes_read"] == [0, 0]  # the tensor slices were kept beside rows'
+    assert back["new_strategy"] == "tensor"

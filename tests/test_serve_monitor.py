@@ -61,3 +61,29 @@ def test_refits_scale_speed_and_set_links():
     assert q.devices[0].gemm_flops(1e6) == p.devices[0].gemm_flops(1e6)
     r = M.with_links(q, {"1": {"latency_s": 0.002, "bandwidth_Bps": 12.5e6}})
     assert r.devices[1].bandwidth_Bps == 12.5e6 and r.devices[1].latency_s == 0.002
+
+
+def test_a_large_step_flags_at_once_and_confirms_on_the_next():
+    """A halved speed (log 2) flags on its first residual, even one that straddles the change
+    (half of the step), and alarms on the second, sized by the second alone."""
+    rng = np.random.default_rng(5)
+    c = M.Cusum()
+    assert not any(feed(c, 0.03 * rng.standard_normal(20)))
+    assert c.add(0.45) == 0 and c.flagged and c.flag == 1  # straddles: flagged, no alarm
+    assert c.add(math.log(2.0)) == 1 and c.fast
+    assert c.shift() == pytest.approx(math.log(2.0), abs=0.05)
+
+
+def test_one_flag_then_an_ordinary_batch_does_not_alarm():
+    c = M.Cusum()
+    feed(c, [0.0] * 10)
+    assert feed(c, [math.log(3.0), 0.02, 0.01]) == [0, 0, 0]
+    assert not c.fast
+
+
+def test_swinging_tells_a_flapping_link_from_noise_and_a_step():
+    rng = np.random.default_rng(11)
+    flap = [0.0, 0.0, 1.5, 1.5, 0.0, 0.0, 1.5, 1.5]  # 2 batches in each state
+    assert M.swinging([x + 0.05 * rng.standard_normal() for x in flap])
+    assert not M.swinging(list(0.2 * rng.standard_normal(M.SWING_N)))  # noise
+    assert not M.swinging([0.0] * 4 + [1.5] * 4)  # one step: one crossing

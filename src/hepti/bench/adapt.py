@@ -20,8 +20,12 @@ cover the time); the re-plans with their reasons, solve times, stalls and bytes 
 
     sudo python -m hepti.bench.adapt [--duration 100] [--seq 256] [--model weights/bert-base]
                                      [--variants adaptive,static,oracle,even] [--flap]
+                                     [--quiet PAIRS]
 `--flap` runs the second scenario instead: node-c's link flaps 940 <-> 100 Mbit/s every 2 s
 for DURATION s, `adaptive` against the static plans made for each of the two links.
+`--quiet PAIRS` runs the spec with no schedule, `--replan on` and `off` interleaved PAIRS
+times: the monitor's overhead (median over pairs of on / off median latency) and the re-plans
+and flags it made with nothing to find (results/adapt-quiet.json).
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from hepti.bench import git_commit, hepti_cmd, mpiexec, result_doc, write_json
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = ROOT / "hostfiles" / "emu-drift4.json"
 RECOVER_WITHIN, RECOVER_NEXT, RECOVER_RATIO = 5, 20, 1.10
+REVERT_RATIO = 1.05  # a restore: back within this of the plan made at t = 0, same phase
 
 
 def phases(spec: dict, duration: float) -> list[dict]:
@@ -175,19 +180,33 @@ def summarize(runs: dict, phs: list[dict], oracle_of_phase: list[str | None]) ->
 
 
 def events_figures(run: dict, phs: list[dict], runs: dict, oracle_of_phase) -> list[dict]:
-    """Per phase change: when the adaptive service first re-planned after it, and its recovery."""
+    """Per phase change: when the adaptive service first flagged it (a monitor flag or a
+    re-plan, whichever came first), when it first re-planned, and its recovery; for a phase
+    whose conditions are the first phase's (a restore), the revert against the plan made at
+    t = 0 (`static`) in the same phase."""
     t0, reqs = run["t0"], run["requests"]
     replans = [dict(e, at=e["t"] - t0) for e in run["metrics"].get("replans", []) if "t" in e]
+    flags = [dict(e, at=e["t"] - t0) for e in run["metrics"].get("flags", []) if "t" in e]
     out = []
+
+    def after_event(t_ev, at):
+        return {"s": at - t_ev, "requests": sum(1 for t, lat in reqs if t_ev <= t + lat <= at)}
     for i, ph in enumerate(phs[1:], 1):
         t_ev = ph["start"]
-        flagged = next((e for e in replans if t_ev <= e["at"] < ph["end"]), None)
-        row = {"t": t_ev, "flagged_after_s": None, "flagged_after_requests": None}
-        if flagged is not None:
-            row["flagged_after_s"] = flagged["at"] - t_ev
-            row["flagged_after_requests"] = sum(1 for t, lat in reqs if t_ev <= t + lat <= flagged["at"])
-            row["decision"] = flagged.get("decision")
-            row["reason"] = flagged.get("reason")
+        row = {"t": t_ev, "flagged_after_s": None, "flagged_after_requests": None,
+               "replanned_after_s": None, "replanned_after_requests": None}
+        acted = next((e for e in replans if t_ev <= e["at"] < ph["end"]), None)
+        seen = [e for e in flags + replans if t_ev <= e["at"] < ph["end"]]
+        if seen:
+            first = min(seen, key=lambda e: e["at"])
+            a = after_event(t_ev, first["at"])
+            row.update(flagged_after_s=a["s"], flagged_after_requests=a["requests"],
+                       flag=first.get("reason") or f"rank {first.get('rank')} {first.get('kind')} "
+                                                    f"{first.get('factor', 0):.2f}x")
+        if acted is not None:
+            a = after_event(t_ev, acted["at"])
+            row.update(replanned_after_s=a["s"], replanned_after_requests=a["requests"],
+                       decision=acted.get("decision"), reason=acted.get("reason"))
         after = [(t, lat) for t, lat in reqs if t >= t_ev and t < ph["end"]]
         nxt = [lat for _, lat in after[RECOVER_WITHIN:RECOVER_WITHIN + RECOVER_NEXT]]
         o = oracle_of_phase[i]
@@ -197,8 +216,39 @@ def events_figures(run: dict, phs: list[dict], runs: dict, oracle_of_phase) -> l
             row["oracle_median_ms"] = oracle * 1e3
             row["ratio"] = statistics.median(nxt) / oracle
             row["met"] = row["ratio"] <= RECOVER_RATIO
+        if conditions_key(ph["devices"]) == conditions_key(phs[0]["devices"]) and "static" in runs:
+            orig = in_phase(runs["static"]["requests"], ph)
+            if nxt and orig:
+                row["revert_vs_original_plan"] = statistics.median(nxt) / statistics.median(orig)
+                row["revert_met"] = row["revert_vs_original_plan"] <= REVERT_RATIO
         out.append(row)
     return out
+
+
+def quiet_pairs(spec_path: Path, model: str, n: int, pairs: int, duration: float, seq: int,
+                port: int, work: Path) -> dict:
+    """No changes: `pairs` x (--replan on, --replan off), interleaved, `duration` s each. The
+    monitor's overhead (the median over pairs of on's median latency over off's) and what it
+    did with nothing to find (re-plans and flags over every `on` run)."""
+    runs, ratios, replans, flags = [], [], [], []
+    for k in range(pairs):
+        pair = {}
+        for mode in (("on", "off") if k % 2 == 0 else ("off", "on")):
+            print(f"[bench-adapt] quiet pair {k + 1}/{pairs}: --replan {mode}", file=sys.stderr, flush=True)
+            r = served_run(spec_path, model, n, ["--strategy", "auto", "--replan", mode], duration,
+                           seq, port, work / f"quiet-{k}-{mode}.log")
+            r["mode"] = mode
+            pair[mode] = statistics.median(lat for _, lat in r["requests"])
+            if mode == "on":
+                replans += r["metrics"].get("replans", [])
+                flags += r["metrics"].get("flags", [])
+            runs.append(r)
+        ratios.append(pair["on"] / pair["off"])
+    return {"pairs": pairs, "duration_s": duration, "on_over_off": ratios,
+            "overhead_median_ratio": statistics.median(ratios),
+            "replans": replans, "flags": flags, "watched_s": pairs * duration,
+            "switches": sum(1 for e in replans if e.get("decision") in ("switch", "rollback")),
+            "runs": runs}
 
 
 def plot(runs: dict, phs: list[dict], path: Path) -> bool:
@@ -242,6 +292,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="weights/bert-base")
     ap.add_argument("--variants", default="adaptive,static,oracle,even")
     ap.add_argument("--flap", action="store_true", help="the flapping-link scenario instead")
+    ap.add_argument("--quiet", type=int, default=0, metavar="PAIRS",
+                    help="no schedule: PAIRS interleaved --replan on/off runs of --duration s "
+                         "each (the monitor's overhead, and re-plans with nothing to find); "
+                         "writes results/adapt-quiet.json")
     ap.add_argument("--port", type=int, default=8790)
     ap.add_argument("--out", default=None, help="default results/adapt.json (results/adapt-flap.json)")
     args = ap.parse_args(argv)
@@ -252,7 +306,8 @@ def main(argv=None) -> int:
         print(f"bench-adapt: no converted model in {args.model}; make it with "
               f"`hepti convert --random bert-base --out {args.model}`", file=sys.stderr)
         return 2
-    out = Path(args.out or ("results/adapt-flap.json" if args.flap else "results/adapt.json"))
+    out = Path(args.out or ("results/adapt-flap.json" if args.flap else
+                            "results/adapt-quiet.json" if args.quiet else "results/adapt.json"))
     commit = git_commit()
     base = json.loads(SPEC.read_text())
     n = len(base["devices"])
@@ -260,6 +315,16 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="hepti-adapt-"))
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
+    if args.quiet:
+        quiet = {k: v for k, v in base.items() if k != "schedule"}
+        spec_path.write_text(json.dumps(quiet))
+        res = quiet_pairs(spec_path, args.model, n, args.quiet, args.duration, args.seq, args.port, work)
+        doc = result_doc("adapt-quiet", commit=commit, spec=quiet, seq=args.seq, model=args.model,
+                         **res, command="sudo python -m hepti.bench.adapt " + " ".join(argv or sys.argv[1:]))
+        write_json(doc, out)
+        print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1))
+        print(f"wrote {out}")
+        return 0
     phs = phases(spec, args.duration) if not args.flap else [{"start": 0.0, "end": args.duration,
                                                              "devices": base["devices"]}]
     variants = args.variants.split(",")

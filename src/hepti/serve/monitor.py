@@ -22,6 +22,23 @@ warm-up is noisier than that widens its own bounds (DELTA to 2.5 sigma, LAMBDA t
 The re-planner waits one more batch before it acts, and sizes the step by the median of the
 last three residuals (the first after a change may straddle it).
 
+**Flags: one large residual, at once.** CUSUM is built for small shifts; a device that halves
+its speed or a link that drops tenfold moves a residual by 0.7-2.2 (log) in one batch. So each
+series also flags a single residual beyond `FLAG_MIN` (35%), or `FLAG_SIGMA` of its own noise
+if that is more, as soon as it is seen (a Shewhart rule beside the CUSUM): the flag is the
+detection `/metrics` reports. The flag alone does nothing; when the next residual lies beyond
+the flag's bound on the same side, the step is confirmed (`Alarm.fast`) and sized by that
+second residual alone (the flagged one may straddle the change). One outlier, or an outlier
+and an ordinary batch, never confirms: on Gaussian noise of 5%, a flag needs a 6-sigma sample.
+
+**A link that flaps.** A link that swings between two rates every few seconds moves the
+communication residuals up and down by turns: each swing may be too short to confirm, and a
+baseline learnt across them sits between the two. So the monitor also keeps each rank's last
+`SWING_N` communication residuals and raises a flap alarm (`Alarm.flap`) when they cross
+between high and low (beyond COMM_DELTA around their median) at least `SWING_CHANGES` times,
+spanning at least `SWING_RANGE`. The re-planner then probes the links over the next batches
+(hepti.serve.replan) to find which one swings and its worst state.
+
 **Telling compute from links.** A slower rank raises its own compute residual; every rank
 then waits longer at collectives, so communication residuals rise too. A communication alarm
 therefore counts only in a batch where no compute residual alarms, and it triggers a brief
@@ -38,6 +55,7 @@ from collections import OrderedDict
 DELTA = 0.10  # residual drift allowed (log): 10%, or 2.5 sigma of the series if that is more
 LAMBDA = 0.40  # CUSUM alarm threshold (log), or 6 sigma of the series if that is more
 BASELINE_N = 6  # residuals that set a series' baseline and noise after a (re)start
+FLAG_MIN, FLAG_SIGMA = 0.30, 5.0  # one residual this far out flags a change (log; see above)
 SAMPLE_CAP = 0.7  # of LAMBDA: what one residual may add to a sum (two are needed to alarm)
 SKIP_N = 3  # batches of a new plan not watched at all (first touch of buffers, caches)
 # an idle rank: the median of its last 5 probes, moved 1.6x (single probes at 0.2 core read
@@ -50,14 +68,19 @@ MIN_PREDICTED_S = 2e-3  # series whose prediction is shorter than this are too n
 # wait) are predicted to take MIN_TRANSFER_S: a link that drops from 940 to 100 Mbit/s makes
 # them about 9x longer (log 2.2), still 2 batches to an alarm.
 COMM_DELTA, COMM_LAMBDA, MIN_TRANSFER_S = 0.35, 1.2, 3e-3
+COMM_FLAG_MIN = 1.0  # a communication residual flags at e (2.7x): its noise is wider
+SWING_N, SWING_CHANGES, SWING_RANGE = 8, 3, math.log(2.0)  # a flapping link (see above)
 
 
 class Cusum:
     """Two-sided CUSUM on log residuals against a frozen baseline (see the module docstring)."""
 
-    def __init__(self, delta: float = DELTA, lam: float = LAMBDA):
+    def __init__(self, delta: float = DELTA, lam: float = LAMBDA, flag_min: float = FLAG_MIN):
         self.baseline: float | None = None
-        self.delta, self.lam = delta, lam
+        self.delta, self.lam, self.flag_bound = delta, lam, flag_min
+        self.flag = 0  # +1 / -1: the last residual lay beyond flag_bound on that side
+        self.fast = False  # the last alarm was a confirmed flag (sized by `last[-1]` alone)
+        self.flagged = False  # the last residual raised a flag the one before had not
         self.warm: list[float] = []
         self.up = self.down = 0.0
         self.last: list[float] = []
@@ -71,13 +94,19 @@ class Cusum:
                 self.baseline = statistics.median(self.warm)
                 sigma = 1.4826 * statistics.median(abs(w - self.baseline) for w in self.warm)
                 self.delta, self.lam = max(self.delta, 2.5 * sigma), max(self.lam, 6 * sigma)
+                self.flag_bound = max(self.flag_bound, FLAG_SIGMA * sigma)
             return 0
         d = x - self.baseline
+        before, self.flag = self.flag, (d > self.flag_bound) - (d < -self.flag_bound)
+        self.flagged = bool(self.flag) and self.flag != before
         cap = SAMPLE_CAP * self.lam  # one sample, however far out, fills at most this much
         self.up = max(0.0, self.up + min(d - self.delta, cap))
         self.down = max(0.0, self.down + min(-d - self.delta, cap))
         self.last = (self.last + [d])[-2:]
         self.recent = (self.recent + [d])[-3:]
+        self.fast = bool(before and self.flag == before)
+        if self.fast:  # two residuals in a row beyond the flag's bound, on the same side
+            return before
         if self.up > self.lam and len(self.last) == 2 and min(self.last) > self.delta:
             return 1
         if self.down > self.lam and len(self.last) == 2 and max(self.last) < -self.delta:
@@ -85,14 +114,18 @@ class Cusum:
         return 0
 
     def shift(self) -> float:
-        """The step's size in log: the median of the last three residuals less the baseline
-        (at an alarm the first of them may straddle the change: see PlanWatcher's confirmation)."""
+        """The step's size in log: after a confirmed flag, the last residual less the baseline;
+        else the median of the last three (at an alarm the first of them may straddle the
+        change: see PlanWatcher's confirmation)."""
+        if self.fast and self.last:
+            return self.last[-1]
         return statistics.median(self.recent) if self.recent else 0.0
 
     def restart(self) -> None:
         """After a re-fit of the same plan: the sums from zero, the baseline and noise kept."""
         self.up = self.down = 0.0
         self.last, self.recent = [], []
+        self.flag, self.fast, self.flagged = 0, False, False
 
 
 @dataclasses.dataclass
@@ -102,6 +135,8 @@ class Alarm:
     direction: int  # +1 slower, -1 faster
     factor: float  # measured / predicted, against the baseline
     absolute: bool = False  # factor against the rank's speed at start (an idle rank's probe)
+    fast: bool = False  # a confirmed flag: two large residuals in a row, sized by the second
+    flap: bool = False  # communication that swings up and down by turns (a flapping link)
 
 
 class Monitor:
@@ -115,6 +150,9 @@ class Monitor:
         self.comm_lambda = COMM_LAMBDA  # raised after probes that found nothing (PlanWatcher)
         self._predicted: OrderedDict = OrderedDict()
         self.batches = 0
+        self.flags: list[Alarm] = []  # series that flagged on the last batch (newly)
+        self.swings: dict[int, list[float]] = {}  # each rank's last SWING_N comm residuals
+        self.swing_range = SWING_RANGE  # doubled by a probe burst that found no flapping link
 
     def predicted(self, B: int, T: int):
         """The plan's per-rank prediction at this batch shape (cached)."""
@@ -133,6 +171,7 @@ class Monitor:
         alarms. An idle rank (no share) is judged by its speed probe against the same probe at
         start (`probe_base`), and alarms when that moved IDLE_MOVE from its current factor."""
         self.batches += 1
+        self.flags = []
         if self.batches <= SKIP_N:
             return []
         pred = self.predicted(B, T).predicted.get("per_rank", [])
@@ -151,16 +190,44 @@ class Monitor:
                 continue
             pc = p["compute_s"]
             if pc >= MIN_PREDICTED_S and m[0] > 0:
-                a = self.compute.setdefault(r, Cusum()).add(math.log(m[0] / pc))
+                c = self.compute.setdefault(r, Cusum())
+                a = c.add(math.log(m[0] / pc))
+                self._flagged("compute", r, c)
                 if a:
-                    compute_alarms.append(Alarm("compute", r, a, math.exp(self.compute[r].shift())))
+                    compute_alarms.append(Alarm("compute", r, a, math.exp(c.shift()), fast=c.fast))
             transfers = sum(p.get("comm_s", {}).values())
             pm = transfers + p.get("wait_s", 0.0)
             if transfers >= MIN_TRANSFER_S and m[1] > 0:
-                a = self.comm.setdefault(r, Cusum(COMM_DELTA, self.comm_lambda)).add(math.log(m[1] / pm))
+                c = self.comm.setdefault(r, Cusum(COMM_DELTA, self.comm_lambda, COMM_FLAG_MIN))
+                x = math.log(m[1] / pm)
+                a = c.add(x)
+                seen = self.swings.setdefault(r, [])
+                seen.append(x)
+                del seen[:-SWING_N]
+                if not a and swinging(seen, self.swing_range):
+                    self.swings.clear()  # one flap alarm for all ranks (they wait together)
+                    comm_alarms.append(Alarm("comm", r, 1, math.exp(max(seen) - statistics.median(seen)),
+                                             flap=True))
+                    continue
+                self._flagged("comm", r, c)
                 if a:
-                    comm_alarms.append(Alarm("comm", r, a, math.exp(self.comm[r].shift())))
+                    comm_alarms.append(Alarm("comm", r, a, math.exp(c.shift()), fast=c.fast))
         return compute_alarms or comm_alarms
+
+    def _flagged(self, kind: str, rank: int, c: Cusum) -> None:
+        """Note a series that flagged on this batch and not on the one before."""
+        if c.flagged:
+            self.flags.append(Alarm(kind, rank, c.flag, math.exp(c.last[-1])))
+
+
+def swinging(xs: list[float], span: float = SWING_RANGE) -> bool:
+    """Residuals that cross between high and low (beyond COMM_DELTA around their median) at
+    least SWING_CHANGES times and span `span`: a link flapping between two rates."""
+    if len(xs) < SWING_N or max(xs) - min(xs) < span:
+        return False
+    mid = statistics.median(xs)
+    sides = [1 if x > mid + COMM_DELTA else -1 for x in xs if abs(x - mid) > COMM_DELTA]
+    return sum(a != b for a, b in zip(sides, sides[1:])) >= SWING_CHANGES
 
 
 def predict(cfg, profile, plan, B: int, T: int):

@@ -2,6 +2,8 @@
 alarm, re-fit the profile, re-solve with the same planner, and switch plans when it pays.
 
 The steps, all between batches on the front end's thread that talks to the workers:
+0. a flag (a large residual: hepti.serve.monitor) is noted in `/metrics` at once; it becomes an
+   alarm when the next batch confirms it;
 1. an alarm: a rank's compute drifted (its speeds are scaled by the measured factor), or the
    communication did with no compute alarm (the links are re-probed: `probe`);
 2. re-solve (`make_plan` on the re-fitted profile, at the recent batch shape, with the
@@ -19,12 +21,14 @@ The steps, all between batches on the front end's thread that talks to the worke
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import statistics
 import time
 
-from hepti.serve.monitor import COMM_LAMBDA, Monitor, predict, scaled_speed, with_links
+from hepti.serve.monitor import (COMM_LAMBDA, SWING_RANGE, Monitor, predict, scaled_speed,
+                                 with_links)
 
 log = logging.getLogger("hepti")
 HORIZON_S = 10.0  # conditions are assumed to hold this long after a change
@@ -42,6 +46,10 @@ ROLLBACK_MARGIN = 0.05  # a new plan measured this much slower than the old one 
 # worst recent state (bench-adapt --flap: 940 <-> 100 Mbit/s every 2 s; the plan made for 100
 # served at 746 ms in both states, the one for 940 at 853 ms)
 FLAP_CHANGES, FLAP_WINDOW_S = 3, 20.0
+# When the communication swings (hepti.serve.monitor.swinging), the links are probed after
+# each of the next FLAP_PROBES batches (about 4 s at BERT-base: two periods of a 2 s flap); a
+# link whose probes spread by FLAP_SPREAD flaps, and is planned at its worst for FLAP_HOLD_S.
+FLAP_PROBES, FLAP_SPREAD, FLAP_HOLD_S = 5, 1.5, 60.0
 
 
 class PlanWatcher:
@@ -68,7 +76,13 @@ class PlanWatcher:
         self.confirming = None  # alarms waiting one batch to size their step
         self.comm_lambda_scale = 1.0  # doubled by each probe that found the links unchanged
         self.link_changes: dict[str, list] = {}  # rank -> [(when, probed link)] that moved
+        self.flap_hold: dict[str, float] = {}  # rank -> until when its link is held at its worst
+        self.burst = None  # {"event", "probes"}: links probed over several batches (a flap)
+        self.swing_range = SWING_RANGE
         self.requested = None  # a plan asked for from outside (Supervisor.switch_plan)
+        # per rank, the layer_spec of weights it still holds from a plan before (JSON, or None):
+        # from each switch's answer, and dropped when a batch says the rank let them go
+        self.held: list = [None] * self.base.world_size
         self.walls_since_alarm: list[float] = []
         self.last_switch = -math.inf
         self.shapes: list[tuple[int, int]] = []
@@ -81,12 +95,18 @@ class PlanWatcher:
         self.shapes = (self.shapes + [shape])[-20:]
         self.batch_times = (self.batch_times + [now])[-20:]
         self.walls_since_alarm.append(wall)
+        for r, m in enumerate(ranks_s):
+            if len(m) > 5 and not m[5]:
+                self.held[r] = None
         if self.judging is not None:
             self._judge(sock, wall)
             return
         if self.pending is not None:
             if all(r[3] for r in ranks_s):  # every rank's next weights are loaded
                 self._switch(sock, *self.pending)
+            return
+        if self.burst is not None:
+            self._burst_probe(sock)
             return
         if self.requested is not None:
             plan, self.requested = self.requested, None
@@ -98,12 +118,16 @@ class PlanWatcher:
             return
         alarms = self.monitor.observe(*shape, ranks_s, self.probe_base, self.factors)
         self._note_residuals(shape, ranks_s)
+        for f in self.monitor.flags:  # detections, whether or not they are acted on
+            self.sup.flags.append({"t": time.time(), "kind": f.kind, "rank": f.rank,
+                                   "factor": f.factor, "batch_shape": list(shape)})
         if self.confirming is not None:  # one more batch in the new regime sizes the step
             alarms, self.confirming = self.confirming, None
             for a in alarms:
                 if a.kind == "compute" and not a.absolute:
                     a.factor = math.exp(self.monitor.compute[a.rank].shift())
-        elif alarms and alarms[0].kind == "compute" and not alarms[0].absolute:
+        elif alarms and alarms[0].kind == "compute" and not alarms[0].absolute \
+                and not all(a.fast for a in alarms):  # a confirmed flag is sized already
             self.confirming = alarms
             return
         if not alarms or now - self.last_switch < COOLDOWN_S:
@@ -122,12 +146,20 @@ class PlanWatcher:
             event["reason"] = "; ".join(
                 f"rank {a.rank} {'probes' if a.absolute else 'computes'} {a.factor:.2f}x its "
                 f"{'speed at start' if a.absolute else 'predicted time'}" for a in alarms)
+        elif alarms[0].flap:  # probe over the next batches, then decide (`_burst_probe`)
+            if any(until > now for until in self.flap_hold.values()):
+                return  # already planned at a flapping link's worst state
+            event["reason"] = (f"communication swings (up to {alarms[0].factor:.2f}x its median): "
+                               f"links probed over the next {FLAP_PROBES} batches")
+            self.burst = {"event": event, "probes": [self._probe(sock)]}
+            return
         else:
-            peers = [r for r in range(self.profile.world_size) if r != 0]
-            answer = self.sup.command(sock, {"op": "probe", "ranks": peers})
+            answer = self._probe(sock)
             before = self.profile
             now_t = time.monotonic()
             for r, v in answer["links"].items():
+                if self.flap_hold.get(r, 0.0) > now_t:
+                    continue  # a flapping link stays planned at its worst state for a while
                 if _moved(before.devices[int(r)], v):
                     seen = self.link_changes.setdefault(r, [])
                     seen.append((now_t, v))
@@ -135,6 +167,7 @@ class PlanWatcher:
                     if len(seen) >= FLAP_CHANGES:  # flapping: plan for its worst recent state
                         v = min((x[1] for x in seen), key=lambda x: x["bandwidth_Bps"])
                         event["flapping"] = sorted(set(event.get("flapping", []) + [int(r)]))
+                        self.flap_hold[r] = now_t + FLAP_HOLD_S
                 self.links[r] = v
             self._refit()
             moved = any(_moved(before.devices[int(r)], v) for r, v in self.links.items())
@@ -148,6 +181,44 @@ class PlanWatcher:
                     f"rank {r} {v['bandwidth_Bps'] * 8 / 1e6:.0f} Mbit/s"
                     for r, v in sorted(answer["links"].items())))
             event["probe_s"] = time.perf_counter() - t0
+        self._decide(sock, event)
+
+    def _probe(self, sock) -> dict:
+        """Rank 0's ping-pong with every other rank: {"links": {rank: link}}."""
+        return self.sup.command(sock, {"op": "probe",
+                                       "ranks": [r for r in range(self.profile.world_size) if r != 0]})
+
+    def _burst_probe(self, sock) -> None:
+        """One more probe of a burst; after FLAP_PROBES, a link whose probes spread by
+        FLAP_SPREAD is flapping and is planned at its worst state for FLAP_HOLD_S; the others
+        at their median. Then decide."""
+        self.burst["probes"].append(self._probe(sock))
+        if len(self.burst["probes"]) < FLAP_PROBES:
+            return
+        event, probes, self.burst = self.burst["event"], self.burst["probes"], None
+        now_t = time.monotonic()
+        before = self.profile
+        event["before"] = (list(self.factors), dict(self.links))
+        flapping = []
+        for r in probes[0]["links"]:
+            seen = sorted((p["links"][r] for p in probes), key=lambda v: v["bandwidth_Bps"])
+            if seen[-1]["bandwidth_Bps"] > FLAP_SPREAD * seen[0]["bandwidth_Bps"]:
+                self.links[r] = seen[0]
+                self.flap_hold[r] = now_t + FLAP_HOLD_S
+                flapping.append(int(r))
+            elif _moved(before.devices[int(r)], seen[len(seen) // 2]):
+                self.links[r] = seen[len(seen) // 2]
+        self._refit()
+        event.update(flapping=flapping, links_changed=bool(flapping) or any(
+            _moved(before.devices[int(r)], v) for r, v in self.links.items()),
+            probed_mbit={r: [round(p["links"][r]["bandwidth_Bps"] * 8e-6) for p in probes]
+                         for r in probes[0]["links"]})
+        if not event["links_changed"]:  # swings from noise, not a link: look less eagerly
+            self.comm_lambda_scale = min(8.0, self.comm_lambda_scale * 2)
+            self.swing_range = min(4 * SWING_RANGE, 2 * self.swing_range)
+            self.monitor.swing_range = self.swing_range
+        event["reason"] += "; " + (f"rank(s) {flapping} flap: planned at their slowest probe"
+                                   if flapping else "no link flaps")
         self._decide(sock, event)
 
     # --- deciding ------------------------------------------------------------------------------
@@ -192,6 +263,8 @@ class PlanWatcher:
         assert answer["op"] == "switched", answer
         self.previous = None if rollback else (self.plan, list(self.walls_since_alarm))
         self.previous_before = event.get("before")
+        for r in answer["ranks"]:
+            self.held[r["rank"]] = r.get("holds")
         self.plan, self.pending = plan, None
         self.last_switch = time.monotonic()
         event.update(switched_at=time.time(),
@@ -236,13 +309,15 @@ class PlanWatcher:
 
     def _load_seconds(self, plan) -> float:
         """The slowest rank's time to read and pack its new slices for `plan` (0 for a rank
-        whose slices stay: `layer_spec`)."""
+        whose slices stay, or that still holds them from the plan before: `layer_spec`)."""
         from hepti.model.sizes import layer_slice_bytes
         from hepti.parallel.engine import layer_spec
         cfg, worst = self.cfg, 0.0
         for r, dev in enumerate(self.base.devices):
             new, old = layer_spec(plan, cfg, r), layer_spec(self.plan, cfg, r)
             if new is None or new == old:
+                continue
+            if self.held[r] is not None and json.loads(json.dumps(new)) == self.held[r]:
                 continue
             kind, heads, ffn, extra = new
             layers = extra if kind == "stream" else extra[1] - extra[0]
@@ -276,6 +351,7 @@ class PlanWatcher:
                     c.restart()
                 mine[r] = c
         self.monitor.comm_lambda = COMM_LAMBDA * self.comm_lambda_scale
+        self.monitor.swing_range = self.swing_range
         for c in self.monitor.comm.values():
             c.lam = max(c.lam, self.monitor.comm_lambda)
 

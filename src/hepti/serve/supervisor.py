@@ -146,6 +146,9 @@ class Supervisor:
         # each re-fit and its decision, for /metrics: the last REPLANS_KEPT (a service runs for
         # days, and a noisy device can make a "keep" decision every few seconds)
         self.replans: collections.deque[dict] = collections.deque(maxlen=REPLANS_KEPT)
+        # the monitor's flags (a rank's residual far off at once: hepti.serve.monitor), acted
+        # on or not: when each change was first seen
+        self.flags: collections.deque[dict] = collections.deque(maxlen=REPLANS_KEPT)
         self.watcher = None  # hepti.serve.replan.PlanWatcher, with --replan on
         self.counts = collections.Counter()
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
@@ -205,6 +208,7 @@ class Supervisor:
                         "wall_ms_p50": statistics.median(self._batch_walls) * 1e3 if self._batch_walls else None},
             "launches": self.launches,
             "replans": list(self.replans),
+            "flags": list(self.flags),
             "residuals": self.watcher.residuals() if self.watcher is not None else None,
         }
 

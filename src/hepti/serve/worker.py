@@ -147,14 +147,31 @@ def serve(args) -> int:
         watch.close()
 
 
+# A rank keeps the resident weights of the plan it switched away from while its free memory
+# is at least this many times their size: the switch back (a device restored, a rollback)
+# then reads nothing. bench-adapt's restore at 60 s waited 10 s for its better plan because a
+# 0.2-core device had to read back the 340 MB it had dropped when it went idle.
+KEEP_PREVIOUS_FREE = 2.0
+
+
 class _State:
-    """A rank's serving state: its job, and the next plan's weights while they load."""
+    """A rank's serving state: its job, the next plan's weights while they load, and the
+    previous plan's (`kept`), while memory allows."""
 
     def __init__(self, world, store, job, args):
         self.world, self.store, self.job, self.args = world, store, job, args
         self.cfg = store.config
         self.next = None  # (plan, spec, thread, holder) while a new plan's weights load
+        self.kept = None  # (spec, layers) of the plan before the current one
         self._probe = None  # speed_probe's buffers
+
+    def _trim(self) -> None:
+        """Drop the previous plan's weights when memory runs short."""
+        from hepti.parallel.profiling import available_memory
+        if self.kept is not None and self.next is None \
+                and available_memory()[0] < self.kept[1].resident_bytes:
+            self.kept[1].close()
+            self.kept = None
 
     def batch(self, header, data):
         """One batch through the job; rank 0's answer: the pooled embeddings, and with --replan
@@ -178,7 +195,9 @@ class _State:
             comm = sum(v for k, v in sec.items() if k not in ("compute", "io", "batch"))
             ready = self.next is None or not self.next[2].is_alive()
             probe = 0.0 if self.job.is_active else self.speed_probe()
-            mine = [compute, comm, float(available_memory()[0]), float(ready), probe]
+            self._trim()
+            mine = [compute, comm, float(available_memory()[0]), float(ready), probe,
+                    float(self.kept is not None)]
             head["ranks_s"] = w.gather_floats(mine)
         if not rank0:
             return None
@@ -239,7 +258,8 @@ class _State:
 
         def load():
             try:
-                if spec is not None and spec != self.job.spec:
+                if spec is not None and spec != self.job.spec and \
+                        (self.kept is None or spec != self.kept[0]):
                     holder["layers"] = build_layers(self.store, spec,
                                                     slice_packer(family_graph(self.cfg, 1, 1)))
             except BaseException as e:  # noqa: BLE001 - raised by switch(), on the main thread
@@ -260,15 +280,33 @@ class _State:
         thread.join()
         if "error" in holder:
             raise holder["error"]
+        from hepti.parallel.layers import ResidentLayers
+        from hepti.parallel.profiling import available_memory
         keep = spec is not None and spec == self.job.spec
-        layers = self.job.layers if keep else holder.get("layers")
+        old_spec, old_layers = self.job.spec, self.job.layers
+        if keep:
+            layers = old_layers
+        elif self.kept is not None and spec == self.kept[0]:
+            layers, self.kept = self.kept[1], None
+        else:
+            layers = holder.get("layers")
         ops = self.job.primary_ops or None  # the primary's embeddings, if it stays the primary
-        self.job.close(keep_layers=keep)
+        self.job.close(keep_layers=True)
+        if not keep and isinstance(old_layers, ResidentLayers):  # the one before goes
+            if self.kept is not None:
+                self.kept[1].close()
+            self.kept = (old_spec, old_layers) \
+                if available_memory()[0] >= KEEP_PREVIOUS_FREE * old_layers.resident_bytes else None
+            if self.kept is None:
+                old_layers.close()
+        elif not keep and old_layers is not None:
+            old_layers.close()
         self.job = Job(w, self.store, plan, self.args.threads, layers=layers, primary_ops=ops)
         self.next = None
         read = self.store.bytes_read - holder["read0"]
         stall = time.perf_counter() - t0
         per_rank = w.gather_obj({"rank": w.rank, "bytes_read": read, "kept": keep,
+                                 "holds": None if self.kept is None else self.kept[0],
                                  "stall_s": stall})
         return ({"op": "switched", "ranks": per_rank, "strategy": plan.strategy}, None) \
             if w.rank == 0 else None
@@ -276,6 +314,8 @@ class _State:
     def close(self):
         if self.next is not None:
             self.next[2].join()
+        if self.kept is not None:
+            self.kept[1].close()
         self.job.close()
 
 
