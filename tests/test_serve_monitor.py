@@ -82,8 +82,10 @@ def test_one_flag_then_an_ordinary_batch_does_not_alarm():
 
 
 def test_swinging_tells_a_flapping_link_from_noise_and_a_step():
+    """Two batches in each state, over SWING_N batches: 3 crossings."""
     rng = np.random.default_rng(11)
-    flap = [0.0, 0.0, 1.5, 1.5, 0.0, 0.0, 1.5, 1.5]  # 2 batches in each state
+    flap = [0.0, 0.0, 1.5, 1.5, 0.0, 0.0, 1.5]
     assert M.swinging([x + 0.05 * rng.standard_normal() for x in flap])
     assert not M.swinging(list(0.2 * rng.standard_normal(M.SWING_N)))  # noise
-    assert not M.swinging([0.0] * 4 + [1.5] * 4)  # one step: one crossing
+    assert not M.swinging([0.0] * 4 + [1.5] * 3)  # one step: one crossing
+    assert not M.swinging([0.0] * 3 + [1.5] + [0.0] * 3)  # one outlier: two

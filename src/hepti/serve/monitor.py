@@ -35,7 +35,7 @@ and an ordinary batch, never confirms: on Gaussian noise of 5%, a flag needs a 6
 communication residuals up and down by turns: each swing may be too short to confirm, and a
 baseline learnt across them sits between the two. So the monitor also keeps each rank's last
 `SWING_N` communication residuals and raises a flap alarm (`Alarm.flap`) when they cross
-between high and low (beyond COMM_DELTA around their median) at least `SWING_CHANGES` times,
+between high and low (the outer quarters of their range) at least `SWING_CHANGES` times,
 spanning at least `SWING_RANGE`. The re-planner then probes the links over the next batches
 (hepti.serve.replan) to find which one swings and its worst state.
 
@@ -69,7 +69,7 @@ MIN_PREDICTED_S = 2e-3  # series whose prediction is shorter than this are too n
 # them about 9x longer (log 2.2), still 2 batches to an alarm.
 COMM_DELTA, COMM_LAMBDA, MIN_TRANSFER_S = 0.35, 1.2, 3e-3
 COMM_FLAG_MIN = 1.0  # a communication residual flags at e (2.7x): its noise is wider
-SWING_N, SWING_CHANGES, SWING_RANGE = 8, 3, math.log(2.0)  # a flapping link (see above)
+SWING_N, SWING_CHANGES, SWING_RANGE = 7, 3, math.log(2.0)  # a flapping link (see above)
 
 
 class Cusum:
@@ -221,12 +221,14 @@ class Monitor:
 
 
 def swinging(xs: list[float], span: float = SWING_RANGE) -> bool:
-    """Residuals that cross between high and low (beyond COMM_DELTA around their median) at
-    least SWING_CHANGES times and span `span`: a link flapping between two rates."""
-    if len(xs) < SWING_N or max(xs) - min(xs) < span:
+    """Residuals that span at least `span` and cross between high and low (the outer quarters
+    of their range) at least SWING_CHANGES times: a link flapping between two rates. One
+    outlier crosses twice, so it is not enough."""
+    lo, hi = min(xs), max(xs)
+    if len(xs) < SWING_N or hi - lo < span:
         return False
-    mid = statistics.median(xs)
-    sides = [1 if x > mid + COMM_DELTA else -1 for x in xs if abs(x - mid) > COMM_DELTA]
+    mid, band = (hi + lo) / 2, (hi - lo) / 4
+    sides = [1 if x > mid else -1 for x in xs if abs(x - mid) > band]
     return sum(a != b for a, b in zip(sides, sides[1:])) >= SWING_CHANGES
 
 

@@ -47,9 +47,9 @@ ROLLBACK_MARGIN = 0.05  # a new plan measured this much slower than the old one 
 # served at 746 ms in both states, the one for 940 at 853 ms)
 FLAP_CHANGES, FLAP_WINDOW_S = 3, 20.0
 # When the communication swings (hepti.serve.monitor.swinging), the links are probed after
-# each of the next FLAP_PROBES batches (about 4 s at BERT-base: two periods of a 2 s flap); a
+# each of the next FLAP_PROBES batches (3-4 s at BERT-base: both states of a 2 s flap); a
 # link whose probes spread by FLAP_SPREAD flaps, and is planned at its worst for FLAP_HOLD_S.
-FLAP_PROBES, FLAP_SPREAD, FLAP_HOLD_S = 5, 1.5, 60.0
+FLAP_PROBES, FLAP_SPREAD, FLAP_HOLD_S = 4, 1.5, 60.0
 
 
 class PlanWatcher:
