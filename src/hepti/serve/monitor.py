@@ -58,9 +58,10 @@ BASELINE_N = 6  # residuals that set a series' baseline and noise after a (re)st
 FLAG_MIN, FLAG_SIGMA = 0.30, 5.0  # one residual this far out flags a change (log; see above)
 SAMPLE_CAP = 0.7  # of LAMBDA: what one residual may add to a sum (two are needed to alarm)
 SKIP_N = 3  # batches of a new plan not watched at all (first touch of buffers, caches)
-# an idle rank: the median of its last 5 probes, moved 1.6x (single probes at 0.2 core read
-# 0.7-2.3x of the truth on this shared host: bench-adapt's first run)
-IDLE_N, IDLE_MOVE = 5, 1.6
+# an idle rank: the median of its last 3 reports, each the median of 3 probes
+# (hepti.serve.worker.IDLE_PROBES), moved 1.6x (single probes at 0.2 core read 0.7-2.3x of the
+# truth on this shared host: bench-adapt's first run)
+IDLE_N, IDLE_MOVE = 3, 1.6
 MIN_PREDICTED_S = 2e-3  # series whose prediction is shorter than this are too noisy to watch
 # Communication includes waiting for the slowest peer, so its residual carries every rank's
 # compute noise: 2-7x swings on 2-rank MiniLM batches whose transfers are predicted at a few

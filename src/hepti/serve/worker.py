@@ -152,6 +152,7 @@ def serve(args) -> int:
 # then reads nothing. bench-adapt's restore at 60 s waited 10 s for its better plan because a
 # 0.2-core device had to read back the 340 MB it had dropped when it went idle.
 KEEP_PREVIOUS_FREE = 2.0
+IDLE_PROBES = 3  # speed probes an idle rank runs after each batch (their median is reported)
 
 
 class _State:
@@ -164,6 +165,7 @@ class _State:
         self.next = None  # (plan, spec, thread, holder) while a new plan's weights load
         self.kept = None  # (spec, layers) of the plan before the current one
         self._probe = None  # speed_probe's buffers
+        self._probed = 0.0  # an idle rank's last speed probe (s), sent with the next batch
 
     def _trim(self) -> None:
         """Drop the previous plan's weights when memory runs short."""
@@ -194,11 +196,16 @@ class _State:
             compute = sum(v for k, v in sec.items() if k in ("compute", "io"))
             comm = sum(v for k, v in sec.items() if k not in ("compute", "io", "batch"))
             ready = self.next is None or not self.next[2].is_alive()
-            probe = 0.0 if self.job.is_active else self.speed_probe()
             self._trim()
-            mine = [compute, comm, float(available_memory()[0]), float(ready), probe,
+            mine = [compute, comm, float(available_memory()[0]), float(ready), self._probed,
                     float(self.kept is not None)]
             head["ranks_s"] = w.gather_floats(mine)
+            # an idle rank probes its speed after the gather, off the batch's path: rank 0
+            # answers without waiting for it, and the next batch's gather carries the figure
+            # (the median of IDLE_PROBES: single probes at 0.15-0.2 core read 0.76-1.85x of
+            # each other within 4 s in bench-adapt, and one of them misled a re-plan)
+            self._probed = 0.0 if self.job.is_active else \
+                sorted(self.speed_probe() for _ in range(IDLE_PROBES))[IDLE_PROBES // 2]
         if not rank0:
             return None
         emb = pool(out["h"], batch.mask, self.args.pool, bool(self.args.normalize))
