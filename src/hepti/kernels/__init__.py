@@ -11,14 +11,27 @@ Public API (what the model code calls):
     softmax_rows(x, key_mask=None, scale=1.0, out=None)
     attention(q, k, v, key_mask, n_heads, row0=0, out=None, threads=1)
     attention_qkv(qkv, key_mask, n_heads, kv=None, row0=0, threads=1)   on a fused QKV output
+CNN kernels (NHWC feature maps [N, H, W, C], PyTorch-layout weights [Cout, Cin/groups, kh, kw]):
+    ConvWeight, pack_conv_weight(w, groups=1)        conv weights packed once, at load time
+    conv2d(x, w, bias, stride, padding, dilation, groups, relu, residual, out, threads)
+                                                     act(conv + bias + residual), any groups
+    depthwise_conv2d(x, w, bias, stride, padding, dilation, relu, residual, out, threads)
+    max_pool2d / avg_pool2d(x, kernel_size, stride=None, padding=0, out=None)
+    global_avg_pool(x, out=None)                     [N, H, W, C] -> [N, C]
+    relu(x, out=None), relu6(x, out=None)            out=x works in place
+    fold_batchnorm(w, b, gamma, beta, mean, var, eps)   -> (w, b) with BatchNorm folded in
 naive.py holds a plain numpy reference for each. config is imported first: it sets the Numba
 code-generation options the kernels need before anything is compiled.
 """
 from hepti.kernels import config  # noqa: F401  (first: sets up Numba before any compile)
 from hepti.kernels.attention_core import attention, attention_qkv
+from hepti.kernels.conv import (ConvWeight, avg_pool2d, conv2d, depthwise_conv2d, fold_batchnorm,
+                                global_avg_pool, max_pool2d, pack_conv_weight, relu, relu6)
 from hepti.kernels.norm import add_layernorm, embed_layernorm, layernorm
 from hepti.kernels.packed_gemm import PackedB, ffn, gemm, matmul, pack_b
 from hepti.kernels.softmax import softmax_rows
 
 __all__ = ["PackedB", "pack_b", "gemm", "ffn", "matmul", "layernorm", "add_layernorm",
-           "embed_layernorm", "softmax_rows", "attention", "attention_qkv"]
+           "embed_layernorm", "softmax_rows", "attention", "attention_qkv",
+           "ConvWeight", "pack_conv_weight", "conv2d", "depthwise_conv2d", "max_pool2d",
+           "avg_pool2d", "global_avg_pool", "relu", "relu6", "fold_batchnorm"]

@@ -1,0 +1,868 @@
+"""2-D convolution and pooling on NHWC float32 feature maps, for the CNN family (MobileNetV2,
+ResNet-50, VGG-16).
+
+Layout: x is [N, H, W, C] (channels innermost, what the GeMM wants as its K axis and what
+vectorises in depthwise and pooling loops); weights arrive in PyTorch's layout
+[Cout, Cin/groups, kh, kw] and are packed once at load time by `pack_conv_weight`.
+
+A convolution is a GeMM per group g: the M = N*Ho*Wo output pixels are the rows, a pixel's
+receptive field is its row of K = kh*kw*Cin_g values (ordered ky, kx, c, so that for one ky
+and dilation 1 the kx and c part is one contiguous run of kw*Cin floats in NHWC x), and the
+packed weight [K, Cout_g] is B. Per block of MC output rows (packed_gemm.row_block: the block
+stays in L2) the patches are packed straight from x into the A tiles the micro-kernel reads
+(`_pack_patches`: implicit im2col, no [M, K] patch matrix), then every packed panel of B runs
+over the block with the GeMM's fused bias / residual epilogue, then ReLU/ReLU6 on the block
+while it is still in L2. A 1x1 convolution with stride 1 and no padding needs no patches at
+all: its A is x itself, [N*H*W, C] (`_pack_a` on x).
+
+Measured 2026-11-26 (ms, batch 1, one thread, median of 7, bias + ReLU included; 2-core Zen 4
+EPYC with other benchmarks running, load average 2.2; `python -m hepti.bench.convbench
+--repeat 7`):
+    layer                                    explicit  im2col/block  implicit (GFLOP/s)
+    MobileNetV2 stem 224x224x3 3x3 s2 -> 32     1.38        1.40        0.53  (41)
+    ResNet-50 stem 224x224x3 7x7 s2 -> 64       8.26        7.42        3.23  (73)
+    ResNet-50 56x56x64 3x3 -> 64                3.20        3.02        2.66  (87)
+    ResNet-50 14x14x256 3x3 -> 256              2.37        2.33        2.28  (101)
+    VGG-16 224x224x64 3x3 -> 64                55.7        49.2        44.0   (84)
+    1x1 stride 1                             gemm(x)+relu  direct (conv2d's path)
+    MobileNetV2 112x112x32 -> 16                0.50        0.52  (memory-bound: K=32, N=16)
+    MobileNetV2 56x56x24 -> 144                 0.45        0.45
+explicit = the whole [M, K] patch matrix, then one gemm(); im2col/block = each MC-row block's
+patch rows copied into a buffer, then packed; implicit = packed straight from x (what conv2d
+does). Implicit won every shape: by 2.5x on the 3-channel stems (a patch row there is many
+3-float copies; packing 8 pixels at once from x reads kw*3 contiguous floats per tap row) and
+by 4-27% on the wide layers (the patch copy is traffic the GeMM does not need; least where
+K = 2304 makes the GeMM dominate). In three later runs under heavier load (load average 4-5,
+medians up to 2x slower) implicit stayed the fastest on every shape (by median, and by min
+in the two that recorded it). Rows per block (64 .. 2048) changed nothing beyond noise, so
+packed_gemm.row_block's choice is kept.
+
+`depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
+loop over contiguous channels innermost (it vectorises). It is bound by loads, not FMAs: a 3x3
+pixel with all taps inside the image sums its nine products in registers, and four
+neighbouring pixels at stride 1 (two at stride 2) share their input columns and weight loads
+(`_dw3x3_quads`, `_dw3x3_pairs`). On eight MobileNetV2 depthwise shapes (sum of min-of-25
+timings, under load) tap by tap into y took 2.9 ms, nine products in registers 1.5 ms, pixel
+groups 1.1 ms; all seventeen of MobileNetV2's depthwise layers now take ~1.4-1.5 ms
+(convbench, sum of medians; 20-35 GFLOP/s). Border pixels and other kernel sizes take the
+tap-by-tap loop. Pools likewise, tap by tap.
+
+Padding is per side, (top, bottom, left, right), so that a band of output rows can be computed
+from a band of input rows with padding only where the band meets the image border (a height
+split: see DESIGN.md, "Height split").
+"""
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from hepti.kernels import config
+from hepti.kernels._microkernels import MR, NR, pack_a_tile
+from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
+from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
+from hepti.kernels.packed_gemm import _pack_a, _pack_all, _panel_range, panel_group, row_block
+
+_ACT = {None: 0, "relu": 1, "relu6": 2}
+_MODE_DIRECT, _MODE_IMPLICIT, _MODE_IM2COL = 0, 1, 2  # how A is formed (see _conv_rows)
+
+
+class ConvWeight:
+    """A convolution weight packed once (at load time) for `conv2d`.
+
+    panels: float32 [groups, n_panels, kh*kw*cin_g, NR]; panels[g] are the pack_b panels of
+    group g's B [K_g, Cout_g], B[(ky*kw + kx)*cin_g + c, j] = w[g*Cout_g + j, c, ky, kx].
+    A depthwise weight (groups == Cin == Cout) is kept instead as taps: float32 [kh*kw, C],
+    taps[ky*kw + kx, c] = w[c, 0, ky, kx], and panels is empty.
+    """
+
+    __slots__ = ("panels", "taps", "cout", "cin", "kh", "kw", "groups")
+
+    def __init__(self, panels: np.ndarray, taps: np.ndarray, cout: int, cin: int, kh: int,
+                 kw: int, groups: int):
+        self.panels, self.taps = panels, taps
+        self.cout, self.cin, self.kh, self.kw, self.groups = cout, cin, kh, kw, groups
+
+    @property
+    def depthwise(self) -> bool:
+        """True when this is a depthwise weight (one input and one output channel per group)."""
+        return self.taps.size > 0
+
+    @property
+    def k(self) -> int:
+        """Rows of each group's B: kh * kw * Cin/groups."""
+        return self.kh * self.kw * (self.cin // self.groups)
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes + self.taps.nbytes
+
+    def __repr__(self) -> str:
+        return (f"ConvWeight(cout={self.cout}, cin={self.cin}, kernel={self.kh}x{self.kw}, "
+                f"groups={self.groups}, nbytes={self.nbytes})")
+
+
+# ------------------------------------------------------------------------------------------
+# @njit kernels: arithmetic only
+# ------------------------------------------------------------------------------------------
+# geo, the geometry of one convolution, is the int tuple
+#   (n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg)
+# (batch, input height/width/channels, output height/width, kernel, stride, top/left padding,
+# dilation, channels per group). Output pixel m = (b*Ho + oy)*Wo + ox; tap (ky, kx) of it
+# reads input row iy = oy*sh - pt + ky*dh, column ix = ox*sw - pl + kx*dw (zero outside).
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _patch_row(x, geo, c0, m, dst, d_off):
+    """dst[d_off : d_off + K] = the receptive field of output pixel m, channels c0 .. c0+cg-1
+    of each tap, ordered (ky, kx, c); zeros where a tap falls in the padding."""
+    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    b = m // (ho * wo)
+    oy = (m // wo) % ho
+    ox = m % wo
+    p = d_off
+    for ky in range(kh):
+        iy = oy * sh - pt + ky * dh
+        if iy < 0 or iy >= h:
+            for q in range(p, p + kw * cg):
+                dst[q] = 0.0
+            p += kw * cg
+            continue
+        row = (b * h + iy) * w
+        for kx in range(kw):
+            ix = ox * sw - pl + kx * dw
+            seg = dst[p:p + cg]
+            if 0 <= ix < w:
+                src = x[(row + ix) * c + c0:(row + ix) * c + c0 + cg]
+                for q in range(cg):
+                    seg[q] = src[q]
+            else:
+                for q in range(cg):
+                    seg[q] = 0.0
+            p += cg
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _im2col(x, geo, c0, m0, m1, dst, ldd):
+    """Rows m0 .. m1-1 of the patch matrix into dst (flat, row i at dst[i * ldd])."""
+    for m in range(m0, m1):
+        _patch_row(x, geo, c0, m, dst, (m - m0) * ldd)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _pack_row_tile(x, geo, c0, b, oy, ox, tile):
+    """tile [K, MR] = the patches of the MR output pixels (b, oy, ox .. ox+MR-1), one row of
+    the output. For each tap the MR pixels read x at a fixed stride (sw * C), so a tap whose
+    columns are inside the image for all of them is packed from x by the 8-row packer; a tap
+    row (ky) whose kw*C floats are contiguous (groups 1, dilation 1) is packed in one go."""
+    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    lda = sw * c
+    ix_first = ox * sw - pl
+    whole_rows = cg == c and (dw == 1 or kw == 1) and ix_first >= 0 and \
+        ix_first + (MR - 1) * sw + kw - 1 < w
+    p = 0
+    for ky in range(kh):
+        iy = oy * sh - pt + ky * dh
+        if iy < 0 or iy >= h:
+            for q in range(p, p + kw * cg):
+                t = tile[q]
+                for i in range(MR):
+                    t[i] = 0.0
+            p += kw * cg
+            continue
+        row = (b * h + iy) * w
+        if whole_rows:
+            pack_a_tile(x, (row + ix_first) * c, lda, kw * c, tile[p:p + kw * c])
+            p += kw * c
+            continue
+        for kx in range(kw):
+            ix0 = ix_first + kx * dw
+            seg = tile[p:p + cg]
+            if ix0 >= 0 and ix0 + (MR - 1) * sw < w:
+                pack_a_tile(x, (row + ix0) * c + c0, lda, cg, seg)
+            else:
+                for i in range(MR):
+                    ix = ix0 + i * sw
+                    if 0 <= ix < w:
+                        src = x[(row + ix) * c + c0:(row + ix) * c + c0 + cg]
+                        for q in range(cg):
+                            seg[q, i] = src[q]
+                    else:
+                        for q in range(cg):
+                            seg[q, i] = 0.0
+            p += cg
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _pack_patches(x, geo, c0, m0, rows, k, apack, tilebuf):
+    """apack [tiles, K, MR] = the patches of output pixels m0 .. m0+rows-1 (implicit im2col).
+
+    A tile of MR pixels within one output row is packed from x directly (`_pack_row_tile`);
+    one that crosses a row (or the short last one) goes through tilebuf [MR * K]: its patch
+    rows are gathered there, then packed.
+    """
+    ho, wo = geo[4], geo[5]
+    for t in range(-(-rows // MR)):
+        tile = apack[t]
+        r = m0 + t * MR
+        nr = min(MR, m0 + rows - r)
+        ox = r % wo
+        if nr == MR and ox + MR <= wo:
+            _pack_row_tile(x, geo, c0, r // (ho * wo), (r // wo) % ho, ox, tile)
+            continue
+        for i in range(nr):
+            _patch_row(x, geo, c0, r + i, tilebuf, i * k)
+        if nr == MR:
+            pack_a_tile(tilebuf, 0, k, k, tile)
+        else:
+            for i in range(nr):
+                src = tilebuf[i * k:(i + 1) * k]
+                for p in range(k):
+                    tile[p, i] = src[p]
+
+
+@njit(fastmath=FASTMATH_ROWS, **JIT)
+def _activate(y, off, ldy, rows, cols, act):
+    """In place on rows x cols of the flat y from off (row stride ldy): act 1 = ReLU,
+    2 = ReLU6 (min(max(v, 0), 6))."""
+    zero, six = np.float32(0.0), np.float32(6.0)
+    for i in range(rows):
+        yr = y[off + i * ldy:off + i * ldy + cols]
+        if act == 1:
+            for j in range(cols):
+                v = yr[j]
+                yr[j] = v if v > zero else zero
+        else:
+            for j in range(cols):
+                v = yr[j]
+                v = v if v > zero else zero
+                yr[j] = v if v < six else six
+
+
+@njit(inline="always", **JIT)
+def _pad16(n):
+    return -(-n // 16) * 16
+
+
+@njit(**JIT)
+def _conv_sizes(mb, k, mode):
+    """Workspace floats of one chunk of _conv_rows: packed A, patch buffer, partial strip."""
+    buf = mb * k if mode == _MODE_IM2COL else (MR * k if mode == _MODE_IMPLICIT else 0)
+    return (-(-mb // MR) * k * MR, buf, mb * NR)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, blk_lo, blk_hi, mb, m, blocks, epi,
+               act, mode, ws):
+    """Output rows of blocks blk_lo .. blk_hi-1 (mb pixels each, M in all) of the convolution.
+
+    c is the flat output [M, groups * n_g] (row stride ldc); panels [groups, n_panels, K, NR].
+    mode says how a block's A is formed: _MODE_DIRECT packs x's rows (1x1, stride 1, no
+    padding), _MODE_IMPLICIT packs patches from x (`_pack_patches`), _MODE_IM2COL copies the
+    block's patch rows into a buffer first and packs that (kept for the benchmark).
+    epi is the GeMM epilogue tuple for group 0 at row 0; act is applied after it.
+    """
+    sizes = _conv_sizes(mb, k, mode)
+    n_tiles = -(-mb // MR)
+    apack = ws[:sizes[0]].reshape((n_tiles, k, MR))
+    o = _pad16(sizes[0])
+    buf = ws[o:o + sizes[1]]
+    o += _pad16(sizes[1])
+    scratch = ws[o:o + sizes[2]]
+    no_buf = ws[:0].reshape((0, 1, NR))  # _panel_range's buffer for packing B: unused
+    cin, cg = geo[3], geo[14]
+    n_panels = -(-n_g // NR)
+    bias, has_bias, gelu, res, r_off, ldr, has_res = epi
+    for blk in range(blk_lo, blk_hi):
+        m0 = blk * mb
+        rows = min(mb, m - m0)
+        for g in range(groups):
+            if mode == _MODE_DIRECT:
+                _pack_a(x, g * cg, cin, m0, m0 + rows, k, apack)
+            elif mode == _MODE_IMPLICIT:
+                _pack_patches(x, geo, g * cg, m0, rows, k, apack, buf)
+            else:
+                _im2col(x, geo, g * cg, m0, m0 + rows, buf, k)
+                _pack_a(buf, 0, k, 0, rows, k, apack)
+            bias_g = bias[g * n_g:(g + 1) * n_g] if has_bias else bias
+            epi_g = (bias_g, has_bias, gelu, res, r_off + m0 * ldr + g * n_g, ldr, has_res)
+            _panel_range(0, n_panels, apack, rows, k, n_g, panels[g], x, 0, 1, no_buf, c,
+                         m0 * ldc + g * n_g, ldc, blocks, scratch, epi_g)
+        if act:
+            _activate(c, m0 * ldc, ldc, rows, ldc, act)
+
+
+@njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
+def _conv_parallel(n_chunks, x, geo, groups, k, n_g, panels, c, ldc, n_blocks, mb, m, blocks,
+                   epi, act, mode, ws, ws_chunk):
+    """_conv_rows with the row blocks split into n_chunks contiguous ranges, one per thread."""
+    for chunk in prange(n_chunks):
+        _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, chunk * n_blocks // n_chunks,
+                   (chunk + 1) * n_blocks // n_chunks, mb, m, blocks, epi, act, mode,
+                   ws[chunk * ws_chunk:(chunk + 1) * ws_chunk])
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _dw_pixel(x, geo, taps, bias, b, oy, ox, yr):
+    """yr [C] = bias + sum over the in-image taps of depthwise output pixel (b, oy, ox)."""
+    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    for j in range(c):
+        yr[j] = bias[j]
+    for ky in range(kh):
+        iy = oy * sh - pt + ky * dh
+        if iy < 0 or iy >= h:
+            continue
+        row = (b * h + iy) * w
+        for kx in range(kw):
+            ix = ox * sw - pl + kx * dw
+            if ix < 0 or ix >= w:
+                continue
+            xr = x[(row + ix) * c:(row + ix + 1) * c]
+            wr = taps[ky * kw + kx]
+            for j in range(c):
+                yr[j] += xr[j] * wr[j]
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _dw3x3_span(x, geo, taps, bias, b, oy, ox0, ox1, y, y_off):
+    """Output pixels ox0 .. ox1-1 of row (b, oy) of a 3x3 depthwise convolution, all nine taps
+    inside the image: per channel the nine products are summed in registers (one load of
+    each x and weight, one store of y), not accumulated into y tap by tap."""
+    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    w0, w1, w2, w3, w4, w5, w6, w7, w8 = (taps[0], taps[1], taps[2], taps[3], taps[4],
+                                          taps[5], taps[6], taps[7], taps[8])
+    r0 = ((b * h + oy * sh - pt) * w - pl) * c  # x offset of tap (0, 0) for ox = 0
+    r1 = r0 + dh * w * c
+    r2 = r1 + dh * w * c
+    dx = dw * c
+    for ox in range(ox0, ox1):
+        o = ox * sw * c
+        x0 = x[r0 + o:r0 + o + c]
+        x1 = x[r0 + o + dx:r0 + o + dx + c]
+        x2 = x[r0 + o + 2 * dx:r0 + o + 2 * dx + c]
+        x3 = x[r1 + o:r1 + o + c]
+        x4 = x[r1 + o + dx:r1 + o + dx + c]
+        x5 = x[r1 + o + 2 * dx:r1 + o + 2 * dx + c]
+        x6 = x[r2 + o:r2 + o + c]
+        x7 = x[r2 + o + dx:r2 + o + dx + c]
+        x8 = x[r2 + o + 2 * dx:r2 + o + 2 * dx + c]
+        yr = y[y_off + (ox - ox0) * c:y_off + (ox - ox0 + 1) * c]
+        for j in range(c):
+            yr[j] = (bias[j] + x0[j] * w0[j] + x1[j] * w1[j] + x2[j] * w2[j]
+                     + x3[j] * w3[j] + x4[j] * w4[j] + x5[j] * w5[j]
+                     + x6[j] * w6[j] + x7[j] * w7[j] + x8[j] * w8[j])
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _dw3x3_quads(x, geo, taps, bias, b, oy, ox0, n_quads, y, y_off):
+    """4 * n_quads output pixels from ox0 of row (b, oy) of a 3x3 depthwise convolution with
+    stride 1, no dilation, all taps inside the image. Four neighbouring pixels share their
+    6 input columns per kernel row, and each weight is loaded once for the four: ~2x the
+    speed of one pixel at a time (`_dw3x3_span`), which is bound by loads, not FMAs."""
+    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    w0, w1, w2, w3, w4, w5, w6, w7, w8 = (taps[0], taps[1], taps[2], taps[3], taps[4],
+                                          taps[5], taps[6], taps[7], taps[8])
+    rs = dh * w * c
+    for q in range(n_quads):
+        r0 = ((b * h + oy * sh - pt) * w + ox0 + 4 * q - pl) * c  # x offset of tap (0, 0)
+        r1 = r0 + rs
+        r2 = r1 + rs
+        yo = y_off + 4 * q * c
+        y0, y1 = y[yo:yo + c], y[yo + c:yo + 2 * c]
+        y2, y3 = y[yo + 2 * c:yo + 3 * c], y[yo + 3 * c:yo + 4 * c]
+        a0, a1, a2 = x[r0:r0 + c], x[r0 + c:r0 + 2 * c], x[r0 + 2 * c:r0 + 3 * c]
+        a3, a4, a5 = x[r0 + 3 * c:r0 + 4 * c], x[r0 + 4 * c:r0 + 5 * c], x[r0 + 5 * c:r0 + 6 * c]
+        b0, b1, b2 = x[r1:r1 + c], x[r1 + c:r1 + 2 * c], x[r1 + 2 * c:r1 + 3 * c]
+        b3, b4, b5 = x[r1 + 3 * c:r1 + 4 * c], x[r1 + 4 * c:r1 + 5 * c], x[r1 + 5 * c:r1 + 6 * c]
+        d0, d1, d2 = x[r2:r2 + c], x[r2 + c:r2 + 2 * c], x[r2 + 2 * c:r2 + 3 * c]
+        d3, d4, d5 = x[r2 + 3 * c:r2 + 4 * c], x[r2 + 4 * c:r2 + 5 * c], x[r2 + 5 * c:r2 + 6 * c]
+        for j in range(c):  # pixel i reads columns i, i+1, i+2
+            k0, k1, k2, k3, k4, k5, k6, k7, k8 = (w0[j], w1[j], w2[j], w3[j], w4[j], w5[j],
+                                                  w6[j], w7[j], w8[j])
+            bj = bias[j]
+            p0, p1, p2, p3, p4, p5 = a0[j], a1[j], a2[j], a3[j], a4[j], a5[j]
+            u0, u1, u2, u3, u4, u5 = b0[j], b1[j], b2[j], b3[j], b4[j], b5[j]
+            v0, v1, v2, v3, v4, v5 = d0[j], d1[j], d2[j], d3[j], d4[j], d5[j]
+            y0[j] = (bj + p0 * k0 + p1 * k1 + p2 * k2 + u0 * k3 + u1 * k4 + u2 * k5
+                     + v0 * k6 + v1 * k7 + v2 * k8)
+            y1[j] = (bj + p1 * k0 + p2 * k1 + p3 * k2 + u1 * k3 + u2 * k4 + u3 * k5
+                     + v1 * k6 + v2 * k7 + v3 * k8)
+            y2[j] = (bj + p2 * k0 + p3 * k1 + p4 * k2 + u2 * k3 + u3 * k4 + u4 * k5
+                     + v2 * k6 + v3 * k7 + v4 * k8)
+            y3[j] = (bj + p3 * k0 + p4 * k1 + p5 * k2 + u3 * k3 + u4 * k4 + u5 * k5
+                     + v3 * k6 + v4 * k7 + v5 * k8)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _dw3x3_pairs(x, geo, taps, bias, b, oy, ox0, n_pairs, y, y_off):
+    """2 * n_pairs output pixels as in `_dw3x3_quads`, at stride 2: a pair shares 5 input
+    columns per kernel row. (Four pixels, 9 columns, were not vectorised by LLVM: too many
+    arrays to check for overlap.)"""
+    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    w0, w1, w2, w3, w4, w5, w6, w7, w8 = (taps[0], taps[1], taps[2], taps[3], taps[4],
+                                          taps[5], taps[6], taps[7], taps[8])
+    rs = dh * w * c
+    for q in range(n_pairs):
+        r0 = ((b * h + oy * sh - pt) * w + (ox0 + 2 * q) * 2 - pl) * c
+        r1 = r0 + rs
+        r2 = r1 + rs
+        yo = y_off + 2 * q * c
+        y0, y1 = y[yo:yo + c], y[yo + c:yo + 2 * c]
+        a0, a1, a2 = x[r0:r0 + c], x[r0 + c:r0 + 2 * c], x[r0 + 2 * c:r0 + 3 * c]
+        a3, a4 = x[r0 + 3 * c:r0 + 4 * c], x[r0 + 4 * c:r0 + 5 * c]
+        b0, b1, b2 = x[r1:r1 + c], x[r1 + c:r1 + 2 * c], x[r1 + 2 * c:r1 + 3 * c]
+        b3, b4 = x[r1 + 3 * c:r1 + 4 * c], x[r1 + 4 * c:r1 + 5 * c]
+        d0, d1, d2 = x[r2:r2 + c], x[r2 + c:r2 + 2 * c], x[r2 + 2 * c:r2 + 3 * c]
+        d3, d4 = x[r2 + 3 * c:r2 + 4 * c], x[r2 + 4 * c:r2 + 5 * c]
+        for j in range(c):  # pixel i reads columns 2i, 2i+1, 2i+2
+            k0, k1, k2, k3, k4, k5, k6, k7, k8 = (w0[j], w1[j], w2[j], w3[j], w4[j], w5[j],
+                                                  w6[j], w7[j], w8[j])
+            bj = bias[j]
+            p0, p1, p2, p3, p4 = a0[j], a1[j], a2[j], a3[j], a4[j]
+            u0, u1, u2, u3, u4 = b0[j], b1[j], b2[j], b3[j], b4[j]
+            v0, v1, v2, v3, v4 = d0[j], d1[j], d2[j], d3[j], d4[j]
+            y0[j] = (bj + p0 * k0 + p1 * k1 + p2 * k2 + u0 * k3 + u1 * k4 + u2 * k5
+                     + v0 * k6 + v1 * k7 + v2 * k8)
+            y1[j] = (bj + p2 * k0 + p3 * k1 + p4 * k2 + u2 * k3 + u3 * k4 + u4 * k5
+                     + v2 * k6 + v3 * k7 + v4 * k8)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _depthwise(x, geo, taps, bias, res, has_res, act, y, row_lo, row_hi):
+    """Output rows row_lo .. row_hi-1 (of N*Ho, flat y [M, C]) of a depthwise convolution:
+    bias + taps, then the residual, then act. A 3x3 kernel's pixels with every tap inside
+    the image go through `_dw3x3_quads` / `_dw3x3_pairs` and `_dw3x3_span`, the rest
+    through `_dw_pixel`."""
+    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    ox_lo = min(wo, (pl + sw - 1) // sw)  # first ox whose leftmost tap is inside
+    ox_hi = max(ox_lo, min(wo, (w - 1 + pl - (kw - 1) * dw) // sw + 1))
+    for r in range(row_lo, row_hi):
+        b = r // ho
+        oy = r % ho
+        off = r * wo * c
+        fast = kh == 3 and kw == 3 and oy * sh - pt >= 0 and oy * sh - pt + 2 * dh < h
+        if fast and ox_hi > ox_lo:
+            ox_q = ox_lo
+            if dw == 1 and sw == 1:
+                _dw3x3_quads(x, geo, taps, bias, b, oy, ox_lo, (ox_hi - ox_lo) // 4, y,
+                             off + ox_lo * c)
+                ox_q += (ox_hi - ox_lo) // 4 * 4
+            elif dw == 1 and sw == 2:
+                _dw3x3_pairs(x, geo, taps, bias, b, oy, ox_lo, (ox_hi - ox_lo) // 2, y,
+                             off + ox_lo * c)
+                ox_q += (ox_hi - ox_lo) // 2 * 2
+            _dw3x3_span(x, geo, taps, bias, b, oy, ox_q, ox_hi, y, off + ox_q * c)
+            for ox in range(ox_lo):
+                _dw_pixel(x, geo, taps, bias, b, oy, ox, y[off + ox * c:off + (ox + 1) * c])
+            for ox in range(ox_hi, wo):
+                _dw_pixel(x, geo, taps, bias, b, oy, ox, y[off + ox * c:off + (ox + 1) * c])
+        else:
+            for ox in range(wo):
+                _dw_pixel(x, geo, taps, bias, b, oy, ox, y[off + ox * c:off + (ox + 1) * c])
+        if has_res:
+            yr = y[off:off + wo * c]
+            rr = res[off:off + wo * c]
+            for j in range(wo * c):
+                yr[j] += rr[j]
+        if act:
+            _activate(y, off, wo * c, 1, wo * c, act)
+
+
+@njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
+def _depthwise_parallel(n_chunks, x, geo, taps, bias, res, has_res, act, y, n_rows):
+    """_depthwise with the output rows split into n_chunks contiguous ranges, one per thread."""
+    for chunk in prange(n_chunks):
+        _depthwise(x, geo, taps, bias, res, has_res, act, y, chunk * n_rows // n_chunks,
+                   (chunk + 1) * n_rows // n_chunks)
+
+
+@njit(fastmath=FASTMATH_ROWS, **JIT)
+def _pool(x, geo, is_max, y):
+    """y (flat [M, C]) = max (is_max) or average over each window of x; an average divides by
+    kh*kw whatever the padding (PyTorch's count_include_pad=True), a max ignores the padding."""
+    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    inv = np.float32(1.0) / np.float32(kh * kw)
+    for m in range(n * ho * wo):
+        b = m // (ho * wo)
+        oy = (m // wo) % ho
+        ox = m % wo
+        yr = y[m * c:(m + 1) * c]
+        fill = -np.inf if is_max else 0.0
+        for j in range(c):
+            yr[j] = fill
+        for ky in range(kh):
+            iy = oy * sh - pt + ky * dh
+            if iy < 0 or iy >= h:
+                continue
+            row = (b * h + iy) * w
+            for kx in range(kw):
+                ix = ox * sw - pl + kx * dw
+                if ix < 0 or ix >= w:
+                    continue
+                xr = x[(row + ix) * c:(row + ix + 1) * c]
+                if is_max:
+                    for j in range(c):
+                        v = xr[j]
+                        yr[j] = v if v > yr[j] else yr[j]
+                else:
+                    for j in range(c):
+                        yr[j] += xr[j]
+        if not is_max:
+            for j in range(c):
+                yr[j] *= inv
+
+
+@njit(fastmath=FASTMATH_ROWS, **JIT)
+def _global_avg(x, n, hw, c, y):
+    """y [n * c] = mean over the hw pixels of each image of x (flat [n, hw, c])."""
+    inv = np.float32(1.0) / np.float32(hw)
+    for b in range(n):
+        yr = y[b * c:(b + 1) * c]
+        for j in range(c):
+            yr[j] = 0.0
+        for p in range(hw):
+            xr = x[(b * hw + p) * c:(b * hw + p + 1) * c]
+            for j in range(c):
+                yr[j] += xr[j]
+        for j in range(c):
+            yr[j] *= inv
+
+
+# ------------------------------------------------------------------------------------------
+# Public API: checks, allocation, block sizes
+# ------------------------------------------------------------------------------------------
+
+
+def _pair(v, name: str) -> tuple[int, int]:
+    """(vertical, horizontal) from an int or a pair, each >= 1."""
+    pair = (v, v) if np.isscalar(v) else tuple(v)
+    if len(pair) != 2 or any(int(p) != p or p < 1 for p in pair):
+        raise ValueError(f"{name} must be a positive int or a pair of them, got {v!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _padding(v) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) from an int, a pair (rows, columns) or a 4-tuple, each >= 0."""
+    pads = (v,) * 4 if np.isscalar(v) else tuple(v)
+    if len(pads) == 2:
+        pads = (pads[0], pads[0], pads[1], pads[1])
+    if len(pads) != 4 or any(int(p) != p or p < 0 for p in pads):
+        raise ValueError(f"padding must be an int >= 0, a pair (rows, columns) or (top, bottom, "
+                         f"left, right), got {v!r}")
+    return tuple(int(p) for p in pads)
+
+
+def _geometry(x_shape, kh, kw, stride, padding, dilation, cg, what) -> tuple:
+    """The geo tuple of the kernels (see above) for x [N, H, W, C]; raises if no output pixel."""
+    n, h, w, c = x_shape
+    sh, sw = _pair(stride, "stride")
+    dh, dw = _pair(dilation, "dilation")
+    pt, pb, pl, pr = _padding(padding)
+    ho = (h + pt + pb - dh * (kh - 1) - 1) // sh + 1
+    wo = (w + pl + pr - dw * (kw - 1) - 1) // sw + 1
+    if ho < 1 or wo < 1:
+        raise ValueError(f"{what}: input {tuple(x_shape)} padded by (top, bottom, left, right) "
+                         f"{(pt, pb, pl, pr)} is smaller than the {kh}x{kw} window with "
+                         f"dilation {(dh, dw)}")
+    return (n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg)
+
+
+def _nhwc(x, name: str = "x") -> np.ndarray:
+    """x checked to be float32 [N, H, W, C]; x itself if C-contiguous and writeable, else a
+    copy (Numba compiles a separate specialisation of every kernel for read-only arrays)."""
+    check_float32(x, name, 4)
+    return x if x.flags.c_contiguous and x.flags.writeable else np.array(x, order="C")
+
+
+def _out4(out, shape, name: str = "out") -> np.ndarray:
+    """A new float32 array of this shape, or `out` checked to be a C-contiguous one."""
+    if out is None:
+        return np.empty(shape, np.float32)
+    check_float32(out, name, len(shape))
+    if out.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {out.shape}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"{name} must be a writeable C-contiguous array")
+    return out
+
+
+def _residual(residual, shape, y) -> np.ndarray:
+    if residual is None:
+        return EMPTY
+    residual = _nhwc(residual, "residual")
+    if residual.shape != tuple(shape):
+        raise ValueError(f"residual must have the output's shape {tuple(shape)}, got "
+                         f"{residual.shape}")
+    if np.shares_memory(residual, y):
+        raise ValueError("out overlaps residual; the kernel reads the residual after writing "
+                         "the output: pass a separate output buffer")
+    return residual.reshape(-1)
+
+
+def _act(relu) -> int:
+    if relu not in _ACT:
+        raise ValueError(f"relu must be None, 'relu' or 'relu6', got {relu!r}")
+    return _ACT[relu]
+
+
+def pack_conv_weight(w: np.ndarray, groups: int = 1) -> ConvWeight:
+    """Pack a PyTorch-layout conv weight [Cout, Cin/groups, kh, kw] for `conv2d`, once.
+
+    Each group's [Cout_g, Cin_g, kh, kw] becomes B [kh*kw*Cin_g, Cout_g] (rows ordered ky, kx,
+    c, matching an NHWC patch) in pack_b's panels; a depthwise weight (groups == Cin == Cout)
+    becomes taps [kh*kw, C] for `depthwise_conv2d`.
+    """
+    check_float32(w, "w", 4)
+    cout, cin_g, kh, kw = w.shape
+    if groups < 1 or cout % groups:
+        raise ValueError(f"groups={groups} must be >= 1 and divide Cout={cout} of the weight "
+                         f"[Cout, Cin/groups, kh, kw] = {w.shape}")
+    if min(w.shape) < 1:
+        raise ValueError(f"weight {w.shape} has an empty dimension")
+    cin = cin_g * groups
+    if groups == cin == cout:
+        taps = np.ascontiguousarray(w.reshape(cout, kh * kw).T)  # [kh*kw, C]
+        return ConvWeight(np.zeros((0, 0, 0, NR), np.float32), taps, cout, cin, kh, kw, groups)
+    cout_g, k = cout // groups, kh * kw * cin_g
+    n_panels = -(-cout_g // NR)
+    panels = aligned_empty((groups, n_panels, k, NR))
+    for g in range(groups):
+        # [Cout_g, Cin_g, kh, kw] -> [kh, kw, Cin_g, Cout_g] -> B [K, Cout_g]
+        b = np.ascontiguousarray(w[g * cout_g:(g + 1) * cout_g].transpose(2, 3, 1, 0))
+        _pack_all(b.reshape(-1), 0, cout_g, False, k, cout_g, panel_group(k),
+                  config.PREFETCH_ROWS, panels[g])
+    return ConvWeight(panels, np.zeros((0, 0), np.float32), cout, cin, kh, kw, groups)
+
+
+@functools.lru_cache(maxsize=512)
+def _conv_plan(m: int, k: int, mode: int, threads: int, mb: int = 0) -> tuple:
+    """(chunks, rows per block, blocks, workspace floats per chunk) for one conv shape.
+
+    Rows per block: packed_gemm.row_block (the packed A block fills about half of L2), and
+    at least one block per thread.
+    """
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+    if not mb:
+        mb = min(row_block(m, k), m)
+        if threads > 1 and -(-m // mb) < threads:
+            mb = -(-(-(-m // threads)) // MR) * MR
+    n_blocks = -(-m // mb)
+    n_chunks = max(1, min(threads, n_blocks))
+    sizes = _conv_sizes(mb, k, mode)
+    ws_chunk = sum(pad16(s) for s in sizes)
+    return n_chunks, mb, n_blocks, ws_chunk
+
+
+def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0, dilation=1,
+           groups: int | None = None, relu: str | None = None,
+           residual: np.ndarray | None = None, out: np.ndarray | None = None,
+           threads: int = 1, _mode: int | None = None, _mb: int = 0) -> np.ndarray:
+    """y = act(conv(x, w) + bias + residual) for x float32 [N, H, W, Cin] (NHWC).
+
+    w: a ConvWeight from `pack_conv_weight` (pack once, at load time), or a PyTorch-layout
+    weight [Cout, Cin/groups, kh, kw] that is packed on each call. bias [Cout]; residual
+    [N, Ho, Wo, Cout] added after the bias (ResNet's identity); relu None, "relu" or "relu6",
+    applied last. stride and dilation: an int or (vertical, horizontal); padding: an int,
+    (rows, columns) or (top, bottom, left, right). groups defaults to the packed weight's.
+    out: optional C-contiguous float32 [N, Ho, Wo, Cout], not overlapping x or residual.
+    threads > 1 splits the output rows over that many Numba threads. A depthwise weight runs
+    `depthwise_conv2d`. (_mode and _mb force the way A is formed and the rows per block: for
+    hepti.bench.convbench and the tests only.)
+    """
+    if isinstance(w, ConvWeight):
+        cw = w
+        if groups is not None and groups != cw.groups:
+            raise ValueError(f"groups={groups} but the weight was packed with groups={cw.groups}")
+    else:
+        cw = pack_conv_weight(w, 1 if groups is None else groups)
+    x = _nhwc(x)
+    if x.shape[3] != cw.cin:
+        raise ValueError(f"x {x.shape} has {x.shape[3]} channels but the weight expects "
+                         f"Cin={cw.cin} ({cw!r})")
+    if cw.depthwise:
+        return _depthwise_run(x, cw, bias, stride, padding, dilation, relu, residual, out,
+                              threads)
+    act = _act(relu)
+    groups = cw.groups
+    cg, n_g = cw.cin // groups, cw.cout // groups
+    geo = _geometry(x.shape, cw.kh, cw.kw, stride, padding, dilation, cg, "conv2d")
+    n, ho, wo = geo[0], geo[4], geo[5]
+    y = _out4(out, (n, ho, wo, cw.cout))
+    if np.shares_memory(y, x):
+        raise ValueError("out overlaps x; the kernel reads x while writing out: pass a "
+                         "separate output buffer")
+    res = _residual(residual, y.shape, y)
+    bias_v = vector(bias, "bias", cw.cout)
+    m = n * ho * wo
+    if m == 0:
+        return y
+    if _mode is None:
+        plain = (cw.kh == cw.kw == 1 and geo[8] == geo[9] == 1 and geo[10] == geo[11] == 0
+                 and ho == geo[1] and wo == geo[2])
+        _mode = _MODE_DIRECT if plain else _MODE_IMPLICIT
+    k = cw.k
+    n_chunks, mb, n_blocks, ws_chunk = _conv_plan(m, k, _mode, int(threads), _mb)
+    blocks = (mb, config.KC, 1, config.PREFETCH_ROWS)
+    epi = (bias_v, bias is not None, False, res, 0, cw.cout, residual is not None)
+    ws = workspace(n_chunks * ws_chunk)
+    args = (x.reshape(-1), geo, groups, k, n_g, cw.panels, y.reshape(-1), cw.cout)
+    if n_chunks == 1:
+        _conv_rows(*args, 0, n_blocks, mb, m, blocks, epi, act, _mode, ws)
+    else:
+        previous = numba.get_num_threads()
+        numba.set_num_threads(n_chunks)
+        try:
+            _conv_parallel(n_chunks, *args, n_blocks, mb, m, blocks, epi, act, _mode, ws,
+                           ws_chunk)
+        finally:
+            numba.set_num_threads(previous)
+    return y
+
+
+def _depthwise_run(x, cw, bias, stride, padding, dilation, relu, residual, out, threads):
+    """depthwise_conv2d on checked x and a depthwise ConvWeight."""
+    act = _act(relu)
+    geo = _geometry(x.shape, cw.kh, cw.kw, stride, padding, dilation, 1, "depthwise_conv2d")
+    n, ho, wo = geo[0], geo[4], geo[5]
+    y = _out4(out, (n, ho, wo, cw.cout))
+    if np.shares_memory(y, x):
+        raise ValueError("out overlaps x; the kernel reads x while writing out: pass a "
+                         "separate output buffer")
+    res = _residual(residual, y.shape, y)
+    bias_v = np.zeros(cw.cout, np.float32) if bias is None else vector(bias, "bias", cw.cout)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    n_rows = n * ho
+    n_chunks = max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS, n_rows))
+    args = (x.reshape(-1), geo, cw.taps, bias_v, res, residual is not None, act, y.reshape(-1))
+    if y.size == 0:
+        return y
+    if n_chunks == 1:
+        _depthwise(*args, 0, n_rows)
+    else:
+        previous = numba.get_num_threads()
+        numba.set_num_threads(n_chunks)
+        try:
+            _depthwise_parallel(n_chunks, *args, n_rows)
+        finally:
+            numba.set_num_threads(previous)
+    return y
+
+
+def depthwise_conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0,
+                     dilation=1, relu: str | None = None, residual: np.ndarray | None = None,
+                     out: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
+    """Depthwise convolution (groups == C, one filter per channel) of x float32 [N, H, W, C].
+
+    w: a depthwise ConvWeight from pack_conv_weight(w, groups=C), or PyTorch's [C, 1, kh, kw].
+    Arguments otherwise as for `conv2d`. Any kernel size; 3x3 is MobileNetV2's.
+    """
+    x = _nhwc(x)
+    if isinstance(w, ConvWeight):
+        cw = w
+    else:
+        check_float32(w, "w", 4)
+        if w.shape[1] != 1 or w.shape[0] != x.shape[3]:
+            raise ValueError(f"a depthwise weight for x {x.shape} must be [C={x.shape[3]}, 1, "
+                             f"kh, kw], got {w.shape}")
+        cw = pack_conv_weight(w, groups=w.shape[0])
+    if not cw.depthwise or cw.cin != x.shape[3]:
+        raise ValueError(f"x {x.shape} needs a depthwise weight of {x.shape[3]} channels, got "
+                         f"{cw!r}")
+    return _depthwise_run(x, cw, bias, stride, padding, dilation, relu, residual, out, threads)
+
+
+def _pool_run(x, kernel_size, stride, padding, is_max, out, what):
+    x = _nhwc(x)
+    kh, kw = _pair(kernel_size, "kernel_size")
+    geo = _geometry(x.shape, kh, kw, kernel_size if stride is None else stride, padding, 1,
+                    1, what)
+    y = _out4(out, (geo[0], geo[4], geo[5], geo[3]))
+    if np.shares_memory(y, x):
+        raise ValueError(f"{what}: out overlaps x: pass a separate output buffer")
+    if y.size:
+        _pool(x.reshape(-1), geo, is_max, y.reshape(-1))
+    return y
+
+
+def max_pool2d(x: np.ndarray, kernel_size, stride=None, padding=0,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """Max over each kernel_size window of x float32 [N, H, W, C] (padding never wins; a
+    window entirely in the padding gives -inf). stride defaults to kernel_size, as in
+    PyTorch; floor of the output size (ceil_mode=False)."""
+    return _pool_run(x, kernel_size, stride, padding, True, out, "max_pool2d")
+
+
+def avg_pool2d(x: np.ndarray, kernel_size, stride=None, padding=0,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """Mean over each kernel_size window of x float32 [N, H, W, C], padding counted as zeros
+    (PyTorch's count_include_pad=True, ceil_mode=False)."""
+    return _pool_run(x, kernel_size, stride, padding, False, out, "avg_pool2d")
+
+
+def global_avg_pool(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Mean over H and W: x float32 [N, H, W, C] -> [N, C]."""
+    x = _nhwc(x)
+    n, h, w, c = x.shape
+    if h * w == 0:
+        raise ValueError(f"global_avg_pool needs at least one pixel, got x {x.shape}")
+    y = _out4(out, (n, c))
+    if y.size:
+        _global_avg(x.reshape(-1), n, h * w, c, y.reshape(-1))
+    return y
+
+
+def _elementwise(x, out, act, what):
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+        raise TypeError(f"{what} takes a float32 numpy array, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if out is None:
+        y = np.empty_like(x, order="C")
+        src = np.ascontiguousarray(x)
+    else:
+        y = _out4(out, x.shape)
+        src = x if out is x else np.ascontiguousarray(x)
+    if out is not x:
+        y[...] = src
+    if y.size:
+        _activate(y.reshape(-1), 0, y.size, 1, y.size, act)
+    return y
+
+
+def relu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """max(x, 0) elementwise for a float32 array of any shape; out=x works in place."""
+    return _elementwise(x, out, 1, "relu")
+
+
+def relu6(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """min(max(x, 0), 6) elementwise for a float32 array of any shape; out=x works in place."""
+    return _elementwise(x, out, 2, "relu6")
+
+
+def fold_batchnorm(w: np.ndarray, b: np.ndarray | None, gamma: np.ndarray, beta: np.ndarray,
+                   mean: np.ndarray, var: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(w', b') with conv(x, w') + b' == BatchNorm(conv(x, w) + b) in inference mode.
+
+    w [Cout, ...] (PyTorch layout, any trailing dims), b [Cout] or None; BatchNorm's
+    gamma, beta, running mean, running var [Cout]. scale = gamma / sqrt(var + eps);
+    w' = w * scale per output channel, b' = (b - mean) * scale + beta. Computed in float64,
+    returned as float32 (numpy; used when converting weights).
+    """
+    w64 = np.asarray(w, np.float64)
+    cout = w64.shape[0] if w64.ndim else 0
+    params = {"gamma": gamma, "beta": beta, "mean": mean, "var": var}
+    if b is not None:
+        params["b"] = b
+    for name, v in params.items():
+        if np.shape(v) != (cout,):
+            raise ValueError(f"{name} must have shape ({cout},) to match w {w64.shape}, got "
+                             f"{np.shape(v)}")
+    scale = np.asarray(gamma, np.float64) / np.sqrt(np.asarray(var, np.float64) + eps)
+    w_f = w64 * scale.reshape((cout,) + (1,) * (w64.ndim - 1))
+    b0 = np.zeros(cout) if b is None else np.asarray(b, np.float64)
+    b_f = (b0 - np.asarray(mean, np.float64)) * scale + np.asarray(beta, np.float64)
+    return w_f.astype(np.float32), b_f.astype(np.float32)

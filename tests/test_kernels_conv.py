@@ -1,0 +1,260 @@
+"""CNN kernels (hepti.kernels.conv) against their float64 references in hepti.kernels.naive.
+
+Shapes hit the edges of the implicit im2col: odd sizes, output rows not a multiple of MR (tiles
+that cross an output row), stride 2, dilation, groups 1 / 2 / C, asymmetric padding, batch 1
+and 3, kernels 1 / 3 / 5 / 7, K past one k-block and Cout past one panel. Tolerance as in
+test_kernels.py: 1e-5 * sqrt(K) relative to the same convolution of |x| and |w| (plus |bias|
+and |residual|); ReLU and ReLU6 do not increase an error.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hepti.kernels import (ConvWeight, avg_pool2d, conv2d, depthwise_conv2d, fold_batchnorm,
+                           global_avg_pool, max_pool2d, naive, pack_b, pack_conv_weight, relu,
+                           relu6)
+from hepti.kernels.config import NR
+
+RNG = np.random.default_rng(20240602)
+
+
+def rand(*shape) -> np.ndarray:
+    return RNG.standard_normal(shape, dtype=np.float32)
+
+
+def assert_conv_close(y, x, w, bias=None, stride=1, padding=0, dilation=1, groups=1,
+                      residual=None, act=None):
+    """y against naive.conv2d, elementwise within 1e-5 * sqrt(K) of the |x| * |w| scale."""
+    ref = naive.conv2d(x, w, bias, stride, padding, dilation, groups, residual, act)
+    scale = naive.conv2d(np.abs(x), np.abs(w), None if bias is None else np.abs(bias), stride,
+                         padding, dilation, groups,
+                         None if residual is None else np.abs(residual))
+    k = w.shape[1] * w.shape[2] * w.shape[3]
+    tol = 1e-5 * math.sqrt(k) * scale + 1e-6
+    assert y.shape == ref.shape, f"shape {y.shape}, reference {ref.shape}"
+    err = np.abs(y.astype(np.float64) - ref)
+    worst = np.unravel_index(np.argmax(err - tol), err.shape)
+    assert np.all(err <= tol), f"max error {err[worst]} > tol {tol[worst]} at {worst}"
+
+
+# (N, H, W, Cin, Cout, (kh, kw), stride, padding, dilation, groups)
+CONV_CASES = [
+    (1, 9, 11, 6, 10, (3, 3), 1, 1, 1, 1),
+    (3, 8, 7, 4, 40, (3, 3), 2, (1, 0, 2, 1), 2, 2),  # asymmetric padding, dilation, groups 2
+    (1, 5, 5, 8, 8, (1, 1), 1, 0, 1, 1),  # 1x1 stride 1: x is A, no patches
+    (3, 6, 5, 37, 33, (1, 1), 1, 0, 1, 1),  # ... batch 3, a partial panel
+    (2, 9, 9, 8, 12, (1, 1), 2, 0, 1, 1),  # 1x1 stride 2 (ResNet's downsampling shortcut)
+    (1, 17, 13, 3, 33, (7, 7), 2, 3, 1, 1),  # ResNet's stem, small
+    (1, 12, 12, 6, 12, (5, 5), 2, 2, 1, 3),  # groups 3, kernel 5
+    (2, 10, 10, 4, 8, (3, 3), 1, (0, 2, 1, 0), (2, 1), 4),  # groups 4, dilation (2, 1)
+    (1, 20, 21, 64, 70, (3, 3), 1, 1, 1, 1),  # K = 576 > KC, 3 panels, tiles crossing rows
+    (1, 7, 9, 5, 9, (1, 3), (1, 2), (0, 0, 1, 1), 1, 1),  # a 1x3 kernel
+    (3, 4, 4, 2, 3, (3, 3), 1, 0, 1, 1),  # output 2x2: every tile crosses rows and images
+]
+
+
+@pytest.mark.parametrize("n,h,w,cin,cout,kernel,stride,padding,dilation,groups", CONV_CASES)
+def test_conv2d_against_naive(n, h, w, cin, cout, kernel, stride, padding, dilation, groups):
+    x = rand(n, h, w, cin)
+    wt = rand(cout, cin // groups, *kernel)
+    bias = rand(cout)
+    y = conv2d(x, wt, bias, stride, padding, dilation, groups)
+    assert_conv_close(y, x, wt, bias, stride, padding, dilation, groups)
+
+
+@pytest.mark.parametrize("act", ["relu", "relu6"])
+@pytest.mark.parametrize("case", [CONV_CASES[0], CONV_CASES[1], CONV_CASES[3]])
+def test_conv2d_residual_and_activation(case, act):
+    """act(conv + bias + residual), ResNet's order; out as a preallocated buffer."""
+    n, h, w, cin, cout, kernel, stride, padding, dilation, groups = case
+    x, wt, bias = rand(n, h, w, cin) * 3, rand(cout, cin // groups, *kernel), rand(cout)
+    y0 = naive.conv2d(x, wt, bias, stride, padding, dilation, groups)
+    residual = rand(*y0.shape) * 3
+    out = np.full(y0.shape, np.nan, np.float32)
+    packed = pack_conv_weight(wt, groups)
+    y = conv2d(x, packed, bias, stride, padding, dilation, relu=act, residual=residual, out=out)
+    assert y is out
+    assert_conv_close(y, x, wt, bias, stride, padding, dilation, groups, residual, act)
+    if act == "relu6":
+        assert y.max() <= 6.0 and y.min() >= 0.0
+
+
+def test_conv2d_read_only_inputs():
+    """Activations, residual and weights mapped read-only give what writeable ones give."""
+    x, wt, bias, residual = rand(1, 6, 7, 5), rand(8, 5, 3, 3), rand(8), rand(1, 6, 7, 8)
+    want = conv2d(x, wt, bias, 1, 1, residual=residual)
+    for a in (x, wt, bias, residual):
+        a.flags.writeable = False
+    np.testing.assert_array_equal(conv2d(x, pack_conv_weight(wt), bias, 1, 1,
+                                         residual=residual), want)
+
+
+@pytest.mark.parametrize("mb,threads", [(8, 1), (24, 1), (0, 2), (16, 2)])
+def test_conv2d_row_blocks_and_threads(mb, threads):
+    """Several row blocks (the residual and output offsets move with them), split over two
+    threads; mb=8 makes every block one tile."""
+    x, wt, bias = rand(2, 11, 9, 12), rand(36, 6, 3, 3), rand(36)
+    residual = rand(2, 6, 4, 36)
+    y = conv2d(x, wt, bias, 2, (2, 1, 1, 0), groups=2, relu="relu", residual=residual,
+               threads=threads, _mb=mb)
+    assert_conv_close(y, x, wt, bias, 2, (2, 1, 1, 0), 1, 2, residual, "relu")
+
+
+@pytest.mark.parametrize("mode", [2, 1])
+def test_conv2d_im2col_modes_agree(mode):
+    """The benchmark's im2col-per-block variant and the implicit one give the same result."""
+    from hepti.kernels import conv
+    x, wt = rand(1, 10, 13, 7), rand(9, 7, 3, 3)
+    assert mode in (conv._MODE_IM2COL, conv._MODE_IMPLICIT)
+    y = conv2d(x, wt, None, 1, 1, _mode=mode)
+    assert_conv_close(y, x, wt, None, 1, 1)
+
+
+def test_pack_conv_weight_layout():
+    """Group g's panels are pack_b of B [kh*kw*Cin_g, Cout_g] with rows ordered (ky, kx, c)."""
+    wt = rand(2 * (NR + 3), 5, 3, 2)  # 2 groups of NR + 3 output channels
+    cw = pack_conv_weight(wt, groups=2)
+    assert isinstance(cw, ConvWeight) and not cw.depthwise
+    assert (cw.cout, cw.cin, cw.kh, cw.kw, cw.groups, cw.k) == (2 * (NR + 3), 10, 3, 2, 2, 30)
+    for g in range(2):
+        b = wt[g * (NR + 3):(g + 1) * (NR + 3)].transpose(2, 3, 1, 0).reshape(30, NR + 3)
+        np.testing.assert_array_equal(cw.panels[g], pack_b(np.ascontiguousarray(b)).panels)
+    dw = pack_conv_weight(rand(6, 1, 3, 3), groups=6)
+    assert dw.depthwise and dw.taps.shape == (9, 6)
+
+
+# --- depthwise --------------------------------------------------------------------------------
+
+# (N, H, W, C, kernel, stride, padding, dilation)
+DEPTHWISE_CASES = [
+    (1, 13, 15, 32, 3, 1, 1, 1),  # 3x3: four-pixel groups, a leftover pixel, the borders
+    (1, 14, 17, 24, 3, 2, 1, 1),  # 3x3 stride 2: pairs
+    (3, 9, 8, 5, 3, 1, (0, 2, 1, 0), 1),  # batch 3, asymmetric padding, odd channels
+    (1, 11, 10, 16, 3, 1, 2, 2),  # dilation 2
+    (2, 9, 9, 7, 5, 2, 2, 1),  # kernel 5
+    (1, 6, 7, 3, 1, 1, 0, 1),  # kernel 1
+    (1, 15, 12, 4, 7, 3, 3, 1),  # kernel 7, stride 3
+    (1, 3, 3, 40, 3, 1, 1, 1),  # no pixel has every tap inside
+]
+
+
+@pytest.mark.parametrize("n,h,w,c,k,stride,padding,dilation", DEPTHWISE_CASES)
+def test_depthwise_against_naive(n, h, w, c, k, stride, padding, dilation):
+    x, wt, bias = rand(n, h, w, c) * 2, rand(c, 1, k, k), rand(c)
+    y = depthwise_conv2d(x, wt, bias, stride, padding, dilation, relu="relu6")
+    assert_conv_close(y, x, wt, bias, stride, padding, dilation, c, act="relu6")
+    # the same through conv2d with groups = C, with a residual and without a bias
+    residual = rand(*y.shape)
+    y2 = conv2d(x, pack_conv_weight(wt, groups=c), None, stride, padding, dilation,
+                residual=residual, threads=2)
+    assert_conv_close(y2, x, wt, None, stride, padding, dilation, c, residual)
+
+
+def test_depthwise_channel_multiplier_runs_as_grouped_gemm():
+    """groups == Cin with 2 outputs per channel is not depthwise: the grouped GeMM runs it."""
+    x, wt = rand(1, 8, 8, 4), rand(8, 1, 3, 3)
+    cw = pack_conv_weight(wt, groups=4)
+    assert not cw.depthwise
+    assert_conv_close(conv2d(x, cw, None, 1, 1), x, wt, None, 1, 1, 1, 4)
+
+
+# --- pooling and activations ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,h,w,c,k,stride,padding", [
+    (1, 12, 12, 8, 3, 2, 1),  # ResNet's max pool
+    (3, 9, 7, 5, 2, None, 0),  # VGG's 2x2, odd sizes (floor)
+    (1, 10, 11, 3, 3, 1, (1, 0, 1, 1)),  # asymmetric padding
+    (2, 7, 7, 17, (3, 2), (2, 1), (1, 0)),
+])
+def test_pools_against_naive(n, h, w, c, k, stride, padding):
+    x = rand(n, h, w, c)
+    np.testing.assert_array_equal(max_pool2d(x, k, stride, padding),
+                                  naive.max_pool2d(x, k, stride, padding).astype(np.float32))
+    np.testing.assert_allclose(avg_pool2d(x, k, stride, padding),
+                               naive.avg_pool2d(x, k, stride, padding), rtol=1e-5, atol=1e-6)
+
+
+def test_global_avg_pool():
+    x = rand(3, 7, 5, 19)
+    np.testing.assert_allclose(global_avg_pool(x), naive.global_avg_pool(x), rtol=1e-5,
+                               atol=1e-6)
+    assert global_avg_pool(rand(2, 1, 1, 4)).shape == (2, 4)
+
+
+def test_relu_relu6_out_of_place_and_in_place():
+    x = rand(2, 5, 3, 7) * 8
+    np.testing.assert_array_equal(relu(x), np.maximum(x, 0))
+    np.testing.assert_array_equal(relu6(x), naive.relu6(x).astype(np.float32))
+    x2 = x.copy()
+    assert relu6(x2, out=x2) is x2
+    np.testing.assert_array_equal(x2, naive.relu6(x).astype(np.float32))
+    v = rand(33)
+    assert relu(v, out=v) is v and v.min() >= 0
+
+
+# --- BatchNorm folding ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fold_batchnorm_equals_conv_then_batchnorm(with_bias):
+    cout, eps = 12, 1e-5
+    x, wt = rand(2, 9, 8, 6), rand(cout, 3, 3, 3)
+    b = rand(cout) if with_bias else None
+    gamma, beta, mean = rand(cout), rand(cout), rand(cout)
+    var = RNG.random(cout, dtype=np.float32) + 0.1
+    w_f, b_f = fold_batchnorm(wt, b, gamma, beta, mean, var, eps)
+    assert w_f.dtype == b_f.dtype == np.float32 and w_f.shape == wt.shape
+    want = naive.batchnorm(naive.conv2d(x, wt, b, 2, 1, groups=2), gamma, beta, mean, var, eps)
+    np.testing.assert_allclose(naive.conv2d(x, w_f, b_f, 2, 1, groups=2), want, rtol=1e-5,
+                               atol=1e-5)
+    got = conv2d(x, pack_conv_weight(w_f, groups=2), b_f, 2, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# --- bad arguments ----------------------------------------------------------------------------
+
+
+def test_conv_rejects_bad_arguments():
+    x, wt = rand(1, 6, 6, 4), rand(8, 4, 3, 3)
+    cw = pack_conv_weight(wt)
+    with pytest.raises(ValueError, match="channels"):
+        conv2d(rand(1, 6, 6, 5), cw)
+    with pytest.raises(ValueError, match="4-D"):
+        conv2d(rand(6, 6, 4), cw)
+    with pytest.raises(TypeError, match="float32"):
+        conv2d(x.astype(np.float64), cw)
+    with pytest.raises(ValueError, match="smaller than"):
+        conv2d(rand(1, 2, 6, 4), cw)
+    with pytest.raises(ValueError, match="padding"):
+        conv2d(x, cw, padding=(1, 2, 3))
+    with pytest.raises(ValueError, match="stride"):
+        conv2d(x, cw, stride=0)
+    with pytest.raises(ValueError, match="groups"):
+        conv2d(x, cw, groups=2)
+    with pytest.raises(ValueError, match="divide"):
+        pack_conv_weight(rand(6, 2, 3, 3), groups=4)
+    with pytest.raises(ValueError, match="relu"):
+        conv2d(x, cw, relu="gelu")
+    with pytest.raises(ValueError, match="residual"):
+        conv2d(x, cw, residual=rand(1, 4, 4, 7))
+    with pytest.raises(ValueError, match="shape"):
+        conv2d(x, cw, out=np.empty((1, 4, 4, 7), np.float32))
+    with pytest.raises(ValueError, match="bias"):
+        conv2d(x, cw, bias=rand(7))
+    with pytest.raises(ValueError, match="overlaps"):
+        r = rand(1, 4, 4, 8)
+        conv2d(x, cw, residual=r, out=r)
+    with pytest.raises(ValueError, match="depthwise"):
+        depthwise_conv2d(x, rand(4, 2, 3, 3))
+    with pytest.raises(ValueError, match="depthwise"):
+        depthwise_conv2d(x, cw)
+    with pytest.raises(ValueError, match="kernel_size"):
+        max_pool2d(x, 0)
+    with pytest.raises(ValueError, match="smaller than"):
+        avg_pool2d(x, 7)
+    with pytest.raises(ValueError, match=r"gamma must have shape \(8,\)"):
+        fold_batchnorm(wt, None, rand(7), rand(8), rand(8), rand(8), 1e-5)
