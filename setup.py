@@ -11,6 +11,7 @@ setup(
     python_requires=">=3.10",
     package_dir={"": "src"},
     packages=find_packages("src"),
+    package_data={"hepti.model": ["imagenet_labels.txt"]},  # ImageNet class names (CNNs)
     install_requires=[
         "mpi4py>=4.0",
         "mpich",  # brings mpiexec (Hydra) into the venv; no system MPI needed
