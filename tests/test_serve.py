@@ -292,3 +292,25 @@ def test_a_plan_switch_mid_serving_keeps_every_answer_exact(served, minilm_dir):
     assert rows_to_rows["bytes_read"] == [0, 0]  # rows keeps every layer: nothing read
     assert back["bytes_read"] == [0, 0]  # the tensor slices were kept beside rows'
     assert back["new_strategy"] == "tensor"
+
+
+def test_an_idle_rank_keeps_a_standby_copy_and_joins_without_reading(served, minilm_dir):
+    """With the re-planner on, a rank the plan leaves idle loads the whole model beside it;
+    a switch that gives it rows then reads nothing, and every answer stays exact."""
+    sup = served(2, "--strategy", "rows", "--ratios", "1,0", replan=True)
+    ids = texts_ids(sup, TEXTS)
+    want = single_device(minilm_dir, ids)
+    deadline = time.monotonic() + 60
+    while sup.watcher is None or sup.watcher.held[1] is None:  # the standby copy is in
+        assert not any(e.get("decision") == "stopped" for e in sup.replans), sup.replans
+        np.testing.assert_allclose(sup.embed(ids[:2]), want[:2], atol=2e-5)
+        assert time.monotonic() < deadline, "rank 1 never reported its standby copy"
+    epoch = sup.epoch
+    sup.switch_plan({"hepti_plan": 1, "strategy": "rows", "world_size": 2,
+                     "ratios": {d: [0.5, 0.5] for d in ("heads", "ffn", "rows")}})
+    while sup.epoch == epoch:
+        np.testing.assert_allclose(sup.embed(ids), want, atol=2e-5)
+        assert time.monotonic() < deadline + 60, sup.metrics()["replans"]
+    np.testing.assert_allclose(sup.embed(ids), want, atol=2e-5)
+    switched = [e for e in sup.replans if "switched_at" in e]
+    assert switched[-1]["bytes_read"] == [0, 0]

@@ -83,6 +83,8 @@ class PlanWatcher:
         # per rank, the layer_spec of weights it still holds from a plan before (JSON, or None):
         # from each switch's answer, and dropped when a batch says the rank let them go
         self.held: list = [None] * self.base.world_size
+        H, F, L = self.cfg.num_attention_heads, self.cfg.intermediate_size, self.cfg.num_hidden_layers
+        self.whole = ["resident", [0, H], [0, F], [0, L]]  # layer_spec of rows, in JSON
         self.walls_since_alarm: list[float] = []
         self.last_switch = -math.inf
         self.shapes: list[tuple[int, int]] = []
@@ -95,9 +97,11 @@ class PlanWatcher:
         self.shapes = (self.shapes + [shape])[-20:]
         self.batch_times = (self.batch_times + [now])[-20:]
         self.walls_since_alarm.append(wall)
-        for r, m in enumerate(ranks_s):
+        for r, m in enumerate(ranks_s):  # what each rank holds beside its plan (worker's [5])
             if len(m) > 5 and not m[5]:
                 self.held[r] = None
+            elif len(m) > 5 and m[5] == 2.0:  # an idle rank's standby copy: the whole model
+                self.held[r] = self.whole
         if self.judging is not None:
             self._judge(sock, wall)
             return
@@ -130,6 +134,12 @@ class PlanWatcher:
                 and not all(a.fast for a in alarms):  # a confirmed flag is sized already
             self.confirming = alarms
             return
+        flagged = False
+        if not alarms and self.confirming is None and self.monitor.flags and \
+                all(f.kind == "comm" for f in self.monitor.flags):
+            # communication far off at once and no compute with it: a probe tells in a moment
+            # whether a link moved, so it need not wait for a second batch to confirm
+            alarms, flagged = self.monitor.flags, True
         if not alarms or now - self.last_switch < COOLDOWN_S:
             return
         event = {"t": time.time(), "batch_shape": list(shape),
@@ -172,6 +182,13 @@ class PlanWatcher:
             self._refit()
             moved = any(_moved(before.devices[int(r)], v) for r, v in self.links.items())
             event["links_changed"] = moved
+            if flagged and not moved:  # a flag the links do not explain: the detectors go on
+                self.links = dict(event["before"][1])
+                self._refit()
+                event.update(reason="communication flagged {:.2f}x; links re-probed, unchanged".format(
+                    alarms[0].factor), decision="keep", probe_s=time.perf_counter() - t0)
+                self.sup.replans.append(event)
+                return
             if not moved or "flapping" in event:
                 # a false alarm, or a link that flaps: probing each swing costs more than it
                 # tells; wait for a larger excursion before probing again

@@ -101,6 +101,8 @@ def serve(args) -> int:
     sock = None
     state = _State(world, store, job, args)
     probe_base = None
+    if args.replan:
+        state.standby()
     if args.replan:  # every rank's speed probe at start: what an idle rank is judged against
         for _ in range(2):
             state.speed_probe()
@@ -166,14 +168,48 @@ class _State:
         self.kept = None  # (spec, layers) of the plan before the current one
         self._probe = None  # speed_probe's buffers
         self._probed = 0.0  # an idle rank's last speed probe (s), sent with the next batch
+        self._standby = None  # the thread loading an idle rank's standby copy (`standby`)
+        self.kept_whole = False  # `kept` is the standby copy (the whole model), not a plan's
 
     def _trim(self) -> None:
         """Drop the previous plan's weights when memory runs short."""
         from hepti.parallel.profiling import available_memory
-        if self.kept is not None and self.next is None \
+        if self.kept is not None and self.next is None and not self._loading() \
                 and available_memory()[0] < self.kept[1].resident_bytes:
             self.kept[1].close()
             self.kept = None
+
+    def _loading(self) -> bool:
+        return self._standby is not None and self._standby.is_alive()
+
+    def standby(self) -> None:
+        """A rank the plan leaves idle loads the whole model on a background thread, as `rows`
+        would give it, if its free memory is KEEP_PREVIOUS_FREE times that: a re-plan that
+        gives it rows later reads nothing (bench-adapt: a 0.15-core device's 340 MB load,
+        done on the re-plan, slowed 8 s of batches to 1.5-4.5 s)."""
+        import threading
+
+        from hepti.graph.encoder import family_graph
+        from hepti.model.sizes import layer_slice_bytes
+        from hepti.parallel.engine import build_layers
+        from hepti.parallel.layers import slice_packer
+        from hepti.parallel.profiling import available_memory
+        cfg = self.cfg
+        H, F, L = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers
+        need = layer_slice_bytes(cfg, H, F) * L
+        if self.job.spec is not None or available_memory()[0] < KEEP_PREVIOUS_FREE * need:
+            return
+        spec = ("resident", (0, H), (0, F), (0, L))
+
+        def load():
+            try:
+                self.kept = (spec, build_layers(self.store, spec,
+                                                slice_packer(family_graph(cfg, 1, 1))))
+                self.kept_whole = True
+            except Exception:  # noqa: BLE001 - a standby copy is an optimisation; serve on
+                self.kept = None
+        self._standby = threading.Thread(target=load, name="hepti-standby", daemon=True)
+        self._standby.start()
 
     def batch(self, header, data):
         """One batch through the job; rank 0's answer: the pooled embeddings, and with --replan
@@ -197,8 +233,10 @@ class _State:
             comm = sum(v for k, v in sec.items() if k not in ("compute", "io", "batch"))
             ready = self.next is None or not self.next[2].is_alive()
             self._trim()
-            mine = [compute, comm, float(available_memory()[0]), float(ready), self._probed,
-                    float(self.kept is not None)]
+            # [5]: what this rank holds beside its plan: 0 nothing, 1 the previous plan's
+            # slices (named in the switch's answer), 2 the whole model (`standby`)
+            holds = 0.0 if self.kept is None or self._loading() else 2.0 if self.kept_whole else 1.0
+            mine = [compute, comm, float(available_memory()[0]), float(ready), self._probed, holds]
             head["ranks_s"] = w.gather_floats(mine)
             # an idle rank probes its speed after the gather, off the batch's path: rank 0
             # answers without waiting for it, and the next batch's gather carries the figure
@@ -265,6 +303,8 @@ class _State:
 
         def load():
             try:
+                if self._standby is not None:
+                    self._standby.join()
                 if spec is not None and spec != self.job.spec and \
                         (self.kept is None or spec != self.kept[0]):
                     holder["layers"] = build_layers(self.store, spec,
@@ -294,7 +334,7 @@ class _State:
         if keep:
             layers = old_layers
         elif self.kept is not None and spec == self.kept[0]:
-            layers, self.kept = self.kept[1], None
+            layers, self.kept, self.kept_whole = self.kept[1], None, False
         else:
             layers = holder.get("layers")
         ops = self.job.primary_ops or None  # the primary's embeddings, if it stays the primary
@@ -304,6 +344,7 @@ class _State:
                 self.kept[1].close()
             self.kept = (old_spec, old_layers) \
                 if available_memory()[0] >= KEEP_PREVIOUS_FREE * old_layers.resident_bytes else None
+            self.kept_whole = False
             if self.kept is None:
                 old_layers.close()
         elif not keep and old_layers is not None:
@@ -321,6 +362,8 @@ class _State:
     def close(self):
         if self.next is not None:
             self.next[2].join()
+        if self._standby is not None:
+            self._standby.join()
         if self.kept is not None:
             self.kept[1].close()
         self.job.close()
