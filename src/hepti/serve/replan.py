@@ -50,6 +50,11 @@ FLAP_CHANGES, FLAP_WINDOW_S = 3, 20.0
 # each of the next FLAP_PROBES batches (3-4 s at BERT-base: both states of a 2 s flap); a
 # link whose probes spread by FLAP_SPREAD flaps, and is planned at its worst for FLAP_HOLD_S.
 FLAP_PROBES, FLAP_SPREAD, FLAP_HOLD_S = 4, 1.5, 60.0
+# A link planned below its profiled rate is checked this often (`_check_slow_links`): a rank
+# the slow link left idle has no residuals to show it came back (bench-adapt: the restore at
+# 60 s went unseen, 810 ms against the original plan's 701 until the end).
+LINK_CHECK_S = 5.0
+MOVED = 0.2  # a link more than this far (fraction) from its profiled rate has moved
 
 
 class PlanWatcher:
@@ -79,6 +84,7 @@ class PlanWatcher:
         self.flap_hold: dict[str, float] = {}  # rank -> until when its link is held at its worst
         self.burst = None  # {"event", "probes"}: links probed over several batches (a flap)
         self.swing_range = SWING_RANGE
+        self.last_link_check = -math.inf
         self.requested = None  # a plan asked for from outside (Supervisor.switch_plan)
         # per rank, the layer_spec of weights it still holds from a plan before (JSON, or None):
         # from each switch's answer, and dropped when a batch says the rank let them go
@@ -111,6 +117,9 @@ class PlanWatcher:
             return
         if self.burst is not None:
             self._burst_probe(sock)
+            return
+        if now - self.last_link_check > LINK_CHECK_S and now - self.last_switch > COOLDOWN_S \
+                and self._check_slow_links(sock):
             return
         if self.requested is not None:
             plan, self.requested = self.requested, None
@@ -199,6 +208,37 @@ class PlanWatcher:
                     for r, v in sorted(answer["links"].items())))
             event["probe_s"] = time.perf_counter() - t0
         self._decide(sock, event)
+
+    def _check_slow_links(self, sock) -> bool:
+        """A link the plan takes as slower than profiled may have come back, and a rank that
+        the slow link left idle shows nothing in its residuals: check such links every
+        LINK_CHECK_S with a light probe; one that reads its profiled rate again is probed in
+        full and re-planned on. True if it re-planned."""
+        from hepti.serve.worker import CHECK_SIZES
+        self.last_link_check = time.monotonic()
+        slow = [r for r, v in self.links.items()
+                if v["bandwidth_Bps"] < self.base.devices[int(r)].bandwidth_Bps / (1 + MOVED)
+                and self.flap_hold.get(r, 0.0) < self.last_link_check]
+        if not slow:
+            return False
+        light = self.sup.command(sock, {"op": "probe", "ranks": [int(r) for r in slow],
+                                        "sizes": CHECK_SIZES})
+        back = [r for r, v in light["links"].items()
+                if v["bandwidth_Bps"] > self.base.devices[int(r)].bandwidth_Bps / (1 + MOVED)]
+        if not back:
+            return False
+        t0 = time.perf_counter()
+        event = {"t": time.time(), "alarms": [], "before": (list(self.factors), dict(self.links))}
+        full = self.sup.command(sock, {"op": "probe", "ranks": [int(r) for r in back]})
+        for r, v in full["links"].items():
+            self.links[r] = v
+        self._refit()
+        event.update(links_changed=True, probe_s=time.perf_counter() - t0,
+                     reason="link check: " + ", ".join(
+                         f"rank {r} {v['bandwidth_Bps'] * 8 / 1e6:.0f} Mbit/s again"
+                         for r, v in sorted(full["links"].items())))
+        self._decide(sock, event)
+        return True
 
     def _probe(self, sock) -> dict:
         """Rank 0's ping-pong with every other rank: {"links": {rank: link}}."""
@@ -391,7 +431,7 @@ class PlanWatcher:
         return self.last_residuals
 
 
-def _moved(dev, link: dict, by: float = 0.2) -> bool:
+def _moved(dev, link: dict, by: float = MOVED) -> bool:
     """A re-probed link more than `by` away from the profile's, in bandwidth or latency."""
     bw = link["bandwidth_Bps"] / dev.bandwidth_Bps
     return abs(math.log(bw)) > math.log1p(by) or abs(link["latency_s"] - dev.latency_s) > 2e-3

@@ -28,6 +28,10 @@ OPS = {"stop": OP_STOP, "batch": OP_BATCH, "probe": OP_PROBE, "prepare": OP_PREP
 # passes a burst at line rate, so small messages alone read a 940 Mbit/s link as 1.3-2.4 Gbit/s.
 # About 0.25 s per link at 100 Mbit/s.
 PROBE_SIZES = ((1024, 5), (262144, 2), (1048576, 2))
+# A check that a slow link came back (hepti.serve.replan): ~50 ms at 100 Mbit/s. Its
+# bandwidth reads high on a shaped link (a burst passes at line rate), so a link that looks
+# restored is probed again with PROBE_SIZES before the plan uses the figure.
+CHECK_SIZES = ((1024, 3), (262144, 1))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -272,14 +276,16 @@ class _State:
         return time.perf_counter() - t0
 
     def probe(self, header):
-        """Rank 0 times a ping-pong with each rank named (at three sizes) and fits its link."""
+        """Rank 0 times a ping-pong with each rank named (at three sizes, or the header's
+        `sizes`: [[bytes, round trips], ...]) and fits its link."""
         from hepti.parallel.profiling import fit_link, ping_pong
         w = self.world
-        peers = w.bcast_obj(header["ranks"] if w.rank == 0 else None)
+        peers, sizes = w.bcast_obj((header["ranks"], header.get("sizes") or PROBE_SIZES)
+                                   if w.rank == 0 else None)
         links = {}
         for peer in peers:
             points = []
-            for nbytes, reps in PROBE_SIZES:
+            for nbytes, reps in sizes:
                 if w.rank in (0, peer):
                     points.append((nbytes, ping_pong(w.mpi, peer, nbytes, reps)))
             if w.rank == 0:
