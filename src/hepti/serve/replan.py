@@ -108,9 +108,17 @@ class PlanWatcher:
                 self.held[r] = None
             elif len(m) > 5 and m[5] == 2.0:  # an idle rank's standby copy: the whole model
                 self.held[r] = self.whole
+        observed = None
         if self.judging is not None:
-            self._judge(sock, wall)
-            return
+            # the new plan is judged on its first batches, and watched all the same: a change
+            # as large as a confirmed flag ends the judging (the old plan's batches no longer
+            # tell what it would do) and is acted on (bench-adapt: node-b's CPU came back
+            # during a judging, and was seen 6 batches late)
+            observed = self._observe(shape, ranks_s)
+            if not any(a.fast or a.absolute for a in observed):
+                self._judge(sock, wall)
+                return
+            self.judging, self.previous = None, None
         if self.pending is not None:
             if all(r[3] for r in ranks_s):  # every rank's next weights are loaded
                 self._switch(sock, *self.pending)
@@ -129,11 +137,7 @@ class PlanWatcher:
             self.sup.replans.append(event)
             self._prepare(sock, plan, event)
             return
-        alarms = self.monitor.observe(*shape, ranks_s, self.probe_base, self.factors)
-        self._note_residuals(shape, ranks_s)
-        for f in self.monitor.flags:  # detections, whether or not they are acted on
-            self.sup.flags.append({"t": time.time(), "kind": f.kind, "rank": f.rank,
-                                   "factor": f.factor, "batch_shape": list(shape)})
+        alarms = observed if observed is not None else self._observe(shape, ranks_s)
         if self.confirming is not None:  # one more batch in the new regime sizes the step
             alarms, self.confirming = self.confirming, None
             for a in alarms:
@@ -208,6 +212,15 @@ class PlanWatcher:
                     for r, v in sorted(answer["links"].items())))
             event["probe_s"] = time.perf_counter() - t0
         self._decide(sock, event)
+
+    def _observe(self, shape, ranks_s) -> list:
+        """The monitor on this batch: its alarms; its flags go to /metrics as they come."""
+        alarms = self.monitor.observe(*shape, ranks_s, self.probe_base, self.factors)
+        self._note_residuals(shape, ranks_s)
+        for f in self.monitor.flags:  # detections, whether or not they are acted on
+            self.sup.flags.append({"t": time.time(), "kind": f.kind, "rank": f.rank,
+                                   "factor": f.factor, "batch_shape": list(shape)})
+        return alarms
 
     def _check_slow_links(self, sock) -> bool:
         """A link the plan takes as slower than profiled may have come back, and a rank that
