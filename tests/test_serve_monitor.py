@@ -89,3 +89,12 @@ def test_swinging_tells_a_flapping_link_from_noise_and_a_step():
     assert not M.swinging(list(0.2 * rng.standard_normal(M.SWING_N)))  # noise
     assert not M.swinging([0.0] * 4 + [1.5] * 3)  # one step: one crossing
     assert not M.swinging([0.0] * 3 + [1.5] + [0.0] * 3)  # one outlier: two
+
+
+def test_an_idle_rank_is_judged_against_its_own_idle_baseline():
+    """Reports against the rank's first IDLE_N while idle, at the factor it had then: a steady
+    rank gives its factor back, one twice as slow twice it."""
+    w = M.IdleWatch(factor=1.5)
+    assert [w.add(0.010) for _ in range(M.IDLE_N)] == [None] * M.IDLE_N  # the baseline
+    assert [w.add(0.010) for _ in range(M.IDLE_N)][-1] == pytest.approx(1.5)
+    assert [w.add(0.020) for _ in range(M.IDLE_N)][-1] == pytest.approx(3.0)

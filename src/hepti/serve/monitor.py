@@ -135,9 +135,31 @@ class Alarm:
     rank: int
     direction: int  # +1 slower, -1 faster
     factor: float  # measured / predicted, against the baseline
-    absolute: bool = False  # factor against the rank's speed at start (an idle rank's probe)
+    absolute: bool = False  # the rank's whole speed factor, not a step (an idle rank's probes)
     fast: bool = False  # a confirmed flag: two large residuals in a row, sized by the second
     flap: bool = False  # communication that swings up and down by turns (a flapping link)
+
+
+class IdleWatch:
+    """An idle rank's speed, from its probes (the median of 3 each, hepti.serve.worker): the
+    median of its first IDLE_N reports is its baseline, at the speed factor it had then;
+    thereafter each IDLE_N reports give a factor. Against the probe at start instead, the
+    0.15-core device read 1.65x then 0.82x with nothing changed (bench-adapt, b6a007f): at
+    start the other ranks were idle, while serving they compute beside it."""
+
+    def __init__(self, factor: float):
+        self.factor, self.base, self.seen = factor, None, []
+
+    def add(self, probe_s: float) -> float | None:
+        """One report; the rank's factor once IDLE_N more are in, else None."""
+        self.seen.append(probe_s)
+        if len(self.seen) < IDLE_N:
+            return None
+        med, self.seen = statistics.median(self.seen), []
+        if self.base is None:
+            self.base = med
+            return None
+        return self.factor * med / self.base
 
 
 class Monitor:
@@ -147,7 +169,7 @@ class Monitor:
         self.cfg, self.profile, self.plan = cfg, profile, plan
         self.compute: dict[int, Cusum] = {}
         self.comm: dict[int, Cusum] = {}
-        self.idle: dict[int, list[float]] = {}  # ranks with no share: their speed probes (s)
+        self.idle: dict[int, IdleWatch] = {}  # ranks with no share: their speed
         self.comm_lambda = COMM_LAMBDA  # raised after probes that found nothing (PlanWatcher)
         self._predicted: OrderedDict = OrderedDict()
         self.batches = 0
@@ -166,11 +188,10 @@ class Monitor:
                 self._predicted.popitem(last=False)
         return got
 
-    def observe(self, B: int, T: int, ranks_s: list[list[float]], probe_base=None,
-                factors=None) -> list[Alarm]:
-        """One batch's measured [compute_s, comm_s, free, ready, probe_s] per rank -> its
-        alarms. An idle rank (no share) is judged by its speed probe against the same probe at
-        start (`probe_base`), and alarms when that moved IDLE_MOVE from its current factor."""
+    def observe(self, B: int, T: int, ranks_s: list[list[float]], factors=None) -> list[Alarm]:
+        """One batch's measured [compute_s, comm_s, free, ready, probe_s, holds] per rank -> its
+        alarms. An idle rank (no share) is judged by its speed probes against its own first
+        IDLE_N reports of this idle spell, taken while the others served (`IdleWatch`)."""
         self.batches += 1
         self.flags = []
         if self.batches <= SKIP_N:
@@ -178,17 +199,14 @@ class Monitor:
         pred = self.predicted(B, T).predicted.get("per_rank", [])
         compute_alarms, comm_alarms = [], []
         for r, (p, m) in enumerate(zip(pred, ranks_s)):
+            now = factors[r] if factors else 1.0
             if not p.get("active", True):
-                if probe_base and len(m) > 4 and m[4] > 0:
-                    seen = self.idle.setdefault(r, [])
-                    seen.append(m[4])
-                    del seen[:-IDLE_N]
-                    f = statistics.median(seen) / probe_base[r]
-                    now = factors[r] if factors else 1.0
-                    if len(seen) == IDLE_N and abs(math.log(f / now)) > math.log(IDLE_MOVE):
+                if len(m) > 4 and m[4] > 0:
+                    f = self.idle.setdefault(r, IdleWatch(now)).add(m[4])
+                    if f is not None and abs(math.log(f / now)) > math.log(IDLE_MOVE):
                         compute_alarms.append(Alarm("compute", r, 1 if f > now else -1, f, True))
-                        seen.clear()
                 continue
+            self.idle.pop(r, None)  # active again: a later idle spell learns its own baseline
             pc = p["compute_s"]
             if pc >= MIN_PREDICTED_S and m[0] > 0:
                 c = self.compute.setdefault(r, Cusum())

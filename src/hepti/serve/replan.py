@@ -58,7 +58,7 @@ MOVED = 0.2  # a link more than this far (fraction) from its profiled rate has m
 
 
 class PlanWatcher:
-    def __init__(self, sup, profile: dict, probe_base: list[float]):
+    def __init__(self, sup, profile: dict):
         from hepti.plan.planfile import Plan
         from hepti.plan.profile import profile_from_dict
         self.sup = sup
@@ -69,7 +69,6 @@ class PlanWatcher:
         self.base = profile_from_dict(profile, "the workers' profile")
         self.factors = [1.0] * self.base.world_size
         self.links: dict = {}
-        self.probe_base = probe_base  # each rank's speed probe at start (s), for idle ranks
         self.profile = self.base
         self.plan = Plan.from_dict(sup.plan)
         self.strategy = _strategy(sup.worker_args)
@@ -161,14 +160,14 @@ class PlanWatcher:
         event["before"] = (list(self.factors), dict(self.links))
         if alarms[0].kind == "compute":
             for a in alarms:
-                if a.absolute:  # an idle rank: its probe against its own at start
+                if a.absolute:  # an idle rank: its probes against its own baseline
                     self.factors[a.rank] = a.factor
                 else:
                     self.factors[a.rank] *= a.factor
             self._refit()
             event["reason"] = "; ".join(
                 f"rank {a.rank} {'probes' if a.absolute else 'computes'} {a.factor:.2f}x its "
-                f"{'speed at start' if a.absolute else 'predicted time'}" for a in alarms)
+                f"{'profiled time' if a.absolute else 'predicted time'}" for a in alarms)
         elif alarms[0].flap:  # probe over the next batches, then decide (`_burst_probe`)
             if any(until > now for until in self.flap_hold.values()):
                 return  # already planned at a flapping link's worst state
@@ -215,7 +214,7 @@ class PlanWatcher:
 
     def _observe(self, shape, ranks_s) -> list:
         """The monitor on this batch: its alarms; its flags go to /metrics as they come."""
-        alarms = self.monitor.observe(*shape, ranks_s, self.probe_base, self.factors)
+        alarms = self.monitor.observe(*shape, ranks_s, self.factors)
         self._note_residuals(shape, ranks_s)
         for f in self.monitor.flags:  # detections, whether or not they are acted on
             self.sup.flags.append({"t": time.time(), "kind": f.kind, "rank": f.rank,

@@ -348,7 +348,7 @@ class Supervisor:
                 self._status = "ok"
             if self.replan and hello.get("profile"):
                 from hepti.serve.replan import PlanWatcher
-                self.watcher = PlanWatcher(self, hello["profile"], hello["probe_base"])
+                self.watcher = PlanWatcher(self, hello["profile"])
             launch = self.launches[-1]
             launch.update(ready_s=time.time() - launch["started_at"], strategy=self.plan["strategy"],
                           ratios=self.plan.get("ratios"))

@@ -104,22 +104,14 @@ def serve(args) -> int:
     ranks = world.gather_obj(me)  # after every rank's watch line: the hello comes last
     sock = None
     state = _State(world, store, job, args)
-    probe_base = None
     if args.replan:
         state.standby()
-    if args.replan:  # every rank's speed probe at start: what an idle rank is judged against
-        for _ in range(2):
-            state.speed_probe()
-        mine = sorted(state.speed_probe() for _ in range(5))[2]
-        probe_base = world.gather_floats([mine])
-        probe_base = [v[0] for v in probe_base] if rank0 else None
     if rank0:
         sock = protocol.connect(os.environ[protocol.CONTROL_ENV])
         protocol.send(sock, {"op": "hello", "token": os.environ.get(protocol.TOKEN_ENV, ""),
                              "plan": plan.to_dict(), "ranks": ranks,
                              "world_size": world.size, "hidden_size": cfg.hidden_size,
                              "profile": profile.to_dict() if profile is not None else None,
-                             "probe_base": probe_base,
                              "load_s": time.perf_counter() - t_start})
     try:
         while True:
