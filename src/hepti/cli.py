@@ -273,9 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replan", choices=("on", "off"), default="off",
                    help="on (with -n above 1): watch each batch's per-rank times against the "
                         "plan's prediction and re-plan when devices' speed or links change (the "
-                        "workers measure a profile at start; /metrics lists every re-plan). Off "
-                        "(default) keeps the first plan: the re-planner is new and not yet "
-                        "measured against a fixed plan over a whole scenario")
+                        "workers measure a profile at start; /metrics lists every flag and "
+                        "re-plan). A rank the plan leaves idle then loads a standby copy of the "
+                        "model, and a rank keeps its previous plan's slices, each while its free "
+                        "memory is twice their size, so that switches read nothing. Off "
+                        "(default) keeps the first plan: the re-planner still misses two of its "
+                        "targets (README, bin/bench-adapt.sh)")
     s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="answer 503 to a request not done in S seconds (default 600)")
 
