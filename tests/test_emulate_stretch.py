@@ -114,16 +114,17 @@ def test_off_outside_the_emulator():
 
 SHARES = (0.15, 0.3, 0.6)
 TOLERANCE = 0.10
-# A 0.1 ms phase is judged against the matched hub reference (each hub phase one device cycle after
-# the last), at 25%: on this VM the CPU such a phase takes is itself 1.0-1.5x its back-to-back
-# time, by how long the core idled before it (0.096 ms warm, 0.148 ms after 0.6 ms asleep: the
-# docstring of hepti.bench.slowdown), and a device slowed by sleeping idles between phases by
-# construction, so against the back-to-back hub it reads 1.0-1.8 at share 0.15. The stretch charges
-# the CPU the phase took; what it cannot do is keep the caches as warm as a board that never
-# sleeps. Against the matched hub, 0.86-1.17 on a quiet host (2026-11-25); the sleep's own
-# overshoot (~50 us against 0.57 ms at 0.15) is part of that. The quota alone ran these phases at
-# 0.24-0.83 of their nominal time (results/slowdown.json); 1 ms phases at 0.29-0.56.
-SHORT_S, SHORT_TOLERANCE = 1e-4, 0.25
+# A 0.1 ms phase is judged against the matched hub reference alone (each hub phase one device
+# cycle after the last): on this VM the CPU such a phase takes is itself 1.0-1.5x its
+# back-to-back time, by how long the core idled before it (0.096 ms warm, 0.148 ms after 0.6 ms
+# asleep: the docstring of hepti.bench.slowdown), and a device slowed by sleeping idles between
+# phases by construction, so against the back-to-back hub it reads up to 1.1-1.8 at share 0.15.
+# With the guard quota at 1.25x the share, 0.1 ms phases between MPI exchanges at 0.15 core read
+# 1.11-1.15 of the matched reference (throttled 0.16 ms each after polling spent the quota);
+# with 2x (hepti.emulate.stretch.GUARD), every 0.1 ms phase read 0.94-1.06 of it on a quiet
+# host (2026-11-26, 49d578f). On a loaded host (another suite beside it) one read 1.28: run it
+# alone. The quota alone ran these phases at 0.24-0.83 of their nominal time.
+SHORT_S, SHORT_TOLERANCE = 1e-4, 0.10
 
 
 OPT_IN = "HEPTI_SLOWDOWN_TEST"
@@ -132,7 +133,7 @@ OPT_IN = "HEPTI_SLOWDOWN_TEST"
 def test_uniform_slowdown(root_env, tmp_path):  # noqa: F811
     """Under `hepti emulate`, a device at share s runs GeMM phases of 1, 10 and 100 ms (sized on
     an uncapped hub) in 1/s of the hub's time, within 10% of both hub references, and phases of
-    0.1 ms within 25% of the matched one (SHORT_TOLERANCE), back to back and between waits (a
+    0.1 ms within 10% of the matched one (SHORT_TOLERANCE), back to back and between waits (a
     sleep, an MPI exchange): hepti.bench.slowdown, one launch per share, the median of 2 rounds per
     phase and way, each against the hub's block right before it. About 5 minutes."""
     if os.environ.get(OPT_IN) != "1":
