@@ -98,3 +98,35 @@ def test_an_idle_rank_is_judged_against_its_own_idle_baseline():
     assert [w.add(0.010) for _ in range(M.IDLE_N)] == [None] * M.IDLE_N  # the baseline
     assert [w.add(0.010) for _ in range(M.IDLE_N)][-1] == pytest.approx(1.5)
     assert [w.add(0.020) for _ in range(M.IDLE_N)][-1] == pytest.approx(3.0)
+
+
+def test_pacer_lets_one_step_go_per_batch():
+    """An idle rank's standby load (hepti.serve.worker._Pacer): one step at start, one more
+    after each batch's gather, none while the rank probes; free() lets the rest go at once."""
+    import threading
+    import time
+
+    from hepti.serve.worker import _Pacer
+    pacer, done = _Pacer(), []
+
+    def load():
+        for i in range(5):
+            with pacer:
+                done.append(i)
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+
+    def settle(n):
+        for _ in range(200):
+            if len(done) >= n:
+                break
+            time.sleep(0.005)
+        time.sleep(0.02)
+        return len(done)
+    assert settle(1) == 1  # the first step goes during the first batch
+    with pacer.hold():  # the batch's gather is over: the probes run alone
+        assert len(done) == 1
+    assert settle(2) == 2
+    pacer.free()
+    t.join(timeout=2)
+    assert done == [0, 1, 2, 3, 4]

@@ -188,16 +188,16 @@ def layer_spec(plan: Plan, cfg, rank: int) -> tuple | None:
     return ("resident", heads, ffn, (0, L))
 
 
-def build_layers(store, spec: tuple, pack):
+def build_layers(store, spec: tuple, pack, pace=None):
     """The layer weights a `layer_spec` names, read from this device's own files (no MPI: a
-    background thread may build them while another plan serves)."""
+    background thread may build them while another plan serves). `pace`: ResidentLayers'."""
     from hepti.parallel.layers import ResidentLayers, StreamingLayers
     kind, heads, ffn, extra = spec
     L = store.config.num_hidden_layers
     if kind == "stream":
         return StreamingLayers(store, L, heads, ffn, pack, extra)
     layers = None if extra == (0, L) else range(*extra)
-    return ResidentLayers(store, L, heads, ffn, pack, layers=layers)
+    return ResidentLayers(store, L, heads, ffn, pack, layers=layers, pace=pace)
 
 
 class Job:

@@ -7,6 +7,7 @@ of `window` slots bounds what is resident. Both give `get(i)` / `done(i)` to the
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 
@@ -20,10 +21,13 @@ def slice_packer(graph):
 
 class ResidentLayers:
     def __init__(self, store, n_layers: int, heads, ffn, pack, layers: range | None = None,
-                 progress=None):
+                 progress=None, pace=None):
+        """`pace`, if given, is entered around each layer's read and pack (a context manager):
+        hepti.serve.worker's idle ranks load one layer per batch with it."""
         self.layers = {}
         for i in (layers if layers is not None else range(n_layers)):
-            self.layers[i] = pack(i, store.read_layer_slice(i, heads, ffn))
+            with pace if pace is not None else contextlib.nullcontext():
+                self.layers[i] = pack(i, store.read_layer_slice(i, heads, ffn))
             if progress is not None:
                 progress.update(1)
         self.peak_bytes = self.resident_bytes

@@ -163,7 +163,14 @@ class PlanWatcher:
                 if a.absolute:  # an idle rank: its probes against its own baseline
                     self.factors[a.rank] = a.factor
                 else:
+                    was = self.factors[a.rank]
                     self.factors[a.rank] *= a.factor
+                    if _moved_factor(was) and not _moved_factor(self.factors[a.rank]):
+                        # back within MOVED of its profile, from a change: taken at its profile,
+                        # as a link is. The product of two measured steps is noisy (bench-adapt
+                        # at 24b11d0: 2.21 x 0.52 = 1.15 after node-b's CPU came back, and the
+                        # planner gave the 0.15-core node-d a share for the last 20 s)
+                        self.factors[a.rank] = 1.0
             self._refit()
             event["reason"] = "; ".join(
                 f"rank {a.rank} {'probes' if a.absolute else 'computes'} {a.factor:.2f}x its "
@@ -176,7 +183,7 @@ class PlanWatcher:
             self.burst = {"event": event, "probes": [self._probe(sock)]}
             return
         else:
-            answer = self._probe(sock)
+            answer = self._probe_changed(sock)
             before = self.profile
             now_t = time.monotonic()
             for r, v in answer["links"].items():
@@ -208,7 +215,7 @@ class PlanWatcher:
             event["reason"] = "communication {:.2f}x its prediction; links re-probed: {}".format(
                 alarms[0].factor, ", ".join(
                     f"rank {r} {v['bandwidth_Bps'] * 8 / 1e6:.0f} Mbit/s"
-                    for r, v in sorted(answer["links"].items())))
+                    for r, v in sorted(answer["links"].items())) or "none moved")
             event["probe_s"] = time.perf_counter() - t0
         self._decide(sock, event)
 
@@ -251,6 +258,22 @@ class PlanWatcher:
                          for r, v in sorted(full["links"].items())))
         self._decide(sock, event)
         return True
+
+    def _probe_changed(self, sock) -> dict:
+        """The links that moved: every link checked with a light probe (CHECK_SIZES: 5-50 ms
+        a link), and those that read away from the plan's figure probed in full. The full probe
+        of every link, on every communication alarm, took 0.73 s inside the request that
+        raised it (bench-adapt at 24b11d0). A light probe reads a shaped link high, never low
+        (a burst passes at line rate), so a slower link is always seen; one that reads faster
+        is confirmed by the full probe before the plan uses it. {"links": {rank: link}},
+        "checked": every light reading}."""
+        from hepti.serve.worker import CHECK_SIZES
+        others = [r for r in range(self.profile.world_size) if r != 0]
+        light = self.sup.command(sock, {"op": "probe", "ranks": others, "sizes": CHECK_SIZES})
+        moved = [int(r) for r, v in light["links"].items()
+                 if _moved(self.profile.devices[int(r)], v)]
+        full = self.sup.command(sock, {"op": "probe", "ranks": moved}) if moved else {"links": {}}
+        return {"links": full["links"], "checked": light["links"]}
 
     def _probe(self, sock) -> dict:
         """Rank 0's ping-pong with every other rank: {"links": {rank: link}}."""
@@ -321,9 +344,17 @@ class PlanWatcher:
         self.sup.replans.append(event)
 
     def _prepare(self, sock, plan, event) -> None:
+        """Every rank starts loading its slices for `plan`; when none has anything to read
+        (rows to rows, or slices held from before), switch now rather than after one more
+        batch on the old plan (bench-adapt at 24b11d0: each event cost that batch, 0.9-1.8 s).
+        The rollback then judges against the batch that raised the alarm."""
         answer = self.sup.command(sock, {"op": "prepare", "plan": plan.to_dict()})
         assert answer["op"] == "prepared", answer
         self.pending = (plan, event)
+        if not any(answer.get("loads", [True])):
+            self.walls_since_alarm = self.walls_since_alarm[-1:]
+            self._switch(sock, plan, event)
+            return
         self.walls_since_alarm = []
 
     def _switch(self, sock, plan, event) -> None:
@@ -359,7 +390,7 @@ class PlanWatcher:
         old_plan, old_walls = self.previous
         new_med = statistics.median(self.judging)
         self.judging = None
-        if len(old_walls) >= 2 and new_med > statistics.median(old_walls) * (1 + ROLLBACK_MARGIN):
+        if old_walls and new_med > statistics.median(old_walls) * (1 + ROLLBACK_MARGIN):
             event = {"t": time.time(), "reason": f"the new plan's batches took {new_med * 1e3:.1f} ms, "
                      f"the old one's {statistics.median(old_walls) * 1e3:.1f} ms",
                      "decision": "rollback", "new_strategy": old_plan.strategy,
@@ -370,11 +401,10 @@ class PlanWatcher:
             self.factors, self.links = (list(x) if isinstance(x, list) else dict(x)
                                         for x in self.previous_before)
             self._refit()
-            answer = self.sup.command(sock, {"op": "prepare", "plan": old_plan.to_dict()})
-            assert answer["op"] == "prepared", answer
-            # the old plan's weights load on the ranks' threads; switch when they are in
-            self.pending = (old_plan, event)
             self.previous = None
+            # the old plan's weights load on the ranks' threads; switch when they are in (now,
+            # if they are held)
+            self._prepare(sock, old_plan, event)
 
     def _load_seconds(self, plan) -> float:
         """The slowest rank's time to read and pack its new slices for `plan` (0 for a rank
@@ -447,6 +477,11 @@ def _moved(dev, link: dict, by: float = MOVED) -> bool:
     """A re-probed link more than `by` away from the profile's, in bandwidth or latency."""
     bw = link["bandwidth_Bps"] / dev.bandwidth_Bps
     return abs(math.log(bw)) > math.log1p(by) or abs(link["latency_s"] - dev.latency_s) > 2e-3
+
+
+def _moved_factor(f: float, by: float = MOVED) -> bool:
+    """A compute factor more than `by` away from the profile's speed."""
+    return abs(math.log(f)) > math.log1p(by)
 
 
 def _same(a, b) -> bool:

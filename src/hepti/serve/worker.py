@@ -15,6 +15,7 @@ sees the channel close and mpiexec exit, and relaunches (hepti.serve.supervisor)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -153,6 +154,43 @@ KEEP_PREVIOUS_FREE = 2.0
 IDLE_PROBES = 3  # speed probes an idle rank runs after each batch (their median is reported)
 
 
+class _Pacer:
+    """Paces a background load one step per batch, in the time an idle rank has nothing to do.
+
+    The loader enters it around each step (a layer's read and pack): it waits there for a
+    permit. The main thread, after each batch's gather, takes `hold()` (waiting out a step in
+    progress: the idle rank's speed probes then run alone) and lets one more step go as it
+    leaves. A step then overlaps the next batch's compute, not its gather (bench-adapt at
+    24636ab: a 0.15-core idle rank loading the whole model at once held the first request's
+    gather, 6.3 s against 0.7). `free()` lets every step go at once (a plan now needs it)."""
+
+    def __init__(self):
+        import threading
+        self._permits = threading.Semaphore(1)  # the first step goes during the first batch
+        self._step = threading.Lock()
+        self._free = False
+
+    def __enter__(self):
+        if not self._free:
+            self._permits.acquire()
+        self._step.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._step.release()
+        return False
+
+    @contextlib.contextmanager
+    def hold(self):
+        with self._step:
+            yield
+        self._permits.release()
+
+    def free(self) -> None:
+        self._free = True
+        self._permits.release()  # a loader waiting for a permit
+
+
 class _State:
     """A rank's serving state: its job, the next plan's weights while they load, and the
     previous plan's (`kept`), while memory allows."""
@@ -165,6 +203,7 @@ class _State:
         self._probe = None  # speed_probe's buffers
         self._probed = 0.0  # an idle rank's last speed probe (s), sent with the next batch
         self._standby = None  # the thread loading an idle rank's standby copy (`standby`)
+        self._pacer = None  # its _Pacer: one layer per batch
         self.kept_whole = False  # `kept` is the standby copy (the whole model), not a plan's
 
     def _trim(self) -> None:
@@ -196,11 +235,13 @@ class _State:
         if self.job.spec is not None or available_memory()[0] < KEEP_PREVIOUS_FREE * need:
             return
         spec = ("resident", (0, H), (0, F), (0, L))
+        self._pacer = _Pacer()
 
         def load():
             try:
                 self.kept = (spec, build_layers(self.store, spec,
-                                                slice_packer(family_graph(cfg, 1, 1))))
+                                                slice_packer(family_graph(cfg, 1, 1)),
+                                                pace=self._pacer))
                 self.kept_whole = True
             except Exception:  # noqa: BLE001 - a standby copy is an optimisation; serve on
                 self.kept = None
@@ -238,8 +279,9 @@ class _State:
             # answers without waiting for it, and the next batch's gather carries the figure
             # (the median of IDLE_PROBES: single probes at 0.15-0.2 core read 0.76-1.85x of
             # each other within 4 s in bench-adapt, and one of them misled a re-plan)
-            self._probed = 0.0 if self.job.is_active else \
-                sorted(self.speed_probe() for _ in range(IDLE_PROBES))[IDLE_PROBES // 2]
+            with self._pacer.hold() if self._loading() else contextlib.nullcontext():
+                self._probed = 0.0 if self.job.is_active else \
+                    sorted(self.speed_probe() for _ in range(IDLE_PROBES))[IDLE_PROBES // 2]
         if not rank0:
             return None
         emb = pool(out["h"], batch.mask, self.args.pool, bool(self.args.normalize))
@@ -298,6 +340,12 @@ class _State:
         plan = Plan.from_dict(w.bcast_obj(header["plan"] if w.rank == 0 else None)).validate(w.size)
         spec = layer_spec(plan, self.cfg, w.rank)
         holder = {"read0": self.store.bytes_read}
+        if self._pacer is not None:
+            self._pacer.free()  # the standby copy may be what the next plan needs: finish it
+        # whether this rank reads anything for the next plan (a standby copy still loading may)
+        loads = spec is not None and spec != self.job.spec and \
+            (self._loading() or self.kept is None or spec != self.kept[0])
+        loads = w.gather_obj(loads)
 
         def load():
             try:
@@ -312,7 +360,7 @@ class _State:
         thread = threading.Thread(target=load, name="hepti-next-plan", daemon=True)
         thread.start()
         self.next = (plan, spec, thread, holder)
-        return ({"op": "prepared"}, None) if w.rank == 0 else None
+        return ({"op": "prepared", "loads": loads}, None) if w.rank == 0 else None
 
     def switch(self):
         """Every rank together, between batches: wait for the next plan's weights, close the
@@ -360,6 +408,8 @@ class _State:
     def close(self):
         if self.next is not None:
             self.next[2].join()
+        if self._pacer is not None:
+            self._pacer.free()
         if self._standby is not None:
             self._standby.join()
         if self.kept is not None:
