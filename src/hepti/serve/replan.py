@@ -180,7 +180,7 @@ class PlanWatcher:
                 return  # already planned at a flapping link's worst state
             event["reason"] = (f"communication swings (up to {alarms[0].factor:.2f}x its median): "
                                f"links probed over the next {FLAP_PROBES} batches")
-            self.burst = {"event": event, "probes": [self._probe(sock)]}
+            self.burst = {"event": event, "probes": [self._probe(sock, light=True)]}
             return
         else:
             answer = self._probe_changed(sock)
@@ -217,6 +217,8 @@ class PlanWatcher:
                     f"rank {r} {v['bandwidth_Bps'] * 8 / 1e6:.0f} Mbit/s"
                     for r, v in sorted(answer["links"].items())) or "none moved")
             event["probe_s"] = time.perf_counter() - t0
+            event["light_mbit"] = {r: round(v["bandwidth_Bps"] * 8e-6)
+                                   for r, v in answer["checked"].items()}
         self._decide(sock, event)
 
     def _observe(self, shape, ranks_s) -> list:
@@ -263,28 +265,43 @@ class PlanWatcher:
         """The links that moved: every link checked with a light probe (CHECK_SIZES: 5-50 ms
         a link), and those that read away from the plan's figure probed in full. The full probe
         of every link, on every communication alarm, took 0.73 s inside the request that
-        raised it (bench-adapt at 24b11d0). A light probe reads a shaped link high, never low
-        (a burst passes at line rate), so a slower link is always seen; one that reads faster
-        is confirmed by the full probe before the plan uses it. {"links": {rank: link}},
-        "checked": every light reading}."""
+        raised it (bench-adapt at 24b11d0). A light probe may read a shaped link high, never
+        low (a burst passes at line rate), so only two readings call for the full probe: a
+        link slower than the plan takes it (by MOVED), and a link the plan takes as slow that
+        reads faster (it may be back). Reading every link "moved" from a high reading cost
+        26760b9's run 0.82 s at the 20 s event. {"links": {rank: link}, "checked": every
+        light reading}."""
         from hepti.serve.worker import CHECK_SIZES
         others = [r for r in range(self.profile.world_size) if r != 0]
         light = self.sup.command(sock, {"op": "probe", "ranks": others, "sizes": CHECK_SIZES})
-        moved = [int(r) for r, v in light["links"].items()
-                 if _moved(self.profile.devices[int(r)], v)]
+        moved = []
+        for r, v in light["links"].items():
+            now, base = self.profile.devices[int(r)], self.base.devices[int(r)]
+            slower = v["bandwidth_Bps"] < now.bandwidth_Bps / (1 + MOVED) or \
+                v["latency_s"] > now.latency_s + 2e-3
+            back = now.bandwidth_Bps < base.bandwidth_Bps / (1 + MOVED) and \
+                v["bandwidth_Bps"] > now.bandwidth_Bps * (1 + MOVED)
+            if slower or back:
+                moved.append(int(r))
         full = self.sup.command(sock, {"op": "probe", "ranks": moved}) if moved else {"links": {}}
         return {"links": full["links"], "checked": light["links"]}
 
-    def _probe(self, sock) -> dict:
-        """Rank 0's ping-pong with every other rank: {"links": {rank: link}}."""
-        return self.sup.command(sock, {"op": "probe",
-                                       "ranks": [r for r in range(self.profile.world_size) if r != 0]})
+    def _probe(self, sock, light: bool = False) -> dict:
+        """Rank 0's ping-pong with every other rank: {"links": {rank: link}}; `light`, with
+        CHECK_SIZES (~50 ms a link at 100 Mbit/s against ~0.25 s): a flap's burst probes after
+        each of FLAP_PROBES batches, and a false swing's burst (26760b9's run, under the
+        slow link) cost 0.73 s in each of 4 requests with full probes."""
+        from hepti.serve.worker import CHECK_SIZES
+        header = {"op": "probe", "ranks": [r for r in range(self.profile.world_size) if r != 0]}
+        if light:
+            header["sizes"] = CHECK_SIZES
+        return self.sup.command(sock, header)
 
     def _burst_probe(self, sock) -> None:
         """One more probe of a burst; after FLAP_PROBES, a link whose probes spread by
         FLAP_SPREAD is flapping and is planned at its worst state for FLAP_HOLD_S; the others
         at their median. Then decide."""
-        self.burst["probes"].append(self._probe(sock))
+        self.burst["probes"].append(self._probe(sock, light=True))
         if len(self.burst["probes"]) < FLAP_PROBES:
             return
         event, probes, self.burst = self.burst["event"], self.burst["probes"], None
