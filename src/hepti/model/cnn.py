@@ -13,22 +13,30 @@ from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL, Graph, build
 
 class Weights:
     """A CNN's weights packed for the kernels: convs as ConvWeight, linears as PackedB (the
-    stored [out, in]). `only` restricts them to some ops (a rank's share of a split head)."""
+    stored [out, in]). `read(name, rows)` gives a stored tensor, or rows [lo, hi) of it;
+    `head_rows` {linear op: (lo, hi)} reads only those output columns of a linear (a rank's
+    share of a head split by columns; none when lo == hi)."""
 
-    def __init__(self, graph: Graph, read, only=None):
+    def __init__(self, graph: Graph, read, head_rows: dict | None = None):
         from hepti import kernels as K
         self.conv, self.linear, self.nbytes = {}, {}, 0
         for op in graph.ops:
-            if only is not None and op.name not in only:
-                continue
             if op.kind == CONV:
-                w, b = read(f"{op.name}.weight"), read(f"{op.name}.bias")
+                w, b = read(f"{op.name}.weight", None), read(f"{op.name}.bias", None)
                 self.conv[op.name] = (K.pack_conv_weight(w, op.groups), b)
                 self.nbytes += w.nbytes + b.nbytes
             elif op.kind == LINEAR:
-                w, b = read(f"{op.name}.weight"), read(f"{op.name}.bias")
+                rows = (head_rows or {}).get(op.name)
+                if rows is not None and rows[1] <= rows[0]:
+                    continue
+                w, b = read(f"{op.name}.weight", rows), read(f"{op.name}.bias", rows)
                 self.linear[op.name] = (K.pack_b(w, trans=True), b)
                 self.nbytes += w.nbytes + b.nbytes
+
+
+def tensors_reader(tensors: dict):
+    """`Weights`' read over a dict of arrays."""
+    return lambda name, rows: tensors[name] if rows is None else tensors[name][rows[0]:rows[1]]
 
 
 def apply(op, x: np.ndarray, weights: Weights, residual: np.ndarray | None = None,
@@ -76,6 +84,7 @@ class CNNModel:
     """A CNN's graph and packed weights; `forward(pixels)` -> logits [N, classes]."""
 
     def __init__(self, config, read, threads: int = 1):
+        """`read(name, rows)`: hepti.weights.WeightStore.read, or `tensors_reader`."""
         self.config, self.graph, self.threads = config, build(config), threads
         self.weights = Weights(self.graph, read)
 
