@@ -118,3 +118,30 @@ def test_run_json_reports_per_rank(tiny_dir, ids_file, tmp_path):
     assert tracks == {0, 1}
     names = {e["name"] for e in events if e.get("ph") == "X"}
     assert {"Reduce_scatter", "Allgatherv"} <= names
+
+
+def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path):
+    """`hepti run` of a CNN under mpiexec -n 3: --strategy auto (a profile measured on the spot,
+    the LP, fusion), even, and a plan file from `hepti profile` + `hepti plan`; each output
+    equals one device's (1e-4 relative), and bad CNN strategies are refused before work."""
+    e = np.load(ROOT / "tests/fixtures/resnet50_tiny_expected.npz")
+    px = tmp_path / "px.npy"
+    np.save(px, e["pixels"].astype(np.float32))
+    want = e["logits"]
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    code, _, err, _ = launch(3, "-m", "hepti", "profile", "--model", resnet_tiny_dir,
+                             "--image-size", "65x57", "--batch", "2", "--out", prof)
+    assert code == 0, err[-2000:]
+    p = subprocess.run([sys.executable, "-m", "hepti", "plan", "--model", resnet_tiny_dir,
+                        "--profile", prof, "--out", plan], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    for extra in (["--strategy", "auto"], ["--strategy", "even"], ["--plan", plan]):
+        out = tmp_path / "y.npy"
+        code, _, err, _ = launch(3, "-m", "hepti", "run", "--model", resnet_tiny_dir,
+                                 "--input-pixels", px, "--output", out, "--json", *extra)
+        assert code == 0, (extra, err[-2000:])
+        got = np.load(out)
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), extra
+    code, _, err, _ = launch(3, "-m", "hepti", "run", "--model", resnet_tiny_dir,
+                             "--input-pixels", px, "--strategy", "tensor")
+    assert code != 0 and "split by height" in err and "Traceback" not in err

@@ -202,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=_positive_int, default=1, help="inputs per batch (default 1)")
     s.add_argument("--mem-cap", metavar="BYTES", help="memory each rank may use, if lower than free")
     s.add_argument("--threads", type=_positive_int, default=1, help="compute threads per rank (default 1)")
+    s.add_argument("--image-size", metavar="HxW", type=_hw, default=None,
+                   help="a CNN: the input size every op is timed at (default the model's, "
+                        "224x224)")
+    s.add_argument("--power", metavar="C:T,...", type=_powers, default=None,
+                   help="a CNN: each device's compute and transmit power in watts, declared "
+                        "(e.g. 6:2,3:1.5), for `hepti plan --objective energy`; nothing is "
+                        "metered")
     s.add_argument("--out", default="profile.json", help="where to write it (default profile.json)")
     s.add_argument("--json", action="store_true", help="print the profile as JSON")
 
@@ -221,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "their combined memory does, else stream; any other name plans just that "
                         "strategy (even, proportional and pipeline are the baselines)")
     s.add_argument("--ratios", metavar="R", help="evaluate these shares instead of optimising")
+    s.add_argument("--objective", choices=("latency", "energy"), default="latency",
+                   help="a CNN: minimise latency (default), or CoEdge's energy under "
+                        "--deadline-ms (predicted from declared powers: nothing is metered)")
+    s.add_argument("--deadline-ms", type=float, default=None, metavar="D",
+                   help="a CNN with --objective energy: the latency the plan must meet")
+    s.add_argument("--power", metavar="C:T,...", type=_powers, default=None,
+                   help="a CNN: each device's compute and transmit power in watts (declared), "
+                        "overriding the profile's")
     s.add_argument("--mem-budget", metavar="BYTES", help="cap every rank's memory for hepti")
     s.add_argument("--max-age", type=float, default=None, metavar="S",
                    help="refuse a measured profile older than S seconds")
@@ -465,6 +480,33 @@ def cmd_emulate(args) -> int:
                         schedule_on_usr1=args.schedule_on_usr1)
 
 
+def _hw(text: str) -> tuple[int, int]:
+    """HxW (or N, square) -> (H, W)."""
+    parts = text.lower().split("x")
+    try:
+        vals = [int(p) for p in parts]
+    except ValueError:
+        vals = []
+    if len(vals) not in (1, 2) or min(vals, default=0) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give HxW, e.g. 224x224, or one side")
+    return (vals[0], vals[-1])
+
+
+def _powers(text: str) -> list[tuple[float, float]]:
+    """C:T,C:T,... watts -> [(compute, transmit)] per device."""
+    out = []
+    for part in text.split(","):
+        try:
+            c, t = (float(x) for x in part.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: give each device's powers as COMPUTE:TRANSMIT watts, e.g. 6:2") from None
+        if c < 0 or t < 0:
+            raise argparse.ArgumentTypeError(f"{part!r}: powers must be >= 0 watts")
+        out.append((c, t))
+    return out
+
+
 def cmd_profile(args) -> int:
     from hepti.parallel.engine import run_guarded_fn
     return run_guarded_fn("profile", _profile_job, args)
@@ -492,9 +534,19 @@ def _profile_job(args) -> int:
     from hepti.weights import WeightStore
     world = world_comm()
     cfg = agree(world, lambda: WeightStore(args.model).config)
-    profile, _ = cached_profile(world.mpi, cfg, _tokens(args, cfg), batch=args.batch, threads=args.threads,
-                                mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None,
-                                refresh=True)
+    if cfg.model_type == "cnn":  # every op timed at the input size
+        from hepti.parallel.profiling import measure_cnn_profile
+        from hepti.plan.profile import profile_from_dict
+        store = agree(world, lambda: WeightStore(args.model))
+        h, w = args.image_size or (cfg.image_size, cfg.image_size)
+        prof = agree(world, lambda: measure_cnn_profile(
+            world, store, h, w, batch=args.batch, threads=args.threads, power=args.power,
+            mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None))
+        profile = profile_from_dict(prof, "measured profile")
+    else:
+        profile, _ = cached_profile(world.mpi, cfg, _tokens(args, cfg), batch=args.batch, threads=args.threads,
+                                    mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None,
+                                    refresh=True)
     if world.rank == 0:
         text = json.dumps(profile.to_dict(), indent=2)
         with open(args.out, "w") as f:
@@ -518,8 +570,17 @@ def cmd_plan(args) -> int:
     profile = load_profile(args.profile, max_age_s=args.max_age)
     for note in profile.check_model(cfg, source=f"--profile {args.profile}"):
         logging.getLogger("hepti").warning(note)
-    plan = make_plan(cfg, profile, _tokens(args, cfg), args.batch, strategy=args.strategy,
-                     ratios=args.ratios, mem_budget=parse_bytes(args.mem_budget))
+    if cfg.model_type == "cnn":
+        from hepti.plan.coedge import make_cnn_plan
+        ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else None
+        plan = make_cnn_plan(cfg, profile, args.strategy, args.objective, args.deadline_ms,
+                             args.power, ratios)
+    else:
+        if args.objective != "latency" or args.power:
+            from hepti.errors import InputError
+            raise InputError("--objective and --power are for CNNs (CoEdge's energy objective)")
+        plan = make_plan(cfg, profile, _tokens(args, cfg), args.batch, strategy=args.strategy,
+                         ratios=args.ratios, mem_budget=parse_bytes(args.mem_budget))
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.to_json() + "\n")

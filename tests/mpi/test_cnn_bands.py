@@ -87,3 +87,33 @@ def test_mobilenet_bands_equal_single(mobilenet_dir):
     for split in [Split((0.65, 0.35)), Split((0.5, 0.5), groups=tuple(blocks))]:
         want, got = _both(mobilenet_dir, split, e["image_pixels"])
         _check(want, got, f"mobilenet {split.ratios} {'fused' if split.groups else ''}")
+
+
+@pytest.mark.parametrize("groups", [None, "fused"])
+def test_cost_model_counts_the_halo_bytes(resnet_tiny_dir, groups):
+    """The planner's exchange bytes (hepti.plan.coedge.predict) against what the executor's
+    verbs moved, per rank: at most the model's, and within 10% of it."""
+    from hepti.graph.cnn import build
+    from hepti.model.cnn import Weights
+    from hepti.parallel.bands import BandExecutor, Split, head_rows, spatial_ops
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.trace import Tracer
+    from hepti.plan.coedge import CNNCosts, predict
+    from hepti.weights import WeightStore
+    px = np.load(FIXTURES / "resnet50_tiny_expected.npz")["pixels"].astype(np.float32)
+    comm = Comm(COMM, Tracer(COMM.Get_rank(), record_messages=True))
+    with WeightStore(resnet_tiny_dir) as store:
+        g = build(store.config)
+        n_sp = spatial_ops(g)
+        split = Split((0.6, 0.4), ((0, 4), (4, 20), (20, n_sp)) if groups else None)
+        w = Weights(g, store.read, head_rows(g, split, comm.rank, comm.size))
+        BandExecutor(comm, g, split, w).forward(px if comm.rank == 0 else None)
+    moved = [sum(s for k, s, _ in comm.tracer.messages if k == "halo"),
+             sum(r for k, _, r in comm.tracer.messages if k == "halo")]
+    comm.close()
+    costs = CNNCosts(op_s=[[1e-3] * len(g.ops)] * 2, overhead_s=[0.0] * 2, latency_s=[0.0] * 2,
+                     bandwidth_Bps=[1e9] * 2, memory_bytes=[1e9] * 2, h=65, w=57, n=2)
+    pr = predict(g, split, costs, 65, 57, n=2)["per_rank"][COMM.Get_rank()]
+    model = [pr["halo_bytes_sent"], pr["halo_bytes_recv"]]
+    ok = all(m <= p and m >= 0.9 * p for m, p in zip(moved, model))
+    all_ok(ok, f"halo bytes moved {moved}, the model's {model}")

@@ -503,6 +503,9 @@ def run_distributed(args) -> int:
     # Every input is checked, and the output opened (or resumed), before any weights load.
     prep = agree(world, lambda: prepare(args, cfg, Path(args.model)) if rank0 else None)
     try:
+        if cfg.model_type == "cnn":  # split by height: hepti.parallel.bands
+            from hepti.parallel.cnn_job import run_cnn
+            return run_cnn(args, world, store, prep, t_start)
         return _run_prepared(args, world, store, prep, t_start)
     finally:
         if prep is not None and prep.out is not None:
