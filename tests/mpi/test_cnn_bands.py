@@ -117,3 +117,24 @@ def test_cost_model_counts_the_halo_bytes(resnet_tiny_dir, groups):
     model = [pr["halo_bytes_sent"], pr["halo_bytes_recv"]]
     ok = all(m <= p and m >= 0.9 * p for m, p in zip(moved, model))
     all_ok(ok, f"halo bytes moved {moved}, the model's {model}")
+
+
+def test_pipeline_and_grid_splits_equal_single(resnet_tiny_dir):
+    """Per-group ratio vectors (a pipeline: each range of ops on one rank, whole maps) and the
+    grid (equal bands, every layer in one group) give one device's logits."""
+    from hepti.graph.cnn import build
+    from hepti.parallel.bands import Split, spatial_ops
+    from hepti.plan.coedge import CNNCosts, pipeline_split
+    from hepti.weights import WeightStore
+    px = np.load(FIXTURES / "resnet50_tiny_expected.npz")["pixels"].astype(np.float32)
+    with WeightStore(resnet_tiny_dir) as st:
+        g = build(st.config)
+    n = spatial_ops(g)
+    costs = CNNCosts(op_s=[[1e-3] * len(g.ops), [3e-3] * len(g.ops)], overhead_s=[0.0] * 2,
+                     latency_s=[0.0] * 2, bandwidth_Bps=[1e9] * 2, memory_bytes=[1e9] * 2,
+                     h=65, w=57)
+    pipe = pipeline_split(g, costs)
+    all_ok(len(pipe.groups) == 2 and pipe.groups[0][1] > n // 2, f"pipeline {pipe.groups}")
+    for split in (pipe, Split((0.5, 0.5), ((0, n),))):
+        want, got = _both(resnet_tiny_dir, split, px)
+        _check(want, got, f"{split}")

@@ -13,11 +13,26 @@ from hepti.graph.cnn import SPATIAL, Graph
 class Split:
     """How a CNN runs across ranks: `ratios` (every map's rows, and the head's columns),
     `groups` (the spatial ops' [start, stop) index ranges, in order, covering them all; one op
-    each when None) and how the linear head is split ("cols" or "primary")."""
+    each when None) and how the linear head is split ("cols" or "primary"). `per_group`, if
+    given, overrides `ratios` group by group: the maps a group makes are split by its own
+    vector (a pipeline: each group's vector one-hot on the rank that runs it)."""
 
     ratios: tuple[float, ...]
     groups: tuple[tuple[int, int], ...] | None = None
     head: str = "cols"
+    per_group: tuple[tuple[float, ...], ...] | None = None
+
+    def group_ratios(self, k: int) -> tuple[float, ...]:
+        return self.ratios if self.per_group is None else self.per_group[k]
+
+    def owners(self, graph: Graph) -> dict[str, tuple[float, ...] | None]:
+        """Tensor -> the ratio vector its rows are owned by (the group that made it); None
+        for the pixels, which rank 0 holds whole."""
+        out = {graph.input: None}
+        for k, (a, b) in enumerate(self.group_ranges(graph)):
+            for op in graph.ops[a:b]:
+                out[op.output] = self.group_ratios(k)
+        return out
 
     def group_ranges(self, graph: Graph) -> list[tuple[int, int]]:
         n = spatial_ops(graph)
@@ -42,8 +57,11 @@ def spatial_ops(graph: Graph) -> int:
     return n
 
 
-def owned(h: int, ratios) -> list[tuple[int, int]]:
-    """Each rank's rows [lo, hi) of a map of h rows."""
+def owned(h: int, ratios, size: int | None = None) -> list[tuple[int, int]]:
+    """Each rank's rows [lo, hi) of a map of h rows; ratios None: rank 0 holds them all (of
+    `size` ranks)."""
+    if ratios is None:
+        return [(0, h)] + [(0, 0)] * (size - 1)
     c = counts(h, ratios)
     return [(o, o + n) for o, n in zip(offsets(c), c)]
 

@@ -65,8 +65,8 @@ class BandExecutor:
     def schedule(self, h: int, w: int) -> tuple[dict, list[list[dict]]]:
         """(shapes, per group per rank its needs) for an h x w input."""
         shapes = self.graph.shapes(h, w)
-        per = [[needs(self.graph, shapes, g, self.split.ratios, r) for r in range(self.comm.size)]
-               for g in self.groups]
+        per = [[needs(self.graph, shapes, g, self.split.group_ratios(k), r)
+                for r in range(self.comm.size)] for k, g in enumerate(self.groups)]
         return shapes, per
 
     def forward(self, pixels: np.ndarray | None) -> np.ndarray | None:
@@ -78,7 +78,8 @@ class BandExecutor:
         have = {}  # tensor -> Band this rank holds
         if rank == 0:
             have[g.input] = Band(0, np.ascontiguousarray(pixels.transpose(0, 2, 3, 1), np.float32))
-        holders = {g.input: [(0, h)] + [(0, 0)] * (comm.size - 1)}  # who holds which rows
+        holders = {g.input: owned(h, None, comm.size)}  # who holds which rows
+        self.owners = self.split.owners(g)
         for (a, b), need in zip(self.groups, per):
             mine = need[rank]
             self._fetch(g, a, b, need, have, holders, shapes, n)
@@ -107,8 +108,7 @@ class BandExecutor:
         made = {op.output for op in g.ops[a:b]}
         sends, recvs, into = {}, {}, []
         for t in sorted({t for nd in need for t in nd} - made):
-            h_t = shapes[t][0]
-            own = owned(h_t, self.split.ratios) if t != g.input else holders[t]
+            own = owned(shapes[t][0], self.owners[t], comm.size)
             for i, nd in enumerate(need):
                 if t not in nd:
                     continue
@@ -163,7 +163,8 @@ class BandExecutor:
         for op in g.ops[self.n_spatial:]:
             if op.kind == ADAPTIVE_AVG:
                 hh, ww, c = shapes[op.input]
-                lo, hi = owned(hh, self.split.ratios)[rank]
+                mine = owned(hh, self.owners[op.input], comm.size)
+                lo, hi = mine[rank]
                 band = have.get(op.input)
                 if op.out_hw == (1, 1):  # partial sums of own rows, summed across ranks
                     part = np.zeros((n, c), np.float32)
@@ -171,7 +172,7 @@ class BandExecutor:
                         part[...] = band.rows(lo, hi).sum(axis=(1, 2), dtype=np.float64)
                     x = comm.allreduce_sum(part) / np.float32(hh * ww)
                 else:  # a grid pool reads the whole map
-                    c_rows = [o1 - o0 for o0, o1 in owned(hh, self.split.ratios)]
+                    c_rows = [o1 - o0 for o0, o1 in mine]
                     mine = band.rows(lo, hi) if hi > lo else np.empty((n, 0, ww, c), np.float32)
                     full = comm.allgather_rows(np.ascontiguousarray(mine.transpose(1, 0, 2, 3)),
                                                c_rows)  # may be a shared window's: copied

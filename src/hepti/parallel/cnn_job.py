@@ -15,9 +15,9 @@ import sys
 import time
 
 from hepti.errors import PlanError
+from hepti.plan.coedge import CNN_STRATEGIES
 
 log = logging.getLogger("hepti")
-CNN_STRATEGIES = ("auto", "even", "proportional", "single")
 
 
 class BandJob:
@@ -89,8 +89,10 @@ def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
                         f"choose {', '.join(CNN_STRATEGIES)}")
     if args.ratios and strategy not in (None, "auto"):
         raise PlanError(f"--ratios gives the shares itself; drop --strategy {strategy}")
-    if args.ratios or strategy in (None, "even", "single"):
+    if args.ratios or strategy in (None, "even", "single", "grid"):  # no profile needed
         def given():
+            from hepti.graph.cnn import build
+            from hepti.graph.split import spatial_ops
             if args.ratios:
                 vec = check_ratio_vector([float(x) for x in args.ratios.split(",")], P,
                                          "--ratios")
@@ -98,10 +100,12 @@ def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
                 vec = [1.0] + [0.0] * (P - 1)
             else:
                 vec = [1.0 / P] * P
-            return Plan(strategy="bands", world_size=P, ratios={"rows": vec},
+            groups = [[0, spatial_ops(build(cfg))]] if strategy == "grid" else None
+            return Plan(strategy="bands", world_size=P, ratios={"rows": vec}, groups=groups,
                         head="primary" if strategy == "single" else "cols",
                         explanation=f"{'--ratios' if args.ratios else strategy or 'even'} shares "
-                                    "of every map's rows").validate(P)
+                                    "of every map's rows" + (", every layer fused (DeepThings)"
+                                                             if groups else "")).validate(P)
         return agree(world, given)
     profile = _cnn_profile(args, world, store, size_hw, batch)
 

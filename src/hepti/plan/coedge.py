@@ -46,6 +46,7 @@ from hepti.errors import PlanError
 from hepti.graph.cnn import ADAPTIVE_AVG, F32, LINEAR, Graph
 from hepti.graph.split import Split, gaps, needs, owned, spatial_ops
 
+CNN_STRATEGIES = ("auto", "even", "proportional", "grid", "pipeline", "single")
 MAX_FUSE = 8  # ops in one fused group at most (deeper halos grow fast: DeepThings fuses ~4-16)
 MIN_SHARE = 0.02  # an active device's share at least this (a band of a few rows at worst)
 EXHAUSTIVE_MAX = 6  # up to this many devices, every subset is solved; beyond, prefixes by speed
@@ -110,10 +111,11 @@ def _scale(costs: CNNCosts, h: int, w: int, n: int) -> float:
 
 
 def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: int = 1,
-               w: int | None = None, moved: list | None = None
+               w: int | None = None, moved: list | None = None, owners: dict | None = None
                ) -> tuple[float, float, list[float], list[float]]:
-    """(slowest compute, slowest exchange, compute per rank, exchange per rank) of one group;
-    `moved`, a list of [sent, received] bytes per rank, is added to."""
+    """(slowest compute, slowest exchange, compute per rank, exchange per rank) of one group
+    split by `ratios`; `owners` (Split.owners) says how the group's inputs are split, by
+    `ratios` too if not given; `moved`, [sent, received] bytes per rank, is added to."""
     w = costs.w if w is None else w
     k = _scale(costs, shapes[graph.input][0], w, n)
     P = costs.size
@@ -128,7 +130,7 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
                 continue
             comp[i] += (r[1] - r[0]) / _op_rows(op, shapes) * costs.op_s[i][l] * k \
                 + costs.overhead_s[i]
-    comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n)
+    comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners)
     if moved is not None:
         for i in range(P):
             moved[i][0] += sent[i]
@@ -136,8 +138,8 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
     return max(comp), max(comm), comp, comm
 
 
-def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int
-                     ) -> tuple[list[float], list[float], list[float]]:
+def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int,
+                     owners: dict | None = None) -> tuple[list[float], list[float], list[float]]:
     """Each rank's time in the group's exchange, and its bytes sent and received: the rows
     it needs (`needs`) beyond its own, each from its owner (the pixels from rank 0), over the
     rank's link. (The executor may hold a few more rows than its own, from an earlier
@@ -149,7 +151,8 @@ def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int
     for t in {t for nd in need for t in nd} - made:
         h_t, w_t, c_t = shapes[t]
         row = F32 * w_t * c_t * n
-        own = owned(h_t, ratios) if t != graph.input else [(0, h_t)] + [(0, 0)] * (P - 1)
+        by = None if t == graph.input else (owners or {}).get(t, ratios)
+        own = owned(h_t, by, P)
         for i, nd in enumerate(need):
             if t not in nd:
                 continue
@@ -167,12 +170,13 @@ def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: i
                  ) -> tuple[float, list[float], list[float]]:
     """(latency, compute per rank, communication per rank) of the pooling and the head."""
     P, ratios = costs.size, split.ratios
+    owners = split.owners(graph)
     comp, comm = [0.0] * P, [0.0] * P
     for l in range(spatial_ops(graph), len(graph.ops)):
         op = graph.ops[l]
         if op.kind == ADAPTIVE_AVG:
             hh, ww, c = shapes[op.input]
-            for i, (o0, o1) in enumerate(owned(hh, ratios)):
+            for i, (o0, o1) in enumerate(owned(hh, owners.get(op.input, ratios), P)):
                 comp[i] += (o1 - o0) / hh * costs.op_s[i][l]
             nbytes = F32 * n * (c if op.out_hw == (1, 1) else hh * ww * c)
             for i in range(P):
@@ -197,8 +201,10 @@ def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int 
     latency = 0.0
     comp, comm = [0.0] * P, [0.0] * P
     moved = [[0.0, 0.0] for _ in range(P)]
-    for g in groups:
-        c_max, x_max, c, x = group_cost(graph, shapes, g, split.ratios, costs, n, w, moved)
+    owners = split.owners(graph)
+    for k, g in enumerate(groups):
+        c_max, x_max, c, x = group_cost(graph, shapes, g, split.group_ratios(k), costs, n, w,
+                                        moved, owners)
         latency += c_max + x_max
         comp = [u + v for u, v in zip(comp, c)]
         comm = [u + v for u, v in zip(comm, x)]
@@ -331,13 +337,36 @@ def candidate_sets(costs: CNNCosts) -> list[list[int]]:
     return [sorted(speed[:k]) for k in range(1, P + 1)]
 
 
+def pipeline_split(graph: Graph, costs: CNNCosts) -> Split:
+    """Layer ranges (PipeEdge's baseline, for one image): rank i runs a contiguous range of
+    the spatial ops on whole maps, ranges sized so that each rank's share of the work is its
+    share of the speed; each group is one rank's range, its vector one-hot on that rank."""
+    P, L = costs.size, spatial_ops(graph)
+    speed = [1.0 / sum(costs.op_s[i][:L]) for i in range(P)]
+    work = [sum(costs.op_s[i][l] * speed[i] for i in range(P)) / P for l in range(L)]
+    total, bounds, acc, i = sum(work), [0], 0.0, 0
+    cum = [sum(speed[:j + 1]) / sum(speed) * total for j in range(P)]
+    for l in range(L):
+        acc += work[l]
+        while i < P - 1 and acc >= cum[i] - 1e-12 and len(bounds) < P:
+            bounds.append(l + 1)
+            i += 1
+    bounds = sorted(set(bounds + [L]))
+    groups, per = [], []
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        groups.append((a, b))
+        per.append(tuple(1.0 if j == k else 0.0 for j in range(P)))
+    return Split(tuple([1.0] + [0.0] * (P - 1)), tuple(groups), "primary", tuple(per))
+
+
 def plan_cnn(graph: Graph, costs: CNNCosts, h: int, w: int, n: int = 1, strategy: str = "auto",
              objective: str = "latency", deadline_s: float | None = None,
              fuse: bool = True, head: str = "cols") -> dict:
     """The plan for a CNN: {"split": Split, "predicted": predict(...), "explanation",
     "solve_s"}. Strategies: "auto" (the LP over every device subset, then fusion), "even"
     (equal rows), "proportional" (rows by each device's speed over the whole net: MoDNN),
-    "single" (rank 0 alone); only "auto" fuses."""
+    "grid" (DeepThings: equal bands, the whole spatial part one fused group), "pipeline"
+    (layer ranges by speed), "single" (rank 0 alone); "auto" chooses its fusion."""
     t0 = time.perf_counter()
     P = costs.size
     weights = [graph.weight_bytes()] * P
@@ -348,6 +377,10 @@ def plan_cnn(graph: Graph, costs: CNNCosts, h: int, w: int, n: int = 1, strategy
     elif strategy == "proportional":
         speed = [1.0 / sum(costs.op_s[i]) for i in range(P)]
         split = Split(tuple(s / sum(speed) for s in speed), head=head)
+    elif strategy == "grid":  # DeepThings: equal tiles (here bands), every layer fused
+        split = Split(tuple([1.0 / P] * P), ((0, spatial_ops(graph)),), head=head)
+    elif strategy == "pipeline":
+        split = pipeline_split(graph, costs)
     elif strategy == "auto":
         def key(s: Split) -> float:
             pred = predict(graph, s, costs, h, w, n)
@@ -375,8 +408,8 @@ def plan_cnn(graph: Graph, costs: CNNCosts, h: int, w: int, n: int = 1, strategy
                     best = (key(fused), m, fused)
         split = best[2]
     else:
-        raise PlanError(f"unknown CNN strategy {strategy!r}; choose auto, even, proportional "
-                        "or single")
+        raise PlanError(f"unknown CNN strategy {strategy!r}; choose one of "
+                        f"{', '.join(CNN_STRATEGIES)}")
     pred = predict(graph, split, costs, h, w, n)
     active = [i for i, r in enumerate(split.ratios) if r > 0]
     fused = split.groups is not None and len(split.groups) < spatial_ops(graph)
@@ -421,6 +454,7 @@ def make_cnn_plan(config, profile, strategy: str = "auto", objective: str = "lat
     split, pred = out["split"], out["predicted"]
     return Plan(strategy="bands", world_size=costs.size, ratios={"rows": list(split.ratios)},
                 groups=[list(g) for g in split.groups] if split.groups else None,
+                group_ratios=[list(r) for r in split.per_group] if split.per_group else None,
                 head=split.head, model=config.name, model_shape=config.shape, batch=n,
                 counts={"rows": counts(graph.shapes(h, w)[graph.ops[0].output][0],
                                        split.ratios)},
@@ -434,4 +468,5 @@ def split_of(plan) -> Split:
     """The Split a "bands" plan describes."""
     return Split(tuple(plan.ratios["rows"]),
                  tuple(tuple(g) for g in plan.groups) if plan.groups else None,
-                 plan.head or "cols")
+                 plan.head or "cols",
+                 tuple(tuple(r) for r in plan.group_ratios) if plan.group_ratios else None)

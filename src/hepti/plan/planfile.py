@@ -12,6 +12,7 @@ Schema (version 1), JSON object:
       "mem_budget": bytes per rank or null,          # stream only
       "groups": [[start, stop), ...] or null,        # bands (a CNN): fused groups of ops
       "head": "cols" | "primary" or null,            # bands: how the linear head is split
+      "group_ratios": [[N floats] per group] or null, # bands: a group's own rows split
       "primary": rank,                               # embeds and collects (default 0)
       "model": "name", "seq_len": L, "batch": B,     # what the plan was made for
       "model_shape": {"layers": .., "hidden": .., "heads": .., "ffn": ..},   # checked at run
@@ -66,6 +67,7 @@ class Plan:
     explanation: str = ""
     groups: list[list[int]] | None = None
     head: str | None = None
+    group_ratios: list[list[float]] | None = None
 
     def validate(self, world_size: int | None = None) -> "Plan":
         """Raise PlanError (saying what to change) unless this plan can run on world_size ranks."""
