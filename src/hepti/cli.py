@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream: weight RAM per rank, e.g. 64MiB (a window of layer slices)")
     d.add_argument("--trace", metavar="OUT.json",
                    help="write a Chrome/Perfetto trace of every rank's kernels and collectives")
+    d.add_argument("--fuse-depth", type=int, default=None, metavar="K",
+                   help="a CNN with --profile or --strategy auto: fuse every K consecutive "
+                        "layers (0: all) instead of the planner's choice per group")
 
     s = sub.add_parser(
         "emulate", help="run a command on an emulated heterogeneous cluster (needs root)",
@@ -240,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--power", metavar="C:T,...", type=_powers, default=None,
                    help="a CNN: each device's compute and transmit power in watts (declared), "
                         "overriding the profile's")
+    s.add_argument("--fuse-depth", type=int, default=None, metavar="K",
+                   help="a CNN: fuse every K consecutive layers (0: all) instead of letting the "
+                        "planner choose per group (for comparing fixed depths)")
     s.add_argument("--mem-budget", metavar="BYTES", help="cap every rank's memory for hepti")
     s.add_argument("--max-age", type=float, default=None, metavar="S",
                    help="refuse a measured profile older than S seconds")
@@ -578,7 +584,7 @@ def cmd_plan(args) -> int:
         from hepti.plan.coedge import make_cnn_plan
         ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else None
         plan = make_cnn_plan(cfg, profile, args.strategy, args.objective, args.deadline_ms,
-                             args.power, ratios)
+                             args.power, ratios, fuse_depth=args.fuse_depth)
     else:
         if args.objective != "latency" or args.power:
             from hepti.errors import InputError

@@ -24,10 +24,15 @@ from hepti.bench import hepti_cmd, mpiexec, result_doc, run_cmd, write_json
 
 def synthetic_input(model_dir: str, seq: int, tmp: Path) -> tuple[str, Path]:
     """(flag, file) of one fixed-shape input: token ids of `seq` tokens, or for a vision model
-    one image's normalised pixels (its `seq` must be the model's tokens per image)."""
+    one image's normalised pixels (a ViT's `seq` must be its tokens per image; a CNN's is the
+    side of a square image)."""
     from hepti.bench.model import synthetic_batch
     from hepti.weights import WeightStore
     cfg = WeightStore(model_dir).config
+    if cfg.model_type == "cnn":  # `seq` is the image's side
+        path = tmp / f"{Path(model_dir).name}-{seq}.npy"
+        np.save(path, np.random.default_rng(0).standard_normal((1, 3, seq, seq)).astype(np.float32))
+        return "--input-pixels", path
     if cfg.model_type == "vit":
         if seq != cfg.seq_len:
             raise SystemExit(f"{model_dir} takes {cfg.seq_len} tokens per image "

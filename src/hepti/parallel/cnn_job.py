@@ -89,7 +89,9 @@ def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
                         f"choose {', '.join(CNN_STRATEGIES)}")
     if args.ratios and strategy not in (None, "auto"):
         raise PlanError(f"--ratios gives the shares itself; drop --strategy {strategy}")
-    if args.ratios or strategy in (None, "even", "single", "grid"):  # no profile needed
+    fuse_depth = getattr(args, "fuse_depth", None)
+    if not args.profile and (args.ratios or strategy in (None, "even", "single", "grid")):
+        # no profile needed (with one, every strategy is planned below, with its prediction)
         def given():
             from hepti.graph.cnn import build
             from hepti.graph.split import spatial_ops
@@ -113,7 +115,9 @@ def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
         if world.rank != 0:
             return None
         from hepti.plan.coedge import make_cnn_plan
-        return make_cnn_plan(cfg, profile, strategy or "auto", size=size_hw, batch=batch)
+        ratios = ([float(x) for x in args.ratios.split(",")] if args.ratios else None)
+        return make_cnn_plan(cfg, profile, strategy or ("auto" if not ratios else "even"),
+                             ratios=ratios, size=size_hw, batch=batch, fuse_depth=fuse_depth)
     plan = agree(world, on_primary)
     return Plan.from_dict(json.loads(world.bcast_obj(plan.to_json() if world.rank == 0 else None)))
 
@@ -174,7 +178,9 @@ def run_cnn(args, world, store, prep, t_start: float) -> int:
     if plan.predicted_latency_s is not None:
         report["predicted_latency_s"] = plan.predicted_latency_s
         report["predicted"] = plan.predicted
-        report["explanation"] = plan.explanation
+        for st, pr in zip(stats, plan.predicted.get("per_rank", [])):
+            st["predicted"] = pr
+    report["explanation"] = plan.explanation
     finish(args, report, runs)
     if not args.json:
         line = f"plan: bands, rows {', '.join(f'{r:.3f}' for r in plan.ratios['rows'])}"

@@ -428,11 +428,12 @@ def plan_cnn(graph: Graph, costs: CNNCosts, h: int, w: int, n: int = 1, strategy
 def make_cnn_plan(config, profile, strategy: str = "auto", objective: str = "latency",
                   deadline_ms: float | None = None, power: list | None = None,
                   ratios: list[float] | None = None, size: tuple[int, int] | None = None,
-                  batch: int | None = None):
+                  batch: int | None = None, fuse_depth: int | None = None):
     """A plan file (hepti.plan.planfile.Plan, strategy "bands") for a CNN from a profile with
     CNN timings, at the profile's input size unless `size` (h, w) is given. `ratios` evaluates
     those shares (one group per op) instead of solving; `power` declares (compute W, transmit
-    W) per device for the energy objective."""
+    W) per device for the energy objective; `fuse_depth` K fixes the fusion of "auto" (and of
+    given ratios) to groups of K ops (0: all of them) instead of choosing it."""
     from hepti.graph.cnn import build
     from hepti.plan.planfile import Plan
     graph = build(config)
@@ -447,11 +448,17 @@ def make_cnn_plan(config, profile, strategy: str = "auto", objective: str = "lat
     deadline = None if deadline_ms is None else deadline_ms / 1e3
     if ratios is not None:
         split = Split(tuple(ratios))
-        out = {"split": split, "predicted": predict(graph, split, costs, h, w, n),
-               "explanation": "the given ratios, evaluated", "solve_s": 0.0}
+        out = {"split": split, "explanation": "the given ratios, evaluated", "solve_s": 0.0}
     else:
-        out = plan_cnn(graph, costs, h, w, n, strategy, objective, deadline)
-    split, pred = out["split"], out["predicted"]
+        out = plan_cnn(graph, costs, h, w, n, strategy, objective, deadline,
+                       fuse=fuse_depth is None)
+    split = out["split"]
+    if fuse_depth is not None:
+        L = spatial_ops(graph)
+        k = L if fuse_depth == 0 else fuse_depth
+        split = Split(split.ratios, tuple((a, min(a + k, L)) for a in range(0, L, k)), split.head)
+        out["explanation"] += f"; fused by a fixed depth of {k} ops (--fuse-depth)"
+    pred = out["predicted"] = predict(graph, split, costs, h, w, n)
     return Plan(strategy="bands", world_size=costs.size, ratios={"rows": list(split.ratios)},
                 groups=[list(g) for g in split.groups] if split.groups else None,
                 group_ratios=[list(r) for r in split.per_group] if split.per_group else None,
