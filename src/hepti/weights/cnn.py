@@ -168,18 +168,24 @@ def random_tensors(config: CNNConfig, seed: int = 0) -> dict[str, TensorSpec]:
     (Weights at BERT's N(0, 0.02) would shrink a CNN's activations into float32 denormals,
     which the CPU computes many times slower.)"""
     gain = 1.0 if config.arch == "resnet50" else 2.0
-    specs = {}
-    for name, shape in build(config).weights().items():
-        key = [seed, int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")]
-        std = 0.0 if len(shape) == 1 else math.sqrt(gain / math.prod(shape[1:]))
+    return {name: TensorSpec(name, shape, _HeRows(name, shape, seed, gain))
+            for name, shape in build(config).weights().items()}
 
-        def rows(a, b, key=key, shape=shape, std=std, state={}):
-            if a == 0:
-                state["rng"] = np.random.default_rng(key)
-            r = state["rng"].standard_normal((b - a,) + tuple(shape[1:]), dtype=np.float32)
-            return r * np.float32(std)
-        specs[name] = TensorSpec(name, shape, rows)
-    return specs
+
+class _HeRows:
+    """Rows of one random tensor, drawn in order from a generator seeded by (seed, name)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], seed: int, gain: float):
+        self.shape = shape
+        self.key = [seed, int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")]
+        self.std = 0.0 if len(shape) == 1 else math.sqrt(gain / math.prod(shape[1:]))
+        self.rng = None
+
+    def __call__(self, start: int, stop: int) -> np.ndarray:
+        if start == 0:
+            self.rng = np.random.default_rng(self.key)
+        rows = self.rng.standard_normal((stop - start,) + tuple(self.shape[1:]), dtype=np.float32)
+        return rows * np.float32(self.std)
 
 
 def write_random_cnn(config: CNNConfig, out: str | Path, seed: int = 0, *, overwrite: bool = False,
