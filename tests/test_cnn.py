@@ -199,3 +199,52 @@ def test_convert_refuses_unknown_pth(tmp_path):
     p.write_bytes((FIXTURES / "torch_sample.pt").read_bytes())
     code, _, err = hepti("convert", p, "--out", tmp_path / "m")
     assert_clean_error(code, err, "cannot tell which network")
+
+
+# --- real photos (issue 19): chelsea, coffee, astronaut -------------------------------------
+
+PHOTOS = {"chelsea": "cnn_image.png", "coffee": "cnn_coffee.png", "astronaut": "cnn_astronaut.png"}
+PHOTO_ATOL = 1e-3  # logits against torchvision's, absolute
+
+
+def test_photos_preprocessing_matches_torchvision(mobilenet_dir, mobilenet_expected):
+    """A landscape (coffee, 480x320 -> 384x256) and a square photo (astronaut, 320x320 ->
+    256x256): hepti's crop is torchvision's, to float32 rounding."""
+    from hepti.images import load_preprocessor, preprocess
+    e = mobilenet_expected
+    pixels = preprocess([FIXTURES / PHOTOS[n] for n in ("coffee", "astronaut")],
+                        load_preprocessor(mobilenet_dir))
+    mean, std = e["mean"][:, None, None], e["std"][:, None, None]
+    for got, name in zip(pixels, ("coffee", "astronaut")):
+        crop = e[f"{name}_u8"].astype(np.float32).transpose(2, 0, 1)  # [3, 224, 224]
+        assert np.abs(got - (crop / np.float32(255) - mean) / std).max() < 1e-5, name
+
+
+def test_run_photos_match_torchvision(tmp_path, mobilenet_dir, mobilenet_expected):
+    """`hepti run --image` of the three photos at one rank: each photo's top-5 is torchvision's
+    and its logits are within 1e-3 of torchvision's."""
+    out = tmp_path / "logits.npy"
+    code, stdout, err = hepti("run", "--model", mobilenet_dir, "--image",
+                              *[FIXTURES / f for f in PHOTOS.values()], "--output", out, "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    logits = np.load(out)  # [3, 1000]
+    for i, name in enumerate(PHOTOS):
+        want = mobilenet_expected[f"{name}_logits"][0]
+        top5 = list(mobilenet_expected[f"{name}_top5"][0])
+        assert [c["class"] for c in report["top"][i]["top"]] == top5, name
+        assert list(np.argsort(-logits[i])[:5]) == top5, name
+        assert np.abs(logits[i] - want).max() <= PHOTO_ATOL, name
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CNNS))
+def test_run_tiny_cnns_match_torchvision(tmp_path, name, resnet_tiny_dir, vgg_tiny_dir):
+    """`hepti run --input-pixels` of the tiny ResNet-50 / VGG-16 at one rank: torchvision's
+    logits within 1e-3 (at 3 ranks: tests/test_distributed_launch.py)."""
+    e = np.load(FIXTURES / f"{name}_expected.npz")
+    np.save(tmp_path / "px.npy", e["pixels"].astype(np.float32))
+    model = resnet_tiny_dir if name.startswith("resnet") else vgg_tiny_dir
+    code, _, err = hepti("run", "--model", model, "--input-pixels", tmp_path / "px.npy",
+                         "--output", tmp_path / "y.npy")
+    assert code == 0, err
+    assert np.abs(np.load(tmp_path / "y.npy") - e["logits"]).max() <= PHOTO_ATOL
