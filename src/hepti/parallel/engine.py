@@ -87,6 +87,9 @@ def resolve_plan(args, world_size: int, cfg) -> Plan:
     """The plan from --plan, or from --strategy and --ratios (even shares by default)."""
     if getattr(args, "plan", None):
         plan = Plan.load(args.plan).validate(world_size)
+        if plan.strategy == "bands":
+            raise PlanError(f"--plan {args.plan} is a CNN's (bands); make one for this model "
+                            "with `hepti plan --model MODEL_DIR --profile P.json`")
         if getattr(args, "mem_budget", None):
             plan.mem_budget = parse_bytes(args.mem_budget)
     else:
