@@ -123,3 +123,16 @@ def test_hepti_plan_cli_for_a_cnn(tmp_path, resnet_tiny_dir):
     code, _, err = hepti("plan", "--model", resnet_tiny_dir, "--profile", tmp_path / "p.json",
                          "--objective", "energy", "--power", "5:1,2:1")
     assert_clean_error(code, err, "--deadline-ms")
+
+
+def test_costs_scale_to_another_input_size():
+    """Times measured at 64x64 predict a 128x128 input at about 4x the compute (twice the rows,
+    each twice as wide) and a batch of 2 at 2x."""
+    from hepti.graph.split import Split
+    from hepti.plan.coedge import predict
+    g = _graph()
+    costs = _costs(g, [1.0])
+    one = predict(g, Split((1.0,)), costs, H, W)["per_rank"][0]["compute_s"]
+    big = predict(g, Split((1.0,)), costs, 2 * H, 2 * W)["per_rank"][0]["compute_s"]
+    two = predict(g, Split((1.0,)), costs, H, W, n=2)["per_rank"][0]["compute_s"]
+    assert big == pytest.approx(4 * one, rel=0.15) and two == pytest.approx(2 * one, rel=0.05)

@@ -100,14 +100,24 @@ class CNNCosts:
 # --- the cost model -----------------------------------------------------------------------------
 
 def _op_rows(op, shapes) -> int:
-    """The rows an op's time was measured over: its output's (a pool's: its input's)."""
+    """The rows an op's time is counted over: its output's (a pool's: its input's)."""
     return shapes[op.input][0] if op.kind == ADAPTIVE_AVG else shapes[op.output][0]
 
 
-def _scale(costs: CNNCosts, h: int, w: int, n: int) -> float:
-    """Per-row times measured at costs.h x costs.w, batch costs.n, applied at h x w, batch n:
-    a row is w / costs.w as wide, n / costs.n as many images."""
-    return (w / costs.w) * (n / costs.n)
+def row_seconds(costs: CNNCosts, graph: Graph, w: int, n: int) -> list[list[float]]:
+    """Per device and op, the seconds of one output row at width w, batch n: the measured
+    whole-map time over the measured map's rows, scaled by the row's width (w / costs.w) and
+    the images (n / costs.n). A linear op's entry is its whole time per image batch."""
+    measured = graph.shapes(costs.h, costs.w)
+    k = (w / costs.w) * (n / costs.n)
+    out = []
+    for times in costs.op_s:
+        row = []
+        for op, t in zip(graph.ops, times):
+            rows = _op_rows(op, measured) if op.kind != LINEAR else 1
+            row.append(t / rows * (k if op.kind != LINEAR else n / costs.n))
+        out.append(row)
+    return out
 
 
 def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: int = 1,
@@ -117,19 +127,17 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
     split by `ratios`; `owners` (Split.owners) says how the group's inputs are split, by
     `ratios` too if not given; `moved`, [sent, received] bytes per rank, is added to."""
     w = costs.w if w is None else w
-    k = _scale(costs, shapes[graph.input][0], w, n)
+    per_row = row_seconds(costs, graph, w, n)
     P = costs.size
     need = [needs(graph, shapes, group, ratios, r) for r in range(P)]
     comp = [0.0] * P
     a, b = group
     for i in range(P):
         for l in range(a, b):
-            op = graph.ops[l]
-            r = need[i].get(op.output)
+            r = need[i].get(graph.ops[l].output)
             if r is None or r[1] <= r[0]:
                 continue
-            comp[i] += (r[1] - r[0]) / _op_rows(op, shapes) * costs.op_s[i][l] * k \
-                + costs.overhead_s[i]
+            comp[i] += (r[1] - r[0]) * per_row[i][l] + costs.overhead_s[i]
     comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners)
     if moved is not None:
         for i in range(P):
@@ -171,23 +179,24 @@ def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: i
     """(latency, compute per rank, communication per rank) of the pooling and the head."""
     P, ratios = costs.size, split.ratios
     owners = split.owners(graph)
+    per_row = row_seconds(costs, graph, shapes[graph.input][1], n)
     comp, comm = [0.0] * P, [0.0] * P
     for l in range(spatial_ops(graph), len(graph.ops)):
         op = graph.ops[l]
         if op.kind == ADAPTIVE_AVG:
             hh, ww, c = shapes[op.input]
             for i, (o0, o1) in enumerate(owned(hh, owners.get(op.input, ratios), P)):
-                comp[i] += (o1 - o0) / hh * costs.op_s[i][l]
+                comp[i] += (o1 - o0) * per_row[i][l]
             nbytes = F32 * n * (c if op.out_hw == (1, 1) else hh * ww * c)
             for i in range(P):
                 comm[i] += costs.latency_s[i] + nbytes / costs.bandwidth_Bps[i]
         elif op.kind == LINEAR:
             if split.head == "primary" or P == 1:
-                comp[0] += costs.op_s[0][l]
+                comp[0] += per_row[0][l]
             else:
                 c = counts(op.cout, ratios)
                 for i in range(P):
-                    comp[i] += c[i] / op.cout * costs.op_s[i][l]
+                    comp[i] += c[i] / op.cout * per_row[i][l]
                     comm[i] += costs.latency_s[i] + F32 * n * op.cout / costs.bandwidth_Bps[i]
     return max(comp) + max(comm), comp, comm
 
@@ -243,7 +252,7 @@ def solve_ratios(graph: Graph, costs: CNNCosts, active: list[int], h: int, w: in
     map's rows, or None if infeasible (memory, or the deadline)."""
     from scipy.optimize import linprog
     shapes = graph.shapes(h, w)
-    k = _scale(costs, h, w, n)
+    per_row = row_seconds(costs, graph, w, n)
     L = spatial_ops(graph)
     A = len(active)
     nv = A + L  # r_i, then T_l
@@ -260,7 +269,7 @@ def solve_ratios(graph: Graph, costs: CNNCosts, active: list[int], h: int, w: in
             rows_in = halo_rows if A > 1 and not edge else (
                 max(op.padding, halo_rows - op.padding) if A > 1 else 0)
             c = (costs.latency_s[i] + rows_in * row_bytes / costs.bandwidth_Bps[i]) if rows_in else 0
-            per_all = H * costs.op_s[i][l] / H * k  # all rows of op l on device i
+            per_all = H * per_row[i][l]  # all rows of op l on device i
             row = np.zeros(nv)
             row[ai] = per_all
             row[A + l] = -1.0
