@@ -717,6 +717,38 @@ def measure_cnn_ops(model, h: int, w: int, batch: int = 1, rounds: int = 3) -> l
     return [statistics.median(t) for t in times]
 
 
+OVERHEAD_SIDE = 32  # the image side at which a forward is mostly the executor's own work
+
+
+def measure_band_overhead(model, h: int, w: int, batch: int, op_s: list[float],
+                          rounds: int = 5) -> float:
+    """Seconds a height-split forward spends per op beyond the op's arithmetic: its
+    bookkeeping, the tracer's spans and each kernel call's fixed cost, as the device pays them
+    (stretched on an emulated one). Timed as the band executor (hepti.parallel.bands) on this
+    process alone, one group per op, on a 32x32 image, where the arithmetic (the ops' measured
+    time at h x w, scaled by area) is a small part. The first emulated MobileNetV2 runs had it
+    unmodelled and measured 1.4-3x their prediction. Two other ways read worse (bench-hetero,
+    MobileNetV2 on emu-mixed4, 2026-11-26): a whole forward at 224 less the ops' sum read
+    0.2-3 ms per op, the difference of two noisy figures; and the ranks timing one at a time
+    read the slow devices' ops 2-3x slower than their share (the others' polling at the
+    barrier, inflated 1/share by the stretch)."""
+    from hepti.graph.split import Split
+    from hepti.parallel.bands import BandExecutor
+    from hepti.parallel.comm import Comm
+    ex = BandExecutor(Comm(None), model.graph, Split((1.0,)), model.weights, model.threads)
+    run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
+    side = min(OVERHEAD_SIDE, h, w)
+    x = np.random.default_rng(5).standard_normal((batch, 3, side, side), dtype=np.float32)
+    run(x)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        run(x)
+        times.append(time.perf_counter() - t0)
+    arithmetic = sum(op_s) * side * side / (h * w)
+    return max(0.0, statistics.median(times) - arithmetic) / len(model.graph.ops)
+
+
 def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: int = 1,
                         mem_cap: float | None = None, hostfile: str | None = None,
                         power: list | None = None) -> dict:
@@ -736,6 +768,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     _barrier(comm)
     op_s = measure_cnn_ops(model, h, w, batch)
     overhead = measure_call_overhead()
+    op_overhead = measure_band_overhead(model, h, w, batch, op_s)
     _barrier(comm)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     on_host = local.Get_size()
@@ -757,10 +790,11 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
                          "threads": threads, "limits": resource_limits()}}
     devices = _with_links(comm.allgather(mine), links)
     all_op_s = comm.allgather(op_s)
+    all_overhead = comm.allgather(op_overhead)
     cfg = store.config
     elapsed = comm.allreduce(time.perf_counter() - t_start, op=MPI.MAX)
     table = {"arch": cfg.arch, "ops": [op.name for op in graph.ops],
-             "input": [h, w], "batch": batch, "op_s": all_op_s}
+             "input": [h, w], "batch": batch, "op_s": all_op_s, "op_overhead_s": all_overhead}
     if power is not None:
         table["power"] = [list(p) for p in power]
     prof = {"hepti_profile": SCHEMA_VERSION, "created": time.time(), "source": "measured",

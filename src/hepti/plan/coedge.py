@@ -56,7 +56,9 @@ FUSE_CANDIDATES = 3  # the best splits over several devices whose fusion is sear
 @dataclass
 class CNNCosts:
     """Per device: seconds of each op over the whole map (`op_s[i][l]`, measured at `h` x `w`,
-    batch `n`), call overhead, link latency and bandwidth, memory, and declared power."""
+    batch `n`), what the band executor adds per op (`overhead_s`, the profile's
+    `op_overhead_s`: hepti.parallel.profiling.measure_band_overhead), link latency and
+    bandwidth, memory, and declared power."""
 
     op_s: list[list[float]]
     overhead_s: list[float]
@@ -88,8 +90,9 @@ class CNNCosts:
             power = [tuple(d.power) for d in devs]
         elif table.get("power"):
             power = [tuple(p) for p in table["power"]]
+        over = table.get("op_overhead_s") or [d.call_overhead_s for d in devs]
         return cls(op_s=[list(map(float, r)) for r in table["op_s"]],
-                   overhead_s=[float(d.call_overhead_s) for d in devs],
+                   overhead_s=[float(x) for x in over],
                    latency_s=[float(d.latency_s) for d in devs],
                    bandwidth_Bps=[float(d.bandwidth_Bps) for d in devs],
                    memory_bytes=[float(d.usable_bytes) for d in devs],
