@@ -27,6 +27,12 @@ def torch_model(store):
     """transformers BertModel holding the store's weights, or None when torch isn't importable."""
     try:
         import torch
+        try:  # an installed torchvision (bin/setup --with-torch) must import first, or
+            # transformers' BertModel import fails beside a CPU-only torch
+            from hepti.bench.cnnsingle import import_torchvision
+            import_torchvision()
+        except ImportError:
+            pass
         import transformers
     except ImportError:
         return None
