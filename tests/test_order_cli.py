@@ -73,3 +73,19 @@ def test_bad_input_gets_a_message_not_a_traceback(tmp_path):
     # a cap below what one operator needs in any order
     assert_clean_error(*hepti("order", LIGHT / "light_squeezenet.onnx", "--cap", "1MiB")[::2],
                        "no order fits in 1,048,576 bytes: operator")
+
+
+def test_bench_order_writes_rows_that_agree_with_the_dp(tmp_path):
+    from hepti.bench.order import main
+    out = tmp_path / "order.json"
+    assert main(["--what", "table", "--only", "squeezenet", "ws(32,4,0.75)-1", "bert-base",
+                 "--out", str(out)]) == 0
+    rows = {r["graph"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"onnx:squeezenet", "synthetic:ws(32,4,0.75)-1", "hepti:bert-base"}
+    for r in rows.values():
+        assert r["dp_agrees"] and r["proven"] and r["below_file_pct"] >= 0
+    assert rows["synthetic:ws(32,4,0.75)-1"]["below_random_mean_pct"] > 0
+    assert (tmp_path / "order.csv").read_text().startswith("graph,kind,ops")
+    p = subprocess.run([sys.executable, "-m", "hepti.bench.order", "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and "usage" in p.stdout

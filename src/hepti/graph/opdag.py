@@ -370,3 +370,30 @@ def random_dag(n: int, seed: int, density: float | None = None) -> OpDag:
     unread = [t for op in ops for t in op.outputs if t not in read]
     outputs = [t for t in unread if t == unread[-1] or rng.random() < 0.6]
     return OpDag(f"random-{n}-{seed}", ops, tensors, ("x",), tuple(outputs))
+
+
+def random_wiring(n: int, seed: int, k: int = 4, p: float = 0.75, size: int = 1) -> OpDag:
+    """A synthetic randomly wired stage after RandWire (Xie et al., 2019): a Watts-Strogatz
+    graph WS(n, k, p) (a ring where each node links its k/2 next neighbours, each link moved
+    to a random node with probability p), edges pointing from the lower index to the higher.
+    One operator per node reads its predecessors (or the stage's input) and writes one tensor
+    of `size` bytes; an `out` operator averages the nodes nobody reads. Structure only: not an
+    export of a trained RandWire, whose nodes are several operators each."""
+    import random as _random
+    rng = _random.Random(seed)
+    edges: set[tuple[int, int]] = set()
+    for u in range(n):
+        for j in range(1, k // 2 + 1):
+            v = (u + j) % n
+            if rng.random() < p:
+                taken = {b for a, b in edges if a == u} | {a for a, b in edges if b == u}
+                free = [w for w in range(n) if w != u and w not in taken]
+                v = rng.choice(free) if free else v
+            edges.add((min(u, v), max(u, v)))
+    preds = {i: sorted(a for a, b in edges if b == i) for i in range(n)}
+    read = {a for a, _ in edges}
+    ops = [OpNode(f"node{i}", "Conv", tuple(f"t{q}" for q in preds[i]) or ("x",), (f"t{i}",))
+           for i in range(n)]
+    ops.append(OpNode("out", "Mean", tuple(f"t{i}" for i in range(n) if i not in read), ("y",)))
+    tensors = {t: TensorInfo(size, (1,)) for t in ["x", "y"] + [f"t{i}" for i in range(n)]}
+    return OpDag(f"ws({n},{k},{p})-{seed}", ops, tensors, ("x",), ("y",))
