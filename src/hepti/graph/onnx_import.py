@@ -111,9 +111,10 @@ def import_onnx(path: str | Path, batch: int | None = None,
                      if t in owner else f"graph input {t!r}")
             dims = _dims_text(types.get(t))
             raise GraphError(
-                f"{path}: the shape of {where} could not be inferred{dims}; a custom operator, a "
-                "shape that depends on data, or a dimension left symbolic: give the input's "
-                "shape with --input-shape, or export the model with static shapes")
+                f"{path}: the shape of {where} could not be inferred{dims}: a custom operator, "
+                "a shape that depends on data, or a dimension left symbolic; give the batch "
+                "with --batch and one sample's shape with --input-shape, or export the model "
+                "with static shapes")
         tensors[t] = TensorInfo(width * math.prod(shape), shape)
     if real_inputs:
         first = tensors[real_inputs[0].name].shape

@@ -27,7 +27,10 @@ each of its steps. So each block is searched apart, under its own budget (second
 states); the whole order is optimal when every block's is. A block whose search ran out of
 budget keeps its best order and `proven` False, unless the peak found is already the lower
 bound of the whole graph or of a block that was proven. A chain of operators is all cuts; an
-Inception module is one block; HMCOS (Wang et al., 2022) groups sequences the same way.
+Inception module is one block. A graph without cuts stays one block: NASNet's cells each read
+the two cells before them, so no operator separates them. HMCOS (Wang et al., DAC 2022) builds
+a hierarchy of operator sequences and groups for such graphs and schedules it iteratively;
+hepti does not do that.
 
 `order_graph(dag)` is what `hepti order` and the planner call; `btsearch(problem)` searches one
 Problem with any of bound, hashing and dominance turned off (the benchmark's plot).
