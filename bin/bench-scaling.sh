@@ -4,14 +4,26 @@
 # again, lands on other pages and cores), so a median needs several launches.
 # Writes results/scaling.json. Makes the BERT-base- and ViT-base-shaped random models if missing.
 #   bin/bench-scaling.sh            full run (MiniLM @128 tokens, BERT-base @256, ViT-base @224
-#                                   pixels = 197 tokens)
+#                                   pixels = 197 tokens, ResNet-50 and VGG-16 at 224x224: even
+#                                   bands and auto)
+#   bin/bench-scaling.sh --cnn      the CNNs alone
 #   bin/bench-scaling.sh --quick    MiniLM only, fewer rounds
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 if [ "${1:-}" = "--quick" ]; then
   exec python -m hepti.bench.scaling --case weights/minilm-l6:128 --rounds 3 --repeat 5
 fi
+if [ "${1:-}" = "--cnn" ]; then
+  shift
+  [ -f weights/resnet50/index.json ] || hepti convert --random resnet50 --out weights/resnet50
+  [ -f weights/vgg16/index.json ] || hepti convert --random vgg16 --out weights/vgg16
+  exec python -m hepti.bench.scaling --case weights/resnet50:224 --case weights/vgg16:224 \
+    --rounds 9 --repeat 5 --out results/scaling-cnn.json "$@"
+fi
 [ -f weights/bert-base/index.json ] || hepti convert --random bert-base --out weights/bert-base
 [ -f weights/vit-base/index.json ] || hepti convert --random vit-base --out weights/vit-base
+[ -f weights/resnet50/index.json ] || hepti convert --random resnet50 --out weights/resnet50
+[ -f weights/vgg16/index.json ] || hepti convert --random vgg16 --out weights/vgg16
 exec python -m hepti.bench.scaling --case weights/minilm-l6:128 --case weights/bert-base:256 \
-  --case weights/vit-base:197 --rounds 9 --repeat 10 "$@"
+  --case weights/vit-base:197 --case weights/resnet50:224 --case weights/vgg16:224 \
+  --rounds 9 --repeat 10 "$@"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import FIXTURES, ROOT, convert_once, minilm_source  # noqa: E402
+from helpers import (FIXTURES, ROOT, convert_mobilenet, convert_once, convert_tiny_cnn,  # noqa: E402
+                     minilm_source)
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +37,21 @@ def minilm_dir(tmp_path_factory) -> Path:
     if (made / "index.json").exists() and not os.environ.get("HEPTI_TEST_RECONVERT"):
         return made
     return convert_once(minilm_source(), tmp_path_factory.mktemp("w") / "minilm")
+
+
+@pytest.fixture(scope="session")
+def resnet_tiny_dir(tmp_path_factory) -> Path:
+    """torchvision's ResNet-50 at 1/16 width, random weights (tests/fixtures), converted."""
+    return convert_tiny_cnn("resnet50_tiny", tmp_path_factory.mktemp("w") / "resnet50-tiny")
+
+
+@pytest.fixture(scope="session")
+def vgg_tiny_dir(tmp_path_factory) -> Path:
+    """torchvision's VGG-16 at 1/16 width (classifier 32 wide), random weights, converted."""
+    return convert_tiny_cnn("vgg16_tiny", tmp_path_factory.mktemp("w") / "vgg16-tiny")
+
+
+@pytest.fixture(scope="session")
+def mobilenet_dir(tmp_path_factory) -> Path:
+    """MobileNetV2 with torchvision's ImageNet weights, converted from its package."""
+    return convert_mobilenet(tmp_path_factory.mktemp("w") / "mobilenet-v2")

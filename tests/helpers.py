@@ -25,3 +25,30 @@ def load_all(model_dir: Path) -> dict:
     from hepti.weights import WeightStore
     with WeightStore(model_dir) as st:
         return {n: st.read(n) for n in st.index["tensors"]}
+
+
+# the tiny CNNs of tests/fixtures/make_cnn_fixtures.py: torchvision's nets at 1/16 width
+TINY_CNNS = {"resnet50_tiny": dict(arch="resnet50", width_divisor=16, num_classes=10),
+             "vgg16_tiny": dict(arch="vgg16", width_divisor=16, num_classes=10,
+                                classifier_hidden=32)}
+
+
+def convert_tiny_cnn(name: str, out: Path) -> Path:
+    """A tiny CNN's fixture state_dict (numpy) converted into `out` unless it is there."""
+    import numpy as np
+
+    from hepti.config import CNNConfig
+    from hepti.weights.cnn import fold, write_cnn
+    if not (out / "index.json").exists():
+        config = CNNConfig(**TINY_CNNS[name], name=name)
+        state = dict(np.load(FIXTURES / f"{name}_weights.npz"))
+        write_cnn(config, fold(config, state), out, source={"fixture": name}, progress=False)
+    return out
+
+
+def convert_mobilenet(out: Path) -> Path:
+    """torchvision's MobileNetV2 (bin/setup installs its package) converted into `out`."""
+    from hepti.weights.cnn import convert_torch_file, find_package_pth
+    if not (out / "index.json").exists():
+        convert_torch_file(find_package_pth(), out, progress=False)
+    return out

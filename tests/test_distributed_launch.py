@@ -118,3 +118,82 @@ def test_run_json_reports_per_rank(tiny_dir, ids_file, tmp_path):
     assert tracks == {0, 1}
     names = {e["name"] for e in events if e.get("ph") == "X"}
     assert {"Reduce_scatter", "Allgatherv"} <= names
+
+
+def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path):
+    """`hepti run` of a CNN under mpiexec -n 3: --strategy auto (a profile measured on the spot,
+    the LP, fusion), even, and a plan file from `hepti profile` + `hepti plan`; each output
+    equals one device's (1e-4 relative), and bad CNN strategies are refused before work."""
+    e = np.load(ROOT / "tests/fixtures/resnet50_tiny_expected.npz")
+    px = tmp_path / "px.npy"
+    np.save(px, e["pixels"].astype(np.float32))
+    want = e["logits"]
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    code, _, err, _ = launch(3, "-m", "hepti", "profile", "--model", resnet_tiny_dir,
+                             "--image-size", "65x57", "--batch", "2", "--out", prof)
+    assert code == 0, err[-2000:]
+    p = subprocess.run([sys.executable, "-m", "hepti", "plan", "--model", resnet_tiny_dir,
+                        "--profile", prof, "--out", plan], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    for extra in (["--strategy", "auto"], ["--strategy", "even"], ["--plan", plan]):
+        out = tmp_path / "y.npy"
+        code, _, err, _ = launch(3, "-m", "hepti", "run", "--model", resnet_tiny_dir,
+                                 "--input-pixels", px, "--output", out, "--json", *extra)
+        assert code == 0, (extra, err[-2000:])
+        got = np.load(out)
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), extra
+    code, _, err, _ = launch(3, "-m", "hepti", "run", "--model", resnet_tiny_dir,
+                             "--input-pixels", px, "--strategy", "tensor")
+    assert code != 0 and "split by height" in err and "Traceback" not in err
+
+
+# --- issue 19: the CNNs against torchvision across ranks ------------------------------------
+
+def _cnn_equivalence():
+    """tests/mpi/cnn_equivalence.py as a module (its cases; it imports MPI only in main)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cnn_equivalence",
+                                                  ROOT / "tests/mpi/cnn_equivalence.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_cnn_equivalence_other_world_sizes(n, mobilenet_dir, resnet_tiny_dir, vgg_tiny_dir):
+    """tests/mpi/cnn_equivalence.py at N ranks, one launch: every CNN strategy (planned on
+    unequal declared devices) and --ratios vector (skewed, with zeros) gives torchvision's
+    logits (1e-3) and, for the three photos through MobileNetV2, its top-5; the tiny ResNet-50
+    and VGG-16 too."""
+    code, out, err, secs = launch(n, "-m", "mpi4py", ROOT / "tests/mpi/cnn_equivalence.py",
+                                  "--model", mobilenet_dir, "--model", resnet_tiny_dir,
+                                  "--model", vgg_tiny_dir, timeout=300)
+    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
+    helper = _cnn_equivalence()
+    cases = [f"--strategy {s}" for s in helper.strategies()]
+    cases += [f"--ratios {name}" for name in helper.RATIOS[n]]
+    want = [(m, c) for m in ("mobilenet_v2", "resnet50", "vgg16") for c in cases]
+    assert [(r["model"], r["case"]) for r in rows] == want, rows
+    assert all(r["ok"] and r["max_abs_diff_torchvision"] <= 1e-3 for r in rows), rows
+    assert all(r["top5_equal"] for r in rows if r["model"] == "mobilenet_v2"), rows
+
+
+def test_cnn_photos_run_at_3_ranks(mobilenet_dir, tmp_path):
+    """`hepti run --image` of the three photos under mpiexec -n 3 with --strategy auto (a
+    profile measured on the spot, the LP, fusion): each photo's top-5 is torchvision's and its
+    logits are within 1e-3 of torchvision's."""
+    e = np.load(ROOT / "tests/fixtures/mobilenet_v2_expected.npz")
+    photos = {"chelsea": "cnn_image.png", "coffee": "cnn_coffee.png",
+              "astronaut": "cnn_astronaut.png"}
+    out = tmp_path / "y.npy"
+    code, stdout, err, _ = launch(3, "-m", "hepti", "run", "--model", mobilenet_dir, "--image",
+                                  *[ROOT / "tests/fixtures" / f for f in photos.values()],
+                                  "--strategy", "auto", "--output", out, "--json", timeout=300)
+    assert code == 0, err[-2000:]
+    report = json.loads(stdout)
+    logits = np.load(out)
+    for i, name in enumerate(photos):
+        top5 = list(e[f"{name}_top5"][0])
+        assert [c["class"] for c in report["top"][i]["top"]] == top5, (name, report["ratios"])
+        assert np.abs(logits[i] - e[f"{name}_logits"][0]).max() <= 1e-3, (name, report["ratios"])

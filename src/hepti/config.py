@@ -1,8 +1,10 @@
 """Model configuration: the subset of a Hugging Face `config.json` hepti runs, validated.
 
-Two families: BERT text encoders (`BertConfig`) and ViT image encoders (`ViTConfig`).
-`config_from_dict` / `config_from_json` pick the class by the config's `model_type`; use them
-wherever a config of either family may turn up (checkpoints, converted models, plans).
+Three families: BERT text encoders (`BertConfig`), ViT image encoders (`ViTConfig`) and
+convolutional image classifiers (`CNNConfig`: MobileNetV2, ResNet-50, VGG-16, whose operator
+graphs hepti.graph.cnn builds). `config_from_dict` / `config_from_json` pick the class by the
+config's `model_type`; use them wherever a config of any family may turn up (checkpoints,
+converted models, plans).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Union
 
 from hepti.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("bert", "vit")
+SUPPORTED_MODEL_TYPES = ("bert", "vit", "cnn")
 SUPPORTED_ACTS = ("gelu",)  # erf form, as BERT and ViT use
 
 
@@ -155,12 +157,72 @@ class ViTConfig(_Encoder):
         return cfg
 
 
-ModelConfig = Union[BertConfig, ViTConfig]
-CONFIG_CLASSES = {"bert": BertConfig, "vit": ViTConfig}  # model_type -> class
+CNN_ARCHS = ("mobilenet_v2", "resnet50", "vgg16")
+
+
+@dataclass(frozen=True)
+class CNNConfig:
+    """A convolutional image classifier: torchvision's `arch` (its layers are built by
+    hepti.graph.cnn), every channel width divided by `width_divisor` (the tests' tiny nets:
+    16), `num_classes` outputs; VGG's two hidden classifier widths are `classifier_hidden`.
+    `image_size` is the side of the crop its preprocessing makes (preprocessor_config.json
+    holds the rest); a height split takes any H and W."""
+
+    arch: str
+    num_classes: int = 1000
+    width_divisor: int = 1
+    classifier_hidden: int = 4096
+    image_size: int = 224
+    num_channels: int = 3
+    model_type: str = "cnn"
+    name: str = ""
+
+    @property
+    def seq_len(self) -> int:
+        """Rows of output per image: one, its logits (hepti.runner treats an image's output as
+        a sequence of one token)."""
+        return 1
+
+    @property
+    def shape(self) -> dict:
+        """What the cost of running this model depends on: plans and profiles record it."""
+        return {"arch": self.arch, "width_divisor": self.width_divisor,
+                "classes": self.num_classes, "classifier_hidden": self.classifier_hidden}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, path: str | Path, name: str = ""):
+        return cls.from_dict(_read_json(path), name=name)
+
+    @classmethod
+    def from_dict(cls, d: dict, name: str = "") -> "CNNConfig":
+        mt = _check_model_type(d, "cnn")
+        _check_required(d, ("arch",))
+        if d["arch"] not in CNN_ARCHS:
+            raise ConfigError(f"unsupported CNN arch {d['arch']!r}; hepti builds: "
+                              f"{', '.join(CNN_ARCHS)}")
+        ints = ("num_classes", "width_divisor", "classifier_hidden", "image_size", "num_channels")
+        for k in ints:
+            v = d.get(k, 1)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"config {k} must be a whole number, got {v!r}")
+        cfg = cls(arch=d["arch"], **{k: int(d[k]) for k in ints if k in d}, model_type=mt,
+                  name=name or str(d.get("name", "")))
+        _check_positive(cfg, ints)
+        if cfg.num_channels != 3:
+            raise ConfigError(f"num_channels {cfg.num_channels}: hepti's CNNs take RGB images (3)")
+        return cfg
+
+
+ModelConfig = Union[BertConfig, ViTConfig, CNNConfig]
+CONFIG_CLASSES = {"bert": BertConfig, "vit": ViTConfig, "cnn": CNNConfig}  # model_type -> class
 
 
 def config_from_dict(d: dict, name: str = "") -> ModelConfig:
-    """A BertConfig or ViTConfig, chosen by d['model_type'] (ConfigError for other types)."""
+    """A BertConfig, ViTConfig or CNNConfig, chosen by d['model_type'] (ConfigError for
+    other types)."""
     if not isinstance(d, dict):
         raise ConfigError(f"a model config must be a JSON object, not {type(d).__name__}")
     mt = d.get("model_type")
@@ -271,17 +333,21 @@ RANDOM_PRESETS = {
     "vit-large": dict(model_type="vit", hidden_size=1024, num_hidden_layers=24,
                       num_attention_heads=16, intermediate_size=4096, image_size=224,
                       patch_size=16),
+    "mobilenet-v2": dict(model_type="cnn", arch="mobilenet_v2"),
+    "resnet50": dict(model_type="cnn", arch="resnet50"),
+    "vgg16": dict(model_type="cnn", arch="vgg16"),
 }
 # What a preset leaves out, per family (HF's defaults)
 PRESET_DEFAULTS = {
     "bert": dict(max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12,
                  hidden_act="gelu"),
     "vit": dict(num_channels=3, layer_norm_eps=1e-12, hidden_act="gelu", qkv_bias=True),
+    "cnn": dict(num_classes=1000, image_size=224),
 }
 
 
 def preset_config(name: str) -> ModelConfig:
-    """The config of a RANDOM_PRESETS entry: a BertConfig or a ViTConfig (name 'random-NAME')."""
+    """The config of a RANDOM_PRESETS entry (name 'random-NAME')."""
     if name not in RANDOM_PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(RANDOM_PRESETS)} "
                           "or give a config.json path")

@@ -185,9 +185,13 @@ def center_crop(x: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.pad(x[tuple(cuts)], pads)
 
 
-def check_pixels(arr: np.ndarray, image_size: int | tuple[int, int], channels: int = 3) -> np.ndarray:
+def check_pixels(arr: np.ndarray, image_size: int | tuple[int, int] | None,
+                 channels: int = 3) -> np.ndarray:
     """A ready --input-pixels array checked against the model: float [n, channels, H, W] with
-    (H, W) the model's image size, finite. Returns it as contiguous float32."""
+    (H, W) the model's image size (any, if None: a CNN's), finite. Returns it as contiguous
+    float32."""
+    if image_size is None:
+        image_size = tuple(arr.shape[2:]) if arr.ndim == 4 else ("H", "W")
     h, w = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
     want = f"[n, {channels}, {h}, {w}]"
     got = f"[{', '.join(map(str, arr.shape))}]"

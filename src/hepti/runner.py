@@ -38,7 +38,7 @@ def open_inputs(args, config, model_dir: Path) -> InputSource:
     in tokens) before any model work."""
     bs = args.batch_size
     image, pixels = getattr(args, "image", None), getattr(args, "input_pixels", None)
-    vision = config.model_type == "vit"
+    vision = config.model_type in ("vit", "cnn")
     if (image or pixels) and not vision:
         raise InputError(f"--image and --input-pixels are for vision models; {model_dir} is a "
                          f"{config.model_type} model: give it --text, --input or --input-ids")
@@ -80,11 +80,21 @@ def open_pixels(image, pixels, config, model_dir: Path, bs: int) -> InputSource:
         except (ValueError, OSError) as e:
             raise InputError(f"--input-pixels {pixels}: not a NumPy .npy array ({e})") from None
         digest = hashlib.sha256(Path(pixels).read_bytes()).hexdigest()
-    arr = check_pixels(arr, config.image_size, config.num_channels)
+    if config.model_type == "cnn":  # any height and width the network does not shrink to 0
+        arr = check_pixels(arr, None, config.num_channels)
+        from hepti.graph.cnn import build
+        try:
+            build(config).shapes(*arr.shape[2:])
+        except ValueError as e:
+            raise InputError(f"pixels [{', '.join(map(str, arr.shape))}]: {e}") from None
+    else:
+        arr = check_pixels(arr, config.image_size, config.num_channels)
     return InputSource.from_pixels(arr, config, bs, digest)
 
 
 def output_shape(args, config, source: InputSource) -> tuple[int, ...]:
+    if config.model_type == "cnn":
+        return (source.n, config.num_classes)  # the logits
     C = config.hidden_size
     return (source.n, max(source.lengths), C) if args.pool == "none" else (source.n, C)
 
@@ -93,6 +103,8 @@ def check_flags(args) -> None:
     """Flags that would fail only after the work: the report and trace files."""
     check_output_path(args.report, "--report")
     check_output_path(getattr(args, "trace", None), "--trace")
+    if getattr(args, "top", None) is not None and args.top < 1:
+        raise InputError(f"--top {args.top}: give a number of classes, 1 or more")
     if args.resume and not args.output:
         raise InputError("--resume continues an interrupted --output file; give the same "
                          "--output as the run that was interrupted")
@@ -108,6 +120,14 @@ def prepare(args, config, model_dir: Path) -> Prepared:
     """Check every input and open the output (resuming if asked), before any weights load."""
     path = npy_output_path(args.output)
     check_flags(args)
+    if config.model_type == "cnn" and (args.normalize or args.pool == "none"):
+        raise InputError(f"{model_dir} is an image classifier: its output is the logits [n, "
+                         f"{config.num_classes}]; --normalize and --pool none are for encoders")
+    if config.model_type != "cnn" and getattr(args, "top", None) is not None:
+        raise InputError(f"--top is for image classifiers; {model_dir} is a {config.model_type} "
+                         "encoder, whose output is embeddings")
+    if config.model_type == "cnn" and args.top is None and getattr(args, "image", None):
+        args.top = 5
     source = open_inputs(args, config, model_dir)
     out = None
     if path is not None:
@@ -160,7 +180,10 @@ class Sink:
             rows = np.pad(rows, ((0, 0), (0, self.width - rows.shape[1]), (0, 0)))
         if self.out is not None:
             self.out.write(k, rows)
-        if self.kept is not None:
+        if self.kept is not None and getattr(self.args, "top", None) is not None:
+            from hepti.model.cnn import top_k  # a classifier's best classes, not its logits
+            self.kept.extend(top_k(rows, self.args.top))
+        elif self.kept is not None:
             self.kept.append(rows)
         self.seconds += time.perf_counter() - t0
         if self.bar is not None:
@@ -193,8 +216,9 @@ def run_passes(job, prep: Prepared | None, n: int, args, start_pass=None, end_pa
         if primary:
             feed = Feed(prep.source, start)
             bar = progress_bar(args, prep.source, start) if p == 0 else None
-            keep = (p == 0 and args.pool != "none" and args.text is not None
-                    and 1 < prep.source.n <= SHOW_SIMILARITY_MAX)
+            keep = p == 0 and (getattr(args, "top", None) is not None or (
+                args.pool != "none" and args.text is not None
+                and 1 < prep.source.n <= SHOW_SIMILARITY_MAX))
             sink = Sink(args, feed, prep.out if p == 0 else None, bar, keep)
         if start_pass:
             start_pass()
@@ -243,8 +267,12 @@ def run_single(args) -> int:
         import numba
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
         t0 = time.perf_counter()
-        family(config).load_kernels(args.threads)  # as a Job does: the pass times forwards alone
-        engine = SingleDevice.from_store(store, threads=args.threads)
+        if config.model_type == "cnn":
+            from hepti.model.cnn import SingleCNN
+            engine = SingleCNN.from_store(store, threads=args.threads)
+        else:
+            family(config).load_kernels(args.threads)  # as a Job does: passes time forwards
+            engine = SingleDevice.from_store(store, threads=args.threads)
         load_s = time.perf_counter() - t0
         start = prep.out.start if prep.out is not None else 0
         runs = run_passes(SingleJob(engine), prep, prep.source.n_batches - start, args)
@@ -276,6 +304,7 @@ def base_report(args, config, prep: Prepared, load_s: float, runs: list[dict], s
         "resumed_from_batch": start if out is not None and out.resumed else None,
         "tokens": source.lengths,
         "pool": args.pool,
+        "classes": getattr(config, "num_classes", None),
         "threads": args.threads,
         "load_s": load_s,
         # pass 1, the one that wrote the output: its wall time, the forwards' share of it, and
@@ -297,19 +326,50 @@ def similarity_table(texts: list[str], emb: np.ndarray) -> str:
     return "\n".join(lines)
 
 
+def top_classes(args, runs: list[dict]) -> list[dict] | None:
+    """A classifier's --top K: per input, its K best classes (id, label, probability)."""
+    kept = runs[0]["kept"] if runs else None
+    if not kept or getattr(args, "top", None) is None:
+        return None
+    from hepti.weights.cnn import read_labels
+    labels = read_labels(args.model)
+    names = [str(p) for p in args.image] if getattr(args, "image", None) else None
+    out = []
+    for i, row in enumerate(kept):
+        out.append({"input": names[i] if names else i, "top": [
+            {"class": c, "label": labels[c] if labels and c < len(labels) else None,
+             "probability": p} for c, p in row]})
+    return out
+
+
+def top_table(top: list[dict]) -> str:
+    lines = []
+    for t in top:
+        lines.append(f"{t['input']}:")
+        lines += [f"  {c['probability']:6.3f}  {c['class']:>4}  {c['label'] or ''}"
+                  for c in t["top"]]
+    return "\n".join(lines)
+
+
 def finish(args, report: dict, runs: list[dict]) -> None:
     """Write --report, then print --json or a human summary (primary rank only). The output
     itself is already written, batch by batch."""
     if args.output:
         report["output"] = str(args.output)
+    top = top_classes(args, runs)
+    if top is not None:
+        report["top"] = top
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         print(json.dumps(report, indent=2))
         return
     n, shape_tail = report["n_inputs"], ("L", "C") if args.pool == "none" else ("C",)
-    print(f"model {report['model']}: {n} input(s) -> {args.pool} "
-          f"{'normalised ' if args.normalize else ''}output [{n}, {', '.join(shape_tail)}]")
+    if report.get("classes"):
+        print(f"model {report['model']}: {n} image(s) -> logits [{n}, {report['classes']}]")
+    else:
+        print(f"model {report['model']}: {n} input(s) -> {args.pool} "
+              f"{'normalised ' if args.normalize else ''}output [{n}, {', '.join(shape_tail)}]")
     if report["resumed_from_batch"] is not None:
         print(f"resumed at batch {report['resumed_from_batch']} of {report['batches']}: the "
               f"earlier run's rows were kept")
@@ -323,7 +383,9 @@ def finish(args, report: dict, runs: list[dict]) -> None:
               f"({ps['wall_s'] * 1e3:.1f} ms with preparing inputs, pooling and writing), strategy "
               f"{report['strategy']}, {report['world_size']} rank(s)")
     kept = runs[0]["kept"] if runs else None
-    if kept:
+    if kept and report.get("top"):
+        print(top_table(report["top"]))
+    elif kept:
         print(similarity_table(args.text, np.concatenate(kept)))
     if args.output:
         print(f"wrote {args.output}")

@@ -11,7 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers import FIXTURES, ROOT, convert_once, minilm_source  # noqa: E402
+from helpers import (FIXTURES, ROOT, convert_mobilenet, convert_once, convert_tiny_cnn,  # noqa: E402
+                     minilm_source)
 from mpi_helpers import COMM  # noqa: E402
 
 
@@ -58,3 +59,26 @@ def minilm_dir():
         convert_once(minilm_source(), out)
     COMM.Barrier()
     return out
+
+
+def _cnn_dir(name: str, make):
+    out = _shared_dir(name)
+    if COMM.Get_rank() == 0:
+        make(out)
+    COMM.Barrier()
+    return out
+
+
+@pytest.fixture(scope="session")
+def resnet_tiny_dir():
+    return _cnn_dir("resnet50-tiny", lambda out: convert_tiny_cnn("resnet50_tiny", out))
+
+
+@pytest.fixture(scope="session")
+def vgg_tiny_dir():
+    return _cnn_dir("vgg16-tiny", lambda out: convert_tiny_cnn("vgg16_tiny", out))
+
+
+@pytest.fixture(scope="session")
+def mobilenet_dir():
+    return _cnn_dir("mobilenet-v2", convert_mobilenet)

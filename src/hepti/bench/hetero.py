@@ -58,9 +58,17 @@ SPECS = ("emu-mixed4", "emu-tight", "emu-starved", "emu-pair-940-full", "emu-pai
          "emu-pair-240-full", "emu-pair-240-quarter")
 STRATEGIES = ("auto", "even", "proportional", "pipeline", "single")
 BASELINES = ("even", "proportional", "pipeline", "single")  # checked against memory before a launch
-EXTRA = ("emu-tight:rows",)
+# a CNN's (SEQ is its image side): CoEdge's LP, and the baselines of issue 19
+CNN_STRATEGIES = ("auto", "even", "proportional", "grid", "pipeline", "single")
+# issue 19's fusing choice: auto at fixed fusing depths ("auto/fuseK": --fuse-depth K; 0: all
+# layers), next to auto's own choice, on a slow and a fast link
+FUSE_DEPTHS = (1, 2, 4, 8, 0)
+EXTRA = ("emu-tight:rows",) + tuple(f"{sp}:auto/fuse{k}" for sp in ("emu-pair-240-full",
+                                                                     "emu-pair-940-full")
+                                    for k in FUSE_DEPTHS)
 CASES = ("weights/bert-base:256", "weights/minilm-l6:128:emu-mixed4", "weights/bert-large:128:emu-mixed4",
-         "weights/vit-large:197:emu-mixed4")
+         "weights/vit-large:197:emu-mixed4", "weights/resnet50:224:emu-mixed4",
+         "weights/mobilenet-v2:224:emu-mixed4+emu-pair-240-full+emu-pair-940-full")
 QUICK = {"spec": ["emu-pair-940-quarter"], "case": ["weights/minilm-l6:128"], "repeat": 3, "rounds": 1,
          "min_repeat": 2, "target_s": 2.0, "timeout": 120.0}
 LAUNCHER_OOM = re.compile(r"rank \d+ \(device [^)]*\) was killed by the out-of-memory killer[^\n]*")
@@ -137,6 +145,7 @@ def run_record(spec, case: dict, strategy: str, status: str, reason: str, rep: d
     med = rep["latency_s"]["median"]
     pred = rep.get("predicted_latency_s")
     rec.update({"ran": rep["strategy"], "active_ranks": rep.get("active_ranks"), "counts": rep.get("counts"),
+                "groups": len(rep["groups"]) if rep.get("groups") else None,
                 "median_latency_s": med, "latencies_s": rep["latency_s"]["runs"],
                 "predicted_latency_s": pred, "prediction_error": None if not pred else med / pred - 1,
                 "load_s": rep.get("load_s"), "mem_budget": rep.get("mem_budget"),
@@ -149,7 +158,8 @@ def run_record(spec, case: dict, strategy: str, status: str, reason: str, rep: d
                       "compute_s": s["compute_s"], "comm_s": s["comm_s"], "comm_total_s": s["comm_total_s"],
                       "io_wait_s": s.get("io_wait_s"), "bytes_sent": s["bytes_sent"], "bytes_recv": s["bytes_recv"],
                       "predicted_compute_s": p.get("compute_s"),
-                      "predicted_comm_s": sum(p["comm_s"].values()) if p.get("comm_s") is not None else None,
+                      "predicted_comm_s": sum(p["comm_s"].values()) if p.get("comm_s") is not None
+                      else p.get("exchange_s"),  # a CNN's: its halo exchanges
                       "predicted_comm_by_kind_s": p.get("comm_s"), "predicted_wait_s": p.get("wait_s"),
                       "predicted_mem_bytes": p.get("mem_bytes"),
                       "weight_bytes_resident": s["weight_bytes_resident"], "peak_rss_bytes": s["peak_rss_bytes"],
@@ -179,6 +189,11 @@ def plan_baseline(case: dict, profile_path: Path, strategy: str):
     from hepti.plan.partition import make_plan
     from hepti.plan.profile import load_profile
     try:
+        if case["config"].model_type == "cnn":
+            from hepti.plan.coedge import make_cnn_plan
+            name, _, fuse = strategy.partition("/fuse")
+            return make_cnn_plan(case["config"], load_profile(profile_path), name,
+                                 fuse_depth=int(fuse) if fuse else None), ""
         plan = make_plan(case["config"], load_profile(profile_path), case["seq"], 1, strategy=strategy)
     except HeptiError as e:
         return None, f"the planner refuses it: {e}"
@@ -248,20 +263,28 @@ def warm_numba(cases: list[dict], workdir: Path) -> float:
     the distributed paths (profile, tensor, rows, pipeline, stream) on two ranks."""
     t0 = time.perf_counter()
     small = workdir / "warm-ids.npz"
-    first = cases[0]
     ids, mask = np.full((1, 16), 101, np.int64), np.ones((1, 16), np.int64)
     np.savez(small, ids=ids, mask=mask)
     env = dict(os.environ, HEPTI_CACHE=str(workdir / "warm-cache"))
-    base = (["run", "--input-ids", str(small), "--json"] if first["input"][0] == "--input-ids"
-            else ["run", *map(str, first["input"]), "--json"])  # a vision model: its own pixels
     cmds = [hepti_cmd() + ["run", *map(str, c["input"]), "--json", "--model", c["dir"]] for c in cases]
     two = [mpiexec(), "-n", "2"] + hepti_cmd()
-    text = first["input"][0] == "--input-ids"  # a vision model profiles at its own token count
-    cmds.append(two + ["profile", "--model", first["dir"], *(["--seq", "16"] if text else []),
-                       "--out", str(workdir / "warm-profile.json")])
-    for extra in (["--strategy", "tensor"], ["--strategy", "rows"], ["--strategy", "pipeline"],
-                  ["--strategy", "stream", "--mem-budget", "2GiB"]):
-        cmds.append(two + base + ["--model", first["dir"]] + extra)
+    cnn = next((c for c in cases if c["config"].model_type == "cnn"), None)
+    if cnn is not None:  # the band executor and the CNN profile, on two ranks
+        cmds.append(two + ["profile", "--model", cnn["dir"], "--image-size", "64",
+                           "--out", str(workdir / "warm-cnn-profile.json")])
+        cmds.append(two + ["run", "--model", cnn["dir"], *map(str, cnn["input"]), "--json",
+                           "--strategy", "even"])
+    encoders = [c for c in cases if c["config"].model_type != "cnn"]
+    if encoders:
+        first = encoders[0]
+        text = first["input"][0] == "--input-ids"  # a vision model: its own pixels and tokens
+        base = (["run", "--input-ids", str(small), "--json"] if text
+                else ["run", *map(str, first["input"]), "--json"])
+        cmds.append(two + ["profile", "--model", first["dir"], *(["--seq", "16"] if text else []),
+                           "--out", str(workdir / "warm-profile.json")])
+        for extra in (["--strategy", "tensor"], ["--strategy", "rows"], ["--strategy", "pipeline"],
+                      ["--strategy", "stream", "--mem-budget", "2GiB"]):
+            cmds.append(two + base + ["--model", first["dir"]] + extra)
     for cmd in cmds:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
         if p.returncode != 0:
@@ -280,9 +303,18 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
                 continue
             cache = workdir / "cache" / f"{spec.name}-{case['name']}"
             cache.mkdir(parents=True, exist_ok=True)
-            strategies = list(args.strategies) + [s for sp, s in extras if sp == spec.name]
+            strategies = case_strategies(args, spec.name, case, extras)
             common = ["run", "--model", case["dir"], *map(str, case["input"]), "--json"]
             profile_path = None
+            if case["config"].model_type == "cnn":  # every strategy planned on one profile
+                profile_path = workdir / f"profile-{spec.name}-{case['name']}.json"
+                launch(spec_path, n, ["profile", "--model", case["dir"], "--image-size",
+                                      str(case["seq"]), "--out", str(profile_path)],
+                       cache, args.timeout, workdir)
+                if profile_path.exists():
+                    profiles.append(profile_summary(spec, case, profile_path, "hepti profile"))
+                else:
+                    profile_path = None
             # rounds take turns: round k starts k strategies further on (round 0 with auto,
             # whose profile the baselines are planned with), so a slow minute of this shared
             # machine does not fall on one strategy's every run
@@ -303,7 +335,8 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
                     if profile_path is not None:
                         profiles.append(profile_summary(spec, case, profile_path, source))
                 plan, unfit = None, ""
-                if strategy in BASELINES and profile_path is not None:
+                cnn = case["config"].model_type == "cnn"
+                if (strategy in BASELINES or cnn) and profile_path is not None:
                     plan, unfit = plan_baseline(case, profile_path, strategy)
                 if unfit and not args.run_unfit:
                     runs.append({**run_record(spec, case, strategy, "cannot_run", unfit, None, None, None),
@@ -311,8 +344,11 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
                     bar.update(1)
                     continue
                 repeat = choose_repeat(plan.predicted_latency_s if plan is not None else None, args)
-                extra = ["--strategy", strategy, "--repeat", str(repeat)]
-                if strategy != "auto" and profile_path is not None:
+                name, _, fuse = strategy.partition("/fuse")
+                extra = ["--strategy", name, "--repeat", str(repeat)]
+                if fuse:
+                    extra += ["--fuse-depth", fuse]
+                if (strategy != "auto" or cnn) and profile_path is not None:
                     extra += ["--profile", str(profile_path)]
                 res = launch(spec_path, n, common + extra, cache, args.timeout, workdir)
                 status, reason, rep = classify(res)
@@ -320,6 +356,14 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
                              "round": k})
                 bar.update(1)
     return runs, profiles
+
+
+def case_strategies(args, spec_name: str, case: dict, extras: list) -> list[str]:
+    """The strategies a case runs on a spec: a CNN's own set (and auto at fixed fusing depths
+    where asked), else --strategies; then the extras for that spec."""
+    cnn = case["config"].model_type == "cnn"
+    base = list(CNN_STRATEGIES) if cnn else list(args.strategies)
+    return base + [s for sp, s in extras if sp == spec_name and ("/fuse" in s) == cnn]
 
 
 def _emulator_mode() -> dict:
@@ -332,7 +376,7 @@ def _emulator_mode() -> dict:
 def count_runs(args, specs, cases) -> int:
     """Launches the sweep will make (the progress bar's total)."""
     extras = [e.split(":", 1) for e in args.extra]
-    return args.rounds * sum(len(args.strategies) + sum(1 for sp, _ in extras if sp == spec.name)
+    return args.rounds * sum(len(case_strategies(args, spec.name, case, extras))
                              for spec, _ in specs for case in cases if spec.name in case["specs"])
 
 

@@ -178,6 +178,11 @@ def _lower_by(runs, spec, model, seq, base: str, at_least: float | None) -> dict
                    f"{b['median_latency_s'] * 1e3:.0f} ms: {gain:+.1%} lower")
 
 
+CNN_HEADLINES = (("emu-mixed4", "resnet50", 224), ("emu-mixed4", "mobilenet-v2", 224))
+FUSE_SPECS = ("emu-pair-240-full", "emu-pair-940-full")  # slow and fast link (issue 19)
+FUSE_TOLERANCE = 0.05  # the planner's fusion within this of the best fixed depth measured
+
+
 def check_targets(runs: list[dict]) -> list[dict]:
     """The issue's targets that this benchmark measures, each ok True/False (None: not measured)."""
     spec, model, seq = HEADLINE
@@ -185,6 +190,14 @@ def check_targets(runs: list[dict]) -> list[dict]:
            _lower_by(runs, spec, model, seq, "proportional", 0.15),
            _lower_by(runs, spec, model, seq, "single", None),
            _lower_by(runs, spec, model, seq, "pipeline", None)]
+    for spec, model, seq in CNN_HEADLINES:  # issue 19: the CNNs, split by height
+        if find(runs, spec, model, seq, "auto") is None:
+            continue
+        out += [_lower_by(runs, spec, model, seq, "even", 0.30),
+                _lower_by(runs, spec, model, seq, "proportional", 0.15),
+                _lower_by(runs, spec, model, seq, "single", None),
+                _lower_by(runs, spec, model, seq, "grid", None)]
+    out += _fusion_targets(runs)
     for r in runs:  # every strategy that ran, against its own prediction (issue 16)
         who = r["strategy"]
         name = f"{r['spec']} {r['model']}@{r['seq']}: {who} within {FIT_TOLERANCE:.0%} of its prediction"
@@ -213,10 +226,40 @@ def check_targets(runs: list[dict]) -> list[dict]:
     return out
 
 
+def _fusion_targets(runs: list[dict]) -> list[dict]:
+    """Issue 19: the planner fuses more on the slow link than on the fast one, and its choice
+    is within FUSE_TOLERANCE of the best fixed fusing depth measured ("auto/fuseK" runs)."""
+    out, depth = [], {}
+    for (spec, model, seq), rs in groups(runs).items():
+        fixed = [r for r in rs if r["strategy"].startswith("auto/fuse") and r["status"] == "ok"]
+        auto = next((r for r in rs if r["strategy"] == "auto" and r["status"] == "ok"), None)
+        if not fixed or auto is None:
+            continue
+        best = min(fixed, key=lambda r: r["median_latency_s"])
+        a, b = auto["median_latency_s"], best["median_latency_s"]
+        out.append(_target(f"{spec} {model}@{seq}: the planner's fusion within "
+                           f"{FUSE_TOLERANCE:.0%} of the best fixed depth",
+                           a <= b * (1 + FUSE_TOLERANCE),
+                           f"auto {a * 1e3:.1f} ms ({auto.get('groups')} groups) vs "
+                           f"{best['strategy']} {b * 1e3:.1f} ms: {a / b - 1:+.1%}"))
+        depth[(spec, model, seq)] = auto.get("groups")
+    for (spec, model, seq), n_slow in depth.items():
+        if spec != FUSE_SPECS[0]:
+            continue
+        n_fast = depth.get((FUSE_SPECS[1], model, seq))
+        if n_slow is None or n_fast is None:
+            continue
+        out.append(_target(f"{model}@{seq}: fuses more on the slow link ({FUSE_SPECS[0]}) than "
+                           f"on the fast one ({FUSE_SPECS[1]})", n_slow < n_fast,
+                           f"{n_slow} groups on the slow link, {n_fast} on the fast"))
+    return out
+
+
 def _auto_fastest(spec: str, model: str, seq: int, rs: list[dict]) -> list[dict]:
     """auto is the fastest of the strategies run, or within FASTEST_TOLERANCE of it; and never
     slower than single beyond the rounds' spread (the larger of the two strategies' spreads)."""
-    ok = [r for r in rs if r["status"] == "ok" and r.get("median_latency_s")]
+    ok = [r for r in rs if r["status"] == "ok" and r.get("median_latency_s")
+          and "/" not in r["strategy"]]  # auto's fixed-fusion variants are not rivals
     auto = next((r for r in ok if r["strategy"] == "auto"), None)
     if auto is None or len(ok) < 2:
         return []

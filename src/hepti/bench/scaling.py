@@ -1,4 +1,5 @@
-"""`bin/bench-scaling.sh`: 1 rank vs N ranks (rows, tensor) at even shares, interleaved.
+"""`bin/bench-scaling.sh`: 1 rank vs N ranks (rows, tensor; a CNN: even bands and auto) at even
+shares, interleaved.
 
 Each round runs every configuration once (each run is `hepti run --repeat R --json`, one
 thread per rank, fixed-shape synthetic input with no padding) and the rounds alternate, so slow
@@ -24,10 +25,15 @@ from hepti.bench import hepti_cmd, mpiexec, result_doc, run_cmd, write_json
 
 def synthetic_input(model_dir: str, seq: int, tmp: Path) -> tuple[str, Path]:
     """(flag, file) of one fixed-shape input: token ids of `seq` tokens, or for a vision model
-    one image's normalised pixels (its `seq` must be the model's tokens per image)."""
+    one image's normalised pixels (a ViT's `seq` must be its tokens per image; a CNN's is the
+    side of a square image)."""
     from hepti.bench.model import synthetic_batch
     from hepti.weights import WeightStore
     cfg = WeightStore(model_dir).config
+    if cfg.model_type == "cnn":  # `seq` is the image's side
+        path = tmp / f"{Path(model_dir).name}-{seq}.npy"
+        np.save(path, np.random.default_rng(0).standard_normal((1, 3, seq, seq)).astype(np.float32))
+        return "--input-pixels", path
     if cfg.model_type == "vit":
         if seq != cfg.seq_len:
             raise SystemExit(f"{model_dir} takes {cfg.seq_len} tokens per image "
@@ -60,19 +66,27 @@ def main(argv=None) -> int:
                          "(a vision model: its tokens per image, weights/vit-base:197)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--strategies", default="rows,tensor")
+    ap.add_argument("--cnn-strategies", default="even,auto",
+                    help="a CNN's (split by height; its SEQ is the image side): default %(default)s")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=10, help="timed runs inside each launch")
     ap.add_argument("--out", default="results/scaling.json")
     args = ap.parse_args(argv)
     from tqdm import tqdm
 
-    configs = [(1, None)] + [(args.ranks, s) for s in args.strategies.split(",")]
+    from hepti.weights import WeightStore
+
+    def configs_of(model_dir):
+        cnn = WeightStore(model_dir).config.model_type == "cnn"
+        names = (args.cnn_strategies if cnn else args.strategies).split(",")
+        return [(1, None)] + [(args.ranks, s) for s in names]
     results = []
     tmp = Path(tempfile.mkdtemp(prefix="hepti-scaling-"))
-    total = len(args.case) * args.rounds * len(configs)
+    total = sum(args.rounds * len(configs_of(c.rsplit(":", 1)[0])) for c in args.case)
     bar = tqdm(total=total, desc="scaling", unit="run", file=sys.stderr)
     for case in args.case:
         model_dir, seq = case.rsplit(":", 1)
+        configs = configs_of(model_dir)
         ids_file = synthetic_input(model_dir, int(seq), tmp)
         per = {c: [] for c in configs}
         detail = {c: None for c in configs}

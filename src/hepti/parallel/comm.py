@@ -53,6 +53,7 @@ from hepti.errors import InputError
 from hepti.parallel.trace import Tracer
 
 _TAG_SCATTER, _TAG_GATHER, _TAG_ALLGATHER, _TAG_REDUCE, _TAG_OBJ = 101, 102, 103, 104, 105
+_TAG_HALO = 106
 
 
 class Comm:
@@ -327,6 +328,32 @@ class Comm:
         with self.tracer.span(name, "recv"):
             wait(req)
         self.tracer.add_bytes("recv", 0, nbytes)
+
+    def exchange(self, sends: dict, recvs: dict) -> None:
+        """Point to point, all at once: `sends` {peer: float32 array} and `recvs` {peer: float32
+        buffer of the shape that peer sends}, every receive posted before any send, then all
+        waited together. A height split's halo exchange: each rank sends the rows of a feature
+        map its neighbours need (hepti.parallel.bands), and both sides know the shapes."""
+        if not sends and not recvs:
+            return
+        with self.tracer.span("Halo", "halo"):
+            reqs = [self.mpi.Irecv(buf, source=p, tag=_TAG_HALO) for p, buf in recvs.items()]
+            reqs += [self.mpi.Isend(np.ascontiguousarray(a, np.float32), dest=p, tag=_TAG_HALO)
+                     for p, a in sends.items()]
+            wait(reqs)
+        self.tracer.add_bytes("halo", sum(a.nbytes for a in sends.values()),
+                              sum(b.nbytes for b in recvs.values()))
+
+    def allreduce_sum(self, a: np.ndarray) -> np.ndarray:
+        """Allreduce (sum) of a float32 array: every rank's partial sums -> the total on every
+        rank (a height split's global pooling)."""
+        if self.solo:
+            return a
+        out = np.empty_like(a, np.float32)
+        with self.tracer.span("Allreduce", "allreduce"):
+            wait(self.mpi.Iallreduce(np.ascontiguousarray(a, np.float32), out, op=_MPI().SUM))
+        self.tracer.add_bytes("allreduce", a.nbytes, a.nbytes)
+        return out
 
     def barrier(self):
         if not self.solo:

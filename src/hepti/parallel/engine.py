@@ -87,6 +87,9 @@ def resolve_plan(args, world_size: int, cfg) -> Plan:
     """The plan from --plan, or from --strategy and --ratios (even shares by default)."""
     if getattr(args, "plan", None):
         plan = Plan.load(args.plan).validate(world_size)
+        if plan.strategy == "bands":
+            raise PlanError(f"--plan {args.plan} is a CNN's (bands); make one for this model "
+                            "with `hepti plan --model MODEL_DIR --profile P.json`")
         if getattr(args, "mem_budget", None):
             plan.mem_budget = parse_bytes(args.mem_budget)
     else:
@@ -503,6 +506,9 @@ def run_distributed(args) -> int:
     # Every input is checked, and the output opened (or resumed), before any weights load.
     prep = agree(world, lambda: prepare(args, cfg, Path(args.model)) if rank0 else None)
     try:
+        if cfg.model_type == "cnn":  # split by height: hepti.parallel.bands
+            from hepti.parallel.cnn_job import run_cnn
+            return run_cnn(args, world, store, prep, t_start)
         return _run_prepared(args, world, store, prep, t_start)
     finally:
         if prep is not None and prep.out is not None:

@@ -658,18 +658,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
                          "cgroup_memory_stat": {k: v for k, v in cgroup_memory_stat().items()
                                                 if k in MEMORY_STAT_KEYS},
                          "limits": resource_limits()}}
-    devices = comm.allgather(mine)
-    paths = {p["rank"]: p for p in links}
-    if size > 1:
-        fastest = min(paths.values(), key=lambda p: (p["latency_s"], -p["bandwidth_Bps"]))
-        devices[0]["latency_s"] = fastest["latency_s"]
-        devices[0]["bandwidth_Bps"] = max(p["bandwidth_Bps"] for p in paths.values())
-        for r in range(1, size):
-            devices[r]["latency_s"] = paths[r]["latency_s"]
-            devices[r]["bandwidth_Bps"] = paths[r]["bandwidth_Bps"]
-            devices[r]["measured"]["ping_pong"] = paths[r]["points"]
-    else:  # one rank: no link is used; any positive figures will do
-        devices[0]["latency_s"], devices[0]["bandwidth_Bps"] = 0.0, 1e12
+    devices = _with_links(comm.allgather(mine), links)
     for d in devices:
         if d["disk_read_Bps"] is None:
             del d["disk_read_Bps"]
@@ -683,6 +672,103 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     if size > 1:
         prof["network"]["calibration"] = calibrate_collectives(comm, prof, config, M)
     profile_from_dict(prof, "measured profile")  # the schema check the planner will make
+    return prof
+
+
+def _with_links(devices: list[dict], links: list[dict]) -> list[dict]:
+    """Each device's link figures from `measure_links` (rank 0's: its fastest path's latency
+    and the highest bandwidth any rank reached it at)."""
+    paths = {p["rank"]: p for p in links}
+    if len(devices) > 1:
+        fastest = min(paths.values(), key=lambda p: (p["latency_s"], -p["bandwidth_Bps"]))
+        devices[0]["latency_s"] = fastest["latency_s"]
+        devices[0]["bandwidth_Bps"] = max(p["bandwidth_Bps"] for p in paths.values())
+        for r in range(1, len(devices)):
+            devices[r]["latency_s"] = paths[r]["latency_s"]
+            devices[r]["bandwidth_Bps"] = paths[r]["bandwidth_Bps"]
+            devices[r]["measured"]["ping_pong"] = paths[r]["points"]
+    else:  # one rank: no link is used; any positive figures will do
+        devices[0]["latency_s"], devices[0]["bandwidth_Bps"] = 0.0, 1e12
+    return devices
+
+
+def measure_cnn_ops(model, h: int, w: int, batch: int = 1, rounds: int = 3) -> list[float]:
+    """Seconds of each op of a CNN (hepti.model.cnn.CNNModel) over the whole h x w map, batch
+    `batch`: the median of `rounds` forwards after a warm-up, each op timed alone (stretched as
+    one unit of work on an emulated device, as the runtime's compute spans are)."""
+    from hepti.model.cnn import apply
+    g = model.graph
+    g.shapes(h, w)
+    run = _stretch.wrap(apply) if _stretch.ON else apply
+    x0 = np.random.default_rng(4).standard_normal((batch, h, w, 3), dtype=np.float32)
+    times = [[] for _ in g.ops]
+    last = g.last_use()
+    for r in range(rounds + 1):
+        env = {g.input: x0}
+        for i, op in enumerate(g.ops):
+            res = env[op.residual] if op.residual is not None else None
+            t0 = time.perf_counter()
+            env[op.output] = run(op, env[op.input], model.weights, res, threads=model.threads)
+            if r:
+                times[i].append(time.perf_counter() - t0)
+            for t in (op.input, op.residual):
+                if t is not None and last.get(t) == i:
+                    del env[t]
+    return [statistics.median(t) for t in times]
+
+
+def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: int = 1,
+                        mem_cap: float | None = None, hostfile: str | None = None,
+                        power: list | None = None) -> dict:
+    """A CNN's profile (all ranks call this): every op timed on every rank at h x w (the
+    profile's `cnn` table, which hepti.plan.coedge plans from), each rank's memory, and its
+    link to rank 0. `power`: declared (compute W, transmit W) per rank, for the energy
+    objective; nothing measures power here."""
+    comm = getattr(comm, "mpi", comm)
+    from mpi4py import MPI
+
+    from hepti.graph.cnn import CONV
+    from hepti.model.cnn import CNNModel
+    t_start = time.perf_counter()
+    rank = comm.Get_rank()
+    model = CNNModel.from_store(store, threads)
+    graph = model.graph
+    _barrier(comm)
+    op_s = measure_cnn_ops(model, h, w, batch)
+    overhead = measure_call_overhead()
+    _barrier(comm)
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    on_host = local.Get_size()
+    local.Free()
+    per_row, shapes = graph.flops_per_row(h, w), graph.shapes(h, w)
+    conv_flops = batch * sum(per_row[op.name] * shapes[op.output][0]
+                             for op in graph.ops if op.kind == CONV)
+    conv_s = sum(t for op, t in zip(graph.ops, op_s) if op.kind == CONV)
+    del model
+    _return_freed_memory()
+    avail, mem_source = available_memory()
+    memory = avail / on_host if mem_cap is None else min(avail / on_host, float(mem_cap))
+    _barrier(comm)
+    links = measure_links(comm)
+    mine = {"rank": rank, "host": MPI.Get_processor_name(),
+            "gemm_flops": conv_flops / max(conv_s, 1e-9),  # the convolutions' overall rate
+            "memory_bytes": float(memory), "call_overhead_s": overhead,
+            "measured": {"memory_source": mem_source, "ranks_on_host": on_host,
+                         "threads": threads, "limits": resource_limits()}}
+    devices = _with_links(comm.allgather(mine), links)
+    all_op_s = comm.allgather(op_s)
+    cfg = store.config
+    elapsed = comm.allreduce(time.perf_counter() - t_start, op=MPI.MAX)
+    table = {"arch": cfg.arch, "ops": [op.name for op in graph.ops],
+             "input": [h, w], "batch": batch, "op_s": all_op_s}
+    if power is not None:
+        table["power"] = [list(p) for p in power]
+    prof = {"hepti_profile": SCHEMA_VERSION, "created": time.time(), "source": "measured",
+            "hostfile": hostfile, "model": cfg.name or None, "model_shape": cfg.shape,
+            "seq_len": None, "network": dict(NETWORK_DEFAULTS), "devices": devices,
+            "measure_s": elapsed, "batch": batch, "cnn": table}
+    prof = comm.bcast(prof, root=0)
+    profile_from_dict(prof, "measured profile")
     return prof
 
 

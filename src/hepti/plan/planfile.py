@@ -4,12 +4,15 @@ Schema (version 1), JSON object:
 
     {
       "hepti_plan": 1,
-      "strategy": "rows" | "tensor" | "stream" | "even" | "pipeline" | "single",
+      "strategy": "rows" | "tensor" | "stream" | "even" | "pipeline" | "single" | "bands",
       "world_size": N,
       "ratios": {"heads": [N floats], "ffn": [N floats], "rows": [N floats]},
       "counts": {"heads": [N ints], "ffn": [N ints], "rows": [N ints]},   # informative
       "layers": [[start, stop), ...] per rank,       # pipeline only, else null
       "mem_budget": bytes per rank or null,          # stream only
+      "groups": [[start, stop), ...] or null,        # bands (a CNN): fused groups of ops
+      "head": "cols" | "primary" or null,            # bands: how the linear head is split
+      "group_ratios": [[N floats] per group] or null, # bands: a group's own rows split
       "primary": rank,                               # embeds and collects (default 0)
       "model": "name", "seq_len": L, "batch": B,     # what the plan was made for
       "model_shape": {"layers": .., "hidden": .., "heads": .., "ffn": ..},   # checked at run
@@ -24,6 +27,9 @@ each batch's output; rank 0, where `hepti run` reads its inputs and writes its o
 it each batch and gets its output back when it is another rank (a primary other than 0 is the
 planner's choice where rank 0 would otherwise be kept busy, or hold the model, for that alone).
 
+A CNN's plan is "bands" (hepti.plan.coedge): `ratios` has "rows" alone, every feature map's
+share of rows per rank, and `groups` the fused groups of its spatial ops (hepti.graph.split).
+
 Only `strategy`, `world_size` and `ratios` (or `layers` for pipeline) are needed to run; the
 runtime recomputes integer counts from the ratios with `hepti.counts.counts`, because the token
 row count depends on the actual input. Everything else is the planner's account of itself.
@@ -37,7 +43,7 @@ from pathlib import Path
 
 from hepti.errors import PlanError
 
-STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
+STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single", "bands")
 DIMS = ("heads", "ffn", "rows")
 SCHEMA_VERSION = 1
 
@@ -59,6 +65,9 @@ class Plan:
     predicted: dict = field(default_factory=dict)
     solve_s: float | None = None
     explanation: str = ""
+    groups: list[list[int]] | None = None
+    head: str | None = None
+    group_ratios: list[list[float]] | None = None
 
     def validate(self, world_size: int | None = None) -> "Plan":
         """Raise PlanError (saying what to change) unless this plan can run on world_size ranks."""
@@ -68,7 +77,7 @@ class Plan:
             raise PlanError(
                 f"the plan is for {self.world_size} ranks but the job has {world_size}; launch with "
                 f"`mpiexec -n {self.world_size}` or make a plan for {world_size} ranks")
-        for dim in DIMS:
+        for dim in (("rows",) if self.strategy == "bands" else DIMS):
             vec = self.ratios.get(dim)
             if vec is None:
                 raise PlanError(f"the plan lacks ratios for {dim!r}; give heads, ffn and rows")

@@ -8,9 +8,40 @@ def _share(count, ratio) -> str:
     return f"{count:>5} {ratio * 100:5.1f}%" if ratio else f"{'-':>12}"
 
 
+def format_bands(plan: Plan) -> str:
+    """A CNN's plan: per rank its rows of the first map, predicted compute, halo exchange and
+    (with declared powers) energy; then the latency, the groups and the explanation."""
+    per_rank = plan.predicted.get("per_rank", [])
+    energy = "energy_j" in plan.predicted
+    lines = [f"{'rank':>4} {'rows':>12} {'share':>7} {'compute ms':>10} {'exchange ms':>11}"
+             + (f" {'energy J*':>9}" if energy else "")]
+    for i in range(plan.world_size):
+        r = per_rank[i] if i < len(per_rank) else {}
+        lo, hi = r.get("rows", (0, 0))
+        rows = f"{lo}-{hi}" if hi > lo else "-"
+        lines.append(f"{i:>4} {rows:>12} {plan.ratios['rows'][i] * 100:6.1f}% "
+                     f"{r.get('compute_s', 0.0) * 1e3:>10.2f} {r.get('exchange_s', 0.0) * 1e3:>11.2f}"
+                     + (f" {r.get('energy_j', 0.0):>9.3f}" if energy else ""))
+    lines.append("")
+    size = plan.predicted.get("input")
+    lines.append(f"strategy bands, model {plan.model}" + (f", {size[0]}x{size[1]} input" if size
+                                                         else ""))
+    if plan.predicted_latency_s is not None:
+        lines.append(f"predicted latency {plan.predicted_latency_s * 1e3:.2f} ms"
+                     + (f"; planned in {plan.solve_s * 1e3:.1f} ms" if plan.solve_s else ""))
+    if energy:
+        lines.append(f"* energy {plan.predicted['energy_j']:.3f} J: "
+                     f"{plan.predicted.get('energy_note', 'predicted')}")
+    if plan.explanation:
+        lines.append(plan.explanation)
+    return "\n".join(lines)
+
+
 def format_plan(plan: Plan) -> str:
     """Per rank: share per dimension (count and percent), predicted compute, communication,
     waiting and memory; then the predicted latency and the explanation."""
+    if plan.strategy == "bands":
+        return format_bands(plan)
     per_rank = plan.predicted.get("per_rank", [])
     caps = plan.predicted.get("mem_caps")
     pipeline = plan.strategy == "pipeline"

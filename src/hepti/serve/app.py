@@ -39,7 +39,7 @@ def check_args(args) -> None:
         if path and not os.path.isfile(path):
             raise InputError(f"--{flag} {path}: no such file")
     cfg = WeightStore(args.model).config
-    if cfg.model_type == "vit":
+    if cfg.model_type in ("vit", "cnn"):
         raise InputError(f"{args.model} is a vision model; hepti serve embeds texts and token "
                          "ids (use `hepti run --image` for images)")
     if not _loopback(args.host) and not (args.api_key or os.environ.get(API_KEY_ENV)):

@@ -268,7 +268,11 @@ def stored_chunk_bytes(shape: tuple[int, ...], rows_per_chunk: int, start: int, 
 def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:
     """Every stored tensor name -> its stored shape for a config, in file order: the graph's
     weights outside the layers, the pooler if stored (`pooler`: BERT's only), every layer's.
+    A CNN's: its graph's (hepti.graph.cnn), BatchNorm folded into each conv.
     """
+    if config.model_type == "cnn":
+        from hepti.graph.cnn import build
+        return build(config).weights()
     g = _graph(config)
     shapes = {n: tuple(g.weights[n].shape) for n in embedding_tensors(config)}
     if pooler and family(config.model_type).pooler:

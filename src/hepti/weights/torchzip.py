@@ -173,7 +173,12 @@ class _Unpickler(pickle.Unpickler):
 def read_torch_file(path: str | Path) -> dict[str, np.ndarray]:
     """A state_dict saved by torch.save, zip or legacy format: an OrderedDict name -> array."""
     path = Path(path)
-    if _looks_legacy(path):  # first: its float data could end in bytes that look like a zip's
+    try:
+        legacy = _looks_legacy(path)
+    except OSError as e:  # no such file, a directory, no permission
+        raise WeightsError(f"{path}: cannot read it ({e.strerror or e}); give a .pt/.pth file "
+                           "written by torch.save") from None
+    if legacy:  # first: its float data could end in bytes that look like a zip's
         return read_torch_legacy(path)
     if zipfile.is_zipfile(path):
         return read_torch_zip(path)
@@ -258,12 +263,16 @@ def read_torch_legacy(path: str | Path) -> dict[str, np.ndarray]:
                 raise WeightsError(f"{path}: storage {key} is listed but not used, or twice")
             stype, numel = storages[key]
             head = fh.read(8)
-            count = struct.unpack("<q", head)[0] if len(head) == 8 else -1
             nbytes = numel * np.dtype(stype.dtype).itemsize
-            if count != numel or nbytes > size - fh.tell():
+            left = size - fh.tell()
+            if len(head) < 8 or nbytes > left:
+                raise WeightsError(f"{path}: the file ends inside storage {key} ({stype.name} x "
+                                   f"{numel}: {left} of its {nbytes} bytes are there); the file "
+                                   "is truncated or corrupted: fetch it again")
+            count = struct.unpack("<q", head)[0]
+            if count != numel:
                 raise WeightsError(f"{path}: storage {key} holds {count} elements where the "
-                                   f"pickle declares {numel}, or the file ends before them; "
-                                   "the file is truncated or corrupted")
+                                   f"pickle declares {numel}; the file is truncated or corrupted")
             data[key] = fh.read(nbytes)
 
     def read(key: str, stype: _StorageType, numel: int) -> bytes:

@@ -1,0 +1,138 @@
+"""A CNN on one process: its operator graph (hepti.graph.cnn) run op by op on the kernels.
+
+`apply` runs one op on a feature map, optionally on a band of its rows (`pad` says the band's
+own top and bottom padding): the height-split executor (hepti.parallel.bands) calls the same
+function on its bands, so one and many ranks share every line of arithmetic.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL, Graph, build
+
+
+class Weights:
+    """A CNN's weights packed for the kernels: convs as ConvWeight, linears as PackedB (the
+    stored [out, in]). `read(name, rows)` gives a stored tensor, or rows [lo, hi) of it;
+    `head_rows` {linear op: (lo, hi)} reads only those output columns of a linear (a rank's
+    share of a head split by columns; none when lo == hi)."""
+
+    def __init__(self, graph: Graph, read, head_rows: dict | None = None):
+        from hepti import kernels as K
+        self.conv, self.linear, self.nbytes = {}, {}, 0
+        for op in graph.ops:
+            if op.kind == CONV:
+                w, b = read(f"{op.name}.weight", None), read(f"{op.name}.bias", None)
+                self.conv[op.name] = (K.pack_conv_weight(w, op.groups), b)
+                self.nbytes += w.nbytes + b.nbytes
+            elif op.kind == LINEAR:
+                rows = (head_rows or {}).get(op.name)
+                if rows is not None and rows[1] <= rows[0]:
+                    continue
+                w, b = read(f"{op.name}.weight", rows), read(f"{op.name}.bias", rows)
+                self.linear[op.name] = (K.pack_b(w, trans=True), b)
+                self.nbytes += w.nbytes + b.nbytes
+
+
+def tensors_reader(tensors: dict):
+    """`Weights`' read over a dict of arrays."""
+    return lambda name, rows: tensors[name] if rows is None else tensors[name][rows[0]:rows[1]]
+
+
+def apply(op, x: np.ndarray, weights: Weights, residual: np.ndarray | None = None,
+          pad: tuple[int, int] | None = None, threads: int = 1) -> np.ndarray:
+    """One op on x [N, H, W, C] (a vector op: x [N, C]). `pad` (top, bottom) replaces the op's
+    own vertical padding: x is then a band of rows, and so is the result."""
+    from hepti import kernels as K
+    if op.kind in (CONV, MAXPOOL):
+        top, bottom = (op.padding, op.padding) if pad is None else pad
+        padding = (top, bottom, op.padding, op.padding)
+        if op.kind == MAXPOOL:
+            return K.max_pool2d(x, op.kernel, op.stride, padding)
+        cw, bias = weights.conv[op.name]
+        return K.conv2d(x, cw, bias, op.stride, padding, op.dilation, relu=op.act or None,
+                        residual=residual, threads=threads)
+    if op.kind == ADAPTIVE_AVG:
+        if op.out_hw == (1, 1):
+            return K.global_avg_pool(x)
+        return adaptive_avg_pool(x, op.out_hw)
+    if op.kind == LINEAR:
+        pb, bias = weights.linear[op.name]
+        y = K.gemm(np.ascontiguousarray(x.reshape(x.shape[0], -1)), pb, bias, threads=threads)
+        return K.relu(y, out=y) if op.act == "relu" else y
+    raise ValueError(f"{op.name}: unknown op kind {op.kind!r}")
+
+
+def adaptive_avg_pool(x: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:
+    """torch's adaptive_avg_pool2d on NHWC x: output cell (i, j) averages input rows
+    [floor(i H / oh), ceil((i + 1) H / oh)) and the columns likewise (cells overlap when the
+    map is smaller than the output, as VGG's 7x7 pool of a small image's map does)."""
+    n, h, w, c = x.shape
+    oh, ow = out_hw
+    if (h, w) == (oh, ow):
+        return np.ascontiguousarray(x)
+    y = np.empty((n, oh, ow, c), np.float32)
+    for i in range(oh):
+        r0, r1 = i * h // oh, -(-(i + 1) * h // oh)
+        for j in range(ow):
+            c0, c1 = j * w // ow, -(-(j + 1) * w // ow)
+            y[:, i, j] = x[:, r0:r1, c0:c1].mean(axis=(1, 2), dtype=np.float64)
+    return y
+
+
+class CNNModel:
+    """A CNN's graph and packed weights; `forward(pixels)` -> logits [N, classes]."""
+
+    def __init__(self, config, read, threads: int = 1):
+        """`read(name, rows)`: hepti.weights.WeightStore.read, or `tensors_reader`."""
+        self.config, self.graph, self.threads = config, build(config), threads
+        self.weights = Weights(self.graph, read)
+
+    @classmethod
+    def from_store(cls, store, threads: int = 1) -> "CNNModel":
+        return cls(store.config, store.read, threads)
+
+    def forward(self, pixels: np.ndarray, taps: dict | None = None) -> np.ndarray:
+        """pixels float32 [N, 3, H, W], normalised (torch's layout) -> logits [N, classes].
+        `taps`, a dict, receives every tensor named in it as it is made (NHWC)."""
+        if pixels.ndim != 4 or pixels.shape[1] != self.config.num_channels:
+            raise ValueError(f"pixels must be [N, {self.config.num_channels}, H, W], got "
+                             f"{list(pixels.shape)}")
+        g = self.graph
+        g.shapes(pixels.shape[2], pixels.shape[3])  # a clear error for a too-small image
+        env = {g.input: np.ascontiguousarray(pixels.transpose(0, 2, 3, 1), np.float32)}
+        last = g.last_use()
+        for i, op in enumerate(g.ops):
+            res = env[op.residual] if op.residual is not None else None
+            env[op.output] = apply(op, env[op.input], self.weights, res, threads=self.threads)
+            if taps is not None and op.output in taps:
+                taps[op.output] = env[op.output]
+            for t in (op.input, op.residual):
+                if t is not None and last.get(t) == i:
+                    del env[t]
+        return env[g.output]
+
+
+class SingleCNN:
+    """hepti run's single-device engine for a CNN: `run(batch)` -> logits as [B, 1, classes]
+    (one output row per image, which the runner's pooling passes through)."""
+
+    def __init__(self, model: CNNModel):
+        self.model = model
+        self.layer_bytes, self.primary_bytes = model.weights.nbytes, 0
+
+    @classmethod
+    def from_store(cls, store, threads: int = 1) -> "SingleCNN":
+        return cls(CNNModel.from_store(store, threads))
+
+    def run(self, batch) -> np.ndarray:
+        return self.model.forward(batch.pixels)[:, None, :]
+
+
+def top_k(logits: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
+    """Per row: the k largest classes and their softmax probabilities, best first."""
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    idx = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    return [[(int(c), float(p[i, c])) for c in row] for i, row in enumerate(idx)]

@@ -1,0 +1,212 @@
+"""A CNN split by height across ranks (CoEdge), in fused groups of layers (DeepThings).
+
+Every feature map's rows are split by one ratio vector: rank i owns rows
+counts(H, ratios)[i] of each map, in rank order (`owned`). The spatial ops (convolutions and
+pools) run in groups of consecutive ops (`Split.groups`). Per group, each rank:
+1. works out, from the end of the group back, which rows of each tensor it must compute
+   (`needs`): its own rows of what leaves the group, and through each op the input rows they
+   read (hepti.graph.cnn `Op.in_rows`: kernel, stride, padding, dilation), and a residual's
+   rows as its output's;
+2. fetches the rows of the group's inputs it needs and does not hold from their owners, point
+   to point, once (`Comm.exchange`): a group of one op exchanges the usual halo; a fused group
+   exchanges a deeper one once and recomputes the overlap instead of exchanging again;
+3. runs the group's ops on its bands (hepti.model.cnn `apply`, with the band's own padding).
+Residual adds stay local: a residual's rows are its output's, which the rank computes anyway.
+The pixels start on rank 0, which owns all their rows: the first exchange scatters them.
+
+After the spatial part, global pooling sums each rank's own rows and allreduces the partial
+sums; a pooling to a grid (VGG's 7x7) gathers the whole map first. The linear head is split by
+output columns in the same ratios (`Split.head` "cols": each rank reads only its rows of each
+[out, in] weight, and an allgather joins the columns), or runs on rank 0 alone ("primary").
+
+Every rank computes every rank's needs, the same way, so both ends of each message know its
+rows without asking. Nothing here imports MPI: the verbs are hepti.parallel.comm's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hepti.counts import counts, offsets
+from hepti.graph.cnn import ADAPTIVE_AVG, LINEAR, Graph
+from hepti.graph.split import Split, gaps, needs, owned, spatial_ops, union
+
+
+@dataclass
+class Band:
+    """Rows [lo, lo + x.shape[1]) of a feature map, [N, rows, W, C]."""
+
+    lo: int
+    x: np.ndarray
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.x.shape[1]
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        assert self.lo <= lo and hi <= self.hi, (self.lo, self.hi, lo, hi)
+        return self.x[:, lo - self.lo:hi - self.lo]
+
+
+class BandExecutor:
+    """The height split of one CNN on one rank of `comm` (a Comm): `forward(pixels)` on rank 0
+    (pixels [N, 3, H, W], torch's layout) -> logits [N, classes] on rank 0 (None elsewhere);
+    every rank calls it. `weights`: this rank's (hepti.model.cnn.Weights; only its columns of
+    the head's linears with head "cols": `head_rows`)."""
+
+    def __init__(self, comm, graph: Graph, split: Split, weights, threads: int = 1):
+        self.comm, self.graph, self.split, self.weights = comm, graph, split, weights
+        self.threads = threads
+        self.groups = split.group_ranges(graph)
+        self.n_spatial = spatial_ops(graph)
+        self.owners = split.owners(graph)
+        self._schedules: dict = {}
+
+    # --- the plan of one input size, the same on every rank ---------------------------------
+    def schedule(self, h: int, w: int) -> tuple[dict, list[list[dict]]]:
+        """(shapes, per group per rank its needs) for an h x w input (kept per size: a few
+        ms of Python for ResNet-50's 54 spatial ops at 4 ranks, every forward otherwise)."""
+        if (h, w) not in self._schedules:
+            shapes = self.graph.shapes(h, w)
+            per = [[needs(self.graph, shapes, g, self.split.group_ratios(k), r)
+                    for r in range(self.comm.size)] for k, g in enumerate(self.groups)]
+            self._schedules[(h, w)] = (shapes, per)
+        return self._schedules[(h, w)]
+
+    def forward(self, pixels: np.ndarray | None) -> np.ndarray | None:
+        from hepti.model.cnn import apply
+        comm, g, rank = self.comm, self.graph, self.comm.rank
+        head = comm.bcast_obj(pixels.shape if rank == 0 else None)
+        n, _, h, w = head
+        shapes, per = self.schedule(h, w)
+        have = {}  # tensor -> Band this rank holds
+        if rank == 0:
+            have[g.input] = Band(0, np.ascontiguousarray(pixels.transpose(0, 2, 3, 1), np.float32))
+        holders = {g.input: owned(h, None, comm.size)}  # who holds which rows
+        for (a, b), need in zip(self.groups, per):
+            mine = need[rank]
+            self._fetch(g, a, b, need, have, holders, shapes, n)
+            with comm.tracer.span(f"ops {a}-{b - 1}", "compute"):
+                for op in g.ops[a:b]:
+                    r = mine.get(op.output)
+                    if r is None or r[1] <= r[0]:
+                        continue
+                    h_in = shapes[op.input][0]
+                    i0, i1 = op.in_rows(*r, h_in)
+                    x = have[op.input].rows(i0, i1)
+                    res = have[op.residual].rows(*r) if op.residual is not None else None
+                    y = apply(op, np.ascontiguousarray(x), self.weights,
+                              None if res is None else np.ascontiguousarray(res),
+                              pad=op.band_padding(*r, h_in), threads=self.threads)
+                    have[op.output] = Band(r[0], y)
+            for op in g.ops[a:b]:  # what each rank now holds of what the group made
+                holders[op.output] = [per_r.get(op.output, (0, 0)) for per_r in need]
+            self._free(have, b)
+        return self._tail(have, shapes, n)
+
+    def _fetch(self, g, a, b, need, have, holders, shapes, n):
+        """The group's inputs: every rank's missing rows, from the ranks that own them (each
+        row from one rank: its owner, or rank 0 for the pixels), in one exchange."""
+        comm, rank = self.comm, self.comm.rank
+        made = {op.output for op in g.ops[a:b]}
+        sends, recvs, into = {}, {}, []
+        for t in sorted({t for nd in need for t in nd} - made):
+            own = owned(shapes[t][0], self.owners[t], comm.size)
+            for i, nd in enumerate(need):
+                if t not in nd:
+                    continue
+                for lo, hi in gaps(nd[t], holders[t][i]):
+                    for j, (o0, o1) in enumerate(own):
+                        s0, s1 = max(lo, o0), min(hi, o1)
+                        if s1 <= s0 or j == i:
+                            continue
+                        if j == rank:
+                            sends.setdefault(i, []).append(have[t].rows(s0, s1))
+                        elif i == rank:
+                            buf = np.empty((n, s1 - s0) + tuple(shapes[t][1:]), np.float32)
+                            recvs.setdefault(j, []).append(buf)
+                            into.append((t, s0, buf))
+        # one message per peer: the pieces side by side (both ends know their order)
+        send_flat = {p: np.concatenate([x.ravel() for x in xs]) for p, xs in sends.items()}
+        recv_flat = {p: np.empty(sum(x.size for x in xs), np.float32) for p, xs in recvs.items()}
+        comm.exchange(send_flat, recv_flat)
+        for p, xs in recvs.items():
+            at = 0
+            for x in xs:
+                x.ravel()[...] = recv_flat[p][at:at + x.size]
+                at += x.size
+        for t in {t for nd in need for t in nd} - made:  # what every rank holds from now on
+            holders[t] = [union(hold, nd.get(t)) for hold, nd in zip(holders[t], need)]
+        for t, r in need[rank].items():  # the rank's bands of its inputs, with their halos
+            if t in made:
+                continue
+            old = have.get(t)
+            r = union((old.lo, old.hi) if old is not None else None, r)  # keep what it had:
+            band = np.empty((n, r[1] - r[0]) + tuple(shapes[t][1:]), np.float32)  # a later
+            if old is not None:  # group may read those rows again (ResNet's identity)
+                lo, hi = max(r[0], old.lo), min(r[1], old.hi)
+                if hi > lo:
+                    band[:, lo - r[0]:hi - r[0]] = old.rows(lo, hi)
+            for tt, s0, buf in into:
+                if tt == t:
+                    band[:, s0 - r[0]:s0 - r[0] + buf.shape[1]] = buf
+            have[t] = Band(r[0], band)
+
+    def _free(self, have, b):
+        """Drop the bands no op from `b` on reads."""
+        for t in list(have):
+            if max(self.graph.consumers.get(t, [len(self.graph.ops)])) < b:
+                del have[t]
+
+    def _tail(self, have, shapes, n):
+        """Pooling and the linear head."""
+        from hepti.model.cnn import adaptive_avg_pool, apply
+        comm, g, rank = self.comm, self.graph, self.comm.rank
+        x = None
+        for op in g.ops[self.n_spatial:]:
+            if op.kind == ADAPTIVE_AVG:
+                hh, ww, c = shapes[op.input]
+                mine = owned(hh, self.owners[op.input], comm.size)
+                lo, hi = mine[rank]
+                band = have.get(op.input)
+                if op.out_hw == (1, 1):  # partial sums of own rows, summed across ranks
+                    part = np.zeros((n, c), np.float32)
+                    if hi > lo:
+                        part[...] = band.rows(lo, hi).sum(axis=(1, 2), dtype=np.float64)
+                    x = comm.allreduce_sum(part) / np.float32(hh * ww)
+                else:  # a grid pool reads the whole map
+                    c_rows = [o1 - o0 for o0, o1 in mine]
+                    mine = band.rows(lo, hi) if hi > lo else np.empty((n, 0, ww, c), np.float32)
+                    full = comm.allgather_rows(np.ascontiguousarray(mine.transpose(1, 0, 2, 3)),
+                                               c_rows)  # may be a shared window's: copied
+                    x = adaptive_avg_pool(full.transpose(1, 0, 2, 3).copy(), op.out_hw)
+            elif op.kind == LINEAR:
+                if self.split.head == "primary" and rank != 0:
+                    return None  # rank 0 runs the head alone
+                x = np.ascontiguousarray(x.reshape(n, -1), np.float32)
+                if self.split.head == "primary" or comm.size == 1:
+                    x = apply(op, x, self.weights, threads=self.threads)
+                else:
+                    cols = counts(op.cout, self.split.ratios)
+                    y = apply(op, x, self.weights, threads=self.threads) if cols[rank] else \
+                        np.empty((n, 0), np.float32)
+                    x = comm.allgather_rows(np.ascontiguousarray(y.T), cols).T.copy()
+            else:
+                raise ValueError(f"{op.name}: a {op.kind} op after the spatial part")
+        return np.ascontiguousarray(x) if rank == 0 else None
+
+
+def head_rows(graph: Graph, split: Split, rank: int, size: int) -> dict[str, tuple[int, int]]:
+    """Rows [lo, hi) of each linear's stored [out, in] weight this rank reads (its output
+    columns), for a head split by columns; every row on rank 0 for "primary"."""
+    out = {}
+    for op in graph.ops:
+        if op.kind != LINEAR:
+            continue
+        if split.head == "primary" or size == 1:
+            out[op.name] = (0, op.cout) if rank == 0 else (0, 0)
+        else:
+            c = counts(op.cout, split.ratios)
+            out[op.name] = (offsets(c)[rank], offsets(c)[rank] + c[rank])
+    return out

@@ -1,0 +1,195 @@
+"""`hepti run` of a CNN under mpiexec: the plan (a "bands" plan file, --ratios, or the CoEdge
+planner on a profile), a `BandJob` on every rank, the runner's passes, the report.
+
+The transformer families' counterpart is hepti.parallel.engine's `_run_prepared` and `Job`;
+what the two share (the passes, checking inputs first, writing as it goes, the report's common
+fields, the failure discipline) is hepti.runner's and engine's, used here as there.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+from hepti.errors import PlanError
+from hepti.plan.coedge import CNN_STRATEGIES
+
+log = logging.getLogger("hepti")
+
+
+class BandJob:
+    """One rank's part of a CNN run: its weights (every conv; its columns of the head) and the
+    band executor. `run_all(batches, n, on_output)` as hepti.parallel.engine.Job's: rank 0
+    reads the batches and gets on_output(i, logits [B, 1, classes])."""
+
+    def __init__(self, world, store, plan, threads: int = 1):
+        from hepti.graph.cnn import build
+        from hepti.model.cnn import Weights
+        from hepti.parallel.bands import BandExecutor, head_rows
+        from hepti.parallel.engine import current_rss, reset_peak_rss
+        from hepti.plan.coedge import split_of
+        self.world, self.store, self.plan = world, store, plan
+        graph = build(store.config)
+        split = split_of(plan)
+        reset_peak_rss()
+        self.rss_before_load = current_rss()
+        self.weights = Weights(graph, store.read,
+                               head_rows(graph, split, world.rank, world.size))
+        self.executor = BandExecutor(world, graph, split, self.weights, threads)
+        self.active = [i for i, r in enumerate(split.ratios) if r > 0]
+
+    def run_all(self, batches, n: int, on_output=None) -> None:
+        w, rank0 = self.world, self.world.rank == 0
+        it = iter(batches) if rank0 else None
+        for k in range(n):
+            b = next(it) if rank0 else None
+            with w.tracer.span(f"batch {k}", "batch"):
+                logits = self.executor.forward(b.pixels if rank0 else None)
+            if rank0 and on_output is not None:
+                on_output(k, logits[:, None, :])
+
+    def rank_stats(self, runs: list[dict]) -> dict:
+        from hepti.parallel.engine import peak_rss
+        med = lambda key: statistics.median(r[key] for r in runs) if runs else 0.0  # noqa: E731
+        kinds = sorted({k for r in runs for k in r["seconds"] if k not in ("compute", "batch")})
+        comm_s = {k: statistics.median(r["seconds"].get(k, 0.0) for r in runs) for k in kinds}
+        return {"rank": self.world.rank, "host": os.uname().nodename,
+                "active": self.world.rank in self.active, "wall_s": med("wall"),
+                "compute_s": statistics.median(r["seconds"].get("compute", 0.0) for r in runs)
+                if runs else 0.0,
+                "comm_s": comm_s, "comm_total_s": sum(comm_s.values()),
+                "bytes_sent": int(med("bytes_sent")), "bytes_recv": int(med("bytes_recv")),
+                "layer_weight_bytes_resident": int(self.weights.nbytes),
+                "weight_bytes_resident": int(self.weights.nbytes),
+                "weight_bytes_read": int(self.store.bytes_read),
+                "peak_rss_bytes": peak_rss(), "rss_before_load_bytes": self.rss_before_load}
+
+    def close(self) -> None:
+        pass
+
+
+def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
+    """The plan every rank runs: --plan, else --ratios, else --strategy (even by default;
+    auto and proportional plan on --profile or on a profile measured now, at this input)."""
+    from hepti.parallel.engine import agree
+    from hepti.plan.planfile import Plan, check_ratio_vector
+    cfg, P = store.config, world.size
+    strategy = getattr(args, "strategy", None)
+    if args.plan:
+        plan = agree(world, lambda: Plan.load(args.plan).validate(P))
+        if plan.strategy != "bands":
+            raise PlanError(f"--plan {args.plan} is a {plan.strategy} plan; a CNN runs a bands "
+                            "plan: make one with `hepti plan --model MODEL_DIR --profile P.json`")
+        return plan
+    if strategy is not None and strategy not in CNN_STRATEGIES:
+        raise PlanError(f"--strategy {strategy}: a CNN is split by height (CoEdge's bands); "
+                        f"choose {', '.join(CNN_STRATEGIES)}")
+    if args.ratios and strategy not in (None, "auto"):
+        raise PlanError(f"--ratios gives the shares itself; drop --strategy {strategy}")
+    fuse_depth = getattr(args, "fuse_depth", None)
+    if not args.profile and (args.ratios or strategy in (None, "even", "single", "grid")):
+        # no profile needed (with one, every strategy is planned below, with its prediction)
+        def given():
+            from hepti.graph.cnn import build
+            from hepti.graph.split import spatial_ops
+            if args.ratios:
+                vec = check_ratio_vector([float(x) for x in args.ratios.split(",")], P,
+                                         "--ratios")
+            elif strategy == "single":
+                vec = [1.0] + [0.0] * (P - 1)
+            else:
+                vec = [1.0 / P] * P
+            groups = [[0, spatial_ops(build(cfg))]] if strategy == "grid" else None
+            return Plan(strategy="bands", world_size=P, ratios={"rows": vec}, groups=groups,
+                        head="primary" if strategy == "single" else "cols",
+                        explanation=f"{'--ratios' if args.ratios else strategy or 'even'} shares "
+                                    "of every map's rows" + (", every layer fused (DeepThings)"
+                                                             if groups else "")).validate(P)
+        return agree(world, given)
+    profile = _cnn_profile(args, world, store, size_hw, batch)
+
+    def on_primary():
+        if world.rank != 0:
+            return None
+        from hepti.plan.coedge import make_cnn_plan
+        ratios = ([float(x) for x in args.ratios.split(",")] if args.ratios else None)
+        return make_cnn_plan(cfg, profile, strategy or ("auto" if not ratios else "even"),
+                             ratios=ratios, size=size_hw, batch=batch, fuse_depth=fuse_depth)
+    plan = agree(world, on_primary)
+    return Plan.from_dict(json.loads(world.bcast_obj(plan.to_json() if world.rank == 0 else None)))
+
+
+def _cnn_profile(args, world, store, size_hw, batch):
+    """--profile's (rank 0), else one measured now on every rank (rank 0 gets it)."""
+    from hepti.parallel.engine import agree, parse_bytes
+    from hepti.parallel.profiling import measure_cnn_profile
+    from hepti.plan.profile import load_profile, profile_from_dict
+    if args.profile:
+        return agree(world, lambda: load_profile(args.profile, world_size=world.size)
+                     if world.rank == 0 else None)
+    cap = parse_bytes(args.mem_cap, "--mem-cap") if getattr(args, "mem_cap", None) else None
+    prof = agree(world, lambda: measure_cnn_profile(world, store, *size_hw, batch=batch,
+                                                    threads=args.threads, mem_cap=cap))
+    if world.rank == 0 and not args.json:
+        print("profiled the devices at this input", file=sys.stderr)
+    return profile_from_dict(prof, "measured profile") if world.rank == 0 else None
+
+
+def run_cnn(args, world, store, prep, t_start: float) -> int:
+    """`hepti run` of a CNN on every rank, once the inputs are checked (`prep`, rank 0)."""
+    from hepti.parallel.engine import agree, format_rank_table, gentle_barrier
+    from hepti.runner import base_report, finish, run_passes
+    mpi, rank0 = world.mpi, world.rank == 0
+    source = prep.source if rank0 else None
+    start = prep.out.start if rank0 and prep.out is not None else 0
+    if rank0:
+        first = min(start, source.n_batches - 1)
+        px = source.batch(first).pixels
+        head = (source.n_batches - start, px.shape[0], tuple(px.shape[2:]))
+    n, batch, size_hw = world.bcast_obj(head if rank0 else None)
+    plan = resolve_cnn_plan(args, world, store, size_hw, batch)
+    t0 = time.perf_counter()
+    job = agree(world, lambda: BandJob(world, store, plan, args.threads))
+    load_s = time.perf_counter() - t0
+    per_pass = []
+
+    def start_pass():
+        gentle_barrier(mpi)
+        world.tracer.reset()
+
+    def end_pass(run):
+        per_pass.append({"wall": run["wall_s"], "seconds": dict(world.tracer.seconds),
+                         "bytes_sent": world.tracer.bytes_sent,
+                         "bytes_recv": world.tracer.bytes_recv})
+
+    runs = run_passes(job, prep, n, args, start_pass=start_pass, end_pass=end_pass)
+    gentle_barrier(mpi)
+    stats = mpi.gather(job.rank_stats(per_pass), root=0)
+    job.close()
+    if not rank0:
+        return 0
+    report = base_report(args, store.config, prep, load_s, runs, "bands", world.size, t_start)
+    report.update({"active_ranks": job.active, "ratios": plan.ratios, "groups": plan.groups,
+                   "head": plan.head, "input_hw": list(size_hw), "per_rank": stats,
+                   "counts": plan.counts or {}})
+    if plan.predicted_latency_s is not None:
+        report["predicted_latency_s"] = plan.predicted_latency_s
+        report["predicted"] = plan.predicted
+        for st, pr in zip(stats, plan.predicted.get("per_rank", [])):
+            st["predicted"] = pr
+    report["explanation"] = plan.explanation
+    finish(args, report, runs)
+    if not args.json:
+        line = f"plan: bands, rows {', '.join(f'{r:.3f}' for r in plan.ratios['rows'])}"
+        if plan.groups:
+            line += f", {len(plan.groups)} fused groups"
+        if plan.explanation:
+            line += f"\n  why: {plan.explanation}"
+        if plan.predicted_latency_s:
+            line += f"\n  predicted latency {plan.predicted_latency_s * 1e3:.1f} ms"
+        print(line)
+        print(format_rank_table(report))
+    return 0

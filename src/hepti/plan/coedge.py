@@ -1,0 +1,488 @@
+"""The CNN planner: CoEdge's linear program over each device's share of the rows, then
+DeepThings' fusion, chosen per group by the cost model.
+
+**Cost model** (`predict`). A height-split forward is bulk-synchronous: each group of ops
+(hepti.parallel.bands) starts with one halo exchange and ends when its slowest rank is done.
+- Compute: rank i's time for op l is rows_i(l) x its measured seconds per output row of l,
+  plus a call's overhead when it has rows (`CNNCosts`, from the profile's `cnn` table: every
+  op timed on every device at the input size, whole). A fused group recomputes its overlap:
+  rows_i(l) are the rows it must compute (`bands.needs`), not the rows it owns.
+- Exchange: the rows each rank receives and sends are exact (`bands.needs` on the integer
+  row counts); rank i's time is its link's latency plus the larger of its bytes in and out
+  over its bandwidth (a full-duplex port on a switch, as the profile measured it).
+- Latency = sum over groups of (slowest compute + slowest exchange), then the pooling (an
+  allreduce of [N, C]) and the head (each rank's share of the columns, an allgather).
+
+**The linear program** (`solve_ratios`), CoEdge's formulation for a set of active devices,
+one group per op: variables r_i (each device's share of every map's rows) and T_l (op l's
+time); T_l >= r_i H_l p_il + o_i + c_il for every active i, where H_l p_il is device i's time
+for all of l's rows, o_i its call overhead, and c_il the halo exchange of an interior band of l
+over its link (its one neighbour's rows at either end of the order); sum r_i = 1;
+r_i (peak rows of activations) + the weights <= each device's memory. Minimise sum T_l
+(latency), or with `objective="energy"` minimise sum_i (P_i^compute x compute_i +
+P_i^transmit x exchange_i) under sum T_l <= the deadline: CoEdge's own objective. Energy is
+predicted only: there is no power meter here, and the powers are the profile's declared
+figures. Every subset of devices is solved (in rank order: the bands follow it), each solution
+evaluated exactly by `predict`, and the best kept.
+
+**Fusion** (`choose_groups`): for the chosen ratios, dynamic programming over the spatial ops:
+best[b] = min over a of best[a] + cost(group [a, b)), groups of at most MAX_FUSE ops, cost
+from `predict`'s group model: fusing saves exchanges (their latencies and syncs) and pays for
+deeper halos and recomputed rows.
+
+Nothing here imports MPI.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hepti.counts import counts
+from hepti.errors import PlanError
+from hepti.graph.cnn import ADAPTIVE_AVG, F32, LINEAR, Graph
+from hepti.graph.split import Split, gaps, needs, owned, spatial_ops
+
+CNN_STRATEGIES = ("auto", "even", "proportional", "grid", "pipeline", "single")
+MAX_FUSE = 8  # ops in one fused group at most (deeper halos grow fast: DeepThings fuses ~4-16)
+MIN_SHARE = 0.02  # an active device's share at least this (a band of a few rows at worst)
+EXHAUSTIVE_MAX = 6  # up to this many devices, every subset is solved; beyond, prefixes by speed
+FUSE_CANDIDATES = 3  # the best splits over several devices whose fusion is searched
+
+
+@dataclass
+class CNNCosts:
+    """Per device: seconds of each op over the whole map (`op_s[i][l]`, measured at `h` x `w`,
+    batch `n`), call overhead, link latency and bandwidth, memory, and declared power."""
+
+    op_s: list[list[float]]
+    overhead_s: list[float]
+    latency_s: list[float]
+    bandwidth_Bps: list[float]
+    memory_bytes: list[float]
+    h: int
+    w: int
+    n: int = 1
+    power: list[tuple[float, float]] | None = None  # (compute W, transmit W) per device
+
+    @property
+    def size(self) -> int:
+        return len(self.op_s)
+
+    @classmethod
+    def from_profile(cls, profile, graph: Graph) -> "CNNCosts":
+        table = profile.extra.get("cnn")
+        if not table:
+            raise PlanError("this profile has no CNN timings: measure one for this model with "
+                            "`mpiexec -n N hepti profile --model MODEL_DIR --out PROFILE.json`")
+        names = [op.name for op in graph.ops]
+        if table.get("ops") != names:
+            raise PlanError(f"the profile's CNN timings are for another network "
+                            f"({table.get('arch')}); measure this model's")
+        devs = profile.devices
+        power = None
+        if all(getattr(d, "power", None) for d in devs):
+            power = [tuple(d.power) for d in devs]
+        elif table.get("power"):
+            power = [tuple(p) for p in table["power"]]
+        return cls(op_s=[list(map(float, r)) for r in table["op_s"]],
+                   overhead_s=[float(d.call_overhead_s) for d in devs],
+                   latency_s=[float(d.latency_s) for d in devs],
+                   bandwidth_Bps=[float(d.bandwidth_Bps) for d in devs],
+                   memory_bytes=[float(d.usable_bytes) for d in devs],
+                   h=int(table["input"][0]), w=int(table["input"][1]),
+                   n=int(table.get("batch", 1)), power=power)
+
+
+# --- the cost model -----------------------------------------------------------------------------
+
+def _op_rows(op, shapes) -> int:
+    """The rows an op's time is counted over: its output's (a pool's: its input's)."""
+    return shapes[op.input][0] if op.kind == ADAPTIVE_AVG else shapes[op.output][0]
+
+
+def row_seconds(costs: CNNCosts, graph: Graph, w: int, n: int) -> list[list[float]]:
+    """Per device and op, the seconds of one output row at width w, batch n: the measured
+    whole-map time over the measured map's rows, scaled by the row's width (w / costs.w) and
+    the images (n / costs.n). A linear op's entry is its whole time per image batch."""
+    measured = graph.shapes(costs.h, costs.w)
+    k = (w / costs.w) * (n / costs.n)
+    out = []
+    for times in costs.op_s:
+        row = []
+        for op, t in zip(graph.ops, times):
+            rows = _op_rows(op, measured) if op.kind != LINEAR else 1
+            row.append(t / rows * (k if op.kind != LINEAR else n / costs.n))
+        out.append(row)
+    return out
+
+
+def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: int = 1,
+               w: int | None = None, moved: list | None = None, owners: dict | None = None
+               ) -> tuple[float, float, list[float], list[float]]:
+    """(slowest compute, slowest exchange, compute per rank, exchange per rank) of one group
+    split by `ratios`; `owners` (Split.owners) says how the group's inputs are split, by
+    `ratios` too if not given; `moved`, [sent, received] bytes per rank, is added to."""
+    w = costs.w if w is None else w
+    per_row = row_seconds(costs, graph, w, n)
+    P = costs.size
+    need = [needs(graph, shapes, group, ratios, r) for r in range(P)]
+    comp = [0.0] * P
+    a, b = group
+    for i in range(P):
+        for l in range(a, b):
+            r = need[i].get(graph.ops[l].output)
+            if r is None or r[1] <= r[0]:
+                continue
+            comp[i] += (r[1] - r[0]) * per_row[i][l] + costs.overhead_s[i]
+    comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners)
+    if moved is not None:
+        for i in range(P):
+            moved[i][0] += sent[i]
+            moved[i][1] += got[i]
+    return max(comp), max(comm), comp, comm
+
+
+def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int,
+                     owners: dict | None = None) -> tuple[list[float], list[float], list[float]]:
+    """Each rank's time in the group's exchange, and its bytes sent and received: the rows
+    it needs (`needs`) beyond its own, each from its owner (the pixels from rank 0), over the
+    rank's link. (The executor may hold a few more rows than its own, from an earlier
+    exchange of the same map, and then fetches a little less.)"""
+    P = costs.size
+    a, b = group
+    made = {op.output for op in graph.ops[a:b]}
+    sent, got = [0.0] * P, [0.0] * P
+    for t in {t for nd in need for t in nd} - made:
+        h_t, w_t, c_t = shapes[t]
+        row = F32 * w_t * c_t * n
+        by = None if t == graph.input else (owners or {}).get(t, ratios)
+        own = owned(h_t, by, P)
+        for i, nd in enumerate(need):
+            if t not in nd:
+                continue
+            for lo, hi in gaps(nd[t], own[i]):  # what it needs beyond what it owns
+                for j, (o0, o1) in enumerate(own):
+                    rows = max(0, min(hi, o1) - max(lo, o0)) if j != i else 0
+                    sent[j] += rows * row
+                    got[i] += rows * row
+    secs = [(costs.latency_s[i] + max(sent[i], got[i]) / costs.bandwidth_Bps[i])
+            if sent[i] or got[i] else 0.0 for i in range(P)]
+    return secs, sent, got
+
+
+def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: int = 1
+                 ) -> tuple[float, list[float], list[float]]:
+    """(latency, compute per rank, communication per rank) of the pooling and the head."""
+    P, ratios = costs.size, split.ratios
+    owners = split.owners(graph)
+    per_row = row_seconds(costs, graph, shapes[graph.input][1], n)
+    comp, comm = [0.0] * P, [0.0] * P
+    for l in range(spatial_ops(graph), len(graph.ops)):
+        op = graph.ops[l]
+        if op.kind == ADAPTIVE_AVG:
+            hh, ww, c = shapes[op.input]
+            for i, (o0, o1) in enumerate(owned(hh, owners.get(op.input, ratios), P)):
+                comp[i] += (o1 - o0) * per_row[i][l]
+            nbytes = F32 * n * (c if op.out_hw == (1, 1) else hh * ww * c)
+            for i in range(P):
+                comm[i] += costs.latency_s[i] + nbytes / costs.bandwidth_Bps[i]
+        elif op.kind == LINEAR:
+            if split.head == "primary" or P == 1:
+                comp[0] += per_row[0][l]
+            else:
+                c = counts(op.cout, ratios)
+                for i in range(P):
+                    comp[i] += c[i] / op.cout * per_row[i][l]
+                    comm[i] += costs.latency_s[i] + F32 * n * op.cout / costs.bandwidth_Bps[i]
+    return max(comp) + max(comm), comp, comm
+
+
+def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int = 1) -> dict:
+    """The cost model's account of a split at h x w, batch n: latency and per rank compute,
+    exchange and (with declared powers) energy."""
+    shapes = graph.shapes(h, w)
+    P = costs.size
+    groups = split.group_ranges(graph)
+    latency = 0.0
+    comp, comm = [0.0] * P, [0.0] * P
+    moved = [[0.0, 0.0] for _ in range(P)]
+    owners = split.owners(graph)
+    for k, g in enumerate(groups):
+        c_max, x_max, c, x = group_cost(graph, shapes, g, split.group_ratios(k), costs, n, w,
+                                        moved, owners)
+        latency += c_max + x_max
+        comp = [u + v for u, v in zip(comp, c)]
+        comm = [u + v for u, v in zip(comm, x)]
+    t, c, x = tail_seconds(graph, shapes, split, costs, n)
+    latency += t
+    comp = [u + v for u, v in zip(comp, c)]
+    comm = [u + v for u, v in zip(comm, x)]
+    out = {"latency_s": latency, "groups": len(groups),
+           "per_rank": [{"rank": i, "compute_s": comp[i], "exchange_s": comm[i],
+                         "halo_bytes_sent": moved[i][0], "halo_bytes_recv": moved[i][1],
+                         "rows": owned(shapes[graph.ops[0].output][0], split.ratios)[i]}
+                        for i in range(P)]}
+    if costs.power:
+        for i, pr in enumerate(out["per_rank"]):
+            pr["energy_j"] = costs.power[i][0] * comp[i] + costs.power[i][1] * comm[i]
+        out["energy_j"] = sum(pr["energy_j"] for pr in out["per_rank"])
+        out["energy_note"] = "predicted from the profile's declared powers; nothing was metered"
+    return out
+
+
+# --- the linear program -------------------------------------------------------------------------
+
+def _interior_halo(op, shapes, n: int) -> tuple[int, int]:
+    """(rows above, rows below) an interior band of op's output reads beyond the input rows
+    its own share of the input holds (the same ratios on both maps), and the bytes per row."""
+    top = op.padding
+    bottom = max(0, op.dilation * (op.kernel - 1) + 1 - op.stride - op.padding)
+    h_in, w_in, c_in = shapes[op.input]
+    return top + bottom, F32 * w_in * c_in * n
+
+
+def solve_ratios(graph: Graph, costs: CNNCosts, active: list[int], h: int, w: int, n: int = 1,
+                 objective: str = "latency", deadline_s: float | None = None,
+                 weight_bytes: list[float] | None = None) -> list[float] | None:
+    """CoEdge's LP for the devices in `active` (rank order): each device's share of every
+    map's rows, or None if infeasible (memory, or the deadline)."""
+    from scipy.optimize import linprog
+    shapes = graph.shapes(h, w)
+    per_row = row_seconds(costs, graph, w, n)
+    L = spatial_ops(graph)
+    A = len(active)
+    nv = A + L  # r_i, then T_l
+    rows_ub, b_ub = [], []
+    comp_coef = np.zeros((A, nv))  # compute seconds of device a, as a row of coefficients
+    comp_const = np.zeros(A)
+    comm_const = np.zeros(A)
+    for l in range(L):
+        op = graph.ops[l]
+        H = _op_rows(op, shapes)
+        halo_rows, row_bytes = _interior_halo(op, shapes, n)
+        for ai, i in enumerate(active):
+            edge = ai in (0, A - 1)
+            rows_in = halo_rows if A > 1 and not edge else (
+                max(op.padding, halo_rows - op.padding) if A > 1 else 0)
+            c = (costs.latency_s[i] + rows_in * row_bytes / costs.bandwidth_Bps[i]) if rows_in else 0
+            per_all = H * per_row[i][l]  # all rows of op l on device i
+            row = np.zeros(nv)
+            row[ai] = per_all
+            row[A + l] = -1.0
+            rows_ub.append(row)
+            b_ub.append(-(costs.overhead_s[i] + c))
+            comp_coef[ai, ai] += per_all
+            comp_const[ai] += costs.overhead_s[i]
+            comm_const[ai] += c
+    # memory: the largest activation band (input and output of an op) and the weights
+    peak_rows = max(F32 * n * (math.prod(shapes[op.input]) + math.prod(shapes[op.output]))
+                    for op in graph.ops[:L])
+    for ai, i in enumerate(active):
+        row = np.zeros(nv)
+        row[ai] = peak_rows
+        rows_ub.append(row)
+        b_ub.append(costs.memory_bytes[i] - (weight_bytes[i] if weight_bytes else 0.0))
+    a_eq = np.zeros((1, nv))
+    a_eq[0, :A] = 1.0
+    lo = MIN_SHARE if A > 1 else 1.0
+    bounds = [(lo, 1.0)] * A + [(0, None)] * L
+    if objective == "energy":
+        if not costs.power:
+            raise PlanError("--objective energy needs each device's compute and transmit power "
+                            "(watts): give --power, or declare them in the profile")
+        if deadline_s is None:
+            raise PlanError("--objective energy minimises energy under a latency deadline: "
+                            "give --deadline-ms")
+        c_obj = np.zeros(nv)
+        for ai, i in enumerate(active):
+            c_obj += costs.power[i][0] * comp_coef[ai]
+        row = np.zeros(nv)
+        row[A:] = 1.0
+        rows_ub.append(row)
+        b_ub.append(deadline_s)
+    else:
+        c_obj = np.zeros(nv)
+        c_obj[A:] = 1.0
+    res = linprog(c_obj, A_ub=np.array(rows_ub), b_ub=np.array(b_ub), A_eq=a_eq, b_eq=[1.0],
+                  bounds=bounds, method="highs")
+    if res.status != 0:
+        return None
+    ratios = [0.0] * costs.size
+    for ai, i in enumerate(active):
+        ratios[i] = float(res.x[ai])
+    return ratios
+
+
+def choose_groups(graph: Graph, ratios, costs: CNNCosts, h: int, w: int, n: int = 1,
+                  max_fuse: int = MAX_FUSE) -> tuple[tuple[int, int], ...]:
+    """The fused groups that minimise the cost model's latency for these ratios (DP)."""
+    shapes = graph.shapes(h, w)
+    L = spatial_ops(graph)
+    best = [0.0] + [math.inf] * L
+    came = [0] * (L + 1)
+    for b in range(1, L + 1):
+        for a in range(max(0, b - max_fuse), b):
+            c_max, x_max, _, _ = group_cost(graph, shapes, (a, b), ratios, costs, n, w)
+            if best[a] + c_max + x_max < best[b]:
+                best[b], came[b] = best[a] + c_max + x_max, a
+    groups, b = [], L
+    while b > 0:
+        groups.append((came[b], b))
+        b = came[b]
+    return tuple(reversed(groups))
+
+
+def candidate_sets(costs: CNNCosts) -> list[list[int]]:
+    """The device subsets the LP is solved for: all of them up to EXHAUSTIVE_MAX devices,
+    else the k fastest for each k."""
+    P = costs.size
+    if P <= EXHAUSTIVE_MAX:
+        return [list(s) for k in range(1, P + 1) for s in itertools.combinations(range(P), k)]
+    speed = sorted(range(P), key=lambda i: sum(costs.op_s[i]))
+    return [sorted(speed[:k]) for k in range(1, P + 1)]
+
+
+def pipeline_split(graph: Graph, costs: CNNCosts) -> Split:
+    """Layer ranges (PipeEdge's baseline, for one image): rank i runs a contiguous range of
+    the spatial ops on whole maps, ranges sized so that each rank's share of the work is its
+    share of the speed; each group is one rank's range, its vector one-hot on that rank."""
+    P, L = costs.size, spatial_ops(graph)
+    speed = [1.0 / sum(costs.op_s[i][:L]) for i in range(P)]
+    work = [sum(costs.op_s[i][l] * speed[i] for i in range(P)) / P for l in range(L)]
+    total, bounds, acc, i = sum(work), [0], 0.0, 0
+    cum = [sum(speed[:j + 1]) / sum(speed) * total for j in range(P)]
+    for l in range(L):
+        acc += work[l]
+        while i < P - 1 and acc >= cum[i] - 1e-12 and len(bounds) < P:
+            bounds.append(l + 1)
+            i += 1
+    bounds = sorted(set(bounds + [L]))
+    groups, per = [], []
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        groups.append((a, b))
+        per.append(tuple(1.0 if j == k else 0.0 for j in range(P)))
+    return Split(tuple([1.0] + [0.0] * (P - 1)), tuple(groups), "primary", tuple(per))
+
+
+def plan_cnn(graph: Graph, costs: CNNCosts, h: int, w: int, n: int = 1, strategy: str = "auto",
+             objective: str = "latency", deadline_s: float | None = None,
+             fuse: bool = True, head: str = "cols") -> dict:
+    """The plan for a CNN: {"split": Split, "predicted": predict(...), "explanation",
+    "solve_s"}. Strategies: "auto" (the LP over every device subset, then fusion), "even"
+    (equal rows), "proportional" (rows by each device's speed over the whole net: MoDNN),
+    "grid" (DeepThings: equal bands, the whole spatial part one fused group), "pipeline"
+    (layer ranges by speed), "single" (rank 0 alone); "auto" chooses its fusion."""
+    t0 = time.perf_counter()
+    P = costs.size
+    weights = [graph.weight_bytes()] * P
+    if strategy == "single":
+        split = Split(tuple([1.0] + [0.0] * (P - 1)), head="primary")
+    elif strategy == "even":
+        split = Split(tuple([1.0 / P] * P), head=head)
+    elif strategy == "proportional":
+        speed = [1.0 / sum(costs.op_s[i]) for i in range(P)]
+        split = Split(tuple(s / sum(speed) for s in speed), head=head)
+    elif strategy == "grid":  # DeepThings: equal tiles (here bands), every layer fused
+        split = Split(tuple([1.0 / P] * P), ((0, spatial_ops(graph)),), head=head)
+    elif strategy == "pipeline":
+        split = pipeline_split(graph, costs)
+    elif strategy == "auto":
+        def key(s: Split) -> float:
+            pred = predict(graph, s, costs, h, w, n)
+            if objective == "energy":  # the LP's per-op model met the deadline; the exact one?
+                return pred["energy_j"] if pred["latency_s"] <= deadline_s else math.inf
+            return pred["latency_s"]
+        found = []
+        for active in candidate_sets(costs):
+            ratios = solve_ratios(graph, costs, active, h, w, n, objective, deadline_s, weights)
+            if ratios is not None:
+                s = Split(tuple(ratios), head=head if len(active) > 1 else "primary")
+                found.append((key(s), len(active), s))
+        found.sort(key=lambda x: x[0])
+        if not found or found[0][0] == math.inf:
+            raise PlanError("no split of the devices meets " + (
+                f"the {deadline_s * 1e3:.0f} ms deadline" if objective == "energy" else
+                "the memory caps") + "; give more devices, or a larger deadline")
+        # fusion can turn a split that loses on its exchanges into the winner: the best few
+        # splits over several devices are fused, and compared fused
+        best = found[0]
+        if fuse:
+            for k, m, s in [f for f in found if f[1] > 1][:FUSE_CANDIDATES]:
+                fused = Split(s.ratios, choose_groups(graph, s.ratios, costs, h, w, n), s.head)
+                if key(fused) < best[0]:
+                    best = (key(fused), m, fused)
+        split = best[2]
+    else:
+        raise PlanError(f"unknown CNN strategy {strategy!r}; choose one of "
+                        f"{', '.join(CNN_STRATEGIES)}")
+    pred = predict(graph, split, costs, h, w, n)
+    active = [i for i, r in enumerate(split.ratios) if r > 0]
+    fused = split.groups is not None and len(split.groups) < spatial_ops(graph)
+    why = (f"{strategy}: rows {', '.join(f'{r:.2f}' for r in split.ratios)} over rank(s) "
+           f"{', '.join(map(str, active))}; "
+           + (f"{len(split.groups)} fused groups of the {spatial_ops(graph)} spatial ops "
+              f"(one halo exchange each)" if fused else "one halo exchange per op")
+           + f"; predicted {pred['latency_s'] * 1e3:.1f} ms")
+    if objective == "energy":
+        why += (f", {pred['energy_j']:.2f} J predicted (declared powers; not metered) under "
+                f"the {deadline_s * 1e3:.0f} ms deadline")
+    return {"split": split, "predicted": pred, "explanation": why,
+            "solve_s": time.perf_counter() - t0}
+
+
+def make_cnn_plan(config, profile, strategy: str = "auto", objective: str = "latency",
+                  deadline_ms: float | None = None, power: list | None = None,
+                  ratios: list[float] | None = None, size: tuple[int, int] | None = None,
+                  batch: int | None = None, fuse_depth: int | None = None):
+    """A plan file (hepti.plan.planfile.Plan, strategy "bands") for a CNN from a profile with
+    CNN timings, at the profile's input size unless `size` (h, w) is given. `ratios` evaluates
+    those shares (one group per op) instead of solving; `power` declares (compute W, transmit
+    W) per device for the energy objective; `fuse_depth` K fixes the fusion of "auto" (and of
+    given ratios) to groups of K ops (0: all of them) instead of choosing it."""
+    from hepti.graph.cnn import build
+    from hepti.plan.planfile import Plan
+    graph = build(config)
+    costs = CNNCosts.from_profile(profile, graph)
+    if power is not None:
+        if len(power) != costs.size:
+            raise PlanError(f"--power gives {len(power)} devices' powers; the profile has "
+                            f"{costs.size}")
+        costs.power = [tuple(p) for p in power]
+    h, w = size or (costs.h, costs.w)
+    n = batch or costs.n
+    deadline = None if deadline_ms is None else deadline_ms / 1e3
+    if ratios is not None:
+        split = Split(tuple(ratios))
+        out = {"split": split, "explanation": "the given ratios, evaluated", "solve_s": 0.0}
+    else:
+        out = plan_cnn(graph, costs, h, w, n, strategy, objective, deadline,
+                       fuse=fuse_depth is None)
+    split = out["split"]
+    if fuse_depth is not None:
+        L = spatial_ops(graph)
+        k = L if fuse_depth == 0 else fuse_depth
+        split = Split(split.ratios, tuple((a, min(a + k, L)) for a in range(0, L, k)), split.head)
+        out["explanation"] += f"; fused by a fixed depth of {k} ops (--fuse-depth)"
+    pred = out["predicted"] = predict(graph, split, costs, h, w, n)
+    return Plan(strategy="bands", world_size=costs.size, ratios={"rows": list(split.ratios)},
+                groups=[list(g) for g in split.groups] if split.groups else None,
+                group_ratios=[list(r) for r in split.per_group] if split.per_group else None,
+                head=split.head, model=config.name, model_shape=config.shape, batch=n,
+                counts={"rows": counts(graph.shapes(h, w)[graph.ops[0].output][0],
+                                       split.ratios)},
+                predicted_latency_s=pred["latency_s"],
+                predicted={**pred, "input": [h, w], "objective": objective,
+                           "planner": strategy if ratios is None else "given"},
+                solve_s=out["solve_s"], explanation=out["explanation"]).validate()
+
+
+def split_of(plan) -> Split:
+    """The Split a "bands" plan describes."""
+    return Split(tuple(plan.ratios["rows"]),
+                 tuple(tuple(g) for g in plan.groups) if plan.groups else None,
+                 plan.head or "cols",
+                 tuple(tuple(r) for r in plan.group_ratios) if plan.group_ratios else None)

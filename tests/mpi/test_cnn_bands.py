@@ -1,0 +1,140 @@
+"""The height split (hepti.parallel.bands) at 2 ranks against the single-device CNN (itself
+checked against torchvision in tests/test_cnn.py): uneven ratios, a rank with no rows, fused
+groups, and both ways of splitting the head, on maps whose heights do not divide evenly."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import FIXTURES
+from mpi_helpers import COMM, all_ok
+
+TOL = 2e-5
+
+
+def _both(model_dir, split, pixels, threads=1):
+    """(single-device logits, banded logits) on rank 0; (None, None) elsewhere."""
+    from hepti.graph.cnn import build
+    from hepti.model.cnn import CNNModel, Weights
+    from hepti.parallel.bands import BandExecutor, head_rows
+    from hepti.parallel.comm import Comm
+    from hepti.weights import WeightStore
+    comm = Comm(COMM)
+    with WeightStore(model_dir) as store:
+        graph = build(store.config)
+        rows = head_rows(graph, split, comm.rank, comm.size)
+        w = Weights(graph, store.read, rows if split.head == "cols" else
+                    {k: v for k, v in rows.items()})
+        got = BandExecutor(comm, graph, split, w, threads).forward(
+            pixels if comm.rank == 0 else None)
+        want = CNNModel.from_store(store).forward(pixels) if comm.rank == 0 else None
+    comm.close()
+    return want, got
+
+
+def _check(want, got, what):
+    if COMM.Get_rank() == 0:
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        all_ok(got.shape == want.shape and err <= TOL, f"{what}: error {err:.2e}")
+    else:
+        all_ok(got is None, f"{what}: rank {COMM.Get_rank()} returned logits")
+
+
+@pytest.mark.parametrize("ratios", [(0.5, 0.5), (0.8, 0.2), (0.3, 0.7), (1.0, 0.0)])
+@pytest.mark.parametrize("head", ["cols", "primary"])
+def test_resnet_bands_equal_single(resnet_tiny_dir, ratios, head):
+    from hepti.parallel.bands import Split
+    px = np.load(FIXTURES / "resnet50_tiny_expected.npz")["pixels"].astype(np.float32)
+    want, got = _both(resnet_tiny_dir, Split(ratios, head=head), px)
+    _check(want, got, f"resnet {ratios} {head}")
+
+
+def test_fused_groups_equal_single(resnet_tiny_dir, vgg_tiny_dir):
+    """Groups of several ops (one exchange each, overlap recomputed), the whole net as one
+    group, and VGG's grid pool (the whole map gathered) with its 3-linear head."""
+    from hepti.graph.cnn import build
+    from hepti.parallel.bands import Split, spatial_ops
+    from hepti.weights import WeightStore
+    px = np.load(FIXTURES / "resnet50_tiny_expected.npz")["pixels"].astype(np.float32)
+    with WeightStore(resnet_tiny_dir) as st:
+        n = spatial_ops(build(st.config))
+    for groups in [((0, 2), (2, 9), (9, n)), ((0, n),)]:
+        want, got = _both(resnet_tiny_dir, Split((0.6, 0.4), groups=groups), px)
+        _check(want, got, f"resnet groups {groups}")
+    px = np.load(FIXTURES / "vgg16_tiny_expected.npz")["pixels"].astype(np.float32)
+    with WeightStore(vgg_tiny_dir) as st:
+        n = spatial_ops(build(st.config))
+    for split in [Split((0.7, 0.3)), Split((0.45, 0.55), groups=((0, 5), (5, n)))]:
+        want, got = _both(vgg_tiny_dir, split, px)
+        _check(want, got, f"vgg {split}")
+
+
+def test_mobilenet_bands_equal_single(mobilenet_dir):
+    """MobileNetV2's depthwise convolutions and residual adds, on the real image, fused by
+    inverted-residual block."""
+    from hepti.graph.cnn import build
+    from hepti.parallel.bands import Split, spatial_ops
+    from hepti.weights import WeightStore
+    e = np.load(FIXTURES / "mobilenet_v2_expected.npz")
+    with WeightStore(mobilenet_dir) as st:
+        g = build(st.config)
+    n = spatial_ops(g)
+    blocks, at = [], 0  # one group per features.i
+    for i in range(1, n + 1):
+        if i == n or g.ops[i].name.split(".")[1] != g.ops[i - 1].name.split(".")[1]:
+            blocks.append((at, i))
+            at = i
+    for split in [Split((0.65, 0.35)), Split((0.5, 0.5), groups=tuple(blocks))]:
+        want, got = _both(mobilenet_dir, split, e["image_pixels"])
+        _check(want, got, f"mobilenet {split.ratios} {'fused' if split.groups else ''}")
+
+
+@pytest.mark.parametrize("groups", [None, "fused"])
+def test_cost_model_counts_the_halo_bytes(resnet_tiny_dir, groups):
+    """The planner's exchange bytes (hepti.plan.coedge.predict) against what the executor's
+    verbs moved, per rank: at most the model's, and within 10% of it."""
+    from hepti.graph.cnn import build
+    from hepti.model.cnn import Weights
+    from hepti.parallel.bands import BandExecutor, Split, head_rows, spatial_ops
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.trace import Tracer
+    from hepti.plan.coedge import CNNCosts, predict
+    from hepti.weights import WeightStore
+    px = np.load(FIXTURES / "resnet50_tiny_expected.npz")["pixels"].astype(np.float32)
+    comm = Comm(COMM, Tracer(COMM.Get_rank(), record_messages=True))
+    with WeightStore(resnet_tiny_dir) as store:
+        g = build(store.config)
+        n_sp = spatial_ops(g)
+        split = Split((0.6, 0.4), ((0, 4), (4, 20), (20, n_sp)) if groups else None)
+        w = Weights(g, store.read, head_rows(g, split, comm.rank, comm.size))
+        BandExecutor(comm, g, split, w).forward(px if comm.rank == 0 else None)
+    moved = [sum(s for k, s, _ in comm.tracer.messages if k == "halo"),
+             sum(r for k, _, r in comm.tracer.messages if k == "halo")]
+    comm.close()
+    costs = CNNCosts(op_s=[[1e-3] * len(g.ops)] * 2, overhead_s=[0.0] * 2, latency_s=[0.0] * 2,
+                     bandwidth_Bps=[1e9] * 2, memory_bytes=[1e9] * 2, h=65, w=57, n=2)
+    pr = predict(g, split, costs, 65, 57, n=2)["per_rank"][COMM.Get_rank()]
+    model = [pr["halo_bytes_sent"], pr["halo_bytes_recv"]]
+    ok = all(m <= p and m >= 0.9 * p for m, p in zip(moved, model))
+    all_ok(ok, f"halo bytes moved {moved}, the model's {model}")
+
+
+def test_pipeline_and_grid_splits_equal_single(resnet_tiny_dir):
+    """Per-group ratio vectors (a pipeline: each range of ops on one rank, whole maps) and the
+    grid (equal bands, every layer in one group) give one device's logits."""
+    from hepti.graph.cnn import build
+    from hepti.parallel.bands import Split, spatial_ops
+    from hepti.plan.coedge import CNNCosts, pipeline_split
+    from hepti.weights import WeightStore
+    px = np.load(FIXTURES / "resnet50_tiny_expected.npz")["pixels"].astype(np.float32)
+    with WeightStore(resnet_tiny_dir) as st:
+        g = build(st.config)
+    n = spatial_ops(g)
+    costs = CNNCosts(op_s=[[1e-3] * len(g.ops), [3e-3] * len(g.ops)], overhead_s=[0.0] * 2,
+                     latency_s=[0.0] * 2, bandwidth_Bps=[1e9] * 2, memory_bytes=[1e9] * 2,
+                     h=65, w=57)
+    pipe = pipeline_split(g, costs)
+    all_ok(len(pipe.groups) == 2 and pipe.groups[0][1] > n // 2, f"pipeline {pipe.groups}")
+    for split in (pipe, Split((0.5, 0.5), ((0, n),))):
+        want, got = _both(resnet_tiny_dir, split, px)
+        _check(want, got, f"{split}")

@@ -1,0 +1,138 @@
+"""The CNN planner (hepti.plan.coedge) on declared costs: the LP's shares follow speed and
+links, a useless device gets none, fusion pays where exchanges are dear, the energy objective
+keeps its deadline, memory caps hold; and the plan file round-trips through `hepti plan`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import TINY_CNNS
+from test_cli import assert_clean_error, hepti
+
+H = W = 64
+
+
+def _graph(name="resnet50_tiny"):
+    from hepti.config import CNNConfig
+    from hepti.graph.cnn import build
+    return build(CNNConfig(**TINY_CNNS[name]))
+
+
+def _costs(graph, speeds, latency=0.0, bandwidth=1e12, memory=1e10, power=None):
+    """Declared costs: device i runs every op in (its FLOPs / 1e9) / speeds[i] seconds."""
+    from hepti.plan.coedge import CNNCosts
+    shapes = graph.shapes(H, W)
+    per_row = graph.flops_per_row(H, W)
+    base = []
+    for op in graph.ops:
+        rows = shapes[op.input][0] if op.kind == "adaptive_avg" else (
+            shapes[op.output][0] if len(shapes[op.output]) == 3 else 1)
+        base.append(per_row[op.name] * rows / 1e9 + 1e-6)
+    P = len(speeds)
+    lat = latency if isinstance(latency, list) else [latency] * P
+    bw = bandwidth if isinstance(bandwidth, list) else [bandwidth] * P
+    mem = memory if isinstance(memory, list) else [memory] * P
+    return CNNCosts(op_s=[[t / s for t in base] for s in speeds], overhead_s=[0.0] * P,
+                    latency_s=lat, bandwidth_Bps=bw, memory_bytes=mem, h=H, w=W, power=power)
+
+
+def test_free_links_share_by_speed():
+    from hepti.plan.coedge import plan_cnn
+    g = _graph()
+    out = plan_cnn(g, _costs(g, [3.0, 1.0]), H, W, fuse=False)
+    r = out["split"].ratios
+    assert r[0] == pytest.approx(0.75, abs=0.05) and r[1] == pytest.approx(0.25, abs=0.05)
+    even = plan_cnn(g, _costs(g, [3.0, 1.0]), H, W, strategy="even")
+    assert out["predicted"]["latency_s"] < even["predicted"]["latency_s"]
+
+
+def test_useless_or_cut_off_device_gets_nothing():
+    from hepti.plan.coedge import plan_cnn
+    g = _graph()
+    slow = plan_cnn(g, _costs(g, [1.0, 1.0, 0.001]), H, W)
+    assert slow["split"].ratios[2] == 0.0 and min(slow["split"].ratios[:2]) > 0.3
+    cut = plan_cnn(g, _costs(g, [1.0, 1.0], latency=[0.0, 0.5]), H, W)
+    assert cut["split"].ratios == (1.0, 0.0)
+
+
+def test_fusion_pays_when_exchanges_are_dear():
+    from hepti.graph.split import Split, spatial_ops
+    from hepti.plan.coedge import choose_groups, predict
+    g = _graph()
+    costs = _costs(g, [1.0, 1.0], latency=2e-4)
+    ratios = (0.5, 0.5)
+    groups = choose_groups(g, ratios, costs, H, W)
+    assert len(groups) < spatial_ops(g)
+    fused = predict(g, Split(ratios, groups), costs, H, W)["latency_s"]
+    assert fused < predict(g, Split(ratios), costs, H, W)["latency_s"]
+    cheap = choose_groups(g, ratios, _costs(g, [1.0, 1.0], latency=1e-6), H, W)
+    assert len(cheap) > len(groups)  # cheaper exchanges: more of them
+
+
+def test_energy_objective_keeps_the_deadline():
+    from hepti.errors import PlanError
+    from hepti.plan.coedge import plan_cnn
+    g = _graph()
+    # device 1 is as fast and burns a tenth of the power: energy puts the work there
+    costs = _costs(g, [1.0, 1.0], power=[(10.0, 1.0), (1.0, 1.0)])
+    fast = plan_cnn(g, costs, H, W)["predicted"]["latency_s"]
+    e = plan_cnn(g, costs, H, W, objective="energy", deadline_s=10 * fast)
+    assert e["split"].ratios[1] > 0.9 and e["predicted"]["latency_s"] <= 10 * fast
+    assert "not metered" in e["explanation"]
+    tight = plan_cnn(g, costs, H, W, objective="energy", deadline_s=1.2 * fast)
+    assert tight["predicted"]["latency_s"] <= 1.2 * fast
+    assert tight["predicted"]["energy_j"] > e["predicted"]["energy_j"]
+    with pytest.raises(PlanError, match="deadline"):
+        plan_cnn(g, costs, H, W, objective="energy", deadline_s=fast / 10)
+    with pytest.raises(PlanError, match="power"):
+        plan_cnn(g, _costs(g, [1.0, 1.0]), H, W, objective="energy", deadline_s=1.0)
+
+
+def test_memory_cap_moves_rows():
+    from hepti.plan.coedge import plan_cnn
+    g = _graph()
+    w = g.weight_bytes()
+    roomy = plan_cnn(g, _costs(g, [1.0, 1.0]), H, W, fuse=False)["split"].ratios
+    tight = plan_cnn(g, _costs(g, [1.0, 1.0], memory=[1e10, w + 20_000]), H, W,
+                     fuse=False)["split"].ratios
+    assert tight[1] < roomy[1]
+
+
+def test_hepti_plan_cli_for_a_cnn(tmp_path, resnet_tiny_dir):
+    """A declared profile with CNN timings -> `hepti plan` -> a bands plan file."""
+    from hepti.config import CNNConfig
+    from hepti.graph.cnn import build
+    g = build(CNNConfig(**TINY_CNNS["resnet50_tiny"]))
+    costs = _costs(g, [2.0, 1.0])
+    prof = {"hepti_profile": 1, "created": 0.0, "source": "declared",
+            "devices": [{"rank": i, "gemm_flops": 1e9, "memory_bytes": 1e9, "latency_s": 1e-4,
+                         "bandwidth_Bps": 1e8} for i in range(2)],
+            "cnn": {"arch": "resnet50", "ops": [op.name for op in g.ops], "input": [H, W],
+                    "batch": 1, "op_s": costs.op_s}}
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    code, out, err = hepti("plan", "--model", resnet_tiny_dir, "--profile", tmp_path / "p.json",
+                           "--json", "--power", "5:1,2:1", "--objective", "energy",
+                           "--deadline-ms", "1000")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["strategy"] == "bands" and len(plan["ratios"]["rows"]) == 2
+    assert plan["predicted"]["energy_note"].endswith("nothing was metered")
+    code, out, err = hepti("plan", "--model", resnet_tiny_dir, "--profile", tmp_path / "p.json")
+    assert code == 0 and "predicted latency" in out, err
+    code, _, err = hepti("plan", "--model", resnet_tiny_dir, "--profile", tmp_path / "p.json",
+                         "--objective", "energy", "--power", "5:1,2:1")
+    assert_clean_error(code, err, "--deadline-ms")
+
+
+def test_costs_scale_to_another_input_size():
+    """Times measured at 64x64 predict a 128x128 input at about 4x the compute (twice the rows,
+    each twice as wide) and a batch of 2 at 2x."""
+    from hepti.graph.split import Split
+    from hepti.plan.coedge import predict
+    g = _graph()
+    costs = _costs(g, [1.0])
+    one = predict(g, Split((1.0,)), costs, H, W)["per_rank"][0]["compute_s"]
+    big = predict(g, Split((1.0,)), costs, 2 * H, 2 * W)["per_rank"][0]["compute_s"]
+    two = predict(g, Split((1.0,)), costs, H, W, n=2)["per_rank"][0]["compute_s"]
+    assert big == pytest.approx(4 * one, rel=0.15) and two == pytest.approx(2 * one, rel=0.05)
