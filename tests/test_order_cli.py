@@ -61,6 +61,22 @@ def test_order_a_model_folder_text_report():
     assert "proven least" in out and "(peak +0.0% against it)" in out  # a chain: one order
 
 
+def test_order_a_cnn_model_folder(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "cnn", "arch": "mobilenet_v2"}')
+    code, out, err = hepti("order", tmp_path, "--batch", "2", "--input-shape", "3x64x64",
+                           "--json", "--random", "5")
+    assert code == 0, err
+    r = json.loads(out)
+    assert (r["ops"], r["batch"], r["proven"]) == (54, 2, True)
+    assert r["order"][0] == "features.0.0" and r["weight_bytes"] > 0
+    assert_clean_error(*hepti("order", tmp_path, "--input-shape", "64x64")[::2], "3xHxW")
+    vgg = tmp_path / "vgg"
+    vgg.mkdir()
+    (vgg / "config.json").write_text('{"model_type": "cnn", "arch": "vgg16"}')
+    # five 2x2 max pools take 8 rows to 0
+    assert_clean_error(*hepti("order", vgg, "--input-shape", "3x8x8")[::2], "too small")
+
+
 def test_bad_input_gets_a_message_not_a_traceback(tmp_path):
     text = tmp_path / "notes.onnx"
     text.write_text("not a model at all\n" * 10)
