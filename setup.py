@@ -23,6 +23,7 @@ setup(
         "safetensors>=0.4",
         "tokenizers>=0.15",
         "Pillow>=9.0",  # image files for vision models (hepti.images)
+        "onnx>=1.15",  # ONNX graphs' structure and shapes, for operator order (hepti.graph.onnx_import)
     ],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6"],

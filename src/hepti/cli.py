@@ -345,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=_positive_int, default=200, help="calls of each (default 200)")
     b.add_argument("--out", default="results/comm.json", help="write the JSON here (default %(default)s)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_order_parsers(sub)
     return p
 
 
@@ -600,6 +601,98 @@ def cmd_plan(args) -> int:
 
 COMMANDS = {"serve": cmd_serve, "emulate": cmd_emulate, "plan": cmd_plan, "profile": cmd_profile, "info": cmd_info, "convert": cmd_convert, "verify": cmd_verify, "run": cmd_run,
             "bench": cmd_bench}
+
+
+# --- operator order (issue 20): `hepti order`, `hepti graph import` ----------------------------
+
+def _dims(s: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(x) for x in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a shape such as 3x224x224") from None
+    if min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: every dimension must be at least 1")
+    return dims
+
+
+def _add_order_parsers(sub) -> None:
+    graph_help = ("an .onnx file, a .json graph (`hepti graph import --out`) or a converted "
+                  "model folder (a CNN, BERT or ViT)")
+    shape_help = ("one sample's shape without the batch: an ONNX input's other dims "
+                  "(3x299x299), a CNN's 3xHxW, BERT's tokens (default: the file's, the "
+                  "model's image size, 128 tokens)")
+    s = sub.add_parser(
+        "order", help="the operator order with the least peak activation memory (BTSearch)",
+        description="Search the operators' execution orders for the least peak of activation "
+                    "memory (BTSearch: depth first, bound, hashing, cut into blocks), and "
+                    "compare it with the file's order and with random orders. Memory model: "
+                    "activations only, each live from its producer to its last reader, an "
+                    "operator's inputs and outputs live together (hepti.plan.memory).")
+    s.add_argument("graph", metavar="GRAPH", help=graph_help)
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--batch", type=_positive_int, help="batch size (default: the graph's, or 1)")
+    s.add_argument("--input-shape", type=_dims, metavar="DIMS", help=shape_help)
+    s.add_argument("--inplace", action="store_true",
+                   help="element-wise operators may write over an input they are the last to read")
+    s.add_argument("--count-io", action="store_true", help="count graph inputs and outputs too")
+    s.add_argument("--time-limit", type=float, default=10.0, metavar="S",
+                   help="seconds of search per block (default 10); past it, the best order "
+                        "found is kept and `proven` says whether it is the least")
+    s.add_argument("--max-states", type=_positive_int, default=2_000_000, metavar="N",
+                   help="states per block (default 2000000)")
+    s.add_argument("--random", type=int, default=100, metavar="N",
+                   help="random orders to compare with (default 100)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random orders (default 0)")
+    s.add_argument("--cap", metavar="BYTES",
+                   help="fail unless an order fits in BYTES (e.g. 8MiB); says which operator "
+                        "cannot fit in any order")
+    s.add_argument("--out", metavar="FILE.json", help="also write the JSON result here")
+    s = sub.add_parser("graph", help="operator graphs for `hepti order`: import an ONNX file")
+    gsub = s.add_subparsers(dest="graph_cmd", metavar="WHAT", required=True)
+    g = gsub.add_parser(
+        "import", help="read an ONNX file's structure and inferred shapes, weights left out",
+        description="Read an ONNX file's operators, activations and inferred shapes (weights, "
+                    "and constants computed from them, are folded away and reported apart) "
+                    "into hepti's operator graph; print what it holds, and write it as a small "
+                    "structure-only .json that `hepti order` reads.")
+    g.add_argument("file", metavar="FILE.onnx")
+    g.add_argument("--out", metavar="GRAPH.json", help="write the graph here")
+    g.add_argument("--batch", type=_positive_int, help="batch size (default: the file's)")
+    g.add_argument("--input-shape", type=_dims, metavar="DIMS", help=shape_help)
+    g.add_argument("--json", action="store_true", help="print the graph as JSON")
+
+
+def cmd_order(args) -> int:
+    import json
+    from hepti.graph.opdag import load_graph
+    from hepti.parallel.engine import parse_bytes
+    from hepti.plan.order import format_result, order_graph
+    dag = load_graph(args.graph, batch=args.batch, input_shape=args.input_shape)
+    result = order_graph(dag, inplace=args.inplace, count_io=args.count_io,
+                         time_limit=args.time_limit, max_states=args.max_states,
+                         random_count=args.random, seed=args.seed,
+                         cap=parse_bytes(args.cap, "--cap"))
+    doc = json.dumps(result.to_dict(), indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(doc + "\n")
+    print(doc if args.json else format_result(result))
+    return 0
+
+
+def cmd_graph(args) -> int:
+    import json
+    from hepti.graph.onnx_import import import_onnx
+    dag = import_onnx(args.file, batch=args.batch, input_shape=args.input_shape)
+    doc = json.dumps(dag.to_dict(), indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(doc + "\n")
+    print(doc if args.json else dag.describe() + (f"\nwritten     {args.out}" if args.out else ""))
+    return 0
+
+
+COMMANDS.update(order=cmd_order, graph=cmd_graph)
 
 
 def main(argv=None) -> int:

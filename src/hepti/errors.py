@@ -24,3 +24,7 @@ class InputError(HeptiError, ValueError):
 
 class PlanError(HeptiError, ValueError):
     """A ratio vector, plan or profile that cannot be used."""
+
+
+class GraphError(HeptiError, ValueError):
+    """An operator graph that cannot be read or ordered (not ONNX, a cycle, shapes unknown)."""

@@ -1,0 +1,249 @@
+"""Operator order: BTSearch's peak against the file order and random orders, and its effort.
+
+`python -m hepti.bench.order` (bin/bench-order.sh) writes results/order.json and order.csv:
+one row per graph under the default memory model (activations only, graph inputs and outputs
+not counted), batch 1:
+- the nine ONNX Model Zoo topologies the onnx wheel ships (weights folded away);
+- hepti's own families: MobileNetV2, ResNet-50, VGG-16 at 224 x 224 (hepti.graph.cnn; rows
+  say "skipped" where this hepti has no CNN graphs), BERT-base at 128 tokens, ViT-base;
+- synthetic randomly wired stages, WS(32, 4, 0.75) (hepti.graph.opdag.random_wiring: one
+  operator per node, equal tensors; structure only, not an export of RandWire);
+with the peak found, the file order's, the mean / worst / best of 100 seeded random orders,
+how far below each the found peak is, the states explored, seconds, `proven`, the same with
+the in-place option, and the downset DP's peak (an independent exact method) where it fits
+in 100,000 downsets.
+
+`--what plot` writes results/order-states.json and order-states.png: states explored against
+operator count on seeded random DAGs and random wiring, for BTSearch as shipped and with its
+prunings removed one by one, down to none (every order walked), each run capped at 100,000
+states (a size where any run was capped is not plotted). The plot shows states + 1: a search
+whose cheap incumbent already meets the lower bound explores none.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import time
+from pathlib import Path
+
+from hepti.bench import git_commit, result_doc, write_json
+
+ONNX_MODELS = ("bvlc_alexnet", "zfnet512", "vgg19", "squeezenet", "inception_v1",
+               "inception_v2", "resnet50", "densenet121", "shufflenet")
+HEPTI_CNNS = ("mobilenet_v2", "resnet50", "vgg16")
+DP_LIMIT = 100_000
+VARIANTS = {  # name -> (bound, hashing, dominance)
+    "BTSearch (bound + hashing + dominance)": (True, True, True),
+    "bound + hashing": (True, True, False),
+    "hashing only": (False, True, False),
+    "bound only": (True, False, False),
+    "none (every order)": (False, False, False),
+}
+PLOT_CAP = 100_000
+
+
+def graphs(only: list[str] | None = None):
+    """(row name, kind, OpDag or None, note) for every graph of the table."""
+    import onnx
+
+    from hepti.config import preset_config
+    from hepti.graph.encoder import family_graph
+    from hepti.graph.onnx_import import import_onnx
+    from hepti.graph.opdag import from_encoder, random_wiring
+    light = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
+    rows = []
+    for m in ONNX_MODELS:
+        rows.append((f"onnx:{m}", "onnx light", lambda m=m: import_onnx(light / f"light_{m}.onnx"), ""))
+    try:
+        from hepti.config import CNNConfig
+        from hepti.graph.cnn import build
+        from hepti.graph.opdag import from_cnn
+        for arch in HEPTI_CNNS:
+            rows.append((f"hepti:{arch}", "hepti CNN",
+                         lambda a=arch: from_cnn(build(CNNConfig(arch=a)), 1, 224, 224, name=a), ""))
+    except ImportError:
+        for arch in HEPTI_CNNS:
+            rows.append((f"hepti:{arch}", "hepti CNN", None,
+                         "skipped: this hepti has no hepti.graph.cnn (issue 19's branch)"))
+    for name, T in (("bert-base", 128), ("vit-base", None)):
+        cfg = preset_config(name)
+        rows.append((f"hepti:{name}", "hepti encoder",
+                     lambda c=cfg, T=T: from_encoder(family_graph(c, 1, T or c.seq_len),
+                                                     name=c.model_type), ""))
+    for seed in range(3):
+        rows.append((f"synthetic:ws(32,4,0.75)-{seed}", "synthetic random wiring",
+                     lambda s=seed: random_wiring(32, s, size=4 * 56 * 56 * 78), ""))
+    return [r for r in rows if not only or any(o in r[0] for o in only)]
+
+
+def table_row(name: str, kind: str, make, note: str, time_limit: float) -> dict:
+    from hepti.plan.memory import compile_problem
+    from hepti.plan.order import order_graph
+    from hepti.plan.order_exact import TooLarge, downset_dp
+    if make is None:
+        return {"graph": name, "kind": kind, "note": note}
+    dag = make()
+    r = order_graph(dag, time_limit=time_limit, random_count=100, seed=0)
+    ip = order_graph(dag, inplace=True, time_limit=time_limit, random_count=100, seed=0)
+    t0 = time.perf_counter()
+    try:
+        dp, _, downsets = downset_dp(compile_problem(dag), max_states=DP_LIMIT)
+    except TooLarge:
+        dp, downsets = None, f"> {DP_LIMIT}"
+    dp_s = time.perf_counter() - t0
+
+    def below(x):
+        return round(100 * (1 - r.peak_bytes / x), 2) if x else None
+    return {
+        "graph": name, "kind": kind, "ops": r.ops, "note": note,
+        "blocks_searched": len(r.blocks), "largest_block": max((b.ops for b in r.blocks), default=1),
+        "peak_bytes": r.peak_bytes, "file_order_peak_bytes": r.file_order_peak_bytes,
+        "random_mean_bytes": round(r.random["mean_bytes"], 1),
+        "random_worst_bytes": r.random["worst_bytes"], "random_best_bytes": r.random["best_bytes"],
+        "below_file_pct": below(r.file_order_peak_bytes),
+        "below_random_mean_pct": below(r.random["mean_bytes"]),
+        "below_random_worst_pct": below(r.random["worst_bytes"]),
+        "lower_bound_bytes": r.lower_bound_bytes, "states": r.states, "seconds": r.seconds,
+        "proven": r.proven, "unproven_blocks": r.unproven_blocks,
+        "heuristic_peak_bytes": r.heuristic_peak_bytes,
+        "inplace_peak_bytes": ip.peak_bytes, "inplace_file_order_peak_bytes": ip.file_order_peak_bytes,
+        "inplace_random_mean_bytes": round(ip.random["mean_bytes"], 1),
+        "inplace_states": ip.states, "inplace_seconds": ip.seconds, "inplace_proven": ip.proven,
+        "dp_peak_bytes": dp, "dp_downsets": downsets, "dp_seconds": round(dp_s, 3),
+        "dp_agrees": None if dp is None else dp == r.peak_bytes,
+        "weight_bytes": dag.weight_bytes,
+    }
+
+
+def run_table(only=None, time_limit: float = 10.0, progress: bool = True) -> list[dict]:
+    rows = []
+    for name, kind, make, note in graphs(only):
+        row = table_row(name, kind, make, note, time_limit)
+        rows.append(row)
+        if progress:
+            print(_line(row), flush=True)
+    return rows
+
+
+def _line(row: dict) -> str:
+    if "peak_bytes" not in row:
+        return f"{row['graph']:34s} {row['note']}"
+    mib = 2 ** 20
+    return (f"{row['graph']:34s} {row['ops']:5d} ops  peak {row['peak_bytes'] / mib:8.3f} MiB  "
+            f"file {row['file_order_peak_bytes'] / mib:8.3f}  random mean "
+            f"{row['random_mean_bytes'] / mib:8.3f} worst {row['random_worst_bytes'] / mib:8.3f}  "
+            f"-{row['below_file_pct']:5.2f}% file  -{row['below_random_mean_pct']:5.2f}% mean  "
+            f"{row['states']:7d} states {row['seconds']:6.2f} s  proven {row['proven']}  "
+            f"dp {'=' if row['dp_agrees'] else row['dp_downsets']}")
+
+
+def run_plot(seeds: int = 5, progress: bool = True) -> dict:
+    """States explored per variant, per graph size, median over seeds (runs past PLOT_CAP
+    states left out of the median and counted as capped)."""
+    from hepti.graph.opdag import random_dag, random_wiring
+    from hepti.plan.memory import compile_problem
+    from hepti.plan.order import btsearch
+    families = {
+        "random DAGs (density 0.3)": (range(4, 41, 3),
+                                      lambda n, s: random_dag(n, 9000 + 100 * n + s, density=0.3)),
+        "random wiring WS(n, 4, 0.75)": (range(6, 51, 4), lambda n, s: random_wiring(n, s)),
+    }
+    out = {}
+    for fam, (sizes, make) in families.items():
+        out[fam] = {}
+        for variant, (bound, hashing, dominance) in VARIANTS.items():
+            series = []
+            for n in sizes:
+                states, capped = [], 0
+                for s in range(seeds):
+                    pb = compile_problem(make(n, s))
+                    res = btsearch(pb, bound=bound, hashing=hashing, dominance=dominance,
+                                   time_limit=60.0, max_states=PLOT_CAP)
+                    if res.stopped:
+                        capped += 1
+                    else:
+                        states.append(res.states)
+                series.append({"ops": n + 1 if "wiring" in fam else n,
+                               "median_states": statistics.median(states) if len(states) == seeds else None,
+                               "runs": seeds, "capped": capped})
+                if progress:
+                    print(f"{fam:30s} {variant:40s} n={n:3d} {series[-1]}", flush=True)
+                if capped == seeds:
+                    break  # larger graphs only take longer
+            out[fam][variant] = series
+    return out
+
+
+def draw(plot: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(plot), figsize=(6 * len(plot), 4.5))
+    for ax, (fam, variants) in zip(axes, plot.items()):
+        for variant, series in variants.items():
+            pts = [(p["ops"], p["median_states"] + 1) for p in series
+                   if p["median_states"] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=variant)
+        ax.set_yscale("log")
+        ax.set_xlabel("operators")
+        ax.set_ylabel(f"states explored + 1 (median of "
+                      f"{next(iter(variants.values()))[0]['runs']} graphs)")
+        ax.set_title(f"{fam}\n(a size with any run past {PLOT_CAP:,} states is left out)",
+                     fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    cols = ["graph", "kind", "ops", "blocks_searched", "largest_block", "peak_bytes",
+            "file_order_peak_bytes", "random_mean_bytes", "random_worst_bytes",
+            "below_file_pct", "below_random_mean_pct", "below_random_worst_pct", "states",
+            "seconds", "proven", "inplace_peak_bytes", "inplace_file_order_peak_bytes",
+            "dp_peak_bytes", "dp_agrees", "note"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hepti.bench.order", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--what", choices=("table", "plot", "all"), default="all")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="table rows whose name has NAME")
+    ap.add_argument("--time-limit", type=float, default=10.0, help="seconds per block (default 10)")
+    ap.add_argument("--seeds", type=int, default=5, help="graphs per size in the plot (default 5)")
+    ap.add_argument("--out", default="results/order.json", help="default %(default)s")
+    args = ap.parse_args(argv)
+    commit = git_commit()
+    out = Path(args.out)
+    if args.what in ("table", "all"):
+        rows = run_table(args.only, args.time_limit)
+        write_json(result_doc("order", commit, memory_model="activations only; graph inputs and "
+                              "outputs not counted; batch 1 (inplace_*: the in-place option)",
+                              random_orders="100, seed 0, a uniformly random ready operator "
+                              "at each step", rows=rows), out)
+        write_csv(rows, out.with_suffix(".csv"))
+        print(f"wrote {out} and {out.with_suffix('.csv')}")
+    if args.what in ("plot", "all"):
+        plot = run_plot(args.seeds)
+        states = out.with_name(out.stem + "-states.json")
+        write_json(result_doc("order-states", commit, cap_states=PLOT_CAP, seeds=args.seeds,
+                              variants={k: dict(zip(("bound", "hashing", "dominance"), v))
+                                        for k, v in VARIANTS.items()}, families=plot), states)
+        png = states.with_suffix(".png")
+        print(f"wrote {states}" + (f" and {png}" if draw(plot, png) else " (no matplotlib: no plot)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,529 @@
+"""BTSearch: the operator order with the smallest peak memory (MemoriaNova, Zhang et al. 2024).
+
+Under hepti.plan.memory's model, the memory of a step depends only on the set S of operators
+already run and the operator run next, so an order is a path from the empty set to all
+operators through the DAG's downsets, and its peak is the largest step on the path. BTSearch
+walks these paths depth first over the ready operators, children tried least step first:
+
+- **incumbent**: before searching, the best of cheap orders: the file's, a reverse post-order
+  (depth first from the inputs) and a least-peak-first greedy (the ready operator whose step
+  is smallest, then whose resident after is smallest). The search only looks for strictly
+  better orders, so its answer is never worse than the file order;
+- **bound**: a partial order whose peak already reaches the best found is cut, and so is one
+  whose peak, or any remaining operator's static lower bound, reaches it. An operator's lower
+  bound is its inputs + outputs (less what in place could save) + every tensor written by an
+  ancestor and read by a descendant (live while it runs, in any order);
+- **hashing**: the smallest peak each set S was reached with is kept; reaching S again at no
+  lower peak is cut, as everything after S is the same;
+- **dominance**: when a ready operator frees at least what it allocates and its step stays
+  under the peak so far, running it at once is as good as any other choice, so the search does
+  not branch there. (Moving it earlier only shortens its inputs' lives and delays nothing.)
+
+**Decomposition.** An operator every other operator is an ancestor or a descendant of runs at
+the same place in every order: a *cut*. Between two cuts lies a block whose orders are
+independent of the rest: a tensor from before a block is live from its start, one read after
+it is held to its end, and one that passes a block without touching it adds the same bytes to
+each of its steps. So each block is searched apart, under its own budget (seconds and
+states); the whole order is optimal when every block's is. A block whose search ran out of
+budget keeps its best order and `proven` False, unless the peak found is already the lower
+bound of the whole graph or of a block that was proven. A chain of operators is all cuts; an
+Inception module is one block. A graph without cuts stays one block: NASNet's cells each read
+the two cells before them, so no operator separates them. HMCOS (Wang et al., DAC 2022) builds
+a hierarchy of operator sequences and groups for such graphs and schedules it iteratively;
+hepti does not do that.
+
+`order_graph(dag)` is what `hepti order` and the planner call; `btsearch(problem)` searches one
+Problem with any of bound, hashing and dominance turned off (the benchmark's plot).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from hepti.errors import PlanError
+from hepti.graph.opdag import OpDag
+from hepti.plan.memory import Problem, compile_problem
+
+DEFAULT_TIME_LIMIT = 10.0  # seconds per block
+DEFAULT_MAX_STATES = 2_000_000  # states per block (each a partial order the search reached)
+
+
+# --- cheap orders ----------------------------------------------------------------------------
+
+def topological(pb: Problem, pick=min) -> list[int]:
+    """A topological order, choosing among the ready operators with `pick` (min: the lowest
+    index, so an OpDag's file order when it is one)."""
+    done, ready, order = 0, [o for o in range(pb.n) if not pb.preds[o]], []
+    while ready:
+        o = pick(ready)
+        ready.remove(o)
+        order.append(o)
+        done |= 1 << o
+        ready += [s for s in pb.succs[o] if not pb.preds[s] & ~done]
+    if len(order) != pb.n:
+        raise ValueError("the operators have a cycle")
+    return order
+
+
+def reverse_postorder(pb: Problem) -> list[int]:
+    """Depth first from the operators without predecessors, successors in index order; the
+    reverse of the finishing order is topological and keeps each branch together."""
+    seen, post = [False] * pb.n, []
+    for root in reversed([o for o in range(pb.n) if not pb.preds[o]]):
+        if seen[root]:
+            continue
+        seen[root] = True
+        stack = [(root, iter(reversed(pb.succs[root])))]
+        while stack:
+            o, it = stack[-1]
+            nxt = next((s for s in it if not seen[s]), None)
+            if nxt is None:
+                post.append(o)
+                stack.pop()
+            else:
+                seen[nxt] = True
+                stack.append((nxt, iter(reversed(pb.succs[nxt]))))
+    return post[::-1]
+
+
+def greedy_least_peak(pb: Problem) -> list[int]:
+    """At each step the ready operator with the smallest step, then the smallest resident
+    after it, then the lowest index."""
+    fast = _Fast(pb)
+    done, resident, order = 0, fast.start, []
+    ready = [o for o in range(pb.n) if not pb.preds[o]]
+    while ready:
+        best = None
+        for o in ready:
+            step, after = fast.expand(o, done, resident)
+            if best is None or (step, after, o) < best:
+                best = (step, after, o)
+        _, resident, o = best
+        ready.remove(o)
+        order.append(o)
+        done |= 1 << o
+        ready += [s for s in pb.succs[o] if not pb.preds[s] & ~done]
+    return order
+
+
+def random_order(pb: Problem, rng: random.Random) -> list[int]:
+    """A random execution order: a uniformly random ready operator at each step (not uniform
+    over all topological orders; the usual meaning of a random order)."""
+    return topological(pb, pick=rng.choice)
+
+
+# --- the search ------------------------------------------------------------------------------
+
+class _Fast:
+    """The memory model's step and resident updates, incremental (what the search runs)."""
+
+    def __init__(self, pb: Problem):
+        self.pb = pb
+        self.keep = [sum(pb.size[j] for j in pb.outs[o]
+                         if pb.held[j] or pb.consumers[j]) for o in range(pb.n)]
+        self.out = [sum(pb.size[j] for j in pb.outs[o]) for o in range(pb.n)]
+        self.start = pb.offset + sum(s for j, s in enumerate(pb.size)
+                                     if pb.producer[j] < 0 and (pb.held[j] or pb.consumers[j]))
+
+    def expand(self, o: int, done: int, resident: int) -> tuple[int, int]:
+        """(bytes while o runs, bytes resident after it) from the set `done` with `resident`."""
+        pb = self.pb
+        nd = done | 1 << o
+        saving = 0
+        for j, saved in pb.inplace_pairs[o]:
+            if saved > saving and not pb.consumers[j] & ~nd:
+                saving = saved
+        after = resident + self.keep[o]
+        for j in pb.ins[o]:
+            if not pb.held[j] and not pb.consumers[j] & ~nd:
+                after -= pb.size[j]
+        return resident + self.out[o] - saving, after
+
+
+def ancestry(pb: Problem) -> tuple[list[int], list[int]]:
+    """(ancestors, descendants) of each operator, as bitmasks."""
+    order = topological(pb)
+    anc, desc = [0] * pb.n, [0] * pb.n
+    for o in order:
+        m = pb.preds[o]
+        for p in _bits(pb.preds[o]):
+            m |= anc[p]
+        anc[o] = m
+    for o in reversed(order):
+        m = 0
+        for s in pb.succs[o]:
+            m |= desc[s] | 1 << s
+        desc[o] = m
+    return anc, desc
+
+
+def lower_bounds(pb: Problem, anc=None, desc=None) -> list[int]:
+    """Per operator, bytes live while it runs in every order: its inputs and outputs (less the
+    largest in-place saving it might get), every tensor written before it (by an ancestor, or
+    present from the start) and read after it (by a descendant, or held), and the offset."""
+    if anc is None:
+        anc, desc = ancestry(pb)
+    full = pb.full
+    lb = [pb.offset + sum(pb.size[j] for j in pb.ins[o]) + sum(pb.size[j] for j in pb.outs[o])
+          - max((s for _, s in pb.inplace_pairs[o]), default=0) for o in range(pb.n)]
+    for j, s in enumerate(pb.size):
+        p = pb.producer[j]
+        after = full if p < 0 else desc[p]
+        if pb.held[j]:
+            before = full
+        else:
+            before = 0
+            for c in _bits(pb.consumers[j]):
+                before |= anc[c]
+        for o in _bits(after & before & ~pb.consumers[j]):
+            lb[o] += s
+    return lb
+
+
+class _Budget(Exception):
+    pass
+
+
+@dataclass
+class SearchResult:
+    """One Problem's search: the best order found (operator indices) and its peak, whether it
+    is proven the least, the states reached (partial orders the search visited) and seconds;
+    `start_peak` is the incumbent's and `lower_bound` the static bound's."""
+
+    order: list[int]
+    peak: int
+    proven: bool
+    states: int
+    seconds: float
+    start_peak: int
+    start: str
+    lower_bound: int
+    stopped: str = ""  # why an unproven search stopped: "time", "states"
+
+
+def btsearch(pb: Problem, incumbent: list[int] | None = None, bound: bool = True,
+             hashing: bool = True, dominance: bool = True,
+             time_limit: float = DEFAULT_TIME_LIMIT,
+             max_states: int = DEFAULT_MAX_STATES) -> SearchResult:
+    """The least-peak order of one Problem (see the module docstring). `incumbent`: a starting
+    order (default: the best cheap order; with `bound` off, none is used and every order is
+    walked, so an exhaustive search's states count the orders' prefixes)."""
+    t0 = time.perf_counter()
+    fast = _Fast(pb)
+    anc, desc = ancestry(pb)
+    lb = lower_bounds(pb, anc, desc)
+    lb_global = max(lb, default=pb.offset)
+    by_lb = sorted(range(pb.n), key=lambda o: -lb[o])
+    if incumbent is None:
+        cands = {"file": topological(pb), "reverse post-order": reverse_postorder(pb),
+                 "greedy least-peak": greedy_least_peak(pb)}
+        start, incumbent = min(cands.items(), key=lambda kv: (pb.peak(kv[1]), list(cands).index(kv[0])))
+    else:
+        start = "given"
+    start_peak = pb.peak(incumbent)
+    best = [start_peak, list(incumbent)]
+    if not bound:
+        best[0] = float("inf")
+    if bound and start_peak <= lb_global:
+        return SearchResult(list(incumbent), start_peak, True, 0, time.perf_counter() - t0,
+                            start_peak, start, lb_global)
+
+    seen: dict[int, int] = {}
+    prefix: list[int] = []
+    states = 0
+    full = pb.full
+    deadline = t0 + time_limit
+    preds, succs = pb.preds, pb.succs
+
+    def remaining_bound(done: int) -> int:
+        for o in by_lb:
+            if not done >> o & 1:
+                return lb[o]
+        return 0
+
+    def dfs(done: int, resident: int, peak: int, ready: list[int]) -> None:
+        nonlocal states
+        states += 1
+        if states > max_states:
+            raise _Budget("states")
+        if not states & 255 and time.perf_counter() > deadline:
+            raise _Budget("time")
+        if done == full:
+            if peak < best[0]:
+                best[0], best[1] = peak, list(prefix)
+            return
+        if hashing:
+            was = seen.get(done)
+            if was is not None and was <= peak:
+                return
+            seen[done] = peak
+        if bound and max(peak, remaining_bound(done)) >= best[0]:
+            return
+        children = []
+        for o in ready:
+            step, after = fast.expand(o, done, resident)
+            p = step if step > peak else peak
+            if bound and p >= best[0]:
+                continue
+            if dominance and step <= peak and after <= resident:
+                children = [(p, after, o)]
+                break
+            children.append((p, after, o))
+        children.sort()
+        for p, after, o in children:
+            nd = done | 1 << o
+            nready = [r for r in ready if r != o]
+            nready += [s for s in succs[o] if not preds[s] & ~nd]
+            prefix.append(o)
+            dfs(nd, after, p, nready)
+            prefix.pop()
+            if bound and peak >= best[0]:
+                return
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, pb.n + 200))
+    stopped = ""
+    try:
+        dfs(0, fast.start, 0, [o for o in range(pb.n) if not preds[o]])
+    except _Budget as e:
+        stopped = str(e)
+    finally:
+        sys.setrecursionlimit(limit)
+    peak, order = best
+    if not bound and peak == float("inf"):
+        peak, order = start_peak, list(incumbent)
+    proven = not stopped or peak <= lb_global
+    return SearchResult(order, int(peak), proven, states, time.perf_counter() - t0, start_peak,
+                        start, lb_global, stopped)
+
+
+# --- decomposition ---------------------------------------------------------------------------
+
+def blocks(pb: Problem) -> list[list[int]]:
+    """The operators in runs between cuts (see the module docstring), in order: each cut is a
+    block of its own, and so is each stretch of operators between two cuts."""
+    anc, desc = ancestry(pb)
+    full = pb.full
+    cut = [(anc[o] | desc[o] | 1 << o) == full for o in range(pb.n)]
+    out, current = [], []
+    for o in sorted(range(pb.n), key=lambda o: (bin(anc[o]).count("1"), o)):
+        if cut[o]:
+            if current:
+                out.append(current)
+                current = []
+            out.append([o])
+        else:
+            current.append(o)
+    if current:
+        out.append(current)
+    return out
+
+
+def restrict(pb: Problem, ops: list[int], before: int) -> Problem:
+    """The Problem of the operators `ops` when those in `before` have run and every other one
+    runs after: tensors from before are present at the start, tensors read after are held,
+    tensors that live across without being touched are the offset."""
+    index = {o: k for k, o in enumerate(ops)}
+    inside = 0
+    for o in ops:
+        inside |= 1 << o
+    after = pb.full & ~inside & ~before
+    ids: dict[int, int] = {}
+    size, producer, consumers, held, reusable = [], [], [], [], []
+    offset = pb.offset
+    touched = set()
+    for o in ops:
+        touched.update(pb.ins[o])
+        touched.update(pb.outs[o])
+    for j, s in enumerate(pb.size):
+        p = pb.producer[j]
+        from_before = p < 0 or before >> p & 1
+        read_after = pb.held[j] or bool(pb.consumers[j] & after)
+        if j not in touched:
+            if from_before and read_after:
+                offset += s
+            continue
+        ids[j] = len(size)
+        size.append(s)
+        producer.append(index[p] if not from_before else -1)
+        mask = 0
+        for c in _bits(pb.consumers[j] & inside):
+            mask |= 1 << index[c]
+        consumers.append(mask)
+        held.append(read_after)
+        reusable.append(pb.reusable[j])
+    preds = []
+    for o in ops:
+        m = 0
+        for q in _bits(pb.preds[o] & inside):
+            m |= 1 << index[q]
+        preds.append(m)
+    succs = [[index[s] for s in pb.succs[o] if s in index] for o in ops]
+    ins = [[ids[j] for j in pb.ins[o]] for o in ops]
+    outs = [[ids[j] for j in pb.outs[o]] for o in ops]
+    pairs = [[(ids[j], saved) for j, saved in pb.inplace_pairs[o] if not held[ids[j]]]
+             for o in ops]
+    pos = pb.position or list(range(pb.n))
+    return Problem([pb.names[o] for o in ops], preds, succs, ins, outs, pairs, size, producer,
+                   consumers, held, reusable, offset, [pos[o] for o in ops])
+
+
+# --- the whole graph -------------------------------------------------------------------------
+
+@dataclass
+class BlockReport:
+    """One block: its first and last operator (file order), size, search and proof."""
+
+    first: str
+    last: str
+    ops: int
+    peak_bytes: int
+    start_peak_bytes: int
+    lower_bound_bytes: int
+    states: int
+    seconds: float
+    proven: bool
+    stopped: str = ""
+
+
+@dataclass
+class OrderResult:
+    """What `hepti order` prints: the order found and its peak, against the file order and
+    random orders, with the search's effort and whether the peak is proven the least."""
+
+    graph: str
+    ops: int
+    batch: int
+    inplace: bool
+    count_io: bool
+    peak_bytes: int
+    order: list[str]
+    file_order_peak_bytes: int
+    heuristic_peak_bytes: dict[str, int]
+    random: dict
+    lower_bound_bytes: int
+    weight_bytes: int
+    states: int
+    seconds: float
+    proven: bool
+    blocks: list[BlockReport] = field(default_factory=list)
+    unproven_blocks: list[str] = field(default_factory=list)
+    cap_bytes: int | None = None
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+        d = asdict(self)
+        d["random_mean_bytes"] = self.random["mean_bytes"]
+        d["random_worst_bytes"] = self.random["worst_bytes"]
+        return d
+
+
+def random_peaks(pb: Problem, count: int = 100, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [pb.peak(random_order(pb, rng)) for _ in range(count)]
+
+
+def order_graph(dag: OpDag, inplace: bool = False, count_io: bool = False,
+                time_limit: float = DEFAULT_TIME_LIMIT, max_states: int = DEFAULT_MAX_STATES,
+                decompose: bool = True, random_count: int = 100, seed: int = 0,
+                bound: bool = True, hashing: bool = True, dominance: bool = True,
+                cap: int | None = None) -> OrderResult:
+    """BTSearch on an OpDag under the memory model's options: cut into blocks (unless
+    `decompose` is off), each block searched under `time_limit` seconds and `max_states`.
+    `cap`: bytes the order must fit in; a PlanError says which operator cannot fit in any
+    order, or that the least peak found is above it."""
+    t0 = time.perf_counter()
+    pb = compile_problem(dag, inplace, count_io)
+    if cap is not None:
+        lb = lower_bounds(pb)
+        worst = max(range(pb.n), key=lambda o: lb[o])
+        if lb[worst] > cap:
+            raise PlanError(
+                f"{dag.name}: no order fits in {cap:,} bytes: operator {pb.names[worst]!r} "
+                f"needs {lb[worst]:,} bytes in every order (its inputs and outputs, and the "
+                "tensors written before it and read after it)")
+    file_order = topological(pb)
+    heur = {"file": pb.peak(file_order), "reverse post-order": pb.peak(reverse_postorder(pb)),
+            "greedy least-peak": pb.peak(greedy_least_peak(pb))}
+    parts = blocks(pb) if decompose else [list(range(pb.n))]
+    order, reports, states, before = [], [], 0, 0
+    for ops in parts:
+        sub = restrict(pb, ops, before) if decompose else pb
+        if len(ops) == 1:
+            step = sub.peak([0])
+            res = SearchResult([0], step, True, 0, 0.0, step, "only", step)
+        else:
+            res = btsearch(sub, bound=bound, hashing=hashing, dominance=dominance,
+                           time_limit=time_limit, max_states=max_states)
+        order += [ops[k] for k in res.order]
+        states += res.states
+        for o in ops:
+            before |= 1 << o
+        if len(ops) > 1:
+            reports.append(BlockReport(sub.names[0], sub.names[-1], len(ops), res.peak,
+                                       res.start_peak, res.lower_bound, res.states,
+                                       round(res.seconds, 4), res.proven, res.stopped))
+        else:
+            reports.append(BlockReport(sub.names[0], sub.names[0], 1, res.peak, res.peak,
+                                       res.peak, 0, 0.0, True))
+    peak = pb.peak(order)
+    lb_global = max(lower_bounds(pb), default=0)
+    proven_floor = max([lb_global] + [b.peak_bytes for b in reports if b.proven])
+    proven = all(b.proven for b in reports) or peak <= proven_floor
+    rnd = random_peaks(pb, random_count, seed) if random_count else []
+    random_doc = {"count": len(rnd), "seed": seed,
+                  "mean_bytes": statistics.fmean(rnd) if rnd else None,
+                  "worst_bytes": max(rnd, default=None), "best_bytes": min(rnd, default=None)}
+    if cap is not None and peak > cap:
+        how = ("the least peak of any order is" if proven else
+               "the best order found (not proven the least) needs")
+        raise PlanError(f"{dag.name}: no order found fits in {cap:,} bytes: {how} {peak:,}")
+    # blocks of one operator are left out of the list (their order is forced)
+    shown = [b for b in reports if b.ops > 1]
+    return OrderResult(
+        dag.name, pb.n, dag.batch, inplace, count_io, peak, [pb.names[o] for o in order],
+        heur["file"], heur, random_doc, lb_global, dag.weight_bytes, states,
+        round(time.perf_counter() - t0, 4), proven, shown,
+        [f"{b.first} .. {b.last}" for b in reports if not b.proven], cap)
+
+
+def format_result(r: OrderResult, names: int = 12) -> str:
+    """`hepti order`'s text report."""
+    def b(x) -> str:
+        return f"{x:,.0f} B ({x / 2**20:.2f} MiB)"
+
+    def vs(x) -> str:
+        return f"{(r.peak_bytes - x) / x * 100:+.1f}%" if x else "n/a"
+
+    largest = max((bl.ops for bl in r.blocks), default=1)
+    lines = [
+        f"graph    {r.graph}: {r.ops} operators, batch {r.batch}; weights "
+        f"{r.weight_bytes / 2**20:.1f} MiB, not counted",
+        f"model    activations; in place {'on' if r.inplace else 'off'}; graph inputs and "
+        f"outputs {'counted' if r.count_io else 'not counted'}",
+        f"peak     {b(r.peak_bytes)}  {'proven least' if r.proven else 'NOT proven least'}",
+        f"file     {b(r.file_order_peak_bytes)}  (peak {vs(r.file_order_peak_bytes)} against it)",
+    ]
+    if r.random["count"]:
+        lines.append(f"random   {r.random['count']} orders (seed {r.random['seed']}): mean "
+                     f"{b(r.random['mean_bytes'])} ({vs(r.random['mean_bytes'])}), worst "
+                     f"{b(r.random['worst_bytes'])} ({vs(r.random['worst_bytes'])})")
+    lines.append(f"search   {r.states:,} states, {r.seconds:.2f} s; {len(r.blocks)} blocks to "
+                 f"search (largest {largest} operators); lower bound {b(r.lower_bound_bytes)}")
+    if r.unproven_blocks:
+        lines.append("unproven " + "; ".join(r.unproven_blocks))
+    shown = " ".join(r.order[:names]) + (f" ... ({r.ops} in all; --json lists them)"
+                                         if r.ops > names else "")
+    lines.append(f"order    {shown}")
+    return "\n".join(lines)
+
+
+def _bits(mask: int):
+    """The set bits of a mask, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
