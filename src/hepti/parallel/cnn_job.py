@@ -75,7 +75,7 @@ def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
     """The plan every rank runs: --plan, else --ratios, else --strategy (even by default;
     auto and proportional plan on --profile or on a profile measured now, at this input)."""
     from hepti.parallel.engine import agree
-    from hepti.plan.planfile import Plan, check_ratio_vector
+    from hepti.plan.planfile import Plan, parse_ratios
     cfg, P = store.config, world.size
     strategy = getattr(args, "strategy", None)
     if args.plan:
@@ -96,8 +96,7 @@ def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
             from hepti.graph.cnn import build
             from hepti.graph.split import spatial_ops
             if args.ratios:
-                vec = check_ratio_vector([float(x) for x in args.ratios.split(",")], P,
-                                         "--ratios")
+                vec = parse_ratios(args.ratios, P)["rows"]
             elif strategy == "single":
                 vec = [1.0] + [0.0] * (P - 1)
             else:
@@ -115,7 +114,7 @@ def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
         if world.rank != 0:
             return None
         from hepti.plan.coedge import make_cnn_plan
-        ratios = ([float(x) for x in args.ratios.split(",")] if args.ratios else None)
+        ratios = parse_ratios(args.ratios, P)["rows"] if args.ratios else None
         return make_cnn_plan(cfg, profile, strategy or ("auto" if not ratios else "even"),
                              ratios=ratios, size=size_hw, batch=batch, fuse_depth=fuse_depth)
     plan = agree(world, on_primary)
