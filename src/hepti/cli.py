@@ -583,7 +583,8 @@ def cmd_plan(args) -> int:
         logging.getLogger("hepti").warning(note)
     if cfg.model_type == "cnn":
         from hepti.plan.coedge import make_cnn_plan
-        ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else None
+        from hepti.plan.planfile import parse_ratios
+        ratios = parse_ratios(args.ratios, profile.world_size)["rows"] if args.ratios else None
         plan = make_cnn_plan(cfg, profile, args.strategy, args.objective, args.deadline_ms,
                              args.power, ratios, fuse_depth=args.fuse_depth)
     else:
