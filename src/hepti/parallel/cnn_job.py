@@ -139,7 +139,8 @@ def _cnn_profile(args, world, store, size_hw, batch):
 
 def run_cnn(args, world, store, prep, t_start: float) -> int:
     """`hepti run` of a CNN on every rank, once the inputs are checked (`prep`, rank 0)."""
-    from hepti.parallel.engine import agree, format_rank_table, gentle_barrier
+    from hepti.parallel.engine import (agree, attach_prediction, format_plan_line,
+                                       format_rank_table, gentle_barrier)
     from hepti.runner import base_report, finish, run_passes
     mpi, rank0 = world.mpi, world.rank == 0
     source = prep.source if rank0 else None
@@ -174,21 +175,10 @@ def run_cnn(args, world, store, prep, t_start: float) -> int:
     report.update({"active_ranks": job.active, "ratios": plan.ratios, "groups": plan.groups,
                    "head": plan.head, "input_hw": list(size_hw), "per_rank": stats,
                    "counts": plan.counts or {}})
-    if plan.predicted_latency_s is not None:
-        report["predicted_latency_s"] = plan.predicted_latency_s
-        report["predicted"] = plan.predicted
-        for st, pr in zip(stats, plan.predicted.get("per_rank", [])):
-            st["predicted"] = pr
-    report["explanation"] = plan.explanation
+    attach_prediction(report, stats, plan)
+    report.setdefault("explanation", plan.explanation)
     finish(args, report, runs)
     if not args.json:
-        line = f"plan: bands, rows {', '.join(f'{r:.3f}' for r in plan.ratios['rows'])}"
-        if plan.groups:
-            line += f", {len(plan.groups)} fused groups"
-        if plan.explanation:
-            line += f"\n  why: {plan.explanation}"
-        if plan.predicted_latency_s:
-            line += f"\n  predicted latency {plan.predicted_latency_s * 1e3:.1f} ms"
-        print(line)
+        print(format_plan_line(report, plan))
         print(format_rank_table(report))
     return 0

@@ -583,12 +583,7 @@ def _run_prepared(args, world, store, prep, t_start: float) -> int:
     })
     if plan.mem_budget:
         report["mem_budget"] = plan.mem_budget
-    if plan.predicted_latency_s is not None:
-        report["predicted_latency_s"] = plan.predicted_latency_s
-        report["predicted"] = plan.predicted
-        for st, pr in zip(stats, plan.predicted.get("per_rank", [])):
-            st["predicted"] = pr
-        report["explanation"] = plan.explanation
+    attach_prediction(report, stats, plan)
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(chrome_trace(all_events, {"strategy": plan.strategy, "world_size": size}), f)
@@ -598,6 +593,17 @@ def _run_prepared(args, world, store, prep, t_start: float) -> int:
         print(format_plan_line(report, plan))
         print(format_rank_table(report))
     return 0
+
+
+def attach_prediction(report: dict, stats: list[dict], plan: Plan) -> None:
+    """A planned run's report: the plan's prediction beside each rank's measurement."""
+    if plan.predicted_latency_s is None:
+        return
+    report["predicted_latency_s"] = plan.predicted_latency_s
+    report["predicted"] = plan.predicted
+    for st, pr in zip(stats, plan.predicted.get("per_rank", [])):
+        st["predicted"] = pr
+    report["explanation"] = plan.explanation
 
 
 def format_plan_line(report: dict, plan: Plan) -> str:
