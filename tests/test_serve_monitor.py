@@ -130,3 +130,90 @@ def test_pacer_lets_one_step_go_per_batch():
     pacer.free()
     t.join(timeout=2)
     assert done == [0, 1, 2, 3, 4]
+
+
+class _Tracer:
+    def __init__(self):
+        self.seconds = {}
+
+
+def _watch(seconds: dict, expect: dict) -> list:
+    """Run rank 0's in-batch watch (hepti.serve.worker._InBatchWatch) over a batch whose
+    tracer reads `seconds`, until it flags or 20 of its looks have passed."""
+    import time
+
+    from hepti.serve.worker import _InBatchWatch
+    tr, sent = _Tracer(), []
+    tr.seconds.update(seconds)
+    w = _InBatchWatch(tr, expect, sent.append)
+    for _ in range(200):
+        if sent:
+            break
+        time.sleep(0.005)
+    w.stop()
+    return sent
+
+
+def test_rank0_flags_communication_far_over_its_prediction_inside_the_batch():
+    """Waiting 5x the predicted communication is told to the front end before the batch ends
+    (one line, with the factor and the time into the batch); communication as predicted, or
+    compute alone, is not."""
+    expect = {"comm_s": 0.02, "wall_s": 0.2}
+    sent = _watch({"allgatherv": 0.1, "compute": 0.05}, expect)
+    assert len(sent) == 1 and sent[0]["op"] == "flag" and sent[0]["rank"] == 0
+    assert sent[0]["factor"] > 1.8 and sent[0]["at_s"] >= 0.25 * expect["wall_s"]
+    assert _watch({"allgatherv": 0.005, "compute": 0.5}, expect) == []
+
+
+def _watcher(probes: list[dict]):
+    """A PlanWatcher for a 4-rank BERT-tiny `rows` plan on a declared profile (940 Mbit/s
+    links), whose probes answer from `probes` in turn."""
+    import collections
+
+    from hepti.config import preset_config
+    from hepti.plan.partition import make_plan
+    from hepti.plan.profile import declared_profile
+    from hepti.serve.replan import PlanWatcher
+    dev = {"gemm_flops": 2e10, "memory_bytes": 4e9, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6}
+    profile = declared_profile([dict(dev) for _ in range(4)])
+    cfg = preset_config("bert-base")
+    plan = make_plan(cfg, profile, 256, 1, strategy="rows")
+    answers = iter(probes)
+
+    class Sup:
+        config, worker_args = cfg, ["--strategy", "rows"]
+        replans, flags = [], collections.deque()
+
+        def command(self, sock, header):
+            if header["op"] == "prepare":  # the ranks start loading; the switch comes later
+                return {"op": "prepared", "loads": [True] * 4}
+            assert header["op"] == "probe", header
+            return {"op": "probed", "links": next(answers)}
+    sup = Sup()
+    sup.plan = plan.to_dict()
+    w = PlanWatcher(sup, profile.to_dict())
+    w.shapes, w.batch_times = [(1, 256)], [0.0, 1.0]
+    return w, sup
+
+
+def _links(mbit: list[float]) -> dict:
+    return {str(r): {"latency_s": 1e-4, "bandwidth_Bps": m * 1e6 / 8} for r, m in enumerate(mbit, 1)}
+
+
+def test_a_flap_burst_ends_at_the_first_probe_that_reads_a_link_slow():
+    """After a swing alarm the links are probed light over the next batches; the burst ends as
+    soon as one link reads slower than planned: it is the flapping one, held at that reading.
+    Links that read faster than profiled (light probes read shaped links high) are not taken."""
+    from hepti.serve import replan as R
+    w, sup = _watcher([_links([1700, 1750, 1800]), _links([1690, 107, 1780])])
+    w.burst = {"event": {"reason": "communication swings", "alarms": []}, "probes": []}
+    w._burst_probe(None)
+    assert w.burst is not None and len(w.burst["probes"]) == 1  # nothing slow yet: go on
+    w._burst_probe(None)
+    assert w.burst is None
+    event = sup.replans[-1]
+    assert event["flapping"] == [2]
+    assert w.links["2"]["bandwidth_Bps"] == pytest.approx(107e6 / 8)
+    assert "1" not in w.links and "3" not in w.links  # their high light readings are not taken
+    assert w.flap_hold["2"] > 0
+    assert R.FLAP_PROBES > 2  # the burst did end early

@@ -385,9 +385,16 @@ class Supervisor:
                 lengths, flat = protocol.pack_ids([p.ids for p in batch])
                 batch_id = self.counts["batches"]
                 t0 = time.perf_counter()
+                head = {"op": "batch", "id": batch_id, "lengths": lengths}
+                watch = self.watcher.expectation(_shape(batch)) if self.watcher is not None else None
+                if watch is not None:
+                    head["watch"] = watch
                 try:
-                    protocol.send(sock, {"op": "batch", "id": batch_id, "lengths": lengths}, flat)
+                    protocol.send(sock, head, flat)
                     header, data = protocol.recv(sock)
+                    while header.get("op") == "flag":  # rank 0's, from inside the batch
+                        self.watcher.early_flag(header, _shape(batch))
+                        header, data = protocol.recv(sock)
                 except (OSError, protocol.ChannelClosed) as e:
                     self._requeue(batch)
                     raise protocol.ChannelClosed(str(e)) from None
@@ -403,7 +410,7 @@ class Supervisor:
     def _watch_plan(self, sock, batch: list[Piece], ranks_s: list, wall: float) -> None:
         """The re-planner after a batch. A fault of its own ends re-planning, not the service:
         the current plan keeps serving, and /metrics says why it stopped."""
-        shape = (len(batch), max(len(p.ids) for p in batch))
+        shape = _shape(batch)
         try:
             self.watcher.after_batch(sock, shape, ranks_s, wall)
         except (OSError, protocol.ChannelClosed):
@@ -573,3 +580,8 @@ def _load_tokenizer(path: Path):
     tok.no_padding()
     tok.no_truncation()
     return tok
+
+
+def _shape(batch: list[Piece]) -> tuple[int, int]:
+    """A batch's (inputs, longest)."""
+    return len(batch), max(len(p.ids) for p in batch)

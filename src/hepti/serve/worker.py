@@ -129,7 +129,9 @@ def serve(args) -> int:
             if op == OP_STOP:
                 return 0
             if op == OP_BATCH:
-                answer = state.batch(header, data)
+                answer = state.batch(header, data,
+                                     (lambda msg: protocol.send(sock, {"id": batch_id, **msg}))
+                                     if rank0 else None)
             elif op == OP_PROBE:
                 answer = state.probe(header)
             elif op == OP_PREPARE:
@@ -152,6 +154,65 @@ def serve(args) -> int:
 # 0.2-core device had to read back the 340 MB it had dropped when it went idle.
 KEEP_PREVIOUS_FREE = 2.0
 IDLE_PROBES = 3  # speed probes an idle rank runs after each batch (their median is reported)
+# Rank 0's watch inside a batch (`_InBatchWatch`): how often it looks, as a fraction of the
+# batch's predicted wall time (within 10-100 ms); from what fraction on; and how far its
+# communication so far must exceed what that fraction predicts, as a ratio and as a fraction
+# of the predicted wall (one slow collective early in a batch is not a change)
+WATCH_EVERY, WATCH_FROM, WATCH_RATIO, WATCH_EXCESS = 1 / 20, 0.25, 1.8, 0.10
+
+
+class _InBatchWatch:
+    """Rank 0 watches its own communication while a batch runs, and tells the front end at
+    once when it is far above the plan's prediction (hepti.serve.replan notes it as a flag).
+
+    Why: a residual is known only at the batch's end, and a batch that a change slows takes
+    the longer: bench-adapt at 30ad712 flagged node-b's CPU halving 1.77 s after it, at the end
+    of the first request run wholly under it (1.52 s). Rank 0's time inside collectives holds
+    every peer's lateness (a slower CPU anywhere, or a slower link), so a quarter into that
+    request it already read 4-5x its prediction. The signal costs no MPI message: rank 0 reads
+    its tracer on a thread and writes one line to the front end's socket, at most once a batch;
+    the thread is joined before the batch's answer goes on the same socket. A change of rank
+    0's own speed does not show here (its waits stay as predicted): the batch's end tells it.
+
+    `expect`: {"comm_s": rank 0's predicted communication (transfers and waits, times the
+    series' baseline), "wall_s": the batch's predicted time}, from the front end."""
+
+    def __init__(self, tracer, expect: dict, notify):
+        import threading
+        self.tracer, self.notify = tracer, notify
+        self.comm_s, self.wall_s = float(expect["comm_s"]), float(expect["wall_s"])
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hepti-batch-watch", daemon=True)
+        self._thread.start()
+
+    def _comm_so_far(self) -> float:
+        sec = self.tracer.seconds
+        # the dict may gain a key on the main thread meanwhile: copy its items, retrying
+        for _ in range(3):
+            try:
+                return sum(v for k, v in list(sec.items())
+                           if k not in ("compute", "io", "batch"))
+            except RuntimeError:
+                continue
+        return 0.0
+
+    def _run(self) -> None:
+        every = min(0.1, max(0.01, WATCH_EVERY * self.wall_s))
+        while not self._stop.wait(every):
+            elapsed = time.perf_counter() - self.t0
+            if elapsed < WATCH_FROM * self.wall_s:
+                continue
+            got = self._comm_so_far()
+            expected = self.comm_s * min(1.0, elapsed / self.wall_s)
+            if got > WATCH_RATIO * expected and got - expected > WATCH_EXCESS * self.wall_s:
+                self.notify({"op": "flag", "kind": "comm", "rank": 0,
+                             "factor": got / max(expected, 1e-9), "at_s": elapsed})
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class _Pacer:
@@ -248,9 +309,11 @@ class _State:
         self._standby = threading.Thread(target=load, name="hepti-standby", daemon=True)
         self._standby.start()
 
-    def batch(self, header, data):
+    def batch(self, header, data, notify=None):
         """One batch through the job; rank 0's answer: the pooled embeddings, and with --replan
-        every rank's compute and communication seconds (one small gather)."""
+        every rank's compute and communication seconds (one small gather). Rank 0 watches its
+        communication during the batch when the front end sent what to expect (`watch`), and
+        tells it early through `notify` (`_InBatchWatch`)."""
         from hepti.model.pooling import pool
         from hepti.parallel.profiling import available_memory
         from hepti.serve import protocol
@@ -260,8 +323,14 @@ class _State:
             batch = make_batch(protocol.unpack_ids(header["lengths"], data), self.cfg.pad_token_id)
         w.tracer.reset()
         out = {}
+        watch = _InBatchWatch(w.tracer, header["watch"], notify) \
+            if rank0 and notify is not None and header.get("watch") else None
         t0 = time.perf_counter()
-        self.job.run_all([batch] if rank0 else (), 1, lambda k, h: out.setdefault("h", h))
+        try:
+            self.job.run_all([batch] if rank0 else (), 1, lambda k, h: out.setdefault("h", h))
+        finally:
+            if watch is not None:
+                watch.stop()
         wall = time.perf_counter() - t0
         head = {"op": "result", "wall_s": wall}
         if self.args.replan:
