@@ -134,3 +134,21 @@ def test_transport_choice():
     assert choose_transport(COMM, "p2p") == "p2p"
     if N > 1:
         assert choose_transport(COMM, "auto") == ("shm" if ONE_HOST else "p2p")
+
+
+def test_service_verbs_command_and_report():
+    """`hepti serve`'s per-batch verbs: bcast_idle gives every rank rank 0's command, in the
+    order sent; gather_floats gives root each rank's floats in rank order (None elsewhere)."""
+    w = Comm(COMM, transport="p2p")
+    try:
+        got = [w.bcast_idle(np.array([k, 10 * k], np.int64) if RANK == 0 else None, 2).tolist()
+               for k in range(3)]
+        rows = w.gather_floats([RANK, RANK + 0.5, -1.0])
+        ok = got == [[0, 0], [1, 10], [2, 20]]
+        if RANK == 0:
+            ok = ok and rows == [[j, j + 0.5, -1.0] for j in range(N)]
+        else:
+            ok = ok and rows is None
+        all_ok(ok)
+    finally:
+        w.close()

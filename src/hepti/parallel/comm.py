@@ -54,6 +54,7 @@ from hepti.parallel.trace import Tracer
 
 _TAG_SCATTER, _TAG_GATHER, _TAG_ALLGATHER, _TAG_REDUCE, _TAG_OBJ = 101, 102, 103, 104, 105
 _TAG_HALO = 106
+_TAG_COMMAND, _TAG_REPORT = 107, 108
 
 
 class Comm:
@@ -364,12 +365,23 @@ class Comm:
         """Bcast of n int64 from rank 0 that the others may wait in for minutes (a service
         between requests): it polls for `spin_s`, then sleeps `interval` between tests, so an
         idle rank costs no CPU and a busy one's command arrives without a sleep's delay. Not
-        traced: the wait is for work, not part of it."""
+        traced: the wait is for work, not part of it.
+
+        Rank 0 sends to every rank itself (as `gather_floats` receives from each), not through
+        MPI's tree: there, inner ranks pass messages on only while inside MPI, and under `hepti
+        serve --replan on` an idle rank spends the time between batches probing its speed (on
+        4 ranks MPICH's trees run 0 - 2 - 3). With node-c idle on emu-drift4, serving ran at
+        793-814 ms a request against 733-754 with --replan off, the same plan and the batch's
+        own work the same; with both verbs flat, 738-749 against 739."""
         if self.solo:
             return a
         buf = np.ascontiguousarray(a, np.int64) if self.rank == 0 else np.empty(n, np.int64)
+        if self.rank == 0:
+            wait([self.mpi.Isend(buf, dest=j, tag=_TAG_COMMAND) for j in range(1, self.size)])
+            return buf
         # a capped rank does not spin at all: it would spend its quota on it (`wait`)
-        wait_idle(self.mpi.Ibcast(buf, root=0), 0.0 if SLEEPY else spin_s, interval)
+        wait_idle(self.mpi.Irecv(buf, source=0, tag=_TAG_COMMAND), 0.0 if SLEEPY else spin_s,
+                  interval)
         return buf
 
     def gather_obj(self, obj, root: int = 0) -> list | None:
@@ -382,13 +394,18 @@ class Comm:
     def gather_floats(self, values: list[float], root: int = 0) -> list[list[float]] | None:
         """Every rank's n floats (n the same everywhere) to root, as [size][n]; waited for as
         the verbs wait (`wait`: a capped rank sleeps instead of spending its quota spinning,
-        which MPI's blocking Gather would do for as long as the slowest rank computes)."""
+        which MPI's blocking Gather would do for as long as the slowest rank computes). Each
+        rank sends to root directly: no rank waits on another's progress (`bcast_idle`)."""
         a = np.asarray(values, np.float64)
         if self.solo:
             return [a.tolist()]
-        out = np.empty((self.size, a.size), np.float64) if self.rank == root else None
-        wait(self.mpi.Igather(a, out, root=root))
-        return out.tolist() if self.rank == root else None
+        if self.rank != root:
+            wait(self.mpi.Isend(a, dest=root, tag=_TAG_REPORT))
+            return None
+        out = np.empty((self.size, a.size), np.float64)
+        out[root] = a
+        wait([self.mpi.Irecv(out[j], source=j, tag=_TAG_REPORT) for j in range(self.size) if j != root])
+        return out.tolist()
 
 
 # one tag per row verb: a verb's messages can never match another's, whatever the order of posting
