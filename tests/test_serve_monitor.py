@@ -100,6 +100,25 @@ def test_an_idle_rank_is_judged_against_its_own_idle_baseline():
     assert [w.add(0.020) for _ in range(M.IDLE_N)][-1] == pytest.approx(3.0)
 
 
+def test_an_idle_rank_that_slows_is_flagged_on_one_report_and_alarms_on_the_second():
+    """The window slides: one report 3x off is a flag (no alarm); a second moves the median of
+    the last IDLE_N, and that alarms, two reports after the change whatever the phase."""
+    cfg, profile, plan = _bert_rows_plan()
+    mon = M.Monitor(cfg, profile, plan)
+    busy = [0.5, 0.1, 1e9, 1.0, 0.0, 0.0]
+
+    def batch(probe):
+        return mon.observe(1, 256, [busy, busy, busy, [0.0, 0.0, 1e9, 1.0, probe, 0.0]],
+                           [1.0] * 4)
+    for _ in range(M.SKIP_N + M.IDLE_N + 2):  # skipped, the baseline, steady
+        assert batch(0.010) == [] and mon.flags == []
+    assert batch(0.030) == []  # one slow report: a flag
+    assert [(f.kind, f.rank, round(f.factor, 2)) for f in mon.flags] == [("compute", 3, 3.0)]
+    alarms = batch(0.030)  # a second: the median moved
+    assert [(a.kind, a.rank, a.absolute, round(a.factor, 2)) for a in alarms] == \
+        [("compute", 3, True, 3.0)]
+
+
 def test_pacer_lets_one_step_go_per_batch():
     """An idle rank's standby load (hepti.serve.worker._Pacer): one step at start, one more
     after each batch's gather, none while the rank probes; free() lets the rest go at once."""
@@ -163,6 +182,18 @@ def test_rank0_flags_communication_far_over_its_prediction_inside_the_batch():
     assert len(sent) == 1 and sent[0]["op"] == "flag" and sent[0]["rank"] == 0
     assert sent[0]["factor"] > 1.8 and sent[0]["at_s"] >= 0.25 * expect["wall_s"]
     assert _watch({"allgatherv": 0.005, "compute": 0.5}, expect) == []
+
+
+def _bert_rows_plan(idle: int = 3):
+    """BERT-base shape, a `rows` plan over 4 declared devices that leaves rank `idle` out."""
+    from hepti.config import preset_config
+    from hepti.plan.partition import make_plan
+    from hepti.plan.profile import declared_profile
+    dev = {"gemm_flops": 2e10, "memory_bytes": 4e9, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6}
+    profile = declared_profile([dict(dev) for _ in range(4)])
+    cfg = preset_config("bert-base")
+    ratios = {u: [0.0 if r == idle else 1 / 3 for r in range(4)] for u in ("heads", "ffn", "rows")}
+    return cfg, profile, make_plan(cfg, profile, 256, 1, strategy="rows", ratios=ratios)
 
 
 def _watcher(probes: list[dict]):

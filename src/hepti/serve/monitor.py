@@ -62,6 +62,7 @@ SKIP_N = 3  # batches of a new plan not watched at all (first touch of buffers, 
 # (hepti.serve.worker.IDLE_PROBES), moved 1.6x (single probes at 0.2 core read 0.7-2.3x of the
 # truth on this shared host: bench-adapt's first run)
 IDLE_N, IDLE_MOVE = 3, 1.6
+IDLE_FLAG = math.log(2.0)  # one report this far (log) from the rank's factor flags it
 MIN_PREDICTED_S = 2e-3  # series whose prediction is shorter than this are too noisy to watch
 # Communication includes waiting for the slowest peer, so its residual carries every rank's
 # compute noise: 2-7x swings on 2-rank MiniLM batches whose transfers are predicted at a few
@@ -147,23 +148,27 @@ class Alarm:
 class IdleWatch:
     """An idle rank's speed, from its probes (the median of 3 each, hepti.serve.worker): the
     median of its first IDLE_N reports is its baseline, at the speed factor it had then;
-    thereafter each IDLE_N reports give a factor. Against the probe at start instead, the
-    0.15-core device read 1.65x then 0.82x with nothing changed (bench-adapt, b6a007f): at
-    start the other ranks were idle, while serving they compute beside it."""
+    thereafter the median of its last IDLE_N reports gives its factor, after every report.
+    Against the probe at start instead, the 0.15-core device read 1.65x then 0.82x with
+    nothing changed (bench-adapt, b6a007f): at start the other ranks were idle, while serving
+    they compute beside it. The window slides: in disjoint blocks of IDLE_N, node-d's fall to
+    0.05 core was seen 1.4 s after it in one run and 3.4 s in the next (df403be), as the block
+    fell. `last` is the latest report alone, against the baseline (the monitor flags it)."""
 
     def __init__(self, factor: float):
         self.factor, self.base, self.seen = factor, None, []
+        self.last: float | None = None
 
     def add(self, probe_s: float) -> float | None:
-        """One report; the rank's factor once IDLE_N more are in, else None."""
-        self.seen.append(probe_s)
-        if len(self.seen) < IDLE_N:
-            return None
-        med, self.seen = statistics.median(self.seen), []
+        """One report; the rank's factor (the median of the last IDLE_N), or None while the
+        baseline is still being learnt."""
+        self.seen = (self.seen + [probe_s])[-IDLE_N:]
         if self.base is None:
-            self.base = med
+            if len(self.seen) == IDLE_N:
+                self.base = statistics.median(self.seen)
             return None
-        return self.factor * med / self.base
+        self.last = self.factor * probe_s / self.base
+        return self.factor * statistics.median(self.seen) / self.base
 
 
 class Monitor:
@@ -206,9 +211,17 @@ class Monitor:
             now = factors[r] if factors else 1.0
             if not p.get("active", True):
                 if len(m) > 4 and m[4] > 0:
-                    f = self.idle.setdefault(r, IdleWatch(now)).add(m[4])
+                    iw = self.idle.setdefault(r, IdleWatch(now))
+                    was = iw.last
+                    f = iw.add(m[4])
                     if f is not None and abs(math.log(f / now)) > math.log(IDLE_MOVE):
                         compute_alarms.append(Alarm("compute", r, 1 if f > now else -1, f, True))
+                    elif iw.last is not None and abs(math.log(iw.last / now)) > IDLE_FLAG and \
+                            (was is None or abs(math.log(was / now)) <= IDLE_FLAG):
+                        # one report far off: a flag (the detection /metrics shows), not yet
+                        # an alarm: the median of the window moves when a second one agrees
+                        self.flags.append(Alarm("compute", r, 1 if iw.last > now else -1,
+                                                iw.last, True))
                 continue
             self.idle.pop(r, None)  # active again: a later idle spell learns its own baseline
             pc = p["compute_s"]
