@@ -171,6 +171,18 @@ def test_run_input_pixels_any_size(tmp_path, resnet_tiny_dir):
     assert stdout.count("\n  ") >= 4  # two inputs, two classes each
 
 
+def test_run_writes_a_trace_of_the_bands(tmp_path, resnet_tiny_dir):
+    """`--trace` on a CNN: the groups' compute and the pooling, per rank (it was ignored)."""
+    import json
+    e = np.load(FIXTURES / "resnet50_tiny_expected.npz")
+    np.save(tmp_path / "px.npy", e["pixels"].astype(np.float32))
+    code, _, err = hepti("run", "--model", resnet_tiny_dir, "--input-pixels", tmp_path / "px.npy",
+                         "--trace", tmp_path / "t.json", "--json")
+    assert code == 0, err
+    names = {ev["name"] for ev in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
+    assert any(n.startswith("ops 0-") for n in names), sorted(names)[:10]
+
+
 @pytest.mark.parametrize("args,needles", [
     (["--normalize"], ["image classifier", "--normalize"]),
     (["--pool", "none"], ["image classifier"]),

@@ -154,11 +154,13 @@ def run_cnn(args, world, store, prep, t_start: float) -> int:
     t0 = time.perf_counter()
     job = agree(world, lambda: BandJob(world, store, plan, args.threads))
     load_s = time.perf_counter() - t0
+    world.tracer.record_events = bool(args.trace)
     per_pass = []
 
     def start_pass():
         gentle_barrier(mpi)
         world.tracer.reset()
+        world.tracer.set_epoch()
 
     def end_pass(run):
         per_pass.append({"wall": run["wall_s"], "seconds": dict(world.tracer.seconds),
@@ -168,6 +170,7 @@ def run_cnn(args, world, store, prep, t_start: float) -> int:
     runs = run_passes(job, prep, n, args, start_pass=start_pass, end_pass=end_pass)
     gentle_barrier(mpi)
     stats = mpi.gather(job.rank_stats(per_pass), root=0)
+    all_events = mpi.gather(world.tracer.events, root=0) if args.trace else None
     job.close()
     if not rank0:
         return 0
@@ -177,6 +180,11 @@ def run_cnn(args, world, store, prep, t_start: float) -> int:
                    "counts": plan.counts or {}})
     attach_prediction(report, stats, plan)
     report.setdefault("explanation", plan.explanation)
+    if args.trace:
+        from hepti.parallel.trace import chrome_trace
+        with open(args.trace, "w") as f:
+            json.dump(chrome_trace(all_events, {"strategy": "bands", "world_size": world.size}), f)
+        report["trace"] = args.trace
     finish(args, report, runs)
     if not args.json:
         print(format_plan_line(report, plan))
