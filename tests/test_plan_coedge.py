@@ -136,3 +136,18 @@ def test_costs_scale_to_another_input_size():
     big = predict(g, Split((1.0,)), costs, 2 * H, 2 * W)["per_rank"][0]["compute_s"]
     two = predict(g, Split((1.0,)), costs, H, W, n=2)["per_rank"][0]["compute_s"]
     assert big == pytest.approx(4 * one, rel=0.15) and two == pytest.approx(2 * one, rel=0.05)
+
+
+def test_a_fixed_fusing_depth_is_still_a_split_where_one_device_would_win():
+    """`--fuse-depth K` is what the planner's own fusion is measured against: the best split
+    over two or more devices in groups of K ops, even where the link is so slow that `auto`
+    keeps to one device."""
+    from hepti.graph.split import spatial_ops
+    from hepti.plan.coedge import plan_cnn
+    g = _graph()
+    costs = _costs(g, [1.0, 1.0], latency=[0.0, 0.5])
+    assert plan_cnn(g, costs, H, W)["split"].ratios == (1.0, 0.0)
+    fixed = plan_cnn(g, costs, H, W, fuse=False, fuse_depth=2)["split"]
+    assert min(fixed.ratios) > 0
+    L = spatial_ops(g)
+    assert fixed.groups == tuple((a, min(a + 2, L)) for a in range(0, L, 2))

@@ -381,14 +381,24 @@ def pipeline_split(graph: Graph, costs: CNNCosts) -> Split:
     return Split(tuple([1.0] + [0.0] * (P - 1)), tuple(groups), "primary", tuple(per))
 
 
+def fixed_groups(graph: Graph, depth: int) -> tuple[tuple[int, int], ...]:
+    """The spatial ops in groups of `depth` (0: one group of all of them)."""
+    L = spatial_ops(graph)
+    k = L if depth == 0 else depth
+    return tuple((a, min(a + k, L)) for a in range(0, L, k))
+
+
 def plan_cnn(graph: Graph, costs: CNNCosts, h: int, w: int, n: int = 1, strategy: str = "auto",
              objective: str = "latency", deadline_s: float | None = None,
-             fuse: bool = True, head: str = "cols") -> dict:
+             fuse: bool = True, head: str = "cols", fuse_depth: int | None = None) -> dict:
     """The plan for a CNN: {"split": Split, "predicted": predict(...), "explanation",
     "solve_s"}. Strategies: "auto" (the LP over every device subset, then fusion), "even"
     (equal rows), "proportional" (rows by each device's speed over the whole net: MoDNN),
     "grid" (DeepThings: equal bands, the whole spatial part one fused group), "pipeline"
-    (layer ranges by speed), "single" (rank 0 alone); "auto" chooses its fusion."""
+    (layer ranges by speed), "single" (rank 0 alone); "auto" chooses its fusion, or with
+    `fuse_depth` K is the best split over two or more devices fused in groups of K ops (the
+    fixed depths the planner's choice is measured against: a split that one device alone
+    would beat is still a split, or no depth would be measured at all)."""
     t0 = time.perf_counter()
     P = costs.size
     weights = [graph.weight_bytes()] * P
@@ -423,7 +433,12 @@ def plan_cnn(graph: Graph, costs: CNNCosts, h: int, w: int, n: int = 1, strategy
         # fusion can turn a split that loses on its exchanges into the winner: the best few
         # splits over several devices are fused, and compared fused
         best = found[0]
-        if fuse:
+        if fuse_depth is not None:
+            fixed = [(key(f), m, f) for m, f in
+                     ((m, Split(s.ratios, fixed_groups(graph, fuse_depth), s.head))
+                      for _, m, s in found if m > 1)]
+            best = min(fixed, key=lambda x: x[0]) if fixed else best
+        elif fuse:
             for k, m, s in [f for f in found if f[1] > 1][:FUSE_CANDIDATES]:
                 fused = Split(s.ratios, choose_groups(graph, s.ratios, costs, h, w, n), s.head)
                 if key(fused) < best[0]:
@@ -473,13 +488,12 @@ def make_cnn_plan(config, profile, strategy: str = "auto", objective: str = "lat
         out = {"split": split, "explanation": "the given ratios, evaluated", "solve_s": 0.0}
     else:
         out = plan_cnn(graph, costs, h, w, n, strategy, objective, deadline,
-                       fuse=fuse_depth is None)
+                       fuse=fuse_depth is None, fuse_depth=fuse_depth)
     split = out["split"]
     if fuse_depth is not None:
-        L = spatial_ops(graph)
-        k = L if fuse_depth == 0 else fuse_depth
-        split = Split(split.ratios, tuple((a, min(a + k, L)) for a in range(0, L, k)), split.head)
-        out["explanation"] += f"; fused by a fixed depth of {k} ops (--fuse-depth)"
+        split = Split(split.ratios, fixed_groups(graph, fuse_depth), split.head)
+        out["explanation"] += (f"; fused by a fixed depth of "
+                               f"{fuse_depth or spatial_ops(graph)} ops (--fuse-depth)")
     pred = out["predicted"] = predict(graph, split, costs, h, w, n)
     return Plan(strategy="bands", world_size=costs.size, ratios={"rows": list(split.ratios)},
                 groups=[list(g) for g in split.groups] if split.groups else None,
