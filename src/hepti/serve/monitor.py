@@ -63,6 +63,7 @@ SKIP_N = 3  # batches of a new plan not watched at all (first touch of buffers, 
 # truth on this shared host: bench-adapt's first run)
 IDLE_N, IDLE_MOVE = 3, 1.6
 IDLE_FLAG = math.log(2.0)  # one report this far (log) from the rank's factor flags it
+IDLE_WINDOW = 5  # the reports whose median is an idle rank's factor (IdleWatch)
 MIN_PREDICTED_S = 2e-3  # series whose prediction is shorter than this are too noisy to watch
 # Communication includes waiting for the slowest peer, so its residual carries every rank's
 # compute noise: 2-7x swings on 2-rank MiniLM batches whose transfers are predicted at a few
@@ -148,25 +149,29 @@ class Alarm:
 class IdleWatch:
     """An idle rank's speed, from its probes (the median of 3 each, hepti.serve.worker): the
     median of its first IDLE_N reports is its baseline, at the speed factor it had then;
-    thereafter the median of its last IDLE_N reports gives its factor, after every report.
-    Against the probe at start instead, the 0.15-core device read 1.65x then 0.82x with
-    nothing changed (bench-adapt, b6a007f): at start the other ranks were idle, while serving
-    they compute beside it. The window slides: in disjoint blocks of IDLE_N, node-d's fall to
-    0.05 core was seen 1.4 s after it in one run and 3.4 s in the next (df403be), as the block
-    fell. `last` is the latest report alone, against the baseline (the monitor flags it)."""
+    thereafter the median of its last IDLE_WINDOW reports (at least IDLE_N) gives its factor,
+    after every report. Against the probe at start instead, the 0.15-core device read 1.65x
+    then 0.82x with nothing changed (bench-adapt, b6a007f): at start the other ranks were
+    idle, while serving they compute beside it. The window slides, so a change is seen as
+    soon as the window's majority has it, whatever the phase (in disjoint blocks of 3, node-d's
+    fall to 0.05 core was seen 1.4 s after it in one run and 3.4 s in the next, df403be); it
+    holds 5, as a sliding window of 3 tests three times as often and read the 0.15-core device
+    0.60x once in 300 quiet seconds (a false switch, 2a9e56f). The detection comes first
+    anyway: `last` is the latest report alone, which the monitor flags at 2x."""
 
     def __init__(self, factor: float):
         self.factor, self.base, self.seen = factor, None, []
         self.last: float | None = None
 
     def add(self, probe_s: float) -> float | None:
-        """One report; the rank's factor (the median of the last IDLE_N), or None while the
+        """One report; the rank's factor (the median of the window), or None while the
         baseline is still being learnt."""
-        self.seen = (self.seen + [probe_s])[-IDLE_N:]
         if self.base is None:
+            self.seen.append(probe_s)
             if len(self.seen) == IDLE_N:
                 self.base = statistics.median(self.seen)
             return None
+        self.seen = (self.seen + [probe_s])[-IDLE_WINDOW:]
         self.last = self.factor * probe_s / self.base
         return self.factor * statistics.median(self.seen) / self.base
 
