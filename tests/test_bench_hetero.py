@@ -228,19 +228,19 @@ def test_cnn_targets_and_the_fusion_choice():
     runs = [ok("emu-mixed4", "auto", 0.10, 0.10, **mb), ok("emu-mixed4", "even", 0.20, 0.2, **mb),
             ok("emu-mixed4", "proportional", 0.125, 0.12, **mb),
             ok("emu-mixed4", "single", 0.15, 0.15, **mb), ok("emu-mixed4", "grid", 0.3, 0.3, **mb)]
-    for spec, groups, fixed in (("emu-pair-240-quarter", 5, {1: 0.30, 4: 0.21, 0: 0.25}),
-                                ("emu-pair-940-quarter", 20, {1: 0.12, 4: 0.13, 0: 0.2})):
+    for spec, groups, fixed in (("emu-pair-240-full", 5, {1: 0.30, 4: 0.21, 0: 0.25}),
+                                ("emu-pair-940-full", 20, {1: 0.12, 4: 0.13, 0: 0.2})):
         runs.append({**ok(spec, "auto", min(fixed.values()) * 1.02, 0.1, **mb), "groups": groups})
         runs += [ok(spec, f"auto/fuse{k}", v, 0.1, **mb) for k, v in fixed.items()]
     t = {x["target"]: x for x in rep.check_targets(runs)}
     assert t["emu-mixed4 mobilenet-v2@224: auto >= 30% lower than even"]["ok"] is True
     assert t["emu-mixed4 mobilenet-v2@224: auto >= 15% lower than proportional"]["ok"] is True
     assert t["emu-mixed4 mobilenet-v2@224: auto lower than grid"]["ok"] is True
-    slow = "emu-pair-240-quarter mobilenet-v2@224: the planner's fusion within 5% of the best fixed depth"
+    slow = "emu-pair-240-full mobilenet-v2@224: the planner's fusion within 5% of the best fixed depth"
     assert t[slow]["ok"] is True and "auto/fuse4" in t[slow]["detail"]
     more = [x for x in t.values() if "fuses more on the slow link" in x["target"]]
     assert len(more) == 1 and more[0]["ok"] is True
-    fastest = [x for x in t.values() if "emu-pair-240-quarter" in x["target"] and "fastest" in x["target"]]
+    fastest = [x for x in t.values() if "emu-pair-240-full" in x["target"] and "fastest" in x["target"]]
     assert fastest == []  # auto/fuseK are auto's variants, not rivals
 
 
@@ -251,8 +251,8 @@ def test_cnn_cases_run_their_own_strategies():
     args = Namespace(strategies=list(hetero.STRATEGIES))
     extras = [e.split(":", 1) for e in hetero.EXTRA]
     cnn = {"config": CNNConfig(arch="mobilenet_v2")}
-    got = hetero.case_strategies(args, "emu-pair-240-quarter", cnn, extras)
+    got = hetero.case_strategies(args, "emu-pair-240-full", cnn, extras)
     assert got[:6] == list(hetero.CNN_STRATEGIES) and "auto/fuse0" in got and "rows" not in got
     bert = {"config": type("C", (), {"model_type": "bert"})()}
-    assert hetero.case_strategies(args, "emu-pair-240-quarter", bert, extras) == list(hetero.STRATEGIES)
+    assert hetero.case_strategies(args, "emu-pair-240-full", bert, extras) == list(hetero.STRATEGIES)
     assert "rows" in hetero.case_strategies(args, "emu-tight", bert, extras)

@@ -61,17 +61,14 @@ BASELINES = ("even", "proportional", "pipeline", "single")  # checked against me
 # a CNN's (SEQ is its image side): CoEdge's LP, and the baselines of issue 19
 CNN_STRATEGIES = ("auto", "even", "proportional", "grid", "pipeline", "single")
 # issue 19's fusing choice: auto at fixed fusing depths ("auto/fuseK": --fuse-depth K; 0: all
-# layers), next to auto's own choice, on a slow and a fast link. Quarter-core devices: on the
-# full-core pairs MobileNetV2 runs in 20-35 ms, where one device alone beats a split at 240
-# Mbit/s (so there is no fusion to choose), and the same single-device forward read 23-35 ms
-# from run to run (b2caee9): a full core has no slack for the host's other work
+# layers), next to auto's own choice, on a slow and a fast link
 FUSE_DEPTHS = (1, 2, 4, 8, 0)
-EXTRA = ("emu-tight:rows",) + tuple(f"{sp}:auto/fuse{k}" for sp in ("emu-pair-240-quarter",
-                                                                     "emu-pair-940-quarter")
+EXTRA = ("emu-tight:rows",) + tuple(f"{sp}:auto/fuse{k}" for sp in ("emu-pair-240-full",
+                                                                     "emu-pair-940-full")
                                     for k in FUSE_DEPTHS)
 CASES = ("weights/bert-base:256", "weights/minilm-l6:128:emu-mixed4", "weights/bert-large:128:emu-mixed4",
          "weights/vit-large:197:emu-mixed4", "weights/resnet50:224:emu-mixed4",
-         "weights/mobilenet-v2:224:emu-mixed4+emu-pair-240-quarter+emu-pair-940-quarter")
+         "weights/mobilenet-v2:224:emu-mixed4+emu-pair-240-full+emu-pair-940-full")
 QUICK = {"spec": ["emu-pair-940-quarter"], "case": ["weights/minilm-l6:128"], "repeat": 3, "rounds": 1,
          "min_repeat": 2, "target_s": 2.0, "timeout": 120.0}
 LAUNCHER_OOM = re.compile(r"rank \d+ \(device [^)]*\) was killed by the out-of-memory killer[^\n]*")

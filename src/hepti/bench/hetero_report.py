@@ -179,7 +179,7 @@ def _lower_by(runs, spec, model, seq, base: str, at_least: float | None) -> dict
 
 
 CNN_HEADLINES = (("emu-mixed4", "resnet50", 224), ("emu-mixed4", "mobilenet-v2", 224))
-FUSE_SPECS = ("emu-pair-240-quarter", "emu-pair-940-quarter")  # slow and fast link (issue 19)
+FUSE_SPECS = ("emu-pair-240-full", "emu-pair-940-full")  # slow and fast link (issue 19)
 FUSE_TOLERANCE = 0.05  # the planner's fusion within this of the best fixed depth measured
 
 
