@@ -404,7 +404,8 @@ class Comm:
             return None
         out = np.empty((self.size, a.size), np.float64)
         out[root] = a
-        wait([self.mpi.Irecv(out[j], source=j, tag=_TAG_REPORT) for j in range(self.size) if j != root])
+        wait([self.mpi.Irecv(out[j], source=j, tag=_TAG_REPORT)
+              for j in range(self.size) if j != root])
         return out.tolist()
 
 

@@ -386,7 +386,7 @@ class Supervisor:
                 batch_id = self.counts["batches"]
                 t0 = time.perf_counter()
                 head = {"op": "batch", "id": batch_id, "lengths": lengths}
-                watch = self.watcher.expectation(_shape(batch)) if self.watcher is not None else None
+                watch = self._expectation(batch)
                 if watch is not None:
                     head["watch"] = watch
                 try:
@@ -407,6 +407,24 @@ class Supervisor:
         finally:
             sock.close()
 
+    def _expectation(self, batch: list[Piece]) -> dict | None:
+        """What rank 0 should see during this batch (hepti.serve.replan), if re-planning; a
+        fault there stops re-planning as one in `_watch_plan` does, not the service."""
+        if self.watcher is None:
+            return None
+        try:
+            return self.watcher.expectation(_shape(batch))
+        except Exception as e:  # noqa: BLE001 - logged with its traceback, reported
+            self._stop_replanning(e)
+            return None
+
+    def _stop_replanning(self, e: Exception) -> None:
+        """Re-planning ends (the current plan serves on); /metrics says why."""
+        log.exception("serve: re-planning failed; serving on with the current plan")
+        self.replans.append({"t": time.time(), "decision": "stopped",
+                             "reason": f"re-planning failed: {type(e).__name__}: {e}"})
+        self.watcher = None
+
     def _watch_plan(self, sock, batch: list[Piece], ranks_s: list, wall: float) -> None:
         """The re-planner after a batch. A fault of its own ends re-planning, not the service:
         the current plan keeps serving, and /metrics says why it stopped."""
@@ -416,10 +434,7 @@ class Supervisor:
         except (OSError, protocol.ChannelClosed):
             raise  # the workers are gone: relaunch
         except Exception as e:  # noqa: BLE001 - logged with its traceback, reported
-            log.exception("serve: re-planning failed; serving on with the current plan")
-            self.replans.append({"t": time.time(), "decision": "stopped",
-                                 "reason": f"re-planning failed: {type(e).__name__}: {e}"})
-            self.watcher = None
+            self._stop_replanning(e)
 
     def command(self, sock: socket.socket, header: dict) -> dict:
         """One command to the workers between batches (probe, prepare, switch): its answer."""
