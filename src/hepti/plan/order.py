@@ -28,9 +28,12 @@ states); the whole order is optimal when every block's is. A block whose search 
 budget keeps its best order and `proven` False, unless the peak found is already the lower
 bound of the whole graph or of a block that was proven. A chain of operators is all cuts; an
 Inception module is one block. A graph without cuts stays one block: NASNet's cells each read
-the two cells before them, so no operator separates them. HMCOS (Wang et al., DAC 2022) builds
-a hierarchy of operator sequences and groups for such graphs and schedules it iteratively;
-hepti does not do that.
+the two cells before them, so no operator separates them. A block of HIER_MIN_OPS operators or
+more that BTSearch could not prove within its budget is searched again the way HMCOS (Wang et
+al., DAC 2022) does (hepti.plan.order_hier: chains run unbroken, cells run as groups in their
+own least-peak order, the top level searched exactly, cells at the peak dissolved round by
+round), from BTSearch's best; it keeps whichever order is better, and the block's report says
+which method found it and, unless the peak meets the lower bound, why it is not proven.
 
 `order_graph(dag)` is what `hepti order` and the planner call; `btsearch(problem)` searches one
 Problem with any of bound, hashing and dominance turned off (the benchmark's plot).
@@ -49,6 +52,8 @@ from hepti.plan.memory import Problem, compile_problem
 
 DEFAULT_TIME_LIMIT = 10.0  # seconds per block
 DEFAULT_MAX_STATES = 2_000_000  # states per block (each a partial order the search reached)
+DEFAULT_HIER_TIME_LIMIT = 120.0  # seconds of hierarchical search (order_hier) per large block
+HIER_MIN_OPS = 100  # an unproven block this large gets the hierarchical search too
 
 
 # --- cheap orders ----------------------------------------------------------------------------
@@ -387,6 +392,8 @@ class BlockReport:
     seconds: float
     proven: bool
     stopped: str = ""
+    method: str = "BTSearch"  # or "hierarchical" (hepti.plan.order_hier) when that did better
+    why: str = ""  # why the block is not proven, when it is not
 
 
 @dataclass
@@ -430,7 +437,8 @@ def order_graph(dag: OpDag, inplace: bool = False, count_io: bool = False,
                 time_limit: float = DEFAULT_TIME_LIMIT, max_states: int = DEFAULT_MAX_STATES,
                 decompose: bool = True, random_count: int = 100, seed: int = 0,
                 bound: bool = True, hashing: bool = True, dominance: bool = True,
-                cap: int | None = None) -> OrderResult:
+                cap: int | None = None,
+                hier_time_limit: float = DEFAULT_HIER_TIME_LIMIT) -> OrderResult:
     """BTSearch on an OpDag under the memory model's options: cut into blocks (unless
     `decompose` is off), each block searched under `time_limit` seconds and `max_states`.
     `cap`: bytes the order must fit in; a PlanError says which operator cannot fit in any
@@ -452,12 +460,27 @@ def order_graph(dag: OpDag, inplace: bool = False, count_io: bool = False,
     order, reports, states, before = [], [], 0, 0
     for ops in parts:
         sub = restrict(pb, ops, before) if decompose else pb
+        method, why = "BTSearch", ""
         if len(ops) == 1:
             step = sub.peak([0])
             res = SearchResult([0], step, True, 0, 0.0, step, "only", step)
         else:
             res = btsearch(sub, bound=bound, hashing=hashing, dominance=dominance,
                            time_limit=time_limit, max_states=max_states)
+            if not res.proven:
+                why = (f"{len(ops)} operators without a cut; the search stopped at its "
+                       f"{'time' if res.stopped == 'time' else 'state'} budget "
+                       f"({time_limit:g} s, {max_states:,} states) "
+                       f"{100 * (res.peak / res.lower_bound - 1):.1f}% above the lower bound")
+            if not res.proven and hier_time_limit and len(ops) >= HIER_MIN_OPS:
+                from hepti.plan.order_hier import hierarchical
+                h = hierarchical(sub, res.order, hier_time_limit)
+                res.states += h.states
+                res.seconds += h.seconds
+                if h.peak < res.peak or h.proven:
+                    res.order, res.peak, res.proven = h.order, h.peak, h.proven
+                    method = "hierarchical"
+                why = h.why
         order += [ops[k] for k in res.order]
         states += res.states
         for o in ops:
@@ -465,7 +488,8 @@ def order_graph(dag: OpDag, inplace: bool = False, count_io: bool = False,
         if len(ops) > 1:
             reports.append(BlockReport(sub.names[0], sub.names[-1], len(ops), res.peak,
                                        res.start_peak, res.lower_bound, res.states,
-                                       round(res.seconds, 4), res.proven, res.stopped))
+                                       round(res.seconds, 4), res.proven, res.stopped,
+                                       method, "" if res.proven else why))
         else:
             reports.append(BlockReport(sub.names[0], sub.names[0], 1, res.peak, res.peak,
                                        res.peak, 0, 0.0, True))
@@ -513,8 +537,9 @@ def format_result(r: OrderResult, names: int = 12) -> str:
                      f"{b(r.random['worst_bytes'])} ({vs(r.random['worst_bytes'])})")
     lines.append(f"search   {r.states:,} states, {r.seconds:.2f} s; {len(r.blocks)} blocks to "
                  f"search (largest {largest} operators); lower bound {b(r.lower_bound_bytes)}")
-    if r.unproven_blocks:
-        lines.append("unproven " + "; ".join(r.unproven_blocks))
+    for bl in r.blocks:
+        if not bl.proven:
+            lines.append(f"unproven {bl.first} .. {bl.last} ({bl.method}): {bl.why}")
     shown = " ".join(r.order[:names]) + (f" ... ({r.ops} in all; --json lists them)"
                                          if r.ops > names else "")
     lines.append(f"order    {shown}")
