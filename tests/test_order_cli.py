@@ -103,7 +103,9 @@ def test_bad_stored_graphs_get_a_message_not_a_traceback(tmp_path):
                     {"name": "B", "op_type": "Relu", "inputs": ["a"], "outputs": ["b"]}]}
     cyc = tmp_path / "ring.json.gz"
     cyc.write_bytes(gzip.compress(json.dumps(ring).encode()))
-    assert_clean_error(*hepti("order", cyc)[::2], "has a cycle", "A -> B -> A")
+    code, _, err = hepti("order", cyc)
+    assert_clean_error(code, err, "has a cycle")
+    assert "A -> B -> A" in err or "B -> A -> B" in err, err
     # a cap between the operators' own need and the least peak: no order found fits
     code, out, err = hepti("order", LIGHT / "light_shufflenet.onnx", "--json", "--random", "0")
     r = json.loads(out)

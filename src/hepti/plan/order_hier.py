@@ -109,8 +109,10 @@ def post_dominators(pb: Problem) -> list[int]:
 
 def groups(pb: Problem) -> list[list[int]]:
     """Cells: for each operator with GROUP_MIN_PREDS or more predecessors, in topological
-    order, the operators not yet grouped that it post-dominates (itself included)."""
+    order, the operators not yet grouped that it post-dominates (itself included), less those
+    with a path out of the group and back in (a group must run as one unit)."""
     ipdom = post_dominators(pb)
+    anc, desc = ancestry(pb)
     kids: dict[int, list[int]] = {}
     for o, p in enumerate(ipdom):
         kids.setdefault(p, []).append(o)
@@ -127,6 +129,21 @@ def groups(pb: Problem) -> list[list[int]]:
             taken[v] = True
             members.append(v)
             stack += kids.get(v, [])
+        # a group runs as one unit, so it must be convex: a member from which a path leaves
+        # the group and comes back (NASNet's stem, post-dominated only by the third cell's
+        # concatenation, feeds the two cells before it) is left out, until none is
+        mask = 0
+        for v in members:
+            mask |= 1 << v
+        while True:
+            outside = anc[o] & ~mask
+            drop = [v for v in members if desc[v] & outside]
+            if not drop:
+                break
+            for v in drop:
+                taken[v] = False
+                mask &= ~(1 << v)
+            members = [v for v in members if mask >> v & 1]
         if len(members) > 1:
             out.append(sorted(members))
         else:
