@@ -212,10 +212,12 @@ class SearchResult:
 def btsearch(pb: Problem, incumbent: list[int] | None = None, bound: bool = True,
              hashing: bool = True, dominance: bool = True,
              time_limit: float = DEFAULT_TIME_LIMIT,
-             max_states: int = DEFAULT_MAX_STATES) -> SearchResult:
+             max_states: int = DEFAULT_MAX_STATES, floor: int = 0) -> SearchResult:
     """The least-peak order of one Problem (see the module docstring). `incumbent`: a starting
     order (default: the best cheap order; with `bound` off, none is used and every order is
-    walked, so an exhaustive search's states count the orders' prefixes)."""
+    walked, so an exhaustive search's states count the orders' prefixes). `floor`: a peak
+    that is good enough (a block's search in a graph whose peak is already that high): the
+    search stops at the first order at or under it (`stopped` "floor"), proven or not."""
     t0 = time.perf_counter()
     fast = _Fast(pb)
     anc, desc = ancestry(pb)
@@ -235,6 +237,9 @@ def btsearch(pb: Problem, incumbent: list[int] | None = None, bound: bool = True
     if bound and start_peak <= lb_global:
         return SearchResult(list(incumbent), start_peak, True, 0, time.perf_counter() - t0,
                             start_peak, start, lb_global)
+    if bound and start_peak <= floor:
+        return SearchResult(list(incumbent), start_peak, False, 0, time.perf_counter() - t0,
+                            start_peak, start, lb_global, "floor")
 
     seen: dict[int, int] = {}
     prefix: list[int] = []
@@ -259,6 +264,8 @@ def btsearch(pb: Problem, incumbent: list[int] | None = None, bound: bool = True
         if done == full:
             if peak < best[0]:
                 best[0], best[1] = peak, list(prefix)
+                if bound and peak <= floor:
+                    raise _Budget("floor")
             return
         if hashing:
             was = seen.get(done)
@@ -301,6 +308,8 @@ def btsearch(pb: Problem, incumbent: list[int] | None = None, bound: bool = True
     if not bound and peak == float("inf"):
         peak, order = start_peak, list(incumbent)
     proven = not stopped or peak <= lb_global
+    if stopped == "floor" and peak <= lb_global:
+        stopped = ""
     return SearchResult(order, int(peak), proven, states, time.perf_counter() - t0, start_peak,
                         start, lb_global, stopped)
 
@@ -457,34 +466,62 @@ def order_graph(dag: OpDag, inplace: bool = False, count_io: bool = False,
     heur = {"file": pb.peak(file_order), "reverse post-order": pb.peak(reverse_postorder(pb)),
             "greedy least-peak": pb.peak(greedy_least_peak(pb))}
     parts = blocks(pb) if decompose else [list(range(pb.n))]
-    order, reports, states, before = [], [], 0, 0
+    # The graph's peak is the largest block peak, and never under the static lower bound: a
+    # block need not be searched below that bound or below a peak another block already
+    # settled for (its floor). So the blocks are searched highest lower bound first (a
+    # block's problem depends only on which operators run before it, not their order), and
+    # each search stops at the floor. A block stopped there is proven when the floor is (the
+    # graph's bound, or a proven block's peak): no order of it could lower the graph's peak.
+    lb_all = lower_bounds(pb)
+    lb_global = max(lb_all, default=0)
+    subs, before = [], 0
     for ops in parts:
-        sub = restrict(pb, ops, before) if decompose else pb
+        subs.append(restrict(pb, ops, before) if decompose else pb)
+        for o in ops:
+            before |= 1 << o
+    floor_proven = floor_any = lb_global if bound else 0
+    results: list = [None] * len(parts)
+    for i in sorted(range(len(parts)), key=lambda i: -max(lb_all[o] for o in parts[i])):
+        ops, sub = parts[i], subs[i]
         method, why = "BTSearch", ""
         if len(ops) == 1:
             step = sub.peak([0])
             res = SearchResult([0], step, True, 0, 0.0, step, "only", step)
         else:
             res = btsearch(sub, bound=bound, hashing=hashing, dominance=dominance,
-                           time_limit=time_limit, max_states=max_states)
-            if not res.proven:
+                           time_limit=time_limit, max_states=max_states,
+                           floor=floor_any if decompose else 0)
+            if res.stopped == "floor":
+                res.proven = res.peak <= floor_proven
+                why = ("" if res.proven else
+                       f"stopped at the peak another block (not proven) already sets, "
+                       f"{floor_any:,} B")
+            elif not res.proven:
                 why = (f"{len(ops)} operators without a cut; the search stopped at its "
                        f"{'time' if res.stopped == 'time' else 'state'} budget "
                        f"({time_limit:g} s, {max_states:,} states) "
                        f"{100 * (res.peak / res.lower_bound - 1):.1f}% above the lower bound")
-            if not res.proven and hier_time_limit and len(ops) >= HIER_MIN_OPS:
+            if (not res.proven and res.stopped != "floor" and hier_time_limit
+                    and len(ops) >= HIER_MIN_OPS):
                 from hepti.plan.order_hier import hierarchical
-                h = hierarchical(sub, res.order, hier_time_limit)
+                h = hierarchical(sub, res.order, hier_time_limit,
+                                 floor=floor_any if decompose else 0)
                 res.states += h.states
                 res.seconds += h.seconds
                 if h.peak < res.peak or h.proven:
                     res.order, res.peak, res.proven = h.order, h.peak, h.proven
                     method = "hierarchical"
+                if h.peak <= floor_proven:
+                    res.proven = True
                 why = h.why
+        results[i] = (res, method, why)
+        floor_any = max(floor_any, res.peak)
+        if res.proven:
+            floor_proven = max(floor_proven, res.peak)
+    order, reports, states = [], [], 0
+    for ops, sub, (res, method, why) in zip(parts, subs, results):
         order += [ops[k] for k in res.order]
         states += res.states
-        for o in ops:
-            before |= 1 << o
         if len(ops) > 1:
             reports.append(BlockReport(sub.names[0], sub.names[-1], len(ops), res.peak,
                                        res.start_peak, res.lower_bound, res.states,
@@ -494,7 +531,6 @@ def order_graph(dag: OpDag, inplace: bool = False, count_io: bool = False,
             reports.append(BlockReport(sub.names[0], sub.names[0], 1, res.peak, res.peak,
                                        res.peak, 0, 0.0, True))
     peak = pb.peak(order)
-    lb_global = max(lower_bounds(pb), default=0)
     proven_floor = max([lb_global] + [b.peak_bytes for b in reports if b.proven])
     proven = all(b.proven for b in reports) or peak <= proven_floor
     rnd = random_peaks(pb, random_count, seed) if random_count else []

@@ -220,7 +220,7 @@ class _OutOfTime(Exception):
 
 
 def _search_units(pb: Problem, fast: _Fast, U: _Units, best: list, lb: list[int],
-                  deadline: float) -> tuple[int, bool]:
+                  deadline: float, floor: int = 0) -> tuple[int, bool]:
     """Depth first over the units from the empty set; `best` = [peak, order] is improved in
     place. Returns (states, complete)."""
     by_lb = sorted(range(pb.n), key=lambda o: -lb[o])
@@ -253,6 +253,8 @@ def _search_units(pb: Problem, fast: _Fast, U: _Units, best: list, lb: list[int]
         if done == full:
             if peak < best[0]:
                 best[0], best[1] = peak, list(prefix)
+                if peak <= floor:
+                    raise _OutOfTime  # good enough: see hierarchical's `floor`
             return
         was = seen.get(done)
         if was is not None and was <= peak:
@@ -291,9 +293,11 @@ def _search_units(pb: Problem, fast: _Fast, U: _Units, best: list, lb: list[int]
         sys.setrecursionlimit(limit)
 
 
-def hierarchical(pb: Problem, incumbent: list[int], time_limit: float = 60.0) -> HierResult:
+def hierarchical(pb: Problem, incumbent: list[int], time_limit: float = 60.0,
+                 floor: int = 0) -> HierResult:
     """The least-peak order under HMCOS's hierarchy, ungrouped around the peak round by round
-    (module docstring), starting from `incumbent` and never worse than it."""
+    (module docstring), starting from `incumbent` and never worse than it; it stops at the
+    first order whose peak is at or under `floor` (btsearch's `floor`)."""
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     fast = _Fast(pb)
@@ -307,9 +311,9 @@ def hierarchical(pb: Problem, incumbent: list[int], time_limit: float = 60.0) ->
     grouped = list(cells)
     memo: dict = {}
     states, rounds, complete = 0, 0, False
-    while time.perf_counter() < deadline and best[0] > lb_global:
+    while time.perf_counter() < deadline and best[0] > max(lb_global, floor):
         U = _Units(pb, grouped, seqs, deadline, memo)
-        s, complete = _search_units(pb, fast, U, best, lb, deadline)
+        s, complete = _search_units(pb, fast, U, best, lb, deadline, floor)
         states += s + U.inner_states
         rounds += 1
         if not complete or not grouped:
@@ -344,7 +348,8 @@ def hierarchical(pb: Problem, incumbent: list[int], time_limit: float = 60.0) ->
         why = (f"{pb.n} operators and no cut; searched in the way of HMCOS: {restr}"
                f"{len(seqs)} chains run unbroken; "
                + ("the least order under those restrictions was found" if complete else
-                  f"the search ran out of its {time_limit:g} s")
+                  f"stopped at the floor {floor:,} B (a peak the graph already has)"
+                  if peak <= floor else f"the search ran out of its {time_limit:g} s")
                + f"; {100 * (peak / lb_global - 1):.1f}% above the lower bound")
     return HierResult(order, peak, start_peak, lb_global, proven, states,
                       time.perf_counter() - t0, len(seqs), len(cells), len(grouped), rounds,
