@@ -24,8 +24,10 @@ module does the same in hepti's terms, its own way:
   peak falls or groups remain at it, until `time_limit`.
 
 The answer is the least peak under the restrictions still in force (groups that stayed
-groups, sequences unbroken), not a proof: `proven` comes only from the peak meeting the lower
-bound (hepti.plan.order.lower_bounds), and `why` says what was fixed when it does not.
+groups, sequences unbroken), not a proof: `proven` comes from the peak meeting the lower
+bound (hepti.plan.order.lower_bounds), or from a last search that ended with no group left and
+no chain joined (then it was BTSearch over single operators, exact); `why` says what was fixed
+when neither holds.
 """
 from __future__ import annotations
 
@@ -310,9 +312,10 @@ def hierarchical(pb: Problem, incumbent: list[int], time_limit: float = 60.0,
     cells = groups(pb)
     grouped = list(cells)
     memo: dict = {}
-    states, rounds, complete = 0, 0, False
+    states, rounds, complete, searched_grouped = 0, 0, False, len(cells)
     while time.perf_counter() < deadline and best[0] > max(lb_global, floor):
         U = _Units(pb, grouped, seqs, deadline, memo)
+        searched_grouped = len(grouped)  # groups in force in the search that just ran
         s, complete = _search_units(pb, fast, U, best, lb, deadline, floor)
         states += s + U.inner_states
         rounds += 1
@@ -339,7 +342,11 @@ def hierarchical(pb: Problem, incumbent: list[int], time_limit: float = 60.0,
         grouped = keep
     peak, order = best
     pb.check_order(order)
-    proven = peak <= lb_global
+    # with every cell dissolved and no chain joined, the last search ran over single
+    # operators with BTSearch's own bound, hashing and dominance: when it ended, it is exact
+    exact = (rounds > 0 and complete and not searched_grouped
+             and all(len(q) == 1 for q in seqs))
+    proven = peak <= lb_global or exact
     if proven:
         why = ""
     else:
@@ -350,7 +357,7 @@ def hierarchical(pb: Problem, incumbent: list[int], time_limit: float = 60.0,
                + ("the least order under those restrictions was found" if complete else
                   f"stopped at the floor {floor:,} B (a peak the graph already has)"
                   if peak <= floor else f"the search ran out of its {time_limit:g} s")
-               + f"; {100 * (peak / lb_global - 1):.1f}% above the lower bound")
+               + f"; {100 * (peak / lb_global - 1):.1f}% above this block's lower bound")
     return HierResult(order, peak, start_peak, lb_global, proven, states,
-                      time.perf_counter() - t0, len(seqs), len(cells), len(grouped), rounds,
+                      time.perf_counter() - t0, len(seqs), len(cells), searched_grouped, rounds,
                       complete, why)
