@@ -3,7 +3,8 @@
 # wheel ships, hepti's CNNs and encoders and synthetic random wiring, against the file order
 # and 100 random orders, checked against the downset DP; then states explored against operator
 # count with and without bound, hashing and dominance. Writes results/order.json, order.csv,
-# order-states.json and order-states.png. About half a minute.
+# order-states.json and order-states.png. About two and a half minutes (RandWire's in-place row
+# alone takes 1.5 of them).
 #   bin/bench-order.sh                    everything
 #   bin/bench-order.sh --what table       (any option of python -m hepti.bench.order)
 set -euo pipefail

@@ -91,6 +91,33 @@ def test_bad_input_gets_a_message_not_a_traceback(tmp_path):
                        "no order fits in 1,048,576 bytes: operator")
 
 
+def test_bad_stored_graphs_get_a_message_not_a_traceback(tmp_path):
+    import gzip
+    bad = tmp_path / "g.json.gz"
+    bad.write_bytes(b"not gzip at all")
+    assert_clean_error(*hepti("order", bad)[::2], "is not a JSON operator graph")
+    # a stored graph whose operators read each other in a ring
+    ring = {"format": "hepti-opdag", "version": 1, "name": "ring", "inputs": ["x"],
+            "outputs": ["b"], "tensors": {t: {"bytes": 4, "shape": [1]} for t in "xab"},
+            "ops": [{"name": "A", "op_type": "Add", "inputs": ["x", "b"], "outputs": ["a"]},
+                    {"name": "B", "op_type": "Relu", "inputs": ["a"], "outputs": ["b"]}]}
+    cyc = tmp_path / "ring.json.gz"
+    cyc.write_bytes(gzip.compress(json.dumps(ring).encode()))
+    code, _, err = hepti("order", cyc)
+    assert_clean_error(code, err, "has a cycle")
+    assert "A -> B -> A" in err or "B -> A -> B" in err, err
+    # a cap between the operators' own need and the least peak: no order found fits
+    code, out, err = hepti("order", LIGHT / "light_shufflenet.onnx", "--json", "--random", "0")
+    r = json.loads(out)
+    assert r["lower_bound_bytes"] < r["peak_bytes"]
+    assert_clean_error(*hepti("order", LIGHT / "light_shufflenet.onnx", "--random", "0",
+                              "--cap", str(r["peak_bytes"] - 1))[::2],
+                       "no order found fits in", f"the least peak of any order is "
+                       f"{r['peak_bytes']:,}")
+    assert hepti("order", LIGHT / "light_shufflenet.onnx", "--random", "0",
+                 "--cap", str(r["peak_bytes"]))[0] == 0
+
+
 def test_bench_order_writes_rows_that_agree_with_the_dp(tmp_path):
     from hepti.bench.order import main
     out = tmp_path / "order.json"

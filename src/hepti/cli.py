@@ -625,7 +625,8 @@ def _add_order_parsers(sub) -> None:
     s = sub.add_parser(
         "order", help="the operator order with the least peak activation memory (BTSearch)",
         description="Search the operators' execution orders for the least peak of activation "
-                    "memory (BTSearch: depth first, bound, hashing, cut into blocks), and "
+                    "memory (BTSearch: depth first, bound, hashing, cut into blocks; HMCOS-style "
+                    "groups for large blocks without cuts), and "
                     "compare it with the file's order and with random orders. Memory model: "
                     "activations only, each live from its producer to its last reader, an "
                     "operator's inputs and outputs live together (hepti.plan.memory).")
@@ -641,6 +642,9 @@ def _add_order_parsers(sub) -> None:
                         "found is kept and `proven` says whether it is the least")
     s.add_argument("--max-states", type=_positive_int, default=2_000_000, metavar="N",
                    help="states per block (default 2000000)")
+    s.add_argument("--hier-time-limit", type=float, default=120.0, metavar="S",
+                   help="seconds of the HMCOS-style hierarchical search for a block of 100 "
+                        "operators or more that BTSearch did not prove (default 120; 0: none)")
     s.add_argument("--random", type=int, default=100, metavar="N",
                    help="random orders to compare with (default 100)")
     s.add_argument("--seed", type=int, default=0, help="seed of the random orders (default 0)")
@@ -672,7 +676,8 @@ def cmd_order(args) -> int:
     result = order_graph(dag, inplace=args.inplace, count_io=args.count_io,
                          time_limit=args.time_limit, max_states=args.max_states,
                          random_count=args.random, seed=args.seed,
-                         cap=parse_bytes(args.cap, "--cap"))
+                         cap=parse_bytes(args.cap, "--cap"),
+                         hier_time_limit=args.hier_time_limit)
     doc = json.dumps(result.to_dict(), indent=1)
     if args.out:
         with open(args.out, "w") as f:

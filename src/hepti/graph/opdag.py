@@ -17,7 +17,7 @@ producer or is a graph input, every tensor has a size, and the graph has no cycl
 Builders: hepti.graph.onnx_import (an ONNX file's structure and inferred shapes), `from_cnn`
 (hepti.graph.cnn's MobileNetV2, ResNet-50 and VGG-16), `from_encoder` (BERT and ViT, layers
 unrolled). `to_dict` / `from_dict` are the structure-only JSON that `hepti graph import --out`
-writes and `hepti order` reads back; `load_graph` opens any of them from a path.
+writes and `hepti order` reads back; `load_graph` opens any of them from a path (a .json graph may be gzipped: .json.gz).
 """
 from __future__ import annotations
 
@@ -294,10 +294,14 @@ def load_graph(path: str | Path, batch: int | None = None,
         raise GraphError(f"{p}: no such file or folder")
     if p.is_dir():
         return _model_folder(p, batch or 1, input_shape)
-    if p.suffix.lower() == ".json":
+    if p.suffix.lower() == ".json" or p.name.lower().endswith(".json.gz"):
         try:
-            d = json.loads(p.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            if p.suffix.lower() == ".gz":
+                import gzip
+                d = json.loads(gzip.decompress(p.read_bytes()))
+            else:
+                d = json.loads(p.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError, OSError, EOFError) as e:
             raise GraphError(f"{p} is not a JSON operator graph ({e})") from None
         dag = OpDag.from_dict(d, source=str(p))
         if input_shape:

@@ -28,9 +28,12 @@ states); the whole order is optimal when every block's is. A block whose search 
 budget keeps its best order and `proven` False, unless the peak found is already the lower
 bound of the whole graph or of a block that was proven. A chain of operators is all cuts; an
 Inception module is one block. A graph without cuts stays one block: NASNet's cells each read
-the two cells before them, so no operator separates them. HMCOS (Wang et al., DAC 2022) builds
-a hierarchy of operator sequences and groups for such graphs and schedules it iteratively;
-hepti does not do that.
+the two cells before them, so no operator separates them. A block of HIER_MIN_OPS operators or
+more that BTSearch could not prove within its budget is searched again the way HMCOS (Wang et
+al., DAC 2022) does (hepti.plan.order_hier: chains run unbroken, cells run as groups in their
+own least-peak order, the top level searched exactly, cells at the peak dissolved round by
+round), from BTSearch's best; it keeps whichever order is better, and the block's report says
+which method found it and, unless the peak meets the lower bound, why it is not proven.
 
 `order_graph(dag)` is what `hepti order` and the planner call; `btsearch(problem)` searches one
 Problem with any of bound, hashing and dominance turned off (the benchmark's plot).
@@ -49,6 +52,8 @@ from hepti.plan.memory import Problem, compile_problem
 
 DEFAULT_TIME_LIMIT = 10.0  # seconds per block
 DEFAULT_MAX_STATES = 2_000_000  # states per block (each a partial order the search reached)
+DEFAULT_HIER_TIME_LIMIT = 120.0  # seconds of hierarchical search (order_hier) per large block
+HIER_MIN_OPS = 100  # an unproven block this large gets the hierarchical search too
 
 
 # --- cheap orders ----------------------------------------------------------------------------
@@ -207,10 +212,12 @@ class SearchResult:
 def btsearch(pb: Problem, incumbent: list[int] | None = None, bound: bool = True,
              hashing: bool = True, dominance: bool = True,
              time_limit: float = DEFAULT_TIME_LIMIT,
-             max_states: int = DEFAULT_MAX_STATES) -> SearchResult:
+             max_states: int = DEFAULT_MAX_STATES, floor: int = 0) -> SearchResult:
     """The least-peak order of one Problem (see the module docstring). `incumbent`: a starting
     order (default: the best cheap order; with `bound` off, none is used and every order is
-    walked, so an exhaustive search's states count the orders' prefixes)."""
+    walked, so an exhaustive search's states count the orders' prefixes). `floor`: a peak
+    that is good enough (a block's search in a graph whose peak is already that high): the
+    search stops at the first order at or under it (`stopped` "floor"), proven or not."""
     t0 = time.perf_counter()
     fast = _Fast(pb)
     anc, desc = ancestry(pb)
@@ -230,6 +237,9 @@ def btsearch(pb: Problem, incumbent: list[int] | None = None, bound: bool = True
     if bound and start_peak <= lb_global:
         return SearchResult(list(incumbent), start_peak, True, 0, time.perf_counter() - t0,
                             start_peak, start, lb_global)
+    if bound and start_peak <= floor:
+        return SearchResult(list(incumbent), start_peak, False, 0, time.perf_counter() - t0,
+                            start_peak, start, lb_global, "floor")
 
     seen: dict[int, int] = {}
     prefix: list[int] = []
@@ -254,6 +264,8 @@ def btsearch(pb: Problem, incumbent: list[int] | None = None, bound: bool = True
         if done == full:
             if peak < best[0]:
                 best[0], best[1] = peak, list(prefix)
+                if bound and peak <= floor:
+                    raise _Budget("floor")
             return
         if hashing:
             was = seen.get(done)
@@ -296,6 +308,8 @@ def btsearch(pb: Problem, incumbent: list[int] | None = None, bound: bool = True
     if not bound and peak == float("inf"):
         peak, order = start_peak, list(incumbent)
     proven = not stopped or peak <= lb_global
+    if stopped == "floor" and peak <= lb_global:
+        stopped = ""
     return SearchResult(order, int(peak), proven, states, time.perf_counter() - t0, start_peak,
                         start, lb_global, stopped)
 
@@ -387,6 +401,8 @@ class BlockReport:
     seconds: float
     proven: bool
     stopped: str = ""
+    method: str = "BTSearch"  # or "hierarchical" (hepti.plan.order_hier) when that did better
+    why: str = ""  # why the block is not proven, when it is not
 
 
 @dataclass
@@ -430,7 +446,8 @@ def order_graph(dag: OpDag, inplace: bool = False, count_io: bool = False,
                 time_limit: float = DEFAULT_TIME_LIMIT, max_states: int = DEFAULT_MAX_STATES,
                 decompose: bool = True, random_count: int = 100, seed: int = 0,
                 bound: bool = True, hashing: bool = True, dominance: bool = True,
-                cap: int | None = None) -> OrderResult:
+                cap: int | None = None,
+                hier_time_limit: float = DEFAULT_HIER_TIME_LIMIT) -> OrderResult:
     """BTSearch on an OpDag under the memory model's options: cut into blocks (unless
     `decompose` is off), each block searched under `time_limit` seconds and `max_states`.
     `cap`: bytes the order must fit in; a PlanError says which operator cannot fit in any
@@ -449,28 +466,71 @@ def order_graph(dag: OpDag, inplace: bool = False, count_io: bool = False,
     heur = {"file": pb.peak(file_order), "reverse post-order": pb.peak(reverse_postorder(pb)),
             "greedy least-peak": pb.peak(greedy_least_peak(pb))}
     parts = blocks(pb) if decompose else [list(range(pb.n))]
-    order, reports, states, before = [], [], 0, 0
+    # The graph's peak is the largest block peak, and never under the static lower bound: a
+    # block need not be searched below that bound or below a peak another block already
+    # settled for (its floor). So the blocks are searched highest lower bound first (a
+    # block's problem depends only on which operators run before it, not their order), and
+    # each search stops at the floor. A block stopped there is proven when the floor is (the
+    # graph's bound, or a proven block's peak): no order of it could lower the graph's peak.
+    lb_all = lower_bounds(pb)
+    lb_global = max(lb_all, default=0)
+    subs, before = [], 0
     for ops in parts:
-        sub = restrict(pb, ops, before) if decompose else pb
+        subs.append(restrict(pb, ops, before) if decompose else pb)
+        for o in ops:
+            before |= 1 << o
+    floor_proven = floor_any = lb_global if bound else 0
+    results: list = [None] * len(parts)
+    for i in sorted(range(len(parts)), key=lambda i: -max(lb_all[o] for o in parts[i])):
+        ops, sub = parts[i], subs[i]
+        method, why = "BTSearch", ""
         if len(ops) == 1:
             step = sub.peak([0])
             res = SearchResult([0], step, True, 0, 0.0, step, "only", step)
         else:
             res = btsearch(sub, bound=bound, hashing=hashing, dominance=dominance,
-                           time_limit=time_limit, max_states=max_states)
+                           time_limit=time_limit, max_states=max_states,
+                           floor=floor_any if decompose else 0)
+            if res.stopped == "floor":
+                res.proven = res.peak <= floor_proven
+                why = ("" if res.proven else
+                       f"stopped at the peak another block (not proven) already sets, "
+                       f"{floor_any:,} B")
+            elif not res.proven:
+                why = (f"{len(ops)} operators without a cut; the search stopped at its "
+                       f"{'time' if res.stopped == 'time' else 'state'} budget "
+                       f"({time_limit:g} s, {max_states:,} states) "
+                       f"{100 * (res.peak / res.lower_bound - 1):.1f}% above the lower bound")
+            if (not res.proven and res.stopped != "floor" and hier_time_limit
+                    and len(ops) >= HIER_MIN_OPS):
+                from hepti.plan.order_hier import hierarchical
+                h = hierarchical(sub, res.order, hier_time_limit,
+                                 floor=floor_any if decompose else 0)
+                res.states += h.states
+                res.seconds += h.seconds
+                if h.peak < res.peak or h.proven:
+                    res.order, res.peak, res.proven = h.order, h.peak, h.proven
+                    method = "hierarchical"
+                if h.peak <= floor_proven:
+                    res.proven = True
+                why = h.why
+        results[i] = (res, method, why)
+        floor_any = max(floor_any, res.peak)
+        if res.proven:
+            floor_proven = max(floor_proven, res.peak)
+    order, reports, states = [], [], 0
+    for ops, sub, (res, method, why) in zip(parts, subs, results):
         order += [ops[k] for k in res.order]
         states += res.states
-        for o in ops:
-            before |= 1 << o
         if len(ops) > 1:
             reports.append(BlockReport(sub.names[0], sub.names[-1], len(ops), res.peak,
                                        res.start_peak, res.lower_bound, res.states,
-                                       round(res.seconds, 4), res.proven, res.stopped))
+                                       round(res.seconds, 4), res.proven, res.stopped,
+                                       method, "" if res.proven else why))
         else:
             reports.append(BlockReport(sub.names[0], sub.names[0], 1, res.peak, res.peak,
                                        res.peak, 0, 0.0, True))
     peak = pb.peak(order)
-    lb_global = max(lower_bounds(pb), default=0)
     proven_floor = max([lb_global] + [b.peak_bytes for b in reports if b.proven])
     proven = all(b.proven for b in reports) or peak <= proven_floor
     rnd = random_peaks(pb, random_count, seed) if random_count else []
@@ -513,8 +573,9 @@ def format_result(r: OrderResult, names: int = 12) -> str:
                      f"{b(r.random['worst_bytes'])} ({vs(r.random['worst_bytes'])})")
     lines.append(f"search   {r.states:,} states, {r.seconds:.2f} s; {len(r.blocks)} blocks to "
                  f"search (largest {largest} operators); lower bound {b(r.lower_bound_bytes)}")
-    if r.unproven_blocks:
-        lines.append("unproven " + "; ".join(r.unproven_blocks))
+    for bl in r.blocks:
+        if not bl.proven:
+            lines.append(f"unproven {bl.first} .. {bl.last} ({bl.method}): {bl.why}")
     shown = " ".join(r.order[:names]) + (f" ... ({r.ops} in all; --json lists them)"
                                          if r.ops > names else "")
     lines.append(f"order    {shown}")
