@@ -14,17 +14,33 @@ def feed(c: M.Cusum, xs) -> list[int]:
     return [c.add(float(x)) for x in xs]
 
 
-@pytest.mark.parametrize("step, within", [(math.log(2.0), 2), (math.log(3.0), 2), (0.25, 5)])
+@pytest.mark.parametrize("step, within", [(math.log(2.0), 2), (math.log(3.0), 2),
+                                          (0.25, M.PERSIST_N)])
 def test_a_step_alarms_within_its_bound(step, within):
     """A step of size d alarms within ceil(LAMBDA / (d - DELTA)) samples (at least 2: the
-    confirmation), on residuals with 3% noise around a standing bias of -5%."""
+    confirmation), and a step under SMALL_STEP once it has lasted PERSIST_N samples, on
+    residuals with 3% noise around a standing bias of -5%."""
     rng = np.random.default_rng(1)
     c = M.Cusum()
     assert not any(feed(c, -0.05 + 0.03 * rng.standard_normal(20)))
     after = feed(c, -0.05 + step + 0.03 * rng.standard_normal(10))
     first = after.index(1) + 1
-    assert first <= max(2, math.ceil(M.LAMBDA / (step - M.DELTA))) <= within
+    bound = max(2, math.ceil(M.LAMBDA / (step - M.DELTA)))
+    if step < M.SMALL_STEP:
+        bound = max(bound, M.PERSIST_N)
+    assert first <= bound <= within
     assert c.shift() == pytest.approx(step, abs=0.1)
+
+
+def test_a_moderate_burst_of_a_few_batches_does_not_alarm():
+    """A 1.3-1.45x slowdown for three batches, then back (a neighbour's burst on the shared
+    host: bench-adapt --quiet at 2618843 re-planned on one): no alarm, though the 1.45x batches
+    flag. Lasting, it alarms."""
+    for factor in (1.3, 1.45):
+        c = M.Cusum()
+        feed(c, [0.0] * 10)
+        assert not any(feed(c, [math.log(factor)] * 3 + [0.0] * 10))
+        assert any(feed(c, [math.log(factor)] * M.PERSIST_N))
 
 
 def test_faster_is_an_alarm_too():
@@ -249,3 +265,39 @@ def test_a_flap_burst_ends_at_the_first_probe_that_reads_a_link_slow():
     assert "1" not in w.links and "3" not in w.links  # their high light readings are not taken
     assert w.flap_hold["2"] > 0
     assert R.FLAP_PROBES > 2  # the burst did end early
+
+
+def _serve(w, factors, n: int) -> None:
+    """Up to n batches through the watcher, each rank computing `factors[r]` times its
+    prediction and communicating as predicted; they stop at the first decision."""
+    pred = w.monitor.predicted(1, 256).predicted["per_rank"]
+    for _ in range(n):
+        if any(e.get("decision") for e in w.sup.replans):
+            return
+        ranks = [[p["compute_s"] * factors[r], sum(p.get("comm_s", {}).values()) + p.get("wait_s", 0.0),
+                  1e9, 1.0, 0.0, 0.0] for r, p in enumerate(pred)]
+        w.after_batch(None, (1, 256), ranks, 0.7)
+
+
+def test_a_slowdown_every_rank_shares_refits_them_all_and_keeps_the_plan():
+    """Every rank 1.6x slower at once (the host they share is busy): whichever rank alarms,
+    the re-fit scales each rank by its own step, so their relative speeds, and the plan, stay."""
+    w, sup = _watcher([])
+    w._batches_per_s = lambda: 1.4  # BERT-base's pace on emu-drift4
+    _serve(w, [1.0] * 4, 12)
+    _serve(w, [1.6] * 4, 6)
+    decided = [e for e in sup.replans if e.get("decision")]
+    assert decided and all(e["decision"] == "keep" for e in decided)
+    assert sorted(a["rank"] for a in decided[0]["alarms"]) == [0, 1, 2, 3]
+    assert all(f == pytest.approx(1.6, rel=0.05) for f in w.factors)
+
+
+def test_one_rank_slower_alone_is_refit_alone_and_switches():
+    w, sup = _watcher([])
+    w._batches_per_s = lambda: 1.4  # BERT-base's pace on emu-drift4
+    _serve(w, [1.0] * 4, 12)
+    _serve(w, [1.0, 1.0, 2.0, 1.0], 6)
+    decided = [e for e in sup.replans if e.get("decision")]
+    assert decided[0]["decision"] == "switch"
+    assert [a["rank"] for a in decided[0]["alarms"]] == [2]
+    assert w.factors[2] == pytest.approx(2.0, rel=0.05) and w.factors[:2] == [1.0, 1.0]

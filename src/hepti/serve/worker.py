@@ -349,8 +349,7 @@ class _State:
             # (the median of IDLE_PROBES: single probes at 0.15-0.2 core read 0.76-1.85x of
             # each other within 4 s in bench-adapt, and one of them misled a re-plan)
             with self._pacer.hold() if self._loading() else contextlib.nullcontext():
-                self._probed = 0.0 if self.job.is_active else \
-                    sorted(self.speed_probe() for _ in range(IDLE_PROBES))[IDLE_PROBES // 2]
+                self._probed = 0.0 if self.job.is_active else self.speed_probe()
         if not rank0:
             return None
         emb = pool(out["h"], batch.mask, self.args.pool, bool(self.args.normalize))
@@ -358,10 +357,13 @@ class _State:
         return head, emb
 
     def speed_probe(self) -> float:
-        """A rank with no share of the plan still tells its speed: the seconds of one small
-        GeMM ([32, C] x [C, C], ~1 ms at a few GFLOP/s, run twice, the second timed), as
-        compute (an emulated device's stretch applies, as to its work). The monitor watches its drift (a device that is fast
-        again should get its share back)."""
+        """A rank with no share of the plan still tells its speed: the median seconds of
+        IDLE_PROBES small GeMMs ([32, C] x [C, C], ~0.4 ms of CPU each here), as compute (an
+        emulated device's stretch applies, as to its work), after one untimed warm-up: the
+        first call after an idle spell meets cold caches (4-10x at 0.2 core). The monitor
+        watches its drift (a device that is fast again should get its share back). Each probe
+        had its own warm-up before (six GeMMs a batch): on the one-box emulation an idle
+        rank's CPU is the active ranks' too."""
         from hepti import kernels as K
         if self._probe is None:
             C = self.cfg.hidden_size
@@ -371,12 +373,15 @@ class _State:
                            np.empty((32, C), np.float32))
         x, w, c = self._probe
         tr = self.world.tracer
-        with tr.span("speed probe (warm-up)", "compute"):  # the first call after an idle
-            K.gemm(x, w, out=c)  # spell meets cold caches (4-10x at 0.2 core): not timed
-        t0 = time.perf_counter()
-        with tr.span("speed probe", "compute"):  # a span of its own: an emulated device's
-            K.gemm(x, w, out=c)  # stretch is paid as the span ends
-        return time.perf_counter() - t0
+        with tr.span("speed probe (warm-up)", "compute"):
+            K.gemm(x, w, out=c)
+        times = []
+        for _ in range(IDLE_PROBES):
+            t0 = time.perf_counter()
+            with tr.span("speed probe", "compute"):  # a span of its own: an emulated device's
+                K.gemm(x, w, out=c)  # stretch is paid as the span ends
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[IDLE_PROBES // 2]
 
     def probe(self, header):
         """Rank 0 times a ping-pong with each rank named (at three sizes, or the header's
