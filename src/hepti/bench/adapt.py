@@ -286,7 +286,7 @@ def flap_spec(base: dict, duration: float) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hepti.bench.adapt", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hepti.bench.adapt", description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=100.0, help="seconds of requests per run")
     ap.add_argument("--seq", type=int, default=256, help="tokens per request (default 256)")
     ap.add_argument("--model", default="weights/bert-base")

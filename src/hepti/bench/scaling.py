@@ -60,7 +60,7 @@ def run_once(model_dir, inp: tuple[str, Path], ranks: int, strategy: str | None,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", action="append", metavar="MODEL_DIR:SEQ", required=True,
                     help="a model folder and a token count, e.g. weights/minilm-l6:128 "
                          "(a vision model: its tokens per image, weights/vit-base:197)")

@@ -84,7 +84,7 @@ def file_job(model: str, lines: Path, ranks: int, work: Path, tag: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bin/bench-serve.sh", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="bin/bench-serve.sh", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="weights/minilm-l6")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--clients", default="1,4,16", help="concurrent client counts (comma-separated)")
