@@ -298,6 +298,30 @@ def test_a_plan_switch_mid_serving_keeps_every_answer_exact(served, minilm_dir, 
     assert back["new_strategy"] == "tensor"
 
 
+def test_a_switch_with_no_room_for_both_plans_reads_after_letting_the_old_go(served, minilm_dir,
+                                                                              monkeypatch):
+    """A rank without the memory to hold the next plan's slices beside the current ones (here
+    every rank: $HEPTI_SERVE_LOAD_ROOM asks for far more than any host has) lets the current
+    ones go at the switch and reads the next then: a longer stall, every answer exact."""
+    monkeypatch.setattr(replan, "COOLDOWN_S", math.inf)  # only the switch asked for
+    monkeypatch.setenv("HEPTI_SERVE_LOAD_ROOM", "1e9")
+    sup = served(2, "--strategy", "tensor", replan=True)
+    ids = texts_ids(sup, TEXTS)
+    want = single_device(minilm_dir, ids)
+    np.testing.assert_allclose(sup.embed(ids), want, atol=2e-5)
+    epoch = sup.epoch
+    sup.switch_plan({"hepti_plan": 1, "strategy": "tensor", "world_size": 2,
+                     "ratios": {d: [0.75, 0.25] for d in ("heads", "ffn", "rows")}})
+    deadline = time.monotonic() + 120
+    while sup.epoch == epoch:
+        np.testing.assert_allclose(sup.embed(ids), want, atol=2e-5)
+        assert time.monotonic() < deadline, sup.metrics()["replans"]
+    np.testing.assert_allclose(sup.embed(ids), want, atol=2e-5)
+    switched = [e for e in sup.replans if "switched_at" in e]
+    assert len(switched) == 1 and all(b > 0 for b in switched[0]["bytes_read"]), switched
+    assert switched[0]["deferred_ranks"] == [0, 1]
+
+
 def test_an_idle_rank_keeps_a_standby_copy_and_joins_without_reading(served, minilm_dir, monkeypatch):
     """With the re-planner on, a rank the plan leaves idle loads the whole model beside it;
     a switch that gives it rows then reads nothing, and every answer stays exact."""

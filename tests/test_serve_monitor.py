@@ -213,23 +213,24 @@ def _bert_rows_plan(idle: int = 3):
     return cfg, profile, make_plan(cfg, profile, 256, 1, strategy="rows", ratios=ratios)
 
 
-def _watcher(probes: list[dict]):
-    """A PlanWatcher for a 4-rank BERT-tiny `rows` plan on a declared profile (940 Mbit/s
-    links), whose probes answer from `probes` in turn."""
+def _watcher(probes: list[dict], strategy: str = "rows", memory: float = 4e9):
+    """A PlanWatcher for a 4-rank BERT-base `rows` plan on a declared profile (940 Mbit/s
+    links, `memory` bytes each), serving with `strategy`, whose probes answer from `probes`
+    in turn."""
     import collections
 
     from hepti.config import preset_config
     from hepti.plan.partition import make_plan
     from hepti.plan.profile import declared_profile
     from hepti.serve.replan import PlanWatcher
-    dev = {"gemm_flops": 2e10, "memory_bytes": 4e9, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6}
+    dev = {"gemm_flops": 2e10, "memory_bytes": memory, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6}
     profile = declared_profile([dict(dev) for _ in range(4)])
     cfg = preset_config("bert-base")
     plan = make_plan(cfg, profile, 256, 1, strategy="rows")
     answers = iter(probes)
 
     class Sup:
-        config, worker_args = cfg, ["--strategy", "rows"]
+        config, worker_args = cfg, ["--strategy", strategy]
         replans, flags = [], collections.deque()
 
         def command(self, sock, header):
@@ -267,15 +268,17 @@ def test_a_flap_burst_ends_at_the_first_probe_that_reads_a_link_slow():
     assert R.FLAP_PROBES > 2  # the burst did end early
 
 
-def _serve(w, factors, n: int) -> None:
+def _serve(w, factors, n: int, free=None) -> None:
     """Up to n batches through the watcher, each rank computing `factors[r]` times its
-    prediction and communicating as predicted; they stop at the first decision."""
+    prediction and communicating as predicted, with `free[r]` bytes free (1e9 each if None);
+    they stop at the first decision."""
     pred = w.monitor.predicted(1, 256).predicted["per_rank"]
+    free = free or [1e9] * len(pred)
     for _ in range(n):
         if any(e.get("decision") for e in w.sup.replans):
             return
         ranks = [[p["compute_s"] * factors[r], sum(p.get("comm_s", {}).values()) + p.get("wait_s", 0.0),
-                  1e9, 1.0, 0.0, 0.0] for r, p in enumerate(pred)]
+                  free[r], 1.0, 0.0, 0.0] for r, p in enumerate(pred)]
         w.after_batch(None, (1, 256), ranks, 0.7)
 
 
@@ -301,3 +304,33 @@ def test_one_rank_slower_alone_is_refit_alone_and_switches():
     assert decided[0]["decision"] == "switch"
     assert [a["rank"] for a in decided[0]["alarms"]] == [2]
     assert w.factors[2] == pytest.approx(2.0, rel=0.05) and w.factors[:2] == [1.0, 1.0]
+
+
+def test_a_device_whose_free_memory_falls_moves_the_plan_off_rows():
+    """Rank 2's free memory falls by 1.7 GB (another program took it) while every rank holds
+    the whole model under `rows`: its cap falls by as much, the current plan no longer fits
+    it, and the re-plan (auto) switches to one that does, whatever the speed gain."""
+    from hepti.serve.monitor import predict
+    w, sup = _watcher([], strategy="auto", memory=2e9)
+    w._batches_per_s = lambda: 1.4
+    _serve(w, [1.0] * 4, 8, free=[1.7e9] * 4)
+    assert not [e for e in sup.replans if e.get("decision")]  # steady: nothing moved
+    _serve(w, [1.0] * 4, 6, free=[1.7e9, 1.7e9, 0.02e9, 1.7e9])
+    decided = [e for e in sup.replans if e.get("decision")]
+    assert decided and decided[0]["decision"] == "switch", decided
+    assert decided[0]["overfilled_ranks"] == [2] and "rank 2 can hold" in decided[0]["reason"]
+    cap = w.profile.devices[2].usable_bytes
+    assert cap < 0.4e9
+    new = w.pending[0]
+    assert new.strategy != "rows" or new.ratios["rows"][2] == 0
+    assert predict(w.cfg, w.profile, new, 1, 256).predicted["per_rank"][2]["mem_bytes"] <= cap
+
+
+def test_free_memory_that_moves_a_little_or_while_loading_changes_nothing():
+    w, sup = _watcher([], strategy="auto", memory=2e9)
+    w._batches_per_s = lambda: 1.4
+    _serve(w, [1.0] * 4, 8, free=[1.7e9] * 4)
+    _serve(w, [1.0] * 4, 6, free=[1.5e9] * 4)  # 0.2 GB: under MEM_MOVED of a 2 GB cap
+    _serve(w, [1.0] * 4, 6, free=[1.7e9, 1.7e9, -1.0, 1.7e9])  # rank 2 loading weights
+    assert not [e for e in sup.replans if e.get("decision")]
+    assert 2 not in w.room0

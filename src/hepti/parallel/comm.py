@@ -90,6 +90,17 @@ class Comm:
         group._owns_mpi = True
         return group
 
+    def ranks_on_host(self) -> int:
+        """Collective: how many of the group's ranks share this one's host (and its memory:
+        a rank's part of the host's free memory is that over this, as `hepti profile` counts
+        it)."""
+        if self.solo:
+            return 1
+        node = self.mpi.Split_type(_MPI().COMM_TYPE_SHARED)
+        n = node.Get_size()
+        node.Free()
+        return n
+
     def close(self) -> None:
         """Collective: frees the shared window, and the communicator if split() made it."""
         if self.shm is not None:

@@ -5,7 +5,9 @@ The steps, all between batches on the front end's thread that talks to the worke
 0. a flag (a large residual: hepti.serve.monitor) is noted in `/metrics` at once; it becomes an
    alarm when the next batch confirms it;
 1. an alarm: a rank's compute drifted (its speeds are scaled by the measured factor), or the
-   communication did with no compute alarm (the links are re-probed: `probe`);
+   communication did with no compute alarm (the links are re-probed: `probe`), or a device's
+   memory moved (its free memory, reported with every batch: its cap follows, `_check_memory`,
+   and a plan that no longer fits is replaced whatever the speed);
 2. re-solve (`make_plan` on the re-fitted profile, at the recent batch shape, with the
    service's strategy) and compare with the current plan evaluated on the same profile;
 3. switch only if the predicted gain per batch, over the batches expected in `HORIZON_S`,
@@ -21,6 +23,7 @@ The steps, all between batches on the front end's thread that talks to the worke
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -55,6 +58,14 @@ FLAP_PROBES, FLAP_SPREAD, FLAP_HOLD_S = 4, 1.5, 60.0
 # 60 s went unseen, 810 ms against the original plan's 701 until the end).
 LINK_CHECK_S = 5.0
 MOVED = 0.2  # a link more than this far (fraction) from its profiled rate has moved
+# A device's memory: what it could hold now ("room": its free memory, the median of its last
+# MEM_N reports, plus what its plan and any copy kept beside it hold) against the room it had
+# when first judged steady under this plan; a change of MEM_MOVED of its cap either way moves
+# its cap by as much (never above the profile's) and re-plans. A device whose free memory fell
+# (another program took it) moves the plan from `rows` (every rank holds the whole model) to
+# `tensor` or `stream`. Against a baseline, not the profile's figure: what the runtime itself
+# holds (Python, Numba, buffers) is in neither the profile nor the prediction.
+MEM_N, MEM_MOVED = 3, 0.25
 
 
 class PlanWatcher:
@@ -69,6 +80,9 @@ class PlanWatcher:
         self.base = profile_from_dict(profile, "the workers' profile")
         self.factors = [1.0] * self.base.world_size
         self.links: dict = {}
+        self.memory: dict[int, float] = {}  # rank -> usable bytes, where its memory moved
+        self.free_seen: dict[int, list[float]] = {}  # rank -> its last MEM_N free-memory reports
+        self.room0: dict[int, float] = {}  # rank -> its room when first judged under this plan
         self.profile = self.base
         self.plan = Plan.from_dict(sup.plan)
         self.strategy = _strategy(sup.worker_args)
@@ -107,6 +121,13 @@ class PlanWatcher:
                 self.held[r] = None
             elif len(m) > 5 and m[5] == 2.0:  # an idle rank's standby copy: the whole model
                 self.held[r] = self.whole
+            if len(m) > 2 and m[2] > 0:
+                seen = self.free_seen.setdefault(r, [])
+                seen.append(m[2])
+                del seen[:-MEM_N]
+            elif len(m) > 2:  # loading weights: judged anew once done
+                self.free_seen.pop(r, None)
+                self.room0.pop(r, None)
         observed = None
         if self.judging is not None:
             # the new plan is judged on its first batches, and watched all the same: a change
@@ -127,6 +148,8 @@ class PlanWatcher:
             return
         if now - self.last_link_check > LINK_CHECK_S and now - self.last_switch > COOLDOWN_S \
                 and self._check_slow_links(sock):
+            return
+        if now - self.last_switch > COOLDOWN_S and self._check_memory(sock, shape):
             return
         if self.requested is not None:
             plan, self.requested = self.requested, None
@@ -311,6 +334,56 @@ class PlanWatcher:
         self._decide(sock, event)
         return True
 
+    def _check_memory(self, sock, shape) -> bool:
+        """Re-plan when a device's memory moved (MEM_MOVED): its room is its free memory plus
+        what it holds for its plan (the plan's predicted weights and activations) and beside
+        it (a previous plan's slices, a standby copy: freed when memory runs short,
+        hepti.serve.worker `_trim`), against its room when first judged under this plan.
+        True if it re-planned."""
+        pred = self.monitor.predicted(*shape).predicted.get("per_rank", [])
+        moved = {}
+        for r, p in enumerate(pred):
+            seen = self.free_seen.get(r, [])
+            if len(seen) < MEM_N:
+                continue
+            room = statistics.median(seen) + p.get("mem_bytes", 0.0) + self._held_bytes(r)
+            if r not in self.room0:
+                self.room0[r] = room
+                continue
+            cap, base = self.profile.devices[r].usable_bytes, self.base.devices[r].usable_bytes
+            delta = room - self.room0[r]
+            if abs(delta) > MEM_MOVED * cap and not (delta > 0 and cap >= base):
+                moved[r] = min(base, max(0.0, cap + delta))
+        if not moved:
+            return False
+        event = {"t": time.time(), "alarms": [], "batch_shape": list(shape),
+                 "before": (list(self.factors), dict(self.links))}
+        event["reason"] = "memory: " + ", ".join(
+            f"rank {r} can hold {v / 2**20:.0f} MiB (planned for "
+            f"{self.profile.devices[r].usable_bytes / 2**20:.0f})" for r, v in sorted(moved.items()))
+        for r, v in moved.items():
+            if v >= self.base.devices[r].usable_bytes:
+                self.memory.pop(r, None)
+            else:
+                self.memory[r] = v
+            self.free_seen.pop(r, None)  # judged anew, on what it can hold from now on
+            self.room0.pop(r, None)
+        self._refit()
+        self._decide(sock, event, must=self._over_memory(shape))
+        return True
+
+    def _held_bytes(self, r: int) -> float:
+        """The weights rank r keeps beside its plan (`held`: a previous plan's, or the whole
+        model as an idle rank's standby copy)."""
+        from hepti.serve.worker import spec_bytes
+        return spec_bytes(self.cfg, self.held[r])
+
+    def _over_memory(self, shape) -> list[int]:
+        """The ranks the current plan would overfill on the re-fitted profile."""
+        got = predict(self.cfg, self.profile, self.plan, *shape).predicted.get("per_rank", [])
+        return [r for r, p in enumerate(got)
+                if p.get("active", True) and p.get("mem_bytes", 0.0) > self.profile.devices[r].usable_bytes]
+
     def _probe_changed(self, sock) -> dict:
         """The links that moved: every link checked with a light probe (CHECK_SIZES: 5-50 ms
         a link). The full probe of every link, on every communication alarm, took 0.73 s
@@ -390,12 +463,23 @@ class PlanWatcher:
         self._decide(sock, event)
 
     # --- deciding ------------------------------------------------------------------------------
-    def _decide(self, sock, event: dict) -> None:
+    def _decide(self, sock, event: dict, must: list[int] | None = None) -> None:
+        """Re-solve on the re-fitted profile and switch if it pays (or, `must`: ranks the
+        current plan overfills, if the new plan differs at all)."""
+        from hepti.errors import PlanError
         from hepti.plan.partition import make_plan
         B = int(statistics.median(s[0] for s in self.shapes))
         T = int(statistics.median(s[1] for s in self.shapes))
         t0 = time.perf_counter()
-        best = make_plan(self.cfg, self.profile, T, B, strategy=self.strategy)
+        try:
+            best = make_plan(self.cfg, self.profile, T, B, strategy=self.strategy)
+        except PlanError as e:  # nothing fits: serve on with the current plan, and say so
+            event.update(decision="keep", reason=f"{event['reason']}; no plan fits: {e}",
+                         solve_s=time.perf_counter() - t0)
+            log.warning("serve: re-plan: %s", event["reason"])
+            self.sup.replans.append(event)
+            self._refitted(alarmed=set())
+            return
         event["solve_s"] = time.perf_counter() - t0
         now = predict(self.cfg, self.profile, self.plan, B, T).predicted_latency_s
         new = best.predicted_latency_s
@@ -406,7 +490,10 @@ class PlanWatcher:
         load_s = self._load_seconds(best)
         cost = SWITCH_COST_S + LOAD_COST_FRACTION * load_s
         event.update(load_s=load_s, switch_cost_s=cost)
-        if gain < MIN_GAIN * now or gain * rate * HORIZON_S < cost or _same(best, self.plan):
+        if must:
+            event["overfilled_ranks"] = must
+        if _same(best, self.plan) or (not must and (gain < MIN_GAIN * now or
+                                                    gain * rate * HORIZON_S < cost)):
             event["decision"] = "keep"
             # links as profiled: the communication's new level is this plan's normal, not a
             # change to act on again
@@ -443,14 +530,19 @@ class PlanWatcher:
             self.held[r["rank"]] = r.get("holds")
         self.plan, self.pending = plan, None
         self.last_switch = time.monotonic()
+        self.free_seen, self.room0 = {}, {}  # what each rank holds changed: rooms judged anew
         event.update(switched_at=time.time(),
                      stall_s=max(r["stall_s"] for r in answer["ranks"]),
                      bytes_read=[r["bytes_read"] for r in answer["ranks"]])
+        deferred = [r["rank"] for r in answer["ranks"] if r.get("deferred")]
+        if deferred:  # no room for both plans: read after letting the old one go
+            event["deferred_ranks"] = deferred
         with self.sup._cv:
             self.sup.epoch += 1
             self.sup.plan = plan.to_dict()
         event["epoch"] = self.sup.epoch
-        self.judging = None if rollback else []
+        # a plan the memory forced is not judged against one that no longer fits
+        self.judging = None if rollback or event.get("overfilled_ranks") else []
         # each rank's series go on with their baselines: relearning them would leave the
         # monitor blind for BASELINE_N batches, 6-12 s at BERT-base's 0.7-1.3 s per request
         # (bench-adapt's first run: the CPU halving was flagged 11 s late). Where the new plan
@@ -485,8 +577,8 @@ class PlanWatcher:
     def _load_seconds(self, plan) -> float:
         """The slowest rank's time to read and pack its new slices for `plan` (0 for a rank
         whose slices stay, or that still holds them from the plan before: `layer_spec`)."""
-        from hepti.model.sizes import layer_slice_bytes
         from hepti.parallel.engine import layer_spec
+        from hepti.serve.worker import spec_bytes
         cfg, worst = self.cfg, 0.0
         for r, dev in enumerate(self.base.devices):
             new, old = layer_spec(plan, cfg, r), layer_spec(self.plan, cfg, r)
@@ -494,9 +586,7 @@ class PlanWatcher:
                 continue
             if self.held[r] is not None and json.loads(json.dumps(new)) == self.held[r]:
                 continue
-            kind, heads, ffn, extra = new
-            layers = extra if kind == "stream" else extra[1] - extra[0]
-            nbytes = layer_slice_bytes(cfg, heads[1] - heads[0], ffn[1] - ffn[0]) * layers
+            nbytes = spec_bytes(cfg, new)
             speed = (dev.weight_load_Bps or dev.disk_read_Bps or 50e6) / self.factors[r]
             worst = max(worst, nbytes / speed)
         return worst
@@ -506,6 +596,11 @@ class PlanWatcher:
         for r, f in enumerate(self.factors):
             if f != 1.0:
                 p = scaled_speed(p, r, f)
+        if self.memory:
+            devs = list(p.devices)
+            for r, usable in self.memory.items():
+                devs[r] = dataclasses.replace(devs[r], memory_bytes=usable + devs[r].reserved_bytes)
+            p = dataclasses.replace(p, devices=devs)
         self.profile = with_links(p, self.links) if self.links else p
 
     def _refitted(self, alarmed: set | None, relearn_comm: bool = False) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import time
@@ -105,6 +106,7 @@ def serve(args) -> int:
     ranks = world.gather_obj(me)  # after every rank's watch line: the hello comes last
     sock = None
     state = _State(world, store, job, args)
+    state.on_host = world.ranks_on_host()
     if args.replan:
         state.standby()
     if rank0:
@@ -148,12 +150,33 @@ def serve(args) -> int:
         watch.close()
 
 
+# A rank reads the next plan's slices beside the current ones only with this many times their
+# bytes free; else at the switch, after letting the current ones go (a stall, not a crash).
+# $HEPTI_SERVE_LOAD_ROOM sets it (tests/test_serve.py defers every load with a huge one).
+LOAD_ROOM = float(os.environ.get("HEPTI_SERVE_LOAD_ROOM", "1.5"))
+
+
+def spec_bytes(cfg, spec) -> float:
+    """The bytes of a layer_spec's weights (hepti.parallel.engine.layer_spec): a stream
+    spec's window of layers, or the resident layers' slices."""
+    from hepti.model.sizes import layer_slice_bytes
+    if spec is None:
+        return 0.0
+    kind, heads, ffn, extra = spec
+    layers = extra if kind == "stream" else extra[1] - extra[0]
+    return float(layer_slice_bytes(cfg, heads[1] - heads[0], ffn[1] - ffn[0]) * layers)
+
+
 # A rank keeps the resident weights of the plan it switched away from while its free memory
 # is at least this many times their size: the switch back (a device restored, a rollback)
 # then reads nothing. bench-adapt's restore at 60 s waited 10 s for its better plan because a
 # 0.2-core device had to read back the 340 MB it had dropped when it went idle.
 KEEP_PREVIOUS_FREE = 2.0
-IDLE_PROBES = 3  # speed probes an idle rank runs after each batch (their median is reported)
+IDLE_PROBES = 3  # speed probes an idle rank runs each batch (their median is reported)
+# An idle rank probes as a batch starts when batches come this many times its probe's time
+# apart (its report is then this batch's own), else after the gather, off the batch's path
+# (MiniLM's batches of a few ms would wait for a 0.15-core device's probe)
+EARLY_PROBE_CYCLES = 10
 # Rank 0's watch inside a batch (`_InBatchWatch`): how often it looks, as a fraction of the
 # batch's predicted wall time (within 10-100 ms); from what fraction on; and how far its
 # communication so far must exceed what that fraction predicts, as a ratio and as a fraction
@@ -263,9 +286,12 @@ class _State:
         self.kept = None  # (spec, layers) of the plan before the current one
         self._probe = None  # speed_probe's buffers
         self._probed = 0.0  # an idle rank's last speed probe (s), sent with the next batch
+        self._probe_s = math.inf  # how long its last probe took, all told
+        self._last_batch = time.perf_counter()  # when the last batch started, on this rank
         self._standby = None  # the thread loading an idle rank's standby copy (`standby`)
         self._pacer = None  # its _Pacer: one layer per batch
         self.kept_whole = False  # `kept` is the standby copy (the whole model), not a plan's
+        self.on_host = 1  # ranks on this host: its free memory is shared between them
 
     def _trim(self) -> None:
         """Drop the previous plan's weights when memory runs short."""
@@ -323,6 +349,16 @@ class _State:
             batch = make_batch(protocol.unpack_ids(header["lengths"], data), self.cfg.pad_token_id)
         w.tracer.reset()
         out = {}
+        now = time.perf_counter()
+        cycle, self._last_batch = now - self._last_batch, now
+        # an idle rank whose batches are long next to its probe probes as the batch starts, and
+        # the batch's own report carries it: bench-adapt at 9113200 (probes after each gather,
+        # reported with the next batch) flagged node-d's fall 2.0 s after it, two requests
+        early = bool(self.args.replan) and not self.job.is_active and \
+            cycle > EARLY_PROBE_CYCLES * self._probe_s
+        if early:
+            with self._pacer.hold() if self._loading() else contextlib.nullcontext():
+                self._probed = self.speed_probe()
         watch = _InBatchWatch(w.tracer, header["watch"], notify) \
             if rank0 and notify is not None and header.get("watch") else None
         t0 = time.perf_counter()
@@ -342,14 +378,18 @@ class _State:
             # [5]: what this rank holds beside its plan: 0 nothing, 1 the previous plan's
             # slices (named in the switch's answer), 2 the whole model (`standby`)
             holds = 0.0 if self.kept is None or self._loading() else 2.0 if self.kept_whole else 1.0
-            mine = [compute, comm, float(available_memory()[0]), float(ready), self._probed, holds]
+            # [2]: free memory, as `hepti profile` counts it; -1 while weights load (the
+            # standby copy, the next plan's): the figure is on its way down, not a change
+            free = -1.0 if self._loading() or not ready else available_memory()[0] / self.on_host
+            mine = [compute, comm, float(free), float(ready), self._probed, holds]
             head["ranks_s"] = w.gather_floats(mine)
             # an idle rank probes its speed after the gather, off the batch's path: rank 0
             # answers without waiting for it, and the next batch's gather carries the figure
             # (the median of IDLE_PROBES: single probes at 0.15-0.2 core read 0.76-1.85x of
             # each other within 4 s in bench-adapt, and one of them misled a re-plan)
-            with self._pacer.hold() if self._loading() else contextlib.nullcontext():
-                self._probed = 0.0 if self.job.is_active else self.speed_probe()
+            if not early:
+                with self._pacer.hold() if self._loading() else contextlib.nullcontext():
+                    self._probed = 0.0 if self.job.is_active else self.speed_probe()
         if not rank0:
             return None
         emb = pool(out["h"], batch.mask, self.args.pool, bool(self.args.normalize))
@@ -373,6 +413,7 @@ class _State:
                            np.empty((32, C), np.float32))
         x, w, c = self._probe
         tr = self.world.tracer
+        start = time.perf_counter()
         with tr.span("speed probe (warm-up)", "compute"):
             K.gemm(x, w, out=c)
         times = []
@@ -381,6 +422,7 @@ class _State:
             with tr.span("speed probe", "compute"):  # a span of its own: an emulated device's
                 K.gemm(x, w, out=c)  # stretch is paid as the span ends
             times.append(time.perf_counter() - t0)
+        self._probe_s = time.perf_counter() - start
         return sorted(times)[IDLE_PROBES // 2]
 
     def probe(self, header):
@@ -409,6 +451,7 @@ class _State:
         from hepti.graph.encoder import family_graph
         from hepti.parallel.engine import build_layers, layer_spec
         from hepti.parallel.layers import slice_packer
+        from hepti.parallel.profiling import available_memory
         from hepti.plan.planfile import Plan
         w = self.world
         plan = Plan.from_dict(w.bcast_obj(header["plan"] if w.rank == 0 else None)).validate(w.size)
@@ -419,9 +462,15 @@ class _State:
         # whether this rank reads anything for the next plan (a standby copy still loading may)
         loads = spec is not None and spec != self.job.spec and \
             (self._loading() or self.kept is None or spec != self.kept[0])
+        # no room for the next plan's slices beside the current ones (the re-plan may be for
+        # that very reason): they are read at the switch, once the current ones are let go
+        holder["deferred"] = bool(loads) and \
+            available_memory()[0] / self.on_host < LOAD_ROOM * spec_bytes(self.cfg, spec)
         loads = w.gather_obj(loads)
 
         def load():
+            if holder["deferred"]:
+                return
             try:
                 if self._standby is not None:
                     self._standby.join()
@@ -449,6 +498,22 @@ class _State:
             raise holder["error"]
         from hepti.parallel.layers import ResidentLayers
         from hepti.parallel.profiling import available_memory
+        if holder["deferred"]:  # the current weights go first, then the next plan's are read
+            from hepti.graph.encoder import family_graph
+            from hepti.parallel.engine import build_layers
+            from hepti.parallel.layers import slice_packer
+            self.job.close()
+            if self.kept is not None:
+                self.kept[1].close()
+                self.kept, self.kept_whole = None, False
+            holder["layers"] = build_layers(self.store, spec, slice_packer(family_graph(self.cfg, 1, 1)))
+            self.job = Job(w, self.store, plan, self.args.threads, layers=holder["layers"])
+            self.next = None
+            per_rank = w.gather_obj({"rank": w.rank, "bytes_read": self.store.bytes_read - holder["read0"],
+                                     "kept": False, "holds": None, "deferred": True,
+                                     "stall_s": time.perf_counter() - t0})
+            return ({"op": "switched", "ranks": per_rank, "strategy": plan.strategy}, None) \
+                if w.rank == 0 else None
         keep = spec is not None and spec == self.job.spec
         old_spec, old_layers = self.job.spec, self.job.layers
         if keep:
