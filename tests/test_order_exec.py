@@ -12,36 +12,7 @@ from hepti.graph.cnn import build
 from hepti.graph.opdag import from_cnn
 from hepti.model.livebytes import AllocationCounter, TrackedDict, buffer_of
 from hepti.plan.memory import compile_problem, order_peak
-
-TINY = {"resnet50": dict(arch="resnet50", width_divisor=16, num_classes=10),
-        "mobilenet_v2": dict(arch="mobilenet_v2", width_divisor=8, num_classes=10),
-        "vgg16": dict(arch="vgg16", width_divisor=16, num_classes=10, classifier_hidden=64)}
-
-
-def random_cnn(name: str, order=None):
-    """A tiny CNN of hepti's families with seeded random weights, in memory."""
-    from hepti.model.cnn import CNNModel, tensors_reader
-    cfg = CNNConfig(**TINY[name], name=name)
-    rng = np.random.default_rng(0)
-    tensors = {k: (rng.standard_normal(s, dtype=np.float32) * 0.1)
-               for k, s in build(cfg).weights().items()}
-    return CNNModel(cfg, tensors_reader(tensors), order=order)
-
-
-def pixels(n=1, h=48, w=40, seed=1):
-    return np.random.default_rng(seed).standard_normal((n, 3, h, w), dtype=np.float32)
-
-
-def late_downsample_order(graph) -> list[str]:
-    """ResNet's file order with every downsample run after its block's conv2 instead of
-    first: another topological order, with a different peak."""
-    names = [op.name for op in graph.ops]
-    for op in graph.ops:
-        if op.name.endswith(".downsample.0"):
-            names.remove(op.name)
-            names.insert(names.index(op.name.replace("downsample.0", "conv2")) + 1, op.name)
-    return names
-
+from order_helpers import TINY, late_downsample_order, pixels, random_cnn
 
 # --- the counter itself ---------------------------------------------------------------------
 
@@ -109,3 +80,48 @@ def test_an_order_that_is_not_topological_is_refused():
         g.run_order(names[1:2] + names[:1] + names[2:])
     with pytest.raises(ValueError, match="once"):
         g.run_order(names[:-1])
+
+
+# --- the band executor on one rank ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("fused", [False, True])
+def test_band_executor_on_one_rank_holds_the_model_peak(name, fused):
+    """On one rank the height-split executor holds what the model prices for its sequence
+    (rank_dag), fused groups included: it lets each band go after its last reader."""
+    from hepti.graph.split import Split
+    from hepti.parallel.bands import BandExecutor
+    from hepti.parallel.comm import Comm
+    model = random_cnn(name)
+    g = model.graph
+    split = Split((1.0,), ((0, 3), (3, spatial_ops(g))) if fused else None)
+    ex = BandExecutor(Comm(None), g, split, model.weights)
+    x = pixels(1, 48, 40)
+    c = AllocationCounter()
+    got = ex.forward(x, counter=c)
+    np.testing.assert_allclose(got, model.forward(x), rtol=1e-5, atol=1e-6)  # pooling sums apart
+    dag, order = ex.rank_dag(48, 40, 1, 0)
+    assert c.peak == order_peak(dag, order, count_io=True)
+
+
+def test_band_executor_follows_a_given_order_inside_a_fused_group():
+    from hepti.graph.split import Split
+    from hepti.parallel.bands import BandExecutor
+    from hepti.parallel.comm import Comm
+    model = random_cnn("resnet50")
+    g = model.graph
+    order = late_downsample_order(g)
+    split = Split((1.0,), ((0, spatial_ops(g)),))  # one group: the order decides everything
+    ex = BandExecutor(Comm(None), g, split, model.weights, order=order)
+    assert [g.ops[i].name for i in ex.sequence] == order
+    x = pixels(1, 56, 48)
+    c = AllocationCounter()
+    default = BandExecutor(Comm(None), g, split, model.weights)
+    np.testing.assert_array_equal(ex.forward(x, counter=c), default.forward(x))
+    dag, seq = ex.rank_dag(56, 48, 1, 0)
+    assert c.peak == order_peak(dag, seq, count_io=True)
+
+
+def spatial_ops(g):
+    from hepti.graph.split import spatial_ops as n
+    return n(g)

@@ -95,17 +95,19 @@ class AllocationCounter:
 
 class TrackedDict(dict):
     """A dict of activations that tells `counter` what it stores and lets go. `label` (a
-    callable, or None) names the operator running, for `peak_at`."""
+    callable, or None) names the operator running, for `peak_at`; `array_of` finds the array
+    in a stored value that is not one (the band executor's `Band`)."""
 
-    def __init__(self, counter: AllocationCounter, items=(), label=None):
+    def __init__(self, counter: AllocationCounter, items=(), label=None, array_of=None):
         super().__init__()
-        self.counter, self.label = counter, label
+        self.counter, self.label, self.array_of = counter, label, array_of
         for k, v in dict(items).items():
             self[k] = v
 
     def __setitem__(self, name, a):
         super().__setitem__(name, a)
-        self.counter.made(name, a, self.label() if self.label else None)
+        self.counter.made(name, a if self.array_of is None else self.array_of(a),
+                          self.label() if self.label else None)
 
     def __delitem__(self, name):
         super().__delitem__(name)
@@ -119,6 +121,6 @@ class TrackedDict(dict):
         return out
 
 
-def track(env: dict, counter: AllocationCounter | None, label=None) -> dict:
+def track(env: dict, counter: AllocationCounter | None, label=None, array_of=None) -> dict:
     """`env` as a TrackedDict of `counter`, or `env` itself when there is no counter."""
-    return env if counter is None else TrackedDict(counter, env, label)
+    return env if counter is None else TrackedDict(counter, env, label, array_of)
