@@ -125,3 +125,34 @@ def test_band_executor_follows_a_given_order_inside_a_fused_group():
 def spatial_ops(g):
     from hepti.graph.split import spatial_ops as n
     return n(g)
+
+
+# --- the planner: a memory cap priced by the order's peak -----------------------------------
+
+def test_cnn_planner_caps_a_share_by_the_peak_of_btsearchs_order():
+    """ResNet-50 at 224 on a fast device with little memory and a slow one with plenty: the
+    fast one's share is capped by (memory - weights) / the activations' peak. Priced by the
+    largest input + output of one op (4.8 MB) it got 0.8 of the rows, and its executor would
+    have held 0.8 x 7.2 MB against a 3.9 MB room; priced by BTSearch's order's peak, which the
+    executors hold (tests above), it gets what fits."""
+    import math
+    from hepti.plan.coedge import CNNCosts, activation_peak, solve_ratios
+    from hepti.plan.order import executor_order
+    g = build(CNNConfig("resnet50"))
+    h = w = 224
+    shapes = g.shapes(h, w)
+    L = sum(op.kind in ("conv", "maxpool") for op in g.ops)
+    crude = max(4 * (math.prod(shapes[op.input]) + math.prod(shapes[op.output]))
+                for op in g.ops[:L])
+    peak = activation_peak(g, h, w)
+    assert peak == executor_order(from_cnn(g, 1, h, w)).peak_bytes > 1.4 * crude
+    W = g.weight_bytes()
+    room = 0.8 * crude
+    costs = CNNCosts(op_s=[[1e-3] * len(g.ops), [3e-3] * len(g.ops)], overhead_s=[0.0, 0.0],
+                     latency_s=[1e-4, 1e-4], bandwidth_Bps=[1e9, 1e9],
+                     memory_bytes=[W + room, 1e12], h=h, w=w)
+    r = solve_ratios(g, costs, [0, 1], h, w, 1, weight_bytes=[W, W])
+    assert r is not None
+    assert r[0] == pytest.approx(room / peak, rel=1e-6)  # the cap binds: as much as fits
+    old_share = room / crude  # what the one-op figure allowed: 0.8
+    assert old_share * peak > 1.4 * room  # ... and its executor would have needed 40% more
