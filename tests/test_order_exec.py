@@ -156,3 +156,44 @@ def test_cnn_planner_caps_a_share_by_the_peak_of_btsearchs_order():
     assert r[0] == pytest.approx(room / peak, rel=1e-6)  # the cap binds: as much as fits
     old_share = room / crude  # what the one-op figure allowed: 0.8
     assert old_share * peak > 1.4 * room  # ... and its executor would have needed 40% more
+
+
+# --- the transformer interpreter ------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["tiny_dir", "vit_dir"])
+def test_interpreter_counter_equals_the_schedule_model(which, request):
+    """One rank: the interpreter's held tensors (its MLP's hidden one included) come to
+    lower.activation_memory's peak without kernel scratch, exactly. The encoder graph is a
+    chain: one order, which it runs."""
+    from hepti.graph import lower
+    from hepti.graph.encoder import family_graph
+    from hepti.inputs import Batch
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.engine import Job
+    from hepti.plan.costmodel import held_bytes
+    from hepti.plan.planfile import DIMS, Plan
+    from hepti.weights import WeightStore
+    store = WeightStore(request.getfixturevalue(which))
+    cfg = store.config
+    rng = np.random.default_rng(0)
+    if cfg.model_type == "vit":
+        T = cfg.seq_len
+        b = Batch(None, np.ones((1, T), np.int64), None,
+                  pixels=rng.standard_normal((1, 3, cfg.image_size, cfg.image_size),
+                                             dtype=np.float32))
+    else:
+        T = 9
+        b = Batch(rng.integers(1, cfg.vocab_size, (1, T)), np.ones((1, T), np.int64),
+                  np.zeros((1, T), np.int64))
+    job = Job(Comm(None), store, Plan(strategy="single", world_size=1,
+                                      ratios={d: [1.0] for d in DIMS}))
+    c = AllocationCounter()
+    job.executor.forward(b, 1, T, counter=c)
+    g = family_graph(cfg, 1, T)
+    steps = lower.schedule(g, lower.assignment(g, "single"), cfg.num_hidden_layers)
+    terms = lower.activation_memory(g, steps, keep=(g.output,), scratch=False)
+    units = {"rows": T, "heads": cfg.num_attention_heads, "ffn": cfg.intermediate_size}
+    modelled = held_bytes(terms, units, True, 1)["activations"]
+    assert c.peak == modelled
+    job.close()
+    store.close()

@@ -348,8 +348,8 @@ def activation_memory(graph: Graph, steps: list[Step], keep: tuple[str, ...] = (
             new = {"allgatherv": FULL, "bcast": FULL, "reduce_scatter": ROWS,
                    "scatterv": ROWS, "gatherv": PRIMARY}[s.kind]
             make([s.tensor], j, new, None)
-    for t in keep:
-        if t in held:
+    for t in tuple(keep) + tuple(graph.inputs_everywhere):  # the mask: every attention reads
+        if t in held:  # it (not as an operator input), so the interpreter holds it throughout
             first, _, size = lives[held[t]]
             lives[held[t]] = (first, end, size)
     at: list[dict[str, float]] = []
