@@ -8,8 +8,8 @@ keeps the live bytes and their largest value (`peak`), with the operator it was 
 
 What counts is memory, not names: an array's bytes are its *buffer's*, the ndarray at the end
 of its `.base` chain, counted once however many held names view it (the interpreter's Q and
-K/V are column views of one QKV output, which stays allocated until the last view goes). A
-buffer that is not an ndarray (an MPI shared window) counts as the outermost array viewing it.
+K/V are column views of one QKV output, which stays allocated until the last view goes). An
+array over memory numpy did not allocate (an MPI shared window) counts its own bytes.
 Storing a name again counts the new array before the old one is let go: for that moment both
 are held, as they are in the executor (a collective's result replacing its input, a band
 widened by its halo).
@@ -25,10 +25,13 @@ import numpy as np
 
 def buffer_of(a: np.ndarray) -> np.ndarray:
     """The ndarray that owns `a`'s memory (`a` itself when it owns it): the last ndarray
-    along its `.base` chain."""
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a
+    along its `.base` chain; `a` itself when that one wraps memory numpy did not allocate
+    (a collective's result in an MPI shared window: its own bytes are what it holds of the
+    window, whose slots are the transport's)."""
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return a if root.base is not None else root
 
 
 class AllocationCounter:
