@@ -38,7 +38,12 @@ class BandJob:
         self.rss_before_load = current_rss()
         self.weights = Weights(graph, store.read,
                                head_rows(graph, split, world.rank, world.size))
-        self.executor = BandExecutor(world, graph, split, self.weights, threads)
+        # BTSearch's order within each group (for hepti's CNNs its peak is the file order's)
+        from hepti.graph.opdag import from_cnn
+        from hepti.plan.order import executor_order
+        side = store.config.image_size
+        order = executor_order(from_cnn(graph, 1, side, side)).order
+        self.executor = BandExecutor(world, graph, split, self.weights, threads, order)
         self.active = [i for i, r in enumerate(split.ratios) if r > 0]
 
     def run_all(self, batches, n: int, on_output=None) -> None:
