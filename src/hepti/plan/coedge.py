@@ -190,8 +190,12 @@ def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int
 
 def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: int = 1
                  ) -> tuple[float, list[float], list[float]]:
-    """(latency, compute per rank, communication per rank) of the pooling and the head."""
+    """(latency, compute per rank, communication per rank) of the pooling and the head, on
+    the ranks the forward runs on (rank 0 and every rank with a share: the executor's
+    sub-communicator, Split.members)."""
     P, ratios = costs.size, split.ratios
+    members = split.members()
+    on = [i in members for i in range(P)]
     owners = split.owners(graph)
     per_row = row_seconds(costs, graph, shapes[graph.input][1], n)
     comp, comm = [0.0] * P, [0.0] * P
@@ -203,7 +207,8 @@ def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: i
                 comp[i] += (o1 - o0) * per_row[i][l]
             nbytes = F32 * n * (c if op.out_hw == (1, 1) else hh * ww * c)
             for i in range(P):
-                comm[i] += costs.latency_s[i] + nbytes / costs.bandwidth_Bps[i]
+                if on[i]:
+                    comm[i] += costs.latency_s[i] + nbytes / costs.bandwidth_Bps[i]
         elif op.kind == LINEAR:
             if split.head == "primary" or P == 1:
                 comp[0] += per_row[0][l]
@@ -211,7 +216,8 @@ def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: i
                 c = counts(op.cout, ratios)
                 for i in range(P):
                     comp[i] += c[i] / op.cout * per_row[i][l]
-                    comm[i] += costs.latency_s[i] + F32 * n * op.cout / costs.bandwidth_Bps[i]
+                    if on[i]:
+                        comm[i] += costs.latency_s[i] + F32 * n * op.cout / costs.bandwidth_Bps[i]
     return max(comp) + max(comm), comp, comm
 
 
