@@ -93,7 +93,6 @@ class BandJob:
             self.group.close()
 
 
-
 def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
     """The plan every rank runs: --plan, else --ratios, else --strategy (even by default;
     auto and proportional plan on --profile or on a profile measured now, at this input)."""
