@@ -134,7 +134,7 @@ def test_activation_memory_counts_the_tensors_live_at_each_step():
     whole (M x C), the down projection's partial sums (M x C) and its FFN columns' hidden
     state (M per column); `rows` at attention holds every row's K/V (M x 2C), the scores'
     [T, T] block, and its own rows' fused QKV output (3C), the layer's input (C, the residual)
-    and the context (C)."""
+    and the context (C). Both hold the mask (M floats), which every attention reads."""
     from hepti.plan.costmodel import steps_of
     cfg = preset_config("tiny-odd")
     B, T = 2, 8
@@ -143,8 +143,8 @@ def test_activation_memory_counts_the_tensors_live_at_each_step():
     held = {name: [{t.dim: t.per_unit for t in ts}
                    for ts in steps_of(lower.program_activations(g, lower.assignment(g, name))).values()]
             for name in ("tensor", "rows")}
-    assert {"active": 4.0 * 2 * M * C, "ffn": 4.0 * M} in held["tensor"]
-    assert {"active": 4.0 * (2 * M * C + T * T), "rows": 4.0 * 5 * C} in held["rows"]
+    assert {"active": 4.0 * (2 * M * C + M), "ffn": 4.0 * M} in held["tensor"]
+    assert {"active": 4.0 * (2 * M * C + T * T + M), "rows": 4.0 * 5 * C} in held["rows"]
     # no step kept that another holds at least as much of in every dimension
     for steps in held.values():
         for a in steps:

@@ -268,8 +268,15 @@ def run_single(args) -> int:
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
         t0 = time.perf_counter()
         if config.model_type == "cnn":
+            from hepti.graph.cnn import build
+            from hepti.graph.opdag import from_cnn
             from hepti.model.cnn import SingleCNN
-            engine = SingleCNN.from_store(store, threads=args.threads)
+            from hepti.plan.order import executor_order
+            # BTSearch's order at the model's own image size (each op frees its inputs after
+            # their last reader in it; for hepti's CNNs its peak is the file order's)
+            side = config.image_size
+            order = executor_order(from_cnn(build(config), 1, side, side)).order
+            engine = SingleCNN.from_store(store, threads=args.threads, order=order)
         else:
             family(config).load_kernels(args.threads)  # as a Job does: passes time forwards
             engine = SingleDevice.from_store(store, threads=args.threads)

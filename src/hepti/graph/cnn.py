@@ -158,9 +158,42 @@ class Graph:
     def weight_bytes(self) -> int:
         return F32 * sum(math.prod(s) for s in self.weights().values())
 
-    def last_use(self) -> dict[str, int]:
-        """Tensor -> index of the last op that reads it (the executors free it after)."""
-        return {t: max(c) for t, c in self.consumers.items()}
+    def run_order(self, order=None) -> list[int]:
+        """The ops' indices in the order to run them: `order` (every op's name once, each
+        after the ops whose outputs it reads: a topological order, such as BTSearch's from
+        hepti.plan.order on `opdag.from_cnn(graph)`), or the graph's own order when None. The
+        spatial ops must still come first (a height split runs them, then the head); every
+        topological order of hepti's CNNs keeps them first."""
+        if order is None:
+            return list(range(len(self.ops)))
+        index = {op.name: i for i, op in enumerate(self.ops)}
+        try:
+            idx = [index[name] for name in order]
+        except KeyError as e:
+            raise ValueError(f"the order names {e.args[0]!r}, which is not an op of "
+                             f"{self.config.arch}") from None
+        if sorted(idx) != list(range(len(self.ops))):
+            raise ValueError(f"an order must name each of the {len(self.ops)} ops of "
+                             f"{self.config.arch} once; it names {len(idx)} "
+                             f"({len(set(idx))} distinct)")
+        made = {self.input}
+        for i in idx:
+            op = self.ops[i]
+            for t in (op.input, op.residual):
+                if t is not None and t not in made:
+                    raise ValueError(f"the order runs {op.name} before the op that makes {t}")
+            made.add(op.output)
+        n = sum(op.kind in SPATIAL for op in self.ops)
+        if any(self.ops[i].kind not in SPATIAL for i in idx[:n]):
+            raise ValueError("the order must run the spatial ops (convolutions, pools) before "
+                             "the head")
+        return idx
+
+    def last_use(self, order=None) -> dict[str, int]:
+        """Tensor -> the step (position in `run_order(order)`) of the last op that reads it:
+        the executors free it after that step. Without an order, a step is the op's index."""
+        step = {i: k for k, i in enumerate(self.run_order(order))}
+        return {t: max(step[c] for c in cs) for t, cs in self.consumers.items()}
 
 
 # --- builders (torchvision's architectures and module names) ------------------------------------

@@ -244,6 +244,27 @@ def stream_reads(graph: Graph, assign: dict[str, str], window: int) -> Stream:
 
 # --- activation memory: the tensors live at each step -----------------------------------------
 
+def mlp_pair(a: Step, b: Step, readers: dict[str, int]) -> bool:
+    """Whether op steps a then b are an MLP the interpreter runs as one K.ffn call: a's one
+    output read by b alone, a with GeLU, b with no bias or activation, split alike (rows and
+    rows, or a's columns and b's block of k). `readers`: how many of the graph's operators
+    read each tensor."""
+    if a.kind != "op" or b.kind != "op":
+        return False
+    x, y = a.op, b.op
+    return (x.kind == y.kind == "gemm" and len(x.outputs) == 1 and y.inputs == x.outputs
+            and readers.get(x.outputs[0]) == 1 and x.act == "gelu" and not y.act and not y.bias
+            and (a.split, b.split) in ((BY_ROWS, BY_ROWS), (BY_COLS, BY_K)) and a.layer == b.layer)
+
+
+def _readers(graph: Graph) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for op in graph.prologue + graph.layer + graph.epilogue:
+        for t in op.inputs:
+            out[t] = out.get(t, 0) + 1
+    return out
+
+
 def _placed(graph: Graph, tensor: str, layout: str, unit: str | None) -> dict[str, float]:
     """Bytes a rank holds of `tensor` in `layout`, by the dimension they scale with: every
     row (FULL, PARTIAL: ACTIVE; PRIMARY: ROOT), its own rows ("rows"), or its units' columns
@@ -277,11 +298,12 @@ def _scratch(graph: Graph, step: Step) -> dict[str, float]:
     return {}
 
 
-def activation_memory(graph: Graph, steps: list[Step], keep: tuple[str, ...] = ()
-                      ) -> list[MemTerm]:
+def activation_memory(graph: Graph, steps: list[Step], keep: tuple[str, ...] = (),
+                      scratch: bool = True) -> list[MemTerm]:
     """A rank's activation memory over `steps` (a schedule, or a pipeline stage's part), from
     the tensors live at each step, as the interpreter holds them (it drops each tensor after
-    its last reader): one allocation per operator's outputs (a fused QKV output is one array
+    its last reader; an MLP pair, `mlp_pair`, is one kernel call, so the first GeMM's input
+    is held until the second's output is made): one allocation per operator's outputs (a fused QKV output is one array
     until its K/V columns are gathered into their own), one per collective's result, each
     live from the step that makes it to the last step that reads it, or to the end for the
     tensors in `keep` (what the steps hand back). Tensors read before any step makes them (the
@@ -290,7 +312,9 @@ def activation_memory(graph: Graph, steps: list[Step], keep: tuple[str, ...] = (
     Returns MemTerms ("activations") with a `step`: each step's bytes by the dimension they
     scale with (every rank, rank 0, per row or unit of a rank's share). A rank holds the step
     that comes to the most for its counts (costmodel.held_bytes); the LP caps every step. Steps
-    that hold no more of any dimension than another step are left out."""
+    that hold no more of any dimension than another step are left out. `scratch` False leaves
+    out what a step allocates inside its kernel (`_scratch`): the tensors alone, what an
+    allocation counter on the interpreter's tensors measures (hepti.bench.order_exec)."""
     lives: list[tuple[int, int, dict[str, float]]] = []  # (first step, last step, bytes)
     held: dict[str, int] = {}  # tensor -> the allocation its current value is part of
     end = len(steps) - 1
@@ -311,23 +335,26 @@ def activation_memory(graph: Graph, steps: list[Step], keep: tuple[str, ...] = (
         first, last, size = lives[a]
         lives[a] = (first, max(last, j), size)
 
+    readers = _readers(graph)
     for j, s in enumerate(steps):
         if s.kind == "op":
+            # an MLP pair is one kernel call: the first GeMM's input is held through the second
+            fused = j + 1 < len(steps) and mlp_pair(s, steps[j + 1], readers)
             for t in s.op.inputs:
-                read(t, j)
+                read(t, j + 1 if fused else j)
             make(s.op.outputs, j, produces(s.op, s.split), s.op.unit)
         else:
             read(s.tensor, j)
             new = {"allgatherv": FULL, "bcast": FULL, "reduce_scatter": ROWS,
                    "scatterv": ROWS, "gatherv": PRIMARY}[s.kind]
             make([s.tensor], j, new, None)
-    for t in keep:
-        if t in held:
+    for t in tuple(keep) + tuple(graph.inputs_everywhere):  # the mask: every attention reads
+        if t in held:  # it (not as an operator input), so the interpreter holds it throughout
             first, _, size = lives[held[t]]
             lives[held[t]] = (first, end, size)
     at: list[dict[str, float]] = []
     for j, s in enumerate(steps):
-        now = dict(_scratch(graph, s))
+        now = dict(_scratch(graph, s)) if scratch else {}
         for first, last, size in lives:
             if first <= j <= last:
                 for d, b in size.items():

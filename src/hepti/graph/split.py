@@ -3,6 +3,7 @@
 compute or fetch in a group of ops. No MPI, no kernels."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hepti.counts import counts, offsets
@@ -24,6 +25,20 @@ class Split:
 
     def group_ratios(self, k: int) -> tuple[float, ...]:
         return self.ratios if self.per_group is None else self.per_group[k]
+
+    def members(self) -> list[int]:
+        """The ranks a forward needs: rank 0 (the pixels and the logits) and every rank with
+        a share of some group's rows or of the head (hepti.parallel.cnn_job runs the forward
+        on their sub-communicator; hepti.plan.coedge charges the tail's collectives to them)."""
+        vectors = [self.ratios] + list(self.per_group or ())
+        return sorted({0} | {i for v in vectors for i, r in enumerate(v) if r > 0})
+
+    def on(self, ranks: list[int]) -> "Split":
+        """This split on the sub-communicator of `ranks` (in rank order: rank 0 first)."""
+        pick = lambda v: tuple(v[i] for i in ranks)  # noqa: E731
+        return dataclasses.replace(self, ratios=pick(self.ratios),
+                                   per_group=tuple(pick(v) for v in self.per_group)
+                                   if self.per_group else None)
 
     def owners(self, graph: Graph) -> dict[str, tuple[float, ...] | None]:
         """Tensor -> the ratio vector its rows are owned by (the group that made it); None

@@ -514,9 +514,12 @@ def _ffn_serial(x, m, k, up, f, up_blocks, up_epi, h, down, n, down_blocks, no_e
 
 
 def ffn(x: np.ndarray, up: PackedB, up_bias: np.ndarray, down: PackedB,
-        threads: int = 1, out: np.ndarray | None = None) -> np.ndarray:
+        threads: int = 1, out: np.ndarray | None = None,
+        hidden: np.ndarray | None = None) -> np.ndarray:
     """GeLU(x @ up + up_bias) @ down for float32 x [M, K]: BERT's MLP without its output bias.
-    out: optional float32 [M, N] with contiguous rows, as for gemm().
+    out: optional float32 [M, N] with contiguous rows, as for gemm(); hidden: optional
+    contiguous float32 [M, F] for GeLU(x @ up + up_bias), the tensor between the two GeMMs
+    (the caller's, so that it can count it as the activation it is).
 
     The same arithmetic as gemm(gemm(x, up, up_bias, gelu=True), down), in one call on one
     thread: a forward makes six of these per rank, and each kernel call's Python runs with
@@ -530,13 +533,14 @@ def ffn(x: np.ndarray, up: PackedB, up_bias: np.ndarray, down: PackedB,
         raise ValueError(f"cannot chain x {x.shape} -> up [K={up.k}, N={up.n}] -> down "
                          f"[K={down.k}, N={down.n}]")
     if (int(threads) != 1 or not x.flags.c_contiguous or x.shape[0] == 0
-            or (out is not None and not out.flags.c_contiguous)):
-        return gemm(gemm(x, up, bias=up_bias, gelu=True, threads=threads), down, out=out,
-                    threads=threads)
+            or (out is not None and not out.flags.c_contiguous)
+            or (hidden is not None and not hidden.flags.c_contiguous)):
+        return gemm(gemm(x, up, bias=up_bias, gelu=True, threads=threads, out=hidden), down,
+                    out=out, threads=threads)
     m, k, f, n = x.shape[0], up.k, up.n, down.n
     _, up_blocks, up_ws = _plan(m, k, f, 1, False)
     _, down_blocks, down_ws = _plan(m, f, n, 1, False)
-    h = np.empty((m, f), np.float32)
+    h = output(hidden, (m, f), "hidden")
     out = output(out, (m, n))
     check_no_overlap(out, x, "x")
     up_epi = (vector(up_bias, "up_bias", f), up_bias is not None, True, EMPTY, 0, 1, False)

@@ -81,34 +81,54 @@ def adaptive_avg_pool(x: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:
 
 
 class CNNModel:
-    """A CNN's graph and packed weights; `forward(pixels)` -> logits [N, classes]."""
+    """A CNN's graph and packed weights; `forward(pixels)` -> logits [N, classes].
 
-    def __init__(self, config, read, threads: int = 1):
+    The ops run in `order` (their names; the graph's own order when None), each tensor freed
+    once the last op to read it in that order has run: what the memory model of operator
+    order prices (hepti.plan.memory), so an order found by BTSearch (hepti.plan.order) is the
+    one whose peak is run. The outputs do not depend on the order: each op's arithmetic is
+    the same whenever it runs."""
+
+    def __init__(self, config, read, threads: int = 1, order: list[str] | None = None):
         """`read(name, rows)`: hepti.weights.WeightStore.read, or `tensors_reader`."""
         self.config, self.graph, self.threads = config, build(config), threads
         self.weights = Weights(self.graph, read)
+        self.set_order(order)
+
+    def set_order(self, order: list[str] | None) -> None:
+        """Run the ops in `order` from now on (None: the graph's own order)."""
+        self.run_order = self.graph.run_order(order)
+        self.order = None if order is None else list(order)
+        self._last = self.graph.last_use(order)
 
     @classmethod
-    def from_store(cls, store, threads: int = 1) -> "CNNModel":
-        return cls(store.config, store.read, threads)
+    def from_store(cls, store, threads: int = 1, order: list[str] | None = None) -> "CNNModel":
+        return cls(store.config, store.read, threads, order)
 
-    def forward(self, pixels: np.ndarray, taps: dict | None = None) -> np.ndarray:
+    def forward(self, pixels: np.ndarray, taps: dict | None = None, counter=None) -> np.ndarray:
         """pixels float32 [N, 3, H, W], normalised (torch's layout) -> logits [N, classes].
-        `taps`, a dict, receives every tensor named in it as it is made (NHWC)."""
+        `taps`, a dict, receives every tensor named in it as it is made (NHWC). `counter`, a
+        hepti.model.livebytes.AllocationCounter, is told of every tensor held and let go
+        (the NHWC copy of the pixels included; the logits handed back stay counted)."""
+        from hepti.model.livebytes import track
         if pixels.ndim != 4 or pixels.shape[1] != self.config.num_channels:
             raise ValueError(f"pixels must be [N, {self.config.num_channels}, H, W], got "
                              f"{list(pixels.shape)}")
         g = self.graph
         g.shapes(pixels.shape[2], pixels.shape[3])  # a clear error for a too-small image
-        env = {g.input: np.ascontiguousarray(pixels.transpose(0, 2, 3, 1), np.float32)}
-        last = g.last_use()
-        for i, op in enumerate(g.ops):
+        running = [g.input]
+        env = track({}, counter, lambda: running[0])
+        env[g.input] = np.ascontiguousarray(pixels.transpose(0, 2, 3, 1), np.float32)
+        last = self._last
+        for k, i in enumerate(self.run_order):
+            op = g.ops[i]
+            running[0] = op.name
             res = env[op.residual] if op.residual is not None else None
             env[op.output] = apply(op, env[op.input], self.weights, res, threads=self.threads)
             if taps is not None and op.output in taps:
                 taps[op.output] = env[op.output]
             for t in (op.input, op.residual):
-                if t is not None and last.get(t) == i:
+                if t is not None and last.get(t) == k and t in env:
                     del env[t]
         return env[g.output]
 
@@ -122,8 +142,8 @@ class SingleCNN:
         self.layer_bytes, self.primary_bytes = model.weights.nbytes, 0
 
     @classmethod
-    def from_store(cls, store, threads: int = 1) -> "SingleCNN":
-        return cls(CNNModel.from_store(store, threads))
+    def from_store(cls, store, threads: int = 1, order: list[str] | None = None) -> "SingleCNN":
+        return cls(CNNModel.from_store(store, threads, order))
 
     def run(self, batch) -> np.ndarray:
         return self.model.forward(batch.pixels)[:, None, :]

@@ -21,9 +21,19 @@ output columns in the same ratios (`Split.head` "cols": each rank reads only its
 
 Every rank computes every rank's needs, the same way, so both ends of each message know its
 rows without asking. Nothing here imports MPI: the verbs are hepti.parallel.comm's.
+
+**Order and memory.** Within each group the ops run in a given operator order (BTSearch's,
+hepti.plan.order; the graph's own when none): the groups stay the planner's, their ops sorted
+by their place in that order, so the sequence run (`sequence`) is one topological order of
+the graph. Each band is let go as soon as the last op to read it in that sequence has run,
+inside a fused group too (a fused group used to hold every band it made until its end). So a
+rank holds what the memory model of operator order (hepti.plan.memory) prices for the
+sequence with each tensor at this rank's rows of it: `rank_dag` is that graph, and an
+allocation counter (hepti.model.livebytes) passed to `forward` measures what is held.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,13 +65,22 @@ class BandExecutor:
     every rank calls it. `weights`: this rank's (hepti.model.cnn.Weights; only its columns of
     the head's linears with head "cols": `head_rows`)."""
 
-    def __init__(self, comm, graph: Graph, split: Split, weights, threads: int = 1):
+    def __init__(self, comm, graph: Graph, split: Split, weights, threads: int = 1,
+                 order: list[str] | None = None):
+        """`order`: the operator order to follow within each group (names of all the ops:
+        hepti.graph.cnn `Graph.run_order`); the graph's own when None."""
         self.comm, self.graph, self.split, self.weights = comm, graph, split, weights
         self.threads = threads
         self.groups = split.group_ranges(graph)
         self.n_spatial = spatial_ops(graph)
         self.owners = split.owners(graph)
         self._schedules: dict = {}
+        at = {i: k for k, i in enumerate(graph.run_order(order))}
+        # each group's ops in the order's sequence, then the head in its own
+        self.runs = [sorted(range(a, b), key=at.__getitem__) for a, b in self.groups]
+        self.sequence = [i for run in self.runs for i in run] + list(
+            range(self.n_spatial, len(graph.ops)))
+        self.last = graph.last_use([graph.ops[i].name for i in self.sequence])
 
     # --- the plan of one input size, the same on every rank ---------------------------------
     def schedule(self, h: int, w: int) -> tuple[dict, list[list[dict]]]:
@@ -74,36 +93,45 @@ class BandExecutor:
             self._schedules[(h, w)] = (shapes, per)
         return self._schedules[(h, w)]
 
-    def forward(self, pixels: np.ndarray | None) -> np.ndarray | None:
+    def forward(self, pixels: np.ndarray | None, counter=None) -> np.ndarray | None:
+        """`counter`: a hepti.model.livebytes.AllocationCounter told of every band and
+        vector this rank holds and lets go (not the exchange's message buffers)."""
         from hepti.model.cnn import apply
+        from hepti.model.livebytes import track
         comm, g, rank = self.comm, self.graph, self.comm.rank
         head = comm.bcast_obj(pixels.shape if rank == 0 else None)
         n, _, h, w = head
         shapes, per = self.schedule(h, w)
-        have = {}  # tensor -> Band this rank holds
+        running = [g.input]
+        have = track({}, counter, lambda: running[0],  # tensor -> Band this rank holds
+                     lambda v: v.x if isinstance(v, Band) else v)
         if rank == 0:
             have[g.input] = Band(0, np.ascontiguousarray(pixels.transpose(0, 2, 3, 1), np.float32))
         holders = {g.input: owned(h, None, comm.size)}  # who holds which rows
-        for (a, b), need in zip(self.groups, per):
+        step = 0
+        for (a, b), run, need in zip(self.groups, self.runs, per):
             mine = need[rank]
+            running[0] = f"exchange before {g.ops[run[0]].name}"
             self._fetch(g, a, b, need, have, holders, shapes, n)
             with comm.tracer.span(f"ops {a}-{b - 1}", "compute"):
-                for op in g.ops[a:b]:
+                for i in run:
+                    op = g.ops[i]
+                    running[0] = op.name
                     r = mine.get(op.output)
-                    if r is None or r[1] <= r[0]:
-                        continue
-                    h_in = shapes[op.input][0]
-                    i0, i1 = op.in_rows(*r, h_in)
-                    x = have[op.input].rows(i0, i1)
-                    res = have[op.residual].rows(*r) if op.residual is not None else None
-                    y = apply(op, np.ascontiguousarray(x), self.weights,
-                              None if res is None else np.ascontiguousarray(res),
-                              pad=op.band_padding(*r, h_in), threads=self.threads)
-                    have[op.output] = Band(r[0], y)
+                    if r is not None and r[1] > r[0]:
+                        h_in = shapes[op.input][0]
+                        i0, i1 = op.in_rows(*r, h_in)
+                        x = have[op.input].rows(i0, i1)
+                        res = have[op.residual].rows(*r) if op.residual is not None else None
+                        y = apply(op, np.ascontiguousarray(x), self.weights,
+                                  None if res is None else np.ascontiguousarray(res),
+                                  pad=op.band_padding(*r, h_in), threads=self.threads)
+                        have[op.output] = Band(r[0], y)
+                    self._free(have, (op.input, op.residual), step)
+                    step += 1
             for op in g.ops[a:b]:  # what each rank now holds of what the group made
                 holders[op.output] = [per_r.get(op.output, (0, 0)) for per_r in need]
-            self._free(have, b)
-        return self._tail(have, shapes, n)
+        return self._tail(have, shapes, n, step, running)
 
     def _fetch(self, g, a, b, need, have, holders, shapes, n):
         """The group's inputs: every rank's missing rows, from the ranks that own them (each
@@ -142,6 +170,8 @@ class BandExecutor:
             if t in made:
                 continue
             old = have.get(t)
+            if old is not None and old.lo <= r[0] and r[1] <= old.hi:
+                continue  # it has every row already: no copy (one rank, a later reader)
             r = union((old.lo, old.hi) if old is not None else None, r)  # keep what it had:
             band = np.empty((n, r[1] - r[0]) + tuple(shapes[t][1:]), np.float32)  # a later
             if old is not None:  # group may read those rows again (ResNet's identity)
@@ -153,48 +183,117 @@ class BandExecutor:
                     band[:, s0 - r[0]:s0 - r[0] + buf.shape[1]] = buf
             have[t] = Band(r[0], band)
 
-    def _free(self, have, b):
-        """Drop the bands no op from `b` on reads."""
-        for t in list(have):
-            if max(self.graph.consumers.get(t, [len(self.graph.ops)])) < b:
+    def _free(self, have, tensors, step: int):
+        """Let go of the tensors (of those given) whose last reader was step `step`."""
+        for t in tensors:
+            if t is not None and self.last.get(t) == step and t in have:
                 del have[t]
 
-    def _tail(self, have, shapes, n):
-        """Pooling and the linear head."""
-        from hepti.model.cnn import adaptive_avg_pool, apply
-        comm, g, rank = self.comm, self.graph, self.comm.rank
-        x = None
+    def _tail(self, have, shapes, n, step: int, running):
+        """Pooling and the linear head, each result held in `have` under its tensor's name
+        (so that a counter sees it) until its reader has run."""
+        g, rank = self.graph, self.comm.rank
         for op in g.ops[self.n_spatial:]:
-            if op.kind == ADAPTIVE_AVG:
-                hh, ww, c = shapes[op.input]
-                mine = owned(hh, self.owners[op.input], comm.size)
-                lo, hi = mine[rank]
-                band = have.get(op.input)
-                if op.out_hw == (1, 1):  # partial sums of own rows, summed across ranks
-                    part = np.zeros((n, c), np.float32)
-                    if hi > lo:
-                        part[...] = band.rows(lo, hi).sum(axis=(1, 2), dtype=np.float64)
-                    x = comm.allreduce_sum(part) / np.float32(hh * ww)
-                else:  # a grid pool reads the whole map
-                    c_rows = [o1 - o0 for o0, o1 in mine]
-                    mine = band.rows(lo, hi) if hi > lo else np.empty((n, 0, ww, c), np.float32)
-                    full = comm.allgather_rows(np.ascontiguousarray(mine.transpose(1, 0, 2, 3)),
-                                               c_rows)  # may be a shared window's: copied
-                    x = adaptive_avg_pool(full.transpose(1, 0, 2, 3).copy(), op.out_hw)
-            elif op.kind == LINEAR:
-                if self.split.head == "primary" and rank != 0:
-                    return None  # rank 0 runs the head alone
-                x = np.ascontiguousarray(x.reshape(n, -1), np.float32)
-                if self.split.head == "primary" or comm.size == 1:
-                    x = apply(op, x, self.weights, threads=self.threads)
-                else:
-                    cols = counts(op.cout, self.split.ratios)
-                    y = apply(op, x, self.weights, threads=self.threads) if cols[rank] else \
-                        np.empty((n, 0), np.float32)
-                    x = comm.allgather_rows(np.ascontiguousarray(y.T), cols).T.copy()
-            else:
-                raise ValueError(f"{op.name}: a {op.kind} op after the spatial part")
-        return np.ascontiguousarray(x) if rank == 0 else None
+            running[0] = op.name
+            x = self._tail_op(op, have, shapes, n)
+            if x is None:
+                return None  # rank 0 runs the head alone
+            have[op.output] = x
+            self._free(have, (op.input,), step)
+            step += 1
+        return np.ascontiguousarray(have[g.output]) if rank == 0 else None
+
+    def _tail_op(self, op, have, shapes, n):
+        """One op after the spatial part; None on a rank a head on rank 0 alone leaves out."""
+        from hepti.model.cnn import adaptive_avg_pool, apply
+        comm, rank = self.comm, self.comm.rank
+        if op.kind == ADAPTIVE_AVG:
+            hh, ww, c = shapes[op.input]
+            mine = owned(hh, self.owners[op.input], comm.size)
+            lo, hi = mine[rank]
+            band = have.get(op.input)
+            if op.out_hw == (1, 1):  # partial sums of own rows, summed across ranks
+                part = np.zeros((n, c), np.float32)
+                if hi > lo:
+                    part[...] = band.rows(lo, hi).sum(axis=(1, 2), dtype=np.float64)
+                return comm.allreduce_sum(part) / np.float32(hh * ww)
+            # a grid pool reads the whole map
+            c_rows = [o1 - o0 for o0, o1 in mine]
+            mine = band.rows(lo, hi) if hi > lo else np.empty((n, 0, ww, c), np.float32)
+            full = comm.allgather_rows(np.ascontiguousarray(mine.transpose(1, 0, 2, 3)),
+                                       c_rows)  # may be a shared window's: copied
+            return adaptive_avg_pool(full.transpose(1, 0, 2, 3).copy(), op.out_hw)
+        if op.kind == LINEAR:
+            if self.split.head == "primary" and rank != 0:
+                return None
+            x = np.ascontiguousarray(have[op.input].reshape(n, -1), np.float32)
+            if self.split.head == "primary" or comm.size == 1:
+                return apply(op, x, self.weights, threads=self.threads)
+            cols = counts(op.cout, self.split.ratios)
+            y = apply(op, x, self.weights, threads=self.threads) if cols[rank] else \
+                np.empty((n, 0), np.float32)
+            return comm.allgather_rows(np.ascontiguousarray(y.T), cols).T.copy()
+        raise ValueError(f"{op.name}: a {op.kind} op after the spatial part")
+
+    # --- the memory model of what this rank holds ----------------------------------------
+    def rank_dag(self, h: int, w: int, n: int, rank: int):
+        """(OpDag, order): `rank`'s part of a forward of n images of h x w as the memory
+        model of operator order sees it, in the order `forward` runs it. Each feature map's
+        bytes are the rows this rank holds of it. Widening a band by the halo a group needs
+        is an operator of its own (`halo <tensor> <k>`: it reads the band held and writes
+        the wider one, so for a moment both are held, as in `_fetch`), and the group's ops
+        read the wider band; a band received whole is such an operator with nothing to read.
+        The vectors after pooling are whole (none on a rank a head on rank 0 alone leaves
+        out). Message buffers are not in it, as they are not in the counter."""
+        from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo
+        g = self.graph
+        shapes, per = self.schedule(h, w)
+        tensors: dict[str, TensorInfo] = {}
+        current: dict[str, str] = {}  # tensor -> the name of the band held now
+        span: dict[str, tuple[int, int]] = {}
+
+        def band(name: str, t: str, r) -> str:
+            s = shapes[t]
+            rows = r[1] - r[0] if r is not None else 0
+            tensors[name] = TensorInfo(F32 * n * rows * s[1] * s[2], (n, rows) + tuple(s[1:]))
+            current[t] = name
+            if r is not None:
+                span[t] = r
+            return name
+
+        band(g.input, g.input, (0, h) if rank == 0 else None)
+        ops, order = [], []
+        for k, ((a, b), run, need) in enumerate(zip(self.groups, self.runs, per)):
+            made = {op.output for op in g.ops[a:b]}
+            for t, r in need[rank].items():
+                if t in made or r[1] <= r[0]:
+                    continue
+                old = span.get(t)
+                if old is not None and old[0] <= r[0] and r[1] <= old[1]:
+                    continue
+                src = current[t]
+                new = band(f"{t}@{k}", t, union(old, r))
+                name = f"halo {t} {k}"
+                ops.append(OpNode(name, "halo", (src,), (new,)))
+                order.append(name)
+            for i in run:
+                op = g.ops[i]
+                ins = (current[op.input],) + ((current[op.residual],) if op.residual else ())
+                r = need[rank].get(op.output)
+                band(op.output, op.output, r if r is not None and r[1] > r[0] else None)
+                ops.append(OpNode(op.name, op.kind, ins, (op.output,)))
+                order.append(op.name)
+        alone = self.split.head == "primary" and self.comm.size > 1 and rank != 0
+        for op in g.ops[self.n_spatial:]:
+            size = F32 * n * math.prod(shapes[op.output])
+            tensors[op.output] = TensorInfo(0 if alone and op.kind == LINEAR else size,
+                                            (n,) + tuple(shapes[op.output]))
+            ops.append(OpNode(op.name, op.kind, (current.get(op.input, op.input),),
+                              (op.output,)))
+            order.append(op.name)
+        dag = OpDag(f"{g.config.arch} rank {rank}", ops, tensors, (g.input,), (g.output,),
+                    0, n, {"source": "hepti.parallel.bands rank_dag", "input_hw": [h, w]})
+        return dag, order
 
 
 def head_rows(graph: Graph, split: Split, rank: int, size: int) -> dict[str, tuple[int, int]]:

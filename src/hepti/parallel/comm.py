@@ -141,7 +141,10 @@ class Comm:
 
     def scatter_rows(self, a: np.ndarray | None, counts: list[int], tail: tuple, root: int = 0
                      ) -> np.ndarray:
-        """Scatterv: root's [sum(counts), *tail] -> this rank's [counts[rank], *tail]."""
+        """Scatterv: root's [sum(counts), *tail] -> this rank's [counts[rank], *tail]. The
+        root's rows come back as a copy of its own, not a view of `a`: a view would keep all
+        of `a` allocated for as long as the rows live (the embeddings' whole output through
+        the first layer, measured by hepti.bench.order_exec), for a copy of a few rows."""
         if self.solo:
             return a
         o, r = _offsets(tuple(counts)), self.rank
@@ -164,6 +167,8 @@ class Comm:
                 out = np.empty((counts[r], *tail), np.float32)
                 if counts[r]:
                     wait(self.mpi.Irecv(out, source=root, tag=_TAG_SCATTER))
+            if r == root:
+                out = out.copy()
         sent = 4 * math.prod(tail) * (sum(counts) - counts[root]) if r == root else 0
         self.tracer.add_bytes("scatterv", sent, 0 if r == root else out.nbytes)
         return out

@@ -30,6 +30,7 @@ from hepti import kernels as K
 from hepti.counts import counts, offsets
 from hepti.graph.ir import BY_COLS, BY_K, BY_ROWS, ON_PRIMARY, Graph
 from hepti.graph.lower import Step
+from hepti.graph.lower import mlp_pair as _mlp_pair
 
 
 class Interpreter:
@@ -108,19 +109,25 @@ class Interpreter:
         return out
 
     # --- one batch -----------------------------------------------------------------------
-    def forward(self, batch, B: int, T: int):
+    def forward(self, batch, B: int, T: int, counter=None):
         """Run the schedule on one batch. `batch` (rank 0; None elsewhere) has the inputs
         (`mask` [B, T]) and whatever the primary operators read. Returns the graph's output
-        [M, width] on rank 0, None elsewhere."""
+        [M, width] on rank 0, None elsewhere. `counter`: as `run`'s."""
         env = {}
         if self.g.rank == 0 and "mask" in self.graph.tensors:
             env["mask"] = np.asarray(batch.mask, np.float32)
-        return self.run(env, batch, B, T)
+        return self.run(env, batch, B, T, counter=counter)
 
-    def run(self, env: dict, batch, B: int, T: int, output: str | None = None):
+    def run(self, env: dict, batch, B: int, T: int, output: str | None = None, counter=None):
         """Run the steps on the tensors in `env` (by name; a pipeline stage hands in the layer
-        input and the mask); returns `output` (the graph's) where this rank holds it, else None."""
+        input and the mask); returns `output` (the graph's) where this rank holds it, else None.
+        `counter`: a hepti.model.livebytes.AllocationCounter told of every tensor this rank
+        holds and lets go (an MLP's hidden tensor too, which it hands K.ffn; not what a kernel
+        allocates inside, such as attention's scores)."""
+        from hepti.model.livebytes import track
         g, tr = self.g, self.g.tracer
+        running = ["inputs"]
+        env = track(env, counter, lambda: running[0])
         M = B * T
         rc = counts(M, self.row_ratios)
         r0 = offsets(rc)[g.rank]
@@ -143,6 +150,8 @@ class Interpreter:
                     params = self.layers.get(layer).params
             with tr.span(label, "compute"):
                 for item in run:
+                    running[0] = item[0].op.name if item[0].layer is None else \
+                        f"L{item[0].layer} {item[0].op.name}"
                     self._op(item, env, fused, params if first.layer is not None else self.outside,
                              batch, ctx)
                     for t in item[3]:  # past its last reader (lower.activation_memory)
@@ -187,8 +196,10 @@ class Interpreter:
             (w1, b1), (w2, _) = params[op.name], params[pair.op.name]
             if w1 is None or w2 is None:  # none of the units: a partial sum of zero
                 env[pair.op.outputs[0]] = _zeros(out, (rows, pair.op.n))
-            else:
-                env[pair.op.outputs[0]] = K.ffn(ins[0], w1, b1, w2, threads=th, out=out)
+            else:  # the hidden tensor is this rank's to hold (and drop after: item[3])
+                hidden = env[op.outputs[0]] = np.empty((rows, w1.n), np.float32)
+                env[pair.op.outputs[0]] = K.ffn(ins[0], w1, b1, w2, threads=th, out=out,
+                                                hidden=hidden)
         elif op.kind == "gemm":
             w, b = params[op.name]
             if w is not None:
@@ -275,15 +286,6 @@ def _last_reads(steps: list[Step]) -> dict[Step, tuple[str, ...]]:
         if last is not None:
             out[last] = out.get(last, ()) + (t,)
     return out
-
-
-def _mlp_pair(a: Step, b: Step, readers: dict[str, int]) -> bool:
-    """Whether gemm steps a then b are an MLP: a's one output read by b alone, a with GeLU, b with no bias or activation, split alike (rows and rows, or a's
-    columns and b's block of k)."""
-    x, y = a.op, b.op
-    return (x.kind == y.kind == "gemm" and len(x.outputs) == 1 and y.inputs == x.outputs
-            and readers.get(x.outputs[0]) == 1 and x.act == "gelu" and not y.act and not y.bias
-            and (a.split, b.split) in ((BY_ROWS, BY_ROWS), (BY_COLS, BY_K)) and a.layer == b.layer)
 
 
 def _zeros(out, shape) -> np.ndarray:

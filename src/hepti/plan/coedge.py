@@ -18,7 +18,8 @@ one group per op: variables r_i (each device's share of every map's rows) and T_
 time); T_l >= r_i H_l p_il + o_i + c_il for every active i, where H_l p_il is device i's time
 for all of l's rows, o_i its call overhead, and c_il the halo exchange of an interior band of l
 over its link (its one neighbour's rows at either end of the order); sum r_i = 1;
-r_i (peak rows of activations) + the weights <= each device's memory. Minimise sum T_l
+r_i (the activations' peak under BTSearch's order, `activation_peak`) + the weights <= each
+device's memory. Minimise sum T_l
 (latency), or with `objective="energy"` minimise sum_i (P_i^compute x compute_i +
 P_i^transmit x exchange_i) under sum T_l <= the deadline: CoEdge's own objective. Energy is
 predicted only: there is no power meter here, and the powers are the profile's declared
@@ -189,8 +190,12 @@ def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int
 
 def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: int = 1
                  ) -> tuple[float, list[float], list[float]]:
-    """(latency, compute per rank, communication per rank) of the pooling and the head."""
+    """(latency, compute per rank, communication per rank) of the pooling and the head, on
+    the ranks the forward runs on (rank 0 and every rank with a share: the executor's
+    sub-communicator, Split.members)."""
     P, ratios = costs.size, split.ratios
+    members = split.members()
+    on = [i in members for i in range(P)]
     owners = split.owners(graph)
     per_row = row_seconds(costs, graph, shapes[graph.input][1], n)
     comp, comm = [0.0] * P, [0.0] * P
@@ -202,7 +207,8 @@ def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: i
                 comp[i] += (o1 - o0) * per_row[i][l]
             nbytes = F32 * n * (c if op.out_hw == (1, 1) else hh * ww * c)
             for i in range(P):
-                comm[i] += costs.latency_s[i] + nbytes / costs.bandwidth_Bps[i]
+                if on[i]:
+                    comm[i] += costs.latency_s[i] + nbytes / costs.bandwidth_Bps[i]
         elif op.kind == LINEAR:
             if split.head == "primary" or P == 1:
                 comp[0] += per_row[0][l]
@@ -210,7 +216,8 @@ def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: i
                 c = counts(op.cout, ratios)
                 for i in range(P):
                     comp[i] += c[i] / op.cout * per_row[i][l]
-                    comm[i] += costs.latency_s[i] + F32 * n * op.cout / costs.bandwidth_Bps[i]
+                    if on[i]:
+                        comm[i] += costs.latency_s[i] + F32 * n * op.cout / costs.bandwidth_Bps[i]
     return max(comp) + max(comm), comp, comm
 
 
@@ -258,6 +265,24 @@ def _interior_halo(op, shapes, n: int) -> tuple[int, int]:
     return top + bottom, F32 * w_in * c_in * n
 
 
+def activation_peak(graph: Graph, h: int, w: int, n: int = 1) -> float:
+    """Bytes of activations a whole forward holds at its peak when its ops run in BTSearch's
+    order (hepti.plan.order.executor_order), each tensor freed after its last reader, as the
+    executors run it (hepti.model.cnn, hepti.parallel.bands). A rank of a height split holds
+    about its share of it (its bands; the halos are a few rows). It replaces the largest
+    input + output of one op, which left out what stays live across an op: ResNet-50's block
+    input or downsample, held while conv1 and conv2 run (4.8 MB against 7.2 MB at 224)."""
+    from hepti.graph.opdag import from_cnn
+    from hepti.plan.order import executor_order
+    key = (id(graph), h, w, n)
+    if _PEAKS.get(key, (None,))[0] is not graph:
+        _PEAKS[key] = (graph, float(executor_order(from_cnn(graph, n, h, w)).peak_bytes))
+    return _PEAKS[key][1]
+
+
+_PEAKS: dict = {}  # (id(graph), h, w, n) -> (graph, peak): solve_ratios runs per device subset
+
+
 def solve_ratios(graph: Graph, costs: CNNCosts, active: list[int], h: int, w: int, n: int = 1,
                  objective: str = "latency", deadline_s: float | None = None,
                  weight_bytes: list[float] | None = None) -> list[float] | None:
@@ -291,9 +316,8 @@ def solve_ratios(graph: Graph, costs: CNNCosts, active: list[int], h: int, w: in
             comp_coef[ai, ai] += per_all
             comp_const[ai] += costs.overhead_s[i]
             comm_const[ai] += c
-    # memory: the largest activation band (input and output of an op) and the weights
-    peak_rows = max(F32 * n * (math.prod(shapes[op.input]) + math.prod(shapes[op.output]))
-                    for op in graph.ops[:L])
+    # memory: the share of the activations' peak under BTSearch's order, and the weights
+    peak_rows = activation_peak(graph, h, w, n)
     for ai, i in enumerate(active):
         row = np.zeros(nv)
         row[ai] = peak_rows

@@ -550,6 +550,15 @@ def order_graph(dag: OpDag, inplace: bool = False, count_io: bool = False,
         [f"{b.first} .. {b.last}" for b in reports if not b.proven], cap)
 
 
+def executor_order(dag: OpDag, time_limit: float = 2.0) -> OrderResult:
+    """The order an executor runs a graph in: BTSearch under the model of what an executor
+    holds. An executor owns the copy of the input it makes (a CNN's NHWC pixels) and holds the
+    output it hands back, so they count (`count_io`); no random orders are drawn. Seconds at
+    most per block: the graphs hepti runs are proven in milliseconds (results/order.json)."""
+    return order_graph(dag, count_io=True, time_limit=time_limit, random_count=0,
+                       hier_time_limit=time_limit)
+
+
 def format_result(r: OrderResult, names: int = 12) -> str:
     """`hepti order`'s text report."""
     def b(x) -> str:
