@@ -46,6 +46,31 @@ def assignment(graph: Graph, strategy: str) -> dict[str, str]:
     raise ValueError(f"no assignment for strategy {strategy!r}")
 
 
+def check_assignment(graph: Graph, assign: dict[str, str]) -> dict[str, str]:
+    """`assign` if it gives every operator of the graph one of its splits and lowers to a
+    schedule (each input's layout reachable by a collective: `ir.transition`), else ValueError
+    naming the first operator that does not. Names of operators the graph lacks are errors too."""
+    ops = graph.prologue + graph.layer + graph.epilogue
+    names = {op.name for op in ops}
+    extra = sorted(set(assign) - names)
+    if extra:
+        raise ValueError(f"no operator named {extra[0]!r} (the graph's: {', '.join(sorted(names))})")
+    for op in ops:
+        split = assign.get(op.name)
+        if split not in op.splits:
+            raise ValueError(f"operator {op.name!r} has split {split!r}; it supports "
+                             f"{', '.join(op.splits)}")
+    schedule(graph, assign, 1)  # raises ValueError where a layout cannot be reached
+    return dict(assign)
+
+
+def sliced_units(graph: Graph, assign: dict[str, str]) -> set[str]:
+    """The units whose weights `assign` slices across ranks (a GeMM split by columns or by its
+    block of k): the rest every active rank holds whole."""
+    return {graph.weights[w].split for op in graph.layer if assign[op.name] in (BY_COLS, BY_K)
+            for w in op.weights if graph.weights[w].split is not None}
+
+
 def _reads_split_columns(graph: Graph, op: Op, done: dict[str, str]) -> bool:
     made_by = {t: o for o in graph.prologue + graph.layer + graph.epilogue for t in o.outputs}
     src = made_by.get(op.inputs[0])

@@ -186,9 +186,33 @@ def layer_spec(plan: Plan, cfg, rank: int) -> tuple | None:
     ho, fo = offsets(c["heads"]), offsets(c["ffn"])
     heads = (ho[rank], ho[rank] + c["heads"][rank])
     ffn = (fo[rank], fo[rank] + c["ffn"][rank])
+    if s == "mixed":  # a block split by token rows needs its unit's weights whole
+        sliced = sliced_units(plan, cfg)
+        heads = heads if "heads" in sliced else (0, H)
+        ffn = ffn if "ffn" in sliced else (0, F)
     if s == "stream":
         return ("stream", heads, ffn, stream_window(plan, cfg, rank))
     return ("resident", heads, ffn, (0, L))
+
+
+def plan_assignment(plan: Plan, graph) -> dict[str, str]:
+    """A mixed plan's assignment, checked against the model's graph (every operator named,
+    each split one it supports, and a layout the collectives can reach from the one before:
+    hepti.graph.lower.check_assignment), as a PlanError saying what is wrong."""
+    from hepti.graph import lower
+    try:
+        return lower.check_assignment(graph, plan.assignment or {})
+    except ValueError as e:
+        raise PlanError(f"the plan's assignment does not fit this model: {e}; make the plan "
+                        "again with `hepti plan --search genetic`") from None
+
+
+def sliced_units(plan: Plan, cfg) -> set[str]:
+    """The units ("heads", "ffn") whose weights a mixed plan slices across the ranks."""
+    from hepti.graph import lower
+    from hepti.graph.encoder import family_graph
+    graph = family_graph(cfg, 1, 1)
+    return lower.sliced_units(graph, plan_assignment(plan, graph))
 
 
 def build_layers(store, spec: tuple, pack, pace=None):
@@ -277,7 +301,13 @@ class Job:
             c = _counts_of(plan, cfg)
             rows = sub_ratios(plan, self.active)["rows"]
             units = {u: [c[u][r] for r in self.active] for u in ("heads", "ffn")}
-            assign = lower.assignment(graph, "tensor")
+            if s == "mixed":  # GenEFlow: each block its own split (hepti.plan.genetic)
+                assign = plan_assignment(plan, graph)
+                whole = {"heads": H, "ffn": F}
+                for u in set(units) - lower.sliced_units(graph, assign):
+                    units[u] = [whole[u]] * len(self.active)
+            else:
+                assign = lower.assignment(graph, "tensor")
         self.executor = Interpreter(self.group, graph, lower.schedule(graph, assign, L), self.layers,
                                     self.primary_ops, rows, units, threads,
                                     outside_layers(graph, store))
