@@ -395,6 +395,34 @@ def genetic_search(cfg, profile: Profile, seq_len: int, batch: int = 1,
     return res
 
 
+def single_device_peak(cfg, profile: Profile, seq_len: int, batch: int = 1) -> float:
+    """Bytes the whole model takes on one device (rank 0 alone: every weight, the embeddings,
+    the activations and the allocator's overhead, as the cost model counts them): what
+    `--mem-cap 75%` is a fraction of."""
+    graph = family_graph(cfg, batch, seq_len)
+    genes = tuple(UNIT for _ in blocks_of(graph))
+    prog = assignment_program(graph, block_assignment(graph, blocks_of(graph), genes))
+    one = dataclasses.replace(profile, devices=profile.devices[:1])
+    pred = evaluate(prog, {d: [float(t)] for d, t in prog.totals.items()}, one)
+    return pred.per_rank[0].mem_bytes
+
+
+def parse_mem_cap(text: str, cfg, profile: Profile, seq_len: int, batch: int = 1) -> float:
+    """`--mem-cap`: a size ("300MiB", "4e8") or a percentage of the single-device peak
+    ("75%": `single_device_peak`), as bytes every rank may use at most."""
+    from hepti.parallel.engine import parse_bytes
+    t = str(text).strip()
+    if t.endswith("%"):
+        try:
+            frac = float(t[:-1]) / 100
+        except ValueError:
+            raise PlanError(f"--mem-cap {text!r}: not a percentage; write e.g. 75%") from None
+        if not 0 < frac:
+            raise PlanError(f"--mem-cap {text!r} must be a positive percentage, e.g. 75%")
+        return frac * single_device_peak(cfg, profile, seq_len, batch)
+    return float(parse_bytes(t, "--mem-cap"))
+
+
 def _structures(n: int) -> list[tuple[str, ...]]:
     """Every combination of block genes (2^n: four for an encoder layer's two blocks)."""
     out = [()]
@@ -464,4 +492,6 @@ def make_genetic_plan(cfg, profile: Profile, seq_len: int, batch: int = 1,
                    s["search_s"], {"planner": "genetic", "genetic": dict(report, returned="genetic")})
     if plan.strategy == "mixed":
         plan.assignment = dict(res.assignment)
+        plan.predicted["genetic"]["whole_units"] = sorted(
+            {"heads", "ffn"} - lower.sliced_units(graph, res.assignment))
     return plan
