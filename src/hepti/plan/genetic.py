@@ -455,12 +455,15 @@ def _infeasible(search: Search, caps: list[float]) -> str:
 
 
 def make_genetic_plan(cfg, profile: Profile, seq_len: int, batch: int = 1,
-                      mem_budget: float | None = None, seed: int = 0, **settings) -> Plan:
+                      mem_budget: float | None = None, seed: int = 0, lp_plan: Plan | None = None,
+                      **settings) -> Plan:
     """`hepti plan --search genetic`: the GenEFlow plan as a plan file, its search reported in
     `predicted["genetic"]` and in the explanation. Returns the LP's plan itself where the LP's
-    is faster (it moved the primary, which the genes cannot express)."""
+    is faster (it moved the primary, which the genes cannot express). `lp_plan`: the LP's plan
+    for the same caps, if already made (a benchmark's seeds share it)."""
     from hepti.plan.partition import _finish, _ms, memory_caps
-    res = genetic_search(cfg, profile, seq_len, batch, mem_budget, seed, **settings)
+    res = genetic_search(cfg, profile, seq_len, batch, mem_budget, seed, copy.deepcopy(lp_plan),
+                         **settings)
     lp_plan = res.settings.pop("lp_plan")
     s = res.settings
     cand = res.candidate
