@@ -129,3 +129,33 @@ def test_the_cli_exits_non_zero_without_a_traceback(tmp_path, tiny_dir):
     assert ok.returncode == 0, ok.stderr
     plan = Plan.from_dict(json.loads(ok.stdout)).validate(3)
     assert plan.predicted["genetic"]["generations"] == 2
+
+
+# --- CNNs: fused groups and each group's rows split (hepti.plan.genetic_cnn) ------------------
+
+def _cnn():
+    from test_plan_coedge import H, W, _costs, _graph
+    g = _graph()
+    return g, _costs(g, [3.0, 1.5, 1.0], latency=2e-4, bandwidth=2e7), H, W
+
+
+def test_cnn_search_is_reproducible_and_never_worse_than_coedge():
+    from hepti.plan.genetic_cnn import genetic_cnn_search
+    g, costs, H, W = _cnn()
+    a = genetic_cnn_search(g, costs, H, W, 1, [1e10] * 3, seed=5, **SMALL)
+    b = genetic_cnn_search(g, costs, H, W, 1, [1e10] * 3, seed=5, **SMALL)
+    assert a[0] == b[0]
+    best, pred, report = a
+    assert pred["latency_s"] <= report["seeds_s"]["coedge lp"] * (1 + 1e-12)
+    assert report["lp_latency_s"] == report["seeds_s"]["coedge lp"]
+
+
+def test_cnn_caps_hold_and_a_cap_below_the_weights_says_why():
+    from hepti.plan.genetic_cnn import band_memory, genetic_cnn_search, single_device_peak_cnn
+    g, costs, H, W = _cnn()
+    peak = single_device_peak_cnn(g, H, W)
+    cap = g.weight_bytes() + 0.6 * (peak - g.weight_bytes())  # the activations must be split
+    best, pred, _ = genetic_cnn_search(g, costs, H, W, 1, [cap] * 3, seed=0, **SMALL)
+    assert all(m <= cap * (1 + 1e-9) for m in band_memory(g, best.split(), H, W, 1, 3))
+    with pytest.raises(PlanError, match="no channel split"):
+        genetic_cnn_search(g, costs, H, W, 1, [0.9 * g.weight_bytes()] * 3, seed=0, **SMALL)

@@ -254,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lp (default): the strategy's LP; genetic: GenEFlow, a genetic search "
                         "over each block's split (token rows, or heads / FFN columns; resident "
                         "or streamed) and every rank's shares, judged by the same cost model "
-                        "and seeded with the LP's plan (never slower than it). Transformers only")
+                        "and seeded with the LP's plan (never slower than it); a CNN: over its "
+                        "fused groups, each group's rows split and the head's, seeded with "
+                        "CoEdge's plan")
     s.add_argument("--seed", type=int, default=0,
                    help="genetic: the random seed; the same seed gives the same plan (default 0)")
     s.add_argument("--population", type=_positive_int, default=GA_DEFAULTS["population"],
@@ -603,7 +605,26 @@ def cmd_plan(args) -> int:
     profile = load_profile(args.profile, max_age_s=args.max_age)
     for note in profile.check_model(cfg, source=f"--profile {args.profile}"):
         logging.getLogger("hepti").warning(note)
-    if cfg.model_type == "cnn":
+    if cfg.model_type == "cnn" and args.search == "genetic":
+        from hepti.errors import InputError
+        from hepti.graph.cnn import build
+        from hepti.plan.coedge import CNNCosts
+        from hepti.plan.genetic_cnn import make_genetic_cnn_plan, single_device_peak_cnn
+        if args.ratios or args.strategy != "auto" or args.objective != "latency":
+            raise InputError("--search genetic chooses the groups and the shares for latency; "
+                             "drop --strategy, --ratios and --objective")
+        budget = parse_bytes(args.mem_budget)
+        if args.mem_cap is not None:
+            from hepti.plan.genetic import parse_mem_cap
+            graph = build(cfg)
+            costs = CNNCosts.from_profile(profile, graph)
+            cap = parse_mem_cap(args.mem_cap, lambda: single_device_peak_cnn(
+                graph, costs.h, costs.w, costs.n))
+            budget = cap if budget is None else min(budget, cap)
+        plan = make_genetic_cnn_plan(cfg, profile, budget, args.seed, population=args.population,
+                                     generations=args.generations, crossover=args.crossover,
+                                     mutation=args.mutation)
+    elif cfg.model_type == "cnn":
         from hepti.plan.coedge import make_cnn_plan
         from hepti.plan.planfile import parse_ratios
         ratios = parse_ratios(args.ratios, profile.world_size)["rows"] if args.ratios else None
@@ -616,8 +637,8 @@ def cmd_plan(args) -> int:
         T = _tokens(args, cfg)
         budget = parse_bytes(args.mem_budget)
         if args.mem_cap is not None:
-            from hepti.plan.genetic import parse_mem_cap
-            cap = parse_mem_cap(args.mem_cap, cfg, profile, T, args.batch)
+            from hepti.plan.genetic import parse_mem_cap, single_device_peak
+            cap = parse_mem_cap(args.mem_cap, lambda: single_device_peak(cfg, profile, T, args.batch))
             budget = cap if budget is None else min(budget, cap)
         if args.search == "genetic":
             if args.ratios or args.strategy != "auto":

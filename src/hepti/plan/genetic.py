@@ -407,9 +407,9 @@ def single_device_peak(cfg, profile: Profile, seq_len: int, batch: int = 1) -> f
     return pred.per_rank[0].mem_bytes
 
 
-def parse_mem_cap(text: str, cfg, profile: Profile, seq_len: int, batch: int = 1) -> float:
+def parse_mem_cap(text: str, peak) -> float:
     """`--mem-cap`: a size ("300MiB", "4e8") or a percentage of the single-device peak
-    ("75%": `single_device_peak`), as bytes every rank may use at most."""
+    ("75%": `peak()`, called only then), as bytes every rank may use at most."""
     from hepti.parallel.engine import parse_bytes
     t = str(text).strip()
     if t.endswith("%"):
@@ -419,7 +419,7 @@ def parse_mem_cap(text: str, cfg, profile: Profile, seq_len: int, batch: int = 1
             raise PlanError(f"--mem-cap {text!r}: not a percentage; write e.g. 75%") from None
         if not 0 < frac:
             raise PlanError(f"--mem-cap {text!r} must be a positive percentage, e.g. 75%")
-        return frac * single_device_peak(cfg, profile, seq_len, batch)
+        return frac * peak()
     return float(parse_bytes(t, "--mem-cap"))
 
 
