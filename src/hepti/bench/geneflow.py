@@ -44,9 +44,21 @@ from hepti.bench import git_commit, result_doc, write_json
 from hepti.bench import hetero
 
 SPEC = "emu-geneflow4"
-MODELS = {"bert-base": 128, "vit-base": 197}  # tokens: BERT at 128, ViT-B/16's 197 per image
+# tokens: BERT at 128, ViT-B/16's 197 per image; a CNN: the side of its square image
+MODELS = {"bert-base": 128, "vit-base": 197, "resnet50": 224, "mobilenet-v2": 224}
 CAPS = (None, 0.75, 0.5)
 DEVICES = (2, 3, 4)
+
+
+def sub_profile(full, n: int):
+    """The first n devices of a profile (a CNN's per-device timings cut alike)."""
+    extra = copy.deepcopy(full.extra)
+    cnn = extra.get("cnn")
+    if cnn:
+        for k in ("op_s", "op_overhead_s", "power"):
+            if cnn.get(k):
+                cnn[k] = cnn[k][:n]
+    return dataclasses.replace(full, devices=full.devices[:n], extra=extra)
 
 
 def _lat(plan) -> float:
@@ -80,7 +92,7 @@ def grid_case(model: str, cfg, full, n: int, cap, seeds: int, settings: dict) ->
     from hepti.errors import PlanError
     from hepti.plan.genetic import make_genetic_plan, single_device_peak
     T = MODELS[model]
-    profile = dataclasses.replace(full, devices=full.devices[:n])
+    profile = sub_profile(full, n)
     peak = single_device_peak(cfg, profile, T)
     budget = None if cap is None else cap * peak
     base = baselines(cfg, profile, T, budget)
@@ -114,10 +126,74 @@ def grid_case(model: str, cfg, full, n: int, cap, seeds: int, settings: dict) ->
                      "gain_over_best_seed": _gain(min(v for v in g["seeds_s"].values()),
                                                   plan.predicted_latency_s)})
         plans[seed] = plan
+    _summarise(rec, runs, plans, lp, settings)
+    return rec, plans.get(0), lp
+
+
+def grid_case_cnn(model: str, cfg, full, n: int, cap, seeds: int, settings: dict):
+    """A CNN's case: GenEFlow (hepti.plan.genetic_cnn) over the seeds against CoEdge's plan
+    (the LP and its fusion: a height split, the one dimension the band runtime has, so it is
+    also the best single-dimension plan) and even, predicted."""
+    from hepti.errors import PlanError
+    from hepti.graph.cnn import build
+    from hepti.plan.coedge import CNNCosts, make_cnn_plan
+    from hepti.plan.genetic_cnn import make_genetic_cnn_plan, single_device_peak_cnn
+    profile = sub_profile(full, n)
+    graph = build(cfg)
+    costs = CNNCosts.from_profile(profile, graph)
+    peak = single_device_peak_cnn(graph, costs.h, costs.w, costs.n)
+    budget = None if cap is None else cap * peak
+    lp = make_cnn_plan(cfg, profile, "auto")
+    even = make_cnn_plan(cfg, profile, "even")
+    # CoEdge's LP caps activations against each device's memory, not --mem-cap: under a cap
+    # its plan is judged by GenEFlow's band memory, and dropped if over
+    from hepti.graph.split import Split  # noqa: F401  (split_of builds it)
+    from hepti.plan.coedge import split_of
+    from hepti.plan.genetic_cnn import band_memory
+    caps = [min(m, budget) if budget else m for m in costs.memory_bytes]
+
+    def fits(plan):
+        mem = band_memory(graph, split_of(plan), costs.h, costs.w, costs.n, n)
+        return all(m <= c * (1 + 1e-9) for m, c in zip(mem, caps) if m)
+
+    lp_ok, even_ok = fits(lp), fits(even)
+    rec = {"model": model, "seq": MODELS[model], "devices": n,
+           "cap": "none" if cap is None else f"{cap:.0%}", "cap_bytes": budget,
+           "single_device_peak_bytes": peak, "weight_bytes": graph.weight_bytes(),
+           "lp_strategy": "bands (CoEdge)" if lp_ok else None,
+           "lp_s": lp.predicted_latency_s if lp_ok else None,
+           "lp_note": "" if lp_ok else "CoEdge's plan is over the cap",
+           "rows_s": lp.predicted_latency_s if lp_ok else None, "tensor_s": None,
+           "tensor_note": "no channel split in the CNN runtime",
+           "even_s": even.predicted_latency_s if even_ok else None}
+    rec["best_single_dim_s"] = rec["rows_s"]
+    runs, plans = [], {}
+    for seed in range(seeds):
+        t0 = time.perf_counter()
+        try:
+            plan = make_genetic_cnn_plan(cfg, profile, budget, seed, **settings)
+        except PlanError as e:
+            runs.append({"seed": seed, "error": str(e), "search_s": time.perf_counter() - t0})
+            continue
+        g = plan.predicted["genetic"]
+        within = all(m <= c * (1 + 1e-9) for m, c in zip(plan.predicted["mem_bytes"], caps) if m)
+        runs.append({"seed": seed, "latency_s": plan.predicted_latency_s, "strategy": "bands",
+                     "structure": f"{g['groups']} groups, head {g['head']}",
+                     "search_s": time.perf_counter() - t0, "evaluations": g["evaluations"],
+                     "within_caps": within,
+                     "gain_over_best_seed": _gain(min(g["seeds_s"].values()), plan.predicted_latency_s)})
+        plans[seed] = plan
+    _summarise(rec, runs, plans, lp if lp_ok else None, settings)
+    return rec, plans.get(0), (lp if lp_ok else None)
+
+
+def _summarise(rec: dict, runs: list[dict], plans: dict, lp, settings: dict) -> None:
+    """A case's figures over the seeds: mean and spread, search time, gains, targets' flags."""
     lat = [r["latency_s"] for r in runs if "latency_s" in r]
     rec.update(operators=plans[0].predicted["genetic"]["operators"] if plans else None,
                settings=settings, seeds=len(runs), runs=runs,
-               feasible=bool(lat), all_within_caps=all(r.get("within_caps", True) for r in runs))
+               feasible=bool(lat), all_within_caps=all(r.get("within_caps", True) for r in runs),
+               errors=sorted({r["error"] for r in runs if "error" in r}))
     if lat:
         mean = statistics.fmean(lat)
         rec.update(genetic_mean_s=mean, genetic_min_s=min(lat), genetic_max_s=max(lat),
@@ -131,7 +207,6 @@ def grid_case(model: str, cfg, full, n: int, cap, seeds: int, settings: dict) ->
                    strictly_better_than_single_dim=(rec["best_single_dim_s"] is None
                                                     or max(lat) < rec["best_single_dim_s"] * (1 - 1e-6)),
                    structure=runs[0].get("structure"), strategy=runs[0].get("strategy"))
-    return rec, plans.get(0), lp
 
 
 def _gain(base, new):
@@ -144,7 +219,8 @@ def _gain(base, new):
 def same_plan(a, b) -> bool:
     return (a is not None and b is not None and a.strategy == b.strategy and a.counts == b.counts
             and a.assignment == b.assignment and a.primary == b.primary
-            and a.mem_budget == b.mem_budget)
+            and a.mem_budget == b.mem_budget and a.groups == b.groups
+            and a.group_ratios == b.group_ratios and a.head == b.head)
 
 
 def measure(case: dict, plan, spec_path: Path, n: int, model_case: dict, workdir: Path,
@@ -176,7 +252,10 @@ def profile_model(model: str, model_case: dict, spec_path: Path, workdir: Path, 
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     args = ["profile", "--model", model_case["dir"], "--out", str(out)]
-    if model_case["config"].model_type != "vit":
+    kind = model_case["config"].model_type
+    if kind == "cnn":
+        args += ["--image-size", str(MODELS[model])]
+    elif kind != "vit":
         args += ["--seq", str(MODELS[model])]
     res = hetero.launch(spec_path, 4, args, workdir / "cache", timeout, workdir)
     if not out.exists():
@@ -264,7 +343,8 @@ def main(argv=None) -> int:
             profiles[model] = json.loads(Path(path).read_text())
             for n in DEVICES:
                 for cap in CAPS:
-                    rec, gplan, lp = grid_case(model, cfg, full, n, cap, args.seeds, settings)
+                    case_fn = grid_case_cnn if cfg.model_type == "cnn" else grid_case
+                    rec, gplan, lp = case_fn(model, cfg, full, n, cap, args.seeds, settings)
                     print(f"{model} n={n} cap={rec['cap']}: genetic "
                           f"{(rec.get('genetic_mean_s') or math.nan) * 1e3:.1f} ms, LP "
                           f"{(rec['lp_s'] or math.nan) * 1e3:.1f} ms ({rec['lp_strategy']}), best "

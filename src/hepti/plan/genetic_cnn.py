@@ -240,6 +240,13 @@ def genetic_cnn_search(graph, costs, h: int, w: int, n: int, caps: list[float], 
     account: settings, seed latencies, CoEdge's latency, history). PlanError if no split fits."""
     from hepti.plan.coedge import fixed_groups, plan_cnn
     t0 = time.perf_counter()
+    if caps[0] < graph.weight_bytes():  # rank 0 always takes part, and holds every weight
+        raise PlanError(
+            f"no plan fits the memory caps: a height split keeps every weight "
+            f"({graph.weight_bytes() / 2**20:,.1f} MiB) on each device that takes part, rank 0 "
+            f"always does, and its cap is {caps[0] / 2**20:,.1f} MiB; the band executor has no "
+            f"channel split that would slice the weights, so raise --mem-cap (or --mem-budget) "
+            f"past the weights plus a band of activations")
     search = CNNSearch(graph, costs, h, w, n, caps, seed, **settings)
     seeds = {}
     lp_latency = math.inf
