@@ -159,3 +159,26 @@ def test_cnn_caps_hold_and_a_cap_below_the_weights_says_why():
     assert all(m <= cap * (1 + 1e-9) for m in band_memory(g, best.split(), H, W, 1, 3))
     with pytest.raises(PlanError, match="no channel split"):
         genetic_cnn_search(g, costs, H, W, 1, [0.9 * g.weight_bytes()] * 3, seed=0, **SMALL)
+
+
+def test_layers_may_split_differently(cfg):
+    """Per-layer genes: "name@i" entries, each layer's weights counted as it splits."""
+    from hepti.plan.costmodel import held_bytes
+    g = family_graph(cfg, 1, 16)
+    blocks = blocks_of(g)
+    genes = (ROWS, ROWS) + (UNIT, UNIT) * (g.n_layers - 1)  # layer 0 by token rows, the rest not
+    assign = block_assignment(g, blocks, genes)
+    assert lower.per_layer(assign) and assign["qkv"] == "rows" and assign["qkv@1"] == "cols"
+    assert lower.check_assignment(g, assign) == assign
+    assert lower.sliced_units(g, assign, 0) == set() and lower.sliced_units(g, assign, 1) == {"heads", "ffn"}
+    prog = assignment_program(g, assign)
+    layer = sum(w.whole_bytes() for op in g.layer for w in (g.weights[n] for n in op.weights))
+    H, F = g.units["heads"], g.units["ffn"]
+    # half the heads and FFN columns: layer 0 whole, the other layers' slices half
+    mem = held_bytes([t for t in prog.memory if t.what == "weights" and t.dim != "root"],
+                     {"heads": H / 2, "ffn": F / 2, "rows": 8}, False, g.n_layers)["weights"]
+    sliced = sum(w.whole_bytes() for op in g.layer for w in (g.weights[n] for n in op.weights)
+                 if w.split is not None)
+    assert mem == pytest.approx(layer + (g.n_layers - 1) * (layer - sliced / 2))
+    with pytest.raises(ValueError, match="layer"):
+        lower.check_assignment(g, {**assign, f"qkv@{g.n_layers}": "rows"})

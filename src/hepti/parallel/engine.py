@@ -187,7 +187,17 @@ def layer_spec(plan: Plan, cfg, rank: int) -> tuple | None:
     heads = (ho[rank], ho[rank] + c["heads"][rank])
     ffn = (fo[rank], fo[rank] + c["ffn"][rank])
     if s == "mixed":  # a block split by token rows needs its unit's weights whole
-        sliced = sliced_units(plan, cfg)
+        from hepti.graph import lower
+        from hepti.graph.encoder import family_graph
+        graph = family_graph(cfg, 1, 1)
+        assign = plan_assignment(plan, graph)
+        if lower.per_layer(assign):  # each layer its own ranges
+            per = []
+            for i in range(L):
+                sliced = lower.sliced_units(graph, assign, i)
+                per.append((heads if "heads" in sliced else (0, H), ffn if "ffn" in sliced else (0, F)))
+            return ("layers", tuple(per), None, (0, L))
+        sliced = lower.sliced_units(graph, assign)
         heads = heads if "heads" in sliced else (0, H)
         ffn = ffn if "ffn" in sliced else (0, F)
     if s == "stream":
@@ -207,14 +217,6 @@ def plan_assignment(plan: Plan, graph) -> dict[str, str]:
                         "again with `hepti plan --search genetic`") from None
 
 
-def sliced_units(plan: Plan, cfg) -> set[str]:
-    """The units ("heads", "ffn") whose weights a mixed plan slices across the ranks."""
-    from hepti.graph import lower
-    from hepti.graph.encoder import family_graph
-    graph = family_graph(cfg, 1, 1)
-    return lower.sliced_units(graph, plan_assignment(plan, graph))
-
-
 def build_layers(store, spec: tuple, pack, pace=None):
     """The layer weights a `layer_spec` names, read from this device's own files (no MPI: a
     background thread may build them while another plan serves). `pace`: ResidentLayers'."""
@@ -223,6 +225,8 @@ def build_layers(store, spec: tuple, pack, pace=None):
     L = store.config.num_hidden_layers
     if kind == "stream":
         return StreamingLayers(store, L, heads, ffn, pack, extra)
+    if kind == "layers":  # per layer (heads, ffn): `heads` holds them
+        return ResidentLayers(store, L, None, None, pack, pace=pace, ranges=heads)
     layers = None if extra == (0, L) else range(*extra)
     return ResidentLayers(store, L, heads, ffn, pack, layers=layers, pace=pace)
 

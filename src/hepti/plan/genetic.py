@@ -1,24 +1,25 @@
 """GenEFlow: a genetic search over each operator group's split and each rank's share, for
 transformer encoders (`hepti plan --search genetic`), judged by the LP's own cost model.
 
-**Chromosome** (`Genome`). One gene per group of operators that must share a layout: in an
-encoder layer the attention block (QKV GeMM, attention, output projection) and the FFN block
-(up, down). Within a block the splits are tied: a QKV GeMM split by columns leaves each rank
-its heads' columns (ir.LOCAL), which only a per-head attention can read, whose output only a
-block-wise projection can read; a token-row split needs token rows all the way. So a block's
-gene is its split dimension: token rows (horizontal: weights replicated, activations gathered
-where all keys are needed) or its unit (vertical: heads for attention, columns for the FFN;
-weights sliced, a Reduce_scatter of partial sums after). The elementwise operators (add +
-LayerNorm) always run on token rows; the embeddings on the primary. The gene also says whether
-the weights stay resident or stream from disk (`window`, only with both blocks vertical: the
-runtime streams sliced weights alone). Then the proportions: every rank's integer count of each
-split dimension (token rows, heads, FFN columns); the number of parts is the number of ranks
-with a nonzero count (a rank with none of any dimension does not take part). The gene is per
-block of the layer template, the same in every layer: the runtime loads one heads range and one
-FFN range per rank for all layers (hepti.parallel.layers), so a per-layer choice would need a
-per-layer slice table there first. "Replicate" in the issue's sense (every rank computing the
-whole operator) has no layout in hepti.graph.ir; a row split with one rank's share at 100% is
-the nearest, and the search reaches it by moving counts.
+**Chromosome** (`Genome`). One gene per group of operators that must share a layout, in every
+layer: an encoder layer's attention block (QKV GeMM, attention, output projection) and its FFN
+block (up, down), so 2 L genes. Within a block the splits are tied: a QKV GeMM split by columns
+leaves each rank its heads' columns (ir.LOCAL), which only a per-head attention can read, whose
+output only a block-wise projection can read; a token-row split needs token rows all the way.
+So a block's gene is its split dimension: token rows (horizontal: weights replicated,
+activations gathered where all keys are needed) or its unit (vertical: heads for attention,
+columns for the FFN; weights sliced, a Reduce_scatter of partial sums after). Layers may
+differ: the assignment then carries "name@i" entries (hepti.graph.lower.split_in) and the
+runtime loads each layer's own ranges (hepti.parallel.layers `ranges`). The elementwise
+operators (add + LayerNorm) always run on token rows; the embeddings on the primary. The
+genome also says whether the weights stay resident or stream from disk (`window`, only with
+every block vertical: the runtime streams sliced weights alone). Then the proportions: every
+rank's integer count of each split dimension (token rows, heads, FFN columns), shared by the
+layers (the runtime has one vector per dimension); the number of parts is the number of ranks
+with a nonzero count (a rank with none of any dimension does not take part). "Replicate" in
+the issue's sense (every rank computing the whole operator) has no layout in hepti.graph.ir; a
+row split with one rank's share at 100% is the nearest, and the search reaches it by moving
+counts.
 
 **Fitness**: the predicted latency of the lowered plan (hepti.graph.lower.compress, priced by
 hepti.plan.costmodel.evaluate: the very program the LP's candidates are judged by), plus, for a
@@ -26,23 +27,27 @@ plan over any rank's memory cap, a constraint-violation term (`PENALTY` x latenc
 relative excess over the caps). The plan returned is the best *feasible* one ever evaluated,
 so every returned plan respects every cap whatever the penalty's weight.
 
-**Search**: a generational GA with elitism. Seeds of the first population: the LP planner's
-plan (hepti.plan.partition.make_plan, `auto`, same caps) expressed as genes, the LP's optimum
-(hepti.plan.search.optimise) for each of the other block structures (rows/rows and
-heads/cols are the single-dimension plans; heads/rows and rows/cols the mixed ones), and random
-genomes (a random structure, a random subset of ranks, Dirichlet shares). Selection by
-tournament; crossover uniform over block genes and per dimension (a child takes each
-dimension's count vector from either parent, or their rounded mean); mutation flips a block
-gene, moves units (a GeMM row tile of 8 rows where it can) between two ranks, or drops or
-revives a rank. Elitism keeps the best, so GenEFlow is never worse than its best seed, which
-includes the LP's plan: never worse than the LP under the same model. The LP's plan is kept as
-it is (and returned) when it puts the primary on another rank, which the genes do not express.
+**Search**: a generational GA with elitism, memetic. Seeds of the first population: the LP
+planner's plan (hepti.plan.partition.make_plan, `auto`, same caps) expressed as genes, the LP's
+optimum (hepti.plan.search.optimise) for each uniform block structure (rows/rows and heads/cols
+are the single-dimension plans; heads/rows and rows/cols the mixed ones), and random genomes
+(a random structure, a random subset of ranks, Dirichlet shares). Selection by tournament;
+crossover uniform over block genes and per dimension (a child takes each dimension's count
+vector from either parent, or their rounded mean); mutation flips a block's gene in one layer
+or in all, moves units (a GeMM row tile of 8 rows where it can) between two ranks, drops or
+revives a rank, or switches streaming. The first time a block structure appears, the LP
+solves its counts once (`learn`, up to `learn_max` structures) and that genome joins the
+population: a structure judged with its parent's counts was judged unfairly (one token-row
+vector serves every layer; a layer moved to token rows wants other rows). Elitism keeps the
+best, so GenEFlow is never worse than its best seed, which includes the LP's plan: never
+worse than the LP under the same model. The LP's plan is kept as it is (and returned) when it
+puts the primary on another rank, which the genes do not express.
 
-Why seed with the LP per structure rather than only the LP's plan: the LP solves a fixed
+Why seed and learn with the LP rather than evolve counts alone: the LP solves a fixed
 structure's proportions exactly (up to whole heads and kernel blocks), so a GA that had to find
-a mixed structure's proportions from scratch would mostly rediscover the LP; the GA's own work
-is then the structure, the participants and the integer steps the LP cannot see (kernel
-blocks, size-dependent speeds, memory steps), which `search.polish` only walks greedily.
+them from scratch would mostly rediscover the LP; the GA's own work is the structure (2^(2L)
+of them, which no LP enumerates), the participants and the integer steps the LP cannot see
+(kernel blocks, size-dependent speeds, memory steps), which `search.polish` only walks greedily.
 
 Deterministic from its seed (numpy's Generator; nothing else draws random numbers, and the
 programs and the LP are deterministic). No MPI here.
@@ -62,7 +67,7 @@ from hepti.errors import PlanError
 from hepti.graph import lower
 from hepti.graph.encoder import family_graph
 from hepti.graph.ir import Graph
-from hepti.plan.costmodel import Program, evaluate
+from hepti.plan.costmodel import ACTIVE, MemTerm, Program, evaluate
 from hepti.plan.planfile import DIMS, Plan
 from hepti.plan.profile import Profile
 from hepti.plan.search import Candidate, fits_memory, optimise, stream_budget
@@ -71,7 +76,7 @@ from hepti.plan.workloads import with_overhead
 ROWS, UNIT = "rows", "unit"  # a block's gene: token rows, or its own unit (heads, FFN columns)
 PENALTY = 10.0  # constraint-violation weight: latency x (1 + PENALTY x summed relative excess)
 DEFAULTS = dict(population=32, generations=40, crossover=0.9, mutation=0.3, tournament=3,
-                elite=2, random_seeds=8)
+                elite=2, random_seeds=8, learn_max=100)
 ROW_STEP = lower.GEMM_ROW_TILE  # token rows also move a whole GeMM row tile at a time
 UNIT_NAMES = {"heads": "heads", "ffn": "columns"}
 DEFAULT_DISK_READ_BPS = 100e6  # as hepti.plan.partition assumes when a profile has none
@@ -110,18 +115,43 @@ def blocks_of(graph: Graph) -> tuple[str, ...]:
 def block_assignment(graph: Graph, blocks: tuple[str, ...], genes: tuple[str, ...]) -> dict[str, str]:
     """Each operator's split for these block genes: a block on ROWS takes the `rows`
     strategy's splits, on UNIT the `tensor` strategy's; operators outside the blocks
-    (elementwise, embeddings) the `tensor` strategy's (token rows; the primary)."""
+    (elementwise, embeddings) the `tensor` strategy's (token rows; the primary). `genes` is one
+    per block (every layer alike) or one per block of every layer, layer by layer: then layer
+    0's genes make the assignment and a layer whose gene differs gets "name@i" entries
+    (hepti.graph.lower.split_in)."""
     rows, unit = lower.assignment(graph, "rows"), lower.assignment(graph, "tensor")
-    gene = dict(zip(blocks, genes))
-    return {op.name: (rows if gene.get(op.block) == ROWS else unit)[op.name]
-            for op in graph.prologue + graph.layer + graph.epilogue}
+    nb = len(blocks)
+    layers = [genes[i:i + nb] for i in range(0, len(genes), nb)]
+    first = dict(zip(blocks, layers[0]))
+    out = {op.name: (rows if first.get(op.block) == ROWS else unit)[op.name]
+           for op in graph.prologue + graph.layer + graph.epilogue}
+    for i, lg in enumerate(layers[1:], start=1):
+        gene = dict(zip(blocks, lg))
+        for op in graph.layer:
+            if op.block and gene[op.block] != first[op.block]:
+                out[f"{op.name}@{i}"] = (rows if gene[op.block] == ROWS else unit)[op.name]
+    return out
 
 
 def structure_name(blocks: tuple[str, ...], genes: tuple[str, ...], graph: Graph) -> str:
-    """'attention=heads ffn=rows' (the unit's name for a vertical block)."""
+    """'attention by heads, ffn by token rows', or per run of layers alike: 'layers 0-3:
+    attention by heads, ffn by token rows; layers 4-11: ...'."""
     units = {op.block: op.unit for op in graph.layer if op.block and op.unit}
-    return " ".join(f"{b} by {UNIT_NAMES.get(units[b], units[b]) if g == UNIT else 'token rows'}"
-                    for b, g in zip(blocks, genes))
+    nb = len(blocks)
+    layers = [genes[i:i + nb] for i in range(0, len(genes), nb)]
+
+    def one(lg):
+        return ", ".join(f"{b} by {UNIT_NAMES.get(units[b], units[b]) if g == UNIT else 'token rows'}"
+                         for b, g in zip(blocks, lg))
+    if all(lg == layers[0] for lg in layers):
+        return one(layers[0])
+    runs, a = [], 0
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or layers[i] != layers[a]:
+            runs.append(f"layer{'s' if i - a > 1 else ''} {a}{f'-{i - 1}' if i - a > 1 else ''}: "
+                        f"{one(layers[a])}")
+            a = i
+    return "; ".join(runs)
 
 
 def assignment_program(graph: Graph, assign: dict[str, str], window: int = 0) -> Program:
@@ -133,8 +163,16 @@ def assignment_program(graph: Graph, assign: dict[str, str], window: int = 0) ->
     start, layer, end, repeat = lower.compress(graph, assign, stream=stream)
     dims = lower.totals(graph, assign)
     memory = lower.weight_memory(graph, assign) + lower.program_activations(graph, assign)
-    prog = Program("mixed", dims, start, layer, end, repeat,
-                   memory if stream else with_overhead(memory),
+    if not stream:
+        memory = with_overhead(memory)
+        if lower.per_layer(assign):  # the largest layer's slice, read raw while it is packed
+            top: dict[str, float] = {}
+            for i in range(graph.n_layers):
+                sliced, whole = lower.layer_weight_bytes(graph, assign, i)
+                for d, b in list(sliced.items()) + [(ACTIVE, whole)]:
+                    top[d] = max(top.get(d, 0.0), b)
+            memory += [MemTerm("overhead", d, b) for d, b in top.items()]
+    prog = Program("mixed", dims, start, layer, end, repeat, memory,
                    integer_dims=tuple(u for u in graph.whole_units if u in dims),
                    n_layers=graph.n_layers)
     if stream:
@@ -161,7 +199,7 @@ class Search:
                  population: int = DEFAULTS["population"], generations: int = DEFAULTS["generations"],
                  crossover: float = DEFAULTS["crossover"], mutation: float = DEFAULTS["mutation"],
                  tournament: int = DEFAULTS["tournament"], elite: int = DEFAULTS["elite"],
-                 random_seeds: int = DEFAULTS["random_seeds"]):
+                 random_seeds: int = DEFAULTS["random_seeds"], learn_max: int = DEFAULTS["learn_max"]):
         if population < 2 or generations < 0:
             raise PlanError(f"--population {population} must be at least 2 and --generations "
                             f"{generations} at least 0")
@@ -176,13 +214,17 @@ class Search:
         for dev in self.stream_profile.devices:
             dev.disk_read_Bps = dev.disk_read_Bps or DEFAULT_DISK_READ_BPS
         self.blocks = blocks_of(graph)
+        self.L = graph.n_layers
+        self.n_genes = self.L * len(self.blocks)  # one per block of every layer
         self.totals = [int(graph.units[d]) for d in DIMS]
         self.settings = dict(seed=seed, population=population, generations=generations,
                              crossover=crossover, mutation=mutation, tournament=tournament,
-                             elite=elite, random_seeds=random_seeds, penalty=PENALTY)
+                             elite=elite, random_seeds=random_seeds, learn_max=learn_max,
+                             penalty=PENALTY)
         self.rng = np.random.default_rng(seed)
         self._programs: dict = {}
         self._scores: dict[Genome, tuple[float, float, object]] = {}
+        self._learned: dict = {}  # structures the LP has given counts (learn)
 
     # --- genome -> program, prediction, fitness ----------------------------------------------
     def program(self, genes: tuple[str, ...], window: int) -> Program:
@@ -237,14 +279,15 @@ class Search:
         primary other than rank 0)."""
         if plan.primary != 0 or plan.strategy not in ("rows", "tensor", "single", "stream", "even"):
             return None
-        genes = tuple(ROWS if plan.strategy == "rows" else UNIT for _ in self.blocks)
+        genes = tuple(ROWS if plan.strategy == "rows" else UNIT for _ in range(self.n_genes))
         window = int(plan.predicted.get("window", 0) or 0) if plan.strategy == "stream" else 0
         if plan.strategy == "stream" and not window:
             return None
         return Genome(genes, window, tuple(tuple(int(x) for x in plan.counts[d]) for d in DIMS))
 
     def random_genome(self) -> Genome:
-        genes = tuple(self.rng.choice([ROWS, UNIT]) for _ in self.blocks)
+        layer = [str(self.rng.choice([ROWS, UNIT])) for _ in self.blocks]
+        genes = tuple(layer * self.L)  # every layer alike; mutation makes them differ
         members = [0] + [i for i in range(1, self.N) if self.rng.random() < 0.6]
         out = []
         for total in self.totals:
@@ -281,7 +324,12 @@ class Search:
         genes, window = list(g.blocks), g.window
         cnt = [list(c) for c in g.counts]
         kind = rng.random()
-        if kind < 0.15:  # flip one block's split dimension
+        if kind < 0.08:  # flip one block's split dimension in every layer
+            b = int(rng.integers(len(self.blocks)))
+            new = ROWS if genes[b] == UNIT else UNIT
+            for i in range(b, len(genes), len(self.blocks)):
+                genes[i] = new
+        elif kind < 0.15:  # flip one block's split dimension in one layer
             i = int(rng.integers(len(genes)))
             genes[i] = ROWS if genes[i] == UNIT else UNIT
         elif kind < 0.22:  # resident <-> streamed (window 2, else 1)
@@ -312,6 +360,21 @@ class Search:
                 cnt[k][s] -= n
                 cnt[k][d] += n
         return self._valid(Genome(tuple(genes), window, tuple(tuple(c) for c in cnt)))
+
+    def learn(self, g: Genome) -> Genome | None:
+        """The LP's counts for a block structure the search meets for the first time (at most
+        `learn_max` structures a run; None otherwise): the genome with those counts. A new
+        structure with its parent's counts is judged unfairly (one token-row vector serves
+        every layer, and a layer moved to token rows wants other rows than its neighbours),
+        so each gets the LP's best counts once: a memetic (Lamarckian) step, cached by
+        structure."""
+        key = (g.blocks, g.window)
+        if key in self._learned or len(self._learned) >= self.settings["learn_max"] or g.window:
+            return None
+        prog = copy.deepcopy(self.program(g.blocks, 0))
+        cand = optimise(prog, self.profile, self.caps)
+        self._learned[key] = cand is not None
+        return None if cand is None else self.genome_of(g.blocks, 0, cand.counts)
 
     def _pick(self, pop: list[Genome]) -> Genome:
         idx = self.rng.integers(len(pop), size=self.settings["tournament"])
@@ -346,6 +409,11 @@ class Search:
                 if self.rng.random() < s["mutation"] or child == a:
                     child = self.mutate(child)
                 consider(child)
+                learned = self.learn(child)
+                if learned is not None:
+                    consider(learned)
+                    if self.score(learned)[0] < self.score(child)[0]:
+                        child = learned
                 nxt.append(child)
             pop = nxt
             history.append(self.score(best)[1] if best else math.inf)
@@ -376,13 +444,25 @@ def genetic_search(cfg, profile: Profile, seq_len: int, batch: int = 1,
         if g is not None:
             seeds["lp plan"] = g
     t_lp = time.perf_counter()
-    for genes in _structures(len(search.blocks)):
+    for layer in _structures(len(search.blocks)):
+        genes = layer * search.L
         prog = search.program(genes, 0)
         cand = optimise(copy.deepcopy(prog), profile, caps)
         if cand is not None:
-            seeds[f"lp {structure_name(search.blocks, genes, graph)}"] = search.genome_of(genes, 0, cand.counts)
+            seeds[f"lp {structure_name(search.blocks, layer, graph)}"] = search.genome_of(genes, 0, cand.counts)
     lp_structures_s = time.perf_counter() - t_lp
+    for g in seeds.values():  # the LP has solved these structures already
+        search._learned[(g.blocks, g.window)] = True
     best, seed_lat, history = search.run(seeds)
+    if best is not None and any(g != best.blocks[i % len(search.blocks)]
+                                for i, g in enumerate(best.blocks)) and not best.window:
+        # layers split differently: the LP's counts for that structure, if better (memetic)
+        cand = optimise(copy.deepcopy(search.program(best.blocks, 0)), profile, caps)
+        if cand is not None:
+            refined = search.genome_of(best.blocks, 0, cand.counts)
+            if search.score(refined)[1] < search.score(best)[1]:
+                best = refined
+                history.append(search.score(best)[1])
     lp_lat = lp_plan.predicted_latency_s if lp_plan is not None else math.inf
     if best is None:
         raise PlanError(_infeasible(search, caps))
@@ -401,7 +481,7 @@ def single_device_peak(cfg, profile: Profile, seq_len: int, batch: int = 1) -> f
     `--mem-cap 75%` is a fraction of."""
     graph = family_graph(cfg, batch, seq_len)
     genes = tuple(UNIT for _ in blocks_of(graph))
-    prog = assignment_program(graph, block_assignment(graph, blocks_of(graph), genes))
+    prog = assignment_program(graph, block_assignment(graph, blocks_of(graph), genes))  # noqa
     one = dataclasses.replace(profile, devices=profile.devices[:1])
     pred = evaluate(prog, {d: [float(t)] for d, t in prog.totals.items()}, one)
     return pred.per_rank[0].mem_bytes
@@ -470,7 +550,7 @@ def make_genetic_plan(cfg, profile: Profile, seq_len: int, batch: int = 1,
     graph = family_graph(cfg, batch, seq_len)
     gained = (1 - cand.latency_s / res.lp_latency_s) * 100 if res.lp_latency_s < math.inf else None
     report = {k: s[k] for k in ("seed", "population", "generations", "crossover", "mutation",
-                                "tournament", "elite", "random_seeds", "penalty")}
+                                "tournament", "elite", "random_seeds", "learn_max", "penalty")}
     report.update(evaluations=res.evaluations, operators=s["operators"],
                   search_s=s["search_s"], lp_latency_s=res.lp_latency_s if gained is not None else None,
                   gain_vs_lp=gained, seeds_s=res.seeds, history_s=res.history,
