@@ -320,7 +320,7 @@ def targets(records: list[dict]) -> list[dict]:
         {"target": "strictly better than the best single-dimension plan in >= half the capped cases",
          "ok": len(better) * 2 >= len(capped) and bool(capped),
          "detail": f"{len(better)} of {len(capped)} capped cases, "
-                   f"{sum(1 for r in better if r['gain_vs_best_single_dim'] >= 1.0)} of them by 1% or more "
+                   f"{sum(1 for r in better if (r['gain_vs_best_single_dim'] or 0) >= 1.0)} of them by 1% or more "
                    f"(mean over the seeds)"},
         {"target": "a feasible plan wherever the single-dimension plans fail the cap",
          "ok": all(r.get("feasible") for r in no_single),
