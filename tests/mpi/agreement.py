@@ -39,7 +39,12 @@ def predicted(model_dir, strategy: str, plan, B: int, T: int, rank: int) -> list
         S = activation_bytes(cfg, B, T)
         return [("send", S, 0) if j == rank else ("recv", 0, S)
                 for j, k in stage_hops([tuple(r) for r in plan.layers]) if rank in (j, k)]
-    prog = program_for(strategy, cfg, B, T)
+    if plan.strategy == "mixed":  # GenEFlow's programs: hepti.plan.genetic
+        from hepti.graph.encoder import family_graph
+        from hepti.plan.genetic import assignment_program
+        prog = assignment_program(family_graph(cfg, B, T), plan.assignment)
+    else:
+        prog = program_for(strategy, cfg, B, T)
     cnt = {d: [float(x) for x in split_counts(total, plan.ratios[d])] for d, total in prog.totals.items()}
     out = []
     if plan.primary:  # the program's ranks are the group's: the primary first (its root)

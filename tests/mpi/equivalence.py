@@ -26,7 +26,12 @@ from hepti.plan.planfile import DIMS, Plan
 from hepti.weights import WeightStore
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
+STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single", "mixed-attn-rows",
+              "mixed-ffn-rows", "mixed-per-layer")
+# GenEFlow's mixed plans (hepti.plan.genetic): one block by token rows, the other by its unit;
+# or each layer its own (these four, in turn)
+MIXED = {"mixed-attn-rows": ("rows", "unit"), "mixed-ffn-rows": ("unit", "rows"),
+         "mixed-per-layer": ("unit", "rows", "rows", "unit", "rows", "rows", "unit", "unit")}
 RATIOS = {
     1: {"even": [1.0]},
     2: {"even": [0.5, 0.5], "skewed": [0.7, 0.3], "zero": [0.0, 1.0]},
@@ -58,6 +63,17 @@ def make_plan(strategy: str, vec: list[float], cfg, world: int, primary: int = 0
         ratios = {"heads": vec, "ffn": vec, "rows": vec[::-1]}
     else:
         ratios = {d: list(vec) for d in DIMS}
+    if strategy in MIXED:  # every dimension its own shares: rows reversed against the units
+        from hepti.graph.encoder import family_graph
+        from hepti.plan.genetic import block_assignment, blocks_of
+        graph = family_graph(cfg, 1, 1)
+        ratios = {"heads": list(vec), "ffn": list(vec), "rows": list(vec[::-1])}
+        genes = MIXED[strategy]
+        if len(genes) > len(blocks_of(graph)):  # per layer: the pattern over the model's layers
+            genes = tuple(genes[i % len(genes)] for i in range(2 * cfg.num_hidden_layers))
+        plan = Plan(strategy="mixed", world_size=world, ratios=ratios, primary=primary,
+                    assignment=block_assignment(graph, blocks_of(graph), genes))
+        return plan
     plan = Plan(strategy=strategy, world_size=world, ratios=ratios, primary=primary)
     if strategy == "pipeline":
         plan.layers = [list(r) for r in layer_ranges(cfg.num_hidden_layers, vec)]
@@ -76,7 +92,7 @@ def cases(world: int):
             if strategy in ("single", "even") and rname != "even":
                 continue  # these ignore the ratio vector
             yield strategy, rname, vec
-        if world > 1 and strategy in ("rows", "tensor", "stream"):
+        if world > 1 and strategy in ("rows", "tensor", "stream", *MIXED):
             yield strategy, "moved", [0.0] + [1.0 / (world - 1)] * (world - 1)
 
 

@@ -138,3 +138,23 @@ def test_pipeline_and_grid_splits_equal_single(resnet_tiny_dir):
     for split in (pipe, Split((0.5, 0.5), ((0, n),))):
         want, got = _both(resnet_tiny_dir, split, px)
         _check(want, got, f"{split}")
+
+
+def test_genetic_splits_equal_single(resnet_tiny_dir):
+    """GenEFlow's CNN genomes (hepti.plan.genetic_cnn): fused groups of any length, each group
+    its own ratio vector (a rank idle in some groups, busy in others), either head."""
+    from hepti.graph.cnn import build
+    from hepti.plan.genetic_cnn import CNNSearch
+    from hepti.weights import WeightStore
+    from hepti.plan.coedge import CNNCosts
+    px = np.load(FIXTURES / "resnet50_tiny_expected.npz")["pixels"].astype(np.float32)
+    with WeightStore(resnet_tiny_dir) as st:
+        g = build(st.config)
+    costs = CNNCosts(op_s=[[1e-3] * len(g.ops)] * 2, overhead_s=[0.0] * 2, latency_s=[0.0] * 2,
+                     bandwidth_Bps=[1e9] * 2, memory_bytes=[1e9] * 2, h=65, w=57)
+    search = CNNSearch(g, costs, 65, 57, 1, [1e9] * 2, seed=3)
+    for k in range(3):  # the same genomes on every rank: the generator is seeded alike
+        genome = search.mutate(search.random_genome())
+        split = genome.split()
+        want, got = _both(resnet_tiny_dir, split, px)
+        _check(want, got, f"genome {k}: groups {split.groups}, per group {split.per_group}")

@@ -1,7 +1,8 @@
 """Strategies as assignments of split choices, and lowering an assignment to a rank schedule
 and to the cost program.
 
-An assignment maps each operator to one of its splits. Walking the operators in order with
+An assignment maps each operator to one of its splits; a key "name@i" overrides operator
+`name`'s split in layer i alone (`split_in`: GenEFlow's per-layer genes, hepti.plan.genetic). Walking the operators in order with
 each tensor's layout (hepti.graph.ir), every input whose layout is not what the operator needs
 becomes a sync point: the collective `ir.transition` names (`schedule`). A cost-program Phase
 is the work between two sync points, ending in the collective (`phases`, folded by `compress`).
@@ -44,6 +45,54 @@ def assignment(graph: Graph, strategy: str) -> dict[str, str]:
             out[op.name] = split
         return out
     raise ValueError(f"no assignment for strategy {strategy!r}")
+
+
+def split_in(assign: dict[str, str], op: Op, layer: int | None) -> str:
+    """`op`'s split in `layer` (None: outside the layers): its "name@layer" entry if any."""
+    if layer is not None:
+        split = assign.get(f"{op.name}@{layer}")
+        if split is not None:
+            return split
+    return assign[op.name]
+
+
+def per_layer(assign: dict[str, str]) -> bool:
+    """Whether some layer's operators split unlike the others' ("name@i" entries)."""
+    return any("@" in k for k in assign)
+
+
+def check_assignment(graph: Graph, assign: dict[str, str]) -> dict[str, str]:
+    """`assign` if it gives every operator of the graph one of its splits (in every layer, for
+    "name@i" entries) and lowers to a schedule (each input's layout reachable by a collective:
+    `ir.transition`), else ValueError naming the first operator that does not. Names of
+    operators or layers the graph lacks are errors too."""
+    ops = graph.prologue + graph.layer + graph.epilogue
+    by_name = {op.name: op for op in ops}
+    layer_ops = {op.name for op in graph.layer}
+    for key, split in assign.items():
+        name, _, at = key.partition("@")
+        if name not in by_name:
+            raise ValueError(f"no operator named {name!r} (the graph's: {', '.join(sorted(by_name))})")
+        if at and (name not in layer_ops or not at.isdigit() or int(at) >= graph.n_layers):
+            raise ValueError(f"{key!r}: a per-layer entry names a layer operator and a layer "
+                             f"0..{graph.n_layers - 1}")
+        if split not in by_name[name].splits:
+            raise ValueError(f"operator {key!r} has split {split!r}; it supports "
+                             f"{', '.join(by_name[name].splits)}")
+    missing = [op.name for op in ops if op.name not in assign]
+    if missing:
+        raise ValueError(f"operator {missing[0]!r} has no split")
+    schedule(graph, assign, graph.n_layers if per_layer(assign) else 1)  # ValueError if unreachable
+    return dict(assign)
+
+
+def sliced_units(graph: Graph, assign: dict[str, str], layer: int | None = None) -> set[str]:
+    """The units whose weights `assign` slices across ranks (a GeMM split by columns or by its
+    block of k) in `layer`, or in any layer (None): the rest every active rank holds whole."""
+    layers = range(graph.n_layers) if layer is None else (layer,)
+    return {graph.weights[w].split for i in layers for op in graph.layer
+            if split_in(assign, op, i) in (BY_COLS, BY_K)
+            for w in op.weights if graph.weights[w].split is not None}
 
 
 def _reads_split_columns(graph: Graph, op: Op, done: dict[str, str]) -> bool:
@@ -124,7 +173,7 @@ def schedule(graph: Graph, assign: dict[str, str], n_layers: int) -> list[Step]:
            + [(op, i) for i in range(n_layers) for op in graph.layer]
            + [(op, None) for op in graph.epilogue])
     for op, layer in ops:
-        split = assign[op.name]
+        split = split_in(assign, op, layer)
         own = []
         for t, need in needs(op, split):
             kind = transition(layout[t], need)
@@ -204,8 +253,9 @@ def compress(graph: Graph, assign: dict[str, str], stream: bool = False
 def totals(graph: Graph, assign: dict[str, str]) -> dict[str, int]:
     """The split dimensions the assignment uses (token rows, or an op's unit), with their counts."""
     used = set()
-    for op in graph.prologue + graph.layer + graph.epilogue:
-        split = assign[op.name]
+    by_name = {op.name: op for op in graph.prologue + graph.layer + graph.epilogue}
+    for key, split in assign.items():
+        op = by_name[key.partition("@")[0]]
         if split == BY_ROWS:
             used.add("rows")
         elif split in (BY_COLS, BY_K, BY_UNIT):
@@ -213,21 +263,41 @@ def totals(graph: Graph, assign: dict[str, str]) -> dict[str, int]:
     return {d: n for d, n in graph.units.items() if d in used}
 
 
-def weight_memory(graph: Graph, assign: dict[str, str]) -> list[MemTerm]:
-    """Weights a rank holds: per unit of its share for sliced weights, whole (every active
-    rank) for the rest, and the prologue's (the embeddings) on rank 0."""
+def layer_weight_bytes(graph: Graph, assign: dict[str, str], layer: int | None
+                       ) -> tuple[dict[str, float], float]:
+    """One layer's weights under `assign`: (bytes per unit of each sliced unit, bytes held
+    whole)."""
     sliced: dict[str, float] = {}
     whole = 0.0
     for op in graph.layer:
-        split = assign[op.name]
+        split = split_in(assign, op, layer)
         for w in op.weights:
             wt = graph.weights[w]
             if wt.split is not None and split in (BY_COLS, BY_K):
                 sliced[wt.split] = sliced.get(wt.split, 0.0) + F32 * wt.per_unit
             else:
                 whole += wt.whole_bytes()
-    terms = [MemTerm("weights", u, b, per_layer=True) for u, b in sliced.items()]
-    terms.append(MemTerm("weights", ACTIVE, whole, per_layer=True))
+    return sliced, whole
+
+
+def weight_memory(graph: Graph, assign: dict[str, str]) -> list[MemTerm]:
+    """Weights a rank holds: per unit of its share for sliced weights, whole (every active
+    rank) for the rest, and the prologue's (the embeddings) on rank 0. Per layer (`per_layer`
+    terms, held once per resident layer), or, where layers split differently ("name@i"
+    entries), summed over the layers as terms held once."""
+    if per_layer(assign):
+        sliced, whole = {}, 0.0
+        for i in range(graph.n_layers):
+            s_i, w_i = layer_weight_bytes(graph, assign, i)
+            for u, b in s_i.items():
+                sliced[u] = sliced.get(u, 0.0) + b
+            whole += w_i
+        terms = [MemTerm("weights", u, b) for u, b in sliced.items()]
+        terms.append(MemTerm("weights", ACTIVE, whole))
+    else:
+        sliced, whole = layer_weight_bytes(graph, assign, None)
+        terms = [MemTerm("weights", u, b, per_layer=True) for u, b in sliced.items()]
+        terms.append(MemTerm("weights", ACTIVE, whole, per_layer=True))
     root = sum(graph.weights[w].whole_bytes() for op in graph.prologue + graph.epilogue
                if assign[op.name] == ON_PRIMARY for w in op.weights)
     terms.append(MemTerm("weights", ROOT, float(root)))
@@ -372,6 +442,7 @@ def activation_memory(graph: Graph, steps: list[Step], keep: tuple[str, ...] = (
 
 def program_activations(graph: Graph, assign: dict[str, str]) -> list[MemTerm]:
     """`activation_memory` of an inference under `assign`: two layers show every tensor's
-    lifetime across a layer's boundary; more only repeat them."""
-    steps = schedule(graph, assign, min(graph.n_layers, 2))
+    lifetime across a layer's boundary; more only repeat them (unless layers split
+    differently: then all of them)."""
+    steps = schedule(graph, assign, graph.n_layers if per_layer(assign) else min(graph.n_layers, 2))
     return activation_memory(graph, steps, keep=(graph.output,))

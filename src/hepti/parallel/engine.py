@@ -186,9 +186,35 @@ def layer_spec(plan: Plan, cfg, rank: int) -> tuple | None:
     ho, fo = offsets(c["heads"]), offsets(c["ffn"])
     heads = (ho[rank], ho[rank] + c["heads"][rank])
     ffn = (fo[rank], fo[rank] + c["ffn"][rank])
+    if s == "mixed":  # a block split by token rows needs its unit's weights whole
+        from hepti.graph import lower
+        from hepti.graph.encoder import family_graph
+        graph = family_graph(cfg, 1, 1)
+        assign = plan_assignment(plan, graph)
+        if lower.per_layer(assign):  # each layer its own ranges
+            per = []
+            for i in range(L):
+                sliced = lower.sliced_units(graph, assign, i)
+                per.append((heads if "heads" in sliced else (0, H), ffn if "ffn" in sliced else (0, F)))
+            return ("layers", tuple(per), None, (0, L))
+        sliced = lower.sliced_units(graph, assign)
+        heads = heads if "heads" in sliced else (0, H)
+        ffn = ffn if "ffn" in sliced else (0, F)
     if s == "stream":
         return ("stream", heads, ffn, stream_window(plan, cfg, rank))
     return ("resident", heads, ffn, (0, L))
+
+
+def plan_assignment(plan: Plan, graph) -> dict[str, str]:
+    """A mixed plan's assignment, checked against the model's graph (every operator named,
+    each split one it supports, and a layout the collectives can reach from the one before:
+    hepti.graph.lower.check_assignment), as a PlanError saying what is wrong."""
+    from hepti.graph import lower
+    try:
+        return lower.check_assignment(graph, plan.assignment or {})
+    except ValueError as e:
+        raise PlanError(f"the plan's assignment does not fit this model: {e}; make the plan "
+                        "again with `hepti plan --search genetic`") from None
 
 
 def build_layers(store, spec: tuple, pack, pace=None):
@@ -199,6 +225,8 @@ def build_layers(store, spec: tuple, pack, pace=None):
     L = store.config.num_hidden_layers
     if kind == "stream":
         return StreamingLayers(store, L, heads, ffn, pack, extra)
+    if kind == "layers":  # per layer (heads, ffn): `heads` holds them
+        return ResidentLayers(store, L, None, None, pack, pace=pace, ranges=heads)
     layers = None if extra == (0, L) else range(*extra)
     return ResidentLayers(store, L, heads, ffn, pack, layers=layers, pace=pace)
 
@@ -277,7 +305,13 @@ class Job:
             c = _counts_of(plan, cfg)
             rows = sub_ratios(plan, self.active)["rows"]
             units = {u: [c[u][r] for r in self.active] for u in ("heads", "ffn")}
-            assign = lower.assignment(graph, "tensor")
+            if s == "mixed":  # GenEFlow: each block its own split (hepti.plan.genetic)
+                assign = plan_assignment(plan, graph)
+                whole = {"heads": H, "ffn": F}
+                for u in set(units) - lower.sliced_units(graph, assign):
+                    units[u] = [whole[u]] * len(self.active)
+            else:
+                assign = lower.assignment(graph, "tensor")
         self.executor = Interpreter(self.group, graph, lower.schedule(graph, assign, L), self.layers,
                                     self.primary_ops, rows, units, threads,
                                     outside_layers(graph, store))

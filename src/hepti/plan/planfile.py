@@ -4,7 +4,8 @@ Schema (version 1), JSON object:
 
     {
       "hepti_plan": 1,
-      "strategy": "rows" | "tensor" | "stream" | "even" | "pipeline" | "single" | "bands",
+      "strategy": "rows" | "tensor" | "stream" | "even" | "pipeline" | "single" | "bands"
+                  | "mixed",
       "world_size": N,
       "ratios": {"heads": [N floats], "ffn": [N floats], "rows": [N floats]},
       "counts": {"heads": [N ints], "ffn": [N ints], "rows": [N ints]},   # informative
@@ -13,6 +14,7 @@ Schema (version 1), JSON object:
       "groups": [[start, stop), ...] or null,        # bands (a CNN): fused groups of ops
       "head": "cols" | "primary" or null,            # bands: how the linear head is split
       "group_ratios": [[N floats] per group] or null, # bands: a group's own rows split
+      "assignment": {op: split} or null,             # mixed only: each operator's split
       "primary": rank,                               # embeds and collects (default 0)
       "model": "name", "seq_len": L, "batch": B,     # what the plan was made for
       "model_shape": {"layers": .., "hidden": .., "heads": .., "ffn": ..},   # checked at run
@@ -30,6 +32,12 @@ planner's choice where rank 0 would otherwise be kept busy, or hold the model, f
 A CNN's plan is "bands" (hepti.plan.coedge): `ratios` has "rows" alone, every feature map's
 share of rows per rank, and `groups` the fused groups of its spatial ops (hepti.graph.split).
 
+A "mixed" plan (hepti.plan.genetic: GenEFlow) splits some blocks of a transformer layer by
+token rows and others by heads or FFN columns: `assignment` names each operator's split
+(hepti.graph.ir: "rows", "cols", "k", "unit", "primary"), `ratios` every dimension's shares as
+for tensor. The runtime lowers it with hepti.graph.lower.schedule like any other strategy.
+Plans without the field read as before (it defaults to null).
+
 Only `strategy`, `world_size` and `ratios` (or `layers` for pipeline) are needed to run; the
 runtime recomputes integer counts from the ratios with `hepti.counts.counts`, because the token
 row count depends on the actual input. Everything else is the planner's account of itself.
@@ -43,7 +51,7 @@ from pathlib import Path
 
 from hepti.errors import PlanError
 
-STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single", "bands")
+STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single", "bands", "mixed")
 DIMS = ("heads", "ffn", "rows")
 SCHEMA_VERSION = 1
 
@@ -68,6 +76,7 @@ class Plan:
     groups: list[list[int]] | None = None
     head: str | None = None
     group_ratios: list[list[float]] | None = None
+    assignment: dict[str, str] | None = None
 
     def validate(self, world_size: int | None = None) -> "Plan":
         """Raise PlanError (saying what to change) unless this plan can run on world_size ranks."""
@@ -82,6 +91,10 @@ class Plan:
             if vec is None:
                 raise PlanError(f"the plan lacks ratios for {dim!r}; give heads, ffn and rows")
             check_ratio_vector(vec, self.world_size, f"{dim} ratios")
+        if self.strategy == "mixed" and not isinstance(self.assignment, dict):
+            raise PlanError("a mixed plan needs `assignment`: each operator's split, e.g. "
+                            "{\"qkv\": \"cols\", \"ffn up\": \"rows\", ...}; make one with "
+                            "`hepti plan --search genetic`")
         if self.strategy == "pipeline":
             if self.layers is None or len(self.layers) != self.world_size:
                 raise PlanError("a pipeline plan needs `layers`: one [start, stop) range per rank")

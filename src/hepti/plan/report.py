@@ -56,9 +56,12 @@ def format_plan(plan: Plan) -> str:
             shares = f"{f'{a}-{b}' if b > a else '-':>12}"
         else:
             cnt = plan.counts or {}
+            # rows: every rank holds every weight; a mixed plan: those of its row-split blocks
+            whole = (plan.predicted.get("genetic", {}).get("whole_units", [])
+                     if plan.strategy == "mixed" else DIMS if plan.strategy == "rows" else ())
             shares = " ".join(
                 f"{'all' if plan.ratios['rows'][i] or i == plan.primary else '-':>12}"
-                if plan.strategy == "rows" and d != "rows"  # rows: every rank holds every weight
+                if d in whole and d != "rows"
                 else _share(cnt.get(d, [0] * plan.world_size)[i], plan.ratios[d][i]) for d in DIMS)
         comm = sum(r.get("comm_s", {}).values()) * 1e3
         mem = r.get("mem_bytes", 0.0) / 1e6

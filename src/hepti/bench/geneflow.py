@@ -1,0 +1,448 @@
+"""`bin/bench-geneflow.sh`: GenEFlow's grid, predicted and measured (issue 20).
+
+The grid: models x devices x memory caps. Devices are the first 2, 3 and 4 of
+hostfiles/emu-geneflow4.json (0.45, 0.3, 0.2, 0.15 core, gigabit links; 2 and 3 devices are
+`mpiexec -n 2` / `-n 3` on the same spec, so the 2- and 3-device profiles are the first devices
+of the 4-device one). Caps: none (each device's own memory), 75% and 50% of the model's
+single-device peak (hepti.plan.genetic.single_device_peak: all weights, the embeddings, the
+activations and the allocator's overhead on one device), the same cap on every device. ("A
+device's share of the single-device peak" read as: each device may hold that fraction of what
+one device alone would need. A cap of a fraction of an even share, P/N, sums to less than the
+model over the devices, which only streaming could meet.)
+
+1. **Profiles**: one `hepti profile` per model under the emulation on all four devices (cached
+   in results/tmp/, kept whole in the results file).
+2. **Predicted** (cheap, every case x every seed): GenEFlow with seeds 0..S-1, the LP's plan
+   (`hepti plan`, strategy auto), the single-dimension plans (`rows`: every block by token rows;
+   `tensor`: every block by its unit: each LP-optimal for its structure, as `hepti plan
+   --strategy rows|tensor` makes it, within the caps) and `even` (Megatron-LM's shares, the
+   baseline MemoriaNova's 33.9% is quoted against here). Per case: mean and spread (min, max,
+   std) of GenEFlow's predicted latency over the seeds, its search time, and its gain over
+   each baseline.
+3. **Measured** (`--measure`, root; 4-device and capped cases first): GenEFlow's plan (seed
+   0) and the LP's plan each run under `hepti emulate ... hepti run --plan P --json`; median
+   latency against its prediction. A GenEFlow plan equal to the LP's (same strategy, counts and
+   assignment) is run once and recorded for both.
+
+Results: results/geneflow.json (everything) and results/geneflow.csv (one row per case).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import csv
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from hepti.bench import git_commit, result_doc, write_json
+from hepti.bench import hetero
+
+SPEC = "emu-geneflow4"
+# tokens: BERT at 128, ViT-B/16's 197 per image; a CNN: the side of its square image
+MODELS = {"bert-base": 128, "vit-base": 197, "resnet50": 224, "mobilenet-v2": 224}
+CAPS = (None, 0.75, 0.5)
+DEVICES = (2, 3, 4)
+
+
+LOCK, QUIET = Path("/tmp/hepti-bench.lock"), Path("/tmp/hepti-quiet")
+
+
+def wait_quiet() -> None:
+    """While the machine is asked to be quiet (another engineer's measurement), wait."""
+    while QUIET.exists():
+        print("bench-geneflow: /tmp/hepti-quiet exists; waiting", file=sys.stderr, flush=True)
+        time.sleep(60)
+
+
+@contextmanager
+def bench_lock():
+    """The shared machine's lock for emulated benchmarks: wait for quiet and for anyone else's
+    lock, hold it only while profiling and measuring (not while planning), always release it."""
+    me = f"bench-geneflow pid {os.getpid()}"
+    while True:
+        wait_quiet()
+        try:
+            fd = os.open(LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            print(f"bench-geneflow: waiting for the bench lock ({LOCK.read_text().strip()!r})",
+                  file=sys.stderr, flush=True)
+            time.sleep(30)
+            continue
+        os.write(fd, me.encode())
+        os.close(fd)
+        break
+    try:
+        yield
+    finally:
+        if LOCK.exists() and LOCK.read_text() == me:
+            LOCK.unlink()
+
+
+def sub_profile(full, n: int):
+    """The first n devices of a profile (a CNN's per-device timings cut alike)."""
+    extra = copy.deepcopy(full.extra)
+    cnn = extra.get("cnn")
+    if cnn:
+        for k in ("op_s", "op_overhead_s", "power"):
+            if cnn.get(k):
+                cnn[k] = cnn[k][:n]
+    return dataclasses.replace(full, devices=full.devices[:n], extra=extra)
+
+
+def _lat(plan) -> float:
+    return plan.predicted_latency_s if plan is not None else math.inf
+
+
+def _fits(plan) -> bool:
+    return plan is not None and plan.predicted.get("fits_memory", True)
+
+
+def baselines(cfg, profile, T: int, budget) -> dict:
+    """The LP's plan and the baselines under the same caps (None where no plan fits)."""
+    from hepti.errors import PlanError
+    from hepti.plan.partition import make_plan
+    out = {}
+    for name in ("auto", "rows", "tensor", "even"):
+        try:
+            plan = make_plan(cfg, profile, T, 1, name, mem_budget=budget)
+        except PlanError as e:
+            plan, why = None, str(e)
+        else:
+            why = ""
+        if plan is not None and not _fits(plan):
+            plan, why = None, "over a memory cap"
+        out[name] = (plan, why)
+    return out
+
+
+def grid_case(model: str, cfg, full, n: int, cap, seeds: int, settings: dict) -> dict:
+    """One (model, devices, cap) case: GenEFlow over the seeds and the baselines, predicted."""
+    from hepti.errors import PlanError
+    from hepti.plan.genetic import make_genetic_plan, single_device_peak
+    T = MODELS[model]
+    profile = sub_profile(full, n)
+    peak = single_device_peak(cfg, profile, T)
+    budget = None if cap is None else cap * peak
+    base = baselines(cfg, profile, T, budget)
+    lp = base["auto"][0]
+    rec = {"model": model, "seq": T, "devices": n, "cap": "none" if cap is None else f"{cap:.0%}",
+           "cap_bytes": budget, "single_device_peak_bytes": peak,
+           "lp_strategy": lp.strategy if lp else None, "lp_s": _lat(lp) if lp else None,
+           "lp_note": base["auto"][1]}
+    for name in ("rows", "tensor", "even"):
+        plan, why = base[name]
+        rec[f"{name}_s"] = _lat(plan) if plan else None
+        rec[f"{name}_note"] = why
+    single_dim = [p for p in (base["rows"][0], base["tensor"][0]) if p is not None]
+    rec["best_single_dim_s"] = min((_lat(p) for p in single_dim), default=None)
+    runs, plans = [], {}
+    for seed in range(seeds):
+        t0 = time.perf_counter()
+        try:
+            plan = make_genetic_plan(cfg, profile, T, 1, budget, seed, lp_plan=lp, **settings)
+        except PlanError as e:
+            runs.append({"seed": seed, "error": str(e), "search_s": time.perf_counter() - t0})
+            continue
+        g = plan.predicted["genetic"]
+        caps = plan.predicted["mem_caps"]
+        within = all(r["mem_bytes"] <= caps[i] * (1 + 1e-9)
+                     for i, r in enumerate(plan.predicted["per_rank"]) if r["active"])
+        runs.append({"seed": seed, "latency_s": plan.predicted_latency_s, "strategy": plan.strategy,
+                     "structure": g.get("structure"), "window": g.get("window"),
+                     "counts": plan.counts, "search_s": time.perf_counter() - t0,
+                     "evaluations": g.get("evaluations"), "within_caps": within,
+                     "gain_over_best_seed": _gain(min(v for v in g["seeds_s"].values()),
+                                                  plan.predicted_latency_s)})
+        plans[seed] = plan
+    _summarise(rec, runs, plans, lp, settings)
+    return rec, plans.get(0), lp
+
+
+def grid_case_cnn(model: str, cfg, full, n: int, cap, seeds: int, settings: dict):
+    """A CNN's case: GenEFlow (hepti.plan.genetic_cnn) over the seeds against CoEdge's plan
+    (the LP and its fusion: a height split, the one dimension the band runtime has, so it is
+    also the best single-dimension plan) and even, predicted."""
+    from hepti.errors import PlanError
+    from hepti.graph.cnn import build
+    from hepti.plan.coedge import CNNCosts, make_cnn_plan
+    from hepti.plan.genetic_cnn import make_genetic_cnn_plan, single_device_peak_cnn
+    profile = sub_profile(full, n)
+    graph = build(cfg)
+    costs = CNNCosts.from_profile(profile, graph)
+    peak = single_device_peak_cnn(graph, costs.h, costs.w, costs.n)
+    budget = None if cap is None else cap * peak
+    lp = make_cnn_plan(cfg, profile, "auto")
+    even = make_cnn_plan(cfg, profile, "even")
+    # CoEdge's LP caps activations against each device's memory, not --mem-cap: under a cap
+    # its plan is judged by GenEFlow's band memory, and dropped if over
+    from hepti.graph.split import Split  # noqa: F401  (split_of builds it)
+    from hepti.plan.coedge import split_of
+    from hepti.plan.genetic_cnn import band_memory
+    caps = [min(m, budget) if budget else m for m in costs.memory_bytes]
+
+    def fits(plan):
+        mem = band_memory(graph, split_of(plan), costs.h, costs.w, costs.n, n)
+        return all(m <= c * (1 + 1e-9) for m, c in zip(mem, caps) if m)
+
+    lp_ok, even_ok = fits(lp), fits(even)
+    rec = {"model": model, "seq": MODELS[model], "devices": n,
+           "cap": "none" if cap is None else f"{cap:.0%}", "cap_bytes": budget,
+           "single_device_peak_bytes": peak, "weight_bytes": graph.weight_bytes(),
+           "lp_strategy": "bands (CoEdge)" if lp_ok else None,
+           "lp_s": lp.predicted_latency_s if lp_ok else None,
+           "lp_note": "" if lp_ok else "CoEdge's plan is over the cap",
+           "rows_s": lp.predicted_latency_s if lp_ok else None, "tensor_s": None,
+           "tensor_note": "no channel split in the CNN runtime",
+           "even_s": even.predicted_latency_s if even_ok else None}
+    rec["best_single_dim_s"] = rec["rows_s"]
+    runs, plans = [], {}
+    for seed in range(seeds):
+        t0 = time.perf_counter()
+        try:
+            plan = make_genetic_cnn_plan(cfg, profile, budget, seed, **settings)
+        except PlanError as e:
+            runs.append({"seed": seed, "error": str(e), "search_s": time.perf_counter() - t0})
+            continue
+        g = plan.predicted["genetic"]
+        within = all(m <= c * (1 + 1e-9) for m, c in zip(plan.predicted["mem_bytes"], caps) if m)
+        runs.append({"seed": seed, "latency_s": plan.predicted_latency_s, "strategy": "bands",
+                     "structure": f"{g['groups']} groups, head {g['head']}",
+                     "search_s": time.perf_counter() - t0, "evaluations": g["evaluations"],
+                     "within_caps": within,
+                     "gain_over_best_seed": _gain(min(g["seeds_s"].values()), plan.predicted_latency_s)})
+        plans[seed] = plan
+    _summarise(rec, runs, plans, lp if lp_ok else None, settings)
+    return rec, plans.get(0), (lp if lp_ok else None)
+
+
+def _summarise(rec: dict, runs: list[dict], plans: dict, lp, settings: dict) -> None:
+    """A case's figures over the seeds: mean and spread, search time, gains, targets' flags."""
+    lat = [r["latency_s"] for r in runs if "latency_s" in r]
+    rec.update(operators=plans[0].predicted["genetic"]["operators"] if plans else None,
+               settings=settings, seeds=len(runs), runs=runs,
+               feasible=bool(lat), all_within_caps=all(r.get("within_caps", True) for r in runs),
+               errors=sorted({r["error"] for r in runs if "error" in r}))
+    if lat:
+        mean = statistics.fmean(lat)
+        rec.update(genetic_mean_s=mean, genetic_min_s=min(lat), genetic_max_s=max(lat),
+                   genetic_std_s=statistics.pstdev(lat),
+                   search_mean_s=statistics.fmean(r["search_s"] for r in runs),
+                   search_max_s=max(r["search_s"] for r in runs),
+                   never_worse_than_lp=lp is None or max(lat) <= _lat(lp) * (1 + 1e-9),
+                   gain_vs_lp=_gain(_lat(lp), mean) if lp else None,
+                   gain_vs_best_single_dim=_gain(rec["best_single_dim_s"], mean),
+                   gain_vs_even=_gain(rec["even_s"], mean),
+                   strictly_better_than_single_dim=(rec["best_single_dim_s"] is None
+                                                    or max(lat) < rec["best_single_dim_s"] * (1 - 1e-6)),
+                   structure=runs[0].get("structure"), strategy=runs[0].get("strategy"))
+
+
+def _gain(base, new):
+    """How much faster `new` is than `base`, in percent of `base` (None without a base)."""
+    if base is None or new is None or not math.isfinite(base):
+        return None
+    return (1 - new / base) * 100
+
+
+def same_plan(a, b) -> bool:
+    return (a is not None and b is not None and a.strategy == b.strategy and a.counts == b.counts
+            and a.assignment == b.assignment and a.primary == b.primary
+            and a.mem_budget == b.mem_budget and a.groups == b.groups
+            and a.group_ratios == b.group_ratios and a.head == b.head)
+
+
+def measure(case: dict, plan, spec_path: Path, n: int, model_case: dict, workdir: Path,
+            cache: Path, repeat: int, timeout: float) -> dict:
+    """One plan run under the emulation: median latency against its prediction."""
+    path = workdir / f"plan-{time.monotonic_ns()}.json"
+    path.write_text(plan.to_json())
+    wait_quiet()
+    args = ["run", "--model", model_case["dir"], *map(str, model_case["input"]), "--json",
+            "--plan", str(path), "--repeat", str(repeat)]
+    res = hetero.launch(spec_path, n, args, cache, timeout, workdir)
+    status, reason, rep = hetero.classify(res)
+    out = {"status": status, "reason": reason, "strategy": plan.strategy,
+           "predicted_latency_s": plan.predicted_latency_s, "launch_s": round(res["wall_s"], 1),
+           "loadavg_1min": res.get("loadavg_1min")}
+    if rep is not None:
+        med = rep["latency_s"]["median"]
+        out.update(median_latency_s=med, latencies_s=rep["latency_s"]["runs"],
+                   prediction_error=med / plan.predicted_latency_s - 1,
+                   peak_rss_bytes=[r["peak_rss_bytes"] for r in rep["per_rank"]])
+    summ = res.get("summary") or {}
+    out["oom_kills"] = sum(d.get("oom_kills") or 0 for d in summ.get("devices", []))
+    return out
+
+
+def profile_model(model: str, model_case: dict, spec_path: Path, workdir: Path, timeout: float) -> Path:
+    """The model's profile on all four emulated devices (cached in results/tmp)."""
+    out = Path("results/tmp") / f"geneflow-profile-{model}.json"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args = ["profile", "--model", model_case["dir"], "--out", str(out)]
+    kind = model_case["config"].model_type
+    if kind == "cnn":
+        args += ["--image-size", str(MODELS[model])]
+    elif kind != "vit":
+        args += ["--seq", str(MODELS[model])]
+    res = hetero.launch(spec_path, 4, args, workdir / "cache", timeout, workdir)
+    if not out.exists():
+        raise SystemExit(f"profiling {model} under {SPEC} failed:\n{res['stderr'][-2000:]}")
+    return out
+
+
+def targets(records: list[dict]) -> list[dict]:
+    """The issue's targets, each with its verdict and the figures behind it."""
+    ok = [r for r in records if r.get("feasible")]
+    capped = [r for r in ok if r["cap"] != "none"]
+    better = [r for r in capped if r.get("strictly_better_than_single_dim")]
+    no_single = [r for r in records if r["best_single_dim_s"] is None]
+    measured = [m for r in records for m in r.get("measured", {}).values()
+                if m.get("median_latency_s") is not None]
+    within = [m for m in measured if abs(m["prediction_error"]) <= 0.15]
+    slow = [r for r in records if r.get("search_max_s") is not None and r["operators"] <= 300
+            and r["search_max_s"] > 60]
+    return [
+        {"target": "every returned plan respects every cap (predicted)",
+         "ok": all(r["all_within_caps"] for r in records), "detail": f"{len(records)} cases"},
+        {"target": "never worse than the LP's plan", "ok": all(r.get("never_worse_than_lp", True) for r in ok),
+         "detail": f"better than the LP in {sum(1 for r in ok if (r.get('gain_vs_lp') or 0) > 1e-6)} "
+                   f"of {len(ok)} cases"},
+        {"target": "strictly better than the best single-dimension plan in >= half the capped cases",
+         "ok": len(better) * 2 >= len(capped) and bool(capped),
+         "detail": f"{len(better)} of {len(capped)} capped cases, "
+                   f"{sum(1 for r in better if (r['gain_vs_best_single_dim'] or 0) >= 1.0)} of them by 1% or more "
+                   f"(mean over the seeds)"},
+        {"target": "a feasible plan wherever the single-dimension plans fail the cap",
+         "ok": all(r.get("feasible") for r in no_single),
+         "detail": f"{sum(1 for r in no_single if r.get('feasible'))} of {len(no_single)} such cases"},
+        {"target": "measured within 15% of predicted", "ok": bool(measured) and len(within) == len(measured),
+         "detail": f"{len(within)} of {len(measured)} measured plans"},
+        {"target": "search time <= 60 s for <= 300 operators", "ok": not slow,
+         "detail": f"slowest {max((r.get('search_max_s') or 0 for r in records), default=0):.2f} s"},
+    ]
+
+
+CSV_FIELDS = ("model", "seq", "devices", "cap", "lp_strategy", "lp_s", "rows_s", "tensor_s", "even_s",
+              "best_single_dim_s", "strategy", "structure", "genetic_mean_s", "genetic_min_s",
+              "genetic_max_s", "genetic_std_s", "gain_vs_lp", "gain_vs_best_single_dim",
+              "gain_vs_even", "search_mean_s", "search_max_s", "measured_genetic_s",
+              "measured_lp_s", "genetic_prediction_error", "lp_prediction_error")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench-geneflow", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", action="append", choices=tuple(MODELS),
+                    help="models (default: all of them); weights/NAME must exist")
+    ap.add_argument("--seeds", type=int, default=10, help="GenEFlow seeds per case (default 10)")
+    ap.add_argument("--measure", default="4",
+                    help="which cases to run under the emulation: device counts, comma-separated "
+                         "(default 4), 'all', or 'none' (predicted only; no root needed once the "
+                         "profiles are cached)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per measured launch")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per launch at most")
+    ap.add_argument("--out", default="results/geneflow", help="results/geneflow{.json,.csv}")
+    args = ap.parse_args(argv)
+    from hepti.emulate.spec import load_spec
+    from hepti.plan.genetic import DEFAULTS
+    from hepti.plan.profile import load_profile
+    from hepti.weights import WeightStore
+    models = args.model or list(MODELS)
+    spec_path = hetero.HOSTFILES / f"{SPEC}.json"
+    load_spec(spec_path)
+    measure_n = (set() if args.measure == "none" else set(DEVICES) if args.measure == "all"
+                 else {int(x) for x in args.measure.split(",")})
+    settings = {k: DEFAULTS[k] for k in ("population", "generations", "crossover", "mutation")}
+    t_start = time.perf_counter()
+    commit = git_commit()
+    records, profiles, to_measure = [], {}, []
+
+    def save() -> dict:  # after every phase and launch: a cut-short run keeps what it has
+        doc = result_doc("geneflow", commit,
+                         command=" ".join(["bin/bench-geneflow.sh"] + (argv or sys.argv[1:])),
+                         spec=SPEC, models={m: MODELS[m] for m in models}, caps=list(CAPS),
+                         settings=settings, seeds=args.seeds, cases=records,
+                         targets=targets(records), profiles=profiles,
+                         duration_s=time.perf_counter() - t_start)
+        write_json(doc, args.out + ".json")
+        with open(args.out + ".csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+            w.writeheader()
+            for r in records:
+                w.writerow(r)
+        return doc
+
+    with tempfile.TemporaryDirectory(prefix="hepti-geneflow-") as tmp:
+        workdir = Path(tmp)
+        cases = {}
+        for model in models:
+            mc = {"dir": f"weights/{model}", "name": model, "seq": MODELS[model]}
+            hetero.make_inputs(mc, workdir)
+            cases[model] = mc
+        # 1. the profiles, under the emulation (the lock held), cached in results/tmp
+        missing = [m for m in models if not (Path("results/tmp") / f"geneflow-profile-{m}.json").exists()]
+        if missing or measure_n:
+            with bench_lock():
+                hetero.warm_numba(list(cases.values()), workdir)
+                paths = {m: profile_model(m, cases[m], spec_path, workdir, args.timeout) for m in models}
+        else:
+            paths = {m: Path("results/tmp") / f"geneflow-profile-{m}.json" for m in models}
+        # 2. the predicted grid: planning only, no lock
+        for model in models:
+            cfg = WeightStore(cases[model]["dir"]).config
+            full = load_profile(paths[model])
+            profiles[model] = json.loads(Path(paths[model]).read_text())
+            for n in DEVICES:
+                for cap in CAPS:
+                    case_fn = grid_case_cnn if cfg.model_type == "cnn" else grid_case
+                    rec, gplan, lp = case_fn(model, cfg, full, n, cap, args.seeds, settings)
+                    print(f"{model} n={n} cap={rec['cap']}: genetic "
+                          f"{(rec.get('genetic_mean_s') or math.nan) * 1e3:.1f} ms, LP "
+                          f"{(rec['lp_s'] or math.nan) * 1e3:.1f} ms ({rec['lp_strategy']}), best "
+                          f"single-dim {(rec['best_single_dim_s'] or math.nan) * 1e3:.1f} ms",
+                          file=sys.stderr, flush=True)
+                    records.append(rec)
+                    if n in measure_n and gplan is not None:
+                        to_measure.append((rec, gplan, lp, model))
+        save()
+        # 3. measured, the lock held: 4 devices first, capped cases first
+        to_measure.sort(key=lambda x: (-x[0]["devices"], x[0]["cap"] == "none"))
+        if to_measure:
+            with bench_lock():
+                for rec, gplan, lp, model in to_measure:
+                    n = rec["devices"]
+                    rec["measured"] = {}
+                    cache = workdir / "cache" / model
+                    m = measure(rec, gplan, spec_path, n, cases[model], workdir, cache,
+                                args.repeat, args.timeout)
+                    rec["measured"]["genetic"] = m
+                    if lp is not None and same_plan(gplan, lp):
+                        rec["measured"]["lp"] = dict(m, note="the same plan as GenEFlow's")
+                    elif lp is not None:
+                        rec["measured"]["lp"] = measure(rec, lp, spec_path, n, cases[model],
+                                                        workdir, cache, args.repeat, args.timeout)
+                    for k in ("genetic", "lp"):
+                        mm = rec["measured"].get(k, {})
+                        rec[f"measured_{k}_s"] = mm.get("median_latency_s")
+                        rec[f"{k}_prediction_error"] = mm.get("prediction_error")
+                    print(f"   measured {model} n={n} cap={rec['cap']}: genetic "
+                          f"{rec['measured_genetic_s']} (predicted {gplan.predicted_latency_s:.4f}), "
+                          f"lp {rec.get('measured_lp_s')}", file=sys.stderr, flush=True)
+                    save()
+    doc = save()
+    for t in doc["targets"]:
+        print(f"{'ok  ' if t['ok'] else 'MISS'} {t['target']}: {t['detail']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""GenEFlow for CNNs: a genetic search over fused groups and each group's height split, judged
+by CoEdge's cost model (hepti.plan.coedge.predict), for `hepti plan --search genetic`.
+
+**Chromosome** (`CNNGenome`): a cut bit after each spatial op (a group ends there; a group is
+at most coedge.MAX_FUSE ops, so longer runs are cut), a ratio vector per spatial op (each
+device's share of the rows of the maps it makes; a group uses its first op's vector, so that
+moving a cut keeps every group's shares meaningful), and how the linear head is split (`cols`
+over the devices or `primary`). This is what a "bands" plan file already carries (`groups`,
+`group_ratios`, `head`), so every plan runs on the band executor as it is. A device with share
+0 in every group takes no part.
+
+The height split (horizontal) is the only split dimension here: the band executor has no
+channel (vertical) split, so a CNN's weights are whole on every device that takes part and a
+memory cap below the weights plus a band of activations cannot be met by any plan here. Such a
+cap gets a PlanError that says so (adding channel splits is the way to meet it; not done).
+
+**Fitness**: coedge.predict's latency, plus the constraint-violation term of hepti.plan.genetic
+(`PENALTY` x latency x the summed relative excess over the caps) for the memory `band_memory`
+estimates: the weights, and the rows of every tensor a rank holds in its largest group (what
+`split.needs` says it computes or reads), as if all were live at once: an upper bound.
+
+**Seeds**: CoEdge's plan (hepti.plan.coedge.plan_cnn "auto": the LP per device subset, then the
+fusion DP), its ratios one op per group and fused in fixed groups of 4, the even,
+proportional and grid (DeepThings) baselines, and random genomes. Elitism keeps the best, so
+the result is never slower than CoEdge's plan under the same model. Deterministic from the
+seed. No MPI here.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hepti.errors import PlanError
+from hepti.graph.cnn import F32
+from hepti.graph.split import Split, needs, spatial_ops
+from hepti.plan.genetic import DEFAULTS, PENALTY
+
+SHARE_FLOOR = 0.02  # a share below this is rounded to 0 (coedge.MIN_SHARE's band of a few rows)
+
+
+@dataclass(frozen=True)
+class CNNGenome:
+    cuts: tuple[bool, ...]  # cuts[l]: a group ends after spatial op l (the last is always cut)
+    ratios: tuple[tuple[float, ...], ...]  # per spatial op
+    head: str  # "cols" | "primary"
+
+    def groups(self) -> tuple[tuple[int, int], ...]:
+        out, a = [], 0
+        for l, cut in enumerate(self.cuts):
+            if cut or l == len(self.cuts) - 1:
+                out.append((a, l + 1))
+                a = l + 1
+        return tuple(out)
+
+    def split(self) -> Split:
+        groups = self.groups()
+        per = tuple(self.ratios[a] for a, _ in groups)
+        # the global vector (the head's columns, the pooled map's owner when unfused) is the
+        # last group's: the maps the tail reads are made there
+        return Split(per[-1], groups, self.head, per)
+
+
+def band_memory(graph, split: Split, h: int, w: int, n: int, size: int) -> list[float]:
+    """Each rank's bytes: the weights (whole, on every rank that takes part) and, in its
+    largest group, the rows it computes or reads of every tensor there (`needs`), all counted
+    live at once. Rank 0 holds the input image whole (it reads it)."""
+    shapes = graph.shapes(h, w)
+    weights = graph.weight_bytes()
+    out = []
+    active = [any(r[i] > 0 for r in (split.per_group or (split.ratios,))) or i == 0
+              for i in range(size)]
+    for i in range(size):
+        if not active[i]:
+            out.append(0.0)
+            continue
+        peak = 0.0
+        for k, g in enumerate(split.group_ranges(graph)):
+            need = needs(graph, shapes, g, split.group_ratios(k), i)
+            b = sum(F32 * n * (hi - lo) * shapes[t][1] * shapes[t][2] for t, (lo, hi) in need.items())
+            peak = max(peak, b)
+        if i == 0:
+            hh, ww, c = shapes[graph.input]
+            peak += F32 * n * hh * ww * c
+        out.append(weights + peak)
+    return out
+
+
+def single_device_peak_cnn(graph, h: int, w: int, n: int = 1) -> float:
+    """One device alone: the weights and its largest op's input and output maps (coedge's LP
+    counts activations so), and the image."""
+    one = Split((1.0,), None, "primary")
+    return band_memory(graph, one, h, w, n, 1)[0]
+
+
+class CNNSearch:
+    def __init__(self, graph, costs, h: int, w: int, n: int, caps: list[float], seed: int = 0,
+                 population: int = DEFAULTS["population"], generations: int = DEFAULTS["generations"],
+                 crossover: float = DEFAULTS["crossover"], mutation: float = DEFAULTS["mutation"],
+                 tournament: int = DEFAULTS["tournament"], elite: int = DEFAULTS["elite"],
+                 random_seeds: int = DEFAULTS["random_seeds"]):
+        from hepti.plan.coedge import MAX_FUSE
+        self.graph, self.costs, self.h, self.w, self.n, self.caps = graph, costs, h, w, n, caps
+        self.L, self.P, self.max_fuse = spatial_ops(graph), costs.size, MAX_FUSE
+        self.settings = dict(seed=seed, population=population, generations=generations,
+                             crossover=crossover, mutation=mutation, tournament=tournament,
+                             elite=elite, random_seeds=random_seeds, penalty=PENALTY)
+        self.rng = np.random.default_rng(seed)
+        self._scores: dict[CNNGenome, tuple[float, float, dict]] = {}
+
+    def score(self, g: CNNGenome) -> tuple[float, float, dict]:
+        from hepti.plan.coedge import predict
+        if g not in self._scores:
+            split = g.split()
+            pred = predict(self.graph, split, self.costs, self.h, self.w, self.n)
+            mem = band_memory(self.graph, split, self.h, self.w, self.n, self.P)
+            pred["mem_bytes"] = mem
+            excess = sum(max(0.0, m / c - 1.0) for m, c in zip(mem, self.caps) if m)
+            lat = pred["latency_s"]
+            fit = lat * (1.0 + PENALTY * excess) + (lat if excess else 0.0)
+            self._scores[g] = (fit, lat if excess == 0 else math.inf, pred)
+        return self._scores[g]
+
+    # --- genomes -------------------------------------------------------------------------------
+    def _norm(self, v) -> tuple[float, ...]:
+        v = np.maximum(np.asarray(v, float), 0.0)
+        v[v < SHARE_FLOOR * v.sum()] = 0.0
+        if v.sum() <= 0:
+            v[0] = 1.0
+        return tuple(float(x) for x in v / v.sum())
+
+    def _fix(self, cuts) -> tuple[bool, ...]:
+        """Cut every run longer than MAX_FUSE (and after the last op)."""
+        cuts, run = list(cuts), 0
+        for l in range(self.L):
+            run += 1
+            if run >= self.max_fuse:
+                cuts[l] = True
+            if cuts[l]:
+                run = 0
+        cuts[-1] = True
+        return tuple(bool(c) for c in cuts)
+
+    def of_split(self, split: Split) -> CNNGenome:
+        groups = split.group_ranges(self.graph)
+        cuts = [False] * self.L
+        ratios = [None] * self.L
+        for k, (a, b) in enumerate(groups):
+            cuts[b - 1] = True
+            for l in range(a, b):
+                ratios[l] = self._norm(split.group_ratios(k))
+        return CNNGenome(self._fix(cuts), tuple(ratios), split.head)
+
+    def random_genome(self) -> CNNGenome:
+        members = [0] + [i for i in range(1, self.P) if self.rng.random() < 0.6]
+        base = np.zeros(self.P)
+        base[members] = self.rng.dirichlet(np.ones(len(members)))
+        cuts = self._fix(self.rng.random(self.L) < 0.4)
+        ratios = tuple(self._norm(base * np.exp(self.rng.normal(0, 0.2, self.P))) for _ in range(self.L))
+        return CNNGenome(cuts, ratios, str(self.rng.choice(["cols", "primary"])))
+
+    def crossover(self, a: CNNGenome, b: CNNGenome) -> CNNGenome:
+        x = int(self.rng.integers(1, self.L)) if self.L > 1 else 1  # one point, over ops
+        cuts = self._fix(a.cuts[:x] + b.cuts[x:])
+        ratios = a.ratios[:x] + b.ratios[x:]
+        return CNNGenome(cuts, ratios, a.head if self.rng.random() < 0.5 else b.head)
+
+    def mutate(self, g: CNNGenome) -> CNNGenome:
+        rng = self.rng
+        cuts, ratios, head = list(g.cuts), list(g.ratios), g.head
+        kind = rng.random()
+        if kind < 0.3:  # move a group boundary: flip one cut
+            l = int(rng.integers(self.L))
+            cuts[l] = not cuts[l]
+        elif kind < 0.4:
+            head = "primary" if head == "cols" else "cols"
+        elif kind < 0.55 and self.P > 1:  # drop or revive a device in one group's vector
+            a, b = _group_at(g.groups(), int(rng.integers(self.L)))
+            i = int(rng.integers(1, self.P))
+            v = np.array(ratios[a])
+            v[i] = 0.0 if v[i] > 0 else rng.uniform(0.05, 0.3)
+            for l in range(a, b):
+                ratios[l] = self._norm(v)
+        else:  # perturb one group's shares (log-normal), or every group's alike
+            sigma = float(rng.choice([0.05, 0.15]))
+            noise = np.exp(rng.normal(0, sigma, self.P))
+            span = [_group_at(g.groups(), int(rng.integers(self.L)))] if rng.random() < 0.7 else g.groups()
+            for a, b in span:
+                v = self._norm(np.array(ratios[a]) * noise)
+                for l in range(a, b):
+                    ratios[l] = v
+        return CNNGenome(self._fix(cuts), tuple(ratios), head)
+
+    def run(self, seeds: dict[str, CNNGenome]):
+        """As hepti.plan.genetic.Search.run: the best feasible genome, seed latencies, history."""
+        s = self.settings
+        pop = list(dict.fromkeys(seeds.values()))
+        pop += [self.random_genome() for _ in range(max(s["random_seeds"], s["population"] - len(pop)))]
+        pop = pop[:max(s["population"], len(seeds))]
+        best = None
+
+        def consider(g):
+            nonlocal best
+            lat = self.score(g)[1]
+            if lat < math.inf and (best is None or lat < self.score(best)[1]):
+                best = g
+
+        for g in pop:
+            consider(g)
+        history = [self.score(best)[1] if best else math.inf]
+        for _ in range(s["generations"]):
+            pop.sort(key=lambda g: self.score(g)[0])
+            nxt = pop[:s["elite"]]
+            while len(nxt) < s["population"]:
+                a = self._tournament(pop)
+                child = (self.crossover(a, self._tournament(pop)) if self.rng.random() < s["crossover"]
+                         else a)
+                if self.rng.random() < s["mutation"] or child == a:
+                    child = self.mutate(child)
+                consider(child)
+                nxt.append(child)
+            pop = nxt
+            history.append(self.score(best)[1] if best else math.inf)
+        return best, {k: self.score(g)[1] for k, g in seeds.items()}, history
+
+    def _tournament(self, pop):
+        idx = self.rng.integers(len(pop), size=self.settings["tournament"])
+        return min((pop[int(i)] for i in idx), key=lambda g: self.score(g)[0])
+
+
+def _group_at(groups, l: int) -> tuple[int, int]:
+    return next((a, b) for a, b in groups if a <= l < b)
+
+
+def genetic_cnn_search(graph, costs, h: int, w: int, n: int, caps: list[float], seed: int = 0,
+                       **settings) -> tuple[CNNGenome, dict, dict]:
+    """GenEFlow on a CNN's graph and costs: (best feasible genome, its prediction, the run's
+    account: settings, seed latencies, CoEdge's latency, history). PlanError if no split fits."""
+    from hepti.plan.coedge import fixed_groups, plan_cnn
+    t0 = time.perf_counter()
+    if caps[0] < graph.weight_bytes():  # rank 0 always takes part, and holds every weight
+        raise PlanError(
+            f"no plan fits the memory caps: a height split keeps every weight "
+            f"({graph.weight_bytes() / 2**20:,.1f} MiB) on each device that takes part, rank 0 "
+            f"always does, and its cap is {caps[0] / 2**20:,.1f} MiB; the band executor has no "
+            f"channel split that would slice the weights, so raise --mem-cap (or --mem-budget) "
+            f"past the weights plus a band of activations")
+    search = CNNSearch(graph, costs, h, w, n, caps, seed, **settings)
+    seeds = {}
+    lp_latency = math.inf
+    try:
+        lp = plan_cnn(graph, costs, h, w, n, "auto")
+    except PlanError:
+        lp = None
+    if lp is not None:
+        seeds["coedge lp"] = search.of_split(lp["split"])
+        lp_latency = search.score(seeds["coedge lp"])[1]
+        r = lp["split"].ratios
+        seeds["lp unfused"] = search.of_split(Split(r, None, lp["split"].head))
+        seeds["lp fused by 4"] = search.of_split(Split(r, fixed_groups(graph, 4), lp["split"].head))
+    for name in ("even", "proportional", "grid"):
+        seeds[name] = search.of_split(plan_cnn(graph, costs, h, w, n, name)["split"])
+    best, seed_lat, history = search.run(seeds)
+    if best is None:
+        need = min(max(m / c for m, c in zip(s[2]["mem_bytes"], caps) if m)
+                   for s in search._scores.values())
+        raise PlanError(
+            f"no plan fits the memory caps: a height split keeps every weight "
+            f"({graph.weight_bytes() / 2**20:,.1f} MiB) on each device that takes part, and the "
+            f"leanest of {len(search._scores)} splits searched needs {need:.2f}x a device's cap; "
+            f"the band executor has no channel split that would slice the weights, so raise "
+            f"--mem-cap (or --mem-budget) past the weights plus a band of activations, or use "
+            f"fewer, larger devices")
+    lat = search.score(best)[1]
+    report = {k: search.settings[k] for k in ("seed", "population", "generations", "crossover",
+                                               "mutation", "tournament", "elite", "random_seeds",
+                                               "penalty")}
+    report.update(evaluations=len(search._scores), operators=len(graph.ops),
+                  search_s=time.perf_counter() - t0,
+                  lp_latency_s=lp_latency if lp_latency < math.inf else None,
+                  gain_vs_lp=(1 - lat / lp_latency) * 100 if lp_latency < math.inf else None,
+                  seeds_s=seed_lat, history_s=history)
+    return best, search.score(best)[2], report
+
+
+def make_genetic_cnn_plan(config, profile, mem_budget: float | None = None, seed: int = 0,
+                          size: tuple[int, int] | None = None, batch: int | None = None,
+                          **settings):
+    """`hepti plan --search genetic` for a CNN: a "bands" plan file, the search reported in
+    `predicted["genetic"]` and the explanation. PlanError if no height split fits the caps."""
+    from hepti.counts import counts
+    from hepti.graph.cnn import build
+    from hepti.plan.coedge import CNNCosts
+    from hepti.plan.planfile import Plan
+    graph = build(config)
+    costs = CNNCosts.from_profile(profile, graph)
+    h, w = size or (costs.h, costs.w)
+    n = batch or costs.n
+    caps = [min(m, mem_budget) if mem_budget else m for m in costs.memory_bytes]
+    best, pred, report = genetic_cnn_search(graph, costs, h, w, n, caps, seed, **settings)
+    split = best.split()
+    solve_s, lat = report["search_s"], pred["latency_s"]
+    gain, lp_latency = report["gain_vs_lp"], report["lp_latency_s"]
+    report.update(groups=len(split.groups), head=split.head, returned="genetic")
+    active = sorted({i for r in split.per_group for i, x in enumerate(r) if x > 0} | {0})
+    why = (f"GenEFlow (genetic search, seed {seed}: population {report['population']}, "
+           f"{report['generations']} generations, crossover {report['crossover']}, mutation "
+           f"{report['mutation']}; {report['evaluations']} splits evaluated in {solve_s:.1f} s): "
+           f"{len(split.groups)} fused groups, each its own rows split, over rank(s) "
+           f"{', '.join(map(str, active))}, head {split.head}; predicted {lat * 1e3:.1f} ms; "
+           + (f"CoEdge's LP plan is predicted {lp_latency * 1e3:.1f} ms" + (
+               f", {gain:.1f}% slower" if gain > 0.05 else ", the same")
+              if gain is not None else "CoEdge's LP found no split within the caps")
+           + ". Height split only: the CNN runtime has no channel split.")
+    return Plan(strategy="bands", world_size=costs.size, ratios={"rows": list(split.ratios)},
+                groups=[list(g) for g in split.groups],
+                group_ratios=[list(r) for r in split.per_group], head=split.head,
+                model=config.name, model_shape=config.shape, batch=n,
+                counts={"rows": counts(graph.shapes(h, w)[graph.ops[0].output][0], split.ratios)},
+                predicted_latency_s=lat,
+                predicted={**{k: v for k, v in pred.items() if k != "mem_bytes"}, "input": [h, w],
+                           "objective": "latency", "planner": "genetic", "genetic": report,
+                           "mem_bytes": pred["mem_bytes"], "mem_caps": caps,
+                           "fits_memory": True},
+                solve_s=solve_s, explanation=why).validate()

@@ -1,0 +1,42 @@
+"""bench-geneflow's bookkeeping (hepti.bench.geneflow): the targets it checks and the
+sub-profiles of the first n devices. The grid itself runs in bin/bench-geneflow.sh."""
+from __future__ import annotations
+
+from hepti.bench.geneflow import same_plan, sub_profile, targets
+from hepti.plan.planfile import Plan
+from hepti.plan.profile import declared_profile
+
+
+def _rec(cap, single, mean, lp, feasible=True, measured=None):
+    r = {"cap": cap, "best_single_dim_s": single, "feasible": feasible, "all_within_caps": True,
+         "operators": 100, "search_max_s": 2.0, "genetic_mean_s": mean, "lp_s": lp,
+         "never_worse_than_lp": True, "gain_vs_lp": (1 - mean / lp) * 100 if mean and lp else None,
+         "strictly_better_than_single_dim": single is None or (mean or 1e9) < single,
+         "gain_vs_best_single_dim": (1 - mean / single) * 100 if mean and single else None}
+    if measured:
+        r["measured"] = {"genetic": {"median_latency_s": measured[0], "prediction_error": measured[1]}}
+    return r
+
+
+def test_targets_count_what_the_issue_asks():
+    recs = [_rec("none", 1.0, 0.99, 1.0), _rec("75%", 1.0, 0.98, 0.98, measured=(1.0, 0.2)),
+            _rec("50%", 1.0, 1.0, 1.0), _rec("50%", None, 2.0, None, measured=(2.1, 0.05))]
+    t = {x["target"].split(" (")[0]: x for x in targets(recs)}
+    assert t["strictly better than the best single-dimension plan in >= half the capped cases"]["ok"]
+    assert "2 of 3 capped cases" in t["strictly better than the best single-dimension plan in >= half the capped cases"]["detail"]
+    assert t["a feasible plan wherever the single-dimension plans fail the cap"]["ok"]
+    assert not t["measured within 15% of predicted"]["ok"]
+
+
+def test_sub_profiles_cut_devices_and_cnn_timings():
+    p = declared_profile([dict(gemm_flops=1e10, memory_bytes=1e9, latency_s=1e-4, bandwidth_Bps=1e8)] * 3)
+    p.extra["cnn"] = {"op_s": [[1.0], [2.0], [3.0]], "op_overhead_s": [0.1, 0.2, 0.3]}
+    two = sub_profile(p, 2)
+    assert two.world_size == 2 and two.extra["cnn"]["op_s"] == [[1.0], [2.0]]
+    assert p.extra["cnn"]["op_s"] == [[1.0], [2.0], [3.0]]  # the full one untouched
+
+
+def test_same_plan_compares_what_runs():
+    a = Plan("mixed", 2, {"rows": [0.5, 0.5]}, counts={"rows": [1, 1]}, assignment={"x": "rows"})
+    b = Plan("mixed", 2, {"rows": [0.5, 0.5]}, counts={"rows": [1, 1]}, assignment={"x": "cols"})
+    assert same_plan(a, a) and not same_plan(a, b) and not same_plan(a, None)
