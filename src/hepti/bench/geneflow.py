@@ -183,7 +183,6 @@ def grid_case_cnn(model: str, cfg, full, n: int, cap, seeds: int, settings: dict
     even = make_cnn_plan(cfg, profile, "even")
     # CoEdge's LP caps activations against each device's memory, not --mem-cap: under a cap
     # its plan is judged by GenEFlow's band memory, and dropped if over
-    from hepti.graph.split import Split  # noqa: F401  (split_of builds it)
     from hepti.plan.coedge import split_of
     from hepti.plan.genetic_cnn import band_memory
     caps = [min(m, budget) if budget else m for m in costs.memory_bytes]

@@ -28,7 +28,7 @@ import numpy as np
 
 from hepti import kernels as K
 from hepti.counts import counts, offsets
-from hepti.graph.ir import BY_COLS, BY_K, BY_ROWS, ON_PRIMARY, Graph
+from hepti.graph.ir import BY_K, BY_ROWS, ON_PRIMARY, Graph
 from hepti.graph.lower import Step
 from hepti.graph.lower import mlp_pair as _mlp_pair
 

@@ -70,7 +70,7 @@ from hepti.graph.ir import Graph
 from hepti.plan.costmodel import ACTIVE, MemTerm, Program, evaluate
 from hepti.plan.planfile import DIMS, Plan
 from hepti.plan.profile import Profile
-from hepti.plan.search import Candidate, fits_memory, optimise, stream_budget
+from hepti.plan.search import Candidate, optimise, stream_budget
 from hepti.plan.workloads import with_overhead
 
 ROWS, UNIT = "rows", "unit"  # a block's gene: token rows, or its own unit (heads, FFN columns)
