@@ -192,7 +192,60 @@ def strategy_of(genes: tuple[str, ...], window: int) -> str:
     return "mixed"
 
 
-class Search:
+class Evolution:
+    """The generational loop both searches share (`Search` here, the CNNs'
+    hepti.plan.genetic_cnn.CNNSearch): a subclass gives `settings`, `rng`, `score(g)` ->
+    (penalised fitness, feasible latency or inf), `random_genome`, `crossover`, `mutate`, and
+    may give `learn(g)` (a better genome of the same structure, or None)."""
+
+    def learn(self, g):
+        return None
+
+    def _pick(self, pop: list):
+        idx = self.rng.integers(len(pop), size=self.settings["tournament"])
+        return min((pop[int(i)] for i in idx), key=lambda g: self.score(g)[0])
+
+    # --- the run -----------------------------------------------------------------------------
+    def run(self, seeds: dict) -> tuple:
+        """Evolve from `seeds` (name -> genome) topped up with random genomes; returns the best
+        feasible genome ever evaluated (None if none), each seed's latency, and the best
+        feasible latency after each generation."""
+        s = self.settings
+        pop = list(dict.fromkeys(seeds.values()))
+        pop += [self.random_genome() for _ in range(max(s["random_seeds"], s["population"] - len(pop)))]
+        pop = pop[:max(s["population"], len(seeds))]
+        best = None
+
+        def consider(g) -> None:
+            nonlocal best
+            lat = self.score(g)[1]
+            if lat < math.inf and (best is None or lat < self.score(best)[1]):
+                best = g
+
+        for g in pop:
+            consider(g)
+        history = [self.score(best)[1] if best else math.inf]
+        for _ in range(s["generations"]):
+            pop.sort(key=lambda g: self.score(g)[0])
+            nxt = pop[:s["elite"]]
+            while len(nxt) < s["population"]:
+                a = self._pick(pop)
+                child = self.crossover(a, self._pick(pop)) if self.rng.random() < s["crossover"] else a
+                if self.rng.random() < s["mutation"] or child == a:
+                    child = self.mutate(child)
+                consider(child)
+                learned = self.learn(child)
+                if learned is not None:
+                    consider(learned)
+                    if self.score(learned)[0] < self.score(child)[0]:
+                        child = learned
+                nxt.append(child)
+            pop = nxt
+            history.append(self.score(best)[1] if best else math.inf)
+        return best, {k: self.score(g)[1] for k, g in seeds.items()}, history
+
+
+class Search(Evolution):
     """One GenEFlow run on a model's graph, a profile and per-rank memory caps."""
 
     def __init__(self, graph: Graph, profile: Profile, caps: list[float], seed: int = 0,
@@ -375,50 +428,6 @@ class Search:
         cand = optimise(prog, self.profile, self.caps)
         self._learned[key] = cand is not None
         return None if cand is None else self.genome_of(g.blocks, 0, cand.counts)
-
-    def _pick(self, pop: list[Genome]) -> Genome:
-        idx = self.rng.integers(len(pop), size=self.settings["tournament"])
-        return min((pop[int(i)] for i in idx), key=lambda g: self.score(g)[0])
-
-    # --- the run -----------------------------------------------------------------------------
-    def run(self, seeds: dict[str, Genome]) -> tuple[Genome | None, dict[str, float], list[float]]:
-        """Evolve from `seeds` (name -> genome) topped up with random genomes; returns the best
-        feasible genome ever evaluated (None if none), each seed's latency, and the best
-        feasible latency after each generation."""
-        s = self.settings
-        pop = list(dict.fromkeys(seeds.values()))
-        pop += [self.random_genome() for _ in range(max(s["random_seeds"], s["population"] - len(pop)))]
-        pop = pop[:max(s["population"], len(seeds))]
-        best: Genome | None = None
-
-        def consider(g: Genome) -> None:
-            nonlocal best
-            lat = self.score(g)[1]
-            if lat < math.inf and (best is None or lat < self.score(best)[1]):
-                best = g
-
-        for g in pop:
-            consider(g)
-        history = [self.score(best)[1] if best else math.inf]
-        for _ in range(s["generations"]):
-            pop.sort(key=lambda g: self.score(g)[0])
-            nxt = pop[:s["elite"]]
-            while len(nxt) < s["population"]:
-                a = self._pick(pop)
-                child = self.crossover(a, self._pick(pop)) if self.rng.random() < s["crossover"] else a
-                if self.rng.random() < s["mutation"] or child == a:
-                    child = self.mutate(child)
-                consider(child)
-                learned = self.learn(child)
-                if learned is not None:
-                    consider(learned)
-                    if self.score(learned)[0] < self.score(child)[0]:
-                        child = learned
-                nxt.append(child)
-            pop = nxt
-            history.append(self.score(best)[1] if best else math.inf)
-        return best, {k: self.score(g)[1] for k, g in seeds.items()}, history
-
 
 def genetic_search(cfg, profile: Profile, seq_len: int, batch: int = 1,
                    mem_budget: float | None = None, seed: int = 0, lp_plan: Plan | None = None,

@@ -36,7 +36,7 @@ import numpy as np
 from hepti.errors import PlanError
 from hepti.graph.cnn import F32
 from hepti.graph.split import Split, needs, spatial_ops
-from hepti.plan.genetic import DEFAULTS, PENALTY
+from hepti.plan.genetic import DEFAULTS, PENALTY, Evolution
 
 SHARE_FLOOR = 0.02  # a share below this is rounded to 0 (coedge.MIN_SHARE's band of a few rows)
 
@@ -95,7 +95,7 @@ def single_device_peak_cnn(graph, h: int, w: int, n: int = 1) -> float:
     return band_memory(graph, one, h, w, n, 1)[0]
 
 
-class CNNSearch:
+class CNNSearch(Evolution):
     def __init__(self, graph, costs, h: int, w: int, n: int, caps: list[float], seed: int = 0,
                  population: int = DEFAULTS["population"], generations: int = DEFAULTS["generations"],
                  crossover: float = DEFAULTS["crossover"], mutation: float = DEFAULTS["mutation"],
@@ -192,42 +192,6 @@ class CNNSearch:
                 for l in range(a, b):
                     ratios[l] = v
         return CNNGenome(self._fix(cuts), tuple(ratios), head)
-
-    def run(self, seeds: dict[str, CNNGenome]):
-        """As hepti.plan.genetic.Search.run: the best feasible genome, seed latencies, history."""
-        s = self.settings
-        pop = list(dict.fromkeys(seeds.values()))
-        pop += [self.random_genome() for _ in range(max(s["random_seeds"], s["population"] - len(pop)))]
-        pop = pop[:max(s["population"], len(seeds))]
-        best = None
-
-        def consider(g):
-            nonlocal best
-            lat = self.score(g)[1]
-            if lat < math.inf and (best is None or lat < self.score(best)[1]):
-                best = g
-
-        for g in pop:
-            consider(g)
-        history = [self.score(best)[1] if best else math.inf]
-        for _ in range(s["generations"]):
-            pop.sort(key=lambda g: self.score(g)[0])
-            nxt = pop[:s["elite"]]
-            while len(nxt) < s["population"]:
-                a = self._tournament(pop)
-                child = (self.crossover(a, self._tournament(pop)) if self.rng.random() < s["crossover"]
-                         else a)
-                if self.rng.random() < s["mutation"] or child == a:
-                    child = self.mutate(child)
-                consider(child)
-                nxt.append(child)
-            pop = nxt
-            history.append(self.score(best)[1] if best else math.inf)
-        return best, {k: self.score(g)[1] for k, g in seeds.items()}, history
-
-    def _tournament(self, pop):
-        idx = self.rng.integers(len(pop), size=self.settings["tournament"])
-        return min((pop[int(i)] for i in idx), key=lambda g: self.score(g)[0])
 
 
 def _group_at(groups, l: int) -> tuple[int, int]:
