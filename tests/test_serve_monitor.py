@@ -334,3 +334,19 @@ def test_free_memory_that_moves_a_little_or_while_loading_changes_nothing():
     _serve(w, [1.0] * 4, 6, free=[1.7e9, 1.7e9, -1.0, 1.7e9])  # rank 2 loading weights
     assert not [e for e in sup.replans if e.get("decision")]
     assert 2 not in w.room0
+
+
+def test_spec_bytes_counts_every_kind_of_layer_spec():
+    """What a rank holds, for the memory watch and the switch's load time: resident slices,
+    a stream window, and a GenEFlow plan's per-layer ranges."""
+    from hepti.config import preset_config
+    from hepti.model.sizes import layer_slice_bytes
+    from hepti.serve.worker import spec_bytes
+    cfg = preset_config("bert-base")
+    one = layer_slice_bytes(cfg, 12, 3072)
+    assert spec_bytes(cfg, ("resident", (0, 12), (0, 3072), (0, 12))) == 12 * one
+    assert spec_bytes(cfg, ("stream", (0, 12), (0, 3072), 2)) == 2 * one
+    per = tuple(((0, 12), (0, 3072)) if i % 2 else ((0, 6), (0, 3072)) for i in range(12))
+    assert spec_bytes(cfg, ("layers", per, None, (0, 12))) == \
+        6 * one + 6 * layer_slice_bytes(cfg, 6, 3072)
+    assert spec_bytes(cfg, None) == 0.0

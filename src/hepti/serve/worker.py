@@ -163,6 +163,8 @@ def spec_bytes(cfg, spec) -> float:
     if spec is None:
         return 0.0
     kind, heads, ffn, extra = spec
+    if kind == "layers":  # each layer its own (heads, ffn) ranges (a GenEFlow plan)
+        return float(sum(layer_slice_bytes(cfg, h[1] - h[0], f[1] - f[0]) for h, f in heads))
     layers = extra if kind == "stream" else extra[1] - extra[0]
     return float(layer_slice_bytes(cfg, heads[1] - heads[0], ffn[1] - ffn[0]) * layers)
 
