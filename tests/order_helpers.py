@@ -1,5 +1,6 @@
 """Tiny CNNs of hepti's families with seeded random weights, in memory, and another order to
-run them in: what tests/test_order_exec.py and tests/mpi/test_order_bands.py share."""
+run them in; one seeded batch for an encoder: what tests/test_order_exec.py and
+tests/mpi/test_order_bands.py, test_order_interp.py share."""
 from __future__ import annotations
 
 import numpy as np
@@ -40,3 +41,18 @@ def late_downsample_order(graph) -> list[str]:
             names.remove(op.name)
             names.insert(names.index(op.name.replace("downsample.0", "conv2")) + 1, op.name)
     return names
+
+
+def encoder_batch(cfg, text_tokens: int):
+    """(a seeded batch of one input, its token count) for BERT (`text_tokens` ids) or ViT (an
+    image of the model's size: its patches and class token)."""
+    from hepti.inputs import Batch
+    rng = np.random.default_rng(0)
+    if cfg.model_type == "vit":
+        T = cfg.seq_len
+        return Batch(None, np.ones((1, T), np.int64), None,
+                     pixels=rng.standard_normal((1, 3, cfg.image_size, cfg.image_size),
+                                                dtype=np.float32)), T
+    T = text_tokens
+    return Batch(rng.integers(1, cfg.vocab_size, (1, T)), np.ones((1, T), np.int64),
+                 np.zeros((1, T), np.int64)), T

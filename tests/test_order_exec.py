@@ -12,7 +12,7 @@ from hepti.graph.cnn import build
 from hepti.graph.opdag import from_cnn
 from hepti.model.livebytes import AllocationCounter, TrackedDict, buffer_of
 from hepti.plan.memory import compile_problem, order_peak
-from order_helpers import TINY, late_downsample_order, pixels, random_cnn
+from order_helpers import TINY, encoder_batch, late_downsample_order, pixels, random_cnn
 
 # --- the counter itself ---------------------------------------------------------------------
 
@@ -167,7 +167,6 @@ def test_interpreter_counter_equals_the_schedule_model(which, request):
     chain: one order, which it runs."""
     from hepti.graph import lower
     from hepti.graph.encoder import family_graph
-    from hepti.inputs import Batch
     from hepti.parallel.comm import Comm
     from hepti.parallel.engine import Job
     from hepti.plan.costmodel import held_bytes
@@ -175,16 +174,7 @@ def test_interpreter_counter_equals_the_schedule_model(which, request):
     from hepti.weights import WeightStore
     store = WeightStore(request.getfixturevalue(which))
     cfg = store.config
-    rng = np.random.default_rng(0)
-    if cfg.model_type == "vit":
-        T = cfg.seq_len
-        b = Batch(None, np.ones((1, T), np.int64), None,
-                  pixels=rng.standard_normal((1, 3, cfg.image_size, cfg.image_size),
-                                             dtype=np.float32))
-    else:
-        T = 9
-        b = Batch(rng.integers(1, cfg.vocab_size, (1, T)), np.ones((1, T), np.int64),
-                  np.zeros((1, T), np.int64))
+    b, T = encoder_batch(cfg, 9)
     job = Job(Comm(None), store, Plan(strategy="single", world_size=1,
                                       ratios={d: [1.0] for d in DIMS}))
     c = AllocationCounter()

@@ -334,14 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=_positive_int, default=8 << 20,
                    help="request body size, at most (default 8 MiB)")
     s.add_argument("--replan", choices=("on", "off"), default="off",
-                   help="on (with -n above 1): watch each batch's per-rank times against the "
-                        "plan's prediction and re-plan when devices' speed or links change (the "
-                        "workers measure a profile at start; /metrics lists every flag and "
-                        "re-plan). A rank the plan leaves idle then loads a standby copy of the "
-                        "model, and a rank keeps its previous plan's slices, each while its free "
-                        "memory is twice their size, so that switches read nothing. Off "
-                        "(default) keeps the first plan: the re-planner still misses two of its "
-                        "targets (README, bin/bench-adapt.sh)")
+                   help="on (with -n above 1): watch each batch's per-rank times and free "
+                        "memory against the plan's prediction and re-plan when devices' speed, "
+                        "memory or links change (the workers measure a profile at start; "
+                        "/metrics lists every flag and re-plan). A rank the plan leaves idle "
+                        "then loads a standby copy of the model, and a rank keeps its previous "
+                        "plan's slices, each while its free memory is twice their size, so that "
+                        "switches read nothing. Off (default) keeps the first plan (README, "
+                        "bin/bench-adapt.sh: what it costs and what it gains)")
     s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="answer 503 to a request not done in S seconds (default 600)")
 

@@ -3,10 +3,10 @@ the schedule's activation model (hepti.graph.lower.activation_memory, tensors on
 rank's counts, for `rows` and `tensor` on tiny BERT and ViT."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from mpi_helpers import COMM, all_ok
+from order_helpers import encoder_batch
 
 
 @pytest.mark.parametrize("which", ["tiny_dir", "vit_dir"])
@@ -16,7 +16,6 @@ def test_counter_against_the_schedule_model(which, strategy, ratios, request):
     from hepti.counts import counts
     from hepti.graph import lower
     from hepti.graph.encoder import family_graph
-    from hepti.inputs import Batch
     from hepti.model.livebytes import AllocationCounter
     from hepti.parallel.comm import Comm
     from hepti.parallel.engine import Job
@@ -25,16 +24,7 @@ def test_counter_against_the_schedule_model(which, strategy, ratios, request):
     from hepti.weights import WeightStore
     store = WeightStore(request.getfixturevalue(which))
     cfg = store.config
-    rng = np.random.default_rng(0)
-    if cfg.model_type == "vit":
-        T = cfg.seq_len
-        b = Batch(None, np.ones((1, T), np.int64), None,
-                  pixels=rng.standard_normal((1, 3, cfg.image_size, cfg.image_size),
-                                             dtype=np.float32))
-    else:
-        T = 11
-        b = Batch(rng.integers(1, cfg.vocab_size, (1, T)), np.ones((1, T), np.int64),
-                  np.zeros((1, T), np.int64))
+    b, T = encoder_batch(cfg, 11)
     world = Comm(COMM)
     job = Job(world, store, Plan(strategy=strategy, world_size=2,
                                  ratios={d: list(ratios) for d in DIMS}))
