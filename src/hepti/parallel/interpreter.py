@@ -126,8 +126,8 @@ class Interpreter:
         allocates inside, such as attention's scores)."""
         from hepti.model.livebytes import track
         g, tr = self.g, self.g.tracer
-        running = ["inputs"]
-        env = track(env, counter, lambda: running[0])
+        running = [None]  # the step running, named only when a counter asks (off the hot path)
+        env = track(env, counter, lambda: _step_name(running[0]))
         M = B * T
         rc = counts(M, self.row_ratios)
         r0 = offsets(rc)[g.rank]
@@ -150,8 +150,7 @@ class Interpreter:
                     params = self.layers.get(layer).params
             with tr.span(label, "compute"):
                 for item in run:
-                    running[0] = item[0].op.name if item[0].layer is None else \
-                        f"L{item[0].layer} {item[0].op.name}"
+                    running[0] = item[0]
                     self._op(item, env, fused, params if first.layer is not None else self.outside,
                              batch, ctx)
                     for t in item[3]:  # past its last reader (lower.activation_memory)
@@ -293,3 +292,10 @@ def _zeros(out, shape) -> np.ndarray:
         return np.zeros(shape, np.float32)
     out[...] = 0.0
     return out
+
+
+def _step_name(step) -> str:
+    """A step's name for an allocation counter: "inputs" before the first, "L3 ffn up" in a layer."""
+    if step is None:
+        return "inputs"
+    return step.op.name if step.layer is None else f"L{step.layer} {step.op.name}"
