@@ -3,7 +3,8 @@
 # and even shares, on hostfiles/emu-drift4.json: node-c's link 940 -> 100 Mbit/s at 20 s, node-b's
 # CPU halved at 40 s, both restored at 60 s, node-d down to 0.05 core at 80 s. BERT-base shape at
 # 256 tokens, closed-loop requests. Needs root (hepti emulate). Writes results/adapt.{json,csv,png}.
-# Makes the BERT-base-shaped random model if it is missing. About 25 minutes.
+# Makes the BERT-base-shaped random model if it is missing. About 55 minutes: three rounds of
+# every variant, interleaved (--rounds 1 for one, about 18 minutes).
 #   sudo bin/bench-adapt.sh             the scenario
 #   sudo bin/bench-adapt.sh --flap      node-c's link flapping 940 <-> 100 Mbit/s every 2 s:
 #                                       results/adapt-flap.{json,csv,png}
