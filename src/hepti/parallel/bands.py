@@ -59,6 +59,18 @@ class Band:
         return self.x[:, lo - self.lo:hi - self.lo]
 
 
+@dataclass
+class _Group:
+    """One fused group of a forward on one rank (`BandExecutor.program`)."""
+
+    name: str  # the tracer's span
+    exchange_name: str  # what an allocation counter charges the exchange to
+    sends: dict  # peer -> [(tensor, row lo, row hi)] this rank sends it, in order
+    recvs: dict  # peer -> [(tensor, row lo, row hi)] this rank receives from it, in order
+    widen: list  # [(tensor, lo, hi)]: the band this rank holds of it becomes rows [lo, hi)
+    ops: list  # [(op, its output rows or None, its input rows, band padding, tensors to free)]
+
+
 class BandExecutor:
     """The height split of one CNN on one rank of `comm` (a Comm): `forward(pixels)` on rank 0
     (pixels [N, 3, H, W], torch's layout) -> logits [N, classes] on rank 0 (None elsewhere);
@@ -93,6 +105,70 @@ class BandExecutor:
             self._schedules[(h, w)] = (shapes, per)
         return self._schedules[(h, w)]
 
+    def program(self, h: int, w: int, rank: int | None = None) -> list["_Group"]:
+        """`rank`'s (this rank's when None) forward of an h x w input, group by group, worked out once per size:
+        what it sends and receives (which rows of which tensor, to and from whom, in the
+        order both ends agree on), which bands it widens, and for each op its rows, input
+        rows and band padding. Every forward used to redo this in Python for every group (a
+        third of a MobileNetV2 op's fixed cost at 32x32: the profile's `op_overhead_s`)."""
+        rank = self.comm.rank if rank is None else rank
+        if (h, w, rank) in self._schedules:
+            return self._schedules[(h, w, rank)]
+        g, size = self.graph, self.comm.size
+        shapes, per = self.schedule(h, w)
+        holders = {g.input: owned(h, None, size)}  # who holds which rows
+        held = {g.input: (0, h)} if rank == 0 else {}  # the rows of each tensor this rank holds
+        prog, step = [], 0
+        for (a, b), run, need in zip(self.groups, self.runs, per):
+            made = {op.output for op in g.ops[a:b]}
+            sends: dict[int, list] = {}
+            recvs: dict[int, list] = {}
+            inputs = sorted({t for nd in need for t in nd} - made)
+            for t in inputs:  # every rank's missing rows, each from its owner
+                own = owned(shapes[t][0], self.owners[t], size)
+                for i, nd in enumerate(need):
+                    if t not in nd:
+                        continue
+                    for lo, hi in gaps(nd[t], holders[t][i]):
+                        for j, (o0, o1) in enumerate(own):
+                            s0, s1 = max(lo, o0), min(hi, o1)
+                            if s1 <= s0 or j == i:
+                                continue
+                            if j == rank:
+                                sends.setdefault(i, []).append((t, s0, s1))
+                            elif i == rank:
+                                recvs.setdefault(j, []).append((t, s0, s1))
+            for t in inputs:  # what every rank holds from now on
+                holders[t] = [union(hold, nd.get(t)) for hold, nd in zip(holders[t], need)]
+            widen = []  # the rank's bands of its inputs, with their halos
+            for t, r in need[rank].items():
+                if t in made:
+                    continue
+                old = held.get(t)
+                if old is not None and old[0] <= r[0] and r[1] <= old[1]:
+                    continue  # it has every row already: no copy (one rank, a later reader)
+                held[t] = union(old, r)  # keep what it had: a later group may read those
+                widen.append((t,) + held[t])  # rows again (ResNet's identity)
+            ops = []
+            for i in run:
+                op = g.ops[i]
+                r = need[rank].get(op.output)
+                frees = tuple(t for t in (op.input, op.residual)
+                              if t is not None and self.last.get(t) == step)
+                if r is not None and r[1] > r[0]:
+                    h_in = shapes[op.input][0]
+                    ops.append((op, r, op.in_rows(*r, h_in), op.band_padding(*r, h_in), frees))
+                    held[op.output] = r
+                else:
+                    ops.append((op, None, (0, 0), None, frees))
+                step += 1
+            for op in g.ops[a:b]:  # what each rank now holds of what the group made
+                holders[op.output] = [per_r.get(op.output, (0, 0)) for per_r in need]
+            prog.append(_Group(f"ops {a}-{b - 1}", f"exchange before {g.ops[run[0]].name}",
+                               sends, recvs, widen, ops))
+        self._schedules[(h, w, rank)] = prog
+        return prog
+
     def forward(self, pixels: np.ndarray | None, counter=None) -> np.ndarray | None:
         """`counter`: a hepti.model.livebytes.AllocationCounter told of every band and
         vector this rank holds and lets go (not the exchange's message buffers)."""
@@ -101,87 +177,63 @@ class BandExecutor:
         comm, g, rank = self.comm, self.graph, self.comm.rank
         head = comm.bcast_obj(pixels.shape if rank == 0 else None)
         n, _, h, w = head
-        shapes, per = self.schedule(h, w)
+        shapes, _ = self.schedule(h, w)
         running = [g.input]
         have = track({}, counter, lambda: running[0],  # tensor -> Band this rank holds
                      lambda v: v.x if isinstance(v, Band) else v)
         if rank == 0:
             have[g.input] = Band(0, np.ascontiguousarray(pixels.transpose(0, 2, 3, 1), np.float32))
-        holders = {g.input: owned(h, None, comm.size)}  # who holds which rows
         step = 0
-        for (a, b), run, need in zip(self.groups, self.runs, per):
-            mine = need[rank]
-            running[0] = f"exchange before {g.ops[run[0]].name}"
-            self._fetch(g, a, b, need, have, holders, shapes, n)
-            with comm.tracer.span(f"ops {a}-{b - 1}", "compute"):
-                for i in run:
-                    op = g.ops[i]
-                    running[0] = op.name
-                    r = mine.get(op.output)
-                    if r is not None and r[1] > r[0]:
-                        h_in = shapes[op.input][0]
-                        i0, i1 = op.in_rows(*r, h_in)
+        for grp in self.program(h, w):
+            if counter is not None:
+                running[0] = grp.exchange_name
+            if grp.sends or grp.recvs or grp.widen:
+                self._fetch(grp, have, shapes, n)
+            with comm.tracer.span(grp.name, "compute"):
+                for op, r, (i0, i1), pad, frees in grp.ops:
+                    if counter is not None:  # the step an allocation is charged to
+                        running[0] = op.name
+                    if r is not None:
                         x = have[op.input].rows(i0, i1)
                         res = have[op.residual].rows(*r) if op.residual is not None else None
                         y = apply(op, np.ascontiguousarray(x), self.weights,
                                   None if res is None else np.ascontiguousarray(res),
-                                  pad=op.band_padding(*r, h_in), threads=self.threads)
+                                  pad=pad, threads=self.threads)
                         have[op.output] = Band(r[0], y)
-                    self._free(have, (op.input, op.residual), step)
+                    for t in frees:
+                        if t in have:
+                            del have[t]
                     step += 1
-            for op in g.ops[a:b]:  # what each rank now holds of what the group made
-                holders[op.output] = [per_r.get(op.output, (0, 0)) for per_r in need]
         return self._tail(have, shapes, n, step, running)
 
-    def _fetch(self, g, a, b, need, have, holders, shapes, n):
-        """The group's inputs: every rank's missing rows, from the ranks that own them (each
-        row from one rank: its owner, or rank 0 for the pixels), in one exchange."""
-        comm, rank = self.comm, self.comm.rank
-        made = {op.output for op in g.ops[a:b]}
-        sends, recvs, into = {}, {}, []
-        for t in sorted({t for nd in need for t in nd} - made):
-            own = owned(shapes[t][0], self.owners[t], comm.size)
-            for i, nd in enumerate(need):
-                if t not in nd:
-                    continue
-                for lo, hi in gaps(nd[t], holders[t][i]):
-                    for j, (o0, o1) in enumerate(own):
-                        s0, s1 = max(lo, o0), min(hi, o1)
-                        if s1 <= s0 or j == i:
-                            continue
-                        if j == rank:
-                            sends.setdefault(i, []).append(have[t].rows(s0, s1))
-                        elif i == rank:
-                            buf = np.empty((n, s1 - s0) + tuple(shapes[t][1:]), np.float32)
-                            recvs.setdefault(j, []).append(buf)
-                            into.append((t, s0, buf))
-        # one message per peer: the pieces side by side (both ends know their order)
-        send_flat = {p: np.concatenate([x.ravel() for x in xs]) for p, xs in sends.items()}
-        recv_flat = {p: np.empty(sum(x.size for x in xs), np.float32) for p, xs in recvs.items()}
-        comm.exchange(send_flat, recv_flat)
-        for p, xs in recvs.items():
+    def _fetch(self, grp: "_Group", have, shapes, n):
+        """The group's inputs: every rank's missing rows, from the ranks that own them, in
+        one exchange (one message per peer: the pieces side by side, in the order both
+        ends worked out in `program`); then the bands this rank widens."""
+        def piece(t, s0, s1):
+            return (n, s1 - s0) + tuple(shapes[t][1:])
+        send_flat = {p: np.concatenate([have[t].rows(s0, s1).ravel() for t, s0, s1 in xs])
+                     for p, xs in grp.sends.items()}
+        recv_flat = {p: np.empty(sum(math.prod(piece(*x)) for x in xs), np.float32)
+                     for p, xs in grp.recvs.items()}
+        self.comm.exchange(send_flat, recv_flat)
+        got: dict[str, list] = {}
+        for p, xs in grp.recvs.items():
             at = 0
-            for x in xs:
-                x.ravel()[...] = recv_flat[p][at:at + x.size]
-                at += x.size
-        for t in {t for nd in need for t in nd} - made:  # what every rank holds from now on
-            holders[t] = [union(hold, nd.get(t)) for hold, nd in zip(holders[t], need)]
-        for t, r in need[rank].items():  # the rank's bands of its inputs, with their halos
-            if t in made:
-                continue
+            for t, s0, s1 in xs:
+                shape = piece(t, s0, s1)
+                got.setdefault(t, []).append((s0, recv_flat[p][at:at + math.prod(shape)].reshape(shape)))
+                at += math.prod(shape)
+        for t, lo, hi in grp.widen:
             old = have.get(t)
-            if old is not None and old.lo <= r[0] and r[1] <= old.hi:
-                continue  # it has every row already: no copy (one rank, a later reader)
-            r = union((old.lo, old.hi) if old is not None else None, r)  # keep what it had:
-            band = np.empty((n, r[1] - r[0]) + tuple(shapes[t][1:]), np.float32)  # a later
-            if old is not None:  # group may read those rows again (ResNet's identity)
-                lo, hi = max(r[0], old.lo), min(r[1], old.hi)
-                if hi > lo:
-                    band[:, lo - r[0]:hi - r[0]] = old.rows(lo, hi)
-            for tt, s0, buf in into:
-                if tt == t:
-                    band[:, s0 - r[0]:s0 - r[0] + buf.shape[1]] = buf
-            have[t] = Band(r[0], band)
+            band = np.empty(piece(t, lo, hi), np.float32)
+            if old is not None:
+                a, b = max(lo, old.lo), min(hi, old.hi)
+                if b > a:
+                    band[:, a - lo:b - lo] = old.rows(a, b)
+            for s0, buf in got.get(t, ()):
+                band[:, s0 - lo:s0 - lo + buf.shape[1]] = buf
+            have[t] = Band(lo, band)
 
     def _free(self, have, tensors, step: int):
         """Let go of the tensors (of those given) whose last reader was step `step`."""
@@ -247,40 +299,29 @@ class BandExecutor:
         out). Message buffers are not in it, as they are not in the counter."""
         from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo
         g = self.graph
-        shapes, per = self.schedule(h, w)
+        shapes, _ = self.schedule(h, w)
         tensors: dict[str, TensorInfo] = {}
         current: dict[str, str] = {}  # tensor -> the name of the band held now
-        span: dict[str, tuple[int, int]] = {}
 
         def band(name: str, t: str, r) -> str:
             s = shapes[t]
             rows = r[1] - r[0] if r is not None else 0
             tensors[name] = TensorInfo(F32 * n * rows * s[1] * s[2], (n, rows) + tuple(s[1:]))
             current[t] = name
-            if r is not None:
-                span[t] = r
             return name
 
         band(g.input, g.input, (0, h) if rank == 0 else None)
         ops, order = [], []
-        for k, ((a, b), run, need) in enumerate(zip(self.groups, self.runs, per)):
-            made = {op.output for op in g.ops[a:b]}
-            for t, r in need[rank].items():
-                if t in made or r[1] <= r[0]:
-                    continue
-                old = span.get(t)
-                if old is not None and old[0] <= r[0] and r[1] <= old[1]:
-                    continue
+        for k, grp in enumerate(self.program(h, w, rank)):
+            for t, lo, hi in grp.widen:
                 src = current[t]
-                new = band(f"{t}@{k}", t, union(old, r))
+                new = band(f"{t}@{k}", t, (lo, hi))
                 name = f"halo {t} {k}"
                 ops.append(OpNode(name, "halo", (src,), (new,)))
                 order.append(name)
-            for i in run:
-                op = g.ops[i]
+            for op, r, _, _, _ in grp.ops:
                 ins = (current[op.input],) + ((current[op.residual],) if op.residual else ())
-                r = need[rank].get(op.output)
-                band(op.output, op.output, r if r is not None and r[1] > r[0] else None)
+                band(op.output, op.output, r)
                 ops.append(OpNode(op.name, op.kind, ins, (op.output,)))
                 order.append(op.name)
         alone = self.split.head == "primary" and self.comm.size > 1 and rank != 0
