@@ -1,0 +1,50 @@
+"""bin/bench-adapt.sh's figures from synthetic runs: the phases a schedule makes, and the
+median over interleaved rounds (hepti.bench.adapt.combine) of figures taken within a round."""
+import json
+from pathlib import Path
+
+from hepti.bench import adapt
+
+SPEC = json.loads((Path(__file__).resolve().parents[1] / "hostfiles" / "emu-drift4.json").read_text())
+
+
+def _run(ms_by_phase, phs, replan_at=()):
+    """A closed loop whose requests take ms_by_phase[k] in phase k; re-plans at replan_at."""
+    reqs, t = [], 0.0
+    for ph, ms in zip(phs, ms_by_phase):
+        t = max(t, ph["start"])
+        while t < ph["end"]:
+            reqs.append((t, ms / 1e3))
+            t += ms / 1e3
+    return {"t0": 0.0, "requests": reqs,
+            "metrics": {"replans": [{"t": a, "decision": "switch"} for a in replan_at], "flags": []}}
+
+
+def test_phases_follow_the_schedule():
+    phs = adapt.phases(SPEC, 100.0)
+    assert [(p["start"], p["end"]) for p in phs] == [(0.0, 20), (20, 40), (40, 60), (60, 80), (80, 100.0)]
+    assert phs[1]["devices"][2]["link_mbit"] == 100 and phs[3]["devices"][2]["link_mbit"] == 940
+    assert adapt.conditions_key(phs[3]["devices"]) == adapt.conditions_key(phs[0]["devices"])
+
+
+def test_rounds_quote_the_median_of_figures_taken_within_each_round():
+    phs = adapt.phases(SPEC, 100.0)
+    oracle_of = ["oracle-0", "oracle-1", "oracle-2", "oracle-0", "oracle-3"]
+    rounds = []
+    # the host is 10% slower in round 2: every variant with it, so the within-round ratio holds
+    for k, (slow, adaptive_over) in enumerate([(1.0, 1.05), (1.1, 1.20), (1.0, 1.08)]):
+        runs = {"adaptive": _run([800 * slow * adaptive_over] * 5, phs, replan_at=[20.5 + k]),
+                "static": _run([800 * slow] * 5, phs)}
+        for j in range(4):
+            runs[f"oracle-{j}"] = _run([800 * slow] * 5, phs)
+        rounds.append({"summary": adapt.summarize(runs, phs, oracle_of), "runs": runs})
+    got = adapt.combine(rounds)
+    ratios = got["variants"]["adaptive"]["vs_piecewise_oracle_rounds"]
+    assert [round(r, 2) for r in ratios] == [1.05, 1.2, 1.08]
+    assert round(got["variants"]["adaptive"]["vs_piecewise_oracle"], 2) == 1.08  # the median
+    ev = got["events"][0]  # the link drop at 20 s: re-planned 0.5, 1.5, 2.5 s after
+    assert [round(x, 1) for x in ev["replanned_after_s_rounds"]] == [0.5, 1.5, 2.5]
+    assert round(ev["replanned_after_s_worst"], 1) == 2.5  # a bound holds in every round
+    assert round(ev["ratio"], 2) == 1.08 and ev["met"]
+    restore = got["events"][2]  # 60 s: the first phase's conditions again, against `static`
+    assert round(restore["revert_vs_original_plan"], 2) == 1.08 and not restore["revert_met"]
