@@ -350,3 +350,41 @@ def test_spec_bytes_counts_every_kind_of_layer_spec():
     assert spec_bytes(cfg, ("layers", per, None, (0, 12))) == \
         6 * one + 6 * layer_slice_bytes(cfg, 6, 3072)
     assert spec_bytes(cfg, None) == 0.0
+
+
+def _comm_batches(w, comm_factor: float, n: int) -> None:
+    """n batches through the watcher, every rank computing as predicted and communicating
+    `comm_factor` times its prediction (transfers and wait)."""
+    pred = w.monitor.predicted(1, 256).predicted["per_rank"]
+    for _ in range(n):
+        ranks = [[p["compute_s"], (sum(p.get("comm_s", {}).values()) + p.get("wait_s", 0.0))
+                  * comm_factor, 1e9, 1.0, 0.0, 0.0] for p in pred]
+        w.after_batch(None, (1, 256), ranks, 0.7)
+
+
+def test_a_link_that_drops_while_the_baselines_are_learnt_is_probed_at_once():
+    """Before a series has its baseline (BASELINE_N batches after the SKIP_N first) nothing
+    could alarm: a link flapping from 2 s in was seen 9-15 s in (bench-adapt --flap). One
+    batch 1.8x over the plan's own prediction now starts a burst of light probes; the link
+    that reads slow is planned at its worst. The series alarms so once: its next slow batch
+    waits for its baseline as before."""
+    w, sup = _watcher([_links([1700, 107, 1780])])
+    w._batches_per_s = lambda: 1.4
+    _comm_batches(w, 1.0, M.SKIP_N + 1)
+    assert not sup.replans and w.burst is None
+    _comm_batches(w, 3.0, 1)
+    assert [e for e in sup.replans if e.get("decision")], "no decision after the early alarm"
+    event = sup.replans[-1]
+    assert "while learning its baseline" in event["reason"] and event["flapping"] == [2]
+    assert event["decision"] == "switch"
+    assert all(c.early for c in w.monitor.comm.values())
+
+
+def test_no_early_alarm_on_ordinary_launch_noise():
+    """Communication at 0.6-1.5x its prediction while the baselines are learnt (what launches
+    measure here): no alarm, no probe."""
+    w, sup = _watcher([])
+    w._batches_per_s = lambda: 1.4
+    for f in (0.6, 1.5, 0.7, 1.2, 0.8, 1.4, 0.65, 1.1):
+        _comm_batches(w, f, 1)
+    assert not sup.replans and w.burst is None
