@@ -106,10 +106,10 @@ class BandExecutor:
         return self._schedules[(h, w)]
 
     def program(self, h: int, w: int, rank: int | None = None) -> list["_Group"]:
-        """`rank`'s (this rank's when None) forward of an h x w input, group by group, worked out once per size:
-        what it sends and receives (which rows of which tensor, to and from whom, in the
-        order both ends agree on), which bands it widens, and for each op its rows, input
-        rows and band padding. Every forward used to redo this in Python for every group (a
+        """`rank`'s (this rank's when None) forward of an h x w input, group by group, worked
+        out once per size: what it sends and receives (which rows of which tensor, to and
+        from whom, in the order both ends agree on), which bands it widens, and for each op
+        its rows, input rows and band padding. Every forward used to redo this in Python for every group (a
         third of a MobileNetV2 op's fixed cost at 32x32: the profile's `op_overhead_s`)."""
         rank = self.comm.rank if rank is None else rank
         if (h, w, rank) in self._schedules:
@@ -222,8 +222,9 @@ class BandExecutor:
             at = 0
             for t, s0, s1 in xs:
                 shape = piece(t, s0, s1)
-                got.setdefault(t, []).append((s0, recv_flat[p][at:at + math.prod(shape)].reshape(shape)))
-                at += math.prod(shape)
+                size = math.prod(shape)
+                got.setdefault(t, []).append((s0, recv_flat[p][at:at + size].reshape(shape)))
+                at += size
         for t, lo, hi in grp.widen:
             old = have.get(t)
             band = np.empty(piece(t, lo, hi), np.float32)
