@@ -85,15 +85,12 @@ COMM_DELTA, COMM_LAMBDA, MIN_TRANSFER_S = 0.35, 1.2, 3e-3
 # next request). A false flag costs a light probe of the links (~50 ms), which clears it.
 COMM_FLAG_MIN = math.log(1.8)
 SWING_N, SWING_CHANGES, SWING_RANGE = 7, 3, math.log(2.0)  # a flapping link (see above)
-# EARLY: a series learns its baseline over BASELINE_N batches after the SKIP_N first, 8-10 s
-# at BERT-base; until then neither CUSUM nor flag can see a change, nor can swings (SWING_N
-# residuals). A link that drops or flaps then went unseen that long: bench-adapt --flap
-# (flapping from 2 s) switched 9.1-14.9 s in, and ran 1.05-1.30x the better fixed plan over 60
-# s. So while a communication series learns, one residual COMM_FLAG_MIN (1.8x) over the plan's
-# own prediction (not a baseline: none yet) raises one alarm for the series, taken as a swing:
-# the links are probed over the next batches and one that reads slow is planned at its worst
-# (hepti.serve.replan `_burst_probe`). At launch this series is measured at 0.6-0.8x of its
-# prediction; a false alarm costs the light probes (~50 ms each) and moves nothing.
+# Nothing alarms before the baselines (SKIP_N + BASELINE_N batches, 8-10 s at BERT-base), so a
+# link flapping from 2 s in is seen 9-15 s in. Tried at 78763a5 and reverted: one residual 1.8x
+# over the plan's prediction while learning set off the link probes at once. bench-adapt
+# --flap read 1.33x the better fixed plan (rounds 1.33, 1.11, 1.40) against 1.11x without it:
+# at 3-5 s the idle rank's standby copy is not in yet, so the new plan had to load (a 3.7 s
+# stall), or its load cost kept the old plan while the link stayed held at its worst.
 
 
 class Cusum:
@@ -110,7 +107,6 @@ class Cusum:
         self.last: list[float] = []
         self.recent: list[float] = []  # the last three (the step's size, once confirmed)
         self.history: list[float] = []  # the last PERSIST_N (a moderate step's persistence)
-        self.early = False  # it raised its one alarm while learning its baseline (Monitor)
 
     def add(self, x: float) -> int:
         """Take one residual; +1 (slower than predicted), -1 (faster) or 0 (no alarm)."""
@@ -174,7 +170,6 @@ class Alarm:
     absolute: bool = False  # the rank's whole speed factor, not a step (an idle rank's probes)
     fast: bool = False  # a confirmed flag: two large residuals in a row, sized by the second
     flap: bool = False  # communication that swings up and down by turns (a flapping link)
-    early: bool = False  # far off its prediction before the series had a baseline (`observe`)
 
 
 class IdleWatch:
@@ -272,12 +267,7 @@ class Monitor:
             if transfers >= MIN_TRANSFER_S and m[1] > 0:
                 c = self.comm.setdefault(r, Cusum(COMM_DELTA, self.comm_lambda, COMM_FLAG_MIN))
                 x = math.log(m[1] / pm)
-                early = c.baseline is None and not c.early and x >= COMM_FLAG_MIN
                 a = c.add(x)
-                if early:  # see EARLY above
-                    c.early = True
-                    comm_alarms.append(Alarm("comm", r, 1, math.exp(x), flap=True, early=True))
-                    continue
                 seen = self.swings.setdefault(r, [])
                 seen.append(x)
                 del seen[:-SWING_N]

@@ -203,10 +203,8 @@ class PlanWatcher:
         elif alarms[0].flap:  # probe over the next batches, then decide (`_burst_probe`)
             if any(until > now for until in self.flap_hold.values()):
                 return  # already planned at a flapping link's worst state
-            event["reason"] = ((f"communication {alarms[0].factor:.2f}x its prediction while "
-                                f"learning its baseline" if alarms[0].early else
-                                f"communication swings (up to {alarms[0].factor:.2f}x its median)")
-                               + f": links probed over the next {FLAP_PROBES} batches")
+            event["reason"] = (f"communication swings (up to {alarms[0].factor:.2f}x its median): "
+                               f"links probed over the next {FLAP_PROBES} batches")
             self.burst = {"event": event, "probes": []}
             self._burst_probe(sock)
             return
@@ -456,9 +454,7 @@ class PlanWatcher:
             _moved(before.devices[int(r)], v) for r, v in self.links.items()),
             probed_mbit={r: [round(p["links"][r]["bandwidth_Bps"] * 8e-6) for p in probes]
                          for r in probes[0]["links"]})
-        if not event["links_changed"] and not any(a.get("early") for a in event["alarms"]):
-            # swings from noise, not a link: look less eagerly (an alarm while the series
-            # learnt its baseline said nothing of the swings, and changes nothing here)
+        if not event["links_changed"]:  # swings from noise, not a link: look less eagerly
             self.comm_lambda_scale = min(8.0, self.comm_lambda_scale * 2)
             self.swing_range = min(4 * SWING_RANGE, 2 * self.swing_range)
             self.monitor.swing_range = self.swing_range
