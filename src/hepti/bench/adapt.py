@@ -358,6 +358,8 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8790)
     ap.add_argument("--out", default=None, help="default results/adapt.json (results/adapt-flap.json)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be 1 or more, got {args.rounds}")
     if os.geteuid() != 0:
         print("bench-adapt: needs root (hepti emulate)", file=sys.stderr)
         return 2
