@@ -350,3 +350,19 @@ def test_spec_bytes_counts_every_kind_of_layer_spec():
     assert spec_bytes(cfg, ("layers", per, None, (0, 12))) == \
         6 * one + 6 * layer_slice_bytes(cfg, 6, 3072)
     assert spec_bytes(cfg, None) == 0.0
+
+
+def test_metrics_show_each_series_bounds_once_learnt():
+    """/metrics' residuals carry each rank's detector bounds, once its baseline is learnt: the
+    flag bound is at least FLAG_MIN, and wider on a series whose warm-up was noisy."""
+    w, sup = _watcher([])
+    w._batches_per_s = lambda: 1.4
+    assert all(d["compute"] is None for d in w.residuals()["detector"])
+    _serve(w, [1.0, 1.0, 1.0, 1.0], M.SKIP_N + 2)
+    _serve(w, [1.0, 1.3, 1.0, 1.0], 1)  # rank 1's warm-up: one noisy batch among steady ones
+    _serve(w, [1.0, 0.75, 1.0, 1.0], 1)
+    _serve(w, [1.0, 1.35, 1.0, 1.0], 1)
+    _serve(w, [1.0, 1.0, 1.0, 1.0], 4)
+    got = {d["rank"]: d["compute"] for d in w.residuals()["detector"]}
+    assert got[0]["flag_bound"] == pytest.approx(M.FLAG_MIN)
+    assert got[1]["flag_bound"] > got[0]["flag_bound"]
