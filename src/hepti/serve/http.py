@@ -36,7 +36,9 @@ ROUTES_HELP = """\
 routes:
   POST /v1/embeddings   embed texts or token ids (also POST /embeddings); OpenAI's shape
   GET  /health          200 {"status": "ok", ...} when the workers are up, else 503 (no API key)
-  GET  /metrics         plan, ranks, requests, latencies (JSON)
+  GET  /metrics         plan epoch, ranks' shares and predicted and measured times, latencies,
+                        re-plans and flags with their reasons, each rank's detector bounds
+                        (with --replan on; JSON)
 
 request:  {"input": "text" | ["text", ...] | [id, ...] | [[id, ...], ...],
            "encoding_format": "float" | "base64",   (optional; base64: little-endian float32)
