@@ -86,7 +86,8 @@ class BandExecutor:
         self.groups = split.group_ranges(graph)
         self.n_spatial = spatial_ops(graph)
         self.owners = split.owners(graph)
-        self._schedules: dict = {}
+        self._schedules: dict = {}  # (h, w) -> (shapes, needs): `schedule`
+        self._programs: dict = {}  # (h, w, rank) -> [_Group]: `program`
         at = {i: k for k, i in enumerate(graph.run_order(order))}
         # each group's ops in the order's sequence, then the head in its own
         self.runs = [sorted(range(a, b), key=at.__getitem__) for a, b in self.groups]
@@ -113,8 +114,8 @@ class BandExecutor:
         every group: MobileNetV2's band executor at 32x32 on one rank took 2.2x the plain
         model's time per op then, 0.8x now (the fixed cost is the profile's `op_overhead_s`)."""
         rank = self.comm.rank if rank is None else rank
-        if (h, w, rank) in self._schedules:
-            return self._schedules[(h, w, rank)]
+        if (h, w, rank) in self._programs:
+            return self._programs[(h, w, rank)]
         g, size = self.graph, self.comm.size
         shapes, per = self.schedule(h, w)
         holders = {g.input: owned(h, None, size)}  # who holds which rows
@@ -167,7 +168,7 @@ class BandExecutor:
                 holders[op.output] = [per_r.get(op.output, (0, 0)) for per_r in need]
             prog.append(_Group(f"ops {a}-{b - 1}", f"exchange before {g.ops[run[0]].name}",
                                sends, recvs, widen, ops))
-        self._schedules[(h, w, rank)] = prog
+        self._programs[(h, w, rank)] = prog
         return prog
 
     def forward(self, pixels: np.ndarray | None, counter=None) -> np.ndarray | None:
