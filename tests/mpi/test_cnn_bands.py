@@ -15,6 +15,7 @@ TOL = 2e-5
 def _both(model_dir, split, pixels, threads=1):
     """(single-device logits, banded logits) on rank 0; (None, None) elsewhere."""
     from hepti.graph.cnn import build
+    from hepti.graph.split import conv_rows
     from hepti.model.cnn import CNNModel, Weights
     from hepti.parallel.bands import BandExecutor, head_rows
     from hepti.parallel.comm import Comm
@@ -23,8 +24,7 @@ def _both(model_dir, split, pixels, threads=1):
     with WeightStore(model_dir) as store:
         graph = build(store.config)
         rows = head_rows(graph, split, comm.rank, comm.size)
-        w = Weights(graph, store.read, rows if split.head == "cols" else
-                    {k: v for k, v in rows.items()})
+        w = Weights(graph, store.read, rows, conv_rows(graph, split, comm.rank, comm.size))
         got = BandExecutor(comm, graph, split, w, threads).forward(
             pixels if comm.rank == 0 else None)
         want = CNNModel.from_store(store).forward(pixels) if comm.rank == 0 else None
@@ -158,3 +158,46 @@ def test_genetic_splits_equal_single(resnet_tiny_dir):
         split = genome.split()
         want, got = _both(resnet_tiny_dir, split, px)
         _check(want, got, f"genome {k}: groups {split.groups}, per group {split.per_group}")
+
+
+def _alternating(n: int, every: int) -> tuple[tuple[str, ...], tuple[tuple[int, int], ...]]:
+    """One op per group, every `every`-th split by channels, the rest by rows."""
+    dims = tuple("channels" if i % every == every - 1 else "rows" for i in range(n))
+    return dims, tuple((i, i + 1) for i in range(n))
+
+
+@pytest.mark.parametrize("ratios", [(0.5, 0.5), (0.8, 0.2), (0.0, 1.0), (1.0, 0.0)])
+def test_channel_splits_equal_single(resnet_tiny_dir, vgg_tiny_dir, ratios):
+    """GenEFlow's vertical split (Split.dims "channels"): every op split by output channels
+    (dense convs, ResNet's downsample and identity adds, max pools, VGG's grid pool after),
+    then channels and rows alternating (the layouts reconciled by the exchange), with a rank
+    that has no channels; each rank loads only its rows of each conv weight."""
+    from hepti.graph.cnn import build
+    from hepti.graph.split import Split, spatial_ops
+    from hepti.weights import WeightStore
+    for model_dir, npz in ((resnet_tiny_dir, "resnet50_tiny"), (vgg_tiny_dir, "vgg16_tiny")):
+        px = np.load(FIXTURES / f"{npz}_expected.npz")["pixels"].astype(np.float32)
+        with WeightStore(model_dir) as st:
+            n = spatial_ops(build(st.config))
+        for every in (1, 2, 3):
+            dims, groups = _alternating(n, every)
+            split = Split(ratios, groups, "cols", dims=dims)
+            want, got = _both(model_dir, split, px)
+            _check(want, got, f"{npz} {ratios} channels every {every}")
+
+
+def test_depthwise_channel_split_equal_single(mobilenet_dir):
+    """MobileNetV2's depthwise convs split by channels (each rank its own input channels),
+    per-group vectors that differ, next to fused groups split by rows."""
+    from hepti.graph.cnn import build
+    from hepti.graph.split import Split, spatial_ops
+    from hepti.weights import WeightStore
+    e = np.load(FIXTURES / "mobilenet_v2_expected.npz")
+    with WeightStore(mobilenet_dir) as st:
+        n = spatial_ops(build(st.config))
+    groups = ((0, 3),) + tuple((i, i + 1) for i in range(3, n))
+    dims = ("rows",) + tuple("channels" if i % 2 else "rows" for i in range(3, n))
+    per = tuple((0.3, 0.7) if k % 3 else (0.75, 0.25) for k in range(len(groups)))
+    want, got = _both(mobilenet_dir, Split((0.4, 0.6), groups, "cols", per, dims),
+                      e["image_pixels"])
+    _check(want, got, "mobilenet channels")

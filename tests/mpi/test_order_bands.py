@@ -15,6 +15,7 @@ from order_helpers import TINY, late_downsample_order, pixels, random_tensors
 
 
 def _run(name, split, order=None, h=56, w=48):
+    from hepti.graph.split import conv_rows
     from hepti.model.livebytes import AllocationCounter
     from hepti.parallel.bands import BandExecutor, head_rows
     from hepti.parallel.comm import Comm
@@ -23,7 +24,8 @@ def _run(name, split, order=None, h=56, w=48):
     comm = Comm(COMM)
     graph = build(CNNConfig(**TINY[name]))  # every rank: the same seeded weights, its columns
     weights = Weights(graph, tensors_reader(random_tensors(name)),
-                      head_rows(graph, split, comm.rank, comm.size))
+                      head_rows(graph, split, comm.rank, comm.size),
+                      conv_rows(graph, split, comm.rank, comm.size))
     ex = BandExecutor(comm, graph, split, weights, order=order)
     x = pixels(1, h, w)
     c = AllocationCounter()
@@ -57,3 +59,14 @@ def test_a_fused_resnet_in_another_order_same_logits_and_the_rank_model_exactly(
     else:
         all_ok(got is None and want is None, "a rank other than 0 returned logits")
     all_ok(peak == modelled, f"counter {peak}, model {modelled}")
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_counter_equals_the_rank_model_split_by_channels(name):
+    """Groups split by channels (whole maps on every rank) beside groups split by rows."""
+    from hepti.graph.split import Split, spatial_ops
+    n = spatial_ops(build(CNNConfig(**TINY[name])))
+    dims = tuple("channels" if i % 3 else "rows" for i in range(n))
+    split = Split((0.6, 0.4), tuple((i, i + 1) for i in range(n)), "cols", dims=dims)
+    got, peak, modelled = _run(name, split)
+    all_ok(peak == modelled, f"{name} by channels: counter {peak}, model {modelled}")

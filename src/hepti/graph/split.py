@@ -1,13 +1,14 @@
-"""A height split's geometry, which the executor (hepti.parallel.bands) and the planner
-(hepti.plan.coedge) both read: which rows of each feature map a rank owns, and which it must
-compute or fetch in a group of ops. No MPI, no kernels."""
+"""A CNN split's geometry, which the executor (hepti.parallel.bands) and the planners
+(hepti.plan.coedge, hepti.plan.genetic_cnn) all read: which rows of each feature map a rank
+owns, which it must compute or fetch in a group of ops, and, in a group split by channels,
+which output channels (and so which rows of each weight) are its. No MPI, no kernels."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
 from hepti.counts import counts, offsets
-from hepti.graph.cnn import SPATIAL, Graph
+from hepti.graph.cnn import CONV, LINEAR, SPATIAL, Graph
 
 
 @dataclass(frozen=True)
@@ -16,15 +17,23 @@ class Split:
     `groups` (the spatial ops' [start, stop) index ranges, in order, covering them all; one op
     each when None) and how the linear head is split ("cols" or "primary"). `per_group`, if
     given, overrides `ratios` group by group: the maps a group makes are split by its own
-    vector (a pipeline: each group's vector one-hot on the rank that runs it)."""
+    vector (a pipeline: each group's vector one-hot on the rank that runs it). `dims`, if
+    given, says per group how it is split: "rows" (by height, CoEdge's) or "channels" (each
+    conv's output channels, so its weight's rows, by the group's vector: every rank that
+    takes part reads the whole input map, computes its channels of the whole output, and an
+    allgather gives every rank the whole map; GenEFlow's vertical split)."""
 
     ratios: tuple[float, ...]
     groups: tuple[tuple[int, int], ...] | None = None
     head: str = "cols"
     per_group: tuple[tuple[float, ...], ...] | None = None
+    dims: tuple[str, ...] | None = None
 
     def group_ratios(self, k: int) -> tuple[float, ...]:
         return self.ratios if self.per_group is None else self.per_group[k]
+
+    def group_dim(self, k: int) -> str:
+        return "rows" if self.dims is None else self.dims[k]
 
     def members(self) -> list[int]:
         """The ranks a forward needs: rank 0 (the pixels and the logits) and every rank with
@@ -52,7 +61,13 @@ class Split:
     def group_ranges(self, graph: Graph) -> list[tuple[int, int]]:
         n = spatial_ops(graph)
         if self.groups is None:
+            if self.dims is not None and len(self.dims) != n:
+                raise ValueError(f"dims {list(self.dims)}: one per op ({n}) when no groups")
             return [(i, i + 1) for i in range(n)]
+        if self.dims is not None:
+            if len(self.dims) != len(self.groups) or not set(self.dims) <= set(DIMS):
+                raise ValueError(f"dims {list(self.dims)}: one of {', '.join(DIMS)} per group "
+                                 f"({len(self.groups)} groups)")
         at = 0
         for a, b in self.groups:
             if a != at or b <= a:
@@ -62,6 +77,9 @@ class Split:
             raise ValueError(f"fused groups {list(self.groups)} end at op {at}, the spatial part "
                              f"has {n} ops")
         return [tuple(g) for g in self.groups]
+
+
+DIMS = ("rows", "channels")
 
 
 def spatial_ops(graph: Graph) -> int:
@@ -109,6 +127,71 @@ def needs(graph: Graph, shapes: dict, group: tuple[int, int], ratios, rank: int)
     return {t: r for t, r in need.items() if t in made or r[1] > r[0]}
 
 
+def channel_needs(graph: Graph, shapes: dict, group: tuple[int, int], ratios, rank: int) -> dict:
+    """`needs` of a group split by channels: a rank with a share reads every row of the
+    group's inputs and makes every row of what it makes (its channels of it); one without
+    reads and makes nothing (the allgathers still hand it every made map)."""
+    if not ratios[rank] > 0:
+        return {}
+    need = {}
+    for op in graph.ops[group[0]:group[1]]:
+        for t in (op.input, op.residual, op.output):
+            if t is not None:
+                need[t] = (0, shapes[t][0])
+    return need
+
+
+def channel_unit(op) -> int:
+    """The channels a channel split moves together: a group of a grouped (not depthwise)
+    conv, one channel otherwise."""
+    if op.kind == CONV and op.groups > 1 and not op.depthwise:
+        return op.cout // op.groups
+    return 1
+
+
+def out_channels(op, ratios, channels: int | None = None) -> list[int]:
+    """Each rank's count of op's output channels (`channels`: a pooling's, which has no
+    cout of its own) under a channel split by `ratios`."""
+    unit = channel_unit(op)
+    return [c * unit for c in counts((channels or op.cout) // unit, ratios)]
+
+
+def channel_slice(op, ratios, rank: int, channels: int | None = None
+                  ) -> tuple[int, int, int, int, int]:
+    """(c0, c1, i0, i1, groups): `rank`'s output channels [c0, c1) of op under a channel split,
+    the input channels [i0, i1) they read (all of them for a dense conv, their own for a
+    depthwise or grouped one, and a pooling's), and the group count of that slice's conv."""
+    c = out_channels(op, ratios, channels)
+    c0 = offsets(c)[rank]
+    c1 = c0 + c[rank]
+    if op.kind != CONV:  # a pooling: each channel reads its own
+        return c0, c1, c0, c1, 1
+    if op.groups == 1:
+        return c0, c1, 0, op.cin, 1
+    unit, cin_g = op.cout // op.groups, op.cin // op.groups
+    g0, g1 = c0 // unit, c1 // unit
+    return c0, c1, g0 * cin_g, g1 * cin_g, g1 - g0
+
+
+def conv_rows(graph: Graph, split: Split, rank: int, size: int) -> dict[str, tuple[int, int]]:
+    """Rows [lo, hi) of each conv's stored weight [cout, ...] (and bias) `rank` reads: all of
+    them in a group split by rows where it has a share, none where it has none, its output
+    channels in a group split by channels."""
+    out = {}
+    for k, (a, b) in enumerate(split.group_ranges(graph)):
+        ratios = split.group_ratios(k)
+        for op in graph.ops[a:b]:
+            if op.kind != CONV:
+                continue
+            if size == 1:
+                out[op.name] = (0, op.cout)
+            elif split.group_dim(k) == "channels":
+                out[op.name] = channel_slice(op, ratios, rank)[:2]
+            else:
+                out[op.name] = (0, op.cout) if ratios[rank] > 0 else (0, 0)
+    return out
+
+
 def gaps(want, have) -> list[tuple[int, int]]:
     """Parts of range `want` outside range `have`."""
     lo, hi = want
@@ -120,3 +203,18 @@ def gaps(want, have) -> list[tuple[int, int]]:
     if hi > have[1]:
         out.append((max(lo, have[1]), hi))
     return [g for g in out if g[1] > g[0]]
+
+
+def head_rows(graph: Graph, split: Split, rank: int, size: int) -> dict[str, tuple[int, int]]:
+    """Rows [lo, hi) of each linear's stored [out, in] weight this rank reads (its output
+    columns), for a head split by columns; every row on rank 0 for "primary"."""
+    out = {}
+    for op in graph.ops:
+        if op.kind != LINEAR:
+            continue
+        if split.head == "primary" or size == 1:
+            out[op.name] = (0, op.cout) if rank == 0 else (0, 0)
+        else:
+            c = counts(op.cout, split.ratios)
+            out[op.name] = (offsets(c)[rank], offsets(c)[rank] + c[rank])
+    return out

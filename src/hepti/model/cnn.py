@@ -15,15 +15,26 @@ class Weights:
     """A CNN's weights packed for the kernels: convs as ConvWeight, linears as PackedB (the
     stored [out, in]). `read(name, rows)` gives a stored tensor, or rows [lo, hi) of it;
     `head_rows` {linear op: (lo, hi)} reads only those output columns of a linear (a rank's
-    share of a head split by columns; none when lo == hi)."""
+    share of a head split by columns; none when lo == hi); `conv_rows` likewise a conv's
+    output channels (hepti.graph.split `conv_rows`: a rank's share of a channel split, or
+    none where it computes no rows of the op)."""
 
-    def __init__(self, graph: Graph, read, head_rows: dict | None = None):
+    def __init__(self, graph: Graph, read, head_rows: dict | None = None,
+                 conv_rows: dict | None = None):
         from hepti import kernels as K
         self.conv, self.linear, self.nbytes = {}, {}, 0
         for op in graph.ops:
             if op.kind == CONV:
-                w, b = read(f"{op.name}.weight", None), read(f"{op.name}.bias", None)
-                self.conv[op.name] = (K.pack_conv_weight(w, op.groups), b)
+                rows = (conv_rows or {}).get(op.name)
+                if rows is not None and rows[1] <= rows[0]:
+                    continue
+                whole = rows is None or rows == (0, op.cout)
+                w = read(f"{op.name}.weight", None if whole else rows)
+                b = read(f"{op.name}.bias", None if whole else rows)
+                # a slice of a grouped conv holds whole groups (hepti.graph.split channel_unit)
+                groups = op.groups if whole or op.groups == 1 else \
+                    (rows[1] - rows[0]) // (op.cout // op.groups)
+                self.conv[op.name] = (K.pack_conv_weight(w, groups), b)
                 self.nbytes += w.nbytes + b.nbytes
             elif op.kind == LINEAR:
                 rows = (head_rows or {}).get(op.name)

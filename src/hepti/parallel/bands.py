@@ -19,6 +19,14 @@ sums; a pooling to a grid (VGG's 7x7) gathers the whole map first. The linear he
 output columns in the same ratios (`Split.head` "cols": each rank reads only its rows of each
 [out, in] weight, and an allgather joins the columns), or runs on rank 0 alone ("primary").
 
+**Groups split by channels** (`Split.dims`, GenEFlow's vertical split): every rank with a
+share fetches the whole of the group's input maps, by the same exchange (so a band split's
+rows are gathered); each op then makes the rank's output channels of the whole map (its rows
+of each weight: hepti.graph.split `conv_rows`, all a rank loads) and an allgather over the
+channels hands every rank the whole map, which the next group reads without an exchange.
+Weights are sliced, activations are whole: the split for a device short of memory for
+weights, such as ResNet-50's last stages (small maps, most of the weights).
+
 Every rank computes every rank's needs, the same way, so both ends of each message know its
 rows without asking. Nothing here imports MPI: the verbs are hepti.parallel.comm's.
 
@@ -38,9 +46,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hepti.counts import counts, offsets
+from hepti.counts import counts
 from hepti.graph.cnn import ADAPTIVE_AVG, LINEAR, Graph
-from hepti.graph.split import Split, gaps, needs, owned, spatial_ops, union
+from hepti.graph.split import (Split, channel_needs, channel_slice, gaps, head_rows,  # noqa: F401
+                               needs, out_channels, owned, spatial_ops, union)
 
 
 @dataclass
@@ -68,7 +77,9 @@ class _Group:
     sends: dict  # peer -> [(tensor, row lo, row hi)] this rank sends it, in order
     recvs: dict  # peer -> [(tensor, row lo, row hi)] this rank receives from it, in order
     widen: list  # [(tensor, lo, hi)]: the band this rank holds of it becomes rows [lo, hi)
-    ops: list  # [(op, its output rows or None, its input rows, band padding, tensors to free)]
+    ops: list  # [(op, its output rows or None, its input rows, band padding, tensors to free,
+    #  a channel split's (c0, c1, i0, i1, each rank's channel count) or None)]
+    channels: bool = False  # split by channels: each op's compute, then its allgather
 
 
 class BandExecutor:
@@ -101,7 +112,8 @@ class BandExecutor:
         ms of Python for ResNet-50's 54 spatial ops at 4 ranks, every forward otherwise)."""
         if (h, w) not in self._schedules:
             shapes = self.graph.shapes(h, w)
-            per = [[needs(self.graph, shapes, g, self.split.group_ratios(k), r)
+            per = [[(channel_needs if self.split.group_dim(k) == "channels" else needs)(
+                        self.graph, shapes, g, self.split.group_ratios(k), r)
                     for r in range(self.comm.size)] for k, g in enumerate(self.groups)]
             self._schedules[(h, w)] = (shapes, per)
         return self._schedules[(h, w)]
@@ -121,7 +133,8 @@ class BandExecutor:
         holders = {g.input: owned(h, None, size)}  # who holds which rows
         held = {g.input: (0, h)} if rank == 0 else {}  # the rows of each tensor this rank holds
         prog, step = [], 0
-        for (a, b), run, need in zip(self.groups, self.runs, per):
+        for k, ((a, b), run, need) in enumerate(zip(self.groups, self.runs, per)):
+            by_channels = self.split.group_dim(k) == "channels"
             made = {op.output for op in g.ops[a:b]}
             sends: dict[int, list] = {}
             recvs: dict[int, list] = {}
@@ -157,17 +170,25 @@ class BandExecutor:
                 r = need[rank].get(op.output)
                 frees = tuple(t for t in (op.input, op.residual)
                               if t is not None and self.last.get(t) == step)
-                if r is not None and r[1] > r[0]:
+                if by_channels:  # every rank joins the allgather, and holds the whole map
+                    ratios, c = self.split.group_ratios(k), shapes[op.output][2]
+                    whole = (0, shapes[op.output][0])
+                    chan = channel_slice(op, ratios, rank, c)[:4] + (out_channels(op, ratios, c),)
+                    ops.append((op, whole, (0, shapes[op.input][0]), None, frees, chan))
+                    held[op.output] = whole
+                elif r is not None and r[1] > r[0]:
                     h_in = shapes[op.input][0]
-                    ops.append((op, r, op.in_rows(*r, h_in), op.band_padding(*r, h_in), frees))
+                    ops.append((op, r, op.in_rows(*r, h_in), op.band_padding(*r, h_in), frees,
+                                None))
                     held[op.output] = r
                 else:
-                    ops.append((op, None, (0, 0), None, frees))
+                    ops.append((op, None, (0, 0), None, frees, None))
                 step += 1
             for op in g.ops[a:b]:  # what each rank now holds of what the group made
-                holders[op.output] = [per_r.get(op.output, (0, 0)) for per_r in need]
+                holders[op.output] = ([(0, shapes[op.output][0])] * size if by_channels else
+                                      [per_r.get(op.output, (0, 0)) for per_r in need])
             prog.append(_Group(f"ops {a}-{b - 1}", f"exchange before {g.ops[run[0]].name}",
-                               sends, recvs, widen, ops))
+                               sends, recvs, widen, ops, by_channels))
         self._programs[(h, w, rank)] = prog
         return prog
 
@@ -191,8 +212,18 @@ class BandExecutor:
                 running[0] = grp.exchange_name
             if grp.sends or grp.recvs or grp.widen:
                 self._fetch(grp, have, shapes, n)
+            if grp.channels:  # each op's compute span, then its allgather (not inside it)
+                for op, _, _, _, frees, chan in grp.ops:
+                    if counter is not None:
+                        running[0] = op.name
+                    have[op.output] = Band(0, self._by_channels(op, chan, have, shapes, n))
+                    for t in frees:
+                        if t in have:
+                            del have[t]
+                    step += 1
+                continue
             with comm.tracer.span(grp.name, "compute"):
-                for op, r, (i0, i1), pad, frees in grp.ops:
+                for op, r, (i0, i1), pad, frees, _ in grp.ops:
                     if counter is not None:  # the step an allocation is charged to
                         running[0] = op.name
                     if r is not None:
@@ -207,6 +238,27 @@ class BandExecutor:
                             del have[t]
                     step += 1
         return self._tail(have, shapes, n, step, running)
+
+    def _by_channels(self, op, chan, have, shapes, n) -> np.ndarray:
+        """This rank's output channels [c0, c1) of op over the whole map, from the whole
+        input (its channels [i0, i1) of it), then every rank's, allgathered: the whole map."""
+        from hepti.model.cnn import apply
+        c0, c1, i0, i1, per_rank = chan
+        hh, ww, _ = shapes[op.output]
+        with self.comm.tracer.span(f"{op.name} (channels {c0}-{c1})", "compute"):
+            if c1 > c0:
+                x = have[op.input].x
+                if (i0, i1) != (0, x.shape[3]):
+                    x = x[..., i0:i1]
+                res = have[op.residual].x[..., c0:c1] if op.residual is not None else None
+                y = apply(op, np.ascontiguousarray(x), self.weights,
+                          None if res is None else np.ascontiguousarray(res),
+                          threads=self.threads)
+                y = np.ascontiguousarray(y.transpose(3, 0, 1, 2))
+            else:
+                y = np.empty((0, n, hh, ww), np.float32)
+        full = self.comm.allgather_rows(y, per_rank)
+        return np.ascontiguousarray(full.transpose(1, 2, 3, 0))  # a copy (full may be shm's)
 
     def _fetch(self, grp: "_Group", have, shapes, n):
         """The group's inputs: every rank's missing rows, from the ranks that own them, in
@@ -322,7 +374,7 @@ class BandExecutor:
                 name = f"halo {t} {k}"
                 ops.append(OpNode(name, "halo", (src,), (new,)))
                 order.append(name)
-            for op, r, _, _, _ in grp.ops:
+            for op, r, _, _, _, _ in grp.ops:
                 ins = (current[op.input],) + ((current[op.residual],) if op.residual else ())
                 band(op.output, op.output, r)
                 ops.append(OpNode(op.name, op.kind, ins, (op.output,)))
@@ -338,18 +390,3 @@ class BandExecutor:
         dag = OpDag(f"{g.config.arch} rank {rank}", ops, tensors, (g.input,), (g.output,),
                     0, n, {"source": "hepti.parallel.bands rank_dag", "input_hw": [h, w]})
         return dag, order
-
-
-def head_rows(graph: Graph, split: Split, rank: int, size: int) -> dict[str, tuple[int, int]]:
-    """Rows [lo, hi) of each linear's stored [out, in] weight this rank reads (its output
-    columns), for a head split by columns; every row on rank 0 for "primary"."""
-    out = {}
-    for op in graph.ops:
-        if op.kind != LINEAR:
-            continue
-        if split.head == "primary" or size == 1:
-            out[op.name] = (0, op.cout) if rank == 0 else (0, 0)
-        else:
-            c = counts(op.cout, split.ratios)
-            out[op.name] = (offsets(c)[rank], offsets(c)[rank] + c[rank])
-    return out

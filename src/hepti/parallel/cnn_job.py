@@ -21,8 +21,8 @@ log = logging.getLogger("hepti")
 
 
 class BandJob:
-    """One rank's part of a CNN run: its weights (every conv; its columns of the head) and the
-    band executor. `run_all(batches, n, on_output)` as hepti.parallel.engine.Job's: rank 0
+    """One rank's part of a CNN run: its weights (every conv of a group it has rows of, its
+    channels of a conv split by channels, its columns of the head) and the band executor. `run_all(batches, n, on_output)` as hepti.parallel.engine.Job's: rank 0
     reads the batches and gets on_output(i, logits [B, 1, classes]).
 
     The executor runs on a sub-communicator of the ranks that work (a share of some group's
@@ -35,6 +35,7 @@ class BandJob:
     def __init__(self, world, store, plan, threads: int = 1):
         from hepti.graph.cnn import build
         from hepti.model.cnn import Weights
+        from hepti.graph.split import conv_rows
         from hepti.parallel.bands import BandExecutor, head_rows
         from hepti.parallel.engine import current_rss, reset_peak_rss
         from hepti.plan.coedge import split_of
@@ -51,7 +52,8 @@ class BandJob:
             return
         sub = split.on(self.members)
         self.weights = Weights(graph, store.read,
-                               head_rows(graph, sub, self.group.rank, self.group.size))
+                               head_rows(graph, sub, self.group.rank, self.group.size),
+                               conv_rows(graph, sub, self.group.rank, self.group.size))
         # BTSearch's order within each group (for hepti's CNNs its peak is the file order's)
         from hepti.graph.opdag import from_cnn
         from hepti.plan.order import executor_order

@@ -12,6 +12,10 @@ DeepThings' fusion, chosen per group by the cost model.
   over its bandwidth (a full-duplex port on a switch, as the profile measured it).
 - Latency = sum over groups of (slowest compute + slowest exchange), then the pooling (an
   allreduce of [N, C]) and the head (each rank's share of the columns, an allgather).
+- A group split by channels (`channel_group_cost`, GenEFlow's vertical split): the exchange
+  that brings every rank with a share the whole input map, then per op, the slowest rank's
+  compute (its share of the channels of every row) and the slowest rank's allgather of the
+  whole output map (every member receives what the others made, over its link).
 
 **The linear program** (`solve_ratios`), CoEdge's formulation for a set of active devices,
 one group per op: variables r_i (each device's share of every map's rows) and T_l (op l's
@@ -45,7 +49,8 @@ import numpy as np
 from hepti.counts import counts
 from hepti.errors import PlanError
 from hepti.graph.cnn import ADAPTIVE_AVG, F32, LINEAR, Graph
-from hepti.graph.split import Split, gaps, needs, owned, spatial_ops
+from hepti.graph.split import (Split, channel_needs, gaps, needs, out_channels, owned,
+                               spatial_ops)
 
 CNN_STRATEGIES = ("auto", "even", "proportional", "grid", "pipeline", "single")
 MAX_FUSE = 8  # ops in one fused group at most (deeper halos grow fast: DeepThings fuses ~4-16)
@@ -160,6 +165,48 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
     return max(comp), max(comm), comp, comm
 
 
+def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts,
+                       members: list[int], n: int = 1, w: int | None = None,
+                       moved: list | None = None, owners: dict | None = None
+                       ) -> tuple[float, float, list[float], list[float]]:
+    """`group_cost` of a group split by channels (hepti.parallel.bands `_by_channels`): the
+    exchange of the whole input maps to every rank with a share, then each op in turn, each
+    rank computing its channels of every row and all of the `members` (the executor's
+    sub-communicator) allgathering the whole output map; each op ends when its slowest rank
+    has its map. Returns (the ops' slowest computes summed, the exchange's and the ops'
+    slowest allgathers summed, compute per rank, communication per rank); `moved` gets the
+    exchange's bytes (the allgathers' are not halo bytes)."""
+    w = costs.w if w is None else w
+    per_row = row_seconds(costs, graph, w, n)
+    P = costs.size
+    need = [channel_needs(graph, shapes, group, ratios, r) for r in range(P)]
+    comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners)
+    c_sum, x_sum = 0.0, max(comm)
+    comp = [0.0] * P
+    comm = list(comm)
+    for l in range(*group):
+        hh, ww, c = shapes[graph.ops[l].output]
+        per = out_channels(graph.ops[l], ratios, c)
+        c_op, x_op = [0.0] * P, [0.0] * P
+        for i in range(P):
+            if per[i]:
+                c_op[i] = hh * per_row[i][l] * per[i] / c + costs.overhead_s[i]
+        for i in (members if len(members) > 1 else ()):  # its channels to each other
+            # member, and everyone else's to it
+            out_b = F32 * n * hh * ww * per[i] * (len(members) - 1)
+            in_b = F32 * n * hh * ww * (c - per[i])
+            x_op[i] = costs.latency_s[i] + max(out_b, in_b) / costs.bandwidth_Bps[i]
+        c_sum += max(c_op)
+        x_sum += max(x_op)
+        comp = [u + v for u, v in zip(comp, c_op)]
+        comm = [u + v for u, v in zip(comm, x_op)]
+    if moved is not None:
+        for i in range(P):
+            moved[i][0] += sent[i]
+            moved[i][1] += got[i]
+    return c_sum, x_sum, comp, comm
+
+
 def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int,
                      owners: dict | None = None) -> tuple[list[float], list[float], list[float]]:
     """Each rank's time in the group's exchange, and its bytes sent and received: the rows
@@ -231,9 +278,14 @@ def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int 
     comp, comm = [0.0] * P, [0.0] * P
     moved = [[0.0, 0.0] for _ in range(P)]
     owners = split.owners(graph)
+    members = split.members()
     for k, g in enumerate(groups):
-        c_max, x_max, c, x = group_cost(graph, shapes, g, split.group_ratios(k), costs, n, w,
-                                        moved, owners)
+        if split.group_dim(k) == "channels":
+            c_max, x_max, c, x = channel_group_cost(graph, shapes, g, split.group_ratios(k),
+                                                    costs, members, n, w, moved, owners)
+        else:
+            c_max, x_max, c, x = group_cost(graph, shapes, g, split.group_ratios(k), costs, n,
+                                            w, moved, owners)
         latency += c_max + x_max
         comp = [u + v for u, v in zip(comp, c)]
         comm = [u + v for u, v in zip(comm, x)]
@@ -536,4 +588,5 @@ def split_of(plan) -> Split:
     return Split(tuple(plan.ratios["rows"]),
                  tuple(tuple(g) for g in plan.groups) if plan.groups else None,
                  plan.head or "cols",
-                 tuple(tuple(r) for r in plan.group_ratios) if plan.group_ratios else None)
+                 tuple(tuple(r) for r in plan.group_ratios) if plan.group_ratios else None,
+                 tuple(plan.group_dims) if plan.group_dims else None)

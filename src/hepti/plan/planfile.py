@@ -14,6 +14,7 @@ Schema (version 1), JSON object:
       "groups": [[start, stop), ...] or null,        # bands (a CNN): fused groups of ops
       "head": "cols" | "primary" or null,            # bands: how the linear head is split
       "group_ratios": [[N floats] per group] or null, # bands: a group's own rows split
+      "group_dims": ["rows" | "channels" per group] or null,  # bands: how each group splits
       "assignment": {op: split} or null,             # mixed only: each operator's split
       "primary": rank,                               # embeds and collects (default 0)
       "model": "name", "seq_len": L, "batch": B,     # what the plan was made for
@@ -31,6 +32,8 @@ planner's choice where rank 0 would otherwise be kept busy, or hold the model, f
 
 A CNN's plan is "bands" (hepti.plan.coedge): `ratios` has "rows" alone, every feature map's
 share of rows per rank, and `groups` the fused groups of its spatial ops (hepti.graph.split).
+`group_dims` (GenEFlow's plans) splits some groups by output channels instead of rows; null
+reads as rows everywhere.
 
 A "mixed" plan (hepti.plan.genetic: GenEFlow) splits some blocks of a transformer layer by
 token rows and others by heads or FFN columns: `assignment` names each operator's split
@@ -76,6 +79,7 @@ class Plan:
     groups: list[list[int]] | None = None
     head: str | None = None
     group_ratios: list[list[float]] | None = None
+    group_dims: list[str] | None = None
     assignment: dict[str, str] | None = None
 
     def validate(self, world_size: int | None = None) -> "Plan":
@@ -91,6 +95,13 @@ class Plan:
             if vec is None:
                 raise PlanError(f"the plan lacks ratios for {dim!r}; give heads, ffn and rows")
             check_ratio_vector(vec, self.world_size, f"{dim} ratios")
+        if self.group_dims is not None:
+            n_groups = len(self.groups) if self.groups else None
+            if (not isinstance(self.group_dims, list)
+                    or any(d not in ("rows", "channels") for d in self.group_dims)
+                    or (n_groups is not None and len(self.group_dims) != n_groups)):
+                raise PlanError(f"group_dims {self.group_dims!r}: give \"rows\" or \"channels\" "
+                                f"for each of the plan's groups, or leave it out (rows)")
         if self.strategy == "mixed" and not isinstance(self.assignment, dict):
             raise PlanError("a mixed plan needs `assignment`: each operator's split, e.g. "
                             "{\"qkv\": \"cols\", \"ffn up\": \"rows\", ...}; make one with "
