@@ -136,7 +136,16 @@ def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path):
     p = subprocess.run([sys.executable, "-m", "hepti", "plan", "--model", resnet_tiny_dir,
                         "--profile", prof, "--out", plan], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    for extra in (["--strategy", "auto"], ["--strategy", "even"], ["--plan", plan]):
+    # GenEFlow under a cap below the weights (380 KB of them; 60% of one device's 485 KB):
+    # only ops split by channels, each rank loading its slice of their weights, can meet it
+    gplan = tmp_path / "genetic.json"
+    p = subprocess.run([sys.executable, "-m", "hepti", "plan", "--model", resnet_tiny_dir,
+                        "--profile", prof, "--search", "genetic", "--mem-cap", "60%",
+                        "--generations", "8", "--out", gplan], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "channels" in json.loads(gplan.read_text())["group_dims"]
+    for extra in (["--strategy", "auto"], ["--strategy", "even"], ["--plan", plan],
+                  ["--plan", gplan]):
         out = tmp_path / "y.npy"
         code, _, err, _ = launch(3, "-m", "hepti", "run", "--model", resnet_tiny_dir,
                                  "--input-pixels", px, "--output", out, "--json", *extra)

@@ -157,8 +157,48 @@ def test_cnn_caps_hold_and_a_cap_below_the_weights_says_why():
     cap = g.weight_bytes() + 0.6 * (peak - g.weight_bytes())  # the activations must be split
     best, pred, _ = genetic_cnn_search(g, costs, H, W, 1, [cap] * 3, seed=0, **SMALL)
     assert all(m <= cap * (1 + 1e-9) for m in band_memory(g, best.split(), H, W, 1, 3))
-    with pytest.raises(PlanError, match="no channel split"):
-        genetic_cnn_search(g, costs, H, W, 1, [0.9 * g.weight_bytes()] * 3, seed=0, **SMALL)
+    with pytest.raises(PlanError, match="no plan fits the memory caps"):
+        genetic_cnn_search(g, costs, H, W, 1, [0.2 * g.weight_bytes()] * 3, seed=0, **SMALL)
+
+
+def test_cnn_a_cap_below_the_weights_is_met_by_channel_splits():
+    """No rows split fits a cap below the weights (each rank with rows of an op holds its
+    whole weight); splitting some ops by channels slices them, and the caps hold."""
+    from hepti.plan.genetic_cnn import band_memory, genetic_cnn_search
+    g, costs, H, W = _cnn()
+    cap = 0.9 * g.weight_bytes()
+    best, pred, _ = genetic_cnn_search(g, costs, H, W, 1, [cap] * 3, seed=0, **SMALL)
+    split = best.split()
+    assert split.dims is not None and "channels" in split.dims
+    assert all(m <= cap * (1 + 1e-9) for m in band_memory(g, split, H, W, 1, 3))
+
+
+@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2"])
+def test_cnn_weight_bytes_are_what_each_rank_loads(name):
+    """The memory model's weights per rank (weight_bytes_of) equal what hepti.model.cnn's
+    Weights loads for that rank's conv and head rows, under a split mixing rows (a rank
+    without rows in a group loads none of its convs) and channels (a grouped conv too)."""
+    import numpy as np
+    from hepti.graph.split import Split, conv_rows, head_rows, spatial_ops
+    from hepti.model.cnn import Weights, tensors_reader
+    from hepti.config import CNNConfig
+    from hepti.graph.cnn import build
+    from hepti.plan.genetic_cnn import weight_bytes_of
+    from order_helpers import TINY
+    g = build(CNNConfig(**TINY[name]))
+    assert name != "mobilenet_v2" or any(op.depthwise for op in g.ops)
+    n = spatial_ops(g)
+    rng = np.random.default_rng(0)
+    tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in g.weights().items()}
+    per = tuple((0.5, 0.0, 0.5) if k % 4 == 1 else (0.2, 0.5, 0.3) for k in range(n))
+    dims = tuple("channels" if k % 3 == 2 else "rows" for k in range(n))
+    split = Split((0.2, 0.5, 0.3), tuple((k, k + 1) for k in range(n)), "cols", per, dims)
+    total = 0
+    for r in range(3):
+        w = Weights(g, tensors_reader(tensors), head_rows(g, split, r, 3), conv_rows(g, split, r, 3))
+        assert w.nbytes == weight_bytes_of(g, split, r, 3)
+        total += w.nbytes
+    assert total < 3 * g.weight_bytes()
 
 
 def test_layers_may_split_differently(cfg):

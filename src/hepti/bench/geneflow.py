@@ -168,12 +168,14 @@ def grid_case(model: str, cfg, full, n: int, cap, seeds: int, settings: dict) ->
 
 def grid_case_cnn(model: str, cfg, full, n: int, cap, seeds: int, settings: dict):
     """A CNN's case: GenEFlow (hepti.plan.genetic_cnn) over the seeds against CoEdge's plan
-    (the LP and its fusion: a height split, the one dimension the band runtime has, so it is
-    also the best single-dimension plan) and even, predicted."""
+    (the LP and its fusion: the height split, single-dimension plan `rows`), every op split by
+    output channels (hepti.plan.genetic_cnn.channel_split: single-dimension plan `tensor`)
+    and even, predicted."""
     from hepti.errors import PlanError
     from hepti.graph.cnn import build
     from hepti.plan.coedge import CNNCosts, make_cnn_plan
-    from hepti.plan.genetic_cnn import make_genetic_cnn_plan, single_device_peak_cnn
+    from hepti.plan.genetic_cnn import (channel_split, make_genetic_cnn_plan,
+                                        single_device_peak_cnn)
     profile = sub_profile(full, n)
     graph = build(cfg)
     costs = CNNCosts.from_profile(profile, graph)
@@ -192,16 +194,22 @@ def grid_case_cnn(model: str, cfg, full, n: int, cap, seeds: int, settings: dict
         return all(m <= c * (1 + 1e-9) for m, c in zip(mem, caps) if m)
 
     lp_ok, even_ok = fits(lp), fits(even)
+    from hepti.plan.coedge import predict
+    by_channels = channel_split(graph, costs, costs.h, costs.w, costs.n, caps)
+    tensor_s = (None if by_channels is None else
+                predict(graph, by_channels, costs, costs.h, costs.w, costs.n)["latency_s"])
     rec = {"model": model, "seq": MODELS[model], "devices": n,
            "cap": "none" if cap is None else f"{cap:.0%}", "cap_bytes": budget,
            "single_device_peak_bytes": peak, "weight_bytes": graph.weight_bytes(),
            "lp_strategy": "bands (CoEdge)" if lp_ok else None,
            "lp_s": lp.predicted_latency_s if lp_ok else None,
            "lp_note": "" if lp_ok else "CoEdge's plan is over the cap",
-           "rows_s": lp.predicted_latency_s if lp_ok else None, "tensor_s": None,
-           "tensor_note": "no channel split in the CNN runtime",
+           "rows_s": lp.predicted_latency_s if lp_ok else None, "tensor_s": tensor_s,
+           "tensor_note": "every op split by output channels" + (
+               "" if by_channels else ": no shares fit the caps"),
            "even_s": even.predicted_latency_s if even_ok else None}
-    rec["best_single_dim_s"] = rec["rows_s"]
+    single = [x for x in (rec["rows_s"], tensor_s) if x is not None]
+    rec["best_single_dim_s"] = min(single) if single else None
     runs, plans = [], {}
     for seed in range(seeds):
         t0 = time.perf_counter()
@@ -213,7 +221,8 @@ def grid_case_cnn(model: str, cfg, full, n: int, cap, seeds: int, settings: dict
         g = plan.predicted["genetic"]
         within = all(m <= c * (1 + 1e-9) for m, c in zip(plan.predicted["mem_bytes"], caps) if m)
         runs.append({"seed": seed, "latency_s": plan.predicted_latency_s, "strategy": "bands",
-                     "structure": f"{g['groups']} groups, head {g['head']}",
+                     "structure": f"{g['groups']} groups ({g['channel_groups']} by channels), "
+                                  f"head {g['head']}",
                      "search_s": time.perf_counter() - t0, "evaluations": g["evaluations"],
                      "within_caps": within,
                      "gain_over_best_seed": _gain(min(g["seeds_s"].values()), plan.predicted_latency_s)})
@@ -255,7 +264,8 @@ def same_plan(a, b) -> bool:
     return (a is not None and b is not None and a.strategy == b.strategy and a.counts == b.counts
             and a.assignment == b.assignment and a.primary == b.primary
             and a.mem_budget == b.mem_budget and a.groups == b.groups
-            and a.group_ratios == b.group_ratios and a.head == b.head)
+            and a.group_ratios == b.group_ratios and a.head == b.head
+            and a.group_dims == b.group_dims)
 
 
 def measure(case: dict, plan, spec_path: Path, n: int, model_case: dict, workdir: Path,

@@ -1,29 +1,36 @@
-"""GenEFlow for CNNs: a genetic search over fused groups and each group's height split, judged
-by CoEdge's cost model (hepti.plan.coedge.predict), for `hepti plan --search genetic`.
+"""GenEFlow for CNNs: a genetic search over fused groups and each group's split, by height
+(horizontal) or by output channels (vertical), judged by CoEdge's cost model
+(hepti.plan.coedge.predict), for `hepti plan --search genetic`.
 
 **Chromosome** (`CNNGenome`): a cut bit after each spatial op (a group ends there; a group is
 at most coedge.MAX_FUSE ops, so longer runs are cut), a ratio vector per spatial op (each
-device's share of the rows of the maps it makes; a group uses its first op's vector, so that
-moving a cut keeps every group's shares meaningful), and how the linear head is split (`cols`
-over the devices or `primary`). This is what a "bands" plan file already carries (`groups`,
-`group_ratios`, `head`), so every plan runs on the band executor as it is. A device with share
-0 in every group takes no part.
+device's share of the rows, or of the output channels, of the maps it makes; a group uses its
+first op's vector, so that moving a cut keeps every group's shares meaningful), each op's
+split dimension ("rows" or "channels"; an op split by channels is a group of its own), and
+how the linear head is split (`cols` over the devices or `primary`). This is what a "bands"
+plan file carries (`groups`, `group_ratios`, `group_dims`, `head`), so every plan runs on the
+band executor as it is; where neighbouring groups split differently, the executor's exchange
+gathers the rows a channel split reads whole. A device with share 0 in every group takes no
+part.
 
-The height split (horizontal) is the only split dimension here: the band executor has no
-channel (vertical) split, so a CNN's weights are whole on every device that takes part and a
-memory cap below the weights plus a band of activations cannot be met by any plan here. Such a
-cap gets a PlanError that says so (adding channel splits is the way to meet it; not done).
+Why both: a height split keeps a conv's whole weight on every device that has rows of it, so
+a memory cap below the weights cannot be met by rows alone (ResNet-50: 97 MiB of weights). A
+channel split slices the weights and pays an allgather of the whole map per op: cheap where
+the maps are small and the weights large (the last stages), dear early on.
 
 **Fitness**: coedge.predict's latency, plus the constraint-violation term of hepti.plan.genetic
 (`PENALTY` x latency x the summed relative excess over the caps) for the memory `band_memory`
-estimates: the weights, and the rows of every tensor a rank holds in its largest group (what
-`split.needs` says it computes or reads), as if all were live at once: an upper bound.
+estimates: the rank's weights (`weight_bytes_of`: as hepti.parallel.cnn_job loads them), and
+the rows of every tensor a rank holds in its largest group (what `split.needs` says it
+computes or reads; whole maps in a channel split), as if all were live at once: an upper
+bound.
 
 **Seeds**: CoEdge's plan (hepti.plan.coedge.plan_cnn "auto": the LP per device subset, then the
 fusion DP), its ratios one op per group and fused in fixed groups of 4, the even,
-proportional and grid (DeepThings) baselines, and random genomes. Elitism keeps the best, so
-the result is never slower than CoEdge's plan under the same model. Deterministic from the
-seed. No MPI here.
+proportional and grid (DeepThings) baselines, the LP's and the proportional ratios with the
+ops that hold the last 100%, 75% or 50% of the weights split by channels (`channels_from`),
+and random genomes. Elitism keeps the best, so the result is never slower than CoEdge's plan
+under the same model. Deterministic from the seed. No MPI here.
 """
 from __future__ import annotations
 
@@ -35,7 +42,8 @@ import numpy as np
 
 from hepti.errors import PlanError
 from hepti.graph.cnn import F32
-from hepti.graph.split import Split, needs, spatial_ops
+from hepti.graph.split import (Split, channel_needs, conv_rows, head_rows, needs,
+                               out_channels, spatial_ops)
 from hepti.plan.genetic import DEFAULTS, PENALTY, Evolution
 
 SHARE_FLOOR = 0.02  # a share below this is rounded to 0 (coedge.MIN_SHARE's band of a few rows)
@@ -46,6 +54,8 @@ class CNNGenome:
     cuts: tuple[bool, ...]  # cuts[l]: a group ends after spatial op l (the last is always cut)
     ratios: tuple[tuple[float, ...], ...]  # per spatial op
     head: str  # "cols" | "primary"
+    dims: tuple[str, ...] | None = None  # per spatial op, "rows" or "channels" (None: rows);
+    # an op split by channels is a group of its own (CNNSearch._fix)
 
     def groups(self) -> tuple[tuple[int, int], ...]:
         out, a = [], 0
@@ -58,34 +68,96 @@ class CNNGenome:
     def split(self) -> Split:
         groups = self.groups()
         per = tuple(self.ratios[a] for a, _ in groups)
+        dims = None if self.dims is None or "channels" not in self.dims else \
+            tuple(self.dims[a] for a, _ in groups)
         # the global vector (the head's columns, the pooled map's owner when unfused) is the
         # last group's: the maps the tail reads are made there
-        return Split(per[-1], groups, self.head, per)
+        return Split(per[-1], groups, self.head, per, dims)
+
+
+def weight_bytes_of(graph, split: Split, rank: int, size: int) -> float:
+    """The weight bytes `rank` loads under `split` (what hepti.parallel.cnn_job's `Weights`
+    reads): each conv's rows by `conv_rows`, each linear's by `head_rows`."""
+    shapes = graph.weights()
+    total = 0.0
+    for rows in (conv_rows(graph, split, rank, size), head_rows(graph, split, rank, size)):
+        for name, (lo, hi) in rows.items():
+            for part in ("weight", "bias"):
+                shape = shapes.get(f"{name}.{part}")
+                if shape is not None and hi > lo:
+                    total += F32 * (hi - lo) * math.prod(shape[1:])
+    return total
 
 
 def band_memory(graph, split: Split, h: int, w: int, n: int, size: int) -> list[float]:
-    """Each rank's bytes: the weights (whole, on every rank that takes part) and, in its
-    largest group, the rows it computes or reads of every tensor there (`needs`), all counted
-    live at once. Rank 0 holds the input image whole (it reads it)."""
+    """Each rank's bytes: its weights (`weight_bytes_of`: whole convs where it has rows,
+    its channels where a group is split by channels, its columns of the head) and, in its
+    largest group, the rows it computes or reads of every tensor there (`needs`), all
+    counted live at once. In a group split by channels every member holds each made map
+    whole, twice while the allgather's result is laid back out (and its own channels), and a
+    rank with a share holds the inputs whole. Rank 0 holds the input image whole (it reads
+    it)."""
     shapes = graph.shapes(h, w)
-    weights = graph.weight_bytes()
+    members = split.members()
     out = []
-    active = [any(r[i] > 0 for r in (split.per_group or (split.ratios,))) or i == 0
-              for i in range(size)]
     for i in range(size):
-        if not active[i]:
+        if i not in members:
             out.append(0.0)
             continue
         peak = 0.0
         for k, g in enumerate(split.group_ranges(graph)):
-            need = needs(graph, shapes, g, split.group_ratios(k), i)
+            ratios = split.group_ratios(k)
+            if split.group_dim(k) == "channels":
+                made = [op.output for op in graph.ops[g[0]:g[1]]]
+                need = {t: (0, shapes[t][0]) for t in made}
+                need.update(channel_needs(graph, shapes, g, ratios, i))
+                extra = max(F32 * n * shapes[t][0] * shapes[t][1] * (
+                    shapes[t][2] + out_channels(graph.ops[a], ratios, shapes[t][2])[i])
+                    for a, t in enumerate(made, start=g[0]))
+            else:
+                need, extra = needs(graph, shapes, g, ratios, i), 0.0
             b = sum(F32 * n * (hi - lo) * shapes[t][1] * shapes[t][2] for t, (lo, hi) in need.items())
-            peak = max(peak, b)
+            peak = max(peak, b + extra)
         if i == 0:
             hh, ww, c = shapes[graph.input]
             peak += F32 * n * hh * ww * c
-        out.append(weights + peak)
+        out.append(weight_bytes_of(graph, split, i, size) + peak)
     return out
+
+
+def channel_split(graph, costs, h: int, w: int, n: int, caps: list[float]) -> Split | None:
+    """The single-dimension vertical plan: every op split by output channels, one group each,
+    the head by columns, in shares proportional to each device's speed (its time for the
+    whole net), moved off any device over its cap (`band_memory`) onto the others in the
+    same proportions; None if no such shares fit. (What `tensor` is to an encoder.)"""
+    from hepti.graph.split import spatial_ops
+    L = spatial_ops(graph)
+    speed = np.array([1.0 / sum(t) for t in costs.op_s])
+    r = speed / speed.sum()
+
+    def split_of(r):
+        v = tuple(float(x) for x in r)
+        return Split(v, tuple((l, l + 1) for l in range(L)), "cols", (v,) * L, ("channels",) * L)
+
+    for _ in range(50):
+        mem = np.array(band_memory(graph, split_of(r), h, w, n, costs.size))
+        over = mem > np.array(caps) * (1 + 1e-9)
+        if not over.any():
+            return split_of(r)
+        weights = np.array([weight_bytes_of(graph, split_of(r), i, costs.size)
+                            for i in range(costs.size)])
+        fixed = mem - weights  # what does not shrink with the share: the maps, whole
+        room = np.maximum(np.array(caps) - fixed, 0.0)
+        new = r.copy()
+        new[over] = r[over] * room[over] / np.maximum(weights[over], 1.0) * 0.99
+        free = ~over & (r > 0)
+        if not free.any():
+            return None
+        new[free] += (1.0 - new.sum()) * speed[free] / speed[free].sum()
+        if np.allclose(new, r):
+            return None
+        r = np.maximum(new, 0.0) / np.maximum(new, 0.0).sum()
+    return None
 
 
 def single_device_peak_cnn(graph, h: int, w: int, n: int = 1) -> float:
@@ -131,47 +203,81 @@ class CNNSearch(Evolution):
             v[0] = 1.0
         return tuple(float(x) for x in v / v.sum())
 
-    def _fix(self, cuts) -> tuple[bool, ...]:
-        """Cut every run longer than MAX_FUSE (and after the last op)."""
+    def _fix(self, cuts, dims=None) -> tuple[bool, ...]:
+        """Cut every run longer than MAX_FUSE (and after the last op), and on both sides of
+        an op split by channels (fusing saves nothing there: each op gathers its map)."""
         cuts, run = list(cuts), 0
         for l in range(self.L):
             run += 1
             if run >= self.max_fuse:
+                cuts[l] = True
+            if dims is not None and (dims[l] == "channels" or
+                                     (l + 1 < self.L and dims[l + 1] == "channels")):
                 cuts[l] = True
             if cuts[l]:
                 run = 0
         cuts[-1] = True
         return tuple(bool(c) for c in cuts)
 
+    def _genome(self, cuts, ratios, head, dims) -> CNNGenome:
+        dims = tuple(dims) if dims is not None and "channels" in dims else None
+        return CNNGenome(self._fix(cuts, dims), tuple(ratios), head, dims)
+
     def of_split(self, split: Split) -> CNNGenome:
         groups = split.group_ranges(self.graph)
         cuts = [False] * self.L
         ratios = [None] * self.L
+        dims = ["rows"] * self.L
         for k, (a, b) in enumerate(groups):
             cuts[b - 1] = True
             for l in range(a, b):
                 ratios[l] = self._norm(split.group_ratios(k))
-        return CNNGenome(self._fix(cuts), tuple(ratios), split.head)
+                dims[l] = split.group_dim(k)
+        return self._genome(cuts, ratios, split.head, dims)
 
     def random_genome(self) -> CNNGenome:
         members = [0] + [i for i in range(1, self.P) if self.rng.random() < 0.6]
         base = np.zeros(self.P)
         base[members] = self.rng.dirichlet(np.ones(len(members)))
-        cuts = self._fix(self.rng.random(self.L) < 0.4)
+        cuts = self.rng.random(self.L) < 0.4
         ratios = tuple(self._norm(base * np.exp(self.rng.normal(0, 0.2, self.P))) for _ in range(self.L))
-        return CNNGenome(cuts, ratios, str(self.rng.choice(["cols", "primary"])))
+        # channels from a random op on (the weights sit in the later layers), or none
+        at = int(self.rng.integers(self.L + 1)) if self.P > 1 else self.L
+        dims = ["rows"] * at + ["channels"] * (self.L - at)
+        return self._genome(cuts, ratios, str(self.rng.choice(["cols", "primary"])), dims)
 
     def crossover(self, a: CNNGenome, b: CNNGenome) -> CNNGenome:
         x = int(self.rng.integers(1, self.L)) if self.L > 1 else 1  # one point, over ops
-        cuts = self._fix(a.cuts[:x] + b.cuts[x:])
+        cuts = a.cuts[:x] + b.cuts[x:]
         ratios = a.ratios[:x] + b.ratios[x:]
-        return CNNGenome(cuts, ratios, a.head if self.rng.random() < 0.5 else b.head)
+        dims = self._dims(a)[:x] + self._dims(b)[x:]
+        return self._genome(cuts, ratios, a.head if self.rng.random() < 0.5 else b.head, dims)
+
+    def channels_from(self, ratios, frac: float) -> CNNGenome:
+        """`ratios` for every op; the last ops that hold `frac` of the conv weights split by
+        channels (one group each), the rest by rows one op a group."""
+        sizes = [self.graph.ops[l].cout * self.graph.ops[l].cin // max(1, self.graph.ops[l].groups)
+                 * self.graph.ops[l].kernel ** 2 for l in range(self.L)]
+        total, acc, at = sum(sizes), 0.0, self.L
+        while at > 0 and acc < frac * total - 1e-9:
+            at -= 1
+            acc += sizes[at]
+        dims = ["rows"] * at + ["channels"] * (self.L - at)
+        return self._genome([True] * self.L, [self._norm(ratios)] * self.L, "cols", dims)
+
+    def _dims(self, g: CNNGenome) -> tuple[str, ...]:
+        return g.dims or ("rows",) * self.L
 
     def mutate(self, g: CNNGenome) -> CNNGenome:
         rng = self.rng
-        cuts, ratios, head = list(g.cuts), list(g.ratios), g.head
+        cuts, ratios, head, dims = list(g.cuts), list(g.ratios), g.head, list(self._dims(g))
         kind = rng.random()
-        if kind < 0.3:  # move a group boundary: flip one cut
+        if kind < 0.15 and self.P > 1:  # split one op the other way, or every op from it on
+            l = int(rng.integers(self.L))
+            other = "rows" if dims[l] == "channels" else "channels"
+            for m in (range(l, self.L) if rng.random() < 0.5 else (l,)):
+                dims[m] = other
+        elif kind < 0.3:  # move a group boundary: flip one cut
             l = int(rng.integers(self.L))
             cuts[l] = not cuts[l]
         elif kind < 0.4:
@@ -191,7 +297,7 @@ class CNNSearch(Evolution):
                 v = self._norm(np.array(ratios[a]) * noise)
                 for l in range(a, b):
                     ratios[l] = v
-        return CNNGenome(self._fix(cuts), tuple(ratios), head)
+        return self._genome(cuts, ratios, head, dims)
 
 
 def _group_at(groups, l: int) -> tuple[int, int]:
@@ -204,13 +310,6 @@ def genetic_cnn_search(graph, costs, h: int, w: int, n: int, caps: list[float], 
     account: settings, seed latencies, CoEdge's latency, history). PlanError if no split fits."""
     from hepti.plan.coedge import fixed_groups, plan_cnn
     t0 = time.perf_counter()
-    if caps[0] < graph.weight_bytes():  # rank 0 always takes part, and holds every weight
-        raise PlanError(
-            f"no plan fits the memory caps: a height split keeps every weight "
-            f"({graph.weight_bytes() / 2**20:,.1f} MiB) on each device that takes part, rank 0 "
-            f"always does, and its cap is {caps[0] / 2**20:,.1f} MiB; the band executor has no "
-            f"channel split that would slice the weights, so raise --mem-cap (or --mem-budget) "
-            f"past the weights plus a band of activations")
     search = CNNSearch(graph, costs, h, w, n, caps, seed, **settings)
     seeds = {}
     lp_latency = math.inf
@@ -226,17 +325,24 @@ def genetic_cnn_search(graph, costs, h: int, w: int, n: int, caps: list[float], 
         seeds["lp fused by 4"] = search.of_split(Split(r, fixed_groups(graph, 4), lp["split"].head))
     for name in ("even", "proportional", "grid"):
         seeds[name] = search.of_split(plan_cnn(graph, costs, h, w, n, name)["split"])
+    if search.P > 1:  # the weights' side of the caps: channel splits from where they sit
+        prop = plan_cnn(graph, costs, h, w, n, "proportional")["split"].ratios
+        for name, ratios in (("lp", lp["split"].ratios if lp is not None else None),
+                             ("proportional", prop)):
+            if ratios is not None:
+                for frac in (1.0, 0.75, 0.5):
+                    seeds[f"{name} ratios, channels for {frac:.0%} of the weights"] = \
+                        search.channels_from(ratios, frac)
     best, seed_lat, history = search.run(seeds)
     if best is None:
         need = min(max(m / c for m, c in zip(s[2]["mem_bytes"], caps) if m)
                    for s in search._scores.values())
         raise PlanError(
-            f"no plan fits the memory caps: a height split keeps every weight "
-            f"({graph.weight_bytes() / 2**20:,.1f} MiB) on each device that takes part, and the "
-            f"leanest of {len(search._scores)} splits searched needs {need:.2f}x a device's cap; "
-            f"the band executor has no channel split that would slice the weights, so raise "
-            f"--mem-cap (or --mem-budget) past the weights plus a band of activations, or use "
-            f"fewer, larger devices")
+            f"no plan fits the memory caps: the leanest of {len(search._scores)} splits "
+            f"searched (rows or channels, per op) needs {need:.2f}x a device's cap "
+            f"({min(caps) / 2**20:,.1f} MiB at the least, against "
+            f"{graph.weight_bytes() / 2**20:,.1f} MiB of weights); raise --mem-cap (or "
+            f"--mem-budget), or add devices")
     lat = search.score(best)[1]
     report = {k: search.settings[k] for k in ("seed", "population", "generations", "crossover",
                                                "mutation", "tournament", "elite", "random_seeds",
@@ -267,7 +373,8 @@ def make_genetic_cnn_plan(config, profile, mem_budget: float | None = None, seed
     split = best.split()
     solve_s, lat = report["search_s"], pred["latency_s"]
     gain, lp_latency = report["gain_vs_lp"], report["lp_latency_s"]
-    report.update(groups=len(split.groups), head=split.head, returned="genetic")
+    report.update(groups=len(split.groups), head=split.head, returned="genetic",
+                  channel_groups=split.dims.count("channels") if split.dims else 0)
     active = sorted({i for r in split.per_group for i, x in enumerate(r) if x > 0} | {0})
     why = (f"GenEFlow (genetic search, seed {seed}: population {report['population']}, "
            f"{report['generations']} generations, crossover {report['crossover']}, mutation "
@@ -277,10 +384,12 @@ def make_genetic_cnn_plan(config, profile, mem_budget: float | None = None, seed
            + (f"CoEdge's LP plan is predicted {lp_latency * 1e3:.1f} ms" + (
                f", {gain:.1f}% slower" if gain > 0.05 else ", the same")
               if gain is not None else "CoEdge's LP found no split within the caps")
-           + ". Height split only: the CNN runtime has no channel split.")
+           + (f"; {split.dims.count('channels')} groups split by channels" if split.dims
+              else "; every group split by rows") + ".")
     return Plan(strategy="bands", world_size=costs.size, ratios={"rows": list(split.ratios)},
                 groups=[list(g) for g in split.groups],
                 group_ratios=[list(r) for r in split.per_group], head=split.head,
+                group_dims=list(split.dims) if split.dims else None,
                 model=config.name, model_shape=config.shape, batch=n,
                 counts={"rows": counts(graph.shapes(h, w)[graph.ops[0].output][0], split.ratios)},
                 predicted_latency_s=lat,
