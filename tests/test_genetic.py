@@ -179,7 +179,8 @@ def test_cnn_weight_bytes_are_what_each_rank_loads(name):
     Weights loads for that rank's conv and head rows, under a split mixing rows (a rank
     without rows in a group loads none of its convs) and channels (a grouped conv too)."""
     import numpy as np
-    from hepti.graph.split import Split, conv_rows, head_rows, spatial_ops
+    import dataclasses
+    from hepti.graph.split import Split, conv_rows, head_rows, spatial_ops, streamed_convs
     from hepti.model.cnn import Weights, tensors_reader
     from hepti.config import CNNConfig
     from hepti.graph.cnn import build
@@ -199,6 +200,19 @@ def test_cnn_weight_bytes_are_what_each_rank_loads(name):
         assert w.nbytes == weight_bytes_of(g, split, r, 3)
         total += w.nbytes
     assert total < 3 * g.weight_bytes()
+    # the same with every other group streamed: resident, plus the largest streamed conv twice
+    streamed = tuple(k % 2 == 0 for k in range(n))
+    split = dataclasses.replace(split, streamed=streamed)
+    names = streamed_convs(g, split)
+    assert names and all(g.op(x).kind == "conv" for x in names)
+    for r in range(3):
+        w = Weights(g, tensors_reader(tensors), head_rows(g, split, r, 3),
+                    conv_rows(g, split, r, 3), names)
+        for name in names:  # as the executor runs them
+            w.fetch(name)
+            w.drop(name)
+        assert not names & set(w.conv)
+        assert w.nbytes + 2 * w.streamed_bytes == weight_bytes_of(g, split, r, 3)
 
 
 def test_layers_may_split_differently(cfg):

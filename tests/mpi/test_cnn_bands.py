@@ -15,7 +15,7 @@ TOL = 2e-5
 def _both(model_dir, split, pixels, threads=1):
     """(single-device logits, banded logits) on rank 0; (None, None) elsewhere."""
     from hepti.graph.cnn import build
-    from hepti.graph.split import conv_rows
+    from hepti.graph.split import conv_rows, streamed_convs
     from hepti.model.cnn import CNNModel, Weights
     from hepti.parallel.bands import BandExecutor, head_rows
     from hepti.parallel.comm import Comm
@@ -24,7 +24,8 @@ def _both(model_dir, split, pixels, threads=1):
     with WeightStore(model_dir) as store:
         graph = build(store.config)
         rows = head_rows(graph, split, comm.rank, comm.size)
-        w = Weights(graph, store.read, rows, conv_rows(graph, split, comm.rank, comm.size))
+        w = Weights(graph, store.read, rows, conv_rows(graph, split, comm.rank, comm.size),
+                    streamed_convs(graph, split))
         got = BandExecutor(comm, graph, split, w, threads).forward(
             pixels if comm.rank == 0 else None)
         want = CNNModel.from_store(store).forward(pixels) if comm.rank == 0 else None
@@ -201,3 +202,19 @@ def test_depthwise_channel_split_equal_single(mobilenet_dir):
     want, got = _both(mobilenet_dir, Split((0.4, 0.6), groups, "cols", per, dims),
                       e["image_pixels"])
     _check(want, got, "mobilenet channels")
+
+
+def test_streamed_groups_equal_single(resnet_tiny_dir):
+    """Groups whose weights are read from the store as each op runs (Split.streamed), split
+    by rows and by channels, fused and not: one device's logits."""
+    from hepti.graph.cnn import build
+    from hepti.graph.split import Split, spatial_ops
+    from hepti.weights import WeightStore
+    px = np.load(FIXTURES / "resnet50_tiny_expected.npz")["pixels"].astype(np.float32)
+    with WeightStore(resnet_tiny_dir) as st:
+        n = spatial_ops(build(st.config))
+    groups = ((0, 4),) + tuple((i, i + 1) for i in range(4, n))
+    dims = tuple("channels" if k % 2 else "rows" for k in range(len(groups)))
+    streamed = tuple(k % 3 != 1 for k in range(len(groups)))
+    want, got = _both(resnet_tiny_dir, Split((0.7, 0.3), groups, "cols", None, dims, streamed), px)
+    _check(want, got, "streamed groups")

@@ -221,8 +221,8 @@ def grid_case_cnn(model: str, cfg, full, n: int, cap, seeds: int, settings: dict
         g = plan.predicted["genetic"]
         within = all(m <= c * (1 + 1e-9) for m, c in zip(plan.predicted["mem_bytes"], caps) if m)
         runs.append({"seed": seed, "latency_s": plan.predicted_latency_s, "strategy": "bands",
-                     "structure": f"{g['groups']} groups ({g['channel_groups']} by channels), "
-                                  f"head {g['head']}",
+                     "structure": f"{g['groups']} groups ({g['channel_groups']} by channels, "
+                                  f"{g['streamed_groups']} streamed), head {g['head']}",
                      "search_s": time.perf_counter() - t0, "evaluations": g["evaluations"],
                      "within_caps": within,
                      "gain_over_best_seed": _gain(min(g["seeds_s"].values()), plan.predicted_latency_s)})

@@ -21,13 +21,20 @@ class Split:
     given, says per group how it is split: "rows" (by height, CoEdge's) or "channels" (each
     conv's output channels, so its weight's rows, by the group's vector: every rank that
     takes part reads the whole input map, computes its channels of the whole output, and an
-    allgather gives every rank the whole map; GenEFlow's vertical split)."""
+    allgather gives every rank the whole map; GenEFlow's vertical split). `streamed`, if
+    given, says per group whether its convs' weights stay resident or are read from the
+    rank's local weight files just before each op runs and let go after it (hepti's `stream`,
+    for a device that cannot hold even its slice of the weights)."""
 
     ratios: tuple[float, ...]
     groups: tuple[tuple[int, int], ...] | None = None
     head: str = "cols"
     per_group: tuple[tuple[float, ...], ...] | None = None
     dims: tuple[str, ...] | None = None
+    streamed: tuple[bool, ...] | None = None
+
+    def group_streamed(self, k: int) -> bool:
+        return bool(self.streamed and self.streamed[k])
 
     def group_ratios(self, k: int) -> tuple[float, ...]:
         return self.ratios if self.per_group is None else self.per_group[k]
@@ -63,7 +70,13 @@ class Split:
         if self.groups is None:
             if self.dims is not None and len(self.dims) != n:
                 raise ValueError(f"dims {list(self.dims)}: one per op ({n}) when no groups")
+            if self.streamed is not None and len(self.streamed) != n:
+                raise ValueError(f"streamed {list(self.streamed)}: one per op ({n}) when no "
+                                 f"groups")
             return [(i, i + 1) for i in range(n)]
+        if self.streamed is not None and len(self.streamed) != len(self.groups):
+            raise ValueError(f"streamed {list(self.streamed)}: one flag per group "
+                             f"({len(self.groups)} groups)")
         if self.dims is not None:
             if len(self.dims) != len(self.groups) or not set(self.dims) <= set(DIMS):
                 raise ValueError(f"dims {list(self.dims)}: one of {', '.join(DIMS)} per group "
@@ -190,6 +203,12 @@ def conv_rows(graph: Graph, split: Split, rank: int, size: int) -> dict[str, tup
             else:
                 out[op.name] = (0, op.cout) if ratios[rank] > 0 else (0, 0)
     return out
+
+
+def streamed_convs(graph: Graph, split: Split) -> set[str]:
+    """The convs whose weights a rank reads as each runs (`Split.streamed`), not at load."""
+    return {op.name for k, (a, b) in enumerate(split.group_ranges(graph))
+            if split.group_streamed(k) for op in graph.ops[a:b] if op.kind == CONV}
 
 
 def gaps(want, have) -> list[tuple[int, int]]:

@@ -17,32 +17,52 @@ class Weights:
     `head_rows` {linear op: (lo, hi)} reads only those output columns of a linear (a rank's
     share of a head split by columns; none when lo == hi); `conv_rows` likewise a conv's
     output channels (hepti.graph.split `conv_rows`: a rank's share of a channel split, or
-    none where it computes no rows of the op)."""
+    none where it computes no rows of the op). The convs in `streamed` are not loaded here:
+    `fetch(name)` reads and packs one just before it runs, `drop(name)` lets it go after
+    (`nbytes` is what stays resident; `streamed_bytes` the largest one fetched at a time)."""
 
     def __init__(self, graph: Graph, read, head_rows: dict | None = None,
-                 conv_rows: dict | None = None):
-        from hepti import kernels as K
-        self.conv, self.linear, self.nbytes = {}, {}, 0
+                 conv_rows: dict | None = None, streamed: set | None = None):
+        self.conv, self.linear, self.nbytes, self.streamed_bytes = {}, {}, 0, 0
+        self._read, self._later = read, {}
         for op in graph.ops:
             if op.kind == CONV:
                 rows = (conv_rows or {}).get(op.name)
                 if rows is not None and rows[1] <= rows[0]:
                     continue
-                whole = rows is None or rows == (0, op.cout)
-                w = read(f"{op.name}.weight", None if whole else rows)
-                b = read(f"{op.name}.bias", None if whole else rows)
-                # a slice of a grouped conv holds whole groups (hepti.graph.split channel_unit)
-                groups = op.groups if whole or op.groups == 1 else \
-                    (rows[1] - rows[0]) // (op.cout // op.groups)
-                self.conv[op.name] = (K.pack_conv_weight(w, groups), b)
-                self.nbytes += w.nbytes + b.nbytes
+                if streamed and op.name in streamed:
+                    self._later[op.name] = (op, rows)
+                    continue
+                self.nbytes += self._load(op, rows)
             elif op.kind == LINEAR:
+                from hepti import kernels as K
                 rows = (head_rows or {}).get(op.name)
                 if rows is not None and rows[1] <= rows[0]:
                     continue
                 w, b = read(f"{op.name}.weight", rows), read(f"{op.name}.bias", rows)
                 self.linear[op.name] = (K.pack_b(w, trans=True), b)
                 self.nbytes += w.nbytes + b.nbytes
+
+    def _load(self, op, rows) -> int:
+        """Read and pack conv op's weight rows (all if None); its stored bytes."""
+        from hepti import kernels as K
+        whole = rows is None or rows == (0, op.cout)
+        w = self._read(f"{op.name}.weight", None if whole else rows)
+        b = self._read(f"{op.name}.bias", None if whole else rows)
+        # a slice of a grouped conv holds whole groups (hepti.graph.split channel_unit)
+        groups = op.groups if whole or op.groups == 1 else \
+            (rows[1] - rows[0]) // (op.cout // op.groups)
+        self.conv[op.name] = (K.pack_conv_weight(w, groups), b)
+        return w.nbytes + b.nbytes
+
+    def fetch(self, name: str) -> None:
+        """A streamed conv's weights, read from the store and packed, until `drop`."""
+        if name in self._later and name not in self.conv:
+            self.streamed_bytes = max(self.streamed_bytes, self._load(*self._later[name]))
+
+    def drop(self, name: str) -> None:
+        if name in self._later:
+            self.conv.pop(name, None)
 
 
 def tensors_reader(tensors: dict):

@@ -27,6 +27,11 @@ channels hands every rank the whole map, which the next group reads without an e
 Weights are sliced, activations are whole: the split for a device short of memory for
 weights, such as ResNet-50's last stages (small maps, most of the weights).
 
+**Streamed groups** (`Split.streamed`): their convs' weights (the rank's rows of them) are
+read from the rank's local weight files and packed just before each op runs, and let go
+after it (hepti.model.cnn `Weights.fetch`/`drop`): one conv's weights resident at a time, for
+a device that cannot hold even its slice of them. Nothing crosses the network for it.
+
 Every rank computes every rank's needs, the same way, so both ends of each message know its
 rows without asking. Nothing here imports MPI: the verbs are hepti.parallel.comm's.
 
@@ -229,9 +234,11 @@ class BandExecutor:
                     if r is not None:
                         x = have[op.input].rows(i0, i1)
                         res = have[op.residual].rows(*r) if op.residual is not None else None
+                        self.weights.fetch(op.name)  # a streamed conv's, else nothing
                         y = apply(op, np.ascontiguousarray(x), self.weights,
                                   None if res is None else np.ascontiguousarray(res),
                                   pad=pad, threads=self.threads)
+                        self.weights.drop(op.name)
                         have[op.output] = Band(r[0], y)
                     for t in frees:
                         if t in have:
@@ -251,9 +258,11 @@ class BandExecutor:
                 if (i0, i1) != (0, x.shape[3]):
                     x = x[..., i0:i1]
                 res = have[op.residual].x[..., c0:c1] if op.residual is not None else None
+                self.weights.fetch(op.name)
                 y = apply(op, np.ascontiguousarray(x), self.weights,
                           None if res is None else np.ascontiguousarray(res),
                           threads=self.threads)
+                self.weights.drop(op.name)
                 y = np.ascontiguousarray(y.transpose(3, 0, 1, 2))
             else:
                 y = np.empty((0, n, hh, ww), np.float32)

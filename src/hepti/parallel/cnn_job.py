@@ -35,7 +35,7 @@ class BandJob:
     def __init__(self, world, store, plan, threads: int = 1):
         from hepti.graph.cnn import build
         from hepti.model.cnn import Weights
-        from hepti.graph.split import conv_rows
+        from hepti.graph.split import conv_rows, streamed_convs
         from hepti.parallel.bands import BandExecutor, head_rows
         from hepti.parallel.engine import current_rss, reset_peak_rss
         from hepti.plan.coedge import split_of
@@ -53,7 +53,8 @@ class BandJob:
         sub = split.on(self.members)
         self.weights = Weights(graph, store.read,
                                head_rows(graph, sub, self.group.rank, self.group.size),
-                               conv_rows(graph, sub, self.group.rank, self.group.size))
+                               conv_rows(graph, sub, self.group.rank, self.group.size),
+                               streamed_convs(graph, sub))
         # BTSearch's order within each group (for hepti's CNNs its peak is the file order's)
         from hepti.graph.opdag import from_cnn
         from hepti.plan.order import executor_order
@@ -86,6 +87,8 @@ class BandJob:
                 "bytes_sent": int(med("bytes_sent")), "bytes_recv": int(med("bytes_recv")),
                 "layer_weight_bytes_resident": int(self.weights.nbytes if self.weights else 0),
                 "weight_bytes_resident": int(self.weights.nbytes if self.weights else 0),
+                "streamed_weight_bytes_max": int(self.weights.streamed_bytes
+                                                 if self.weights else 0),
                 "weight_bytes_read": int(self.store.bytes_read),
                 "peak_rss_bytes": peak_rss(), "rss_before_load_bytes": self.rss_before_load}
 

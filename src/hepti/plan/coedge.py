@@ -12,6 +12,10 @@ DeepThings' fusion, chosen per group by the cost model.
   over its bandwidth (a full-duplex port on a switch, as the profile measured it).
 - Latency = sum over groups of (slowest compute + slowest exchange), then the pooling (an
   allreduce of [N, C]) and the head (each rank's share of the columns, an allgather).
+- A streamed group (`Split.streamed`) adds to each rank's compute the reading and packing of
+  its rows of the group's conv weights, bytes / `CNNCosts.load_Bps` (the profile's
+  weight_load_Bps: from the page cache, as on one box; a cold disk would add its read), not
+  overlapped: the executor reads each op's weights just before it runs.
 - A group split by channels (`channel_group_cost`, GenEFlow's vertical split): the exchange
   that brings every rank with a share the whole input map, then per op, the slowest rank's
   compute (its share of the channels of every row) and the slowest rank's allgather of the
@@ -57,6 +61,7 @@ MAX_FUSE = 8  # ops in one fused group at most (deeper halos grow fast: DeepThin
 MIN_SHARE = 0.02  # an active device's share at least this (a band of a few rows at worst)
 EXHAUSTIVE_MAX = 6  # up to this many devices, every subset is solved; beyond, prefixes by speed
 FUSE_CANDIDATES = 3  # the best splits over several devices whose fusion is searched
+DEFAULT_LOAD_BPS = 100e6  # a streamed weight's read and pack, when the profile says nothing
 
 
 @dataclass
@@ -75,6 +80,9 @@ class CNNCosts:
     w: int
     n: int = 1
     power: list[tuple[float, float]] | None = None  # (compute W, transmit W) per device
+    # stored weight bytes/s a device reads and packs for a streamed group (the profile's
+    # weight_load_Bps, else disk_read_Bps; DEFAULT_LOAD_BPS when it has neither)
+    load_Bps: list[float] | None = None
     _rows: dict = field(default_factory=dict, repr=False, compare=False)  # row_seconds' memo
 
     @property
@@ -104,7 +112,9 @@ class CNNCosts:
                    bandwidth_Bps=[float(d.bandwidth_Bps) for d in devs],
                    memory_bytes=[float(d.usable_bytes) for d in devs],
                    h=int(table["input"][0]), w=int(table["input"][1]),
-                   n=int(table.get("batch", 1)), power=power)
+                   n=int(table.get("batch", 1)), power=power,
+                   load_Bps=[float(d.weight_load_Bps or d.disk_read_Bps or DEFAULT_LOAD_BPS)
+                             for d in devs])
 
 
 # --- the cost model -----------------------------------------------------------------------------
@@ -140,7 +150,8 @@ def _row_seconds(costs: CNNCosts, graph: Graph, w: int, n: int) -> list[list[flo
 
 
 def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: int = 1,
-               w: int | None = None, moved: list | None = None, owners: dict | None = None
+               w: int | None = None, moved: list | None = None, owners: dict | None = None,
+               load: list[float] | None = None
                ) -> tuple[float, float, list[float], list[float]]:
     """(slowest compute, slowest exchange, compute per rank, exchange per rank) of one group
     split by `ratios`; `owners` (Split.owners) says how the group's inputs are split, by
@@ -157,6 +168,8 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
             if r is None or r[1] <= r[0]:
                 continue
             comp[i] += (r[1] - r[0]) * per_row[i][l] + costs.overhead_s[i]
+    if load is not None:  # the streamed weights' reads (`stream_seconds`), one per op run
+        comp = [u + v for u, v in zip(comp, load)]
     comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners)
     if moved is not None:
         for i in range(P):
@@ -165,9 +178,25 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
     return max(comp), max(comm), comp, comm
 
 
+def stream_seconds(graph: Graph, split: Split, k: int, costs: CNNCosts) -> list[float]:
+    """Each rank's seconds reading and packing its rows of group k's conv weights."""
+    from hepti.graph.split import conv_rows
+    a, b = split.group_ranges(graph)[k]
+    names = {op.name for op in graph.ops[a:b]}
+    shapes = graph.weights()
+    out = []
+    for i in range(costs.size):
+        nbytes = sum(F32 * (hi - lo) * (math.prod(shapes[f"{name}.weight"][1:]) + 1)
+                     for name, (lo, hi) in conv_rows(graph, split, i, costs.size).items()
+                     if name in names)
+        out.append(nbytes / (costs.load_Bps or [DEFAULT_LOAD_BPS] * costs.size)[i])
+    return out
+
+
 def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts,
                        members: list[int], n: int = 1, w: int | None = None,
-                       moved: list | None = None, owners: dict | None = None
+                       moved: list | None = None, owners: dict | None = None,
+                       load: list[float] | None = None
                        ) -> tuple[float, float, list[float], list[float]]:
     """`group_cost` of a group split by channels (hepti.parallel.bands `_by_channels`): the
     exchange of the whole input maps to every rank with a share, then each op in turn, each
@@ -191,6 +220,8 @@ def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCost
         for i in range(P):
             if per[i]:
                 c_op[i] = hh * per_row[i][l] * per[i] / c + costs.overhead_s[i]
+                if load is not None and l == group[0]:  # a channel group is one op
+                    c_op[i] += load[i]
         for i in (members if len(members) > 1 else ()):  # its channels to each other
             # member, and everyone else's to it
             out_b = F32 * n * hh * ww * per[i] * (len(members) - 1)
@@ -280,12 +311,13 @@ def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int 
     owners = split.owners(graph)
     members = split.members()
     for k, g in enumerate(groups):
+        load = stream_seconds(graph, split, k, costs) if split.group_streamed(k) else None
         if split.group_dim(k) == "channels":
             c_max, x_max, c, x = channel_group_cost(graph, shapes, g, split.group_ratios(k),
-                                                    costs, members, n, w, moved, owners)
+                                                    costs, members, n, w, moved, owners, load)
         else:
             c_max, x_max, c, x = group_cost(graph, shapes, g, split.group_ratios(k), costs, n,
-                                            w, moved, owners)
+                                            w, moved, owners, load)
         latency += c_max + x_max
         comp = [u + v for u, v in zip(comp, c)]
         comm = [u + v for u, v in zip(comm, x)]
@@ -589,4 +621,5 @@ def split_of(plan) -> Split:
                  tuple(tuple(g) for g in plan.groups) if plan.groups else None,
                  plan.head or "cols",
                  tuple(tuple(r) for r in plan.group_ratios) if plan.group_ratios else None,
-                 tuple(plan.group_dims) if plan.group_dims else None)
+                 tuple(plan.group_dims) if plan.group_dims else None,
+                 tuple(plan.group_streamed) if plan.group_streamed else None)

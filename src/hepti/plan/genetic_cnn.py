@@ -6,9 +6,11 @@
 at most coedge.MAX_FUSE ops, so longer runs are cut), a ratio vector per spatial op (each
 device's share of the rows, or of the output channels, of the maps it makes; a group uses its
 first op's vector, so that moving a cut keeps every group's shares meaningful), each op's
-split dimension ("rows" or "channels"; an op split by channels is a group of its own), and
-how the linear head is split (`cols` over the devices or `primary`). This is what a "bands"
-plan file carries (`groups`, `group_ratios`, `group_dims`, `head`), so every plan runs on the
+split dimension ("rows" or "channels"; an op split by channels is a group of its own), whether
+its weights are resident or streamed from local files as it runs (hepti's `stream`, per
+group), and how the linear head is split (`cols` over the devices or `primary`). This is what
+a "bands" plan file carries (`groups`, `group_ratios`, `group_dims`, `group_streamed`,
+`head`), so every plan runs on the
 band executor as it is; where neighbouring groups split differently, the executor's exchange
 gathers the rows a channel split reads whole. A device with share 0 in every group takes no
 part.
@@ -16,7 +18,10 @@ part.
 Why both: a height split keeps a conv's whole weight on every device that has rows of it, so
 a memory cap below the weights cannot be met by rows alone (ResNet-50: 97 MiB of weights). A
 channel split slices the weights and pays an allgather of the whole map per op: cheap where
-the maps are small and the weights large (the last stages), dear early on.
+the maps are small and the weights large (the last stages), dear early on. Where even that
+does not fit (two devices capped at half of one device's peak: the caps add up to one
+device's need, and every split holds something twice), streaming a group's weights keeps
+one conv's resident at a time, for the time of reading and packing them each forward.
 
 **Fitness**: coedge.predict's latency, plus the constraint-violation term of hepti.plan.genetic
 (`PENALTY` x latency x the summed relative excess over the caps) for the memory `band_memory`
@@ -43,7 +48,7 @@ import numpy as np
 from hepti.errors import PlanError
 from hepti.graph.cnn import F32
 from hepti.graph.split import (Split, channel_needs, conv_rows, head_rows, needs,
-                               out_channels, spatial_ops)
+                               out_channels, spatial_ops, streamed_convs)
 from hepti.plan.genetic import DEFAULTS, PENALTY, Evolution
 
 SHARE_FLOOR = 0.02  # a share below this is rounded to 0 (coedge.MIN_SHARE's band of a few rows)
@@ -56,6 +61,7 @@ class CNNGenome:
     head: str  # "cols" | "primary"
     dims: tuple[str, ...] | None = None  # per spatial op, "rows" or "channels" (None: rows);
     # an op split by channels is a group of its own (CNNSearch._fix)
+    streamed: tuple[bool, ...] | None = None  # per spatial op (None: every weight resident)
 
     def groups(self) -> tuple[tuple[int, int], ...]:
         out, a = [], 0
@@ -70,23 +76,29 @@ class CNNGenome:
         per = tuple(self.ratios[a] for a, _ in groups)
         dims = None if self.dims is None or "channels" not in self.dims else \
             tuple(self.dims[a] for a, _ in groups)
+        streamed = None if not self.streamed else tuple(self.streamed[a] for a, _ in groups)
         # the global vector (the head's columns, the pooled map's owner when unfused) is the
         # last group's: the maps the tail reads are made there
-        return Split(per[-1], groups, self.head, per, dims)
+        return Split(per[-1], groups, self.head, per, dims, streamed)
 
 
 def weight_bytes_of(graph, split: Split, rank: int, size: int) -> float:
-    """The weight bytes `rank` loads under `split` (what hepti.parallel.cnn_job's `Weights`
-    reads): each conv's rows by `conv_rows`, each linear's by `head_rows`."""
+    """The weight bytes `rank` holds at most under `split` (what hepti.parallel.cnn_job's
+    `Weights` reads): each conv's rows by `conv_rows`, each linear's by `head_rows`, all
+    resident but a streamed group's convs, of which the largest is held twice (as read, and
+    packed) while it runs."""
     shapes = graph.weights()
-    total = 0.0
+    streamed = streamed_convs(graph, split)
+    total, one = 0.0, 0.0
     for rows in (conv_rows(graph, split, rank, size), head_rows(graph, split, rank, size)):
         for name, (lo, hi) in rows.items():
-            for part in ("weight", "bias"):
-                shape = shapes.get(f"{name}.{part}")
-                if shape is not None and hi > lo:
-                    total += F32 * (hi - lo) * math.prod(shape[1:])
-    return total
+            b = sum(F32 * (hi - lo) * math.prod(shapes[f"{name}.{part}"][1:])
+                    for part in ("weight", "bias") if hi > lo)
+            if name in streamed:
+                one = max(one, b)
+            else:
+                total += b
+    return total + 2 * one
 
 
 def band_memory(graph, split: Split, h: int, w: int, n: int, size: int) -> list[float]:
@@ -219,21 +231,25 @@ class CNNSearch(Evolution):
         cuts[-1] = True
         return tuple(bool(c) for c in cuts)
 
-    def _genome(self, cuts, ratios, head, dims) -> CNNGenome:
+    def _genome(self, cuts, ratios, head, dims, streamed=None) -> CNNGenome:
         dims = tuple(dims) if dims is not None and "channels" in dims else None
-        return CNNGenome(self._fix(cuts, dims), tuple(ratios), head, dims)
+        streamed = tuple(bool(x) for x in streamed) if streamed is not None and any(streamed) \
+            else None
+        return CNNGenome(self._fix(cuts, dims), tuple(ratios), head, dims, streamed)
 
     def of_split(self, split: Split) -> CNNGenome:
         groups = split.group_ranges(self.graph)
         cuts = [False] * self.L
         ratios = [None] * self.L
         dims = ["rows"] * self.L
+        streamed = [False] * self.L
         for k, (a, b) in enumerate(groups):
             cuts[b - 1] = True
             for l in range(a, b):
                 ratios[l] = self._norm(split.group_ratios(k))
                 dims[l] = split.group_dim(k)
-        return self._genome(cuts, ratios, split.head, dims)
+                streamed[l] = split.group_streamed(k)
+        return self._genome(cuts, ratios, split.head, dims, streamed)
 
     def random_genome(self) -> CNNGenome:
         members = [0] + [i for i in range(1, self.P) if self.rng.random() < 0.6]
@@ -244,18 +260,25 @@ class CNNSearch(Evolution):
         # channels from a random op on (the weights sit in the later layers), or none
         at = int(self.rng.integers(self.L + 1)) if self.P > 1 else self.L
         dims = ["rows"] * at + ["channels"] * (self.L - at)
-        return self._genome(cuts, ratios, str(self.rng.choice(["cols", "primary"])), dims)
+        # streamed from a random op on, now and then
+        at = int(self.rng.integers(self.L)) if self.rng.random() < 0.2 else self.L
+        streamed = [False] * at + [True] * (self.L - at)
+        return self._genome(cuts, ratios, str(self.rng.choice(["cols", "primary"])), dims,
+                            streamed)
 
     def crossover(self, a: CNNGenome, b: CNNGenome) -> CNNGenome:
         x = int(self.rng.integers(1, self.L)) if self.L > 1 else 1  # one point, over ops
         cuts = a.cuts[:x] + b.cuts[x:]
         ratios = a.ratios[:x] + b.ratios[x:]
         dims = self._dims(a)[:x] + self._dims(b)[x:]
-        return self._genome(cuts, ratios, a.head if self.rng.random() < 0.5 else b.head, dims)
+        streamed = self._streamed(a)[:x] + self._streamed(b)[x:]
+        return self._genome(cuts, ratios, a.head if self.rng.random() < 0.5 else b.head, dims,
+                            streamed)
 
-    def channels_from(self, ratios, frac: float) -> CNNGenome:
+    def channels_from(self, ratios, frac: float, streamed: bool = False) -> CNNGenome:
         """`ratios` for every op; the last ops that hold `frac` of the conv weights split by
-        channels (one group each), the rest by rows one op a group."""
+        channels (one group each), the rest by rows one op a group; every op's weights
+        streamed if `streamed`."""
         sizes = [self.graph.ops[l].cout * self.graph.ops[l].cin // max(1, self.graph.ops[l].groups)
                  * self.graph.ops[l].kernel ** 2 for l in range(self.L)]
         total, acc, at = sum(sizes), 0.0, self.L
@@ -263,20 +286,29 @@ class CNNSearch(Evolution):
             at -= 1
             acc += sizes[at]
         dims = ["rows"] * at + ["channels"] * (self.L - at)
-        return self._genome([True] * self.L, [self._norm(ratios)] * self.L, "cols", dims)
+        return self._genome([True] * self.L, [self._norm(ratios)] * self.L, "cols", dims,
+                            [streamed] * self.L)
 
     def _dims(self, g: CNNGenome) -> tuple[str, ...]:
         return g.dims or ("rows",) * self.L
 
+    def _streamed(self, g: CNNGenome) -> tuple[bool, ...]:
+        return g.streamed or (False,) * self.L
+
     def mutate(self, g: CNNGenome) -> CNNGenome:
         rng = self.rng
         cuts, ratios, head, dims = list(g.cuts), list(g.ratios), g.head, list(self._dims(g))
+        streamed = list(self._streamed(g))
         kind = rng.random()
-        if kind < 0.15 and self.P > 1:  # split one op the other way, or every op from it on
+        if kind < 0.1 and self.P > 1:  # split one op the other way, or every op from it on
             l = int(rng.integers(self.L))
             other = "rows" if dims[l] == "channels" else "channels"
             for m in (range(l, self.L) if rng.random() < 0.5 else (l,)):
                 dims[m] = other
+        elif kind < 0.15:  # stream one op's weights or keep them, or every op's from it on
+            l = int(rng.integers(self.L))
+            for m in (range(l, self.L) if rng.random() < 0.5 else (l,)):
+                streamed[m] = not streamed[l]
         elif kind < 0.3:  # move a group boundary: flip one cut
             l = int(rng.integers(self.L))
             cuts[l] = not cuts[l]
@@ -297,7 +329,7 @@ class CNNSearch(Evolution):
                 v = self._norm(np.array(ratios[a]) * noise)
                 for l in range(a, b):
                     ratios[l] = v
-        return self._genome(cuts, ratios, head, dims)
+        return self._genome(cuts, ratios, head, dims, streamed)
 
 
 def _group_at(groups, l: int) -> tuple[int, int]:
@@ -333,6 +365,8 @@ def genetic_cnn_search(graph, costs, h: int, w: int, n: int, caps: list[float], 
                 for frac in (1.0, 0.75, 0.5):
                     seeds[f"{name} ratios, channels for {frac:.0%} of the weights"] = \
                         search.channels_from(ratios, frac)
+                    seeds[f"{name} ratios, channels for {frac:.0%} of the weights, streamed"] = \
+                        search.channels_from(ratios, frac, streamed=True)
     best, seed_lat, history = search.run(seeds)
     if best is None:
         need = min(max(m / c for m, c in zip(s[2]["mem_bytes"], caps) if m)
@@ -374,7 +408,8 @@ def make_genetic_cnn_plan(config, profile, mem_budget: float | None = None, seed
     solve_s, lat = report["search_s"], pred["latency_s"]
     gain, lp_latency = report["gain_vs_lp"], report["lp_latency_s"]
     report.update(groups=len(split.groups), head=split.head, returned="genetic",
-                  channel_groups=split.dims.count("channels") if split.dims else 0)
+                  channel_groups=split.dims.count("channels") if split.dims else 0,
+                  streamed_groups=sum(split.streamed) if split.streamed else 0)
     active = sorted({i for r in split.per_group for i, x in enumerate(r) if x > 0} | {0})
     why = (f"GenEFlow (genetic search, seed {seed}: population {report['population']}, "
            f"{report['generations']} generations, crossover {report['crossover']}, mutation "
@@ -385,11 +420,14 @@ def make_genetic_cnn_plan(config, profile, mem_budget: float | None = None, seed
                f", {gain:.1f}% slower" if gain > 0.05 else ", the same")
               if gain is not None else "CoEdge's LP found no split within the caps")
            + (f"; {split.dims.count('channels')} groups split by channels" if split.dims
-              else "; every group split by rows") + ".")
+              else "; every group split by rows")
+           + (f"; {sum(split.streamed)} groups' weights streamed from local files"
+              if split.streamed else "") + ".")
     return Plan(strategy="bands", world_size=costs.size, ratios={"rows": list(split.ratios)},
                 groups=[list(g) for g in split.groups],
                 group_ratios=[list(r) for r in split.per_group], head=split.head,
                 group_dims=list(split.dims) if split.dims else None,
+                group_streamed=list(split.streamed) if split.streamed else None,
                 model=config.name, model_shape=config.shape, batch=n,
                 counts={"rows": counts(graph.shapes(h, w)[graph.ops[0].output][0], split.ratios)},
                 predicted_latency_s=lat,

@@ -15,6 +15,7 @@ Schema (version 1), JSON object:
       "head": "cols" | "primary" or null,            # bands: how the linear head is split
       "group_ratios": [[N floats] per group] or null, # bands: a group's own rows split
       "group_dims": ["rows" | "channels" per group] or null,  # bands: how each group splits
+      "group_streamed": [bool per group] or null,    # bands: weights read as each op runs
       "assignment": {op: split} or null,             # mixed only: each operator's split
       "primary": rank,                               # embeds and collects (default 0)
       "model": "name", "seq_len": L, "batch": B,     # what the plan was made for
@@ -33,7 +34,8 @@ planner's choice where rank 0 would otherwise be kept busy, or hold the model, f
 A CNN's plan is "bands" (hepti.plan.coedge): `ratios` has "rows" alone, every feature map's
 share of rows per rank, and `groups` the fused groups of its spatial ops (hepti.graph.split).
 `group_dims` (GenEFlow's plans) splits some groups by output channels instead of rows; null
-reads as rows everywhere.
+reads as rows everywhere. `group_streamed` marks the groups whose weights are streamed from
+local files as each op runs; null reads as all resident.
 
 A "mixed" plan (hepti.plan.genetic: GenEFlow) splits some blocks of a transformer layer by
 token rows and others by heads or FFN columns: `assignment` names each operator's split
@@ -80,6 +82,7 @@ class Plan:
     head: str | None = None
     group_ratios: list[list[float]] | None = None
     group_dims: list[str] | None = None
+    group_streamed: list[bool] | None = None
     assignment: dict[str, str] | None = None
 
     def validate(self, world_size: int | None = None) -> "Plan":
@@ -102,6 +105,13 @@ class Plan:
                     or (n_groups is not None and len(self.group_dims) != n_groups)):
                 raise PlanError(f"group_dims {self.group_dims!r}: give \"rows\" or \"channels\" "
                                 f"for each of the plan's groups, or leave it out (rows)")
+        if self.group_streamed is not None:
+            n_groups = len(self.groups) if self.groups else None
+            if (not isinstance(self.group_streamed, list)
+                    or any(not isinstance(x, bool) for x in self.group_streamed)
+                    or (n_groups is not None and len(self.group_streamed) != n_groups)):
+                raise PlanError(f"group_streamed {self.group_streamed!r}: give true or false for "
+                                f"each of the plan's groups, or leave it out (all resident)")
         if self.strategy == "mixed" and not isinstance(self.assignment, dict):
             raise PlanError("a mixed plan needs `assignment`: each operator's split, e.g. "
                             "{\"qkv\": \"cols\", \"ffn up\": \"rows\", ...}; make one with "
