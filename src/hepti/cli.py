@@ -255,8 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "over each block's split (token rows, or heads / FFN columns; resident "
                         "or streamed) and every rank's shares, judged by the same cost model "
                         "and seeded with the LP's plan (never slower than it); a CNN: over its "
-                        "fused groups, each group's rows split and the head's, seeded with "
-                        "CoEdge's plan")
+                        "fused groups, each split by rows (height) or by output channels "
+                        "(slicing the weights), resident or streamed from local files, each "
+                        "with its own shares, and the head's split, seeded with CoEdge's plan")
     s.add_argument("--seed", type=int, default=0,
                    help="genetic: the random seed; the same seed gives the same plan (default 0)")
     s.add_argument("--population", type=_positive_int, default=GA_DEFAULTS["population"],
