@@ -10,9 +10,8 @@ split dimension ("rows" or "channels"; an op split by channels is a group of its
 its weights are resident or streamed from local files as it runs (hepti's `stream`, per
 group), and how the linear head is split (`cols` over the devices or `primary`). This is what
 a "bands" plan file carries (`groups`, `group_ratios`, `group_dims`, `group_streamed`,
-`head`), so every plan runs on the
-band executor as it is; where neighbouring groups split differently, the executor's exchange
-gathers the rows a channel split reads whole. A device with share 0 in every group takes no
+`head`), so every plan runs on the band executor as it is; where neighbouring groups split
+differently, the executor's exchange gathers the rows a channel split reads whole. A device with share 0 in every group takes no
 part.
 
 Why both: a height split keeps a conv's whole weight on every device that has rows of it, so
@@ -38,8 +37,8 @@ resident or streamed, each with its shares moved off the devices over their caps
 and random genomes. Under tight caps the feasible genomes are few and far apart: without the
 fitted seeds, ResNet-50 on 3 devices at 50% read 419 ms over 5 seeds (336-469); with them,
 302 ms (293-318). Mutations include copying one group's shares to every group split the
-same way, and moving shares off the devices over their caps. Elitism keeps the best, so the result is never slower than CoEdge's plan
-under the same model. Deterministic from the seed. No MPI here.
+same way, and moving shares off the devices over their caps. Elitism keeps the best, so the
+result is never slower than CoEdge's plan under the same model. Deterministic from the seed. No MPI here.
 """
 from __future__ import annotations
 
@@ -333,8 +332,9 @@ class CNNSearch(Evolution):
                 dims[m] = other
         elif kind < 0.15:  # stream one op's weights or keep them, or every op's from it on
             l = int(rng.integers(self.L))
+            flag = not streamed[l]
             for m in (range(l, self.L) if rng.random() < 0.5 else (l,)):
-                streamed[m] = not streamed[l]
+                streamed[m] = flag
         elif kind < 0.2:  # one group's shares for every group split the same way
             a, _ = _group_at(g.groups(), int(rng.integers(self.L)))
             for l in range(self.L):
