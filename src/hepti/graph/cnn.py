@@ -155,6 +155,17 @@ class Graph:
                 out[f"{op.name}.bias"] = (op.cout,)
         return out
 
+    def row_bytes(self) -> dict[str, int]:
+        """Op name -> bytes of one stored row of its weight and its bias (a conv's output
+        channel, a linear's output column): what a split that slices weights by rows counts.
+        Worked out once (the genetic search asks for it in every plan it weighs)."""
+        if not hasattr(self, "_row_bytes"):
+            shapes = self.weights()
+            self._row_bytes = {op.name: sum(F32 * math.prod(shapes[f"{op.name}.{p}"][1:])
+                                            for p in ("weight", "bias"))
+                               for op in self.ops if f"{op.name}.weight" in shapes}
+        return self._row_bytes
+
     def weight_bytes(self) -> int:
         return F32 * sum(math.prod(s) for s in self.weights().values())
 

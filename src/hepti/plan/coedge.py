@@ -52,7 +52,7 @@ import numpy as np
 
 from hepti.counts import counts
 from hepti.errors import PlanError
-from hepti.graph.cnn import ADAPTIVE_AVG, F32, LINEAR, Graph
+from hepti.graph.cnn import ADAPTIVE_AVG, CONV, F32, LINEAR, Graph
 from hepti.graph.split import (Split, channel_needs, gaps, needs, out_channels, owned,
                                spatial_ops)
 
@@ -178,19 +178,14 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
     return max(comp), max(comm), comp, comm
 
 
-def stream_seconds(graph: Graph, split: Split, k: int, costs: CNNCosts) -> list[float]:
-    """Each rank's seconds reading and packing its rows of group k's conv weights."""
-    from hepti.graph.split import conv_rows
-    a, b = split.group_ranges(graph)[k]
-    names = {op.name for op in graph.ops[a:b]}
-    shapes = graph.weights()
-    out = []
-    for i in range(costs.size):
-        nbytes = sum(F32 * (hi - lo) * (math.prod(shapes[f"{name}.weight"][1:]) + 1)
-                     for name, (lo, hi) in conv_rows(graph, split, i, costs.size).items()
-                     if name in names)
-        out.append(nbytes / (costs.load_Bps or [DEFAULT_LOAD_BPS] * costs.size)[i])
-    return out
+def stream_seconds(graph: Graph, group, rows: list[dict], costs: CNNCosts) -> list[float]:
+    """Each rank's seconds reading and packing its rows (`rows[i]`: hepti.graph.split
+    `conv_rows` of rank i) of the group's conv weights."""
+    load = costs.load_Bps or [DEFAULT_LOAD_BPS] * costs.size
+    per_row = graph.row_bytes()
+    ops = [op.name for op in graph.ops[group[0]:group[1]] if op.kind == CONV]
+    return [sum((r[o][1] - r[o][0]) * per_row[o] for o in ops if o in r) / load[i]
+            for i, r in enumerate(rows)]
 
 
 def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts,
@@ -310,8 +305,11 @@ def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int 
     moved = [[0.0, 0.0] for _ in range(P)]
     owners = split.owners(graph)
     members = split.members()
+    if split.streamed and any(split.streamed):  # each rank's weight rows, once
+        from hepti.graph.split import conv_rows
+        rows = [conv_rows(graph, split, i, P) for i in range(P)]
     for k, g in enumerate(groups):
-        load = stream_seconds(graph, split, k, costs) if split.group_streamed(k) else None
+        load = stream_seconds(graph, g, rows, costs) if split.group_streamed(k) else None
         if split.group_dim(k) == "channels":
             c_max, x_max, c, x = channel_group_cost(graph, shapes, g, split.group_ratios(k),
                                                     costs, members, n, w, moved, owners, load)

@@ -90,13 +90,12 @@ def weight_bytes_of(graph, split: Split, rank: int, size: int) -> float:
     `Weights` reads): each conv's rows by `conv_rows`, each linear's by `head_rows`, all
     resident but a streamed group's convs, of which the largest is held twice (as read, and
     packed) while it runs."""
-    shapes = graph.weights()
     streamed = streamed_convs(graph, split)
+    per_row = graph.row_bytes()
     total, one = 0.0, 0.0
     for rows in (conv_rows(graph, split, rank, size), head_rows(graph, split, rank, size)):
         for name, (lo, hi) in rows.items():
-            b = sum(F32 * (hi - lo) * math.prod(shapes[f"{name}.{part}"][1:])
-                    for part in ("weight", "bias") if hi > lo)
+            b = max(0, hi - lo) * per_row[name]
             if name in streamed:
                 one = max(one, b)
             else:
