@@ -10,7 +10,8 @@ not counted), batch 1:
   operator per node, equal tensors; structure only, not an export of RandWire);
 - graphs exported once with torch.export by tests/fixtures/make_order_graphs.py and kept as
   structure-only files in tests/fixtures/graphs/: a RandWire WS(32, 4, 0.75) network (small
-  regime), RegNetY-400MF, Swin-T, NASNet-A large and PNASNet-5 large at 224 x 224 (rows say
+  regime), RegNetY-400MF, Swin-T (folded, and with its operators on weights alone kept),
+  NASNet-A large and PNASNet-5 large at 224 x 224 (rows say
   "skipped" when the files are not there, as in an installed hepti without its tests);
 with the peak found, the file order's, the mean / worst / best of 100 seeded random orders,
 how far below each the found peak is, the states explored, seconds, `proven` (and, per
@@ -50,7 +51,8 @@ PLOT_CAP = 100_000
 # graphs exported once by tests/fixtures/make_order_graphs.py (file stem, row name)
 EXPORT_DIR = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "graphs"
 EXPORTS = (("randwire_ws_32_4_075", "randwire-ws(32,4,0.75)"), ("regnety_400mf", "regnety-400mf"),
-           ("swin_t", "swin-t"), ("nasnet_a_large", "nasnet-a-large"),
+           ("swin_t", "swin-t"), ("swin_t_unfolded", "swin-t (weight ops kept)"),
+           ("nasnet_a_large", "nasnet-a-large"),
            ("pnasnet5_large", "pnasnet-5-large"))
 DP_MAX_OPS = 300  # the downset DP is tried on graphs below this many operators
 
@@ -165,7 +167,10 @@ def targets(rows: list[dict]) -> list[dict]:
         all(r["below_file_pct"] >= 0 for r in by.values()))
     for g, key, need, what in (
             ("export:randwire-ws(32,4,0.75)", "below_file_pct", 15, ">= 15% below the file order"),
-            ("export:swin-t", "below_random_mean_pct", 10, ">= 10% below the random-order mean"),
+            # Swin-T folded is a chain (one order); its order freedom is the operators on
+            # weights alone, kept in this export (tests/fixtures/make_order_graphs.py)
+            ("export:swin-t (weight ops kept)", "below_random_mean_pct", 10,
+             ">= 10% below the random-order mean"),
             ("export:nasnet-a-large", "below_file_pct", 0, "no worse than the export order"),
             ("export:pnasnet-5-large", "below_file_pct", 0, "no worse than the export order")):
         if g in by:
@@ -181,6 +186,10 @@ def targets(rows: list[dict]) -> list[dict]:
     add("equal to the downset DP wherever it fits (< 300 operators)", "all",
         sum(1 for r in small if r["dp_agrees"]),
         all(r["dp_agrees"] in (True, None) for r in small))
+    for r in small:  # too many downsets for the DP: the least peak is proven by the lower bound
+        if r["dp_agrees"] is None:
+            add("exact where the DP does not fit: peak = lower bound", r["graph"],
+                r["peak_bytes"], r["peak_bytes"] == r.get("lower_bound_bytes"))
     return out
 
 
