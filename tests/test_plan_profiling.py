@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hepti.parallel.profiling import fit_link, gemm_sizes, profile_cache_path
+from hepti.parallel.profiling import fit_link, gemm_sizes, pooled_overhead, profile_cache_path
 from hepti.config import preset_config
 
 
@@ -65,3 +65,11 @@ def test_weight_load_probe_gives_a_finite_speed_and_leaves_no_files(tmp_path):
     bps = measure_weight_load(cfg, directory=str(tmp_path), rounds=1)
     assert 0 < bps < float("inf")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pooled_overhead_scales_the_median_ratio_by_each_devices_op_time():
+    # devices 2, 3 and 4 times slower than the first; the last one's reading is inflated 2x
+    op_s = [[0.1, 0.1], [0.2, 0.2], [0.3, 0.3], [0.4, 0.4]]
+    measured = [0.01, 0.02, 0.03, 0.08]
+    assert pooled_overhead(op_s, measured) == pytest.approx([0.01, 0.02, 0.03, 0.04])
+    assert pooled_overhead(op_s[:1], measured[:1]) == [0.01]  # one device: as measured

@@ -692,7 +692,7 @@ def _with_links(devices: list[dict], links: list[dict]) -> list[dict]:
     return devices
 
 
-def measure_cnn_ops(model, h: int, w: int, batch: int = 1, rounds: int = 3) -> list[float]:
+def measure_cnn_ops(model, h: int, w: int, batch: int = 1, rounds: int = 5) -> list[float]:
     """Seconds of each op of a CNN (hepti.model.cnn.CNNModel) over the whole h x w map, batch
     `batch`: the median of `rounds` forwards after a warm-up, each op timed alone (stretched as
     one unit of work on an emulated device, as the runtime's compute spans are)."""
@@ -721,7 +721,7 @@ OVERHEAD_SIDE = 32  # the image side at which a forward is mostly the executor's
 
 
 def measure_band_overhead(model, h: int, w: int, batch: int, op_s: list[float],
-                          rounds: int = 5) -> float:
+                          rounds: int = 15) -> float:
     """Seconds a height-split forward spends per op beyond the op's arithmetic: its
     bookkeeping, the tracer's spans and each kernel call's fixed cost, as the device pays them
     (stretched on an emulated one). Timed as the band executor (hepti.parallel.bands) on this
@@ -731,7 +731,11 @@ def measure_band_overhead(model, h: int, w: int, batch: int, op_s: list[float],
     MobileNetV2 on emu-mixed4, 2026-11-26): a whole forward at 224 less the ops' sum read
     0.2-3 ms per op, the difference of two noisy figures; and the ranks timing one at a time
     read the slow devices' ops 2-3x slower than their share (the others' polling at the
-    barrier, inflated 1/share by the stretch)."""
+    barrier, inflated 1/share by the stretch). 15 rounds, not 5: three profiles of ResNet-50 on
+    emu-geneflow4 within an hour read node-d's figure as 1.9, 2.1 and 2.3 ms, and node-c's as
+    1.0 and 1.6 ms, and a plan that loads the slow devices (GenEFlow's under a memory cap) then
+    missed its measured latency by 16-20%. (The ops: median of 5 rounds, not 3, for the same
+    reason; a profile of ResNet-50 there takes about 20 s.)"""
     from hepti.graph.split import Split
     from hepti.parallel.bands import BandExecutor
     from hepti.parallel.comm import Comm
@@ -747,6 +751,24 @@ def measure_band_overhead(model, h: int, w: int, batch: int, op_s: list[float],
         times.append(time.perf_counter() - t0)
     arithmetic = sum(op_s) * side * side / (h * w)
     return max(0.0, statistics.median(times) - arithmetic) / len(model.graph.ops)
+
+
+def pooled_overhead(op_s: list[list[float]], measured: list[float]) -> list[float]:
+    """Each device's per-op overhead as the devices' median of (measured overhead / the
+    device's summed op seconds), times its own summed op seconds: the same code pays its
+    bookkeeping in proportion to how fast the device runs it, and one device's noisy reading
+    does not carry its plan. Why: on emu-geneflow4 node-d's own figure for ResNet-50 read 1.2
+    to 2.3 ms in five profiles within an hour, node-c's 0.9 to 1.6 ms, and a plan's runs
+    showed 1.3 and 0.7 ms (its compute less the ops' arithmetic); the measured figures of
+    the two fast devices were close to their runs. Pooled, the profile of 02:12 gives 1.24
+    and 0.93 ms. On real devices whose bookkeeping and arithmetic scale apart (a board
+    whose GeMM is slower than its Python), the pooled figure is as wrong as that gap."""
+    totals = [sum(t) for t in op_s]
+    norm = [o / t for o, t in zip(measured, totals) if t > 0]
+    if len(norm) < 2:
+        return [float(o) for o in measured]
+    k = statistics.median(norm)
+    return [k * t for t in totals]
 
 
 def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: int = 1,
@@ -794,7 +816,9 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     cfg = store.config
     elapsed = comm.allreduce(time.perf_counter() - t_start, op=MPI.MAX)
     table = {"arch": cfg.arch, "ops": [op.name for op in graph.ops],
-             "input": [h, w], "batch": batch, "op_s": all_op_s, "op_overhead_s": all_overhead}
+             "input": [h, w], "batch": batch, "op_s": all_op_s,
+             "op_overhead_s": pooled_overhead(all_op_s, all_overhead),
+             "op_overhead_measured_s": all_overhead}
     if power is not None:
         table["power"] = [list(p) for p in power]
     prof = {"hepti_profile": SCHEMA_VERSION, "created": time.time(), "source": "measured",
