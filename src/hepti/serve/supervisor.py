@@ -389,19 +389,29 @@ class Supervisor:
                 watch = self._expectation(batch)
                 if watch is not None:
                     head["watch"] = watch
+                wall = None
                 try:
                     protocol.send(sock, head, flat)
-                    header, data = protocol.recv(sock)
-                    while header.get("op") == "flag":  # rank 0's, from inside the batch
-                        self.watcher.early_flag(header, _shape(batch))
+                    while True:
                         header, data = protocol.recv(sock)
+                        if header.get("op") == "flag":  # rank 0's, from inside the batch
+                            self.watcher.early_flag(header, _shape(batch))
+                        elif header.get("op") == "answer":  # the embeddings, ahead of the
+                            wall = time.perf_counter() - t0  # report (--replan)
+                            self._batch_walls.append(wall)
+                            self._deliver(batch, np.frombuffer(data, np.float32).reshape(
+                                header["shape"]))
+                        else:
+                            break
                 except (OSError, protocol.ChannelClosed) as e:
-                    self._requeue(batch)
+                    if wall is None:  # answered inputs are not run again
+                        self._requeue(batch)
                     raise protocol.ChannelClosed(str(e)) from None
-                wall = time.perf_counter() - t0
-                self._batch_walls.append(wall)
-                emb = np.frombuffer(data, np.float32).reshape(header["shape"])
-                self._deliver(batch, emb)
+                if wall is None:
+                    wall = time.perf_counter() - t0
+                    self._batch_walls.append(wall)
+                    emb = np.frombuffer(data, np.float32).reshape(header["shape"])
+                    self._deliver(batch, emb)
                 if self.watcher is not None and "ranks_s" in header:
                     self._watch_plan(sock, batch, header["ranks_s"], wall)
         finally:

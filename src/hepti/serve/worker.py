@@ -132,7 +132,8 @@ def serve(args) -> int:
                 return 0
             if op == OP_BATCH:
                 answer = state.batch(header, data,
-                                     (lambda msg: protocol.send(sock, {"id": batch_id, **msg}))
+                                     (lambda msg, payload=None:
+                                      protocol.send(sock, {"id": batch_id, **msg}, payload))
                                      if rank0 else None)
             elif op == OP_PROBE:
                 answer = state.probe(header)
@@ -288,6 +289,7 @@ class _State:
         self.kept = None  # (spec, layers) of the plan before the current one
         self._probe = None  # speed_probe's buffers
         self._probed = 0.0  # an idle rank's last speed probe (s), sent with the next batch
+        self._free_after = -1.0  # free memory read after the last batch's gather (`batch`)
         self._probe_s = math.inf  # how long its last probe took, all told
         self._last_batch = time.perf_counter()  # when the last batch started, on this rank
         self._standby = None  # the thread loading an idle rank's standby copy (`standby`)
@@ -339,9 +341,11 @@ class _State:
 
     def batch(self, header, data, notify=None):
         """One batch through the job; rank 0's answer: the pooled embeddings, and with --replan
-        every rank's compute and communication seconds (one small gather). Rank 0 watches its
-        communication during the batch when the front end sent what to expect (`watch`), and
-        tells it early through `notify` (`_InBatchWatch`)."""
+        every rank's compute and communication seconds (one small gather). With --replan, rank
+        0 sends the embeddings ahead through `notify` (op "answer") and the report after the
+        gather (op "result", no payload). Rank 0 watches its communication during the batch
+        when the front end sent what to expect (`watch`), and tells it early through `notify`
+        too (`_InBatchWatch`)."""
         from hepti.model.pooling import pool
         from hepti.parallel.profiling import available_memory
         from hepti.serve import protocol
@@ -371,20 +375,35 @@ class _State:
                 watch.stop()
         wall = time.perf_counter() - t0
         head = {"op": "result", "wall_s": wall}
+        emb = None
+        if rank0:
+            emb = pool(out["h"], batch.mask, self.args.pool, bool(self.args.normalize))
+            head["shape"] = list(emb.shape)
+            if self.args.replan and notify is not None:
+                # the answer goes before the report's gather, which waits for the slowest
+                # rank's bookkeeping: the client has its embeddings meanwhile. bench-adapt's
+                # quiet pairs at 8faad96 (answer after the gather) read the monitor's cost
+                # as 2.1% of a 740 ms request, against the issue's 1%
+                notify({"op": "answer", "shape": head["shape"], "wall_s": wall}, emb)
+                emb = None
         if self.args.replan:
             sec = w.tracer.seconds
             compute = sum(v for k, v in sec.items() if k in ("compute", "io"))
             comm = sum(v for k, v in sec.items() if k not in ("compute", "io", "batch"))
             ready = self.next is None or not self.next[2].is_alive()
-            self._trim()
             # [5]: what this rank holds beside its plan: 0 nothing, 1 the previous plan's
             # slices (named in the switch's answer), 2 the whole model (`standby`)
             holds = 0.0 if self.kept is None or self._loading() else 2.0 if self.kept_whole else 1.0
-            # [2]: free memory, as `hepti profile` counts it; -1 while weights load (the
+            # [2]: free memory, as `hepti profile` counts it, read after the last batch's
+            # gather (`_free_after`: a memory figure need not hold up this one; 0.5 ms of
+            # cgroup files on the host is 3 ms at 0.15 core); -1 while weights load (the
             # standby copy, the next plan's): the figure is on its way down, not a change
-            free = -1.0 if self._loading() or not ready else available_memory()[0] / self.on_host
+            free = -1.0 if self._loading() or not ready else self._free_after
             mine = [compute, comm, float(free), float(ready), self._probed, holds]
             head["ranks_s"] = w.gather_floats(mine)
+            self._trim()
+            self._free_after = -1.0 if self._loading() or not ready else \
+                available_memory()[0] / self.on_host
             # an idle rank probes its speed after the gather, off the batch's path: rank 0
             # answers without waiting for it, and the next batch's gather carries the figure
             # (the median of IDLE_PROBES: single probes at 0.15-0.2 core read 0.76-1.85x of
@@ -394,9 +413,7 @@ class _State:
                     self._probed = 0.0 if self.job.is_active else self.speed_probe()
         if not rank0:
             return None
-        emb = pool(out["h"], batch.mask, self.args.pool, bool(self.args.normalize))
-        head["shape"] = list(emb.shape)
-        return head, emb
+        return head, emb  # emb None: it went ahead (`notify`)
 
     def speed_probe(self) -> float:
         """A rank with no share of the plan still tells its speed: the median seconds of
