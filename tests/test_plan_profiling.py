@@ -67,9 +67,11 @@ def test_weight_load_probe_gives_a_finite_speed_and_leaves_no_files(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_pooled_overhead_scales_the_median_ratio_by_each_devices_op_time():
-    # devices 2, 3 and 4 times slower than the first; the last one's reading is inflated 2x
+def test_pooled_overhead_scales_the_least_ratio_by_each_devices_op_time():
+    # devices 2, 3 and 4 times slower than the first; two readings inflated by load
     op_s = [[0.1, 0.1], [0.2, 0.2], [0.3, 0.3], [0.4, 0.4]]
-    measured = [0.01, 0.02, 0.03, 0.08]
+    measured = [0.01, 0.03, 0.03, 0.08]
     assert pooled_overhead(op_s, measured) == pytest.approx([0.01, 0.02, 0.03, 0.04])
     assert pooled_overhead(op_s[:1], measured[:1]) == [0.01]  # one device: as measured
+    # a device that read no overhead at all (max(0, ...) of a noisy difference) is not taken
+    assert pooled_overhead(op_s, [0.0, 0.02, 0.03, 0.04]) == pytest.approx([0.01, 0.02, 0.03, 0.04])

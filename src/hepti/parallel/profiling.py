@@ -754,20 +754,24 @@ def measure_band_overhead(model, h: int, w: int, batch: int, op_s: list[float],
 
 
 def pooled_overhead(op_s: list[list[float]], measured: list[float]) -> list[float]:
-    """Each device's per-op overhead as the devices' median of (measured overhead / the
-    device's summed op seconds), times its own summed op seconds: the same code pays its
-    bookkeeping in proportion to how fast the device runs it, and one device's noisy reading
-    does not carry its plan. Why: on emu-geneflow4 node-d's own figure for ResNet-50 read 1.2
-    to 2.3 ms in five profiles within an hour, node-c's 0.9 to 1.6 ms, and a plan's runs
-    showed 1.3 and 0.7 ms (its compute less the ops' arithmetic); the measured figures of
-    the two fast devices were close to their runs. Pooled, the profile of 02:12 gives 1.24
-    and 0.93 ms. On real devices whose bookkeeping and arithmetic scale apart (a board
-    whose GeMM is slower than its Python), the pooled figure is as wrong as that gap."""
+    """Each device's per-op overhead as the devices' least (measured overhead / the device's
+    summed op seconds), times its own summed op seconds: the same code pays its bookkeeping
+    in proportion to how fast the device runs it, and load from elsewhere only ever adds time,
+    so the least inflated reading is the closest to the device's own cost (as the least of
+    repeated timings is). Why: on emu-geneflow4 node-d's own figure for ResNet-50 read 1.2 to
+    2.3 ms in five profiles within an hour, node-c's 0.9 to 1.6 ms, and GenEFlow's capped
+    plans, which load the slow devices, were predicted 16-20% slow. A traced run of one such
+    plan showed 0.30, 0.46, 0.73 and 1.28 ms on the four devices (each rank's compute less its
+    ops' predicted arithmetic); pooled by the least, the 02:12 profile gives 0.31, 0.50, 0.78
+    and 1.03 ms; pooled by the median, 0.37, 0.59, 0.93 and 1.24 (the grid at 5cda293, with
+    the median, then predicted ResNet-50's plans 10-29% slow). On real devices whose
+    bookkeeping and arithmetic scale apart (a board whose GeMM is slower than its Python),
+    the pooled figure is as wrong as that gap."""
     totals = [sum(t) for t in op_s]
-    norm = [o / t for o, t in zip(measured, totals) if t > 0]
+    norm = [o / t for o, t in zip(measured, totals) if t > 0 and o > 0]
     if len(norm) < 2:
         return [float(o) for o in measured]
-    k = statistics.median(norm)
+    k = min(norm)
     return [k * t for t in totals]
 
 
