@@ -136,6 +136,23 @@ def test_an_idle_rank_that_slows_is_flagged_on_one_report_and_alarms_with_the_wi
         [("compute", 3, True, 3.0)]
 
 
+def test_an_idle_rank_alarms_at_twice_its_speed_not_at_the_quiet_noise():
+    """bench-adapt's quiet pairs at 12565b5 switched on the 0.15-core idle device's window
+    reading 0.62x its baseline with nothing changed; the changes it must see are 2x or more."""
+    cfg, profile, plan = _bert_rows_plan()
+    mon = M.Monitor(cfg, profile, plan)
+    busy = [0.5, 0.1, 1e9, 1.0, 0.0, 0.0]
+
+    def batch(probe):
+        return mon.observe(1, 256, [busy, busy, busy, [0.0, 0.0, 1e9, 1.0, probe, 0.0]],
+                           [1.0] * 4)
+    for _ in range(M.SKIP_N + M.IDLE_N):
+        batch(0.010)
+    assert [batch(0.0062) for _ in range(5)] == [[]] * 5 and mon.flags == []
+    alarms = [batch(0.005) for _ in range(3)][-1]  # twice as fast: the window's median moves
+    assert [(a.rank, a.absolute, round(a.factor, 2)) for a in alarms] == [(3, True, 0.5)]
+
+
 def test_pacer_lets_one_step_go_per_batch():
     """An idle rank's standby load (hepti.serve.worker._Pacer): one step at start, one more
     after each batch's gather, none while the rank probes; free() lets the rest go at once."""
