@@ -759,7 +759,7 @@ def pooled_overhead(op_s: list[list[float]], measured: list[float]) -> list[floa
     in proportion to how fast the device runs it, and load from elsewhere only ever adds time,
     so the least inflated reading is the closest to the device's own cost (as the least of
     repeated timings is). Why: on emu-geneflow4 node-d's own figure for ResNet-50 read 1.2 to
-    2.3 ms in five profiles within an hour, node-c's 0.9 to 1.6 ms, and GenEFlow's capped
+    2.3 ms in eight profiles over 2.5 hours, node-c's 0.85 to 1.6 ms, and GenEFlow's capped
     plans, which load the slow devices, were predicted 16-20% slow. A traced run of one such
     plan showed 0.30, 0.46, 0.73 and 1.28 ms on the four devices (each rank's compute less its
     ops' predicted arithmetic); pooled by the least, the 02:12 profile gives 0.31, 0.50, 0.78
