@@ -116,9 +116,9 @@ def test_an_idle_rank_is_judged_against_its_own_idle_baseline():
     assert [w.add(0.020) for _ in range(M.IDLE_N)][-1] == pytest.approx(3.0)
 
 
-def test_an_idle_rank_that_slows_is_flagged_on_one_report_and_alarms_with_the_window():
-    """The window slides: one report 3x off is a flag (no alarm), and so is a second: the
-    median of the window moves, and alarms, when most of it is slow, whatever the phase."""
+def _idle_rank_3():
+    """A monitor over a plan that leaves rank 3 idle, and one batch's observation given rank
+    3's speed probe (the busy ranks exactly as predicted)."""
     cfg, profile, plan = _bert_rows_plan()
     mon = M.Monitor(cfg, profile, plan)
     busy = [0.5, 0.1, 1e9, 1.0, 0.0, 0.0]
@@ -126,6 +126,13 @@ def test_an_idle_rank_that_slows_is_flagged_on_one_report_and_alarms_with_the_wi
     def batch(probe):
         return mon.observe(1, 256, [busy, busy, busy, [0.0, 0.0, 1e9, 1.0, probe, 0.0]],
                            [1.0] * 4)
+    return mon, batch
+
+
+def test_an_idle_rank_that_slows_is_flagged_on_one_report_and_alarms_with_the_window():
+    """The window slides: one report 3x off is a flag (no alarm), and so is a second: the
+    median of the window moves, and alarms, when most of it is slow, whatever the phase."""
+    mon, batch = _idle_rank_3()
     for _ in range(M.SKIP_N + M.IDLE_N + 2):  # skipped, the baseline, steady
         assert batch(0.010) == [] and mon.flags == []
     assert batch(0.030) == []  # one slow report: a flag
@@ -139,13 +146,7 @@ def test_an_idle_rank_that_slows_is_flagged_on_one_report_and_alarms_with_the_wi
 def test_an_idle_rank_alarms_at_twice_its_speed_not_at_the_quiet_noise():
     """bench-adapt's quiet pairs at 12565b5 switched on the 0.15-core idle device's window
     reading 0.62x its baseline with nothing changed; the changes it must see are 2x or more."""
-    cfg, profile, plan = _bert_rows_plan()
-    mon = M.Monitor(cfg, profile, plan)
-    busy = [0.5, 0.1, 1e9, 1.0, 0.0, 0.0]
-
-    def batch(probe):
-        return mon.observe(1, 256, [busy, busy, busy, [0.0, 0.0, 1e9, 1.0, probe, 0.0]],
-                           [1.0] * 4)
+    mon, batch = _idle_rank_3()
     for _ in range(M.SKIP_N + M.IDLE_N):
         batch(0.010)
     assert [batch(0.0062) for _ in range(5)] == [[]] * 5 and mon.flags == []
