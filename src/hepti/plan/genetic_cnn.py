@@ -11,8 +11,8 @@ its weights are resident or streamed from local files as it runs (hepti's `strea
 group), and how the linear head is split (`cols` over the devices or `primary`). This is what
 a "bands" plan file carries (`groups`, `group_ratios`, `group_dims`, `group_streamed`,
 `head`), so every plan runs on the band executor as it is; where neighbouring groups split
-differently, the executor's exchange gathers the rows a channel split reads whole. A device with share 0 in every group takes no
-part.
+differently, the executor's exchange gathers the rows a channel split reads whole. A device
+with share 0 in every group takes no part.
 
 Why both: a height split keeps a conv's whole weight on every device that has rows of it, so
 a memory cap below the weights cannot be met by rows alone (ResNet-50: 97 MiB of weights). A
@@ -38,7 +38,8 @@ and random genomes. Under tight caps the feasible genomes are few and far apart:
 fitted seeds, ResNet-50 on 3 devices at 50% read 419 ms over 5 seeds (336-469); with them,
 302 ms (293-318). Mutations include copying one group's shares to every group split the
 same way, and moving shares off the devices over their caps. Elitism keeps the best, so the
-result is never slower than CoEdge's plan under the same model. Deterministic from the seed. No MPI here.
+result is never slower than CoEdge's plan under the same model. Deterministic from the seed.
+No MPI here.
 """
 from __future__ import annotations
 
