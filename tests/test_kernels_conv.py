@@ -113,6 +113,43 @@ def test_conv2d_im2col_modes_agree(mode):
     assert_conv_close(y, x, wt, None, 1, 1)
 
 
+# Shapes on which conv2d reads most patches from x in place (_MODE_ROWS): rows at least two
+# tiles wide, so that some tile lies inside x. (N, H, W, Cin, Cout, kernel, stride, padding,
+# dilation)
+ROWS_CASES = [
+    (1, 6, 20, 16, 32, 3, 1, 1, 1),  # border tiles packed, one tile in place, a tail of 4
+    (2, 5, 29, 8, 40, 3, 1, 1, 1),  # batch 2, a partial panel, a tail of 5
+    (1, 7, 33, 12, 33, 1, 2, 0, 1),  # 1x1 stride 2: lda = 2 * Cin
+    (1, 9, 35, 5, 64, 3, 2, 1, 1),  # 3x3 stride 2
+    (1, 6, 24, 16, 32, 3, 1, (0, 2, 1, 0), 1),  # asymmetric padding: the bottom rows pad
+    (1, 5, 40, 7, 96, 5, 1, 2, 1),  # kernel 5, K = 35 per kernel row
+    (1, 6, 40, 8, 32, 3, 1, 2, (2, 1)),  # dilation 2 down, 1 across
+    (1, 3, 40, 8, 32, 3, 1, (3, 3, 1, 1), 1),  # rows whose every tap is padding: bias only
+    (1, 4, 21, 64, 70, 3, 1, 1, 1),  # K per kernel row 192 > KC, three panels
+    (1, 5, 24, 16, 32, 3, 1, 1, 1),  # tile 1 in place, tiles 0 and 2 packed
+    (2, 9, 17, 8, 16, 3, 1, 1, 1),  # tile 1 in place reads the last column of x, a tail of 1
+]
+
+
+@pytest.mark.parametrize("n,h,w,cin,cout,k,stride,padding,dilation", ROWS_CASES)
+@pytest.mark.parametrize("mb,threads", [(0, 1), (1, 1), (0, 2)])
+def test_conv2d_reads_patches_in_place(n, h, w, cin, cout, k, stride, padding, dilation, mb,
+                                       threads):
+    """_MODE_ROWS (chosen on its own for these shapes) against the naive twin, with bias,
+    residual and ReLU; one output row per block (mb=1) and two threads move the offsets."""
+    from hepti.kernels import conv
+    x, wt, bias = rand(n, h, w, cin), rand(cout, cin, k, k), rand(cout)
+    geo = conv._geometry(x.shape, k, k, stride, padding, dilation, cin, "test")
+    assert conv._rows_apply(geo, 1)
+    residual = rand(n, geo[4], geo[5], cout)
+    y = conv2d(x, wt, bias, stride, padding, dilation, relu="relu", residual=residual,
+               threads=threads, _mb=mb)
+    assert_conv_close(y, x, wt, bias, stride, padding, dilation, 1, residual, "relu")
+    forced = conv2d(x, wt, bias, stride, padding, dilation, relu="relu", residual=residual,
+                    threads=threads, _mode=conv._MODE_ROWS, _mb=mb)
+    np.testing.assert_array_equal(forced, y)
+
+
 def test_pack_conv_weight_layout():
     """Group g's panels are pack_b of B [kh*kw*Cin_g, Cout_g] with rows ordered (ky, kx, c)."""
     wt = rand(2 * (NR + 3), 5, 3, 2)  # 2 groups of NR + 3 output channels

@@ -678,10 +678,13 @@ def main(argv=None) -> int:
     write_json(doc, out)
     out.with_suffix(".csv").write_text(csv_text(doc))
     written = [out, out.with_suffix(".csv")]
+    ops = out.with_suffix(".ops.csv")
     if any(m.get("profile") for m in models):
-        ops = out.with_suffix(".ops.csv")
         ops.write_text(ops_csv_text(doc))
         written.append(ops)
+    elif ops.exists():  # an earlier run's profile would read as this run's
+        ops.unlink()
+        log(f"removed {ops}: no model was profiled in this run")
     print(format_table(doc))
     log("wrote " + ", ".join(map(str, written)))
     return 0

@@ -7,7 +7,10 @@ GFLOP/s (2 * M * K * Cout per convolution). Variants:
     explicit   the whole [N*Ho*Wo, kh*kw*Cin] patch matrix, then one gemm() with the bias, then
                relu() over the output
     im2col     conv2d's row blocks with the block's patch rows copied into a buffer, then packed
-    implicit   conv2d's row blocks packed from x directly (what conv2d does)
+    implicit   conv2d's row blocks packed from x directly (what conv2d does when rows does not
+               apply)
+    rows       whole output rows, each tile's A read from x in place where the tile lies
+               inside x, its border tiles packed (what conv2d does where it applies)
     gemm       1x1 stride 1 only: gemm() on x viewed as [N*H*W, Cin] (no copy), then relu()
     direct     1x1 stride 1 only: conv2d's row blocks packing x's rows (what conv2d does)
 and then depthwise_conv2d on MobileNetV2's depthwise shapes (3x3, bias, ReLU6).
@@ -29,6 +32,12 @@ SHAPES = [
     ("resnet stem 7x7s2 224x224x3->64", (224, 224, 3), (7, 2, 3), 64),
     ("resnet 3x3 14x14x256->256", (14, 14, 256), (3, 1, 1), 256),
     ("vgg 3x3 224x224x64->64", (224, 224, 64), (3, 1, 1), 64),
+    ("vgg 3x3 112x112x128->128", (112, 112, 128), (3, 1, 1), 128),
+    ("vgg 3x3 56x56x256->256", (56, 56, 256), (3, 1, 1), 256),
+    ("vgg 3x3 28x28x512->512", (28, 28, 512), (3, 1, 1), 512),
+    ("resnet 1x1 56x56x256->64", (56, 56, 256), (1, 1, 0), 64),
+    ("resnet 1x1s2 56x56x256->512", (56, 56, 256), (1, 2, 0), 512),
+    ("resnet 3x3s2 56x56x128->128", (56, 56, 128), (3, 2, 1), 128),
 ]
 # MobileNetV2's 3x3 depthwise layers: (H, W, C, stride) -> how many times the shape occurs
 DEPTHWISE_SHAPES = {(112, 112, 32, 1): 1, (112, 112, 96, 2): 1, (56, 56, 144, 1): 1,
@@ -64,9 +73,13 @@ def _variants(x, cw, bias, stride, padding):
         def direct_gemm():
             gemm(x.reshape(m, cin), pb, bias=bias, out=flat_out)
             conv.relu(out, out=out)
-        return {"gemm": direct_gemm, "direct": run(conv._MODE_DIRECT)}
-    return {"explicit": explicit, "im2col": run(conv._MODE_IM2COL),
-            "implicit": run(conv._MODE_IMPLICIT)}
+        variants = {"gemm": direct_gemm, "direct": run(conv._MODE_DIRECT)}
+    else:
+        variants = {"explicit": explicit, "im2col": run(conv._MODE_IM2COL),
+                    "implicit": run(conv._MODE_IMPLICIT)}
+    if conv._rows_apply(geo, 1):
+        variants["rows"] = run(conv._MODE_ROWS)
+    return variants
 
 
 def run_conv_bench(repeat: int = 7, shapes=None) -> list[dict]:

@@ -37,6 +37,30 @@ medians up to 2x slower) implicit stayed the fastest on every shape (by median, 
 in the two that recorded it). Rows per block (64 .. 2048) changed nothing beyond noise, so
 packed_gemm.row_block's choice is kept.
 
+Where a tile of MR output pixels reads all its taps inside x, even packing is a copy the GeMM
+need not make (`_MODE_ROWS`, what conv2d picks where it applies): one kernel row's taps of a
+pixel are one contiguous run of kw*C floats in NHWC x, and the tile's MR pixels start sw*C
+apart, so x itself is the tile of A with lda = sw*C (`direct_tiles`; the kernel rows are
+summed in registers, those in the padding skipped). Only each output row's border columns
+and short tail are packed. Measured 2026-11-27 (ms, same conditions, `python -m
+hepti.bench.convbench --repeat 7`, medians; GFLOP/s of the in-place one):
+    layer                                    implicit (or direct)  in place (GFLOP/s)
+    VGG-16 224x224x64 3x3 -> 64                 48.8                  38.3  (97)
+    VGG-16 112x112x128 3x3 -> 128               43.7                  37.2  (99)
+    VGG-16 56x56x256 3x3 -> 256                 38.9                  34.9  (106)
+    VGG-16 28x28x512 3x3 -> 512                 47.7                  40.2  (92)
+    ResNet-50 56x56x64 3x3 -> 64                3.08                  2.59  (89)
+    ResNet-50 56x56x128 3x3 s2 -> 128           2.88                  2.58  (90)
+    ResNet-50 stem 224x224x3 7x7 s2 -> 64       4.28                  3.51  (67)
+    ResNet-50 1x1 56x56x256 -> 64 (direct)      1.34                  1.11  (93)
+    MobileNetV2 1x1 112x112x32 -> 16 (direct)   0.53                  0.44  (29)
+The copy is about a cycle per float of A and the GeMM does Cout/16 vector FMAs per float of
+A, so the gain is largest where Cout is small. Rows 14 wide or less leave no whole tile in
+place after the left border's packed tile: they stay implicit (in place there was 10-24%
+slower, `_direct_span`). A 1x1 stride-1 layer stays direct when its rows are not whole tiles
+(direct packs across rows, with no short tile per row). VGG-16 went from 1.04x torch's
+latency to 0.94x with this (`bin/bench-cnn-single.sh`).
+
 `depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
 loop over contiguous channels innermost (it vectorises). It is bound by loads, not FMAs: a 3x3
 pixel with all taps inside the image sums its nine products in registers, and four
@@ -60,13 +84,14 @@ import numpy as np
 from numba import njit, prange
 
 from hepti.kernels import config
-from hepti.kernels._microkernels import MR, NR, pack_a_tile
+from hepti.kernels._microkernels import MR, NR, direct_tiles, full_tiles, micro_tile, pack_a_tile
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
-from hepti.kernels.packed_gemm import _pack_a, _pack_all, _panel_range, panel_group, row_block
+from hepti.kernels.packed_gemm import (_finish, _pack_a, _pack_all, _panel_range, panel_group,
+                                      row_block)
 
 _ACT = {None: 0, "relu": 1, "relu6": 2}
-_MODE_DIRECT, _MODE_IMPLICIT, _MODE_IM2COL = 0, 1, 2  # how A is formed (see _conv_rows)
+_MODE_DIRECT, _MODE_IMPLICIT, _MODE_IM2COL, _MODE_ROWS = 0, 1, 2, 3  # how A is formed (_conv_rows)
 
 
 class ConvWeight:
@@ -223,6 +248,106 @@ def _pack_patches(x, geo, c0, m0, rows, k, apack, tilebuf):
                     tile[p, i] = src[p]
 
 
+@njit(**JIT)
+def _edge_starts(ox_lo, ox_hi, wo):
+    """First columns of the packed tiles of an output row: MR at a time over 0 .. ox_lo-1,
+    then over ox_hi .. wo-1 (each tile ends at its range's end)."""
+    starts = []
+    for ox in range(0, ox_lo, MR):
+        starts.append(ox)
+    for ox in range(ox_hi, wo, MR):
+        starts.append(ox)
+    return starts
+
+
+@njit(**JIT)
+def _direct_span(geo):
+    """(ox0, n_tiles): output columns ox0 .. ox0 + n_tiles*MR - 1 of every output row read
+    all their taps inside x, as n_tiles tiles of MR pixels, so `_rows_block` reads their A
+    from x in place; the columns left and right of them are packed. ox0 is the first multiple
+    of MR at or past the first such column, so the left border is one full packed tile, not
+    a sliver: short tiles run on a stack of narrower kernels, each a pass over B. (Starting
+    at the first in-image column instead measured 4-20% slower on ResNet-50's and VGG-16's
+    3x3 layers, interleaved; on rows 14 wide it left 1 tile in place and 6 columns in two
+    slivers, 10-24% slower than packing them all.)"""
+    w, wo, kw, sw, pl, dw = geo[2], geo[5], geo[7], geo[9], geo[11], geo[13]
+    ox_lo = -(-pl // sw)  # first column whose first tap reads ix >= 0
+    # column ox's last tap reads ix = ox*sw - pl + (kw-1)*dw, which must be < w
+    span = w - 1 + pl - (kw - 1) * dw
+    ox_hi = min(wo, span // sw + 1) if span >= 0 else 0
+    ox0 = -(-ox_lo // MR) * MR
+    return ox0, max(0, ox_hi - ox0) // MR
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _rows_block(x, geo, k, n_g, panels, c, ldc, m0, rows, epi, edge, buf, scratch):
+    """Output pixels m0 .. m0+rows-1 (whole output rows) of a convolution with groups 1 and
+    one contiguous run of kw*C floats per kernel row (dilation 1 across, or kw 1), its A read
+    from x in place (`direct_tiles`) wherever a tile's patches lie inside x.
+
+    For each kernel row ky, the MR pixels of a tile read kw*C contiguous floats each, at a
+    stride of sw*C: a tile of A with lda = sw*C, whose B rows are ky*kw*C onward. The kernel
+    rows that fall in the padding are skipped (their products are zero); the others are
+    summed in registers. The columns left and right of the in-place tiles (`_direct_span`)
+    are packed into edge (`_pack_patches`, MR pixels or fewer a tile) and run on the packed
+    kernels over the same rows of K. Then the GeMM's epilogue (bias, residual) as in
+    packed_gemm._strip; scratch [rows * NR] takes a partial last panel.
+    """
+    n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    run = kw * cin
+    lda = sw * cin
+    ox_lo, n_direct = _direct_span(geo)  # columns ox_lo .. ox_hi-1 are read in place
+    ox_hi = ox_lo + n_direct * MR
+    n_rows = rows // wo
+    r0 = m0 // wo  # first output row, b * Ho + oy
+    slot = 0
+    for r in range(n_rows):
+        rm = m0 + r * wo
+        for ox in _edge_starts(ox_lo, ox_hi, wo):
+            nr = min(MR, (ox_lo if ox < ox_lo else wo) - ox)
+            _pack_patches(x, geo, 0, rm + ox, nr, k, edge[slot:slot + 1], buf)
+            slot += 1
+    n_edge = slot // max(n_rows, 1)
+    pf = x[:0]
+    for jp in range(-(-n_g // NR)):
+        j0 = jp * NR
+        ncols = min(NR, n_g - j0)
+        bp = panels[jp]
+        if ncols == NR:
+            dst, base, ldd = c, m0 * ldc + j0, ldc
+        else:
+            dst, base, ldd = scratch, 0, NR
+        for r in range(n_rows):
+            b, oy = (r0 + r) // ho, (r0 + r) % ho
+            d_row = base + r * wo * ldd
+            # kernel rows ky0 .. ky1-1 fall inside x (iy rises with ky); the rest is padding
+            ky0 = 0
+            while ky0 < kh and oy * sh - pt + ky0 * dh < 0:
+                ky0 += 1
+            ky1 = ky0
+            while ky1 < kh and oy * sh - pt + ky1 * dh < h:
+                ky1 += 1
+            if ky1 == ky0:  # every tap of this output row is padding: the products are zero
+                for i in range(wo):
+                    dst[d_row + i * ldd:d_row + i * ldd + ncols] = 0.0
+                continue
+            iy0 = oy * sh - pt + ky0 * dh
+            x_row = ((b * h + iy0) * w - pl) * cin  # column ox's A row: x_row + ox * lda
+            direct_tiles(0, n_direct, ky1 - ky0, run, x, x_row + ox_lo * lda, dh * w * cin,
+                         lda, bp, ky0 * run, dst, d_row + ox_lo * ldd, ldd, False)
+            k0, kc = ky0 * run, (ky1 - ky0) * run  # the packed tiles: those rows of K at once
+            s = r * n_edge
+            for ox in _edge_starts(ox_lo, ox_hi, wo):
+                nr = min(MR, (ox_lo if ox < ox_lo else wo) - ox)
+                if nr == MR:
+                    full_tiles(0, 1, kc, edge[s:s + 1], bp, k0, k0, dst, d_row + ox * ldd, ldd,
+                               False, pf, 0, 0)
+                else:
+                    micro_tile(nr, kc, edge[s], bp, k0, k0, dst, d_row + ox * ldd, ldd, False)
+                s += 1
+        _finish(rows, c, m0 * ldc, ldc, j0, ncols, scratch, epi)
+
+
 @njit(fastmath=FASTMATH_ROWS, **JIT)
 def _activate(y, off, ldy, rows, cols, act):
     """In place on rows x cols of the flat y from off (row stride ldy): act 1 = ReLU,
@@ -247,10 +372,12 @@ def _pad16(n):
 
 
 @njit(**JIT)
-def _conv_sizes(mb, k, mode):
-    """Workspace floats of one chunk of _conv_rows: packed A, patch buffer, partial strip."""
-    buf = mb * k if mode == _MODE_IM2COL else (MR * k if mode == _MODE_IMPLICIT else 0)
-    return (-(-mb // MR) * k * MR, buf, mb * NR)
+def _conv_sizes(mb, k, mode, wo):
+    """Workspace floats of one chunk of _conv_rows: packed A, patch buffer, partial strip.
+    (_MODE_ROWS packs at most wo // MR + 2 tiles of each of its mb // wo output rows.)"""
+    buf = mb * k if mode == _MODE_IM2COL else (0 if mode == _MODE_DIRECT else MR * k)
+    tiles = (mb // wo) * (wo // MR + 2) if mode == _MODE_ROWS else -(-mb // MR)
+    return (tiles * k * MR, buf, mb * NR)
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -260,13 +387,13 @@ def _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, blk_lo, blk_hi, mb, m, bl
 
     c is the flat output [M, groups * n_g] (row stride ldc); panels [groups, n_panels, K, NR].
     mode says how a block's A is formed: _MODE_DIRECT packs x's rows (1x1, stride 1, no
-    padding), _MODE_IMPLICIT packs patches from x (`_pack_patches`), _MODE_IM2COL copies the
-    block's patch rows into a buffer first and packs that (kept for the benchmark).
+    padding), _MODE_ROWS reads most patches from x in place (`_rows_block`; mb is then whole
+    output rows), _MODE_IMPLICIT packs patches from x (`_pack_patches`), _MODE_IM2COL copies
+    the block's patch rows into a buffer first and packs that (kept for the benchmark).
     epi is the GeMM epilogue tuple for group 0 at row 0; act is applied after it.
     """
-    sizes = _conv_sizes(mb, k, mode)
-    n_tiles = -(-mb // MR)
-    apack = ws[:sizes[0]].reshape((n_tiles, k, MR))
+    sizes = _conv_sizes(mb, k, mode, geo[5])
+    apack = ws[:sizes[0]].reshape((sizes[0] // (k * MR), k, MR))
     o = _pad16(sizes[0])
     buf = ws[o:o + sizes[1]]
     o += _pad16(sizes[1])
@@ -278,18 +405,23 @@ def _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, blk_lo, blk_hi, mb, m, bl
     for blk in range(blk_lo, blk_hi):
         m0 = blk * mb
         rows = min(mb, m - m0)
-        for g in range(groups):
-            if mode == _MODE_DIRECT:
-                _pack_a(x, g * cg, cin, m0, m0 + rows, k, apack)
-            elif mode == _MODE_IMPLICIT:
-                _pack_patches(x, geo, g * cg, m0, rows, k, apack, buf)
-            else:
-                _im2col(x, geo, g * cg, m0, m0 + rows, buf, k)
-                _pack_a(buf, 0, k, 0, rows, k, apack)
-            bias_g = bias[g * n_g:(g + 1) * n_g] if has_bias else bias
-            epi_g = (bias_g, has_bias, gelu, res, r_off + m0 * ldr + g * n_g, ldr, has_res)
-            _panel_range(0, n_panels, apack, rows, k, n_g, panels[g], x, 0, 1, no_buf, c,
-                         m0 * ldc + g * n_g, ldc, blocks, scratch, epi_g)
+        if mode == _MODE_ROWS:
+            _rows_block(x, geo, k, n_g, panels[0], c, ldc, m0, rows,
+                        (bias, has_bias, gelu, res, r_off + m0 * ldr, ldr, has_res), apack, buf,
+                        scratch)
+        else:
+            for g in range(groups):
+                if mode == _MODE_DIRECT:
+                    _pack_a(x, g * cg, cin, m0, m0 + rows, k, apack)
+                elif mode == _MODE_IMPLICIT:
+                    _pack_patches(x, geo, g * cg, m0, rows, k, apack, buf)
+                else:
+                    _im2col(x, geo, g * cg, m0, m0 + rows, buf, k)
+                    _pack_a(buf, 0, k, 0, rows, k, apack)
+                bias_g = bias[g * n_g:(g + 1) * n_g] if has_bias else bias
+                epi_g = (bias_g, has_bias, gelu, res, r_off + m0 * ldr + g * n_g, ldr, has_res)
+                _panel_range(0, n_panels, apack, rows, k, n_g, panels[g], x, 0, 1, no_buf, c,
+                             m0 * ldc + g * n_g, ldc, blocks, scratch, epi_g)
         if act:
             _activate(c, m0 * ldc, ldc, rows, ldc, act)
 
@@ -649,24 +781,39 @@ def pack_conv_weight(w: np.ndarray, groups: int = 1) -> ConvWeight:
 
 
 @functools.lru_cache(maxsize=512)
-def _conv_plan(m: int, k: int, mode: int, threads: int, mb: int = 0) -> tuple:
+def _conv_plan(m: int, k: int, mode: int, threads: int, mb: int = 0, wo: int = 1) -> tuple:
     """(chunks, rows per block, blocks, workspace floats per chunk) for one conv shape.
 
     Rows per block: packed_gemm.row_block (the packed A block fills about half of L2), and
-    at least one block per thread.
+    at least one block per thread. _MODE_ROWS rounds a block to whole output rows (wo pixels
+    each); a row's working set there is the x rows it reads, not a packed block, and the
+    rows per block measured alike from 1 to 8 on VGG-16's 224x224x64 layer.
     """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-    if not mb:
+    if mode == _MODE_ROWS:
+        n_rows = m // wo
+        rb = max(1, round((mb or row_block(m, k)) / wo))
+        if not mb and threads > 1 and -(-n_rows // rb) < threads:
+            rb = -(-n_rows // threads)
+        mb = min(rb, n_rows) * wo
+    elif not mb:
         mb = min(row_block(m, k), m)
         if threads > 1 and -(-m // mb) < threads:
             mb = -(-(-(-m // threads)) // MR) * MR
     n_blocks = -(-m // mb)
     n_chunks = max(1, min(threads, n_blocks))
-    sizes = _conv_sizes(mb, k, mode)
+    sizes = _conv_sizes(mb, k, mode, wo)
     ws_chunk = sum(pad16(s) for s in sizes)
     return n_chunks, mb, n_blocks, ws_chunk
+
+
+def _rows_apply(geo: tuple, groups: int) -> bool:
+    """Whether `_rows_block` can take this convolution: groups 1, each kernel row's taps one
+    contiguous run of x (dilation 1 across, or a single column), and at least one tile per
+    output row that reads x in place."""
+    return groups == 1 and (geo[13] == 1 or geo[7] == 1) and _direct_span(geo)[1] > 0
 
 
 def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0, dilation=1,
@@ -715,9 +862,16 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
     if _mode is None:
         plain = (cw.kh == cw.kw == 1 and geo[8] == geo[9] == 1 and geo[10] == geo[11] == 0
                  and ho == geo[1] and wo == geo[2])
-        _mode = _MODE_DIRECT if plain else _MODE_IMPLICIT
+        rows = _rows_apply(geo, groups)
+        if plain:  # x is A as it is: in place by rows unless rows leave short tiles
+            _mode = _MODE_ROWS if rows and wo % MR == 0 else _MODE_DIRECT
+        else:
+            _mode = _MODE_ROWS if rows else _MODE_IMPLICIT
+    elif _mode == _MODE_ROWS and not _rows_apply(geo, groups):
+        raise ValueError("_MODE_ROWS needs groups 1, one contiguous run per kernel row and a "
+                         "tile inside x on every output row")
     k = cw.k
-    n_chunks, mb, n_blocks, ws_chunk = _conv_plan(m, k, _mode, int(threads), _mb)
+    n_chunks, mb, n_blocks, ws_chunk = _conv_plan(m, k, _mode, int(threads), _mb, wo)
     blocks = (mb, config.KC, 1, config.PREFETCH_ROWS)
     epi = (bias_v, bias is not None, False, res, 0, cw.cout, residual is not None)
     ws = workspace(n_chunks * ws_chunk)
