@@ -313,6 +313,56 @@ def test_a_slowdown_every_rank_shares_refits_them_all_and_keeps_the_plan():
     assert all(f == pytest.approx(1.6, rel=0.05) for f in w.factors)
 
 
+def _idle_watcher():
+    """_watcher, serving a `rows` plan that leaves rank 3 idle; the idle rank's probes read
+    its speed unchanged (0.05 s each)."""
+    w, sup = _watcher([])
+    w.plan = _bert_rows_plan(idle=3)[2]
+    sup.plan = w.plan.to_dict()
+    w._refitted(alarmed=None)
+    w._batches_per_s = lambda: 1.4
+    return w, sup
+
+
+def _serve_idle(w, factors, n: int) -> None:
+    """_serve with rank 3 idle, probing 0.05 s each batch."""
+    pred = w.monitor.predicted(1, 256).predicted["per_rank"]
+    for _ in range(n):
+        if any(e.get("decision") for e in w.sup.replans):
+            return
+        ranks = [[p["compute_s"] * factors[r] if p.get("active", True) else 0.0,
+                  sum(p.get("comm_s", {}).values()) + p.get("wait_s", 0.0),
+                  1e9, 1.0, 0.0 if p.get("active", True) else 0.05, 0.0]
+                 for r, p in enumerate(pred)]
+        w.after_batch(None, (1, 256), ranks, 0.7)
+
+
+def test_a_shared_slowdown_of_unequal_steps_moves_no_share_to_the_idle_rank():
+    """The three busy ranks 1.33x, 1.25x and 1.55x slower together, the idle one unchanged
+    (bench-adapt --quiet at 30c886b, nothing changed): the shared 1.25x scales every rank,
+    the idle one too, and the rest of each step (under 1.5x) is noise. The plan stays."""
+    w, sup = _idle_watcher()
+    _serve_idle(w, [1.0] * 4, 12)
+    assert not sup.replans
+    _serve_idle(w, [1.33, 1.25, 1.55, 1.0], 8)
+    decided = [e for e in sup.replans if e.get("decision")]
+    assert decided and all(e["decision"] == "keep" for e in decided), decided
+    assert decided[0]["shared_step"] == pytest.approx(1.25, rel=0.05)
+    assert all(f == pytest.approx(1.25, rel=0.05) for f in w.factors), w.factors
+
+
+def test_a_step_beyond_the_shared_one_is_the_ranks_own():
+    """Two busy ranks 1.3x slower with the host, rank 2 2.6x: rank 2 is 2x slower on its own
+    and is re-fit so; the others, and the idle rank, take the shared 1.3x."""
+    w, sup = _idle_watcher()
+    _serve_idle(w, [1.0] * 4, 12)
+    _serve_idle(w, [1.3, 1.3, 2.6, 1.0], 8)
+    decided = [e for e in sup.replans if e.get("decision")]
+    assert decided and decided[0]["shared_step"] == pytest.approx(1.3, rel=0.05)
+    assert w.factors[2] == pytest.approx(2.6, rel=0.05)
+    assert [round(f, 1) for f in (w.factors[0], w.factors[1], w.factors[3])] == [1.3, 1.3, 1.3]
+
+
 def test_one_rank_slower_alone_is_refit_alone_and_switches():
     w, sup = _watcher([])
     w._batches_per_s = lambda: 1.4  # BERT-base's pace on emu-drift4

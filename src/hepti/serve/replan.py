@@ -30,8 +30,8 @@ import math
 import statistics
 import time
 
-from hepti.serve.monitor import (COMM_LAMBDA, MIN_TRANSFER_S, SKIP_N, SWING_RANGE, Monitor,
-                                 predict, scaled_speed, with_links)
+from hepti.serve.monitor import (COMM_LAMBDA, MIN_TRANSFER_S, SKIP_N, SMALL_STEP, SWING_RANGE,
+                                 Monitor, predict, scaled_speed, with_links)
 
 log = logging.getLogger("hepti")
 HORIZON_S = 10.0  # conditions are assumed to hold this long after a change
@@ -183,19 +183,21 @@ class PlanWatcher:
         event["before"] = (list(self.factors), dict(self.links))
         if alarms[0].kind == "compute":
             alarms = alarms + self._alongside(alarms)
+            shared = self._shared_step(alarms, shape)
+            if shared is not None:
+                event["shared_step"] = shared
+                for a in alarms:  # what the ranks share, and each one's own step beyond it
+                    if not a.absolute and abs(math.log(a.factor / shared)) < SMALL_STEP:
+                        a.factor = shared
+                for r, iw in self.monitor.idle.items():  # an idle rank shares the host too
+                    iw.factor *= shared
+                    self._scale(r, shared)
             event["alarms"] = [a.__dict__ for a in alarms]
             for a in alarms:
                 if a.absolute:  # an idle rank: its probes against its own baseline
                     self.factors[a.rank] = a.factor
                 else:
-                    was = self.factors[a.rank]
-                    self.factors[a.rank] *= a.factor
-                    if _moved_factor(was) and not _moved_factor(self.factors[a.rank]):
-                        # back within MOVED of its profile, from a change: taken at its profile,
-                        # as a link is. The product of two measured steps is noisy (bench-adapt
-                        # at 24b11d0: 2.21 x 0.52 = 1.15 after node-b's CPU came back, and the
-                        # planner gave the 0.15-core node-d a share for the last 20 s)
-                        self.factors[a.rank] = 1.0
+                    self._scale(a.rank, a.factor)
             self._refit()
             event["reason"] = "; ".join(
                 f"rank {a.rank} {'probes' if a.absolute else 'computes'} {a.factor:.2f}x its "
@@ -264,6 +266,36 @@ class PlanWatcher:
             if abs(step) > c.delta:
                 out.append(Alarm("compute", r, 1 if step > 0 else -1, math.exp(step)))
         return out
+
+    def _shared_step(self, alarms: list, shape: tuple[int, int]) -> float | None:
+        """The step every busy rank took together, if each of them (two or more) moved the same
+        way: the least of their steps. The host they share was busy, or a burst of the
+        machine's own: bench-adapt --quiet at 30c886b saw the three busy ranks compute 1.25x,
+        1.33x and 1.55x together, twice in 600 quiet seconds, and re-fitted each by its own
+        step. Their spread read as a change of relative speed, and the idle 0.15-core rank,
+        not slowed in the re-fit, got a share: 3 switches. So the shared part scales every
+        rank alike, idle ones too, and a rank keeps a step of its own only beyond SMALL_STEP
+        (1.5x) on top of the shared one: the changes to act on are 2x and more, one device at
+        a time."""
+        per_rank = self.monitor.predicted(*shape).predicted.get("per_rank", [])
+        busy = {r for r, p in enumerate(per_rank) if p.get("active", True)} & \
+            set(self.monitor.compute)
+        moved = {a.rank: a for a in alarms if a.kind == "compute" and not a.absolute}
+        if len(busy) < 2 or not busy <= set(moved):
+            return None
+        if len({moved[r].direction for r in busy}) != 1:
+            return None
+        return min((moved[r].factor for r in busy), key=lambda f: abs(math.log(f)))
+
+    def _scale(self, r: int, factor: float) -> None:
+        """Rank r's speed factor times a measured step. Back within MOVED of its profile from
+        a change, it is taken at its profile, as a link is: the product of two measured steps
+        is noisy (bench-adapt at 24b11d0: 2.21 x 0.52 = 1.15 after node-b's CPU came back, and
+        the planner gave the 0.15-core node-d a share for the last 20 s)."""
+        was = self.factors[r]
+        self.factors[r] *= factor
+        if _moved_factor(was) and not _moved_factor(self.factors[r]):
+            self.factors[r] = 1.0
 
     def expectation(self, shape: tuple[int, int]) -> dict | None:
         """What rank 0 should see during the next batch, for its in-batch watch
