@@ -55,9 +55,9 @@ hepti.bench.convbench --repeat 7`, medians; GFLOP/s of the in-place one):
     ResNet-50 1x1 56x56x256 -> 64 (direct)      1.34                  1.11  (93)
     MobileNetV2 1x1 112x112x32 -> 16 (direct)   0.53                  0.44  (29)
 The copy is about a cycle per float of A and the GeMM does Cout/16 vector FMAs per float of
-A, so the gain is largest where Cout is small. Rows 14 wide or less leave no whole tile in
-place after the left border's packed tile: they stay implicit (in place there was 10-24%
-slower, `_direct_span`). A 1x1 stride-1 layer stays direct when its rows are not whole tiles
+A, so the gain is largest where Cout is small. Rows up to 16 wide (a 3x3 kernel, padding 1)
+leave no whole tile in place after the left border's packed tile: they stay implicit (in
+place there was 10-24% slower, `_direct_span`). A 1x1 stride-1 layer stays direct when its rows are not whole tiles
 (direct packs across rows, with no short tile per row). VGG-16 went from 1.04x torch's
 latency to 0.94x with this (`bin/bench-cnn-single.sh`).
 
