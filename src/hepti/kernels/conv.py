@@ -300,14 +300,14 @@ def _rows_block(x, geo, k, n_g, panels, c, ldc, m0, rows, epi, edge, buf, scratc
     ox_hi = ox_lo + n_direct * MR
     n_rows = rows // wo
     r0 = m0 // wo  # first output row, b * Ho + oy
-    slot = 0
+    starts = _edge_starts(ox_lo, ox_hi, wo)  # the packed tiles' first columns, every row
+    n_edge = len(starts)
     for r in range(n_rows):
-        rm = m0 + r * wo
-        for ox in _edge_starts(ox_lo, ox_hi, wo):
+        for e in range(n_edge):
+            ox = starts[e]
             nr = min(MR, (ox_lo if ox < ox_lo else wo) - ox)
-            _pack_patches(x, geo, 0, rm + ox, nr, k, edge[slot:slot + 1], buf)
-            slot += 1
-    n_edge = slot // max(n_rows, 1)
+            _pack_patches(x, geo, 0, m0 + r * wo + ox, nr, k,
+                          edge[r * n_edge + e:r * n_edge + e + 1], buf)
     pf = x[:0]
     for jp in range(-(-n_g // NR)):
         j0 = jp * NR
@@ -336,15 +336,14 @@ def _rows_block(x, geo, k, n_g, panels, c, ldc, m0, rows, epi, edge, buf, scratc
             direct_tiles(0, n_direct, ky1 - ky0, run, x, x_row + ox_lo * lda, dh * w * cin,
                          lda, bp, ky0 * run, dst, d_row + ox_lo * ldd, ldd, False)
             k0, kc = ky0 * run, (ky1 - ky0) * run  # the packed tiles: those rows of K at once
-            s = r * n_edge
-            for ox in _edge_starts(ox_lo, ox_hi, wo):
+            for e in range(n_edge):
+                ox, s = starts[e], r * n_edge + e
                 nr = min(MR, (ox_lo if ox < ox_lo else wo) - ox)
                 if nr == MR:
                     full_tiles(0, 1, kc, edge[s:s + 1], bp, k0, k0, dst, d_row + ox * ldd, ldd,
                                False, pf, 0, 0)
                 else:
                     micro_tile(nr, kc, edge[s], bp, k0, k0, dst, d_row + ox * ldd, ldd, False)
-                s += 1
         _finish(rows, c, m0 * ldc, ldc, j0, ncols, scratch, epi)
 
 
