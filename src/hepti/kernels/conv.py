@@ -57,9 +57,10 @@ hepti.bench.convbench --repeat 7`, medians; GFLOP/s of the in-place one):
 The copy is about a cycle per float of A and the GeMM does Cout/16 vector FMAs per float of
 A, so the gain is largest where Cout is small. Rows up to 16 wide (a 3x3 kernel, padding 1)
 leave no whole tile in place after the left border's packed tile: they stay implicit (in
-place there was 10-24% slower, `_direct_span`). A 1x1 stride-1 layer stays direct when its rows are not whole tiles
-(direct packs across rows, with no short tile per row). VGG-16 went from 1.04x torch's
-latency to 0.94x with this (`bin/bench-cnn-single.sh`).
+place was slower in 4 of 5 interleaved readings, by 4-24%, and 10% faster in one;
+`_direct_span`). A 1x1 stride-1 layer stays direct when its rows are not whole tiles (direct
+packs across rows, with no short tile per row). VGG-16 went from 1.04x torch's latency to
+0.93-0.94x with this (`bin/bench-cnn-single.sh`).
 
 `depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
 loop over contiguous channels innermost (it vectorises). It is bound by loads, not FMAs: a 3x3
@@ -269,7 +270,7 @@ def _direct_span(geo):
     a sliver: short tiles run on a stack of narrower kernels, each a pass over B. (Starting
     at the first in-image column instead measured 4-20% slower on ResNet-50's and VGG-16's
     3x3 layers, interleaved; on rows 14 wide it left 1 tile in place and 6 columns in two
-    slivers, 10-24% slower than packing them all.)"""
+    slivers, 4-24% slower than packing them all in 4 of 5 readings.)"""
     w, wo, kw, sw, pl, dw = geo[2], geo[5], geo[7], geo[9], geo[11], geo[13]
     ox_lo = -(-pl // sw)  # first column whose first tap reads ix >= 0
     # column ox's last tap reads ix = ox*sw - pl + (kw-1)*dw, which must be < w
