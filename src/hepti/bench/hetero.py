@@ -468,6 +468,9 @@ def main(argv=None) -> int:
           + (f", {out / 'hetero.png'}" if why_not is None else ""))
     if why_not:
         print(f"bench-hetero: {why_not}", file=sys.stderr)
+        if (out / "hetero.png").exists():  # an earlier run's plot would read as this run's
+            (out / "hetero.png").unlink()
+            print(f"bench-hetero: removed {out / 'hetero.png'}, an earlier run's", file=sys.stderr)
     print(f"took {doc['duration_s']:.0f} s (Numba warm-up {warm_s:.0f} s)")
     return 0
 
