@@ -35,6 +35,16 @@ def write_json(doc: dict, path) -> None:
     Path(path).write_text(json.dumps(doc, indent=2) + "\n")
 
 
+
+def drop_stale(path, program: str, why: str) -> None:
+    """Remove an earlier run's output that this run did not write again (a plot it could not
+    draw, a table with nothing in it), saying so on stderr: left in place beside this run's
+    JSON, it would read as this run's."""
+    path = Path(path)
+    if path.exists():
+        path.unlink()
+        print(f"{program}: removed {path}, an earlier run's: {why}", file=sys.stderr)
+
 def git_commit() -> str | None:
     """The commit of the hepti tree being measured (with '+dirty' if its code, src/ bin/
     setup.py, has uncommitted changes; results/ written by earlier benchmarks do not count),

@@ -46,7 +46,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from hepti.bench import git_commit, hepti_cmd, mpiexec, result_doc, write_json
+from hepti.bench import drop_stale, git_commit, hepti_cmd, mpiexec, result_doc, write_json
 
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = ROOT / "hostfiles" / "emu-drift4.json"
@@ -458,10 +458,8 @@ def main(argv=None) -> int:
            for rd in rounds]
     mid = sorted(range(len(rounds)), key=lambda k: fig[k] or 0)[len(rounds) // 2]
     drawn = plot(rounds[mid]["runs"], phs, out.with_suffix(".png"))
-    if not drawn and out.with_suffix(".png").exists():  # an earlier run's plot would mislead
-        out.with_suffix(".png").unlink()
-        print(f"bench-adapt: no plot (matplotlib missing); removed {out.with_suffix('.png')}, "
-              "an earlier run's", file=sys.stderr)
+    if not drawn:
+        drop_stale(out.with_suffix(".png"), "bench-adapt", "no plot drawn (matplotlib missing)")
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}, {out.with_suffix('.csv')}" + (f", {out.with_suffix('.png')} (round {mid + 1})" if drawn else ""))
     return 0

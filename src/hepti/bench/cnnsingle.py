@@ -639,7 +639,7 @@ def main(argv=None) -> int:
 
     import numba
 
-    from hepti.bench import git_commit, result_doc, write_json
+    from hepti.bench import drop_stale, git_commit, result_doc, write_json
     commit = git_commit()
     numba.set_num_threads(1)
     has_torch, has_ort, notes = optional_runtimes(log)
@@ -682,9 +682,8 @@ def main(argv=None) -> int:
     if any(m.get("profile") for m in models):
         ops.write_text(ops_csv_text(doc))
         written.append(ops)
-    elif ops.exists():  # an earlier run's profile would read as this run's
-        ops.unlink()
-        log(f"removed {ops}: no model was profiled in this run")
+    else:
+        drop_stale(ops, "bench-cnn-single", "no model was profiled in this run")
     print(format_table(doc))
     log("wrote " + ", ".join(map(str, written)))
     return 0

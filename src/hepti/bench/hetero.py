@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hepti.bench import git_commit, hepti_cmd, mpiexec, result_doc, write_json
+from hepti.bench import drop_stale, git_commit, hepti_cmd, mpiexec, result_doc, write_json
 from hepti.bench import hetero_report as report
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -468,9 +468,7 @@ def main(argv=None) -> int:
           + (f", {out / 'hetero.png'}" if why_not is None else ""))
     if why_not:
         print(f"bench-hetero: {why_not}", file=sys.stderr)
-        if (out / "hetero.png").exists():  # an earlier run's plot would read as this run's
-            (out / "hetero.png").unlink()
-            print(f"bench-hetero: removed {out / 'hetero.png'}, an earlier run's", file=sys.stderr)
+        drop_stale(out / "hetero.png", "bench-hetero", "no plot drawn")
     print(f"took {doc['duration_s']:.0f} s (Numba warm-up {warm_s:.0f} s)")
     return 0
 
