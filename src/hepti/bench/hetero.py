@@ -5,7 +5,8 @@ launch, `hepti emulate --cluster SPEC -- mpiexec -n N hepti run --repeat R --jso
 out-of-memory kill is the launch's own and the baselines run in the same runtime as hepti:
 
 1. `auto` first, with a fresh profile cache per spec: it profiles the devices under the
-   emulation, plans and runs. Its cached profile is the one the baselines are planned with
+   emulation, plans and runs. (A CNN's every strategy, `auto` too, is planned from a profile
+   taken as each round starts.) Its cached profile is the one the baselines are planned with
    (`--profile`), so every strategy gets a prediction from the same measurements. (Specs whose
    device names are equal would share one cache entry otherwise; emu-mixed4/tight/starved do.)
 2. Each baseline (`even`, `proportional`, `pipeline`, `single`) is first planned in this
@@ -306,21 +307,26 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
             strategies = case_strategies(args, spec.name, case, extras)
             common = ["run", "--model", case["dir"], *map(str, case["input"]), "--json"]
             profile_path = None
-            if case["config"].model_type == "cnn":  # every strategy planned on one profile
-                profile_path = workdir / f"profile-{spec.name}-{case['name']}.json"
-                launch(spec_path, n, ["profile", "--model", case["dir"], "--image-size",
-                                      str(case["seq"]), "--out", str(profile_path)],
-                       cache, args.timeout, workdir)
-                if profile_path.exists():
-                    profiles.append(profile_summary(spec, case, profile_path, "hepti profile"))
-                else:
-                    profile_path = None
             # rounds take turns: round k starts k strategies further on (round 0 with auto,
             # whose profile the baselines are planned with), so a slow minute of this shared
             # machine does not fall on one strategy's every run
             order = [(k, strategies[k % len(strategies):] + strategies[:k % len(strategies)])
                      for k in range(args.rounds)]
             for k, strategy in ((k, s) for k, ss in order for s in ss):
+                if case["config"].model_type == "cnn" and strategy == order[k][1][0]:
+                    # every strategy of a round planned on one profile, taken as the round
+                    # starts: the machine's speed drifts over a sweep's minutes (a MobileNetV2
+                    # plan predicted from a profile 70 minutes old ran +74% over it, and +10%
+                    # and -7% over its prediction from a fresh one: hepti.bench.geneflow.replan)
+                    profile_path = workdir / f"profile-{spec.name}-{case['name']}-r{k}.json"
+                    launch(spec_path, n, ["profile", "--model", case["dir"], "--image-size",
+                                          str(case["seq"]), "--out", str(profile_path)],
+                           cache, args.timeout, workdir)
+                    if profile_path.exists():
+                        profiles.append({**profile_summary(spec, case, profile_path,
+                                                           "hepti profile"), "round": k})
+                    else:
+                        profile_path = None
                 bar.set_description(f"{spec.name} {case['name']}@{case['seq']} {strategy}")
                 if strategy != "auto" and profile_path is None:
                     profile_path = find_cached_profile(cache, n, case["config"].name)
