@@ -343,3 +343,30 @@ def test_an_idle_rank_keeps_a_standby_copy_and_joins_without_reading(served, min
     np.testing.assert_allclose(sup.embed(ids), want, atol=2e-5)
     switched = [e for e in sup.replans if "switched_at" in e]
     assert switched[-1]["bytes_read"] == [0, 0]
+
+
+def test_replan_ab_pauses_the_monitor_on_every_other_run_of_batches(served, minilm_dir):
+    """--replan-ab 2 (bench-adapt --quiet-ab): of the batch ids (from 1), runs of two take
+    turns: 0-1 report to the monitor, 2-3 do not (the workers skip the report's gather, so the
+    front end gets no per-rank times), 4-5 do, and so on; every answer is exact either way,
+    and /metrics gives each run's latencies."""
+    sup = served(2, "--strategy", "rows", replan=True, replan_ab=2)
+    ids = texts_ids(sup, TEXTS)
+    want = single_device(minilm_dir, ids[:1])
+    deadline = time.monotonic() + 300
+    while sup.watcher is None:  # it comes with the workers' hello
+        assert time.monotonic() < deadline and sup.health()["status"] in ("starting", "ok")
+        time.sleep(0.1)
+    reported = []
+    after = sup.watcher.after_batch
+    sup.watcher.after_batch = lambda *a, **k: (reported.append(sup.counts["batches"]), after(*a, **k))
+    for _ in range(8):  # batches 1..8, one at a time
+        np.testing.assert_allclose(sup.embed(ids[:1]), want, atol=2e-5)
+    # the report follows the answer, which goes ahead: batch 8's may still be on its way
+    deadline = time.monotonic() + 30
+    while len(reported) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reported == [1, 4, 5, 8], reported
+    runs = sup.metrics()["monitor_ab"]["runs"]
+    assert [(r["run"], r["monitor"], len(r["latencies_ms"])) for r in runs] == \
+        [(0, True, 1), (1, False, 2), (2, True, 2), (3, False, 2), (4, True, 1)]

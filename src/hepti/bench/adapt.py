@@ -20,7 +20,7 @@ cover the time); the re-plans with their reasons, solve times, stalls and bytes 
 
     sudo python -m hepti.bench.adapt [--duration 100] [--seq 256] [--model weights/bert-base]
                                      [--variants adaptive,static,oracle,even] [--flap]
-                                     [--rounds 3] [--quiet PAIRS]
+                                     [--rounds 3] [--quiet PAIRS] [--quiet-ab SECONDS]
 `--flap` runs the second scenario instead: node-c's link flaps 940 <-> 100 Mbit/s every 2 s
 for DURATION s, `adaptive` against the static plans made for each of the two links.
 `--rounds R` (default 3) runs every variant once per round, R rounds, each round in a rotated
@@ -29,7 +29,9 @@ order: the shared host's load drifts over the minutes a round takes (one plan se
 round, adaptive against that round's oracle, and the median over rounds is quoted.
 `--quiet PAIRS` runs the spec with no schedule, `--replan on` and `off` interleaved PAIRS
 times: the monitor's overhead (median over pairs of on / off median latency) and the re-plans
-and flags it made with nothing to find (results/adapt-quiet.json).
+and flags it made with nothing to find (results/adapt-quiet.json). `--quiet-ab SECONDS` is one
+launch with the monitor paused for every other run of 20 batches (`hepti serve --replan-ab`,
+`quiet_ab`): the overhead without the spread between launches, which is wider than 1%.
 """
 from __future__ import annotations
 
@@ -255,6 +257,38 @@ def quiet_pairs(spec_path: Path, model: str, n: int, pairs: int, duration: float
             "runs": runs}
 
 
+def quiet_ab(spec_path: Path, model: str, n: int, duration: float, every: int, seq: int,
+             port: int, work: Path) -> dict:
+    """No changes, one launch: --replan on with the monitor paused for every other run of
+    `every` batches (`hepti serve --replan-ab`). The overhead is the median over adjacent
+    (on, off) runs of on's median latency over off's. Why one launch: launches of the same
+    service differ by more than the 1% looked for. Quiet pairs of 60 s launches on
+    emu-drift4 (2026-11-27) read off at 0.746 and 0.816 s and on at 0.762 and 0.780 s, and the
+    same work cost 6-9% more CPU in one launch than in the next; within a launch, runs of 20
+    requests take turns every 15 s, so a drift of the shared machine falls on both alike."""
+    r = served_run(spec_path, model, n, ["--strategy", "auto", "--replan", "on",
+                                         "--replan-ab", str(every)],
+                   duration, seq, port, work / "quiet-ab.log")
+    ab = (r["metrics"].get("monitor_ab") or {}).get("runs") or []
+    # whole runs only (the first and the last may be cut short), paired as they ran
+    full = [x for x in ab if len(x["latencies_ms"]) >= every]
+    pairs = []
+    for a, b in zip(full, full[1:]):
+        if b["run"] == a["run"] + 1 and a["monitor"] != b["monitor"]:
+            on, off = (a, b) if a["monitor"] else (b, a)
+            if not pairs or pairs[-1]["runs"][1] < min(a["run"], b["run"]):  # disjoint pairs
+                pairs.append({"runs": [a["run"], b["run"]],
+                              "on_ms": statistics.median(on["latencies_ms"]),
+                              "off_ms": statistics.median(off["latencies_ms"])})
+    ratios = [p["on_ms"] / p["off_ms"] for p in pairs]
+    replans = r["metrics"].get("replans", [])
+    return {"ab_every": every, "ab_duration_s": duration, "ab_pairs": pairs,
+            "ab_on_over_off": ratios,
+            "ab_overhead_median_ratio": statistics.median(ratios) if ratios else None,
+            "ab_switches": sum(1 for e in replans if e.get("decision") in ("switch", "rollback")),
+            "ab_replans": replans, "ab_run": r}
+
+
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -352,6 +386,13 @@ def main(argv=None) -> int:
                     help="no schedule: PAIRS interleaved --replan on/off runs of --duration s "
                          "each (the monitor's overhead, and re-plans with nothing to find); "
                          "writes results/adapt-quiet.json")
+    ap.add_argument("--quiet-ab", type=float, default=0.0, metavar="SECONDS",
+                    help="one launch of SECONDS, no schedule, with the monitor paused for every "
+                         "other run of --ab-every batches (`hepti serve --replan-ab`): the "
+                         "monitor's overhead free of the spread between launches; after "
+                         "--quiet's pairs if given, else alone (results/adapt-quiet-ab.json)")
+    ap.add_argument("--ab-every", type=int, default=20, metavar="N",
+                    help="batches per run under --quiet-ab (default 20)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="run every variant once per round, in a rotated order, this many rounds; "
                          "figures are taken within a round and their median quoted (default 3)")
@@ -368,7 +409,8 @@ def main(argv=None) -> int:
               f"`hepti convert --random bert-base --out {args.model}`", file=sys.stderr)
         return 2
     out = Path(args.out or ("results/adapt-flap.json" if args.flap else
-                            "results/adapt-quiet.json" if args.quiet else "results/adapt.json"))
+                            "results/adapt-quiet.json" if args.quiet else
+                            "results/adapt-quiet-ab.json" if args.quiet_ab else "results/adapt.json"))
     commit = git_commit()
     base = json.loads(SPEC.read_text())
     n = len(base["devices"])
@@ -376,14 +418,20 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="hepti-adapt-"))
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    if args.quiet:
+    if args.quiet or args.quiet_ab:
         quiet = {k: v for k, v in base.items() if k != "schedule"}
         spec_path.write_text(json.dumps(quiet))
-        res = quiet_pairs(spec_path, args.model, n, args.quiet, args.duration, args.seq, args.port, work)
+        res = {}
+        if args.quiet:
+            res = quiet_pairs(spec_path, args.model, n, args.quiet, args.duration, args.seq,
+                              args.port, work)
+        if args.quiet_ab:
+            res.update(quiet_ab(spec_path, args.model, n, args.quiet_ab, args.ab_every, args.seq,
+                                args.port, work))
         doc = result_doc("adapt-quiet", commit=commit, spec=quiet, seq=args.seq, model=args.model,
                          **res, command="sudo python -m hepti.bench.adapt " + " ".join(argv or sys.argv[1:]))
         write_json(doc, out)
-        print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1))
+        print(json.dumps({k: v for k, v in res.items() if k not in ("runs", "ab_run")}, indent=1))
         print(f"wrote {out}")
         return 0
     phs = phases(spec, args.duration) if not args.flap else [{"start": 0.0, "end": args.duration,

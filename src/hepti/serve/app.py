@@ -67,7 +67,8 @@ def run(args) -> int:
     sup = Supervisor(args.model, args.n, hostfile=args.hostfile, worker_args=worker_args(args),
                      max_batch_tokens=args.max_batch_tokens, max_batch_inputs=args.max_batch_inputs,
                      request_timeout_s=args.request_timeout,
-                     replan=args.replan == "on" and args.n > 1).start()
+                     replan=args.replan == "on" and args.n > 1,
+                     replan_ab=args.replan_ab).start()
     try:
         if args.jsonl:
             errors = serve_jsonl(sup, sys.stdin.buffer, sys.stdout, limits, log)

@@ -49,6 +49,7 @@ MAX_FAILED_STARTS = 2  # launches in a row that never said hello before the serv
 MAX_ATTEMPTS = 2  # failures an input's batch may be part of before the input is refused
 LATENCY_WINDOW = 2000  # requests whose latency /metrics' percentiles cover
 REPLANS_KEPT = 500  # re-plan events /metrics lists
+AB_RUNS_KEPT = 200  # --replan-ab's runs of batches /metrics lists
 
 
 @dataclass
@@ -108,7 +109,8 @@ class Supervisor:
     def __init__(self, model_dir: str | Path, n: int, hostfile: str | None = None,
                  worker_args: list[str] | None = None, max_batch_tokens: int = 8192,
                  max_batch_inputs: int = 64, start_timeout_s: float = 900.0,
-                 request_timeout_s: float = 600.0, replan: bool = False):
+                 request_timeout_s: float = 600.0, replan: bool = False,
+                 replan_ab: int | None = None):
         from hepti.weights import WeightStore
         self.model_dir = Path(model_dir)
         cfg = WeightStore(self.model_dir).config
@@ -120,6 +122,10 @@ class Supervisor:
         self.tokenizer = _load_tokenizer(self.model_dir / "tokenizer.json")
         self.worker_args = list(worker_args or []) + (["--replan", "1"] if replan else [])
         self.replan = replan
+        # --replan-ab N: batch k reports (the monitor on) when (k // N) is even; each run of N
+        # batches' request latencies, kept for /metrics (`monitor_ab`)
+        self.replan_ab = replan_ab if replan else None
+        self._ab_runs: list[dict] = []
         self.max_batch_tokens, self.max_batch_inputs = max_batch_tokens, max_batch_inputs
         self.start_timeout_s, self.request_timeout_s = start_timeout_s, request_timeout_s
         # where ranks run: a hostfile's entries (yours, or hepti emulate's), else this machine
@@ -210,6 +216,8 @@ class Supervisor:
             "replans": list(self.replans),
             "flags": list(self.flags),
             "residuals": self.watcher.residuals() if self.watcher is not None else None,
+            "monitor_ab": None if not self.replan_ab else {
+                "every": self.replan_ab, "runs": self._ab_copy()},
         }
 
     def switch_plan(self, plan: dict) -> None:
@@ -386,7 +394,10 @@ class Supervisor:
                 batch_id = self.counts["batches"]
                 t0 = time.perf_counter()
                 head = {"op": "batch", "id": batch_id, "lengths": lengths}
-                watch = self._expectation(batch)
+                monitored = self._monitored(batch_id)
+                if self.replan and not monitored:
+                    head["report"] = False
+                watch = self._expectation(batch) if monitored else None
                 if watch is not None:
                     head["watch"] = watch
                 wall = None
@@ -400,7 +411,7 @@ class Supervisor:
                             wall = time.perf_counter() - t0  # report (--replan)
                             self._batch_walls.append(wall)
                             self._deliver(batch, np.frombuffer(data, np.float32).reshape(
-                                header["shape"]))
+                                header["shape"]), batch_id)
                         else:
                             break
                 except (OSError, protocol.ChannelClosed) as e:
@@ -411,11 +422,17 @@ class Supervisor:
                     wall = time.perf_counter() - t0
                     self._batch_walls.append(wall)
                     emb = np.frombuffer(data, np.float32).reshape(header["shape"])
-                    self._deliver(batch, emb)
+                    self._deliver(batch, emb, batch_id)
+                # a batch the monitor skipped has no report ("ranks_s"): the workers skipped it
                 if self.watcher is not None and "ranks_s" in header:
                     self._watch_plan(sock, batch, header["ranks_s"], wall)
         finally:
             sock.close()
+
+    def _monitored(self, batch_id: int) -> bool:
+        """Whether the monitor watches this batch: always with --replan on, but for the
+        paused half under --replan-ab."""
+        return self.replan and (not self.replan_ab or (batch_id // self.replan_ab) % 2 == 0)
 
     def _expectation(self, batch: list[Piece]) -> dict | None:
         """What rank 0 should see during this batch (hepti.serve.replan), if re-planning; a
@@ -471,7 +488,7 @@ class Supervisor:
             self.counts["batches"] += 1
             return batch
 
-    def _deliver(self, batch: list[Piece], emb: np.ndarray) -> None:
+    def _deliver(self, batch: list[Piece], emb: np.ndarray, batch_id: int) -> None:
         with self._cv:
             for j, p in enumerate(batch):
                 r = p.request
@@ -481,7 +498,21 @@ class Supervisor:
                 r.remaining -= 1
                 if r.remaining == 0:
                     self.counts["answered"] += 1
+                    if self.replan_ab:
+                        self._ab_note(batch_id, time.perf_counter() - r.t_submit)
                     r.done.set()
+
+    def _ab_copy(self) -> list[dict]:
+        with self._cv:
+            return [{**r, "latencies_ms": list(r["latencies_ms"])} for r in self._ab_runs]
+
+    def _ab_note(self, batch_id: int, latency: float) -> None:
+        """A request's latency under --replan-ab, in the run of batches that answered it."""
+        run = batch_id // self.replan_ab
+        if not self._ab_runs or self._ab_runs[-1]["run"] != run:
+            self._ab_runs.append({"run": run, "monitor": run % 2 == 0, "latencies_ms": []})
+            del self._ab_runs[:-AB_RUNS_KEPT]
+        self._ab_runs[-1]["latencies_ms"].append(latency * 1e3)
 
     def _requeue(self, batch: list[Piece]) -> None:
         """The batch in flight when the workers failed: back to the head of the queue, in order;

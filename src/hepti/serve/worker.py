@@ -124,14 +124,17 @@ def serve(args) -> int:
                     header, data = protocol.recv(sock)
                 except protocol.ChannelClosed:
                     header = {"op": "stop"}
-                cmd = np.array([OPS[header["op"]], int(header.get("id", 0))], np.int64)
+                # [2]: whether this batch reports (with --replan: the front end pauses the
+                # monitor for --replan-ab's other half); every rank must agree, for the gather
+                cmd = np.array([OPS[header["op"]], int(header.get("id", 0)),
+                                int(header.get("report", True))], np.int64)
             else:
                 cmd = None
-            op, batch_id = (int(v) for v in world.bcast_idle(cmd, 2))
+            op, batch_id, report = (int(v) for v in world.bcast_idle(cmd, 3))
             if op == OP_STOP:
                 return 0
             if op == OP_BATCH:
-                answer = state.batch(header, data,
+                answer = state.batch(header, data, bool(args.replan and report),
                                      (lambda msg, payload=None:
                                       protocol.send(sock, {"id": batch_id, **msg}, payload))
                                      if rank0 else None)
@@ -339,13 +342,15 @@ class _State:
         self._standby = threading.Thread(target=load, name="hepti-standby", daemon=True)
         self._standby.start()
 
-    def batch(self, header, data, notify=None):
-        """One batch through the job; rank 0's answer: the pooled embeddings, and with --replan
-        every rank's compute and communication seconds (one small gather). With --replan, rank
-        0 sends the embeddings ahead through `notify` (op "answer") and the report after the
-        gather (op "result", no payload). Rank 0 watches its communication during the batch
-        when the front end sent what to expect (`watch`), and tells it early through `notify`
-        too (`_InBatchWatch`)."""
+    def batch(self, header, data, report: bool, notify=None):
+        """One batch through the job; rank 0's answer: the pooled embeddings, and when the
+        batch `report`s (--replan, the monitor not paused) every rank's compute and
+        communication seconds (one small gather). Then rank 0 sends the embeddings ahead
+        through `notify` (op "answer") and the report after the gather (op "result", no
+        payload). Rank 0 watches its communication during the batch when the front end sent
+        what to expect (`watch`), and tells it early through `notify` too (`_InBatchWatch`).
+        A batch that does not report does what a --replan off service does: no gather, no
+        speed probe, no memory reading."""
         from hepti.model.pooling import pool
         from hepti.parallel.profiling import available_memory
         from hepti.serve import protocol
@@ -360,7 +365,7 @@ class _State:
         # an idle rank whose batches are long next to its probe probes as the batch starts, and
         # the batch's own report carries it: bench-adapt at 9113200 (probes after each gather,
         # reported with the next batch) flagged node-d's fall 2.0 s after it, two requests
-        early = bool(self.args.replan) and not self.job.is_active and \
+        early = report and not self.job.is_active and \
             cycle > EARLY_PROBE_CYCLES * self._probe_s
         if early:
             with self._pacer.hold() if self._loading() else contextlib.nullcontext():
@@ -379,14 +384,14 @@ class _State:
         if rank0:
             emb = pool(out["h"], batch.mask, self.args.pool, bool(self.args.normalize))
             head["shape"] = list(emb.shape)
-            if self.args.replan and notify is not None:
+            if report and notify is not None:
                 # the answer goes before the report's gather, which waits for the slowest
                 # rank's bookkeeping: the client has its embeddings meanwhile. bench-adapt's
                 # quiet pairs at 8faad96 (answer after the gather) read the monitor's cost
                 # as 2.1% of a 740 ms request, against the issue's 1%
                 notify({"op": "answer", "shape": head["shape"], "wall_s": wall}, emb)
                 emb = None
-        if self.args.replan:
+        if report:
             sec = w.tracer.seconds
             compute = sum(v for k, v in sec.items() if k in ("compute", "io"))
             comm = sum(v for k, v in sec.items() if k not in ("compute", "io", "batch"))
