@@ -48,3 +48,19 @@ def test_rounds_quote_the_median_of_figures_taken_within_each_round():
     assert round(ev["ratio"], 2) == 1.08 and ev["met"]
     restore = got["events"][2]  # 60 s: the first phase's conditions again, against `static`
     assert round(restore["revert_vs_original_plan"], 2) == 1.08 and not restore["revert_met"]
+
+
+def test_flap_figures_cover_the_flapping_seconds_alone():
+    """--flap-after 20: the link flaps from 22 s (every 2 s, down first), and adaptive is set
+    against the better static plan over [20, 80) only: its slow lead-in on the steady link is
+    not counted, its slow first seconds of flapping are."""
+    spec = adapt.flap_spec(SPEC, 60.0, 20.0)
+    assert [(e["t"], e["link_mbit"]) for e in spec["schedule"][:3]] == [(22.0, 100), (24.0, 940), (26.0, 100)]
+    assert spec["schedule"][-1]["t"] < 80.0
+    phs = [{"start": 0.0, "end": 20.0}, {"start": 20.0, "end": 80.0}]
+    runs = {"adaptive": _run([1000, 1000], [phs[0], {"start": 20.0, "end": 26.0}], replan_at=[25.0]),
+            "static-link-940": _run([800, 1100], phs), "static-link-100": _run([900, 1000], phs)}
+    runs["adaptive"]["requests"] += _run([1000], [{"start": 26.0, "end": 80.0}])["requests"]
+    f = adapt.flap_figures(runs, phs[1])
+    assert f["switches"] == 1 and f["phase"] == [20.0, 80.0]
+    assert f["best_static_tw_ms"] == 1000.0 and abs(f["adaptive_vs_best_static"] - 1.0) < 1e-9
