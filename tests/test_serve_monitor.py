@@ -154,6 +154,40 @@ def test_an_idle_rank_alarms_at_twice_its_speed_not_at_the_quiet_noise():
     assert [(a.rank, a.absolute, round(a.factor, 2)) for a in alarms] == [(3, True, 0.5)]
 
 
+def test_an_idle_rank_is_not_learnt_while_it_loads_weights():
+    """Reports whose free memory reads -1 (the rank is loading its standby copy) are left out:
+    bench-adapt --quiet-ab at e4eaaa4 learnt node-d's baseline from probes slowed by its loader's
+    stretch, and re-planned on the 0.55x its probes read once the load was done."""
+    mon, _ = _idle_rank_3()
+    busy = [0.5, 0.1, 1e9, 1.0, 0.0, 0.0]
+
+    def batch(probe, free):
+        return mon.observe(1, 256, [busy, busy, busy, [0.0, 0.0, free, 1.0, probe, 0.0]],
+                           [1.0] * 4)
+    for _ in range(M.SKIP_N + M.IDLE_N + 2):
+        assert batch(0.020, -1.0) == []  # loading: twice as slow, not learnt
+    for _ in range(M.IDLE_N + 5):  # loaded: the baseline is learnt now, and holds
+        assert batch(0.010, 1e9) == [] and mon.flags == []
+
+
+def test_a_judging_cut_short_by_an_alarm_rolls_back_a_plan_already_slower():
+    """An alarm during the judging of a new plan ends it; if the new plan's batches so far
+    are already slower than the old plan's, the switch is undone first (the alarm may be the
+    plan's own doing); if not, the judging is left to the caller to end."""
+    w, sup = _watcher([])
+    old = w.plan
+    w.previous, w.previous_before = (old, [0.75]), ([1.0] * 4, {})
+    w.judging = [1.35]
+    assert w._judge(None, 1.0, early=True)
+    assert [e["decision"] for e in sup.replans] == ["rollback"] and w.judging is None
+    assert w.pending is not None and w.pending[0] is old  # the old plan's weights load
+    w2, sup2 = _watcher([])
+    w2.previous, w2.previous_before = (w2.plan, [0.75]), ([1.0] * 4, {})
+    w2.judging = []
+    assert not w2._judge(None, 0.76, early=True)
+    assert sup2.replans == [] and w2.judging == [0.76]
+
+
 def test_pacer_lets_one_step_go_per_batch():
     """An idle rank's standby load (hepti.serve.worker._Pacer): one step at start, one more
     after each batch's gather, none while the rank probes; free() lets the rest go at once."""

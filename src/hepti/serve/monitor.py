@@ -244,7 +244,12 @@ class Monitor:
         for r, (p, m) in enumerate(zip(pred, ranks_s)):
             now = factors[r] if factors else 1.0
             if not p.get("active", True):
-                if len(m) > 4 and m[4] > 0:
+                # not while it loads weights ([2], its free memory, reads -1 then): a loader
+                # thread's CPU is stretched on an emulated device, and the stretch is paid as
+                # the probe's span ends. bench-adapt --quiet-ab at e4eaaa4 learnt node-d's
+                # baseline while its standby copy loaded; when the load ended its probes read
+                # 0.55x of it, and the re-plan gave the 0.15-core device a share: 35% slower
+                if len(m) > 4 and m[4] > 0 and not (len(m) > 2 and m[2] < 0):
                     iw = self.idle.setdefault(r, IdleWatch(now))
                     was = iw.last
                     f = iw.add(m[4])

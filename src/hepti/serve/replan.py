@@ -138,6 +138,13 @@ class PlanWatcher:
             if not any(a.fast or a.absolute for a in observed):
                 self._judge(sock, wall)
                 return
+            # unless the new plan already runs slower than the old one did: then the change
+            # is likely the plan's own, and it is undone first (bench-adapt --quiet-ab at
+            # e4eaaa4: a false speed-up of the idle rank gave it a share; the new plan ran
+            # 1.0 s against 0.75, rank 0's waits for that rank alarmed two batches into the
+            # judging, and the 35% slower plan served the next 10 minutes)
+            if self._judge(sock, wall, early=True):
+                return
             self.judging, self.previous = None, None
         if self.pending is not None:
             if all(r[3] for r in ranks_s):  # every rank's next weights are loaded
@@ -585,15 +592,20 @@ class PlanWatcher:
         # alarm on its first batches and is re-fitted as any other.
         self._refitted(alarmed=None)
 
-    def _judge(self, sock, wall: float) -> None:
-        """The new plan's first batches against the old plan's under the same conditions."""
+    def _judge(self, sock, wall: float, early: bool = False) -> bool:
+        """The new plan's first batches against the old plan's under the same conditions;
+        whether it rolled back. `early`: an alarm ends the judging now; roll back if the
+        batches so far are already slower, else leave the judging to the caller."""
         self.judging.append(wall)
-        if len(self.judging) < JUDGE_N:
-            return
+        if len(self.judging) < JUDGE_N and not early:
+            return False
         old_plan, old_walls = self.previous
         new_med = statistics.median(self.judging)
+        worse = bool(old_walls) and new_med > statistics.median(old_walls) * (1 + ROLLBACK_MARGIN)
+        if early and not worse:
+            return False
         self.judging = None
-        if old_walls and new_med > statistics.median(old_walls) * (1 + ROLLBACK_MARGIN):
+        if worse:
             event = {"t": time.time(), "reason": f"the new plan's batches took {new_med * 1e3:.1f} ms, "
                      f"the old one's {statistics.median(old_walls) * 1e3:.1f} ms",
                      "decision": "rollback", "new_strategy": old_plan.strategy,
@@ -608,6 +620,7 @@ class PlanWatcher:
             # the old plan's weights load on the ranks' threads; switch when they are in (now,
             # if they are held)
             self._prepare(sock, old_plan, event)
+        return worse
 
     def _load_seconds(self, plan) -> float:
         """The slowest rank's time to read and pack its new slices for `plan` (0 for a rank
