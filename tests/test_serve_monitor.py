@@ -188,6 +188,24 @@ def test_a_judging_cut_short_by_an_alarm_rolls_back_a_plan_already_slower():
     assert sup2.replans == [] and w2.judging == [0.76]
 
 
+def test_a_rank_reads_its_free_memory_at_most_every_mem_read_s(monkeypatch):
+    """The cgroup files behind a free-memory reading cost 3-10 ms at 0.15-0.2 core: a serving
+    rank reads them at most every MEM_READ_S, not after every batch."""
+    from hepti.parallel import profiling
+    from hepti.serve import worker as W
+    reads, clock = [], [100.0]
+    monkeypatch.setattr(profiling, "available_memory", lambda: (reads.append(1) or 5e8, "test"))
+    monkeypatch.setattr(W.time, "monotonic", lambda: clock[0])
+    import types
+    state = W._State(None, types.SimpleNamespace(config=None), None, None)
+    got = []
+    for step in (0.0, 0.5, 1.0, W.MEM_READ_S + 0.1, 0.5):
+        clock[0] += step
+        got.append(state._free_memory())
+    assert got == [5e8] * 5 and len(reads) == 2
+    assert profiling.cgroup_memory_files() is profiling.cgroup_memory_files()  # worked out once
+
+
 def test_pacer_lets_one_step_go_per_batch():
     """An idle rank's standby load (hepti.serve.worker._Pacer): one step at start, one more
     after each batch's gather, none while the rank probes; free() lets the rest go at once."""

@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --replan on: pause the monitor for every other run of N batches "
                         "(those batches then do what --replan off does) and give each run's "
                         "request latencies in /metrics (`monitor_ab`). A measuring aid: "
-                        "bench-adapt --quiet reads the monitor's overhead from one launch, "
+                        "bench-adapt --quiet-ab reads the monitor's overhead from one launch, "
                         "free of the spread between launches")
     s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="answer 503 to a request not done in S seconds (default 600)")

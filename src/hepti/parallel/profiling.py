@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import functools
 import math
 import os
 import statistics
@@ -498,11 +499,16 @@ def cgroup_dirs(controller: str, proc_cgroup: str | None = None,
     return []
 
 
-def cgroup_memory_files() -> list[tuple[str, str]]:
+@functools.lru_cache(maxsize=1)
+def cgroup_memory_files() -> tuple[tuple[str, str], ...]:
     """(limit file, usage file) of this process's own memory cgroup and each of its ancestors,
-    v2 and v1."""
-    return ([(f"{d}/memory.max", f"{d}/memory.current") for d in cgroup_dirs("")]
-            + [(f"{d}/memory.limit_in_bytes", f"{d}/memory.usage_in_bytes") for d in cgroup_dirs("memory")])
+    v2 and v1. Worked out once a process: a process stays in the group it was started in (`hepti
+    emulate` starts each rank inside its device's), and the two /proc files it takes to find
+    them were half of `available_memory`'s 2 ms, which `hepti serve --replan on` pays on every
+    rank after every batch, 10 ms on a 0.2-core device."""
+    return tuple([(f"{d}/memory.max", f"{d}/memory.current") for d in cgroup_dirs("")]
+                 + [(f"{d}/memory.limit_in_bytes", f"{d}/memory.usage_in_bytes")
+                    for d in cgroup_dirs("memory")])
 
 
 def memory_limit(**paths) -> int | None:

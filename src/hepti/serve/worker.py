@@ -179,6 +179,7 @@ def spec_bytes(cfg, spec) -> float:
 # 0.2-core device had to read back the 340 MB it had dropped when it went idle.
 KEEP_PREVIOUS_FREE = 2.0
 IDLE_PROBES = 3  # speed probes an idle rank runs each batch (their median is reported)
+MEM_READ_S = 2.0  # a rank's free memory, read at most this often while serving (`_free_memory`)
 # An idle rank probes as a batch starts when batches come this many times its probe's time
 # apart (its report is then this batch's own), else after the gather, off the batch's path
 # (MiniLM's batches of a few ms would wait for a 0.15-core device's probe)
@@ -299,12 +300,23 @@ class _State:
         self._pacer = None  # its _Pacer: one layer per batch
         self.kept_whole = False  # `kept` is the standby copy (the whole model), not a plan's
         self.on_host = 1  # ranks on this host: its free memory is shared between them
+        self._mem = None  # (when, bytes): the last reading of `_free_memory`
+
+    def _free_memory(self) -> float:
+        """This rank's free memory (hepti.parallel.profiling.available_memory), read at most
+        every MEM_READ_S: its cgroup files cost 0.5-2 ms of CPU a reading, 3-10 ms on a 0.15-
+        to 0.2-core device, after every batch (bench-adapt --quiet-ab at 4de90d9: the monitor
+        cost 1.9% of a BERT-base request)."""
+        from hepti.parallel.profiling import available_memory
+        now = time.monotonic()
+        if self._mem is None or now - self._mem[0] >= MEM_READ_S:
+            self._mem = (now, float(available_memory()[0]))
+        return self._mem[1]
 
     def _trim(self) -> None:
         """Drop the previous plan's weights when memory runs short."""
-        from hepti.parallel.profiling import available_memory
         if self.kept is not None and self.next is None and not self._loading() \
-                and available_memory()[0] < self.kept[1].resident_bytes:
+                and self._free_memory() < self.kept[1].resident_bytes:
             self.kept[1].close()
             self.kept = None
 
@@ -352,7 +364,6 @@ class _State:
         A batch that does not report does what a --replan off service does: no gather, no
         speed probe, no memory reading."""
         from hepti.model.pooling import pool
-        from hepti.parallel.profiling import available_memory
         from hepti.serve import protocol
         w, rank0 = self.world, self.world.rank == 0
         batch = None
@@ -408,7 +419,7 @@ class _State:
             head["ranks_s"] = w.gather_floats(mine)
             self._trim()
             self._free_after = -1.0 if self._loading() or not ready else \
-                available_memory()[0] / self.on_host
+                self._free_memory() / self.on_host
             # an idle rank probes its speed after the gather, off the batch's path: rank 0
             # answers without waiting for it, and the next batch's gather carries the figure
             # (the median of IDLE_PROBES: single probes at 0.15-0.2 core read 0.76-1.85x of
