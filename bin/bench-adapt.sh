@@ -6,8 +6,12 @@
 # Makes the BERT-base-shaped random model if it is missing. About 55 minutes: three rounds of
 # every variant, interleaved (--rounds 1 for one, about 18 minutes).
 #   sudo bin/bench-adapt.sh             the scenario
-#   sudo bin/bench-adapt.sh --flap      node-c's link flapping 940 <-> 100 Mbit/s every 2 s:
-#                                       results/adapt-flap.{json,csv,png}
+#   sudo bin/bench-adapt.sh --flap      node-c's link flapping 940 <-> 100 Mbit/s every 2 s, after
+#                                       20 s on the steady link: results/adapt-flap.{json,csv,png}
+#   sudo bin/bench-adapt.sh --quiet-ab 600
+#                                       no changes, the monitor paused on every other run of 20
+#                                       batches in one launch (its overhead):
+#                                       results/adapt-quiet-ab.json
 # Other options (--duration, --seq, --variants): python -m hepti.bench.adapt --help
 set -euo pipefail
 if [ "$(id -u)" != 0 ]; then

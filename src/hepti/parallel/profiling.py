@@ -27,9 +27,9 @@ $HEPTI_CACHE (default ~/.cache/hepti) and measures again when it is older than a
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import functools
 import math
 import os
 import statistics

@@ -411,9 +411,9 @@ class _State:
             # slices (named in the switch's answer), 2 the whole model (`standby`)
             holds = 0.0 if self.kept is None or self._loading() else 2.0 if self.kept_whole else 1.0
             # [2]: free memory, as `hepti profile` counts it, read after the last batch's
-            # gather (`_free_after`: a memory figure need not hold up this one; 0.5 ms of
-            # cgroup files on the host is 3 ms at 0.15 core); -1 while weights load (the
-            # standby copy, the next plan's): the figure is on its way down, not a change
+            # gather (`_free_after`: a memory figure need not hold up this one), at most every
+            # MEM_READ_S (`_free_memory`); -1 while weights load (the standby copy, the next
+            # plan's): the figure is on its way down, not a change
             free = -1.0 if self._loading() or not ready else self._free_after
             mine = [compute, comm, float(free), float(ready), self._probed, holds]
             head["ranks_s"] = w.gather_floats(mine)
