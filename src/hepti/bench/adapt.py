@@ -266,9 +266,10 @@ def quiet_ab(spec_path: Path, model: str, n: int, duration: float, every: int, s
     `every` batches (`hepti serve --replan-ab`). The overhead is the median over adjacent
     (on, off) runs of on's median latency over off's. Why one launch: launches of the same
     service differ by more than the 1% looked for. Quiet pairs of 60 s launches on
-    emu-drift4 (2026-11-27) read off at 0.746 and 0.816 s and on at 0.762 and 0.780 s, and the
-    same work cost 6-9% more CPU in one launch than in the next; within a launch, runs of 20
-    requests take turns every 15 s, so a drift of the shared machine falls on both alike."""
+    emu-drift4 (2026-11-27) read off at 0.746 and 0.816 s and on at 0.762 and 0.780 s, and of
+    two --replan on launches one spent 6-9% more CPU per request on each busy device than the
+    other; within a launch, runs of 20 requests take turns every 15 s, so a drift of the shared
+    machine falls on both alike."""
     r = served_run(spec_path, model, n, ["--strategy", "auto", "--replan", "on",
                                          "--replan-ab", str(every)],
                    duration, seq, port, work / "quiet-ab.log")
