@@ -234,6 +234,11 @@ def events_figures(run: dict, phs: list[dict], runs: dict, oracle_of_phase) -> l
     return out
 
 
+def switches(replans: list[dict]) -> list[dict]:
+    """The re-plan events that changed the plan (a switch or a rollback), of /metrics' list."""
+    return [e for e in replans if e.get("decision") in ("switch", "rollback")]
+
+
 def quiet_pairs(spec_path: Path, model: str, n: int, pairs: int, duration: float, seq: int,
                 port: int, work: Path) -> dict:
     """No changes: `pairs` x (--replan on, --replan off), interleaved, `duration` s each. The
@@ -256,7 +261,7 @@ def quiet_pairs(spec_path: Path, model: str, n: int, pairs: int, duration: float
     return {"pairs": pairs, "duration_s": duration, "on_over_off": ratios,
             "overhead_median_ratio": statistics.median(ratios),
             "replans": replans, "flags": flags, "watched_s": pairs * duration,
-            "switches": sum(1 for e in replans if e.get("decision") in ("switch", "rollback")),
+            "switches": len(switches(replans)),
             "runs": runs}
 
 
@@ -289,7 +294,7 @@ def quiet_ab(spec_path: Path, model: str, n: int, duration: float, every: int, s
     return {"ab_every": every, "ab_duration_s": duration, "ab_pairs": pairs,
             "ab_on_over_off": ratios,
             "ab_overhead_median_ratio": statistics.median(ratios) if ratios else None,
-            "ab_switches": sum(1 for e in replans if e.get("decision") in ("switch", "rollback")),
+            "ab_switches": len(switches(replans)),
             "ab_replans": replans, "ab_run": r}
 
 
@@ -360,8 +365,8 @@ def plot(runs: dict, phs: list[dict], path: Path) -> bool:
         ax.axvline(ph["start"], color="k", ls="--", lw=0.8)
     if "adaptive" in runs:
         r = runs["adaptive"]
-        for e in r["metrics"].get("replans", []):
-            if e.get("decision") in ("switch", "rollback") and "t" in e:
+        for e in switches(r["metrics"].get("replans", [])):
+            if "t" in e:
                 ax.axvline(e["t"] - r["t0"], color="tab:red", lw=0.6, alpha=0.6)
     ax.set_xlabel("s since the schedule started (dashed: events; red: adaptive's switches)")
     ax.set_ylabel("request latency, ms")
@@ -386,9 +391,8 @@ def flap_figures(runs: dict, ph: dict) -> dict:
     plan's, both over the phase's requests alone, and adaptive's switches in the run."""
     tw = {v: time_weighted(in_phase(r["requests"], ph)) for v, r in runs.items()}
     best_static = min(tw[v] for v in runs if v.startswith("static-"))
-    switches = [e for e in runs["adaptive"]["metrics"].get("replans", [])
-                if e.get("decision") in ("switch", "rollback")]
-    return {"switches": len(switches), "phase": [ph["start"], ph["end"]],
+    return {"switches": len(switches(runs["adaptive"]["metrics"].get("replans", []))),
+            "phase": [ph["start"], ph["end"]],
             "adaptive_tw_ms": tw["adaptive"] * 1e3, "best_static_tw_ms": best_static * 1e3,
             "adaptive_vs_best_static": tw["adaptive"] / best_static}
 
