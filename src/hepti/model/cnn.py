@@ -71,18 +71,23 @@ def tensors_reader(tensors: dict):
 
 
 def apply(op, x: np.ndarray, weights: Weights, residual: np.ndarray | None = None,
-          pad: tuple[int, int] | None = None, threads: int = 1) -> np.ndarray:
+          pad: tuple[int, int] | None = None, threads: int = 1,
+          out: np.ndarray | None = None) -> np.ndarray:
     """One op on x [N, H, W, C] (a vector op: x [N, C]). `pad` (top, bottom) replaces the op's
-    own vertical padding: x is then a band of rows, and so is the result."""
+    own vertical padding: x is then a band of rows, and so is the result. `out`: where a
+    convolution or a max pool writes its result (C-contiguous), else a new array."""
     from hepti import kernels as K
     if op.kind in (CONV, MAXPOOL):
         top, bottom = (op.padding, op.padding) if pad is None else pad
         padding = (top, bottom, op.padding, op.padding)
         if op.kind == MAXPOOL:
-            return K.max_pool2d(x, op.kernel, op.stride, padding)
+            return K.max_pool2d(x, op.kernel, op.stride, padding, out=out)
         cw, bias = weights.conv[op.name]
         return K.conv2d(x, cw, bias, op.stride, padding, op.dilation, relu=op.act or None,
-                        residual=residual, threads=threads)
+                        residual=residual, out=out, threads=threads)
+    if out is not None:
+        raise ValueError(f"{op.name}: a {op.kind} op makes a new array; out= is for "
+                         "convolutions and max pools")
     if op.kind == ADAPTIVE_AVG:
         if op.out_hw == (1, 1):
             return K.global_avg_pool(x)

@@ -59,10 +59,22 @@ from hepti.graph.split import (Split, channel_needs, channel_slice, gaps, head_r
 
 @dataclass
 class Band:
-    """Rows [lo, lo + x.shape[1]) of a feature map, [N, rows, W, C]."""
+    """Rows [lo, lo + x.shape[1]) of a feature map, [N, rows, W, C]. `x` may be a view of
+    `buf`, an allocation of rows [buf_lo, buf_lo + buf.shape[1]) that the band's later halos
+    are received into (`BandExecutor.program`'s `alloc`)."""
 
     lo: int
     x: np.ndarray
+    buf_lo: int = 0
+    buf: np.ndarray | None = None
+
+    def widened(self, lo: int, hi: int) -> "Band | None":
+        """Rows [lo, hi) of this band's allocation as a band, its own rows already in place;
+        None when the allocation does not cover them."""
+        b = self.buf
+        if b is None or lo < self.buf_lo or hi > self.buf_lo + b.shape[1]:
+            return None
+        return Band(lo, b[:, lo - self.buf_lo:hi - self.buf_lo], self.buf_lo, b)
 
     @property
     def hi(self) -> int:
@@ -83,7 +95,8 @@ class _Group:
     recvs: dict  # peer -> [(tensor, row lo, row hi)] this rank receives from it, in order
     widen: list  # [(tensor, lo, hi)]: the band this rank holds of it becomes rows [lo, hi)
     ops: list  # [(op, its output rows or None, its input rows, band padding, tensors to free,
-    #  a channel split's (c0, c1, i0, i1, each rank's channel count) or None)]
+    #  a channel split's (c0, c1, i0, i1, each rank's channel count) or None, the rows to
+    #  allocate its output with when wider than its own: `alloc`)]
     channels: bool = False  # split by channels: each op's compute, then its allgather
 
 
@@ -129,7 +142,16 @@ class BandExecutor:
         from whom, in the order both ends agree on), which bands it widens, and for each op
         its rows, input rows and band padding. Every forward used to redo this in Python for
         every group: MobileNetV2's band executor at 32x32 on one rank took 2.2x the plain
-        model's time per op then, 0.8x now (the fixed cost is the profile's `op_overhead_s`)."""
+        model's time per op then, 0.8x now (the fixed cost is the profile's `op_overhead_s`).
+
+        `alloc`: an op whose output this rank later widens by a halo (a later group reads rows
+        of it this rank does not make) writes its rows into an allocation of every row the
+        rank will hold of it, and the halo rows are received beside them (`_fetch`). Widening
+        used to allocate the wider band and copy the rank's own rows into it: at 224,
+        MobileNetV2 split 0.7/0.3 one op a group, 65-130 us a copy of an early map at full
+        speed, 2-7x that on an emulated 0.5-0.15 core device. (Batch 1 only: a band of
+        N > 1 images is not contiguous inside a wider one, and the kernels write to a
+        contiguous `out`.)"""
         rank = self.comm.rank if rank is None else rank
         if (h, w, rank) in self._programs:
             return self._programs[(h, w, rank)]
@@ -194,6 +216,9 @@ class BandExecutor:
                                       [per_r.get(op.output, (0, 0)) for per_r in need])
             prog.append(_Group(f"ops {a}-{b - 1}", f"exchange before {g.ops[run[0]].name}",
                                sends, recvs, widen, ops, by_channels))
+        for grp in prog:  # held: every row of each tensor the rank holds at some point
+            grp.ops = [e + ((held[e[0].output] if not grp.channels and e[1] is not None
+                             and held[e[0].output] != e[1] else None),) for e in grp.ops]
         self._programs[(h, w, rank)] = prog
         return prog
 
@@ -218,7 +243,7 @@ class BandExecutor:
             if grp.sends or grp.recvs or grp.widen:
                 self._fetch(grp, have, shapes, n)
             if grp.channels:  # each op's compute span, then its allgather (not inside it)
-                for op, _, _, _, frees, chan in grp.ops:
+                for op, _, _, _, frees, chan, _ in grp.ops:
                     if counter is not None:
                         running[0] = op.name
                     have[op.output] = Band(0, self._by_channels(op, chan, have, shapes, n))
@@ -228,18 +253,24 @@ class BandExecutor:
                     step += 1
                 continue
             with comm.tracer.span(grp.name, "compute"):
-                for op, r, (i0, i1), pad, frees, _ in grp.ops:
+                for op, r, (i0, i1), pad, frees, _, alloc in grp.ops:
                     if counter is not None:  # the step an allocation is charged to
                         running[0] = op.name
                     if r is not None:
                         x = have[op.input].rows(i0, i1)
                         res = have[op.residual].rows(*r) if op.residual is not None else None
+                        buf = out = None
+                        if alloc is not None and n == 1:  # room for the halos to come
+                            buf = np.empty((1, alloc[1] - alloc[0]) + tuple(shapes[op.output][1:]),
+                                           np.float32)
+                            out = buf[:, r[0] - alloc[0]:r[1] - alloc[0]]
                         self.weights.fetch(op.name)  # a streamed conv's, else nothing
                         y = apply(op, np.ascontiguousarray(x), self.weights,
                                   None if res is None else np.ascontiguousarray(res),
-                                  pad=pad, threads=self.threads)
+                                  pad=pad, threads=self.threads, out=out)
                         self.weights.drop(op.name)
-                        have[op.output] = Band(r[0], y)
+                        have[op.output] = (Band(r[0], y) if buf is None else
+                                           Band(r[0], y, alloc[0], buf))
                     for t in frees:
                         if t in have:
                             del have[t]
@@ -290,14 +321,16 @@ class BandExecutor:
                 at += size
         for t, lo, hi in grp.widen:
             old = have.get(t)
-            band = np.empty(piece(t, lo, hi), np.float32)
-            if old is not None:
-                a, b = max(lo, old.lo), min(hi, old.hi)
-                if b > a:
-                    band[:, a - lo:b - lo] = old.rows(a, b)
+            wide = old.widened(lo, hi) if old is not None else None
+            if wide is None:  # a new band, the rows held copied in
+                wide = Band(lo, np.empty(piece(t, lo, hi), np.float32))
+                if old is not None:
+                    a, b = max(lo, old.lo), min(hi, old.hi)
+                    if b > a:
+                        wide.x[:, a - lo:b - lo] = old.rows(a, b)
             for s0, buf in got.get(t, ()):
-                band[:, s0 - lo:s0 - lo + buf.shape[1]] = buf
-            have[t] = Band(lo, band)
+                wide.x[:, s0 - lo:s0 - lo + buf.shape[1]] = buf
+            have[t] = wide
 
     def _free(self, have, tensors, step: int):
         """Let go of the tensors (of those given) whose last reader was step `step`."""
@@ -376,15 +409,21 @@ class BandExecutor:
 
         band(g.input, g.input, (0, h) if rank == 0 else None)
         ops, order = [], []
+        roomy = set()  # tensors made in an allocation their halos are received into
         for k, grp in enumerate(self.program(h, w, rank)):
             for t, lo, hi in grp.widen:
+                if t in roomy:  # no new band: the rows land beside the ones held
+                    continue
                 src = current[t]
                 new = band(f"{t}@{k}", t, (lo, hi))
                 name = f"halo {t} {k}"
                 ops.append(OpNode(name, "halo", (src,), (new,)))
                 order.append(name)
-            for op, r, _, _, _, _ in grp.ops:
+            for op, r, _, _, _, _, alloc in grp.ops:
                 ins = (current[op.input],) + ((current[op.residual],) if op.residual else ())
+                if alloc is not None and n == 1:
+                    roomy.add(op.output)
+                    r = alloc
                 band(op.output, op.output, r)
                 ops.append(OpNode(op.name, op.kind, ins, (op.output,)))
                 order.append(op.name)
