@@ -70,6 +70,35 @@ def test_fusion_pays_when_exchanges_are_dear():
     assert len(cheap) > len(groups)  # cheaper exchanges: more of them
 
 
+def test_an_exchanges_own_work_is_paid_once_per_group_and_moves_fusion():
+    """The profile's exchange_overhead_s: each rank with a halo to send or take pays it once
+    per group (not per message, not when it has no exchange), and dearer exchanges fuse more."""
+    import dataclasses
+
+    from hepti.graph.split import Split, needs
+    from hepti.plan.coedge import choose_groups, exchange_seconds, predict
+    g = _graph()
+    free = _costs(g, [1.0, 1.0], latency=1e-6)
+    work = dataclasses.replace(free, exchange_s=[1e-4, 3e-4], _rows={})
+    ratios = (0.5, 0.5)
+    split = Split(ratios)  # one group per op
+    a, b = predict(g, split, free, H, W), predict(g, split, work, H, W)
+    shapes = g.shapes(H, W)
+    with_halo = [0, 0]
+    for grp in split.group_ranges(g):
+        need = [needs(g, shapes, grp, ratios, r) for r in range(2)]
+        _, sent, got = exchange_seconds(g, shapes, grp, ratios, need, free, 1)
+        for i in range(2):
+            with_halo[i] += bool(sent[i] or got[i])
+    assert 0 < with_halo[0] < len(split.group_ranges(g))  # a 1x1 conv has no halo
+    for i, extra in enumerate((1e-4, 3e-4)):
+        assert b["per_rank"][i]["exchange_s"] - a["per_rank"][i]["exchange_s"] == \
+            pytest.approx(extra * with_halo[i])
+    one = predict(g, Split((1.0, 0.0)), work, H, W)
+    assert one["per_rank"][1]["exchange_s"] == 0.0  # no share, no exchange, no work
+    assert len(choose_groups(g, ratios, work, H, W)) < len(choose_groups(g, ratios, free, H, W))
+
+
 def test_energy_objective_keeps_the_deadline():
     from hepti.errors import PlanError
     from hepti.plan.coedge import plan_cnn

@@ -93,7 +93,8 @@ def sub_profile(full, n: int):
     extra = copy.deepcopy(full.extra)
     cnn = extra.get("cnn")
     if cnn:
-        for k in ("op_s", "op_overhead_s", "op_overhead_measured_s", "power"):
+        for k in ("op_s", "op_overhead_s", "op_overhead_measured_s", "exchange_overhead_s",
+                  "exchange_overhead_measured_s", "power"):
             if cnn.get(k):
                 cnn[k] = cnn[k][:n]
     return dataclasses.replace(full, devices=full.devices[:n], extra=extra)

@@ -9,7 +9,10 @@ DeepThings' fusion, chosen per group by the cost model.
   rows_i(l) are the rows it must compute (`bands.needs`), not the rows it owns.
 - Exchange: the rows each rank receives and sends are exact (`bands.needs` on the integer
   row counts); rank i's time is its link's latency plus the larger of its bytes in and out
-  over its bandwidth (a full-duplex port on a switch, as the profile measured it).
+  over its bandwidth (a full-duplex port on a switch, as the profile measured it), plus its
+  own work around the messages (`CNNCosts.exchange_s`, the profile's `exchange_overhead_s`:
+  hepti.parallel.profiling.measure_exchange_overhead), which a model of small ops split
+  over slow devices pays in every group.
 - Latency = sum over groups of (slowest compute + slowest exchange), then the pooling (an
   allreduce of [N, C]) and the head (each rank's share of the columns, an allgather).
 - A streamed group (`Split.streamed`) adds to each rank's compute the reading and packing of
@@ -83,6 +86,9 @@ class CNNCosts:
     # stored weight bytes/s a device reads and packs for a streamed group (the profile's
     # weight_load_Bps, else disk_read_Bps; DEFAULT_LOAD_BPS when it has neither)
     load_Bps: list[float] | None = None
+    # per device, seconds of its own work in each halo exchange it takes part in, beyond the
+    # link's latency and bytes (the profile's exchange_overhead_s; 0 in older profiles)
+    exchange_s: list[float] | None = None
     _rows: dict = field(default_factory=dict, repr=False, compare=False)  # row_seconds' memo
 
     @property
@@ -114,7 +120,13 @@ class CNNCosts:
                    h=int(table["input"][0]), w=int(table["input"][1]),
                    n=int(table.get("batch", 1)), power=power,
                    load_Bps=[float(d.weight_load_Bps or d.disk_read_Bps or DEFAULT_LOAD_BPS)
-                             for d in devs])
+                             for d in devs],
+                   exchange_s=[float(x) for x in table.get("exchange_overhead_s")
+                               or [0.0] * len(devs)])
+
+    def exchange_work(self, i: int) -> float:
+        """Device i's own seconds in one halo exchange (0 when the profile does not say)."""
+        return self.exchange_s[i] if self.exchange_s else 0.0
 
 
 # --- the cost model -----------------------------------------------------------------------------
@@ -256,8 +268,8 @@ def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int
                     rows = max(0, min(hi, o1) - max(lo, o0)) if j != i else 0
                     sent[j] += rows * row
                     got[i] += rows * row
-    secs = [(costs.latency_s[i] + max(sent[i], got[i]) / costs.bandwidth_Bps[i])
-            if sent[i] or got[i] else 0.0 for i in range(P)]
+    secs = [(costs.latency_s[i] + max(sent[i], got[i]) / costs.bandwidth_Bps[i]
+             + costs.exchange_work(i)) if sent[i] or got[i] else 0.0 for i in range(P)]
     return secs, sent, got
 
 
@@ -388,7 +400,8 @@ def solve_ratios(graph: Graph, costs: CNNCosts, active: list[int], h: int, w: in
             edge = ai in (0, A - 1)
             rows_in = halo_rows if A > 1 and not edge else (
                 max(op.padding, halo_rows - op.padding) if A > 1 else 0)
-            c = (costs.latency_s[i] + rows_in * row_bytes / costs.bandwidth_Bps[i]) if rows_in else 0
+            c = (costs.latency_s[i] + rows_in * row_bytes / costs.bandwidth_Bps[i]
+                 + costs.exchange_work(i)) if rows_in else 0
             per_all = H * per_row[i][l]  # all rows of op l on device i
             row = np.zeros(nv)
             row[ai] = per_all
