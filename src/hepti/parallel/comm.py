@@ -376,6 +376,13 @@ class Comm:
         if not self.solo:
             self.mpi.Barrier()
 
+    def barrier_idle(self) -> None:
+        """A barrier ranks may wait in for seconds (another rank loading weights): asleep
+        between tests (`wait_idle`), so a waiting rank leaves the CPU to the one it waits for
+        (on one host they share it)."""
+        if not self.solo:
+            wait_idle(self.mpi.Ibarrier())
+
     def bcast_idle(self, a: np.ndarray | None, n: int, spin_s: float = 0.002,
                    interval: float = 0.0005) -> np.ndarray:
         """Bcast of n int64 from rank 0 that the others may wait in for minutes (a service

@@ -217,18 +217,18 @@ def plan_assignment(plan: Plan, graph) -> dict[str, str]:
                         "again with `hepti plan --search genetic`") from None
 
 
-def build_layers(store, spec: tuple, pack, pace=None):
+def build_layers(store, spec: tuple, pack):
     """The layer weights a `layer_spec` names, read from this device's own files (no MPI: a
-    background thread may build them while another plan serves). `pace`: ResidentLayers'."""
+    background thread may build them while another plan serves)."""
     from hepti.parallel.layers import ResidentLayers, StreamingLayers
     kind, heads, ffn, extra = spec
     L = store.config.num_hidden_layers
     if kind == "stream":
         return StreamingLayers(store, L, heads, ffn, pack, extra)
     if kind == "layers":  # per layer (heads, ffn): `heads` holds them
-        return ResidentLayers(store, L, None, None, pack, pace=pace, ranges=heads)
+        return ResidentLayers(store, L, None, None, pack, ranges=heads)
     layers = None if extra == (0, L) else range(*extra)
-    return ResidentLayers(store, L, heads, ffn, pack, layers=layers, pace=pace)
+    return ResidentLayers(store, L, heads, ffn, pack, layers=layers)
 
 
 class Job:

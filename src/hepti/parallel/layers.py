@@ -7,7 +7,6 @@ of `window` slots bounds what is resident. Both give `get(i)` / `done(i)` to the
 """
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 
@@ -21,16 +20,13 @@ def slice_packer(graph):
 
 class ResidentLayers:
     def __init__(self, store, n_layers: int, heads, ffn, pack, layers: range | None = None,
-                 progress=None, pace=None, ranges=None):
-        """`pace`, if given, is entered around each layer's read and pack (a context manager):
-        hepti.serve.worker's idle ranks load one layer per batch with it. `ranges`, if given,
-        is each layer's own (heads, ffn) ranges instead (a GenEFlow plan whose layers split
-        differently: hepti.plan.genetic)."""
+                 progress=None, ranges=None):
+        """`ranges`, if given, is each layer's own (heads, ffn) ranges instead (a GenEFlow
+        plan whose layers split differently: hepti.plan.genetic)."""
         self.layers = {}
         for i in (layers if layers is not None else range(n_layers)):
             h, f = ranges[i] if ranges is not None else (heads, ffn)
-            with pace if pace is not None else contextlib.nullcontext():
-                self.layers[i] = pack(i, store.read_layer_slice(i, h, f))
+            self.layers[i] = pack(i, store.read_layer_slice(i, h, f))
             if progress is not None:
                 progress.update(1)
         self.peak_bytes = self.resident_bytes

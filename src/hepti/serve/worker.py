@@ -15,7 +15,6 @@ sees the channel close and mpiexec exit, and relaunches (hepti.serve.supervisor)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -107,8 +106,9 @@ def serve(args) -> int:
     sock = None
     state = _State(world, store, job, args)
     state.on_host = world.ranks_on_host()
-    if args.replan:
+    if args.replan:  # idle ranks load their standby copies before the service is up
         state.standby()
+        world.barrier_idle()
     if rank0:
         sock = protocol.connect(os.environ[protocol.CONTROL_ENV])
         protocol.send(sock, {"op": "hello", "token": os.environ.get(protocol.TOKEN_ENV, ""),
@@ -245,43 +245,6 @@ class _InBatchWatch:
         self._thread.join()
 
 
-class _Pacer:
-    """Paces a background load one step per batch, in the time an idle rank has nothing to do.
-
-    The loader enters it around each step (a layer's read and pack): it waits there for a
-    permit. The main thread, after each batch's gather, takes `hold()` (waiting out a step in
-    progress: the idle rank's speed probes then run alone) and lets one more step go as it
-    leaves. A step then overlaps the next batch's compute, not its gather (bench-adapt at
-    24636ab: a 0.15-core idle rank loading the whole model at once held the first request's
-    gather, 6.3 s against 0.7). `free()` lets every step go at once (a plan now needs it)."""
-
-    def __init__(self):
-        import threading
-        self._permits = threading.Semaphore(1)  # the first step goes during the first batch
-        self._step = threading.Lock()
-        self._free = False
-
-    def __enter__(self):
-        if not self._free:
-            self._permits.acquire()
-        self._step.acquire()
-        return self
-
-    def __exit__(self, *exc):
-        self._step.release()
-        return False
-
-    @contextlib.contextmanager
-    def hold(self):
-        with self._step:
-            yield
-        self._permits.release()
-
-    def free(self) -> None:
-        self._free = True
-        self._permits.release()  # a loader waiting for a permit
-
-
 class _State:
     """A rank's serving state: its job, the next plan's weights while they load, and the
     previous plan's (`kept`), while memory allows."""
@@ -296,8 +259,6 @@ class _State:
         self._free_after = -1.0  # free memory read after the last batch's gather (`batch`)
         self._probe_s = math.inf  # how long its last probe took, all told
         self._last_batch = time.perf_counter()  # when the last batch started, on this rank
-        self._standby = None  # the thread loading an idle rank's standby copy (`standby`)
-        self._pacer = None  # its _Pacer: one layer per batch
         self.kept_whole = False  # `kept` is the standby copy (the whole model), not a plan's
         self.on_host = 1  # ranks on this host: its free memory is shared between them
         self._mem = None  # (when, bytes): the last reading of `_free_memory`
@@ -315,21 +276,21 @@ class _State:
 
     def _trim(self) -> None:
         """Drop the previous plan's weights when memory runs short."""
-        if self.kept is not None and self.next is None and not self._loading() \
+        if self.kept is not None and self.next is None \
                 and self._free_memory() < self.kept[1].resident_bytes:
             self.kept[1].close()
             self.kept = None
 
-    def _loading(self) -> bool:
-        return self._standby is not None and self._standby.is_alive()
-
     def standby(self) -> None:
-        """A rank the plan leaves idle loads the whole model on a background thread, as `rows`
-        would give it, if its free memory is KEEP_PREVIOUS_FREE times that: a re-plan that
-        gives it rows later reads nothing (bench-adapt: a 0.15-core device's 340 MB load,
-        done on the re-plan, slowed 8 s of batches to 1.5-4.5 s)."""
-        import threading
-
+        """A rank the plan leaves idle loads the whole model, as `rows` would give it, if its
+        free memory is KEEP_PREVIOUS_FREE times that: a re-plan that gives it rows later
+        reads nothing (bench-adapt: a 0.15-core device's 340 MB load, done on the re-plan,
+        slowed 8 s of batches to 1.5-4.5 s). It loads before the service is up (every rank
+        waits for it at a barrier): loaded on a background thread while serving, one layer a
+        batch (`_Pacer`), it slowed the first 12-15 requests of bench-adapt from 0.75 s to
+        0.8-1.75 s (adaptive 851 ms against static 771 over the first 20 s, at 4de90d9): on
+        one host its reads and packing share the CPU with the busy devices, and on a device
+        of its own it holds up the gathers it takes part in."""
         from hepti.graph.encoder import family_graph
         from hepti.model.sizes import layer_slice_bytes
         from hepti.parallel.engine import build_layers
@@ -341,18 +302,12 @@ class _State:
         if self.job.spec is not None or available_memory()[0] < KEEP_PREVIOUS_FREE * need:
             return
         spec = ("resident", (0, H), (0, F), (0, L))
-        self._pacer = _Pacer()
-
-        def load():
-            try:
-                self.kept = (spec, build_layers(self.store, spec,
-                                                slice_packer(family_graph(cfg, 1, 1)),
-                                                pace=self._pacer))
-                self.kept_whole = True
-            except Exception:  # noqa: BLE001 - a standby copy is an optimisation; serve on
-                self.kept = None
-        self._standby = threading.Thread(target=load, name="hepti-standby", daemon=True)
-        self._standby.start()
+        try:
+            self.kept = (spec, build_layers(self.store, spec,
+                                            slice_packer(family_graph(cfg, 1, 1))))
+            self.kept_whole = True
+        except Exception:  # noqa: BLE001 - a standby copy is an optimisation; serve on
+            self.kept = None
 
     def batch(self, header, data, report: bool, notify=None):
         """One batch through the job; rank 0's answer: the pooled embeddings, and when the
@@ -379,8 +334,7 @@ class _State:
         early = report and not self.job.is_active and \
             cycle > EARLY_PROBE_CYCLES * self._probe_s
         if early:
-            with self._pacer.hold() if self._loading() else contextlib.nullcontext():
-                self._probed = self.speed_probe()
+            self._probed = self.speed_probe()
         watch = _InBatchWatch(w.tracer, header["watch"], notify) \
             if rank0 and notify is not None and header.get("watch") else None
         t0 = time.perf_counter()
@@ -409,24 +363,23 @@ class _State:
             ready = self.next is None or not self.next[2].is_alive()
             # [5]: what this rank holds beside its plan: 0 nothing, 1 the previous plan's
             # slices (named in the switch's answer), 2 the whole model (`standby`)
-            holds = 0.0 if self.kept is None or self._loading() else 2.0 if self.kept_whole else 1.0
+            holds = 0.0 if self.kept is None else 2.0 if self.kept_whole else 1.0
             # [2]: free memory, as `hepti profile` counts it, read after the last batch's
             # gather (`_free_after`: a memory figure need not hold up this one), at most every
             # MEM_READ_S (`_free_memory`); -1 while weights load (the standby copy, the next
             # plan's): the figure is on its way down, not a change
-            free = -1.0 if self._loading() or not ready else self._free_after
+            free = -1.0 if not ready else self._free_after
             mine = [compute, comm, float(free), float(ready), self._probed, holds]
             head["ranks_s"] = w.gather_floats(mine)
             self._trim()
-            self._free_after = -1.0 if self._loading() or not ready else \
+            self._free_after = -1.0 if not ready else \
                 self._free_memory() / self.on_host
             # an idle rank probes its speed after the gather, off the batch's path: rank 0
             # answers without waiting for it, and the next batch's gather carries the figure
             # (the median of IDLE_PROBES: single probes at 0.15-0.2 core read 0.76-1.85x of
             # each other within 4 s in bench-adapt, and one of them misled a re-plan)
             if not early:
-                with self._pacer.hold() if self._loading() else contextlib.nullcontext():
-                    self._probed = 0.0 if self.job.is_active else self.speed_probe()
+                self._probed = 0.0 if self.job.is_active else self.speed_probe()
         if not rank0:
             return None
         return head, emb  # emb None: it went ahead (`notify`)
@@ -492,11 +445,9 @@ class _State:
         plan = Plan.from_dict(w.bcast_obj(header["plan"] if w.rank == 0 else None)).validate(w.size)
         spec = layer_spec(plan, self.cfg, w.rank)
         holder = {"read0": self.store.bytes_read}
-        if self._pacer is not None:
-            self._pacer.free()  # the standby copy may be what the next plan needs: finish it
-        # whether this rank reads anything for the next plan (a standby copy still loading may)
+        # whether this rank reads anything for the next plan
         loads = spec is not None and spec != self.job.spec and \
-            (self._loading() or self.kept is None or spec != self.kept[0])
+            (self.kept is None or spec != self.kept[0])
         # no room for the next plan's slices beside the current ones (the re-plan may be for
         # that very reason): they are read at the switch, once the current ones are let go
         holder["deferred"] = bool(loads) and \
@@ -507,8 +458,6 @@ class _State:
             if holder["deferred"]:
                 return
             try:
-                if self._standby is not None:
-                    self._standby.join()
                 if spec is not None and spec != self.job.spec and \
                         (self.kept is None or spec != self.kept[0]):
                     holder["layers"] = build_layers(self.store, spec,
@@ -582,10 +531,6 @@ class _State:
     def close(self):
         if self.next is not None:
             self.next[2].join()
-        if self._pacer is not None:
-            self._pacer.free()
-        if self._standby is not None:
-            self._standby.join()
         if self.kept is not None:
             self.kept[1].close()
         self.job.close()
