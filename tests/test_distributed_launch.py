@@ -133,9 +133,11 @@ def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path):
     code, _, err, _ = launch(3, "-m", "hepti", "profile", "--model", resnet_tiny_dir,
                              "--image-size", "65x57", "--batch", "2", "--out", prof)
     assert code == 0, err[-2000:]
-    table = json.loads(prof.read_text())["cnn"]  # each device's work in an exchange, timed
+    measured = json.loads(prof.read_text())  # each device's work in an exchange, timed, and
+    table = measured["cnn"]  # the rate it reads and packs a streamed conv's weights at
     assert len(table["exchange_overhead_s"]) == 3, table.keys()
     assert all(0 < x < 0.05 for x in table["exchange_overhead_s"]), table["exchange_overhead_s"]
+    assert all(d["weight_load_Bps"] > 1e6 for d in measured["devices"]), measured["devices"]
     p = subprocess.run([sys.executable, "-m", "hepti", "plan", "--model", resnet_tiny_dir,
                         "--profile", prof, "--out", plan], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr

@@ -759,6 +759,44 @@ def measure_band_overhead(model, h: int, w: int, batch: int, op_s: list[float],
     return max(0.0, statistics.median(times) - arithmetic) / len(model.graph.ops)
 
 
+def measure_conv_load(graph, read, rounds: int = 3, budget_bytes: float = 16e6) -> float:
+    """Stored bytes/s of reading and packing a streamed conv's weights just before it runs
+    (hepti.model.cnn `Weights.fetch`, as a streamed group does for each of its convs), as the
+    device pays them (stretched on an emulated one): the largest convs of the model up to
+    `budget_bytes`, from this device's weight files (their pages cached, as on one box where
+    the files were just written or read). The CNN planner counts a streamed group's loads at
+    this rate (hepti.plan.coedge `stream_seconds`); without it a profile had none, and the
+    planner's default (100 MB/s) put GenEFlow's streamed plans (50% caps, two devices) 16-29%
+    over what they measured (bench-geneflow, 2026-11-27)."""
+    from hepti.graph.cnn import CONV, LINEAR
+    from hepti.model.cnn import Weights
+    row = graph.row_bytes()
+    convs = sorted((op for op in graph.ops if op.kind == CONV),
+                   key=lambda op: -row[op.name] * op.cout)
+    pick, total = [], 0
+    for op in convs:  # the largest first, the first always
+        size = row[op.name] * op.cout
+        if pick and total + size > budget_bytes:
+            continue
+        pick.append(op.name)
+        total += size
+    w = Weights(graph, read, head_rows={op.name: (0, 0) for op in graph.ops if op.kind == LINEAR},
+                conv_rows={op.name: (0, 0) for op in convs if op.name not in pick},
+                streamed=set(pick))
+
+    def load_all():
+        for name in pick:
+            w.fetch(name)
+            w.drop(name)
+    run = _stretch.wrap(load_all) if _stretch.ON else load_all
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return total / max(statistics.median(times), 1e-9)
+
+
 class _Unsent:
     """Rank 0 of two whose messages are not sent (`measure_exchange_overhead`): the exchange
     runs its span and zeroes what it would receive, and the verbs after the spatial part hand
@@ -864,6 +902,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     overhead = measure_call_overhead()
     op_overhead = measure_band_overhead(model, h, w, batch, op_s)
     exchange_overhead = measure_exchange_overhead(model, batch)
+    conv_load = measure_conv_load(graph, store.read)
     _barrier(comm)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     on_host = local.Get_size()
@@ -881,6 +920,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     mine = {"rank": rank, "host": MPI.Get_processor_name(),
             "gemm_flops": conv_flops / max(conv_s, 1e-9),  # the convolutions' overall rate
             "memory_bytes": float(memory), "call_overhead_s": overhead,
+            "weight_load_Bps": conv_load,
             "measured": {"memory_source": mem_source, "ranks_on_host": on_host,
                          "threads": threads, "limits": resource_limits()}}
     devices = _with_links(comm.allgather(mine), links)
@@ -992,7 +1032,8 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
 # measured the old way are measured again (2: attention timed inside a layer, by call size;
 # 3: its part of the layer scaled to the windowed layer time; 4: collectives calibrated through
 # the runtime's direct-exchange verbs; 5: the MLP's GeMMs timed as one `ffn` call; 6: ranks on
-# one host calibrate the shared-memory transport; 7: a CNN's halo exchange's own work).
+# one host calibrate the shared-memory transport; 7: a CNN's halo exchange's own work and its
+# streamed convs' load rate).
 PROFILER_REVISION = 7
 
 
