@@ -388,10 +388,12 @@ class BandExecutor:
     def rank_dag(self, h: int, w: int, n: int, rank: int):
         """(OpDag, order): `rank`'s part of a forward of n images of h x w as the memory
         model of operator order sees it, in the order `forward` runs it. Each feature map's
-        bytes are the rows this rank holds of it. Widening a band by the halo a group needs
-        is an operator of its own (`halo <tensor> <k>`: it reads the band held and writes
-        the wider one, so for a moment both are held, as in `_fetch`), and the group's ops
-        read the wider band; a band received whole is such an operator with nothing to read.
+        bytes are the rows this rank holds of it. A map this rank makes and later widens is
+        allocated with every row it will hold from the start (`program`'s `alloc`, batch 1);
+        otherwise widening a band by the halo a group needs is an operator of its own (`halo
+        <tensor> <k>`: it reads the band held and writes the wider one, so for a moment both
+        are held, as in `_fetch`), and the group's ops read the wider band; a band received
+        whole is such an operator with nothing to read.
         The vectors after pooling are whole (none on a rank a head on rank 0 alone leaves
         out). Message buffers are not in it, as they are not in the counter."""
         from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo
