@@ -286,11 +286,12 @@ class _State:
         free memory is KEEP_PREVIOUS_FREE times that: a re-plan that gives it rows later
         reads nothing (bench-adapt: a 0.15-core device's 340 MB load, done on the re-plan,
         slowed 8 s of batches to 1.5-4.5 s). It loads before the service is up (every rank
-        waits for it at a barrier): loaded on a background thread while serving, one layer a
-        batch (`_Pacer`), it slowed the first 12-15 requests of bench-adapt from 0.75 s to
-        0.8-1.75 s (adaptive 851 ms against static 771 over the first 20 s, at 4de90d9): on
-        one host its reads and packing share the CPU with the busy devices, and on a device
-        of its own it holds up the gathers it takes part in."""
+        waits for it at a barrier). Loaded on a background thread while serving, one layer a
+        batch (until 2026-11-27), it slowed the first 12-15 requests of bench-adapt from
+        0.75 s to 0.8-1.75 s (adaptive 851 ms against static 771 over the first 20 s, at
+        4de90d9): on one host its reads and packing share the CPU with the busy devices, and
+        on a device of its own it holds up the gathers it takes part in. The service is up
+        about 2.5 s later on emu-drift4 (ready 11.0 s against 8.5, node-d's 436 MB)."""
         from hepti.graph.encoder import family_graph
         from hepti.model.sizes import layer_slice_bytes
         from hepti.parallel.engine import build_layers
