@@ -380,7 +380,7 @@ class PlanWatcher:
     def _check_slow_links(self, sock) -> bool:
         """A link the plan takes as slower than profiled may have come back, and a rank that
         the slow link left idle shows nothing in its residuals: check such links every
-        LINK_CHECK_S (and in every re-plan on compute: `on_batch`); one that reads its
+        LINK_CHECK_S (and in every re-plan on compute: `after_batch`); one that reads its
         profiled rate again is re-planned on. True if it re-planned."""
         t0 = time.perf_counter()
         before = (list(self.factors), dict(self.links))
