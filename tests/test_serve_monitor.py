@@ -416,6 +416,39 @@ def test_a_replan_on_compute_checks_the_links_planned_slow():
     assert decided[0]["before"][1]["2"]["bandwidth_Bps"] == pytest.approx(100e6 / 8)
 
 
+def test_a_link_read_back_stays_planned_slow_unless_the_plan_switches_for_it():
+    """A link check that reads a slow link back but keeps the plan (the gain too small) leaves
+    the link planned slow: it may be flapping, and taken as fast it misled the next re-plan
+    (bench-adapt --flap at 9cf07ba). One whose re-plan switches is taken as back."""
+    import time
+
+    from hepti.plan.partition import make_plan
+    slow = {"latency_s": 1e-4, "bandwidth_Bps": 100e6 / 8}
+    back = {"2": {"latency_s": 1e-4, "bandwidth_Bps": 930e6 / 8}}
+    # the plan in force was made for the slow link; the check reads it back: a gain, a switch
+    w, sup = _watcher([back, back])
+    w._batches_per_s = lambda: 1.4
+    w.links["2"] = dict(slow)
+    w._refit()
+    w.plan = make_plan(w.cfg, w.profile, 256, 1, strategy="rows")
+    w._refitted(alarmed=None)
+    w.held[2] = w.whole  # the idle rank's standby copy: the switch reads nothing
+    assert w._check_slow_links(None)
+    assert sup.replans[-1]["decision"] == "switch" and "links_kept_slow" not in sup.replans[-1]
+    assert w.links["2"]["bandwidth_Bps"] == pytest.approx(930e6 / 8)
+    # the same, but no switch pays (a gain below MIN_GAIN): the link stays planned slow
+    w, sup = _watcher([back, back])
+    w._batches_per_s = lambda: 1e-6  # a switch never pays back its cost
+    w.links["2"] = dict(slow)
+    w._refit()
+    w.plan = make_plan(w.cfg, w.profile, 256, 1, strategy="rows")
+    w._refitted(alarmed=None)
+    assert w._check_slow_links(None)
+    assert sup.replans[-1]["decision"] == "keep"
+    assert sup.replans[-1]["links_kept_slow"] == [2]
+    assert w.links["2"] == slow and w.last_link_check <= time.monotonic()
+
+
 def test_a_device_whose_free_memory_falls_moves_the_plan_off_rows():
     """Rank 2's free memory falls by 1.7 GB (another program took it) while every rank holds
     the whole model under `rows`: its cap falls by as much, the current plan no longer fits

@@ -217,6 +217,7 @@ class PlanWatcher:
             # kept node-c out, and the link check 5 s later put it back (816 ms against the
             # oracle's 744 over that phase)
             back = self._slow_links_back(sock)
+            event["_back"] = back
             self.links.update(back)
             self._refit()
             event["reason"] = "; ".join(
@@ -270,7 +271,9 @@ class PlanWatcher:
             event["probe_s"] = time.perf_counter() - t0
             event["light_mbit"] = {r: round(v["bandwidth_Bps"] * 8e-6)
                                    for r, v in answer["checked"].items()}
+        back = event.pop("_back", {})
         self._decide(sock, event)
+        self._unless_switched(back, event)
 
     def _alongside(self, alarms: list) -> list:
         """Every other active rank whose compute moved too (the median of its last three
@@ -377,6 +380,22 @@ class PlanWatcher:
             return {}
         return self.sup.command(sock, {"op": "probe", "ranks": [int(r) for r in back]})["links"]
 
+    def _unless_switched(self, back: dict, event: dict) -> None:
+        """Links read back that the re-plan did not switch for stay planned slow: the plan in
+        force was made for them slow, and a link that read fast once may be flapping. Taken as
+        fast while the plan was kept, it misled the next re-plan: bench-adapt --flap at
+        9cf07ba, round 2, a link check read node-c's flapping link at 928 Mbit/s and kept the
+        plan; 47 s later a re-plan on node-d's compute (1.16x) gave node-c a share again, and
+        its batches took 1.2 s against 0.76 until the rollback. The periodic check (and each
+        re-plan on compute) reads them again, and a switch takes them."""
+        if not back or event.get("decision") == "switch":
+            return
+        for r in back:
+            self.links[r] = event["before"][1][r]
+        self._refit()
+        self._refitted(alarmed=set())
+        event["links_kept_slow"] = sorted(int(r) for r in back)
+
     def _check_slow_links(self, sock) -> bool:
         """A link the plan takes as slower than profiled may have come back, and a rank that
         the slow link left idle shows nothing in its residuals: check such links every
@@ -393,6 +412,7 @@ class PlanWatcher:
         event.update(links_changed=True, probe_s=time.perf_counter() - t0,
                      reason="link check: " + _links_again(back))
         self._decide(sock, event)
+        self._unless_switched(back, event)
         return True
 
     def _check_memory(self, sock, shape) -> bool:
