@@ -193,6 +193,7 @@ class PlanWatcher:
                  "alarms": [a.__dict__ for a in alarms]}
         t0 = time.perf_counter()
         event["before"] = (list(self.factors), dict(self.links))
+        back = {}  # links planned slow that read back (a re-plan on compute checks them)
         if alarms[0].kind == "compute":
             alarms = alarms + self._alongside(alarms)
             shared = self._shared_step(alarms, shape)
@@ -217,7 +218,6 @@ class PlanWatcher:
             # kept node-c out, and the link check 5 s later put it back (816 ms against the
             # oracle's 744 over that phase)
             back = self._slow_links_back(sock)
-            event["_back"] = back
             self.links.update(back)
             self._refit()
             event["reason"] = "; ".join(
@@ -271,7 +271,6 @@ class PlanWatcher:
             event["probe_s"] = time.perf_counter() - t0
             event["light_mbit"] = {r: round(v["bandwidth_Bps"] * 8e-6)
                                    for r, v in answer["checked"].items()}
-        back = event.pop("_back", {})
         self._decide(sock, event)
         self._unless_switched(back, event)
 
