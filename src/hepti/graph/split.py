@@ -211,6 +211,46 @@ def streamed_convs(graph: Graph, split: Split) -> set[str]:
             if split.group_streamed(k) for op in graph.ops[a:b] if op.kind == CONV}
 
 
+def fetches(need: list[dict], inputs, owners: dict, holders: dict, shapes: dict, size: int
+            ) -> list[tuple[str, int, int, int, int]]:
+    """A group's exchange: (tensor, from rank, to rank, row lo, row hi) for every row of the
+    group's `inputs` a rank needs (`need[i]`: `needs` or `channel_needs` of rank i) and does
+    not hold yet (`holders[t][i]`, a range), each from the rank that owns it (`owners[t]`,
+    Split.owners). In the order both ends agree on. The executor (hepti.parallel.bands)
+    sends and receives exactly these, and the cost model (hepti.plan.coedge) prices them:
+    one list, so the planner cannot charge a transfer the runtime does not make (it once
+    charged every group after a channel split for a whole map every rank already held)."""
+    out = []
+    for t in inputs:
+        own = owned(shapes[t][0], owners[t], size)
+        for i, nd in enumerate(need):
+            if t not in nd:
+                continue
+            for lo, hi in gaps(nd[t], holders[t][i]):
+                for j, (o0, o1) in enumerate(own):
+                    s0, s1 = max(lo, o0), min(hi, o1)
+                    if s1 > s0 and j != i:
+                        out.append((t, j, i, s0, s1))
+    return out
+
+
+def hold(holders: dict, need: list[dict], inputs, made, by_channels: bool, shapes: dict,
+         size: int) -> None:
+    """What each rank holds of each tensor once a group has run (`holders`, updated): the
+    rows of its inputs it held or fetched, and of what the group made, its rows of it (the
+    whole map after a split by channels, whose allgathers hand every rank all of it)."""
+    for t in inputs:
+        holders[t] = [union(h, nd.get(t)) for h, nd in zip(holders[t], need)]
+    for t in made:
+        holders[t] = ([(0, shapes[t][0])] * size if by_channels else
+                      [nd.get(t, (0, 0)) for nd in need])
+
+
+def first_holders(graph: Graph, h: int, size: int) -> dict:
+    """`holders` before the first group: rank 0 holds the pixels."""
+    return {graph.input: owned(h, None, size)}
+
+
 def gaps(want, have) -> list[tuple[int, int]]:
     """Parts of range `want` outside range `have`."""
     lo, hi = want

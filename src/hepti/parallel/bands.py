@@ -53,8 +53,9 @@ import numpy as np
 
 from hepti.counts import counts
 from hepti.graph.cnn import ADAPTIVE_AVG, LINEAR, Graph
-from hepti.graph.split import (Split, channel_needs, channel_slice, gaps, head_rows,  # noqa: F401
-                               needs, out_channels, owned, spatial_ops, union)
+from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, first_holders,
+                               gaps, head_rows, hold, needs, out_channels, owned,  # noqa: F401
+                               spatial_ops, union)
 
 
 @dataclass
@@ -157,7 +158,7 @@ class BandExecutor:
             return self._programs[(h, w, rank)]
         g, size = self.graph, self.comm.size
         shapes, per = self.schedule(h, w)
-        holders = {g.input: owned(h, None, size)}  # who holds which rows
+        holders = first_holders(g, h, size)  # who holds which rows
         held = {g.input: (0, h)} if rank == 0 else {}  # the rows of each tensor this rank holds
         prog, step = [], 0
         for k, ((a, b), run, need) in enumerate(zip(self.groups, self.runs, per)):
@@ -166,22 +167,12 @@ class BandExecutor:
             sends: dict[int, list] = {}
             recvs: dict[int, list] = {}
             inputs = sorted({t for nd in need for t in nd} - made)
-            for t in inputs:  # every rank's missing rows, each from its owner
-                own = owned(shapes[t][0], self.owners[t], size)
-                for i, nd in enumerate(need):
-                    if t not in nd:
-                        continue
-                    for lo, hi in gaps(nd[t], holders[t][i]):
-                        for j, (o0, o1) in enumerate(own):
-                            s0, s1 = max(lo, o0), min(hi, o1)
-                            if s1 <= s0 or j == i:
-                                continue
-                            if j == rank:
-                                sends.setdefault(i, []).append((t, s0, s1))
-                            elif i == rank:
-                                recvs.setdefault(j, []).append((t, s0, s1))
-            for t in inputs:  # what every rank holds from now on
-                holders[t] = [union(hold, nd.get(t)) for hold, nd in zip(holders[t], need)]
+            # every rank's missing rows, each from its owner
+            for t, j, i, s0, s1 in fetches(need, inputs, self.owners, holders, shapes, size):
+                if j == rank:
+                    sends.setdefault(i, []).append((t, s0, s1))
+                elif i == rank:
+                    recvs.setdefault(j, []).append((t, s0, s1))
             widen = []  # the rank's bands of its inputs, with their halos
             for t, r in need[rank].items():
                 if t in made:
@@ -211,9 +202,8 @@ class BandExecutor:
                 else:
                     ops.append((op, None, (0, 0), None, frees, None))
                 step += 1
-            for op in g.ops[a:b]:  # what each rank now holds of what the group made
-                holders[op.output] = ([(0, shapes[op.output][0])] * size if by_channels else
-                                      [per_r.get(op.output, (0, 0)) for per_r in need])
+            hold(holders, need, inputs, [op.output for op in g.ops[a:b]], by_channels, shapes,
+                 size)  # what every rank holds from now on
             prog.append(_Group(f"ops {a}-{b - 1}", f"exchange before {g.ops[run[0]].name}",
                                sends, recvs, widen, ops, by_channels))
         for grp in prog:  # held: every row of each tensor the rank holds at some point

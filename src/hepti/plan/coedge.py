@@ -56,8 +56,8 @@ import numpy as np
 from hepti.counts import counts
 from hepti.errors import PlanError
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, F32, LINEAR, Graph
-from hepti.graph.split import (Split, channel_needs, gaps, needs, out_channels, owned,
-                               spatial_ops)
+from hepti.graph.split import (Split, channel_needs, fetches, first_holders, gaps, hold, needs,
+                               out_channels, owned, spatial_ops)
 
 CNN_STRATEGIES = ("auto", "even", "proportional", "grid", "pipeline", "single")
 MAX_FUSE = 8  # ops in one fused group at most (deeper halos grow fast: DeepThings fuses ~4-16)
@@ -163,11 +163,12 @@ def _row_seconds(costs: CNNCosts, graph: Graph, w: int, n: int) -> list[list[flo
 
 def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: int = 1,
                w: int | None = None, moved: list | None = None, owners: dict | None = None,
-               load: list[float] | None = None
+               load: list[float] | None = None, holders: dict | None = None
                ) -> tuple[float, float, list[float], list[float]]:
     """(slowest compute, slowest exchange, compute per rank, exchange per rank) of one group
     split by `ratios`; `owners` (Split.owners) says how the group's inputs are split, by
-    `ratios` too if not given; `moved`, [sent, received] bytes per rank, is added to."""
+    `ratios` too if not given; `holders`: what each rank holds before it (`exchange_seconds`;
+    updated); `moved`, [sent, received] bytes per rank, is added to."""
     w = costs.w if w is None else w
     per_row = row_seconds(costs, graph, w, n)
     P = costs.size
@@ -182,12 +183,21 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
             comp[i] += (r[1] - r[0]) * per_row[i][l] + costs.overhead_s[i]
     if load is not None:  # the streamed weights' reads (`stream_seconds`), one per op run
         comp = [u + v for u, v in zip(comp, load)]
-    comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners)
+    comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners,
+                                       holders)
+    _held(graph, shapes, group, need, holders, False, P)
     if moved is not None:
         for i in range(P):
             moved[i][0] += sent[i]
             moved[i][1] += got[i]
     return max(comp), max(comm), comp, comm
+
+
+def _held(graph, shapes, group, need, holders, by_channels: bool, P: int) -> None:
+    if holders is not None:
+        made = [op.output for op in graph.ops[group[0]:group[1]]]
+        inputs = sorted({t for nd in need for t in nd} - set(made))
+        hold(holders, need, inputs, made, by_channels, shapes, P)
 
 
 def stream_seconds(graph: Graph, group, rows: list[dict], costs: CNNCosts) -> list[float]:
@@ -203,7 +213,7 @@ def stream_seconds(graph: Graph, group, rows: list[dict], costs: CNNCosts) -> li
 def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts,
                        members: list[int], n: int = 1, w: int | None = None,
                        moved: list | None = None, owners: dict | None = None,
-                       load: list[float] | None = None
+                       load: list[float] | None = None, holders: dict | None = None
                        ) -> tuple[float, float, list[float], list[float]]:
     """`group_cost` of a group split by channels (hepti.parallel.bands `_by_channels`): the
     exchange of the whole input maps to every rank with a share, then each op in turn, each
@@ -216,7 +226,9 @@ def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCost
     per_row = row_seconds(costs, graph, w, n)
     P = costs.size
     need = [channel_needs(graph, shapes, group, ratios, r) for r in range(P)]
-    comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners)
+    comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners,
+                                       holders)
+    _held(graph, shapes, group, need, holders, True, P)
     c_sum, x_sum = 0.0, max(comm)
     comp = [0.0] * P
     comm = list(comm)
@@ -246,28 +258,27 @@ def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCost
 
 
 def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int,
-                     owners: dict | None = None) -> tuple[list[float], list[float], list[float]]:
+                     owners: dict | None = None, holders: dict | None = None
+                     ) -> tuple[list[float], list[float], list[float]]:
     """Each rank's time in the group's exchange, and its bytes sent and received: the rows
-    it needs (`needs`) beyond its own, each from its owner (the pixels from rank 0), over the
-    rank's link. (The executor may hold a few more rows than its own, from an earlier
-    exchange of the same map, and then fetches a little less.)"""
+    it needs (`needs`) and does not hold, each from its owner (the pixels from rank 0), over
+    the rank's link: hepti.graph.split `fetches`, the executor's own list. `holders`: what
+    each rank holds of each tensor when the group starts (`predict` walks the groups as the
+    executor does: after a split by channels every rank holds the whole map, and rows fetched
+    once stay); when None, as a group costed on its own, each rank holds just its own rows."""
     P = costs.size
     a, b = group
     made = {op.output for op in graph.ops[a:b]}
+    inputs = sorted({t for nd in need for t in nd} - made)
+    by = {t: None if t == graph.input else (owners or {}).get(t, ratios) for t in inputs}
+    if holders is None:
+        holders = {t: owned(shapes[t][0], by[t], P) for t in inputs}
     sent, got = [0.0] * P, [0.0] * P
-    for t in {t for nd in need for t in nd} - made:
+    for t, j, i, lo, hi in fetches(need, inputs, by, holders, shapes, P):
         h_t, w_t, c_t = shapes[t]
-        row = F32 * w_t * c_t * n
-        by = None if t == graph.input else (owners or {}).get(t, ratios)
-        own = owned(h_t, by, P)
-        for i, nd in enumerate(need):
-            if t not in nd:
-                continue
-            for lo, hi in gaps(nd[t], own[i]):  # what it needs beyond what it owns
-                for j, (o0, o1) in enumerate(own):
-                    rows = max(0, min(hi, o1) - max(lo, o0)) if j != i else 0
-                    sent[j] += rows * row
-                    got[i] += rows * row
+        nbytes = (hi - lo) * F32 * w_t * c_t * n
+        sent[j] += nbytes
+        got[i] += nbytes
     secs = [(costs.latency_s[i] + max(sent[i], got[i]) / costs.bandwidth_Bps[i]
              + costs.exchange_work(i)) if sent[i] or got[i] else 0.0 for i in range(P)]
     return secs, sent, got
@@ -316,6 +327,7 @@ def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int 
     comp, comm = [0.0] * P, [0.0] * P
     moved = [[0.0, 0.0] for _ in range(P)]
     owners = split.owners(graph)
+    holders = first_holders(graph, h, P)  # as the executor's program walks them
     members = split.members()
     if split.streamed and any(split.streamed):  # each rank's weight rows, once
         from hepti.graph.split import conv_rows
@@ -324,10 +336,11 @@ def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int 
         load = stream_seconds(graph, g, rows, costs) if split.group_streamed(k) else None
         if split.group_dim(k) == "channels":
             c_max, x_max, c, x = channel_group_cost(graph, shapes, g, split.group_ratios(k),
-                                                    costs, members, n, w, moved, owners, load)
+                                                    costs, members, n, w, moved, owners, load,
+                                                    holders)
         else:
             c_max, x_max, c, x = group_cost(graph, shapes, g, split.group_ratios(k), costs, n,
-                                            w, moved, owners, load)
+                                            w, moved, owners, load, holders)
         latency += c_max + x_max
         comp = [u + v for u, v in zip(comp, c)]
         comm = [u + v for u, v in zip(comm, x)]
