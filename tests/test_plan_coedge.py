@@ -99,6 +99,53 @@ def test_an_exchanges_own_work_is_paid_once_per_group_and_moves_fusion():
     assert len(choose_groups(g, ratios, work, H, W)) < len(choose_groups(g, ratios, free, H, W))
 
 
+def test_an_ops_fixed_part_is_paid_whole_by_any_band_and_keeps_a_sliver_off_a_slow_device():
+    """The profile's op_fixed_s: a rank with rows of an op pays it whole, the rest by its rows
+    (a whole map still costs op_s); with it a slow device is no longer worth a few rows."""
+    import dataclasses
+
+    from hepti.graph.split import Split, spatial_ops
+    from hepti.plan.coedge import plan_cnn, predict
+    g = _graph()
+    costs = _costs(g, [1.0, 0.25])
+    fixed = dataclasses.replace(costs, fixed_s=[[0.4 * t for t in r] for r in costs.op_s],
+                                _rows={})
+    one = Split((1.0, 0.0))
+    assert predict(g, one, fixed, H, W)["latency_s"] == pytest.approx(
+        predict(g, one, costs, H, W)["latency_s"])
+    split = Split((0.8, 0.2))
+    a, b = predict(g, split, costs, H, W), predict(g, split, fixed, H, W)
+    L = spatial_ops(g)
+    for i, share in enumerate((0.8, 0.2)):  # a thin band pays more, never less
+        assert b["per_rank"][i]["compute_s"] > a["per_rank"][i]["compute_s"]
+    # rank 1's extra: its fixed parts less their share by rows (about 0.4 x (1 - 0.2) of them)
+    extra = b["per_rank"][1]["compute_s"] - a["per_rank"][1]["compute_s"]
+    assert extra == pytest.approx(0.4 * 0.8 * sum(costs.op_s[1][:L]), rel=0.25)
+    assert plan_cnn(g, fixed, H, W)["split"].ratios[1] < plan_cnn(g, costs, H, W)["split"].ratios[1]
+
+
+def test_a_split_by_channels_pays_for_laying_its_map_out():
+    """The profile's layout_s_per_byte: every member of a split by channels lays each op's
+    gathered map out whole, a rank without a share of it too."""
+    import dataclasses
+
+    from hepti.graph.split import Split, spatial_ops
+    from hepti.plan.coedge import predict
+    g = _graph()
+    costs = _costs(g, [1.0, 1.0, 1.0])
+    layout = dataclasses.replace(costs, layout_s=[1e-9, 2e-9, 3e-9], _rows={})
+    L = spatial_ops(g)
+    k = L - 1  # the last conv by channels on ranks 0 and 1; rank 2 holds the head's columns
+    split = Split((0.5, 0.3, 0.2), ((0, k), (k, L)), per_group=((0.5, 0.3, 0.2), (0.6, 0.4, 0.0)),
+                  dims=("rows", "channels"))
+    a, b = predict(g, split, costs, H, W), predict(g, split, layout, H, W)
+    hh, ww, c = g.shapes(H, W)[g.ops[k].output]
+    for i, rate in enumerate((1e-9, 2e-9, 3e-9)):
+        extra = b["per_rank"][i]["compute_s"] - a["per_rank"][i]["compute_s"]
+        assert extra >= 4 * hh * ww * c * rate * 0.999
+    assert b["latency_s"] > a["latency_s"]
+
+
 def test_energy_objective_keeps_the_deadline():
     from hepti.errors import PlanError
     from hepti.plan.coedge import plan_cnn

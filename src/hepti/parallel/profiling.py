@@ -723,11 +723,98 @@ def measure_cnn_ops(model, h: int, w: int, batch: int = 1, rounds: int = 5) -> l
     return [statistics.median(t) for t in times]
 
 
+def measure_cnn_fixed(model, h: int, w: int, op_s: list[float], batch: int = 1,
+                      rounds: int = 5) -> list[float]:
+    """Seconds of each spatial op that do not scale with its output rows: the op timed on a
+    band of one output row (mid-map, with its halo and padding, as the band executor runs
+    it), every op in turn as a forward does, and fitted to a + rows x b through that and
+    the whole map's time (`op_s`). A band of a few rows still reads and packs the op's whole
+    weight and pays the kernel call: at 224, one row of MobileNetV2's last convolutions
+    (7x7 maps, 0.6-1.6 MB of weights) took 45-70% of the 7-row map's time, not 1/7, and a
+    plan that gave a 0.2-core device a row of them ran 25-60% over its prediction (issue 20).
+    Vector ops and one-row maps: 0. Stretched as one unit of work on an emulated device."""
+    from hepti.graph.cnn import ADAPTIVE_AVG, LINEAR
+    from hepti.model.cnn import apply
+    g = model.graph
+    shapes = g.shapes(h, w)
+    run = _stretch.wrap(apply) if _stretch.ON else apply
+    env = {g.input: np.random.default_rng(4).standard_normal((batch, h, w, 3), dtype=np.float32)}
+    for op in g.ops:  # every map whole, once: the bands' inputs
+        res = env[op.residual] if op.residual is not None else None
+        env[op.output] = apply(op, env[op.input], model.weights, res, threads=model.threads)
+    bands = []
+    for op in g.ops:
+        rows = shapes[op.output][0] if len(shapes[op.output]) == 3 else 1
+        if op.kind in (LINEAR, ADAPTIVE_AVG) or rows < 2:
+            bands.append(None)
+            continue
+        lo = rows // 2
+        i0, i1 = op.in_rows(lo, lo + 1, shapes[op.input][0])
+        x = np.ascontiguousarray(env[op.input][:, i0:i1])
+        res = (None if op.residual is None else
+               np.ascontiguousarray(env[op.residual][:, lo:lo + 1]))
+        bands.append((x, res, op.band_padding(lo, lo + 1, shapes[op.input][0]), rows))
+    del env
+    times = [[] for _ in g.ops]
+    for r in range(rounds + 1):
+        for i, (op, b) in enumerate(zip(g.ops, bands)):
+            if b is None:
+                continue
+            t0 = time.perf_counter()
+            run(op, b[0], model.weights, b[1], b[2], threads=model.threads)
+            if r:
+                times[i].append(time.perf_counter() - t0)
+    out = []
+    for t_all, b, ts in zip(op_s, bands, times):
+        if b is None:
+            out.append(0.0)
+            continue
+        one, rows = statistics.median(ts), b[3]
+        per_row = max(0.0, t_all - one) / (rows - 1)
+        out.append(float(min(max(one - per_row, 0.0), t_all)))
+    return out
+
+
+def pooled_fixed(op_s: list[list[float]], fixed: list[list[float]]) -> list[list[float]]:
+    """Each device's fixed seconds per op (`measure_cnn_fixed`) as the devices' median share
+    of the op's time that is fixed, times the device's own op time: one device's reading of
+    a small op is noisy, the share is the code's and the same on every device running it
+    (a board whose memory is slower than its arithmetic has a larger share; the median is
+    then as wrong as that gap)."""
+    if len(op_s) < 2:
+        return [list(map(float, f)) for f in fixed]
+    out = [[0.0] * len(op_s[0]) for _ in op_s]
+    for l in range(len(op_s[0])):
+        shares = [f[l] / t[l] for t, f in zip(op_s, fixed) if t[l] > 0]
+        k = statistics.median(shares) if shares else 0.0
+        for i, t in enumerate(op_s):
+            out[i][l] = k * t[l]
+    return out
+
+
+def measure_layout_rate(rounds: int = 9) -> float:
+    """Seconds per byte of laying a map split by channels out whole (hepti.parallel.bands
+    `lay_out_channels`, what every member of a split by channels does after each op's
+    allgather), as the device pays them (stretched on an emulated one): ResNet-50's 14x14x1024
+    map from two halves, 0.8 MB."""
+    from hepti.parallel.bands import lay_out_channels
+    shape, per = (1, 14, 14, 1024), [512, 512]
+    flat = np.random.default_rng(6).standard_normal(14 * 14 * 1024, dtype=np.float32)
+    run = _stretch.wrap(lay_out_channels) if _stretch.ON else lay_out_channels
+    run(flat, per, shape)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        run(flat, per, shape)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / flat.nbytes
+
+
 OVERHEAD_SIDE = 32  # the image side at which a forward is mostly the executor's own work
 
 
 def measure_band_overhead(model, h: int, w: int, batch: int, op_s: list[float],
-                          rounds: int = 15) -> float:
+                          rounds: int = 15, op_fixed: list[float] | None = None) -> float:
     """Seconds a height-split forward spends per op beyond the op's arithmetic: its
     bookkeeping, the tracer's spans and each kernel call's fixed cost, as the device pays them
     (stretched on an emulated one). Timed as the band executor (hepti.parallel.bands) on this
@@ -755,7 +842,9 @@ def measure_band_overhead(model, h: int, w: int, batch: int, op_s: list[float],
         t0 = time.perf_counter()
         run(x)
         times.append(time.perf_counter() - t0)
-    arithmetic = sum(op_s) * side * side / (h * w)
+    # the ops at side x side: their fixed seconds whole (`measure_cnn_fixed`), the rest by area
+    fixed = op_fixed or [0.0] * len(op_s)
+    arithmetic = sum(a + (t - a) * side * side / (h * w) for t, a in zip(op_s, fixed))
     return max(0.0, statistics.median(times) - arithmetic) / len(model.graph.ops)
 
 
@@ -899,9 +988,11 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     graph = model.graph
     _barrier(comm)
     op_s = measure_cnn_ops(model, h, w, batch)
+    op_fixed = measure_cnn_fixed(model, h, w, op_s, batch)
     overhead = measure_call_overhead()
-    op_overhead = measure_band_overhead(model, h, w, batch, op_s)
+    op_overhead = measure_band_overhead(model, h, w, batch, op_s, op_fixed=op_fixed)
     exchange_overhead = measure_exchange_overhead(model, batch)
+    layout = measure_layout_rate()
     conv_load = measure_conv_load(graph, store.read)
     _barrier(comm)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -925,16 +1016,21 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
                          "threads": threads, "limits": resource_limits()}}
     devices = _with_links(comm.allgather(mine), links)
     all_op_s = comm.allgather(op_s)
+    all_fixed = comm.allgather(op_fixed)
     all_overhead = comm.allgather(op_overhead)
     all_exchange = comm.allgather(exchange_overhead)
+    all_layout = comm.allgather(layout)
     cfg = store.config
     elapsed = comm.allreduce(time.perf_counter() - t_start, op=MPI.MAX)
     table = {"arch": cfg.arch, "ops": [op.name for op in graph.ops],
              "input": [h, w], "batch": batch, "op_s": all_op_s,
+             "op_fixed_s": pooled_fixed(all_op_s, all_fixed), "op_fixed_measured_s": all_fixed,
              "op_overhead_s": pooled_overhead(all_op_s, all_overhead),
              "op_overhead_measured_s": all_overhead,
              "exchange_overhead_s": pooled_overhead(all_op_s, all_exchange),
-             "exchange_overhead_measured_s": all_exchange}
+             "exchange_overhead_measured_s": all_exchange,
+             "layout_s_per_byte": pooled_overhead(all_op_s, all_layout),
+             "layout_s_per_byte_measured": all_layout}
     if power is not None:
         table["power"] = [list(p) for p in power]
     prof = {"hepti_profile": SCHEMA_VERSION, "created": time.time(), "source": "measured",
@@ -1033,8 +1129,9 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
 # 3: its part of the layer scaled to the windowed layer time; 4: collectives calibrated through
 # the runtime's direct-exchange verbs; 5: the MLP's GeMMs timed as one `ffn` call; 6: ranks on
 # one host calibrate the shared-memory transport; 7: a CNN's halo exchange's own work and its
-# streamed convs' load rate).
-PROFILER_REVISION = 7
+# streamed convs' load rate; 8: a CNN op's fixed seconds, timed on a band of one row, and
+# a split by channels' layout copy).
+PROFILER_REVISION = 8
 
 
 def cache_dir() -> Path:

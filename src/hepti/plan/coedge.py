@@ -56,8 +56,8 @@ import numpy as np
 from hepti.counts import counts
 from hepti.errors import PlanError
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, F32, LINEAR, Graph
-from hepti.graph.split import (Split, channel_needs, fetches, first_holders, gaps, hold, needs,
-                               out_channels, owned, spatial_ops)
+from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, first_holders, gaps,
+                               hold, needs, out_channels, owned, spatial_ops)
 
 CNN_STRATEGIES = ("auto", "even", "proportional", "grid", "pipeline", "single")
 MAX_FUSE = 8  # ops in one fused group at most (deeper halos grow fast: DeepThings fuses ~4-16)
@@ -89,6 +89,12 @@ class CNNCosts:
     # per device, seconds of its own work in each halo exchange it takes part in, beyond the
     # link's latency and bytes (the profile's exchange_overhead_s; 0 in older profiles)
     exchange_s: list[float] | None = None
+    # per device and op, the part of op_s[i][l] a band of any rows pays whole (reading and
+    # packing the weight, the kernel call: the profile's op_fixed_s; 0 in older profiles)
+    fixed_s: list[list[float]] | None = None
+    # per device, seconds per byte of the copies a split by channels makes (the profile's
+    # layout_s_per_byte: laying the gathered map out whole; 0 in older profiles)
+    layout_s: list[float] | None = None
     _rows: dict = field(default_factory=dict, repr=False, compare=False)  # row_seconds' memo
 
     @property
@@ -122,11 +128,24 @@ class CNNCosts:
                    load_Bps=[float(d.weight_load_Bps or d.disk_read_Bps or DEFAULT_LOAD_BPS)
                              for d in devs],
                    exchange_s=[float(x) for x in table.get("exchange_overhead_s")
-                               or [0.0] * len(devs)])
+                               or [0.0] * len(devs)],
+                   fixed_s=[list(map(float, r)) for r in table["op_fixed_s"]]
+                   if table.get("op_fixed_s") else None,
+                   layout_s=[float(x) for x in table["layout_s_per_byte"]]
+                   if table.get("layout_s_per_byte") else None)
 
     def exchange_work(self, i: int) -> float:
         """Device i's own seconds in one halo exchange (0 when the profile does not say)."""
         return self.exchange_s[i] if self.exchange_s else 0.0
+
+    def copy_seconds(self, i: int, nbytes: float) -> float:
+        """Device i's seconds copying `nbytes` of a map (0 when the profile does not say)."""
+        return nbytes * self.layout_s[i] if self.layout_s else 0.0
+
+    def fixed(self, i: int, l: int) -> float:
+        """Device i's seconds of op l that do not scale with its rows (0 when the profile does
+        not say): charged whole to a rank with any rows of the op (`row_seconds` has the rest)."""
+        return self.fixed_s[i][l] if self.fixed_s else 0.0
 
 
 # --- the cost model -----------------------------------------------------------------------------
@@ -138,8 +157,8 @@ def _op_rows(op, shapes) -> int:
 
 def row_seconds(costs: CNNCosts, graph: Graph, w: int, n: int) -> list[list[float]]:
     """Per device and op, the seconds of one output row at width w, batch n: the measured
-    whole-map time over the measured map's rows, scaled by the row's width (w / costs.w) and
-    the images (n / costs.n). A linear op's entry is its whole time per image batch. Kept
+    whole-map time less its fixed part (`CNNCosts.fixed`) over the measured map's rows, scaled
+    by the row's width (w / costs.w) and the images (n / costs.n). A linear op's entry is its whole time per image batch. Kept
     per (graph, w, n): the fusion search asks for it in every group it costs (2,100 times for
     ResNet-50 at 4 devices, half of a 1.1 s plan)."""
     key = (id(graph), w, n)
@@ -152,11 +171,11 @@ def _row_seconds(costs: CNNCosts, graph: Graph, w: int, n: int) -> list[list[flo
     measured = graph.shapes(costs.h, costs.w)
     k = (w / costs.w) * (n / costs.n)
     out = []
-    for times in costs.op_s:
+    for i, times in enumerate(costs.op_s):
         row = []
-        for op, t in zip(graph.ops, times):
+        for l, (op, t) in enumerate(zip(graph.ops, times)):
             rows = _op_rows(op, measured) if op.kind != LINEAR else 1
-            row.append(t / rows * (k if op.kind != LINEAR else n / costs.n))
+            row.append((t - costs.fixed(i, l)) / rows * (k if op.kind != LINEAR else n / costs.n))
         out.append(row)
     return out
 
@@ -180,7 +199,7 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
             r = need[i].get(graph.ops[l].output)
             if r is None or r[1] <= r[0]:
                 continue
-            comp[i] += (r[1] - r[0]) * per_row[i][l] + costs.overhead_s[i]
+            comp[i] += (r[1] - r[0]) * per_row[i][l] + costs.fixed(i, l) + costs.overhead_s[i]
     if load is not None:  # the streamed weights' reads (`stream_seconds`), one per op run
         comp = [u + v for u, v in zip(comp, load)]
     comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners,
@@ -233,12 +252,25 @@ def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCost
     comp = [0.0] * P
     comm = list(comm)
     for l in range(*group):
-        hh, ww, c = shapes[graph.ops[l].output]
-        per = out_channels(graph.ops[l], ratios, c)
+        op = graph.ops[l]
+        hh, ww, c = shapes[op.output]
+        per = out_channels(op, ratios, c)
         c_op, x_op = [0.0] * P, [0.0] * P
         for i in range(P):
             if per[i]:
-                c_op[i] = hh * per_row[i][l] * per[i] / c + costs.overhead_s[i]
+                # its slice of the weight: the fixed part by its channels too
+                c_op[i] = ((hh * per_row[i][l] + costs.fixed(i, l)) * per[i] / c
+                           + costs.overhead_s[i])
+                # the copies of its slices: a depthwise conv's or a pool's input channels,
+                # the residual's (hepti.parallel.bands `_by_channels`)
+                i0, i1 = channel_slice(op, ratios, i, c)[2:4]
+                h_in, w_in, c_in = shapes[op.input]
+                sliced = (i1 - i0) * h_in * w_in if (i0, i1) != (0, c_in) else 0
+                if op.residual is not None:
+                    sliced += per[i] * hh * ww
+                c_op[i] += costs.copy_seconds(i, F32 * n * sliced)
+            if i in members:  # the gathered map laid out whole (`lay_out_channels`)
+                c_op[i] += costs.copy_seconds(i, F32 * n * hh * ww * c)
                 if load is not None and l == group[0]:  # a channel group is one op
                     c_op[i] += load[i]
         for i in (members if len(members) > 1 else ()):  # its channels to each other
@@ -300,18 +332,20 @@ def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: i
         if op.kind == ADAPTIVE_AVG:
             hh, ww, c = shapes[op.input]
             for i, (o0, o1) in enumerate(owned(hh, owners.get(op.input, ratios), P)):
-                comp[i] += (o1 - o0) * per_row[i][l]
+                if o1 > o0:
+                    comp[i] += (o1 - o0) * per_row[i][l] + costs.fixed(i, l)
             nbytes = F32 * n * (c if op.out_hw == (1, 1) else hh * ww * c)
             for i in range(P):
                 if on[i]:
                     comm[i] += costs.latency_s[i] + nbytes / costs.bandwidth_Bps[i]
         elif op.kind == LINEAR:
             if split.head == "primary" or P == 1:
-                comp[0] += per_row[0][l]
+                comp[0] += per_row[0][l] + costs.fixed(0, l)
             else:
                 c = counts(op.cout, ratios)
                 for i in range(P):
-                    comp[i] += c[i] / op.cout * per_row[i][l]
+                    if c[i]:
+                        comp[i] += c[i] / op.cout * per_row[i][l] + costs.fixed(i, l)
                     if on[i]:
                         comm[i] += costs.latency_s[i] + F32 * n * op.cout / costs.bandwidth_Bps[i]
     return max(comp) + max(comm), comp, comm
@@ -420,9 +454,9 @@ def solve_ratios(graph: Graph, costs: CNNCosts, active: list[int], h: int, w: in
             row[ai] = per_all
             row[A + l] = -1.0
             rows_ub.append(row)
-            b_ub.append(-(costs.overhead_s[i] + c))
+            b_ub.append(-(costs.overhead_s[i] + costs.fixed(i, l) + c))
             comp_coef[ai, ai] += per_all
-            comp_const[ai] += costs.overhead_s[i]
+            comp_const[ai] += costs.overhead_s[i] + costs.fixed(i, l)
             comm_const[ai] += c
     # memory: the share of the activations' peak under BTSearch's order, and the weights
     peak_rows = activation_peak(graph, h, w, n)
