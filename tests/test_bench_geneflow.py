@@ -2,6 +2,8 @@
 sub-profiles of the first n devices. The grid itself runs in bin/bench-geneflow.sh."""
 from __future__ import annotations
 
+import pytest
+
 from hepti.bench.geneflow import same_plan, sub_profile, targets
 from hepti.plan.planfile import Plan
 from hepti.plan.profile import declared_profile
@@ -40,3 +42,18 @@ def test_same_plan_compares_what_runs():
     a = Plan("mixed", 2, {"rows": [0.5, 0.5]}, counts={"rows": [1, 1]}, assignment={"x": "rows"})
     b = Plan("mixed", 2, {"rows": [0.5, 0.5]}, counts={"rows": [1, 1]}, assignment={"x": "cols"})
     assert same_plan(a, a) and not same_plan(a, b) and not same_plan(a, None)
+
+
+def test_a_plans_launches_pool_to_the_mean_error():
+    """`pooled`: the median of the launches' medians, the mean of their errors; a failed
+    launch leaves the plan's status failed, with the rest still reported."""
+    from hepti.bench.geneflow import pooled
+    a = {"status": "ok", "strategy": "bands", "median_latency_s": 0.10, "predicted_latency_s": 0.1,
+         "prediction_error": 0.0}
+    b = dict(a, median_latency_s=0.13, prediction_error=0.3)
+    out = pooled([a, b])
+    assert out["status"] == "ok" and out["prediction_error"] == pytest.approx(0.15)
+    assert out["median_latency_s"] == pytest.approx(0.115) and out["prediction_errors"] == [0.0, 0.3]
+    failed = pooled([a, {"status": "timeout"}])
+    assert failed["status"] == "timeout" and failed["prediction_error"] == 0.0
+    assert pooled([])["status"] == "none" and "prediction_error" not in pooled([])
