@@ -146,6 +146,28 @@ def test_a_split_by_channels_pays_for_laying_its_map_out():
     assert b["latency_s"] > a["latency_s"]
 
 
+def test_a_streamed_group_pays_each_fetch():
+    """The profile's fetch_overhead_s: a rank streaming a group's convs pays it once per conv
+    it reads rows of, on top of the bytes at its load rate."""
+    import dataclasses
+
+    from hepti.graph.cnn import CONV
+    from hepti.graph.split import Split, conv_rows, spatial_ops
+    from hepti.plan.coedge import stream_seconds
+    g = _graph()
+    costs = dataclasses.replace(_costs(g, [1.0, 1.0]), load_Bps=[1e8, 1e8])
+    fetching = dataclasses.replace(costs, fetch_s=[1e-3, 2e-3])
+    L = spatial_ops(g)
+    split = Split((0.6, 0.4), ((0, L),), streamed=(True,))
+    rows = [conv_rows(g, split, i, 2) for i in range(2)]
+    convs = sum(1 for op in g.ops[:L] if op.kind == CONV)
+    a, b = stream_seconds(g, (0, L), rows, costs), stream_seconds(g, (0, L), rows, fetching)
+    assert [y - x for x, y in zip(a, b)] == pytest.approx([convs * 1e-3, convs * 2e-3])
+    alone = Split((1.0, 0.0), ((0, L),), streamed=(True,))
+    rows = [conv_rows(g, alone, i, 2) for i in range(2)]
+    assert stream_seconds(g, (0, L), rows, fetching)[1] == 0.0  # no rows, nothing fetched
+
+
 def test_energy_objective_keeps_the_deadline():
     from hepti.errors import PlanError
     from hepti.plan.coedge import plan_cnn

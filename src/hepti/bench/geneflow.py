@@ -97,7 +97,8 @@ def sub_profile(full, n: int):
     if cnn:
         for k in ("op_s", "op_fixed_s", "op_fixed_measured_s", "op_overhead_s",
                   "op_overhead_measured_s", "exchange_overhead_s", "exchange_overhead_measured_s",
-                  "layout_s_per_byte", "layout_s_per_byte_measured", "power"):
+                  "layout_s_per_byte", "layout_s_per_byte_measured", "fetch_overhead_s",
+                  "fetch_overhead_measured_s", "power"):
             if cnn.get(k):
                 cnn[k] = cnn[k][:n]
     return dataclasses.replace(full, devices=full.devices[:n], extra=extra)

@@ -848,42 +848,64 @@ def measure_band_overhead(model, h: int, w: int, batch: int, op_s: list[float],
     return max(0.0, statistics.median(times) - arithmetic) / len(model.graph.ops)
 
 
-def measure_conv_load(graph, read, rounds: int = 3, budget_bytes: float = 16e6) -> float:
-    """Stored bytes/s of reading and packing a streamed conv's weights just before it runs
-    (hepti.model.cnn `Weights.fetch`, as a streamed group does for each of its convs), as the
-    device pays them (stretched on an emulated one): the largest convs of the model up to
-    `budget_bytes`, from this device's weight files (their pages cached, as on one box where
-    the files were just written or read). The CNN planner counts a streamed group's loads at
-    this rate (hepti.plan.coedge `stream_seconds`); without it a profile had none, and the
-    planner's default (100 MB/s) put GenEFlow's streamed plans (50% caps, two devices) 16-29%
-    over what they measured (bench-geneflow, 2026-11-27)."""
+def measure_conv_load(graph, read, rounds: int = 3, budget_bytes: float = 16e6,
+                      small: int = 12) -> tuple[float, float]:
+    """(stored bytes/s, seconds a fetch) of reading and packing a streamed conv's weights just
+    before it runs (hepti.model.cnn `Weights.fetch`, as a streamed group does for each of its
+    convs), as the device pays them (stretched on an emulated one), from this device's weight
+    files (their pages cached, as on one box where the files were just written or read). Both
+    from two timings, fitted to count x fixed + bytes / rate: the `small` smallest convs (the
+    fixed cost of a fetch: finding the dataset, the reads' calls, the packing's) and the
+    largest of the others up to `budget_bytes` (the rate). The CNN planner counts a streamed group's loads from both
+    (hepti.plan.coedge `stream_seconds`). Without the rate the planner's default (100 MB/s) put
+    GenEFlow's streamed plans (50% caps, two devices) 16-29% over what they measured; without
+    the fixed cost, a streamed depthwise conv's 14 KB took 0.4 ms more than predicted on a
+    0.3-core device, and MobileNetV2's plan with 29 streamed groups ran 12-44% over
+    (bench-geneflow, 2026-11-27)."""
     from hepti.graph.cnn import CONV, LINEAR
     from hepti.model.cnn import Weights
     row = graph.row_bytes()
     convs = sorted((op for op in graph.ops if op.kind == CONV),
                    key=lambda op: -row[op.name] * op.cout)
+    few = [op.name for op in convs[::-1][:min(small, len(convs) // 2)]]
+    few_bytes = sum(row[n] * graph.op(n).cout for n in few)
     pick, total = [], 0
     for op in convs:  # the largest first, the first always
         size = row[op.name] * op.cout
-        if pick and total + size > budget_bytes:
+        if op.name in few or (pick and total + size > budget_bytes):
             continue
         pick.append(op.name)
         total += size
     w = Weights(graph, read, head_rows={op.name: (0, 0) for op in graph.ops if op.kind == LINEAR},
-                conv_rows={op.name: (0, 0) for op in convs if op.name not in pick},
-                streamed=set(pick))
+                conv_rows={op.name: (0, 0) for op in convs if op.name not in pick + few},
+                streamed=set(pick + few))
 
-    def load_all():
-        for name in pick:
+    def load(names):
+        for name in names:
             w.fetch(name)
             w.drop(name)
-    run = _stretch.wrap(load_all) if _stretch.ON else load_all
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return total / max(statistics.median(times), 1e-9)
+
+    run = _stretch.wrap(load) if _stretch.ON else load
+
+    def timed(names) -> float:
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            run(names)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    t_big = timed(pick)
+    if not few:
+        return total / max(t_big, 1e-9), 0.0
+    t_small = timed(few)
+    n_big, n_small = len(pick), len(few)
+    # t = n x fixed + bytes x per_byte, through both timings
+    det = total * n_small - few_bytes * n_big
+    per_byte = (t_big * n_small - t_small * n_big) / det if det > 0 else 0.0
+    if per_byte <= 0:  # the noise swamped it: all of it by the bytes
+        return total / max(t_big, 1e-9), 0.0
+    return 1.0 / per_byte, max(0.0, (t_small - few_bytes * per_byte) / n_small)
 
 
 class _Unsent:
@@ -993,7 +1015,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     op_overhead = measure_band_overhead(model, h, w, batch, op_s, op_fixed=op_fixed)
     exchange_overhead = measure_exchange_overhead(model, batch)
     layout = measure_layout_rate()
-    conv_load = measure_conv_load(graph, store.read)
+    conv_load, fetch_s = measure_conv_load(graph, store.read)
     _barrier(comm)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     on_host = local.Get_size()
@@ -1020,6 +1042,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     all_overhead = comm.allgather(op_overhead)
     all_exchange = comm.allgather(exchange_overhead)
     all_layout = comm.allgather(layout)
+    all_fetch = comm.allgather(fetch_s)
     cfg = store.config
     elapsed = comm.allreduce(time.perf_counter() - t_start, op=MPI.MAX)
     table = {"arch": cfg.arch, "ops": [op.name for op in graph.ops],
@@ -1030,7 +1053,9 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
              "exchange_overhead_s": pooled_overhead(all_op_s, all_exchange),
              "exchange_overhead_measured_s": all_exchange,
              "layout_s_per_byte": pooled_overhead(all_op_s, all_layout),
-             "layout_s_per_byte_measured": all_layout}
+             "layout_s_per_byte_measured": all_layout,
+             "fetch_overhead_s": pooled_overhead(all_op_s, all_fetch),
+             "fetch_overhead_measured_s": all_fetch}
     if power is not None:
         table["power"] = [list(p) for p in power]
     prof = {"hepti_profile": SCHEMA_VERSION, "created": time.time(), "source": "measured",
@@ -1129,8 +1154,8 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
 # 3: its part of the layer scaled to the windowed layer time; 4: collectives calibrated through
 # the runtime's direct-exchange verbs; 5: the MLP's GeMMs timed as one `ffn` call; 6: ranks on
 # one host calibrate the shared-memory transport; 7: a CNN's halo exchange's own work and its
-# streamed convs' load rate; 8: a CNN op's fixed seconds, timed on a band of one row, and
-# a split by channels' layout copy).
+# streamed convs' load rate; 8: a CNN op's fixed seconds, timed on a band of one row, a
+# split by channels' layout copy, and a streamed conv's fixed cost a fetch).
 PROFILER_REVISION = 8
 
 

@@ -95,6 +95,9 @@ class CNNCosts:
     # per device, seconds per byte of the copies a split by channels makes (the profile's
     # layout_s_per_byte: laying the gathered map out whole; 0 in older profiles)
     layout_s: list[float] | None = None
+    # per device, seconds one streamed conv's fetch costs beyond its bytes at load_Bps (the
+    # profile's fetch_overhead_s; 0 in older profiles)
+    fetch_s: list[float] | None = None
     _rows: dict = field(default_factory=dict, repr=False, compare=False)  # row_seconds' memo
 
     @property
@@ -132,7 +135,9 @@ class CNNCosts:
                    fixed_s=[list(map(float, r)) for r in table["op_fixed_s"]]
                    if table.get("op_fixed_s") else None,
                    layout_s=[float(x) for x in table["layout_s_per_byte"]]
-                   if table.get("layout_s_per_byte") else None)
+                   if table.get("layout_s_per_byte") else None,
+                   fetch_s=[float(x) for x in table["fetch_overhead_s"]]
+                   if table.get("fetch_overhead_s") else None)
 
     def exchange_work(self, i: int) -> float:
         """Device i's own seconds in one halo exchange (0 when the profile does not say)."""
@@ -221,12 +226,17 @@ def _held(graph, shapes, group, need, holders, by_channels: bool, P: int) -> Non
 
 def stream_seconds(graph: Graph, group, rows: list[dict], costs: CNNCosts) -> list[float]:
     """Each rank's seconds reading and packing its rows (`rows[i]`: hepti.graph.split
-    `conv_rows` of rank i) of the group's conv weights."""
+    `conv_rows` of rank i) of the group's conv weights: their bytes at the device's load rate,
+    and each fetch's fixed cost."""
     load = costs.load_Bps or [DEFAULT_LOAD_BPS] * costs.size
+    fetch = costs.fetch_s or [0.0] * costs.size
     per_row = graph.row_bytes()
     ops = [op.name for op in graph.ops[group[0]:group[1]] if op.kind == CONV]
-    return [sum((r[o][1] - r[o][0]) * per_row[o] for o in ops if o in r) / load[i]
-            for i, r in enumerate(rows)]
+    out = []
+    for i, r in enumerate(rows):
+        got = [(r[o][1] - r[o][0], o) for o in ops if o in r and r[o][1] > r[o][0]]
+        out.append(sum(k * per_row[o] for k, o in got) / load[i] + len(got) * fetch[i])
+    return out
 
 
 def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts,
