@@ -53,7 +53,8 @@ def test_a_plans_launches_pool_to_the_mean_error():
     b = dict(a, median_latency_s=0.13, prediction_error=0.3)
     out = pooled([a, b])
     assert out["status"] == "ok" and out["prediction_error"] == pytest.approx(0.15)
-    assert out["median_latency_s"] == pytest.approx(0.115) and out["prediction_errors"] == [0.0, 0.3]
+    assert out["median_latency_s"] == pytest.approx(0.115)
+    assert out["prediction_errors"] == [0.0, 0.3]
     failed = pooled([a, {"status": "timeout"}])
     assert failed["status"] == "timeout" and failed["prediction_error"] == 0.0
     assert pooled([])["status"] == "none" and "prediction_error" not in pooled([])

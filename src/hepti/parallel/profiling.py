@@ -856,12 +856,12 @@ def measure_conv_load(graph, read, rounds: int = 3, budget_bytes: float = 16e6,
     files (their pages cached, as on one box where the files were just written or read). Both
     from two timings, fitted to count x fixed + bytes / rate: the `small` smallest convs (the
     fixed cost of a fetch: finding the dataset, the reads' calls, the packing's) and the
-    largest of the others up to `budget_bytes` (the rate). The CNN planner counts a streamed group's loads from both
-    (hepti.plan.coedge `stream_seconds`). Without the rate the planner's default (100 MB/s) put
-    GenEFlow's streamed plans (50% caps, two devices) 16-29% over what they measured; without
-    the fixed cost, a streamed depthwise conv's 14 KB took 0.4 ms more than predicted on a
-    0.3-core device, and MobileNetV2's plan with 29 streamed groups ran 12-44% over
-    (bench-geneflow, 2026-11-27)."""
+    largest of the others up to `budget_bytes` (the rate). The CNN planner counts a streamed
+    group's loads from both (hepti.plan.coedge `stream_seconds`). Without the rate the planner's
+    default (100 MB/s) put GenEFlow's streamed plans (50% caps, two devices) 16-29% over what
+    they measured; without the fixed cost, a streamed depthwise conv's 14 KB took 0.4 ms more
+    than predicted on a 0.3-core device, and MobileNetV2's plan with 29 streamed groups ran
+    12-44% over (bench-geneflow, 2026-11-27)."""
     from hepti.graph.cnn import CONV, LINEAR
     from hepti.model.cnn import Weights
     row = graph.row_bytes()

@@ -163,9 +163,9 @@ def _op_rows(op, shapes) -> int:
 def row_seconds(costs: CNNCosts, graph: Graph, w: int, n: int) -> list[list[float]]:
     """Per device and op, the seconds of one output row at width w, batch n: the measured
     whole-map time less its fixed part (`CNNCosts.fixed`) over the measured map's rows, scaled
-    by the row's width (w / costs.w) and the images (n / costs.n). A linear op's entry is its whole time per image batch. Kept
-    per (graph, w, n): the fusion search asks for it in every group it costs (2,100 times for
-    ResNet-50 at 4 devices, half of a 1.1 s plan)."""
+    by the row's width (w / costs.w) and the images (n / costs.n). A linear op's entry is its
+    whole time per image batch. Kept per (graph, w, n): the fusion search asks for it in every
+    group it costs (2,100 times for ResNet-50 at 4 devices, half of a 1.1 s plan)."""
     key = (id(graph), w, n)
     if key not in costs._rows:
         costs._rows[key] = (graph, _row_seconds(costs, graph, w, n))  # graph: keeps id unique
@@ -279,10 +279,10 @@ def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCost
                 if op.residual is not None:
                     sliced += per[i] * hh * ww
                 c_op[i] += costs.copy_seconds(i, F32 * n * sliced)
-            if i in members:  # the gathered map laid out whole (`lay_out_channels`)
-                c_op[i] += costs.copy_seconds(i, F32 * n * hh * ww * c)
                 if load is not None and l == group[0]:  # a channel group is one op
                     c_op[i] += load[i]
+            if i in members:  # the gathered map laid out whole (`lay_out_channels`)
+                c_op[i] += costs.copy_seconds(i, F32 * n * hh * ww * c)
         for i in (members if len(members) > 1 else ()):  # its channels to each other
             # member, and everyone else's to it
             out_b = F32 * n * hh * ww * per[i] * (len(members) - 1)
