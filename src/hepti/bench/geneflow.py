@@ -23,9 +23,10 @@ model over the devices, which only streaming could meet.)
    starts with a fresh profile of the devices it runs on, from which GenEFlow's plan (seed 0)
    and the LP's are planned again (`replan`: the machine's speed drifts while a grid runs);
    each runs under `hepti emulate ... hepti run --plan P --json`, and its median latency is
-   set against that plan's prediction. A CNN case does this `--reps` times (default 2): a
-   fresh profile, the same two plans predicted on it (`repredict`), a launch each; a plan's
-   error is the mean over its launches (`pooled`), and every launch is kept. A GenEFlow plan
+   set against that plan's prediction. A CNN case does this `--reps` times (default 3), in
+   rounds over every case (a case's launches minutes apart): a fresh profile, the same two
+   plans predicted on it (`repredict`), a launch each; a plan's error is the mean over its
+   launches (`pooled`), and every launch is kept. A GenEFlow plan
    equal to the LP's (same strategy, counts and assignment) is run once and recorded for both.
 
 Results: results/geneflow.json (everything) and results/geneflow.csv (one row per case).
@@ -428,10 +429,11 @@ def main(argv=None) -> int:
                          "(default 4), 'all', or 'none' (predicted only; no root needed once the "
                          "profiles are cached)")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per measured launch")
-    ap.add_argument("--reps", type=int, default=2,
+    ap.add_argument("--reps", type=int, default=3,
                     help="a CNN case: (fresh profile, GenEFlow's launch, the LP's launch) this "
-                         "many times, each launch against the prediction of the profile just "
-                         "before it; the error quoted is their mean (default 2; transformers: 1)")
+                         "many times, in rounds over every case, each launch against the "
+                         "prediction of the profile just before it; the error quoted is their "
+                         "mean (default 3; transformers: 1)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per launch at most")
     ap.add_argument("--out", default="results/geneflow", help="results/geneflow{.json,.csv}")
     args = ap.parse_args(argv)
@@ -500,46 +502,53 @@ def main(argv=None) -> int:
         # 3. measured, the lock held: per model, 4 devices first, capped cases first. Each
         # CNN case --reps times: a profile of its devices taken just before, GenEFlow's and the
         # LP's plans on it (planned on the first, predicted again on the later ones: the same
-        # plans), one launch each. On this shared host one profile and one launch each put the
-        # same plan's error 15-25 points apart from one run to the next (issue 20).
+        # plans), one launch each. The rounds go over every case in turn, so that a case's
+        # launches fall minutes apart, not in one spell of this shared host's speed: one
+        # profile and one launch each put the same plan's error 15-25 points apart from one run
+        # to the next, and within a spell one case's launches moved together (issue 20).
         to_measure.sort(key=lambda x: (models.index(x[3]), -x[0]["devices"], x[0]["cap"] == "none"))
         if to_measure:
             with bench_lock():
-                for rec, gplan, lp, model in to_measure:
-                    n = rec["devices"]
-                    is_cnn = cases[model]["config"].model_type == "cnn"
-                    cache = workdir / "cache" / model
-                    runs: dict[str, list] = {"genetic": [], "lp": []}
-                    for r in range(args.reps if is_cnn else 1):
-                        path = profile_model(model, cases[model], spec_path, workdir, args.timeout,
-                                             out=workdir / f"profile-{model}-n{n}-{rec['cap']}-{r}.json"
-                                             .replace("%", ""), n=n)
+                state = {}  # id(rec) -> [gplan, lp, same, runs]
+                rounds = max(args.reps, 1)
+                for r in range(rounds):
+                    for rec, gplan, lp, model in to_measure:
+                        if r and cases[model]["config"].model_type != "cnn":
+                            continue  # a transformer's plans: one round (no repredict)
+                        n = rec["devices"]
+                        path = profile_model(
+                            model, cases[model], spec_path, workdir, args.timeout, n=n,
+                            out=workdir / f"profile-{model}-n{n}-{rec['cap']}-{r}.json".replace("%", ""))
                         profiles[f"{model} n={n} cap={rec['cap']} rep={r}"] = json.loads(path.read_text())
                         if r == 0:
                             gplan, lp = replan(rec, model, cases[model], path, settings)
-                            same = lp is not None and same_plan(gplan, lp)
+                            state[id(rec)] = [gplan, lp, lp is not None and same_plan(gplan, lp),
+                                              {"genetic": [], "lp": []}]
                         else:
-                            gplan = repredict(gplan, cases[model], path)
-                            lp = None if lp is None else repredict(lp, cases[model], path)
+                            st = state[id(rec)]
+                            st[0] = repredict(st[0], cases[model], path)
+                            st[1] = None if st[1] is None else repredict(st[1], cases[model], path)
+                        gplan, lp, same, runs = state[id(rec)]
+                        cache = workdir / "cache" / model
                         runs["genetic"].append(measure(rec, gplan, spec_path, n, cases[model],
                                                        workdir, cache, args.repeat, args.timeout))
                         if lp is not None and not same:
                             runs["lp"].append(measure(rec, lp, spec_path, n, cases[model], workdir,
                                                       cache, args.repeat, args.timeout))
-                    rec["measured"] = {"genetic": pooled(runs["genetic"])}
-                    if lp is not None:
-                        rec["measured"]["lp"] = (dict(rec["measured"]["genetic"],
-                                                      note="the same plan as GenEFlow's")
-                                                 if same else pooled(runs["lp"]))
-                    for k in ("genetic", "lp"):
-                        mm = rec["measured"].get(k, {})
-                        rec[f"measured_{k}_s"] = mm.get("median_latency_s")
-                        rec[f"{k}_prediction_error"] = mm.get("prediction_error")
-                    errs = rec["measured"]["genetic"].get("prediction_errors", [])
-                    print(f"   measured {model} n={n} cap={rec['cap']}: genetic "
-                          f"{rec['measured_genetic_s']} (errors {[round(e, 3) for e in errs]}), "
-                          f"lp {rec.get('measured_lp_s')}", file=sys.stderr, flush=True)
-                    save()
+                        rec["measured"] = {"genetic": pooled(runs["genetic"])}
+                        if lp is not None:
+                            rec["measured"]["lp"] = (dict(rec["measured"]["genetic"],
+                                                          note="the same plan as GenEFlow's")
+                                                     if same else pooled(runs["lp"]))
+                        for k in ("genetic", "lp"):
+                            mm = rec["measured"].get(k, {})
+                            rec[f"measured_{k}_s"] = mm.get("median_latency_s")
+                            rec[f"{k}_prediction_error"] = mm.get("prediction_error")
+                        errs = rec["measured"]["genetic"].get("prediction_errors", [])
+                        print(f"   round {r + 1}/{rounds} {model} n={n} cap={rec['cap']}: genetic "
+                              f"{rec['measured_genetic_s']} (errors {[round(e, 3) for e in errs]}), "
+                              f"lp {rec.get('measured_lp_s')}", file=sys.stderr, flush=True)
+                        save()
     doc = save()
     for t in doc["targets"]:
         print(f"{'ok  ' if t['ok'] else 'MISS'} {t['target']}: {t['detail']}", file=sys.stderr)
