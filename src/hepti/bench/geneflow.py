@@ -276,19 +276,35 @@ def same_plan(a, b) -> bool:
             and a.group_dims == b.group_dims)
 
 
+def host_probe_ms(seconds: float = 1.0) -> float:
+    """The host's speed just now: median ms of 20 256x256 float32 matmuls on this process,
+    over `seconds` (3.7 ms at best on this machine; 5.7 at 15:17 on 2026-11-27, when the
+    same plans ran 20-40% over their predictions). Recorded with each launch."""
+    import numpy as np
+    a = np.random.default_rng(0).random((256, 256), dtype=np.float32)
+    ts, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a @ a
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(ts), 3)
+
+
 def measure(case: dict, plan, spec_path: Path, n: int, model_case: dict, workdir: Path,
             cache: Path, repeat: int, timeout: float) -> dict:
     """One plan run under the emulation: median latency against its prediction."""
     path = workdir / f"plan-{time.monotonic_ns()}.json"
     path.write_text(plan.to_json())
     wait_quiet()
+    probe = host_probe_ms()
     args = ["run", "--model", model_case["dir"], *map(str, model_case["input"]), "--json",
             "--plan", str(path), "--repeat", str(repeat)]
     res = hetero.launch(spec_path, n, args, cache, timeout, workdir)
     status, reason, rep = hetero.classify(res)
     out = {"status": status, "reason": reason, "strategy": plan.strategy,
            "predicted_latency_s": plan.predicted_latency_s, "launch_s": round(res["wall_s"], 1),
-           "loadavg_1min": res.get("loadavg_1min")}
+           "loadavg_1min": res.get("loadavg_1min"), "host_probe_ms": probe}
     if rep is not None:
         med = rep["latency_s"]["median"]
         out.update(median_latency_s=med, latencies_s=rep["latency_s"]["runs"],
