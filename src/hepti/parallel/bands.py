@@ -287,10 +287,10 @@ class BandExecutor:
         """This rank's output channels [c0, c1) of op over the whole map, from the whole
         input (its channels [i0, i1) of it), then every rank's, allgathered: the whole map.
         Each rank sends its channels as they are ([N, H, W, c1 - c0], contiguous) and every
-        rank lays the pieces side by side into the map (`channel_copy_bytes` is what this
-        copies). It used to transpose each piece to channels-first to gather it and the whole
-        map back: two copies, 4x slower than this one for ResNet's 1024 and 2048 channels
-        (power-of-two strides), about 1 ms an op on a 0.45-core device."""
+        rank lays the pieces side by side into the map (`lay_out_channels`, one copy, which
+        the cost model charges). It used to transpose each piece to channels-first to gather
+        it and the whole map back: two copies, 4x slower than this one for ResNet's 1024 and
+        2048 channels (power-of-two strides), about 1 ms an op on a 0.45-core device."""
         from hepti.model.cnn import apply
         c0, c1, i0, i1, per_rank = chan
         hh, ww, c = shapes[op.output]
