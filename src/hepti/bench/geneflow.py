@@ -26,8 +26,8 @@ model over the devices, which only streaming could meet.)
    set against that plan's prediction. A CNN case does this `--reps` times (default 3), in
    rounds over every case (a case's launches minutes apart): a fresh profile, the same two
    plans predicted on it (`repredict`), a launch each; a plan's error is the mean over its
-   launches (`pooled`), and every launch is kept. A GenEFlow plan
-   equal to the LP's (same strategy, counts and assignment) is run once and recorded for both.
+   launches (`pooled`), and every launch is kept. A GenEFlow plan equal to the LP's (same
+   strategy, counts and assignment) is run once and recorded for both.
 
 Results: results/geneflow.json (everything) and results/geneflow.csv (one row per case).
 """
