@@ -385,6 +385,10 @@ def replan(rec: dict, model: str, model_case: dict, profile_path: Path, settings
                             "genetic_predicted_s": fresh.get("genetic_mean_s"),
                             "lp_predicted_s": fresh.get("lp_s"),
                             "structure": fresh.get("structure")}
+    # the plans themselves, so that a miss can be run again alone (`hepti run --plan`)
+    for k, plan in (("genetic_plan", gplan), ("lp_plan", lp)):
+        if plan is not None:
+            rec["measured_plan"][k] = json.loads(plan.to_json())
     if gplan is None:
         raise SystemExit(f"{model} n={rec['devices']} cap={rec['cap']}: no GenEFlow plan from the "
                          "fresh profile")
