@@ -56,8 +56,8 @@ import numpy as np
 from hepti.counts import counts
 from hepti.errors import PlanError
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, F32, LINEAR, Graph
-from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, first_holders, gaps,
-                               hold, needs, out_channels, owned, spatial_ops)
+from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, first_holders, hold,
+                               needs, out_channels, owned, spatial_ops)
 
 CNN_STRATEGIES = ("auto", "even", "proportional", "grid", "pipeline", "single")
 MAX_FUSE = 8  # ops in one fused group at most (deeper halos grow fast: DeepThings fuses ~4-16)
