@@ -532,7 +532,7 @@ def main(argv=None) -> int:
                 state = {}  # id(rec) -> [gplan, lp, same, runs]
                 rounds = max(args.reps, 1)
                 for r in range(rounds):
-                    for rec, gplan, lp, model in to_measure:
+                    for rec, _, _, model in to_measure:  # plans: state, from `replan`
                         if r and cases[model]["config"].model_type != "cnn":
                             continue  # a transformer's plans: one round (no repredict)
                         n = rec["devices"]
