@@ -138,6 +138,14 @@ def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path):
     assert len(table["exchange_overhead_s"]) == 3, table.keys()
     assert all(0 < x < 0.05 for x in table["exchange_overhead_s"]), table["exchange_overhead_s"]
     assert all(d["weight_load_Bps"] > 1e6 for d in measured["devices"]), measured["devices"]
+    # every spatial op timed on two bands as the executor runs them (a + b x rows), and the
+    # allgathers among 2 and 3 ranks
+    for per in table["op_band_s"]:
+        spatial = [ab for ab in per if ab is not None]
+        assert len(spatial) == len(per) - 2, per  # the pooling and the head: whole-map op_s
+        assert all(a >= 0 and b >= 0 for a, b in spatial) and any(b > 0 for _, b in spatial)
+    assert sorted(table["allgather_s"]) == ["2", "3"], table["allgather_s"]
+    assert all(0 < f < 0.05 and b >= 0 for f, b in table["allgather_s"].values())
     p = subprocess.run([sys.executable, "-m", "hepti", "plan", "--model", resnet_tiny_dir,
                         "--profile", prof, "--out", plan], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr

@@ -249,3 +249,60 @@ def test_a_fixed_fusing_depth_is_still_a_split_where_one_device_would_win():
     assert min(fixed.ratios) > 0
     L = spatial_ops(g)
     assert fixed.groups == tuple((a, min(a + 2, L)) for a in range(0, L, 2))
+
+
+def test_band_timings_set_each_ops_cost_and_fold_the_overheads_in():
+    """The profile's op_band_s (profiler revision 9): op l on a band of k rows costs a + b x k
+    on that device, so a rank's compute is exactly that sum, its whole map a + b x rows, and
+    the per-op overhead and the exchange's own work (timed inside a and b) count zero."""
+    from hepti.graph.split import Split, needs, spatial_ops
+    from types import SimpleNamespace
+
+    from hepti.plan.coedge import CNNCosts, predict
+    g = _graph()
+    L, shapes = spatial_ops(g), g.shapes(H, W)
+    band = [[(1e-4 * (i + 1), 2e-5 * (i + 1)) if l < L else None for l in range(len(g.ops))]
+            for i in range(2)]
+    table = {"arch": "resnet", "ops": [op.name for op in g.ops], "input": [H, W], "batch": 1,
+             "op_s": [[1e-3] * len(g.ops)] * 2, "op_fixed_s": [[1e-5] * len(g.ops)] * 2,
+             "op_overhead_s": [3e-4, 3e-4], "exchange_overhead_s": [5e-4, 5e-4],
+             "op_band_s": band}
+    dev = SimpleNamespace(power=None, call_overhead_s=0.0, latency_s=0.0, bandwidth_Bps=1e12,
+                          usable_bytes=1e10, weight_load_Bps=1e8, disk_read_Bps=None)
+    costs = CNNCosts.from_profile(SimpleNamespace(extra={"cnn": table}, devices=[dev, dev]), g)
+    assert costs.band_measured and costs.overhead_s == [0.0, 0.0]
+    assert costs.exchange_s == [0.0, 0.0]
+    for l, op in enumerate(g.ops[:L]):
+        assert costs.fixed(1, l) == pytest.approx(2e-4)
+        assert costs.op_s[1][l] == pytest.approx(2e-4 + 4e-5 * shapes[op.output][0])
+    ratios = (0.6, 0.4)
+    want = [0.0, 0.0]
+    for l in range(L):
+        for i in range(2):
+            r = needs(g, shapes, (l, l + 1), ratios, i)[g.ops[l].output]
+            if r[1] > r[0]:
+                want[i] += band[i][l][0] + band[i][l][1] * (r[1] - r[0])
+    got = predict(g, Split(ratios), costs, H, W)["per_rank"]
+    for i in range(2):  # the spatial ops exactly; the pool and head (op_s) on top
+        assert got[i]["compute_s"] >= want[i] - 1e-12
+        assert got[i]["compute_s"] - want[i] < 3e-3
+
+
+def test_the_pooling_and_head_allgathers_cost_what_the_profile_measured_for_their_ranks():
+    """The profile's allgather_s: an allgather among k ranks costs its fixed seconds plus its
+    bytes at its rate, by k (a link's latency and bytes when the profile has none)."""
+    import dataclasses
+
+    from hepti.graph.split import Split
+    from hepti.plan.coedge import predict
+    g = _graph()
+    costs = _costs(g, [1.0, 1.0, 1.0], latency=1e-5, bandwidth=1e9)
+    measured = dataclasses.replace(costs, allgather_s={2: (1e-4, 0.0), 3: (5e-4, 0.0)},
+                                   _rows={})
+    three, two = Split((0.4, 0.3, 0.3)), Split((0.5, 0.5, 0.0))
+    for split, k in ((three, 3), (two, 2)):
+        a, b = predict(g, split, costs, H, W), predict(g, split, measured, H, W)
+        # two allgathers after the spatial part: the pooled partial sums and the columns
+        assert b["latency_s"] - a["latency_s"] == pytest.approx(
+            2 * measured.allgather_s[k][0] - 2 * 1e-5, rel=0.2, abs=2e-5)
+    assert costs.allgather(0, 4, 1e6) == pytest.approx(1e-5 + 1e-3)

@@ -361,17 +361,6 @@ class Comm:
         self.tracer.add_bytes("halo", sum(a.nbytes for a in sends.values()),
                               sum(b.nbytes for b in recvs.values()))
 
-    def allreduce_sum(self, a: np.ndarray) -> np.ndarray:
-        """Allreduce (sum) of a float32 array: every rank's partial sums -> the total on every
-        rank (a height split's global pooling)."""
-        if self.solo:
-            return a
-        out = np.empty_like(a, np.float32)
-        with self.tracer.span("Allreduce", "allreduce"):
-            wait(self.mpi.Iallreduce(np.ascontiguousarray(a, np.float32), out, op=_MPI().SUM))
-        self.tracer.add_bytes("allreduce", a.nbytes, a.nbytes)
-        return out
-
     def barrier(self):
         if not self.solo:
             self.mpi.Barrier()

@@ -601,6 +601,54 @@ def ping_pong(comm, peer: int, nbytes: int, reps: int) -> float:
     return statistics.median(times[1:])
 
 
+COLLECTIVE_FLOATS = (16, 16384)  # per rank: an allgather's fixed cost, and its bytes' rate
+
+
+def measure_collectives(comm, reps: int = 15) -> dict:
+    """{k: (seconds, seconds per byte)} for k = 2..size: an allgather among ranks 0..k-1
+    through the runtime's own verb (hepti.parallel.comm `allgather_rows`, over the transport
+    a forward uses), fitted to seconds + bytes x seconds per byte from two sizes, the bytes
+    being a rank's larger of sent and received. Each call starts after a barrier, as ranks
+    sleep between tests of their requests on a capped device, and counts until the last of
+    the k has it. A split by channels allgathers every op's map and the pooling and the head
+    end every CNN forward with one; modelled as a link's latency and bytes, they were priced
+    at 0.09 ms among 4 emulated devices (emu-geneflow4) and took 0.3-0.8 ms, while a split by
+    channels' larger maps passed faster than the link's measured rate (its token bucket's
+    burst). All ranks call it; an empty dict on one rank."""
+    from hepti.parallel.comm import Comm, wait
+    size, rank = comm.Get_size(), comm.Get_rank()
+    out = {}
+    if size == 1:
+        return out
+    world = Comm(comm)
+    for k in range(2, size + 1):
+        sub = world.split(rank < k)
+        if sub is not None:
+            times = {}
+            for floats in COLLECTIVE_FLOATS:
+                a = np.ones((1, floats), np.float32)
+                ts = []
+                for r in range(reps + 1):
+                    wait(sub.mpi.Ibarrier())
+                    t0 = time.perf_counter()
+                    sub.allgather_rows(a, [1] * k)
+                    ts.append(time.perf_counter() - t0)
+                times[floats] = statistics.median(
+                    sub.mpi.allreduce(t, op=_mpi_max()) for t in ts[1:])
+            small, large = COLLECTIVE_FLOATS
+            per_byte = max(0.0, (times[large] - times[small]) / (4 * (large - small) * (k - 1)))
+            out[k] = (max(0.0, times[small] - 4 * small * (k - 1) * per_byte), per_byte)
+            sub.close()
+        _barrier(comm)
+    world.close()
+    return comm.bcast(out, root=0)
+
+
+def _mpi_max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
 def measure_links(comm) -> list[dict]:
     """Every rank's path to rank 0: points, latency_s, bandwidth_Bps (rank 0's: None)."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -927,13 +975,68 @@ class _Unsent:
             for buf in recvs.values():
                 buf.fill(0.0)
 
-    def allreduce_sum(self, a):
-        return a
-
     def allgather_rows(self, a, counts):
         out = np.zeros((sum(counts),) + a.shape[1:], np.float32)
         out[:a.shape[0]] = a
         return out
+
+
+BAND_FRACTIONS = (0.15, 0.5)  # the bands `measure_band_costs` times: a slow device's, a half
+
+
+def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 5,
+                       fractions: tuple = BAND_FRACTIONS) -> list:
+    """Per op, (a, b): seconds of a band of k output rows = a + b x k, as the band executor
+    runs it at h x w: rank 0 of a two-rank split with the messages left out (`_Unsent`), one
+    group per op, a band of each fraction of every map, each band made from the one before
+    as a forward makes it, stretched on an emulated device as the runtime is. An op's time
+    is from the end of the op before to its own end: the executor's bookkeeping around it, the
+    exchange's copies (at this size, not 32x32's) and the stretch's payment for both are in it.
+    None for the ops after the spatial part.
+
+    Why not the whole-map timings and a one-row band (`measure_cnn_ops`, `measure_cnn_fixed`),
+    joined by a line: on emu-geneflow4 (four devices sharing two cores, 2026-11-27) MobileNetV2's
+    bands ran 1.34, 1.51, 1.67 and 1.84 times that line at 15% of the rows and 1.10-1.38 at
+    40% (the four devices, fastest first), and natively 1.1-1.3 times (a map made long before,
+    or on another core, is read from further away than the whole-map forward's just-made one);
+    GenEFlow's plans that give the slow devices small bands ran 30-60% over their prediction."""
+    from hepti.counts import counts
+    from hepti.graph.split import Split, spatial_ops
+    from hepti.parallel.bands import BandExecutor
+    g = model.graph
+    shapes = g.shapes(h, w)
+    n = spatial_ops(g)
+    x = np.random.default_rng(5).standard_normal((batch, 3, h, w), dtype=np.float32)
+    points = [[] for _ in range(n)]  # (rows, seconds) per op
+    for f in fractions:
+        unsent = _Unsent()
+        unsent.tracer.record_events = True
+        ex = BandExecutor(unsent, g, Split((f, 1.0 - f), head="primary"), model.weights,
+                          model.threads)
+        run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
+        run(x)
+        spans = [[] for _ in range(n)]
+        for _ in range(rounds):
+            unsent.tracer.reset()
+            unsent.tracer.set_epoch()
+            run(x)
+            ends = [e["ts"] + e["dur"] for e in unsent.tracer.events if e["cat"] == "compute"]
+            for l, (t0, t1) in enumerate(zip([0.0] + ends, ends[:n])):
+                spans[l].append((t1 - t0) * 1e-6)
+        for l, op in enumerate(g.ops[:n]):
+            k = counts(shapes[op.output][0], (f, 1.0 - f))[0]
+            if k and spans[l]:
+                points[l].append((k, statistics.median(spans[l])))
+    out = []
+    for l in range(len(g.ops)):
+        pts = sorted(set(points[l])) if l < n else []
+        if not pts:
+            out.append(None)
+            continue
+        (k1, t1), (k2, t2) = pts[0], pts[-1]
+        b = max(0.0, (t2 - t1) / (k2 - k1)) if k2 > k1 else t2 / k2
+        out.append((max(0.0, t1 - b * k1), b))
+    return out
 
 
 def measure_exchange_overhead(model, batch: int, rounds: int = 15) -> float:
@@ -1016,6 +1119,8 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     exchange_overhead = measure_exchange_overhead(model, batch)
     layout = measure_layout_rate()
     conv_load, fetch_s = measure_conv_load(graph, store.read)
+    _barrier(comm)  # every rank at once, as a forward has them
+    band = measure_band_costs(model, h, w, batch)
     _barrier(comm)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     on_host = local.Get_size()
@@ -1030,6 +1135,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     memory = avail / on_host if mem_cap is None else min(avail / on_host, float(mem_cap))
     _barrier(comm)
     links = measure_links(comm)
+    collectives = measure_collectives(comm)
     mine = {"rank": rank, "host": MPI.Get_processor_name(),
             "gemm_flops": conv_flops / max(conv_s, 1e-9),  # the convolutions' overall rate
             "memory_bytes": float(memory), "call_overhead_s": overhead,
@@ -1043,6 +1149,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     all_exchange = comm.allgather(exchange_overhead)
     all_layout = comm.allgather(layout)
     all_fetch = comm.allgather(fetch_s)
+    all_band = comm.allgather(band)
     cfg = store.config
     elapsed = comm.allreduce(time.perf_counter() - t_start, op=MPI.MAX)
     table = {"arch": cfg.arch, "ops": [op.name for op in graph.ops],
@@ -1055,7 +1162,9 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
              "layout_s_per_byte": pooled_overhead(all_op_s, all_layout),
              "layout_s_per_byte_measured": all_layout,
              "fetch_overhead_s": pooled_overhead(all_op_s, all_fetch),
-             "fetch_overhead_measured_s": all_fetch}
+             "fetch_overhead_measured_s": all_fetch,
+             "op_band_s": [[None if ab is None else list(ab) for ab in r] for r in all_band],
+             "allgather_s": {str(k): list(v) for k, v in collectives.items()}}
     if power is not None:
         table["power"] = [list(p) for p in power]
     prof = {"hepti_profile": SCHEMA_VERSION, "created": time.time(), "source": "measured",
@@ -1155,8 +1264,9 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
 # the runtime's direct-exchange verbs; 5: the MLP's GeMMs timed as one `ffn` call; 6: ranks on
 # one host calibrate the shared-memory transport; 7: a CNN's halo exchange's own work and its
 # streamed convs' load rate; 8: a CNN op's fixed seconds, timed on a band of one row, a
-# split by channels' layout copy, and a streamed conv's fixed cost a fetch).
-PROFILER_REVISION = 8
+# split by channels' layout copy, and a streamed conv's fixed cost a fetch; 9: a CNN op's
+# cost on two bands, as the band executor runs them, and its allgathers among 2..N ranks).
+PROFILER_REVISION = 9
 
 
 def cache_dir() -> Path:

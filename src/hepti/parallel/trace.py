@@ -57,7 +57,7 @@ class _Span:
     """One timed block. A plain class, not a generator context manager: 0.56 against 1.05 us
     a span, measured hot, and a forward opens some fifty."""
 
-    __slots__ = ("tracer", "name", "cat", "args", "t0")
+    __slots__ = ("tracer", "name", "cat", "args", "t0", "c0")
 
     def __init__(self, tracer: Tracer, name: str, cat: str, args: dict):
         self.tracer, self.name, self.cat, self.args = tracer, name, cat, args
@@ -68,19 +68,22 @@ class _Span:
             if paid:
                 self.tracer.seconds["compute"] += paid
         self.t0 = time.perf_counter()
+        if self.tracer.record_events:
+            self.c0 = time.thread_time()
         return self
 
     def __exit__(self, *exc) -> bool:
+        tr = self.tracer
+        if tr.record_events:  # the block's own CPU, before the stretch pays for it
+            cpu = time.thread_time() - self.c0
         if _stretch.ON:
             _stretch.span_exit(self.cat)
         t1 = time.perf_counter()
-        tr = self.tracer
         tr.seconds[self.cat] += t1 - self.t0
         if tr.record_events:
             ev = {"name": self.name, "cat": self.cat, "ph": "X", "pid": 0, "tid": tr.rank,
                   "ts": (self.t0 - tr.epoch) * 1e6, "dur": (t1 - self.t0) * 1e6}
-            if self.args:
-                ev["args"] = self.args
+            ev["args"] = {**self.args, "cpu_us": cpu * 1e6}
             tr.events.append(ev)
         return False
 

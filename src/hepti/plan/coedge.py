@@ -14,7 +14,8 @@ DeepThings' fusion, chosen per group by the cost model.
   hepti.parallel.profiling.measure_exchange_overhead), which a model of small ops split
   over slow devices pays in every group.
 - Latency = sum over groups of (slowest compute + slowest exchange), then the pooling (an
-  allreduce of [N, C]) and the head (each rank's share of the columns, an allgather).
+  allgather of each rank's partial sums [N, C]) and the head (each rank's share of the
+  columns, an allgather).
 - A streamed group (`Split.streamed`) adds to each rank's compute the reading and packing of
   its rows of the group's conv weights, bytes / `CNNCosts.load_Bps` (the profile's
   weight_load_Bps: from the page cache, as on one box; a cold disk would add its read), not
@@ -98,6 +99,14 @@ class CNNCosts:
     # per device, seconds one streamed conv's fetch costs beyond its bytes at load_Bps (the
     # profile's fetch_overhead_s; 0 in older profiles)
     fetch_s: list[float] | None = None
+    # k -> (seconds, seconds per byte) of an allgather among k ranks (the profile's
+    # allgather_s: hepti.parallel.profiling.measure_collectives; a link's latency and bytes
+    # in older profiles)
+    allgather_s: dict | None = None
+    # op_s and fixed_s timed on bands as the executor runs them (the profile's op_band_s):
+    # fixed_s then holds the executor's own work around each op too, which a rank with any
+    # channels of an op pays whole (`channel_group_cost`)
+    band_measured: bool = False
     _rows: dict = field(default_factory=dict, repr=False, compare=False)  # row_seconds' memo
 
     @property
@@ -121,7 +130,13 @@ class CNNCosts:
         elif table.get("power"):
             power = [tuple(p) for p in table["power"]]
         over = table.get("op_overhead_s") or [d.call_overhead_s for d in devs]
-        return cls(op_s=[list(map(float, r)) for r in table["op_s"]],
+        op_s = [list(map(float, r)) for r in table["op_s"]]
+        fixed = ([list(map(float, r)) for r in table["op_fixed_s"]]
+                 if table.get("op_fixed_s") else None)
+        exchange = [float(x) for x in table.get("exchange_overhead_s") or [0.0] * len(devs)]
+        if table.get("op_band_s"):  # each op as the band executor ran it (profiler rev. 9)
+            op_s, fixed, over, exchange = _band_costs(table, graph, op_s)
+        return cls(op_s=op_s, band_measured=bool(table.get("op_band_s")),
                    overhead_s=[float(x) for x in over],
                    latency_s=[float(d.latency_s) for d in devs],
                    bandwidth_Bps=[float(d.bandwidth_Bps) for d in devs],
@@ -130,14 +145,14 @@ class CNNCosts:
                    n=int(table.get("batch", 1)), power=power,
                    load_Bps=[float(d.weight_load_Bps or d.disk_read_Bps or DEFAULT_LOAD_BPS)
                              for d in devs],
-                   exchange_s=[float(x) for x in table.get("exchange_overhead_s")
-                               or [0.0] * len(devs)],
-                   fixed_s=[list(map(float, r)) for r in table["op_fixed_s"]]
-                   if table.get("op_fixed_s") else None,
+                   exchange_s=exchange, fixed_s=fixed,
                    layout_s=[float(x) for x in table["layout_s_per_byte"]]
                    if table.get("layout_s_per_byte") else None,
                    fetch_s=[float(x) for x in table["fetch_overhead_s"]]
-                   if table.get("fetch_overhead_s") else None)
+                   if table.get("fetch_overhead_s") else None,
+                   allgather_s={int(k): (float(v[0]), float(v[1]))
+                                for k, v in table["allgather_s"].items()}
+                   if table.get("allgather_s") else None)
 
     def exchange_work(self, i: int) -> float:
         """Device i's own seconds in one halo exchange (0 when the profile does not say)."""
@@ -147,10 +162,35 @@ class CNNCosts:
         """Device i's seconds copying `nbytes` of a map (0 when the profile does not say)."""
         return nbytes * self.layout_s[i] if self.layout_s else 0.0
 
+    def allgather(self, i: int, k: int, nbytes: float) -> float:
+        """Device i's seconds in an allgather among k ranks that moves `nbytes` through its
+        port (the larger of what it sends and receives)."""
+        if self.allgather_s and k in self.allgather_s:
+            fixed, per_byte = self.allgather_s[k]
+            return fixed + nbytes * per_byte
+        return self.latency_s[i] + nbytes / self.bandwidth_Bps[i]
+
     def fixed(self, i: int, l: int) -> float:
         """Device i's seconds of op l that do not scale with its rows (0 when the profile does
         not say): charged whole to a rank with any rows of the op (`row_seconds` has the rest)."""
         return self.fixed_s[i][l] if self.fixed_s else 0.0
+
+
+def _band_costs(table: dict, graph: Graph, op_s: list[list[float]]):
+    """(op_s, fixed_s, overhead_s, exchange_s) from the profile's `op_band_s`: op l on a band of
+    k rows takes a + b x k (hepti.parallel.profiling.measure_band_costs), so its whole map
+    a + b x rows and its fixed part a. The executor's own work around each op and the
+    exchange's copies were timed in a and b, so the separate figures for them are 0."""
+    shapes = graph.shapes(int(table["input"][0]), int(table["input"][1]))
+    out_s, fixed = [list(r) for r in op_s], [[0.0] * len(r) for r in op_s]
+    for i, per in enumerate(table["op_band_s"]):
+        for l, ab in enumerate(per):
+            if ab is not None:
+                a, b = float(ab[0]), float(ab[1])
+                out_s[i][l] = a + b * _op_rows(graph.ops[l], shapes)
+                fixed[i][l] = a
+    zeros = [0.0] * len(op_s)
+    return out_s, fixed, zeros, list(zeros)
 
 
 # --- the cost model -----------------------------------------------------------------------------
@@ -268,9 +308,11 @@ def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCost
         c_op, x_op = [0.0] * P, [0.0] * P
         for i in range(P):
             if per[i]:
-                # its slice of the weight: the fixed part by its channels too
-                c_op[i] = ((hh * per_row[i][l] + costs.fixed(i, l)) * per[i] / c
-                           + costs.overhead_s[i])
+                # its slice of the weight: the fixed part by its channels too, but for the
+                # executor's own work in it (timed with it on bands), which is whole
+                fixed = costs.fixed(i, l)
+                c_op[i] = (hh * per_row[i][l] * per[i] / c + costs.overhead_s[i]
+                           + (fixed if costs.band_measured else fixed * per[i] / c))
                 # the copies of its slices: a depthwise conv's or a pool's input channels,
                 # the residual's (hepti.parallel.bands `_by_channels`)
                 i0, i1 = channel_slice(op, ratios, i, c)[2:4]
@@ -287,7 +329,7 @@ def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCost
             # member, and everyone else's to it
             out_b = F32 * n * hh * ww * per[i] * (len(members) - 1)
             in_b = F32 * n * hh * ww * (c - per[i])
-            x_op[i] = costs.latency_s[i] + max(out_b, in_b) / costs.bandwidth_Bps[i]
+            x_op[i] = costs.allgather(i, len(members), max(out_b, in_b))
         c_sum += max(c_op)
         x_sum += max(x_op)
         comp = [u + v for u, v in zip(comp, c_op)]
@@ -344,10 +386,16 @@ def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: i
             for i, (o0, o1) in enumerate(owned(hh, owners.get(op.input, ratios), P)):
                 if o1 > o0:
                     comp[i] += (o1 - o0) * per_row[i][l] + costs.fixed(i, l)
-            nbytes = F32 * n * (c if op.out_hw == (1, 1) else hh * ww * c)
-            for i in range(P):
-                if on[i]:
-                    comm[i] += costs.latency_s[i] + nbytes / costs.bandwidth_Bps[i]
+            rows = owned(hh, owners.get(op.input, ratios), P)
+            holders = [o1 > o0 for o0, o1 in rows]
+            for i in (members if len(members) > 1 else ()):
+                if op.out_hw == (1, 1):  # each holder's partial sums (`bands.pooled_sum`)
+                    got = (sum(holders) - holders[i]) * F32 * n * c
+                    sent = holders[i] * (len(members) - 1) * F32 * n * c
+                else:  # the whole map gathered
+                    mine = (rows[i][1] - rows[i][0]) * F32 * n * ww * c
+                    got, sent = F32 * n * hh * ww * c - mine, mine * (len(members) - 1)
+                comm[i] += costs.allgather(i, len(members), max(got, sent))
         elif op.kind == LINEAR:
             if split.head == "primary" or P == 1:
                 comp[0] += per_row[0][l] + costs.fixed(0, l)
@@ -356,8 +404,10 @@ def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: i
                 for i in range(P):
                     if c[i]:
                         comp[i] += c[i] / op.cout * per_row[i][l] + costs.fixed(i, l)
-                    if on[i]:
-                        comm[i] += costs.latency_s[i] + F32 * n * op.cout / costs.bandwidth_Bps[i]
+                    if on[i] and len(members) > 1:  # the columns allgathered
+                        got = F32 * n * (op.cout - c[i])
+                        sent = F32 * n * c[i] * (len(members) - 1)
+                        comm[i] += costs.allgather(i, len(members), max(got, sent))
     return max(comp) + max(comm), comp, comm
 
 
