@@ -32,9 +32,13 @@ def test_targets_count_what_the_issue_asks():
 
 def test_sub_profiles_cut_devices_and_cnn_timings():
     p = declared_profile([dict(gemm_flops=1e10, memory_bytes=1e9, latency_s=1e-4, bandwidth_Bps=1e8)] * 3)
-    p.extra["cnn"] = {"op_s": [[1.0], [2.0], [3.0]], "op_overhead_s": [0.1, 0.2, 0.3]}
+    p.extra["cnn"] = {"op_s": [[1.0], [2.0], [3.0]], "op_overhead_s": [0.1, 0.2, 0.3],
+                      "op_band_s": [[[0.1, 0.01]], [[0.2, 0.02]], [[0.3, 0.03]]],
+                      "allgather_s": {"2": [1e-4, 0.0], "3": [3e-4, 0.0]}}
     two = sub_profile(p, 2)
     assert two.world_size == 2 and two.extra["cnn"]["op_s"] == [[1.0], [2.0]]
+    assert two.extra["cnn"]["op_band_s"] == [[[0.1, 0.01]], [[0.2, 0.02]]]
+    assert two.extra["cnn"]["allgather_s"] == {"2": [1e-4, 0.0]}  # among its own 2 only
     assert p.extra["cnn"]["op_s"] == [[1.0], [2.0], [3.0]]  # the full one untouched
 
 
