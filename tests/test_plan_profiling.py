@@ -75,3 +75,18 @@ def test_pooled_overhead_scales_the_least_ratio_by_each_devices_op_time():
     assert pooled_overhead(op_s[:1], measured[:1]) == [0.01]  # one device: as measured
     # a device that read no overhead at all (max(0, ...) of a noisy difference) is not taken
     assert pooled_overhead(op_s, [0.0, 0.02, 0.03, 0.04]) == pytest.approx([0.01, 0.02, 0.03, 0.04])
+
+
+def test_band_timings_pool_the_fixed_share_across_devices():
+    """`pooled_band`: each device keeps its own time at the largest band; the part of it that
+    is fixed is the devices' median share (one device's noisy pair of points moves only its
+    own level), and an op timed nowhere stays None."""
+    from hepti.parallel.profiling import pooled_band
+    pts = [[[(1, 2.0), (5, 6.0)], None],  # a = 1, b = 1: fixed share 1/6
+           [[(1, 4.0), (5, 12.0)], None],  # a = 2, b = 2: 1/6
+           [[(1, 9.0), (5, 10.0)], None]]  # a noisy pair: a = 8.75, 0.875 of it
+    out = pooled_band(pts)
+    assert out[0][1] is None
+    for i, top in enumerate((6.0, 12.0, 10.0)):
+        a, b = out[i][0]
+        assert a == pytest.approx(top / 6) and a + 5 * b == pytest.approx(top)

@@ -984,15 +984,16 @@ class _Unsent:
 BAND_FRACTIONS = (0.15, 0.5)  # the bands `measure_band_costs` times: a slow device's, a half
 
 
-def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 5,
+def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
                        fractions: tuple = BAND_FRACTIONS) -> list:
-    """Per op, (a, b): seconds of a band of k output rows = a + b x k, as the band executor
-    runs it at h x w: rank 0 of a two-rank split with the messages left out (`_Unsent`), one
-    group per op, a band of each fraction of every map, each band made from the one before
-    as a forward makes it, stretched on an emulated device as the runtime is. An op's time
-    is from the end of the op before to its own end: the executor's bookkeeping around it, the
-    exchange's copies (at this size, not 32x32's) and the stretch's payment for both are in it.
-    None for the ops after the spatial part.
+    """Per op, [(k, seconds)] for a band of k output rows at each fraction of the rows, as
+    the band executor runs it at h x w: rank 0 of a two-rank split with the messages left out
+    (`_Unsent`), one group per op, each band made from the one before as a forward makes it,
+    stretched on an emulated device as the runtime is; the fractions interleaved round by
+    round, the median of the rounds. An op's time is from the end of the op before to its
+    own end: the executor's bookkeeping around it, the exchange's copies (at this size, not
+    32x32's) and the stretch's payment for both are in it. None for the ops after the
+    spatial part. `pooled_band` makes each device's a + b x k of them.
 
     Why not the whole-map timings and a one-row band (`measure_cnn_ops`, `measure_cnn_fixed`),
     joined by a line: on emu-geneflow4 (four devices sharing two cores, 2026-11-27) MobileNetV2's
@@ -1007,7 +1008,7 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 5,
     shapes = g.shapes(h, w)
     n = spatial_ops(g)
     x = np.random.default_rng(5).standard_normal((batch, 3, h, w), dtype=np.float32)
-    points = [[] for _ in range(n)]  # (rows, seconds) per op
+    runs = []
     for f in fractions:
         unsent = _Unsent()
         unsent.tracer.record_events = True
@@ -1015,27 +1016,50 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 5,
                           model.threads)
         run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
         run(x)
-        spans = [[] for _ in range(n)]
-        for _ in range(rounds):
-            unsent.tracer.reset()
-            unsent.tracer.set_epoch()
+        runs.append((f, unsent.tracer, run, [[] for _ in range(n)]))
+    for r in range(rounds):
+        for f, tracer, run, spans in runs[r % len(runs):] + runs[:r % len(runs)]:
+            tracer.reset()
+            tracer.set_epoch()
             run(x)
-            ends = [e["ts"] + e["dur"] for e in unsent.tracer.events if e["cat"] == "compute"]
+            ends = [e["ts"] + e["dur"] for e in tracer.events if e["cat"] == "compute"]
             for l, (t0, t1) in enumerate(zip([0.0] + ends, ends[:n])):
                 spans[l].append((t1 - t0) * 1e-6)
-        for l, op in enumerate(g.ops[:n]):
+    out = []
+    for l, op in enumerate(g.ops):
+        pts = []
+        for f, _, _, spans in runs if l < n else ():
             k = counts(shapes[op.output][0], (f, 1.0 - f))[0]
             if k and spans[l]:
-                points[l].append((k, statistics.median(spans[l])))
-    out = []
-    for l in range(len(g.ops)):
-        pts = sorted(set(points[l])) if l < n else []
-        if not pts:
-            out.append(None)
-            continue
-        (k1, t1), (k2, t2) = pts[0], pts[-1]
-        b = max(0.0, (t2 - t1) / (k2 - k1)) if k2 > k1 else t2 / k2
-        out.append((max(0.0, t1 - b * k1), b))
+                pts.append((k, statistics.median(spans[l])))
+        out.append(sorted(pts) or None)
+    return out
+
+
+def pooled_band(points: list[list]) -> list[list]:
+    """Each device's (a, b) per op (seconds of a band of k rows = a + b x k) from its
+    `measure_band_costs` points: its own time at the largest band, split into a and b by the
+    devices' median share of it that is fixed (the line through a device's own two points
+    alone moved with every burst of load: MobileNetV2's fixed parts summed to 28-50 ms on
+    emu-geneflow4's 0.15-core device in profiles minutes apart). None where not timed."""
+    out = [[None] * len(p) for p in points]
+    for l in range(len(points[0]) if points else 0):
+        shares, tops = [], []
+        for per in points:
+            pts = per[l]
+            if not pts:
+                tops.append(None)
+                continue
+            (k1, t1), (k2, t2) = pts[0], pts[-1]
+            tops.append((k2, t2))
+            if k2 > k1 and t2 > 0:
+                b = max(0.0, (t2 - t1) / (k2 - k1))
+                shares.append(min(max(t1 - b * k1, 0.0), t2) / t2)
+        share = statistics.median(shares) if shares else 0.0
+        for i, top in enumerate(tops):
+            if top is not None:
+                k2, t2 = top
+                out[i][l] = (share * t2, (1.0 - share) * t2 / k2)
     return out
 
 
@@ -1163,7 +1187,9 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
              "layout_s_per_byte_measured": all_layout,
              "fetch_overhead_s": pooled_overhead(all_op_s, all_fetch),
              "fetch_overhead_measured_s": all_fetch,
-             "op_band_s": [[None if ab is None else list(ab) for ab in r] for r in all_band],
+             "op_band_s": [[None if ab is None else list(ab) for ab in r]
+                           for r in pooled_band(all_band)],
+             "op_band_measured": all_band,
              "allgather_s": {str(k): list(v) for k, v in collectives.items()}}
     if power is not None:
         table["power"] = [list(p) for p in power]

@@ -3,9 +3,11 @@ DeepThings' fusion, chosen per group by the cost model.
 
 **Cost model** (`predict`). A height-split forward is bulk-synchronous: each group of ops
 (hepti.parallel.bands) starts with one halo exchange and ends when its slowest rank is done.
-- Compute: rank i's time for op l is rows_i(l) x its measured seconds per output row of l,
-  plus a call's overhead when it has rows (`CNNCosts`, from the profile's `cnn` table: every
-  op timed on every device at the input size, whole). A fused group recomputes its overlap:
+- Compute: rank i's time for op l is a + b x rows_i(l) when it has rows (`CNNCosts`, from the
+  profile's `cnn` table: every op timed on every device at the input size as the band
+  executor runs it, on bands of two sizes, its bookkeeping and exchange copies included:
+  `op_band_s`; older profiles: the whole map's time by its rows, plus a one-row band's fixed
+  part and a call's overhead). A fused group recomputes its overlap:
   rows_i(l) are the rows it must compute (`bands.needs`), not the rows it owns.
 - Exchange: the rows each rank receives and sends are exact (`bands.needs` on the integer
   row counts); rank i's time is its link's latency plus the larger of its bytes in and out
