@@ -179,8 +179,12 @@ def test_run_writes_a_trace_of_the_bands(tmp_path, resnet_tiny_dir):
     code, _, err = hepti("run", "--model", resnet_tiny_dir, "--input-pixels", tmp_path / "px.npy",
                          "--trace", tmp_path / "t.json", "--json")
     assert code == 0, err
-    names = {ev["name"] for ev in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    names = {ev["name"] for ev in events}
     assert any(n.startswith("ops 0-") for n in names), sorted(names)[:10]
+    spans = [ev for ev in events if ev.get("ph") == "X"]  # each with its thread's CPU time
+    assert spans and all(0 <= ev["args"]["cpu_us"] <= ev["dur"] + 50 for ev in spans)
+    assert sum(ev["args"]["cpu_us"] for ev in spans if ev["cat"] == "compute") > 0
 
 
 @pytest.mark.parametrize("args,needles", [

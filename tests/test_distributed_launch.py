@@ -145,6 +145,7 @@ def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path):
         assert len(spatial) == len(per) - 2, per  # the pooling and the head: whole-map op_s
         assert all(a >= 0 and b >= 0 for a, b in spatial) and any(b > 0 for _, b in spatial)
     assert sorted(table["allgather_s"]) == ["2", "3"], table["allgather_s"]
+    assert len(table["band_spread"]) == 3 and all(0 <= s < 5 for s in table["band_spread"])
     assert all(0 < f < 0.05 and b >= 0 for f, b in table["allgather_s"].values())
     p = subprocess.run([sys.executable, "-m", "hepti", "plan", "--model", resnet_tiny_dir,
                         "--profile", prof, "--out", plan], capture_output=True, text=True)

@@ -306,3 +306,27 @@ def test_the_pooling_and_head_allgathers_cost_what_the_profile_measured_for_thei
         assert b["latency_s"] - a["latency_s"] == pytest.approx(
             2 * measured.allgather_s[k][0] - 2 * 1e-5, rel=0.2, abs=2e-5)
     assert costs.allgather(0, 4, 1e6) == pytest.approx(1e-5 + 1e-3)
+
+
+def test_a_group_waits_for_its_slowest_rank_by_the_measured_spread():
+    """The profile's band_spread: each group ends E[max of k normals] x the largest rank's
+    sigma after its slowest mean, k its ranks with work (0 for one rank, more for more)."""
+    import dataclasses
+
+    from hepti.graph.split import Split
+    from hepti.plan.coedge import group_cost, predict, straggle
+    g = _graph()
+    costs = _costs(g, [1.0, 1.0, 1.0, 1.0])
+    spread = dataclasses.replace(costs, spread=[0.1, 0.1, 0.2, 0.1], _rows={})
+    assert straggle(spread, [1.0, 0.0, 0.0, 0.0]) == 0.0
+    assert straggle(spread, [1.0, 1.0, 0.0, 0.0]) == pytest.approx(0.5642 * 0.1)
+    assert straggle(spread, [1.0, 1.0, 1.0, 1.0]) == pytest.approx(1.0294 * 0.2)
+    shapes = g.shapes(H, W)
+    c0 = group_cost(g, shapes, (0, 1), (0.25,) * 4, costs)[0]
+    c1 = group_cost(g, shapes, (0, 1), (0.25,) * 4, spread)
+    assert c1[0] == pytest.approx(c0 + 1.0294 * max(c * s for c, s in zip(c1[2], spread.spread)))
+    one = Split((1.0, 0.0, 0.0, 0.0))
+    assert predict(g, one, spread, H, W)["latency_s"] == pytest.approx(
+        predict(g, one, costs, H, W)["latency_s"])
+    four = Split((0.25,) * 4)
+    assert predict(g, four, spread, H, W)["latency_s"] > predict(g, four, costs, H, W)["latency_s"]

@@ -16,8 +16,9 @@ The pixels start on rank 0, which owns all their rows: the first exchange scatte
 
 After the spatial part, global pooling sums each rank's own rows and allgathers the partial
 sums (`pooled_sum`); a pooling to a grid (VGG's 7x7) gathers the whole map first. The linear
-head is split by output columns in the same ratios (`Split.head` "cols": each rank reads only its rows of each
-[out, in] weight, and an allgather joins the columns), or runs on rank 0 alone ("primary").
+head is split by output columns in the same ratios (`Split.head` "cols": each rank reads only
+its rows of each [out, in] weight, and an allgather joins the columns), or runs on rank 0
+alone ("primary").
 
 **Groups split by channels** (`Split.dims`, GenEFlow's vertical split): every rank with a
 share fetches the whole of the group's input maps, by the same exchange (so a band split's

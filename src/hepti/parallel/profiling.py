@@ -986,14 +986,15 @@ BAND_FRACTIONS = (0.15, 0.5)  # the bands `measure_band_costs` times: a slow dev
 
 def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
                        fractions: tuple = BAND_FRACTIONS) -> list:
-    """Per op, [(k, seconds)] for a band of k output rows at each fraction of the rows, as
+    """(per op, [(k, seconds)] for a band of k output rows at each fraction of the rows, as
     the band executor runs it at h x w: rank 0 of a two-rank split with the messages left out
     (`_Unsent`), one group per op, each band made from the one before as a forward makes it,
     stretched on an emulated device as the runtime is; the fractions interleaved round by
     round, the median of the rounds. An op's time is from the end of the op before to its
     own end: the executor's bookkeeping around it, the exchange's copies (at this size, not
     32x32's) and the stretch's payment for both are in it. None for the ops after the
-    spatial part. `pooled_band` makes each device's a + b x k of them.
+    spatial part; `band_spread` of the rounds at the larger band). `pooled_band` makes each
+    device's a + b x k of them.
 
     Why not the whole-map timings and a one-row band (`measure_cnn_ops`, `measure_cnn_fixed`),
     joined by a line: on emu-geneflow4 (four devices sharing two cores, 2026-11-27) MobileNetV2's
@@ -1033,7 +1034,24 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
             if k and spans[l]:
                 pts.append((k, statistics.median(spans[l])))
         out.append(sorted(pts) or None)
-    return out
+    return out, band_spread(runs[-1][3])
+
+
+def band_spread(spans: list[list[float]]) -> tuple[float, float]:
+    """(relative, seconds): a device's spread of one op's time from round to round, the median
+    over ops of 1.4826 x the median absolute deviation (a normal's sigma), over the op's median
+    and in seconds. The cost model's `straggle` takes the relative one: a group ends when the
+    slowest of its ranks ends, and the slowest of k ranks whose times scatter ends later than
+    the slowest mean. (The seconds, charged whole to every group, put ResNet-50's capped
+    4-device plans 8% and 17% over what they measured; the relative spread 2% and 1% under.)"""
+    rel, ab = [], []
+    for ts in spans:
+        if len(ts) >= 3:
+            m = statistics.median(ts)
+            if m > 0:
+                ab.append(1.4826 * statistics.median(abs(t - m) for t in ts))
+                rel.append(ab[-1] / m)
+    return (statistics.median(rel), statistics.median(ab)) if rel else (0.0, 0.0)
 
 
 def pooled_band(points: list[list]) -> list[list]:
@@ -1144,7 +1162,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     layout = measure_layout_rate()
     conv_load, fetch_s = measure_conv_load(graph, store.read)
     _barrier(comm)  # every rank at once, as a forward has them
-    band = measure_band_costs(model, h, w, batch)
+    band, spread = measure_band_costs(model, h, w, batch)
     _barrier(comm)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     on_host = local.Get_size()
@@ -1174,6 +1192,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     all_layout = comm.allgather(layout)
     all_fetch = comm.allgather(fetch_s)
     all_band = comm.allgather(band)
+    all_spread = comm.allgather(spread)
     cfg = store.config
     elapsed = comm.allreduce(time.perf_counter() - t_start, op=MPI.MAX)
     table = {"arch": cfg.arch, "ops": [op.name for op in graph.ops],
@@ -1189,7 +1208,8 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
              "fetch_overhead_measured_s": all_fetch,
              "op_band_s": [[None if ab is None else list(ab) for ab in r]
                            for r in pooled_band(all_band)],
-             "op_band_measured": all_band,
+             "op_band_measured": all_band, "band_spread": [r for r, _ in all_spread],
+             "band_sigma_s": [a for _, a in all_spread],
              "allgather_s": {str(k): list(v) for k, v in collectives.items()}}
     if power is not None:
         table["power"] = [list(p) for p in power]
@@ -1291,7 +1311,8 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
 # one host calibrate the shared-memory transport; 7: a CNN's halo exchange's own work and its
 # streamed convs' load rate; 8: a CNN op's fixed seconds, timed on a band of one row, a
 # split by channels' layout copy, and a streamed conv's fixed cost a fetch; 9: a CNN op's
-# cost on two bands, as the band executor runs them, and its allgathers among 2..N ranks).
+# cost on two bands, as the band executor runs them, their spread, and its allgathers among
+# 2..N ranks).
 PROFILER_REVISION = 9
 
 

@@ -3,7 +3,9 @@
 Every rank measures on its own `time.perf_counter`, relative to an epoch taken right after a
 barrier, so all ranks share one clock to within the barrier's release skew (microseconds on one
 box, about one network latency on a real cluster). `Tracer.span(name, cat)` times a block: its
-seconds add to `seconds[cat]` and, when tracing is on, it becomes one "X" event.
+seconds add to `seconds[cat]` and, when tracing is on, it becomes one "X" event, with the
+thread's CPU seconds in it (`args.cpu_us`: a block whose wall time is far above its CPU time
+waited or, on an emulated device, paid the stretch).
 
 Under `hepti emulate` (unless HEPTI_EMULATE_STRETCH=0) the spans are also where an emulated
 device is slowed down uniformly (hepti.emulate.stretch): a "compute" span ends by paying the
@@ -74,13 +76,14 @@ class _Span:
 
     def __exit__(self, *exc) -> bool:
         tr = self.tracer
-        if tr.record_events:  # the block's own CPU, before the stretch pays for it
+        record = tr.record_events and hasattr(self, "c0")
+        if record:  # the block's own CPU, before the stretch pays for it
             cpu = time.thread_time() - self.c0
         if _stretch.ON:
             _stretch.span_exit(self.cat)
         t1 = time.perf_counter()
         tr.seconds[self.cat] += t1 - self.t0
-        if tr.record_events:
+        if record:
             ev = {"name": self.name, "cat": self.cat, "ph": "X", "pid": 0, "tid": tr.rank,
                   "ts": (self.t0 - tr.epoch) * 1e6, "dur": (t1 - self.t0) * 1e6}
             ev["args"] = {**self.args, "cpu_us": cpu * 1e6}

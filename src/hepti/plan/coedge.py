@@ -109,6 +109,9 @@ class CNNCosts:
     # fixed_s then holds the executor's own work around each op too, which a rank with any
     # channels of an op pays whole (`channel_group_cost`)
     band_measured: bool = False
+    # per device, the relative spread (sigma / mean) of an op's time from one run to the next
+    # (the profile's band_spread; none in older profiles): `straggle`
+    spread: list[float] | None = None
     _rows: dict = field(default_factory=dict, repr=False, compare=False)  # row_seconds' memo
 
     @property
@@ -139,6 +142,8 @@ class CNNCosts:
         if table.get("op_band_s"):  # each op as the band executor ran it (profiler rev. 9)
             op_s, fixed, over, exchange = _band_costs(table, graph, op_s)
         return cls(op_s=op_s, band_measured=bool(table.get("op_band_s")),
+                   spread=[float(x) for x in table["band_spread"]]
+                   if table.get("band_spread") else None,
                    overhead_s=[float(x) for x in over],
                    latency_s=[float(d.latency_s) for d in devs],
                    bandwidth_Bps=[float(d.bandwidth_Bps) for d in devs],
@@ -196,6 +201,26 @@ def _band_costs(table: dict, graph: Graph, op_s: list[list[float]]):
 
 
 # --- the cost model -----------------------------------------------------------------------------
+
+# E[max of k independent standard normals], k = 0..8 (beyond: sqrt(2 ln k))
+_EXPECTED_MAX = (0.0, 0.0, 0.5642, 0.8463, 1.0294, 1.1630, 1.2672, 1.3522, 1.4236)
+
+
+def straggle(costs: CNNCosts, comp: list[float]) -> float:
+    """Seconds a bulk-synchronous step ends after its slowest rank's mean: each rank's time
+    scatters by its device's spread (`CNNCosts.spread`), and the step waits for the last of the
+    k ranks with work, whose expected lateness grows with k (E[max] of k normals, taken with
+    the largest rank's sigma). On emu-geneflow4 (2026-11-27) GenEFlow's MobileNetV2 plans of
+    46 one-op groups over 4 devices ran 15-20% over a prediction that priced only the means,
+    and the same per-op costs held on 2 devices; 0 without a measured spread."""
+    if not costs.spread:
+        return 0.0
+    busy = [(c, s) for c, s in zip(comp, costs.spread) if c > 0]
+    k = len(busy)
+    if k < 2:
+        return 0.0
+    z = _EXPECTED_MAX[k] if k < len(_EXPECTED_MAX) else math.sqrt(2 * math.log(k))
+    return z * max(c * s for c, s in busy)
 
 def _op_rows(op, shapes) -> int:
     """The rows an op's time is counted over: its output's (a pool's: its input's)."""
@@ -256,7 +281,7 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
         for i in range(P):
             moved[i][0] += sent[i]
             moved[i][1] += got[i]
-    return max(comp), max(comm), comp, comm
+    return max(comp) + straggle(costs, comp), max(comm), comp, comm
 
 
 def _held(graph, shapes, group, need, holders, by_channels: bool, P: int) -> None:
@@ -332,7 +357,7 @@ def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCost
             out_b = F32 * n * hh * ww * per[i] * (len(members) - 1)
             in_b = F32 * n * hh * ww * (c - per[i])
             x_op[i] = costs.allgather(i, len(members), max(out_b, in_b))
-        c_sum += max(c_op)
+        c_sum += max(c_op) + straggle(costs, c_op)
         x_sum += max(x_op)
         comp = [u + v for u, v in zip(comp, c_op)]
         comm = [u + v for u, v in zip(comm, x_op)]
