@@ -615,6 +615,8 @@ def measure_collectives(comm, reps: int = 15) -> dict:
     at 0.09 ms among 4 emulated devices (emu-geneflow4) and took 0.3-0.8 ms, while a split by
     channels' larger maps passed faster than the link's measured rate (its token bucket's
     burst). All ranks call it; an empty dict on one rank."""
+    from mpi4py import MPI
+
     from hepti.parallel.comm import Comm, wait
     size, rank = comm.Get_size(), comm.Get_rank()
     out = {}
@@ -634,7 +636,7 @@ def measure_collectives(comm, reps: int = 15) -> dict:
                     sub.allgather_rows(a, [1] * k)
                     ts.append(time.perf_counter() - t0)
                 times[floats] = statistics.median(
-                    sub.mpi.allreduce(t, op=_mpi_max()) for t in ts[1:])
+                    sub.mpi.allreduce(t, op=MPI.MAX) for t in ts[1:])
             small, large = COLLECTIVE_FLOATS
             per_byte = max(0.0, (times[large] - times[small]) / (4 * (large - small) * (k - 1)))
             out[k] = (max(0.0, times[small] - 4 * small * (k - 1) * per_byte), per_byte)
@@ -642,11 +644,6 @@ def measure_collectives(comm, reps: int = 15) -> dict:
         _barrier(comm)
     world.close()
     return comm.bcast(out, root=0)
-
-
-def _mpi_max():
-    from mpi4py import MPI
-    return MPI.MAX
 
 
 def measure_links(comm) -> list[dict]:
@@ -986,15 +983,15 @@ BAND_FRACTIONS = (0.15, 0.5)  # the bands `measure_band_costs` times: a slow dev
 
 def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
                        fractions: tuple = BAND_FRACTIONS) -> list:
-    """(per op, [(k, seconds)] for a band of k output rows at each fraction of the rows, as
-    the band executor runs it at h x w: rank 0 of a two-rank split with the messages left out
+    """(points, spread). Points: per op, [(k, seconds)] for a band of k output rows at each
+    fraction of the rows, as the band executor runs it at h x w: rank 0 of a two-rank split with the messages left out
     (`_Unsent`), one group per op, each band made from the one before as a forward makes it,
     stretched on an emulated device as the runtime is; the fractions interleaved round by
     round, the median of the rounds. An op's time is from the end of the op before to its
     own end: the executor's bookkeeping around it, the exchange's copies (at this size, not
-    32x32's) and the stretch's payment for both are in it. None for the ops after the
-    spatial part; `band_spread` of the rounds at the larger band). `pooled_band` makes each
-    device's a + b x k of them.
+    32x32's) and the stretch's payment for both are in it; None for the ops after the
+    spatial part. `pooled_band` makes each device's a + b x k of them. Spread: `band_spread`
+    of the rounds at the larger band.
 
     Why not the whole-map timings and a one-row band (`measure_cnn_ops`, `measure_cnn_fixed`),
     joined by a line: on emu-geneflow4 (four devices sharing two cores, 2026-11-27) MobileNetV2's
@@ -1042,8 +1039,8 @@ def band_spread(spans: list[list[float]]) -> tuple[float, float]:
     over ops of 1.4826 x the median absolute deviation (a normal's sigma), over the op's median
     and in seconds. The cost model's `straggle` takes the relative one: a group ends when the
     slowest of its ranks ends, and the slowest of k ranks whose times scatter ends later than
-    the slowest mean. (The seconds, charged whole to every group, put ResNet-50's capped
-    4-device plans 8% and 17% over what they measured; the relative spread 2% and 1% under.)"""
+    the slowest mean. (The seconds, charged alike to every group, predicted ResNet-50's
+    capped 4-device plans 9% and 21% above what they measured; the relative spread 2% and 1%.)"""
     rel, ab = [], []
     for ts in spans:
         if len(ts) >= 3:

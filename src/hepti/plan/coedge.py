@@ -15,9 +15,9 @@ DeepThings' fusion, chosen per group by the cost model.
   own work around the messages (`CNNCosts.exchange_s`, the profile's `exchange_overhead_s`:
   hepti.parallel.profiling.measure_exchange_overhead), which a model of small ops split
   over slow devices pays in every group.
-- Latency = sum over groups of (slowest compute + slowest exchange), then the pooling (an
-  allgather of each rank's partial sums [N, C]) and the head (each rank's share of the
-  columns, an allgather).
+- Latency = sum over groups of (slowest compute + `straggle` + slowest exchange), then the
+  pooling (an allgather of each rank's partial sums [N, C]) and the head (each rank's share
+  of the columns, an allgather), both at the profile's measured allgather (`allgather_s`).
 - A streamed group (`Split.streamed`) adds to each rank's compute the reading and packing of
   its rows of the group's conv weights, bytes / `CNNCosts.load_Bps` (the profile's
   weight_load_Bps: from the page cache, as on one box; a cold disk would add its read), not
