@@ -34,10 +34,14 @@ def test_sub_profiles_cut_devices_and_cnn_timings():
     p = declared_profile([dict(gemm_flops=1e10, memory_bytes=1e9, latency_s=1e-4, bandwidth_Bps=1e8)] * 3)
     p.extra["cnn"] = {"op_s": [[1.0], [2.0], [3.0]], "op_overhead_s": [0.1, 0.2, 0.3],
                       "op_band_s": [[[0.1, 0.01]], [[0.2, 0.02]], [[0.3, 0.03]]],
+                      "fetch_overhead_s": [1e-3, 2e-3, 3e-3],
+                      "op_stream_measured": [[0.01], [0.02], [0.03]],
                       "allgather_s": {"2": [1e-4, 0.0], "3": [3e-4, 0.0]}}
     two = sub_profile(p, 2)
     assert two.world_size == 2 and two.extra["cnn"]["op_s"] == [[1.0], [2.0]]
     assert two.extra["cnn"]["op_band_s"] == [[[0.1, 0.01]], [[0.2, 0.02]]]
+    assert two.extra["cnn"]["fetch_overhead_s"] == [1e-3, 2e-3]
+    assert two.extra["cnn"]["op_stream_measured"] == [[0.01], [0.02]]
     assert two.extra["cnn"]["allgather_s"] == {"2": [1e-4, 0.0]}  # among its own 2 only
     assert p.extra["cnn"]["op_s"] == [[1.0], [2.0], [3.0]]  # the full one untouched
 

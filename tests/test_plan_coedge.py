@@ -168,6 +168,42 @@ def test_a_streamed_group_pays_each_fetch():
     assert stream_seconds(g, (0, L), rows, fetching)[1] == 0.0  # no rows, nothing fetched
 
 
+def test_a_streamed_conv_costs_what_the_forward_timed_it_at_and_a_slice_scales_by_the_line():
+    """The profile's op_stream_measured: a rank streaming a conv's whole weight pays the
+    seconds the executor's forward took for it; a rank with a slice of its channels pays that
+    time scaled by (fixed + slice bytes / rate) / (fixed + whole bytes / rate); a conv the
+    profile did not time is priced by the line alone."""
+    import dataclasses
+
+    from hepti.graph.cnn import CONV
+    from hepti.graph.split import Split, conv_rows, spatial_ops
+    from hepti.plan.coedge import stream_seconds
+    g = _graph()
+    L = spatial_ops(g)
+    convs = [l for l, op in enumerate(g.ops[:L]) if op.kind == CONV]
+    timed = [[None] * len(g.ops) for _ in range(2)]
+    for l in convs[1:]:  # the first conv untimed
+        timed[0][l], timed[1][l] = 5e-3, 7e-3
+    costs = dataclasses.replace(_costs(g, [1.0, 1.0]), load_Bps=[1e6, 1e6],
+                                fetch_s=[1e-3, 1e-3], stream_s=timed)
+    row = g.row_bytes()
+    line = lambda l, k: 1e-3 + k * row[g.ops[l].name] / 1e6  # noqa: E731
+    whole = Split((0.6, 0.4), ((0, L),), streamed=(True,))
+    rows = [conv_rows(g, whole, i, 2) for i in range(2)]
+    first = line(convs[0], g.ops[convs[0]].cout)
+    assert stream_seconds(g, (0, L), rows, costs) == pytest.approx(
+        [first + 5e-3 * (len(convs) - 1), first + 7e-3 * (len(convs) - 1)])
+    l = convs[-1]
+    op = g.ops[l]
+    sliced = Split((0.5, 0.5), ((0, l), (l, L)), dims=("rows", "channels"),
+                   streamed=(False, True))
+    rows = [conv_rows(g, sliced, i, 2) for i in range(2)]
+    k = [rows[i][op.name][1] - rows[i][op.name][0] for i in range(2)]
+    assert 0 < k[0] < op.cout
+    assert stream_seconds(g, (l, l + 1), rows, costs) == pytest.approx(
+        [t * line(l, k[i]) / line(l, op.cout) for i, t in enumerate((5e-3, 7e-3))])
+
+
 def test_energy_objective_keeps_the_deadline():
     from hepti.errors import PlanError
     from hepti.plan.coedge import plan_cnn

@@ -77,6 +77,30 @@ def test_pooled_overhead_scales_the_least_ratio_by_each_devices_op_time():
     assert pooled_overhead(op_s, [0.0, 0.02, 0.03, 0.04]) == pytest.approx([0.01, 0.02, 0.03, 0.04])
 
 
+def test_stream_fit_recovers_a_fetchs_fixed_cost_and_rate_from_per_conv_times():
+    """`stream_fit`: each conv's streamed seconds = fixed + its stored bytes / rate, fitted over
+    the convs alone; through the origin when the fit's fixed part comes out negative, and a
+    harmless figure when nothing was streamed."""
+    from hepti.config import CNNConfig
+    from hepti.graph.cnn import CONV, build
+    from hepti.parallel.profiling import stream_fit
+    from helpers import TINY_CNNS
+    g = build(CNNConfig(**TINY_CNNS["resnet50_tiny"]))
+    row = g.row_bytes()
+    size = [row[op.name] * op.cout if op.kind == CONV else None for op in g.ops]
+    exact = [None if b is None else 2e-3 + b / 4e8 for b in size]
+    fixed, rate = stream_fit(exact, g)
+    assert fixed == pytest.approx(2e-3) and rate == pytest.approx(4e8)
+    slow = [None if b is None else 2e-3 + b / 1e6 for b in size]  # bytes the larger part
+    noisy = [None if t is None else t * (1.05 if i % 2 else 0.95) for i, t in enumerate(slow)]
+    fixed, rate = stream_fit(noisy, g)
+    assert fixed == pytest.approx(2e-3, rel=0.5) and rate == pytest.approx(1e6, rel=0.1)
+    by_bytes = [None if b is None else b / 1e6 - 1e-4 for b in size]  # a negative intercept
+    fixed, rate = stream_fit(by_bytes, g)
+    assert fixed == 0.0 and 0 < rate < 1e12
+    assert stream_fit([None] * len(g.ops), g) == (0.0, 1e12)
+
+
 def test_band_timings_pool_the_fixed_share_across_devices():
     """`pooled_band`: each device keeps its own time at the largest band; the part of it that
     is fixed is the devices' median share (one device's noisy pair of points moves only its

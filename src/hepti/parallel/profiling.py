@@ -768,75 +768,6 @@ def measure_cnn_ops(model, h: int, w: int, batch: int = 1, rounds: int = 5) -> l
     return [statistics.median(t) for t in times]
 
 
-def measure_cnn_fixed(model, h: int, w: int, op_s: list[float], batch: int = 1,
-                      rounds: int = 5) -> list[float]:
-    """Seconds of each spatial op that do not scale with its output rows: the op timed on a
-    band of one output row (mid-map, with its halo and padding, as the band executor runs
-    it), every op in turn as a forward does, and fitted to a + rows x b through that and
-    the whole map's time (`op_s`). A band of a few rows still reads and packs the op's whole
-    weight and pays the kernel call: at 224, one row of MobileNetV2's last convolutions
-    (7x7 maps, 0.6-1.6 MB of weights) took 45-70% of the 7-row map's time, not 1/7, and a
-    plan that gave a 0.2-core device a row of them ran 25-60% over its prediction (issue 20).
-    Vector ops and one-row maps: 0. Stretched as one unit of work on an emulated device."""
-    from hepti.graph.cnn import ADAPTIVE_AVG, LINEAR
-    from hepti.model.cnn import apply
-    g = model.graph
-    shapes = g.shapes(h, w)
-    run = _stretch.wrap(apply) if _stretch.ON else apply
-    env = {g.input: np.random.default_rng(4).standard_normal((batch, h, w, 3), dtype=np.float32)}
-    for op in g.ops:  # every map whole, once: the bands' inputs
-        res = env[op.residual] if op.residual is not None else None
-        env[op.output] = apply(op, env[op.input], model.weights, res, threads=model.threads)
-    bands = []
-    for op in g.ops:
-        rows = shapes[op.output][0] if len(shapes[op.output]) == 3 else 1
-        if op.kind in (LINEAR, ADAPTIVE_AVG) or rows < 2:
-            bands.append(None)
-            continue
-        lo = rows // 2
-        i0, i1 = op.in_rows(lo, lo + 1, shapes[op.input][0])
-        x = np.ascontiguousarray(env[op.input][:, i0:i1])
-        res = (None if op.residual is None else
-               np.ascontiguousarray(env[op.residual][:, lo:lo + 1]))
-        bands.append((x, res, op.band_padding(lo, lo + 1, shapes[op.input][0]), rows))
-    del env
-    times = [[] for _ in g.ops]
-    for r in range(rounds + 1):
-        for i, (op, b) in enumerate(zip(g.ops, bands)):
-            if b is None:
-                continue
-            t0 = time.perf_counter()
-            run(op, b[0], model.weights, b[1], b[2], threads=model.threads)
-            if r:
-                times[i].append(time.perf_counter() - t0)
-    out = []
-    for t_all, b, ts in zip(op_s, bands, times):
-        if b is None:
-            out.append(0.0)
-            continue
-        one, rows = statistics.median(ts), b[3]
-        per_row = max(0.0, t_all - one) / (rows - 1)
-        out.append(float(min(max(one - per_row, 0.0), t_all)))
-    return out
-
-
-def pooled_fixed(op_s: list[list[float]], fixed: list[list[float]]) -> list[list[float]]:
-    """Each device's fixed seconds per op (`measure_cnn_fixed`) as the devices' median share
-    of the op's time that is fixed, times the device's own op time: one device's reading of
-    a small op is noisy, the share is the code's and the same on every device running it
-    (a board whose memory is slower than its arithmetic has a larger share; the median is
-    then as wrong as that gap)."""
-    if len(op_s) < 2:
-        return [list(map(float, f)) for f in fixed]
-    out = [[0.0] * len(op_s[0]) for _ in op_s]
-    for l in range(len(op_s[0])):
-        shares = [f[l] / t[l] for t, f in zip(op_s, fixed) if t[l] > 0]
-        k = statistics.median(shares) if shares else 0.0
-        for i, t in enumerate(op_s):
-            out[i][l] = k * t[l]
-    return out
-
-
 def measure_layout_rate(rounds: int = 9) -> float:
     """Seconds per byte of laying a map split by channels out whole (hepti.parallel.bands
     `lay_out_channels`, what every member of a split by channels does after each op's
@@ -855,106 +786,8 @@ def measure_layout_rate(rounds: int = 9) -> float:
     return statistics.median(times) / flat.nbytes
 
 
-OVERHEAD_SIDE = 32  # the image side at which a forward is mostly the executor's own work
-
-
-def measure_band_overhead(model, h: int, w: int, batch: int, op_s: list[float],
-                          rounds: int = 15, op_fixed: list[float] | None = None) -> float:
-    """Seconds a height-split forward spends per op beyond the op's arithmetic: its
-    bookkeeping, the tracer's spans and each kernel call's fixed cost, as the device pays them
-    (stretched on an emulated one). Timed as the band executor (hepti.parallel.bands) on this
-    process alone, one group per op, on a 32x32 image, where the arithmetic (the ops' measured
-    time at h x w, scaled by area) is a small part. The first emulated MobileNetV2 runs had it
-    unmodelled and measured 1.4-3x their prediction. Two other ways read worse (bench-hetero,
-    MobileNetV2 on emu-mixed4, 2026-11-26): a whole forward at 224 less the ops' sum read
-    0.2-3 ms per op, the difference of two noisy figures; and the ranks timing one at a time
-    read the slow devices' ops 2-3x slower than their share (the others' polling at the
-    barrier, inflated 1/share by the stretch). 15 rounds, not 5: three profiles of ResNet-50 on
-    emu-geneflow4 within an hour read node-d's figure as 1.9, 2.1 and 2.3 ms, and node-c's as
-    1.0 and 1.6 ms, and a plan that loads the slow devices (GenEFlow's under a memory cap) then
-    missed its measured latency by 16-20%. (The ops: median of 5 rounds, not 3, for the same
-    reason; a profile of ResNet-50 there takes about 20 s.)"""
-    from hepti.graph.split import Split
-    from hepti.parallel.bands import BandExecutor
-    from hepti.parallel.comm import Comm
-    ex = BandExecutor(Comm(None), model.graph, Split((1.0,)), model.weights, model.threads)
-    run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
-    side = min(OVERHEAD_SIDE, h, w)
-    x = np.random.default_rng(5).standard_normal((batch, 3, side, side), dtype=np.float32)
-    run(x)
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        run(x)
-        times.append(time.perf_counter() - t0)
-    # the ops at side x side: their fixed seconds whole (`measure_cnn_fixed`), the rest by area
-    fixed = op_fixed or [0.0] * len(op_s)
-    arithmetic = sum(a + (t - a) * side * side / (h * w) for t, a in zip(op_s, fixed))
-    return max(0.0, statistics.median(times) - arithmetic) / len(model.graph.ops)
-
-
-def measure_conv_load(graph, read, rounds: int = 3, budget_bytes: float = 16e6,
-                      small: int = 12) -> tuple[float, float]:
-    """(stored bytes/s, seconds a fetch) of reading and packing a streamed conv's weights just
-    before it runs (hepti.model.cnn `Weights.fetch`, as a streamed group does for each of its
-    convs), as the device pays them (stretched on an emulated one), from this device's weight
-    files (their pages cached, as on one box where the files were just written or read). Both
-    from two timings, fitted to count x fixed + bytes / rate: the `small` smallest convs (the
-    fixed cost of a fetch: finding the dataset, the reads' calls, the packing's) and the
-    largest of the others up to `budget_bytes` (the rate). The CNN planner counts a streamed
-    group's loads from both (hepti.plan.coedge `stream_seconds`). Without the rate the planner's
-    default (100 MB/s) put GenEFlow's streamed plans (50% caps, two devices) 16-29% over what
-    they measured; without the fixed cost, a streamed depthwise conv's 14 KB took 0.4 ms more
-    than predicted on a 0.3-core device, and MobileNetV2's plan with 29 streamed groups ran
-    12-44% over (bench-geneflow, 2026-11-27)."""
-    from hepti.graph.cnn import CONV, LINEAR
-    from hepti.model.cnn import Weights
-    row = graph.row_bytes()
-    convs = sorted((op for op in graph.ops if op.kind == CONV),
-                   key=lambda op: -row[op.name] * op.cout)
-    few = [op.name for op in convs[::-1][:min(small, len(convs) // 2)]]
-    few_bytes = sum(row[n] * graph.op(n).cout for n in few)
-    pick, total = [], 0
-    for op in convs:  # the largest first, the first always
-        size = row[op.name] * op.cout
-        if op.name in few or (pick and total + size > budget_bytes):
-            continue
-        pick.append(op.name)
-        total += size
-    w = Weights(graph, read, head_rows={op.name: (0, 0) for op in graph.ops if op.kind == LINEAR},
-                conv_rows={op.name: (0, 0) for op in convs if op.name not in pick + few},
-                streamed=set(pick + few))
-
-    def load(names):
-        for name in names:
-            w.fetch(name)
-            w.drop(name)
-
-    run = _stretch.wrap(load) if _stretch.ON else load
-
-    def timed(names) -> float:
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            run(names)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    t_big = timed(pick)
-    if not few:
-        return total / max(t_big, 1e-9), 0.0
-    t_small = timed(few)
-    n_big, n_small = len(pick), len(few)
-    # t = n x fixed + bytes x per_byte, through both timings
-    det = total * n_small - few_bytes * n_big
-    per_byte = (t_big * n_small - t_small * n_big) / det if det > 0 else 0.0
-    if per_byte <= 0:  # the noise swamped it: all of it by the bytes
-        return total / max(t_big, 1e-9), 0.0
-    return 1.0 / per_byte, max(0.0, (t_small - few_bytes * per_byte) / n_small)
-
-
 class _Unsent:
-    """Rank 0 of two whose messages are not sent (`measure_exchange_overhead`): the exchange
+    """Rank 0 of two whose messages are not sent (`measure_band_costs`): the exchange
     runs its span and zeroes what it would receive, and the verbs after the spatial part hand
     back what one rank has. Every other line of a forward is the band executor's own."""
 
@@ -982,25 +815,30 @@ BAND_FRACTIONS = (0.15, 0.5)  # the bands `measure_band_costs` times: a slow dev
 
 
 def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
-                       fractions: tuple = BAND_FRACTIONS) -> list:
-    """(points, spread). Points: per op, [(k, seconds)] for a band of k output rows at each
-    fraction of the rows, as the band executor runs it at h x w: rank 0 of a two-rank split with the messages left out
-    (`_Unsent`), one group per op, each band made from the one before as a forward makes it,
-    stretched on an emulated device as the runtime is; the fractions interleaved round by
-    round, the median of the rounds. An op's time is from the end of the op before to its
-    own end: the executor's bookkeeping around it, the exchange's copies (at this size, not
-    32x32's) and the stretch's payment for both are in it; None for the ops after the
-    spatial part. `pooled_band` makes each device's a + b x k of them. Spread: `band_spread`
-    of the rounds at the larger band.
+                       fractions: tuple = BAND_FRACTIONS, read=None) -> tuple:
+    """(points, spread, stream). Points: per op, [(k, seconds)] for a band of k output rows
+    at each fraction of the rows, as the band executor runs it at h x w: rank 0 of a two-rank
+    split with the messages left out (`_Unsent`), one group per op, each band made from the
+    one before as a forward makes it, stretched on an emulated device as the runtime is; the
+    fractions interleaved round by round, the median of the rounds. An op's time is from the
+    end of the op before to its own end: the executor's bookkeeping around it, the exchange's
+    copies and the stretch's payment for both are in it; None for the ops after the spatial
+    part. `pooled_band` makes each device's a + b x k of them. Spread: `band_spread` of the
+    rounds at the larger band. Stream (with `read`, the weight store's): per conv, the seconds
+    its weights add when streamed (`Weights.fetch` and `drop` around it, as a streamed group
+    runs it), the largest band run again with every conv streamed, in the same rotation, and
+    the median of each round's difference; None for other ops (`stream_fit` fits them).
 
-    Why not the whole-map timings and a one-row band (`measure_cnn_ops`, `measure_cnn_fixed`),
-    joined by a line: on emu-geneflow4 (four devices sharing two cores, 2026-11-27) MobileNetV2's
-    bands ran 1.34, 1.51, 1.67 and 1.84 times that line at 15% of the rows and 1.10-1.38 at
-    40% (the four devices, fastest first), and natively 1.1-1.3 times (a map made long before,
-    or on another core, is read from further away than the whole-map forward's just-made one);
+    Why not the whole-map timings and a one-row band, joined by a line (profiler revision 8):
+    on emu-geneflow4 (four devices sharing two cores, 2026-11-27) MobileNetV2's bands ran
+    1.34, 1.51, 1.67 and 1.84 times that line at 15% of the rows and 1.10-1.38 at 40% (the
+    four devices, fastest first), and natively 1.1-1.3 times (a map made long before, or on
+    another core, is read from further away than the whole-map forward's just-made one);
     GenEFlow's plans that give the slow devices small bands ran 30-60% over their prediction."""
     from hepti.counts import counts
+    from hepti.graph.cnn import CONV
     from hepti.graph.split import Split, spatial_ops
+    from hepti.model.cnn import Weights
     from hepti.parallel.bands import BandExecutor
     g = model.graph
     shapes = g.shapes(h, w)
@@ -1015,6 +853,16 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
         run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
         run(x)
         runs.append((f, unsent.tracer, run, [[] for _ in range(n)]))
+    if read is not None:  # the largest band again, every conv's weights streamed
+        f = fractions[-1]
+        unsent = _Unsent()
+        unsent.tracer.record_events = True
+        streamed = Weights(g, read, streamed={op.name for op in g.ops if op.kind == CONV})
+        ex = BandExecutor(unsent, g, Split((f, 1.0 - f), head="primary"), streamed,
+                          model.threads)
+        run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
+        run(x)
+        runs.append((None, unsent.tracer, run, [[] for _ in range(n)]))
     for r in range(rounds):
         for f, tracer, run, spans in runs[r % len(runs):] + runs[:r % len(runs)]:
             tracer.reset()
@@ -1023,6 +871,12 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
             ends = [e["ts"] + e["dur"] for e in tracer.events if e["cat"] == "compute"]
             for l, (t0, t1) in enumerate(zip([0.0] + ends, ends[:n])):
                 spans[l].append((t1 - t0) * 1e-6)
+    stream = None
+    if read is not None:  # each round's streamed op less its resident one at the same band
+        (_, _, _, s_spans), (_, _, _, r_spans) = runs[-1], runs[-2]
+        stream = [statistics.median(a - b for a, b in zip(s_spans[l], r_spans[l]))
+                  if l < n and g.ops[l].kind == CONV else None for l in range(len(g.ops))]
+        runs = runs[:-1]
     out = []
     for l, op in enumerate(g.ops):
         pts = []
@@ -1031,7 +885,41 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
             if k and spans[l]:
                 pts.append((k, statistics.median(spans[l])))
         out.append(sorted(pts) or None)
-    return out, band_spread(runs[-1][3])
+    return out, band_spread(runs[-1][3]), stream
+
+
+def stream_fit(stream: list, graph) -> tuple[float, float]:
+    """(seconds a fetch, stored bytes/s) of a device's streamed convs: fixed + bytes / rate
+    through `measure_band_costs`' per-conv stream seconds and each conv's stored bytes, by
+    least squares on the relative error (the planner prices each conv by its own timing and
+    takes from this only how a slice of it scales: `stream_seconds`); through the origin when
+    the fixed part comes out negative. Relative, not absolute: ResNet-50's largest convs
+    (2-9 MB) load slower per byte than its small ones, and a plain fit's fixed part came out
+    -1.8 to 0 ms where its smallest convs took 1.2-4.7 ms. Why in the executor's forward, with every rank measuring at once: timed alone (each
+    conv's `fetch` and `drop` in a loop, page cache warm, profiler revisions 7-9) the load
+    read 1,181 MB/s and 0.70 ms a fetch on emu-geneflow4's 0.45-core device, where its streamed
+    convs inside a forward took 0.79 ms a fetch and 436 MB/s (MobileNetV2, 2026-11-27; the
+    slower devices' figures were 10-40% apart too): GenEFlow's 2-device plan at a 50% cap, 19
+    of its 48 groups streamed, then ran 27% over its prediction, its streamed groups at
+    1.3-2.7 times their modelled compute."""
+    from hepti.graph.cnn import CONV
+    row = graph.row_bytes()
+    pts = [(row[op.name] * op.cout, t) for op, t in zip(graph.ops, stream or ())
+           if op.kind == CONV and t is not None]
+    if not pts:
+        return 0.0, 1e12  # nothing streamed: no cost
+    b = np.array([p[0] for p in pts], float)
+    t = np.maximum(np.array([p[1] for p in pts], float), 0.0)
+    rel = 1.0 / np.maximum(t, 1e-5)
+    if len(pts) >= 2 and np.ptp(b) > 0:
+        (fixed, per_byte), *_ = np.linalg.lstsq(np.vstack([rel, b * rel]).T, t * rel,
+                                                rcond=None)
+        if per_byte > 0 and fixed >= 0:
+            return float(fixed), float(1.0 / per_byte)
+        per_byte = float(np.median(t / b))  # a line through the origin, then
+        if per_byte > 0:
+            return 0.0, 1.0 / per_byte
+    return 0.0, float(b.sum() / max(t.sum(), 1e-12))
 
 
 def band_spread(spans: list[list[float]]) -> tuple[float, float]:
@@ -1078,40 +966,6 @@ def pooled_band(points: list[list]) -> list[list]:
     return out
 
 
-def measure_exchange_overhead(model, batch: int, rounds: int = 15) -> float:
-    """Seconds of a device's own work in each halo exchange of a height-split forward, beyond
-    the link's latency and bytes (which `measure_links` prices): working out and copying the
-    pieces to send, taking in the received rows, the verb's span, as the device pays them
-    (stretched on an emulated one). Timed as rank 0 of an even two-rank split, one group per
-    op, on a 32x32 image, with the messages left out (`_Unsent`): the median over rounds of
-    the mean time of its exchanges (`BandExecutor._fetch`). Unmodelled, it was the gap between
-    MobileNetV2's predicted and measured split on emu-mixed4: 0.3-0.35 ms a fused group more
-    than the link's latency and bytes (README, issue 19), a trace showing 50-100 us between a
-    group's compute and its exchange on the 0.5-core device and 40-170 us on the 0.3-core one."""
-    from hepti.graph.split import Split
-    from hepti.parallel.bands import BandExecutor
-    ex = BandExecutor(_Unsent(), model.graph, Split((0.5, 0.5)), model.weights, model.threads)
-    fetch, spent = ex._fetch, []
-
-    def timed(*a):
-        t0 = time.perf_counter()
-        fetch(*a)
-        spent.append(time.perf_counter() - t0)
-
-    ex._fetch = timed
-    run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
-    x = np.random.default_rng(5).standard_normal((batch, 3, OVERHEAD_SIDE, OVERHEAD_SIDE),
-                                                 dtype=np.float32)
-    run(x)
-    means = []
-    for _ in range(rounds):
-        spent.clear()
-        run(x)
-        if spent:
-            means.append(sum(spent) / len(spent))
-    return statistics.median(means) if means else 0.0
-
-
 def pooled_overhead(op_s: list[list[float]], measured: list[float]) -> list[float]:
     """Each device's per-op overhead as the devices' least (measured overhead / the device's
     summed op seconds), times its own summed op seconds: the same code pays its bookkeeping
@@ -1152,14 +1006,11 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     graph = model.graph
     _barrier(comm)
     op_s = measure_cnn_ops(model, h, w, batch)
-    op_fixed = measure_cnn_fixed(model, h, w, op_s, batch)
     overhead = measure_call_overhead()
-    op_overhead = measure_band_overhead(model, h, w, batch, op_s, op_fixed=op_fixed)
-    exchange_overhead = measure_exchange_overhead(model, batch)
     layout = measure_layout_rate()
-    conv_load, fetch_s = measure_conv_load(graph, store.read)
     _barrier(comm)  # every rank at once, as a forward has them
-    band, spread = measure_band_costs(model, h, w, batch)
+    band, spread, stream = measure_band_costs(model, h, w, batch, read=store.read)
+    fetch_s, conv_load = stream_fit(stream, graph)
     _barrier(comm)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     on_host = local.Get_size()
@@ -1183,26 +1034,18 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
                          "threads": threads, "limits": resource_limits()}}
     devices = _with_links(comm.allgather(mine), links)
     all_op_s = comm.allgather(op_s)
-    all_fixed = comm.allgather(op_fixed)
-    all_overhead = comm.allgather(op_overhead)
-    all_exchange = comm.allgather(exchange_overhead)
     all_layout = comm.allgather(layout)
     all_fetch = comm.allgather(fetch_s)
+    all_stream = comm.allgather(stream)
     all_band = comm.allgather(band)
     all_spread = comm.allgather(spread)
     cfg = store.config
     elapsed = comm.allreduce(time.perf_counter() - t_start, op=MPI.MAX)
     table = {"arch": cfg.arch, "ops": [op.name for op in graph.ops],
              "input": [h, w], "batch": batch, "op_s": all_op_s,
-             "op_fixed_s": pooled_fixed(all_op_s, all_fixed), "op_fixed_measured_s": all_fixed,
-             "op_overhead_s": pooled_overhead(all_op_s, all_overhead),
-             "op_overhead_measured_s": all_overhead,
-             "exchange_overhead_s": pooled_overhead(all_op_s, all_exchange),
-             "exchange_overhead_measured_s": all_exchange,
              "layout_s_per_byte": pooled_overhead(all_op_s, all_layout),
              "layout_s_per_byte_measured": all_layout,
-             "fetch_overhead_s": pooled_overhead(all_op_s, all_fetch),
-             "fetch_overhead_measured_s": all_fetch,
+             "fetch_overhead_s": all_fetch, "op_stream_measured": all_stream,
              "op_band_s": [[None if ab is None else list(ab) for ab in r]
                            for r in pooled_band(all_band)],
              "op_band_measured": all_band, "band_spread": [r for r, _ in all_spread],
@@ -1309,8 +1152,9 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
 # streamed convs' load rate; 8: a CNN op's fixed seconds, timed on a band of one row, a
 # split by channels' layout copy, and a streamed conv's fixed cost a fetch; 9: a CNN op's
 # cost on two bands, as the band executor runs them, their spread, and its allgathers among
-# 2..N ranks).
-PROFILER_REVISION = 9
+# 2..N ranks; 10: a streamed conv's fetch timed inside the band executor's forward, and the
+# whole-map, one-row and 32x32 timings that the bands replaced no longer made).
+PROFILER_REVISION = 10
 
 
 def cache_dir() -> Path:

@@ -11,17 +11,18 @@ DeepThings' fusion, chosen per group by the cost model.
   rows_i(l) are the rows it must compute (`bands.needs`), not the rows it owns.
 - Exchange: the rows each rank receives and sends are exact (`bands.needs` on the integer
   row counts); rank i's time is its link's latency plus the larger of its bytes in and out
-  over its bandwidth (a full-duplex port on a switch, as the profile measured it), plus its
-  own work around the messages (`CNNCosts.exchange_s`, the profile's `exchange_overhead_s`:
-  hepti.parallel.profiling.measure_exchange_overhead), which a model of small ops split
-  over slow devices pays in every group.
+  over its bandwidth (a full-duplex port on a switch, as the profile measured it). Its own
+  work around the messages is in the band timings (older profiles: `CNNCosts.exchange_s`,
+  their `exchange_overhead_s`).
 - Latency = sum over groups of (slowest compute + `straggle` + slowest exchange), then the
   pooling (an allgather of each rank's partial sums [N, C]) and the head (each rank's share
   of the columns, an allgather), both at the profile's measured allgather (`allgather_s`).
 - A streamed group (`Split.streamed`) adds to each rank's compute the reading and packing of
-  its rows of the group's conv weights, bytes / `CNNCosts.load_Bps` (the profile's
-  weight_load_Bps: from the page cache, as on one box; a cold disk would add its read), not
-  overlapped: the executor reads each op's weights just before it runs.
+  its rows of the group's conv weights, a fetch's fixed cost plus bytes /
+  `CNNCosts.load_Bps` (the profile's fetch_overhead_s and weight_load_Bps, fitted to the
+  streamed convs of a band executor's forward: hepti.parallel.profiling `stream_fit`; from
+  the page cache, as on one box, where a cold disk would add its read), not overlapped: the
+  executor reads each op's weights just before it runs.
 - A group split by channels (`channel_group_cost`, GenEFlow's vertical split): the exchange
   that brings every rank with a share the whole input map, then per op, the slowest rank's
   compute (its share of the channels of every row) and the slowest rank's allgather of the
@@ -73,9 +74,9 @@ DEFAULT_LOAD_BPS = 100e6  # a streamed weight's read and pack, when the profile 
 @dataclass
 class CNNCosts:
     """Per device: seconds of each op over the whole map (`op_s[i][l]`, measured at `h` x `w`,
-    batch `n`), what the band executor adds per op (`overhead_s`, the profile's
-    `op_overhead_s`: hepti.parallel.profiling.measure_band_overhead), link latency and
-    bandwidth, memory, and declared power."""
+    batch `n`), what the band executor adds per op beyond them (`overhead_s`: 0 from band
+    timings, an older profile's `op_overhead_s`), link latency and bandwidth, memory, and
+    declared power."""
 
     op_s: list[list[float]]
     overhead_s: list[float]
@@ -99,8 +100,12 @@ class CNNCosts:
     # layout_s_per_byte: laying the gathered map out whole; 0 in older profiles)
     layout_s: list[float] | None = None
     # per device, seconds one streamed conv's fetch costs beyond its bytes at load_Bps (the
-    # profile's fetch_overhead_s; 0 in older profiles)
+    # profile's fetch_overhead_s: hepti.parallel.profiling `stream_fit`; 0 in older profiles)
     fetch_s: list[float] | None = None
+    # per device and conv, the seconds its whole weight adds when streamed, as timed in the
+    # band executor's forward (the profile's op_stream_measured; None elsewhere, and in older
+    # profiles): `stream_seconds`
+    stream_s: list[list] | None = None
     # k -> (seconds, seconds per byte) of an allgather among k ranks (the profile's
     # allgather_s: hepti.parallel.profiling.measure_collectives; a link's latency and bytes
     # in older profiles)
@@ -157,6 +162,9 @@ class CNNCosts:
                    if table.get("layout_s_per_byte") else None,
                    fetch_s=[float(x) for x in table["fetch_overhead_s"]]
                    if table.get("fetch_overhead_s") else None,
+                   stream_s=[[None if t is None else max(0.0, float(t)) for t in r]
+                             for r in table["op_stream_measured"]]
+                   if table.get("op_stream_measured") else None,
                    allgather_s={int(k): (float(v[0]), float(v[1]))
                                 for k, v in table["allgather_s"].items()}
                    if table.get("allgather_s") else None)
@@ -293,16 +301,27 @@ def _held(graph, shapes, group, need, holders, by_channels: bool, P: int) -> Non
 
 def stream_seconds(graph: Graph, group, rows: list[dict], costs: CNNCosts) -> list[float]:
     """Each rank's seconds reading and packing its rows (`rows[i]`: hepti.graph.split
-    `conv_rows` of rank i) of the group's conv weights: their bytes at the device's load rate,
-    and each fetch's fixed cost."""
+    `conv_rows` of rank i) of the group's conv weights: each fetch's fixed cost and its bytes
+    at the device's load rate; where the profile timed the conv streamed in a forward
+    (`CNNCosts.stream_s`), that time, scaled to the rows by the same fixed + bytes line."""
     load = costs.load_Bps or [DEFAULT_LOAD_BPS] * costs.size
     fetch = costs.fetch_s or [0.0] * costs.size
     per_row = graph.row_bytes()
-    ops = [op.name for op in graph.ops[group[0]:group[1]] if op.kind == CONV]
+    ops = [(l, op) for l, op in enumerate(graph.ops[group[0]:group[1]], group[0])
+           if op.kind == CONV]
     out = []
     for i, r in enumerate(rows):
-        got = [(r[o][1] - r[o][0], o) for o in ops if o in r and r[o][1] > r[o][0]]
-        out.append(sum(k * per_row[o] for k, o in got) / load[i] + len(got) * fetch[i])
+        t = 0.0
+        for l, op in ops:
+            lo, hi = r.get(op.name, (0, 0))
+            if hi <= lo:
+                continue
+            part = fetch[i] + (hi - lo) * per_row[op.name] / load[i]
+            timed = costs.stream_s[i][l] if costs.stream_s else None
+            if timed is not None:
+                part *= timed / (fetch[i] + op.cout * per_row[op.name] / load[i])
+            t += part
+        out.append(t)
     return out
 
 
