@@ -826,8 +826,10 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
     part. `pooled_band` makes each device's a + b x k of them. Spread: `band_spread` of the
     rounds at the larger band. Stream (with `read`, the weight store's): per conv, the seconds
     its weights add when streamed (`Weights.fetch` and `drop` around it, as a streamed group
-    runs it), the largest band run again with every conv streamed, in the same rotation, and
-    the median of each round's difference; None for other ops (`stream_fit` fits them).
+    runs it): after the bands' rounds (a streamed forward's reads and allocations would be in
+    the next forward's times), the largest band with every conv streamed, alternating with
+    the resident one, the median of each pair's difference; None for other ops (`stream_fit`
+    fits them).
 
     Why not the whole-map timings and a one-row band, joined by a line (profiler revision 8):
     on emu-geneflow4 (four devices sharing two cores, 2026-11-27) MobileNetV2's bands ran
@@ -853,30 +855,26 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
         run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
         run(x)
         runs.append((f, unsent.tracer, run, [[] for _ in range(n)]))
+    for r in range(rounds):
+        for f, tracer, run, spans in runs[r % len(runs):] + runs[:r % len(runs)]:
+            _band_round(tracer, run, x, spans, n)
+    stream = None
     if read is not None:  # the largest band again, every conv's weights streamed
-        f = fractions[-1]
         unsent = _Unsent()
         unsent.tracer.record_events = True
         streamed = Weights(g, read, streamed={op.name for op in g.ops if op.kind == CONV})
-        ex = BandExecutor(unsent, g, Split((f, 1.0 - f), head="primary"), streamed,
-                          model.threads)
+        ex = BandExecutor(unsent, g, Split((fractions[-1], 1.0 - fractions[-1]),
+                                           head="primary"), streamed, model.threads)
         run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
         run(x)
-        runs.append((None, unsent.tracer, run, [[] for _ in range(n)]))
-    for r in range(rounds):
-        for f, tracer, run, spans in runs[r % len(runs):] + runs[:r % len(runs)]:
-            tracer.reset()
-            tracer.set_epoch()
-            run(x)
-            ends = [e["ts"] + e["dur"] for e in tracer.events if e["cat"] == "compute"]
-            for l, (t0, t1) in enumerate(zip([0.0] + ends, ends[:n])):
-                spans[l].append((t1 - t0) * 1e-6)
-    stream = None
-    if read is not None:  # each round's streamed op less its resident one at the same band
-        (_, _, _, s_spans), (_, _, _, r_spans) = runs[-1], runs[-2]
+        pair = [(unsent.tracer, run, [[] for _ in range(n)]),
+                (runs[-1][1], runs[-1][2], [[] for _ in range(n)])]
+        for r in range(rounds):  # after the bands' rounds: its reads stay out of their times
+            for tracer, run, spans in pair[r % 2:] + pair[:r % 2]:
+                _band_round(tracer, run, x, spans, n)
+        (_, _, s_spans), (_, _, r_spans) = pair
         stream = [statistics.median(a - b for a, b in zip(s_spans[l], r_spans[l]))
                   if l < n and g.ops[l].kind == CONV else None for l in range(len(g.ops))]
-        runs = runs[:-1]
     out = []
     for l, op in enumerate(g.ops):
         pts = []
@@ -895,9 +893,9 @@ def stream_fit(stream: list, graph) -> tuple[float, float]:
     takes from this only how a slice of it scales: `stream_seconds`); through the origin when
     the fixed part comes out negative. Relative, not absolute: ResNet-50's largest convs
     (2-9 MB) load slower per byte than its small ones, and a plain fit's fixed part came out
-    -1.8 to 0 ms where its smallest convs took 1.2-4.7 ms. Why in the executor's forward, with every rank measuring at once: timed alone (each
-    conv's `fetch` and `drop` in a loop, page cache warm, profiler revisions 7-9) the load
-    read 1,181 MB/s and 0.70 ms a fetch on emu-geneflow4's 0.45-core device, where its streamed
+    -1.8 to 0 ms where its smallest convs took 1.2-4.7 ms. Why in the executor's forward,
+    with every rank measuring at once: timed alone (each conv's `fetch` and `drop` in a loop,
+    page cache warm, profiler revisions 7-9) the load read 1,181 MB/s and 0.70 ms a fetch on emu-geneflow4's 0.45-core device, where its streamed
     convs inside a forward took 0.79 ms a fetch and 436 MB/s (MobileNetV2, 2026-11-27; the
     slower devices' figures were 10-40% apart too): GenEFlow's 2-device plan at a 50% cap, 19
     of its 48 groups streamed, then ran 27% over its prediction, its streamed groups at
@@ -920,6 +918,17 @@ def stream_fit(stream: list, graph) -> tuple[float, float]:
         if per_byte > 0:
             return 0.0, 1.0 / per_byte
     return 0.0, float(b.sum() / max(t.sum(), 1e-12))
+
+
+def _band_round(tracer, run, x, spans: list[list[float]], n: int) -> None:
+    """One forward of a `measure_band_costs` executor: each of the first n ops' seconds, from
+    the end of the op before to its own end, appended to its list."""
+    tracer.reset()
+    tracer.set_epoch()
+    run(x)
+    ends = [e["ts"] + e["dur"] for e in tracer.events if e["cat"] == "compute"]
+    for l, (t0, t1) in enumerate(zip([0.0] + ends, ends[:n])):
+        spans[l].append((t1 - t0) * 1e-6)
 
 
 def band_spread(spans: list[list[float]]) -> tuple[float, float]:
