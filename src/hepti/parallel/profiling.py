@@ -895,11 +895,11 @@ def stream_fit(stream: list, graph) -> tuple[float, float]:
     (2-9 MB) load slower per byte than its small ones, and a plain fit's fixed part came out
     -1.8 to 0 ms where its smallest convs took 1.2-4.7 ms. Why in the executor's forward,
     with every rank measuring at once: timed alone (each conv's `fetch` and `drop` in a loop,
-    page cache warm, profiler revisions 7-9) the load read 1,181 MB/s and 0.70 ms a fetch on emu-geneflow4's 0.45-core device, where its streamed
-    convs inside a forward took 0.79 ms a fetch and 436 MB/s (MobileNetV2, 2026-11-27; the
-    slower devices' figures were 10-40% apart too): GenEFlow's 2-device plan at a 50% cap, 19
-    of its 48 groups streamed, then ran 27% over its prediction, its streamed groups at
-    1.3-2.7 times their modelled compute."""
+    page cache warm, profiler revisions 7-9) MobileNetV2's load rate on emu-geneflow4's four
+    devices ranged 327-525, 147-427, 77-221 and 42-192 MB/s over five profiles, and in the
+    forward 394-583, 282-368, 140-223 and 66-156 (2026-11-27); GenEFlow's 2-device plan at a
+    50% cap, 19 of its 48 groups streamed, ran 27% over its prediction on the lone timing,
+    its streamed groups at 1.3-2.7 times their modelled compute, and -7% to +7% on this."""
     from hepti.graph.cnn import CONV
     row = graph.row_bytes()
     pts = [(row[op.name] * op.cout, t) for op, t in zip(graph.ops, stream or ())
