@@ -230,6 +230,7 @@ def straggle(costs: CNNCosts, comp: list[float]) -> float:
     z = _EXPECTED_MAX[k] if k < len(_EXPECTED_MAX) else math.sqrt(2 * math.log(k))
     return z * max(c * s for c, s in busy)
 
+
 def _op_rows(op, shapes) -> int:
     """The rows an op's time is counted over: its output's (a pool's: its input's)."""
     return shapes[op.input][0] if op.kind == ADAPTIVE_AVG else shapes[op.output][0]
