@@ -52,9 +52,10 @@ def test_same_plan_compares_what_runs():
     assert same_plan(a, a) and not same_plan(a, b) and not same_plan(a, None)
 
 
-def test_a_plans_launches_pool_to_the_mean_error():
-    """`pooled`: the median of the launches' medians, the mean of their errors; a failed
-    launch leaves the plan's status failed, with the rest still reported."""
+def test_a_plans_launches_pool_to_the_median_error():
+    """`pooled`: the median of the launches' medians and of their errors, the mean of the
+    errors beside it (one outlying launch moves the mean, not the median); a failed launch
+    leaves the plan's status failed, with the rest still reported."""
     from hepti.bench.geneflow import pooled
     a = {"status": "ok", "strategy": "bands", "median_latency_s": 0.10, "predicted_latency_s": 0.1,
          "prediction_error": 0.0}
@@ -63,6 +64,10 @@ def test_a_plans_launches_pool_to_the_mean_error():
     assert out["status"] == "ok" and out["prediction_error"] == pytest.approx(0.15)
     assert out["median_latency_s"] == pytest.approx(0.115)
     assert out["prediction_errors"] == [0.0, 0.3]
+    c = dict(a, median_latency_s=0.169, prediction_error=0.69)
+    three = pooled([dict(a, prediction_error=-0.03), dict(a, prediction_error=0.03), c])
+    assert three["prediction_error"] == pytest.approx(0.03)
+    assert three["prediction_error_mean"] == pytest.approx(0.23)
     failed = pooled([a, {"status": "timeout"}])
     assert failed["status"] == "timeout" and failed["prediction_error"] == 0.0
     assert pooled([])["status"] == "none" and "prediction_error" not in pooled([])

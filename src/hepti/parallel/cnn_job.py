@@ -157,8 +157,11 @@ def _cnn_profile(args, world, store, size_hw, batch):
         return agree(world, lambda: load_profile(args.profile, world_size=world.size)
                      if world.rank == 0 else None)
     cap = parse_bytes(args.mem_cap, "--mem-cap") if getattr(args, "mem_cap", None) else None
+    # band_min_s=0: a run that profiles first starts within seconds; `hepti profile` takes
+    # the longer, steadier band timings that a plan kept for later deserves
     prof = agree(world, lambda: measure_cnn_profile(world, store, *size_hw, batch=batch,
-                                                    threads=args.threads, mem_cap=cap))
+                                                    threads=args.threads, mem_cap=cap,
+                                                    band_min_s=0.0))
     if world.rank == 0 and not args.json:
         print("profiled the devices at this input", file=sys.stderr)
     return profile_from_dict(prof, "measured profile") if world.rank == 0 else None

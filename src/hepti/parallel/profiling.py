@@ -812,18 +812,26 @@ class _Unsent:
 
 
 BAND_FRACTIONS = (0.15, 0.5)  # the bands `measure_band_costs` times: a slow device's, a half
+# The band rounds go on past their minimum count until this many seconds have passed (and so
+# do the stream pairs). Seven rounds of MobileNetV2's bands take under a second, and this
+# host's speed moves in spells of seconds (a matmul probe's median, 3.8 or 6 ms by turns): the
+# same plan was predicted 47.2, 30.6 and 30.5 ms from three profiles of its devices taken
+# minutes apart (2026-11-27). ResNet-50's seven rounds already take longer than this.
+BAND_MIN_S = 4.0
+BAND_MAX_ROUNDS = 61
 
 
 def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
-                       fractions: tuple = BAND_FRACTIONS, read=None) -> tuple:
+                       fractions: tuple = BAND_FRACTIONS, read=None,
+                       min_s: float = BAND_MIN_S) -> tuple:
     """(points, spread, stream). Points: per op, [(k, seconds)] for a band of k output rows
     at each fraction of the rows, as the band executor runs it at h x w: rank 0 of a two-rank
     split with the messages left out (`_Unsent`), one group per op, each band made from the
     one before as a forward makes it, stretched on an emulated device as the runtime is; the
-    fractions interleaved round by round, the median of the rounds. An op's time is from the
-    end of the op before to its own end: the executor's bookkeeping around it, the exchange's
-    copies and the stretch's payment for both are in it; None for the ops after the spatial
-    part. `pooled_band` makes each device's a + b x k of them. Spread: `band_spread` of the
+    fractions interleaved round by round (at least `rounds`, and on for `min_s`), the median
+    of the rounds. An op's time is from the end of the op before to its own end: the
+    executor's bookkeeping around it, the exchange's copies and the stretch's payment for both
+    are in it; None for the ops after the spatial part. `pooled_band` makes each device's a + b x k of them. Spread: `band_spread` of the
     rounds at the larger band. Stream (with `read`, the weight store's): per conv, the seconds
     its weights add when streamed (`Weights.fetch` and `drop` around it, as a streamed group
     runs it): after the bands' rounds (a streamed forward's reads and allocations would be in
@@ -855,9 +863,11 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
         run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
         run(x)
         runs.append((f, unsent.tracer, run, [[] for _ in range(n)]))
-    for r in range(rounds):
+    start, r = time.perf_counter(), 0
+    while r < rounds or (time.perf_counter() - start < min_s and r < BAND_MAX_ROUNDS):
         for f, tracer, run, spans in runs[r % len(runs):] + runs[:r % len(runs)]:
             _band_round(tracer, run, x, spans, n)
+        r += 1
     stream = None
     if read is not None:  # the largest band again, every conv's weights streamed
         unsent = _Unsent()
@@ -869,9 +879,11 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
         run(x)
         pair = [(unsent.tracer, run, [[] for _ in range(n)]),
                 (runs[-1][1], runs[-1][2], [[] for _ in range(n)])]
-        for r in range(rounds):  # after the bands' rounds: its reads stay out of their times
+        start, r = time.perf_counter(), 0  # after the bands' rounds: its reads stay out of theirs
+        while r < rounds or (time.perf_counter() - start < min_s and r < BAND_MAX_ROUNDS):
             for tracer, run, spans in pair[r % 2:] + pair[:r % 2]:
                 _band_round(tracer, run, x, spans, n)
+            r += 1
         (_, _, s_spans), (_, _, r_spans) = pair
         stream = [statistics.median(a - b for a, b in zip(s_spans[l], r_spans[l]))
                   if l < n and g.ops[l].kind == CONV else None for l in range(len(g.ops))]
@@ -999,11 +1011,11 @@ def pooled_overhead(op_s: list[list[float]], measured: list[float]) -> list[floa
 
 def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: int = 1,
                         mem_cap: float | None = None, hostfile: str | None = None,
-                        power: list | None = None) -> dict:
+                        power: list | None = None, band_min_s: float = BAND_MIN_S) -> dict:
     """A CNN's profile (all ranks call this): every op timed on every rank at h x w (the
     profile's `cnn` table, which hepti.plan.coedge plans from), each rank's memory, and its
     link to rank 0. `power`: declared (compute W, transmit W) per rank, for the energy
-    objective; nothing measures power here."""
+    objective; nothing measures power here. `band_min_s`: `measure_band_costs`' `min_s`."""
     comm = getattr(comm, "mpi", comm)
     from mpi4py import MPI
 
@@ -1018,7 +1030,8 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     overhead = measure_call_overhead()
     layout = measure_layout_rate()
     _barrier(comm)  # every rank at once, as a forward has them
-    band, spread, stream = measure_band_costs(model, h, w, batch, read=store.read)
+    band, spread, stream = measure_band_costs(model, h, w, batch, read=store.read,
+                                              min_s=band_min_s)
     fetch_s, conv_load = stream_fit(stream, graph)
     _barrier(comm)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -1162,8 +1175,9 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
 # split by channels' layout copy, and a streamed conv's fixed cost a fetch; 9: a CNN op's
 # cost on two bands, as the band executor runs them, their spread, and its allgathers among
 # 2..N ranks; 10: a streamed conv's fetch timed inside the band executor's forward, and the
-# whole-map, one-row and 32x32 timings that the bands replaced no longer made).
-PROFILER_REVISION = 10
+# whole-map, one-row and 32x32 timings that the bands replaced no longer made; 11: the band
+# rounds timed for at least `BAND_MIN_S`).
+PROFILER_REVISION = 11
 
 
 def cache_dir() -> Path:
