@@ -3,13 +3,14 @@
 # MobileNetV2 @224x224 (GenEFlow for CNNs against CoEdge's plan) on the first
 # 2, 3 and 4 devices of hostfiles/emu-geneflow4.json, memory caps none / 75% / 50% of the
 # single-device peak. Predicted for every case over 10 seeds (GenEFlow against the LP's plan,
-# the single-dimension plans (rows and tensor; a CNN's height split) and even), measured under `hepti emulate` for
-# the 4-device cases by default (--measure 2,3,4 or all for more; --measure none: predicted
-# only, no root once the profiles are cached in results/tmp/). A measured case is profiled on
-# its own devices just before its launches; a CNN case --reps times (default 5, in rounds over
-# the cases), each launch against the profile just before it, its error the median of them.
-# Writes results/geneflow.json and results/geneflow.csv and prints the targets. Needs root to profile and measure. Takes
-# the bench lock (/tmp/hepti-bench.lock) while it profiles and measures. Makes the random-weight models if
+# the single-dimension plans (rows and tensor; a CNN's height split) and even), measured under
+# `hepti emulate` for the 4-device cases by default (--measure 2,3,4 or all for more;
+# --measure none: predicted only, no root once the profiles are cached in results/tmp/). A
+# measured case is profiled on its own devices just before its launches, --reps times
+# (default 5, in rounds over the cases), each launch against the profile just before it, its
+# error the median of them. Writes results/geneflow.json and results/geneflow.csv and prints
+# the targets. Needs root to profile and measure. Takes the bench lock
+# (/tmp/hepti-bench.lock) while it profiles and measures. Makes the random-weight models if
 # missing (weights stay out of git).
 #   sudo bin/bench-geneflow.sh                 profiles, the predicted grid, 4-device runs
 #   sudo bin/bench-geneflow.sh --measure all   every case measured (about 3x as long)

@@ -71,3 +71,20 @@ def test_a_plans_launches_pool_to_the_median_error():
     failed = pooled([a, {"status": "timeout"}])
     assert failed["status"] == "timeout" and failed["prediction_error"] == 0.0
     assert pooled([])["status"] == "none" and "prediction_error" not in pooled([])
+
+
+def test_the_measured_target_judges_the_median_and_counts_each_launch_once():
+    """A plan within 15% by the median of its launches passes though their mean does not (the
+    detail says both); a launch shared with the LP's plan (the same plan) counts once among
+    single launches."""
+    from hepti.bench.geneflow import SAME, pooled
+    ok = {"status": "ok", "strategy": "bands", "median_latency_s": 0.1, "predicted_latency_s": 0.1}
+    g = pooled([dict(ok, prediction_error=e) for e in (-0.03, 0.03, 0.69)])
+    lp = pooled([dict(x, note=SAME) for x in g["launches"][:1]]
+                + [dict(ok, prediction_error=0.1)])
+    rec = _rec("none", 1.0, 0.99, 1.0)
+    rec["measured"] = {"genetic": g, "lp": lp}
+    t = {x["target"].split(" (")[0]: x for x in targets([rec])}["measured within 15% of predicted"]
+    assert t["ok"]
+    assert "2 of 2 measured plans" in t["detail"] and "1 by their mean" in t["detail"]
+    assert "3 of 4 single launches" in t["detail"]

@@ -23,12 +23,12 @@ model over the devices, which only streaming could meet.)
    starts with a fresh profile of the devices it runs on, from which GenEFlow's plan (seed 0)
    and the LP's are planned again (`replan`: the machine's speed drifts while a grid runs);
    each runs under `hepti emulate ... hepti run --plan P --json`, and its median latency is
-   set against that plan's prediction. A CNN case does this `--reps` times (default 5), in
+   set against that plan's prediction. A case does this `--reps` times (default 5), in
    rounds over every case (a case's launches minutes apart): a fresh profile, the same two
-   plans predicted on it (`repredict`), a launch each; a plan's error is the median over its
-   launches (`pooled`; their mean is kept beside it), and every launch is kept. A GenEFlow
-   plan equal to the LP's (same strategy, counts and assignment) is run once and recorded for
-   both.
+   plans predicted on it (`repredict`; a transformer's two planned again on it), a launch
+   each; a plan's error is the median over its launches (`pooled`; their mean is kept beside
+   it), and every launch is kept. A GenEFlow plan equal to the LP's (same strategy, counts
+   and assignment) is run once and recorded for both.
 
 Results: results/geneflow.json (everything) and results/geneflow.csv (one row per case).
 """
@@ -59,6 +59,7 @@ DEVICES = (2, 3, 4)
 
 
 LOCK, QUIET = Path("/tmp/hepti-bench.lock"), Path("/tmp/hepti-quiet")
+SAME = "the same plan as GenEFlow's"
 
 
 def wait_quiet() -> None:
@@ -413,8 +414,8 @@ def targets(records: list[dict]) -> list[dict]:
     measured = [m for r in records for m in r.get("measured", {}).values()
                 if m.get("median_latency_s") is not None]
     within = [m for m in measured if abs(m["prediction_error"]) <= 0.15]
-    single = [e for m in measured if "note" not in m
-              for e in m.get("prediction_errors", [m["prediction_error"]])]
+    single = [x["prediction_error"] for m in measured
+              for x in m.get("launches", [m]) if "note" not in x and "prediction_error" in x]
     slow = [r for r in records if r.get("search_max_s") is not None and r["operators"] <= 300
             and r["search_max_s"] > 60]
     return [
@@ -461,15 +462,17 @@ def main(argv=None) -> int:
                          "profiles are cached)")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per measured launch")
     ap.add_argument("--reps", type=int, default=5,
-                    help="a CNN case: (fresh profile, GenEFlow's launch, the LP's launch) this "
-                         "many times, in rounds over every case, each launch against the "
-                         "prediction of the profile just before it; the error quoted is their "
-                         "median (default 5; transformers: 1)")
+                    help="each measured case: (fresh profile, GenEFlow's launch, the LP's "
+                         "launch) this many times, in rounds over every case, each launch "
+                         "against the prediction of the profile just before it (a CNN's plans "
+                         "predicted again on it, a transformer's planned again); the error "
+                         "quoted is their median (default 5)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per launch at most")
     ap.add_argument("--out", default="results/geneflow", help="results/geneflow{.json,.csv}")
     args = ap.parse_args(argv)
     from hepti.emulate.spec import load_spec
     from hepti.plan.genetic import DEFAULTS
+    from hepti.plan.planfile import Plan
     from hepti.plan.profile import load_profile
     from hepti.weights import WeightStore
     models = args.model or list(MODELS)
@@ -531,9 +534,11 @@ def main(argv=None) -> int:
                         to_measure.append((rec, gplan, lp, model))
         save()
         # 3. measured, the lock held: per model, 4 devices first, capped cases first. Each
-        # CNN case --reps times: a profile of its devices taken just before, GenEFlow's and the
+        # case --reps times: a profile of its devices taken just before, GenEFlow's and the
         # LP's plans on it (planned on the first, predicted again on the later ones: the same
-        # plans), one launch each. The rounds go over every case in turn, so that a case's
+        # plans; a transformer's planned again on each, since only a CNN's plan has
+        # `repredict`, and `measured_plan.replanned` says whether they came out the same),
+        # one launch each. The rounds go over every case in turn, so that a case's
         # launches fall minutes apart, not in one spell of this shared host's speed: one
         # profile and one launch each put the same plan's error 15-25 points apart from one run
         # to the next, and within a spell one case's launches moved together (issue 20).
@@ -544,8 +549,7 @@ def main(argv=None) -> int:
                 rounds = max(args.reps, 1)
                 for r in range(rounds):
                     for rec, _, _, model in to_measure:  # plans: state, from `replan`
-                        if r and cases[model]["config"].model_type != "cnn":
-                            continue  # a transformer's plans: one round (no repredict)
+                        cnn = cases[model]["config"].model_type == "cnn"
                         n = rec["devices"]
                         path = profile_model(
                             model, cases[model], spec_path, workdir, args.timeout, n=n,
@@ -555,22 +559,34 @@ def main(argv=None) -> int:
                             gplan, lp = replan(rec, model, cases[model], path, settings)
                             state[id(rec)] = [gplan, lp, lp is not None and same_plan(gplan, lp),
                                               {"genetic": [], "lp": []}]
+                        elif not cnn:  # no repredict for a transformer's plan: planned again
+                            st = state[id(rec)]
+                            first = rec["measured_plan"]
+                            st[0], st[1] = replan(rec, model, cases[model], path, settings)
+                            st[2] = st[1] is not None and same_plan(st[0], st[1])
+                            first.setdefault("replanned", []).append(
+                                {"genetic_same": same_plan(st[0], Plan.from_dict(first["genetic_plan"])),
+                                 "lp_same": st[1] is not None and "lp_plan" in first
+                                 and same_plan(st[1], Plan.from_dict(first["lp_plan"]))})
+                            rec["measured_plan"] = first
                         else:
                             st = state[id(rec)]
                             st[0] = repredict(st[0], cases[model], path)
                             st[1] = None if st[1] is None else repredict(st[1], cases[model], path)
                         gplan, lp, same, runs = state[id(rec)]
                         cache = workdir / "cache" / model
-                        runs["genetic"].append(measure(rec, gplan, spec_path, n, cases[model],
-                                                       workdir, cache, args.repeat, args.timeout))
-                        if lp is not None and not same:
-                            runs["lp"].append(measure(rec, lp, spec_path, n, cases[model], workdir,
-                                                      cache, args.repeat, args.timeout))
+                        m = measure(rec, gplan, spec_path, n, cases[model], workdir, cache,
+                                    args.repeat, args.timeout)
+                        runs["genetic"].append(m)
+                        if lp is not None:  # the same plan: GenEFlow's launch, noted
+                            runs["lp"].append(dict(m, note=SAME) if same else
+                                              measure(rec, lp, spec_path, n, cases[model],
+                                                      workdir, cache, args.repeat, args.timeout))
                         rec["measured"] = {"genetic": pooled(runs["genetic"])}
-                        if lp is not None:
-                            rec["measured"]["lp"] = (dict(rec["measured"]["genetic"],
-                                                          note="the same plan as GenEFlow's")
-                                                     if same else pooled(runs["lp"]))
+                        if runs["lp"]:
+                            rec["measured"]["lp"] = pooled(runs["lp"])
+                            if all(x.get("note") == SAME for x in runs["lp"]):
+                                rec["measured"]["lp"]["note"] = SAME
                         for k in ("genetic", "lp"):
                             mm = rec["measured"].get(k, {})
                             rec[f"measured_{k}_s"] = mm.get("median_latency_s")
