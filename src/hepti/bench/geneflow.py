@@ -314,7 +314,11 @@ def measure(case: dict, plan, spec_path: Path, n: int, model_case: dict, workdir
         med = rep["latency_s"]["median"]
         out.update(median_latency_s=med, latencies_s=rep["latency_s"]["runs"],
                    prediction_error=med / plan.predicted_latency_s - 1,
-                   peak_rss_bytes=[r["peak_rss_bytes"] for r in rep["per_rank"]])
+                   peak_rss_bytes=[r["peak_rss_bytes"] for r in rep["per_rank"]],
+                   # each rank's medians beside the model's, to take a miss apart afterwards
+                   per_rank=[{k: r.get(k) for k in ("rank", "compute_s", "comm_total_s")}
+                             for r in rep["per_rank"]],
+                   predicted_per_rank=(plan.predicted or {}).get("per_rank"))
     summ = res.get("summary") or {}
     out["oom_kills"] = sum(d.get("oom_kills") or 0 for d in summ.get("devices", []))
     return out
@@ -354,7 +358,8 @@ def repredict(plan, model_case: dict, profile_path: Path):
     costs = CNNCosts.from_profile(load_profile(profile_path), graph)
     side = model_case["seq"]  # a CNN's square image
     pred = predict(graph, split_of(plan), costs, side, side, plan.batch or 1)
-    return dataclasses.replace(plan, predicted_latency_s=pred["latency_s"])
+    return dataclasses.replace(plan, predicted_latency_s=pred["latency_s"],
+                               predicted=dict(plan.predicted or {}, **pred))
 
 
 def pooled(launches: list[dict]) -> dict:
