@@ -831,13 +831,13 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
     fractions interleaved round by round (at least `rounds`, and on for `min_s`), the median
     of the rounds. An op's time is from the end of the op before to its own end: the
     executor's bookkeeping around it, the exchange's copies and the stretch's payment for both
-    are in it; None for the ops after the spatial part. `pooled_band` makes each device's a + b x k of them. Spread: `band_spread` of the
-    rounds at the larger band. Stream (with `read`, the weight store's): per conv, the seconds
-    its weights add when streamed (`Weights.fetch` and `drop` around it, as a streamed group
-    runs it): after the bands' rounds (a streamed forward's reads and allocations would be in
-    the next forward's times), the largest band with every conv streamed, alternating with
-    the resident one, the median of each pair's difference; None for other ops (`stream_fit`
-    fits them).
+    are in it; None for the ops after the spatial part. `pooled_band` makes each device's
+    a + b x k of them. Spread: `band_spread` of the rounds at the larger band. Stream (with
+    `read`, the weight store's): per conv, the seconds its weights add when streamed
+    (`Weights.fetch` and `drop` around it, as a streamed group runs it): after the bands'
+    rounds (a streamed forward's reads and allocations would be in the next forward's times),
+    the largest band with every conv streamed, alternating with the resident one, for as
+    long, the median of each pair's difference; None for other ops (`stream_fit` fits them).
 
     Why not the whole-map timings and a one-row band, joined by a line (profiler revision 8):
     on emu-geneflow4 (four devices sharing two cores, 2026-11-27) MobileNetV2's bands ran
