@@ -29,10 +29,12 @@ def run_cmd(cmd: list[str], timeout: float = 1800) -> str:
     return p.stdout
 
 
-def write_json(doc: dict, path) -> None:
-    """A result file under results/ (its folder made if missing)."""
+def write_json(doc: dict, path, compact: bool = False) -> None:
+    """A result file under results/ (its folder made if missing); `compact`: one line, for a
+    file that keeps whole profiles (indented, GenEFlow's CNN grid came to 6.6 MB, 2.7 flat)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    text = json.dumps(doc, separators=(",", ":")) if compact else json.dumps(doc, indent=2)
+    Path(path).write_text(text + "\n")
 
 
 

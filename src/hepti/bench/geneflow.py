@@ -497,7 +497,7 @@ def main(argv=None) -> int:
                          settings=settings, seeds=args.seeds, cases=records,
                          targets=targets(records), profiles=profiles,
                          duration_s=time.perf_counter() - t_start)
-        write_json(doc, args.out + ".json")
+        write_json(doc, args.out + ".json", compact=True)  # it keeps every profile whole
         with open(args.out + ".csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
             w.writeheader()
