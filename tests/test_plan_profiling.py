@@ -114,3 +114,12 @@ def test_band_timings_pool_the_fixed_share_across_devices():
     for i, top in enumerate((6.0, 12.0, 10.0)):
         a, b = out[i][0]
         assert a == pytest.approx(top / 6) and a + 5 * b == pytest.approx(top)
+
+
+def test_band_rounds_rotate_and_run_at_least_rounds_and_at_most_the_cap(monkeypatch):
+    """`_band_rotation`: each round starts one item further along; with no time asked for,
+    exactly `rounds` rounds; asked for more time than the cap allows, `BAND_MAX_ROUNDS`."""
+    from hepti.parallel import profiling
+    assert list(profiling._band_rotation(["a", "b"], 3, 0.0)) == ["a", "b", "b", "a", "a", "b"]
+    monkeypatch.setattr(profiling, "BAND_MAX_ROUNDS", 5)
+    assert len(list(profiling._band_rotation(["a", "b", "c"], 2, 3600.0))) == 15

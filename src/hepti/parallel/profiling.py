@@ -863,11 +863,8 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
         run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
         run(x)
         runs.append((f, unsent.tracer, run, [[] for _ in range(n)]))
-    start, r = time.perf_counter(), 0
-    while r < rounds or (time.perf_counter() - start < min_s and r < BAND_MAX_ROUNDS):
-        for f, tracer, run, spans in runs[r % len(runs):] + runs[:r % len(runs)]:
-            _band_round(tracer, run, x, spans, n)
-        r += 1
+    for f, tracer, run, spans in _band_rotation(runs, rounds, min_s):
+        _band_round(tracer, run, x, spans, n)
     stream = None
     if read is not None:  # the largest band again, every conv's weights streamed
         unsent = _Unsent()
@@ -879,11 +876,9 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
         run(x)
         pair = [(unsent.tracer, run, [[] for _ in range(n)]),
                 (runs[-1][1], runs[-1][2], [[] for _ in range(n)])]
-        start, r = time.perf_counter(), 0  # after the bands' rounds: its reads stay out of theirs
-        while r < rounds or (time.perf_counter() - start < min_s and r < BAND_MAX_ROUNDS):
-            for tracer, run, spans in pair[r % 2:] + pair[:r % 2]:
-                _band_round(tracer, run, x, spans, n)
-            r += 1
+        # after the bands' rounds: its reads stay out of their times
+        for tracer, run, spans in _band_rotation(pair, rounds, min_s):
+            _band_round(tracer, run, x, spans, n)
         (_, _, s_spans), (_, _, r_spans) = pair
         stream = [statistics.median(a - b for a, b in zip(s_spans[l], r_spans[l]))
                   if l < n and g.ops[l].kind == CONV else None for l in range(len(g.ops))]
@@ -930,6 +925,17 @@ def stream_fit(stream: list, graph) -> tuple[float, float]:
         if per_byte > 0:
             return 0.0, 1.0 / per_byte
     return 0.0, float(b.sum() / max(t.sum(), 1e-12))
+
+
+def _band_rotation(items: list, rounds: int, min_s: float):
+    """`items` round by round, each round starting one further along (a burst of load from
+    elsewhere falls on all of them alike): at least `rounds` rounds, and more until `min_s`
+    seconds have passed, `BAND_MAX_ROUNDS` at most."""
+    start, r = time.perf_counter(), 0
+    while r < rounds or (time.perf_counter() - start < min_s and r < BAND_MAX_ROUNDS):
+        k = r % len(items)
+        yield from items[k:] + items[:k]
+        r += 1
 
 
 def _band_round(tracer, run, x, spans: list[list[float]], n: int) -> None:
