@@ -344,6 +344,20 @@ def test_the_pooling_and_head_allgathers_cost_what_the_profile_measured_for_thei
     assert costs.allgather(0, 4, 1e6) == pytest.approx(1e-5 + 1e-3)
 
 
+def test_an_allgather_past_the_burst_costs_the_long_messages_line():
+    """Revision-12 profiles hold two lines per k (short messages, long ones): an allgather costs
+    the larger, so a link's burst prices small maps and its rate large ones; a revision-11 pair
+    is the short line alone."""
+    import dataclasses
+    g = _graph()
+    costs = _costs(g, [1.0, 1.0], latency=1e-5, bandwidth=1e9)
+    two = dataclasses.replace(costs, allgather_s={2: (1e-4, 1 / 180e6, -2e-4, 1 / 119e6)})
+    one = dataclasses.replace(costs, allgather_s={2: (1e-4, 1 / 180e6)})
+    assert two.allgather(0, 2, 1e3) == pytest.approx(1e-4 + 1e3 / 180e6)  # within the burst
+    assert two.allgather(0, 2, 1e6) == pytest.approx(-2e-4 + 1e6 / 119e6)  # past it
+    assert one.allgather(0, 2, 1e6) == pytest.approx(1e-4 + 1e6 / 180e6)
+
+
 def test_a_group_waits_for_its_slowest_rank_by_the_measured_spread():
     """The profile's band_spread: each group ends E[max of k normals] x the largest rank's
     sigma after its slowest mean, k its ranks with work (0 for one rank, more for more)."""

@@ -602,19 +602,29 @@ def ping_pong(comm, peer: int, nbytes: int, reps: int) -> float:
 
 
 COLLECTIVE_FLOATS = (16, 16384)  # per rank: an allgather's fixed cost, and its bytes' rate
+COLLECTIVE_LONG_FLOATS = (65536, 262144)  # per rank: the rate a long allgather keeps up
 
 
-def measure_collectives(comm, reps: int = 15) -> dict:
-    """{k: (seconds, seconds per byte)} for k = 2..size: an allgather among ranks 0..k-1
-    through the runtime's own verb (hepti.parallel.comm `allgather_rows`, over the transport
-    a forward uses), fitted to seconds + bytes x seconds per byte from two sizes, the bytes
-    being a rank's larger of sent and received. Each call starts after a barrier, as ranks
-    sleep between tests of their requests on a capped device, and counts until the last of
-    the k has it. A split by channels allgathers every op's map and the pooling and the head
-    end every CNN forward with one; modelled as a link's latency and bytes, they were priced
-    at 0.09 ms among 4 emulated devices (emu-geneflow4) and took 0.3-0.8 ms, while a split by
-    channels' larger maps passed faster than the link's measured rate (its token bucket's
-    burst). All ranks call it; an empty dict on one rank."""
+def _line(x: tuple, t: tuple) -> tuple[float, float]:
+    """(intercept, slope >= 0) of the line through (x[0], t[0]) and (x[1], t[1])."""
+    slope = max(0.0, (t[1] - t[0]) / (x[1] - x[0]))
+    return t[0] - x[0] * slope, slope
+
+
+def measure_collectives(comm, reps: int = 15, long_reps: int = 5) -> dict:
+    """{k: (seconds, seconds per byte, seconds, seconds per byte)} for k = 2..size: an allgather
+    among ranks 0..k-1 through the runtime's own verb (hepti.parallel.comm `allgather_rows`,
+    over the transport a forward uses), as two lines in the bytes a rank moves (the larger of
+    sent and received), each fitted to two sizes: short messages (`COLLECTIVE_FLOATS`) and long
+    ones (`COLLECTIVE_LONG_FLOATS`). The cost model takes the larger line (hepti.plan.coedge `CNNCosts.allgather`).
+
+    Why two: a link shaped by a token bucket (the emulator's HTB, a switch's buffers) passes a
+    burst faster than its rate. Fitted to 64 B and 64 KiB alone, the 4 emulated gigabit devices
+    of emu-geneflow4 moved 150-190 MB/s, and a channel split's late maps, 0.2-0.8 MB a rank,
+    took 1.3-1.75x that line's price; past the burst they went at 119 MB/s, the link's rate, on
+    a line through ~0 (measured, 2-4 ranks, 0.26-3.1 MB a port). Each call starts after a
+    barrier, as ranks sleep between tests of their requests on a capped device, and counts
+    until the last of the k has it. All ranks call it; an empty dict on one rank."""
     from mpi4py import MPI
 
     from hepti.parallel.comm import Comm, wait
@@ -627,19 +637,22 @@ def measure_collectives(comm, reps: int = 15) -> dict:
         sub = world.split(rank < k)
         if sub is not None:
             times = {}
-            for floats in COLLECTIVE_FLOATS:
+            for floats in COLLECTIVE_FLOATS + COLLECTIVE_LONG_FLOATS:
                 a = np.ones((1, floats), np.float32)
                 ts = []
-                for r in range(reps + 1):
+                for r in range((reps if floats in COLLECTIVE_FLOATS else long_reps) + 1):
                     wait(sub.mpi.Ibarrier())
                     t0 = time.perf_counter()
                     sub.allgather_rows(a, [1] * k)
                     ts.append(time.perf_counter() - t0)
                 times[floats] = statistics.median(
                     sub.mpi.allreduce(t, op=MPI.MAX) for t in ts[1:])
-            small, large = COLLECTIVE_FLOATS
-            per_byte = max(0.0, (times[large] - times[small]) / (4 * (large - small) * (k - 1)))
-            out[k] = (max(0.0, times[small] - 4 * small * (k - 1) * per_byte), per_byte)
+            lines = []
+            for sizes in (COLLECTIVE_FLOATS, COLLECTIVE_LONG_FLOATS):
+                nbytes = tuple(4 * f * (k - 1) for f in sizes)
+                lines += _line(nbytes, tuple(times[f] for f in sizes))
+            lines[0] = max(0.0, lines[0])  # a fixed cost; the long line's may be below 0
+            out[k] = tuple(lines)
             sub.close()
         _barrier(comm)
     world.close()
@@ -1182,8 +1195,9 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
 # cost on two bands, as the band executor runs them, their spread, and its allgathers among
 # 2..N ranks; 10: a streamed conv's fetch timed inside the band executor's forward, and the
 # whole-map, one-row and 32x32 timings that the bands replaced no longer made; 11: the band
-# rounds timed for at least `BAND_MIN_S`).
-PROFILER_REVISION = 11
+# rounds timed for at least `BAND_MIN_S`; 12: the allgathers timed on long messages too,
+# a second line past a link's burst).
+PROFILER_REVISION = 12
 
 
 def cache_dir() -> Path:

@@ -106,9 +106,9 @@ class CNNCosts:
     # band executor's forward (the profile's op_stream_measured; None elsewhere, and in older
     # profiles): `stream_seconds`
     stream_s: list[list] | None = None
-    # k -> (seconds, seconds per byte) of an allgather among k ranks (the profile's
-    # allgather_s: hepti.parallel.profiling.measure_collectives; a link's latency and bytes
-    # in older profiles)
+    # k -> (seconds, seconds per byte[, seconds, seconds per byte]) of an allgather among k
+    # ranks, short messages' line and long ones' (the profile's allgather_s:
+    # hepti.parallel.profiling.measure_collectives; a link's latency and bytes in older profiles)
     allgather_s: dict | None = None
     # op_s and fixed_s timed on bands as the executor runs them (the profile's op_band_s):
     # fixed_s then holds the executor's own work around each op too, which a rank with any
@@ -165,7 +165,7 @@ class CNNCosts:
                    stream_s=[[None if t is None else max(0.0, float(t)) for t in r]
                              for r in table["op_stream_measured"]]
                    if table.get("op_stream_measured") else None,
-                   allgather_s={int(k): (float(v[0]), float(v[1]))
+                   allgather_s={int(k): tuple(map(float, v))
                                 for k, v in table["allgather_s"].items()}
                    if table.get("allgather_s") else None)
 
@@ -179,10 +179,12 @@ class CNNCosts:
 
     def allgather(self, i: int, k: int, nbytes: float) -> float:
         """Device i's seconds in an allgather among k ranks that moves `nbytes` through its
-        port (the larger of what it sends and receives)."""
+        port (the larger of what it sends and receives): the larger of the profile's short-
+        and long-message lines (hepti.parallel.profiling `measure_collectives`; profiles before
+        revision 12 hold the short line alone)."""
         if self.allgather_s and k in self.allgather_s:
-            fixed, per_byte = self.allgather_s[k]
-            return fixed + nbytes * per_byte
+            line = self.allgather_s[k]
+            return max(line[i] + nbytes * line[i + 1] for i in range(0, len(line) - 1, 2))
         return self.latency_s[i] + nbytes / self.bandwidth_Bps[i]
 
     def fixed(self, i: int, l: int) -> float:
