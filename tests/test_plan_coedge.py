@@ -358,6 +358,53 @@ def test_an_allgather_past_the_burst_costs_the_long_messages_line():
     assert one.allgather(0, 2, 1e6) == pytest.approx(1e-4 + 1e6 / 180e6)
 
 
+def test_the_latest_of_normal_times_by_clarks_moments():
+    """expected_max: k ranks in step give E[max of k normals] x sigma; a rank far behind gives
+    its own time; unequal ones agree with sampling (Clark's mean is exact for two)."""
+    import numpy as np
+
+    from hepti.plan.coedge import _EXPECTED_MAX, expected_max
+    assert expected_max([(1.0, 0.04)] * 2)[0] == pytest.approx(1.0 + _EXPECTED_MAX[2] * 0.2, rel=1e-4)
+    assert expected_max([(1.0, 0.04)] * 4)[0] == pytest.approx(1.0 + _EXPECTED_MAX[4] * 0.2, rel=0.01)
+    assert expected_max([(1.0, 1e-4), (5.0, 4e-4)]) == pytest.approx((5.0, 4e-4))
+    assert expected_max([(2.0, 0.0), (1.0, 0.0)]) == (2.0, 0.0)
+    rng = np.random.default_rng(0)
+    x = np.maximum(rng.normal(0.0, 1.0, 400_000), rng.normal(0.5, 2.0, 400_000))
+    m, v = expected_max([(0.0, 1.0), (0.5, 4.0)])
+    assert m == pytest.approx(x.mean(), abs=0.01) and v == pytest.approx(x.var(), rel=0.01)
+
+
+def test_a_halo_waits_for_its_peers_and_an_allgather_for_everyone():
+    """predict's latency follows the executor's waits: never more than a barrier after every
+    group (the slowest rank of each, summed) and never less than the busiest rank's own work;
+    split by channels everywhere, every op ends in an allgather, and it is the barrier's sum."""
+    from hepti.graph.split import Split, first_holders
+    from hepti.plan.coedge import channel_group_cost, group_cost, predict, tail_seconds
+    g = _graph()
+    costs = _costs(g, [3.0, 1.0, 2.0], latency=2e-5, bandwidth=1e8)
+    n_groups = len(Split((1 / 3,) * 3).group_ranges(g))
+    skew = tuple((0.6, 0.1, 0.3) if k % 2 else (0.2, 0.3, 0.5) for k in range(n_groups))
+    for dims, equal in ((None, False), (("channels",) * n_groups, True)):
+        split = Split((0.5, 0.2, 0.3), per_group=skew, dims=dims)
+        got = predict(g, split, costs, H, W)
+        shapes, holders = g.shapes(H, W), first_holders(g, H, 3)
+        barrier = 0.0
+        for k, grp in enumerate(split.group_ranges(g)):
+            if dims:
+                c, x, _, _ = channel_group_cost(g, shapes, grp, skew[k], costs, split.members(),
+                                                owners=split.owners(g), holders=holders)
+            else:
+                c, x, _, _ = group_cost(g, shapes, grp, skew[k], costs, owners=split.owners(g),
+                                        holders=holders)
+            barrier += c + x
+        tail = tail_seconds(g, shapes, split, costs)[0]
+        own = max(r["compute_s"] + r["exchange_s"] for r in got["per_rank"])
+        if equal:
+            assert got["latency_s"] == pytest.approx(barrier + tail, rel=1e-9)
+        else:
+            assert own - 1e-12 <= got["latency_s"] < barrier + tail
+
+
 def test_a_group_waits_for_its_slowest_rank_by_the_measured_spread():
     """The profile's band_spread: each group ends E[max of k normals] x the largest rank's
     sigma after its slowest mean, k its ranks with work (0 for one rank, more for more)."""

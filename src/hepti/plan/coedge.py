@@ -1,8 +1,8 @@
 """The CNN planner: CoEdge's linear program over each device's share of the rows, then
 DeepThings' fusion, chosen per group by the cost model.
 
-**Cost model** (`predict`). A height-split forward is bulk-synchronous: each group of ops
-(hepti.parallel.bands) starts with one halo exchange and ends when its slowest rank is done.
+**Cost model** (`predict`). Each group of ops of a height-split forward (hepti.parallel.bands)
+starts with one halo exchange, point to point between the ranks whose rows meet.
 - Compute: rank i's time for op l is a + b x rows_i(l) when it has rows (`CNNCosts`, from the
   profile's `cnn` table: every op timed on every device at the input size as the band
   executor runs it, on bands of two sizes, its bookkeeping and exchange copies included:
@@ -14,9 +14,13 @@ DeepThings' fusion, chosen per group by the cost model.
   over its bandwidth (a full-duplex port on a switch, as the profile measured it). Its own
   work around the messages is in the band timings (older profiles: `CNNCosts.exchange_s`,
   their `exchange_overhead_s`).
-- Latency = sum over groups of (slowest compute + `straggle` + slowest exchange), then the
-  pooling (an allgather of each rank's partial sums [N, C]) and the head (each rank's share
-  of the columns, an allgather), both at the profile's measured allgather (`allgather_s`).
+- Latency: each rank's clock runs through the groups, a group starting when the rank and
+  its exchange's peers are done (the expected latest of them, each rank's time a normal
+  with its device's measured spread: `expected_max`), then the pooling (an allgather of each
+  rank's partial sums [N, C]) and the head (each rank's share of the columns, an allgather),
+  both at the profile's measured allgather (`allgather_s`), which wait for every rank. The
+  fusion search and the LP still cost a group as its slowest rank plus `straggle` plus its
+  slowest exchange (`group_cost`): a bound that is additive over groups.
 - A streamed group (`Split.streamed`) adds to each rank's compute the reading and packing of
   its rows of the group's conv weights, a fetch's fixed cost plus bytes /
   `CNNCosts.load_Bps` (the profile's fetch_overhead_s and weight_load_Bps, fitted to the
@@ -26,7 +30,8 @@ DeepThings' fusion, chosen per group by the cost model.
 - A group split by channels (`channel_group_cost`, GenEFlow's vertical split): the exchange
   that brings every rank with a share the whole input map, then per op, the slowest rank's
   compute (its share of the channels of every row) and the slowest rank's allgather of the
-  whole output map (every member receives what the others made, over its link).
+  whole output map (every member receives what the others made, over its link). It starts
+  when every rank is done.
 
 **The linear program** (`solve_ratios`), CoEdge's formulation for a set of active devices,
 one group per op: variables r_i (each device's share of every map's rows) and T_l (op l's
@@ -233,6 +238,33 @@ def straggle(costs: CNNCosts, comp: list[float]) -> float:
     return z * max(c * s for c, s in busy)
 
 
+def _normal_pdf(x: float) -> float:
+    return math.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def expected_max(clocks: list[tuple[float, float]]) -> tuple[float, float]:
+    """(mean, variance) of the latest of independent normal times, each (mean, variance):
+    Clark's moments of the max of two normals (Operations Research 9(2), 1961), applied
+    pairwise. Ranks far apart in their means give the later one's; k ranks in step with
+    sigma each give E[max of k normals] x sigma (`straggle`'s figure), as `_EXPECTED_MAX`."""
+    m1, v1 = clocks[0]
+    for m2, v2 in clocks[1:]:
+        theta = math.sqrt(v1 + v2)
+        if theta <= 1e-12 * max(1.0, abs(m1), abs(m2)):
+            m1, v1 = (m1, v1) if m1 >= m2 else (m2, v2)
+            continue
+        a = (m1 - m2) / theta
+        p, q, d = _normal_cdf(a), _normal_cdf(-a), _normal_pdf(a)
+        mean = m1 * p + m2 * q + theta * d
+        second = (m1 * m1 + v1) * p + (m2 * m2 + v2) * q + (m1 + m2) * theta * d
+        m1, v1 = mean, max(0.0, second - mean * mean)
+    return m1, v1
+
+
 def _op_rows(op, shapes) -> int:
     """The rows an op's time is counted over: its output's (a pool's: its input's)."""
     return shapes[op.input][0] if op.kind == ADAPTIVE_AVG else shapes[op.output][0]
@@ -265,12 +297,14 @@ def _row_seconds(costs: CNNCosts, graph: Graph, w: int, n: int) -> list[list[flo
 
 def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: int = 1,
                w: int | None = None, moved: list | None = None, owners: dict | None = None,
-               load: list[float] | None = None, holders: dict | None = None
+               load: list[float] | None = None, holders: dict | None = None,
+               partners: list | None = None
                ) -> tuple[float, float, list[float], list[float]]:
     """(slowest compute, slowest exchange, compute per rank, exchange per rank) of one group
     split by `ratios`; `owners` (Split.owners) says how the group's inputs are split, by
     `ratios` too if not given; `holders`: what each rank holds before it (`exchange_seconds`;
-    updated); `moved`, [sent, received] bytes per rank, is added to."""
+    updated); `moved`, [sent, received] bytes per rank, is added to; `partners`, a set per
+    rank, gets each rank's exchange peers."""
     w = costs.w if w is None else w
     per_row = row_seconds(costs, graph, w, n)
     P = costs.size
@@ -286,7 +320,7 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
     if load is not None:  # the streamed weights' reads (`stream_seconds`), one per op run
         comp = [u + v for u, v in zip(comp, load)]
     comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners,
-                                       holders)
+                                       holders, partners)
     _held(graph, shapes, group, need, holders, False, P)
     if moved is not None:
         for i in range(P):
@@ -391,14 +425,16 @@ def channel_group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCost
 
 
 def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int,
-                     owners: dict | None = None, holders: dict | None = None
+                     owners: dict | None = None, holders: dict | None = None,
+                     partners: list | None = None
                      ) -> tuple[list[float], list[float], list[float]]:
     """Each rank's time in the group's exchange, and its bytes sent and received: the rows
     it needs (`needs`) and does not hold, each from its owner (the pixels from rank 0), over
     the rank's link: hepti.graph.split `fetches`, the executor's own list. `holders`: what
     each rank holds of each tensor when the group starts (`predict` walks the groups as the
     executor does: after a split by channels every rank holds the whole map, and rows fetched
-    once stay); when None, as a group costed on its own, each rank holds just its own rows."""
+    once stay); when None, as a group costed on its own, each rank holds just its own rows.
+    `partners`, a set per rank, gets the ranks each rank sends to or receives from."""
     P = costs.size
     a, b = group
     made = {op.output for op in graph.ops[a:b]}
@@ -412,6 +448,9 @@ def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int
         nbytes = (hi - lo) * F32 * w_t * c_t * n
         sent[j] += nbytes
         got[i] += nbytes
+        if partners is not None:
+            partners[i].add(j)
+            partners[j].add(i)
     secs = [(costs.latency_s[i] + max(sent[i], got[i]) / costs.bandwidth_Bps[i]
              + costs.exchange_work(i)) if sent[i] or got[i] else 0.0 for i in range(P)]
     return secs, sent, got
@@ -462,11 +501,23 @@ def tail_seconds(graph: Graph, shapes: dict, split: Split, costs: CNNCosts, n: i
 
 def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int = 1) -> dict:
     """The cost model's account of a split at h x w, batch n: latency and per rank compute,
-    exchange and (with declared powers) energy."""
+    exchange and (with declared powers) energy.
+
+    The latency follows the executor's synchronisation (hepti.parallel.bands `forward`): a
+    group split by rows starts on a rank when the rank and the peers of its halo exchange are
+    done with what came before (`Comm.exchange`: point to point, no barrier), and a group with
+    no exchange waits for no one; a group split by channels, whose ops end in allgathers,
+    waits for every rank, and so do the pooling and the head. Each rank's time is carried as a
+    normal (mean, and variance from its device's measured spread over the compute since it
+    last waited for all), and a wait is the expected latest of the ranks it waits for
+    (`expected_max`). It was the sum over groups of the slowest rank plus `straggle`, as if
+    every group ended at a barrier in which k balanced ranks wait for the last: on a quiet
+    host (2026-11-28) that priced GenEFlow's MobileNetV2 plans of 46 groups over 3 and 4
+    devices at 50% caps 15-23% above what they ran (this: within 11%), the more the more
+    groups' slowest ranks differ, which a barrier makes everyone pay and a halo does not."""
     shapes = graph.shapes(h, w)
     P = costs.size
     groups = split.group_ranges(graph)
-    latency = 0.0
     comp, comm = [0.0] * P, [0.0] * P
     moved = [[0.0, 0.0] for _ in range(P)]
     owners = split.owners(graph)
@@ -475,20 +526,26 @@ def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int 
     if split.streamed and any(split.streamed):  # each rank's weight rows, once
         from hepti.graph.split import conv_rows
         rows = [conv_rows(graph, split, i, P) for i in range(P)]
+    spread = costs.spread or [0.0] * P
+    clocks = [(0.0, 0.0)] * P  # each rank's (mean, variance) of when it is done so far
     for k, g in enumerate(groups):
         load = stream_seconds(graph, g, rows, costs) if split.group_streamed(k) else None
-        if split.group_dim(k) == "channels":
+        if split.group_dim(k) == "channels":  # allgathers: every rank waits for all
             c_max, x_max, c, x = channel_group_cost(graph, shapes, g, split.group_ratios(k),
                                                     costs, members, n, w, moved, owners, load,
                                                     holders)
-        else:
+            clocks = [(expected_max(clocks)[0] + c_max + x_max, 0.0)] * P
+        else:  # a halo exchange: each rank waits for its own peers only
+            peers = [set() for _ in range(P)]
             c_max, x_max, c, x = group_cost(graph, shapes, g, split.group_ratios(k), costs, n,
-                                            w, moved, owners, load, holders)
-        latency += c_max + x_max
+                                            w, moved, owners, load, holders, peers)
+            starts = [expected_max([clocks[j] for j in sorted(peers[i] | {i})]) for i in range(P)]
+            clocks = [(m + x[i] + c[i], v + (c[i] * spread[i]) ** 2)
+                      for i, (m, v) in enumerate(starts)]
         comp = [u + v for u, v in zip(comp, c)]
         comm = [u + v for u, v in zip(comm, x)]
     t, c, x = tail_seconds(graph, shapes, split, costs, n)
-    latency += t
+    latency = expected_max(clocks)[0] + t
     comp = [u + v for u, v in zip(comp, c)]
     comm = [u + v for u, v in zip(comm, x)]
     out = {"latency_s": latency, "groups": len(groups),
