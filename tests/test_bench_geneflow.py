@@ -88,3 +88,41 @@ def test_the_measured_target_judges_the_median_and_counts_each_launch_once():
     assert t["ok"]
     assert "2 of 2 measured plans" in t["detail"] and "1 by their mean" in t["detail"]
     assert "3 of 4 single launches" in t["detail"]
+
+
+def test_a_killed_benchs_lock_does_not_hold_the_next_one(tmp_path, monkeypatch):
+    """The bench lock is an flock: a holder killed without cleaning up (SIGKILL: no `finally`)
+    leaves the file, naming it, but not the lock; while a live process holds it, no one else
+    takes it."""
+    import subprocess
+    import sys
+    import threading
+
+    from hepti.bench import geneflow
+    lock = tmp_path / "bench.lock"
+    monkeypatch.setattr(geneflow, "LOCK", lock)
+    monkeypatch.setattr(geneflow, "QUIET", tmp_path / "quiet")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from hepti.bench import geneflow as g; g.LOCK = Path(sys.argv[1]); "
+         "g.QUIET = Path(sys.argv[1] + '.q'); ctx = g.bench_lock(); ctx.__enter__(); "
+         "print('held', flush=True); time.sleep(60)", str(lock)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert f"pid {holder.pid}" in lock.read_text()
+        taken = threading.Event()
+        monkeypatch.setattr(geneflow.time, "sleep", lambda s: taken.wait(0.05))
+
+        def take():
+            with geneflow.bench_lock():
+                taken.set()
+        t = threading.Thread(target=take, daemon=True)
+        t.start()
+        assert not taken.wait(0.5)  # a live holder keeps it
+        holder.kill()
+        holder.wait()
+        assert taken.wait(10)  # killed: the next one has it
+        t.join(10)
+    finally:
+        holder.kill()

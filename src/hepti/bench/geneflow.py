@@ -72,25 +72,34 @@ def wait_quiet() -> None:
 @contextmanager
 def bench_lock():
     """The shared machine's lock for emulated benchmarks: wait for quiet and for anyone else's
-    lock, hold it only while profiling and measuring (not while planning), always release it."""
-    me = f"bench-geneflow pid {os.getpid()}"
-    while True:
-        wait_quiet()
-        try:
-            fd = os.open(LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            print(f"bench-geneflow: waiting for the bench lock ({LOCK.read_text().strip()!r})",
-                  file=sys.stderr, flush=True)
-            time.sleep(30)
-            continue
-        os.write(fd, me.encode())
-        os.close(fd)
-        break
+    lock, hold it only while profiling and measuring (not while planning), always release it.
+    An flock on `LOCK`, whose text names the holder: the kernel drops it when its process
+    dies, so a bench stopped with kill (no `finally` runs) leaves no lock behind. (It was a
+    file made with O_EXCL and removed on the way out; one killed run's file held every later
+    run waiting until someone removed it.) The file stays: removing it would let a waiter
+    that opened it before hold a lock on a file no longer there."""
+    import fcntl
+    fd = os.open(LOCK, os.O_CREAT | os.O_RDWR, 0o666)
     try:
-        yield
+        while True:
+            wait_quiet()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                print(f"bench-geneflow: waiting for the bench lock ({holder!r})",
+                      file=sys.stderr, flush=True)
+                time.sleep(30)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"bench-geneflow pid {os.getpid()}".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
-        if LOCK.exists() and LOCK.read_text() == me:
-            LOCK.unlink()
+        os.close(fd)
 
 
 def sub_profile(full, n: int):

@@ -616,7 +616,8 @@ def measure_collectives(comm, reps: int = 15, long_reps: int = 5) -> dict:
     among ranks 0..k-1 through the runtime's own verb (hepti.parallel.comm `allgather_rows`,
     over the transport a forward uses), as two lines in the bytes a rank moves (the larger of
     sent and received), each fitted to two sizes: short messages (`COLLECTIVE_FLOATS`) and long
-    ones (`COLLECTIVE_LONG_FLOATS`). The cost model takes the larger line (hepti.plan.coedge `CNNCosts.allgather`).
+    ones (`COLLECTIVE_LONG_FLOATS`). The cost model takes the larger line (hepti.plan.coedge
+    `CNNCosts.allgather`).
 
     Why two: a link shaped by a token bucket (the emulator's HTB, a switch's buffers) passes a
     burst faster than its rate. Fitted to 64 B and 64 KiB alone, the 4 emulated gigabit devices

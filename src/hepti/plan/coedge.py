@@ -503,18 +503,18 @@ def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int 
     """The cost model's account of a split at h x w, batch n: latency and per rank compute,
     exchange and (with declared powers) energy.
 
-    The latency follows the executor's synchronisation (hepti.parallel.bands `forward`): a
-    group split by rows starts on a rank when the rank and the peers of its halo exchange are
-    done with what came before (`Comm.exchange`: point to point, no barrier), and a group with
-    no exchange waits for no one; a group split by channels, whose ops end in allgathers,
-    waits for every rank, and so do the pooling and the head. Each rank's time is carried as a
-    normal (mean, and variance from its device's measured spread over the compute since it
-    last waited for all), and a wait is the expected latest of the ranks it waits for
-    (`expected_max`). It was the sum over groups of the slowest rank plus `straggle`, as if
-    every group ended at a barrier in which k balanced ranks wait for the last: on a quiet
-    host (2026-11-28) that priced GenEFlow's MobileNetV2 plans of 46 groups over 3 and 4
-    devices at 50% caps 15-23% above what they ran (this: within 11%), the more the more
-    groups' slowest ranks differ, which a barrier makes everyone pay and a halo does not."""
+    The latency follows the executor's synchronisation (hepti.parallel.bands `forward`): a group
+    split by rows starts on a rank when the rank and the peers of its halo exchange are done
+    with what came before (`Comm.exchange`: point to point, no barrier), and a group with no
+    exchange waits for no one; a group split by channels, whose ops end in allgathers, waits for
+    every rank, and so do the pooling and the head. Each rank's time is carried as a normal (a
+    mean, and a variance that each compute adds to by its device's measured spread), and a wait
+    is the expected latest of the ranks it waits for (`expected_max`). It was the sum over
+    groups of the slowest rank plus `straggle`, as if every group ended at a barrier in which k
+    balanced ranks wait for the last: on a quiet host (2026-11-28) that priced GenEFlow's
+    MobileNetV2 plans of 46 groups over 3 and 4 devices at 50% caps 15-23% above what they ran
+    (this: within 11%): a barrier makes every rank pay each group's slowest rank, a halo only
+    its peers."""
     shapes = graph.shapes(h, w)
     P = costs.size
     groups = split.group_ranges(graph)
@@ -539,7 +539,8 @@ def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int 
             peers = [set() for _ in range(P)]
             c_max, x_max, c, x = group_cost(graph, shapes, g, split.group_ratios(k), costs, n,
                                             w, moved, owners, load, holders, peers)
-            starts = [expected_max([clocks[j] for j in sorted(peers[i] | {i})]) for i in range(P)]
+            starts = [expected_max([clocks[j] for j in sorted(peers[i] | {i})])
+                      for i in range(P)]
             clocks = [(m + x[i] + c[i], v + (c[i] * spread[i]) ** 2)
                       for i, (m, v) in enumerate(starts)]
         comp = [u + v for u, v in zip(comp, c)]
