@@ -217,25 +217,26 @@ def _band_costs(table: dict, graph: Graph, op_s: list[list[float]]):
 
 # --- the cost model -----------------------------------------------------------------------------
 
-# E[max of k independent standard normals], k = 0..8 (beyond: sqrt(2 ln k))
-_EXPECTED_MAX = (0.0, 0.0, 0.5642, 0.8463, 1.0294, 1.1630, 1.2672, 1.3522, 1.4236)
 
 
 def straggle(costs: CNNCosts, comp: list[float]) -> float:
     """Seconds a bulk-synchronous step ends after its slowest rank's mean: each rank's time
-    scatters by its device's spread (`CNNCosts.spread`), and the step waits for the last of the
-    k ranks with work, whose expected lateness grows with k (E[max] of k normals, taken with
-    the largest rank's sigma). On emu-geneflow4 (2026-11-27) GenEFlow's MobileNetV2 plans of
-    46 one-op groups over 4 devices ran 15-20% over a prediction that priced only the means,
-    and the same per-op costs held on 2 devices; 0 without a measured spread."""
+    scatters by its device's spread (`CNNCosts.spread`: sigma = time x spread), and the step
+    waits for the last of the ranks with work: `expected_max` of their normals, less the
+    slowest mean; 0 without a measured spread. Ranks in step wait E[max of k normals] x sigma,
+    one far behind the rest waits for no one but itself.
+
+    On emu-geneflow4 (2026-11-27) GenEFlow's MobileNetV2 plans of 46 one-op groups over 4
+    devices ran 15-20% over a prediction that priced only the means. This was then E[max of k]
+    x the largest sigma, as if the k ranks were always in step: re-predicted on the launches
+    of the 3e2a83c grid (results/geneflow-cnn.json), that priced the channel-split ops of
+    MobileNetV2's 4-device 50%-cap plan 15.2% above what they ran; this, 13.8%."""
     if not costs.spread:
         return 0.0
-    busy = [(c, s) for c, s in zip(comp, costs.spread) if c > 0]
-    k = len(busy)
-    if k < 2:
+    busy = [(c, (c * s) ** 2) for c, s in zip(comp, costs.spread) if c > 0]
+    if len(busy) < 2:
         return 0.0
-    z = _EXPECTED_MAX[k] if k < len(_EXPECTED_MAX) else math.sqrt(2 * math.log(k))
-    return z * max(c * s for c, s in busy)
+    return max(0.0, expected_max(busy)[0] - max(c for c, _ in busy))
 
 
 def _normal_pdf(x: float) -> float:
@@ -250,7 +251,7 @@ def expected_max(clocks: list[tuple[float, float]]) -> tuple[float, float]:
     """(mean, variance) of the latest of independent normal times, each (mean, variance):
     Clark's moments of the max of two normals (Operations Research 9(2), 1961), applied
     pairwise. Ranks far apart in their means give the later one's; k ranks in step with
-    sigma each give E[max of k normals] x sigma (`straggle`'s figure), as `_EXPECTED_MAX`."""
+    sigma each give about E[max of k standard normals] x sigma (0.5642 for 2, 1.0294 for 4)."""
     m1, v1 = clocks[0]
     for m2, v2 in clocks[1:]:
         theta = math.sqrt(v1 + v2)
