@@ -217,8 +217,6 @@ def _band_costs(table: dict, graph: Graph, op_s: list[list[float]]):
 
 # --- the cost model -----------------------------------------------------------------------------
 
-
-
 def straggle(costs: CNNCosts, comp: list[float]) -> float:
     """Seconds a bulk-synchronous step ends after its slowest rank's mean: each rank's time
     scatters by its device's spread (`CNNCosts.spread`: sigma = time x spread), and the step
@@ -229,8 +227,9 @@ def straggle(costs: CNNCosts, comp: list[float]) -> float:
     On emu-geneflow4 (2026-11-27) GenEFlow's MobileNetV2 plans of 46 one-op groups over 4
     devices ran 15-20% over a prediction that priced only the means. This was then E[max of k]
     x the largest sigma, as if the k ranks were always in step: re-predicted on the launches
-    of the 3e2a83c grid (`git show 36ab859:results/geneflow-cnn.json`), that priced the channel-split ops of
-    MobileNetV2's 4-device 50%-cap plan 15.2% above what they ran; this, 13.8%."""
+    of the 3e2a83c grid (`git show 36ab859:results/geneflow-cnn.json`), that priced
+    MobileNetV2's 4-device 50%-cap plan, channel-split ops and all, 15.2% above what it ran;
+    this, 13.8%."""
     if not costs.spread:
         return 0.0
     busy = [(c, (c * s) ** 2) for c, s in zip(comp, costs.spread) if c > 0]
