@@ -85,7 +85,7 @@ def test_bad_input_gets_a_message_not_a_traceback(tmp_path):
     assert_clean_error(*hepti("order", cycle_model(tmp_path))[::2], "has a cycle")
     assert_clean_error(*hepti("order", custom_op_model(tmp_path))[::2],
                        "operator 'mystery' (Mystery)'s output 'm' could not be inferred")
-    assert_clean_error(*hepti("order", tmp_path)[::2], "without config.json")
+    assert_clean_error(*hepti("order", tmp_path)[::2], "neither index.json nor config.json")
     # a cap below what one operator needs in any order
     assert_clean_error(*hepti("order", LIGHT / "light_squeezenet.onnx", "--cap", "1MiB")[::2],
                        "no order fits in 1,048,576 bytes: operator")

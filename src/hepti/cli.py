@@ -46,8 +46,13 @@ def _paragraphs(*texts: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hepti", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-        description="Heterogeneity-aware parallel transformer inference on clusters of edge "
-                    "devices. Each MPI rank is a device; every MatMul is split between them.")
+        description=_paragraphs(
+                    "Heterogeneity-aware parallel inference on clusters of edge devices, for "
+                    "text encoders (BERT-style: embeddings of texts or token ids), image "
+                    "encoders (ViT: embeddings of images) and image classifiers (CNNs: "
+                    "MobileNetV2, ResNet-50, VGG-16: class scores of images). Each MPI rank is "
+                    "a device; every operator is split between them in proportion to what "
+                    "each device can do."))
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
 
@@ -86,11 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", help="converted model folder")
 
     s = sub.add_parser(
-        "run", help="embed texts (or token ids) with a converted model",
+        "run", help="run a converted model: embed texts, token ids or images (BERT, ViT), or "
+                    "classify images (CNNs)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=_paragraphs(
-            "Run the encoder on texts or token ids and write embeddings. Under mpiexec the work "
-            "is split between the ranks.",
+            "Run a converted model on its inputs: a text encoder (BERT-style) on texts or token "
+            "ids, an image encoder (ViT) on images or pixel arrays, both giving embeddings (or "
+            "hidden states); an image classifier (a CNN) on images or pixel arrays, giving its "
+            "logits and each image's most likely classes. Under mpiexec the work is split "
+            "between the ranks.",
             "Every input and flag is checked before any work. The inputs run once, in batches; "
             "each batch is pooled and written to --output as it completes, into OUT.npy.partial "
             "beside it, which becomes OUT.npy when every row is in. Row i of the output is input "
@@ -123,8 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "already normalised; H and W the model's image size (a ViT's) or any "
                           "size (a CNN's)")
     s.add_argument("--output", metavar="OUT.npy",
-                   help="write the embeddings [n, C] (or hidden states [n, L, C]) here, as a "
-                        ".npy array, batch by batch")
+                   help="write the embeddings [n, C] (hidden states [n, L, C] with --pool "
+                        "none; a CNN's logits [n, classes]) here, as a .npy array, batch by "
+                        "batch; an existing file is kept unless --force")
+    s.add_argument("--force", action="store_true",
+                   help="replace an existing --output file (without it, an existing file is "
+                        "kept and the run refused before any work)")
     s.add_argument("--resume", action="store_true",
                    help="continue the interrupted run that left OUT.npy.partial (same command, "
                         "same inputs); rows already written are kept")
@@ -149,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write that JSON report to a file, whatever is printed")
     d = s.add_argument_group("distributed (under mpiexec -n N)")
     d.add_argument("--strategy", choices=PLANNERS, default=None,
-                   help="auto: profile the devices, plan, run; rows: weights replicated, token "
+                   help="auto: profile the devices (kept a day in ~/.cache/hepti, see "
+                        "`hepti profile --help`), plan, run; rows: weights replicated, token "
                         "rows split; tensor: weights sliced by ratio; stream: tensor within "
                         "--mem-budget; even: tensor, equal shares (Megatron); proportional: "
                         "tensor, shares by compute speed alone (MoDNN); pipeline: layer ranges "
@@ -203,7 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
         "profile", help="measure each rank's speed, memory and link (under mpiexec)",
         description="Measure every rank with the engine's own kernels at the model's shapes, its "
                     "free memory, and its link to rank 0 (MPI ping-pong fitted to latency + "
-                    "bytes/bandwidth). Takes a few seconds; the result is cached per cluster and model.")
+                    "bytes/bandwidth). Takes a few seconds. The result is also kept for a day "
+                    "in $HEPTI_CACHE (default ~/.cache/hepti) as profile-MODEL-nN-KEY.json, one "
+                    "per cluster, caps and model, which `run --strategy auto` and `serve` reuse; "
+                    "this command always measures again (and replaces it). Delete those files "
+                    "to clear the cache.")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model (default {DEFAULT_MODEL})")
     s.add_argument("--seq", type=_positive_int, default=None,
                    help="tokens per input (default 128; a vision model: its tokens per image)")
@@ -411,6 +429,10 @@ def cmd_convert(args) -> int:
         from hepti.weights import cnn
         kw = dict(shard_layers=args.shard_layers, max_shard_bytes=cap, overwrite=args.force)
         pth = None  # a torchvision weights file (a CNN), from a package or given
+        if args.from_package and not args.force and _converted_from(out, args.from_package):
+            print(f"{out} already holds {args.from_package}, converted by hepti; nothing to "
+                  "do (pass --force to convert it again)")
+            return 0
         if args.from_package:
             pth = cnn.find_package_pth(args.from_package, required=False)
         elif not args.from_package and Path(args.src).suffix in (".pth", ".pt"):
@@ -424,6 +446,22 @@ def cmd_convert(args) -> int:
             weights.convert_checkpoint(Path(args.src), out, **kw)
     print(f"wrote {out}")
     return 0
+
+
+def _converted_from(out, package: str) -> bool:
+    """Whether `out` holds a model converted from this installed package, at its installed
+    version (a converted model's index.json records its source)."""
+    import importlib.metadata
+
+    from hepti.weights.index import is_model_dir, load_index
+    if not is_model_dir(out):
+        return False
+    source = load_index(out).get("source") or {}
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return source.get("package") == package and source.get("package_version", version) == version
 
 
 def cmd_verify(args) -> int:
@@ -586,7 +624,7 @@ def _profile_job(args) -> int:
             mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None))
         profile = profile_from_dict(prof, "measured profile")
     else:
-        profile, _ = cached_profile(world.mpi, cfg, _tokens(args, cfg), batch=args.batch, threads=args.threads,
+        profile, _, _ = cached_profile(world.mpi, cfg, _tokens(args, cfg), batch=args.batch, threads=args.threads,
                                     mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None,
                                     refresh=True)
     if world.rank == 0:
@@ -734,10 +772,17 @@ def _add_order_parsers(sub) -> None:
 
 def cmd_order(args) -> int:
     import json
-    from hepti.graph.opdag import load_graph
+    from pathlib import Path
+
+    from hepti.graph.opdag import load_graph, model_graph
     from hepti.parallel.engine import parse_bytes
     from hepti.plan.order import format_result, order_graph
-    dag = load_graph(args.graph, batch=args.batch, input_shape=args.input_shape)
+    from hepti.weights.index import index_config, is_model_dir, load_index
+    if is_model_dir(Path(args.graph)):  # a converted model: its config is in its index.json
+        cfg = index_config(load_index(args.graph))
+        dag = model_graph(cfg, args.batch or 1, args.input_shape, Path(args.graph).name)
+    else:
+        dag = load_graph(args.graph, batch=args.batch, input_shape=args.input_shape)
     result = order_graph(dag, inplace=args.inplace, count_io=args.count_io,
                          time_limit=args.time_limit, max_states=args.max_states,
                          random_count=args.random, seed=args.seed,

@@ -10,17 +10,20 @@ in float64 rounded to float32, then (x - mean) / std in float32.
 Files are read as transformers' `load_image` reads them for its pipelines: the EXIF orientation is
 applied, then Pillow's convert("RGB"): grayscale is repeated into three channels, a palette is
 expanded, and an alpha channel is dropped (not composited onto any background). Animated files
-give their first frame. 16- and 32-bit images are refused rather than clipped to 0..255.
+give their first frame, with a warning, and so does an image much smaller than the model's input.
+16- and 32-bit images are refused rather than clipped to 0..255.
 """
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 
 from hepti.errors import ConfigError, InputError
 
+log = logging.getLogger("hepti")
 # transformers' ViTImageProcessor defaults, used for whatever preprocessor_config.json leaves out
 VIT_DEFAULTS = {
     "do_resize": True, "size": {"height": 224, "width": 224}, "resample": 2,  # bilinear
@@ -112,7 +115,11 @@ def preprocess(paths: list[str | Path], cfg: dict) -> np.ndarray:
     """Read, resize, crop, rescale and normalise each image as `cfg` says -> float32 [n, 3, H, W]."""
     if not paths:
         raise InputError("no input images")
-    images = [_pixels(read_rgb(p), cfg) for p in paths]  # each [3, H, W]
+    images = []
+    for p in paths:
+        img = read_rgb(p)
+        _warn_if_tiny(p, img.height, img.width, cfg)
+        images.append(_pixels(img, cfg))  # [3, H, W]
     shapes = {img.shape for img in images}
     if len(shapes) > 1:
         raise InputError(f"the images end up with different sizes {sorted(s[1:] for s in shapes)} "
@@ -130,14 +137,31 @@ def read_rgb(path: str | Path):
     try:
         with Image.open(path) as img:
             img.load()  # decode now: a truncated file fails here, not later
+            frames = getattr(img, "n_frames", 1)
             img = ImageOps.exif_transpose(img)
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise InputError(f"{path} is not an image Pillow can read: {e}") from None
+    if frames > 1:
+        log.warning("%s has %d frames; only the first is used", path, frames)
     if img.mode not in RGB_CONVERTIBLE:
         raise InputError(f"{path} has pixel mode {img.mode} ({len(img.getbands())} channels: "
                          f"{', '.join(img.getbands())}), which hepti does not turn into 8-bit RGB; "
                          "save it as an 8-bit RGB, RGBA or grayscale PNG or JPEG")
     return img.convert("RGB")
+
+
+def _warn_if_tiny(path, height: int, width: int, cfg: dict) -> None:
+    """Warn when an image is much smaller than what the model looks at: it is blown up (or, with
+    no resize, padded with zeros), and the answer may mean little. Twice the image's side is
+    the line: every photo gets resized, and a bit of upscaling is ordinary."""
+    want_h, want_w = _resized_size(height, width, cfg["size"]) if cfg["do_resize"] else (0, 0)
+    if cfg["do_center_crop"]:
+        want_h = max(want_h, cfg["crop_size"]["height"]) if not cfg["do_resize"] else want_h
+        want_w = max(want_w, cfg["crop_size"]["width"]) if not cfg["do_resize"] else want_w
+    if want_h >= 2 * height or want_w >= 2 * width:
+        how = "upscaled" if cfg["do_resize"] else "padded with zeros"
+        log.warning("%s is only %dx%d pixels; it was %s to %dx%d, so its answer may mean little",
+                    path, width, height, how, want_w, want_h)
 
 
 def _pixels(img, cfg: dict) -> np.ndarray:

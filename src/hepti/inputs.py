@@ -70,6 +70,28 @@ def read_ids(path: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | Non
     return ids, mask, tt
 
 
+NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file (numpy.lib.format)
+
+
+def read_npy(path: str, flag: str) -> np.ndarray:
+    """One array from a .npy file. Anything else is refused by its first bytes, before numpy
+    tries to read it: np.load would take a file that is not .npy for a pickle and answer with
+    advice on unpickling, which hepti never does."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{flag} {p}: no such file")
+    with open(p, "rb") as f:
+        head = f.read(len(NPY_MAGIC))
+    if head != NPY_MAGIC:
+        what = "an .npz archive" if head.startswith(b"PK") else "not a .npy file"
+        raise InputError(f"{flag} {p} is {what}; give one array saved with numpy.save(path, "
+                         "arr) (image files go to --image)")
+    try:
+        return np.load(p, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise InputError(f"{flag} {p}: a damaged .npy file ({e})") from None
+
+
 def check_output_path(path: str | None, flag: str = "--output") -> None:
     """Fail before any work if `path` (given with `flag`) could not be written: its folder must
     exist and take a new file (tried for real: permission bits say nothing to root, and /proc
@@ -93,9 +115,11 @@ def check_output_path(path: str | None, flag: str = "--output") -> None:
                          "choose a folder you can write to") from None
 
 
-def npy_output_path(path: str | None) -> Path | None:
+def npy_output_path(path: str | None, force: bool = False, resume: bool = False) -> Path | None:
     """--output names a .npy file: checked, and refused without the suffix (np.save would
-    silently write NAME.npy instead)."""
+    silently write NAME.npy instead), or when a file of that name exists, unless `force` says
+    to replace it (as `hepti convert` asks for --force). `resume` continues an interrupted run,
+    which left OUT.npy.partial and no OUT.npy; its check is hepti.output's."""
     if path is None:
         return None
     check_output_path(path)
@@ -103,6 +127,10 @@ def npy_output_path(path: str | None) -> Path | None:
     if p.suffix != ".npy":
         raise InputError(f"--output {path}: hepti writes a NumPy array, so the name must end in "
                          f".npy; use --output {p.name}.npy")
+    if p.exists() and not force:
+        what = "a finished run's output" if resume else "a file"
+        raise InputError(f"--output {path}: {what} is already there; add --force to replace it, "
+                         "or choose another name")
     return p
 
 

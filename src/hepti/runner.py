@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from hepti.errors import InputError
-from hepti.inputs import InputSource, check_output_path, npy_output_path, read_texts
+from hepti.inputs import (InputSource, check_output_path, npy_output_path, read_npy,
+                          read_texts)
 from hepti.model.pooling import pool
 from hepti.output import OutputFile
 
@@ -73,12 +74,7 @@ def open_pixels(image, pixels, config, model_dir: Path, bs: int) -> InputSource:
             h.update(Path(p).read_bytes())
         digest = h.hexdigest()
     else:
-        try:
-            arr = np.load(pixels, allow_pickle=False)
-        except FileNotFoundError:
-            raise InputError(f"--input-pixels {pixels}: no such file") from None
-        except (ValueError, OSError) as e:
-            raise InputError(f"--input-pixels {pixels}: not a NumPy .npy array ({e})") from None
+        arr = read_npy(pixels, "--input-pixels")
         digest = hashlib.sha256(Path(pixels).read_bytes()).hexdigest()
     if config.model_type == "cnn":  # any height and width the network does not shrink to 0
         arr = check_pixels(arr, None, config.num_channels)
@@ -118,7 +114,7 @@ class Prepared:
 
 def prepare(args, config, model_dir: Path) -> Prepared:
     """Check every input and open the output (resuming if asked), before any weights load."""
-    path = npy_output_path(args.output)
+    path = npy_output_path(args.output, getattr(args, "force", False), args.resume)
     check_flags(args)
     if config.model_type == "cnn" and (args.normalize or args.pool == "none"):
         raise InputError(f"{model_dir} is an image classifier: its output is the logits [n, "
@@ -137,10 +133,20 @@ def prepare(args, config, model_dir: Path) -> Prepared:
                "normalize": bool(args.normalize)}
         out = OutputFile(path, output_shape(args, config, source), args.batch_size, job,
                          resume=args.resume)
-    elif source.n > SHOW_SIMILARITY_MAX and not args.json:
-        log.warning("no --output: the %d results are computed but not saved; add --output "
-                    "FILE.npy to keep them", source.n)
+    elif args.repeat == 1 and not shows_results(args, config, source.n):
+        log.warning("no --output: the %d result(s) will be computed but neither saved nor "
+                    "shown; add --output FILE.npy to keep them", source.n)
     return Prepared(source, out)
+
+
+def shows_results(args, config, n: int) -> bool:
+    """Whether the summary prints something of the results themselves: a classifier's top
+    classes, or the similarity table of a few --text inputs (see `run_passes`' keep)."""
+    if args.json:
+        return False
+    if config.model_type == "cnn":
+        return getattr(args, "top", None) is not None
+    return args.pool != "none" and args.text is not None and 1 < n <= SHOW_SIMILARITY_MAX
 
 
 class Feed:
@@ -256,7 +262,7 @@ class SingleJob:
 
 def run_single(args) -> int:
     """The single-device job (no MPI)."""
-    from hepti.model.family import SingleDevice, family
+    from hepti.model.family import SingleDevice, load_kernels
     from hepti.weights import WeightStore
 
     t_start = time.perf_counter()
@@ -267,6 +273,7 @@ def run_single(args) -> int:
         import numba
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
         t0 = time.perf_counter()
+        load_kernels(config, args.threads)  # as a Job does: passes time forwards, not compiles
         if config.model_type == "cnn":
             from hepti.graph.cnn import build
             from hepti.graph.opdag import from_cnn
@@ -278,7 +285,6 @@ def run_single(args) -> int:
             order = executor_order(from_cnn(build(config), 1, side, side)).order
             engine = SingleCNN.from_store(store, threads=args.threads, order=order)
         else:
-            family(config).load_kernels(args.threads)  # as a Job does: passes time forwards
             engine = SingleDevice.from_store(store, threads=args.threads)
         load_s = time.perf_counter() - t0
         start = prep.out.start if prep.out is not None else 0

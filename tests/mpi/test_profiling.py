@@ -54,10 +54,10 @@ def test_cache_reuses_a_fresh_profile_and_remeasures_a_stale_one(tmp_path, monke
     if COMM.Get_rank() == 0:
         hostfile.write_text("localhost:2\n")
     COMM.Barrier()
-    first, new1 = cached_profile(COMM, CFG, 16, hostfile=str(hostfile), max_age_s=3600)
-    again, new2 = cached_profile(COMM, CFG, 16, hostfile=str(hostfile), max_age_s=3600)
+    first, new1, _ = cached_profile(COMM, CFG, 16, hostfile=str(hostfile), max_age_s=3600)
+    again, new2, _ = cached_profile(COMM, CFG, 16, hostfile=str(hostfile), max_age_s=3600)
     all_ok(new1 and not new2 and again.created == first.created, f"{new1} {new2}")
-    later, new3 = cached_profile(COMM, CFG, 16, hostfile=str(hostfile), max_age_s=0.0)
+    later, new3, _ = cached_profile(COMM, CFG, 16, hostfile=str(hostfile), max_age_s=0.0)
     all_ok(new3 and later.created > first.created, "a stale profile was not re-measured")
 
 

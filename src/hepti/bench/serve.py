@@ -72,6 +72,7 @@ def drive(url: str, lines: list[str], clients: int, seconds: float) -> dict:
 
 def file_job(model: str, lines: Path, ranks: int, work: Path, tag: str) -> dict:
     out, report = work / f"{tag}.npy", work / f"{tag}.json"
+    out.unlink(missing_ok=True)  # `hepti run` keeps an existing output unless told --force
     cmd = [mpiexec(), "-n", str(ranks), *hepti_cmd(), "run", "--model", model, "--input", str(lines),
            "--output", str(out), "--report", str(report)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)

@@ -313,17 +313,22 @@ def load_graph(path: str | Path, batch: int | None = None,
 
 
 def _model_folder(p: Path, batch: int, input_shape) -> OpDag:
+    """A checkpoint folder's config.json (a converted model's folder, whose config is inside its
+    index.json, is read by the caller, which may import the weights layer: `model_graph`)."""
     from hepti.config import config_from_json
     if not (p / "config.json").exists():
-        raise GraphError(f"{p} is a folder without config.json: give a converted hepti model, "
-                         "an .onnx file or a .json operator graph")
-    cfg = config_from_json(p / "config.json")
+        raise GraphError(f"{p} is a folder with neither index.json nor config.json: give a "
+                         "converted hepti model folder (`hepti convert ... --out DIR`), a "
+                         "checkpoint folder with config.json, an .onnx file or a .json operator "
+                         "graph")
+    return model_graph(config_from_json(p / "config.json"), batch, input_shape, p.name)
+
+
+def model_graph(cfg, batch: int, input_shape, name: str) -> OpDag:
+    """The operator DAG of a model config (a CNN, BERT or ViT) at `batch`; `input_shape` as
+    `load_graph`'s."""
     if cfg.model_type == "cnn":
-        try:
-            from hepti.graph.cnn import build
-        except ImportError:
-            raise GraphError(f"{p} is a CNN, and this hepti has no CNN graphs (hepti.graph.cnn) "
-                             "yet") from None
+        from hepti.graph.cnn import build
         h = w = cfg.image_size
         if input_shape:
             if len(input_shape) != 3 or input_shape[0] != cfg.num_channels:
@@ -331,7 +336,7 @@ def _model_folder(p: Path, batch: int, input_shape) -> OpDag:
                                  + "x".join(map(str, input_shape)))
             h, w = input_shape[1:]
         try:
-            return from_cnn(build(cfg), batch, h, w, name=p.name)
+            return from_cnn(build(cfg), batch, h, w, name=name)
         except ValueError as e:
             raise GraphError(str(e)) from None
     from hepti.graph.encoder import family_graph
@@ -344,7 +349,7 @@ def _model_folder(p: Path, batch: int, input_shape) -> OpDag:
         T = input_shape[0] if input_shape else 128
         if input_shape and len(input_shape) != 1:
             raise GraphError("--input-shape for BERT is the tokens per sequence, e.g. 128")
-    return from_encoder(family_graph(cfg, batch, T), name=p.name)
+    return from_encoder(family_graph(cfg, batch, T), name=name)
 
 
 # --- random graphs (the tests' and the benchmark's) ------------------------------------------

@@ -185,6 +185,32 @@ class SingleCNN:
         return self.model.forward(batch.pixels)[:, None, :]
 
 
+def load_kernels(threads: int = 1) -> None:
+    """Have Numba load (or, on a cold cache, compile) every kernel a CNN's forward calls, by
+    running each once on tiny random arrays, as hepti.model.bert.load_kernels does for the
+    encoders. The kernels' Numba signatures depend on dtypes and ranks, not on sizes or on the
+    model (the conv's path, rows or implicit im2col, is a run-time argument of one function), so
+    a 1x1, a 3x3 at stride 2 with a residual, a depthwise 3x3, the pools and the head's GeMM
+    cover MobileNetV2, ResNet-50 and VGG-16 alike, on one rank or on bands of rows."""
+    from hepti import kernels as K
+    rng = np.random.default_rng(0)
+    r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    x = r(1, 8, 8, 16)  # NHWC
+    y = K.conv2d(x, K.pack_conv_weight(r(16, 16, 1, 1)), r(16), relu="relu6", threads=threads)
+    y = K.conv2d(y, K.pack_conv_weight(r(16, 16, 3, 3)), r(16), 2, 1, relu="relu",
+                 residual=r(1, 4, 4, 16), out=np.empty((1, 4, 4, 16), np.float32),
+                 threads=threads)
+    y = K.conv2d(y, K.pack_conv_weight(r(16, 16, 3, 3)), r(16), 1, 1, threads=threads)
+    dw = K.pack_conv_weight(r(16, 1, 3, 3), groups=16)
+    y = K.conv2d(y, dw, r(16), 1, 1, relu="relu6", residual=y.copy(), threads=threads)
+    y = K.conv2d(y, dw, r(16), 2, 1, threads=threads)
+    K.max_pool2d(x, 3, 2, 1, out=np.empty((1, 4, 4, 16), np.float32))
+    K.avg_pool2d(x, 2)
+    v = K.global_avg_pool(x)
+    K.relu(K.gemm(v, K.pack_b(r(8, 16), trans=True), r(8), threads=threads))
+    K.relu6(x)
+
+
 def top_k(logits: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
     """Per row: the k largest classes and their softmax probabilities, best first."""
     z = logits.astype(np.float64)

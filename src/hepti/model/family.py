@@ -8,10 +8,17 @@ The layers are the graph's (hepti.graph.encoder) and run on the interpreter
 """
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+log = logging.getLogger("hepti")
+# A warm Numba cache loads every kernel in well under a second; past this, it is compiling.
+COMPILE_NOTICE_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,30 @@ def family(config) -> Family:
     except KeyError:
         raise ValueError(f"no runtime for model_type {config.model_type!r}; known: "
                          f"{', '.join(FAMILIES)}") from None
+
+
+def load_kernels(config, threads: int = 1, announce: bool = True) -> None:
+    """Load every kernel a forward of this model calls before any forward is timed. On a cold
+    Numba cache (a new clone, edited kernels) that compiles them, once, for up to a few minutes
+    on a slow device: if it takes longer than COMPILE_NOTICE_S, say so while it runs (rank 0
+    alone: `announce`), so that a first run neither looks hung nor reports compile time as
+    forward time."""
+    if config.model_type == "cnn":  # the CNNs have no Family entry yet: no primary operators
+        from hepti.model.cnn import load_kernels as load
+    else:
+        load = family(config).load_kernels
+    t0 = time.perf_counter()
+    notice = threading.Timer(COMPILE_NOTICE_S, lambda: log.info(
+        "compiling kernels (once; later runs load them from Numba's cache)..."))
+    if announce:
+        notice.daemon = True
+        notice.start()
+    try:
+        load(threads)
+    finally:
+        notice.cancel()
+    if announce and time.perf_counter() - t0 > COMPILE_NOTICE_S:
+        log.info("kernels ready in %.1f s", time.perf_counter() - t0)
 
 
 class SingleDevice:

@@ -35,6 +35,7 @@ class BandJob:
     def __init__(self, world, store, plan, threads: int = 1):
         from hepti.graph.cnn import build
         from hepti.model.cnn import Weights
+        from hepti.model.family import load_kernels
         from hepti.graph.split import conv_rows, streamed_convs
         from hepti.parallel.bands import BandExecutor, head_rows
         from hepti.parallel.engine import current_rss, reset_peak_rss
@@ -44,6 +45,8 @@ class BandJob:
         split = split_of(plan)
         self.active = [i for i, r in enumerate(split.ratios) if r > 0]
         self.members = split.members()
+        if world.rank in self.members:  # compiled before the job counts its memory or time
+            load_kernels(store.config, threads, announce=world.rank == 0)
         reset_peak_rss()
         self.rss_before_load = current_rss()
         self.group = world.split(world.rank in self.members, first=world.rank == 0)

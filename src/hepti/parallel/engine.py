@@ -239,7 +239,7 @@ class Job:
     reads neither. Collective over the world (the group's split)."""
 
     def __init__(self, world, store, plan: Plan, threads: int = 1, layers=None, primary_ops=None):
-        from hepti.model.family import family
+        from hepti.model.family import family, load_kernels
         from hepti.parallel.layers import slice_packer
         from hepti.parallel.slices import outside_layers
 
@@ -249,8 +249,8 @@ class Job:
         self.active = active_ranks(plan, cfg)
         self.is_active = rank in self.active
         fam = family(cfg)
-        if self.is_active:
-            fam.load_kernels(threads)  # the kernels' code (~70 MiB) is the runtime's, not the job's
+        if self.is_active:  # the kernels' code (~70 MiB) is the runtime's, not the job's
+            load_kernels(cfg, threads, announce=rank == 0)
         reset_peak_rss()
         self.rss_before_load = current_rss()
         # one sub-communicator of the ranks that work (freed by close()); the others skip
@@ -488,10 +488,12 @@ def get_profile(args, world, cfg, batch: int, seq_len: int):
                 log.warning(note)
             return prof
         return agree(world, load_checked)
-    profile, measured = cached_profile(world.mpi, cfg, seq_len, batch=batch, threads=args.threads,
-                                       mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None)
-    if world.rank == 0 and measured and not args.json:
-        print("profiled the devices (cached for reuse)", file=sys.stderr)
+    profile, measured, path = cached_profile(
+        world.mpi, cfg, seq_len, batch=batch, threads=args.threads,
+        mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None)
+    if world.rank == 0:
+        log.info("%s the devices' profile %s (kept a day; delete it, or run `hepti profile`, to "
+                 "measure again)", "measured" if measured else "using", path)
     return profile
 
 

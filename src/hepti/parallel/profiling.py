@@ -1229,8 +1229,9 @@ def profile_cache_path(hostfile: str | None, model_name: str, world_size: int,
 
 def cached_profile(comm, config: ModelConfig, seq_len: int, hostfile: str | None = None,
                    max_age_s: float = 24 * 3600, mem_cap: float | None = None, batch: int = 1,
-                   threads: int = 1, refresh: bool = False) -> tuple[Profile, bool]:
-    """(profile, measured_now): the cached profile if fresh enough, else measure and cache it.
+                   threads: int = 1, refresh: bool = False) -> tuple[Profile, bool, Path]:
+    """(profile, measured_now, cache file): the cached profile if fresh enough, else measure and
+    cache it.
     All ranks call this; rank 0 decides and writes the file. Without a hostfile the cache is
     keyed by every rank's host name, in rank order; with or without one, also by every rank's
     caps (see `profile_cache_path`)."""
@@ -1249,7 +1250,7 @@ def cached_profile(comm, config: ModelConfig, seq_len: int, hostfile: str | None
             text = None  # stale, from another world size, or damaged: measure again
     text = comm.bcast(text, root=0)
     if text is not None:
-        return profile_from_dict(json.loads(text), str(path)), False
+        return profile_from_dict(json.loads(text), str(path)), False, path
     prof = measure_profile(comm, config, seq_len, mem_cap, batch, threads, hostfile)
     if comm.Get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -1257,4 +1258,4 @@ def cached_profile(comm, config: ModelConfig, seq_len: int, hostfile: str | None
         tmp.write_text(json.dumps(prof, indent=2) + "\n")
         tmp.replace(path)
     comm.Barrier()
-    return profile_from_dict(prof, "measured profile"), True
+    return profile_from_dict(prof, "measured profile"), True, path

@@ -161,12 +161,14 @@ def _split_input(value) -> tuple[list[str] | None, list[list] | None]:
                 f"it mixes types: element 0 is {_a(value[0])}, element {odd} is {_a(value[odd])}")
         raise RequestError(400, f"input is a list, but {what}; send {INPUT_SHAPES}",
                            "invalid_input")
+    # An empty string is embedded, as `hepti run --text ""` and a blank line of --input are
+    # (sentence-transformers' behaviour: the tokenizer's special tokens alone); an empty list
+    # of token ids has no token at all to embed.
     for i, x in enumerate(value):
-        if not x:
-            what, fix = (("an empty string", "some text") if isinstance(x, str) else
-                         ("an empty list of token ids", "its token ids"))
-            raise RequestError(400, f"input {i} is {what}; every input needs at least one "
-                               f"token: drop it or send {fix}", "empty_input")
+        if isinstance(x, list) and not x:
+            raise RequestError(400, f"input {i} is an empty list of token ids; every input "
+                               "needs at least one token: drop it or send its token ids",
+                               "empty_input")
     return (value, None) if kinds == {"string"} else (None, value)
 
 
