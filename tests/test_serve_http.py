@@ -340,6 +340,22 @@ def test_oversize_body_refused_unread(extra):
         assert post(addr, {"input": [1]})[0] == 200
 
 
+def test_a_body_shorter_than_its_content_length_is_answered_408():
+    """A client that announces more body than it sends (a dead or stalled client) holds a
+    connection, and the thread serving it, only for the read timeout: then 408, closed."""
+    with running(FakeService(), read_timeout_s=0.5) as addr:
+        t0 = time.monotonic()
+        status, headers, body, closed = raw_exchange(
+            addr, b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"input\": [1")
+        assert status == 408, body
+        assert time.monotonic() - t0 < 5   # generous: the timeout is 0.5 s
+        assert body["error"]["code"] == "request_timeout"
+        assert "12 of 100 bytes" in body["error"]["message"]
+        assert headers["Connection"] == "close" and closed
+        assert post(addr, {"input": [1]})[0] == 200
+
+
 def test_length_required(addr):
     status, _, body, closed = raw_exchange(
         addr, b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\r\n",

@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the plan file (for `hepti run --plan`)")
     s.add_argument("--out", metavar="PLAN.json", help="also write the plan file here")
 
-    from hepti.serve.http import ROUTES_HELP
+    from hepti.serve.http import READ_TIMEOUT_S, ROUTES_HELP
     s = sub.add_parser(
         "serve", help="serve embeddings over HTTP (or --jsonl) from a long-lived MPI job",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -351,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "free of the spread between launches")
     s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="answer 503 to a request not done in S seconds (default 600)")
+    s.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, metavar="S",
+                   help="answer 408 and close the connection when a request's body is not "
+                        "whole S seconds after its headers: a client that sends less than its "
+                        "Content-Length, or trickles it, holds a thread no longer (default "
+                        f"{READ_TIMEOUT_S:g}; raise it for large bodies over slow links)")
 
     s = sub.add_parser("bench", help="benchmarks: kernels, model, solver, comm")
     bsub = s.add_subparsers(dest="bench", metavar="WHAT", required=True)

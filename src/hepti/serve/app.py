@@ -32,6 +32,9 @@ def worker_args(args) -> list[str]:
 def check_args(args) -> None:
     """What would fail only once the workers run: say it now."""
     from hepti.weights import WeightStore
+    if not args.read_timeout > 0:
+        raise InputError(f"--read-timeout {args.read_timeout:g}: give the seconds a request's "
+                         "body may take to arrive, above 0")
     if args.plan and (args.strategy or args.ratios):
         raise InputError("--plan already sets the strategy and ratios; drop --strategy/--ratios")
     for flag in ("plan", "profile", "hostfile"):
@@ -76,7 +79,8 @@ def run(args) -> int:
                 log.error("%d request(s) were answered with an error (their lines say why)", errors)
             return 1 if errors else 0
         server = make_server(sup, api_key=args.api_key or os.environ.get(API_KEY_ENV),
-                             limits=limits, sock=sock, log=log)
+                             limits=limits, sock=sock, log=log,
+                             read_timeout_s=args.read_timeout)
         host, port = server.server_address[:2]
         print(f"hepti serve: listening on http://{host}:{port} (model {sup.name}, "
               f"{args.n} rank(s)); GET /health says when the workers are ready; Ctrl-C stops",

@@ -16,6 +16,7 @@ import socket
 import socketserver
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,6 +32,10 @@ ROUTES = {"/v1/embeddings": "POST", "/embeddings": "POST", "/health": "GET", "/m
 ROUTE_LIST = "POST /v1/embeddings (or /embeddings), GET /health, GET /metrics"
 RETRY_AFTER_S = 5      # what a 503 tells clients to wait
 IDLE_TIMEOUT_S = 60    # a kept-alive connection idle this long is closed (it holds a thread)
+# A request's body must arrive whole within this many seconds of its headers, else 408 and the
+# connection closes: a client that announces more than it sends (or trickles it) holds a thread
+# only this long. 8 MiB (the default --max-body-bytes) takes ~7 s at 10 Mbit/s. --read-timeout.
+READ_TIMEOUT_S = 10.0
 
 ROUTES_HELP = """\
 routes:
@@ -56,13 +61,15 @@ example:
 
 def make_server(service, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                 limits: Limits = Limits(), sock: socket.socket | None = None,
-                log: logging.Logger | None = None) -> EmbeddingsServer:
+                log: logging.Logger | None = None,
+                read_timeout_s: float = READ_TIMEOUT_S) -> EmbeddingsServer:
     """An HTTP server for `service` (not yet serving: call its serve_forever()).
 
     `sock`, an already bound and listening socket, is used instead of binding host:port (the
-    caller may have made it in another network namespace)."""
+    caller may have made it in another network namespace). A body not whole `read_timeout_s`
+    after its headers is answered 408."""
     return EmbeddingsServer(service, (host, port), api_key, limits,
-                            log or logging.getLogger("hepti"), sock)
+                            log or logging.getLogger("hepti"), sock, read_timeout_s)
 
 
 class EmbeddingsServer(ThreadingHTTPServer):
@@ -71,8 +78,10 @@ class EmbeddingsServer(ThreadingHTTPServer):
     request_queue_size = 64
 
     def __init__(self, service, address: tuple[str, int], api_key: str | None, limits: Limits,
-                 log: logging.Logger, sock: socket.socket | None = None):
+                 log: logging.Logger, sock: socket.socket | None = None,
+                 read_timeout_s: float = READ_TIMEOUT_S):
         self.service, self.api_key, self.limits, self.log = service, api_key, limits, log
+        self.read_timeout_s = read_timeout_s
         if sock is not None:
             self.address_family = sock.family
         elif ":" in address[0]:
@@ -175,13 +184,36 @@ class _Handler(BaseHTTPRequestHandler):
         return "Transfer-Encoding" in self.headers or (length is not None and length != "0")
 
     def _read_body(self) -> bytes:
+        """The whole body, within the read timeout of now (408 if not: the client announced
+        more than it sends, or sends it too slowly)."""
         n = int(self.headers["Content-Length"])
-        body = self.rfile.read(n)
-        self._body_unread = len(body) < n   # a short read: the client went away
+        timeout = self.server.read_timeout_s
+        deadline = time.monotonic() + timeout
+        body = bytearray(n)
+        view, got = memoryview(body), 0
+        try:
+            while got < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(left)
+                k = self.rfile.readinto1(view[got:])
+                if k == 0:   # the client went away
+                    break
+                got += k
+        except TimeoutError:
+            self._body_unread = True
+            raise RequestError(408, f"the body did not arrive within {timeout:g} s: {got} of "
+                               f"{n} bytes came; send the whole body its Content-Length "
+                               "announces, at once (the server's --read-timeout sets the wait)",
+                               "request_timeout") from None
+        finally:
+            self.connection.settimeout(self.timeout)
+        self._body_unread = got < n
         if self._body_unread:
-            raise RequestError(400, f"the body ended after {len(body)} of {n} bytes; send the "
+            raise RequestError(400, f"the body ended after {got} of {n} bytes; send the "
                                "whole body", "incomplete_body")
-        return body
+        return bytes(body)
 
     def _send_error(self, status: int, message: str, code: str, headers=()):
         self._send(status, error_json(status, message, code), headers)
