@@ -154,15 +154,18 @@ def test_hostfile_slots_map_ranks_as_hydra_does(tmp_path):
 
 
 def start_cli(args, env=None):
-    """`hepti serve ... --port 0` as a user starts it; -> (process, base URL) once it listens."""
+    """`hepti serve ... --port 0` as a user starts it; -> (process, base URL, what it wrote on
+    stderr until then) once it listens."""
     p = subprocess.Popen([sys.executable, "-m", "hepti", "serve", "--port", "0", *map(str, args)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    said = ""
     for line in p.stderr:
         if "listening on http://" in line:
             url = line.split("listening on ")[1].split()[0]
             threading.Thread(target=p.stderr.read, daemon=True).start()  # keep the pipe drained
-            return p, url
-    raise AssertionError(f"hepti serve never listened (exit {p.wait()})")
+            return p, url, said
+        said += line
+    raise AssertionError(f"hepti serve never listened (exit {p.wait()}): {said}")
 
 
 def http(url, body=None, headers=None):
@@ -188,8 +191,11 @@ def wait_ready(url, timeout=120):
 
 def test_the_command_serves_http_and_stops_cleanly_on_ctrl_c(minilm_dir):
     mpiexec()
-    p, url = start_cli(["--model", minilm_dir, "-n", "2", "--strategy", "rows", "--api-key", "s3cret"])
+    p, url, said = start_cli(["--model", minilm_dir, "-n", "2", "--strategy", "rows",
+                              "--api-key", "s3cret"])
     try:
+        # a key on the command line is seen by every user (ps): the service says so
+        assert "--api-key puts the key on the command line" in said, said
         assert wait_ready(url)["world_size"] == 2
         key = {"Authorization": "Bearer s3cret"}
         code, body = http(url + "/v1/embeddings", {"input": TEXTS[:2]})
@@ -211,6 +217,46 @@ def test_the_command_serves_http_and_stops_cleanly_on_ctrl_c(minilm_dir):
         p.send_signal(signal.SIGINT)
         assert p.wait(60) == 0
     assert subprocess.run(["pgrep", "-f", f"hepti.serve.worker --model {minilm_dir}"]).returncode == 1
+
+
+def test_an_api_key_file_is_read_and_enforced(tiny_dir, tmp_path):
+    """--api-key-file FILE: its first line, stripped, is the key (kept out of `ps`); no
+    warning about the command line."""
+    mpiexec()
+    key_file = tmp_path / "key"
+    key_file.write_text("  k3y-in-a-file \nnot this line\n")
+    env = {k: v for k, v in os.environ.items() if k != "HEPTI_API_KEY"}
+    p, url, said = start_cli(["--model", tiny_dir, "-n", "1", "--api-key-file", key_file], env)
+    try:
+        assert "--api-key" not in said, said
+        wait_ready(url)
+        for headers, status in [({}, 401), ({"Authorization": "Bearer not this line"}, 401),
+                                ({"Authorization": "Bearer k3y-in-a-file"}, 200)]:
+            code, body = http(url + "/v1/embeddings", {"input": [[2, 5, 7]]}, headers)
+            assert code == status, body
+            if status == 401:  # where the key comes from
+                assert "--api-key-file" in body["error"]["message"], body
+    finally:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) == 0
+
+
+@pytest.mark.parametrize("content, needle", [
+    (None, "no such file"),
+    ("\n  \nkey on line 3\n", "its first line is empty"),
+    ("dir", "is a directory"),
+])
+def test_a_bad_api_key_file_is_a_clear_error(tiny_dir, tmp_path, content, needle):
+    path = tmp_path / "key"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    p = subprocess.run([sys.executable, "-m", "hepti", "serve", "--model", str(tiny_dir),
+                        "--port", "0", "--api-key-file", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert f"--api-key-file {path}: " in p.stderr and needle in p.stderr, p.stderr
 
 
 def test_jsonl_mode_answers_every_line_in_order(tiny_dir):

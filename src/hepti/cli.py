@@ -294,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
             "127.0.0.1:PORT."),
         epilog=ROUTES_HELP + "\nmore examples:\n"
                "  hepti serve --model weights/minilm-l6 -n 2 --port 8080\n"
-               "  hepti serve -n 4 -f hostfiles/my-cluster --host 0.0.0.0 --api-key \"$KEY\"\n"
+               "  hepti serve -n 4 -f hostfiles/my-cluster --host 0.0.0.0 "
+               "--api-key-file ~/.hepti-key\n"
                "  hepti serve -n 2 --jsonl < requests.jsonl > answers.jsonl\n"
                "  sudo hepti emulate --cluster hostfiles/emu-mixed4.json -- hepti serve -n 4")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model folder (default {DEFAULT_MODEL})")
@@ -319,8 +320,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
-    s.add_argument("--api-key", metavar="KEY",
-                   help="require `Authorization: Bearer KEY` (default: $HEPTI_API_KEY if set)")
+    key = s.add_mutually_exclusive_group()
+    key.add_argument("--api-key-file", metavar="FILE",
+                     help="require `Authorization: Bearer KEY` on every route but GET /health, "
+                          "KEY being FILE's first line (stripped); keep FILE private (chmod "
+                          "600). Default: $HEPTI_API_KEY if set, else no key")
+    key.add_argument("--api-key", metavar="KEY",
+                     help="as --api-key-file, with KEY itself on the command line, where every "
+                          "user of this machine sees it (ps); a warning says so. Prefer "
+                          "--api-key-file or $HEPTI_API_KEY")
     s.add_argument("--jsonl", action="store_true",
                    help="no HTTP: read one request body per line from stdin, write one answer "
                         "per line to stdout, in order; end at end of input")

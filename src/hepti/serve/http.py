@@ -164,7 +164,8 @@ class _Handler(BaseHTTPRequestHandler):
                     or not hmac.compare_digest(token.strip().encode(), key.encode()):
                 what = "is wrong" if token else "is missing"
                 return (401, f"the API key {what}; send the header Authorization: Bearer <key> "
-                        "with the key this server was started with (--api-key)",
+                        "with the key this server was started with (--api-key-file, "
+                        "$HEPTI_API_KEY or --api-key)",
                         "invalid_api_key", [("WWW-Authenticate", "Bearer")])
         method = ROUTES.get(path)
         if method is None:
