@@ -19,7 +19,8 @@ import pytest
 
 from hepti.model.pooling import pool
 from hepti.serve import ServiceUnavailable, replan
-from hepti.serve.supervisor import Supervisor, rank_hosts, read_hostfile
+from hepti.serve.protocol import split_frames
+from hepti.serve.supervisor import LATE_AFTER_S, Supervisor, rank_hosts, read_hostfile
 from test_distributed_launch import mpiexec
 from test_emulate import root_env  # noqa: F401 - the fixture: root, MPICH, no leftovers
 
@@ -153,16 +154,35 @@ def test_hostfile_slots_map_ranks_as_hydra_does(tmp_path):
     assert rank_hosts(entries, 6) == [0, 0, 1, 2, 0, 0]
 
 
+def test_split_frames_keeps_a_partial_frame_for_later():
+    import struct
+    frame = lambda head: struct.pack(">I", len(head)) + head  # noqa: E731
+    one, two = frame(b'{"op": "beat", "batch": 3}'), frame(b'{"op": "beat", "batch": null}')
+    stream = one + two
+    for cut in range(len(stream) + 1):  # however the bytes arrive, the same beats come out
+        heads, rest = split_frames(stream[:cut])
+        more, rest = split_frames(rest + stream[cut:])
+        assert heads + more == [{"op": "beat", "batch": 3}, {"op": "beat", "batch": None}]
+        assert rest == b""
+    with pytest.raises(ValueError, match="not a hepti serve peer"):
+        split_frames(b"GET / HTTP/1.1\r\n", max_header=4096)
+    with pytest.raises(ValueError):
+        split_frames(frame(b"not json"))
+
+
 def start_cli(args, env=None):
-    """`hepti serve ... --port 0` as a user starts it; -> (process, base URL) once it listens."""
+    """`hepti serve ... --port 0` as a user starts it; -> (process, base URL, what it wrote on
+    stderr until then) once it listens."""
     p = subprocess.Popen([sys.executable, "-m", "hepti", "serve", "--port", "0", *map(str, args)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    said = ""
     for line in p.stderr:
         if "listening on http://" in line:
             url = line.split("listening on ")[1].split()[0]
             threading.Thread(target=p.stderr.read, daemon=True).start()  # keep the pipe drained
-            return p, url
-    raise AssertionError(f"hepti serve never listened (exit {p.wait()})")
+            return p, url, said
+        said += line
+    raise AssertionError(f"hepti serve never listened (exit {p.wait()}): {said}")
 
 
 def http(url, body=None, headers=None):
@@ -188,8 +208,11 @@ def wait_ready(url, timeout=120):
 
 def test_the_command_serves_http_and_stops_cleanly_on_ctrl_c(minilm_dir):
     mpiexec()
-    p, url = start_cli(["--model", minilm_dir, "-n", "2", "--strategy", "rows", "--api-key", "s3cret"])
+    p, url, said = start_cli(["--model", minilm_dir, "-n", "2", "--strategy", "rows",
+                              "--api-key", "s3cret"])
     try:
+        # a key on the command line is seen by every user (ps): the service says so
+        assert "--api-key puts the key on the command line" in said, said
         assert wait_ready(url)["world_size"] == 2
         key = {"Authorization": "Bearer s3cret"}
         code, body = http(url + "/v1/embeddings", {"input": TEXTS[:2]})
@@ -211,6 +234,107 @@ def test_the_command_serves_http_and_stops_cleanly_on_ctrl_c(minilm_dir):
         p.send_signal(signal.SIGINT)
         assert p.wait(60) == 0
     assert subprocess.run(["pgrep", "-f", f"hepti.serve.worker --model {minilm_dir}"]).returncode == 1
+
+
+def test_an_api_key_file_is_read_and_enforced(tiny_dir, tmp_path):
+    """--api-key-file FILE: its first line, stripped, is the key (kept out of `ps`); no
+    warning about the command line."""
+    mpiexec()
+    key_file = tmp_path / "key"
+    key_file.write_text("  k3y-in-a-file \nnot this line\n")
+    env = {k: v for k, v in os.environ.items() if k != "HEPTI_API_KEY"}
+    p, url, said = start_cli(["--model", tiny_dir, "-n", "1", "--api-key-file", key_file], env)
+    try:
+        assert "--api-key" not in said, said
+        wait_ready(url)
+        for headers, status in [({}, 401), ({"Authorization": "Bearer not this line"}, 401),
+                                ({"Authorization": "Bearer k3y-in-a-file"}, 200)]:
+            code, body = http(url + "/v1/embeddings", {"input": [[2, 5, 7]]}, headers)
+            assert code == status, body
+            if status == 401:  # where the key comes from
+                assert "--api-key-file" in body["error"]["message"], body
+    finally:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) == 0
+
+
+@pytest.mark.parametrize("content, needle", [
+    (None, "no such file"),
+    ("\n  \nkey on line 3\n", "its first line is empty"),
+    ("dir", "is a directory"),
+])
+def test_a_bad_api_key_file_is_a_clear_error(tiny_dir, tmp_path, content, needle):
+    path = tmp_path / "key"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    p = subprocess.run([sys.executable, "-m", "hepti", "serve", "--model", str(tiny_dir),
+                        "--port", "0", "--api-key-file", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert f"--api-key-file {path}: " in p.stderr and needle in p.stderr, p.stderr
+
+
+def test_a_stopped_rank_is_named_late_by_health_then_recovers(minilm_dir):
+    """SIGSTOP of worker rank 1 (a hung device): it stops beating on its watch line, so
+    /health turns 503 "degraded" and names it (rank, host, how long silent), and a request
+    that times out meanwhile names it too. After SIGCONT it beats again: /health is ok and a
+    request is answered exactly."""
+    mpiexec()
+    p, url, _ = start_cli(["--model", minilm_dir, "-n", "2", "--strategy", "rows",
+                           "--request-timeout", "4"])
+    stopped = None
+    try:
+        wait_ready(url)
+        texts = TEXTS[:2]
+        deadline = time.monotonic() + 120  # the first batch may compile kernels past 4 s
+        while http(url + "/v1/embeddings", {"input": texts})[0] != 200:
+            assert time.monotonic() < deadline, "no answer before the rank was stopped"
+        code, m = http(url + "/metrics")
+        victim = next(r for r in m["ranks"] if r["rank"] == 1)
+        assert not victim["late"] and victim["silent_s"] < LATE_AFTER_S, victim
+        os.kill(victim["pid"], signal.SIGSTOP)
+        stopped = victim["pid"]
+        deadline = time.monotonic() + 30
+        while True:
+            code, health = http(url + "/health")
+            if health.get("late"):
+                break
+            assert time.monotonic() < deadline, f"/health never named the stopped rank: {health}"
+            time.sleep(0.3)
+        assert code == 503 and health["status"] == "degraded", health
+        [late] = health["late"]
+        assert (late["rank"], late["host"]) == (1, victim["host"]), late
+        assert late["silent_s"] >= LATE_AFTER_S
+        code, body = http(url + "/v1/embeddings", {"input": texts})
+        assert code == 503 and "rank 1 on " + victim["host"] in body["error"]["message"], body
+        code, m = http(url + "/metrics")
+        assert m["status"] == "degraded" and [r["late"] for r in m["ranks"]] == [False, True]
+        os.kill(stopped, signal.SIGCONT)
+        stopped = None
+        deadline = time.monotonic() + 30
+        while (health := http(url + "/health"))[0] != 200:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.3)
+        assert health[1]["status"] == "ok" and health[1]["late"] == []
+        code, body = http(url + "/v1/embeddings", {"input": texts})
+        assert code == 200, body
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+        tok.no_padding()
+        want = single_device(minilm_dir, [e.ids for e in tok.encode_batch(texts)])
+        got = np.array([d["embedding"] for d in body["data"]], np.float32)
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
 
 
 def test_jsonl_mode_answers_every_line_in_order(tiny_dir):

@@ -11,6 +11,8 @@ import logging
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +22,8 @@ import pytest
 from helpers import ROOT
 
 from hepti.serve import ServiceUnavailable
-from hepti.serve.http import ROUTES_HELP, make_server, serve_jsonl, shortest_floats
+from hepti.serve.http import (DRAIN_MAX_BYTES, ROUTES_HELP, make_server, serve_jsonl,
+                              shortest_floats)
 from hepti.serve.requests import Limits
 
 C = 8
@@ -336,6 +339,51 @@ def test_oversize_body_refused_unread(extra):
         assert body["error"]["message"].startswith(
             "the body has 1001 bytes; at most 1000 are read")
         assert post(addr, {"input": [1]})[0] == 200
+
+
+def test_a_body_shorter_than_its_content_length_is_answered_408():
+    """A client that announces more body than it sends (a dead or stalled client) holds a
+    connection, and the thread serving it, only for the read timeout: then 408, closed."""
+    with running(FakeService(), read_timeout_s=0.5) as addr:
+        t0 = time.monotonic()
+        status, headers, body, closed = raw_exchange(
+            addr, b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"input\": [1")
+        assert status == 408, body
+        assert time.monotonic() - t0 < 5   # generous: the timeout is 0.5 s
+        assert body["error"]["code"] == "request_timeout"
+        assert "12 of 100 bytes" in body["error"]["message"]
+        assert headers["Connection"] == "close" and closed
+        assert post(addr, {"input": [1]})[0] == 200
+
+
+def test_oversize_body_from_python_clients_gets_413():
+    """urllib and http.client send the whole body before they read an answer: the server reads
+    and drops an oversize body (up to DRAIN_MAX_BYTES) after answering, so they read the 413
+    instead of a broken pipe. 20 MB is well past what the sockets' buffers hold."""
+    big = b'{"input": "' + b"x" * (20 << 20) + b'"}'
+    with running(FakeService(), limits=Limits(max_body_bytes=1000)) as (host, port):
+        req = urllib.request.Request(f"http://{host}:{port}/v1/embeddings", data=big,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        assert refused.value.code == 413
+        assert json.loads(refused.value.read())["error"]["code"] == "body_too_large"
+        status, answer, headers = post((host, port), None, raw=big)   # http.client
+        assert status == 413 and answer["error"]["code"] == "body_too_large"
+        assert headers["Connection"] == "close"
+        assert post((host, port), {"input": [1]})[0] == 200
+
+
+def test_a_body_past_the_drain_bound_is_not_read():
+    """Past DRAIN_MAX_BYTES the body is not read at all: the answer comes, the connection
+    closes, and the server does not wait for 10 GB."""
+    with running(FakeService(), limits=Limits(max_body_bytes=1000)) as addr:
+        status, headers, body, closed = raw_exchange(
+            addr, b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 10000000000\r\n\r\n")
+        assert status == 413 and headers["Connection"] == "close" and closed
+    assert DRAIN_MAX_BYTES < 10 ** 10
 
 
 def test_length_required(addr):

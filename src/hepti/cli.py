@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the plan file (for `hepti run --plan`)")
     s.add_argument("--out", metavar="PLAN.json", help="also write the plan file here")
 
-    from hepti.serve.http import ROUTES_HELP
+    from hepti.serve.http import READ_TIMEOUT_S, ROUTES_HELP
     s = sub.add_parser(
         "serve", help="serve embeddings over HTTP (or --jsonl) from a long-lived MPI job",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -312,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
             "127.0.0.1:PORT."),
         epilog=ROUTES_HELP + "\nmore examples:\n"
                "  hepti serve --model weights/minilm-l6 -n 2 --port 8080\n"
-               "  hepti serve -n 4 -f hostfiles/my-cluster --host 0.0.0.0 --api-key \"$KEY\"\n"
+               "  hepti serve -n 4 -f hostfiles/my-cluster --host 0.0.0.0 "
+               "--api-key-file ~/.hepti-key\n"
                "  hepti serve -n 2 --jsonl < requests.jsonl > answers.jsonl\n"
                "  sudo hepti emulate --cluster hostfiles/emu-mixed4.json -- hepti serve -n 4")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model folder (default {DEFAULT_MODEL})")
@@ -337,8 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
-    s.add_argument("--api-key", metavar="KEY",
-                   help="require `Authorization: Bearer KEY` (default: $HEPTI_API_KEY if set)")
+    key = s.add_mutually_exclusive_group()
+    key.add_argument("--api-key-file", metavar="FILE",
+                     help="require `Authorization: Bearer KEY` on every route but GET /health, "
+                          "KEY being FILE's first line (stripped); keep FILE private (chmod "
+                          "600). Default: $HEPTI_API_KEY if set, else no key")
+    key.add_argument("--api-key", metavar="KEY",
+                     help="as --api-key-file, with KEY itself on the command line, where every "
+                          "user of this machine sees it (ps); a warning says so. Prefer "
+                          "--api-key-file or $HEPTI_API_KEY")
     s.add_argument("--jsonl", action="store_true",
                    help="no HTTP: read one request body per line from stdin, write one answer "
                         "per line to stdout, in order; end at end of input")
@@ -369,6 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "free of the spread between launches")
     s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="answer 503 to a request not done in S seconds (default 600)")
+    s.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, metavar="S",
+                   help="answer 408 and close the connection when a request's body is not "
+                        "whole S seconds after its headers: a client that sends less than its "
+                        "Content-Length, or trickles it, holds a thread no longer (default "
+                        f"{READ_TIMEOUT_S:g}; raise it for large bodies over slow links)")
 
     s = sub.add_parser("bench", help="benchmarks: kernels, model, solver, comm")
     bsub = s.add_subparsers(dest="bench", metavar="WHAT", required=True)

@@ -29,9 +29,41 @@ def worker_args(args) -> list[str]:
     return out
 
 
-def check_args(args) -> None:
+def api_key(args) -> str | None:
+    """The key clients must send: --api-key-file's first line (stripped), --api-key (with a
+    warning: the command line is public), else $HEPTI_API_KEY, else None (no key)."""
+    path = args.api_key_file
+    if path:
+        fix = (f"write the key on its first line, e.g. `openssl rand -hex 32 > {path} && "
+               f"chmod 600 {path}`")
+        try:
+            with open(path, encoding="utf-8-sig") as f:  # -sig: a BOM is not part of the key
+                first = f.readline().strip()
+        except FileNotFoundError:
+            raise InputError(f"--api-key-file {path}: no such file; {fix}") from None
+        except IsADirectoryError:
+            raise InputError(f"--api-key-file {path}: is a directory, not a file; {fix}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+            raise InputError(f"--api-key-file {path}: cannot read it ({why}); make it readable "
+                             f"by this user, or {fix}") from None
+        if not first:
+            raise InputError(f"--api-key-file {path}: its first line is empty; {fix}")
+        return first
+    if args.api_key:
+        log.warning("--api-key puts the key on the command line, where every user of this "
+                    "machine can read it (ps, /proc/PID/cmdline); give it in a file "
+                    "(--api-key-file FILE) or in $%s instead", API_KEY_ENV)
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def check_args(args, key: str | None = None) -> None:
     """What would fail only once the workers run: say it now."""
     from hepti.weights import WeightStore
+    if not args.read_timeout > 0:
+        raise InputError(f"--read-timeout {args.read_timeout:g}: give the seconds a request's "
+                         "body may take to arrive, above 0")
     if args.plan and (args.strategy or args.ratios):
         raise InputError("--plan already sets the strategy and ratios; drop --strategy/--ratios")
     for flag in ("plan", "profile", "hostfile"):
@@ -42,9 +74,9 @@ def check_args(args) -> None:
     if cfg.model_type in ("vit", "cnn"):
         raise InputError(f"{args.model} is a vision model; hepti serve embeds texts and token "
                          "ids (use `hepti run --image` for images)")
-    if not _loopback(args.host) and not (args.api_key or os.environ.get(API_KEY_ENV)):
-        log.warning("serving on %s without --api-key: anyone who reaches this address can use "
-                    "the service", args.host)
+    if not _loopback(args.host) and not key:
+        log.warning("serving on %s without an API key (--api-key-file or $%s): anyone who "
+                    "reaches this address can use the service", args.host, API_KEY_ENV)
 
 
 def _loopback(host: str) -> bool:
@@ -60,7 +92,8 @@ def run(args) -> int:
     from hepti.serve.requests import Limits
     from hepti.serve.supervisor import Supervisor
 
-    check_args(args)
+    key = api_key(args)
+    check_args(args, key)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs,
                     max_request_tokens=args.max_request_tokens)
     sock = None if args.jsonl else listening_socket(args.host, args.port)  # before any launch
@@ -75,8 +108,8 @@ def run(args) -> int:
             if errors:
                 log.error("%d request(s) were answered with an error (their lines say why)", errors)
             return 1 if errors else 0
-        server = make_server(sup, api_key=args.api_key or os.environ.get(API_KEY_ENV),
-                             limits=limits, sock=sock, log=log)
+        server = make_server(sup, api_key=key, limits=limits, sock=sock, log=log,
+                             read_timeout_s=args.read_timeout)
         host, port = server.server_address[:2]
         print(f"hepti serve: listening on http://{host}:{port} (model {sup.name}, "
               f"{args.n} rank(s)); GET /health says when the workers are ready; Ctrl-C stops",

@@ -16,6 +16,7 @@ import socket
 import socketserver
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,14 +32,28 @@ ROUTES = {"/v1/embeddings": "POST", "/embeddings": "POST", "/health": "GET", "/m
 ROUTE_LIST = "POST /v1/embeddings (or /embeddings), GET /health, GET /metrics"
 RETRY_AFTER_S = 5      # what a 503 tells clients to wait
 IDLE_TIMEOUT_S = 60    # a kept-alive connection idle this long is closed (it holds a thread)
+# A request's body must arrive whole within this many seconds of its headers, else 408 and the
+# connection closes: a client that announces more than it sends (or trickles it) holds a thread
+# only this long. 8 MiB (the default --max-body-bytes) takes ~7 s at 10 Mbit/s. --read-timeout.
+READ_TIMEOUT_S = 10.0
+# A body refused unread (413, 401, 404...) is still read and dropped after the answer, up to
+# this many bytes and this many seconds (and no byte READ_TIMEOUT_S apart): Python's urllib
+# and http.client send the whole body before they read, and a server that closes on an unread
+# body makes them fail with a broken pipe instead of reading the answer. A 50 MB body is
+# drained (~0.1 s on one machine, ~4 s at 100 Mbit/s); past the bound (a body declared at
+# 10 GB) the connection closes at once, and such a client sees the broken pipe.
+DRAIN_MAX_BYTES = 128 << 20
+DRAIN_MAX_S = 30.0
 
 ROUTES_HELP = """\
 routes:
   POST /v1/embeddings   embed texts or token ids (also POST /embeddings); OpenAI's shape
-  GET  /health          200 {"status": "ok", ...} when the workers are up, else 503 (no API key)
-  GET  /metrics         plan epoch, ranks' shares and predicted and measured times, latencies,
-                        re-plans and flags with their reasons, each rank's detector bounds
-                        (with --replan on; JSON)
+  GET  /health          200 {"status": "ok", ...} when the workers are up, else 503 with why:
+                        "starting", "relaunching", "failed", or "degraded" (a rank silent for
+                        seconds: hung, starved or cut off; named in "late"). No API key needed
+  GET  /metrics         plan epoch, ranks' shares and predicted and measured times, each rank's
+                        seconds since its last heartbeat, latencies, re-plans and flags with
+                        their reasons, each rank's detector bounds (with --replan on; JSON)
 
 request:  {"input": "text" | ["text", ...] | [id, ...] | [[id, ...], ...],
            "encoding_format": "float" | "base64",   (optional; base64: little-endian float32)
@@ -56,13 +71,15 @@ example:
 
 def make_server(service, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                 limits: Limits = Limits(), sock: socket.socket | None = None,
-                log: logging.Logger | None = None) -> EmbeddingsServer:
+                log: logging.Logger | None = None,
+                read_timeout_s: float = READ_TIMEOUT_S) -> EmbeddingsServer:
     """An HTTP server for `service` (not yet serving: call its serve_forever()).
 
     `sock`, an already bound and listening socket, is used instead of binding host:port (the
-    caller may have made it in another network namespace)."""
+    caller may have made it in another network namespace). A body not whole `read_timeout_s`
+    after its headers is answered 408."""
     return EmbeddingsServer(service, (host, port), api_key, limits,
-                            log or logging.getLogger("hepti"), sock)
+                            log or logging.getLogger("hepti"), sock, read_timeout_s)
 
 
 class EmbeddingsServer(ThreadingHTTPServer):
@@ -71,8 +88,10 @@ class EmbeddingsServer(ThreadingHTTPServer):
     request_queue_size = 64
 
     def __init__(self, service, address: tuple[str, int], api_key: str | None, limits: Limits,
-                 log: logging.Logger, sock: socket.socket | None = None):
+                 log: logging.Logger, sock: socket.socket | None = None,
+                 read_timeout_s: float = READ_TIMEOUT_S):
         self.service, self.api_key, self.limits, self.log = service, api_key, limits, log
+        self.read_timeout_s = read_timeout_s
         if sock is not None:
             self.address_family = sock.family
         elif ":" in address[0]:
@@ -108,6 +127,7 @@ class _Handler(BaseHTTPRequestHandler):
         refusal = self._refusal(path)
         if refusal:
             self._send_error(*refusal)
+            self._drain_body()
             return
         srv = self.server
         if ROUTES[path] == "POST":
@@ -146,7 +166,8 @@ class _Handler(BaseHTTPRequestHandler):
                     or not hmac.compare_digest(token.strip().encode(), key.encode()):
                 what = "is wrong" if token else "is missing"
                 return (401, f"the API key {what}; send the header Authorization: Bearer <key> "
-                        "with the key this server was started with (--api-key)",
+                        "with the key this server was started with (--api-key-file, "
+                        "$HEPTI_API_KEY or --api-key)",
                         "invalid_api_key", [("WWW-Authenticate", "Bearer")])
         method = ROUTES.get(path)
         if method is None:
@@ -170,18 +191,65 @@ class _Handler(BaseHTTPRequestHandler):
                     "the inputs over several requests", "body_too_large", [])
         return None
 
+    def _drain_body(self) -> None:
+        """After answering a request whose body was refused unread: end our side of the
+        connection (the client sees the whole answer and the close), then read and drop the
+        body its Content-Length declares, within DRAIN_MAX_BYTES and DRAIN_MAX_S, so a client
+        that sends it all before reading gets the answer (see DRAIN_MAX_BYTES)."""
+        length = self.headers["Content-Length"]
+        if "Transfer-Encoding" in self.headers or length is None or not length.isdigit() \
+                or not 0 < int(length) <= DRAIN_MAX_BYTES:
+            return
+        left, deadline = int(length), time.monotonic() + DRAIN_MAX_S
+        sink = memoryview(bytearray(1 << 16))
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            while left > 0 and (wait := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(min(wait, self.server.read_timeout_s))
+                k = self.rfile.readinto1(sink[:min(left, len(sink))])
+                if k == 0:   # the client closed
+                    break
+                left -= k
+        except OSError:   # timed out, or the client went away: the connection closes anyway
+            pass
+        self.close_connection = True
+
     def _declares_body(self) -> bool:
         length = self.headers["Content-Length"]
         return "Transfer-Encoding" in self.headers or (length is not None and length != "0")
 
     def _read_body(self) -> bytes:
+        """The whole body, within the read timeout of now (408 if not: the client announced
+        more than it sends, or sends it too slowly)."""
         n = int(self.headers["Content-Length"])
-        body = self.rfile.read(n)
-        self._body_unread = len(body) < n   # a short read: the client went away
+        timeout = self.server.read_timeout_s
+        deadline = time.monotonic() + timeout
+        body = bytearray(n)
+        view, got = memoryview(body), 0
+        try:
+            while got < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(left)
+                k = self.rfile.readinto1(view[got:])
+                if k == 0:   # the client went away
+                    break
+                got += k
+        except TimeoutError:
+            self._body_unread = True
+            raise RequestError(408, f"the body did not arrive within {timeout:g} s: {got} of "
+                               f"{n} bytes came; send the whole body its Content-Length "
+                               "announces, at once (the server's --read-timeout sets the wait)",
+                               "request_timeout") from None
+        finally:
+            self.connection.settimeout(self.timeout)
+        self._body_unread = got < n
         if self._body_unread:
-            raise RequestError(400, f"the body ended after {len(body)} of {n} bytes; send the "
+            raise RequestError(400, f"the body ended after {got} of {n} bytes; send the "
                                "whole body", "incomplete_body")
-        return body
+        return bytes(body)
 
     def _send_error(self, status: int, message: str, code: str, headers=()):
         self._send(status, error_json(status, message, code), headers)

@@ -53,6 +53,32 @@ def recv(sock: socket.socket) -> tuple[dict, bytes]:
     return header, _recv_exact(sock, nbytes) if nbytes else b""
 
 
+def split_frames(buf: bytes, max_header: int = MAX_HEADER) -> tuple[list[dict], bytes]:
+    """The whole frames at the head of `buf` (a stream's bytes read so far) -> (their headers,
+    the bytes after them: the start of a frame still coming). Payloads are skipped (a watch
+    line's beats have none). ValueError when a header or payload is over max_header bytes, or
+    a header is not JSON: not a hepti serve peer."""
+    heads, at = [], 0
+    while len(buf) - at >= _LEN.size:
+        (n,) = _LEN.unpack_from(buf, at)
+        if n > max_header:
+            raise ValueError(f"a frame header of {n} bytes: not a hepti serve peer")
+        start = at + _LEN.size
+        if len(buf) - start < n:
+            break
+        header = json.loads(bytes(buf[start:start + n]))
+        if not isinstance(header, dict):
+            raise ValueError(f"a frame header that is not a JSON object: {header!r:.80}")
+        nbytes = int(header.get("nbytes", 0))
+        if not 0 <= nbytes <= max_header:
+            raise ValueError(f"a frame payload of {nbytes} bytes where none was expected")
+        if len(buf) - start - n < nbytes:
+            break
+        heads.append(header)
+        at = start + n + nbytes
+    return heads, bytes(buf[at:])
+
+
 def pack_ids(inputs: list[np.ndarray]) -> tuple[list[int], np.ndarray]:
     """Token id lists as (lengths, one concatenated int64 array)."""
     lengths = [len(x) for x in inputs]

@@ -19,6 +19,12 @@ for what is left; a fixed --ratios or --plan, made for the old world size, gives
 An input whose batch was in flight at two failures is answered with an error rather than tried
 a third time (it may be what kills the workers). Launches that fail before hello
 `MAX_FAILED_STARTS` times in a row end the service: waiting requests get 503.
+
+A rank that hangs (stopped, starved, behind a silent link) ends nothing: the batch just waits.
+Every rank beats on its watch line (hepti.serve.worker's `_Heartbeat`, every 0.5 s, from a
+thread that runs while the rank computes or waits in MPI); a rank silent for LATE_AFTER_S is
+late: /health answers 503 "degraded" naming it (rank, host, pid, seconds silent, the batch it
+was in), /metrics marks it, and a request that times out names it.
 """
 from __future__ import annotations
 
@@ -50,6 +56,14 @@ MAX_ATTEMPTS = 2  # failures an input's batch may be part of before the input is
 LATENCY_WINDOW = 2000  # requests whose latency /metrics' percentiles cover
 REPLANS_KEPT = 500  # re-plan events /metrics lists
 AB_RUNS_KEPT = 200  # --replan-ab's runs of batches /metrics lists
+# A rank whose watch line has carried nothing for this long is late (/health: 503 "degraded").
+# Its beats (every hepti.serve.worker.BEAT_EVERY_S = 0.5 s) come from a thread of their own
+# that runs while the rank computes (nogil kernels) or waits in MPI, so only a rank that is
+# stopped, starved of CPU or cut off misses six in a row: a device capped at 0.15 core still
+# runs the thread every cgroup period (100 ms), and a shaped link delays a beat by its queue
+# (tens of ms), not by a batch's transfers.
+LATE_AFTER_S = 3.0
+MAX_BEAT_BYTES = 4096  # a watch line's frame (a beat: ~80 bytes); larger is not a rank's
 
 
 @dataclass
@@ -69,6 +83,36 @@ class Piece:
     index: int
     ids: np.ndarray
     attempts: int = 0
+
+
+@dataclass
+class WatchLine:
+    """A rank's watch line, as the front end reads it: who, and when it last heard from it."""
+    rank: int
+    host: str
+    pid: int | None
+    last: float = field(default_factory=time.monotonic)  # when anything last came (monotonic)
+    in_batch: int | None = None  # the batch the rank said it was in (None: between batches)
+    closed: bool = False
+    garbled: bool = False  # it sent something that is not frames: only its liveness is read
+    buf: bytes = b""
+
+    def hear(self, data: bytes) -> None:
+        """Bytes off the line: any of them is a sign of life; beats also say the batch."""
+        self.last = time.monotonic()
+        if self.garbled:
+            return
+        try:
+            frames, self.buf = protocol.split_frames(self.buf + data, MAX_BEAT_BYTES)
+        except (ValueError, TypeError) as e:
+            log.warning("serve: rank %d's watch line sent something unexpected (%s); only "
+                        "whether it is silent is read from now on", self.rank, e)
+            self.garbled, self.buf = True, b""
+            return
+        for head in frames:
+            if head.get("op") == "beat":
+                batch = head.get("batch")
+                self.in_batch = batch if isinstance(batch, int) else None
 
 
 class WorkerFailed(ServiceUnavailable):
@@ -143,6 +187,8 @@ class Supervisor:
         self._thread = threading.Thread(target=self._life, name="hepti-serve-workers", daemon=True)
         self._watch = selectors.DefaultSelector()  # each rank's watch line (hepti.serve.worker)
         self._closed: list[tuple[float, int]] = []  # (when, rank) as the lines close
+        self._lines: dict[int, WatchLine] = {}  # the current launch's, by rank
+        self._ready_at = time.monotonic()  # when the current launch said hello
         threading.Thread(target=self._watch_ranks, name="hepti-serve-watch", daemon=True).start()
         # what /metrics reports
         self.epoch = 0
@@ -179,16 +225,48 @@ class Supervisor:
         if not req.done.wait(self.request_timeout_s):
             with self._cv:
                 self._drop(req)
-            raise ServiceUnavailable(f"no answer within {self.request_timeout_s:g} s "
-                                     f"(workers {self._status}); try again")
+            late = self.late_ranks()
+            why = f"workers {self._status}" if not late else _late_text(late)
+            # the HTTP answer adds "retry later"
+            raise ServiceUnavailable(f"no answer within {self.request_timeout_s:g} s ({why})")
         if req.error is not None:
             raise req.error
         self._latencies.append(time.perf_counter() - req.t_submit)
         return req.out
 
     def health(self) -> dict:
-        return {"status": self._status, "model": self.name, "plan_epoch": self.epoch,
-                "world_size": len(self.ranks) or None, "queued": len(self._queue)}
+        """"ok", or why not: "starting", "relaunching", "failed", "stopping", or "degraded"
+        (the workers are up, but a rank is late: `late` names it, `message` says it)."""
+        late = self.late_ranks()
+        out = {"status": "degraded" if late else self._status, "model": self.name,
+               "plan_epoch": self.epoch, "world_size": len(self.ranks) or None,
+               "queued": len(self._queue), "late": late}
+        if late:
+            out["message"] = _late_text(late) + "; requests wait for it"
+        return out
+
+    def heartbeats(self) -> dict[int, dict]:
+        """Each rank of the serving job (by rank): how long its watch line has been silent,
+        the batch it was in when last heard, and whether that makes it late. Empty while no
+        job is serving (starting, relaunching)."""
+        if self._status != "ok":
+            return {}
+        now, lines, out = time.monotonic(), self._lines, {}
+        for r in self.ranks:
+            line = lines.get(r["rank"])  # every rank's line comes before the hello; else
+            silent = now - (line.last if line else self._ready_at)  # silent since it
+            out[r["rank"]] = {"rank": r["rank"], "host": r.get("host"), "pid": r.get("pid"),
+                              "silent_s": round(silent, 2),
+                              "in_batch": line.in_batch if line else None,
+                              "line": "missing" if line is None else
+                              "closed" if line.closed else "open",
+                              "late": silent >= LATE_AFTER_S}
+        return out
+
+    def late_ranks(self) -> list[dict]:
+        """The serving job's ranks silent for LATE_AFTER_S or more (`heartbeats`)."""
+        return [{k: v for k, v in b.items() if k != "late"}
+                for b in self.heartbeats().values() if b["late"]]
 
     def metrics(self) -> dict:
         lat = sorted(self._latencies)
@@ -197,12 +275,18 @@ class Supervisor:
             return lat[min(len(lat) - 1, int(p / 100 * len(lat)))] * 1e3 if lat else None
         per_rank = []
         predicted = (self.plan or {}).get("predicted", {}).get("per_rank", [])
+        beats = self.heartbeats()
         for r in self.ranks:
             k = r["rank"]
+            beat = beats.get(k, {})
             per_rank.append({**r, "shares": {d: v[k] for d, v in (self.plan or {}).get("ratios", {}).items()},
-                             "predicted": predicted[k] if k < len(predicted) else None})
+                             "predicted": predicted[k] if k < len(predicted) else None,
+                             # its watch line: seconds silent, the batch it was in, late or not
+                             **{f: beat.get(f) for f in ("silent_s", "in_batch", "line", "late")}})
+        late = [b["rank"] for b in beats.values() if b["late"]]
         return {
-            "status": self._status, "model": self.name, "plan_epoch": self.epoch,
+            "status": "degraded" if late else self._status, "model": self.name,
+            "plan_epoch": self.epoch, "late_after_s": LATE_AFTER_S, "late": late,
             "plan": None if self.plan is None else {
                 k: self.plan.get(k) for k in ("strategy", "ratios", "primary", "layers",
                                               "predicted_latency_s", "explanation")},
@@ -311,6 +395,7 @@ class Supervisor:
         log.info("serve: starting %d worker rank(s): %s", self.n, " ".join(cmd))
         self._stderr_tail.clear()
         self._closed.clear()
+        self._lines = {}
         self.watcher = None  # the next hello brings the new job's plan and profile
         for key in list(self._watch.get_map().values()):  # the last launch's lines
             try:
@@ -346,13 +431,16 @@ class Supervisor:
                 sock.close()
                 continue
             if hello["op"] == "watch":  # a rank's line, held open while it lives (_watch)
-                self._watch.register(sock, selectors.EVENT_READ, int(hello["rank"]))
+                line = WatchLine(int(hello["rank"]), str(hello.get("host", "")), hello.get("pid"))
+                self._lines[line.rank] = line
+                self._watch.register(sock, selectors.EVENT_READ, line)
                 continue
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._cv:
                 self.epoch += 1
                 self.plan, self.ranks = hello["plan"], hello["ranks"]
+                self._ready_at = time.monotonic()
                 self._status = "ok"
             if self.replan and hello.get("profile"):
                 from hepti.serve.replan import PlanWatcher
@@ -366,21 +454,26 @@ class Supervisor:
         return None
 
     def _watch_ranks(self) -> None:
-        """Note when each rank's watch line closes: a killed rank's first, then the others' as
-        mpiexec ends them (MPICH's own report names whichever of them it saw first)."""
+        """Read each rank's beats off its watch line (`WatchLine.hear`), and note when each
+        line closes: a killed rank's first, then the others' as mpiexec ends them (MPICH's own
+        report names whichever of them it saw first)."""
         while True:
             for key, _ in self._watch.select(timeout=0.5):
+                line: WatchLine = key.data
                 try:
-                    data = key.fileobj.recv(64)
+                    data = key.fileobj.recv(MAX_BEAT_BYTES)
                 except OSError:
                     data = b""
-                if not data:
-                    self._closed.append((time.monotonic(), key.data))
-                    try:
-                        self._watch.unregister(key.fileobj)
-                    except (KeyError, ValueError):  # a new launch cleared it
-                        continue
-                    key.fileobj.close()
+                if data:
+                    line.hear(data)
+                    continue
+                line.closed = True
+                self._closed.append((time.monotonic(), line.rank))
+                try:
+                    self._watch.unregister(key.fileobj)
+                except (KeyError, ValueError):  # a new launch cleared it
+                    continue
+                key.fileobj.close()
 
     def _serve(self, sock: socket.socket) -> str:
         """Send batches until the service stops (then tell the workers) or the channel breaks."""
@@ -636,6 +729,13 @@ def _load_tokenizer(path: Path):
     tok.no_padding()
     tok.no_truncation()
     return tok
+
+
+def _late_text(late: list[dict]) -> str:
+    """Late ranks (`Supervisor.late_ranks`) in a sentence for a person."""
+    who = ", ".join(f"rank {b['rank']} on {b['host']} (pid {b['pid']}) silent for "
+                    f"{b['silent_s']:.1f} s" for b in late)
+    return f"{who}: stopped, starved of CPU or cut off"
 
 
 def _shape(batch: list[Piece]) -> tuple[int, int]:

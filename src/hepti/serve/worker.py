@@ -9,6 +9,10 @@ per batch the front end sends, rank 0 broadcasts a command, [op, batch id], and 
 the batch through the job; rank 0 pools the hidden states and answers. Between batches the
 other ranks wait in `Comm.bcast_idle`, asleep, and rank 0 in a socket read.
 
+Every rank also holds a watch line to the front end, and beats on it (`_Heartbeat`): the
+front end sees which rank is hung or cut off without MPI, and which closed its line first
+when the job ends.
+
 A failure on any rank ends the whole job (`run_guarded_fn`), as in `hepti run`: the front end
 sees the channel close and mpiexec exit, and relaunches (hepti.serve.supervisor).
 """
@@ -18,9 +22,12 @@ import argparse
 import math
 import os
 import sys
+import threading
 import time
 
 import numpy as np
+
+from hepti.serve import protocol
 
 OP_STOP, OP_BATCH, OP_PROBE, OP_PREPARE, OP_SWITCH = 0, 1, 2, 3, 4
 OPS = {"stop": OP_STOP, "batch": OP_BATCH, "probe": OP_PROBE, "prepare": OP_PREPARE,
@@ -33,6 +40,9 @@ PROBE_SIZES = ((1024, 5), (262144, 2), (1048576, 2))
 # bandwidth reads high on a shaped link (a burst passes at line rate), so a link that looks
 # restored is probed again with PROBE_SIZES before the plan uses the figure.
 CHECK_SIZES = ((1024, 3), (262144, 1))
+# How often each rank beats on its watch line (`_Heartbeat`); the front end calls a rank late
+# after hepti.serve.supervisor.LATE_AFTER_S without one. A beat is ~80 bytes.
+BEAT_EVERY_S = 0.5
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,7 +89,6 @@ def serve(args) -> int:
     from hepti.parallel.engine import (Job, agree, get_profile, needs_planner, plan_with_profile,
                                        resolve_plan)
     from hepti.parallel.trace import Tracer
-    from hepti.serve import protocol
     from hepti.weights import WeightStore
 
     t_start = time.perf_counter()
@@ -102,6 +111,7 @@ def serve(args) -> int:
     # that closed first names the rank that was lost (hepti.serve.supervisor)
     watch = protocol.connect(os.environ[protocol.CONTROL_ENV])
     protocol.send(watch, {"op": "watch", "token": os.environ.get(protocol.TOKEN_ENV, ""), **me})
+    beat = _Heartbeat(watch, world.rank)
     ranks = world.gather_obj(me)  # after every rank's watch line: the hello comes last
     sock = None
     state = _State(world, store, job, args)
@@ -133,6 +143,7 @@ def serve(args) -> int:
             op, batch_id, report = (int(v) for v in world.bcast_idle(cmd, 3))
             if op == OP_STOP:
                 return 0
+            beat.batch = batch_id if op == OP_BATCH else None
             if op == OP_BATCH:
                 answer = state.batch(header, data, bool(args.replan and report),
                                      (lambda msg, payload=None:
@@ -144,6 +155,7 @@ def serve(args) -> int:
                 answer = state.prepare(header)
             else:
                 answer = state.switch()
+            beat.batch = None
             if rank0:
                 head, payload = answer
                 protocol.send(sock, {"id": batch_id, **head}, payload)
@@ -151,7 +163,40 @@ def serve(args) -> int:
         if sock is not None:
             sock.close()
         state.close()
+        beat.stop()
         watch.close()
+
+
+class _Heartbeat:
+    """A rank's sign of life for the front end, without MPI: a daemon thread sends a frame
+    {"op": "beat", "rank", "batch": the batch this rank is in (None between batches), "t": its
+    clock} on the rank's watch line every BEAT_EVERY_S.
+
+    It beats while the main thread computes (the kernels release the GIL: nogil) or waits in
+    MPI (mpi4py releases it in blocking calls, and `bcast_idle` sleeps), so a rank that stops
+    beating is stopped (SIGSTOP, a frozen device), starved or cut off, not merely busy or
+    waiting for a slower peer. A send that fails (the front end went away) ends the beats,
+    never the rank: die-with-parent ends the rank, as before."""
+
+    def __init__(self, sock, rank: int):
+        self.sock, self.rank = sock, rank
+        self.batch: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hepti-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_EVERY_S):
+            try:
+                protocol.send(self.sock, {"op": "beat", "rank": self.rank, "batch": self.batch,
+                                          "t": time.time()})
+            except OSError:  # the front end is gone: nothing to beat to
+                return
+
+    def stop(self) -> None:
+        """End the beats (before the line closes: a send never meets a closed socket)."""
+        self._stop.set()
+        self._thread.join(2 * BEAT_EVERY_S)
 
 
 # A rank reads the next plan's slices beside the current ones only with this many times their
@@ -208,7 +253,6 @@ class _InBatchWatch:
     series' baseline), "wall_s": the batch's predicted time}, from the front end."""
 
     def __init__(self, tracer, expect: dict, notify):
-        import threading
         self.tracer, self.notify = tracer, notify
         self.comm_s, self.wall_s = float(expect["comm_s"]), float(expect["wall_s"])
         self.t0 = time.perf_counter()
@@ -320,7 +364,6 @@ class _State:
         A batch that does not report does what a --replan off service does: no gather, no
         speed probe, no memory reading."""
         from hepti.model.pooling import pool
-        from hepti.serve import protocol
         w, rank0 = self.world, self.world.rank == 0
         batch = None
         if rank0:
@@ -435,8 +478,6 @@ class _State:
     def prepare(self, header):
         """Start reading this rank's weights for the next plan on a background thread, unless
         they are the ones it holds; the current plan keeps serving meanwhile."""
-        import threading
-
         from hepti.graph.encoder import family_graph
         from hepti.parallel.engine import build_layers, layer_spec
         from hepti.parallel.layers import slice_packer
