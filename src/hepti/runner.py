@@ -141,12 +141,12 @@ def prepare(args, config, model_dir: Path) -> Prepared:
 
 def shows_results(args, config, n: int) -> bool:
     """Whether the summary prints something of the results themselves: a classifier's top
-    classes, or the similarity table of a few --text inputs (see `run_passes`' keep)."""
-    if args.json:
-        return False
+    classes (printed, or in --json's report), or the similarity table of a few --text inputs
+    (see `run_passes`' keep)."""
     if config.model_type == "cnn":
         return getattr(args, "top", None) is not None
-    return args.pool != "none" and args.text is not None and 1 < n <= SHOW_SIMILARITY_MAX
+    return (not args.json and args.pool != "none" and args.text is not None
+            and 1 < n <= SHOW_SIMILARITY_MAX)
 
 
 class Feed:
