@@ -81,6 +81,36 @@ def test_resume_command():
                    "continue with: mpiexec -n 2 hepti run --text 'a b' --resume")
 
 
+def test_stall_timeout_0_watches_nothing():
+    """--stall-timeout 0: rank 0 opens no socket and tells the others so (the one bcast)."""
+    from hepti.parallel import watchdog
+
+    class World:  # rank 0 of two, its verbs without MPI
+        solo, rank, size = False, 0, 2
+        sent = []
+
+        def bcast_obj(self, obj, root=0):
+            self.sent.append(obj)
+            return obj
+
+    world = World()
+    assert watchdog.start(world, 0.0) is None and world.sent == [None]
+
+
+def test_planned_run_takes_its_timeout_from_the_prediction(tiny_dir, tmp_path):
+    """A plan on a slow declared profile predicts seconds a batch: the default timeout is 10x
+    that (above the 30 s floor), and the --json report says so."""
+    from test_cli import DEV, _profile
+    prof = _profile(tmp_path, [dict(DEV, gemm_flops=2e6)] * 2)
+    code, stdout, err, _ = launch(2, "-m", "hepti", "run", "--model", tiny_dir, "--input-ids",
+                                  ids_file(tmp_path / "i.npz", 8), "--batch-size", "4",
+                                  "--strategy", "auto", "--profile", prof, "--json", timeout=600)
+    assert code == 0, err
+    rep = json.loads(stdout)
+    assert rep["predicted_latency_s"] > 3.0  # so that 10x it is above the floor
+    assert rep["stall_timeout_s"] == pytest.approx(10 * rep["predicted_latency_s"])
+
+
 def test_help_says_stall_timeout_and_exit_code():
     code, out, _ = hepti("run", "--help")
     assert code == 0 and "--stall-timeout" in out and "stopped answering" in out
