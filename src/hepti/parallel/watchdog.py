@@ -195,7 +195,8 @@ def local_addresses() -> list[str]:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             for _, name in socket.if_nameindex():
                 try:
-                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+                    packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                         struct.pack("256s", name[:15].encode()))
                 except OSError:
                     continue
                 found.append(socket.inet_ntoa(packed[20:24]))
@@ -213,17 +214,22 @@ class _Line:
     def __init__(self, sock: socket.socket):
         sock.setblocking(False)
         self.sock, self.buf, self.rank = sock, b"", None
+        self.out = b""  # the rest of a frame the socket took only part of
 
     def send(self, obj) -> bool:
-        """One frame; False when the line is gone. A full send buffer (a peer that stopped
-        reading: a stopped rank) drops the frame: a beat is worth nothing late."""
+        """One frame; False when the line is gone. While the peer reads nothing (a stopped
+        rank; its buffers full) new frames are dropped, a beat being worth nothing late, but
+        a frame begun is finished first, so the line never carries half a frame."""
+        frame = json.dumps(obj).encode() + b"\n" if len(self.out) < MAX_LINE else b""
+        data = self.out + frame
         try:
-            self.sock.send(json.dumps(obj).encode() + b"\n")
-            return True
+            sent = self.sock.send(data)
         except BlockingIOError:
-            return True
+            sent = 0
         except OSError:
             return False
+        self.out = data[sent:]
+        return True
 
     def read(self) -> list | None:
         """The frames that arrived; None once the line is closed (or sent garbage)."""
@@ -270,7 +276,8 @@ class Watch:
     `batch_done` and `end`, and writes each batch's rows holding `lock`."""
 
     def __init__(self, timeout: float, nonce: str, size: int, resume_cmd, output: str | None):
-        self.timeout, self.silent, self.nonce, self.size = timeout, silent_after(timeout), nonce, size
+        self.timeout, self.silent = timeout, silent_after(timeout)
+        self.nonce, self.size = nonce, size
         self.resume_cmd, self.output = resume_cmd, output  # resume_cmd(resume: bool) -> argv
         self.listener = socket.create_server(("0.0.0.0", 0))
         self.listener.setblocking(False)
