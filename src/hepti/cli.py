@@ -37,6 +37,18 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _seconds(s: str) -> float:
+    """A duration in seconds: a finite number, 0 or more."""
+    import math
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number of seconds") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{s}: give seconds, 0 or more")
+    return v
+
+
 def _paragraphs(*texts: str) -> str:
     """A description of several paragraphs, wrapped (RawDescriptionHelpFormatter keeps them)."""
     import textwrap
@@ -44,6 +56,8 @@ def _paragraphs(*texts: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hepti.parallel.watchdog import (SILENT_S, STALL_EXIT, STALL_FACTOR, STALL_FLOOR_S,
+                                         STALL_UNPLANNED_S)
     p = argparse.ArgumentParser(
         prog="hepti", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description=_paragraphs(
@@ -104,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
             "each batch is pooled and written to --output as it completes, into OUT.npy.partial "
             "beside it, which becomes OUT.npy when every row is in. Row i of the output is input "
             "i (for --input, line i; a blank line is embedded as the empty text, as "
-            "sentence-transformers does). A run that is stopped (Ctrl-C, a killed rank) keeps "
-            "its partial file: the same command with --resume continues from its last complete "
-            "batch."),
+            "sentence-transformers does). A run that is stopped (Ctrl-C, a killed rank, a rank "
+            "that stops answering: see --stall-timeout) keeps its partial file: the same command "
+            "with --resume continues from its last complete batch."),
         epilog="examples:\n"
                "  hepti run --text 'A cat sat.' 'A dog sat.' --normalize\n"
                "  hepti run --input texts.txt --output emb.npy          # row i = line i\n"
@@ -114,7 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
                "  hepti run --input-ids ids.npz --pool none --output hidden.npy\n"
                "  hepti run --model weights/vit-base --image cat.jpg dog.png --pool cls\n"
                "  hepti run --model weights/mobilenet-v2 --image cat.jpg --top 5\n"
-               "  mpiexec -n 2 hepti run --input texts.txt --output emb.npy --strategy auto")
+               "  mpiexec -n 2 hepti run --input texts.txt --output emb.npy --strategy auto\n"
+               "\nexit codes:\n"
+               "  0    done\n"
+               "  1    a rank failed (the message names it)\n"
+               "  2    bad input, flags or plan (nothing was computed)\n"
+               f"  {STALL_EXIT}    a rank stopped answering (--stall-timeout); the rows written are "
+               "kept,\n       and the message gives the --resume command that continues the run\n"
+               "  130  interrupted (Ctrl-C)")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model folder (default {DEFAULT_MODEL})")
     inp = s.add_mutually_exclusive_group(required=True)
     inp.add_argument("--text", nargs="+", metavar="T", help="one or more texts")
@@ -183,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream: weight RAM per rank, e.g. 64MiB (a window of layer slices)")
     d.add_argument("--trace", metavar="OUT.json",
                    help="write a Chrome/Perfetto trace of every rank's kernels and collectives")
+    d.add_argument("--stall-timeout", type=_seconds, default=None, metavar="S",
+                   help="end the run (exit code %d) when a batch has run S seconds while a rank "
+                        "has sent no sign of life for %g s (stopped, frozen, cut off: MPI alone "
+                        "would wait forever); the rows written are kept and the message gives "
+                        "the --resume command. Default: %g x the plan's predicted batch time, "
+                        "at least %g s; %g s when the plan predicts none (even, --ratios); 0: "
+                        "wait forever" % (STALL_EXIT, SILENT_S, STALL_FACTOR, STALL_FLOOR_S,
+                                          STALL_UNPLANNED_S))
     d.add_argument("--fuse-depth", type=int, default=None, metavar="K",
                    help="a CNN with --profile or --strategy auto: fuse every K consecutive "
                         "layers (0: all) instead of the planner's choice per group")

@@ -19,6 +19,7 @@ import logging
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,15 +207,24 @@ def progress_bar(args, source: InputSource, start: int):
                 file=sys.stderr, dynamic_ncols=True)
 
 
-def run_passes(job, prep: Prepared | None, n: int, args, start_pass=None, end_pass=None) -> list[dict]:
+def run_passes(job, prep: Prepared | None, n: int, args, start_pass=None, end_pass=None,
+               watch=None) -> list[dict]:
     """Pass 1 over the n batches left to compute, through job.run_all, writing as it goes; with
     --repeat N, a warm-up on one batch first and N - 1 timed passes after. Returns one dict per
     pass: wall, forward, inputs and output seconds. Every rank of a distributed job calls this,
     the primary with its inputs and output (`prep`), the others with None; start_pass and
-    end_pass are the job's barrier and per-pass counters."""
+    end_pass are the job's barrier and per-pass counters. `watch` (the primary's, from
+    hepti.parallel.watchdog) is told when each pass starts and each batch completes, so it
+    knows how long the batch in progress has run; each batch is written holding its lock, so
+    a stall declared meanwhile finds whole batches in the output."""
     primary = prep is not None
     start = prep.out.start if primary and prep.out is not None else 0
+    watch = watch if primary else None  # another rank's side only beats
+    if watch is not None:
+        watch.follow(prep.out, prep.source.n_batches, args.repeat)
     if args.repeat > 1 and n > 0:  # JIT, first touch, caches: on one batch, not the input
+        if watch is not None:
+            watch.begin(start, warmup=True)
         job.run_all(Feed(prep.source, start, start + 1) if primary else (), 1)
     runs = []
     for p in range(args.repeat if n > 0 else 0):
@@ -226,14 +236,25 @@ def run_passes(job, prep: Prepared | None, n: int, args, start_pass=None, end_pa
                 args.pool != "none" and args.text is not None
                 and 1 < prep.source.n <= SHOW_SIMILARITY_MAX))
             sink = Sink(args, feed, prep.out if p == 0 else None, bar, keep)
+        on_output = sink
+        if watch is not None:  # the pass's barrier counts as its first batch's time
+            watch.begin(start, p)
+            watch.bar_open = bar is not None
+
+            def on_output(i, hidden, sink=sink):
+                with watch.lock:
+                    sink(i, hidden)
+                watch.batch_done(start + i)
         if start_pass:
             start_pass()
         t0 = time.perf_counter()
         try:
-            job.run_all(feed if primary else (), n, sink)
+            job.run_all(feed if primary else (), n, on_output)
         finally:
             if bar is not None:
                 bar.close()
+            if watch is not None:
+                watch.bar_open = False
         wall = time.perf_counter() - t0
         own = (feed.seconds + sink.seconds) if primary else 0.0
         runs.append({"wall_s": wall, "forward_s": wall - own,
@@ -242,8 +263,11 @@ def run_passes(job, prep: Prepared | None, n: int, args, start_pass=None, end_pa
                      "kept": sink.kept if primary else None})
         if end_pass:
             end_pass(runs[-1])
+    if watch is not None:
+        watch.end()
     if primary and prep.out is not None:
-        prep.out.commit()
+        with watch.lock if watch is not None else nullcontext():
+            prep.out.commit()
     return runs
 
 

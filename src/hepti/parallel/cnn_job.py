@@ -173,7 +173,8 @@ def _cnn_profile(args, world, store, size_hw, batch):
 def run_cnn(args, world, store, prep, t_start: float) -> int:
     """`hepti run` of a CNN on every rank, once the inputs are checked (`prep`, rank 0)."""
     from hepti.parallel.engine import (agree, attach_prediction, format_plan_line,
-                                       format_rank_table, gentle_barrier)
+                                       format_rank_table, gentle_barrier, start_watch)
+    from hepti.parallel.watchdog import cnn_scale
     from hepti.runner import base_report, finish, run_passes
     mpi, rank0 = world.mpi, world.rank == 0
     source = prep.source if rank0 else None
@@ -200,17 +201,25 @@ def run_cnn(args, world, store, prep, t_start: float) -> int:
                          "bytes_sent": world.tracer.bytes_sent,
                          "bytes_recv": world.tracer.bytes_recv})
 
-    runs = run_passes(job, prep, n, args, start_pass=start_pass, end_pass=end_pass)
-    gentle_barrier(mpi)
-    stats = mpi.gather(job.rank_stats(per_pass), root=0)
-    all_events = mpi.gather(world.tracer.events, root=0) if args.trace else None
-    job.close()
+    watch = start_watch(world, args, plan,
+                        cnn_scale(plan.batch, (plan.predicted or {}).get("input"), batch, size_hw))
+    try:
+        runs = run_passes(job, prep, n, args, start_pass=start_pass, end_pass=end_pass,
+                          watch=watch)
+        gentle_barrier(mpi)
+        stats = mpi.gather(job.rank_stats(per_pass), root=0)
+        all_events = mpi.gather(world.tracer.events, root=0) if args.trace else None
+        job.close()
+    finally:
+        if watch is not None:
+            watch.close()
     if not rank0:
         return 0
     report = base_report(args, store.config, prep, load_s, runs, "bands", world.size, t_start)
     report.update({"active_ranks": job.active, "ratios": plan.ratios, "groups": plan.groups,
                    "head": plan.head, "input_hw": list(size_hw), "per_rank": stats,
-                   "counts": plan.counts or {}})
+                   "counts": plan.counts or {},
+                   "stall_timeout_s": watch.timeout if watch is not None else None})
     attach_prediction(report, stats, plan)
     report.setdefault("explanation", plan.explanation)
     if args.trace:

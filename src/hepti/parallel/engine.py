@@ -592,12 +592,22 @@ def _run_prepared(args, world, store, prep, t_start: float) -> int:
         per_pass.append({"wall": run["wall_s"], "seconds": dict(world.tracer.seconds),
                          "bytes_sent": world.tracer.bytes_sent, "bytes_recv": world.tracer.bytes_recv})
 
-    runs = run_passes(job, prep, n, args, start_pass=start_pass, end_pass=end_pass)
-    events = world.tracer.events
-    gentle_barrier(mpi)
-    stats = mpi.gather(job.rank_stats(per_pass), root=0)
-    all_events = mpi.gather(events, root=0) if args.trace else None
-    job.close()
+    if rank0:  # the largest batch this run computes, against the plan's shape
+        from hepti.parallel.watchdog import transformer_scale
+        scale = transformer_scale(plan.batch, plan.seq_len, min(args.batch_size, source.n),
+                                  max(source.lengths[start:], default=shape[1]))
+    watch = start_watch(world, args, plan, scale if rank0 else 1.0)
+    try:
+        runs = run_passes(job, prep, n, args, start_pass=start_pass, end_pass=end_pass,
+                          watch=watch)
+        events = world.tracer.events
+        gentle_barrier(mpi)
+        stats = mpi.gather(job.rank_stats(per_pass), root=0)
+        all_events = mpi.gather(events, root=0) if args.trace else None
+        job.close()
+    finally:
+        if watch is not None:
+            watch.close()
     if not rank0:
         return 0
 
@@ -616,6 +626,7 @@ def _run_prepared(args, world, store, prep, t_start: float) -> int:
         "throughput_inputs_per_s": (prep.source.n / report["latency_s"]["median"]
                                     if runs and report["latency_s"]["median"] > 0 else None),
         "per_rank": stats,
+        "stall_timeout_s": watch.timeout if watch is not None else None,
     })
     if plan.mem_budget:
         report["mem_budget"] = plan.mem_budget
@@ -629,6 +640,19 @@ def _run_prepared(args, world, store, prep, t_start: float) -> int:
         print(format_plan_line(report, plan))
         print(format_rank_table(report))
     return 0
+
+
+def start_watch(world, args, plan: Plan, scale: float = 1.0):
+    """Collective: the stall watch over a job's passes (hepti.parallel.watchdog), or None on
+    one rank or with --stall-timeout 0. Rank 0 chooses the timeout: --stall-timeout, else
+    from the plan's predicted batch time, scaled to the run's largest batch (`scale`)."""
+    from hepti.parallel import watchdog
+    timeout = None
+    if world.rank == 0:
+        given = getattr(args, "stall_timeout", None)
+        timeout = (watchdog.default_stall_timeout(plan.predicted_latency_s, scale)
+                   if given is None else given)
+    return watchdog.start(world, timeout, args)
 
 
 def attach_prediction(report: dict, stats: list[dict], plan: Plan) -> None:
