@@ -217,7 +217,7 @@ def test_the_command_serves_http_and_stops_cleanly_on_ctrl_c(minilm_dir):
         key = {"Authorization": "Bearer s3cret"}
         code, body = http(url + "/v1/embeddings", {"input": TEXTS[:2]})
         assert code == 401 and body["error"]["type"] == "authentication_error"
-        code, body = http(url + "/v1/embeddings", {"input": ""}, key)  # bad: 400, still serving
+        code, body = http(url + "/v1/embeddings", {"input": [[]]}, key)  # bad: 400, still serving
         assert code == 400
         code, body = http(url + "/v1/embeddings", {"input": TEXTS[:2]}, key)
         assert code == 200, body
