@@ -443,8 +443,8 @@ class Supervisor:
             if stall is not None:
                 launch["stall"] = stall
                 reason = (f"rank(s) {', '.join(stall['silent_s'])} silent in "
-                          f"{stall['phase']} {stall['batch'] if stall['batch'] is not None else ''}"
-                          f" past its {stall['deadline_s']:g} s deadline").replace("  ", " ")
+                          f"{_phase_text(Phase(stall['phase'], 0.0, 0.0, stall['batch']))} "
+                          f"past its {stall['deadline_s']:g} s deadline")
                 if stall["ranks"]:
                     self._drop_ranks(stall["ranks"], launch, "silent past its deadline")
             elif not relost:
@@ -604,8 +604,8 @@ class Supervisor:
         silent = {r["rank"]: now - (lines[r["rank"]].last if r["rank"] in lines else self._ready_at)
                   for r in self.ranks}
         ranks, how = hung_ranks(silent, LATE_AFTER_S)
-        if how == "none":
-            if self._overdue_said != (ph.kind, ph.since):
+        if how == "none":  # idle past the floor is no news; a slow batch is, once
+            if ph.kind != "idle" and self._overdue_said != (ph.kind, ph.since):
                 self._overdue_said = (ph.kind, ph.since)
                 log.warning("serve: %s is past its deadline (%.1f s) but every rank beats: "
                             "waiting for it", _phase_text(ph), ph.deadline_s)
