@@ -21,9 +21,9 @@ from hepti.serve import stall
 from hepti.serve.protocol import TOKEN_ENV
 from hepti.serve.replan import COOLDOWN_S, FLAP_HOLD_S, FLAP_WINDOW_S
 from hepti.serve.stall import (CONFIRM_PROBES, PROBE_EVERY_S, SLOW_PHASE_S, STALL_FACTOR,
-                               STALL_FLOOR_S, DeviceBench, expected_batch_s, hung_ranks,
+                               STALL_FLOOR_S, DeviceBench, Phase, expected_batch_s, hung_ranks,
                                kill_if_ours, phase_deadline, probe_device)
-from hepti.serve.supervisor import LATE_AFTER_S, Piece, Request, Supervisor
+from hepti.serve.supervisor import LATE_AFTER_S, Piece, Request, Supervisor, WatchLine
 from test_emulate import root_env  # noqa: F401 - the fixture: root, MPICH, no leftovers
 from test_serve import TEXTS, http, served, single_device, texts_ids, wait_ready  # noqa: F401
 
@@ -153,6 +153,73 @@ def test_an_answer_after_the_declaration_is_dropped_and_the_hang_not_counted(min
     finally:
         sup._listener.close()
         sup._tmp.cleanup()
+
+
+@pytest.fixture
+def idle_sup(minilm_dir):
+    """A Supervisor that was never started: its bookkeeping only."""
+    sup = Supervisor(minilm_dir, 2)
+    yield sup
+    sup._listener.close()
+    sup._tmp.cleanup()
+
+
+def test_only_a_rank_silent_past_the_deadline_is_declared_and_an_ended_one_never(idle_sup):
+    sup, now = idle_sup, time.monotonic()
+    sup._status = "ok"
+    sup.ranks = [{"rank": 0, "host": "a", "pid": None}, {"rank": 1, "host": "b", "pid": None}]
+
+    def lines(silent0, silent1, closed1=False):
+        sup._lines = {0: WatchLine(0, "a", None, last=now - silent0),
+                      1: WatchLine(1, "b", None, last=now - silent1, closed=closed1)}
+
+    def check(phase_age, deadline=STALL_FLOOR_S, kind="batch"):
+        sup._stall = None
+        sup._phase = Phase(kind, now - phase_age, deadline, 7 if kind == "batch" else None)
+        sup._check_stall(now)
+        return sup._stall and sup._stall["ranks"]
+    lines(0.3, 5.0)
+    assert check(phase_age=STALL_FLOOR_S - 0.5) is None  # silent, but the batch is not late
+    assert check(phase_age=STALL_FLOOR_S + 0.5) == [1]  # both: declared lost
+    assert sup._stall["phase"] == "batch" and sup._stall["batch"] == 7
+    assert check(phase_age=5.0, kind="idle") == [1]  # hung between batches too
+    assert check(phase_age=30.0, deadline=SLOW_PHASE_S, kind="switch") is None  # a slow phase
+    lines(0.3, 2.0)
+    assert check(phase_age=30.0) is None  # a slow batch whose ranks beat: waited for
+    lines(0.3, 9.0, closed1=True)
+    assert check(phase_age=30.0) is None  # ended (killed, or told to stop): not hung
+    lines(6.0, 5.0)
+    assert check(phase_age=30.0) == [] and sup._stall["all_silent"]  # relaunched, none dropped
+    sup._phase = None  # a deliberate stop: no deadline
+    sup._stall = None
+    sup._check_stall(now)
+    assert sup._stall is None
+
+
+def test_lost_hosts_leave_the_host_list_and_come_back_in_their_order(idle_sup, tmp_path):
+    sup = idle_sup
+    sup.entries = [("a", 2), ("b", 1), ("c", 1)]
+    sup._first_entries, sup.n, sup._first_n = list(sup.entries), 4, 4
+    sup.worker_args = sup._first_args = ["--strategy", "tensor", "--ratios", "4,3,2,1"]
+    launch = {}
+    sup._drop_ranks([2], launch, "silent")  # rank 2 runs on b (a holds ranks 0-1)
+    assert sup.entries == [("a", 2), ("c", 1)] and sup.n == 3
+    assert launch["lost"] == {"rank": 2, "host": "b"}
+    assert "--ratios" not in sup.worker_args  # made for 4 ranks: planned afresh on 3
+    sup._drop_ranks([0, 1], launch, "silent")  # a's two ranks at once
+    assert sup.entries == [("c", 1)] and sup.n == 1
+    assert launch["lost_ranks"] == {"0": "a", "1": "a"}
+    assert {d["host"]: d["ranks"] for d in sup.lost_devices()} == {"b": 1, "a": 2}
+    sup._readmit(["b"])
+    assert sup.entries == [("b", 1), ("c", 1)] and sup.n == 2 and sup._admitting == [("b", 1)]
+    sup._relose({"end": "not ready within 60 s"})  # its launch never said hello: lost again
+    assert sup.entries == [("c", 1)] and sup.n == 1
+    [b] = [d for d in sup.bench.devices.values() if d.host == "b"]
+    assert b.flaps == 1  # lost again right after coming back: held FLAP_HOLD_S
+    sup.bench.devices["b"].hold_until = 0.0
+    sup._readmit(["a", "b"])
+    assert sup.entries == [("a", 2), ("b", 1), ("c", 1)] and sup.n == 4
+    assert sup.worker_args == ["--strategy", "tensor", "--ratios", "4,3,2,1"]  # whole again
 
 
 # --- end to end -----------------------------------------------------------------------------------

@@ -601,8 +601,10 @@ class Supervisor:
         ph, lines = self._phase, self._lines
         if ph is None or now - ph.since < ph.deadline_s:
             return
+        # a rank whose line closed has ended (killed, or told to stop), not hung: the job's end
+        # tells about it (`_lost_rank`); a line that never came is silent since the hello
         silent = {r["rank"]: now - (lines[r["rank"]].last if r["rank"] in lines else self._ready_at)
-                  for r in self.ranks}
+                  for r in self.ranks if not (r["rank"] in lines and lines[r["rank"]].closed)}
         ranks, how = hung_ranks(silent, LATE_AFTER_S)
         if how == "none":  # idle past the floor is no news; a slow batch is, once
             if ph.kind != "idle" and self._overdue_said != (ph.kind, ph.since):
@@ -756,6 +758,8 @@ class Supervisor:
             while True:
                 batch = self._take_batch()
                 if batch is None or batch is _READMIT:
+                    with self._cv:  # the ranks go quiet as they end: no deadline now
+                        self._phase = None
                     protocol.send(sock, {"op": "stop"})
                     return "stopped" if batch is None else "stopped to re-admit a lost device"
                 lengths, flat = protocol.pack_ids([p.ids for p in batch])
