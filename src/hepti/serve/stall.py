@@ -14,14 +14,15 @@ one. The front end (hepti.serve.supervisor) declares a rank lost when both hold:
 
 The deadline keeps a legitimate slow phase (a first batch, a re-plan's switch that reads
 weights) from being taken for a hang even if beats come late in it; the silence keeps a slow
-batch whose ranks all beat from being taken for one.
+batch whose ranks all beat from being taken for one. A rank whose line closed has ended (a
+death, or a stop it was told): never hung.
 
 A lost device is probed in the background (`probe_device`) and re-admitted once it answers
-again, with the re-planner's hysteresis (`DeviceBench`).
+again, with the re-planner's hysteresis (`DeviceBench`), once the job without it has served
+SERVE_BEFORE_ADMIT_S.
 """
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -33,11 +34,13 @@ from dataclasses import dataclass, field
 from hepti.serve import protocol
 from hepti.serve.replan import COOLDOWN_S, FLAP_HOLD_S, FLAP_WINDOW_S, HORIZON_S, LINK_CHECK_S
 
-log = logging.getLogger("hepti")
 # The least any batch gets before a silent rank in it is declared lost. Above LATE_AFTER_S
 # (3 s: six beats missed), so a rank is late, and named by /health, for a moment before it is
-# lost; low enough that with the kill and a relaunch on one machine (1-2 s) the first answer
-# after a SIGSTOP comes within the issue's 10 s (measured: tests/test_serve_stall.py).
+# lost; low enough that with the kill (0.4 s) and a relaunch on one machine the first answer
+# after a SIGSTOP comes within the issue's 10 s: declared 4.0-4.3 s after the stop, first
+# answer 7.0-14 s after it at load averages 5-13 on this shared 2-core machine, where the
+# relaunch alone took 2.8-9.7 s (tests/test_serve_stall.py; the README's kill -9 relaunch on a
+# quiet one: 1.0-1.2 s).
 # `hepti serve --stall-floor S` sets it; 0 turns the handling off (late ranks are only named).
 STALL_FLOOR_S = 4.0
 # A batch's deadline is this many times its expected time when that is above the floor: the

@@ -807,6 +807,8 @@ class Supervisor:
                 if self.watcher is not None and "ranks_s" in header:
                     self._watch_plan(sock, batch, header["ranks_s"], wall)
         finally:
+            with self._cv:  # the job is ending (`_end_proc` sees to it): no deadline now
+                self._phase = None
             sock.close()
 
     def _monitored(self, batch_id: int) -> bool:
