@@ -699,14 +699,16 @@ class Supervisor:
                 if answered and d.answers == 1:
                     log.info("serve: lost device %s answers again; re-admitted once it is "
                              "confirmed", d.host)
+            # under the bench's lock, so that a device `_readmit` took back meanwhile is not
+            # asked for again (the lock order: the bench's, then self._cv; never the reverse)
             with self._bench_lock:
                 ready = [d.host for d in self.bench.ready(time.monotonic())]
-            if ready:
-                with self._cv:
-                    new = [h for h in ready if h not in self._admit]
-                    if new and self._status != "failed":
-                        self._admit.extend(new)
-                        self._cv.notify_all()
+                if ready:
+                    with self._cv:
+                        new = [h for h in ready if h not in self._admit]
+                        if new and self._status != "failed":
+                            self._admit.extend(new)
+                            self._cv.notify_all()
 
     def _readmit(self, hosts: list[str]) -> None:
         """Take the devices back: their hosts return to the host list in their first order
@@ -715,6 +717,8 @@ class Supervisor:
         now = time.monotonic()
         with self._bench_lock:
             back = [d for d in (self.bench.admit(h, now) for h in hosts) if d is not None]
+            with self._cv:  # asked for again by the prober meanwhile: no longer to do
+                self._admit = [h for h in self._admit if h not in {d.host for d in back}]
         if not back:
             return
         if self.entries is not None:
