@@ -23,7 +23,7 @@ import pytest
 
 from hepti.config import preset_config
 from hepti.model.sizes import layer_bytes
-from hepti.emulate import launch
+from hepti.emulate import launch, net
 from hepti.emulate import stretch
 from hepti.emulate.cgroups import Cgroups, cpu_quota, procs_in
 from hepti.emulate.leftovers import cleanup, find_runs
@@ -80,6 +80,10 @@ def test_parse_mem_units(text, expected):
     (lambda d: d.update(schedule=[{"t": 1, "device": "zz", "cpu": 0.1}]), r"schedule\[0\]\.device"),
     (lambda d: d.update(schedule=[{"t": 1, "device": 0}]), "changes nothing"),
     (lambda d: d.update(schedule=[{"t": -1, "device": 0, "cpu": 0.2}]), r"schedule\[0\]\.t"),
+    (lambda d: d.update(schedule=[{"t": 1, "device": 0, "loss": 50}]), r"schedule\[0\]\.loss: 50: "
+     r"only 0 .* or 100 .*netem"),
+    (lambda d: d.update(schedule=[{"t": 1, "device": 0, "loss": 101}]), r"schedule\[0\]\.loss"),
+    (lambda d: d.update(schedule=[{"t": 1, "device": 0, "loss": "all"}]), "not a number"),
     (lambda d: d.update(nmae="x"), "unknown field 'nmae'"),
 ])
 def test_malformed_spec_names_the_field(mutate, field):
@@ -87,6 +91,28 @@ def test_malformed_spec_names_the_field(mutate, field):
     mutate(d)
     with pytest.raises(SpecError, match=field):
         parse_spec(d, source="s.json")
+
+
+def test_a_silent_link_is_a_schedule_event_and_sets_the_bridge_end_down(tmp_path, capsys):
+    """"loss": 100 makes a device's link drop every packet both ways (the bridge's end of its
+    veth down: the device's own end keeps its route, so nothing fails, it just goes quiet);
+    "loss": 0 brings it back, shaped as before. A link that never comes back has no 0."""
+    s = parse_spec(spec_dict(schedule=[{"t": 40, "device": "b", "loss": 100},
+                                       {"t": 70, "device": 1, "loss": 0}]))
+    assert [(e.t, e.device, e.loss) for e in s.schedule] == [(40.0, 1, 100.0), (70.0, 1, 0.0)]
+    assert s.schedule[0].to_dict() == {"t": 40.0, "device": 1, "loss": 100.0}
+    names = RunNames(4321, 2)
+    assert [a.argv for a in net.loss_actions(names, 1, 100)] == [
+        ("ip", "link", "set", names.veth(1), "down")]
+    assert [a.argv for a in net.loss_actions(names, 1, 0)] == [
+        ("ip", "link", "set", names.veth(1), "up")]
+    spec = _write(tmp_path, "silent.json", spec_dict(
+        schedule=[{"t": 40, "device": "b", "loss": 100}, {"t": 70, "device": 1, "loss": 0}]))
+    _mpiexec_or_skip()
+    assert launch.run_emulated(spec, ["mpiexec", "-n", "2", "hepti", "profile"], dry_run=True) == 0
+    out = capsys.readouterr().out
+    assert f"# at t=40 s:\nip link set hpt{os.getpid()}v1 down" in out, out
+    assert f"# at t=70 s:\nip link set hpt{os.getpid()}v1 up" in out, out
 
 
 def test_cpu_beyond_machine_refused():

@@ -127,7 +127,9 @@ def test_a_killed_rank_loses_no_accepted_request(served, minilm_dir, victim):
         np.testing.assert_allclose(got[i], want, atol=2e-5)
     first = sup.launches[0]
     assert first.get("lost") == {"rank": victim, "host": "localhost"}, first
-    assert sup.health()["status"] == "ok" and sup.health()["world_size"] == 2
+    # relaunched on 2 (the slot is probed, and taken back once the 2-rank job has served a
+    # while: tests/test_serve_stall.py)
+    assert sup.launches[1]["n"] == 2 and sup.health()["status"] in ("ok", "relaunching")
     after = sorted(t - killed_at for t in done_at.values() if t > killed_at)
     print(f"\nkill -9 of rank {victim}: next answer {after[0]:.2f} s later (relaunch on 2 ranks "
           f"{sup.launches[1]['ready_s']:.2f} s); all 8 requests answered")
@@ -277,13 +279,14 @@ def test_a_bad_api_key_file_is_a_clear_error(tiny_dir, tmp_path, content, needle
 
 
 def test_a_stopped_rank_is_named_late_by_health_then_recovers(minilm_dir):
-    """SIGSTOP of worker rank 1 (a hung device): it stops beating on its watch line, so
-    /health turns 503 "degraded" and names it (rank, host, how long silent), and a request
-    that times out meanwhile names it too. After SIGCONT it beats again: /health is ok and a
-    request is answered exactly."""
+    """SIGSTOP of worker rank 1 (a hung device) for less than the stall deadline (here
+    --stall-floor 600; tests/test_serve_stall.py lets it pass): it stops beating on its watch
+    line, so /health turns 503 "degraded" and names it (rank, host, how long silent), and a
+    request that times out meanwhile names it too. After SIGCONT it beats again: /health is ok
+    and a request is answered exactly."""
     mpiexec()
     p, url, _ = start_cli(["--model", minilm_dir, "-n", "2", "--strategy", "rows",
-                           "--request-timeout", "4"])
+                           "--request-timeout", "4", "--stall-floor", "600"])
     stopped = None
     try:
         wait_ready(url)

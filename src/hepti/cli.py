@@ -325,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", metavar="PLAN.json", help="also write the plan file here")
 
     from hepti.serve.http import READ_TIMEOUT_S, ROUTES_HELP
+    from hepti.serve.stall import STALL_FLOOR_S
     s = sub.add_parser(
         "serve", help="serve embeddings over HTTP (or --jsonl) from a long-lived MPI job",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -334,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
             "the request queue: requests that come while the workers are busy are batched, up "
             "to --max-batch-tokens. If the workers end (a rank killed, a device unplugged), "
             "the batch in flight goes back to the queue and the job is relaunched, without a "
-            "host whose rank was killed (-f HOSTFILE minus that host; on one machine, one "
-            "rank fewer); no accepted request is lost.",
+            "host whose rank was killed or hung past its batch's deadline (-f HOSTFILE minus "
+            "that host; on one machine, one rank fewer); no accepted request is lost. A lost "
+            "device is probed in the background and taken back when it answers again.",
             "Under `hepti emulate --cluster SPEC -- hepti serve -n N ...` worker rank i runs "
             "on emulated device i and the service is still reachable at the host's "
             "127.0.0.1:PORT."),
@@ -406,6 +408,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "free of the spread between launches")
     s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="answer 503 to a request not done in S seconds (default 600)")
+    s.add_argument("--stall-floor", type=float, default=STALL_FLOOR_S, metavar="S",
+                   help="a rank that stops beating (a stopped process, a frozen board, a link "
+                        "that drops every packet) is declared lost once the batch it is in is "
+                        "past its deadline: 5x the batch's expected time, at least S seconds "
+                        f"(default {STALL_FLOOR_S:g}); it is killed, the job relaunched without "
+                        "its device, and the device taken back when it answers again. 0: never "
+                        "(a silent rank is only named by /health)")
     s.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, metavar="S",
                    help="answer 408 and close the connection when a request's body is not "
                         "whole S seconds after its headers: a client that sends less than its "

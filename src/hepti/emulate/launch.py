@@ -196,7 +196,8 @@ class _Run:
             if name.endswith(".sh"):
                 p.chmod(0o755)
         self.devices_now = [{**d.to_dict(), "address": self.names.address(i),
-                             "netns": self.names.netns(i)} for i, d in enumerate(self.spec.devices)]
+                             "netns": self.names.netns(i), "loss": 0.0}
+                            for i, d in enumerate(self.spec.devices)]
         self.save_state()
 
     def save_state(self) -> None:
@@ -222,6 +223,8 @@ class _Run:
             acts += net.shape_actions(self.names, ev.device, ev.link_mbit)
         if ev.cpu is not None:
             acts += self.cg.cpu_actions(self.names, ev.device, ev.cpu)
+        if ev.loss is not None:
+            acts += net.loss_actions(self.names, ev.device, ev.loss)
         return acts
 
     def apply_event(self, ev) -> None:
@@ -235,6 +238,10 @@ class _Run:
         if ev.cpu is not None:
             changes.append(f"cpu {dev['cpu']:g} -> {ev.cpu:g} core")
             dev["cpu"] = ev.cpu
+        if ev.loss is not None:
+            changes.append(f"loss {dev.get('loss', 0):g} -> {ev.loss:g}%"
+                           + (" (silent)" if ev.loss >= 100 else " (restored)"))
+            dev["loss"] = ev.loss
         self.applied.append({**ev.to_dict(), "applied_at": time.time()})
         self.save_state()
         log(f"t={ev.t:g} s: device {ev.device} ({dev['name']}) " + ", ".join(changes))

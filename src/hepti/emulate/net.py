@@ -116,6 +116,20 @@ def shape_actions(names: RunNames, i: int, link_mbit: float) -> list[Action]:
             + _shaper(["tc"], names.veth(i), link_mbit))
 
 
+def loss_actions(names: RunNames, i: int, loss: float) -> list[Action]:
+    """Device i's link silent (loss 100: every packet dropped, both ways) or back (0), as a
+    board's Wi-Fi that goes quiet and returns: the bridge's end of its veth goes down, or up.
+
+    The bridge's end, not the device's: with its own end down the device would lose its route
+    and every send would fail at once (ENETUNREACH), a death rather than silence. With the
+    bridge's end down the device's end only loses its carrier: its packets are dropped, the
+    bridge drops what comes for it, no connection is reset and no call fails (measured here: a
+    TCP stream across it went silent for 12 s without an error on either side, and a connect
+    to the device timed out). The shaper on both ends stays configured, so 0 restores the link
+    as it was. (`netem`, which could drop a share of packets, is not in this kernel.)"""
+    return [cmd("ip", "link", "set", names.veth(i), "down" if loss >= 100 else "up")]
+
+
 def _node_actions(names: RunNames, netns: str, veth: str, address: str) -> list[Action]:
     return [
         cmd("ip", "netns", "add", netns),

@@ -13,7 +13,9 @@ Schema (JSON object):
         ...],
       "schedule": [                               # optional; applied by the launcher while it runs
         {"t": 20.0, "device": 2, "link_mbit": 100},      # device by index or by name
-        {"t": 30.0, "device": "pi4-c", "cpu": 0.1}]
+        {"t": 30.0, "device": "pi4-c", "cpu": 0.1},
+        {"t": 40.0, "device": 1, "loss": 100},           # its link drops every packet ...
+        {"t": 70.0, "device": 1, "loss": 0}]             # ... and is back
     }
 
 - `cpu` is a CFS quota: 0.25 means a quarter of one core's time, spread over any cores.
@@ -24,8 +26,14 @@ Schema (JSON object):
   `hepti profile` measures (a gigabit Raspberry Pi 4 measures about 940). The shaper's wire rate
   is set higher by the Ethernet/IP/TCP header overhead so that the payload rate is the figure
   given. A transfer between devices i and j runs at min(link_i, link_j).
-- A schedule event changes `link_mbit` and/or `cpu` of one device at `t` seconds after COMMAND
-  starts. Memory caps do not change at run time (lowering a cap under use fails in cgroup v1).
+- A schedule event changes `link_mbit`, `cpu` and/or `loss` of one device at `t` seconds after
+  COMMAND starts. Memory caps do not change at run time (lowering a cap under use fails in
+  cgroup v1).
+- `loss` is the percentage of the device's packets its link drops, both ways: 100 is a silent
+  link (a board's Wi-Fi gone quiet: nothing arrives, no connection is closed, no error is
+  seen), 0 the link restored, shaped as before. Only 0 and 100: a share in between needs tc's
+  `netem`, which this kernel lacks (DESIGN.md); a link that never comes back has no 0 after
+  its 100.
 """
 from __future__ import annotations
 
@@ -47,7 +55,8 @@ MEM_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "k": 1 << 10,
              "g": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 TOP_FIELDS = ("name", "description", "devices", "schedule")
 DEVICE_FIELDS = ("name", "cpu", "mem", "link_mbit")
-EVENT_FIELDS = ("t", "device", "link_mbit", "cpu")
+EVENT_FIELDS = ("t", "device", "link_mbit", "cpu", "loss")
+LOSS_VALUES = (0.0, 100.0)  # percent: restored, silent (no netem here for anything between)
 
 
 class EmulateError(HeptiError):
@@ -75,12 +84,14 @@ class Device:
 
 @dataclass(frozen=True)
 class ScheduleEvent:
-    """At `t` seconds after COMMAND starts, set device `device`'s link rate and/or CPU share."""
+    """At `t` seconds after COMMAND starts, set device `device`'s link rate, CPU share and/or
+    packet loss (percent: 100 silent, 0 restored)."""
 
     t: float
     device: int
     link_mbit: float | None = None
     cpu: float | None = None
+    loss: float | None = None
 
     def to_dict(self) -> dict:
         d = {"t": self.t, "device": self.device}
@@ -88,6 +99,8 @@ class ScheduleEvent:
             d["link_mbit"] = self.link_mbit
         if self.cpu is not None:
             d["cpu"] = self.cpu
+        if self.loss is not None:
+            d["loss"] = self.loss
         return d
 
 
@@ -204,15 +217,21 @@ def _event(d, j: int, devices: list[Device], src: str) -> ScheduleEvent:
     else:
         raise SpecError(f"{what}.device: {dev!r} is not a device; give an index 0..{len(devices) - 1} "
                         f"or a name ({', '.join(names)})")
-    if "link_mbit" not in d and "cpu" not in d:
-        raise SpecError(f"{what}: changes nothing; give link_mbit and/or cpu")
+    if "link_mbit" not in d and "cpu" not in d and "loss" not in d:
+        raise SpecError(f"{what}: changes nothing; give link_mbit, cpu and/or loss")
     link = None if d.get("link_mbit") is None else _number(d["link_mbit"], f"{what}.link_mbit",
                                                           0.1, MAX_LINK_MBIT)
     if link is not None and devices[index].link_mbit is None:
         raise SpecError(f"{what}: device {devices[index].name} has no link_mbit, so its link is "
                         "not shaped and cannot change rate; give it a link_mbit")
     cpu = None if d.get("cpu") is None else _number(d["cpu"], f"{what}.cpu", MIN_CPU, 4096)
-    return ScheduleEvent(t=t, device=index, link_mbit=link, cpu=cpu)
+    loss = None if d.get("loss") is None else _number(d["loss"], f"{what}.loss", 0.0, 100.0)
+    if loss is not None and loss not in LOSS_VALUES:
+        raise SpecError(f"{what}.loss: {d['loss']!r}: only 0 (the link restored) or 100 (silent: "
+                        "every packet dropped, both ways) can be emulated here; dropping a share "
+                        "of the packets needs tc's netem qdisc, which this kernel does not have "
+                        "(`tc qdisc add ... netem` fails)")
+    return ScheduleEvent(t=t, device=index, link_mbit=link, cpu=cpu, loss=loss)
 
 
 def parse_spec(d, source: str = "spec") -> ClusterSpec:

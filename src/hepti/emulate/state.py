@@ -7,8 +7,9 @@ and runs with the device's name as its hostname. Content (version 1):
 
     {"hepti_emulate_state": 1, "spec": "emu-mixed4", "launcher_pid": 1234,
      "started_at": unix time COMMAND started, "updated_at": unix time of this version,
-     "devices": [{"name", "cpu", "mem", "mem_bytes", "link_mbit", "address", "netns"}, ...],  # now
-     "applied": [{"t", "device", "link_mbit"?, "cpu"?, "applied_at": unix time}, ...],
+     "devices": [{"name", "cpu", "mem", "mem_bytes", "link_mbit", "address", "netns",
+                  "loss"}, ...],  # now (loss: percent of packets dropped, 0 or 100)
+     "applied": [{"t", "device", "link_mbit"?, "cpu"?, "loss"?, "applied_at": unix time}, ...],
      "pending": [{"t", "device", ...}, ...]}
 
 The runtime's re-partitioning reads it with `read_state()`; it does not import MPI.

@@ -61,6 +61,9 @@ def api_key(args) -> str | None:
 def check_args(args, key: str | None = None) -> None:
     """What would fail only once the workers run: say it now."""
     from hepti.weights import WeightStore
+    if not args.stall_floor >= 0:
+        raise InputError(f"--stall-floor {args.stall_floor:g}: give the least seconds a batch "
+                         "gets before a silent rank is declared lost, or 0 for never")
     if not args.read_timeout > 0:
         raise InputError(f"--read-timeout {args.read_timeout:g}: give the seconds a request's "
                          "body may take to arrive, above 0")
@@ -99,7 +102,7 @@ def run(args) -> int:
     sock = None if args.jsonl else listening_socket(args.host, args.port)  # before any launch
     sup = Supervisor(args.model, args.n, hostfile=args.hostfile, worker_args=worker_args(args),
                      max_batch_tokens=args.max_batch_tokens, max_batch_inputs=args.max_batch_inputs,
-                     request_timeout_s=args.request_timeout,
+                     request_timeout_s=args.request_timeout, stall_floor_s=args.stall_floor,
                      replan=args.replan == "on" and args.n > 1,
                      replan_ab=args.replan_ab).start()
     try:

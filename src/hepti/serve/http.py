@@ -50,10 +50,13 @@ routes:
   POST /v1/embeddings   embed texts or token ids (also POST /embeddings); OpenAI's shape
   GET  /health          200 {"status": "ok", ...} when the workers are up, else 503 with why:
                         "starting", "relaunching", "failed", or "degraded" (a rank silent for
-                        seconds: hung, starved or cut off; named in "late"). No API key needed
+                        seconds: hung, starved or cut off; named in "late"; past its batch's
+                        deadline it is declared lost, and its device listed in "lost" until
+                        it answers again). No API key needed
   GET  /metrics         plan epoch, ranks' shares and predicted and measured times, each rank's
-                        seconds since its last heartbeat, latencies, re-plans and flags with
-                        their reasons, each rank's detector bounds (with --replan on; JSON)
+                        seconds since its last heartbeat, the stall deadline and the lost
+                        devices' probes, latencies, re-plans and flags with their reasons,
+                        each rank's detector bounds (with --replan on; JSON)
 
 request:  {"input": "text" | ["text", ...] | [id, ...] | [[id, ...], ...],
            "encoding_format": "float" | "base64",   (optional; base64: little-endian float32)

@@ -20,11 +20,23 @@ An input whose batch was in flight at two failures is answered with an error rat
 a third time (it may be what kills the workers). Launches that fail before hello
 `MAX_FAILED_STARTS` times in a row end the service: waiting requests get 503.
 
-A rank that hangs (stopped, starved, behind a silent link) ends nothing: the batch just waits.
-Every rank beats on its watch line (hepti.serve.worker's `_Heartbeat`, every 0.5 s, from a
-thread that runs while the rank computes or waits in MPI); a rank silent for LATE_AFTER_S is
-late: /health answers 503 "degraded" naming it (rank, host, pid, seconds silent, the batch it
-was in), /metrics marks it, and a request that times out names it.
+A rank that hangs (stopped, a frozen board, behind a silent link) ends nothing by itself: MPI
+waits for it. Every rank beats on its watch line (hepti.serve.worker's `_Heartbeat`, every
+0.5 s, from a thread that runs while the rank computes or waits in MPI); a rank silent for
+LATE_AFTER_S is late: /health answers 503 "degraded" naming it (rank, host, pid, seconds
+silent, the batch it was in), /metrics marks it, and a request that times out names it. A rank
+still silent once the phase the front end waits for (a batch, a command, the idle time between)
+is past its deadline is declared lost (hepti.serve.stall: the deadline, and which ranks): it is
+SIGKILLed where it runs on this machine (a stopped process too), the channel and the mpiexec job
+are ended, the batch in flight goes back to the head of the queue without counting against its
+inputs (a hang is not theirs), and an answer that comes after the declaration is dropped (the
+batch runs again), so no accepted request is lost or answered twice. The job is relaunched
+without the lost ranks' hosts, as after a kill.
+
+Every lost device (hung or killed) is probed in the background (hepti.serve.stall's
+`probe_device`, `DeviceBench`) and re-admitted, between two batches, when it answers again with
+the re-planner's hysteresis: the job is stopped and relaunched with it, and with the original
+--ratios/--plan once the world is whole again.
 """
 from __future__ import annotations
 
@@ -49,6 +61,10 @@ import numpy as np
 
 from hepti.emulate.command import die_with_parent
 from hepti.serve import ServiceUnavailable, protocol
+from hepti.serve.stall import (ADMIT_START_FACTOR, ADMIT_START_MIN_S, END_GRACE_S, PROBE_EVERY_S,
+                               SERVE_BEFORE_ADMIT_S, STALL_FLOOR_S, DeviceBench, Phase,
+                               expected_batch_s, hung_ranks, kill_if_ours, phase_deadline,
+                               probe_device)
 
 log = logging.getLogger("hepti")
 MAX_FAILED_STARTS = 2  # launches in a row that never said hello before the service gives up
@@ -64,6 +80,12 @@ AB_RUNS_KEPT = 200  # --replan-ab's runs of batches /metrics lists
 # (tens of ms), not by a batch's transfers.
 LATE_AFTER_S = 3.0
 MAX_BEAT_BYTES = 4096  # a watch line's frame (a beat: ~80 bytes); larger is not a rank's
+# The watch thread looks at the deadlines this often; a look that comes over WATCH_LAG_S after
+# the one before (the front end itself was starved of CPU) decides nothing: the lines' silence
+# may be its own.
+STALL_CHECK_S, WATCH_LAG_S = 0.25, 1.5
+PER_TOKEN_WINDOW = 20  # recent batches whose seconds per padded token a deadline scales
+_READMIT = object()  # what `_take_batch` returns when a lost device is to be re-admitted
 
 
 @dataclass
@@ -82,7 +104,8 @@ class Piece:
     request: Request
     index: int
     ids: np.ndarray
-    attempts: int = 0
+    attempts: int = 0  # failures its batch was part of (hangs not counted: `_requeue`)
+    answered: bool = False  # its row was written: a second answer is counted, never written
 
 
 @dataclass
@@ -154,7 +177,7 @@ class Supervisor:
                  worker_args: list[str] | None = None, max_batch_tokens: int = 8192,
                  max_batch_inputs: int = 64, start_timeout_s: float = 900.0,
                  request_timeout_s: float = 600.0, replan: bool = False,
-                 replan_ab: int | None = None):
+                 replan_ab: int | None = None, stall_floor_s: float = STALL_FLOOR_S):
         from hepti.weights import WeightStore
         self.model_dir = Path(model_dir)
         cfg = WeightStore(self.model_dir).config
@@ -176,6 +199,25 @@ class Supervisor:
         hostfile = hostfile or os.environ.get("HYDRA_HOST_FILE")
         self.entries = read_hostfile(hostfile) if hostfile else None
         self.n = n
+        # the world as asked for: lost devices come back to it (`_readmit`), and a fixed
+        # --ratios/--plan made for it applies again once it is whole
+        self._first_entries = list(self.entries) if self.entries is not None else None
+        self._first_n, self._first_args = n, list(self.worker_args)
+        # hung ranks (hepti.serve.stall): the deadline's floor (0: never declared lost), what
+        # the front end waits for now, and the declaration once made (until the relaunch)
+        self.stall_floor_s = stall_floor_s
+        self._phase: Phase | None = None
+        self._stall: dict | None = None
+        self._channel: socket.socket | None = None
+        self._first_batch = True  # the next batch is its launch's first (a slow phase)
+        self._overdue_said: tuple | None = None  # the phase "past its deadline" was logged for
+        self._per_token: collections.deque[float] = collections.deque(maxlen=PER_TOKEN_WINDOW)
+        # lost devices, probed until they answer again; those to re-admit between two batches,
+        # and those the current launch took back (lost again if it never says hello)
+        self.bench = DeviceBench()
+        self._bench_lock = threading.Lock()
+        self._admit: list[str] = []
+        self._admitting: list[tuple[str, int]] = []  # (host, ranks)
         self._cv = threading.Condition()
         self._queue: collections.deque[Piece] = collections.deque()
         self._status, self._failure = "starting", ""
@@ -210,6 +252,7 @@ class Supervisor:
     # --- the service interface ---------------------------------------------------------------
     def start(self) -> "Supervisor":
         self._thread.start()
+        threading.Thread(target=self._probe_lost, name="hepti-serve-probe", daemon=True).start()
         return self
 
     def embed(self, inputs: list[np.ndarray]) -> np.ndarray:
@@ -240,7 +283,8 @@ class Supervisor:
         late = self.late_ranks()
         out = {"status": "degraded" if late else self._status, "model": self.name,
                "plan_epoch": self.epoch, "world_size": len(self.ranks) or None,
-               "queued": len(self._queue), "late": late}
+               "queued": len(self._queue), "late": late,
+               "lost": [d["host"] for d in self.lost_devices()]}
         if late:
             out["message"] = _late_text(late) + "; requests wait for it"
         return out
@@ -262,6 +306,11 @@ class Supervisor:
                               "closed" if line.closed else "open",
                               "late": silent >= LATE_AFTER_S}
         return out
+
+    def lost_devices(self) -> list[dict]:
+        """The devices declared lost and not yet re-admitted, with what their probes said."""
+        with self._bench_lock:
+            return self.bench.snapshot()
 
     def late_ranks(self) -> list[dict]:
         """The serving job's ranks silent for LATE_AFTER_S or more (`heartbeats`)."""
@@ -292,11 +341,17 @@ class Supervisor:
                                               "predicted_latency_s", "explanation")},
             "ranks": per_rank,
             "requests": {"accepted": self.counts["accepted"], "answered": self.counts["answered"],
-                         "failed": self.counts["failed"], "queued_inputs": len(self._queue)},
+                         "failed": self.counts["failed"], "queued_inputs": len(self._queue),
+                         # an input answered a second time (never written): 0 unless a bug
+                         "inputs_answered": self.counts["inputs_answered"],
+                         "duplicates": self.counts["duplicates"]},
             "latency_ms": {"count": len(lat), "p50": pct(50), "p90": pct(90), "p99": pct(99)},
             "batches": {"count": self.counts["batches"],
                         "wall_ms_p50": statistics.median(self._batch_walls) * 1e3 if self._batch_walls else None},
             "launches": self.launches,
+            # hung ranks: the deadline now, and the devices lost and probed (hepti.serve.stall)
+            "stall": {"floor_s": self.stall_floor_s, "phase": self._phase_now(),
+                      "lost_devices": self.lost_devices()},
             "replans": list(self.replans),
             "flags": list(self.flags),
             "residuals": self.watcher.residuals() if self.watcher is not None else None,
@@ -354,30 +409,52 @@ class Supervisor:
         while not self._stopping:
             launch = {"epoch": self.epoch + 1, "n": self.n, "started_at": time.time(),
                       "hosts": None if self.entries is None else [h for h, _ in self.entries]}
+            if self._admitting:
+                launch["readmitting"] = [h for h, _ in self._admitting]
             self.launches.append(launch)
-            reason = "the workers ended"
+            reason, relost = "the workers ended", False
             try:
-                sock = self._launch()
+                sock = self._launch(self._admit_start_s() if self._admitting else None)
                 if sock is None:
                     reason = "stopped before the workers started"
                     break
                 failed_starts = 0
+                self._admitting = []
                 reason = self._serve(sock)
             except _StartFailed as e:
-                failed_starts += 1
                 reason = str(e)
-            except protocol.ChannelClosed as e:
+                if self._admitting:  # the device taken back is not fit yet: lost again
+                    launch["end"], relost = reason, True
+                    self._relose(launch)
+                else:
+                    failed_starts += 1
+            except OSError as e:  # the channel closed (protocol.ChannelClosed), or broke mid-send
                 reason = f"the channel closed ({e})"
             finally:
-                code = self._end_proc(grace_s=5.0)
+                code = self._end_proc(grace_s=END_GRACE_S if self._stall else 5.0)
                 launch["ended_at"] = time.time()
                 launch["exit_code"] = code
-                launch["end"] = reason
+                launch.setdefault("end", reason)
+                with self._cv:
+                    self._phase, self._channel = None, None
             if self._stopping:
                 break
-            lost = self._lost_rank(launch.get("exit_code"))
-            if lost is not None:
-                self._drop_rank(lost, launch)
+            stall, self._stall = self._stall, None
+            if stall is not None:
+                launch["stall"] = stall
+                reason = (f"rank(s) {', '.join(stall['silent_s'])} silent in "
+                          f"{_phase_text(Phase(stall['phase'], 0.0, 0.0, stall['batch']))} "
+                          f"past its {stall['deadline_s']:g} s deadline")
+                if stall["ranks"]:
+                    self._drop_ranks(stall["ranks"], launch, "silent past its deadline")
+            elif not relost:
+                lost = self._lost_rank(launch.get("exit_code"))
+                if lost is not None:
+                    self._drop_ranks([lost], launch, "killed")
+            with self._cv:
+                admit, self._admit = self._admit, []
+            if admit:  # devices that answer again join the next launch
+                self._readmit(admit)
             if self.n < 1 or failed_starts >= MAX_FAILED_STARTS:
                 tail = "\n".join(list(self._stderr_tail)[-15:])
                 self._fail(f"the workers could not be started ({reason}); their last words:\n{tail}")
@@ -386,8 +463,9 @@ class Supervisor:
                 self._status = "relaunching"
             log.warning("serve: %s; relaunching on %d rank(s)", reason, self.n)
 
-    def _launch(self) -> socket.socket | None:
-        """Start mpiexec and wait for rank 0's hello; the connected channel."""
+    def _launch(self, start_timeout_s: float | None = None) -> socket.socket | None:
+        """Start mpiexec and wait for rank 0's hello (within start_timeout_s, else the
+        service's); the connected channel."""
         env = dict(os.environ)
         env[protocol.CONTROL_ENV] = self.control_address
         env[protocol.TOKEN_ENV] = self._token
@@ -409,12 +487,13 @@ class Supervisor:
                                       preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
         self._reader = threading.Thread(target=self._forward_output, args=(self._proc,), daemon=True)
         self._reader.start()
-        deadline = time.monotonic() + self.start_timeout_s
+        start_timeout_s = start_timeout_s or self.start_timeout_s
+        deadline = time.monotonic() + start_timeout_s
         while not self._stopping:
             if self._proc.poll() is not None:
                 raise _StartFailed(f"the workers exited ({self._proc.returncode}) before they were ready")
             if time.monotonic() > deadline:
-                raise _StartFailed(f"the workers were not ready within {self.start_timeout_s:g} s")
+                raise _StartFailed(f"the workers were not ready within {start_timeout_s:g} s")
             try:
                 sock, _ = self._listener.accept()
             except socket.timeout:
@@ -442,6 +521,9 @@ class Supervisor:
                 self.plan, self.ranks = hello["plan"], hello["ranks"]
                 self._ready_at = time.monotonic()
                 self._status = "ok"
+                self._channel, self._first_batch = sock, True
+                self._per_token.clear()  # another world: other seconds per token
+                self._set_phase("idle")
             if self.replan and hello.get("profile"):
                 from hepti.serve.replan import PlanWatcher
                 self.watcher = PlanWatcher(self, hello["profile"])
@@ -456,9 +538,21 @@ class Supervisor:
     def _watch_ranks(self) -> None:
         """Read each rank's beats off its watch line (`WatchLine.hear`), and note when each
         line closes: a killed rank's first, then the others' as mpiexec ends them (MPICH's own
-        report names whichever of them it saw first)."""
+        report names whichever of them it saw first). Between reads, declare lost the ranks
+        silent past the current phase's deadline (`_check_stall`)."""
+        checked = time.monotonic()
         while True:
-            for key, _ in self._watch.select(timeout=0.5):
+            now = time.monotonic()
+            if now - checked >= STALL_CHECK_S:
+                # a look long after the last one: this thread was starved, and the lines may
+                # hold beats it has not read yet; they are read first, and the next look decides
+                if now - checked < WATCH_LAG_S:
+                    try:
+                        self._check_stall(now)
+                    except Exception:  # noqa: BLE001 - the watch must go on; logged
+                        log.exception("serve: checking the ranks' deadlines failed")
+                checked = now
+            for key, _ in self._watch.select(timeout=STALL_CHECK_S):
                 line: WatchLine = key.data
                 try:
                     data = key.fileobj.recv(MAX_BEAT_BYTES)
@@ -475,16 +569,208 @@ class Supervisor:
                     continue
                 key.fileobj.close()
 
+    # --- hung ranks (hepti.serve.stall) --------------------------------------------------------
+    def _set_phase(self, kind: str, batch: list[Piece] | None = None,
+                   batch_id: int | None = None) -> None:
+        """What the front end waits for from now on, and its deadline (under self._cv)."""
+        slow = kind not in ("idle", "batch") or (kind == "batch" and self._first_batch)
+        expected = None
+        if batch is not None:
+            p = self.plan or {}
+            per_token = statistics.median(self._per_token) if self._per_token else None
+            expected = expected_batch_s(_shape(batch), p.get("predicted_latency_s"),
+                                        (p.get("batch"), p.get("seq_len")), per_token)
+        elif kind == "idle":
+            expected = 0.0  # between batches: nothing to wait for but the floor
+        self._phase = Phase(kind, time.monotonic(),
+                            phase_deadline(expected, self.stall_floor_s, slow), batch_id)
+
+    def _phase_now(self) -> dict | None:
+        ph = self._phase
+        if ph is None:
+            return None
+        return {"kind": ph.kind, "batch": ph.batch, "deadline_s": round(ph.deadline_s, 2),
+                "elapsed_s": round(time.monotonic() - ph.since, 2)}
+
+    def _check_stall(self, now: float) -> None:
+        """Declare lost the ranks silent for LATE_AFTER_S once the current phase is past its
+        deadline (hepti.serve.stall.hung_ranks), or say once that a phase is overdue while
+        every rank beats (a slow batch: it is waited for)."""
+        if self.stall_floor_s <= 0 or self._stall is not None or self._status != "ok":
+            return
+        ph, lines = self._phase, self._lines
+        if ph is None or now - ph.since < ph.deadline_s:
+            return
+        # a rank whose line closed has ended (killed, or told to stop), not hung: the job's end
+        # tells about it (`_lost_rank`); a line that never came is silent since the hello
+        silent = {r["rank"]: now - (lines[r["rank"]].last if r["rank"] in lines else self._ready_at)
+                  for r in self.ranks if not (r["rank"] in lines and lines[r["rank"]].closed)}
+        ranks, how = hung_ranks(silent, LATE_AFTER_S)
+        if how == "none":  # idle past the floor is no news; a slow batch is, once
+            if ph.kind != "idle" and self._overdue_said != (ph.kind, ph.since):
+                self._overdue_said = (ph.kind, ph.since)
+                log.warning("serve: %s is past its deadline (%.1f s) but every rank beats: "
+                            "waiting for it", _phase_text(ph), ph.deadline_s)
+            return
+        victims = ranks if how == "some" else sorted(silent)
+        proc = self._proc  # this job's mpiexec (the next launch's is never ended from here)
+        with self._cv:
+            if self._phase is not ph or self._stall is not None:  # it ended meanwhile
+                return
+            stall = {"at": time.time(), "phase": ph.kind, "batch": ph.batch,
+                     "deadline_s": round(ph.deadline_s, 2), "elapsed_s": round(now - ph.since, 2),
+                     "silent_s": {str(r): round(silent[r], 2) for r in victims},
+                     "ranks": ranks, "all_silent": how == "all"}
+            self._stall = stall
+            self._cv.notify_all()  # `_take_batch` may be waiting
+        by_rank = {r["rank"]: r for r in self.ranks}
+        who = ", ".join(f"rank {r} on {by_rank[r].get('host')} (pid {by_rank[r].get('pid')}, "
+                        f"silent {silent[r]:.1f} s)" for r in victims)
+        if how == "all":
+            log.warning("serve: every rank is silent in %s past its deadline (%.1f s): %s; "
+                        "ending the job and relaunching on the same hosts (nothing tells a hung "
+                        "device from a stall on this side)", _phase_text(ph), ph.deadline_s, who)
+        else:
+            log.warning("serve: %s is past its deadline (%.1f s) and %s stopped beating: "
+                        "declared lost", _phase_text(ph), ph.deadline_s, who)
+        self._end_hung(stall, [by_rank[r] for r in victims], proc)
+
+    def _end_hung(self, stall: dict, victims: list[dict], proc: subprocess.Popen | None) -> None:
+        """SIGKILL each hung rank that runs on this machine, then end the channel (rank 0's
+        answer can no longer come: `_serve` sees it closed) and, if a hung rank is out of
+        reach (another host), the mpiexec job, whose end makes the others exit."""
+        out_of_reach = [r for r in victims if not kill_if_ours(r.get("pid"), self._token)]
+        stall["killed"] = [r["rank"] for r in victims if r not in out_of_reach]
+        sock = self._channel
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if out_of_reach and proc is not None and proc.poll() is None:
+            log.warning("serve: rank(s) %s cannot be signalled from here; ending the mpiexec "
+                        "job", ", ".join(str(r["rank"]) for r in out_of_reach))
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def _drop_ranks(self, ranks: list[int], launch: dict, why: str) -> None:
+        """Relaunch without the lost ranks' hosts (on one machine, that many ranks fewer); each
+        host goes on the bench, probed until it answers again (`_probe_lost`)."""
+        lost: dict[str, int] = {}  # host -> ranks it ran
+        if self.entries is not None:
+            where = rank_hosts(self.entries, self.n)
+            host_of = {r: self.entries[where[r]][0] for r in ranks}
+            for i in sorted({where[r] for r in ranks}, reverse=True):
+                host, _ = self.entries.pop(i)
+                lost[host] = where.count(i)
+        else:
+            host_of = {r: "localhost" for r in ranks}
+            lost["localhost"] = len(ranks)
+        self.n -= sum(lost.values())
+        now = time.monotonic()
+        with self._bench_lock:
+            for host, count in lost.items():
+                self.bench.lose(host, count, why, now)
+        first = min(ranks)
+        launch["lost"] = {"rank": first, "host": host_of[first]}
+        if len(ranks) > 1:
+            launch["lost_ranks"] = {str(r): host_of[r] for r in sorted(ranks)}
+        if self.n >= 1 and _fixed_for_old_world(self.worker_args):
+            self.worker_args = _replan_args(self.worker_args)
+        log.warning("serve: rank(s) %s lost (%s; %s); %d rank(s) remain; probing every %g s "
+                    "until it answers again", ", ".join(map(str, sorted(ranks))), why,
+                    ", ".join(lost), self.n, PROBE_EVERY_S)
+
+    def _probe_lost(self) -> None:
+        """The background prober: each lost device every PROBE_EVERY_S (hepti.serve.stall's
+        `probe_device`); those the bench finds ready are re-admitted between two batches. A
+        device that never answers costs a probe per period and nothing in the log."""
+        while not self._stopping:
+            time.sleep(0.5)
+            with self._bench_lock:
+                due = self.bench.due(time.monotonic())
+            for d in due:
+                answered = probe_device(None if d.host == "localhost" and self.entries is None
+                                        else d.host)
+                with self._bench_lock:
+                    self.bench.record(d.host, answered, time.monotonic())
+                if answered and d.answers == 1:
+                    log.info("serve: lost device %s answers again; re-admitted once it is "
+                             "confirmed", d.host)
+            # under the bench's lock, so that a device `_readmit` took back meanwhile is not
+            # asked for again (the lock order: the bench's, then self._cv; never the reverse)
+            with self._bench_lock:
+                ready = [d.host for d in self.bench.ready(time.monotonic())]
+                if ready:
+                    with self._cv:
+                        new = [h for h in ready if h not in self._admit]
+                        if new and self._status != "failed":
+                            self._admit.extend(new)
+                            self._cv.notify_all()
+
+    def _readmit(self, hosts: list[str]) -> None:
+        """Take the devices back: their hosts return to the host list in their first order
+        (on one machine, their ranks to -n), and the original --ratios/--plan applies again
+        once the world is whole."""
+        now = time.monotonic()
+        with self._bench_lock:
+            back = [d for d in (self.bench.admit(h, now) for h in hosts) if d is not None]
+            with self._cv:  # asked for again by the prober meanwhile: no longer to do
+                self._admit = [h for h in self._admit if h not in {d.host for d in back}]
+        if not back:
+            return
+        if self.entries is not None:
+            keep = {h for h, _ in self.entries} | {d.host for d in back}
+            self.entries = [e for e in self._first_entries if e[0] in keep]
+        self.n += sum(d.ranks for d in back)
+        if self.n == self._first_n and (self.entries is None or
+                                        len(self.entries) == len(self._first_entries)):
+            self.worker_args = list(self._first_args)
+        self._admitting = [(d.host, d.ranks) for d in back]
+        log.warning("serve: re-admitting %s (it answered %d probes in a row); relaunching on "
+                    "%d rank(s)", ", ".join(d.host for d in back), max(d.answers for d in back),
+                    self.n)
+
+    def _relose(self, launch: dict) -> None:
+        """A launch that took devices back did not start: they are lost again (flapping, to
+        the bench), and the next launch goes without them; not a failed start of the service."""
+        back, self._admitting = self._admitting, []
+        now = time.monotonic()
+        for host, count in back:
+            if self.entries is not None:
+                self.entries = [e for e in self.entries if e[0] != host]
+            self.n -= count
+            with self._bench_lock:
+                self.bench.lose(host, count, "did not start when re-admitted", now)
+        launch["lost_again"] = [h for h, _ in back]
+        if self.n >= 1 and _fixed_for_old_world(self.worker_args):
+            self.worker_args = _replan_args(self.worker_args)
+        log.warning("serve: the launch that re-admitted %s did not start (%s); going on without",
+                    ", ".join(h for h, _ in back), launch.get("end"))
+
+    def _admit_start_s(self) -> float:
+        """How long a launch that takes a device back may take to say hello."""
+        ready = [x["ready_s"] for x in self.launches if "ready_s" in x]
+        return min(self.start_timeout_s,
+                   max(ADMIT_START_MIN_S, ADMIT_START_FACTOR * (ready[-1] if ready else 0.0)))
+
     def _serve(self, sock: socket.socket) -> str:
         """Send batches until the service stops (then tell the workers) or the channel breaks."""
         try:
             while True:
                 batch = self._take_batch()
-                if batch is None:
+                if batch is None or batch is _READMIT:
+                    with self._cv:  # the ranks go quiet as they end: no deadline now
+                        self._phase = None
                     protocol.send(sock, {"op": "stop"})
-                    return "stopped"
+                    return "stopped" if batch is None else "stopped to re-admit a lost device"
                 lengths, flat = protocol.pack_ids([p.ids for p in batch])
                 batch_id = self.counts["batches"]
+                with self._cv:
+                    self._set_phase("batch", batch, batch_id)
+                    self._first_batch = False
                 t0 = time.perf_counter()
                 head = {"op": "batch", "id": batch_id, "lengths": lengths}
                 monitored = self._monitored(batch_id)
@@ -501,25 +787,32 @@ class Supervisor:
                         if header.get("op") == "flag":  # rank 0's, from inside the batch
                             self.watcher.early_flag(header, _shape(batch))
                         elif header.get("op") == "answer":  # the embeddings, ahead of the
-                            wall = time.perf_counter() - t0  # report (--replan)
-                            self._batch_walls.append(wall)
-                            self._deliver(batch, np.frombuffer(data, np.float32).reshape(
-                                header["shape"]), batch_id)
+                            # report (--replan)
+                            if not self._deliver(batch, np.frombuffer(data, np.float32).reshape(
+                                    header["shape"]), batch_id):
+                                raise protocol.ChannelClosed("the job was declared lost")
+                            wall = time.perf_counter() - t0
+                            self._note_wall(batch, wall)
                         else:
                             break
+                    if wall is None:
+                        emb = np.frombuffer(data, np.float32).reshape(header["shape"])
+                        if not self._deliver(batch, emb, batch_id):
+                            raise protocol.ChannelClosed("the job was declared lost")
+                        wall = time.perf_counter() - t0
+                        self._note_wall(batch, wall)
                 except (OSError, protocol.ChannelClosed) as e:
                     if wall is None:  # answered inputs are not run again
-                        self._requeue(batch)
+                        self._requeue(batch, counted=self._stall is None)
                     raise protocol.ChannelClosed(str(e)) from None
-                if wall is None:
-                    wall = time.perf_counter() - t0
-                    self._batch_walls.append(wall)
-                    emb = np.frombuffer(data, np.float32).reshape(header["shape"])
-                    self._deliver(batch, emb, batch_id)
+                with self._cv:
+                    self._set_phase("idle")
                 # a batch the monitor skipped has no report ("ranks_s"): the workers skipped it
                 if self.watcher is not None and "ranks_s" in header:
                     self._watch_plan(sock, batch, header["ranks_s"], wall)
         finally:
+            with self._cv:  # the job is ending (`_end_proc` sees to it): no deadline now
+                self._phase = None
             sock.close()
 
     def _monitored(self, batch_id: int) -> bool:
@@ -557,20 +850,37 @@ class Supervisor:
             self._stop_replanning(e)
 
     def command(self, sock: socket.socket, header: dict) -> dict:
-        """One command to the workers between batches (probe, prepare, switch): its answer."""
+        """One command to the workers between batches (probe, prepare, switch): its answer.
+        A slow phase for the stall deadline (a switch may read weights)."""
+        with self._cv:
+            self._set_phase(str(header.get("op")))
         protocol.send(sock, header)
         answer, _ = protocol.recv(sock)
+        with self._cv:
+            self._set_phase("idle")
         return answer
 
+    def _note_wall(self, batch: list[Piece], wall: float) -> None:
+        self._batch_walls.append(wall)
+        B, T = _shape(batch)
+        self._per_token.append(wall / (B * T))
+
     def _take_batch(self) -> list[Piece] | None:
-        """The next batch from the queue (waiting for one), or None when stopping."""
+        """The next batch from the queue (waiting for one), None when stopping, or _READMIT
+        when a lost device is to be taken back (between two batches)."""
         with self._cv:
-            while not self._queue and not self._stopping:
+            while not self._queue and not self._stopping and not self._admit_due():
+                if self._stall is not None:
+                    raise protocol.ChannelClosed("a rank was declared lost while idle")
                 self._cv.wait(0.5)
                 if self._proc is not None and self._proc.poll() is not None:
                     raise protocol.ChannelClosed("the workers exited while idle")
             if self._stopping:
                 return None
+            if self._stall is not None:
+                raise protocol.ChannelClosed("a rank was declared lost")
+            if self._admit_due():
+                return _READMIT
             batch, longest = [], 0
             while self._queue and len(batch) < self.max_batch_inputs:
                 t = max(longest, len(self._queue[0].ids))
@@ -581,19 +891,36 @@ class Supervisor:
             self.counts["batches"] += 1
             return batch
 
-    def _deliver(self, batch: list[Piece], emb: np.ndarray, batch_id: int) -> None:
+    def _admit_due(self) -> bool:
+        """A lost device is to be re-admitted now: it is confirmed, and the job has served
+        SERVE_BEFORE_ADMIT_S without it (under self._cv)."""
+        return bool(self._admit) and time.monotonic() - self._ready_at >= SERVE_BEFORE_ADMIT_S
+
+    def _deliver(self, batch: list[Piece], emb: np.ndarray, batch_id: int) -> bool:
+        """A batch's embeddings to their requests; False, and nothing written, when the job was
+        declared lost before they came (the batch goes back to the queue and runs again)."""
         with self._cv:
+            if self._stall is not None:
+                return False
             for j, p in enumerate(batch):
                 r = p.request
+                if p.answered:  # never: a batch is requeued only when not answered
+                    self.counts["duplicates"] += 1
+                    log.error("serve: input %d of a request was answered twice; the second "
+                              "answer is dropped", p.index)
+                    continue
+                p.answered = True
                 if r.done.is_set():  # timed out or failed meanwhile
                     continue
                 r.out[p.index] = emb[j]
+                self.counts["inputs_answered"] += 1
                 r.remaining -= 1
                 if r.remaining == 0:
                     self.counts["answered"] += 1
                     if self.replan_ab:
                         self._ab_note(batch_id, time.perf_counter() - r.t_submit)
                     r.done.set()
+        return True
 
     def _ab_copy(self) -> list[dict]:
         with self._cv:
@@ -607,12 +934,15 @@ class Supervisor:
             del self._ab_runs[:-AB_RUNS_KEPT]
         self._ab_runs[-1]["latencies_ms"].append(latency * 1e3)
 
-    def _requeue(self, batch: list[Piece]) -> None:
+    def _requeue(self, batch: list[Piece], counted: bool = True) -> None:
         """The batch in flight when the workers failed: back to the head of the queue, in order;
-        an input on its MAX_ATTEMPTS-th failure fails its request instead."""
+        an input on its MAX_ATTEMPTS-th failure fails its request instead. A hang (`counted`
+        False) is not counted: a stopped board or a silent link is no input's doing (a rank
+        that an input makes compute long still beats), and an input must not be refused for
+        two hangs of the devices."""
         with self._cv:
             for p in reversed(batch):
-                p.attempts += 1
+                p.attempts += counted
                 if p.request.done.is_set():
                     continue
                 if p.attempts >= MAX_ATTEMPTS:
@@ -681,21 +1011,6 @@ class Supervisor:
             return None
         return min(self._closed)[1]
 
-    def _drop_rank(self, rank: int, launch: dict) -> None:
-        """Relaunch without the lost rank's host (one rank fewer on one machine)."""
-        if self.entries is not None:
-            where = rank_hosts(self.entries, self.n)
-            host, _ = self.entries.pop(where[rank])
-            self.n -= where.count(where[rank])
-        else:
-            host = "localhost"
-            self.n -= 1
-        launch["lost"] = {"rank": rank, "host": host}
-        if self.n >= 1 and _fixed_for_old_world(self.worker_args):
-            self.worker_args = _replan_args(self.worker_args)
-        log.warning("serve: rank %d was lost (%s); %d rank(s) remain", rank,
-                    launch["lost"]["host"], self.n)
-
 
 class _StartFailed(Exception):
     pass
@@ -736,6 +1051,11 @@ def _late_text(late: list[dict]) -> str:
     who = ", ".join(f"rank {b['rank']} on {b['host']} (pid {b['pid']}) silent for "
                     f"{b['silent_s']:.1f} s" for b in late)
     return f"{who}: stopped, starved of CPU or cut off"
+
+
+def _phase_text(ph: Phase) -> str:
+    return f"batch {ph.batch}" if ph.kind == "batch" else \
+        "the idle time between batches" if ph.kind == "idle" else f"the {ph.kind} command"
 
 
 def _shape(batch: list[Piece]) -> tuple[int, int]:
