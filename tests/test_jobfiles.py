@@ -1,0 +1,89 @@
+"""The files a killed MPI job leaves (hepti.emulate.jobfiles): which are told apart as leftovers
+(fake files in a temporary directory: none held, one open, one mapped, a serve directory whose
+front end is gone), and that the launchers remove a real killed job's files: hepti serve's
+supervisor after a `kill -9` of a rank and at stop, `hepti emulate` at teardown (root), and
+`hepti emulate --cleanup` (root).
+
+Other jobs may run on this machine at the same time, and older hepti versions leave files too,
+so the real-job tests do not count /dev/shm: they note the files their own job's processes hold
+while it runs and check that exactly those are gone afterwards."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hepti.emulate import jobfiles
+
+
+@pytest.fixture
+def fake_dirs(tmp_path, monkeypatch):
+    """jobfiles looks in tmp_path/shm and tmp_path/tmp instead of /dev/shm and /tmp."""
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    monkeypatch.setattr(jobfiles, "SHM_DIR", shm)
+    monkeypatch.setattr(jobfiles, "TMP_DIR", tmp)
+    monkeypatch.setattr(jobfiles.tempfile, "tempdir", str(tmp))
+    return shm, tmp
+
+
+HOLD = """import mmap, os, sys
+f = open(sys.argv[1], "r+b")
+if sys.argv[2] == "map":  # mapped, descriptor closed: as an MPICH rank keeps its segment
+    m = mmap.mmap(f.fileno(), 0)
+    f.close()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def _holder(path: Path, how: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(path), how], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_unheld_files_are_leftovers_and_held_ones_are_not(fake_dirs):
+    shm, tmp = fake_dirs
+    for name in ("mpich_shm_1a2b_0", "mpich_shm_1a2b_1", "mpich_shm_3c4d_0", "other_file"):
+        (shm / name).write_bytes(b"\0" * 4096)
+    (tmp / "hydra_hwloc_xmlfile_AbC123").write_text("<topology/>")
+    ours = tmp / (jobfiles.serve_dir_prefix() + "x1")  # this process runs: held
+    gone = tmp / (jobfiles.serve_dir_prefix(_dead_pid()) + "x2")
+    for d in (ours, gone):
+        d.mkdir()
+        (d / "hostfile-1").write_text("10.0.0.1:1\n")
+    holders = [_holder(shm / "mpich_shm_1a2b_1", "open"), _holder(shm / "mpich_shm_3c4d_0", "map")]
+    try:
+        found = {f.path.name for f in jobfiles.leftovers()}
+        assert found == {"mpich_shm_1a2b_0", "hydra_hwloc_xmlfile_AbC123", gone.name}, found
+        removed = jobfiles.sweep()
+        assert len(removed) == 3 and any("mpich_shm_1a2b_0" in r for r in removed), removed
+        assert sorted(os.listdir(shm)) == ["mpich_shm_1a2b_1", "mpich_shm_3c4d_0", "other_file"]
+        assert sorted(os.listdir(tmp)) == [ours.name]
+    finally:
+        for p in holders:
+            p.communicate("")
+    assert {f.path.name for f in jobfiles.leftovers()} == {"mpich_shm_1a2b_1", "mpich_shm_3c4d_0"}
+
+
+def test_a_snapshot_keeps_older_files(fake_dirs):
+    shm, tmp = fake_dirs
+    (shm / "mpich_shm_old_0").write_bytes(b"\0")
+    before = jobfiles.snapshot()
+    (shm / "mpich_shm_new_0").write_bytes(b"\0")
+    (tmp / "hydra_hwloc_xmlfile_New").write_text("x")
+    assert [Path(r.split()[-1]).name for r in jobfiles.sweep(before)] == [
+        "mpich_shm_new_0", "hydra_hwloc_xmlfile_New"]
+    assert os.listdir(shm) == ["mpich_shm_old_0"]
