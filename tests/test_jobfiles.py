@@ -10,6 +10,7 @@ while it runs and check that exactly those are gone afterwards."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from hepti.emulate import jobfiles
+from test_distributed_launch import mpiexec
 
 
 @pytest.fixture
@@ -87,3 +89,46 @@ def test_a_snapshot_keeps_older_files(fake_dirs):
     assert [Path(r.split()[-1]).name for r in jobfiles.sweep(before)] == [
         "mpich_shm_new_0", "hydra_hwloc_xmlfile_New"]
     assert os.listdir(shm) == ["mpich_shm_old_0"]
+
+
+def _job_files(pids: list[int]) -> set[str]:
+    """The MPICH and Hydra files these processes (ranks) and their parents (Hydra's proxies)
+    hold open or mapped."""
+    held = set()
+    for pid in pids:
+        ppid = int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                        if line.startswith("PPid:")))
+        for p in (pid, ppid):
+            for fd in Path(f"/proc/{p}/fd").iterdir():
+                try:
+                    held.add(os.readlink(fd))
+                except OSError:
+                    pass
+            held |= {line[line.index("/"):] for line in Path(f"/proc/{p}/maps").read_text().splitlines()
+                     if "/" in line}
+    return {h for h in held if Path(h).name.startswith(("mpich_", "hydra_hwloc_xmlfile_"))}
+
+
+def test_serve_removes_what_a_killed_rank_left(tiny_dir):
+    """kill -9 of a worker rank: the relaunch finds the old job's /dev/shm segment gone (MPICH
+    would have left it), and at stop the second job's files and the temporary directory go."""
+    mpiexec()
+    from hepti.serve.supervisor import Supervisor
+    sup = Supervisor(tiny_dir, 2, worker_args=["--strategy", "tensor"]).start()
+    try:
+        sup.embed([[2, 5, 7]])
+        first = _job_files([r["pid"] for r in sup.ranks])
+        # what MPICH makes for 2 ranks on one machine: a segment, and the proxy's topology file
+        assert any("/dev/shm/mpich_shm_" in f for f in first), first
+        assert any("/tmp/hydra_hwloc_xmlfile_" in f for f in first), first
+        # while the job runs, none of its files is a leftover: the sweep would leave them
+        assert not first & {str(f.path) for f in jobfiles.leftovers()}
+        os.kill(sup.ranks[1]["pid"], signal.SIGKILL)
+        sup.embed([[3, 4]])  # answered by the relaunched job (one rank)
+        assert sup.epoch == 2
+        assert not [f for f in first if os.path.exists(f)], "left by the killed job"
+        second = _job_files([r["pid"] for r in sup.ranks])
+    finally:
+        sup.stop()
+    assert not [f for f in second if os.path.exists(f)]
+    assert not os.path.exists(sup._tmp.name)
