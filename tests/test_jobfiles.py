@@ -9,16 +9,19 @@ so the real-job tests do not count /dev/shm: they note the files their own job's
 while it runs and check that exactly those are gone afterwards."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from hepti.emulate import jobfiles
 from test_distributed_launch import mpiexec
+from test_emulate import SRC, _write, root_env  # noqa: F401 - the fixture: root, MPICH, no leftovers
 
 
 @pytest.fixture
@@ -132,3 +135,66 @@ def test_serve_removes_what_a_killed_rank_left(tiny_dir):
         sup.stop()
     assert not [f for f in second if os.path.exists(f)]
     assert not os.path.exists(sup._tmp.name)
+
+
+PROBE = """import json, os, sys, time
+from mpi4py import MPI
+sys.path.insert(0, os.environ["HEPTI_SRC"])
+comm = MPI.COMM_WORLD
+with open(f"{sys.argv[1]}.{comm.rank}.tmp", "w") as f:
+    json.dump(os.getpid(), f)
+os.replace(f"{sys.argv[1]}.{comm.rank}.tmp", f"{sys.argv[1]}.{comm.rank}")
+time.sleep(120)
+"""
+
+
+def test_emulate_teardown_removes_what_the_killed_job_left(root_env, tmp_path):  # noqa: F811
+    """Ctrl-C twice (no grace period) under `hepti emulate`: the teardown SIGKILLs the ranks and
+    Hydra's proxies, whose /dev/shm segments and /tmp topology files then go with the run."""
+    spec = _write(tmp_path, "two.json", {"name": "test-files", "devices": [
+        {"name": "a", "cpu": 0.3, "link_mbit": 100}, {"name": "b", "cpu": 0.3, "link_mbit": 100}]})
+    probe, out = tmp_path / "probe.py", tmp_path / "pid"
+    probe.write_text(PROBE)
+    code = (f"import sys; sys.path.insert(0, {str(SRC)!r})\nfrom hepti.emulate.launch import run_emulated\n"
+            f"sys.exit(run_emulated({str(spec)!r}, ['mpiexec', '-n', '2', sys.executable, "
+            f"{str(probe)!r}, {str(out)!r}], idle_fill=False))")
+    p = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "HEPTI_SRC": str(SRC)})
+    try:
+        deadline = time.monotonic() + 120
+        while not all(Path(f"{out}.{r}").exists() for r in (0, 1)):
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read()
+            time.sleep(0.2)
+        files = _job_files([json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)])
+        assert any("hydra_hwloc_xmlfile_" in f for f in files), files
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)  # again: SIGKILL at once
+        assert p.wait(60) == 130
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = p.stderr.read()
+    left = [f for f in files if os.path.exists(f)]
+    assert not left, f"left by the killed job: {left}\n{err[-2000:]}"
+
+
+def test_emulate_cleanup_reports_and_removes_orphans(root_env, fake_dirs):  # noqa: F811
+    """`hepti emulate --cleanup` finds what no one holds: a segment, a topology file, and a
+    serve directory whose front end is gone; a held segment stays."""
+    from hepti.emulate.leftovers import cleanup
+    shm, tmp = fake_dirs
+    (shm / "mpich_shm_dead_0").write_bytes(b"\0" * (3 << 20))
+    (shm / "mpich_shm_live_0").write_bytes(b"\0")
+    (tmp / "hydra_hwloc_xmlfile_Zz9").write_text("x")
+    stale = tmp / (jobfiles.serve_dir_prefix(_dead_pid()) + "abc")
+    stale.mkdir()
+    holder = _holder(shm / "mpich_shm_live_0", "map")
+    try:
+        removed = cleanup()
+    finally:
+        holder.communicate("")
+    assert f"MPICH shared memory {shm}/mpich_shm_dead_0, 3.0 MiB" in removed, removed
+    assert f"Hydra topology file {tmp}/hydra_hwloc_xmlfile_Zz9" in removed
+    assert f"hepti serve directory {stale}" in removed
+    assert os.listdir(shm) == ["mpich_shm_live_0"] and os.listdir(tmp) == []
