@@ -94,6 +94,17 @@ def test_a_snapshot_keeps_older_files(fake_dirs):
     assert os.listdir(shm) == ["mpich_shm_old_0"]
 
 
+def test_the_command_line_sweeps_since_a_snapshot_file(fake_dirs, tmp_path, capsys):
+    """bin/test's use: `python -m hepti.emulate.jobfiles snapshot F`, jobs, `... sweep --since F`."""
+    shm, _ = fake_dirs
+    (shm / "mpich_shm_old_0").write_bytes(b"\0")
+    jobfiles.main(["snapshot", str(tmp_path / "before.json")])
+    (shm / "mpich_shm_new_0").write_bytes(b"\0")
+    jobfiles.main(["sweep", "--since", str(tmp_path / "before.json")])
+    assert capsys.readouterr().out == f"removed MPICH shared memory {shm}/mpich_shm_new_0\n"
+    assert os.listdir(shm) == ["mpich_shm_old_0"]
+
+
 def _job_files(pids: list[int]) -> set[str]:
     """The MPICH and Hydra files these processes (ranks) and their parents (Hydra's proxies)
     hold open or mapped."""

@@ -37,9 +37,11 @@ who is not root sees only their own processes, so only their own files are consi
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,3 +196,33 @@ def sweep(since: Snapshot | None = None) -> list[str]:
         removed.append(f.describe())
     return removed
 
+
+
+def save_snapshot(path: str | Path) -> None:
+    Path(path).write_text(json.dumps(sorted([str(p), ino] for p, ino in snapshot())))
+
+
+def load_snapshot(path: str | Path) -> Snapshot:
+    return frozenset((Path(p), ino) for p, ino in json.loads(Path(path).read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hepti.emulate.jobfiles snapshot FILE`, then `... sweep [--since FILE]`: the
+    same around jobs that no hepti launcher starts (bin/test's distributed tests, a script's
+    own mpiexec). Prints a line per file removed."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m hepti.emulate.jobfiles", description=main.__doc__)
+    sub = ap.add_subparsers(dest="verb", required=True)
+    sub.add_parser("snapshot").add_argument("file")
+    sub.add_parser("sweep").add_argument("--since", metavar="FILE")
+    args = ap.parse_args(argv)
+    if args.verb == "snapshot":
+        save_snapshot(args.file)
+    else:
+        for line in sweep(load_snapshot(args.since) if args.since else None):
+            print(f"removed {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
