@@ -59,9 +59,10 @@ def mobilenet_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def sweeps_killed_job():
-    """For a test that kills an MPI job it started with a bare mpiexec (no hepti launcher around
-    it to clean up): what that job left in /dev/shm and /tmp (a killed rank's MPICH segment) is
-    removed when the test ends, as hepti serve and hepti emulate do for their jobs."""
+    """For a test that kills an MPI job it started with a bare mpiexec, or makes one abort (no
+    hepti launcher around it to clean up): what that job left in /dev/shm and /tmp (a killed
+    rank's MPICH segment, an aborted proxy's topology file) is removed when the test ends, as
+    hepti serve and hepti emulate do for their jobs."""
     from hepti.emulate import jobfiles
     before = jobfiles.snapshot()
     yield
