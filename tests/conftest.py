@@ -55,3 +55,15 @@ def vgg_tiny_dir(tmp_path_factory) -> Path:
 def mobilenet_dir(tmp_path_factory) -> Path:
     """MobileNetV2 with torchvision's ImageNet weights, converted from its package."""
     return convert_mobilenet(tmp_path_factory.mktemp("w") / "mobilenet-v2")
+
+
+@pytest.fixture
+def sweeps_killed_job():
+    """For a test that kills an MPI job it started with a bare mpiexec, or makes one abort (no
+    hepti launcher around it to clean up): what that job left in /dev/shm and /tmp (a killed
+    rank's MPICH segment, an aborted proxy's topology file) is removed when the test ends, as
+    hepti serve and hepti emulate do for their jobs."""
+    from hepti.emulate import jobfiles
+    before = jobfiles.snapshot()
+    yield
+    jobfiles.sweep(before)

@@ -62,7 +62,7 @@ def ids_file(tmp_path):
     return f
 
 
-def test_fault_on_rank_1_ends_job(tiny_dir, ids_file):
+def test_fault_on_rank_1_ends_job(tiny_dir, ids_file, sweeps_killed_job):
     import os
     env = dict(os.environ, HEPTI_FAULT_RANK="1")
     code, out, err, secs = launch(2, "-m", "hepti", "run", "--model", tiny_dir, "--input-ids",
@@ -121,7 +121,7 @@ def test_run_json_reports_per_rank(tiny_dir, ids_file, tmp_path):
     assert {"Reduce_scatter", "Allgatherv"} <= names
 
 
-def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path):
+def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path, sweeps_killed_job):
     """`hepti run` of a CNN under mpiexec -n 3: --strategy auto (a profile measured on the spot,
     the LP, fusion), even, and a plan file from `hepti profile` + `hepti plan`; each output
     equals one device's (1e-4 relative), and bad CNN strategies are refused before work."""

@@ -188,7 +188,7 @@ def _interrupt(cmd, partial: Path, timeout=120):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_ctrl_c_one_line_exit_130(tiny_dir, tmp_path, ranks):
+def test_ctrl_c_one_line_exit_130(tiny_dir, tmp_path, ranks, sweeps_killed_job):
     out = tmp_path / "o.npy"
     run = ["-m", "hepti", "run", "--model", str(tiny_dir), "--input-ids",
            str(ids_file(tmp_path / "i.npz", 60000)), "--batch-size", "2", "--output", str(out)]
@@ -221,7 +221,7 @@ def _rank_pid(marker: str, rank: int) -> int | None:
     return None
 
 
-def test_resume_after_kill_equals_uninterrupted_run(tiny_dir, tmp_path):
+def test_resume_after_kill_equals_uninterrupted_run(tiny_dir, tmp_path, sweeps_killed_job):
     """kill -9 rank 1 halfway through 10,000 inputs on 2 ranks, then --resume: the output is
     byte for byte the output of a run that was never interrupted, and the report says where it
     resumed (so how many batches were computed again)."""

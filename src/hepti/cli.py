@@ -238,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="count the spec's schedule times from a SIGUSR1 sent to this process "
                         "(e.g. by a benchmark once its service is up), not from COMMAND's start")
     s.add_argument("--summary", metavar="FILE.json", help="write per-device memory peaks, OOM kills, schedule events")
-    s.add_argument("--cleanup", action="store_true", help="remove leftovers of earlier runs and exit")
+    s.add_argument("--cleanup", action="store_true",
+                   help="remove leftovers of earlier runs (namespaces, cgroups) and the /dev/shm and "
+                        "/tmp files of killed MPI jobs that no running process holds, and exit")
     s.add_argument("--all", action="store_true", help="with --cleanup: also stop runs still alive")
     s.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import (FIXTURES, ROOT, convert_mobilenet, convert_once, convert_tiny_cnn,  # noqa: E402
                      minilm_source)
-from mpi_helpers import COMM  # noqa: E402
+from mpi_helpers import COMM, remove_shared, shared_dir  # noqa: E402
 
 
 @pytest.hookimpl(trylast=True)  # after the terminal plugin has registered its reporter
@@ -24,16 +24,13 @@ def pytest_configure(config):
             config.pluginmanager.unregister(rep)
 
 
-def _shared_dir(name: str) -> Path:
-    """One converted copy per session, made on rank 0 and seen by all (same machine)."""
-    import tempfile
-    base = COMM.bcast(tempfile.mkdtemp(prefix="hepti-mpi-") if COMM.Get_rank() == 0 else None)
-    return Path(base) / name
+def pytest_sessionfinish(session, exitstatus):
+    remove_shared()  # the converted copies below: one per session, made on rank 0, seen by all
 
 
 @pytest.fixture(scope="session")
 def tiny_dir():
-    out = _shared_dir("tiny-odd")
+    out = shared_dir("tiny-odd")
     if COMM.Get_rank() == 0:
         convert_once(FIXTURES / "tiny-odd", out)
     COMM.Barrier()
@@ -42,7 +39,7 @@ def tiny_dir():
 
 @pytest.fixture(scope="session")
 def vit_dir():
-    out = _shared_dir("vit-tiny-odd")
+    out = shared_dir("vit-tiny-odd")
     if COMM.Get_rank() == 0:
         convert_once(FIXTURES / "vit-tiny-odd", out)
     COMM.Barrier()
@@ -54,7 +51,7 @@ def minilm_dir():
     made = ROOT / "weights" / "minilm-l6"
     if (made / "index.json").exists():
         return made
-    out = _shared_dir("minilm")
+    out = shared_dir("minilm")
     if COMM.Get_rank() == 0:
         convert_once(minilm_source(), out)
     COMM.Barrier()
@@ -62,7 +59,7 @@ def minilm_dir():
 
 
 def _cnn_dir(name: str, make):
-    out = _shared_dir(name)
+    out = shared_dir(name)
     if COMM.Get_rank() == 0:
         make(out)
     COMM.Barrier()

@@ -11,7 +11,7 @@ from hepti.model.sizes import layer_bytes, layer_slice_bytes
 from hepti.parallel.engine import run_plan
 from hepti.plan.planfile import DIMS, Plan
 from hepti.weights import write_random
-from mpi_helpers import COMM, all_ok
+from mpi_helpers import COMM, all_ok, shared_dir
 
 RANK = COMM.Get_rank()
 
@@ -25,11 +25,8 @@ def batch(cfg, T=64):
 def random_model(name: str, **shape):
     """A BERT of this shape with random weights, written by rank 0 to a folder every rank
     reads: (folder, config)."""
-    import tempfile
-    from pathlib import Path
     cfg = BertConfig.from_dict(dict(model_type="bert", **shape), name=name)
-    base = COMM.bcast(tempfile.mkdtemp(prefix="hepti-mem-") if RANK == 0 else None)
-    out = Path(base) / name
+    out = shared_dir(name)  # removed at the session's end
     if RANK == 0:
         write_random(cfg, out, seed=1, progress=False)
     COMM.Barrier()

@@ -32,8 +32,12 @@ re-reads its slices every forward, took 1380 ms after earlier runs had cached th
 Teardown (kill every
 process in the run's cgroups and namespaces, delete veths, bridge, namespaces, cgroups, run
 directory) happens on success, failure, Ctrl-C, SIGTERM/SIGHUP and `timeout`; a second Ctrl-C
-skips the grace period. If the launcher itself is SIGKILLed, mpiexec dies with it
-(PR_SET_PDEATHSIG) and the next run finds the leftovers and points to `hepti emulate --cleanup`.
+skips the grace period. Then the files that COMMAND's MPI jobs left outside the run directory
+(MPICH's /dev/shm segments, Hydra's /tmp topology files, a killed `hepti serve`'s temporary
+directory: the teardown's SIGKILL gives them no chance to remove their own) are removed: those
+made during the run that no live process holds (jobfiles.py). If the launcher itself is
+SIGKILLed, mpiexec dies with it (PR_SET_PDEATHSIG) and the next run finds the leftovers and
+points to `hepti emulate --cleanup`.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hepti.emulate import actions, idle, net, stretch
+from hepti.emulate import actions, idle, jobfiles, net, stretch
 from hepti.emulate.cgroups import Cgroups, kill_procs, remove_tree
 from hepti.emulate.command import die_with_parent, find_mpiexec, log, prepare_command
 from hepti.emulate.leftovers import (check_leftovers, cleanup, find_runs, proc_starttime,
@@ -466,6 +470,7 @@ def _run(run: _Run, command: list[str], *, keep: bool, timeout: float | None, su
     """Set up, run COMMAND, report, tear down (or keep); signals are handled throughout."""
     spec = run.spec
     check_leftovers(run.names.pid)
+    files_before = jobfiles.snapshot()
 
     in_main = threading.current_thread() is threading.main_thread()
     old = {}
@@ -509,5 +514,8 @@ def _run(run: _Run, command: list[str], *, keep: bool, timeout: float | None, su
         else:
             for p in run.teardown():
                 log(f"teardown problem: {p}; `hepti emulate --cleanup` retries")
+        left = jobfiles.sweep(files_before)  # with --keep too: only files no process holds
+        if left:
+            log(f"removed {len(left)} file(s) that COMMAND's MPI jobs left: " + "; ".join(left))
         for s, h in old.items():
             signal.signal(s, h)

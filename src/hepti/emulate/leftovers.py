@@ -5,7 +5,10 @@ owner.json names a process that is still running (same pid and start time) and t
 a finished `--keep` run; anything else is a leftover. A new run refuses to start while leftovers
 exist (they would distort timings or hold stale processes); `cleanup()` kills the processes in
 their cgroups and namespaces and removes links, namespaces, cgroups and the run directory.
-Runs that are alive (another user's emulation in progress) are left alone.
+Runs that are alive (another user's emulation in progress) are left alone. `cleanup()` also
+removes the files killed MPI jobs leave outside any run (MPICH's /dev/shm segments, Hydra's /tmp
+topology files, a killed `hepti serve`'s temporary directory) that no live process holds:
+jobfiles.py says how that is told safely while other jobs run.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hepti.emulate import actions, net
+from hepti.emulate import actions, jobfiles, net
 from hepti.emulate.cgroups import find_groups, kill_procs, remove_tree
 from hepti.emulate.command import log
 from hepti.emulate.names import RUN_ROOT, RunNames, owner_of_link, owner_of_netns
@@ -114,7 +117,8 @@ def cleanup(*, include_live: bool = False, pid: int | None = None) -> list[str]:
     """Remove what earlier `hepti emulate` runs left behind; return a line per removed object.
 
     Runs whose launcher is still running are left alone unless include_live is True; `pid`
-    limits the clean-up to the run of that launcher pid."""
+    limits the clean-up to the run of that launcher pid. Without `pid`, the MPI jobs' files that
+    no live process holds go too (after the dead runs' processes are killed)."""
     require_root("hepti emulate --cleanup")
     removed: list[str] = []
     for owner, run in sorted(find_runs().items()):
@@ -135,6 +139,8 @@ def cleanup(*, include_live: bool = False, pid: int | None = None) -> list[str]:
         if run.run_dir:
             shutil.rmtree(run.run_dir, ignore_errors=True)
             removed.append(f"run directory {run.run_dir}")
+    if pid is None:
+        removed += jobfiles.sweep()
     return removed
 
 

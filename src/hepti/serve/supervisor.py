@@ -59,6 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hepti.emulate import jobfiles
 from hepti.emulate.command import die_with_parent
 from hepti.serve import ServiceUnavailable, protocol
 from hepti.serve.stall import (ADMIT_START_FACTOR, ADMIT_START_MIN_S, END_GRACE_S, PROBE_EVERY_S,
@@ -223,7 +224,9 @@ class Supervisor:
         self._status, self._failure = "starting", ""
         self._stopping = False
         self._proc: subprocess.Popen | None = None
-        self._tmp = tempfile.TemporaryDirectory(prefix="hepti-serve-")
+        # our pid in its name: `hepti emulate --cleanup` removes it if we are killed (jobfiles)
+        self._tmp = tempfile.TemporaryDirectory(prefix=jobfiles.serve_dir_prefix())
+        self._files_before: jobfiles.Snapshot | None = None  # before the running job's launch
         self._token = secrets.token_hex(16)
         self._listener = self._listen()
         self._thread = threading.Thread(target=self._life, name="hepti-serve-workers", daemon=True)
@@ -481,6 +484,7 @@ class Supervisor:
             except (KeyError, ValueError):  # closed by _watch_ranks meanwhile
                 continue
             key.fileobj.close()
+        self._files_before = jobfiles.snapshot()
         self._proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, errors="replace",
                                       start_new_session=True,  # our own group: killpg
@@ -1000,6 +1004,10 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     continue
         self._reader.join(5.0)  # MPICH's report of a killed rank comes as the job ends
+        if self._files_before is not None and p.poll() is not None:  # what a killed rank left
+            for line in jobfiles.sweep(self._files_before):
+                log.info("serve: removed %s, left by the workers that ended", line)
+            self._files_before = None
         return p.poll()
 
     def _lost_rank(self, exit_code: int | None) -> int | None:
