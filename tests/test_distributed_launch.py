@@ -172,7 +172,7 @@ def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path, sweeps_killed_
                   ["--plan", gplan]):
         out = tmp_path / "y.npy"
         code, _, err, _ = launch(3, "-m", "hepti", "run", "--model", resnet_tiny_dir,
-                                 "--input-pixels", px, "--output", out, "--json", *extra)
+                                 "--input-pixels", px, "--output", out, "--force", "--json", *extra)
         assert code == 0, (extra, err[-2000:])
         got = np.load(out)
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), extra
