@@ -1,7 +1,7 @@
 """A CNN's operator graph: MobileNetV2, ResNet-50 and VGG-16 as torchvision builds them.
 
 The transformer graph (hepti.graph.ir) is a matrix of token rows; a CNN's activations are
-feature maps [N, H, W, C] (NHWC), and what ranks split is their height (DESIGN.md, "Height
+feature maps [N, H, W, C] (NHWC), and what ranks split is their height (docs/cnn.md, "Height
 split"). So a CNN has a graph of its own, which everything else reads:
 - the executors: `hepti.model.cnn` runs it on one process, `hepti.parallel.bands` by bands
   of rows across ranks;

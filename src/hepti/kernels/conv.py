@@ -74,7 +74,7 @@ tap-by-tap loop. Pools likewise, tap by tap.
 
 Padding is per side, (top, bottom, left, right), so that a band of output rows can be computed
 from a band of input rows with padding only where the band meets the image border (a height
-split: see DESIGN.md, "Height split").
+split: see docs/cnn.md, "Height split").
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The memory model of operator order: how many bytes an execution order needs at its peak.
 
 An order is a topological order of an OpDag's operators (hepti.graph.opdag). The default model
-(DESIGN.md, "Memory model"):
+(docs/order.md, "Memory model"):
 
 - **What counts**: activations, the tensors operators write. Weights are not in the graph
   (`OpDag.weight_bytes` reports them apart). Graph inputs and outputs are the caller's and do
