@@ -116,6 +116,38 @@ def test_an_idle_rank_is_judged_against_its_own_idle_baseline():
     assert [w.add(0.020) for _ in range(M.IDLE_N)][-1] == pytest.approx(3.0)
 
 
+def test_an_idle_rank_is_judged_against_its_profiled_probe():
+    """With the profile's own reading of the probe (`probe_s`), a report is the rank's factor
+    against it, absolute: a steady rank reads 1.0 whatever its factor was, one twice as slow
+    2.0; nothing is said before IDLE_N reports."""
+    w = M.IdleWatch(factor=1.5, profiled_s=0.010)
+    assert [w.add(0.010) for _ in range(M.IDLE_N)][:-1] == [None] * (M.IDLE_N - 1)
+    assert w.add(0.010) == pytest.approx(1.0) and w.last == pytest.approx(1.0)
+    assert [w.add(0.020) for _ in range(M.IDLE_N)][-1] == pytest.approx(2.0)
+
+
+def test_an_idle_rank_whose_first_probes_were_slow_holds_still():
+    """Issue 44: an idle device whose speed did not change probed 0.48x its baseline, learnt
+    from its first reports, and the re-plan gave it a share. Against the profile's probe_s,
+    first reports slowed by something else on its CPU (twice the profile) read as what they
+    are, a slower spell, and the ordinary ones after it read 1.0x: never faster than its
+    profile. The learnt baseline read them 0.5x, a speed-up to plan on."""
+    cfg, profile, plan = _bert_rows_plan(probe_s=0.010)
+    busy = [0.5, 0.1, 1e9, 1.0, 0.0, 0.0]
+    for profiled in (True, False):
+        mon = M.Monitor(cfg, profile if profiled else _bert_rows_plan()[1], plan)
+        faster = []
+        for probe in [0.010] * M.SKIP_N + [0.020] * M.IDLE_N + [0.010] * 2 * M.IDLE_WINDOW:
+            alarms = mon.observe(1, 256, [busy, busy, busy, [0.0, 0.0, 1e9, 1.0, probe, 0.0]],
+                                 [1.0] * 4)
+            faster += [round(a.factor, 2) for a in alarms if a.direction < 0]
+        if profiled:
+            assert faster == [] and mon.idle[3].base == 0.010
+            assert mon.idle[3].add(0.010) == pytest.approx(1.0)
+        else:
+            assert faster and faster[0] == 0.5
+
+
 def _idle_rank_3():
     """A monitor over a plan that leaves rank 3 idle, and one batch's observation given rank
     3's speed probe (the busy ranks exactly as predicted)."""
@@ -240,12 +272,14 @@ def test_rank0_flags_communication_far_over_its_prediction_inside_the_batch():
     assert _watch({"allgatherv": 0.005, "compute": 0.5}, expect) == []
 
 
-def _bert_rows_plan(idle: int = 3):
-    """BERT-base shape, a `rows` plan over 4 declared devices that leaves rank `idle` out."""
+def _bert_rows_plan(idle: int = 3, probe_s: float | None = None):
+    """BERT-base shape, a `rows` plan over 4 declared devices that leaves rank `idle` out
+    (`probe_s`: each device's profiled speed probe, if any)."""
     from hepti.config import preset_config
     from hepti.plan.partition import make_plan
     from hepti.plan.profile import declared_profile
-    dev = {"gemm_flops": 2e10, "memory_bytes": 4e9, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6}
+    dev = {"gemm_flops": 2e10, "memory_bytes": 4e9, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6,
+           "probe_s": probe_s}
     profile = declared_profile([dict(dev) for _ in range(4)])
     cfg = preset_config("bert-base")
     ratios = {u: [0.0 if r == idle else 1 / 3 for r in range(4)] for u in ("heads", "ffn", "rows")}

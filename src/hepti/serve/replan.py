@@ -203,7 +203,8 @@ class PlanWatcher:
                     if not a.absolute and abs(math.log(a.factor / shared)) < SMALL_STEP:
                         a.factor = shared
                 for r, iw in self.monitor.idle.items():  # an idle rank shares the host too
-                    iw.factor *= shared
+                    if not iw.profiled:  # against its profile, its probes show the host's step
+                        iw.factor *= shared
                     self._scale(r, shared)
             event["alarms"] = [a.__dict__ for a in alarms]
             for a in alarms:
