@@ -543,3 +543,25 @@ def test_metrics_show_each_series_bounds_once_learnt():
     got = {d["rank"]: d["compute"] for d in w.residuals()["detector"]}
     assert got[0]["flag_bound"] == pytest.approx(M.FLAG_MIN)
     assert got[1]["flag_bound"] > got[0]["flag_bound"]
+
+
+def test_an_idle_rank_is_judged_beside_the_busy_ranks_offset_from_the_profile():
+    """The busy ranks compute 0.8x their profiled times (the host was busier when the profile
+    was measured): the idle rank probing 0.8x its probe_s reads 1.0x, and only a step of its
+    own (twice as fast again) alarms."""
+    cfg, profile, plan = _bert_rows_plan(probe_s=0.010)
+    mon = M.Monitor(cfg, profile, plan)
+    pred = mon.predicted(1, 256).predicted["per_rank"]
+    alarms = []
+
+    def batch(probe):
+        busy = [[p["compute_s"] * 0.8, sum(p.get("comm_s", {}).values()) + p.get("wait_s", 0.0),
+                 1e9, 1.0, 0.0, 0.0] for p in pred[:3]]
+        return mon.observe(1, 256, busy + [[0.0, 0.0, 1e9, 1.0, probe, 0.0]], [1.0] * 4)
+    for _ in range(M.SKIP_N + M.BASELINE_N + 2 * M.IDLE_WINDOW):
+        alarms += batch(0.008)
+    assert alarms == [] and mon.host_bias() == pytest.approx(0.8)
+    assert mon.idle[3].add(0.008, mon.host_bias()) == pytest.approx(1.0)
+    got = [batch(0.004) for _ in range(M.IDLE_N)][-1]
+    assert [(a.rank, round(a.factor, 2)) for a in got] == [(3, 0.5)]
+

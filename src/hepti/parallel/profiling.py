@@ -59,8 +59,8 @@ COLD_WEIGHT_BYTES = 48 << 20  # more than this machine's L2s together; see measu
 LAYER_ROUNDS = 8
 # The speed probe (`SpeedProbe`): its GeMM's rows, its rounds, each round's least length (of
 # unstretched calls: a round lasts about PROBE_WINDOW_S / share on an emulated device), and the
-# probes whose median the profile records
-PROBE_ROWS, PROBE_ROUNDS, PROBE_WINDOW_S, PROFILE_PROBES = 32, 3, 1e-3, 5
+# probes whose median the profile records, each after a sleep of PROBE_GAP_S (`measure_probe`)
+PROBE_ROWS, PROBE_ROUNDS, PROBE_WINDOW_S, PROFILE_PROBES, PROBE_GAP_S = 32, 3, 1e-3, 5, 0.1
 
 
 # --- compute ---------------------------------------------------------------------------------
@@ -150,9 +150,20 @@ class SpeedProbe:
 
 def measure_probe(hidden: int, repeats: int = PROFILE_PROBES) -> float:
     """The profile's `probe_s`: the median of `repeats` SpeedProbe readings (a serving rank's
-    monitor takes the median of several too: hepti.serve.monitor.IdleWatch)."""
+    monitor takes the median of several too: hepti.serve.monitor.IdleWatch), each after a
+    PROBE_GAP_S sleep, with every rank doing the same once all are done with the heavier
+    measurements (`measure_profile` calls it after a barrier): as an idle rank probes while
+    serving, a short burst after a wait, not a call inside a sustained loop. On a busy shared
+    host a rank in a sustained loop gets its fair part of the contended CPU, below its share,
+    and a rank that slept runs at once: read beside the layer timings, the 0.4-core device's
+    probe_s was 2.07 ms, and the same device idle while serving probed 1.09 ms (median of 257),
+    0.53x; after sleeps, three ranks at once, 0.98 ms against 1.01 in a serving-like loop."""
     probe = SpeedProbe(hidden)
-    return statistics.median(probe() for _ in range(repeats))
+    readings = []
+    for _ in range(repeats):
+        time.sleep(PROBE_GAP_S)
+        readings.append(probe())
+    return statistics.median(readings)
 
 
 def gemm_sizes(config: ModelConfig, rows: int) -> list[int]:
@@ -752,9 +763,9 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     gemm, attention = measure_layer(config, batch, seq_len, threads)
     elementwise = measure_elementwise(config, M)
     overhead = measure_call_overhead()
-    probe_s = measure_probe(config.hidden_size)
     weight_load = measure_weight_load(config)
     _barrier(comm)
+    probe_s = measure_probe(config.hidden_size)  # after the barrier: see measure_probe
     disk_bps = measure_disk() if disk else None
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     on_host = local.Get_size()
