@@ -3,6 +3,7 @@ the profile re-fits it drives."""
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -286,17 +287,20 @@ def _bert_rows_plan(idle: int = 3, probe_s: float | None = None):
     return cfg, profile, make_plan(cfg, profile, 256, 1, strategy="rows", ratios=ratios)
 
 
-def _watcher(probes: list[dict], strategy: str = "rows", memory: float = 4e9):
+def _watcher(probes: list[dict], strategy: str = "rows", memory: float = 4e9,
+             probe_s: float | None = None):
     """A PlanWatcher for a 4-rank BERT-base `rows` plan on a declared profile (940 Mbit/s
-    links, `memory` bytes each), serving with `strategy`, whose probes answer from `probes`
-    in turn."""
+    links, `memory` bytes each, `probe_s` the profiled speed probe), serving with `strategy`,
+    whose probes answer from `probes` in turn (a {rank: link} dict, or a whole answer with
+    "links" and "speeds"); every command's header is kept in `sup.headers`."""
     import collections
 
     from hepti.config import preset_config
     from hepti.plan.partition import make_plan
     from hepti.plan.profile import declared_profile
     from hepti.serve.replan import PlanWatcher
-    dev = {"gemm_flops": 2e10, "memory_bytes": memory, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6}
+    dev = {"gemm_flops": 2e10, "memory_bytes": memory, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6,
+           "probe_s": probe_s}
     profile = declared_profile([dict(dev) for _ in range(4)])
     cfg = preset_config("bert-base")
     plan = make_plan(cfg, profile, 256, 1, strategy="rows")
@@ -304,13 +308,20 @@ def _watcher(probes: list[dict], strategy: str = "rows", memory: float = 4e9):
 
     class Sup:
         config, worker_args = cfg, ["--strategy", strategy]
-        replans, flags = [], collections.deque()
+        replans, flags, headers = [], collections.deque(), []
+        epoch = 1
+        _cv = threading.Condition()
 
         def command(self, sock, header):
+            self.headers.append(header)
             if header["op"] == "prepare":  # the ranks start loading; the switch comes later
                 return {"op": "prepared", "loads": [True] * 4}
+            if header["op"] == "switch":
+                return {"op": "switched", "ranks": [{"rank": r, "stall_s": 0.0, "bytes_read": 0}
+                                                    for r in range(4)]}
             assert header["op"] == "probe", header
-            return {"op": "probed", "links": next(answers)}
+            got = next(answers)
+            return {"op": "probed", **got} if "links" in got else {"op": "probed", "links": got}
     sup = Sup()
     sup.plan = plan.to_dict()
     w = PlanWatcher(sup, profile.to_dict())
@@ -565,3 +576,49 @@ def test_an_idle_rank_is_judged_beside_the_busy_ranks_offset_from_the_profile():
     got = [batch(0.004) for _ in range(M.IDLE_N)][-1]
     assert [(a.rank, round(a.factor, 2)) for a in got] == [(3, 0.5)]
 
+
+def _serve_until_decided(w, factors, n: int, wall: float = 0.7) -> list[dict]:
+    """Up to n batches as `_serve`, stopping at the first decision made during them; the
+    decisions made."""
+    pred = w.monitor.predicted(1, 256).predicted["per_rank"]
+    before = len(w.sup.replans)
+    for _ in range(n):
+        ranks = [[p["compute_s"] * factors[r] if p.get("active", True) else 0.0,
+                  sum(p.get("comm_s", {}).values()) + p.get("wait_s", 0.0), 1e9, 1.0,
+                  0.0, 0.0] for r, p in enumerate(pred)]
+        w.after_batch(None, (1, 256), ranks, wall)
+        got = [e for e in w.sup.replans[before:] if e.get("decision")]
+        if got:
+            return got
+    return []
+
+
+def test_a_plan_rolled_back_is_not_tried_again_until_something_changes(monkeypatch):
+    """Rank 2 computes 2x: the re-plan switches to a plan that gives it less; that plan's
+    batches run slower than the old one's and it is rolled back. The same reading again (the
+    same conditions) keeps the plan in force instead of trying that plan again (issue 44:
+    four switches and rollbacks in quiet minutes). Once something else moves (a link), it may
+    be tried again."""
+    from hepti.serve import replan as R
+    monkeypatch.setattr(R, "COOLDOWN_S", 0.0)
+    w, sup = _watcher([])
+    w._batches_per_s = lambda: 1.4
+    assert _serve_until_decided(w, [1.0] * 4, 12) == []
+    first = _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 8)
+    assert [e["decision"] for e in first] == ["switch"]
+    old, new = w.plan, w.pending[0]
+    _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 1)  # one more batch: its weights are in
+    assert w.plan is new
+    got = _serve_until_decided(w, [1.0] * 4, R.JUDGE_N, wall=1.0)  # slower than 0.7: undone
+    assert [e["decision"] for e in got] == ["rollback"]
+    _serve_until_decided(w, [1.0] * 4, 1, wall=1.0)
+    assert w.plan is old and w.factors == [1.0] * 4
+    assert len(w.rolled_back) == 1 and w.rolled_back[0]["conditions"]["factors"][2] == \
+        pytest.approx(2.0, rel=0.05)
+    again = _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 8)  # the same reading once more
+    assert [e["decision"] for e in again] == ["keep"] and again[0]["rolled_back_before"]
+    assert "rolled back" in again[0]["reason"] and w.plan is old
+    assert w.factors[2] == pytest.approx(2.0, rel=0.05)
+    assert R.PlanWatcher._rolled_back(w, new) is not None  # still barred: nothing moved
+    w.links["1"] = {"latency_s": 1e-4, "bandwidth_Bps": 100e6 / 8}  # a link moves
+    assert R.PlanWatcher._rolled_back(w, new) is None and w.rolled_back == []

@@ -19,7 +19,8 @@ The steps, all between batches on the front end's thread that talks to the worke
    batches, so no request sees two plans;
 5. judge the new plan on its first `JUDGE_N` batches against the old plan's batches measured
    under the same conditions (those run between the alarm and the switch); if it is slower by
-   more than `ROLLBACK_MARGIN`, switch back.
+   more than `ROLLBACK_MARGIN`, switch back. A plan rolled back is not tried again until one of
+   the conditions it was chosen on moves (`ROLLED_BACK_N`).
 """
 from __future__ import annotations
 
@@ -66,6 +67,13 @@ MOVED = 0.2  # a link more than this far (fraction) from its profiled rate has m
 # `tensor` or `stream`. Against a baseline, not the profile's figure: what the runtime itself
 # holds (Python, Numba, buffers) is in neither the profile nor the prediction.
 MEM_N, MEM_MOVED = 3, 0.25
+# A plan rolled back is remembered with the conditions it was chosen under (each rank's speed
+# factor, each re-probed link, each memory cap), at most ROLLED_BACK_N of them; a re-plan that
+# picks it again while none of those has moved (MOVED; MEM_MOVED for memory) keeps the plan in
+# force instead (`_rolled_back`). Issue 44: with nothing changing, an idle device's false
+# speed-up was read four times in a few minutes, and each time the same plan was tried and
+# rolled back.
+ROLLED_BACK_N = 8
 
 
 def _links_again(links: dict) -> str:
@@ -96,6 +104,7 @@ class PlanWatcher:
         self.previous = None  # (plan, walls measured under the new conditions) for a rollback
         self.judging: list[float] | None = None
         self.previous_before = None  # (factors, links) before the switch being judged
+        self.rolled_back: list[dict] = []  # {"plan", "conditions", "t"}: see ROLLED_BACK_N
         self.confirming = None  # alarms waiting one batch to size their step
         self.comm_lambda_scale = 1.0  # doubled by each probe that found the links unchanged
         self.link_changes: dict[str, list] = {}  # rank -> [(when, probed link)] that moved
@@ -573,8 +582,13 @@ class PlanWatcher:
         event.update(load_s=load_s, switch_cost_s=cost)
         if must:
             event["overfilled_ranks"] = must
-        if _same(best, self.plan) or (not must and (gain < MIN_GAIN * now or
-                                                    gain * rate * HORIZON_S < cost)):
+        tried = None if must or _same(best, self.plan) else self._rolled_back(best)
+        if tried is not None:
+            event["reason"] += (f"; the best plan was rolled back {time.time() - tried['t']:.0f} s "
+                                f"ago under the same conditions: not tried again")
+            event["rolled_back_before"] = True
+        if tried is not None or _same(best, self.plan) or \
+                (not must and (gain < MIN_GAIN * now or gain * rate * HORIZON_S < cost)):
             event["decision"] = "keep"
             # links as profiled: the communication's new level is this plan's normal, not a
             # change to act on again
@@ -654,6 +668,9 @@ class PlanWatcher:
                      "new_ratios": old_plan.ratios}
             self.sup.replans.append(event)
             log.info("serve: re-plan: %s -> rollback", event["reason"])
+            self.rolled_back = (self.rolled_back + [{"plan": self.plan, "t": time.time(),
+                                                     "conditions": self._conditions()}]
+                                )[-ROLLED_BACK_N:]
             # what the switch was made for was wrong: forget it too
             self.factors, self.links = (list(x) if isinstance(x, list) else dict(x)
                                         for x in self.previous_before)
@@ -680,6 +697,26 @@ class PlanWatcher:
             speed = (dev.weight_load_Bps or dev.disk_read_Bps or 50e6) / self.factors[r]
             worst = max(worst, nbytes / speed)
         return worst
+
+    def _conditions(self) -> dict:
+        """What a plan is chosen on, besides the profile as measured: each rank's speed factor,
+        each re-probed link, each memory cap that moved (copies)."""
+        return {"factors": list(self.factors), "links": dict(self.links),
+                "memory": dict(self.memory)}
+
+    def _rolled_back(self, plan) -> dict | None:
+        """The remembered rollback of `plan` whose conditions still hold (none of the factors,
+        links and memory caps it was chosen on has moved since), or None. Entries whose
+        conditions have moved are forgotten: the plan may be tried again."""
+        now = self._conditions()
+        kept, found = [], None
+        for e in self.rolled_back:
+            if not _conditions_moved(e["conditions"], now, self.base):
+                kept.append(e)
+                if found is None and _same(plan, e["plan"]):
+                    found = e
+        self.rolled_back = kept
+        return found
 
     def _refit(self) -> None:
         p = self.base
@@ -757,6 +794,26 @@ def _slower(dev, link: dict, by: float = MOVED) -> bool:
     (latency). Only this direction counts from a light probe: it may read a shaped link high."""
     return link["bandwidth_Bps"] < dev.bandwidth_Bps / (1 + by) or \
         link["latency_s"] > dev.latency_s + 2e-3
+
+
+def _conditions_moved(a: dict, b: dict, base) -> bool:
+    """Whether conditions `b` differ from `a` (`PlanWatcher._conditions`): a rank's factor by
+    more than MOVED, a link (a rank with none re-probed has its profile's) by MOVED or 2 ms,
+    a memory cap by MEM_MOVED of the profile's."""
+    if any(_moved_factor(fb / fa) for fa, fb in zip(a["factors"], b["factors"])):
+        return True
+    for r in set(a["links"]) | set(b["links"]):
+        dev = base.devices[int(r)]
+        la = a["links"].get(r) or {"bandwidth_Bps": dev.bandwidth_Bps, "latency_s": dev.latency_s}
+        lb = b["links"].get(r) or {"bandwidth_Bps": dev.bandwidth_Bps, "latency_s": dev.latency_s}
+        if _moved(dataclasses.replace(dev, bandwidth_Bps=la["bandwidth_Bps"],
+                                      latency_s=la["latency_s"]), lb):
+            return True
+    for r in set(a["memory"]) | set(b["memory"]):
+        cap = base.devices[r].usable_bytes
+        if abs(a["memory"].get(r, cap) - b["memory"].get(r, cap)) > MEM_MOVED * cap:
+            return True
+    return False
 
 
 def _moved_factor(f: float, by: float = MOVED) -> bool:
