@@ -68,10 +68,10 @@ SMALL_STEP, PERSIST_N = math.log(1.5), 6
 SKIP_N = 3  # batches of a new plan not watched at all (first touch of buffers, caches)
 # an idle rank: the median of its last IDLE_WINDOW reports (each the speed probe's median of
 # 3 rounds, hepti.parallel.profiling.SpeedProbe) moved 1.8x (single probes at 0.2 core read
-# 0.7-2.3x of the truth on this shared host: bench-adapt's first run). 1.6x until 12565b5, whose quiet pairs
-# switched once in 600 s on the 0.15-core device's window reading 0.62x (1.61x); the changes
-# an idle rank must be seen to make in bench-adapt are 2x and more (a halved or restored CPU,
-# 0.15 -> 0.05 core)
+# 0.7-2.3x of the truth on this shared host: bench-adapt's first run). 1.6x until 12565b5,
+# whose quiet pairs switched once in 600 s on the 0.15-core device's window reading 0.62x
+# (1.61x); the changes an idle rank must be seen to make in bench-adapt are 2x and more (a
+# halved or restored CPU, 0.15 -> 0.05 core)
 IDLE_N, IDLE_MOVE = 3, 1.8
 IDLE_FLAG = math.log(2.0)  # one report this far (log) from the rank's factor flags it
 IDLE_WINDOW = 5  # the reports whose median is an idle rank's factor (IdleWatch)
