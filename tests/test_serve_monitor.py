@@ -608,11 +608,11 @@ def test_a_plan_rolled_back_is_not_tried_again_until_something_changes(monkeypat
     assert [e["decision"] for e in first] == ["switch"]
     old, new = w.plan, w.pending[0]
     _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 1)  # one more batch: its weights are in
-    assert w.plan is new
+    assert w.plan is new and w.verifying is not None  # judged, and checked on its prediction
     got = _serve_until_decided(w, [1.0] * 4, R.JUDGE_N, wall=1.0)  # slower than 0.7: undone
     assert [e["decision"] for e in got] == ["rollback"]
     _serve_until_decided(w, [1.0] * 4, 1, wall=1.0)
-    assert w.plan is old and w.factors == [1.0] * 4
+    assert w.plan is old and w.verifying is None and w.factors == [1.0] * 4
     assert len(w.rolled_back) == 1 and w.rolled_back[0]["conditions"]["factors"][2] == \
         pytest.approx(2.0, rel=0.05)
     again = _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 8)  # the same reading once more
@@ -622,3 +622,46 @@ def test_a_plan_rolled_back_is_not_tried_again_until_something_changes(monkeypat
     assert R.PlanWatcher._rolled_back(w, new) is not None  # still barred: nothing moved
     w.links["1"] = {"latency_s": 1e-4, "bandwidth_Bps": 100e6 / 8}  # a link moves
     assert R.PlanWatcher._rolled_back(w, new) is None and w.rolled_back == []
+
+
+def _remeasure_watcher(probes, monkeypatch):
+    """_watcher with profiled probes (10 ms) and no cooldown, serving its plan steadily."""
+    from hepti.serve import replan as R
+    monkeypatch.setattr(R, "COOLDOWN_S", 0.0)
+    w, sup = _watcher(probes, probe_s=0.010)
+    w._batches_per_s = lambda: 1.4
+    assert _serve_until_decided(w, [1.0] * 4, 12) == []
+    return w, sup
+
+
+def test_a_plan_that_misses_its_prediction_by_15pct_is_measured_again(monkeypatch):
+    """A plan kept on re-probed links (issue 44: rank 2's link read 41 Mbit/s) whose first
+    batches take 1.4x its prediction: every link to a rank with a share is probed in full and
+    every such rank's speed probe is read against its probe_s, and the plan is decided anew on
+    what they read (rank 2's link at 20 Mbit/s, rank 3 at twice its profiled time)."""
+    from hepti.serve import replan as R
+    from hepti.serve.monitor import predict
+    w, sup = _remeasure_watcher(
+        [{"links": _links([935, 20, 930]), "speeds": [0.0101, 0.0099, 0.0102, 0.020]}],
+        monkeypatch)
+    predicted = predict(w.cfg, w.profile, w.plan, 1, 256).predicted_latency_s
+    w.verifying = {"walls": [], "shapes": [], "why": "kept"}
+    decided = _serve_until_decided(w, [1.0] * 4, R.JUDGE_N, wall=1.4 * predicted)
+    probe = [h for h in sup.headers if h["op"] == "probe"][-1]
+    assert probe["ranks"] == [1, 2, 3] and probe["speed"] == R.REMEASURE_PROBES
+    assert decided and decided[0]["remeasure"] and "1.40x its prediction" in decided[0]["reason"]
+    assert "link 2 20 Mbit/s" in decided[0]["reason"]
+    assert w.links["2"]["bandwidth_Bps"] == pytest.approx(20e6 / 8)
+    assert "1" not in w.links and "3" not in w.links  # read as profiled: taken at the profile
+    assert w.factors == [1.0, 1.0, 1.0, pytest.approx(2.0)]
+    assert w.verifying is None  # one re-measure per decision
+
+
+def test_a_plan_within_15pct_of_its_prediction_is_left_alone(monkeypatch):
+    from hepti.serve import replan as R
+    from hepti.serve.monitor import predict
+    w, sup = _remeasure_watcher([], monkeypatch)
+    predicted = predict(w.cfg, w.profile, w.plan, 1, 256).predicted_latency_s
+    w.verifying = {"walls": [], "shapes": [], "why": "switched"}
+    assert _serve_until_decided(w, [1.0] * 4, R.JUDGE_N + 2, wall=1.12 * predicted) == []
+    assert w.verifying is None and not [h for h in sup.headers if h["op"] == "probe"]

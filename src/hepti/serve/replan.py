@@ -20,7 +20,10 @@ The steps, all between batches on the front end's thread that talks to the worke
 5. judge the new plan on its first `JUDGE_N` batches against the old plan's batches measured
    under the same conditions (those run between the alarm and the switch); if it is slower by
    more than `ROLLBACK_MARGIN`, switch back. A plan rolled back is not tried again until one of
-   the conditions it was chosen on moves (`ROLLED_BACK_N`).
+   the conditions it was chosen on moves (`ROLLED_BACK_N`);
+6. a plan switched to, or kept on links just re-probed, that runs more than `MISS_MARGIN` over
+   its own prediction has what it relies on measured again (its links in full, its ranks'
+   speed probes), and is decided anew on that (`_verify`).
 """
 from __future__ import annotations
 
@@ -74,6 +77,14 @@ MEM_N, MEM_MOVED = 3, 0.25
 # speed-up was read four times in a few minutes, and each time the same plan was tried and
 # rolled back.
 ROLLED_BACK_N = 8
+# A plan switched to, or kept after its links were re-probed, is checked on its first JUDGE_N
+# batches against its own prediction: over it by more than MISS_MARGIN, the devices and links
+# it relies on are measured again (every link to a rank with a share, probed in full; every
+# such rank's speed probe, the median of REMEASURE_PROBES, against the profile's probe_s) and
+# the plan decided anew on what they read (`_verify`). Issue 44: after a link fell to 40
+# Mbit/s the re-plan read it at 41 and kept a plan predicted at 168 ms, which served at 234 ms,
+# 1.32x a plan made fresh for the new link.
+MISS_MARGIN, REMEASURE_PROBES = 0.15, 3
 
 
 def _links_again(links: dict) -> str:
@@ -105,6 +116,7 @@ class PlanWatcher:
         self.judging: list[float] | None = None
         self.previous_before = None  # (factors, links) before the switch being judged
         self.rolled_back: list[dict] = []  # {"plan", "conditions", "t"}: see ROLLED_BACK_N
+        self.verifying: dict | None = None  # {"walls", "shapes", "why"}: see MISS_MARGIN
         self.confirming = None  # alarms waiting one batch to size their step
         self.comm_lambda_scale = 1.0  # doubled by each probe that found the links unchanged
         self.link_changes: dict[str, list] = {}  # rank -> [(when, probed link)] that moved
@@ -130,6 +142,9 @@ class PlanWatcher:
         self.shapes = (self.shapes + [shape])[-20:]
         self.batch_times = (self.batch_times + [now])[-20:]
         self.walls_since_alarm.append(wall)
+        if self.verifying is not None and self.pending is None:
+            self.verifying["walls"].append(wall)
+            self.verifying["shapes"].append(shape)
         for r, m in enumerate(ranks_s):  # what each rank holds beside its plan (worker's [5])
             if len(m) > 5 and not m[5]:
                 self.held[r] = None
@@ -163,6 +178,9 @@ class PlanWatcher:
         if self.pending is not None:
             if all(r[3] for r in ranks_s):  # every rank's next weights are loaded
                 self._switch(sock, *self.pending)
+            return
+        if self.verifying is not None and len(self.verifying["walls"]) >= JUDGE_N and \
+                now - self.last_switch > COOLDOWN_S and self._verify(sock):
             return
         if self.burst is not None:
             self._burst_probe(sock)
@@ -558,6 +576,7 @@ class PlanWatcher:
         current plan overfills, if the new plan differs at all)."""
         from hepti.errors import PlanError
         from hepti.plan.partition import make_plan
+        self.verifying = None  # a decision anew: the plan it leaves in force is checked anew
         B = int(statistics.median(s[0] for s in self.shapes))
         T = int(statistics.median(s[1] for s in self.shapes))
         t0 = time.perf_counter()
@@ -594,6 +613,9 @@ class PlanWatcher:
             # change to act on again
             self._refitted(alarmed={a["rank"] for a in event["alarms"]},
                            relearn_comm=event.get("links_changed") is False)
+            if event.get("links_changed") and not event.get("remeasure"):
+                # kept on links just re-probed: the plan's new prediction is checked
+                self.verifying = {"walls": [], "shapes": [], "why": "kept"}
         else:
             event["decision"] = "switch"
             self._prepare(sock, best, event)
@@ -641,6 +663,10 @@ class PlanWatcher:
         # switch rolled back on a busy host)
         self.judging = None if rollback or event.get("overfilled_ranks") or \
             event.get("asked") else []
+        # the new plan is checked against its prediction (MISS_MARGIN); the plan a rollback
+        # returns to, and one switched to on a re-measure, are not checked again
+        self.verifying = None if rollback or event.get("remeasure") else \
+            {"walls": [], "shapes": [], "why": "switched"}
         # each rank's series go on with their baselines: relearning them would leave the
         # monitor blind for BASELINE_N batches, 6-12 s at BERT-base's 0.7-1.3 s per request
         # (bench-adapt's first run: the CPU halving was flagged 11 s late). Where the new plan
@@ -680,6 +706,63 @@ class PlanWatcher:
             # if they are held)
             self._prepare(sock, old_plan, event)
         return worse
+
+    def _verify(self, sock) -> bool:
+        """The plan in force (switched to, or kept on re-probed links) against its prediction
+        at its first JUDGE_N batches' shape: more than MISS_MARGIN over it, re-measure
+        (`_remeasure`) and decide anew. True if it re-measured."""
+        v, self.verifying = self.verifying, None
+        B = int(statistics.median(s[0] for s in v["shapes"]))
+        T = int(statistics.median(s[1] for s in v["shapes"]))
+        predicted = predict(self.cfg, self.profile, self.plan, B, T).predicted_latency_s
+        measured = statistics.median(v["walls"])
+        if measured <= (1 + MISS_MARGIN) * predicted:
+            return False
+        self._remeasure(sock, measured, predicted, (B, T), v["why"])
+        return True
+
+    def _remeasure(self, sock, measured: float, predicted: float, shape, why: str) -> None:
+        """Measure again what the plan in force relies on, and decide on what it reads: every
+        rank with a share, its link (rank 0's ping-pong at PROBE_SIZES) and its speed (its
+        speed probe, the median of REMEASURE_PROBES, against the profile's probe_s: the same
+        measurement; a rank whose factor moved by MOVED takes it). A link that reads within
+        MOVED of its profile is taken at its profile; a link held at a flap's worst stays."""
+        t0 = time.perf_counter()
+        event = {"t": time.time(), "batch_shape": list(shape), "alarms": [],
+                 "before": (list(self.factors), dict(self.links)), "remeasure": True}
+        per_rank = predict(self.cfg, self.profile, self.plan, *shape).predicted.get("per_rank", [])
+        relied = [r for r, p in enumerate(per_rank) if p.get("active", True)]
+        answer = self.sup.command(sock, {"op": "probe", "ranks": [r for r in relied if r != 0],
+                                         "speed": REMEASURE_PROBES})
+        now_t, before = time.monotonic(), self.profile
+        read = {}
+        for r, v in answer["links"].items():
+            read[f"link {r}"] = f"{v['bandwidth_Bps'] * 8e-6:.0f} Mbit/s"
+            if self.flap_hold.get(r, 0.0) > now_t:
+                continue
+            if _moved(self.base.devices[int(r)], v):
+                self.links[r] = {"latency_s": v["latency_s"], "bandwidth_Bps": v["bandwidth_Bps"]}
+            else:
+                self.links.pop(r, None)
+        speeds = answer.get("speeds") or []
+        for r in relied:
+            profiled = self.base.devices[r].probe_s
+            if not profiled or r >= len(speeds) or not speeds[r] > 0:
+                continue
+            f = speeds[r] / profiled
+            read[f"rank {r}"] = f"{f:.2f}x"
+            if _moved_factor(f / self.factors[r]):
+                self.factors[r] = f if _moved_factor(f) else 1.0
+        self._refit()
+        event.update(
+            links_changed=any(_moved(before.devices[int(r)], v)
+                              for r, v in answer["links"].items()),
+            probe_s=time.perf_counter() - t0, remeasured=read,
+            reason=f"the plan {why} took {measured * 1e3:.1f} ms a batch, "
+                   f"{measured / predicted:.2f}x its prediction ({predicted * 1e3:.1f} ms): "
+                   "re-measured " + (", ".join(f"{k} {v}" for k, v in read.items())
+                                     or "nothing it relies on"))
+        self._decide(sock, event)
 
     def _load_seconds(self, plan) -> float:
         """The slowest rank's time to read and pack its new slices for `plan` (0 for a rank

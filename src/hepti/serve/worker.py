@@ -444,11 +444,14 @@ class _State:
 
     def probe(self, header):
         """Rank 0 times a ping-pong with each rank named (at three sizes, or the header's
-        `sizes`: [[bytes, round trips], ...]) and fits its link."""
+        `sizes`: [[bytes, round trips], ...]) and fits its link. With `speed`: N, every rank
+        then runs its speed probe N times and rank 0 gathers the medians (`speeds`, by rank):
+        the re-planner re-measures the devices of a plan that missed its prediction."""
         from hepti.parallel.profiling import fit_link, ping_pong
         w = self.world
-        peers, sizes = w.bcast_obj((header["ranks"], header.get("sizes") or PROBE_SIZES)
-                                   if w.rank == 0 else None)
+        peers, sizes, speed = w.bcast_obj(
+            (header["ranks"], header.get("sizes") or PROBE_SIZES, int(header.get("speed", 0)))
+            if w.rank == 0 else None)
         links = {}
         for peer in peers:
             points = []
@@ -458,7 +461,11 @@ class _State:
             if w.rank == 0:
                 lat, bw = fit_link(points)
                 links[str(peer)] = {"latency_s": lat, "bandwidth_Bps": bw, "points": points}
-        return ({"op": "probed", "links": links}, None) if w.rank == 0 else None
+        answer = {"op": "probed", "links": links}
+        if speed:
+            mine = sorted(self.speed_probe() for _ in range(speed))[speed // 2]
+            answer["speeds"] = w.gather_obj(mine)
+        return (answer, None) if w.rank == 0 else None
 
     def prepare(self, header):
         """Start reading this rank's weights for the next plan on a background thread, unless
