@@ -724,8 +724,9 @@ class PlanWatcher:
     def _remeasure(self, sock, measured: float, predicted: float, shape, why: str) -> None:
         """Measure again what the plan in force relies on, and decide on what it reads: every
         rank with a share, its link (rank 0's ping-pong at PROBE_SIZES) and its speed (its
-        speed probe, the median of REMEASURE_PROBES, against the profile's probe_s: the same
-        measurement; a rank whose factor moved by MOVED takes it). A link that reads within
+        speed probe, the median of REMEASURE_PROBES, against the profile's probe_s, the same
+        measurement, and the busy ranks' standing offset from the profile, as an idle rank's
+        probes are read; a rank whose factor moved by MOVED takes it). A link that reads within
         MOVED of its profile is taken at its profile; a link held at a flap's worst stays."""
         t0 = time.perf_counter()
         event = {"t": time.time(), "batch_shape": list(shape), "alarms": [],
@@ -744,12 +745,12 @@ class PlanWatcher:
                 self.links[r] = {"latency_s": v["latency_s"], "bandwidth_Bps": v["bandwidth_Bps"]}
             else:
                 self.links.pop(r, None)
-        speeds = answer.get("speeds") or []
+        speeds, bias = answer.get("speeds") or [], self.monitor.host_bias()
         for r in relied:
             profiled = self.base.devices[r].probe_s
             if not profiled or r >= len(speeds) or not speeds[r] > 0:
                 continue
-            f = speeds[r] / profiled
+            f = speeds[r] / (profiled * bias)  # as an idle rank's probes are read (IdleWatch)
             read[f"rank {r}"] = f"{f:.2f}x"
             if _moved_factor(f / self.factors[r]):
                 self.factors[r] = f if _moved_factor(f) else 1.0
