@@ -492,6 +492,7 @@ def test_a_link_read_back_stays_planned_slow_unless_the_plan_switches_for_it():
     assert sup.replans[-1]["decision"] == "keep"
     assert sup.replans[-1]["links_kept_slow"] == [2]
     assert w.links["2"] == slow and w.last_link_check <= time.monotonic()
+    assert w.verifying is None  # the plan's figures are as before: nothing to check
 
 
 def test_a_device_whose_free_memory_falls_moves_the_plan_off_rows():

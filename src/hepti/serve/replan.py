@@ -422,6 +422,7 @@ class PlanWatcher:
         self._refit()
         self._refitted(alarmed=set())
         event["links_kept_slow"] = sorted(int(r) for r in back)
+        self.verifying = None  # the plan's figures are as they were: nothing new to check
 
     def _check_slow_links(self, sock) -> bool:
         """A link the plan takes as slower than profiled may have come back, and a rank that
