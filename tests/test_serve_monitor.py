@@ -666,3 +666,25 @@ def test_a_plan_within_15pct_of_its_prediction_is_left_alone(monkeypatch):
     w.verifying = {"walls": [], "shapes": [], "why": "switched"}
     assert _serve_until_decided(w, [1.0] * 4, R.JUDGE_N + 2, wall=1.12 * predicted) == []
     assert w.verifying is None and not [h for h in sup.headers if h["op"] == "probe"]
+
+
+def test_with_auto_a_rolled_back_plan_gives_way_to_another_strategys_best(monkeypatch):
+    """The same rollback as above under `--strategy auto`: the next re-plan on the same
+    reading weighs the best plan of another strategy instead of keeping the plan in force
+    (bench-adapt at eb4ed56: node-b halved, `tensor` rolled back, and a `rows` plan ran at
+    the oracle's speed)."""
+    from hepti.serve import replan as R
+    monkeypatch.setattr(R, "COOLDOWN_S", 0.0)
+    w, sup = _watcher([], strategy="auto")
+    w._batches_per_s = lambda: 1.4
+    _serve_until_decided(w, [1.0] * 4, 12)
+    first = _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 8)
+    assert [e["decision"] for e in first] == ["switch"]
+    barred = w.pending[0]
+    _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 1)
+    assert [e["decision"] for e in _serve_until_decided(w, [1.0] * 4, R.JUDGE_N, wall=1.0)] == \
+        ["rollback"]
+    _serve_until_decided(w, [1.0] * 4, 1, wall=1.0)
+    again = _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 8)
+    assert again and again[0]["rolled_back_before"] and "plan instead" in again[0]["reason"]
+    assert again[0]["new_strategy"] != barred.strategy

@@ -590,6 +590,15 @@ class PlanWatcher:
             self.sup.replans.append(event)
             self._refitted(alarmed=set())
             return
+        tried = None if must or _same(best, self.plan) else self._rolled_back(best)
+        if tried is not None:
+            event["reason"] += (f"; the best plan was rolled back {time.time() - tried['t']:.0f} s "
+                                f"ago under the same conditions: not tried again")
+            event["rolled_back_before"] = True
+            other = self._other_strategy(best, B, T)
+            if other is not None:  # the best of another strategy, not rolled back
+                event["reason"] += f"; the best {other.strategy} plan instead"
+                best, tried = other, None
         event["solve_s"] = time.perf_counter() - t0
         now = predict(self.cfg, self.profile, self.plan, B, T).predicted_latency_s
         new = best.predicted_latency_s
@@ -602,11 +611,6 @@ class PlanWatcher:
         event.update(load_s=load_s, switch_cost_s=cost)
         if must:
             event["overfilled_ranks"] = must
-        tried = None if must or _same(best, self.plan) else self._rolled_back(best)
-        if tried is not None:
-            event["reason"] += (f"; the best plan was rolled back {time.time() - tried['t']:.0f} s "
-                                f"ago under the same conditions: not tried again")
-            event["rolled_back_before"] = True
         if tried is not None or _same(best, self.plan) or \
                 (not must and (gain < MIN_GAIN * now or gain * rate * HORIZON_S < cost)):
             event["decision"] = "keep"
@@ -782,6 +786,30 @@ class PlanWatcher:
             speed = (dev.weight_load_Bps or dev.disk_read_Bps or 50e6) / self.factors[r]
             worst = max(worst, nbytes / speed)
         return worst
+
+    def _other_strategy(self, barred, B: int, T: int):
+        """With `--strategy auto`, the fastest plan of the strategies other than `barred`'s
+        (rows, tensor, stream) that is not rolled back under the present conditions, or None.
+        bench-adapt at eb4ed56: node-b's CPU halved, the re-plan's best was `tensor`, predicted
+        1.09 s a request and measured 3.5 s (rolled back); barred, the service stayed on the
+        plan made for node-b at full speed (1.8 s), where a fresh profile's `rows` plan ran
+        0.94 s."""
+        from hepti.errors import PlanError
+        from hepti.plan.partition import make_plan
+        if self.strategy != "auto":
+            return None
+        found = None
+        for s in ("rows", "tensor", "stream"):
+            if s == barred.strategy:
+                continue
+            try:
+                p = make_plan(self.cfg, self.profile, T, B, strategy=s)
+            except PlanError:  # that strategy does not fit
+                continue
+            if self._rolled_back(p) is None and not _same(p, barred) and \
+                    (found is None or p.predicted_latency_s < found.predicted_latency_s):
+                found = p
+        return found
 
     def _conditions(self) -> dict:
         """What a plan is chosen on, besides the profile as measured: each rank's speed factor,
