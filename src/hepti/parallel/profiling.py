@@ -148,7 +148,8 @@ class SpeedProbe:
         return _timed_many({0: self._call}, rounds=PROBE_ROUNDS, window=PROBE_WINDOW_S)[0]
 
 
-def measure_probe(hidden: int, repeats: int = PROFILE_PROBES) -> float:
+def measure_probe(hidden: int, repeats: int = PROFILE_PROBES, probe: SpeedProbe | None = None
+                  ) -> float:
     """The profile's `probe_s`: the median of `repeats` SpeedProbe readings (a serving rank's
     monitor takes the median of several too: hepti.serve.monitor.IdleWatch), each after a
     PROBE_GAP_S sleep, with every rank doing the same once all are done with the heavier
@@ -157,8 +158,9 @@ def measure_probe(hidden: int, repeats: int = PROFILE_PROBES) -> float:
     host a rank in a sustained loop gets its fair part of the contended CPU, below its share,
     and a rank that slept runs at once: read beside the layer timings, the 0.4-core device's
     probe_s was 2.07 ms, and the same device idle while serving probed 1.09 ms (median of 257),
-    0.53x; after sleeps, three ranks at once, 0.98 ms against 1.01 in a serving-like loop."""
-    probe = SpeedProbe(hidden)
+    0.53x; after sleeps, three ranks at once, 0.98 ms against 1.01 in a serving-like loop.
+    A serving rank re-measured by the re-planner reads it the same way (`probe`: its own)."""
+    probe = probe or SpeedProbe(hidden)
     readings = []
     for _ in range(repeats):
         time.sleep(PROBE_GAP_S)

@@ -729,9 +729,11 @@ class PlanWatcher:
     def _remeasure(self, sock, measured: float, predicted: float, shape, why: str) -> None:
         """Measure again what the plan in force relies on, and decide on what it reads: every
         rank with a share, its link (rank 0's ping-pong at PROBE_SIZES) and its speed (its
-        speed probe, the median of REMEASURE_PROBES, against the profile's probe_s, the same
-        measurement, and the busy ranks' standing offset from the profile, as an idle rank's
-        probes are read; a rank whose factor moved by MOVED takes it). A link that reads within
+        speed probe, the median of REMEASURE_PROBES read as the profile read probe_s, each
+        after a sleep, against probe_s and the busy ranks' standing offset from the profile, as
+        an idle rank's probes are read; a rank whose factor moved by MOVED takes it). Probes
+        read straight after a batch ran 2.2-3.8x the profile's on the busy host (bench-adapt
+        --spec emu-drop3.json at 3efb043), and moved the plan for nothing. A link that reads within
         MOVED of its profile is taken at its profile; a link held at a flap's worst stays."""
         t0 = time.perf_counter()
         event = {"t": time.time(), "batch_shape": list(shape), "alarms": [],

@@ -445,8 +445,9 @@ class _State:
     def probe(self, header):
         """Rank 0 times a ping-pong with each rank named (at three sizes, or the header's
         `sizes`: [[bytes, round trips], ...]) and fits its link. With `speed`: N, every rank
-        then runs its speed probe N times and rank 0 gathers the medians (`speeds`, by rank):
-        the re-planner re-measures the devices of a plan that missed its prediction."""
+        then reads its speed probe N times as the profile read it (`measure_probe`) and rank 0
+        gathers the medians (`speeds`, by rank): the re-planner re-measures the devices of a
+        plan that missed its prediction."""
         from hepti.parallel.profiling import fit_link, ping_pong
         w = self.world
         peers, sizes, speed = w.bcast_obj(
@@ -462,9 +463,12 @@ class _State:
                 lat, bw = fit_link(points)
                 links[str(peer)] = {"latency_s": lat, "bandwidth_Bps": bw, "points": points}
         answer = {"op": "probed", "links": links}
-        if speed:
-            mine = sorted(self.speed_probe() for _ in range(speed))[speed // 2]
-            answer["speeds"] = w.gather_obj(mine)
+        if speed:  # as the profile read probe_s (after sleeps: a rank just done with a batch
+            # reads its probe 2-4x slow on a busy host, in the run that first re-measured)
+            from hepti.parallel.profiling import SpeedProbe, measure_probe
+            if self._probe is None:
+                self._probe = SpeedProbe(self.cfg.hidden_size)
+            answer["speeds"] = w.gather_obj(measure_probe(self.cfg.hidden_size, speed, self._probe))
         return (answer, None) if w.rank == 0 else None
 
     def prepare(self, header):
