@@ -12,6 +12,8 @@
 #                                       no changes, the monitor paused on every other run of 20
 #                                       batches in one launch (its overhead):
 #                                       results/adapt-quiet-ab.json
+#   sudo bin/bench-adapt.sh --spec hostfiles/emu-drop3.json --duration 120 --out results/adapt-drop3.json
+#                                       issue 44's cluster: a quiet minute, then one link at 40 Mbit/s
 # Other options (--duration, --seq, --variants): python -m hepti.bench.adapt --help
 set -euo pipefail
 if [ "$(id -u)" != 0 ]; then

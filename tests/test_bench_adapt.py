@@ -27,6 +27,16 @@ def test_phases_follow_the_schedule():
     assert adapt.conditions_key(phs[3]["devices"]) == adapt.conditions_key(phs[0]["devices"])
 
 
+def test_the_issue_44_spec_is_a_quiet_minute_then_one_link_drop():
+    """hostfiles/emu-drop3.json (bench-adapt --spec): two phases, node-b's link at 40 Mbit/s
+    in the second."""
+    spec = json.loads((Path(__file__).resolve().parents[1] / "hostfiles" / "emu-drop3.json").read_text())
+    phs = adapt.phases(spec, 120.0)
+    assert [(p["start"], p["end"]) for p in phs] == [(0.0, 60), (60, 120.0)]
+    assert [d["link_mbit"] for d in phs[1]["devices"]] == [940, 40, 940]
+    assert [d["cpu"] for d in phs[0]["devices"]] == [0.5, 0.5, 0.4]
+
+
 def test_rounds_quote_the_median_of_figures_taken_within_each_round():
     phs = adapt.phases(SPEC, 100.0)
     oracle_of = ["oracle-0", "oracle-1", "oracle-2", "oracle-0", "oracle-3"]

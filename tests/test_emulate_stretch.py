@@ -95,6 +95,34 @@ def test_preempted_compute_sleeps_only_the_rest(clocks):
     assert clocks.wall == pytest.approx(0.004, abs=1e-5)
 
 
+def test_settle_forfeits_an_oversleeps_credit(clocks, monkeypatch):
+    """A payment that oversleeps leaves credit (up to CREDIT_MAX_S) that the next work spends
+    unstretched; a measurement settles first, so its work is stretched in full (issue 44: the
+    idle rank's 0.45 ms probe calls read 0.40x after an oversleep)."""
+    stretch.span_enter("compute")
+    clocks.run(0.001)
+    monkeypatch.setattr(stretch.time, "sleep", lambda s: clocks.sleep(s + 0.005))  # 5 ms late
+    stretch.span_exit("compute")
+    assert stretch._backlog == pytest.approx(-stretch.CREDIT_MAX_S)
+    monkeypatch.setattr(stretch.time, "sleep", clocks.sleep)
+    stretch.settle()
+    assert stretch._backlog == 0.0
+    t0 = clocks.wall
+    stretch.span_enter("batch")
+    clocks.run(0.0005)
+    stretch.span_exit("batch")
+    assert clocks.wall - t0 == pytest.approx(0.0005 / 0.25, abs=1e-5)
+
+
+def test_profile_rounds_start_level(clocks):
+    """`_timed_many` (the profile's rounds and the speed probe) settles before each round: a
+    credit left by an earlier oversleep does not shorten the round."""
+    from hepti.parallel.profiling import _timed_many
+    stretch._backlog = -stretch.CREDIT_MAX_S  # an earlier payment overslept
+    per_call = _timed_many({0: lambda: clocks.run(1e-4)}, rounds=1, window=1e-3)[0]
+    assert per_call == pytest.approx(1e-4 / 0.25, rel=0.01)
+
+
 def test_tracer_counts_the_stretch_as_compute(clocks):
     from hepti.parallel.trace import Tracer
     tr = Tracer(0)

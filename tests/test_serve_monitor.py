@@ -3,6 +3,7 @@ the profile re-fits it drives."""
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -114,6 +115,38 @@ def test_an_idle_rank_is_judged_against_its_own_idle_baseline():
     assert [w.add(0.010) for _ in range(M.IDLE_N)] == [None] * M.IDLE_N  # the baseline
     assert [w.add(0.010) for _ in range(M.IDLE_N)][-1] == pytest.approx(1.5)
     assert [w.add(0.020) for _ in range(M.IDLE_N)][-1] == pytest.approx(3.0)
+
+
+def test_an_idle_rank_is_judged_against_its_profiled_probe():
+    """With the profile's own reading of the probe (`probe_s`), a report is the rank's factor
+    against it, absolute: a steady rank reads 1.0 whatever its factor was, one twice as slow
+    2.0; nothing is said before IDLE_N reports."""
+    w = M.IdleWatch(factor=1.5, profiled_s=0.010)
+    assert [w.add(0.010) for _ in range(M.IDLE_N)][:-1] == [None] * (M.IDLE_N - 1)
+    assert w.add(0.010) == pytest.approx(1.0) and w.last == pytest.approx(1.0)
+    assert [w.add(0.020) for _ in range(M.IDLE_N)][-1] == pytest.approx(2.0)
+
+
+def test_an_idle_rank_whose_first_probes_were_slow_holds_still():
+    """Issue 44: an idle device whose speed did not change probed 0.48x its baseline, learnt
+    from its first reports, and the re-plan gave it a share. Against the profile's probe_s,
+    first reports slowed by something else on its CPU (twice the profile) read as what they
+    are, a slower spell, and the ordinary ones after it read 1.0x: never faster than its
+    profile. The learnt baseline read them 0.5x, a speed-up to plan on."""
+    cfg, profile, plan = _bert_rows_plan(probe_s=0.010)
+    busy = [0.5, 0.1, 1e9, 1.0, 0.0, 0.0]
+    for profiled in (True, False):
+        mon = M.Monitor(cfg, profile if profiled else _bert_rows_plan()[1], plan)
+        faster = []
+        for probe in [0.010] * M.SKIP_N + [0.020] * M.IDLE_N + [0.010] * 2 * M.IDLE_WINDOW:
+            alarms = mon.observe(1, 256, [busy, busy, busy, [0.0, 0.0, 1e9, 1.0, probe, 0.0]],
+                                 [1.0] * 4)
+            faster += [round(a.factor, 2) for a in alarms if a.direction < 0]
+        if profiled:
+            assert faster == [] and mon.idle[3].base == 0.010
+            assert mon.idle[3].add(0.010) == pytest.approx(1.0)
+        else:
+            assert faster and faster[0] == 0.5
 
 
 def _idle_rank_3():
@@ -240,29 +273,34 @@ def test_rank0_flags_communication_far_over_its_prediction_inside_the_batch():
     assert _watch({"allgatherv": 0.005, "compute": 0.5}, expect) == []
 
 
-def _bert_rows_plan(idle: int = 3):
-    """BERT-base shape, a `rows` plan over 4 declared devices that leaves rank `idle` out."""
+def _bert_rows_plan(idle: int = 3, probe_s: float | None = None):
+    """BERT-base shape, a `rows` plan over 4 declared devices that leaves rank `idle` out
+    (`probe_s`: each device's profiled speed probe, if any)."""
     from hepti.config import preset_config
     from hepti.plan.partition import make_plan
     from hepti.plan.profile import declared_profile
-    dev = {"gemm_flops": 2e10, "memory_bytes": 4e9, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6}
+    dev = {"gemm_flops": 2e10, "memory_bytes": 4e9, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6,
+           "probe_s": probe_s}
     profile = declared_profile([dict(dev) for _ in range(4)])
     cfg = preset_config("bert-base")
     ratios = {u: [0.0 if r == idle else 1 / 3 for r in range(4)] for u in ("heads", "ffn", "rows")}
     return cfg, profile, make_plan(cfg, profile, 256, 1, strategy="rows", ratios=ratios)
 
 
-def _watcher(probes: list[dict], strategy: str = "rows", memory: float = 4e9):
+def _watcher(probes: list[dict], strategy: str = "rows", memory: float = 4e9,
+             probe_s: float | None = None):
     """A PlanWatcher for a 4-rank BERT-base `rows` plan on a declared profile (940 Mbit/s
-    links, `memory` bytes each), serving with `strategy`, whose probes answer from `probes`
-    in turn."""
+    links, `memory` bytes each, `probe_s` the profiled speed probe), serving with `strategy`,
+    whose probes answer from `probes` in turn (a {rank: link} dict, or a whole answer with
+    "links" and "speeds"); every command's header is kept in `sup.headers`."""
     import collections
 
     from hepti.config import preset_config
     from hepti.plan.partition import make_plan
     from hepti.plan.profile import declared_profile
     from hepti.serve.replan import PlanWatcher
-    dev = {"gemm_flops": 2e10, "memory_bytes": memory, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6}
+    dev = {"gemm_flops": 2e10, "memory_bytes": memory, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6,
+           "probe_s": probe_s}
     profile = declared_profile([dict(dev) for _ in range(4)])
     cfg = preset_config("bert-base")
     plan = make_plan(cfg, profile, 256, 1, strategy="rows")
@@ -270,13 +308,20 @@ def _watcher(probes: list[dict], strategy: str = "rows", memory: float = 4e9):
 
     class Sup:
         config, worker_args = cfg, ["--strategy", strategy]
-        replans, flags = [], collections.deque()
+        replans, flags, headers = [], collections.deque(), []
+        epoch = 1
+        _cv = threading.Condition()
 
         def command(self, sock, header):
+            self.headers.append(header)
             if header["op"] == "prepare":  # the ranks start loading; the switch comes later
                 return {"op": "prepared", "loads": [True] * 4}
+            if header["op"] == "switch":
+                return {"op": "switched", "ranks": [{"rank": r, "stall_s": 0.0, "bytes_read": 0}
+                                                    for r in range(4)]}
             assert header["op"] == "probe", header
-            return {"op": "probed", "links": next(answers)}
+            got = next(answers)
+            return {"op": "probed", **got} if "links" in got else {"op": "probed", "links": got}
     sup = Sup()
     sup.plan = plan.to_dict()
     w = PlanWatcher(sup, profile.to_dict())
@@ -447,6 +492,7 @@ def test_a_link_read_back_stays_planned_slow_unless_the_plan_switches_for_it():
     assert sup.replans[-1]["decision"] == "keep"
     assert sup.replans[-1]["links_kept_slow"] == [2]
     assert w.links["2"] == slow and w.last_link_check <= time.monotonic()
+    assert w.verifying is None  # the plan's figures are as before: nothing to check
 
 
 def test_a_device_whose_free_memory_falls_moves_the_plan_off_rows():
@@ -509,3 +555,136 @@ def test_metrics_show_each_series_bounds_once_learnt():
     got = {d["rank"]: d["compute"] for d in w.residuals()["detector"]}
     assert got[0]["flag_bound"] == pytest.approx(M.FLAG_MIN)
     assert got[1]["flag_bound"] > got[0]["flag_bound"]
+
+
+def test_an_idle_rank_is_judged_beside_the_busy_ranks_offset_from_the_profile():
+    """The busy ranks compute 0.8x their profiled times (the host was busier when the profile
+    was measured): the idle rank probing 0.8x its probe_s reads 1.0x, and only a step of its
+    own (twice as fast again) alarms."""
+    cfg, profile, plan = _bert_rows_plan(probe_s=0.010)
+    mon = M.Monitor(cfg, profile, plan)
+    pred = mon.predicted(1, 256).predicted["per_rank"]
+    alarms = []
+
+    def batch(probe):
+        busy = [[p["compute_s"] * 0.8, sum(p.get("comm_s", {}).values()) + p.get("wait_s", 0.0),
+                 1e9, 1.0, 0.0, 0.0] for p in pred[:3]]
+        return mon.observe(1, 256, busy + [[0.0, 0.0, 1e9, 1.0, probe, 0.0]], [1.0] * 4)
+    for _ in range(M.SKIP_N + M.BASELINE_N + 2 * M.IDLE_WINDOW):
+        alarms += batch(0.008)
+    assert alarms == [] and mon.host_bias() == pytest.approx(0.8)
+    assert mon.idle[3].add(0.008, mon.host_bias()) == pytest.approx(1.0)
+    got = [batch(0.004) for _ in range(M.IDLE_N)][-1]
+    assert [(a.rank, round(a.factor, 2)) for a in got] == [(3, 0.5)]
+
+
+def _serve_until_decided(w, factors, n: int, wall: float = 0.7) -> list[dict]:
+    """Up to n batches as `_serve`, stopping at the first decision made during them; the
+    decisions made."""
+    pred = w.monitor.predicted(1, 256).predicted["per_rank"]
+    before = len(w.sup.replans)
+    for _ in range(n):
+        ranks = [[p["compute_s"] * factors[r] if p.get("active", True) else 0.0,
+                  sum(p.get("comm_s", {}).values()) + p.get("wait_s", 0.0), 1e9, 1.0,
+                  0.0, 0.0] for r, p in enumerate(pred)]
+        w.after_batch(None, (1, 256), ranks, wall)
+        got = [e for e in w.sup.replans[before:] if e.get("decision")]
+        if got:
+            return got
+    return []
+
+
+def test_a_plan_rolled_back_is_not_tried_again_until_something_changes(monkeypatch):
+    """Rank 2 computes 2x: the re-plan switches to a plan that gives it less; that plan's
+    batches run slower than the old one's and it is rolled back. The same reading again (the
+    same conditions) keeps the plan in force instead of trying that plan again (issue 44:
+    four switches and rollbacks in quiet minutes). Once something else moves (a link), it may
+    be tried again."""
+    from hepti.serve import replan as R
+    monkeypatch.setattr(R, "COOLDOWN_S", 0.0)
+    w, sup = _watcher([])
+    w._batches_per_s = lambda: 1.4
+    assert _serve_until_decided(w, [1.0] * 4, 12) == []
+    first = _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 8)
+    assert [e["decision"] for e in first] == ["switch"]
+    old, new = w.plan, w.pending[0]
+    _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 1)  # one more batch: its weights are in
+    assert w.plan is new and w.verifying is not None  # judged, and checked on its prediction
+    got = _serve_until_decided(w, [1.0] * 4, R.JUDGE_N, wall=1.0)  # slower than 0.7: undone
+    assert [e["decision"] for e in got] == ["rollback"]
+    _serve_until_decided(w, [1.0] * 4, 1, wall=1.0)
+    assert w.plan is old and w.verifying is None and w.factors == [1.0] * 4
+    assert len(w.rolled_back) == 1 and w.rolled_back[0]["conditions"]["factors"][2] == \
+        pytest.approx(2.0, rel=0.05)
+    again = _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 8)  # the same reading once more
+    assert [e["decision"] for e in again] == ["keep"] and again[0]["rolled_back_before"]
+    assert "rolled back" in again[0]["reason"] and w.plan is old
+    assert w.factors[2] == pytest.approx(2.0, rel=0.05)
+    assert R.PlanWatcher._rolled_back(w, new) is not None  # still barred: nothing moved
+    w.links["1"] = {"latency_s": 1e-4, "bandwidth_Bps": 100e6 / 8}  # a link moves
+    assert R.PlanWatcher._rolled_back(w, new) is None and w.rolled_back == []
+
+
+def _remeasure_watcher(probes, monkeypatch):
+    """_watcher with profiled probes (10 ms) and no cooldown, serving its plan steadily."""
+    from hepti.serve import replan as R
+    monkeypatch.setattr(R, "COOLDOWN_S", 0.0)
+    w, sup = _watcher(probes, probe_s=0.010)
+    w._batches_per_s = lambda: 1.4
+    assert _serve_until_decided(w, [1.0] * 4, 12) == []
+    return w, sup
+
+
+def test_a_plan_that_misses_its_prediction_by_15pct_is_measured_again(monkeypatch):
+    """A plan kept on re-probed links (issue 44: rank 2's link read 41 Mbit/s) whose first
+    batches take 1.4x its prediction: every link to a rank with a share is probed in full and
+    every such rank's speed probe is read against its probe_s, and the plan is decided anew on
+    what they read (rank 2's link at 20 Mbit/s, rank 3 at twice its profiled time)."""
+    from hepti.serve import replan as R
+    from hepti.serve.monitor import predict
+    w, sup = _remeasure_watcher(
+        [{"links": _links([935, 20, 930]), "speeds": [0.0101, 0.0099, 0.0102, 0.020]}],
+        monkeypatch)
+    predicted = predict(w.cfg, w.profile, w.plan, 1, 256).predicted_latency_s
+    w.verifying = {"walls": [], "shapes": [], "why": "kept"}
+    decided = _serve_until_decided(w, [1.0] * 4, R.JUDGE_N, wall=1.4 * predicted)
+    probe = [h for h in sup.headers if h["op"] == "probe"][-1]
+    assert probe["ranks"] == [1, 2, 3] and probe["speed"] == R.REMEASURE_PROBES
+    assert decided and decided[0]["remeasure"] and "1.40x its prediction" in decided[0]["reason"]
+    assert "link 2 20 Mbit/s" in decided[0]["reason"]
+    assert w.links["2"]["bandwidth_Bps"] == pytest.approx(20e6 / 8)
+    assert "1" not in w.links and "3" not in w.links  # read as profiled: taken at the profile
+    assert w.factors == [1.0, 1.0, 1.0, pytest.approx(2.0)]
+    assert w.verifying is None  # one re-measure per decision
+
+
+def test_a_plan_within_15pct_of_its_prediction_is_left_alone(monkeypatch):
+    from hepti.serve import replan as R
+    from hepti.serve.monitor import predict
+    w, sup = _remeasure_watcher([], monkeypatch)
+    predicted = predict(w.cfg, w.profile, w.plan, 1, 256).predicted_latency_s
+    w.verifying = {"walls": [], "shapes": [], "why": "switched"}
+    assert _serve_until_decided(w, [1.0] * 4, R.JUDGE_N + 2, wall=1.12 * predicted) == []
+    assert w.verifying is None and not [h for h in sup.headers if h["op"] == "probe"]
+
+
+def test_with_auto_a_rolled_back_plan_gives_way_to_another_strategys_best(monkeypatch):
+    """The same rollback as above under `--strategy auto`: the next re-plan on the same
+    reading weighs the best plan of another strategy instead of keeping the plan in force
+    (bench-adapt at eb4ed56: node-b halved, `tensor` rolled back, and a `rows` plan ran at
+    the oracle's speed)."""
+    from hepti.serve import replan as R
+    monkeypatch.setattr(R, "COOLDOWN_S", 0.0)
+    w, sup = _watcher([], strategy="auto")
+    w._batches_per_s = lambda: 1.4
+    _serve_until_decided(w, [1.0] * 4, 12)
+    first = _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 8)
+    assert [e["decision"] for e in first] == ["switch"]
+    barred = w.pending[0]
+    _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 1)
+    assert [e["decision"] for e in _serve_until_decided(w, [1.0] * 4, R.JUDGE_N, wall=1.0)] == \
+        ["rollback"]
+    _serve_until_decided(w, [1.0] * 4, 1, wall=1.0)
+    again = _serve_until_decided(w, [1.0, 1.0, 2.0, 1.0], 8)
+    assert again and again[0]["rolled_back_before"] and "plan instead" in again[0]["reason"]
+    assert again[0]["new_strategy"] != barred.strategy

@@ -403,6 +403,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=256, help="tokens per request (default 256)")
     ap.add_argument("--model", default="weights/bert-base")
     ap.add_argument("--variants", default="adaptive,static,oracle,even")
+    ap.add_argument("--spec", default=None, metavar="SPEC.json",
+                    help="another emulated cluster with its schedule (default "
+                         "hostfiles/emu-drift4.json; --flap flaps its device named node-c), e.g. "
+                         "hostfiles/emu-drop3.json, issue 44's")
     ap.add_argument("--flap", action="store_true", help="the flapping-link scenario instead")
     ap.add_argument("--flap-after", type=float, default=20.0, metavar="S",
                     help="--flap: serve S seconds on the steady link before the flapping starts "
@@ -439,7 +443,7 @@ def main(argv=None) -> int:
                             "results/adapt-quiet.json" if args.quiet else
                             "results/adapt-quiet-ab.json" if args.quiet_ab else "results/adapt.json"))
     commit = git_commit()
-    base = json.loads(SPEC.read_text())
+    base = json.loads(Path(args.spec or SPEC).read_text())
     n = len(base["devices"])
     lead = args.flap_after if args.flap else 0.0
     run_s = lead + args.duration  # each run's seconds of requests

@@ -57,6 +57,10 @@ COLD_WEIGHT_BYTES = 48 << 20  # more than this machine's L2s together; see measu
 # 10% apart in one profile (BERT-base, 128 rows: 114.7 and 127.2 GFLOP/s), and the planner
 # gave the "faster" one 136 of 256 rows, which ran 5% slower than 128 each.
 LAYER_ROUNDS = 8
+# The speed probe (`SpeedProbe`): its GeMM's rows, its rounds, each round's least length (of
+# unstretched calls: a round lasts about PROBE_WINDOW_S / share on an emulated device), and the
+# probes whose median the profile records, each after a sleep of PROBE_GAP_S (`measure_probe`)
+PROBE_ROWS, PROBE_ROUNDS, PROBE_WINDOW_S, PROFILE_PROBES, PROBE_GAP_S = 32, 3, 1e-3, 5, 0.1
 
 
 # --- compute ---------------------------------------------------------------------------------
@@ -77,12 +81,14 @@ def timing_window(min_time: float) -> float:
     return min_time if period is None else max(min_time, QUOTA_PERIODS * period)
 
 
-def _timed_many(fns: dict, rounds: int = 4, min_time: float = MIN_TIME_S / 3) -> dict:
+def _timed_many(fns: dict, rounds: int = 4, min_time: float = MIN_TIME_S / 3,
+                window: float | None = None) -> dict:
     """Seconds per call of each fn: in each of `rounds` interleaved rounds, the wall time of
-    at least 2 calls, back to back, over at least `timing_window(min_time)` seconds, divided by
-    the calls; the median over the rounds. Interleaving spreads a burst of load from elsewhere
-    over all fns instead of spoiling one. One warm-up call each first (it also compiles)."""
-    window = timing_window(min_time)
+    at least 2 calls, back to back, over at least `window` seconds (default
+    `timing_window(min_time)`), divided by the calls; the median over the rounds. Interleaving
+    spreads a burst of load from elsewhere over all fns instead of spoiling one. One warm-up
+    call each first (it also compiles)."""
+    window = timing_window(min_time) if window is None else window
     for fn in fns.values():
         fn()
     times = {key: [] for key in fns}
@@ -91,8 +97,11 @@ def _timed_many(fns: dict, rounds: int = 4, min_time: float = MIN_TIME_S / 3) ->
             # on an emulated device the round's calls are one unit of work, stretched once at
             # its end: back to back, as a slow board runs them. Stretching each call put a
             # sleep between calls, and a short call after a sleep takes more CPU (cold caches:
-            # a 0.25-core device profiled its 8-row GeMMs at 0.73 of its share)
+            # a 0.25-core device profiled its 8-row GeMMs at 0.73 of its share). It starts
+            # level (`stretch.settle`): no debt from before, and no credit from an earlier
+            # sleep's overshoot, which would make a short round read unstretched (see SpeedProbe)
             if _stretch.ON:
+                _stretch.settle()
                 _stretch.span_enter("batch")
             start, n = time.perf_counter(), 0
             while n < 2 or time.perf_counter() - start < window:
@@ -102,6 +111,61 @@ def _timed_many(fns: dict, rounds: int = 4, min_time: float = MIN_TIME_S / 3) ->
                 _stretch.span_exit("batch")
             times[key].append((time.perf_counter() - start) / n)
     return {key: statistics.median(v) for key, v in times.items()}
+
+
+class SpeedProbe:
+    """A rank's speed in one small measurement, the same at profile time (the profile's
+    `probe_s` for the rank) and while serving (hepti.serve.worker: a rank the plan leaves idle
+    has no batches to show its speed, so it probes after each one, and the monitor compares the
+    two: hepti.serve.monitor.IdleWatch). Seconds per call of one GeMM, [PROBE_ROWS, C] x
+    [C, C] with the engine's kernel on packed weights, timed as the profile times everything
+    (`_timed_many`): PROBE_ROUNDS rounds, each at least 2 calls back to back over
+    PROBE_WINDOW_S as one unit of work (on an emulated device, stretched once at its end, and
+    started level: `stretch.settle`), after one warm-up call; the median round.
+
+    Why not single calls, each its own stretched span (the serving probe until 2026-11-29): a
+    payment that oversleeps leaves up to `stretch.CREDIT_MAX_S` (1 ms) of credit, and the next
+    span runs unstretched until it is spent. On the AVX-512 machine one call at MiniLM's shape
+    is 0.18 ms of CPU, 0.45 ms stretched at 0.4 core: shorter than the credit. On a busy host
+    345 of 996 such calls began with credit and read 0.40x their stretched time (the rest
+    0.79x), and an idle device whose speed had not changed probed 0.44x and 0.35x its
+    baseline (issue 44's 0.48x). Timed in rounds of ~9 calls, started level, the same device's
+    rounds read 0.97-1.2x their stretched time (quartiles)."""
+
+    def __init__(self, hidden: int):
+        from hepti import kernels as K
+        rng = np.random.default_rng(0)
+        self.a = rng.standard_normal((PROBE_ROWS, hidden), dtype=np.float32)
+        self.b = K.pack_b(rng.standard_normal((hidden, hidden), dtype=np.float32))
+        self.c = np.empty((PROBE_ROWS, hidden), np.float32)
+        self.gemm = K.gemm
+
+    def _call(self) -> None:
+        self.gemm(self.a, self.b, out=self.c)
+
+    def __call__(self) -> float:
+        """Seconds per call (see the class docstring)."""
+        return _timed_many({0: self._call}, rounds=PROBE_ROUNDS, window=PROBE_WINDOW_S)[0]
+
+
+def measure_probe(hidden: int, repeats: int = PROFILE_PROBES, probe: SpeedProbe | None = None
+                  ) -> float:
+    """The profile's `probe_s`: the median of `repeats` SpeedProbe readings (a serving rank's
+    monitor takes the median of several too: hepti.serve.monitor.IdleWatch), each after a
+    PROBE_GAP_S sleep, with every rank doing the same once all are done with the heavier
+    measurements (`measure_profile` calls it after a barrier): as an idle rank probes while
+    serving, a short burst after a wait, not a call inside a sustained loop. On a busy shared
+    host a rank in a sustained loop gets its fair part of the contended CPU, below its share,
+    and a rank that slept runs at once: read beside the layer timings, the 0.4-core device's
+    probe_s was 2.07 ms, and the same device idle while serving probed 1.09 ms (median of 257),
+    0.53x; after sleeps, three ranks at once, 0.98 ms against 1.01 in a serving-like loop.
+    A serving rank re-measured by the re-planner reads it the same way (`probe`: its own)."""
+    probe = probe or SpeedProbe(hidden)
+    readings = []
+    for _ in range(repeats):
+        time.sleep(PROBE_GAP_S)
+        readings.append(probe())
+    return statistics.median(readings)
 
 
 def gemm_sizes(config: ModelConfig, rows: int) -> list[int]:
@@ -703,6 +767,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     overhead = measure_call_overhead()
     weight_load = measure_weight_load(config)
     _barrier(comm)
+    probe_s = measure_probe(config.hidden_size)  # after the barrier: see measure_probe
     disk_bps = measure_disk() if disk else None
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     on_host = local.Get_size()
@@ -717,7 +782,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     mine = {"rank": rank, "host": MPI.Get_processor_name(), "gemm_flops": gemm,
             "attention_flops": attention, "elementwise_per_s": elementwise,
             "memory_bytes": float(memory), "disk_read_Bps": disk_bps, "call_overhead_s": overhead,
-            "weight_load_Bps": weight_load,
+            "weight_load_Bps": weight_load, "probe_s": probe_s,
             "measured": {"memory_source": mem_source, "ranks_on_host": on_host,
                          "rss_bytes": _rss_bytes(), "threads": threads,
                          "cgroup_memory_stat": {k: v for k, v in cgroup_memory_stat().items()
@@ -1197,8 +1262,9 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
 # 2..N ranks; 10: a streamed conv's fetch timed inside the band executor's forward, and the
 # whole-map, one-row and 32x32 timings that the bands replaced no longer made; 11: the band
 # rounds timed for at least `BAND_MIN_S`; 12: the allgathers timed on long messages too,
-# a second line past a link's burst).
-PROFILER_REVISION = 12
+# a second line past a link's burst; 13: the speed probe's `probe_s`, and every timing round
+# starts level on an emulated device, `stretch.settle`).
+PROFILER_REVISION = 13
 
 
 def cache_dir() -> Path:

@@ -30,7 +30,10 @@ planner does not care which. Schema (version 1), a JSON object:
                                         #   packed layer slice on this rank's own CPU (checksum,
                                         #   copy, pack); `stream` pays it per layer (default:
                                         #   not counted)
-         "call_overhead_s": 2e-5}       # optional; fixed cost of one kernel call (default 0)
+         "call_overhead_s": 2e-5,       # optional; fixed cost of one kernel call (default 0)
+         "probe_s": 3e-4}               # optional; seconds of the speed probe's GeMM
+                                        #   (hepti.parallel.profiling.SpeedProbe): what an idle
+                                        #   rank's probes while serving are compared with
       ]
     }
 
@@ -122,6 +125,7 @@ class Device:
     disk_read_Bps: float | None = None
     call_overhead_s: float = 0.0
     weight_load_Bps: float | None = None  # CPU speed of loading weight slices (None: not counted)
+    probe_s: float | None = None  # the speed probe's seconds (hepti.parallel.profiling.SpeedProbe)
 
     def gemm_flops(self, size: float = math.inf) -> float:
         return self.gemm.at(size)
@@ -146,6 +150,8 @@ class Device:
             d["call_overhead_s"] = self.call_overhead_s
         if self.weight_load_Bps is not None:
             d["weight_load_Bps"] = self.weight_load_Bps
+        if self.probe_s is not None:
+            d["probe_s"] = self.probe_s
         return d
 
 
@@ -268,7 +274,8 @@ def device_from_dict(d: dict, index: int) -> Device:
         bandwidth_Bps=_positive(d, "bandwidth_Bps", what),
         disk_read_Bps=_positive(d, "disk_read_Bps", what, optional=True),
         call_overhead_s=_positive(d, "call_overhead_s", what, optional=True, zero_ok=True) or 0.0,
-        weight_load_Bps=_positive(d, "weight_load_Bps", what, optional=True))
+        weight_load_Bps=_positive(d, "weight_load_Bps", what, optional=True),
+        probe_s=_positive(d, "probe_s", what, optional=True))
 
 
 def profile_from_dict(d, source_name: str = "profile") -> Profile:

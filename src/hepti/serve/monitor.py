@@ -66,12 +66,12 @@ SAMPLE_CAP = 0.7  # of LAMBDA: what one residual may add to a sum (two are neede
 # on the next batch.
 SMALL_STEP, PERSIST_N = math.log(1.5), 6
 SKIP_N = 3  # batches of a new plan not watched at all (first touch of buffers, caches)
-# an idle rank: the median of its last 3 reports, each the median of 3 probes
-# (hepti.serve.worker.IDLE_PROBES), moved 1.8x (single probes at 0.2 core read 0.7-2.3x of the
-# truth on this shared host: bench-adapt's first run). 1.6x until 12565b5, whose quiet pairs
-# switched once in 600 s on the 0.15-core device's window reading 0.62x (1.61x); the changes
-# an idle rank must be seen to make in bench-adapt are 2x and more (a halved or restored CPU,
-# 0.15 -> 0.05 core)
+# an idle rank: the median of its last IDLE_WINDOW reports (each the speed probe's median of
+# 3 rounds, hepti.parallel.profiling.SpeedProbe) moved 1.8x (single probes at 0.2 core read
+# 0.7-2.3x of the truth on this shared host: bench-adapt's first run). 1.6x until 12565b5,
+# whose quiet pairs switched once in 600 s on the 0.15-core device's window reading 0.62x
+# (1.61x); the changes an idle rank must be seen to make in bench-adapt are 2x and more (a
+# halved or restored CPU, 0.15 -> 0.05 core)
 IDLE_N, IDLE_MOVE = 3, 1.8
 IDLE_FLAG = math.log(2.0)  # one report this far (log) from the rank's factor flags it
 IDLE_WINDOW = 5  # the reports whose median is an idle rank's factor (IdleWatch)
@@ -176,33 +176,53 @@ class Alarm:
 
 
 class IdleWatch:
-    """An idle rank's speed, from its probes (the median of 3 each, hepti.serve.worker): the
-    median of its first IDLE_N reports is its baseline, at the speed factor it had then;
-    thereafter the median of its last IDLE_WINDOW reports (at least IDLE_N) gives its factor,
-    after every report. Against the probe at start instead, the 0.15-core device read 1.65x
-    then 0.82x with nothing changed (bench-adapt, b6a007f): at start the other ranks were
-    idle, while serving they compute beside it. The window slides, so a change is seen as
-    soon as the window's majority has it, whatever the phase (in disjoint blocks of 3, node-d's
-    fall to 0.05 core was seen 1.4 s after it in one run and 3.4 s in the next, df403be); it
-    holds 5, as a sliding window of 3 tests three times as often and read the 0.15-core device
-    0.60x once in 300 quiet seconds (a false switch, 2a9e56f). The detection comes first
-    anyway: `last` is the latest report alone, which the monitor flags at 2x."""
+    """An idle rank's speed, from its probes (hepti.parallel.profiling.SpeedProbe, run after
+    each batch by hepti.serve.worker): the median of its last IDLE_WINDOW reports (at least
+    IDLE_N) against the profile's own reading of the same probe (`probe_s`) is its factor,
+    after every report. The probe and the profile measure the same GeMM the same way, so a
+    device whose speed did not change reads 1.0x its profile, up to the standing offset that
+    every rank shows between the host's load when the profile was measured and now: the
+    monitor passes the busy ranks' (`host_bias`), as their own residuals are judged against
+    their baselines, not against the profile. On the busy AVX-512 host the 0.4-core device
+    read 0.80x its probe_s while the busy ranks computed 0.77-0.86x their profiled times.
 
-    def __init__(self, factor: float):
-        self.factor, self.base, self.seen = factor, None, []
+    Until 2026-11-29 the baseline was the median of the rank's first IDLE_N reports while
+    idle, at the factor it had then, and the probe a few single calls: on the AVX-512 machine
+    those calls were shorter than the stretch's credit for an oversleep and read 0.4x or 0.8-1x
+    by turns, and an unchanged idle device probed 0.48x its baseline (issue 44: four switches,
+    each rolled back, in quiet minutes). A profile without `probe_s` (declared, or measured
+    before it) still learns the baseline that way (`profiled_s` None). The window slides, so a
+    change is seen as soon as the window's majority has it, whatever the phase (in disjoint
+    blocks of 3, node-d's fall to 0.05 core was seen 1.4 s after it in one run and 3.4 s in the
+    next, df403be); it holds 5, as a sliding window of 3 tests three times as often and read
+    the 0.15-core device 0.60x once in 300 quiet seconds (a false switch, 2a9e56f). The
+    detection comes first anyway: `last` is the latest report alone, which the monitor flags
+    at 2x."""
+
+    def __init__(self, factor: float, profiled_s: float | None = None):
+        self.profiled = profiled_s is not None
+        # against the profile the factor is absolute (the profile's speed is 1.0); against a
+        # learnt baseline it is relative to the factor the rank had while it was learnt
+        self.factor = 1.0 if self.profiled else factor
+        self.base, self.seen = profiled_s, []
         self.last: float | None = None
 
-    def add(self, probe_s: float) -> float | None:
-        """One report; the rank's factor (the median of the window), or None while the
-        baseline is still being learnt."""
+    def add(self, probe_s: float, host_bias: float = 1.0) -> float | None:
+        """One report; the rank's factor (the median of the window), or None while there are
+        fewer than IDLE_N reports (or the baseline is still being learnt). `host_bias`: the
+        busy ranks' measured over profiled compute at their baselines (against the profile
+        only)."""
         if self.base is None:
             self.seen.append(probe_s)
             if len(self.seen) == IDLE_N:
                 self.base = statistics.median(self.seen)
             return None
+        base = self.base * (host_bias if self.profiled else 1.0)
         self.seen = (self.seen + [probe_s])[-IDLE_WINDOW:]
-        self.last = self.factor * probe_s / self.base
-        return self.factor * statistics.median(self.seen) / self.base
+        self.last = self.factor * probe_s / base
+        if len(self.seen) < IDLE_N:
+            return None
+        return self.factor * statistics.median(self.seen) / base
 
 
 class Monitor:
@@ -220,6 +240,14 @@ class Monitor:
         self.swings: dict[int, list[float]] = {}  # each rank's last SWING_N comm residuals
         self.swing_range = SWING_RANGE  # doubled by a probe burst that found no flapping link
 
+    def host_bias(self) -> float:
+        """The busy ranks' standing offset from the profile: the median of their compute
+        series' baselines (measured over predicted, learnt on their first batches), 1.0 before
+        any is learnt. What the host's load at profile time put into every rank's figures, the
+        idle rank's probe_s too (`IdleWatch`)."""
+        learnt = [c.baseline for c in self.compute.values() if c.baseline is not None]
+        return math.exp(statistics.median(learnt)) if learnt else 1.0
+
     def predicted(self, B: int, T: int):
         """The plan's per-rank prediction at this batch shape (cached)."""
         key = (B, T)
@@ -233,8 +261,8 @@ class Monitor:
 
     def observe(self, B: int, T: int, ranks_s: list[list[float]], factors=None) -> list[Alarm]:
         """One batch's measured [compute_s, comm_s, free, ready, probe_s, holds] per rank -> its
-        alarms. An idle rank (no share) is judged by its speed probes against its own first
-        IDLE_N reports of this idle spell, taken while the others served (`IdleWatch`)."""
+        alarms. An idle rank (no share) is judged by its speed probes against the profile's
+        reading of the same probe (`IdleWatch`)."""
         self.batches += 1
         self.flags = []
         if self.batches <= SKIP_N:
@@ -250,9 +278,9 @@ class Monitor:
                 # baseline while its standby copy loaded; when the load ended its probes read
                 # 0.55x of it, and the re-plan gave the 0.15-core device a share: 35% slower
                 if len(m) > 4 and m[4] > 0 and not (len(m) > 2 and m[2] < 0):
-                    iw = self.idle.setdefault(r, IdleWatch(now))
+                    iw = self.idle.setdefault(r, IdleWatch(now, self.profile.devices[r].probe_s))
                     was = iw.last
-                    f = iw.add(m[4])
+                    f = iw.add(m[4], self.host_bias())
                     if f is not None and abs(math.log(f / now)) > math.log(IDLE_MOVE):
                         compute_alarms.append(Alarm("compute", r, 1 if f > now else -1, f, True))
                     elif iw.last is not None and abs(math.log(iw.last / now)) > IDLE_FLAG and \

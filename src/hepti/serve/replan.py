@@ -19,7 +19,11 @@ The steps, all between batches on the front end's thread that talks to the worke
    batches, so no request sees two plans;
 5. judge the new plan on its first `JUDGE_N` batches against the old plan's batches measured
    under the same conditions (those run between the alarm and the switch); if it is slower by
-   more than `ROLLBACK_MARGIN`, switch back.
+   more than `ROLLBACK_MARGIN`, switch back. A plan rolled back is not tried again until one of
+   the conditions it was chosen on moves (`ROLLED_BACK_N`);
+6. a plan switched to, or kept on links just re-probed, that runs more than `MISS_MARGIN` over
+   its own prediction has what it relies on measured again (its links in full, its ranks'
+   speed probes), and is decided anew on that (`_verify`).
 """
 from __future__ import annotations
 
@@ -66,6 +70,21 @@ MOVED = 0.2  # a link more than this far (fraction) from its profiled rate has m
 # `tensor` or `stream`. Against a baseline, not the profile's figure: what the runtime itself
 # holds (Python, Numba, buffers) is in neither the profile nor the prediction.
 MEM_N, MEM_MOVED = 3, 0.25
+# A plan rolled back is remembered with the conditions it was chosen under (each rank's speed
+# factor, each re-probed link, each memory cap), at most ROLLED_BACK_N of them; a re-plan that
+# picks it again while none of those has moved (MOVED; MEM_MOVED for memory) keeps the plan in
+# force instead (`_rolled_back`). Issue 44: with nothing changing, an idle device's false
+# speed-up was read four times in a few minutes, and each time the same plan was tried and
+# rolled back.
+ROLLED_BACK_N = 8
+# A plan switched to, or kept after its links were re-probed, is checked on its first JUDGE_N
+# batches against its own prediction: over it by more than MISS_MARGIN, the devices and links
+# it relies on are measured again (every link to a rank with a share, probed in full; every
+# such rank's speed probe, the median of REMEASURE_PROBES, against the profile's probe_s) and
+# the plan decided anew on what they read (`_verify`). Issue 44: after a link fell to 40
+# Mbit/s the re-plan read it at 41 and kept a plan predicted at 168 ms, which served at 234 ms,
+# 1.32x a plan made fresh for the new link.
+MISS_MARGIN, REMEASURE_PROBES = 0.15, 3
 
 
 def _links_again(links: dict) -> str:
@@ -96,6 +115,8 @@ class PlanWatcher:
         self.previous = None  # (plan, walls measured under the new conditions) for a rollback
         self.judging: list[float] | None = None
         self.previous_before = None  # (factors, links) before the switch being judged
+        self.rolled_back: list[dict] = []  # {"plan", "conditions", "t"}: see ROLLED_BACK_N
+        self.verifying: dict | None = None  # {"walls", "shapes", "why"}: see MISS_MARGIN
         self.confirming = None  # alarms waiting one batch to size their step
         self.comm_lambda_scale = 1.0  # doubled by each probe that found the links unchanged
         self.link_changes: dict[str, list] = {}  # rank -> [(when, probed link)] that moved
@@ -121,6 +142,9 @@ class PlanWatcher:
         self.shapes = (self.shapes + [shape])[-20:]
         self.batch_times = (self.batch_times + [now])[-20:]
         self.walls_since_alarm.append(wall)
+        if self.verifying is not None and self.pending is None:
+            self.verifying["walls"].append(wall)
+            self.verifying["shapes"].append(shape)
         for r, m in enumerate(ranks_s):  # what each rank holds beside its plan (worker's [5])
             if len(m) > 5 and not m[5]:
                 self.held[r] = None
@@ -154,6 +178,9 @@ class PlanWatcher:
         if self.pending is not None:
             if all(r[3] for r in ranks_s):  # every rank's next weights are loaded
                 self._switch(sock, *self.pending)
+            return
+        if self.verifying is not None and len(self.verifying["walls"]) >= JUDGE_N and \
+                now - self.last_switch > COOLDOWN_S and self._verify(sock):
             return
         if self.burst is not None:
             self._burst_probe(sock)
@@ -203,7 +230,8 @@ class PlanWatcher:
                     if not a.absolute and abs(math.log(a.factor / shared)) < SMALL_STEP:
                         a.factor = shared
                 for r, iw in self.monitor.idle.items():  # an idle rank shares the host too
-                    iw.factor *= shared
+                    if not iw.profiled:  # against its profile, its probes show the host's step
+                        iw.factor *= shared
                     self._scale(r, shared)
             event["alarms"] = [a.__dict__ for a in alarms]
             for a in alarms:
@@ -394,6 +422,7 @@ class PlanWatcher:
         self._refit()
         self._refitted(alarmed=set())
         event["links_kept_slow"] = sorted(int(r) for r in back)
+        self.verifying = None  # the plan's figures are as they were: nothing new to check
 
     def _check_slow_links(self, sock) -> bool:
         """A link the plan takes as slower than profiled may have come back, and a rank that
@@ -548,6 +577,7 @@ class PlanWatcher:
         current plan overfills, if the new plan differs at all)."""
         from hepti.errors import PlanError
         from hepti.plan.partition import make_plan
+        self.verifying = None  # a decision anew: the plan it leaves in force is checked anew
         B = int(statistics.median(s[0] for s in self.shapes))
         T = int(statistics.median(s[1] for s in self.shapes))
         t0 = time.perf_counter()
@@ -560,6 +590,15 @@ class PlanWatcher:
             self.sup.replans.append(event)
             self._refitted(alarmed=set())
             return
+        tried = None if must or _same(best, self.plan) else self._rolled_back(best)
+        if tried is not None:
+            event["reason"] += (f"; the best plan was rolled back {time.time() - tried['t']:.0f} s "
+                                f"ago under the same conditions: not tried again")
+            event["rolled_back_before"] = True
+            other = self._other_strategy(best, B, T)
+            if other is not None:  # the best of another strategy, not rolled back
+                event["reason"] += f"; the best {other.strategy} plan instead"
+                best, tried = other, None
         event["solve_s"] = time.perf_counter() - t0
         now = predict(self.cfg, self.profile, self.plan, B, T).predicted_latency_s
         new = best.predicted_latency_s
@@ -572,13 +611,16 @@ class PlanWatcher:
         event.update(load_s=load_s, switch_cost_s=cost)
         if must:
             event["overfilled_ranks"] = must
-        if _same(best, self.plan) or (not must and (gain < MIN_GAIN * now or
-                                                    gain * rate * HORIZON_S < cost)):
+        if tried is not None or _same(best, self.plan) or \
+                (not must and (gain < MIN_GAIN * now or gain * rate * HORIZON_S < cost)):
             event["decision"] = "keep"
             # links as profiled: the communication's new level is this plan's normal, not a
             # change to act on again
             self._refitted(alarmed={a["rank"] for a in event["alarms"]},
                            relearn_comm=event.get("links_changed") is False)
+            if event.get("links_changed") and not event.get("remeasure"):
+                # kept on links just re-probed: the plan's new prediction is checked
+                self.verifying = {"walls": [], "shapes": [], "why": "kept"}
         else:
             event["decision"] = "switch"
             self._prepare(sock, best, event)
@@ -626,6 +668,10 @@ class PlanWatcher:
         # switch rolled back on a busy host)
         self.judging = None if rollback or event.get("overfilled_ranks") or \
             event.get("asked") else []
+        # the new plan is checked against its prediction (MISS_MARGIN); the plan a rollback
+        # returns to, and one switched to on a re-measure, are not checked again
+        self.verifying = None if rollback or event.get("remeasure") else \
+            {"walls": [], "shapes": [], "why": "switched"}
         # each rank's series go on with their baselines: relearning them would leave the
         # monitor blind for BASELINE_N batches, 6-12 s at BERT-base's 0.7-1.3 s per request
         # (bench-adapt's first run: the CPU halving was flagged 11 s late). Where the new plan
@@ -653,6 +699,9 @@ class PlanWatcher:
                      "new_ratios": old_plan.ratios}
             self.sup.replans.append(event)
             log.info("serve: re-plan: %s -> rollback", event["reason"])
+            self.rolled_back = (self.rolled_back + [{"plan": self.plan, "t": time.time(),
+                                                     "conditions": self._conditions()}]
+                                )[-ROLLED_BACK_N:]
             # what the switch was made for was wrong: forget it too
             self.factors, self.links = (list(x) if isinstance(x, list) else dict(x)
                                         for x in self.previous_before)
@@ -662,6 +711,66 @@ class PlanWatcher:
             # if they are held)
             self._prepare(sock, old_plan, event)
         return worse
+
+    def _verify(self, sock) -> bool:
+        """The plan in force (switched to, or kept on re-probed links) against its prediction
+        at its first JUDGE_N batches' shape: more than MISS_MARGIN over it, re-measure
+        (`_remeasure`) and decide anew. True if it re-measured."""
+        v, self.verifying = self.verifying, None
+        B = int(statistics.median(s[0] for s in v["shapes"]))
+        T = int(statistics.median(s[1] for s in v["shapes"]))
+        predicted = predict(self.cfg, self.profile, self.plan, B, T).predicted_latency_s
+        measured = statistics.median(v["walls"])
+        if measured <= (1 + MISS_MARGIN) * predicted:
+            return False
+        self._remeasure(sock, measured, predicted, (B, T), v["why"])
+        return True
+
+    def _remeasure(self, sock, measured: float, predicted: float, shape, why: str) -> None:
+        """Measure again what the plan in force relies on, and decide on what it reads: every
+        rank with a share, its link (rank 0's ping-pong at PROBE_SIZES) and its speed (its
+        speed probe, the median of REMEASURE_PROBES read as the profile read probe_s, each
+        after a sleep, against probe_s and the busy ranks' standing offset from the profile, as
+        an idle rank's probes are read; a rank whose factor moved by MOVED takes it). Probes
+        read straight after a batch ran 2.2-3.8x the profile's on the busy host (bench-adapt
+        --spec emu-drop3.json at 3efb043), and moved the plan for nothing. A link that reads within
+        MOVED of its profile is taken at its profile; a link held at a flap's worst stays."""
+        t0 = time.perf_counter()
+        event = {"t": time.time(), "batch_shape": list(shape), "alarms": [],
+                 "before": (list(self.factors), dict(self.links)), "remeasure": True}
+        per_rank = predict(self.cfg, self.profile, self.plan, *shape).predicted.get("per_rank", [])
+        relied = [r for r, p in enumerate(per_rank) if p.get("active", True)]
+        answer = self.sup.command(sock, {"op": "probe", "ranks": [r for r in relied if r != 0],
+                                         "speed": REMEASURE_PROBES})
+        now_t, before = time.monotonic(), self.profile
+        read = {}
+        for r, v in answer["links"].items():
+            read[f"link {r}"] = f"{v['bandwidth_Bps'] * 8e-6:.0f} Mbit/s"
+            if self.flap_hold.get(r, 0.0) > now_t:
+                continue
+            if _moved(self.base.devices[int(r)], v):
+                self.links[r] = {"latency_s": v["latency_s"], "bandwidth_Bps": v["bandwidth_Bps"]}
+            else:
+                self.links.pop(r, None)
+        speeds, bias = answer.get("speeds") or [], self.monitor.host_bias()
+        for r in relied:
+            profiled = self.base.devices[r].probe_s
+            if not profiled or r >= len(speeds) or not speeds[r] > 0:
+                continue
+            f = speeds[r] / (profiled * bias)  # as an idle rank's probes are read (IdleWatch)
+            read[f"rank {r}"] = f"{f:.2f}x"
+            if _moved_factor(f / self.factors[r]):
+                self.factors[r] = f if _moved_factor(f) else 1.0
+        self._refit()
+        event.update(
+            links_changed=any(_moved(before.devices[int(r)], v)
+                              for r, v in answer["links"].items()),
+            probe_s=time.perf_counter() - t0, remeasured=read,
+            reason=f"the plan {why} took {measured * 1e3:.1f} ms a batch, "
+                   f"{measured / predicted:.2f}x its prediction ({predicted * 1e3:.1f} ms): "
+                   "re-measured " + (", ".join(f"{k} {v}" for k, v in read.items())
+                                     or "nothing it relies on"))
+        self._decide(sock, event)
 
     def _load_seconds(self, plan) -> float:
         """The slowest rank's time to read and pack its new slices for `plan` (0 for a rank
@@ -679,6 +788,50 @@ class PlanWatcher:
             speed = (dev.weight_load_Bps or dev.disk_read_Bps or 50e6) / self.factors[r]
             worst = max(worst, nbytes / speed)
         return worst
+
+    def _other_strategy(self, barred, B: int, T: int):
+        """With `--strategy auto`, the fastest plan of the strategies other than `barred`'s
+        (rows, tensor, stream) that is not rolled back under the present conditions, or None.
+        bench-adapt at eb4ed56: node-b's CPU halved, the re-plan's best was `tensor`, predicted
+        1.09 s a request and measured 3.5 s (rolled back); barred, the service stayed on the
+        plan made for node-b at full speed (1.8 s), where a fresh profile's `rows` plan ran
+        0.94 s."""
+        from hepti.errors import PlanError
+        from hepti.plan.partition import make_plan
+        if self.strategy != "auto":
+            return None
+        found = None
+        for s in ("rows", "tensor", "stream"):
+            if s == barred.strategy:
+                continue
+            try:
+                p = make_plan(self.cfg, self.profile, T, B, strategy=s)
+            except PlanError:  # that strategy does not fit
+                continue
+            if self._rolled_back(p) is None and not _same(p, barred) and \
+                    (found is None or p.predicted_latency_s < found.predicted_latency_s):
+                found = p
+        return found
+
+    def _conditions(self) -> dict:
+        """What a plan is chosen on, besides the profile as measured: each rank's speed factor,
+        each re-probed link, each memory cap that moved (copies)."""
+        return {"factors": list(self.factors), "links": dict(self.links),
+                "memory": dict(self.memory)}
+
+    def _rolled_back(self, plan) -> dict | None:
+        """The remembered rollback of `plan` whose conditions still hold (none of the factors,
+        links and memory caps it was chosen on has moved since), or None. Entries whose
+        conditions have moved are forgotten: the plan may be tried again."""
+        now = self._conditions()
+        kept, found = [], None
+        for e in self.rolled_back:
+            if not _conditions_moved(e["conditions"], now, self.base):
+                kept.append(e)
+                if found is None and _same(plan, e["plan"]):
+                    found = e
+        self.rolled_back = kept
+        return found
 
     def _refit(self) -> None:
         p = self.base
@@ -756,6 +909,26 @@ def _slower(dev, link: dict, by: float = MOVED) -> bool:
     (latency). Only this direction counts from a light probe: it may read a shaped link high."""
     return link["bandwidth_Bps"] < dev.bandwidth_Bps / (1 + by) or \
         link["latency_s"] > dev.latency_s + 2e-3
+
+
+def _conditions_moved(a: dict, b: dict, base) -> bool:
+    """Whether conditions `b` differ from `a` (`PlanWatcher._conditions`): a rank's factor by
+    more than MOVED, a link (a rank with none re-probed has its profile's) by MOVED or 2 ms,
+    a memory cap by MEM_MOVED of the profile's."""
+    if any(_moved_factor(fb / fa) for fa, fb in zip(a["factors"], b["factors"])):
+        return True
+    for r in set(a["links"]) | set(b["links"]):
+        dev = base.devices[int(r)]
+        la = a["links"].get(r) or {"bandwidth_Bps": dev.bandwidth_Bps, "latency_s": dev.latency_s}
+        lb = b["links"].get(r) or {"bandwidth_Bps": dev.bandwidth_Bps, "latency_s": dev.latency_s}
+        if _moved(dataclasses.replace(dev, bandwidth_Bps=la["bandwidth_Bps"],
+                                      latency_s=la["latency_s"]), lb):
+            return True
+    for r in set(a["memory"]) | set(b["memory"]):
+        cap = base.devices[r].usable_bytes
+        if abs(a["memory"].get(r, cap) - b["memory"].get(r, cap)) > MEM_MOVED * cap:
+            return True
+    return False
 
 
 def _moved_factor(f: float, by: float = MOVED) -> bool:

@@ -223,7 +223,6 @@ def spec_bytes(cfg, spec) -> float:
 # then reads nothing. bench-adapt's restore at 60 s waited 10 s for its better plan because a
 # 0.2-core device had to read back the 340 MB it had dropped when it went idle.
 KEEP_PREVIOUS_FREE = 2.0
-IDLE_PROBES = 3  # speed probes an idle rank runs each batch (their median is reported)
 MEM_READ_S = 2.0  # a rank's free memory, read at most this often while serving (`_free_memory`)
 # An idle rank probes as a batch starts when batches come this many times its probe's time
 # apart (its report is then this batch's own), else after the gather, off the batch's path
@@ -298,7 +297,7 @@ class _State:
         self.cfg = store.config
         self.next = None  # (plan, spec, thread, holder) while a new plan's weights load
         self.kept = None  # (spec, layers) of the plan before the current one
-        self._probe = None  # speed_probe's buffers
+        self._probe = None  # speed_probe's SpeedProbe
         self._probed = 0.0  # an idle rank's last speed probe (s), sent with the next batch
         self._free_after = -1.0  # free memory read after the last batch's gather (`batch`)
         self._probe_s = math.inf  # how long its last probe took, all told
@@ -420,8 +419,8 @@ class _State:
                 self._free_memory() / self.on_host
             # an idle rank probes its speed after the gather, off the batch's path: rank 0
             # answers without waiting for it, and the next batch's gather carries the figure
-            # (the median of IDLE_PROBES: single probes at 0.15-0.2 core read 0.76-1.85x of
-            # each other within 4 s in bench-adapt, and one of them misled a re-plan)
+            # (`speed_probe`: the median of several rounds; single probes at 0.15-0.2 core read
+            # 0.76-1.85x of each other within 4 s in bench-adapt, and one misled a re-plan)
             if not early:
                 self._probed = 0.0 if self.job.is_active else self.speed_probe()
         if not rank0:
@@ -429,41 +428,31 @@ class _State:
         return head, emb  # emb None: it went ahead (`notify`)
 
     def speed_probe(self) -> float:
-        """A rank with no share of the plan still tells its speed: the median seconds of
-        IDLE_PROBES small GeMMs ([32, C] x [C, C], ~0.4 ms of CPU each here), as compute (an
-        emulated device's stretch applies, as to its work), after one untimed warm-up: the
-        first call after an idle spell meets cold caches (4-10x at 0.2 core). The monitor
-        watches its drift (a device that is fast again should get its share back). Each probe
-        had its own warm-up before (six GeMMs a batch): on the one-box emulation an idle
-        rank's CPU is the active ranks' too."""
-        from hepti import kernels as K
+        """A rank with no share of the plan still tells its speed: the seconds per call of
+        the profile's own speed probe (hepti.parallel.profiling.SpeedProbe, a small GeMM timed
+        the way the profile times, stretched on an emulated device as its work is), which the
+        profile recorded for this rank as `probe_s`: the monitor compares like with like.
+        Single probe calls, each its own stretched span, read 0.4-2.5x of each other with
+        nothing changed (a sleep's overshoot credited to the next call: SpeedProbe says why)."""
+        from hepti.parallel.profiling import SpeedProbe
         if self._probe is None:
-            C = self.cfg.hidden_size
-            rng = np.random.default_rng(0)
-            self._probe = (rng.standard_normal((32, C), dtype=np.float32),
-                           K.pack_b(rng.standard_normal((C, C), dtype=np.float32)),
-                           np.empty((32, C), np.float32))
-        x, w, c = self._probe
-        tr = self.world.tracer
+            self._probe = SpeedProbe(self.cfg.hidden_size)
         start = time.perf_counter()
-        with tr.span("speed probe (warm-up)", "compute"):
-            K.gemm(x, w, out=c)
-        times = []
-        for _ in range(IDLE_PROBES):
-            t0 = time.perf_counter()
-            with tr.span("speed probe", "compute"):  # a span of its own: an emulated device's
-                K.gemm(x, w, out=c)  # stretch is paid as the span ends
-            times.append(time.perf_counter() - t0)
+        seconds = self._probe()
         self._probe_s = time.perf_counter() - start
-        return sorted(times)[IDLE_PROBES // 2]
+        return seconds
 
     def probe(self, header):
         """Rank 0 times a ping-pong with each rank named (at three sizes, or the header's
-        `sizes`: [[bytes, round trips], ...]) and fits its link."""
+        `sizes`: [[bytes, round trips], ...]) and fits its link. With `speed`: N, every rank
+        then reads its speed probe N times as the profile read it (`measure_probe`) and rank 0
+        gathers the medians (`speeds`, by rank): the re-planner re-measures the devices of a
+        plan that missed its prediction."""
         from hepti.parallel.profiling import fit_link, ping_pong
         w = self.world
-        peers, sizes = w.bcast_obj((header["ranks"], header.get("sizes") or PROBE_SIZES)
-                                   if w.rank == 0 else None)
+        peers, sizes, speed = w.bcast_obj(
+            (header["ranks"], header.get("sizes") or PROBE_SIZES, int(header.get("speed", 0)))
+            if w.rank == 0 else None)
         links = {}
         for peer in peers:
             points = []
@@ -473,7 +462,14 @@ class _State:
             if w.rank == 0:
                 lat, bw = fit_link(points)
                 links[str(peer)] = {"latency_s": lat, "bandwidth_Bps": bw, "points": points}
-        return ({"op": "probed", "links": links}, None) if w.rank == 0 else None
+        answer = {"op": "probed", "links": links}
+        if speed:  # as the profile read probe_s (after sleeps: a rank just done with a batch
+            # reads its probe 2-4x slow on a busy host, in the run that first re-measured)
+            from hepti.parallel.profiling import SpeedProbe, measure_probe
+            if self._probe is None:
+                self._probe = SpeedProbe(self.cfg.hidden_size)
+            answer["speeds"] = w.gather_obj(measure_probe(self.cfg.hidden_size, speed, self._probe))
+        return (answer, None) if w.rank == 0 else None
 
     def prepare(self, header):
         """Start reading this rank's weights for the next plan on a background thread, unless
