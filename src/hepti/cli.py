@@ -400,8 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "/metrics lists every flag and re-plan). A rank the plan leaves idle "
                         "then loads a standby copy of the model, and a rank keeps its previous "
                         "plan's slices, each while its free memory is twice their size, so that "
-                        "switches read nothing. Off (default) keeps the first plan (README, "
-                        "bin/bench-adapt.sh: what it costs and what it gains)")
+                        "switches read nothing. Off (default) keeps the first plan "
+                        "(docs/results/adapt.md, bin/bench-adapt.sh: what it costs and what it "
+                        "gains)")
     s.add_argument("--replan-ab", type=_positive_int, default=None, metavar="N",
                    help="with --replan on: pause the monitor for every other run of N batches "
                         "(those batches then do what --replan off does) and give each run's "

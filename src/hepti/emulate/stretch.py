@@ -79,8 +79,8 @@ def stretch_wanted(env=None) -> bool:
     """Whether devices run stretched: yes unless HEPTI_EMULATE_STRETCH=0 (the quota alone).
     On by default since bin/bench-hetero.sh and bin/bench-offload.sh were remade with it
     (results/hetero.json: 35 of 41 strategies within 15% of their own prediction, where the
-    quota alone put `proportional` 53% under it; README). Phases of 1 ms and more ran at
-    1/share within 5% on a quiet host (results/slowdown-stretch.json); 0.1 ms phases within
+    quota alone put `proportional` 53% under it; docs/results/hetero.md). Phases of 1 ms and
+    more ran at 1/share within 5% on a quiet host (results/slowdown-stretch.json); 0.1 ms phases within
     6% of the matched reference once the guard was 2x (tests/test_emulate_stretch.py says why
     that reference)."""
     return (env if env is not None else os.environ).get(ENV, "1").strip() != "0"

@@ -39,7 +39,7 @@ from hepti.serve.replan import COOLDOWN_S, FLAP_HOLD_S, FLAP_WINDOW_S, HORIZON_S
 # lost; low enough that with the kill (0.4 s) and a relaunch on one machine the first answer
 # after a SIGSTOP comes within the 10 s: declared 4.0-4.3 s after the stop, first
 # answer 7.0-14 s after it at load averages 5-13 on this shared 2-core machine, where the
-# relaunch alone took 2.8-9.7 s (tests/test_serve_stall.py; the README's kill -9 relaunch on a
+# relaunch alone took 2.8-9.7 s (tests/test_serve_stall.py; the kill -9 relaunch measured on a
 # quiet one: 1.0-1.2 s).
 # `hepti serve --stall-floor S` sets it; 0 turns the handling off (late ranks are only named).
 STALL_FLOOR_S = 4.0
