@@ -238,8 +238,10 @@ def run_passes(job, prep: Prepared | None, n: int, args, start_pass=None, end_pa
             sink = Sink(args, feed, prep.out if p == 0 else None, bar, keep)
         on_output = sink
         if watch is not None:  # the pass's barrier counts as its first batch's time
-            watch.begin(start, p)
+            # before `begin`: its beats tell the other ranks whether rank 0's bar holds a line
+            # open, and the bar drew its first line when it was made
             watch.bar_open = bar is not None
+            watch.begin(start, p)
 
             def on_output(i, hidden, sink=sink):
                 with watch.lock:
