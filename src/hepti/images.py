@@ -154,10 +154,12 @@ def _warn_if_tiny(path, height: int, width: int, cfg: dict) -> None:
     """Warn when an image is much smaller than what the model looks at: it is blown up (or, with
     no resize, padded with zeros), and the answer may mean little. Twice the image's side is
     the line: every photo gets resized, and a bit of upscaling is ordinary."""
-    want_h, want_w = _resized_size(height, width, cfg["size"]) if cfg["do_resize"] else (0, 0)
-    if cfg["do_center_crop"]:
-        want_h = max(want_h, cfg["crop_size"]["height"]) if not cfg["do_resize"] else want_h
-        want_w = max(want_w, cfg["crop_size"]["width"]) if not cfg["do_resize"] else want_w
+    if cfg["do_resize"]:
+        want_h, want_w = _resized_size(height, width, cfg["size"])
+    elif cfg["do_center_crop"]:
+        want_h, want_w = cfg["crop_size"]["height"], cfg["crop_size"]["width"]
+    else:
+        return
     if want_h >= 2 * height or want_w >= 2 * width:
         how = "upscaled" if cfg["do_resize"] else "padded with zeros"
         log.warning("%s is only %dx%d pixels; it was %s to %dx%d, so its answer may mean little",

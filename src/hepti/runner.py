@@ -134,20 +134,19 @@ def prepare(args, config, model_dir: Path) -> Prepared:
                "normalize": bool(args.normalize)}
         out = OutputFile(path, output_shape(args, config, source), args.batch_size, job,
                          resume=args.resume)
-    elif args.repeat == 1 and not shows_results(args, config, source.n):
+    elif args.repeat == 1 and not (keeps_for_summary(args, source.n) and
+                                   (not args.json or getattr(args, "top", None) is not None)):
         log.warning("no --output: the %d result(s) will be computed but neither saved nor "
                     "shown; add --output FILE.npy to keep them", source.n)
     return Prepared(source, out)
 
 
-def shows_results(args, config, n: int) -> bool:
-    """Whether the summary prints something of the results themselves: a classifier's top
-    classes (printed, or in --json's report), or the similarity table of a few --text inputs
-    (see `run_passes`' keep)."""
-    if config.model_type == "cnn":
-        return getattr(args, "top", None) is not None
-    return (not args.json and args.pool != "none" and args.text is not None
-            and 1 < n <= SHOW_SIMILARITY_MAX)
+def keeps_for_summary(args, n: int) -> bool:
+    """Whether pass 1 keeps results for the summary: a classifier's top classes (printed, and in
+    --json's report), or the rows of a few --text inputs for the similarity table (printed
+    unless --json). `prepare` warns when nothing would be shown or saved."""
+    return getattr(args, "top", None) is not None or (
+        args.pool != "none" and args.text is not None and 1 < n <= SHOW_SIMILARITY_MAX)
 
 
 class Feed:
@@ -232,9 +231,7 @@ def run_passes(job, prep: Prepared | None, n: int, args, start_pass=None, end_pa
         if primary:
             feed = Feed(prep.source, start)
             bar = progress_bar(args, prep.source, start) if p == 0 else None
-            keep = p == 0 and (getattr(args, "top", None) is not None or (
-                args.pool != "none" and args.text is not None
-                and 1 < prep.source.n <= SHOW_SIMILARITY_MAX))
+            keep = p == 0 and keeps_for_summary(args, prep.source.n)
             sink = Sink(args, feed, prep.out if p == 0 else None, bar, keep)
         on_output = sink
         if watch is not None:  # the pass's barrier counts as its first batch's time
