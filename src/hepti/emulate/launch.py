@@ -229,6 +229,8 @@ class _Run:
             acts += self.cg.cpu_actions(self.names, ev.device, ev.cpu)
         if ev.loss is not None:
             acts += net.loss_actions(self.names, ev.device, ev.loss)
+        if ev.hang is not None:
+            acts += self.cg.freeze_actions(self.names, ev.device, ev.hang)
         return acts
 
     def apply_event(self, ev) -> None:
@@ -246,6 +248,9 @@ class _Run:
             changes.append(f"loss {dev.get('loss', 0):g} -> {ev.loss:g}%"
                            + (" (silent)" if ev.loss >= 100 else " (restored)"))
             dev["loss"] = ev.loss
+        if ev.hang is not None:
+            changes.append("hangs (frozen)" if ev.hang else "runs again (thawed)")
+            dev["hang"] = ev.hang
         self.applied.append({**ev.to_dict(), "applied_at": time.time()})
         self.save_state()
         log(f"t={ev.t:g} s: device {ev.device} ({dev['name']}) " + ", ".join(changes))
@@ -450,6 +455,8 @@ def run_emulated(spec_path, command: list[str], *, keep: bool = False, dry_run: 
     command = prepare_command(list(command), len(spec.devices))
     # stretched devices (hepti.emulate.stretch) keep a quota a little above their share as a guard
     cg = dataclasses.replace(Cgroups.detect(), quota_factor=stretch.GUARD if stretch.stretch_wanted() else 1.0)
+    if any(ev.hang is not None for ev in spec.schedule) and not cg.can_freeze:
+        cg.freeze_actions(RunNames(os.getpid(), len(spec.devices)), 0, True)  # says what is missing
     run = _Run(spec=spec, names=RunNames(os.getpid(), len(spec.devices)), cg=cg,
                idle_fill=idle_fill, cold_cache=cold_cache, schedule_on_usr1=schedule_on_usr1)
     if dry_run:

@@ -15,7 +15,9 @@ Schema (JSON object):
         {"t": 20.0, "device": 2, "link_mbit": 100},      # device by index or by name
         {"t": 30.0, "device": "pi4-c", "cpu": 0.1},
         {"t": 40.0, "device": 1, "loss": 100},           # its link drops every packet ...
-        {"t": 70.0, "device": 1, "loss": 0}]             # ... and is back
+        {"t": 70.0, "device": 1, "loss": 0},             # ... and is back
+        {"t": 80.0, "device": 2, "hang": true},          # it hangs: every process frozen ...
+        {"t": 90.0, "device": 2, "hang": false}]         # ... and runs on
     }
 
 - `cpu` is a CFS quota: 0.25 means a quarter of one core's time, spread over any cores.
@@ -26,7 +28,7 @@ Schema (JSON object):
   `hepti profile` measures (a gigabit Raspberry Pi 4 measures about 940). The shaper's wire rate
   is set higher by the Ethernet/IP/TCP header overhead so that the payload rate is the figure
   given. A transfer between devices i and j runs at min(link_i, link_j).
-- A schedule event changes `link_mbit`, `cpu` and/or `loss` of one device at `t` seconds after
+- A schedule event changes `link_mbit`, `cpu`, `loss` and/or `hang` of one device at `t` seconds after
   COMMAND starts. Memory caps do not change at run time (lowering a cap under use fails in
   cgroup v1).
 - `loss` is the percentage of the device's packets its link drops, both ways: 100 is a silent
@@ -34,6 +36,10 @@ Schema (JSON object):
   seen), 0 the link restored, shaped as before. Only 0 and 100: a share in between needs tc's
   `netem`, which this kernel lacks (DESIGN.md); a link that never comes back has no 0 after
   its 100.
+- `hang: true` freezes every process of the device where it stands (the cgroup freezer), as a
+  board whose kernel hung: nothing exits, no socket closes, its link stays up, and a process
+  started on it later freezes too; `false` lets them run on. A device that never comes back
+  has no `false`.
 """
 from __future__ import annotations
 
@@ -55,7 +61,7 @@ MEM_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "k": 1 << 10,
              "g": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 TOP_FIELDS = ("name", "description", "devices", "schedule")
 DEVICE_FIELDS = ("name", "cpu", "mem", "link_mbit")
-EVENT_FIELDS = ("t", "device", "link_mbit", "cpu", "loss")
+EVENT_FIELDS = ("t", "device", "link_mbit", "cpu", "loss", "hang")
 LOSS_VALUES = (0.0, 100.0)  # percent: restored, silent (no netem here for anything between)
 
 
@@ -85,13 +91,14 @@ class Device:
 @dataclass(frozen=True)
 class ScheduleEvent:
     """At `t` seconds after COMMAND starts, set device `device`'s link rate, CPU share and/or
-    packet loss (percent: 100 silent, 0 restored)."""
+    packet loss (percent: 100 silent, 0 restored), and/or whether it hangs."""
 
     t: float
     device: int
     link_mbit: float | None = None
     cpu: float | None = None
     loss: float | None = None
+    hang: bool | None = None
 
     def to_dict(self) -> dict:
         d = {"t": self.t, "device": self.device}
@@ -101,6 +108,8 @@ class ScheduleEvent:
             d["cpu"] = self.cpu
         if self.loss is not None:
             d["loss"] = self.loss
+        if self.hang is not None:
+            d["hang"] = self.hang
         return d
 
 
@@ -217,8 +226,9 @@ def _event(d, j: int, devices: list[Device], src: str) -> ScheduleEvent:
     else:
         raise SpecError(f"{what}.device: {dev!r} is not a device; give an index 0..{len(devices) - 1} "
                         f"or a name ({', '.join(names)})")
-    if "link_mbit" not in d and "cpu" not in d and "loss" not in d:
-        raise SpecError(f"{what}: changes nothing; give link_mbit, cpu and/or loss")
+    if not any(k in d for k in EVENT_FIELDS[2:]):
+        raise SpecError(f"{what}: changes nothing; give {', '.join(EVENT_FIELDS[2:-1])} and/or "
+                        f"{EVENT_FIELDS[-1]}")
     link = None if d.get("link_mbit") is None else _number(d["link_mbit"], f"{what}.link_mbit",
                                                           0.1, MAX_LINK_MBIT)
     if link is not None and devices[index].link_mbit is None:
@@ -231,7 +241,10 @@ def _event(d, j: int, devices: list[Device], src: str) -> ScheduleEvent:
                         "every packet dropped, both ways) can be emulated here; dropping a share "
                         "of the packets needs tc's netem qdisc, which this kernel does not have "
                         "(`tc qdisc add ... netem` fails)")
-    return ScheduleEvent(t=t, device=index, link_mbit=link, cpu=cpu, loss=loss)
+    hang = d.get("hang")
+    if hang is not None and not isinstance(hang, bool):
+        raise SpecError(f"{what}.hang: {hang!r} must be true (the device hangs) or false (it runs on)")
+    return ScheduleEvent(t=t, device=index, link_mbit=link, cpu=cpu, loss=loss, hang=hang)
 
 
 def parse_spec(d, source: str = "spec") -> ClusterSpec:
