@@ -77,11 +77,11 @@ MEM_N, MEM_MOVED = 3, 0.25
 # So a device whose free memory (with what it holds beside the plan, which it gives up first)
 # falls below MEM_HEADROOM of its profiled memory is planned with that much left free: its cap
 # becomes its room minus the headroom, the plan in force no longer fits it, and the re-plan
-# must move (`stream`, a smaller share, or none). The figure, on hostfiles/emu-squeeze.json
-# (MiniLM, 3 ranks, 400 MiB caps; 293 MiB usable as profiled, so 44 MiB of headroom): with
-# another program holding 200 MiB, node-b's rank served on at 57 MiB free (19%) and, kept
-# on its plan at 15 MiB free (5%), its device reached its cap (peak 400/400 MiB: page cache
-# reclaimed, no OOM kill yet).
+# must move (`stream`, a smaller share, or none). The figure, on hostfiles/emu-squeeze.json's
+# devices (MiniLM, 3 ranks, 400 MiB caps; 293 MiB usable as profiled, so 44 MiB of headroom)
+# under --strategy auto with another program holding 200 MiB of node-b: its rank served on at
+# 57 MiB free (19%) and, kept on its plan at 15 MiB free (5%), its device reached its cap
+# (peak 400/400 MiB: page cache reclaimed, no OOM kill yet).
 MEM_HEADROOM = 0.15
 # A plan rolled back is remembered with the conditions it was chosen under (each rank's speed
 # factor, each re-probed link, each memory cap), at most ROLLED_BACK_N of them; a re-plan that
