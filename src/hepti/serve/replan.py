@@ -495,8 +495,9 @@ class PlanWatcher:
         event = {"t": time.time(), "alarms": [], "batch_shape": list(shape),
                  "before": (list(self.factors), dict(self.links))}
         event["reason"] = "memory: " + ", ".join(
-            f"rank {r} has {statistics.median(self.free_seen[r]) / 2**20:.0f} MiB free, can hold "
-            f"{v / 2**20:.0f} MiB (planned for {self.profile.devices[r].usable_bytes / 2**20:.0f})"
+            f"rank {r} can hold {v / 2**20:.0f} MiB (planned for "
+            f"{self.profile.devices[r].usable_bytes / 2**20:.0f}; "
+            f"{statistics.median(self.free_seen[r]) / 2**20:.0f} MiB free)"
             for r, v in sorted(moved.items()))
         for r, v in moved.items():
             if v >= self.base.devices[r].usable_bytes:
