@@ -116,3 +116,13 @@ def test_an_outage_s_figures_are_the_wait_for_an_answer_and_the_requests_lost():
     assert got["phases"][1]["median_ms"]["oracle-1"] == 600.0
     assert got["phases"][1]["median_ms"]["oracle-0"] is None  # not its phase's conditions
     assert round(hang["ratio"], 2) == 1.0  # 0.6 s, as the two-device oracle
+
+
+def test_another_program_s_memory_is_a_condition_and_a_smaller_cap_for_the_oracle():
+    """emu-squeeze: a mem_hog moves the conditions, and the steady oracle's device has its cap
+    less what the program holds (a device cannot carry a mem_hog)."""
+    phs = adapt.phases(_spec("emu-squeeze.json"), 60.0)
+    assert len(phs) == 2
+    assert adapt.conditions_key(phs[1]["devices"]) != adapt.conditions_key(phs[0]["devices"])
+    steady = adapt.steady_spec(_spec("emu-squeeze.json"), phs[1]["devices"], "o")
+    assert [d["mem"] for d in steady["devices"]] == ["400MiB", "150MiB", "400MiB"]

@@ -53,6 +53,7 @@ import urllib.request
 from pathlib import Path
 
 from hepti.bench import drop_stale, git_commit, hepti_cmd, mpiexec, result_doc, write_json
+from hepti.emulate.spec import format_mem, parse_hog, parse_mem
 
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = ROOT / "hostfiles" / "emu-drift4.json"
@@ -82,7 +83,8 @@ def is_out(dev: dict) -> bool:
 
 
 def conditions_key(devs: list[dict]) -> str:
-    return json.dumps([(d["cpu"], d.get("link_mbit"), is_out(d)) for d in devs])
+    return json.dumps([(d["cpu"], d.get("link_mbit"), d.get("mem"), d.get("mem_hog") or 0, is_out(d))
+                       for d in devs])
 
 
 def steady_spec(base: dict, devs: list[dict], name: str) -> dict:
@@ -90,6 +92,9 @@ def steady_spec(base: dict, devs: list[dict], name: str) -> dict:
     out (what a service started fresh on the devices that answer would run on)."""
     keep = [{k: v for k, v in d.items() if k in ("name", "cpu", "mem", "link_mbit")}
             for d in devs if not is_out(d)]
+    for d, src in zip(keep, [d for d in devs if not is_out(d)]):
+        if src.get("mem_hog"):  # another program holds memory: the device has that much less
+            d["mem"] = format_mem(parse_mem(d["mem"]) - parse_hog(src["mem_hog"]))
     return {**{k: v for k, v in base.items() if k != "schedule"}, "name": name, "devices": keep}
 
 

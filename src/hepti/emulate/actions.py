@@ -95,7 +95,9 @@ def run(action: Action) -> None:
             hint = f" ({action.argv[0]} is not installed; on Debian/Ubuntu: apt-get install iproute2 util-linux)"
         elif e.errno in (errno.EACCES, errno.EPERM):
             hint = " (hepti emulate needs root)"
-        raise EmulateError(f"`{render(action)}` failed: {e.strerror}{hint}") from None
+        err = EmulateError(f"`{render(action)}` failed: {e.strerror}{hint}")
+        err.errno = e.errno  # a caller may tell one refusal from another (EBUSY: hepti.emulate.launch)
+        raise err from None
 
 
 def run_all(actions: list[Action]) -> None:

@@ -181,6 +181,35 @@ class Cgroups:
         return [Write(f"{self.freezer_base}/{names.cgroup_leaf(i)}/freezer.state",
                       "FROZEN" if frozen else "THAWED")]
 
+    def mem_change_actions(self, names: RunNames, i: int, mem_bytes: int) -> list[Action]:
+        """A running device's new cap (a schedule's `mem`). v1 keeps memsw.limit (memory plus
+        swap) at least memory.limit at every write, so, whether the cap rises or falls, memsw
+        is lifted first and set to the cap last. Below what the device uses and cannot
+        reclaim, v1 refuses the limit with EBUSY (the caller says so and puts memsw back:
+        `mem_restore_actions`); v2 reclaims and then OOM-kills."""
+        d = self._mem_dir(names, i)
+        if self.version == 2:
+            return [Write(f"{d}/memory.max", str(mem_bytes))]
+        return [Write(f"{d}/memory.memsw.limit_in_bytes", "-1", optional=True),
+                Write(f"{d}/memory.limit_in_bytes", str(mem_bytes)),
+                Write(f"{d}/memory.memsw.limit_in_bytes", str(mem_bytes), optional=True)]
+
+    def mem_restore_actions(self, names: RunNames, i: int, mem_bytes: int | None) -> list[Action]:
+        """After a refused `mem_change_actions`: memsw back to the cap that stayed."""
+        if self.version == 2:
+            return []
+        return [Write(f"{self._mem_dir(names, i)}/memory.memsw.limit_in_bytes",
+                      "-1" if mem_bytes is None else str(mem_bytes), optional=True)]
+
+    def mem_used(self, names: RunNames, i: int) -> int | None:
+        """What device i uses now (bytes; RSS plus page cache), if the kernel says."""
+        d = self._mem_dir(names, i)
+        f = f"{d}/memory.current" if self.version == 2 else f"{d}/memory.usage_in_bytes"
+        try:
+            return int(Path(f).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
     def create_actions(self, names: RunNames, spec: ClusterSpec) -> list[Action]:
         """Make the group, its leaves, and write every device's caps."""
         acts: list[Action] = []

@@ -23,7 +23,10 @@ How a rank lands on its device (no flags needed on the user's mpiexec):
 
 Around COMMAND: a monitor thread applies the spec's schedule and rewrites the state file
 (state.py), and idle fillers keep the CPUs from halting (idle.py); when COMMAND ends,
-out-of-memory kills are reported per device. Before COMMAND starts, the host's clean page cache
+out-of-memory kills are reported per device. A schedule's `mem` rewrites a device's cap, and
+says so when the kernel refuses one below what the device uses (EBUSY); its `mem_hog` starts
+another program in the device that takes memory (hog.py), and reports any OOM kill that made
+room for it. Before COMMAND starts, the host's clean page cache
 is dropped (`--keep-page-cache` skips it): a device's RAM holds its own page cache, and a cgroup
 is charged only for the file pages it faults in first, so weights an earlier run left cached
 outside the caps would be served to a capped device for free. emu-starved's `stream`, which
@@ -42,6 +45,7 @@ points to `hepti emulate --cleanup`.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shlex
@@ -54,7 +58,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hepti.emulate import actions, idle, jobfiles, net, stretch
+from hepti.emulate import actions, hog, idle, jobfiles, net, stretch
 from hepti.emulate.cgroups import Cgroups, kill_procs, remove_tree
 from hepti.emulate.command import die_with_parent, find_mpiexec, log, prepare_command
 from hepti.emulate.leftovers import (check_leftovers, cleanup, find_runs, proc_starttime,
@@ -152,6 +156,7 @@ class _Run:
     devices_now: list[dict] = field(default_factory=list)
     applied: list[dict] = field(default_factory=list)
     stop_monitor: threading.Event = field(default_factory=threading.Event)
+    hogs: dict = field(default_factory=dict)  # device -> the program taking its memory (mem_hog)
 
     # -- files ---------------------------------------------------------------------------------
     @property
@@ -200,7 +205,7 @@ class _Run:
             if name.endswith(".sh"):
                 p.chmod(0o755)
         self.devices_now = [{**d.to_dict(), "address": self.names.address(i),
-                             "netns": self.names.netns(i), "loss": 0.0}
+                             "netns": self.names.netns(i), "loss": 0.0, "mem_hog_bytes": 0}
                             for i, d in enumerate(self.spec.devices)]
         self.save_state()
 
@@ -221,7 +226,9 @@ class _Run:
     def setup_actions(self) -> list[actions.Action]:
         return self.cg.create_actions(self.names, self.spec) + net.setup_actions(self.names, self.spec)
 
-    def event_actions(self, ev) -> list[actions.Action]:
+    def event_actions(self, ev, memory: bool = True) -> list[actions.Action]:
+        """The writes and commands of one event; `memory`: with its cap change (`mem`), which
+        `apply_event` runs on its own (`_set_mem`). A `mem_hog` is a process, not an action."""
         acts: list[actions.Action] = []
         if ev.link_mbit is not None:
             acts += net.shape_actions(self.names, ev.device, ev.link_mbit)
@@ -229,15 +236,83 @@ class _Run:
             acts += self.cg.cpu_actions(self.names, ev.device, ev.cpu)
         if ev.loss is not None:
             acts += net.loss_actions(self.names, ev.device, ev.loss)
+        if memory and ev.mem_bytes is not None:
+            acts += self.cg.mem_change_actions(self.names, ev.device, ev.mem_bytes)
         if ev.hang is not None:
             acts += self.cg.freeze_actions(self.names, ev.device, ev.hang)
         return acts
 
+    def _set_mem(self, ev, dev: dict) -> tuple[str, str | None]:
+        """A `mem` event: the device's new cap. (what changed, why it failed or None)."""
+        old, new = dev.get("mem_bytes"), ev.mem_bytes
+        was = "none" if old is None else format_mem(old)
+        try:
+            actions.run_all(self.cg.mem_change_actions(self.names, ev.device, new))
+        except EmulateError as e:
+            actions.run_tolerant(self.cg.mem_restore_actions(self.names, ev.device, old))
+            used = self.cg.mem_used(self.names, ev.device)
+            uses = "?" if used is None else f"{used / 2**20:.0f} MiB"
+            if getattr(e, "errno", None) == errno.EBUSY:
+                why = (f"cap not lowered to {format_mem(new)}: the device uses {uses} that the kernel "
+                       "cannot reclaim (no swap), and cgroup v1 refuses a cap below that (EBUSY) "
+                       f"instead of OOM-killing; it stays {was}. Give a cap above what the "
+                       "device uses, or take memory from under its ranks with mem_hog")
+            else:
+                why = f"cap not changed, it stays {was}: {e}"
+            return f"mem {was} -> {format_mem(new)} refused", why
+        dev["mem_bytes"], dev["mem"] = new, format_mem(new)
+        return f"mem {was} -> {format_mem(new)}", None
+
+    def _set_hog(self, ev, dev: dict) -> tuple[str, str | None]:
+        """A `mem_hog` event: the program taking the device's memory is replaced by one that
+        takes `hog_bytes` (none for 0). (what changed, why it failed or None)."""
+        i = ev.device
+        before = self.hogs.pop(i, None)
+        if before is not None:
+            hog.stop(before)
+        had, dev["mem_hog_bytes"] = dev.get("mem_hog_bytes", 0), 0
+        if not ev.hog_bytes:
+            return f"another program lets its {had / 2**20:.0f} MiB go", None
+        kills0 = self.cg.oom_kills(self.names, i)
+        proc = hog.start(self.cg.leaf_dirs(self.names, i), ev.hog_bytes)
+        held = hog.wait_held(proc)
+        kills = self.cg.oom_kills(self.names, i) - kills0
+        used = self.cg.mem_used(self.names, i)
+        cap = dev.get("mem_bytes")
+        room = f"; the OOM killer killed {kills} process(es) of the device to make room" \
+            if kills else ""
+        if held is None:
+            rc = proc.poll()
+            hog.stop(proc)
+            how = "the OOM killer took it" if rc == -signal.SIGKILL else \
+                f"it ended with status {rc}" if rc is not None else \
+                f"it did not finish within {hog.HELD_WITHIN_S:g} s"
+            return (f"another program asked for {format_mem(ev.hog_bytes)}" + room,
+                    f"it does not hold it: {how}")
+        self.hogs[i] = proc
+        dev["mem_hog_bytes"] = held
+        use = "" if used is None or cap is None else \
+            f" (the device now uses {used / 2**20:.0f} of {cap / 2**20:.0f} MiB)"
+        return f"another program takes {held / 2**20:.0f} MiB{use}{room}", None
+
+    def stop_hogs(self) -> None:
+        for proc in self.hogs.values():
+            hog.stop(proc)
+        self.hogs.clear()
+
     def apply_event(self, ev) -> None:
-        """Change one device now (tc, cgroup), record it in the state file, say so on stderr."""
-        failures = actions.run_tolerant(self.event_actions(ev))
+        """Change one device now (tc, cgroup, another program's memory), record it in the
+        state file, say so on stderr."""
+        failures = actions.run_tolerant(self.event_actions(ev, memory=False))
         dev = self.devices_now[ev.device]
         changes = []
+        refused = []
+        for field_set, setter in ((ev.mem_bytes, self._set_mem), (ev.hog_bytes, self._set_hog)):
+            if field_set is not None:
+                what, why = setter(ev, dev)
+                changes.append(what)
+                if why:
+                    refused.append(why)
         if ev.link_mbit is not None:
             changes.append(f"link {dev['link_mbit']:g} -> {ev.link_mbit:g} Mbit/s")
             dev["link_mbit"] = ev.link_mbit
@@ -251,10 +326,13 @@ class _Run:
         if ev.hang is not None:
             changes.append("hangs (frozen)" if ev.hang else "runs again (thawed)")
             dev["hang"] = ev.hang
-        self.applied.append({**ev.to_dict(), "applied_at": time.time()})
+        record = {**ev.to_dict(), "applied_at": time.time()}
+        if refused:
+            record["failed"] = "; ".join(refused)
+        self.applied.append(record)
         self.save_state()
         log(f"t={ev.t:g} s: device {ev.device} ({dev['name']}) " + ", ".join(changes))
-        for f in failures:
+        for f in failures + refused:
             log(f"warning: {f}")
 
     def monitor(self) -> None:
@@ -348,6 +426,7 @@ class _Run:
                 proc.wait()
             idle.stop_fillers(fillers)
             mon.join(timeout=5)
+            self.stop_hogs()
         if self.timed_out:
             return 124
         if self.stop_signal is not None:
@@ -372,13 +451,24 @@ class _Run:
         for i, dev in enumerate(self.spec.devices):
             kills = self.cg.oom_kills(self.names, i)
             peak = self.cg.peak_mem(self.names, i)
+            now = self.devices_now[i] if i < len(self.devices_now) else {}
             out.append({"device": i, "name": dev.name, "oom_kills": kills, "peak_mem_bytes": peak,
-                        "mem_bytes": dev.mem_bytes})
+                        "mem_bytes": dev.mem_bytes,
+                        # as the schedule left them (`mem`, `mem_hog`)
+                        "mem_bytes_end": now.get("mem_bytes", dev.mem_bytes),
+                        "mem_hog_bytes_end": now.get("mem_hog_bytes", 0)})
             if dev.mem_bytes is not None and peak is not None:
                 peaks.append(f"{dev.name} {peak / 2**20:.0f}/{dev.mem_bytes / 2**20:.0f}")
             if kills and dev.mem_bytes is None:
                 log(f"rank {i} (device {dev.name}, no memory cap) was killed by the out-of-memory "
                     "killer: the machine itself ran out of memory")
+            elif kills and any(e.device == i and (e.mem_bytes or e.hog_bytes)
+                               for e in self.spec.schedule[:len(self.applied)]):
+                log(f"{kills} process(es) of device {dev.name} killed by the out-of-memory killer "
+                    "after the schedule squeezed it (cap "
+                    f"{format_mem(now.get('mem_bytes') or dev.mem_bytes)}, another program holding "
+                    f"{now.get('mem_hog_bytes', 0) / 2**20:.0f} MiB at the end): what ran there "
+                    "did not give memory back in time")
             elif kills:
                 log(f"rank {i} (device {dev.name}) was killed by the out-of-memory killer: its "
                     f"{format_mem(dev.mem_bytes)} cap is too small for what it ran"
@@ -430,6 +520,12 @@ def _dry_run(run: _Run, command: list[str]) -> None:
     for ev in spec.schedule:
         out.append(f"# at t={ev.t:g} s:")
         out += [actions.render(a) for a in run.event_actions(ev)]
+        if ev.hog_bytes is not None:
+            leaves = " ".join(d + "/cgroup.procs" for d in run.cg.leaf_dirs(names, ev.device))
+            out.append(f"# another program on {spec.devices[ev.device].name}: the previous one "
+                       "(if any) is killed" + (f"; a new one joins {leaves} and takes "
+                                               f"{format_mem(ev.hog_bytes)} (hepti.emulate.hog)"
+                                               if ev.hog_bytes else ""))
     out.append("# teardown: kill every process in the run's cgroups, then")
     out += [actions.render(a) for a in net.teardown_actions(names)]
     out += [actions.render(a) for a in run.cg.remove_actions(names)]

@@ -16,8 +16,11 @@ Schema (JSON object):
         {"t": 30.0, "device": "pi4-c", "cpu": 0.1},
         {"t": 40.0, "device": 1, "loss": 100},           # its link drops every packet ...
         {"t": 70.0, "device": 1, "loss": 0},             # ... and is back
-        {"t": 80.0, "device": 2, "hang": true},          # it hangs: every process frozen ...
-        {"t": 90.0, "device": 2, "hang": false}]         # ... and runs on
+        {"t": 50.0, "device": "pi4-b", "mem_hog": "500MiB"},  # another program takes memory ...
+        {"t": 80.0, "device": "pi4-b", "mem_hog": 0},    # ... and lets it go
+        {"t": 90.0, "device": 0, "mem": "700MiB"},       # the device's cap itself changes
+        {"t": 95.0, "device": 2, "hang": true},          # it hangs: every process frozen ...
+        {"t": 99.0, "device": 2, "hang": false}]         # ... and runs on
     }
 
 - `cpu` is a CFS quota: 0.25 means a quarter of one core's time, spread over any cores.
@@ -28,9 +31,24 @@ Schema (JSON object):
   `hepti profile` measures (a gigabit Raspberry Pi 4 measures about 940). The shaper's wire rate
   is set higher by the Ethernet/IP/TCP header overhead so that the payload rate is the figure
   given. A transfer between devices i and j runs at min(link_i, link_j).
-- A schedule event changes `link_mbit`, `cpu`, `loss` and/or `hang` of one device at `t` seconds after
-  COMMAND starts. Memory caps do not change at run time (lowering a cap under use fails in
-  cgroup v1).
+- A schedule event changes `link_mbit`, `cpu`, `loss`, `mem`, `mem_hog` and/or `hang` of one
+  device at `t` seconds after COMMAND starts.
+- `mem_hog` is memory that another program on the device takes (and touches, so it is really
+  used) from `t` on, on top of what the device's ranks use, inside the device's cap: a board
+  whose other service grows, or someone opening a browser on the laptop. 0 lets it go; a new
+  size replaces the old. This is the realistic way to squeeze a device that is in use: its
+  ranks see their free memory fall, and if the program takes more than is free the kernel's
+  OOM killer picks a victim in the device (the largest process: usually a rank), as on a real
+  device. Only on a device with a `mem` cap (elsewhere it would take the host's memory, which
+  no rank would see), and less than that cap (the program would be killed by it at once).
+- `mem` changes the device's cap itself (as `mem` of a device, at least 64 MiB). Raising it
+  always works, and so does lowering it while the device uses less. Lowering it below what
+  the device's processes use and the kernel cannot reclaim (anonymous memory: there is no
+  swap) does not OOM-kill in cgroup v1: the kernel refuses the write (EBUSY). The launcher
+  then leaves the cap where it was and says so, on stderr and in the summary's
+  `schedule_applied` (`"failed"`): a cap that silently stayed would make a scenario read as
+  something it was not, and taking the memory from under the ranks is what `mem_hog` is for.
+  (cgroup v2 reclaims, then OOM-kills instead; untested here.)
 - `loss` is the percentage of the device's packets its link drops, both ways: 100 is a silent
   link (a board's Wi-Fi gone quiet: nothing arrives, no connection is closed, no error is
   seen), 0 the link restored, shaped as before. Only 0 and 100: a share in between needs tc's
@@ -54,6 +72,9 @@ from hepti.errors import HeptiError
 MAX_DEVICES = 64
 MIN_CPU = 0.01  # cores; below this the CFS period would have to exceed a second
 MIN_MEM = 64 << 20  # an MPI rank with Python and numpy cannot even start below this
+# Another program's memory (`mem_hog`): at least this much, or 0 (it lets go). The program
+# itself, a bare `python -S`, holds about 8 MiB before it takes anything (hepti.emulate.hog).
+MIN_HOG = 16 << 20
 MAX_LINK_MBIT = 100_000.0
 SPEC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 DEVICE_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")  # RFC 1123 host label
@@ -61,7 +82,8 @@ MEM_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "k": 1 << 10,
              "g": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 TOP_FIELDS = ("name", "description", "devices", "schedule")
 DEVICE_FIELDS = ("name", "cpu", "mem", "link_mbit")
-EVENT_FIELDS = ("t", "device", "link_mbit", "cpu", "loss", "hang")
+EVENT_FIELDS = ("t", "device", "link_mbit", "cpu", "loss", "mem", "mem_hog", "hang")
+CHANGES = EVENT_FIELDS[2:]  # what an event may change; it must change one of them
 LOSS_VALUES = (0.0, 100.0)  # percent: restored, silent (no netem here for anything between)
 
 
@@ -90,14 +112,17 @@ class Device:
 
 @dataclass(frozen=True)
 class ScheduleEvent:
-    """At `t` seconds after COMMAND starts, set device `device`'s link rate, CPU share and/or
-    packet loss (percent: 100 silent, 0 restored), and/or whether it hangs."""
+    """At `t` seconds after COMMAND starts, set device `device`'s link rate, CPU share, packet
+    loss (percent: 100 silent, 0 restored), memory cap (bytes) the memory another
+    program on it holds (bytes, 0: none) and/or whether it hangs."""
 
     t: float
     device: int
     link_mbit: float | None = None
     cpu: float | None = None
     loss: float | None = None
+    mem_bytes: int | None = None
+    hog_bytes: int | None = None
     hang: bool | None = None
 
     def to_dict(self) -> dict:
@@ -108,6 +133,10 @@ class ScheduleEvent:
             d["cpu"] = self.cpu
         if self.loss is not None:
             d["loss"] = self.loss
+        if self.mem_bytes is not None:
+            d["mem"] = format_mem(self.mem_bytes)
+        if self.hog_bytes is not None:
+            d["mem_hog"] = format_mem(self.hog_bytes) if self.hog_bytes else 0
         if self.hang is not None:
             d["hang"] = self.hang
         return d
@@ -143,8 +172,8 @@ class ClusterSpec:
                 "schedule": [e.to_dict() for e in self.schedule]}
 
 
-def parse_mem(value, what: str = "mem") -> int:
-    """Bytes from '600MiB', '1.5GB', '512M' or a plain integer of bytes."""
+def parse_mem(value, what: str = "mem", minimum: int = MIN_MEM) -> int:
+    """Bytes from '600MiB', '1.5GB', '512M' or a plain integer of bytes, at least `minimum`."""
     if isinstance(value, bool):
         raise SpecError(f"{what}: {value!r} is not a size; write e.g. \"600MiB\"")
     if isinstance(value, int):
@@ -158,9 +187,21 @@ def parse_mem(value, what: str = "mem") -> int:
         n = int(float(m.group(1)) * MEM_UNITS[unit])
     else:
         raise SpecError(f"{what}: {value!r} is not a size; write e.g. \"600MiB\"")
-    if n < MIN_MEM:
+    if n < minimum:
         raise SpecError(f"{what}: {value!r} is {n} bytes; a rank needs at least "
-                        f"{format_mem(MIN_MEM)} to start (Python, numpy and MPI)")
+                        f"{format_mem(minimum)} to start (Python, numpy and MPI)")
+    return n
+
+
+def parse_hog(value, what: str = "mem_hog") -> int:
+    """Bytes another program takes (`mem_hog`): a size as `mem` takes it, or 0 (it lets go)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise SpecError(f"{what}: {value!r} is negative; give 0 (the program lets its memory go) "
+                        "or a size, e.g. \"500MiB\"")
+    n = parse_mem(value, what, minimum=0)
+    if 0 < n < MIN_HOG:
+        raise SpecError(f"{what}: {value!r} is below {format_mem(MIN_HOG)}; give 0 (the program "
+                        f"lets its memory go) or at least {format_mem(MIN_HOG)}")
     return n
 
 
@@ -226,9 +267,8 @@ def _event(d, j: int, devices: list[Device], src: str) -> ScheduleEvent:
     else:
         raise SpecError(f"{what}.device: {dev!r} is not a device; give an index 0..{len(devices) - 1} "
                         f"or a name ({', '.join(names)})")
-    if not any(k in d for k in EVENT_FIELDS[2:]):
-        raise SpecError(f"{what}: changes nothing; give {', '.join(EVENT_FIELDS[2:-1])} and/or "
-                        f"{EVENT_FIELDS[-1]}")
+    if not any(k in d for k in CHANGES):
+        raise SpecError(f"{what}: changes nothing; give {', '.join(CHANGES[:-1])} and/or {CHANGES[-1]}")
     link = None if d.get("link_mbit") is None else _number(d["link_mbit"], f"{what}.link_mbit",
                                                           0.1, MAX_LINK_MBIT)
     if link is not None and devices[index].link_mbit is None:
@@ -241,10 +281,33 @@ def _event(d, j: int, devices: list[Device], src: str) -> ScheduleEvent:
                         "every packet dropped, both ways) can be emulated here; dropping a share "
                         "of the packets needs tc's netem qdisc, which this kernel does not have "
                         "(`tc qdisc add ... netem` fails)")
+    mem = None if d.get("mem") is None else parse_mem(d["mem"], f"{what}.mem")
+    hog = None if d.get("mem_hog") is None else parse_hog(d["mem_hog"], f"{what}.mem_hog")
     hang = d.get("hang")
     if hang is not None and not isinstance(hang, bool):
         raise SpecError(f"{what}.hang: {hang!r} must be true (the device hangs) or false (it runs on)")
-    return ScheduleEvent(t=t, device=index, link_mbit=link, cpu=cpu, loss=loss, hang=hang)
+    return ScheduleEvent(t=t, device=index, link_mbit=link, cpu=cpu, loss=loss, mem_bytes=mem,
+                         hog_bytes=hog, hang=hang)
+
+
+def _check_hogs(devices: list[Device], events: list[ScheduleEvent], src: str) -> None:
+    """Every `mem_hog` in time order against the device's cap at that moment (its `mem`, as
+    changed by earlier `mem` events): it needs a cap, and must stay below it."""
+    caps = [dev.mem_bytes for dev in devices]
+    for ev in events:
+        if ev.mem_bytes is not None:
+            caps[ev.device] = ev.mem_bytes
+        if not ev.hog_bytes:
+            continue
+        name, cap = devices[ev.device].name, caps[ev.device]
+        what = f"{src}: the schedule's mem_hog at t={ev.t:g} on {name}"
+        if cap is None:
+            raise SpecError(f"{what}: {name} has no mem cap, so the program would take the "
+                            "host's memory, which none of its ranks would see; give the device a mem")
+        if ev.hog_bytes >= cap:
+            raise SpecError(f"{what}: {format_mem(ev.hog_bytes)} is not below {name}'s cap of "
+                            f"{format_mem(cap)} then; the program would be killed by the cap "
+                            "itself. Take less, or raise the cap")
 
 
 def parse_spec(d, source: str = "spec") -> ClusterSpec:
@@ -272,6 +335,7 @@ def parse_spec(d, source: str = "spec") -> ClusterSpec:
         raise SpecError(f"{source}: schedule must be a list of events")
     events = [_event(x, j, devices, source) for j, x in enumerate(raw_sched)]
     events.sort(key=lambda e: e.t)  # stable: events at the same t keep file order
+    _check_hogs(devices, events, source)
     return ClusterSpec(name=name, description=desc, devices=tuple(devices), schedule=tuple(events),
                        source=source)
 

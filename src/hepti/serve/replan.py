@@ -71,6 +71,18 @@ MOVED = 0.2  # a link more than this far (fraction) from its profiled rate has m
 # `tensor` or `stream`. Against a baseline, not the profile's figure: what the runtime itself
 # holds (Python, Numba, buffers) is in neither the profile nor the prediction.
 MEM_N, MEM_MOVED = 3, 0.25
+# A device squeezed (issue 44: another program takes most of its free memory) has room for
+# its plan on paper (the plan's need plus what little is free), and no margin: the next batch
+# of a longer shape, or the program taking a little more, and the OOM killer takes the rank.
+# So a device whose free memory (with what it holds beside the plan, which it gives up first)
+# falls below MEM_HEADROOM of its profiled memory is planned with that much left free: its cap
+# becomes its room minus the headroom, the plan in force no longer fits it, and the re-plan
+# must move (`stream`, a smaller share, or none). The figure, on hostfiles/emu-squeeze.json's
+# devices (MiniLM, 3 ranks, 400 MiB caps; 293 MiB usable as profiled, so 44 MiB of headroom)
+# under --strategy auto with another program holding 200 MiB of node-b: its rank served on at
+# 57 MiB free (19%) and, kept on its plan at 15 MiB free (5%), its device reached its cap
+# (peak 400/400 MiB: page cache reclaimed, no OOM kill yet).
+MEM_HEADROOM = 0.15
 # A plan rolled back is remembered with the conditions it was chosen under (each rank's speed
 # factor, each re-probed link, each memory cap), at most ROLLED_BACK_N of them; a re-plan that
 # picks it again while none of those has moved (MOVED; MEM_MOVED for memory) keeps the plan in
@@ -457,8 +469,9 @@ class PlanWatcher:
         """Re-plan when a device's memory moved (MEM_MOVED): its room is its free memory plus
         what it holds for its plan (the plan's predicted weights and activations) and beside
         it (a previous plan's slices, a standby copy: freed when memory runs short,
-        hepti.serve.worker `_trim`), against its room when first judged under this plan.
-        True if it re-planned."""
+        hepti.serve.worker `_trim`), against its room when first judged under this plan; or
+        when a device with a share is squeezed, its free memory under MEM_HEADROOM: then the
+        plan in force no longer fits and is replaced. True if it re-planned."""
         pred = self.monitor.predicted(*shape).predicted.get("per_rank", [])
         moved = {}
         for r, p in enumerate(pred):
@@ -466,10 +479,14 @@ class PlanWatcher:
             if len(seen) < MEM_N:
                 continue
             room = statistics.median(seen) + p.get("mem_bytes", 0.0) + self._held_bytes(r)
+            cap, base = self.profile.devices[r].usable_bytes, self.base.devices[r].usable_bytes
+            squeezed = room - MEM_HEADROOM * base  # what it may plan for, leaving the headroom
+            if p.get("active", True) and p.get("mem_bytes", 0.0) > squeezed:
+                moved[r] = max(0.0, min(cap, squeezed))
+                continue
             if r not in self.room0:
                 self.room0[r] = room
                 continue
-            cap, base = self.profile.devices[r].usable_bytes, self.base.devices[r].usable_bytes
             delta = room - self.room0[r]
             if abs(delta) > MEM_MOVED * cap and not (delta > 0 and cap >= base):
                 moved[r] = min(base, max(0.0, cap + delta))
@@ -479,7 +496,9 @@ class PlanWatcher:
                  "before": (list(self.factors), dict(self.links))}
         event["reason"] = "memory: " + ", ".join(
             f"rank {r} can hold {v / 2**20:.0f} MiB (planned for "
-            f"{self.profile.devices[r].usable_bytes / 2**20:.0f})" for r, v in sorted(moved.items()))
+            f"{self.profile.devices[r].usable_bytes / 2**20:.0f}; "
+            f"{statistics.median(self.free_seen[r]) / 2**20:.0f} MiB free)"
+            for r, v in sorted(moved.items()))
         for r, v in moved.items():
             if v >= self.base.devices[r].usable_bytes:
                 self.memory.pop(r, None)
@@ -488,6 +507,9 @@ class PlanWatcher:
             self.free_seen.pop(r, None)  # judged anew, on what it can hold from now on
             self.room0.pop(r, None)
         self._refit()
+        # a rank squeezed reads its next slices only after letting its current ones go: beside
+        # them it would eat the headroom the re-plan is for (worker.py `prepare`)
+        event["defer"] = sorted(moved)
         self._decide(sock, event, must=self._over_memory(shape))
         return True
 
@@ -643,7 +665,8 @@ class PlanWatcher:
         (rows to rows, or slices held from before), switch now rather than after one more
         batch on the old plan (bench-adapt at 24b11d0: each event cost that batch, 0.9-1.8 s).
         The rollback then judges against the batch that raised the alarm."""
-        answer = self.sup.command(sock, {"op": "prepare", "plan": plan.to_dict()})
+        answer = self.sup.command(sock, {"op": "prepare", "plan": plan.to_dict(),
+                                         "defer": event.get("defer", [])})
         assert answer["op"] == "prepared", answer
         self.pending = (plan, event)
         if not any(answer.get("loads", [True])):

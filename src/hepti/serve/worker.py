@@ -323,6 +323,21 @@ class _State:
                 and self._free_memory() < self.kept[1].resident_bytes:
             self.kept[1].close()
             self.kept = None
+            self._give_back()
+
+    def _give_back(self) -> None:
+        """Hand weights just let go back to the system, and read the free memory afresh.
+
+        A layer's slices are arrays of 1-9 MB; once glibc has freed one large mapping its mmap
+        threshold rises (up to 32 MiB), so later slices live in the heap, and freeing them
+        keeps the pages in the process. Measured (tests/test_serve_memory.py, MiniLM, a rank
+        squeezed to 37 MiB free): its switch from `rows` to a smaller `tensor` share left it
+        15 MiB free, not the 50 the plans' difference gives, and the re-planner, reading that,
+        took its last share too. `malloc_trim` returns them (as the profile does after its
+        probes: hepti.parallel.profiling._return_freed_memory)."""
+        from hepti.parallel.profiling import _return_freed_memory
+        _return_freed_memory()
+        self._mem = None
 
     def standby(self) -> None:
         """A rank the plan leaves idle loads the whole model, as `rows` would give it, if its
@@ -480,7 +495,11 @@ class _State:
         from hepti.parallel.profiling import available_memory
         from hepti.plan.planfile import Plan
         w = self.world
-        plan = Plan.from_dict(w.bcast_obj(header["plan"] if w.rank == 0 else None)).validate(w.size)
+        # `defer`: the ranks the re-plan moves for their memory (hepti.serve.replan
+        # `_check_memory`), which read their next slices only once their current ones are gone
+        plan, defer = w.bcast_obj((header["plan"], header.get("defer", []))
+                                  if w.rank == 0 else None)
+        plan = Plan.from_dict(plan).validate(w.size)
         spec = layer_spec(plan, self.cfg, w.rank)
         holder = {"read0": self.store.bytes_read}
         # whether this rank reads anything for the next plan
@@ -488,8 +507,9 @@ class _State:
             (self.kept is None or spec != self.kept[0])
         # no room for the next plan's slices beside the current ones (the re-plan may be for
         # that very reason): they are read at the switch, once the current ones are let go
-        holder["deferred"] = bool(loads) and \
-            available_memory()[0] / self.on_host < LOAD_ROOM * spec_bytes(self.cfg, spec)
+        holder["deferred"] = bool(loads) and (
+            w.rank in defer or
+            available_memory()[0] / self.on_host < LOAD_ROOM * spec_bytes(self.cfg, spec))
         loads = w.gather_obj(loads)
 
         def load():
@@ -528,6 +548,7 @@ class _State:
             if self.kept is not None:
                 self.kept[1].close()
                 self.kept, self.kept_whole = None, False
+            self._give_back()  # before the reads, not after: the room is for them
             holder["layers"] = build_layers(self.store, spec, slice_packer(family_graph(self.cfg, 1, 1)))
             self.job = Job(w, self.store, plan, self.args.threads, layers=holder["layers"])
             self.next = None
@@ -556,6 +577,8 @@ class _State:
                 old_layers.close()
         elif not keep and old_layers is not None:
             old_layers.close()
+        if not keep:
+            self._give_back()
         self.job = Job(w, self.store, plan, self.args.threads, layers=layers, primary_ops=ops)
         self.next = None
         read = self.store.bytes_read - holder["read0"]

@@ -1,0 +1,304 @@
+"""Memory pressure (issue 44, item 5): a schedule that squeezes a device's memory under
+`hepti emulate` (`mem`: its cap; `mem_hog`: another program taking memory), what the launcher
+does with each, and end to end (root) the service re-planning off the squeezed device before
+the OOM killer acts. The end-to-end test prints what it measured (pytest -s)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hepti.emulate import hog
+from hepti.emulate.cgroups import Cgroups
+from hepti.emulate.launch import _Run
+from hepti.emulate.names import RunNames
+from hepti.emulate.spec import MIN_HOG, SpecError, load_spec, parse_spec
+from hepti.serve.replan import MEM_HEADROOM
+from test_emulate import root_env  # noqa: F401 - the fixture: root, MPICH, no leftovers
+from test_serve import http, single_device, wait_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spec(*events, mem="400MiB") -> dict:
+    return {"name": "t-mem", "devices": [{"name": "dev-a", "cpu": 0.3, "mem": mem},
+                                         {"name": "dev-b", "cpu": 0.3, "mem": mem}],
+            "schedule": list(events)}
+
+
+# --- the spec --------------------------------------------------------------------------------
+def test_memory_events_parse_and_round_trip():
+    s = parse_spec(spec({"t": 5, "device": "dev-b", "mem_hog": "200MiB"},
+                        {"t": 9, "device": 1, "mem_hog": 0},
+                        {"t": 12, "device": "dev-a", "mem": "300MiB"}))
+    hog_on, hog_off, cap = s.schedule
+    assert (hog_on.device, hog_on.hog_bytes, hog_on.mem_bytes) == (1, 200 << 20, None)
+    assert hog_off.hog_bytes == 0
+    assert (cap.device, cap.mem_bytes) == (0, 300 << 20)
+    assert [e.to_dict() for e in s.schedule] == [
+        {"t": 5.0, "device": 1, "mem_hog": "200MiB"}, {"t": 9.0, "device": 1, "mem_hog": 0},
+        {"t": 12.0, "device": 0, "mem": "300MiB"}]
+    # what the state file and the summary keep reads back as the same events
+    again = parse_spec(spec(*[e.to_dict() for e in s.schedule]))
+    assert again.schedule == s.schedule
+
+
+@pytest.mark.parametrize("event, words", [
+    ({"mem_hog": "1MiB"}, ["below 16MiB", "give 0"]),
+    ({"mem_hog": -5}, ["negative"]),
+    ({"mem_hog": "lots"}, ["not a size"]),
+    ({"mem_hog": "400MiB"}, ["not below dev-b's cap of 400MiB", "killed by the cap"]),
+    ({"mem": "10MiB"}, ["schedule[0].mem", "at least 64MiB"]),
+    ({"mem": True}, ["not a size"]),
+])
+def test_bad_memory_events_name_the_field_and_the_fix(event, words):
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec({"t": 1, "device": "dev-b", **event}), "s.json")
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    assert MIN_HOG == 16 << 20
+
+
+def test_a_hog_is_checked_against_the_cap_of_its_moment_and_needs_a_cap():
+    # the cap falls first, then a hog that fitted under the old one does not fit
+    with pytest.raises(SpecError, match="not below dev-b's cap of 250MiB"):
+        parse_spec(spec({"t": 1, "device": 1, "mem": "250MiB"},
+                        {"t": 2, "device": 1, "mem_hog": "300MiB"}))
+    # raised first: it fits (events are taken in time order, whatever the file's order)
+    parse_spec(spec({"t": 2, "device": 1, "mem_hog": "450MiB"},
+                    {"t": 1, "device": 1, "mem": "600MiB"}))
+    with pytest.raises(SpecError, match="has no mem cap"):
+        parse_spec(spec({"t": 1, "device": 0, "mem_hog": "100MiB"}, mem=None))
+    with pytest.raises(SpecError, match="changes nothing; give .*mem, mem_hog and/or hang"):
+        parse_spec(spec({"t": 1, "device": 0}))
+
+
+def test_the_shipped_squeeze_spec_squeezes_below_the_headroom():
+    s = load_spec(ROOT / "hostfiles" / "emu-squeeze.json")
+    [ev] = s.schedule
+    assert s.devices[ev.device].name == "node-b" and ev.hog_bytes == 250 << 20
+    # under `tensor`, node-b's rank read 286 MiB free before (200 MiB left it 86: no re-plan,
+    # rightly): the program leaves it less than the re-planner's headroom of its ~293 MiB
+    assert 286 * 2**20 - ev.hog_bytes < MEM_HEADROOM * 293 * 2**20
+
+
+# --- the launcher's actions (no root: written out, not run) ----------------------------------
+def _run(tmp_path, d: dict, version=1) -> _Run:
+    cg = Cgroups(version, str(tmp_path / "cpu"), str(tmp_path / "memory"))
+    s = parse_spec(d)
+    return _Run(spec=s, names=RunNames(4242, len(s.devices)), cg=cg)
+
+
+def test_a_cap_change_keeps_memsw_above_the_limit_at_every_write(tmp_path):
+    run = _run(tmp_path, spec({"t": 1, "device": 1, "mem": "300MiB"}))
+    acts = run.event_actions(run.spec.schedule[0])
+    files = [(Path(a.path).name, a.value) for a in acts]
+    assert files == [("memory.memsw.limit_in_bytes", "-1"),
+                     ("memory.limit_in_bytes", str(300 << 20)),
+                     ("memory.memsw.limit_in_bytes", str(300 << 20))]
+    assert all(a.path.startswith(str(tmp_path / "memory")) and "/dev1/" in a.path for a in acts)
+    assert run.event_actions(run.spec.schedule[0], memory=False) == []
+    v2 = _run(tmp_path, spec({"t": 1, "device": 1, "mem": "300MiB"}), version=2)
+    assert [(Path(a.path).name, a.value) for a in v2.event_actions(v2.spec.schedule[0])] == \
+        [("memory.max", str(300 << 20))]
+
+
+def _fake_device(tmp_path, run: _Run, i: int, used: int) -> Path:
+    d = Path(run.cg.memory_base) / run.names.cgroup_leaf(i)
+    d.mkdir(parents=True)
+    (d / "memory.usage_in_bytes").write_text(f"{used}\n")
+    (d / "memory.memsw.limit_in_bytes").write_text(str(run.spec.devices[i].mem_bytes))
+    return d
+
+
+def test_a_cap_the_kernel_refuses_stays_and_is_reported(tmp_path, monkeypatch, capsys):
+    """cgroup v1 answers EBUSY to a cap below what the device cannot give back: the launcher
+    leaves the cap, puts memsw back, and says why in the log and in the summary's record."""
+    import errno
+
+    from hepti.emulate import actions
+    from hepti.emulate.spec import EmulateError
+    run = _run(tmp_path, spec({"t": 1, "device": 1, "mem": "150MiB"}))
+    d = _fake_device(tmp_path, run, 1, 195 << 20)
+    run.devices_now = [{**dev.to_dict(), "mem_hog_bytes": 0} for dev in run.spec.devices]
+    run.save_state = lambda: None
+    real_run = actions.run
+
+    def kernel(action):  # the limit refuses, as the kernel does; the rest is written
+        if action.path.endswith("memory.limit_in_bytes"):
+            err = EmulateError("echo ... failed: Device or resource busy")
+            err.errno = errno.EBUSY
+            raise err
+        real_run(action)
+    monkeypatch.setattr(actions, "run", kernel)
+    run.apply_event(run.spec.schedule[0])
+    assert run.devices_now[1]["mem_bytes"] == 400 << 20  # unchanged
+    assert (d / "memory.memsw.limit_in_bytes").read_text() == str(400 << 20)  # put back
+    [record] = run.applied
+    assert "EBUSY" in record["failed"] and "195 MiB" in record["failed"], record
+    assert "mem_hog" in record["failed"]  # and what to do instead
+    err = capsys.readouterr().err
+    assert "mem 400MiB -> 150MiB refused" in err and "warning: cap not lowered" in err, err
+
+
+def test_the_hog_takes_what_it_is_asked_and_gives_it_back(tmp_path):
+    """The program (no cgroup here: an empty list of directories) takes its bytes, touched."""
+    want = 64 << 20
+    proc = hog.start([], want)
+    try:
+        held = hog.wait_held(proc, timeout=60)
+        assert held is not None and abs(held - want) < 4 << 20, held
+        with open(f"/proc/{proc.pid}/status") as f:
+            rss = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+        assert abs(rss - want) < 4 << 20, rss
+    finally:
+        hog.stop(proc)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_the_hog_leaves_once_its_parent_is_gone(tmp_path):
+    """Not tied to the launcher's thread (PR_SET_PDEATHSIG would kill it when the schedule's
+    thread ends): it watches its parent, and an orphan exits."""
+    out = tmp_path / "pid"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import sys; sys.path[:0] = %r; from hepti.emulate import hog; "
+        "p = hog.start([], 20 << 20); hog.wait_held(p, 60); open(%r, 'w').write(str(p.pid))")
+        % (sys.path, str(out))])
+    assert parent.wait(60) == 0
+    pid = int(out.read_text())
+    t_end = time.monotonic() + 10
+    while time.monotonic() < t_end and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{pid}") or \
+        open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z"
+
+
+# --- end to end (root) -----------------------------------------------------------------------
+def _serve_on(spec_path: Path, model: Path, summary: Path, *serve_args: str):
+    """`hepti emulate --cluster SPEC --schedule-on-usr1 -- hepti serve ...`: (process, url,
+    the lines it said so far, kept growing by a thread)."""
+    p = subprocess.Popen([sys.executable, "-m", "hepti", "emulate", "--cluster", str(spec_path),
+                          "--schedule-on-usr1", "--summary", str(summary), "--timeout", "600",
+                          "--", "hepti", "serve", "--model", str(model), "-n", "3", "--port", "0",
+                          *serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    said: list[str] = []
+    url = None
+    for line in p.stderr:
+        said.append(line)
+        if "listening on http://" in line:
+            url = line.split("listening on ")[1].split()[0]
+            break
+    assert url, "".join(said)
+    threading.Thread(target=lambda: [said.append(x) for x in p.stderr], daemon=True).start()
+    return p, url, said
+
+
+class _Clients:
+    """Two clients posting in a loop, every answer kept (input index, row)."""
+
+    def __init__(self, url: str, texts: list[str]):
+        self.url, self.texts = url, texts
+        self.answers, self.errors, self.sent = [], [], 0
+        self._stop, self._lock = threading.Event(), threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(2)]
+        [t.start() for t in self.threads]
+
+    def _run(self, k: int):
+        i = k
+        while not self._stop.is_set():
+            j, i = i % len(self.texts), i + 2
+            with self._lock:
+                self.sent += 1
+            code, body = http(self.url + "/v1/embeddings", {"input": self.texts[j]})
+            with self._lock:
+                if code == 200:
+                    self.answers.append((j, np.array(body["data"][0]["embedding"], np.float32)))
+                else:
+                    self.errors.append((code, body))
+
+    def stop(self):
+        self._stop.set()
+        [t.join(300) for t in self.threads]
+
+
+def _stop(p: subprocess.Popen) -> None:
+    p.send_signal(signal.SIGINT)
+    try:
+        p.wait(90)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(30)
+
+
+def test_a_squeezed_device_is_re_planned_off_before_the_oom_killer(root_env, minilm_dir,  # noqa: F811
+                                                                   tmp_path):
+    """hostfiles/emu-squeeze.json under `hepti serve --strategy tensor --replan on`, two clients posting: 10 s
+    after the schedule starts another program on node-b takes 250 MiB, most of what its rank
+    has free. The service re-plans for memory (a plan that leaves node-b its headroom: a
+    smaller share or none), every accepted request is answered once and equals the
+    single-device embeddings, and `--summary` counts no OOM kill on any device."""
+    summary = tmp_path / "summary.json"
+    texts = ["A cat sat.", "Edge devices differ in speed, memory and link.", "x " * 100]
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    tok.no_padding()
+    want = single_device(minilm_dir, [e.ids for e in tok.encode_batch(texts)])
+    t_launch = time.monotonic()
+    p, url, said = _serve_on(ROOT / "hostfiles" / "emu-squeeze.json", minilm_dir, summary,
+                             "--replan", "on", "--strategy", "tensor")
+    clients = None
+    try:
+        wait_ready(url, timeout=240)
+        ready_s = time.monotonic() - t_launch
+        clients = _Clients(url, texts)
+        time.sleep(5)
+        p.send_signal(signal.SIGUSR1)  # the schedule's clock: the program comes at t = 10 s
+        t0 = time.monotonic()
+
+        def memory_switch():
+            replans = http(url + "/metrics")[1]["replans"]
+            return next((r for r in replans if r.get("reason", "").startswith("memory:")
+                         and r.get("decision") == "switch" and "switched_at" in r), None)
+        switch = None
+        while switch is None and time.monotonic() - t0 < 45:
+            time.sleep(1.0)
+            switch = memory_switch()
+        n_at_switch = len(clients.answers)
+        time.sleep(5)  # serving on the new plan
+        clients.stop()
+        m = http(url + "/metrics")[1]
+    finally:
+        if clients is not None:
+            clients.stop()
+        _stop(p)
+    log = "".join(said)
+    assert switch is not None, "no re-plan for memory within 45 s:\n" + log[-4000:]
+    got = json.loads(summary.read_text())
+    kills = {d["name"]: d["oom_kills"] for d in got["devices"]}
+    assert kills == {"node-a": 0, "node-b": 0, "node-c": 0}, (kills, log[-3000:])
+    [hogged] = [e for e in got["schedule_applied"] if "mem_hog" in e]
+    assert "failed" not in hogged, hogged
+    assert not clients.errors, clients.errors[:3]
+    req = m["requests"]
+    assert req["accepted"] == req["answered"] == clients.sent and req["failed"] == 0, req
+    assert req["duplicates"] == 0 and len(m["launches"]) == 1, (req, m["launches"])
+    assert len(clients.answers) > n_at_switch  # answered on the new plan too
+    for j, row in clients.answers:
+        np.testing.assert_allclose(row, want[j], atol=2e-5)
+    b = m["ranks"][1]
+    line = next(x for x in said if "re-plan: memory:" in x and "-> switch" in x)
+    print(f"\nemu-squeeze (MiniLM, -n 3, --replan on; ready in {ready_s:.0f} s): node-b's "
+          f"program took 250 MiB at t=10 s; memory re-plan at t="
+          f"{switch['switched_at'] - time.time() + time.monotonic() - t0:.1f} s:\n  "
+          f"{line.strip()}\n  node-b's shares now {b['shares']}; {req['answered']} requests "
+          f"answered, {len(clients.errors)} failed; OOM kills {kills}; peak use (MiB) "
+          + ", ".join(f"{d['name']} {d['peak_mem_bytes'] / 2**20:.0f}/{d['mem_bytes'] / 2**20:.0f}"
+                      for d in got["devices"]))
