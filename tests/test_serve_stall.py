@@ -151,7 +151,6 @@ def test_an_answer_after_the_declaration_is_dropped_and_the_hang_not_counted(min
         assert sup._deliver(batch, np.ones((1, sup.hidden_size), np.float32), 2)  # a bug's echo
         assert sup.counts["duplicates"] == 1 and sup.counts["inputs_answered"] == 1
     finally:
-        sup._listener.close()
         sup._tmp.cleanup()
 
 
@@ -160,7 +159,6 @@ def idle_sup(minilm_dir):
     """A Supervisor that was never started: its bookkeeping only."""
     sup = Supervisor(minilm_dir, 2)
     yield sup
-    sup._listener.close()
     sup._tmp.cleanup()
 
 
