@@ -12,6 +12,12 @@ figures: the median and range of each over the runs.
 
     python -m hepti.bench.stall [--model weights/minilm-l6] [--ranks 2] [--runs 5]
                                 [--settings spare,fresh] [--out results/tmp/stall.json]
+
+`--stages N` instead times what a fresh relaunch of one rank does, N times: `mpiexec -n 1`
+of this module's `_stages`, which does the worker's steps in its order and prints when each
+ended, counted from before mpiexec started (wall) and in CPU seconds: Python and numpy, numba,
+mpi4py (MPI_Init), hepti's modules, the weights' index, the kernels (Numba's cache), the
+job (weights read and packed), a first and a second batch.
 """
 from __future__ import annotations
 
@@ -110,6 +116,57 @@ def one_run(model: str, ranks: int, spare: bool, settle_s: float = 3.0) -> dict:
         sup.stop()
 
 
+def _stages(model: str) -> None:
+    """Under `mpiexec -n 1`: the worker's start, step by step (see the module's docstring)."""
+    t0 = float(os.environ["HEPTI_STAGES_T0"])
+    marks = [("python+numpy", time.time(), time.process_time())]  # numpy: imported above
+    import numba  # noqa: F401 - timed
+    marks.append(("numba", time.time(), time.process_time()))
+    from mpi4py import MPI
+    marks.append(("mpi4py", time.time(), time.process_time()))
+    from hepti.model.family import load_kernels
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.engine import Job, resolve_plan
+    from hepti.parallel.trace import Tracer
+    from hepti.serve.worker import make_batch, parse_args
+    from hepti.weights import WeightStore
+    marks.append(("hepti", time.time(), time.process_time()))
+    args = parse_args(["--model", model, "--strategy", "tensor"])
+    world = Comm(MPI.COMM_WORLD, Tracer(0))
+    store = WeightStore(args.model)
+    plan = resolve_plan(args, world.size, store.config)
+    marks.append(("store+plan", time.time(), time.process_time()))
+    load_kernels(store.config, 1, announce=False)
+    marks.append(("kernels", time.time(), time.process_time()))
+    job = Job(world, store, plan, 1)
+    marks.append(("weights", time.time(), time.process_time()))
+    batch = make_batch([np.arange(101, 120)] * 2, 0)
+    for name in ("batch1", "batch2"):
+        job.run_all([batch], 1, lambda k, h: None)
+        marks.append((name, time.time(), time.process_time()))
+    print(json.dumps({"load1": round(os.getloadavg()[0], 2),
+                      "wall": {k: round(t - t0, 2) for k, t, _ in marks},
+                      "cpu": {k: round(c, 2) for k, _, c in marks}}), flush=True)
+
+
+def stages(model: str, runs: int) -> dict:
+    import subprocess
+    import sys
+    from hepti.bench import mpiexec
+    out = []
+    for _ in range(runs):
+        env = dict(os.environ, HEPTI_STAGES_T0=repr(time.time()))
+        p = subprocess.run([mpiexec(), "-n", "1", sys.executable, "-m", "hepti.bench.stall",
+                            "--stage-child", "--model", model], env=env, capture_output=True,
+                           text=True, check=True)
+        out.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        print(json.dumps(out[-1]), flush=True)
+    keys = list(out[0]["wall"])
+    return {"load1": statistics.median(r["load1"] for r in out),
+            "wall_median": {k: statistics.median(r["wall"][k] for r in out) for k in keys},
+            "cpu_median": {k: statistics.median(r["cpu"][k] for r in out) for k in keys}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hepti.bench.stall", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="weights/minilm-l6")
@@ -117,7 +174,16 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--settings", default="spare,fresh", help="spare, fresh, or both (the order of each round)")
     ap.add_argument("--out", default=None, help="write every run and the medians as JSON")
+    ap.add_argument("--stages", type=int, default=0, metavar="N",
+                    help="time a fresh one-rank start's steps N times instead")
+    ap.add_argument("--stage-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.stage_child:
+        _stages(args.model)
+        return 0
+    if args.stages:
+        print(json.dumps(stages(args.model, args.stages), indent=1))
+        return 0
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     runs = []
     for k in range(args.runs):

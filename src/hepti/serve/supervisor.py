@@ -33,6 +33,14 @@ inputs (a hang is not theirs), and an answer that comes after the declaration is
 batch runs again), so no accepted request is lost or answered twice. The job is relaunched
 without the lost ranks' hosts, as after a kill.
 
+On this machine alone (no hostfile), a spare job of one rank fewer is started as soon as a
+job says hello (`_keep_spare`): it loads as a relaunch would and waits at its hello on its own
+listener, so the relaunch after a loss takes it (`_take_spare`) and answers within a batch of
+the declaration, instead of paying the imports, the kernels and the weights then (8-16 s on
+this shared 2-core machine at a load of 5-17; bench/stall.py times both). A job declared lost
+is torn down on a thread of its own while the next one starts. With a hostfile no spare is
+kept: which device will be lost is not known ahead.
+
 Every lost device (hung or killed) is probed in the background (hepti.serve.stall's
 `probe_device`, `DeviceBench`) and re-admitted, between two batches, when it answers again with
 the re-planner's hysteresis: the job is stopped and relaunched with it, and with the original
@@ -158,7 +166,7 @@ class _Job:
     started_at: float  # time.time()
     files_before: jobfiles.Snapshot | None  # what existed before it started (`jobfiles.sweep`)
     tail: collections.deque  # its output's last lines
-    spare: bool = False  # started ahead, for the world one rank smaller (`Supervisor._spare`)
+    spare: bool = False  # started ahead, for the world one rank smaller (`Supervisor._keep_spare`)
 
 
 def read_hostfile(path: str | Path) -> list[tuple[str, int]]:
@@ -244,7 +252,7 @@ class Supervisor:
         self._stopping = False
         self._job: _Job | None = None  # the job serving, or starting to
         # a job started ahead for the world one rank smaller, parked before its hello until a
-        # rank is lost (`_spare`); with `spare` False, or with ranks on other hosts, none
+        # rank is lost (`_keep_spare`); with `spare` False, or with ranks on other hosts, none
         self.spare_enabled = spare
         self._spare_job: _Job | None = None
         self._spare_lock = threading.Lock()
@@ -461,18 +469,18 @@ class Supervisor:
     def _life(self) -> None:
         failed_starts = 0
         while not self._stopping:
-            job = self._take_spare() or self._start_job(self.n, self.entries, self.worker_args)
-            self._job, self._stderr_tail = job, job.tail
-            launch = {"epoch": self.epoch + 1, "n": self.n, "started_at": job.started_at,
+            launch = {"epoch": self.epoch + 1, "n": self.n, "started_at": time.time(),
                       "hosts": None if self.entries is None else [h for h, _ in self.entries]}
-            if job.spare:  # started ahead while the job before served
-                launch["spare"] = True
-                launch["taken_at"] = time.time()
             if self._admitting:
                 launch["readmitting"] = [h for h, _ in self._admitting]
             self.launches.append(launch)
-            reason, relost = "the workers ended", False
+            reason, relost, job = "the workers ended", False, None
             try:
+                job = self._take_spare() or self._start_job(self.n, self.entries, self.worker_args)
+                self._job, self._stderr_tail = job, job.tail
+                if job.spare:  # started ahead while the job before served
+                    launch.update(spare=True, taken_at=launch["started_at"],
+                                  started_at=job.started_at)
                 sock = self._await_hello(job, self._admit_start_s() if self._admitting else None)
                 if sock is None:
                     reason = "stopped before the workers started"
@@ -493,12 +501,12 @@ class Supervisor:
             finally:
                 launch["ended_at"] = time.time()
                 launch.setdefault("end", reason)
-                if self._stall is not None and not self._stopping:
+                if job is not None and self._stall is not None and not self._stopping:
                     # declared lost: the ranks to drop are known, and the job's end tells
                     # nothing more, so the next job starts while this one is torn down
                     threading.Thread(target=self._end_job, args=(job, END_GRACE_S, launch),
                                      name="hepti-serve-teardown", daemon=True).start()
-                else:
+                elif job is not None:
                     self._end_job(job, 5.0, launch)
                 with self._cv:
                     self._phase, self._channel = None, None
@@ -513,7 +521,7 @@ class Supervisor:
                 if stall["ranks"]:
                     self._drop_ranks(stall["ranks"], launch, "silent past its deadline")
             elif not relost:
-                lost = self._lost_rank(launch.get("exit_code"), job.tail)
+                lost = self._lost_rank(launch.get("exit_code"), job.tail if job else ())
                 if lost is not None:
                     self._drop_ranks([lost], launch, "killed")
             with self._cv:
@@ -584,10 +592,13 @@ class Supervisor:
             launch = self.launches[-1]
             launch.update(ready_s=time.time() - launch["started_at"], strategy=self.plan["strategy"],
                           ratios=self.plan.get("ratios"))
-            log.info("serve: ready (plan epoch %d: %s on %d rank(s), %.1f s to load%s)", self.epoch,
-                     self.plan["strategy"], hello["world_size"], hello["load_s"],
-                     f"; a spare, taken {launch['ready_s'] - launch['taken_at'] + launch['started_at']:.2f} "
-                     "s ago" if job.spare else "")
+            # where a launch's time goes: mpiexec, Python and the imports, then the load (weights,
+            # kernels, plan: the worker's load_s), then the connections; a spare's all ahead
+            log.info("serve: ready (plan epoch %d: %s on %d rank(s); %.1f s from mpiexec to "
+                     "hello: %.1f s to load, the rest to start and import%s)", self.epoch,
+                     self.plan["strategy"], hello["world_size"], launch["ready_s"],
+                     hello["load_s"], "" if not job.spare else "; a spare, taken %.2f s ago"
+                     % (launch["started_at"] + launch["ready_s"] - launch["taken_at"]))
             return sock
         return None
 
@@ -625,7 +636,11 @@ class Supervisor:
             self._end_spare(old)
         if target is None or self._stopping:
             return
-        job = self._start_job(target[0], None, target[1], spare=True)
+        try:
+            job = self._start_job(target[0], None, target[1], spare=True)
+        except OSError as e:  # a spare is an optimisation: serve on without one
+            log.warning("serve: could not start a spare job (%s); a relaunch will start afresh", e)
+            return
         with self._spare_lock:
             self._spare_job = job
 
