@@ -393,10 +393,13 @@ def test_a_stopped_worker_is_declared_lost_and_its_device_admitted_again(served,
     assert m["duplicates"] == 0 and m["inputs_answered"] == clients.sent + len(ids), m
     for _, j, row in clients.answers:
         np.testing.assert_allclose(row, want[j], atol=2e-5)
+    nxt = sup.launches[1]
+    relaunch = "the spare, started ahead" if nxt.get("spare") else \
+        f"ready in {nxt['ready_s']:.1f} s"
     print(f"\nSIGSTOP of rank 1 (-n 2, tensor, 2 clients): declared lost "
           f"{mono(lost['stall']['at']) - t_stop:.1f} s after the stop (deadline "
           f"{lost['stall']['deadline_s']:g} s), first answer {first:.1f} s after it (the relaunch "
-          f"on 1 rank ready in {sup.launches[1]['ready_s']:.1f} s); 2 ranks serving again "
+          f"on 1 rank: {relaunch}); 2 ranks serving again "
           f"{mono(back['started_at'] + back['ready_s']) - t_stop:.1f} s after the stop; "
           f"{m['answered']} requests answered, 0 lost, {m['duplicates']} twice")
 

@@ -53,8 +53,11 @@ def _mono(wall: float) -> float:
 
 
 def one_run(model: str, ranks: int, spare: bool, settle_s: float = 3.0) -> dict:
+    import inspect
     from hepti.serve.supervisor import Supervisor
-    sup = Supervisor(model, ranks, worker_args=["--strategy", "tensor"], spare=spare).start()
+    # a tree from before the spare (run this file with its src on PYTHONPATH): `fresh` only
+    kw = {"spare": spare} if "spare" in inspect.signature(Supervisor).parameters else {}
+    sup = Supervisor(model, ranks, worker_args=["--strategy", "tensor"], **kw).start()
     stop_clients = threading.Event()
     answers: list[float] = []
     errors: list[str] = []

@@ -37,7 +37,7 @@ On this machine alone (no hostfile), a spare job of one rank fewer is started as
 job says hello (`_keep_spare`): it loads as a relaunch would and waits at its hello on its own
 listener, so the relaunch after a loss takes it (`_take_spare`) and answers within a batch of
 the declaration, instead of paying the imports, the kernels and the weights then (8-16 s on
-this shared 2-core machine at a load of 5-17; bench/stall.py times both). A job declared lost
+this shared 2-core machine at a load of 10-16; bench/stall.py times both). A job declared lost
 is torn down on a thread of its own while the next one starts. With a hostfile no spare is
 kept: which device will be lost is not known ahead.
 
@@ -618,10 +618,13 @@ class Supervisor:
 
     def _keep_spare(self) -> None:
         """After a job says hello: keep a spare that fits the world one rank smaller, or start
-        one. Why a spare: a relaunch after a hang costs 8-16 s on this shared 2-core machine
-        (Python, numba and mpi4py imports, kernels from Numba's cache, weights: 4-5 s of CPU
-        that a load of 5-14 stretches), on top of the 4 s detection; the issue asks for the
-        first answer within 10 s of the stop. A spare has paid all of it ahead and waits at its
+        one. Why a spare: a relaunch after a hang costs 3-12 s on this shared 2-core machine
+        (Python, numba and mpi4py imports, kernels from Numba's cache, weights: 1.5 s of CPU
+        that a load average of 10-16 stretches; `python -m hepti.bench.stall --stages 5`), on
+        top of the 4 s detection, and the issue asks for the first answer within 10 s of the
+        stop: without a spare 3 of 5 stops made it (median 8.1 s), with one 5 of 5 (4.1-4.4 s).
+        Neither a lighter start nor starting at the declaration with the teardown alongside
+        (done: `_life`) can hold that: the CPU itself is what the load takes. A spare has paid all of it ahead and waits at its
         hello (rank 0 in a socket read, the others asleep in bcast_idle: no CPU), so taking it
         costs what its first batch does. Its price: one more copy of the weights and kernels
         per rank of the smaller world, for as long as the service runs."""
