@@ -181,7 +181,6 @@ def test_an_answer_after_the_declaration_is_dropped_and_the_hang_not_counted(min
         assert sup._deliver(batch, np.ones((1, sup.hidden_size), np.float32), 2)  # a bug's echo
         assert sup.counts["duplicates"] == 1 and sup.counts["inputs_answered"] == 1
     finally:
-        sup._listener.close()
         sup._tmp.cleanup()
 
 
@@ -190,7 +189,6 @@ def idle_sup(minilm_dir):
     """A Supervisor that was never started: its bookkeeping only."""
     sup = Supervisor(minilm_dir, 2)
     yield sup
-    sup._listener.close()
     sup._tmp.cleanup()
 
 
@@ -250,6 +248,64 @@ def test_lost_hosts_leave_the_host_list_and_come_back_in_their_order(idle_sup, t
     sup._readmit(["a", "b"])
     assert sup.entries == [("a", 2), ("b", 1), ("c", 1)] and sup.n == 4
     assert sup.worker_args == ["--strategy", "tensor", "--ratios", "4,3,2,1"]  # whole again
+
+
+# MPICH's words when a rank is killed under an ssh launcher (hepti emulate, a hostfile's hosts):
+# mpiexec then exits 255, not 9, and only this report names the signal (emu-drop3, -n 3)
+KILLED_TAIL = """\
+===================================================================================
+=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES
+=   PID 25772 RUNNING AT 10.213.0.11
+=   EXIT CODE: 9
+=   CLEANING UP REMAINING PROCESSES
+=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES
+===================================================================================
+[proxy:0@node-a] HYD_pmcd_pmip_control_cmd_cb (pmip_cb.c:490): assert (!closed) failed
+[mpiexec@vm] HYDT_bscu_wait_for_completion (bscu_wait.c:109): one of the processes terminated badly; aborting""".splitlines()
+# ... and when a rank raised (HEPTI_FAULT_RANK=1 under hepti emulate): exit code 1
+ABORTED_TAIL = """\
+hepti serve (worker): rank 1 failed: RuntimeError: injected fault (HEPTI_FAULT_RANK=1); aborting all ranks
+Abort(1) on node 1 (rank 1 in comm 0): application called MPI_Abort(MPI_COMM_WORLD, 1) - process 1""".splitlines()
+
+
+def test_a_killed_rank_is_found_from_mpichs_report_when_mpiexec_exits_255(idle_sup):
+    """Under an ssh launcher a killed rank makes mpiexec exit 255: the relaunch kept the killed
+    device (`hepti emulate ... serve -n 3`, kill -9 of a rank: "the workers exited while idle;
+    relaunching on 3"). Its report's EXIT CODE 9 says it was killed; a rank that raised and
+    aborted is not taken for a lost device, whatever the exit code."""
+    sup, now = idle_sup, time.monotonic()
+    sup._lines = {0: WatchLine(0, "node-a", 1, closed=True, closed_at=now + 0.3),
+                  1: WatchLine(1, "node-b", 2, closed=True, closed_at=now),
+                  2: WatchLine(2, "node-c", 3, closed=True, closed_at=now + 0.2)}
+    assert sup._lost_rank(255, KILLED_TAIL) == 1
+    assert sup._lost_rank(9) == 1 and sup._lost_rank(-9) == 1  # proxies on this machine
+    assert sup._lost_rank(255, KILLED_TAIL[:2]) is None  # no signal named: the hosts stay
+    assert sup._lost_rank(1, ABORTED_TAIL) is None
+    assert sup._lost_rank(255, KILLED_TAIL + ABORTED_TAIL) is None  # Hydra killed the others
+    sup._lines[1].closed, sup._lines[1].closed_at = False, None  # rank 1's line still open
+    assert sup._lost_rank(255, KILLED_TAIL) == 2
+
+
+def test_the_spare_is_kept_for_the_world_one_rank_smaller_only(idle_sup):
+    """Which job a spare is started for (`_spare_target`): this machine's world one rank
+    smaller, planned afresh when --ratios was made for the world as it is; none with a
+    hostfile (which device will be lost is not known ahead), with one rank, with the stall
+    handling off, or turned off."""
+    sup = idle_sup
+    sup.n, sup.worker_args = 3, ["--strategy", "tensor", "--ratios", "3,2,1"]
+    assert sup._spare_target() == (2, ["--strategy", "auto"])
+    sup.worker_args = ["--strategy", "tensor"]
+    assert sup._spare_target() == (2, ["--strategy", "tensor"])
+    sup.n = 1
+    assert sup._spare_target() is None
+    sup.n = 2
+    for attr, value in (("entries", [("a", 1), ("b", 1)]), ("stall_floor_s", 0.0),
+                        ("spare_enabled", False)):
+        before = getattr(sup, attr)
+        setattr(sup, attr, value)
+        assert sup._spare_target() is None, attr
+        setattr(sup, attr, before)
+    assert sup._spare_target() == (1, ["--strategy", "tensor"])
 
 
 # --- end to end -----------------------------------------------------------------------------------
@@ -367,10 +423,13 @@ def test_a_stopped_worker_is_declared_lost_and_its_device_admitted_again(served,
     assert m["duplicates"] == 0 and m["inputs_answered"] == clients.sent + len(ids), m
     for _, j, row in clients.answers:
         np.testing.assert_allclose(row, want[j], atol=2e-5)
+    nxt = sup.launches[1]
+    relaunch = "the spare, started ahead" if nxt.get("spare") else \
+        f"ready in {nxt['ready_s']:.1f} s"
     print(f"\nSIGSTOP of rank 1 (-n 2, tensor, 2 clients): declared lost "
           f"{mono(lost['stall']['at']) - t_stop:.1f} s after the stop (deadline "
           f"{lost['stall']['deadline_s']:g} s), first answer {first:.1f} s after it (the relaunch "
-          f"on 1 rank ready in {sup.launches[1]['ready_s']:.1f} s); 2 ranks serving again "
+          f"on 1 rank: {relaunch}); 2 ranks serving again "
           f"{mono(back['started_at'] + back['ready_s']) - t_stop:.1f} s after the stop; "
           f"{m['answered']} requests answered, 0 lost, {m['duplicates']} twice")
 
@@ -478,3 +537,69 @@ def test_a_silent_link_under_emulate_is_handled_as_a_hang(root_env, minilm_dir, 
           f"{mono(back['started_at'] + back['ready_s']) - t0 - back_at:.1f} s after; dev-c "
           f"never back: {never['probes']} probes unanswered, named in {len(named)} log line(s); "
           f"{req['answered']} requests answered, 0 lost, {req['duplicates']} twice")
+
+
+def test_a_killed_rank_under_emulate_is_dropped_and_its_device_taken_back(root_env, minilm_dir,  # noqa: F811
+                                                                          tmp_path):
+    """`kill -9` of worker rank 1 of `hepti serve -n 3` under `hepti emulate`, while idle. The
+    proxies run through an ssh launcher there, so mpiexec exits 255, not 9: the relaunch must
+    still go without the killed rank's device (2 ranks, it used to keep all 3), and once its
+    device answers the probes it comes back, to 3 ranks and never more. The answers equal the
+    single-device embeddings."""
+    spec = tmp_path / "three.json"
+    spec.write_text(json.dumps({"name": "test-kill", "devices": [
+        {"name": f"dev-{c}", "cpu": 0.4, "link_mbit": 500} for c in "abc"]}))
+    p = subprocess.Popen([sys.executable, "-m", "hepti", "emulate", "--cluster", str(spec),
+                          "--timeout", "600", "--", "hepti", "serve", "--model", str(minilm_dir),
+                          "-n", "3", "--strategy", "tensor", "--port", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said: list[str] = []
+    try:
+        url = None
+        for line in p.stderr:
+            said.append(line)
+            if "listening on http://" in line:
+                url = line.split("listening on ")[1].split()[0]
+                break
+        assert url, "".join(said)
+        threading.Thread(target=lambda: [said.append(x) for x in p.stderr], daemon=True).start()
+        wait_ready(url, timeout=300)
+        text = "A cat sat on the mat."
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+        tok.no_padding()
+        want = single_device(minilm_dir, [tok.encode(text).ids])[0]
+
+        def embed():
+            code, body = http(url + "/v1/embeddings", {"input": text})
+            assert code == 200, body
+            return np.array(body["data"][0]["embedding"], np.float32)
+        np.testing.assert_allclose(embed(), want, atol=2e-5)
+        m = http(url + "/metrics")[1]
+        pid = next(r["pid"] for r in m["ranks"] if r["rank"] == 1)
+        os.kill(pid, signal.SIGKILL)
+        launches = lambda: http(url + "/metrics")[1]["launches"]  # noqa: E731
+        nxt = wait_for("the relaunch", lambda: (lambda x: x[1] if len(x) > 1 and "ready_s" in x[1]
+                                                else None)(launches()), 240)
+        first = launches()[0]
+        assert first["exit_code"] != 9, first  # the launcher's code, not the rank's signal
+        assert first.get("lost") == {"rank": 1, "host": "10.213.0.11"}, first
+        assert nxt["n"] == 2 and nxt["hosts"] == ["10.213.0.10", "10.213.0.12"], nxt
+        np.testing.assert_allclose(embed(), want, atol=2e-5)
+        # the device itself answers (only its process was killed): taken back after the
+        # hysteresis, to the world first asked for
+        back = wait_for("the device taken back", lambda: next(
+            (x for x in launches() if x.get("readmitting") and "ready_s" in x), None), 240)
+        assert back["n"] == 3 and back["readmitting"] == ["10.213.0.11"], back
+        np.testing.assert_allclose(embed(), want, atol=2e-5)
+        assert max(x["n"] for x in launches()) == 3, launches()
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(90)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(30)
+    print(f"\nkill -9 of rank 1 under hepti emulate (-n 3): mpiexec exited {first['exit_code']}, "
+          f"relaunched on {nxt['n']} rank(s) ({', '.join(nxt['hosts'])}), the device back on "
+          f"{back['n']}")

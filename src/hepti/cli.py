@@ -418,6 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {STALL_FLOOR_S:g}); it is killed, the job relaunched without "
                         "its device, and the device taken back when it answers again. 0: never "
                         "(a silent rank is only named by /health)")
+    s.add_argument("--spare", choices=("on", "off"), default="on",
+                   help="on (default; with -n above 1 on this machine, no hostfile): keep a "
+                        "spare job of one rank fewer loaded and waiting, so that a lost rank's "
+                        "relaunch takes it at once instead of starting Python, the kernels and "
+                        "the weights under load (8-16 s on a busy 2-core machine). It holds "
+                        "one more copy of the weights per rank of the smaller world. off: "
+                        "relaunch from scratch")
     s.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, metavar="S",
                    help="answer 408 and close the connection when a request's body is not "
                         "whole S seconds after its headers: a client that sends less than its "

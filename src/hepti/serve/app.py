@@ -104,7 +104,7 @@ def run(args) -> int:
                      max_batch_tokens=args.max_batch_tokens, max_batch_inputs=args.max_batch_inputs,
                      request_timeout_s=args.request_timeout, stall_floor_s=args.stall_floor,
                      replan=args.replan == "on" and args.n > 1,
-                     replan_ab=args.replan_ab).start()
+                     replan_ab=args.replan_ab, spare=args.spare == "on").start()
     try:
         if args.jsonl:
             errors = serve_jsonl(sup, sys.stdin.buffer, sys.stdout, limits, log)

@@ -33,6 +33,14 @@ inputs (a hang is not theirs), and an answer that comes after the declaration is
 batch runs again), so no accepted request is lost or answered twice. The job is relaunched
 without the lost ranks' hosts, as after a kill.
 
+On this machine alone (no hostfile), a spare job of one rank fewer is started as soon as a
+job says hello (`_keep_spare`): it loads as a relaunch would and waits at its hello on its own
+listener, so the relaunch after a loss takes it (`_take_spare`) and answers within a batch of
+the declaration, instead of paying the imports, the kernels and the weights then (8-16 s on
+this shared 2-core machine at a load of 10-16; bench/stall.py times both). A job declared lost
+is torn down on a thread of its own while the next one starts. With a hostfile no spare is
+kept: which device will be lost is not known ahead.
+
 Every lost device (hung or killed) is probed in the background (hepti.serve.stall's
 `probe_device`, `DeviceBench`) and re-admitted, between two batches, when it answers again with
 the re-planner's hysteresis: the job is stopped and relaunched with it, and with the original
@@ -44,6 +52,7 @@ import collections
 import functools
 import logging
 import os
+import re
 import secrets
 import selectors
 import signal
@@ -118,6 +127,7 @@ class WatchLine:
     last: float = field(default_factory=time.monotonic)  # when anything last came (monotonic)
     in_batch: int | None = None  # the batch the rank said it was in (None: between batches)
     closed: bool = False
+    closed_at: float | None = None  # when it closed (monotonic): the first names a killed rank
     garbled: bool = False  # it sent something that is not frames: only its liveness is read
     buf: bytes = b""
 
@@ -141,6 +151,22 @@ class WatchLine:
 
 class WorkerFailed(ServiceUnavailable):
     """An input that was in flight when the workers failed MAX_ATTEMPTS times."""
+
+
+@dataclass
+class _Job:
+    """One mpiexec job of workers, from its start on: its process, the thread that forwards its
+    output, and the listening socket its ranks connect to (a job of its own each, so that a
+    spare's lines and hello wait in their own backlog while another job serves)."""
+    proc: subprocess.Popen
+    reader: threading.Thread
+    listener: socket.socket
+    n: int
+    args: list[str]
+    started_at: float  # time.time()
+    files_before: jobfiles.Snapshot | None  # what existed before it started (`jobfiles.sweep`)
+    tail: collections.deque  # its output's last lines
+    spare: bool = False  # started ahead, for the world one rank smaller (`Supervisor._keep_spare`)
 
 
 def read_hostfile(path: str | Path) -> list[tuple[str, int]]:
@@ -178,7 +204,8 @@ class Supervisor:
                  worker_args: list[str] | None = None, max_batch_tokens: int = 8192,
                  max_batch_inputs: int = 64, start_timeout_s: float = 900.0,
                  request_timeout_s: float = 600.0, replan: bool = False,
-                 replan_ab: int | None = None, stall_floor_s: float = STALL_FLOOR_S):
+                 replan_ab: int | None = None, stall_floor_s: float = STALL_FLOOR_S,
+                 spare: bool = True):
         from hepti.weights import WeightStore
         self.model_dir = Path(model_dir)
         cfg = WeightStore(self.model_dir).config
@@ -223,15 +250,17 @@ class Supervisor:
         self._queue: collections.deque[Piece] = collections.deque()
         self._status, self._failure = "starting", ""
         self._stopping = False
-        self._proc: subprocess.Popen | None = None
+        self._job: _Job | None = None  # the job serving, or starting to
+        # a job started ahead for the world one rank smaller, parked before its hello until a
+        # rank is lost (`_keep_spare`); with `spare` False, or with ranks on other hosts, none
+        self.spare_enabled = spare
+        self._spare_job: _Job | None = None
+        self._spare_lock = threading.Lock()
         # our pid in its name: `hepti emulate --cleanup` removes it if we are killed (jobfiles)
         self._tmp = tempfile.TemporaryDirectory(prefix=jobfiles.serve_dir_prefix())
-        self._files_before: jobfiles.Snapshot | None = None  # before the running job's launch
         self._token = secrets.token_hex(16)
-        self._listener = self._listen()
         self._thread = threading.Thread(target=self._life, name="hepti-serve-workers", daemon=True)
         self._watch = selectors.DefaultSelector()  # each rank's watch line (hepti.serve.worker)
-        self._closed: list[tuple[float, int]] = []  # (when, rank) as the lines close
         self._lines: dict[int, WatchLine] = {}  # the current launch's, by rank
         self._ready_at = time.monotonic()  # when the current launch said hello
         threading.Thread(target=self._watch_ranks, name="hepti-serve-watch", daemon=True).start()
@@ -378,34 +407,64 @@ class Supervisor:
             self._status = "stopping"
             self._cv.notify_all()
         self._thread.join(grace_s)
-        self._end_proc(grace_s=3.0)
+        self._discard_spare()
+        if self._job is not None:
+            self._end_job(self._job, grace_s=3.0)
         with self._cv:
             self._fail_all(ServiceUnavailable("the service is shutting down"))
-        self._listener.close()
         self._tmp.cleanup()
 
+    @property
+    def _proc(self) -> subprocess.Popen | None:
+        """The serving (or starting) job's mpiexec."""
+        return self._job.proc if self._job is not None else None
+
     # --- the workers' life ---------------------------------------------------------------------
-    def _listen(self) -> socket.socket:
+    def _listen(self, entries: list[tuple[str, int]] | None) -> socket.socket:
         host = "127.0.0.1"
-        if self.entries:
-            host = route_address(self.entries[0][0])
+        if entries:
+            host = route_address(entries[0][0])
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
         s.listen(64)  # every rank's watch line, then rank 0's channel
         s.settimeout(0.5)
-        self.control_address = "%s:%d" % s.getsockname()
         return s
 
-    def _command(self) -> list[str]:
+    def _command(self, n: int, entries: list[tuple[str, int]] | None, args: list[str],
+                 tag: str) -> list[str]:
         from hepti.emulate.command import find_mpiexec
-        cmd = [find_mpiexec(), "-n", str(self.n)]
-        if self.entries is not None:
-            path = Path(self._tmp.name) / f"hostfile-{len(self.launches)}"
-            path.write_text("".join(f"{h}:{s}\n" for h, s in self.entries))
+        cmd = [find_mpiexec(), "-n", str(n)]
+        if entries is not None:
+            path = Path(self._tmp.name) / f"hostfile-{tag}"
+            path.write_text("".join(f"{h}:{s}\n" for h, s in entries))
             cmd += ["-f", str(path)]
         return cmd + [sys.executable, "-m", "hepti.serve.worker", "--model", str(self.model_dir),
-                      *self.worker_args]
+                      *args]
+
+    def _start_job(self, n: int, entries: list[tuple[str, int]] | None, args: list[str],
+                   spare: bool = False) -> _Job:
+        """Start mpiexec: its ranks load, plan, connect to the job's own listener and say hello
+        there (`_await_hello` reads it, now or, for a spare, when it is taken)."""
+        listener = self._listen(entries)
+        env = dict(os.environ)
+        env[protocol.CONTROL_ENV] = "%s:%d" % listener.getsockname()
+        env[protocol.TOKEN_ENV] = self._token
+        cmd = self._command(n, entries, args, f"{len(self.launches)}{'-spare' if spare else ''}")
+        log.info("serve: starting %s%d worker rank(s): %s", "a spare job of " if spare else "",
+                 n, " ".join(cmd))
+        files_before = jobfiles.snapshot()
+        started_at = time.time()
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace",
+                                start_new_session=True,  # our own group: killpg
+                                preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
+        tail: collections.deque[str] = collections.deque(maxlen=60)
+        reader = threading.Thread(target=self._forward_output,
+                                  args=(proc, tail, "workers (spare)" if spare else "workers"),
+                                  daemon=True)
+        reader.start()
+        return _Job(proc, reader, listener, n, list(args), started_at, files_before, tail, spare)
 
     def _life(self) -> None:
         failed_starts = 0
@@ -415,14 +474,20 @@ class Supervisor:
             if self._admitting:
                 launch["readmitting"] = [h for h, _ in self._admitting]
             self.launches.append(launch)
-            reason, relost = "the workers ended", False
+            reason, relost, job = "the workers ended", False, None
             try:
-                sock = self._launch(self._admit_start_s() if self._admitting else None)
+                job = self._take_spare() or self._start_job(self.n, self.entries, self.worker_args)
+                self._job, self._stderr_tail = job, job.tail
+                if job.spare:  # started ahead while the job before served
+                    launch.update(spare=True, taken_at=launch["started_at"],
+                                  started_at=job.started_at)
+                sock = self._await_hello(job, self._admit_start_s() if self._admitting else None)
                 if sock is None:
                     reason = "stopped before the workers started"
                     break
                 failed_starts = 0
                 self._admitting = []
+                self._keep_spare()
                 reason = self._serve(sock)
             except _StartFailed as e:
                 reason = str(e)
@@ -434,10 +499,15 @@ class Supervisor:
             except OSError as e:  # the channel closed (protocol.ChannelClosed), or broke mid-send
                 reason = f"the channel closed ({e})"
             finally:
-                code = self._end_proc(grace_s=END_GRACE_S if self._stall else 5.0)
                 launch["ended_at"] = time.time()
-                launch["exit_code"] = code
                 launch.setdefault("end", reason)
+                if job is not None and self._stall is not None and not self._stopping:
+                    # declared lost: the ranks to drop are known, and the job's end tells
+                    # nothing more, so the next job starts while this one is torn down
+                    threading.Thread(target=self._end_job, args=(job, END_GRACE_S, launch),
+                                     name="hepti-serve-teardown", daemon=True).start()
+                elif job is not None:
+                    self._end_job(job, 5.0, launch)
                 with self._cv:
                     self._phase, self._channel = None, None
             if self._stopping:
@@ -451,7 +521,7 @@ class Supervisor:
                 if stall["ranks"]:
                     self._drop_ranks(stall["ranks"], launch, "silent past its deadline")
             elif not relost:
-                lost = self._lost_rank(launch.get("exit_code"))
+                lost = self._lost_rank(launch.get("exit_code"), job.tail if job else ())
                 if lost is not None:
                     self._drop_ranks([lost], launch, "killed")
             with self._cv:
@@ -459,6 +529,7 @@ class Supervisor:
             if admit:  # devices that answer again join the next launch
                 self._readmit(admit)
             if self.n < 1 or failed_starts >= MAX_FAILED_STARTS:
+                self._discard_spare()
                 tail = "\n".join(list(self._stderr_tail)[-15:])
                 self._fail(f"the workers could not be started ({reason}); their last words:\n{tail}")
                 return
@@ -466,16 +537,9 @@ class Supervisor:
                 self._status = "relaunching"
             log.warning("serve: %s; relaunching on %d rank(s)", reason, self.n)
 
-    def _launch(self, start_timeout_s: float | None = None) -> socket.socket | None:
-        """Start mpiexec and wait for rank 0's hello (within start_timeout_s, else the
-        service's); the connected channel."""
-        env = dict(os.environ)
-        env[protocol.CONTROL_ENV] = self.control_address
-        env[protocol.TOKEN_ENV] = self._token
-        cmd = self._command()
-        log.info("serve: starting %d worker rank(s): %s", self.n, " ".join(cmd))
-        self._stderr_tail.clear()
-        self._closed.clear()
+    def _await_hello(self, job: _Job, start_timeout_s: float | None = None) -> socket.socket | None:
+        """Wait for the job's ranks' watch lines and rank 0's hello (within start_timeout_s of
+        now, else the service's start timeout from the job's start); the connected channel."""
         self._lines = {}
         self.watcher = None  # the next hello brings the new job's plan and profile
         for key in list(self._watch.get_map().values()):  # the last launch's lines
@@ -484,22 +548,16 @@ class Supervisor:
             except (KeyError, ValueError):  # closed by _watch_ranks meanwhile
                 continue
             key.fileobj.close()
-        self._files_before = jobfiles.snapshot()
-        self._proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, errors="replace",
-                                      start_new_session=True,  # our own group: killpg
-                                      preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
-        self._reader = threading.Thread(target=self._forward_output, args=(self._proc,), daemon=True)
-        self._reader.start()
+        deadline = time.monotonic() + start_timeout_s if start_timeout_s else \
+            job.started_at - time.time() + time.monotonic() + self.start_timeout_s
         start_timeout_s = start_timeout_s or self.start_timeout_s
-        deadline = time.monotonic() + start_timeout_s
         while not self._stopping:
-            if self._proc.poll() is not None:
-                raise _StartFailed(f"the workers exited ({self._proc.returncode}) before they were ready")
+            if job.proc.poll() is not None:
+                raise _StartFailed(f"the workers exited ({job.proc.returncode}) before they were ready")
             if time.monotonic() > deadline:
                 raise _StartFailed(f"the workers were not ready within {start_timeout_s:g} s")
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = job.listener.accept()
             except socket.timeout:
                 continue
             sock.settimeout(30.0)
@@ -534,10 +592,97 @@ class Supervisor:
             launch = self.launches[-1]
             launch.update(ready_s=time.time() - launch["started_at"], strategy=self.plan["strategy"],
                           ratios=self.plan.get("ratios"))
-            log.info("serve: ready (plan epoch %d: %s on %d rank(s), %.1f s to load)", self.epoch,
-                     self.plan["strategy"], hello["world_size"], hello["load_s"])
+            # where a launch's time goes: mpiexec, Python and the imports, then the load (weights,
+            # kernels, plan: the worker's load_s), then the connections; a spare's all ahead
+            log.info("serve: ready (plan epoch %d: %s on %d rank(s); %.1f s from mpiexec to "
+                     "hello: %.1f s to load, the rest to start and import%s)", self.epoch,
+                     self.plan["strategy"], hello["world_size"], launch["ready_s"],
+                     hello["load_s"], "" if not job.spare else "; a spare, taken %.2f s ago"
+                     % (launch["started_at"] + launch["ready_s"] - launch["taken_at"]))
             return sock
         return None
+
+    # --- the spare job -------------------------------------------------------------------------
+    def _spare_target(self) -> tuple[int, list[str]] | None:
+        """The job a spare is started for: this world one rank smaller, with the worker args a
+        loss would give it (`_drop_ranks`); None when no spare is kept: turned off, stall
+        handling off, a single rank, or ranks on hosts of a hostfile (which device will be
+        lost is not known ahead, and a spare per device would hold the weights n times)."""
+        if not self.spare_enabled or self.stall_floor_s <= 0 or self.entries is not None \
+                or self.n < 2:
+            return None
+        args = self.worker_args
+        if _fixed_for_old_world(args):
+            args = _replan_args(args)
+        return self.n - 1, list(args)
+
+    def _keep_spare(self) -> None:
+        """After a job says hello: keep a spare that fits the world one rank smaller, or start
+        one. Why a spare: a relaunch after a hang costs 3-12 s on this shared 2-core machine
+        (Python, numba and mpi4py imports, kernels from Numba's cache, weights: 1.5 s of CPU
+        that a load average of 10-16 stretches; `python -m hepti.bench.stall --stages 5`), on
+        top of the 4 s detection, and the issue asks for the first answer within 10 s of the
+        stop: without a spare 3 of 5 stops made it (median 8.1 s), with one 5 of 5 (4.1-4.4 s).
+        Neither a lighter start nor starting at the declaration with the teardown alongside
+        (done: `_life`) can hold that: the CPU itself is what the load takes. A spare has paid all of it ahead and waits at its
+        hello (rank 0 in a socket read, the others asleep in bcast_idle: no CPU), so taking it
+        costs what its first batch does. Its price: one more copy of the weights and kernels
+        per rank of the smaller world, for as long as the service runs."""
+        target = self._spare_target()
+        with self._spare_lock:
+            old = self._spare_job
+            if old is not None and target is not None and old.proc.poll() is None \
+                    and (old.n, old.args) == target:
+                return
+            self._spare_job = None
+        if old is not None:
+            self._end_spare(old)
+        if target is None or self._stopping:
+            return
+        try:
+            job = self._start_job(target[0], None, target[1], spare=True)
+        except OSError as e:  # a spare is an optimisation: serve on without one
+            log.warning("serve: could not start a spare job (%s); a relaunch will start afresh", e)
+            return
+        with self._spare_lock:
+            self._spare_job = job
+
+    def _take_spare(self) -> _Job | None:
+        """The spare, if it fits the world the next launch is for (else it is ended)."""
+        with self._spare_lock:
+            job, self._spare_job = self._spare_job, None
+        if job is None:
+            return None
+        alive = job.proc.poll() is None
+        if alive and self.entries is None and (job.n, job.args) == (self.n, self.worker_args):
+            log.info("serve: taking the spare job of %d rank(s), started %.1f s ago", job.n,
+                     time.time() - job.started_at)
+            return job
+        if alive and (job.n, job.args) == self._spare_target():  # a relaunch on the same
+            with self._spare_lock:  # world (every rank was silent): it stays the spare
+                self._spare_job = job
+            return None
+        self._end_spare(job)
+        return None
+
+    def _discard_spare(self) -> None:
+        with self._spare_lock:
+            job, self._spare_job = self._spare_job, None
+        if job is not None:
+            self._end_spare(job, wait=True)
+
+    def _end_spare(self, job: _Job, wait: bool = False) -> None:
+        """Stop a spare that will not serve (its own process group), off this thread unless
+        `wait`."""
+        try:
+            os.killpg(job.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        if wait:
+            self._end_job(job, 3.0)
+        else:
+            threading.Thread(target=self._end_job, args=(job, 3.0), daemon=True,
+                             name="hepti-serve-spare-end").start()
 
     def _watch_ranks(self) -> None:
         """Read each rank's beats off its watch line (`WatchLine.hear`), and note when each
@@ -565,8 +710,7 @@ class Supervisor:
                 if data:
                     line.hear(data)
                     continue
-                line.closed = True
-                self._closed.append((time.monotonic(), line.rank))
+                line.closed, line.closed_at = True, time.monotonic()
                 try:
                     self._watch.unregister(key.fileobj)
                 except (KeyError, ValueError):  # a new launch cleared it
@@ -815,7 +959,7 @@ class Supervisor:
                 if self.watcher is not None and "ranks_s" in header:
                     self._watch_plan(sock, batch, header["ranks_s"], wall)
         finally:
-            with self._cv:  # the job is ending (`_end_proc` sees to it): no deadline now
+            with self._cv:  # the job is ending (`_end_job` sees to it): no deadline now
                 self._phase = None
             sock.close()
 
@@ -977,19 +1121,20 @@ class Supervisor:
             self._status, self._failure = "failed", message
             self._fail_all(ServiceUnavailable(message))
 
-    def _forward_output(self, proc: subprocess.Popen) -> None:
-        """The workers' output, to our log line by line (and its tail kept for diagnosis)."""
+    def _forward_output(self, proc: subprocess.Popen, tail: collections.deque,
+                        who: str = "workers") -> None:
+        """A job's output, to our log line by line (and its tail kept for diagnosis)."""
         for line in proc.stdout:
             line = line.rstrip("\n")
-            self._stderr_tail.append(line)
+            tail.append(line)
             if line.strip():
-                log.info("workers: %s", line)
+                log.info("%s: %s", who, line)
 
-    def _end_proc(self, grace_s: float) -> int | None:
-        """Wait for mpiexec to end (then stop it), and for its last words to be read."""
-        p = self._proc
-        if p is None:
-            return None
+    def _end_job(self, job: _Job, grace_s: float, launch: dict | None = None) -> int | None:
+        """Wait for a job's mpiexec to end (then stop it), and for its last words to be read;
+        remove what it left (`jobfiles.sweep`), close its listener, and note its exit code in
+        its `launch` record."""
+        p = job.proc
         try:
             p.wait(grace_s)
         except subprocess.TimeoutExpired:
@@ -1003,25 +1148,49 @@ class Supervisor:
                     break
                 except subprocess.TimeoutExpired:
                     continue
-        self._reader.join(5.0)  # MPICH's report of a killed rank comes as the job ends
-        if self._files_before is not None and p.poll() is not None:  # what a killed rank left
-            for line in jobfiles.sweep(self._files_before):
+        job.reader.join(5.0)  # MPICH's report of a killed rank comes as the job ends
+        job.listener.close()
+        if job.files_before is not None and p.poll() is not None:  # what a killed rank left
+            for line in jobfiles.sweep(job.files_before):
                 log.info("serve: removed %s, left by the workers that ended", line)
-            self._files_before = None
+            job.files_before = None
+        if launch is not None:
+            launch["exit_code"] = p.poll()
         return p.poll()
 
-    def _lost_rank(self, exit_code: int | None) -> int | None:
+    def _lost_rank(self, exit_code: int | None, tail=()) -> int | None:
         """The rank that was killed (a device gone, an OOM kill), if that is how the job ended:
         the first whose watch line closed. A rank that raised reports itself and aborts the job
-        (exit code 1): the hosts stay."""
-        killed = exit_code is not None and (exit_code < 0 or exit_code in (9, 137))
-        if not killed or not self._closed:
+        (exit code 1): the hosts stay.
+
+        mpiexec's exit code says "killed" (9, or 137, or a signal) only when its proxies run on
+        this machine: with proxies started over ssh (a hostfile's hosts; `hepti emulate`'s
+        devices) a killed rank makes the proxies fail and mpiexec exit 255, and its report,
+        in the job's output (`tail`), is what names the signal: "EXIT CODE: 9". Reading only
+        the exit code relaunched on the same hosts, the killed device included."""
+        killed = exit_code is not None and (exit_code < 0 or exit_code in (9, 137)) or \
+            _reports_kill(tail)
+        closed = [(line.closed_at, line.rank) for line in self._lines.values()
+                  if line.closed_at is not None]
+        if not killed or not closed:
             return None
-        return min(self._closed)[1]
+        return min(closed)[1]
 
 
 class _StartFailed(Exception):
     pass
+
+
+# MPICH's report of the process it saw end badly: "=   EXIT CODE: 9", or, from some launchers,
+# "... THE EXIT STRING: Killed (signal 9)"; 137 is a shell's 128 + 9
+_KILL_REPORT = re.compile(r"EXIT CODE: (9|137)\s*$|\(signal 9\)")
+
+
+def _reports_kill(tail) -> bool:
+    """Whether a job's last words say MPICH saw a rank end by SIGKILL, and no rank aborted (a
+    rank that raised calls MPI_Abort; Hydra then kills the others itself)."""
+    lines = list(tail)
+    return any(_KILL_REPORT.search(x) for x in lines) and not any("MPI_Abort" in x for x in lines)
 
 
 def _fixed_for_old_world(args: list[str]) -> bool:

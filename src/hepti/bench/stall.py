@@ -1,0 +1,212 @@
+"""The time to the first answer after a worker rank of `hepti serve` is stopped (SIGSTOP), with
+and without the spare job (issue 44: within 10 s), and where that time goes.
+
+Each run starts a service in this process (hepti.serve.supervisor, `-n RANKS --strategy
+tensor`), waits until it serves and, with the spare, until the spare waits at its hello (its
+ranks' connections queued on its listener), lets two closed-loop clients post for a few
+seconds, then SIGSTOPs worker rank 1 and times, from the stop: the declaration (`declared`),
+the old job's end as `_serve` saw it (`ended`), the next job's hello (`ready`) and the first
+answer (`first`). Runs alternate between the settings, so that both meet the same drift of
+the machine's load; the 1-minute load average at each stop is printed with the run. The
+figures: the median and range of each over the runs.
+
+    python -m hepti.bench.stall [--model weights/minilm-l6] [--ranks 2] [--runs 5]
+                                [--settings spare,fresh] [--out results/tmp/stall.json]
+
+`--stages N` instead times what a fresh relaunch of one rank does, N times: `mpiexec -n 1`
+of this module's `_stages`, which does the worker's steps in its order and prints when each
+ended, counted from before mpiexec started (wall) and in CPU seconds: Python and numpy, numba,
+mpi4py (MPI_Init), hepti's modules, the weights' index, the kernels (Numba's cache), the
+job (weights read and packed), a first and a second batch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+TEXTS = ["A cat sat.", "A dog sat on the mat, and then it slept for a very long time indeed.",
+         "hello", "Edge devices differ in speed, memory and link."]
+
+
+def _queued(listener) -> int:
+    """Connections waiting in a listening socket's accept queue (/proc/net/tcp's rx_queue of
+    a socket in LISTEN): a spare's ranks are all connected when it holds RANKS + 1."""
+    port = listener.getsockname()[1]
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if int(cols[1].split(":")[1], 16) == port and cols[3] == "0A":
+                return int(cols[4].split(":")[1], 16)
+    return 0
+
+
+def _mono(wall: float) -> float:
+    return wall - time.time() + time.monotonic()
+
+
+def one_run(model: str, ranks: int, spare: bool, settle_s: float = 3.0) -> dict:
+    import inspect
+    from hepti.serve.supervisor import Supervisor
+    # a tree from before the spare (run this file with its src on PYTHONPATH): `fresh` only
+    kw = {"spare": spare} if "spare" in inspect.signature(Supervisor).parameters else {}
+    sup = Supervisor(model, ranks, worker_args=["--strategy", "tensor"], **kw).start()
+    stop_clients = threading.Event()
+    answers: list[float] = []
+    errors: list[str] = []
+    stopped = None
+    try:
+        ids = [np.array(e.ids, np.int64) for e in sup.tokenizer.encode_batch(TEXTS)]
+        sup.embed(ids)  # up, and its first batch done
+        if spare:  # the spare started at the hello: wait until it waits at its own
+            t_end = time.monotonic() + 300
+            while True:
+                job = sup._spare_job
+                if job is not None and _queued(job.listener) >= ranks:  # ranks - 1 lines + hello
+                    break
+                if time.monotonic() > t_end:
+                    raise RuntimeError("the spare was not ready within 300 s")
+                time.sleep(0.2)
+
+        def client(k):
+            i = k
+            while not stop_clients.is_set():
+                try:
+                    sup.embed([ids[i % len(ids)]])
+                    answers.append(time.monotonic())
+                except Exception as e:  # noqa: BLE001 - counted, reported
+                    errors.append(repr(e))
+                i += 2
+        threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(2)]
+        [t.start() for t in threads]
+        time.sleep(settle_s)
+        victim = next(r for r in sup.ranks if r["rank"] == 1)
+        load = os.getloadavg()[0]
+        t_stop = time.monotonic()
+        os.kill(victim["pid"], signal.SIGSTOP)
+        stopped = victim["pid"]
+        t_end = t_stop + 300
+        while not (len(sup.launches) >= 2 and "ready_s" in sup.launches[1]
+                   and any(t > _mono(sup.launches[0]["ended_at"]) for t in list(answers))):
+            if time.monotonic() > t_end:
+                raise RuntimeError("no answer within 300 s of the stop")
+            time.sleep(0.05)
+        lost, nxt = sup.launches[0], sup.launches[1]
+        first = min(t for t in answers if t > _mono(lost["ended_at"])) - t_stop
+        stop_clients.set()
+        [t.join(120) for t in threads]
+        ready = _mono(nxt["started_at"] + nxt["ready_s"]) - t_stop
+        return {"spare": spare, "load1": round(load, 2),
+                "declared_s": round(_mono(lost["stall"]["at"]) - t_stop, 2),
+                "ended_s": round(_mono(lost["ended_at"]) - t_stop, 2),
+                "ready_s": round(ready, 2), "first_s": round(first, 2),
+                "next_launch": {k: nxt.get(k) for k in ("n", "spare", "ready_s")},
+                "errors": len(errors)}
+    finally:
+        stop_clients.set()
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        sup.stop()
+
+
+def _stages(model: str) -> None:
+    """Under `mpiexec -n 1`: the worker's start, step by step (see the module's docstring)."""
+    t0 = float(os.environ["HEPTI_STAGES_T0"])
+    marks = [("python+numpy", time.time(), time.process_time())]  # numpy: imported above
+    import numba  # noqa: F401 - timed
+    marks.append(("numba", time.time(), time.process_time()))
+    from mpi4py import MPI
+    marks.append(("mpi4py", time.time(), time.process_time()))
+    from hepti.model.family import load_kernels
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.engine import Job, resolve_plan
+    from hepti.parallel.trace import Tracer
+    from hepti.serve.worker import make_batch, parse_args
+    from hepti.weights import WeightStore
+    marks.append(("hepti", time.time(), time.process_time()))
+    args = parse_args(["--model", model, "--strategy", "tensor"])
+    world = Comm(MPI.COMM_WORLD, Tracer(0))
+    store = WeightStore(args.model)
+    plan = resolve_plan(args, world.size, store.config)
+    marks.append(("store+plan", time.time(), time.process_time()))
+    load_kernels(store.config, 1, announce=False)
+    marks.append(("kernels", time.time(), time.process_time()))
+    job = Job(world, store, plan, 1)
+    marks.append(("weights", time.time(), time.process_time()))
+    batch = make_batch([np.arange(101, 120)] * 2, 0)
+    for name in ("batch1", "batch2"):
+        job.run_all([batch], 1, lambda k, h: None)
+        marks.append((name, time.time(), time.process_time()))
+    print(json.dumps({"load1": round(os.getloadavg()[0], 2),
+                      "wall": {k: round(t - t0, 2) for k, t, _ in marks},
+                      "cpu": {k: round(c, 2) for k, _, c in marks}}), flush=True)
+
+
+def stages(model: str, runs: int) -> dict:
+    import subprocess
+    import sys
+    from hepti.bench import mpiexec
+    out = []
+    for _ in range(runs):
+        env = dict(os.environ, HEPTI_STAGES_T0=repr(time.time()))
+        p = subprocess.run([mpiexec(), "-n", "1", sys.executable, "-m", "hepti.bench.stall",
+                            "--stage-child", "--model", model], env=env, capture_output=True,
+                           text=True, check=True)
+        out.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        print(json.dumps(out[-1]), flush=True)
+    keys = list(out[0]["wall"])
+    return {"load1": statistics.median(r["load1"] for r in out),
+            "wall_median": {k: statistics.median(r["wall"][k] for r in out) for k in keys},
+            "cpu_median": {k: statistics.median(r["cpu"][k] for r in out) for k in keys}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hepti.bench.stall", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="weights/minilm-l6")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--settings", default="spare,fresh", help="spare, fresh, or both (the order of each round)")
+    ap.add_argument("--out", default=None, help="write every run and the medians as JSON")
+    ap.add_argument("--stages", type=int, default=0, metavar="N",
+                    help="time a fresh one-rank start's steps N times instead")
+    ap.add_argument("--stage-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.stage_child:
+        _stages(args.model)
+        return 0
+    if args.stages:
+        print(json.dumps(stages(args.model, args.stages), indent=1))
+        return 0
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    runs = []
+    for k in range(args.runs):
+        for setting in (settings if k % 2 == 0 else settings[::-1]):
+            r = one_run(args.model, args.ranks, setting == "spare")
+            runs.append(r)
+            print(json.dumps(r), flush=True)
+    summary = {}
+    for setting in settings:
+        mine = [r for r in runs if r["spare"] == (setting == "spare")]
+        summary[setting] = {key: {"median": statistics.median(r[key] for r in mine),
+                                  "min": min(r[key] for r in mine), "max": max(r[key] for r in mine)}
+                            for key in ("load1", "declared_s", "ended_s", "ready_s", "first_s")}
+        summary[setting]["within_10s"] = f"{sum(r['first_s'] <= 10 for r in mine)}/{len(mine)}"
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
