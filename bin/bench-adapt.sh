@@ -14,6 +14,11 @@
 #                                       results/adapt-quiet-ab.json
 #   sudo bin/bench-adapt.sh --spec hostfiles/emu-drop3.json --duration 120 --out results/adapt-drop3.json
 #                                       issue 44's cluster: a quiet minute, then one link at 40 Mbit/s
+#   sudo bin/bench-adapt.sh --spec hostfiles/emu-hang3.json --out results/adapt-hang3.json
+#   sudo bin/bench-adapt.sh --spec hostfiles/emu-silent3.json --out results/adapt-silent3.json
+#                                       node-b hangs (its link goes silent) from 40 to 70 s: the
+#                                       wait for the first answer, requests lost, against a
+#                                       steady launch on the two devices that answer
 # Other options (--duration, --seq, --variants): python -m hepti.bench.adapt --help
 set -euo pipefail
 if [ "$(id -u)" != 0 ]; then

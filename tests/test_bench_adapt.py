@@ -74,3 +74,55 @@ def test_flap_figures_cover_the_flapping_seconds_alone():
     f = adapt.flap_figures(runs, phs[1])
     assert f["switches"] == 1 and f["phase"] == [20.0, 80.0]
     assert f["best_static_tw_ms"] == 1000.0 and abs(f["adaptive_vs_best_static"] - 1.0) < 1e-9
+
+
+def _spec(name):
+    return json.loads((Path(__file__).resolve().parents[1] / "hostfiles" / name).read_text())
+
+
+def test_a_hung_or_silent_device_is_out_and_its_oracle_runs_without_it():
+    """emu-hang3 and emu-silent3: node-b is out from 40 to 70 s. That phase's oracle is a
+    steady launch on the two devices that answer; before and after, the three devices' plan."""
+    for name in ("emu-hang3.json", "emu-silent3.json"):
+        phs = adapt.phases(_spec(name), 100.0)
+        assert [(p["start"], p["end"]) for p in phs] == [(0.0, 40), (40, 70), (70, 100.0)]
+        assert [adapt.is_out(d) for d in phs[1]["devices"]] == [False, True, False]
+        assert not any(adapt.is_out(d) for d in phs[0]["devices"] + phs[2]["devices"])
+        assert adapt.conditions_key(phs[2]["devices"]) == adapt.conditions_key(phs[0]["devices"])
+        assert adapt.conditions_key(phs[1]["devices"]) != adapt.conditions_key(phs[0]["devices"])
+        steady = adapt.steady_spec(_spec(name), phs[1]["devices"], "o")
+        assert [d["name"] for d in steady["devices"]] == ["node-a", "node-c"] and "schedule" not in steady
+        assert all(set(d) <= {"name", "cpu", "mem", "link_mbit"} for d in steady["devices"])
+
+
+def test_an_outage_s_figures_are_the_wait_for_an_answer_and_the_requests_lost():
+    """A closed loop at 0.5 s whose request sent at 39.8 s waits until 46 s (the hang at 40 s,
+    then the relaunch), one request lost at 50 s; the steady oracles are read from their own
+    first seconds in each phase."""
+    phs = adapt.phases(_spec("emu-hang3.json"), 100.0)
+    reqs = [(t / 10, 0.5) for t in range(0, 398, 5)] + [(39.8, 6.2)]
+    reqs += [(46.0 + k * 0.6, 0.6) for k in range(6)] + [(50.2 + k * 0.6, 0.6) for k in range(33)]
+    reqs += [(70.0 + k * 0.5, 0.5) for k in range(60)]
+    adaptive = {"t0": 0.0, "requests": reqs, "lost": [(49.6, 0.3, "HTTP Error 503")],
+                "metrics": {"replans": [], "flags": []}}
+    o0 = {"t0": 0.0, "steady": True, "requests": [(k * 0.5, 0.5) for k in range(80)], "lost": []}
+    o1 = {"t0": 0.0, "steady": True, "requests": [(k * 0.6, 0.6) for k in range(50)], "lost": []}
+    got = adapt.summarize({"adaptive": adaptive, "oracle-0": o0, "oracle-1": o1}, phs,
+                          ["oracle-0", "oracle-1", "oracle-0"])
+    hang, back = got["events"]
+    assert round(hang["first_answer_s"], 1) == 6.0 and hang["lost"] == 1
+    assert back["lost"] == 0 and round(back["first_answer_s"], 1) <= 0.6
+    assert got["variants"]["adaptive"]["lost"] == 1
+    assert got["phases"][1]["median_ms"]["oracle-1"] == 600.0
+    assert got["phases"][1]["median_ms"]["oracle-0"] is None  # not its phase's conditions
+    assert round(hang["ratio"], 2) == 1.0  # 0.6 s, as the two-device oracle
+
+
+def test_another_program_s_memory_is_a_condition_and_a_smaller_cap_for_the_oracle():
+    """emu-squeeze: a mem_hog moves the conditions, and the steady oracle's device has its cap
+    less what the program holds (a device cannot carry a mem_hog)."""
+    phs = adapt.phases(_spec("emu-squeeze.json"), 60.0)
+    assert len(phs) == 2
+    assert adapt.conditions_key(phs[1]["devices"]) != adapt.conditions_key(phs[0]["devices"])
+    steady = adapt.steady_spec(_spec("emu-squeeze.json"), phs[1]["devices"], "o")
+    assert [d["mem"] for d in steady["devices"]] == ["400MiB", "150MiB", "400MiB"]

@@ -84,6 +84,8 @@ def test_parse_mem_units(text, expected):
      r"only 0 .* or 100 .*netem"),
     (lambda d: d.update(schedule=[{"t": 1, "device": 0, "loss": 101}]), r"schedule\[0\]\.loss"),
     (lambda d: d.update(schedule=[{"t": 1, "device": 0, "loss": "all"}]), "not a number"),
+    (lambda d: d.update(schedule=[{"t": 1, "device": 0, "hang": 1}]), r"schedule\[0\]\.hang: 1 must be "
+     r"true .* or false"),
     (lambda d: d.update(nmae="x"), "unknown field 'nmae'"),
 ])
 def test_malformed_spec_names_the_field(mutate, field):
@@ -113,6 +115,28 @@ def test_a_silent_link_is_a_schedule_event_and_sets_the_bridge_end_down(tmp_path
     out = capsys.readouterr().out
     assert f"# at t=40 s:\nip link set hpt{os.getpid()}v1 down" in out, out
     assert f"# at t=70 s:\nip link set hpt{os.getpid()}v1 up" in out, out
+
+
+def test_a_hang_is_a_schedule_event_that_freezes_the_device():
+    """"hang": true freezes every process of a device where it stands (the cgroup freezer: a
+    process started there later freezes too), "hang": false lets them run on."""
+    s = parse_spec(spec_dict(schedule=[{"t": 40, "device": "b", "hang": True},
+                                       {"t": 70, "device": 1, "hang": False}]))
+    assert [(e.t, e.device, e.hang) for e in s.schedule] == [(40.0, 1, True), (70.0, 1, False)]
+    assert s.schedule[0].to_dict() == {"t": 40.0, "device": 1, "hang": True}
+    names = RunNames(4321, 2)
+    v1 = Cgroups(1, "/cg/cpu/x", "/cg/memory/x", freezer_base="/cg/freezer/x")
+    leaf = names.cgroup_leaf(1)
+    assert [(a.path, a.value) for a in v1.freeze_actions(names, 1, True)] == [
+        (f"/cg/freezer/x/{leaf}/freezer.state", "FROZEN")]
+    assert [(a.path, a.value) for a in v1.freeze_actions(names, 1, False)] == [
+        (f"/cg/freezer/x/{leaf}/freezer.state", "THAWED")]
+    assert f"/cg/freezer/x/{leaf}" in v1.leaf_dirs(names, 1)  # a device's processes join it
+    v2 = Cgroups(2, "/cg/x", "/cg/x")
+    assert [(a.path, a.value) for a in v2.freeze_actions(names, 1, True)] == [
+        (f"/cg/x/{leaf}/cgroup.freeze", "1")]
+    with pytest.raises(EmulateError, match="freezer cgroup controller"):
+        Cgroups(1, "/cg/cpu/x", "/cg/memory/x").freeze_actions(names, 1, True)
 
 
 def test_cpu_beyond_machine_refused():
@@ -566,6 +590,40 @@ def test_timeout_stops_a_hung_command(root_env, tmp_path):
                              timeout=2)
     print(f"\nhung COMMAND stopped after {time.monotonic() - t0:.1f} s with exit code {rc}")
     assert rc == 124 and time.monotonic() - t0 < 20
+
+
+HANG_PROBE = ("import os, signal, sys, time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\nc.Barrier()\n"
+              "if c.rank == 0:\n    os.kill(int(sys.argv[3]), signal.SIGUSR1)  # the schedule's clock starts\n"
+              "t0 = time.time()\nwith open(sys.argv[1] + str(c.rank), 'w') as f:\n"
+              "    while time.time() - t0 < float(sys.argv[2]):\n"
+              "        f.write(f'{time.time() - t0:.3f}\\n'); f.flush(); time.sleep(0.05)\n")
+
+
+def test_a_scheduled_hang_freezes_the_device_and_teardown_still_removes_it(root_env, tmp_path):
+    """Device b hangs at 1 s and runs on at 3 s (from the SIGUSR1 both ranks' start sends): its
+    rank writes nothing in between while a's goes on. A second run hangs b for good: the timeout's teardown still kills and removes it
+    (a frozen process dies of SIGKILL only once thawed, so teardown thaws first)."""
+    spec = _write(tmp_path, "hang.json", {"name": "test-freeze", "devices": [
+        {"name": "a", "cpu": 0.3, "link_mbit": 100}, {"name": "b", "cpu": 0.3, "link_mbit": 100}],
+        "schedule": [{"t": 1, "device": "b", "hang": True}, {"t": 3, "device": "b", "hang": False}]})
+    probe = tmp_path / "probe.py"
+    probe.write_text(HANG_PROBE)
+    argv = [sys.executable, str(probe)]
+    rc = launch.run_emulated(spec, ["mpiexec", "-n", "2", *argv, str(tmp_path / "t"), "5", str(os.getpid())],
+                             timeout=60, schedule_on_usr1=True)
+    assert rc == 0
+    ticks = {r: [float(x) for x in (tmp_path / f"t{r}").read_text().split()] for r in (0, 1)}
+    gap = {r: max(b - a for a, b in zip(ticks[r], ticks[r][1:])) for r in (0, 1)}
+    print(f"\nlongest pause between writes: a {gap[0]:.2f} s, b {gap[1]:.2f} s")
+    assert gap[1] > 1.0 > gap[0]  # b stood still for the hang (2 s, less the start-up's skew)
+    assert ticks[1][-1] > 4.0  # and ran on after it
+    forever = _write(tmp_path, "forever.json", {"name": "test-freeze2", "devices": [
+        {"name": "a", "cpu": 0.3, "link_mbit": 100}, {"name": "b", "cpu": 0.3, "link_mbit": 100}],
+        "schedule": [{"t": 1, "device": "b", "hang": True}]})
+    rc = launch.run_emulated(forever, ["mpiexec", "-n", "2", *argv, str(tmp_path / "u"), "30", str(os.getpid())],
+                             timeout=10, schedule_on_usr1=True)
+    assert rc == 124
+    assert launch.find_runs().get(os.getpid()) is None
 
 
 def test_ctrl_c_tears_down(root_env, tmp_path):

@@ -77,7 +77,7 @@ def test_a_hog_is_checked_against_the_cap_of_its_moment_and_needs_a_cap():
                     {"t": 1, "device": 1, "mem": "600MiB"}))
     with pytest.raises(SpecError, match="has no mem cap"):
         parse_spec(spec({"t": 1, "device": 0, "mem_hog": "100MiB"}, mem=None))
-    with pytest.raises(SpecError, match="changes nothing; give .*mem and/or mem_hog"):
+    with pytest.raises(SpecError, match="changes nothing; give .*mem, mem_hog and/or hang"):
         parse_spec(spec({"t": 1, "device": 0}))
 
 

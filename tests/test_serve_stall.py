@@ -93,16 +93,30 @@ def test_a_lost_device_comes_back_after_confirmed_answers_and_a_flapping_one_is_
     assert d.flaps == 0 and d.hold_until == t2 + 1000 + FLAP_WINDOW_S + 1 + COOLDOWN_S
 
 
-def test_a_probe_counts_an_accept_or_a_refusal_as_an_answer_and_silence_as_none(monkeypatch):
+def test_a_probe_needs_the_host_to_answer_and_a_process_there_to_run(monkeypatch):
+    """A host answers a connect (accepted or refused), and then a process started on it as its
+    ranks are (mpiexec -hosts) must run: a device whose processes are frozen answers the
+    connect from its kernel all the same. Silence or an unreachable host fails at the connect."""
     assert probe_device(None)  # this machine runs a new process
+    started = []
+
+    def runs(argv, timeout_s):
+        started.append(argv)
+        return ran
+    monkeypatch.setattr(stall, "_runs", runs)
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
         monkeypatch.setattr(stall, "PROBE_PORT", srv.getsockname()[1])
-        assert probe_device("127.0.0.1", 1.0)  # accepted
+        ran = True
+        assert probe_device("127.0.0.1", 1.0)  # accepted, and a process ran there
+        ran = False
+        assert not probe_device("127.0.0.1", 1.0)  # accepted, but nothing runs: frozen
+    ran = True
     assert probe_device("127.0.0.1", 1.0)  # now refused: the host answered all the same
+    assert all(a[1:5] == ["-n", "1", "-hosts", "127.0.0.1"] for a in started) and len(started) == 3
 
-    def silent(address, timeout):  # a frozen kernel, a link that drops every packet
+    def silent(address, timeout):  # a link that drops every packet
         raise TimeoutError("timed out")
 
     def unreachable(address, timeout):  # its ARP entry gone (emulated: the veth down)
@@ -110,6 +124,22 @@ def test_a_probe_counts_an_accept_or_a_refusal_as_an_answer_and_silence_as_none(
     for fails in (silent, unreachable):
         monkeypatch.setattr(socket, "create_connection", fails)
         assert not probe_device("node-b", 0.3)
+    assert len(started) == 3  # no process started where the connect failed
+
+
+def test_a_probe_process_that_does_not_end_in_time_is_killed_with_its_children(tmp_path):
+    assert stall._runs(["true"], 5.0) and not stall._runs(["false"], 5.0)
+    child = tmp_path / "child.pid"
+    assert not stall._runs(["sh", "-c", f"sleep 300 & echo $! > {child}; wait"], 1.0)
+    pid = int(child.read_text())
+    for _ in range(50):  # the killed child is reaped by init shortly
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the probe's child {pid} outlived the probe's timeout")
 
 
 def test_only_a_process_holding_the_service_secret_is_killed():

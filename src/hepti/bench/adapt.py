@@ -48,10 +48,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 from hepti.bench import drop_stale, git_commit, hepti_cmd, mpiexec, result_doc, write_json
+from hepti.emulate.spec import format_mem, parse_hog, parse_mem
 
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = ROOT / "hostfiles" / "emu-drift4.json"
@@ -70,15 +72,30 @@ def phases(spec: dict, duration: float) -> list[dict]:
         out.append({"start": t, "end": nxt, "devices": copy.deepcopy(devs)})
         for e in (e for e in events if e["t"] == nxt):
             i = e["device"] if isinstance(e["device"], int) else names.index(e["device"])
-            for k in ("cpu", "link_mbit"):
-                if k in e:
-                    devs[i][k] = e[k]
+            devs[i].update({k: v for k, v in e.items() if k not in ("t", "device")})
         t = nxt
     return out
 
 
+def is_out(dev: dict) -> bool:
+    """The device serves nothing under these conditions: it hangs, or its link is silent."""
+    return bool(dev.get("hang")) or dev.get("loss", 0) >= 100
+
+
 def conditions_key(devs: list[dict]) -> str:
-    return json.dumps([(d["cpu"], d.get("link_mbit")) for d in devs])
+    return json.dumps([(d["cpu"], d.get("link_mbit"), d.get("mem"), d.get("mem_hog") or 0, is_out(d))
+                       for d in devs])
+
+
+def steady_spec(base: dict, devs: list[dict], name: str) -> dict:
+    """`base` with these conditions held still: no schedule, and without the devices that are
+    out (what a service started fresh on the devices that answer would run on)."""
+    keep = [{k: v for k, v in d.items() if k in ("name", "cpu", "mem", "link_mbit")}
+            for d in devs if not is_out(d)]
+    for d, src in zip(keep, [d for d in devs if not is_out(d)]):
+        if src.get("mem_hog"):  # another program holds memory: the device has that much less
+            d["mem"] = format_mem(parse_mem(d["mem"]) - parse_hog(src["mem_hog"]))
+    return {**{k: v for k, v in base.items() if k != "schedule"}, "name": name, "devices": keep}
 
 
 # --- one served run ---------------------------------------------------------------------------
@@ -100,10 +117,15 @@ def served_run(spec_path: Path, model: str, n: int, serve_args: list[str], durat
             _post(url, body)  # one request before the clock: first-touch costs are not a phase
             os.kill(p.pid, signal.SIGUSR1)
             t0 = time.time()
-            reqs = []
+            reqs, lost = [], []
             while time.time() - t0 < duration:
                 a = time.time()
-                _post(url, body)
+                try:
+                    _post(url, body)
+                except (urllib.error.URLError, OSError) as e:  # an HTTPError too: not answered
+                    lost.append((a - t0, time.time() - a, str(e)))
+                    time.sleep(0.2)
+                    continue
                 reqs.append((a - t0, time.time() - a))
             metrics = json.loads(urllib.request.urlopen(url + "/metrics", timeout=60).read())
         finally:
@@ -112,7 +134,7 @@ def served_run(spec_path: Path, model: str, n: int, serve_args: list[str], durat
                 p.wait(120)
             except subprocess.TimeoutExpired:
                 p.kill()
-    return {"t0": t0, "requests": reqs, "metrics": metrics, "command": cmd}
+    return {"t0": t0, "requests": reqs, "lost": lost, "metrics": metrics, "command": cmd}
 
 
 def _post(url: str, body: bytes) -> None:
@@ -138,25 +160,48 @@ def _wait_ready(url: str, proc, timeout: float) -> None:
 
 # --- oracle plans --------------------------------------------------------------------------------
 
-def oracle_plan(devs: list[dict], base: dict, model: str, n: int, seq: int, work: Path, k: int) -> Path:
-    """`hepti profile` on the spec with these conditions (no schedule), then `hepti plan`."""
-    spec = {**{k2: v for k2, v in base.items() if k2 != "schedule"}, "name": f"adapt-oracle-{k}",
-            "devices": devs}
+def oracle_plan(spec: dict, model: str, seq: int, work: Path, k: int) -> tuple[Path, Path]:
+    """`hepti profile` on `spec` (a `steady_spec`: one phase's conditions, no schedule), then
+    `hepti plan`: (the spec's file, the plan's file)."""
     spec_path = work / f"oracle-{k}.json"
     spec_path.write_text(json.dumps(spec))
+    n = len(spec["devices"])
     prof, plan = work / f"profile-{k}.json", work / f"plan-{k}.json"
     subprocess.run([*hepti_cmd(), "emulate", "--cluster", str(spec_path), "--", mpiexec(), "-n", str(n),
                     "hepti", "profile", "--model", model, "--seq", str(seq), "--out", str(prof)],
                    check=True, capture_output=True, text=True, timeout=1800)
     subprocess.run([*hepti_cmd(), "plan", "--model", model, "--profile", str(prof), "--seq", str(seq),
                     "--out", str(plan)], check=True, capture_output=True, text=True, timeout=600)
-    return plan
+    return spec_path, plan
 
 
 # --- figures ----------------------------------------------------------------------------------------
 
 def in_phase(reqs, ph) -> list[float]:
     return [lat for t, lat in reqs if ph["start"] <= t < ph["end"]]
+
+
+def phase_lats(run: dict, ph: dict) -> list[float]:
+    """A run's latencies for phase `ph`: those of requests sent during it, or, for a steady run
+    (one phase's conditions from its start, `steady_spec`), those of its first end - start s."""
+    if run.get("steady"):
+        return [lat for t, lat in run["requests"] if t < ph["end"] - ph["start"]]
+    return in_phase(run["requests"], ph)
+
+
+def longest_wait(run: dict, t_ev: float, t_end: float) -> float | None:
+    """The longest a client waited for an answer from `t_ev` on, through `t_end`: from the
+    event, or from the answer before, to the next answer (s). After a device hangs or its link
+    goes silent, the time to the first answer; None if none came at all."""
+    prev, worst = t_ev, None
+    for c in sorted(t + lat for t, lat in run["requests"]):
+        if c <= t_ev:
+            continue
+        if c > t_end and worst is not None:
+            break
+        worst = max(worst or 0.0, c - prev)
+        prev = c
+    return worst
 
 
 def time_weighted(lats: list[float]) -> float | None:
@@ -168,19 +213,20 @@ def summarize(runs: dict, phs: list[dict], oracle_of_phase: list[str | None]) ->
     piecewise = []
     for i, ph in enumerate(phs):
         row = {"start": ph["start"], "end": ph["end"], "median_ms": {}}
-        for name, r in runs.items():
-            lats = in_phase(r["requests"], ph)
-            row["median_ms"][name] = statistics.median(lats) * 1e3 if lats else None
         o = oracle_of_phase[i]
+        for name, r in runs.items():
+            lats = phase_lats(r, ph) if not r.get("steady") or name == o else []
+            row["median_ms"][name] = statistics.median(lats) * 1e3 if lats else None
         row["oracle"] = o
         if o in runs:
-            piecewise += in_phase(runs[o]["requests"], ph)
+            piecewise += phase_lats(runs[o], ph)
         out["phases"].append(row)
     out["piecewise_oracle_tw_ms"] = (time_weighted(piecewise) or 0) * 1e3
     for name, r in runs.items():
         lats = [lat for _, lat in r["requests"]]
         tw = time_weighted(lats)
-        out["variants"][name] = {"requests": len(lats), "time_weighted_ms": tw * 1e3 if tw else None,
+        out["variants"][name] = {"requests": len(lats), "lost": len(r.get("lost", [])),
+                                 "time_weighted_ms": tw * 1e3 if tw else None,
                                  "vs_piecewise_oracle": (tw * 1e3 / out["piecewise_oracle_tw_ms"])
                                  if tw and out["piecewise_oracle_tw_ms"] else None}
     if "adaptive" in runs:
@@ -190,7 +236,8 @@ def summarize(runs: dict, phs: list[dict], oracle_of_phase: list[str | None]) ->
 
 def events_figures(run: dict, phs: list[dict], runs: dict, oracle_of_phase) -> list[dict]:
     """Per phase change: when the adaptive service first flagged it (a monitor flag or a
-    re-plan, whichever came first), when it first re-planned, and its recovery; for a phase
+    re-plan, whichever came first), when it first re-planned, its recovery, the longest wait
+    for an answer from the event on (`longest_wait`) and the requests lost; for a phase
     whose conditions are the first phase's (a restore), the revert against the plan made at
     t = 0 (`static`) in the same phase."""
     t0, reqs = run["t0"], run["requests"]
@@ -219,7 +266,10 @@ def events_figures(run: dict, phs: list[dict], runs: dict, oracle_of_phase) -> l
         after = [(t, lat) for t, lat in reqs if t >= t_ev and t < ph["end"]]
         nxt = [lat for _, lat in after[RECOVER_WITHIN:RECOVER_WITHIN + RECOVER_NEXT]]
         o = oracle_of_phase[i]
-        oracle = statistics.median(in_phase(runs[o]["requests"], ph)) if o in runs and in_phase(runs[o]["requests"], ph) else None
+        o_lats = phase_lats(runs[o], ph) if o in runs else []
+        oracle = statistics.median(o_lats) if o_lats else None
+        row["first_answer_s"] = longest_wait(run, t_ev, ph["end"])
+        row["lost"] = sum(1 for t, *_ in run.get("lost", []) if t_ev <= t < ph["end"])
         if nxt and oracle:
             row["recovered_median_ms"] = statistics.median(nxt) * 1e3
             row["oracle_median_ms"] = oracle * 1e3
@@ -318,6 +368,7 @@ def combine(rounds: list[dict]) -> dict:
     for v in first["variants"]:
         per = [s["variants"][v] for s in sums]
         out["variants"][v] = {"time_weighted_ms": _median([x["time_weighted_ms"] for x in per]),
+                              "lost": [x.get("lost", 0) for x in per],
                               "vs_piecewise_oracle": _median([x["vs_piecewise_oracle"] for x in per]),
                               "vs_piecewise_oracle_rounds": [x["vs_piecewise_oracle"] for x in per],
                               "requests": [x["requests"] for x in per]}
@@ -327,7 +378,7 @@ def combine(rounds: list[dict]) -> dict:
             per = [s["events"][i] for s in sums]
             row = {"t": ev["t"]}
             for k in ("flagged_after_s", "flagged_after_requests", "replanned_after_s",
-                      "replanned_after_requests"):
+                      "replanned_after_requests", "first_answer_s", "lost"):
                 vals = [e[k] for e in per]
                 row[k + "_worst"] = None if None in vals else max(vals)
                 row[k + "_rounds"] = vals
@@ -402,7 +453,10 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=100.0, help="seconds of requests per run")
     ap.add_argument("--seq", type=int, default=256, help="tokens per request (default 256)")
     ap.add_argument("--model", default="weights/bert-base")
-    ap.add_argument("--variants", default="adaptive,static,oracle,even")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated, of adaptive, static, oracle, even (default all four; "
+                         "adaptive,oracle when the schedule hangs a device or silences a link, "
+                         "where a fixed plan and even shares recover as adaptive does)")
     ap.add_argument("--spec", default=None, metavar="SPEC.json",
                     help="another emulated cluster with its schedule (default "
                          "hostfiles/emu-drift4.json; --flap flaps its device named node-c), e.g. "
@@ -470,19 +524,25 @@ def main(argv=None) -> int:
     phs = phases(spec, args.duration) if not args.flap else (
         ([{"start": 0.0, "end": lead, "devices": base["devices"]}] if lead else [])
         + [{"start": lead, "end": run_s, "devices": base["devices"]}])
-    variants = args.variants.split(",")
+    # A device out (hung, silent) in some phase: every oracle is a steady run of its phase's
+    # conditions on the devices that answer (a service started fresh there), since a fixed plan
+    # on the scheduled spec would itself stall and recover in the outage and after it.
+    outage = any(is_out(d) for ph in phs for d in ph["devices"])
+    variants = (args.variants or ("adaptive,oracle" if outage else "adaptive,static,oracle,even")).split(",")
     serve = {"adaptive": ["--strategy", "auto", "--replan", "on"], "static": ["--strategy", "auto"],
              "even": ["--strategy", "even"]}
     # oracle plans: one per distinct condition (for --flap: the two links)
     oracle_of_phase: list[str | None] = [None] * len(phs)
     plans: dict[str, Path] = {}
+    launches: dict[str, tuple[Path, int, float]] = {}  # variant -> (spec, ranks, seconds), if not the run's
     if "oracle" in variants or args.flap:
         if args.flap:
             slow = copy.deepcopy(base["devices"])
             slow[2]["link_mbit"] = 100
             conds = [("link-940", base["devices"]), ("link-100", slow)]
             for name, devs in conds:
-                plans[name] = oracle_plan(devs, base, args.model, n, args.seq, work, len(plans))
+                _, plans[name] = oracle_plan(steady_spec(base, devs, f"adapt-oracle-{len(plans)}"),
+                                             args.model, args.seq, work, len(plans))
                 serve[f"static-{name}"] = ["--plan", str(plans[name])]
         else:
             seen: dict[str, str] = {}
@@ -492,8 +552,13 @@ def main(argv=None) -> int:
                     name = f"oracle-{len(seen)}"
                     print(f"[bench-adapt] profiling and planning {name} (phase {ph['start']:g}-"
                           f"{ph['end']:g} s)", file=sys.stderr, flush=True)
-                    plans[name] = oracle_plan(ph["devices"], base, args.model, n, args.seq, work, i)
+                    steady = steady_spec(base, ph["devices"], f"adapt-oracle-{i}")
+                    o_spec, plans[name] = oracle_plan(steady, args.model, args.seq, work, i)
                     serve[name] = ["--plan", str(plans[name])]
+                    if outage:
+                        longest = max(p["end"] - p["start"] for p in phs
+                                      if conditions_key(p["devices"]) == key)
+                        launches[name] = (o_spec, len(steady["devices"]), longest)
                     seen[key] = name
                 oracle_of_phase[i] = seen[key]
     names = ([v for v in variants if v != "oracle"] + [k for k in serve if k.startswith("oracle-")]
@@ -503,12 +568,16 @@ def main(argv=None) -> int:
         order = names[k % len(names):] + names[:k % len(names)]
         runs = {}
         for name in order:
-            print(f"[bench-adapt] round {k + 1}/{args.rounds}, {name}: {run_s:g} s of requests",
+            where, ranks, secs = launches.get(name, (spec_path, n, run_s))
+            print(f"[bench-adapt] round {k + 1}/{args.rounds}, {name}: {secs:g} s of requests"
+                  + (f" on the {ranks} devices that answer, held still" if name in launches else ""),
                   file=sys.stderr, flush=True)
-            runs[name] = served_run(spec_path, args.model, n, serve[name], run_s, args.seq,
+            runs[name] = served_run(where, args.model, ranks, serve[name], secs, args.seq,
                                     args.port, work / f"{name}-{k}.log")
+            runs[name]["steady"] = name in launches
             lats = [lat for _, lat in runs[name]["requests"]]
-            print(f"[bench-adapt] {name}: {len(lats)} requests, median {statistics.median(lats) * 1e3:.0f} ms",
+            print(f"[bench-adapt] {name}: {len(lats)} requests, median {statistics.median(lats) * 1e3:.0f} ms"
+                  + (f", {len(runs[name]['lost'])} lost" if runs[name]["lost"] else ""),
                   file=sys.stderr, flush=True)
         runs = {name: runs[name] for name in names}  # the same key order in every round
         summary = summarize(runs, phs, oracle_of_phase)

@@ -7,11 +7,12 @@ A run makes one group `hepti-emu-<pid>` with a leaf per device (`dev<i>`) and on
   made under the launcher's own cgroup in each hierarchy, so accounting stays where the caller
   put it. CPU: `cpu.cfs_period_us` / `cpu.cfs_quota_us`; memory: `memory.limit_in_bytes` (and
   `memory.memsw.limit_in_bytes` when swap is accounted, so a device cannot swap past its cap);
-  OOM kills are counted in `memory.oom_control` (`oom_kill N`).
+  OOM kills are counted in `memory.oom_control` (`oom_kill N`). A device's leaf in the freezer
+  hierarchy, where it is mounted, lets a schedule hang the device (`freezer.state` FROZEN).
 - cgroup v2 (most current distributions): controllers can only be enabled in a group with no
   processes of its own, so the group is made under the root. `cpu.max`, `memory.max`,
-  `memory.swap.max` = 0, OOM kills in `memory.events`. Written to the kernel's documentation;
-  this machine has no v2 controllers, so that path is untested here.
+  `memory.swap.max` = 0, OOM kills in `memory.events`, a hang by `cgroup.freeze`. Written to
+  the kernel's documentation; this machine has no v2 controllers, so that path is untested here.
 
 The CFS period is 10 ms (a capped rank runs in slices of at most 10 ms instead of the default
 100 ms, so it does not stutter); the kernel's smallest quota is 1 ms, so shares below 0.1 core
@@ -87,6 +88,7 @@ class Cgroups:
     cpu_base: str  # directory the run's group is made in, cpu hierarchy
     memory_base: str  # same, memory hierarchy (equal to cpu_base under v2)
     quota_factor: float = 1.0  # quota = factor x share (hepti.emulate.stretch.GUARD when stretched)
+    freezer_base: str | None = None  # v1's freezer hierarchy, if mounted (a schedule's `hang`)
 
     @classmethod
     def detect(cls) -> "Cgroups":
@@ -96,11 +98,11 @@ class Cgroups:
         v1 = {}
         for fstype, point, root, opts in mounts:
             if fstype == "cgroup":
-                for c in ("cpu", "memory"):
+                for c in ("cpu", "memory", "freezer"):
                     if c in opts.split(",") and c not in v1:
                         v1[c] = _join(point, root, own.get(c, "/"))
         if "cpu" in v1 and "memory" in v1:
-            return cls(1, v1["cpu"], v1["memory"])
+            return cls(1, v1["cpu"], v1["memory"], freezer_base=v1.get("freezer"))
         for fstype, point, root, _ in mounts:
             if fstype == "cgroup2":
                 try:
@@ -115,7 +117,13 @@ class Cgroups:
             "in v1). Boot with them enabled (e.g. `cgroup_enable=memory` on the kernel command line)")
 
     def bases(self) -> list[str]:
-        return [self.cpu_base] if self.version == 2 else [self.cpu_base, self.memory_base]
+        if self.version == 2:
+            return [self.cpu_base]
+        return [self.cpu_base, self.memory_base] + ([self.freezer_base] if self.freezer_base else [])
+
+    @property
+    def can_freeze(self) -> bool:
+        return self.version == 2 or self.freezer_base is not None
 
     def group_dirs(self, names: RunNames) -> list[str]:
         return [f"{b}/{names.cgroup_group}" for b in self.bases()]
@@ -155,6 +163,23 @@ class Cgroups:
                     Write(f"{d}/memory.swap.max", "0", optional=True)]
         return [Write(f"{d}/memory.limit_in_bytes", str(mem_bytes)),
                 Write(f"{d}/memory.memsw.limit_in_bytes", str(mem_bytes), optional=True)]
+
+    def freeze_actions(self, names: RunNames, i: int, frozen: bool) -> list[Action]:
+        """Device i hung (every process of it stopped where it stands, as a board whose kernel
+        froze: no exit, no closed socket, no error anywhere) or running again.
+
+        The freezer, not SIGSTOP: a process that joins the device later (a probe launched to see
+        whether it answers again) is frozen too, and nothing it runs can tell. Under v1 a frozen
+        process cannot even die of SIGKILL until thawed, like a hung board that nobody can reach;
+        teardown and `--cleanup` thaw a group before they kill (`kill_procs`)."""
+        if self.version == 2:
+            return [Write(f"{self.cpu_base}/{names.cgroup_leaf(i)}/cgroup.freeze", "1" if frozen else "0")]
+        if self.freezer_base is None:
+            raise EmulateError("a schedule's `hang` needs the freezer cgroup controller, which is not "
+                               "mounted here (mount it: `mount -t cgroup -o freezer freezer "
+                               "/sys/fs/cgroup/freezer`)")
+        return [Write(f"{self.freezer_base}/{names.cgroup_leaf(i)}/freezer.state",
+                      "FROZEN" if frozen else "THAWED")]
 
     def mem_change_actions(self, names: RunNames, i: int, mem_bytes: int) -> list[Action]:
         """A running device's new cap (a schedule's `mem`). v1 keeps memsw.limit (memory plus
@@ -245,8 +270,22 @@ def procs_in(dirs: list[str]) -> list[int]:
     return sorted(pids)
 
 
+def thaw(dirs: list[str]) -> None:
+    """Let every frozen group under `dirs` run again (a device a schedule hung): under cgroup v1 a
+    frozen process does not die of SIGKILL until it is thawed."""
+    for d in dirs:
+        for root, _, files in os.walk(d):
+            for f, running in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+                if f in files:
+                    try:
+                        Path(root, f).write_text(running)
+                    except OSError:
+                        pass
+
+
 def kill_procs(dirs: list[str], extra: list[int] = (), wait_s: float = 5.0) -> list[int]:
     """SIGKILL every process in the cgroups (and `extra`) until none is left; return who was killed."""
+    thaw(dirs)
     killed: list[int] = []
     deadline = time.monotonic() + wait_s
     todo = sorted(set(procs_in(dirs)) | set(extra))

@@ -238,6 +238,8 @@ class _Run:
             acts += net.loss_actions(self.names, ev.device, ev.loss)
         if memory and ev.mem_bytes is not None:
             acts += self.cg.mem_change_actions(self.names, ev.device, ev.mem_bytes)
+        if ev.hang is not None:
+            acts += self.cg.freeze_actions(self.names, ev.device, ev.hang)
         return acts
 
     def _set_mem(self, ev, dev: dict) -> tuple[str, str | None]:
@@ -321,6 +323,9 @@ class _Run:
             changes.append(f"loss {dev.get('loss', 0):g} -> {ev.loss:g}%"
                            + (" (silent)" if ev.loss >= 100 else " (restored)"))
             dev["loss"] = ev.loss
+        if ev.hang is not None:
+            changes.append("hangs (frozen)" if ev.hang else "runs again (thawed)")
+            dev["hang"] = ev.hang
         record = {**ev.to_dict(), "applied_at": time.time()}
         if refused:
             record["failed"] = "; ".join(refused)
@@ -546,6 +551,8 @@ def run_emulated(spec_path, command: list[str], *, keep: bool = False, dry_run: 
     command = prepare_command(list(command), len(spec.devices))
     # stretched devices (hepti.emulate.stretch) keep a quota a little above their share as a guard
     cg = dataclasses.replace(Cgroups.detect(), quota_factor=stretch.GUARD if stretch.stretch_wanted() else 1.0)
+    if any(ev.hang is not None for ev in spec.schedule) and not cg.can_freeze:
+        cg.freeze_actions(RunNames(os.getpid(), len(spec.devices)), 0, True)  # says what is missing
     run = _Run(spec=spec, names=RunNames(os.getpid(), len(spec.devices)), cg=cg,
                idle_fill=idle_fill, cold_cache=cold_cache, schedule_on_usr1=schedule_on_usr1)
     if dry_run:

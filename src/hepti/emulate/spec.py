@@ -18,7 +18,9 @@ Schema (JSON object):
         {"t": 70.0, "device": 1, "loss": 0},             # ... and is back
         {"t": 50.0, "device": "pi4-b", "mem_hog": "500MiB"},  # another program takes memory ...
         {"t": 80.0, "device": "pi4-b", "mem_hog": 0},    # ... and lets it go
-        {"t": 90.0, "device": 0, "mem": "700MiB"}]       # the device's cap itself changes
+        {"t": 90.0, "device": 0, "mem": "700MiB"},       # the device's cap itself changes
+        {"t": 95.0, "device": 2, "hang": true},          # it hangs: every process frozen ...
+        {"t": 99.0, "device": 2, "hang": false}]         # ... and runs on
     }
 
 - `cpu` is a CFS quota: 0.25 means a quarter of one core's time, spread over any cores.
@@ -29,8 +31,8 @@ Schema (JSON object):
   `hepti profile` measures (a gigabit Raspberry Pi 4 measures about 940). The shaper's wire rate
   is set higher by the Ethernet/IP/TCP header overhead so that the payload rate is the figure
   given. A transfer between devices i and j runs at min(link_i, link_j).
-- A schedule event changes `link_mbit`, `cpu`, `loss`, `mem` and/or `mem_hog` of one device at
-  `t` seconds after COMMAND starts.
+- A schedule event changes `link_mbit`, `cpu`, `loss`, `mem`, `mem_hog` and/or `hang` of one
+  device at `t` seconds after COMMAND starts.
 - `mem_hog` is memory that another program on the device takes (and touches, so it is really
   used) from `t` on, on top of what the device's ranks use, inside the device's cap: a board
   whose other service grows, or someone opening a browser on the laptop. 0 lets it go; a new
@@ -52,6 +54,10 @@ Schema (JSON object):
   seen), 0 the link restored, shaped as before. Only 0 and 100: a share in between needs tc's
   `netem`, which this kernel lacks (DESIGN.md); a link that never comes back has no 0 after
   its 100.
+- `hang: true` freezes every process of the device where it stands (the cgroup freezer), as a
+  board whose kernel hung: nothing exits, no socket closes, its link stays up, and a process
+  started on it later freezes too; `false` lets them run on. A device that never comes back
+  has no `false`.
 """
 from __future__ import annotations
 
@@ -76,7 +82,7 @@ MEM_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "k": 1 << 10,
              "g": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 TOP_FIELDS = ("name", "description", "devices", "schedule")
 DEVICE_FIELDS = ("name", "cpu", "mem", "link_mbit")
-EVENT_FIELDS = ("t", "device", "link_mbit", "cpu", "loss", "mem", "mem_hog")
+EVENT_FIELDS = ("t", "device", "link_mbit", "cpu", "loss", "mem", "mem_hog", "hang")
 CHANGES = EVENT_FIELDS[2:]  # what an event may change; it must change one of them
 LOSS_VALUES = (0.0, 100.0)  # percent: restored, silent (no netem here for anything between)
 
@@ -107,8 +113,8 @@ class Device:
 @dataclass(frozen=True)
 class ScheduleEvent:
     """At `t` seconds after COMMAND starts, set device `device`'s link rate, CPU share, packet
-    loss (percent: 100 silent, 0 restored), memory cap (bytes) and/or the memory another
-    program on it holds (bytes, 0: none)."""
+    loss (percent: 100 silent, 0 restored), memory cap (bytes) the memory another
+    program on it holds (bytes, 0: none) and/or whether it hangs."""
 
     t: float
     device: int
@@ -117,6 +123,7 @@ class ScheduleEvent:
     loss: float | None = None
     mem_bytes: int | None = None
     hog_bytes: int | None = None
+    hang: bool | None = None
 
     def to_dict(self) -> dict:
         d = {"t": self.t, "device": self.device}
@@ -130,6 +137,8 @@ class ScheduleEvent:
             d["mem"] = format_mem(self.mem_bytes)
         if self.hog_bytes is not None:
             d["mem_hog"] = format_mem(self.hog_bytes) if self.hog_bytes else 0
+        if self.hang is not None:
+            d["hang"] = self.hang
         return d
 
 
@@ -274,8 +283,11 @@ def _event(d, j: int, devices: list[Device], src: str) -> ScheduleEvent:
                         "(`tc qdisc add ... netem` fails)")
     mem = None if d.get("mem") is None else parse_mem(d["mem"], f"{what}.mem")
     hog = None if d.get("mem_hog") is None else parse_hog(d["mem_hog"], f"{what}.mem_hog")
+    hang = d.get("hang")
+    if hang is not None and not isinstance(hang, bool):
+        raise SpecError(f"{what}.hang: {hang!r} must be true (the device hangs) or false (it runs on)")
     return ScheduleEvent(t=t, device=index, link_mbit=link, cpu=cpu, loss=loss, mem_bytes=mem,
-                         hog_bytes=hog)
+                         hog_bytes=hog, hang=hang)
 
 
 def _check_hogs(devices: list[Device], events: list[ScheduleEvent], src: str) -> None:

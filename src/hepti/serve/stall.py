@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from hepti.emulate.command import find_mpiexec
 from hepti.serve import protocol
 from hepti.serve.replan import COOLDOWN_S, FLAP_HOLD_S, FLAP_WINDOW_S, HORIZON_S, LINK_CHECK_S
 
@@ -66,6 +67,9 @@ PROBE_TIMEOUT_S = 2.0  # a probe that has no answer by then counts as silent
 # The port a host of a hostfile is probed on: Hydra starts ranks there over ssh, so it is
 # open; a refusal counts as an answer too (the host's kernel and its link answered).
 PROBE_PORT = 22
+# A process started on a probed host (through mpiexec's launcher, ssh on a real cluster) gets
+# this many probe timeouts to run and exit: an ssh login and a Python start on a board.
+PROBE_START_FACTOR = 5
 # Answers in a row before a device is re-admitted: one to notice, one to confirm, as the
 # re-planner acts on an alarm only once the next batch confirms it.
 CONFIRM_PROBES = 2
@@ -167,12 +171,17 @@ def kill_if_ours(pid: int | None, token: str) -> bool:
 
 
 def probe_device(host: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether a lost device answers again.
+    """Whether a lost device answers again: a new process started on it runs and exits.
 
-    A host of a hostfile (a board, or an emulated device's address): a TCP connect to its
-    PROBE_PORT is accepted or refused within timeout_s, i.e. its kernel and its link answer;
-    a frozen kernel or a link that drops every packet leaves the connect unanswered, and an
-    unreachable host fails it.
+    A host of a hostfile (a board, or an emulated device's address): first a TCP connect to
+    its PROBE_PORT, accepted or refused within timeout_s (its kernel and its link answer; a
+    link that drops every packet leaves it unanswered, an unreachable host fails it, and
+    either costs no more). Then a process on it, started as its ranks are (`mpiexec -n 1
+    -hosts HOST`), within PROBE_START_FACTOR x timeout_s: a board whose processes no longer run
+    answers the connect from its kernel all the same. Under `hepti emulate` a hung device is
+    one whose processes are frozen while the machine's shared kernel still answers for it: the
+    connect alone re-admitted it 3 s after it was declared lost, frozen still (bench-adapt
+    --spec emu-hang3.json), and a launch on it would have hung in turn.
 
     None, this machine (`hepti serve -n N` without a hostfile: a device is one of its rank
     slots): a new process started here runs and exits within timeout_s x 5. The stopped rank
@@ -180,18 +189,34 @@ def probe_device(host: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     that process: on a machine that runs processes, this answers at once, and re-admission
     then waits only for the hysteresis (`DeviceBench`)."""
     if host is None:
-        try:
-            return subprocess.run([sys.executable, "-I", "-S", "-c", "pass"],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, timeout=5 * timeout_s).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            return False
+        return _runs([sys.executable, "-I", "-S", "-c", "pass"], 5 * timeout_s)
     try:
         with socket.create_connection((host, PROBE_PORT), timeout=timeout_s):
-            return True
+            pass
     except ConnectionRefusedError:
-        return True
+        pass
     except OSError:  # timed out, host or network unreachable, no such name
+        return False
+    return _runs([find_mpiexec(), "-n", "1", "-hosts", host, sys.executable, "-I", "-S", "-c", "pass"],
+                 PROBE_START_FACTOR * timeout_s)
+
+
+def _runs(argv: list[str], timeout_s: float) -> bool:
+    """`argv` ran and exited 0 within timeout_s. On a timeout its whole process group is
+    killed (mpiexec and the launcher it started; a frozen process dies once it thaws)."""
+    try:
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        return False
+    try:
+        return p.wait(timeout_s) == 0
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
         return False
 
 
