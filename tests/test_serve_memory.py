@@ -243,7 +243,8 @@ def test_a_squeezed_device_is_re_planned_off_before_the_oom_killer(root_env, min
     """hostfiles/emu-squeeze.json under `hepti serve --strategy tensor --replan on`, two clients posting: 10 s
     after the schedule starts another program on node-b takes 250 MiB, most of what its rank
     has free. The service re-plans for memory (a plan that leaves node-b its headroom: a
-    smaller share or none), every accepted request is answered once and equals the
+    smaller share or none; or, when a re-plan for speed already left node-b a share that fits,
+    the plan in force, kept), every accepted request is answered once and equals the
     single-device embeddings, and `--summary` counts no OOM kill on any device."""
     summary = tmp_path / "summary.json"
     texts = ["A cat sat.", "Edge devices differ in speed, memory and link.", "x " * 100]
@@ -263,10 +264,10 @@ def test_a_squeezed_device_is_re_planned_off_before_the_oom_killer(root_env, min
         p.send_signal(signal.SIGUSR1)  # the schedule's clock: the program comes at t = 10 s
         t0 = time.monotonic()
 
-        def memory_switch():
+        def memory_switch():  # the memory re-plan, once decided (and switched to, if it moved)
             replans = http(url + "/metrics")[1]["replans"]
             return next((r for r in replans if r.get("reason", "").startswith("memory:")
-                         and r.get("decision") == "switch" and "switched_at" in r), None)
+                         and (r.get("decision") == "keep" or "switched_at" in r)), None)
         switch = None
         while switch is None and time.monotonic() - t0 < 45:
             time.sleep(1.0)
@@ -294,10 +295,11 @@ def test_a_squeezed_device_is_re_planned_off_before_the_oom_killer(root_env, min
     for j, row in clients.answers:
         np.testing.assert_allclose(row, want[j], atol=2e-5)
     b = m["ranks"][1]
-    line = next(x for x in said if "re-plan: memory:" in x and "-> switch" in x)
+    line = next(x for x in said if "re-plan: memory:" in x)
+    at = switch.get("switched_at", switch["t"])
     print(f"\nemu-squeeze (MiniLM, -n 3, --replan on; ready in {ready_s:.0f} s): node-b's "
           f"program took 250 MiB at t=10 s; memory re-plan at t="
-          f"{switch['switched_at'] - time.time() + time.monotonic() - t0:.1f} s:\n  "
+          f"{at - time.time() + time.monotonic() - t0:.1f} s:\n  "
           f"{line.strip()}\n  node-b's shares now {b['shares']}; {req['answered']} requests "
           f"answered, {len(clients.errors)} failed; OOM kills {kills}; peak use (MiB) "
           + ", ".join(f"{d['name']} {d['peak_mem_bytes'] / 2**20:.0f}/{d['mem_bytes'] / 2**20:.0f}"
