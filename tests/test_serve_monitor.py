@@ -495,6 +495,36 @@ def test_a_link_read_back_stays_planned_slow_unless_the_plan_switches_for_it():
     assert w.verifying is None  # the plan's figures are as before: nothing to check
 
 
+def test_a_link_read_back_at_every_check_is_taken_as_back_at_the_third():
+    """A slow link read back by LINK_BACK_N checks in a row, each keeping the plan, is taken as
+    back and no longer checked (one slow probe on a busy host had kept a steady link planned
+    slow, and probed every 5 s, for good); a check that reads it slow between starts the
+    count again."""
+    from hepti.plan.partition import make_plan
+    from hepti.serve.replan import LINK_BACK_N
+    slow = {"latency_s": 1e-4, "bandwidth_Bps": 100e6 / 8}
+    back = {"2": {"latency_s": 1e-4, "bandwidth_Bps": 930e6 / 8}}
+    still = {"2": dict(slow)}
+    # light and full probe per check that reads it back; one light probe per check reading slow
+    w, sup = _watcher([back, back, still, back, back] + [back, back] * (LINK_BACK_N - 1))
+    w._batches_per_s = lambda: 1e-6  # a switch never pays back its cost: every check keeps
+    w.links["2"] = dict(slow)
+    w._refit()
+    w.plan = make_plan(w.cfg, w.profile, 256, 1, strategy="rows")
+    w._refitted(alarmed=None)
+    assert w._check_slow_links(None) and sup.replans[-1]["links_kept_slow"] == [2]
+    assert not w._check_slow_links(None)  # read slow: no re-plan, and the count starts again
+    for k in range(LINK_BACK_N - 1):
+        assert w._check_slow_links(None) and sup.replans[-1]["links_kept_slow"] == [2]
+        assert w.links["2"] == slow
+    assert w._check_slow_links(None)
+    assert sup.replans[-1]["decision"] == "keep" and sup.replans[-1]["links_back"] == [2]
+    assert "links_kept_slow" not in sup.replans[-1]
+    assert w.links["2"]["bandwidth_Bps"] == pytest.approx(930e6 / 8)
+    n = len(sup.headers)
+    assert not w._check_slow_links(None) and len(sup.headers) == n  # nothing left to check
+
+
 def test_a_device_whose_free_memory_falls_moves_the_plan_off_rows():
     """Rank 2's free memory falls by 1.7 GB (another program took it) while every rank holds
     the whole model under `rows`: its cap falls by as much, the current plan no longer fits

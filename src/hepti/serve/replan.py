@@ -62,6 +62,14 @@ FLAP_PROBES, FLAP_SPREAD, FLAP_HOLD_S = 4, 1.5, 60.0
 # the slow link left idle has no residuals to show it came back (bench-adapt: the restore at
 # 60 s went unseen, 810 ms against the original plan's 701 until the end).
 LINK_CHECK_S = 5.0
+# A link planned slow that LINK_BACK_N periodic checks in a row read at its profiled rate, and
+# whose re-plans kept the plan in force, is taken as back: until then `_unless_switched` keeps
+# it planned slow (it may be flapping). Without an end, one slow probe on a busy host kept a
+# steady link planned slow for good, and probed twice every LINK_CHECK_S: bench-adapt
+# --quiet-ab 600 at 0962d8a read node-b's link back 15 times in a row ("rank 1 ... Mbit/s
+# again -> keep") and never let it go. Three checks span 15 s, several periods of the flaps
+# bench-adapt --flap makes (2 s), each of which would have read it slow once.
+LINK_BACK_N = 3
 MOVED = 0.2  # a link more than this far (fraction) from its profiled rate has moved
 # A device's memory: what it could hold now ("room": its free memory, the median of its last
 # MEM_N reports, plus what its plan and any copy kept beside it hold) against the room it had
@@ -139,6 +147,7 @@ class PlanWatcher:
         self.comm_lambda_scale = 1.0  # doubled by each probe that found the links unchanged
         self.link_changes: dict[str, list] = {}  # rank -> [(when, probed link)] that moved
         self.flap_hold: dict[str, float] = {}  # rank -> until when its link is held at its worst
+        self.back_reads: dict[str, int] = {}  # rank -> checks in a row that read its link back
         self.burst = None  # {"event", "probes"}: links probed over several batches (a flap)
         self.swing_range = SWING_RANGE
         self.last_link_check = -math.inf
@@ -425,6 +434,9 @@ class PlanWatcher:
                                         "sizes": CHECK_SIZES})
         back = [r for r, v in light["links"].items()
                 if v["bandwidth_Bps"] > self.base.devices[int(r)].bandwidth_Bps / (1 + MOVED)]
+        for r in slow:  # a check that reads it slow starts its count again
+            if r not in back:
+                self.back_reads.pop(r, None)
         if not back:
             return {}
         return self.sup.command(sock, {"op": "probe", "ranks": [int(r) for r in back]})["links"]
@@ -436,8 +448,20 @@ class PlanWatcher:
         9cf07ba, round 2, a link check read node-c's flapping link at 928 Mbit/s and kept the
         plan; 47 s later a re-plan on node-d's compute (1.16x) gave node-c a share again, and
         its batches took 1.2 s against 0.76 until the rollback. The periodic check (and each
-        re-plan on compute) reads them again, and a switch takes them."""
+        re-plan on compute) reads them again, and a switch takes them; so does the
+        LINK_BACK_N-th check in a row that reads one back."""
         if not back or event.get("decision") == "switch":
+            for r in back:
+                self.back_reads.pop(r, None)
+            return
+        for r in back:
+            self.back_reads[r] = self.back_reads.get(r, 0) + 1
+        steady = [r for r in back if self.back_reads[r] >= LINK_BACK_N]
+        for r in steady:  # read back LINK_BACK_N checks in a row: it is back (LINK_BACK_N)
+            self.back_reads.pop(r)
+        event["links_back"] = sorted(int(r) for r in steady)
+        back = [r for r in back if r not in steady]
+        if not back:
             return
         for r in back:
             self.links[r] = event["before"][1][r]
