@@ -991,7 +991,15 @@ class Supervisor:
         it has said hello (`_SWITCH`). Why: stopping the serving job first left no answers for
         a whole launch (emu-hang3: 11 s). False when it cannot start ahead (no room on a device
         that would run both jobs: `_no_room_for_both`; or the start itself failed): the job is
-        then stopped and relaunched with them, as before, and the log says why."""
+        then stopped and relaunched with them, as before, and the log says why.
+
+        The longest wait for an answer around a re-admission (`python -m hepti.bench.stall
+        --readmit`, medians of runs; 2026-11-29 on this shared 2-core machine): under `hepti
+        emulate` of hostfiles/emu-hang3.json with bench-adapt's client (`--spec`, 3 runs each)
+        4.70 s (4.54-5.33) stopping first, at load 9.6-15.7, against 0.77 s (0.66-1.22) with
+        this, at load 14.5-15.4, while the job with the device loaded 9.6-12.6 s beside it; in
+        process, `-n 2` (5 runs each) 3.44 s (1.97-12.8) at load 5.7-8.4 against 0.50 s
+        (0.39-1.04) at load 10.7-12.5. No request lost or answered twice in any run."""
         with self._cv:
             hosts = list(self._admit)
         with self._bench_lock:
