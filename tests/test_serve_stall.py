@@ -308,6 +308,61 @@ def test_the_spare_is_kept_for_the_world_one_rank_smaller_only(idle_sup):
     assert sup._spare_target() == (1, ["--strategy", "tensor"])
 
 
+def test_a_readmission_starts_ahead_only_with_room_and_a_failed_start_goes_back_to_the_bench(
+        idle_sup, monkeypatch):
+    """Make-before-break's bookkeeping: the world with the device back is computed without
+    touching the serving one's (its ranks' hosts are still read from it); with a hostfile and
+    no free-memory reports (--replan off) it is not started ahead (`_start_admission` False:
+    stop and relaunch, as before, the log says why); with reports, a device that would run
+    both jobs and lacks room for the new one's ranks says so; a job started ahead that never
+    says hello leaves the serving world as it was and puts the device back on the bench, held
+    as a flapping one."""
+    from types import SimpleNamespace
+
+    from hepti.model.sizes import model_bytes
+    sup = idle_sup
+    sup.entries = [("a", 1), ("b", 1), ("c", 1)]
+    sup._first_entries, sup.n, sup._first_n = list(sup.entries), 3, 3
+    sup.worker_args = sup._first_args = ["--strategy", "tensor", "--ratios", "3,2,1"]
+    sup._drop_ranks([1], {}, "silent")
+    assert sup.entries == [("a", 1), ("c", 1)] and sup.n == 2
+    sup.bench.devices["b"].answers, sup.bench.devices["b"].hold_until = 2, 0.0
+    sup._admit = ["b"]
+    assert sup._world_with([sup.bench.devices["b"]]) == (
+        [("a", 1), ("b", 1), ("c", 1)], 3, ["--strategy", "tensor", "--ratios", "3,2,1"])
+    assert sup.entries == [("a", 1), ("c", 1)] and sup.n == 2  # the serving world: unchanged
+    sup.ranks = [{"rank": 0, "pid": None}, {"rank": 1, "pid": None}]
+    started = []
+    monkeypatch.setattr(sup, "_start_job", lambda *a, **k: started.append(a))
+    assert not sup._start_admission() and not started  # no reports: stop and relaunch
+    assert sup._admit == ["b"] and "b" in sup.bench.devices  # for `_life`, as before
+    assert "no free memory" in sup._no_room_for_both([("a", 1), ("b", 1), ("c", 1)], 3)
+    per_rank = model_bytes(sup.config) + stall.RANK_RUNTIME_BYTES
+    sup.watcher = SimpleNamespace(free_seen={0: [10 * per_rank] * 3, 1: [0.5 * per_rank] * 3},
+                                  base=SimpleNamespace(devices=[SimpleNamespace(usable_bytes=0.0)] * 2))
+    why = sup._no_room_for_both([("a", 1), ("b", 1), ("c", 1)], 3)
+    assert why is not None and why.startswith("c has"), why  # rank 1 of the serving job is on c
+    sup.watcher.free_seen[1] = [10 * per_rank] * 3
+    assert sup._no_room_for_both([("a", 1), ("b", 1), ("c", 1)], 3) is None
+    # started ahead, never said hello: the serving world stays, the device is benched again
+    from hepti.serve.supervisor import _Job
+    ended = []
+    monkeypatch.setattr(sup, "_end_spare", lambda job, wait=False: ended.append(job))
+    back = sup._bench_admit(["b"])
+    assert sup.bench.devices == {} and sup._admit == []
+    job = _Job(proc=None, reader=None, listener=None, n=3, args=[], started_at=time.time(),
+               files_before=None, tail=collections.deque(), admits=back,
+               failed="the workers were not ready within 60 s")
+    sup._incoming = job
+    sup.launches = [{"epoch": 2}]
+    assert sup._incoming_settled()
+    sup._abandon_incoming()
+    assert ended == [job] and sup._incoming is None
+    assert sup.entries == [("a", 1), ("c", 1)] and sup.n == 2
+    assert sup.bench.devices["b"].flaps == 1 and sup.bench.devices["b"].ranks == 1
+    assert sup.launches[-1]["admissions_failed"][0]["hosts"] == ["b"]
+
+
 # --- end to end -----------------------------------------------------------------------------------
 class Clients:
     """Two clients posting in a loop (each request one of `ids`), every answer kept."""
@@ -315,6 +370,7 @@ class Clients:
     def __init__(self, embed, ids, n=2):
         self.embed, self.ids = embed, ids
         self.answers: list[tuple[float, int, np.ndarray]] = []  # (when answered, input, row)
+        self.spans: list[tuple[float, float]] = []  # (when sent, when answered), monotonic
         self.errors: list[BaseException] = []
         self.sent = 0
         self._stop = threading.Event()
@@ -330,6 +386,7 @@ class Clients:
             i += len(self.threads)
             with self._lock:
                 self.sent += 1
+            t_sent = time.monotonic()
             try:
                 row = self.embed(j)
             except Exception as e:  # noqa: BLE001 - recorded, asserted by the test
@@ -337,6 +394,7 @@ class Clients:
                 continue
             with self._lock:
                 self.answers.append((time.monotonic(), j, row))
+                self.spans.append((t_sent, self.answers[-1][0]))
 
     def first_after(self, t0: float) -> float | None:
         with self._lock:
@@ -432,6 +490,55 @@ def test_a_stopped_worker_is_declared_lost_and_its_device_admitted_again(served,
           f"on 1 rank: {relaunch}); 2 ranks serving again "
           f"{mono(back['started_at'] + back['ready_s']) - t_stop:.1f} s after the stop; "
           f"{m['answered']} requests answered, 0 lost, {m['duplicates']} twice")
+
+
+def test_a_device_back_is_readmitted_while_the_job_without_it_serves_on(served, minilm_dir):
+    """Make-before-break: worker rank 1 of `-n 2` is SIGSTOPped and declared lost; once its
+    slot is confirmed back, the job of 2 ranks is started while the job of 1 serves on, and
+    the service switches to it between two batches. Two clients post in a loop throughout:
+    the job of 1 answered while the job of 2 loaded, up to its hello; no request sent before
+    that load began waited through it (under stop-and-relaunch, every request in flight
+    then did); every request is answered once, equal to the single-device embeddings."""
+    sup = served(2, "--strategy", "tensor")
+    ids = texts_ids(sup, TEXTS)
+    want = single_device(minilm_dir, ids)
+    sup.embed(ids)
+    clients = Clients(lambda j: sup.embed([ids[j]])[0], ids)
+    stopped = None
+    try:
+        wait_for("answers before the stop", lambda: len(clients.answers) >= 6, 120)
+        victim = next(r for r in sup.ranks if r["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGSTOP)
+        stopped = victim["pid"]
+        wait_for("the rank declared lost", lambda: len(sup.launches) >= 2, 60)
+        back = wait_for("the device admitted again", lambda: next(
+            (x for x in sup.launches[2:] if x.get("readmitting") and "ready_s" in x), None), 240)
+        n_before = len(clients.answers)
+        wait_for("answers on two ranks", lambda: len(clients.answers) >= n_before + 4, 120)
+    finally:
+        if stopped is not None and _alive(stopped):
+            os.kill(stopped, signal.SIGCONT)
+        clients.stop()
+    assert back["make_before_break"] and back["n"] == 2 and back["readmitting"] == ["localhost"]
+    old = sup.launches[sup.launches.index(back) - 1]
+    assert old["n"] == 1 and "switched to the job that re-admits localhost" in old["end"], old
+    load_from, hello = mono(back["started_at"]), mono(back["started_at"] + back["ready_s"])
+    switched = mono(back["switched_at"])
+    assert load_from < hello <= switched  # started ahead; taken after its hello
+    during = [t for t, _, _ in clients.answers if load_from < t < hello]
+    assert during, "the job without the device answered nothing while the new one loaded"
+    waited_through = [(a, b) for a, b in clients.spans if a < load_from and b > hello]
+    assert waited_through == [], waited_through
+    assert not clients.errors, clients.errors[:3]
+    m = sup.metrics()["requests"]
+    assert m["accepted"] == m["answered"] == clients.sent + 1 and m["failed"] == 0, m
+    assert m["duplicates"] == 0 and m["inputs_answered"] == clients.sent + len(ids), m
+    for _, j, row in clients.answers:
+        np.testing.assert_allclose(row, want[j], atol=2e-5)
+    print(f"\nre-admission make-before-break (-n 2, tensor, 2 clients): the job of 2 loaded "
+          f"{back['ready_s']:.1f} s while the job of 1 answered {len(during)} requests; "
+          f"switched {switched - hello:.3f} s after its hello; {m['answered']} requests "
+          f"answered, 0 lost, {m['duplicates']} twice")
 
 
 def test_a_silent_link_under_emulate_is_handled_as_a_hang(root_env, minilm_dir, tmp_path):  # noqa: F811

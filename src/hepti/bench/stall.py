@@ -13,6 +13,17 @@ figures: the median and range of each over the runs.
     python -m hepti.bench.stall [--model weights/minilm-l6] [--ranks 2] [--runs 5]
                                 [--settings spare,fresh] [--out results/tmp/stall.json]
 
+`--readmit` instead times a lost device's re-admission: the longest wait for an answer around
+it (`readmit_run`; medians over `--runs`). Without `--spec`, in this process: `-n RANKS`,
+SIGSTOP of rank 1 (declared lost, relaunched without it), two closed-loop clients, until the
+device is back and serving; with `--spec` (root), `hepti emulate` of that spec under
+hepti.bench.adapt's client (`served_run`: one closed-loop client, `--strategy auto --replan
+on`, the schedule's hang), for `--duration` seconds. Run the file with another tree's src on
+PYTHONPATH to time that tree (the service is that tree's; this bench's code is only the
+client and the figures):
+
+    PYTHONPATH=/work/main/src python src/hepti/bench/stall.py --readmit --runs 5
+
 `--stages N` instead times what a fresh relaunch of one rank does, N times: `mpiexec -n 1`
 of this module's `_stages`, which does the worker's steps in its order and prints when each
 ended, counted from before mpiexec started (wall) and in CPU seconds: Python and numpy, numba,
@@ -26,6 +37,7 @@ import json
 import os
 import signal
 import statistics
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -119,6 +131,123 @@ def one_run(model: str, ranks: int, spare: bool, settle_s: float = 3.0) -> dict:
         sup.stop()
 
 
+# --- re-admission --------------------------------------------------------------------------------
+# The window whose requests count as "around the re-admission": from this long before the job
+# with the device back started (before make-before-break, the serving job was stopped then) to
+# this long after it said hello.
+AROUND_S = 5.0
+
+
+def _load_sampler(stop: threading.Event, out: list) -> None:
+    """The 1-minute load average every second, (time.time(), load1), until `stop`."""
+    while not stop.wait(1.0):
+        out.append((time.time(), os.getloadavg()[0]))
+
+
+def _admission(launches: list[dict]) -> dict | None:
+    """The launch that took a lost device back and said hello (its `readmitting` record)."""
+    return next((x for x in launches if x.get("readmitting") and "ready_s" in x), None)
+
+
+def readmit_figures(requests: list[tuple[float, float]], launches: list[dict],
+                    loads: list[tuple[float, float]]) -> dict:
+    """From requests as (submitted, answered) in time.time() seconds and the service's launch
+    records: around the re-admission (AROUND_S before its job started, to AROUND_S after its
+    hello), the longest any request waited (its latency, for every request in flight at some
+    time in that window) and the longest time without an answer (between consecutive answers);
+    the load average nearest the hello."""
+    back = _admission(launches)
+    if back is None:
+        raise RuntimeError("no re-admission in the launch records")
+    lo = back["started_at"] - AROUND_S
+    ready = back["started_at"] + back["ready_s"]
+    hi = ready + AROUND_S
+    inside = [(a, b) for a, b in requests if b >= lo and a <= hi]
+    answers = sorted(b for _, b in requests if lo <= b <= hi)
+    edges = [lo] + answers + [hi]
+    load = min(loads, key=lambda x: abs(x[0] - ready))[1] if loads else os.getloadavg()[0]
+    return {"load1": round(load, 2),
+            "longest_wait_s": round(max((b - a for a, b in inside), default=float("nan")), 3),
+            "longest_gap_s": round(max(y - x for x, y in zip(edges, edges[1:])), 3),
+            "answered_in_window": len(answers),
+            "make_before_break": bool(back.get("make_before_break")),
+            "admission_ready_s": round(back["ready_s"], 2)}
+
+
+def readmit_run(model: str, ranks: int, settle_s: float = 3.0, after_s: float = 8.0) -> dict:
+    """One service in this process: SIGSTOP of rank 1, then two closed-loop clients until the
+    device is back and the job with it has served `after_s`; `readmit_figures` of it."""
+    from hepti.serve.supervisor import Supervisor
+    sup = Supervisor(model, ranks, worker_args=["--strategy", "tensor"]).start()
+    stop_clients, stop_load = threading.Event(), threading.Event()
+    requests: list[tuple[float, float]] = []
+    errors: list[str] = []
+    loads: list[tuple[float, float]] = []
+    threading.Thread(target=_load_sampler, args=(stop_load, loads), daemon=True).start()
+    stopped = None
+    try:
+        ids = [np.array(e.ids, np.int64) for e in sup.tokenizer.encode_batch(TEXTS)]
+        sup.embed(ids)
+
+        def client(k):
+            i = k
+            while not stop_clients.is_set():
+                a = time.time()
+                try:
+                    sup.embed([ids[i % len(ids)]])
+                    requests.append((a, time.time()))
+                except Exception as e:  # noqa: BLE001 - counted, reported
+                    errors.append(repr(e))
+                i += 2
+        threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(2)]
+        [t.start() for t in threads]
+        time.sleep(settle_s)
+        victim = next(r for r in sup.ranks if r["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGSTOP)
+        stopped = victim["pid"]
+        t_end = time.monotonic() + 600
+        while (back := _admission(sup.launches)) is None or \
+                time.time() < back["started_at"] + back["ready_s"] + after_s:
+            if time.monotonic() > t_end:
+                raise RuntimeError("the device was not back within 600 s of the stop")
+            time.sleep(0.2)
+        stop_clients.set()
+        [t.join(120) for t in threads]
+        m = sup.metrics()["requests"]
+        return {**readmit_figures(requests, sup.launches, loads), "errors": len(errors),
+                "duplicates": m["duplicates"], "failed": m["failed"],
+                "requests": len(requests)}
+    finally:
+        stop_clients.set()
+        stop_load.set()
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        sup.stop()
+
+
+def readmit_spec_run(spec: str, model: str, seq: int, duration: float, log_path: Path) -> dict:
+    """One `hepti emulate` launch of `spec` under hepti.bench.adapt's closed-loop client (its
+    `adaptive` variant's service: `--strategy auto --replan on`); `readmit_figures` of it."""
+    from hepti.bench.adapt import served_run
+    n = len(json.loads(Path(spec).read_text())["devices"])
+    stop_load, loads = threading.Event(), []
+    threading.Thread(target=_load_sampler, args=(stop_load, loads), daemon=True).start()
+    try:
+        r = served_run(Path(spec), model, n, ["--strategy", "auto", "--replan", "on"], duration,
+                       seq, 18000 + os.getpid() % 1000, log_path)
+    finally:
+        stop_load.set()
+    t0 = r["t0"]
+    requests = [(t0 + a, t0 + a + lat) for a, lat in r["requests"]]
+    req = r["metrics"]["requests"]
+    return {**readmit_figures(requests, r["metrics"]["launches"], loads),
+            "lost": len(r["lost"]), "duplicates": req["duplicates"], "failed": req["failed"],
+            "requests": len(requests), "log": str(log_path)}
+
+
 def _stages(model: str) -> None:
     """Under `mpiexec -n 1`: the worker's start, step by step (see the module's docstring)."""
     t0 = float(os.environ["HEPTI_STAGES_T0"])
@@ -180,7 +309,32 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=0, metavar="N",
                     help="time a fresh one-rank start's steps N times instead")
     ap.add_argument("--stage-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--readmit", action="store_true",
+                    help="time a lost device's re-admission instead (see the module's docstring)")
+    ap.add_argument("--spec", default=None, help="with --readmit: an emulated spec (root)")
+    ap.add_argument("--seq", type=int, default=128, help="with --spec: tokens a request")
+    ap.add_argument("--duration", type=float, default=150.0,
+                    help="with --spec: seconds of requests after the schedule starts")
     args = ap.parse_args(argv)
+    if args.readmit:
+        runs = []
+        for k in range(args.runs):
+            if args.spec:
+                log_path = Path(tempfile.gettempdir()) / f"hepti-readmit-{os.getpid()}-{k}.log"
+                r = readmit_spec_run(args.spec, args.model, args.seq, args.duration, log_path)
+            else:
+                r = readmit_run(args.model, args.ranks)
+            runs.append(r)
+            print(json.dumps(r), flush=True)
+        summary = {key: {"median": statistics.median(r[key] for r in runs),
+                         "min": min(r[key] for r in runs), "max": max(r[key] for r in runs)}
+                   for key in ("load1", "longest_wait_s", "longest_gap_s", "admission_ready_s")}
+        summary["make_before_break"] = f"{sum(r['make_before_break'] for r in runs)}/{len(runs)}"
+        print(json.dumps(summary, indent=1))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary}, indent=1) + "\n")
+        return 0
     if args.stage_child:
         _stages(args.model)
         return 0

@@ -74,12 +74,19 @@ PROBE_START_FACTOR = 5
 # re-planner acts on an alarm only once the next batch confirms it.
 CONFIRM_PROBES = 2
 MAX_HOLD_S = 3600.0  # a device that keeps flapping is held out at most this long at a time
-# Re-admitting a device relaunches the job: no answers for a launch's time (8-16 s for MiniLM
-# on this shared 2-core machine). So the job that serves without it first serves this long,
-# the re-planner's horizon (a change is assumed to hold that long), as a switch must first
-# pay for itself: a device confirmed while its job is still starting (on one machine, 10 s
-# after the loss) does not stop that job the moment it says hello.
+# Re-admitting a device starts the job with it while the job without it serves on
+# (make-before-break, hepti.serve.supervisor `_start_admission`); only where a device that
+# would run both has no room for that does it stop the job and relaunch, with no answers for
+# a launch's time (8-16 s for MiniLM on this shared 2-core machine). Either way the job that
+# serves without it first serves this long, the re-planner's horizon (a change is assumed to
+# hold that long): a device confirmed while its job is still starting (on one machine, 10 s
+# after the loss) does not cost a second launch's CPU the moment that job says hello.
 SERVE_BEFORE_ADMIT_S = HORIZON_S
+# What a rank holds besides the model's weights, where its resident memory cannot be read
+# here (a rank on another host): a MiniLM worker of `hepti serve -n 2 --strategy tensor` on
+# this machine held 302 MiB resident (Python, numpy, Numba's kernels, MPI, its weights and
+# buffers), with a margin. Used only to decide whether a job may load beside the serving one.
+RANK_RUNTIME_BYTES = 400 * 2**20
 # A launch that takes a re-admitted device back must say hello within this many seconds, or
 # that device is lost again (flapping) and the job relaunched without it: the queue waits
 # meanwhile, so the service's usual start timeout (900 s) would be far too long here.
@@ -168,6 +175,36 @@ def kill_if_ours(pid: int | None, token: str) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def rank_rss(pid: int | None, token: str) -> float | None:
+    """The resident bytes of `pid` if it is one of this service's workers on this machine (its
+    environment holds the service's secret, as `kill_if_ours` checks), else None."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{int(pid)}/environ", "rb") as f:
+            if f"{protocol.TOKEN_ENV}={token}".encode() not in f.read().split(b"\0"):
+                return None
+        with open(f"/proc/{int(pid)}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def mem_total() -> float:
+    """This machine's memory (MemTotal), in bytes; 0 when unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
 
 
 def probe_device(host: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> bool:

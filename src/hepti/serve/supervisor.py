@@ -42,9 +42,18 @@ is torn down on a thread of its own while the next one starts. With a hostfile n
 kept: which device will be lost is not known ahead.
 
 Every lost device (hung or killed) is probed in the background (hepti.serve.stall's
-`probe_device`, `DeviceBench`) and re-admitted, between two batches, when it answers again with
-the re-planner's hysteresis: the job is stopped and relaunched with it, and with the original
---ratios/--plan once the world is whole again.
+`probe_device`, `DeviceBench`) and re-admitted when it answers again with the re-planner's
+hysteresis, make-before-break (`_start_admission`): the job with it (and with the original
+--ratios/--plan once the world is whole again) is started while the job without it serves on,
+its hello read on its own listener (`_preload`), and the service switches to it between two
+batches (the batch in flight finishes on the old job, which is then told to stop and torn
+down in the background). Stopping the serving job first left no answers for a launch's time
+(bench-adapt on emu-hang3: 11 s). If the job with it never says hello (the device hangs again,
+`_admit_start_s`), the serving job serves on and the device goes back to the bench. Both jobs
+share the devices while the new one loads: where a device that would run both has no room
+for the new job's ranks (`_no_room_for_both`: conservative, the plan not being known yet), or
+its free memory is not reported (--replan off, with a hostfile), the job is stopped and
+relaunched with the device as before, and the log says why.
 """
 from __future__ import annotations
 
@@ -72,9 +81,9 @@ from hepti.emulate import jobfiles
 from hepti.emulate.command import die_with_parent
 from hepti.serve import ServiceUnavailable, protocol
 from hepti.serve.stall import (ADMIT_START_FACTOR, ADMIT_START_MIN_S, END_GRACE_S, PROBE_EVERY_S,
-                               SERVE_BEFORE_ADMIT_S, STALL_FLOOR_S, DeviceBench, Phase,
-                               expected_batch_s, hung_ranks, kill_if_ours, phase_deadline,
-                               probe_device)
+                               RANK_RUNTIME_BYTES, SERVE_BEFORE_ADMIT_S, STALL_FLOOR_S,
+                               DeviceBench, Phase, expected_batch_s, hung_ranks, kill_if_ours,
+                               mem_total, phase_deadline, probe_device, rank_rss)
 
 log = logging.getLogger("hepti")
 MAX_FAILED_STARTS = 2  # launches in a row that never said hello before the service gives up
@@ -96,6 +105,7 @@ MAX_BEAT_BYTES = 4096  # a watch line's frame (a beat: ~80 bytes); larger is not
 STALL_CHECK_S, WATCH_LAG_S = 0.25, 1.5
 PER_TOKEN_WINDOW = 20  # recent batches whose seconds per padded token a deadline scales
 _READMIT = object()  # what `_take_batch` returns when a lost device is to be re-admitted
+_SWITCH = object()  # ... when the job started ahead with it said hello, or never will
 
 
 @dataclass
@@ -167,6 +177,15 @@ class _Job:
     files_before: jobfiles.Snapshot | None  # what existed before it started (`jobfiles.sweep`)
     tail: collections.deque  # its output's last lines
     spare: bool = False  # started ahead, for the world one rank smaller (`Supervisor._keep_spare`)
+    # a job started ahead with lost devices back in it (`Supervisor._start_admission`): the
+    # devices (hepti.serve.stall.Benched), its watch lines and hello once read (`_preload`),
+    # when the hello came (time.time()), or why it never will
+    admits: list = field(default_factory=list)
+    lines: list = field(default_factory=list)  # [(WatchLine, socket)]
+    hello: tuple | None = None  # (channel socket, hello header)
+    hello_at: float | None = None
+    failed: str | None = None
+    cancelled: bool = False
 
 
 def read_hostfile(path: str | Path) -> list[tuple[str, int]]:
@@ -246,6 +265,12 @@ class Supervisor:
         self._bench_lock = threading.Lock()
         self._admit: list[str] = []
         self._admitting: list[tuple[str, int]] = []  # (host, ranks)
+        # make-before-break: the job with the confirmed devices back, started while this one
+        # serves (`_start_admission`); the one that said hello, to switch to (`_serve` -> `_life`);
+        # devices taken off the bench for a job that will not be taken, for the next launch
+        self._incoming: _Job | None = None
+        self._switching: _Job | None = None
+        self._carry: list = []
         self._cv = threading.Condition()
         self._queue: collections.deque[Piece] = collections.deque()
         self._status, self._failure = "starting", ""
@@ -408,6 +433,11 @@ class Supervisor:
             self._cv.notify_all()
         self._thread.join(grace_s)
         self._discard_spare()
+        with self._cv:
+            ahead, self._incoming = self._incoming, None
+        if ahead is not None:
+            ahead.cancelled = True
+            self._end_job(ahead, 3.0)
         if self._job is not None:
             self._end_job(self._job, grace_s=3.0)
         with self._cv:
@@ -443,16 +473,18 @@ class Supervisor:
                       *args]
 
     def _start_job(self, n: int, entries: list[tuple[str, int]] | None, args: list[str],
-                   spare: bool = False) -> _Job:
+                   spare: bool = False, admit: bool = False) -> _Job:
         """Start mpiexec: its ranks load, plan, connect to the job's own listener and say hello
-        there (`_await_hello` reads it, now or, for a spare, when it is taken)."""
+        there (`_await_hello` reads it, now or, for a spare, when it is taken; `_preload`, for
+        a job started ahead with lost devices back in it, `admit`)."""
         listener = self._listen(entries)
         env = dict(os.environ)
         env[protocol.CONTROL_ENV] = "%s:%d" % listener.getsockname()
         env[protocol.TOKEN_ENV] = self._token
-        cmd = self._command(n, entries, args, f"{len(self.launches)}{'-spare' if spare else ''}")
-        log.info("serve: starting %s%d worker rank(s): %s", "a spare job of " if spare else "",
-                 n, " ".join(cmd))
+        tag = "-spare" if spare else "-admit" if admit else ""
+        cmd = self._command(n, entries, args, f"{len(self.launches)}{tag}")
+        log.info("serve: starting %s%d worker rank(s): %s", "a spare job of " if spare else
+                 "ahead, while the job serves on, " if admit else "", n, " ".join(cmd))
         files_before = jobfiles.snapshot()
         started_at = time.time()
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -461,22 +493,37 @@ class Supervisor:
                                 preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
         tail: collections.deque[str] = collections.deque(maxlen=60)
         reader = threading.Thread(target=self._forward_output,
-                                  args=(proc, tail, "workers (spare)" if spare else "workers"),
+                                  args=(proc, tail, "workers (spare)" if spare else
+                                        "workers (admitting)" if admit else "workers"),
                                   daemon=True)
         reader.start()
         return _Job(proc, reader, listener, n, list(args), started_at, files_before, tail, spare)
 
     def _life(self) -> None:
+        self._ahead: _Job | None = None  # started ahead with devices back, said hello: next
+        try:
+            self._relaunch_loop()
+        finally:
+            if self._ahead is not None:  # stopped between the switch and its launch
+                self._end_ahead(self._ahead)
+
+    def _relaunch_loop(self) -> None:
         failed_starts = 0
         while not self._stopping:
+            ahead = self._ahead
             launch = {"epoch": self.epoch + 1, "n": self.n, "started_at": time.time(),
                       "hosts": None if self.entries is None else [h for h, _ in self.entries]}
             if self._admitting:
                 launch["readmitting"] = [h for h, _ in self._admitting]
+            if ahead is not None:  # make-before-break: started while the job before served
+                launch.update(readmitting=[d.host for d in ahead.admits], make_before_break=True,
+                              switched_at=launch["started_at"], started_at=ahead.started_at)
             self.launches.append(launch)
-            reason, relost, job = "the workers ended", False, None
+            reason, relost, job, switched = "the workers ended", False, None, None
             try:
-                job = self._take_spare() or self._start_job(self.n, self.entries, self.worker_args)
+                job = ahead or self._take_spare() or \
+                    self._start_job(self.n, self.entries, self.worker_args)
+                self._ahead = None
                 self._job, self._stderr_tail = job, job.tail
                 if job.spare:  # started ahead while the job before served
                     launch.update(spare=True, taken_at=launch["started_at"],
@@ -489,6 +536,7 @@ class Supervisor:
                 self._admitting = []
                 self._keep_spare()
                 reason = self._serve(sock)
+                switched, self._switching = self._switching, None
             except _StartFailed as e:
                 reason = str(e)
                 if self._admitting:  # the device taken back is not fit yet: lost again
@@ -501,9 +549,11 @@ class Supervisor:
             finally:
                 launch["ended_at"] = time.time()
                 launch.setdefault("end", reason)
-                if job is not None and self._stall is not None and not self._stopping:
+                if job is not None and (self._stall is not None or switched is not None) \
+                        and not self._stopping:
                     # declared lost: the ranks to drop are known, and the job's end tells
-                    # nothing more, so the next job starts while this one is torn down
+                    # nothing more, so the next job starts while this one is torn down; or
+                    # told to stop for the job started ahead, which serves from now on
                     threading.Thread(target=self._end_job, args=(job, END_GRACE_S, launch),
                                      name="hepti-serve-teardown", daemon=True).start()
                 elif job is not None:
@@ -511,7 +561,15 @@ class Supervisor:
                 with self._cv:
                     self._phase, self._channel = None, None
             if self._stopping:
+                if switched is not None:
+                    self._end_ahead(switched)
                 break
+            if switched is not None:  # its world from now on; it said hello already
+                self._apply_admit(switched.admits, started=True)
+                self._ahead = switched
+                log.warning("serve: %s; %d rank(s) serving", reason, self.n)
+                continue
+            self._cancel_incoming()  # made for a world that is changing now
             stall, self._stall = self._stall, None
             if stall is not None:
                 launch["stall"] = stall
@@ -526,8 +584,9 @@ class Supervisor:
                     self._drop_ranks([lost], launch, "killed")
             with self._cv:
                 admit, self._admit = self._admit, []
-            if admit:  # devices that answer again join the next launch
-                self._readmit(admit)
+            carry, self._carry = self._carry, []
+            if admit or carry:  # devices that answer again join the next launch
+                self._apply_admit(carry + self._bench_admit(admit))
             if self.n < 1 or failed_starts >= MAX_FAILED_STARTS:
                 self._discard_spare()
                 tail = "\n".join(list(self._stderr_tail)[-15:])
@@ -539,19 +598,67 @@ class Supervisor:
 
     def _await_hello(self, job: _Job, start_timeout_s: float | None = None) -> socket.socket | None:
         """Wait for the job's ranks' watch lines and rank 0's hello (within start_timeout_s of
-        now, else the service's start timeout from the job's start); the connected channel."""
-        self._lines = {}
+        now, else the service's start timeout from the job's start); the connected channel. A
+        job started ahead with devices back in it has said hello already (`_preload`): its
+        lines and channel are taken as they are."""
         self.watcher = None  # the next hello brings the new job's plan and profile
+        mine = {id(line) for line, _ in job.lines}
         for key in list(self._watch.get_map().values()):  # the last launch's lines
+            if id(key.data) in mine:
+                continue
             try:
                 self._watch.unregister(key.fileobj)
             except (KeyError, ValueError):  # closed by _watch_ranks meanwhile
                 continue
             key.fileobj.close()
-        deadline = time.monotonic() + start_timeout_s if start_timeout_s else \
-            job.started_at - time.time() + time.monotonic() + self.start_timeout_s
-        start_timeout_s = start_timeout_s or self.start_timeout_s
-        while not self._stopping:
+        if job.hello is not None:
+            self._lines = {line.rank: line for line, _ in job.lines}
+            sock, hello = job.hello
+        else:
+            self._lines = {}
+            deadline = time.monotonic() + start_timeout_s if start_timeout_s else \
+                job.started_at - time.time() + time.monotonic() + self.start_timeout_s
+            got = self._accept_hello(job, deadline, start_timeout_s or self.start_timeout_s,
+                                     self._register_line, lambda: self._stopping)
+            if got is None:
+                return None
+            sock, hello = got
+        with self._cv:
+            self.epoch += 1
+            self.plan, self.ranks = hello["plan"], hello["ranks"]
+            self._ready_at = time.monotonic()
+            self._status = "ok"
+            self._channel, self._first_batch = sock, True
+            self._per_token.clear()  # another world: other seconds per token
+            self._set_phase("idle")
+        if self.replan and hello.get("profile"):
+            from hepti.serve.replan import PlanWatcher
+            self.watcher = PlanWatcher(self, hello["profile"])
+        launch = self.launches[-1]
+        launch.update(ready_s=(job.hello_at or time.time()) - launch["started_at"],
+                      strategy=self.plan["strategy"], ratios=self.plan.get("ratios"))
+        # where a launch's time goes: mpiexec, Python and the imports, then the load (weights,
+        # kernels, plan: the worker's load_s), then the connections; a spare's all ahead
+        log.info("serve: ready (plan epoch %d: %s on %d rank(s); %.1f s from mpiexec to "
+                 "hello: %.1f s to load, the rest to start and import%s)", self.epoch,
+                 self.plan["strategy"], hello["world_size"], launch["ready_s"],
+                 hello["load_s"], "; a spare, taken %.2f s ago"
+                 % (launch["started_at"] + launch["ready_s"] - launch["taken_at"]) if job.spare
+                 else "; started ahead, switched to between two batches" if job.hello_at
+                 else "")
+        return sock
+
+    def _register_line(self, line: WatchLine, sock: socket.socket) -> None:
+        """A rank's watch line of the job starting now: watched (`_watch_ranks`), and judged."""
+        self._lines[line.rank] = line
+        self._watch.register(sock, selectors.EVENT_READ, line)
+
+    def _accept_hello(self, job: _Job, deadline: float, start_timeout_s: float, on_line,
+                      cancelled) -> tuple[socket.socket, dict] | None:
+        """Accept the job's connections on its listener until rank 0's hello: each rank's watch
+        line to `on_line(line, socket)`, then (channel, hello). None once `cancelled()`;
+        _StartFailed when the job exits or `deadline` (monotonic) passes first."""
+        while not cancelled():
             if job.proc.poll() is not None:
                 raise _StartFailed(f"the workers exited ({job.proc.returncode}) before they were ready")
             if time.monotonic() > deadline:
@@ -572,34 +679,12 @@ class Supervisor:
                 sock.close()
                 continue
             if hello["op"] == "watch":  # a rank's line, held open while it lives (_watch)
-                line = WatchLine(int(hello["rank"]), str(hello.get("host", "")), hello.get("pid"))
-                self._lines[line.rank] = line
-                self._watch.register(sock, selectors.EVENT_READ, line)
+                on_line(WatchLine(int(hello["rank"]), str(hello.get("host", "")),
+                                  hello.get("pid")), sock)
                 continue
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._cv:
-                self.epoch += 1
-                self.plan, self.ranks = hello["plan"], hello["ranks"]
-                self._ready_at = time.monotonic()
-                self._status = "ok"
-                self._channel, self._first_batch = sock, True
-                self._per_token.clear()  # another world: other seconds per token
-                self._set_phase("idle")
-            if self.replan and hello.get("profile"):
-                from hepti.serve.replan import PlanWatcher
-                self.watcher = PlanWatcher(self, hello["profile"])
-            launch = self.launches[-1]
-            launch.update(ready_s=time.time() - launch["started_at"], strategy=self.plan["strategy"],
-                          ratios=self.plan.get("ratios"))
-            # where a launch's time goes: mpiexec, Python and the imports, then the load (weights,
-            # kernels, plan: the worker's load_s), then the connections; a spare's all ahead
-            log.info("serve: ready (plan epoch %d: %s on %d rank(s); %.1f s from mpiexec to "
-                     "hello: %.1f s to load, the rest to start and import%s)", self.epoch,
-                     self.plan["strategy"], hello["world_size"], launch["ready_s"],
-                     hello["load_s"], "" if not job.spare else "; a spare, taken %.2f s ago"
-                     % (launch["started_at"] + launch["ready_s"] - launch["taken_at"]))
-            return sock
+            return sock, hello
         return None
 
     # --- the spare job -------------------------------------------------------------------------
@@ -859,27 +944,215 @@ class Supervisor:
                             self._cv.notify_all()
 
     def _readmit(self, hosts: list[str]) -> None:
-        """Take the devices back: their hosts return to the host list in their first order
-        (on one machine, their ranks to -n), and the original --ratios/--plan applies again
-        once the world is whole."""
+        """Take the devices back in the next launch (stop-and-relaunch: `_life`)."""
+        self._apply_admit(self._bench_admit(hosts))
+
+    def _bench_admit(self, hosts: list[str]) -> list:
+        """The devices off the bench (their re-admission noted, for flapping): their Benched."""
         now = time.monotonic()
         with self._bench_lock:
             back = [d for d in (self.bench.admit(h, now) for h in hosts) if d is not None]
             with self._cv:  # asked for again by the prober meanwhile: no longer to do
                 self._admit = [h for h in self._admit if h not in {d.host for d in back}]
+        return back
+
+    def _world_with(self, back: list) -> tuple[list[tuple[str, int]] | None, int, list[str]]:
+        """The world with these devices back: their hosts return to the host list in their
+        first order (on one machine, their ranks to -n), and the original --ratios/--plan
+        applies again once the world is whole. (entries, n, worker args)"""
+        entries = self.entries
+        if entries is not None:
+            keep = {h for h, _ in entries} | {d.host for d in back}
+            entries = [e for e in self._first_entries if e[0] in keep]
+        n = self.n + sum(d.ranks for d in back)
+        args = self.worker_args
+        if n == self._first_n and (entries is None or len(entries) == len(self._first_entries)):
+            args = list(self._first_args)
+        return entries, n, args
+
+    def _apply_admit(self, back: list, started: bool = False) -> None:
+        """The world is the one with these devices back from the next launch on; unless that
+        launch `started` already (make-before-break), it must say hello in `_admit_start_s` or
+        they are lost again (`_relose`)."""
         if not back:
             return
-        if self.entries is not None:
-            keep = {h for h, _ in self.entries} | {d.host for d in back}
-            self.entries = [e for e in self._first_entries if e[0] in keep]
-        self.n += sum(d.ranks for d in back)
-        if self.n == self._first_n and (self.entries is None or
-                                        len(self.entries) == len(self._first_entries)):
-            self.worker_args = list(self._first_args)
-        self._admitting = [(d.host, d.ranks) for d in back]
-        log.warning("serve: re-admitting %s (it answered %d probes in a row); relaunching on "
-                    "%d rank(s)", ", ".join(d.host for d in back), max(d.answers for d in back),
-                    self.n)
+        self.entries, self.n, self.worker_args = self._world_with(back)
+        self._admitting = [] if started else [(d.host, d.ranks) for d in back]
+        if not started:
+            log.warning("serve: re-admitting %s (it answered %d probes in a row); relaunching "
+                        "on %d rank(s)", ", ".join(d.host for d in back),
+                        max(d.answers for d in back), self.n)
+
+    # --- make-before-break re-admission --------------------------------------------------------
+    def _start_admission(self) -> bool:
+        """Between two batches, the confirmed devices are due: start the job with them back
+        (`_start_job`, its own listener, as a spare) while this one serves on, and read its
+        hello in the background (`_preload`); `_serve` switches to it between two batches once
+        it has said hello (`_SWITCH`). Why: stopping the serving job first left no answers for
+        a whole launch (emu-hang3: 11 s). False when it cannot start ahead (no room on a device
+        that would run both jobs: `_no_room_for_both`; or the start itself failed): the job is
+        then stopped and relaunched with them, as before, and the log says why.
+
+        The longest wait for an answer around a re-admission (`python -m hepti.bench.stall
+        --readmit`, medians of runs; 2026-11-29 on this shared 2-core machine): under `hepti
+        emulate` of hostfiles/emu-hang3.json with bench-adapt's client (`--spec`, 3 runs each)
+        4.70 s (4.54-5.33) stopping first, at load 9.6-15.7, against 0.77 s (0.66-1.22) with
+        this, at load 14.5-15.4, while the job with the device loaded 9.6-12.6 s beside it; in
+        process, `-n 2` (5 runs each) 3.44 s (1.97-12.8) at load 5.7-8.4 against 0.50 s
+        (0.39-1.04) at load 10.7-12.5. No request lost or answered twice in any run."""
+        with self._cv:
+            hosts = list(self._admit)
+        with self._bench_lock:
+            back = [self.bench.devices[h] for h in hosts if h in self.bench.devices]
+        if not back:
+            with self._cv:
+                self._admit = [h for h in self._admit if h not in hosts]
+            return True
+        entries, n, args = self._world_with(back)
+        why = self._no_room_for_both(entries, n)
+        if why is not None:
+            log.warning("serve: re-admitting %s stops the serving job and relaunches (no "
+                        "answers meanwhile): %s", ", ".join(hosts), why)
+            return False
+        back = self._bench_admit(hosts)
+        try:
+            job = self._start_job(n, entries, args, admit=True)
+        except OSError as e:
+            log.warning("serve: could not start the job that re-admits %s ahead (%s); stopping "
+                        "the serving job to relaunch with it", ", ".join(hosts), e)
+            self._carry.extend(back)
+            return False
+        job.admits = back
+        with self._cv:
+            self._incoming = job
+        log.warning("serve: re-admitting %s (it answered %d probes in a row): starting %d "
+                    "rank(s) with it while %d serve on", ", ".join(d.host for d in back),
+                    max(d.answers for d in back), n, self.n)
+        timeout = self._admit_start_s()
+        threading.Thread(target=self._preload, args=(job, timeout), daemon=True,
+                         name="hepti-serve-admit").start()
+        return True
+
+    def _preload(self, job: _Job, timeout_s: float) -> None:
+        """The thread that reads a job started ahead up to its hello: its watch lines are
+        watched as they come (beats read, not judged: not the serving job's) and kept with the
+        hello on the job; or why it never said hello (exited, not within timeout_s)."""
+        def on_line(line: WatchLine, sock: socket.socket) -> None:
+            job.lines.append((line, sock))
+            self._watch.register(sock, selectors.EVENT_READ, line)
+        try:
+            got = self._accept_hello(job, time.monotonic() + timeout_s, timeout_s, on_line,
+                                     lambda: self._stopping or job.cancelled)
+        except _StartFailed as e:
+            job.failed = str(e)
+        except (OSError, ValueError) as e:
+            job.failed = f"its channel failed ({e})"
+        else:
+            if got is None:
+                job.failed = "cancelled"
+            else:
+                job.hello_at, job.hello = time.time(), got
+        with self._cv:
+            self._cv.notify_all()  # `_take_batch` may be waiting
+
+    def _incoming_settled(self) -> bool:
+        """The job started ahead said hello, or never will (under self._cv)."""
+        inc = self._incoming
+        return inc is not None and (inc.hello is not None or inc.failed is not None)
+
+    def _end_ahead(self, job: _Job) -> None:
+        """End a job started ahead that will not serve, off this thread; its lines with it."""
+        job.cancelled = True
+        for _, sock in job.lines:
+            try:
+                self._watch.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+            sock.close()
+        if job.hello is not None:
+            job.hello[0].close()
+        self._end_spare(job)
+
+    def _abandon_incoming(self) -> None:
+        """The job started ahead never said hello (the device hung again, a start timeout):
+        the serving job serves on, and its devices go back to the bench (flapping, as
+        `_relose` does)."""
+        with self._cv:
+            job, self._incoming = self._incoming, None
+        if job is None:
+            return
+        self._end_ahead(job)
+        now = time.monotonic()
+        with self._bench_lock:
+            for d in job.admits:
+                self.bench.lose(d.host, d.ranks, "did not start when re-admitted", now)
+        if self.launches:
+            self.launches[-1].setdefault("admissions_failed", []).append(
+                {"hosts": [d.host for d in job.admits], "n": job.n,
+                 "started_at": job.started_at, "end": job.failed})
+        log.warning("serve: the job that re-admitted %s did not start (%s); serving on without "
+                    "it", ", ".join(d.host for d in job.admits), job.failed)
+
+    def _cancel_incoming(self) -> None:
+        """The serving job ended some other way (a loss, a failure) while a job with devices
+        back was starting ahead: that job is ended (it was made for a world that changed), and
+        its devices join the relaunch (`_carry`)."""
+        with self._cv:
+            job, self._incoming = self._incoming, None
+        if job is None:
+            return
+        self._end_ahead(job)
+        self._carry.extend(job.admits)
+
+    def _no_room_for_both(self, entries: list[tuple[str, int]] | None, n: int) -> str | None:
+        """None when every device that would run both jobs while the new one loads has room
+        for the new job's ranks there; else why not, for the log.
+
+        Conservative on purpose, as the plan the new job makes is not known before it says
+        hello: each of its ranks is taken to hold the whole model (`hepti.model.sizes.
+        model_bytes`: what `rows`, or an idle rank's standby copy under --replan, holds; any
+        split holds less) on top of what a serving rank of this job holds now (its resident
+        memory, `rank_rss`: Python, Numba, MPI, its share, its buffers; RANK_RUNTIME_BYTES
+        where the rank is not on this machine); and the device must keep MEM_HEADROOM of its
+        profiled memory free after it. What a device has free: on this machine alone (no
+        hostfile), this machine's available memory, read here; with a hostfile, the free
+        memory its ranks report with each batch (the re-planner's `free_seen`: --replan on),
+        and with no report (--replan off, or none yet) it is not started ahead."""
+        from hepti.model.sizes import model_bytes
+        from hepti.serve.replan import MEM_HEADROOM
+        rss = [rank_rss(r.get("pid"), self._token) for r in self.ranks]
+        held = max([x for x in rss if x is not None], default=RANK_RUNTIME_BYTES)
+        per_rank = model_bytes(self.config) + held
+        if entries is None:  # this machine is every rank's device, of both jobs
+            from hepti.parallel.profiling import available_memory
+            free, total = float(available_memory()[0]), mem_total()
+            need = n * per_rank + MEM_HEADROOM * total
+            if free < need:
+                return (f"this machine has {free / 2**20:.0f} MiB free; {n} rank(s) loading "
+                        f"beside the serving ones may need {need / 2**20:.0f} MiB")
+            return None
+        watcher = self.watcher
+        if watcher is None:
+            return "the workers report no free memory (they do with --replan on)"
+        old_at, new_at = rank_hosts(self.entries, self.n), rank_hosts(entries, n)
+        new_hosts = [h for h, _ in entries]
+        for i, (host, _) in enumerate(self.entries):
+            ranks = [r for r, k in enumerate(old_at) if k == i]
+            k_new = sum(new_hosts[k] == host for k in new_at)
+            if not k_new:
+                continue
+            seen = [watcher.free_seen.get(r) for r in ranks]
+            if not all(seen):
+                return f"no free-memory report yet from {host}"
+            free = sum(statistics.median(x) for x in seen)
+            profiled = [watcher.base.devices[r].usable_bytes for r in ranks
+                        if r < len(watcher.base.devices)]
+            need = k_new * per_rank + MEM_HEADROOM * max(profiled, default=0.0)
+            if free < need:
+                return (f"{host} has {free / 2**20:.0f} MiB free; the new job's {k_new} "
+                        f"rank(s) there may need {need / 2**20:.0f} MiB while the serving "
+                        "job runs beside them")
+        return None
 
     def _relose(self, launch: dict) -> None:
         """A launch that took devices back did not start: they are lost again (flapping, to
@@ -909,6 +1182,20 @@ class Supervisor:
         try:
             while True:
                 batch = self._take_batch()
+                if batch is _READMIT and self._start_admission():
+                    continue  # the job with it starts ahead: this one serves on
+                if batch is _SWITCH:
+                    if self._incoming is None:  # stopping meanwhile
+                        continue
+                    if self._incoming.hello is None:  # it never will: serve on without it
+                        self._abandon_incoming()
+                        continue
+                    with self._cv:  # no batch in flight here: the switch loses none
+                        self._switching, self._incoming = self._incoming, None
+                        self._phase = None
+                    protocol.send(sock, {"op": "stop"})
+                    return "switched to the job that re-admits " + \
+                        ", ".join(d.host for d in self._switching.admits)
                 if batch is None or batch is _READMIT:
                     with self._cv:  # the ranks go quiet as they end: no deadline now
                         self._phase = None
@@ -1014,10 +1301,12 @@ class Supervisor:
         self._per_token.append(wall / (B * T))
 
     def _take_batch(self) -> list[Piece] | None:
-        """The next batch from the queue (waiting for one), None when stopping, or _READMIT
-        when a lost device is to be taken back (between two batches)."""
+        """The next batch from the queue (waiting for one), None when stopping, _READMIT when
+        a lost device is to be taken back, or _SWITCH when the job started ahead with it said
+        hello or never will (all between two batches)."""
         with self._cv:
-            while not self._queue and not self._stopping and not self._admit_due():
+            while not self._queue and not self._stopping and not self._admit_due() \
+                    and not self._incoming_settled():
                 if self._stall is not None:
                     raise protocol.ChannelClosed("a rank was declared lost while idle")
                 self._cv.wait(0.5)
@@ -1027,6 +1316,8 @@ class Supervisor:
                 return None
             if self._stall is not None:
                 raise protocol.ChannelClosed("a rank was declared lost")
+            if self._incoming_settled():
+                return _SWITCH
             if self._admit_due():
                 return _READMIT
             batch, longest = [], 0
@@ -1040,9 +1331,10 @@ class Supervisor:
             return batch
 
     def _admit_due(self) -> bool:
-        """A lost device is to be re-admitted now: it is confirmed, and the job has served
-        SERVE_BEFORE_ADMIT_S without it (under self._cv)."""
-        return bool(self._admit) and time.monotonic() - self._ready_at >= SERVE_BEFORE_ADMIT_S
+        """A lost device is to be re-admitted now: it is confirmed, the job has served
+        SERVE_BEFORE_ADMIT_S without it, and no job is starting ahead already (under self._cv)."""
+        return bool(self._admit) and self._incoming is None and \
+            time.monotonic() - self._ready_at >= SERVE_BEFORE_ADMIT_S
 
     def _deliver(self, batch: list[Piece], emb: np.ndarray, batch_id: int) -> bool:
         """A batch's embeddings to their requests; False, and nothing written, when the job was
