@@ -57,9 +57,12 @@ LAYER_MAP = {
 }
 OTHER_MAP = {"token_embd.weight": ("emb.word", False), "output_norm.weight": ("final_ln.gamma", False),
              "output.weight": ("head.weight", False)}
-# Pre-tokenizers (tokenizer.ggml.pre) whose digits are split one by one before the GPT-2 regex,
-# as llama.cpp's llama-vocab.cpp does for them; the others use the GPT-2 regex alone.
-DIGIT_PRE = ("smollm", "starcoder", "refact", "falcon3")
+# Pre-tokenizers (tokenizer.ggml.pre) hepti rebuilds, as llama.cpp's llama-vocab.cpp splits
+# text for them: the GPT-2 regex alone, or after every digit is split off on its own (SmolLM2's
+# own tokenizer.json does the same: Digits(individual_digits) before ByteLevel). Others (llama3,
+# qwen2, ...) split differently and are refused rather than tokenised wrongly.
+GPT2_PRE = (None, "default", "gpt-2", "gpt2")
+DIGIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")
 
 
 # --- dequantisation ------------------------------------------------------------------------
@@ -286,6 +289,9 @@ def build_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    if pre not in GPT2_PRE + DIGIT_PRE:
+        raise WeightsError(f"tokenizer pre-tokenizer {pre!r} is not supported yet; hepti "
+                           f"rebuilds: {', '.join(p for p in GPT2_PRE + DIGIT_PRE if p)}")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in DIGIT_PRE:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
