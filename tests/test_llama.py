@@ -222,14 +222,17 @@ def test_smollm2_matches_transformers(smollm2):
 
 def test_smollm2_chat_answers_paris(smollm2):
     model, tok, meta = smollm2
-    case = _expected("smollm2_expected.npz")[0]  # the chat-templated question
-    jinja2 = pytest.importorskip("jinja2")
+    case = _expected("smollm2_expected.npz")[0]  # the chat-templated question, as transformers
+    answer = tok.decode(model.generate(tok.encode(case["text"]).ids, 16, stop_ids=(2,)))
+    assert "Paris" in answer, answer
+    try:  # the stored template renders it the same (jinja2 is not one of hepti's dependencies)
+        import jinja2
+    except ImportError:
+        return
     text = jinja2.Environment().from_string(meta["chat_template"]).render(
         messages=[{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True)
     assert text == case["text"]
-    answer = tok.decode(model.generate(tok.encode(text).ids, 16, stop_ids=(2,)))
-    assert "Paris" in answer, answer
 
 
 def test_smollm2_tokenizer_digits_and_specials(smollm2):
