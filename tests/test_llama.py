@@ -203,6 +203,8 @@ def test_convert_cli_and_nothing_to_do(tmp_path):
     assert code == 0, err
     code, err = _hepti("convert", TINY_GGUF, "--out", out)
     assert code == 2 and "already holds a converted model" in err and "--force" in err
+    code, err = _hepti("verify", out)
+    assert code == 0, err
     shutil.rmtree(out)
 
 
