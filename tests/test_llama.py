@@ -114,6 +114,27 @@ def test_tiny_matches_transformers(tiny, kernels):
         assert greedy == case["greedy"]
 
 
+def test_rope_layout_needs_the_unpermutation(tiny):
+    """Half-split RoPE on HF-order Q/K rows is what transformers computes; the same RoPE on the
+    rows as the GGUF stores them (llama.cpp's interleaved order) is not."""
+    config, weights, tok, _ = tiny
+    case = _expected("llama_tiny_expected.npz")[0]
+    ids = tok.encode(case["text"]).ids
+
+    def permute(w, n_head):  # HF rows -> GGUF rows (llama.cpp's converter)
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+    gguf_order = dict(weights)
+    for i in range(config.num_hidden_layers):
+        q, k = f"layer.{i}.attn.q.weight", f"layer.{i}.attn.k.weight"
+        gguf_order[q] = permute(weights[q], config.num_attention_heads)
+        gguf_order[k] = permute(weights[k], config.num_key_value_heads)
+    right = LlamaModel(config, weights, kernels=False)
+    wrong = LlamaModel(config, gguf_order, kernels=False)
+    assert np.abs(right.forward(ids, right.new_cache(32)) - case["logits"]).max() < LOGIT_TOL
+    assert np.abs(wrong.forward(ids, wrong.new_cache(32)) - case["logits"]).max() > 10 * LOGIT_TOL
+
+
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "numpy"])
 def test_decode_with_cache_equals_full_recompute(tiny, kernels):
     config, weights, _, _ = tiny
