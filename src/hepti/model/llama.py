@@ -133,7 +133,8 @@ def rms_norm(x: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
     return (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps)))) * gamma
 
 
-def rope_tables(theta: float, head_dim: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(theta: float, head_dim: int,
+                positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [T, D] for the half-split layout (HF: emb = cat(freqs, freqs)), as HF computes
     them: inverse frequencies and angles in float32."""
     inv = (np.float32(1.0) / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.int64)

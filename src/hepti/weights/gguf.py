@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -55,7 +54,8 @@ LAYER_MAP = {
     "ffn_up.weight": ("ffn.up.weight", False),
     "ffn_down.weight": ("ffn.down.weight", True),
 }
-OTHER_MAP = {"token_embd.weight": ("emb.word", False), "output_norm.weight": ("final_ln.gamma", False),
+OTHER_MAP = {"token_embd.weight": ("emb.word", False),
+             "output_norm.weight": ("final_ln.gamma", False),
              "output.weight": ("head.weight", False)}
 # Pre-tokenizers (tokenizer.ggml.pre) hepti rebuilds, as llama.cpp's llama-vocab.cpp splits
 # text for them: the GPT-2 regex alone, or after every digit is split off on its own (SmolLM2's
@@ -285,7 +285,8 @@ class GGUFFile:
 def build_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[int],
                         pre: str | None = None, add_bos: bool = False, bos_id: int | None = None):
     """GPT-2-style byte-level BPE over `tokens` (id = position) and `merges` ("a b" lines)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers,
+                            processors)
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
@@ -301,7 +302,8 @@ def build_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[
     tok.decoder = decoders.ByteLevel()
     if add_bos and bos_id is not None:
         bos = tokens[bos_id]
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                           special_tokens=[(bos, bos_id)])
     added = [AddedToken(tokens[i], special=(ty == TOKEN_CONTROL), normalized=False)
              for i, ty in enumerate(token_types) if ty in (TOKEN_CONTROL, TOKEN_USER)]
     special = [a for a in added if a.special]
@@ -352,7 +354,8 @@ def find_package_gguf(package: str) -> Path | None:
     found: list[Path] = []
     try:
         dist = importlib.metadata.distribution(package)
-        found += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name.endswith(".gguf")]
+        found += [Path(str(dist.locate_file(f))) for f in dist.files or ()
+                  if f.name.endswith(".gguf")]
     except importlib.metadata.PackageNotFoundError:
         pass
     module = package.replace("-", "_")
@@ -413,8 +416,3 @@ def _gguf_name(stored: str) -> str:
         if v == local:
             return f"blk.{i}.{k}"
     return "?"
-
-
-if __name__ == "__main__":  # pragma: no cover - a quick look at a file
-    g = GGUFFile(sys.argv[1])
-    print(g.config)
