@@ -117,6 +117,16 @@ def test_a_silent_link_is_a_schedule_event_and_sets_the_bridge_end_down(tmp_path
     assert f"# at t=70 s:\nip link set hpt{os.getpid()}v1 up" in out, out
 
 
+def test_a_scheduled_rate_change_leaves_the_root_qdisc_alone():
+    """htb cannot change its root qdisc in place: a link's new rate replaces its classes and
+    queues only (the root's replace failed with a warning at every scheduled change)."""
+    names = RunNames(4321, 2)
+    setup = [a.argv for a in net.shape_actions(names, 1, 100)]
+    change = [a.argv for a in net.shape_actions(names, 1, 40, change=True)]
+    assert sum("root" in a for a in setup) == 2 and not any("root" in a for a in change)
+    assert len(change) == len(setup) - 2
+
+
 def test_a_hang_is_a_schedule_event_that_freezes_the_device():
     """"hang": true freezes every process of a device where it stands (the cgroup freezer: a
     process started there later freezes too), "hang": false lets them run on."""
@@ -441,7 +451,7 @@ def _uncapped_matmuls_per_cpu_s(seconds=1.0) -> float:
     return float(p.stdout)
 
 
-def test_links_cpu_schedule_and_identity(root_env, tmp_path, monkeypatch):
+def test_links_cpu_schedule_and_identity(root_env, tmp_path, monkeypatch, capfd):
     """Device 0: 100 Mbit/s, device 1: 400; then the schedule swaps to 400 / 50.
 
     Each one-way transfer is bounded by the sender's upload and the receiver's download, so the
@@ -499,6 +509,8 @@ def test_links_cpu_schedule_and_identity(root_env, tmp_path, monkeypatch):
     st = r0["state"]
     assert [d["link_mbit"] for d in st["devices"]] == [400, 50] and not st["pending"]
     assert len(st["applied"]) == 2
+    err = capfd.readouterr().err
+    assert "warning" not in err, err  # a rate change is the classes' alone (no root qdisc)
 
 
 OOM_PROBE = ("import numpy as np, time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\nc.Barrier()\n"

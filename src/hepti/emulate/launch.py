@@ -231,7 +231,7 @@ class _Run:
         `apply_event` runs on its own (`_set_mem`). A `mem_hog` is a process, not an action."""
         acts: list[actions.Action] = []
         if ev.link_mbit is not None:
-            acts += net.shape_actions(self.names, ev.device, ev.link_mbit)
+            acts += net.shape_actions(self.names, ev.device, ev.link_mbit, change=True)
         if ev.cpu is not None:
             acts += self.cg.cpu_actions(self.names, ev.device, ev.cpu)
         if ev.loss is not None:

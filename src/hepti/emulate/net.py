@@ -86,15 +86,19 @@ def htb_args(link_mbit: float) -> dict[str, str]:
             "bulk": f"{round(kbit * (1 - SMALL_SHARE))}kbit"}
 
 
-def _shaper(tc: list[str], dev: str, link_mbit: float) -> list[Action]:
+def _shaper(tc: list[str], dev: str, link_mbit: float, change: bool = False) -> list[Action]:
     """HTB: class 1:1 is the link; under it 1:10 takes packets of under 128 bytes (ACKs) before
     1:20, the rest, each with its FIFO. `replace` throughout (the filter has a fixed handle), so
-    the same actions set up a link and change its rate later."""
+    the same actions set up a link and change its rate later; a `change` leaves out the root
+    qdisc, which htb cannot change in place ("Change operation not supported by specified
+    qdisc", a warning at every scheduled rate change) and which a rate does not touch."""
     a = htb_args(link_mbit)
     # quantum only weighs borrowing between classes of one priority; set, it keeps HTB from
     # warning about r2q
     common = ["ceil", a["rate"], "burst", a["burst"], "cburst", a["burst"], "quantum", str(GSO_MAX)]
-    return [cmd(*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "20"),
+    root = [] if change else [cmd(*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb",
+                                  "default", "20")]
+    return root + [
             cmd(*tc, "class", "replace", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
                 "rate", a["rate"], *common),
             cmd(*tc, "class", "replace", "dev", dev, "parent", "1:1", "classid", "1:10", "htb",
@@ -110,10 +114,10 @@ def _shaper(tc: list[str], dev: str, link_mbit: float) -> list[Action]:
                 "handle", "800::800", "u32", "match", "u16", "0", "0xff80", "at", "2", "flowid", "1:10")]
 
 
-def shape_actions(names: RunNames, i: int, link_mbit: float) -> list[Action]:
-    """Shape device i's link both ways (also used to change the rate while running)."""
-    return (_shaper(["tc", "-n", names.netns(i)], INNER_IFACE, link_mbit)
-            + _shaper(["tc"], names.veth(i), link_mbit))
+def shape_actions(names: RunNames, i: int, link_mbit: float, change: bool = False) -> list[Action]:
+    """Shape device i's link both ways (`change`: a running link's new rate)."""
+    return (_shaper(["tc", "-n", names.netns(i)], INNER_IFACE, link_mbit, change)
+            + _shaper(["tc"], names.veth(i), link_mbit, change))
 
 
 def loss_actions(names: RunNames, i: int, loss: float) -> list[Action]:
