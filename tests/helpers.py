@@ -1,6 +1,9 @@
 """Helpers shared by the unit tests and the distributed tests (plain functions, no fixtures)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,3 +55,24 @@ def convert_mobilenet(out: Path) -> Path:
     if not (out / "index.json").exists():
         convert_torch_file(find_package_pth(), out, progress=False)
     return out
+
+
+def serve_emulated(spec: Path, model: Path, *serve_args: str, n: int = 3, summary: Path | None = None,
+                   usr1: bool = False, timeout_s: int = 600):
+    """`hepti emulate --cluster SPEC -- hepti serve --model MODEL -n N --port 0 SERVE_ARGS`
+    (`usr1`: the schedule waits for a SIGUSR1 to the process; `summary`: the launcher's
+    --summary file) -> (process, base URL, the lines it wrote on stderr, kept growing by a
+    thread) once it listens."""
+    argv = [sys.executable, "-m", "hepti", "emulate", "--cluster", str(spec), "--timeout", str(timeout_s)]
+    argv += ["--schedule-on-usr1"] if usr1 else []
+    argv += ["--summary", str(summary)] if summary else []
+    argv += ["--", "hepti", "serve", "--model", str(model), "-n", str(n), "--port", "0", *serve_args]
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    said: list[str] = []
+    for line in p.stderr:
+        said.append(line)
+        if "listening on http://" in line:
+            url = line.split("listening on ")[1].split()[0]
+            threading.Thread(target=lambda: [said.append(x) for x in p.stderr], daemon=True).start()
+            return p, url, said
+    raise AssertionError(f"hepti serve never listened (exit {p.wait()}): {''.join(said)}")

@@ -21,6 +21,7 @@ from hepti.model.pooling import pool
 from hepti.serve import ServiceUnavailable, replan
 from hepti.serve.protocol import split_frames
 from hepti.serve.supervisor import LATE_AFTER_S, Supervisor, rank_hosts, read_hostfile
+from helpers import serve_emulated
 from test_distributed_launch import mpiexec
 from test_emulate import root_env  # noqa: F401 - the fixture: root, MPICH, no leftovers
 
@@ -364,18 +365,9 @@ def test_under_hepti_emulate_ranks_run_on_the_devices_and_the_port_is_the_hosts(
     spec = tmp_path / "pair.json"
     spec.write_text(json.dumps({"name": "test-serve", "devices": [
         {"name": "dev-a", "cpu": 0.5, "link_mbit": 500}, {"name": "dev-b", "cpu": 0.3, "link_mbit": 200}]}))
-    p = subprocess.Popen([sys.executable, "-m", "hepti", "emulate", "--cluster", str(spec), "--timeout",
-                          "240", "--", "hepti", "serve", "--model", str(tiny_dir), "-n", "2",
-                          "--strategy", "tensor", "--port", "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p, url, _ = serve_emulated(spec, tiny_dir, "--strategy", "tensor", n=2, timeout_s=240)
     try:
-        url = None
-        for line in p.stderr:
-            if "listening on http://" in line:
-                url = line.split("listening on ")[1].split()[0]
-                break
-        assert url and url.startswith("http://127.0.0.1:"), url
-        threading.Thread(target=p.stderr.read, daemon=True).start()
+        assert url.startswith("http://127.0.0.1:"), url
         wait_ready(url)
         code, body = http(url + "/v1/embeddings", {"input": [[2, 5, 7, 9], [3, 4]]})
         assert code == 200, body

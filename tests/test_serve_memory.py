@@ -22,6 +22,7 @@ from hepti.emulate.launch import _Run
 from hepti.emulate.names import RunNames
 from hepti.emulate.spec import MIN_HOG, SpecError, load_spec, parse_spec
 from hepti.serve.replan import MEM_HEADROOM
+from helpers import serve_emulated
 from test_emulate import root_env  # noqa: F401 - the fixture: root, MPICH, no leftovers
 from test_serve import http, single_device, wait_ready
 
@@ -182,25 +183,6 @@ def test_the_hog_leaves_once_its_parent_is_gone(tmp_path):
 
 
 # --- end to end (root) -----------------------------------------------------------------------
-def _serve_on(spec_path: Path, model: Path, summary: Path, *serve_args: str):
-    """`hepti emulate --cluster SPEC --schedule-on-usr1 -- hepti serve ...`: (process, url,
-    the lines it said so far, kept growing by a thread)."""
-    p = subprocess.Popen([sys.executable, "-m", "hepti", "emulate", "--cluster", str(spec_path),
-                          "--schedule-on-usr1", "--summary", str(summary), "--timeout", "600",
-                          "--", "hepti", "serve", "--model", str(model), "-n", "3", "--port", "0",
-                          *serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    said: list[str] = []
-    url = None
-    for line in p.stderr:
-        said.append(line)
-        if "listening on http://" in line:
-            url = line.split("listening on ")[1].split()[0]
-            break
-    assert url, "".join(said)
-    threading.Thread(target=lambda: [said.append(x) for x in p.stderr], daemon=True).start()
-    return p, url, said
-
-
 class _Clients:
     """Two clients posting in a loop, every answer kept (input index, row)."""
 
@@ -253,8 +235,8 @@ def test_a_squeezed_device_is_re_planned_off_before_the_oom_killer(root_env, min
     tok.no_padding()
     want = single_device(minilm_dir, [e.ids for e in tok.encode_batch(texts)])
     t_launch = time.monotonic()
-    p, url, said = _serve_on(ROOT / "hostfiles" / "emu-squeeze.json", minilm_dir, summary,
-                             "--replan", "on", "--strategy", "tensor")
+    p, url, said = serve_emulated(ROOT / "hostfiles" / "emu-squeeze.json", minilm_dir, "--replan",
+                                  "on", "--strategy", "tensor", summary=summary, usr1=True)
     clients = None
     try:
         wait_ready(url, timeout=240)

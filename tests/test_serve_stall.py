@@ -24,6 +24,7 @@ from hepti.serve.stall import (CONFIRM_PROBES, PROBE_EVERY_S, SLOW_PHASE_S, STAL
                                STALL_FLOOR_S, DeviceBench, Phase, expected_batch_s, hung_ranks,
                                kill_if_ours, phase_deadline, probe_device)
 from hepti.serve.supervisor import LATE_AFTER_S, Piece, Request, Supervisor, WatchLine
+from helpers import serve_emulated
 from test_emulate import root_env  # noqa: F401 - the fixture: root, MPICH, no leftovers
 from test_serve import TEXTS, http, served, single_device, texts_ids, wait_ready  # noqa: F401
 
@@ -557,22 +558,9 @@ def test_a_silent_link_under_emulate_is_handled_as_a_hang(root_env, minilm_dir, 
         {"name": "dev-c", "cpu": 0.5, "link_mbit": 500}], "schedule": [
         {"t": loss_at, "device": "dev-b", "loss": 100}, {"t": loss_at, "device": "dev-c", "loss": 100},
         {"t": back_at, "device": "dev-b", "loss": 0}]}))
-    p = subprocess.Popen([sys.executable, "-m", "hepti", "emulate", "--cluster", str(spec),
-                          "--schedule-on-usr1", "--timeout", "600", "--", "hepti", "serve",
-                          "--model", str(minilm_dir), "-n", "3", "--strategy", "tensor",
-                          "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
-    said: list[str] = []
+    p, url, said = serve_emulated(spec, minilm_dir, "--strategy", "tensor", usr1=True)
     clients = None
     try:
-        url = None
-        for line in p.stderr:
-            said.append(line)
-            if "listening on http://" in line:
-                url = line.split("listening on ")[1].split()[0]
-                break
-        assert url, "".join(said)
-        threading.Thread(target=lambda: [said.append(x) for x in p.stderr], daemon=True).start()
         wait_ready(url, timeout=300)
         texts = TEXTS[:3]
         from tokenizers import Tokenizer
@@ -656,20 +644,8 @@ def test_a_killed_rank_under_emulate_is_dropped_and_its_device_taken_back(root_e
     spec = tmp_path / "three.json"
     spec.write_text(json.dumps({"name": "test-kill", "devices": [
         {"name": f"dev-{c}", "cpu": 0.4, "link_mbit": 500} for c in "abc"]}))
-    p = subprocess.Popen([sys.executable, "-m", "hepti", "emulate", "--cluster", str(spec),
-                          "--timeout", "600", "--", "hepti", "serve", "--model", str(minilm_dir),
-                          "-n", "3", "--strategy", "tensor", "--port", "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    said: list[str] = []
+    p, url, said = serve_emulated(spec, minilm_dir, "--strategy", "tensor")
     try:
-        url = None
-        for line in p.stderr:
-            said.append(line)
-            if "listening on http://" in line:
-                url = line.split("listening on ")[1].split()[0]
-                break
-        assert url, "".join(said)
-        threading.Thread(target=lambda: [said.append(x) for x in p.stderr], daemon=True).start()
         wait_ready(url, timeout=300)
         text = "A cat sat on the mat."
         from tokenizers import Tokenizer
