@@ -222,6 +222,37 @@ def test_a_judging_cut_short_by_an_alarm_rolls_back_a_plan_already_slower():
     assert sup2.replans == [] and w2.judging == [0.76]
 
 
+def test_a_judged_plan_slower_for_a_change_it_did_not_make_is_not_rolled_back():
+    """bench-adapt's drift at 5c5e3ed: a switch that took rank 3 at 1.3x was judged over
+    node-d's fall to a third of its speed; the slower batches were held against the new plan
+    and the old one, with more rows on node-d, came back. A rank computing far from what it
+    was taken to be before the switch is a change the plan did not make: no rollback. A rank
+    back at its old speed (the switch's step was wrong) still rolls back."""
+    w, sup = _watcher([])
+    old = w.plan
+    w.previous, w.previous_before = (old, [0.75] * 5), ([1.0] * 4, {})
+    w.factors[3] = 1.3  # what the switch took rank 3 to be
+    w._refit()
+    w.judging = []
+    w._note_external([M.Alarm("compute", 3, 1, 7.3)])  # its flag: 7.3x the new prediction
+    assert w.external == (3, pytest.approx(1.3 * 7.3))
+    for wall in (0.76, 0.77, 1.2, 1.2):
+        assert not w._judge(None, wall)
+    assert not w._judge(None, 1.2)  # five batches, median 1.2 s against 0.75: slower ...
+    assert [e["decision"] for e in sup.replans] == ["keep"] and "no rollback" in sup.replans[0]["reason"]
+    assert w.judging is None and w.previous is None and w.pending is None  # ... but kept
+    # rank 3 back at its speed before the switch (1.3 x 0.77 = 1.0): the switch's own error
+    w, sup = _watcher([])
+    w.previous, w.previous_before = (w.plan, [0.75] * 5), ([1.0] * 4, {})
+    w.factors[3] = 1.3
+    w.judging = []
+    w._note_external([M.Alarm("compute", 3, -1, 0.77)])
+    assert w.external is None
+    for wall in (1.2,) * 5:
+        w._judge(None, wall)
+    assert [e["decision"] for e in sup.replans] == ["rollback"]
+
+
 def test_a_rank_reads_its_free_memory_at_most_every_mem_read_s(monkeypatch):
     """The cgroup files behind a free-memory reading cost 3-10 ms at 0.15-0.2 core: a serving
     rank reads them at most every MEM_READ_S, not after every batch."""
