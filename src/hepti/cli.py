@@ -828,8 +828,8 @@ def cmd_order(args) -> int:
     import json
     from pathlib import Path
 
-    from hepti.graph.opdag import load_graph, model_graph
-    from hepti.parallel.engine import parse_bytes
+    from hepti.graph.load import load_graph, model_graph
+    from hepti.plan.planfile import parse_bytes
     from hepti.plan.order import format_result, order_graph
     from hepti.weights.index import index_config, is_model_dir, load_index
     if is_model_dir(Path(args.graph)):  # a converted model: its config is in its index.json

@@ -64,7 +64,8 @@ def graphs(only: list[str] | None = None):
     from hepti.config import preset_config
     from hepti.graph.encoder import family_graph
     from hepti.graph.onnx_import import import_onnx
-    from hepti.graph.opdag import from_encoder, load_graph, random_wiring
+    from hepti.graph.load import load_graph
+    from hepti.graph.opdag import from_encoder, random_wiring
     light = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
     rows = []
     for m in ONNX_MODELS:
