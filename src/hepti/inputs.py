@@ -7,24 +7,13 @@ but never all their token ids at once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from hepti.errors import InputError
-
-
-@dataclass
-class Batch:
-    """One batch of encoded inputs: ids, mask, token_type [B, T] int64 (texts), or pixels
-    [B, 3, H, W] float32 with a mask of ones [B, T] (images: T patches + CLS). The mask's shape
-    is the batch's."""
-
-    ids: np.ndarray | None
-    mask: np.ndarray
-    token_type: np.ndarray | None
-    pixels: np.ndarray | None = None
+from hepti.model.batch import Batch
+from hepti.model.bert import validate_inputs
 
 
 def read_texts(texts: list[str] | None, input_file: str | None) -> list[str]:
@@ -160,7 +149,6 @@ class InputSource:
         """--input-ids: arrays ids [n, L] and optional mask, token_type, checked whole."""
         import hashlib
 
-        from hepti.model.bert import validate_inputs
         ids, mask, tt = read_ids(path)
         ids = np.asarray(ids)
         mask = np.ones(ids.shape, np.int64) if mask is None else np.asarray(mask)

@@ -285,7 +285,8 @@ class SingleJob:
 
 def run_single(args) -> int:
     """The single-device job (no MPI)."""
-    from hepti.model.family import SingleDevice, load_kernels
+    from hepti.model.family import load_kernels
+    from hepti.parallel.single import SingleDevice
     from hepti.weights import WeightStore
 
     t_start = time.perf_counter()

@@ -65,7 +65,7 @@ def run_model_bench(model_dir: str, seq: int = 128, batch: int = 1, repeat: int 
     import numba
     from tqdm import tqdm
 
-    from hepti.model.bert import BertEncoder
+    from hepti.parallel.single import BertEncoder
     from hepti.weights import WeightStore
 
     numba.set_num_threads(1)
