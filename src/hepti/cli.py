@@ -544,7 +544,7 @@ def cmd_run(args) -> int:
         from hepti.errors import InputError
         raise InputError("--plan already sets the strategy and ratios; drop --strategy/--ratios")
     if under_mpiexec() or args.strategy or args.ratios or args.plan or args.trace:
-        from hepti.parallel.engine import run_guarded
+        from hepti.parallel.distributed import run_guarded
         return run_guarded(args)
     from hepti.runner import run_single
     return run_single(args)
@@ -695,7 +695,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from hepti.parallel.engine import parse_bytes
+    from hepti.plan.planfile import parse_bytes
     from hepti.plan.partition import make_plan
     from hepti.plan.profile import load_profile
     from hepti.plan.report import format_plan

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import statistics
 import sys
 import time
@@ -29,7 +28,8 @@ import numpy as np
 
 from hepti.counts import counts, offsets
 from hepti.errors import HeptiError, PlanError
-from hepti.plan.planfile import DIMS, Plan, parse_ratios
+from hepti.plan.planfile import DIMS, Plan, parse_bytes, parse_ratios
+from hepti.resources import current_rss, peak_rss, reset_peak_rss
 
 log = logging.getLogger("hepti")
 FAULT_ENV = "HEPTI_FAULT_RANK"  # test-only: this rank raises in its first forward
@@ -55,32 +55,6 @@ def agree(world, fn):
             raise AgreedError(bad[0][1])
         raise AgreedError("; ".join(f"rank {r}: {e}" for r, e in bad))
     return result
-
-
-def parse_bytes(text: str | None, flag: str = "--mem-budget") -> int | None:
-    """'512MiB', '2GB', '1e9' -> bytes, which must be positive."""
-    if text is None:
-        return None
-    t = str(text).strip()
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
-    low = t.lower()
-    value = None
-    for u in sorted(units, key=len, reverse=True):
-        if low.endswith(u):
-            try:
-                value = int(float(low[: -len(u)]) * units[u])
-            except ValueError:
-                pass
-            break
-    if value is None:
-        try:
-            value = int(float(t))
-        except (ValueError, OverflowError):
-            raise PlanError(f"{flag} {text!r}: not a size; write e.g. 64MiB or 200000000") from None
-    if value <= 0:
-        raise PlanError(f"{flag} {text!r}: must be a positive size, e.g. 64MiB")
-    return value
 
 
 def resolve_plan(args, world_size: int, cfg) -> Plan:
@@ -410,37 +384,6 @@ class Job:
         }
 
 
-def reset_peak_rss() -> None:
-    """Start the peak-RSS count afresh (Linux: writing 5 to clear_refs resets VmHWM), so a
-    job's peak is its own and not an earlier job's in the same process."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss() -> int:
-    """Peak resident set size (bytes) since the last reset_peak_rss (VmHWM), else lifetime."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def current_rss() -> int:
-    """Resident set size now (bytes), from /proc/self/statm."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
 def world_comm(trace: bool = False):
     """The world as a Comm (MPI.COMM_WORLD with a Tracer)."""
     from mpi4py import MPI
@@ -520,39 +463,8 @@ def plan_with_profile(args, world, cfg, batch: int, seq_len: int, profile=None) 
     return agree(world, lambda: plan.validate(world.size))
 
 
-def run_distributed(args) -> int:
-    """`hepti run` under mpiexec (or with --strategy): every rank calls this."""
-    import numba
-    from mpi4py import MPI
-
-    from hepti.parallel.comm import Comm
-    from hepti.parallel.trace import Tracer
-    from hepti.runner import prepare
-    from hepti.weights import WeightStore
-
-    t_start = time.perf_counter()
-    mpi = MPI.COMM_WORLD
-    world = Comm(mpi, Tracer(mpi.Get_rank()))
-    rank = world.rank
-    rank0 = rank == 0
-    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-
-    store = agree(world, lambda: WeightStore(args.model))  # each device's own copy of the files
-    cfg = store.config
-    # Every input is checked, and the output opened (or resumed), before any weights load.
-    prep = agree(world, lambda: prepare(args, cfg, Path(args.model)) if rank0 else None)
-    try:
-        if cfg.model_type == "cnn":  # split by height: hepti.parallel.bands
-            from hepti.parallel.cnn_job import run_cnn
-            return run_cnn(args, world, store, prep, t_start)
-        return _run_prepared(args, world, store, prep, t_start)
-    finally:
-        if prep is not None and prep.out is not None:
-            prep.out.close()  # a no-op once committed; else the partial file stays for --resume
-
-
-def _run_prepared(args, world, store, prep, t_start: float) -> int:
-    """run_distributed once the inputs are checked and the output open (`prep`, primary only)."""
+def run_prepared(args, world, store, prep, t_start: float) -> int:
+    """hepti.parallel.distributed.run_distributed once the inputs are checked and the output open (`prep`, primary only)."""
     from hepti.parallel.trace import chrome_trace
     from hepti.runner import base_report, finish, run_passes
 
@@ -689,11 +601,6 @@ def format_rank_table(report: dict) -> str:
                      f"{s['layer_weight_bytes_resident'] / 1e6:>10.2f} {s['weight_bytes_read'] / 1e6:>8.2f} "
                      f"{s['peak_rss_bytes'] / 1e6:>11.1f}")
     return "\n".join(lines)
-
-
-def run_guarded(args) -> int:
-    """run_distributed with the failure discipline of the module docstring."""
-    return run_guarded_fn("run", run_distributed, args)
 
 
 def _on_interrupt(name: str, rank: int):

@@ -499,7 +499,7 @@ def single_device_peak(cfg, profile: Profile, seq_len: int, batch: int = 1) -> f
 def parse_mem_cap(text: str, peak) -> float:
     """`--mem-cap`: a size ("300MiB", "4e8") or a percentage of the single-device peak
     ("75%": `peak()`, called only then), as bytes every rank may use at most."""
-    from hepti.parallel.engine import parse_bytes
+    from hepti.plan.planfile import parse_bytes
     t = str(text).strip()
     if t.endswith("%"):
         try:

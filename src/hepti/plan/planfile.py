@@ -205,6 +205,32 @@ def check_ratio_vector(vec, world_size: int, what: str) -> list[float]:
     return [v / s for v in vals]
 
 
+def parse_bytes(text: str | None, flag: str = "--mem-budget") -> int | None:
+    """'512MiB', '2GB', '1e9' -> bytes, which must be positive."""
+    if text is None:
+        return None
+    t = str(text).strip()
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
+    low = t.lower()
+    value = None
+    for u in sorted(units, key=len, reverse=True):
+        if low.endswith(u):
+            try:
+                value = int(float(low[: -len(u)]) * units[u])
+            except ValueError:
+                pass
+            break
+    if value is None:
+        try:
+            value = int(float(t))
+        except (ValueError, OverflowError):
+            raise PlanError(f"{flag} {text!r}: not a size; write e.g. 64MiB or 200000000") from None
+    if value <= 0:
+        raise PlanError(f"{flag} {text!r}: must be a positive size, e.g. 64MiB")
+    return value
+
+
 def parse_ratios(text: str, world_size: int) -> dict[str, list[float]]:
     """Parse `--ratios`: one vector for every dimension ("0.5,0.3,0.2") or one per dimension
     ("heads=0.5,0.5;ffn=0.6,0.4;rows=0.5,0.5"; a missing dimension takes the first one given)."""
