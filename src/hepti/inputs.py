@@ -8,6 +8,9 @@ but never all their token ids at once.
 from __future__ import annotations
 
 from pathlib import Path
+import hashlib
+import logging
+import tempfile
 
 import numpy as np
 
@@ -95,7 +98,6 @@ def check_output_path(path: str | None, flag: str = "--output") -> None:
     if not parent.is_dir():
         raise InputError(f"{flag} {path}: folder {parent} does not exist; create it first "
                          f"(mkdir -p {parent})")
-    import tempfile
     try:
         with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{p.name}.", suffix=".probe"):
             pass
@@ -147,8 +149,6 @@ class InputSource:
     @classmethod
     def from_ids(cls, path: str, config, batch_size: int) -> "InputSource":
         """--input-ids: arrays ids [n, L] and optional mask, token_type, checked whole."""
-        import hashlib
-
         ids, mask, tt = read_ids(path)
         ids = np.asarray(ids)
         mask = np.ones(ids.shape, np.int64) if mask is None else np.asarray(mask)
@@ -174,9 +174,6 @@ class InputSource:
     def from_texts(cls, texts: list[str], tokenizer, batch_size: int, seq: int | None,
                    pad_id: int) -> "InputSource":
         """Texts, tokenised batch by batch; with `seq`, every batch padded to seq tokens."""
-        import hashlib
-        import logging
-
         raw = tokenizer.token_counts(texts)
         counts = np.minimum(raw, tokenizer.max_len)
         long = np.flatnonzero(raw > tokenizer.max_len)

@@ -25,6 +25,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from collections import Counter
+import heapq
+import random as _random
 
 from hepti.errors import GraphError
 
@@ -113,7 +116,6 @@ class OpDag:
         if all(self.producer.get(t, -1) < i for i, op in enumerate(self.ops) for t in op.inputs):
             self.meta.setdefault("file_order_topological", True)
             return list(range(n))
-        import heapq
         indeg = [len(self.preds(i)) for i in range(n)]
         heap = [i for i in range(n) if indeg[i] == 0]
         heapq.heapify(heap)
@@ -171,7 +173,6 @@ class OpDag:
 
     def describe(self) -> str:
         """A few lines on what the graph holds (`hepti graph import`)."""
-        from collections import Counter
         kinds = Counter(op.op_type for op in self.ops).most_common()
         mib = 2 ** 20
         return "\n".join([
@@ -289,7 +290,6 @@ def random_dag(n: int, seed: int, density: float | None = None) -> OpDag:
     output, or two (the second nobody reads: a transient); sizes 1-64 bytes. Op types mix
     in-place candidates (Relu, Add) with others (Conv, Concat). A tensor nobody reads is a
     graph output, or dead. Node i is named `op{i}`; the file order is i's."""
-    import random as _random
     rng = _random.Random(seed)
     p = rng.uniform(0.1, 0.6) if density is None else density
     tensors = {"x": TensorInfo(rng.randint(1, 64), (1,))}
@@ -317,7 +317,6 @@ def random_wiring(n: int, seed: int, k: int = 4, p: float = 0.75, size: int = 1)
     One operator per node reads its predecessors (or the stage's input) and writes one tensor
     of `size` bytes; an `out` operator averages the nodes nobody reads. Structure only: not an
     export of a trained RandWire, whose nodes are several operators each."""
-    import random as _random
     rng = _random.Random(seed)
     edges: set[tuple[int, int]] = set()
     for u in range(n):

@@ -583,5 +583,5 @@ def _peers(counts: tuple[int, ...], rank: int) -> tuple[int, ...]:
 
 @functools.cache
 def _MPI():
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
     return MPI

@@ -35,6 +35,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+import threading
 
 import numpy as np
 
@@ -46,6 +47,22 @@ from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, Profile, load_p
 from hepti.resources import (_rss_bytes, _return_freed_memory, available_memory, cgroup_dirs,
                              cgroup_memory_files, cgroup_memory_stat, cpu_limit, memory_limit,
                              reclaimable_cache)  # noqa: F401 - hepti.parallel.profiling's names, as before
+from hepti import kernels as K
+from hepti.counts import counts, counts as split, offsets
+from hepti.graph import lower
+from hepti.graph.cnn import CONV
+from hepti.graph.encoder import family_graph
+from hepti.graph.split import Split, spatial_ops
+from hepti.model.cnn import CNNModel, Weights, apply
+from hepti.parallel.bands import BandExecutor, lay_out_channels
+from hepti.parallel.comm import Comm, wait
+from hepti.parallel.interpreter import _mlp_pair
+from hepti.parallel.slices import LayerSlice
+from hepti.parallel.trace import Tracer
+from hepti.plan.costmodel import Collective, collective_times
+from hepti.weights import WeightStore
+from hepti.weights.layout import expected_shapes
+from hepti.weights.writer import TensorSpec, write_model
 
 PING_SIZES = (8, 4096, 65536, 262144, 1 << 20, 4 << 20)  # bytes; larger skipped on slow links
 PING_TARGET_S = 0.06  # the largest message should take about this long one way
@@ -136,7 +153,6 @@ class SpeedProbe:
     rounds read 0.97-1.2x their stretched time (quartiles)."""
 
     def __init__(self, hidden: int):
-        from hepti import kernels as K
         rng = np.random.default_rng(0)
         self.a = rng.standard_normal((PROBE_ROWS, hidden), dtype=np.float32)
         self.b = K.pack_b(rng.standard_normal((hidden, hidden), dtype=np.float32))
@@ -196,10 +212,6 @@ def measure_layer(config: ModelConfig, batch: int, seq_len: int, threads: int = 
     and MiniLM's 64 of 128 rows 49 against 35 (`hepti run --trace`); timed alone at all M rows
     (as before), 2-rank `rows` plans were predicted 0.8 ms (MiniLM) and 8 ms (BERT-base) fast
     per forward."""
-    from hepti import kernels as K
-    from hepti.graph import lower
-    from hepti.graph.encoder import family_graph
-    from hepti.parallel.interpreter import _mlp_pair
     rng = np.random.default_rng(0)
     g = family_graph(config, batch, seq_len)
     C, T, M = config.hidden_size, seq_len, batch * seq_len
@@ -292,7 +304,6 @@ def measure_layer(config: ModelConfig, batch: int, seq_len: int, threads: int = 
 
 def measure_call_overhead() -> float:
     """Seconds of a kernel call that does almost nothing: its Python and dispatch cost."""
-    from hepti import kernels as K
     w = K.pack_b(np.ones((8, 32), np.float32))
     a = np.ones((1, 8), np.float32)
     return _timed(lambda: K.gemm(a, w), min_time=0.005)
@@ -300,7 +311,6 @@ def measure_call_overhead() -> float:
 
 def measure_elementwise(config: ModelConfig, rows: int) -> float:
     """Elements/s of `hepti.kernels.add_layernorm` (bias + residual + LayerNorm) on [M, C]."""
-    from hepti import kernels as K
     rng = np.random.default_rng(2)
     C = config.hidden_size
     x, res = (rng.standard_normal((rows, C), dtype=np.float32) for _ in range(2))
@@ -356,15 +366,6 @@ def measure_weight_load(config: ModelConfig, directory: str | None = None, round
     at half a core; beside a GeMM at half a core: see the profile). With a core to spare for
     the loader the GeMMs lose nothing and the figure is large: loading is then overlapped, as
     it should be counted. Floor: a slice costs at least 1% of its time alone."""
-    import threading
-
-    from hepti import kernels as K
-    from hepti.graph.encoder import family_graph
-    from hepti.parallel.slices import LayerSlice
-    from hepti.weights import WeightStore
-    from hepti.weights.layout import expected_shapes
-    from hepti.weights.writer import TensorSpec, write_model
-
     d = {**config.to_dict(), "num_hidden_layers": 1}
     if "vocab_size" in d:  # a token embedding table the probe does not need
         d["vocab_size"] = 8
@@ -482,9 +483,8 @@ def fit_link(points: list[tuple[float, float]]) -> tuple[float, float]:
 def ping_pong(comm, peer: int, nbytes: int, reps: int) -> float:
     """Median one-way seconds (half the round trip) of nbytes between rank 0 and `peer`, as
     timed by rank 0; both must call it. The first round trip is a warm-up."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
-    from hepti.parallel.comm import wait
     buf = np.zeros(max(nbytes, 1), np.uint8)
     rank = comm.Get_rank()
     times = []
@@ -525,9 +525,8 @@ def measure_collectives(comm, reps: int = 15, long_reps: int = 5) -> dict:
     a line through ~0 (measured, 2-4 ranks, 0.26-3.1 MB a port). Each call starts after a
     barrier, as ranks sleep between tests of their requests on a capped device, and counts
     until the last of the k has it. All ranks call it; an empty dict on one rank."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
-    from hepti.parallel.comm import Comm, wait
     size, rank = comm.Get_size(), comm.Get_rank()
     out = {}
     if size == 1:
@@ -583,7 +582,6 @@ def _barrier(comm) -> None:
     """A barrier that waits as the runtime waits (`hepti.parallel.comm.wait`: asleep on a
     CPU-capped rank). MPICH's blocking barrier spins: a rank done measuring early would burn its
     quota and, sharing a CPU with a rank still measuring, evict that rank's caches."""
-    from hepti.parallel.comm import wait
     wait(comm.Ibarrier())
 
 
@@ -592,7 +590,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
                     disk: bool = True) -> dict:
     """Measure every rank (all ranks call this) -> the same profile dict on every rank."""
     comm = getattr(comm, "mpi", comm)  # a hepti Comm or an mpi4py communicator
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
     t_start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
     M = batch * seq_len
@@ -661,7 +659,6 @@ def measure_cnn_ops(model, h: int, w: int, batch: int = 1, rounds: int = 5) -> l
     """Seconds of each op of a CNN (hepti.model.cnn.CNNModel) over the whole h x w map, batch
     `batch`: the median of `rounds` forwards after a warm-up, each op timed alone (stretched as
     one unit of work on an emulated device, as the runtime's compute spans are)."""
-    from hepti.model.cnn import apply
     g = model.graph
     g.shapes(h, w)
     run = _stretch.wrap(apply) if _stretch.ON else apply
@@ -687,7 +684,6 @@ def measure_layout_rate(rounds: int = 9) -> float:
     `lay_out_channels`, what every member of a split by channels does after each op's
     allgather), as the device pays them (stretched on an emulated one): ResNet-50's 14x14x1024
     map from two halves, 0.8 MB."""
-    from hepti.parallel.bands import lay_out_channels
     shape, per = (1, 14, 14, 1024), [512, 512]
     flat = np.random.default_rng(6).standard_normal(14 * 14 * 1024, dtype=np.float32)
     run = _stretch.wrap(lay_out_channels) if _stretch.ON else lay_out_channels
@@ -708,7 +704,6 @@ class _Unsent:
     size, rank = 2, 0
 
     def __init__(self):
-        from hepti.parallel.trace import Tracer
         self.tracer = Tracer(0)
 
     def bcast_obj(self, obj):
@@ -759,11 +754,6 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
     four devices, fastest first), and natively 1.1-1.3 times (a map made long before, or on
     another core, is read from further away than the whole-map forward's just-made one);
     GenEFlow's plans that give the slow devices small bands ran 30-60% over their prediction."""
-    from hepti.counts import counts
-    from hepti.graph.cnn import CONV
-    from hepti.graph.split import Split, spatial_ops
-    from hepti.model.cnn import Weights
-    from hepti.parallel.bands import BandExecutor
     g = model.graph
     shapes = g.shapes(h, w)
     n = spatial_ops(g)
@@ -821,7 +811,6 @@ def stream_fit(stream: list, graph) -> tuple[float, float]:
     forward 394-583, 282-368, 140-223 and 66-156 (2026-11-27); GenEFlow's 2-device plan at a
     50% cap, 19 of its 48 groups streamed, ran 27% over its prediction on the lone timing,
     its streamed groups at 1.3-2.7 times their modelled compute, and -7% to +7% on this."""
-    from hepti.graph.cnn import CONV
     row = graph.row_bytes()
     pts = [(row[op.name] * op.cout, t) for op, t in zip(graph.ops, stream or ())
            if op.kind == CONV and t is not None]
@@ -937,10 +926,8 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     link to rank 0. `power`: declared (compute W, transmit W) per rank, for the energy
     objective; nothing measures power here. `band_min_s`: `measure_band_costs`' `min_s`."""
     comm = getattr(comm, "mpi", comm)
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
-    from hepti.graph.cnn import CONV
-    from hepti.model.cnn import CNNModel
     t_start = time.perf_counter()
     rank = comm.Get_rank()
     model = CNNModel.from_store(store, threads)
@@ -1021,12 +1008,8 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
     the bucket refill, and the collective then passes partly at veth speed: timed that way
     alone, Allgatherv came out 15-20% faster than back to back, and emulated `tensor` plans
     were predicted faster than they ran."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
-    from hepti import kernels as K
-    from hepti.counts import counts as split, offsets
-    from hepti.plan.costmodel import Collective, collective_times
-    from hepti.parallel.comm import Comm
     size, rank = comm.Get_size(), comm.Get_rank()
     C, F = config.hidden_size, config.intermediate_size
     rc = split(rows, [1.0] * size)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from hepti.errors import PlanError
 from hepti.graph.opdag import OpDag
@@ -103,7 +103,6 @@ class OrderResult:
     cap_bytes: int | None = None
 
     def to_dict(self) -> dict:
-        from dataclasses import asdict
         d = asdict(self)
         d["random_mean_bytes"] = self.random["mean_bytes"]
         d["random_worst_bytes"] = self.random["worst_bytes"]

@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hepti.errors import PlanError
+from hepti.config import model_mismatch
 
 STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single", "bands", "mixed")
 DIMS = ("heads", "ffn", "rows")
@@ -131,7 +132,6 @@ class Plan:
     def check_model(self, config, source: str = "the plan") -> list[str]:
         """Raise PlanError unless this plan fits `config` (the model's shape, a pipeline's layer
         ranges); return warnings for what differs harmlessly."""
-        from hepti.config import model_mismatch
         why, fatal = model_mismatch(self.model, self.model_shape, config)
         remake = (f"make a plan for this model: hepti plan --model MODEL_DIR --profile "
                   f"PROFILE.json --strategy {self.strategy} --out PLAN.json")
