@@ -34,7 +34,7 @@ from hepti.output import OutputFile
 from hepti.graph.cnn import build
 from hepti.graph.opdag import from_cnn
 from hepti.images import check_pixels, load_preprocessor, preprocess
-from hepti.model.cnn import SingleCNN
+from hepti.model.cnn import SingleCNN, top_k
 from hepti.model.family import load_kernels
 from hepti.model.tokenize import TextTokenizer
 from hepti.parallel.single import SingleDevice
@@ -193,7 +193,6 @@ class Sink:
         if self.out is not None:
             self.out.write(k, rows)
         if self.kept is not None and getattr(self.args, "top", None) is not None:
-            from hepti.model.cnn import top_k  # a classifier's best classes, not its logits
             self.kept.extend(top_k(rows, self.args.top))
         elif self.kept is not None:
             self.kept.append(rows)

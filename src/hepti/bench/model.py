@@ -31,7 +31,7 @@ def torch_model(store):
         import torch  # local: optional dependency
         try:  # an installed torchvision (bin/setup --with-torch) must import first, or
             # transformers' BertModel import fails beside a CPU-only torch
-            from hepti.bench.cnnsingle import import_torchvision  # local: optional dependency
+            from hepti.bench.cnnsingle import import_torchvision  # local: only beside torch
             import_torchvision()
         except ImportError:
             pass

@@ -35,11 +35,12 @@ import time
 from pathlib import Path
 
 from hepti.bench import git_commit, result_doc, write_json
-from hepti.config import preset_config
+from hepti.config import CNNConfig, preset_config
+from hepti.graph.cnn import build
 from hepti.graph.encoder import family_graph
 from hepti.graph.load import load_graph
 from hepti.graph.onnx_import import import_onnx
-from hepti.graph.opdag import from_encoder, random_dag, random_wiring
+from hepti.graph.opdag import from_cnn, from_encoder, random_dag, random_wiring
 from hepti.plan.memory import compile_problem
 from hepti.plan.order import btsearch, order_graph
 from hepti.plan.order_exact import TooLarge, downset_dp
@@ -73,17 +74,9 @@ def graphs(only: list[str] | None = None):
     rows = []
     for m in ONNX_MODELS:
         rows.append((f"onnx:{m}", "onnx light", lambda m=m: import_onnx(light / f"light_{m}.onnx"), ""))
-    try:
-        from hepti.config import CNNConfig  # local: optional dependency
-        from hepti.graph.cnn import build  # local: optional dependency
-        from hepti.graph.opdag import from_cnn  # local: optional dependency
-        for arch in HEPTI_CNNS:
-            rows.append((f"hepti:{arch}", "hepti CNN",
-                         lambda a=arch: from_cnn(build(CNNConfig(arch=a)), 1, 224, 224, name=a), ""))
-    except ImportError:
-        for arch in HEPTI_CNNS:
-            rows.append((f"hepti:{arch}", "hepti CNN", None,
-                         "skipped: this hepti has no hepti.graph.cnn (issue 19's branch)"))
+    for arch in HEPTI_CNNS:
+        rows.append((f"hepti:{arch}", "hepti CNN",
+                     lambda a=arch: from_cnn(build(CNNConfig(arch=a)), 1, 224, 224, name=a), ""))
     for name, T in (("bert-base", 128), ("vit-base", None)):
         cfg = preset_config(name)
         rows.append((f"hepti:{name}", "hepti encoder",

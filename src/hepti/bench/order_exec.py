@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the rows as JSON here (rank 0)")
     args = ap.parse_args(argv)
     try:
-        from mpi4py import MPI  # local: optional dependency
+        from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
         world = Comm(MPI.COMM_WORLD) if MPI.COMM_WORLD.Get_size() > 1 else Comm(None)
     except ImportError:
         world = Comm(None)

@@ -109,7 +109,7 @@ def worker(out: str, rounds: int) -> None:
     hot = {m: statistics.median(gemm_s(m, 9) for _ in range(3)) for m in ms} if rank == 0 else None
     if rank == 0:  # the hub is the uncapped reference, never stretched
         try:
-            from hepti.emulate import stretch  # local: optional dependency
+            from hepti.emulate import stretch  # local: guarded for trees from before the stretch
             stretch.disable()
         except ImportError:
             pass
@@ -227,7 +227,7 @@ def worker(out: str, rounds: int) -> None:
 
 def _stretch_state() -> dict | None:
     try:
-        from hepti.emulate import stretch  # local: optional dependency
+        from hepti.emulate import stretch  # local: guarded for trees from before the stretch
     except ImportError:  # before the stretch existed: the quota alone
         return None
     return stretch.describe()

@@ -72,7 +72,7 @@ def fold(config: CNNConfig, state: dict[str, np.ndarray]) -> dict[str, np.ndarra
             w = np.asarray(state[f"{op.name}.weight"], np.float32)
             b = np.asarray(state[f"{op.name}.bias"], np.float32) if op.bias else None
             if op.bn:
-                from hepti.kernels.conv import fold_batchnorm  # numpy only; no compile
+                from hepti.kernels.conv import fold_batchnorm  # local: start-up time (no numba to convert)
                 bn = [state[f"{op.bn}.{k}"] for k in ("weight", "bias", "running_mean",
                                                       "running_var")]
                 w, b = fold_batchnorm(w, b, *bn, BN_EPS)
