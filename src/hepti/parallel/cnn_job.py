@@ -1,7 +1,7 @@
 """`hepti run` of a CNN under mpiexec: the plan (a "bands" plan file, --ratios, or the CoEdge
 planner on a profile), a `BandJob` on every rank, the runner's passes, the report.
 
-The transformer families' counterpart is hepti.parallel.engine's `_run_prepared` and `Job`;
+The transformer families' counterpart is hepti.parallel.engine's `run_prepared` and `Job`;
 what the two share (the passes, checking inputs first, writing as it goes, the report's common
 fields, the failure discipline) is hepti.runner's and engine's, used here as there.
 """

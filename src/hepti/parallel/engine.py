@@ -462,7 +462,8 @@ def plan_with_profile(args, world, cfg, batch: int, seq_len: int, profile=None) 
 
 
 def run_prepared(args, world, store, prep, t_start: float) -> int:
-    """hepti.parallel.distributed.run_distributed once the inputs are checked and the output open (`prep`, primary only)."""
+    """hepti.parallel.distributed.run_distributed once the inputs are checked and the output
+    open (`prep`, primary only)."""
     mpi, rank, size, cfg = world.mpi, world.rank, world.size, store.config
     rank0 = rank == 0
     source = prep.source if rank0 else None
