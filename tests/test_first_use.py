@@ -55,7 +55,8 @@ SIGNATURES = textwrap.dedent("""
     import numpy as np
     from numba.core.registry import CPUDispatcher
     from hepti.inputs import Batch
-    from hepti.model.family import SingleDevice, load_kernels
+    from hepti.model.family import load_kernels
+    from hepti.parallel.single import SingleDevice
     from hepti.model.cnn import SingleCNN
     from hepti.weights import WeightStore
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import load_all
-from hepti.model.bert import BertEncoder
+from hepti.parallel.single import BertEncoder
 from hepti.model.pooling import pool
 from hepti.model.reference import reference_forward
 from hepti.weights import WeightStore

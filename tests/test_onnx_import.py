@@ -11,7 +11,8 @@ from onnx import TensorProto, helper  # noqa: E402
 
 from hepti.errors import GraphError  # noqa: E402
 from hepti.graph.onnx_import import import_onnx  # noqa: E402
-from hepti.graph.opdag import OpDag, load_graph  # noqa: E402
+from hepti.graph.load import load_graph  # noqa: E402
+from hepti.graph.opdag import OpDag  # noqa: E402
 from hepti.plan.memory import compile_problem  # noqa: E402
 from hepti.plan.order import order_graph  # noqa: E402
 from hepti.plan.order_exact import downset_dp  # noqa: E402

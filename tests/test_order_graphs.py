@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hepti.graph.opdag import OpDag, OpNode, TensorInfo, load_graph, random_dag
+from hepti.graph.load import load_graph
+from hepti.graph.opdag import OpDag, OpNode, TensorInfo, random_dag
 from hepti.plan.memory import compile_problem, order_peak
 from hepti.plan.order import order_graph
 from hepti.plan.order_exact import downset_dp

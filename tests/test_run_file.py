@@ -33,7 +33,7 @@ def ids_file(path: Path, n: int, seed: int = 0) -> Path:
 def test_one_pass_runs_each_batch_once(tiny_dir, tmp_path, monkeypatch):
     """--repeat 1 (the default) runs every batch once: no second, timed pass over the input."""
     from hepti import cli
-    from hepti.model.family import SingleDevice
+    from hepti.parallel.single import SingleDevice
     calls = []
     run = SingleDevice.run
     monkeypatch.setattr(SingleDevice, "run", lambda self, *a, **k: calls.append(1) or run(self, *a, **k))

@@ -29,7 +29,7 @@ from test_emulate import root_env  # noqa: F401 - the fixture: root, MPICH, no l
 def single_device(model_dir, inputs, normalize=True):
     """Each input alone (no padding) through the single-device engine, mean-pooled."""
     from hepti.inputs import Batch
-    from hepti.model.family import SingleDevice
+    from hepti.parallel.single import SingleDevice
     from hepti.weights import WeightStore
     eng = SingleDevice.from_store(WeightStore(model_dir))
     rows = []

@@ -22,7 +22,7 @@ def expected():
 
 def _run(model_dir, pixels):
     from hepti.inputs import Batch
-    from hepti.model.family import SingleDevice
+    from hepti.parallel.single import SingleDevice
     from hepti.weights import WeightStore
     store = WeightStore(model_dir)
     engine = SingleDevice.from_store(store)

@@ -11,8 +11,11 @@ for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import sys  # noqa: E402
+import textwrap  # noqa: E402
 
 DEFAULT_MODEL = "weights/minilm-l6"
 STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
@@ -39,7 +42,6 @@ def _positive_int(s: str) -> int:
 
 def _seconds(s: str) -> float:
     """A duration in seconds: a finite number, 0 or more."""
-    import math
     try:
         v = float(s)
     except ValueError:
@@ -51,13 +53,12 @@ def _seconds(s: str) -> float:
 
 def _paragraphs(*texts: str) -> str:
     """A description of several paragraphs, wrapped (RawDescriptionHelpFormatter keeps them)."""
-    import textwrap
     return "\n\n".join(textwrap.fill(t, 88) for t in texts)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from hepti.parallel.watchdog import (SILENT_S, STALL_EXIT, STALL_FACTOR, STALL_FLOOR_S,
-                                         STALL_UNPLANNED_S)
+                                         STALL_UNPLANNED_S)  # local: start-up time (hepti --help)
     p = argparse.ArgumentParser(
         prog="hepti", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description=_paragraphs(
@@ -327,8 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the plan file (for `hepti run --plan`)")
     s.add_argument("--out", metavar="PLAN.json", help="also write the plan file here")
 
-    from hepti.serve.http import READ_TIMEOUT_S, ROUTES_HELP
-    from hepti.serve.stall import STALL_FLOOR_S
+    from hepti.serve.http import READ_TIMEOUT_S, ROUTES_HELP  # local: start-up time (hepti --help)
+    from hepti.serve.stall import STALL_FLOOR_S  # local: start-up time (hepti --help)
     s = sub.add_parser(
         "serve", help="serve embeddings over HTTP (or --jsonl) from a long-lived MPI job",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -461,10 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_info(args) -> int:
-    from hepti.info import collect_info, format_info
+    from hepti.info import collect_info, format_info  # local: start-up time (hepti --help)
     info = collect_info()
     if args.json:
-        import json
         print(json.dumps(info, indent=2))
     else:
         print(format_info(info))
@@ -472,23 +472,23 @@ def cmd_info(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from pathlib import Path
+    from pathlib import Path  # local: start-up time (hepti --help)
 
-    from hepti import weights
+    from hepti import weights  # local: start-up time (hepti --help)
     out = Path(args.out)
     cap = int(args.max_shard_mb * 1e6) if args.max_shard_mb else None
     if args.random:
-        from hepti.config import config_from_json, preset_config
+        from hepti.config import config_from_json, preset_config  # local: start-up time (hepti --help)
         cfg = (config_from_json(args.random, name=Path(args.random).stem)
                if args.random.endswith(".json") else preset_config(args.random))
         if cfg.model_type == "cnn":
-            from hepti.weights.cnn import write_random_cnn
+            from hepti.weights.cnn import write_random_cnn  # local: start-up time (hepti --help)
             write_random_cnn(cfg, out, seed=args.seed, overwrite=args.force)
         else:
             weights.write_random(cfg, out, seed=args.seed, overwrite=args.force,
                                  shard_layers=args.shard_layers)
     else:
-        from hepti.weights import cnn
+        from hepti.weights import cnn  # local: start-up time (hepti --help)
         kw = dict(shard_layers=args.shard_layers, max_shard_bytes=cap, overwrite=args.force)
         pth = None  # a torchvision weights file (a CNN), from a package or given
         if args.from_package and not args.force and _converted_from(out, args.from_package):
@@ -525,9 +525,9 @@ def cmd_convert(args) -> int:
 def _converted_from(out, package: str) -> bool:
     """Whether `out` holds a model converted from this installed package, at its installed
     version (a converted model's index.json records its source)."""
-    import importlib.metadata
+    import importlib.metadata  # local: start-up time (hepti --help)
 
-    from hepti.weights.index import is_model_dir, load_index
+    from hepti.weights.index import is_model_dir, load_index  # local: start-up time (hepti --help)
     if not is_model_dir(out):
         return False
     source = load_index(out).get("source") or {}
@@ -539,7 +539,7 @@ def _converted_from(out, package: str) -> bool:
 
 
 def cmd_verify(args) -> int:
-    from hepti.weights import verify
+    from hepti.weights import verify  # local: start-up time (hepti --help)
     problems = verify(args.model)
     if problems:
         for p in problems:
@@ -561,26 +561,25 @@ def under_mpiexec() -> bool:
 
 def cmd_run(args) -> int:
     if args.plan and (args.strategy or args.ratios):
-        from hepti.errors import InputError
+        from hepti.errors import InputError  # local: start-up time (hepti --help)
         raise InputError("--plan already sets the strategy and ratios; drop --strategy/--ratios")
     if under_mpiexec() or args.strategy or args.ratios or args.plan or args.trace:
-        from hepti.parallel.engine import run_guarded
+        from hepti.parallel.distributed import run_guarded  # local: start-up time (hepti --help)
         return run_guarded(args)
-    from hepti.runner import run_single
+    from hepti.runner import run_single  # local: start-up time (hepti --help)
     return run_single(args)
 
 
 def cmd_bench(args) -> int:
-    import json
     if args.bench == "kernels":
-        from hepti.bench.kernels import format_kernel_table, run_kernel_bench
+        from hepti.bench.kernels import format_kernel_table, run_kernel_bench  # local: start-up time (hepti --help)
         res = run_kernel_bench(repeat=args.repeat, progress=not args.json)
         print(json.dumps(res, indent=2) if args.json else format_kernel_table(res))
         return 0
     if args.bench == "solver":
-        from hepti.bench import write_json
-        from hepti.bench.solver import format_solver, run_solver_bench
-        from hepti.errors import InputError
+        from hepti.bench import write_json  # local: start-up time (hepti --help)
+        from hepti.bench.solver import format_solver, run_solver_bench  # local: start-up time (hepti --help)
+        from hepti.errors import InputError  # local: start-up time (hepti --help)
         try:
             devices = tuple(int(x) for x in args.devices.split(","))
         except ValueError:
@@ -592,9 +591,9 @@ def cmd_bench(args) -> int:
         print(json.dumps(res, indent=2) if args.json else format_solver(res) + f"\nwrote {args.out}")
         return 0
     if args.bench == "comm":
-        from hepti.parallel.engine import run_guarded_fn
+        from hepti.parallel.engine import run_guarded_fn  # local: start-up time (hepti --help)
         return run_guarded_fn("bench comm", _bench_comm, args)
-    from hepti.bench.model import format_model_bench, run_model_bench
+    from hepti.bench.model import format_model_bench, run_model_bench  # local: start-up time (hepti --help)
     res = run_model_bench(args.model, seq=args.seq, batch=args.batch, repeat=args.repeat,
                           torch=not args.no_torch, progress=not args.json)
     print(json.dumps(res, indent=2) if args.json else format_model_bench(res))
@@ -602,14 +601,13 @@ def cmd_bench(args) -> int:
 
 
 def _bench_comm(args) -> int:
-    import json
 
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
-    from hepti.bench.comm import format_comm, run_comm_bench
-    from hepti.bench import write_json
+    from hepti.bench.comm import format_comm, run_comm_bench  # local: start-up time (hepti --help)
+    from hepti.bench import write_json  # local: start-up time (hepti --help)
     if MPI.COMM_WORLD.Get_size() < 2:
-        from hepti.errors import InputError
+        from hepti.errors import InputError  # local: start-up time (hepti --help)
         raise InputError("bench comm needs two or more ranks: mpiexec -n 2 hepti bench comm")
     res = run_comm_bench(MPI.COMM_WORLD, repeat=args.repeat, progress=not args.json)
     if res is not None:
@@ -619,8 +617,8 @@ def _bench_comm(args) -> int:
 
 
 def cmd_emulate(args) -> int:
-    from hepti.emulate.launch import cleanup, run_emulated
-    from hepti.errors import InputError
+    from hepti.emulate.launch import cleanup, run_emulated  # local: start-up time (hepti --help)
+    from hepti.errors import InputError  # local: start-up time (hepti --help)
     if args.cleanup:
         removed = cleanup(include_live=args.all)
         print("\n".join(removed) if removed else "nothing to clean up")
@@ -662,14 +660,14 @@ def _powers(text: str) -> list[tuple[float, float]]:
 
 
 def cmd_profile(args) -> int:
-    from hepti.parallel.engine import run_guarded_fn
+    from hepti.parallel.engine import run_guarded_fn  # local: start-up time (hepti --help)
     return run_guarded_fn("profile", _profile_job, args)
 
 
 def _tokens(args, cfg) -> int:
     """--seq, or its default: 128 tokens, or every image's tokens for a vision model (which
     take no other count)."""
-    from hepti.errors import InputError
+    from hepti.errors import InputError  # local: start-up time (hepti --help)
     if cfg.model_type == "vit":
         if args.seq is not None and args.seq != cfg.seq_len:
             raise InputError(f"--seq {args.seq}: {args.model} takes {cfg.seq_len} tokens per image "
@@ -680,17 +678,16 @@ def _tokens(args, cfg) -> int:
 
 
 def _profile_job(args) -> int:
-    import json
 
-    from hepti.parallel.engine import agree, parse_bytes, world_comm
-    from hepti.parallel.profiling import cached_profile
-    from hepti.plan.report import format_profile
-    from hepti.weights import WeightStore
+    from hepti.parallel.engine import agree, parse_bytes, world_comm  # local: start-up time (hepti --help)
+    from hepti.parallel.profiling import cached_profile  # local: start-up time (hepti --help)
+    from hepti.plan.report import format_profile  # local: start-up time (hepti --help)
+    from hepti.weights import WeightStore  # local: start-up time (hepti --help)
     world = world_comm()
     cfg = agree(world, lambda: WeightStore(args.model).config)
     if cfg.model_type == "cnn":  # every op timed at the input size
-        from hepti.parallel.profiling import measure_cnn_profile
-        from hepti.plan.profile import profile_from_dict
+        from hepti.parallel.profiling import measure_cnn_profile  # local: start-up time (hepti --help)
+        from hepti.plan.profile import profile_from_dict  # local: start-up time (hepti --help)
         store = agree(world, lambda: WeightStore(args.model))
         h, w = args.image_size or (cfg.image_size, cfg.image_size)
         prof = agree(world, lambda: measure_cnn_profile(
@@ -710,31 +707,31 @@ def _profile_job(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from hepti.serve.app import run
+    from hepti.serve.app import run  # local: start-up time (hepti --help)
     return run(args)
 
 
 def cmd_plan(args) -> int:
-    from hepti.parallel.engine import parse_bytes
-    from hepti.plan.partition import make_plan
-    from hepti.plan.profile import load_profile
-    from hepti.plan.report import format_plan
-    from hepti.weights import WeightStore
+    from hepti.plan.planfile import parse_bytes  # local: start-up time (hepti --help)
+    from hepti.plan.partition import make_plan  # local: start-up time (hepti --help)
+    from hepti.plan.profile import load_profile  # local: start-up time (hepti --help)
+    from hepti.plan.report import format_plan  # local: start-up time (hepti --help)
+    from hepti.weights import WeightStore  # local: start-up time (hepti --help)
     cfg = WeightStore(args.model).config
     profile = load_profile(args.profile, max_age_s=args.max_age)
     for note in profile.check_model(cfg, source=f"--profile {args.profile}"):
         logging.getLogger("hepti").warning(note)
     if cfg.model_type == "cnn" and args.search == "genetic":
-        from hepti.errors import InputError
-        from hepti.graph.cnn import build
-        from hepti.plan.coedge import CNNCosts
-        from hepti.plan.genetic_cnn import make_genetic_cnn_plan, single_device_peak_cnn
+        from hepti.errors import InputError  # local: start-up time (hepti --help)
+        from hepti.graph.cnn import build  # local: start-up time (hepti --help)
+        from hepti.plan.coedge import CNNCosts  # local: start-up time (hepti --help)
+        from hepti.plan.genetic_cnn import make_genetic_cnn_plan, single_device_peak_cnn  # local: start-up time (hepti --help)
         if args.ratios or args.strategy != "auto" or args.objective != "latency":
             raise InputError("--search genetic chooses the groups and the shares for latency; "
                              "drop --strategy, --ratios and --objective")
         budget = parse_bytes(args.mem_budget)
         if args.mem_cap is not None:
-            from hepti.plan.genetic import parse_mem_cap
+            from hepti.plan.genetic import parse_mem_cap  # local: start-up time (hepti --help)
             graph = build(cfg)
             costs = CNNCosts.from_profile(profile, graph)
             cap = parse_mem_cap(args.mem_cap, lambda: single_device_peak_cnn(
@@ -744,26 +741,26 @@ def cmd_plan(args) -> int:
                                      generations=args.generations, crossover=args.crossover,
                                      mutation=args.mutation)
     elif cfg.model_type == "cnn":
-        from hepti.plan.coedge import make_cnn_plan
-        from hepti.plan.planfile import parse_ratios
+        from hepti.plan.coedge import make_cnn_plan  # local: start-up time (hepti --help)
+        from hepti.plan.planfile import parse_ratios  # local: start-up time (hepti --help)
         ratios = parse_ratios(args.ratios, profile.world_size)["rows"] if args.ratios else None
         plan = make_cnn_plan(cfg, profile, args.strategy, args.objective, args.deadline_ms,
                              args.power, ratios, fuse_depth=args.fuse_depth)
     else:
-        from hepti.errors import InputError
+        from hepti.errors import InputError  # local: start-up time (hepti --help)
         if args.objective != "latency" or args.power:
             raise InputError("--objective and --power are for CNNs (CoEdge's energy objective)")
         T = _tokens(args, cfg)
         budget = parse_bytes(args.mem_budget)
         if args.mem_cap is not None:
-            from hepti.plan.genetic import parse_mem_cap, single_device_peak
+            from hepti.plan.genetic import parse_mem_cap, single_device_peak  # local: start-up time (hepti --help)
             cap = parse_mem_cap(args.mem_cap, lambda: single_device_peak(cfg, profile, T, args.batch))
             budget = cap if budget is None else min(budget, cap)
         if args.search == "genetic":
             if args.ratios or args.strategy != "auto":
                 raise InputError("--search genetic chooses the strategy and the shares; drop "
                                  "--strategy and --ratios")
-            from hepti.plan.genetic import make_genetic_plan
+            from hepti.plan.genetic import make_genetic_plan  # local: start-up time (hepti --help)
             plan = make_genetic_plan(cfg, profile, T, args.batch, budget, args.seed,
                                      population=args.population, generations=args.generations,
                                      crossover=args.crossover, mutation=args.mutation)
@@ -845,13 +842,12 @@ def _add_order_parsers(sub) -> None:
 
 
 def cmd_order(args) -> int:
-    import json
-    from pathlib import Path
+    from pathlib import Path  # local: start-up time (hepti --help)
 
-    from hepti.graph.opdag import load_graph, model_graph
-    from hepti.parallel.engine import parse_bytes
-    from hepti.plan.order import format_result, order_graph
-    from hepti.weights.index import index_config, is_model_dir, load_index
+    from hepti.graph.load import load_graph, model_graph  # local: start-up time (hepti --help)
+    from hepti.plan.planfile import parse_bytes  # local: start-up time (hepti --help)
+    from hepti.plan.order import format_result, order_graph  # local: start-up time (hepti --help)
+    from hepti.weights.index import index_config, is_model_dir, load_index  # local: start-up time (hepti --help)
     if is_model_dir(Path(args.graph)):  # a converted model: its config is in its index.json
         cfg = index_config(load_index(args.graph))
         dag = model_graph(cfg, args.batch or 1, args.input_shape, Path(args.graph).name)
@@ -871,8 +867,7 @@ def cmd_order(args) -> int:
 
 
 def cmd_graph(args) -> int:
-    import json
-    from hepti.graph.onnx_import import import_onnx
+    from hepti.graph.onnx_import import import_onnx  # local: start-up time (hepti --help)
     dag = import_onnx(args.file, batch=args.batch, input_shape=args.input_shape)
     doc = json.dumps(dag.to_dict(), indent=1)
     if args.out:
@@ -889,7 +884,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="hepti: %(levelname)s: %(message)s")
-    from hepti.errors import HeptiError
+    from hepti.errors import HeptiError  # local: start-up time (hepti --help)
     try:
         return COMMANDS[args.cmd](args)
     except HeptiError as e:

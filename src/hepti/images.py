@@ -129,7 +129,7 @@ def preprocess(paths: list[str | Path], cfg: dict) -> np.ndarray:
 
 def read_rgb(path: str | Path):
     """A Pillow RGB image of the file, upright (EXIF orientation applied), as `load_image` does."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError  # local: optional dependency (Pillow), and start-up time
 
     path = Path(path)
     if not path.is_file():

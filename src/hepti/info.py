@@ -5,6 +5,8 @@ import os
 import platform
 import sys
 
+import hepti
+
 
 def _version(mod: str) -> str:
     try:
@@ -43,7 +45,6 @@ def cpu_model() -> str:
 
 
 def collect_info() -> dict:
-    import hepti
     info = {
         "hepti": hepti.__version__,
         "python": sys.version.split()[0],
@@ -55,18 +56,18 @@ def collect_info() -> dict:
     for mod in ("numpy", "numba", "mpi4py", "h5py", "scipy", "tokenizers", "safetensors", "tqdm"):
         info[mod] = _version(mod)
     try:
-        import h5py
+        import h5py  # local: start-up time (h5py)
         info["hdf5"] = h5py.version.hdf5_version
     except Exception:  # noqa: BLE001
         pass
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
         info["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0]
         info["mpi_standard"] = "%d.%d" % MPI.Get_version()
     except Exception as e:  # noqa: BLE001
         info["mpi_library"] = f"unavailable ({e})"
     try:
-        import numba
+        import numba  # local: start-up time (numba loads in about 0.5 s)
         info["numba_threads"] = numba.config.NUMBA_NUM_THREADS
         info["numba_threading_layer"] = numba.config.THREADING_LAYER
     except Exception:  # noqa: BLE001

@@ -7,24 +7,16 @@ but never all their token ids at once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+import hashlib
+import logging
+import tempfile
 
 import numpy as np
 
 from hepti.errors import InputError
-
-
-@dataclass
-class Batch:
-    """One batch of encoded inputs: ids, mask, token_type [B, T] int64 (texts), or pixels
-    [B, 3, H, W] float32 with a mask of ones [B, T] (images: T patches + CLS). The mask's shape
-    is the batch's."""
-
-    ids: np.ndarray | None
-    mask: np.ndarray
-    token_type: np.ndarray | None
-    pixels: np.ndarray | None = None
+from hepti.model.batch import Batch
+from hepti.model.bert import validate_inputs
 
 
 def read_texts(texts: list[str] | None, input_file: str | None) -> list[str]:
@@ -106,7 +98,6 @@ def check_output_path(path: str | None, flag: str = "--output") -> None:
     if not parent.is_dir():
         raise InputError(f"{flag} {path}: folder {parent} does not exist; create it first "
                          f"(mkdir -p {parent})")
-    import tempfile
     try:
         with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{p.name}.", suffix=".probe"):
             pass
@@ -158,9 +149,6 @@ class InputSource:
     @classmethod
     def from_ids(cls, path: str, config, batch_size: int) -> "InputSource":
         """--input-ids: arrays ids [n, L] and optional mask, token_type, checked whole."""
-        import hashlib
-
-        from hepti.model.bert import validate_inputs
         ids, mask, tt = read_ids(path)
         ids = np.asarray(ids)
         mask = np.ones(ids.shape, np.int64) if mask is None else np.asarray(mask)
@@ -186,9 +174,6 @@ class InputSource:
     def from_texts(cls, texts: list[str], tokenizer, batch_size: int, seq: int | None,
                    pad_id: int) -> "InputSource":
         """Texts, tokenised batch by batch; with `seq`, every batch padded to seq tokens."""
-        import hashlib
-        import logging
-
         raw = tokenizer.token_counts(texts)
         counts = np.minimum(raw, tokenizer.max_len)
         long = np.flatnonzero(raw > tokenizer.max_len)

@@ -22,6 +22,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+import hashlib
 
 import numpy as np
 
@@ -30,6 +31,16 @@ from hepti.inputs import (InputSource, check_output_path, npy_output_path, read_
                           read_texts)
 from hepti.model.pooling import pool
 from hepti.output import OutputFile
+from hepti.graph.cnn import build
+from hepti.graph.opdag import from_cnn
+from hepti.images import check_pixels, load_preprocessor, preprocess
+from hepti.model.cnn import SingleCNN, top_k
+from hepti.model.family import load_kernels
+from hepti.model.tokenize import TextTokenizer
+from hepti.parallel.single import SingleDevice
+from hepti.plan.order import executor_order
+from hepti.weights import WeightStore
+from hepti.weights.cnn import read_labels
 
 log = logging.getLogger("hepti")
 SHOW_SIMILARITY_MAX = 12  # texts: up to this many, the summary prints their similarity table
@@ -52,7 +63,6 @@ def open_inputs(args, config, model_dir: Path) -> InputSource:
     if args.input_ids:
         return InputSource.from_ids(args.input_ids, config, bs)
     texts = read_texts(args.text, args.input)
-    from hepti.model.tokenize import TextTokenizer
     max_len = min(config.max_position_embeddings, args.seq or config.max_position_embeddings)
     tok = TextTokenizer(model_dir / "tokenizer.json", max_len, pad_id=config.pad_token_id)
     return InputSource.from_texts(texts, tok, bs, args.seq, config.pad_token_id)
@@ -61,9 +71,6 @@ def open_inputs(args, config, model_dir: Path) -> InputSource:
 def open_pixels(image, pixels, config, model_dir: Path, bs: int) -> InputSource:
     """--image files preprocessed as the model's preprocessor config says, or --input-pixels,
     checked against the model's image size and channels."""
-    import hashlib
-
-    from hepti.images import check_pixels, load_preprocessor, preprocess
     if image:
         pre = load_preprocessor(model_dir)
         if pre["defaults_used"]:
@@ -79,7 +86,6 @@ def open_pixels(image, pixels, config, model_dir: Path, bs: int) -> InputSource:
         digest = hashlib.sha256(Path(pixels).read_bytes()).hexdigest()
     if config.model_type == "cnn":  # any height and width the network does not shrink to 0
         arr = check_pixels(arr, None, config.num_channels)
-        from hepti.graph.cnn import build
         try:
             build(config).shapes(*arr.shape[2:])
         except ValueError as e:
@@ -187,7 +193,6 @@ class Sink:
         if self.out is not None:
             self.out.write(k, rows)
         if self.kept is not None and getattr(self.args, "top", None) is not None:
-            from hepti.model.cnn import top_k  # a classifier's best classes, not its logits
             self.kept.extend(top_k(rows, self.args.top))
         elif self.kept is not None:
             self.kept.append(rows)
@@ -201,7 +206,7 @@ def progress_bar(args, source: InputSource, start: int):
     stderr is not a terminal, where nobody would see it)."""
     if source.n_batches - start <= 1 or (args.json and not sys.stderr.isatty()):
         return None
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
     return tqdm(total=source.n_batches, initial=start, desc="batches", unit="batch",
                 file=sys.stderr, dynamic_ncols=True)
 
@@ -285,23 +290,16 @@ class SingleJob:
 
 def run_single(args) -> int:
     """The single-device job (no MPI)."""
-    from hepti.model.family import SingleDevice, load_kernels
-    from hepti.weights import WeightStore
-
     t_start = time.perf_counter()
     store = WeightStore(args.model)
     config = store.config
     prep = prepare(args, config, Path(args.model))
     try:
-        import numba
+        import numba  # local: start-up time (numba loads in about 0.5 s)
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
         t0 = time.perf_counter()
         load_kernels(config, args.threads)  # as a Job does: passes time forwards, not compiles
         if config.model_type == "cnn":
-            from hepti.graph.cnn import build
-            from hepti.graph.opdag import from_cnn
-            from hepti.model.cnn import SingleCNN
-            from hepti.plan.order import executor_order
             # BTSearch's order at the model's own image size (each op frees its inputs after
             # their last reader in it; for hepti's CNNs its peak is the file order's)
             side = config.image_size
@@ -367,7 +365,6 @@ def top_classes(args, runs: list[dict]) -> list[dict] | None:
     kept = runs[0]["kept"] if runs else None
     if not kept or getattr(args, "top", None) is None:
         return None
-    from hepti.weights.cnn import read_labels
     labels = read_labels(args.model)
     names = [str(p) for p in args.image] if getattr(args, "image", None) else None
     out = []

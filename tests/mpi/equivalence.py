@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from hepti.inputs import Batch
-from hepti.model.family import SingleDevice
+from hepti.parallel.single import SingleDevice
 from hepti.model.pooling import pool
 from hepti.model.sizes import layer_slice_bytes
 from hepti.counts import counts

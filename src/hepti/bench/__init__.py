@@ -8,6 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+from hepti.emulate.command import find_mpiexec
+from hepti.info import cpu_model
+
 
 def hepti_cmd() -> list[str]:
     """hepti in this Python (the venv the bin/bench-*.sh scripts set up)."""
@@ -16,7 +19,6 @@ def hepti_cmd() -> list[str]:
 
 def mpiexec() -> str:
     """MPICH's mpiexec: next to this Python first, then on PATH (a clear error if neither)."""
-    from hepti.emulate.command import find_mpiexec
     return find_mpiexec()
 
 
@@ -69,7 +71,6 @@ def result_doc(benchmark: str, commit: str | None = None, **fields) -> dict:
     """The head every results/*.json shares (what ran, when, at which commit, on which
     machine: this project's machine is not always the same CPU), then fields. A long run
     passes the `commit` it took when it started (git_commit()); otherwise it is taken now."""
-    from hepti.info import cpu_model
     return {"benchmark": benchmark, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "commit": commit or git_commit(),
             "machine": {"cores": os.cpu_count(), "cpu": cpu_model(), "node": os.uname().nodename},

@@ -403,9 +403,9 @@ def combine(rounds: list[dict]) -> dict:
 
 def plot(runs: dict, phs: list[dict], path: Path) -> bool:
     try:
-        import matplotlib
+        import matplotlib  # local: optional dependency
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # local: optional dependency
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(11, 5))

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from hepti.bench import git_commit, mpiexec, result_doc, write_json
+from hepti.bench.scaling import synthetic_input
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -48,9 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--out", default="results/against.json")
     args = ap.parse_args(argv)
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
 
-    from hepti.bench.scaling import synthetic_input
     cases = args.case or ["weights/minilm-l6:128", "weights/bert-base:256"]
     tmp = Path(tempfile.mkdtemp(prefix="hepti-against-"))
     old = tmp / "tree"

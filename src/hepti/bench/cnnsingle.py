@@ -42,10 +42,17 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
+from importlib.metadata import version
 
 import numpy as np  # noqa: E402
 
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL  # noqa: E402
+from hepti.bench import drop_stale, git_commit, result_doc, write_json
+from hepti.config import preset_config
+from hepti.model.cnn import CNNModel
+from hepti.parallel.profiling import measure_cnn_ops
+from hepti.weights import WeightStore
+from hepti.weights.cnn import convert_torch_file, find_package_pth, write_random_cnn
 
 # model name (as `hepti convert --random NAME` and the weights/ folder) -> torchvision's arch
 MODELS = {"resnet50": "resnet50", "vgg16": "vgg16", "mobilenet-v2": "mobilenet_v2"}
@@ -317,8 +324,8 @@ def import_torchvision():
     ops while it imports (as in tests/fixtures/make_cnn_fixtures.py), then restored; the
     classification models never use those ops. ImportError when torch or torchvision is
     missing."""
-    import torch
-    import torch.library
+    import torch  # local: optional dependency (torch)
+    import torch.library  # local: optional dependency (torch)
     register_fake = torch.library.register_fake
 
     def register_fake_unless_torchvision(op, func=None, /, *args, **kwargs):
@@ -328,7 +335,7 @@ def import_torchvision():
 
     torch.library.register_fake = register_fake_unless_torchvision
     try:
-        import torchvision
+        import torchvision  # local: optional dependency (torchvision)
     finally:
         torch.library.register_fake = register_fake
     return torchvision
@@ -338,8 +345,8 @@ def torchvision_model(config, graph, state: dict[str, np.ndarray]):
     """torchvision's model of `config` holding `state` (torch_state's), BatchNorm as identity,
     in eval mode. Built on the meta device, then given the arrays (no random initialisation
     of VGG's 138 M weights)."""
-    import torch
-    from torch import nn
+    import torch  # local: optional dependency (torch)
+    from torch import nn  # local: optional dependency (torch)
     tv = import_torchvision()
     if config.width_divisor != 1 or (config.arch == "vgg16" and config.classifier_hidden != 4096):
         raise ValueError(f"{config.arch} at width 1/{config.width_divisor}: torchvision builds "
@@ -362,7 +369,7 @@ def export_onnx(model, pixels: np.ndarray, path: Path) -> None:
     """The torch model as ONNX (opset 17, torch's TorchScript exporter: torch.onnx's dynamo
     exporter wants onnxscript, which hepti does not install), input "pixels", output
     "logits", fixed shapes."""
-    import torch
+    import torch  # local: optional dependency (torch)
     with warnings.catch_warnings(), torch.inference_mode():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (torch.from_numpy(pixels),), str(path), opset_version=17,
@@ -371,7 +378,7 @@ def export_onnx(model, pixels: np.ndarray, path: Path) -> None:
 
 def ort_session(path: Path):
     """onnxruntime on the CPU, one thread, every graph optimisation."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # local: optional dependency (onnxruntime)
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
@@ -384,8 +391,8 @@ def torch_op_round(graph, state: dict, pixels) -> list[float]:
     """One forward of the graph in torch, op by op on NCHW tensors, each op timed alone: the
     conv with its bias, then the residual added and the activation in place, as hepti fuses
     them. Seconds per op."""
-    import torch
-    import torch.nn.functional as F
+    import torch  # local: optional dependency (torch)
+    import torch.nn.functional as F  # local: optional dependency (torch)
     env, times, last = {graph.input: pixels}, [], graph.last_use()
     with torch.inference_mode():
         for i, op in enumerate(graph.ops):
@@ -418,9 +425,8 @@ def torch_op_round(graph, state: dict, pixels) -> list[float]:
 def profile_ops(hepti_model, graph, state: dict, size: int, rounds: int) -> dict:
     """Each op timed alone in hepti and in torch, the two taking turns round by round; their
     medians and the biggest gaps (`gaps`)."""
-    import torch
+    import torch  # local: optional dependency (torch)
 
-    from hepti.parallel.profiling import measure_cnn_ops
     tstate = {k: torch.from_numpy(v) for k, v in state.items()}
     px = torch.from_numpy(np.random.default_rng(4).standard_normal((1, 3, size, size),
                                                                   dtype=np.float32))
@@ -443,8 +449,6 @@ def ensure_weights(name: str, folder: Path, log) -> Path:
     `hepti convert --random NAME` makes it."""
     if (folder / "index.json").is_file():
         return folder
-    from hepti.config import preset_config
-    from hepti.weights.cnn import convert_torch_file, find_package_pth, write_random_cnn
     pth = find_package_pth(required=False) if name == "mobilenet-v2" else None
     if pth is not None:
         log(f"{name}: converting {pth.name} into {folder}")
@@ -490,8 +494,6 @@ def optional_runtimes(log) -> tuple[bool, bool, list[str]]:
 def bench_model(name: str, folder: Path, size: int, rounds: int, warmup: int, has_torch: bool,
                 has_ort: bool, profile: str, profile_rounds: int, log) -> dict:
     """Build the model in each runtime, check the logits agree, time the interleaved rounds."""
-    from hepti.model.cnn import CNNModel
-    from hepti.weights import WeightStore
     store = WeightStore(folder)
     config = store.config
     if getattr(config, "model_type", None) != "cnn" or config.arch != MODELS[name]:
@@ -520,7 +522,7 @@ def bench_model(name: str, folder: Path, size: int, rounds: int, warmup: int, ha
     state = None
     try:
         if has_torch:
-            import torch
+            import torch  # local: optional dependency (torch)
             state = torch_state(graph, tensors)
             tmodel = torchvision_model(config, graph, state)
             tpx = torch.from_numpy(pixels)
@@ -585,11 +587,10 @@ def bench_model(name: str, folder: Path, size: int, rounds: int, warmup: int, ha
 
 
 def versions() -> dict:
-    import numba
+    import numba  # local: start-up time (numba loads in about 0.5 s)
     out = {"python": sys.version.split()[0], "numpy": np.__version__, "numba": numba.__version__}
     for mod in ("torch", "torchvision", "onnxruntime", "onnx"):
         try:
-            from importlib.metadata import version
             out[mod] = version(mod)
         except Exception:
             out[mod] = None
@@ -637,14 +638,13 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    import numba
+    import numba  # local: start-up time (numba loads in about 0.5 s)
 
-    from hepti.bench import drop_stale, git_commit, result_doc, write_json
     commit = git_commit()
     numba.set_num_threads(1)
     has_torch, has_ort, notes = optional_runtimes(log)
     if has_torch:
-        import torch
+        import torch  # local: optional dependency (torch)
         torch.set_num_threads(1)
         try:
             torch.set_num_interop_threads(1)

@@ -18,6 +18,8 @@ import time
 import numpy as np
 
 from hepti.bench import result_doc
+from hepti.counts import counts, offsets
+from hepti.parallel.comm import Comm, choose_transport
 
 # (case, verb, rows, width): MiniLM at 128 tokens (hidden 384) and BERT-base at 256 (hidden 768)
 CASES = (("MiniLM@128 rows K/V", "allgather", 128, 768),
@@ -29,11 +31,9 @@ CASES = (("MiniLM@128 rows K/V", "allgather", 128, 768),
 
 def run_comm_bench(mpi_comm, repeat: int = 200, progress: bool = True) -> dict | None:
     """Median seconds per call of each verb each way; the dict on rank 0, None elsewhere."""
-    from mpi4py import MPI
-    from tqdm import tqdm
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
+    from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
 
-    from hepti.counts import counts, offsets
-    from hepti.parallel.comm import Comm, choose_transport
 
     groups = {"p2p": Comm(mpi_comm, transport="p2p")}
     if choose_transport(mpi_comm, "auto") == "shm":

@@ -23,6 +23,9 @@ import time
 
 import numpy as np
 
+from hepti.kernels import conv, depthwise_conv2d, pack_conv_weight
+from hepti.kernels.packed_gemm import PackedB, gemm
+
 # name, (H, W, Cin), (kh, stride, padding), Cout
 SHAPES = [
     ("mbv2 1x1 112x112x32->16", (112, 112, 32), (1, 1, 0), 16),
@@ -48,9 +51,6 @@ DEPTHWISE_SHAPES = {(112, 112, 32, 1): 1, (112, 112, 96, 2): 1, (56, 56, 144, 1)
 
 def _variants(x, cw, bias, stride, padding):
     """{name: zero-argument callable} for one shape."""
-    from hepti.kernels import conv
-    from hepti.kernels.packed_gemm import PackedB, gemm
-
     n, h, w, cin = x.shape
     geo = conv._geometry(x.shape, cw.kh, cw.kw, stride, padding, 1, cin, "bench")
     m, k = n * geo[4] * geo[5], cw.k
@@ -84,8 +84,6 @@ def _variants(x, cw, bias, stride, padding):
 
 def run_conv_bench(repeat: int = 7, shapes=None) -> list[dict]:
     """One row per shape and variant: median ms and GFLOP/s over `repeat` repetitions."""
-    from hepti.kernels import conv
-
     rng = np.random.default_rng(0)
     rows = []
     for name, (h, w, cin), (kh, stride, padding), cout in shapes or SHAPES:
@@ -113,8 +111,6 @@ def run_conv_bench(repeat: int = 7, shapes=None) -> list[dict]:
 
 def run_depthwise_bench(repeat: int = 7) -> list[dict]:
     """One row per MobileNetV2 depthwise shape: median and min ms, GFLOP/s, occurrences."""
-    from hepti.kernels import depthwise_conv2d, pack_conv_weight
-
     rng = np.random.default_rng(0)
     rows = []
     for (h, w, c, stride), count in DEPTHWISE_SHAPES.items():
@@ -138,7 +134,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args(argv)
-    import numba
+    import numba  # local: start-up time (numba loads in about 0.5 s)
     numba.set_num_threads(1)
     dw_rows = run_depthwise_bench(args.repeat)
     for row in run_conv_bench(args.repeat) + dw_rows:

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bound", type=float, default=0.15, help="target |error| (default 0.15)")
     ap.add_argument("--out", default="results/fit.json")
     args = ap.parse_args(argv)
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
 
     tmp = Path(tempfile.mkdtemp(prefix="hepti-fit-"))
     cases = []

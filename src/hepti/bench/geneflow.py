@@ -47,9 +47,21 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+import fcntl
 
 from hepti.bench import git_commit, result_doc, write_json
 from hepti.bench import hetero
+from hepti.emulate.spec import load_spec
+from hepti.errors import PlanError
+from hepti.graph.cnn import build
+from hepti.plan.coedge import CNNCosts, make_cnn_plan, predict, split_of
+from hepti.plan.genetic import DEFAULTS, make_genetic_plan, single_device_peak
+from hepti.plan.genetic_cnn import (band_memory, channel_split, make_genetic_cnn_plan,
+                                    single_device_peak_cnn)
+from hepti.plan.partition import make_plan
+from hepti.plan.planfile import Plan
+from hepti.plan.profile import load_profile
+from hepti.weights import WeightStore
 
 SPEC = "emu-geneflow4"
 # tokens: BERT at 128, ViT-B/16's 197 per image; a CNN: the side of its square image
@@ -78,7 +90,6 @@ def bench_lock():
     file made with O_EXCL and removed on the way out; one killed run's file held every later
     run waiting until someone removed it.) The file stays: removing it would let a waiter
     that opened it before hold a lock on a file no longer there."""
-    import fcntl
     fd = os.open(LOCK, os.O_CREAT | os.O_RDWR, 0o666)
     try:
         while True:
@@ -129,8 +140,6 @@ def _fits(plan) -> bool:
 
 def baselines(cfg, profile, T: int, budget) -> dict:
     """The LP's plan and the baselines under the same caps (None where no plan fits)."""
-    from hepti.errors import PlanError
-    from hepti.plan.partition import make_plan
     out = {}
     for name in ("auto", "rows", "tensor", "even"):
         try:
@@ -147,8 +156,6 @@ def baselines(cfg, profile, T: int, budget) -> dict:
 
 def grid_case(model: str, cfg, full, n: int, cap, seeds: int, settings: dict) -> dict:
     """One (model, devices, cap) case: GenEFlow over the seeds and the baselines, predicted."""
-    from hepti.errors import PlanError
-    from hepti.plan.genetic import make_genetic_plan, single_device_peak
     T = MODELS[model]
     profile = sub_profile(full, n)
     peak = single_device_peak(cfg, profile, T)
@@ -193,11 +200,6 @@ def grid_case_cnn(model: str, cfg, full, n: int, cap, seeds: int, settings: dict
     (the LP and its fusion: the height split, single-dimension plan `rows`), every op split by
     output channels (hepti.plan.genetic_cnn.channel_split: single-dimension plan `tensor`)
     and even, predicted."""
-    from hepti.errors import PlanError
-    from hepti.graph.cnn import build
-    from hepti.plan.coedge import CNNCosts, make_cnn_plan
-    from hepti.plan.genetic_cnn import (channel_split, make_genetic_cnn_plan,
-                                        single_device_peak_cnn)
     profile = sub_profile(full, n)
     graph = build(cfg)
     costs = CNNCosts.from_profile(profile, graph)
@@ -207,8 +209,6 @@ def grid_case_cnn(model: str, cfg, full, n: int, cap, seeds: int, settings: dict
     even = make_cnn_plan(cfg, profile, "even")
     # CoEdge's LP caps activations against each device's memory, not --mem-cap: under a cap
     # its plan is judged by GenEFlow's band memory, and dropped if over
-    from hepti.plan.coedge import split_of
-    from hepti.plan.genetic_cnn import band_memory
     caps = [min(m, budget) if budget else m for m in costs.memory_bytes]
 
     def fits(plan):
@@ -216,7 +216,6 @@ def grid_case_cnn(model: str, cfg, full, n: int, cap, seeds: int, settings: dict
         return all(m <= c * (1 + 1e-9) for m, c in zip(mem, caps) if m)
 
     lp_ok, even_ok = fits(lp), fits(even)
-    from hepti.plan.coedge import predict
     by_channels = channel_split(graph, costs, costs.h, costs.w, costs.n, caps)
     tensor_s = (None if by_channels is None else
                 predict(graph, by_channels, costs, costs.h, costs.w, costs.n)["latency_s"])
@@ -294,7 +293,7 @@ def host_probe_ms(seconds: float = 1.0) -> float:
     """The host's speed just now: median ms of 20 256x256 float32 matmuls on this process,
     over `seconds` (3.7 ms at best on this machine; 5.7 at 15:17 on 2026-11-27, when the
     same plans ran 20-40% over their predictions). Recorded with each launch."""
-    import numpy as np
+    import numpy as np  # local: optional dependency (numpy)
     a = np.random.default_rng(0).random((256, 256), dtype=np.float32)
     ts, t_end = [], time.perf_counter() + seconds
     while time.perf_counter() < t_end:
@@ -359,10 +358,6 @@ def profile_model(model: str, model_case: dict, spec_path: Path, workdir: Path, 
 def repredict(plan, model_case: dict, profile_path: Path):
     """A CNN plan's predicted latency on another profile of the same devices (the plan as it
     is: its groups, splits and shares)."""
-    from hepti.graph.cnn import build
-    from hepti.plan.coedge import CNNCosts, predict, split_of
-    from hepti.plan.profile import load_profile
-    from hepti.weights import WeightStore
     graph = build(WeightStore(model_case["dir"]).config)
     costs = CNNCosts.from_profile(load_profile(profile_path), graph)
     side = model_case["seq"]  # a CNN's square image
@@ -399,8 +394,6 @@ def replan(rec: dict, model: str, model_case: dict, profile_path: Path, settings
     ms (+74%); planned from a profile taken just before, it was predicted 46.7 ms and ran 51.5
     and 43.6 ms (2026-11-27). So the measured figure is set against the prediction of the
     devices as they were when it ran; the grid's predicted figures stay as they are."""
-    from hepti.plan.profile import load_profile
-    from hepti.weights import WeightStore
     cfg = WeightStore(model_case["dir"]).config
     case_fn = grid_case_cnn if cfg.model_type == "cnn" else grid_case
     cap = None if rec["cap"] == "none" else float(rec["cap"].rstrip("%")) / 100
@@ -484,11 +477,6 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="seconds per launch at most")
     ap.add_argument("--out", default="results/geneflow", help="results/geneflow{.json,.csv}")
     args = ap.parse_args(argv)
-    from hepti.emulate.spec import load_spec
-    from hepti.plan.genetic import DEFAULTS
-    from hepti.plan.planfile import Plan
-    from hepti.plan.profile import load_profile
-    from hepti.weights import WeightStore
     models = args.model or list(MODELS)
     spec_path = hetero.HOSTFILES / f"{SPEC}.json"
     load_spec(spec_path)

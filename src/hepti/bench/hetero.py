@@ -51,6 +51,14 @@ import numpy as np
 
 from hepti.bench import drop_stale, git_commit, hepti_cmd, mpiexec, result_doc, write_json
 from hepti.bench import hetero_report as report
+from hepti.bench.scaling import synthetic_input
+from hepti.emulate import stretch
+from hepti.emulate.spec import load_spec
+from hepti.errors import HeptiError
+from hepti.plan.coedge import make_cnn_plan
+from hepti.plan.partition import make_plan
+from hepti.plan.profile import load_profile
+from hepti.weights import WeightStore
 
 ROOT = Path(__file__).resolve().parents[3]
 # the specs shipped in the repo: bin/bench-hetero.sh runs from its root; else next to the source
@@ -186,12 +194,8 @@ def find_cached_profile(cache: Path, n: int, model_name: str) -> Path | None:
 
 def plan_baseline(case: dict, profile_path: Path, strategy: str):
     """(plan or None, reason it cannot run or ''): the planner's view of a baseline."""
-    from hepti.errors import HeptiError
-    from hepti.plan.partition import make_plan
-    from hepti.plan.profile import load_profile
     try:
         if case["config"].model_type == "cnn":
-            from hepti.plan.coedge import make_cnn_plan
             name, _, fuse = strategy.partition("/fuse")
             return make_cnn_plan(case["config"], load_profile(profile_path), name,
                                  fuse_depth=int(fuse) if fuse else None), ""
@@ -253,8 +257,6 @@ def parse_case(text: str, specs: list[str]) -> dict:
 def make_inputs(case: dict, workdir: Path) -> None:
     """Fixed-shape synthetic input (no padding: token ids, or a vision model's pixels) and the
     model's config, into the case."""
-    from hepti.bench.scaling import synthetic_input
-    from hepti.weights import WeightStore
     case["input"] = list(synthetic_input(case["dir"], case["seq"], workdir))
     case["config"] = WeightStore(case["dir"]).config
 
@@ -374,7 +376,6 @@ def case_strategies(args, spec_name: str, case: dict, extras: list) -> list[str]
 
 def _emulator_mode() -> dict:
     """How the devices were slowed down: the CPU quota alone, or the stretch with a guard quota."""
-    from hepti.emulate import stretch
     on = stretch.stretch_wanted()
     return {"stretch": on, "quota_factor": stretch.GUARD if on else 1.0}
 
@@ -428,9 +429,8 @@ def main(argv=None) -> int:
         print("bench-hetero: needs root (hepti emulate makes network namespaces, tc shapers and "
               "cgroups); run it with sudo", file=sys.stderr)
         return 2
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
 
-    from hepti.emulate.spec import load_spec
     specs = [(load_spec(HOSTFILES / f"{s}.json"), HOSTFILES / f"{s}.json") for s in args.spec]
     cases = [parse_case(c, args.spec) for c in args.case]
     missing = [c["dir"] for c in cases if not (Path(c["dir"]) / "index.json").exists()]

@@ -293,9 +293,9 @@ def draw(runs: list[dict], path: Path) -> str | None:
     marked; strategies that did not run are labelled with why. Returns None when drawn, else
     the reason it was not (matplotlib missing)."""
     try:
-        import matplotlib
+        import matplotlib  # local: optional dependency
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # local: optional dependency
     except ImportError:
         return ("matplotlib is not installed, so no plot was drawn (JSON and CSV are written); "
                 "install it with `pip install -e '.[plot]'` (or `pip install matplotlib`) in hepti's venv")

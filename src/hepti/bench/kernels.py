@@ -14,6 +14,9 @@ import time
 
 import numpy as np
 
+from hepti.info import cpu_flags, cpu_model
+from hepti.kernels import config, gemm, matmul, pack_b
+
 # Transformer shapes (MiniLM FFN1, BERT-base FFN1, a square one) and awkward ones.
 DEFAULT_SHAPES = [
     (128, 384, 1536),
@@ -30,7 +33,6 @@ _N_WEIGHTS = 3  # distinct B matrices per shape, used in turn
 
 def _cpu_flags() -> dict:
     """CPU model name and AVX-512 / AVX2 presence (from hepti.info, which `hepti info` prints)."""
-    from hepti.info import cpu_flags, cpu_model
     flags = cpu_flags()
     return {"machine": platform.machine(), "model": cpu_model(), "avx512f": "avx512f" in flags,
             "avx2": "avx2" in flags}
@@ -50,9 +52,8 @@ def _gflops(m: int, k: int, n: int, seconds: float) -> float:
 
 def run_kernel_bench(repeat: int = 20, shapes=None, progress: bool = True) -> dict:
     """Median GFLOP/s of hepti matmul, hepti gemm (pre-packed B) and numpy a @ b per shape."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
 
-    from hepti.kernels import config, gemm, matmul, pack_b
 
     shapes = [tuple(int(v) for v in s) for s in (shapes or DEFAULT_SHAPES)]
     rng = np.random.default_rng(0)

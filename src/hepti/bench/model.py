@@ -13,6 +13,8 @@ import time
 import numpy as np
 
 from hepti.weights.layout import HF_LAYER_MAP, HF_OTHER_MAP
+from hepti.parallel.single import BertEncoder
+from hepti.weights import WeightStore
 
 
 def synthetic_batch(config, batch: int, seq: int, seed: int = 0):
@@ -26,14 +28,14 @@ def synthetic_batch(config, batch: int, seq: int, seed: int = 0):
 def torch_model(store):
     """transformers BertModel holding the store's weights, or None when torch isn't importable."""
     try:
-        import torch
+        import torch  # local: optional dependency
         try:  # an installed torchvision (bin/setup --with-torch) must import first, or
             # transformers' BertModel import fails beside a CPU-only torch
-            from hepti.bench.cnnsingle import import_torchvision
+            from hepti.bench.cnnsingle import import_torchvision  # local: only beside torch
             import_torchvision()
         except ImportError:
             pass
-        import transformers
+        import transformers  # local: optional dependency
     except ImportError:
         return None
     cfg = store.config
@@ -62,11 +64,9 @@ def torch_model(store):
 
 def run_model_bench(model_dir: str, seq: int = 128, batch: int = 1, repeat: int = 30,
                     torch: bool = True, progress: bool = True) -> dict:
-    import numba
-    from tqdm import tqdm
+    import numba  # local: start-up time (numba loads in about 0.5 s)
+    from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
 
-    from hepti.model.bert import BertEncoder
-    from hepti.weights import WeightStore
 
     numba.set_num_threads(1)
     store = WeightStore(model_dir)
@@ -82,7 +82,7 @@ def run_model_bench(model_dir: str, seq: int = 128, batch: int = 1, repeat: int 
         return time.perf_counter() - t0, out
 
     if tm is not None:
-        import torch as th
+        import torch as th  # local: optional dependency (torch)
         tids, tmask = th.from_numpy(ids), th.from_numpy(mask)
 
         def run_torch():
@@ -99,7 +99,7 @@ def run_model_bench(model_dir: str, seq: int = 128, batch: int = 1, repeat: int 
            "threads": 1, "repeat": repeat, "hepti_s": [], "torch_s": [] if tm is not None else None}
     if tm is not None:
         res["max_abs_diff_vs_torch"] = float(np.abs(h - t).max())
-        import torch as th
+        import torch as th  # local: optional dependency (torch)
         res["torch_version"] = th.__version__
     for _ in tqdm(range(repeat), desc="bench model", disable=not progress, file=sys.stderr):
         res["hepti_s"].append(run_hepti()[0])  # interleaved: hepti, torch, hepti, torch, ...

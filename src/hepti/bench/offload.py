@@ -39,6 +39,13 @@ from hepti.bench import result_doc, write_json
 from hepti.counts import counts as split_counts
 from hepti.errors import InputError
 from hepti.parallel.comm import wait
+from hepti import kernels as Kn
+from hepti.emulate.state import read_state
+from hepti.parallel.profiling import available_memory, fit_link, ping_pong
+from hepti.plan.costmodel import evaluate
+from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, profile_from_dict
+from hepti.plan.search import optimise
+from hepti.plan.workloads import offload_chain_program
 
 M, K, CHAIN = 256, 1024, 5  # the paper's shapes: CHAIN MatMuls [M,K]x[K,K]
 TAG_IN, TAG_OUT = 41, 42
@@ -60,13 +67,11 @@ def make_input(m: int = M, k: int = K, seed: int = 1) -> np.ndarray:
 
 
 def pack_weights(weights: list[np.ndarray]) -> list:
-    from hepti import kernels as Kn
     return [Kn.pack_b(w) for w in weights]
 
 
 def chain_rows(h: np.ndarray, packed: list, out: np.ndarray | None = None) -> np.ndarray:
     """h [r, k] through every MatMul -> [r, n], the last one written into `out` if given."""
-    from hepti import kernels as Kn
     r = h.shape[0]
     n = packed[-1].n
     if out is None:
@@ -163,7 +168,6 @@ def measure_chain_links(comm, row_bytes: int, m: int = M, reps: int = 4) -> dict
     `profiling.measure_links`: its small messages (8 B - 64 KiB) dominate its fit, and on a
     shaped link they pass within the token bucket's burst at veth speed (it gave 2352 Mbit/s on
     a 940 Mbit/s link, 387 on a 240 one)."""
-    from hepti.parallel.profiling import fit_link, ping_pong
     rank = comm.Get_rank()
     sizes = sorted({max(1, m // 8), max(1, m // 4), max(1, m // 2), m})
     out = {}
@@ -182,10 +186,8 @@ def measure_offload_profile(comm, packed: list, m: int = M) -> dict:
     """A hepti profile (dict) of every rank: its chain speed table, memory, and its link to rank 0
     by ping-pong. All ranks call it; all get the same dict."""
     comm = _mpi(comm)
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
-    from hepti.parallel.profiling import available_memory
-    from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION
     barrier_idle(comm)
     table = chain_speed_table(packed, m)
     barrier_idle(comm)
@@ -209,9 +211,6 @@ def measure_offload_profile(comm, packed: list, m: int = M) -> dict:
 def plan_share(profile: dict, m: int = M, k: int = K, chain: int = CHAIN) -> dict:
     """The planner's choice (hepti.plan.search.optimise) for the offload chain on this profile:
     rank 1's share, the row counts, the predicted latency and the solver's time. No MPI here."""
-    from hepti.plan.profile import profile_from_dict
-    from hepti.plan.search import optimise
-    from hepti.plan.workloads import offload_chain_program
     prof = profile_from_dict(profile, "offload profile")
     program = offload_chain_program(m, k, k, chain)
     t0 = time.perf_counter()
@@ -224,9 +223,6 @@ def plan_share(profile: dict, m: int = M, k: int = K, chain: int = CHAIN) -> dic
 
 def predict(profile: dict, counts: list[int], m: int = M, k: int = K, chain: int = CHAIN) -> dict:
     """The cost model's latency, compute and communication for these row counts."""
-    from hepti.plan.costmodel import evaluate
-    from hepti.plan.profile import profile_from_dict
-    from hepti.plan.workloads import offload_chain_program
     prof = profile_from_dict(profile, "offload profile")
     pred = evaluate(offload_chain_program(m, k, k, chain), {"rows": [float(c) for c in counts]}, prof)
     sec = pred.per_rank[1]
@@ -296,7 +292,7 @@ def run_offload_sweep(comm, steps: int = 11, repeat: int = 7, progress: bool = T
     profile = measure_offload_profile(comm, packed, M)
     bar = None
     if progress and rank == 0:
-        from tqdm import tqdm
+        from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
         bar = tqdm(total=steps * repeat, desc=f"offload {scenario or ''}".strip(), unit="run",
                    file=sys.stderr, leave=False)
     runs: list[list[dict]] = [[] for _ in shares]
@@ -323,7 +319,6 @@ def run_offload_sweep(comm, steps: int = 11, repeat: int = 7, progress: bool = T
                        predicted_comm_s=pred["comm_s"])
             sweep.append(row)
         best = min(sweep, key=lambda r: r["latency_s"])
-        from hepti.emulate.state import read_state
         state = read_state()  # the emulated devices, when run under `hepti emulate`
         result = {
             **result_doc("offload"), "scenario": scenario,
@@ -487,10 +482,10 @@ def plot_offload(combined: dict, path: str) -> bool:
     model, dashed), measured best (star) and planner's share (triangle) marked; the right panel
     zooms on the minima. False (and a message) when matplotlib is missing."""
     try:
-        import matplotlib
+        import matplotlib  # local: optional dependency
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.lines import Line2D
+        import matplotlib.pyplot as plt  # local: optional dependency
+        from matplotlib.lines import Line2D  # local: optional dependency
     except ImportError:
         print("bench offload: matplotlib is not installed, so no plot was drawn (the JSON is "
               "written); `pip install matplotlib` to get it", file=sys.stderr)
@@ -574,7 +569,7 @@ def main(argv=None) -> int:
             print(f"wrote {args.plot}", file=sys.stderr)
         print(format_summary(combined))
         return 0
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
     comm = MPI.COMM_WORLD
     try:
         res = run_offload_sweep(comm, steps=args.steps, repeat=args.repeat,

@@ -35,6 +35,15 @@ import time
 from pathlib import Path
 
 from hepti.bench import git_commit, result_doc, write_json
+from hepti.config import CNNConfig, preset_config
+from hepti.graph.cnn import build
+from hepti.graph.encoder import family_graph
+from hepti.graph.load import load_graph
+from hepti.graph.onnx_import import import_onnx
+from hepti.graph.opdag import from_cnn, from_encoder, random_dag, random_wiring
+from hepti.plan.memory import compile_problem
+from hepti.plan.order import btsearch, order_graph
+from hepti.plan.order_exact import TooLarge, downset_dp
 
 ONNX_MODELS = ("bvlc_alexnet", "zfnet512", "vgg19", "squeezenet", "inception_v1",
                "inception_v2", "resnet50", "densenet121", "shufflenet")
@@ -59,27 +68,15 @@ DP_MAX_OPS = 300  # the downset DP is tried on graphs below this many operators
 
 def graphs(only: list[str] | None = None):
     """(row name, kind, OpDag or None, note) for every graph of the table."""
-    import onnx
+    import onnx  # local: optional dependency (onnx)
 
-    from hepti.config import preset_config
-    from hepti.graph.encoder import family_graph
-    from hepti.graph.onnx_import import import_onnx
-    from hepti.graph.opdag import from_encoder, load_graph, random_wiring
     light = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
     rows = []
     for m in ONNX_MODELS:
         rows.append((f"onnx:{m}", "onnx light", lambda m=m: import_onnx(light / f"light_{m}.onnx"), ""))
-    try:
-        from hepti.config import CNNConfig
-        from hepti.graph.cnn import build
-        from hepti.graph.opdag import from_cnn
-        for arch in HEPTI_CNNS:
-            rows.append((f"hepti:{arch}", "hepti CNN",
-                         lambda a=arch: from_cnn(build(CNNConfig(arch=a)), 1, 224, 224, name=a), ""))
-    except ImportError:
-        for arch in HEPTI_CNNS:
-            rows.append((f"hepti:{arch}", "hepti CNN", None,
-                         "skipped: this hepti has no hepti.graph.cnn (issue 19's branch)"))
+    for arch in HEPTI_CNNS:
+        rows.append((f"hepti:{arch}", "hepti CNN",
+                     lambda a=arch: from_cnn(build(CNNConfig(arch=a)), 1, 224, 224, name=a), ""))
     for name, T in (("bert-base", 128), ("vit-base", None)):
         cfg = preset_config(name)
         rows.append((f"hepti:{name}", "hepti encoder",
@@ -97,9 +94,6 @@ def graphs(only: list[str] | None = None):
 
 
 def table_row(name: str, kind: str, make, note: str, time_limit: float) -> dict:
-    from hepti.plan.memory import compile_problem
-    from hepti.plan.order import order_graph
-    from hepti.plan.order_exact import TooLarge, downset_dp
     if make is None:
         return {"graph": name, "kind": kind, "note": note}
     dag = make()
@@ -208,9 +202,6 @@ def _line(row: dict) -> str:
 def run_plot(seeds: int = 5, progress: bool = True) -> dict:
     """States explored per variant, per graph size, median over seeds (runs past PLOT_CAP
     states left out of the median and counted as capped)."""
-    from hepti.graph.opdag import random_dag, random_wiring
-    from hepti.plan.memory import compile_problem
-    from hepti.plan.order import btsearch
     families = {
         "random DAGs (density 0.3)": (range(4, 41, 3),
                                       lambda n, s: random_dag(n, 9000 + 100 * n + s, density=0.3)),
@@ -244,9 +235,9 @@ def run_plot(seeds: int = 5, progress: bool = True) -> dict:
 
 def draw(plot: dict, path: Path) -> bool:
     try:
-        import matplotlib
+        import matplotlib  # local: optional dependency
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # local: optional dependency
     except ImportError:
         return False
     fig, axes = plt.subplots(1, len(plot), figsize=(6 * len(plot), 4.5))

@@ -35,8 +35,28 @@ import sys
 import time
 import tracemalloc
 from pathlib import Path
+import subprocess
 
 import numpy as np
+
+from hepti.config import CNNConfig
+from hepti.counts import counts
+from hepti.graph import lower
+from hepti.graph.cnn import build
+from hepti.graph.encoder import family_graph
+from hepti.graph.opdag import from_cnn
+from hepti.graph.split import Split
+from hepti.inputs import Batch
+from hepti.model.cnn import CNNModel, Weights, tensors_reader
+from hepti.model.livebytes import AllocationCounter
+from hepti.parallel.bands import BandExecutor, head_rows
+from hepti.parallel.comm import Comm
+from hepti.parallel.engine import Job
+from hepti.plan.costmodel import held_bytes
+from hepti.plan.memory import order_peak
+from hepti.plan.order import executor_order
+from hepti.plan.planfile import DIMS, Plan
+from hepti.weights import WeightStore
 
 CNNS = {"mobilenet_v2": "mobilenet-v2", "resnet50": "resnet50", "vgg16": "vgg16"}
 ENCODERS = {"bert-base-128": ("bert-base", 128), "bert-base-256": ("bert-base", 256),
@@ -66,15 +86,6 @@ def _row(name, world, counter, traced, modelled, **extra) -> dict:
 
 def cnn_rows(arch: str, world, side: int = 224) -> dict:
     """One rank's row for a CNN at side x side, batch 1, under BTSearch's order."""
-    from hepti.config import CNNConfig
-    from hepti.graph.cnn import build
-    from hepti.graph.opdag import from_cnn
-    from hepti.graph.split import Split
-    from hepti.model.cnn import CNNModel, Weights, tensors_reader
-    from hepti.model.livebytes import AllocationCounter
-    from hepti.parallel.bands import BandExecutor, head_rows
-    from hepti.plan.memory import order_peak
-    from hepti.plan.order import executor_order
     cfg = CNNConfig(arch, name=arch)
     graph = build(cfg)
     rng = np.random.default_rng(0)
@@ -120,15 +131,6 @@ def _weights(shape: str, root: Path) -> Path:
 def encoder_rows(name: str, world, root: Path) -> dict:
     """One rank's row for BERT-base (seq T) or ViT-B/16 at 224: `single` on one rank,
     `tensor` with even shares on two."""
-    from hepti.graph import lower
-    from hepti.graph.encoder import family_graph
-    from hepti.inputs import Batch
-    from hepti.model.livebytes import AllocationCounter
-    from hepti.parallel.engine import Job
-    from hepti.plan.costmodel import held_bytes
-    from hepti.plan.planfile import DIMS, Plan
-    from hepti.weights import WeightStore
-    from hepti.counts import counts
     shape, T = ENCODERS[name]
     store = WeightStore(_weights(shape, root))
     cfg = store.config
@@ -176,9 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default="weights", help="where bert-base/ and vit-base/ are")
     ap.add_argument("--out", default=None, help="write the rows as JSON here (rank 0)")
     args = ap.parse_args(argv)
-    from hepti.parallel.comm import Comm
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
         world = Comm(MPI.COMM_WORLD) if MPI.COMM_WORLD.Get_size() > 1 else Comm(None)
     except ImportError:
         world = Comm(None)
@@ -202,7 +203,6 @@ def main(argv=None) -> int:
                       file=sys.stderr)
             rows += gathered
     if world.rank == 0 and args.out:
-        import subprocess
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
         doc = {"benchmark": "order-exec", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 
 from hepti.bench import hepti_cmd, mpiexec, result_doc, run_cmd, write_json
+from hepti.bench.model import synthetic_batch
+from hepti.weights import WeightStore
 
 
 def synthetic_input(model_dir: str, seq: int, tmp: Path) -> tuple[str, Path]:
     """(flag, file) of one fixed-shape input: token ids of `seq` tokens, or for a vision model
     one image's normalised pixels (a ViT's `seq` must be its tokens per image; a CNN's is the
     side of a square image)."""
-    from hepti.bench.model import synthetic_batch
-    from hepti.weights import WeightStore
     cfg = WeightStore(model_dir).config
     if cfg.model_type == "cnn":  # `seq` is the image's side
         path = tmp / f"{Path(model_dir).name}-{seq}.npy"
@@ -72,9 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=10, help="timed runs inside each launch")
     ap.add_argument("--out", default="results/scaling.json")
     args = ap.parse_args(argv)
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
 
-    from hepti.weights import WeightStore
 
     def configs_of(model_dir):
         cnn = WeightStore(model_dir).config.model_type == "cnn"

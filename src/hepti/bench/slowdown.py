@@ -49,6 +49,13 @@ from pathlib import Path
 
 import numpy as np
 
+from hepti import kernels as K
+from hepti.bench import git_commit, hepti_cmd, mpiexec, result_doc, write_json
+from hepti.emulate.state import current_device
+from hepti.parallel.comm import Comm, wait
+from hepti.parallel.profiling import ping_pong
+from hepti.parallel.trace import Tracer
+
 TARGETS_S = (1e-4, 1e-3, 1e-2, 1e-1)
 WIDTH = 768
 LINK_MBIT = 940.0
@@ -64,12 +71,8 @@ def _reps(target: float) -> int:
 # --- the worker: runs on the emulated pair ----------------------------------------------------
 
 def worker(out: str, rounds: int) -> None:
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
-    from hepti import kernels as K
-    from hepti.parallel.comm import Comm
-    from hepti.parallel.profiling import ping_pong
-    from hepti.parallel.trace import Tracer
 
     mpi = MPI.COMM_WORLD
     rank = mpi.Get_rank()
@@ -106,7 +109,7 @@ def worker(out: str, rounds: int) -> None:
     hot = {m: statistics.median(gemm_s(m, 9) for _ in range(3)) for m in ms} if rank == 0 else None
     if rank == 0:  # the hub is the uncapped reference, never stretched
         try:
-            from hepti.emulate import stretch
+            from hepti.emulate import stretch  # local: guarded for trees from before the stretch
             stretch.disable()
         except ImportError:
             pass
@@ -139,7 +142,6 @@ def worker(out: str, rounds: int) -> None:
         return time.thread_time() - t0
 
     def sync():
-        from hepti.parallel.comm import wait
         wait(mpi.Ibarrier())
 
     for rnd in range(rounds):
@@ -225,7 +227,7 @@ def worker(out: str, rounds: int) -> None:
 
 def _stretch_state() -> dict | None:
     try:
-        from hepti.emulate import stretch
+        from hepti.emulate import stretch  # local: guarded for trees from before the stretch
     except ImportError:  # before the stretch existed: the quota alone
         return None
     return stretch.describe()
@@ -254,7 +256,6 @@ def _throttled_us() -> float | None:
 
 
 def _my_share() -> float:
-    from hepti.emulate.state import current_device
     dev = current_device()
     if dev is None:
         raise SystemExit("hepti.bench.slowdown worker: run it under `hepti emulate` (no device found)")
@@ -270,7 +271,6 @@ def spec(share: float) -> dict:
 
 
 def launch(share: float, mode: str, rounds: int, tmp: Path) -> dict:
-    from hepti.bench import hepti_cmd, mpiexec
     spec_path = tmp / f"spec-{share:g}.json"
     spec_path.write_text(json.dumps(spec(share)))
     out = tmp / f"out-{share:g}-{mode}.json"
@@ -370,7 +370,6 @@ def main(argv=None) -> int:
     if args.cmd == "worker":
         worker(args.out, args.rounds)
         return 0
-    from hepti.bench import git_commit, result_doc, write_json
     commit = git_commit()
     shares = [float(x) for x in args.shares.split(",")]
     modes = args.modes.split(",")

@@ -15,6 +15,10 @@ import statistics
 import time
 
 from hepti.bench import result_doc
+from hepti.config import preset_config
+from hepti.errors import PlanError
+from hepti.plan.partition import make_plan
+from hepti.plan.profile import declared_profile
 
 DEVICES = (2, 4, 8, 16, 32)
 STRATEGIES = ("auto", "tensor", "rows", "stream")
@@ -36,12 +40,8 @@ def random_devices(n: int, seed: int, tables: bool) -> list[dict]:
 
 def run_solver_bench(devices=DEVICES, strategies=STRATEGIES, rounds: int = 15, seed: int = 0,
                      progress: bool = True) -> dict:
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
 
-    from hepti.config import preset_config
-    from hepti.errors import PlanError
-    from hepti.plan.partition import make_plan
-    from hepti.plan.profile import declared_profile
 
     cfg = preset_config("bert-base")
     cases = [(n, tables, s) for n in devices for tables in (False, True) for s in strategies]

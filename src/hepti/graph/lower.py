@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hepti.graph.ir import (BY_COLS, BY_K, BY_ROWS, BY_UNIT, F32, FULL, LOCAL, ON_PRIMARY, PARTIAL,
                             PRIMARY, ROWS, Graph, Op, after, needs, produces, transition)
-from hepti.plan.costmodel import ACTIVE, ROOT, Collective, MemTerm, Phase, Stream, Work
+from hepti.graph.program import ACTIVE, ROOT, Collective, MemTerm, Phase, Stream, Work
 
 # The GeMM kernel's blocks (hepti.kernels.config.MR and NR, which tests/test_plan.py checks;
 # not imported, since importing the kernels sets Numba up, which the planner does not

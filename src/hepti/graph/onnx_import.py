@@ -47,8 +47,8 @@ def import_onnx(path: str | Path, batch: int | None = None,
                 input_shape=None) -> OpDag:
     """The activation DAG of the ONNX file at `path` (see the module docstring).
     `input_shape`: one sample's dims (a tuple, for the single input) or {input name: dims}."""
-    import onnx
-    from google.protobuf.message import DecodeError
+    import onnx  # local: optional dependency (onnx)
+    from google.protobuf.message import DecodeError  # local: optional dependency (onnx's protobuf)
 
     path = Path(path)
     try:
@@ -149,14 +149,14 @@ def _constant_tensors(g) -> set[str]:
 
 
 def _has_subgraph(node) -> bool:
-    import onnx
+    import onnx  # local: optional dependency (onnx)
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
                for a in node.attribute)
 
 
 def _outer_refs(node) -> list[str]:
     """Tensors a node's subgraphs read from the enclosing graphs."""
-    import onnx
+    import onnx  # local: optional dependency (onnx)
     out = []
 
     def visit(graph, bound: set[str]):
@@ -209,7 +209,7 @@ def _set_input_dims(path: Path, inputs, batch: int | None, input_shape) -> None:
 def _shape_and_width(tp):
     """(shape, bytes per element) of an inferred tensor type, or (None, 0) when any dimension
     or the element type is unknown."""
-    import onnx
+    import onnx  # local: optional dependency (onnx)
     if tp is None or not tp.HasField("tensor_type"):
         return None, 0
     tt = tp.tensor_type
@@ -236,7 +236,7 @@ def _weight_bytes(g, op_nodes, constants: set[str], types) -> int:
     """Bytes of the constants operators read (weights, folded BatchNorm scales, shape
     vectors), from their initializers or inferred shapes (one whose shape stays unknown counts
     nothing)."""
-    import onnx
+    import onnx  # local: optional dependency (onnx)
     inits = {i.name: i for i in g.initializer}
     read = {t for node in op_nodes for t in node.input if t in constants}
     total = 0

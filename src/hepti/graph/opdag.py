@@ -17,14 +17,17 @@ producer or is a graph input, every tensor has a size, and the graph has no cycl
 Builders: hepti.graph.onnx_import (an ONNX file's structure and inferred shapes), `from_cnn`
 (hepti.graph.cnn's MobileNetV2, ResNet-50 and VGG-16), `from_encoder` (BERT and ViT, layers
 unrolled). `to_dict` / `from_dict` are the structure-only JSON that `hepti graph import --out`
-writes and `hepti order` reads back; `load_graph` opens any of them from a path (a .json graph may be gzipped: .json.gz).
+writes and `hepti order` reads back; hepti.graph.load's `load_graph` opens any of them from a
+path (a .json graph may be gzipped: .json.gz).
 """
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
+from collections import Counter
+import heapq
+import random as _random
 
 from hepti.errors import GraphError
 
@@ -113,7 +116,6 @@ class OpDag:
         if all(self.producer.get(t, -1) < i for i, op in enumerate(self.ops) for t in op.inputs):
             self.meta.setdefault("file_order_topological", True)
             return list(range(n))
-        import heapq
         indeg = [len(self.preds(i)) for i in range(n)]
         heap = [i for i in range(n) if indeg[i] == 0]
         heapq.heapify(heap)
@@ -171,7 +173,6 @@ class OpDag:
 
     def describe(self) -> str:
         """A few lines on what the graph holds (`hepti graph import`)."""
-        from collections import Counter
         kinds = Counter(op.op_type for op in self.ops).most_common()
         mib = 2 ** 20
         return "\n".join([
@@ -281,77 +282,6 @@ def from_encoder(graph, name: str = "") -> OpDag:
                               "tokens": graph.seq_len})
 
 
-# --- opening a graph from a path -------------------------------------------------------------
-
-def load_graph(path: str | Path, batch: int | None = None,
-               input_shape: tuple[int, ...] | None = None) -> OpDag:
-    """An OpDag from an .onnx file, a .json graph (`hepti graph import --out`), or a converted
-    hepti model folder (its config.json: a CNN, BERT or ViT). `batch` defaults to 1;
-    `input_shape` is one sample's shape without the batch (ONNX: the input's dims after the
-    first, e.g. 3x299x299; a CNN: 3xHxW; BERT: the tokens T)."""
-    p = Path(path)
-    if not p.exists():
-        raise GraphError(f"{p}: no such file or folder")
-    if p.is_dir():
-        return _model_folder(p, batch or 1, input_shape)
-    if p.suffix.lower() == ".json" or p.name.lower().endswith(".json.gz"):
-        try:
-            if p.suffix.lower() == ".gz":
-                import gzip
-                d = json.loads(gzip.decompress(p.read_bytes()))
-            else:
-                d = json.loads(p.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError, OSError, EOFError) as e:
-            raise GraphError(f"{p} is not a JSON operator graph ({e})") from None
-        dag = OpDag.from_dict(d, source=str(p))
-        if input_shape:
-            raise GraphError(f"{p}: a stored graph has fixed shapes; import the ONNX file again "
-                             "with --input-shape")
-        return dag.at_batch(batch) if batch else dag
-    from hepti.graph.onnx_import import import_onnx
-    return import_onnx(p, batch=batch, input_shape=input_shape)
-
-
-def _model_folder(p: Path, batch: int, input_shape) -> OpDag:
-    """A checkpoint folder's config.json (a converted model's folder, whose config is inside its
-    index.json, is read by the caller, which may import the weights layer: `model_graph`)."""
-    from hepti.config import config_from_json
-    if not (p / "config.json").exists():
-        raise GraphError(f"{p} is a folder with neither index.json nor config.json: give a "
-                         "converted hepti model folder (`hepti convert ... --out DIR`), a "
-                         "checkpoint folder with config.json, an .onnx file or a .json operator "
-                         "graph")
-    return model_graph(config_from_json(p / "config.json"), batch, input_shape, p.name)
-
-
-def model_graph(cfg, batch: int, input_shape, name: str) -> OpDag:
-    """The operator DAG of a model config (a CNN, BERT or ViT) at `batch`; `input_shape` as
-    `load_graph`'s."""
-    if cfg.model_type == "cnn":
-        from hepti.graph.cnn import build
-        h = w = cfg.image_size
-        if input_shape:
-            if len(input_shape) != 3 or input_shape[0] != cfg.num_channels:
-                raise GraphError(f"--input-shape for a CNN is {cfg.num_channels}xHxW, got "
-                                 + "x".join(map(str, input_shape)))
-            h, w = input_shape[1:]
-        try:
-            return from_cnn(build(cfg), batch, h, w, name=name)
-        except ValueError as e:
-            raise GraphError(str(e)) from None
-    from hepti.graph.encoder import family_graph
-    if cfg.model_type == "vit":
-        if input_shape:
-            raise GraphError("a ViT's tokens follow from its image size; --input-shape is for "
-                             "ONNX files, CNNs (3xHxW) and BERT (tokens)")
-        T = cfg.seq_len
-    else:
-        T = input_shape[0] if input_shape else 128
-        if input_shape and len(input_shape) != 1:
-            raise GraphError("--input-shape for BERT is the tokens per sequence, e.g. 128")
-    return from_encoder(family_graph(cfg, batch, T), name=name)
-
-
 # --- random graphs (the tests' and the benchmark's) ------------------------------------------
 
 def random_dag(n: int, seed: int, density: float | None = None) -> OpDag:
@@ -360,7 +290,6 @@ def random_dag(n: int, seed: int, density: float | None = None) -> OpDag:
     output, or two (the second nobody reads: a transient); sizes 1-64 bytes. Op types mix
     in-place candidates (Relu, Add) with others (Conv, Concat). A tensor nobody reads is a
     graph output, or dead. Node i is named `op{i}`; the file order is i's."""
-    import random as _random
     rng = _random.Random(seed)
     p = rng.uniform(0.1, 0.6) if density is None else density
     tensors = {"x": TensorInfo(rng.randint(1, 64), (1,))}
@@ -388,7 +317,6 @@ def random_wiring(n: int, seed: int, k: int = 4, p: float = 0.75, size: int = 1)
     One operator per node reads its predecessors (or the stage's input) and writes one tensor
     of `size` bytes; an `out` operator averages the nodes nobody reads. Structure only: not an
     export of a trained RandWire, whose nodes are several operators each."""
-    import random as _random
     rng = _random.Random(seed)
     edges: set[tuple[int, int]] = set()
     for u in range(n):

@@ -25,6 +25,7 @@ a constant here that a kernel reads at compile time (the fastmath sets), delete 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("NUMBA_SLP_VECTORIZE", "1")
 
@@ -45,8 +46,6 @@ cpu_target.target_context  # noqa: B018  (builds the target machine with the set
 
 def _cache_bytes(level: int, default: int) -> int:
     """Size of this CPU's level-`level` data (or unified) cache per core, from Linux sysfs."""
-    from pathlib import Path
-
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
             if int((index / "level").read_text()) != level:

@@ -14,6 +14,7 @@ import numpy as np
 from hepti import kernels as K
 from hepti.config import BertConfig
 from hepti.errors import InputError
+from hepti.model.batch import Batch
 
 
 def validate_inputs(config: BertConfig, ids: np.ndarray, mask: np.ndarray | None,
@@ -67,24 +68,6 @@ def primary_ops(config: BertConfig, store) -> dict:
     return {"embed": emb}
 
 
-class BertEncoder:
-    """The single-device engine on token ids (hepti.model.family.SingleDevice), checking them."""
-
-    def __init__(self, engine):
-        self.engine, self.config = engine, engine.config
-
-    @classmethod
-    def from_store(cls, store, threads: int = 1, progress=None) -> "BertEncoder":
-        from hepti.model.family import SingleDevice
-        return cls(SingleDevice.from_store(store, threads, progress))
-
-    def forward(self, ids, mask=None, token_type=None) -> np.ndarray:
-        """ids [B, T] -> last hidden state [B, T, C]."""
-        from hepti.inputs import Batch
-        ids, key_mask, token_type = validate_inputs(self.config, ids, mask, token_type)
-        return self.engine.run(Batch(ids, key_mask, token_type))
-
-
 def load_kernels(threads: int = 1) -> None:
     """Have Numba load (or, on a cold cache, compile) every kernel a forward calls, by running
     each once on tiny random arrays with the call types the runtime uses.
@@ -105,7 +88,6 @@ def load_kernels(threads: int = 1) -> None:
                            "emb.token_type": r(2, C), "emb.ln.gamma": r(C), "emb.ln.beta": r(C)})
     ids = np.arange(T, dtype=np.int64).reshape(1, T)
     key_mask = np.ones((1, T), np.float32)
-    from hepti.inputs import Batch
     x = emb(Batch(ids, key_mask, np.zeros_like(ids)))  # [T, C]
     # every row's own keys and values (`single`, `tensor`), partial sums into a caller's buffer
     qkv = K.gemm(x, qkv_w, bias=r(3 * C), threads=threads)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL, Graph, build
+from hepti import kernels as K
+from hepti.model.livebytes import track
 
 
 class Weights:
@@ -35,7 +37,6 @@ class Weights:
                     continue
                 self.nbytes += self._load(op, rows)
             elif op.kind == LINEAR:
-                from hepti import kernels as K
                 rows = (head_rows or {}).get(op.name)
                 if rows is not None and rows[1] <= rows[0]:
                     continue
@@ -45,7 +46,6 @@ class Weights:
 
     def _load(self, op, rows) -> int:
         """Read and pack conv op's weight rows (all if None); its stored bytes."""
-        from hepti import kernels as K
         whole = rows is None or rows == (0, op.cout)
         w = self._read(f"{op.name}.weight", None if whole else rows)
         b = self._read(f"{op.name}.bias", None if whole else rows)
@@ -76,7 +76,6 @@ def apply(op, x: np.ndarray, weights: Weights, residual: np.ndarray | None = Non
     """One op on x [N, H, W, C] (a vector op: x [N, C]). `pad` (top, bottom) replaces the op's
     own vertical padding: x is then a band of rows, and so is the result. `out`: where a
     convolution or a max pool writes its result (C-contiguous), else a new array."""
-    from hepti import kernels as K
     if op.kind in (CONV, MAXPOOL):
         top, bottom = (op.padding, op.padding) if pad is None else pad
         padding = (top, bottom, op.padding, op.padding)
@@ -146,7 +145,6 @@ class CNNModel:
         `taps`, a dict, receives every tensor named in it as it is made (NHWC). `counter`, a
         hepti.model.livebytes.AllocationCounter, is told of every tensor held and let go
         (the NHWC copy of the pixels included; the logits handed back stay counted)."""
-        from hepti.model.livebytes import track
         if pixels.ndim != 4 or pixels.shape[1] != self.config.num_channels:
             raise ValueError(f"pixels must be [N, {self.config.num_channels}, H, W], got "
                              f"{list(pixels.shape)}")
@@ -192,7 +190,6 @@ def load_kernels(threads: int = 1) -> None:
     model (the conv's path, rows or implicit im2col, is a run-time argument of one function), so
     a 1x1, a 3x3 at stride 2 with a residual, a depthwise 3x3, the pools and the head's GeMM
     cover MobileNetV2, ResNet-50 and VGG-16 alike, on one rank or on bands of rows."""
-    from hepti import kernels as K
     rng = np.random.default_rng(0)
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     x = r(1, 8, 8, 16)  # NHWC

@@ -9,11 +9,11 @@ from __future__ import annotations
 from functools import lru_cache
 
 from hepti.graph.ir import F32, ON_PRIMARY
+from hepti.graph.encoder import family_graph
 
 
 @lru_cache(maxsize=32)
 def _graph(cfg):
-    from hepti.graph.encoder import family_graph
     return family_graph(cfg, 1, 1)
 
 

@@ -18,7 +18,7 @@ class TextTokenizer:
     longest is); `encode` then turns one batch at a time into arrays."""
 
     def __init__(self, path: str | Path, max_len: int, pad_id: int = 0):
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # local: start-up time (tokenizers)
 
         path = Path(path)
         if not path.exists():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from hepti import kernels as K
+from hepti.model.bert import load_kernels as layers_kernels
 
 
 class PatchEmbeddings:
@@ -49,7 +50,6 @@ def primary_ops(config, store) -> dict:
 
 def load_kernels(threads: int = 1) -> None:
     """BERT's set (the layers' kernels are the same) and LayerNorm without a residual."""
-    from hepti.model.bert import load_kernels as layers_kernels
     layers_kernels(threads)
     x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
     K.add_layernorm(x, None, None, np.ones(64, np.float32), np.zeros(64, np.float32), 1e-12)

@@ -57,6 +57,9 @@ from hepti.graph.cnn import ADAPTIVE_AVG, LINEAR, Graph
 from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, first_holders,
                                gaps, head_rows, hold, needs, out_channels, owned,  # noqa: F401
                                spatial_ops, union)
+from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo
+from hepti.model.cnn import adaptive_avg_pool, apply
+from hepti.model.livebytes import track
 
 
 def lay_out_channels(flat: np.ndarray, per_rank: list[int], shape: tuple) -> np.ndarray:
@@ -246,8 +249,6 @@ class BandExecutor:
     def forward(self, pixels: np.ndarray | None, counter=None) -> np.ndarray | None:
         """`counter`: a hepti.model.livebytes.AllocationCounter told of every band and
         vector this rank holds and lets go (not the exchange's message buffers)."""
-        from hepti.model.cnn import apply
-        from hepti.model.livebytes import track
         comm, g, rank = self.comm, self.graph, self.comm.rank
         head = comm.bcast_obj(pixels.shape if rank == 0 else None)
         n, _, h, w = head
@@ -306,7 +307,6 @@ class BandExecutor:
         the cost model charges). It used to transpose each piece to channels-first to gather
         it and the whole map back: two copies, 4x slower than this one for ResNet's 1024 and
         2048 channels (power-of-two strides), about 1 ms an op on a 0.45-core device."""
-        from hepti.model.cnn import apply
         c0, c1, i0, i1, per_rank = chan
         hh, ww, c = shapes[op.output]
         with self.comm.tracer.span(f"{op.name} (channels {c0}-{c1})", "compute"):
@@ -381,7 +381,6 @@ class BandExecutor:
 
     def _tail_op(self, op, have, shapes, n):
         """One op after the spatial part; None on a rank a head on rank 0 alone leaves out."""
-        from hepti.model.cnn import adaptive_avg_pool, apply
         comm, rank = self.comm, self.comm.rank
         if op.kind == ADAPTIVE_AVG:
             hh, ww, c = shapes[op.input]
@@ -421,7 +420,6 @@ class BandExecutor:
         whole is such an operator with nothing to read.
         The vectors after pooling are whole (none on a rank a head on rank 0 alone leaves
         out). Message buffers are not in it, as they are not in the counter."""
-        from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo
         g = self.graph
         shapes, _ = self.schedule(h, w)
         tensors: dict[str, TensorInfo] = {}

@@ -1,7 +1,7 @@
 """`hepti run` of a CNN under mpiexec: the plan (a "bands" plan file, --ratios, or the CoEdge
 planner on a profile), a `BandJob` on every rank, the runner's passes, the report.
 
-The transformer families' counterpart is hepti.parallel.engine's `_run_prepared` and `Job`;
+The transformer families' counterpart is hepti.parallel.engine's `run_prepared` and `Job`;
 what the two share (the passes, checking inputs first, writing as it goes, the report's common
 fields, the failure discipline) is hepti.runner's and engine's, used here as there.
 """
@@ -15,7 +15,23 @@ import sys
 import time
 
 from hepti.errors import PlanError
-from hepti.plan.coedge import CNN_STRATEGIES
+from hepti.plan.coedge import CNN_STRATEGIES, make_cnn_plan, split_of
+from hepti.graph.cnn import build
+from hepti.graph.opdag import from_cnn
+from hepti.graph.split import conv_rows, spatial_ops, streamed_convs
+from hepti.model.cnn import Weights
+from hepti.model.family import load_kernels
+from hepti.parallel.bands import BandExecutor, head_rows
+from hepti.parallel.engine import (agree, attach_prediction, current_rss, format_plan_line,
+                                   format_rank_table, gentle_barrier, parse_bytes, peak_rss,
+                                   reset_peak_rss, start_watch)
+from hepti.parallel.profiling import measure_cnn_profile
+from hepti.parallel.trace import chrome_trace
+from hepti.parallel.watchdog import cnn_scale
+from hepti.plan.order import executor_order
+from hepti.plan.planfile import Plan, parse_ratios
+from hepti.plan.profile import load_profile, profile_from_dict
+from hepti.runner import base_report, finish, run_passes
 
 log = logging.getLogger("hepti")
 
@@ -33,13 +49,6 @@ class BandJob:
     [1, 1280] floats, over the 240 and 100 Mbit/s links of ranks it does not need)."""
 
     def __init__(self, world, store, plan, threads: int = 1):
-        from hepti.graph.cnn import build
-        from hepti.model.cnn import Weights
-        from hepti.model.family import load_kernels
-        from hepti.graph.split import conv_rows, streamed_convs
-        from hepti.parallel.bands import BandExecutor, head_rows
-        from hepti.parallel.engine import current_rss, reset_peak_rss
-        from hepti.plan.coedge import split_of
         self.world, self.store, self.plan = world, store, plan
         graph = build(store.config)
         split = split_of(plan)
@@ -59,8 +68,6 @@ class BandJob:
                                conv_rows(graph, sub, self.group.rank, self.group.size),
                                streamed_convs(graph, sub))
         # BTSearch's order within each group (for hepti's CNNs its peak is the file order's)
-        from hepti.graph.opdag import from_cnn
-        from hepti.plan.order import executor_order
         side = store.config.image_size
         order = executor_order(from_cnn(graph, 1, side, side)).order
         self.executor = BandExecutor(self.group, graph, sub, self.weights, threads, order)
@@ -78,7 +85,6 @@ class BandJob:
                 on_output(k, logits[:, None, :])
 
     def rank_stats(self, runs: list[dict]) -> dict:
-        from hepti.parallel.engine import peak_rss
         med = lambda key: statistics.median(r[key] for r in runs) if runs else 0.0  # noqa: E731
         kinds = sorted({k for r in runs for k in r["seconds"] if k not in ("compute", "batch")})
         comm_s = {k: statistics.median(r["seconds"].get(k, 0.0) for r in runs) for k in kinds}
@@ -104,8 +110,6 @@ class BandJob:
 def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
     """The plan every rank runs: --plan, else --ratios, else --strategy (even by default;
     auto and proportional plan on --profile or on a profile measured now, at this input)."""
-    from hepti.parallel.engine import agree
-    from hepti.plan.planfile import Plan, parse_ratios
     cfg, P = store.config, world.size
     strategy = getattr(args, "strategy", None)
     if args.plan:
@@ -123,8 +127,6 @@ def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
     if not args.profile and (args.ratios or strategy in (None, "even", "single", "grid")):
         # no profile needed (with one, every strategy is planned below, with its prediction)
         def given():
-            from hepti.graph.cnn import build
-            from hepti.graph.split import spatial_ops
             if args.ratios:
                 vec = parse_ratios(args.ratios, P)["rows"]
             elif strategy == "single":
@@ -143,7 +145,6 @@ def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
     def on_primary():
         if world.rank != 0:
             return None
-        from hepti.plan.coedge import make_cnn_plan
         ratios = parse_ratios(args.ratios, P)["rows"] if args.ratios else None
         return make_cnn_plan(cfg, profile, strategy or ("auto" if not ratios else "even"),
                              ratios=ratios, size=size_hw, batch=batch, fuse_depth=fuse_depth)
@@ -153,9 +154,6 @@ def resolve_cnn_plan(args, world, store, size_hw: tuple[int, int], batch: int):
 
 def _cnn_profile(args, world, store, size_hw, batch):
     """--profile's (rank 0), else one measured now on every rank (rank 0 gets it)."""
-    from hepti.parallel.engine import agree, parse_bytes
-    from hepti.parallel.profiling import measure_cnn_profile
-    from hepti.plan.profile import load_profile, profile_from_dict
     if args.profile:
         return agree(world, lambda: load_profile(args.profile, world_size=world.size)
                      if world.rank == 0 else None)
@@ -172,10 +170,6 @@ def _cnn_profile(args, world, store, size_hw, batch):
 
 def run_cnn(args, world, store, prep, t_start: float) -> int:
     """`hepti run` of a CNN on every rank, once the inputs are checked (`prep`, rank 0)."""
-    from hepti.parallel.engine import (agree, attach_prediction, format_plan_line,
-                                       format_rank_table, gentle_barrier, start_watch)
-    from hepti.parallel.watchdog import cnn_scale
-    from hepti.runner import base_report, finish, run_passes
     mpi, rank0 = world.mpi, world.rank == 0
     source = prep.source if rank0 else None
     start = prep.out.start if rank0 and prep.out is not None else 0
@@ -223,7 +217,6 @@ def run_cnn(args, world, store, prep, t_start: float) -> int:
     attach_prediction(report, stats, plan)
     report.setdefault("explanation", plan.explanation)
     if args.trace:
-        from hepti.parallel.trace import chrome_trace
         with open(args.trace, "w") as f:
             json.dump(chrome_trace(all_events, {"strategy": "bands", "world_size": world.size}), f)
         report["trace"] = args.trace

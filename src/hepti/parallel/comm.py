@@ -49,8 +49,10 @@ import time
 import numpy as np
 
 from hepti.counts import offsets
+from hepti.emulate import stretch
 from hepti.errors import InputError
 from hepti.parallel.trace import Tracer
+from hepti.resources import cpu_limit
 
 _TAG_SCATTER, _TAG_GATHER, _TAG_ALLGATHER, _TAG_REDUCE, _TAG_OBJ = 101, 102, 103, 104, 105
 _TAG_HALO = 106
@@ -438,11 +440,9 @@ def _choose_sleepy() -> bool:
     forced = os.environ.get("HEPTI_MPI_WAIT", "").strip().lower()
     if forced in ("sleep", "block"):
         return forced == "sleep"
-    from hepti.emulate import stretch  # an emulated device's share, not its guard quota (1.25x)
-    if stretch.ON:
+    if stretch.ON:  # an emulated device's share, not its guard quota (1.25x)
         return stretch.share() < 1.0
-    from hepti.parallel.profiling import cpu_limit  # the profile reads the same caps
-    cores, _ = cpu_limit()
+    cores, _ = cpu_limit()  # the profile reads the same caps (hepti.resources)
     return cores is not None and cores < 1.0
 
 
@@ -583,5 +583,5 @@ def _peers(counts: tuple[int, ...], rank: int) -> tuple[int, ...]:
 
 @functools.cache
 def _MPI():
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
     return MPI

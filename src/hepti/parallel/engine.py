@@ -19,17 +19,37 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import statistics
 import sys
 import time
 from pathlib import Path
+import signal
+import threading
+import traceback
 
 import numpy as np
 
 from hepti.counts import counts, offsets
 from hepti.errors import HeptiError, PlanError
-from hepti.plan.planfile import DIMS, Plan, parse_ratios
+from hepti.plan.planfile import DIMS, Plan, parse_bytes, parse_ratios
+from hepti.resources import current_rss, peak_rss, reset_peak_rss
+from hepti.graph import lower
+from hepti.graph.encoder import family_graph
+from hepti.graph.lower import prologue_steps, stage_steps
+from hepti.model.family import family, load_kernels
+from hepti.model.sizes import layer_slice_bytes
+from hepti.parallel import watchdog
+from hepti.parallel.comm import Comm, wait_idle
+from hepti.parallel.interpreter import Interpreter
+from hepti.parallel.layers import ResidentLayers, StreamingLayers, slice_packer
+from hepti.parallel.pipeline import PipelineExecutor, layer_ranges
+from hepti.parallel.profiling import cached_profile
+from hepti.parallel.slices import outside_layers
+from hepti.parallel.trace import Tracer, chrome_trace
+from hepti.parallel.watchdog import transformer_scale
+from hepti.plan.profile import load_profile
+from hepti.runner import base_report, finish, run_passes
+from hepti.weights import WeightStore
 
 log = logging.getLogger("hepti")
 FAULT_ENV = "HEPTI_FAULT_RANK"  # test-only: this rank raises in its first forward
@@ -55,32 +75,6 @@ def agree(world, fn):
             raise AgreedError(bad[0][1])
         raise AgreedError("; ".join(f"rank {r}: {e}" for r, e in bad))
     return result
-
-
-def parse_bytes(text: str | None, flag: str = "--mem-budget") -> int | None:
-    """'512MiB', '2GB', '1e9' -> bytes, which must be positive."""
-    if text is None:
-        return None
-    t = str(text).strip()
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
-    low = t.lower()
-    value = None
-    for u in sorted(units, key=len, reverse=True):
-        if low.endswith(u):
-            try:
-                value = int(float(low[: -len(u)]) * units[u])
-            except ValueError:
-                pass
-            break
-    if value is None:
-        try:
-            value = int(float(t))
-        except (ValueError, OverflowError):
-            raise PlanError(f"{flag} {text!r}: not a size; write e.g. 64MiB or 200000000") from None
-    if value <= 0:
-        raise PlanError(f"{flag} {text!r}: must be a positive size, e.g. 64MiB")
-    return value
 
 
 def resolve_plan(args, world_size: int, cfg) -> Plan:
@@ -109,7 +103,6 @@ def resolve_plan(args, world_size: int, cfg) -> Plan:
         plan = Plan(strategy=strategy, world_size=world_size, ratios=ratios,
                     mem_budget=parse_bytes(getattr(args, "mem_budget", None)))
         if strategy == "pipeline":
-            from hepti.parallel.pipeline import layer_ranges
             plan.layers = [list(r) for r in layer_ranges(cfg.num_hidden_layers, ratios["rows"])]
         plan.validate(world_size)
     if plan.strategy == "stream" and not plan.mem_budget:
@@ -142,7 +135,6 @@ def active_ranks(plan: Plan, cfg) -> list[int]:
 
 def stream_window(plan: Plan, cfg, rank: int) -> int:
     """Layers of its slices a rank may hold under --mem-budget (checked before any work)."""
-    from hepti.model.sizes import layer_slice_bytes
     c = _counts_of(plan, cfg)
     per_layer = layer_slice_bytes(cfg, c["heads"][rank], c["ffn"][rank])
     window = plan.mem_budget // max(per_layer, 1)
@@ -165,7 +157,6 @@ def gentle_barrier(mpi_comm, interval: float = 0.0005, spin_s: float = 0.002):
     for the next request) must not do. But sleeping from the start released ranks up to one
     `interval` apart, and the timed loop's barrier then put that lag into every measured
     latency (0.45 ms of a 19 ms MiniLM forward). Polling first keeps short waits exact."""
-    from hepti.parallel.comm import wait_idle
     wait_idle(mpi_comm.Ibarrier(), spin_s, interval)
 
 
@@ -187,8 +178,6 @@ def layer_spec(plan: Plan, cfg, rank: int) -> tuple | None:
     heads = (ho[rank], ho[rank] + c["heads"][rank])
     ffn = (fo[rank], fo[rank] + c["ffn"][rank])
     if s == "mixed":  # a block split by token rows needs its unit's weights whole
-        from hepti.graph import lower
-        from hepti.graph.encoder import family_graph
         graph = family_graph(cfg, 1, 1)
         assign = plan_assignment(plan, graph)
         if lower.per_layer(assign):  # each layer its own ranges
@@ -209,7 +198,6 @@ def plan_assignment(plan: Plan, graph) -> dict[str, str]:
     """A mixed plan's assignment, checked against the model's graph (every operator named,
     each split one it supports, and a layout the collectives can reach from the one before:
     hepti.graph.lower.check_assignment), as a PlanError saying what is wrong."""
-    from hepti.graph import lower
     try:
         return lower.check_assignment(graph, plan.assignment or {})
     except ValueError as e:
@@ -220,7 +208,6 @@ def plan_assignment(plan: Plan, graph) -> dict[str, str]:
 def build_layers(store, spec: tuple, pack):
     """The layer weights a `layer_spec` names, read from this device's own files (no MPI: a
     background thread may build them while another plan serves)."""
-    from hepti.parallel.layers import ResidentLayers, StreamingLayers
     kind, heads, ffn, extra = spec
     L = store.config.num_hidden_layers
     if kind == "stream":
@@ -239,9 +226,6 @@ class Job:
     reads neither. Collective over the world (the group's split)."""
 
     def __init__(self, world, store, plan: Plan, threads: int = 1, layers=None, primary_ops=None):
-        from hepti.model.family import family, load_kernels
-        from hepti.parallel.layers import slice_packer
-        from hepti.parallel.slices import outside_layers
 
         self.world, self.store, self.plan = world, store, plan
         cfg = self.cfg = store.config
@@ -265,17 +249,11 @@ class Job:
             self.primary_ops = primary_ops or fam.primary_ops(cfg, store)
         H, F, L = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers
         s = plan.strategy
-        from hepti.graph import lower
-        from hepti.graph.encoder import family_graph
-        from hepti.parallel.interpreter import Interpreter
         graph = family_graph(cfg, 1, 1)  # the schedule does not depend on the batch's shape
         pack = slice_packer(graph)
         if self.spec is not None:
             self.layers = layers if layers is not None else build_layers(store, self.spec, pack)
         if s == "pipeline":  # each stage its layers whole, on a group of itself alone
-            from hepti.parallel.comm import Comm
-            from hepti.graph.lower import prologue_steps, stage_steps
-            from hepti.parallel.pipeline import PipelineExecutor
             ranges = [tuple(x) for x in plan.layers]
             a, b = ranges[rank]
             whole = lower.schedule(graph, lower.assignment(graph, "single"), L)
@@ -410,50 +388,16 @@ class Job:
         }
 
 
-def reset_peak_rss() -> None:
-    """Start the peak-RSS count afresh (Linux: writing 5 to clear_refs resets VmHWM), so a
-    job's peak is its own and not an earlier job's in the same process."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss() -> int:
-    """Peak resident set size (bytes) since the last reset_peak_rss (VmHWM), else lifetime."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def current_rss() -> int:
-    """Resident set size now (bytes), from /proc/self/statm."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
 def world_comm(trace: bool = False):
     """The world as a Comm (MPI.COMM_WORLD with a Tracer)."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
-    from hepti.parallel.comm import Comm
-    from hepti.parallel.trace import Tracer
     return Comm(MPI.COMM_WORLD, Tracer(MPI.COMM_WORLD.Get_rank(), record_events=trace))
 
 
 def run_plan(model_dir, plan: Plan, batches, threads: int = 1, world=None):
     """Library entry: run `batches` (needed on the primary only) under `plan` on every rank of
     the world. Returns (hidden states per batch on the primary / [] elsewhere, the Job)."""
-    from hepti.weights import WeightStore
     world = world or world_comm()
     store = agree(world, lambda: WeightStore(model_dir))
     plan = agree(world, lambda: plan.validate(world.size))
@@ -476,9 +420,6 @@ PLANNED = ("auto", "proportional")
 def get_profile(args, world, cfg, batch: int, seq_len: int):
     """--profile's (checked against the model), else a cached or newly measured one; on rank 0
     (None elsewhere when read from a file)."""
-    from hepti.parallel.profiling import cached_profile
-    from hepti.plan.profile import load_profile
-
     if args.profile:
         def load_checked():
             if world.rank != 0:
@@ -505,7 +446,7 @@ def plan_with_profile(args, world, cfg, batch: int, seq_len: int, profile=None) 
     """The planner's plan for this input shape: from --profile, else a fresh cached or newly
     measured profile (or `profile`, from `get_profile`). Rank 0 plans; every rank gets the same
     plan."""
-    from hepti.plan.partition import make_plan
+    from hepti.plan.partition import make_plan  # local: start-up time (scipy.optimize, 0.4 s)
     if profile is None:
         profile = get_profile(args, world, cfg, batch, seq_len)
 
@@ -520,42 +461,9 @@ def plan_with_profile(args, world, cfg, batch: int, seq_len: int, profile=None) 
     return agree(world, lambda: plan.validate(world.size))
 
 
-def run_distributed(args) -> int:
-    """`hepti run` under mpiexec (or with --strategy): every rank calls this."""
-    import numba
-    from mpi4py import MPI
-
-    from hepti.parallel.comm import Comm
-    from hepti.parallel.trace import Tracer
-    from hepti.runner import prepare
-    from hepti.weights import WeightStore
-
-    t_start = time.perf_counter()
-    mpi = MPI.COMM_WORLD
-    world = Comm(mpi, Tracer(mpi.Get_rank()))
-    rank = world.rank
-    rank0 = rank == 0
-    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-
-    store = agree(world, lambda: WeightStore(args.model))  # each device's own copy of the files
-    cfg = store.config
-    # Every input is checked, and the output opened (or resumed), before any weights load.
-    prep = agree(world, lambda: prepare(args, cfg, Path(args.model)) if rank0 else None)
-    try:
-        if cfg.model_type == "cnn":  # split by height: hepti.parallel.bands
-            from hepti.parallel.cnn_job import run_cnn
-            return run_cnn(args, world, store, prep, t_start)
-        return _run_prepared(args, world, store, prep, t_start)
-    finally:
-        if prep is not None and prep.out is not None:
-            prep.out.close()  # a no-op once committed; else the partial file stays for --resume
-
-
-def _run_prepared(args, world, store, prep, t_start: float) -> int:
-    """run_distributed once the inputs are checked and the output open (`prep`, primary only)."""
-    from hepti.parallel.trace import chrome_trace
-    from hepti.runner import base_report, finish, run_passes
-
+def run_prepared(args, world, store, prep, t_start: float) -> int:
+    """hepti.parallel.distributed.run_distributed once the inputs are checked and the output
+    open (`prep`, primary only)."""
     mpi, rank, size, cfg = world.mpi, world.rank, world.size, store.config
     rank0 = rank == 0
     source = prep.source if rank0 else None
@@ -593,7 +501,6 @@ def _run_prepared(args, world, store, prep, t_start: float) -> int:
                          "bytes_sent": world.tracer.bytes_sent, "bytes_recv": world.tracer.bytes_recv})
 
     if rank0:  # the largest batch this run computes, against the plan's shape
-        from hepti.parallel.watchdog import transformer_scale
         scale = transformer_scale(plan.batch, plan.seq_len, min(args.batch_size, source.n),
                                   max(source.lengths[start:], default=shape[1]))
     watch = start_watch(world, args, plan, scale if rank0 else 1.0)
@@ -646,7 +553,6 @@ def start_watch(world, args, plan: Plan, scale: float = 1.0):
     """Collective: the stall watch over a job's passes (hepti.parallel.watchdog), or None on
     one rank or with --stall-timeout 0. Rank 0 chooses the timeout: --stall-timeout, else
     from the plan's predicted batch time, scaled to the run's largest batch (`scale`)."""
-    from hepti.parallel import watchdog
     timeout = None
     if world.rank == 0:
         given = getattr(args, "stall_timeout", None)
@@ -691,11 +597,6 @@ def format_rank_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run_guarded(args) -> int:
-    """run_distributed with the failure discipline of the module docstring."""
-    return run_guarded_fn("run", run_distributed, args)
-
-
 def _on_interrupt(name: str, rank: int):
     """Ctrl-C: mpiexec passes it to every rank. One line from the primary, no traceback, exit
     130 without MPI_Finalize (which would wait for a peer inside a collective that never
@@ -704,8 +605,6 @@ def _on_interrupt(name: str, rank: int):
     would never get there: so a watcher thread, woken through the signal wakeup fd (mpi4py
     releases the GIL in blocking calls), does the same at once. Returns the function both
     call; whichever is first ends the process."""
-    import signal
-    import threading
     once = threading.Lock()
 
     def interrupted():
@@ -734,7 +633,7 @@ def _on_interrupt(name: str, rank: int):
 def run_guarded_fn(name: str, fn, args) -> int:
     """Run fn(args) on every rank: agreed errors are reported once by rank 0 (exit 2); any
     other failure on any rank names the rank and aborts the whole job."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
     rank = MPI.COMM_WORLD.Get_rank()
     interrupted = _on_interrupt(name, rank)
     try:
@@ -749,7 +648,6 @@ def run_guarded_fn(name: str, fn, args) -> int:
         if isinstance(e, HeptiError):
             text = f"hepti {name}: rank {rank}: error: {e}\n"
         else:
-            import traceback
             text = (traceback.format_exc() + f"hepti {name}: rank {rank} failed: "
                     f"{type(e).__name__}: {e}; aborting all ranks\n")
         # One write, then a moment for mpiexec to forward it: MPI_Abort tears down the

@@ -31,6 +31,7 @@ from hepti.counts import counts, offsets
 from hepti.graph.ir import BY_K, BY_ROWS, ON_PRIMARY, Graph
 from hepti.graph.lower import Step
 from hepti.graph.lower import mlp_pair as _mlp_pair
+from hepti.model.livebytes import track
 
 
 class Interpreter:
@@ -124,7 +125,6 @@ class Interpreter:
         `counter`: a hepti.model.livebytes.AllocationCounter told of every tensor this rank
         holds and lets go (an MLP's hidden tensor too, which it hands K.ffn; not what a kernel
         allocates inside, such as attention's scores)."""
-        from hepti.model.livebytes import track
         g, tr = self.g, self.g.tracer
         running = [None]  # the step running, named only when a counter asks (off the hot path)
         env = track(env, counter, lambda: _step_name(running[0]))

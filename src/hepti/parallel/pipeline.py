@@ -9,6 +9,7 @@ ring of blocking sends can never deadlock; it keeps at most `window` batches in 
 stage and one more), so its memory does not grow with the number of batches.
 """
 from __future__ import annotations
+from collections import deque
 
 import numpy as np
 
@@ -59,8 +60,6 @@ class PipelineExecutor:
 
     def _feed(self, inputs, on_output) -> None:
         """The primary: send batches in, take outputs back, at most `window` in flight."""
-        from collections import deque
-
         w, last = self.w, self.stages[-1]
         window = len(self.stages) + 1
         pending = deque()  # (k, output buffer, its posted receive)

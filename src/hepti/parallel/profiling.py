@@ -27,7 +27,6 @@ $HEPTI_CACHE (default ~/.cache/hepti) and measures again when it is older than a
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -36,13 +35,34 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+import threading
 
 import numpy as np
 
 from hepti.config import ModelConfig, config_from_dict
 from hepti.emulate import stretch as _stretch
+from hepti.emulate.state import current_device, read_state
 from hepti.errors import PlanError
 from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, Profile, load_profile, profile_from_dict
+from hepti.resources import (_rss_bytes, _return_freed_memory, available_memory, cgroup_dirs,
+                             cgroup_memory_files, cgroup_memory_stat, cpu_limit, memory_limit,
+                             reclaimable_cache)  # noqa: F401 - hepti.parallel.profiling's names, as before
+from hepti import kernels as K
+from hepti.counts import counts, counts as split, offsets
+from hepti.graph import lower
+from hepti.graph.cnn import CONV
+from hepti.graph.encoder import family_graph
+from hepti.graph.split import Split, spatial_ops
+from hepti.model.cnn import CNNModel, Weights, apply
+from hepti.parallel.bands import BandExecutor, lay_out_channels
+from hepti.parallel.comm import Comm, wait
+from hepti.parallel.interpreter import _mlp_pair
+from hepti.parallel.slices import LayerSlice
+from hepti.parallel.trace import Tracer
+from hepti.plan.costmodel import Collective, collective_times
+from hepti.weights import WeightStore
+from hepti.weights.layout import expected_shapes
+from hepti.weights.writer import TensorSpec, write_model
 
 PING_SIZES = (8, 4096, 65536, 262144, 1 << 20, 4 << 20)  # bytes; larger skipped on slow links
 PING_TARGET_S = 0.06  # the largest message should take about this long one way
@@ -133,7 +153,6 @@ class SpeedProbe:
     rounds read 0.97-1.2x their stretched time (quartiles)."""
 
     def __init__(self, hidden: int):
-        from hepti import kernels as K
         rng = np.random.default_rng(0)
         self.a = rng.standard_normal((PROBE_ROWS, hidden), dtype=np.float32)
         self.b = K.pack_b(rng.standard_normal((hidden, hidden), dtype=np.float32))
@@ -193,10 +212,6 @@ def measure_layer(config: ModelConfig, batch: int, seq_len: int, threads: int = 
     and MiniLM's 64 of 128 rows 49 against 35 (`hepti run --trace`); timed alone at all M rows
     (as before), 2-rank `rows` plans were predicted 0.8 ms (MiniLM) and 8 ms (BERT-base) fast
     per forward."""
-    from hepti import kernels as K
-    from hepti.graph import lower
-    from hepti.graph.encoder import family_graph
-    from hepti.parallel.interpreter import _mlp_pair
     rng = np.random.default_rng(0)
     g = family_graph(config, batch, seq_len)
     C, T, M = config.hidden_size, seq_len, batch * seq_len
@@ -289,7 +304,6 @@ def measure_layer(config: ModelConfig, batch: int, seq_len: int, threads: int = 
 
 def measure_call_overhead() -> float:
     """Seconds of a kernel call that does almost nothing: its Python and dispatch cost."""
-    from hepti import kernels as K
     w = K.pack_b(np.ones((8, 32), np.float32))
     a = np.ones((1, 8), np.float32)
     return _timed(lambda: K.gemm(a, w), min_time=0.005)
@@ -297,7 +311,6 @@ def measure_call_overhead() -> float:
 
 def measure_elementwise(config: ModelConfig, rows: int) -> float:
     """Elements/s of `hepti.kernels.add_layernorm` (bias + residual + LayerNorm) on [M, C]."""
-    from hepti import kernels as K
     rng = np.random.default_rng(2)
     C = config.hidden_size
     x, res = (rng.standard_normal((rows, C), dtype=np.float32) for _ in range(2))
@@ -353,15 +366,6 @@ def measure_weight_load(config: ModelConfig, directory: str | None = None, round
     at half a core; beside a GeMM at half a core: see the profile). With a core to spare for
     the loader the GeMMs lose nothing and the figure is large: loading is then overlapped, as
     it should be counted. Floor: a slice costs at least 1% of its time alone."""
-    import threading
-
-    from hepti import kernels as K
-    from hepti.graph.encoder import family_graph
-    from hepti.parallel.slices import LayerSlice
-    from hepti.weights import WeightStore
-    from hepti.weights.layout import expected_shapes
-    from hepti.weights.writer import TensorSpec, write_model
-
     d = {**config.to_dict(), "num_hidden_layers": 1}
     if "vocab_size" in d:  # a token embedding table the probe does not need
         d["vocab_size"] = 8
@@ -443,170 +447,11 @@ def measure_weight_load(config: ModelConfig, directory: str | None = None, round
 
 # --- memory ----------------------------------------------------------------------------------
 
-def _read_int(path: str) -> int | None:
-    try:
-        text = Path(path).read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _memory_stat(d: str) -> dict[str, int]:
-    """A memory cgroup directory's memory.stat as {name: bytes} ({} if unreadable)."""
-    try:
-        lines = Path(f"{d}/memory.stat").read_text().splitlines()
-    except OSError:
-        return {}
-    pairs = (ln.split() for ln in lines)
-    return {p[0]: int(p[1]) for p in pairs if len(p) == 2 and p[1].isdigit()}
-
-
-def cgroup_memory_stat() -> dict[str, int]:
-    """This process's own memory cgroup's memory.stat (v2 or v1), e.g. {"total_rss",
-    "total_cache", "total_inactive_file", ...} or {"anon", "file", "inactive_file", ...}."""
-    for d in cgroup_dirs("")[:1] + cgroup_dirs("memory")[:1]:
-        stat = _memory_stat(d)
-        if stat:
-            return stat
-    return {}
-
-
-def reclaimable_cache(stat: dict[str, int]) -> int:
-    """Bytes of a memory cgroup's page cache (memory.stat's active and inactive file pages, v1
-    or v2), which the kernel reclaims before it lets the group exceed its limit, as MemAvailable
-    counts it for the whole machine. Part of it is shared libraries' code in use, which comes
-    back by page faults when needed; the planner's activation estimates leave room for that."""
-    def get(v1: str, v2: str) -> int:
-        return stat.get(v1, stat.get(v2, 0))
-    return get("total_active_file", "active_file") + get("total_inactive_file", "inactive_file")
-
-
-def _return_freed_memory() -> None:
-    """Collect garbage and hand the heap's free pages back to the system (glibc `malloc_trim`),
-    so that memory the probes freed is not counted as used: freed arrays below glibc's mmap
-    threshold stay in the heap, and the layer probe left 72-165 MiB of RSS behind (ViT-L),
-    which the profile then subtracted from what a device has."""
-    import ctypes
-    import gc
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
-        pass
-
-
-def available_memory() -> tuple[int, str]:
-    """(bytes, source): MemAvailable, or what the cgroup still allows if that is less: its limit
-    minus its usage, except page cache (`reclaimable_cache`). A capped device is charged for the
-    files its processes touch first: on emu-starved's rank 0, 57-160 MiB of cache (shared
-    libraries, Numba's cache files) next to 137 MiB of anonymous memory that was the same in
-    every run, so counting the cache as used measured rank 0 with 42-185 MiB free from run to
-    run under one 340 MiB cap, and the plan changed with it."""
-    avail, source = None, "MemAvailable"
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if avail is None:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        source = "free pages"
-    for limit_f, usage_f in cgroup_memory_files():
-        limit, usage = _read_int(limit_f), _read_int(usage_f)
-        if limit is None or usage is None or limit >= (1 << 60):
-            continue
-        cache = min(usage, reclaimable_cache(_memory_stat(str(Path(limit_f).parent))))
-        if limit - usage + cache < avail:
-            avail, source = max(0, limit - usage + cache), f"cgroup limit ({limit_f})"
-    return avail, source
-
-
-def _cgroup_mounts(mountinfo: str) -> dict[str, tuple[str, str]]:
-    """Controller ('' for cgroup v2) -> (mount point, mount root), from /proc/self/mountinfo's text."""
-    out: dict[str, tuple[str, str]] = {}
-    for line in mountinfo.splitlines():
-        left, _, right = line.partition(" - ")
-        fields, rfields = left.split(), right.split()
-        if len(fields) < 5 or len(rfields) < 3:
-            continue
-        if rfields[0] == "cgroup2":
-            out.setdefault("", (fields[4], fields[3]))
-        elif rfields[0] == "cgroup":
-            for opt in rfields[2].split(","):
-                out.setdefault(opt, (fields[4], fields[3]))
-    return out
-
-
-def cgroup_dirs(controller: str, proc_cgroup: str | None = None,
-                mountinfo: str | None = None) -> list[str]:
-    """This process's cgroup directory for `controller` ('cpu', 'memory'; '' for cgroup v2) and
-    each of its ancestors up to the hierarchy's root, innermost first. From /proc/self/cgroup
-    and /proc/self/mountinfo unless their texts are given. (Without a cgroup namespace the files
-    at the mount's root are the root group's, not ours: `hepti emulate` caps each device's group.)"""
-    try:
-        proc_cgroup = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
-        mountinfo = mountinfo if mountinfo is not None else Path("/proc/self/mountinfo").read_text()
-    except OSError:
-        return []
-    mounts = _cgroup_mounts(mountinfo)
-    for line in proc_cgroup.splitlines():
-        _, controllers, path = line.split(":", 2)
-        mine = controllers == "" if controller == "" else controller in controllers.split(",")
-        if not mine or controller not in mounts:
-            continue
-        point, root = mounts[controller]
-        if root != "/" and path.startswith(root):
-            path = path[len(root):]
-        parts = [p for p in path.split("/") if p]
-        return ["/".join([point.rstrip("/")] + parts[:k]) for k in range(len(parts), -1, -1)]
-    return []
-
-
-@functools.lru_cache(maxsize=1)
-def cgroup_memory_files() -> tuple[tuple[str, str], ...]:
-    """(limit file, usage file) of this process's own memory cgroup and each of its ancestors,
-    v2 and v1. Worked out once a process: a process stays in the group it was started in (`hepti
-    emulate` starts each rank inside its device's), and the two /proc files it takes to find
-    them were half of `available_memory`'s 2 ms, which `hepti serve --replan on` pays on every
-    rank after every batch, 10 ms on a 0.2-core device."""
-    return tuple([(f"{d}/memory.max", f"{d}/memory.current") for d in cgroup_dirs("")]
-                 + [(f"{d}/memory.limit_in_bytes", f"{d}/memory.usage_in_bytes")
-                    for d in cgroup_dirs("memory")])
-
-
-def memory_limit(**paths) -> int | None:
-    """The tightest memory limit (bytes) on this process's cgroup or its ancestors; None if none."""
-    limits = [_read_int(f"{d}/memory.max") for d in cgroup_dirs("", **paths)]
-    limits += [_read_int(f"{d}/memory.limit_in_bytes") for d in cgroup_dirs("memory", **paths)]
-    limits = [x for x in limits if x is not None and x < (1 << 60)]  # v1 says "no limit" with ~2^63
-    return min(limits) if limits else None
-
-
-def cpu_limit(**paths) -> tuple[float | None, float | None]:
-    """(cores, CFS period in seconds) of the tightest CPU quota on this process's cgroup or its
-    ancestors (cgroup v1 cpu.cfs_quota_us / cpu.cfs_period_us, v2 cpu.max); (None, None) if none."""
-    found = []
-    for d in cgroup_dirs("", **paths):
-        try:
-            quota, period = Path(f"{d}/cpu.max").read_text().split()[:2]
-        except (OSError, ValueError):
-            continue
-        if quota.isdigit() and period.isdigit() and int(period) > 0:
-            found.append((int(quota) / int(period), int(period) / 1e6))
-    for d in cgroup_dirs("cpu", **paths):
-        quota, period = _read_int(f"{d}/cpu.cfs_quota_us"), _read_int(f"{d}/cpu.cfs_period_us")
-        if quota is not None and period:  # a quota of -1 (none) is not read as a number
-            found.append((quota / period, period / 1e6))
-    return min(found) if found else (None, None)
-
-
 def resource_limits() -> dict:
     """This rank's caps as its own cgroups set them, and its emulated device (spec name, CPU
     share, memory cap, link rate now) when it runs under `hepti emulate`: what makes two
     clusters with the same host names differ (the profile cache's key, and a record in the
     profile)."""
-    from hepti.emulate.state import current_device, read_state
     cores, period = cpu_limit()
     out = {"cpu_cores": None if cores is None else round(cores, 4),
            "cpu_period_s": period, "mem_limit_bytes": memory_limit()}
@@ -617,15 +462,6 @@ def resource_limits() -> dict:
                            **{k: device.get(k) for k in ("name", "cpu", "mem_bytes", "link_mbit")}}
     return out
 
-
-def _rss_bytes() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 # --- links -----------------------------------------------------------------------------------
@@ -647,9 +483,8 @@ def fit_link(points: list[tuple[float, float]]) -> tuple[float, float]:
 def ping_pong(comm, peer: int, nbytes: int, reps: int) -> float:
     """Median one-way seconds (half the round trip) of nbytes between rank 0 and `peer`, as
     timed by rank 0; both must call it. The first round trip is a warm-up."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
-    from hepti.parallel.comm import wait
     buf = np.zeros(max(nbytes, 1), np.uint8)
     rank = comm.Get_rank()
     times = []
@@ -690,9 +525,8 @@ def measure_collectives(comm, reps: int = 15, long_reps: int = 5) -> dict:
     a line through ~0 (measured, 2-4 ranks, 0.26-3.1 MB a port). Each call starts after a
     barrier, as ranks sleep between tests of their requests on a capped device, and counts
     until the last of the k has it. All ranks call it; an empty dict on one rank."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
-    from hepti.parallel.comm import Comm, wait
     size, rank = comm.Get_size(), comm.Get_rank()
     out = {}
     if size == 1:
@@ -748,7 +582,6 @@ def _barrier(comm) -> None:
     """A barrier that waits as the runtime waits (`hepti.parallel.comm.wait`: asleep on a
     CPU-capped rank). MPICH's blocking barrier spins: a rank done measuring early would burn its
     quota and, sharing a CPU with a rank still measuring, evict that rank's caches."""
-    from hepti.parallel.comm import wait
     wait(comm.Ibarrier())
 
 
@@ -757,7 +590,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
                     disk: bool = True) -> dict:
     """Measure every rank (all ranks call this) -> the same profile dict on every rank."""
     comm = getattr(comm, "mpi", comm)  # a hepti Comm or an mpi4py communicator
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
     t_start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
     M = batch * seq_len
@@ -826,7 +659,6 @@ def measure_cnn_ops(model, h: int, w: int, batch: int = 1, rounds: int = 5) -> l
     """Seconds of each op of a CNN (hepti.model.cnn.CNNModel) over the whole h x w map, batch
     `batch`: the median of `rounds` forwards after a warm-up, each op timed alone (stretched as
     one unit of work on an emulated device, as the runtime's compute spans are)."""
-    from hepti.model.cnn import apply
     g = model.graph
     g.shapes(h, w)
     run = _stretch.wrap(apply) if _stretch.ON else apply
@@ -852,7 +684,6 @@ def measure_layout_rate(rounds: int = 9) -> float:
     `lay_out_channels`, what every member of a split by channels does after each op's
     allgather), as the device pays them (stretched on an emulated one): ResNet-50's 14x14x1024
     map from two halves, 0.8 MB."""
-    from hepti.parallel.bands import lay_out_channels
     shape, per = (1, 14, 14, 1024), [512, 512]
     flat = np.random.default_rng(6).standard_normal(14 * 14 * 1024, dtype=np.float32)
     run = _stretch.wrap(lay_out_channels) if _stretch.ON else lay_out_channels
@@ -873,7 +704,6 @@ class _Unsent:
     size, rank = 2, 0
 
     def __init__(self):
-        from hepti.parallel.trace import Tracer
         self.tracer = Tracer(0)
 
     def bcast_obj(self, obj):
@@ -924,11 +754,6 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
     four devices, fastest first), and natively 1.1-1.3 times (a map made long before, or on
     another core, is read from further away than the whole-map forward's just-made one);
     GenEFlow's plans that give the slow devices small bands ran 30-60% over their prediction."""
-    from hepti.counts import counts
-    from hepti.graph.cnn import CONV
-    from hepti.graph.split import Split, spatial_ops
-    from hepti.model.cnn import Weights
-    from hepti.parallel.bands import BandExecutor
     g = model.graph
     shapes = g.shapes(h, w)
     n = spatial_ops(g)
@@ -986,7 +811,6 @@ def stream_fit(stream: list, graph) -> tuple[float, float]:
     forward 394-583, 282-368, 140-223 and 66-156 (2026-11-27); GenEFlow's 2-device plan at a
     50% cap, 19 of its 48 groups streamed, ran 27% over its prediction on the lone timing,
     its streamed groups at 1.3-2.7 times their modelled compute, and -7% to +7% on this."""
-    from hepti.graph.cnn import CONV
     row = graph.row_bytes()
     pts = [(row[op.name] * op.cout, t) for op, t in zip(graph.ops, stream or ())
            if op.kind == CONV and t is not None]
@@ -1102,10 +926,8 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     link to rank 0. `power`: declared (compute W, transmit W) per rank, for the energy
     objective; nothing measures power here. `band_min_s`: `measure_band_costs`' `min_s`."""
     comm = getattr(comm, "mpi", comm)
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
-    from hepti.graph.cnn import CONV
-    from hepti.model.cnn import CNNModel
     t_start = time.perf_counter()
     rank = comm.Get_rank()
     model = CNNModel.from_store(store, threads)
@@ -1186,12 +1008,8 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
     the bucket refill, and the collective then passes partly at veth speed: timed that way
     alone, Allgatherv came out 15-20% faster than back to back, and emulated `tensor` plans
     were predicted faster than they ran."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
-    from hepti import kernels as K
-    from hepti.counts import counts as split, offsets
-    from hepti.plan.costmodel import Collective, collective_times
-    from hepti.parallel.comm import Comm
     size, rank = comm.Get_size(), comm.Get_rank()
     C, F = config.hidden_size, config.intermediate_size
     rc = split(rows, [1.0] * size)

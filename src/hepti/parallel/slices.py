@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hepti import kernels as K
-from hepti.graph.ir import BY_COLS, Graph
+from hepti.graph.ir import BY_COLS, Graph, ON_PRIMARY
 
 
 def _f32(a) -> np.ndarray:
@@ -58,6 +58,5 @@ class LayerSlice:
 def outside_layers(graph: Graph, store) -> "LayerSlice":
     """The weights of the operators before and after the layers that every rank may run (not
     the primary's own, which its family code reads): read whole from the store."""
-    from hepti.graph.ir import ON_PRIMARY
     ops = [op for op in graph.prologue + graph.epilogue if ON_PRIMARY not in op.splits]
     return LayerSlice.pack(graph, -1, {w: store.read(w) for op in ops for w in op.weights}, ops)

@@ -51,6 +51,8 @@ import socket
 import sys
 import threading
 import time
+import fcntl
+import struct
 
 log = logging.getLogger("hepti")
 
@@ -188,8 +190,6 @@ def program() -> list[str]:
 
 def local_addresses() -> list[str]:
     """This host's IPv4 addresses, loopback last (Linux: SIOCGIFADDR per interface)."""
-    import fcntl
-    import struct
     found = []
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

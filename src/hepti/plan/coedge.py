@@ -64,9 +64,12 @@ import numpy as np
 
 from hepti.counts import counts
 from hepti.errors import PlanError
-from hepti.graph.cnn import ADAPTIVE_AVG, CONV, F32, LINEAR, Graph
-from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, first_holders, hold,
-                               needs, out_channels, owned, spatial_ops)
+from hepti.graph.cnn import ADAPTIVE_AVG, CONV, F32, Graph, LINEAR, build
+from hepti.graph.split import (Split, channel_needs, channel_slice, conv_rows, fetches,
+                               first_holders, hold, needs, out_channels, owned, spatial_ops)
+from hepti.graph.opdag import from_cnn
+from hepti.plan.order import executor_order
+from hepti.plan.planfile import Plan
 
 CNN_STRATEGIES = ("auto", "even", "proportional", "grid", "pipeline", "single")
 MAX_FUSE = 8  # ops in one fused group at most (deeper halos grow fast: DeepThings fuses ~4-16)
@@ -524,7 +527,6 @@ def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int 
     holders = first_holders(graph, h, P)  # as the executor's program walks them
     members = split.members()
     if split.streamed and any(split.streamed):  # each rank's weight rows, once
-        from hepti.graph.split import conv_rows
         rows = [conv_rows(graph, split, i, P) for i in range(P)]
     spread = costs.spread or [0.0] * P
     clocks = [(0.0, 0.0)] * P  # each rank's (mean, variance) of when it is done so far
@@ -580,8 +582,6 @@ def activation_peak(graph: Graph, h: int, w: int, n: int = 1) -> float:
     about its share of it (its bands; the halos are a few rows). It replaces the largest
     input + output of one op, which left out what stays live across an op: ResNet-50's block
     input or downsample, held while conv1 and conv2 run (4.8 MB against 7.2 MB at 224)."""
-    from hepti.graph.opdag import from_cnn
-    from hepti.plan.order import executor_order
     key = (id(graph), h, w, n)
     if _PEAKS.get(key, (None,))[0] is not graph:
         _PEAKS[key] = (graph, float(executor_order(from_cnn(graph, n, h, w)).peak_bytes))
@@ -596,7 +596,7 @@ def solve_ratios(graph: Graph, costs: CNNCosts, active: list[int], h: int, w: in
                  weight_bytes: list[float] | None = None) -> list[float] | None:
     """CoEdge's LP for the devices in `active` (rank order): each device's share of every
     map's rows, or None if infeasible (memory, or the deadline)."""
-    from scipy.optimize import linprog
+    from scipy.optimize import linprog  # local: start-up time (scipy.optimize)
     shapes = graph.shapes(h, w)
     per_row = row_seconds(costs, graph, w, n)
     L = spatial_ops(graph)
@@ -804,8 +804,6 @@ def make_cnn_plan(config, profile, strategy: str = "auto", objective: str = "lat
     those shares (one group per op) instead of solving; `power` declares (compute W, transmit
     W) per device for the energy objective; `fuse_depth` K fixes the fusion of "auto" (and of
     given ratios) to groups of K ops (0: all of them) instead of choosing it."""
-    from hepti.graph.cnn import build
-    from hepti.plan.planfile import Plan
     graph = build(config)
     costs = CNNCosts.from_profile(profile, graph)
     if power is not None:

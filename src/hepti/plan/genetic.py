@@ -68,10 +68,11 @@ from hepti.graph import lower
 from hepti.graph.encoder import family_graph
 from hepti.graph.ir import Graph
 from hepti.plan.costmodel import ACTIVE, MemTerm, Program, evaluate
-from hepti.plan.planfile import DIMS, Plan
+from hepti.plan.planfile import DIMS, Plan, parse_bytes
 from hepti.plan.profile import Profile
 from hepti.plan.search import Candidate, optimise, stream_budget
 from hepti.plan.workloads import with_overhead
+from hepti.plan.partition import _finish, _ms, make_plan, memory_caps
 
 ROWS, UNIT = "rows", "unit"  # a block's gene: token rows, or its own unit (heads, FFN columns)
 PENALTY = 10.0  # constraint-violation weight: latency x (1 + PENALTY x summed relative excess)
@@ -435,7 +436,6 @@ def genetic_search(cfg, profile: Profile, seq_len: int, batch: int = 1,
     """GenEFlow for `batch` inputs of `seq_len` tokens on the profiled devices, each rank's
     memory capped by its profile and `mem_budget` (bytes). `lp_plan`: the LP planner's plan
     under the same caps (made here if not given). Raises PlanError if no plan fits."""
-    from hepti.plan.partition import make_plan, memory_caps
     t0 = time.perf_counter()
     graph = family_graph(cfg, batch, seq_len)
     caps = memory_caps(profile, mem_budget)
@@ -499,7 +499,6 @@ def single_device_peak(cfg, profile: Profile, seq_len: int, batch: int = 1) -> f
 def parse_mem_cap(text: str, peak) -> float:
     """`--mem-cap`: a size ("300MiB", "4e8") or a percentage of the single-device peak
     ("75%": `peak()`, called only then), as bytes every rank may use at most."""
-    from hepti.parallel.engine import parse_bytes
     t = str(text).strip()
     if t.endswith("%"):
         try:
@@ -550,7 +549,6 @@ def make_genetic_plan(cfg, profile: Profile, seq_len: int, batch: int = 1,
     `predicted["genetic"]` and in the explanation. Returns the LP's plan itself where the LP's
     is faster (it moved the primary, which the genes cannot express). `lp_plan`: the LP's plan
     for the same caps, if already made (a benchmark's seeds share it)."""
-    from hepti.plan.partition import _finish, _ms, memory_caps
     res = genetic_search(cfg, profile, seq_len, batch, mem_budget, seed, copy.deepcopy(lp_plan),
                          **settings)
     lp_plan = res.settings.pop("lp_plan")

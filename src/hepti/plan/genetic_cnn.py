@@ -50,10 +50,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from hepti.errors import PlanError
-from hepti.graph.cnn import F32
+from hepti.graph.cnn import F32, build
 from hepti.graph.split import (Split, channel_needs, conv_rows, head_rows, needs,
                                out_channels, spatial_ops, streamed_convs)
 from hepti.plan.genetic import DEFAULTS, PENALTY, Evolution
+from hepti.counts import counts
+from hepti.plan.coedge import CNNCosts, MAX_FUSE, fixed_groups, plan_cnn, predict
+from hepti.plan.planfile import Plan
 
 SHARE_FLOOR = 0.02  # a share below this is rounded to 0 (coedge.MIN_SHARE's band of a few rows)
 
@@ -145,7 +148,6 @@ def channel_split(graph, costs, h: int, w: int, n: int, caps: list[float]) -> Sp
     the head by columns, in shares proportional to each device's speed (its time for the
     whole net), moved off any device over its cap (`band_memory`) onto the others in the
     same proportions; None if no such shares fit. (What `tensor` is to an encoder.)"""
-    from hepti.graph.split import spatial_ops
     L = spatial_ops(graph)
     speed = np.array([1.0 / sum(t) for t in costs.op_s])
     r = speed / speed.sum()
@@ -188,7 +190,6 @@ class CNNSearch(Evolution):
                  crossover: float = DEFAULTS["crossover"], mutation: float = DEFAULTS["mutation"],
                  tournament: int = DEFAULTS["tournament"], elite: int = DEFAULTS["elite"],
                  random_seeds: int = DEFAULTS["random_seeds"]):
-        from hepti.plan.coedge import MAX_FUSE
         self.graph, self.costs, self.h, self.w, self.n, self.caps = graph, costs, h, w, n, caps
         self.L, self.P, self.max_fuse = spatial_ops(graph), costs.size, MAX_FUSE
         self.settings = dict(seed=seed, population=population, generations=generations,
@@ -198,7 +199,6 @@ class CNNSearch(Evolution):
         self._scores: dict[CNNGenome, tuple[float, float, dict]] = {}
 
     def score(self, g: CNNGenome) -> tuple[float, float, dict]:
-        from hepti.plan.coedge import predict
         if g not in self._scores:
             split = g.split()
             pred = predict(self.graph, split, self.costs, self.h, self.w, self.n)
@@ -373,7 +373,6 @@ def genetic_cnn_search(graph, costs, h: int, w: int, n: int, caps: list[float], 
                        **settings) -> tuple[CNNGenome, dict, dict]:
     """GenEFlow on a CNN's graph and costs: (best feasible genome, its prediction, the run's
     account: settings, seed latencies, CoEdge's latency, history). PlanError if no split fits."""
-    from hepti.plan.coedge import fixed_groups, plan_cnn
     t0 = time.perf_counter()
     search = CNNSearch(graph, costs, h, w, n, caps, seed, **settings)
     seeds = {}
@@ -427,10 +426,6 @@ def make_genetic_cnn_plan(config, profile, mem_budget: float | None = None, seed
                           **settings):
     """`hepti plan --search genetic` for a CNN: a "bands" plan file, the search reported in
     `predicted["genetic"]` and the explanation. PlanError if no height split fits the caps."""
-    from hepti.counts import counts
-    from hepti.graph.cnn import build
-    from hepti.plan.coedge import CNNCosts
-    from hepti.plan.planfile import Plan
     graph = build(config)
     costs = CNNCosts.from_profile(profile, graph)
     h, w = size or (costs.h, costs.w)

@@ -25,7 +25,7 @@ module does the same in hepti's terms, its own way:
 
 The answer is the least peak under the restrictions still in force (groups that stayed
 groups, sequences unbroken), not a proof: `proven` comes from the peak meeting the lower
-bound (hepti.plan.order.lower_bounds), or from a last search that ended with no group left and
+bound (hepti.plan.order_search.lower_bounds), or from a last search that ended with no group left and
 no chain joined (then it was BTSearch over single operators, exact); `why` says what was fixed
 when neither holds.
 """
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 from hepti.plan.memory import Problem
-from hepti.plan.order import _bits, _Fast, ancestry, btsearch, lower_bounds, restrict, topological
+from hepti.plan.order_search import _bits, _Fast, ancestry, btsearch, lower_bounds, restrict, topological
 
 GROUP_MIN_PREDS = 3  # an operator with this many predecessors closes a cell
 GROUP_SEARCH_SECONDS = 2.0  # one group's inner search, per context

@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import math
 import time
+import re
 
 from hepti.config import ModelConfig
 from hepti.counts import counts as split_counts
@@ -429,8 +430,6 @@ def _moved_primary(plan: Plan, cfg: ModelConfig, profile: Profile, T: int, B: in
 def _renumbered(text: str, order: list[int]) -> str:
     """`text` with the rank numbers of the reordered devices ("rank 2", "ranks 1, 3 and 4")
     turned back into world ranks."""
-    import re
-
     def ranks(m):
         return m.group(1) + re.sub(r"\d+", lambda n: str(order[int(n.group())]), m.group(2))
     return re.sub(r"\b([Rr]anks? )(\d+(?:(?:, | and |-)\d+(?!\d| more))*)", ranks, text)

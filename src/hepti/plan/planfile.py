@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hepti.errors import PlanError
+from hepti.config import model_mismatch
 
 STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single", "bands", "mixed")
 DIMS = ("heads", "ffn", "rows")
@@ -131,7 +132,6 @@ class Plan:
     def check_model(self, config, source: str = "the plan") -> list[str]:
         """Raise PlanError unless this plan fits `config` (the model's shape, a pipeline's layer
         ranges); return warnings for what differs harmlessly."""
-        from hepti.config import model_mismatch
         why, fatal = model_mismatch(self.model, self.model_shape, config)
         remake = (f"make a plan for this model: hepti plan --model MODEL_DIR --profile "
                   f"PROFILE.json --strategy {self.strategy} --out PLAN.json")
@@ -203,6 +203,32 @@ def check_ratio_vector(vec, world_size: int, what: str) -> list[float]:
         raise PlanError(f"{what} {vals} is all zeros; at least one rank needs a positive share")
     s = sum(vals)
     return [v / s for v in vals]
+
+
+def parse_bytes(text: str | None, flag: str = "--mem-budget") -> int | None:
+    """'512MiB', '2GB', '1e9' -> bytes, which must be positive."""
+    if text is None:
+        return None
+    t = str(text).strip()
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
+    low = t.lower()
+    value = None
+    for u in sorted(units, key=len, reverse=True):
+        if low.endswith(u):
+            try:
+                value = int(float(low[: -len(u)]) * units[u])
+            except ValueError:
+                pass
+            break
+    if value is None:
+        try:
+            value = int(float(t))
+        except (ValueError, OverflowError):
+            raise PlanError(f"{flag} {text!r}: not a size; write e.g. 64MiB or 200000000") from None
+    if value <= 0:
+        raise PlanError(f"{flag} {text!r}: must be a positive size, e.g. 64MiB")
+    return value
 
 
 def parse_ratios(text: str, world_size: int) -> dict[str, list[float]]:

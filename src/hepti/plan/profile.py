@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hepti.errors import PlanError
+from hepti.config import model_mismatch
 
 SCHEMA_VERSION = 1
 SOURCES = ("measured", "declared")
@@ -189,7 +190,6 @@ class Profile:
         """Raise PlanError unless this profile was measured for `config`'s shape (its speed
         tables are by that model's GeMM sizes); declared profiles name no model and always fit.
         Returns warnings for what differs harmlessly."""
-        from hepti.config import model_mismatch
         why, fatal = model_mismatch(self.model, self.model_shape, config)
         if fatal:
             raise PlanError(f"{source} does not fit this model: {why}; measure this model: "

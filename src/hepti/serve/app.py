@@ -9,6 +9,11 @@ import sys
 import threading
 
 from hepti.errors import InputError
+from hepti.serve.http import make_server, serve_jsonl
+from hepti.serve.listen import listening_socket
+from hepti.serve.requests import Limits
+from hepti.serve.supervisor import Supervisor
+from hepti.weights import WeightStore
 
 log = logging.getLogger("hepti")
 API_KEY_ENV = "HEPTI_API_KEY"
@@ -60,7 +65,6 @@ def api_key(args) -> str | None:
 
 def check_args(args, key: str | None = None) -> None:
     """What would fail only once the workers run: say it now."""
-    from hepti.weights import WeightStore
     if not args.stall_floor >= 0:
         raise InputError(f"--stall-floor {args.stall_floor:g}: give the least seconds a batch "
                          "gets before a silent rank is declared lost, or 0 for never")
@@ -90,10 +94,6 @@ def _loopback(host: str) -> bool:
 
 
 def run(args) -> int:
-    from hepti.serve.http import make_server, serve_jsonl
-    from hepti.serve.listen import listening_socket
-    from hepti.serve.requests import Limits
-    from hepti.serve.supervisor import Supervisor
 
     key = api_key(args)
     check_args(args, key)

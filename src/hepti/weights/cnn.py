@@ -26,6 +26,7 @@ from hepti.config import CNN_ARCHS, CNNConfig
 from hepti.errors import WeightsError
 from hepti.graph.cnn import CONV, LINEAR, build
 from hepti.weights.writer import TensorSpec, write_model
+from hepti.weights.torchzip import read_torch_file
 
 BN_EPS = 1e-5  # torch.nn.BatchNorm2d's default, which torchvision's models keep
 # torchvision's IMAGENET1K_V1 transforms (ImageClassification(crop_size=224)), in the
@@ -71,7 +72,7 @@ def fold(config: CNNConfig, state: dict[str, np.ndarray]) -> dict[str, np.ndarra
             w = np.asarray(state[f"{op.name}.weight"], np.float32)
             b = np.asarray(state[f"{op.name}.bias"], np.float32) if op.bias else None
             if op.bn:
-                from hepti.kernels.conv import fold_batchnorm  # numpy only; no compile
+                from hepti.kernels.conv import fold_batchnorm  # local: start-up time (no numba to convert)
                 bn = [state[f"{op.bn}.{k}"] for k in ("weight", "bias", "running_mean",
                                                       "running_var")]
                 w, b = fold_batchnorm(w, b, *bn, BN_EPS)
@@ -128,7 +129,6 @@ def arch_of(path: Path) -> str:
 def convert_torch_file(path: str | Path, out: str | Path, *, overwrite: bool = False,
                        progress: bool = True, source: dict | None = None) -> Path:
     """torchvision's weights file (ImageNet, 1000 classes) -> a converted model in `out`."""
-    from hepti.weights.torchzip import read_torch_file
     path = Path(path)
     arch = arch_of(path)
     config = CNNConfig(arch=arch, name=path.stem.split("-")[0].replace("_", "-"))

@@ -50,6 +50,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from hepti.graph.cnn import build
+from hepti.graph.encoder import family_graph
+
 FFN_ROWS_PER_CHUNK = 16
 WHOLE_CHUNK_BYTES = 64 * 1024  # target chunk size of matrices that are read whole
 DTYPE = "float32"              # every stored tensor
@@ -66,7 +69,6 @@ def layer_name(i: int, local: str) -> str:
 def _graph(config):
     """The model's operator graph (hepti.graph): which tensors a family stores, their shapes,
     and which unit slices each, come from its operators' weights."""
-    from hepti.graph.encoder import family_graph
     return family_graph(config, 1, 1)
 
 
@@ -271,7 +273,6 @@ def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:
     A CNN's: its graph's (hepti.graph.cnn), BatchNorm folded into each conv.
     """
     if config.model_type == "cnn":
-        from hepti.graph.cnn import build
         return build(config).weights()
     g = _graph(config)
     shapes = {n: tuple(g.weights[n].shape) for n in embedding_tensors(config)}

@@ -37,6 +37,7 @@ from hepti.config import ModelConfig
 from hepti.errors import WeightsError
 from hepti.weights import layout
 from hepti.weights.index import FORMAT, FORMAT_VERSION, INDEX_NAME, is_model_dir, shard_name
+from hepti.weights.verify import file_sha256
 
 BLOCK_BYTES = 8 * 1024 * 1024  # rows handed to HDF5 per write (rounded to whole chunks)
 # HDF5 file-format bounds: 1.10 brings the compact fixed-array chunk index; files stay
@@ -229,7 +230,6 @@ def _write_tensor(h5: h5py.File, spec: TensorSpec, config: ModelConfig, bar: tqd
 
 def _sha256_and_sync(path: Path) -> str:
     """sha256 of a file, and fsync it so it survives a power cut once renamed into place."""
-    from hepti.weights.verify import file_sha256
     return file_sha256(path, fsync=True)
 
 
