@@ -259,7 +259,7 @@ def test_a_rank_reads_its_free_memory_at_most_every_mem_read_s(monkeypatch):
     from hepti.parallel import profiling
     from hepti.serve import worker as W
     reads, clock = [], [100.0]
-    monkeypatch.setattr(profiling, "available_memory", lambda: (reads.append(1) or 5e8, "test"))
+    monkeypatch.setattr(W, "available_memory", lambda: (reads.append(1) or 5e8, "test"))
     monkeypatch.setattr(W.time, "monotonic", lambda: clock[0])
     import types
     state = W._State(None, types.SimpleNamespace(config=None), None, None)
@@ -591,7 +591,7 @@ def test_spec_bytes_counts_every_kind_of_layer_spec():
     a stream window, and a GenEFlow plan's per-layer ranges."""
     from hepti.config import preset_config
     from hepti.model.sizes import layer_slice_bytes
-    from hepti.serve.worker import spec_bytes
+    from hepti.model.sizes import spec_bytes
     cfg = preset_config("bert-base")
     one = layer_slice_bytes(cfg, 12, 3072)
     assert spec_bytes(cfg, ("resident", (0, 12), (0, 3072), (0, 12))) == 12 * one

@@ -499,14 +499,14 @@ def cmd_convert(args) -> int:
         if args.from_package:
             pth = cnn.find_package_pth(args.from_package, required=False)
             if pth is None:
-                from hepti.weights.gguf import find_package_gguf
+                from hepti.weights.gguf import find_package_gguf  # local: start-up time, as above
                 gguf_file = find_package_gguf(args.from_package)
         elif not args.from_package and Path(args.src).suffix in (".pth", ".pt"):
             pth = Path(args.src)
         elif Path(args.src).suffix == ".gguf":
             gguf_file = Path(args.src)
         if gguf_file is not None:
-            from hepti.weights.gguf import convert_gguf, convert_gguf_package
+            from hepti.weights.gguf import convert_gguf, convert_gguf_package  # local: start-up
             if args.from_package:
                 convert_gguf_package(out, args.from_package, gguf_file, **kw)
             else:

@@ -33,16 +33,23 @@ job (weights read and packed), a first and a second batch.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+from hepti.bench import mpiexec
+from hepti.bench.adapt import served_run
+from hepti.serve.supervisor import Supervisor
 
 TEXTS = ["A cat sat.", "A dog sat on the mat, and then it slept for a very long time indeed.",
          "hello", "Edge devices differ in speed, memory and link."]
@@ -65,8 +72,6 @@ def _mono(wall: float) -> float:
 
 
 def one_run(model: str, ranks: int, spare: bool, settle_s: float = 3.0) -> dict:
-    import inspect
-    from hepti.serve.supervisor import Supervisor
     # a tree from before the spare (run this file with its src on PYTHONPATH): `fresh` only
     kw = {"spare": spare} if "spare" in inspect.signature(Supervisor).parameters else {}
     sup = Supervisor(model, ranks, worker_args=["--strategy", "tensor"], **kw).start()
@@ -177,7 +182,6 @@ def readmit_figures(requests: list[tuple[float, float]], launches: list[dict],
 def readmit_run(model: str, ranks: int, settle_s: float = 3.0, after_s: float = 8.0) -> dict:
     """One service in this process: SIGSTOP of rank 1, then two closed-loop clients until the
     device is back and the job with it has served `after_s`; `readmit_figures` of it."""
-    from hepti.serve.supervisor import Supervisor
     sup = Supervisor(model, ranks, worker_args=["--strategy", "tensor"]).start()
     stop_clients, stop_load = threading.Event(), threading.Event()
     requests: list[tuple[float, float]] = []
@@ -231,7 +235,6 @@ def readmit_run(model: str, ranks: int, settle_s: float = 3.0, after_s: float = 
 def readmit_spec_run(spec: str, model: str, seq: int, duration: float, log_path: Path) -> dict:
     """One `hepti emulate` launch of `spec` under hepti.bench.adapt's closed-loop client (its
     `adaptive` variant's service: `--strategy auto --replan on`); `readmit_figures` of it."""
-    from hepti.bench.adapt import served_run
     n = len(json.loads(Path(spec).read_text())["devices"])
     stop_load, loads = threading.Event(), []
     threading.Thread(target=_load_sampler, args=(stop_load, loads), daemon=True).start()
@@ -252,16 +255,16 @@ def _stages(model: str) -> None:
     """Under `mpiexec -n 1`: the worker's start, step by step (see the module's docstring)."""
     t0 = float(os.environ["HEPTI_STAGES_T0"])
     marks = [("python+numpy", time.time(), time.process_time())]  # numpy: imported above
-    import numba  # noqa: F401 - timed
+    import numba  # noqa: F401 - local: timed, the stage this mark measures
     marks.append(("numba", time.time(), time.process_time()))
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: timed; and it starts MPI
     marks.append(("mpi4py", time.time(), time.process_time()))
-    from hepti.model.family import load_kernels
-    from hepti.parallel.comm import Comm
-    from hepti.parallel.engine import Job, resolve_plan
-    from hepti.parallel.trace import Tracer
-    from hepti.serve.worker import make_batch, parse_args
-    from hepti.weights import WeightStore
+    from hepti.model.family import load_kernels  # local: timed, as the ones below
+    from hepti.parallel.comm import Comm  # local: timed
+    from hepti.parallel.engine import Job, resolve_plan  # local: timed
+    from hepti.parallel.trace import Tracer  # local: timed
+    from hepti.serve.worker import make_batch, parse_args  # local: timed
+    from hepti.weights import WeightStore  # local: timed
     marks.append(("hepti", time.time(), time.process_time()))
     args = parse_args(["--model", model, "--strategy", "tensor"])
     world = Comm(MPI.COMM_WORLD, Tracer(0))
@@ -282,9 +285,6 @@ def _stages(model: str) -> None:
 
 
 def stages(model: str, runs: int) -> dict:
-    import subprocess
-    import sys
-    from hepti.bench import mpiexec
     out = []
     for _ in range(runs):
         env = dict(os.environ, HEPTI_STAGES_T0=repr(time.time()))

@@ -37,6 +37,7 @@ who is not root sees only their own processes, so only their own files are consi
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -210,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m hepti.emulate.jobfiles snapshot FILE`, then `... sweep [--since FILE]`: the
     same around jobs that no hepti launcher starts (bin/test's distributed tests, a script's
     own mpiexec). Prints a line per file removed."""
-    import argparse
     ap = argparse.ArgumentParser(prog="python -m hepti.emulate.jobfiles", description=main.__doc__)
     sub = ap.add_subparsers(dest="verb", required=True)
     sub.add_parser("snapshot").add_argument("file")

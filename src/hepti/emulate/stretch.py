@@ -43,6 +43,8 @@ import os
 import threading
 import time
 
+from hepti.emulate.state import current_device, read_state
+
 ENV = "HEPTI_EMULATE_STRETCH"  # "0": the quota alone; else stretch (quota = GUARD x share)
 DEVICE_ENV, STATE_ENV = "HEPTI_EMULATE_DEVICE", "HEPTI_EMULATE_STATE"  # hepti.emulate.state's
 # The launcher's CPU quota is GUARD x share when the stretch is on. It was 1.25: then a rank
@@ -134,7 +136,6 @@ def _poll(now: float) -> None:
     if mt is None or mt == _state_mtime:
         return
     _state_mtime = mt
-    from hepti.emulate.state import read_state
     state = read_state(_state_path)
     try:
         cpu = float(state["devices"][_device]["cpu"])
@@ -242,7 +243,6 @@ def _from_environment() -> None:
     index, path = os.environ.get(DEVICE_ENV), os.environ.get(STATE_ENV)
     if not index or not path or not index.isdigit() or not stretch_wanted():
         return
-    from hepti.emulate.state import current_device, read_state
     device = current_device(read_state(path))
     if device is None or not device.get("cpu"):
         return

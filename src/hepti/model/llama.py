@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from hepti import kernels as K
 from hepti.errors import ConfigError, InputError
 
 F32_MIN = np.float32(np.finfo(np.float32).min)  # a masked score: exp() of it minus the max is 0
@@ -176,14 +177,12 @@ class LlamaModel:
         """A weight ready for `_mm`: packed for the GeMM kernel, or as numpy's [K, N] view."""
         w = np.ascontiguousarray(w, np.float32)
         if self.kernels:
-            from hepti import kernels as K
             return K.pack_b(w, trans=not stored_kn)
         return w if stored_kn else w.T
 
     def _mm(self, x: np.ndarray, w, residual: np.ndarray | None = None) -> np.ndarray:
         """x [T, K] @ W [K, N] (+ residual [T, N])."""
         if self.kernels:
-            from hepti import kernels as K
             return K.gemm(np.ascontiguousarray(x), w, residual=residual)
         y = x @ w
         return y if residual is None else y + residual
@@ -238,7 +237,6 @@ class LlamaModel:
         s[:, :, np.arange(n)[None, :] > (p0 + np.arange(T))[:, None]] = F32_MIN  # causal
         s = s.reshape(KV * G * T, n)
         if self.kernels:
-            from hepti import kernels as K
             K.softmax_rows(s, out=s)
         else:
             s = np.exp(s - s.max(axis=-1, keepdims=True))

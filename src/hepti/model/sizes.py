@@ -50,3 +50,15 @@ def model_bytes(cfg) -> int:
     rest = _names([op for op in g.prologue + g.epilogue if ON_PRIMARY not in op.splits])
     return (embedding_bytes(cfg) + cfg.num_hidden_layers * layer_bytes(cfg)
             + F32 * sum(g.weights[n].elements for n in rest))
+
+
+def spec_bytes(cfg, spec) -> float:
+    """The bytes of a layer_spec's weights (hepti.parallel.engine.layer_spec): a stream
+    spec's window of layers, or the resident layers' slices."""
+    if spec is None:
+        return 0.0
+    kind, heads, ffn, extra = spec
+    if kind == "layers":  # each layer its own (heads, ffn) ranges (a GenEFlow plan)
+        return float(sum(layer_slice_bytes(cfg, h[1] - h[0], f[1] - f[0]) for h, f in heads))
+    layers = extra if kind == "stream" else extra[1] - extra[0]
+    return float(layer_slice_bytes(cfg, heads[1] - heads[0], ffn[1] - ffn[0]) * layers)

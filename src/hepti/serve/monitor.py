@@ -53,6 +53,9 @@ import math
 import statistics
 from collections import OrderedDict
 
+from hepti.plan.partition import make_plan
+from hepti.plan.profile import SpeedTable
+
 DELTA = 0.10  # residual drift allowed (log): 10%, or 2.5 sigma of the series if that is more
 LAMBDA = 0.40  # CUSUM alarm threshold (log), or 6 sigma of the series if that is more
 BASELINE_N = 6  # residuals that set a series' baseline and noise after a (re)start
@@ -337,7 +340,6 @@ def swinging(xs: list[float], span: float = SWING_RANGE) -> bool:
 
 def predict(cfg, profile, plan, B: int, T: int):
     """`plan`'s shares evaluated on `profile` at this shape: a Plan with `predicted`."""
-    from hepti.plan.partition import make_plan
     s = plan.strategy
     if s == "single":
         return make_plan(cfg, profile, T, B, strategy="single")
@@ -351,7 +353,6 @@ def predict(cfg, profile, plan, B: int, T: int):
 
 def scaled_speed(profile, rank: int, factor: float):
     """The profile with rank's compute `factor` times slower (gemm, attention, elementwise)."""
-    from hepti.plan.profile import SpeedTable
     devs = list(profile.devices)
     d = devs[rank]
 

@@ -6,6 +6,9 @@ cross without base64 or pickling: nothing read from the socket is ever unpickled
 listens; rank 0 connects, and its first frame (`hello`) carries the shared secret the front end
 gave it in its environment (HEPTI_SERVE_TOKEN), so no other process on the network can attach
 itself as the workers.
+
+The figures both sides use live here too (the link probes' sizes, the beat's period), so the
+front end never imports the workers' module, which loads the kernels and the job.
 """
 from __future__ import annotations
 
@@ -14,6 +17,18 @@ import socket
 import struct
 
 import numpy as np
+
+# (bytes, round trips). The bandwidth comes from the two largest: a shaped link (a switch port)
+# passes a burst at line rate, so small messages alone read a 940 Mbit/s link as 1.3-2.4 Gbit/s.
+# About 0.25 s per link at 100 Mbit/s.
+PROBE_SIZES = ((1024, 5), (262144, 2), (1048576, 2))
+# A check that a slow link came back (hepti.serve.replan): ~50 ms at 100 Mbit/s. Its
+# bandwidth reads high on a shaped link (a burst passes at line rate), so a link that looks
+# restored is probed again with PROBE_SIZES before the plan uses the figure.
+CHECK_SIZES = ((1024, 3), (262144, 1))
+# How often each rank beats on its watch line (`_Heartbeat`); the front end calls a rank late
+# after hepti.serve.supervisor.LATE_AFTER_S without one. A beat is ~80 bytes.
+BEAT_EVERY_S = 0.5
 
 CONTROL_ENV = "HEPTI_SERVE_CONTROL"  # host:port of the front end's channel, for rank 0
 TOKEN_ENV = "HEPTI_SERVE_TOKEN"  # the secret rank 0 must present in its hello

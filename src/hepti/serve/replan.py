@@ -34,9 +34,15 @@ import math
 import statistics
 import time
 
+from hepti.errors import PlanError
+from hepti.model.sizes import spec_bytes
+from hepti.parallel.engine import layer_spec
+from hepti.plan.partition import make_plan
+from hepti.plan.planfile import Plan
+from hepti.plan.profile import profile_from_dict
 from hepti.serve.monitor import (COMM_LAMBDA, IDLE_MOVE, MIN_TRANSFER_S, SKIP_N, SMALL_STEP,
-                                 SWING_RANGE,
-                                 Monitor, predict, scaled_speed, with_links)
+                                 SWING_RANGE, Alarm, Monitor, predict, scaled_speed, with_links)
+from hepti.serve.protocol import CHECK_SIZES
 
 log = logging.getLogger("hepti")
 HORIZON_S = 10.0  # conditions are assumed to hold this long after a change
@@ -132,8 +138,6 @@ def _links_again(links: dict) -> str:
 
 class PlanWatcher:
     def __init__(self, sup, profile: dict):
-        from hepti.plan.planfile import Plan
-        from hepti.plan.profile import profile_from_dict
         self.sup = sup
         self.cfg = sup.config
         # the profile is always the measured one with what serving has learnt applied: each
@@ -355,7 +359,6 @@ class PlanWatcher:
         burst on the host they share) then leaves their relative speeds, and so the plan, as
         they were: bench-adapt --quiet at 2618843 saw ranks 1 and 2 at 1.43x and 1.35x, and
         switched on rank 2's alarm alone."""
-        from hepti.serve.monitor import Alarm
         alarmed = {a.rank for a in alarms}
         out = []
         for r, c in sorted(self.monitor.compute.items()):
@@ -438,7 +441,6 @@ class PlanWatcher:
         """The links the plan takes as slower than profiled that read their profiled rate
         again: each checked with a light probe (CHECK_SIZES), those back probed in full;
         {rank: link} of those."""
-        from hepti.serve.worker import CHECK_SIZES
         self.last_link_check = time.monotonic()
         slow = [r for r, v in self.links.items()
                 if v["bandwidth_Bps"] < self.base.devices[int(r)].bandwidth_Bps / (1 + MOVED)
@@ -555,7 +557,6 @@ class PlanWatcher:
     def _held_bytes(self, r: int) -> float:
         """The weights rank r keeps beside its plan (`held`: a previous plan's, or the whole
         model as an idle rank's standby copy)."""
-        from hepti.serve.worker import spec_bytes
         return spec_bytes(self.cfg, self.held[r])
 
     def _over_memory(self, shape) -> list[int]:
@@ -573,7 +574,6 @@ class PlanWatcher:
         reading, and a link the plan takes as slow that reads faster (it may be back), probed
         in full first. Reading every link "moved" from a high reading cost 26760b9's run
         0.82 s at the 20 s event. {"links": {rank: link}, "checked": every light reading}."""
-        from hepti.serve.worker import CHECK_SIZES
         others = [r for r in range(self.profile.world_size) if r != 0]
         light = self.sup.command(sock, {"op": "probe", "ranks": others, "sizes": CHECK_SIZES})
         slower, back = {}, []
@@ -595,7 +595,6 @@ class PlanWatcher:
         CHECK_SIZES (~50 ms a link at 100 Mbit/s against ~0.25 s): a flap's burst probes after
         each of FLAP_PROBES batches, and a false swing's burst (26760b9's run, under the
         slow link) cost 0.73 s in each of 4 requests with full probes."""
-        from hepti.serve.worker import CHECK_SIZES
         header = {"op": "probe", "ranks": [r for r in range(self.profile.world_size) if r != 0]}
         if light:
             header["sizes"] = CHECK_SIZES
@@ -646,8 +645,6 @@ class PlanWatcher:
     def _decide(self, sock, event: dict, must: list[int] | None = None) -> None:
         """Re-solve on the re-fitted profile and switch if it pays (or, `must`: ranks the
         current plan overfills, if the new plan differs at all)."""
-        from hepti.errors import PlanError
-        from hepti.plan.partition import make_plan
         self.verifying = None  # a decision anew: the plan it leaves in force is checked anew
         B = int(statistics.median(s[0] for s in self.shapes))
         T = int(statistics.median(s[1] for s in self.shapes))
@@ -884,8 +881,6 @@ class PlanWatcher:
     def _load_seconds(self, plan) -> float:
         """The slowest rank's time to read and pack its new slices for `plan` (0 for a rank
         whose slices stay, or that still holds them from the plan before: `layer_spec`)."""
-        from hepti.parallel.engine import layer_spec
-        from hepti.serve.worker import spec_bytes
         cfg, worst = self.cfg, 0.0
         for r, dev in enumerate(self.base.devices):
             new, old = layer_spec(plan, cfg, r), layer_spec(self.plan, cfg, r)
@@ -905,8 +900,6 @@ class PlanWatcher:
         1.09 s a request and measured 3.5 s (rolled back); barred, the service stayed on the
         plan made for node-b at full speed (1.8 s), where a fresh profile's `rows` plan ran
         0.94 s."""
-        from hepti.errors import PlanError
-        from hepti.plan.partition import make_plan
         if self.strategy != "auto":
             return None
         found = None

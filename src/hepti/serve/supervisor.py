@@ -78,12 +78,17 @@ from pathlib import Path
 import numpy as np
 
 from hepti.emulate import jobfiles
-from hepti.emulate.command import die_with_parent
+from hepti.emulate.command import die_with_parent, find_mpiexec
+from hepti.model.sizes import model_bytes
+from hepti.plan.planfile import Plan
+from hepti.resources import available_memory
 from hepti.serve import ServiceUnavailable, protocol
+from hepti.serve.replan import MEM_HEADROOM, PlanWatcher
 from hepti.serve.stall import (ADMIT_START_FACTOR, ADMIT_START_MIN_S, END_GRACE_S, PROBE_EVERY_S,
                                RANK_RUNTIME_BYTES, SERVE_BEFORE_ADMIT_S, STALL_FLOOR_S,
                                DeviceBench, Phase, expected_batch_s, hung_ranks, kill_if_ours,
                                mem_total, phase_deadline, probe_device, rank_rss)
+from hepti.weights import WeightStore
 
 log = logging.getLogger("hepti")
 MAX_FAILED_STARTS = 2  # launches in a row that never said hello before the service gives up
@@ -225,7 +230,6 @@ class Supervisor:
                  request_timeout_s: float = 600.0, replan: bool = False,
                  replan_ab: int | None = None, stall_floor_s: float = STALL_FLOOR_S,
                  spare: bool = True):
-        from hepti.weights import WeightStore
         self.model_dir = Path(model_dir)
         cfg = WeightStore(self.model_dir).config
         self.config = cfg
@@ -420,7 +424,6 @@ class Supervisor:
         """Serve on `plan` (a plan file's JSON) from a batch boundary on, as a re-plan would:
         each rank loads its new slices beside the serving plan, then all switch together.
         Needs the re-planner (replan=True)."""
-        from hepti.plan.planfile import Plan
         if self.watcher is None:
             raise RuntimeError("switch_plan needs the workers up with replan=True")
         self.watcher.requested = Plan.from_dict(plan).validate(len(self.ranks))
@@ -463,7 +466,6 @@ class Supervisor:
 
     def _command(self, n: int, entries: list[tuple[str, int]] | None, args: list[str],
                  tag: str) -> list[str]:
-        from hepti.emulate.command import find_mpiexec
         cmd = [find_mpiexec(), "-n", str(n)]
         if entries is not None:
             path = Path(self._tmp.name) / f"hostfile-{tag}"
@@ -632,7 +634,6 @@ class Supervisor:
             self._per_token.clear()  # another world: other seconds per token
             self._set_phase("idle")
         if self.replan and hello.get("profile"):
-            from hepti.serve.replan import PlanWatcher
             self.watcher = PlanWatcher(self, hello["profile"])
         launch = self.launches[-1]
         launch.update(ready_s=(job.hello_at or time.time()) - launch["started_at"],
@@ -1118,13 +1119,10 @@ class Supervisor:
         hostfile), this machine's available memory, read here; with a hostfile, the free
         memory its ranks report with each batch (the re-planner's `free_seen`: --replan on),
         and with no report (--replan off, or none yet) it is not started ahead."""
-        from hepti.model.sizes import model_bytes
-        from hepti.serve.replan import MEM_HEADROOM
         rss = [rank_rss(r.get("pid"), self._token) for r in self.ranks]
         held = max([x for x in rss if x is not None], default=RANK_RUNTIME_BYTES)
         per_rank = model_bytes(self.config) + held
         if entries is None:  # this machine is every rank's device, of both jobs
-            from hepti.parallel.profiling import available_memory
             free, total = float(available_memory()[0]), mem_total()
             need = n * per_rank + MEM_HEADROOM * total
             if free < need:
@@ -1508,7 +1506,7 @@ def _load_tokenizer(path: Path):
     truncation: the request checks decide), or None when the model has none."""
     if not path.exists():
         return None
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # local: only a model with a tokenizer.json needs it
     tok = Tokenizer.from_file(str(path))
     tok.no_padding()
     tok.no_truncation()

@@ -25,24 +25,28 @@ import sys
 import threading
 import time
 
+import numba
 import numpy as np
 
+from hepti.graph.encoder import family_graph
+from hepti.inputs import Batch
+from hepti.model.pooling import pool
+from hepti.model.sizes import layer_slice_bytes, spec_bytes
+from hepti.parallel.comm import Comm
+from hepti.parallel.engine import (Job, agree, build_layers, get_profile, layer_spec,
+                                   needs_planner, plan_with_profile, resolve_plan, run_guarded_fn)
+from hepti.parallel.layers import ResidentLayers, slice_packer
+from hepti.parallel.profiling import (SpeedProbe, _return_freed_memory, available_memory, fit_link,
+                                      measure_probe, ping_pong)
+from hepti.parallel.trace import Tracer
+from hepti.plan.planfile import Plan
 from hepti.serve import protocol
+from hepti.serve.protocol import BEAT_EVERY_S, CHECK_SIZES, PROBE_SIZES
+from hepti.weights import WeightStore
 
 OP_STOP, OP_BATCH, OP_PROBE, OP_PREPARE, OP_SWITCH = 0, 1, 2, 3, 4
 OPS = {"stop": OP_STOP, "batch": OP_BATCH, "probe": OP_PROBE, "prepare": OP_PREPARE,
        "switch": OP_SWITCH}
-# (bytes, round trips). The bandwidth comes from the two largest: a shaped link (a switch port)
-# passes a burst at line rate, so small messages alone read a 940 Mbit/s link as 1.3-2.4 Gbit/s.
-# About 0.25 s per link at 100 Mbit/s.
-PROBE_SIZES = ((1024, 5), (262144, 2), (1048576, 2))
-# A check that a slow link came back (hepti.serve.replan): ~50 ms at 100 Mbit/s. Its
-# bandwidth reads high on a shaped link (a burst passes at line rate), so a link that looks
-# restored is probed again with PROBE_SIZES before the plan uses the figure.
-CHECK_SIZES = ((1024, 3), (262144, 1))
-# How often each rank beats on its watch line (`_Heartbeat`); the front end calls a rank late
-# after hepti.serve.supervisor.LATE_AFTER_S without one. A beat is ~80 bytes.
-BEAT_EVERY_S = 0.5
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,7 +73,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def make_batch(inputs: list[np.ndarray], pad_id: int):
     """Token id lists -> one Batch padded to the longest (mask 0 on padding)."""
-    from hepti.inputs import Batch
     B, T = len(inputs), max(len(x) for x in inputs)
     ids = np.full((B, T), pad_id, np.int64)
     mask = np.zeros((B, T), np.int64)
@@ -82,14 +85,8 @@ def make_batch(inputs: list[np.ndarray], pad_id: int):
 def serve(args) -> int:
     """Every rank: load, plan, then run the front end's commands until it says stop or goes
     away."""
-    import numba
-    from mpi4py import MPI
+    from mpi4py import MPI  # local: it starts MPI; tests and bench/stall import this module
 
-    from hepti.parallel.comm import Comm
-    from hepti.parallel.engine import (Job, agree, get_profile, needs_planner, plan_with_profile,
-                                       resolve_plan)
-    from hepti.parallel.trace import Tracer
-    from hepti.weights import WeightStore
 
     t_start = time.perf_counter()
     mpi = MPI.COMM_WORLD
@@ -205,19 +202,6 @@ class _Heartbeat:
 LOAD_ROOM = float(os.environ.get("HEPTI_SERVE_LOAD_ROOM", "1.5"))
 
 
-def spec_bytes(cfg, spec) -> float:
-    """The bytes of a layer_spec's weights (hepti.parallel.engine.layer_spec): a stream
-    spec's window of layers, or the resident layers' slices."""
-    from hepti.model.sizes import layer_slice_bytes
-    if spec is None:
-        return 0.0
-    kind, heads, ffn, extra = spec
-    if kind == "layers":  # each layer its own (heads, ffn) ranges (a GenEFlow plan)
-        return float(sum(layer_slice_bytes(cfg, h[1] - h[0], f[1] - f[0]) for h, f in heads))
-    layers = extra if kind == "stream" else extra[1] - extra[0]
-    return float(layer_slice_bytes(cfg, heads[1] - heads[0], ffn[1] - ffn[0]) * layers)
-
-
 # A rank keeps the resident weights of the plan it switched away from while its free memory
 # is at least this many times their size: the switch back (a device restored, a rollback)
 # then reads nothing. bench-adapt's restore at 60 s waited 10 s for its better plan because a
@@ -311,7 +295,6 @@ class _State:
         every MEM_READ_S: its cgroup files cost 0.5-2 ms of CPU a reading, 3-10 ms on a 0.15-
         to 0.2-core device, after every batch (bench-adapt --quiet-ab at 4de90d9: the monitor
         cost 1.9% of a BERT-base request)."""
-        from hepti.parallel.profiling import available_memory
         now = time.monotonic()
         if self._mem is None or now - self._mem[0] >= MEM_READ_S:
             self._mem = (now, float(available_memory()[0]))
@@ -335,7 +318,6 @@ class _State:
         15 MiB free, not the 50 the plans' difference gives, and the re-planner, reading that,
         took its last share too. `malloc_trim` returns them (as the profile does after its
         probes: hepti.parallel.profiling._return_freed_memory)."""
-        from hepti.parallel.profiling import _return_freed_memory
         _return_freed_memory()
         self._mem = None
 
@@ -350,11 +332,6 @@ class _State:
         4de90d9): on one host its reads and packing share the CPU with the busy devices, and
         on a device of its own it holds up the gathers it takes part in. The service is up
         about 2.5 s later on emu-drift4 (ready 11.0 s against 8.5, node-d's 436 MB)."""
-        from hepti.graph.encoder import family_graph
-        from hepti.model.sizes import layer_slice_bytes
-        from hepti.parallel.engine import build_layers
-        from hepti.parallel.layers import slice_packer
-        from hepti.parallel.profiling import available_memory
         cfg = self.cfg
         H, F, L = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers
         need = layer_slice_bytes(cfg, H, F) * L
@@ -377,7 +354,6 @@ class _State:
         what to expect (`watch`), and tells it early through `notify` too (`_InBatchWatch`).
         A batch that does not report does what a --replan off service does: no gather, no
         speed probe, no memory reading."""
-        from hepti.model.pooling import pool
         w, rank0 = self.world, self.world.rank == 0
         batch = None
         if rank0:
@@ -449,7 +425,6 @@ class _State:
         profile recorded for this rank as `probe_s`: the monitor compares like with like.
         Single probe calls, each its own stretched span, read 0.4-2.5x of each other with
         nothing changed (a sleep's overshoot credited to the next call: SpeedProbe says why)."""
-        from hepti.parallel.profiling import SpeedProbe
         if self._probe is None:
             self._probe = SpeedProbe(self.cfg.hidden_size)
         start = time.perf_counter()
@@ -463,7 +438,6 @@ class _State:
         then reads its speed probe N times as the profile read it (`measure_probe`) and rank 0
         gathers the medians (`speeds`, by rank): the re-planner re-measures the devices of a
         plan that missed its prediction."""
-        from hepti.parallel.profiling import fit_link, ping_pong
         w = self.world
         peers, sizes, speed = w.bcast_obj(
             (header["ranks"], header.get("sizes") or PROBE_SIZES, int(header.get("speed", 0)))
@@ -480,7 +454,6 @@ class _State:
         answer = {"op": "probed", "links": links}
         if speed:  # as the profile read probe_s (after sleeps: a rank just done with a batch
             # reads its probe 2-4x slow on a busy host, in the run that first re-measured)
-            from hepti.parallel.profiling import SpeedProbe, measure_probe
             if self._probe is None:
                 self._probe = SpeedProbe(self.cfg.hidden_size)
             answer["speeds"] = w.gather_obj(measure_probe(self.cfg.hidden_size, speed, self._probe))
@@ -489,11 +462,6 @@ class _State:
     def prepare(self, header):
         """Start reading this rank's weights for the next plan on a background thread, unless
         they are the ones it holds; the current plan keeps serving meanwhile."""
-        from hepti.graph.encoder import family_graph
-        from hepti.parallel.engine import build_layers, layer_spec
-        from hepti.parallel.layers import slice_packer
-        from hepti.parallel.profiling import available_memory
-        from hepti.plan.planfile import Plan
         w = self.world
         # `defer`: the ranks the re-plan moves for their memory (hepti.serve.replan
         # `_check_memory`), which read their next slices only once their current ones are gone
@@ -531,19 +499,13 @@ class _State:
         """Every rank together, between batches: wait for the next plan's weights, close the
         current job (keeping its weights if the next plan holds the same) and start the next.
         Rank 0's answer: the stall, and each rank's bytes read for the switch."""
-        from hepti.parallel.engine import Job
         w = self.world
         t0 = time.perf_counter()
         plan, spec, thread, holder = self.next
         thread.join()
         if "error" in holder:
             raise holder["error"]
-        from hepti.parallel.layers import ResidentLayers
-        from hepti.parallel.profiling import available_memory
         if holder["deferred"]:  # the current weights go first, then the next plan's are read
-            from hepti.graph.encoder import family_graph
-            from hepti.parallel.engine import build_layers
-            from hepti.parallel.layers import slice_packer
             self.job.close()
             if self.kept is not None:
                 self.kept[1].close()
@@ -598,7 +560,6 @@ class _State:
 
 
 def main(argv=None) -> int:
-    from hepti.parallel.engine import run_guarded_fn
     return run_guarded_fn("serve (worker)", serve, parse_args(argv))
 
 

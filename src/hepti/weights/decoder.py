@@ -36,6 +36,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from tokenizers import Tokenizer
 
 from hepti.errors import WeightsError
 from hepti.model.llama import LAYER_TENSORS, LlamaConfig
@@ -124,7 +125,6 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     tok, meta = None, {}
     if (path / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
         tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     if (path / "tokenizer_config.json").is_file():
         meta = json.loads((path / "tokenizer_config.json").read_text())

@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from hepti.errors import WeightsError
 from hepti.model.llama import LlamaConfig
@@ -110,7 +111,7 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
-            import gguf
+            import gguf  # local: a clear error if the package is missing, not an ImportError
         except ImportError:
             raise WeightsError("reading GGUF files needs the `gguf` package; install it with "
                                "`pip install gguf` (bin/setup does)") from None
@@ -285,8 +286,6 @@ class GGUFFile:
 def build_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[int],
                         pre: str | None = None, add_bos: bool = False, bos_id: int | None = None):
     """GPT-2-style byte-level BPE over `tokens` (id = position) and `merges` ("a b" lines)."""
-    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers,
-                            processors)
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))

@@ -15,7 +15,8 @@ import h5py
 import numpy as np
 
 from hepti.errors import HeptiError, WeightsError
-from hepti.weights import layout
+from hepti.model.llama import LlamaConfig
+from hepti.weights import decoder, layout
 from hepti.weights.index import INDEX_NAME, index_config, load_index
 
 READ_BLOCK_BYTES = 16 * 1024 * 1024
@@ -54,7 +55,7 @@ def verify(path: str | Path) -> list[str]:
         config = None
     if config is not None:
         pooler = "pooler.weight" in tensors or "pooler.bias" in tensors
-        expected = (_decoder().expected_shapes(config) if config.model_type == "llama"
+        expected = (decoder.expected_shapes(config) if config.model_type == "llama"
                     else layout.expected_shapes(config, pooler=pooler))
         for name, shape in expected.items():
             if name not in tensors:
@@ -82,14 +83,8 @@ def _config(index: dict):
     """The index's config; a decoder's (issue 46) is read beside the family registry, which
     does not know model_type "llama" until issue 45 brings it in."""
     if index["config"].get("model_type") == "llama":
-        from hepti.model.llama import LlamaConfig
         return LlamaConfig.from_dict(index["config"])
     return index_config(index)
-
-
-def _decoder():
-    from hepti.weights import decoder
-    return decoder
 
 
 def _check_datasets(p: Path, names: list[str], tensors: dict, read_all: bool) -> list[str]:
