@@ -526,6 +526,33 @@ def test_a_link_read_back_stays_planned_slow_unless_the_plan_switches_for_it():
     assert w.verifying is None  # the plan's figures are as before: nothing to check
 
 
+def test_a_switch_for_a_link_read_back_that_is_rolled_back_holds_the_link_as_flapping():
+    """bench-adapt --flap at 18ff887: node-c's flapping link read back at two checks, each
+    switched for and rolled back. The first rollback holds it planned slow (FLAP_HOLD_S): the
+    next check leaves it alone."""
+    from hepti.plan.partition import make_plan
+    slow = {"latency_s": 1e-4, "bandwidth_Bps": 100e6 / 8}
+    back = {"2": {"latency_s": 1e-4, "bandwidth_Bps": 930e6 / 8}}
+    w, sup = _watcher([back, back, back, back])
+    w._batches_per_s = lambda: 1.4
+    w.links["2"] = dict(slow)
+    w._refit()
+    w.plan = make_plan(w.cfg, w.profile, 256, 1, strategy="rows")
+    w._refitted(alarmed=None)
+    w.held[2] = w.whole  # the idle rank's standby copy: the switch is worth its cost
+    assert w._check_slow_links(None) and sup.replans[-1]["decision"] == "switch"
+    w._switch(None, *w.pending)  # every rank's next slices are in
+    assert w.judging == []
+    w.previous = (w.previous[0], [0.7] * 5)  # the old plan's batches
+    for wall in [1.3] * 5:  # the link flapped slow again: the new plan's batches are slower
+        w._judge(None, wall)
+    assert sup.replans[-1]["decision"] == "rollback" and sup.replans[-1]["flapping"] == [2]
+    assert w.links["2"] == slow and w.flap_hold["2"] > 0
+    n = len(sup.headers)
+    w.last_link_check = 0.0
+    assert not w._check_slow_links(None) and len(sup.headers) == n  # held: not checked
+
+
 def test_a_link_read_back_at_every_check_is_taken_as_back_at_the_third():
     """A slow link read back by LINK_BACK_N checks in a row, each keeping the plan, is taken as
     back and no longer checked (one slow probe on a busy host had kept a steady link planned
