@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 import logging
 import os
 import re
@@ -182,6 +183,7 @@ class _Job:
     files_before: jobfiles.Snapshot | None  # what existed before it started (`jobfiles.sweep`)
     tail: collections.deque  # its output's last lines
     spare: bool = False  # started ahead, for the world one rank smaller (`Supervisor._keep_spare`)
+    hosts: list | None = None  # each rank's host (None on this machine alone)
     # a job started ahead with lost devices back in it (`Supervisor._start_admission`): the
     # devices (hepti.serve.stall.Benched), its watch lines and hello once read (`_preload`),
     # when the hello came (time.time()), or why it never will
@@ -254,6 +256,7 @@ class Supervisor:
         # --ratios/--plan made for it applies again once it is whole
         self._first_entries = list(self.entries) if self.entries is not None else None
         self._first_n, self._first_args = n, list(self.worker_args)
+        self._profile: tuple[dict | None, list | None] = (None, None)  # the serving job's, its hosts
         # hung ranks (hepti.serve.stall): the deadline's floor (0: never declared lost), what
         # the front end waits for now, and the declaration once made (until the relaunch)
         self.stall_floor_s = stall_floor_s
@@ -484,7 +487,9 @@ class Supervisor:
         env[protocol.CONTROL_ENV] = "%s:%d" % listener.getsockname()
         env[protocol.TOKEN_ENV] = self._token
         tag = "-spare" if spare else "-admit" if admit else ""
-        cmd = self._command(n, entries, args, f"{len(self.launches)}{tag}")
+        hosts = [entries[i][0] for i in rank_hosts(entries, n)] if entries is not None else None
+        cmd = self._command(n, entries, args + self._known_profile(n, hosts, args),
+                            f"{len(self.launches)}{tag}")
         log.info("serve: starting %s%d worker rank(s): %s", "a spare job of " if spare else
                  "ahead, while the job serves on, " if admit else "", n, " ".join(cmd))
         files_before = jobfiles.snapshot()
@@ -499,7 +504,39 @@ class Supervisor:
                                         "workers (admitting)" if admit else "workers"),
                                   daemon=True)
         reader.start()
-        return _Job(proc, reader, listener, n, list(args), started_at, files_before, tail, spare)
+        return _Job(proc, reader, listener, n, list(args), started_at, files_before, tail, spare,
+                    hosts=hosts)
+
+    def _known_profile(self, n: int, hosts: list | None, args: list[str]) -> list[str]:
+        """`--profile FILE` for a job on devices the serving job's profile already covers (a
+        loss, or a spare: the same devices less some), else nothing. Without it a job on a
+        world whose profile is not cached measures one first: the relaunch after node-b's link
+        went silent in bench-adapt --spec emu-silent3.json (at 18ff887) loaded for 19.2 s, 17 of
+        them profiling [node-a, node-c], and the first answer came 24 s after the link went
+        quiet (6.5 s after the same device hung, whose smaller world happened to be cached).
+        A device's figures do not depend on which others run beside it (the star network:
+        each device's own link), so the serving profile's rows for these devices are theirs."""
+        prof, had = self._profile
+        if prof is None or "--profile" in args or n >= len(prof["devices"]):
+            return []
+        if hosts is None:  # this machine alone: its rank slots are alike
+            keep = list(range(n))
+        else:
+            if had is None:
+                return []
+            pool = list(enumerate(had))
+            keep = []
+            for h in hosts:  # each rank: a rank of the profiled world on the same host
+                i = next((k for k, (r, x) in enumerate(pool) if x == h), None)
+                if i is None:
+                    return []
+                keep.append(pool.pop(i)[0])
+        sub = dict(prof, devices=[dict(prof["devices"][r], rank=i) for i, r in enumerate(keep)])
+        path = Path(self._tmp.name) / f"profile-{'-'.join(map(str, keep))}.json"
+        path.write_text(json.dumps(sub))
+        log.info("serve: the new job plans on the serving profile's figures for its %d "
+                 "device(s) (%s), not a new measurement", n, path.name)
+        return ["--profile", str(path)]
 
     def _life(self) -> None:
         self._ahead: _Job | None = None  # started ahead with devices back, said hello: next
@@ -633,6 +670,8 @@ class Supervisor:
             self._channel, self._first_batch = sock, True
             self._per_token.clear()  # another world: other seconds per token
             self._set_phase("idle")
+        if hello.get("profile"):  # what a smaller world can plan on (`_known_profile`)
+            self._profile = (hello["profile"], job.hosts)
         if self.replan and hello.get("profile"):
             self.watcher = PlanWatcher(self, hello["profile"])
         launch = self.launches[-1]
