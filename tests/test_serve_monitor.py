@@ -482,6 +482,7 @@ def test_a_replan_on_compute_checks_the_links_planned_slow():
     w._batches_per_s = lambda: 1.4
     w.links["2"] = {"latency_s": 1e-4, "bandwidth_Bps": 100e6 / 8}
     w._refit()
+    w.slow_since["2"] -= 3600  # slow for an hour: back at the first reading
     w.last_link_check = time.monotonic() + 3600  # no periodic check in this test
     _serve(w, [1.0] * 4, 12)
     _serve(w, [1.0, 2.0, 1.0, 1.0], 6)
@@ -506,6 +507,7 @@ def test_a_link_read_back_stays_planned_slow_unless_the_plan_switches_for_it():
     w._batches_per_s = lambda: 1.4
     w.links["2"] = dict(slow)
     w._refit()
+    w.slow_since["2"] -= 3600  # slow for an hour: back at the first reading
     w.plan = make_plan(w.cfg, w.profile, 256, 1, strategy="rows")
     w._refitted(alarmed=None)
     w.held[2] = w.whole  # the idle rank's standby copy: the switch reads nothing
@@ -517,6 +519,7 @@ def test_a_link_read_back_stays_planned_slow_unless_the_plan_switches_for_it():
     w._batches_per_s = lambda: 1e-6  # a switch never pays back its cost
     w.links["2"] = dict(slow)
     w._refit()
+    w.slow_since["2"] -= 3600  # slow for an hour: back at the first reading
     w.plan = make_plan(w.cfg, w.profile, 256, 1, strategy="rows")
     w._refitted(alarmed=None)
     assert w._check_slow_links(None)
@@ -537,6 +540,7 @@ def test_a_switch_for_a_link_read_back_that_is_rolled_back_holds_the_link_as_fla
     w._batches_per_s = lambda: 1.4
     w.links["2"] = dict(slow)
     w._refit()
+    w.slow_since["2"] -= 3600  # slow for an hour: back at the first reading
     w.plan = make_plan(w.cfg, w.profile, 256, 1, strategy="rows")
     w._refitted(alarmed=None)
     w.held[2] = w.whole  # the idle rank's standby copy: the switch is worth its cost
@@ -551,6 +555,26 @@ def test_a_switch_for_a_link_read_back_that_is_rolled_back_holds_the_link_as_fla
     n = len(sup.headers)
     w.last_link_check = 0.0
     assert not w._check_slow_links(None) and len(sup.headers) == n  # held: not checked
+
+
+def test_a_link_slow_only_a_moment_ago_must_read_back_three_times_in_a_row():
+    """bench-adapt --flap at cdce509: node-c's flapping link read back 5 s after it dropped,
+    the plan switched for it and was rolled back 3 s later. A link slow for less than
+    FLAP_WINDOW_S is re-planned on only at its LINK_BACK_N-th reading back in a row."""
+    from hepti.plan.partition import make_plan
+    from hepti.serve.replan import LINK_BACK_N
+    slow = {"latency_s": 1e-4, "bandwidth_Bps": 100e6 / 8}
+    back = {"2": {"latency_s": 1e-4, "bandwidth_Bps": 930e6 / 8}}
+    w, sup = _watcher([back] * (LINK_BACK_N + 1))
+    w._batches_per_s = lambda: 1.4
+    w.links["2"] = dict(slow)
+    w._refit()  # slow from now on
+    w.plan = make_plan(w.cfg, w.profile, 256, 1, strategy="rows")
+    w._refitted(alarmed=None)
+    w.held[2] = w.whole
+    for _ in range(LINK_BACK_N - 1):  # light probes read it back: not yet
+        assert not w._check_slow_links(None) and not sup.replans
+    assert w._check_slow_links(None) and sup.replans[-1]["decision"] == "switch"
 
 
 def test_a_link_read_back_at_every_check_is_taken_as_back_at_the_third():
@@ -568,6 +592,7 @@ def test_a_link_read_back_at_every_check_is_taken_as_back_at_the_third():
     w._batches_per_s = lambda: 1e-6  # a switch never pays back its cost: every check keeps
     w.links["2"] = dict(slow)
     w._refit()
+    w.slow_since["2"] -= 3600  # slow for an hour: back at the first reading
     w.plan = make_plan(w.cfg, w.profile, 256, 1, strategy="rows")
     w._refitted(alarmed=None)
     assert w._check_slow_links(None) and sup.replans[-1]["links_kept_slow"] == [2]

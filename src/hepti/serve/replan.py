@@ -76,6 +76,12 @@ LINK_CHECK_S = 5.0
 # again -> keep") and never let it go. Three checks span 15 s, several periods of the flaps
 # bench-adapt --flap makes (2 s), each of which would have read it slow once.
 LINK_BACK_N = 3
+# A link that went slow less than FLAP_WINDOW_S ago is taken as back (re-planned on) only at
+# its LINK_BACK_N-th check in a row that reads it back, not at the first: bench-adapt --flap
+# at cdce509 read node-c's flapping link back at the first check, 5 s after it had dropped,
+# switched to the plan for the fast link and rolled it back 3 s later (requests of 1.2-1.6 s
+# against 0.75). A link back after a longer while (bench-adapt's restore 40 s after the drop)
+# is re-planned on at the first reading.
 MOVED = 0.2  # a link more than this far (fraction) from its profiled rate has moved
 # A device's memory: what it could hold now ("room": its free memory, the median of its last
 # MEM_N reports, plus what its plan and any copy kept beside it hold) against the room it had
@@ -166,6 +172,8 @@ class PlanWatcher:
         self.link_changes: dict[str, list] = {}  # rank -> [(when, probed link)] that moved
         self.flap_hold: dict[str, float] = {}  # rank -> until when its link is held at its worst
         self.back_reads: dict[str, int] = {}  # rank -> checks in a row that read its link back
+        self.slow_since: dict[str, float] = {}  # rank -> since when its link is planned slow
+        self.since_before: dict[str, float] = {}  # slow_since before the last links read back
         self.burst = None  # {"event", "probes"}: links probed over several batches (a flap)
         self.swing_range = SWING_RANGE
         self.last_link_check = -math.inf
@@ -451,11 +459,17 @@ class PlanWatcher:
                                         "sizes": CHECK_SIZES})
         back = [r for r, v in light["links"].items()
                 if v["bandwidth_Bps"] > self.base.devices[int(r)].bandwidth_Bps / (1 + MOVED)]
-        for r in slow:  # a check that reads it slow starts its count again
-            if r not in back:
+        for r in slow:  # checks in a row that read it back; one that reads it slow starts again
+            if r in back:
+                self.back_reads[r] = self.back_reads.get(r, 0) + 1
+            else:
                 self.back_reads.pop(r, None)
+        now = time.monotonic()  # a link slow only a moment ago must read back LINK_BACK_N times
+        back = [r for r in back if now - self.slow_since.get(r, -math.inf) >= FLAP_WINDOW_S
+                or self.back_reads[r] >= LINK_BACK_N]
         if not back:
             return {}
+        self.since_before = dict(self.slow_since)  # `_unless_switched` keeps them if kept slow
         return self.sup.command(sock, {"op": "probe", "ranks": [int(r) for r in back]})["links"]
 
     def _unless_switched(self, back: dict, event: dict) -> None:
@@ -471,9 +485,7 @@ class PlanWatcher:
             for r in back:
                 self.back_reads.pop(r, None)
             return
-        for r in back:
-            self.back_reads[r] = self.back_reads.get(r, 0) + 1
-        steady = [r for r in back if self.back_reads[r] >= LINK_BACK_N]
+        steady = [r for r in back if self.back_reads.get(r, 0) >= LINK_BACK_N]
         for r in steady:  # read back LINK_BACK_N checks in a row: it is back (LINK_BACK_N)
             self.back_reads.pop(r)
         event["links_back"] = sorted(int(r) for r in steady)
@@ -483,6 +495,9 @@ class PlanWatcher:
         for r in back:
             self.links[r] = event["before"][1][r]
         self._refit()
+        for r in back:  # planned slow since then, still
+            if r in self.since_before:
+                self.slow_since[r] = self.since_before[r]
         self._refitted(alarmed=set())
         event["links_kept_slow"] = sorted(int(r) for r in back)
         self.verifying = None  # the plan's figures are as they were: nothing new to check
@@ -961,6 +976,13 @@ class PlanWatcher:
                 devs[r] = dataclasses.replace(devs[r], memory_bytes=usable + devs[r].reserved_bytes)
             p = dataclasses.replace(p, devices=devs)
         self.profile = with_links(p, self.links) if self.links else p
+        now = time.monotonic()  # since when each link is planned slow (LINK_BACK_N)
+        for r in list(self.slow_since):
+            if r not in self.links or not _slower(self.base.devices[int(r)], self.links[r]):
+                del self.slow_since[r]
+        for r, v in self.links.items():
+            if _slower(self.base.devices[int(r)], v):
+                self.slow_since.setdefault(r, now)
 
     def _refitted(self, alarmed: set | None, relearn_comm: bool = False) -> None:
         """Predictions anew (a re-fitted profile, or a new plan); every series keeps its
