@@ -112,6 +112,9 @@ def _branch_terms(kind: str, n: int, S: float, a, b, e, is_root: bool, network: 
         if is_root:
             return [((n - 1) * a + S / b, -1.0 / b)]
         return [(a + zero, 1.0 / b)]
+    if kind == "halo":
+        raise ValueError("a halo's bytes are the plan's rows, not a rank's block: it has no "
+                         "linear branch terms (price it with collective_times)")
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
