@@ -54,6 +54,17 @@ def test_messages_equal_the_program_at_3_ranks(tiny_dir, minilm_dir, vit_dir):
     assert len(rows) == 3 * 29 and all(r["ok"] for r in rows), rows  # 29 cases per model
 
 
+def test_band_messages_equal_the_program_at_3_ranks(resnet_tiny_dir, vgg_tiny_dir, mobilenet_dir):
+    """tests/mpi/cnn_agreement.py at 3 ranks: the band executor's verb calls (halos, allgathers
+    of channels, pooled sums and head columns) equal its band program's collectives."""
+    code, out, err, _ = launch(3, "-m", "mpi4py", ROOT / "tests/mpi/cnn_agreement.py",
+                               "--model", resnet_tiny_dir, "--model", vgg_tiny_dir,
+                               "--model", mobilenet_dir, timeout=1500)
+    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
+    assert len(rows) == 3 * 8 and all(r["ok"] for r in rows), rows  # 8 cases per model
+
+
 @pytest.fixture
 def ids_file(tmp_path):
     f = tmp_path / "ids.npz"

@@ -72,12 +72,17 @@ class Work:
 @dataclass(frozen=True)
 class Collective:
     """A collective over the active ranks. Blocks are `unit_bytes * count[dim]` per rank; a
-    bcast (dim None) moves `unit_bytes` from rank 0 to all."""
+    bcast (dim None) moves `unit_bytes` from rank 0 to all.
 
-    kind: str  # "bcast" | "scatterv" | "gatherv" | "allgatherv" | "reduce_scatter"
+    A "halo" (a height split's exchange of rows between neighbours, point to point:
+    hepti.graph.band_program) is no block per rank of one dimension: `moves` holds each rank's
+    (bytes sent, bytes received, peers it exchanges with), and dim is None."""
+
+    kind: str  # "bcast" | "scatterv" | "gatherv" | "allgatherv" | "reduce_scatter" | "halo"
     dim: str | None
     unit_bytes: float
     name: str = ""
+    moves: tuple[tuple[float, float, int], ...] | None = None  # "halo": per rank
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,13 @@ messages the rank posts and bytes_i what crosses its link, for the algorithm the
                     carries about 2 S); thresholds in the profile's "network" section
     scatterv/gatherv root 0 posts one message per peer: (n-1) alpha_0 + (S - c_0)/beta_0;
                     peer i: alpha_i + c_i / beta_i
+    halo            a height split's exchange (hepti.parallel.comm `exchange`: every receive
+                    posted, then every send, one message per peer each way): rank i with p_i
+                    peers, sending s_i and receiving r_i bytes, p_i alpha_i + max(s_i, r_i) /
+                    beta_i (full duplex: in and out overlap); 0 for a rank that moves nothing.
+                    Its bytes are the plan's rows (`Collective.moves`), not a rank's block, so
+                    the LP (hepti.plan.partition) cannot take it: CNNs are planned by
+                    hepti.plan.coedge, and priced here
 
 Participants are the active ranks: rank 0 (it holds inputs and outputs) and every rank with a
 nonzero count. c_i is rank i's block in bytes, S the whole buffer. Compute speeds come from the
@@ -105,6 +112,9 @@ def _branch_terms(kind: str, n: int, S: float, a, b, e, is_root: bool, network: 
         if is_root:
             return [((n - 1) * a + S / b, -1.0 / b)]
         return [(a + zero, 1.0 / b)]
+    if kind == "halo":
+        raise ValueError("a halo's bytes are the plan's rows, not a rank's block: it has no "
+                         "linear branch terms (price it with collective_times)")
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
@@ -113,6 +123,10 @@ def collective_times(coll: Collective, counts: dict[str, list[float]], active: l
     """Each rank's time in `coll` (0 for ranks that do not take part)."""
     N = profile.world_size
     n = sum(active)
+    if coll.kind == "halo":
+        f = float(profile.network.get("calibration", {}).get("halo", 1.0))
+        return [f * (p * dev.latency_s + max(s, r) / dev.bandwidth_Bps) if active[i] and (s or r)
+                else 0.0 for i, (dev, (s, r, p)) in enumerate(zip(profile.devices, coll.moves))]
     if coll.dim is None:
         blocks = [0.0] * N
         S = coll.unit_bytes
@@ -140,6 +154,9 @@ def rank_bytes(coll: Collective, counts: dict[str, list[float]], active: list[bo
     N, n = len(active), sum(active)
     if n <= 1:
         return [(0.0, 0.0)] * N
+    if coll.kind == "halo":  # the plan's own rows, each rank's (hepti.graph.band_program)
+        return [(float(s), float(r)) if active[i] else (0.0, 0.0)
+                for i, (s, r, _) in enumerate(coll.moves)]
     c = [coll.unit_bytes * x for x in counts[coll.dim]] if coll.dim is not None else [0.0] * N
     S = sum(c) if coll.dim is not None else coll.unit_bytes
     out = []
