@@ -66,3 +66,27 @@ def test_a_measured_profile_plans(measured):
     plan = make_plan(CFG, prof, 32)
     plan.validate(COMM.Get_size())
     all_ok(plan.predicted_latency_s > 0 and plan.explanation != "", plan.explanation)
+
+
+def test_a_profile_file_reaches_every_rank_and_plans_without_a_second_read(measured):
+    """`--profile FILE` (what hepti serve's supervisor gives a smaller world): every rank gets
+    the profile, and planning on it is one collective on every rank. Until 2026-11-29 the
+    file was on rank 0 alone and `plan_with_profile` made the others read it again, alone:
+    the job hung at start."""
+    import argparse
+    import tempfile
+
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.engine import get_profile, plan_with_profile
+    from hepti.parallel.trace import Tracer
+    path = COMM.bcast(tempfile.mkdtemp() + "/p.json" if COMM.Get_rank() == 0 else None)
+    if COMM.Get_rank() == 0:
+        Path(path).write_text(json.dumps(measured))
+    COMM.Barrier()
+    world = Comm(COMM, Tracer(COMM.Get_rank()))
+    args = argparse.Namespace(profile=path, strategy="auto", ratios=None, mem_budget=None,
+                              mem_cap=None, threads=1, json=True)
+    prof = get_profile(args, world, CFG, 1, 32)
+    all_ok(prof is not None and prof.world_size == COMM.Get_size(), f"rank {COMM.Get_rank()}: {prof}")
+    plan = plan_with_profile(args, world, CFG, 1, 32, prof)
+    all_ok(plan.validate(COMM.Get_size()) is not None, "no plan")

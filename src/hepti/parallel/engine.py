@@ -47,7 +47,7 @@ from hepti.parallel.profiling import cached_profile
 from hepti.parallel.slices import outside_layers
 from hepti.parallel.trace import Tracer, chrome_trace
 from hepti.parallel.watchdog import transformer_scale
-from hepti.plan.profile import load_profile
+from hepti.plan.profile import load_profile, profile_from_dict
 from hepti.runner import base_report, finish, run_passes
 from hepti.weights import WeightStore
 
@@ -418,8 +418,10 @@ PLANNED = ("auto", "proportional")
 
 
 def get_profile(args, world, cfg, batch: int, seq_len: int):
-    """--profile's (checked against the model), else a cached or newly measured one; on rank 0
-    (None elsewhere when read from a file)."""
+    """--profile's (checked against the model), else a cached or newly measured one; on every
+    rank, as a cached one is. (Until 2026-11-29 a --profile was on rank 0 alone, and
+    `plan_with_profile`, given None on the other ranks, made them read it again, alone: `hepti
+    serve --replan on` given a profile by its supervisor hung at start.)"""
     if args.profile:
         def load_checked():
             if world.rank != 0:
@@ -427,8 +429,9 @@ def get_profile(args, world, cfg, batch: int, seq_len: int):
             prof = load_profile(args.profile, world_size=world.size)
             for note in prof.check_model(cfg, source=f"--profile {args.profile}"):
                 log.warning(note)
-            return prof
-        return agree(world, load_checked)
+            return prof.to_dict()
+        d = world.bcast_obj(agree(world, load_checked))
+        return profile_from_dict(d, f"--profile {args.profile}")
     profile, measured, path = cached_profile(
         world.mpi, cfg, seq_len, batch=batch, threads=args.threads,
         mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None)
