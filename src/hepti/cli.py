@@ -478,7 +478,7 @@ def cmd_convert(args) -> int:
     out = Path(args.out)
     cap = int(args.max_shard_mb * 1e6) if args.max_shard_mb else None
     if args.random:
-        from hepti.config import config_from_json, preset_config  # local: start-up time (hepti --help)
+        from hepti.families import config_from_json, preset_config  # local: start-up time (hepti --help)
         cfg = (config_from_json(args.random, name=Path(args.random).stem)
                if args.random.endswith(".json") else preset_config(args.random))
         if cfg.model_type == "cnn":

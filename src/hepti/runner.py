@@ -35,7 +35,7 @@ from hepti.graph.cnn import build
 from hepti.graph.opdag import from_cnn
 from hepti.images import check_pixels, load_preprocessor, preprocess
 from hepti.model.cnn import SingleCNN, top_k
-from hepti.model.family import load_kernels
+from hepti.families import load_kernels
 from hepti.model.tokenize import TextTokenizer
 from hepti.parallel.single import SingleDevice
 from hepti.plan.order import executor_order

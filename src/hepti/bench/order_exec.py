@@ -43,7 +43,7 @@ from hepti.config import CNNConfig
 from hepti.counts import counts
 from hepti.graph import lower
 from hepti.graph.cnn import build
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.graph.opdag import from_cnn
 from hepti.graph.split import Split
 from hepti.inputs import Batch

@@ -39,7 +39,7 @@ from hepti.config import ModelConfig
 from hepti.counts import counts as split_counts
 from hepti.counts import offsets
 from hepti.errors import PlanError
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.model.sizes import model_bytes
 from hepti.plan.costmodel import ACTIVE, ROOT, Prediction, Program, envelope, evaluate
 from hepti.plan.pipeline import evaluate_pipeline, pipeline_ranges
