@@ -2,17 +2,19 @@
 once: lookups go through them, and the commands, the job driver and serve name no family."""
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
 import pytest
 
-from hepti import families
-from hepti.errors import ConfigError
+from hepti import cli, families
+from hepti.errors import ConfigError, InputError
 from hepti.families import (EXECUTORS, FAMILIES, INPUT_KINDS, PLANNERS, config_from_dict, family,
                             family_graph, preset_config)
-from hepti.plan import strategies
+from hepti.plan import coedge, partition, planfile, strategies
 from hepti.plan.strategies import BANDS, INTERPRETER, STRATEGIES
+from hepti.runner import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "hepti"
@@ -71,8 +73,6 @@ def test_commands_job_and_serve_do_not_branch_on_model_type():
 
 
 def test_strategies_are_defined_once():
-    from hepti import cli
-    from hepti.plan import coedge, partition, planfile
     assert cli.PLANNERS == strategies.names(choosable=True)
     assert partition.PLANNERS == strategies.names(INTERPRETER, choosable=True)
     assert coedge.CNN_STRATEGIES == strategies.names(BANDS, choosable=True)
@@ -89,7 +89,6 @@ def test_the_readme_table_lists_every_transformer_strategy():
 
 
 def test_run_help_lists_the_strategies(capsys):
-    from hepti import cli
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
     out = " ".join(capsys.readouterr().out.split())
@@ -97,3 +96,14 @@ def test_run_help_lists_the_strategies(capsys):
         if s.choosable:
             assert s.name in out
     assert families.FAMILIES  # the registry imports without starting MPI (tests/test_layers.py)
+
+
+def test_hepti_run_refuses_a_decoder_by_its_executor():
+    llama = config_from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                              "num_hidden_layers": 1, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "intermediate_size": 48, "head_dim": 8})
+    args = argparse.Namespace(output=None, force=False, resume=False, report=None, trace=None,
+                              top=None, normalize=False, pool="mean")
+    with pytest.raises(InputError, match="is a Llama decoder .* runs the families whose executor "
+                                         "is interpreter or bands: bert, vit, cnn"):
+        prepare(args, llama, Path("m"))
