@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from hepti.config import preset_config
+from hepti.families import preset_config
 from hepti.model.sizes import layer_bytes
 from hepti.emulate import launch, net
 from hepti.emulate import stretch

@@ -55,7 +55,7 @@ SIGNATURES = textwrap.dedent("""
     import numpy as np
     from numba.core.registry import CPUDispatcher
     from hepti.inputs import Batch
-    from hepti.model.family import load_kernels
+    from hepti.families import load_kernels
     from hepti.parallel.single import SingleDevice
     from hepti.model.cnn import SingleCNN
     from hepti.weights import WeightStore
@@ -98,12 +98,14 @@ def test_a_forward_compiles_nothing_after_the_kernels_are_loaded(model, request)
 def test_slow_kernel_loading_is_announced(monkeypatch, caplog, tiny_dir):
     """On a cold cache the kernels compile for a minute or more: the user is told, not left
     with a silent wait (simulated here by a slow loader: no compile needed)."""
-    from hepti.model import bert, family
+    import dataclasses  # local: this test alone
+    from hepti import families
     from hepti.weights import WeightStore
-    monkeypatch.setattr(family, "COMPILE_NOTICE_S", 0.05)
-    monkeypatch.setattr(bert, "load_kernels", lambda threads=1: time.sleep(1.0))
+    monkeypatch.setattr(families, "COMPILE_NOTICE_S", 0.05)
+    monkeypatch.setitem(families.FAMILIES, "bert", dataclasses.replace(
+        families.FAMILIES["bert"], load_kernels=lambda threads=1: time.sleep(1.0)))
     with caplog.at_level(logging.INFO, logger="hepti"):
-        family.load_kernels(WeightStore(tiny_dir).config, 1)
+        families.load_kernels(WeightStore(tiny_dir).config, 1)
     assert "compiling kernels (once" in caplog.text
     assert "kernels ready in" in caplog.text
 

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from hepti.config import preset_config
+from hepti.families import preset_config
 from hepti.errors import PlanError
 from hepti.graph import lower
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.plan.costmodel import evaluate
 from hepti.plan.genetic import (DEFAULTS, UNIT, ROWS, assignment_program, block_assignment,
                                 blocks_of, genetic_search, make_genetic_plan, single_device_peak)

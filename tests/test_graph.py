@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from hepti.config import RANDOM_PRESETS, BertConfig, preset_config
+from hepti.config import RANDOM_PRESETS, BertConfig
+from hepti.families import preset_config
 from hepti.graph import ir, lower
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.model.sizes import embedding_bytes, layer_slice_bytes
 
 CONFIGS = [preset_config(n) for n in RANDOM_PRESETS  # the encoders' (a CNN's: test_cnn.py)
@@ -106,7 +107,7 @@ def test_stream_loads_each_slice_in_the_phase_that_uses_it():
 
 def test_unknown_family_and_strategy_are_refused():
     cfg = preset_config("tiny-odd")
-    with pytest.raises(ValueError, match="no graph for model_type 'gpt2'"):
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'; hepti supports: bert, vit, cnn, llama"):
         family_graph(type("C", (), {"model_type": "gpt2"})(), 1, 8)
     with pytest.raises(ValueError, match="no assignment for strategy 'zigzag'"):
         lower.assignment(family_graph(cfg, 1, 8), "zigzag")

@@ -5,9 +5,9 @@ pipeline stage's part of a schedule. What it computes is checked against transfo
 (tests/mpi/test_equivalence.py)."""
 from __future__ import annotations
 
-from hepti.config import preset_config
+from hepti.families import preset_config
 from hepti.graph import lower
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.parallel.comm import Comm
 from hepti.parallel.interpreter import Interpreter
 from hepti.graph.lower import stage_steps

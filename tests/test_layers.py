@@ -30,7 +30,10 @@ LAYERS = [
     (1, "kernels", ["hepti.kernels.*"]),
     (1, "emulate", ["hepti.emulate.*"]),
     (2, "graph", ["hepti.graph.*", "hepti.config"]),
-    (3, "model", ["hepti.model.*", "hepti.inputs", "hepti.images"]),
+    # the family registry sees configs, graph builders and each family's own operators; the
+    # graph loader opens a model folder through it
+    (3, "model", ["hepti.model.*", "hepti.inputs", "hepti.images", "hepti.families",
+                  "hepti.graph.load"]),
     (4, "weights", ["hepti.weights.*"]),
     (5, "plan", ["hepti.plan.*"]),
     (6, "parallel", ["hepti.parallel.*", "hepti.info"]),

@@ -267,8 +267,8 @@ def test_a_block_priced_alone_matches_the_whole_graph():
 
 
 def test_from_encoder_unrolls_layers_into_a_chain():
-    from hepti.config import preset_config
-    from hepti.graph.encoder import family_graph
+    from hepti.families import preset_config
+    from hepti.families import family_graph
     cfg = preset_config("tiny-odd")
     g = from_encoder(family_graph(cfg, 2, 16))
     assert len(g.ops) == 1 + 7 * cfg.num_hidden_layers

@@ -166,7 +166,7 @@ def test_interpreter_counter_equals_the_schedule_model(which, request):
     lower.activation_memory's peak without kernel scratch, exactly. The encoder graph is a
     chain: one order, which it runs."""
     from hepti.graph import lower
-    from hepti.graph.encoder import family_graph
+    from hepti.families import family_graph
     from hepti.parallel.comm import Comm
     from hepti.parallel.engine import Job
     from hepti.plan.costmodel import held_bytes

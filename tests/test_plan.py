@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hepti.config import preset_config
+from hepti.families import preset_config
 from hepti.errors import PlanError
 from hepti.model.sizes import embedding_bytes, layer_bytes, layer_slice_bytes
 from hepti.plan import profile as prof_mod

@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from hepti.config import BertConfig, preset_config
+from hepti.config import BertConfig
+from hepti.families import preset_config
 from hepti.counts import counts
 from hepti.errors import PlanError
 from hepti.plan.costmodel import evaluate

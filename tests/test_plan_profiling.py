@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hepti.parallel.profiling import fit_link, gemm_sizes, pooled_overhead, profile_cache_path
-from hepti.config import preset_config
+from hepti.families import preset_config
 
 
 def test_link_fit_recovers_latency_and_bandwidth():

@@ -307,7 +307,7 @@ def test_rank0_flags_communication_far_over_its_prediction_inside_the_batch():
 def _bert_rows_plan(idle: int = 3, probe_s: float | None = None):
     """BERT-base shape, a `rows` plan over 4 declared devices that leaves rank `idle` out
     (`probe_s`: each device's profiled speed probe, if any)."""
-    from hepti.config import preset_config
+    from hepti.families import preset_config
     from hepti.plan.partition import make_plan
     from hepti.plan.profile import declared_profile
     dev = {"gemm_flops": 2e10, "memory_bytes": 4e9, "latency_s": 1e-4, "bandwidth_Bps": 117.5e6,
@@ -326,7 +326,7 @@ def _watcher(probes: list[dict], strategy: str = "rows", memory: float = 4e9,
     "links" and "speeds"); every command's header is kept in `sup.headers`."""
     import collections
 
-    from hepti.config import preset_config
+    from hepti.families import preset_config
     from hepti.plan.partition import make_plan
     from hepti.plan.profile import declared_profile
     from hepti.serve.replan import PlanWatcher
@@ -641,7 +641,7 @@ def test_free_memory_that_moves_a_little_or_while_loading_changes_nothing():
 def test_spec_bytes_counts_every_kind_of_layer_spec():
     """What a rank holds, for the memory watch and the switch's load time: resident slices,
     a stream window, and a GenEFlow plan's per-layer ranges."""
-    from hepti.config import preset_config
+    from hepti.families import preset_config
     from hepti.model.sizes import layer_slice_bytes
     from hepti.model.sizes import spec_bytes
     cfg = preset_config("bert-base")

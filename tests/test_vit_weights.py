@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from hepti.config import (BertConfig, ViTConfig, config_from_dict, config_from_json,
-                          preset_config)
+from hepti.config import BertConfig, ViTConfig
+from hepti.families import config_from_dict, config_from_json, preset_config
 from hepti.errors import ConfigError, WeightsError
 from hepti.weights import WeightStore, convert_checkpoint, verify, write_random
 from hepti.weights import layout

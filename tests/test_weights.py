@@ -662,7 +662,7 @@ def test_random_models_are_deterministic(tmp_path):
 
 
 def test_random_model_with_pooler_and_preset_shape(tmp_path):
-    from hepti.config import preset_config
+    from hepti.families import preset_config
     cfg = preset_config("tiny-odd")
     out = write_random(cfg, tmp_path / "r", seed=0, pooler=True, progress=False)
     with WeightStore(out) as store:

@@ -17,9 +17,12 @@ import math  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 
+from hepti.plan.strategies import BANDS, INTERPRETER  # noqa: E402
+from hepti.plan.strategies import help_text as strategy_help  # noqa: E402
+from hepti.plan.strategies import names as strategy_names  # noqa: E402
+
 DEFAULT_MODEL = "weights/minilm-l6"
-STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single")
-PLANNERS = ("auto", "proportional") + STRATEGIES + ("grid",)  # grid: CNNs (DeepThings)
+PLANNERS = strategy_names(choosable=True)  # --strategy's choices
 # hepti.plan.genetic.DEFAULTS, written out so that `--help` needs no numpy (tests/test_genetic.py
 # holds the two equal)
 GA_DEFAULTS = dict(population=32, generations=40, crossover=0.9, mutation=0.3)
@@ -185,15 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write that JSON report to a file, whatever is printed")
     d = s.add_argument_group("distributed (under mpiexec -n N)")
     d.add_argument("--strategy", choices=PLANNERS, default=None,
-                   help="auto: profile the devices (kept a day in ~/.cache/hepti, see "
-                        "`hepti profile --help`), plan, run; rows: weights replicated, token "
-                        "rows split; tensor: weights sliced by ratio; stream: tensor within "
-                        "--mem-budget; even: tensor, equal shares (Megatron); proportional: "
-                        "tensor, shares by compute speed alone (MoDNN); pipeline: layer ranges "
-                        "(PipeEdge); single: rank 0 alone. Default: tensor with even shares "
-                        "under mpiexec, else single. A CNN is split by height (CoEdge): auto "
-                        "(the LP and fusion on a profile), even, proportional, grid (equal bands, "
-                        "every layer fused: DeepThings), pipeline, single; default even")
+                   help=f"{strategy_help(INTERPRETER)} (auto's profile is kept a day in "
+                        "~/.cache/hepti, see `hepti profile --help`). Default: tensor with even "
+                        "shares under mpiexec, else single. A CNN is split by height (CoEdge): "
+                        f"{', '.join(strategy_names(BANDS, choosable=True))}; default even")
     d.add_argument("--profile", metavar="P.json",
                    help="plan from this profile (from `hepti profile`) instead of measuring")
     d.add_argument("--mem-cap", metavar="BYTES",
@@ -478,15 +476,11 @@ def cmd_convert(args) -> int:
     out = Path(args.out)
     cap = int(args.max_shard_mb * 1e6) if args.max_shard_mb else None
     if args.random:
-        from hepti.config import config_from_json, preset_config  # local: start-up time (hepti --help)
+        from hepti.families import config_from_json, preset_config  # local: start-up time (hepti --help)
         cfg = (config_from_json(args.random, name=Path(args.random).stem)
                if args.random.endswith(".json") else preset_config(args.random))
-        if cfg.model_type == "cnn":
-            from hepti.weights.cnn import write_random_cnn  # local: start-up time (hepti --help)
-            write_random_cnn(cfg, out, seed=args.seed, overwrite=args.force)
-        else:
-            weights.write_random(cfg, out, seed=args.seed, overwrite=args.force,
-                                 shard_layers=args.shard_layers)
+        weights.write_random(cfg, out, seed=args.seed, overwrite=args.force,
+                             shard_layers=args.shard_layers)
     else:
         from hepti.weights import cnn  # local: start-up time (hepti --help)
         kw = dict(shard_layers=args.shard_layers, max_shard_bytes=cap, overwrite=args.force)
@@ -668,13 +662,26 @@ def _tokens(args, cfg) -> int:
     """--seq, or its default: 128 tokens, or every image's tokens for a vision model (which
     take no other count)."""
     from hepti.errors import InputError  # local: start-up time (hepti --help)
-    if cfg.model_type == "vit":
+    from hepti.families import family  # local: start-up time (hepti --help)
+    if "pixels" in family(cfg).inputs:
         if args.seq is not None and args.seq != cfg.seq_len:
             raise InputError(f"--seq {args.seq}: {args.model} takes {cfg.seq_len} tokens per image "
                              f"({cfg.image_size}px in {cfg.patch_size}px patches, and CLS); leave "
                              "--seq out")
         return cfg.seq_len
     return args.seq or 128
+
+
+def _planner(cfg, model) -> str:
+    """The planner of the model's family (hepti.families): what `hepti profile` measures for,
+    and what `hepti plan` runs; InputError for a family that has none yet."""
+    from hepti.errors import InputError  # local: start-up time (hepti --help)
+    from hepti.families import family  # local: start-up time (hepti --help)
+    fam = family(cfg)
+    if fam.planner is None:
+        raise InputError(f"{model} is a {fam.label} {fam.executor} ({cfg.model_type}): hepti "
+                         "has no planner for it yet")
+    return fam.planner
 
 
 def _profile_job(args) -> int:
@@ -685,7 +692,7 @@ def _profile_job(args) -> int:
     from hepti.weights import WeightStore  # local: start-up time (hepti --help)
     world = world_comm()
     cfg = agree(world, lambda: WeightStore(args.model).config)
-    if cfg.model_type == "cnn":  # every op timed at the input size
+    if _planner(cfg, args.model) == "coedge":  # every op timed at the input size
         from hepti.parallel.profiling import measure_cnn_profile  # local: start-up time (hepti --help)
         from hepti.plan.profile import profile_from_dict  # local: start-up time (hepti --help)
         store = agree(world, lambda: WeightStore(args.model))
@@ -721,7 +728,8 @@ def cmd_plan(args) -> int:
     profile = load_profile(args.profile, max_age_s=args.max_age)
     for note in profile.check_model(cfg, source=f"--profile {args.profile}"):
         logging.getLogger("hepti").warning(note)
-    if cfg.model_type == "cnn" and args.search == "genetic":
+    planner = _planner(cfg, args.model)
+    if planner == "coedge" and args.search == "genetic":
         from hepti.errors import InputError  # local: start-up time (hepti --help)
         from hepti.graph.cnn import build  # local: start-up time (hepti --help)
         from hepti.plan.coedge import CNNCosts  # local: start-up time (hepti --help)
@@ -740,7 +748,7 @@ def cmd_plan(args) -> int:
         plan = make_genetic_cnn_plan(cfg, profile, budget, args.seed, population=args.population,
                                      generations=args.generations, crossover=args.crossover,
                                      mutation=args.mutation)
-    elif cfg.model_type == "cnn":
+    elif planner == "coedge":
         from hepti.plan.coedge import make_cnn_plan  # local: start-up time (hepti --help)
         from hepti.plan.planfile import parse_ratios  # local: start-up time (hepti --help)
         ratios = parse_ratios(args.ratios, profile.world_size)["rows"] if args.ratios else None

@@ -2,9 +2,9 @@
 
 Three families: BERT text encoders (`BertConfig`), ViT image encoders (`ViTConfig`) and
 convolutional image classifiers (`CNNConfig`: MobileNetV2, ResNet-50, VGG-16, whose operator
-graphs hepti.graph.cnn builds). `config_from_dict` / `config_from_json` pick the class by the
-config's `model_type`; use them wherever a config of any family may turn up (checkpoints,
-converted models, plans).
+graphs hepti.graph.cnn builds). `hepti.families.config_from_dict` / `config_from_json` pick the
+class by the config's `model_type`; use them wherever a config of any family may turn up
+(checkpoints, converted models, plans).
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from typing import Union
 
 from hepti.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("bert", "vit", "cnn")
 SUPPORTED_ACTS = ("gelu",)  # erf form, as BERT and ViT use
 
 
@@ -217,25 +216,6 @@ class CNNConfig:
 
 
 ModelConfig = Union[BertConfig, ViTConfig, CNNConfig]
-CONFIG_CLASSES = {"bert": BertConfig, "vit": ViTConfig, "cnn": CNNConfig}  # model_type -> class
-
-
-def config_from_dict(d: dict, name: str = "") -> ModelConfig:
-    """A BertConfig, ViTConfig or CNNConfig, chosen by d['model_type'] (ConfigError for
-    other types)."""
-    if not isinstance(d, dict):
-        raise ConfigError(f"a model config must be a JSON object, not {type(d).__name__}")
-    mt = d.get("model_type")
-    if mt not in CONFIG_CLASSES:
-        raise ConfigError(_unsupported(mt))
-    return CONFIG_CLASSES[mt].from_dict(d, name=name)
-
-
-def config_from_json(path: str | Path, name: str = "") -> ModelConfig:
-    """config_from_dict of a config.json file."""
-    return config_from_dict(_read_json(path), name=name)
-
-
 def _read_json(path: str | Path) -> dict:
     path = Path(path)
     try:
@@ -246,20 +226,12 @@ def _read_json(path: str | Path) -> dict:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
 
 
-def _unsupported(mt) -> str:
-    if mt is None:
-        return f"the config has no model_type; hepti supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
-    return f"unsupported model_type {mt!r}; hepti supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
-
-
 def _check_model_type(d: dict, want: str) -> str:
     mt = d.get("model_type")
     if mt == want:
         return mt
-    if mt in CONFIG_CLASSES:
-        raise ConfigError(f"model_type {mt!r} is not a {want!r} config; load it with "
-                          "hepti.config.config_from_dict, which picks the class by model_type")
-    raise ConfigError(_unsupported(mt))
+    raise ConfigError(f"model_type {mt!r} is not a {want!r} config; load it with "
+                      "hepti.families.config_from_dict, which picks the class by model_type")
 
 
 def _check_act(d: dict) -> str:
@@ -344,13 +316,3 @@ PRESET_DEFAULTS = {
     "vit": dict(num_channels=3, layer_norm_eps=1e-12, hidden_act="gelu", qkv_bias=True),
     "cnn": dict(num_classes=1000, image_size=224),
 }
-
-
-def preset_config(name: str) -> ModelConfig:
-    """The config of a RANDOM_PRESETS entry (name 'random-NAME')."""
-    if name not in RANDOM_PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(RANDOM_PRESETS)} "
-                          "or give a config.json path")
-    d = dict(RANDOM_PRESETS[name])
-    mt = d.setdefault("model_type", "bert")
-    return config_from_dict({**PRESET_DEFAULTS[mt], **d}, name=f"random-{name}")

@@ -31,11 +31,10 @@ from hepti.inputs import (InputSource, check_output_path, npy_output_path, read_
                           read_texts)
 from hepti.model.pooling import pool
 from hepti.output import OutputFile
-from hepti.graph.cnn import build
 from hepti.graph.opdag import from_cnn
 from hepti.images import check_pixels, load_preprocessor, preprocess
 from hepti.model.cnn import SingleCNN, top_k
-from hepti.model.family import load_kernels
+from hepti.families import FAMILIES, family, load_kernels
 from hepti.model.tokenize import TextTokenizer
 from hepti.parallel.single import SingleDevice
 from hepti.plan.order import executor_order
@@ -43,6 +42,7 @@ from hepti.weights import WeightStore
 from hepti.weights.cnn import read_labels
 
 log = logging.getLogger("hepti")
+EXECUTORS = ("interpreter", "bands")  # of hepti.families.EXECUTORS: what `hepti run` runs
 SHOW_SIMILARITY_MAX = 12  # texts: up to this many, the summary prints their similarity table
 
 
@@ -51,7 +51,8 @@ def open_inputs(args, config, model_dir: Path) -> InputSource:
     in tokens) before any model work."""
     bs = args.batch_size
     image, pixels = getattr(args, "image", None), getattr(args, "input_pixels", None)
-    vision = config.model_type in ("vit", "cnn")
+    fam = family(config)
+    vision = "pixels" in fam.inputs
     if (image or pixels) and not vision:
         raise InputError(f"--image and --input-pixels are for vision models; {model_dir} is a "
                          f"{config.model_type} model: give it --text, --input or --input-ids")
@@ -84,10 +85,11 @@ def open_pixels(image, pixels, config, model_dir: Path, bs: int) -> InputSource:
     else:
         arr = read_npy(pixels, "--input-pixels")
         digest = hashlib.sha256(Path(pixels).read_bytes()).hexdigest()
-    if config.model_type == "cnn":  # any height and width the network does not shrink to 0
+    fam = family(config)
+    if fam.any_image_size:  # any height and width the network does not shrink to 0
         arr = check_pixels(arr, None, config.num_channels)
         try:
-            build(config).shapes(*arr.shape[2:])
+            fam.graph(config).shapes(*arr.shape[2:])
         except ValueError as e:
             raise InputError(f"pixels [{', '.join(map(str, arr.shape))}]: {e}") from None
     else:
@@ -96,8 +98,8 @@ def open_pixels(image, pixels, config, model_dir: Path, bs: int) -> InputSource:
 
 
 def output_shape(args, config, source: InputSource) -> tuple[int, ...]:
-    if config.model_type == "cnn":
-        return (source.n, config.num_classes)  # the logits
+    if family(config).output == "logits":
+        return (source.n, config.num_classes)
     C = config.hidden_size
     return (source.n, max(source.lengths), C) if args.pool == "none" else (source.n, C)
 
@@ -123,13 +125,20 @@ def prepare(args, config, model_dir: Path) -> Prepared:
     """Check every input and open the output (resuming if asked), before any weights load."""
     path = npy_output_path(args.output, getattr(args, "force", False), args.resume)
     check_flags(args)
-    if config.model_type == "cnn" and (args.normalize or args.pool == "none"):
+    fam = family(config)
+    if fam.executor not in EXECUTORS:
+        raise InputError(f"{model_dir} is a {fam.label} {fam.executor} ({config.model_type}); "
+                         f"`hepti run` runs the families whose executor is "
+                         f"{' or '.join(EXECUTORS)}: "
+                         f"{', '.join(f.model_type for f in FAMILIES.values() if f.executor in EXECUTORS)}")
+    logits = fam.output == "logits"
+    if logits and (args.normalize or args.pool == "none"):
         raise InputError(f"{model_dir} is an image classifier: its output is the logits [n, "
                          f"{config.num_classes}]; --normalize and --pool none are for encoders")
-    if config.model_type != "cnn" and getattr(args, "top", None) is not None:
+    if not logits and getattr(args, "top", None) is not None:
         raise InputError(f"--top is for image classifiers; {model_dir} is a {config.model_type} "
                          "encoder, whose output is embeddings")
-    if config.model_type == "cnn" and args.top is None and getattr(args, "image", None):
+    if logits and args.top is None and getattr(args, "image", None):
         args.top = 5
     source = open_inputs(args, config, model_dir)
     out = None
@@ -299,11 +308,11 @@ def run_single(args) -> int:
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
         t0 = time.perf_counter()
         load_kernels(config, args.threads)  # as a Job does: passes time forwards, not compiles
-        if config.model_type == "cnn":
+        if family(config).executor == "bands":
             # BTSearch's order at the model's own image size (each op frees its inputs after
             # their last reader in it; for hepti's CNNs its peak is the file order's)
             side = config.image_size
-            order = executor_order(from_cnn(build(config), 1, side, side)).order
+            order = executor_order(from_cnn(family(config).graph(config), 1, side, side)).order
             engine = SingleCNN.from_store(store, threads=args.threads, order=order)
         else:
             engine = SingleDevice.from_store(store, threads=args.threads)

@@ -40,7 +40,7 @@ def predicted(model_dir, strategy: str, plan, B: int, T: int, rank: int) -> list
         return [("send", S, 0) if j == rank else ("recv", 0, S)
                 for j, k in stage_hops([tuple(r) for r in plan.layers]) if rank in (j, k)]
     if plan.strategy == "mixed":  # GenEFlow's programs: hepti.plan.genetic
-        from hepti.graph.encoder import family_graph
+        from hepti.families import family_graph
         from hepti.plan.genetic import assignment_program
         prog = assignment_program(family_graph(cfg, B, T), plan.assignment)
     else:

@@ -64,7 +64,7 @@ def make_plan(strategy: str, vec: list[float], cfg, world: int, primary: int = 0
     else:
         ratios = {d: list(vec) for d in DIMS}
     if strategy in MIXED:  # every dimension its own shares: rows reversed against the units
-        from hepti.graph.encoder import family_graph
+        from hepti.families import family_graph
         from hepti.plan.genetic import block_assignment, blocks_of
         graph = family_graph(cfg, 1, 1)
         ratios = {"heads": list(vec), "ffn": list(vec), "rows": list(vec[::-1])}

@@ -15,7 +15,7 @@ from order_helpers import encoder_batch
 def test_counter_against_the_schedule_model(which, strategy, ratios, request):
     from hepti.counts import counts
     from hepti.graph import lower
-    from hepti.graph.encoder import family_graph
+    from hepti.families import family_graph
     from hepti.model.livebytes import AllocationCounter
     from hepti.parallel.comm import Comm
     from hepti.parallel.engine import Job

@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL  # noqa: E402
 from hepti.bench import drop_stale, git_commit, result_doc, write_json
-from hepti.config import preset_config
+from hepti.families import preset_config
 from hepti.model.cnn import CNNModel
 from hepti.parallel.profiling import measure_cnn_ops
 from hepti.weights import WeightStore

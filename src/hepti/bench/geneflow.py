@@ -49,6 +49,7 @@ from contextlib import contextmanager
 from pathlib import Path
 import fcntl
 
+from hepti.families import family
 from hepti.bench import git_commit, result_doc, write_json
 from hepti.bench import hetero
 from hepti.emulate.spec import load_spec
@@ -395,7 +396,7 @@ def replan(rec: dict, model: str, model_case: dict, profile_path: Path, settings
     and 43.6 ms (2026-11-27). So the measured figure is set against the prediction of the
     devices as they were when it ran; the grid's predicted figures stay as they are."""
     cfg = WeightStore(model_case["dir"]).config
-    case_fn = grid_case_cnn if cfg.model_type == "cnn" else grid_case
+    case_fn = grid_case_cnn if family(cfg).executor == "bands" else grid_case
     cap = None if rec["cap"] == "none" else float(rec["cap"].rstrip("%")) / 100
     fresh, gplan, lp = case_fn(model, cfg, load_profile(profile_path), rec["devices"], cap, 1, settings)
     rec["measured_plan"] = {"profile": f"{model} n={rec['devices']} measured",
@@ -524,7 +525,7 @@ def main(argv=None) -> int:
             profiles[model] = json.loads(Path(paths[model]).read_text())
             for n in DEVICES:
                 for cap in CAPS:
-                    case_fn = grid_case_cnn if cfg.model_type == "cnn" else grid_case
+                    case_fn = grid_case_cnn if family(cfg).executor == "bands" else grid_case
                     rec, gplan, lp = case_fn(model, cfg, full, n, cap, args.seeds, settings)
                     print(f"{model} n={n} cap={rec['cap']}: genetic "
                           f"{(rec.get('genetic_mean_s') or math.nan) * 1e3:.1f} ms, LP "
@@ -551,7 +552,7 @@ def main(argv=None) -> int:
                 rounds = max(args.reps, 1)
                 for r in range(rounds):
                     for rec, _, _, model in to_measure:  # plans: state, from `replan`
-                        cnn = cases[model]["config"].model_type == "cnn"
+                        cnn = family(cases[model]["config"]).executor == "bands"
                         n = rec["devices"]
                         path = profile_model(
                             model, cases[model], spec_path, workdir, args.timeout, n=n,

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hepti.families import family
 from hepti.bench import drop_stale, git_commit, hepti_cmd, mpiexec, result_doc, write_json
 from hepti.bench import hetero_report as report
 from hepti.bench.scaling import synthetic_input
@@ -195,7 +196,7 @@ def find_cached_profile(cache: Path, n: int, model_name: str) -> Path | None:
 def plan_baseline(case: dict, profile_path: Path, strategy: str):
     """(plan or None, reason it cannot run or ''): the planner's view of a baseline."""
     try:
-        if case["config"].model_type == "cnn":
+        if family(case["config"]).executor == "bands":
             name, _, fuse = strategy.partition("/fuse")
             return make_cnn_plan(case["config"], load_profile(profile_path), name,
                                  fuse_depth=int(fuse) if fuse else None), ""
@@ -271,13 +272,13 @@ def warm_numba(cases: list[dict], workdir: Path) -> float:
     env = dict(os.environ, HEPTI_CACHE=str(workdir / "warm-cache"))
     cmds = [hepti_cmd() + ["run", *map(str, c["input"]), "--json", "--model", c["dir"]] for c in cases]
     two = [mpiexec(), "-n", "2"] + hepti_cmd()
-    cnn = next((c for c in cases if c["config"].model_type == "cnn"), None)
+    cnn = next((c for c in cases if family(c["config"]).executor == "bands"), None)
     if cnn is not None:  # the band executor and the CNN profile, on two ranks
         cmds.append(two + ["profile", "--model", cnn["dir"], "--image-size", "64",
                            "--out", str(workdir / "warm-cnn-profile.json")])
         cmds.append(two + ["run", "--model", cnn["dir"], *map(str, cnn["input"]), "--json",
                            "--strategy", "even"])
-    encoders = [c for c in cases if c["config"].model_type != "cnn"]
+    encoders = [c for c in cases if family(c["config"]).executor != "bands"]
     if encoders:
         first = encoders[0]
         text = first["input"][0] == "--input-ids"  # a vision model: its own pixels and tokens
@@ -315,7 +316,7 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
             order = [(k, strategies[k % len(strategies):] + strategies[:k % len(strategies)])
                      for k in range(args.rounds)]
             for k, strategy in ((k, s) for k, ss in order for s in ss):
-                if case["config"].model_type == "cnn" and strategy == order[k][1][0]:
+                if family(case["config"]).executor == "bands" and strategy == order[k][1][0]:
                     # every strategy of a round planned on one profile, taken as the round
                     # starts: the machine's speed drifts over a sweep's minutes (a MobileNetV2
                     # plan predicted from a profile 70 minutes old ran +74% over it, and +10%
@@ -343,7 +344,7 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
                     if profile_path is not None:
                         profiles.append(profile_summary(spec, case, profile_path, source))
                 plan, unfit = None, ""
-                cnn = case["config"].model_type == "cnn"
+                cnn = family(case["config"]).executor == "bands"
                 if (strategy in BASELINES or cnn) and profile_path is not None:
                     plan, unfit = plan_baseline(case, profile_path, strategy)
                 if unfit and not args.run_unfit:
@@ -369,7 +370,7 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
 def case_strategies(args, spec_name: str, case: dict, extras: list) -> list[str]:
     """The strategies a case runs on a spec: a CNN's own set (and auto at fixed fusing depths
     where asked), else --strategies; then the extras for that spec."""
-    cnn = case["config"].model_type == "cnn"
+    cnn = family(case["config"]).executor == "bands"
     base = list(CNN_STRATEGIES) if cnn else list(args.strategies)
     return base + [s for sp, s in extras if sp == spec_name and ("/fuse" in s) == cnn]
 

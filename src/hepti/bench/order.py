@@ -35,9 +35,10 @@ import time
 from pathlib import Path
 
 from hepti.bench import git_commit, result_doc, write_json
-from hepti.config import CNNConfig, preset_config
+from hepti.config import CNNConfig
+from hepti.families import preset_config
 from hepti.graph.cnn import build
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.graph.load import load_graph
 from hepti.graph.onnx_import import import_onnx
 from hepti.graph.opdag import from_cnn, from_encoder, random_dag, random_wiring

@@ -43,7 +43,7 @@ from hepti.config import CNNConfig
 from hepti.counts import counts
 from hepti.graph import lower
 from hepti.graph.cnn import build
-from hepti.graph.encoder import family_graph
+from hepti.families import family, family_graph
 from hepti.graph.opdag import from_cnn
 from hepti.graph.split import Split
 from hepti.inputs import Batch
@@ -135,7 +135,7 @@ def encoder_rows(name: str, world, root: Path) -> dict:
     store = WeightStore(_weights(shape, root))
     cfg = store.config
     rng = np.random.default_rng(0)
-    if cfg.model_type == "vit":
+    if "pixels" in family(cfg).inputs:
         T = cfg.seq_len
         px = rng.standard_normal((1, 3, cfg.image_size, cfg.image_size), dtype=np.float32)
         batch = Batch(None, np.ones((1, T), np.int64), None, pixels=px)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hepti.families import family
 from hepti.bench import hepti_cmd, mpiexec, result_doc, run_cmd, write_json
 from hepti.bench.model import synthetic_batch
 from hepti.weights import WeightStore
@@ -30,11 +31,11 @@ def synthetic_input(model_dir: str, seq: int, tmp: Path) -> tuple[str, Path]:
     one image's normalised pixels (a ViT's `seq` must be its tokens per image; a CNN's is the
     side of a square image)."""
     cfg = WeightStore(model_dir).config
-    if cfg.model_type == "cnn":  # `seq` is the image's side
+    if family(cfg).any_image_size:  # `seq` is the image's side
         path = tmp / f"{Path(model_dir).name}-{seq}.npy"
         np.save(path, np.random.default_rng(0).standard_normal((1, 3, seq, seq)).astype(np.float32))
         return "--input-pixels", path
-    if cfg.model_type == "vit":
+    if "pixels" in family(cfg).inputs:
         if seq != cfg.seq_len:
             raise SystemExit(f"{model_dir} takes {cfg.seq_len} tokens per image "
                              f"({cfg.image_size}px in {cfg.patch_size}px patches), not {seq}")
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
 
 
     def configs_of(model_dir):
-        cnn = WeightStore(model_dir).config.model_type == "cnn"
+        cnn = family(WeightStore(model_dir).config).executor == "bands"
         names = (args.cnn_strategies if cnn else args.strategies).split(",")
         return [(1, None)] + [(args.ranks, s) for s in names]
     results = []

@@ -15,7 +15,7 @@ import statistics
 import time
 
 from hepti.bench import result_doc
-from hepti.config import preset_config
+from hepti.families import preset_config
 from hepti.errors import PlanError
 from hepti.plan.partition import make_plan
 from hepti.plan.profile import declared_profile

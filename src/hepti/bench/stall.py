@@ -259,7 +259,7 @@ def _stages(model: str) -> None:
     marks.append(("numba", time.time(), time.process_time()))
     from mpi4py import MPI  # local: timed; and it starts MPI
     marks.append(("mpi4py", time.time(), time.process_time()))
-    from hepti.model.family import load_kernels  # local: timed, as the ones below
+    from hepti.families import load_kernels  # local: timed, as the ones below
     from hepti.parallel.comm import Comm  # local: timed
     from hepti.parallel.engine import Job, resolve_plan  # local: timed
     from hepti.parallel.trace import Tracer  # local: timed

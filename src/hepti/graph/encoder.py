@@ -122,16 +122,3 @@ def vit(cfg, B: int, T: int) -> Graph:
                                                                            "final_ln.beta"), eps)],
                  cfg.num_hidden_layers, {"heads": H, "ffn": F, "rows": B * T}, seq_len=T,
                  output="out", whole_units=("heads",))
-
-
-FAMILIES = {"bert": bert, "vit": vit}
-
-
-def family_graph(cfg, B: int, T: int) -> Graph:
-    """The graph of the family `cfg.model_type` names, for batches of B x T tokens."""
-    try:
-        build = FAMILIES[cfg.model_type]
-    except KeyError:
-        raise ValueError(f"no graph for model_type {cfg.model_type!r}; "
-                         f"known: {', '.join(FAMILIES)}") from None
-    return build(cfg, B, T)

@@ -3,7 +3,8 @@ file (hepti.graph.onnx_import), a stored .json graph, or a model folder's config
 or ViT, built by hepti.graph.cnn and hepti.graph.encoder).
 
 It sits above the builders, which sit above the OpDag type, so that none of them imports another
-in a circle.
+in a circle; it asks the family registry (hepti.families, in the model layer, and so is this
+module) what a model folder's config is.
 """
 from __future__ import annotations
 
@@ -11,10 +12,8 @@ import gzip
 import json
 from pathlib import Path
 
-from hepti.config import config_from_json
 from hepti.errors import GraphError
-from hepti.graph.cnn import build
-from hepti.graph.encoder import family_graph
+from hepti.families import config_from_json, family, family_graph
 from hepti.graph.onnx_import import import_onnx
 from hepti.graph.opdag import OpDag, from_cnn, from_encoder
 
@@ -60,7 +59,8 @@ def _model_folder(p: Path, batch: int, input_shape) -> OpDag:
 def model_graph(cfg, batch: int, input_shape, name: str) -> OpDag:
     """The operator DAG of a model config (a CNN, BERT or ViT) at `batch`; `input_shape` as
     `load_graph`'s."""
-    if cfg.model_type == "cnn":
+    fam = family(cfg)
+    if fam.executor == "bands":
         h = w = cfg.image_size
         if input_shape:
             if len(input_shape) != 3 or input_shape[0] != cfg.num_channels:
@@ -68,10 +68,12 @@ def model_graph(cfg, batch: int, input_shape, name: str) -> OpDag:
                                  + "x".join(map(str, input_shape)))
             h, w = input_shape[1:]
         try:
-            return from_cnn(build(cfg), batch, h, w, name=name)
+            return from_cnn(fam.graph(cfg), batch, h, w, name=name)
         except ValueError as e:
             raise GraphError(str(e)) from None
-    if cfg.model_type == "vit":
+    if fam.executor != "interpreter":
+        raise GraphError(f"{name}: a {fam.label} ({cfg.model_type}) has no operator graph yet")
+    if "pixels" in fam.inputs:
         if input_shape:
             raise GraphError("a ViT's tokens follow from its image size; --input-shape is for "
                              "ONNX files, CNNs (3xHxW) and BERT (tokens)")

@@ -43,9 +43,9 @@ F32_MIN = np.float32(np.finfo(np.float32).min)  # a masked score: exp() of it mi
 class LlamaConfig:
     """Shape and numerics of a Llama-style decoder (HF LlamaConfig's names).
 
-    Lives with the forward until the family registry (issue 45) gives decoders their place in
-    hepti.config; `hepti.config.config_from_dict` does not know model_type "llama" yet, so a
-    converted decoder is refused by the encoder commands with a clear message.
+    Lives with the forward; the family registry (hepti.families) declares it as the "llama"
+    family's config. The encoder commands refuse a converted decoder with a clear message
+    (its executor, "decoder", is not run by `hepti run` or serve yet).
     """
 
     vocab_size: int

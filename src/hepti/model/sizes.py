@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from hepti.graph.ir import F32, ON_PRIMARY
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 
 
 @lru_cache(maxsize=32)

@@ -20,7 +20,7 @@ from hepti.graph.cnn import build
 from hepti.graph.opdag import from_cnn
 from hepti.graph.split import conv_rows, spatial_ops, streamed_convs
 from hepti.model.cnn import Weights
-from hepti.model.family import load_kernels
+from hepti.families import load_kernels
 from hepti.parallel.bands import BandExecutor, head_rows
 from hepti.parallel.engine import (agree, attach_prediction, current_rss, format_plan_line,
                                    format_rank_table, gentle_barrier, parse_bytes, peak_rss,

@@ -13,6 +13,7 @@ from pathlib import Path
 import numba
 from mpi4py import MPI
 
+from hepti.families import family
 from hepti.parallel.cnn_job import run_cnn
 from hepti.parallel.comm import Comm
 from hepti.parallel.engine import agree, run_guarded_fn, run_prepared
@@ -35,7 +36,7 @@ def run_distributed(args) -> int:
     # Every input is checked, and the output opened (or resumed), before any weights load.
     prep = agree(world, lambda: prepare(args, cfg, Path(args.model)) if rank0 else None)
     try:
-        if cfg.model_type == "cnn":  # split by height: hepti.parallel.bands
+        if family(cfg).executor == "bands":  # split by height: hepti.parallel.bands
             return run_cnn(args, world, store, prep, t_start)
         return run_prepared(args, world, store, prep, t_start)
     finally:

@@ -34,9 +34,9 @@ from hepti.errors import HeptiError, PlanError
 from hepti.plan.planfile import DIMS, Plan, parse_bytes, parse_ratios
 from hepti.resources import current_rss, peak_rss, reset_peak_rss
 from hepti.graph import lower
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.graph.lower import prologue_steps, stage_steps
-from hepti.model.family import family, load_kernels
+from hepti.families import family, load_kernels
 from hepti.model.sizes import layer_slice_bytes
 from hepti.parallel import watchdog
 from hepti.parallel.comm import Comm, wait_idle

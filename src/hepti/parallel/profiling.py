@@ -39,7 +39,8 @@ import threading
 
 import numpy as np
 
-from hepti.config import ModelConfig, config_from_dict
+from hepti.config import ModelConfig
+from hepti.families import config_from_dict
 from hepti.emulate import stretch as _stretch
 from hepti.emulate.state import current_device, read_state
 from hepti.errors import PlanError
@@ -51,7 +52,7 @@ from hepti import kernels as K
 from hepti.counts import counts, counts as split, offsets
 from hepti.graph import lower
 from hepti.graph.cnn import CONV
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.graph.split import Split, spatial_ops
 from hepti.model.cnn import CNNModel, Weights, apply
 from hepti.parallel.bands import BandExecutor, lay_out_channels

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from hepti.graph import lower
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.model.batch import Batch
 from hepti.model.bert import validate_inputs
-from hepti.model.family import family
+from hepti.families import family
 from hepti.parallel.comm import Comm
 from hepti.parallel.interpreter import Interpreter
 from hepti.parallel.layers import ResidentLayers, slice_packer

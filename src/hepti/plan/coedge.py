@@ -70,8 +70,9 @@ from hepti.graph.split import (Split, channel_needs, channel_slice, conv_rows, f
 from hepti.graph.opdag import from_cnn
 from hepti.plan.order import executor_order
 from hepti.plan.planfile import Plan
+from hepti.plan.strategies import BANDS, names
 
-CNN_STRATEGIES = ("auto", "even", "proportional", "grid", "pipeline", "single")
+CNN_STRATEGIES = names(BANDS, choosable=True)  # hepti.plan.strategies
 MAX_FUSE = 8  # ops in one fused group at most (deeper halos grow fast: DeepThings fuses ~4-16)
 MIN_SHARE = 0.02  # an active device's share at least this (a band of a few rows at worst)
 EXHAUSTIVE_MAX = 6  # up to this many devices, every subset is solved; beyond, prefixes by speed

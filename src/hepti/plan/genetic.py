@@ -65,7 +65,7 @@ import numpy as np
 from hepti.counts import counts as split_counts
 from hepti.errors import PlanError
 from hepti.graph import lower
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.graph.ir import Graph
 from hepti.plan.costmodel import ACTIVE, MemTerm, Program, evaluate
 from hepti.plan.planfile import DIMS, Plan, parse_bytes

@@ -39,16 +39,17 @@ from hepti.config import ModelConfig
 from hepti.counts import counts as split_counts
 from hepti.counts import offsets
 from hepti.errors import PlanError
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.model.sizes import model_bytes
 from hepti.plan.costmodel import ACTIVE, ROOT, Prediction, Program, envelope, evaluate
 from hepti.plan.pipeline import evaluate_pipeline, pipeline_ranges
+from hepti.plan import strategies
 from hepti.plan.planfile import DIMS, Plan, parse_ratios
 from hepti.plan.profile import Profile
 from hepti.plan.search import Candidate, fits_memory, min_footprint, optimise, stream_budget
 from hepti.plan.workloads import program_for
 
-PLANNERS = ("auto", "rows", "tensor", "stream", "even", "proportional", "pipeline", "single")
+PLANNERS = strategies.names(strategies.INTERPRETER, choosable=True)
 DEFAULT_DISK_READ_BPS = 100e6  # assumed when a stream plan meets a device without disk_read_Bps
 
 

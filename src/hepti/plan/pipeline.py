@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from hepti.config import ModelConfig
 from hepti.graph import lower
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.model.sizes import embedding_bytes, layer_bytes
 from hepti.plan.costmodel import RankPrediction, held_bytes
 from hepti.plan.profile import Profile

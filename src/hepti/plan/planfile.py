@@ -56,8 +56,9 @@ from pathlib import Path
 
 from hepti.errors import PlanError
 from hepti.config import model_mismatch
+from hepti.plan.strategies import names
 
-STRATEGIES = ("rows", "tensor", "stream", "even", "pipeline", "single", "bands", "mixed")
+STRATEGIES = names(in_plan=True)  # hepti.plan.strategies
 DIMS = ("heads", "ffn", "rows")
 SCHEMA_VERSION = 1
 

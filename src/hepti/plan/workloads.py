@@ -21,7 +21,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from hepti.graph import lower
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.plan.costmodel import ACTIVE, ROOT, Collective, MemTerm, Phase, Program, Work
 
 F32 = 4

@@ -9,6 +9,7 @@ import sys
 import threading
 
 from hepti.errors import InputError
+from hepti.families import family
 from hepti.serve.http import make_server, serve_jsonl
 from hepti.serve.listen import listening_socket
 from hepti.serve.requests import Limits
@@ -78,9 +79,13 @@ def check_args(args, key: str | None = None) -> None:
         if path and not os.path.isfile(path):
             raise InputError(f"--{flag} {path}: no such file")
     cfg = WeightStore(args.model).config
-    if cfg.model_type in ("vit", "cnn"):
+    fam = family(cfg)
+    if "pixels" in fam.inputs:
         raise InputError(f"{args.model} is a vision model; hepti serve embeds texts and token "
                          "ids (use `hepti run --image` for images)")
+    if fam.executor != "interpreter":
+        raise InputError(f"{args.model} is a {fam.label} {fam.executor} ({cfg.model_type}); "
+                         "hepti serve runs the interpreter's text encoders")
     if not _loopback(args.host) and not key:
         log.warning("serving on %s without an API key (--api-key-file or $%s): anyone who "
                     "reaches this address can use the service", args.host, API_KEY_ENV)

@@ -28,7 +28,7 @@ import time
 import numba
 import numpy as np
 
-from hepti.graph.encoder import family_graph
+from hepti.families import family_graph
 from hepti.inputs import Batch
 from hepti.model.pooling import pool
 from hepti.model.sizes import layer_slice_bytes, spec_bytes

@@ -16,7 +16,9 @@ import numpy as np
 
 from hepti.config import ModelConfig
 from hepti.errors import WeightsError
+from hepti.families import family
 from hepti.weights import layout
+from hepti.weights.cnn import write_random_cnn
 from hepti.weights.source import open_checkpoint
 from hepti.weights.writer import TensorSpec, write_model
 
@@ -118,6 +120,8 @@ def write_random(config: ModelConfig, out: str | Path, seed: int = 0, progress: 
     """
     if not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if family(config).layout == "cnn":  # BatchNorm folded, the labels beside: hepti.weights.cnn
+        return write_random_cnn(config, out, seed, overwrite=overwrite, progress=progress)
     shapes = layout.expected_shapes(config, pooler=pooler)
     specs = [TensorSpec(n, s, _RandomRows(n, s, int(seed))) for n, s in shapes.items()]
     source = {"random": config.name or "custom", "seed": int(seed)}

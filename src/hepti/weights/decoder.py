@@ -25,9 +25,9 @@ matrices, about `layout.WHOLE_CHUNK_BYTES` for the embedding, 1-D tensors whole.
 The tokenizer is stored beside the shards as tokenizer.json, and the chat template, BOS/EOS
 tokens in tokenizer_config.json (Hugging Face's file names).
 
-Until issue 45's registry knows decoders, `hepti.config.config_from_dict` refuses model_type
-"llama", so `WeightStore` and `hepti verify` do not read these folders yet; `load_decoder`
-here does, checking each shard's size and every tensor's shape against the config.
+The family registry (hepti.families) knows model_type "llama", so `WeightStore` and `hepti
+verify` read these folders; `load_decoder` reads one whole, checking each shard's size and every
+tensor's shape against the config.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ import h5py
 import numpy as np
 from tokenizers import Tokenizer
 
-from hepti.errors import WeightsError
+from hepti.errors import ConfigError, WeightsError
+from hepti.families import family
 from hepti.model.llama import LAYER_TENSORS, LlamaConfig
 from hepti.weights import layout
 from hepti.weights.index import INDEX_NAME, load_index
@@ -80,8 +81,8 @@ def chunk_rows(name: str, shape: tuple[int, ...], config: LlamaConfig) -> int:
 
 def is_decoder(path: str | Path) -> bool:
     try:
-        return load_index(path)["config"].get("model_type") == "llama"
-    except WeightsError:
+        return family(load_index(path)["config"].get("model_type")).executor == "decoder"
+    except (WeightsError, ConfigError):
         return False
 
 

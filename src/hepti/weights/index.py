@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hepti.config import ModelConfig, config_from_dict
+from hepti.config import ModelConfig
+from hepti.families import config_from_dict
 from hepti.errors import WeightsError
 
 FORMAT = "hepti-weights"

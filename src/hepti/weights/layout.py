@@ -34,7 +34,7 @@ heads are not stored.
 Which tensors a family stores, their shapes, and the unit that slices each are its operator
 graph's weights (hepti.graph.encoder: `layer_tensors`, `expected_shapes`, `slice_dim` read
 it); the tables above describe them. What stays here per family is how Hugging Face names
-them (`FAMILIES`).
+them (`LAYOUTS`, by the layout name a family declares in hepti.families).
 
 Chunking (`chunk_rows`): HDF5 chunks span whole rows and a small number of them (a head's D
 rows for attention weights, `FFN_ROWS_PER_CHUNK` rows for FFN weights), so a slice touches only
@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from hepti.graph.cnn import build
-from hepti.graph.encoder import family_graph
+from hepti import families
+from hepti.families import family_graph
 
 FFN_ROWS_PER_CHUNK = 16
 WHOLE_CHUNK_BYTES = 64 * 1024  # target chunk size of matrices that are read whole
@@ -200,7 +201,7 @@ class Family:
     pooler: bool = False
 
 
-FAMILIES = {
+LAYOUTS = {  # by layout name: a family's `layout` (hepti.families)
     "bert": Family("bert", "BERT", "BertModel",
                    hf_layers=(("BERT", "encoder.layer.{i}.", HF_LAYER_MAP),),
                    hf_other=HF_OTHER_MAP, hf_model_prefix="bert.",
@@ -215,12 +216,14 @@ FAMILIES = {
 
 
 def family(model_type: str) -> Family:
-    """The layout of a model family; ValueError names the supported ones."""
+    """The Hugging Face checkpoint layout of a model family (hepti.families names it);
+    ValueError for a family without one."""
+    name = families.family(model_type).layout
     try:
-        return FAMILIES[model_type]
+        return LAYOUTS[name]
     except KeyError:
-        raise ValueError(f"no weight layout for model_type {model_type!r}; hepti has: "
-                         f"{', '.join(FAMILIES)}") from None
+        raise ValueError(f"model_type {model_type!r} has no Hugging Face checkpoint layout; "
+                         f"those with one: {', '.join(LAYOUTS)}") from None
 
 
 def layer_tensors(config) -> tuple[str, ...]:
@@ -272,7 +275,7 @@ def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:
     weights outside the layers, the pooler if stored (`pooler`: BERT's only), every layer's.
     A CNN's: its graph's (hepti.graph.cnn), BatchNorm folded into each conv.
     """
-    if config.model_type == "cnn":
+    if families.family(config).layout == "cnn":
         return build(config).weights()
     g = _graph(config)
     shapes = {n: tuple(g.weights[n].shape) for n in embedding_tensors(config)}
@@ -289,7 +292,7 @@ def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:
 def hf_shapes(config) -> dict[str, tuple[int, ...]]:
     """Stored tensors whose Hugging Face shape is a reshape of the stored one (more than a
     transpose) -> that HF shape; the data are the same in row-major order."""
-    if config.model_type != "vit":
+    if families.family(config).layout != "vit":
         return {}
     c, p = config.hidden_size, config.patch_size
     return {"emb.patch.weight": (c, config.num_channels, p, p), "emb.cls": (1, 1, c),

@@ -6,7 +6,7 @@ rows at a time (in hepti's stored orientation), so converting never holds a whol
 The safetensors format is read here directly (8-byte header length, JSON header, raw data)
 rather than through `safetensors.numpy`, because numpy has no bfloat16 and many checkpoints are
 BF16; the parser checks every offset against the file size. The family (config.json's
-model_type) decides which HF names are expected: `layout.FAMILIES`.
+model_type) decides which HF names are expected: `layout.LAYOUTS`, by its family's layout.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hepti.config import ModelConfig, config_from_json
+from hepti.config import ModelConfig
+from hepti.families import config_from_json
 from hepti.errors import WeightsError
 from hepti.weights import layout
 

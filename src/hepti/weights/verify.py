@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 
 from hepti.errors import HeptiError, WeightsError
-from hepti.model.llama import LlamaConfig
+from hepti.families import family
 from hepti.weights import decoder, layout
 from hepti.weights.index import INDEX_NAME, index_config, load_index
 
@@ -49,13 +49,13 @@ def verify(path: str | Path) -> list[str]:
                             f"({str(info.get('sha256'))[:16]}...): the file is corrupted; re-run `hepti convert`")
             damaged.add(shard)
     try:
-        config = _config(index)
+        config = index_config(index)
     except HeptiError as e:
         problems.append(f"{path / INDEX_NAME}: config: {e}")
         config = None
     if config is not None:
         pooler = "pooler.weight" in tensors or "pooler.bias" in tensors
-        expected = (decoder.expected_shapes(config) if config.model_type == "llama"
+        expected = (decoder.expected_shapes(config) if family(config).layout == "decoder"
                     else layout.expected_shapes(config, pooler=pooler))
         for name, shape in expected.items():
             if name not in tensors:
@@ -77,14 +77,6 @@ def verify(path: str | Path) -> list[str]:
         if (path / shard).is_file():
             problems += _check_datasets(path / shard, names, tensors, read_all=shard in damaged)
     return problems
-
-
-def _config(index: dict):
-    """The index's config; a decoder's (issue 46) is read beside the family registry, which
-    does not know model_type "llama" until issue 45 brings it in."""
-    if index["config"].get("model_type") == "llama":
-        return LlamaConfig.from_dict(index["config"])
-    return index_config(index)
 
 
 def _check_datasets(p: Path, names: list[str], tensors: dict, read_all: bool) -> list[str]:
