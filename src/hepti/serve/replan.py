@@ -74,7 +74,9 @@ LINK_CHECK_S = 5.0
 # steady link planned slow for good, and probed twice every LINK_CHECK_S: bench-adapt
 # --quiet-ab 600 at 0962d8a read node-b's link back 15 times in a row ("rank 1 ... Mbit/s
 # again -> keep") and never let it go. Three checks span 15 s, several periods of the flaps
-# bench-adapt --flap makes (2 s), each of which would have read it slow once.
+# bench-adapt --flap makes; but checks every 5 s against a 4 s flap can still read a flapping
+# link back three times in a row (bench-adapt --flap at ef98488, at 45 s), and then the
+# rollback of the switch made for it holds the link as flapping (`_links_back_since`).
 LINK_BACK_N = 3
 # A link that went slow less than FLAP_WINDOW_S ago is taken as back (re-planned on) only at
 # its LINK_BACK_N-th check in a row that reads it back, not at the first: bench-adapt --flap
