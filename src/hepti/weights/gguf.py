@@ -25,7 +25,6 @@ that token. The chat template and BOS/EOS go into tokenizer_config.json, as HF n
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import tempfile
 from pathlib import Path
@@ -36,6 +35,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from hepti.errors import WeightsError
 from hepti.model.llama import LlamaConfig
 from hepti.weights import decoder
+from hepti.weights.package import package_files
 from hepti.weights.writer import TensorSpec, write_model
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -350,22 +350,7 @@ def convert_gguf(src: str | Path, out: str | Path, *, shard_layers: int | None =
 
 def find_package_gguf(package: str) -> Path | None:
     """The .gguf file an installed pip package ships (the largest, if several), or None."""
-    found: list[Path] = []
-    try:
-        dist = importlib.metadata.distribution(package)
-        found += [Path(str(dist.locate_file(f))) for f in dist.files or ()
-                  if f.name.endswith(".gguf")]
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    module = package.replace("-", "_")
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            found += list(Path(loc).rglob("*.gguf"))
-    found = [p for p in dict.fromkeys(found) if p.is_file()]
+    found, _ = package_files(package, lambda name: name.endswith(".gguf"))
     return max(found, key=lambda p: p.stat().st_size) if found else None
 
 
