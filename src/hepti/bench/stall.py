@@ -67,6 +67,24 @@ def _queued(listener) -> int:
     return 0
 
 
+def _clients(sup, ids: list, stop: threading.Event, requests: list, errors: list) -> list:
+    """Two closed-loop clients posting `ids` in turn until `stop`: each answer's (sent,
+    answered) wall times go to `requests`, each failure to `errors`; the started threads."""
+    def client(k):
+        i = k
+        while not stop.is_set():
+            a = time.time()
+            try:
+                sup.embed([ids[i % len(ids)]])
+                requests.append((a, time.time()))
+            except Exception as e:  # noqa: BLE001 - counted, reported
+                errors.append(repr(e))
+            i += 2
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(2)]
+    [t.start() for t in threads]
+    return threads
+
+
 def _mono(wall: float) -> float:
     return wall - time.time() + time.monotonic()
 
@@ -76,7 +94,7 @@ def one_run(model: str, ranks: int, spare: bool, settle_s: float = 3.0) -> dict:
     kw = {"spare": spare} if "spare" in inspect.signature(Supervisor).parameters else {}
     sup = Supervisor(model, ranks, worker_args=["--strategy", "tensor"], **kw).start()
     stop_clients = threading.Event()
-    answers: list[float] = []
+    requests: list[tuple[float, float]] = []  # (sent, answered), wall time
     errors: list[str] = []
     stopped = None
     try:
@@ -91,18 +109,7 @@ def one_run(model: str, ranks: int, spare: bool, settle_s: float = 3.0) -> dict:
                 if time.monotonic() > t_end:
                     raise RuntimeError("the spare was not ready within 300 s")
                 time.sleep(0.2)
-
-        def client(k):
-            i = k
-            while not stop_clients.is_set():
-                try:
-                    sup.embed([ids[i % len(ids)]])
-                    answers.append(time.monotonic())
-                except Exception as e:  # noqa: BLE001 - counted, reported
-                    errors.append(repr(e))
-                i += 2
-        threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(2)]
-        [t.start() for t in threads]
+        threads = _clients(sup, ids, stop_clients, requests, errors)
         time.sleep(settle_s)
         victim = next(r for r in sup.ranks if r["rank"] == 1)
         load = os.getloadavg()[0]
@@ -111,12 +118,12 @@ def one_run(model: str, ranks: int, spare: bool, settle_s: float = 3.0) -> dict:
         stopped = victim["pid"]
         t_end = t_stop + 300
         while not (len(sup.launches) >= 2 and "ready_s" in sup.launches[1]
-                   and any(t > _mono(sup.launches[0]["ended_at"]) for t in list(answers))):
+                   and any(b > sup.launches[0]["ended_at"] for _, b in list(requests))):
             if time.monotonic() > t_end:
                 raise RuntimeError("no answer within 300 s of the stop")
             time.sleep(0.05)
         lost, nxt = sup.launches[0], sup.launches[1]
-        first = min(t for t in answers if t > _mono(lost["ended_at"])) - t_stop
+        first = _mono(min(b for _, b in list(requests) if b > lost["ended_at"])) - t_stop
         stop_clients.set()
         [t.join(120) for t in threads]
         ready = _mono(nxt["started_at"] + nxt["ready_s"]) - t_stop
@@ -192,19 +199,7 @@ def readmit_run(model: str, ranks: int, settle_s: float = 3.0, after_s: float = 
     try:
         ids = [np.array(e.ids, np.int64) for e in sup.tokenizer.encode_batch(TEXTS)]
         sup.embed(ids)
-
-        def client(k):
-            i = k
-            while not stop_clients.is_set():
-                a = time.time()
-                try:
-                    sup.embed([ids[i % len(ids)]])
-                    requests.append((a, time.time()))
-                except Exception as e:  # noqa: BLE001 - counted, reported
-                    errors.append(repr(e))
-                i += 2
-        threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(2)]
-        [t.start() for t in threads]
+        threads = _clients(sup, ids, stop_clients, requests, errors)
         time.sleep(settle_s)
         victim = next(r for r in sup.ranks if r["rank"] == 1)
         os.kill(victim["pid"], signal.SIGSTOP)
