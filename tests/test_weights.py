@@ -28,7 +28,8 @@ from hepti.families import preset_config
 from hepti.kernels import PackedB, QuantB, QuantMatrix
 from hepti.model.pooling import pool
 from hepti.model.reference import reference_forward
-from hepti.parallel.single import BertEncoder
+from hepti.inputs import Batch
+from hepti.parallel.single import BertEncoder, SingleDevice
 from hepti.weights import (WeightStore, convert_checkpoint, convert_package, find_package_model,
                            verify, write_random)
 from hepti.weights import layout
@@ -836,3 +837,20 @@ def test_int8_encoder_against_its_twin_and_float32(fixtures_dir, tmp_path):
             assert err <= 0.02 * np.abs(exp["hidden"][mask]).max(), err
             emb = pool(h, exp["mask"], "mean", normalize=True)
             assert ((emb * exp["mean_normalized"]).sum(axis=1) > 0.999).all()
+
+
+def test_int8_vit_near_float32(fixtures_dir, tmp_path):
+    """The ViT family in int8 (hidden 90: a group of 64 and a short one of 26; MLP 150): near
+    transformers' float32 output, within what int8 justifies (as the BERT test above)."""
+    exp = dict(np.load(fixtures_dir / "vit_expected.npz"))
+    out = convert_checkpoint(fixtures_dir / "vit-tiny-odd", tmp_path / "vit8", progress=False,
+                             dtype="int8")
+    assert verify(out) == []
+    with WeightStore(out) as store:
+        px = exp["pixels"]
+        h = SingleDevice.from_store(store).run(
+            Batch(None, np.ones((len(px), store.config.seq_len), np.int64), None, px))
+    assert np.abs(h - exp["hidden"]).max() <= 0.02 * np.abs(exp["hidden"]).max()
+    cos = (h[:, 0] * exp["cls"]).sum(1) / np.linalg.norm(h[:, 0], axis=1) / np.linalg.norm(
+        exp["cls"], axis=1)
+    assert (cos > 0.999).all(), cos

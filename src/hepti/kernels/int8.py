@@ -32,6 +32,11 @@ Kernels (the float32 GeMM's blocking, micro-kernels and epilogue, packed_gemm.py
   the group's sum (groups along K), or folds the row's scale into x[p] (groups along N).
 `gemm_any` / `ffn_any` take a PackedB or a QuantB, so callers (the interpreter, a decoder) need
 not know which a folder holds.
+
+For a decoder: at load, `pack_weight(store.read(name, rows), trans=...)` packs whatever the
+folder holds (a QuantMatrix from an int8 folder, float32 otherwise), or
+`pack_q(quantize(w), trans=...)` quantises float32 weights (say, dequantised GGUF) on the fly;
+then `gemm_any(x, w, residual=...)` runs the GeMV for one decode row and the GeMM for a prefill.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def _join(mats: list):
 
 @dataclass
 class LayerSlice:
-    """Layer `index`: `params[op name]` is (PackedB | None, bias | None) for a gemm and the
+    """Layer `index`: `params[op name]` is (PackedB | QuantB | None, bias | None) for a gemm and the
     tuple of its weights for any other operator; `nbytes` what that holds in RAM."""
 
     index: int

@@ -76,6 +76,10 @@ class WeightStore:
                 raise WeightsError(f"{self.path / shard}: tensor {name} cannot be opened ({e}); "
                                    f"{fix}") from None
             want = t.get("dtype", layout.DTYPE)
+            if want not in layout.DTYPES:
+                raise WeightsError(f"{self.path / INDEX_NAME}: tensor {name} has dtype {want!r}, "
+                                   f"this hepti reads {', '.join(layout.DTYPES)}; upgrade hepti "
+                                   f"or {fix}")
             if dset.shape != tuple(t["shape"]) or dset.dtype != np.dtype(want):
                 raise WeightsError(f"{self.path / shard}: tensor {name} is {dset.dtype}"
                                    f"{list(dset.shape)}, {INDEX_NAME} says {want}{t['shape']}; {fix}")
