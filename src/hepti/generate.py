@@ -127,9 +127,11 @@ def chat_text(prompt: str, meta: dict, model) -> str:
 def group_ratios(args, world_size: int) -> dict[str, list[float]]:
     """Shares per dimension for the group that computes: --ratios (tensor only), else equal;
     `single` is rank 0's group of one."""
+    if args.strategy == "single" and args.ratios and world_size > 1:
+        raise InputError("--strategy single runs on rank 0 alone; drop --ratios")
     if args.strategy == "single" or world_size == 1:
-        if args.ratios and world_size > 1:
-            raise InputError("--strategy single runs on rank 0 alone; drop --ratios")
+        if args.ratios:
+            parse_ratios(args.ratios, world_size)  # one share per rank, even for one rank
         return {d: [1.0] for d in DIMS}
     if args.ratios:
         return parse_ratios(args.ratios, world_size)

@@ -1,0 +1,36 @@
+"""The decoder at 3 ranks, launched by the test itself (`mpiexec -n 3`): tests/mpi/decoder_check.py
+against transformers' fixtures with skewed ratios, zeros included, and sampling equal to one
+rank's. SmolLM2-135M runs once here (it is the slow one); the tiny odd decoder twice."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_distributed_launch import ROOT, launch
+
+SMOLLM2 = ROOT / "weights" / "smollm2"
+
+
+@pytest.fixture(scope="module")
+def llama_tiny_dir(tmp_path_factory):
+    from hepti.weights.gguf import convert_gguf
+    return convert_gguf(ROOT / "tests/fixtures/llama-tiny-odd.gguf",
+                        tmp_path_factory.mktemp("w") / "llama-tiny", progress=False)
+
+
+def test_decoder_at_3_ranks(llama_tiny_dir):
+    tiny = f"{llama_tiny_dir}:llama_tiny_expected.npz"
+    args = ["--model", f"{tiny}:0.5,0,0.5", "--model", f"{tiny}:0.2,0.5,0.3",
+            "--sampling", f"{tiny}:0.2,0.5,0.3"]
+    smol = (SMOLLM2 / "index.json").is_file()
+    if smol:
+        args += ["--model", f"{SMOLLM2}:smollm2_expected.npz:0.5,0,0.5"]
+    code, out, err, _ = launch(3, "-m", "mpi4py", ROOT / "tests/mpi/decoder_check.py", *args,
+                               timeout=900)
+    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
+    # tiny: 2 prompts x 2 vectors + 2 prompts x 2 samplings; SmolLM2: 3 prompts
+    assert len(rows) == 8 + (3 if smol else 0) and all(r["ok"] for r in rows), rows
+    assert {r["shard"] for r in rows if r["case"] == "fixture" and r["ratios"] == "0.5,0,0.5"} \
+        >= {"Shard(kv=(0, 1), ffn=(0, 100), vocab=(0, 150), residual=True)"}
