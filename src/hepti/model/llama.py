@@ -55,7 +55,8 @@ class LlamaConfig:
 
     Lives with the forward; the family registry (hepti.families) declares it as the "llama"
     family's config. The encoder commands refuse a converted decoder with a clear message
-    (its executor, "decoder", is not run by `hepti run` or serve yet).
+    (its executor, "decoder", hepti.parallel.decoder, is run by `hepti generate`, not by
+    `hepti run` or serve).
     """
 
     vocab_size: int
