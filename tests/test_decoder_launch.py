@@ -34,3 +34,36 @@ def test_decoder_at_3_ranks(llama_tiny_dir):
     assert len(rows) == 8 + (3 if smol else 0) and all(r["ok"] for r in rows), rows
     assert {r["shard"] for r in rows if r["case"] == "fixture" and r["ratios"] == "0.5,0,0.5"} \
         >= {"Shard(kv=(0, 1), ffn=(0, 100), vocab=(0, 150), residual=True)"}
+
+
+def _json_tail(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
+    """`mpiexec -n 2 hepti generate`: tensor with a zero share and single give the fixture's
+    ids, logits and tokens, printed once; a ratio vector of the wrong length is refused once,
+    before any work, without a traceback."""
+    import numpy as np
+    z = np.load(ROOT / "tests/fixtures/llama_tiny_expected.npz")
+    text, ids = str(z["prompt0_text"]), z["prompt0_ids"].tolist()
+    greedy = z["prompt0_greedy"].tolist()
+    for extra in (["--ratios", "0,1"], ["--strategy", "single"]):
+        out_file = tmp_path / "logits.npy"
+        code, out, err, _ = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,
+                                   "--prompt", text, "--max-tokens", 32, "--json",
+                                   "--logits-out", out_file, *extra, timeout=300)
+        assert code == 0, err
+        doc = _json_tail(out)
+        assert out.count('"prompt_ids"') == 1 and err.count("hepti generate: ") == 2, (out, err)
+        assert doc["prompt_ids"] == ids and doc["token_ids"] == greedy[:len(doc["token_ids"])]
+        assert len(doc["per_rank"]) == 2
+        assert np.abs(np.load(out_file) - z["prompt0_logits"]).max() < 1e-3
+        if extra[0] == "--ratios":
+            assert all(r["comm_s"] > 0 for r in doc["per_rank"])
+        else:  # rank 1 was left out
+            assert doc["per_rank"][1]["weight_bytes"] == 0
+    code, out, err, _ = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,
+                               "--prompt", "hi", "--ratios", "0.2,0.3,0.5", timeout=300)
+    msg = "3 entries but there are 2 ranks"
+    assert code == 2 and err.count(msg) == 1 and "Traceback" not in err, err

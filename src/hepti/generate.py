@@ -65,6 +65,7 @@ def generate_on_every_rank(args) -> int:
         report = run_group(args, dec, ids, sampling, stop, tok, rank0)
         report["load_s"] = load_s
     store.close()
+    world.barrier_idle()  # ranks left out by `single` wait here asleep, not spinning in MPI
     # per rank: [compute s, communication s, weight bytes] (zeros for a rank left out)
     mine = [report["compute_s"], report["comm_s"], report["weight_bytes"]] if report else [0.0] * 3
     per_rank = world.gather_floats(mine)

@@ -273,7 +273,8 @@ class LlamaModel:
         if self.head is None:  # no vocabulary rows here
             logits = np.empty((last.shape[0], 0), np.float32)
         else:
-            logits = self._mm(rms_norm(last, self.final_gamma, c.rms_norm_eps), self.head)  # (t, nv)
+            h = rms_norm(last, self.final_gamma, c.rms_norm_eps)
+            logits = self._mm(h, self.head)  # (t, nv)
         return logits if all_logits else logits[0]
 
     def embed(self, ids: np.ndarray) -> np.ndarray:

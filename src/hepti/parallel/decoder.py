@@ -224,8 +224,8 @@ class TokenChooser:
         while True:
             sent = min(k, z.size)
             pad = k - sent
-            pack = np.concatenate([[m, s, sent, z.size],
-                                   zs[:sent], np.full(pad, -np.inf), ids[:sent], np.full(pad, -1.0)])
+            pack = np.concatenate([[m, s, sent, z.size], zs[:sent], np.full(pad, -np.inf),
+                                   ids[:sent], np.full(pad, -1.0)])
             g = allgather_small(self.comm, pack)  # (N, 4 + 2k)
             M = float(g[:, 0].max())
             Z = float(np.sum(np.where(g[:, 1] > 0, g[:, 1] * np.exp(g[:, 0] - M), 0.0)))
