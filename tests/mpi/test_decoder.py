@@ -63,3 +63,27 @@ def test_smollm2_equals_transformers(comm, ratios):
 @pytest.mark.skipif(not (SMOLLM2 / "index.json").is_file(), reason="weights/smollm2 is absent")
 def test_smollm2_sampling_equals_one_rank(comm):
     _verdict(check_sampling(SMOLLM2, "smollm2_expected.npz", "0.7,0.3", comm, prompts=(1,)))
+
+
+def test_the_syncs_are_the_docstrings(llama_tiny_dir):
+    """hepti.parallel.decoder's docstring, counted: a prefill syncs 1 + 2L times by a
+    reduce-scatter and an allgather of rows, a decode step 1 + 2L times by one allreduce of
+    [1, C]; each greedy choice is one allgather of 2 floats a rank; nothing else moves."""
+    from decoder_check import group
+    from hepti.parallel.decoder import Sampling
+    c = Comm(COMM, Tracer(COMM.Get_rank(), record_messages=True))
+    try:
+        dec = group(llama_tiny_dir, "0.6,0.4", c)
+        cfg = dec.config
+        c.tracer.reset()
+        dec.generate([5, 17, 250, 3], 2, Sampling())  # a prefill of 4 rows, one decode step
+        kinds = [k for k, _, _ in c.tracer.messages]
+        syncs = 1 + 2 * cfg.num_hidden_layers
+        want = (["reduce_scatter", "allgatherv"] * syncs + ["allgather"]
+                + ["allreduce"] * syncs + ["allgather"])
+        row = 4 * cfg.hidden_size  # bytes of one row of the residual stream
+        decode = [(s, r) for k, s, r in c.tracer.messages if k == "allreduce"]
+        ok = kinds == want and set(decode) == {(row, row)}
+        all_ok(ok, f"{kinds[:6]}... ({len(kinds)} verbs, {len(want)} expected); {set(decode)}")
+    finally:
+        c.close()

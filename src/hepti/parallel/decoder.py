@@ -117,10 +117,9 @@ class DecoderGroup:
         self.shards = shards(self.config, ratios)  # every rank's, for the logits' Gatherv
         self.shard = self.shards[comm.rank]
         self.rows = list(ratios["rows"])
-        self.model = LlamaModel(self.config, read_shard(store, self.shard), kernels=kernels,
-                                shard=self.shard)
-        self.weight_bytes = (sum(int(w.nbytes) for lw in self.model.layers for w in lw.values()
-                                 if isinstance(w, np.ndarray)) + self.model.emb.nbytes)
+        weights = read_shard(store, self.shard)
+        self.weight_bytes = sum(int(w.nbytes) for w in weights.values())  # the shard, float32
+        self.model = LlamaModel(self.config, weights, kernels=kernels, shard=self.shard)
 
     def sync(self, partial: np.ndarray) -> np.ndarray:
         """Sum a partial [T, C] over the group: an allreduce for one row, a reduce-scatter over
