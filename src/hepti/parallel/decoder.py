@@ -55,7 +55,7 @@ Every decision is computed from the same gathered numbers on every rank, so the 
 without another message; it depends only on the logits, the order of the vocabulary and the
 seed's draws, never on how the vocabulary is split, so the same seed gives the same tokens at
 any number of ranks (up to the last bits of the logits, which partial sums in another order
-can move: tests/test_decoder_launch.py holds 1 and 3 ranks equal on real prompts).
+can move: tests/mpi/decoder_check.py holds 2 and 3 ranks equal to 1 on the fixtures' prompts).
 """
 from __future__ import annotations
 
