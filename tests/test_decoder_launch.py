@@ -59,8 +59,9 @@ def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
         assert doc["prompt_ids"] == ids and doc["token_ids"] == greedy[:len(doc["token_ids"])]
         assert len(doc["per_rank"]) == 2
         assert np.abs(np.load(out_file) - z["prompt0_logits"]).max() < 1e-3
-        if extra[0] == "--ratios":
+        if extra[0] == "--ratios":  # rank 0 holds no KV head: no cache either
             assert all(r["comm_s"] > 0 for r in doc["per_rank"])
+            assert [r["kv_cache_bytes"] > 0 for r in doc["per_rank"]] == [False, True]
         else:  # rank 1 was left out
             assert doc["per_rank"][1]["weight_bytes"] == 0
     code, out, err, _ = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,

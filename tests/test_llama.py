@@ -18,7 +18,7 @@ from helpers import FIXTURES, ROOT
 gguf = pytest.importorskip("gguf")
 
 from hepti.errors import InputError, WeightsError  # noqa: E402
-from hepti.model.llama import LlamaModel  # noqa: E402
+from hepti.model.llama import KVCache, LlamaModel  # noqa: E402
 from hepti.weights.decoder import load_decoder, load_tokenizer  # noqa: E402
 from hepti.weights.gguf import (GGUFFile, convert_gguf, dequantize,  # noqa: E402
                                 unpermute_qk)
@@ -142,6 +142,7 @@ def test_decode_with_cache_equals_full_recompute(tiny, kernels):
     seq = [5, 17, 250, 3, 99, 42, 7, 7, 1, 260, 11, 64]
     cache = model.new_cache(32)
     assert cache.k[0].shape == (config.num_key_value_heads, 32, config.head_dim)
+    assert cache.nbytes == KVCache.bytes_for(config, 32, config.num_key_value_heads)
     step = [model.prefill(seq[:5], cache)] + [model.decode(t, cache) for t in seq[5:]]
     assert cache.n == len(seq)
     full = model.forward(seq, model.new_cache(len(seq)), all_logits=True)  # (T, V)

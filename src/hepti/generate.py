@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from hepti.errors import InputError
 from hepti.families import FAMILIES, family
-from hepti.model.llama import check_request
+from hepti.model.llama import KVCache, check_request
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling
 from hepti.parallel.engine import agree, run_guarded_fn
@@ -66,8 +66,9 @@ def generate_on_every_rank(args) -> int:
         report["load_s"] = load_s
     store.close()
     world.barrier_idle()  # ranks left out by `single` wait here asleep, not spinning in MPI
-    # per rank: [compute s, communication s, weight bytes] (zeros for a rank left out)
-    mine = [report["compute_s"], report["comm_s"], report["weight_bytes"]] if report else [0.0] * 3
+    # per rank (zeros for a rank left out)
+    keys = ("compute_s", "comm_s", "weight_bytes", "kv_cache_bytes")
+    mine = [report[k] for k in keys] if report else [0.0] * len(keys)
     per_rank = world.gather_floats(mine)
     if group is not None and group is not world:
         group.close()
@@ -188,7 +189,9 @@ def run_group(args, dec: DecoderGroup, ids, sampling, stop, tok, rank0: bool) ->
     comm_s = dec.comm_seconds()
     return {"tokens": tokens, "prefill_s": marks[0] - t0, "decode_s": marks[-1] - marks[0],
             "wall_s": wall, "comm_s": comm_s, "compute_s": wall - comm_s,
-            "weight_bytes": dec.weight_bytes, "text": tok.decode(tokens)}
+            "weight_bytes": dec.weight_bytes, "text": tok.decode(tokens),
+            "kv_cache_bytes": KVCache.bytes_for(dec.config, len(ids) + args.max_tokens,
+                                                dec.model.n_kv)}
 
 
 def finish(args, r: dict, per_rank, ids, world_size: int, tok) -> None:
@@ -209,8 +212,9 @@ def finish(args, r: dict, per_rank, ids, world_size: int, tok) -> None:
                "text": r["text"], "strategy": args.strategy, "ranks": world_size,
                "prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
                "prefill_s": r["prefill_s"], "decode_s": r["decode_s"],
-               "per_rank": [{"rank": i, "compute_s": c, "comm_s": m, "weight_bytes": int(b)}
-                            for i, (c, m, b) in enumerate(per_rank)]}
+               "per_rank": [{"rank": i, "compute_s": c, "comm_s": m, "weight_bytes": int(b),
+                             "kv_cache_bytes": int(kv)}
+                            for i, (c, m, b, kv) in enumerate(per_rank)]}
         print(json.dumps(doc))
     sys.stdout.flush()
 

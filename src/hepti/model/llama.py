@@ -169,6 +169,11 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
 
+    @staticmethod
+    def bytes_for(config: LlamaConfig, ctx: int, kv_heads: int) -> int:
+        """What a cache of `ctx` tokens for `kv_heads` KV heads holds (K and V, float32)."""
+        return 2 * config.num_hidden_layers * kv_heads * int(ctx) * config.head_dim * 4
+
 
 def rms_norm(x: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
     """x [T, C] / sqrt(mean(x^2) + eps) * gamma, in float32 as HF's LlamaRMSNorm."""
