@@ -68,3 +68,13 @@ def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
                                "--prompt", "hi", "--ratios", "0.2,0.3,0.5", timeout=300)
     msg = "3 entries but there are 2 ranks"
     assert code == 2 and err.count(msg) == 1 and "Traceback" not in err, err
+
+
+def test_a_failing_rank_ends_the_whole_generation(llama_tiny_dir, sweeps_killed_job):
+    """A rank that fails after loading (rank 1 here, while rank 0 waits in the prefill's first
+    collective) ends the job with its rank and message, and no rank hangs."""
+    import os
+    env = dict(os.environ, HEPTI_FAULT_RANK="1")
+    code, out, err, secs = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,
+                                  "--prompt", "hi", env=env, timeout=120)
+    assert code != 0 and "rank 1" in err and "injected fault" in err, err

@@ -15,6 +15,7 @@ sandbox (as transformers does), never run as Python.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from hepti.families import FAMILIES, family
 from hepti.model.llama import KVCache, check_request
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling
-from hepti.parallel.engine import agree, run_guarded_fn
+from hepti.parallel.engine import FAULT_ENV, agree, run_guarded_fn
 from hepti.parallel.trace import Tracer
 from hepti.plan.planfile import DIMS, parse_ratios
 from hepti.weights import WeightStore
@@ -175,6 +176,8 @@ def run_group(args, dec: DecoderGroup, ids, sampling, stop, tok, rank0: bool) ->
     dec.warm_up()
     dec.comm.barrier()
     dec.comm.tracer.reset()
+    if os.environ.get(FAULT_ENV) == str(MPI.COMM_WORLD.Get_rank()):  # test-only, as hepti run
+        raise RuntimeError(f"injected fault ({FAULT_ENV})")
     stream = Stream(tok, rank0)
     marks: list[float] = []  # perf_counter when each token was chosen
     t0 = time.perf_counter()
