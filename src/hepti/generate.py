@@ -43,6 +43,7 @@ def generate_guarded(args) -> int:
 
 
 def generate_on_every_rank(args) -> int:
+    """Check, load, generate, report (module docstring); every rank calls it."""
     mpi = MPI.COMM_WORLD
     world = Comm(mpi if mpi.Get_size() > 1 else None, Tracer(mpi.Get_rank()))
     rank0 = world.rank == 0
@@ -73,6 +74,7 @@ def generate_on_every_rank(args) -> int:
     per_rank = world.gather_floats(mine)
     if group is not None and group is not world:
         group.close()
+    world.close()  # collective: frees the shared window of the "shm" transport
     if rank0:
         finish(args, report, per_rank, ids, world.size, tok)
     return 0
