@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mpi4py import MPI
 
 from hepti.errors import InputError
@@ -113,12 +115,6 @@ def chat_text(prompt: str, meta: dict, model) -> str:
     if not template:
         raise InputError(f"{model} has no chat template (tokenizer_config.json); drop --chat "
                          "and write the prompt in the model's format yourself")
-    try:
-        from jinja2.exceptions import TemplateError  # local: optional dependency (--chat only)
-        from jinja2.sandbox import ImmutableSandboxedEnvironment  # local: optional dependency
-    except ImportError:
-        raise InputError("--chat needs jinja2 to render the model's chat template: "
-                         "pip install jinja2") from None
     try:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(template).render(
