@@ -68,7 +68,7 @@ from hepti.graph.cnn import ADAPTIVE_AVG, CONV, F32, Graph, LINEAR, build
 from hepti.graph.split import (Split, channel_needs, channel_slice, conv_rows, fetches,
                                first_holders, hold, needs, out_channels, owned, spatial_ops)
 from hepti.graph.opdag import from_cnn
-from hepti.plan.order import executor_order
+from hepti.order.search import executor_order
 from hepti.plan.planfile import Plan
 from hepti.plan.strategies import BANDS, names
 
@@ -578,7 +578,7 @@ def _interior_halo(op, shapes, n: int) -> tuple[int, int]:
 
 def activation_peak(graph: Graph, h: int, w: int, n: int = 1) -> float:
     """Bytes of activations a whole forward holds at its peak when its ops run in BTSearch's
-    order (hepti.plan.order.executor_order), each tensor freed after its last reader, as the
+    order (hepti.order.search.executor_order), each tensor freed after its last reader, as the
     executors run it (hepti.model.cnn, hepti.parallel.bands). A rank of a height split holds
     about its share of it (its bands; the halos are a few rows). It replaces the largest
     input + output of one op, which left out what stays live across an op: ResNet-50's block

@@ -1,7 +1,7 @@
-"""BTSearch on one block, and the pieces every order search shares (hepti.plan.order's whole-graph
-search and hepti.plan.order_hier's hierarchical one): cheap orders, the fast step evaluation,
+"""BTSearch on one block, and the pieces every order search shares (hepti.order.search's whole-graph
+search and hepti.order.hierarchical's hierarchical one): cheap orders, the fast step evaluation,
 ancestry and lower bounds, the search itself, and cutting a Problem into blocks. The method is in
-hepti.plan.order's docstring.
+hepti.order.search's docstring.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from hepti.plan.memory import Problem
+from hepti.order.memory import Problem
 
 DEFAULT_TIME_LIMIT = 10.0  # seconds per block
 DEFAULT_MAX_STATES = 2_000_000  # states per block (each a partial order the search reached)

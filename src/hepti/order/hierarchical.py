@@ -1,6 +1,6 @@
 """Hierarchical order search for blocks too large to search whole (NASNet's cells).
 
-BTSearch (hepti.plan.order) proves its order by walking the downsets of a block; a NASNet-A
+BTSearch (hepti.order.search) proves its order by walking the downsets of a block; a NASNet-A
 large has about a thousand operators and no cut (each cell reads the two cells before it), so
 that walk never ends. HMCOS (Wang et al., "Hierarchical Memory-Constrained Operator Scheduling
 of Neural Architecture Search Networks", DAC 2022) schedules such graphs on a hierarchy; this
@@ -25,7 +25,7 @@ module does the same in hepti's terms, its own way:
 
 The answer is the least peak under the restrictions still in force (groups that stayed
 groups, sequences unbroken), not a proof: `proven` comes from the peak meeting the lower
-bound (hepti.plan.order_search.lower_bounds), or from a last search that ended with no group left and
+bound (hepti.order.btsearch.lower_bounds), or from a last search that ended with no group left and
 no chain joined (then it was BTSearch over single operators, exact); `why` says what was fixed
 when neither holds.
 """
@@ -35,8 +35,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from hepti.plan.memory import Problem
-from hepti.plan.order_search import _bits, _Fast, ancestry, btsearch, lower_bounds, restrict, topological
+from hepti.order.btsearch import (_bits, _Fast, ancestry, btsearch, lower_bounds, restrict,
+                                  topological)
+from hepti.order.memory import Problem
 
 GROUP_MIN_PREDS = 3  # an operator with this many predecessors closes a cell
 GROUP_SEARCH_SECONDS = 2.0  # one group's inner search, per context
