@@ -45,9 +45,8 @@ from hepti.emulate import stretch as _stretch
 from hepti.emulate.state import current_device, read_state
 from hepti.errors import PlanError
 from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, Profile, load_profile, profile_from_dict
-from hepti.resources import (_rss_bytes, _return_freed_memory, available_memory, cgroup_dirs,
-                             cgroup_memory_files, cgroup_memory_stat, cpu_limit, memory_limit,
-                             reclaimable_cache)  # noqa: F401 - hepti.parallel.profiling's names, as before
+from hepti.resources import (_return_freed_memory, available_memory, cgroup_memory_stat, cpu_limit,
+                             memory_limit, process_rss)
 from hepti import kernels as K
 from hepti.counts import counts, counts as split, offsets
 from hepti.graph import lower
@@ -618,7 +617,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
             "memory_bytes": float(memory), "disk_read_Bps": disk_bps, "call_overhead_s": overhead,
             "weight_load_Bps": weight_load, "probe_s": probe_s,
             "measured": {"memory_source": mem_source, "ranks_on_host": on_host,
-                         "rss_bytes": _rss_bytes(), "threads": threads,
+                         "rss_bytes": process_rss() or 0, "threads": threads,
                          "cgroup_memory_stat": {k: v for k, v in cgroup_memory_stat().items()
                                                 if k in MEMORY_STAT_KEYS},
                          "limits": resource_limits()}}
