@@ -41,7 +41,7 @@ from hepti.errors import InputError
 from hepti.parallel.comm import wait
 from hepti import kernels as Kn
 from hepti.emulate.state import read_state
-from hepti.parallel.profiling import fit_link, ping_pong
+from hepti.parallel.profile_links import fit_link, ping_pong
 from hepti.plan.costmodel import evaluate
 from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, profile_from_dict
 from hepti.plan.search import optimise

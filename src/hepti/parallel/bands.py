@@ -65,7 +65,7 @@ from hepti.model.livebytes import track
 def lay_out_channels(flat: np.ndarray, per_rank: list[int], shape: tuple) -> np.ndarray:
     """The map [N, H, W, C] from every rank's channels, gathered one after another (rank r's
     [N, H, W, per_rank[r]], flat): each piece copied to its channels. The profile times it
-    (hepti.parallel.profiling `measure_layout_rate`), and the cost model charges it to every
+    (hepti.parallel.profile_cnn `measure_layout_rate`), and the cost model charges it to every
     member of a split by channels, once an op."""
     n, hh, ww, c = shape
     px = n * hh * ww

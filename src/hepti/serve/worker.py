@@ -36,7 +36,8 @@ from hepti.parallel.comm import Comm
 from hepti.parallel.engine import (Job, agree, build_layers, get_profile, layer_spec,
                                    needs_planner, plan_with_profile, resolve_plan, run_guarded_fn)
 from hepti.parallel.layers import ResidentLayers, slice_packer
-from hepti.parallel.profiling import SpeedProbe, fit_link, measure_probe, ping_pong
+from hepti.parallel.profile_compute import SpeedProbe, measure_probe
+from hepti.parallel.profile_links import fit_link, ping_pong
 from hepti.parallel.trace import Tracer
 from hepti.plan.planfile import Plan
 from hepti.resources import _return_freed_memory, available_memory
@@ -420,7 +421,7 @@ class _State:
 
     def speed_probe(self) -> float:
         """A rank with no share of the plan still tells its speed: the seconds per call of
-        the profile's own speed probe (hepti.parallel.profiling.SpeedProbe, a small GeMM timed
+        the profile's own speed probe (hepti.parallel.profile_compute.SpeedProbe, a small GeMM timed
         the way the profile times, stretched on an emulated device as its work is), which the
         profile recorded for this rank as `probe_s`: the monitor compares like with like.
         Single probe calls, each its own stretched span, read 0.4-2.5x of each other with
