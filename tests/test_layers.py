@@ -40,7 +40,7 @@ LAYERS = [
     (5, "plan", ["hepti.plan.*"]),
     (6, "parallel", ["hepti.parallel.*", "hepti.info"]),
     (7, "job", ["hepti.runner", "hepti.output", "hepti.parallel.engine", "hepti.parallel.cnn_job",
-                "hepti.parallel.distributed"]),
+                "hepti.parallel.distributed", "hepti.generate"]),
     (8, "serve", ["hepti.serve.*"]),
     (9, "bench", ["hepti.bench.*"]),  # it measures the service, too (bench/stall, bench/serve)
     (10, "cli", ["hepti.cli", "hepti.__main__"]),

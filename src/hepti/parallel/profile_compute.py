@@ -376,7 +376,7 @@ def measure_weight_load(config: ModelConfig, directory: str | None = None, round
                       if op.kind == "gemm" and op.unit == "ffn")
 
             def gemm():
-                K.gemm(x, up, threads=1)
+                K.gemm_any(x, up, threads=1)  # float32 or int8 (an int8 folder)
 
             if _stretch.ON:  # the loader's CPU counts in the process's, hence in these calls'
                 gemm = _stretch.wrap(gemm)
