@@ -34,6 +34,8 @@ LAYERS = [
     # graph loader opens a model folder through it
     (3, "model", ["hepti.model.*", "hepti.inputs", "hepti.images", "hepti.families",
                   "hepti.graph.load"]),
+    # operator order reads the graph alone (opdag); the planner, the job and `hepti order` read it
+    (3, "order", ["hepti.order.*"]),
     (4, "weights", ["hepti.weights.*"]),
     (5, "plan", ["hepti.plan.*"]),
     (6, "parallel", ["hepti.parallel.*", "hepti.info"]),

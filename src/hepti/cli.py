@@ -898,7 +898,7 @@ def _add_order_parsers(sub) -> None:
                     "groups for large blocks without cuts), and "
                     "compare it with the file's order and with random orders. Memory model: "
                     "activations only, each live from its producer to its last reader, an "
-                    "operator's inputs and outputs live together (hepti.plan.memory).")
+                    "operator's inputs and outputs live together (hepti.order.memory).")
     s.add_argument("graph", metavar="GRAPH", help=graph_help)
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--batch", type=_positive_int, help="batch size (default: the graph's, or 1)")
@@ -941,7 +941,7 @@ def cmd_order(args) -> int:
 
     from hepti.graph.load import load_graph, model_graph  # local: start-up time (hepti --help)
     from hepti.plan.planfile import parse_bytes  # local: start-up time (hepti --help)
-    from hepti.plan.order import format_result, order_graph  # local: start-up time (hepti --help)
+    from hepti.order.search import format_result, order_graph  # local: start-up time (hepti --help)
     from hepti.weights.index import index_config, is_model_dir, load_index  # local: start-up time (hepti --help)
     if is_model_dir(Path(args.graph)):  # a converted model: its config is in its index.json
         cfg = index_config(load_index(args.graph))

@@ -50,7 +50,7 @@ from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL  # noqa: E402
 from hepti.bench import drop_stale, git_commit, result_doc, write_json
 from hepti.families import preset_config
 from hepti.model.cnn import CNNModel
-from hepti.parallel.profiling import measure_cnn_ops
+from hepti.parallel.profile_cnn import measure_cnn_ops
 from hepti.weights import WeightStore
 from hepti.weights.cnn import convert_torch_file, find_package_pth, write_random_cnn
 

@@ -41,11 +41,12 @@ from hepti.errors import InputError
 from hepti.parallel.comm import wait
 from hepti import kernels as Kn
 from hepti.emulate.state import read_state
-from hepti.parallel.profiling import available_memory, fit_link, ping_pong
+from hepti.parallel.profile_links import fit_link, ping_pong
 from hepti.plan.costmodel import evaluate
 from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, profile_from_dict
 from hepti.plan.search import optimise
 from hepti.plan.workloads import offload_chain_program
+from hepti.resources import available_memory
 
 M, K, CHAIN = 256, 1024, 5  # the paper's shapes: CHAIN MatMuls [M,K]x[K,K]
 TAG_IN, TAG_OUT = 41, 42

@@ -16,7 +16,7 @@ not counted), batch 1:
 with the peak found, the file order's, the mean / worst / best of 100 seeded random orders,
 how far below each the found peak is, the states explored, seconds, `proven` (and, per
 unproven block, why and which method found its order: BTSearch, or the HMCOS-style
-hierarchical search of hepti.plan.order_hier), the same with the in-place option, and the
+hierarchical search of hepti.order.hierarchical), the same with the in-place option, and the
 downset DP's peak (an independent exact method) on graphs under 300 operators where it fits in
 100,000 downsets. `targets` in the JSON checks issue 20's figures against the rows.
 
@@ -42,9 +42,10 @@ from hepti.families import family_graph
 from hepti.graph.load import load_graph
 from hepti.graph.onnx_import import import_onnx
 from hepti.graph.opdag import from_cnn, from_encoder, random_dag, random_wiring
-from hepti.plan.memory import compile_problem
-from hepti.plan.order import btsearch, order_graph
-from hepti.plan.order_exact import TooLarge, downset_dp
+from hepti.order.btsearch import btsearch
+from hepti.order.exact import TooLarge, downset_dp
+from hepti.order.memory import compile_problem
+from hepti.order.search import order_graph
 
 ONNX_MODELS = ("bvlc_alexnet", "zfnet512", "vgg19", "squeezenet", "inception_v1",
                "inception_v2", "resnet50", "densenet121", "shufflenet")

@@ -12,7 +12,7 @@ Per model and rank, three figures of one forward (batch 1, after a warm-up forwa
   from Python (an MLP's or attention's temporaries, collective buffers), but not what Numba
   allocates inside a kernel;
 - `modelled_peak_bytes`: the model's peak for what that rank runs.
-  CNNs: hepti.plan.memory's peak of BTSearch's order (hepti.plan.order.executor_order) with
+  CNNs: hepti.order.memory's peak of BTSearch's order (hepti.order.search.executor_order) with
   the executor's own copy of the pixels and the logits it hands back counted (count_io), on
   one rank; at 2 ranks, of the rank's part (`BandExecutor.rank_dag`: its bands, each widening
   by a halo a step). `modelled_peak_default_bytes` is the default model's figure (inputs and
@@ -53,8 +53,8 @@ from hepti.parallel.bands import BandExecutor, head_rows
 from hepti.parallel.comm import Comm
 from hepti.parallel.engine import Job
 from hepti.plan.costmodel import held_bytes
-from hepti.plan.memory import order_peak
-from hepti.plan.order import executor_order
+from hepti.order.memory import order_peak
+from hepti.order.search import executor_order
 from hepti.plan.planfile import DIMS, Plan
 from hepti.weights import WeightStore
 

@@ -53,7 +53,7 @@ from hepti import kernels as K
 from hepti.bench import git_commit, hepti_cmd, mpiexec, result_doc, write_json
 from hepti.emulate.state import current_device
 from hepti.parallel.comm import Comm, wait
-from hepti.parallel.profiling import ping_pong
+from hepti.parallel.profile_links import ping_pong
 from hepti.parallel.trace import Tracer
 
 TARGETS_S = (1e-4, 1e-3, 1e-2, 1e-1)
