@@ -43,6 +43,8 @@ from hepti.emulate.command import find_mpiexec
 from hepti.info import cpu_model
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout whose src/ is running
+# the emulated clusters shipped in the repo: bin/bench-*.sh run from its root; else next to the source
+HOSTFILES = Path("hostfiles") if Path("hostfiles/emu-mixed4.json").exists() else ROOT / "hostfiles"
 
 
 def at_least(minimum: int):
@@ -72,16 +74,22 @@ def round_order(variants: Sequence[str], k: int) -> list[str]:
     return variants[j:] + variants[:j]
 
 
+def alternate(variants: Sequence[str], k: int) -> list[str]:
+    """The order of round k for a sweep (shares 0 to 1): forward in even rounds, backward in odd
+    ones, so that neighbours stay neighbours and each end of the sweep goes first in turn."""
+    return list(variants) if k % 2 == 0 else list(variants)[::-1]
+
+
 def interleave(variants: Sequence[str], rounds: int, run: Callable[[str, int], object],
-               bar=None) -> dict[str, list]:
-    """Run `run(variant, k)` for every variant in every round k (0 .. rounds-1), in
-    `round_order`; each variant's results in round order. `bar` (a tqdm, optional) is advanced
-    once per run."""
+               bar=None, order: Callable[[Sequence[str], int], list] = round_order) -> dict[str, list]:
+    """Run `run(variant, k)` for every variant in every round k (0 .. rounds-1), in the round's
+    `order` (default `round_order`; `alternate` for a sweep); each variant's results in round
+    order. `bar` (a tqdm, optional) is advanced once per run."""
     if rounds < 1:
         raise ValueError(f"rounds must be 1 or more, got {rounds}")
     out: dict[str, list] = {v: [] for v in variants}
     for k in range(rounds):
-        for v in round_order(variants, k):
+        for v in order(variants, k):
             out[v].append(run(v, k))
             if bar is not None:
                 bar.update(1)

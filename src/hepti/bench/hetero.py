@@ -49,7 +49,7 @@ import numpy as np
 
 from hepti.families import family
 from hepti.bench import harness
-from hepti.bench.harness import drop_stale, git_commit, hepti_cmd, positive_int, result_doc, write_json
+from hepti.bench.harness import HOSTFILES, drop_stale, git_commit, hepti_cmd, positive_int, result_doc, write_json
 from hepti.bench.registry import build_parser, module_main
 from hepti.bench import hetero_report as report
 from hepti.bench.scaling import synthetic_input
@@ -61,9 +61,6 @@ from hepti.plan.partition import make_plan
 from hepti.plan.profile import load_profile
 from hepti.weights import WeightStore
 
-ROOT = Path(__file__).resolve().parents[3]
-# the specs shipped in the repo: bin/bench-hetero.sh runs from its root; else next to the source
-HOSTFILES = Path("hostfiles") if Path("hostfiles/emu-mixed4.json").exists() else ROOT / "hostfiles"
 SPECS = ("emu-mixed4", "emu-tight", "emu-starved", "emu-pair-940-full", "emu-pair-940-quarter",
          "emu-pair-240-full", "emu-pair-240-quarter")
 STRATEGIES = ("auto", "even", "proportional", "pipeline", "single")
