@@ -18,6 +18,7 @@ import sys  # noqa: E402
 import textwrap  # noqa: E402
 
 from hepti.bench.registry import BENCHES  # noqa: E402
+from hepti.bench.registry import main as run_bench  # noqa: E402
 from hepti.plan.strategies import BANDS, INTERPRETER  # noqa: E402
 from hepti.plan.strategies import help_text as strategy_help  # noqa: E402
 from hepti.plan.strategies import names as strategy_names  # noqa: E402
@@ -555,8 +556,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from hepti.bench.registry import main  # local: start-up time (hepti --help)
-    return main(args.bench, args.bench_args)
+    """`hepti bench NAME ARGS`: the bench's module parses ARGS and runs (hepti.bench.registry)."""
+    return run_bench(args.bench, args.bench_args)
 
 
 def cmd_emulate(args) -> int:
