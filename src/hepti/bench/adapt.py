@@ -27,9 +27,10 @@ against the static plans made for each of the two links, over the flapping secon
 the flapping from the first request, as before 2026-11-27, the monitor has no baselines yet
 for its first 8-10 s: see hepti.serve.monitor.)
 `--rounds R` (default 3) runs every variant once per round, R rounds, each round in a rotated
-order (hepti.bench.harness.interleave): the shared host's load drifts over the minutes a round takes (one plan served phase 0 at
-725 to 791 ms from launch to launch in one round at aef435f), so each figure is taken within a
-round, adaptive against that round's oracle, and the median over rounds is quoted.
+order (hepti.bench.harness.interleave): the shared host's load drifts over the minutes a round
+takes (one plan served phase 0 at 725 to 791 ms from launch to launch in one round at aef435f),
+so each figure is taken within a round, adaptive against that round's oracle, and the median
+over rounds is quoted.
 `--quiet PAIRS` runs the spec with no schedule, `--replan on` and `off` interleaved PAIRS
 times: the monitor's overhead (median over pairs of on / off median latency) and the re-plans
 and flags it made with nothing to find (results/adapt-quiet.json). `--quiet-ab SECONDS` is one
@@ -51,7 +52,8 @@ import urllib.request
 from pathlib import Path
 
 from hepti.bench.harness import (command, drop_stale, git_commit, hepti_cmd, interleave, launch,
-                                 positive_int, result_doc, round_order, service, write_csv, write_json)
+                                 positive_int, result_doc, round_order, service, write_csv,
+                                 write_json)
 from hepti.bench.registry import module_main
 from hepti.emulate.spec import format_mem, parse_hog, parse_mem
 

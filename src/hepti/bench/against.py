@@ -3,11 +3,12 @@
 A change to the runtime must not make it slower; on this shared machine that is only visible
 when the two versions take turns. This checks REV out into a temporary git worktree, then for
 each round runs every configuration once from each tree, the order of the trees alternating
-between rounds and that of the configurations rotating (hepti.bench.harness; `hepti run
---repeat R --json`, the same venv, PYTHONPATH choosing the tree's src/), and reports per
-configuration the median over rounds of each tree's median latency and their ratio (this tree /
-REV; `paired_ratio`: the median of the rounds' ratios). Configurations: each model at 1 rank, and at 2 ranks with each of
-`--strategies`, on fixed-shape synthetic inputs (hepti.bench.scaling.synthetic_input).
+between rounds and that of the configurations rotating (hepti.bench.harness; `hepti run --repeat
+R --json`, the same venv, PYTHONPATH choosing the tree's src/), and reports per configuration
+the median over rounds of each tree's median latency and their ratio (this tree / REV;
+`paired_ratio`: the median of the rounds' ratios). Configurations: each model at 1 rank, and at
+2 ranks with each of `--strategies`, on fixed-shape synthetic inputs
+(hepti.bench.scaling.synthetic_input).
 Writes results/against.json.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`hepti bench cnn-single` (bin/bench-cnn-single.sh): hepti's single-device CNN forward against PyTorch and
-onnxruntime, interleaved in one run (issue 19's "Single device" figure).
+"""`hepti bench cnn-single` (bin/bench-cnn-single.sh): hepti's single-device CNN forward against
+PyTorch and onnxruntime, interleaved in one run (issue 19's "Single device" figure).
 
 Each model (ResNet-50, VGG-16, MobileNetV2; 224x224, batch 1, one thread in every runtime) runs
 with the same weights in three runtimes:
@@ -11,16 +11,17 @@ with the same weights in three runtimes:
 - ort: that torch model exported to ONNX (opset 17), onnxruntime with one intra-op thread and
   every graph optimisation.
 The logits are checked to agree first (max |diff| / max |torch logit|). After a warm-up, every
-round runs hepti, torch, ort once each in turn, the order rotating (hepti.bench.harness), so that load from other processes hits all
-three alike; the figures are each runtime's median and the median of the per-round ratios
-hepti/torch and hepti/ort (robust to slow drifts of a shared machine). GFLOP/s counts the
-convolutions' and linears' multiply-adds x 2 (hepti.graph.cnn `flops_per_row` times rows); the
-GeMM peak is the best `gemm` GFLOP/s of `hepti bench kernels --json`, run first in a
-process of its own. When hepti is slower than torch on a model (`--profile auto`), every op is
-then timed alone in both (hepti: hepti.parallel.profiling.measure_cnn_ops; torch: the same op
-as F.conv2d + residual + activation on NCHW tensors) and the biggest gaps are listed.
-torch, torchvision and onnxruntime are never dependencies of hepti: `bin/setup --with-torch`
-installs them; without them the rest is still timed.
+round runs hepti, torch, ort once each in turn, the order rotating (hepti.bench.harness), so
+that load from other processes hits all three alike; the figures are each runtime's median and
+the median of the per-round ratios hepti/torch and hepti/ort (robust to slow drifts of a shared
+machine). GFLOP/s counts the convolutions' and linears' multiply-adds x 2 (hepti.graph.cnn
+`flops_per_row` times rows); the GeMM peak is the best `gemm` GFLOP/s of `hepti bench kernels
+--json`, run first in a process of its own. When hepti is slower than torch on a model
+(`--profile auto`), every op is then timed alone in both (hepti:
+hepti.parallel.profiling.measure_cnn_ops; torch: the same op as F.conv2d + residual + activation
+on NCHW tensors) and the biggest gaps are listed. torch, torchvision and onnxruntime are never
+dependencies of hepti: `bin/setup --with-torch` installs them; without them the rest is still
+timed.
 Writes results/cnn-single.json and .csv (and .ops.csv when a model was profiled).
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """How to form a convolution's GeMM operand: explicit im2col, im2col per row block, or packing
 patches straight from x (implicit), on CNN layer shapes, batch 1, one thread.
 
-Each repetition runs every variant of a shape back to back, the order rotating (so load from other processes hits
-them alike) with bias and ReLU; the report gives each variant's median (and min) milliseconds and
-GFLOP/s (2 * M * K * Cout per convolution). Variants:
+Each repetition runs every variant of a shape back to back, the order rotating (so load from
+other processes hits them alike) with bias and ReLU; the report gives each variant's median (and
+min) milliseconds and GFLOP/s (2 * M * K * Cout per convolution). Variants:
     explicit   the whole [N*Ho*Wo, kh*kw*Cin] patch matrix, then one gemm() with the bias, then
                relu() over the output
     im2col     conv2d's row blocks with the block's patch rows copied into a buffer, then packed

@@ -1,4 +1,5 @@
-"""`hepti bench fit` (bin/bench-fit.sh): does the planner's predicted latency hold on this machine's own ranks?
+"""`hepti bench fit` (bin/bench-fit.sh): does the planner's predicted latency hold on this
+machine's own ranks?
 
 The loopback check of the planner issue: N ranks on this machine (shared memory between
 them), for each case a fresh profile (`hepti profile`), then `hepti run --strategy auto` from

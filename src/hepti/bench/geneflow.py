@@ -1,4 +1,5 @@
-"""`hepti bench geneflow` (bin/bench-geneflow.sh): GenEFlow's grid, predicted and measured (issue 20).
+"""`hepti bench geneflow` (bin/bench-geneflow.sh): GenEFlow's grid, predicted and measured
+(issue 20).
 
 The grid: models x devices x memory caps. Devices are the first 2, 3 and 4 of
 hostfiles/emu-geneflow4.json (0.45, 0.3, 0.2, 0.15 core, gigabit links; 2 and 3 devices are

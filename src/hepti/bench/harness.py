@@ -43,7 +43,7 @@ from hepti.emulate.command import find_mpiexec
 from hepti.info import cpu_model
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout whose src/ is running
-# the emulated clusters shipped in the repo: bin/bench-*.sh run from its root; else next to the source
+# the emulated clusters shipped in the repo: bin/bench-*.sh run from its root; else beside the code
 HOSTFILES = Path("hostfiles") if Path("hostfiles/emu-mixed4.json").exists() else ROOT / "hostfiles"
 
 

@@ -1,4 +1,5 @@
-"""`hepti bench hetero` (bin/bench-hetero.sh, root): hepti's plans against the baselines on emulated heterogeneous clusters.
+"""`hepti bench hetero` (bin/bench-hetero.sh, root): hepti's plans against the baselines on
+emulated heterogeneous clusters.
 
 For each cluster spec (hostfiles/emu-*.json) and model case, every strategy runs in its own
 launch, `hepti emulate --cluster SPEC -- mpiexec -n N hepti run --repeat R --json`, so an
@@ -17,10 +18,11 @@ out-of-memory kill is the launch's own and the baselines run in the same runtime
 3. R (timed runs inside one launch, after a warm-up run) is chosen from the prediction so a
    launch times about `--target-s` seconds, between `--min-repeat` and `--repeat`.
 4. `--rounds` K (default 3): the strategies above run K times, taking turns (round k starts k
-   strategies further on: hepti.bench.harness.round_order). A strategy's figure is the median of its rounds' medians, the range
-   of those its spread (`hetero_report.merge_rounds`); `round_runs` in the JSON keeps every
-   launch. The targets check every strategy against its own prediction, and `auto` against the
-   fastest strategy and against `single` beyond the spread (issue 16).
+   strategies further on: hepti.bench.harness.round_order). A strategy's figure is the median of
+   its rounds' medians, the range of those its spread (`hetero_report.merge_rounds`);
+   `round_runs` in the JSON keeps every launch. The targets check every strategy against its own
+   prediction, and `auto` against the fastest strategy and against `single` beyond the spread
+   (issue 16).
 
 The default set, about 15 minutes a round here: BERT-base @256 tokens on every spec, MiniLM @128,
 BERT-large @128 and ViT-L/16 @224 (197 tokens) on emu-mixed4 only (`--case` changes it); `--quick` is one pair spec with

@@ -3,12 +3,12 @@ and without the spare job (issue 44: within 10 s), and where that time goes.
 
 Each run starts a service in this process (hepti.serve.supervisor, `-n RANKS --strategy
 tensor`), waits until it serves and, with the spare, until the spare waits at its hello (its
-ranks' connections queued on its listener), lets two closed-loop clients post for a few
-seconds, then SIGSTOPs worker rank 1 and times, from the stop: the declaration (`declared`),
-the old job's end as `_serve` saw it (`ended`), the next job's hello (`ready`) and the first
-answer (`first`). Runs alternate between the settings (hepti.bench.harness.interleave), so that both meet the same drift of
-the machine's load; the 1-minute load average at each stop is printed with the run. The
-figures: the median and range of each over the runs.
+ranks' connections queued on its listener), lets two closed-loop clients post for a few seconds,
+then SIGSTOPs worker rank 1 and times, from the stop: the declaration (`declared`), the old
+job's end as `_serve` saw it (`ended`), the next job's hello (`ready`) and the first answer
+(`first`). Runs alternate between the settings (hepti.bench.harness.interleave), so that both
+meet the same drift of the machine's load; the 1-minute load average at each stop is printed
+with the run. The figures: the median and range of each over the runs.
 
     hepti bench stall [--model weights/minilm-l6] [--ranks 2] [--runs 5]
                       [--settings spare,fresh] [--out results/tmp/stall.json]
@@ -302,7 +302,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--model", default="weights/minilm-l6", help="default %(default)s")
     ap.add_argument("--ranks", type=positive_int, default=2, help="default %(default)s")
     ap.add_argument("--runs", type=positive_int, default=5,
-                    help="rounds: each setting once a round, the order alternating (default %(default)s)")
+                    help="rounds: each setting once a round, the order alternating "
+                         "(default %(default)s)")
     ap.add_argument("--settings", default="spare,fresh", help="spare, fresh, or both (the order of the first round)")
     ap.add_argument("--out", default=None, help="write every run and the medians as JSON (results/...)")
     ap.add_argument("--stages", type=int, default=0, metavar="N",
