@@ -611,12 +611,18 @@ def test_a_killed_rank_under_emulate_is_dropped_and_its_device_taken_back(root_e
     proxies run through an ssh launcher there, so mpiexec exits 255, not 9: the relaunch must
     still go without the killed rank's device (2 ranks, it used to keep all 3), and once its
     device answers the probes it comes back, to 3 ranks and never more. The answers equal the
-    single-device embeddings."""
+    single-device embeddings.
+
+    Before the kill, what any service under `hepti emulate` must do: the workers run on the
+    emulated devices (their hostnames are the devices' names) and the test, in the host's
+    network namespace, reaches the service at 127.0.0.1:PORT (test_serve.py's own emulated
+    service checked only this; it is checked here, on a service this test starts anyway)."""
     spec = tmp_path / "three.json"
     spec.write_text(json.dumps({"name": "test-kill", "devices": [
         {"name": f"dev-{c}", "cpu": 0.4, "link_mbit": 500} for c in "abc"]}))
     p, url, said = serve_emulated(spec, minilm_dir, "--strategy", "tensor")
     try:
+        assert url.startswith("http://127.0.0.1:"), url
         wait_ready(url, timeout=300)
         text = "A cat sat on the mat."
         from tokenizers import Tokenizer
@@ -630,6 +636,7 @@ def test_a_killed_rank_under_emulate_is_dropped_and_its_device_taken_back(root_e
             return np.array(body["data"][0]["embedding"], np.float32)
         np.testing.assert_allclose(embed(), want, atol=2e-5)
         m = http(url + "/metrics")[1]
+        assert [r["host"] for r in m["ranks"]] == ["dev-a", "dev-b", "dev-c"], m["ranks"]
         pid = next(r["pid"] for r in m["ranks"] if r["rank"] == 1)
         os.kill(pid, signal.SIGKILL)
         launches = lambda: http(url + "/metrics")[1]["launches"]  # noqa: E731
