@@ -17,6 +17,7 @@ import urllib.request
 import numpy as np
 import pytest
 
+from hepti import cli
 from hepti.model.pooling import pool
 from hepti.serve import ServiceUnavailable, replan
 from hepti.serve.protocol import split_frames
@@ -264,17 +265,21 @@ def test_an_api_key_file_is_read_and_enforced(tiny_dir, tmp_path):
     ("\n  \nkey on line 3\n", "its first line is empty"),
     ("dir", "is a directory"),
 ])
-def test_a_bad_api_key_file_is_a_clear_error(tiny_dir, tmp_path, content, needle):
+def test_a_bad_api_key_file_is_a_clear_error(tiny_dir, tmp_path, content, needle, capsys,
+                                             monkeypatch):
+    """`hepti serve` refuses the file before it listens or starts a worker, so its command
+    runs here in-process (`hepti.cli.main`, what `python -m hepti` returns as the exit code):
+    a Python start per case bought nothing the other command-line tests do not check."""
+    monkeypatch.delenv("HEPTI_API_KEY", raising=False)
     path = tmp_path / "key"
     if content == "dir":
         path.mkdir()
     elif content is not None:
         path.write_text(content)
-    p = subprocess.run([sys.executable, "-m", "hepti", "serve", "--model", str(tiny_dir),
-                        "--port", "0", "--api-key-file", str(path)],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    assert f"--api-key-file {path}: " in p.stderr and needle in p.stderr, p.stderr
+    code = cli.main(["serve", "--model", str(tiny_dir), "--port", "0", "--api-key-file", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"--api-key-file {path}: " in err and needle in err, err
 
 
 def test_a_stopped_rank_is_named_late_by_health_then_recovers(minilm_dir):
