@@ -23,6 +23,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "model": ("model", "single-thread forward latency of a converted encoder, and PyTorch's"),
     "solver": ("solver", "the planner's solve time on random declared clusters of 2-32 devices"),
     "comm": ("comm", "under mpiexec -n N: hepti's row verbs against MPI's collectives"),
+    "int8": ("int8", "int8 weights against float32: GeMV GB/s of weight bytes, GeMM GFLOP/s"),
     "conv": ("convbench", "the convolution kernels: im2col + GeMM against in place, depthwise"),
     "cnn-single": ("cnnsingle", "one CNN on one device: hepti against PyTorch and onnxruntime"),
     "cnn-program": ("cnn_program", "a CNN's band split priced three ways: program, CoEdge, measured"),
