@@ -310,7 +310,7 @@ def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:
         return build(config).weights()
     g = _graph(config)
     shapes = {n: tuple(g.weights[n].shape) for n in embedding_tensors(config)}
-    if pooler and family(config.model_type).pooler:
+    if pooler and of(config.model_type).pooler:
         c = config.hidden_size
         shapes["pooler.weight"] = (c, c)
         shapes["pooler.bias"] = (c,)
