@@ -28,7 +28,7 @@ import time
 import numba
 import numpy as np
 
-from hepti.families import family_graph
+from hepti.families import family, family_graph
 from hepti.inputs import Batch
 from hepti.model.pooling import pool
 from hepti.model.sizes import layer_slice_bytes, spec_bytes
@@ -42,12 +42,13 @@ from hepti.parallel.trace import Tracer
 from hepti.plan.planfile import Plan
 from hepti.resources import _return_freed_memory, available_memory
 from hepti.serve import protocol
+from hepti.serve.generation import DecoderWorker, stray_cancel
 from hepti.serve.protocol import BEAT_EVERY_S, CHECK_SIZES, PROBE_SIZES
 from hepti.weights import WeightStore
 
-OP_STOP, OP_BATCH, OP_PROBE, OP_PREPARE, OP_SWITCH = 0, 1, 2, 3, 4
+OP_STOP, OP_BATCH, OP_PROBE, OP_PREPARE, OP_SWITCH, OP_GENERATE = 0, 1, 2, 3, 4, 5
 OPS = {"stop": OP_STOP, "batch": OP_BATCH, "probe": OP_PROBE, "prepare": OP_PREPARE,
-       "switch": OP_SWITCH}
+       "switch": OP_SWITCH, "generate": OP_GENERATE}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -97,13 +98,19 @@ def serve(args) -> int:
     store = agree(world, lambda: WeightStore(args.model))
     cfg = store.config
     profile = None
-    if needs_planner(args) or args.replan:
-        profile = get_profile(args, world, cfg, args.plan_batch, args.plan_seq)
-    if needs_planner(args):
-        plan = plan_with_profile(args, world, cfg, args.plan_batch, args.plan_seq, profile)
+    if family(cfg).executor == "decoder":  # generation requests (hepti.serve.generation)
+        state = DecoderWorker(world, store, args)
+        plan_dict = state.plan
     else:
-        plan = agree(world, lambda: resolve_plan(args, world.size, cfg))
-    job = agree(world, lambda: Job(world, store, plan, args.threads))
+        if needs_planner(args) or args.replan:
+            profile = get_profile(args, world, cfg, args.plan_batch, args.plan_seq)
+        if needs_planner(args):
+            plan = plan_with_profile(args, world, cfg, args.plan_batch, args.plan_seq, profile)
+        else:
+            plan = agree(world, lambda: resolve_plan(args, world.size, cfg))
+        job = agree(world, lambda: Job(world, store, plan, args.threads))
+        state = _State(world, store, job, args)
+        plan_dict = plan.to_dict()
     me = {"rank": world.rank, "host": os.uname().nodename, "pid": os.getpid()}
     # a line to the front end that stays open while this rank lives: when the job ends, the one
     # that closed first names the rank that was lost (hepti.serve.supervisor)
@@ -112,7 +119,6 @@ def serve(args) -> int:
     beat = _Heartbeat(watch, world.rank)
     ranks = world.gather_obj(me)  # after every rank's watch line: the hello comes last
     sock = None
-    state = _State(world, store, job, args)
     state.on_host = world.ranks_on_host()
     if args.replan:  # idle ranks load their standby copies before the service is up
         state.standby()
@@ -120,7 +126,7 @@ def serve(args) -> int:
     if rank0:
         sock = protocol.connect(os.environ[protocol.CONTROL_ENV])
         protocol.send(sock, {"op": "hello", "token": os.environ.get(protocol.TOKEN_ENV, ""),
-                             "plan": plan.to_dict(), "ranks": ranks,
+                             "plan": plan_dict, "ranks": ranks,
                              "world_size": world.size, "hidden_size": cfg.hidden_size,
                              "profile": profile.to_dict() if profile is not None else None,
                              "load_s": time.perf_counter() - t_start})
@@ -130,6 +136,8 @@ def serve(args) -> int:
             if rank0:
                 try:
                     header, data = protocol.recv(sock)
+                    while stray_cancel(header):  # its generation had ended: nothing to stop
+                        header, data = protocol.recv(sock)
                 except protocol.ChannelClosed:
                     header = {"op": "stop"}
                 # [2]: whether this batch reports (with --replan: the front end pauses the
@@ -141,8 +149,10 @@ def serve(args) -> int:
             op, batch_id, report = (int(v) for v in world.bcast_idle(cmd, 3))
             if op == OP_STOP:
                 return 0
-            beat.batch = batch_id if op == OP_BATCH else None
-            if op == OP_BATCH:
+            beat.batch = batch_id if op in (OP_BATCH, OP_GENERATE) else None
+            if op == OP_GENERATE:
+                answer = state.generate(header, data, sock)
+            elif op == OP_BATCH:
                 answer = state.batch(header, data, bool(args.replan and report),
                                      (lambda msg, payload=None:
                                       protocol.send(sock, {"id": batch_id, **msg}, payload))
