@@ -16,7 +16,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,6 +28,8 @@ from test_distributed_launch import mpiexec
 
 pytest.importorskip("gguf")
 
+from hepti.serve.http import Completion  # noqa: E402
+from hepti.serve.requests import CompletionRequest  # noqa: E402
 from hepti.weights.decoder import load_tokenizer  # noqa: E402
 from hepti.weights.gguf import convert_gguf  # noqa: E402
 
@@ -50,7 +54,7 @@ class Served:
 
     def __init__(self, model, n: int, *extra: str):
         mpiexec()  # skips without one
-        self.port = _free_port()
+        self.n, self.port = n, _free_port()
         self.log = tempfile.TemporaryFile("w+")  # its log, read when it fails
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hepti", "serve", "--model", str(model), "-n", str(n),
@@ -190,6 +194,51 @@ def test_stop_string_and_seeded_sampling(tiny, generated):
     body = {"prompt": "the dog", "max_tokens": 12, "temperature": 0.9, "top_p": 0.8, "seed": 7}
     first, again = (tiny.call("POST", "/v1/completions", body)[1] for _ in range(2))
     assert first["choices"][0]["text"] == again["choices"][0]["text"]  # the seed decides
+    SAMPLED[tiny.n] = first["choices"][0]["text"]
+    if len(SAMPLED) == 2:  # the same seed, the same tokens on 2 ranks as on 1
+        assert SAMPLED[2] == SAMPLED[1]
+
+
+SAMPLED: dict[int, str] = {}  # ranks -> the seeded sample's text (the 1-rank service runs first)
+
+
+class _Scripted:
+    """A service that answers every generation with the given token ids (no workers), for the
+    text's own rules: stop strings across tokens, held-back text."""
+    name, decoder = "scripted", True
+
+    def __init__(self, tokenizer, ids):
+        self.tokenizer, self.ids, self.cancelled = tokenizer, ids, None
+
+    def generate(self, ids, sampling):
+        self.cancelled = threading.Event()
+        return SimpleNamespace(cancel=self.cancelled)
+
+    def tokens(self, gen):
+        for t in self.ids:
+            yield "token", t
+        yield "done", "length"
+
+
+def test_stop_strings_across_tokens_are_never_shown(tok):
+    ids = tok.encode("the cat sat on the mat").ids
+    req = CompletionRequest(ids=[1], sampling={}, stream=True, stop=["on the", "zzz"], chat=False)
+    service = _Scripted(tok, ids)
+    done = Completion(service, req)
+    done.first()
+    chunks = list(done.chunks())
+    # "on" was held back until " the" made it the stop string: shown, it would be in the text
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == tok.decode(ids)[:tok.decode(ids).find("on the")]
+    assert len(chunks) > 3 and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert service.cancelled.is_set()
+    req = CompletionRequest(ids=[1], sampling={}, stream=False, stop=["zzz"], chat=True)
+    whole = Completion(_Scripted(tok, ids), req)
+    whole.first()
+    answer = whole.whole()
+    assert answer["choices"][0]["message"]["content"] == tok.decode(ids)
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == len(ids)
 
 
 def leave_mid_stream(served, body: dict) -> None:
