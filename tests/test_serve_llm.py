@@ -309,3 +309,17 @@ def test_smollm2_chat_answers_paris():
         assert s.call("GET", "/metrics")[1]["requests"]["cancelled"] == cancelled + 1
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--jsonl"], "--jsonl answers embeddings requests"),
+    (["-n", "2", "--replan", "on"], "--replan on re-plans encoders"),
+    (["-n", "2", "--strategy", "rows"], "a decoder is served in tensor over all its ranks"),
+    (["--ratios", "0.5,0.5"], "give exactly one share per rank"),
+])
+def test_serve_refuses_flags_a_decoder_does_not_take(tiny_dir, flags, needle):
+    """Before any worker starts: exit 2 with the reason, no traceback."""
+    p = subprocess.run([sys.executable, "-m", "hepti", "serve", "--model", str(tiny_dir),
+                        "--port", "0", *flags], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
