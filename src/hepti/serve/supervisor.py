@@ -33,6 +33,12 @@ inputs (a hang is not theirs), and an answer that comes after the declaration is
 batch runs again), so no accepted request is lost or answered twice. The job is relaunched
 without the lost ranks' hosts, as after a kill.
 
+A decoder's requests are generations (`generate`, `tokens`): one at a time, in arrival order,
+each a batch of its own for the relaunch and the deadlines (`_generate_one`: the deadline
+restarts at every token). Its tokens reach the HTTP thread as events while they are made; a
+request that no longer wants them (`Generation.cancel`) is cancelled on the workers between two
+tokens. One that fails before its first token runs again on the next job; after it, it fails.
+
 On this machine alone (no hostfile), a spare job of one rank fewer is started as soon as a
 job says hello (`_keep_spare`): it loads as a relaunch would and waits at its hello on its own
 listener, so the relaunch after a loss takes it (`_take_spare`) and answers within a batch of

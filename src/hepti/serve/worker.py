@@ -7,7 +7,8 @@ the weights stay loaded between requests. Rank 0 connects to the front end's cha
 (hepti.serve.protocol) and says hello (the secret, the plan, each rank's host and pid). Then,
 per batch the front end sends, rank 0 broadcasts a command, [op, batch id], and all ranks run
 the batch through the job; rank 0 pools the hidden states and answers. Between batches the
-other ranks wait in `Comm.bcast_idle`, asleep, and rank 0 in a socket read.
+other ranks wait in `Comm.bcast_idle`, asleep, and rank 0 in a socket read. A decoder plans
+nothing and runs "generate" commands instead of batches (hepti.serve.generation).
 
 Every rank also holds a watch line to the front end, and beats on it (`_Heartbeat`): the
 front end sees which rank is hung or cut off without MPI, and which closed its line first
