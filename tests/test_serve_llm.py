@@ -25,6 +25,7 @@ import pytest
 
 from helpers import FIXTURES, ROOT
 from test_distributed_launch import mpiexec
+from test_serve_http import FakeService, call, running
 
 pytest.importorskip("gguf")
 
@@ -323,3 +324,13 @@ def test_serve_refuses_flags_a_decoder_does_not_take(tiny_dir, flags, needle):
                         "--port", "0", *flags], capture_output=True, text=True, timeout=300,
                        cwd=ROOT, stdin=subprocess.DEVNULL)
     assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_completions_on_an_encoder_is_404():
+    """The other way round from test_embeddings_on_a_decoder_is_404 (the HTTP layer alone:
+    the encoder's service never runs a request)."""
+    with running(FakeService()) as addr:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            status, answer, _ = call(addr, "POST", path, {"prompt": "hi"})
+            assert status == 404 and "is a text encoder" in answer["error"]["message"], answer
+            assert "POST /v1/embeddings" in answer["error"]["message"]
