@@ -1389,8 +1389,8 @@ class Supervisor:
             else:
                 with self._cv:
                     self._finish(req, WorkerFailed(
-                        f"the workers failed after {req.sent} tokens of this generation; "
-                        "ask again"))
+                        f"the workers failed after {req.sent} tokens of this generation "
+                        "(already sent, so it is not run again)"))
             raise protocol.ChannelClosed(str(e)) from None
         with self._cv:
             self._set_phase("idle")
