@@ -28,14 +28,15 @@ import json
 from dataclasses import dataclass, field, replace
 
 from hepti.counts import counts
-from hepti.errors import PlanError
+from hepti.errors import InputError, PlanError
 from hepti.graph.decoder import F32, decode_program, int8_bytes, prefill_program
 from hepti.graph.program import Program
 from hepti.plan.costmodel import evaluate, held_bytes
 from hepti.plan.pipeline import _transfer
 from hepti.plan.profile import Profile
 
-RUNNABLE = ("single", "tensor")  # what hepti.parallel.decoder runs (auto picks among these)
+NO_PIPELINE = "priced only: no pipeline executor for decoders yet"
+NOT_RANK0 = "the executor runs single on rank 0"
 GRID_STEP = 0.05  # two ranks: rank 0's share in these steps
 MIX = (0.25, 0.5, 0.75)  # mixes of equal and bandwidth-proportional shares
 
@@ -47,6 +48,21 @@ class Request:
     prompt: int
     max_tokens: int
     ctx: int | None = None  # default prompt + max_tokens
+
+    def check(self, config) -> "Request":
+        """InputError unless the context holds the prompt and the new tokens and the model's
+        context holds it."""
+        if self.prompt < 1 or self.max_tokens < 1:
+            raise InputError(f"a request needs a prompt and new tokens; got {self.prompt} and "
+                             f"{self.max_tokens}")
+        if self.ctx is not None and self.ctx < self.prompt + self.max_tokens:
+            raise InputError(f"--ctx {self.ctx} is shorter than the prompt ({self.prompt}) and "
+                             f"--max-tokens ({self.max_tokens}); give at least "
+                             f"{self.prompt + self.max_tokens} or leave --ctx out")
+        if self.context > config.max_position_embeddings:
+            raise InputError(f"a context of {self.context} tokens is over the model's "
+                             f"{config.max_position_embeddings}; ask for fewer tokens")
+        return self
 
     @property
     def context(self) -> int:
@@ -66,7 +82,11 @@ class Candidate:
     ratios: dict[str, list[float]] | None = None
     rank: int | None = None
     layers: list[int] | None = None
-    runnable: bool = True
+    why_not: str = ""  # why it is shown but cannot be chosen ("" if it can)
+
+    @property
+    def runnable(self) -> bool:
+        return not self.why_not
 
     def total_s(self, req: Request) -> float:
         return self.prefill_s + (req.max_tokens - 1) * self.decode_s
@@ -89,7 +109,7 @@ class Candidate:
                 "decode_s": self.decode_s, "decode_tokens_per_s": self.tokens_per_s,
                 "request_s": self.total_s(req), "mem_bytes": self.mem, "ratios": self.ratios,
                 "rank": self.rank, "layers": self.layers, "runnable": self.runnable,
-                "fits": self.short is None}
+                "why_not": self.why_not or None, "fits": self.short is None}
 
 
 @dataclass
@@ -124,7 +144,7 @@ class DecoderPlan:
                 r, b = c.short
                 tail = f"  (does not fit: rank {r} needs {b / 2**20:.1f} MiB more)"
             elif not c.runnable:
-                tail = "  (priced only: no pipeline executor for decoders yet)"
+                tail = f"  ({c.why_not})"
             lines.append(f"  {c.label}: {c.tokens_per_s:.1f} tok/s predicted, prefill "
                          f"{c.prefill_s * 1e3:.1f} ms, request {c.total_s(req):.2f} s, memory "
                          f"{'/'.join(f'{m / 2**20:.0f}' for m in c.mem)} MiB{tail}")
@@ -135,11 +155,14 @@ class DecoderPlan:
         return "\n".join(lines)
 
 
-def weight_bytes_of(dtype: str, group: int | None = None) -> float:
-    """Bytes a stored weight value takes: 4 (float32) or int8 with its group's scale share."""
-    if dtype == "int8":
-        return int8_bytes(group or 64)
-    return F32
+def weight_bytes_of(index: dict) -> float:
+    """Bytes a stored weight value of a model folder takes, from its index (hepti.weights.index):
+    4 (float32), or int8 with its group's share of a float32 scale (the first int8 tensor's
+    group). The embedding is counted at the same rate: an upper bound if it stays float32."""
+    if index.get("dtype") != "int8":
+        return F32
+    groups = [t.get("group") for t in index.get("tensors", {}).values() if t.get("group")]
+    return int8_bytes(groups[0] if groups else 64)
 
 
 def tensor_counts(config, ratios: dict[str, list[float]], rows: int) -> dict[str, list[float]]:
@@ -193,7 +216,7 @@ def evaluate_single(config, profile: Profile, req: Request, rank: int, wb: float
     mem = [0.0] * profile.world_size
     mem[rank] = d.per_rank[0].mem_bytes
     return Candidate("single", f"single on rank {rank}", p.latency_s, d.latency_s, mem,
-                     _usable(profile), rank=rank)
+                     _usable(profile), rank=rank, why_not=NOT_RANK0 if rank else "")
 
 
 def _stage_seconds(program: Program, dev, first: bool, last: bool, n_layers: int) -> float:
@@ -235,7 +258,7 @@ def evaluate_pipeline(config, profile: Profile, req: Request, layers: list[int],
            else 0.0 for i in range(profile.world_size)]
     return Candidate("pipeline", f"pipeline {'/'.join(map(str, layers))} layers",
                      step(pre, req.prompt), step(dec, 1), mem, _usable(profile),
-                     layers=list(layers), runnable=False)
+                     layers=list(layers), why_not=NO_PIPELINE)
 
 
 def _norm(v: list[float]) -> list[float]:
@@ -298,10 +321,19 @@ def choose(cands: list[Candidate], req: Request) -> Candidate:
 
 
 def plan_decoder(config, profile: Profile, req: Request, wb: float = F32,
-                 strategy: str = "auto", ratios: dict[str, list[float]] | None = None
-                 ) -> DecoderPlan:
+                 strategy: str = "auto", ratios: dict[str, list[float]] | None = None,
+                 mem_budget: float | None = None) -> DecoderPlan:
     """`auto` compares single, tensor and pipeline; `single` or `tensor` plans that one
-    (`tensor` with `ratios`: those shares, evaluated). Notes say what was estimated."""
+    (`tensor` with `ratios`: those shares, evaluated). `mem_budget` caps every rank's usable
+    bytes. Notes say what was estimated."""
+    if strategy not in ("auto", "single", "tensor"):
+        raise InputError(f"--strategy {strategy}: a decoder is planned as auto, single or "
+                         "tensor (pipeline is priced by auto, not run)")
+    req.check(config)
+    if mem_budget is not None:
+        profile = replace(profile, devices=[
+            replace(d, memory_bytes=min(d.memory_bytes, d.reserved_bytes + mem_budget))
+            for d in profile.devices])
     notes = profile.gemv_estimates(wb != F32)
     if strategy == "tensor" and ratios is not None:
         cands = [evaluate_tensor(config, profile, req, ratios, wb)]
