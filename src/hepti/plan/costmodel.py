@@ -49,6 +49,10 @@ reported as communication (comm_s["transfer"]), not compute. It leaves out link 
 of a ms against tens of ms of transfer) and the sharing of rank 0's link by several peers (exact
 for one), so that it stays linear in the rank's own block for the LP.
 
+A decoder's decode step prices its Work by bytes: "gemv" ("gemv_int8") is the bytes of weights
+(and KV cache) a one-row product reads, over the profile's GeMV bytes/s (`Device.gemv_bytes_per_s`,
+an estimate from the GeMM speed when the profile has none): hepti.graph.decoder.
+
 Another is "load": `stream` turning a layer's stored weight slices into packed ones (read from
 the page cache, checksum, pack) on the rank's prefetch thread, bytes / the profile's
 `weight_load_Bps` (0 if the profile has none: not counted). It is CPU work on the rank's own
