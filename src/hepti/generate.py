@@ -154,6 +154,10 @@ def auto_plan(args, world: Comm, store, n_prompt: int) -> DecoderPlan:
     request, the same on every rank. A plan that does not fit raises, naming the rank."""
     if args.profile:
         profile = agree(world, lambda: load_profile(args.profile, world_size=world.size))
+        notes = agree(world, lambda: profile.check_model(store.config, f"--profile {args.profile}"))
+        if world.rank == 0:
+            for note in notes:
+                print(f"hepti generate: {note}", file=sys.stderr)
     else:
         profile, _, _ = cached_profile(MPI.COMM_WORLD, store.config, PROFILE_ROWS)
     return agree(world, lambda: plan_decoder(
