@@ -11,7 +11,7 @@ from hepti.errors import PlanError
 from hepti.graph.decoder import decode_program, int8_bytes, prefill_program
 from hepti.model.llama import KVCache, LlamaConfig
 from hepti.plan.costmodel import Collective, collective_times, evaluate, rank_bytes
-from hepti.plan.decoder import Request, evaluate_tensor, plan_decoder
+from hepti.plan.decoder import Request, evaluate_tensor, head_splits, plan_decoder
 from hepti.plan.profile import GEMV_BYTES_PER_GEMM_FLOP, declared_profile, profile_from_dict
 
 # C 8, 4 query heads over 2 KV heads (G 2), D 2, F 6, V 10, 2 layers
@@ -151,3 +151,12 @@ def test_the_kv_cache_counts_and_a_plan_that_does_not_fit_says_where():
     # tensor fits where single does not: its halves are under 300 MB
     assert plan_decoder(SMOL, tight, Request(20, 64)).chosen.strategy == "tensor"
     assert math.isfinite(short.tokens_per_s)
+
+
+def test_head_splits_are_every_split_of_the_whole_heads():
+    assert head_splits(3, [0.5, 0.5]) == [[0, 1], [1 / 3, 2 / 3], [2 / 3, 1 / 3], [1, 0]]
+    assert len(head_splits(8, [0.25] * 4)) == 1  # 165 splits: too many, the shares' own only
+    # the plan's tensor holds whole heads that sum to the model's
+    plan = plan_decoder(SMOL, _pair(1e-5, 1e9), Request(20, 64))
+    heads = [round(h * 3) for h in plan.chosen.ratios["heads"]]
+    assert sum(heads) == 3 and plan.chosen.ratios["heads"] == [h / 3 for h in heads]

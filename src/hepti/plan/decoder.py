@@ -6,11 +6,11 @@ token comes from the prefill). Each strategy is priced from the decoder's cost p
 
 - `single` on each device alone (the whole model, its own profile of one);
 - `tensor`: KV heads, MLP columns and vocabulary rows by ratio vectors, as
-  hepti.parallel.decoder runs it. The ratios are the best of a small search, not an LP: equal
-  shares, shares by GeMV bytes/s (decode is bandwidth-bound), mixes of the two, and for two
-  ranks a grid of rank 0's share in steps of 0.05. The programs are small (3 KV heads, one
-  allreduce per sync) and whole KV heads make the LP a MILP whose one coarse dimension the
-  search covers anyway; the report says "searched";
+  hepti.parallel.decoder runs it. The ratios are the best of a small search, not an LP: MLP
+  and vocabulary shares equal, by GeMV bytes/s (decode is bandwidth-bound), mixes of the two,
+  and for two ranks a grid of rank 0's share in steps of 0.05; with each, every split of the
+  whole KV heads (`head_splits`). Whole KV heads make the LP a MILP whose one coarse dimension
+  the search enumerates; the plan's notes say "search";
 - `pipeline`: contiguous layer ranges in rank order, ranges by GeMV bytes/s (PipeEdge's
   balance); one token goes through every stage in turn, so a step costs the sum of the stages'
   layers plus a hop of C floats between stages and the token back to rank 0. Priced from the
@@ -25,6 +25,7 @@ not fit says which rank and by how much, and if none fits the plan fails with th
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 
 from hepti.counts import counts
@@ -39,6 +40,7 @@ NO_PIPELINE = "priced only: no pipeline executor for decoders yet"
 NOT_RANK0 = "the executor runs single on rank 0"
 GRID_STEP = 0.05  # two ranks: rank 0's share in these steps
 MIX = (0.25, 0.5, 0.75)  # mixes of equal and bandwidth-proportional shares
+MAX_HEAD_SPLITS = 64  # KV-head splits tried with each share vector (`head_splits`)
 
 
 @dataclass
@@ -284,6 +286,27 @@ def tensor_ratio_candidates(profile: Profile, int8: bool = False) -> list[list[f
     return uniq
 
 
+def _compositions(total: int, parts: int):
+    """Every way of writing `total` as `parts` non-negative integers, in order."""
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(total + 1):
+        for rest in _compositions(total - first, parts - 1):
+            yield (first, *rest)
+
+
+def head_splits(kv_heads: int, ratios: list[float]) -> list[list[float]]:
+    """KV-head shares to try with MLP and vocabulary shares `ratios`: the heads are few and
+    whole (SmolLM2: 3), so the split that follows `ratios` may be far from it, and another may
+    balance better; every split of the heads into the ranks (at most MAX_HEAD_SPLITS of them;
+    past that, only `ratios` itself)."""
+    n = len(ratios)
+    if math.comb(kv_heads + n - 1, n - 1) > MAX_HEAD_SPLITS:
+        return [list(ratios)]
+    return [[c / kv_heads for c in split] for split in _compositions(kv_heads, n)]
+
+
 def _pipeline_layers(config, profile: Profile, int8: bool) -> list[int]:
     return counts(config.num_hidden_layers, [d.gemv_bytes_per_s(int8) for d in profile.devices])
 
@@ -297,8 +320,9 @@ def candidates(config, profile: Profile, req: Request, wb: float = F32,
     if "single" in strategies:
         out += [evaluate_single(config, profile, req, r, wb) for r in range(profile.world_size)]
     if profile.world_size > 1 and "tensor" in strategies:
-        tried = [evaluate_tensor(config, profile, req, {d: r for d in ("heads", "ffn", "rows")},
-                                 wb) for r in tensor_ratio_candidates(profile, int8)]
+        tried = [evaluate_tensor(config, profile, req, {"heads": h, "ffn": r, "rows": r}, wb)
+                 for r in tensor_ratio_candidates(profile, int8)
+                 for h in head_splits(config.num_key_value_heads, r)]
         fit = [c for c in tried if c.short is None] or tried
         out.append(min(fit, key=lambda c: c.total_s(req)))
     if profile.world_size > 1 and "pipeline" in strategies:
@@ -346,5 +370,6 @@ def plan_decoder(config, profile: Profile, req: Request, wb: float = F32,
     chosen = choose(cands, req)
     if any(c.strategy == "tensor" for c in cands) and ratios is None:
         notes.append("tensor's shares: the best of a search over equal, bandwidth-proportional "
-                     "and mixed shares (and a grid of 0.05 steps at two ranks), not an LP")
+                     "and mixed shares (and a grid of 0.05 steps at two ranks), each with every "
+                     "split of the KV heads; not an LP")
     return DecoderPlan(req, cands, chosen, notes)
