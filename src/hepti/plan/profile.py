@@ -35,7 +35,7 @@ planner does not care which. Schema (version 1), a JSON object:
                                         #   by (default: an estimate from gemm_flops, see
                                         #   `gemv_estimates`)
          "gemv_int8_Bps": 6e9,          # optional; the same for int8 weights (stored bytes,
-                                        #   scales included; default: half of gemv_Bps)
+                                        #   scales included; default: gemv_Bps)
          "call_overhead_s": 2e-5,       # optional; fixed cost of one kernel call (default 0)
          "probe_s": 3e-4}               # optional; seconds of the speed probe's GeMM
                                         #   (hepti.parallel.profile_compute.SpeedProbe): what
@@ -69,10 +69,12 @@ SOURCES = ("measured", "declared")
 ELEMENTWISE_PER_GEMM_FLOP = 1 / 100  # default elements/s per GeMM FLOP/s when not declared
 # A profile without GeMV figures (older files, encoders' profiles): bytes/s of a float32 GeMV
 # taken as the GeMM peak FLOP/s times this (a GeMV does 0.5 FLOP a byte but runs far below the
-# GeMM's peak: on the AVX-512 machine, 1 core, 234 GFLOP/s GeMM; the estimate is 29 GB/s), and
-# int8 bytes/s as this fraction of the float32 rate (its kernel widens every value it reads)
+# GeMM's peak: on a shared 2-core box, 2026-11-29, 32.7 GFLOP/s GeMM and 3.8 GB/s GeMV at
+# SmolLM2's width), and int8 bytes/s (stored bytes, scales included) as this multiple of the
+# float32 rate (the same box: 1.5x alone, 0.5-0.7x with two ranks profiling at once: taken
+# as 1, an estimate either way)
 GEMV_BYTES_PER_GEMM_FLOP = 1 / 8
-GEMV_INT8_PER_F32 = 0.5
+GEMV_INT8_PER_F32 = 1.0
 
 # MPICH's Bcast algorithm switch points (bytes), its documented defaults. A profile may override
 # them under "network" (e.g. after tuning MPIR_CVAR_*): they pick the step counts the cost model
