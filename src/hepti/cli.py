@@ -276,9 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--logits-out", metavar="FILE.npy",
                    help="write the prefill's last-position logits (float32 [vocab])")
     d = s.add_argument_group("distributed (under mpiexec -n N)")
-    d.add_argument("--strategy", choices=("single", "tensor"), default=None,
+    d.add_argument("--strategy", choices=("auto", "single", "tensor"), default=None,
                    help="tensor: KV heads, MLP columns and vocabulary split by --ratios; "
-                        "single: rank 0 alone. Default: tensor under mpiexec, else single")
+                        "single: rank 0 alone; auto: the faster of single and tensor (its "
+                        "shares searched) for this request by the cost programs on a profile "
+                        "(--profile, else measured and cached as `hepti profile` does), "
+                        "pipeline priced beside them, the comparison printed. Default: tensor "
+                        "under mpiexec, else single")
+    d.add_argument("--profile", metavar="P.json",
+                   help="with --strategy auto: plan on this profile (from `hepti profile "
+                        "--model DIR` under the same mpiexec) instead of measuring")
+    d.add_argument("--ctx", type=_positive_int, default=None, metavar="N",
+                   help="with --strategy auto: tokens each rank's KV cache is planned for "
+                        "(default: the prompt's + --max-tokens)")
     d.add_argument("--ratios", metavar="R",
                    help="shares per rank: one vector (0.5,0,0.5) or one per dimension "
                         "(heads=...;ffn=...;rows=...): heads splits KV heads, ffn the MLP "
@@ -392,6 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "model's single-device peak (75%%); with --search lp it is --mem-budget")
     s.add_argument("--max-age", type=float, default=None, metavar="S",
                    help="refuse a measured profile older than S seconds")
+    s.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N",
+                   help="a decoder: new tokens per request (default 128); --seq is the prompt's "
+                        "tokens. The plan compares single, tensor and pipeline by predicted "
+                        "decode tokens/s and prefill time (docs/generate.md, Plans)")
+    s.add_argument("--ctx", type=_positive_int, default=None, metavar="N",
+                   help="a decoder: tokens each rank's KV cache holds, in the memory check "
+                        "(default: --seq + --max-tokens)")
     s.add_argument("--json", action="store_true", help="print the plan file (for `hepti run --plan`)")
     s.add_argument("--out", metavar="PLAN.json", help="also write the plan file here")
 
@@ -769,7 +786,8 @@ def cmd_plan(args) -> int:
     from hepti.plan.profile import load_profile  # local: start-up time (hepti --help)
     from hepti.plan.report import format_plan  # local: start-up time (hepti --help)
     from hepti.weights import WeightStore  # local: start-up time (hepti --help)
-    cfg = WeightStore(args.model).config
+    store = WeightStore(args.model)
+    cfg = store.config
     profile = load_profile(args.profile, max_age_s=args.max_age)
     for note in profile.check_model(cfg, source=f"--profile {args.profile}"):
         logging.getLogger("hepti").warning(note)
@@ -793,6 +811,18 @@ def cmd_plan(args) -> int:
         plan = make_genetic_cnn_plan(cfg, profile, budget, args.seed, population=args.population,
                                      generations=args.generations, crossover=args.crossover,
                                      mutation=args.mutation)
+    elif planner == "decoder":
+        from hepti.plan.decoder import Request, plan_decoder, weight_bytes_of  # local: start-up time (hepti --help)
+        from hepti.plan.planfile import parse_ratios  # local: start-up time (hepti --help)
+        ratios = parse_ratios(args.ratios, profile.world_size) if args.ratios else None
+        plan = plan_decoder(cfg, profile, Request(args.seq or 128, args.max_tokens, args.ctx),
+                            weight_bytes_of(store.index), args.strategy, ratios,
+                            parse_bytes(args.mem_budget))
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(plan.to_json() + "\n")
+        print(plan.to_json() if args.json else plan.format())
+        return 0
     elif planner == "coedge":
         from hepti.plan.coedge import make_cnn_plan  # local: start-up time (hepti --help)
         from hepti.plan.planfile import parse_ratios  # local: start-up time (hepti --help)

@@ -44,8 +44,9 @@ INPUT_KINDS = ("text", "ids", "image", "pixels")
 # or serve)
 EXECUTORS = ("interpreter", "bands", "decoder")
 # What splits it: the LP and GenEFlow over the operator graph (hepti.plan.partition, .genetic),
-# CoEdge's bands (hepti.plan.coedge, .genetic_cnn); None: not planned yet
-PLANNERS = ("lp", "coedge", None)
+# CoEdge's bands (hepti.plan.coedge, .genetic_cnn), the decoder's programs compared
+# (hepti.plan.decoder: single, tensor, pipeline); None: not planned yet
+PLANNERS = ("lp", "coedge", "decoder", None)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("cnn", "CNN", CNNConfig, cnn_graph.build, "cnn", ("image", "pixels"), "logits",
            "bands", "coedge", cnn.load_kernels, any_image_size=True),
     Family("llama", "Llama", llama.LlamaConfig, None, "decoder", ("text", "ids"), "tokens",
-           "decoder", None, None),
+           "decoder", "decoder", None),
 )}
 
 

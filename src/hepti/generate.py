@@ -3,6 +3,7 @@
 Every rank runs `generate_on_every_rank`: the prompt is checked (and, with --chat, wrapped in the
 model's own chat template) before any weights load; the group that computes is every rank
 (`tensor`, by --ratios or equal shares) or rank 0 alone (`single`: the others leave at once);
+`auto` chooses between the two by hepti.plan.decoder's comparison on a profile (`auto_plan`);
 each member reads its shard and runs hepti.parallel.decoder's `DecoderGroup`. Rank 0 alone
 prints: the tokens as they are made on stdout, a timing line on stderr, and with --json one
 JSON object at the end. Errors follow `hepti run`'s discipline (`run_guarded_fn`): a bad input
@@ -29,12 +30,17 @@ from hepti.model.llama import KVCache, check_request
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling
 from hepti.parallel.engine import FAULT_ENV, agree, run_guarded_fn
+from hepti.parallel.profiling import cached_profile
 from hepti.parallel.trace import Tracer
+from hepti.plan.decoder import DecoderPlan, Request, plan_decoder, weight_bytes_of
 from hepti.plan.planfile import DIMS, parse_ratios
+from hepti.plan.profile import load_profile
 from hepti.weights import WeightStore
 from hepti.weights.decoder import load_tokenizer
 
-STRATEGIES = ("single", "tensor")  # what the decoder executor runs
+STRATEGIES = ("single", "tensor")  # what the decoder executor runs (auto chooses one)
+PROFILE_ROWS = 128  # the rows `auto` measures a profile at: `hepti profile`'s default --seq,
+#                     so that its cached profile serves every prompt length
 
 
 def generate_guarded(args) -> int:
@@ -55,7 +61,15 @@ def generate_on_every_rank(args) -> int:
     cfg = store.config
     tok, meta = load_tokenizer(args.model)
     ids = agree(world, lambda: prompt_ids(args, cfg, tok, meta))
-    ratios = agree(world, lambda: group_ratios(args, world.size))
+    agree(world, lambda: check_auto_args(args))
+    if args.strategy == "auto":
+        plan = auto_plan(args, world, store, len(ids))
+        if rank0:
+            print(plan.format(), file=sys.stderr, flush=True)
+        args.strategy = plan.chosen.strategy
+        ratios = plan.chosen.ratios or {d: [1.0] for d in DIMS}
+    else:
+        ratios = agree(world, lambda: group_ratios(args, world.size))
     stop = stop_ids(cfg, tok, meta)
 
     group = world if args.strategy == "tensor" or world.size == 1 else world.split(rank0)
@@ -111,6 +125,32 @@ def chat_text(prompt: str, meta: dict, model) -> str:
     """One user message rendered by the model's chat template, with the generation prompt."""
     return render_chat([{"role": "user", "content": prompt}], meta, model,
                        "drop --chat and write the prompt in the model's format yourself")
+
+
+def check_auto_args(args) -> None:
+    """--profile and --ctx plan `auto`; --ratios are `tensor`'s own shares."""
+    if args.strategy == "auto" and args.ratios:
+        raise InputError("--strategy auto chooses the shares; drop --ratios (or give "
+                         "--strategy tensor with them)")
+    if args.strategy != "auto" and (args.profile or args.ctx):
+        raise InputError("--profile and --ctx are for --strategy auto; add it or drop them")
+
+
+def auto_plan(args, world: Comm, store, n_prompt: int) -> DecoderPlan:
+    """`auto` on every rank (docs/generate.md, Plans): the profile (--profile, else the
+    cached or newly measured one: collective), then hepti.plan.decoder's comparison for this
+    request, the same on every rank. A plan that does not fit raises, naming the rank."""
+    if args.profile:
+        profile = agree(world, lambda: load_profile(args.profile, world_size=world.size))
+        notes = agree(world, lambda: profile.check_model(store.config, f"--profile {args.profile}"))
+        if world.rank == 0:
+            for note in notes:
+                print(f"hepti generate: {note}", file=sys.stderr)
+    else:
+        profile, _, _ = cached_profile(MPI.COMM_WORLD, store.config, PROFILE_ROWS)
+    return agree(world, lambda: plan_decoder(
+        store.config, profile, Request(n_prompt, args.max_tokens, args.ctx),
+        weight_bytes_of(store.index), "auto"))
 
 
 def group_ratios(args, world_size: int) -> dict[str, list[float]]:

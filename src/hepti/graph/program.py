@@ -26,7 +26,9 @@ class Work:
 
     kind: str  # "gemm" | "attention" | "elementwise" | "transfer" (bytes over the rank's link)
     #            | "load" (stored weight bytes made into packed slices on the rank's CPU)
-    dim: str  # "heads" | "ffn" | "rows" | ROOT
+    #            | "gemv" / "gemv_int8" (bytes a one-row product reads: float32 / int8 weights,
+    #              at the device's GeMV bytes/s; the decoder's decode, hepti.graph.decoder)
+    dim: str  # "heads" | "ffn" | "rows" | "vocab" | ROOT
     per_unit: float
     size_fixed: float = math.inf
     size_per_unit: float = math.inf
@@ -58,6 +60,8 @@ class Work:
             return dev.attention_flops(self.size(count))
         if self.kind == "load":  # not counted without a measured or declared figure
             return dev.weight_load_Bps or math.inf
+        if self.kind in ("gemv", "gemv_int8"):
+            return dev.gemv_bytes_per_s(self.kind == "gemv_int8")
         return dev.elementwise_per_s
 
     def seconds(self, dev, count: float) -> float:
@@ -79,6 +83,8 @@ class Collective:
     (bytes sent, bytes received, peers it exchanges with), and dim is None."""
 
     kind: str  # "bcast" | "scatterv" | "gatherv" | "allgatherv" | "reduce_scatter" | "halo"
+    #            | "allreduce" / "allgather" (dim None: every rank's whole `unit_bytes` to every
+    #              peer in one round; the decoder's one-row sums and its token choice)
     dim: str | None
     unit_bytes: float
     name: str = ""

@@ -34,6 +34,7 @@ from hepti.config import ModelConfig
 from hepti.emulate import stretch as _stretch
 from hepti.families import config_from_dict, family_graph
 from hepti.graph import lower
+from hepti.kernels.int8 import GROUP
 from hepti.parallel.interpreter import _mlp_pair
 from hepti.parallel.slices import LayerSlice
 from hepti.resources import cpu_limit
@@ -413,3 +414,46 @@ def measure_weight_load(config: ModelConfig, directory: str | None = None, round
         finally:
             store.close()
     return per_load / seconds
+
+
+# --- a decoder's compute (issue 46) -------------------------------------------------------------
+
+def measure_gemv(hidden: int, int8: bool = False, nbytes: int = COLD_WEIGHT_BYTES,
+                 threads: int = 1) -> float:
+    """Bytes/s of weights one row's product reads (a decode step's GeMV): x [1, C] times
+    weights [C, N] packed as the decoder packs them (float32 `pack_b`; int8 `pack_q` of an
+    [N, C] matrix in groups along C, as stored), N chosen so that the weights come to about
+    `nbytes`, more than the caches hold, as a decode step meets each layer's weights cold.
+    Bytes are the stored bytes (int8: values and their scales), so a plan prices the bytes a
+    rank holds."""
+    rng = np.random.default_rng(3)
+    per_col = hidden * (1 + 4 / GROUP if int8 else 4)  # stored bytes of one output column
+    n = max(GROUP, int(nbytes // per_col) // GROUP * GROUP)
+    w = rng.standard_normal((n, hidden), dtype=np.float32) * np.float32(0.05)
+    packed = K.pack_q(K.quantize(w), trans=True) if int8 else K.pack_b(w, trans=True)
+    del w
+    x = rng.standard_normal((1, hidden), dtype=np.float32)
+    out = np.empty((1, n), np.float32)
+    return n * per_col / _timed(lambda: K.gemm_any(x, packed, out=out, threads=threads))
+
+
+def measure_decoder(config, rows: int, threads: int = 1) -> dict:
+    """A decoder's compute figures for the profile (hepti.plan.profile's device fields):
+    `gemm_flops`, a table by the GeMM's rows m up to the prompt's `rows` (the MLP's gate
+    projection, [m, C] x [C, F], as prefill runs its GeMMs; the encoders' `measure_layer` times
+    an encoder's layer graph, which a decoder has not), `elementwise_per_s` (RMSNorm on
+    [rows, C], as the decoder runs it), and `gemv_Bps` and `gemv_int8_Bps` (`measure_gemv`).
+    Attention is left to the GeMM's table (the profile's default)."""
+    rng = np.random.default_rng(4)
+    C, F = config.hidden_size, config.intermediate_size
+    w = K.pack_b(rng.standard_normal((C, F), dtype=np.float32) * np.float32(0.05))
+    sizes = sorted({s for s in (8, 32, 128, 512) if s < rows} | {rows})
+    xs = {m: rng.standard_normal((m, C), dtype=np.float32) for m in sizes}
+    secs = _timed_many({m: (lambda m=m: K.gemm(xs[m], w, threads=threads)) for m in sizes})
+    gemm = [[float(min(m, C)), 2.0 * m * C * F / secs[m]] for m in sizes]
+    x, gamma = xs[rows], np.ones(C, np.float32)
+    norm_s = _timed(lambda: x * (1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True)
+                                               + np.float32(config.rms_norm_eps))) * gamma)
+    return {"gemm_flops": gemm, "elementwise_per_s": rows * C / norm_s,
+            "gemv_Bps": measure_gemv(C, threads=threads),
+            "gemv_int8_Bps": measure_gemv(C, int8=True, threads=threads)}

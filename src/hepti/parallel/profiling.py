@@ -15,6 +15,9 @@ will during a run. Per rank:
 - optionally, reading a file from local disk (page cache dropped first);
 - turning stored weights into packed slices (HDF5 read + checks + pack_b), bytes/s: the CPU
   work `stream` adds to every layer;
+- a decoder (issue 46): its GeMM table on the MLP's projection, RMSNorm's elements/s and the
+  bytes/s of a one-row GeMV in float32 and int8 (`measure_decoder`), what decode is bound by;
+  no encoder layer, weight loading or collective calibration;
 - its link: MPI ping-pong with rank 0 at a few message sizes, least-squares fitted to
   one-way time = latency + bytes / bandwidth. Rank 0's own link is taken as the fastest path it
   measured (a star's path is as slow as its slower end).
@@ -43,12 +46,13 @@ from hepti.config import ModelConfig
 from hepti.emulate import stretch as _stretch
 from hepti.emulate.state import current_device, read_state
 from hepti.errors import PlanError
+from hepti.families import family
 from hepti.graph.cnn import CONV
 from hepti.model.cnn import CNNModel
 from hepti.parallel.profile_cnn import (BAND_MIN_S, measure_band_costs, measure_cnn_ops,
                                         measure_layout_rate, pooled_band, pooled_overhead,
                                         stream_fit)
-from hepti.parallel.profile_compute import (measure_call_overhead, measure_disk,
+from hepti.parallel.profile_compute import (measure_call_overhead, measure_decoder, measure_disk,
                                             measure_elementwise, measure_layer, measure_probe,
                                             measure_weight_load)
 from hepti.parallel.profile_links import (barrier, calibrate_collectives, measure_collectives,
@@ -88,10 +92,15 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     rank, size = comm.Get_rank(), comm.Get_size()
     M = batch * seq_len
     barrier(comm)
-    gemm, attention = measure_layer(config, batch, seq_len, threads)
-    elementwise = measure_elementwise(config, M)
+    decoder = family(config).executor == "decoder"
+    if decoder:  # its GeMM table, RMSNorm and GeMV bytes/s (no encoder layer graph to time)
+        compute = measure_decoder(config, M, threads)
+    else:
+        gemm, attention = measure_layer(config, batch, seq_len, threads)
+        compute = {"gemm_flops": gemm, "attention_flops": attention,
+                   "elementwise_per_s": measure_elementwise(config, M),
+                   "weight_load_Bps": measure_weight_load(config)}
     overhead = measure_call_overhead()
-    weight_load = measure_weight_load(config)
     barrier(comm)
     probe_s = measure_probe(config.hidden_size)  # after the barrier: see measure_probe
     disk_bps = measure_disk() if disk else None
@@ -105,10 +114,9 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
         memory = min(memory, float(mem_cap))
     barrier(comm)
     links = measure_links(comm)
-    mine = {"rank": rank, "host": MPI.Get_processor_name(), "gemm_flops": gemm,
-            "attention_flops": attention, "elementwise_per_s": elementwise,
+    mine = {"rank": rank, "host": MPI.Get_processor_name(), **compute,
             "memory_bytes": float(memory), "disk_read_Bps": disk_bps, "call_overhead_s": overhead,
-            "weight_load_Bps": weight_load, "probe_s": probe_s,
+            "probe_s": probe_s,
             "measured": {"memory_source": mem_source, "ranks_on_host": on_host,
                          "rss_bytes": process_rss() or 0, "threads": threads,
                          "cgroup_memory_stat": {k: v for k, v in cgroup_memory_stat().items()
@@ -125,7 +133,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
             "network": dict(NETWORK_DEFAULTS), "devices": devices,
             "measure_s": elapsed, "batch": batch}
     prof = comm.bcast(prof, root=0)
-    if size > 1:
+    if size > 1 and not decoder:  # the encoders' collectives; a decoder's are not calibrated
         prof["network"]["calibration"] = calibrate_collectives(comm, prof, config, M)
     profile_from_dict(prof, "measured profile")  # the schema check the planner will make
     return prof

@@ -22,6 +22,11 @@ messages the rank posts and bytes_i what crosses its link, for the algorithm the
                     carries about 2 S); thresholds in the profile's "network" section
     scatterv/gatherv root 0 posts one message per peer: (n-1) alpha_0 + (S - c_0)/beta_0;
                     peer i: alpha_i + c_i / beta_i
+    allreduce       the decoder's one-row sum (hepti.parallel.comm `allreduce_sum`): rank i sends
+                    its whole S to each of the n-1 peers and receives theirs, one round:
+                    (n-1) alpha_i + (n-1) S / beta_i, plus (n-1) S / 4 float adds
+    allgather       the decoder's token choice (`allgather_small`): the same exchange of a few
+                    numbers (S: one rank's), no adds
     halo            a height split's exchange (hepti.parallel.comm `exchange`: every receive
                     posted, then every send, one message per peer each way): rank i with p_i
                     peers, sending s_i and receiving r_i bytes, p_i alpha_i + max(s_i, r_i) /
@@ -43,6 +48,10 @@ so such a phase costs max(rank 0's compute, max over i > 0 of its transfers + co
 reported as communication (comm_s["transfer"]), not compute. It leaves out link latency (tenths
 of a ms against tens of ms of transfer) and the sharing of rank 0's link by several peers (exact
 for one), so that it stays linear in the rank's own block for the LP.
+
+A decoder's decode step prices its Work by bytes: "gemv" ("gemv_int8") is the bytes of weights
+(and KV cache) a one-row product reads, over the profile's GeMV bytes/s (`Device.gemv_bytes_per_s`,
+an estimate from the GeMM speed when the profile has none): hepti.graph.decoder.
 
 Another is "load": `stream` turning a layer's stored weight slices into packed ones (read from
 the page cache, checksum, pack) on the rank's prefetch thread, bytes / the profile's
@@ -101,6 +110,9 @@ def _branch_terms(kind: str, n: int, S: float, a, b, e, is_root: bool, network: 
         red = (n - 1) / (4.0 * e)  # seconds per own-block byte: (n-1) c_i / 4 float adds
         return [((n - 1) * a + S / b, -1.0 / b + red),  # sending S - c_i
                 ((n - 1) * a + zero, (n - 1) / b + red)]  # receiving (n-1) c_i
+    if kind in ("allreduce", "allgather"):  # one round, every rank's whole S to every peer
+        red = (n - 1) * S / (4.0 * e) if kind == "allreduce" else zero
+        return [((n - 1) * a + (n - 1) * S / b + red, zero)]
     if kind == "bcast":
         if S < network["bcast_short_bytes"] or n < network["bcast_min_procs"]:
             hops = _log2c(n)  # binomial tree
@@ -169,6 +181,8 @@ def rank_bytes(coll: Collective, counts: dict[str, list[float]], active: list[bo
             out.append((S - c[i], (n - 1) * c[i]))
         elif coll.kind == "bcast":
             out.append(((n - 1) * S, 0.0) if i == 0 else (0.0, S))
+        elif coll.kind in ("allreduce", "allgather"):
+            out.append(((n - 1) * S, (n - 1) * S))
         elif coll.kind == "scatterv":
             out.append((S - c[0], 0.0) if i == 0 else (0.0, c[i]))
         elif coll.kind == "gatherv":

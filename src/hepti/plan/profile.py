@@ -30,6 +30,12 @@ planner does not care which. Schema (version 1), a JSON object:
                                         #   packed layer slice on this rank's own CPU (checksum,
                                         #   copy, pack); `stream` pays it per layer (default:
                                         #   not counted)
+         "gemv_Bps": 1.2e10,            # optional; bytes/s of float32 weights a one-row GeMM
+                                        #   (GeMV) reads: what a decoder's decode step is bound
+                                        #   by (default: an estimate from gemm_flops, see
+                                        #   `gemv_estimates`)
+         "gemv_int8_Bps": 6e9,          # optional; the same for int8 weights (stored bytes,
+                                        #   scales included; default: gemv_Bps)
          "call_overhead_s": 2e-5,       # optional; fixed cost of one kernel call (default 0)
          "probe_s": 3e-4}               # optional; seconds of the speed probe's GeMM
                                         #   (hepti.parallel.profile_compute.SpeedProbe): what
@@ -61,6 +67,14 @@ from hepti.config import model_mismatch
 SCHEMA_VERSION = 1
 SOURCES = ("measured", "declared")
 ELEMENTWISE_PER_GEMM_FLOP = 1 / 100  # default elements/s per GeMM FLOP/s when not declared
+# A profile without GeMV figures (older files, encoders' profiles): bytes/s of a float32 GeMV
+# taken as the GeMM peak FLOP/s times this (a GeMV does 0.5 FLOP a byte but runs far below the
+# GeMM's peak: on a shared 2-core box, 2026-11-29, 32.7 GFLOP/s GeMM and 3.8 GB/s GeMV at
+# SmolLM2's width), and int8 bytes/s (stored bytes, scales included) as this multiple of the
+# float32 rate (the same box: 1.5x alone, 0.5-0.7x with two ranks profiling at once: taken
+# as 1, an estimate either way)
+GEMV_BYTES_PER_GEMM_FLOP = 1 / 8
+GEMV_INT8_PER_F32 = 1.0
 
 # MPICH's Bcast algorithm switch points (bytes), its documented defaults. A profile may override
 # them under "network" (e.g. after tuning MPIR_CVAR_*): they pick the step counts the cost model
@@ -127,6 +141,17 @@ class Device:
     call_overhead_s: float = 0.0
     weight_load_Bps: float | None = None  # CPU speed of loading weight slices (None: not counted)
     probe_s: float | None = None  # the speed probe's seconds (profile_compute.SpeedProbe)
+    gemv_Bps: float | None = None  # float32 GeMV bytes/s (None: estimated, `gemv_estimates`)
+    gemv_int8_Bps: float | None = None  # int8 GeMV bytes/s (None: estimated)
+
+    def gemv_bytes_per_s(self, int8: bool = False) -> float:
+        """Bytes/s of weights a GeMV reads: measured or declared, else the estimate of
+        GEMV_BYTES_PER_GEMM_FLOP (and GEMV_INT8_PER_F32); `Profile.gemv_estimates` says which
+        ranks were estimated."""
+        f32 = self.gemv_Bps or self.gemm.peak * GEMV_BYTES_PER_GEMM_FLOP
+        if not int8:
+            return f32
+        return self.gemv_int8_Bps or f32 * GEMV_INT8_PER_F32
 
     def gemm_flops(self, size: float = math.inf) -> float:
         return self.gemm.at(size)
@@ -153,6 +178,9 @@ class Device:
             d["weight_load_Bps"] = self.weight_load_Bps
         if self.probe_s is not None:
             d["probe_s"] = self.probe_s
+        for k in ("gemv_Bps", "gemv_int8_Bps"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
         return d
 
 
@@ -196,6 +224,19 @@ class Profile:
                             f"mpiexec -n {self.world_size} hepti profile --model MODEL_DIR "
                             f"--out PROFILE.json")
         return [f"{source}: {why}; its shape matches, so it is used"] if why else []
+
+    def gemv_estimates(self, int8: bool = False) -> list[str]:
+        """One note per rank whose GeMV bytes/s the profile does not hold (an older profile,
+        or one measured for an encoder), with the estimate used instead: a decoder's plan
+        prints them."""
+        key = "gemv_int8_Bps" if int8 else "gemv_Bps"
+        out = []
+        for d in self.devices:
+            if getattr(d, key) is None:
+                out.append(f"rank {d.rank}: the profile has no {key}; estimated "
+                           f"{d.gemv_bytes_per_s(int8) / 1e9:.1f} GB/s from its GeMM speed "
+                           "(measure it: mpiexec -n N hepti profile --model DECODER_DIR)")
+        return out
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
@@ -275,7 +316,9 @@ def device_from_dict(d: dict, index: int) -> Device:
         disk_read_Bps=_positive(d, "disk_read_Bps", what, optional=True),
         call_overhead_s=_positive(d, "call_overhead_s", what, optional=True, zero_ok=True) or 0.0,
         weight_load_Bps=_positive(d, "weight_load_Bps", what, optional=True),
-        probe_s=_positive(d, "probe_s", what, optional=True))
+        probe_s=_positive(d, "probe_s", what, optional=True),
+        gemv_Bps=_positive(d, "gemv_Bps", what, optional=True),
+        gemv_int8_Bps=_positive(d, "gemv_int8_Bps", what, optional=True))
 
 
 def profile_from_dict(d, source_name: str = "profile") -> Profile:

@@ -1,0 +1,162 @@
+"""The decoder's cost programs and plans (issue 46): numbers by hand on a tiny config, the new
+collective kinds, the GeMV field of a profile, the memory check with the KV cache, and `auto`
+choosing `single` on slow links and `tensor` on fast ones."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hepti.errors import PlanError
+from hepti.graph.decoder import decode_program, int8_bytes, prefill_program
+from hepti.model.llama import KVCache, LlamaConfig
+from hepti.plan.costmodel import Collective, collective_times, evaluate, rank_bytes
+from hepti.plan.decoder import Request, evaluate_tensor, head_splits, plan_decoder
+from hepti.plan.profile import GEMV_BYTES_PER_GEMM_FLOP, declared_profile, profile_from_dict
+
+# C 8, 4 query heads over 2 KV heads (G 2), D 2, F 6, V 10, 2 layers
+TINY = LlamaConfig(vocab_size=10, hidden_size=8, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=6, head_dim=2)
+SMOL = LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30,
+                   num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                   head_dim=64)
+DEV = dict(gemm_flops=1e9, memory_bytes=4e9, latency_s=1e-3, bandwidth_Bps=1e6,
+           elementwise_per_s=1e8, gemv_Bps=1e6)
+
+
+def _collectives(p):
+    return [(ph.collective.kind, ph.collective.unit_bytes, m) for ph, m, _ in p.phases()
+            if ph.collective is not None]
+
+
+def test_decode_program_by_hand():
+    ctx = 5
+    p = decode_program(TINY, ctx)
+    # per KV head: q and o G*D*C each, k and v D*C each: (2*2 + 2) * 2 * 8 floats = 96 floats
+    qkvo, cache = p.layer[0].works
+    assert (qkvo.kind, qkvo.dim, qkvo.per_unit) == ("gemv", "heads", 96 * 4)
+    assert (cache.kind, cache.per_unit) == ("gemv", 2 * ctx * 2 * 4)  # K and V of 5 tokens
+    assert p.layer[1].works[0].per_unit == 3 * 8 * 4  # gate, up, down: C floats a column
+    assert p.end[0].works[0].per_unit == 8 * 4  # the head: C floats a vocabulary row
+    # 1 + 2L one-row allreduces of C floats, then greedy's pair
+    assert _collectives(p) == [("allreduce", 32, 1), ("allreduce", 32, 2), ("allreduce", 32, 2),
+                               ("allgather", 16, 1)]
+    # one device: every byte at 1e6 B/s, no collective
+    one = declared_profile([DEV])
+    whole = {"heads": [2], "ffn": [6], "vocab": [10]}
+    nbytes = 2 * (2 * 96 * 4 + 2 * 2 * ctx * 2 * 4 + 6 * 3 * 8 * 4) + 10 * 8 * 4
+    assert evaluate(p, whole, one).latency_s == pytest.approx(nbytes / 1e6)
+    # memory: weights (heads, columns, vocabulary, norms) and the cache, by hand
+    mem = evaluate(p, whole, one).per_rank[0].mem
+    weights = 2 * (2 * 96 * 4 + 6 * 3 * 8 * 4 + 2 * 8 * 4) + 10 * 8 * 4 + 8 * 4
+    assert mem["weights"] == weights
+    assert mem["kv_cache"] == KVCache.bytes_for(TINY, ctx, 2)
+
+
+def test_decode_split_by_hand():
+    """Two ranks, 1 KV head and 3 columns and 5 vocabulary rows each: half the bytes each, and
+    per allreduce (n-1) latency + S / bandwidth + the adds."""
+    p = decode_program(TINY, 5)
+    two = declared_profile([DEV, DEV])
+    half = {"heads": [1, 1], "ffn": [3, 3], "vocab": [5, 5]}
+    compute = evaluate(p, {"heads": [2], "ffn": [6], "vocab": [10]},
+                       declared_profile([DEV])).latency_s / 2
+    allreduce = 1e-3 + 32 / 1e6 + 32 / (4 * 1e8)
+    allgather = 1e-3 + 16 / 1e6
+    assert evaluate(p, half, two).latency_s == pytest.approx(compute + 5 * allreduce + allgather)
+
+
+def test_prefill_program_by_hand():
+    T = 4
+    p = prefill_program(TINY, T)
+    qkvo, att = p.layer[0].works
+    assert (qkvo.kind, qkvo.per_unit, qkvo.size_fixed) == ("gemm", 2 * T * 96, T)  # 2 T flops a weight
+    assert (att.kind, att.per_unit) == ("attention", 4 * 2 * T * T * 2)
+    assert p.layer[2].works[0].per_unit == 2 * T * 8 * 3
+    # each sum is a reduce-scatter over the rows, then an allgatherv of them
+    assert [k for k, _, _ in _collectives(p)] == ["reduce_scatter", "allgatherv"] * 3 + ["allgather"]
+    assert p.totals["rows"] == T
+    assert _collectives(prefill_program(TINY, 1))[0][0] == "allreduce"  # a one-token prompt
+
+
+def test_int8_weights_price_at_the_int8_rate():
+    p = decode_program(TINY, 5, weight_bytes=int8_bytes(64))
+    assert p.layer[1].works[0].kind == "gemv_int8"
+    assert p.layer[0].works[1].kind == "gemv"  # the cache stays float32
+    dev = declared_profile([dict(DEV, gemv_int8_Bps=3e5)]).devices[0]
+    assert p.layer[1].works[0].speed(dev, 1) == 3e5
+
+
+def test_allreduce_and_allgather_bytes():
+    for kind in ("allreduce", "allgather"):
+        c = Collective(kind, None, 100.0)
+        assert rank_bytes(c, {}, [True, True, True]) == [(200.0, 200.0)] * 3
+        assert rank_bytes(c, {}, [True, False]) == [(0.0, 0.0)] * 2
+    prof = declared_profile([DEV, dict(DEV, latency_s=2e-3, bandwidth_Bps=5e5)])
+    t = collective_times(Collective("allgather", None, 100.0), {}, [True, True], prof)
+    assert t == pytest.approx([1e-3 + 100 / 1e6, 2e-3 + 100 / 5e5])
+
+
+def test_profile_gemv_field_and_estimate():
+    old = declared_profile([dict(DEV, gemv_Bps=None)])
+    dev = old.devices[0]
+    assert dev.gemv_bytes_per_s() == pytest.approx(1e9 * GEMV_BYTES_PER_GEMM_FLOP)
+    notes = old.gemv_estimates()
+    assert len(notes) == 1 and "rank 0" in notes[0] and "gemv_Bps" in notes[0]
+    new = declared_profile([dict(DEV, gemv_int8_Bps=2e5)])
+    assert new.gemv_estimates() == []
+    d = new.to_dict()
+    assert d["devices"][0]["gemv_Bps"] == 1e6 and d["devices"][0]["gemv_int8_Bps"] == 2e5
+    assert profile_from_dict(d).devices[0].gemv_int8_Bps == 2e5
+    with pytest.raises(PlanError, match="gemv_Bps"):
+        declared_profile([dict(DEV, gemv_Bps=-1)])
+
+
+def _pair(latency_s, bandwidth_Bps, **kw):
+    dev = dict(gemm_flops=1e11, memory_bytes=4e9, latency_s=latency_s,
+               bandwidth_Bps=bandwidth_Bps, gemv_Bps=1.5e10, **kw)
+    return declared_profile([dev, dev])
+
+
+def test_auto_picks_single_on_slow_links_and_tensor_on_fast():
+    req = Request(prompt=20, max_tokens=64)
+    slow = plan_decoder(SMOL, _pair(2e-3, 1.2e7), req)
+    assert slow.chosen.strategy == "single"
+    fast = plan_decoder(SMOL, _pair(1e-5, 1e9), req)
+    assert fast.chosen.strategy == "tensor"
+    for plan in (slow, fast):
+        text = plan.format()
+        for what in ("single on rank 0", "tensor", "pipeline", "tok/s", "priced only"):
+            assert what in text
+        assert text.splitlines()[-1].startswith(f"-> {plan.chosen.strategy}")
+        assert {c.strategy for c in plan.candidates} == {"single", "tensor", "pipeline"}
+        assert not [c for c in plan.candidates if c.strategy == "pipeline"][0].runnable
+    # on fast links tensor's predicted decode beats either device alone
+    single = min(c.decode_s for c in fast.candidates if c.strategy == "single")
+    assert fast.chosen.decode_s < single
+
+
+def test_the_kv_cache_counts_and_a_plan_that_does_not_fit_says_where():
+    prof = _pair(1e-5, 1e9)
+    short, long = (evaluate_tensor(SMOL, prof, Request(20, n), {d: [0.5, 0.5] for d in
+                                                                 ("heads", "ffn", "rows")})
+                   for n in (64, 4000))
+    # rank 0 holds 2 of 3 KV heads: 2 * 30 layers * 2 heads * 64 * 4 bytes more a token
+    assert short.mem[0] - long.mem[0] == pytest.approx(-(4000 - 64) * 2 * 30 * 2 * 64 * 4)
+    tight = declared_profile([dict(gemm_flops=1e11, memory_bytes=3e8, latency_s=1e-5,
+                                   bandwidth_Bps=1e9, gemv_Bps=1e10)] * 2)
+    with pytest.raises(PlanError, match=r"rank 0 short by [0-9.]+ MiB") as e:
+        plan_decoder(SMOL, tight, Request(20, 64), strategy="single")
+    assert "--max-tokens" in str(e.value)
+    # tensor fits where single does not: its halves are under 300 MB
+    assert plan_decoder(SMOL, tight, Request(20, 64)).chosen.strategy == "tensor"
+    assert math.isfinite(short.tokens_per_s)
+
+
+def test_head_splits_are_every_split_of_the_whole_heads():
+    assert head_splits(3, [0.5, 0.5]) == [[0, 1], [1 / 3, 2 / 3], [2 / 3, 1 / 3], [1, 0]]
+    assert len(head_splits(8, [0.25] * 4)) == 1  # 165 splits: too many, the shares' own only
+    # the plan's tensor holds whole heads that sum to the model's
+    plan = plan_decoder(SMOL, _pair(1e-5, 1e9), Request(20, 64))
+    heads = [round(h * 3) for h in plan.chosen.ratios["heads"]]
+    assert sum(heads) == 3 and plan.chosen.ratios["heads"] == [h / 3 for h in heads]
