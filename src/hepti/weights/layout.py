@@ -63,6 +63,9 @@ CHECKSUM_BYTES = 4             # Fletcher32 appends 4 bytes to every stored chun
 INT8 = "int8"                  # `hepti convert --dtype int8`: see `quantized_tensors`
 DTYPES = (DTYPE, INT8)
 SCALES_SUFFIX = ".scales"      # the float32 scales of an int8 tensor NAME: dataset NAME.scales
+# layouts whose writer names its int8 tensors itself (write_model's `quantized`): the decoder,
+# which has no operator graph for `quantized_tensors` to read (hepti.weights.decoder)
+INT8_OWN_LAYOUTS = ("decoder",)
 
 
 def layer_name(i: int, local: str) -> str:
@@ -295,10 +298,10 @@ def check_dtype(dtype: str, config) -> None:
     if dtype not in DTYPES:
         raise WeightsError(f"weights dtype {dtype!r} unknown; choose one of {', '.join(DTYPES)}")
     kind = families.family(config).layout
-    if dtype == INT8 and kind not in LAYOUTS:
-        raise WeightsError(f"int8 weights are for the encoder families ({', '.join(LAYOUTS)}); "
-                         f"a {families.family(config).label} model is stored float32: drop "
-                         "--dtype int8")
+    if dtype == INT8 and kind not in (*LAYOUTS, *INT8_OWN_LAYOUTS):
+        raise WeightsError(f"int8 weights are for the encoder families ({', '.join(LAYOUTS)}) "
+                           f"and the decoder; a {families.family(config).label} model is "
+                           "stored float32: drop --dtype int8")
 
 
 def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:
