@@ -118,7 +118,7 @@ class DecoderGroup:
         self.shard = self.shards[comm.rank]
         self.rows = list(ratios["rows"])
         weights = read_shard(store, self.shard)
-        self.weight_bytes = sum(int(w.nbytes) for w in weights.values())  # the shard, float32
+        self.weight_bytes = sum(int(w.nbytes) for w in weights.values())  # as read: int8 + scales
         self.model = LlamaModel(self.config, weights, kernels=kernels, shard=self.shard)
 
     def sync(self, partial: np.ndarray) -> np.ndarray:
