@@ -913,3 +913,25 @@ def test_warm_up_loads_the_int8_kernels_for_int8_folders_only(tmp_path):
         assert all(bool(before[k]) == int8 for k in INT8_KERNELS), (folder, before)
         assert after == before, (folder, {k: (before[k], v) for k, v in after.items()
                                           if before[k] != v})
+
+
+# --- sizes: what the budget and the planner count for an int8 folder ------------------------
+
+@pytest.mark.parametrize("heads,ffn", [((0, 4), (0, 128)), ((1, 3), (16, 80)), ((2, 4), (48, 128))])
+def test_int8_predicted_slice_bytes_match_the_bytes_read(tmp_path, heads, ffn):
+    """hepti.model.sizes with the folder's dtype predicts what a rank reads of an int8 layer
+    slice (int8 values and their scales) within 5%: the reads add each chunk's 4-byte checksum
+    and read a sliced bias whole (one chunk), both a few percent of a model this small and
+    less of a real one. The float32 count of the same folder would overstate it over 3x."""
+    from hepti.model.sizes import layer_slice_bytes, spec_bytes
+    _, i8 = _int8_pair(tmp_path)
+    with WeightStore(i8) as store:
+        cfg, h, f = store.config, heads[1] - heads[0], ffn[1] - ffn[0]
+        for i in range(cfg.num_hidden_layers):
+            store.read_layer_slice(i, heads, ffn)
+        read = store.bytes_read
+        want = spec_bytes(cfg, ("resident", heads, ffn, (0, cfg.num_hidden_layers)), store.dtype)
+    assert want == cfg.num_hidden_layers * layer_slice_bytes(cfg, h, f, "int8")
+    assert abs(read - want) <= 0.05 * read, (read, want)
+    if h or f:
+        assert layer_slice_bytes(cfg, h, f) > 3 * layer_slice_bytes(cfg, h, f, "int8")

@@ -54,6 +54,7 @@ from hepti.graph.cnn import build
 from hepti import families
 from hepti.errors import WeightsError
 from hepti.families import family_graph
+from hepti.model import sizes
 
 FFN_ROWS_PER_CHUNK = 16
 WHOLE_CHUNK_BYTES = 64 * 1024  # target chunk size of matrices that are read whole
@@ -289,8 +290,7 @@ def quantized_tensors(config) -> tuple[str, ...]:
     stored [K, N], whose K a rank slices by its (uneven) share.
     """
     check_dtype(INT8, config)
-    return tuple(dict.fromkeys(w for op in _graph(config).layer if op.kind == "gemm"
-                               for w in op.matrices))
+    return tuple(w for w in layer_tensors(config) if w in sizes.quantized_weights(config))
 
 
 def check_dtype(dtype: str, config) -> None:
