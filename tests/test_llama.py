@@ -520,3 +520,20 @@ def test_convert_cli_writes_an_int8_decoder(tmp_path):
     assert json.loads((out / "index.json").read_text())["dtype"] == "int8"
     code, err = _hepti("verify", out)
     assert code == 0, err
+
+
+def test_int8_decoder_reports_the_weight_bytes_it_reads(smollm2_int8_dir):
+    """`hepti generate --json`'s weight_bytes for an int8 folder is what the rank read (int8
+    values and scales; the reads add chunk checksums and whole edge chunks: within 2% for
+    SmolLM2, not for the tiny model, whose 300-row embedding is two chunks of 227 rows), and
+    under 0.3 of the float32 bytes of the same tensors."""
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.decoder import DecoderGroup
+    from hepti.weights import WeightStore
+    from hepti.weights.decoder import expected_shapes
+    with WeightStore(smollm2_int8_dir) as store:
+        dec = DecoderGroup(Comm(None), store, {k: [1.0] for k in ("heads", "ffn", "rows")})
+        reported, read = dec.weight_bytes, store.bytes_read
+    assert abs(reported - read) <= 0.02 * read, (reported, read)
+    f32 = 4 * sum(int(np.prod(s)) for s in expected_shapes(dec.config).values())
+    assert reported < 0.3 * f32, (reported, f32)
