@@ -17,6 +17,8 @@ import math  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 
+from hepti.bench.registry import BENCHES  # noqa: E402
+from hepti.bench.registry import main as run_bench  # noqa: E402
 from hepti.plan.strategies import BANDS, INTERPRETER  # noqa: E402
 from hepti.plan.strategies import help_text as strategy_help  # noqa: E402
 from hepti.plan.strategies import names as strategy_names  # noqa: E402
@@ -397,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     from hepti.serve.http import READ_TIMEOUT_S, ROUTES_HELP  # local: start-up time (hepti --help)
     from hepti.serve.stall import STALL_FLOOR_S  # local: start-up time (hepti --help)
     s = sub.add_parser(
-        "serve", help="serve embeddings over HTTP (or --jsonl) from a long-lived MPI job",
+        "serve", help="serve embeddings, or a decoder's completions, over HTTP from a "
+                      "long-lived MPI job",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=_paragraphs(
             "Start N worker ranks with mpiexec (weights loaded once, planned as `hepti run` "
@@ -408,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
             "host whose rank was killed or hung past its batch's deadline (-f HOSTFILE minus "
             "that host; on one machine, one rank fewer); no accepted request is lost. A lost "
             "device is probed in the background and taken back when it answers again.",
+            "A decoder (--model a converted Llama-style model, e.g. weights/smollm2) answers "
+            "POST /v1/completions and /v1/chat/completions instead, streamed as server-sent "
+            "events with \"stream\": true. Its ranks split it in tensor (KV heads, MLP "
+            "columns, vocabulary) by --ratios or equal shares; one generation runs at a time, "
+            "the others queue in arrival order; a client that hangs up cancels its "
+            "generation. --jsonl, --replan on, --plan and --profile are for encoders.",
             "Under `hepti emulate --cluster SPEC -- hepti serve -n N ...` worker rank i runs "
             "on emulated device i and the service is still reachable at the host's "
             "127.0.0.1:PORT."),
@@ -416,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  hepti serve -n 4 -f hostfiles/my-cluster --host 0.0.0.0 "
                "--api-key-file ~/.hepti-key\n"
                "  hepti serve -n 2 --jsonl < requests.jsonl > answers.jsonl\n"
+               "  hepti serve --model weights/smollm2 -n 2 --port 8080     # a decoder\n"
                "  sudo hepti emulate --cluster hostfiles/emu-mixed4.json -- hepti serve -n 4")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model folder (default {DEFAULT_MODEL})")
     s.add_argument("-n", type=_positive_int, default=1, dest="n", help="worker ranks (default 1)")
@@ -499,30 +509,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "Content-Length, or trickles it, holds a thread no longer (default "
                         f"{READ_TIMEOUT_S:g}; raise it for large bodies over slow links)")
 
-    s = sub.add_parser("bench", help="benchmarks: kernels, model, solver, comm")
-    bsub = s.add_subparsers(dest="bench", metavar="WHAT", required=True)
-    b = bsub.add_parser("kernels", help="GFLOP/s of hepti's GeMM vs numpy, single-threaded, interleaved")
-    b.add_argument("--repeat", type=_positive_int, default=20, help="repetitions per shape (default 20)")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b = bsub.add_parser("model", help="median single-thread forward latency (and PyTorch's, interleaved)")
-    b.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model (default {DEFAULT_MODEL})")
-    b.add_argument("--seq", type=_positive_int, default=128, help="tokens (default 128)")
-    b.add_argument("--batch", type=_positive_int, default=1, help="batch size (default 1)")
-    b.add_argument("--repeat", type=_positive_int, default=30, help="timed runs (default 30)")
-    b.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b = bsub.add_parser("solver", help="the planner's solve time (solve_s) on random declared "
-                                       "clusters of 2-32 devices, every strategy, interleaved")
-    b.add_argument("--devices", default="2,4,8,16,32", help="cluster sizes (default 2,4,8,16,32)")
-    b.add_argument("--rounds", type=_positive_int, default=15, help="interleaved rounds (default 15)")
-    b.add_argument("--out", default="results/solver.json", help="write the JSON here (default %(default)s)")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b = bsub.add_parser("comm", help="under mpiexec -n N: hepti's row verbs (point-to-point, and "
-                                     "the shared window on one host) vs MPI's Allgatherv and "
-                                     "Reduce_scatter on a forward's shapes")
-    b.add_argument("--repeat", type=_positive_int, default=200, help="calls of each (default 200)")
-    b.add_argument("--out", default="results/comm.json", help="write the JSON here (default %(default)s)")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
+    s = sub.add_parser(
+        "bench", help="benchmarks: hepti bench NAME (hepti bench --help lists them)",
+        description="Run one benchmark. Each writes its result document under results/ (what "
+                    "ran, commit, machine, command line, load average) and prints a table; "
+                    "`hepti bench NAME --help` gives its options. The ones that time variants "
+                    "against each other run them in interleaved rounds, and those marked sudo "
+                    "run under `hepti emulate`.")
+    bsub = s.add_subparsers(dest="bench", metavar="NAME", required=True)
+    for name, (_, line) in BENCHES.items():
+        # the bench's own options are parsed by its module (hepti.bench.registry), imported
+        # only when it runs: the rest of the line goes to it as is, --help included
+        b = bsub.add_parser(name, help=line, add_help=False, prefix_chars="\0")
+        b.add_argument("bench_args", nargs=argparse.REMAINDER)
     _add_order_parsers(sub)
     return p
 
@@ -652,49 +651,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.bench == "kernels":
-        from hepti.bench.kernels import format_kernel_table, run_kernel_bench  # local: start-up time (hepti --help)
-        res = run_kernel_bench(repeat=args.repeat, progress=not args.json)
-        print(json.dumps(res, indent=2) if args.json else format_kernel_table(res))
-        return 0
-    if args.bench == "solver":
-        from hepti.bench import write_json  # local: start-up time (hepti --help)
-        from hepti.bench.solver import format_solver, run_solver_bench  # local: start-up time (hepti --help)
-        from hepti.errors import InputError  # local: start-up time (hepti --help)
-        try:
-            devices = tuple(int(x) for x in args.devices.split(","))
-        except ValueError:
-            raise InputError(f"--devices {args.devices!r}: give cluster sizes like 2,4,8,16,32") from None
-        if any(n < 1 for n in devices):
-            raise InputError(f"--devices {args.devices!r}: every cluster size must be at least 1")
-        res = run_solver_bench(devices, rounds=args.rounds, progress=not args.json)
-        write_json(res, args.out)
-        print(json.dumps(res, indent=2) if args.json else format_solver(res) + f"\nwrote {args.out}")
-        return 0
-    if args.bench == "comm":
-        from hepti.parallel.engine import run_guarded_fn  # local: start-up time (hepti --help)
-        return run_guarded_fn("bench comm", _bench_comm, args)
-    from hepti.bench.model import format_model_bench, run_model_bench  # local: start-up time (hepti --help)
-    res = run_model_bench(args.model, seq=args.seq, batch=args.batch, repeat=args.repeat,
-                          torch=not args.no_torch, progress=not args.json)
-    print(json.dumps(res, indent=2) if args.json else format_model_bench(res))
-    return 0
-
-
-def _bench_comm(args) -> int:
-
-    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
-
-    from hepti.bench.comm import format_comm, run_comm_bench  # local: start-up time (hepti --help)
-    from hepti.bench import write_json  # local: start-up time (hepti --help)
-    if MPI.COMM_WORLD.Get_size() < 2:
-        from hepti.errors import InputError  # local: start-up time (hepti --help)
-        raise InputError("bench comm needs two or more ranks: mpiexec -n 2 hepti bench comm")
-    res = run_comm_bench(MPI.COMM_WORLD, repeat=args.repeat, progress=not args.json)
-    if res is not None:
-        write_json(res, args.out)
-        print(json.dumps(res, indent=2) if args.json else format_comm(res) + f"\nwrote {args.out}")
-    return 0
+    """`hepti bench NAME ARGS`: the bench's module parses ARGS and runs (hepti.bench.registry)."""
+    return run_bench(args.bench, args.bench_args)
 
 
 def cmd_emulate(args) -> int:

@@ -30,6 +30,7 @@ The embedding is quantised too although a lookup reads a few rows: it *is* the L
 largest matrix (V x C, 113 MB float32 for SmolLM2, a fifth of the model), and decode reads all
 of it every token; a lookup widens only the rows it reads (`LlamaModel.embed`). The norms stay
 float32.
+
 Chunks: a head's D rows for attention matrices, `layout.FFN_ROWS_PER_CHUNK` rows for MLP
 matrices, about `layout.WHOLE_CHUNK_BYTES` for the embedding, 1-D tensors whole.
 

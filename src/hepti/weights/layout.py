@@ -187,7 +187,7 @@ VIT_HF_OTHER_MAP = {
 
 
 @dataclass(frozen=True)
-class Family:
+class Layout:
     """How one model family's (a config's model_type) Hugging Face checkpoints map onto the
     stored tensors; which tensors those are, their shapes and slicing, are its graph's.
 
@@ -210,11 +210,11 @@ class Family:
 
 
 LAYOUTS = {  # by layout name: a family's `layout` (hepti.families)
-    "bert": Family("bert", "BERT", "BertModel",
+    "bert": Layout("bert", "BERT", "BertModel",
                    hf_layers=(("BERT", "encoder.layer.{i}.", HF_LAYER_MAP),),
                    hf_other=HF_OTHER_MAP, hf_model_prefix="bert.",
                    hf_refused=("embeddings.", "encoder.", "pooler."), pooler=True),
-    "vit": Family("vit", "ViT", "ViTModel",
+    "vit": Layout("vit", "ViT", "ViTModel",
                   hf_layers=(("transformers 4.x / hub", "encoder.layer.{i}.", VIT_HF_LAYER_MAP),
                              ("transformers 5.x", "layers.{i}.", VIT_HF_LAYER_MAP_V5)),
                   hf_other=VIT_HF_OTHER_MAP, hf_model_prefix="vit.",
@@ -223,7 +223,7 @@ LAYOUTS = {  # by layout name: a family's `layout` (hepti.families)
 }
 
 
-def family(model_type: str) -> Family:
+def of(model_type: str) -> Layout:
     """The Hugging Face checkpoint layout of a model family (hepti.families names it);
     ValueError for a family without one."""
     name = families.family(model_type).layout
@@ -313,7 +313,7 @@ def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:
         return build(config).weights()
     g = _graph(config)
     shapes = {n: tuple(g.weights[n].shape) for n in embedding_tensors(config)}
-    if pooler and family(config.model_type).pooler:
+    if pooler and of(config.model_type).pooler:
         c = config.hidden_size
         shapes["pooler.weight"] = (c, c)
         shapes["pooler.bias"] = (c,)
