@@ -854,3 +854,84 @@ def test_int8_vit_near_float32(fixtures_dir, tmp_path):
     cos = (h[:, 0] * exp["cls"]).sum(1) / np.linalg.norm(h[:, 0], axis=1) / np.linalg.norm(
         exp["cls"], axis=1)
     assert (cos > 0.999).all(), cos
+
+
+# --- warm-up: an int8 folder's kernels are loaded before anything is timed ------------------
+
+# Run in a fresh interpreter (this one may have called any kernel already): which of the GeMM
+# kernels, float32 and int8, Numba has loaded (signatures it holds) after the warm-up, and after
+# running work once more; printed as JSON.
+_LOADED = """
+import json, sys
+import hepti.kernels.int8 as q, hepti.kernels.packed_gemm as g
+def loaded():
+    return {f"{m.__name__.rsplit('.', 1)[1]}.{n}": len(f.signatures)
+            for m in (q, g) for n, f in vars(m).items() if hasattr(f, "py_func")}
+"""
+_ENCODER = _LOADED + """
+from hepti.families import load_kernels
+from hepti.weights import WeightStore
+store = WeightStore(sys.argv[1])
+load_kernels(store.config, 1, announce=False, dtype=store.dtype)
+print(json.dumps([loaded(), loaded()]))
+"""
+_DECODER = _LOADED + """
+from hepti.parallel.comm import Comm
+from hepti.parallel.decoder import DecoderGroup, Sampling
+from hepti.weights import WeightStore
+with WeightStore(sys.argv[1]) as store:
+    dec = DecoderGroup(Comm(None), store, {d: [1.0] for d in ("heads", "ffn", "rows")})
+dec.warm_up()
+before = loaded()
+dec.generate(list(range(2, 12)), 3, Sampling())
+print(json.dumps([before, loaded()]))
+"""
+INT8_KERNELS = ("int8._qgemm_serial", "int8._qgemv_serial")
+
+
+def _kernels_loaded(script: str, folder) -> tuple[dict, dict]:
+    p = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    before, after = json.loads(p.stdout.strip().splitlines()[-1])
+    return before, after
+
+
+def test_warm_up_loads_the_int8_kernels_for_int8_folders_only(tmp_path):
+    """families.load_kernels (hepti run, serve) and the decoder's warm_up (hepti generate): an
+    int8 folder's int8 GeMM and GeMV are loaded by the warm-up, a float32 folder's are not;
+    and a decoder's prefill and decode steps after its warm-up load nothing more (no compile is
+    ever timed)."""
+    from hepti.weights.gguf import convert_gguf
+    f32, i8 = _int8_pair(tmp_path)
+    tiny = Path(__file__).resolve().parent / "fixtures" / "llama-tiny-odd.gguf"
+    d32 = convert_gguf(tiny, tmp_path / "d32", progress=False)
+    d8 = convert_gguf(tiny, tmp_path / "d8", progress=False, dtype="int8")
+    for script, folder, int8 in ((_ENCODER, f32, False), (_ENCODER, i8, True),
+                                 (_DECODER, d32, False), (_DECODER, d8, True)):
+        before, after = _kernels_loaded(script, folder)
+        assert all(bool(before[k]) == int8 for k in INT8_KERNELS), (folder, before)
+        assert after == before, (folder, {k: (before[k], v) for k, v in after.items()
+                                          if before[k] != v})
+
+
+# --- sizes: what the budget and the planner count for an int8 folder ------------------------
+
+@pytest.mark.parametrize("heads,ffn", [((0, 4), (0, 128)), ((1, 3), (16, 80)), ((2, 4), (48, 128))])
+def test_int8_predicted_slice_bytes_match_the_bytes_read(tmp_path, heads, ffn):
+    """hepti.model.sizes with the folder's dtype predicts what a rank reads of an int8 layer
+    slice (int8 values and their scales) within 5%: the reads add each chunk's 4-byte checksum
+    and read a sliced bias whole (one chunk), both a few percent of a model this small and
+    less of a real one. The float32 count of the same folder would overstate it over 3x."""
+    from hepti.model.sizes import layer_slice_bytes, spec_bytes
+    _, i8 = _int8_pair(tmp_path)
+    with WeightStore(i8) as store:
+        cfg, h, f = store.config, heads[1] - heads[0], ffn[1] - ffn[0]
+        for i in range(cfg.num_hidden_layers):
+            store.read_layer_slice(i, heads, ffn)
+        read = store.bytes_read
+        want = spec_bytes(cfg, ("resident", heads, ffn, (0, cfg.num_hidden_layers)), store.dtype)
+    assert want == cfg.num_hidden_layers * layer_slice_bytes(cfg, h, f, "int8")
+    assert abs(read - want) <= 0.05 * read, (read, want)
+    if h or f:
+        assert layer_slice_bytes(cfg, h, f) > 3 * layer_slice_bytes(cfg, h, f, "int8")

@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the layers' projection and MLP matrices are stored: float32 "
                         "(default) or int8, one float32 scale per 64 values, which the kernels "
                         "multiply with directly (about 3.8x fewer weight bytes; embeddings, "
-                        "norms and biases stay float32). BERT and ViT models only")
+                        "norms and biases stay float32). BERT, ViT, and Llama GGUF files, "
+                        "whose embedding (the tied LM head) is int8 too")
 
     s = sub.add_parser("verify", help="check every shard's sha256 and every tensor's shape")
     s.add_argument("model", help="converted model folder")
@@ -583,17 +584,16 @@ def cmd_convert(args) -> int:
             pth = Path(args.src)
         elif Path(args.src).suffix == ".gguf":
             gguf_file = Path(args.src)
-        if args.dtype != "float32" and (gguf_file is not None or pth is not None):
+        if args.dtype != "float32" and pth is not None:
             from hepti.errors import WeightsError  # local: start-up time (hepti --help)
-            raise WeightsError(f"--dtype {args.dtype} is for BERT and ViT checkpoints; "
-                               f"{'a GGUF decoder' if gguf_file else 'a CNN'} is converted to "
-                               "float32: drop --dtype")
+            raise WeightsError(f"--dtype {args.dtype} is for BERT, ViT and GGUF decoders; "
+                               "a CNN is converted to float32: drop --dtype")
         if gguf_file is not None:
             from hepti.weights.gguf import convert_gguf, convert_gguf_package  # local: start-up
             if args.from_package:
-                convert_gguf_package(out, args.from_package, gguf_file, **kw)
+                convert_gguf_package(out, args.from_package, gguf_file, dtype=args.dtype, **kw)
             else:
-                convert_gguf(gguf_file, out, **kw)
+                convert_gguf(gguf_file, out, dtype=args.dtype, **kw)
         elif pth is not None:
             source = {"package": args.from_package} if args.from_package else None
             cnn.convert_torch_file(pth, out, overwrite=args.force, source=source)

@@ -139,12 +139,14 @@ def family_graph(cfg, B: int, T: int) -> Graph:
     return fam.graph(cfg, B, T)
 
 
-def load_kernels(config, threads: int = 1, announce: bool = True) -> None:
+def load_kernels(config, threads: int = 1, announce: bool = True, dtype: str = "float32"
+                 ) -> None:
     """Load every kernel a forward of this model calls before any forward is timed. On a cold
     Numba cache (a new clone, edited kernels) that compiles them, once, for up to a few minutes
     on a slow device: if it takes longer than COMPILE_NOTICE_S, say so while it runs (rank 0
     alone: `announce`), so that a first run neither looks hung nor reports compile time as
-    forward time."""
+    forward time. `dtype`: the folder's weights (WeightStore.dtype); "int8" loads the int8
+    kernels too, which a float32 folder never calls."""
     load = family(config).load_kernels
     if load is None:
         return
@@ -155,7 +157,7 @@ def load_kernels(config, threads: int = 1, announce: bool = True) -> None:
         notice.daemon = True
         notice.start()
     try:
-        load(threads)
+        load(threads, int8=True) if dtype == "int8" else load(threads)
     finally:
         notice.cancel()
     if announce and time.perf_counter() - t0 > COMPILE_NOTICE_S:

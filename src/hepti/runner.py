@@ -307,7 +307,7 @@ def run_single(args) -> int:
         import numba  # local: start-up time (numba loads in about 0.5 s)
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
         t0 = time.perf_counter()
-        load_kernels(config, args.threads)  # as a Job does: passes time forwards, not compiles
+        load_kernels(config, args.threads, dtype=store.dtype)  # as a Job does: passes time forwards, not compiles
         if family(config).executor == "bands":
             # BTSearch's order at the model's own image size (each op frees its inputs after
             # their last reader in it; for hepti's CNNs its peak is the file order's)

@@ -25,6 +25,7 @@ from hepti.weights.decoder import load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 LOGIT_TOL = 1e-3  # as tests/test_llama.py
+ALONE_TOL = 1e-4  # the same weights in another summation order: float32 rounding only
 GREEDY = 32  # tokens, as the fixtures hold
 SAMPLED = 16
 SAMPLINGS = (Sampling(0.8, 1.0, 11), Sampling(0.7, 0.9, 5))
@@ -84,6 +85,30 @@ def check_sampling(model_dir, fixture: str, ratios: str, comm: Comm, prompts=Non
                 rows.append({"case": "sampling", "model": Path(model_dir).name, "ratios": ratios,
                              "prompt": k, "sampling": str(s), "tokens": got, "alone": want,
                              "ok": got == want and same_everywhere})
+    return rows
+
+
+def check_against_one_rank(model_dir, fixture: str, ratios: str, comm: Comm,
+                           tol: float = ALONE_TOL) -> list[dict]:
+    """The group's prefill logits within `tol` of one rank alone's and the same greedy tokens
+    (for a model with no outside reference of its own precision: an int8 folder, whose weights
+    the group and the single rank share exactly). Rows on the group's rank 0."""
+    dec = group(model_dir, ratios, comm)
+    alone = group(model_dir, None, Comm(None)) if comm.rank == 0 else None
+    tok, _ = load_tokenizer(model_dir)
+    rows = []
+    for k, case in enumerate(expected(fixture)):
+        ids = tok.encode(case["text"]).ids
+        first: list = []
+        greedy = dec.generate(ids, GREEDY, Sampling(), logits_out=first)
+        logits = dec.gather_logits(first[0])
+        if comm.rank == 0:
+            one: list = []
+            want = alone.generate(ids, GREEDY, Sampling(), logits_out=one)
+            diff = float(np.abs(logits - one[0]).max())
+            rows.append({"case": "one rank", "model": Path(model_dir).name, "ratios": ratios,
+                         "prompt": k, "shard": str(dec.shard), "logit_diff": diff,
+                         "greedy_equal": greedy == want, "ok": diff < tol and greedy == want})
     return rows
 
 

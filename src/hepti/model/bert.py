@@ -68,15 +68,18 @@ def primary_ops(config: BertConfig, store) -> dict:
     return {"embed": emb}
 
 
-def load_kernels(threads: int = 1) -> None:
+def load_kernels(threads: int = 1, int8: bool = False) -> None:
     """Have Numba load (or, on a cold cache, compile) every kernel a forward calls, by running
-    each once on tiny random arrays with the call types the runtime uses.
+    each once on tiny random arrays with the call types the runtime uses; with `int8` (an int8
+    folder) the int8 GeMM and GeMV too (`int8_kernels`).
 
     A kernel's first call in a process maps its compiled code: about 70 MiB of RSS for the set
     here, the same for any model. A distributed job calls this before it counts its own memory,
     so that what it reports against a plan or --mem-budget is slices, activations and buffers,
     and so that the first request does not pay for the loading either.
     """
+    if int8:
+        int8_kernels(threads)
     rng = np.random.default_rng(0)
     C, H, F, T = 64, 2, 64, 8  # hidden, heads (head_dim 32), FFN columns, tokens
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
@@ -100,3 +103,17 @@ def load_kernels(threads: int = 1) -> None:
     kv = np.ascontiguousarray(qkv[:, C:])
     ctx = K.attention_qkv(np.ascontiguousarray(qkv[:4]), key_mask, H, kv=kv, row0=0, threads=threads)
     K.add_layernorm(K.gemm(ctx, o, threads=threads), r(C), x[:4], r(C), r(C), cfg.layer_norm_eps)
+
+
+def int8_kernels(threads: int = 1) -> None:
+    """Load the int8 GeMM (several rows) and GeMV (one row) of hepti.kernels.int8, for weights
+    stored [N, K] (groups along K) and [K, N] (along N), with the epilogues the layers use. Only
+    for int8 folders: a float32 folder never calls them, so it does not pay for loading them."""
+    rng = np.random.default_rng(1)
+    r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    for trans in (True, False):
+        w = K.pack_q(K.quantize(r(64, 64)), trans=trans)
+        for rows in (8, 1):
+            x = r(rows, 64)
+            K.gemm_any(x, w, bias=r(64), gelu=True, threads=threads)
+            K.gemm_any(x, w, residual=r(rows, 64), out=np.empty_like(x), threads=threads)

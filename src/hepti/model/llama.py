@@ -36,6 +36,13 @@ numpy does the rest: RMSNorm (the kernels' norm is LayerNorm), RoPE, SiLU * up, 
 attention products (batched matmuls over KV heads; the kernels' attention core has a key mask
 but no causal one). `kernels=False` runs every product in numpy too (float32), a second path
 to compare against.
+
+int8 (an int8 folder, `hepti convert --dtype int8`): the matrices arrive as
+`hepti.kernels.int8.QuantMatrix` (the embedding too, being the tied head). They are packed by
+`K.pack_weight`, float32 or int8 alike, and every product runs through `K.gemm_any`, so both
+folders run this same code: the int8 GeMV streams a quarter of the bytes per decode step. The
+embedding lookup widens only the rows of the ids it looks up. `kernels=False` widens each int8
+matrix once at load (the numpy reference of the same quantised weights).
 """
 from __future__ import annotations
 
@@ -204,11 +211,11 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class LlamaModel:
-    """A Llama decoder's `Shard` on one process, its weights in RAM (float32): the whole model
-    by default, or a rank's share with `weights` holding only the shard's rows (as
-    `hepti.weights.decoder.read_shard` reads them; names and orientation as stored)."""
+    """A Llama decoder's `Shard` on one process, its weights in RAM (float32, or the matrices
+    int8): the whole model by default, or a rank's share with `weights` holding only the shard's
+    rows (as `hepti.weights.decoder.read_shard` reads them; names and orientation as stored)."""
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], kernels: bool = True,
+    def __init__(self, config: LlamaConfig, weights: dict, kernels: bool = True,
                  shard: Shard | None = None):
         self.config = config
         self.kernels = bool(kernels)
@@ -217,7 +224,7 @@ class LlamaModel:
         self.n_kv = self.shard.kv[1] - self.shard.kv[0]  # this shard's KV heads
         self.n_ffn = self.shard.ffn[1] - self.shard.ffn[0]  # its MLP columns
         self.n_vocab = self.shard.vocab[1] - self.shard.vocab[0]  # its vocabulary rows
-        self.emb = np.ascontiguousarray(weights["emb.word"], np.float32)  # (nv, C)
+        self.emb = _matrix(weights["emb.word"])  # (nv, C), float32 or a QuantMatrix
         if self.emb.shape != (self.n_vocab, c.hidden_size):
             raise ValueError(f"emb.word is {list(self.emb.shape)}, the shard's vocabulary rows "
                              f"{self.shard.vocab} need [{self.n_vocab}, {c.hidden_size}]")
@@ -225,25 +232,26 @@ class LlamaModel:
         head = self.emb if c.tie_word_embeddings else weights["head.weight"]
         self.layers = []
         for i in range(c.num_hidden_layers):
-            w = {k: np.asarray(weights[f"layer.{i}.{k}"], np.float32) for k in LAYER_TENSORS}
+            w = {k: _matrix(weights[f"layer.{i}.{k}"]) for k in LAYER_TENSORS}
             self.layers.append({k: self._linear(w[k], TRANSPOSED[k]) if k in TRANSPOSED else w[k]
                                 for k in LAYER_TENSORS})
-        self.head = self._linear(head, False)
+        self.head = self._linear(_matrix(head), False)
 
-    def _linear(self, w: np.ndarray, stored_kn: bool):
-        """A weight ready for `_mm`: packed for the GeMM kernel, or as numpy's [K, N] view;
-        None for a shard with no rows of it (a rank with a zero share)."""
-        if w.size == 0:
+    def _linear(self, w, stored_kn: bool):
+        """A weight (float32 or QuantMatrix) ready for `_mm`: packed for the GeMM kernels
+        (`K.pack_weight`: int8 stays int8), or numpy's float32 [K, N] view; None for a shard
+        with no rows of it (a rank with a zero share)."""
+        if w.shape[0] * w.shape[1] == 0:
             return None
-        w = np.ascontiguousarray(w, np.float32)
         if self.kernels:
-            return K.pack_b(w, trans=not stored_kn)
+            return K.pack_weight(w, trans=not stored_kn)
+        w = w.dequantize() if isinstance(w, K.QuantMatrix) else w
         return w if stored_kn else w.T
 
     def _mm(self, x: np.ndarray, w, residual: np.ndarray | None = None) -> np.ndarray:
-        """x [T, K] @ W [K, N] (+ residual [T, N])."""
+        """x [T, K] @ W [K, N] (+ residual [T, N]), W float32 or int8."""
         if self.kernels:
-            return K.gemm(np.ascontiguousarray(x), w, residual=residual)
+            return K.gemm_any(np.ascontiguousarray(x), w, residual=residual)
         y = x @ w
         return y if residual is None else y + residual
 
@@ -288,7 +296,12 @@ class LlamaModel:
         v0, v1 = self.shard.vocab
         x = np.zeros((ids.shape[0], self.config.hidden_size), np.float32)
         mine = (ids >= v0) & (ids < v1)
-        x[mine] = self.emb[ids[mine] - v0]
+        rows = ids[mine] - v0
+        if isinstance(self.emb, K.QuantMatrix):  # widen only the rows looked up
+            e = self.emb
+            x[mine] = K.QuantMatrix(e.q[rows], e.scales[rows], e.group).dequantize()
+        else:
+            x[mine] = self.emb[rows]
         return x
 
     def layer(self, x: np.ndarray, i: int, cache: KVCache, p0: int, cos, sin, sync) -> np.ndarray:
@@ -388,6 +401,14 @@ def check_request(config: LlamaConfig, n_prompt: int, max_tokens: int) -> None:
         raise InputError(f"the prompt ({n_prompt} tokens) and {max_tokens} new ones do not "
                          f"fit the model's context of {config.max_position_embeddings}; "
                          "shorten the prompt or ask for fewer tokens")
+
+
+def _matrix(w):
+    """A stored tensor as the forward keeps it: a QuantMatrix as it is, anything else as a
+    contiguous float32 array."""
+    if isinstance(w, K.QuantMatrix):
+        return w
+    return np.ascontiguousarray(w, np.float32)
 
 
 def _alone(partial: np.ndarray) -> np.ndarray:

@@ -48,8 +48,9 @@ def primary_ops(config, store) -> dict:
     return {"embed": PatchEmbeddings(config, {n: store.read(n) for n in names})}
 
 
-def load_kernels(threads: int = 1) -> None:
-    """BERT's set (the layers' kernels are the same) and LayerNorm without a residual."""
-    layers_kernels(threads)
+def load_kernels(threads: int = 1, int8: bool = False) -> None:
+    """BERT's set (the layers' kernels are the same; the int8 ones for an int8 folder) and
+    LayerNorm without a residual."""
+    layers_kernels(threads, int8=int8)
     x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
     K.add_layernorm(x, None, None, np.ones(64, np.float32), np.zeros(64, np.float32), 1e-12)

@@ -118,7 +118,7 @@ class DecoderGroup:
         self.shard = self.shards[comm.rank]
         self.rows = list(ratios["rows"])
         weights = read_shard(store, self.shard)
-        self.weight_bytes = sum(int(w.nbytes) for w in weights.values())  # the shard, float32
+        self.weight_bytes = sum(int(w.nbytes) for w in weights.values())  # as read: int8 + scales
         self.model = LlamaModel(self.config, weights, kernels=kernels, shard=self.shard)
 
     def sync(self, partial: np.ndarray) -> np.ndarray:
@@ -147,9 +147,13 @@ class DecoderGroup:
         return self.comm.gather_rows(np.ascontiguousarray(local, np.float32), vocab)
 
     def warm_up(self) -> None:
-        """One token through the whole group, so that the first timed step does not load (or
-        compile) the kernels."""
-        self.model.forward([0], self.model.new_cache(1), sync=self.sync)
+        """Two tokens then one through the whole group, so that neither the first timed
+        prefill (GeMM, the reduce-scatter and allgather) nor the first decode step (GeMV, the
+        one-row allreduce) loads or compiles kernels: those of the weights this shard holds,
+        float32 or int8, and only those."""
+        cache = self.model.new_cache(3)
+        self.model.forward([0, 0], cache, sync=self.sync)
+        self.model.forward([0], cache, sync=self.sync)
 
     def comm_seconds(self) -> float:
         """Seconds this rank spent in the verbs so far (its tracer's communication kinds)."""

@@ -234,7 +234,7 @@ class Job:
         self.is_active = rank in self.active
         fam = family(cfg)
         if self.is_active:  # the kernels' code (~70 MiB) is the runtime's, not the job's
-            load_kernels(cfg, threads, announce=rank == 0)
+            load_kernels(cfg, threads, announce=rank == 0, dtype=store.dtype)
         reset_peak_rss()
         self.rss_before_load = current_rss()
         # one sub-communicator of the ranks that work (freed by close()); the others skip

@@ -19,6 +19,18 @@ the dimension a rank slices is axis 0 of the stored tensor.
 | layer.{i}.ffn.down.weight  | [F, C]        | [K, N] (HF.T)  | MLP columns (block-wise: input rows)     |
 
 q and k are in Hugging Face's row order (half-split RoPE), not GGUF's permuted one.
+
+int8 (`hepti convert --dtype int8`, `int8_tensors`): every matrix above (the seven per layer
+and the embedding, which is the tied head) is int8 [R, C] plus float32 scales [R, C / 64]
+(`hepti.kernels.int8`), groups along axis 1, C, the hidden size: the axis no rank slices, since
+every split in the table is of rows (heads' rows of q/k/v, MLP columns of gate/up, o and down
+by their K rows, vocabulary rows). So a rank's rows keep whole groups at any uneven share; for
+q/k/v, gate, up and the head that is along K (as llama.cpp's Q8_0), for o and down along N.
+The embedding is quantised too although a lookup reads a few rows: it *is* the LM head, the
+largest matrix (V x C, 113 MB float32 for SmolLM2, a fifth of the model), and decode reads all
+of it every token; a lookup widens only the rows it reads (`LlamaModel.embed`). The norms stay
+float32.
+
 Chunks: a head's D rows for attention matrices, `layout.FFN_ROWS_PER_CHUNK` rows for MLP
 matrices, about `layout.WHOLE_CHUNK_BYTES` for the embedding, 1-D tensors whole.
 
@@ -40,6 +52,7 @@ from tokenizers import Tokenizer
 
 from hepti.errors import ConfigError, WeightsError
 from hepti.families import family
+from hepti.kernels.int8 import QuantMatrix
 from hepti.model.llama import LAYER_TENSORS, LlamaConfig, Shard
 from hepti.weights import layout
 from hepti.weights.index import INDEX_NAME, load_index
@@ -63,6 +76,11 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     for i in range(c.num_hidden_layers):
         shapes.update({layout.layer_name(i, k): s for k, s in per.items()})
     return shapes
+
+
+def int8_tensors(config: LlamaConfig) -> list[str]:
+    """The stored names `--dtype int8` makes int8: every matrix (module docstring)."""
+    return [n for n, shape in expected_shapes(config).items() if len(shape) == 2]
 
 
 def chunk_rows(name: str, shape: tuple[int, ...], config: LlamaConfig) -> int:
@@ -112,8 +130,9 @@ def is_decoder(path: str | Path) -> bool:
         return False
 
 
-def load_decoder(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    """A converted decoder's config and every tensor, whole, as float32 arrays."""
+def load_decoder(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray | QuantMatrix]]:
+    """A converted decoder's config and every tensor, whole: float32 arrays, and QuantMatrix
+    for the int8 matrices of an int8 folder (what `LlamaModel` takes either way)."""
     path = Path(path)
     index = load_index(path)
     config = LlamaConfig.from_dict(index["config"])
@@ -137,7 +156,11 @@ def load_decoder(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
             if dset.shape != shape:
                 raise WeightsError(f"{path / shard}: {name} is {list(dset.shape)}, the config "
                                    f"says {list(shape)}; {fix}")
+            entry = index["tensors"][name]
             out[name] = dset[()]
+            if entry.get("dtype") == layout.INT8:
+                out[name] = QuantMatrix(out[name], files[shard][entry["scales"]][()],
+                                        int(entry["group"]))
     except OSError as e:
         raise WeightsError(f"{path}: a shard cannot be read ({e}); {fix}") from None
     finally:

@@ -34,7 +34,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from hepti.errors import WeightsError
 from hepti.model.llama import LlamaConfig
-from hepti.weights import decoder
+from hepti.weights import decoder, layout
 from hepti.weights.package import package_files
 from hepti.weights.writer import TensorSpec, write_model
 
@@ -315,9 +315,14 @@ def build_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[
 
 def convert_gguf(src: str | Path, out: str | Path, *, shard_layers: int | None = 4,
                  max_shard_bytes: int | None = None, progress: bool = True,
-                 overwrite: bool = False, source: dict | None = None) -> Path:
+                 overwrite: bool = False, source: dict | None = None,
+                 dtype: str = layout.DTYPE) -> Path:
     """Convert the GGUF file `src` into the folder `out` (shard-*.h5, index.json,
-    tokenizer.json, tokenizer_config.json); returns `out`."""
+    tokenizer.json, tokenizer_config.json); returns `out`. dtype "int8" stores the matrices
+    as int8 with per-group scales (`hepti.weights.decoder.int8_tensors`): each is dequantised
+    to float32 first, then quantised in hepti's groups of 64 along the axis ranks never slice
+    (a GGUF's own blocks run along the stored rows of some matrices and across them in others,
+    after the transposes of o and down, so they are not kept as they are)."""
     src, out = Path(src), Path(out)
     g = GGUFFile(src)
     tokenizer = g.tokenizer()
@@ -345,7 +350,8 @@ def convert_gguf(src: str | Path, out: str | Path, *, shard_layers: int | None =
                            shard_layers=shard_layers, max_shard_bytes=max_shard_bytes,
                            overwrite=overwrite, progress=progress,
                            desc=f"convert {g.config.name or src.stem}",
-                           chunk_rows=decoder.chunk_rows)
+                           chunk_rows=decoder.chunk_rows, dtype=dtype,
+                           quantized=decoder.int8_tensors(g.config))
 
 
 def find_package_gguf(package: str) -> Path | None:

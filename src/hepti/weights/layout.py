@@ -54,6 +54,7 @@ from hepti.graph.cnn import build
 from hepti import families
 from hepti.errors import WeightsError
 from hepti.families import family_graph
+from hepti.model import sizes
 
 FFN_ROWS_PER_CHUNK = 16
 WHOLE_CHUNK_BYTES = 64 * 1024  # target chunk size of matrices that are read whole
@@ -63,6 +64,9 @@ CHECKSUM_BYTES = 4             # Fletcher32 appends 4 bytes to every stored chun
 INT8 = "int8"                  # `hepti convert --dtype int8`: see `quantized_tensors`
 DTYPES = (DTYPE, INT8)
 SCALES_SUFFIX = ".scales"      # the float32 scales of an int8 tensor NAME: dataset NAME.scales
+# layouts whose writer names its int8 tensors itself (write_model's `quantized`): the decoder,
+# which has no operator graph for `quantized_tensors` to read (hepti.weights.decoder)
+INT8_OWN_LAYOUTS = ("decoder",)
 
 
 def layer_name(i: int, local: str) -> str:
@@ -286,8 +290,7 @@ def quantized_tensors(config) -> tuple[str, ...]:
     stored [K, N], whose K a rank slices by its (uneven) share.
     """
     check_dtype(INT8, config)
-    return tuple(dict.fromkeys(w for op in _graph(config).layer if op.kind == "gemm"
-                               for w in op.matrices))
+    return tuple(w for w in layer_tensors(config) if w in sizes.quantized_weights(config))
 
 
 def check_dtype(dtype: str, config) -> None:
@@ -295,10 +298,10 @@ def check_dtype(dtype: str, config) -> None:
     if dtype not in DTYPES:
         raise WeightsError(f"weights dtype {dtype!r} unknown; choose one of {', '.join(DTYPES)}")
     kind = families.family(config).layout
-    if dtype == INT8 and kind not in LAYOUTS:
-        raise WeightsError(f"int8 weights are for the encoder families ({', '.join(LAYOUTS)}); "
-                         f"a {families.family(config).label} model is stored float32: drop "
-                         "--dtype int8")
+    if dtype == INT8 and kind not in (*LAYOUTS, *INT8_OWN_LAYOUTS):
+        raise WeightsError(f"int8 weights are for the encoder families ({', '.join(LAYOUTS)}) "
+                           f"and the decoder; a {families.family(config).label} model is "
+                           "stored float32: drop --dtype int8")
 
 
 def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:

@@ -26,7 +26,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import h5py
 import numpy as np
@@ -157,7 +157,8 @@ def write_model(out: str | Path, config: ModelConfig, specs: list[TensorSpec], *
                 copy_files: dict[str, Path] | None = None, shard_layers: int | None = 4,
                 max_shard_bytes: int | None = None, overwrite: bool = False,
                 progress: bool = True, desc: str = "convert",
-                chunk_rows: Callable | None = None, dtype: str = layout.DTYPE) -> Path:
+                chunk_rows: Callable | None = None, dtype: str = layout.DTYPE,
+                quantized: Iterable[str] | None = None) -> Path:
     """Write `specs` as shard-*.h5 + index.json into `out` atomically; returns `out`.
 
     `chunk_rows(name, shape, config)`: rows per HDF5 chunk, for a family whose operator graph
@@ -165,12 +166,17 @@ def write_model(out: str | Path, config: ModelConfig, specs: list[TensorSpec], *
     dtype "int8" stores the layers' GeMM matrices (`layout.quantized_tensors`) as int8 with
     one float32 scale per group of `hepti.kernels.int8.GROUP` values (a dataset NAME.scales
     beside each), recorded in index.json (format version 2); the rest stays float32.
+    `quantized`: the stored names to make int8, for a family whose operator graph
+    `layout.quantized_tensors` does not know (the decoder: `hepti.weights.decoder.int8_tensors`).
     """
     out = Path(out)
     layout.check_dtype(dtype, config)
     if dtype == layout.INT8:
-        quantized = set(layout.quantized_tensors(config))
-        specs = [_with_group(s, GROUP) if _in_layer(s.name, quantized) else s for s in specs]
+        if quantized is None:
+            own = set(layout.quantized_tensors(config))
+            quantized = [s.name for s in specs if _in_layer(s.name, own)]
+        quantized = set(quantized)
+        specs = [_with_group(s, GROUP) if s.name in quantized else s for s in specs]
     check_out_dir(out, overwrite)
     shards = plan_shards(specs, shard_layers, max_shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
