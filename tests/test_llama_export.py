@@ -240,3 +240,50 @@ def test_bench_llm_reads_the_reports():
                        "b": [{"status": "ok", "decode_tok_s": 1.0, "prefill_tok_s": 2.0}]}, ["b"])
     assert s["median"]["a"] == {"decode_tok_s": 3.0, "prefill_tok_s": 7.0, "rounds_ok": 2}
     assert s["ratios"] == {"a / b": {"decode_tok_s": 3.0, "prefill_tok_s": 3.5}}
+
+
+FAKE_DLLAMA = '''#!{python}
+"""A stand-in for distributed-llama's dllama: a worker listens; the root connects to each."""
+import socket, sys, time
+a = sys.argv
+if a[1] == "worker":
+    if "{worker}" == "dies":
+        sys.exit("worker: cannot bind")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", int(a[a.index("--port") + 1])))
+    s.listen()
+    s.accept()
+    time.sleep(600)
+workers = a[a.index("--workers") + 1:] if "--workers" in a else []
+for w in workers:
+    print(f"Socket[0]: connecting to {{w}} worker")
+    socket.create_connection((w.split(":")[0], int(w.split(":")[1])), timeout=5).close()
+print("Evaluation\\n   nBatches: 32\\n    nTokens: 5\\n   tokens/s: 10.0 (1 ms/tok)\\n"
+      "Prediction\\n    nTokens: 3\\n   tokens/s: 5.0 (1 ms/tok)")
+'''
+
+
+@pytest.mark.parametrize("worker", ["listens", "dies"])
+def test_bench_llm_rank_wrapper_starts_root_and_workers(tmp_path, worker):
+    """Under mpiexec, rank 0 runs the root once every worker listens, the workers end when it
+    is done; a worker that fails ends the whole launch with its rank's message, never a hang."""
+    from hepti.bench import mpiexec
+    fake = tmp_path / "dllama"
+    fake.write_text(FAKE_DLLAMA.format(python=sys.executable, worker=worker))
+    fake.chmod(0o755)
+    with __import__("socket").socket() as s:  # a free port (and the next one, rank 1's)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hepti.bench.llm", "rank",
+           "--rendezvous", str(tmp_path), "--port", str(port), "--", str(fake), "inference",
+           "--nthreads", "1"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if worker == "dies":
+        assert p.returncode != 0
+        assert "rank 1: distributed-llama's worker did not listen" in p.stderr + p.stdout
+        return
+    assert p.returncode == 0, p.stderr
+    res = llm.parse_dllama(p.stdout)
+    assert res["status"] == "ok" and res["workers"] == [f"127.0.0.1:{port + 1}"]
+    assert res["decode_tok_s"] == 5.0 and (tmp_path / "done").exists()

@@ -375,8 +375,9 @@ def rank_main(args) -> int:
     listens; rank i > 0 runs `PROGRAM worker` on its port until the root is done.
 
     Ranks meet through files in --rendezvous (the devices share the file system, not the
-    network): `ready-i` when worker i listens, `done` when the root has finished (also on
-    failure, so the workers, which serve forever, always end)."""
+    network): `ready-i` when worker i listens, `failed-i` when it could not (rank 0 stops at
+    once), `done` when the root has finished (also on failure, so the workers, which serve
+    forever, always end). Nothing here is MPI, so no MPI_Abort ends the others: these files do."""
     rank, size = int(os.environ.get("PMI_RANK", 0)), int(os.environ.get("PMI_SIZE", 1))
     rdv, program = Path(args.rendezvous), args.program
     if not program:
@@ -412,6 +413,9 @@ def rank_main(args) -> int:
                                  f"({worker.returncode}): {worker.stderr.read()[-500:]}")
             time.sleep(0.1)
         return 0
+    except SystemExit as e:  # tell rank 0, which would otherwise wait for this worker
+        (rdv / f"failed-{rank}").write_text(str(e.code))
+        raise
     finally:
         if worker.poll() is None:
             worker.terminate()
@@ -431,8 +435,14 @@ def rank_addresses(size: int, port: int) -> tuple[list[str], list[int]]:
 
 
 def wait_ready(rdv: Path, size: int) -> None:
+    """Until every worker rank listens; SystemExit at once if one failed (its `failed-i`: the
+    launch is not MPI, so mpiexec would wait for rank 0), or after READY_TIMEOUT_S."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
+        failed = sorted(rdv.glob("failed-*"))
+        if failed:
+            raise SystemExit(f"rank 0: not starting distributed-llama's root: "
+                             f"{failed[0].read_text()}")
         missing = [i for i in range(1, size) if not (rdv / f"ready-{i}").exists()]
         if not missing:
             return
