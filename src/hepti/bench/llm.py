@@ -115,7 +115,7 @@ def dllama_paths(path: str | None) -> tuple[Path, Path]:
     return binary, binary.parent / "converter"
 
 
-def dllama_files(args, binary: Path, converter: Path) -> tuple[Path, Path]:
+def dllama_files(args, converter: Path) -> tuple[Path, Path]:
     """distributed-llama's .m and .t files: given, made before (in --dllama-dir) or made now
     from the HF export with the checkout's own converters."""
     if args.dllama_model and args.dllama_tokenizer:
@@ -266,7 +266,7 @@ def run(args) -> int:
         raise ConfigError("--tokens and --rounds must be at least 1")
     variants = parse_variants(args.variants)
     kinds = {v["kind"] for v in variants}
-    config = hf_config(args)
+    config = model_config(args)
     if args.cluster:
         n_dev = len(json.loads(Path(args.cluster).read_text())["devices"])
         wide = [v["name"] for v in variants if v.get("nodes", 1) > n_dev]
@@ -278,7 +278,7 @@ def run(args) -> int:
             if v["kind"] == "dllama":
                 check_dllama_nodes(v["nodes"], config)
         binary, converter = dllama_paths(args.dllama)
-        files = (binary, *dllama_files(args, binary, converter))
+        files = (binary, *dllama_files(args, converter))
     if "llamacpp" in kinds:
         if not args.gguf:
             raise ConfigError("llama.cpp variants need --gguf FILE (`hepti convert ... "
@@ -343,7 +343,7 @@ def summarise(results: dict, baselines: list[str]) -> dict:
     return {"median": med, "ratios": ratios}
 
 
-def hf_config(args) -> dict:
+def model_config(args) -> dict:
     """The model's shape (config.json of the HF export, else of the converted folder's index)."""
     if args.hf and (Path(args.hf) / "config.json").is_file():
         return json.loads((Path(args.hf) / "config.json").read_text())
@@ -469,26 +469,30 @@ def listening(port: int) -> bool:
 def llamacpp_main(args) -> int:
     """llama.cpp on this device: prefill the prompt, then greedy decode; one JSON line."""
     import numpy as np  # local: only this command needs it
-    from llama_cpp import Llama  # local: an optional, bench-only dependency (llama-cpp-python)
-    llm = Llama(model_path=str(args.gguf), n_ctx=0, n_threads=args.threads,
-                n_threads_batch=args.threads, n_batch=512, verbose=False, seed=1)
+    import llama_cpp  # local: an optional, bench-only dependency (llama-cpp-python)
+    llm = llama_cpp.Llama(model_path=str(args.gguf), n_ctx=0, n_threads=args.threads,
+                          n_threads_batch=args.threads, n_batch=512, verbose=False, seed=1)
     ids = llm.tokenize(args.prompt.encode(), add_bos=False, special=True)
-    n_ctx = llm.n_ctx()
+    n_ctx, n_vocab = llm.n_ctx(), llm.n_vocab()
     if len(ids) + args.tokens > n_ctx:
         raise SystemExit(f"{len(ids)} prompt tokens and {args.tokens} new ones exceed the "
                          f"context of {n_ctx}")
+
+    def greedy() -> int:  # the last position's logits, as hepti's greedy choice reads them
+        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                                   shape=(n_vocab,))))
+
     t0 = time.perf_counter()
     llm.eval(ids)
+    tok = greedy()
     t1 = time.perf_counter()
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t2 = time.perf_counter()
     for _ in range(args.tokens):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t3 = time.perf_counter()
+        tok = greedy()
+    t2 = time.perf_counter()
     print(json.dumps({"prompt_tokens": len(ids), "decode_tokens": args.tokens,
                       "prefill_tok_s": len(ids) / (t1 - t0),
-                      "decode_tok_s": args.tokens / (t3 - t2)}))
+                      "decode_tok_s": args.tokens / (t2 - t1)}))
     return 0
 
 
