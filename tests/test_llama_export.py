@@ -230,16 +230,22 @@ def test_bench_llm_reads_the_reports():
                                       "prompt_tokens": 22, "decode_tokens": 11,
                                       "prefill_tok_s": 472.22, "decode_tok_s": 50.5}
     assert llm.parse_dllama("🚨 Critical error: x")["status"] == "failed"
-    rates = llm.hepti_rates({"prompt_ids": [1, 2], "token_ids": [3],
-                             "prefill": {"tokens_per_s": 10.0}, "decode_tok_s": 4})
-    assert rates == {"prompt_tokens": 2, "decode_tokens": 1, "prefill_tok_s": 10.0,
-                     "decode_tok_s": 4.0}
-    s = llm.summarise({"a": [{"status": "ok", "decode_tok_s": 2.0, "prefill_tok_s": 8.0},
-                             {"status": "ok", "decode_tok_s": 4.0, "prefill_tok_s": 6.0},
+    report = {"prompt_ids": [1, 2], "token_ids": [3, 4, 5], "prefill_tokens_per_s": 10.0,
+              "decode_tokens_per_s": 4.0}  # hepti.generate.finish's keys
+    assert llm.hepti_rates(report) == {"status": "ok", "prompt_tokens": 2, "decode_tokens": 2,
+                                       "prefill_tok_s": 10.0, "decode_tok_s": 4.0}
+    assert llm.hepti_rates(dict(report, decode_tokens_per_s=None))["status"] == "failed"
+    ok = {"status": "ok"}
+    s = llm.summarise({"a": [dict(ok, decode_tok_s=2.0, prefill_tok_s=8.0),
+                             dict(ok, decode_tok_s=4.0, prefill_tok_s=6.0),
                              {"status": "failed", "reason": "x"}],
-                       "b": [{"status": "ok", "decode_tok_s": 1.0, "prefill_tok_s": 2.0}]}, ["b"])
-    assert s["median"]["a"] == {"decode_tok_s": 3.0, "prefill_tok_s": 7.0, "rounds_ok": 2}
-    assert s["ratios"] == {"a / b": {"decode_tok_s": 3.0, "prefill_tok_s": 3.5}}
+                       "b": [dict(ok, decode_tok_s=1.0, prefill_tok_s=2.0),
+                             dict(ok, decode_tok_s=1.0, prefill_tok_s=2.0)]}, "b")
+    assert s["baseline"] == "b"
+    assert s["decode_tok_s"]["a"]["median"] == 3.0 and s["decode_tok_s"]["a"]["runs"] == 2
+    assert s["decode_tok_s"]["a"]["ratio"] == 3.0 and s["prefill_tok_s"]["a"]["ratio"] == 3.5
+    assert llm.summarise({"a": [{"status": "failed", "reason": "x"}]}, None)[
+        "decode_tok_s"] == {"a": {"median": None, "runs": 0}}
 
 
 FAKE_DLLAMA = '''#!{python}
@@ -268,7 +274,7 @@ print("Evaluation\\n   nBatches: 32\\n    nTokens: 5\\n   tokens/s: 10.0 (1 ms/t
 def test_bench_llm_rank_wrapper_starts_root_and_workers(tmp_path, worker):
     """Under mpiexec, rank 0 runs the root once every worker listens, the workers end when it
     is done; a worker that fails ends the whole launch with its rank's message, never a hang."""
-    from hepti.bench import mpiexec
+    from hepti.bench.harness import mpiexec
     fake = tmp_path / "dllama"
     fake.write_text(FAKE_DLLAMA.format(python=sys.executable, worker=worker))
     fake.chmod(0o755)

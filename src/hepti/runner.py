@@ -37,7 +37,7 @@ from hepti.model.cnn import SingleCNN, top_k
 from hepti.families import FAMILIES, family, load_kernels
 from hepti.model.tokenize import TextTokenizer
 from hepti.parallel.single import SingleDevice
-from hepti.plan.order import executor_order
+from hepti.order.search import executor_order
 from hepti.weights import WeightStore
 from hepti.weights.cnn import read_labels
 

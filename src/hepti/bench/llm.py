@@ -27,9 +27,10 @@ HEPTI_EMULATE_STRETCH=0, so their devices are held at their share by the cgroup 
 A quota lets a program that waited run a short burst at full speed, so this favours the
 peers, never hepti (docs/emulate.md).
 
-Variants are interleaved in rounds (round 1 runs each once, then round 2, ...), each figure
-is the median over rounds, and `ratios` divides each variant's median decode tokens/s by the
-baselines' (`--baseline`). The JSON goes to `--out` (results/llm.json).
+Variants take turns in rounds (hepti.bench.harness.interleave: each round runs every variant
+once, the order rotating), each figure is the median over rounds, and each variant's decode and
+prefill tokens/s are divided by the baseline's (`--baseline`, default the first peer; above 1
+is faster). The JSON goes to `--out` (results/llm.json), every run in it.
 """
 from __future__ import annotations
 
@@ -38,13 +39,13 @@ import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from hepti.bench import hepti_cmd, mpiexec, result_doc, write_json
+from hepti.bench import harness, registry
+from hepti.bench.harness import at_least, hepti_cmd, result_doc, write_json
 from hepti.errors import ConfigError, HeptiError
 
 DEFAULT_PROMPT = ("The quick brown fox jumps over the lazy dog, and the dog sleeps on in the warm "
@@ -143,16 +144,13 @@ def dllama_files(args, converter: Path) -> tuple[Path, Path]:
 
 # --- one launch ----------------------------------------------------------------------------------
 
-def launch(args, cmd: list[str], nodes: int, foreign: bool) -> subprocess.CompletedProcess:
-    """`mpiexec -n nodes CMD`, under `hepti emulate --cluster SPEC --` when a cluster is given."""
-    cmd = [mpiexec(), "-n", str(nodes)] + cmd
-    env = dict(os.environ)
-    if args.cluster:
-        cmd = hepti_cmd() + ["emulate", "--cluster", str(args.cluster), "--timeout",
-                             f"{args.timeout:g}", "--"] + cmd
-        if foreign:  # no stretch inside a foreign program: the quota at the share (docstring)
-            env["HEPTI_EMULATE_STRETCH"] = "0"
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout + 120)
+def launch(args, cmd: list[str], nodes: int, foreign: bool) -> harness.Launch:
+    """The harness's launch: `mpiexec -n nodes CMD`, under `hepti emulate --cluster SPEC --`
+    when a cluster is given; a failure is returned (the variant records it), not raised."""
+    # no stretch inside a foreign program: its devices held at their share by the quota alone
+    env = {"HEPTI_EMULATE_STRETCH": "0"} if foreign and args.cluster else None
+    return harness.launch(cmd, ranks=nodes, spec=args.cluster, env=env, timeout=args.timeout,
+                          check=False)
 
 
 def self_cmd(*argv) -> list[str]:
@@ -173,7 +171,7 @@ def run_dllama(args, v: dict, files, n_prompt: int, rdv: Path, tokens: int | Non
                    "--max-seq-len", steps + 8, "--nthreads", args.dllama_threads,
                    "--temperature", "0", "--seed", "1")
     p = launch(args, cmd, v["nodes"], foreign=True)
-    if p.returncode != 0:
+    if p.rc != 0:
         return failed(p)
     return parse_dllama(p.stdout)
 
@@ -206,55 +204,38 @@ def run_llamacpp(args, v: dict) -> dict:
     cmd = self_cmd("llamacpp", "--gguf", args.gguf, "--threads", v["threads"], "--prompt",
                    args.prompt, "--tokens", args.tokens)
     p = launch(args, cmd, 1, foreign=True)
-    if p.returncode != 0:
+    if p.rc != 0:
         return failed(p)
     return {"status": "ok", **json.loads(p.stdout.strip().splitlines()[-1])}
 
 
 def run_hepti(args, v: dict) -> dict:
-    """`hepti generate --json` (issue 46's decoder). Until it exists, the variant says so."""
-    if not has_generate():
-        return {"status": "skipped", "reason": "`hepti generate` is not in this tree yet: the "
-                "hook is run_hepti(), which reads its --json report (hepti_rates)"}
+    """`hepti generate --json` (issue 46's decoder) at v's strategy and ranks, greedy."""
     cmd = hepti_cmd() + ["generate", "--model", args.model, "--prompt", args.prompt,
                          "--max-tokens", str(args.tokens), "--temperature", "0",
                          "--strategy", v["strategy"], "--json"]
     p = launch(args, cmd, v["nodes"], foreign=False)
-    if p.returncode != 0:
+    if p.rc != 0:
         return failed(p)
-    return {"status": "ok", **hepti_rates(json.loads(p.stdout.strip().splitlines()[-1]))}
-
-
-def has_generate() -> bool:
-    p = subprocess.run(hepti_cmd() + ["generate", "--help"], capture_output=True, text=True)
-    return p.returncode == 0
+    return hepti_rates(json.loads(p.stdout.strip().splitlines()[-1]))
 
 
 def hepti_rates(report: dict) -> dict:
-    """prefill and decode tokens/s from `hepti generate --json`'s report: the first key that
-    names each (`prefill_tok_s`, `prefill_tokens_per_s`, `{"prefill": {"tokens_per_s": ..}}`)."""
-    out = {"prompt_tokens": len(report.get("prompt_ids", [])),
-           "decode_tokens": len(report.get("token_ids", []))}
-    for phase in ("prefill", "decode"):
-        val = None
-        for k, x in report.items():
-            if isinstance(x, dict) and k.startswith(phase):
-                x = next((y for kk, y in x.items() if "per_s" in kk or "tok_s" in kk), None)
-            elif not (k.startswith(phase) and ("per_s" in k or "tok_s" in k)):
-                continue
-            if isinstance(x, (int, float)):
-                val = float(x)
-                break
-        if val is None:
-            raise HeptiError(f"`hepti generate --json` reported no {phase} tokens/s: "
-                               f"keys {sorted(report)}")
-        out[f"{phase}_tok_s"] = val
+    """The figures of `hepti generate --json`'s report (hepti.generate.finish), as the peers'
+    runs give them. Its decode rate is None when it made one token only (the prefill's)."""
+    out = {"status": "ok", "prompt_tokens": len(report["prompt_ids"]),
+           "decode_tokens": len(report["token_ids"]) - 1,  # the first comes from the prefill
+           "prefill_tok_s": report["prefill_tokens_per_s"],
+           "decode_tok_s": report["decode_tokens_per_s"]}
+    if out["decode_tok_s"] is None or out["prefill_tok_s"] is None:
+        return {"status": "failed", "reason": "hepti generate stopped before decoding (an end "
+                "token right after the prompt?); no decode rate"}
     return out
 
 
-def failed(p: subprocess.CompletedProcess) -> dict:
+def failed(p: harness.Launch) -> dict:
     lines = [ln for ln in (p.stderr + p.stdout).strip().splitlines() if "%|" not in ln]
-    return {"status": "failed", "reason": f"exit {p.returncode}: " + " | ".join(lines[-4:])}
+    return {"status": "failed", "reason": f"exit {p.rc}: " + " | ".join(lines[-4:])}
 
 
 # --- the benchmark ---------------------------------------------------------------------------------
@@ -262,8 +243,6 @@ def failed(p: subprocess.CompletedProcess) -> dict:
 def run(args) -> int:
     """Rounds of every variant, interleaved; medians and ratios to --out (the registry's
     entry point, with add_arguments; ConfigError for what cannot run, before any launch)."""
-    if args.tokens < 1 or args.rounds < 1:
-        raise ConfigError("--tokens and --rounds must be at least 1")
     variants = parse_variants(args.variants)
     kinds = {v["kind"] for v in variants}
     config = model_config(args)
@@ -288,59 +267,56 @@ def run(args) -> int:
         raise ConfigError("hepti variants need --model DIR (the converted decoder)")
     n_prompt = prompt_tokens(args)
     rdv = Path(args.workdir or f"/tmp/hepti-bench-llm-{os.getpid()}")
-    results = {v["name"]: [] for v in variants}
-    n_dllama = None  # the prompt's tokens in distributed-llama's tokenizer
+    by_name = {v["name"]: v for v in variants}
+    if args.baseline and args.baseline not in by_name:
+        raise ConfigError(f"--baseline {args.baseline} is not one of the variants: "
+                          f"{', '.join(by_name)}")
+    state = {"n_dllama": None}  # the prompt's tokens in distributed-llama's tokenizer
+
+    def run_one(name: str, k: int) -> dict:
+        v = by_name[name]
+        t0 = time.perf_counter()
+        if v["kind"] == "dllama":
+            if state["n_dllama"] is None:
+                state["n_dllama"] = dllama_prompt_tokens(args, v, files, rdv)
+            res = run_dllama(args, v, files, state["n_dllama"], rdv)
+        elif v["kind"] == "llamacpp":
+            res = run_llamacpp(args, v)
+        else:
+            res = run_hepti(args, v)
+        res["wall_s"] = round(time.perf_counter() - t0, 2)
+        note = (f"decode {res['decode_tok_s']:.2f} tok/s, prefill {res['prefill_tok_s']:.2f}"
+                if res["status"] == "ok" else f"{res['status']}: {res['reason']}")
+        print(f"round {k + 1}/{args.rounds} {name}: {note}", file=sys.stderr)
+        return res
+
     try:
-        for r in range(args.rounds):
-            for v in variants:
-                if results[v["name"]] and results[v["name"]][-1]["status"] == "skipped":
-                    continue
-                t0 = time.perf_counter()
-                if v["kind"] == "dllama":
-                    if n_dllama is None:
-                        n_dllama = dllama_prompt_tokens(args, v, files, rdv)
-                    res = run_dllama(args, v, files, n_dllama, rdv)
-                elif v["kind"] == "llamacpp":
-                    res = run_llamacpp(args, v)
-                else:
-                    res = run_hepti(args, v)
-                res["wall_s"] = round(time.perf_counter() - t0, 2)
-                results[v["name"]].append(res)
-                note = (f"decode {res['decode_tok_s']:.2f} tok/s, prefill {res['prefill_tok_s']:.2f}"
-                        if res["status"] == "ok" else f"{res['status']}: {res['reason']}")
-                print(f"round {r + 1}/{args.rounds} {v['name']}: {note}", file=sys.stderr)
+        results = harness.interleave(list(by_name), args.rounds, run_one)
     finally:
         shutil.rmtree(rdv, ignore_errors=True)
-    summary = summarise(results, args.baseline.split(",") if args.baseline else
-                        [v["name"] for v in variants if v["kind"] != "hepti"][:1])
+    summary = summarise(results, args.baseline or next(
+        (v["name"] for v in variants if v["kind"] != "hepti"), None))
     doc = result_doc("llm", cluster=args.cluster, prompt=args.prompt,
                      prompt_tokens_hepti_tokenizer=n_prompt, decode_tokens=args.tokens,
                      rounds=args.rounds, model=config, dllama_threads=args.dllama_threads,
                      variants=variants, runs=results, **summary)
     write_json(doc, args.out)
-    print(json.dumps({k: summary[k] for k in ("median", "ratios")}, indent=1))
+    print(json.dumps(summary, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0 if all(r and r[-1]["status"] != "failed" for r in results.values()) else 1
 
 
-def summarise(results: dict, baselines: list[str]) -> dict:
-    """Medians per variant over its ok rounds, and decode/prefill ratios to each baseline."""
-    med = {}
-    for name, runs in results.items():
-        ok = [r for r in runs if r["status"] == "ok"]
-        if ok:
-            med[name] = {k: statistics.median(r[k] for r in ok)
-                         for k in ("decode_tok_s", "prefill_tok_s")}
-            med[name]["rounds_ok"] = len(ok)
-    ratios = {}
-    for b in baselines:
-        if b not in med:
-            continue
-        for name, m in med.items():
-            if name != b:
-                ratios[f"{name} / {b}"] = {k: round(m[k] / med[b][k], 3)
-                                           for k in ("decode_tok_s", "prefill_tok_s")}
-    return {"median": med, "ratios": ratios}
+def summarise(results: dict, baseline: str | None) -> dict:
+    """The harness's medians and ratios (variant / baseline: above 1 is faster, these being
+    rates), of decode and of prefill tokens/s, over each variant's rounds that ran. A round
+    that failed drops out of its variant alone, so `paired_ratio` pairs rounds in order."""
+    out = {}
+    for key in ("decode_tok_s", "prefill_tok_s"):
+        rates = {name: [r[key] for r in runs if r["status"] == "ok" and r[key]]
+                 for name, runs in results.items()}
+        base = baseline if baseline in rates and rates[baseline] else None
+        out[key] = harness.summarise(rates, base)
+    return {"baseline": baseline, **out}
 
 
 def model_config(args) -> dict:
@@ -523,44 +499,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dllama-port", type=int, default=DLLAMA_PORT,
                    help=f"workers' port (default {DLLAMA_PORT}; off the emulator port + rank)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (raw text)")
-    p.add_argument("--tokens", type=int, default=32, help="tokens to decode (default 32)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds, each running every variant once (default 3)")
-    p.add_argument("--baseline", help="variants to divide by (default: the first peer)")
+    p.add_argument("--tokens", type=at_least(1), default=32, help="tokens to decode (default 32)")
+    p.add_argument("--rounds", type=at_least(1), default=3,
+                   help="rounds, each running every variant once, in turn (default 3)")
+    p.add_argument("--baseline", help="the variant to divide by (default: the first peer)")
     p.add_argument("--timeout", type=float, default=1800, help="per launch, seconds")
     p.add_argument("--workdir", help="rendezvous folder of the distributed-llama ranks")
     p.add_argument("--out", default="results/llm.json", help="the JSON (default %(default)s)")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hepti.bench.llm", description=__doc__.split(
-        "\n\n")[0], epilog="distributed-llama needs 2^n nodes and an even split of the heads "
-        "(nodes divide the attention and KV heads). Internal commands, run inside a launch: "
-        "`rank` and `llamacpp`.")
-    sub = p.add_subparsers(dest="cmd")
-    r = sub.add_parser("rank", help="internal: one rank of a distributed-llama launch")
-    r.add_argument("--rendezvous", required=True)
-    r.add_argument("--port", type=int, default=DLLAMA_PORT)
-    r.add_argument("--threads", type=int, default=1, help="each worker's --nthreads")
-    r.add_argument("program", nargs=argparse.REMAINDER, help="-- DLLAMA inference ARGS...")
-    c = sub.add_parser("llamacpp", help="internal: llama.cpp prefill and decode on this device")
-    c.add_argument("--gguf", required=True)
-    c.add_argument("--threads", type=int, default=1)
-    c.add_argument("--prompt", required=True)
-    c.add_argument("--tokens", type=int, default=32)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        if args.cmd == "rank":
-            if args.program[:1] == ["--"]:
-                args.program = args.program[1:]
-            return rank_main(args)
-        if args.cmd == "llamacpp":
-            return llamacpp_main(args)
-        return run(args)
-    except HeptiError as e:
-        print(f"hepti bench llm: error: {e}", file=sys.stderr)
-        return 2
+    """`python -m hepti.bench.llm [OPTIONS]` is `hepti bench llm`; `rank` and `llamacpp` are
+    what its launches run inside mpiexec (one rank of distributed-llama, llama.cpp on one
+    device), not for users."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["rank"]:
+        r = argparse.ArgumentParser(prog="python -m hepti.bench.llm rank")
+        r.add_argument("--rendezvous", required=True)
+        r.add_argument("--port", type=int, default=DLLAMA_PORT)
+        r.add_argument("--threads", type=int, default=1, help="each worker's --nthreads")
+        r.add_argument("program", nargs=argparse.REMAINDER, help="-- DLLAMA inference ARGS...")
+        args = r.parse_args(argv[1:])
+        args.program = args.program[1:] if args.program[:1] == ["--"] else args.program
+        return rank_main(args)
+    if argv[:1] == ["llamacpp"]:
+        c = argparse.ArgumentParser(prog="python -m hepti.bench.llm llamacpp")
+        c.add_argument("--gguf", required=True)
+        c.add_argument("--threads", type=int, default=1)
+        c.add_argument("--prompt", required=True)
+        c.add_argument("--tokens", type=int, default=32)
+        return llamacpp_main(c.parse_args(argv[1:]))
+    return registry.main("llm", argv)
 
 
 if __name__ == "__main__":

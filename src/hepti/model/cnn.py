@@ -120,7 +120,7 @@ class CNNModel:
 
     The ops run in `order` (their names; the graph's own order when None), each tensor freed
     once the last op to read it in that order has run: what the memory model of operator
-    order prices (hepti.plan.memory), so an order found by BTSearch (hepti.plan.order) is the
+    order prices (hepti.order.memory), so an order found by BTSearch (hepti.order.search) is the
     one whose peak is run. The outputs do not depend on the order: each op's arithmetic is
     the same whenever it runs."""
 

@@ -28,7 +28,7 @@ from hepti.parallel.engine import (agree, attach_prediction, current_rss, format
 from hepti.parallel.profiling import measure_cnn_profile
 from hepti.parallel.trace import chrome_trace
 from hepti.parallel.watchdog import cnn_scale
-from hepti.plan.order import executor_order
+from hepti.order.search import executor_order
 from hepti.plan.planfile import Plan, parse_ratios
 from hepti.plan.profile import load_profile, profile_from_dict
 from hepti.runner import base_report, finish, run_passes

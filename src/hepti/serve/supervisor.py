@@ -82,13 +82,13 @@ from hepti.emulate import jobfiles
 from hepti.emulate.command import die_with_parent, find_mpiexec
 from hepti.model.sizes import model_bytes
 from hepti.plan.planfile import Plan
-from hepti.resources import available_memory
+from hepti.resources import available_memory, mem_total
 from hepti.serve import ServiceUnavailable, protocol
 from hepti.serve.replan import MEM_HEADROOM, PlanWatcher
 from hepti.serve.stall import (ADMIT_START_FACTOR, ADMIT_START_MIN_S, END_GRACE_S, PROBE_EVERY_S,
                                RANK_RUNTIME_BYTES, SERVE_BEFORE_ADMIT_S, STALL_FLOOR_S,
                                DeviceBench, Phase, expected_batch_s, hung_ranks, kill_if_ours,
-                               mem_total, phase_deadline, probe_device, rank_rss)
+                               phase_deadline, probe_device, rank_rss)
 from hepti.weights import WeightStore
 
 log = logging.getLogger("hepti")

@@ -36,10 +36,11 @@ from hepti.parallel.comm import Comm
 from hepti.parallel.engine import (Job, agree, build_layers, get_profile, layer_spec,
                                    needs_planner, plan_with_profile, resolve_plan, run_guarded_fn)
 from hepti.parallel.layers import ResidentLayers, slice_packer
-from hepti.parallel.profiling import (SpeedProbe, _return_freed_memory, available_memory, fit_link,
-                                      measure_probe, ping_pong)
+from hepti.parallel.profile_compute import SpeedProbe, measure_probe
+from hepti.parallel.profile_links import fit_link, ping_pong
 from hepti.parallel.trace import Tracer
 from hepti.plan.planfile import Plan
+from hepti.resources import _return_freed_memory, available_memory
 from hepti.serve import protocol
 from hepti.serve.protocol import BEAT_EVERY_S, CHECK_SIZES, PROBE_SIZES
 from hepti.weights import WeightStore
@@ -291,7 +292,7 @@ class _State:
         self._mem = None  # (when, bytes): the last reading of `_free_memory`
 
     def _free_memory(self) -> float:
-        """This rank's free memory (hepti.parallel.profiling.available_memory), read at most
+        """This rank's free memory (hepti.resources.available_memory), read at most
         every MEM_READ_S: its cgroup files cost 0.5-2 ms of CPU a reading, 3-10 ms on a 0.15-
         to 0.2-core device, after every batch (bench-adapt --quiet-ab at 4de90d9: the monitor
         cost 1.9% of a BERT-base request)."""
@@ -317,7 +318,7 @@ class _State:
         squeezed to 37 MiB free): its switch from `rows` to a smaller `tensor` share left it
         15 MiB free, not the 50 the plans' difference gives, and the re-planner, reading that,
         took its last share too. `malloc_trim` returns them (as the profile does after its
-        probes: hepti.parallel.profiling._return_freed_memory)."""
+        probes: hepti.resources._return_freed_memory)."""
         _return_freed_memory()
         self._mem = None
 
@@ -420,7 +421,7 @@ class _State:
 
     def speed_probe(self) -> float:
         """A rank with no share of the plan still tells its speed: the seconds per call of
-        the profile's own speed probe (hepti.parallel.profiling.SpeedProbe, a small GeMM timed
+        the profile's own speed probe (hepti.parallel.profile_compute.SpeedProbe, a small GeMM timed
         the way the profile times, stretched on an emulated device as its work is), which the
         profile recorded for this rank as `probe_s`: the monitor compares like with like.
         Single probe calls, each its own stretched span, read 0.4-2.5x of each other with
