@@ -408,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     from hepti.serve.http import READ_TIMEOUT_S, ROUTES_HELP  # local: start-up time (hepti --help)
     from hepti.serve.stall import STALL_FLOOR_S  # local: start-up time (hepti --help)
     s = sub.add_parser(
-        "serve", help="serve embeddings over HTTP (or --jsonl) from a long-lived MPI job",
+        "serve", help="serve embeddings, or a decoder's completions, over HTTP from a "
+                      "long-lived MPI job",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=_paragraphs(
             "Start N worker ranks with mpiexec (weights loaded once, planned as `hepti run` "
@@ -419,6 +420,12 @@ def build_parser() -> argparse.ArgumentParser:
             "host whose rank was killed or hung past its batch's deadline (-f HOSTFILE minus "
             "that host; on one machine, one rank fewer); no accepted request is lost. A lost "
             "device is probed in the background and taken back when it answers again.",
+            "A decoder (--model a converted Llama-style model, e.g. weights/smollm2) answers "
+            "POST /v1/completions and /v1/chat/completions instead, streamed as server-sent "
+            "events with \"stream\": true. Its ranks split it in tensor (KV heads, MLP "
+            "columns, vocabulary) by --ratios or equal shares; one generation runs at a time, "
+            "the others queue in arrival order; a client that hangs up cancels its "
+            "generation. --jsonl, --replan on, --plan and --profile are for encoders.",
             "Under `hepti emulate --cluster SPEC -- hepti serve -n N ...` worker rank i runs "
             "on emulated device i and the service is still reachable at the host's "
             "127.0.0.1:PORT."),
@@ -427,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  hepti serve -n 4 -f hostfiles/my-cluster --host 0.0.0.0 "
                "--api-key-file ~/.hepti-key\n"
                "  hepti serve -n 2 --jsonl < requests.jsonl > answers.jsonl\n"
+               "  hepti serve --model weights/smollm2 -n 2 --port 8080     # a decoder\n"
                "  sudo hepti emulate --cluster hostfiles/emu-mixed4.json -- hepti serve -n 4")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model folder (default {DEFAULT_MODEL})")
     s.add_argument("-n", type=_positive_int, default=1, dest="n", help="worker ranks (default 1)")

@@ -9,8 +9,7 @@ JSON object at the end. Errors follow `hepti run`'s discipline (`run_guarded_fn`
 raised on every rank is reported once, with exit code 2; anything else on any rank names the
 rank and ends the whole job.
 
-The chat template is Jinja code from the model's files: it is rendered in Jinja's immutable
-sandbox (as transformers does), never run as Python.
+The chat template and the streamed text are hepti.model.chat's, which `hepti serve` shares.
 """
 from __future__ import annotations
 
@@ -21,12 +20,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mpi4py import MPI
 
 from hepti.errors import InputError
 from hepti.families import FAMILIES, family
+from hepti.model.chat import TextStream, render_chat, stop_ids
 from hepti.model.llama import KVCache, check_request
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling
@@ -111,18 +109,8 @@ def prompt_ids(args, cfg, tok, meta) -> list[int]:
 
 def chat_text(prompt: str, meta: dict, model) -> str:
     """One user message rendered by the model's chat template, with the generation prompt."""
-    template = meta.get("chat_template")
-    if not template:
-        raise InputError(f"{model} has no chat template (tokenizer_config.json); drop --chat "
-                         "and write the prompt in the model's format yourself")
-    try:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(template).render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-            bos_token=meta.get("bos_token") or "", eos_token=meta.get("eos_token") or "")
-    except TemplateError as e:
-        raise InputError(f"{model}: its chat template cannot be rendered ({e}); drop --chat "
-                         "and write the prompt in the model's format yourself") from None
+    return render_chat([{"role": "user", "content": prompt}], meta, model,
+                       "drop --chat and write the prompt in the model's format yourself")
 
 
 def group_ratios(args, world_size: int) -> dict[str, list[float]]:
@@ -139,34 +127,17 @@ def group_ratios(args, world_size: int) -> dict[str, list[float]]:
     return {d: [1.0 / world_size] * world_size for d in DIMS}
 
 
-def stop_ids(cfg, tok, meta) -> tuple[int, ...]:
-    """The model's end-of-sequence tokens: its config's and its chat template's EOS."""
-    out = {cfg.eos_token_id} if cfg.eos_token_id is not None else set()
-    if tok is not None and meta.get("eos_token"):
-        eos = tok.token_to_id(meta["eos_token"])
-        if eos is not None:
-            out.add(eos)
-    return tuple(sorted(out))
-
-
 class Stream:
-    """Prints the text of the tokens made so far as it grows (rank 0): decoding the whole
-    list each time keeps a character that spans tokens whole; one still incomplete (U+FFFD at
-    the end) waits for the next token."""
+    """Prints the text of the tokens made so far as it grows (rank 0; hepti.model.chat's
+    TextStream keeps a character that spans tokens whole)."""
 
     def __init__(self, tok, on: bool):
-        self.tok, self.on, self.ids, self.shown = tok, on, [], 0
+        self.text, self.on = TextStream(tok), on
 
     def __call__(self, token: int) -> None:
-        self.ids.append(token)
-        if not self.on:
-            return
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return
-        sys.stdout.write(text[self.shown:])
-        sys.stdout.flush()
-        self.shown = len(text)
+        if self.on and (new := self.text.push(token)):
+            sys.stdout.write(new)
+            sys.stdout.flush()
 
 
 def run_group(args, dec: DecoderGroup, ids, sampling, stop, tok, rank0: bool) -> dict:
