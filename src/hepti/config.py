@@ -308,6 +308,11 @@ RANDOM_PRESETS = {
     "mobilenet-v2": dict(model_type="cnn", arch="mobilenet_v2"),
     "resnet50": dict(model_type="cnn", arch="resnet50"),
     "vgg16": dict(model_type="cnn", arch="vgg16"),
+    # issue 46's benchmark decoder (about 1.04 B parameters; `hepti convert --random llama-1b
+    # --export-hf DIR --export-gguf FILE` also writes it for distributed-llama and llama.cpp)
+    "llama-1b": dict(model_type="llama", vocab_size=32000, hidden_size=2048,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=8192),
 }
 # What a preset leaves out, per family (HF's defaults)
 PRESET_DEFAULTS = {
@@ -315,4 +320,8 @@ PRESET_DEFAULTS = {
                  hidden_act="gelu"),
     "vit": dict(num_channels=3, layer_norm_eps=1e-12, hidden_act="gelu", qkv_bias=True),
     "cnn": dict(num_classes=1000, image_size=224),
+    # Llama's and SmolLM2's defaults; ids 0-2 are the random decoders' special tokens
+    # (hepti.weights.vocab: <|endoftext|>, <|im_start|>, <|im_end|>)
+    "llama": dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
 }

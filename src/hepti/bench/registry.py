@@ -40,6 +40,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "against": ("against", "this tree's latency against commit REV's, interleaved"),
     "order": ("order", "operator orders' peak activation memory: BTSearch, exact, random"),
     "order-exec": ("order_exec", "the executors' measured peak memory against the order's model"),
+    "llm": ("llm", "decode tokens/s of a decoder against distributed-llama and llama.cpp, same devices"),
 }
 
 

