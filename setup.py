@@ -33,8 +33,10 @@ setup(
         "test": ["pytest>=7", "hypothesis>=6"],
         "plot": ["matplotlib>=3.7"],
         # `hepti bench llm` only: llama.cpp (its sdist builds llama.cpp, minutes on 2 cores) and
-        # what distributed-llama's own converters import; hepti itself never imports them
-        "bench-llm": ["llama-cpp-python>=0.3", "torch", "sentencepiece"],
+        # what distributed-llama's own converters import; hepti itself never imports them.
+        # torch pinned to the CPU build these machines keep on disk: unpinned, pip takes a
+        # CUDA build of several GB
+        "bench-llm": ["llama-cpp-python>=0.3", "torch==2.13.0", "sentencepiece"],
     },
     entry_points={"console_scripts": ["hepti=hepti.cli:main"]},
 )
