@@ -585,7 +585,7 @@ def cmd_bench(args) -> int:
         print(json.dumps(res, indent=2) if args.json else format_solver(res) + f"\nwrote {args.out}")
         return 0
     if args.bench == "comm":
-        from hepti.parallel.engine import run_guarded_fn  # local: start-up time (hepti --help)
+        from hepti.parallel.world import run_guarded_fn  # local: start-up time (hepti --help)
         return run_guarded_fn("bench comm", _bench_comm, args)
     from hepti.bench.model import format_model_bench, run_model_bench  # local: start-up time (hepti --help)
     res = run_model_bench(args.model, seq=args.seq, batch=args.batch, repeat=args.repeat,
@@ -654,7 +654,7 @@ def _powers(text: str) -> list[tuple[float, float]]:
 
 
 def cmd_profile(args) -> int:
-    from hepti.parallel.engine import run_guarded_fn  # local: start-up time (hepti --help)
+    from hepti.parallel.world import run_guarded_fn  # local: start-up time (hepti --help)
     return run_guarded_fn("profile", _profile_job, args)
 
 
@@ -686,7 +686,8 @@ def _planner(cfg, model) -> str:
 
 def _profile_job(args) -> int:
 
-    from hepti.parallel.engine import agree, parse_bytes, world_comm  # local: start-up time (hepti --help)
+    from hepti.parallel.world import agree, world_comm  # local: start-up time (hepti --help)
+    from hepti.plan.planfile import parse_bytes  # local: start-up time (hepti --help)
     from hepti.parallel.profiling import cached_profile  # local: start-up time (hepti --help)
     from hepti.plan.report import format_profile  # local: start-up time (hepti --help)
     from hepti.weights import WeightStore  # local: start-up time (hepti --help)
