@@ -408,7 +408,7 @@ class BandExecutor:
             mine = owned(hh, self.owners[op.input], comm.size)
             lo, hi = mine[rank]
             band = have.get(op.input)
-            if comm.solo:  # a group of one holds the whole map: the kernel pools it
+            if comm.size == 1:  # a group of one holds the whole map: the kernel pools it
                 return apply(op, band.x, self.weights, threads=self.threads)
             if op.out_hw == (1, 1):  # partial sums of own rows, summed across ranks
                 return pooled_sum(comm, band.rows(lo, hi) if hi > lo else None, n, c,
