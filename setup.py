@@ -25,6 +25,9 @@ setup(
         "Pillow>=9.0",  # image files for vision models (hepti.images)
         "onnx>=1.15",  # ONNX graphs' structure and shapes, for operator order (hepti.graph.onnx_import)
         "gguf>=0.10",  # llama.cpp's GGUF files, read by their own reader (hepti.weights.gguf)
+        # a GGUF's chat template is a Jinja template: `hepti generate --chat` renders it in
+        # Jinja's own immutable sandbox (as transformers does), never by a renderer of ours
+        "jinja2>=3.1",
     ],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6"],

@@ -19,7 +19,7 @@
 #                                       node-b hangs (its link goes silent) from 40 to 70 s: the
 #                                       wait for the first answer, requests lost, against a
 #                                       steady launch on the two devices that answer
-# Other options (--duration, --seq, --variants): python -m hepti.bench.adapt --help
+# Other options (--duration, --seq, --variants): hepti bench adapt --help
 set -euo pipefail
 if [ "$(id -u)" != 0 ]; then
   echo "bench-adapt: needs root (hepti emulate makes network namespaces, tc shapers and cgroups); run it with sudo" >&2
@@ -27,4 +27,4 @@ if [ "$(id -u)" != 0 ]; then
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 [ -f weights/bert-base/index.json ] || hepti convert --random bert-base --out weights/bert-base
-exec python -m hepti.bench.adapt "$@"
+exec hepti bench adapt "$@"

@@ -8,7 +8,7 @@
 # `bin/setup --with-torch`; without them the rest is still timed.
 #   bin/bench-cnn-single.sh                             the figures: 21 rounds per model
 #   bin/bench-cnn-single.sh --models resnet50 --rounds 2
-# Other options (--out, --profile, --kernels-json, ...): python -m hepti.bench.cnnsingle --help
+# Other options (--out, --profile, --kernels-json, ...): hepti bench cnn-single --help
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-exec python -m hepti.bench.cnnsingle "$@"
+exec hepti bench cnn-single "$@"

@@ -6,4 +6,4 @@
 #   bin/bench-file.sh --against 418c61c     taking turns with another commit (a git worktree)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-exec python -m hepti.bench.filejob "$@"
+exec hepti bench file "$@"

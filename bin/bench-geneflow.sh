@@ -14,7 +14,7 @@
 # missing (weights stay out of git).
 #   sudo bin/bench-geneflow.sh                 profiles, the predicted grid, 4-device runs
 #   sudo bin/bench-geneflow.sh --measure all   every case measured (about 3x as long)
-# Other options: python -m hepti.bench.geneflow --help
+# Other options: hepti bench geneflow --help
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 [ -f weights/bert-base/index.json ] || hepti convert --random bert-base --out weights/bert-base
@@ -32,4 +32,4 @@ if [ "$measure" = 1 ]; then
   fi
 fi
 # it takes the bench lock (and waits out /tmp/hepti-quiet) only while profiling and measuring
-exec python -m hepti.bench.geneflow "$@"
+exec hepti bench geneflow "$@"

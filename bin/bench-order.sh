@@ -6,7 +6,7 @@
 # order-states.json and order-states.png. About two and a half minutes (RandWire's in-place row
 # alone takes 1.5 of them).
 #   bin/bench-order.sh                    everything
-#   bin/bench-order.sh --what table       (any option of python -m hepti.bench.order)
+#   bin/bench-order.sh --what table       (any option of hepti bench order)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-exec python -m hepti.bench.order "$@"
+exec hepti bench order "$@"

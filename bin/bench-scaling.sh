@@ -11,19 +11,19 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 if [ "${1:-}" = "--quick" ]; then
-  exec python -m hepti.bench.scaling --case weights/minilm-l6:128 --rounds 3 --repeat 5
+  exec hepti bench scaling --case weights/minilm-l6:128 --rounds 3 --repeat 5
 fi
 if [ "${1:-}" = "--cnn" ]; then
   shift
   [ -f weights/resnet50/index.json ] || hepti convert --random resnet50 --out weights/resnet50
   [ -f weights/vgg16/index.json ] || hepti convert --random vgg16 --out weights/vgg16
-  exec python -m hepti.bench.scaling --case weights/resnet50:224 --case weights/vgg16:224 \
+  exec hepti bench scaling --case weights/resnet50:224 --case weights/vgg16:224 \
     --rounds 9 --repeat 5 --out results/scaling-cnn.json "$@"
 fi
 [ -f weights/bert-base/index.json ] || hepti convert --random bert-base --out weights/bert-base
 [ -f weights/vit-base/index.json ] || hepti convert --random vit-base --out weights/vit-base
 [ -f weights/resnet50/index.json ] || hepti convert --random resnet50 --out weights/resnet50
 [ -f weights/vgg16/index.json ] || hepti convert --random vgg16 --out weights/vgg16
-exec python -m hepti.bench.scaling --case weights/minilm-l6:128 --case weights/bert-base:256 \
+exec hepti bench scaling --case weights/minilm-l6:128 --case weights/bert-base:256 \
   --case weights/vit-base:197 --case weights/resnet50:224 --case weights/vgg16:224 \
   --rounds 9 --repeat 10 "$@"

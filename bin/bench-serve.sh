@@ -4,4 +4,4 @@
 #   bin/bench-serve.sh [--clients 1,4,16] [--seconds 20] [--rounds 3]    (--help for all)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-exec python -m hepti.bench.serve "$@"
+exec hepti bench serve "$@"

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from hepti.bench import cnnsingle as cs
+from hepti.bench import registry
 from hepti.config import CNNConfig
 from hepti.graph.cnn import build
 from hepti.weights.cnn import fold
@@ -152,6 +153,6 @@ def test_report_and_csv():
 
 def test_unknown_model_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
-        cs.main(["--models", "resnet50,alexnet"])
+        registry.main("cnn-single", ["--models", "resnet50,alexnet"])
     assert e.value.code == 2
     assert "choose from resnet50, vgg16, mobilenet-v2" in capsys.readouterr().err

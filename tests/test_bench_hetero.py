@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from hepti.bench import hetero, write_json
+from hepti.bench import hetero
+from hepti.bench.harness import write_json
+from hepti.bench.registry import build_parser
 from hepti.bench import hetero_report as rep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,12 +171,12 @@ def test_classify_launch_outcomes():
 
 
 def test_repeat_follows_the_prediction():
-    args = hetero.build_parser().parse_args(["--repeat", "6", "--min-repeat", "2", "--target-s", "4"])
+    args = build_parser("hetero").parse_args(["--repeat", "6", "--min-repeat", "2", "--target-s", "4"])
     assert hetero.choose_repeat(None, args) == 6
     assert hetero.choose_repeat(0.1, args) == 6
     assert hetero.choose_repeat(1.0, args) == 4
     assert hetero.choose_repeat(7.0, args) == 2
-    args = hetero.build_parser().parse_args([])  # defaults: fast cases get many runs, auto few
+    args = build_parser("hetero").parse_args([])  # defaults: fast cases get many runs, auto few
     assert hetero.choose_repeat(0.06, args) == 20
     assert hetero.choose_repeat(None, args) == hetero.UNPLANNED_REPEAT < 20
 
@@ -193,7 +195,7 @@ def test_quick_run_accounts_for_every_strategy(tmp_path):
     if not (REPO / "weights" / "minilm-l6" / "index.json").exists():
         pytest.skip("weights/minilm-l6 is missing; bin/setup makes it")
     env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "hepti.bench.hetero", "--quick", "--spec", "emu-pair-940-full",
+    cmd = [sys.executable, "-m", "hepti", "bench", "hetero", "--quick", "--spec", "emu-pair-940-full",
            "--repeat", "1", "--min-repeat", "1", "--out-dir", str(tmp_path)]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -209,7 +211,7 @@ def test_quick_run_accounts_for_every_strategy(tmp_path):
 
 
 def test_solver_bench_times_the_planners_own_solve_s(tmp_path):
-    from hepti.bench import solver, write_json
+    from hepti.bench import solver
     res = solver.run_solver_bench(devices=(2, 3), strategies=("tensor", "rows"), rounds=2, progress=False)
     assert {(r["devices"], r["speeds"], r["strategy"]) for r in res["results"]} == {
         (n, s, st) for n in (2, 3) for s in ("flat", "size-dependent") for st in ("tensor", "rows")}

@@ -31,37 +31,42 @@ def launch(n: int, *args, env=None, timeout=600):
     return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("n", [1, 3, 4])
-def test_equivalence_other_world_sizes(n, tiny_dir, minilm_dir, vit_dir):
-    """Every strategy and ratio vector at N ranks equals the single-device engine (1e-4), for
-    both families."""
-    code, out, err, _ = launch(n, "-m", "mpi4py", ROOT / "tests/mpi/equivalence.py",
-                               "--model", tiny_dir, "--model", minilm_dir, "--model", vit_dir)
+def launch_cases(n: int, script: str, *args, timeout=600) -> list[dict]:
+    """tests/mpi/SCRIPT run standalone at N ranks -> the JSON line it printed per case (the job
+    must exit 0: a case off makes it exit 1)."""
+    code, out, err, _ = launch(n, "-m", "mpi4py", ROOT / "tests/mpi" / script, *args, timeout=timeout)
     rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
     assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
+    return rows
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_equivalence_other_world_sizes(n, tiny_dir, minilm_dir, vit_dir):
+    """Every strategy and ratio vector at N ranks equals the single-device engine (1e-4), for
+    both families (3 ranks: the next test)."""
+    rows = launch_cases(n, "equivalence.py", "--model", tiny_dir, "--model", minilm_dir,
+                        "--model", vit_dir)
     # (strategies x ratio vectors, "moved" too) per model; GenEFlow's three mixed plans: 3 and 12
     expected = 3 * (9 if n == 1 else 29)
     assert len(rows) == expected and all(r["ok"] for r in rows), rows
 
 
-def test_messages_equal_the_program_at_3_ranks(tiny_dir, minilm_dir, vit_dir):
-    """tests/mpi/agreement.py at 3 ranks: every strategy's verb calls (kind, bytes sent and
-    received per rank) equal its cost program's collectives, for both families."""
-    code, out, err, _ = launch(3, "-m", "mpi4py", ROOT / "tests/mpi/agreement.py",
-                               "--model", tiny_dir, "--model", minilm_dir, "--model", vit_dir)
-    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
-    assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
-    assert len(rows) == 3 * 29 and all(r["ok"] for r in rows), rows  # 29 cases per model
+def test_equivalence_and_messages_equal_the_program_at_3_ranks(tiny_dir, minilm_dir, vit_dir):
+    """tests/mpi/agreement.py --outputs at 3 ranks, one run per case for two checks: every
+    strategy and ratio vector equals the single-device engine (1e-4), and its verb calls (kind,
+    bytes sent and received per rank) equal its cost program's collectives, for both families.
+    (Two launches of every case, equivalence.py's and agreement.py's, had checked one each.)"""
+    rows = launch_cases(3, "agreement.py", "--outputs", "--model", tiny_dir, "--model", minilm_dir,
+                        "--model", vit_dir)
+    assert len(rows) == 3 * 29, rows  # 29 cases per model
+    assert all(r["ok"] and r["outputs_checked"] for r in rows), rows
 
 
 def test_band_messages_equal_the_program_at_3_ranks(resnet_tiny_dir, vgg_tiny_dir, mobilenet_dir):
     """tests/mpi/cnn_agreement.py at 3 ranks: the band executor's verb calls (halos, allgathers
     of channels, pooled sums and head columns) equal its band program's collectives."""
-    code, out, err, _ = launch(3, "-m", "mpi4py", ROOT / "tests/mpi/cnn_agreement.py",
-                               "--model", resnet_tiny_dir, "--model", vgg_tiny_dir,
-                               "--model", mobilenet_dir, timeout=1500)
-    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
-    assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
+    rows = launch_cases(3, "cnn_agreement.py", "--model", resnet_tiny_dir, "--model", vgg_tiny_dir,
+                        "--model", mobilenet_dir, timeout=1500)
     assert len(rows) == 3 * 8 and all(r["ok"] for r in rows), rows  # 8 cases per model
 
 
@@ -210,11 +215,8 @@ def test_cnn_equivalence_other_world_sizes(n, mobilenet_dir, resnet_tiny_dir, vg
     unequal declared devices) and --ratios vector (skewed, with zeros) gives torchvision's
     logits (1e-3) and, for the three photos through MobileNetV2, its top-5; the tiny ResNet-50
     and VGG-16 too."""
-    code, out, err, secs = launch(n, "-m", "mpi4py", ROOT / "tests/mpi/cnn_equivalence.py",
-                                  "--model", mobilenet_dir, "--model", resnet_tiny_dir,
-                                  "--model", vgg_tiny_dir, timeout=300)
-    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
-    assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
+    rows = launch_cases(n, "cnn_equivalence.py", "--model", mobilenet_dir, "--model", resnet_tiny_dir,
+                        "--model", vgg_tiny_dir, timeout=300)
     helper = _cnn_equivalence()
     cases = [f"--strategy {s}" for s in helper.strategies()]
     cases += [f"--ratios {name}" for name in helper.RATIOS[n]]

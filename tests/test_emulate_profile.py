@@ -12,6 +12,7 @@ CPU share times an uncapped rank's speed (medians of 3 runs). It runs in bin/tes
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -23,11 +24,12 @@ from hepti.emulate import launch, stretch
 from hepti.emulate.cgroups import cpu_quota
 from hepti.emulate.spec import load_spec
 from hepti.emulate.state import DEVICE_ENV, STATE_ENV, write_state
-from hepti.parallel.profiling import (cgroup_dirs, cpu_limit, memory_limit, profile_cache_path,
-                                      reclaimable_cache, resource_limits)
+from hepti.parallel.profiling import profile_cache_path, resource_limits
 from hepti.plan.profile import profile_from_dict
 from hepti.plan.costmodel import evaluate
 from hepti.plan.workloads import program_for
+from hepti.resources import (cgroup_dirs, cgroup_mounts, cgroup_path, cpu_limit, mem_total,
+                             memory_limit, own_cgroups, process_rss, reclaimable_cache)
 from hepti.weights import WeightStore
 
 import test_emulate
@@ -92,6 +94,29 @@ def test_caps_from_cgroup_v2_and_a_container_mount_root(tmp_path):
     _tree(tmp_path, {"cpu/cpu.cfs_quota_us": "150000", "cpu/cpu.cfs_period_us": "100000"})
     assert cgroup_dirs("cpu", proc_cgroup="1:cpu:/docker/abc\n", mountinfo=mi) == [f"{root}/cpu"]
     assert cpu_limit(proc_cgroup="1:cpu:/docker/abc\n", mountinfo=mi) == (1.5, 0.1)
+
+
+def test_the_emulator_reads_the_same_mounts_and_groups(tmp_path):
+    """hepti.emulate.cgroups finds where to make a run's groups from hepti.resources' parse of
+    /proc/self/mountinfo and /proc/self/cgroup, the parse the caps above are read through."""
+    mi = _mountinfo(tmp_path, v2=True)
+    assert cgroup_mounts(mi) == [("cgroup", f"{tmp_path}/cpu", "/", "rw,cpu"),
+                                 ("cgroup", f"{tmp_path}/memory", "/", "rw,memory"),
+                                 ("cgroup2", f"{tmp_path}/unified", "/", "rw")]
+    assert own_cgroups("4:memory:/emu/dev1\n1:cpu,cpuacct:/emu\n0::/\n") == {
+        "memory": "/emu/dev1", "cpu": "/emu", "cpuacct": "/emu", "": "/"}
+    # a container's mount shows its own group as the root
+    assert cgroup_path("/sys/fs/cgroup/cpu", "/docker/abc", "/docker/abc/x") == "/sys/fs/cgroup/cpu/x"
+    assert cgroup_path("/sys/fs/cgroup/cpu", "/docker/abc", "/docker/abc") == "/sys/fs/cgroup/cpu"
+    assert cgroup_path("/sys/fs/cgroup/cpu", "/", "/emu/dev1") == "/sys/fs/cgroup/cpu/emu/dev1"
+
+
+def test_resident_and_total_memory_from_proc():
+    """The service's per-worker RSS and the machine's memory (hepti.serve) come from the leaf."""
+    mine, by_pid = process_rss(), process_rss(os.getpid())
+    assert mine > 0 and abs(by_pid - mine) < 0.1 * mine  # the same process, read twice
+    assert mem_total() > mine
+    assert process_rss(2 ** 22 + 1) is None  # above the kernel's largest pid: no such process
 
 
 def test_page_cache_counts_as_free():

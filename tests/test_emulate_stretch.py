@@ -117,7 +117,7 @@ def test_settle_forfeits_an_oversleeps_credit(clocks, monkeypatch):
 def test_profile_rounds_start_level(clocks):
     """`_timed_many` (the profile's rounds and the speed probe) settles before each round: a
     credit left by an earlier oversleep does not shorten the round."""
-    from hepti.parallel.profiling import _timed_many
+    from hepti.parallel.profile_compute import _timed_many
     stretch._backlog = -stretch.CREDIT_MAX_S  # an earlier payment overslept
     per_call = _timed_many({0: lambda: clocks.run(1e-4)}, rounds=1, window=1e-3)[0]
     assert per_call == pytest.approx(1e-4 / 0.25, rel=0.01)

@@ -1,7 +1,7 @@
 """hepti.graph: layouts, sync points, and the cost program lowered from an assignment.
 
 What the executors send is checked against the lowered program under MPI
-(tests/mpi/test_agreement.py); here the lowering itself, on the graph alone.
+(tests/mpi/test_equivalence.py); here the lowering itself, on the graph alone.
 """
 from __future__ import annotations
 

@@ -34,11 +34,13 @@ LAYERS = [
     # graph loader opens a model folder through it
     (3, "model", ["hepti.model.*", "hepti.inputs", "hepti.images", "hepti.families",
                   "hepti.graph.load"]),
+    # operator order reads the graph alone (opdag); the planner, the job and `hepti order` read it
+    (3, "order", ["hepti.order.*"]),
     (4, "weights", ["hepti.weights.*"]),
     (5, "plan", ["hepti.plan.*"]),
     (6, "parallel", ["hepti.parallel.*", "hepti.info"]),
     (7, "job", ["hepti.runner", "hepti.output", "hepti.parallel.plans", "hepti.parallel.engine",
-                "hepti.parallel.distributed"]),
+                "hepti.parallel.distributed", "hepti.generate"]),
     (8, "serve", ["hepti.serve.*"]),
     (9, "bench", ["hepti.bench.*"]),  # it measures the service, too (bench/stall, bench/serve)
     (10, "cli", ["hepti.cli", "hepti.__main__"]),

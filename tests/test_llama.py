@@ -18,7 +18,7 @@ from helpers import FIXTURES, ROOT
 gguf = pytest.importorskip("gguf")
 
 from hepti.errors import InputError, WeightsError  # noqa: E402
-from hepti.model.llama import LlamaModel  # noqa: E402
+from hepti.model.llama import KVCache, LlamaModel  # noqa: E402
 from hepti.weights.decoder import load_decoder, load_tokenizer  # noqa: E402
 from hepti.weights.gguf import (GGUFFile, convert_gguf, dequantize,  # noqa: E402
                                 unpermute_qk)
@@ -142,6 +142,7 @@ def test_decode_with_cache_equals_full_recompute(tiny, kernels):
     seq = [5, 17, 250, 3, 99, 42, 7, 7, 1, 260, 11, 64]
     cache = model.new_cache(32)
     assert cache.k[0].shape == (config.num_key_value_heads, 32, config.head_dim)
+    assert cache.nbytes == KVCache.bytes_for(config, 32, config.num_key_value_heads)
     step = [model.prefill(seq[:5], cache)] + [model.decode(t, cache) for t in seq[5:]]
     assert cache.n == len(seq)
     full = model.forward(seq, model.new_cache(len(seq)), all_logits=True)  # (T, V)
@@ -248,14 +249,10 @@ def test_smollm2_chat_answers_paris(smollm2):
     case = _expected("smollm2_expected.npz")[0]  # the chat-templated question, as transformers
     answer = tok.decode(model.generate(tok.encode(case["text"]).ids, 16, stop_ids=(2,)))
     assert "Paris" in answer, answer
-    try:  # the stored template renders it the same (jinja2 is not one of hepti's dependencies)
-        import jinja2
-    except ImportError:
-        return
-    text = jinja2.Environment().from_string(meta["chat_template"]).render(
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True)
-    assert text == case["text"]
+    # the stored template renders it as transformers did (hepti generate --chat's renderer;
+    # imported here: hepti.generate starts MPI)
+    from hepti.generate import chat_text
+    assert chat_text("What is the capital of France?", meta, "smollm2") == case["text"]
 
 
 def test_smollm2_tokenizer_digits_and_specials(smollm2):
@@ -263,3 +260,135 @@ def test_smollm2_tokenizer_digits_and_specials(smollm2):
     assert [tok.decode([i]) for i in tok.encode("in 2024").ids] == ["in", " ", "2", "0", "2", "4"]
     assert tok.encode("<|im_start|>").ids == [1]
     assert meta["bos_token"] == "<|im_start|>" and meta["add_bos_token"] is False
+
+
+# --- the decoder executor on one rank, the token choice, and `hepti generate` -----------------
+
+def _alone(model_dir):
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.decoder import DecoderGroup
+    from hepti.weights import WeightStore
+    with WeightStore(model_dir) as store:
+        return DecoderGroup(Comm(None), store, {d: [1.0] for d in ("heads", "ffn", "rows")})
+
+
+def test_shards_split_heads_columns_and_vocabulary_by_largest_remainder(smollm2_config):
+    from hepti.parallel.decoder import shards
+    cfg = smollm2_config
+    got = shards(cfg, {"heads": [0.5, 0, 0.5], "ffn": [0.2, 0.5, 0.3], "rows": [1, 1, 1]})
+    assert [s.kv for s in got] == [(0, 2), (2, 2), (2, 3)]  # 1.5 | 0 | 1.5: the tie to rank 0
+    assert [s.heads(cfg) for s in got] == [(0, 6), (6, 6), (6, 9)]
+    assert [s.ffn for s in got] == [(0, 307), (307, 1075), (1075, 1536)]
+    assert [s.vocab for s in got] == [(0, 9830), (9830, 34406), (34406, 49152)]
+    assert [s.residual for s in got] == [True, False, False]
+
+
+@pytest.fixture(scope="module")
+def smollm2_config():
+    from hepti.model.llama import LlamaConfig
+    return LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                       head_dim=64)
+
+
+def test_one_rank_group_reads_its_store_and_matches_transformers(tiny_dir):
+    """The executor on a group of one (Comm(None)), its weights read through read_shard."""
+    from hepti.parallel.decoder import Sampling
+    dec = _alone(tiny_dir)
+    tok, _ = load_tokenizer(tiny_dir)
+    for case in _expected("llama_tiny_expected.npz"):
+        first: list = []
+        got = dec.generate(tok.encode(case["text"]).ids, 32, Sampling(), logits_out=first)
+        assert np.abs(dec.gather_logits(first[0]) - case["logits"]).max() < LOGIT_TOL
+        assert got == case["greedy"]
+
+
+def _nucleus_sample(logits, temperature, top_p, u):
+    """A plain reference: softmax of the whole vector, sorted (logit down, index up), the
+    smallest prefix reaching top_p, then u's point in it; top_p 1: u's point in vocabulary
+    order."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p >= 1:
+        c = np.cumsum(p)
+        return min(int(np.searchsorted(c, u * c[-1], side="right")), z.size - 1)
+    order = np.lexsort((np.arange(z.size), -z))
+    cum = np.cumsum(p[order])
+    cut = min(int(np.searchsorted(cum, top_p)), z.size - 1)
+    w = np.cumsum(p[order][:cut + 1])
+    return int(order[min(int(np.searchsorted(w, u * w[-1], side="right")), cut)])
+
+
+def test_token_choice_equals_a_plain_reference():
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.decoder import Sampling, TokenChooser
+    rng = np.random.default_rng(3)
+    for top_p in (1.0, 0.9, 0.999):  # 0.999 at a flat softmax: more than one round
+        s = Sampling(1.3, top_p, 42)
+        chooser, draws = TokenChooser(Comm(None), 0, s), np.random.default_rng(42)
+        for _ in range(20):
+            logits = (rng.standard_normal(5000) * 0.5).astype(np.float32)
+            u = float(draws.random())
+            want = _nucleus_sample(logits, 1.3, top_p, u)
+            assert chooser(logits) == want
+    logits = np.array([1.0, 3.0, 3.0, -2.0], np.float32)
+    assert TokenChooser(Comm(None), 0, Sampling())(logits) == 1  # greedy: ties to the lower
+    with pytest.raises(InputError, match="top-p"):
+        Sampling(1.0, 0.0)
+    with pytest.raises(InputError, match="temperature"):
+        Sampling(-0.5)
+
+
+def _generate(*args):
+    p = subprocess.run([sys.executable, "-m", "hepti", "generate", *map(str, args)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_generate_cli_logits_and_tokens(tiny_dir, tmp_path):
+    """`hepti generate` on one process: the raw prompt's ids, the --logits-out file and the
+    greedy tokens equal transformers'; --json's object has every field."""
+    import json
+    case = _expected("llama_tiny_expected.npz")[1]
+    out = tmp_path / "logits.npy"
+    code, stdout, err = _generate("--model", tiny_dir, "--prompt", case["text"], "--max-tokens",
+                                  32, "--json", "--logits-out", out)
+    assert code == 0, err
+    doc = json.loads(stdout.strip().splitlines()[-1])
+    assert doc["prompt_ids"] == case["ids"]
+    assert doc["token_ids"] == case["greedy"][:len(doc["token_ids"])]
+    assert len(doc["token_ids"]) == 32 or doc["token_ids"][-1] in (2,)  # or stopped at EOS
+    assert np.abs(np.load(out) - case["logits"]).max() < LOGIT_TOL
+    assert np.load(out).dtype == np.float32 and np.load(out).shape == (300,)
+    assert doc["per_rank"][0]["compute_s"] > 0 and doc["prefill_tokens_per_s"] > 0
+    assert "prefill" in err and "decode" in err  # the timing line
+
+
+def test_generate_refuses_bad_input_clearly(tiny_dir, tmp_path):
+    bert = tmp_path / "bert"
+    code, err = _hepti("convert", FIXTURES / "tiny-odd", "--out", bert)
+    assert code == 0, err
+    cases = [(["--max-tokens", 0], "must be at least 1"),
+             (["--temperature", -1], "give 0 or more"),
+             (["--top-p", 0, "--temperature", 1], "--top-p 0.0"),
+             (["--prompt", "the cat " * 200], "do not fit the model's context of 256"),
+             (["--ratios", "0.5,0.5"], "2 entries but there are 1 ranks"),
+             (["--model", bert], "`hepti generate` runs decoders (llama)"),
+             (["--logits-out", tmp_path / "nowhere" / "l.npy"], "does not exist")]
+    for extra, needle in cases:
+        args = ["--model", tiny_dir, "--prompt", "hi", *extra]
+        code, _, err = _generate(*args)
+        assert code == 2 and needle in err and "Traceback" not in err, (extra, err)
+
+
+def test_generate_chat_answers_paris(smollm2):
+    """--chat renders the stored template (its default system prompt) as transformers did."""
+    import json
+    case = _expected("smollm2_expected.npz")[0]
+    code, stdout, err = _generate("--model", SMOLLM2, "--chat", "--prompt",
+                                  "What is the capital of France?", "--max-tokens", 16, "--json")
+    assert code == 0, err
+    doc = json.loads(stdout.strip().splitlines()[-1])
+    assert doc["prompt_ids"] == case["ids"]
+    assert "Paris" in doc["text"] and stdout.startswith(doc["text"].split()[0]), stdout

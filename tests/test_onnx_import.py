@@ -13,9 +13,9 @@ from hepti.errors import GraphError  # noqa: E402
 from hepti.graph.onnx_import import import_onnx  # noqa: E402
 from hepti.graph.load import load_graph  # noqa: E402
 from hepti.graph.opdag import OpDag  # noqa: E402
-from hepti.plan.memory import compile_problem  # noqa: E402
-from hepti.plan.order import order_graph  # noqa: E402
-from hepti.plan.order_exact import downset_dp  # noqa: E402
+from hepti.order.exact import downset_dp  # noqa: E402
+from hepti.order.memory import compile_problem  # noqa: E402
+from hepti.order.search import order_graph  # noqa: E402
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 # operators left once weights are folded away (Conv, Relu, ... kept; ConstantOfShape and the

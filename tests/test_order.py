@@ -10,10 +10,11 @@ import pytest
 
 from hepti.errors import GraphError, PlanError
 from hepti.graph.opdag import OpDag, OpNode, TensorInfo, from_cnn, from_encoder, random_dag
-from hepti.plan.memory import compile_problem, order_peak
-from hepti.plan.order import (blocks, btsearch, greedy_least_peak, lower_bounds, order_graph,
-                              random_order, restrict, reverse_postorder, topological)
-from hepti.plan.order_exact import TooLarge, brute_force, count_orders, downset_dp
+from hepti.order.memory import compile_problem, order_peak
+from hepti.order.btsearch import (blocks, btsearch, greedy_least_peak, lower_bounds, random_order,
+                                  restrict, reverse_postorder, topological)
+from hepti.order.exact import TooLarge, brute_force, count_orders, downset_dp
+from hepti.order.search import order_graph
 
 
 def dag(ops, sizes, inputs=("x",), outputs=("y",), name="hand"):

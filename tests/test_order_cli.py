@@ -119,9 +119,9 @@ def test_bad_stored_graphs_get_a_message_not_a_traceback(tmp_path):
 
 
 def test_bench_order_writes_rows_that_agree_with_the_dp(tmp_path):
-    from hepti.bench.order import main
+    from hepti.bench.registry import main
     out = tmp_path / "order.json"
-    assert main(["--what", "table", "--only", "squeezenet", "ws(32,4,0.75)-1", "bert-base",
+    assert main("order", ["--what", "table", "--only", "squeezenet", "ws(32,4,0.75)-1", "bert-base",
                  "--out", str(out)]) == 0
     rows = {r["graph"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"onnx:squeezenet", "synthetic:ws(32,4,0.75)-1", "hepti:bert-base"}

@@ -1,7 +1,7 @@
 """Executing in an order (issue 20): the executors run the operators in a given order and free
 each activation after its last reader; the allocation counter (hepti.model.livebytes) reads
 what they hold from the arrays themselves, and equals the memory model's peak
-(hepti.plan.memory) where the model applies. Outputs do not depend on the order."""
+(hepti.order.memory) where the model applies. Outputs do not depend on the order."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +11,8 @@ from hepti.config import CNNConfig
 from hepti.graph.cnn import build
 from hepti.graph.opdag import from_cnn
 from hepti.model.livebytes import AllocationCounter, TrackedDict, buffer_of
+from hepti.order.memory import compile_problem, order_peak
 from hepti.parallel.single import SingleCNN
-from hepti.plan.memory import compile_problem, order_peak
 from order_helpers import TINY, encoder_batch, late_downsample_order, pixels, random_cnn
 
 # --- the counter itself ---------------------------------------------------------------------
@@ -40,7 +40,7 @@ def test_counter_equals_the_model_peak_in_file_and_btsearch_order(name):
     a height whose every row some op reads: the band executor makes only the rows its
     readers need (at 48, VGG's last 2x2 pool skips a 3-row map's last row, and the executor
     holds 256 bytes less than the whole-map model there)."""
-    from hepti.plan.order import executor_order
+    from hepti.order.search import executor_order
     model = random_cnn(name)
     h, w = 64, 40
     dag = from_cnn(model.graph, 1, h, w)
@@ -141,7 +141,7 @@ def test_cnn_planner_caps_a_share_by_the_peak_of_btsearchs_order():
     executors hold (tests above), it gets what fits."""
     import math
     from hepti.plan.coedge import CNNCosts, activation_peak, solve_ratios
-    from hepti.plan.order import executor_order
+    from hepti.order.search import executor_order
     g = build(CNNConfig("resnet50"))
     h = w = 224
     shapes = g.shapes(h, w)

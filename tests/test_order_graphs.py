@@ -1,5 +1,5 @@
 """The exported graphs of tests/fixtures/graphs (tests/fixtures/make_order_graphs.py) through
-BTSearch, and the block floor of hepti.plan.order.order_graph (a block's search stops at a
+BTSearch, and the block floor of hepti.order.search.order_graph (a block's search stops at a
 peak the graph already has) checked against the downset DP on multi-block graphs."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 from hepti.graph.load import load_graph
 from hepti.graph.opdag import OpDag, OpNode, TensorInfo, random_dag
-from hepti.plan.memory import compile_problem, order_peak
-from hepti.plan.order import order_graph
-from hepti.plan.order_exact import downset_dp
+from hepti.order.exact import downset_dp
+from hepti.order.memory import compile_problem, order_peak
+from hepti.order.search import order_graph
 
 GRAPHS = Path(__file__).parent / "fixtures" / "graphs"
 STORED = {  # file stem -> operators (make_order_graphs.py's output, committed)

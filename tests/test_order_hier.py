@@ -1,4 +1,4 @@
-"""The hierarchical order search (hepti.plan.order_hier) on NASNet-like cell graphs, and the
+"""The hierarchical order search (hepti.order.hierarchical) on NASNet-like cell graphs, and the
 exported graphs of tests/fixtures/graphs (tests/fixtures/make_order_graphs.py)."""
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from hepti.graph.opdag import OpDag, OpNode, TensorInfo
-from hepti.plan.memory import compile_problem
-from hepti.plan.order import order_graph, topological
-from hepti.plan.order_exact import downset_dp
-from hepti.plan.order_hier import groups, hierarchical, post_dominators, sequences
+from hepti.order.btsearch import topological
+from hepti.order.exact import downset_dp
+from hepti.order.hierarchical import groups, hierarchical, post_dominators, sequences
+from hepti.order.memory import compile_problem
+from hepti.order.search import order_graph
 
 GRAPHS = Path(__file__).parent / "fixtures" / "graphs"
 

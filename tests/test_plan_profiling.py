@@ -1,9 +1,15 @@
 """The profiler's pure parts: the link fit and the cache path (the MPI part is tests/mpi)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from hepti.parallel.profiling import fit_link, gemm_sizes, pooled_overhead, profile_cache_path
+from hepti.parallel.profile_cnn import pooled_overhead
+from hepti.parallel.profile_compute import gemm_sizes
+from hepti.parallel.profile_links import fit_link
+from hepti.parallel.profiling import profile_cache_path
 from hepti.families import preset_config
 
 
@@ -42,7 +48,7 @@ def test_layer_measurement_gives_gemm_and_attention_tables_by_call_size():
     """Both tables come from one layer's work; attention is keyed by the FLOPs of the call
     (4 m T C for m query rows), which the cost model's attention Works look up."""
     from hepti.config import BertConfig
-    from hepti.parallel.profiling import measure_layer
+    from hepti.parallel.profile_compute import measure_layer
     from hepti.plan.profile import SpeedTable
     from hepti.plan.workloads import rows_program
     cfg = BertConfig.from_dict({"model_type": "bert", "vocab_size": 10, "hidden_size": 64,
@@ -60,7 +66,7 @@ def test_layer_measurement_gives_gemm_and_attention_tables_by_call_size():
 
 def test_weight_load_probe_gives_a_finite_speed_and_leaves_no_files(tmp_path):
     """The probe writes a one-layer model, makes slices beside a GeMM and cleans up."""
-    from hepti.parallel.profiling import measure_weight_load
+    from hepti.parallel.profile_compute import measure_weight_load
     cfg = preset_config("tiny-odd")
     bps = measure_weight_load(cfg, directory=str(tmp_path), rounds=1)
     assert 0 < bps < float("inf")
@@ -83,7 +89,7 @@ def test_stream_fit_recovers_a_fetchs_fixed_cost_and_rate_from_per_conv_times():
     harmless figure when nothing was streamed."""
     from hepti.config import CNNConfig
     from hepti.graph.cnn import CONV, build
-    from hepti.parallel.profiling import stream_fit
+    from hepti.parallel.profile_cnn import stream_fit
     from helpers import TINY_CNNS
     g = build(CNNConfig(**TINY_CNNS["resnet50_tiny"]))
     row = g.row_bytes()
@@ -105,7 +111,7 @@ def test_band_timings_pool_the_fixed_share_across_devices():
     """`pooled_band`: each device keeps its own time at the largest band; the part of it that
     is fixed is the devices' median share (one device's noisy pair of points moves only its
     own level), and an op timed nowhere stays None."""
-    from hepti.parallel.profiling import pooled_band
+    from hepti.parallel.profile_cnn import pooled_band
     pts = [[[(1, 2.0), (5, 6.0)], None],  # a = 1, b = 1: fixed share 1/6
            [[(1, 4.0), (5, 12.0)], None],  # a = 2, b = 2: 1/6
            [[(1, 9.0), (5, 10.0)], None]]  # a noisy pair: a = 8.75, 0.875 of it
@@ -119,7 +125,19 @@ def test_band_timings_pool_the_fixed_share_across_devices():
 def test_band_rounds_rotate_and_run_at_least_rounds_and_at_most_the_cap(monkeypatch):
     """`_band_rotation`: each round starts one item further along; with no time asked for,
     exactly `rounds` rounds; asked for more time than the cap allows, `BAND_MAX_ROUNDS`."""
-    from hepti.parallel import profiling
-    assert list(profiling._band_rotation(["a", "b"], 3, 0.0)) == ["a", "b", "b", "a", "a", "b"]
-    monkeypatch.setattr(profiling, "BAND_MAX_ROUNDS", 5)
-    assert len(list(profiling._band_rotation(["a", "b", "c"], 2, 3600.0))) == 15
+    from hepti.parallel import profile_cnn
+    assert list(profile_cnn._band_rotation(["a", "b"], 3, 0.0)) == ["a", "b", "b", "a", "a", "b"]
+    monkeypatch.setattr(profile_cnn, "BAND_MAX_ROUNDS", 5)
+    assert len(list(profile_cnn._band_rotation(["a", "b", "c"], 2, 3600.0))) == 15
+
+
+def test_the_compute_measurements_need_no_communication():
+    """A rank's compute is measured alone (profile_compute, profile_cnn): importing them starts
+    no MPI and loads not even the verbs module. The links' module does the talking: it loads
+    the verbs (and this check would see it, were it wrong)."""
+    code = ("import sys, hepti.parallel.profile_compute, hepti.parallel.profile_cnn; "
+            "mods = ('mpi4py', 'mpi4py.MPI', 'hepti.parallel.comm'); "
+            "print(sorted(m for m in mods if m in sys.modules)); "
+            "import hepti.parallel.profile_links; print('hepti.parallel.comm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr

@@ -256,7 +256,7 @@ def test_a_judged_plan_slower_for_a_change_it_did_not_make_is_not_rolled_back():
 def test_a_rank_reads_its_free_memory_at_most_every_mem_read_s(monkeypatch):
     """The cgroup files behind a free-memory reading cost 3-10 ms at 0.15-0.2 core: a serving
     rank reads them at most every MEM_READ_S, not after every batch."""
-    from hepti.parallel import profiling
+    from hepti import resources
     from hepti.serve import worker as W
     reads, clock = [], [100.0]
     monkeypatch.setattr(W, "available_memory", lambda: (reads.append(1) or 5e8, "test"))
@@ -268,7 +268,7 @@ def test_a_rank_reads_its_free_memory_at_most_every_mem_read_s(monkeypatch):
         clock[0] += step
         got.append(state._free_memory())
     assert got == [5e8] * 5 and len(reads) == 2
-    assert profiling.cgroup_memory_files() is profiling.cgroup_memory_files()  # worked out once
+    assert resources.cgroup_memory_files() is resources.cgroup_memory_files()  # worked out once
 
 
 class _Tracer:

@@ -429,14 +429,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_stopped_worker_is_declared_lost_and_its_device_admitted_again(served, minilm_dir):
+def test_a_stopped_worker_is_declared_lost_and_its_device_admitted_make_before_break(served,
+                                                                                     minilm_dir):
     """SIGSTOP of worker rank 1 of `-n 2` while two clients post in a loop (issue 44): past
     its batch's deadline the rank is declared lost and SIGKILLed, the job relaunched on one
     rank, and answers come again (the issue asks for the first within 10 s of the stop; the
-    assertion allows 30 on this shared machine, and the figure is printed). Every request is
-    answered once and equals the single-device embeddings. The slot's probe (a process
-    started on this machine) answers, and after the hysteresis the world is 2 again; SIGCONT
-    then finds the stopped process gone (it was killed)."""
+    assertion allows 30 on this shared machine, and the figure is printed). SIGCONT then finds
+    the stopped process gone (it was killed). The slot's probe (a process started on this
+    machine) answers, and after the hysteresis the device is re-admitted make-before-break:
+    the job of 2 ranks is started while the job of 1 serves on, and the service switches to it
+    between two batches. The job of 1 answered while the job of 2 loaded, up to its hello; no
+    request sent before that load began waited through it (under stop-and-relaunch, every
+    request in flight then did). Every request is answered once and equals the single-device
+    embeddings.
+
+    One scenario for both halves (the loss, the re-admission): each needs the whole of it
+    (a start, a stop, a relaunch, the hysteresis, a second start), which two tests ran twice."""
     sup = served(2, "--strategy", "tensor")
     ids = texts_ids(sup, TEXTS)
     want = single_device(minilm_dir, ids)
@@ -467,7 +475,7 @@ def test_a_stopped_worker_is_declared_lost_and_its_device_admitted_again(served,
             pass
         stopped = None
         back = wait_for("the device admitted again", lambda: next(
-            (x for x in sup.launches[2:] if x.get("readmitting") and "ready_s" in x), None), 180)
+            (x for x in sup.launches[2:] if x.get("readmitting") and "ready_s" in x), None), 240)
         assert back["n"] == 2 and back["readmitting"] == ["localhost"], back
         n_before = len(clients.answers)
         wait_for("answers on two ranks again", lambda: len(clients.answers) >= n_before + 4, 120)
@@ -476,51 +484,7 @@ def test_a_stopped_worker_is_declared_lost_and_its_device_admitted_again(served,
         if stopped is not None and _alive(stopped):
             os.kill(stopped, signal.SIGCONT)
         clients.stop()
-    assert not clients.errors, clients.errors[:3]
-    m = sup.metrics()["requests"]
-    assert m["accepted"] == m["answered"] == clients.sent + 1 and m["failed"] == 0, m
-    assert m["duplicates"] == 0 and m["inputs_answered"] == clients.sent + len(ids), m
-    for _, j, row in clients.answers:
-        np.testing.assert_allclose(row, want[j], atol=2e-5)
-    nxt = sup.launches[1]
-    relaunch = "the spare, started ahead" if nxt.get("spare") else \
-        f"ready in {nxt['ready_s']:.1f} s"
-    print(f"\nSIGSTOP of rank 1 (-n 2, tensor, 2 clients): declared lost "
-          f"{mono(lost['stall']['at']) - t_stop:.1f} s after the stop (deadline "
-          f"{lost['stall']['deadline_s']:g} s), first answer {first:.1f} s after it (the relaunch "
-          f"on 1 rank: {relaunch}); 2 ranks serving again "
-          f"{mono(back['started_at'] + back['ready_s']) - t_stop:.1f} s after the stop; "
-          f"{m['answered']} requests answered, 0 lost, {m['duplicates']} twice")
-
-
-def test_a_device_back_is_readmitted_while_the_job_without_it_serves_on(served, minilm_dir):
-    """Make-before-break: worker rank 1 of `-n 2` is SIGSTOPped and declared lost; once its
-    slot is confirmed back, the job of 2 ranks is started while the job of 1 serves on, and
-    the service switches to it between two batches. Two clients post in a loop throughout:
-    the job of 1 answered while the job of 2 loaded, up to its hello; no request sent before
-    that load began waited through it (under stop-and-relaunch, every request in flight
-    then did); every request is answered once, equal to the single-device embeddings."""
-    sup = served(2, "--strategy", "tensor")
-    ids = texts_ids(sup, TEXTS)
-    want = single_device(minilm_dir, ids)
-    sup.embed(ids)
-    clients = Clients(lambda j: sup.embed([ids[j]])[0], ids)
-    stopped = None
-    try:
-        wait_for("answers before the stop", lambda: len(clients.answers) >= 6, 120)
-        victim = next(r for r in sup.ranks if r["rank"] == 1)
-        os.kill(victim["pid"], signal.SIGSTOP)
-        stopped = victim["pid"]
-        wait_for("the rank declared lost", lambda: len(sup.launches) >= 2, 60)
-        back = wait_for("the device admitted again", lambda: next(
-            (x for x in sup.launches[2:] if x.get("readmitting") and "ready_s" in x), None), 240)
-        n_before = len(clients.answers)
-        wait_for("answers on two ranks", lambda: len(clients.answers) >= n_before + 4, 120)
-    finally:
-        if stopped is not None and _alive(stopped):
-            os.kill(stopped, signal.SIGCONT)
-        clients.stop()
-    assert back["make_before_break"] and back["n"] == 2 and back["readmitting"] == ["localhost"]
+    assert back["make_before_break"], back
     old = sup.launches[sup.launches.index(back) - 1]
     assert old["n"] == 1 and "switched to the job that re-admits localhost" in old["end"], old
     load_from, hello = mono(back["started_at"]), mono(back["started_at"] + back["ready_s"])
@@ -536,10 +500,17 @@ def test_a_device_back_is_readmitted_while_the_job_without_it_serves_on(served, 
     assert m["duplicates"] == 0 and m["inputs_answered"] == clients.sent + len(ids), m
     for _, j, row in clients.answers:
         np.testing.assert_allclose(row, want[j], atol=2e-5)
-    print(f"\nre-admission make-before-break (-n 2, tensor, 2 clients): the job of 2 loaded "
-          f"{back['ready_s']:.1f} s while the job of 1 answered {len(during)} requests; "
-          f"switched {switched - hello:.3f} s after its hello; {m['answered']} requests "
-          f"answered, 0 lost, {m['duplicates']} twice")
+    nxt = sup.launches[1]
+    relaunch = "the spare, started ahead" if nxt.get("spare") else \
+        f"ready in {nxt['ready_s']:.1f} s"
+    print(f"\nSIGSTOP of rank 1 (-n 2, tensor, 2 clients): declared lost "
+          f"{mono(lost['stall']['at']) - t_stop:.1f} s after the stop (deadline "
+          f"{lost['stall']['deadline_s']:g} s), first answer {first:.1f} s after it (the relaunch "
+          f"on 1 rank: {relaunch}); 2 ranks serving again "
+          f"{mono(back['started_at'] + back['ready_s']) - t_stop:.1f} s after the stop; "
+          f"re-admitted make-before-break: the job of 2 loaded {back['ready_s']:.1f} s while "
+          f"the job of 1 answered {len(during)} requests, switched {switched - hello:.3f} s "
+          f"after its hello; {m['answered']} requests answered, 0 lost, {m['duplicates']} twice")
 
 
 def test_a_silent_link_under_emulate_is_handled_as_a_hang(root_env, minilm_dir, tmp_path):  # noqa: F811
@@ -640,12 +611,18 @@ def test_a_killed_rank_under_emulate_is_dropped_and_its_device_taken_back(root_e
     proxies run through an ssh launcher there, so mpiexec exits 255, not 9: the relaunch must
     still go without the killed rank's device (2 ranks, it used to keep all 3), and once its
     device answers the probes it comes back, to 3 ranks and never more. The answers equal the
-    single-device embeddings."""
+    single-device embeddings.
+
+    Before the kill, what any service under `hepti emulate` must do: the workers run on the
+    emulated devices (their hostnames are the devices' names) and the test, in the host's
+    network namespace, reaches the service at 127.0.0.1:PORT (test_serve.py's own emulated
+    service checked only this; it is checked here, on a service this test starts anyway)."""
     spec = tmp_path / "three.json"
     spec.write_text(json.dumps({"name": "test-kill", "devices": [
         {"name": f"dev-{c}", "cpu": 0.4, "link_mbit": 500} for c in "abc"]}))
     p, url, said = serve_emulated(spec, minilm_dir, "--strategy", "tensor")
     try:
+        assert url.startswith("http://127.0.0.1:"), url
         wait_ready(url, timeout=300)
         text = "A cat sat on the mat."
         from tokenizers import Tokenizer
@@ -659,6 +636,7 @@ def test_a_killed_rank_under_emulate_is_dropped_and_its_device_taken_back(root_e
             return np.array(body["data"][0]["embedding"], np.float32)
         np.testing.assert_allclose(embed(), want, atol=2e-5)
         m = http(url + "/metrics")[1]
+        assert [r["host"] for r in m["ranks"]] == ["dev-a", "dev-b", "dev-c"], m["ranks"]
         pid = next(r["pid"] for r in m["ranks"] if r["rank"] == 1)
         os.kill(pid, signal.SIGKILL)
         launches = lambda: http(url + "/metrics")[1]["launches"]  # noqa: E731

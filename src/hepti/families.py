@@ -39,8 +39,9 @@ COMPILE_NOTICE_S = 1.5
 # What a family takes: token texts, token id arrays, image files, pixel arrays
 INPUT_KINDS = ("text", "ids", "image", "pixels")
 # What runs it: the step-list interpreter (hepti.parallel.interpreter, one graph for every
-# strategy), height bands (hepti.parallel.bands), the decoder's own forward (issue 46: not yet
-# run by `hepti run` or serve)
+# strategy), height bands (hepti.parallel.bands), the decoder's own forward on a shard
+# (hepti.parallel.decoder: `single` and `tensor`, run by `hepti generate`; not by `hepti run`
+# or serve)
 EXECUTORS = ("interpreter", "bands", "decoder")
 # What splits it: the LP and GenEFlow over the operator graph (hepti.plan.partition, .genetic),
 # CoEdge's bands (hepti.plan.coedge, .genetic_cnn); None: not planned yet

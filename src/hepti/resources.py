@@ -1,8 +1,9 @@
 """This process's system resources: its cgroup's CPU and memory caps, the memory it still has,
-and its resident set size.
+the machine's, and resident set sizes (its own and another process's).
 
 A leaf: it imports nothing of hepti's, so the collectives (hepti.parallel.comm), the profiler
-(hepti.parallel.profiling), the job and the service all read the caps the same way.
+(hepti.parallel.profiling), the job, the service (hepti.serve) and the emulator
+(hepti.emulate.cgroups) all read /proc and the cgroup files the same way, here alone.
 """
 from __future__ import annotations
 
@@ -71,13 +72,7 @@ def available_memory() -> tuple[int, str]:
     libraries, Numba's cache files) next to 137 MiB of anonymous memory that was the same in
     every run, so counting the cache as used measured rank 0 with 42-185 MiB free from run to
     run under one 340 MiB cap, and the plan changed with it."""
-    avail, source = None, "MemAvailable"
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    avail, source = _kib_field("/proc/meminfo", "MemAvailable"), "MemAvailable"
     if avail is None:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         source = "free pages"
@@ -91,20 +86,54 @@ def available_memory() -> tuple[int, str]:
     return avail, source
 
 
-def _cgroup_mounts(mountinfo: str) -> dict[str, tuple[str, str]]:
-    """Controller ('' for cgroup v2) -> (mount point, mount root), from /proc/self/mountinfo's text."""
-    out: dict[str, tuple[str, str]] = {}
+def cgroup_mounts(mountinfo: str | None = None) -> list[tuple[str, str, str, str]]:
+    """(fstype "cgroup" or "cgroup2", mount point, mount root, super options) of every cgroup
+    mount, in /proc/self/mountinfo's order (from its text when given); [] if unreadable."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return []
+    out = []
     for line in mountinfo.splitlines():
         left, _, right = line.partition(" - ")
         fields, rfields = left.split(), right.split()
-        if len(fields) < 5 or len(rfields) < 3:
-            continue
-        if rfields[0] == "cgroup2":
-            out.setdefault("", (fields[4], fields[3]))
-        elif rfields[0] == "cgroup":
-            for opt in rfields[2].split(","):
-                out.setdefault(opt, (fields[4], fields[3]))
+        if len(fields) >= 5 and len(rfields) >= 3 and rfields[0] in ("cgroup", "cgroup2"):
+            out.append((rfields[0], fields[4], fields[3], rfields[2]))
     return out
+
+
+def _cgroup_mounts(mountinfo: str) -> dict[str, tuple[str, str]]:
+    """Controller ('' for cgroup v2) -> (mount point, mount root), the first mount of each."""
+    out: dict[str, tuple[str, str]] = {}
+    for fstype, point, root, opts in cgroup_mounts(mountinfo):
+        for c in [""] if fstype == "cgroup2" else opts.split(","):
+            out.setdefault(c, (point, root))
+    return out
+
+
+def own_cgroups(proc_cgroup: str | None = None) -> dict[str, str]:
+    """Controller ('' for cgroup v2) -> this process's cgroup path in that hierarchy, from
+    /proc/self/cgroup (or its text when given); {} if unreadable."""
+    if proc_cgroup is None:
+        try:
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return {}
+    out = {}
+    for line in proc_cgroup.splitlines():
+        _, controllers, path = line.split(":", 2)
+        for c in controllers.split(",") if controllers else [""]:
+            out.setdefault(c, path)
+    return out
+
+
+def cgroup_path(mount: str, root: str, path: str) -> str:
+    """The directory of cgroup `path` (as /proc/self/cgroup names it) under a mount whose root
+    is `root` (a cgroup namespace's mount shows only its part of the hierarchy)."""
+    if root != "/" and path.startswith(root):
+        path = path[len(root):] or "/"
+    return os.path.normpath(mount + "/" + path.lstrip("/"))
 
 
 def cgroup_dirs(controller: str, proc_cgroup: str | None = None,
@@ -118,18 +147,15 @@ def cgroup_dirs(controller: str, proc_cgroup: str | None = None,
         mountinfo = mountinfo if mountinfo is not None else Path("/proc/self/mountinfo").read_text()
     except OSError:
         return []
-    mounts = _cgroup_mounts(mountinfo)
-    for line in proc_cgroup.splitlines():
-        _, controllers, path = line.split(":", 2)
-        mine = controllers == "" if controller == "" else controller in controllers.split(",")
-        if not mine or controller not in mounts:
-            continue
-        point, root = mounts[controller]
-        if root != "/" and path.startswith(root):
-            path = path[len(root):]
-        parts = [p for p in path.split("/") if p]
-        return ["/".join([point.rstrip("/")] + parts[:k]) for k in range(len(parts), -1, -1)]
-    return []
+    mounts, own = _cgroup_mounts(mountinfo), own_cgroups(proc_cgroup)
+    if controller not in mounts or controller not in own:
+        return []
+    point, root = mounts[controller]
+    path = own[controller]
+    if root != "/" and path.startswith(root):
+        path = path[len(root):]
+    parts = [p for p in path.split("/") if p]
+    return ["/".join([point.rstrip("/")] + parts[:k]) for k in range(len(parts), -1, -1)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -170,14 +196,27 @@ def cpu_limit(**paths) -> tuple[float | None, float | None]:
     return min(found) if found else (None, None)
 
 
-def _rss_bytes() -> int:
+def _kib_field(path: str, name: str) -> int | None:
+    """Bytes of the "name: N kB" line of a /proc file (status, meminfo); None if unreadable."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        with open(path) as f:
+            for line in f:
+                if line.startswith(name + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def process_rss(pid: int | str = "self") -> int | None:
+    """Resident set size (bytes, VmRSS) of process `pid` (this one by default); None if it is
+    gone or unreadable."""
+    return _kib_field(f"/proc/{pid}/status", "VmRSS")
+
+
+def mem_total() -> int:
+    """This machine's memory (MemTotal), in bytes; 0 when unreadable."""
+    return _kib_field("/proc/meminfo", "MemTotal") or 0
 
 
 def reset_peak_rss() -> None:
@@ -192,14 +231,8 @@ def reset_peak_rss() -> None:
 
 def peak_rss() -> int:
     """Peak resident set size (bytes) since the last reset_peak_rss (VmHWM), else lifetime."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    hwm = _kib_field("/proc/self/status", "VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def current_rss() -> int:

@@ -7,11 +7,15 @@ compared with the collectives of the program the planner evaluates for the same 
 hepti.plan.costmodel.rank_bytes; for `pipeline`, with the hops PipeEdge's program charges
 (hepti.plan.pipeline.stage_hops). Equal, or the test fails: a change to either side alone shows.
 
+Each case's run also hands back its outputs, so the same run is held to the single-device
+engine too (equivalence.py's check): the two checks need one run per case, not two.
+
 Used two ways, like equivalence.py:
-- by tests/mpi/test_agreement.py under `mpiexec -n 2 ... pytest`;
+- by tests/mpi/test_equivalence.py under `mpiexec -n 2 ... pytest` (both checks);
 - standalone for other world sizes (tests/test_distributed_launch.py launches it):
-  mpiexec -n N python -m mpi4py tests/mpi/agreement.py --model DIR [--model DIR ...]
-  prints one JSON line per case on rank 0 and exits 1 if any case disagrees.
+  mpiexec -n N python -m mpi4py tests/mpi/agreement.py [--outputs] --model DIR [--model DIR ...]
+  prints one JSON line per case on rank 0 and exits 1 if any case disagrees (with --outputs,
+  or its outputs differ from the single-device engine's).
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from equivalence import cases, inputs_for, make_plan, primary_of  # noqa: E402  (every strategy and ratio vector)
+from equivalence import (cases, inputs_for, make_plan, output_diffs, output_verdict,  # noqa: E402
+                         primary_of)  # (every strategy and ratio vector; the outputs' check)
 from hepti.counts import counts as split_counts  # noqa: E402
 from hepti.parallel.comm import Comm  # noqa: E402
 from hepti.parallel.engine import run_plan  # noqa: E402
@@ -72,47 +77,54 @@ def predicted(model_dir, strategy: str, plan, B: int, T: int, rank: int) -> list
     return out
 
 
-def traced(model_dir, plan, world_mpi) -> list[tuple[str, int, int]]:
-    """This rank's verb calls during one batch of the fixture inputs."""
+def traced(model_dir, plan, world_mpi) -> tuple[list[tuple[str, int, int]], list]:
+    """This rank's verb calls during one batch of the fixture inputs, and the run's outputs
+    (rank 0's; none elsewhere)."""
     tracer = Tracer(world_mpi.Get_rank(), record_messages=True)
     world = Comm(world_mpi, tracer)
     batches = inputs_for(model_dir)
-    run_plan(model_dir, plan, batches, world=world)
-    return list(tracer.messages)
+    outs, _ = run_plan(model_dir, plan, batches, world=world)
+    return list(tracer.messages), outs
 
 
-def check_case(model_dir, strategy: str, vec, world_mpi, primary: int = 0) -> tuple[bool, str]:
+def check_case(model_dir, strategy: str, vec, world_mpi, primary: int = 0) -> tuple[bool, str, list]:
+    """One case run on every rank -> (its verb calls equal the program's?, why, the outputs)."""
     cfg = WeightStore(model_dir).config
     n, rank = world_mpi.Get_size(), world_mpi.Get_rank()
     plan = make_plan(strategy, vec, cfg, n, primary)
     b = inputs_for(model_dir)[0]
     B, T = b.mask.shape
-    got = traced(model_dir, plan, world_mpi)
+    got, outs = traced(model_dir, plan, world_mpi)
     want = predicted(model_dir, strategy, plan, B, T, rank)
     if got == want:
-        return True, f"{len(got)} verb calls agree"
+        return True, f"{len(got)} verb calls agree", outs
     first = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
     return False, (f"{len(got)} traced, {len(want)} in the program; first difference at call {first}: "
                    f"traced {got[first] if first < len(got) else None}, "
-                   f"program {want[first] if first < len(want) else None}")
+                   f"program {want[first] if first < len(want) else None}"), outs
 
 
 def main(argv=None) -> int:
     from mpi4py import MPI
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", action="append", required=True)
+    ap.add_argument("--outputs", action="store_true",
+                    help="also hold each case's outputs to the single-device engine's (1e-4)")
     args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     bad = 0
     for d in args.model:
         for strategy, rname, vec in cases(comm.Get_size()):
-            ok, msg = check_case(d, strategy, vec, comm, primary_of(rname, comm.Get_size()))
+            ok, msg, outs = check_case(d, strategy, vec, comm, primary_of(rname, comm.Get_size()))
+            if args.outputs:
+                out_ok, out_msg = output_verdict(output_diffs(d, outs), comm.Get_rank())
+                ok, msg = ok and out_ok, f"{msg}; outputs: {out_msg}"
             results = comm.gather((ok, msg), root=0)
             if comm.Get_rank() == 0:
                 good = all(o for o, _ in results)
                 bad += not good
                 print(json.dumps({"model": Path(d).name, "world": comm.Get_size(), "strategy": strategy,
-                                  "ratios": rname, "ok": good,
+                                  "ratios": rname, "ok": good, "outputs_checked": args.outputs,
                                   "ranks": [m for _, m in results]}), flush=True)
     bad = comm.bcast(bad)
     return 1 if bad else 0

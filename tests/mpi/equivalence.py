@@ -1,7 +1,8 @@
 """Distributed == single-device, for every strategy and baseline and several ratio vectors.
 
 Used two ways:
-- by tests/mpi/test_equivalence.py under `mpiexec -n 2 ... pytest`;
+- by tests/mpi/test_equivalence.py under `mpiexec -n 2 ... pytest` (its `output_diffs` and
+  `output_verdict` on agreement.py's traced run of each case, which checks the messages too);
 - standalone for other world sizes (tests/test_distributed_launch.py launches it):
   mpiexec -n N python -m mpi4py tests/mpi/equivalence.py --model DIR [--model DIR ...]
   prints one JSON line per case on rank 0 and exits 1 if any case is off.
@@ -9,6 +10,7 @@ Used two ways:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -106,18 +108,46 @@ def check_case(model_dir, strategy, vec, world, reference=None, primary: int = 0
     cfg = WeightStore(model_dir).config
     batches = inputs_for(model_dir)
     outs, _ = run_plan(model_dir, make_plan(strategy, vec, cfg, world, primary), batches)
+    return output_diffs(model_dir, outs, reference)
+
+
+def output_diffs(model_dir, outs, reference=None):
+    """(max |diff| hidden at real tokens, pooled) of a run's outputs on the fixture batch
+    against the single-device engine's (`reference`, else made once: `fixture_reference`);
+    None where the run handed back no outputs (every rank but rank 0)."""
     if not outs:
         return None
-    b = batches[0]
-    ref = reference if reference is not None else single_reference(model_dir, b)
+    b = inputs_for(model_dir)[0]
+    ref = reference if reference is not None else fixture_reference(str(model_dir))
     m = b.mask.astype(bool)
     dh = float(np.abs(outs[0][m] - ref[m]).max())
     dp = float(np.abs(pool(outs[0], b.mask, "mean", True) - pool(ref, b.mask, "mean", True)).max())
     return dh, dp
 
 
+def output_verdict(res, rank: int) -> tuple[bool, str]:
+    """A case's `output_diffs` judged on one rank: rank 0 (whatever the primary) must have
+    outputs within TOL, and no other rank any."""
+    if rank != 0:
+        return (True, "none, as expected") if res is None else \
+            (False, "a rank other than rank 0 returned outputs")
+    if res is None:  # an empty result is a failure, not a pass
+        return False, "rank 0 returned no outputs"
+    return res[0] <= TOL and res[1] <= TOL, f"max |diff| hidden {res[0]:.2e}, pooled {res[1]:.2e}"
+
+
 def single_reference(model_dir, b: Batch) -> np.ndarray:
     return SingleDevice.from_store(WeightStore(model_dir)).run(b)
+
+
+@functools.lru_cache(maxsize=None)
+def fixture_reference(model_dir: str) -> np.ndarray:
+    """The single-device output for the model's fixture batch, made once per model and process:
+    test_equivalence.py checks 29 cases per model against it, and each had run the
+    single-device engine again for the same batch. Read-only, so no case can alter another's."""
+    ref = single_reference(model_dir, inputs_for(Path(model_dir))[0])
+    ref.setflags(write=False)
+    return ref
 
 
 def main(argv=None) -> int:
@@ -128,11 +158,11 @@ def main(argv=None) -> int:
     n = world.size
     bad = 0
     for d in args.model:
-        ref = single_reference(d, inputs_for(d)[0]) if world.rank == 0 else None
+        ref = fixture_reference(d) if world.rank == 0 else None
         for strategy, rname, vec in cases(n):
             res = check_case(d, strategy, vec, n, ref, primary_of(rname, n))
             if world.rank == 0:
-                ok = res is not None and res[0] <= TOL and res[1] <= TOL  # no outputs: a failure
+                ok, _ = output_verdict(res, 0)  # no outputs: a failure
                 res = res or (float("inf"), float("inf"))
                 bad += not ok
                 print(json.dumps({"model": Path(d).name, "world": n, "strategy": strategy,

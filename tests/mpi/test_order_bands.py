@@ -19,7 +19,7 @@ def _run(name, split, order=None, h=56, w=48):
     from hepti.model.livebytes import AllocationCounter
     from hepti.parallel.bands import BandExecutor, head_rows
     from hepti.parallel.comm import Comm
-    from hepti.plan.memory import order_peak
+    from hepti.order.memory import order_peak
     from hepti.model.cnn import Weights, tensors_reader
     comm = Comm(COMM)
     graph = build(CNNConfig(**TINY[name]))  # every rank: the same seeded weights, its columns

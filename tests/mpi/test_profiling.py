@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi_helpers import COMM, all_ok  # noqa: E402
 
 from hepti.families import preset_config  # noqa: E402
-from hepti.parallel.profiling import available_memory, cached_profile, measure_profile  # noqa: E402
+from hepti.parallel.profiling import cached_profile, measure_profile  # noqa: E402
+from hepti.resources import available_memory  # noqa: E402
 from hepti.plan.partition import make_plan  # noqa: E402
 from hepti.plan.profile import profile_from_dict  # noqa: E402
 

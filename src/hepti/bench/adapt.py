@@ -1,4 +1,4 @@
-"""`python -m hepti.bench.adapt` (bin/bench-adapt.sh, root): re-planning while serving, on an
+"""`hepti bench adapt` (bin/bench-adapt.sh, root): re-planning while serving, on an
 emulated cluster whose links and CPUs change on a schedule.
 
 Each variant is one `hepti emulate --schedule-on-usr1 -- hepti serve ...` launch on the same
@@ -18,18 +18,19 @@ requests the median of its next 20 came within 1.10x of the phase's oracle; the 
 mean latency of each variant (sum of latency^2 / sum of latency: a closed loop's requests
 cover the time); the re-plans with their reasons, solve times, stalls and bytes read.
 
-    sudo python -m hepti.bench.adapt [--duration 100] [--seq 256] [--model weights/bert-base]
-                                     [--variants adaptive,static,oracle,even] [--flap]
-                                     [--rounds 3] [--quiet PAIRS] [--quiet-ab SECONDS]
+    sudo hepti bench adapt [--duration 100] [--seq 256] [--model weights/bert-base]
+                           [--variants adaptive,static,oracle,even] [--flap]
+                           [--rounds 3] [--quiet PAIRS] [--quiet-ab SECONDS]
 `--flap` runs the second scenario instead: after `--flap-after` seconds (default 20) on the
 steady link, node-c's link flaps 940 <-> 100 Mbit/s every 2 s for DURATION s, `adaptive`
 against the static plans made for each of the two links, over the flapping seconds alone. (With
 the flapping from the first request, as before 2026-11-27, the monitor has no baselines yet
 for its first 8-10 s: see hepti.serve.monitor.)
 `--rounds R` (default 3) runs every variant once per round, R rounds, each round in a rotated
-order: the shared host's load drifts over the minutes a round takes (one plan served phase 0 at
-725 to 791 ms from launch to launch in one round at aef435f), so each figure is taken within a
-round, adaptive against that round's oracle, and the median over rounds is quoted.
+order (hepti.bench.harness.interleave): the shared host's load drifts over the minutes a round
+takes (one plan served phase 0 at 725 to 791 ms from launch to launch in one round at aef435f),
+so each figure is taken within a round, adaptive against that round's oracle, and the median
+over rounds is quoted.
 `--quiet PAIRS` runs the spec with no schedule, `--replan on` and `off` interleaved PAIRS
 times: the monitor's overhead (median over pairs of on / off median latency) and the re-plans
 and flags it made with nothing to find (results/adapt-quiet.json). `--quiet-ab SECONDS` is one
@@ -38,13 +39,11 @@ launch with the monitor paused for every other run of 20 batches (`hepti serve -
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +51,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from hepti.bench import drop_stale, git_commit, hepti_cmd, mpiexec, result_doc, write_json
+from hepti.bench.harness import (command, drop_stale, git_commit, hepti_cmd, interleave, launch,
+                                 positive_int, result_doc, round_order, service, write_csv,
+                                 write_json)
+from hepti.bench.registry import module_main
 from hepti.emulate.spec import format_mem, parse_hog, parse_mem
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -104,36 +106,27 @@ def served_run(spec_path: Path, model: str, n: int, serve_args: list[str], durat
                seq: int, port: int, log_path: Path) -> dict:
     """Launch hepti serve on the emulated spec, start the schedule, drive requests; the
     requests (t from the schedule's start, latency) and the service's /metrics at the end."""
-    cmd = [*hepti_cmd(), "emulate", "--cluster", str(spec_path), "--schedule-on-usr1",
-           "--timeout", str(duration + 900), "--", "hepti", "serve", "--model", model, "-n", str(n),
-           "--port", str(port), "--plan-seq", str(seq), *serve_args]
-    with open(log_path, "w") as logf:
-        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _wait_ready(url, p, timeout=900)
-            ids = [(7 * i + 3) % 30000 + 1000 for i in range(seq)]
-            body = json.dumps({"input": ids, "encoding_format": "base64"}).encode()
-            _post(url, body)  # one request before the clock: first-touch costs are not a phase
-            os.kill(p.pid, signal.SIGUSR1)
-            t0 = time.time()
-            reqs, lost = [], []
-            while time.time() - t0 < duration:
-                a = time.time()
-                try:
-                    _post(url, body)
-                except (urllib.error.URLError, OSError) as e:  # an HTTPError too: not answered
-                    lost.append((a - t0, time.time() - a, str(e)))
-                    time.sleep(0.2)
-                    continue
-                reqs.append((a - t0, time.time() - a))
-            metrics = json.loads(urllib.request.urlopen(url + "/metrics", timeout=60).read())
-        finally:
-            p.send_signal(signal.SIGINT)
+    cmd = command(["hepti", "serve", "--model", model, "-n", str(n), "--port", str(port),
+                   "--plan-seq", str(seq), *serve_args],
+                  spec=spec_path, emulate=["--schedule-on-usr1"], timeout=duration + 900)
+    url = f"http://127.0.0.1:{port}"
+    with service(cmd, url, log_path, ready_timeout=900, stop=signal.SIGINT) as p:
+        ids = [(7 * i + 3) % 30000 + 1000 for i in range(seq)]
+        body = json.dumps({"input": ids, "encoding_format": "base64"}).encode()
+        _post(url, body)  # one request before the clock: first-touch costs are not a phase
+        os.kill(p.pid, signal.SIGUSR1)
+        t0 = time.time()
+        reqs, lost = [], []
+        while time.time() - t0 < duration:
+            a = time.time()
             try:
-                p.wait(120)
-            except subprocess.TimeoutExpired:
-                p.kill()
+                _post(url, body)
+            except (urllib.error.URLError, OSError) as e:  # an HTTPError too: not answered
+                lost.append((a - t0, time.time() - a, str(e)))
+                time.sleep(0.2)
+                continue
+            reqs.append((a - t0, time.time() - a))
+        metrics = json.loads(urllib.request.urlopen(url + "/metrics", timeout=60).read())
     return {"t0": t0, "requests": reqs, "lost": lost, "metrics": metrics, "command": cmd}
 
 
@@ -142,20 +135,6 @@ def _post(url: str, body: bytes) -> None:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         r.read()
-
-
-def _wait_ready(url: str, proc, timeout: float) -> None:
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the service exited ({proc.returncode}) before it was ready")
-        try:
-            if json.loads(urllib.request.urlopen(url + "/health", timeout=5).read())["status"] == "ok":
-                return
-        except Exception:  # noqa: BLE001 - not up yet (refused, 503)
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the service was not ready in time")
 
 
 # --- oracle plans --------------------------------------------------------------------------------
@@ -167,11 +146,10 @@ def oracle_plan(spec: dict, model: str, seq: int, work: Path, k: int) -> tuple[P
     spec_path.write_text(json.dumps(spec))
     n = len(spec["devices"])
     prof, plan = work / f"profile-{k}.json", work / f"plan-{k}.json"
-    subprocess.run([*hepti_cmd(), "emulate", "--cluster", str(spec_path), "--", mpiexec(), "-n", str(n),
-                    "hepti", "profile", "--model", model, "--seq", str(seq), "--out", str(prof)],
-                   check=True, capture_output=True, text=True, timeout=1800)
-    subprocess.run([*hepti_cmd(), "plan", "--model", model, "--profile", str(prof), "--seq", str(seq),
-                    "--out", str(plan)], check=True, capture_output=True, text=True, timeout=600)
+    launch(["hepti", "profile", "--model", model, "--seq", str(seq), "--out", str(prof)],
+           ranks=n, spec=spec_path)
+    launch([*hepti_cmd(), "plan", "--model", model, "--profile", str(prof), "--seq", str(seq),
+            "--out", str(plan)], timeout=600)
     return spec_path, plan
 
 
@@ -294,20 +272,22 @@ def quiet_pairs(spec_path: Path, model: str, n: int, pairs: int, duration: float
     """No changes: `pairs` x (--replan on, --replan off), interleaved, `duration` s each. The
     monitor's overhead (the median over pairs of on's median latency over off's) and what it
     did with nothing to find (re-plans and flags over every `on` run)."""
-    runs, ratios, replans, flags = [], [], [], []
-    for k in range(pairs):
-        pair = {}
-        for mode in (("on", "off") if k % 2 == 0 else ("off", "on")):
-            print(f"[bench-adapt] quiet pair {k + 1}/{pairs}: --replan {mode}", file=sys.stderr, flush=True)
-            r = served_run(spec_path, model, n, ["--strategy", "auto", "--replan", mode], duration,
-                           seq, port, work / f"quiet-{k}-{mode}.log")
-            r["mode"] = mode
-            pair[mode] = statistics.median(lat for _, lat in r["requests"])
-            if mode == "on":
-                replans += r["metrics"].get("replans", [])
-                flags += r["metrics"].get("flags", [])
-            runs.append(r)
-        ratios.append(pair["on"] / pair["off"])
+    replans, flags = [], []
+
+    def one(mode: str, k: int) -> dict:
+        print(f"[bench-adapt] quiet pair {k + 1}/{pairs}: --replan {mode}", file=sys.stderr, flush=True)
+        r = served_run(spec_path, model, n, ["--strategy", "auto", "--replan", mode], duration,
+                       seq, port, work / f"quiet-{k}-{mode}.log")
+        r["mode"] = mode
+        if mode == "on":
+            replans.extend(r["metrics"].get("replans", []))
+            flags.extend(r["metrics"].get("flags", []))
+        return r
+    by_mode = interleave(["on", "off"], pairs, one)
+    runs = [r for pair in zip(by_mode["on"], by_mode["off"]) for r in pair]
+    ratios = [statistics.median(lat for _, lat in on["requests"])
+              / statistics.median(lat for _, lat in off["requests"])
+              for on, off in zip(by_mode["on"], by_mode["off"])]
     return {"pairs": pairs, "duration_s": duration, "on_over_off": ratios,
             "overhead_median_ratio": statistics.median(ratios),
             "replans": replans, "flags": flags, "watched_s": pairs * duration,
@@ -448,8 +428,7 @@ def flap_figures(runs: dict, ph: dict) -> dict:
             "adaptive_vs_best_static": tw["adaptive"] / best_static}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hepti.bench.adapt", description=__doc__.split("\n\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--duration", type=float, default=100.0, help="seconds of requests per run")
     ap.add_argument("--seq", type=int, default=256, help="tokens per request (default 256)")
     ap.add_argument("--model", default="weights/bert-base")
@@ -478,14 +457,14 @@ def main(argv=None) -> int:
                          "--quiet's pairs if given, else alone (results/adapt-quiet-ab.json)")
     ap.add_argument("--ab-every", type=int, default=20, metavar="N",
                     help="batches per run under --quiet-ab (default 20)")
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=positive_int, default=3,
                     help="run every variant once per round, in a rotated order, this many rounds; "
                          "figures are taken within a round and their median quoted (default 3)")
     ap.add_argument("--port", type=int, default=8790)
     ap.add_argument("--out", default=None, help="default results/adapt.json (results/adapt-flap.json)")
-    args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error(f"--rounds must be 1 or more, got {args.rounds}")
+
+
+def run(args) -> int:
     if os.geteuid() != 0:
         print("bench-adapt: needs root (hepti emulate)", file=sys.stderr)
         return 2
@@ -516,7 +495,7 @@ def main(argv=None) -> int:
             res.update(quiet_ab(spec_path, args.model, n, args.quiet_ab, args.ab_every, args.seq,
                                 args.port, work))
         doc = result_doc("adapt-quiet", commit=commit, spec=quiet, seq=args.seq, model=args.model,
-                         **res, command="sudo python -m hepti.bench.adapt " + " ".join(argv or sys.argv[1:]))
+                         **res)
         write_json(doc, out)
         print(json.dumps({k: v for k, v in res.items() if k not in ("runs", "ab_run")}, indent=1))
         print(f"wrote {out}")
@@ -563,40 +542,36 @@ def main(argv=None) -> int:
                 oracle_of_phase[i] = seen[key]
     names = ([v for v in variants if v != "oracle"] + [k for k in serve if k.startswith("oracle-")]
              if not args.flap else ["adaptive"] + [k for k in serve if k.startswith("static-")])
+
+    def one(name: str, k: int) -> dict:
+        where, ranks, secs = launches.get(name, (spec_path, n, run_s))
+        print(f"[bench-adapt] round {k + 1}/{args.rounds}, {name}: {secs:g} s of requests"
+              + (f" on the {ranks} devices that answer, held still" if name in launches else ""),
+              file=sys.stderr, flush=True)
+        r = served_run(where, args.model, ranks, serve[name], secs, args.seq, args.port,
+                       work / f"{name}-{k}.log")
+        r["steady"] = name in launches
+        lats = [lat for _, lat in r["requests"]]
+        print(f"[bench-adapt] {name}: {len(lats)} requests, median {statistics.median(lats) * 1e3:.0f} ms"
+              + (f", {len(r['lost'])} lost" if r["lost"] else ""), file=sys.stderr, flush=True)
+        return r
+    by_name = interleave(names, args.rounds, one)
     rounds = []
     for k in range(args.rounds):
-        order = names[k % len(names):] + names[:k % len(names)]
-        runs = {}
-        for name in order:
-            where, ranks, secs = launches.get(name, (spec_path, n, run_s))
-            print(f"[bench-adapt] round {k + 1}/{args.rounds}, {name}: {secs:g} s of requests"
-                  + (f" on the {ranks} devices that answer, held still" if name in launches else ""),
-                  file=sys.stderr, flush=True)
-            runs[name] = served_run(where, args.model, ranks, serve[name], secs, args.seq,
-                                    args.port, work / f"{name}-{k}.log")
-            runs[name]["steady"] = name in launches
-            lats = [lat for _, lat in runs[name]["requests"]]
-            print(f"[bench-adapt] {name}: {len(lats)} requests, median {statistics.median(lats) * 1e3:.0f} ms"
-                  + (f", {len(runs[name]['lost'])} lost" if runs[name]["lost"] else ""),
-                  file=sys.stderr, flush=True)
-        runs = {name: runs[name] for name in names}  # the same key order in every round
+        runs = {name: by_name[name][k] for name in names}  # the same key order in every round
         summary = summarize(runs, phs, oracle_of_phase)
         if args.flap:
             summary["flap"] = flap_figures(runs, phs[-1])
-        rounds.append({"order": order, "summary": summary, "runs": runs})
+        rounds.append({"order": round_order(names, k), "summary": summary, "runs": runs})
     summary = combine(rounds)
     doc = result_doc("adapt", commit=commit, spec=spec, duration_s=args.duration, seq=args.seq,
                      model=args.model, phases=[{k: v for k, v in p.items()} for p in phs],
                      plans={k: json.loads(v.read_text()) for k, v in plans.items()},
-                     summary=summary, rounds=rounds,
-                     command="sudo python -m hepti.bench.adapt " + " ".join(argv or sys.argv[1:]))
+                     summary=summary, rounds=rounds)
     write_json(doc, out)
-    with open(out.with_suffix(".csv"), "w") as f:
-        f.write("round,variant,t_s,latency_ms\n")
-        for k, rd in enumerate(rounds):
-            for name, r in rd["runs"].items():
-                for t, lat in r["requests"]:
-                    f.write(f"{k},{name},{t:.3f},{lat * 1e3:.2f}\n")
+    write_csv([{"round": k, "variant": name, "t_s": f"{t:.3f}", "latency_ms": f"{lat * 1e3:.2f}"}
+               for k, rd in enumerate(rounds) for name, r in rd["runs"].items() for t, lat in r["requests"]],
+              ["round", "variant", "t_s", "latency_ms"], out.with_suffix(".csv"))
     # the plot shows the round whose adaptive figure is the median one
     key = "adaptive_vs_best_static" if args.flap else None
     fig = [rd["summary"]["flap"][key] if key else rd["summary"]["variants"]["adaptive"]["vs_piecewise_oracle"]
@@ -611,4 +586,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(module_main(__spec__.name))

@@ -1,6 +1,6 @@
 """The band program's price against CoEdge's network model, on measured emu-mixed4 runs.
 
-    python -m hepti.bench.cnn_program [--json OUT]
+    hepti bench cnn-program [--json OUT]
 
 For each run of results/hetero-cnn-mnv2 and results/hetero-cnn-r50 (MobileNetV2 and ResNet-50
 at 224 on emu-mixed4, every rank's profile measured in the run, the latency measured over 5
@@ -24,11 +24,12 @@ rows); a plan with `groups` N > 1 (the LP's fusion, the pipeline) is not rebuilt
 """
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 import tempfile
-from pathlib import Path
 
+from hepti.bench.harness import ROOT, result_doc, write_json
+from hepti.bench.registry import module_main
 from hepti.config import CNNConfig
 from hepti.graph.band_program import band_program
 from hepti.graph.cnn import build
@@ -37,7 +38,7 @@ from hepti.plan.coedge import CNNCosts, group_cost, predict, tail_seconds
 from hepti.plan.costmodel import active_ranks, collective_times, evaluate
 from hepti.plan.profile import load_profile
 
-RESULTS = Path(__file__).resolve().parents[3] / "results"
+RESULTS = ROOT / "results"
 SOURCES = ["hetero-cnn-mnv2/hetero.json", "hetero-cnn-r50/hetero.json"]
 
 
@@ -72,10 +73,11 @@ def program_with_coedge_compute(graph, split, costs, prof, h, w):
     return compute + network, compute, network, halo
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write the rows here too")
-    args = ap.parse_args(argv)
+def add_arguments(ap) -> None:
+    ap.add_argument("--json", metavar="OUT", help="write the rows here too, as a result document")
+
+
+def run(args) -> int:
     rows = []
     for src in SOURCES:
         d = json.loads((RESULTS / src).read_text())
@@ -118,9 +120,9 @@ def main(argv=None) -> int:
                   f"(halo {row['program_halo_ms']:.1f}); program, own Work "
                   f"{row['program_own_work_ms']:.1f}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_json(result_doc("cnn-program", sources=SOURCES, rows=rows), args.json)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(module_main(__spec__.name))

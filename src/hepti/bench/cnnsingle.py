@@ -1,5 +1,5 @@
-"""`python -m hepti.bench.cnnsingle`: hepti's single-device CNN forward against PyTorch and
-onnxruntime, interleaved in one run (issue 19's "Single device" figure).
+"""`hepti bench cnn-single` (bin/bench-cnn-single.sh): hepti's single-device CNN forward against
+PyTorch and onnxruntime, interleaved in one run (issue 19's "Single device" figure).
 
 Each model (ResNet-50, VGG-16, MobileNetV2; 224x224, batch 1, one thread in every runtime) runs
 with the same weights in three runtimes:
@@ -12,16 +12,17 @@ with the same weights in three runtimes:
 - ort: that torch model exported to ONNX (opset 17), onnxruntime with one intra-op thread and
   every graph optimisation.
 The logits are checked to agree first (max |diff| / max |torch logit|). After a warm-up, every
-round runs hepti, torch, ort once each in turn, so that load from other processes hits all
-three alike; the figures are each runtime's median and the median of the per-round ratios
-hepti/torch and hepti/ort (robust to slow drifts of a shared machine). GFLOP/s counts the
-convolutions' and linears' multiply-adds x 2 (hepti.graph.cnn `flops_per_row` times rows); the
-GeMM peak is the best `gemm` GFLOP/s of `python -m hepti bench kernels --json`, run first in a
-process of its own. When hepti is slower than torch on a model (`--profile auto`), every op is
-then timed alone in both (hepti: hepti.parallel.profiling.measure_cnn_ops; torch: the same op
-as F.conv2d + residual + activation on NCHW tensors) and the biggest gaps are listed.
-torch, torchvision and onnxruntime are never dependencies of hepti: `bin/setup --with-torch`
-installs them; without them the rest is still timed.
+round runs hepti, torch, ort once each in turn, the order rotating (hepti.bench.harness), so
+that load from other processes hits all three alike; the figures are each runtime's median and
+the median of the per-round ratios hepti/torch and hepti/ort (robust to slow drifts of a shared
+machine). GFLOP/s counts the convolutions' and linears' multiply-adds x 2 (hepti.graph.cnn
+`flops_per_row` times rows); the GeMM peak is the best `gemm` GFLOP/s of `hepti bench kernels
+--json`, run first in a process of its own. When hepti is slower than torch on a model
+(`--profile auto`), every op is then timed alone in both (hepti:
+hepti.parallel.profiling.measure_cnn_ops; torch: the same op as F.conv2d + residual + activation
+on NCHW tensors) and the biggest gaps are listed. torch, torchvision and onnxruntime are never
+dependencies of hepti: `bin/setup --with-torch` installs them; without them the rest is still
+timed.
 Writes results/cnn-single.json and .csv (and .ops.csv when a model was profiled).
 """
 from __future__ import annotations
@@ -32,12 +33,9 @@ for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")  # before numpy (and torch) are imported: one thread
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import gc  # noqa: E402
-import io  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -48,10 +46,12 @@ from importlib.metadata import version
 import numpy as np  # noqa: E402
 
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL  # noqa: E402
-from hepti.bench import drop_stale, git_commit, result_doc, write_json
+from hepti.bench import harness
+from hepti.bench.harness import drop_stale, git_commit, result_doc, write_json
+from hepti.bench.registry import module_main
 from hepti.families import preset_config
 from hepti.parallel.single import SingleCNN
-from hepti.parallel.profiling import measure_cnn_ops
+from hepti.parallel.profile_cnn import measure_cnn_ops
 from hepti.weights import WeightStore
 from hepti.weights.cnn import convert_torch_file, find_package_pth, write_random_cnn
 
@@ -151,7 +151,7 @@ def max_rel_err(got: np.ndarray, want: np.ndarray) -> float:
 def summarise(times: dict[str, list[float]]) -> dict:
     """Per runtime: median and min ms of its timings (seconds, one per round); per other runtime
     R: hepti's time over R's, as the median of the per-round ratios ("hepti/R") and as the ratio
-    of the medians."""
+    of the medians (hepti.bench.harness.summarise with R as the baseline)."""
     ran = {rt: ts for rt, ts in times.items() if ts}
     out = {"median_ms": {rt: statistics.median(ts) * 1e3 for rt, ts in ran.items()},
            "min_ms": {rt: min(ts) * 1e3 for rt, ts in ran.items()},
@@ -160,10 +160,9 @@ def summarise(times: dict[str, list[float]]) -> dict:
         for rt in ran:
             if rt == "hepti":
                 continue
-            pairs = list(zip(ran["hepti"], ran[rt]))
-            out["ratio"][f"hepti/{rt}"] = statistics.median(h / t for h, t in pairs)
-            out["ratio_of_medians"][f"hepti/{rt}"] = (out["median_ms"]["hepti"]
-                                                      / out["median_ms"][rt])
+            fig = harness.summarise({"hepti": ran["hepti"], rt: ran[rt]}, baseline=rt)["hepti"]
+            out["ratio"][f"hepti/{rt}"] = fig["paired_ratio"]
+            out["ratio_of_medians"][f"hepti/{rt}"] = fig["ratio"]
     return out
 
 
@@ -214,11 +213,7 @@ def csv_rows(doc: dict) -> list[dict]:
 
 
 def csv_text(doc: dict) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
-    w.writeheader()
-    w.writerows(csv_rows(doc))
-    return buf.getvalue()
+    return harness.csv_text(csv_rows(doc), CSV_FIELDS)
 
 
 def _fmt(v, digits: int, kind: str = "f") -> str:
@@ -307,14 +302,10 @@ def ops_csv_text(doc: dict) -> str:
     """Every profiled op of every profiled model, one row each, in execution order."""
     fields = ["model", "op", "label", "class", "hepti_ms", "torch_ms", "gap_ms", "hepti_gflops",
               "torch_gflops"]
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
-    w.writeheader()
-    for m in doc["models"]:
-        for r in (m.get("profile") or {}).get("all_ops", []):
-            w.writerow({"model": m["model"], **{k: (f"{v:.4f}" if isinstance(v, float) else v)
-                                                for k, v in r.items() if k in fields}})
-    return buf.getvalue()
+    return harness.csv_text([{"model": m["model"], **{k: (f"{v:.4f}" if isinstance(v, float) else v)
+                                                      for k, v in r.items() if k in fields}}
+                             for m in doc["models"] for r in (m.get("profile") or {}).get("all_ops", [])],
+                            fields)
 
 
 # ---------------------------------------------------------------- the runtimes
@@ -432,10 +423,10 @@ def profile_ops(hepti_model, graph, state: dict, size: int, rounds: int) -> dict
     px = torch.from_numpy(np.random.default_rng(4).standard_normal((1, 3, size, size),
                                                                   dtype=np.float32))
     torch_op_round(graph, tstate, px)  # warm-up (measure_cnn_ops warms up by itself)
-    h_runs, t_runs = [], []
-    for _ in range(rounds):
-        h_runs.append(measure_cnn_ops(hepti_model, size, size, rounds=1))
-        t_runs.append(torch_op_round(graph, tstate, px))
+    ways = {"hepti": lambda: measure_cnn_ops(hepti_model, size, size, rounds=1),
+            "torch": lambda: torch_op_round(graph, tstate, px)}
+    runs = harness.interleave(list(ways), rounds, lambda way, _k: ways[way]())
+    h_runs, t_runs = runs["hepti"], runs["torch"]
     h_s = [statistics.median(r[i] for r in h_runs) for i in range(len(graph.ops))]
     t_s = [statistics.median(r[i] for r in t_runs) for i in range(len(graph.ops))]
     out = gaps(graph, h_s, t_s, size, size)
@@ -461,12 +452,9 @@ def ensure_weights(name: str, folder: Path, log) -> Path:
 
 
 def run_kernels(repeat: int) -> dict:
-    """`python -m hepti bench kernels --json` in a process of its own."""
-    p = subprocess.run([sys.executable, "-m", "hepti", "bench", "kernels", "--json", "--repeat",
-                        str(repeat)], capture_output=True, text=True, timeout=1800)
-    if p.returncode != 0:
-        raise RuntimeError(f"hepti bench kernels failed:\n{p.stderr[-2000:]}")
-    return json.loads(p.stdout)
+    """`hepti bench kernels --json` in a process of its own."""
+    return harness.launch(harness.hepti_cmd() + ["bench", "kernels", "--json", "--repeat",
+                                                 str(repeat)]).json()
 
 
 def optional_runtimes(log) -> tuple[bool, bool, list[str]]:
@@ -561,13 +549,10 @@ def bench_model(name: str, folder: Path, size: int, rounds: int, warmup: int, ha
         for _ in range(warmup):
             for rt in runs:
                 runs[rt]()
-        times = {rt: [] for rt in runs}
         gc.collect()
         gc.disable()
-        try:
-            for _ in range(rounds):  # interleaved: hepti, torch, ort, hepti, torch, ort, ...
-                for rt, run in runs.items():
-                    times[rt].append(run()[0])
+        try:  # interleaved: hepti, torch, ort; torch, ort, hepti; ...
+            times = harness.interleave(list(runs), rounds, lambda rt, _k: runs[rt]()[0])
         finally:
             gc.enable()
     finally:
@@ -598,26 +583,30 @@ def versions() -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m hepti.bench.cnnsingle", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1] + (
-            "\nexamples:\n"
-            "  python -m hepti.bench.cnnsingle                      all three, 21 rounds\n"
-            "  python -m hepti.bench.cnnsingle --models resnet50 --rounds 2 --out /tmp/r.json\n"
-            "  bin/bench-cnn-single.sh                              the same, set up first\n"))
-    ap.add_argument("--models", default=",".join(MODELS),
+def model_names(text: str) -> list[str]:
+    """--models: comma-separated names of MODELS (an argparse type)."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names or any(m not in MODELS for m in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(MODELS)}")
+    return names
+
+
+def add_arguments(ap) -> None:
+    ap.epilog = ("examples:\n"
+                 "  hepti bench cnn-single                      all three, 21 rounds\n"
+                 "  hepti bench cnn-single --models resnet50 --rounds 2 --out /tmp/r.json\n"
+                 "  bin/bench-cnn-single.sh                     the same, set up first\n")
+    ap.add_argument("--models", type=model_names, default=list(MODELS),
                     help=f"comma-separated, from {', '.join(MODELS)} (default: all)")
-    ap.add_argument("--rounds", type=int, default=21,
+    ap.add_argument("--rounds", type=harness.positive_int, default=21,
                     help="interleaved timed rounds per model (default 21; the figures want >= 15)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
-    ap.add_argument("--size", type=int, default=224, help="image side (default 224)")
+    ap.add_argument("--warmup", type=harness.at_least(0), default=3, help="untimed rounds first (default 3)")
+    ap.add_argument("--size", type=harness.positive_int, default=224, help="image side (default 224)")
     ap.add_argument("--weights", default="weights", metavar="DIR",
                     help="folder of the converted models, DIR/<model> (default weights)")
     ap.add_argument("--out", default="results/cnn-single.json",
                     help="the JSON; the CSV (and .ops.csv) go beside it (default %(default)s)")
-    ap.add_argument("--kernel-repeat", type=int, default=20,
+    ap.add_argument("--kernel-repeat", type=harness.positive_int, default=20,
                     help="repetitions of `hepti bench kernels` for the GeMM peak (default 20)")
     ap.add_argument("--kernels-json", metavar="FILE",
                     help="take the GeMM peak from this saved `hepti bench kernels --json` output "
@@ -626,15 +615,12 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", choices=("auto", "on", "off"), default="auto",
                     help="time every op alone in hepti and torch and list the biggest gaps: "
                          "auto = for each model hepti is slower on (default)")
-    ap.add_argument("--profile-rounds", type=int, default=7,
+    ap.add_argument("--profile-rounds", type=harness.positive_int, default=7,
                     help="rounds of the op-by-op profile (default 7)")
-    args = ap.parse_args(argv)
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODELS]
-    if unknown or not names:
-        ap.error(f"--models {args.models!r}: choose from {', '.join(MODELS)}")
-    if args.rounds < 1 or args.warmup < 0 or args.profile_rounds < 1:
-        ap.error("--rounds and --profile-rounds must be >= 1, --warmup >= 0")
+
+
+def run(args) -> int:
+    names = args.models
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -655,7 +641,7 @@ def main(argv=None) -> int:
     if args.kernels_json:
         kernels = json.loads(Path(args.kernels_json).read_text())
     elif not args.no_peak:
-        log(f"GeMM peak: python -m hepti bench kernels --json --repeat {args.kernel_repeat}")
+        log(f"GeMM peak: hepti bench kernels --json --repeat {args.kernel_repeat}")
         kernels = run_kernels(args.kernel_repeat)
     if kernels is not None:
         peak = gemm_peak(kernels)
@@ -677,7 +663,7 @@ def main(argv=None) -> int:
                      kernels=kernels, notes=notes, models=models)
     out = Path(args.out)
     write_json(doc, out)
-    out.with_suffix(".csv").write_text(csv_text(doc))
+    harness.write_csv(csv_rows(doc), CSV_FIELDS, out.with_suffix(".csv"))
     written = [out, out.with_suffix(".csv")]
     ops = out.with_suffix(".ops.csv")
     if any(m.get("profile") for m in models):
@@ -691,4 +677,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(module_main(__spec__.name))

@@ -12,14 +12,19 @@ with the ratios. Every rank takes part; rank 0 prints and writes the JSON.
 """
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 import time
 
 import numpy as np
 
-from hepti.bench import result_doc
+from hepti.bench.harness import interleave, positive_int, result_doc, write_json
+from hepti.bench.registry import module_main
 from hepti.counts import counts, offsets
+from hepti.errors import InputError
 from hepti.parallel.comm import Comm, choose_transport
+from hepti.parallel.world import run_guarded_fn
 
 # (case, verb, rows, width): MiniLM at 128 tokens (hidden 384) and BERT-base at 256 (hidden 768)
 CASES = (("MiniLM@128 rows K/V", "allgather", 128, 768),
@@ -60,18 +65,17 @@ def run_comm_bench(mpi_comm, repeat: int = 200, progress: bool = True) -> dict |
             for t, g in groups.items():  # "shm": the input written into the verb's own buffer
                 ways[t] = (lambda g=g: _or(g.partial_buffer((m, w)), src),
                            lambda a, g=g: g.reduce_scatter_rows(a, rc))
-        times = {way: [] for way in ways}
-        order = list(ways)
-        for k in range(repeat):
-            for way in order[k % len(order):] + order[:k % len(order)]:
-                target, fn = ways[way]
-                a = target()
-                a.fill(k)  # freshly written, as a kernel's output is
-                mpi_comm.Barrier()
-                t0 = time.perf_counter()
-                fn(a)
-                times[way].append(time.perf_counter() - t0)
-            bar.update(1)
+
+        def call(way: str, k: int) -> float:
+            target, fn = ways[way]
+            a = target()
+            a.fill(k)  # freshly written, as a kernel's output is
+            mpi_comm.Barrier()
+            t0 = time.perf_counter()
+            fn(a)
+            return time.perf_counter() - t0
+        times = interleave(list(ways), repeat, call)
+        bar.update(repeat)
         slowest = {way: max(mpi_comm.allgather(statistics.median(t))) for way, t in times.items()}
         row = {"case": name, "verb": verb, "rows": m, "width": w, "row_counts": rc}
         row.update({f"{way}_s": t for way, t in slowest.items()})
@@ -106,3 +110,29 @@ def format_comm(res: dict) -> str:
         line += f" {x['mpi_over_p2p']:>8.2f}" + (f" {x['p2p_over_shm']:>8.2f}" if shm else "")
         lines.append(line)
     return "\n".join(lines)
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--repeat", type=positive_int, default=200, help="calls of each (default 200)")
+    ap.add_argument("--out", default="results/comm.json", help="write the JSON here (default %(default)s)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args) -> int:
+    """Every rank measures; an exception on any rank ends the job (run_guarded_fn)."""
+    return run_guarded_fn("bench comm", _run, args)
+
+
+def _run(args) -> int:
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
+    if MPI.COMM_WORLD.Get_size() < 2:
+        raise InputError("bench comm needs two or more ranks: mpiexec -n 2 hepti bench comm")
+    res = run_comm_bench(MPI.COMM_WORLD, repeat=args.repeat, progress=not args.json)
+    if res is not None:
+        write_json(res, args.out)
+        print(json.dumps(res, indent=2) if args.json else format_comm(res) + f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(module_main(__spec__.name))

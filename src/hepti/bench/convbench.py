@@ -1,9 +1,9 @@
 """How to form a convolution's GeMM operand: explicit im2col, im2col per row block, or packing
 patches straight from x (implicit), on CNN layer shapes, batch 1, one thread.
 
-Each repetition runs every variant of a shape back to back (so load from other processes hits
-them alike) with bias and ReLU; the report gives each variant's median (and min) milliseconds and
-GFLOP/s (2 * M * K * Cout per convolution). Variants:
+Each repetition runs every variant of a shape back to back, the order rotating (so load from
+other processes hits them alike) with bias and ReLU; the report gives each variant's median (and
+min) milliseconds and GFLOP/s (2 * M * K * Cout per convolution). Variants:
     explicit   the whole [N*Ho*Wo, kh*kw*Cin] patch matrix, then one gemm() with the bias, then
                relu() over the output
     im2col     conv2d's row blocks with the block's patch rows copied into a buffer, then packed
@@ -14,15 +14,17 @@ GFLOP/s (2 * M * K * Cout per convolution). Variants:
     gemm       1x1 stride 1 only: gemm() on x viewed as [N*H*W, Cin] (no copy), then relu()
     direct     1x1 stride 1 only: conv2d's row blocks packing x's rows (what conv2d does)
 and then depthwise_conv2d on MobileNetV2's depthwise shapes (3x3, bias, ReLU6).
-Usage: python -m hepti.bench.convbench [--repeat 7]
+Usage: hepti bench conv [--repeat 7]
 """
 from __future__ import annotations
 
-import argparse
+import sys
 import time
 
 import numpy as np
 
+from hepti.bench.harness import interleave, positive_int
+from hepti.bench.registry import module_main
 from hepti.kernels import conv, depthwise_conv2d, pack_conv_weight
 from hepti.kernels.packed_gemm import PackedB, gemm
 
@@ -93,12 +95,12 @@ def run_conv_bench(repeat: int = 7, shapes=None) -> list[dict]:
         variants = _variants(x, cw, bias, stride, padding)
         for fn in variants.values():  # compile and warm up
             fn()
-        times = {v: [] for v in variants}
-        for _ in range(repeat):
-            for v, fn in variants.items():
-                t0 = time.perf_counter()
-                fn()
-                times[v].append(time.perf_counter() - t0)
+
+        def timed(v: str, _k: int) -> float:
+            t0 = time.perf_counter()
+            variants[v]()
+            return time.perf_counter() - t0
+        times = interleave(list(variants), repeat, timed)
         ho = (h + 2 * padding - kh) // stride + 1
         wo = (w + 2 * padding - kh) // stride + 1
         flops = 2.0 * ho * wo * kh * kh * cin * cout
@@ -130,10 +132,11 @@ def run_depthwise_bench(repeat: int = 7) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeat", type=int, default=7)
-    args = parser.parse_args(argv)
+def add_arguments(ap) -> None:
+    ap.add_argument("--repeat", type=positive_int, default=7, help="interleaved repetitions (default 7)")
+
+
+def run(args) -> int:
     import numba  # local: start-up time (numba loads in about 0.5 s)
     numba.set_num_threads(1)
     dw_rows = run_depthwise_bench(args.repeat)
@@ -142,7 +145,8 @@ def main(argv=None) -> None:
               f"(min {row['min_ms']:8.3f}) {row['gflops']:7.1f} GFLOP/s")
     total = sum(row["ms"] * row["count"] for row in dw_rows)
     print(f"MobileNetV2's 17 depthwise layers: {total:.3f} ms (sum of medians)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(module_main(__spec__.name))

@@ -1,4 +1,5 @@
-"""`bin/bench-fit.sh`: does the planner's predicted latency hold on this machine's own ranks?
+"""`hepti bench fit` (bin/bench-fit.sh): does the planner's predicted latency hold on this
+machine's own ranks?
 
 The loopback check of the planner issue: N ranks on this machine (shared memory between
 them), for each case a fresh profile (`hepti profile`), then `hepti run --strategy auto` from
@@ -10,27 +11,25 @@ profile and plan; the JSON keeps every round. The figure is the median error ove
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from hepti.bench import hepti_cmd, mpiexec, result_doc, run_cmd, write_json
+from hepti.bench.harness import hepti_cmd, interleave, launch, positive_int, result_doc, write_json
+from hepti.bench.registry import module_main
 from hepti.bench.scaling import synthetic_input
 
 
 def one_round(model_dir: str, seq: int, inp: tuple[str, Path], prof_file: Path, ranks: int,
               repeat: int) -> dict:
     """Profile, plan and run once; the plan's prediction against the measured median."""
-    mpi = [mpiexec(), "-n", str(ranks)]
-    run_cmd(mpi + hepti_cmd() + ["profile", "--model", model_dir, "--seq", str(seq),
-                               "--out", str(prof_file)])
-    rep = json.loads(run_cmd(mpi + hepti_cmd() + [
-        "run", "--model", model_dir, inp[0], str(inp[1]), "--profile", str(prof_file),
-        "--strategy", "auto", "--repeat", str(repeat), "--json"]))
+    launch(hepti_cmd() + ["profile", "--model", model_dir, "--seq", str(seq), "--out", str(prof_file)],
+           ranks=ranks)
+    rep = launch(hepti_cmd() + ["run", "--model", model_dir, inp[0], str(inp[1]), "--profile",
+                                str(prof_file), "--strategy", "auto", "--repeat", str(repeat),
+                                "--json"], ranks=ranks).json()
     measured, predicted = rep["latency_s"]["median"], rep["predicted_latency_s"]
     return {"strategy": rep["strategy"], "counts": rep["counts"], "measured_s": measured,
             "predicted_s": predicted, "error": measured / predicted - 1,
@@ -41,36 +40,34 @@ def one_round(model_dir: str, seq: int, inp: tuple[str, Path], prof_file: Path, 
                          for r in rep["per_rank"]]}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--case", action="append", metavar="MODEL_DIR:SEQ", required=True,
                     help="a model folder and a token count, e.g. weights/minilm-l6:128")
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5, help="profile + plan + run, per case")
-    ap.add_argument("--repeat", type=int, default=30, help="timed runs inside each launch")
+    ap.add_argument("--ranks", type=positive_int, default=2, help="local ranks (default 2)")
+    ap.add_argument("--rounds", type=positive_int, default=5,
+                    help="profile + plan + run, per case, interleaved (default 5)")
+    ap.add_argument("--repeat", type=positive_int, default=30, help="timed runs inside each launch (default 30)")
     ap.add_argument("--bound", type=float, default=0.15, help="target |error| (default 0.15)")
-    ap.add_argument("--out", default="results/fit.json")
-    args = ap.parse_args(argv)
+    ap.add_argument("--out", default="results/fit.json", help="default %(default)s")
+
+
+def run(args) -> int:
     from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
 
     tmp = Path(tempfile.mkdtemp(prefix="hepti-fit-"))
-    cases = []
+    cases = {}
     for case in args.case:
         model_dir, seq = case.rsplit(":", 1)
-        cases.append((model_dir, int(seq), synthetic_input(model_dir, int(seq), tmp)))
-    rounds = {c[0]: [] for c in cases}
+        cases[model_dir] = (int(seq), synthetic_input(model_dir, int(seq), tmp))
     bar = tqdm(total=len(cases) * args.rounds, desc="fit", unit="round", file=sys.stderr)
     try:
-        for _ in range(args.rounds):
-            for model_dir, seq, inp in cases:  # interleaved
-                rounds[model_dir].append(one_round(model_dir, seq, inp, tmp / "profile.json",
-                                                   args.ranks, args.repeat))
-                bar.update(1)
+        rounds = interleave(list(cases), args.rounds, lambda m, _k: one_round(
+            m, cases[m][0], cases[m][1], tmp / "profile.json", args.ranks, args.repeat), bar)
     finally:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
     results = []
-    for model_dir, seq, _ in cases:
+    for model_dir, (seq, _) in cases.items():
         errs = [r["error"] for r in rounds[model_dir]]
         results.append({"model": Path(model_dir).name, "seq": seq, "ranks": args.ranks,
                         "median_error": statistics.median(errs), "min_error": min(errs),
@@ -92,4 +89,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(module_main(__spec__.name))

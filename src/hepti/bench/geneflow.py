@@ -1,4 +1,5 @@
-"""`bin/bench-geneflow.sh`: GenEFlow's grid, predicted and measured (issue 20).
+"""`hepti bench geneflow` (bin/bench-geneflow.sh): GenEFlow's grid, predicted and measured
+(issue 20).
 
 The grid: models x devices x memory caps. Devices are the first 2, 3 and 4 of
 hostfiles/emu-geneflow4.json (0.45, 0.3, 0.2, 0.15 core, gigabit links; 2 and 3 devices are
@@ -34,10 +35,8 @@ Results: results/geneflow.json (everything) and results/geneflow.csv (one row pe
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
-import csv
 import dataclasses
 import json
 import math
@@ -50,7 +49,9 @@ from pathlib import Path
 import fcntl
 
 from hepti.families import family
-from hepti.bench import git_commit, result_doc, write_json
+from hepti.bench.harness import (HOSTFILES, git_commit, interleave, positive_int, result_doc, write_csv,
+                                 write_json)
+from hepti.bench.registry import module_main
 from hepti.bench import hetero
 from hepti.emulate.spec import load_spec
 from hepti.errors import PlanError
@@ -459,27 +460,28 @@ CSV_FIELDS = ("model", "seq", "devices", "cap", "lp_strategy", "lp_s", "rows_s",
               "measured_lp_s", "genetic_prediction_error", "lp_prediction_error")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bench-geneflow", description=__doc__.split("\n\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--model", action="append", choices=tuple(MODELS),
                     help="models (default: all of them); weights/NAME must exist")
-    ap.add_argument("--seeds", type=int, default=10, help="GenEFlow seeds per case (default 10)")
+    ap.add_argument("--seeds", type=positive_int, default=10, help="GenEFlow seeds per case (default 10)")
     ap.add_argument("--measure", default="4",
                     help="which cases to run under the emulation: device counts, comma-separated "
                          "(default 4), 'all', or 'none' (predicted only; no root needed once the "
                          "profiles are cached)")
-    ap.add_argument("--repeat", type=int, default=5, help="timed runs per measured launch")
-    ap.add_argument("--reps", type=int, default=5,
+    ap.add_argument("--repeat", type=positive_int, default=5, help="timed runs per measured launch")
+    ap.add_argument("--reps", type=positive_int, default=5,
                     help="each measured case: (fresh profile, GenEFlow's launch, the LP's "
-                         "launch) this many times, in rounds over every case, each launch "
+                         "launch) this many times, in interleaved rounds over every case, each launch "
                          "against the prediction of the profile just before it (a CNN's plans "
                          "predicted again on it, a transformer's planned again); the error "
                          "quoted is their median (default 5)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per launch at most")
     ap.add_argument("--out", default="results/geneflow", help="results/geneflow{.json,.csv}")
-    args = ap.parse_args(argv)
+
+
+def run(args) -> int:
     models = args.model or list(MODELS)
-    spec_path = hetero.HOSTFILES / f"{SPEC}.json"
+    spec_path = HOSTFILES / f"{SPEC}.json"
     load_spec(spec_path)
     measure_n = (set() if args.measure == "none" else set(DEVICES) if args.measure == "all"
                  else {int(x) for x in args.measure.split(",")})
@@ -489,18 +491,12 @@ def main(argv=None) -> int:
     records, profiles, to_measure = [], {}, []
 
     def save() -> dict:  # after every phase and launch: a cut-short run keeps what it has
-        doc = result_doc("geneflow", commit,
-                         command=" ".join(["bin/bench-geneflow.sh"] + (argv or sys.argv[1:])),
-                         spec=SPEC, models={m: MODELS[m] for m in models}, caps=list(CAPS),
+        doc = result_doc("geneflow", commit, spec=SPEC, models={m: MODELS[m] for m in models}, caps=list(CAPS),
                          settings=settings, seeds=args.seeds, cases=records,
                          targets=targets(records), profiles=profiles,
                          duration_s=time.perf_counter() - t_start)
         write_json(doc, args.out + ".json", compact=True)  # it keeps every profile whole
-        with open(args.out + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-            w.writeheader()
-            for r in records:
-                w.writerow(r)
+        write_csv(records, CSV_FIELDS, args.out + ".csv")
         return doc
 
     with tempfile.TemporaryDirectory(prefix="hepti-geneflow-") as tmp:
@@ -549,56 +545,58 @@ def main(argv=None) -> int:
         if to_measure:
             with bench_lock():
                 state = {}  # id(rec) -> [gplan, lp, same, runs]
-                rounds = max(args.reps, 1)
-                for r in range(rounds):
-                    for rec, _, _, model in to_measure:  # plans: state, from `replan`
-                        cnn = family(cases[model]["config"]).executor == "bands"
-                        n = rec["devices"]
-                        path = profile_model(
-                            model, cases[model], spec_path, workdir, args.timeout, n=n,
-                            out=workdir / f"profile-{model}-n{n}-{rec['cap']}-{r}.json".replace("%", ""))
-                        profiles[f"{model} n={n} cap={rec['cap']} rep={r}"] = json.loads(path.read_text())
-                        if r == 0:
-                            gplan, lp = replan(rec, model, cases[model], path, settings)
-                            state[id(rec)] = [gplan, lp, lp is not None and same_plan(gplan, lp),
-                                              {"genetic": [], "lp": []}]
-                        elif not cnn:  # no repredict for a transformer's plan: planned again
-                            st = state[id(rec)]
-                            first = rec["measured_plan"]
-                            st[0], st[1] = replan(rec, model, cases[model], path, settings)
-                            st[2] = st[1] is not None and same_plan(st[0], st[1])
-                            first.setdefault("replanned", []).append(
-                                {"genetic_same": same_plan(st[0], Plan.from_dict(first["genetic_plan"])),
-                                 "lp_same": st[1] is not None and "lp_plan" in first
-                                 and same_plan(st[1], Plan.from_dict(first["lp_plan"]))})
-                            rec["measured_plan"] = first
-                        else:
-                            st = state[id(rec)]
-                            st[0] = repredict(st[0], cases[model], path)
-                            st[1] = None if st[1] is None else repredict(st[1], cases[model], path)
-                        gplan, lp, same, runs = state[id(rec)]
-                        cache = workdir / "cache" / model
-                        m = measure(rec, gplan, spec_path, n, cases[model], workdir, cache,
-                                    args.repeat, args.timeout)
-                        runs["genetic"].append(m)
-                        if lp is not None:  # the same plan: GenEFlow's launch, noted
-                            runs["lp"].append(dict(m, note=SAME) if same else
-                                              measure(rec, lp, spec_path, n, cases[model],
-                                                      workdir, cache, args.repeat, args.timeout))
-                        rec["measured"] = {"genetic": pooled(runs["genetic"])}
-                        if runs["lp"]:
-                            rec["measured"]["lp"] = pooled(runs["lp"])
-                            if all(x.get("note") == SAME for x in runs["lp"]):
-                                rec["measured"]["lp"]["note"] = SAME
-                        for k in ("genetic", "lp"):
-                            mm = rec["measured"].get(k, {})
-                            rec[f"measured_{k}_s"] = mm.get("median_latency_s")
-                            rec[f"{k}_prediction_error"] = mm.get("prediction_error")
-                        errs = rec["measured"]["genetic"].get("prediction_errors", [])
-                        print(f"   round {r + 1}/{rounds} {model} n={n} cap={rec['cap']}: genetic "
-                              f"{rec['measured_genetic_s']} (errors {[round(e, 3) for e in errs]}), "
-                              f"lp {rec.get('measured_lp_s')}", file=sys.stderr, flush=True)
-                        save()
+                rounds = args.reps
+
+                def one(i: int, r: int) -> None:  # plans: state, from `replan`
+                    rec, _, _, model = to_measure[i]
+                    cnn = family(cases[model]["config"]).executor == "bands"
+                    n = rec["devices"]
+                    path = profile_model(
+                        model, cases[model], spec_path, workdir, args.timeout, n=n,
+                        out=workdir / f"profile-{model}-n{n}-{rec['cap']}-{r}.json".replace("%", ""))
+                    profiles[f"{model} n={n} cap={rec['cap']} rep={r}"] = json.loads(path.read_text())
+                    if r == 0:
+                        gplan, lp = replan(rec, model, cases[model], path, settings)
+                        state[id(rec)] = [gplan, lp, lp is not None and same_plan(gplan, lp),
+                                          {"genetic": [], "lp": []}]
+                    elif not cnn:  # no repredict for a transformer's plan: planned again
+                        st = state[id(rec)]
+                        first = rec["measured_plan"]
+                        st[0], st[1] = replan(rec, model, cases[model], path, settings)
+                        st[2] = st[1] is not None and same_plan(st[0], st[1])
+                        first.setdefault("replanned", []).append(
+                            {"genetic_same": same_plan(st[0], Plan.from_dict(first["genetic_plan"])),
+                             "lp_same": st[1] is not None and "lp_plan" in first
+                             and same_plan(st[1], Plan.from_dict(first["lp_plan"]))})
+                        rec["measured_plan"] = first
+                    else:
+                        st = state[id(rec)]
+                        st[0] = repredict(st[0], cases[model], path)
+                        st[1] = None if st[1] is None else repredict(st[1], cases[model], path)
+                    gplan, lp, same, runs = state[id(rec)]
+                    cache = workdir / "cache" / model
+                    m = measure(rec, gplan, spec_path, n, cases[model], workdir, cache,
+                                args.repeat, args.timeout)
+                    runs["genetic"].append(m)
+                    if lp is not None:  # the same plan: GenEFlow's launch, noted
+                        runs["lp"].append(dict(m, note=SAME) if same else
+                                          measure(rec, lp, spec_path, n, cases[model],
+                                                  workdir, cache, args.repeat, args.timeout))
+                    rec["measured"] = {"genetic": pooled(runs["genetic"])}
+                    if runs["lp"]:
+                        rec["measured"]["lp"] = pooled(runs["lp"])
+                        if all(x.get("note") == SAME for x in runs["lp"]):
+                            rec["measured"]["lp"]["note"] = SAME
+                    for k in ("genetic", "lp"):
+                        mm = rec["measured"].get(k, {})
+                        rec[f"measured_{k}_s"] = mm.get("median_latency_s")
+                        rec[f"{k}_prediction_error"] = mm.get("prediction_error")
+                    errs = rec["measured"]["genetic"].get("prediction_errors", [])
+                    print(f"   round {r + 1}/{rounds} {model} n={n} cap={rec['cap']}: genetic "
+                          f"{rec['measured_genetic_s']} (errors {[round(e, 3) for e in errs]}), "
+                          f"lp {rec.get('measured_lp_s')}", file=sys.stderr, flush=True)
+                    save()
+                interleave(range(len(to_measure)), rounds, one)
     doc = save()
     for t in doc["targets"]:
         print(f"{'ok  ' if t['ok'] else 'MISS'} {t['target']}: {t['detail']}", file=sys.stderr)
@@ -606,4 +604,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(module_main(__spec__.name))

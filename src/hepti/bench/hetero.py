@@ -1,4 +1,5 @@
-"""`bin/bench-hetero.sh`: hepti's plans against the baselines on emulated heterogeneous clusters.
+"""`hepti bench hetero` (bin/bench-hetero.sh, root): hepti's plans against the baselines on
+emulated heterogeneous clusters.
 
 For each cluster spec (hostfiles/emu-*.json) and model case, every strategy runs in its own
 launch, `hepti emulate --cluster SPEC -- mpiexec -n N hepti run --repeat R --json`, so an
@@ -17,10 +18,11 @@ out-of-memory kill is the launch's own and the baselines run in the same runtime
 3. R (timed runs inside one launch, after a warm-up run) is chosen from the prediction so a
    launch times about `--target-s` seconds, between `--min-repeat` and `--repeat`.
 4. `--rounds` K (default 3): the strategies above run K times, taking turns (round k starts k
-   strategies further on). A strategy's figure is the median of its rounds' medians, the range
-   of those its spread (`hetero_report.merge_rounds`); `round_runs` in the JSON keeps every
-   launch. The targets check every strategy against its own prediction, and `auto` against the
-   fastest strategy and against `single` beyond the spread (issue 16).
+   strategies further on: hepti.bench.harness.round_order). A strategy's figure is the median of
+   its rounds' medians, the range of those its spread (`hetero_report.merge_rounds`);
+   `round_runs` in the JSON keeps every launch. The targets check every strategy against its own
+   prediction, and `auto` against the fastest strategy and against `single` beyond the spread
+   (issue 16).
 
 The default set, about 15 minutes a round here: BERT-base @256 tokens on every spec, MiniLM @128,
 BERT-large @128 and ViT-L/16 @224 (197 tokens) on emu-mixed4 only (`--case` changes it); `--quick` is one pair spec with
@@ -34,14 +36,12 @@ the planner's predicted ones. Results: results/hetero.json, hetero.csv, hetero.p
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +50,9 @@ from pathlib import Path
 import numpy as np
 
 from hepti.families import family
-from hepti.bench import drop_stale, git_commit, hepti_cmd, mpiexec, result_doc, write_json
+from hepti.bench import harness
+from hepti.bench.harness import HOSTFILES, drop_stale, git_commit, hepti_cmd, positive_int, result_doc, write_json
+from hepti.bench.registry import build_parser, module_main
 from hepti.bench import hetero_report as report
 from hepti.bench.scaling import synthetic_input
 from hepti.emulate import stretch
@@ -61,9 +63,6 @@ from hepti.plan.partition import make_plan
 from hepti.plan.profile import load_profile
 from hepti.weights import WeightStore
 
-ROOT = Path(__file__).resolve().parents[3]
-# the specs shipped in the repo: bin/bench-hetero.sh runs from its root; else next to the source
-HOSTFILES = Path("hostfiles") if Path("hostfiles/emu-mixed4.json").exists() else ROOT / "hostfiles"
 SPECS = ("emu-mixed4", "emu-tight", "emu-starved", "emu-pair-940-full", "emu-pair-940-quarter",
          "emu-pair-240-full", "emu-pair-240-quarter")
 STRATEGIES = ("auto", "even", "proportional", "pipeline", "single")
@@ -91,14 +90,11 @@ def launch(spec_path: Path, n: int, hepti_args: list[str], cache: Path, timeout:
     """One `hepti emulate ... -- mpiexec -n n hepti ARGS`: return code, stdout, stderr, the
     launcher's summary (OOM kills and peak memory per device) and the wall time."""
     summary = workdir / f"summary-{time.monotonic_ns()}.json"
-    cmd = hepti_cmd() + ["emulate", "--cluster", str(spec_path), "--summary", str(summary),
-                         "--timeout", f"{timeout:g}", "--", mpiexec(), "-n", str(n)] + hepti_cmd() + hepti_args
-    env = dict(os.environ, HEPTI_CACHE=str(cache))
-    load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout + 60)
-    out = {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr, "wall_s": time.perf_counter() - t0,
-           "summary": None, "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    res = harness.launch(hepti_cmd() + hepti_args, ranks=n, spec=spec_path,
+                         emulate=["--summary", str(summary)], env={"HEPTI_CACHE": str(cache)},
+                         timeout=timeout, check=False)
+    out = {"rc": res.rc, "stdout": res.stdout, "stderr": res.stderr, "wall_s": res.wall_s,
+           "summary": None, "loadavg_1min": res.loadavg_1min}
     if summary.exists():
         out["summary"] = json.loads(summary.read_text())
         summary.unlink()
@@ -269,30 +265,28 @@ def warm_numba(cases: list[dict], workdir: Path) -> float:
     small = workdir / "warm-ids.npz"
     ids, mask = np.full((1, 16), 101, np.int64), np.ones((1, 16), np.int64)
     np.savez(small, ids=ids, mask=mask)
-    env = dict(os.environ, HEPTI_CACHE=str(workdir / "warm-cache"))
-    cmds = [hepti_cmd() + ["run", *map(str, c["input"]), "--json", "--model", c["dir"]] for c in cases]
-    two = [mpiexec(), "-n", "2"] + hepti_cmd()
+    env = {"HEPTI_CACHE": str(workdir / "warm-cache")}
+    # (ranks: None for one process, argv)
+    cmds = [(None, ["run", *map(str, c["input"]), "--json", "--model", c["dir"]]) for c in cases]
     cnn = next((c for c in cases if family(c["config"]).executor == "bands"), None)
     if cnn is not None:  # the band executor and the CNN profile, on two ranks
-        cmds.append(two + ["profile", "--model", cnn["dir"], "--image-size", "64",
-                           "--out", str(workdir / "warm-cnn-profile.json")])
-        cmds.append(two + ["run", "--model", cnn["dir"], *map(str, cnn["input"]), "--json",
-                           "--strategy", "even"])
+        cmds.append((2, ["profile", "--model", cnn["dir"], "--image-size", "64",
+                         "--out", str(workdir / "warm-cnn-profile.json")]))
+        cmds.append((2, ["run", "--model", cnn["dir"], *map(str, cnn["input"]), "--json",
+                         "--strategy", "even"]))
     encoders = [c for c in cases if family(c["config"]).executor != "bands"]
     if encoders:
         first = encoders[0]
         text = first["input"][0] == "--input-ids"  # a vision model: its own pixels and tokens
         base = (["run", "--input-ids", str(small), "--json"] if text
                 else ["run", *map(str, first["input"]), "--json"])
-        cmds.append(two + ["profile", "--model", first["dir"], *(["--seq", "16"] if text else []),
-                           "--out", str(workdir / "warm-profile.json")])
+        cmds.append((2, ["profile", "--model", first["dir"], *(["--seq", "16"] if text else []),
+                         "--out", str(workdir / "warm-profile.json")]))
         for extra in (["--strategy", "tensor"], ["--strategy", "rows"], ["--strategy", "pipeline"],
                       ["--strategy", "stream", "--mem-budget", "2GiB"]):
-            cmds.append(two + base + ["--model", first["dir"]] + extra)
-    for cmd in cmds:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        if p.returncode != 0:
-            raise SystemExit(f"warming Numba's cache failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")
+            cmds.append((2, base + ["--model", first["dir"]] + extra))
+    for ranks, argv in cmds:
+        harness.launch(hepti_cmd() + argv, ranks=ranks, env=env, timeout=900)
     return time.perf_counter() - t0
 
 
@@ -313,8 +307,7 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
             # rounds take turns: round k starts k strategies further on (round 0 with auto,
             # whose profile the baselines are planned with), so a slow minute of this shared
             # machine does not fall on one strategy's every run
-            order = [(k, strategies[k % len(strategies):] + strategies[:k % len(strategies)])
-                     for k in range(args.rounds)]
+            order = [(k, harness.round_order(strategies, k)) for k in range(args.rounds)]
             for k, strategy in ((k, s) for k, ss in order for s in ss):
                 if family(case["config"]).executor == "bands" and strategy == order[k][1][0]:
                     # every strategy of a round planned on one profile, taken as the round
@@ -388,9 +381,8 @@ def count_runs(args, specs, cases) -> int:
                              for spec, _ in specs for case in cases if spec.name in case["specs"])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The options of `python -m hepti.bench.hetero` (and bin/bench-hetero.sh)."""
-    ap = argparse.ArgumentParser(prog="bin/bench-hetero.sh", description=__doc__.splitlines()[0])
+def add_arguments(ap) -> None:
+    """The options of `hepti bench hetero` (and bin/bench-hetero.sh)."""
     ap.add_argument("--quick", action="store_true",
                     help="CI: one pair spec, MiniLM at 128 tokens, fewer runs (under 2 minutes)")
     ap.add_argument("--spec", action="append", metavar="NAME", help=f"emu spec name (default: {', '.join(SPECS)})")
@@ -400,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="default: %(default)s")
     ap.add_argument("--extra", action="append", metavar="SPEC:STRATEGY",
                     help=f"one more strategy on one spec, run as is (default: {' '.join(EXTRA)})")
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=positive_int, default=3,
                     help="launches per strategy, taking turns; each figure is the median of the "
                          "rounds' medians, and their range is the spread (default: %(default)s)")
     ap.add_argument("--repeat", type=int, default=20,
@@ -413,14 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run baselines even when the planner says they do not fit memory")
     ap.add_argument("--out-dir", default="results", help="where hetero.json/.csv/.png go")
     ap.add_argument("--no-warm", action="store_true", help="skip warming Numba's cache")
-    return ap
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args) -> int:
     if args.quick:
+        defaults = build_parser("hetero")
         for k, v in QUICK.items():
-            if getattr(args, k) in (None, build_parser().get_default(k)):
+            if getattr(args, k) in (None, defaults.get_default(k)):
                 setattr(args, k, v)
     args.spec = args.spec or list(SPECS)
     args.case = args.case or list(CASES)
@@ -455,7 +446,6 @@ def main(argv=None) -> int:
     targets = report.check_targets(runs)
     doc = result_doc(
         "hetero", commit=commit,
-        command=" ".join(["python -m hepti.bench.hetero"] + list(argv if argv is not None else sys.argv[1:])),
         settings={"quick": args.quick, "specs": args.spec, "cases": args.case,
                   "strategies": args.strategies, "extra": list(args.extra), "repeat": args.repeat,
                   "min_repeat": args.min_repeat, "target_s": args.target_s, "timeout_s": args.timeout,
@@ -481,4 +471,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(module_main(__spec__.name))

@@ -1,19 +1,24 @@
 """GeMM speed of hepti's Numba kernels against numpy's BLAS, single-threaded, shape by shape.
 
 Each repetition times hepti's `matmul` (packs B on the fly), `gemm` (B packed beforehand) and
-numpy's `a @ b` back to back, so that load from other processes hits all three alike; the
+numpy's `a @ b` back to back, their order rotating (hepti.bench.harness.interleave), so that
+load from other processes hits all three alike; the
 report gives each one's median GFLOP/s and the median of the per-repetition ratios to numpy. numpy is single-threaded only
 if OPENBLAS_NUM_THREADS (or OMP/MKL equivalents) was 1 before numpy was imported (the `hepti`
 CLI does that); the result records the setting it ran under.
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
+import sys
 import time
 
 import numpy as np
 
+from hepti.bench.harness import interleave, positive_int
+from hepti.bench.registry import module_main
 from hepti.info import cpu_flags, cpu_model
 from hepti.kernels import config, gemm, matmul, pack_b
 
@@ -73,20 +78,16 @@ def run_kernel_bench(repeat: int = 20, shapes=None, progress: bool = True) -> di
         err = float(np.max(np.abs(gemm(a, pbs[0]) - ref))
                     / max(float(np.max(np.abs(ref))), 1e-30))
         matmul(a, bs[0], out=out)  # compile / warm up
-        times = {"matmul": [], "gemm": [], "numpy": []}
-        for rep in range(repeat):
-            b, pb = bs[rep % _N_WEIGHTS], pbs[rep % _N_WEIGHTS]
+        calls = {"matmul": lambda rep: matmul(a, bs[rep % _N_WEIGHTS], out=out),
+                 "gemm": lambda rep: gemm(a, pbs[rep % _N_WEIGHTS], out=out),
+                 "numpy": lambda rep: np.matmul(a, bs_np[rep % _N_WEIGHTS], out=out)}
+
+        def timed(name: str, rep: int) -> float:
             t0 = time.perf_counter()
-            matmul(a, b, out=out)
-            t1 = time.perf_counter()
-            gemm(a, pb, out=out)
-            t2 = time.perf_counter()
-            np.matmul(a, bs_np[rep % _N_WEIGHTS], out=out)
-            t3 = time.perf_counter()
-            times["matmul"].append(t1 - t0)
-            times["gemm"].append(t2 - t1)
-            times["numpy"].append(t3 - t2)
-            bar.update(1)
+            calls[name](rep)
+            return time.perf_counter() - t0
+        times = interleave(list(calls), repeat, timed)
+        bar.update(repeat)
         med = {name: float(np.median(ts)) for name, ts in times.items()}
         row = {"m": m, "k": k, "n": n, "max_rel_err": err}
         for name, seconds in med.items():
@@ -129,3 +130,18 @@ def format_kernel_table(result: dict) -> str:
             f"{r['numpy_gflops']:8.1f} {r['matmul_vs_numpy']:10.2f} {r['gemm_vs_numpy']:8.2f} "
             f"{r['max_rel_err']:9.1e}")
     return "\n".join(lines)
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--repeat", type=positive_int, default=20, help="repetitions per shape (default 20)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args) -> int:
+    res = run_kernel_bench(repeat=args.repeat, progress=not args.json)
+    print(json.dumps(res, indent=2) if args.json else format_kernel_table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(module_main(__spec__.name))

@@ -2,16 +2,19 @@
 
 PyTorch is never a dependency: when torch and transformers import, the same weights are loaded
 into transformers' BertModel (sdpa attention, 1 thread) and both engines run alternately on the
-same input, so machine noise hits both alike; the ratio is the figure to quote.
+same input in interleaved rounds (hepti.bench.harness), so machine noise hits both alike; the
+ratio (the median of each round's torch / hepti) is the figure to quote.
 """
 from __future__ import annotations
 
-import statistics
+import json
 import sys
 import time
 
 import numpy as np
 
+from hepti.bench.harness import interleave, positive_int, summarise
+from hepti.bench.registry import module_main
 from hepti.weights.layout import HF_LAYER_MAP, HF_OTHER_MAP
 from hepti.parallel.single import BertEncoder
 from hepti.weights import WeightStore
@@ -101,16 +104,17 @@ def run_model_bench(model_dir: str, seq: int = 128, batch: int = 1, repeat: int 
         res["max_abs_diff_vs_torch"] = float(np.abs(h - t).max())
         import torch as th  # local: optional dependency (torch)
         res["torch_version"] = th.__version__
-    for _ in tqdm(range(repeat), desc="bench model", disable=not progress, file=sys.stderr):
-        res["hepti_s"].append(run_hepti()[0])  # interleaved: hepti, torch, hepti, torch, ...
-        if tm is not None:
-            res["torch_s"].append(run_torch()[0])
-    res["hepti_median_s"] = statistics.median(res["hepti_s"])
+    runs = {"hepti": lambda: run_hepti()[0]}
     if tm is not None:
-        res["torch_median_s"] = statistics.median(res["torch_s"])
-        # per-pair ratios are robust to slow drifts of the shared machine
-        res["ratio_torch_over_hepti"] = statistics.median(
-            t / h for h, t in zip(res["hepti_s"], res["torch_s"]))
+        runs["torch"] = lambda: run_torch()[0]
+    with tqdm(total=repeat * len(runs), desc="bench model", disable=not progress, file=sys.stderr) as bar:
+        times = interleave(list(runs), repeat, lambda name, _k: runs[name](), bar)
+    # the ratio of each round's pair is robust to slow drifts of the shared machine
+    fig = summarise(times, baseline="hepti")
+    res["hepti_s"], res["hepti_median_s"] = times["hepti"], fig["hepti"]["median"]
+    if tm is not None:
+        res["torch_s"], res["torch_median_s"] = times["torch"], fig["torch"]["median"]
+        res["ratio_torch_over_hepti"] = fig["torch"]["paired_ratio"]
     return res
 
 
@@ -125,3 +129,23 @@ def format_model_bench(res: dict) -> str:
     else:
         lines.append("  (PyTorch not importable: install it with `bin/setup --with-torch` to compare)")
     return "\n".join(lines)
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--model", default="weights/minilm-l6", help="converted model (default %(default)s)")
+    ap.add_argument("--seq", type=positive_int, default=128, help="tokens (default 128)")
+    ap.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    ap.add_argument("--repeat", type=positive_int, default=30, help="timed rounds (default 30)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args) -> int:
+    res = run_model_bench(args.model, seq=args.seq, batch=args.batch, repeat=args.repeat,
+                          torch=not args.no_torch, progress=not args.json)
+    print(json.dumps(res, indent=2) if args.json else format_model_bench(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(module_main(__spec__.name))

@@ -16,40 +16,47 @@ spinning on a CPU-capped rank (`hepti.parallel.comm.wait`, as the runtime waits)
 device does not burn the CPU share it then needs to compute.
 
 `run_offload_sweep` measures the latency for offloaded shares 0%..100% (interleaved rounds,
-medians) and asks the planner for its share given a profile measured right there: each rank's
+the sweep's direction alternating, medians) and asks the planner for its share given a profile measured right there: each rank's
 speed on this chain at a few row counts, and the link by ping-pong at the sizes this experiment
 sends (`measure_chain_links`).
 
-    mpiexec -n 2 python -m hepti.bench.offload --out results/offload.json
-    bin/bench-offload.sh        (the four emulated pairs of hostfiles/emu-pair-*.json)
+    sudo hepti bench offload    (bin/bench-offload.sh: the four emulated pairs of
+                                hostfiles/emu-pair-*.json, one launch each, then combined into
+                                results/offload.json and .png)
+    mpiexec -n 2 hepti bench offload --sweep --out FILE.json     (one sweep, on these ranks)
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from hepti.bench import result_doc, write_json
+from hepti.bench.harness import (HOSTFILES, alternate, at_least, hepti_cmd, interleave, launch, positive_int,
+                                 result_doc, write_json)
+from hepti.bench.registry import module_main
 from hepti.counts import counts as split_counts
 from hepti.errors import InputError
 from hepti.parallel.comm import wait
 from hepti import kernels as Kn
 from hepti.emulate.state import read_state
-from hepti.parallel.profiling import available_memory, fit_link, ping_pong
+from hepti.parallel.profile_links import fit_link, ping_pong
 from hepti.plan.costmodel import evaluate
 from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, profile_from_dict
 from hepti.plan.search import optimise
 from hepti.plan.workloads import offload_chain_program
+from hepti.resources import available_memory
 
 M, K, CHAIN = 256, 1024, 5  # the paper's shapes: CHAIN MatMuls [M,K]x[K,K]
 TAG_IN, TAG_OUT = 41, 42
 PROFILE_ROUNDS = 5
+SPECS = ("emu-pair-940-full", "emu-pair-240-full", "emu-pair-940-quarter", "emu-pair-240-quarter")
 
 
 # --- the problem and the chain -----------------------------------------------------------------
@@ -151,14 +158,14 @@ def chain_speed_table(packed: list, m: int = M, rounds: int = PROFILE_ROUNDS) ->
     inputs = {r: rng.standard_normal((r, k), dtype=np.float32) for r in sizes}
     for r in sizes:
         chain_rows(inputs[r], packed)  # warm-up (compiles on a cold cache)
-    times = {r: [] for r in sizes}
-    for _ in range(rounds):
-        for r in sizes:
-            reps = max(1, round(m / r))
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                chain_rows(inputs[r], packed)
-            times[r].append((time.perf_counter() - t0) / reps)
+
+    def timed(r: int, _k: int) -> float:
+        reps = max(1, round(m / r))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            chain_rows(inputs[r], packed)
+        return (time.perf_counter() - t0) / reps
+    times = interleave(sizes, rounds, timed)
     return [[float(r), flops_per_row * r / statistics.median(times[r])] for r in sizes]
 
 
@@ -273,7 +280,7 @@ def run_offload_sweep(comm, steps: int = 11, repeat: int = 7, progress: bool = T
     rank, world = comm.Get_rank(), comm.Get_size()
     if world < 2:
         raise InputError("the offload experiment needs 2 or more ranks (rank 0 offloads to rank 1); "
-                         "run it as `mpiexec -n 2 python -m hepti.bench.offload`")
+                         "run it as `mpiexec -n 2 hepti bench offload --sweep`")
     if steps < 2 or repeat < 1:
         raise InputError(f"need steps >= 2 and repeat >= 1, got steps={steps}, repeat={repeat}")
     t_start = time.perf_counter()
@@ -295,14 +302,9 @@ def run_offload_sweep(comm, steps: int = 11, repeat: int = 7, progress: bool = T
         from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
         bar = tqdm(total=steps * repeat, desc=f"offload {scenario or ''}".strip(), unit="run",
                    file=sys.stderr, leave=False)
-    runs: list[list[dict]] = [[] for _ in shares]
-    for rnd in range(repeat):
-        order = range(steps) if rnd % 2 == 0 else range(steps - 1, -1, -1)
-        for j in order:
-            _, times = offload_once(comm, x, packed, counts[j])
-            runs[j].append(times)
-            if bar is not None:
-                bar.update(1)
+    by_step = interleave(range(steps), repeat, lambda j, _k: offload_once(comm, x, packed, counts[j])[1],
+                         bar, order=alternate)
+    runs = [by_step[j] for j in range(steps)]
     if bar is not None:
         bar.close()
     secondary = comm.bcast(runs if rank == 1 else None, root=1)  # rank 1's times
@@ -542,33 +544,77 @@ def warm() -> None:
         chain_rows(make_input(rows, K), packed)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        description="The Hepti paper's offload sweep. Under `mpiexec -n 2`: one sweep; with "
-                    "--collect: combine sweeps (no MPI).")
-    ap.add_argument("--out", metavar="FILE.json", help="write the result here (rank 0)")
-    ap.add_argument("--steps", type=int, default=11,
-                    help="shares 0..100%% in steps-1 steps (default 11)")
-    ap.add_argument("--repeat", type=int, default=7, help="interleaved rounds (default 7)")
-    ap.add_argument("--scenario", help="a name for this run, e.g. the emulated spec's")
+def add_arguments(ap) -> None:
+    ap.add_argument("--specs", default=",".join(SPECS),
+                    help="the emulated pairs (hostfiles/NAME.json) the driver sweeps, one launch "
+                         "each (default %(default)s)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per launch (default 600)")
+    ap.add_argument("--out", metavar="FILE.json", default=None,
+                    help="write the result here (default results/offload.json; with --sweep: "
+                         "only if given)")
+    ap.add_argument("--plot", metavar="FILE.png", default=None,
+                    help="draw latency against share (default results/offload.png beside --out)")
+    ap.add_argument("--steps", type=at_least(2), default=11,
+                    help="shares 0..1 in steps-1 steps (default 11)")
+    ap.add_argument("--repeat", type=positive_int, default=7, help="interleaved rounds (default 7)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--sweep", action="store_true",
+                      help="one sweep, under `mpiexec -n 2` (what each launch of the driver runs)")
+    mode.add_argument("--collect", nargs="+", metavar="SWEEP.json",
+                      help="combine these sweeps (no MPI)")
+    mode.add_argument("--warm", action="store_true", help="compile the kernels and exit (no MPI)")
+    ap.add_argument("--scenario", help="with --sweep: a name for this run, e.g. the emulated spec's")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the JSON instead of the table")
-    ap.add_argument("--collect", nargs="+", metavar="SWEEP.json", help="combine these sweeps into --out")
-    ap.add_argument("--plot", metavar="FILE.png", help="with --collect: draw latency against share")
-    ap.add_argument("--warm", action="store_true", help="compile the kernels and exit (no MPI)")
-    args = ap.parse_args(argv)
+
+
+def run(args) -> int:
     if args.warm:
         warm()
         return 0
+    if args.sweep:
+        return sweep_under_mpi(args)
     if args.collect:
-        combined = collect([json.loads(Path(p).read_text()) for p in args.collect])
-        if args.out:
-            write_json(combined, args.out)
-            print(f"wrote {args.out}", file=sys.stderr)
-        if args.plot and plot_offload(combined, args.plot):
-            print(f"wrote {args.plot}", file=sys.stderr)
-        print(format_summary(combined))
-        return 0
+        sweeps = [json.loads(Path(p).read_text()) for p in args.collect]
+    else:
+        sweeps = drive(args)
+    combined = collect(sweeps)
+    out = Path(args.out or "results/offload.json")
+    write_json(combined, out)
+    print(f"wrote {out}", file=sys.stderr)
+    plot = args.plot or str(out.with_suffix(".png"))
+    if plot_offload(combined, plot):
+        print(f"wrote {plot}", file=sys.stderr)
+    print(format_summary(combined))
+    return 0
+
+
+def drive(args) -> list[dict]:
+    """The kernels compiled here, then one `hepti emulate --cluster SPEC -- mpiexec -n 2 hepti
+    bench offload --sweep` per spec (root): the sweeps."""
+    specs = [s for s in args.specs.split(",") if s]
+    paths = [HOSTFILES / f"{s}.json" for s in specs]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise InputError(f"no such spec: {', '.join(missing)}; the pairs are in hostfiles/")
+    if os.geteuid() != 0:
+        raise InputError("the sweeps run under `hepti emulate`, which needs root: run it with "
+                         "sudo, or sweep by hand with `mpiexec -n 2 hepti bench offload --sweep`")
+    warm()  # compile the kernels here, not on a 0.15-core device
+    sweeps = []
+    with tempfile.TemporaryDirectory(prefix="hepti-offload-") as tmp:
+        for name, path in zip(specs, paths):
+            print(f"== {name}", file=sys.stderr, flush=True)
+            out = Path(tmp) / f"{name}.json"
+            launch(hepti_cmd() + ["bench", "offload", "--sweep", "--scenario", name, "--repeat",
+                                  str(args.repeat), "--steps", str(args.steps), "--out", str(out)],
+                   ranks=2, spec=path, timeout=args.timeout)
+            sweeps.append(json.loads(out.read_text()))
+    return sweeps
+
+
+def sweep_under_mpi(args) -> int:
+    """One sweep on this job's ranks; rank 0 prints (and writes --out)."""
     from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
     comm = MPI.COMM_WORLD
     try:
@@ -588,4 +634,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(module_main(__spec__.name))

@@ -1,6 +1,6 @@
 """Operator order: BTSearch's peak against the file order and random orders, and its effort.
 
-`python -m hepti.bench.order` (bin/bench-order.sh) writes results/order.json and order.csv:
+`hepti bench order` (bin/bench-order.sh) writes results/order.json and order.csv:
 one row per graph under the default memory model (activations only, graph inputs and outputs
 not counted), batch 1:
 - the nine ONNX Model Zoo topologies the onnx wheel ships (weights folded away);
@@ -16,7 +16,7 @@ not counted), batch 1:
 with the peak found, the file order's, the mean / worst / best of 100 seeded random orders,
 how far below each the found peak is, the states explored, seconds, `proven` (and, per
 unproven block, why and which method found its order: BTSearch, or the HMCOS-style
-hierarchical search of hepti.plan.order_hier), the same with the in-place option, and the
+hierarchical search of hepti.order.hierarchical), the same with the in-place option, and the
 downset DP's peak (an independent exact method) on graphs under 300 operators where it fits in
 100,000 downsets. `targets` in the JSON checks issue 20's figures against the rows.
 
@@ -28,13 +28,13 @@ whose cheap incumbent already meets the lower bound explores none.
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from hepti.bench import git_commit, result_doc, write_json
+from hepti.bench.harness import git_commit, positive_int, result_doc, write_csv, write_json
+from hepti.bench.registry import module_main
 from hepti.config import CNNConfig
 from hepti.families import preset_config
 from hepti.graph.cnn import build
@@ -42,9 +42,10 @@ from hepti.families import family_graph
 from hepti.graph.load import load_graph
 from hepti.graph.onnx_import import import_onnx
 from hepti.graph.opdag import from_cnn, from_encoder, random_dag, random_wiring
-from hepti.plan.memory import compile_problem
-from hepti.plan.order import btsearch, order_graph
-from hepti.plan.order_exact import TooLarge, downset_dp
+from hepti.order.btsearch import btsearch
+from hepti.order.exact import TooLarge, downset_dp
+from hepti.order.memory import compile_problem
+from hepti.order.search import order_graph
 
 ONNX_MODELS = ("bvlc_alexnet", "zfnet512", "vgg19", "squeezenet", "inception_v1",
                "inception_v2", "resnet50", "densenet121", "shufflenet")
@@ -262,27 +263,22 @@ def draw(plot: dict, path: Path) -> bool:
     return True
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    cols = ["graph", "kind", "ops", "blocks_searched", "largest_block", "peak_bytes",
-            "file_order_peak_bytes", "random_mean_bytes", "random_worst_bytes",
-            "below_file_pct", "below_random_mean_pct", "below_random_worst_pct", "states",
-            "seconds", "proven", "inplace_peak_bytes", "inplace_file_order_peak_bytes",
-            "dp_peak_bytes", "dp_agrees", "note"]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, cols, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+CSV_FIELDS = ["graph", "kind", "ops", "blocks_searched", "largest_block", "peak_bytes",
+              "file_order_peak_bytes", "random_mean_bytes", "random_worst_bytes",
+              "below_file_pct", "below_random_mean_pct", "below_random_worst_pct", "states",
+              "seconds", "proven", "inplace_peak_bytes", "inplace_file_order_peak_bytes",
+              "dp_peak_bytes", "dp_agrees", "note"]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hepti.bench.order", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap) -> None:
     ap.add_argument("--what", choices=("table", "plot", "all"), default="all")
     ap.add_argument("--only", nargs="+", metavar="NAME", help="table rows whose name has NAME")
     ap.add_argument("--time-limit", type=float, default=10.0, help="seconds per block (default 10)")
-    ap.add_argument("--seeds", type=int, default=5, help="graphs per size in the plot (default 5)")
+    ap.add_argument("--seeds", type=positive_int, default=5, help="graphs per size in the plot (default 5)")
     ap.add_argument("--out", default="results/order.json", help="default %(default)s")
-    args = ap.parse_args(argv)
+
+
+def run(args) -> int:
     commit = git_commit()
     out = Path(args.out)
     if args.what in ("table", "all"):
@@ -293,7 +289,7 @@ def main(argv=None) -> int:
                               "at each step", rows=rows, targets=targets(rows)), out)
         for t in targets(rows):
             print(f"{'met ' if t['met'] else 'MISSED'} {t['target']}: {t['graph']} {t['figure']}")
-        write_csv(rows, out.with_suffix(".csv"))
+        write_csv(rows, CSV_FIELDS, out.with_suffix(".csv"))
         print(f"wrote {out} and {out.with_suffix('.csv')}")
     if args.what in ("plot", "all"):
         plot = run_plot(args.seeds)
@@ -307,4 +303,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(module_main(__spec__.name))

@@ -1,8 +1,8 @@
 """Executed peaks (issue 20): each rank's measured activation high-water mark under BTSearch's
 order against the memory model's peak, for the families hepti runs.
 
-    python -m hepti.bench.order_exec [--out results/order-exec.json]            # 1 rank
-    mpiexec -n 2 python -m mpi4py -m hepti.bench.order_exec --out ...-2.json     # 2 ranks
+    hepti bench order-exec [--out results/order-exec.json]                      # 1 rank
+    mpiexec -n 2 python -m mpi4py -m hepti bench order-exec --out ...-2.json     # 2 ranks
 
 Per model and rank, three figures of one forward (batch 1, after a warm-up forward):
 - `counter_peak_bytes`: the allocation counter (hepti.model.livebytes) on the executor's
@@ -12,7 +12,7 @@ Per model and rank, three figures of one forward (batch 1, after a warm-up forwa
   from Python (an MLP's or attention's temporaries, collective buffers), but not what Numba
   allocates inside a kernel;
 - `modelled_peak_bytes`: the model's peak for what that rank runs.
-  CNNs: hepti.plan.memory's peak of BTSearch's order (hepti.plan.order.executor_order) with
+  CNNs: hepti.order.memory's peak of BTSearch's order (hepti.order.search.executor_order) with
   the executor's own copy of the pixels and the logits it hands back counted (count_io), on
   one rank; at 2 ranks, of the rank's part (`BandExecutor.rank_dag`: its bands, each widening
   by a halo a step). `modelled_peak_default_bytes` is the default model's figure (inputs and
@@ -28,17 +28,15 @@ CNNs run with seeded random weights made in memory; BERT-base and ViT-B/16 from
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
 import tracemalloc
 from pathlib import Path
-import subprocess
 
 import numpy as np
 
+from hepti.bench.harness import positive_int, result_doc, write_json
+from hepti.bench.registry import module_main
 from hepti.config import CNNConfig
 from hepti.counts import counts
 from hepti.graph import lower
@@ -54,8 +52,8 @@ from hepti.parallel.comm import Comm
 from hepti.parallel.single import SingleCNN
 from hepti.parallel.engine import Job
 from hepti.plan.costmodel import held_bytes
-from hepti.plan.memory import order_peak
-from hepti.plan.order import executor_order
+from hepti.order.memory import order_peak
+from hepti.order.search import executor_order
 from hepti.plan.planfile import DIMS, Plan
 from hepti.weights import WeightStore
 
@@ -170,15 +168,15 @@ def encoder_rows(name: str, world, root: Path) -> dict:
                 order_note="a chain: every operator is a cut, one order exists")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hepti.bench.order_exec",
-                                 description=__doc__.split("\n\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--models", nargs="*", default=DEFAULT,
                     help=f"of {', '.join(list(CNNS) + list(ENCODERS))}")
-    ap.add_argument("--side", type=int, default=224, help="CNN input side (default 224)")
+    ap.add_argument("--side", type=positive_int, default=224, help="CNN input side (default 224)")
     ap.add_argument("--weights", default="weights", help="where bert-base/ and vit-base/ are")
     ap.add_argument("--out", default=None, help="write the rows as JSON here (rank 0)")
-    args = ap.parse_args(argv)
+
+
+def run(args) -> int:
     try:
         from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
         world = Comm(MPI.COMM_WORLD) if MPI.COMM_WORLD.Get_size() > 1 else Comm(None)
@@ -204,16 +202,12 @@ def main(argv=None) -> int:
                       file=sys.stderr)
             rows += gathered
     if world.rank == 0 and args.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-        doc = {"benchmark": "order-exec", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-               "commit": commit, "ranks": world.size, "node": os.uname().nodename,
-               "target": "counter within 10% of the modelled peak (|ratio - 1| <= 0.10)",
-               "rows": rows,
-               "met": all(abs(r["ratio"] - 1) <= 0.10 for r in rows if r["ratio"])}
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(result_doc("order-exec", ranks=world.size,
+                              target="counter within 10% of the modelled peak (|ratio - 1| <= 0.10)",
+                              rows=rows, met=all(abs(r["ratio"] - 1) <= 0.10 for r in rows if r["ratio"])),
+                   args.out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(module_main(__spec__.name))

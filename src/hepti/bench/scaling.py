@@ -1,19 +1,17 @@
-"""`bin/bench-scaling.sh`: 1 rank vs N ranks (rows, tensor; a CNN: even bands and auto) at even
-shares, interleaved.
+"""`hepti bench scaling` (bin/bench-scaling.sh): 1 rank vs N ranks (rows, tensor; a CNN: even
+bands and auto) at even shares, interleaved.
 
-Each round runs every configuration once (each run is `hepti run --repeat R --json`, one
-thread per rank, fixed-shape synthetic input with no padding) and the rounds alternate, so slow
-drifts of this shared machine hit every configuration alike. The figure is the median over
+Each round runs every configuration once (each run is `hepti run --repeat R --json`, one thread
+per rank, fixed-shape synthetic input with no padding), the order rotating from round to round
+(hepti.bench.harness.interleave), so slow drifts of this shared machine hit every configuration
+alike. The figure is the median over
 rounds of each configuration's median latency, and the speedup is single / parallel. Beside
-it, `speedup_paired` is the median of the per-round ratios (each round's 1-rank launch against
-the same round's N-rank one), which a drift across the rounds moves less.
+it, `speedup_paired` comes from the median of the per-round ratios (each round's N-rank launch
+against the same round's 1-rank one), which a drift across the rounds moves less.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -21,8 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from hepti.families import family
-from hepti.bench import hepti_cmd, mpiexec, result_doc, run_cmd, write_json
+from hepti.bench.harness import (hepti_cmd, interleave, launch, positive_int, result_doc, summarise,
+                                 write_json)
 from hepti.bench.model import synthetic_batch
+from hepti.bench.registry import module_main
 from hepti.weights import WeightStore
 
 
@@ -51,30 +51,30 @@ def synthetic_input(model_dir: str, seq: int, tmp: Path) -> tuple[str, Path]:
 
 
 def run_once(model_dir, inp: tuple[str, Path], ranks: int, strategy: str | None, repeat: int) -> dict:
+    """One `hepti run --repeat R --json` launch (under mpiexec past one rank): its report."""
     cmd = hepti_cmd() + ["run", "--model", str(model_dir), inp[0], str(inp[1]),
-                          "--pool", "mean", "--repeat", str(repeat), "--json"]
+                         "--pool", "mean", "--repeat", str(repeat), "--json"]
     if strategy:
         cmd += ["--strategy", strategy]
-    if ranks > 1:
-        cmd = [mpiexec(), "-n", str(ranks)] + cmd
-    return json.loads(run_cmd(cmd))
+    return launch(cmd, ranks=ranks if ranks > 1 else None).json()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--case", action="append", metavar="MODEL_DIR:SEQ", required=True,
                     help="a model folder and a token count, e.g. weights/minilm-l6:128 "
-                         "(a vision model: its tokens per image, weights/vit-base:197)")
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--strategies", default="rows,tensor")
+                         "(a vision model: its tokens per image, weights/vit-base:197; a CNN: "
+                         "its image side, weights/resnet50:224)")
+    ap.add_argument("--ranks", type=positive_int, default=2, help="ranks of the parallel runs (default 2)")
+    ap.add_argument("--strategies", default="rows,tensor", help="a transformer's (default %(default)s)")
     ap.add_argument("--cnn-strategies", default="even,auto",
                     help="a CNN's (split by height; its SEQ is the image side): default %(default)s")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--repeat", type=int, default=10, help="timed runs inside each launch")
-    ap.add_argument("--out", default="results/scaling.json")
-    args = ap.parse_args(argv)
-    from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
+    ap.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds (default 5)")
+    ap.add_argument("--repeat", type=positive_int, default=10, help="timed runs inside each launch (default 10)")
+    ap.add_argument("--out", default="results/scaling.json", help="default %(default)s")
 
+
+def run(args) -> int:
+    from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
 
     def configs_of(model_dir):
         cnn = family(WeightStore(model_dir).config).executor == "bands"
@@ -84,32 +84,27 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="hepti-scaling-"))
     total = sum(args.rounds * len(configs_of(c.rsplit(":", 1)[0])) for c in args.case)
     bar = tqdm(total=total, desc="scaling", unit="run", file=sys.stderr)
-    for case in args.case:
-        model_dir, seq = case.rsplit(":", 1)
-        configs = configs_of(model_dir)
-        ids_file = synthetic_input(model_dir, int(seq), tmp)
-        per = {c: [] for c in configs}
-        detail = {c: None for c in configs}
-        for _ in range(args.rounds):
-            for c in configs:  # interleaved
-                rep = run_once(model_dir, ids_file, c[0], c[1], args.repeat)
-                per[c].append(rep["latency_s"]["median"])
-                detail[c] = rep
-                bar.update(1)
-        single = statistics.median(per[(1, None)])
-        for c in configs:
-            med = statistics.median(per[c])
-            paired = statistics.median(s / p for s, p in zip(per[(1, None)], per[c]))
-            row = {"model": Path(model_dir).name, "seq": int(seq), "ranks": c[0],
-                   "strategy": c[1] or "single", "median_latency_s": med,
-                   "round_medians_s": per[c], "speedup_vs_1_rank": single / med,
-                   "speedup_paired": paired}
-            if c[0] > 1:
-                row["per_rank"] = [{k: r[k] for k in ("rank", "compute_s", "comm_total_s", "comm_s")}
-                                   for r in detail[c]["per_rank"]]
-            results.append(row)
-    bar.close()
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for case in args.case:
+            model_dir, seq = case.rsplit(":", 1)
+            configs = configs_of(model_dir)
+            ids_file = synthetic_input(model_dir, int(seq), tmp)
+            reps = interleave(configs, args.rounds,
+                              lambda c, _k: run_once(model_dir, ids_file, c[0], c[1], args.repeat), bar)
+            per = {c: [r["latency_s"]["median"] for r in rs] for c, rs in reps.items()}
+            fig = summarise(per, baseline=(1, None))
+            for c in configs:
+                row = {"model": Path(model_dir).name, "seq": int(seq), "ranks": c[0],
+                       "strategy": c[1] or "single", "median_latency_s": fig[c]["median"],
+                       "round_medians_s": per[c], "speedup_vs_1_rank": 1 / fig[c]["ratio"],
+                       "speedup_paired": 1 / fig[c]["paired_ratio"]}
+                if c[0] > 1:
+                    row["per_rank"] = [{k: r[k] for k in ("rank", "compute_s", "comm_total_s", "comm_s")}
+                                       for r in reps[c][-1]["per_rank"]]
+                results.append(row)
+    finally:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     write_json(result_doc("scaling", rounds=args.rounds, repeat_per_launch=args.repeat,
                           threads_per_rank=1, results=results), args.out)
     print(f"{'model':<14}{'seq':>5}{'ranks':>6}  {'strategy':<9}{'median ms':>10}{'speedup':>9}"
@@ -123,4 +118,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(module_main(__spec__.name))

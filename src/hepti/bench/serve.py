@@ -1,24 +1,22 @@
-"""`bin/bench-serve.sh`: `hepti serve`'s throughput and latency at 1, 4 and 16 concurrent
-clients, next to `hepti run --input` on the same texts.
+"""`hepti bench serve` (bin/bench-serve.sh): `hepti serve`'s throughput and latency at 1, 4 and
+16 concurrent clients, next to `hepti run --input` on the same texts.
 
 One `hepti serve --model M -n N` runs for the whole benchmark. Each round, in turn (the order
-rotates, so neither side always meets a warmer or a busier machine): for each client count C,
-C threads post one line each per request (`POST /v1/embeddings`, closed loop: a client sends
+rotates: hepti.bench.harness.interleave, so neither side always meets a warmer or a busier
+machine): for each client count C, C threads post one line each per request (`POST /v1/embeddings`, closed loop: a client sends
 its next request when its answer arrives) for `--seconds`; then `mpiexec -n N hepti run
 --input LINES --output OUT.npy --report R.json` embeds every line once, and its throughput is
 lines over the pass's wall time (`pass_s`: the launch and the load are not counted, as the
 service's are not). The lines are bench-file's (3-12 words). Figures: requests/s and p50/p99
 latency per client count, lines/s of the file job; medians over the rounds.
 
-    bin/bench-serve.sh [--model weights/minilm-l6] [--ranks 2] [--clients 1,4,16]
-                       [--seconds 20] [--rounds 3] [--lines 2000] [--out results/serve.json]
+    hepti bench serve [--model weights/minilm-l6] [--ranks 2] [--clients 1,4,16]
+                      [--seconds 20] [--rounds 3] [--lines 2000] [--out results/serve.json]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,9 +24,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from hepti.bench import git_commit, hepti_cmd, mpiexec, result_doc, write_json
-from hepti.bench.adapt import _wait_ready
 from hepti.bench.filejob import make_lines
+from hepti.bench.harness import (git_commit, hepti_cmd, interleave, launch, positive_int, result_doc,
+                                 service, write_json)
+from hepti.bench.registry import module_main
 
 
 def drive(url: str, lines: list[str], clients: int, seconds: float) -> dict:
@@ -73,28 +72,28 @@ def drive(url: str, lines: list[str], clients: int, seconds: float) -> dict:
 def file_job(model: str, lines: Path, ranks: int, work: Path, tag: str) -> dict:
     out, report = work / f"{tag}.npy", work / f"{tag}.json"
     out.unlink(missing_ok=True)  # `hepti run` keeps an existing output unless told --force
-    cmd = [mpiexec(), "-n", str(ranks), *hepti_cmd(), "run", "--model", model, "--input", str(lines),
-           "--output", str(out), "--report", str(report)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-2000:]}")
+    launch([*hepti_cmd(), "run", "--model", model, "--input", str(lines), "--output", str(out),
+            "--report", str(report)], ranks=ranks, timeout=3600)
     rep = json.loads(report.read_text())
     n = sum(1 for _ in open(lines))
     wall = rep["pass_s"]["wall_s"]  # the pass: reading, forwards, writing (not launch, load)
     return {"lines": n, "pass_s": wall, "lines_per_s": n / wall}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bin/bench-serve.sh", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="weights/minilm-l6")
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--clients", default="1,4,16", help="concurrent client counts (comma-separated)")
-    ap.add_argument("--seconds", type=float, default=20.0, help="seconds of requests per client count")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--lines", type=int, default=2000, help="lines of the texts (and of the file job)")
-    ap.add_argument("--port", type=int, default=8791)
-    ap.add_argument("--out", default="results/serve.json")
-    args = ap.parse_args(argv)
+def add_arguments(ap) -> None:
+    ap.add_argument("--model", default="weights/minilm-l6", help="default %(default)s")
+    ap.add_argument("--ranks", type=positive_int, default=2, help="default %(default)s")
+    ap.add_argument("--clients", default="1,4,16", help="concurrent client counts (default %(default)s)")
+    ap.add_argument("--seconds", type=float, default=20.0,
+                    help="seconds of requests per client count (default %(default)s)")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (default %(default)s)")
+    ap.add_argument("--lines", type=positive_int, default=2000,
+                    help="lines of the texts (and of the file job) (default %(default)s)")
+    ap.add_argument("--port", type=int, default=8791, help="the service's port (default %(default)s)")
+    ap.add_argument("--out", default="results/serve.json", help="default %(default)s")
+
+
+def run(args) -> int:
     counts = [int(c) for c in args.clients.split(",")]
     work = Path(tempfile.mkdtemp(prefix="hepti-bench-serve-"))
     lines_path = work / "lines.txt"
@@ -102,34 +101,23 @@ def main(argv=None) -> int:
     lines = lines_path.read_text().splitlines()
     url = f"http://127.0.0.1:{args.port}"
     cmd = [*hepti_cmd(), "serve", "--model", args.model, "-n", str(args.ranks), "--port", str(args.port)]
-    serve_log = open(work / "serve.log", "w")
-    proc = subprocess.Popen(cmd, stdout=serve_log, stderr=subprocess.STDOUT)
-    served: dict[int, list[dict]] = {c: [] for c in counts}
-    filed: list[dict] = []
-    try:
-        _wait_ready(url, proc, timeout=600)
+    with service(cmd, url, work / "serve.log"):
         drive(url, lines, 2, 3.0)  # warm-up: first touches, Numba's first calls
-        steps = [("serve", c) for c in counts] + [("file", None)]
-        for r in range(args.rounds):
-            k = r % len(steps)
-            for kind, c in steps[k:] + steps[:k]:
-                if kind == "serve":
-                    res = drive(url, lines, c, args.seconds)
-                    served[c].append(res)
-                    print(f"round {r + 1}: {c} clients: {res['requests_per_s']:.1f} req/s, p50 "
-                          f"{res['p50_s'] * 1e3:.1f} ms, p99 {res['p99_s'] * 1e3:.1f} ms", flush=True)
-                else:
-                    res = file_job(args.model, lines_path, args.ranks, work, f"file-{r}")
-                    filed.append(res)
-                    print(f"round {r + 1}: hepti run --input: {res['lines_per_s']:.1f} lines/s", flush=True)
+
+        def step(what: tuple, r: int) -> dict:
+            kind, c = what
+            if kind == "serve":
+                res = drive(url, lines, c, args.seconds)
+                print(f"round {r + 1}: {c} clients: {res['requests_per_s']:.1f} req/s, p50 "
+                      f"{res['p50_s'] * 1e3:.1f} ms, p99 {res['p99_s'] * 1e3:.1f} ms", flush=True)
+            else:
+                res = file_job(args.model, lines_path, args.ranks, work, f"file-{r}")
+                print(f"round {r + 1}: hepti run --input: {res['lines_per_s']:.1f} lines/s", flush=True)
+            return res
+        runs = interleave([("serve", c) for c in counts] + [("file", None)], args.rounds, step)
+        served = {c: runs[("serve", c)] for c in counts}
+        filed = runs[("file", None)]
         metrics = json.loads(urllib.request.urlopen(url + "/metrics", timeout=60).read())
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        serve_log.close()
     med = statistics.median
     summary = {"serve": {str(c): {"requests_per_s": med(x["requests_per_s"] for x in rs),
                                   "p50_ms": med(x["p50_s"] for x in rs) * 1e3,
@@ -142,7 +130,7 @@ def main(argv=None) -> int:
     doc = result_doc("serve", commit=git_commit(), model=args.model, ranks=args.ranks,
                      clients=counts, seconds=args.seconds, rounds=args.rounds, lines=args.lines,
                      summary=summary, served={str(c): v for c, v in served.items()}, file_job=filed,
-                     service_metrics=metrics, command="bin/bench-serve.sh " + " ".join(argv or sys.argv[1:]))
+                     service_metrics=metrics)
     write_json(doc, args.out)
     print(json.dumps(summary, indent=1))
     print(f"wrote {args.out}")
@@ -150,4 +138,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(module_main(__spec__.name))

@@ -1,4 +1,4 @@
-"""`python -m hepti.bench.slowdown`: is an emulated device uniformly slower? (root)
+"""`hepti bench slowdown`: is an emulated device uniformly slower? (root)
 
 A device emulated at share s should run every compute phase, however short, in 1/s of the time
 it takes uncapped, and still move bytes at its link's rate. This measures both on two-device
@@ -28,20 +28,19 @@ references differ; the stretch scales the CPU the phase took, whichever it was. 
 median phase; `mean` the block's wall time per phase. Bandwidth is one-way payload bytes/s
 against the link's rate.
 
-    sudo python -m hepti.bench.slowdown [--rounds 3] [--launches 2] [--shares 0.15,0.3,0.6]
-                                        [--modes quota,stretch] [--out results/slowdown.json]
+    sudo hepti bench slowdown [--rounds 3] [--launches 2] [--shares 0.15,0.3,0.6]
+                              [--modes quota,stretch] [--out results/slowdown.json]
 
 `--modes`: `quota` runs with HEPTI_EMULATE_STRETCH=0 (the device is a CFS quota of s alone),
-`stretch` with HEPTI_EMULATE_STRETCH=1 (hepti.emulate.stretch). Launches alternate shares and
-modes, and each launch runs `--rounds` interleaved rounds; medians over every round.
+`stretch` with HEPTI_EMULATE_STRETCH=1 (hepti.emulate.stretch). Launches take turns over shares
+and modes (hepti.bench.harness.interleave), and each launch runs `--rounds` interleaved rounds;
+medians over every round.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,10 +49,12 @@ from pathlib import Path
 import numpy as np
 
 from hepti import kernels as K
-from hepti.bench import git_commit, hepti_cmd, mpiexec, result_doc, write_json
+from hepti.bench import harness
+from hepti.bench.harness import git_commit, positive_int, result_doc, write_json
+from hepti.bench.registry import module_main
 from hepti.emulate.state import current_device
 from hepti.parallel.comm import Comm, wait
-from hepti.parallel.profiling import ping_pong
+from hepti.parallel.profile_links import ping_pong
 from hepti.parallel.trace import Tracer
 
 TARGETS_S = (1e-4, 1e-3, 1e-2, 1e-1)
@@ -145,7 +146,7 @@ def worker(out: str, rounds: int) -> None:
         wait(mpi.Ibarrier())
 
     for rnd in range(rounds):
-        ways = WAYS[rnd % 3:] + WAYS[:rnd % 3]
+        ways = harness.round_order(WAYS, rnd)
         for t, m in zip(TARGETS_S, ms):
             n = _reps(t)
             for way in ways:
@@ -274,14 +275,9 @@ def launch(share: float, mode: str, rounds: int, tmp: Path) -> dict:
     spec_path = tmp / f"spec-{share:g}.json"
     spec_path.write_text(json.dumps(spec(share)))
     out = tmp / f"out-{share:g}-{mode}.json"
-    env = dict(os.environ)
-    env[STRETCH_ENV] = "0" if mode == "quota" else "1"
-    cmd = [*hepti_cmd(), "emulate", "--cluster", str(spec_path), "--", mpiexec(), "-n", "2",
-           sys.executable, "-m", "hepti.bench.slowdown", "worker", "--out", str(out),
-           "--rounds", str(rounds)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    harness.launch([sys.executable, "-m", "hepti.bench.slowdown", "--worker", str(out),
+                   "--rounds", str(rounds)], ranks=2, spec=spec_path,
+                   env={STRETCH_ENV: "0" if mode == "quota" else "1"})
     return json.loads(out.read_text())
 
 
@@ -355,43 +351,41 @@ def format_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hepti.bench.slowdown", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd")
-    w = sub.add_parser("worker")
-    w.add_argument("--out", required=True)
-    w.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per launch")
-    ap.add_argument("--launches", type=int, default=2, help="launches per share and mode")
-    ap.add_argument("--shares", default="0.15,0.3,0.6")
-    ap.add_argument("--modes", default="quota,stretch")
-    ap.add_argument("--out", default="results/slowdown.json")
-    args = ap.parse_args(argv)
-    if args.cmd == "worker":
-        worker(args.out, args.rounds)
+def add_arguments(ap) -> None:
+    ap.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds per launch (default 3)")
+    ap.add_argument("--launches", type=positive_int, default=2,
+                    help="launches per share and mode, interleaved (default 2)")
+    ap.add_argument("--shares", default="0.15,0.3,0.6", help="default %(default)s")
+    ap.add_argument("--modes", default="quota,stretch", help="default %(default)s")
+    ap.add_argument("--out", default="results/slowdown.json", help="default %(default)s")
+    ap.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)  # a rank of one launch
+
+
+def run(args) -> int:
+    if args.worker:
+        worker(args.worker, args.rounds)
         return 0
     commit = git_commit()
     shares = [float(x) for x in args.shares.split(",")]
     modes = args.modes.split(",")
-    runs = []
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="hepti-slowdown-") as tmp:
-        for k in range(args.launches):
-            for share in shares:
-                for mode in (modes if k % 2 == 0 else modes[::-1]):
-                    r = launch(share, mode, args.rounds, Path(tmp))
-                    r["mode"] = mode
-                    runs.append(r)
-                    print(f"[{time.time() - t0:.0f} s] share {share:g} {mode}: done", file=sys.stderr)
+        def one(case, _k):
+            share, mode = case
+            r = launch(share, mode, args.rounds, Path(tmp))
+            r["mode"] = mode
+            print(f"[{time.time() - t0:.0f} s] share {share:g} {mode}: done", file=sys.stderr)
+            return r
+        by_case = harness.interleave([(sh, m) for sh in shares for m in modes], args.launches, one)
+    runs = [r for rs in by_case.values() for r in rs]
     table = summarize(runs)
     print(format_table(table))
     doc = result_doc("slowdown", commit=commit, shares=shares, modes=modes, rounds=args.rounds,
                      launches=args.launches, link_mbit=LINK_MBIT, targets_s=list(TARGETS_S),
-                     summary=table, runs=runs,
-                     command="sudo python -m hepti.bench.slowdown " + " ".join(argv or sys.argv[1:]))
+                     summary=table, runs=runs)
     write_json(doc, args.out)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(module_main(__spec__.name))

@@ -10,13 +10,16 @@ this.
 """
 from __future__ import annotations
 
+import json
 import random
 import statistics
+import sys
 import time
 
-from hepti.bench import result_doc
+from hepti.bench.harness import interleave, positive_int, result_doc, write_json
+from hepti.bench.registry import module_main
 from hepti.families import preset_config
-from hepti.errors import PlanError
+from hepti.errors import InputError, PlanError
 from hepti.plan.partition import make_plan
 from hepti.plan.profile import declared_profile
 
@@ -46,25 +49,23 @@ def run_solver_bench(devices=DEVICES, strategies=STRATEGIES, rounds: int = 15, s
     cfg = preset_config("bert-base")
     cases = [(n, tables, s) for n in devices for tables in (False, True) for s in strategies]
     profiles = {(n, t): declared_profile(random_devices(n, seed, t)) for n in devices for t in (False, True)}
-    times: dict[tuple, list[float]] = {c: [] for c in cases}
     refused: dict[tuple, str] = {}
     t0 = time.perf_counter()
-    for case in cases:  # warm-up: imports, scipy's first solve
+
+    def solve(case: tuple, _k: int) -> float | None:
         n, tables, strategy = case
+        if case in refused:
+            return None
         try:
-            make_plan(cfg, profiles[(n, tables)], SEQ, strategy=strategy)
+            return make_plan(cfg, profiles[(n, tables)], SEQ, strategy=strategy).solve_s
         except PlanError as e:  # e.g. no rows plan when no device holds the model
             refused[case] = str(e)
+            return None
+    for case in cases:  # warm-up: imports, scipy's first solve
+        solve(case, -1)
     with tqdm(total=rounds * len(cases), desc="solver", unit="plan", disable=not progress) as bar:
-        for _ in range(rounds):
-            for case in cases:
-                n, tables, strategy = case
-                if case not in refused:
-                    try:
-                        times[case].append(make_plan(cfg, profiles[(n, tables)], SEQ, strategy=strategy).solve_s)
-                    except PlanError as e:  # e.g. no rows plan when no device holds the model
-                        refused[case] = str(e)
-                bar.update(1)
+        times = {c: [t for t in ts if t is not None]
+                 for c, ts in interleave(cases, rounds, solve, bar).items()}
     rows = []
     for case in cases:
         n, tables, strategy = case
@@ -97,3 +98,27 @@ def format_solver(res: dict) -> str:
         verdict = f" ({'MET' if worst <= 0.05 else 'MISS'}: {res['target']})" if top == 32 else ""
         lines.append(f"slowest median at {top} devices: {worst * 1e3:.1f} ms{verdict}")
     return "\n".join(lines)
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--devices", default="2,4,8,16,32", help="cluster sizes (default %(default)s)")
+    ap.add_argument("--rounds", type=positive_int, default=15, help="interleaved rounds (default 15)")
+    ap.add_argument("--out", default="results/solver.json", help="write the JSON here (default %(default)s)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args) -> int:
+    try:
+        devices = tuple(int(x) for x in args.devices.split(","))
+    except ValueError:
+        raise InputError(f"--devices {args.devices!r}: give cluster sizes like 2,4,8,16,32") from None
+    if any(n < 1 for n in devices):
+        raise InputError(f"--devices {args.devices!r}: every cluster size must be at least 1")
+    res = run_solver_bench(devices, rounds=args.rounds, progress=not args.json)
+    write_json(res, args.out)
+    print(json.dumps(res, indent=2) if args.json else format_solver(res) + f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(module_main(__spec__.name))

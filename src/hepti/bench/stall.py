@@ -3,15 +3,15 @@ and without the spare job (issue 44: within 10 s), and where that time goes.
 
 Each run starts a service in this process (hepti.serve.supervisor, `-n RANKS --strategy
 tensor`), waits until it serves and, with the spare, until the spare waits at its hello (its
-ranks' connections queued on its listener), lets two closed-loop clients post for a few
-seconds, then SIGSTOPs worker rank 1 and times, from the stop: the declaration (`declared`),
-the old job's end as `_serve` saw it (`ended`), the next job's hello (`ready`) and the first
-answer (`first`). Runs alternate between the settings, so that both meet the same drift of
-the machine's load; the 1-minute load average at each stop is printed with the run. The
-figures: the median and range of each over the runs.
+ranks' connections queued on its listener), lets two closed-loop clients post for a few seconds,
+then SIGSTOPs worker rank 1 and times, from the stop: the declaration (`declared`), the old
+job's end as `_serve` saw it (`ended`), the next job's hello (`ready`) and the first answer
+(`first`). Runs alternate between the settings (hepti.bench.harness.interleave), so that both
+meet the same drift of the machine's load; the 1-minute load average at each stop is printed
+with the run. The figures: the median and range of each over the runs.
 
-    python -m hepti.bench.stall [--model weights/minilm-l6] [--ranks 2] [--runs 5]
-                                [--settings spare,fresh] [--out results/tmp/stall.json]
+    hepti bench stall [--model weights/minilm-l6] [--ranks 2] [--runs 5]
+                      [--settings spare,fresh] [--out results/tmp/stall.json]
 
 `--readmit` instead times a lost device's re-admission: the longest wait for an answer around
 it (`readmit_run`; medians over `--runs`). Without `--spec`, in this process: `-n RANKS`,
@@ -38,7 +38,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -47,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hepti.bench import mpiexec
+from hepti.bench.harness import interleave, launch, positive_int, result_doc, write_json
+from hepti.bench.registry import module_main
 from hepti.bench.adapt import served_run
 from hepti.serve.supervisor import Supervisor
 
@@ -283,10 +283,8 @@ def _stages(model: str) -> None:
 def stages(model: str, runs: int) -> dict:
     out = []
     for _ in range(runs):
-        env = dict(os.environ, HEPTI_STAGES_T0=repr(time.time()))
-        p = subprocess.run([mpiexec(), "-n", "1", sys.executable, "-m", "hepti.bench.stall",
-                            "--stage-child", "--model", model], env=env, capture_output=True,
-                           text=True, check=True)
+        p = launch([sys.executable, "-m", "hepti.bench.stall", "--stage-child", "--model", model],
+                   ranks=1, env={"HEPTI_STAGES_T0": repr(time.time())})
         out.append(json.loads(p.stdout.strip().splitlines()[-1]))
         print(json.dumps(out[-1]), flush=True)
     keys = list(out[0]["wall"])
@@ -295,68 +293,71 @@ def stages(model: str, runs: int) -> dict:
             "cpu_median": {k: statistics.median(r["cpu"][k] for r in out) for k in keys}}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hepti.bench.stall", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="weights/minilm-l6")
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--settings", default="spare,fresh", help="spare, fresh, or both (the order of each round)")
-    ap.add_argument("--out", default=None, help="write every run and the medians as JSON")
+def spread(runs: list[dict], keys) -> dict:
+    """The median, min and max over the runs of each figure in keys."""
+    return {key: {"median": statistics.median(r[key] for r in runs),
+                  "min": min(r[key] for r in runs), "max": max(r[key] for r in runs)} for key in keys}
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--model", default="weights/minilm-l6", help="default %(default)s")
+    ap.add_argument("--ranks", type=positive_int, default=2, help="default %(default)s")
+    ap.add_argument("--runs", type=positive_int, default=5,
+                    help="rounds: each setting once a round, the order alternating "
+                         "(default %(default)s)")
+    ap.add_argument("--settings", default="spare,fresh", help="spare, fresh, or both (the order of the first round)")
+    ap.add_argument("--out", default=None, help="write every run and the medians as JSON (results/...)")
     ap.add_argument("--stages", type=int, default=0, metavar="N",
                     help="time a fresh one-rank start's steps N times instead")
     ap.add_argument("--stage-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--readmit", action="store_true",
-                    help="time a lost device's re-admission instead (see the module's docstring)")
+                    help="time a lost device's re-admission instead (see the description)")
     ap.add_argument("--spec", default=None, help="with --readmit: an emulated spec (root)")
-    ap.add_argument("--seq", type=int, default=128, help="with --spec: tokens a request")
+    ap.add_argument("--seq", type=positive_int, default=128, help="with --spec: tokens a request")
     ap.add_argument("--duration", type=float, default=150.0,
                     help="with --spec: seconds of requests after the schedule starts")
-    args = ap.parse_args(argv)
-    if args.readmit:
-        runs = []
-        for k in range(args.runs):
-            if args.spec:
-                log_path = Path(tempfile.gettempdir()) / f"hepti-readmit-{os.getpid()}-{k}.log"
-                r = readmit_spec_run(args.spec, args.model, args.seq, args.duration, log_path)
-            else:
-                r = readmit_run(args.model, args.ranks)
-            runs.append(r)
-            print(json.dumps(r), flush=True)
-        summary = {key: {"median": statistics.median(r[key] for r in runs),
-                         "min": min(r[key] for r in runs), "max": max(r[key] for r in runs)}
-                   for key in ("load1", "longest_wait_s", "longest_gap_s", "admission_ready_s")}
-        summary["make_before_break"] = f"{sum(r['make_before_break'] for r in runs)}/{len(runs)}"
-        print(json.dumps(summary, indent=1))
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary}, indent=1) + "\n")
-        return 0
+
+
+def run(args) -> int:
     if args.stage_child:
         _stages(args.model)
         return 0
     if args.stages:
         print(json.dumps(stages(args.model, args.stages), indent=1))
         return 0
-    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    runs = []
-    for k in range(args.runs):
-        for setting in (settings if k % 2 == 0 else settings[::-1]):
-            r = one_run(args.model, args.ranks, setting == "spare")
-            runs.append(r)
+    if args.readmit:
+        def one(_setting, k):
+            if args.spec:
+                log_path = Path(tempfile.gettempdir()) / f"hepti-readmit-{os.getpid()}-{k}.log"
+                r = readmit_spec_run(args.spec, args.model, args.seq, args.duration, log_path)
+            else:
+                r = readmit_run(args.model, args.ranks)
             print(json.dumps(r), flush=True)
-    summary = {}
-    for setting in settings:
-        mine = [r for r in runs if r["spare"] == (setting == "spare")]
-        summary[setting] = {key: {"median": statistics.median(r[key] for r in mine),
-                                  "min": min(r[key] for r in mine), "max": max(r[key] for r in mine)}
-                            for key in ("load1", "declared_s", "ended_s", "ready_s", "first_s")}
-        summary[setting]["within_10s"] = f"{sum(r['first_s'] <= 10 for r in mine)}/{len(mine)}"
+            return r
+        runs = interleave(["readmit"], args.runs, one)["readmit"]
+        summary = spread(runs, ("load1", "longest_wait_s", "longest_gap_s", "admission_ready_s"))
+        summary["make_before_break"] = f"{sum(r['make_before_break'] for r in runs)}/{len(runs)}"
+        name = "stall-readmit"
+    else:
+        settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+
+        def one(setting, _k):
+            r = one_run(args.model, args.ranks, setting == "spare")
+            print(json.dumps(r), flush=True)
+            return r
+        by_setting = interleave(settings, args.runs, one)
+        runs = [r for rs in zip(*by_setting.values()) for r in rs]
+        summary = {}
+        for setting, mine in by_setting.items():
+            summary[setting] = spread(mine, ("load1", "declared_s", "ended_s", "ready_s", "first_s"))
+            summary[setting]["within_10s"] = f"{sum(r['first_s'] <= 10 for r in mine)}/{len(mine)}"
+        name = "stall"
     print(json.dumps(summary, indent=1))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary}, indent=1) + "\n")
+        write_json(result_doc(name, model=args.model, ranks=args.ranks, runs=runs, summary=summary),
+                   args.out)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(module_main(__spec__.name))

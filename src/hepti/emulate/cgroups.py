@@ -38,6 +38,7 @@ from pathlib import Path
 from hepti.emulate.actions import Action, Mkdir, Rmdir, Write
 from hepti.emulate.names import CGROUP_RE, RunNames
 from hepti.emulate.spec import ClusterSpec, EmulateError
+from hepti.resources import cgroup_mounts, cgroup_path, own_cgroups
 
 PERIOD_US = 10_000
 MIN_QUOTA_US = 1_000
@@ -49,35 +50,6 @@ def cpu_quota(cpu: float) -> tuple[int, int]:
     """(quota_us, period_us) giving `cpu` cores with a period of 10 ms or just long enough."""
     period = max(PERIOD_US, math.ceil(MIN_QUOTA_US / cpu))
     return max(MIN_QUOTA_US, round(cpu * period)), period
-
-
-def _mounts() -> list[tuple[str, str, str, str]]:
-    """(fstype, mount point, mount root, super options) of every cgroup mount."""
-    out = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, rfields = left.split(), right.split()
-            if len(rfields) >= 3 and rfields[0] in ("cgroup", "cgroup2"):
-                out.append((rfields[0], fields[4], fields[3], rfields[2]))
-    return out
-
-
-def _own_paths() -> dict[str, str]:
-    """Controller (or '' for v2) -> this process's cgroup path, from /proc/self/cgroup."""
-    out = {}
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            _, ctrls, path = line.rstrip("\n").split(":", 2)
-            for c in ctrls.split(",") if ctrls else [""]:
-                out[c] = path
-    return out
-
-
-def _join(mount: str, root: str, path: str) -> str:
-    if root != "/" and path.startswith(root):
-        path = path[len(root):] or "/"
-    return os.path.normpath(mount + "/" + path.lstrip("/"))
 
 
 @dataclass(frozen=True)
@@ -93,14 +65,14 @@ class Cgroups:
     @classmethod
     def detect(cls) -> "Cgroups":
         """Find the cpu and memory controllers, or say what is missing."""
-        mounts = _mounts()
-        own = _own_paths()
+        mounts = cgroup_mounts()
+        own = own_cgroups()
         v1 = {}
         for fstype, point, root, opts in mounts:
             if fstype == "cgroup":
                 for c in ("cpu", "memory", "freezer"):
                     if c in opts.split(",") and c not in v1:
-                        v1[c] = _join(point, root, own.get(c, "/"))
+                        v1[c] = cgroup_path(point, root, own.get(c, "/"))
         if "cpu" in v1 and "memory" in v1:
             return cls(1, v1["cpu"], v1["memory"], freezer_base=v1.get("freezer"))
         for fstype, point, root, _ in mounts:
@@ -328,7 +300,7 @@ def find_groups() -> list[tuple[str, int]]:
     """(path, owner pid) of every `hepti-emu-<pid>` group in any cgroup hierarchy."""
     found: list[tuple[str, int]] = []
     seen: set[str] = set()
-    for _, point, _, _ in _mounts():
+    for _, point, _, _ in cgroup_mounts():
         if point in seen:
             continue
         seen.add(point)

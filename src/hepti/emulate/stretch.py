@@ -28,8 +28,8 @@ would not have yet) and at the end of a batch or of a profiler call. Oversleepin
 up to `CREDIT_MAX_S`.
 
 Where it runs: `hepti.parallel.trace.Tracer` spans (cat "compute" and "batch" are work, every
-other cat is a wait) and the profiler's timed calls (`hepti.parallel.profiling`) through
-`wrap`. The kernels and the planner do not know about it. It is on in a process started by
+other cat is a wait) and the profiler's timed calls (hepti.parallel.profile_compute and
+profile_cnn) through `wrap`. The kernels and the planner do not know about it. It is on in a process started by
 `hepti emulate` for a device (HEPTI_EMULATE_DEVICE and HEPTI_EMULATE_STATE set) unless
 HEPTI_EMULATE_STRETCH=0, which makes the launcher set the quota at s exactly, as before (see
 `stretch_wanted`). The share is re-read from the launcher's state file (hepti.emulate.state) at
@@ -216,7 +216,8 @@ def settle() -> None:
     since the last checkpoint, pay any backlog, and forfeit any credit, so that the measurement
     times its own work at the share. A credit is an earlier sleep's overshoot; spent by a
     measurement shorter than it, it made that measurement read unstretched: 0.40x (at 0.4
-    core) for the serving speed probe's 0.45 ms calls (hepti.parallel.profiling.SpeedProbe)."""
+    core) for the serving speed probe's 0.45 ms calls (hepti.parallel.profile_compute's
+    SpeedProbe)."""
     global _backlog
     if threading.get_ident() != _owner:
         return

@@ -172,7 +172,7 @@ class Graph:
     def run_order(self, order=None) -> list[int]:
         """The ops' indices in the order to run them: `order` (every op's name once, each
         after the ops whose outputs it reads: a topological order, such as BTSearch's from
-        hepti.plan.order on `opdag.from_cnn(graph)`), or the graph's own order when None. The
+        hepti.order.search on `opdag.from_cnn(graph)`), or the graph's own order when None. The
         spatial ops must still come first (a height split runs them, then the head); every
         topological order of hepti's CNNs keeps them first."""
         if order is None:

@@ -1,4 +1,4 @@
-"""A plain operator DAG, for choosing the order operators run in (hepti.plan.order).
+"""A plain operator DAG, for choosing the order operators run in (hepti.order.search).
 
 hepti.graph.ir says how a transformer's operators split across ranks; ordering needs less, and
 needs it for any graph, including ones hepti cannot run (ONNX files):

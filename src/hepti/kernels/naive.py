@@ -24,6 +24,12 @@ def gemm(a, b, bias=None, gelu=False, residual=None):
     return c
 
 
+def dequantize_int8(q, scales, group):
+    """float64 [R, C] that int8 q [R, C] with one scale per `group` values of a row stands for."""
+    idx = np.arange(q.shape[1]) // group
+    return np.asarray(q, np.float64) * np.asarray(scales, np.float64)[:, idx]
+
+
 def layernorm(x, gamma, beta, eps):
     """(x - mean) / sqrt(var + eps) * gamma + beta over the last axis (biased variance)."""
     x = np.asarray(x, np.float64)

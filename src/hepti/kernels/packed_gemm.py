@@ -435,8 +435,12 @@ def pack_b(w: np.ndarray, trans: bool = False) -> PackedB:
     return PackedB(panels, n)
 
 
-def _run(a, k, n, panels, b_flat, ldb, bias, gelu, residual, out, threads):
-    """Shared tail of gemm/matmul: check epilogue operands, pick the path and run it."""
+def operands(a, k, n, bias, gelu, residual, out):
+    """Check a GeMM's A and epilogue operands and allocate C (the int8 kernels share this).
+
+    Returns (c, a_flat, lda, c_flat, ldc, epi): C [M, N] (out, or new), the flat views the
+    @njit kernels take, and the epilogue tuple `_epilogue` reads.
+    """
     m = a.shape[0]
     c = np.empty((m, n), np.float32) if out is None else output(out, (m, n))
     a_flat, lda = (a.reshape(-1), k) if a.flags.c_contiguous and m else flat_rows(a, "a")
@@ -452,22 +456,35 @@ def _run(a, k, n, panels, b_flat, ldb, bias, gelu, residual, out, threads):
     if out is not None:
         check_no_overlap(c, a, "a")
         check_no_overlap(c, residual, "residual")
+    epi = (bias_v, bias is not None, bool(gelu), res_flat, 0, ldr, residual is not None)
+    return c, a_flat, lda, c_flat, ldc, epi
+
+
+def _run(a, k, n, panels, b_flat, ldb, bias, gelu, residual, out, threads):
+    """Shared tail of gemm/matmul: check epilogue operands, pick the path and run it."""
+    m = a.shape[0]
+    c, a_flat, lda, c_flat, ldc, epi = operands(a, k, n, bias, gelu, residual, out)
     if m == 0 or n == 0:
         return c
     n_chunks, blocks, ws_size = _plan(m, k, n, int(threads), panels.shape[0] == 0)
-    epi = (bias_v, bias is not None, bool(gelu), res_flat, 0, ldr, residual is not None)
     ws = workspace(ws_size)
     args = (a_flat, 0, lda, m, k, n, panels, b_flat, 0, ldb, c_flat, 0, ldc, blocks, epi, ws)
-    if n_chunks == 1:
-        _gemm_serial(*args)
-    else:
-        previous = numba.get_num_threads()
-        numba.set_num_threads(n_chunks)
-        try:
-            _gemm_parallel(n_chunks, *args)
-        finally:
-            numba.set_num_threads(previous)
+    run_chunks(n_chunks, _gemm_serial, _gemm_parallel, args)
     return c
+
+
+def run_chunks(n_chunks: int, serial, parallel, args: tuple) -> None:
+    """serial(*args) on the calling thread, or parallel(n_chunks, *args) on n_chunks Numba
+    threads (the thread count restored after)."""
+    if n_chunks == 1:
+        serial(*args)
+        return
+    previous = numba.get_num_threads()
+    numba.set_num_threads(n_chunks)
+    try:
+        parallel(n_chunks, *args)
+    finally:
+        numba.set_num_threads(previous)
 
 
 @functools.lru_cache(maxsize=512)

@@ -122,7 +122,7 @@ class CNNModel:
     many) and the profiler's per-op timings (`apply` on each op) run. There is no forward
     here: a single-process CNN is the band executor on a group of one.
 
-    `order`: the ops' names in the order to run them (BTSearch's, hepti.plan.order; the
+    `order`: the ops' names in the order to run them (BTSearch's, hepti.order.search; the
     graph's own when None), checked here (every op once, each after what it reads)."""
 
     def __init__(self, config, read, threads: int = 1, order: list[str] | None = None):

@@ -1,6 +1,6 @@
 """An allocation counter: the activation bytes an executor holds, live and at their high-water.
 
-The memory model of operator order (hepti.plan.memory) says what an order should need at its
+The memory model of operator order (hepti.order.memory) says what an order should need at its
 peak; this measures what an executor actually holds, from the arrays themselves, so that the
 two can be compared (`python -m hepti.bench.order_exec`). An executor notifies the counter as
 it stores an activation under a name (`made`) and as it lets one go (`dropped`); the counter

@@ -19,6 +19,16 @@ permutation (`hepti.weights.gguf.unpermute_qk`), after which half-split is what 
 The cache (`KVCache`) holds, per layer, K and V as [KV, ctx, D]: a rank that owns KV heads
 kv0..kv1 keeps `k[kv0:kv1]`, a slice of axis 0, and the query heads kv0*G .. kv1*G with it.
 
+One forward for one device and for a rank of many (`tensor`, hepti.parallel.decoder): a
+`LlamaModel` holds a `Shard` of the model, KV heads kv0..kv1 (with their query heads), MLP
+columns f0..f1 and vocabulary rows v0..v1; the whole model is the shard of everything. Each
+sublayer ends in a partial sum [T, C] over the rank's heads or columns, which `sync` (given by
+the caller: the parallel layer's collectives, or nothing for one device) sums over the group;
+one rank of the group (`Shard.residual`) adds the residual stream into its partial, so the sum
+is the next residual stream. The embedding is split by vocabulary like the tied head: each rank
+looks up the ids in its rows (zeros elsewhere) and `sync` sums them. So every sync point of a
+step is visible in `forward` and `layer`: one for the embedding, two per layer.
+
 Kernels (`kernels=True`, the default): the six projections and the LM head run on hepti's
 packed GeMM (`hepti.kernels.gemm`, weights packed once here; the residual adds are fused into
 the o and down GeMMs), the attention probabilities on `hepti.kernels.softmax_rows`. Plain
@@ -45,7 +55,8 @@ class LlamaConfig:
 
     Lives with the forward; the family registry (hepti.families) declares it as the "llama"
     family's config. The encoder commands refuse a converted decoder with a clear message
-    (its executor, "decoder", is not run by `hepti run` or serve yet).
+    (its executor, "decoder", hepti.parallel.decoder, is run by `hepti generate`, not by
+    `hepti run` or serve).
     """
 
     vocab_size: int
@@ -107,17 +118,48 @@ class LlamaConfig:
             raise ConfigError(f"a Llama config needs {e}") from None
 
 
+@dataclass(frozen=True)
+class Shard:
+    """A rank's share of a decoder, as half-open ranges: KV heads (with their G query heads
+    each), MLP columns and vocabulary rows (the embedding and the head). `residual`: this rank
+    adds the residual stream into its partial sums (exactly one rank of a group does)."""
+
+    kv: tuple[int, int]
+    ffn: tuple[int, int]
+    vocab: tuple[int, int]
+    residual: bool = True
+
+    @classmethod
+    def whole(cls, config: "LlamaConfig") -> "Shard":
+        """Everything: the single device."""
+        return cls((0, config.num_key_value_heads), (0, config.intermediate_size),
+                   (0, config.vocab_size))
+
+    def heads(self, config: "LlamaConfig") -> tuple[int, int]:
+        """The query heads that share this shard's KV heads."""
+        return self.kv[0] * config.group, self.kv[1] * config.group
+
+    def check(self, config: "LlamaConfig") -> "Shard":
+        for what, (a, b), n in (("kv", self.kv, config.num_key_value_heads),
+                                ("ffn", self.ffn, config.intermediate_size),
+                                ("vocab", self.vocab, config.vocab_size)):
+            if not 0 <= a <= b <= n:
+                raise ValueError(f"shard {what} range {a}:{b} out of 0:{n}")
+        return self
+
+
 class KVCache:
     """Keys and values of the tokens seen so far, per layer [KV, ctx, D] (RoPE applied to K).
 
     `n` is the number of cached tokens; positions n.. of each array are free. A rank owning KV
-    heads kv0..kv1 would hold `k[layer][kv0:kv1]` only.
+    heads kv0..kv1 holds only those: `kv_heads` = kv1 - kv0 (all of them by default).
     """
 
-    def __init__(self, config: LlamaConfig, ctx: int):
+    def __init__(self, config: LlamaConfig, ctx: int, kv_heads: int | None = None):
         if ctx < 1:
             raise InputError(f"the context must hold at least one token, got {ctx}")
-        shape = (config.num_key_value_heads, int(ctx), config.head_dim)
+        kv = config.num_key_value_heads if kv_heads is None else int(kv_heads)
+        shape = (kv, int(ctx), config.head_dim)
         self.ctx = int(ctx)
         self.k = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
         self.v = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
@@ -126,6 +168,11 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    @staticmethod
+    def bytes_for(config: LlamaConfig, ctx: int, kv_heads: int) -> int:
+        """What a cache of `ctx` tokens for `kv_heads` KV heads holds (K and V, float32)."""
+        return 2 * config.num_hidden_layers * kv_heads * int(ctx) * config.head_dim * 4
 
 
 def rms_norm(x: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
@@ -157,15 +204,25 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class LlamaModel:
-    """A Llama decoder on one process, its weights whole in RAM (float32)."""
+    """A Llama decoder's `Shard` on one process, its weights in RAM (float32): the whole model
+    by default, or a rank's share with `weights` holding only the shard's rows (as
+    `hepti.weights.decoder.read_shard` reads them; names and orientation as stored)."""
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], kernels: bool = True):
+    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], kernels: bool = True,
+                 shard: Shard | None = None):
         self.config = config
         self.kernels = bool(kernels)
+        self.shard = (shard or Shard.whole(config)).check(config)
         c = config
-        self.emb = np.ascontiguousarray(weights["emb.word"], np.float32)  # [V, C]
+        self.n_kv = self.shard.kv[1] - self.shard.kv[0]  # this shard's KV heads
+        self.n_ffn = self.shard.ffn[1] - self.shard.ffn[0]  # its MLP columns
+        self.n_vocab = self.shard.vocab[1] - self.shard.vocab[0]  # its vocabulary rows
+        self.emb = np.ascontiguousarray(weights["emb.word"], np.float32)  # (nv, C)
+        if self.emb.shape != (self.n_vocab, c.hidden_size):
+            raise ValueError(f"emb.word is {list(self.emb.shape)}, the shard's vocabulary rows "
+                             f"{self.shard.vocab} need [{self.n_vocab}, {c.hidden_size}]")
         self.final_gamma = np.asarray(weights["final_ln.gamma"], np.float32)
-        head = weights.get("head.weight", self.emb) if not c.tie_word_embeddings else self.emb
+        head = self.emb if c.tie_word_embeddings else weights["head.weight"]
         self.layers = []
         for i in range(c.num_hidden_layers):
             w = {k: np.asarray(weights[f"layer.{i}.{k}"], np.float32) for k in LAYER_TENSORS}
@@ -174,7 +231,10 @@ class LlamaModel:
         self.head = self._linear(head, False)
 
     def _linear(self, w: np.ndarray, stored_kn: bool):
-        """A weight ready for `_mm`: packed for the GeMM kernel, or as numpy's [K, N] view."""
+        """A weight ready for `_mm`: packed for the GeMM kernel, or as numpy's [K, N] view;
+        None for a shard with no rows of it (a rank with a zero share)."""
+        if w.size == 0:
+            return None
         w = np.ascontiguousarray(w, np.float32)
         if self.kernels:
             return K.pack_b(w, trans=not stored_kn)
@@ -188,13 +248,17 @@ class LlamaModel:
         return y if residual is None else y + residual
 
     def new_cache(self, ctx: int | None = None) -> KVCache:
-        return KVCache(self.config, ctx or self.config.max_position_embeddings)
+        """A cache for this shard's KV heads, `ctx` tokens (the model's context by default)."""
+        return KVCache(self.config, ctx or self.config.max_position_embeddings, self.n_kv)
 
     # --- one forward over T new tokens ---------------------------------------------------
-    def forward(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+    def forward(self, ids, cache: KVCache, all_logits: bool = False, sync=None) -> np.ndarray:
         """Run tokens `ids` [T] after the cache's n tokens; returns the last position's logits
-        [V] (or every position's [T, V] with all_logits) and advances the cache by T."""
+        of this shard's vocabulary rows [nv] (every position's [T, nv] with all_logits) and
+        advances the cache by T. `sync(partial [T, C]) -> [T, C]` sums a partial over the
+        group (None: a group of one); it is called on every rank in the same order."""
         c = self.config
+        sync = sync or _alone
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         T = ids.shape[0]
         if T == 0:
@@ -206,32 +270,67 @@ class LlamaModel:
         if p0 + T > cache.ctx:
             raise InputError(f"{p0 + T} tokens do not fit the context of {cache.ctx}")
         cos, sin = rope_tables(c.rope_theta, c.head_dim, np.arange(p0, p0 + T))
-        x = self.emb[ids]  # (T, C)
-        for i, w in enumerate(self.layers):
-            h = rms_norm(x, w["ln1.gamma"], c.rms_norm_eps)
-            ctx = self._attention(h, w, cache, i, p0, cos, sin)  # (T, H*D)
-            x = self._mm(ctx, w["attn.o.weight"], residual=x)  # (T, C)
-            h = rms_norm(x, w["ln2.gamma"], c.rms_norm_eps)
-            a = silu(self._mm(h, w["ffn.gate.weight"])) * self._mm(h, w["ffn.up.weight"])  # (T, F)
-            x = self._mm(a, w["ffn.down.weight"], residual=x)  # (T, C)
+        x = sync(self.embed(ids))  # (T, C): sync 1, the rows of every rank's vocabulary
+        for i in range(c.num_hidden_layers):
+            x = self.layer(x, i, cache, p0, cos, sin, sync)  # syncs 2 and 3 of each layer
         cache.n = p0 + T
         last = x if all_logits else x[-1:]
-        logits = self._mm(rms_norm(last, self.final_gamma, c.rms_norm_eps), self.head)  # (t, V)
+        if self.head is None:  # no vocabulary rows here
+            logits = np.empty((last.shape[0], 0), np.float32)
+        else:
+            h = rms_norm(last, self.final_gamma, c.rms_norm_eps)
+            logits = self._mm(h, self.head)  # (t, nv)
         return logits if all_logits else logits[0]
 
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """ids [T] -> (T, C): the embeddings of the ids in this shard's vocabulary rows, zeros
+        for the others (the sum over a group's shards is the whole lookup)."""
+        v0, v1 = self.shard.vocab
+        x = np.zeros((ids.shape[0], self.config.hidden_size), np.float32)
+        mine = (ids >= v0) & (ids < v1)
+        x[mine] = self.emb[ids[mine] - v0]
+        return x
+
+    def layer(self, x: np.ndarray, i: int, cache: KVCache, p0: int, cos, sin, sync) -> np.ndarray:
+        """One decoder layer on this shard: x (T, C), the same on every rank -> the next x.
+        Attention over the shard's heads and the MLP over its columns each end in a partial
+        sum that `sync` adds up over the group (with the residual from the `residual` rank)."""
+        c, w, T = self.config, self.layers[i], x.shape[0]
+        res = x if self.shard.residual else None
+        h = rms_norm(x, w["ln1.gamma"], c.rms_norm_eps)
+        ctx = self._attention(h, w, cache, i, p0, cos, sin) if self.n_kv else None  # (T, h*D)
+        x = sync(self._partial(ctx, w["attn.o.weight"], res, T))  # (T, C)
+        res = x if self.shard.residual else None
+        h = rms_norm(x, w["ln2.gamma"], c.rms_norm_eps)
+        a = None
+        if self.n_ffn:
+            a = silu(self._mm(h, w["ffn.gate.weight"])) * self._mm(h, w["ffn.up.weight"])  # (T, f)
+        return sync(self._partial(a, w["ffn.down.weight"], res, T))  # (T, C)
+
+    def _partial(self, a: np.ndarray | None, w, residual: np.ndarray | None, T: int
+                 ) -> np.ndarray:
+        """a @ W (+ residual): this shard's partial sum of a block-wise GeMM, (T, C). A shard
+        with no rows of W (a = None) contributes the residual, or zeros."""
+        if a is not None:
+            return self._mm(a, w, residual=residual)
+        if residual is not None:
+            return residual.copy()
+        return np.zeros((T, self.config.hidden_size), np.float32)
+
     def _attention(self, h, w, cache: KVCache, layer: int, p0: int, cos, sin) -> np.ndarray:
-        """Causal grouped-query attention of T new rows over the cache's p0 + T keys."""
+        """Causal grouped-query attention of T new rows over the cache's p0 + T keys, for this
+        shard's KV heads and their query heads."""
         c = self.config
-        T, KV, G, D = h.shape[0], c.num_key_value_heads, c.group, c.head_dim
-        q = self._mm(h, w["attn.q.weight"]).reshape(T, KV * G, D).transpose(1, 0, 2)  # (H, T, D)
-        k = self._mm(h, w["attn.k.weight"]).reshape(T, KV, D).transpose(1, 0, 2)  # (KV, T, D)
-        v = self._mm(h, w["attn.v.weight"]).reshape(T, KV, D).transpose(1, 0, 2)  # (KV, T, D)
+        T, KV, G, D = h.shape[0], self.n_kv, c.group, c.head_dim
+        q = self._mm(h, w["attn.q.weight"]).reshape(T, KV * G, D).transpose(1, 0, 2)  # (h, T, D)
+        k = self._mm(h, w["attn.k.weight"]).reshape(T, KV, D).transpose(1, 0, 2)  # (kv, T, D)
+        v = self._mm(h, w["attn.v.weight"]).reshape(T, KV, D).transpose(1, 0, 2)  # (kv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n = p0 + T
         kc, vc = cache.k[layer], cache.v[layer]
         kc[:, p0:n], vc[:, p0:n] = k, v
-        qg = q.reshape(KV, G * T, D)  # (KV, G*T, D): query head kv*G + g, row t -> g*T + t
-        s = np.matmul(qg, kc[:, :n].transpose(0, 2, 1))  # (KV, G*T, n)
+        qg = q.reshape(KV, G * T, D)  # (kv, G*T, D): query head kv*G + g, row t -> g*T + t
+        s = np.matmul(qg, kc[:, :n].transpose(0, 2, 1))  # (kv, G*T, n)
         s *= np.float32(1.0 / np.sqrt(D))
         s = s.reshape(KV, G, T, n)
         s[:, :, np.arange(n)[None, :] > (p0 + np.arange(T))[:, None]] = F32_MIN  # causal
@@ -241,42 +340,63 @@ class LlamaModel:
         else:
             s = np.exp(s - s.max(axis=-1, keepdims=True))
             s /= s.sum(axis=-1, keepdims=True)
-        ctx = np.matmul(s.reshape(KV, G * T, n), vc[:, :n])  # (KV, G*T, D)
-        return ctx.reshape(KV * G, T, D).transpose(1, 0, 2).reshape(T, KV * G * D)  # (T, H*D)
+        ctx = np.matmul(s.reshape(KV, G * T, n), vc[:, :n])  # (kv, G*T, D)
+        return ctx.reshape(KV * G, T, D).transpose(1, 0, 2).reshape(T, KV * G * D)  # (T, h*D)
 
-    # --- prefill, decode, greedy generation -----------------------------------------------
-    def prefill(self, prompt_ids, cache: KVCache) -> np.ndarray:
-        """The prompt's tokens as rows into an empty cache; the last position's logits [V]."""
+    # --- prefill, decode, generation --------------------------------------------------------
+    def prefill(self, prompt_ids, cache: KVCache, sync=None) -> np.ndarray:
+        """The prompt's tokens as rows into an empty cache; the last position's logits [nv]."""
         if cache.n:
             raise InputError("prefill needs an empty cache")
-        return self.forward(prompt_ids, cache)
+        return self.forward(prompt_ids, cache, sync=sync)
 
-    def decode(self, token: int, cache: KVCache) -> np.ndarray:
-        """One token after the cached ones; its logits [V]."""
-        return self.forward([int(token)], cache)
+    def decode(self, token: int, cache: KVCache, sync=None) -> np.ndarray:
+        """One token after the cached ones; its logits [nv]."""
+        return self.forward([int(token)], cache, sync=sync)
 
     def generate(self, prompt_ids, max_tokens: int, stop_ids=(), ctx: int | None = None,
-                 logits_out: list | None = None) -> list[int]:
-        """Greedy: prefill, then up to max_tokens decode steps (fewer at a token of stop_ids,
-        which is kept). `logits_out`, a list, receives the prefill's last-position logits."""
-        if max_tokens < 1:
-            raise InputError(f"max_tokens must be at least 1, got {max_tokens}")
-        n_prompt = len(prompt_ids)
-        need = n_prompt + max_tokens
-        if need > self.config.max_position_embeddings:
-            raise InputError(f"the prompt ({n_prompt} tokens) and {max_tokens} new ones do not "
-                             f"fit the model's context of {self.config.max_position_embeddings}")
-        cache = KVCache(self.config, ctx or need)
-        logits = self.prefill(prompt_ids, cache)
+                 logits_out: list | None = None, choose=None, sync=None, on_token=None
+                 ) -> list[int]:
+        """Prefill, then up to max_tokens decode steps (fewer at a token of stop_ids, which is
+        kept). `choose(logits [nv]) -> token id` picks each token (greedy argmax over a whole
+        model by default; across ranks, hepti.parallel.decoder's chooser); `on_token(id)` sees
+        each as it is made; `logits_out`, a list, receives the prefill's last-position logits."""
+        check_request(self.config, len(prompt_ids), max_tokens)
+        cache = self.new_cache(ctx or len(prompt_ids) + max_tokens)
+        choose = choose or _argmax
+        logits = self.prefill(prompt_ids, cache, sync=sync)
         if logits_out is not None:
             logits_out.append(logits)
         out: list[int] = []
         while True:
-            tok = int(np.argmax(logits))
+            tok = int(choose(logits))
             out.append(tok)
+            if on_token is not None:
+                on_token(tok)
             if tok in stop_ids or len(out) == max_tokens:
                 return out
-            logits = self.decode(tok, cache)
+            logits = self.decode(tok, cache, sync=sync)
+
+
+def check_request(config: LlamaConfig, n_prompt: int, max_tokens: int) -> None:
+    """A generation request the model can run: a prompt, new tokens, the context holds both."""
+    if max_tokens < 1:
+        raise InputError(f"max_tokens must be at least 1, got {max_tokens}")
+    if n_prompt < 1:
+        raise InputError("no tokens to run: the prompt is empty")
+    if n_prompt + max_tokens > config.max_position_embeddings:
+        raise InputError(f"the prompt ({n_prompt} tokens) and {max_tokens} new ones do not "
+                         f"fit the model's context of {config.max_position_embeddings}; "
+                         "shorten the prompt or ask for fewer tokens")
+
+
+def _alone(partial: np.ndarray) -> np.ndarray:
+    """The sync of a group of one: the partial sum is the sum."""
+    return partial
+
+
+def _argmax(logits: np.ndarray) -> int:
+    return int(np.argmax(logits))
 
 
 # The stored tensors of one layer (local names; `hepti.weights.decoder` says how each is laid

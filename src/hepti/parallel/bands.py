@@ -37,11 +37,11 @@ Every rank computes every rank's needs, the same way, so both ends of each messa
 rows without asking. Nothing here imports MPI: the verbs are hepti.parallel.comm's.
 
 **Order and memory.** Within each group the ops run in a given operator order (BTSearch's,
-hepti.plan.order; the graph's own when none): the groups stay the planner's, their ops sorted
+hepti.order.search; the graph's own when none): the groups stay the planner's, their ops sorted
 by their place in that order, so the sequence run (`sequence`) is one topological order of
 the graph. Each band is let go as soon as the last op to read it in that sequence has run,
 inside a fused group too (a fused group used to hold every band it made until its end). So a
-rank holds what the memory model of operator order (hepti.plan.memory) prices for the
+rank holds what the memory model of operator order (hepti.order.memory) prices for the
 sequence with each tensor at this rank's rows of it: `rank_dag` is that graph, and an
 allocation counter (hepti.model.livebytes) passed to `forward` measures what is held.
 """
@@ -60,13 +60,13 @@ from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, fir
 from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo, from_cnn
 from hepti.model.cnn import adaptive_avg_pool, apply
 from hepti.model.livebytes import track
-from hepti.plan.order import executor_order
+from hepti.order.search import executor_order
 
 
 def lay_out_channels(flat: np.ndarray, per_rank: list[int], shape: tuple) -> np.ndarray:
     """The map [N, H, W, C] from every rank's channels, gathered one after another (rank r's
     [N, H, W, per_rank[r]], flat): each piece copied to its channels. The profile times it
-    (hepti.parallel.profiling `measure_layout_rate`), and the cost model charges it to every
+    (hepti.parallel.profile_cnn `measure_layout_rate`), and the cost model charges it to every
     member of a split by channels, once an op."""
     n, hh, ww, c = shape
     px = n * hh * ww

@@ -16,7 +16,8 @@ Per step:
 - an operator on the primary (`primary`: the embeddings) runs the family's own code, handed in.
 Two GeMMs in a row where the first's only output feeds only the second, the first with a GeLU
 and the second with neither bias nor activation (an MLP), run as one `K.ffn` call: the same
-arithmetic in one kernel call (its docstring says what that saves).
+arithmetic in one kernel call (its docstring says what that saves). GeMMs go through
+`K.gemm_any` / `K.ffn_any`, so a layer packed from an int8 folder runs the int8 kernels.
 
 Compute is traced as one span per (layer, piece) run of operators ("L3 attention", "L3 ffn"),
 collectives by the verbs; each layer's slice is fetched (`layers.get`, an "io" span: the
@@ -197,12 +198,12 @@ class Interpreter:
                 env[pair.op.outputs[0]] = _zeros(out, (rows, pair.op.n))
             else:  # the hidden tensor is this rank's to hold (and drop after: item[3])
                 hidden = env[op.outputs[0]] = np.empty((rows, w1.n), np.float32)
-                env[pair.op.outputs[0]] = K.ffn(ins[0], w1, b1, w2, threads=th, out=out,
-                                                hidden=hidden)
+                env[pair.op.outputs[0]] = K.ffn_any(ins[0], w1, b1, w2, threads=th,
+                                                    out=out, hidden=hidden)
         elif op.kind == "gemm":
             w, b = params[op.name]
             if w is not None:
-                y = K.gemm(ins[0], w, bias=b, gelu=op.act == "gelu", out=out, threads=th)
+                y = K.gemm_any(ins[0], w, bias=b, gelu=op.act == "gelu", out=out, threads=th)
             elif split == BY_K:
                 y = _zeros(out, (rows, op.n))
             else:

@@ -74,7 +74,7 @@ class SingleCNN:
     """A CNN on one process: the height split's executor (hepti.parallel.bands) on a group of
     one, every spatial op in one group (no exchange, one trace span a forward), the ops in
     the model's order, each tensor let go after its last reader in it: what the memory model
-    of operator order prices (hepti.plan.memory). `forward(pixels)` -> logits [N, classes];
+    of operator order prices (hepti.order.memory). `forward(pixels)` -> logits [N, classes];
     `run(batch)` -> logits as [B, 1, classes] (one output row per image, which the runner's
     pooling passes through)."""
 

@@ -2,7 +2,8 @@
 
 `LayerSlice.pack` reads what the graph says each operator needs from the tensors a rank read
 (hepti.weights.store.read_layer_slice: its rows of every sliced weight, the small ones whole):
-- a gemm: its `matrices` side by side along n, packed for the GeMM kernel (`K.pack_b`), and its
+- a gemm: its `matrices` side by side along n, packed for the GeMM kernel (`K.pack_weight`:
+  `K.pack_b`, or `K.pack_q` for an int8 folder's matrices), and its
   `bias` pieces joined. A weight is stored with the dimension a rank slices as axis 0
   (hepti.weights.layout), so a gemm that can be split by columns has its matrices stored
   [n, k] (packed transposed) and one split block-wise stored [k, n]. A rank that holds none of
@@ -24,9 +25,17 @@ def _f32(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
+def _join(mats: list):
+    """A gemm's matrices side by side along n (stored rows): float32, or int8 (an int8 folder's
+    QuantMatrix, which K.pack_weight packs for the int8 kernels)."""
+    if isinstance(mats[0], K.QuantMatrix):
+        return K.QuantMatrix.concat(mats)
+    return _f32(np.concatenate(mats) if len(mats) > 1 else mats[0])
+
+
 @dataclass
 class LayerSlice:
-    """Layer `index`: `params[op name]` is (PackedB | None, bias | None) for a gemm and the
+    """Layer `index`: `params[op name]` is (PackedB | QuantB | None, bias | None) for a gemm and the
     tuple of its weights for any other operator; `nbytes` what that holds in RAM."""
 
     index: int
@@ -41,9 +50,8 @@ class LayerSlice:
         for op in (graph.layer if ops is None else ops):
             if op.kind == "gemm":
                 by_cols = BY_COLS in op.splits  # stored [n, k]; else [k, n]
-                mats = [tensors[w] for w in op.matrices]
-                m = np.concatenate(mats) if len(mats) > 1 else mats[0]
-                packed = K.pack_b(_f32(m), trans=by_cols) if m.shape[0] else None
+                m = _join([tensors[w] for w in op.matrices])
+                packed = K.pack_weight(m, trans=by_cols) if m.shape[0] else None
                 bias = _f32(np.concatenate([tensors[w] for w in op.bias])) if op.bias else None
                 params[op.name] = (packed, bias)
                 nbytes += (packed.nbytes if packed is not None else 0)

@@ -24,7 +24,7 @@ starts with one halo exchange, point to point between the ranks whose rows meet.
 - A streamed group (`Split.streamed`) adds to each rank's compute the reading and packing of
   its rows of the group's conv weights, a fetch's fixed cost plus bytes /
   `CNNCosts.load_Bps` (the profile's fetch_overhead_s and weight_load_Bps, fitted to the
-  streamed convs of a band executor's forward: hepti.parallel.profiling `stream_fit`; from
+  streamed convs of a band executor's forward: hepti.parallel.profile_cnn `stream_fit`; from
   the page cache, as on one box, where a cold disk would add its read), not overlapped: the
   executor reads each op's weights just before it runs.
 - A group split by channels (`channel_group_cost`, GenEFlow's vertical split): the exchange
@@ -68,7 +68,7 @@ from hepti.graph.cnn import ADAPTIVE_AVG, CONV, F32, Graph, LINEAR, build
 from hepti.graph.split import (Split, channel_needs, channel_slice, conv_rows, fetches,
                                first_holders, hold, needs, out_channels, owned, spatial_ops)
 from hepti.graph.opdag import from_cnn
-from hepti.plan.order import executor_order
+from hepti.order.search import executor_order
 from hepti.plan.planfile import Plan
 from hepti.plan.strategies import BANDS, names
 
@@ -109,15 +109,15 @@ class CNNCosts:
     # layout_s_per_byte: laying the gathered map out whole; 0 in older profiles)
     layout_s: list[float] | None = None
     # per device, seconds one streamed conv's fetch costs beyond its bytes at load_Bps (the
-    # profile's fetch_overhead_s: hepti.parallel.profiling `stream_fit`; 0 in older profiles)
+    # profile's fetch_overhead_s: hepti.parallel.profile_cnn `stream_fit`; 0 in older profiles)
     fetch_s: list[float] | None = None
     # per device and conv, the seconds its whole weight adds when streamed, as timed in the
     # band executor's forward (the profile's op_stream_measured; None elsewhere, and in older
     # profiles): `stream_seconds`
     stream_s: list[list] | None = None
     # k -> (seconds, seconds per byte[, seconds, seconds per byte]) of an allgather among k
-    # ranks, short messages' line and long ones' (the profile's allgather_s:
-    # hepti.parallel.profiling.measure_collectives; a link's latency and bytes in older profiles)
+    # ranks, short messages' line and long ones' (the profile's allgather_s: hepti.parallel.
+    # profile_links.measure_collectives; a link's latency and bytes in older profiles)
     allgather_s: dict | None = None
     # op_s and fixed_s timed on bands as the executor runs them (the profile's op_band_s):
     # fixed_s then holds the executor's own work around each op too, which a rank with any
@@ -189,7 +189,7 @@ class CNNCosts:
     def allgather(self, i: int, k: int, nbytes: float) -> float:
         """Device i's seconds in an allgather among k ranks that moves `nbytes` through its
         port (the larger of what it sends and receives): the larger of the profile's short-
-        and long-message lines (hepti.parallel.profiling `measure_collectives`; profiles before
+        and long-message lines (hepti.parallel.profile_links `measure_collectives`; profiles before
         revision 12 hold the short line alone)."""
         if self.allgather_s and k in self.allgather_s:
             line = self.allgather_s[k]
@@ -204,7 +204,7 @@ class CNNCosts:
 
 def _band_costs(table: dict, graph: Graph, op_s: list[list[float]]):
     """(op_s, fixed_s, overhead_s, exchange_s) from the profile's `op_band_s`: op l on a band of
-    k rows takes a + b x k (hepti.parallel.profiling.measure_band_costs), so its whole map
+    k rows takes a + b x k (hepti.parallel.profile_cnn.measure_band_costs), so its whole map
     a + b x rows and its fixed part a. The executor's own work around each op and the
     exchange's copies were timed in a and b, so the separate figures for them are 0."""
     shapes = graph.shapes(int(table["input"][0]), int(table["input"][1]))
@@ -578,7 +578,7 @@ def _interior_halo(op, shapes, n: int) -> tuple[int, int]:
 
 def activation_peak(graph: Graph, h: int, w: int, n: int = 1) -> float:
     """Bytes of activations a whole forward holds at its peak when its ops run in BTSearch's
-    order (hepti.plan.order.executor_order), each tensor freed after its last reader, as the
+    order (hepti.order.search.executor_order), each tensor freed after its last reader, as the
     executors run it (hepti.model.cnn, hepti.parallel.bands). A rank of a height split holds
     about its share of it (its bands; the halos are a few rows). It replaces the largest
     input + output of one op, which left out what stays live across an op: ResNet-50's block

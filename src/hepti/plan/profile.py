@@ -32,8 +32,8 @@ planner does not care which. Schema (version 1), a JSON object:
                                         #   not counted)
          "call_overhead_s": 2e-5,       # optional; fixed cost of one kernel call (default 0)
          "probe_s": 3e-4}               # optional; seconds of the speed probe's GeMM
-                                        #   (hepti.parallel.profiling.SpeedProbe): what an idle
-                                        #   rank's probes while serving are compared with
+                                        #   (hepti.parallel.profile_compute.SpeedProbe): what
+                                        #   an idle rank's probes while serving are compared with
       ]
     }
 
@@ -126,7 +126,7 @@ class Device:
     disk_read_Bps: float | None = None
     call_overhead_s: float = 0.0
     weight_load_Bps: float | None = None  # CPU speed of loading weight slices (None: not counted)
-    probe_s: float | None = None  # the speed probe's seconds (hepti.parallel.profiling.SpeedProbe)
+    probe_s: float | None = None  # the speed probe's seconds (profile_compute.SpeedProbe)
 
     def gemm_flops(self, size: float = math.inf) -> float:
         return self.gemm.at(size)

@@ -10,6 +10,7 @@ import threading
 
 from hepti.errors import InputError
 from hepti.families import family
+from hepti.plan.planfile import parse_ratios
 from hepti.serve.http import make_server, serve_jsonl
 from hepti.serve.listen import listening_socket
 from hepti.serve.requests import Limits
@@ -83,12 +84,34 @@ def check_args(args, key: str | None = None) -> None:
     if "pixels" in fam.inputs:
         raise InputError(f"{args.model} is a vision model; hepti serve embeds texts and token "
                          "ids (use `hepti run --image` for images)")
-    if fam.executor != "interpreter":
+    if fam.executor == "decoder":
+        _check_decoder_args(args)
+    elif fam.executor != "interpreter":
         raise InputError(f"{args.model} is a {fam.label} {fam.executor} ({cfg.model_type}); "
-                         "hepti serve runs the interpreter's text encoders")
+                         "hepti serve runs text encoders and decoders")
     if not _loopback(args.host) and not key:
         log.warning("serving on %s without an API key (--api-key-file or $%s): anyone who "
                     "reaches this address can use the service", args.host, API_KEY_ENV)
+
+
+def _check_decoder_args(args) -> None:
+    """A decoder is served in `tensor` over all ranks by --ratios or equal shares
+    (hepti.serve.generation), over HTTP: the planner's and the batcher's flags do not apply."""
+    if args.jsonl:
+        raise InputError(f"--jsonl answers embeddings requests; {args.model} is a decoder: "
+                         "serve it over HTTP (POST /v1/completions)")
+    if args.replan == "on":
+        raise InputError("--replan on re-plans encoders; a decoder keeps its shares (drop it)")
+    for flag in ("plan", "profile", "mem_cap", "mem_budget"):
+        if getattr(args, flag):
+            raise InputError(f"--{flag.replace('_', '-')}: a decoder is served in tensor by "
+                             "--ratios or equal shares; drop it")
+    if args.strategy not in (None, "auto", "tensor") and not (args.strategy == "single"
+                                                               and args.n == 1):
+        raise InputError(f"--strategy {args.strategy}: a decoder is served in tensor over "
+                         "all its ranks (drop --strategy, or serve it with -n 1)")
+    if args.ratios:
+        parse_ratios(args.ratios, args.n)  # one share per rank: said now, not by the workers
 
 
 def _loopback(host: str) -> bool:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import base64
 import hmac
+import itertools
 import json
 import logging
+import os
 import queue
 import socket
 import socketserver
@@ -24,12 +26,21 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from hepti.errors import InputError
+from hepti.model.chat import TextStream, render_chat
 from hepti.serve import ServiceUnavailable
-from hepti.serve.requests import (Limits, ParsedRequest, RequestError, check_embeddings_request,
-                                  decode_json, parse_embeddings_request)
+from hepti.serve.requests import (CompletionRequest, Limits, ParsedRequest, RequestError,
+                                  check_completion_request, check_content_type,
+                                  check_embeddings_request, decode_json, parse_embeddings_request)
 
-ROUTES = {"/v1/embeddings": "POST", "/embeddings": "POST", "/health": "GET", "/metrics": "GET"}
+ROUTES = {"/v1/embeddings": "POST", "/embeddings": "POST", "/health": "GET", "/metrics": "GET",
+          "/v1/completions": "POST", "/completions": "POST",
+          "/v1/chat/completions": "POST", "/chat/completions": "POST"}
+EMBEDDINGS = ("/v1/embeddings", "/embeddings")  # an encoder's; the others a decoder's
+CHAT = ("/v1/chat/completions", "/chat/completions")
 ROUTE_LIST = "POST /v1/embeddings (or /embeddings), GET /health, GET /metrics"
+DECODER_ROUTE_LIST = ("POST /v1/completions, POST /v1/chat/completions (or without /v1), "
+                      "GET /health, GET /metrics")
 RETRY_AFTER_S = 5      # what a 503 tells clients to wait
 IDLE_TIMEOUT_S = 60    # a kept-alive connection idle this long is closed (it holds a thread)
 # A request's body must arrive whole within this many seconds of its headers, else 408 and the
@@ -58,7 +69,11 @@ routes:
                         devices' probes, latencies, re-plans and flags with their reasons,
                         each rank's detector bounds (with --replan on; JSON)
 
-request:  {"input": "text" | ["text", ...] | [id, ...] | [[id, ...], ...],
+A text encoder answers POST /v1/embeddings; a decoder (a Llama-style model) answers
+POST /v1/completions and POST /v1/chat/completions instead, one generation at a time (the
+others wait in the queue in arrival order), each token streamed back as it is made.
+
+embeddings request:  {"input": "text" | ["text", ...] | [id, ...] | [[id, ...], ...],
            "encoding_format": "float" | "base64",   (optional; base64: little-endian float32)
            "truncate": false,   (true: cut inputs longer than the model takes instead of 413)
            "dimensions": C, "model": "...", "user": "..."}   (optional; model is ignored)
@@ -69,6 +84,27 @@ errors:   {"error": {"message": "...", "type": "invalid_request_error", "code": 
 example:
   curl -s http://127.0.0.1:8080/v1/embeddings -H 'Content-Type: application/json' \\
        -d '{"input": ["A cat sat.", "A dog sat."]}'
+
+completions (a decoder):
+  POST /v1/completions  {"prompt": "text", "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
+                         "seed": 0, "stream": false, "stop": "text" | ["text", ...]}
+        -> {"object": "text_completion", "choices": [{"index": 0, "text": "...",
+            "finish_reason": "stop" | "length"}], "usage": {"prompt_tokens",
+            "completion_tokens", "total_tokens"}, "id", "created", "model"}
+  POST /v1/chat/completions  {"messages": [{"role": "user", "content": "..."}], ...as above;
+                              max_tokens defaults to 256}, rendered by the model's chat template
+        -> {"object": "chat.completion", "choices": [{"index": 0, "message": {"role":
+            "assistant", "content": "..."}, "finish_reason": ...}], "usage": {...}}
+  "temperature": 0 is greedy; "stream": true answers text/event-stream, one "data: {chunk}"
+  event per token that adds text ("text_completion" chunks with choices[0].text, or
+  "chat.completion.chunk" with choices[0].delta.content, the first carrying delta.role), a
+  last chunk with the finish reason, then "data: [DONE]". A client that disconnects stops its
+  generation. A prompt and max_tokens beyond the model's context get 400.
+  curl -s http://127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}'
+  curl -sN http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "stream": true}'
 """
 
 
@@ -133,7 +169,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._drain_body()
             return
         srv = self.server
-        if ROUTES[path] == "POST":
+        if ROUTES[path] == "POST" and path not in EMBEDDINGS:
+            self._completions(path in CHAT)
+        elif ROUTES[path] == "POST":
             def embeddings():
                 req = parse_embeddings_request(self._read_body(), self.headers["Content-Type"],
                                                srv.service, srv.limits)
@@ -146,6 +184,54 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(*answer(health, srv.log))
         else:
             self._send(*answer(lambda: (200, srv.service.metrics()), srv.log))
+
+    def _completions(self, chat: bool) -> None:
+        """A decoder's completion: the whole answer, or (stream) server-sent events from the
+        first token on. Until the first token comes, a failure is an error answer with its
+        status; after it, an error event ends the stream. A client that goes away cancels
+        the generation."""
+        srv = self.server
+        gen = None
+
+        def start():
+            nonlocal gen
+            check_content_type(self.headers["Content-Type"])
+            req = check_completion_request(decode_json(self._read_body()), srv.service, chat,
+                                           lambda m: _render(srv.service, m))
+            gen = Completion(srv.service, req)
+            gen.first()  # waits for the first token (or the failure) before any header goes
+            return 200, None
+        status, payload = answer(start, srv.log)
+        if status != 200:
+            if gen is not None:
+                gen.cancel()
+            self._send(status, payload)
+            return
+        try:
+            if not gen.req.stream:
+                self._send(*answer(lambda: (200, gen.whole()), srv.log))
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")  # the stream ends with the connection
+            self.end_headers()
+            self.close_connection = True
+            try:
+                for chunk in gen.chunks():
+                    self.wfile.write(b"data: " + json.dumps(chunk, separators=(",", ":"))
+                                     .encode() + b"\n\n")
+                    self.wfile.flush()
+            except (ServiceUnavailable, RuntimeError) as e:
+                body = error_json(503, f"the generation stopped: {e}; retry later",
+                                  "service_unavailable")
+                self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except (ConnectionError, TimeoutError):  # the client went away: stop generating
+            srv.log.debug("a completion's client went away; its generation is cancelled")
+        finally:
+            gen.cancel()
 
     # every method comes to _route, which answers 405 where a route does not take it
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _route
@@ -173,8 +259,17 @@ class _Handler(BaseHTTPRequestHandler):
                         "$HEPTI_API_KEY or --api-key)",
                         "invalid_api_key", [("WWW-Authenticate", "Bearer")])
         method = ROUTES.get(path)
+        decoder = bool(getattr(self.server.service, "decoder", False))
         if method is None:
-            return (404, f"no route {path!r}; the routes are {ROUTE_LIST}", "not_found", [])
+            routes = DECODER_ROUTE_LIST if decoder else ROUTE_LIST
+            return (404, f"no route {path!r}; the routes are {routes}", "not_found", [])
+        if method == "POST" and (path in EMBEDDINGS) == decoder:
+            name = getattr(self.server.service, "name", "the model")
+            serves = ("text generation: POST /v1/completions and /v1/chat/completions" if decoder
+                      else "embeddings: POST /v1/embeddings")
+            return (404, f"{path} is not served here: {name} is a "
+                    f"{'decoder' if decoder else 'text encoder'}, which answers {serves}",
+                    "not_found", [])
         allowed = "GET, HEAD" if method == "GET" else method
         if self.command not in allowed.split(", "):
             return (405, f"{path} takes {allowed}, not {self.command}", "method_not_allowed",
@@ -301,6 +396,108 @@ def error_json(status: int, message: str, code: str) -> dict:
     kind = ("authentication_error" if status == 401 else "service_unavailable" if status == 503
             else "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "code": code}}
+
+
+def _render(service, messages: list[dict]) -> str:
+    """A chat's messages in the served model's chat template; a template that cannot render
+    them is the request's 400."""
+    try:
+        return render_chat(messages, service.chat_meta, service.name,
+                           "send the prompt to /v1/completions in the model's format instead")
+    except InputError as e:
+        raise RequestError(400, str(e), "chat_template") from None
+
+
+class Completion:
+    """One completion's answer as its tokens come (`service.generate` / `service.tokens`): the
+    text grows by hepti.model.chat's TextStream; a stop string ends it (the text before it is
+    kept, the generation cancelled), and what could still become one is held back until it
+    cannot. `whole()` is the non-streamed answer, `chunks()` the streamed one's events."""
+
+    def __init__(self, service, req: CompletionRequest):
+        self.service, self.req = service, req
+        self.gen = service.generate(req.ids, req.sampling)
+        self.events = service.tokens(self.gen)
+        self.text = TextStream(service.tokenizer)
+        self.full, self.shown, self.made, self.reason = "", 0, 0, None
+        self.id = ("chatcmpl-" if req.chat else "cmpl-") + os.urandom(12).hex()
+        self.created = int(time.time())
+        self._first: list = []
+
+    def first(self) -> None:
+        """Wait for the first event (a token, or the failure, raised here)."""
+        self._first = [next(self.events)]
+
+    def cancel(self) -> None:
+        self.gen.cancel.set()
+
+    def pieces(self):
+        """The text as it may be shown, piece by piece (one a token, often ""), then sets
+        `reason`."""
+        for kind, value in itertools.chain(self._first, self.events):
+            if kind == "done":
+                self.reason = "stop" if value in ("stop", "cancelled") else "length"
+                self.full += self.text.flush()
+                yield self._release(len(self.full))
+                return
+            self.made += 1
+            self.full += self.text.push(value)
+            cut = min((i for i in (self.full.find(s) for s in self.req.stop) if i >= 0),
+                      default=-1)
+            if cut >= 0:  # a stop string: the text ends before it
+                self.full, self.reason = self.full[:cut], "stop"
+                self.cancel()
+                yield self._release(cut)
+                return
+            yield self._release(len(self.full) - self._held())
+
+    def _held(self) -> int:
+        """How many characters at the end might begin a stop string."""
+        return max((k for s in self.req.stop for k in range(len(s) - 1, 0, -1)
+                    if self.full.endswith(s[:k])), default=0)
+
+    def _release(self, upto: int) -> str:
+        piece = self.full[self.shown:upto]
+        self.shown = max(self.shown, upto)
+        return piece
+
+    def _envelope(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.service.name}
+
+    def _usage(self) -> dict:
+        n = len(self.req.ids)
+        return {"prompt_tokens": n, "completion_tokens": self.made,
+                "total_tokens": n + self.made}
+
+    def whole(self) -> dict:
+        text = "".join(self.pieces())
+        if self.req.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": self.reason}
+            return {**self._envelope("chat.completion"), "choices": [choice],
+                    "usage": self._usage()}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.reason}
+        return {**self._envelope("text_completion"), "choices": [choice], "usage": self._usage()}
+
+    def chunks(self):
+        """The streamed answer's chunks: one per token that adds text (a chat's first carries
+        the role), then one with the finish reason (and the usage)."""
+        chat = self.req.chat
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        if chat:
+            yield {**self._envelope(kind), "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""},
+                 "finish_reason": None}]}
+        for piece in self.pieces():
+            if piece:
+                yield {**self._envelope(kind), "choices": [
+                    {"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat
+                    else {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}]}
+        yield {**self._envelope(kind), "choices": [
+            {"index": 0, "delta": {}, "finish_reason": self.reason} if chat
+            else {"index": 0, "text": "", "logprobs": None, "finish_reason": self.reason}],
+            "usage": self._usage()}
 
 
 def embeddings_answer(service, req: ParsedRequest) -> dict:

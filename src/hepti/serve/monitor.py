@@ -70,7 +70,7 @@ SAMPLE_CAP = 0.7  # of LAMBDA: what one residual may add to a sum (two are neede
 SMALL_STEP, PERSIST_N = math.log(1.5), 6
 SKIP_N = 3  # batches of a new plan not watched at all (first touch of buffers, caches)
 # an idle rank: the median of its last IDLE_WINDOW reports (each the speed probe's median of
-# 3 rounds, hepti.parallel.profiling.SpeedProbe) moved 1.8x (single probes at 0.2 core read
+# 3 rounds, hepti.parallel.profile_compute.SpeedProbe) moved 1.8x (single probes at 0.2 core read
 # 0.7-2.3x of the truth on this shared host: bench-adapt's first run). 1.6x until 12565b5,
 # whose quiet pairs switched once in 600 s on the 0.15-core device's window reading 0.62x
 # (1.61x); the changes an idle rank must be seen to make in bench-adapt are 2x and more (a
@@ -179,7 +179,7 @@ class Alarm:
 
 
 class IdleWatch:
-    """An idle rank's speed, from its probes (hepti.parallel.profiling.SpeedProbe, run after
+    """An idle rank's speed, from its probes (hepti.parallel.profile_compute.SpeedProbe, run after
     each batch by hepti.serve.worker): the median of its last IDLE_WINDOW reports (at least
     IDLE_N) against the profile's own reading of the same probe (`probe_s`) is its factor,
     after every report. The probe and the profile measure the same GeMM the same way, so a

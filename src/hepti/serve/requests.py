@@ -1,4 +1,5 @@
-"""One embeddings request body -> token ids per input, checked (pure functions, no I/O).
+"""One request body -> what the workers run, checked (pure functions, no I/O): an embeddings
+request's token ids per input; a completion's prompt ids and sampling (a decoder's).
 
 The body is OpenAI's (and Hugging Face TEI's) shape, so their clients work unchanged:
 `{"input": ..., "model": ..., "encoding_format": ..., "dimensions": ..., "truncate": ...,
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,9 +131,9 @@ def check_embeddings_request(obj: dict, service, limits: Limits) -> ParsedReques
     return ParsedRequest(inputs, total, encoding)
 
 
-def _with_hint(key: str) -> str:
+def _with_hint(key: str, fields=FIELDS) -> str:
     """An unknown field's name, with the known one it is likely a typo of."""
-    close = difflib.get_close_matches(key, FIELDS, n=1)
+    close = difflib.get_close_matches(key, fields, n=1)
     return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
@@ -231,3 +233,121 @@ def _a(x) -> str:
     """A decoded value's JSON type with its article, for messages: "a string", "an object"."""
     kind = _json_type(x)
     return kind if kind == "null" else f"an {kind}" if kind == "object" else f"a {kind}"
+
+
+# --- completions (a decoder) -------------------------------------------------------------------
+
+COMPLETION_FIELDS = ("prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stream",
+                     "stop", "n", "user")
+CHAT_FIELDS = tuple("messages" if f == "prompt" else f for f in COMPLETION_FIELDS) + \
+    ("max_completion_tokens",)
+MAX_STOPS = 4  # stop strings per request, as OpenAI takes
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens (OpenAI's)
+CHAT_MAX_TOKENS = 256  # /v1/chat/completions': this many, or what the context has left
+MESSAGES_SHAPE = ('a list of {"role": "system" | "user" | "assistant", "content": "text"}, e.g. '
+                  '[{"role": "user", "content": "What is the capital of France?"}]')
+
+
+@dataclass
+class CompletionRequest:
+    ids: list[int]          # the prompt's token ids (a chat's rendered by the chat template)
+    sampling: dict          # max_tokens, temperature, top_p, seed (the workers' "generate")
+    stream: bool
+    stop: list[str]         # strings that end the text (not included in it)
+    chat: bool
+
+
+def check_completion_request(obj: dict, service, chat: bool, render_chat) -> CompletionRequest:
+    """A decoded /v1/completions (or, `chat`, /v1/chat/completions) body -> the prompt's ids
+    and the sampling, every field checked. `render_chat(messages) -> text` is the model's chat
+    template (hepti.model.chat); its InputError becomes a 400."""
+    fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    unknown = [k for k in obj if k not in fields]
+    if unknown:
+        hints = ", ".join(_with_hint(k, fields) for k in unknown)
+        raise RequestError(400, f"unknown field {hints}; the fields are {', '.join(fields)}",
+                           "unknown_field")
+    _check_optional(obj, "model", str, "the model's name, a string (it is ignored: the served "
+                    "model answers)")
+    _check_optional(obj, "stream", bool, "true (server-sent events) or false")
+    _check_optional(obj, "user", str, "a string")
+    if obj.get("n", 1) != 1 or type(obj.get("n", 1)) is not int:
+        raise RequestError(400, f"n is {obj['n']!r}; this service makes one choice a request: "
+                           "send 1 or leave it out", "invalid_value")
+    tok = service.tokenizer
+    if tok is None:
+        raise RequestError(400, f"the model {service.name!r} has no tokenizer.json, so a text "
+                           "prompt cannot become token ids; re-convert it from its GGUF",
+                           "no_tokenizer")
+    if chat:
+        text = render_chat(_messages(obj.get("messages")))
+    else:
+        text = obj.get("prompt")
+        if text is None:
+            raise RequestError(400, 'prompt is missing; send the text to continue, e.g. '
+                               '{"prompt": "Once upon a time", "max_tokens": 32}',
+                               "missing_prompt")
+        if not isinstance(text, str):
+            raise RequestError(400, f"prompt is {_a(text)}; send one string", "invalid_prompt")
+    ids = tok.encode(text).ids
+    if not ids:
+        raise RequestError(400, "the prompt has no tokens; send some text", "empty_prompt")
+    room = service.max_tokens - len(ids)
+    key = "max_completion_tokens" if chat and "max_completion_tokens" in obj else "max_tokens"
+    most = obj.get(key)
+    if most is None:
+        most = min(CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS, room)
+    elif type(most) is not int or most < 1:
+        raise RequestError(400, f"{key} is {most!r}; send a whole number of new tokens, at "
+                           "least 1", "invalid_value")
+    if room < 1 or most > room:
+        raise RequestError(400, f"the prompt ({len(ids)} tokens) and {key} {most} do not fit "
+                           f"the model's context of {service.max_tokens} tokens; shorten the "
+                           f"prompt or ask for at most {max(room, 0)} tokens",
+                           "context_length_exceeded")
+    temperature = _number(obj, "temperature", 1.0, "0 (greedy) or more, e.g. 0.7",
+                          lambda v: v >= 0)
+    top_p = _number(obj, "top_p", 1.0, "a probability in (0, 1], e.g. 0.9", lambda v: 0 < v <= 1)
+    seed = obj.get("seed")
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    elif type(seed) is not int or seed < 0:
+        raise RequestError(400, f"seed is {seed!r}; send a whole number, 0 or more (the same "
+                           "seed gives the same tokens)", "invalid_value")
+    return CompletionRequest(ids, {"max_tokens": most, "temperature": temperature,
+                                   "top_p": top_p, "seed": seed},
+                             bool(obj.get("stream")), _stops(obj.get("stop")), chat)
+
+
+def _messages(value) -> list[dict]:
+    if value is None:
+        raise RequestError(400, f"messages is missing; send {MESSAGES_SHAPE}", "missing_messages")
+    if not isinstance(value, list) or not value:
+        what = "an empty list" if isinstance(value, list) else _a(value)
+        raise RequestError(400, f"messages is {what}; send {MESSAGES_SHAPE}", "invalid_messages")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(m.get("content"), str):
+            raise RequestError(400, f"message {i} is {json.dumps(m)[:80]}; each message is "
+                               f"{MESSAGES_SHAPE}", "invalid_messages")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _number(obj: dict, key: str, default: float, what: str, ok) -> float:
+    value = obj.get(key)
+    if value is None:
+        return default
+    if type(value) not in (int, float) or not ok(value):
+        raise RequestError(400, f"{key} is {value!r}; send {what}", "invalid_value")
+    return float(value)
+
+
+def _stops(value) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not 0 < len(stops) <= MAX_STOPS or \
+            not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(400, f"stop is {json.dumps(value)[:80]}; send a non-empty string or "
+                           f"a list of at most {MAX_STOPS} of them", "invalid_value")
+    return stops

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 from hepti.emulate.command import find_mpiexec
+from hepti.resources import process_rss
 from hepti.serve import protocol
 from hepti.serve.replan import COOLDOWN_S, FLAP_HOLD_S, FLAP_WINDOW_S, HORIZON_S, LINK_CHECK_S
 
@@ -186,25 +187,10 @@ def rank_rss(pid: int | None, token: str) -> float | None:
         with open(f"/proc/{int(pid)}/environ", "rb") as f:
             if f"{protocol.TOKEN_ENV}={token}".encode() not in f.read().split(b"\0"):
                 return None
-        with open(f"/proc/{int(pid)}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return float(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError):
         return None
-    return None
-
-
-def mem_total() -> float:
-    """This machine's memory (MemTotal), in bytes; 0 when unreadable."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return float(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0.0
+    rss = process_rss(int(pid))
+    return None if rss is None else float(rss)
 
 
 def probe_device(host: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> bool:

@@ -33,6 +33,12 @@ inputs (a hang is not theirs), and an answer that comes after the declaration is
 batch runs again), so no accepted request is lost or answered twice. The job is relaunched
 without the lost ranks' hosts, as after a kill.
 
+A decoder's requests are generations (`generate`, `tokens`): one at a time, in arrival order,
+each a batch of its own for the relaunch and the deadlines (`_generate_one`: the deadline
+restarts at every token). Its tokens reach the HTTP thread as events while they are made; a
+request that no longer wants them (`Generation.cancel`) is cancelled on the workers between two
+tokens. One that fails before its first token runs again on the next job; after it, it fails.
+
 On this machine alone (no hostfile), a spare job of one rank fewer is started as soon as a
 job says hello (`_keep_spare`): it loads as a relaunch would and waits at its hello on its own
 listener, so the relaunch after a loss takes it (`_take_spare`) and answers within a batch of
@@ -62,6 +68,7 @@ import functools
 import json
 import logging
 import os
+import queue
 import re
 import secrets
 import selectors
@@ -80,16 +87,18 @@ import numpy as np
 
 from hepti.emulate import jobfiles
 from hepti.emulate.command import die_with_parent, find_mpiexec
+from hepti.families import family
 from hepti.model.sizes import model_bytes
 from hepti.plan.planfile import Plan
-from hepti.resources import available_memory
+from hepti.resources import available_memory, mem_total
 from hepti.serve import ServiceUnavailable, protocol
 from hepti.serve.replan import MEM_HEADROOM, PlanWatcher
 from hepti.serve.stall import (ADMIT_START_FACTOR, ADMIT_START_MIN_S, END_GRACE_S, PROBE_EVERY_S,
                                RANK_RUNTIME_BYTES, SERVE_BEFORE_ADMIT_S, STALL_FLOOR_S,
                                DeviceBench, Phase, expected_batch_s, hung_ranks, kill_if_ours,
-                               mem_total, phase_deadline, probe_device, rank_rss)
+                               phase_deadline, probe_device, rank_rss)
 from hepti.weights import WeightStore
+from hepti.weights.decoder import load_tokenizer
 
 log = logging.getLogger("hepti")
 MAX_FAILED_STARTS = 2  # launches in a row that never said hello before the service gives up
@@ -163,6 +172,18 @@ class WatchLine:
             if head.get("op") == "beat":
                 batch = head.get("batch")
                 self.in_batch = batch if isinstance(batch, int) else None
+
+
+@dataclass
+class Generation(Request):
+    """A decoder's generation request (`Supervisor.generate`): its prompt is its one input;
+    the tokens come as events, ("token", id) each, then ("done", finish reason) or ("error",
+    exception), read by `Supervisor.tokens`. `cancel` set: the client no longer wants it (it
+    went away, or a stop string was reached); the workers are told between two tokens."""
+    sampling: dict = field(default_factory=dict)  # max_tokens, temperature, top_p, seed
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    sent: int = 0  # tokens delivered: a generation that failed after some is not run again
 
 
 class WorkerFailed(ServiceUnavailable):
@@ -240,6 +261,12 @@ class Supervisor:
         self.max_tokens = cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
         self.tokenizer = _load_tokenizer(self.model_dir / "tokenizer.json")
+        # a decoder generates, one request at a time (hepti.serve.generation); its chat
+        # template and end-of-sequence tokens are in tokenizer_config.json
+        self.decoder = family(cfg).executor == "decoder"
+        self.chat_meta = load_tokenizer(self.model_dir)[1] if self.decoder else {}
+        if self.decoder:
+            max_batch_inputs = 1
         self.worker_args = list(worker_args or []) + (["--replan", "1"] if replan else [])
         self.replan = replan
         # --replan-ab N: batch k reports (the monitor on) when (k // N) is even; each run of N
@@ -341,6 +368,41 @@ class Supervisor:
         self._latencies.append(time.perf_counter() - req.t_submit)
         return req.out
 
+    def generate(self, ids: list[int], sampling: dict) -> Generation:
+        """Queue a generation (a decoder's; requests run one at a time, in arrival order);
+        read its tokens with `tokens`."""
+        req = Generation([np.asarray(ids, np.int64)], np.empty(0), remaining=1,
+                         sampling=dict(sampling))
+        with self._cv:
+            if self._status == "failed":
+                raise ServiceUnavailable(self._failure)
+            self.counts["accepted"] += 1
+            self._queue.append(Piece(req, 0, req.inputs[0]))
+            self._cv.notify_all()
+        return req
+
+    def tokens(self, req: Generation):
+        """A queued generation's events as they come: ("token", id) ..., then ("done",
+        finish reason). ServiceUnavailable when none comes within the request timeout (the
+        generation is then cancelled) or the workers failed it."""
+        while True:
+            try:
+                kind, value = req.events.get(timeout=self.request_timeout_s)
+            except queue.Empty:
+                req.cancel.set()
+                with self._cv:
+                    self._drop(req)
+                late = self.late_ranks()
+                why = f"workers {self._status}" if not late else _late_text(late)
+                raise ServiceUnavailable(f"no token within {self.request_timeout_s:g} s "
+                                         f"({why})") from None
+            if kind == "error":
+                raise value
+            yield kind, value
+            if kind == "done":
+                self._latencies.append(time.perf_counter() - req.t_submit)
+                return
+
     def health(self) -> dict:
         """"ok", or why not: "starting", "relaunching", "failed", "stopping", or "degraded"
         (the workers are up, but a rank is late: `late` names it, `message` says it)."""
@@ -408,7 +470,9 @@ class Supervisor:
                          "failed": self.counts["failed"], "queued_inputs": len(self._queue),
                          # an input answered a second time (never written): 0 unless a bug
                          "inputs_answered": self.counts["inputs_answered"],
-                         "duplicates": self.counts["duplicates"]},
+                         "duplicates": self.counts["duplicates"],
+                         # generations stopped early: a client went away, a stop string came
+                         "cancelled": self.counts["cancelled"]},
             "latency_ms": {"count": len(lat), "p50": pct(50), "p90": pct(90), "p99": pct(99)},
             "batches": {"count": self.counts["batches"],
                         "wall_ms_p50": statistics.median(self._batch_walls) * 1e3 if self._batch_walls else None},
@@ -1238,6 +1302,9 @@ class Supervisor:
                         self._phase = None
                     protocol.send(sock, {"op": "stop"})
                     return "stopped" if batch is None else "stopped to re-admit a lost device"
+                if self.decoder:
+                    self._generate_one(sock, batch[0], self.counts["batches"])
+                    continue
                 lengths, flat = protocol.pack_ids([p.ids for p in batch])
                 batch_id = self.counts["batches"]
                 with self._cv:
@@ -1286,6 +1353,54 @@ class Supervisor:
             with self._cv:  # the job is ending (`_end_job` sees to it): no deadline now
                 self._phase = None
             sock.close()
+
+    def _generate_one(self, sock: socket.socket, piece: Piece, batch_id: int) -> None:
+        """One generation on the workers: each token to its request as it comes, the phase's
+        deadline renewed at every token (a stall is a silent rank within one step, however
+        long the answer), a cancel sent once when the request no longer wants its tokens."""
+        req: Generation = piece.request
+        if req.done.is_set():  # timed out in the queue
+            return
+        head = {"op": "generate", "id": batch_id, **req.sampling}
+        cancelled = False
+        try:
+            with self._cv:
+                self._set_phase("batch", [piece], batch_id)
+                self._first_batch = False
+            protocol.send(sock, head, np.asarray(piece.ids, np.int64))
+            while True:
+                header, _ = protocol.recv(sock)
+                with self._cv:
+                    if self._stall is not None:
+                        raise protocol.ChannelClosed("the job was declared lost")
+                    self._set_phase("batch", [piece], batch_id)
+                if header.get("op") == "token":
+                    req.sent += 1
+                    if not req.done.is_set():
+                        req.events.put(("token", int(header["token"])))
+                    if (req.cancel.is_set() or req.done.is_set()) and not cancelled:
+                        protocol.send(sock, {"op": "cancel", "id": batch_id})
+                        cancelled = True
+                    continue
+                break  # the result
+        except (OSError, protocol.ChannelClosed) as e:
+            if req.sent == 0:  # nothing streamed yet: it runs again on the next job
+                self._requeue([piece], counted=self._stall is None)
+            else:
+                with self._cv:
+                    self._finish(req, WorkerFailed(
+                        f"the workers failed after {req.sent} tokens of this generation "
+                        "(already sent, so it is not run again)"))
+            raise protocol.ChannelClosed(str(e)) from None
+        with self._cv:
+            self._set_phase("idle")
+            piece.answered = True
+            self.counts["cancelled"] += header.get("finish_reason") == "cancelled"
+            if not req.done.is_set():
+                self.counts["answered"] += 1
+                req.events.put(("done", header.get("finish_reason", "length")))
+                req.done.set()
+        self._batch_walls.append(float(header.get("wall_s", 0.0)))
 
     def _monitored(self, batch_id: int) -> bool:
         """Whether the monitor watches this batch: always with --replan on, but for the
@@ -1434,6 +1549,8 @@ class Supervisor:
             req.error = error
             self.counts["failed"] += 1
             req.done.set()
+            if isinstance(req, Generation):  # its reader waits on the events
+                req.events.put(("error", error))
 
     def _drop(self, req: Request) -> None:
         """A request that gave up waiting: its queued inputs go."""

@@ -7,7 +7,8 @@ the weights stay loaded between requests. Rank 0 connects to the front end's cha
 (hepti.serve.protocol) and says hello (the secret, the plan, each rank's host and pid). Then,
 per batch the front end sends, rank 0 broadcasts a command, [op, batch id], and all ranks run
 the batch through the job; rank 0 pools the hidden states and answers. Between batches the
-other ranks wait in `Comm.bcast_idle`, asleep, and rank 0 in a socket read.
+other ranks wait in `Comm.bcast_idle`, asleep, and rank 0 in a socket read. A decoder plans
+nothing and runs "generate" commands instead of batches (hepti.serve.generation).
 
 Every rank also holds a watch line to the front end, and beats on it (`_Heartbeat`): the
 front end sees which rank is hung or cut off without MPI, and which closed its line first
@@ -28,7 +29,7 @@ import time
 import numba
 import numpy as np
 
-from hepti.families import family_graph
+from hepti.families import family, family_graph
 from hepti.inputs import Batch
 from hepti.model.pooling import pool
 from hepti.model.sizes import layer_slice_bytes, spec_bytes
@@ -37,17 +38,19 @@ from hepti.parallel.engine import Job, build_layers, layer_spec
 from hepti.parallel.plans import get_profile, needs_planner, plan_with_profile, resolve_plan
 from hepti.parallel.world import agree, run_guarded_fn
 from hepti.parallel.layers import ResidentLayers, slice_packer
-from hepti.parallel.profiling import (SpeedProbe, _return_freed_memory, available_memory, fit_link,
-                                      measure_probe, ping_pong)
+from hepti.parallel.profile_compute import SpeedProbe, measure_probe
+from hepti.parallel.profile_links import fit_link, ping_pong
 from hepti.parallel.trace import Tracer
 from hepti.plan.planfile import Plan
+from hepti.resources import _return_freed_memory, available_memory
 from hepti.serve import protocol
+from hepti.serve.generation import DecoderWorker, stray_cancel
 from hepti.serve.protocol import BEAT_EVERY_S, CHECK_SIZES, PROBE_SIZES
 from hepti.weights import WeightStore
 
-OP_STOP, OP_BATCH, OP_PROBE, OP_PREPARE, OP_SWITCH = 0, 1, 2, 3, 4
+OP_STOP, OP_BATCH, OP_PROBE, OP_PREPARE, OP_SWITCH, OP_GENERATE = 0, 1, 2, 3, 4, 5
 OPS = {"stop": OP_STOP, "batch": OP_BATCH, "probe": OP_PROBE, "prepare": OP_PREPARE,
-       "switch": OP_SWITCH}
+       "switch": OP_SWITCH, "generate": OP_GENERATE}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -97,13 +100,19 @@ def serve(args) -> int:
     store = agree(world, lambda: WeightStore(args.model))
     cfg = store.config
     profile = None
-    if needs_planner(args) or args.replan:
-        profile = get_profile(args, world, cfg, args.plan_batch, args.plan_seq)
-    if needs_planner(args):
-        plan = plan_with_profile(args, world, cfg, args.plan_batch, args.plan_seq, profile)
+    if family(cfg).executor == "decoder":  # generation requests (hepti.serve.generation)
+        state = DecoderWorker(world, store, args)
+        plan_dict = state.plan
     else:
-        plan = agree(world, lambda: resolve_plan(args, world.size, cfg))
-    job = agree(world, lambda: Job(world, store, plan, args.threads))
+        if needs_planner(args) or args.replan:
+            profile = get_profile(args, world, cfg, args.plan_batch, args.plan_seq)
+        if needs_planner(args):
+            plan = plan_with_profile(args, world, cfg, args.plan_batch, args.plan_seq, profile)
+        else:
+            plan = agree(world, lambda: resolve_plan(args, world.size, cfg))
+        job = agree(world, lambda: Job(world, store, plan, args.threads))
+        state = _State(world, store, job, args)
+        plan_dict = plan.to_dict()
     me = {"rank": world.rank, "host": os.uname().nodename, "pid": os.getpid()}
     # a line to the front end that stays open while this rank lives: when the job ends, the one
     # that closed first names the rank that was lost (hepti.serve.supervisor)
@@ -112,7 +121,6 @@ def serve(args) -> int:
     beat = _Heartbeat(watch, world.rank)
     ranks = world.gather_obj(me)  # after every rank's watch line: the hello comes last
     sock = None
-    state = _State(world, store, job, args)
     state.on_host = world.ranks_on_host()
     if args.replan:  # idle ranks load their standby copies before the service is up
         state.standby()
@@ -120,7 +128,7 @@ def serve(args) -> int:
     if rank0:
         sock = protocol.connect(os.environ[protocol.CONTROL_ENV])
         protocol.send(sock, {"op": "hello", "token": os.environ.get(protocol.TOKEN_ENV, ""),
-                             "plan": plan.to_dict(), "ranks": ranks,
+                             "plan": plan_dict, "ranks": ranks,
                              "world_size": world.size, "hidden_size": cfg.hidden_size,
                              "profile": profile.to_dict() if profile is not None else None,
                              "load_s": time.perf_counter() - t_start})
@@ -130,6 +138,8 @@ def serve(args) -> int:
             if rank0:
                 try:
                     header, data = protocol.recv(sock)
+                    while stray_cancel(header):  # its generation had ended: nothing to stop
+                        header, data = protocol.recv(sock)
                 except protocol.ChannelClosed:
                     header = {"op": "stop"}
                 # [2]: whether this batch reports (with --replan: the front end pauses the
@@ -141,8 +151,10 @@ def serve(args) -> int:
             op, batch_id, report = (int(v) for v in world.bcast_idle(cmd, 3))
             if op == OP_STOP:
                 return 0
-            beat.batch = batch_id if op == OP_BATCH else None
-            if op == OP_BATCH:
+            beat.batch = batch_id if op in (OP_BATCH, OP_GENERATE) else None
+            if op == OP_GENERATE:
+                answer = state.generate(header, data, sock)
+            elif op == OP_BATCH:
                 answer = state.batch(header, data, bool(args.replan and report),
                                      (lambda msg, payload=None:
                                       protocol.send(sock, {"id": batch_id, **msg}, payload))
@@ -292,7 +304,7 @@ class _State:
         self._mem = None  # (when, bytes): the last reading of `_free_memory`
 
     def _free_memory(self) -> float:
-        """This rank's free memory (hepti.parallel.profiling.available_memory), read at most
+        """This rank's free memory (hepti.resources.available_memory), read at most
         every MEM_READ_S: its cgroup files cost 0.5-2 ms of CPU a reading, 3-10 ms on a 0.15-
         to 0.2-core device, after every batch (bench-adapt --quiet-ab at 4de90d9: the monitor
         cost 1.9% of a BERT-base request)."""
@@ -318,7 +330,7 @@ class _State:
         squeezed to 37 MiB free): its switch from `rows` to a smaller `tensor` share left it
         15 MiB free, not the 50 the plans' difference gives, and the re-planner, reading that,
         took its last share too. `malloc_trim` returns them (as the profile does after its
-        probes: hepti.parallel.profiling._return_freed_memory)."""
+        probes: hepti.resources._return_freed_memory)."""
         _return_freed_memory()
         self._mem = None
 
@@ -421,7 +433,7 @@ class _State:
 
     def speed_probe(self) -> float:
         """A rank with no share of the plan still tells its speed: the seconds per call of
-        the profile's own speed probe (hepti.parallel.profiling.SpeedProbe, a small GeMM timed
+        the profile's own speed probe (hepti.parallel.profile_compute.SpeedProbe, a small GeMM timed
         the way the profile times, stretched on an emulated device as its work is), which the
         profile recorded for this rank as `probe_s`: the monitor compares like with like.
         Single probe calls, each its own stretched span, read 0.4-2.5x of each other with

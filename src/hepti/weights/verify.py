@@ -2,7 +2,8 @@
 
 Checks each shard's size and sha256 against index.json, every tensor the config implies is
 recorded with the right shape, and every recorded tensor is in its shard as a chunked,
-Fletcher32-checked float32 dataset. When a shard's hash is wrong, its tensors are read through
+Fletcher32-checked dataset of its recorded dtype (an int8 one with its float32 scales beside
+it, of the shape its group size implies). When a shard's hash is wrong, its tensors are read through
 so the message can name the damaged ones (Fletcher32 catches damage inside chunk data).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from hepti.errors import HeptiError, WeightsError
 from hepti.families import family
+from hepti.kernels.int8 import n_groups
 from hepti.weights import decoder, layout
 from hepti.weights.index import INDEX_NAME, index_config, load_index
 
@@ -89,21 +91,37 @@ def _check_datasets(p: Path, names: list[str], tensors: dict, read_all: bool) ->
     with h5:
         for name in names:
             t = tensors[name]
-            try:
-                dset = h5[name]
-                wrong = (dset.shape != tuple(t["shape"]) or dset.dtype != np.float32
-                         or not dset.fletcher32 or dset.chunks is None
-                         or dset.chunks[0] != t["chunk_rows"])
-            except (KeyError, OSError, ValueError) as e:
-                problems.append(f"{p}: tensor {name} cannot be opened ({e})")
-                continue
-            if wrong:
-                problems.append(f"{p}: tensor {name} is {dset.dtype}{list(dset.shape)} chunks "
-                                f"{dset.chunks} fletcher32={dset.fletcher32}; {INDEX_NAME} says "
-                                f"float32{t['shape']} with {t['chunk_rows']}-row chunks")
-            elif read_all and not _reads_cleanly(dset):
-                problems.append(f"{p}: tensor {name} fails its Fletcher32 checksum (damaged data)")
+            datasets = [(name, name, t.get("dtype", layout.DTYPE), tuple(t["shape"]))]
+            if t.get("dtype") == layout.INT8:
+                try:
+                    scales = (t["shape"][0], n_groups(t["shape"][1], t["group"]))
+                    datasets.append((f"the scales of {name}", t["scales"], layout.DTYPE, scales))
+                except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError):
+                    problems.append(f"{p}: int8 tensor {name} has no valid 'group' and "
+                                    f"'scales' in {INDEX_NAME}")
+            for what, dname, dtype, shape in datasets:
+                problems += _check_dataset(p, h5, what, dname, dtype, shape, t["chunk_rows"],
+                                           read_all)
     return problems
+
+
+def _check_dataset(p: Path, h5: h5py.File, what: str, dname: str, dtype: str, shape: tuple,
+                   chunk_rows: int, read_all: bool) -> list[str]:
+    """Dataset `dname` is there with this dtype, shape and row chunking; with read_all, read
+    it through its checksums. `what` names it in messages."""
+    try:
+        dset = h5[dname]
+        wrong = (dset.shape != shape or dset.dtype != np.dtype(dtype) or not dset.fletcher32
+                 or dset.chunks is None or dset.chunks[0] != chunk_rows)
+    except (KeyError, OSError, ValueError, TypeError) as e:
+        return [f"{p}: tensor {what} cannot be opened ({e})"]
+    if wrong:
+        return [f"{p}: tensor {what} is {dset.dtype}{list(dset.shape)} chunks {dset.chunks} "
+                f"fletcher32={dset.fletcher32}; {INDEX_NAME} says {dtype}{list(shape)} with "
+                f"{chunk_rows}-row chunks"]
+    if read_all and not _reads_cleanly(dset):
+        return [f"{p}: tensor {what} fails its Fletcher32 checksum (damaged data)"]
+    return []
 
 
 def _reads_cleanly(dset: h5py.Dataset) -> bool:

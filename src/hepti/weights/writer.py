@@ -35,8 +35,9 @@ from tqdm import tqdm
 import hepti
 from hepti.config import ModelConfig
 from hepti.errors import WeightsError
+from hepti.kernels.int8 import GROUP, quantize
 from hepti.weights import layout
-from hepti.weights.index import FORMAT, FORMAT_VERSION, INDEX_NAME, is_model_dir, shard_name
+from hepti.weights.index import FORMAT, INDEX_NAME, format_version, is_model_dir, shard_name
 from hepti.weights.verify import file_sha256
 
 BLOCK_BYTES = 8 * 1024 * 1024  # rows handed to HDF5 per write (rounded to whole chunks)
@@ -54,9 +55,11 @@ class TensorSpec:
     rows: Callable[[int, int], np.ndarray]  # (start, stop) -> float32 [stop-start, *shape[1:]]
     origin: str | None = None  # HF name it was converted from
     transposed: bool = False
+    group: int | None = None  # stored int8 in groups of this many values (None: float32)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the rows as they come (float32): what the progress bar counts."""
         return int(np.prod(self.shape, dtype=np.int64)) * layout.ITEMSIZE
 
 
@@ -154,13 +157,20 @@ def write_model(out: str | Path, config: ModelConfig, specs: list[TensorSpec], *
                 copy_files: dict[str, Path] | None = None, shard_layers: int | None = 4,
                 max_shard_bytes: int | None = None, overwrite: bool = False,
                 progress: bool = True, desc: str = "convert",
-                chunk_rows: Callable | None = None) -> Path:
+                chunk_rows: Callable | None = None, dtype: str = layout.DTYPE) -> Path:
     """Write `specs` as shard-*.h5 + index.json into `out` atomically; returns `out`.
 
     `chunk_rows(name, shape, config)`: rows per HDF5 chunk, for a family whose operator graph
     `layout.chunk_rows` does not know yet (the decoder: `hepti.weights.decoder.chunk_rows`).
+    dtype "int8" stores the layers' GeMM matrices (`layout.quantized_tensors`) as int8 with
+    one float32 scale per group of `hepti.kernels.int8.GROUP` values (a dataset NAME.scales
+    beside each), recorded in index.json (format version 2); the rest stays float32.
     """
     out = Path(out)
+    layout.check_dtype(dtype, config)
+    if dtype == layout.INT8:
+        quantized = set(layout.quantized_tensors(config))
+        specs = [_with_group(s, GROUP) if _in_layer(s.name, quantized) else s for s in specs]
     check_out_dir(out, overwrite)
     shards = plan_shards(specs, shard_layers, max_shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -168,20 +178,33 @@ def write_model(out: str | Path, config: ModelConfig, specs: list[TensorSpec], *
         check_out_dir(out, overwrite)  # a writer may have finished between the check and the lock
         return _write_locked(out, config, specs, shards, source=source, copy_files=copy_files,
                              overwrite=overwrite, progress=progress, desc=desc,
-                             chunk_rows=chunk_rows or layout.chunk_rows)
+                             chunk_rows=chunk_rows or layout.chunk_rows, dtype=dtype)
+
+
+def _in_layer(name: str, locals_: set[str]) -> bool:
+    """Whether `name` is a per-layer tensor whose local name is among `locals_`."""
+    layer, local = layout.local_name(name)
+    return layer is not None and local in locals_
+
+
+def _with_group(spec: TensorSpec, group: int) -> TensorSpec:
+    return TensorSpec(spec.name, spec.shape, spec.rows, spec.origin, spec.transposed, group)
 
 
 def _write_locked(out: Path, config: ModelConfig, specs: list[TensorSpec],
                   shards: list[list[TensorSpec]], *, source: dict,
                   copy_files: dict[str, Path] | None, overwrite: bool, progress: bool,
-                  desc: str, chunk_rows: Callable = layout.chunk_rows) -> Path:
+                  desc: str, chunk_rows: Callable = layout.chunk_rows,
+                  dtype: str = layout.DTYPE) -> Path:
     """write_model's body, run while holding out's write lock."""
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        index = {"format": FORMAT, "format_version": FORMAT_VERSION,
+        index = {"format": FORMAT, "format_version": format_version(dtype),
                  "hepti_version": hepti.__version__, "source": source,
                  "config": config.to_dict(), "files": [], "tensors": {}, "shards": {}}
+        if dtype != layout.DTYPE:
+            index["dtype"] = dtype
         total = sum(s.nbytes for s in specs)
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
                   disable=not progress, file=sys.stderr) as bar:
@@ -190,9 +213,12 @@ def _write_locked(out: Path, config: ModelConfig, specs: list[TensorSpec],
                 with h5py.File(tmp / fname, "w", libver=LIBVER) as h5:
                     for spec in group:
                         rows = _write_tensor(h5, spec, config, bar, chunk_rows)
-                        index["tensors"][spec.name] = {
+                        entry = index["tensors"][spec.name] = {
                             "shard": fname, "shape": list(spec.shape), "dtype": layout.DTYPE,
                             "chunk_rows": rows, "from": spec.origin, "transposed": spec.transposed}
+                        if spec.group is not None:
+                            entry.update(dtype=layout.INT8, group=spec.group,
+                                         scales=spec.name + layout.SCALES_SUFFIX)
                 index["shards"][fname] = {"sha256": _sha256_and_sync(tmp / fname),
                                           "bytes": (tmp / fname).stat().st_size}
         for name, path in sorted((copy_files or {}).items()):
@@ -212,10 +238,19 @@ def _write_locked(out: Path, config: ModelConfig, specs: list[TensorSpec],
 
 def _write_tensor(h5: h5py.File, spec: TensorSpec, config: ModelConfig, bar: tqdm,
                   chunk_rows: Callable = layout.chunk_rows) -> int:
-    """Create one chunked, Fletcher32-checked dataset and fill it block by block."""
+    """Create one chunked, Fletcher32-checked dataset and fill it block by block; an int8
+    one (spec.group) gets its scales dataset beside it, chunked by the same rows, each block
+    quantised as it comes (groups run along a row, so blocks of rows quantise alone)."""
     rows = chunk_rows(spec.name, spec.shape, config)
-    dset = h5.create_dataset(spec.name, shape=spec.shape, dtype=layout.DTYPE,
+    quant = spec.group is not None
+    dset = h5.create_dataset(spec.name, shape=spec.shape,
+                             dtype=layout.INT8 if quant else layout.DTYPE,
                              chunks=(rows,) + tuple(spec.shape[1:]), fletcher32=True)
+    if quant:
+        s_shape = (spec.shape[0], -(-spec.shape[1] // spec.group))
+        sdset = h5.create_dataset(spec.name + layout.SCALES_SUFFIX, shape=s_shape,
+                                  dtype=layout.DTYPE, chunks=(rows, s_shape[1]),
+                                  fletcher32=True)
     row_bytes = spec.nbytes // max(spec.shape[0], 1)
     block = max(rows, (BLOCK_BYTES // max(row_bytes, 1)) // rows * rows)
     for a in range(0, spec.shape[0], block):
@@ -223,7 +258,12 @@ def _write_tensor(h5: h5py.File, spec: TensorSpec, config: ModelConfig, bar: tqd
         data = spec.rows(a, b)  # [b-a, *shape[1:]]
         if data.shape != (b - a,) + tuple(spec.shape[1:]) or data.dtype != np.float32:
             raise AssertionError(f"{spec.name} rows {a}:{b} came as {data.dtype}{data.shape}")
-        dset.write_direct(np.ascontiguousarray(data), dest_sel=np.s_[a:b])
+        if quant:
+            qm = quantize(np.ascontiguousarray(data), spec.group)
+            dset.write_direct(qm.q, dest_sel=np.s_[a:b])
+            sdset.write_direct(qm.scales, dest_sel=np.s_[a:b])
+        else:
+            dset.write_direct(np.ascontiguousarray(data), dest_sel=np.s_[a:b])
         bar.update(data.nbytes)
     return rows
 

@@ -1,6 +1,6 @@
 """Hierarchical order search for blocks too large to search whole (NASNet's cells).
 
-BTSearch (hepti.plan.order) proves its order by walking the downsets of a block; a NASNet-A
+BTSearch (hepti.order.search) proves its order by walking the downsets of a block; a NASNet-A
 large has about a thousand operators and no cut (each cell reads the two cells before it), so
 that walk never ends. HMCOS (Wang et al., "Hierarchical Memory-Constrained Operator Scheduling
 of Neural Architecture Search Networks", DAC 2022) schedules such graphs on a hierarchy; this
@@ -25,7 +25,7 @@ module does the same in hepti's terms, its own way:
 
 The answer is the least peak under the restrictions still in force (groups that stayed
 groups, sequences unbroken), not a proof: `proven` comes from the peak meeting the lower
-bound (hepti.plan.order_search.lower_bounds), or from a last search that ended with no group left and
+bound (hepti.order.btsearch.lower_bounds), or from a last search that ended with no group left and
 no chain joined (then it was BTSearch over single operators, exact); `why` says what was fixed
 when neither holds.
 """
@@ -35,8 +35,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from hepti.plan.memory import Problem
-from hepti.plan.order_search import _bits, _Fast, ancestry, btsearch, lower_bounds, restrict, topological
+from hepti.order.btsearch import (StepUpdates, ancestry, btsearch, lower_bounds, restrict,
+                                  set_bits, topological)
+from hepti.order.memory import Problem
 
 GROUP_MIN_PREDS = 3  # an operator with this many predecessors closes a cell
 GROUP_SEARCH_SECONDS = 2.0  # one group's inner search, per context
@@ -62,12 +63,12 @@ class HierResult:
 
 def sequences(pb: Problem) -> list[list[int]]:
     """Chains joined by HMCOS's rule (module docstring), in topological order of their heads."""
-    fast = _Fast(pb)
+    fast = StepUpdates(pb)
     seq_of = [-1] * pb.n
     seqs: list[list[int]] = []
     state: list[tuple[int, int]] = []  # per sequence: (highest step, latest), relative
     for o in topological(pb):
-        preds = list(_bits(pb.preds[o]))
+        preds = list(set_bits(pb.preds[o]))
         if len(preds) == 1 and len(pb.succs[preds[0]]) == 1:
             s = seq_of[preds[0]]
             top, latest = state[s]
@@ -181,7 +182,7 @@ class _Units:
         for u, (_, ops) in enumerate(self.units):
             pm = 0
             for o in ops:
-                for q in _bits(pb.preds[o] & ~self.masks[u]):
+                for q in set_bits(pb.preds[o] & ~self.masks[u]):
                     pm |= 1 << unit_of[q]
             self.preds.append(pm)
         self.succs = [[v for v in range(len(self.units)) if self.preds[v] >> u & 1]
@@ -221,7 +222,7 @@ class _OutOfTime(Exception):
     pass
 
 
-def _search_units(pb: Problem, fast: _Fast, U: _Units, best: list, lb: list[int],
+def _search_units(pb: Problem, fast: StepUpdates, U: _Units, best: list, lb: list[int],
                   deadline: float, floor: int = 0) -> tuple[int, bool]:
     """Depth first over the units from the empty set; `best` = [peak, order] is improved in
     place. Returns (states, complete)."""
@@ -302,7 +303,7 @@ def hierarchical(pb: Problem, incumbent: list[int], time_limit: float = 60.0,
     first order whose peak is at or under `floor` (btsearch's `floor`)."""
     t0 = time.perf_counter()
     deadline = t0 + time_limit
-    fast = _Fast(pb)
+    fast = StepUpdates(pb)
     anc, desc = ancestry(pb)
     lb = lower_bounds(pb, anc, desc)
     lb_global = max(lb, default=pb.offset)
@@ -335,7 +336,7 @@ def hierarchical(pb: Problem, incumbent: list[int], time_limit: float = 60.0,
                 p = pb.producer[j]
                 if p >= 0 and done >> p & 1 and (pb.held[j] or pb.consumers[j] & ~done):
                     hot.add(p)
-                    hot.update(_bits(pb.consumers[j]))
+                    hot.update(set_bits(pb.consumers[j]))
         keep = [g for g in grouped if not hot & set(g)]
         if len(keep) == len(grouped):
             break

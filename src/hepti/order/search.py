@@ -1,6 +1,6 @@
 """BTSearch: the operator order with the smallest peak memory (MemoriaNova, Zhang et al. 2024).
 
-Under hepti.plan.memory's model, the memory of a step depends only on the set S of operators
+Under hepti.order.memory's model, the memory of a step depends only on the set S of operators
 already run and the operator run next, so an order is a path from the empty set to all
 operators through the DAG's downsets, and its peak is the largest step on the path. BTSearch
 walks these paths depth first over the ready operators, children tried least step first:
@@ -30,13 +30,13 @@ bound of the whole graph or of a block that was proven. A chain of operators is 
 Inception module is one block. A graph without cuts stays one block: NASNet's cells each read
 the two cells before them, so no operator separates them. A block of HIER_MIN_OPS operators or
 more that BTSearch could not prove within its budget is searched again the way HMCOS (Wang et
-al., DAC 2022) does (hepti.plan.order_hier: chains run unbroken, cells run as groups in their
+al., DAC 2022) does (hepti.order.hierarchical: chains run unbroken, cells run as groups in their
 own least-peak order, the top level searched exactly, cells at the peak dissolved round by
 round), from BTSearch's best; it keeps whichever order is better, and the block's report says
 which method found it and, unless the peak meets the lower bound, why it is not proven.
 
 `order_graph(dag)` is what `hepti order` and the planner call; `btsearch(problem)`
-(hepti.plan.order_search, with the pieces both searches share) searches one Problem with any of
+(hepti.order.btsearch, with the pieces both searches share) searches one Problem with any of
 bound, hashing and dominance turned off (the benchmark's plot).
 """
 from __future__ import annotations
@@ -48,13 +48,13 @@ from dataclasses import asdict, dataclass, field
 
 from hepti.errors import PlanError
 from hepti.graph.opdag import OpDag
-from hepti.plan.memory import Problem, compile_problem
-from hepti.plan.order_hier import hierarchical
-from hepti.plan.order_search import (DEFAULT_MAX_STATES, DEFAULT_TIME_LIMIT, SearchResult, blocks,
-                                     btsearch, greedy_least_peak, lower_bounds, random_order,
-                                     restrict, reverse_postorder, topological)
+from hepti.order.btsearch import (DEFAULT_MAX_STATES, DEFAULT_TIME_LIMIT, SearchResult, blocks,
+                                  btsearch, greedy_least_peak, lower_bounds, random_order,
+                                  restrict, reverse_postorder, topological)
+from hepti.order.hierarchical import hierarchical
+from hepti.order.memory import Problem, compile_problem
 
-DEFAULT_HIER_TIME_LIMIT = 120.0  # seconds of hierarchical search (order_hier) per large block
+DEFAULT_HIER_TIME_LIMIT = 120.0  # seconds of hierarchical search per large block
 HIER_MIN_OPS = 100  # an unproven block this large gets the hierarchical search too
 
 
@@ -74,7 +74,7 @@ class BlockReport:
     seconds: float
     proven: bool
     stopped: str = ""
-    method: str = "BTSearch"  # or "hierarchical" (hepti.plan.order_hier) when that did better
+    method: str = "BTSearch"  # or "hierarchical" (hepti.order.hierarchical) when that did better
     why: str = ""  # why the block is not proven, when it is not
 
 

@@ -1,7 +1,7 @@
-"""BTSearch on one block, and the pieces every order search shares (hepti.plan.order's whole-graph
-search and hepti.plan.order_hier's hierarchical one): cheap orders, the fast step evaluation,
+"""BTSearch on one block, and the pieces every order search shares (hepti.order.search's whole-graph
+search and hepti.order.hierarchical's hierarchical one): cheap orders, the fast step evaluation,
 ancestry and lower bounds, the search itself, and cutting a Problem into blocks. The method is in
-hepti.plan.order's docstring.
+hepti.order.search's docstring.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from hepti.plan.memory import Problem
+from hepti.order.memory import Problem
 
 DEFAULT_TIME_LIMIT = 10.0  # seconds per block
 DEFAULT_MAX_STATES = 2_000_000  # states per block (each a partial order the search reached)
@@ -57,7 +57,7 @@ def reverse_postorder(pb: Problem) -> list[int]:
 def greedy_least_peak(pb: Problem) -> list[int]:
     """At each step the ready operator with the smallest step, then the smallest resident
     after it, then the lowest index."""
-    fast = _Fast(pb)
+    fast = StepUpdates(pb)
     done, resident, order = 0, fast.start, []
     ready = [o for o in range(pb.n) if not pb.preds[o]]
     while ready:
@@ -82,8 +82,9 @@ def random_order(pb: Problem, rng: random.Random) -> list[int]:
 
 # --- the search ------------------------------------------------------------------------------
 
-class _Fast:
-    """The memory model's step and resident updates, incremental (what the search runs)."""
+class StepUpdates:
+    """The memory model's step and resident updates, incremental: what every search runs (this
+    module's BTSearch, and hepti.order.hierarchical's top level and groups)."""
 
     def __init__(self, pb: Problem):
         self.pb = pb
@@ -114,7 +115,7 @@ def ancestry(pb: Problem) -> tuple[list[int], list[int]]:
     anc, desc = [0] * pb.n, [0] * pb.n
     for o in order:
         m = pb.preds[o]
-        for p in _bits(pb.preds[o]):
+        for p in set_bits(pb.preds[o]):
             m |= anc[p]
         anc[o] = m
     for o in reversed(order):
@@ -141,9 +142,9 @@ def lower_bounds(pb: Problem, anc=None, desc=None) -> list[int]:
             before = full
         else:
             before = 0
-            for c in _bits(pb.consumers[j]):
+            for c in set_bits(pb.consumers[j]):
                 before |= anc[c]
-        for o in _bits(after & before & ~pb.consumers[j]):
+        for o in set_bits(after & before & ~pb.consumers[j]):
             lb[o] += s
     return lb
 
@@ -179,7 +180,7 @@ def btsearch(pb: Problem, incumbent: list[int] | None = None, bound: bool = True
     that is good enough (a block's search in a graph whose peak is already that high): the
     search stops at the first order at or under it (`stopped` "floor"), proven or not."""
     t0 = time.perf_counter()
-    fast = _Fast(pb)
+    fast = StepUpdates(pb)
     anc, desc = ancestry(pb)
     lb = lower_bounds(pb, anc, desc)
     lb_global = max(lb, default=pb.offset)
@@ -324,7 +325,7 @@ def restrict(pb: Problem, ops: list[int], before: int) -> Problem:
         size.append(s)
         producer.append(index[p] if not from_before else -1)
         mask = 0
-        for c in _bits(pb.consumers[j] & inside):
+        for c in set_bits(pb.consumers[j] & inside):
             mask |= 1 << index[c]
         consumers.append(mask)
         held.append(read_after)
@@ -332,7 +333,7 @@ def restrict(pb: Problem, ops: list[int], before: int) -> Problem:
     preds = []
     for o in ops:
         m = 0
-        for q in _bits(pb.preds[o] & inside):
+        for q in set_bits(pb.preds[o] & inside):
             m |= 1 << index[q]
         preds.append(m)
     succs = [[index[s] for s in pb.succs[o] if s in index] for o in ops]
@@ -345,7 +346,7 @@ def restrict(pb: Problem, ops: list[int], before: int) -> Problem:
                    consumers, held, reusable, offset, [pos[o] for o in ops])
 
 
-def _bits(mask: int):
+def set_bits(mask: int):
     """The set bits of a mask, lowest first."""
     while mask:
         low = mask & -mask

@@ -17,7 +17,7 @@ tests and the benchmark hold BTSearch's peaks equal to theirs.
 """
 from __future__ import annotations
 
-from hepti.plan.memory import Problem
+from hepti.order.memory import Problem
 
 
 class TooLarge(Exception):

@@ -23,7 +23,7 @@ An order is a topological order of an OpDag's operators (hepti.graph.opdag). The
   `inplace(S, o)` is the output's size.
 
 The step depends on S and o alone, never on the order S was run in; the search
-(hepti.plan.order) and the exact checks (hepti.plan.order_exact) stand on that. Not modelled:
+(hepti.order.search) and the exact checks (hepti.order.exact) stand on that. Not modelled:
 memory inside an operator (im2col buffers, attention scores), allocator alignment and
 fragmentation, and anything a runtime keeps besides the tensors.
 

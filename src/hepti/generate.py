@@ -1,0 +1,206 @@
+"""`hepti generate`: text from a converted decoder, on one process or under `mpiexec -n N`.
+
+Every rank runs `generate_on_every_rank`: the prompt is checked (and, with --chat, wrapped in the
+model's own chat template) before any weights load; the group that computes is every rank
+(`tensor`, by --ratios or equal shares) or rank 0 alone (`single`: the others leave at once);
+each member reads its shard and runs hepti.parallel.decoder's `DecoderGroup`. Rank 0 alone
+prints: the tokens as they are made on stdout, a timing line on stderr, and with --json one
+JSON object at the end. Errors follow `hepti run`'s discipline (`run_guarded_fn`): a bad input
+raised on every rank is reported once, with exit code 2; anything else on any rank names the
+rank and ends the whole job.
+
+The chat template and the streamed text are hepti.model.chat's, which `hepti serve` shares.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from hepti.errors import InputError
+from hepti.families import FAMILIES, family
+from hepti.model.chat import TextStream, render_chat, stop_ids
+from hepti.model.llama import KVCache, check_request
+from hepti.parallel.comm import Comm
+from hepti.parallel.decoder import DecoderGroup, Sampling
+from hepti.parallel.engine import FAULT_ENV
+from hepti.parallel.world import agree, run_guarded_fn
+from hepti.parallel.trace import Tracer
+from hepti.plan.planfile import DIMS, parse_ratios
+from hepti.weights import WeightStore
+from hepti.weights.decoder import load_tokenizer
+
+STRATEGIES = ("single", "tensor")  # what the decoder executor runs
+
+
+def generate_guarded(args) -> int:
+    """`hepti generate` on every rank, with the failure discipline of the module docstring."""
+    return run_guarded_fn("generate", generate_on_every_rank, args)
+
+
+def generate_on_every_rank(args) -> int:
+    """Check, load, generate, report (module docstring); every rank calls it."""
+    mpi = MPI.COMM_WORLD
+    world = Comm(mpi if mpi.Get_size() > 1 else None, Tracer(mpi.Get_rank()))
+    rank0 = world.rank == 0
+    args.strategy = args.strategy or ("tensor" if world.size > 1 else "single")
+    if args.logits_out:
+        args.logits_out = agree(world, lambda: logits_path(args.logits_out))
+    sampling = agree(world, lambda: Sampling(args.temperature, args.top_p, args.seed))
+    store = agree(world, lambda: open_decoder(args.model))
+    cfg = store.config
+    tok, meta = load_tokenizer(args.model)
+    ids = agree(world, lambda: prompt_ids(args, cfg, tok, meta))
+    ratios = agree(world, lambda: group_ratios(args, world.size))
+    stop = stop_ids(cfg, tok, meta)
+
+    group = world if args.strategy == "tensor" or world.size == 1 else world.split(rank0)
+    report = None
+    if group is not None:
+        t0 = time.perf_counter()
+        dec = agree(group, lambda: DecoderGroup(group, store, ratios))
+        load_s = time.perf_counter() - t0
+        report = run_group(args, dec, ids, sampling, stop, tok, rank0)
+        report["load_s"] = load_s
+    store.close()
+    world.barrier_idle()  # ranks left out by `single` wait here asleep, not spinning in MPI
+    # per rank (zeros for a rank left out)
+    keys = ("compute_s", "comm_s", "weight_bytes", "kv_cache_bytes")
+    mine = [report[k] for k in keys] if report else [0.0] * len(keys)
+    per_rank = world.gather_floats(mine)
+    if group is not None and group is not world:
+        group.close()
+    world.close()  # collective: frees the shared window of the "shm" transport
+    if rank0:
+        finish(args, report, per_rank, ids, world.size, tok)
+    return 0
+
+
+def open_decoder(path) -> WeightStore:
+    """The converted model, refused unless its family runs on the decoder executor."""
+    store = WeightStore(path)
+    fam = family(store.config)
+    if fam.executor != "decoder":
+        store.close()
+        runs = ", ".join(f.model_type for f in FAMILIES.values() if f.executor == "decoder")
+        raise InputError(f"{path} holds a {fam.label} model ({store.config.model_type}); `hepti "
+                         f"generate` runs decoders ({runs}). Use `hepti run` for it.")
+    return store
+
+
+def prompt_ids(args, cfg, tok, meta) -> list[int]:
+    """The prompt's token ids: the raw text (special tokens parsed as such), or with --chat
+    the user message in the model's chat template (its default system prompt included)."""
+    if tok is None:
+        raise InputError(f"{args.model} has no tokenizer.json; re-convert it from its GGUF "
+                         "(`hepti convert FILE.gguf --out DIR`)")
+    if not args.prompt:
+        raise InputError("--prompt is empty; give the text to continue (or, with --chat, a "
+                         "question)")
+    text = chat_text(args.prompt, meta, args.model) if args.chat else args.prompt
+    ids = tok.encode(text).ids
+    check_request(cfg, len(ids), args.max_tokens)
+    return ids
+
+
+def chat_text(prompt: str, meta: dict, model) -> str:
+    """One user message rendered by the model's chat template, with the generation prompt."""
+    return render_chat([{"role": "user", "content": prompt}], meta, model,
+                       "drop --chat and write the prompt in the model's format yourself")
+
+
+def group_ratios(args, world_size: int) -> dict[str, list[float]]:
+    """Shares per dimension for the group that computes: --ratios (tensor only), else equal;
+    `single` is rank 0's group of one."""
+    if args.strategy == "single" and args.ratios and world_size > 1:
+        raise InputError("--strategy single runs on rank 0 alone; drop --ratios")
+    if args.strategy == "single" or world_size == 1:
+        if args.ratios:
+            parse_ratios(args.ratios, world_size)  # one share per rank, even for one rank
+        return {d: [1.0] for d in DIMS}
+    if args.ratios:
+        return parse_ratios(args.ratios, world_size)
+    return {d: [1.0 / world_size] * world_size for d in DIMS}
+
+
+class Stream:
+    """Prints the text of the tokens made so far as it grows (rank 0; hepti.model.chat's
+    TextStream keeps a character that spans tokens whole)."""
+
+    def __init__(self, tok, on: bool):
+        self.text, self.on = TextStream(tok), on
+
+    def __call__(self, token: int) -> None:
+        if self.on and (new := self.text.push(token)):
+            sys.stdout.write(new)
+            sys.stdout.flush()
+
+
+def run_group(args, dec: DecoderGroup, ids, sampling, stop, tok, rank0: bool) -> dict:
+    """Generate on a member of the computing group; what this rank measured."""
+    dec.warm_up()
+    dec.comm.barrier()
+    dec.comm.tracer.reset()
+    if os.environ.get(FAULT_ENV) == str(MPI.COMM_WORLD.Get_rank()):  # test-only, as hepti run
+        raise RuntimeError(f"injected fault ({FAULT_ENV})")
+    stream = Stream(tok, rank0)
+    marks: list[float] = []  # perf_counter when each token was chosen
+    t0 = time.perf_counter()
+    first: list = []
+    tokens = dec.generate(ids, args.max_tokens, sampling, stop,
+                          on_token=lambda t: (marks.append(time.perf_counter()), stream(t)),
+                          logits_out=first)
+    wall = time.perf_counter() - t0
+    logits = dec.gather_logits(first[0]) if args.logits_out else None
+    if rank0 and args.logits_out:
+        np.save(args.logits_out, np.asarray(logits, np.float32))
+    comm_s = dec.comm_seconds()
+    return {"tokens": tokens, "prefill_s": marks[0] - t0, "decode_s": marks[-1] - marks[0],
+            "wall_s": wall, "comm_s": comm_s, "compute_s": wall - comm_s,
+            "weight_bytes": dec.weight_bytes, "text": tok.decode(tokens),
+            "kv_cache_bytes": KVCache.bytes_for(dec.config, len(ids) + args.max_tokens,
+                                                dec.model.n_kv)}
+
+
+def finish(args, r: dict, per_rank, ids, world_size: int, tok) -> None:
+    """Rank 0: the end of the streamed text, the timing line, the JSON object."""
+    n_dec = len(r["tokens"]) - 1  # the first token comes from the prefill
+    prefill_tps = len(ids) / r["prefill_s"] if r["prefill_s"] > 0 else None
+    decode_tps = n_dec / r["decode_s"] if n_dec and r["decode_s"] > 0 else None
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(f"hepti generate: {args.strategy} on {world_size} rank(s): prompt {len(ids)} tokens, "
+          f"prefill {_rate(prefill_tps)}; {len(r['tokens'])} tokens, decode {_rate(decode_tps)}"
+          f"; weights loaded in {r['load_s']:.1f} s", file=sys.stderr, flush=True)
+    if args.logits_out:
+        print(f"hepti generate: wrote the prefill's last-position logits to {args.logits_out}",
+              file=sys.stderr)
+    if args.json:
+        doc = {"prompt_ids": list(map(int, ids)), "token_ids": list(map(int, r["tokens"])),
+               "text": r["text"], "strategy": args.strategy, "ranks": world_size,
+               "prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
+               "prefill_s": r["prefill_s"], "decode_s": r["decode_s"],
+               "per_rank": [{"rank": i, "compute_s": c, "comm_s": m, "weight_bytes": int(b),
+                             "kv_cache_bytes": int(kv)}
+                            for i, (c, m, b, kv) in enumerate(per_rank)]}
+        print(json.dumps(doc))
+    sys.stdout.flush()
+
+
+def _rate(tps) -> str:
+    return f"{tps:.1f} tokens/s" if tps else "n/a"
+
+
+def logits_path(text: str) -> Path:
+    """--logits-out: a .npy path whose folder exists."""
+    p = Path(text)
+    if p.suffix != ".npy":
+        raise InputError(f"--logits-out {text}: give a .npy file name")
+    if not p.parent.is_dir():
+        raise InputError(f"--logits-out {text}: the folder {p.parent} does not exist")
+    return p

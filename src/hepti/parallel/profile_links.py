@@ -1,0 +1,220 @@
+"""What `hepti profile` measures of the network: each rank's link to rank 0 (ping-pong, fitted
+to latency + bytes / bandwidth), allgathers among 2..N ranks through the runtime's own verb,
+and the collectives' calibration against the cost model. All ranks call each measurement.
+
+Messages go through the verbs module (hepti.parallel.comm: `Comm`, and `wait`, which sleeps
+rather than spins on a capped rank); the ping-pong and the barriers use the communicator's own
+non-blocking calls, waited for the same way. mpi4py is imported inside the functions that time
+with MPI's clock, so importing this module does not start MPI.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import numpy as np
+
+from hepti import kernels as K
+from hepti.config import ModelConfig
+from hepti.counts import counts as split, offsets
+from hepti.emulate import stretch as _stretch
+from hepti.parallel.comm import Comm, wait
+from hepti.plan.costmodel import Collective, collective_times
+from hepti.plan.profile import profile_from_dict
+
+PING_SIZES = (8, 4096, 65536, 262144, 1 << 20, 4 << 20)  # bytes; larger skipped on slow links
+PING_TARGET_S = 0.06  # the largest message should take about this long one way
+
+
+def barrier(comm) -> None:
+    """A barrier that waits as the runtime waits (`hepti.parallel.comm.wait`: asleep on a
+    CPU-capped rank). MPICH's blocking barrier spins: a rank done measuring early would burn its
+    quota and, sharing a CPU with a rank still measuring, evict that rank's caches."""
+    wait(comm.Ibarrier())
+
+
+def fit_link(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """one-way time = latency + bytes / bandwidth -> (latency_s, bandwidth_Bps): the bandwidth
+    from the two largest messages, the latency from the smallest. (A shaped link, like a switch
+    port, passes a burst at line rate: a fit over all sizes took 940/240/100 Mbit/s links for
+    1533/329/173.)"""
+    pts = sorted(points)
+    x = np.array([p[0] for p in pts], float)
+    y = np.array([p[1] for p in pts], float)
+    slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if len(x) > 1 else y[-1] / x[-1]
+    if slope <= 0:  # all sizes equally fast: take the largest message's rate
+        slope = y[-1] / x[-1]
+    return float(max(y[0] - x[0] * slope, 0.0)), float(1.0 / slope)
+
+
+def ping_pong(comm, peer: int, nbytes: int, reps: int) -> float:
+    """Median one-way seconds (half the round trip) of nbytes between rank 0 and `peer`, as
+    timed by rank 0; both must call it. The first round trip is a warm-up."""
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
+
+    buf = np.zeros(max(nbytes, 1), np.uint8)
+    rank = comm.Get_rank()
+    times = []
+    for _ in range(reps + 1):
+        t0 = MPI.Wtime()
+        if rank == 0:  # waited for as the runtime waits (hepti.parallel.comm.wait)
+            wait(comm.Isend([buf, nbytes, MPI.BYTE], dest=peer, tag=7))
+            wait(comm.Irecv([buf, nbytes, MPI.BYTE], source=peer, tag=7))
+        else:
+            wait(comm.Irecv([buf, nbytes, MPI.BYTE], source=0, tag=7))
+            wait(comm.Isend([buf, nbytes, MPI.BYTE], dest=0, tag=7))
+        times.append((MPI.Wtime() - t0) / 2)
+    return statistics.median(times[1:])
+
+
+COLLECTIVE_FLOATS = (16, 16384)  # per rank: an allgather's fixed cost, and its bytes' rate
+COLLECTIVE_LONG_FLOATS = (65536, 262144)  # per rank: the rate a long allgather keeps up
+
+
+def _line(x: tuple, t: tuple) -> tuple[float, float]:
+    """(intercept, slope >= 0) of the line through (x[0], t[0]) and (x[1], t[1])."""
+    slope = max(0.0, (t[1] - t[0]) / (x[1] - x[0]))
+    return t[0] - x[0] * slope, slope
+
+
+def measure_collectives(comm, reps: int = 15, long_reps: int = 5) -> dict:
+    """{k: (seconds, seconds per byte, seconds, seconds per byte)} for k = 2..size: an allgather
+    among ranks 0..k-1 through the runtime's own verb (hepti.parallel.comm `allgather_rows`,
+    over the transport a forward uses), as two lines in the bytes a rank moves (the larger of
+    sent and received), each fitted to two sizes: short messages (`COLLECTIVE_FLOATS`) and long
+    ones (`COLLECTIVE_LONG_FLOATS`). The cost model takes the larger line (hepti.plan.coedge
+    `CNNCosts.allgather`).
+
+    Why two: a link shaped by a token bucket (the emulator's HTB, a switch's buffers) passes a
+    burst faster than its rate. Fitted to 64 B and 64 KiB alone, the 4 emulated gigabit devices
+    of emu-geneflow4 moved 150-190 MB/s, and a channel split's late maps, 0.2-0.8 MB a rank,
+    took 1.3-1.75x that line's price; past the burst they went at 119 MB/s, the link's rate, on
+    a line through ~0 (measured, 2-4 ranks, 0.26-3.1 MB a port). Each call starts after a
+    barrier, as ranks sleep between tests of their requests on a capped device, and counts
+    until the last of the k has it. All ranks call it; an empty dict on one rank."""
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    out = {}
+    if size == 1:
+        return out
+    world = Comm(comm)
+    for k in range(2, size + 1):
+        sub = world.split(rank < k)
+        if sub is not None:
+            times = {}
+            for floats in COLLECTIVE_FLOATS + COLLECTIVE_LONG_FLOATS:
+                a = np.ones((1, floats), np.float32)
+                ts = []
+                for r in range((reps if floats in COLLECTIVE_FLOATS else long_reps) + 1):
+                    wait(sub.mpi.Ibarrier())
+                    t0 = time.perf_counter()
+                    sub.allgather_rows(a, [1] * k)
+                    ts.append(time.perf_counter() - t0)
+                times[floats] = statistics.median(
+                    sub.mpi.allreduce(t, op=MPI.MAX) for t in ts[1:])
+            lines = []
+            for sizes in (COLLECTIVE_FLOATS, COLLECTIVE_LONG_FLOATS):
+                nbytes = tuple(4 * f * (k - 1) for f in sizes)
+                lines += _line(nbytes, tuple(times[f] for f in sizes))
+            lines[0] = max(0.0, lines[0])  # a fixed cost; the long line's may be below 0
+            out[k] = tuple(lines)
+            sub.close()
+        barrier(comm)
+    world.close()
+    return comm.bcast(out, root=0)
+
+
+def measure_links(comm) -> list[dict]:
+    """Every rank's path to rank 0: points, latency_s, bandwidth_Bps (rank 0's: None)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    out = []
+    for peer in range(1, size):
+        points = []
+        for nbytes in PING_SIZES:
+            reps = 20 if nbytes <= 65536 else 5
+            t = ping_pong(comm, peer, nbytes, reps) if rank in (0, peer) else 0.0
+            t = comm.bcast(t, root=0)
+            points.append((nbytes, t))
+            if t > PING_TARGET_S:  # a slow link: larger messages would take too long
+                break
+        lat, bw = fit_link(points)
+        out.append({"rank": peer, "points": points, "latency_s": lat, "bandwidth_Bps": bw})
+    return out
+
+
+def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps: int = 15) -> dict:
+    """{kind: measured / modelled seconds} for the collectives the strategies use, timed for
+    real on an [rows, C] activation split evenly over all ranks, through the runtime's own
+    verbs. The analytic model (the verbs' algorithms over the measured links) has the right
+    shape across sizes and subsets, but over shared memory or a real NIC its constants can be
+    several times off; this puts them right at the size that matters.
+
+    Each kind is timed two ways, and the slower counts. (1) After what precedes it in a
+    forward: a GeMM (the FFN's down projection, on this rank's share of the columns) that
+    writes the buffer it sends, then a barrier. Over shared memory that is what a forward
+    pays: MiniLM's collectives (MPI's own, then) took 85-100 us there, as in the runtime's
+    traces, against 35-40 us back to back; calibrated back to back only, 2-rank `tensor` on
+    MiniLM was predicted 14-15% fast, all of it in the collectives. (2) Back to back, after a
+    barrier only. Over a shaped link (hepti emulate's token bucket) the pause for the GeMM lets
+    the bucket refill, and the collective then passes partly at veth speed: timed that way
+    alone, Allgatherv came out 15-20% faster than back to back, and emulated `tensor` plans
+    were predicted faster than they ran."""
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    C, F = config.hidden_size, config.intermediate_size
+    rc = split(rows, [1.0] * size)
+    row0 = offsets(rc)[rank]
+    full = np.ones((rows, C), np.float32)
+    mine = np.ones((rc[rank], C), np.float32)
+    f = max(1, F // size)
+    rng = np.random.default_rng(rank)
+    x = rng.standard_normal((rows, f), dtype=np.float32)
+    down = K.pack_b(rng.standard_normal((f, C), dtype=np.float32) / np.float32(math.sqrt(f)))
+
+    g = Comm(comm)
+    part = [full]  # where the partial sums are: the verb's own buffer, as in a forward, if any
+
+    def compute():  # the down projection's partial sums, and this rank's rows of them
+        buf = g.partial_buffer(full.shape)
+        part[0] = full if buf is None else buf
+        K.gemm(x, down, out=part[0])
+        mine[:] = part[0][row0:row0 + rc[rank]]
+
+    def no_compute():
+        part[0] = full
+
+    if _stretch.ON:
+        compute = _stretch.wrap(compute)
+
+    probes = {  # the runtime's own verbs
+        "reduce_scatter": lambda: g.reduce_scatter_rows(part[0], rc),
+        "allgatherv": lambda: g.allgather_rows(mine, rc),
+        "bcast": lambda: g.bcast_to_all(full, full.shape),
+    }
+    profile = profile_from_dict(prof, "measured profile")
+    everyone = [True] * size
+    factors = {}
+    def timed(fn, before) -> float:
+        ts = []
+        for _ in range(reps):
+            before()
+            barrier(comm)  # a spinning barrier would spend a capped rank's quota first
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    for kind, fn in probes.items():
+        fn()
+        mine_s = max(timed(fn, compute), timed(fn, no_compute))
+        measured = comm.allreduce(mine_s, op=MPI.MAX)
+        coll = Collective(kind, None if kind == "bcast" else "rows", 4.0 * C * (rows if kind == "bcast" else 1))
+        modelled = max(collective_times(coll, {"rows": rc}, everyone, profile))
+        factors[kind] = float(min(max(measured / modelled, 0.2), 50.0)) if modelled > 0 else 1.0
+    # Scatterv/Gatherv move the same bytes from/to one root as a Bcast does to all
+    factors["scatterv"] = factors["gatherv"] = factors["bcast"]
+    g.close()
+    return factors

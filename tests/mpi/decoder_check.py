@@ -1,0 +1,112 @@
+"""The decoder executor (hepti.parallel.decoder) on every rank of a group, against transformers'
+fixtures and against itself on one rank; used by tests/mpi/test_decoder.py (mpiexec -n 2) and
+run as a script at 3 ranks by tests/test_decoder_launch.py:
+
+    mpiexec -n 3 python -m mpi4py tests/mpi/decoder_check.py --model DIR:FIXTURE.npz:RATIOS ...
+
+prints one JSON row per case on rank 0 ({"ok": ...}); it exits non-zero if any case failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from hepti.parallel.comm import Comm
+from hepti.parallel.decoder import DecoderGroup, Sampling
+from hepti.parallel.trace import Tracer
+from hepti.plan.planfile import DIMS, parse_ratios
+from hepti.weights import WeightStore
+from hepti.weights.decoder import load_tokenizer
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+LOGIT_TOL = 1e-3  # as tests/test_llama.py
+GREEDY = 32  # tokens, as the fixtures hold
+SAMPLED = 16
+SAMPLINGS = (Sampling(0.8, 1.0, 11), Sampling(0.7, 0.9, 5))
+
+
+def expected(name: str) -> list[dict]:
+    z = np.load(FIXTURES / name)
+    return [{"text": str(z[f"prompt{k}_text"]), "ids": z[f"prompt{k}_ids"].tolist(),
+             "logits": z[f"prompt{k}_logits"], "greedy": z[f"prompt{k}_greedy"].tolist()}
+            for k in range(int(z["n_prompts"]))]
+
+
+def group(model_dir, ratios: str | None, comm: Comm) -> DecoderGroup:
+    vec = parse_ratios(ratios, comm.size) if ratios else {d: [1.0] for d in DIMS}
+    with WeightStore(model_dir) as store:
+        return DecoderGroup(comm, store, vec)
+
+
+def check_fixture(model_dir, fixture: str, ratios: str, comm: Comm) -> list[dict]:
+    """Per prompt: prompt_ids equal, the prefill's logits within LOGIT_TOL, 32 greedy tokens
+    equal to transformers'. Rows on the group's rank 0 (the logits are gathered there)."""
+    dec = group(model_dir, ratios, comm)
+    tok, _ = load_tokenizer(model_dir)
+    rows = []
+    for k, case in enumerate(expected(fixture)):
+        ids = tok.encode(case["text"]).ids
+        first: list = []
+        greedy = dec.generate(ids, GREEDY, Sampling(), logits_out=first)
+        logits = dec.gather_logits(first[0])
+        if comm.rank == 0:
+            diff = float(np.abs(logits - case["logits"]).max())
+            rows.append({"case": "fixture", "model": Path(model_dir).name, "ratios": ratios,
+                         "prompt": k, "shard": str(dec.shard), "ids_equal": ids == case["ids"],
+                         "logit_diff": diff, "greedy_equal": greedy == case["greedy"],
+                         "ok": ids == case["ids"] and diff < LOGIT_TOL
+                         and greedy == case["greedy"]})
+    return rows
+
+
+def check_sampling(model_dir, fixture: str, ratios: str, comm: Comm, prompts=None) -> list[dict]:
+    """With a seed, the group samples the same tokens as one rank alone (top-p 1 and below);
+    every rank of the group returns the same tokens too."""
+    dec = group(model_dir, ratios, comm)
+    alone = group(model_dir, None, Comm(None)) if comm.rank == 0 else None
+    tok, _ = load_tokenizer(model_dir)
+    rows = []
+    for k, case in enumerate(expected(fixture)):
+        if prompts is not None and k not in prompts:
+            continue
+        ids = tok.encode(case["text"]).ids
+        for s in SAMPLINGS:
+            got = dec.generate(ids, SAMPLED, s)
+            same_everywhere = len({tuple(t) for t in comm.mpi.allgather(got)}) == 1 \
+                if not comm.solo else True
+            if comm.rank == 0:
+                want = alone.generate(ids, SAMPLED, s)
+                rows.append({"case": "sampling", "model": Path(model_dir).name, "ratios": ratios,
+                             "prompt": k, "sampling": str(s), "tokens": got, "alone": want,
+                             "ok": got == want and same_everywhere})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", action="append", required=True, metavar="DIR:FIXTURE:RATIOS")
+    ap.add_argument("--sampling", action="append", default=[], metavar="DIR:FIXTURE:RATIOS")
+    args = ap.parse_args()
+    mpi = MPI.COMM_WORLD
+    comm = Comm(mpi, Tracer(mpi.Get_rank()))
+    rows = []
+    for spec in args.model:
+        d, fixture, ratios = spec.rsplit(":", 2)
+        rows += check_fixture(d, fixture, ratios, comm)
+    for spec in args.sampling:
+        d, fixture, ratios = spec.rsplit(":", 2)
+        rows += check_sampling(d, fixture, ratios, comm)
+    if comm.rank == 0:
+        for r in rows:
+            print(json.dumps(r), flush=True)
+    ok = all(r["ok"] for r in rows)
+    return 0 if mpi.bcast(ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

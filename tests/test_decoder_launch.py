@@ -1,0 +1,80 @@
+"""The decoder at 3 ranks, launched by the test itself (`mpiexec -n 3`): tests/mpi/decoder_check.py
+against transformers' fixtures with skewed ratios, zeros included, and sampling equal to one
+rank's. SmolLM2-135M runs once here (it is the slow one); the tiny odd decoder twice."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_distributed_launch import ROOT, launch
+
+SMOLLM2 = ROOT / "weights" / "smollm2"
+
+
+@pytest.fixture(scope="module")
+def llama_tiny_dir(tmp_path_factory):
+    from hepti.weights.gguf import convert_gguf
+    return convert_gguf(ROOT / "tests/fixtures/llama-tiny-odd.gguf",
+                        tmp_path_factory.mktemp("w") / "llama-tiny", progress=False)
+
+
+def test_decoder_at_3_ranks(llama_tiny_dir):
+    tiny = f"{llama_tiny_dir}:llama_tiny_expected.npz"
+    args = ["--model", f"{tiny}:0.5,0,0.5", "--model", f"{tiny}:0.2,0.5,0.3",
+            "--sampling", f"{tiny}:0.2,0.5,0.3"]
+    smol = (SMOLLM2 / "index.json").is_file()
+    if smol:
+        args += ["--model", f"{SMOLLM2}:smollm2_expected.npz:0.5,0,0.5"]
+    code, out, err, _ = launch(3, "-m", "mpi4py", ROOT / "tests/mpi/decoder_check.py", *args,
+                               timeout=900)
+    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    assert code == 0, err[-3000:] + "\n" + "\n".join(map(str, rows))
+    # tiny: 2 prompts x 2 vectors + 2 prompts x 2 samplings; SmolLM2: 3 prompts
+    assert len(rows) == 8 + (3 if smol else 0) and all(r["ok"] for r in rows), rows
+    assert {r["shard"] for r in rows if r["case"] == "fixture" and r["ratios"] == "0.5,0,0.5"} \
+        >= {"Shard(kv=(0, 1), ffn=(0, 100), vocab=(0, 150), residual=True)"}
+
+
+def _json_tail(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
+    """`mpiexec -n 2 hepti generate`: tensor with a zero share and single give the fixture's
+    ids, logits and tokens, printed once; a ratio vector of the wrong length is refused once,
+    before any work, without a traceback."""
+    import numpy as np
+    z = np.load(ROOT / "tests/fixtures/llama_tiny_expected.npz")
+    text, ids = str(z["prompt0_text"]), z["prompt0_ids"].tolist()
+    greedy = z["prompt0_greedy"].tolist()
+    for extra in (["--ratios", "0,1"], ["--strategy", "single"]):
+        out_file = tmp_path / "logits.npy"
+        code, out, err, _ = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,
+                                   "--prompt", text, "--max-tokens", 32, "--json",
+                                   "--logits-out", out_file, *extra, timeout=300)
+        assert code == 0, err
+        doc = _json_tail(out)
+        assert out.count('"prompt_ids"') == 1 and err.count("hepti generate: ") == 2, (out, err)
+        assert doc["prompt_ids"] == ids and doc["token_ids"] == greedy[:len(doc["token_ids"])]
+        assert len(doc["per_rank"]) == 2
+        assert np.abs(np.load(out_file) - z["prompt0_logits"]).max() < 1e-3
+        if extra[0] == "--ratios":  # rank 0 holds no KV head: no cache either
+            assert all(r["comm_s"] > 0 for r in doc["per_rank"])
+            assert [r["kv_cache_bytes"] > 0 for r in doc["per_rank"]] == [False, True]
+        else:  # rank 1 was left out
+            assert doc["per_rank"][1]["weight_bytes"] == 0
+    code, out, err, _ = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,
+                               "--prompt", "hi", "--ratios", "0.2,0.3,0.5", timeout=300)
+    msg = "3 entries but there are 2 ranks"
+    assert code == 2 and err.count(msg) == 1 and "Traceback" not in err, err
+
+
+def test_a_failing_rank_ends_the_whole_generation(llama_tiny_dir, sweeps_killed_job):
+    """A rank that fails after loading (rank 1 here, while rank 0 waits in the prefill's first
+    collective) ends the job with its rank and message, and no rank hangs."""
+    import os
+    env = dict(os.environ, HEPTI_FAULT_RANK="1")
+    code, out, err, secs = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,
+                                  "--prompt", "hi", env=env, timeout=120)
+    assert code != 0 and "rank 1" in err and "injected fault" in err, err
