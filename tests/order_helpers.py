@@ -22,7 +22,8 @@ def random_tensors(name: str) -> dict:
 
 
 def random_cnn(name: str, order=None):
-    """A tiny CNN of hepti's families with seeded random weights, in memory."""
+    """A tiny CNN of hepti's families with seeded random weights, in memory (its graph, packed
+    weights and order: hepti.parallel.single `SingleCNN(model)` runs it on one process)."""
     from hepti.model.cnn import CNNModel, tensors_reader
     return CNNModel(CNNConfig(**TINY[name], name=name), tensors_reader(random_tensors(name)),
                     order=order)

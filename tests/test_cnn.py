@@ -17,10 +17,11 @@ TOL = 2e-5  # relative to the largest logit: float32 sums in another order than 
 
 
 def _model(model_dir):
-    from hepti.model.cnn import CNNModel
+    """The single-process engine: the band executor on a group of one, as `hepti run` runs."""
+    from hepti.parallel.single import SingleCNN
     from hepti.weights import WeightStore
     with WeightStore(model_dir) as store:
-        return CNNModel.from_store(store)
+        return SingleCNN.from_store(store)
 
 
 def _close(got, want, tol=TOL):
@@ -38,7 +39,7 @@ def test_mobilenet_matches_torchvision(mobilenet_dir, mobilenet_expected):
     e = mobilenet_expected
     model = _model(mobilenet_dir)
     taps = {f"features.{i}": None for i in (0, 1, 3, 7, 14)}
-    logits = model.forward(e["image_pixels"], taps)
+    logits = model.forward(e["image_pixels"], taps=taps)
     _close(logits, e["image_logits"])
     assert list(np.argsort(-logits[0])[:5]) == list(e["image_top5"][0])  # Egyptian cat first
     for name, got in taps.items():  # stored as float16 by the fixture: its rounding
@@ -53,7 +54,7 @@ def test_tiny_cnns_match_torchvision(name, resnet_tiny_dir, vgg_tiny_dir):
     e = np.load(FIXTURES / f"{name}_expected.npz")
     model = _model(resnet_tiny_dir if name.startswith("resnet") else vgg_tiny_dir)
     taps = {t: None for t in ("layer1.2", "layer4.2")} if name.startswith("resnet") else {}
-    logits = model.forward(e["pixels"].astype(np.float32), taps)
+    logits = model.forward(e["pixels"].astype(np.float32), taps=taps)
     _close(logits, e["logits"])
     if taps:
         _close(taps["layer1.2"].transpose(0, 3, 1, 2), e["layer1"])  # a stage's output

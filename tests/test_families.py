@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "hepti"
 # The commands, the job driver and serve ask the family record; they never test model_type.
 NO_FAMILY_BRANCHES = ["cli.py", "runner.py", "parallel/engine.py", "parallel/distributed.py",
-                      "parallel/cnn_job.py", "serve"]
+                      "parallel/plans.py", "parallel/single.py", "serve"]
 BRANCH = re.compile(r"model_type\s*(==|!=|in\b|not in\b)|\.get\(\"model_type\"\)\s*(==|!=)")
 
 

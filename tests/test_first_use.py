@@ -56,8 +56,7 @@ SIGNATURES = textwrap.dedent("""
     from numba.core.registry import CPUDispatcher
     from hepti.inputs import Batch
     from hepti.families import load_kernels
-    from hepti.parallel.single import SingleDevice
-    from hepti.model.cnn import SingleCNN
+    from hepti.parallel.single import SingleCNN, SingleDevice
     from hepti.weights import WeightStore
 
     def signatures():

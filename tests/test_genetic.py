@@ -101,7 +101,7 @@ def test_a_mixed_plan_file_round_trips_and_names_its_splits(cfg):
 
 
 def test_an_assignment_that_cannot_be_lowered_is_a_plan_error(cfg):
-    from hepti.parallel.engine import plan_assignment
+    from hepti.parallel.plans import plan_assignment
     g = family_graph(cfg, 1, 16)
     bad = dict(block_assignment(g, blocks_of(g), (UNIT, UNIT)), attention="rows")  # heads' columns
     plan = Plan("mixed", 2, {d: [0.5, 0.5] for d in ("heads", "ffn", "rows")}, assignment=bad)

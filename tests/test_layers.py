@@ -23,8 +23,8 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 # Lowest first: (rank, layer, module patterns). A pattern ending in ".*" is a package and its
-# modules; the most specific pattern wins (hepti.parallel.engine is the job driver, the rest of
-# hepti.parallel is not).
+# modules; the most specific pattern wins (hepti.parallel's plans, engine and distributed are the
+# job's, the rest of hepti.parallel is not).
 LAYERS = [
     (0, "base", ["hepti", "hepti.errors", "hepti.counts", "hepti.resources"]),
     (1, "kernels", ["hepti.kernels.*"]),
@@ -39,7 +39,7 @@ LAYERS = [
     (4, "weights", ["hepti.weights.*"]),
     (5, "plan", ["hepti.plan.*"]),
     (6, "parallel", ["hepti.parallel.*", "hepti.info"]),
-    (7, "job", ["hepti.runner", "hepti.output", "hepti.parallel.engine", "hepti.parallel.cnn_job",
+    (7, "job", ["hepti.runner", "hepti.output", "hepti.parallel.plans", "hepti.parallel.engine",
                 "hepti.parallel.distributed", "hepti.generate"]),
     (8, "serve", ["hepti.serve.*"]),
     (9, "bench", ["hepti.bench.*"]),  # it measures the service, too (bench/stall, bench/serve)

@@ -735,7 +735,7 @@ def _powers(text: str) -> list[tuple[float, float]]:
 
 
 def cmd_profile(args) -> int:
-    from hepti.parallel.engine import run_guarded_fn  # local: start-up time (hepti --help)
+    from hepti.parallel.world import run_guarded_fn  # local: start-up time (hepti --help)
     return run_guarded_fn("profile", _profile_job, args)
 
 
@@ -767,7 +767,8 @@ def _planner(cfg, model) -> str:
 
 def _profile_job(args) -> int:
 
-    from hepti.parallel.engine import agree, parse_bytes, world_comm  # local: start-up time (hepti --help)
+    from hepti.parallel.world import agree, world_comm  # local: start-up time (hepti --help)
+    from hepti.plan.planfile import parse_bytes  # local: start-up time (hepti --help)
     from hepti.parallel.profiling import cached_profile  # local: start-up time (hepti --help)
     from hepti.plan.report import format_profile  # local: start-up time (hepti --help)
     from hepti.weights import WeightStore  # local: start-up time (hepti --help)

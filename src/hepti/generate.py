@@ -29,7 +29,8 @@ from hepti.model.chat import TextStream, render_chat, stop_ids
 from hepti.model.llama import KVCache, check_request
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling
-from hepti.parallel.engine import FAULT_ENV, agree, run_guarded_fn
+from hepti.parallel.engine import FAULT_ENV
+from hepti.parallel.world import agree, run_guarded_fn
 from hepti.parallel.profiling import cached_profile
 from hepti.parallel.trace import Tracer
 from hepti.plan.decoder import DecoderPlan, Request, plan_decoder, weight_bytes_of

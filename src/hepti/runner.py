@@ -1,10 +1,11 @@
 """`hepti run`: check every input, then one pass over the batches, each pooled and written as
 it completes; time the pass that runs anyway.
 
-The engine is the single-device `SingleDevice` (the interpreter on one process) or, under
-mpiexec, a distributed `Job` from hepti.parallel.engine. Both have `run_all(batches, n,
-on_output)`, which calls on_output(k, hidden [B, T, C]) on the primary rank as batch k
-completes, so the primary holds a batch or two, never the whole input's hidden states. The pieces here (`prepare`, `Feed`, `Sink`,
+The engine is the family's single-device one (hepti.parallel.single `SINGLE`: its executor on
+a group of one process) or, under mpiexec, its kind's job from hepti.parallel.engine (`JOBS`).
+Both have `run_all(batches, n, on_output)`, which calls on_output(k, hidden [B, T, C]) on the
+primary rank as batch k completes, so the primary holds a batch or two, never the whole
+input's hidden states. The pieces here (`prepare`, `Feed`, `Sink`,
 `run_passes`, `finish`) are shared by both paths.
 
 Timing: pass 1 is the real job (it writes the output) and is timed; its forward time is its
@@ -31,18 +32,16 @@ from hepti.inputs import (InputSource, check_output_path, npy_output_path, read_
                           read_texts)
 from hepti.model.pooling import pool
 from hepti.output import OutputFile
-from hepti.graph.opdag import from_cnn
 from hepti.images import check_pixels, load_preprocessor, preprocess
-from hepti.model.cnn import SingleCNN, top_k
+from hepti.model.cnn import top_k
 from hepti.families import FAMILIES, family, load_kernels
 from hepti.model.tokenize import TextTokenizer
-from hepti.parallel.single import SingleDevice
-from hepti.order.search import executor_order
+from hepti.parallel.single import SINGLE
 from hepti.weights import WeightStore
 from hepti.weights.cnn import read_labels
 
 log = logging.getLogger("hepti")
-EXECUTORS = ("interpreter", "bands")  # of hepti.families.EXECUTORS: what `hepti run` runs
+EXECUTORS = tuple(SINGLE)  # of hepti.families.EXECUTORS: what `hepti run` runs
 SHOW_SIMILARITY_MAX = 12  # texts: up to this many, the summary prints their similarity table
 
 
@@ -308,14 +307,8 @@ def run_single(args) -> int:
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
         t0 = time.perf_counter()
         load_kernels(config, args.threads, dtype=store.dtype)  # as a Job does: passes time forwards, not compiles
-        if family(config).executor == "bands":
-            # BTSearch's order at the model's own image size (each op frees its inputs after
-            # their last reader in it; for hepti's CNNs its peak is the file order's)
-            side = config.image_size
-            order = executor_order(from_cnn(family(config).graph(config), 1, side, side)).order
-            engine = SingleCNN.from_store(store, threads=args.threads, order=order)
-        else:
-            engine = SingleDevice.from_store(store, threads=args.threads)
+        # the family's executor on a group of one process
+        engine = SINGLE[family(config).executor].from_store(store, threads=args.threads)
         load_s = time.perf_counter() - t0
         start = prep.out.start if prep.out is not None else 0
         runs = run_passes(SingleJob(engine), prep, prep.source.n_batches - start, args)

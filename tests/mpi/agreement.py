@@ -29,7 +29,8 @@ from equivalence import (cases, inputs_for, make_plan, output_diffs, output_verd
                          primary_of)  # (every strategy and ratio vector; the outputs' check)
 from hepti.counts import counts as split_counts  # noqa: E402
 from hepti.parallel.comm import Comm  # noqa: E402
-from hepti.parallel.engine import active_ranks as group_order, run_plan  # noqa: E402
+from hepti.parallel.engine import run_plan  # noqa: E402
+from hepti.parallel.plans import active_ranks as group_order  # noqa: E402
 from hepti.parallel.trace import Tracer  # noqa: E402
 from hepti.plan.costmodel import active_ranks, rank_bytes  # noqa: E402
 from hepti.plan.pipeline import activation_bytes, stage_hops  # noqa: E402

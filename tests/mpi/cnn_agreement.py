@@ -27,9 +27,10 @@ from helpers import FIXTURES  # noqa: E402
 from hepti.graph.band_program import band_program  # noqa: E402
 from hepti.graph.cnn import build  # noqa: E402
 from hepti.graph.split import Split, conv_rows, head_rows, spatial_ops  # noqa: E402
-from hepti.model.cnn import CNNModel, Weights  # noqa: E402
+from hepti.model.cnn import Weights  # noqa: E402
 from hepti.parallel.bands import BandExecutor  # noqa: E402
 from hepti.parallel.comm import Comm  # noqa: E402
+from hepti.parallel.single import SingleCNN  # noqa: E402
 from hepti.parallel.trace import Tracer  # noqa: E402
 from hepti.plan.costmodel import active_ranks, rank_bytes  # noqa: E402
 from hepti.weights import WeightStore  # noqa: E402
@@ -89,7 +90,7 @@ def check_case(model_dir, split: Split, world_mpi) -> tuple[bool, str]:
         w = Weights(graph, store.read, head_rows(graph, split, rank, size),
                     conv_rows(graph, split, rank, size))
         got_logits = BandExecutor(comm, graph, split, w).forward(px if rank == 0 else None)
-        want_logits = CNNModel.from_store(store).forward(px) if rank == 0 else None
+        want_logits = SingleCNN.from_store(store).forward(px) if rank == 0 else None
     got = list(tracer.messages)
     comm.close()
     n, _, h, wd = px.shape

@@ -108,8 +108,8 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from hepti.graph.cnn import build
-    from hepti.model.cnn import CNNModel
     from hepti.parallel.comm import Comm
+    from hepti.parallel.single import SingleCNN
     from hepti.weights import WeightStore
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", action="append", required=True)
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
             pixels = want = single = None
             if rank0:
                 pixels, want, top5 = inputs_for(d, store.config)
-                single = CNNModel.from_store(store).forward(pixels)
+                single = SingleCNN.from_store(store).forward(pixels)
             n, _, h, w = comm.mpi.bcast(pixels.shape if rank0 else None)
             plans = comm.mpi.bcast(list(cases(graph, h, w, n, world)) if rank0 else None)
             for name, split in plans:

@@ -22,7 +22,8 @@ from hepti.parallel.single import SingleDevice
 from hepti.model.pooling import pool
 from hepti.model.sizes import layer_slice_bytes
 from hepti.counts import counts
-from hepti.parallel.engine import run_plan, world_comm
+from hepti.parallel.engine import run_plan
+from hepti.parallel.world import world_comm
 from hepti.parallel.pipeline import layer_ranges
 from hepti.plan.planfile import DIMS, Plan
 from hepti.weights import WeightStore

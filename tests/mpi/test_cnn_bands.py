@@ -16,9 +16,10 @@ def _both(model_dir, split, pixels, threads=1):
     """(single-device logits, banded logits) on rank 0; (None, None) elsewhere."""
     from hepti.graph.cnn import build
     from hepti.graph.split import conv_rows, streamed_convs
-    from hepti.model.cnn import CNNModel, Weights
+    from hepti.model.cnn import Weights
     from hepti.parallel.bands import BandExecutor, head_rows
     from hepti.parallel.comm import Comm
+    from hepti.parallel.single import SingleCNN
     from hepti.weights import WeightStore
     comm = Comm(COMM)
     with WeightStore(model_dir) as store:
@@ -28,7 +29,7 @@ def _both(model_dir, split, pixels, threads=1):
                     streamed_convs(graph, split))
         got = BandExecutor(comm, graph, split, w, threads).forward(
             pixels if comm.rank == 0 else None)
-        want = CNNModel.from_store(store).forward(pixels) if comm.rank == 0 else None
+        want = SingleCNN.from_store(store).forward(pixels) if comm.rank == 0 else None
     comm.close()
     return want, got
 

@@ -101,7 +101,10 @@ def test_activation_memory_as_predicted(wide_dir, strategy):
     planner predicts from the tensors live at each step (hepti.graph.lower), within 30%: it
     fails if the interpreter kept tensors past their last reader (single grew 50 MiB against
     36 predicted), or if the prediction summed the steps' peaks (60 against 36)."""
-    from hepti.parallel.engine import Job, active_ranks, current_rss, peak_rss, reset_peak_rss, world_comm
+    from hepti.parallel.engine import Job
+    from hepti.parallel.plans import active_ranks
+    from hepti.parallel.world import world_comm
+    from hepti.resources import current_rss, peak_rss, reset_peak_rss
     from hepti.plan.costmodel import held_bytes
     from hepti.plan.workloads import program_for
     from hepti.weights import WeightStore

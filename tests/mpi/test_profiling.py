@@ -78,7 +78,7 @@ def test_a_profile_file_reaches_every_rank_and_plans_without_a_second_read(measu
     import tempfile
 
     from hepti.parallel.comm import Comm
-    from hepti.parallel.engine import get_profile, plan_with_profile
+    from hepti.parallel.plans import get_profile, plan_with_profile
     from hepti.parallel.trace import Tracer
     path = COMM.bcast(tempfile.mkdtemp() + "/p.json" if COMM.Get_rank() == 0 else None)
     if COMM.Get_rank() == 0:

@@ -3,8 +3,9 @@ PyTorch and onnxruntime, interleaved in one run (issue 19's "Single device" figu
 
 Each model (ResNet-50, VGG-16, MobileNetV2; 224x224, batch 1, one thread in every runtime) runs
 with the same weights in three runtimes:
-- hepti: CNNModel over the converted folder weights/<model> (made when missing: random weights,
-  or MobileNetV2's real ImageNet ones when its package is installed);
+- hepti: SingleCNN (the band executor on one process) over the converted folder
+  weights/<model> (made when missing: random weights, or MobileNetV2's real ImageNet ones when
+  its package is installed);
 - torch: torchvision's model holding hepti's stored weights: each BatchNorm replaced by identity,
   its scale and shift carried by the conv's weight and bias as hepti's are (both do the same
   arithmetic; eval-mode torch would otherwise run every BatchNorm as an op of its own);
@@ -49,7 +50,7 @@ from hepti.bench import harness
 from hepti.bench.harness import drop_stale, git_commit, result_doc, write_json
 from hepti.bench.registry import module_main
 from hepti.families import preset_config
-from hepti.model.cnn import CNNModel
+from hepti.parallel.single import SingleCNN
 from hepti.parallel.profile_cnn import measure_cnn_ops
 from hepti.weights import WeightStore
 from hepti.weights.cnn import convert_torch_file, find_package_pth, write_random_cnn
@@ -487,8 +488,8 @@ def bench_model(name: str, folder: Path, size: int, rounds: int, warmup: int, ha
     if getattr(config, "model_type", None) != "cnn" or config.arch != MODELS[name]:
         raise SystemExit(f"{folder} holds {getattr(config, 'arch', config.model_type)}, not "
                          f"{MODELS[name]}: remove it, or convert {name} into it")
-    hepti = CNNModel.from_store(store, threads=1)
-    graph = hepti.graph
+    hepti = SingleCNN.from_store(store, threads=1)
+    graph = hepti.model.graph
     tensors = {n: store.read(n) for n in graph.weights()}
     source = json.loads((folder / "index.json").read_text()).get("source", {})
     store.close()

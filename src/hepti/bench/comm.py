@@ -24,7 +24,7 @@ from hepti.bench.registry import module_main
 from hepti.counts import counts, offsets
 from hepti.errors import InputError
 from hepti.parallel.comm import Comm, choose_transport
-from hepti.parallel.engine import run_guarded_fn
+from hepti.parallel.world import run_guarded_fn
 
 # (case, verb, rows, width): MiniLM at 128 tokens (hidden 384) and BERT-base at 256 (hidden 768)
 CASES = (("MiniLM@128 rows K/V", "allgather", 128, 768),

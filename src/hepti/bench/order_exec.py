@@ -49,6 +49,7 @@ from hepti.model.cnn import CNNModel, Weights, tensors_reader
 from hepti.model.livebytes import AllocationCounter
 from hepti.parallel.bands import BandExecutor, head_rows
 from hepti.parallel.comm import Comm
+from hepti.parallel.single import SingleCNN
 from hepti.parallel.engine import Job
 from hepti.plan.costmodel import held_bytes
 from hepti.order.memory import order_peak
@@ -98,7 +99,7 @@ def cnn_rows(arch: str, world, side: int = 224) -> dict:
              "modelled_peak_default_bytes": order_peak(dag, best.order),
              "order_proven": best.proven}
     if world.size == 1:
-        model = CNNModel(cfg, tensors_reader(tensors), order=best.order)
+        model = SingleCNN(CNNModel(cfg, tensors_reader(tensors), order=best.order))
         del tensors
         model.forward(x)  # warm-up (Numba's compiled code, caches)
         counter = AllocationCounter()

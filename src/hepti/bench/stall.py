@@ -256,7 +256,8 @@ def _stages(model: str) -> None:
     marks.append(("mpi4py", time.time(), time.process_time()))
     from hepti.families import load_kernels  # local: timed, as the ones below
     from hepti.parallel.comm import Comm  # local: timed
-    from hepti.parallel.engine import Job, resolve_plan  # local: timed
+    from hepti.parallel.engine import Job  # local: timed
+    from hepti.parallel.plans import resolve_plan  # local: timed
     from hepti.parallel.trace import Tracer  # local: timed
     from hepti.serve.worker import make_batch, parse_args  # local: timed
     from hepti.weights import WeightStore  # local: timed

@@ -44,7 +44,7 @@ class Split:
 
     def members(self) -> list[int]:
         """The ranks a forward needs: rank 0 (the pixels and the logits) and every rank with
-        a share of some group's rows or of the head (hepti.parallel.cnn_job runs the forward
+        a share of some group's rows or of the head (hepti.parallel.engine `BandJob` runs the forward
         on their sub-communicator; hepti.plan.coedge charges the tail's collectives to them)."""
         vectors = [self.ratios] + list(self.per_group or ())
         return sorted({0} | {i for v in vectors for i, r in enumerate(v) if r > 0})

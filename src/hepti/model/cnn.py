@@ -1,8 +1,10 @@
-"""A CNN on one process: its operator graph (hepti.graph.cnn) run op by op on the kernels.
+"""A CNN's operators on the kernels: its packed weights (`Weights`, `CNNModel`) and one op on a
+feature map (`apply`).
 
 `apply` runs one op on a feature map, optionally on a band of its rows (`pad` says the band's
-own top and bottom padding): the height-split executor (hepti.parallel.bands) calls the same
-function on its bands, so one and many ranks share every line of arithmetic.
+own top and bottom padding). The height-split executor (hepti.parallel.bands) runs every CNN,
+on one process (a group of one: hepti.parallel.single `SingleCNN`) or many, so one and many
+ranks share every line of arithmetic.
 """
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import numpy as np
 
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL, Graph, build
 from hepti import kernels as K
-from hepti.model.livebytes import track
 
 
 class Weights:
@@ -116,13 +117,13 @@ def adaptive_avg_pool(x: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:
 
 
 class CNNModel:
-    """A CNN's graph and packed weights; `forward(pixels)` -> logits [N, classes].
+    """A CNN's graph and its packed weights, and the operator order to run it in: what the
+    executors (hepti.parallel.single `SingleCNN` on one process, hepti.parallel.bands on
+    many) and the profiler's per-op timings (`apply` on each op) run. There is no forward
+    here: a single-process CNN is the band executor on a group of one.
 
-    The ops run in `order` (their names; the graph's own order when None), each tensor freed
-    once the last op to read it in that order has run: what the memory model of operator
-    order prices (hepti.order.memory), so an order found by BTSearch (hepti.order.search) is the
-    one whose peak is run. The outputs do not depend on the order: each op's arithmetic is
-    the same whenever it runs."""
+    `order`: the ops' names in the order to run them (BTSearch's, hepti.order.search; the
+    graph's own when None), checked here (every op once, each after what it reads)."""
 
     def __init__(self, config, read, threads: int = 1, order: list[str] | None = None):
         """`read(name, rows)`: hepti.weights.WeightStore.read, or `tensors_reader`."""
@@ -132,55 +133,12 @@ class CNNModel:
 
     def set_order(self, order: list[str] | None) -> None:
         """Run the ops in `order` from now on (None: the graph's own order)."""
-        self.run_order = self.graph.run_order(order)
+        self.graph.run_order(order)  # a ValueError naming what is wrong with it
         self.order = None if order is None else list(order)
-        self._last = self.graph.last_use(order)
 
     @classmethod
     def from_store(cls, store, threads: int = 1, order: list[str] | None = None) -> "CNNModel":
         return cls(store.config, store.read, threads, order)
-
-    def forward(self, pixels: np.ndarray, taps: dict | None = None, counter=None) -> np.ndarray:
-        """pixels float32 [N, 3, H, W], normalised (torch's layout) -> logits [N, classes].
-        `taps`, a dict, receives every tensor named in it as it is made (NHWC). `counter`, a
-        hepti.model.livebytes.AllocationCounter, is told of every tensor held and let go
-        (the NHWC copy of the pixels included; the logits handed back stay counted)."""
-        if pixels.ndim != 4 or pixels.shape[1] != self.config.num_channels:
-            raise ValueError(f"pixels must be [N, {self.config.num_channels}, H, W], got "
-                             f"{list(pixels.shape)}")
-        g = self.graph
-        g.shapes(pixels.shape[2], pixels.shape[3])  # a clear error for a too-small image
-        running = [g.input]
-        env = track({}, counter, lambda: running[0])
-        env[g.input] = np.ascontiguousarray(pixels.transpose(0, 2, 3, 1), np.float32)
-        last = self._last
-        for k, i in enumerate(self.run_order):
-            op = g.ops[i]
-            running[0] = op.name
-            res = env[op.residual] if op.residual is not None else None
-            env[op.output] = apply(op, env[op.input], self.weights, res, threads=self.threads)
-            if taps is not None and op.output in taps:
-                taps[op.output] = env[op.output]
-            for t in (op.input, op.residual):
-                if t is not None and last.get(t) == k and t in env:
-                    del env[t]
-        return env[g.output]
-
-
-class SingleCNN:
-    """hepti run's single-device engine for a CNN: `run(batch)` -> logits as [B, 1, classes]
-    (one output row per image, which the runner's pooling passes through)."""
-
-    def __init__(self, model: CNNModel):
-        self.model = model
-        self.layer_bytes, self.primary_bytes = model.weights.nbytes, 0
-
-    @classmethod
-    def from_store(cls, store, threads: int = 1, order: list[str] | None = None) -> "SingleCNN":
-        return cls(CNNModel.from_store(store, threads, order))
-
-    def run(self, batch) -> np.ndarray:
-        return self.model.forward(batch.pixels)[:, None, :]
 
 
 def load_kernels(threads: int = 1) -> None:

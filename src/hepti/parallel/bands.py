@@ -57,9 +57,10 @@ from hepti.graph.cnn import ADAPTIVE_AVG, LINEAR, Graph
 from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, first_holders,
                                gaps, head_rows, hold, needs, out_channels, owned,  # noqa: F401
                                spatial_ops, union)
-from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo
+from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo, from_cnn
 from hepti.model.cnn import adaptive_avg_pool, apply
 from hepti.model.livebytes import track
+from hepti.order.search import executor_order
 
 
 def lay_out_channels(flat: np.ndarray, per_rank: list[int], shape: tuple) -> np.ndarray:
@@ -76,6 +77,14 @@ def lay_out_channels(flat: np.ndarray, per_rank: list[int], shape: tuple) -> np.
             full[..., ch:ch + k] = flat[off:off + px * k].reshape(n, hh, ww, k)
         ch, off = ch + k, off + px * k
     return full
+
+
+def btsearch_order(graph: Graph) -> list[str]:
+    """BTSearch's operator order for `graph` at its model's own image size, batch 1: the order
+    `hepti run` runs a CNN in, on one rank or many (for hepti's CNNs its peak is the file
+    order's)."""
+    side = graph.config.image_size
+    return executor_order(from_cnn(graph, 1, side, side)).order
 
 
 @dataclass
@@ -246,10 +255,18 @@ class BandExecutor:
         self._programs[(h, w, rank)] = prog
         return prog
 
-    def forward(self, pixels: np.ndarray | None, counter=None) -> np.ndarray | None:
-        """`counter`: a hepti.model.livebytes.AllocationCounter told of every band and
-        vector this rank holds and lets go (not the exchange's message buffers)."""
+    def forward(self, pixels: np.ndarray | None, counter=None, taps: dict | None = None
+                ) -> np.ndarray | None:
+        """pixels float32 [N, 3, H, W] on rank 0 (None elsewhere) -> logits [N, classes] on
+        rank 0. `counter`: a hepti.model.livebytes.AllocationCounter told of every band and
+        vector this rank holds and lets go (not the exchange's message buffers; the NHWC
+        copy of the pixels and the logits handed back included). `taps`, a dict, receives
+        this rank's band ([N, rows, W, C]; the whole map on a group of one) of every tensor
+        named in it as it is made."""
         comm, g, rank = self.comm, self.graph, self.comm.rank
+        if rank == 0 and (pixels.ndim != 4 or pixels.shape[1] != g.config.num_channels):
+            raise ValueError(f"pixels must be [N, {g.config.num_channels}, H, W], got "
+                             f"{list(pixels.shape)}")
         head = comm.bcast_obj(pixels.shape if rank == 0 else None)
         n, _, h, w = head
         shapes, _ = self.schedule(h, w)
@@ -269,6 +286,8 @@ class BandExecutor:
                     if counter is not None:
                         running[0] = op.name
                     have[op.output] = Band(0, self._by_channels(op, chan, have, shapes, n))
+                    if taps is not None and op.output in taps:
+                        taps[op.output] = have[op.output].x
                     for t in frees:
                         if t in have:
                             del have[t]
@@ -293,6 +312,8 @@ class BandExecutor:
                         self.weights.drop(op.name)
                         have[op.output] = (Band(r[0], y) if buf is None else
                                            Band(r[0], y, alloc[0], buf))
+                        if taps is not None and op.output in taps:
+                            taps[op.output] = y
                     for t in frees:
                         if t in have:
                             del have[t]
@@ -387,6 +408,8 @@ class BandExecutor:
             mine = owned(hh, self.owners[op.input], comm.size)
             lo, hi = mine[rank]
             band = have.get(op.input)
+            if comm.size == 1:  # a group of one holds the whole map: the kernel pools it
+                return apply(op, band.x, self.weights, threads=self.threads)
             if op.out_hw == (1, 1):  # partial sums of own rows, summed across ranks
                 return pooled_sum(comm, band.rows(lo, hi) if hi > lo else None, n, c,
                                   [o1 > o0 for o0, o1 in mine]) / np.float32(hh * ww)

@@ -1,163 +1,58 @@
-"""The distributed job behind `mpiexec -n N hepti run`: plan -> load slices -> run -> report.
+"""The job behind `mpiexec -n N hepti run`, for every executor kind: one rank's part of a run
+(`Job` on the interpreter, `BandJob` on the height split), and the one driver over them
+(`run_prepared`: plan, load, passes, gather, trace, report, resume).
 
-Rank 0 reads and tokenises the inputs, and pools and writes each batch's output as it
-completes (hepti.runner). The plan's primary (rank 0 unless the plan says otherwise) embeds each
-batch and collects its output: it is its group's rank 0, the root of the verbs. When the primary
-is another rank, rank 0 hands it each batch and gets the output back (`Job.run_all`), and takes
-part in the work only if the plan gives it a share.
-Failure discipline:
-- checks that every rank can make alone (plan, ratios, budget) run identically everywhere and
-  raise `AgreedError`: rank 0 prints it, every rank exits 2, nobody is left in a collective;
-- checks only some ranks can make (input files on the primary, weight files on each device's
-  disk) go through `agree()`, which turns them into the same AgreedError on every rank;
-- anything else on any rank is fatal: the CLI prints the rank and the cause and calls
-  MPI_Abort, which ends every rank at once (see hepti.cli).
-Ranks with no share take part in nothing costly: they wait for the end in a sleeping poll.
+Rank 0 reads the inputs, and pools and writes each batch's output as it completes
+(hepti.runner). A job's primary (rank 0 unless the plan says otherwise) runs the operators only
+it runs (embeddings, the pixels' first exchange) and collects each batch's output: it is its
+group's rank 0, the root of the verbs. Ranks with no share take part in nothing costly: they
+wait for the end in a sleeping poll. The plan comes from hepti.parallel.plans; the failure
+discipline (errors every rank agrees on, abort on any other) is hepti.parallel.world's.
+
+**The job interface** (`JOBS`, by the family's executor kind), what the driver asks of a job:
+- `input_shape(source, k)` (static, rank 0): the shape of batch k that plans are made for;
+- `plan_for(args, world, store, shape)` (class, collective): the plan every rank runs;
+- `Job(world, store, plan, threads)` (collective): this rank's weights and executor;
+- `watch_scale(plan, args, source, start, shape)` (static, rank 0): the largest batch of the
+  run against the plan's, for the stall watch's timeout;
+- `run_all(batches, n, on_output)`, `rank_stats(per_pass)`, `close()`, `active` (the ranks
+  that work) and `report_fields(shape)` (rank 0: the report's fields of this kind).
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
-import signal
-import threading
-import traceback
 
 import numpy as np
 
 from hepti.counts import counts, offsets
-from hepti.errors import HeptiError, PlanError
-from hepti.plan.planfile import DIMS, Plan, parse_bytes, parse_ratios
-from hepti.resources import current_rss, peak_rss, reset_peak_rss
+from hepti.families import family, family_graph, load_kernels
 from hepti.graph import lower
-from hepti.families import family_graph
+from hepti.graph.cnn import build
 from hepti.graph.lower import prologue_steps, stage_steps
-from hepti.families import family, load_kernels
-from hepti.model.sizes import layer_slice_bytes
+from hepti.graph.split import conv_rows, streamed_convs
+from hepti.model.cnn import Weights
 from hepti.parallel import watchdog
-from hepti.parallel.comm import Comm, wait_idle
+from hepti.parallel.bands import BandExecutor, btsearch_order, head_rows
+from hepti.parallel.comm import Comm
 from hepti.parallel.interpreter import Interpreter
 from hepti.parallel.layers import ResidentLayers, StreamingLayers, slice_packer
-from hepti.parallel.pipeline import PipelineExecutor, layer_ranges
-from hepti.parallel.profiling import cached_profile
+from hepti.parallel.pipeline import PipelineExecutor
+from hepti.parallel.plans import (active_ranks, bands_plan, check_stream_windows, counts_of,
+                                  interpreter_plan, plan_assignment, stream_window, sub_ratios)
 from hepti.parallel.slices import outside_layers
-from hepti.parallel.trace import Tracer, chrome_trace
-from hepti.parallel.watchdog import transformer_scale
-from hepti.plan.profile import load_profile, profile_from_dict
+from hepti.parallel.trace import chrome_trace
+from hepti.parallel.watchdog import cnn_scale, transformer_scale
+from hepti.parallel.world import agree, gentle_barrier, world_comm
+from hepti.plan.coedge import split_of
+from hepti.plan.planfile import Plan
+from hepti.resources import current_rss, peak_rss, reset_peak_rss
 from hepti.runner import base_report, finish, run_passes
 from hepti.weights import WeightStore
 
-log = logging.getLogger("hepti")
 FAULT_ENV = "HEPTI_FAULT_RANK"  # test-only: this rank raises in its first forward
-ABORT_GRACE_S = 0.3  # a failing rank's message gets this long to reach mpiexec before the abort
-
-
-class AgreedError(HeptiError):
-    """An error every rank raised together; the primary reports it."""
-
-
-def agree(world, fn):
-    """Run fn on every rank; if a HeptiError was raised on any, raise AgreedError on all."""
-    err, result = None, None
-    try:
-        result = fn()
-    except HeptiError as e:
-        err = str(e)
-    errs = world.mpi.allgather(err) if not world.solo else [err]
-    bad = [(r, e) for r, e in enumerate(errs) if e]
-    if bad:
-        msgs = {e for _, e in bad}
-        if len(msgs) == 1 and len(bad) == len(errs):
-            raise AgreedError(bad[0][1])
-        raise AgreedError("; ".join(f"rank {r}: {e}" for r, e in bad))
-    return result
-
-
-def resolve_plan(args, world_size: int, cfg) -> Plan:
-    """The plan from --plan, or from --strategy and --ratios (even shares by default)."""
-    if getattr(args, "plan", None):
-        plan = Plan.load(args.plan).validate(world_size)
-        if plan.strategy == "bands":
-            raise PlanError(f"--plan {args.plan} is a CNN's (bands); make one for this model "
-                            "with `hepti plan --model MODEL_DIR --profile P.json`")
-        if getattr(args, "mem_budget", None):
-            plan.mem_budget = parse_bytes(args.mem_budget)
-    else:
-        strategy = args.strategy or ("single" if world_size == 1 else "tensor")
-        if strategy == "even" and args.ratios:
-            raise PlanError("--strategy even always uses equal shares; drop --ratios, or use "
-                            "--strategy tensor with your ratios")
-        if strategy == "single" and args.ratios:
-            raise PlanError("--strategy single runs on rank 0 alone; drop --ratios")
-        if strategy == "single":
-            vec = [1.0] + [0.0] * (world_size - 1)
-            ratios = {d: list(vec) for d in DIMS}
-        elif args.ratios and strategy != "even":
-            ratios = parse_ratios(args.ratios, world_size)
-        else:
-            ratios = {d: [1.0 / world_size] * world_size for d in DIMS}
-        plan = Plan(strategy=strategy, world_size=world_size, ratios=ratios,
-                    mem_budget=parse_bytes(getattr(args, "mem_budget", None)))
-        if strategy == "pipeline":
-            plan.layers = [list(r) for r in layer_ranges(cfg.num_hidden_layers, ratios["rows"])]
-        plan.validate(world_size)
-    if plan.strategy == "stream" and not plan.mem_budget:
-        raise PlanError("--strategy stream needs --mem-budget BYTES (per rank), e.g. --mem-budget 64MiB")
-    if plan.strategy != "stream" and plan.mem_budget and not getattr(args, "plan", None):
-        raise PlanError("--mem-budget applies to --strategy stream only")
-    return plan
-
-
-def _counts_of(plan: Plan, cfg) -> dict:
-    return {"heads": counts(cfg.num_attention_heads, plan.ratios["heads"]),
-            "ffn": counts(cfg.intermediate_size, plan.ratios["ffn"])}
-
-
-def active_ranks(plan: Plan, cfg) -> list[int]:
-    """Ranks that do any work, in group order: the primary first (it always takes part: it
-    embeds the inputs and collects the outputs), then the others in rank order."""
-    n, p = plan.world_size, plan.primary
-    if plan.strategy == "single":
-        return [0]
-    if plan.strategy == "pipeline":
-        works = [plan.layers[r][1] > plan.layers[r][0] for r in range(n)]
-    elif plan.strategy == "rows":
-        works = [plan.ratios["rows"][r] > 0 for r in range(n)]
-    else:
-        c = _counts_of(plan, cfg)
-        works = [bool(c["heads"][r] or c["ffn"][r] or plan.ratios["rows"][r] > 0) for r in range(n)]
-    return [p] + [r for r in range(n) if works[r] and r != p]
-
-
-def stream_window(plan: Plan, cfg, rank: int) -> int:
-    """Layers of its slices a rank may hold under --mem-budget (checked before any work)."""
-    c = _counts_of(plan, cfg)
-    per_layer = layer_slice_bytes(cfg, c["heads"][rank], c["ffn"][rank])
-    window = plan.mem_budget // max(per_layer, 1)
-    if window < 1:
-        raise PlanError(
-            f"--mem-budget {plan.mem_budget} bytes is below one layer's slice on rank {rank} "
-            f"({per_layer} bytes for {c['heads'][rank]} heads and {c['ffn'][rank]} FFN columns); "
-            f"raise it to at least {per_layer} or give rank {rank} a smaller share")
-    return int(min(window, cfg.num_hidden_layers))
-
-
-def sub_ratios(plan: Plan, active: list[int]) -> dict:
-    return {d: [plan.ratios[d][r] for r in active] for d in DIMS}
-
-
-def gentle_barrier(mpi_comm, interval: float = 0.0005, spin_s: float = 0.002):
-    """A barrier that polls for `spin_s`, then sleeps `interval` between tests.
-
-    MPICH's blocking barrier spins and burns a core, which an idle rank (zero share, or waiting
-    for the next request) must not do. But sleeping from the start released ranks up to one
-    `interval` apart, and the timed loop's barrier then put that lag into every measured
-    latency (0.45 ms of a 19 ms MiniLM forward). Polling first keeps short waits exact."""
-    wait_idle(mpi_comm.Ibarrier(), spin_s, interval)
 
 
 def layer_spec(plan: Plan, cfg, rank: int) -> tuple | None:
@@ -173,7 +68,7 @@ def layer_spec(plan: Plan, cfg, rank: int) -> tuple | None:
         return ("resident", (0, H), (0, F), (a, b)) if b > a else None
     if s in ("rows", "single"):
         return ("resident", (0, H), (0, F), (0, L))
-    c = _counts_of(plan, cfg)
+    c = counts_of(plan, cfg)
     ho, fo = offsets(c["heads"]), offsets(c["ffn"])
     heads = (ho[rank], ho[rank] + c["heads"][rank])
     ffn = (fo[rank], fo[rank] + c["ffn"][rank])
@@ -194,17 +89,6 @@ def layer_spec(plan: Plan, cfg, rank: int) -> tuple | None:
     return ("resident", heads, ffn, (0, L))
 
 
-def plan_assignment(plan: Plan, graph) -> dict[str, str]:
-    """A mixed plan's assignment, checked against the model's graph (every operator named,
-    each split one it supports, and a layout the collectives can reach from the one before:
-    hepti.graph.lower.check_assignment), as a PlanError saying what is wrong."""
-    try:
-        return lower.check_assignment(graph, plan.assignment or {})
-    except ValueError as e:
-        raise PlanError(f"the plan's assignment does not fit this model: {e}; make the plan "
-                        "again with `hepti plan --search genetic`") from None
-
-
 def build_layers(store, spec: tuple, pack):
     """The layer weights a `layer_spec` names, read from this device's own files (no MPI: a
     background thread may build them while another plan serves)."""
@@ -219,7 +103,8 @@ def build_layers(store, spec: tuple, pack):
 
 
 class Job:
-    """One rank's part of a distributed run: its group, its slices, its executor.
+    """One rank's part of a distributed run of an interpreter family: its group, its slices,
+    its executor (the interpreter, or a pipeline of interpreters).
 
     `layers`, when given, are this rank's weights for `plan` built ahead (`build_layers` of its
     `layer_spec`), and `primary_ops` the primary's embeddings from a job before; the job then
@@ -280,7 +165,7 @@ class Job:
             units = {"heads": [H] * len(rows), "ffn": [F] * len(rows)}
             assign = lower.assignment(graph, "rows" if split else "single")
         else:
-            c = _counts_of(plan, cfg)
+            c = counts_of(plan, cfg)
             rows = sub_ratios(plan, self.active)["rows"]
             units = {u: [c[u][r] for r in self.active] for u in ("heads", "ffn")}
             if s == "mixed":  # GenEFlow: each block its own split (hepti.plan.genetic)
@@ -364,36 +249,145 @@ class Job:
 
     def rank_stats(self, runs: list[dict]) -> dict:
         """This rank's figures: medians over the timed runs, plus memory and disk reads."""
-        med = lambda key: statistics.median(r[key] for r in runs) if runs else 0.0  # noqa: E731
-        kinds = sorted({k for r in runs for k in r["seconds"] if k not in ("compute", "io", "batch")})
-        comm_s = {k: statistics.median(r["seconds"].get(k, 0.0) for r in runs) for k in kinds}
         layer_bytes = self.layers.peak_bytes if self.layers is not None else 0
         emb = sum(getattr(f, "nbytes", 0) for f in self.primary_ops.values())
-        return {
-            "rank": self.world.rank,
-            "host": os.uname().nodename,
-            "active": self.is_active,
-            "wall_s": med("wall"),
-            "compute_s": statistics.median(r["seconds"].get("compute", 0.0) for r in runs) if runs else 0.0,
-            "comm_s": comm_s,
-            "comm_total_s": sum(comm_s.values()),
-            "io_wait_s": statistics.median(r["seconds"].get("io", 0.0) for r in runs) if runs else 0.0,
-            "bytes_sent": int(med("bytes_sent")),
-            "bytes_recv": int(med("bytes_recv")),
-            "layer_weight_bytes_resident": int(layer_bytes),
-            "weight_bytes_resident": int(layer_bytes + emb),
-            "weight_bytes_read": int(self.store.bytes_read),
-            "peak_rss_bytes": peak_rss(),
-            "rss_before_load_bytes": self.rss_before_load,
-        }
+        return {**pass_figures(self.world.rank, self.is_active, runs),
+                "layer_weight_bytes_resident": int(layer_bytes),
+                "weight_bytes_resident": int(layer_bytes + emb),
+                "weight_bytes_read": int(self.store.bytes_read),
+                "rss_before_load_bytes": self.rss_before_load}
+
+    # --- what the driver asks of the interpreter's job (the module docstring) ------------
+    @staticmethod
+    def input_shape(source, k: int) -> tuple[int, int]:
+        """(B, T) of batch k, from the source's counts (no batch is made)."""
+        a, b = source.rows(k)
+        return b - a, source.lengths[k]
+
+    @classmethod
+    def plan_for(cls, args, world, store, shape) -> Plan:
+        return interpreter_plan(args, world, store, shape)
+
+    @staticmethod
+    def watch_scale(plan: Plan, args, source, start: int, shape) -> float:
+        return transformer_scale(plan.batch, plan.seq_len, min(args.batch_size, source.n),
+                                 max(source.lengths[start:], default=shape[1]))
+
+    def report_fields(self, shape) -> dict:
+        """What the report says of this run's plan: who works, each rank's whole heads, FFN
+        columns and token rows of the first batch (layers, for a pipeline)."""
+        plan, cfg = self.plan, self.cfg
+        used = ({"layers": plan.layers} if plan.strategy == "pipeline" else
+                {**counts_of(plan, cfg), "rows": counts(shape[0] * shape[1], plan.ratios["rows"])})
+        out = {"primary": plan.primary, "counts": used}
+        if plan.mem_budget:
+            out["mem_budget"] = plan.mem_budget
+        return out
 
 
-def world_comm(trace: bool = False):
-    """The world as a Comm (MPI.COMM_WORLD with a Tracer)."""
-    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
+def pass_figures(rank: int, active: bool, runs: list[dict]) -> dict:
+    """One rank's figures over the timed passes (`runs`: each pass's wall time, the tracer's
+    seconds by kind and bytes), every job's alike: medians of wall, compute, each kind of
+    communication and I/O wait; bytes sent and received; the peak RSS."""
+    def med(values):
+        values = list(values)
+        return statistics.median(values) if values else 0.0
+    kinds = sorted({k for r in runs for k in r["seconds"] if k not in ("compute", "io", "batch")})
+    comm_s = {k: med(r["seconds"].get(k, 0.0) for r in runs) for k in kinds}
+    return {"rank": rank, "host": os.uname().nodename, "active": active,
+            "wall_s": med(r["wall"] for r in runs),
+            "compute_s": med(r["seconds"].get("compute", 0.0) for r in runs),
+            "comm_s": comm_s, "comm_total_s": sum(comm_s.values()),
+            "io_wait_s": med(r["seconds"].get("io", 0.0) for r in runs),
+            "bytes_sent": int(med(r["bytes_sent"] for r in runs)),
+            "bytes_recv": int(med(r["bytes_recv"] for r in runs)),
+            "peak_rss_bytes": peak_rss()}
 
-    return Comm(MPI.COMM_WORLD, Tracer(MPI.COMM_WORLD.Get_rank(), record_events=trace))
 
+class BandJob:
+    """One rank's part of a CNN run: its weights (every conv of a group it has rows of, its
+    channels of a conv split by channels, its columns of the head) and the band executor.
+    `run_all(batches, n, on_output)` as `Job`'s: rank 0 reads the batches and gets
+    on_output(i, logits [B, 1, classes]).
+
+    The executor runs on a sub-communicator of the ranks that work (a share of some group's
+    rows or of the head) and rank 0, which holds the pixels and the logits; the others load
+    nothing and skip every batch, as an encoder's idle ranks do. On the whole world, an idle
+    device on a slow link sat in each forward's broadcast and in the pooling's allreduce
+    (MobileNetV2 on emu-mixed4, two of four ranks active: 2.6 ms of allreduce on rank 0 for
+    [1, 1280] floats, over the 240 and 100 Mbit/s links of ranks it does not need)."""
+
+    def __init__(self, world, store, plan: Plan, threads: int = 1):
+        self.world, self.store, self.plan = world, store, plan
+        graph = build(store.config)
+        split = split_of(plan)
+        self.active = [i for i, r in enumerate(split.ratios) if r > 0]
+        self.members = split.members()
+        if world.rank in self.members:  # compiled before the job counts its memory or time
+            load_kernels(store.config, threads, announce=world.rank == 0)
+        reset_peak_rss()
+        self.rss_before_load = current_rss()
+        self.group = world.split(world.rank in self.members, first=world.rank == 0)
+        self.weights = self.executor = None
+        if self.group is None:
+            return
+        sub = split.on(self.members)
+        self.weights = Weights(graph, store.read,
+                               head_rows(graph, sub, self.group.rank, self.group.size),
+                               conv_rows(graph, sub, self.group.rank, self.group.size),
+                               streamed_convs(graph, sub))
+        self.executor = BandExecutor(self.group, graph, sub, self.weights, threads,
+                                     btsearch_order(graph))
+
+    def run_all(self, batches, n: int, on_output=None) -> None:
+        if self.executor is None:
+            return
+        w, rank0 = self.world, self.world.rank == 0
+        it = iter(batches) if rank0 else None
+        for k in range(n):
+            b = next(it) if rank0 else None
+            with w.tracer.span(f"batch {k}", "batch"):
+                logits = self.executor.forward(b.pixels if rank0 else None)
+            if rank0 and on_output is not None:
+                on_output(k, logits[:, None, :])
+
+    def rank_stats(self, runs: list[dict]) -> dict:
+        held = int(self.weights.nbytes if self.weights else 0)
+        return {**pass_figures(self.world.rank, self.world.rank in self.active, runs),
+                "layer_weight_bytes_resident": held, "weight_bytes_resident": held,
+                "streamed_weight_bytes_max": int(self.weights.streamed_bytes
+                                                 if self.weights else 0),
+                "weight_bytes_read": int(self.store.bytes_read),
+                "rss_before_load_bytes": self.rss_before_load}
+
+    def close(self) -> None:
+        """Collective over the members (the group's communicator is freed)."""
+        if self.group is not None:
+            self.group.close()
+
+    # --- what the driver asks of the band job (the module docstring) ---------------------
+    @staticmethod
+    def input_shape(source, k: int) -> tuple[int, tuple[int, int]]:
+        """(N, (H, W)) of batch k: its pixels' (images of any size are resized per batch)."""
+        px = source.batch(k).pixels
+        return px.shape[0], tuple(px.shape[2:])
+
+    @classmethod
+    def plan_for(cls, args, world, store, shape) -> Plan:
+        return bands_plan(args, world, store, shape)
+
+    @staticmethod
+    def watch_scale(plan: Plan, args, source, start: int, shape) -> float:
+        return cnn_scale(plan.batch, (plan.predicted or {}).get("input"), *shape)
+
+    def report_fields(self, shape) -> dict:
+        """The plan's fused groups, head split and per-group counts, at the first input's size."""
+        plan = self.plan
+        return {"groups": plan.groups, "head": plan.head, "input_hw": list(shape[1]),
+                "counts": plan.counts or {}, "explanation": plan.explanation}
+
+
+JOBS = {"interpreter": Job, "bands": BandJob}  # hepti.families EXECUTORS that `hepti run` runs
 
 def run_plan(model_dir, plan: Plan, batches, threads: int = 1, world=None):
     """Library entry: run `batches` (needed on the primary only) under `plan` on every rank of
@@ -401,8 +395,7 @@ def run_plan(model_dir, plan: Plan, batches, threads: int = 1, world=None):
     world = world or world_comm()
     store = agree(world, lambda: WeightStore(model_dir))
     plan = agree(world, lambda: plan.validate(world.size))
-    if plan.strategy == "stream":
-        agree(world, lambda: [stream_window(plan, store.config, r) for r in active_ranks(plan, store.config)])
+    check_stream_windows(world, plan, store.config)
     n = world.bcast_obj(len(batches) if world.rank == 0 else None)
     job = agree(world, lambda: Job(world, store, plan, threads))
     outs = []
@@ -414,81 +407,21 @@ def run_plan(model_dir, plan: Plan, batches, threads: int = 1, world=None):
         gentle_barrier(world.mpi)
 
 
-PLANNED = ("auto", "proportional")
-
-
-def get_profile(args, world, cfg, batch: int, seq_len: int):
-    """--profile's (checked against the model), else a cached or newly measured one; on every
-    rank, as a cached one is. (Until 2026-11-29 a --profile was on rank 0 alone, and
-    `plan_with_profile`, given None on the other ranks, made them read it again, alone: `hepti
-    serve --replan on` given a profile by its supervisor hung at start.)"""
-    if args.profile:
-        def load_checked():
-            if world.rank != 0:
-                return None
-            prof = load_profile(args.profile, world_size=world.size)
-            for note in prof.check_model(cfg, source=f"--profile {args.profile}"):
-                log.warning(note)
-            return prof.to_dict()
-        d = world.bcast_obj(agree(world, load_checked))
-        return profile_from_dict(d, f"--profile {args.profile}")
-    profile, measured, path = cached_profile(
-        world.mpi, cfg, seq_len, batch=batch, threads=args.threads,
-        mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None)
-    if world.rank == 0:
-        log.info("%s the devices' profile %s (kept a day; delete it, or run `hepti profile`, to "
-                 "measure again)", "measured" if measured else "using", path)
-    return profile
-
-
-def needs_planner(args) -> bool:
-    return getattr(args, "strategy", None) in PLANNED or bool(getattr(args, "profile", None))
-
-
-def plan_with_profile(args, world, cfg, batch: int, seq_len: int, profile=None) -> Plan:
-    """The planner's plan for this input shape: from --profile, else a fresh cached or newly
-    measured profile (or `profile`, from `get_profile`). Rank 0 plans; every rank gets the same
-    plan."""
-    from hepti.plan.partition import make_plan  # local: start-up time (scipy.optimize, 0.4 s)
-    if profile is None:
-        profile = get_profile(args, world, cfg, batch, seq_len)
-
-    def plan_on_primary():
-        if world.rank != 0:
-            return None
-        return make_plan(cfg, profile, seq_len, batch, strategy=args.strategy or "auto",
-                         ratios=args.ratios, mem_budget=parse_bytes(args.mem_budget))
-
-    plan = agree(world, plan_on_primary)
-    plan = Plan.from_dict(json.loads(world.bcast_obj(plan.to_json() if world.rank == 0 else None)))
-    return agree(world, lambda: plan.validate(world.size))
-
-
-def run_prepared(args, world, store, prep, t_start: float) -> int:
-    """hepti.parallel.distributed.run_distributed once the inputs are checked and the output
-    open (`prep`, primary only)."""
-    mpi, rank, size, cfg = world.mpi, world.rank, world.size, store.config
-    rank0 = rank == 0
+def run_prepared(args, world, store, prep, t_start: float, kind: str) -> int:
+    """`hepti run` on every rank once the inputs are checked and the output open (`prep`,
+    rank 0), for a family whose executor is `kind` (`JOBS`): the plan for the first batch's
+    shape, the job, the passes (resuming where `prep`'s output left off), each rank's figures
+    gathered, the trace, the report."""
+    job_kind = JOBS[kind]
+    mpi, rank0, size, cfg = world.mpi, world.rank == 0, world.size, store.config
     source = prep.source if rank0 else None
     start = prep.out.start if rank0 and prep.out is not None else 0
-    if rank0:  # the plan is made for the first batch's shape
-        first = min(start, source.n_batches - 1)
-        a, b = source.rows(first)
-        shape = (b - a, source.lengths[first])
-    n, shape = world.bcast_obj((source.n_batches - start, shape) if rank0 else None)
-    if needs_planner(args):
-        plan = plan_with_profile(args, world, cfg, batch=shape[0], seq_len=shape[1])
-    else:
-        plan = agree(world, lambda: resolve_plan(args, size, cfg))
-    if args.plan:
-        notes = agree(world, lambda: plan.check_model(cfg, source=f"--plan {args.plan}"))
-        if rank0:
-            for note in notes:
-                log.warning(note)
-    if plan.strategy == "stream":
-        agree(world, lambda: [stream_window(plan, cfg, r) for r in active_ranks(plan, cfg)])
+    first = min(start, source.n_batches - 1) if rank0 else None  # the plan is made for its shape
+    n, shape = world.bcast_obj((source.n_batches - start, job_kind.input_shape(source, first))
+                               if rank0 else None)
+    plan = job_kind.plan_for(args, world, store, shape)
     t0 = time.perf_counter()
-    job = agree(world, lambda: Job(world, store, plan, args.threads))
+    job = agree(world, lambda: job_kind(world, store, plan, args.threads))
     load_s = time.perf_counter() - t0
 
     world.tracer.record_events = bool(args.trace)
@@ -503,10 +436,9 @@ def run_prepared(args, world, store, prep, t_start: float) -> int:
         per_pass.append({"wall": run["wall_s"], "seconds": dict(world.tracer.seconds),
                          "bytes_sent": world.tracer.bytes_sent, "bytes_recv": world.tracer.bytes_recv})
 
-    if rank0:  # the largest batch this run computes, against the plan's shape
-        scale = transformer_scale(plan.batch, plan.seq_len, min(args.batch_size, source.n),
-                                  max(source.lengths[start:], default=shape[1]))
-    watch = start_watch(world, args, plan, scale if rank0 else 1.0)
+    # the largest batch this run computes, against the plan's shape
+    scale = job_kind.watch_scale(plan, args, source, start, shape) if rank0 else 1.0
+    watch = start_watch(world, args, plan, scale)
     try:
         runs = run_passes(job, prep, n, args, start_pass=start_pass, end_pass=end_pass,
                           watch=watch)
@@ -521,25 +453,16 @@ def run_prepared(args, world, store, prep, t_start: float) -> int:
     if not rank0:
         return 0
 
-    M = shape[0] * shape[1]
-    used = {"heads": counts(cfg.num_attention_heads, plan.ratios["heads"]),
-            "ffn": counts(cfg.intermediate_size, plan.ratios["ffn"]),
-            "rows": counts(M, plan.ratios["rows"])}
-    if plan.strategy == "pipeline":
-        used = {"layers": plan.layers}
     report = base_report(args, cfg, prep, load_s, runs, plan.strategy, size, t_start)
     report.update({
         "active_ranks": sorted(job.active),
-        "primary": plan.primary,
         "ratios": plan.ratios,
-        "counts": used,
         "throughput_inputs_per_s": (prep.source.n / report["latency_s"]["median"]
                                     if runs and report["latency_s"]["median"] > 0 else None),
         "per_rank": stats,
         "stall_timeout_s": watch.timeout if watch is not None else None,
+        **job.report_fields(shape),
     })
-    if plan.mem_budget:
-        report["mem_budget"] = plan.mem_budget
     attach_prediction(report, stats, plan)
     if args.trace:
         with open(args.trace, "w") as f:
@@ -598,66 +521,3 @@ def format_rank_table(report: dict) -> str:
                      f"{s['layer_weight_bytes_resident'] / 1e6:>10.2f} {s['weight_bytes_read'] / 1e6:>8.2f} "
                      f"{s['peak_rss_bytes'] / 1e6:>11.1f}")
     return "\n".join(lines)
-
-
-def _on_interrupt(name: str, rank: int):
-    """Ctrl-C: mpiexec passes it to every rank. One line from the primary, no traceback, exit
-    130 without MPI_Finalize (which would wait for a peer inside a collective that never
-    completes; the process manager ends such a peer). Python raises KeyboardInterrupt only
-    between bytecodes, and a rank blocked in an MPI wait for a peer that has already left
-    would never get there: so a watcher thread, woken through the signal wakeup fd (mpi4py
-    releases the GIL in blocking calls), does the same at once. Returns the function both
-    call; whichever is first ends the process."""
-    once = threading.Lock()
-
-    def interrupted():
-        with once:
-            if rank == 0:
-                sys.stderr.write(f"hepti {name}: interrupted\n")
-                sys.stderr.flush()
-            time.sleep(ABORT_GRACE_S)  # for mpiexec to forward the line (see below)
-            os._exit(130)
-
-    if threading.current_thread() is threading.main_thread():
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-
-        def watch():
-            while True:
-                got = os.read(r, 64)
-                if signal.SIGINT in got:
-                    interrupted()
-
-        threading.Thread(target=watch, name="hepti-interrupt", daemon=True).start()
-    return interrupted
-
-
-def run_guarded_fn(name: str, fn, args) -> int:
-    """Run fn(args) on every rank: agreed errors are reported once by rank 0 (exit 2); any
-    other failure on any rank names the rank and aborts the whole job."""
-    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
-    rank = MPI.COMM_WORLD.Get_rank()
-    interrupted = _on_interrupt(name, rank)
-    try:
-        return fn(args)
-    except AgreedError as e:
-        if rank == 0:
-            print(f"hepti {name}: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        interrupted()  # the partial output was closed on the way here (a `finally`)
-    except BaseException as e:  # noqa: BLE001 - any other failure ends the whole job
-        if isinstance(e, HeptiError):
-            text = f"hepti {name}: rank {rank}: error: {e}\n"
-        else:
-            text = (traceback.format_exc() + f"hepti {name}: rank {rank} failed: "
-                    f"{type(e).__name__}: {e}; aborting all ranks\n")
-        # One write, then a moment for mpiexec to forward it: MPI_Abort tears down the
-        # process managers' pipes at once, and a fresh-clone test run once caught only the
-        # traceback's first line, without the rank and the cause.
-        sys.stderr.write(text)
-        sys.stderr.flush()
-        time.sleep(ABORT_GRACE_S)
-        MPI.COMM_WORLD.Abort(1)
-        return 1

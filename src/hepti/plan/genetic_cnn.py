@@ -24,7 +24,7 @@ one conv's resident at a time, for the time of reading and packing them each for
 
 **Fitness**: coedge.predict's latency, plus the constraint-violation term of hepti.plan.genetic
 (`PENALTY` x latency x the summed relative excess over the caps) for the memory `band_memory`
-estimates: the rank's weights (`weight_bytes_of`: as hepti.parallel.cnn_job loads them), and
+estimates: the rank's weights (`weight_bytes_of`: as hepti.parallel.engine `BandJob` loads them), and
 the rows of every tensor a rank holds in its largest group (what `split.needs` says it
 computes or reads; whole maps in a channel split), as if all were live at once: an upper
 bound.
@@ -90,7 +90,7 @@ class CNNGenome:
 
 
 def weight_bytes_of(graph, split: Split, rank: int, size: int) -> float:
-    """The weight bytes `rank` holds at most under `split` (what hepti.parallel.cnn_job's
+    """The weight bytes `rank` holds at most under `split` (what hepti.parallel.engine `BandJob`'s
     `Weights` reads): each conv's rows by `conv_rows`, each linear's by `head_rows`, all
     resident but a streamed group's convs, of which the largest is held twice (as read, and
     packed) while it runs."""

@@ -25,7 +25,7 @@ import numpy as np
 from hepti.model.chat import stop_ids
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling
-from hepti.parallel.engine import agree
+from hepti.parallel.world import agree
 from hepti.plan.planfile import DIMS, parse_ratios
 from hepti.serve import protocol
 from hepti.weights.decoder import load_tokenizer

@@ -34,8 +34,9 @@ from hepti.inputs import Batch
 from hepti.model.pooling import pool
 from hepti.model.sizes import layer_slice_bytes, spec_bytes
 from hepti.parallel.comm import Comm
-from hepti.parallel.engine import (Job, agree, build_layers, get_profile, layer_spec,
-                                   needs_planner, plan_with_profile, resolve_plan, run_guarded_fn)
+from hepti.parallel.engine import Job, build_layers, layer_spec
+from hepti.parallel.plans import get_profile, needs_planner, plan_with_profile, resolve_plan
+from hepti.parallel.world import agree, run_guarded_fn
 from hepti.parallel.layers import ResidentLayers, slice_packer
 from hepti.parallel.profile_compute import SpeedProbe, measure_probe
 from hepti.parallel.profile_links import fit_link, ping_pong
