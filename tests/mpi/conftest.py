@@ -88,3 +88,35 @@ def pytest_collection_modifyitems(session, config, items):
     memory was already resident. The sort is stable and the same on every rank, so the
     collective tests stay in step."""
     items.sort(key=lambda item: 0 if item.path.name == "test_memory.py" else 1)
+
+
+@pytest.fixture(scope="session")
+def llama_tiny_dir():
+    """The odd-shaped decoder fixture (tests/fixtures/llama-tiny-odd.gguf), converted once."""
+    return _tiny_decoder("llama-tiny-odd")
+
+
+@pytest.fixture(scope="session")
+def llama_tiny_int8_dir():
+    """The same decoder stored int8 (`hepti convert --dtype int8`), converted once."""
+    return _tiny_decoder("llama-tiny-odd-int8", dtype="int8")
+
+
+def _tiny_decoder(name: str, **kw) -> Path:
+    from hepti.weights.gguf import convert_gguf  # local: as the tests' own imports, after sys.path
+    out = shared_dir(name)
+    if COMM.Get_rank() == 0 and not (out / "index.json").exists():
+        convert_gguf(FIXTURES / "llama-tiny-odd.gguf", out, progress=False, **kw)
+    COMM.Barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def traced_comm():
+    """A hepti Comm over the world with a tracer (the decoder tests count its verbs)."""
+    from hepti.parallel.comm import Comm  # local: as the tests' own imports, after sys.path
+    from hepti.parallel.trace import Tracer
+    c = Comm(COMM, Tracer(COMM.Get_rank()))
+    yield c
+    c.close()
+

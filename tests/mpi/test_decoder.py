@@ -10,31 +10,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decoder_check import check_fixture, check_sampling  # noqa: E402
-from mpi_helpers import COMM, all_ok, shared_dir  # noqa: E402
+from mpi_helpers import COMM, all_ok  # noqa: E402
 
 from hepti.parallel.comm import Comm  # noqa: E402
 from hepti.parallel.trace import Tracer  # noqa: E402
-from hepti.weights.gguf import convert_gguf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2 = ROOT / "weights" / "smollm2"
 pytestmark = pytest.mark.skipif(COMM.Get_size() != 2, reason="written for mpiexec -n 2")
-
-
-@pytest.fixture(scope="module")
-def comm():
-    c = Comm(COMM, Tracer(COMM.Get_rank()))
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def llama_tiny_dir():
-    out = shared_dir("llama-tiny-odd")
-    if COMM.Get_rank() == 0 and not (out / "index.json").exists():
-        convert_gguf(ROOT / "tests/fixtures/llama-tiny-odd.gguf", out, progress=False)
-    COMM.Barrier()
-    return out
 
 
 def _verdict(rows):
@@ -46,23 +29,23 @@ def _verdict(rows):
 
 
 @pytest.mark.parametrize("ratios", ["0.7,0.3", "0,1"])
-def test_tiny_equals_transformers(comm, llama_tiny_dir, ratios):
-    _verdict(check_fixture(llama_tiny_dir, "llama_tiny_expected.npz", ratios, comm))
+def test_tiny_equals_transformers(traced_comm, llama_tiny_dir, ratios):
+    _verdict(check_fixture(llama_tiny_dir, "llama_tiny_expected.npz", ratios, traced_comm))
 
 
-def test_tiny_sampling_equals_one_rank(comm, llama_tiny_dir):
-    _verdict(check_sampling(llama_tiny_dir, "llama_tiny_expected.npz", "0.3,0.7", comm))
+def test_tiny_sampling_equals_one_rank(traced_comm, llama_tiny_dir):
+    _verdict(check_sampling(llama_tiny_dir, "llama_tiny_expected.npz", "0.3,0.7", traced_comm))
 
 
 @pytest.mark.skipif(not (SMOLLM2 / "index.json").is_file(), reason="weights/smollm2 is absent")
 @pytest.mark.parametrize("ratios", ["0.7,0.3", "heads=0,1;ffn=0.6,0.4;rows=0.5,0.5"])
-def test_smollm2_equals_transformers(comm, ratios):
-    _verdict(check_fixture(SMOLLM2, "smollm2_expected.npz", ratios, comm))
+def test_smollm2_equals_transformers(traced_comm, ratios):
+    _verdict(check_fixture(SMOLLM2, "smollm2_expected.npz", ratios, traced_comm))
 
 
 @pytest.mark.skipif(not (SMOLLM2 / "index.json").is_file(), reason="weights/smollm2 is absent")
-def test_smollm2_sampling_equals_one_rank(comm):
-    _verdict(check_sampling(SMOLLM2, "smollm2_expected.npz", "0.7,0.3", comm, prompts=(1,)))
+def test_smollm2_sampling_equals_one_rank(traced_comm):
+    _verdict(check_sampling(SMOLLM2, "smollm2_expected.npz", "0.7,0.3", traced_comm, prompts=(1,)))
 
 
 def test_the_syncs_are_the_docstrings(llama_tiny_dir):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mpi_helpers import COMM, all_ok, shared_dir  # noqa: E402
+from mpi_helpers import COMM, all_ok  # noqa: E402
 
 from hepti.graph.decoder import decode_program, prefill_program  # noqa: E402
 from hepti.parallel.comm import Comm  # noqa: E402
@@ -24,21 +24,11 @@ from hepti.plan.costmodel import active_ranks, rank_bytes  # noqa: E402
 from hepti.plan.decoder import tensor_counts  # noqa: E402
 from hepti.plan.planfile import parse_ratios  # noqa: E402
 from hepti.weights import WeightStore  # noqa: E402
-from hepti.weights.gguf import convert_gguf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2 = ROOT / "weights" / "smollm2"
 pytestmark = pytest.mark.skipif(COMM.Get_size() != 2, reason="written for mpiexec -n 2")
 PROMPT = [1, 5, 9, 2, 7, 3]
-
-
-@pytest.fixture(scope="module")
-def llama_tiny_dir():
-    out = shared_dir("llama-tiny-odd")
-    if COMM.Get_rank() == 0 and not (out / "index.json").exists():
-        convert_gguf(ROOT / "tests/fixtures/llama-tiny-odd.gguf", out, progress=False)
-    COMM.Barrier()
-    return out
 
 
 def program_messages(program, cnt, rank: int) -> list[tuple[str, int, int]]:
