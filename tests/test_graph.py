@@ -10,11 +10,13 @@ import pytest
 from hepti.config import RANDOM_PRESETS, BertConfig
 from hepti.families import preset_config
 from hepti.graph import ir, lower
-from hepti.families import family_graph
+from hepti.families import family, family_graph
 from hepti.model.sizes import embedding_bytes, layer_slice_bytes
 
-CONFIGS = [preset_config(n) for n in RANDOM_PRESETS  # the encoders' (a CNN's: test_cnn.py)
-           if RANDOM_PRESETS[n].get("model_type") != "cnn"] + [
+# the interpreter's presets: the encoders' (a CNN's: test_cnn.py; a decoder's programs:
+# test_plan_decoder.py)
+CONFIGS = [c for c in map(preset_config, RANDOM_PRESETS)
+           if family(c).executor == "interpreter"] + [
     BertConfig.from_dict({"model_type": "bert", "vocab_size": 10, "hidden_size": 64,
                           "num_hidden_layers": L, "num_attention_heads": 4, "intermediate_size": 96})
     for L in (1, 2)]
