@@ -257,7 +257,7 @@ if a[1] == "worker":
         sys.exit("worker: cannot bind")
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", int(a[a.index("--port") + 1])))
+    s.bind((a[a.index("--host") + 1], int(a[a.index("--port") + 1])))  # the wrapper's --host
     s.listen()
     s.accept()
     time.sleep(600)

@@ -370,8 +370,10 @@ def rank_main(args) -> int:
             return p.returncode
         finally:
             (rdv / "done").touch()
-    worker = subprocess.Popen([program[0], "worker", "--port", str(ports[rank]), "--nthreads",
-                               str(args.threads)],
+    # bound to the address the root reaches it at (127.0.0.1, or its emulated device's), not
+    # distributed-llama's default of every interface
+    worker = subprocess.Popen([program[0], "worker", "--host", hosts[rank], "--port",
+                               str(ports[rank]), "--nthreads", str(args.threads)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
