@@ -8,10 +8,19 @@
 #                                   bands and auto)
 #   bin/bench-scaling.sh --cnn      the CNNs alone
 #   bin/bench-scaling.sh --quick    MiniLM only, fewer rounds
+#   bin/bench-scaling.sh --decoder  llama-1b (fp32): `hepti generate`'s decode and prefill
+#                                   tokens/s, single against tensor on 2 ranks, 32 tokens
+#                                   (results/scaling-llm.json; makes weights/llama-1b, 4.2 GB)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 if [ "${1:-}" = "--quick" ]; then
   exec hepti bench scaling --case weights/minilm-l6:128 --rounds 3 --repeat 5
+fi
+if [ "${1:-}" = "--decoder" ]; then
+  shift
+  [ -f weights/llama-1b/index.json ] || hepti convert --random llama-1b --out weights/llama-1b
+  exec hepti bench llm --model weights/llama-1b --variants hepti:single:1,hepti:tensor:2 \
+    --tokens 32 --rounds 5 --out results/scaling-llm.json "$@"
 fi
 if [ "${1:-}" = "--cnn" ]; then
   shift
