@@ -45,26 +45,24 @@ def _positive_int(s: str) -> int:
     return v
 
 
-def _seconds(s: str) -> float:
-    """A duration in seconds: a finite number, 0 or more."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number of seconds") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"{s}: give seconds, 0 or more")
-    return v
+def _zero_or_more(unit: str | None = None):
+    """An argparse type: a finite number, 0 or more (of `unit`, which the messages name)."""
+    noun, give = (f"a number of {unit}", f"give {unit}, 0 or more") if unit else \
+        ("a number", "give 0 or more")
+
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not {noun}") from None
+        if not math.isfinite(v) or v < 0:
+            raise argparse.ArgumentTypeError(f"{s}: {give}")
+        return v
+    return parse
 
 
-def _non_negative(s: str) -> float:
-    """A finite number, 0 or more (--temperature)."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"{s}: give 0 or more")
-    return v
+_seconds = _zero_or_more("seconds")  # --stall-timeout
+_non_negative = _zero_or_more()  # --temperature
 
 
 def _paragraphs(*texts: str) -> str:

@@ -44,6 +44,14 @@ def group(model_dir, ratios: str | None, comm: Comm) -> DecoderGroup:
         return DecoderGroup(comm, store, vec)
 
 
+def greedy_with_logits(dec: DecoderGroup, ids) -> tuple[list[int], np.ndarray | None]:
+    """GREEDY tokens from the group, and the prefill's last-position logits gathered on the
+    group's rank 0 (None elsewhere)."""
+    first: list = []
+    greedy = dec.generate(ids, GREEDY, Sampling(), logits_out=first)
+    return greedy, dec.gather_logits(first[0])
+
+
 def check_fixture(model_dir, fixture: str, ratios: str, comm: Comm) -> list[dict]:
     """Per prompt: prompt_ids equal, the prefill's logits within LOGIT_TOL, 32 greedy tokens
     equal to transformers'. Rows on the group's rank 0 (the logits are gathered there)."""
@@ -52,9 +60,7 @@ def check_fixture(model_dir, fixture: str, ratios: str, comm: Comm) -> list[dict
     rows = []
     for k, case in enumerate(expected(fixture)):
         ids = tok.encode(case["text"]).ids
-        first: list = []
-        greedy = dec.generate(ids, GREEDY, Sampling(), logits_out=first)
-        logits = dec.gather_logits(first[0])
+        greedy, logits = greedy_with_logits(dec, ids)
         if comm.rank == 0:
             diff = float(np.abs(logits - case["logits"]).max())
             rows.append({"case": "fixture", "model": Path(model_dir).name, "ratios": ratios,
@@ -99,9 +105,7 @@ def check_against_one_rank(model_dir, fixture: str, ratios: str, comm: Comm,
     rows = []
     for k, case in enumerate(expected(fixture)):
         ids = tok.encode(case["text"]).ids
-        first: list = []
-        greedy = dec.generate(ids, GREEDY, Sampling(), logits_out=first)
-        logits = dec.gather_logits(first[0])
+        greedy, logits = greedy_with_logits(dec, ids)
         if comm.rank == 0:
             one: list = []
             want = alone.generate(ids, GREEDY, Sampling(), logits_out=one)
