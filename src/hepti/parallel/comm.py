@@ -54,9 +54,11 @@ from hepti.errors import InputError
 from hepti.parallel.trace import Tracer
 from hepti.resources import cpu_limit
 
+# one tag per verb: a verb's messages can never match another's, whatever the order of posting
 _TAG_SCATTER, _TAG_GATHER, _TAG_ALLGATHER, _TAG_REDUCE, _TAG_OBJ = 101, 102, 103, 104, 105
 _TAG_HALO = 106
 _TAG_COMMAND, _TAG_REPORT = 107, 108
+_TAG_ALLREDUCE, _TAG_SMALL = 109, 110  # the decoder's one-row sum and its token choice
 
 
 class Comm:
@@ -422,8 +424,56 @@ class Comm:
               for j in range(self.size) if j != root])
         return out.tolist()
 
+    def allreduce_sum(self, a: np.ndarray) -> np.ndarray:
+        """Allreduce (sum): every rank's float32 array of one shape -> the sum, on every rank.
 
-# one tag per row verb: a verb's messages can never match another's, whatever the order of posting
+        For a decode step's [1, C] partial sums (a few KiB: latency-bound): one round, each rank
+        sends its whole array to every peer (or writes it into one shared slot, "shm") and sums
+        what it got in rank order, so every rank holds the same bits, which a tree or
+        recursive doubling over a non-power-of-two group does not promise. Bytes grow as N-1
+        times the array per rank: for many rows, `reduce_scatter_rows` then `allgather_rows`
+        move fewer."""
+        if self.solo:
+            return a
+        n, r = self.size, self.rank
+        a = np.ascontiguousarray(a, np.float32)
+        with self.tracer.span("Allreduce", "allreduce"):
+            if self.shm is not None:
+                slots = self.shm.take((n, a.size))
+                slots[r] = a.reshape(-1)
+                self.shm.sync()
+                got = list(slots)
+            else:
+                got = [a.reshape(-1) if j == r else np.empty(a.size, np.float32) for j in range(n)]
+                reqs = [self.mpi.Irecv(got[j], source=j, tag=_TAG_ALLREDUCE)
+                        for j in range(n) if j != r]
+                reqs += [self.mpi.Isend(a, dest=j, tag=_TAG_ALLREDUCE)
+                         for j in range(n) if j != r]
+                wait(reqs)
+            out = got[0] + got[1]
+            for j in range(2, n):
+                out += got[j]
+        self.tracer.add_bytes("allreduce", a.nbytes * (n - 1), a.nbytes * (n - 1))
+        return out.reshape(a.shape)
+
+    def allgather_small(self, values) -> np.ndarray:
+        """Allgather: every rank's few float64 numbers (as many on every rank) -> [size, n] on
+        every rank. For a token's choice across a vocabulary split: each rank's best (value, index)
+        pairs and its softmax sums, never the logits themselves."""
+        a = np.ascontiguousarray(values, np.float64).reshape(-1)
+        if self.solo:
+            return a[None, :]
+        n, r = self.size, self.rank
+        out = np.empty((n, a.size), np.float64)
+        out[r] = a
+        with self.tracer.span("Allgather", "allgather"):
+            reqs = [self.mpi.Irecv(out[j], source=j, tag=_TAG_SMALL)
+                    for j in range(n) if j != r]
+            reqs += [self.mpi.Isend(a, dest=j, tag=_TAG_SMALL) for j in range(n) if j != r]
+            wait(reqs)
+        self.tracer.add_bytes("allgather", a.nbytes * (n - 1), a.nbytes * (n - 1))
+        return out
+
 
 
 WAIT_SLEEP_S = 50e-6  # between tests of a pending request; far below a message's time on a link
@@ -585,59 +635,3 @@ def _peers(counts: tuple[int, ...], rank: int) -> tuple[int, ...]:
 def _MPI():
     from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
     return MPI
-
-
-# --- the decoder's verbs (issue 46) --------------------------------------------------------------
-# Functions of a Comm rather than its methods, kept apart at the end of this module so that the
-# class above stays as the encoders' executors use it. Same rules as the verbs above: a group of
-# one returns at once, each call times itself and counts its bytes, and sums run in rank order.
-_TAG_ALLREDUCE, _TAG_SMALL = 109, 110
-
-
-def allreduce_sum(comm: Comm, a: np.ndarray) -> np.ndarray:
-    """Allreduce (sum): every rank's float32 array of one shape -> the sum, on every rank.
-
-    For a decode step's [1, C] partial sums (a few KiB: latency-bound): one round, each rank
-    sends its whole array to every peer (or writes it into one shared slot, "shm") and sums
-    what it got in rank order, so every rank holds the same bits, which a tree or recursive
-    doubling over a non-power-of-two group does not promise. Bytes grow as N-1 times the array
-    per rank: for many rows, `reduce_scatter_rows` then `allgather_rows` move fewer."""
-    if comm.solo:
-        return a
-    n, r = comm.size, comm.rank
-    a = np.ascontiguousarray(a, np.float32)
-    with comm.tracer.span("Allreduce", "allreduce"):
-        if comm.shm is not None:
-            slots = comm.shm.take((n, a.size))
-            slots[r] = a.reshape(-1)
-            comm.shm.sync()
-            got = list(slots)
-        else:
-            got = [a.reshape(-1) if j == r else np.empty(a.size, np.float32) for j in range(n)]
-            reqs = [comm.mpi.Irecv(got[j], source=j, tag=_TAG_ALLREDUCE)
-                    for j in range(n) if j != r]
-            reqs += [comm.mpi.Isend(a, dest=j, tag=_TAG_ALLREDUCE) for j in range(n) if j != r]
-            wait(reqs)
-        out = got[0] + got[1]
-        for j in range(2, n):
-            out += got[j]
-    comm.tracer.add_bytes("allreduce", a.nbytes * (n - 1), a.nbytes * (n - 1))
-    return out.reshape(a.shape)
-
-
-def allgather_small(comm: Comm, values) -> np.ndarray:
-    """Allgather: every rank's few float64 numbers (as many on every rank) -> [size, n] on every
-    rank. For a token's choice across a vocabulary split: each rank's best (value, index)
-    pairs and its softmax sums, never the logits themselves."""
-    a = np.ascontiguousarray(values, np.float64).reshape(-1)
-    if comm.solo:
-        return a[None, :]
-    n, r = comm.size, comm.rank
-    out = np.empty((n, a.size), np.float64)
-    out[r] = a
-    with comm.tracer.span("Allgather", "allgather"):
-        reqs = [comm.mpi.Irecv(out[j], source=j, tag=_TAG_SMALL) for j in range(n) if j != r]
-        reqs += [comm.mpi.Isend(a, dest=j, tag=_TAG_SMALL) for j in range(n) if j != r]
-        wait(reqs)
-    comm.tracer.add_bytes("allgather", a.nbytes * (n - 1), a.nbytes * (n - 1))
-    return out

@@ -66,7 +66,7 @@ import numpy as np
 from hepti.counts import counts, offsets
 from hepti.errors import InputError
 from hepti.model.llama import LlamaConfig, LlamaModel, Shard
-from hepti.parallel.comm import Comm, allgather_small, allreduce_sum
+from hepti.parallel.comm import Comm
 from hepti.weights.decoder import read_shard
 
 FIRST_CANDIDATES = 64  # top-p: each rank's best (value, index) pairs in the first round
@@ -128,7 +128,7 @@ class DecoderGroup:
         if self.comm.solo:
             return partial
         if T == 1:
-            return allreduce_sum(self.comm, partial)
+            return self.comm.allreduce_sum(partial)
         cnt = counts(T, self.rows)
         mine = self.comm.reduce_scatter_rows(partial, cnt)  # (cnt[rank], C), summed
         return np.array(self.comm.allgather_rows(mine, cnt))  # (T, C), out of the shared slot
@@ -186,13 +186,13 @@ class TokenChooser:
             mine = (float(logits[i]), self.v0 + i)
         else:
             mine = (-np.inf, np.inf)
-        g = allgather_small(self.comm, mine)  # (N, 2): each rank's (best value, its index)
+        g = self.comm.allgather_small(mine)  # (N, 2): each rank's (best value, its index)
         return int(g[np.lexsort((g[:, 1], -g[:, 0]))[0], 1])
 
     def _normaliser(self, m: float, s: float) -> tuple[float, float]:
         """From this rank's max m of z and sum s of exp(z - m): the group's max M and the sum
         Z of exp(z - M) over the whole vocabulary."""
-        g = allgather_small(self.comm, (m, s))  # (N, 2)
+        g = self.comm.allgather_small((m, s))  # (N, 2)
         M = float(g[:, 0].max())
         return M, float(np.sum(g[:, 1] * np.exp(g[:, 0] - M)))
 
@@ -201,7 +201,7 @@ class TokenChooser:
         vocabulary order."""
         m = float(z.max()) if z.size else -np.inf
         s = float(np.exp(z - m).sum()) if z.size else 0.0
-        g = allgather_small(self.comm, (m, s))  # (N, 2)
+        g = self.comm.allgather_small((m, s))  # (N, 2)
         M = float(g[:, 0].max())
         per_rank = np.where(g[:, 1] > 0, g[:, 1] * np.exp(g[:, 0] - M), 0.0)
         cum = np.cumsum(per_rank)
@@ -214,7 +214,7 @@ class TokenChooser:
             i = min(int(np.searchsorted(c, target - (cum[owner] - per_rank[owner]),
                                         side="right")), z.size - 1)
             tok = float(self.v0 + i)
-        return int(allgather_small(self.comm, (tok,))[:, 0].max())
+        return int(self.comm.allgather_small((tok,))[:, 0].max())
 
     def _sample_top_p(self, z: np.ndarray, u: float) -> int:
         """Sample within the nucleus (module docstring), asking the ranks for more candidates
@@ -229,7 +229,7 @@ class TokenChooser:
             pad = k - sent
             pack = np.concatenate([[m, s, sent, z.size], zs[:sent], np.full(pad, -np.inf),
                                    ids[:sent], np.full(pad, -1.0)])
-            g = allgather_small(self.comm, pack)  # (N, 4 + 2k)
+            g = self.comm.allgather_small(pack)  # (N, 4 + 2k)
             M = float(g[:, 0].max())
             Z = float(np.sum(np.where(g[:, 1] > 0, g[:, 1] * np.exp(g[:, 0] - M), 0.0)))
             vals, idx = g[:, 4:4 + k].reshape(-1), g[:, 4 + k:].reshape(-1)

@@ -22,10 +22,10 @@ messages the rank posts and bytes_i what crosses its link, for the algorithm the
                     carries about 2 S); thresholds in the profile's "network" section
     scatterv/gatherv root 0 posts one message per peer: (n-1) alpha_0 + (S - c_0)/beta_0;
                     peer i: alpha_i + c_i / beta_i
-    allreduce       the decoder's one-row sum (hepti.parallel.comm `allreduce_sum`): rank i sends
+    allreduce       the decoder's one-row sum (hepti.parallel.comm `Comm.allreduce_sum`): rank i sends
                     its whole S to each of the n-1 peers and receives theirs, one round:
                     (n-1) alpha_i + (n-1) S / beta_i, plus (n-1) S / 4 float adds
-    allgather       the decoder's token choice (`allgather_small`): the same exchange of a few
+    allgather       the decoder's token choice (`Comm.allgather_small`): the same exchange of a few
                     numbers (S: one rank's), no adds
     halo            a height split's exchange (hepti.parallel.comm `exchange`: every receive
                     posted, then every send, one message per peer each way): rank i with p_i
