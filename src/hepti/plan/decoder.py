@@ -33,7 +33,7 @@ from hepti.errors import InputError, PlanError
 from hepti.graph.decoder import F32, decode_program, int8_bytes, prefill_program
 from hepti.graph.program import Program
 from hepti.plan.costmodel import evaluate, held_bytes
-from hepti.plan.pipeline import _transfer
+from hepti.plan.pipeline import transfer
 from hepti.plan.profile import Profile
 
 NO_PIPELINE = "priced only: no pipeline executor for decoders yet"
@@ -253,8 +253,8 @@ def evaluate_pipeline(config, profile: Profile, req: Request, layers: list[int],
         t = sum(_stage_seconds(program, profile.devices[r], r == stages[0], r == stages[-1],
                                layers[r]) for r in stages)
         hops = list(zip(stages, stages[1:]))
-        t += sum(_transfer(profile, j, k, rows * C * F32, 0) for j, k in hops)
-        return t + _transfer(profile, stages[-1], 0, 8, 0)  # the token back to rank 0
+        t += sum(transfer(profile, j, k, rows * C * F32, 0) for j, k in hops)
+        return t + transfer(profile, stages[-1], 0, 8, 0)  # the token back to rank 0
 
     mem = [_stage_memory(dec, layers[i], i == stages[0], i == stages[-1]) if i in stages
            else 0.0 for i in range(profile.world_size)]

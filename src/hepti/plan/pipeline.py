@@ -39,7 +39,7 @@ def _embed_seconds(cfg: ModelConfig, B: int, T: int, profile: Profile) -> float:
     return sum(w.seconds(profile.devices[0], 1.0) for w in embed_works(cfg, B, T))
 
 
-def _transfer(profile: Profile, j: int, k: int, nbytes: float, header: float) -> float:
+def transfer(profile: Profile, j: int, k: int, nbytes: float, header: float) -> float:
     """Seconds to move nbytes (after a header message) from rank j to rank k through the switch."""
     if j == k:
         return 0.0
@@ -100,11 +100,11 @@ def pipeline_ranges(cfg: ModelConfig, B: int, T: int, profile: Profile, caps: li
             f[0][l] = emb + l * lt[0]
             back[(0, l)] = None
     for k in range(1, N):
-        ret = _transfer(profile, k, 0, S, 0)  # paid by rank k if its stage is the last
+        ret = transfer(profile, k, 0, S, 0)  # paid by rank k if its stage is the last
         for l in range(1, L + 1):
             best, arg = INF, None
             for j in range(k):
-                tr = _transfer(profile, j, k, S, head) + (ret if l == L else 0.0)
+                tr = transfer(profile, j, k, S, head) + (ret if l == L else 0.0)
                 for a in range(l):
                     if f[j][a] == INF or not fits[k][l - a]:
                         continue
@@ -168,9 +168,9 @@ def pipeedge_bottleneck(cfg: ModelConfig, B: int, T: int, profile: Profile,
     periods = {0: _embed_seconds(cfg, B, T, profile) + (ranges[0][1] - ranges[0][0]) * lt[0]}
     for j, k in stage_hops(ranges):
         if k == 0:  # the return: the last stage's
-            periods[j] += _transfer(profile, j, k, S, 0)
+            periods[j] += transfer(profile, j, k, S, 0)
         else:
-            periods[k] = _transfer(profile, j, k, S, head) + (ranges[k][1] - ranges[k][0]) * lt[k]
+            periods[k] = transfer(profile, j, k, S, head) + (ranges[k][1] - ranges[k][0]) * lt[k]
     return max(periods.values())
 
 
@@ -188,7 +188,7 @@ def evaluate_pipeline(cfg: ModelConfig, B: int, T: int, profile: Profile,
     latency = ranks[0].compute_s
     periods = {0: ranks[0].compute_s}
     for j, k in stage_hops(ranges):
-        t = _transfer(profile, j, k, S, head if k != 0 else 0)
+        t = transfer(profile, j, k, S, head if k != 0 else 0)
         comp = (ranges[k][1] - ranges[k][0]) * lt[k] if k != 0 else 0.0
         latency += t + comp
         ranks[k].compute_s += comp
