@@ -90,6 +90,22 @@ def test_gemm_packed_both_orientations(m, k, n, trans, threads):
     assert_gemm_close(gemm(a, pb, threads=threads), naive.gemm(a, b), a, b, k)
 
 
+@pytest.mark.parametrize("n", [4 * NR, 5 * NR - 3, 6 * NR + 1, 7 * NR, 11 * NR - 1])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_single_row_panel_groups(n, threads):
+    """One row against a pre-packed B walks four panels side by side (`_gemv_panels`): panel
+    counts that leave 0 to 3 panels over (per thread too), a partial last panel, and out as a
+    column block of a bigger buffer, which keeps its other values."""
+    k = KC + 3
+    a, b = rand(1, k), rand(k, n)
+    big_out = np.full((2, n + 9), 7.0, np.float32)
+    out = big_out[1:2, 4:4 + n]
+    assert gemm(a, pack_b(b), out=out, threads=threads) is out
+    assert_gemm_close(out, naive.gemm(a, b), a, b, k)
+    assert np.all(big_out[0] == 7.0) and np.all(big_out[1, :4] == 7.0)
+    assert np.all(big_out[1, 4 + n:] == 7.0)
+
+
 def test_pack_orientations_give_identical_panels():
     n = NR + 13
     b = rand(70, n)

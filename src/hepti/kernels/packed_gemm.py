@@ -23,6 +23,9 @@ row segment read in one sequential pass, then every row tile runs over each pane
 is read once per A block, a few pages per k-block rather than one page per row and panel (the
 earlier panel-outer order read B at ~5 GB/s, page by page, and lost 10-15% to it). A single
 row (M = 1) skips packing and streams B's rows (`_gemv`).
+
+One row of A with B pre-packed (a decoder's decode step) skips the micro-kernel: it walks four
+panels side by side (`_gemv_panels`), as many streams as the prefetchers follow best.
 """
 from __future__ import annotations
 
@@ -391,6 +394,83 @@ def _gemv(a, a_off, k, n, b, b_off, ldb, c, c_off):
         p += 1
 
 
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _panel1_into(acc, x, k, pnl):
+    """acc [NR] = x [k] @ pnl [k, NR]: one pre-packed panel, read once in order."""
+    for j in range(NR):
+        acc[j] = 0.0
+    for p in range(k):
+        xp = x[p]
+        r = pnl[p]
+        for j in range(NR):
+            acc[j] += xp * r[j]
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _panels4_into(acc, x, k, p0, p1, p2, p3):
+    """acc [4, NR] = x [k] @ each of four pre-packed panels [k, NR], walked side by side."""
+    a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
+    for j in range(NR):
+        a0[j] = 0.0
+        a1[j] = 0.0
+        a2[j] = 0.0
+        a3[j] = 0.0
+    for p in range(k):
+        xp = x[p]
+        r0, r1, r2, r3 = p0[p], p1[p], p2[p], p3[p]
+        for j in range(NR):
+            a0[j] += xp * r0[j]
+            a1[j] += xp * r1[j]
+            a2[j] += xp * r2[j]
+            a3[j] += xp * r3[j]
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _gemv_panels(p_lo, p_hi, x, k, n, panels, c):
+    """c[columns of panels p_lo .. p_hi-1] = x [k] @ B, B pre-packed ([n_panels, k, NR]).
+
+    A decode step's GeMV (one row of A) is bound by reading B once from DRAM: each weight is
+    used for one multiply-add. Through the GeMM's micro-kernel (one panel, one sequential
+    stream, at a time) it read B at ~19 GB/s on an AVX-512 EPYC core; walking four panels side
+    by side keeps four streams in flight for the hardware prefetchers and reads ~30 GB/s there
+    (`hepti bench kernels`' gemv rows; numpy's sgemv on the unpacked matrix ~26). A fifth or
+    more streams measured no better. So prefill (GeMM) and decode (GeMV) share one packed copy.
+    """
+    acc = np.empty((4, NR), np.float32)
+    jp = p_lo
+    while jp < p_hi:
+        g = min(4, p_hi - jp)
+        if g == 4:
+            _panels4_into(acc, x, k, panels[jp], panels[jp + 1], panels[jp + 2], panels[jp + 3])
+        else:
+            for q in range(g):
+                _panel1_into(acc[q], x, k, panels[jp + q])
+        for q in range(g):
+            j0 = (jp + q) * NR
+            cr = c[j0:min(n, j0 + NR)]
+            aq = acc[q]
+            for j in range(cr.shape[0]):
+                cr[j] = aq[j]
+        jp += g
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _gemv_serial(x, k, n, panels, c, epi):
+    _gemv_panels(0, panels.shape[0], x, k, n, panels, c)
+    if epi[1] or epi[2] or epi[6]:
+        _epilogue(c, 0, n, 1, n, 0, epi)
+
+
+@njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
+def _gemv_parallel(n_chunks, x, k, n, panels, c, epi):
+    n_panels = panels.shape[0]
+    for chunk in prange(n_chunks):
+        _gemv_panels(chunk * n_panels // n_chunks, (chunk + 1) * n_panels // n_chunks, x, k, n,
+                     panels, c)
+    if epi[1] or epi[2] or epi[6]:
+        _epilogue(c, 0, n, 1, n, 0, epi)
+
+
 # ------------------------------------------------------------------------------------------
 # Public API: checks, allocation, block sizes
 # ------------------------------------------------------------------------------------------
@@ -467,6 +547,9 @@ def _run(a, k, n, panels, b_flat, ldb, bias, gelu, residual, out, threads):
     if m == 0 or n == 0:
         return c
     n_chunks, blocks, ws_size = _plan(m, k, n, int(threads), panels.shape[0] == 0)
+    if m == 1 and panels.shape[0]:  # a_flat and c_flat start at the row: k and n values of it
+        run_chunks(n_chunks, _gemv_serial, _gemv_parallel, (a_flat, k, n, panels, c_flat, epi))
+        return c
     ws = workspace(ws_size)
     args = (a_flat, 0, lda, m, k, n, panels, b_flat, 0, ldb, c_flat, 0, ldc, blocks, epi, ws)
     run_chunks(n_chunks, _gemm_serial, _gemm_parallel, args)
