@@ -101,6 +101,11 @@ def check_dllama_nodes(nodes: int, config: dict) -> None:
                           f"{', '.join(odd) or 'an MLP that does not split evenly'}")
 
 
+# distributed-llama's weight types and the buffer (activation) type each runs with: its Q40
+# matmuls take Q80 inputs; f32 weights keep f32 buffers, so nothing is rounded on the way.
+BUFFER_TYPE = {"f32": "f32", "q40": "q80"}
+
+
 def dllama_paths(path: str | None) -> tuple[Path, Path]:
     """(the dllama binary, the checkout's converter folder) from --dllama (checkout or binary)."""
     if not path:
@@ -128,9 +133,10 @@ def dllama_files(args, converter: Path) -> tuple[Path, Path]:
     hf = Path(args.hf)
     out = Path(args.dllama_dir or f"{hf}-dllama")
     name = hf.name
-    model, tok = out / f"dllama_model_{name}_f32.m", out / f"dllama_tokenizer_{name}.t"
+    wtype = args.dllama_weights
+    model, tok = out / f"dllama_model_{name}_{wtype}.m", out / f"dllama_tokenizer_{name}.t"
     out.mkdir(parents=True, exist_ok=True)
-    for script, argv, made in (("convert-hf.py", [str(hf.resolve()), "f32", name], model),
+    for script, argv, made in (("convert-hf.py", [str(hf.resolve()), wtype, name], model),
                                ("convert-tokenizer-hf.py", [str(hf.resolve()), name], tok)):
         if made.is_file():
             continue
@@ -167,7 +173,8 @@ def run_dllama(args, v: dict, files, n_prompt: int, rdv: Path, tokens: int | Non
     cmd = self_cmd("rank", "--rendezvous", rdv, "--port", args.dllama_port, "--threads",
                    args.dllama_threads, "--", binary,
                    "inference", "--model", model, "--tokenizer", tok,
-                   "--buffer-float-type", "f32", "--prompt", args.prompt, "--steps", steps,
+                   "--buffer-float-type", BUFFER_TYPE[args.dllama_weights],
+                   "--prompt", args.prompt, "--steps", steps,
                    "--max-seq-len", steps + 8, "--nthreads", args.dllama_threads,
                    "--temperature", "0", "--seed", "1")
     p = launch(args, cmd, v["nodes"], foreign=True)
@@ -299,6 +306,7 @@ def run(args) -> int:
     doc = result_doc("llm", cluster=args.cluster, prompt=args.prompt,
                      prompt_tokens_hepti_tokenizer=n_prompt, decode_tokens=args.tokens,
                      rounds=args.rounds, model=config, dllama_threads=args.dllama_threads,
+                     dllama_weights=args.dllama_weights,
                      variants=variants, runs=results, **summary)
     write_json(doc, args.out)
     print(json.dumps(summary, indent=1))
@@ -496,6 +504,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dllama-dir", help="where its .m/.t files are made (default HF-dllama)")
     p.add_argument("--dllama-model", help="its .m file, made before (skips the conversion)")
     p.add_argument("--dllama-tokenizer", help="its .t file, made before")
+    p.add_argument("--dllama-weights", choices=sorted(BUFFER_TYPE), default="f32",
+                   help="the weight type its converter writes: f32, or q40 (its 4-bit blocks, "
+                        "run with q80 buffers, as its README advises; compare with hepti's "
+                        "int8). Default f32")
     p.add_argument("--dllama-threads", type=int, default=1,
                    help="threads per distributed-llama node (default 1)")
     p.add_argument("--dllama-port", type=int, default=DLLAMA_PORT,
