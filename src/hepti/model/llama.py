@@ -29,8 +29,8 @@ is the next residual stream. The embedding is split by vocabulary like the tied 
 looks up the ids in its rows (zeros elsewhere) and `sync` sums them. So every sync point of a
 step is visible in `forward` and `layer`: one for the embedding, two per layer.
 
-Kernels (`kernels=True`, the default): the six projections and the LM head run on hepti's
-packed GeMM (`hepti.kernels.gemm`, weights packed once here; the residual adds are fused into
+Kernels (`kernels=True`, the default): the projections (q, k and v joined into one matrix, o,
+gate and up joined, down) and the LM head run on hepti's packed GeMM (`hepti.kernels.gemm`, weights packed once here; the residual adds are fused into
 the o and down GeMMs), the attention probabilities on `hepti.kernels.softmax_rows`. Plain
 numpy does the rest: RMSNorm (the kernels' norm is LayerNorm), RoPE, SiLU * up, and the two
 attention products (batched matmuls over KV heads; the kernels' attention core has a key mask
@@ -230,12 +230,24 @@ class LlamaModel:
                              f"{self.shard.vocab} need [{self.n_vocab}, {c.hidden_size}]")
         self.final_gamma = np.asarray(weights["final_ln.gamma"], np.float32)
         head = self.emb if c.tie_word_embeddings else weights["head.weight"]
-        self.layers = []
-        for i in range(c.num_hidden_layers):
-            w = {k: _matrix(weights[f"layer.{i}.{k}"]) for k in LAYER_TENSORS}
-            self.layers.append({k: self._linear(w[k], TRANSPOSED[k]) if k in TRANSPOSED else w[k]
-                                for k in LAYER_TENSORS})
+        self.layers = [self._layer_weights({k: _matrix(weights[f"layer.{i}.{k}"])
+                                            for k in LAYER_TENSORS})
+                       for i in range(c.num_hidden_layers)]
         self.head = self._linear(_matrix(head), False)
+
+    def _layer_weights(self, w: dict) -> dict:
+        """One layer's stored tensors as the forward uses them. q, k and v are joined into one
+        matrix (rows side by side, [N_q + 2 N_kv, C]) and gate and up into another: a decode
+        step then makes 4 products a layer, not 7, each over more columns. A one-row product
+        is bound by reading its weights plus a fixed cost a call (~20 us of checks and
+        dispatch), and SmolLM2's 30 layers spent a third of a float32 decode step outside the
+        products before. Each output column is computed as before, so the values are the same."""
+        return {"ln1.gamma": w["ln1.gamma"], "ln2.gamma": w["ln2.gamma"],
+                "qkv": self._linear(_join([w["attn.q.weight"], w["attn.k.weight"],
+                                           w["attn.v.weight"]]), False),
+                "o": self._linear(w["attn.o.weight"], True),
+                "gate_up": self._linear(_join([w["ffn.gate.weight"], w["ffn.up.weight"]]), False),
+                "down": self._linear(w["ffn.down.weight"], True)}
 
     def _linear(self, w, stored_kn: bool):
         """A weight (float32 or QuantMatrix) ready for `_mm`: packed for the GeMM kernels
@@ -312,13 +324,14 @@ class LlamaModel:
         res = x if self.shard.residual else None
         h = rms_norm(x, w["ln1.gamma"], c.rms_norm_eps)
         ctx = self._attention(h, w, cache, i, p0, cos, sin) if self.n_kv else None  # (T, h*D)
-        x = sync(self._partial(ctx, w["attn.o.weight"], res, T))  # (T, C)
+        x = sync(self._partial(ctx, w["o"], res, T))  # (T, C)
         res = x if self.shard.residual else None
         h = rms_norm(x, w["ln2.gamma"], c.rms_norm_eps)
         a = None
         if self.n_ffn:
-            a = silu(self._mm(h, w["ffn.gate.weight"])) * self._mm(h, w["ffn.up.weight"])  # (T, f)
-        return sync(self._partial(a, w["ffn.down.weight"], res, T))  # (T, C)
+            gu = self._mm(h, w["gate_up"])  # (T, 2f): gate's columns, then up's
+            a = silu(gu[:, :self.n_ffn]) * gu[:, self.n_ffn:]  # (T, f)
+        return sync(self._partial(a, w["down"], res, T))  # (T, C)
 
     def _partial(self, a: np.ndarray | None, w, residual: np.ndarray | None, T: int
                  ) -> np.ndarray:
@@ -335,9 +348,11 @@ class LlamaModel:
         shard's KV heads and their query heads."""
         c = self.config
         T, KV, G, D = h.shape[0], self.n_kv, c.group, c.head_dim
-        q = self._mm(h, w["attn.q.weight"]).reshape(T, KV * G, D).transpose(1, 0, 2)  # (h, T, D)
-        k = self._mm(h, w["attn.k.weight"]).reshape(T, KV, D).transpose(1, 0, 2)  # (kv, T, D)
-        v = self._mm(h, w["attn.v.weight"]).reshape(T, KV, D).transpose(1, 0, 2)  # (kv, T, D)
+        qkv = self._mm(h, w["qkv"])  # (T, (KV*G + 2*KV) * D): q's columns, then k's, then v's
+        nq = KV * G * D
+        q = qkv[:, :nq].reshape(T, KV * G, D).transpose(1, 0, 2)  # (h, T, D)
+        k = qkv[:, nq:nq + KV * D].reshape(T, KV, D).transpose(1, 0, 2)  # (kv, T, D)
+        v = qkv[:, nq + KV * D:].reshape(T, KV, D).transpose(1, 0, 2)  # (kv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n = p0 + T
         kc, vc = cache.k[layer], cache.v[layer]
@@ -346,7 +361,8 @@ class LlamaModel:
         s = np.matmul(qg, kc[:, :n].transpose(0, 2, 1))  # (kv, G*T, n)
         s *= np.float32(1.0 / np.sqrt(D))
         s = s.reshape(KV, G, T, n)
-        s[:, :, np.arange(n)[None, :] > (p0 + np.arange(T))[:, None]] = F32_MIN  # causal
+        if T > 1:  # one new row sees every cached key: nothing to mask
+            s[:, :, np.arange(n)[None, :] > (p0 + np.arange(T))[:, None]] = F32_MIN  # causal
         s = s.reshape(KV * G * T, n)
         if self.kernels:
             K.softmax_rows(s, out=s)
@@ -411,6 +427,13 @@ def _matrix(w):
     return np.ascontiguousarray(w, np.float32)
 
 
+def _join(mats: list):
+    """Stored matrices [N_i, C] (float32 or QuantMatrix) as one [sum N_i, C], rows in order."""
+    if isinstance(mats[0], K.QuantMatrix):
+        return K.QuantMatrix.concat(mats)
+    return np.concatenate(mats, axis=0)
+
+
 def _alone(partial: np.ndarray) -> np.ndarray:
     """The sync of a group of one: the partial sum is the sum."""
     return partial
@@ -421,11 +444,8 @@ def _argmax(logits: np.ndarray) -> int:
 
 
 # The stored tensors of one layer (local names; `hepti.weights.decoder` says how each is laid
-# out and sliced). TRANSPOSED: the matrices used as y = x @ W, with whether the stored array
-# is already W [K, N] (o and down) rather than HF's [N, K] (q, k, v, gate, up).
+# out and sliced). o and down are stored as W [K, N] for y = x @ W; q, k, v, gate and up as
+# HF's [N, K] (`_layer_weights` packs each the right way round).
 LAYER_TENSORS = ("ln1.gamma", "attn.q.weight", "attn.k.weight", "attn.v.weight",
                  "attn.o.weight", "ln2.gamma", "ffn.gate.weight", "ffn.up.weight",
                  "ffn.down.weight")
-TRANSPOSED = {"attn.q.weight": False, "attn.k.weight": False, "attn.v.weight": False,
-              "attn.o.weight": True, "ffn.gate.weight": False, "ffn.up.weight": False,
-              "ffn.down.weight": True}
