@@ -26,7 +26,7 @@ from mpi4py import MPI
 from hepti.errors import InputError
 from hepti.families import FAMILIES, family
 from hepti.model.chat import TextStream, render_chat, stop_ids
-from hepti.model.llama import KVCache, check_request
+from hepti.model.llama import check_request
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling
 from hepti.parallel.engine import FAULT_ENV
@@ -203,8 +203,7 @@ def run_group(args, dec: DecoderGroup, ids, sampling, stop, tok, rank0: bool) ->
     return {"tokens": tokens, "prefill_s": marks[0] - t0, "decode_s": marks[-1] - marks[0],
             "wall_s": wall, "comm_s": comm_s, "compute_s": wall - comm_s,
             "weight_bytes": dec.weight_bytes, "text": tok.decode(tokens),
-            "kv_cache_bytes": KVCache.bytes_for(dec.config, len(ids) + args.max_tokens,
-                                                dec.model.n_kv)}
+            "kv_cache_bytes": dec.kv_cache_bytes(len(ids) + args.max_tokens)}
 
 
 def finish(args, r: dict, per_rank, ids, world_size: int, tok) -> None:
