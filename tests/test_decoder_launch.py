@@ -45,15 +45,21 @@ def _json_tail(out: str) -> dict:
 
 
 def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
-    """`mpiexec -n 2 hepti generate`: tensor with a zero share and single give the fixture's
-    ids, logits and tokens, printed once; a ratio vector of the wrong length is refused once,
-    before any work, without a traceback."""
+    """`mpiexec -n 2 hepti generate`: tensor with a zero share, single, pipeline with rank 0 of
+    no layers, and auto choosing pipeline (devices too small alone, slow links) give the
+    fixture's ids, logits and tokens, printed once; a ratio vector of the wrong length is
+    refused once, before any work, without a traceback."""
     import numpy as np
     z = np.load(ROOT / "tests/fixtures/llama_tiny_expected.npz")
     text, ids = str(z["prompt0_text"]), z["prompt0_ids"].tolist()
     greedy = z["prompt0_greedy"].tolist()
-    for extra in (["--ratios", "0,1"], ["--strategy", "single"],
-                  ["--strategy", "pipeline", "--layers", "0,5"]):
+    from hepti.plan.profile import declared_profile
+    # two devices that cannot hold the tiny decoder alone, on slow links: auto runs pipeline
+    declared_profile([dict(gemm_flops=1e11, memory_bytes=1e6, latency_s=2e-3,
+                           bandwidth_Bps=1.2e7, gemv_Bps=1.5e10)] * 2).save(tmp_path / "p.json")
+    for ran, extra in (("tensor", ["--ratios", "0,1"]), ("single", ["--strategy", "single"]),
+                       ("pipeline", ["--strategy", "pipeline", "--layers", "0,5"]),
+                       ("pipeline", ["--strategy", "auto", "--profile", tmp_path / "p.json"])):
         out_file = tmp_path / "logits.npy"
         code, out, err, _ = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,
                                    "--prompt", text, "--max-tokens", 32, "--json",
@@ -61,6 +67,7 @@ def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
         assert code == 0, err
         doc = _json_tail(out)
         assert out.count('"prompt_ids"') == 1 and err.count("hepti generate: ") == 2, (out, err)
+        assert doc["strategy"] == ran, (doc["strategy"], err)
         assert doc["prompt_ids"] == ids and doc["token_ids"] == greedy[:len(doc["token_ids"])]
         assert len(doc["per_rank"]) == 2
         assert np.abs(np.load(out_file) - z["prompt0_logits"]).max() < 1e-3
@@ -68,7 +75,7 @@ def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
             assert all(r["comm_s"] > 0 for r in doc["per_rank"])
             assert [r["kv_cache_bytes"] > 0 for r in doc["per_rank"]] == [False, True]
             assert doc["layers"] == ([0, 5] if extra[-1] == "0,5" else None)
-        else:  # rank 1 was left out
+        elif ran == "single":  # rank 1 was left out
             assert doc["per_rank"][1]["weight_bytes"] == 0
     code, out, err, _ = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,
                                "--prompt", "hi", "--ratios", "0.2,0.3,0.5", timeout=300)
