@@ -11,7 +11,8 @@ from hepti.errors import PlanError
 from hepti.graph.decoder import decode_program, int8_bytes, prefill_program
 from hepti.model.llama import KVCache, LlamaConfig
 from hepti.plan.costmodel import Collective, collective_times, evaluate, rank_bytes
-from hepti.plan.decoder import Request, evaluate_tensor, head_splits, plan_decoder
+from hepti.plan.decoder import (Request, evaluate_tensor, head_splits, pipeline_hops,
+                                plan_decoder)
 from hepti.plan.profile import GEMV_BYTES_PER_GEMM_FLOP, declared_profile, profile_from_dict
 
 # C 8, 4 query heads over 2 KV heads (G 2), D 2, F 6, V 10, 2 layers
@@ -126,14 +127,32 @@ def test_auto_picks_single_on_slow_links_and_tensor_on_fast():
     assert fast.chosen.strategy == "tensor"
     for plan in (slow, fast):
         text = plan.format()
-        for what in ("single on rank 0", "tensor", "pipeline", "tok/s", "priced only"):
+        for what in ("single on rank 0", "tensor", "pipeline", "tok/s"):
             assert what in text
         assert text.splitlines()[-1].startswith(f"-> {plan.chosen.strategy}")
         assert {c.strategy for c in plan.candidates} == {"single", "tensor", "pipeline"}
-        assert not [c for c in plan.candidates if c.strategy == "pipeline"][0].runnable
+        assert [c for c in plan.candidates if c.strategy == "pipeline"][0].runnable
     # on fast links tensor's predicted decode beats either device alone
     single = min(c.decode_s for c in fast.candidates if c.strategy == "single")
     assert fast.chosen.decode_s < single
+
+
+def test_pipeline_hops_and_when_auto_chooses_it():
+    """The hops hepti.parallel.decoder_pipeline makes (tests/mpi/test_decoder_agreement.py
+    holds the executor to them), and `auto` choosing pipeline where it is priced best: slow
+    links (a token crosses each link once, where tensor syncs 61 times) and devices that
+    cannot hold the model alone."""
+    C = SMOL.hidden_size
+    assert pipeline_hops([20, 10], 7, C) == [(0, 1, 7 * C * 4), (1, 0, C * 4)]
+    assert pipeline_hops([0, 30], 1, C) == [(0, 1, C * 4), (1, 0, C * 4)]
+    assert pipeline_hops([10, 0, 20], 3, C) == [(0, 2, 3 * C * 4), (2, 0, C * 4)]
+    assert pipeline_hops([30, 0], 5, C) == []  # rank 0 holds every layer: nothing moves
+    plan = plan_decoder(SMOL, _pair(2e-3, 1.2e7), Request(20, 64), mem_budget=4e8)
+    pipe = [c for c in plan.candidates if c.strategy == "pipeline"][0]
+    assert plan.chosen is pipe and pipe.layers == [15, 15], plan.format()
+    assert [c for c in plan.candidates if c.strategy == "single"][0].short is not None
+    # rank 0 holds the embedding, which is the head: more bytes than rank 1 for as many layers
+    assert pipe.mem[0] > pipe.mem[1] and plan.to_dict()["layers"] == [15, 15]
 
 
 def test_the_kv_cache_counts_and_a_plan_that_does_not_fit_says_where():

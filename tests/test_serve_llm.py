@@ -120,9 +120,13 @@ def tok(tiny_dir):
     return load_tokenizer(tiny_dir)[0]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+# the third: the same group interface split by layers (hepti.parallel.decoder_pipeline),
+# ratios 0.2,0.8 -> layers 1,4
+@pytest.fixture(scope="module", params=[(1,), (2,), (2, "--strategy", "pipeline", "--ratios",
+                                                      "0.2,0.8")],
+                ids=["1rank", "2ranks", "2ranks-pipeline"])
 def tiny(request, tiny_dir):
-    s = Served(tiny_dir, request.param)
+    s = Served(tiny_dir, *request.param)
     yield s
     s.stop()
 

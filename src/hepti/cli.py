@@ -257,15 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
             "rank holds whole KV heads (and their slice of the KV cache), a share of the MLP's "
             "columns and of the vocabulary, in the shares --ratios gives (equal by default; "
             "zeros allowed). The next token is chosen across ranks without gathering the "
-            "logits, and the same --seed gives the same tokens at any number of ranks. See "
-            "docs/generate.md."),
+            "logits, and the same --seed gives the same tokens at any number of ranks. "
+            "--strategy pipeline splits by whole layers instead (--layers 20,10): only the "
+            "hidden row travels, rank to rank, once a token. See docs/generate.md."),
         epilog="examples:\n"
                "  hepti generate --model weights/smollm2 --chat --prompt 'What is the capital "
                "of France?'\n"
                "  hepti generate --model weights/smollm2 --prompt 'Once upon a time' "
                "--temperature 0.8 --top-p 0.9 --seed 1\n"
                "  mpiexec -n 3 hepti generate --model weights/smollm2 --prompt 'Hi' "
-               "--ratios 0.5,0.2,0.3 --json")
+               "--ratios 0.5,0.2,0.3 --json\n"
+               "  mpiexec -n 2 hepti generate --model weights/smollm2 --prompt 'Hi' "
+               "--strategy pipeline --layers 20,10")
     s.add_argument("--model", required=True, metavar="DIR", help="converted decoder folder")
     s.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     s.add_argument("--chat", action="store_true",
@@ -285,13 +288,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--logits-out", metavar="FILE.npy",
                    help="write the prefill's last-position logits (float32 [vocab])")
     d = s.add_argument_group("distributed (under mpiexec -n N)")
-    d.add_argument("--strategy", choices=("auto", "single", "tensor"), default=None,
+    d.add_argument("--strategy", choices=("auto", "single", "tensor", "pipeline"), default=None,
                    help="tensor: KV heads, MLP columns and vocabulary split by --ratios; "
-                        "single: rank 0 alone; auto: the faster of single and tensor (its "
-                        "shares searched) for this request by the cost programs on a profile "
-                        "(--profile, else measured and cached as `hepti profile` does), "
-                        "pipeline priced beside them, the comparison printed. Default: tensor "
-                        "under mpiexec, else single")
+                        "pipeline: whole layers per rank in rank order (--layers, or --ratios' "
+                        "vector), rank 0 holding the embedding and the tied head; single: rank "
+                        "0 alone; auto: the fastest of the three (tensor's shares searched, "
+                        "pipeline's layers by GeMV bytes/s) for this request by the cost "
+                        "programs on a profile (--profile, else measured and cached as `hepti "
+                        "profile` does), the comparison printed. Default: tensor under "
+                        "mpiexec, else single")
+    d.add_argument("--layers", metavar="N,M,...",
+                   help="with --strategy pipeline: layers per rank in rank order, adding up "
+                        "to the model's (e.g. 20,10 for SmolLM2's 30 on 2 ranks); 0 leaves a "
+                        "rank out. Default: from --ratios by largest remainder, else as equal "
+                        "as whole layers go")
     d.add_argument("--profile", metavar="P.json",
                    help="with --strategy auto: plan on this profile (from `hepti profile "
                         "--model DIR` under the same mpiexec) instead of measuring")

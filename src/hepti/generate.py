@@ -2,9 +2,12 @@
 
 Every rank runs `generate_on_every_rank`: the prompt is checked (and, with --chat, wrapped in the
 model's own chat template) before any weights load; the group that computes is every rank
-(`tensor`, by --ratios or equal shares) or rank 0 alone (`single`: the others leave at once);
-`auto` chooses between the two by hepti.plan.decoder's comparison on a profile (`auto_plan`);
-each member reads its shard and runs hepti.parallel.decoder's `DecoderGroup`. Rank 0 alone
+(`tensor`, by --ratios or equal shares), rank 0 and the ranks holding layers (`pipeline`, by
+--layers, --ratios or as equal as whole layers go) or rank 0 alone (`single`); ranks left out
+wait asleep until the end. `auto` chooses among the three by hepti.plan.decoder's comparison
+on a profile (`auto_plan`). Each member reads its part of the weights and runs
+hepti.parallel.decoder's `DecoderGroup` or hepti.parallel.decoder_pipeline's `PipelineGroup`
+(the same interface). Rank 0 alone
 prints: the tokens as they are made on stdout, a timing line on stderr, and with --json one
 JSON object at the end. Errors follow `hepti run`'s discipline (`run_guarded_fn`): a bad input
 raised on every rank is reported once, with exit code 2; anything else on any rank names the
@@ -26,9 +29,10 @@ from mpi4py import MPI
 from hepti.errors import InputError
 from hepti.families import FAMILIES, family
 from hepti.model.chat import TextStream, render_chat, stop_ids
-from hepti.model.llama import KVCache, check_request
+from hepti.model.llama import check_request
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling
+from hepti.parallel.decoder_pipeline import PipelineGroup, layer_counts, layers_from_ratios
 from hepti.parallel.engine import FAULT_ENV
 from hepti.parallel.world import agree, run_guarded_fn
 from hepti.parallel.profiling import cached_profile
@@ -39,7 +43,7 @@ from hepti.plan.profile import load_profile
 from hepti.weights import WeightStore
 from hepti.weights.decoder import load_tokenizer
 
-STRATEGIES = ("single", "tensor")  # what the decoder executor runs (auto chooses one)
+STRATEGIES = ("single", "tensor", "pipeline")  # what the decoder executors run (auto chooses one)
 PROFILE_ROWS = 128  # the rows `auto` measures a profile at: `hepti profile`'s default --seq,
 #                     so that its cached profile serves every prompt length
 
@@ -63,26 +67,37 @@ def generate_on_every_rank(args) -> int:
     tok, meta = load_tokenizer(args.model)
     ids = agree(world, lambda: prompt_ids(args, cfg, tok, meta))
     agree(world, lambda: check_auto_args(args))
+    layers = None  # pipeline: layers per rank of the world
     if args.strategy == "auto":
         plan = auto_plan(args, world, store, len(ids))
         if rank0:
             print(plan.format(), file=sys.stderr, flush=True)
         args.strategy = plan.chosen.strategy
         ratios = plan.chosen.ratios or {d: [1.0] for d in DIMS}
+        layers = plan.chosen.layers
+    elif args.strategy == "pipeline":
+        ratios = None
+        layers = agree(world, lambda: pipeline_layers(args, cfg.num_hidden_layers, world.size))
     else:
         ratios = agree(world, lambda: group_ratios(args, world.size))
     stop = stop_ids(cfg, tok, meta)
 
-    group = world if args.strategy == "tensor" or world.size == 1 else world.split(rank0)
+    members = group_members(args.strategy, layers, world.size)
+    group = world if all(members) else world.split(members[world.rank])
     report = None
     if group is not None:
         t0 = time.perf_counter()
-        dec = agree(group, lambda: DecoderGroup(group, store, ratios))
+        if args.strategy == "pipeline":  # the members' layers (a rank of none left out)
+            mine = [n for n, m in zip(layers, members) if m]
+            dec = agree(group, lambda: PipelineGroup(group, store, mine))
+        else:
+            dec = agree(group, lambda: DecoderGroup(group, store, ratios))
         load_s = time.perf_counter() - t0
         report = run_group(args, dec, ids, sampling, stop, tok, rank0)
         report["load_s"] = load_s
+        report["layers"] = layers  # pipeline's, every rank's of the world (else None)
     store.close()
-    world.barrier_idle()  # ranks left out by `single` wait here asleep, not spinning in MPI
+    world.barrier_idle()  # ranks left out (`single`, pipeline's of 0 layers) wait here asleep
     # per rank (zeros for a rank left out)
     keys = ("compute_s", "comm_s", "weight_bytes", "kv_cache_bytes")
     mine = [report[k] for k in keys] if report else [0.0] * len(keys)
@@ -129,10 +144,14 @@ def chat_text(prompt: str, meta: dict, model) -> str:
 
 
 def check_auto_args(args) -> None:
-    """--profile and --ctx plan `auto`; --ratios are `tensor`'s own shares."""
+    """--profile and --ctx plan `auto`; --ratios are `tensor`'s (or `pipeline`'s) own shares,
+    --layers `pipeline`'s."""
     if args.strategy == "auto" and args.ratios:
         raise InputError("--strategy auto chooses the shares; drop --ratios (or give "
                          "--strategy tensor with them)")
+    if args.layers and args.strategy != "pipeline":
+        raise InputError(f"--layers sets pipeline's layers per rank; add --strategy pipeline "
+                         f"(or drop --layers for {args.strategy})")
     if args.strategy != "auto" and (args.profile or args.ctx):
         raise InputError("--profile and --ctx are for --strategy auto; add it or drop them")
 
@@ -168,6 +187,30 @@ def group_ratios(args, world_size: int) -> dict[str, list[float]]:
     return {d: [1.0 / world_size] * world_size for d in DIMS}
 
 
+def pipeline_layers(args, n_layers: int, world_size: int) -> list[int]:
+    """Layers per rank for `pipeline`: --layers, else --ratios' one vector by largest
+    remainder, else as equal as whole layers allow."""
+    if args.layers and args.ratios:
+        raise InputError("--layers and --ratios both set pipeline's layers; give one of them")
+    if args.layers:
+        return layer_counts(n_layers, args.layers, world_size)
+    if args.ratios and "=" in args.ratios:
+        raise InputError(f"--ratios {args.ratios}: pipeline splits layers only; give one vector "
+                         "(e.g. 0.7,0.3) or --layers 20,10")
+    vec = parse_ratios(args.ratios, world_size)["heads"] if args.ratios else [1.0] * world_size
+    return layers_from_ratios(n_layers, vec)
+
+
+def group_members(strategy: str, layers: list[int] | None, world_size: int) -> list[bool]:
+    """Which ranks of the world compute: every one for `tensor`; rank 0 and those holding
+    layers for `pipeline`; rank 0 alone for `single`."""
+    if strategy == "tensor" or world_size == 1:
+        return [True] * world_size
+    if strategy == "pipeline":
+        return [r == 0 or n > 0 for r, n in enumerate(layers)]
+    return [r == 0 for r in range(world_size)]
+
+
 class Stream:
     """Prints the text of the tokens made so far as it grows (rank 0; hepti.model.chat's
     TextStream keeps a character that spans tokens whole)."""
@@ -181,7 +224,7 @@ class Stream:
             sys.stdout.flush()
 
 
-def run_group(args, dec: DecoderGroup, ids, sampling, stop, tok, rank0: bool) -> dict:
+def run_group(args, dec: DecoderGroup | PipelineGroup, ids, sampling, stop, tok, rank0: bool) -> dict:
     """Generate on a member of the computing group; what this rank measured."""
     dec.warm_up()
     dec.comm.barrier()
@@ -203,8 +246,7 @@ def run_group(args, dec: DecoderGroup, ids, sampling, stop, tok, rank0: bool) ->
     return {"tokens": tokens, "prefill_s": marks[0] - t0, "decode_s": marks[-1] - marks[0],
             "wall_s": wall, "comm_s": comm_s, "compute_s": wall - comm_s,
             "weight_bytes": dec.weight_bytes, "text": tok.decode(tokens),
-            "kv_cache_bytes": KVCache.bytes_for(dec.config, len(ids) + args.max_tokens,
-                                                dec.model.n_kv)}
+            "kv_cache_bytes": dec.kv_cache_bytes(len(ids) + args.max_tokens)}
 
 
 def finish(args, r: dict, per_rank, ids, world_size: int, tok) -> None:
@@ -223,6 +265,7 @@ def finish(args, r: dict, per_rank, ids, world_size: int, tok) -> None:
     if args.json:
         doc = {"prompt_ids": list(map(int, ids)), "token_ids": list(map(int, r["tokens"])),
                "text": r["text"], "strategy": args.strategy, "ranks": world_size,
+               "layers": r["layers"],
                "prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
                "prefill_s": r["prefill_s"], "decode_s": r["decode_s"],
                "per_rank": [{"rank": i, "compute_s": c, "comm_s": m, "weight_bytes": int(b),

@@ -4,6 +4,7 @@ run as a script at 3 ranks by tests/test_decoder_launch.py:
 
     mpiexec -n 3 python -m mpi4py tests/mpi/decoder_check.py --model DIR:FIXTURE.npz:RATIOS ...
 
+RATIOS is `tensor`'s --ratios, or `layers=10,0,20` for `pipeline` (layers per rank); each case
 prints one JSON row per case on rank 0 ({"ok": ...}); it exits non-zero if any case failed.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from mpi4py import MPI
 
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling
+from hepti.parallel.decoder_pipeline import PipelineGroup, layer_counts
 from hepti.parallel.trace import Tracer
 from hepti.plan.planfile import DIMS, parse_ratios
 from hepti.weights import WeightStore
@@ -29,6 +31,7 @@ ALONE_TOL = 1e-4  # the same weights in another summation order: float32 roundin
 GREEDY = 32  # tokens, as the fixtures hold
 SAMPLED = 16
 SAMPLINGS = (Sampling(0.8, 1.0, 11), Sampling(0.7, 0.9, 5))
+LAYERS = "layers="  # a case's RATIOS that asks for `pipeline`
 
 
 def expected(name: str) -> list[dict]:
@@ -39,8 +42,12 @@ def expected(name: str) -> list[dict]:
 
 
 def group(model_dir, ratios: str | None, comm: Comm) -> DecoderGroup:
-    vec = parse_ratios(ratios, comm.size) if ratios else {d: [1.0] for d in DIMS}
+    """`tensor` by a ratio text, `pipeline` by "layers=N,M,...", or one rank alone (None)."""
     with WeightStore(model_dir) as store:
+        if ratios and ratios.startswith(LAYERS):
+            n = layer_counts(store.config.num_hidden_layers, ratios[len(LAYERS):], comm.size)
+            return PipelineGroup(comm, store, n)
+        vec = parse_ratios(ratios, comm.size) if ratios else {d: [1.0] for d in DIMS}
         return DecoderGroup(comm, store, vec)
 
 

@@ -1,7 +1,8 @@
 """Under mpiexec -n 2: an int8 decoder folder (`hepti convert --dtype int8`) in `tensor` at skewed
-ratios (a zero share included) against the same folder on one rank alone: the same int8 weights,
-so the prefill's logits agree to float32 rounding and the greedy tokens are equal (the int8
-model's distance from transformers' float32 is tests/test_llama.py's)."""
+ratios (a zero share included), and in `pipeline` (layers=3,2), against the same folder on one
+rank alone: the same int8 weights, so the prefill's logits agree to float32 rounding and the
+greedy tokens are equal (the int8 model's distance from transformers' float32 is
+tests/test_llama.py's)."""
 from __future__ import annotations
 
 import sys
@@ -17,7 +18,8 @@ from mpi_helpers import COMM, all_ok  # noqa: E402
 pytestmark = pytest.mark.skipif(COMM.Get_size() != 2, reason="written for mpiexec -n 2")
 
 
-@pytest.mark.parametrize("ratios", ["0.7,0.3", "heads=0,1;ffn=0.35,0.65;rows=0.6,0.4"])
+@pytest.mark.parametrize("ratios", ["0.7,0.3", "heads=0,1;ffn=0.35,0.65;rows=0.6,0.4",
+                                    "layers=3,2"])
 def test_tiny_int8_equals_one_rank(traced_comm, llama_tiny_int8_dir, ratios):
     rows = check_against_one_rank(llama_tiny_int8_dir, "llama_tiny_expected.npz", ratios, traced_comm)
     if COMM.Get_rank() == 0:

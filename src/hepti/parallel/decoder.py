@@ -65,13 +65,15 @@ import numpy as np
 
 from hepti.counts import counts, offsets
 from hepti.errors import InputError
-from hepti.model.llama import LlamaConfig, LlamaModel, Shard
+from hepti.model.llama import KVCache, LlamaConfig, LlamaModel, Shard
 from hepti.parallel.comm import Comm
 from hepti.weights.decoder import read_shard
 
 FIRST_CANDIDATES = 64  # top-p: each rank's best (value, index) pairs in the first round
 # the categories the verbs time themselves under (Tracer.seconds): a rank's communication
-COMM_KINDS = ("allreduce", "allgather", "reduce_scatter", "allgatherv", "gatherv", "bcast")
+# (send and recv: the pipeline's hops, hepti.parallel.decoder_pipeline)
+COMM_KINDS = ("allreduce", "allgather", "reduce_scatter", "allgatherv", "gatherv", "bcast",
+              "send", "recv")
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,11 @@ def shards(config: LlamaConfig, ratios: dict[str, list[float]]) -> list[Shard]:
 
 class DecoderGroup:
     """This rank's part of a decoder split over `comm` (module docstring): its shard's weights,
-    read from `store`, and the syncs and token choice that join it to the others."""
+    read from `store`, and the syncs and token choice that join it to the others.
+
+    What `hepti generate` and serve's decoder workers call (`generate`, `gather_logits`,
+    `warm_up`, `comm_seconds`, `kv_cache_bytes`, `weight_bytes`, `config`) is also what
+    hepti.parallel.decoder_pipeline's `PipelineGroup` offers, so either runs there."""
 
     def __init__(self, comm: Comm, store, ratios: dict[str, list[float]], kernels: bool = True):
         self.comm = comm
@@ -136,9 +142,17 @@ class DecoderGroup:
     def generate(self, prompt_ids, max_tokens: int, sampling: Sampling, stop_ids=(),
                  on_token=None, logits_out: list | None = None) -> list[int]:
         """Prefill and decode on every rank of the group; the same tokens come back on each."""
-        choose = TokenChooser(self.comm, self.shard.vocab[0], sampling)
         return self.model.generate(prompt_ids, max_tokens, stop_ids, logits_out=logits_out,
-                                   choose=choose, sync=self.sync, on_token=on_token)
+                                   choose=self.chooser(sampling), sync=self.sync,
+                                   on_token=on_token)
+
+    def chooser(self, sampling: Sampling):
+        """`choose(logits of this rank's rows) -> token id`, the same on every rank."""
+        return TokenChooser(self.comm, self.shard.vocab[0], sampling)
+
+    def kv_cache_bytes(self, ctx: int) -> int:
+        """What this rank's KV cache holds for `ctx` tokens (its KV heads, every layer)."""
+        return KVCache.bytes_for(self.config, ctx, self.model.n_kv)
 
     def gather_logits(self, local: np.ndarray) -> np.ndarray | None:
         """The whole logits [V] on the group's rank 0 (None elsewhere), from each rank's

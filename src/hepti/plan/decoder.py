@@ -12,10 +12,11 @@ token comes from the prefill). Each strategy is priced from the decoder's cost p
   whole KV heads (`head_splits`). Whole KV heads make the LP a MILP whose one coarse dimension
   the search enumerates; the plan's notes say "search";
 - `pipeline`: contiguous layer ranges in rank order, ranges by GeMV bytes/s (PipeEdge's
-  balance); one token goes through every stage in turn, so a step costs the sum of the stages'
-  layers plus a hop of C floats between stages and the token back to rank 0. Priced from the
-  same programs' phases (a stage runs its layers' Work on every unit), but hepti has no
-  pipeline executor for decoders yet: it is shown, never chosen.
+  balance), as hepti.parallel.decoder_pipeline runs it: rank 0 embeds, the hidden rows go
+  through every rank that holds layers in turn (`pipeline_hops`: [T, C] a hop), the last row
+  comes back to rank 0, which holds the final norm and the tied head, and rank 0 sends the
+  chosen token to the group. A step costs the sum of the stages' compute, priced from the
+  same programs' phases (a stage runs its layers' Work on every unit), plus those transfers.
 
 The request's cost is prefill + (D - 1) decode steps, each at the longest context (P + D
 tokens: an upper bound). Memory per rank: its weights and its KV heads' cache for the request's
@@ -36,11 +37,11 @@ from hepti.plan.costmodel import evaluate, held_bytes
 from hepti.plan.pipeline import transfer
 from hepti.plan.profile import Profile
 
-NO_PIPELINE = "priced only: no pipeline executor for decoders yet"
 NOT_RANK0 = "the executor runs single on rank 0"
 GRID_STEP = 0.05  # two ranks: rank 0's share in these steps
 MIX = (0.25, 0.5, 0.75)  # mixes of equal and bandwidth-proportional shares
 MAX_HEAD_SPLITS = 64  # KV-head splits tried with each share vector (`head_splits`)
+TOKEN_BYTES = 8  # pipeline: the chosen token (int64), from rank 0 to the rest of the group
 
 
 @dataclass
@@ -126,7 +127,7 @@ class DecoderPlan:
     def to_dict(self) -> dict:
         c = self.chosen
         return {"hepti_decoder_plan": 1, "strategy": c.strategy, "ratios": c.ratios,
-                "rank": c.rank, "request": {"prompt": self.request.prompt,
+                "rank": c.rank, "layers": c.layers, "request": {"prompt": self.request.prompt,
                                             "max_tokens": self.request.max_tokens,
                                             "ctx": self.request.context},
                 "candidates": [x.to_dict(self.request) for x in self.candidates],
@@ -222,45 +223,59 @@ def evaluate_single(config, profile: Profile, req: Request, rank: int, wb: float
 
 
 def _stage_seconds(program: Program, dev, first: bool, last: bool, n_layers: int) -> float:
-    """A pipeline stage's compute: its layers' phases on every unit, the start phases on the
-    first stage, the end phases (the head) on the last."""
+    """A pipeline stage's compute: its layers' phases on every unit, the start phases (the
+    embedding) if `first`, the end phases (the head) if `last`: both on rank 0."""
     def run(phases):
         return sum(w.seconds(dev, program.totals[w.dim]) for p in phases for w in p.works)
     return ((run(program.start) if first else 0.0) + n_layers * run(program.layer)
             + (run(program.end) if last else 0.0))
 
 
-def _stage_memory(program: Program, n_layers: int, first: bool, last: bool) -> float:
-    """Bytes a stage holds: its layers' weights and cache on every unit, and the vocabulary
-    (the embedding on the first stage, the tied head on the last: a copy on each if apart)."""
+def _stage_memory(program: Program, n_layers: int, rank0: bool) -> float:
+    """Bytes a stage holds: its layers' weights and cache on every unit, and on rank 0 the
+    vocabulary (the embedding, which is the tied head)."""
     layer_terms = [t for t in program.memory if t.per_layer]
     whole = {d: float(n) for d, n in program.totals.items()}
     mem = sum(held_bytes(layer_terms, whole, False, n_layers).values())
     vocab = sum(held_bytes([t for t in program.memory if not t.per_layer], whole, True, 0).values())
-    return mem + (vocab if first or last else 0.0)
+    return mem + (vocab if rank0 else 0.0)
+
+
+def pipeline_path(layers: list[int]) -> list[int]:
+    """The ranks a forward's hidden rows pass through, in order: rank 0 (it embeds), then every
+    other rank that holds layers, in rank order; a rank of 0 layers but rank 0 is skipped."""
+    return [0] + [r for r, n in enumerate(layers) if n > 0 and r != 0]
+
+
+def pipeline_hops(layers: list[int], rows: int, hidden: int) -> list[tuple[int, int, float]]:
+    """(from rank, to rank, bytes) of one forward of `rows` tokens, in the order they run: the
+    [rows, C] float32 hidden state from each rank of the path to the next, then the last row
+    back to rank 0 for the final norm and the tied head (none if rank 0 holds every layer)."""
+    path = pipeline_path(layers)
+    hops = [(j, k, rows * hidden * F32) for j, k in zip(path, path[1:])]
+    if path[-1] != 0:
+        hops.append((path[-1], 0, hidden * F32))
+    return hops
 
 
 def evaluate_pipeline(config, profile: Profile, req: Request, layers: list[int], wb: float = F32
                       ) -> Candidate:
     """Layers in ranges in rank order, `layers[i]` on rank i (zeros skip a rank)."""
     pre, dec = _programs(config, req, wb)
-    stages = [i for i, n in enumerate(layers) if n > 0]
-    if stages[0] != 0:  # rank 0 holds the prompt and prints: it embeds (a stage of 0 layers)
-        stages = [0] + stages
-    C = config.hidden_size
+    path = pipeline_path(layers)
 
     def step(program: Program, rows: int) -> float:
-        t = sum(_stage_seconds(program, profile.devices[r], r == stages[0], r == stages[-1],
-                               layers[r]) for r in stages)
-        hops = list(zip(stages, stages[1:]))
-        t += sum(transfer(profile, j, k, rows * C * F32, 0) for j, k in hops)
-        return t + transfer(profile, stages[-1], 0, 8, 0)  # the token back to rank 0
+        t = sum(_stage_seconds(program, profile.devices[r], r == 0, r == 0, layers[r])
+                for r in path)
+        t += sum(transfer(profile, j, k, b, 0)
+                 for j, k, b in pipeline_hops(layers, rows, config.hidden_size))
+        return t + max((transfer(profile, 0, r, TOKEN_BYTES, 0) for r in path), default=0.0)
 
-    mem = [_stage_memory(dec, layers[i], i == stages[0], i == stages[-1]) if i in stages
-           else 0.0 for i in range(profile.world_size)]
+    mem = [_stage_memory(dec, layers[i], i == 0) if i in path else 0.0
+           for i in range(profile.world_size)]
     return Candidate("pipeline", f"pipeline {'/'.join(map(str, layers))} layers",
                      step(pre, req.prompt), step(dec, 1), mem, _usable(profile),
-                     layers=list(layers), why_not=NO_PIPELINE)
+                     layers=list(layers))
 
 
 def _norm(v: list[float]) -> list[float]:
@@ -347,12 +362,12 @@ def choose(cands: list[Candidate], req: Request) -> Candidate:
 def plan_decoder(config, profile: Profile, req: Request, wb: float = F32,
                  strategy: str = "auto", ratios: dict[str, list[float]] | None = None,
                  mem_budget: float | None = None) -> DecoderPlan:
-    """`auto` compares single, tensor and pipeline; `single` or `tensor` plans that one
+    """`auto` compares single, tensor and pipeline; `single`, `tensor` or `pipeline` plans that one
     (`tensor` with `ratios`: those shares, evaluated). `mem_budget` caps every rank's usable
     bytes. Notes say what was estimated."""
-    if strategy not in ("auto", "single", "tensor"):
-        raise InputError(f"--strategy {strategy}: a decoder is planned as auto, single or "
-                         "tensor (pipeline is priced by auto, not run)")
+    if strategy not in ("auto", "single", "tensor", "pipeline"):
+        raise InputError(f"--strategy {strategy}: a decoder is planned as auto, single, "
+                         "tensor or pipeline")
     req.check(config)
     if mem_budget is not None:
         profile = replace(profile, devices=[

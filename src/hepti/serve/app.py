@@ -106,10 +106,10 @@ def _check_decoder_args(args) -> None:
         if getattr(args, flag):
             raise InputError(f"--{flag.replace('_', '-')}: a decoder is served in tensor by "
                              "--ratios or equal shares; drop it")
-    if args.strategy not in (None, "auto", "tensor") and not (args.strategy == "single"
-                                                               and args.n == 1):
+    if args.strategy not in (None, "auto", "tensor", "pipeline") and not (
+            args.strategy == "single" and args.n == 1):
         raise InputError(f"--strategy {args.strategy}: a decoder is served in tensor over "
-                         "all its ranks (drop --strategy, or serve it with -n 1)")
+                         "all its ranks, or in pipeline (drop --strategy, or serve it with -n 1)")
     if args.ratios:
         parse_ratios(args.ratios, args.n)  # one share per rank: said now, not by the workers
 

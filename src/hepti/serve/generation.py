@@ -3,7 +3,9 @@
 hepti.serve.worker runs the same job as for an encoder (watch lines, beats, hello, commands
 broadcast by rank 0); with a decoder its state is a `DecoderWorker`: every rank holds its
 shard of the model (hepti.parallel.decoder's `DecoderGroup`, `tensor` by --ratios or equal
-shares; one rank runs it whole) and, per "generate" command, runs prefill and decode together.
+shares; one rank runs it whole; or with --strategy pipeline hepti.parallel.decoder_pipeline's
+`PipelineGroup`, whole layers by --ratios' vector, which calls `on_token` on every rank
+too) and, per "generate" command, runs prefill and decode together.
 
 - Rank 0 receives the request (the prompt's ids as the frame's payload, the sampling in its
   header) and broadcasts it; each token is sent to the front end in a frame of its own
@@ -25,6 +27,7 @@ import numpy as np
 from hepti.model.chat import stop_ids
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling
+from hepti.parallel.decoder_pipeline import PipelineGroup, layers_from_ratios
 from hepti.parallel.world import agree
 from hepti.plan.planfile import DIMS, parse_ratios
 from hepti.serve import protocol
@@ -38,8 +41,8 @@ class Cancelled(Exception):
 
 def decoder_ratios(ratios: str | None, world_size: int) -> dict[str, list[float]]:
     """The group's shares per dimension: --ratios, else equal. A decoder is served in `tensor`
-    over every rank whatever --strategy says (`hepti serve` refuses the others: app.py); one
-    rank holds the whole model."""
+    over every rank, or in `pipeline` with --strategy pipeline (`hepti serve` refuses the
+    others: app.py); one rank holds the whole model."""
     if ratios:
         return parse_ratios(ratios, world_size)
     return {d: [1.0 / world_size] * world_size for d in DIMS}
@@ -51,13 +54,19 @@ class DecoderWorker:
     def __init__(self, world: Comm, store, args):
         self.world, self.rank0 = world, world.rank == 0
         ratios = agree(world, lambda: decoder_ratios(args.ratios, world.size))
-        self.dec = agree(world, lambda: DecoderGroup(world, store, ratios))
+        layers = None
+        if args.strategy == "pipeline":  # whole layers by --ratios' vector (the same interface)
+            layers = layers_from_ratios(store.config.num_hidden_layers, ratios["heads"])
+            self.dec = agree(world, lambda: PipelineGroup(world, store, layers))
+        else:
+            self.dec = agree(world, lambda: DecoderGroup(world, store, ratios))
         self.dec.warm_up()  # the kernels compile before the hello, not in the first request
         tok, meta = load_tokenizer(args.model)
         self.stop = stop_ids(store.config, tok, meta)
         # what the hello reports as the plan (/metrics): no prediction for a decoder yet
-        self.plan = {"strategy": "tensor" if world.size > 1 else "single", "ratios": ratios,
-                     "predicted_latency_s": None}
+        strategy = "tensor" if world.size > 1 else "single"
+        self.plan = {"strategy": "pipeline" if layers else strategy, "ratios": ratios,
+                     "layers": layers, "predicted_latency_s": None}
 
     def generate(self, header, data, sock):
         """One request on every rank; rank 0 streams the tokens on `sock` and returns the
