@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hepti.kernels import (PackedB, QuantB, QuantMatrix, config, ffn, ffn_any, gemm_any, gemm_q,
-                           naive, pack_b, pack_q, pack_weight, quantize)
+from hepti.kernels import (PackedB, QuantB, QuantMatrix, columns_any, config, ffn, ffn_any,
+                           gemm_any, gemm_q, naive, pack_b, pack_q, pack_weight, quantize)
 from hepti.kernels.int8 import GROUP
 from tests.test_kernels import assert_gemm_close
 
@@ -171,3 +171,20 @@ def test_int8_rejects_bad_arguments():
         gemm_q(rand(2, 20), pack_b(rand(20, 10)))
     with pytest.raises(ValueError, match="scales must be"):
         QuantMatrix(np.zeros((2, 70), np.int8), np.zeros((2, 1), np.float32), 64)
+
+
+@pytest.mark.parametrize("v,c", [(100, 64), (37, 130), (64, 576)])
+def test_columns_any_reads_a_packed_head_back_as_embedding_rows(v, c):
+    """A tied head is the embedding packed (B = emb.T): its columns are the embedding's rows,
+    exactly, float32 or int8 (groups along K, as the head is packed; or along N)."""
+    e = np.random.default_rng(v).standard_normal((v, c)).astype(np.float32)
+    ids = np.array([0, v - 1, 5, 33 % v, 5])
+    assert np.array_equal(columns_any(pack_weight(e, trans=True), ids), e[ids])
+    q = quantize(e)
+    assert np.array_equal(columns_any(pack_weight(q, trans=True), ids), q.dequantize()[ids])
+    if v % 64 == 0:  # groups along N: a scale per k row of each panel
+        qn = quantize(np.ascontiguousarray(e.T))
+        np.testing.assert_array_equal(columns_any(pack_weight(qn), ids),
+                                      qn.dequantize()[:, ids].T)
+    with pytest.raises(IndexError):
+        columns_any(pack_weight(e, trans=True), [v])

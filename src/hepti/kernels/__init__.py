@@ -16,6 +16,8 @@ int8 weights, one float32 scale per group of 64 along the stored rows (int8.py):
     QuantB, pack_q(m, trans=False)                   int8 panels + scales, packed at load time
     gemm_q(a, qb, bias, gelu, residual, out, threads)  GeMM (M >= 2) or GeMV (M = 1)
     pack_weight, gemm_any, ffn_any                   the same calls for float32 or int8 weights
+    columns_any(w, idx)                              columns of a packed B as rows (a tied head's
+                                                     embedding lookup)
 CNN kernels (NHWC feature maps [N, H, W, C], PyTorch-layout weights [Cout, Cin/groups, kh, kw]):
     ConvWeight, pack_conv_weight(w, groups=1)        conv weights packed once, at load time
     conv2d(x, w, bias, stride, padding, dilation, groups, relu, residual, out, threads)
@@ -32,8 +34,8 @@ from hepti.kernels import config  # noqa: F401  (first: sets up Numba before any
 from hepti.kernels.attention_core import attention, attention_qkv
 from hepti.kernels.conv import (ConvWeight, avg_pool2d, conv2d, depthwise_conv2d, fold_batchnorm,
                                 global_avg_pool, max_pool2d, pack_conv_weight, relu, relu6)
-from hepti.kernels.int8 import (QuantB, QuantMatrix, ffn_any, gemm_any, gemm_q, pack_q,
-                               pack_weight, quantize)
+from hepti.kernels.int8 import (QuantB, QuantMatrix, columns_any, ffn_any, gemm_any, gemm_q,
+                               pack_q, pack_weight, quantize)
 from hepti.kernels.norm import add_layernorm, embed_layernorm, layernorm
 from hepti.kernels.packed_gemm import PackedB, ffn, gemm, matmul, pack_b
 from hepti.kernels.softmax import softmax_rows
@@ -43,4 +45,4 @@ __all__ = ["PackedB", "pack_b", "gemm", "ffn", "matmul", "layernorm", "add_layer
            "ConvWeight", "pack_conv_weight", "conv2d", "depthwise_conv2d", "max_pool2d",
            "avg_pool2d", "global_avg_pool", "relu", "relu6", "fold_batchnorm",
            "QuantMatrix", "quantize", "QuantB", "pack_q", "gemm_q", "pack_weight", "gemm_any",
-           "ffn_any"]
+           "ffn_any", "columns_any"]

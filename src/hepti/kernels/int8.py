@@ -383,6 +383,25 @@ def ffn_any(x: np.ndarray, up, up_bias, down, threads: int = 1, out=None,
     return gemm_any(h, down, out=out, threads=threads)
 
 
+def columns_any(w, idx) -> np.ndarray:
+    """Columns `idx` of a packed B [K, N] (PackedB or QuantB) as float32 rows [len(idx), K]:
+    B[:, idx].T, widened from int8 where B is int8.
+
+    A tied LM head is the embedding packed (B = emb.T), so its column v is the embedding of
+    token v: the lookup reads it from the head's panels and the model keeps no second copy of
+    its largest matrix (llama-1b: 262 MB in float32)."""
+    idx = np.asarray(idx, np.int64).reshape(-1)
+    if idx.size and (idx.min() < 0 or idx.max() >= w.n):
+        raise IndexError(f"columns {int(idx.min())}..{int(idx.max())} of a B with {w.n}")
+    jp, j = idx // NR, idx % NR
+    if isinstance(w, PackedB):
+        return np.ascontiguousarray(w.panels[jp, :, j])
+    rows = w.q[jp, :, j].astype(np.float32)  # [n, K]
+    if w.per_col:  # a scale per group of k rows and column
+        return rows * np.repeat(w.scales[jp, :, j], w.group, axis=1)[:, :w.k]
+    return rows * w.scales[jp, :, 0]  # a scale per k row (the same for every column of a panel)
+
+
 def pack_weight(m, trans: bool = False):
     """`pack_b` for a float32 array, `pack_q` for a QuantMatrix: what a stored weight needs."""
     if isinstance(m, QuantMatrix):

@@ -216,7 +216,11 @@ class LlamaModel:
     rows (as `hepti.weights.decoder.read_shard` reads them; names and orientation as stored)."""
 
     def __init__(self, config: LlamaConfig, weights: dict, kernels: bool = True,
-                 shard: Shard | None = None):
+                 shard: Shard | None = None, consume: bool = False):
+        """consume=True empties `weights` as it packs them, so that each stored array can be
+        freed once its packed copy exists: a rank then peaks near its shard's size plus one
+        layer, not twice its shard (a float32 llama-1b split over two 4 GiB devices was
+        OOM-killed holding both)."""
         self.config = config
         self.kernels = bool(kernels)
         self.shard = (shard or Shard.whole(config)).check(config)
@@ -224,16 +228,20 @@ class LlamaModel:
         self.n_kv = self.shard.kv[1] - self.shard.kv[0]  # this shard's KV heads
         self.n_ffn = self.shard.ffn[1] - self.shard.ffn[0]  # its MLP columns
         self.n_vocab = self.shard.vocab[1] - self.shard.vocab[0]  # its vocabulary rows
-        self.emb = _matrix(weights["emb.word"])  # (nv, C), float32 or a QuantMatrix
-        if self.emb.shape != (self.n_vocab, c.hidden_size):
-            raise ValueError(f"emb.word is {list(self.emb.shape)}, the shard's vocabulary rows "
+        take = weights.pop if consume else weights.__getitem__
+        emb = _matrix(take("emb.word"))  # (nv, C), float32 or a QuantMatrix
+        if emb.shape != (self.n_vocab, c.hidden_size):
+            raise ValueError(f"emb.word is {list(emb.shape)}, the shard's vocabulary rows "
                              f"{self.shard.vocab} need [{self.n_vocab}, {c.hidden_size}]")
-        self.final_gamma = np.asarray(weights["final_ln.gamma"], np.float32)
-        head = self.emb if c.tie_word_embeddings else weights["head.weight"]
-        self.layers = [self._layer_weights({k: _matrix(weights[f"layer.{i}.{k}"])
+        self.final_gamma = np.asarray(take("final_ln.gamma"), np.float32)
+        self.layers = [self._layer_weights({k: _matrix(take(f"layer.{i}.{k}"))
                                             for k in LAYER_TENSORS})
                        for i in range(c.num_hidden_layers)]
-        self.head = self._linear(_matrix(head), False)
+        head = emb if c.tie_word_embeddings else _matrix(take("head.weight"))
+        self.head = self._linear(head, False)
+        # The embedding lookup: from the packed tied head's columns (no second copy), else
+        # from the stored rows.
+        self.emb = None if (self.kernels and c.tie_word_embeddings) else emb
 
     def _layer_weights(self, w: dict) -> dict:
         """One layer's stored tensors as the forward uses them. q, k and v are joined into one
@@ -309,7 +317,11 @@ class LlamaModel:
         x = np.zeros((ids.shape[0], self.config.hidden_size), np.float32)
         mine = (ids >= v0) & (ids < v1)
         rows = ids[mine] - v0
-        if isinstance(self.emb, K.QuantMatrix):  # widen only the rows looked up
+        if not rows.size:
+            return x
+        if self.emb is None:  # the tied head's columns (int8 widened for these rows only)
+            x[mine] = K.columns_any(self.head, rows)
+        elif isinstance(self.emb, K.QuantMatrix):  # widen only the rows looked up
             e = self.emb
             x[mine] = K.QuantMatrix(e.q[rows], e.scales[rows], e.group).dequantize()
         else:

@@ -125,7 +125,8 @@ class DecoderGroup:
         self.rows = list(ratios["rows"])
         weights = read_shard(store, self.shard)
         self.weight_bytes = sum(int(w.nbytes) for w in weights.values())  # as read: int8 + scales
-        self.model = LlamaModel(self.config, weights, kernels=kernels, shard=self.shard)
+        self.model = LlamaModel(self.config, weights, kernels=kernels, shard=self.shard,
+                                consume=True)
 
     def sync(self, partial: np.ndarray) -> np.ndarray:
         """Sum a partial [T, C] over the group: an allreduce for one row, a reduce-scatter over

@@ -92,7 +92,7 @@ class StageModel(LlamaModel):
         rank0 = comm.rank == 0
         shard = Shard((0, config.num_key_value_heads), (0, config.intermediate_size),
                       (0, config.vocab_size if rank0 else 0))
-        super().__init__(config, weights, kernels=kernels, shard=shard)
+        super().__init__(config, weights, kernels=kernels, shard=shard, consume=True)
         self.comm = comm
         first = offsets(layers)
         self.held = (first[comm.rank], first[comm.rank] + layers[comm.rank])
