@@ -287,6 +287,20 @@ def test_bench_llm_reads_the_reports():
         "decode_tok_s"] == {"a": {"median": None, "runs": 0}}
 
 
+def test_bench_llm_checks_llama_cpp_and_hepti_read_the_same_prompt():
+    """llama.cpp and hepti share the GGUF's tokenizer, so their prompt lengths must agree;
+    distributed-llama's own tokenizer may split the prompt otherwise and is left out."""
+    by_name = {v["name"]: v for v in llm.parse_variants("llamacpp:1,hepti:single:1,dllama:1")}
+    ok = {"status": "ok"}
+    results = {"llamacpp:1": [dict(ok, prompt_tokens=28)],
+               "hepti:single:1": [dict(ok, prompt_tokens=28), {"status": "failed"}],
+               "dllama:1": [dict(ok, prompt_tokens=31)]}
+    counts = llm.prompt_counts(results)
+    assert counts == {"llamacpp:1": [28], "hepti:single:1": [28], "dllama:1": [31]}
+    assert llm.same_prompt(counts, by_name)
+    assert not llm.same_prompt(dict(counts, **{"llamacpp:1": [29]}), by_name)
+
+
 FAKE_DLLAMA = '''#!{python}
 """A stand-in for distributed-llama's dllama: a worker listens; the root connects to each."""
 import socket, sys, time
