@@ -106,6 +106,25 @@ def test_exported_gguf_round_trips_to_transformers_outputs(exported, tiny_dir, t
         assert np.abs(first[0] - z[f"prompt{k}_logits"]).max() < LOGIT_TOL
 
 
+def test_llama_cpp_reads_the_exported_gguf_as_transformers_does(exported):
+    """The peer itself on the export (bench-only llama-cpp-python; skipped without it): the
+    same prompt ids from the GGUF's tokenizer and the prefill's last logits of transformers'
+    fixture, within what llama.cpp's own float32 kernels leave (it sums in other orders)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(exported["f32"]), n_ctx=128, n_threads=1,
+                          verbose=False)
+    z = np.load(FIXTURES / "llama_tiny_expected.npz")
+    for k in range(int(z["n_prompts"])):
+        text, ids = str(z[f"prompt{k}_text"]), z[f"prompt{k}_ids"].tolist()
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids
+        llm.reset()
+        llm.eval(ids)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                       shape=(llm.n_vocab(),))
+        assert np.abs(logits - z[f"prompt{k}_logits"]).max() < 1e-2, k
+        assert int(np.argmax(logits)) == int(np.argmax(z[f"prompt{k}_logits"]))
+
+
 # --- Hugging Face folder -----------------------------------------------------------------------
 
 def test_exported_hf_folder_holds_the_fixtures_tensors(exported, tiny_dir):
