@@ -52,9 +52,8 @@ NLL_ROWS = 64  # rows of logits widened to float64 at a time in `next_token_nll`
 
 
 def windows(n_tokens: int, window: int) -> list[tuple[int, int]]:
-    """Consecutive [start, end) ranges of at most `window` tokens covering n_tokens; a last
-    range of one token (which predicts nothing) joins the one before it when that still fits
-    a window, else it is dropped."""
+    """Consecutive [start, end) ranges of at most `window` tokens covering n_tokens, but a
+    last range of one token, which predicts nothing and is dropped."""
     out = [(s, min(s + window, n_tokens)) for s in range(0, n_tokens, window)]
     if len(out) > 1 and out[-1][1] - out[-1][0] == 1:
         out.pop()
