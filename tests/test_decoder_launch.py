@@ -102,6 +102,21 @@ def test_pipeline_layers_are_checked():
             layers(2, **kw)
 
 
+def test_generate_refuses_bad_input_at_2_ranks(llama_tiny_dir):
+    """Issue 46's bad requests under `mpiexec -n 2 hepti generate`: exit 2, the message, no
+    traceback, and no rank left waiting. A prompt longer than the context is checked on every
+    rank and reported once; --max-tokens 0 and a negative temperature are refused by argparse
+    before MPI starts, which prints its message on each rank."""
+    cases = [(["--prompt", "the cat " * 200], "do not fit the model's context of 256", 1),
+             (["--prompt", "hi", "--max-tokens", 0], "must be at least 1", None),
+             (["--prompt", "hi", "--temperature", -0.5], "give 0 or more", None)]
+    for extra, msg, times in cases:
+        code, _, err, _ = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,
+                                 *extra, timeout=120)
+        assert code == 2 and msg in err and "Traceback" not in err, (extra, err)
+        assert times is None or err.count(msg) == times, err
+
+
 def test_a_failing_rank_ends_the_whole_generation(llama_tiny_dir, sweeps_killed_job):
     """A rank that fails after loading (rank 1 here, while rank 0 waits in the prefill's first
     collective) ends the job with its rank and message, and no rank hangs."""

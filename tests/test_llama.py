@@ -206,16 +206,22 @@ def test_bad_gguf_files_get_clear_errors(tmp_path):
     header.write_bytes(data[:100])
     empty = tmp_path / "empty.gguf"
     empty.write_bytes(b"")
+    text = tmp_path / "text.gguf"  # not a GGUF at all
+    text.write_text("hello, not a GGUF\n" * 10)
+    bare = tmp_path / "bare.gguf"  # a llama GGUF without its shape's metadata
+    _write_gguf(bare, "llama")
     cases = [(arch, "architecture 'gpt2' is not supported"),
              (quant, "quantisation type Q4_0"),
-             (cut, "truncated"), (header, "truncated"), (empty, "truncated")]
+             (cut, "truncated"), (header, "truncated"), (empty, "truncated"),
+             (text, "not a readable GGUF file"),
+             (bare, "metadata 'llama.attention.head_count' missing")]
     for path, needle in cases:
         with pytest.raises(WeightsError, match=needle.replace("(", r"\(")):
             GGUFFile(path)
     # the CLI prints the message and exits 2, without a traceback, and writes nothing
-    for path, needle in cases[:3]:
+    for path, needle in cases:
         code, err = _hepti("convert", path, "--out", tmp_path / f"out-{path.stem}")
-        assert code == 2 and "Traceback" not in err and needle in err, err
+        assert code == 2 and "Traceback" not in err and needle in err, (path, err)
         assert not (tmp_path / f"out-{path.stem}").exists()
 
 

@@ -106,6 +106,25 @@ def test_exported_gguf_round_trips_to_transformers_outputs(exported, tiny_dir, t
         assert np.abs(first[0] - z[f"prompt{k}_logits"]).max() < LOGIT_TOL
 
 
+def test_llama_cpp_reads_the_exported_gguf_as_transformers_does(exported):
+    """The peer itself on the export (bench-only llama-cpp-python; skipped without it): the
+    same prompt ids from the GGUF's tokenizer and the prefill's last logits of transformers'
+    fixture, within what llama.cpp's own float32 kernels leave (it sums in other orders)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(exported["f32"]), n_ctx=128, n_threads=1,
+                          verbose=False)
+    z = np.load(FIXTURES / "llama_tiny_expected.npz")
+    for k in range(int(z["n_prompts"])):
+        text, ids = str(z[f"prompt{k}_text"]), z[f"prompt{k}_ids"].tolist()
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids
+        llm.reset()
+        llm.eval(ids)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                       shape=(llm.n_vocab(),))
+        assert np.abs(logits - z[f"prompt{k}_logits"]).max() < 1e-2, k
+        assert int(np.argmax(logits)) == int(np.argmax(z[f"prompt{k}_logits"]))
+
+
 # --- Hugging Face folder -----------------------------------------------------------------------
 
 def test_exported_hf_folder_holds_the_fixtures_tensors(exported, tiny_dir):
@@ -140,8 +159,12 @@ def test_export_refuses_what_it_cannot_write(exported, tiny_dir, tmp_path):
         export_gguf(tiny_dir, exported["f32"])
     with pytest.raises(WeightsError, match="not an empty folder"):
         export_hf(tiny_dir, exported["hf"])
-    with pytest.raises(WeightsError, match="f32 or f16"):
-        export_gguf(tiny_dir, tmp_path / "x.gguf", "q8_0")
+    with pytest.raises(WeightsError, match="choose one of f32, f16, q8_0"):
+        export_gguf(tiny_dir, tmp_path / "x.gguf", "q4_0")
+    with pytest.raises(WeightsError, match="hidden_size 72, intermediate_size 200, heads x "
+                                           "head_dim 72 are not multiples of 32"):
+        export_gguf(tiny_dir, tmp_path / "x.gguf", "q8_0")  # the fixture's odd widths
+    assert not (tmp_path / "x.gguf").exists()
     bert = write_random(preset_config("tiny-odd"), tmp_path / "bert", progress=False)
     with pytest.raises(WeightsError, match="take a Llama decoder"):
         export_hf(bert, tmp_path / "hf")
@@ -180,6 +203,41 @@ def test_random_decoder_round_trips_with_its_tokenizer(tmp_path):
     model = LlamaModel(c0, w0, kernels=False)
     logits = model.prefill(ids, model.new_cache(64))
     assert np.isfinite(logits).all() and 0.05 < float(logits.std()) < 5
+
+
+def test_q8_0_export_is_llama_cpps_blocks_of_the_same_weights(tmp_path):
+    """--gguf-type q8_0 (llama.cpp's Q8_0 against hepti's int8, issue 46): the matrices are the
+    gguf package's own Q8_0 quantisation of the folder's float32 weights (Q/K permuted), the
+    norms F32, and the tokenizer's metadata (pre-tokenizer, chat template) carried over; read
+    back by hepti, each weight is within half a Q8_0 step (and its scale's float16 rounding)
+    of the original."""
+    cfg = config_from_dict(dict(ODD, hidden_size=64, num_attention_heads=4, intermediate_size=96),
+                           name="q8")
+    src = write_random(cfg, tmp_path / "q8", seed=5, progress=False)
+    f = export_gguf(src, tmp_path / "q8.gguf", "q8_0")
+    f32 = {t.name: t for t in gguf.GGUFReader(str(export_gguf(src, tmp_path / "f32.gguf")))
+           .tensors}
+    r = gguf.GGUFReader(str(f))
+    assert int(r.fields["general.file_type"].parts[-1][0]) == 7  # LLAMA_FTYPE_MOSTLY_Q8_0
+    pre = r.fields["tokenizer.ggml.pre"]
+    assert bytes(pre.parts[pre.data[0]]).decode() == json.loads(
+        (src / "tokenizer_config.json").read_text()).get("tokenizer_pre", "default")
+    for t in r.tensors:
+        want = np.asarray(f32[t.name].data, np.float32)
+        if len(t.shape) == 1:
+            assert t.tensor_type.name == "F32", t.name
+            continue
+        assert t.tensor_type.name == "Q8_0", t.name
+        expect = gguf.quants.quantize(want, gguf.GGMLQuantizationType.Q8_0)
+        np.testing.assert_array_equal(np.asarray(t.data), expect, t.name)
+    back = convert_gguf(f, tmp_path / "back", progress=False)
+    (_, w0), (_, w1) = load_decoder(src), load_decoder(back)
+    for k in w0:
+        step = np.abs(w0[k]).max() / 127  # a bound on every block's step
+        # half a step, and the block's scale rounded to float16 (2^-11 relative) times 127
+        assert np.abs(w1[k] - w0[k]).max() <= step * (0.5 + 127 / 2048) + 1e-7, k
+    assert load_tokenizer(back)[1].get("chat_template") == load_tokenizer(src)[1].get(
+        "chat_template")
 
 
 def test_convert_cli_exports_and_refuses_taken_targets(tmp_path):
@@ -246,6 +304,20 @@ def test_bench_llm_reads_the_reports():
     assert s["decode_tok_s"]["a"]["ratio"] == 3.0 and s["prefill_tok_s"]["a"]["ratio"] == 3.5
     assert llm.summarise({"a": [{"status": "failed", "reason": "x"}]}, None)[
         "decode_tok_s"] == {"a": {"median": None, "runs": 0}}
+
+
+def test_bench_llm_checks_llama_cpp_and_hepti_read_the_same_prompt():
+    """llama.cpp and hepti share the GGUF's tokenizer, so their prompt lengths must agree;
+    distributed-llama's own tokenizer may split the prompt otherwise and is left out."""
+    by_name = {v["name"]: v for v in llm.parse_variants("llamacpp:1,hepti:single:1,dllama:1")}
+    ok = {"status": "ok"}
+    results = {"llamacpp:1": [dict(ok, prompt_tokens=28)],
+               "hepti:single:1": [dict(ok, prompt_tokens=28), {"status": "failed"}],
+               "dllama:1": [dict(ok, prompt_tokens=31)]}
+    counts = llm.prompt_counts(results)
+    assert counts == {"llamacpp:1": [28], "hepti:single:1": [28], "dllama:1": [31]}
+    assert llm.same_prompt(counts, by_name)
+    assert not llm.same_prompt(dict(counts, **{"llamacpp:1": [29]}), by_name)
 
 
 FAKE_DLLAMA = '''#!{python}

@@ -117,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--export-gguf", metavar="FILE",
                    help="a Llama decoder only: also write it as a GGUF file for llama.cpp "
                         "(Q/K rows permuted as llama.cpp's converter does)")
-    s.add_argument("--gguf-type", choices=("f32", "f16"), default="f32",
-                   help="weight type of --export-gguf (default f32; norms stay f32)")
+    s.add_argument("--gguf-type", choices=("f32", "f16", "q8_0"), default="f32",
+                   help="weight type of --export-gguf (default f32; norms stay f32; q8_0 is "
+                        "llama.cpp's 8-bit blocks, quantised from the same float32 weights)")
     s.add_argument("--out", required=True, help="output folder, e.g. weights/NAME")
     s.add_argument("--seed", type=int, default=0, help="seed for --random (default 0)")
     s.add_argument("--shard-layers", type=_positive_int, default=4,

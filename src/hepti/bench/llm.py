@@ -217,9 +217,11 @@ def run_llamacpp(args, v: dict) -> dict:
 
 
 def run_hepti(args, v: dict) -> dict:
-    """`hepti generate --json` (issue 46's decoder) at v's strategy and ranks, greedy."""
+    """`hepti generate --json` (issue 46's decoder) at v's strategy and ranks, greedy. It asks
+    for --tokens + 1 new tokens: the first comes from the prefill, so it decodes --tokens
+    steps, as the peers' runs do."""
     cmd = hepti_cmd() + ["generate", "--model", args.model, "--prompt", args.prompt,
-                         "--max-tokens", str(args.tokens), "--temperature", "0",
+                         "--max-tokens", str(args.tokens + 1), "--temperature", "0",
                          "--strategy", v["strategy"], "--json"]
     p = launch(args, cmd, v["nodes"], foreign=False)
     if p.rc != 0:
@@ -303,8 +305,15 @@ def run(args) -> int:
         shutil.rmtree(rdv, ignore_errors=True)
     summary = summarise(results, args.baseline or next(
         (v["name"] for v in variants if v["kind"] != "hepti"), None))
+    counts = prompt_counts(results)
+    if not same_prompt(counts, by_name):
+        print(f"hepti bench llm: warning: llama.cpp and hepti read the prompt as different "
+              f"numbers of tokens ({counts}): their prefill rates are not of the same work; "
+              "check that the GGUF carries the folder's tokenizer (`hepti convert "
+              "--export-gguf` writes it)", file=sys.stderr)
     doc = result_doc("llm", cluster=args.cluster, prompt=args.prompt,
-                     prompt_tokens_hepti_tokenizer=n_prompt, decode_tokens=args.tokens,
+                     prompt_tokens_hepti_tokenizer=n_prompt, prompt_tokens=counts,
+                     same_prompt_tokens=same_prompt(counts, by_name), decode_tokens=args.tokens,
                      rounds=args.rounds, model=config, dllama_threads=args.dllama_threads,
                      dllama_weights=args.dllama_weights,
                      variants=variants, runs=results, **summary)
@@ -325,6 +334,19 @@ def summarise(results: dict, baseline: str | None) -> dict:
         base = baseline if baseline in rates and rates[baseline] else None
         out[key] = harness.summarise(rates, base)
     return {"baseline": baseline, **out}
+
+
+def prompt_counts(results: dict) -> dict[str, list[int]]:
+    """Each variant's prompt length in tokens as its runs reported it (distinct values)."""
+    return {name: sorted({r["prompt_tokens"] for r in runs if r["status"] == "ok"})
+            for name, runs in results.items()}
+
+
+def same_prompt(counts: dict[str, list[int]], by_name: dict) -> bool:
+    """Whether llama.cpp's and hepti's runs read the prompt as the same number of tokens
+    (they share the GGUF's tokenizer; distributed-llama's own one may split it otherwise)."""
+    seen = {n for name, c in counts.items() if by_name[name]["kind"] != "dllama" for n in c}
+    return len(seen) <= 1
 
 
 def model_config(args) -> dict:

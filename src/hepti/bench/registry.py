@@ -41,6 +41,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "order": ("order", "operator orders' peak activation memory: BTSearch, exact, random"),
     "order-exec": ("order_exec", "the executors' measured peak memory against the order's model"),
     "llm": ("llm", "decode tokens/s of a decoder against distributed-llama and llama.cpp, same devices"),
+    "decoder-accuracy": ("decoder_accuracy", "int8 against float32: a decoder's perplexity, top-1 agreement on a text"),
 }
 
 

@@ -9,10 +9,14 @@ Issue 46 compares hepti with distributed-llama and llama.cpp on the *same* weigh
   `converter/convert-hf.py` reads (it needs `hidden_act`, `rope_theta`, `rms_norm_eps` of 1e-5
   or 1e-6, and takes `lm_head.weight` from the embedding when the head is tied) and what
   `convert-tokenizer-hf.py` reads (BOS/EOS from config.json). transformers loads it too.
-- **GGUF** (`export_gguf`): llama.cpp's format, F32 or F16, written with the `gguf` package's
-  GGUFWriter, metadata as llama.cpp's converter names it, Q and K rows permuted for its
-  interleaved RoPE (`permute_qk`, the inverse of `hepti.weights.gguf.unpermute_qk`), and the
-  tokenizer as "gpt2" tokens, merges and token types.
+- **GGUF** (`export_gguf`): llama.cpp's format, F32, F16 or Q8_0, written with the `gguf`
+  package's GGUFWriter, metadata as llama.cpp's converter names it, Q and K rows permuted for
+  its interleaved RoPE (`permute_qk`, the inverse of `hepti.weights.gguf.unpermute_qk`), and the
+  tokenizer as "gpt2" tokens, merges and token types, with the folder's pre-tokenizer name and
+  chat template (from the source GGUF), so llama.cpp splits a prompt as hepti does. Q8_0 is
+  quantised by the `gguf` package's own `gguf.quants.quantize` (llama.cpp's blocks of 32 with
+  one scale each), from the same float32 weights hepti's int8 folder is quantised from: issue
+  46 compares llama.cpp's Q8_0 with hepti's int8 on SmolLM2 that way (docs/results/llm.md).
 
 Both stream: a tensor is read from the HDF5 shards, written and dropped before the next, so
 llama-1b (4.2 GB in float32) never sits whole in memory. The safetensors file is written here
@@ -47,8 +51,10 @@ HF_OTHER = {"emb.word": "model.embed_tokens.weight", "final_ln.gamma": "model.no
 # stored name -> (GGUF name, stored transposed): hepti.weights.gguf's maps, inverted
 GGUF_LAYER = {local: (g, t) for g, (local, t) in LAYER_MAP.items()}
 GGUF_OTHER = {stored: (g, t) for g, (stored, t) in OTHER_MAP.items()}
-GGUF_TYPES = ("f32", "f16")
-GGUF_FILE_TYPE = {"f32": 0, "f16": 1}  # llama.cpp's LLAMA_FTYPE_ALL_F32, MOSTLY_F16
+# --gguf-type -> llama.cpp's file type (LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_Q8_0); the
+# tensors' type is gguf.GGMLQuantizationType[name.upper()]
+GGUF_FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7}
+GGUF_TYPES = tuple(GGUF_FILE_TYPE)
 ALIGN = 8  # safetensors pads its header so the data starts 8-byte aligned
 
 
@@ -165,13 +171,15 @@ def export_hf(model_dir: str | Path, out: str | Path) -> Path:
 
 def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f32") -> Path:
     """Write the converted decoder `model_dir` as the GGUF file `out`, weights in `dtype`
-    (f32 or f16; norms stay f32, as llama.cpp's converter keeps 1-D tensors)."""
+    (f32, f16 or q8_0; norms stay f32, as llama.cpp's converter keeps 1-D tensors)."""
     import gguf  # local: an optional dependency (bin/setup installs it), asked for only here
     model_dir, out = Path(model_dir), Path(out)
     if dtype not in GGUF_TYPES:
-        raise WeightsError(f"GGUF weight type {dtype!r} is not one hepti writes; choose "
-                           f"{' or '.join(GGUF_TYPES)}")
+        raise WeightsError(f"GGUF weight type {dtype!r} is not one hepti writes; choose one "
+                           f"of {', '.join(GGUF_TYPES)}")
     config, index = open_decoder(model_dir)
+    matrix_type = gguf.GGMLQuantizationType[dtype.upper()]
+    _check_blocks(config, matrix_type, gguf.GGML_QUANT_SIZES[matrix_type][0])
     tok, meta = _check_tokenizer(model_dir)
     check_targets(None, out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -193,12 +201,12 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f32") -> P
     w.add_file_type(GGUF_FILE_TYPE[dtype])
     _add_tokenizer(w, tok, meta, config)
     shapes = decoder.expected_shapes(config)
-    np_type = np.float16 if dtype == "f16" else np.float32
     for stored, shape in shapes.items():
         name, transposed = gguf_name(stored)
-        t = np.float32 if len(shape) == 1 else np_type
+        qtype = gguf.GGMLQuantizationType.F32 if len(shape) == 1 else matrix_type
         hf_shape = shape[::-1] if transposed else shape
-        w.add_tensor_info(name, hf_shape, np.dtype(t), int(np.prod(shape)) * np.dtype(t).itemsize)
+        nbytes = int(np.prod(gguf.quant_shape_to_byte_shape(hf_shape, qtype)))
+        w.add_tensor_info(name, hf_shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -209,9 +217,22 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f32") -> P
             arr = permute_qk(arr, c.num_attention_heads)
         elif name.endswith("attn_k.weight"):
             arr = permute_qk(arr, c.num_key_value_heads)
-        w.write_tensor_data(np.ascontiguousarray(arr, np.float32 if arr.ndim == 1 else np_type))
+        qtype = gguf.GGMLQuantizationType.F32 if arr.ndim == 1 else matrix_type
+        w.write_tensor_data(gguf.quants.quantize(np.ascontiguousarray(arr, np.float32), qtype))
     w.close()
     return out
+
+
+def _check_blocks(config: LlamaConfig, qtype, block: int) -> None:
+    """A block type (Q8_0: 32 values a block) needs every matrix row to hold whole blocks; the
+    rows as written run along the hidden size or, for o and down, the heads' or MLP's width."""
+    widths = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+              "heads x head_dim": config.num_attention_heads * config.head_dim}
+    odd = [f"{k} {v}" for k, v in widths.items() if v % block]
+    if odd:
+        raise WeightsError(f"GGUF type {qtype.name} stores rows in blocks of {block}; this "
+                           f"model's {', '.join(odd)} are not multiples of {block}. Export "
+                           "f32 or f16 instead (--gguf-type)")
 
 
 def _add_tokenizer(w, tok: dict, meta: dict, config: LlamaConfig) -> None:
