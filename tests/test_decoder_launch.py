@@ -57,7 +57,8 @@ def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
     # two devices that cannot hold the tiny decoder alone, on slow links: auto runs pipeline
     declared_profile([dict(gemm_flops=1e11, memory_bytes=1e6, latency_s=2e-3,
                            bandwidth_Bps=1.2e7, gemv_Bps=1.5e10)] * 2).save(tmp_path / "p.json")
-    for ran, extra in (("tensor", ["--ratios", "0,1"]), ("single", ["--strategy", "single"]),
+    for ran, extra in (("tensor", ["--ratios", "0,1"]), ("tensor", ["--ratios", "1,0"]),
+                       ("single", ["--strategy", "single"]),
                        ("pipeline", ["--strategy", "pipeline", "--layers", "0,5"]),
                        ("pipeline", ["--strategy", "auto", "--profile", tmp_path / "p.json"])):
         out_file = tmp_path / "logits.npy"
@@ -75,12 +76,28 @@ def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
             assert all(r["comm_s"] > 0 for r in doc["per_rank"])
             assert [r["kv_cache_bytes"] > 0 for r in doc["per_rank"]] == [False, True]
             assert doc["layers"] == ([0, 5] if extra[-1] == "0,5" else None)
-        elif ran == "single":  # rank 1 was left out
+        elif ran == "single" or extra[-1] == "1,0":  # rank 1 was left out: no shard, no syncs
             assert doc["per_rank"][1]["weight_bytes"] == 0
+            assert doc["per_rank"][1]["comm_s"] == 0 and doc["per_rank"][0]["comm_s"] == 0
     code, out, err, _ = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,
                                "--prompt", "hi", "--ratios", "0.2,0.3,0.5", timeout=300)
     msg = "3 entries but there are 2 ranks"
     assert code == 2 and err.count(msg) == 1 and "Traceback" not in err, err
+
+
+def test_tensor_group_leaves_out_ranks_of_no_share():
+    """`tensor`: a rank with neither KV heads nor MLP columns leaves the group (rank 0 stays,
+    it prints and holds the residual); the members' shares are what the group gets."""
+    from hepti.generate import group_members, members_ratios
+    r = {"heads": [0.5, 0.0, 0.5, 0.0], "ffn": [0.0, 0.0, 0.7, 0.3], "rows": [0.2, 0.8, 0.0, 0.0]}
+    members = group_members("tensor", None, r, 4)
+    assert members == [True, False, True, True]
+    assert members_ratios(r, members) == {"heads": [0.5, 0.5, 0.0], "ffn": [0.0, 0.7, 0.3],
+                                          "rows": [0.2, 0.0, 0.0]}
+    assert members_ratios({"rows": [0.0, 1.0, 0.0]}, [True, False, True]) == {"rows": [0.5, 0.5]}
+    assert group_members("tensor", None, {"heads": [0, 1], "ffn": [0, 1]}, 2) == [True, True]
+    assert group_members("pipeline", [0, 3, 0], None, 3) == [True, True, False]
+    assert group_members("single", None, None, 3) == [True, False, False]
 
 
 def test_pipeline_layers_are_checked():
