@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hepti.model.llama import LlamaConfig
-from hepti.parallel.profile_compute import measure_decoder
+from hepti.parallel.profile_compute import measure_decoder, measure_gemvs
 from hepti.plan.profile import declared_profile
 from hepti.weights.gguf import convert_gguf
 
@@ -91,7 +91,8 @@ def test_generate_auto_on_one_process_prints_the_plan(tiny_dir, tmp_path):
 def test_decoder_profile_figures_fit_the_schema():
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=96, head_dim=16)
-    got = measure_decoder(cfg, rows=8)
+    got = {**measure_decoder(cfg, rows=8), **measure_gemvs(cfg.hidden_size)}
     dev = declared_profile([dict(got, memory_bytes=1e9, latency_s=0, bandwidth_Bps=1e9)]).devices[0]
     assert dev.gemv_Bps == got["gemv_Bps"] and dev.gemv_int8_Bps == got["gemv_int8_Bps"]
     assert [s for s, _ in got["gemm_flops"]] == [8.0]
+    assert dev.call_overhead_s == got["call_overhead_s"] > 0  # a decode step's call
