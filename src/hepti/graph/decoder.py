@@ -49,10 +49,11 @@ from hepti.graph.program import ACTIVE, Collective, MemTerm, Phase, Program, Wor
 
 F32 = 4.0
 GREEDY_PAIR_BYTES = 16.0  # the token choice: one (value, index) pair of float64 a rank
-# Kernel and numpy calls a layer makes (`LlamaModel.layer`), each one `call_overhead_s`:
-# attention's RMSNorm, q, k, v, RoPE of q and of k, the cache write, scores, the causal mask,
-# softmax, the context and o; the MLP's RMSNorm, gate, up, SiLU, their product and down.
-ATTENTION_CALLS, MLP_CALLS = 12, 6
+# Kernel and numpy calls a layer makes at one row (`LlamaModel.layer`), each one
+# `call_overhead_s`: attention's RMSNorm, the q|k|v product, RoPE of q and of k, the cache
+# write, scores, their scale, softmax, the context and o; the MLP's RMSNorm, the gate|up
+# product, SiLU, the product of the two and down.
+ATTENTION_CALLS, MLP_CALLS = 10, 5
 DECODE_CALLS = ATTENTION_CALLS + MLP_CALLS
 
 

@@ -455,10 +455,10 @@ def measure_decode_call(config, ctx: int = 64) -> float:
     the profile's `call_overhead_s` for a decoder, which the decode program charges for each of
     the calls it counts (hepti.graph.decoder `DECODE_CALLS` a layer).
 
-    A decode step's layer is some twenty calls on one row (RMSNorm, q/k/v, RoPE, the cache,
-    scores, mask, softmax, context, o; RMSNorm, gate, up, SiLU, the product, down): each costs
+    A decode step's layer is some fifteen calls on one row (RMSNorm, q|k|v, RoPE, the cache,
+    scores, softmax, context, o; RMSNorm, gate|up, SiLU, the product, down): each costs
     microseconds of Python and dispatch whatever its bytes, and at one row that adds up to
-    a part of the step the bytes do not show (SmolLM2: 540 calls a token, on every rank). So this
+    a part of the step the bytes do not show (SmolLM2: 450 calls a token, on every rank). So this
     times `LlamaModel.layer` itself, one row against a cache of `ctx` tokens, on a decoder of
     `config`'s head layout (one KV head with its query heads, head_dim as the config's) but
     64 wide, whose bytes take no time, and divides by the calls the program counts."""
