@@ -83,6 +83,31 @@ def test_weight_memory_matches_the_runtime_slice_sizes(cfg):
     assert whole["active"] == layer_slice_bytes(cfg, cfg.num_attention_heads, cfg.intermediate_size)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.name or 'L'}{c.num_hidden_layers}")
+def test_an_int8_folders_weights_are_counted_at_their_stored_bytes(cfg):
+    """With `int8_group` the programs count the layers' GeMM matrices as int8 plus a float32
+    scale per group (hepti.model.sizes' int8 count, which the runtime budgets with), the
+    embeddings float32; `stream` reads and packs those bytes too; compute is unchanged."""
+    g = family_graph(cfg, 1, 8)
+    assign = lower.assignment(g, "tensor")
+    per = {t.dim: t.per_unit for t in lower.weight_memory(g, assign, int8_group=64)}
+    for h, f in ((1, 1), (cfg.num_attention_heads, cfg.intermediate_size), (2, 37)):
+        want = layer_slice_bytes(cfg, h, f, "int8")
+        assert per["heads"] * h + per["ffn"] * f + per["active"] == pytest.approx(want)
+        assert want < layer_slice_bytes(cfg, h, f) / 2  # about 1.06 bytes a weight, not 4
+    assert per["root"] == embedding_bytes(cfg)
+    reads = lower.stream_reads(g, lower.assignment(g, "stream"), 2, int8_group=64)
+    assert reads.read_per_unit == {d: per[d] for d in reads.read_per_unit}
+
+    def loads(int8_group):
+        phases = lower.phases(g, lower.assignment(g, "stream"), 1, True, int8_group)
+        return {w.dim: w.per_unit for ph in phases for w in ph.works if w.kind == "load"}
+
+    assert loads(64) == {d: per[d] for d in loads(64)} and loads(64) != loads(None)
+    flops = [w for ph in lower.phases(g, assign, 1) for w in ph.works]
+    assert flops == [w for ph in lower.phases(g, assign, 1, int8_group=64) for w in ph.works]
+
+
 def test_flops_of_a_split_add_up_to_the_whole():
     """Every split of a GeMM does the whole GeMM's FLOPs between the ranks: [M,k]x[k,n] = 2Mkn."""
     cfg = preset_config("bert-base")

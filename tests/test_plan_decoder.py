@@ -8,7 +8,8 @@ import math
 import pytest
 
 from hepti.errors import PlanError
-from hepti.graph.decoder import decode_program, int8_bytes, prefill_program
+from hepti.graph.decoder import (ATTENTION_CALLS, DECODE_CALLS, MLP_CALLS, decode_program,
+                                 int8_bytes, prefill_program)
 from hepti.model.llama import KVCache, LlamaConfig
 from hepti.plan.costmodel import Collective, collective_times, evaluate, rank_bytes
 from hepti.plan.decoder import (Request, evaluate_tensor, head_splits, pipeline_hops,
@@ -34,7 +35,7 @@ def test_decode_program_by_hand():
     ctx = 5
     p = decode_program(TINY, ctx)
     # per KV head: q and o G*D*C each, k and v D*C each: (2*2 + 2) * 2 * 8 floats = 96 floats
-    qkvo, cache = p.layer[0].works
+    qkvo, cache = p.layer[0].works[:2]  # then calls of no arithmetic (test_calls_...)
     assert (qkvo.kind, qkvo.dim, qkvo.per_unit) == ("gemv", "heads", 96 * 4)
     assert (cache.kind, cache.per_unit) == ("gemv", 2 * ctx * 2 * 4)  # K and V of 5 tokens
     assert p.layer[1].works[0].per_unit == 3 * 8 * 4  # gate, up, down: C floats a column
@@ -54,6 +55,25 @@ def test_decode_program_by_hand():
     assert mem["kv_cache"] == KVCache.bytes_for(TINY, ctx, 2)
 
 
+def test_calls_cost_the_profiles_call_overhead_each_on_a_rank_with_their_dimension():
+    """A layer's calls (ATTENTION_CALLS with KV heads, MLP_CALLS with MLP columns) each cost
+    `call_overhead_s`, whatever the rank's share; the head is one more."""
+    for program in (decode_program(TINY, 5), prefill_program(TINY, 4)):
+        assert [len(ph.works) for ph in program.layer if ph.works] == [ATTENTION_CALLS, MLP_CALLS]
+    assert DECODE_CALLS == ATTENTION_CALLS + MLP_CALLS
+    p = decode_program(TINY, 5)
+    whole = {"heads": [2], "ffn": [6], "vocab": [10]}
+    fast, slow = (declared_profile([dict(DEV, call_overhead_s=o)]) for o in (0.0, 1e-3))
+    extra = evaluate(p, whole, slow).latency_s - evaluate(p, whole, fast).latency_s
+    assert extra == pytest.approx((2 * DECODE_CALLS + 1) * 1e-3)
+    # two ranks, rank 1 with MLP columns but no KV heads: its layers cost MLP_CALLS calls
+    two = declared_profile([dict(DEV, call_overhead_s=1e-3)] * 2)
+    split = {"heads": [2, 0], "ffn": [3, 3], "vocab": [5, 5]}
+    r1 = evaluate(p, split, two).per_rank[1].compute_s
+    r1_free = evaluate(p, split, declared_profile([DEV, DEV])).per_rank[1].compute_s
+    assert r1 - r1_free == pytest.approx((2 * MLP_CALLS + 1) * 1e-3)
+
+
 def test_decode_split_by_hand():
     """Two ranks, 1 KV head and 3 columns and 5 vocabulary rows each: half the bytes each, and
     per allreduce (n-1) latency + S / bandwidth + the adds."""
@@ -70,7 +90,7 @@ def test_decode_split_by_hand():
 def test_prefill_program_by_hand():
     T = 4
     p = prefill_program(TINY, T)
-    qkvo, att = p.layer[0].works
+    qkvo, att = p.layer[0].works[:2]
     assert (qkvo.kind, qkvo.per_unit, qkvo.size_fixed) == ("gemm", 2 * T * 96, T)  # 2 T flops a weight
     assert (att.kind, att.per_unit) == ("attention", 4 * 2 * T * T * 2)
     assert p.layer[2].works[0].per_unit == 2 * T * 8 * 3

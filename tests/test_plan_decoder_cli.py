@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hepti.model.llama import LlamaConfig
-from hepti.parallel.profile_compute import measure_decoder
+from hepti.parallel.profile_compute import measure_decoder, measure_gemvs
 from hepti.plan.profile import declared_profile
 from hepti.weights.gguf import convert_gguf
 
@@ -91,7 +91,31 @@ def test_generate_auto_on_one_process_prints_the_plan(tiny_dir, tmp_path):
 def test_decoder_profile_figures_fit_the_schema():
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=96, head_dim=16)
-    got = measure_decoder(cfg, rows=8)
+    got = {**measure_decoder(cfg, rows=8), **measure_gemvs(cfg.hidden_size)}
     dev = declared_profile([dict(got, memory_bytes=1e9, latency_s=0, bandwidth_Bps=1e9)]).devices[0]
     assert dev.gemv_Bps == got["gemv_Bps"] and dev.gemv_int8_Bps == got["gemv_int8_Bps"]
     assert [s for s, _ in got["gemm_flops"]] == [8.0]
+    assert dev.call_overhead_s == got["call_overhead_s"] > 0  # a decode step's call
+
+
+def test_a_decoders_compute_is_work_an_emulated_devices_stretch_slows(tiny_dir):
+    """Under `hepti emulate` a rank is slowed by the CPU it spends inside work spans
+    (hepti.emulate.stretch). A generation's compute must be one, and on a group of one (no verb)
+    each token pays its part: before, a decoder ran at its guard quota, twice its share, and
+    `single` on emu-mixed4's 0.5-core device decoded 1.6x faster than its own profile."""
+    from hepti.emulate import stretch
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.decoder import DecoderGroup, Sampling
+    from hepti.weights import WeightStore
+    with WeightStore(tiny_dir) as store:
+        dec = DecoderGroup(Comm(None), store, {d: [1.0] for d in ("heads", "ffn", "rows")})
+    dec.warm_up()
+    before = dict(stretch._stats)
+    stretch.enable(0.5)
+    try:
+        tokens = dec.generate([1, 2, 3], 6, Sampling())
+    finally:
+        stretch.disable()
+    assert len(tokens) >= 1
+    assert stretch._stats["work_cpu_s"] > before["work_cpu_s"]  # its CPU was counted as work
+    assert stretch._stats["payments"] > before["payments"]  # and paid for, as it went

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi_helpers import COMM, all_ok  # noqa: E402
 
 from hepti.families import preset_config  # noqa: E402
+from hepti.model.llama import LlamaConfig  # noqa: E402
 from hepti.parallel.profiling import cached_profile, measure_profile  # noqa: E402
 from hepti.resources import available_memory  # noqa: E402
 from hepti.plan.partition import make_plan  # noqa: E402
@@ -23,6 +24,22 @@ CFG = preset_config("tiny-odd")
 @pytest.fixture(scope="module")
 def measured():
     return measure_profile(COMM, CFG, seq_len=32, mem_cap=None)
+
+
+def test_a_decoders_profile_has_its_gemvs_its_call_cost_and_its_collectives_calibrated():
+    """A decoder's profile: GeMV bytes/s and a decode call's seconds on every rank, and the
+    one-row allreduce and greedy's allgather calibrated through the verbs a decode step calls
+    (hepti.parallel.profile_links `calibrate_decoder_collectives`), as numbers the planner reads."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=96, head_dim=16, model_type="llama")
+    got = measure_profile(COMM, cfg, seq_len=4, mem_cap=None, disk=False)
+    prof = profile_from_dict(got)
+    for dev in prof.devices:
+        all_ok(dev.gemv_Bps > 1e6 and dev.gemv_int8_Bps > 1e6, f"rank {dev.rank}: {dev.to_json()}")
+        all_ok(0 < dev.call_overhead_s < 0.01, f"rank {dev.rank}: call {dev.call_overhead_s}")
+    cal = got["network"].get("calibration", {})
+    all_ok(set(cal) == {"allreduce", "allgather"} and all(0.2 <= f <= 50 for f in cal.values()),
+           f"decoder calibration: {cal}")
 
 
 def test_every_rank_gets_the_same_valid_profile(measured):

@@ -24,9 +24,13 @@ Compute, per unit of a dimension:
   computes the whole square and masks it). Its last position alone goes through the head, a
   GeMV like decode's.
 
-RMSNorm, RoPE and SiLU are left out (elementwise over [T, C] or [T, F/N]: under 1% of a
-layer's
-time at SmolLM2's shapes).
+RMSNorm, RoPE and SiLU's arithmetic is left out (elementwise over [T, C] or [T, F/N]: under 1%
+of a layer's time at SmolLM2's shapes), but not their calls: a layer makes ATTENTION_CALLS
+kernel and numpy calls on a rank with KV heads and MLP_CALLS on one with MLP columns, each
+costing the profile's `call_overhead_s` (for a decoder, measured on `LlamaModel.layer` itself:
+hepti.parallel.profile_compute `measure_decode_call`) whatever its bytes. At one row these fixed
+costs are a part of a decode step the bytes do not show, and they do not shrink as a rank's
+share does: each Work costs one call, and `_calls` adds the rest as Works of no arithmetic.
 
 Collectives, as `DecoderGroup.sync` and `TokenChooser.greedy` call the verbs: the embedding's
 sum and two per layer (after o and after down): for one row an "allreduce" of C floats (one
@@ -45,6 +49,12 @@ from hepti.graph.program import ACTIVE, Collective, MemTerm, Phase, Program, Wor
 
 F32 = 4.0
 GREEDY_PAIR_BYTES = 16.0  # the token choice: one (value, index) pair of float64 a rank
+# Kernel and numpy calls a layer makes at one row (`LlamaModel.layer`), each one
+# `call_overhead_s`: attention's RMSNorm, the q|k|v product, RoPE of q and of k, the cache
+# write, scores, their scale, softmax, the context and o; the MLP's RMSNorm, the gate|up
+# product, SiLU, the product of the two and down.
+ATTENTION_CALLS, MLP_CALLS = 10, 5
+DECODE_CALLS = ATTENTION_CALLS + MLP_CALLS
 
 
 def int8_bytes(group: int) -> float:
@@ -60,6 +70,13 @@ def sync_phases(rows: int, C: int, works: tuple = (), name: str = "") -> list[Ph
         return [Phase(works, Collective("allreduce", None, F32 * C, name), name)]
     return [Phase(works, Collective("reduce_scatter", "rows", F32 * C, name), name),
             Phase((), Collective("allgatherv", "rows", F32 * C, name + " gather"), name)]
+
+
+def _calls(dim: str, works: tuple, calls: int) -> tuple:
+    """`works` and Works of no arithmetic on `dim` to make them `calls` calls in all (a Work
+    costs one call's overhead on a rank with some of `dim`, none on a rank without)."""
+    return works + tuple(Work("elementwise", dim, 0.0, name="call")
+                         for _ in range(calls - len(works)))
 
 
 def _gemv_kind(weight_bytes: float) -> str:
@@ -105,9 +122,10 @@ def decode_program(config, ctx: int, weight_bytes: float = F32) -> Program:
     so the step costs at most this), its memory with the cache for `ctx` tokens."""
     C, D, G = config.hidden_size, config.head_dim, config.group
     kind = _gemv_kind(weight_bytes)
-    attn = (Work(kind, "heads", (2 * G + 2) * D * C * weight_bytes, name="qkvo"),
-            Work("gemv", "heads", 2 * ctx * D * F32, name="kv cache"))  # K and V read once
-    mlp = (Work(kind, "ffn", 3 * C * weight_bytes, name="mlp"),)
+    attn = _calls("heads", (Work(kind, "heads", (2 * G + 2) * D * C * weight_bytes, name="qkvo"),
+                            Work("gemv", "heads", 2 * ctx * D * F32, name="kv cache")),  # K, V once
+                  ATTENTION_CALLS)
+    mlp = _calls("ffn", (Work(kind, "ffn", 3 * C * weight_bytes, name="mlp"),), MLP_CALLS)
     return _program("decode", config, 1, ctx, weight_bytes,
                     start=sync_phases(1, C, name="embed"),
                     layer=sync_phases(1, C, attn, "attention") + sync_phases(1, C, mlp, "mlp"),
@@ -119,10 +137,13 @@ def prefill_program(config, rows: int, ctx: int | None = None, weight_bytes: flo
     """The prompt's `rows` tokens into an empty cache (held for `ctx` tokens, default `rows`),
     and the first token's choice."""
     C, D, G, T = config.hidden_size, config.head_dim, config.group, rows
-    attn = (Work("gemm", "heads", 2 * T * C * (2 * G + 2) * D, size_fixed=T, name="qkvo"),
-            Work("attention", "heads", 4 * G * T * T * D, size_per_unit=4 * G * T * T * D,
-                 name="attention"))
-    mlp = (Work("gemm", "ffn", 2 * T * C * 3, size_fixed=T, name="mlp"),)
+    attn = _calls("heads", (Work("gemm", "heads", 2 * T * C * (2 * G + 2) * D, size_fixed=T,
+                                 name="qkvo"),
+                            Work("attention", "heads", 4 * G * T * T * D,
+                                 size_per_unit=4 * G * T * T * D, name="attention")),
+                  ATTENTION_CALLS)
+    mlp = _calls("ffn", (Work("gemm", "ffn", 2 * T * C * 3, size_fixed=T, name="mlp"),),
+                 MLP_CALLS)
     return _program("prefill", config, T, ctx or T, weight_bytes,
                     start=sync_phases(T, C, name="embed"),
                     layer=sync_phases(T, C, attn, "attention") + sync_phases(T, C, mlp, "mlp"),

@@ -7,9 +7,16 @@ each tensor's layout (hepti.graph.ir), every input whose layout is not what the 
 becomes a sync point: the collective `ir.transition` names (`schedule`). A cost-program Phase
 is the work between two sync points, ending in the collective (`phases`, folded by `compress`).
 Nothing here knows a model family.
+
+Weight bytes (memory, and what `stream` reads and packs) are the folder's stored bytes: float32,
+or with `int8_group` (an int8 folder, `hepti convert --dtype int8`: index.json's tensors'
+"group") the layers' GeMM matrices as int8 with one float32 scale per group of a stored row,
+the rest float32 (`weight_bytes`; hepti.model.sizes counts the same). Compute is FLOPs either
+way: the int8 GeMM runs at float32's rate.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hepti.graph.ir import (BY_COLS, BY_K, BY_ROWS, BY_UNIT, F32, FULL, LOCAL, ON_PRIMARY, PARTIAL,
@@ -135,7 +142,25 @@ def _collective(graph: Graph, kind: str, tensor: str) -> Collective:
     return Collective(kind, "rows", float(t.row_bytes()), tensor)
 
 
-def _load_works(graph: Graph, ops: list[tuple[Op, str]]) -> tuple[Work, ...]:
+def int8_weights(graph: Graph) -> frozenset[str]:
+    """The weights an int8 folder stores as int8: the matrices of the layer's GeMMs
+    (hepti.weights.layout.quantized_tensors)."""
+    return frozenset(w for op in graph.layer if op.kind == "gemm" for w in op.matrices)
+
+
+def weight_bytes(graph: Graph, name: str, elements: float, int8_group: int | None = None
+                 ) -> float:
+    """Stored bytes of `elements` values (whole stored rows) of weight `name`: float32, or, with
+    `int8_group` and a GeMM matrix of a layer, int8 values and a float32 scale per group of
+    each stored row (hepti.kernels.int8)."""
+    if int8_group is None or name not in int8_weights(graph):
+        return F32 * elements
+    row = graph.weights[name].shape[1]
+    return elements / row * (row + F32 * math.ceil(row / int8_group))
+
+
+def _load_works(graph: Graph, ops: list[tuple[Op, str]], int8_group: int | None = None
+                ) -> tuple[Work, ...]:
     """`stream`: the CPU of turning the phase's ops' stored slices into packed ones, one Work
     per unit (hepti.plan.workloads' `stream_program` says why it sits in the phase)."""
     per: dict[str, float] = {}
@@ -144,7 +169,8 @@ def _load_works(graph: Graph, ops: list[tuple[Op, str]]) -> tuple[Work, ...]:
             for w in op.weights:
                 wt = graph.weights[w]
                 if wt.split is not None:
-                    per[wt.split] = per.get(wt.split, 0.0) + F32 * wt.per_unit
+                    per[wt.split] = (per.get(wt.split, 0.0)
+                                     + weight_bytes(graph, w, wt.per_unit, int8_group))
     return tuple(Work("load", u, b, name=f"load {u}") for u, b in per.items())
 
 
@@ -207,16 +233,18 @@ def stage_steps(steps: list[Step], start: int, stop: int, last: bool) -> list[St
         (s.layer is not None and start <= s.layer < stop) or (last and i > end))]
 
 
-def phases(graph: Graph, assign: dict[str, str], n_layers: int, stream: bool = False) -> list[Phase]:
+def phases(graph: Graph, assign: dict[str, str], n_layers: int, stream: bool = False,
+           int8_group: int | None = None) -> list[Phase]:
     """The whole inference's phases, layers unrolled: the engine's batch header, then the
-    schedule cut at its sync steps, each phase the work before one, ending in its collective."""
+    schedule cut at its sync steps, each phase the work before one, ending in its collective
+    (`stream`: and the loads of its slices, `int8_group` as in `weight_bytes`)."""
     out = [Phase((), Collective("bcast", None, SHAPE_BYTES, "shape"), "batch shape")]
     pending: list[tuple[Op, str]] = []
 
     def close(coll: Collective | None) -> None:
         works = tuple(work(graph, op, s) for op, s in pending)
         if stream:
-            works += _load_works(graph, pending)
+            works += _load_works(graph, pending, int8_group)
         name = "+".join(dict.fromkeys(op.piece for op, _ in pending)) or coll.name
         out.append(Phase(works, coll, name))
         pending.clear()
@@ -231,15 +259,15 @@ def phases(graph: Graph, assign: dict[str, str], n_layers: int, stream: bool = F
     return out
 
 
-def compress(graph: Graph, assign: dict[str, str], stream: bool = False
-             ) -> tuple[list[Phase], list[Phase], list[Phase], int]:
+def compress(graph: Graph, assign: dict[str, str], stream: bool = False,
+             int8_group: int | None = None) -> tuple[list[Phase], list[Phase], list[Phase], int]:
     """(start, layer, end, repeat): the unrolled phases with the layers' repeating part folded,
     so that the LP has one set of constraints per distinct phase. The repeating block is found
     on a lowering with two more layers (so that it shows at least twice), then checked."""
     L = graph.n_layers
-    full = phases(graph, assign, L, stream)
-    more = phases(graph, assign, L + 2, stream)
-    p = len(phases(graph, assign, L + 1, stream)) - len(full)
+    full = phases(graph, assign, L, stream, int8_group)
+    more = phases(graph, assign, L + 2, stream, int8_group)
+    p = len(phases(graph, assign, L + 1, stream, int8_group)) - len(full)
     for s in range(len(more) - 2 * p + 1):
         block = more[s:s + p]
         if p > 0 and more[s + p:s + 2 * p] == block:
@@ -263,10 +291,10 @@ def totals(graph: Graph, assign: dict[str, str]) -> dict[str, int]:
     return {d: n for d, n in graph.units.items() if d in used}
 
 
-def layer_weight_bytes(graph: Graph, assign: dict[str, str], layer: int | None
-                       ) -> tuple[dict[str, float], float]:
+def layer_weight_bytes(graph: Graph, assign: dict[str, str], layer: int | None,
+                       int8_group: int | None = None) -> tuple[dict[str, float], float]:
     """One layer's weights under `assign`: (bytes per unit of each sliced unit, bytes held
-    whole)."""
+    whole), stored bytes (`weight_bytes`)."""
     sliced: dict[str, float] = {}
     whole = 0.0
     for op in graph.layer:
@@ -274,28 +302,30 @@ def layer_weight_bytes(graph: Graph, assign: dict[str, str], layer: int | None
         for w in op.weights:
             wt = graph.weights[w]
             if wt.split is not None and split in (BY_COLS, BY_K):
-                sliced[wt.split] = sliced.get(wt.split, 0.0) + F32 * wt.per_unit
+                sliced[wt.split] = (sliced.get(wt.split, 0.0)
+                                    + weight_bytes(graph, w, wt.per_unit, int8_group))
             else:
-                whole += wt.whole_bytes()
+                whole += weight_bytes(graph, w, wt.elements, int8_group)
     return sliced, whole
 
 
-def weight_memory(graph: Graph, assign: dict[str, str]) -> list[MemTerm]:
+def weight_memory(graph: Graph, assign: dict[str, str], int8_group: int | None = None
+                  ) -> list[MemTerm]:
     """Weights a rank holds: per unit of its share for sliced weights, whole (every active
     rank) for the rest, and the prologue's (the embeddings) on rank 0. Per layer (`per_layer`
     terms, held once per resident layer), or, where layers split differently ("name@i"
-    entries), summed over the layers as terms held once."""
+    entries), summed over the layers as terms held once. Stored bytes (`weight_bytes`)."""
     if per_layer(assign):
         sliced, whole = {}, 0.0
         for i in range(graph.n_layers):
-            s_i, w_i = layer_weight_bytes(graph, assign, i)
+            s_i, w_i = layer_weight_bytes(graph, assign, i, int8_group)
             for u, b in s_i.items():
                 sliced[u] = sliced.get(u, 0.0) + b
             whole += w_i
         terms = [MemTerm("weights", u, b) for u, b in sliced.items()]
         terms.append(MemTerm("weights", ACTIVE, whole))
     else:
-        sliced, whole = layer_weight_bytes(graph, assign, None)
+        sliced, whole = layer_weight_bytes(graph, assign, None, int8_group)
         terms = [MemTerm("weights", u, b, per_layer=True) for u, b in sliced.items()]
         terms.append(MemTerm("weights", ACTIVE, whole, per_layer=True))
     root = sum(graph.weights[w].whole_bytes() for op in graph.prologue + graph.epilogue
@@ -304,9 +334,10 @@ def weight_memory(graph: Graph, assign: dict[str, str]) -> list[MemTerm]:
     return terms
 
 
-def stream_reads(graph: Graph, assign: dict[str, str], window: int) -> Stream:
+def stream_reads(graph: Graph, assign: dict[str, str], window: int,
+                 int8_group: int | None = None) -> Stream:
     """What `stream` reads per layer: each sliced weight's bytes per unit, the rest whole."""
-    terms = weight_memory(graph, assign)
+    terms = weight_memory(graph, assign, int8_group)
     per_unit = {t.dim: t.per_unit for t in terms if t.per_layer and t.dim != ACTIVE}
     fixed = sum(t.per_unit for t in terms if t.per_layer and t.dim == ACTIVE)
     return Stream(per_unit, fixed, window)

@@ -143,9 +143,13 @@ class DecoderGroup:
     def generate(self, prompt_ids, max_tokens: int, sampling: Sampling, stop_ids=(),
                  on_token=None, logits_out: list | None = None) -> list[int]:
         """Prefill and decode on every rank of the group; the same tokens come back on each."""
-        return self.model.generate(prompt_ids, max_tokens, stop_ids, logits_out=logits_out,
-                                   choose=self.chooser(sampling), sync=self.sync,
-                                   on_token=on_token)
+        # a work span: on an emulated device the stretch slows only the CPU spent inside one
+        # (hepti.emulate.stretch), paid as each verb's span opens (and each token's on a group
+        # of one: TokenChooser); without it a decoder ran at its guard quota, twice its share
+        with self.comm.tracer.span("generate", "compute"):
+            return self.model.generate(prompt_ids, max_tokens, stop_ids, logits_out=logits_out,
+                                       choose=self.chooser(sampling), sync=self.sync,
+                                       on_token=on_token)
 
     def chooser(self, sampling: Sampling):
         """`choose(logits of this rank's rows) -> token id`, the same on every rank."""
@@ -186,6 +190,9 @@ class TokenChooser:
         self.rng = np.random.default_rng(sampling.seed)  # the same draws on every rank
 
     def __call__(self, logits: np.ndarray) -> int:
+        if self.comm.solo:  # no verb's span to pay an emulated device's stretch: pay each token's
+            with self.comm.tracer.span("token", "compute"):
+                pass
         if self.s.temperature == 0:
             return self.greedy(logits)
         u = float(self.rng.random())  # one draw per token, on every rank

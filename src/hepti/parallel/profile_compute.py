@@ -34,11 +34,14 @@ from hepti.config import ModelConfig
 from hepti.emulate import stretch as _stretch
 from hepti.families import config_from_dict, family_graph
 from hepti.graph import lower
+from hepti.graph.decoder import DECODE_CALLS
 from hepti.kernels.int8 import GROUP
+from hepti.model.llama import LlamaConfig, LlamaModel, rope_tables
 from hepti.parallel.interpreter import _mlp_pair
 from hepti.parallel.slices import LayerSlice
 from hepti.resources import cpu_limit
 from hepti.weights import WeightStore
+from hepti.weights import decoder as decoder_weights
 from hepti.weights.layout import expected_shapes
 from hepti.weights.writer import TensorSpec, write_model
 
@@ -437,12 +440,51 @@ def measure_gemv(hidden: int, int8: bool = False, nbytes: int = COLD_WEIGHT_BYTE
     return n * per_col / _timed(lambda: K.gemm_any(x, packed, out=out, threads=threads))
 
 
+def measure_gemvs(hidden: int, threads: int = 1) -> dict:
+    """The profile's `gemv_Bps` and `gemv_int8_Bps` (`measure_gemv`). A one-row product is
+    bound by memory bandwidth, which ranks on one machine share while they decode, so
+    hepti.parallel.profiling calls this on every rank at once, right after a barrier: each
+    rank's figure is its share with the others reading too, as in a run (under `hepti emulate`
+    each rank is also held to its own CPU share)."""
+    return {"gemv_Bps": measure_gemv(hidden, threads=threads),
+            "gemv_int8_Bps": measure_gemv(hidden, int8=True, threads=threads)}
+
+
+def measure_decode_call(config, ctx: int = 64) -> float:
+    """Seconds of one of a decode step's kernel or numpy calls, as a decode step makes them:
+    the profile's `call_overhead_s` for a decoder, which the decode program charges for each of
+    the calls it counts (hepti.graph.decoder `DECODE_CALLS` a layer).
+
+    A decode step's layer is some fifteen calls on one row (RMSNorm, q|k|v, RoPE, the cache,
+    scores, softmax, context, o; RMSNorm, gate|up, SiLU, the product, down): each costs
+    microseconds of Python and dispatch whatever its bytes, and at one row that adds up to
+    a part of the step the bytes do not show (SmolLM2: 450 calls a token, on every rank). So this
+    times `LlamaModel.layer` itself, one row against a cache of `ctx` tokens, on a decoder of
+    `config`'s head layout (one KV head with its query heads, head_dim as the config's) but
+    64 wide, whose bytes take no time, and divides by the calls the program counts."""
+    rng = np.random.default_rng(5)
+    tiny = LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1,
+                       num_attention_heads=config.group, num_key_value_heads=1,
+                       intermediate_size=64, head_dim=config.head_dim,
+                       max_position_embeddings=ctx + 1, rms_norm_eps=config.rms_norm_eps)
+    weights = {n: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.05)
+               for n, shape in decoder_weights.expected_shapes(tiny).items()}
+    model = LlamaModel(tiny, weights)
+    cache = model.new_cache(ctx + 1)
+    cache.n = ctx
+    cos, sin = rope_tables(tiny.rope_theta, tiny.head_dim, np.arange(ctx, ctx + 1))
+    x = rng.standard_normal((1, tiny.hidden_size), dtype=np.float32)
+    layer_s = _timed(lambda: model.layer(x, 0, cache, ctx, cos, sin, lambda a: a))
+    return layer_s / DECODE_CALLS
+
+
 def measure_decoder(config, rows: int, threads: int = 1) -> dict:
-    """A decoder's compute figures for the profile (hepti.plan.profile's device fields):
+    """A decoder's compute figures for the profile (hepti.plan.profile's device fields) but its
+    GeMV bytes/s (`measure_gemv`, which hepti.parallel.profiling times with every rank at once):
     `gemm_flops`, a table by the GeMM's rows m up to the prompt's `rows` (the MLP's gate
     projection, [m, C] x [C, F], as prefill runs its GeMMs; the encoders' `measure_layer` times
     an encoder's layer graph, which a decoder has not), `elementwise_per_s` (RMSNorm on
-    [rows, C], as the decoder runs it), and `gemv_Bps` and `gemv_int8_Bps` (`measure_gemv`).
+    [rows, C], as the decoder runs it) and `call_overhead_s` (`measure_decode_call`).
     Attention is left to the GeMM's table (the profile's default)."""
     rng = np.random.default_rng(4)
     C, F = config.hidden_size, config.intermediate_size
@@ -455,5 +497,4 @@ def measure_decoder(config, rows: int, threads: int = 1) -> dict:
     norm_s = _timed(lambda: x * (1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True)
                                                + np.float32(config.rms_norm_eps))) * gamma)
     return {"gemm_flops": gemm, "elementwise_per_s": rows * C / norm_s,
-            "gemv_Bps": measure_gemv(C, threads=threads),
-            "gemv_int8_Bps": measure_gemv(C, int8=True, threads=threads)}
+            "call_overhead_s": measure_decode_call(config)}

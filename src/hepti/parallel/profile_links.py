@@ -19,6 +19,7 @@ from hepti import kernels as K
 from hepti.config import ModelConfig
 from hepti.counts import counts as split, offsets
 from hepti.emulate import stretch as _stretch
+from hepti.graph.decoder import GREEDY_PAIR_BYTES
 from hepti.parallel.comm import Comm, wait
 from hepti.plan.costmodel import Collective, collective_times
 from hepti.plan.profile import profile_from_dict
@@ -161,8 +162,6 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
     the bucket refill, and the collective then passes partly at veth speed: timed that way
     alone, Allgatherv came out 15-20% faster than back to back, and emulated `tensor` plans
     were predicted faster than they ran."""
-    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
-
     size, rank = comm.Get_size(), comm.Get_rank()
     C, F = config.hidden_size, config.intermediate_size
     rc = split(rows, [1.0] * size)
@@ -195,9 +194,23 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
         "bcast": lambda: g.bcast_to_all(full, full.shape),
     }
     profile = profile_from_dict(prof, "measured profile")
-    everyone = [True] * size
     factors = {}
-    def timed(fn, before) -> float:
+    for kind, fn in probes.items():
+        coll = Collective(kind, None if kind == "bcast" else "rows", 4.0 * C * (rows if kind == "bcast" else 1))
+        factors[kind] = _factor(comm, fn, (compute, no_compute), coll, {"rows": rc}, profile, reps)
+    # Scatterv/Gatherv move the same bytes from/to one root as a Bcast does to all
+    factors["scatterv"] = factors["gatherv"] = factors["bcast"]
+    g.close()
+    return factors
+
+
+def _factor(comm, fn, befores, coll: Collective, counts: dict, profile, reps: int) -> float:
+    """Measured / modelled seconds of `coll`, run by `fn` on every rank: each rank's median of
+    `reps` calls, each after one of `befores` (the slowest of those ways) and a barrier; the
+    slowest rank's against the cost model's time, held to [0.2, 50]."""
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
+
+    def timed(before) -> float:
         ts = []
         for _ in range(reps):
             before()
@@ -207,14 +220,42 @@ def calibrate_collectives(comm, prof: dict, config: ModelConfig, rows: int, reps
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
 
-    for kind, fn in probes.items():
-        fn()
-        mine_s = max(timed(fn, compute), timed(fn, no_compute))
-        measured = comm.allreduce(mine_s, op=MPI.MAX)
-        coll = Collective(kind, None if kind == "bcast" else "rows", 4.0 * C * (rows if kind == "bcast" else 1))
-        modelled = max(collective_times(coll, {"rows": rc}, everyone, profile))
-        factors[kind] = float(min(max(measured / modelled, 0.2), 50.0)) if modelled > 0 else 1.0
-    # Scatterv/Gatherv move the same bytes from/to one root as a Bcast does to all
-    factors["scatterv"] = factors["gatherv"] = factors["bcast"]
+    fn()
+    measured = comm.allreduce(max(timed(b) for b in befores), op=MPI.MAX)
+    modelled = max(collective_times(coll, counts, [True] * comm.Get_size(), profile))
+    return float(min(max(measured / modelled, 0.2), 50.0)) if modelled > 0 else 1.0
+
+
+def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30) -> dict:
+    """{kind: measured / modelled seconds} for a decode step's collectives, through the verbs
+    it calls (hepti.parallel.decoder): "allreduce", the one-row sum of C floats that every
+    layer makes twice and the embedding once (`Comm.allreduce_sum`), and "allgather", greedy's
+    (value, index) pair a rank (`Comm.allgather_small`). They are latency-bound, 61 a token for
+    SmolLM2, so the link model's latency, fitted to ping-pongs of MPI's own, prices them only
+    as well as the verbs' fixed costs (Python, the shared-memory slot's handshake, `wait`'s
+    sleeps on a capped rank) match MPI's. Each is timed after a GeMV that makes its buffer (a
+    rank's share of the MLP's down projection at one row, as a decode step has just run) and
+    back to back; the slower counts, as `calibrate_collectives` does for the encoders'."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    C = config.hidden_size
+    f = max(1, config.intermediate_size // size)
+    rng = np.random.default_rng(rank)
+    a = rng.standard_normal((1, f), dtype=np.float32)
+    down = K.pack_b(rng.standard_normal((f, C), dtype=np.float32) / np.float32(math.sqrt(f)))
+    row = np.empty((1, C), np.float32)
+
+    def compute():
+        K.gemm_any(a, down, out=row)
+
+    if _stretch.ON:
+        compute = _stretch.wrap(compute)
+    g = Comm(comm)
+    profile = profile_from_dict(prof, "measured profile")
+    pair = (1.0, float(rank))
+    probes = {"allreduce": (lambda: g.allreduce_sum(row), C * 4.0),
+              "allgather": (lambda: g.allgather_small(pair), GREEDY_PAIR_BYTES)}
+    factors = {kind: _factor(comm, fn, (compute, lambda: None), Collective(kind, None, nbytes),
+                             {}, profile, reps)
+               for kind, (fn, nbytes) in probes.items()}
     g.close()
     return factors

@@ -15,9 +15,12 @@ will during a run. Per rank:
 - optionally, reading a file from local disk (page cache dropped first);
 - turning stored weights into packed slices (HDF5 read + checks + pack_b), bytes/s: the CPU
   work `stream` adds to every layer;
-- a decoder (issue 46): its GeMM table on the MLP's projection, RMSNorm's elements/s and the
-  bytes/s of a one-row GeMV in float32 and int8 (`measure_decoder`), what decode is bound by;
-  no encoder layer, weight loading or collective calibration;
+- a decoder (issue 46): its GeMM table on the MLP's projection, RMSNorm's elements/s, a decode
+  step's per-call cost (`measure_decoder`), and the bytes/s of a one-row GeMV in float32 and
+  int8, what decode is bound by, timed with every rank at once after a barrier (they share the
+  machine's memory bandwidth as they decode: `measure_gemvs`); then the decode step's one-row
+  allreduce and greedy's allgather, calibrated (`calibrate_decoder_collectives`); no encoder
+  layer or weight loading;
 - its link: MPI ping-pong with rank 0 at a few message sizes, least-squares fitted to
   one-way time = latency + bytes / bandwidth. Rank 0's own link is taken as the fastest path it
   measured (a star's path is as slow as its slower end).
@@ -53,9 +56,10 @@ from hepti.parallel.profile_cnn import (BAND_MIN_S, measure_band_costs, measure_
                                         measure_layout_rate, pooled_band, pooled_overhead,
                                         stream_fit)
 from hepti.parallel.profile_compute import (measure_call_overhead, measure_decoder, measure_disk,
-                                            measure_elementwise, measure_layer, measure_probe,
-                                            measure_weight_load)
-from hepti.parallel.profile_links import (barrier, calibrate_collectives, measure_collectives,
+                                            measure_elementwise, measure_gemvs, measure_layer,
+                                            measure_probe, measure_weight_load)
+from hepti.parallel.profile_links import (barrier, calibrate_collectives,
+                                          calibrate_decoder_collectives, measure_collectives,
                                           measure_links)
 from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, Profile, load_profile, profile_from_dict
 from hepti.resources import (_return_freed_memory, available_memory, cgroup_memory_stat, cpu_limit,
@@ -93,14 +97,16 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     M = batch * seq_len
     barrier(comm)
     decoder = family(config).executor == "decoder"
-    if decoder:  # its GeMM table, RMSNorm and GeMV bytes/s (no encoder layer graph to time)
+    if decoder:  # its GeMM table, RMSNorm, a decode call (no encoder layer graph to time)
         compute = measure_decoder(config, M, threads)
+        barrier(comm)  # every rank's GeMV at once: they share the memory bandwidth
+        compute.update(measure_gemvs(config.hidden_size, threads))
     else:
         gemm, attention = measure_layer(config, batch, seq_len, threads)
         compute = {"gemm_flops": gemm, "attention_flops": attention,
                    "elementwise_per_s": measure_elementwise(config, M),
-                   "weight_load_Bps": measure_weight_load(config)}
-    overhead = measure_call_overhead()
+                   "weight_load_Bps": measure_weight_load(config),
+                   "call_overhead_s": measure_call_overhead()}
     barrier(comm)
     probe_s = measure_probe(config.hidden_size)  # after the barrier: see measure_probe
     disk_bps = measure_disk() if disk else None
@@ -115,7 +121,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     barrier(comm)
     links = measure_links(comm)
     mine = {"rank": rank, "host": MPI.Get_processor_name(), **compute,
-            "memory_bytes": float(memory), "disk_read_Bps": disk_bps, "call_overhead_s": overhead,
+            "memory_bytes": float(memory), "disk_read_Bps": disk_bps,
             "probe_s": probe_s,
             "measured": {"memory_source": mem_source, "ranks_on_host": on_host,
                          "rss_bytes": process_rss() or 0, "threads": threads,
@@ -133,8 +139,10 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
             "network": dict(NETWORK_DEFAULTS), "devices": devices,
             "measure_s": elapsed, "batch": batch}
     prof = comm.bcast(prof, root=0)
-    if size > 1 and not decoder:  # the encoders' collectives; a decoder's are not calibrated
-        prof["network"]["calibration"] = calibrate_collectives(comm, prof, config, M)
+    if size > 1:  # the collectives each family's programs price, at its sizes
+        prof["network"]["calibration"] = (calibrate_decoder_collectives(comm, prof, config)
+                                          if decoder else
+                                          calibrate_collectives(comm, prof, config, M))
     profile_from_dict(prof, "measured profile")  # the schema check the planner will make
     return prof
 
@@ -243,8 +251,9 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
 # whole-map, one-row and 32x32 timings that the bands replaced no longer made; 11: the band
 # rounds timed for at least `BAND_MIN_S`; 12: the allgathers timed on long messages too,
 # a second line past a link's burst; 13: the speed probe's `probe_s`, and every timing round
-# starts level on an emulated device, `stretch.settle`).
-PROFILER_REVISION = 13
+# starts level on an emulated device, `stretch.settle`; 14: a decoder's GeMVs timed on every
+# rank at once, its call overhead on its own layer, its one-row collectives calibrated).
+PROFILER_REVISION = 14
 
 
 def cache_dir() -> Path:

@@ -18,6 +18,12 @@ token comes from the prefill). Each strategy is priced from the decoder's cost p
   chosen token to the group. A step costs the sum of the stages' compute, priced from the
   same programs' phases (a stage runs its layers' Work on every unit), plus those transfers.
 
+What a step costs beyond its bytes and FLOPs comes from the profile (docs/generate.md,
+"Plans"): each of a layer's calls at `call_overhead_s`, and the collectives scaled by the
+profile's calibration of them (the decode step's one-row allreduce and greedy's allgather,
+timed through the verbs on the ranks at once); a profile without that calibration is priced
+from the link model alone, and the plan's notes say so.
+
 The request's cost is prefill + (D - 1) decode steps, each at the longest context (P + D
 tokens: an upper bound). Memory per rank: its weights and its KV heads' cache for the request's
 context (the programs' memory terms) against the device's usable bytes; a candidate that does
@@ -374,6 +380,10 @@ def plan_decoder(config, profile: Profile, req: Request, wb: float = F32,
             replace(d, memory_bytes=min(d.memory_bytes, d.reserved_bytes + mem_budget))
             for d in profile.devices])
     notes = profile.gemv_estimates(wb != F32)
+    if profile.world_size > 1 and "allreduce" not in profile.network.get("calibration", {}):
+        notes.append("the one-row allreduce is priced from the link model alone (this profile "
+                     "did not calibrate it: measure one with `hepti profile --model` on this "
+                     "decoder's folder)")
     if strategy == "tensor" and ratios is not None:
         cands = [evaluate_tensor(config, profile, req, ratios, wb)]
     else:

@@ -36,7 +36,9 @@ planner does not care which. Schema (version 1), a JSON object:
                                         #   `gemv_estimates`)
          "gemv_int8_Bps": 6e9,          # optional; the same for int8 weights (stored bytes,
                                         #   scales included; default: gemv_Bps)
-         "call_overhead_s": 2e-5,       # optional; fixed cost of one kernel call (default 0)
+         "call_overhead_s": 2e-5,       # optional; fixed cost of one kernel call (default 0;
+                                        #   a decoder's profile: of one of a decode step's
+                                        #   calls, timed on its own layer)
          "probe_s": 3e-4}               # optional; seconds of the speed probe's GeMM
                                         #   (hepti.parallel.profile_compute.SpeedProbe): what
                                         #   an idle rank's probes while serving are compared with

@@ -46,43 +46,46 @@ def with_overhead(memory: list[MemTerm]) -> list[MemTerm]:
 
 
 @lru_cache(maxsize=64)
-def _lowering(cfg, B: int, T: int, strategy: str, stream: bool):
+def _lowering(cfg, B: int, T: int, strategy: str, stream: bool, int8_group: int | None = None):
     """The graph's lowering for a strategy: (graph, assignment, (start, layer, end, repeat)
     phases, dimensions, weight memory, activation memory). Read only: the planner asks for the
-    same few programs for every candidate it weighs, so it is worked out once per shape."""
+    same few programs for every candidate it weighs, so it is worked out once per shape.
+    `int8_group`: an int8 folder's weight bytes (hepti.graph.lower `weight_bytes`)."""
     g = family_graph(cfg, B, T)
     assign = lower.assignment(g, strategy)
-    return (g, assign, lower.compress(g, assign, stream=stream), lower.totals(g, assign),
-            tuple(lower.weight_memory(g, assign)), tuple(lower.program_activations(g, assign)))
+    return (g, assign, lower.compress(g, assign, stream=stream, int8_group=int8_group),
+            lower.totals(g, assign), tuple(lower.weight_memory(g, assign, int8_group)),
+            tuple(lower.program_activations(g, assign)))
 
 
 def _lowered(cfg, B: int, T: int, strategy: str, window: int | None = None,
-             overhead: bool = True) -> Program:
+             overhead: bool = True, int8_group: int | None = None) -> Program:
     """The strategy's program from the graph: phases, and memory (weights, the activations
     live at each step, and with `overhead` what the allocator keeps: `with_overhead`); with a
     `window`, `stream`'s: loads in the phases and the per-layer reads."""
     g, assign, (start, layer, end, repeat), dims, weights, activations = _lowering(
-        cfg, B, T, strategy, window is not None)
+        cfg, B, T, strategy, window is not None, int8_group)
     memory = list(weights) + list(activations)
     prog = Program(strategy, dict(dims), list(start), list(layer), list(end), repeat,
                    with_overhead(memory) if overhead else memory,
                    integer_dims=tuple(u for u in g.whole_units if u in dims), n_layers=g.n_layers)
     if window is not None:
-        prog.stream = lower.stream_reads(g, assign, window)
+        prog.stream = lower.stream_reads(g, assign, window, int8_group)
     return prog
 
 
-def rows_program(cfg, B: int, T: int) -> Program:
+def rows_program(cfg, B: int, T: int, int8_group: int | None = None) -> Program:
     """`rows`: weights replicated; each rank's r_i token rows; K/V rows Allgatherv'd per layer."""
-    return _lowered(cfg, B, T, "rows")
+    return _lowered(cfg, B, T, "rows", int8_group=int8_group)
 
 
-def tensor_program(cfg, B: int, T: int, name: str = "tensor") -> Program:
+def tensor_program(cfg, B: int, T: int, name: str = "tensor", int8_group: int | None = None
+                   ) -> Program:
     """`tensor` (also `even`, `single`): heads, FFN columns and token rows split by ratio."""
-    return _lowered(cfg, B, T, name)
+    return _lowered(cfg, B, T, name, int8_group=int8_group)
 
 
-def stream_program(cfg, B: int, T: int, window: int) -> Program:
+def stream_program(cfg, B: int, T: int, window: int, int8_group: int | None = None) -> Program:
     """`stream`: `tensor` with `window` layers of slices in RAM, the next read while computing.
     The `end` phases are the last layer, so the per-layer read bound applies to them too.
 
@@ -97,7 +100,7 @@ def stream_program(cfg, B: int, T: int, window: int) -> Program:
     spare for the prefetch thread this over-counts; leave `weight_load_Bps` out there."""
     # A window's peak is set by the runtime's budget (window = budget // slice bytes) and stays
     # within it plus a constant (tests/mpi): no `with_overhead` for the whole model here.
-    return _lowered(cfg, B, T, "stream", window, overhead=False)
+    return _lowered(cfg, B, T, "stream", window, overhead=False, int8_group=int8_group)
 
 
 def layer_works(cfg, B: int, T: int) -> list[Work]:
@@ -154,11 +157,14 @@ def offload_chain_program(m: int, k: int, n: int, chain: int) -> Program:
     return Program("offload-chain", {"rows": m}, [], [], end, 0, memory)
 
 
-def program_for(strategy: str, cfg, B: int, T: int, window: int = 2) -> Program:
+def program_for(strategy: str, cfg, B: int, T: int, window: int = 2,
+                int8_group: int | None = None) -> Program:
+    """The strategy's program; `int8_group` counts an int8 folder's weight bytes (its tensors'
+    "group", hepti.graph.lower `weight_bytes`), None a float32 one's."""
     if strategy == "rows":
-        return rows_program(cfg, B, T)
+        return rows_program(cfg, B, T, int8_group)
     if strategy in ("tensor", "even", "single"):
-        return tensor_program(cfg, B, T, strategy)
+        return tensor_program(cfg, B, T, strategy, int8_group)
     if strategy == "stream":
-        return stream_program(cfg, B, T, window)
+        return stream_program(cfg, B, T, window, int8_group)
     raise ValueError(f"no program for strategy {strategy!r}")
