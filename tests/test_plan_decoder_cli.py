@@ -60,7 +60,7 @@ def test_plan_that_does_not_fit_names_the_rank(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (("--ctx", 3, "--seq", 5), "--ctx 3 is shorter"),
-    (("--strategy", "pipeline"), "auto, single or tensor"),
+    (("--strategy", "stream"), "auto, single, tensor or pipeline"),
 ])
 def test_plan_refuses_bad_input(tiny_dir, tmp_path, args, needle):
     code, out, err = hepti("plan", "--model", tiny_dir, "--profile", _profile(tmp_path), *args)
