@@ -7,6 +7,8 @@ import threading
 import time
 from pathlib import Path
 
+import forkrun
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 
@@ -87,3 +89,10 @@ def wait_for(what: str, cond, timeout: float):
         assert time.monotonic() < t_end, f"{what}: not within {timeout:g} s"
         time.sleep(0.1)
     return got
+
+
+def hepti(*args, cwd=None, timeout: float = 300):
+    """`python -m hepti ARGS` in a new process -> (exit code, stdout, stderr); forked from one
+    that has imported hepti already (tests/forkrun.py: the imports paid once a session)."""
+    p = forkrun.run(args, cwd=cwd, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr

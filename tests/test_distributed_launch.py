@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import hepti
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -192,16 +194,14 @@ def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path, sweeps_killed_
     assert len(table["band_spread"]) == 3 and all(0 <= s < 5 for s in table["band_spread"])
     for f, b, f_long, b_long in table["allgather_s"].values():  # short and long messages' lines
         assert 0 < f < 0.05 and b >= 0 and b_long >= 0 and f_long < 0.05
-    p = subprocess.run([sys.executable, "-m", "hepti", "plan", "--model", resnet_tiny_dir,
-                        "--profile", prof, "--out", plan], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
+    code, _, err = hepti("plan", "--model", resnet_tiny_dir, "--profile", prof, "--out", plan)
+    assert code == 0, err
     # GenEFlow under a cap below the weights (380 KB of them; 60% of one device's 485 KB):
     # only ops split by channels, each rank loading its slice of their weights, can meet it
     gplan = tmp_path / "genetic.json"
-    p = subprocess.run([sys.executable, "-m", "hepti", "plan", "--model", resnet_tiny_dir,
-                        "--profile", prof, "--search", "genetic", "--mem-cap", "60%",
-                        "--generations", "8", "--out", gplan], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
+    code, _, err = hepti("plan", "--model", resnet_tiny_dir, "--profile", prof, "--search", "genetic",
+                         "--mem-cap", "60%", "--generations", "8", "--out", gplan)
+    assert code == 0, err
     assert "channels" in json.loads(gplan.read_text())["group_dims"]
     for extra in (["--strategy", "auto"], ["--strategy", "even"], ["--plan", plan],
                   ["--plan", gplan]):
