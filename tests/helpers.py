@@ -4,7 +4,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
+
+import forkrun
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -76,3 +79,20 @@ def serve_emulated(spec: Path, model: Path, *serve_args: str, n: int = 3, summar
             threading.Thread(target=lambda: [said.append(x) for x in p.stderr], daemon=True).start()
             return p, url, said
     raise AssertionError(f"hepti serve never listened (exit {p.wait()}): {''.join(said)}")
+
+
+def wait_for(what: str, cond, timeout: float):
+    """cond()'s first truthy value, polled every 0.1 s; fails naming WHAT after TIMEOUT seconds.
+    A scenario waits for the event it needs (answers, a relaunch), not for a fixed time."""
+    t_end = time.monotonic() + timeout
+    while not (got := cond()):
+        assert time.monotonic() < t_end, f"{what}: not within {timeout:g} s"
+        time.sleep(0.1)
+    return got
+
+
+def hepti(*args, cwd=None, timeout: float = 300):
+    """`python -m hepti ARGS` in a new process -> (exit code, stdout, stderr); forked from one
+    that has imported hepti already (tests/forkrun.py: the imports paid once a session)."""
+    p = forkrun.run(args, cwd=cwd, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr

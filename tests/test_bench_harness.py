@@ -20,6 +20,7 @@ import pytest
 
 import hepti.bench
 from hepti.bench import harness, registry
+from helpers import hepti as hepti_cli  # the name hepti is the package here
 
 HELPERS = {"harness", "registry", "hetero_report"}  # modules of hepti.bench that are not benches
 
@@ -124,18 +125,15 @@ def test_every_bench_explains_itself(name, capsys):
 
 
 def test_hepti_bench_lists_every_bench_and_dispatches(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "hepti", "bench", "--help"], capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
+    code, out, err = hepti_cli("bench", "--help", timeout=120)
+    assert code == 0, err
     for name, (_, line) in registry.BENCHES.items():
-        assert f"    {name}" in p.stdout, name
-    p = subprocess.run([sys.executable, "-m", "hepti", "bench", "solver", "--devices", "x"],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2
-    assert "hepti bench solver: error: --devices 'x': give cluster sizes like 2,4,8,16,32" in p.stderr
-    p = subprocess.run([sys.executable, "-m", "hepti", "bench", "solver", "--rounds", "0"],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "0 must be at least 1" in p.stderr
+        assert f"    {name}" in out, name
+    code, _, err = hepti_cli("bench", "solver", "--devices", "x", timeout=120)
+    assert code == 2
+    assert "hepti bench solver: error: --devices 'x': give cluster sizes like 2,4,8,16,32" in err
+    code, _, err = hepti_cli("bench", "solver", "--rounds", "0", timeout=120)
+    assert code == 2 and "0 must be at least 1" in err
 
 
 def test_hepti_help_imports_no_bench():

@@ -10,11 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-
-def hepti(*args, cwd=None):
-    p = subprocess.run([sys.executable, "-m", "hepti", *map(str, args)], capture_output=True,
-                       text=True, cwd=cwd, timeout=300)
-    return p.returncode, p.stdout, p.stderr
+from helpers import hepti  # noqa: F401 - other test files import it from here
 
 
 def assert_clean_error(code, err, *needles):

@@ -16,14 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import hepti
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
-
-
-def hepti(*args, cwd=None, timeout=300):
-    p = subprocess.run([sys.executable, "-m", "hepti", *map(str, args)], capture_output=True,
-                       text=True, cwd=cwd, timeout=timeout)
-    return p.returncode, p.stdout, p.stderr
 
 
 # --- 1: `hepti order` takes every converted model folder ----------------------------------------

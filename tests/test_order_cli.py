@@ -11,15 +11,10 @@ import pytest
 
 onnx = pytest.importorskip("onnx")
 
+from helpers import hepti  # noqa: E402
 from test_onnx_import import LIGHT, custom_op_model, cycle_model  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-def hepti(*args):
-    p = subprocess.run([sys.executable, "-m", "hepti", *map(str, args)], capture_output=True,
-                       text=True, timeout=300)
-    return p.returncode, p.stdout, p.stderr
 
 
 def assert_clean_error(code, err, *needles):

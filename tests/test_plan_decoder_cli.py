@@ -4,8 +4,6 @@ profile figures (`measure_decoder`) pass the profile's schema with its GeMV fiel
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,14 +12,9 @@ from hepti.model.llama import LlamaConfig
 from hepti.parallel.profile_compute import measure_decoder, measure_gemvs
 from hepti.plan.profile import declared_profile
 from hepti.weights.gguf import convert_gguf
+from helpers import hepti
 
 TINY_GGUF = Path(__file__).resolve().parent / "fixtures" / "llama-tiny-odd.gguf"
-
-
-def hepti(*args):
-    p = subprocess.run([sys.executable, "-m", "hepti", *map(str, args)], capture_output=True,
-                       text=True, timeout=300)
-    return p.returncode, p.stdout, p.stderr
 
 
 @pytest.fixture(scope="module")

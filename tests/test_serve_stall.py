@@ -24,7 +24,7 @@ from hepti.serve.stall import (CONFIRM_PROBES, PROBE_EVERY_S, SLOW_PHASE_S, STAL
                                STALL_FLOOR_S, DeviceBench, Phase, expected_batch_s, hung_ranks,
                                kill_if_ours, phase_deadline, probe_device)
 from hepti.serve.supervisor import LATE_AFTER_S, Piece, Request, Supervisor, WatchLine
-from helpers import serve_emulated
+from helpers import serve_emulated, wait_for
 from test_emulate import root_env  # noqa: F401 - the fixture: root, MPICH, no leftovers
 from test_serve import TEXTS, http, served, single_device, texts_ids, wait_ready  # noqa: F401
 
@@ -408,14 +408,6 @@ class Clients:
         assert not any(t.is_alive() for t in self.threads), "a client still waits"
 
 
-def wait_for(what, cond, timeout):
-    t_end = time.monotonic() + timeout
-    while not (got := cond()):
-        assert time.monotonic() < t_end, f"{what}: not within {timeout:g} s"
-        time.sleep(0.1)
-    return got
-
-
 def mono(wall: float) -> float:
     """A time.time() figure (the launches' records) on time.monotonic()'s clock."""
     return wall - time.time() + time.monotonic()
@@ -521,7 +513,10 @@ def test_a_silent_link_under_emulate_is_handled_as_a_hang(root_env, minilm_dir, 
     back it is admitted again; dev-c stays lost, probed every few seconds, and the log names
     it when it is lost and not after. Every request is answered once and equals the
     single-device embeddings."""
-    loss_at, back_at = 2.0, 30.0
+    # dev-b silent for 18 s: long enough for the declaration (the stall floor, 4 s), the
+    # relaunch on dev-a and its probes (every PROBE_EVERY_S) to find the link still silent;
+    # a longer silence (it was 28 s) only made the test wait
+    loss_at, back_at = 2.0, 20.0
     spec = tmp_path / "three.json"
     spec.write_text(json.dumps({"name": "test-silent", "devices": [
         {"name": "dev-a", "cpu": 0.5, "link_mbit": 500},
@@ -572,6 +567,10 @@ def test_a_silent_link_under_emulate_is_handled_as_a_hang(root_env, minilm_dir, 
         assert mono(back["started_at"]) > t0 + back_at, back  # not while it was silent
         n_before = len(clients.answers)
         wait_for("answers on two devices again", lambda: len(clients.answers) >= n_before + 3, 120)
+        # dev-c probed a few times while the service goes on (the silence is not waited out)
+        wait_for("dev-c probed 3 times", lambda: all(
+            d["probes"] >= 3 for d in http(url + "/metrics")[1]["stall"]["lost_devices"]),
+            10 * PROBE_EVERY_S)
         clients.stop()
         code, m = http(url + "/metrics")  # every request sent has its answer now
         assert [r["host"] for r in m["ranks"]] == ["dev-a", "dev-b"]
