@@ -432,9 +432,15 @@ def measure_gemv(hidden: int, int8: bool = False, nbytes: int = COLD_WEIGHT_BYTE
     rng = np.random.default_rng(3)
     per_col = hidden * (1 + 4 / GROUP if int8 else 4)  # stored bytes of one output column
     n = max(GROUP, int(nbytes // per_col) // GROUP * GROUP)
-    w = rng.standard_normal((n, hidden), dtype=np.float32) * np.float32(0.05)
-    packed = K.pack_q(K.quantize(w), trans=True) if int8 else K.pack_b(w, trans=True)
-    del w
+    if int8:  # int8 values and scales made as such: quantising a float32 matrix of the same
+        # shape held 4x the bytes a few times over (a 0.8 GiB peak for llama-1b's width, more
+        # than an 800 MiB emulated board has)
+        q = rng.integers(-127, 128, (n, hidden), dtype=np.int8)
+        scales = rng.random((n, -(-hidden // GROUP)), dtype=np.float32) * np.float32(1e-3)
+        packed = K.pack_q(K.QuantMatrix(q, scales, GROUP), trans=True)
+        del q
+    else:
+        packed = K.pack_b(rng.standard_normal((n, hidden), dtype=np.float32), trans=True)
     x = rng.standard_normal((1, hidden), dtype=np.float32)
     out = np.empty((1, n), np.float32)
     return n * per_col / _timed(lambda: K.gemm_any(x, packed, out=out, threads=threads))
