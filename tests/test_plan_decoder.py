@@ -157,6 +157,21 @@ def test_auto_picks_single_on_slow_links_and_tensor_on_fast():
     assert fast.chosen.decode_s < single
 
 
+def test_tensor_leaves_out_a_device_whose_link_costs_more_than_it_computes():
+    """Three equal devices, the third behind a slow link: tensor's search keeps rank 0 and the
+    fast one and gives the third no share (it then leaves the group and its link with it),
+    and that is predicted faster than the three together."""
+    fast = dict(DEV, gemv_Bps=1e10, gemm_flops=1e11, latency_s=1e-5, bandwidth_Bps=1e9)
+    slow = dict(fast, latency_s=5e-3, bandwidth_Bps=1e6)
+    profile = declared_profile([fast, fast, slow])
+    plan = plan_decoder(SMOL, profile, Request(prompt=20, max_tokens=64), strategy="tensor")
+    assert plan.chosen.ratios["ffn"][2] == 0 and plan.chosen.ratios["heads"][2] == 0
+    assert min(plan.chosen.ratios["ffn"][:2]) > 0
+    all3 = evaluate_tensor(SMOL, profile, Request(prompt=20, max_tokens=64),
+                           {d: [1 / 3] * 3 for d in ("heads", "ffn", "rows")})
+    assert plan.chosen.decode_s < all3.decode_s
+
+
 def test_pipeline_hops_and_when_auto_chooses_it():
     """The hops hepti.parallel.decoder_pipeline makes (tests/mpi/test_decoder_agreement.py
     holds the executor to them), and `auto` choosing pipeline where it is priced best: slow

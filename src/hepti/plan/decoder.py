@@ -290,11 +290,21 @@ def _norm(v: list[float]) -> list[float]:
 
 
 def tensor_ratio_candidates(profile: Profile, int8: bool = False) -> list[list[float]]:
-    """The shares `tensor` is searched over (module docstring): every rank's share > 0."""
+    """The shares `tensor` is searched over (module docstring): over every rank, and over
+    rank 0 with the k fastest others (k = 1 .. N-2), the rest at 0. A rank of no share leaves
+    the group (hepti.generate.group_members) and with it its link from every one of a token's
+    1 + 2L syncs: on emu-mixed4 the two 0.15-core boards behind 240 and 100 Mbit/s links slow
+    llama-1b's decode more than their compute speeds it."""
     N = profile.world_size
-    even = [1.0 / N] * N
-    prop = _norm([d.gemv_bytes_per_s(int8) for d in profile.devices])
-    out = [even, prop] + [_norm([(1 - a) * e + a * p for e, p in zip(even, prop)]) for a in MIX]
+    rate = [d.gemv_bytes_per_s(int8) for d in profile.devices]
+    by_speed = sorted(range(1, N), key=lambda i: -rate[i])
+    out = []
+    for k in range(N - 1, 0, -1):  # every rank first, then fewer
+        kept = [0] + by_speed[:k]
+        even = [1.0 / len(kept) if i in kept else 0.0 for i in range(N)]
+        prop = _norm([rate[i] if i in kept else 0.0 for i in range(N)])
+        out += [even, prop] + [_norm([(1 - a) * e + a * p for e, p in zip(even, prop)])
+                               for a in MIX]
     if N == 2:
         k = round(1 / GRID_STEP)
         out += [[i / k, 1 - i / k] for i in range(1, k)]
@@ -395,6 +405,7 @@ def plan_decoder(config, profile: Profile, req: Request, wb: float = F32,
     chosen = choose(cands, req)
     if any(c.strategy == "tensor" for c in cands) and ratios is None:
         notes.append("tensor's shares: the best of a search over equal, bandwidth-proportional "
-                     "and mixed shares (and a grid of 0.05 steps at two ranks), each with every "
-                     "split of the KV heads; not an LP")
+                     "and mixed shares, over every rank and over rank 0 with its fastest others "
+                     "(and a grid of 0.05 steps at two ranks), each with every split of the KV "
+                     "heads; not an LP")
     return DecoderPlan(req, cands, chosen, notes)
