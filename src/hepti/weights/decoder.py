@@ -22,7 +22,8 @@ q and k are in Hugging Face's row order (half-split RoPE), not GGUF's permuted o
 
 int8 (`hepti convert --dtype int8`, `int8_tensors`): every matrix above (the seven per layer
 and the embedding, which is the tied head) is int8 [R, C] plus float32 scales [R, C / 64]
-(`hepti.kernels.int8`), groups along axis 1, C, the hidden size: the axis no rank slices, since
+(`hepti.kernels.int8`) unless `--keep-float32` names it (`int8_tensors` says why), groups
+along axis 1, C, the hidden size: the axis no rank slices, since
 every split in the table is of rows (heads' rows of q/k/v, MLP columns of gate/up, o and down
 by their K rows, vocabulary rows). So a rank's rows keep whole groups at any uneven share; for
 q/k/v, gate, up and the head that is along K (as llama.cpp's Q8_0), for o and down along N.
@@ -44,6 +45,7 @@ tensor's shape against the config.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import h5py
@@ -78,9 +80,22 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def int8_tensors(config: LlamaConfig) -> list[str]:
-    """The stored names `--dtype int8` makes int8: every matrix (module docstring)."""
-    return [n for n, shape in expected_shapes(config).items() if len(shape) == 2]
+def int8_tensors(config: LlamaConfig, keep_float32: Iterable[str] = ()) -> list[str]:
+    """The stored names `--dtype int8` makes int8: every matrix (module docstring) but those
+    named in `keep_float32` (`hepti convert --keep-float32`), which stay float32 beside them.
+
+    Why keep some: a `down` matrix whose input has massive activations (a few MLP channels
+    hundreds of times the others' size, at fixed layers; SmolLM2's layers 11 and 28 reach
+    ~800x the RMS) multiplies its int8 rounding in those channels' rows by as much. SmolLM2's
+    top-1 agreement with float32 (issue 46) is lost there, not in the head: docs/generate.md."""
+    matrices = [n for n, shape in expected_shapes(config).items() if len(shape) == 2]
+    keep = set(keep_float32)
+    unknown = sorted(keep - set(matrices))
+    if unknown:
+        raise WeightsError(f"--keep-float32: {', '.join(unknown)} is not a matrix of this "
+                           f"{config.num_hidden_layers}-layer model; give stored names such as "
+                           f"layer.0.ffn.down.weight or emb.word (index.json lists them)")
+    return [n for n in matrices if n not in keep]
 
 
 def chunk_rows(name: str, shape: tuple[int, ...], config: LlamaConfig) -> int:
