@@ -445,9 +445,10 @@ def _close_to_fixture(model, tok, fixture: str) -> list[tuple[int, float, bool]]
 
 def test_int8_decoder_stores_every_matrix_in_groups_along_the_hidden_axis(tiny_dir,
                                                                           tiny_int8_dir):
-    """Every matrix (the embedding, i.e. the tied head, too) is int8 with scales [R, C/64 up],
-    the norms float32; each value is within half its group's step of the float32 folder's; and
-    a rank's rows of each (an uneven shard, as read_shard reads them) are the whole's rows."""
+    """Every matrix (the embedding, i.e. the tied head, too) is int8 with scales [R, C/64 up]
+    (down: C/32 up), the norms float32; each value is within half its group's step of the
+    float32 folder's; and a rank's rows of each (an uneven shard, as read_shard reads them) are
+    the whole's rows."""
     import json
     from hepti.model.llama import Shard
     from hepti.weights import WeightStore
@@ -461,10 +462,10 @@ def test_int8_decoder_stores_every_matrix_in_groups_along_the_hidden_axis(tiny_d
         if w.ndim == 1:
             assert t["dtype"] == "float32" and isinstance(i8[name], np.ndarray), name
             continue
-        q = i8[name]
-        assert t["dtype"] == "int8" and t["group"] == 64, name
-        assert q.q.shape == w.shape and q.scales.shape == (w.shape[0], 2), name  # C = 72
-        step = np.repeat(q.scales, 64, axis=1)[:, :w.shape[1]]
+        q, g = i8[name], 32 if name.endswith("down.weight") else 64  # decoder.int8_tensors
+        assert t["dtype"] == "int8" and t["group"] == g, name
+        assert q.q.shape == w.shape and q.scales.shape == (w.shape[0], 72 // g + 1), name  # C=72
+        step = np.repeat(q.scales, g, axis=1)[:, :w.shape[1]]
         assert np.all(np.abs(q.dequantize() - w) <= step / 2 * (1 + 1e-5) + 1e-12), name
     shard = Shard((1, 2), (37, 151), (11, 250), residual=False)
     with WeightStore(tiny_int8_dir) as store:

@@ -322,9 +322,9 @@ def convert_gguf(src: str | Path, out: str | Path, *, shard_layers: int | None =
     tokenizer.json, tokenizer_config.json); returns `out`. dtype "int8" stores the matrices
     (but those named in `keep_float32`, recorded in index.json's source as "keep_float32")
     as int8 with per-group scales (`hepti.weights.decoder.int8_tensors`): each is dequantised
-    to float32 first, then quantised in hepti's groups of 64 along the axis ranks never slice
-    (a GGUF's own blocks run along the stored rows of some matrices and across them in others,
-    after the transposes of o and down, so they are not kept as they are)."""
+    to float32 first, then quantised in hepti's groups (64; 32 for down) along the axis ranks
+    never slice (a GGUF's own blocks run along the stored rows of some matrices and across them
+    in others, after the transposes of o and down, so they are not kept as they are)."""
     src, out = Path(src), Path(out)
     keep_float32 = sorted(set(keep_float32))
     if keep_float32 and dtype != layout.INT8:
