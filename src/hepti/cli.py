@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing converted model")
     s.add_argument("--dtype", choices=("float32", "int8"), default="float32",
                    help="how the layers' projection and MLP matrices are stored: float32 "
-                        "(default) or int8, one float32 scale per 64 values, which the kernels "
+                        "(default) or int8, one float32 scale per 64 values (32 for a decoder's "
+                        "down), which the kernels "
                         "multiply with directly (about 3.8x fewer weight bytes; embeddings, "
                         "norms and biases stay float32). BERT, ViT, and Llama GGUF files, "
                         "whose embedding (the tied LM head) is int8 too")
