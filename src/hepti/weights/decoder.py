@@ -22,10 +22,9 @@ q and k are in Hugging Face's row order (half-split RoPE), not GGUF's permuted o
 
 int8 (`hepti convert --dtype int8`, `int8_tensors`): every matrix above (the seven per layer
 and the embedding, which is the tied head) is int8 [R, C] plus float32 scales [R, C / 64]
-(down: [R, C / 32])
-(`hepti.kernels.int8`) unless `--keep-float32` names it (`int8_tensors` says why), groups
-along axis 1, C, the hidden size: the axis no rank slices, since
-every split in the table is of rows (heads' rows of q/k/v, MLP columns of gate/up, o and down
+(down: [R, C / 32]) (`hepti.kernels.int8`) unless `--keep-float32` names it (`int8_tensors`
+says why), groups along axis 1, C, the hidden size: the axis no rank slices, since every
+split in the table is of rows (heads' rows of q/k/v, MLP columns of gate/up, o and down
 by their K rows, vocabulary rows). So a rank's rows keep whole groups at any uneven share; for
 q/k/v, gate, up and the head that is along K (as llama.cpp's Q8_0), for o and down along N.
 The embedding is quantised too although a lookup reads a few rows: it *is* the LM head, the
@@ -87,7 +86,7 @@ def int8_tensors(config: LlamaConfig, keep_float32: Iterable[str] = ()) -> dict[
     (module docstring) but those named in `keep_float32` (`hepti convert --keep-float32`),
     which stay float32 beside them; `down` in groups of DOWN_GROUP, the rest of GROUP.
 
-    Why: `down`'s input, silu(gate) * up, is heavy-tailed (a channel's peak is 50-800x the
+    Why: `down`'s input, silu(gate) * up, is heavy-tailed (a channel's peak is 35-840x the
     input's RMS), and channel f's value multiplies row f of `down` (stored [F, C], groups along
     C), so that row's int8 rounding reaches the output as much larger. Finer groups shrink it
     for 1/16 more of `down`'s bytes (its GeMV folds a row's scale into x either way: no extra
