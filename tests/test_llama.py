@@ -18,6 +18,7 @@ from helpers import FIXTURES, ROOT
 gguf = pytest.importorskip("gguf")
 
 from hepti.errors import InputError, WeightsError  # noqa: E402
+from hepti.kernels import QuantMatrix  # noqa: E402
 from hepti.model.llama import KVCache, LlamaModel  # noqa: E402
 from hepti.weights.decoder import load_decoder, load_tokenizer  # noqa: E402
 from hepti.weights.gguf import (GGUFFile, convert_gguf, dequantize,  # noqa: E402
@@ -444,9 +445,10 @@ def _close_to_fixture(model, tok, fixture: str) -> list[tuple[int, float, bool]]
 
 def test_int8_decoder_stores_every_matrix_in_groups_along_the_hidden_axis(tiny_dir,
                                                                           tiny_int8_dir):
-    """Every matrix (the embedding, i.e. the tied head, too) is int8 with scales [R, C/64 up],
-    the norms float32; each value is within half its group's step of the float32 folder's; and
-    a rank's rows of each (an uneven shard, as read_shard reads them) are the whole's rows."""
+    """Every matrix (the embedding, i.e. the tied head, too) is int8 with scales [R, C/64 up]
+    (down: C/32 up), the norms float32; each value is within half its group's step of the
+    float32 folder's; and a rank's rows of each (an uneven shard, as read_shard reads them) are
+    the whole's rows."""
     import json
     from hepti.model.llama import Shard
     from hepti.weights import WeightStore
@@ -460,10 +462,10 @@ def test_int8_decoder_stores_every_matrix_in_groups_along_the_hidden_axis(tiny_d
         if w.ndim == 1:
             assert t["dtype"] == "float32" and isinstance(i8[name], np.ndarray), name
             continue
-        q = i8[name]
-        assert t["dtype"] == "int8" and t["group"] == 64, name
-        assert q.q.shape == w.shape and q.scales.shape == (w.shape[0], 2), name  # C = 72
-        step = np.repeat(q.scales, 64, axis=1)[:, :w.shape[1]]
+        q, g = i8[name], 32 if name.endswith("down.weight") else 64  # decoder.int8_tensors
+        assert t["dtype"] == "int8" and t["group"] == g, name
+        assert q.q.shape == w.shape and q.scales.shape == (w.shape[0], 72 // g + 1), name  # C=72
+        step = np.repeat(q.scales, g, axis=1)[:, :w.shape[1]]
         assert np.all(np.abs(q.dequantize() - w) <= step / 2 * (1 + 1e-5) + 1e-12), name
     shard = Shard((1, 2), (37, 151), (11, 250), residual=False)
     with WeightStore(tiny_int8_dir) as store:
@@ -524,6 +526,66 @@ def test_convert_cli_writes_an_int8_decoder(tmp_path):
     assert code == 0, err
     import json
     assert json.loads((out / "index.json").read_text())["dtype"] == "int8"
+    code, err = _hepti("verify", out)
+    assert code == 0, err
+
+
+KEEP = ("layer.1.ffn.down.weight", "layer.0.attn.o.weight")  # a down and another [K, N] one
+
+
+def test_int8_keep_float32_leaves_the_named_matrices_float32(tiny_dir, tmp_path):
+    """`keep_float32` (`hepti convert --keep-float32`): the named matrices are stored float32,
+    equal to the float32 folder's, the others int8, the names recorded in the source; and the
+    mixed model (float32 and int8 packed weights side by side) runs through the kernels as
+    numpy does on the same weights."""
+    import json
+    out = convert_gguf(TINY_GGUF, tmp_path / "mixed", progress=False, dtype="int8",
+                       keep_float32=KEEP)
+    index = json.loads((out / "index.json").read_text())
+    assert index["source"]["keep_float32"] == sorted(KEEP)
+    config, f32 = load_decoder(tiny_dir)
+    _, mixed = load_decoder(out)
+    for name, w in f32.items():
+        if name in KEEP:
+            assert index["tensors"][name]["dtype"] == "float32", name
+            np.testing.assert_array_equal(mixed[name], w)
+        elif w.ndim == 2:
+            assert isinstance(mixed[name], QuantMatrix), name
+    seq = [5, 17, 250, 3, 99, 42, 7]
+    fast, ref = LlamaModel(config, mixed), LlamaModel(config, mixed, kernels=False)
+    got, want = fast.new_cache(16), ref.new_cache(16)
+    a = [fast.prefill(seq[:4], got)] + [fast.decode(t, got) for t in seq[4:]]
+    b = [ref.prefill(seq[:4], want)] + [ref.decode(t, want) for t in seq[4:]]
+    np.testing.assert_allclose(np.stack(a), np.stack(b), atol=2e-4, rtol=0)
+
+
+def test_int8_keep_float32_refuses_what_it_cannot_keep(tmp_path):
+    """A name that is no matrix of the model, or --keep-float32 without --dtype int8 (or of a
+    non-GGUF source), is refused before anything is written, saying what to give."""
+    with pytest.raises(WeightsError, match="layer.99.ffn.down.weight is not a matrix"):
+        convert_gguf(TINY_GGUF, tmp_path / "a", progress=False, dtype="int8",
+                     keep_float32=["layer.99.ffn.down.weight"])
+    with pytest.raises(WeightsError, match="drop --keep-float32"):
+        convert_gguf(TINY_GGUF, tmp_path / "b", progress=False, keep_float32=KEEP)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    code, err = _hepti("convert", TINY_GGUF, "--dtype", "int8", "--keep-float32",
+                       "ln1.gamma", "--out", tmp_path / "c")
+    assert code != 0 and "ln1.gamma is not a matrix" in err and "Traceback" not in err, err
+    code, err = _hepti("convert", "--random", "tiny-odd", "--dtype", "int8", "--keep-float32",
+                       KEEP[0], "--out", tmp_path / "d")
+    assert code != 0 and "for GGUF decoders" in err and "Traceback" not in err, err
+
+
+def test_convert_cli_keeps_the_named_matrices_float32(tmp_path):
+    """`hepti convert --keep-float32 A,B` stores A and B float32 and `hepti verify` accepts
+    the mixed folder."""
+    import json
+    out = tmp_path / "t8"
+    code, err = _hepti("convert", TINY_GGUF, "--dtype", "int8", "--keep-float32",
+                       ",".join(KEEP), "--out", out)
+    assert code == 0, err
+    index = json.loads((out / "index.json").read_text())
+    assert [index["tensors"][n]["dtype"] for n in KEEP] == ["float32", "float32"]
     code, err = _hepti("verify", out)
     assert code == 0, err
 

@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bert-base, bert-large, tiny-odd, vit-base, vit-large, mobilenet-v2, "
                           "resnet50, vgg16, llama-1b (a decoder with a small byte-level "
                           "tokenizer), or a config.json path")
+    s.add_argument("--keep-float32", metavar="NAMES", type=_names, default=(),
+                   help="with --dtype int8 of a GGUF decoder: stored matrices to leave float32, "
+                        "comma-separated (e.g. layer.11.ffn.down.weight,layer.28.ffn.down.weight"
+                        ": down matrices fed massive activations; docs/generate.md says which "
+                        "SmolLM2 needs for issue 46's 97%% top-1 agreement, and how to find them)")
     s.add_argument("--export-hf", metavar="DIR",
                    help="a Llama decoder only: also write it as a Hugging Face folder "
                         "(config.json, model.safetensors, tokenizer files), e.g. for "
@@ -129,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing converted model")
     s.add_argument("--dtype", choices=("float32", "int8"), default="float32",
                    help="how the layers' projection and MLP matrices are stored: float32 "
-                        "(default) or int8, one float32 scale per 64 values, which the kernels "
+                        "(default) or int8, one float32 scale per 64 values (32 for a decoder's "
+                        "down), which the kernels "
                         "multiply with directly (about 3.8x fewer weight bytes; embeddings, "
                         "norms and biases stay float32). BERT, ViT, and Llama GGUF files, "
                         "whose embedding (the tied LM head) is int8 too")
@@ -581,6 +587,10 @@ def cmd_convert(args) -> int:
     if args.export_hf or args.export_gguf:
         from hepti.weights.export import check_targets  # local: start-up time (hepti --help)
         check_targets(args.export_hf, args.export_gguf)
+    if args.keep_float32 and (args.random or args.dtype != "int8"):
+        from hepti.errors import WeightsError  # local: start-up time (hepti --help)
+        raise WeightsError("--keep-float32 is for GGUF decoders converted with --dtype int8: "
+                           "drop it, or add --dtype int8 for a .gguf source")
     if args.random:
         from hepti.families import config_from_json, preset_config  # local: start-up time (hepti --help)
         cfg = (config_from_json(args.random, name=Path(args.random).stem)
@@ -592,7 +602,8 @@ def cmd_convert(args) -> int:
         kw = dict(shard_layers=args.shard_layers, max_shard_bytes=cap, overwrite=args.force)
         pth = None  # a torchvision weights file (a CNN), from a package or given
         if (args.from_package and not args.force and _converted_from(out, args.from_package)
-                and _stored_dtype(out) == args.dtype):
+                and _stored_dtype(out) == args.dtype
+                and _stored_keep(out) == sorted(set(args.keep_float32))):
             print(f"{out} already holds {args.from_package}, converted by hepti; nothing to "
                   "do (pass --force to convert it again)")
             return 0
@@ -610,12 +621,16 @@ def cmd_convert(args) -> int:
             from hepti.errors import WeightsError  # local: start-up time (hepti --help)
             raise WeightsError(f"--dtype {args.dtype} is for BERT, ViT and GGUF decoders; "
                                "a CNN is converted to float32: drop --dtype")
+        if args.keep_float32 and gguf_file is None:
+            from hepti.errors import WeightsError  # local: start-up time (hepti --help)
+            raise WeightsError("--keep-float32 is for GGUF decoders (with --dtype int8): drop it")
         if gguf_file is not None:
             from hepti.weights.gguf import convert_gguf, convert_gguf_package  # local: start-up
+            kw.update(dtype=args.dtype, keep_float32=args.keep_float32)
             if args.from_package:
-                convert_gguf_package(out, args.from_package, gguf_file, dtype=args.dtype, **kw)
+                convert_gguf_package(out, args.from_package, gguf_file, **kw)
             else:
-                convert_gguf(gguf_file, out, dtype=args.dtype, **kw)
+                convert_gguf(gguf_file, out, **kw)
         elif pth is not None:
             source = {"package": args.from_package} if args.from_package else None
             cnn.convert_torch_file(pth, out, overwrite=args.force, source=source)
@@ -640,6 +655,20 @@ def _stored_dtype(out) -> str | None:
         return json.loads((out / "index.json").read_text()).get("dtype", "float32")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def _stored_keep(out) -> list[str]:
+    """The matrices an int8 decoder folder keeps float32 (`--keep-float32`), as recorded."""
+    import json  # local: start-up time (hepti --help)
+    try:
+        return json.loads((out / "index.json").read_text())["source"].get("keep_float32", [])
+    except (OSError, ValueError, KeyError, AttributeError):
+        return []
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of stored tensor names (empty items dropped)."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def _converted_from(out, package: str) -> bool:

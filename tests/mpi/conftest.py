@@ -102,6 +102,13 @@ def llama_tiny_int8_dir():
     return _tiny_decoder("llama-tiny-odd-int8", dtype="int8")
 
 
+@pytest.fixture(scope="session")
+def llama_tiny_mixed_dir():
+    """The same decoder int8 but two matrices float32 (`--keep-float32`), converted once."""
+    return _tiny_decoder("llama-tiny-odd-mixed", dtype="int8",
+                         keep_float32=("layer.1.ffn.down.weight", "layer.0.attn.o.weight"))
+
+
 def _tiny_decoder(name: str, **kw) -> Path:
     from hepti.weights.gguf import convert_gguf  # local: as the tests' own imports, after sys.path
     out = shared_dir(name)

@@ -20,8 +20,12 @@ pytestmark = pytest.mark.skipif(COMM.Get_size() != 2, reason="written for mpiexe
 
 @pytest.mark.parametrize("ratios", ["0.7,0.3", "heads=0,1;ffn=0.35,0.65;rows=0.6,0.4",
                                     "layers=3,2"])
-def test_tiny_int8_equals_one_rank(traced_comm, llama_tiny_int8_dir, ratios):
-    rows = check_against_one_rank(llama_tiny_int8_dir, "llama_tiny_expected.npz", ratios, traced_comm)
+@pytest.mark.parametrize("folder", ["llama_tiny_int8_dir", "llama_tiny_mixed_dir"])
+def test_tiny_int8_equals_one_rank(traced_comm, request, folder, ratios):
+    """All int8, and int8 with two matrices kept float32 (`--keep-float32`: float32 and int8
+    packed weights side by side, split alike)."""
+    rows = check_against_one_rank(request.getfixturevalue(folder), "llama_tiny_expected.npz",
+                                  ratios, traced_comm)
     if COMM.Get_rank() == 0:
         all_ok(bool(rows) and all(r["ok"] for r in rows),
                "\n".join(str(r) for r in rows if not r["ok"]) or "no rows")

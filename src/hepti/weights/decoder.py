@@ -22,8 +22,9 @@ q and k are in Hugging Face's row order (half-split RoPE), not GGUF's permuted o
 
 int8 (`hepti convert --dtype int8`, `int8_tensors`): every matrix above (the seven per layer
 and the embedding, which is the tied head) is int8 [R, C] plus float32 scales [R, C / 64]
-(`hepti.kernels.int8`), groups along axis 1, C, the hidden size: the axis no rank slices, since
-every split in the table is of rows (heads' rows of q/k/v, MLP columns of gate/up, o and down
+(down: [R, C / 32]) (`hepti.kernels.int8`) unless `--keep-float32` names it (`int8_tensors`
+says why), groups along axis 1, C, the hidden size: the axis no rank slices, since every
+split in the table is of rows (heads' rows of q/k/v, MLP columns of gate/up, o and down
 by their K rows, vocabulary rows). So a rank's rows keep whole groups at any uneven share; for
 q/k/v, gate, up and the head that is along K (as llama.cpp's Q8_0), for o and down along N.
 The embedding is quantised too although a lookup reads a few rows: it *is* the LM head, the
@@ -44,6 +45,7 @@ tensor's shape against the config.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import h5py
@@ -52,11 +54,12 @@ from tokenizers import Tokenizer
 
 from hepti.errors import ConfigError, WeightsError
 from hepti.families import family
-from hepti.kernels.int8 import QuantMatrix
+from hepti.kernels.int8 import GROUP, QuantMatrix
 from hepti.model.llama import LAYER_TENSORS, LlamaConfig, Shard
 from hepti.weights import layout
 from hepti.weights.index import INDEX_NAME, load_index
 
+DOWN_GROUP = 32  # int8 group of the MLP's down matrices (`int8_tensors` says why)
 HEAD_ROWS = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight")
 FFN_ROWS = ("ffn.gate.weight", "ffn.up.weight", "ffn.down.weight")
 
@@ -78,9 +81,27 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def int8_tensors(config: LlamaConfig) -> list[str]:
-    """The stored names `--dtype int8` makes int8: every matrix (module docstring)."""
-    return [n for n, shape in expected_shapes(config).items() if len(shape) == 2]
+def int8_tensors(config: LlamaConfig, keep_float32: Iterable[str] = ()) -> dict[str, int]:
+    """The stored names `--dtype int8` makes int8, each with its group size: every matrix
+    (module docstring) but those named in `keep_float32` (`hepti convert --keep-float32`),
+    which stay float32 beside them; `down` in groups of DOWN_GROUP, the rest of GROUP.
+
+    Why: `down`'s input, silu(gate) * up, is heavy-tailed (a channel's peak is 35-840x the
+    input's RMS), and channel f's value multiplies row f of `down` (stored [F, C], groups along
+    C), so that row's int8 rounding reaches the output as much larger. Finer groups shrink it
+    for 1/16 more of `down`'s bytes (its GeMV folds a row's scale into x either way: no extra
+    work); at the few layers with *massive activations* (SmolLM2's 11 and 28, ~800x) only float32
+    removes it. SmolLM2's top-1 agreement with float32 (issue 46) is lost there, not in the
+    head: docs/generate.md."""
+    matrices = [n for n, shape in expected_shapes(config).items() if len(shape) == 2]
+    keep = set(keep_float32)
+    unknown = sorted(keep - set(matrices))
+    if unknown:
+        raise WeightsError(f"--keep-float32: {', '.join(unknown)} is not a matrix of this "
+                           f"{config.num_hidden_layers}-layer model; give stored names such as "
+                           f"layer.0.ffn.down.weight or emb.word (index.json lists them)")
+    return {n: DOWN_GROUP if n.endswith(".ffn.down.weight") else GROUP
+            for n in matrices if n not in keep}
 
 
 def chunk_rows(name: str, shape: tuple[int, ...], config: LlamaConfig) -> int:

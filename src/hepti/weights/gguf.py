@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -316,15 +317,21 @@ def build_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[
 def convert_gguf(src: str | Path, out: str | Path, *, shard_layers: int | None = 4,
                  max_shard_bytes: int | None = None, progress: bool = True,
                  overwrite: bool = False, source: dict | None = None,
-                 dtype: str = layout.DTYPE) -> Path:
+                 dtype: str = layout.DTYPE, keep_float32: Iterable[str] = ()) -> Path:
     """Convert the GGUF file `src` into the folder `out` (shard-*.h5, index.json,
     tokenizer.json, tokenizer_config.json); returns `out`. dtype "int8" stores the matrices
+    (but those named in `keep_float32`, recorded in index.json's source as "keep_float32")
     as int8 with per-group scales (`hepti.weights.decoder.int8_tensors`): each is dequantised
-    to float32 first, then quantised in hepti's groups of 64 along the axis ranks never slice
-    (a GGUF's own blocks run along the stored rows of some matrices and across them in others,
-    after the transposes of o and down, so they are not kept as they are)."""
+    to float32 first, then quantised in hepti's groups (64; 32 for down) along the axis ranks
+    never slice (a GGUF's own blocks run along the stored rows of some matrices and across them
+    in others, after the transposes of o and down, so they are not kept as they are)."""
     src, out = Path(src), Path(out)
+    keep_float32 = sorted(set(keep_float32))
+    if keep_float32 and dtype != layout.INT8:
+        raise WeightsError("--keep-float32 names matrices to leave out of --dtype int8; "
+                           "a float32 conversion keeps them all: drop --keep-float32")
     g = GGUFFile(src)
+    quantized = decoder.int8_tensors(g.config, keep_float32)  # checks the names before writing
     tokenizer = g.tokenizer()
     specs = []
     for stored in decoder.expected_shapes(g.config):
@@ -338,6 +345,8 @@ def convert_gguf(src: str | Path, out: str | Path, *, shard_layers: int | None =
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
     meta = {"path": str(src.resolve()), "format": "gguf", "architecture": g.arch,
             "tensor_types": types, **(source or {})}
+    if keep_float32:
+        meta["keep_float32"] = keep_float32
     with tempfile.TemporaryDirectory(prefix="hepti-gguf-") as tmp:
         files = {}
         if tokenizer is not None:
@@ -351,7 +360,7 @@ def convert_gguf(src: str | Path, out: str | Path, *, shard_layers: int | None =
                            overwrite=overwrite, progress=progress,
                            desc=f"convert {g.config.name or src.stem}",
                            chunk_rows=decoder.chunk_rows, dtype=dtype,
-                           quantized=decoder.int8_tensors(g.config))
+                           quantized=quantized)
 
 
 def find_package_gguf(package: str) -> Path | None:

@@ -26,7 +26,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import h5py
 import numpy as np
@@ -158,7 +158,7 @@ def write_model(out: str | Path, config: ModelConfig, specs: list[TensorSpec], *
                 max_shard_bytes: int | None = None, overwrite: bool = False,
                 progress: bool = True, desc: str = "convert",
                 chunk_rows: Callable | None = None, dtype: str = layout.DTYPE,
-                quantized: Iterable[str] | None = None) -> Path:
+                quantized: Iterable[str] | Mapping[str, int] | None = None) -> Path:
     """Write `specs` as shard-*.h5 + index.json into `out` atomically; returns `out`.
 
     `chunk_rows(name, shape, config)`: rows per HDF5 chunk, for a family whose operator graph
@@ -167,7 +167,8 @@ def write_model(out: str | Path, config: ModelConfig, specs: list[TensorSpec], *
     one float32 scale per group of `hepti.kernels.int8.GROUP` values (a dataset NAME.scales
     beside each), recorded in index.json (format version 2); the rest stays float32.
     `quantized`: the stored names to make int8, for a family whose operator graph
-    `layout.quantized_tensors` does not know (the decoder: `hepti.weights.decoder.int8_tensors`).
+    `layout.quantized_tensors` does not know (the decoder: `hepti.weights.decoder.int8_tensors`);
+    a mapping gives each its group size (index.json records a group per tensor).
     """
     out = Path(out)
     layout.check_dtype(dtype, config)
@@ -175,8 +176,9 @@ def write_model(out: str | Path, config: ModelConfig, specs: list[TensorSpec], *
         if quantized is None:
             own = set(layout.quantized_tensors(config))
             quantized = [s.name for s in specs if _in_layer(s.name, own)]
-        quantized = set(quantized)
-        specs = [_with_group(s, GROUP) if s.name in quantized else s for s in specs]
+        groups = dict(quantized) if isinstance(quantized, Mapping) else dict.fromkeys(quantized,
+                                                                                       GROUP)
+        specs = [_with_group(s, groups[s.name]) if s.name in groups else s for s in specs]
     check_out_dir(out, overwrite)
     shards = plan_shards(specs, shard_layers, max_shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
