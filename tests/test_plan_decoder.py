@@ -214,3 +214,16 @@ def test_head_splits_are_every_split_of_the_whole_heads():
     plan = plan_decoder(SMOL, _pair(1e-5, 1e9), Request(20, 64))
     heads = [round(h * 3) for h in plan.chosen.ratios["heads"]]
     assert sum(heads) == 3 and plan.chosen.ratios["heads"] == [h / 3 for h in heads]
+
+
+def test_weight_bytes_of_an_int8_folder_counts_each_matrix_as_stored():
+    """A value's bytes, averaged over the folder's matrices by size: int8 with its group's
+    scale share, a matrix kept float32 (`--keep-float32`) at 4; vectors (norms) not counted."""
+    from hepti.plan.decoder import weight_bytes_of
+    t = {"a": {"shape": [100, 64], "dtype": "int8", "group": 64},
+         "b": {"shape": [100, 64], "dtype": "int8", "group": 32},
+         "c": {"shape": [50, 64], "dtype": "float32"},
+         "ln": {"shape": [64], "dtype": "float32"}}
+    want = (6400 * (1 + 4 / 64) + 6400 * (1 + 4 / 32) + 3200 * 4) / 16000
+    assert weight_bytes_of({"dtype": "int8", "tensors": t}) == pytest.approx(want)
+    assert weight_bytes_of({"dtype": "float32", "tensors": t}) == 4.0

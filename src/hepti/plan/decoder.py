@@ -166,12 +166,20 @@ class DecoderPlan:
 
 def weight_bytes_of(index: dict) -> float:
     """Bytes a stored weight value of a model folder takes, from its index (hepti.weights.index):
-    4 (float32), or int8 with its group's share of a float32 scale (the first int8 tensor's
-    group). The embedding is counted at the same rate: an upper bound if it stays float32."""
+    4 (float32), or for an int8 folder the mean over its matrices (2-D tensors) of their stored
+    bytes a value: int8 with its group's share of a float32 scale, float32 for a matrix kept
+    so (`hepti convert --keep-float32`, each group as recorded), weighted by size."""
     if index.get("dtype") != "int8":
         return F32
-    groups = [t.get("group") for t in index.get("tensors", {}).values() if t.get("group")]
-    return int8_bytes(groups[0] if groups else 64)
+    total = values = 0.0
+    for t in index.get("tensors", {}).values():
+        shape = t.get("shape", [])
+        if len(shape) != 2:
+            continue
+        n = float(shape[0]) * float(shape[1])
+        values += n
+        total += n * (int8_bytes(t.get("group") or 64) if t.get("dtype") == "int8" else F32)
+    return total / values if values else F32
 
 
 def tensor_counts(config, ratios: dict[str, list[float]], rows: int) -> dict[str, list[float]]:
