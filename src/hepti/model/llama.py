@@ -287,13 +287,8 @@ class LlamaModel:
         group (None: a group of one); it is called on every rank in the same order."""
         c = self.config
         sync = sync or _alone
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = checked_ids(ids, c.vocab_size)
         T = ids.shape[0]
-        if T == 0:
-            raise InputError("no tokens to run: the prompt is empty")
-        if ids.min() < 0 or ids.max() >= c.vocab_size:
-            raise InputError(f"token ids must be in [0, {c.vocab_size}), got "
-                             f"{int(ids.min())}..{int(ids.max())}")
         p0 = cache.n
         if p0 + T > cache.ctx:
             raise InputError(f"{p0 + T} tokens do not fit the context of {cache.ctx}")
@@ -429,6 +424,17 @@ def check_request(config: LlamaConfig, n_prompt: int, max_tokens: int) -> None:
         raise InputError(f"the prompt ({n_prompt} tokens) and {max_tokens} new ones do not "
                          f"fit the model's context of {config.max_position_embeddings}; "
                          "shorten the prompt or ask for fewer tokens")
+
+
+def checked_ids(ids, vocab: int) -> np.ndarray:
+    """Token ids as int64 [T]; InputError if there are none or one is outside the vocabulary."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.shape[0] == 0:
+        raise InputError("no tokens to run: the prompt is empty")
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise InputError(f"token ids must be in [0, {vocab}), got {int(ids.min())}.."
+                         f"{int(ids.max())}")
+    return ids
 
 
 def _matrix(w):

@@ -38,7 +38,7 @@ import numpy as np
 
 from hepti.counts import counts, offsets
 from hepti.errors import InputError
-from hepti.model.llama import KVCache, LlamaModel, Shard, rms_norm, rope_tables
+from hepti.model.llama import KVCache, LlamaModel, Shard, checked_ids, rms_norm, rope_tables
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling, TokenChooser
 from hepti.plan.decoder import pipeline_path
@@ -113,7 +113,7 @@ class StageModel(LlamaModel):
         position's [T, V] with all_logits), an empty array elsewhere. `sync` is not used: a
         stage holds whole layers."""
         c, r = self.config, self.comm.rank
-        ids = _checked(ids, c.vocab_size)
+        ids = checked_ids(ids, c.vocab_size)
         T, p0 = ids.shape[0], cache.n
         if p0 + T > cache.ctx:
             raise InputError(f"{p0 + T} tokens do not fit the context of {cache.ctx}")
@@ -183,17 +183,6 @@ class PipelineGroup(DecoderGroup):
         c = self.config
         return KVCache.bytes_for(c, ctx, c.num_key_value_heads) * self.layers[self.comm.rank] \
             // c.num_hidden_layers
-
-
-def _checked(ids, vocab: int) -> np.ndarray:
-    """Token ids [T], refused if empty or out of the vocabulary (as `LlamaModel.forward`)."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if ids.shape[0] == 0:
-        raise InputError("no tokens to run: the prompt is empty")
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise InputError(f"token ids must be in [0, {vocab}), got {int(ids.min())}.."
-                         f"{int(ids.max())}")
-    return ids
 
 
 def _whole_layer(x: np.ndarray) -> np.ndarray:
