@@ -55,7 +55,7 @@ def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
     greedy = z["prompt0_greedy"].tolist()
     from hepti.plan.profile import declared_profile
     # two devices that cannot hold the tiny decoder alone, on slow links: auto runs pipeline
-    declared_profile([dict(gemm_flops=1e11, memory_bytes=1e6, latency_s=2e-3,
+    declared_profile([dict(gemm_flops=1e11, memory_bytes=1.2e6, latency_s=2e-3,
                            bandwidth_Bps=1.2e7, gemv_Bps=1.5e10)] * 2).save(tmp_path / "p.json")
     for ran, extra in (("tensor", ["--ratios", "0,1"]), ("tensor", ["--ratios", "1,0"]),
                        ("single", ["--strategy", "single"]),

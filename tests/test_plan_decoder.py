@@ -197,12 +197,12 @@ def test_the_kv_cache_counts_and_a_plan_that_does_not_fit_says_where():
                    for n in (64, 4000))
     # rank 0 holds 2 of 3 KV heads: 2 * 30 layers * 2 heads * 64 * 4 bytes more a token
     assert short.mem[0] - long.mem[0] == pytest.approx(-(4000 - 64) * 2 * 30 * 2 * 64 * 4)
-    tight = declared_profile([dict(gemm_flops=1e11, memory_bytes=3e8, latency_s=1e-5,
+    tight = declared_profile([dict(gemm_flops=1e11, memory_bytes=3.5e8, latency_s=1e-5,
                                    bandwidth_Bps=1e9, gemv_Bps=1e10)] * 2)
     with pytest.raises(PlanError, match=r"rank 0 short by [0-9.]+ MiB") as e:
         plan_decoder(SMOL, tight, Request(20, 64), strategy="single")
     assert "--max-tokens" in str(e.value)
-    # tensor fits where single does not: its halves are under 300 MB
+    # tensor fits where single does not: its halves, with the load's overhead, under 350 MB
     assert plan_decoder(SMOL, tight, Request(20, 64)).chosen.strategy == "tensor"
     assert math.isfinite(short.tokens_per_s)
 
