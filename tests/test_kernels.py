@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hepti.kernels import (PackedB, add_layernorm, attention, attention_qkv, config,
-                           embed_layernorm, ffn, gemm, layernorm, matmul, naive, pack_b,
+                           embed_layernorm, ffn, gemm, layernorm, matmul, naive, pack_b, rms_norm,
                            softmax_rows)
 from hepti.kernels import _gen_microkernels
 
@@ -224,6 +224,18 @@ def test_layernorm(m, c):
     x, g, b = rand(m, c) * 3 + 1, rand(c), rand(c)
     np.testing.assert_allclose(layernorm(x, g, b, 1e-12), naive.layernorm(x, g, b, 1e-12),
                                rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("m,c", [(1, 576), (7, 33), (65, 2048)])
+def test_rms_norm(m, c):
+    """Against the float64 twin; rows of a bigger array and in place."""
+    x, g = rand(m, c) * 3 + 1, rand(c)
+    np.testing.assert_allclose(rms_norm(x, g, 1e-5), naive.rms_norm(x, g, 1e-5), rtol=1e-5,
+                               atol=2e-5)
+    big = rand(m, c + 5)
+    view, ref = big[:, 2:2 + c], naive.rms_norm(big[:, 2:2 + c], g, 1e-5)
+    assert rms_norm(view, g, 1e-5, out=view) is view
+    np.testing.assert_allclose(view, ref, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("with_bias,with_res", [(True, True), (False, True), (True, False)])

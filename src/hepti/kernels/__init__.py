@@ -8,6 +8,7 @@ Public API (what the model code calls):
     layernorm(x, gamma, beta, eps, out=None)
     add_layernorm(x, bias, residual, gamma, beta, eps, out=None)
     embed_layernorm(ids, token_type, word, position, type_table, gamma, beta, eps)
+    rms_norm(x, gamma, eps, out=None)                 a decoder's RMSNorm
     softmax_rows(x, key_mask=None, scale=1.0, out=None)
     attention(q, k, v, key_mask, n_heads, row0=0, out=None, threads=1)
     attention_qkv(qkv, key_mask, n_heads, kv=None, row0=0, threads=1)   on a fused QKV output
@@ -36,12 +37,12 @@ from hepti.kernels.conv import (ConvWeight, avg_pool2d, conv2d, depthwise_conv2d
                                 global_avg_pool, max_pool2d, pack_conv_weight, relu, relu6)
 from hepti.kernels.int8 import (QuantB, QuantMatrix, columns_any, ffn_any, gemm_any, gemm_q,
                                pack_q, pack_weight, quantize)
-from hepti.kernels.norm import add_layernorm, embed_layernorm, layernorm
+from hepti.kernels.norm import add_layernorm, embed_layernorm, layernorm, rms_norm
 from hepti.kernels.packed_gemm import PackedB, ffn, gemm, matmul, pack_b
 from hepti.kernels.softmax import softmax_rows
 
 __all__ = ["PackedB", "pack_b", "gemm", "ffn", "matmul", "layernorm", "add_layernorm",
-           "embed_layernorm", "softmax_rows", "attention", "attention_qkv",
+           "embed_layernorm", "rms_norm", "softmax_rows", "attention", "attention_qkv",
            "ConvWeight", "pack_conv_weight", "conv2d", "depthwise_conv2d", "max_pool2d",
            "avg_pool2d", "global_avg_pool", "relu", "relu6", "fold_batchnorm",
            "QuantMatrix", "quantize", "QuantB", "pack_q", "gemm_q", "pack_weight", "gemm_any",

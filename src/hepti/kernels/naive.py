@@ -38,6 +38,12 @@ def layernorm(x, gamma, beta, eps):
     return (x - mean) / np.sqrt(var + eps) * gamma + beta
 
 
+def rms_norm(x, gamma, eps):
+    """x / sqrt(mean(x^2) + eps) * gamma over the last axis."""
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * gamma
+
+
 def add_layernorm(x, bias, residual, gamma, beta, eps):
     """LayerNorm(x + bias + residual); bias and residual may be None."""
     y = np.asarray(x, np.float64)

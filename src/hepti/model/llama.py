@@ -30,10 +30,10 @@ looks up the ids in its rows (zeros elsewhere) and `sync` sums them. So every sy
 step is visible in `forward` and `layer`: one for the embedding, two per layer.
 
 Kernels (`kernels=True`, the default): the projections (q, k and v joined into one matrix, o,
-gate and up joined, down) and the LM head run on hepti's packed GeMM (`hepti.kernels.gemm`, weights packed once here; the residual adds are fused into
-the o and down GeMMs), the attention probabilities on `hepti.kernels.softmax_rows`. Plain
-numpy does the rest: RMSNorm (the kernels' norm is LayerNorm), RoPE, SiLU * up, and the two
-attention products (batched matmuls over KV heads; the kernels' attention core has a key mask
+gate and up joined, down) and the LM head run on hepti's packed GeMM (`hepti.kernels.gemm`,
+weights packed once here; the residual adds are fused into the o and down GeMMs), RMSNorm on
+`hepti.kernels.rms_norm`, the attention probabilities on `hepti.kernels.softmax_rows`. Plain
+numpy does the rest: RoPE, SiLU * up, and the two attention products (batched matmuls over KV heads; the kernels' attention core has a key mask
 but no causal one). `kernels=False` runs every product in numpy too (float32), a second path
 to compare against.
 
@@ -268,6 +268,12 @@ class LlamaModel:
         w = w.dequantize() if isinstance(w, K.QuantMatrix) else w
         return w if stored_kn else w.T
 
+    def _norm(self, x: np.ndarray, gamma: np.ndarray) -> np.ndarray:
+        """RMSNorm of x [T, C]: the kernel (one call), or numpy's `rms_norm` (kernels=False)."""
+        if self.kernels:
+            return K.rms_norm(x, gamma, self.config.rms_norm_eps)
+        return rms_norm(x, gamma, self.config.rms_norm_eps)
+
     def _mm(self, x: np.ndarray, w, residual: np.ndarray | None = None) -> np.ndarray:
         """x [T, K] @ W [K, N] (+ residual [T, N]), W float32 or int8."""
         if self.kernels:
@@ -301,7 +307,7 @@ class LlamaModel:
         if self.head is None:  # no vocabulary rows here
             logits = np.empty((last.shape[0], 0), np.float32)
         else:
-            h = rms_norm(last, self.final_gamma, c.rms_norm_eps)
+            h = self._norm(last, self.final_gamma)
             logits = self._mm(h, self.head)  # (t, nv)
         return logits if all_logits else logits[0]
 
@@ -329,11 +335,11 @@ class LlamaModel:
         sum that `sync` adds up over the group (with the residual from the `residual` rank)."""
         c, w, T = self.config, self.layers[i], x.shape[0]
         res = x if self.shard.residual else None
-        h = rms_norm(x, w["ln1.gamma"], c.rms_norm_eps)
+        h = self._norm(x, w["ln1.gamma"])
         ctx = self._attention(h, w, cache, i, p0, cos, sin) if self.n_kv else None  # (T, h*D)
         x = sync(self._partial(ctx, w["o"], res, T))  # (T, C)
         res = x if self.shard.residual else None
-        h = rms_norm(x, w["ln2.gamma"], c.rms_norm_eps)
+        h = self._norm(x, w["ln2.gamma"])
         a = None
         if self.n_ffn:
             gu = self._mm(h, w["gate_up"])  # (T, 2f): gate's columns, then up's

@@ -38,7 +38,7 @@ import numpy as np
 
 from hepti.counts import counts, offsets
 from hepti.errors import InputError
-from hepti.model.llama import KVCache, LlamaModel, Shard, checked_ids, rms_norm, rope_tables
+from hepti.model.llama import KVCache, LlamaModel, Shard, checked_ids, rope_tables
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling, TokenChooser
 from hepti.plan.decoder import pipeline_path
@@ -136,7 +136,7 @@ class StageModel(LlamaModel):
         if r != 0:
             return np.empty((T, 0) if all_logits else 0, np.float32)
         last = self._recv(last_stage, back) if last_stage != 0 else x[T - back:]
-        logits = self._mm(rms_norm(last, self.final_gamma, c.rms_norm_eps), self.head)
+        logits = self._mm(self._norm(last, self.final_gamma), self.head)
         return logits if all_logits else logits[0]
 
     def _recv(self, source: int, rows: int) -> np.ndarray:
