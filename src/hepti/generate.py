@@ -1,14 +1,14 @@
 """`hepti generate`: text from a converted decoder, on one process or under `mpiexec -n N`.
 
 Every rank runs `generate_on_every_rank`: the prompt is checked (and, with --chat, wrapped in the
-model's own chat template) before any weights load; the group that computes is every rank
-(`tensor`, by --ratios or equal shares), rank 0 and the ranks holding layers (`pipeline`, by
---layers, --ratios or as equal as whole layers go) or rank 0 alone (`single`); ranks left out
-wait asleep until the end. `auto` chooses among the three by hepti.plan.decoder's comparison
-on a profile (`auto_plan`). Each member reads its part of the weights and runs
-hepti.parallel.decoder's `DecoderGroup` or hepti.parallel.decoder_pipeline's `PipelineGroup`
-(the same interface). Rank 0 alone
-prints: the tokens as they are made on stdout, a timing line on stderr, and with --json one
+model's own chat template) before any weights load. The group that computes is every rank with
+a share (`tensor`, by --ratios or equal shares; rank 0 always), rank 0 and the ranks holding
+layers (`pipeline`, by --layers, --ratios or as equal as whole layers go) or rank 0 alone
+(`single`); ranks left out wait asleep until the end. `auto` chooses among the three by
+hepti.plan.decoder's comparison on a profile (`auto_plan`). Each member reads its part of the
+weights and runs hepti.parallel.decoder's `DecoderGroup` or hepti.parallel.decoder_pipeline's
+`PipelineGroup` (the same interface). Rank 0 alone prints: the tokens as they are made on
+stdout, a timing line on stderr, and with --json one
 JSON object at the end. Errors follow `hepti run`'s discipline (`run_guarded_fn`): a bad input
 raised on every rank is reported once, with exit code 2; anything else on any rank names the
 rank and ends the whole job.
