@@ -172,6 +172,11 @@ class KVCache:
         self.v = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
         self.n = 0
 
+    def check_room(self, t: int) -> None:
+        """InputError unless `t` more tokens fit after the n cached ones."""
+        if self.n + t > self.ctx:
+            raise InputError(f"{self.n + t} tokens do not fit the context of {self.ctx}")
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
@@ -292,12 +297,11 @@ class LlamaModel:
         advances the cache by T. `sync(partial [T, C]) -> [T, C]` sums a partial over the
         group (None: a group of one); it is called on every rank in the same order."""
         c = self.config
-        sync = sync or _alone
+        sync = sync or no_sync
         ids = checked_ids(ids, c.vocab_size)
         T = ids.shape[0]
+        cache.check_room(T)
         p0 = cache.n
-        if p0 + T > cache.ctx:
-            raise InputError(f"{p0 + T} tokens do not fit the context of {cache.ctx}")
         cos, sin = rope_tables(c.rope_theta, c.head_dim, np.arange(p0, p0 + T))
         x = sync(self.embed(ids))  # (T, C): sync 1, the rows of every rank's vocabulary
         for i in range(c.num_hidden_layers):
@@ -458,8 +462,9 @@ def _join(mats: list):
     return np.concatenate(mats, axis=0)
 
 
-def _alone(partial: np.ndarray) -> np.ndarray:
-    """The sync of a group of one: the partial sum is the sum."""
+def no_sync(partial: np.ndarray) -> np.ndarray:
+    """The sync of a group of one, or of a pipeline stage's whole layers: the partial sum is
+    the sum."""
     return partial
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from hepti.counts import counts, offsets
 from hepti.errors import InputError
-from hepti.model.llama import KVCache, LlamaModel, Shard, checked_ids, rope_tables
+from hepti.model.llama import KVCache, LlamaModel, Shard, checked_ids, no_sync, rope_tables
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling, TokenChooser
 from hepti.plan.decoder import pipeline_path
@@ -115,8 +115,7 @@ class StageModel(LlamaModel):
         c, r = self.config, self.comm.rank
         ids = checked_ids(ids, c.vocab_size)
         T, p0 = ids.shape[0], cache.n
-        if p0 + T > cache.ctx:
-            raise InputError(f"{p0 + T} tokens do not fit the context of {cache.ctx}")
+        cache.check_room(T)
         path, last_stage = self.path, self.path[-1]
         back = T if all_logits else 1  # rows the last stage sends back to rank 0
         x = None
@@ -127,7 +126,7 @@ class StageModel(LlamaModel):
         if self.held[1] > self.held[0]:
             cos, sin = rope_tables(c.rope_theta, c.head_dim, np.arange(p0, p0 + T))
             for i in range(*self.held):
-                x = self.layer(x, i, cache, p0, cos, sin, _whole_layer)
+                x = self.layer(x, i, cache, p0, cos, sin, no_sync)
         cache.n = p0 + T
         if r in path and r != last_stage:
             self.comm.send_known(x, path[path.index(r) + 1], HOP_TAG, name="Send(hidden)")
@@ -184,7 +183,3 @@ class PipelineGroup(DecoderGroup):
         return KVCache.bytes_for(c, ctx, c.num_key_value_heads) * self.layers[self.comm.rank] \
             // c.num_hidden_layers
 
-
-def _whole_layer(x: np.ndarray) -> np.ndarray:
-    """A stage's sync: its layers are whole, so the partial sum is the sum."""
-    return x
