@@ -88,7 +88,7 @@ def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
 def test_tensor_group_leaves_out_ranks_of_no_share():
     """`tensor`: a rank with neither KV heads nor MLP columns leaves the group (rank 0 stays,
     it prints and holds the residual); the members' shares are what the group gets."""
-    from hepti.generate import group_members, members_ratios
+    from hepti.parallel.decoder import group_members, members_ratios
     r = {"heads": [0.5, 0.0, 0.5, 0.0], "ffn": [0.0, 0.0, 0.7, 0.3], "rows": [0.2, 0.8, 0.0, 0.0]}
     members = group_members("tensor", None, r, 4)
     assert members == [True, False, True, True]

@@ -165,6 +165,25 @@ def test_completion_equals_generate_and_transformers(tiny, generated, tok):
                                    "total_tokens": len(doc["prompt_ids"]) + n}
 
 
+def test_a_rank_of_no_share_leaves_the_served_group(tiny_dir, generated):
+    """--ratios 0.5,0,0.5: rank 1 holds nothing and leaves the group (join_group), as it does
+    in `hepti generate`; ranks 0 and 2 (not adjacent) answer as generate does, streamed too."""
+    s = Served(tiny_dir, 3, "--ratios", "0.5,0,0.5")
+    try:
+        assert s.call("GET", "/metrics")[1]["plan"]["group"] == [0, 2]
+        case = _expected(0)
+        status, answer = s.call("POST", "/v1/completions", greedy(case["text"]))
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == generated[0]["text"]
+        status, raw = s.call("POST", "/v1/completions", {**greedy(case["text"]), "stream": True},
+                             raw=True)
+        assert status == 200
+        chunks = [e for e in events(raw) if e != "[DONE]"]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == generated[0]["text"]
+    finally:
+        s.stop()
+
+
 def test_streamed_chunks_concatenate_to_the_answer(tiny):
     body = greedy(_expected(1)["text"])
     _, whole = tiny.call("POST", "/v1/completions", body)

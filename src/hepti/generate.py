@@ -31,7 +31,7 @@ from hepti.families import FAMILIES, family
 from hepti.model.chat import TextStream, render_chat, stop_ids
 from hepti.model.llama import check_request
 from hepti.parallel.comm import Comm
-from hepti.parallel.decoder import DecoderGroup, Sampling
+from hepti.parallel.decoder import DecoderGroup, Sampling, join_group
 from hepti.parallel.decoder_pipeline import PipelineGroup, layer_counts, layers_from_ratios
 from hepti.parallel.engine import FAULT_ENV
 from hepti.parallel.world import agree, run_guarded_fn
@@ -82,16 +82,12 @@ def generate_on_every_rank(args) -> int:
         ratios = agree(world, lambda: group_ratios(args, world.size))
     stop = stop_ids(cfg, tok, meta)
 
-    members = group_members(args.strategy, layers, ratios, world.size)
-    group = world if all(members) else world.split(members[world.rank])
-    if args.strategy == "tensor" and not all(members):
-        ratios = members_ratios(ratios, members)
+    group, ratios, layers_in = join_group(world, args.strategy, layers, ratios)
     report = None
     if group is not None:
         t0 = time.perf_counter()
-        if args.strategy == "pipeline":  # the members' layers (a rank of none left out)
-            mine = [n for n, m in zip(layers, members) if m]
-            dec = agree(group, lambda: PipelineGroup(group, store, mine))
+        if args.strategy == "pipeline":
+            dec = agree(group, lambda: PipelineGroup(group, store, layers_in))
         else:
             dec = agree(group, lambda: DecoderGroup(group, store, ratios))
         load_s = time.perf_counter() - t0
@@ -201,31 +197,6 @@ def pipeline_layers(args, n_layers: int, world_size: int) -> list[int]:
                          "(e.g. 0.7,0.3) or --layers 20,10")
     vec = parse_ratios(args.ratios, world_size)["heads"] if args.ratios else [1.0] * world_size
     return layers_from_ratios(n_layers, vec)
-
-
-def group_members(strategy: str, layers: list[int] | None, ratios: dict | None,
-                  world_size: int) -> list[bool]:
-    """Which ranks of the world compute: for `tensor`, rank 0 and those with KV heads or MLP
-    columns (a rank of neither would only add its link to every sync of every token: on
-    emu-mixed4, the 100 Mbit/s one); rank 0 and those holding layers for `pipeline`; rank 0
-    alone for `single`."""
-    if world_size == 1:
-        return [True]
-    if strategy == "tensor":
-        return [r == 0 or ratios["heads"][r] > 0 or ratios["ffn"][r] > 0
-                for r in range(world_size)]
-    if strategy == "pipeline":
-        return [r == 0 or n > 0 for r, n in enumerate(layers)]
-    return [r == 0 for r in range(world_size)]
-
-
-def members_ratios(ratios: dict[str, list[float]], members: list[bool]) -> dict[str, list[float]]:
-    """The members' entries of each ratio vector (a vector with nothing left: equal shares)."""
-    out = {}
-    for d, vec in ratios.items():
-        mine = [x for x, m in zip(vec, members) if m]
-        out[d] = mine if sum(mine) > 0 else [1.0 / len(mine)] * len(mine)
-    return out
 
 
 class Stream:

@@ -106,6 +106,47 @@ def shards(config: LlamaConfig, ratios: dict[str, list[float]]) -> list[Shard]:
             for r in range(n)]
 
 
+def group_members(strategy: str, layers: list[int] | None, ratios: dict | None,
+                  world_size: int) -> list[bool]:
+    """Which ranks of the world compute: for `tensor`, rank 0 and those with KV heads or MLP
+    columns (a rank of neither would only add its link to every sync of every token: on
+    emu-mixed4, the 100 Mbit/s one); rank 0 and those holding layers for `pipeline`; rank 0
+    alone for `single`."""
+    if world_size == 1:
+        return [True]
+    if strategy == "tensor":
+        return [r == 0 or ratios["heads"][r] > 0 or ratios["ffn"][r] > 0
+                for r in range(world_size)]
+    if strategy == "pipeline":
+        return [r == 0 or n > 0 for r, n in enumerate(layers)]
+    return [r == 0 for r in range(world_size)]
+
+
+def members_ratios(ratios: dict[str, list[float]], members: list[bool]) -> dict[str, list[float]]:
+    """The members' entries of each ratio vector (a vector with nothing left: equal shares)."""
+    out = {}
+    for d, vec in ratios.items():
+        mine = [x for x, m in zip(vec, members) if m]
+        out[d] = mine if sum(mine) > 0 else [1.0 / len(mine)] * len(mine)
+    return out
+
+
+def join_group(world, strategy: str, layers: list[int] | None, ratios: dict | None):
+    """Collective on `world`: the group that runs the decoder, and the members' shares.
+
+    Returns (group, ratios, layers): the Comm of the ranks that compute (`group_members`), None
+    on a rank left out (it computes nothing and sends nothing a token); for `tensor`, the
+    members' ratio vectors (`members_ratios`); for `pipeline`, the members' layer counts.
+    `hepti generate` and `hepti serve` both build their groups here."""
+    members = group_members(strategy, layers, ratios, world.size)
+    group = world if all(members) else world.split(members[world.rank])
+    if strategy == "tensor" and not all(members):
+        ratios = members_ratios(ratios, members)
+    if strategy == "pipeline" and layers is not None:
+        layers = [n for n, m in zip(layers, members) if m]
+    return group, ratios, layers
+
+
 class DecoderGroup:
     """This rank's part of a decoder split over `comm` (module docstring): its shard's weights,
     read from `store`, and the syncs and token choice that join it to the others.

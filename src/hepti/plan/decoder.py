@@ -307,7 +307,7 @@ def _norm(v: list[float]) -> list[float]:
 def tensor_ratio_candidates(profile: Profile, int8: bool = False) -> list[list[float]]:
     """The shares `tensor` is searched over (module docstring): over every rank, and over
     rank 0 with the k fastest others (k = 1 .. N-2), the rest at 0. A rank of no share leaves
-    the group (hepti.generate.group_members) and with it its link from every one of a token's
+    the group (hepti.parallel.decoder.group_members) and with it its link from every one of a token's
     1 + 2L syncs: on emu-mixed4 the two 0.15-core boards behind 240 and 100 Mbit/s links slow
     llama-1b's decode more than their compute speeds it."""
     N = profile.world_size

@@ -26,7 +26,7 @@ import numpy as np
 
 from hepti.model.chat import stop_ids
 from hepti.parallel.comm import Comm
-from hepti.parallel.decoder import DecoderGroup, Sampling
+from hepti.parallel.decoder import DecoderGroup, Sampling, group_members, join_group
 from hepti.parallel.decoder_pipeline import PipelineGroup, layers_from_ratios
 from hepti.parallel.world import agree
 from hepti.plan.planfile import DIMS, parse_ratios
@@ -55,18 +55,34 @@ class DecoderWorker:
         self.world, self.rank0 = world, world.rank == 0
         ratios = agree(world, lambda: decoder_ratios(args.ratios, world.size))
         layers = None
-        if args.strategy == "pipeline":  # whole layers by --ratios' vector (the same interface)
+        pipeline = args.strategy == "pipeline"
+        if pipeline:  # whole layers by --ratios' vector (the same interface)
             layers = layers_from_ratios(store.config.num_hidden_layers, ratios["heads"])
-            self.dec = agree(world, lambda: PipelineGroup(world, store, layers))
-        else:
-            self.dec = agree(world, lambda: DecoderGroup(world, store, ratios))
-        self.dec.warm_up()  # the kernels compile before the hello, not in the first request
+        # a rank of no share (no heads and no MLP columns; no layers) leaves the group, as in
+        # `hepti generate`: it still takes the commands, but no token waits on its link
+        group, mine, layers_in = join_group(world, "pipeline" if pipeline else "tensor", layers,
+                                            ratios)
+        self.group = group
+
+        def build():
+            if group is None:
+                return None
+            if pipeline:
+                return PipelineGroup(group, store, layers_in)
+            return DecoderGroup(group, store, mine)
+
+        self.dec = agree(world, build)
+        if self.dec is not None:
+            self.dec.warm_up()  # the kernels compile before the hello, not in the first request
         tok, meta = load_tokenizer(args.model)
         self.stop = stop_ids(store.config, tok, meta)
         # what the hello reports as the plan (/metrics): no prediction for a decoder yet
         strategy = "tensor" if world.size > 1 else "single"
+        # group: the world ranks that compute (a decoder's; join_group leaves the others out)
         self.plan = {"strategy": "pipeline" if layers else strategy, "ratios": ratios,
-                     "layers": layers, "predicted_latency_s": None}
+                     "layers": layers, "predicted_latency_s": None,
+                     "group": [r for r, m in enumerate(group_members(
+                         "pipeline" if pipeline else "tensor", layers, ratios, world.size)) if m]}
 
     def generate(self, header, data, sock):
         """One request on every rank; rank 0 streams the tokens on `sock` and returns the
@@ -76,6 +92,9 @@ class DecoderWorker:
                            float(header["temperature"]), float(header["top_p"]),
                            int(header["seed"])) if self.rank0 else None)
         ids, max_tokens, temperature, top_p, seed = req
+        if self.dec is None:  # left out of the group: nothing to compute
+            return None
+        g = self.group
         made: list[int] = []
 
         def on_token(token: int) -> None:
@@ -84,7 +103,7 @@ class DecoderWorker:
             if self.rank0:
                 protocol.send(sock, {"op": "token", "id": header["id"], "token": int(token)})
                 go = 0.0 if _cancel_waiting(sock) else 1.0
-            go = w.bcast_to_all(np.array([go], np.float32) if self.rank0 else None, (1,))
+            go = g.bcast_to_all(np.array([go], np.float32) if self.rank0 else None, (1,))
             if float(go[0]) == 0.0:
                 raise Cancelled
 
@@ -103,7 +122,9 @@ class DecoderWorker:
                 "wall_s": time.perf_counter() - t0}, None
 
     def close(self) -> None:
-        pass
+        """Collective on the group: frees the communicator `join_group` split off, if any."""
+        if self.group is not None and self.group is not self.world:
+            self.group.close()
 
 
 def _cancel_waiting(sock) -> bool:

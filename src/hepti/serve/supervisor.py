@@ -463,7 +463,7 @@ class Supervisor:
             "status": "degraded" if late else self._status, "model": self.name,
             "plan_epoch": self.epoch, "late_after_s": LATE_AFTER_S, "late": late,
             "plan": None if self.plan is None else {
-                k: self.plan.get(k) for k in ("strategy", "ratios", "primary", "layers",
+                k: self.plan.get(k) for k in ("strategy", "ratios", "primary", "layers", "group",
                                               "predicted_latency_s", "explanation")},
             "ranks": per_rank,
             "requests": {"accepted": self.counts["accepted"], "answered": self.counts["answered"],
