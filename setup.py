@@ -11,7 +11,8 @@ setup(
     python_requires=">=3.10",
     package_dir={"": "src"},
     packages=find_packages("src"),
-    package_data={"hepti.model": ["imagenet_labels.txt"]},  # ImageNet class names (CNNs)
+    package_data={"hepti.model": ["imagenet_labels.txt"],  # ImageNet class names (CNNs)
+                  "hepti.weights": ["calibration.txt"]},  # --keep-float32 auto (calibrate.py)
     install_requires=[
         "mpi4py>=4.0",
         "mpich",  # brings mpiexec (Hydra) into the venv; no system MPI needed

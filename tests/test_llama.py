@@ -605,3 +605,44 @@ def test_int8_decoder_reports_the_weight_bytes_it_reads(smollm2_int8_dir):
     assert abs(reported - read) <= 0.02 * read, (reported, read)
     f32 = 4 * sum(int(np.prod(s)) for s in expected_shapes(dec.config).values())
     assert reported < 0.3 * f32, (reported, f32)
+
+
+def test_calibration_finds_the_layer_fed_a_massive_activation(tiny_dir):
+    """`--keep-float32 auto` (hepti.weights.calibrate): the peak / RMS of each down's input,
+    from the float32 model run once. A channel of layer 1's up made 1e4 times larger dominates
+    that layer's input, whose peak / RMS then lies between sqrt(F) and sqrt(T F) (one channel
+    of F holding the energy of T rows; the tiny model is too small to reach MASSIVE, so the
+    ratio is checked, not the choice); the layer below stays as it was."""
+    import copy
+
+    from hepti.weights import calibrate
+    config, weights = load_decoder(tiny_dir)
+    ids = list(range(3, 3 + 40))
+    before = calibrate.down_input_peaks(config, copy.deepcopy(weights), ids)
+    assert len(before) == config.num_hidden_layers and min(before) > 1.0
+    weights["layer.1.ffn.up.weight"][7] *= 1e4  # stored [F, C]: channel 7's row
+    after = calibrate.down_input_peaks(config, weights, ids)
+    f, t = config.intermediate_size, len(ids)
+    assert np.sqrt(f) * 0.999 <= after[1] <= np.sqrt(t * f) and after[1] > 1.5 * before[1]
+    assert after[0] == pytest.approx(before[0], rel=1e-5)  # below the change: untouched
+    assert calibrate.massive_downs([10.0, 600.0, 499.9, 500.0]) == [
+        "layer.1.ffn.down.weight", "layer.3.ffn.down.weight"]
+
+
+def test_convert_int8_calibrates_by_default_and_none_keeps_nothing(tmp_path):
+    """int8 without --keep-float32 calibrates (the peaks recorded in index.json's source);
+    `--keep-float32 none` stores every matrix int8 and records no calibration."""
+    import json
+    code, err = _hepti("convert", TINY_GGUF, "--dtype", "int8", "--out", tmp_path / "auto")
+    assert code == 0, err
+    source = json.loads((tmp_path / "auto" / "index.json").read_text())["source"]
+    by = source["keep_float32_by"]
+    assert len(by["down_input_peak_over_rms"]) == 5  # the tiny decoder's layers
+    assert source.get("keep_float32", []) == [
+        f"layer.{i}.ffn.down.weight" for i, p in enumerate(by["down_input_peak_over_rms"])
+        if p >= by["massive"]]
+    code, err = _hepti("convert", TINY_GGUF, "--dtype", "int8", "--keep-float32", "none",
+                       "--out", tmp_path / "none")
+    assert code == 0, err
+    source = json.loads((tmp_path / "none" / "index.json").read_text())["source"]
+    assert "keep_float32_by" not in source and not source.get("keep_float32")

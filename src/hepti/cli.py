@@ -110,11 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bert-base, bert-large, tiny-odd, vit-base, vit-large, mobilenet-v2, "
                           "resnet50, vgg16, llama-1b (a decoder with a small byte-level "
                           "tokenizer), or a config.json path")
-    s.add_argument("--keep-float32", metavar="NAMES", type=_names, default=(),
+    s.add_argument("--keep-float32", metavar="NAMES", type=_names, default=None,
                    help="with --dtype int8 of a GGUF decoder: stored matrices to leave float32, "
                         "comma-separated (e.g. layer.11.ffn.down.weight,layer.28.ffn.down.weight"
-                        ": down matrices fed massive activations; docs/generate.md says which "
-                        "SmolLM2 needs for issue 46's 97%% top-1 agreement, and how to find them)")
+                        "), 'none', or 'auto' (the default): run the float32 model once over a "
+                        "short text and keep the down matrices fed massive activations "
+                        "(SmolLM2: those two; docs/generate.md, int8 accuracy)")
     s.add_argument("--export-hf", metavar="DIR",
                    help="a Llama decoder only: also write it as a Hugging Face folder "
                         "(config.json, model.safetensors, tokenizer files), e.g. for "
@@ -587,7 +588,7 @@ def cmd_convert(args) -> int:
     if args.export_hf or args.export_gguf:
         from hepti.weights.export import check_targets  # local: start-up time (hepti --help)
         check_targets(args.export_hf, args.export_gguf)
-    if args.keep_float32 and (args.random or args.dtype != "int8"):
+    if args.keep_float32 is not None and (args.random or args.dtype != "int8"):
         from hepti.errors import WeightsError  # local: start-up time (hepti --help)
         raise WeightsError("--keep-float32 is for GGUF decoders converted with --dtype int8: "
                            "drop it, or add --dtype int8 for a .gguf source")
@@ -603,7 +604,7 @@ def cmd_convert(args) -> int:
         pth = None  # a torchvision weights file (a CNN), from a package or given
         if (args.from_package and not args.force and _converted_from(out, args.from_package)
                 and _stored_dtype(out) == args.dtype
-                and _stored_keep(out) == sorted(set(args.keep_float32))):
+                and (args.dtype != "int8" or _stored_keep(out, args.keep_float32))):
             print(f"{out} already holds {args.from_package}, converted by hepti; nothing to "
                   "do (pass --force to convert it again)")
             return 0
@@ -621,12 +622,13 @@ def cmd_convert(args) -> int:
             from hepti.errors import WeightsError  # local: start-up time (hepti --help)
             raise WeightsError(f"--dtype {args.dtype} is for BERT, ViT and GGUF decoders; "
                                "a CNN is converted to float32: drop --dtype")
-        if args.keep_float32 and gguf_file is None:
+        if args.keep_float32 is not None and gguf_file is None:
             from hepti.errors import WeightsError  # local: start-up time (hepti --help)
             raise WeightsError("--keep-float32 is for GGUF decoders (with --dtype int8): drop it")
         if gguf_file is not None:
             from hepti.weights.gguf import convert_gguf, convert_gguf_package  # local: start-up
-            kw.update(dtype=args.dtype, keep_float32=args.keep_float32)
+            kw.update(dtype=args.dtype, keep_float32=("auto" if args.keep_float32 is None
+                                                      else args.keep_float32))
             if args.from_package:
                 convert_gguf_package(out, args.from_package, gguf_file, **kw)
             else:
@@ -657,18 +659,27 @@ def _stored_dtype(out) -> str | None:
         return None
 
 
-def _stored_keep(out) -> list[str]:
-    """The matrices an int8 decoder folder keeps float32 (`--keep-float32`), as recorded."""
+def _stored_keep(out, asked) -> bool:
+    """Whether an int8 folder keeps float32 what `--keep-float32` asks now: the names given,
+    or (auto, the default) what a calibration chose, as index.json records."""
     import json  # local: start-up time (hepti --help)
     try:
-        return json.loads((out / "index.json").read_text())["source"].get("keep_float32", [])
+        source = json.loads((out / "index.json").read_text())["source"]
+        kept = source.get("keep_float32", [])
     except (OSError, ValueError, KeyError, AttributeError):
-        return []
+        return False
+    if asked is None or asked == "auto":
+        return "keep_float32_by" in source
+    return kept == sorted(set(asked))
 
 
-def _names(text: str) -> tuple[str, ...]:
-    """A comma-separated list of stored tensor names (empty items dropped)."""
-    return tuple(n.strip() for n in text.split(",") if n.strip())
+def _names(text: str) -> tuple[str, ...] | str:
+    """A comma-separated list of stored tensor names (empty items dropped), or "auto";
+    "none" is the empty list."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if names in (("auto",), ("none",)):
+        return "auto" if names == ("auto",) else ()
+    return names
 
 
 def _converted_from(out, package: str) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,7 +36,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from hepti.errors import WeightsError
 from hepti.model.llama import LlamaConfig
-from hepti.weights import decoder, layout
+from hepti.weights import calibrate, decoder, layout
 from hepti.weights.package import package_files
 from hepti.weights.writer import TensorSpec, write_model
 
@@ -317,20 +318,26 @@ def build_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[
 def convert_gguf(src: str | Path, out: str | Path, *, shard_layers: int | None = 4,
                  max_shard_bytes: int | None = None, progress: bool = True,
                  overwrite: bool = False, source: dict | None = None,
-                 dtype: str = layout.DTYPE, keep_float32: Iterable[str] = ()) -> Path:
+                 dtype: str = layout.DTYPE, keep_float32: Iterable[str] | str = "auto") -> Path:
     """Convert the GGUF file `src` into the folder `out` (shard-*.h5, index.json,
     tokenizer.json, tokenizer_config.json); returns `out`. dtype "int8" stores the matrices
     (but those named in `keep_float32`, recorded in index.json's source as "keep_float32")
     as int8 with per-group scales (`hepti.weights.decoder.int8_tensors`): each is dequantised
     to float32 first, then quantised in hepti's groups (64; 32 for down) along the axis ranks
     never slice (a GGUF's own blocks run along the stored rows of some matrices and across them
-    in others, after the transposes of o and down, so they are not kept as they are)."""
+    in others, after the transposes of o and down, so they are not kept as they are).
+    keep_float32="auto" (int8 only) finds them by running the float32 model on a short text
+    (`hepti.weights.calibrate`), and records each layer's peak in index.json's source."""
     src, out = Path(src), Path(out)
-    keep_float32 = sorted(set(keep_float32))
+    auto = keep_float32 == "auto"
+    keep_float32 = [] if auto else sorted(set(keep_float32))
     if keep_float32 and dtype != layout.INT8:
         raise WeightsError("--keep-float32 names matrices to leave out of --dtype int8; "
                            "a float32 conversion keeps them all: drop --keep-float32")
     g = GGUFFile(src)
+    peaks = None
+    if auto and dtype == layout.INT8:
+        keep_float32, peaks = _calibrate(g, progress)
     quantized = decoder.int8_tensors(g.config, keep_float32)  # checks the names before writing
     tokenizer = g.tokenizer()
     specs = []
@@ -347,6 +354,9 @@ def convert_gguf(src: str | Path, out: str | Path, *, shard_layers: int | None =
             "tensor_types": types, **(source or {})}
     if keep_float32:
         meta["keep_float32"] = keep_float32
+    if peaks is not None:  # how --keep-float32 auto chose (hepti.weights.calibrate)
+        meta["keep_float32_by"] = {"text": calibrate.TEXT.name, "massive": calibrate.MASSIVE,
+                                   "down_input_peak_over_rms": [round(p, 1) for p in peaks]}
     with tempfile.TemporaryDirectory(prefix="hepti-gguf-") as tmp:
         files = {}
         if tokenizer is not None:
@@ -361,6 +371,32 @@ def convert_gguf(src: str | Path, out: str | Path, *, shard_layers: int | None =
                            desc=f"convert {g.config.name or src.stem}",
                            chunk_rows=decoder.chunk_rows, dtype=dtype,
                            quantized=quantized)
+
+
+def _calibrate(g: GGUFFile, progress: bool) -> tuple[list[str], list[float]]:
+    """`--keep-float32 auto`: the float32 model from the GGUF, run once over the calibration
+    text; the `down` matrices fed massive activations (hepti.weights.calibrate)."""
+    tokenizer = g.tokenizer()
+    if tokenizer is None:
+        raise WeightsError(f"{g.path.name} has no tokenizer to run the calibration text "
+                           "through; name the matrices to keep float32 (--keep-float32 "
+                           "NAMES, or none)")
+    shapes = decoder.expected_shapes(g.config)
+    if progress:
+        print(f"calibrating: a float32 prefill of {calibrate.TEXT.name} finds the down matrices "
+              "int8 would hurt (--keep-float32 auto)", file=sys.stderr, flush=True)
+    weights = {}
+    for stored, shape in shapes.items():
+        name = g.sources[stored]
+        weights[stored] = _Rows(g, name, g.stored_name(name)[1])(0, shape[0])
+    peaks = calibrate.down_input_peaks(g.config, weights,
+                                       calibrate.calibration_ids(tokenizer, g.config))
+    keep = calibrate.massive_downs(peaks)
+    if progress:
+        print(f"calibrating: keeping float32 {', '.join(keep) if keep else 'nothing'} (peak/RMS "
+              f"of down's input >= {calibrate.MASSIVE:.0f}; the largest "
+              f"{max(peaks):.0f})", file=sys.stderr, flush=True)
+    return keep, peaks
 
 
 def find_package_gguf(package: str) -> Path | None:
