@@ -160,7 +160,8 @@ def test_band_executor_runs_blocks_fused_where_it_can(groups):
     got = ex.forward(x)
     want = ex.forward(x, counter=AllocationCounter())
     np.testing.assert_array_equal(got, want)
-    fused = {grp.ops[j][0].name: k for grp in ex.program(48, 40) for j, k in getattr(grp, "fused", {}).items()}
+    fused = {grp.ops[j][0].name: k for grp in ex.program(48, 40)
+             for j, k in getattr(grp, "fused", {}).items()}
     if groups == "by_op":
         assert fused == {}
     else:

@@ -7,8 +7,9 @@ x, y NHWC float32. A tile of output rows [o0, o1) of the depthwise conv reads ex
 those rows of x are expanded into ebuf (`_conv_rows` of hepti.kernels.conv on the slice of x,
 a 1x1 GeMM whose result stays in cache), the depthwise kernel (`_depthwise`) reads them
 into dbuf, and the project GeMM writes the tile's rows of y (bias and residual in its
-epilogue). Expanded rows shared by two tiles (the halo) are computed by both: `tile_rows`
-chooses tiles big enough that this costs little and small enough for L2.
+epilogue). The expanded rows two tiles share (the 3x3's halo: 2 rows at stride 1, 1 at
+stride 2) are expanded once: they move to the top of ebuf and only the tile's new rows are
+expanded after them. `tile_rows` chooses the rows per tile.
 
 Padding is per side (top, bottom) like the convolutions', so that a band of output rows can
 be computed from a band of input rows (the height split: docs/cnn.md). The arithmetic is
@@ -17,7 +18,6 @@ conv2d -> depthwise_conv2d -> conv2d exactly (bar fastmath's freedom).
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit
 
@@ -29,7 +29,7 @@ from hepti.kernels.conv import (_MODE_DIRECT, _MODE_ROWS, ConvWeight, _conv_rows
                                 _depthwise, _nhwc, _out4, _residual)
 
 TILE_BYTES = 1 << 20  # expanded + depthwise rows of one tile aimed at (Zen 4's L2)
-MIN_TILE = {1: 8, 2: 4}  # output rows: the halo's recomputed expand rows at most ~1/4
+MIN_TILE = {1: 8, 2: 4}  # output rows: fewer paid a tile's fixed costs too often
 
 
 def _mode_1x1(wo: int) -> int:
@@ -39,11 +39,12 @@ def _mode_1x1(wo: int) -> int:
 
 def tile_rows(h: int, w: int, hid: int, stride: int, ho: int, target: int = TILE_BYTES) -> int:
     """Output rows per tile: the most whose expanded rows (stride * rows + 2) and depthwise
-    rows fit `target` bytes, but at least MIN_TILE[stride] (the 2 halo rows a tile's expand
-    recomputes cost little then), at most ho. Measured on MobileNetV2 at 224 (interleaved,
-    each block fused against its three ops): tiles of 2 rows lost to the recomputed halo on
-    every 28x28 and smaller map; 8-16 rows and the whole map were the fastest, within noise
-    of each other."""
+    rows fit `target` bytes, but at least MIN_TILE[stride], at most ho. Measured on
+    MobileNetV2 at 224 (each block fused against its three ops, interleaved, load average
+    5 on 2 cores, so +-30% noise): tiles of 1-2 rows lost to their fixed costs (three kernel
+    calls, the halo moved up); 8-16 rows and the whole map were the fastest, alike within
+    noise. Before the halo rows were kept (each tile expanding its own), tiles of 2 lost to
+    the recomputed rows on every map of 28x28 and smaller."""
     wo = (w - 1) // stride + 1
     per = 4 * hid * (stride * w + wo)  # one more output row: its expanded and depthwise rows
     fixed = 4 * hid * w * 2
@@ -57,22 +58,32 @@ def _block(x, dims, we, be, taps, bd, wp, bp, res, has_res, y, t_rows, ebuf, dbu
     dims = (n, h, w, cin, hid, cout, ho, wo, stride, pad_top, has_expand)."""
     n, h, w, cin, hid, cout, ho, wo, s, pt, has_expand = dims
     empty = y[:0]
+    row = w * hid
     for b in range(n):
+        lo = hi = 0  # the expanded rows [lo, hi) in ebuf, from its start
         for o0 in range(0, ho, t_rows):
             o1 = min(ho, o0 + t_rows)
             i0 = max(o0 * s - pt, 0)
             i1 = min((o1 - 1) * s - pt + 3, h)
             ne = i1 - i0
-            me = ne * w
-            xs = x[(b * h + i0) * w * cin:(b * h + i1) * w * cin]
             if has_expand:
-                geo_e = (1, ne, w, cin, ne, w, 1, 1, 1, 1, 0, 0, 1, 1, cin)
-                _conv_rows(xs, geo_e, 1, cin, hid, we, ebuf, hid, 0, 1, me, me,
-                           (me, blocks_e[1], blocks_e[2], blocks_e[3]),
-                           (be, True, False, empty, 0, hid, False), 2, mode_e, ws_e)
+                keep = hi - i0 if lo <= i0 < hi else 0  # the halo rows expanded already
+                if keep and i0 > lo:  # moved to the top (forward: the source is after)
+                    src = (i0 - lo) * row
+                    for q in range(keep * row):
+                        ebuf[q] = ebuf[src + q]
+                if i1 > i0 + keep:
+                    me = (i1 - i0 - keep) * w
+                    xs = x[(b * h + i0 + keep) * w * cin:(b * h + i1) * w * cin]
+                    geo_e = (1, i1 - i0 - keep, w, cin, i1 - i0 - keep, w, 1, 1, 1, 1, 0, 0, 1,
+                             1, cin)
+                    _conv_rows(xs, geo_e, 1, cin, hid, we, ebuf[keep * row:ne * row], hid, 0, 1,
+                               me, me, (me, blocks_e[1], blocks_e[2], blocks_e[3]),
+                               (be, True, False, empty, 0, hid, False), 2, mode_e, ws_e)
+                lo, hi = i0, i1
                 e = ebuf
             else:
-                e = xs
+                e = x[(b * h + i0) * w * cin:(b * h + i1) * w * cin]
             nt = o1 - o0
             geo_d = (1, ne, w, hid, nt, wo, 3, 3, s, s, i0 - (o0 * s - pt), 1, 1, 1, 1)
             _depthwise(e, geo_d, taps, bd, empty, False, 2, dbuf, 0, nt)
