@@ -86,9 +86,12 @@ def test_mobilenet_bands_equal_single(mobilenet_dir):
         if i == n or g.ops[i].name.split(".")[1] != g.ops[i - 1].name.split(".")[1]:
             blocks.append((at, i))
             at = i
-    for split in [Split((0.65, 0.35)), Split((0.5, 0.5), groups=tuple(blocks))]:
+    # one op a group (the blocks run op by op), a group per block and the whole net as one
+    # group (each block one kernel, hepti.kernels.inverted, on a band with its halo)
+    for split in [Split((0.65, 0.35)), Split((0.5, 0.5), groups=tuple(blocks)),
+                  Split((0.3, 0.7), groups=((0, n),))]:
         want, got = _both(mobilenet_dir, split, e["image_pixels"])
-        _check(want, got, f"mobilenet {split.ratios} {'fused' if split.groups else ''}")
+        _check(want, got, f"mobilenet {split.ratios} {split.groups and len(split.groups)}")
 
 
 @pytest.mark.parametrize("groups", [None, "fused", "channels"])

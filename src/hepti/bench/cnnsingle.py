@@ -567,7 +567,7 @@ def bench_model(name: str, folder: Path, size: int, rounds: int, warmup: int, ha
     slower = res["ratio"].get("hepti/torch", 0) > 1.0
     if "torch" in runs and (profile == "on" or (profile == "auto" and slower)):
         log(f"{name}: profiling op by op ({profile_rounds} rounds)")
-        res["profile"] = profile_ops(hepti, graph, state, size, profile_rounds)
+        res["profile"] = profile_ops(hepti.model, graph, state, size, profile_rounds)
         log(format_gaps(name, res["profile"]))
     return res
 

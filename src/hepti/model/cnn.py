@@ -12,6 +12,7 @@ import numpy as np
 
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL, Graph, build
 from hepti import kernels as K
+from hepti.kernels.inverted import inverted_residual
 
 
 class Weights:
@@ -99,6 +100,37 @@ def apply(op, x: np.ndarray, weights: Weights, residual: np.ndarray | None = Non
     raise ValueError(f"{op.name}: unknown op kind {op.kind!r}")
 
 
+def inverted_block(ops) -> bool:
+    """Whether `ops` (2 or 3 consecutive ops) are one MobileNetV2 inverted-residual block that
+    hepti.kernels.inverted runs as one kernel: [expand 1x1 + ReLU6,] depthwise 3x3 (stride 1
+    or 2, padding 1) + ReLU6, project 1x1 (its residual, if any, added in its epilogue), each
+    reading the one before."""
+    if len(ops) not in (2, 3) or any(op.kind != CONV for op in ops):
+        return False
+    *e, d, p = ops
+    plain = lambda op: (op.kernel == 1 and op.stride == 1 and op.padding == 0  # noqa: E731
+                        and op.groups == 1 and op.dilation == 1)
+    if e and not (plain(e[0]) and e[0].act == "relu6" and e[0].residual is None
+                  and d.input == e[0].output):
+        return False
+    return (d.depthwise and d.kernel == 3 and d.stride in (1, 2) and d.padding == 1
+            and d.dilation == 1 and d.act == "relu6" and d.residual is None
+            and plain(p) and not p.act and p.input == d.output)
+
+
+def apply_inverted(ops, x: np.ndarray, weights: Weights, residual: np.ndarray | None = None,
+                   pad: tuple[int, int] | None = None, out: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """An `inverted_block`'s ops on x as one kernel (hepti.kernels.inverted): the project's
+    output, what `apply` on each op in turn makes. `pad`: the depthwise's (top, bottom), x
+    then the band of input rows that the project's output rows read (as `apply`'s)."""
+    *e, d, p = ops
+    we, be = weights.conv[e[0].name] if e else (None, None)
+    (wd, bd), (wp, bp) = weights.conv[d.name], weights.conv[p.name]
+    return inverted_residual(x, we, be, wd, bd, wp, bp, d.stride,
+                             (d.padding, d.padding) if pad is None else pad, residual, out)
+
+
 def adaptive_avg_pool(x: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:
     """torch's adaptive_avg_pool2d on NHWC x: output cell (i, j) averages input rows
     [floor(i H / oh), ceil((i + 1) H / oh)) and the columns likewise (cells overlap when the
@@ -146,8 +178,9 @@ def load_kernels(threads: int = 1) -> None:
     running each once on tiny random arrays, as hepti.model.bert.load_kernels does for the
     encoders. The kernels' Numba signatures depend on dtypes and ranks, not on sizes or on the
     model (the conv's path, rows or implicit im2col, is a run-time argument of one function), so
-    a 1x1, a 3x3 at stride 2 with a residual, a depthwise 3x3, the pools and the head's GeMM
-    cover MobileNetV2, ResNet-50 and VGG-16 alike, on one rank or on bands of rows."""
+    a 1x1, a 3x3 at stride 2 with a residual, a depthwise 3x3, an inverted-residual block
+    (hepti.kernels.inverted), the pools and the head's GeMM cover MobileNetV2, ResNet-50 and
+    VGG-16 alike, on one rank or on bands of rows."""
     rng = np.random.default_rng(0)
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     x = r(1, 8, 8, 16)  # NHWC
@@ -159,6 +192,9 @@ def load_kernels(threads: int = 1) -> None:
     dw = K.pack_conv_weight(r(16, 1, 3, 3), groups=16)
     y = K.conv2d(y, dw, r(16), 1, 1, relu="relu6", residual=y.copy(), threads=threads)
     y = K.conv2d(y, dw, r(16), 2, 1, threads=threads)
+    pw = K.pack_conv_weight(r(16, 16, 1, 1))  # an inverted-residual block, fused (bands.py)
+    inverted_residual(x, pw, r(16), dw, r(16), pw, r(16), 1, (1, 0), residual=r(1, 7, 8, 16))
+    inverted_residual(x, None, None, dw, r(16), pw, r(16), 2)
     K.max_pool2d(x, 3, 2, 1, out=np.empty((1, 4, 4, 16), np.float32))
     K.avg_pool2d(x, 2)
     v = K.global_avg_pool(x)

@@ -58,7 +58,7 @@ from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, fir
                                gaps, head_rows, hold, needs, out_channels, owned,  # noqa: F401
                                spatial_ops, union)
 from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo, from_cnn
-from hepti.model.cnn import adaptive_avg_pool, apply
+from hepti.model.cnn import adaptive_avg_pool, apply, apply_inverted, inverted_block
 from hepti.model.livebytes import track
 from hepti.order.search import executor_order
 
@@ -293,11 +293,18 @@ class BandExecutor:
                             del have[t]
                     step += 1
                 continue
+            fused = {} if counter is not None or self.threads != 1 else \
+                self._fusions(grp, taps)
             with comm.tracer.span(grp.name, "compute"):
-                for op, r, (i0, i1), pad, frees, _, alloc in grp.ops:
+                skip = 0
+                for j, (op, r, (i0, i1), pad, frees, _, alloc) in enumerate(grp.ops):
                     if counter is not None:  # the step an allocation is charged to
                         running[0] = op.name
-                    if r is not None:
+                    if skip:  # inside a block run as one kernel: its input already let go
+                        skip -= 1
+                    elif j in fused:
+                        skip = self._run_fused(grp.ops[j:j + fused[j]], have, shapes, taps)
+                    elif r is not None:
                         x = have[op.input].rows(i0, i1)
                         res = have[op.residual].rows(*r) if op.residual is not None else None
                         buf = out = None
@@ -319,6 +326,61 @@ class BandExecutor:
                             del have[t]
                     step += 1
         return self._tail(have, shapes, n, step, running)
+
+    def _fusions(self, grp: "_Group", taps: dict | None) -> dict[int, int]:
+        """{position in grp.ops: its length} of each MobileNetV2 inverted-residual block
+        (hepti.model.cnn `inverted_block`) this rank can run as one kernel: its ops next to
+        each other in the group's sequence, each with rows to make, the block's inner maps
+        read by the next op alone (let go at it, not widened for a later group, not tapped),
+        and each op's input rows the previous op's output rows. Elsewhere (the ops in
+        different groups, a split by channels, one op's rows none) the ops run one by one."""
+        if not hasattr(grp, "fused"):
+            out, ops, j = {}, grp.ops, 0
+            while j < len(ops):
+                for k in (3, 2):
+                    run = ops[j:j + k]
+                    if len(run) == k and inverted_block([e[0] for e in run]) and all(
+                            e[1] is not None and e[5] is None for e in run) and all(
+                            a[6] is None and a[0].output in b[4] and b[2] == a[1]
+                            for a, b in zip(run, run[1:])):
+                        out[j] = k
+                        j += k - 1
+                        break
+                j += 1
+            grp.fused = out
+        if not taps:
+            return grp.fused
+        return {j: k for j, k in grp.fused.items()
+                if not any(e[0].output in taps for e in grp.ops[j:j + k - 1])}
+
+    def _run_fused(self, run, have, shapes, taps) -> int:
+        """One inverted-residual block (`_fusions`) on this rank's bands: the project's rows,
+        from the expand's input rows, as `apply` on each op would make them. Returns how many
+        of the group's next entries it ran (len(run) - 1)."""
+        ops = [e[0] for e in run]
+        first, dw, last = run[0], run[-2], run[-1]
+        x = have[ops[0].input].rows(*first[2])
+        res = have[ops[-1].residual].rows(*last[1]) if ops[-1].residual is not None else None
+        alloc, r, out, buf = last[6], last[1], None, None
+        if alloc is not None and x.shape[0] == 1:  # room for the halos to come
+            buf = np.empty((1, alloc[1] - alloc[0]) + tuple(shapes[ops[-1].output][1:]),
+                           np.float32)
+            out = buf[:, r[0] - alloc[0]:r[1] - alloc[0]]
+        for op in ops:
+            self.weights.fetch(op.name)  # a streamed conv's, else nothing
+        y = apply_inverted(ops, np.ascontiguousarray(x), self.weights,
+                           None if res is None else np.ascontiguousarray(res), pad=dw[3],
+                           out=out)
+        for op in ops:
+            self.weights.drop(op.name)
+        have[ops[-1].output] = Band(r[0], y) if buf is None else Band(r[0], y, alloc[0], buf)
+        if taps is not None and ops[-1].output in taps:
+            taps[ops[-1].output] = y
+        for e in run:
+            for t in e[4]:
+                if t in have:
+                    del have[t]
+        return len(run) - 1
 
     def _by_channels(self, op, chan, have, shapes, n) -> np.ndarray:
         """This rank's output channels [c0, c1) of op over the whole map, from the whole

@@ -1,0 +1,154 @@
+"""MobileNetV2's inverted-residual block as one kernel: expand (1x1 + bias + ReLU6) ->
+depthwise 3x3 (+ bias + ReLU6) -> project (1x1 + bias, + residual), run by tiles of output
+rows so that the expanded tensor (6x the block's input) is only ever a few rows, in L2.
+
+x, y NHWC float32. A tile of output rows [o0, o1) of the depthwise conv reads expanded rows
+[i0, i1) (the 3x3's halo: one row above and below at stride 1; 2 * rows + 1 at stride 2):
+those rows of x are expanded into ebuf (`_conv_rows` of hepti.kernels.conv on the slice of x,
+a 1x1 GeMM whose result stays in cache), the depthwise kernel (`_depthwise`) reads them
+into dbuf, and the project GeMM writes the tile's rows of y (bias and residual in its
+epilogue). The expanded rows two tiles share (the 3x3's halo: 2 rows at stride 1, 1 at
+stride 2) are expanded once: they move to the top of ebuf and only the tile's new rows are
+expanded after them. `tile_rows` chooses the rows per tile.
+
+Padding is per side (top, bottom) like the convolutions', so that a band of output rows can
+be computed from a band of input rows (the height split: docs/cnn.md). The arithmetic is
+the three separate kernels', summed in the same order: the results agree with
+conv2d -> depthwise_conv2d -> conv2d exactly (bar fastmath's freedom).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from hepti.kernels import config
+from hepti.kernels._microkernels import MR
+from hepti.kernels._views import pad16, vector
+from hepti.kernels.config import FASTMATH_GEMM, JIT
+from hepti.kernels.conv import (_MODE_DIRECT, _MODE_ROWS, ConvWeight, _conv_rows, _conv_sizes,
+                                _depthwise, _nhwc, _out4, _residual)
+
+TILE_BYTES = 1 << 20  # expanded + depthwise rows of one tile aimed at (Zen 4's L2)
+MIN_TILE = {1: 8, 2: 4}  # output rows: fewer paid a tile's fixed costs too often
+
+
+def _mode_1x1(wo: int) -> int:
+    """How conv2d forms A for a plain 1x1 over rows wo wide (conv2d's own choice)."""
+    return _MODE_ROWS if wo >= MR and wo % MR == 0 else _MODE_DIRECT
+
+
+def tile_rows(h: int, w: int, hid: int, stride: int, ho: int, target: int = TILE_BYTES) -> int:
+    """Output rows per tile: the most whose expanded rows (stride * rows + 2) and depthwise
+    rows fit `target` bytes, but at least MIN_TILE[stride], at most ho. Measured on
+    MobileNetV2 at 224 (each block fused against its three ops, interleaved, load average
+    5 on 2 cores, so +-30% noise): tiles of 1-2 rows lost to their fixed costs (three kernel
+    calls, the halo moved up); 8-16 rows and the whole map were the fastest, alike within
+    noise. Before the halo rows were kept (each tile expanding its own), tiles of 2 lost to
+    the recomputed rows on every map of 28x28 and smaller."""
+    wo = (w - 1) // stride + 1
+    per = 4 * hid * (stride * w + wo)  # one more output row: its expanded and depthwise rows
+    fixed = 4 * hid * w * 2
+    return int(max(1, min(ho, max(MIN_TILE[stride], (target - fixed) // per))))
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _block(x, dims, we, be, taps, bd, wp, bp, res, has_res, y, t_rows, ebuf, dbuf, ws_e,
+           ws_p, mode_e, mode_p, blocks_e, blocks_p):
+    """y = the block over x (flat NHWC arrays), tile by tile (t_rows output rows each).
+    dims = (n, h, w, cin, hid, cout, ho, wo, stride, pad_top, has_expand)."""
+    n, h, w, cin, hid, cout, ho, wo, s, pt, has_expand = dims
+    empty = y[:0]
+    row = w * hid
+    for b in range(n):
+        lo = hi = 0  # the expanded rows [lo, hi) in ebuf, from its start
+        for o0 in range(0, ho, t_rows):
+            o1 = min(ho, o0 + t_rows)
+            i0 = max(o0 * s - pt, 0)
+            i1 = min((o1 - 1) * s - pt + 3, h)
+            ne = i1 - i0
+            if has_expand:
+                keep = hi - i0 if lo <= i0 < hi else 0  # the halo rows expanded already
+                if keep and i0 > lo:  # moved to the top (forward: the source is after)
+                    src = (i0 - lo) * row
+                    for q in range(keep * row):
+                        ebuf[q] = ebuf[src + q]
+                if i1 > i0 + keep:
+                    me = (i1 - i0 - keep) * w
+                    xs = x[(b * h + i0 + keep) * w * cin:(b * h + i1) * w * cin]
+                    geo_e = (1, i1 - i0 - keep, w, cin, i1 - i0 - keep, w, 1, 1, 1, 1, 0, 0, 1,
+                             1, cin)
+                    _conv_rows(xs, geo_e, 1, cin, hid, we, ebuf[keep * row:ne * row], hid, 0, 1,
+                               me, me, (me, blocks_e[1], blocks_e[2], blocks_e[3]),
+                               (be, True, False, empty, 0, hid, False), 2, mode_e, ws_e)
+                lo, hi = i0, i1
+                e = ebuf
+            else:
+                e = x[(b * h + i0) * w * cin:(b * h + i1) * w * cin]
+            nt = o1 - o0
+            geo_d = (1, ne, w, hid, nt, wo, 3, 3, s, s, i0 - (o0 * s - pt), 1, 1, 1, 1)
+            _depthwise(e, geo_d, taps, bd, empty, False, 2, dbuf, 0, nt)
+            mp = nt * wo
+            geo_p = (1, nt, wo, hid, nt, wo, 1, 1, 1, 1, 0, 0, 1, 1, hid)
+            y_off = (b * ho + o0) * wo * cout
+            _conv_rows(dbuf, geo_p, 1, hid, cout, wp, y[y_off:y_off + mp * cout], cout, 0, 1,
+                       mp, mp, (mp, blocks_p[1], blocks_p[2], blocks_p[3]),
+                       (bp, True, False, res, y_off, cout, has_res), 0, mode_p, ws_p)
+
+
+def inverted_residual(x: np.ndarray, expand, expand_bias, dw: ConvWeight, dw_bias,
+                      project: ConvWeight, project_bias, stride: int = 1,
+                      padding: tuple[int, int] = (1, 1), residual: np.ndarray | None = None,
+                      out: np.ndarray | None = None, tile: int = 0) -> np.ndarray:
+    """y = project(relu6(dw3x3(relu6(expand(x) + be)) + bd)) + bp (+ residual), x float32
+    [N, H, W, Cin] (NHWC), by tiles of output rows. expand: a 1x1 ConvWeight (Cin -> hid) or
+    None (MobileNetV2's first block, t = 1: x is then the depthwise's input); dw: a depthwise
+    3x3 ConvWeight of hid channels; project: a 1x1 ConvWeight hid -> Cout. padding: the
+    depthwise's (top, bottom) rows (1, 1 on a whole map; a band's own, where it meets the
+    image's border, else 0); left and right are 1. tile: output rows per tile (0: `tile_rows`).
+    One thread."""
+    x = _nhwc(x)
+    n, h, w, cin = x.shape
+    if not dw.depthwise or (dw.kh, dw.kw) != (3, 3):
+        raise ValueError(f"dw must be a depthwise 3x3 weight, got {dw!r}")
+    hid = dw.cout
+    if expand is not None:
+        if expand.depthwise or (expand.kh, expand.kw, expand.cin, expand.cout) != (1, 1, cin, hid):
+            raise ValueError(f"expand must be a 1x1 conv {cin} -> {hid}, got {expand!r}")
+    elif cin != hid:
+        raise ValueError(f"without an expand, x's {cin} channels must be the depthwise's {hid}")
+    if project.depthwise or (project.kh, project.kw, project.cin) != (1, 1, hid):
+        raise ValueError(f"project must be a 1x1 conv from {hid} channels, got {project!r}")
+    if stride not in (1, 2):
+        raise ValueError(f"stride must be 1 or 2, got {stride}")
+    pt, pb = (int(padding[0]), int(padding[1]))
+    if not (0 <= pt <= 1 and 0 <= pb <= 1):
+        raise ValueError(f"padding (top, bottom) must be 0 or 1 each, got {padding}")
+    cout = project.cout
+    ho = (h + pt + pb - 3) // stride + 1
+    wo = (w + 2 - 3) // stride + 1
+    if ho < 1 or wo < 1:
+        raise ValueError(f"x {x.shape} is too small for a 3x3 at stride {stride}, "
+                         f"padding {padding}")
+    y = _out4(out, (n, ho, wo, cout))
+    if np.shares_memory(y, x):
+        raise ValueError("out overlaps x: pass a separate output buffer")
+    res = _residual(residual, y.shape, y)
+    t = int(tile) if tile else tile_rows(h, w, hid, stride, ho)
+    t = max(1, min(t, ho))
+    ne_max = min(h, (t - 1) * stride + 3)
+    mode_e, mode_p = _mode_1x1(w), _mode_1x1(wo)
+    se = _conv_sizes(ne_max * w, cin, mode_e, w) if expand is not None else (0, 0, 0)
+    sp = _conv_sizes(t * wo, hid, mode_p, wo)
+    ebuf = np.empty(ne_max * w * hid if expand is not None else 0, np.float32)
+    dbuf = np.empty(t * wo * hid, np.float32)
+    ws_e = np.empty(sum(pad16(v) for v in se), np.float32)
+    ws_p = np.empty(sum(pad16(v) for v in sp), np.float32)
+    blocks = (0, config.KC, 1, config.PREFETCH_ROWS)
+    we = expand.panels if expand is not None else project.panels
+    be = vector(expand_bias, "expand_bias", hid) if expand is not None else \
+        np.zeros(hid, np.float32)
+    dims = (n, h, w, cin, hid, cout, ho, wo, stride, pt, expand is not None)
+    _block(x.reshape(-1), dims, we, be, dw.taps, vector(dw_bias, "dw_bias", hid), project.panels,
+           vector(project_bias, "project_bias", cout), res, residual is not None, y.reshape(-1),
+           t, ebuf, dbuf, ws_e, ws_p, mode_e, mode_p, blocks, blocks)
+    return y

@@ -1,0 +1,173 @@
+"""MobileNetV2's inverted-residual block as one kernel (hepti.kernels.inverted) against its
+float64 twin (hepti.kernels.naive's convolutions in a chain) and against the three separate
+float32 kernels (the same arithmetic in the same order: equal bit for bit), and the band
+executor running it (hepti.parallel.bands) against the ops one by one.
+
+Shapes: stride 1 and 2, with and without the expand (MobileNetV2's first block), a residual,
+batch 2, rows a multiple of MR wide (the 1x1s read x in place) and not, a band's own top and
+bottom padding (0 or 1 each), tiles of 1 row, a few rows and the whole map."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hepti.kernels import conv2d, naive, pack_conv_weight
+from hepti.kernels.inverted import inverted_residual, tile_rows
+
+RNG = np.random.default_rng(20261129)
+
+
+def rand(*shape, scale=1.0) -> np.ndarray:
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def block(cin, hid, cout, expand=True):
+    """Weights of one block: [(torch weight, bias)] for expand (if any), depthwise, project."""
+    ws = [(rand(hid, cin, 1, 1, scale=1 / math.sqrt(cin)), rand(hid))] if expand else []
+    ws.append((rand(hid, 1, 3, 3, scale=1 / 3), rand(hid)))
+    ws.append((rand(cout, hid, 1, 1, scale=1 / math.sqrt(hid)), rand(cout)))
+    return ws
+
+
+def packed(ws):
+    *e, d, p = ws
+    out = [(pack_conv_weight(e[0][0]), e[0][1])] if e else [(None, None)]
+    out.append((pack_conv_weight(d[0], groups=d[0].shape[0]), d[1]))
+    out.append((pack_conv_weight(p[0]), p[1]))
+    return [v for pair in out for v in pair]
+
+
+def oracle(x, ws, stride, pad, residual):
+    """The float64 twin, and the same chain of |x| and |w| (the error's scale)."""
+    *e, d, p = ws
+    pad4 = (pad[0], pad[1], 1, 1)
+    t = naive.conv2d(x, e[0][0], e[0][1], relu="relu6") if e else x
+    t = naive.conv2d(t, d[0], d[1], stride, pad4, groups=d[0].shape[0], relu="relu6")
+    y = naive.conv2d(t, p[0], p[1], residual=residual)
+    a = lambda v: None if v is None else np.abs(v)  # noqa: E731
+    s = naive.conv2d(np.abs(x), a(e[0][0]), a(e[0][1])) if e else np.abs(x)
+    s = naive.conv2d(s, a(d[0]), a(d[1]), stride, pad4, groups=d[0].shape[0])
+    s = naive.conv2d(s, a(p[0]), a(p[1]), residual=a(residual))
+    return y, s
+
+
+def separate(x, ws, stride, pad, residual):
+    """The three float32 kernels one after the other (what the executor runs unfused)."""
+    *e, d, p = ws
+    t = conv2d(x, pack_conv_weight(e[0][0]), e[0][1], relu="relu6") if e else x
+    t = conv2d(t, pack_conv_weight(d[0], groups=d[0].shape[0]), d[1], stride,
+               (pad[0], pad[1], 1, 1), relu="relu6")
+    return conv2d(t, pack_conv_weight(p[0]), p[1], residual=residual)
+
+
+# (n, h, w, cin, hid, cout, expand, stride, (pad top, bottom), residual)
+CASES = [
+    (1, 9, 11, 8, 48, 8, True, 1, (1, 1), True),  # rows not a multiple of MR: packed 1x1s
+    (1, 16, 16, 16, 96, 24, True, 2, (1, 1), False),  # 16 wide: the 1x1s read x in place
+    (2, 7, 13, 6, 36, 6, True, 1, (1, 1), True),  # batch 2
+    (1, 12, 8, 16, 16, 8, False, 1, (1, 1), False),  # no expand (MobileNetV2's block 1)
+    (1, 11, 9, 8, 40, 12, True, 2, (1, 0), False),  # a band's padding: top only
+    (1, 10, 16, 8, 40, 8, True, 1, (0, 1), True),  # bottom only
+    (1, 10, 10, 8, 40, 16, True, 2, (0, 0), False),  # inside the map: no padding
+    (1, 3, 5, 8, 24, 8, True, 1, (1, 1), True),  # a map smaller than a tile
+]
+
+
+@pytest.mark.parametrize("n,h,w,cin,hid,cout,expand,stride,pad,res", CASES)
+@pytest.mark.parametrize("tile", [0, 1, 3, 1000])
+def test_inverted_residual_against_float64(n, h, w, cin, hid, cout, expand, stride, pad, res,
+                                           tile):
+    x = rand(n, h, w, cin)
+    ws = block(cin, hid, cout, expand)
+    ho = (h + pad[0] + pad[1] - 3) // stride + 1
+    wo = (w - 1) // stride + 1
+    residual = rand(n, ho, wo, cout) if res else None
+    y = inverted_residual(x, *packed(ws)[:4], *packed(ws)[4:], stride=stride, padding=pad,
+                          residual=residual, tile=tile)
+    ref, scale = oracle(x, ws, stride, pad, residual)
+    assert y.shape == ref.shape == (n, ho, wo, cout)
+    tol = 1e-5 * math.sqrt(9 + cin + hid) * scale + 1e-6
+    err = np.abs(y.astype(np.float64) - ref)
+    assert np.all(err <= tol), f"max error {err.max()} (tolerance there {tol.flat[err.argmax()]})"
+    # the three kernels one by one: the same sums in the same order
+    np.testing.assert_array_equal(y, separate(x, ws, stride, pad, residual))
+
+
+def test_inverted_residual_writes_out():
+    x = rand(1, 8, 8, 8)
+    ws = block(8, 32, 8)
+    out = np.full((1, 8, 8, 8), np.nan, np.float32)
+    y = inverted_residual(x, *packed(ws), stride=1, residual=x, out=out)
+    assert y is out
+    np.testing.assert_array_equal(out, separate(x, ws, 1, (1, 1), x))
+
+
+def test_tile_rows_bounds():
+    assert tile_rows(112, 112, 96, 2, 56) >= 4  # at least MIN_TILE
+    assert tile_rows(7, 7, 960, 1, 7) == 7  # a small map: one tile
+    assert 8 <= tile_rows(56, 56, 144, 1, 56) < 56
+
+
+def test_inverted_residual_rejects_bad_arguments():
+    x = rand(1, 8, 8, 8)
+    e, be, d, bd, p, bp = packed(block(8, 32, 8))
+    with pytest.raises(ValueError, match="expand"):
+        inverted_residual(rand(1, 8, 8, 4), e, be, d, bd, p, bp)
+    with pytest.raises(ValueError, match="depthwise"):
+        inverted_residual(x, e, be, p, bp, p, bp)
+    with pytest.raises(ValueError, match="project"):
+        inverted_residual(x, e, be, d, bd, d, bd)
+    with pytest.raises(ValueError, match="stride"):
+        inverted_residual(x, e, be, d, bd, p, bp, stride=3)
+    with pytest.raises(ValueError, match="padding"):
+        inverted_residual(x, e, be, d, bd, p, bp, padding=(2, 1))
+    with pytest.raises(ValueError, match="without an expand"):
+        inverted_residual(x, None, None, d, bd, p, bp)
+    with pytest.raises(ValueError, match="residual"):
+        inverted_residual(x, e, be, d, bd, p, bp, residual=rand(1, 4, 4, 8))
+    with pytest.raises(ValueError, match="overlaps"):
+        inverted_residual(x, e, be, d, bd, p, bp, out=x)
+
+
+# --- the band executor ------------------------------------------------------------------------
+
+def _tiny_mobilenet():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from order_helpers import pixels, random_cnn
+    return random_cnn("mobilenet_v2"), pixels
+
+
+@pytest.mark.parametrize("groups", ["one", "by_op", "cut"])
+def test_band_executor_runs_blocks_fused_where_it_can(groups):
+    """The executor runs each inverted-residual block whose ops share a group as one kernel,
+    the logits equal (bit for bit) to the ops one by one (what it runs with a counter); with
+    one op a group, or a block cut by a group's end, it runs the ops one by one."""
+    from hepti.graph.split import Split, spatial_ops
+    from hepti.model.livebytes import AllocationCounter
+    from hepti.parallel.bands import BandExecutor
+    from hepti.parallel.comm import Comm
+    model, pixels = _tiny_mobilenet()
+    g = model.graph
+    n = spatial_ops(g)
+    split = {"one": Split((1.0,), ((0, n),)), "by_op": Split((1.0,)),
+             "cut": Split((1.0,), ((0, 5), (5, n)))}[groups]  # 5 cuts block 2 after its dw
+    ex = BandExecutor(Comm(None), g, split, model.weights)
+    x = pixels(1, 48, 40)
+    got = ex.forward(x)
+    want = ex.forward(x, counter=AllocationCounter())
+    np.testing.assert_array_equal(got, want)
+    fused = {grp.ops[j][0].name: k for grp in ex.program(48, 40)
+             for j, k in getattr(grp, "fused", {}).items()}
+    if groups == "by_op":
+        assert fused == {}
+    else:
+        assert fused["features.1.conv.0.0"] == 2 and fused["features.3.conv.0.0"] == 3
+        assert ("features.2.conv.0.0" in fused) == (groups == "one")
+    # a tap on a block's inner map: that block runs op by op, and the tap is its band
+    taps = {"features.3.conv.0": None}
+    np.testing.assert_array_equal(ex.forward(x, taps=taps), want)
+    assert taps["features.3.conv.0"] is not None
