@@ -141,3 +141,43 @@ def test_the_compute_measurements_need_no_communication():
             "import hepti.parallel.profile_links; print('hepti.parallel.comm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr
+
+
+def test_decode_segments_are_a_layers_share_of_gemvs_in_copies_past_the_caches():
+    """The allreduce's calibration times it after a decode layer's GeMVs (profile_links
+    `decode_segments`): the attention's and the MLP's columns at the rank's share, whole
+    groups, int8, in copies that together exceed the cache bytes (at most the cap)."""
+    import numpy as np
+
+    from hepti.kernels.int8 import GROUP
+    from hepti.model.llama import LlamaConfig
+    from hepti.parallel.profile_links import decode_segments
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=512, head_dim=32)
+    rng = np.random.default_rng(0)
+    segs = decode_segments(cfg, 0.5, rng, cold_bytes=1 << 20)
+    attn, mlp = segs[0]
+    assert (attn.k, mlp.k) == (128, 128)
+    assert attn.n == round(0.5 * (2 * 2 + 2) * 32 * 2 / GROUP) * GROUP  # q, k, v, o a KV head
+    assert mlp.n == 0.5 * 3 * 512
+    one = (attn.nbytes + mlp.nbytes)
+    assert len(segs) * one >= (1 << 20) > (len(segs) - 1) * one * 0.9
+    assert len(decode_segments(cfg, 0.01, rng, cold_bytes=1 << 30, max_copies=3)) == 3
+    tiny = decode_segments(cfg, 0.01, rng, cold_bytes=0)  # a share under a group: one group
+    assert tiny[0][0].n == GROUP and tiny[0][1].n == GROUP and len(tiny) == 2
+
+
+def test_cadence_timing_runs_every_layers_two_syncs_after_a_warm_up_layer():
+    """`cadence_allreduce_s` on a group of one: two timed allreduces a layer, the warm-up
+    layer's not counted, each a non-negative time."""
+    import numpy as np
+
+    from hepti.model.llama import LlamaConfig
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.profile_links import cadence_allreduce_s, decode_segments
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=96, head_dim=16)
+    segs = decode_segments(cfg, 1.0, np.random.default_rng(1), cold_bytes=0)
+    times = cadence_allreduce_s(Comm(None), segs, cfg.hidden_size, layers=5)
+    assert len(times) == 10 and all(t >= 0 for t in times)
+

@@ -226,16 +226,90 @@ def _factor(comm, fn, befores, coll: Collective, counts: dict, profile, reps: in
     return float(min(max(measured / modelled, 0.2), 50.0)) if modelled > 0 else 1.0
 
 
+# The one-row allreduce is timed after this many decode layers' segments (an attention and an
+# MLP GeMV, each followed by the sync, as a decode step makes them), and its weights are cycled
+# in at most this many copies (enough to exceed the caches at llama-1b's width; a small model's
+# fit in cache anyway)
+CADENCE_LAYERS, CADENCE_MAX_COPIES = 24, 64
+
+
+def decode_segments(config, share: float, rng, cold_bytes: float = 48 << 20,
+                    max_copies: int = CADENCE_MAX_COPIES) -> list[tuple]:
+    """This rank's two GeMVs of one decode layer at `share` of its weights, int8 (groups of
+    `GROUP`) as x [1, C] times packed [C, n]: the attention's (q, k, v and o: (2G + 2) D per KV
+    head) and the MLP's (3F) columns, at least one group each; in copies that together exceed
+    `cold_bytes` (at most `max_copies`), so that each meets its weights cold, as a decode step
+    meets every layer's."""
+    from hepti.graph.decoder import int8_bytes
+    from hepti.kernels.int8 import GROUP
+    C, D, G = config.hidden_size, config.head_dim, config.group
+    cols = ((2 * G + 2) * D * config.num_key_value_heads, 3 * config.intermediate_size)
+    ns = [max(GROUP, int(round(share * c / GROUP)) * GROUP) for c in cols]
+    one = sum(C * n for n in ns) * int8_bytes(GROUP)
+    copies = int(min(max_copies, max(2, math.ceil(cold_bytes / one))))
+
+    def gemv(n):
+        q = rng.integers(-127, 128, (n, C), dtype=np.int8)
+        scales = rng.random((n, -(-C // GROUP)), dtype=np.float32) * np.float32(1e-3)
+        return K.pack_q(K.QuantMatrix(q, scales, GROUP), trans=True)
+
+    return [tuple(gemv(n) for n in ns) for _ in range(copies)]
+
+
+def cadence_allreduce_s(g: Comm, segments: list[tuple], C: int, layers: int = CADENCE_LAYERS
+                        ) -> list[float]:
+    """Seconds this rank spends in each one-row allreduce of `layers` decode layers, timed as a
+    decode step meets it: each of `segments`' GeMVs (cycled) writes the row and the allreduce
+    follows at once, with no barrier, all inside one work span as `DecoderGroup.generate` runs
+    them. On an emulated device the backlog is paid first (an empty wait span), so each time
+    runs from this rank's arrival to the verb's return: its wait for the last rank to arrive,
+    then the transfer. One layer's warm-up first."""
+    x = np.ones((1, C), np.float32)
+    outs = [np.empty((1, w.n), np.float32) for w in segments[0]]
+    row = np.zeros((1, C), np.float32)
+    k = [min(C, w.n) for w in segments[0]]
+    times: list[float] = []
+    with g.tracer.span("decode cadence", "compute"):
+        for i in range(layers + 1):
+            for j, w in enumerate(segments[i % len(segments)]):
+                K.gemm_any(x, w, out=outs[j])
+                row[0, :k[j]] = outs[j][0, :k[j]]
+                with g.tracer.span("pay", "wait"):  # the stretch's backlog, before arriving
+                    pass
+                t0 = time.perf_counter()
+                g.allreduce_sum(row)
+                if i:
+                    times.append(time.perf_counter() - t0)
+    return times
+
+
 def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30) -> dict:
     """{kind: measured / modelled seconds} for a decode step's collectives, through the verbs
     it calls (hepti.parallel.decoder): "allreduce", the one-row sum of C floats that every
     layer makes twice and the embedding once (`Comm.allreduce_sum`), and "allgather", greedy's
-    (value, index) pair a rank (`Comm.allgather_small`). They are latency-bound, 61 a token for
-    SmolLM2, so the link model's latency, fitted to ping-pongs of MPI's own, prices them only
-    as well as the verbs' fixed costs (Python, the shared-memory slot's handshake, `wait`'s
-    sleeps on a capped rank) match MPI's. Each is timed after a GeMV that makes its buffer (a
-    rank's share of the MLP's down projection at one row, as a decode step has just run) and
-    back to back; the slower counts, as `calibrate_collectives` does for the encoders'."""
+    (value, index) pair a rank (`Comm.allgather_small`). They are latency-bound, 1 + 2L a
+    token, so the link model's latency, fitted to ping-pongs of MPI's own, prices them only as
+    well as the verbs' fixed costs (Python, the shared-memory slot's handshake, `wait`'s sleeps
+    on a capped rank) match MPI's.
+
+    The allreduce is timed as a decode step meets it (`cadence_allreduce_s`): right after a
+    segment of GeMVs, the ranks arriving when their own compute ends, no barrier between; the
+    mean over ranks and calls (a step pays the sum of 1 + 2L of them, so the mean, not the
+    median). Each rank's segments are its share of a layer by its measured int8 GeMV bytes/s
+    (`decode_segments`), so that the ranks arrive together on average and what is timed
+    beyond the transfer is the spread of their arrivals, which a step pays at every sync and
+    the cost model's phases (the slowest rank's mean compute) do not hold. Timed after a
+    barrier, as until 2026-11-29, it missed that: on emu-equal2 (2 x 0.4 core) a decode step's
+    33 syncs took 1.2-2.3 ms each (arrivals 1-2 ms apart: identical GeMVs took 2.0-4.7 ms of
+    CPU from one call to the next on the shared host, stretched 2.5x) against 0.35 ms after a
+    barrier, and the calibration's 0.29 ms priced llama-1b int8 at 8.1 tokens/s where it ran
+    6.1 (h2 of session 53). The segments are int8, the decoders' weights on small boards: a
+    float32 step's segments are about 3.8x longer, and their spread with them.
+    Back to back (after a barrier alone) is timed too, and the slower counts. The allgather
+    is timed after a GeMV and back to back, the slower counting, as `calibrate_collectives`
+    does for the encoders'."""
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
+
     size, rank = comm.Get_size(), comm.Get_rank()
     C = config.hidden_size
     f = max(1, config.intermediate_size // size)
@@ -252,10 +326,19 @@ def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30) -> d
     g = Comm(comm)
     profile = profile_from_dict(prof, "measured profile")
     pair = (1.0, float(rank))
-    probes = {"allreduce": (lambda: g.allreduce_sum(row), C * 4.0),
-              "allgather": (lambda: g.allgather_small(pair), GREEDY_PAIR_BYTES)}
-    factors = {kind: _factor(comm, fn, (compute, lambda: None), Collective(kind, None, nbytes),
-                             {}, profile, reps)
-               for kind, (fn, nbytes) in probes.items()}
+    factors = {"allgather": _factor(comm, lambda: g.allgather_small(pair), (compute, lambda: None),
+                                    Collective("allgather", None, GREEDY_PAIR_BYTES), {},
+                                    profile, reps)}
+    coll = Collective("allreduce", None, C * 4.0)
+    back_to_back = _factor(comm, lambda: g.allreduce_sum(row), (lambda: None,), coll, {},
+                           profile, reps)
+    rates = [d.gemv_bytes_per_s(True) for d in profile.devices]
+    segments = decode_segments(config, rates[rank] / sum(rates), rng)
+    times = cadence_allreduce_s(g, segments, C)
+    del segments
+    mean = comm.allreduce(sum(times), op=MPI.SUM) / comm.allreduce(len(times), op=MPI.SUM)
+    modelled = max(collective_times(coll, {}, [True] * size, profile))
+    cadence = min(max(mean / modelled, 0.2), 50.0) if modelled > 0 else 1.0
+    factors["allreduce"] = float(max(back_to_back, cadence))
     g.close()
     return factors
