@@ -181,3 +181,20 @@ def test_cadence_timing_runs_every_layers_two_syncs_after_a_warm_up_layer():
     times = cadence_allreduce_s(Comm(None), segs, cfg.hidden_size, layers=5)
     assert len(times) == 10 and all(t >= 0 for t in times)
 
+
+def test_a_decode_calls_cost_is_timed_on_a_ranks_layer_shape():
+    """`measure_decode_call` times a layer of a rank's shape at even shares
+    (`decode_call_config`): the whole width and head size, its KV heads (at least one) with
+    their query heads, its MLP columns in whole groups (at least one), and gives a positive
+    cost a call."""
+    from hepti.kernels.int8 import GROUP
+    from hepti.model.llama import LlamaConfig
+    from hepti.parallel.profile_compute import decode_call_config, measure_decode_call
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, intermediate_size=512, head_dim=16)
+    two = decode_call_config(cfg, ranks=2, copies=3, ctx=10)
+    assert (two.hidden_size, two.head_dim, two.num_hidden_layers) == (128, 16, 3)
+    assert (two.num_key_value_heads, two.num_attention_heads, two.intermediate_size) == (2, 4, 256)
+    many = decode_call_config(cfg, ranks=16)
+    assert (many.num_key_value_heads, many.num_attention_heads, many.intermediate_size) == (1, 2, GROUP)
+    assert 0 < measure_decode_call(cfg, ctx=10, ranks=2, cold_bytes=1 << 20) < 0.01

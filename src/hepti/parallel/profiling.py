@@ -19,8 +19,9 @@ will during a run. Per rank:
   step's per-call cost (`measure_decoder`), and the bytes/s of a one-row GeMV in float32 and
   int8, what decode is bound by, timed with every rank at once after a barrier (they share the
   machine's memory bandwidth as they decode: `measure_gemvs`); then the decode step's one-row
-  allreduce and greedy's allgather, calibrated (`calibrate_decoder_collectives`); no encoder
-  layer or weight loading;
+  allreduce (timed right after a decode layer's GeMVs, no barrier: the ranks' spread of
+  arrivals is part of what a step pays at each sync) and greedy's allgather, calibrated
+  (`calibrate_decoder_collectives`); no encoder layer or weight loading;
 - its link: MPI ping-pong with rank 0 at a few message sizes, least-squares fitted to
   one-way time = latency + bytes / bandwidth. Rank 0's own link is taken as the fastest path it
   measured (a star's path is as slow as its slower end).
@@ -98,7 +99,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     barrier(comm)
     decoder = family(config).executor == "decoder"
     if decoder:  # its GeMM table, RMSNorm, a decode call (no encoder layer graph to time)
-        compute = measure_decoder(config, M, threads)
+        compute = measure_decoder(config, M, threads, ranks=size)
         barrier(comm)  # every rank's GeMV at once: they share the memory bandwidth
         compute.update(measure_gemvs(config.hidden_size, threads))
     else:
@@ -252,8 +253,10 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
 # rounds timed for at least `BAND_MIN_S`; 12: the allgathers timed on long messages too,
 # a second line past a link's burst; 13: the speed probe's `probe_s`, and every timing round
 # starts level on an emulated device, `stretch.settle`; 14: a decoder's GeMVs timed on every
-# rank at once, its call overhead on its own layer, its one-row collectives calibrated).
-PROFILER_REVISION = 14
+# rank at once, its call overhead on its own layer, its one-row collectives calibrated; 15: the
+# one-row allreduce timed as a decode step meets it, right after its GeMVs, no barrier, and a
+# decode call's cost on a rank's real layer shape, cold, outside its GeMVs).
+PROFILER_REVISION = 15
 
 
 def cache_dir() -> Path:
