@@ -283,31 +283,34 @@ def cadence_allreduce_s(g: Comm, segments: list[tuple], C: int, layers: int = CA
     return times
 
 
-def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30) -> dict:
-    """{kind: measured / modelled seconds} for a decode step's collectives, through the verbs
-    it calls (hepti.parallel.decoder): "allreduce", the one-row sum of C floats that every
-    layer makes twice and the embedding once (`Comm.allreduce_sum`), and "allgather", greedy's
-    (value, index) pair a rank (`Comm.allgather_small`). They are latency-bound, 1 + 2L a
-    token, so the link model's latency, fitted to ping-pongs of MPI's own, prices them only as
-    well as the verbs' fixed costs (Python, the shared-memory slot's handshake, `wait`'s sleeps
-    on a capped rank) match MPI's.
+def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30) -> tuple[dict, float]:
+    """({kind: measured / modelled seconds}, spread seconds) for a decode step's collectives,
+    through the verbs it calls (hepti.parallel.decoder): "allreduce", the one-row sum of C
+    floats that every layer makes twice and the embedding once (`Comm.allreduce_sum`), and
+    "allgather", greedy's (value, index) pair a rank (`Comm.allgather_small`). They are
+    latency-bound, 1 + 2L a token, so the link model's latency, fitted to ping-pongs of MPI's
+    own, prices them only as well as the verbs' fixed costs (Python, the shared-memory slot's
+    handshake, `wait`'s sleeps on a capped rank) match MPI's. Each is timed after a GeMV that
+    makes its buffer (a rank's share of the MLP's down projection at one row) and a barrier,
+    and back to back; the slower counts, as `calibrate_collectives` does for the encoders'.
 
-    The allreduce is timed as a decode step meets it (`cadence_allreduce_s`): right after a
-    segment of GeMVs, the ranks arriving when their own compute ends, no barrier between; the
-    mean over ranks and calls (a step pays the sum of 1 + 2L of them, so the mean, not the
-    median). Each rank's segments are its share of a layer by its measured int8 GeMV bytes/s
-    (`decode_segments`), so that the ranks arrive together on average and what is timed
-    beyond the transfer is the spread of their arrivals, which a step pays at every sync and
-    the cost model's phases (the slowest rank's mean compute) do not hold. Timed after a
-    barrier, as until 2026-11-29, it missed that: on emu-equal2 (2 x 0.4 core) a decode step's
-    33 syncs took 1.2-2.3 ms each (arrivals 1-2 ms apart: identical GeMVs took 2.0-4.7 ms of
-    CPU from one call to the next on the shared host, stretched 2.5x) against 0.35 ms after a
-    barrier, and the calibration's 0.29 ms priced llama-1b int8 at 8.1 tokens/s where it ran
-    6.1 (h2 of session 53). The segments are int8, the decoders' weights on small boards: a
-    float32 step's segments are about 3.8x longer, and their spread with them.
-    Back to back (after a barrier alone) is timed too, and the slower counts. The allgather
-    is timed after a GeMV and back to back, the slower counting, as `calibrate_collectives`
-    does for the encoders'."""
+    The spread: what a decode step's sync costs beyond that, in seconds. After a barrier the
+    ranks arrive together; in a step each arrives when its own GeMVs end, and every sync waits
+    for the last. So the allreduce is also timed as a step meets it (`cadence_allreduce_s`:
+    right after a layer's GeMV segments, no barrier, from the rank's arrival to the verb's
+    return), each rank's segments its share of a layer by its measured int8 GeMV bytes/s
+    (`decode_segments`), so that the ranks arrive together on average and what is timed beyond
+    the transfer is the spread of their arrivals (and the transfer's tail); the spread is the
+    mean over ranks and calls (a step pays the sum of its syncs: the mean, not the median) less
+    the calibrated allreduce's time, at least 0. Seconds, not a factor of the link model: it
+    comes of the ranks' compute, and a plan that leaves slow links out of its group keeps it
+    (emu-mixed4's all-rank factor priced the two fast ranks' syncs at 0.13 ms where they took
+    1.2-1.5). On emu-equal2 (2 x 0.4 core) a decode step's 33 syncs took 1.2-2.3 ms each
+    (arrivals 1-2 ms apart: identical GeMVs took 2.0-4.7 ms of CPU from one call to the next
+    on the shared host, stretched 2.5x) against 0.3 ms after a barrier, and the profile priced
+    llama-1b int8 at 8.1 tokens/s where it ran 6.1 (h2 of session 53). The segments are int8,
+    the decoders' weights on small boards: a float32 step's are about 3.8x longer, and their
+    spread may be larger."""
     from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -326,19 +329,17 @@ def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30) -> d
     g = Comm(comm)
     profile = profile_from_dict(prof, "measured profile")
     pair = (1.0, float(rank))
-    factors = {"allgather": _factor(comm, lambda: g.allgather_small(pair), (compute, lambda: None),
-                                    Collective("allgather", None, GREEDY_PAIR_BYTES), {},
-                                    profile, reps)}
     coll = Collective("allreduce", None, C * 4.0)
-    back_to_back = _factor(comm, lambda: g.allreduce_sum(row), (lambda: None,), coll, {},
-                           profile, reps)
+    probes = {"allreduce": (lambda: g.allreduce_sum(row), coll),
+              "allgather": (lambda: g.allgather_small(pair),
+                            Collective("allgather", None, GREEDY_PAIR_BYTES))}
+    factors = {kind: _factor(comm, fn, (compute, lambda: None), c, {}, profile, reps)
+               for kind, (fn, c) in probes.items()}
     rates = [d.gemv_bytes_per_s(True) for d in profile.devices]
     segments = decode_segments(config, rates[rank] / sum(rates), rng)
     times = cadence_allreduce_s(g, segments, C)
     del segments
     mean = comm.allreduce(sum(times), op=MPI.SUM) / comm.allreduce(len(times), op=MPI.SUM)
-    modelled = max(collective_times(coll, {}, [True] * size, profile))
-    cadence = min(max(mean / modelled, 0.2), 50.0) if modelled > 0 else 1.0
-    factors["allreduce"] = float(max(back_to_back, cadence))
+    transfer = factors["allreduce"] * max(collective_times(coll, {}, [True] * size, profile))
     g.close()
-    return factors
+    return factors, float(max(mean - transfer, 0.0))
