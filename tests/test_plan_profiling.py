@@ -168,8 +168,8 @@ def test_decode_segments_are_a_layers_share_of_gemvs_in_copies_past_the_caches()
 
 
 def test_cadence_timing_runs_every_layers_two_syncs_after_a_warm_up_layer():
-    """`cadence_allreduce_s` on a group of one: two timed allreduces a layer, the warm-up
-    layer's not counted, each a non-negative time."""
+    """`cadence_allreduce_s` on a group of one: two timed allreduces a layer and their
+    segments, the warm-up layer's not counted, each a non-negative time."""
     import numpy as np
 
     from hepti.model.llama import LlamaConfig
@@ -178,8 +178,20 @@ def test_cadence_timing_runs_every_layers_two_syncs_after_a_warm_up_layer():
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=96, head_dim=16)
     segs = decode_segments(cfg, 1.0, np.random.default_rng(1), cold_bytes=0)
-    times = cadence_allreduce_s(Comm(None), segs, cfg.hidden_size, layers=5)
-    assert len(times) == 10 and all(t >= 0 for t in times)
+    waits, spans = cadence_allreduce_s(Comm(None), segs, cfg.hidden_size, layers=5)
+    assert len(waits) == len(spans) == 10 and all(t >= 0 for t in waits + spans)
+
+
+def test_sync_jitter_is_the_mean_largest_relative_excess_among_n_ranks_with_rank_0():
+    """`sync_jitter` by hand: J(1) = 0; ranks whose calls vary together (or not at all) add
+    none; two ranks whose slow calls alternate wait for the slow one every call."""
+    from hepti.parallel.profile_links import sync_jitter
+    assert sync_jitter([[1.0, 1.0], [2.0, 2.0]]) == [0.0, 0.0]  # steady, whatever the mean
+    assert sync_jitter([[1.0, 3.0], [2.0, 6.0]]) == [0.0, 0.0]  # slow together: no wait
+    # means 2 and 2: excesses (-0.5, +0.5) and (+0.5, -0.5): the larger is 0.5 every call
+    assert sync_jitter([[1.0, 3.0], [3.0, 1.0]]) == [0.0, 0.5]
+    j = sync_jitter([[1.0, 3.0], [3.0, 1.0], [2.0, 2.0]])  # n = 2: {0,1} 0.5, {0,2} 0.25
+    assert j == [0.0, 0.375, 0.5]
 
 
 def test_a_decode_calls_cost_is_timed_on_a_ranks_layer_shape():

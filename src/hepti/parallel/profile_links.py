@@ -257,19 +257,22 @@ def decode_segments(config, share: float, rng, cold_bytes: float = 48 << 20,
 
 
 def cadence_allreduce_s(g: Comm, segments: list[tuple], C: int, layers: int = CADENCE_LAYERS
-                        ) -> list[float]:
-    """Seconds this rank spends in each one-row allreduce of `layers` decode layers, timed as a
-    decode step meets it: each of `segments`' GeMVs (cycled) writes the row and the allreduce
-    follows at once, with no barrier, all inside one work span as `DecoderGroup.generate` runs
-    them. On an emulated device the backlog is paid first (an empty wait span), so each time
-    runs from this rank's arrival to the verb's return: its wait for the last rank to arrive,
-    then the transfer. One layer's warm-up first."""
+                        ) -> tuple[list[float], list[float]]:
+    """(waits, segments' seconds) of this rank in each one-row allreduce of `layers` decode
+    layers, timed as a decode step meets it: each of `segments`' GeMVs (cycled) writes the row
+    and the allreduce follows at once, with no barrier, all inside one work span as
+    `DecoderGroup.generate` runs them. On an emulated device the backlog is paid first (an
+    empty wait span), so a wait runs from this rank's arrival to the verb's return (its wait
+    for the last rank, then the transfer), and a segment's seconds from the previous verb's
+    return to this arrival (its compute as the device runs it). One layer's warm-up first."""
     x = np.ones((1, C), np.float32)
     outs = [np.empty((1, w.n), np.float32) for w in segments[0]]
     row = np.zeros((1, C), np.float32)
     k = [min(C, w.n) for w in segments[0]]
-    times: list[float] = []
+    waits: list[float] = []
+    spans: list[float] = []
     with g.tracer.span("decode cadence", "compute"):
+        back = time.perf_counter()
         for i in range(layers + 1):
             for j, w in enumerate(segments[i % len(segments)]):
                 K.gemm_any(x, w, out=outs[j])
@@ -278,41 +281,59 @@ def cadence_allreduce_s(g: Comm, segments: list[tuple], C: int, layers: int = CA
                     pass
                 t0 = time.perf_counter()
                 g.allreduce_sum(row)
+                t1 = time.perf_counter()
                 if i:
-                    times.append(time.perf_counter() - t0)
-    return times
+                    waits.append(t1 - t0)
+                    spans.append(t0 - back)
+                back = t1
+    return waits, spans
 
 
-def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30) -> tuple[dict, float]:
-    """({kind: measured / modelled seconds}, spread seconds) for a decode step's collectives,
-    through the verbs it calls (hepti.parallel.decoder): "allreduce", the one-row sum of C
-    floats that every layer makes twice and the embedding once (`Comm.allreduce_sum`), and
-    "allgather", greedy's (value, index) pair a rank (`Comm.allgather_small`). They are
-    latency-bound, 1 + 2L a token, so the link model's latency, fitted to ping-pongs of MPI's
-    own, prices them only as well as the verbs' fixed costs (Python, the shared-memory slot's
-    handshake, `wait`'s sleeps on a capped rank) match MPI's. Each is timed after a GeMV that
-    makes its buffer (a rank's share of the MLP's down projection at one row) and a barrier,
-    and back to back; the slower counts, as `calibrate_collectives` does for the encoders'.
+def sync_jitter(spans: list[list[float]], max_groups: int = 64) -> list[float]:
+    """[J(1), ..., J(N)] from every rank's segment seconds (`spans[rank][call]`, the same calls
+    on every rank): J(n), over groups of n ranks that hold rank 0 (at most `max_groups` of
+    them, in order), the mean over calls of the largest relative excess d / (the rank's mean
+    d) - 1 in the group, averaged over the groups. A sync of n ranks after a phase whose
+    slowest rank computes t on average waits about J(n) t more: every call waits for the last
+    to arrive. J(1) = 0."""
+    import itertools
+    z = [np.asarray(d, float) / max(float(np.mean(d)), 1e-12) - 1.0 for d in spans]
+    m = min(len(d) for d in z)
+    z = np.array([d[:m] for d in z])
+    out = []
+    for n in range(1, len(z) + 1):
+        groups = itertools.islice(itertools.combinations(range(1, len(z)), n - 1), max_groups)
+        vals = [float(np.mean(z[[0, *grp]].max(axis=0))) for grp in groups]
+        out.append(max(float(np.mean(vals)), 0.0) if n > 1 else 0.0)
+    return out
 
-    The spread: what a decode step's sync costs beyond that, in seconds. After a barrier the
-    ranks arrive together; in a step each arrives when its own GeMVs end, and every sync waits
-    for the last. So the allreduce is also timed as a step meets it (`cadence_allreduce_s`:
-    right after a layer's GeMV segments, no barrier, from the rank's arrival to the verb's
-    return), each rank's segments its share of a layer by its measured int8 GeMV bytes/s
-    (`decode_segments`), so that the ranks arrive together on average and what is timed beyond
-    the transfer is the spread of their arrivals (and the transfer's tail); the spread is the
-    mean over ranks and calls (a step pays the sum of its syncs: the mean, not the median) less
-    the calibrated allreduce's time, at least 0. Seconds, not a factor of the link model: it
-    comes of the ranks' compute, and a plan that leaves slow links out of its group keeps it
-    (emu-mixed4's all-rank factor priced the two fast ranks' syncs at 0.13 ms where they took
-    1.2-1.5). On emu-equal2 (2 x 0.4 core) a decode step's 33 syncs took 1.2-2.3 ms each
-    (arrivals 1-2 ms apart: identical GeMVs took 2.0-4.7 ms of CPU from one call to the next
-    on the shared host, stretched 2.5x) against 0.3 ms after a barrier, and the profile priced
-    llama-1b int8 at 8.1 tokens/s where it ran 6.1 (h2 of session 53). The segments are int8,
-    the decoders' weights on small boards: a float32 step's are about 3.8x longer, and their
-    spread may be larger."""
-    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
 
+def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30
+                                  ) -> tuple[dict, list[float]]:
+    """({kind: measured / modelled seconds}, jitter) for a decode step's collectives, through
+    the verbs it calls (hepti.parallel.decoder): "allreduce", the one-row sum of C floats that
+    every layer makes twice and the embedding once (`Comm.allreduce_sum`), and "allgather",
+    greedy's (value, index) pair a rank (`Comm.allgather_small`). They are latency-bound, 1 +
+    2L a token, so the link model's latency, fitted to ping-pongs of MPI's own, prices them only
+    as well as the verbs' fixed costs (Python, the shared-memory slot's handshake, `wait`'s
+    sleeps on a capped rank) match MPI's. Each is timed after a GeMV that makes its buffer (a
+    rank's share of the MLP's down projection at one row) and a barrier, and back to back; the
+    slower counts, as `calibrate_collectives` does for the encoders'.
+
+    The jitter (`sync_jitter`: [J(1), ..., J(N)], the profile's `decode_sync_jitter`): after a
+    barrier the ranks arrive together; in a decode step each arrives when its own GeMVs end,
+    and every sync waits for the last, so a step of n ranks pays about J(n) of each phase's
+    compute more than the cost model's phases (the slowest rank's mean). It is measured as a
+    step meets it (`cadence_allreduce_s`: a layer's GeMV segments, each rank's share of a layer
+    by its measured int8 GeMV bytes/s (`decode_segments`), each followed at once by the
+    allreduce, no barrier), from the spread of the segments' seconds call by call. Relative to
+    the compute, not a factor of the link model nor seconds: a plan that leaves slow links or
+    ranks out keeps it (emu-mixed4's all-rank factor priced the two fast ranks' syncs at 0.13
+    ms where they took 1.2-1.5), and float32's longer steps scale it. On emu-equal2 (2 x 0.4
+    core) a decode step's 33 syncs took 1.2-2.3 ms each (identical GeMVs took 2.0-4.7 ms of CPU
+    from one call to the next on the shared host, stretched 2.5x: arrivals 1-2 ms apart)
+    against 0.3 ms after a barrier, and the profile priced llama-1b int8 at 8.1 tokens/s where
+    it ran 6.1 (h2 of session 53)."""
     size, rank = comm.Get_size(), comm.Get_rank()
     C = config.hidden_size
     f = max(1, config.intermediate_size // size)
@@ -329,17 +350,14 @@ def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30) -> t
     g = Comm(comm)
     profile = profile_from_dict(prof, "measured profile")
     pair = (1.0, float(rank))
-    coll = Collective("allreduce", None, C * 4.0)
-    probes = {"allreduce": (lambda: g.allreduce_sum(row), coll),
+    probes = {"allreduce": (lambda: g.allreduce_sum(row), Collective("allreduce", None, C * 4.0)),
               "allgather": (lambda: g.allgather_small(pair),
                             Collective("allgather", None, GREEDY_PAIR_BYTES))}
     factors = {kind: _factor(comm, fn, (compute, lambda: None), c, {}, profile, reps)
                for kind, (fn, c) in probes.items()}
     rates = [d.gemv_bytes_per_s(True) for d in profile.devices]
     segments = decode_segments(config, rates[rank] / sum(rates), rng)
-    times = cadence_allreduce_s(g, segments, C)
+    _, spans = cadence_allreduce_s(g, segments, C)
     del segments
-    mean = comm.allreduce(sum(times), op=MPI.SUM) / comm.allreduce(len(times), op=MPI.SUM)
-    transfer = factors["allreduce"] * max(collective_times(coll, {}, [True] * size, profile))
     g.close()
-    return factors, float(max(mean - transfer, 0.0))
+    return factors, sync_jitter(comm.allgather(spans))

@@ -22,11 +22,11 @@ What a step costs beyond its bytes and FLOPs comes from the profile (docs/genera
 "Plans"): each of a layer's calls at `call_overhead_s`, and the collectives scaled by the
 profile's calibration of them (the decode step's one-row allreduce and greedy's allgather,
 timed through the verbs on the ranks at once); a profile without that calibration is priced
-from the link model alone, and the plan's notes say so. `tensor`'s decode step also pays the
-profile's `decode_sync_spread_s` at each of its 2L + 2 syncs (`sync_spread_s`): a phase of the
-cost model ends when the slowest rank's mean compute does, but a sync ends when the last rank
-arrives, and a rank's GeMVs vary from call to call (on emu-equal2 the syncs took 1.2-2.3 ms
-where the allreduce alone takes 0.3, and without it llama-1b int8 was priced at 0.76 of the
+from the link model alone, and the plan's notes say so. `tensor`'s decode step of n ranks also
+pays the profile's `decode_sync_jitter` J(n) of its phases' compute (`jitter_s`): a phase of
+the cost model ends when the slowest rank's mean compute does, but a sync ends when the last
+rank arrives, and a rank's GeMVs vary from call to call (on emu-equal2 the syncs took 1.2-2.3
+ms where the allreduce alone takes 0.3, and without it llama-1b int8 was priced at 0.76 of the
 speed it ran; h2 of session 53). Prefill's few syncs after long GeMMs are left as they were.
 
 The request's cost is prefill + (D - 1) decode steps, each at the longest context (P + D
@@ -54,7 +54,7 @@ GRID_STEP = 0.05  # two ranks: rank 0's share in these steps
 MIX = (0.25, 0.5, 0.75)  # mixes of equal and bandwidth-proportional shares
 MAX_HEAD_SPLITS = 64  # KV-head splits tried with each share vector (`head_splits`)
 TOKEN_BYTES = 8  # pipeline: the chosen token (int64), from rank 0 to the rest of the group
-SPREAD_KEY = "decode_sync_spread_s"  # the profile's (hepti.parallel.profile_links measures it)
+JITTER_KEY = "decode_sync_jitter"  # the profile's (hepti.parallel.profile_links measures it)
 
 
 @dataclass
@@ -214,28 +214,35 @@ def _usable(profile: Profile) -> list[float]:
     return [d.usable_bytes for d in profile.devices]
 
 
-def sync_spread_s(profile: Profile) -> float | None:
-    """The profile's `decode_sync_spread_s` (hepti.parallel.profile_links
-    `calibrate_decoder_collectives`): seconds a decode step's sync waits beyond the
-    collective's calibrated time, for the spread of the ranks' arrivals; None if not measured."""
-    v = profile.extra.get(SPREAD_KEY)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+def sync_jitter(profile: Profile) -> list[float] | None:
+    """The profile's `decode_sync_jitter` (hepti.parallel.profile_links `sync_jitter`): [J(1),
+    ..., J(N)], the part of a phase's compute a sync of n ranks waits beyond it; None if not
+    measured (or not a list of non-negative numbers)."""
+    v = profile.extra.get(JITTER_KEY)
+    if not isinstance(v, list) or not v or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+            for x in v):
         return None
-    return float(v)
+    return [float(x) for x in v]
 
 
-def decode_syncs(config) -> int:
-    """A decode step's syncs on a group of more than one (the decode program's collectives):
-    the embedding's allreduce, two a layer, and greedy's allgather."""
-    return 2 * config.num_hidden_layers + 2
+def jitter_s(profile: Profile, prediction, group: int) -> float:
+    """Seconds a step of `group` ranks waits at its syncs beyond the cost model's phases:
+    J(group) of every phase's compute (the slowest rank's), 0 for a group of one or without
+    the profile's jitter."""
+    J = sync_jitter(profile)
+    if group < 2 or J is None:
+        return 0.0
+    j = J[min(group, len(J)) - 1]
+    return j * sum(ph["times"] * ph["compute_s"] for ph in prediction.phases)
 
 
 def evaluate_tensor(config, profile: Profile, req: Request, ratios: dict[str, list[float]],
                     wb: float = F32, label: str | None = None) -> Candidate:
-    """`tensor` with these ratio vectors. Its decode step also pays the profile's sync spread
-    (`sync_spread_s`) at each of its syncs when more than one rank takes part: the cost model's
-    phases wait for the slowest rank's mean compute, but every sync waits for the last rank to
-    arrive, and the ranks' compute varies from call to call (module docstring)."""
+    """`tensor` with these ratio vectors. Its decode step also pays the profile's sync jitter
+    (`jitter_s`) when more than one rank takes part: the cost model's phases wait for the
+    slowest rank's mean compute, but every sync waits for the last rank to arrive, and the
+    ranks' compute varies from call to call (module docstring)."""
     pre, dec = _programs(config, req, wb)
     cnt = tensor_counts(config, ratios, req.prompt)
     p = evaluate(pre, {d: cnt[d] for d in pre.totals}, profile)
@@ -243,9 +250,7 @@ def evaluate_tensor(config, profile: Profile, req: Request, ratios: dict[str, li
     mem = [r.mem_bytes for r in d.per_rank]  # decode's memory: the whole context's cache
     share = "/".join(f"{x:.2f}".rstrip("0").rstrip(".") for x in ratios["ffn"])
     heads = "/".join(str(int(h)) for h in cnt["heads"])
-    group = sum(1 for r in d.per_rank if r.active)
-    decode_s = d.latency_s + (decode_syncs(config) * (sync_spread_s(profile) or 0.0)
-                              if group > 1 else 0.0)
+    decode_s = d.latency_s + jitter_s(profile, d, sum(1 for r in d.per_rank if r.active))
     return Candidate("tensor", label or f"tensor {share} (KV heads {heads})", p.latency_s,
                      decode_s, mem, _usable(profile), ratios=ratios)
 
@@ -437,7 +442,7 @@ def plan_decoder(config, profile: Profile, req: Request, wb: float = F32,
         notes.append("the one-row allreduce is priced from the link model alone (this profile "
                      "did not calibrate it: measure one with `hepti profile --model` on this "
                      "decoder's folder)")
-    if profile.world_size > 1 and sync_spread_s(profile) is None:
+    if profile.world_size > 1 and sync_jitter(profile) is None:
         notes.append("a decode step's syncs are priced without the spread of the ranks' "
                      "arrivals (this profile did not measure it: `hepti profile --model` on "
                      "this decoder's folder does)")
