@@ -229,31 +229,37 @@ def test_weight_bytes_of_an_int8_folder_counts_each_matrix_as_stored():
     assert weight_bytes_of({"dtype": "float32", "tensors": t}) == 4.0
 
 
-def test_tensor_pays_the_profiles_sync_jitter_of_its_phases_compute_on_a_group():
-    """A profile's `decode_sync_jitter` [J(1), ..., J(N)] (hepti.parallel.profile_links
-    measures it) adds J(n) of the decode phases' compute to `tensor`'s step on n ranks; a
-    group of one (every share on rank 0), prefill and `single` pay none; a profile without it
-    says so in the plan's notes."""
+def test_tensor_prices_its_decode_syncs_as_the_profile_measured_a_group_of_its_size():
+    """A profile's `decode_syncs` (hepti.parallel.profile_links measures them per group of n
+    ranks): `tensor`'s decode step on n ranks pays S(n) at each of its 2L + 2 syncs and J(n) of
+    its phases' compute, in place of the cost model's collectives; a group of one (every share
+    on rank 0), prefill and `single` are as before; a profile without them says so."""
     from dataclasses import replace
 
-    from hepti.plan.decoder import JITTER_KEY, _programs, evaluate_single, sync_jitter, tensor_counts
+    from hepti.plan.decoder import (SYNCS_KEY, _programs, decode_syncs, evaluate_single,
+                                    sync_figures, tensor_counts)
     req = Request(prompt=20, max_tokens=8)
     base = _pair(1e-5, 1e9)
-    jit = replace(base, extra={**base.extra, JITTER_KEY: [0.0, 0.25]})
-    assert sync_jitter(base) is None and sync_jitter(jit) == [0.0, 0.25]
+    figs = {"jitter": [0.0, 0.25], "seconds": [0.0, 1e-3]}
+    syn = replace(base, extra={**base.extra, SYNCS_KEY: figs})
+    assert sync_figures(base) is None and sync_figures(syn) == figs
+    assert decode_syncs(SMOL) == 62
     half = {"heads": [2 / 3, 1 / 3], "ffn": [0.5, 0.5], "rows": [0.5, 0.5]}
-    a, b = (evaluate_tensor(SMOL, p, req, half) for p in (base, jit))
+    a, b = (evaluate_tensor(SMOL, p, req, half) for p in (base, syn))
     _, dec = _programs(SMOL, req, 4.0)
     cnt = tensor_counts(SMOL, half, req.prompt)
     pred = evaluate(dec, {k: cnt[k] for k in dec.totals}, base)
     compute = sum(ph["times"] * ph["compute_s"] for ph in pred.phases)
-    assert compute > 0 and b.decode_s == pytest.approx(a.decode_s + 0.25 * compute)
+    comm = sum(ph["times"] * ph["comm_s"] for ph in pred.phases)
+    assert compute > 0 and comm > 0
+    assert b.decode_s == pytest.approx(a.decode_s - comm + 62 * 1e-3 + 0.25 * compute)
     assert b.prefill_s == a.prefill_s
     alone = {"heads": [1.0, 0.0], "ffn": [1.0, 0.0], "rows": [1.0, 0.0]}
-    assert (evaluate_tensor(SMOL, jit, req, alone).decode_s
+    assert (evaluate_tensor(SMOL, syn, req, alone).decode_s
             == evaluate_tensor(SMOL, base, req, alone).decode_s)
-    assert evaluate_single(SMOL, jit, req, 0).decode_s == evaluate_single(SMOL, base, req, 0).decode_s
+    assert evaluate_single(SMOL, syn, req, 0).decode_s == evaluate_single(SMOL, base, req, 0).decode_s
     assert any("spread" in n for n in plan_decoder(SMOL, base, req).notes)
-    assert not any("spread" in n for n in plan_decoder(SMOL, jit, req).notes)
-    for bad in ([], [-1.0], [float("nan")], [True], "1", 0.5):
-        assert sync_jitter(replace(base, extra={JITTER_KEY: bad})) is None
+    assert not any("spread" in n for n in plan_decoder(SMOL, syn, req).notes)
+    for bad in ([0.1], {"jitter": [0.1]}, {"jitter": [-1.0], "seconds": [0.0]},
+                {"jitter": [0.0, 0.1], "seconds": [0.0]}, {"jitter": [True], "seconds": [0.0]}):
+        assert sync_figures(replace(base, extra={SYNCS_KEY: bad})) is None

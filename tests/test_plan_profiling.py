@@ -182,16 +182,18 @@ def test_cadence_timing_runs_every_layers_two_syncs_after_a_warm_up_layer():
     assert len(waits) == len(spans) == 10 and all(t >= 0 for t in waits + spans)
 
 
-def test_sync_jitter_is_the_mean_largest_relative_excess_among_n_ranks_with_rank_0():
-    """`sync_jitter` by hand: J(1) = 0; ranks whose calls vary together (or not at all) add
-    none; two ranks whose slow calls alternate wait for the slow one every call."""
-    from hepti.parallel.profile_links import sync_jitter
-    assert sync_jitter([[1.0, 1.0], [2.0, 2.0]]) == [0.0, 0.0]  # steady, whatever the mean
-    assert sync_jitter([[1.0, 3.0], [2.0, 6.0]]) == [0.0, 0.0]  # slow together: no wait
-    # means 2 and 2: excesses (-0.5, +0.5) and (+0.5, -0.5): the larger is 0.5 every call
-    assert sync_jitter([[1.0, 3.0], [3.0, 1.0]]) == [0.0, 0.5]
-    j = sync_jitter([[1.0, 3.0], [3.0, 1.0], [2.0, 2.0]])  # n = 2: {0,1} 0.5, {0,2} 0.25
-    assert j == [0.0, 0.375, 0.5]
+def test_sync_figures_part_a_groups_waits_into_jitter_and_transfer():
+    """`sync_figures` by hand: ranks whose calls vary together (or not at all) have no jitter,
+    two whose slow calls alternate wait for the slow one every call; what a wait holds beyond
+    (the largest segment - the rank's) is the transfer."""
+    from hepti.parallel.profile_links import sync_figures
+    assert sync_figures([[1.0, 1.0], [2.0, 2.0]], [[1.1, 1.1], [0.1, 0.1]]) == (0.0, pytest.approx(0.1))
+    assert sync_figures([[1.0, 3.0], [2.0, 6.0]], [[1.2, 3.2], [0.2, 0.2]])[0] == 0.0
+    # means 2 and 2: excesses (-0.5, +0.5) and (+0.5, -0.5): the larger is 0.5 every call;
+    # the waits: 2 (for the other) + 0.3, then 0.3
+    j, t = sync_figures([[1.0, 3.0], [3.0, 1.0]], [[2.3, 0.3], [0.3, 2.3]])
+    assert j == pytest.approx(0.5) and t == pytest.approx(0.3)
+    assert sync_figures([[1.0, 3.0]], [[0.2, 0.4]]) == (0.0, pytest.approx(0.3))  # a group of one
 
 
 def test_a_decode_calls_cost_is_timed_on_a_ranks_layer_shape():

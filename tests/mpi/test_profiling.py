@@ -41,10 +41,11 @@ def test_a_decoders_profile_has_its_gemvs_its_call_cost_and_its_collectives_cali
     cal = got["network"].get("calibration", {})
     all_ok(set(cal) == {"allreduce", "allgather"} and all(0.2 <= f <= 50 for f in cal.values()),
            f"decoder calibration: {cal}")
-    jitter = got.get("decode_sync_jitter")  # J(n): a sync's wait past n ranks' mean compute
-    all_ok(isinstance(jitter, list) and len(jitter) == COMM.Get_size() and jitter[0] == 0
-           and all(0 <= j < 10 for j in jitter), f"sync jitter: {jitter!r}")
-    all_ok(prof.extra.get("decode_sync_jitter") == jitter, "the jitter is not in the profile")
+    syncs = got.get("decode_syncs")  # per group size: J(n) and S(n) of a decode step's syncs
+    all_ok(isinstance(syncs, dict) and all(
+        len(syncs[k]) == COMM.Get_size() and syncs[k][0] == 0 and all(0 <= x < 10 for x in syncs[k])
+        for k in ("jitter", "seconds")), f"decode syncs: {syncs!r}")
+    all_ok(prof.extra.get("decode_syncs") == syncs, "the syncs are not in the profile")
 
 
 def test_every_rank_gets_the_same_valid_profile(measured):

@@ -289,27 +289,25 @@ def cadence_allreduce_s(g: Comm, segments: list[tuple], C: int, layers: int = CA
     return waits, spans
 
 
-def sync_jitter(spans: list[list[float]], max_groups: int = 64) -> list[float]:
-    """[J(1), ..., J(N)] from every rank's segment seconds (`spans[rank][call]`, the same calls
-    on every rank): J(n), over groups of n ranks that hold rank 0 (at most `max_groups` of
-    them, in order), the mean over calls of the largest relative excess d / (the rank's mean
-    d) - 1 in the group, averaged over the groups. A sync of n ranks after a phase whose
-    slowest rank computes t on average waits about J(n) t more: every call waits for the last
-    to arrive. J(1) = 0."""
-    import itertools
-    z = [np.asarray(d, float) / max(float(np.mean(d)), 1e-12) - 1.0 for d in spans]
-    m = min(len(d) for d in z)
-    z = np.array([d[:m] for d in z])
-    out = []
-    for n in range(1, len(z) + 1):
-        groups = itertools.islice(itertools.combinations(range(1, len(z)), n - 1), max_groups)
-        vals = [float(np.mean(z[[0, *grp]].max(axis=0))) for grp in groups]
-        out.append(max(float(np.mean(vals)), 0.0) if n > 1 else 0.0)
-    return out
+def sync_figures(spans: list[list[float]], waits: list[list[float]]) -> tuple[float, float]:
+    """(jitter, seconds) of a group's decode syncs from each rank's segment seconds and its
+    waits in the verb, call by call (`cadence_allreduce_s` on every rank of the group, the same
+    calls). Every call waits for the last rank to arrive: with z = d / (the rank's mean d) - 1,
+    the jitter is the mean over calls of the group's largest z (0 for one rank), the part of a
+    phase's compute a sync adds past the slowest rank's mean. The ranks leave the previous
+    verb together (to within its transfer), so a rank's wait is (the largest d - its d) and the
+    transfer: the seconds are the mean over calls and ranks of what is left of the wait."""
+    m = min(len(d) for d in spans)
+    d = np.array([x[:m] for x in spans], float)
+    w = np.array([x[:m] for x in waits], float)
+    z = d / np.maximum(d.mean(axis=1, keepdims=True), 1e-12) - 1.0
+    jitter = max(float(z.max(axis=0).mean()), 0.0) if len(d) > 1 else 0.0
+    transfer = float(np.maximum(w - (d.max(axis=0) - d), 0.0).mean())
+    return jitter, transfer
 
 
 def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30
-                                  ) -> tuple[dict, list[float]]:
+                                  ) -> tuple[dict, dict]:
     """({kind: measured / modelled seconds}, jitter) for a decode step's collectives, through
     the verbs it calls (hepti.parallel.decoder): "allreduce", the one-row sum of C floats that
     every layer makes twice and the embedding once (`Comm.allreduce_sum`), and "allgather",
@@ -320,20 +318,22 @@ def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30
     rank's share of the MLP's down projection at one row) and a barrier, and back to back; the
     slower counts, as `calibrate_collectives` does for the encoders'.
 
-    The jitter (`sync_jitter`: [J(1), ..., J(N)], the profile's `decode_sync_jitter`): after a
-    barrier the ranks arrive together; in a decode step each arrives when its own GeMVs end,
-    and every sync waits for the last, so a step of n ranks pays about J(n) of each phase's
-    compute more than the cost model's phases (the slowest rank's mean). It is measured as a
-    step meets it (`cadence_allreduce_s`: a layer's GeMV segments, each rank's share of a layer
-    by its measured int8 GeMV bytes/s (`decode_segments`), each followed at once by the
-    allreduce, no barrier), from the spread of the segments' seconds call by call. Relative to
-    the compute, not a factor of the link model nor seconds: a plan that leaves slow links or
-    ranks out keeps it (emu-mixed4's all-rank factor priced the two fast ranks' syncs at 0.13
-    ms where they took 1.2-1.5), and float32's longer steps scale it. On emu-equal2 (2 x 0.4
-    core) a decode step's 33 syncs took 1.2-2.3 ms each (identical GeMVs took 2.0-4.7 ms of CPU
-    from one call to the next on the shared host, stretched 2.5x: arrivals 1-2 ms apart)
-    against 0.3 ms after a barrier, and the profile priced llama-1b int8 at 8.1 tokens/s where
-    it ran 6.1 (h2 of session 53)."""
+    A decode step's syncs (the profile's `decode_syncs`: {"jitter": [J(1), ..., J(N)],
+    "seconds": [S(1), ..., S(N)]}, for rank 0 with its n - 1 fastest others, the groups
+    `tensor` is searched over): after a barrier the ranks arrive together, but in a step each
+    arrives when its own GeMVs end and every sync waits for the last, and a group's transfer is
+    its own, not the all-rank calibration's scaled to its links. So each group times its
+    allreduce as a step meets it (`cadence_allreduce_s`: a layer's GeMV segments, each rank's
+    share of a layer by its measured int8 GeMV bytes/s (`decode_segments`), each followed at
+    once by the allreduce, no barrier), and `sync_figures` parts its waits into the jitter J(n)
+    (relative to the compute: float32's longer steps scale it) and the seconds S(n) of the
+    transfer (its mean, tail and all: a step pays the sum). On emu-equal2 (2 x 0.4 core) a
+    decode step's 33 syncs took 1.2-2.3 ms each (identical GeMVs took 2.0-4.7 ms of CPU from
+    one call to the next on the shared host, stretched 2.5x: arrivals 1-2 ms apart) against
+    0.3 ms after a barrier, and the profile priced llama-1b int8 at 8.1 tokens/s where it ran
+    6.1; on emu-mixed4 the all-rank factor priced the two fast ranks' syncs at 0.11 ms where
+    they took 1.2-1.5 (h2 of session 53).
+    """
     size, rank = comm.Get_size(), comm.Get_rank()
     C = config.hidden_size
     f = max(1, config.intermediate_size // size)
@@ -356,8 +356,23 @@ def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30
     factors = {kind: _factor(comm, fn, (compute, lambda: None), c, {}, profile, reps)
                for kind, (fn, c) in probes.items()}
     rates = [d.gemv_bytes_per_s(True) for d in profile.devices]
-    segments = decode_segments(config, rates[rank] / sum(rates), rng)
-    _, spans = cadence_allreduce_s(g, segments, C)
-    del segments
+    by_speed = sorted(range(1, size), key=lambda i: -rates[i])
+    jitter, seconds = [0.0], [0.0]
+    for n in range(2, size + 1):  # rank 0 with its n - 1 fastest others, as `tensor` is searched
+        members = [0] + by_speed[:n - 1]
+        sub = g.split(rank in members)
+        if sub is not None:
+            share = rates[rank] / sum(rates[i] for i in members)
+            segments = decode_segments(config, share, rng)
+            waits, spans = cadence_allreduce_s(sub, segments, C)
+            del segments
+            got = sub.mpi.gather((spans, waits), root=0)
+            sub.close()
+            if rank == 0:
+                j, t = sync_figures([x[0] for x in got], [x[1] for x in got])
+                jitter.append(j)
+                seconds.append(t)
+        barrier(comm)
+    jitter, seconds = comm.bcast((jitter, seconds), root=0)
     g.close()
-    return factors, sync_jitter(comm.allgather(spans))
+    return factors, {"jitter": jitter, "seconds": seconds}

@@ -19,9 +19,9 @@ will during a run. Per rank:
   step's per-call cost (`measure_decoder`), and the bytes/s of a one-row GeMV in float32 and
   int8, what decode is bound by, timed with every rank at once after a barrier (they share the
   machine's memory bandwidth as they decode: `measure_gemvs`); then the decode step's one-row
-  allreduce and greedy's allgather, calibrated, and the jitter of a decode step's syncs
-  (`decode_sync_jitter`: how far the last of n ranks' GeMV segments lands past their mean,
-  each followed at once by the allreduce, no barrier; `calibrate_decoder_collectives`); no
+  allreduce and greedy's allgather, calibrated, and a decode step's syncs as rank 0 with its
+  n - 1 fastest others meet them (`decode_syncs`: GeMV segments each followed at once by the
+  allreduce, no barrier; their jitter and seconds; `calibrate_decoder_collectives`); no
   encoder layer or weight loading;
 - its link: MPI ping-pong with rank 0 at a few message sizes, least-squares fitted to
   one-way time = latency + bytes / bandwidth. Rank 0's own link is taken as the fastest path it
@@ -63,7 +63,7 @@ from hepti.parallel.profile_compute import (measure_call_overhead, measure_decod
 from hepti.parallel.profile_links import (barrier, calibrate_collectives,
                                           calibrate_decoder_collectives, measure_collectives,
                                           measure_links)
-from hepti.plan.decoder import JITTER_KEY
+from hepti.plan.decoder import SYNCS_KEY
 from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, Profile, load_profile, profile_from_dict
 from hepti.resources import (_return_freed_memory, available_memory, cgroup_memory_stat, cpu_limit,
                              memory_limit, process_rss)
@@ -144,7 +144,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     prof = comm.bcast(prof, root=0)
     if size > 1:  # the collectives each family's programs price, at its sizes
         if decoder:
-            prof["network"]["calibration"], prof[JITTER_KEY] = calibrate_decoder_collectives(
+            prof["network"]["calibration"], prof[SYNCS_KEY] = calibrate_decoder_collectives(
                 comm, prof, config)
         else:
             prof["network"]["calibration"] = calibrate_collectives(comm, prof, config, M)
@@ -258,7 +258,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
 # a second line past a link's burst; 13: the speed probe's `probe_s`, and every timing round
 # starts level on an emulated device, `stretch.settle`; 14: a decoder's GeMVs timed on every
 # rank at once, its call overhead on its own layer, its one-row collectives calibrated; 15: a
-# decode step's sync jitter (GeMV segments each followed by the allreduce, no barrier),
+# decode step's syncs, per group (GeMV segments each followed by the allreduce, no barrier),
 # and a decode call's cost on a rank's real layer shape, cold, outside its GeMVs).
 PROFILER_REVISION = 15
 
