@@ -227,3 +227,39 @@ def test_weight_bytes_of_an_int8_folder_counts_each_matrix_as_stored():
     want = (6400 * (1 + 4 / 64) + 6400 * (1 + 4 / 32) + 3200 * 4) / 16000
     assert weight_bytes_of({"dtype": "int8", "tensors": t}) == pytest.approx(want)
     assert weight_bytes_of({"dtype": "float32", "tensors": t}) == 4.0
+
+
+def test_tensor_prices_its_decode_syncs_as_the_profile_measured_a_group_of_its_size():
+    """A profile's `decode_syncs` (hepti.parallel.profile_links measures them per group of n
+    ranks): `tensor`'s decode step on n ranks pays S(n) at each of its 2L + 2 syncs and J(n) of
+    its phases' compute, in place of the cost model's collectives; a group of one (every share
+    on rank 0), prefill and `single` are as before; a profile without them says so."""
+    from dataclasses import replace
+
+    from hepti.plan.decoder import (SYNCS_KEY, _programs, decode_syncs, evaluate_single,
+                                    sync_figures, tensor_counts)
+    req = Request(prompt=20, max_tokens=8)
+    base = _pair(1e-5, 1e9)
+    figs = {"jitter": [0.0, 0.25], "seconds": [0.0, 1e-3]}
+    syn = replace(base, extra={**base.extra, SYNCS_KEY: figs})
+    assert sync_figures(base) is None and sync_figures(syn) == figs
+    assert decode_syncs(SMOL) == 62
+    half = {"heads": [2 / 3, 1 / 3], "ffn": [0.5, 0.5], "rows": [0.5, 0.5]}
+    a, b = (evaluate_tensor(SMOL, p, req, half) for p in (base, syn))
+    _, dec = _programs(SMOL, req, 4.0)
+    cnt = tensor_counts(SMOL, half, req.prompt)
+    pred = evaluate(dec, {k: cnt[k] for k in dec.totals}, base)
+    compute = sum(ph["times"] * ph["compute_s"] for ph in pred.phases)
+    comm = sum(ph["times"] * ph["comm_s"] for ph in pred.phases)
+    assert compute > 0 and comm > 0
+    assert b.decode_s == pytest.approx(a.decode_s - comm + 62 * 1e-3 + 0.25 * compute)
+    assert b.prefill_s == a.prefill_s
+    alone = {"heads": [1.0, 0.0], "ffn": [1.0, 0.0], "rows": [1.0, 0.0]}
+    assert (evaluate_tensor(SMOL, syn, req, alone).decode_s
+            == evaluate_tensor(SMOL, base, req, alone).decode_s)
+    assert evaluate_single(SMOL, syn, req, 0).decode_s == evaluate_single(SMOL, base, req, 0).decode_s
+    assert any("spread" in n for n in plan_decoder(SMOL, base, req).notes)
+    assert not any("spread" in n for n in plan_decoder(SMOL, syn, req).notes)
+    for bad in ([0.1], {"jitter": [0.1]}, {"jitter": [-1.0], "seconds": [0.0]},
+                {"jitter": [0.0, 0.1], "seconds": [0.0]}, {"jitter": [True], "seconds": [0.0]}):
+        assert sync_figures(replace(base, extra={SYNCS_KEY: bad})) is None

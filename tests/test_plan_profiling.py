@@ -141,3 +141,74 @@ def test_the_compute_measurements_need_no_communication():
             "import hepti.parallel.profile_links; print('hepti.parallel.comm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr
+
+
+def test_decode_segments_are_a_layers_share_of_gemvs_in_copies_past_the_caches():
+    """The allreduce's calibration times it after a decode layer's GeMVs (profile_links
+    `decode_segments`): the attention's and the MLP's columns at the rank's share, whole
+    groups, int8, in copies that together exceed the cache bytes (at most the cap)."""
+    import numpy as np
+
+    from hepti.kernels.int8 import GROUP
+    from hepti.model.llama import LlamaConfig
+    from hepti.parallel.profile_links import decode_segments
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=512, head_dim=32)
+    rng = np.random.default_rng(0)
+    segs = decode_segments(cfg, 0.5, rng, cold_bytes=1 << 20)
+    attn, mlp = segs[0]
+    assert (attn.k, mlp.k) == (128, 128)
+    assert attn.n == round(0.5 * (2 * 2 + 2) * 32 * 2 / GROUP) * GROUP  # q, k, v, o a KV head
+    assert mlp.n == 0.5 * 3 * 512
+    one = (attn.nbytes + mlp.nbytes)
+    assert len(segs) * one >= (1 << 20) > (len(segs) - 1) * one * 0.9
+    assert len(decode_segments(cfg, 0.01, rng, cold_bytes=1 << 30, max_copies=3)) == 3
+    tiny = decode_segments(cfg, 0.01, rng, cold_bytes=0)  # a share under a group: one group
+    assert tiny[0][0].n == GROUP and tiny[0][1].n == GROUP and len(tiny) == 2
+
+
+def test_cadence_timing_runs_every_layers_two_syncs_after_a_warm_up_layer():
+    """`cadence_allreduce_s` on a group of one: two timed allreduces a layer and their
+    segments, the warm-up layer's not counted, each a non-negative time."""
+    import numpy as np
+
+    from hepti.model.llama import LlamaConfig
+    from hepti.parallel.comm import Comm
+    from hepti.parallel.profile_links import cadence_allreduce_s, decode_segments
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=96, head_dim=16)
+    segs = decode_segments(cfg, 1.0, np.random.default_rng(1), cold_bytes=0)
+    waits, spans = cadence_allreduce_s(Comm(None), segs, cfg.hidden_size, layers=5)
+    assert len(waits) == len(spans) == 10 and all(t >= 0 for t in waits + spans)
+
+
+def test_sync_figures_part_a_groups_waits_into_jitter_and_transfer():
+    """`sync_figures` by hand: ranks whose calls vary together (or not at all) have no jitter,
+    two whose slow calls alternate wait for the slow one every call; what a wait holds beyond
+    (the largest segment - the rank's) is the transfer."""
+    from hepti.parallel.profile_links import sync_figures
+    assert sync_figures([[1.0, 1.0], [2.0, 2.0]], [[1.1, 1.1], [0.1, 0.1]]) == (0.0, pytest.approx(0.1))
+    assert sync_figures([[1.0, 3.0], [2.0, 6.0]], [[1.2, 3.2], [0.2, 0.2]])[0] == 0.0
+    # means 2 and 2: excesses (-0.5, +0.5) and (+0.5, -0.5): the larger is 0.5 every call;
+    # the waits: 2 (for the other) + 0.3, then 0.3
+    j, t = sync_figures([[1.0, 3.0], [3.0, 1.0]], [[2.3, 0.3], [0.3, 2.3]])
+    assert j == pytest.approx(0.5) and t == pytest.approx(0.3)
+    assert sync_figures([[1.0, 3.0]], [[0.2, 0.4]]) == (0.0, pytest.approx(0.3))  # a group of one
+
+
+def test_a_decode_calls_cost_is_timed_on_a_ranks_layer_shape():
+    """`measure_decode_call` times a layer of a rank's shape at even shares
+    (`decode_call_config`): the whole width and head size, its KV heads (at least one) with
+    their query heads, its MLP columns in whole groups (at least one), and gives a positive
+    cost a call."""
+    from hepti.kernels.int8 import GROUP
+    from hepti.model.llama import LlamaConfig
+    from hepti.parallel.profile_compute import decode_call_config, measure_decode_call
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, intermediate_size=512, head_dim=16)
+    two = decode_call_config(cfg, ranks=2, copies=3, ctx=10)
+    assert (two.hidden_size, two.head_dim, two.num_hidden_layers) == (128, 16, 3)
+    assert (two.num_key_value_heads, two.num_attention_heads, two.intermediate_size) == (2, 4, 256)
+    many = decode_call_config(cfg, ranks=16)
+    assert (many.num_key_value_heads, many.num_attention_heads, many.intermediate_size) == (1, 2, GROUP)
+    assert 0 < measure_decode_call(cfg, ctx=10, ranks=2, cold_bytes=1 << 20) < 0.01

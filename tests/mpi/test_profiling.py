@@ -29,7 +29,8 @@ def measured():
 def test_a_decoders_profile_has_its_gemvs_its_call_cost_and_its_collectives_calibrated():
     """A decoder's profile: GeMV bytes/s and a decode call's seconds on every rank, and the
     one-row allreduce and greedy's allgather calibrated through the verbs a decode step calls
-    (hepti.parallel.profile_links `calibrate_decoder_collectives`), as numbers the planner reads."""
+    (hepti.parallel.profile_links `calibrate_decoder_collectives`), and the jitter of the
+    ranks' arrivals at a decode step's syncs, as numbers the planner reads."""
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=96, head_dim=16, model_type="llama")
     got = measure_profile(COMM, cfg, seq_len=4, mem_cap=None, disk=False)
@@ -40,6 +41,11 @@ def test_a_decoders_profile_has_its_gemvs_its_call_cost_and_its_collectives_cali
     cal = got["network"].get("calibration", {})
     all_ok(set(cal) == {"allreduce", "allgather"} and all(0.2 <= f <= 50 for f in cal.values()),
            f"decoder calibration: {cal}")
+    syncs = got.get("decode_syncs")  # per group size: J(n) and S(n) of a decode step's syncs
+    all_ok(isinstance(syncs, dict) and all(
+        len(syncs[k]) == COMM.Get_size() and syncs[k][0] == 0 and all(0 <= x < 10 for x in syncs[k])
+        for k in ("jitter", "seconds")), f"decode syncs: {syncs!r}")
+    all_ok(prof.extra.get("decode_syncs") == syncs, "the syncs are not in the profile")
 
 
 def test_every_rank_gets_the_same_valid_profile(measured):

@@ -456,41 +456,98 @@ def measure_gemvs(hidden: int, threads: int = 1) -> dict:
             "gemv_int8_Bps": measure_gemv(hidden, int8=True, threads=threads)}
 
 
-def measure_decode_call(config, ctx: int = 64) -> float:
+DECODE_CALL_MAX_COPIES = 16  # layers `measure_decode_call` cycles through at most
+
+
+def decode_call_config(config, ranks: int = 1, copies: int = 1, ctx: int = 64):
+    """A decoder of `copies` layers, each of the shape one of `ranks` ranks holds of `config`'s
+    at even shares: the whole hidden width and head size, its KV heads (at least one) with
+    their query heads, its MLP columns (at least one group of `GROUP`), a vocabulary of 64."""
+    kv = max(1, round(config.num_key_value_heads / ranks))
+    ffn = max(GROUP, round(config.intermediate_size / ranks / GROUP) * GROUP)
+    return LlamaConfig(vocab_size=64, hidden_size=config.hidden_size, num_hidden_layers=copies,
+                       num_attention_heads=kv * config.group, num_key_value_heads=kv,
+                       intermediate_size=ffn, head_dim=config.head_dim,
+                       max_position_embeddings=ctx + 1, rms_norm_eps=config.rms_norm_eps,
+                       rope_theta=config.rope_theta)
+
+
+def measure_decode_call(config, ctx: int = 64, ranks: int = 1,
+                        cold_bytes: float = COLD_WEIGHT_BYTES) -> float:
     """Seconds of one of a decode step's kernel or numpy calls, as a decode step makes them:
     the profile's `call_overhead_s` for a decoder, which the decode program charges for each of
     the calls it counts (hepti.graph.decoder `DECODE_CALLS` a layer).
 
     A decode step's layer is some fifteen calls on one row (RMSNorm, q|k|v, RoPE, the cache,
     scores, softmax, context, o; RMSNorm, gate|up, SiLU, the product, down): each costs
-    microseconds of Python and dispatch whatever its bytes, and at one row that adds up to
-    a part of the step the bytes do not show (SmolLM2: 450 calls a token, on every rank). So this
-    times `LlamaModel.layer` itself, one row against a cache of `ctx` tokens, on a decoder of
-    `config`'s head layout (one KV head with its query heads, head_dim as the config's) but
-    64 wide, whose bytes take no time, and divides by the calls the program counts."""
+    microseconds of Python and dispatch, and the elementwise ones and attention more as the
+    width and the heads grow, and at one row that adds up to a part of the step the GeMVs'
+    bytes do not show. So this times `LlamaModel.layer` itself, one row against a cache of
+    `ctx` tokens, at a rank's shape (`decode_call_config`: its KV heads, MLP columns and the
+    whole width at even shares over `ranks`), int8 weights cycled through layers that together
+    exceed `cold_bytes` (a decode step meets each layer, and what its calls read, after the
+    others' weights went through the caches). The layer's part outside its four GeMVs, by the
+    CPU time of the calls (as `measure_layer` parts attention: the GeMVs' thread time
+    against the layer's), scaled to the layer's timed seconds, over `DECODE_CALLS`.
+
+    Until 2026-11-29 this timed a 64-wide layer of one KV head, hot: 133 us a layer of
+    llama-1b where a rank's half of the real layer spent 264 us outside its GeMVs (uncapped,
+    one process), and an emulated 0.4-core rank 0.36 ms of CPU (14 ms of its 164 ms step
+    where the plan counted 4.3; h2 of session 53)."""
     rng = np.random.default_rng(5)
-    tiny = LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1,
-                       num_attention_heads=config.group, num_key_value_heads=1,
-                       intermediate_size=64, head_dim=config.head_dim,
-                       max_position_embeddings=ctx + 1, rms_norm_eps=config.rms_norm_eps)
-    weights = {n: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.05)
-               for n, shape in decoder_weights.expected_shapes(tiny).items()}
-    model = LlamaModel(tiny, weights)
+    one = decode_call_config(config, ranks, 1, ctx)
+    C, D, kv, f = one.hidden_size, one.head_dim, one.num_key_value_heads, one.intermediate_size
+    layer_bytes = C * ((2 * one.group + 2) * D * kv + 3 * f) * (1 + 4 / GROUP)
+    copies = int(min(DECODE_CALL_MAX_COPIES, max(2, math.ceil(cold_bytes / layer_bytes))))
+    cfg = decode_call_config(config, ranks, copies, ctx)
+
+    def weight(name, shape):
+        if len(shape) == 2 and name.startswith("layer."):
+            q = rng.integers(-127, 128, shape, dtype=np.int8)
+            scales = rng.random((shape[0], -(-shape[1] // GROUP)), dtype=np.float32)
+            return K.QuantMatrix(q, scales * np.float32(1e-3), GROUP)
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.05)
+
+    weights = {n: weight(n, shape) for n, shape in decoder_weights.expected_shapes(cfg).items()}
+    model = LlamaModel(cfg, weights, consume=True)
+    del weights
     cache = model.new_cache(ctx + 1)
     cache.n = ctx
-    cos, sin = rope_tables(tiny.rope_theta, tiny.head_dim, np.arange(ctx, ctx + 1))
-    x = rng.standard_normal((1, tiny.hidden_size), dtype=np.float32)
-    layer_s = _timed(lambda: model.layer(x, 0, cache, ctx, cos, sin, lambda a: a))
-    return layer_s / DECODE_CALLS
+    cos, sin = rope_tables(cfg.rope_theta, cfg.head_dim, np.arange(ctx, ctx + 1))
+    x = rng.standard_normal((1, C), dtype=np.float32)
+    gemv_cpu = [0.0]
+    mm = model._mm
+
+    def timed_mm(a, w, residual=None):
+        c0 = time.thread_time()
+        y = mm(a, w, residual=residual)
+        gemv_cpu[0] += time.thread_time() - c0
+        return y
+
+    model._mm = timed_mm
+    turn, parts = [0], []  # the part outside the GeMVs of each call but the first
+
+    def layer():
+        gemv_cpu[0] = 0.0
+        c0 = time.thread_time()
+        model.layer(x, turn[0] % copies, cache, ctx, cos, sin, lambda a: a)
+        total = time.thread_time() - c0
+        if turn[0] and total > 0:
+            parts.append(max(total - gemv_cpu[0], 0.0) / total)
+        turn[0] += 1
+
+    layer_s = _timed(layer)
+    return statistics.median(parts) * layer_s / DECODE_CALLS
 
 
-def measure_decoder(config, rows: int, threads: int = 1) -> dict:
+def measure_decoder(config, rows: int, threads: int = 1, ranks: int = 1) -> dict:
     """A decoder's compute figures for the profile (hepti.plan.profile's device fields) but its
     GeMV bytes/s (`measure_gemv`, which hepti.parallel.profiling times with every rank at once):
     `gemm_flops`, a table by the GeMM's rows m up to the prompt's `rows` (the MLP's gate
     projection, [m, C] x [C, F], as prefill runs its GeMMs; the encoders' `measure_layer` times
     an encoder's layer graph, which a decoder has not), `elementwise_per_s` (RMSNorm on
-    [rows, C], as the decoder runs it) and `call_overhead_s` (`measure_decode_call`).
+    [rows, C], as the decoder runs it) and `call_overhead_s` (`measure_decode_call`, at a
+    rank's shape at even shares over `ranks`).
     Attention is left to the GeMM's table (the profile's default)."""
     rng = np.random.default_rng(4)
     C, F = config.hidden_size, config.intermediate_size
@@ -503,4 +560,4 @@ def measure_decoder(config, rows: int, threads: int = 1) -> dict:
     norm_s = _timed(lambda: x * (1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True)
                                                + np.float32(config.rms_norm_eps))) * gamma)
     return {"gemm_flops": gemm, "elementwise_per_s": rows * C / norm_s,
-            "call_overhead_s": measure_decode_call(config)}
+            "call_overhead_s": measure_decode_call(config, ranks=ranks)}

@@ -226,16 +226,114 @@ def _factor(comm, fn, befores, coll: Collective, counts: dict, profile, reps: in
     return float(min(max(measured / modelled, 0.2), 50.0)) if modelled > 0 else 1.0
 
 
-def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30) -> dict:
-    """{kind: measured / modelled seconds} for a decode step's collectives, through the verbs
-    it calls (hepti.parallel.decoder): "allreduce", the one-row sum of C floats that every
-    layer makes twice and the embedding once (`Comm.allreduce_sum`), and "allgather", greedy's
-    (value, index) pair a rank (`Comm.allgather_small`). They are latency-bound, 61 a token for
-    SmolLM2, so the link model's latency, fitted to ping-pongs of MPI's own, prices them only
+# The one-row allreduce is timed after this many decode layers' segments (an attention and an
+# MLP GeMV, each followed by the sync, as a decode step makes them), and its weights are cycled
+# in at most this many copies (enough to exceed the caches at llama-1b's width; a small model's
+# fit in cache anyway)
+CADENCE_LAYERS, CADENCE_MAX_COPIES = 24, 64
+
+
+def decode_segments(config, share: float, rng, cold_bytes: float = 48 << 20,
+                    max_copies: int = CADENCE_MAX_COPIES) -> list[tuple]:
+    """This rank's two GeMVs of one decode layer at `share` of its weights, int8 (groups of
+    `GROUP`) as x [1, C] times packed [C, n]: the attention's (q, k, v and o: (2G + 2) D per KV
+    head) and the MLP's (3F) columns, at least one group each; in copies that together exceed
+    `cold_bytes` (at most `max_copies`), so that each meets its weights cold, as a decode step
+    meets every layer's."""
+    from hepti.graph.decoder import int8_bytes
+    from hepti.kernels.int8 import GROUP
+    C, D, G = config.hidden_size, config.head_dim, config.group
+    cols = ((2 * G + 2) * D * config.num_key_value_heads, 3 * config.intermediate_size)
+    ns = [max(GROUP, int(round(share * c / GROUP)) * GROUP) for c in cols]
+    one = sum(C * n for n in ns) * int8_bytes(GROUP)
+    copies = int(min(max_copies, max(2, math.ceil(cold_bytes / one))))
+
+    def gemv(n):
+        q = rng.integers(-127, 128, (n, C), dtype=np.int8)
+        scales = rng.random((n, -(-C // GROUP)), dtype=np.float32) * np.float32(1e-3)
+        return K.pack_q(K.QuantMatrix(q, scales, GROUP), trans=True)
+
+    return [tuple(gemv(n) for n in ns) for _ in range(copies)]
+
+
+def cadence_allreduce_s(g: Comm, segments: list[tuple], C: int, layers: int = CADENCE_LAYERS
+                        ) -> tuple[list[float], list[float]]:
+    """(waits, segments' seconds) of this rank in each one-row allreduce of `layers` decode
+    layers, timed as a decode step meets it: each of `segments`' GeMVs (cycled) writes the row
+    and the allreduce follows at once, with no barrier, all inside one work span as
+    `DecoderGroup.generate` runs them. On an emulated device the backlog is paid first (an
+    empty wait span), so a wait runs from this rank's arrival to the verb's return (its wait
+    for the last rank, then the transfer), and a segment's seconds from the previous verb's
+    return to this arrival (its compute as the device runs it). One layer's warm-up first."""
+    x = np.ones((1, C), np.float32)
+    outs = [np.empty((1, w.n), np.float32) for w in segments[0]]
+    row = np.zeros((1, C), np.float32)
+    k = [min(C, w.n) for w in segments[0]]
+    waits: list[float] = []
+    spans: list[float] = []
+    with g.tracer.span("decode cadence", "compute"):
+        back = time.perf_counter()
+        for i in range(layers + 1):
+            for j, w in enumerate(segments[i % len(segments)]):
+                K.gemm_any(x, w, out=outs[j])
+                row[0, :k[j]] = outs[j][0, :k[j]]
+                with g.tracer.span("pay", "wait"):  # the stretch's backlog, before arriving
+                    pass
+                t0 = time.perf_counter()
+                g.allreduce_sum(row)
+                t1 = time.perf_counter()
+                if i:
+                    waits.append(t1 - t0)
+                    spans.append(t0 - back)
+                back = t1
+    return waits, spans
+
+
+def sync_figures(spans: list[list[float]], waits: list[list[float]]) -> tuple[float, float]:
+    """(jitter, seconds) of a group's decode syncs from each rank's segment seconds and its
+    waits in the verb, call by call (`cadence_allreduce_s` on every rank of the group, the same
+    calls). Every call waits for the last rank to arrive: with z = d / (the rank's mean d) - 1,
+    the jitter is the mean over calls of the group's largest z (0 for one rank), the part of a
+    phase's compute a sync adds past the slowest rank's mean. The ranks leave the previous
+    verb together (to within its transfer), so a rank's wait is (the largest d - its d) and the
+    transfer: the seconds are the mean over calls and ranks of what is left of the wait."""
+    m = min(len(d) for d in spans)
+    d = np.array([x[:m] for x in spans], float)
+    w = np.array([x[:m] for x in waits], float)
+    z = d / np.maximum(d.mean(axis=1, keepdims=True), 1e-12) - 1.0
+    jitter = max(float(z.max(axis=0).mean()), 0.0) if len(d) > 1 else 0.0
+    transfer = float(np.maximum(w - (d.max(axis=0) - d), 0.0).mean())
+    return jitter, transfer
+
+
+def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30
+                                  ) -> tuple[dict, dict]:
+    """({kind: measured / modelled seconds}, jitter) for a decode step's collectives, through
+    the verbs it calls (hepti.parallel.decoder): "allreduce", the one-row sum of C floats that
+    every layer makes twice and the embedding once (`Comm.allreduce_sum`), and "allgather",
+    greedy's (value, index) pair a rank (`Comm.allgather_small`). They are latency-bound, 1 +
+    2L a token, so the link model's latency, fitted to ping-pongs of MPI's own, prices them only
     as well as the verbs' fixed costs (Python, the shared-memory slot's handshake, `wait`'s
     sleeps on a capped rank) match MPI's. Each is timed after a GeMV that makes its buffer (a
-    rank's share of the MLP's down projection at one row, as a decode step has just run) and
-    back to back; the slower counts, as `calibrate_collectives` does for the encoders'."""
+    rank's share of the MLP's down projection at one row) and a barrier, and back to back; the
+    slower counts, as `calibrate_collectives` does for the encoders'.
+
+    A decode step's syncs (the profile's `decode_syncs`: {"jitter": [J(1), ..., J(N)],
+    "seconds": [S(1), ..., S(N)]}, for rank 0 with its n - 1 fastest others, the groups
+    `tensor` is searched over): after a barrier the ranks arrive together, but in a step each
+    arrives when its own GeMVs end and every sync waits for the last, and a group's transfer is
+    its own, not the all-rank calibration's scaled to its links. So each group times its
+    allreduce as a step meets it (`cadence_allreduce_s`: a layer's GeMV segments, each rank's
+    share of a layer by its measured int8 GeMV bytes/s (`decode_segments`), each followed at
+    once by the allreduce, no barrier), and `sync_figures` parts its waits into the jitter J(n)
+    (relative to the compute: float32's longer steps scale it) and the seconds S(n) of the
+    transfer (its mean, tail and all: a step pays the sum). On emu-equal2 (2 x 0.4 core) a
+    decode step's 33 syncs took 1.2-2.3 ms each (identical GeMVs took 2.0-4.7 ms of CPU from
+    one call to the next on the shared host, stretched 2.5x: arrivals 1-2 ms apart) against
+    0.3 ms after a barrier, and the profile priced llama-1b int8 at 8.1 tokens/s where it ran
+    6.1; on emu-mixed4 the all-rank factor priced the two fast ranks' syncs at 0.11 ms where
+    they took 1.2-1.5 (h2 of session 53).
+    """
     size, rank = comm.Get_size(), comm.Get_rank()
     C = config.hidden_size
     f = max(1, config.intermediate_size // size)
@@ -252,10 +350,29 @@ def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30) -> d
     g = Comm(comm)
     profile = profile_from_dict(prof, "measured profile")
     pair = (1.0, float(rank))
-    probes = {"allreduce": (lambda: g.allreduce_sum(row), C * 4.0),
-              "allgather": (lambda: g.allgather_small(pair), GREEDY_PAIR_BYTES)}
-    factors = {kind: _factor(comm, fn, (compute, lambda: None), Collective(kind, None, nbytes),
-                             {}, profile, reps)
-               for kind, (fn, nbytes) in probes.items()}
+    probes = {"allreduce": (lambda: g.allreduce_sum(row), Collective("allreduce", None, C * 4.0)),
+              "allgather": (lambda: g.allgather_small(pair),
+                            Collective("allgather", None, GREEDY_PAIR_BYTES))}
+    factors = {kind: _factor(comm, fn, (compute, lambda: None), c, {}, profile, reps)
+               for kind, (fn, c) in probes.items()}
+    rates = [d.gemv_bytes_per_s(True) for d in profile.devices]
+    by_speed = sorted(range(1, size), key=lambda i: -rates[i])
+    jitter, seconds = [0.0], [0.0]
+    for n in range(2, size + 1):  # rank 0 with its n - 1 fastest others, as `tensor` is searched
+        members = [0] + by_speed[:n - 1]
+        sub = g.split(rank in members)
+        if sub is not None:
+            share = rates[rank] / sum(rates[i] for i in members)
+            segments = decode_segments(config, share, rng)
+            waits, spans = cadence_allreduce_s(sub, segments, C)
+            del segments
+            got = sub.mpi.gather((spans, waits), root=0)
+            sub.close()
+            if rank == 0:
+                j, t = sync_figures([x[0] for x in got], [x[1] for x in got])
+                jitter.append(j)
+                seconds.append(t)
+        barrier(comm)
+    jitter, seconds = comm.bcast((jitter, seconds), root=0)
     g.close()
-    return factors
+    return factors, {"jitter": jitter, "seconds": seconds}

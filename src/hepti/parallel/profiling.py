@@ -19,8 +19,10 @@ will during a run. Per rank:
   step's per-call cost (`measure_decoder`), and the bytes/s of a one-row GeMV in float32 and
   int8, what decode is bound by, timed with every rank at once after a barrier (they share the
   machine's memory bandwidth as they decode: `measure_gemvs`); then the decode step's one-row
-  allreduce and greedy's allgather, calibrated (`calibrate_decoder_collectives`); no encoder
-  layer or weight loading;
+  allreduce and greedy's allgather, calibrated, and a decode step's syncs as rank 0 with its
+  n - 1 fastest others meet them (`decode_syncs`: GeMV segments each followed at once by the
+  allreduce, no barrier; their jitter and seconds; `calibrate_decoder_collectives`); no
+  encoder layer or weight loading;
 - its link: MPI ping-pong with rank 0 at a few message sizes, least-squares fitted to
   one-way time = latency + bytes / bandwidth. Rank 0's own link is taken as the fastest path it
   measured (a star's path is as slow as its slower end).
@@ -61,6 +63,7 @@ from hepti.parallel.profile_compute import (measure_call_overhead, measure_decod
 from hepti.parallel.profile_links import (barrier, calibrate_collectives,
                                           calibrate_decoder_collectives, measure_collectives,
                                           measure_links)
+from hepti.plan.decoder import SYNCS_KEY
 from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, Profile, load_profile, profile_from_dict
 from hepti.resources import (_return_freed_memory, available_memory, cgroup_memory_stat, cpu_limit,
                              memory_limit, process_rss)
@@ -98,7 +101,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     barrier(comm)
     decoder = family(config).executor == "decoder"
     if decoder:  # its GeMM table, RMSNorm, a decode call (no encoder layer graph to time)
-        compute = measure_decoder(config, M, threads)
+        compute = measure_decoder(config, M, threads, ranks=size)
         barrier(comm)  # every rank's GeMV at once: they share the memory bandwidth
         compute.update(measure_gemvs(config.hidden_size, threads))
     else:
@@ -140,9 +143,11 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
             "measure_s": elapsed, "batch": batch}
     prof = comm.bcast(prof, root=0)
     if size > 1:  # the collectives each family's programs price, at its sizes
-        prof["network"]["calibration"] = (calibrate_decoder_collectives(comm, prof, config)
-                                          if decoder else
-                                          calibrate_collectives(comm, prof, config, M))
+        if decoder:
+            prof["network"]["calibration"], prof[SYNCS_KEY] = calibrate_decoder_collectives(
+                comm, prof, config)
+        else:
+            prof["network"]["calibration"] = calibrate_collectives(comm, prof, config, M)
     profile_from_dict(prof, "measured profile")  # the schema check the planner will make
     return prof
 
@@ -252,8 +257,10 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
 # rounds timed for at least `BAND_MIN_S`; 12: the allgathers timed on long messages too,
 # a second line past a link's burst; 13: the speed probe's `probe_s`, and every timing round
 # starts level on an emulated device, `stretch.settle`; 14: a decoder's GeMVs timed on every
-# rank at once, its call overhead on its own layer, its one-row collectives calibrated).
-PROFILER_REVISION = 14
+# rank at once, its call overhead on its own layer, its one-row collectives calibrated; 15: a
+# decode step's syncs, per group (GeMV segments each followed by the allreduce, no barrier),
+# and a decode call's cost on a rank's real layer shape, cold, outside its GeMVs).
+PROFILER_REVISION = 15
 
 
 def cache_dir() -> Path:

@@ -22,7 +22,14 @@ What a step costs beyond its bytes and FLOPs comes from the profile (docs/genera
 "Plans"): each of a layer's calls at `call_overhead_s`, and the collectives scaled by the
 profile's calibration of them (the decode step's one-row allreduce and greedy's allgather,
 timed through the verbs on the ranks at once); a profile without that calibration is priced
-from the link model alone, and the plan's notes say so.
+from the link model alone, and the plan's notes say so. `tensor`'s decode step of n ranks
+prices its 2L + 2 syncs as the profile's `decode_syncs` measured a group of n meet them
+(`measured_syncs_s`), where it has them: S(n) seconds each, and J(n) of its phases' compute,
+since a phase of the cost model ends when the slowest rank's mean compute does, but a sync
+ends when the last rank arrives, and a rank's GeMVs vary from call to call (on emu-equal2 the
+syncs took 1.2-2.3 ms where the allreduce after a barrier takes 0.3, and llama-1b int8 was
+priced at 0.76 of the speed it ran; h2 of session 53). Prefill's few syncs after long GeMMs
+are left as they were.
 
 The request's cost is prefill + (D - 1) decode steps, each at the longest context (P + D
 tokens: an upper bound). Memory per rank: its weights and its KV heads' cache for the request's
@@ -49,6 +56,7 @@ GRID_STEP = 0.05  # two ranks: rank 0's share in these steps
 MIX = (0.25, 0.5, 0.75)  # mixes of equal and bandwidth-proportional shares
 MAX_HEAD_SPLITS = 64  # KV-head splits tried with each share vector (`head_splits`)
 TOKEN_BYTES = 8  # pipeline: the chosen token (int64), from rank 0 to the rest of the group
+SYNCS_KEY = "decode_syncs"  # the profile's (hepti.parallel.profile_links measures it)
 
 
 @dataclass
@@ -208,9 +216,50 @@ def _usable(profile: Profile) -> list[float]:
     return [d.usable_bytes for d in profile.devices]
 
 
+def sync_figures(profile: Profile) -> dict[str, list[float]] | None:
+    """The profile's `decode_syncs` (hepti.parallel.profile_links
+    `calibrate_decoder_collectives`): {"jitter": [J(1), ..., J(N)], "seconds": [S(1), ...,
+    S(N)]} for a group of n ranks, rank 0 with its fastest others; None if not measured (or
+    not two equal lists of non-negative numbers)."""
+    v = profile.extra.get(SYNCS_KEY)
+    if not isinstance(v, dict):
+        return None
+    out = {}
+    for k in ("jitter", "seconds"):
+        x = v.get(k)
+        if not isinstance(x, list) or not x or not all(
+                isinstance(y, (int, float)) and not isinstance(y, bool) and math.isfinite(y)
+                and y >= 0 for y in x):
+            return None
+        out[k] = [float(y) for y in x]
+    return out if len(out["jitter"]) == len(out["seconds"]) else None
+
+
+def decode_syncs(config) -> int:
+    """A decode step's syncs on a group of more than one (the decode program's collectives):
+    the embedding's allreduce, two a layer, and greedy's allgather."""
+    return 2 * config.num_hidden_layers + 2
+
+
+def measured_syncs_s(config, profile: Profile, prediction, group: int) -> float | None:
+    """Seconds a decode step of `group` ranks spends at its syncs as the profile measured a
+    group of that size meet them: its 2L + 2 syncs at S(group) each, and J(group) of every
+    phase's compute (the slowest rank's), which the cost model's phases do not hold (every sync
+    waits for the last rank to arrive); None for a group of one or without the figures."""
+    f = sync_figures(profile)
+    if group < 2 or f is None:
+        return None
+    n = min(group, len(f["jitter"])) - 1
+    compute = sum(ph["times"] * ph["compute_s"] for ph in prediction.phases)
+    return decode_syncs(config) * f["seconds"][n] + f["jitter"][n] * compute
+
+
 def evaluate_tensor(config, profile: Profile, req: Request, ratios: dict[str, list[float]],
                     wb: float = F32, label: str | None = None) -> Candidate:
-    """`tensor` with these ratio vectors."""
+    """`tensor` with these ratio vectors. With more than one rank taking part, its decode
+    step's syncs are priced as the profile measured a group of that size meet them
+    (`measured_syncs_s`) in place of the cost model's collectives, if it did (module
+    docstring)."""
     pre, dec = _programs(config, req, wb)
     cnt = tensor_counts(config, ratios, req.prompt)
     p = evaluate(pre, {d: cnt[d] for d in pre.totals}, profile)
@@ -218,8 +267,12 @@ def evaluate_tensor(config, profile: Profile, req: Request, ratios: dict[str, li
     mem = [r.mem_bytes for r in d.per_rank]  # decode's memory: the whole context's cache
     share = "/".join(f"{x:.2f}".rstrip("0").rstrip(".") for x in ratios["ffn"])
     heads = "/".join(str(int(h)) for h in cnt["heads"])
+    decode_s = d.latency_s
+    syncs = measured_syncs_s(config, profile, d, sum(1 for r in d.per_rank if r.active))
+    if syncs is not None:
+        decode_s += syncs - sum(ph["times"] * ph["comm_s"] for ph in d.phases)
     return Candidate("tensor", label or f"tensor {share} (KV heads {heads})", p.latency_s,
-                     d.latency_s, mem, _usable(profile), ratios=ratios)
+                     decode_s, mem, _usable(profile), ratios=ratios)
 
 
 def _alone(profile: Profile, rank: int) -> Profile:
@@ -409,6 +462,10 @@ def plan_decoder(config, profile: Profile, req: Request, wb: float = F32,
         notes.append("the one-row allreduce is priced from the link model alone (this profile "
                      "did not calibrate it: measure one with `hepti profile --model` on this "
                      "decoder's folder)")
+    if profile.world_size > 1 and sync_figures(profile) is None:
+        notes.append("a decode step's syncs are priced without the spread of the ranks' "
+                     "arrivals (this profile did not measure it: `hepti profile --model` on "
+                     "this decoder's folder does)")
     if strategy == "tensor" and ratios is not None:
         cands = [evaluate_tensor(config, profile, req, ratios, wb)]
     else:
