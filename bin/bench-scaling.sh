@@ -8,9 +8,11 @@
 #                                   bands and auto)
 #   bin/bench-scaling.sh --cnn      the CNNs alone
 #   bin/bench-scaling.sh --quick    MiniLM only, fewer rounds
-#   bin/bench-scaling.sh --decoder  llama-1b (fp32): `hepti generate`'s decode and prefill
-#                                   tokens/s, single against tensor on 2 ranks, 32 tokens
-#                                   (results/scaling-llm.json; makes weights/llama-1b, 4.2 GB)
+#   bin/bench-scaling.sh --decoder  llama-1b: `hepti generate`'s decode and prefill tokens/s,
+#                                   single against tensor on 2 ranks, 32 tokens, in float32
+#                                   (results/scaling-llm.json) then int8
+#                                   (results/scaling-llm-int8.json); makes weights/llama-1b
+#                                   (4.2 GB) and weights/llama-1b-int8 (1.3 GB) if missing
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 if [ "${1:-}" = "--quick" ]; then
@@ -19,8 +21,12 @@ fi
 if [ "${1:-}" = "--decoder" ]; then
   shift
   [ -f weights/llama-1b/index.json ] || hepti convert --random llama-1b --out weights/llama-1b
-  exec hepti bench llm --model weights/llama-1b --variants hepti:single:1,hepti:tensor:2 \
+  [ -f weights/llama-1b-int8/index.json ] \
+    || hepti convert --random llama-1b --dtype int8 --out weights/llama-1b-int8
+  hepti bench llm --model weights/llama-1b --variants hepti:single:1,hepti:tensor:2 \
     --tokens 32 --rounds 5 --out results/scaling-llm.json "$@"
+  exec hepti bench llm --model weights/llama-1b-int8 --variants hepti:single:1,hepti:tensor:2 \
+    --tokens 32 --rounds 5 --out results/scaling-llm-int8.json "$@"
 fi
 if [ "${1:-}" = "--cnn" ]; then
   shift
