@@ -835,7 +835,7 @@ def _profile_job(args) -> int:
     else:
         profile, _, _ = cached_profile(world.mpi, cfg, _tokens(args, cfg), batch=args.batch, threads=args.threads,
                                     mem_cap=parse_bytes(args.mem_cap, "--mem-cap") if args.mem_cap else None,
-                                    refresh=True)
+                                    refresh=True, as_now=False)
     if world.rank == 0:
         text = json.dumps(profile.to_dict(), indent=2)
         with open(args.out, "w") as f:

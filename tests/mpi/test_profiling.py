@@ -71,6 +71,25 @@ def test_memory_cap_is_applied():
     all_ok(all(d["memory_bytes"] == 123_456_789 for d in prof["devices"]), "cap not applied")
 
 
+def test_a_profile_measured_now_holds_the_memory_left_now(measured):
+    """`_memory_as_now`: a device's memory is lowered to what its rank has now where that is
+    less (the measuring kept some of it), never raised: the same figure on every rank."""
+    from hepti.parallel.profiling import _memory_as_now
+    big = json.loads(json.dumps(measured))
+    for d in big["devices"]:
+        d["memory_bytes"] = 1e18  # more than any machine: lowered to what is there now
+    low = _memory_as_now(COMM, big, None)["devices"]
+    small = json.loads(json.dumps(measured))
+    for d in small["devices"]:
+        d["memory_bytes"] = 1000.0
+    kept = _memory_as_now(COMM, small, None)["devices"]
+    capped = _memory_as_now(COMM, big, 123_456_789)["devices"]
+    all_ok(all(0 < d["memory_bytes"] < 1e18 for d in low)
+           and all(d["memory_bytes"] == 1000.0 for d in kept)
+           and all(d["memory_bytes"] == 123_456_789 for d in capped)
+           and COMM.allgather(low) == [low] * COMM.Get_size(), f"{low} {kept} {capped}")
+
+
 def test_cache_reuses_a_fresh_profile_and_remeasures_a_stale_one(tmp_path, monkeypatch):
     base = COMM.bcast(str(tmp_path) if COMM.Get_rank() == 0 else None)
     monkeypatch.setenv("HEPTI_CACHE", base)

@@ -116,11 +116,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     on_host = local.Get_size()
     local.Free()
-    _return_freed_memory()  # the probes' garbage is not the device's use
-    avail, mem_source = available_memory()
-    memory = avail / on_host
-    if mem_cap is not None:
-        memory = min(memory, float(mem_cap))
+    memory, mem_source = _device_memory(on_host, mem_cap)
     barrier(comm)
     links = measure_links(comm)
     mine = {"rank": rank, "host": MPI.Get_processor_name(), **compute,
@@ -150,6 +146,37 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
             prof["network"]["calibration"] = calibrate_collectives(comm, prof, config, M)
     profile_from_dict(prof, "measured profile")  # the schema check the planner will make
     return prof
+
+
+def _device_memory(on_host: int, mem_cap: float | None) -> tuple[float, str]:
+    """(bytes, source): the memory this rank has for a model now, its share of the host's
+    available memory (`hepti.resources.available_memory`, after handing the heap's freed pages
+    back: the probes' garbage is not the device's use), at most `mem_cap`."""
+    _return_freed_memory()
+    avail, source = available_memory()
+    memory = avail / on_host
+    return (memory if mem_cap is None else min(memory, float(mem_cap))), source
+
+
+def _memory_as_now(comm, prof: dict, mem_cap: float | None) -> dict:
+    """`prof` with each device's memory_bytes lowered to what its rank has now, if less.
+
+    The profile measures memory before the collectives' calibration, whose buffers (a
+    decoder's: a layer's int8 weights per group size, MPI's windows) the process keeps in part
+    after it, so the process that measured a profile has less than its figure says, where a
+    later process that reads it from the cache has what it says: a fresh `auto` on emu-mixed4
+    planned rank 0's int8 share at 777-814 of its 891 MiB and was OOM-killed at the 1 GiB cap,
+    where the same plan from the cache ran at 879 MiB of RSS. The cache keeps the measured
+    figure; only this process's plan sees the lower one."""
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    on_host = local.Get_size()
+    local.Free()
+    now = comm.allgather(_device_memory(on_host, mem_cap)[0])
+    out = json.loads(json.dumps(prof))
+    for d, m in zip(out["devices"], now):
+        d["memory_bytes"] = float(min(d["memory_bytes"], m))
+    return out
 
 
 def _with_links(devices: list[dict], links: list[dict]) -> list[dict]:
@@ -200,9 +227,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
                              for op in graph.ops if op.kind == CONV)
     conv_s = sum(t for op, t in zip(graph.ops, op_s) if op.kind == CONV)
     del model
-    _return_freed_memory()
-    avail, mem_source = available_memory()
-    memory = avail / on_host if mem_cap is None else min(avail / on_host, float(mem_cap))
+    memory, mem_source = _device_memory(on_host, mem_cap)
     barrier(comm)
     links = measure_links(comm)
     collectives = measure_collectives(comm)
@@ -291,9 +316,11 @@ def profile_cache_path(hostfile: str | None, model_name: str, world_size: int,
 
 def cached_profile(comm, config: ModelConfig, seq_len: int, hostfile: str | None = None,
                    max_age_s: float = 24 * 3600, mem_cap: float | None = None, batch: int = 1,
-                   threads: int = 1, refresh: bool = False) -> tuple[Profile, bool, Path]:
+                   threads: int = 1, refresh: bool = False,
+                   as_now: bool = True) -> tuple[Profile, bool, Path]:
     """(profile, measured_now, cache file): the cached profile if fresh enough, else measure and
-    cache it.
+    cache it; a profile measured now holds each rank's memory as it is after the measuring
+    (`_memory_as_now`) unless as_now=False (`hepti profile` writes the measured figures).
     All ranks call this; rank 0 decides and writes the file. Without a hostfile the cache is
     keyed by every rank's host name, in rank order; with or without one, also by every rank's
     caps (see `profile_cache_path`)."""
@@ -320,4 +347,6 @@ def cached_profile(comm, config: ModelConfig, seq_len: int, hostfile: str | None
         tmp.write_text(json.dumps(prof, indent=2) + "\n")
         tmp.replace(path)
     comm.Barrier()
+    if as_now:
+        prof = _memory_as_now(comm, prof, mem_cap)
     return profile_from_dict(prof, "measured profile"), True, path
