@@ -44,11 +44,16 @@ def test_format_model_bench_reports_every_ratio():
            "max_abs_diff_vs_ort-fused": 1e-6, "ort_fused_ops": {"Attention": 6},
            "flops": bm.model_flops(MINILM, 1, 128),
            "gemm_peak": {"gflops": 234.0, "shape": [128, 384, 1536]}, "limit_s": 0.0123,
-           "hepti_over_limit": 1.22, "hepti_over_limit_paired": 1.21}
+           "hepti_over_limit": 1.22, "hepti_over_limit_paired": 1.21,
+           "cpu": {"hepti": {"median_s": 0.014, "ratio_over_hepti": None},
+                   "torch": {"median_s": 0.028, "ratio_over_hepti": 2.0}},
+           "gemm_peak_cpu": {"gflops": 240.0, "shape": [128, 384, 1536]}, "limit_cpu_s": 0.012,
+           "hepti_cpu_over_limit": 1.17}
     text = bm.format_model_bench(res)
     for needle in ("torch/hepti time ratio 2.000", "ort/hepti time ratio 1.300",
                    "ort_fused/hepti time ratio 1.200", "6 Attention", "FLOPs 2.869 G",
-                   "GeMM peak 234.0 GFLOP/s", "hepti / limit 1.220"):
+                   "GeMM peak 234.0 GFLOP/s", "hepti / limit 1.220",
+                   "torch 28.00 ms (2.000x hepti)", "hepti CPU / limit 1.170"):
         assert needle in text
 
 
