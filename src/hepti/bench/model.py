@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from hepti.bench.harness import interleave, positive_int, summarise
+from hepti.bench.kernels import TRANSFORMER_SHAPES
+from hepti.kernels import gemm, pack_b
 from hepti.bench.registry import module_main
 from hepti.weights.layout import HF_LAYER_MAP, HF_OTHER_MAP
 from hepti.parallel.single import BertEncoder
@@ -183,9 +185,6 @@ def peak_variant():
     packed beforehand on the transformer shapes of `hepti bench kernels`
     (hepti.bench.kernels.TRANSFORMER_SHAPES), a few weights in turn as a model's layers use
     them; per shape and round, the fastest of those calls (B last read a few weights ago)."""
-    from hepti.bench.kernels import TRANSFORMER_SHAPES  # local: only when timing the peak
-    from hepti.kernels import gemm, pack_b
-
     rng = np.random.default_rng(0)
     cases = []
     for m, k, n in TRANSFORMER_SHAPES:
