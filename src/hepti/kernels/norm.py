@@ -17,23 +17,37 @@ from hepti.kernels.config import FASTMATH_ROWS, JIT
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)
 def _add_layernorm(x, ldx, m, c, bias, has_bias, res, ldr, has_res, gamma, beta, eps, y, ldy):
-    """y[i] = LayerNorm(x[i] (+ bias) (+ res[i])) * gamma + beta for i < m; rows of c floats."""
+    """y[i] = LayerNorm(x[i] (+ bias) (+ res[i])) * gamma + beta for i < m; rows of c floats.
+
+    Three passes over a row: the sum written and added up, the squared deviations, the
+    normalisation (the row stays in L1 between them)."""
     inv_c = np.float32(1.0) / np.float32(c)
     for i in range(m):
         xr = x[i * ldx:i * ldx + c]
         yr = y[i * ldy:i * ldy + c]
-        for j in range(c):
-            yr[j] = xr[j]
-        if has_bias:
-            for j in range(c):
-                yr[j] += bias[j]
+        total = np.float32(0.0)
         if has_res:
             rr = res[i * ldr:i * ldr + c]
+            if has_bias:
+                for j in range(c):
+                    v = xr[j] + bias[j] + rr[j]
+                    yr[j] = v
+                    total += v
+            else:
+                for j in range(c):
+                    v = xr[j] + rr[j]
+                    yr[j] = v
+                    total += v
+        elif has_bias:
             for j in range(c):
-                yr[j] += rr[j]
-        total = np.float32(0.0)
-        for j in range(c):
-            total += yr[j]
+                v = xr[j] + bias[j]
+                yr[j] = v
+                total += v
+        else:
+            for j in range(c):
+                v = xr[j]
+                yr[j] = v
+                total += v
         mean = total * inv_c
         sq = np.float32(0.0)
         for j in range(c):
