@@ -1,0 +1,150 @@
+"""Integer dot products of int8 weight panels with int16 activations, as Numba intrinsics.
+
+`isum_i16_avx512(out, w, w_off, xq, x_off, nquads)` and `isum_i16_avx2(...)` compute, for one
+k-interleaved panel (int8.QuantB's layout: [K/4, NR, 4], 4 consecutive k of a column in 4
+bytes) and `nquads` quads of k starting at quad w_off / (NR * 4):
+
+    out[j] = sum over t < 4 * nquads of xq[x_off + t] * w[k0 + t, j]     (j < NR = 32; int32)
+
+The whole loop over the quads is emitted as LLVM IR, so its accumulators stay in registers:
+each 32 bytes of a quad row (8 columns x 4 k) are sign-extended to int16 (vpmovsxbw) and
+multiplied by the quad's 4 activations, broadcast, in pairs (vpdpwssd on AVX-512 VNNI:
+x0 w0 + x1 w1 into one int32 lane, x2 w2 + x3 w3 into the next; pmaddwd + vpaddd on AVX2).
+At the end the two lanes of each column are added. Two chains of accumulators alternate
+quads so that the multiply-add latency is hidden.
+
+int32 cannot overflow: |xq| <= 32767 and |w| <= 127, so a sum of t products stays below
+2**31 for t <= 516; callers keep a group at most 256 k (int8.XQ_BLOCK_MAX).
+
+The intrinsics take the LLVM x86 intrinsics' int32-vector forms, which LLVM >= 21 upgrades
+to its int16 ones when it reads the module. They compile only where the CPU has the
+instructions: call them only after `config.INT_DOT` says so (int8.py dispatches in Python).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_QUAD_BYTES = 128  # one quad row of a panel: NR = 32 columns x 4 k
+
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _splat_quad(builder, xptr, quad, lanes64):
+    """The 4 int16 activations of one quad, broadcast to every 64-bit lane (as <2*l x i32>)."""
+    p = builder.bitcast(builder.gep(xptr, [builder.mul(quad, _I64(4))]), _I64.as_pointer())
+    v = builder.load(p, align=2)
+    vec = builder.insert_element(ir.Constant(_vec(_I64, lanes64), None), v, _I32(0))
+    splat = builder.shuffle_vector(vec, vec, ir.Constant(_vec(_I32, lanes64), [0] * lanes64))
+    return builder.bitcast(splat, _vec(_I32, 2 * lanes64))
+
+
+def _codegen_isum(vec_bytes, dot):
+    """IR for the quad loop with loads of `vec_bytes` int8 (-> int16 lanes) at a time and
+    `dot(builder, acc, x_splat, w16) -> acc` as the pairwise multiply-add."""
+    lanes = vec_bytes // 2  # int32 lanes of an accumulator (2 per column)
+    n_acc = _QUAD_BYTES // vec_bytes  # accumulators per chain, 8 // (lanes / 4) columns each
+    acc_t = _vec(_I32, lanes)
+
+    def codegen(context, builder, sig, args):
+        out_t, w_t, _, x_t, _, _ = sig.args
+        out = context.make_array(out_t)(context, builder, args[0])
+        w = context.make_array(w_t)(context, builder, args[1])
+        xq = context.make_array(x_t)(context, builder, args[3])
+        w_off, x_off, nquads = (context.cast(builder, a, t, types.int64)
+                                for a, t in ((args[i], sig.args[i]) for i in (2, 4, 5)))
+        wptr = builder.gep(builder.bitcast(w.data, _I8.as_pointer()), [w_off])  # w_off: bytes
+        xptr = builder.gep(xq.data, [x_off])
+        zero = ir.Constant(acc_t, None)
+        slots = [[cgutils.alloca_once_value(builder, zero) for _ in range(n_acc)]
+                 for _ in range(2)]
+
+        def body(quad, chain):
+            xb = _splat_quad(builder, xptr, quad, lanes // 2)
+            base = builder.gep(wptr, [builder.mul(quad, _I64(_QUAD_BYTES))])
+            for a in range(n_acc):
+                p = builder.bitcast(builder.gep(base, [_I64(a * vec_bytes)]),
+                                    _vec(_I8, vec_bytes).as_pointer())
+                w16 = builder.sext(builder.load(p, align=1), _vec(_I16, vec_bytes))
+                slot = slots[chain][a]
+                builder.store(dot(builder, builder.load(slot), xb,
+                                  builder.bitcast(w16, acc_t)), slot)
+
+        half = builder.sdiv(nquads, _I64(2))
+        with cgutils.for_range(builder, half) as loop:
+            q0 = builder.mul(loop.index, _I64(2))
+            body(q0, 0)
+            body(builder.add(q0, _I64(1)), 1)
+        with builder.if_then(builder.icmp_signed("!=", builder.mul(half, _I64(2)), nquads)):
+            body(builder.sub(nquads, _I64(1)), 0)
+        # column j of accumulator a sits in lanes 2j and 2j+1: add them, store 32 int32
+        sums = [builder.add(builder.load(slots[0][a]), builder.load(slots[1][a]))
+                for a in range(n_acc)]
+        optr = builder.bitcast(out.data, _I32.as_pointer())
+        for a in range(0, n_acc, 2):
+            even = builder.shuffle_vector(sums[a], sums[a + 1],
+                                          ir.Constant(_vec(_I32, lanes), list(range(0, 2 * lanes, 2))))
+            odd = builder.shuffle_vector(sums[a], sums[a + 1],
+                                         ir.Constant(_vec(_I32, lanes), list(range(1, 2 * lanes, 2))))
+            p = builder.bitcast(builder.gep(optr, [_I64(a * lanes // 2)]), acc_t.as_pointer())
+            builder.store(builder.add(even, odd), p, align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _typer(out, w, w_off, xq, x_off, nquads):
+    ok = (isinstance(out, types.Array) and out.ndim == 1 and out.dtype == types.int32
+          and isinstance(w, types.Array) and w.ndim == 1 and w.dtype in (types.int8, types.int32)
+          and isinstance(xq, types.Array) and xq.ndim == 1 and xq.dtype == types.int16
+          and all(isinstance(t, types.Integer) for t in (w_off, x_off, nquads)))
+    return types.void(out, w, w_off, xq, x_off, nquads) if ok else None
+
+
+def _call(builder, name, ret_t, *vals):
+    fnty = ir.FunctionType(ret_t, [v.type for v in vals])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), list(vals))
+
+
+def _dot_vnni512(builder, acc, xb, w16):
+    return _call(builder, "llvm.x86.avx512.vpdpwssd.512", acc.type, acc, xb, w16)
+
+
+def _dot_avx2(builder, acc, xb, w16):
+    v16 = _vec(_I16, 16)
+    prod = _call(builder, "llvm.x86.avx2.pmadd.wd", acc.type, builder.bitcast(xb, v16),
+                 builder.bitcast(w16, v16))
+    return builder.add(acc, prod)
+
+
+def isa_tag(level: int):
+    """The empty array that names integer-dot kernel `level` (config.INT_DOT_NAMES) by its ndim
+    (level + 1): the kernels take it as an argument, so Numba compiles (and caches) one
+    specialisation per level, and a CPU compiles only the level Python hands it."""
+    import numpy as np
+
+    return np.empty((0,) * (int(level) + 1), np.int8)
+
+
+@intrinsic
+def isum_i16(typingctx, tag, out, w, w_off, xq, x_off, nquads):
+    """out[0:32] = int32 sums of xq (int16) times a panel's int8 quads, by the kernel `tag`
+    names (isa_tag): AVX-512 VNNI (level 2), AVX2 (level 1); level 0 emits nothing (the
+    float path never calls it)."""
+    sig = _typer(out, w, w_off, xq, x_off, nquads)
+    if sig is None or not isinstance(tag, types.Array):
+        return None
+    level = tag.ndim - 1
+    inner = {2: _codegen_isum(32, _dot_vnni512), 1: _codegen_isum(16, _dot_avx2)}.get(level)
+
+    def codegen(context, builder, signature, args):
+        if inner is not None:
+            inner(context, builder, sig, args[1:])
+        return context.get_dummy_value()
+
+    return types.void(tag, *sig.args), codegen
