@@ -361,13 +361,13 @@ def _quantize16(v, s, k, blk, xq, sx):
 def _qgemv_panels(p_lo, p_hi, x, k, n, qpanels, scales, per_col, gk, c, tag, xq, sx):
     """c[panels p_lo .. p_hi-1] = x [k] @ B, reading each int8 panel once, in order.
 
-    Integer kernels (tag.ndim > 1, _vnni.isum_i16): x is quantised to int16 per block of k
-    (xq, sx): for groups along K once (by the caller, blocks = the groups), int32 sums per
-    group and column, then acc[j] += sx[g] * scale[g, j] * isum[j]; for groups along N the
-    row's scale is folded into x (x * scale[:, panel]) and that is quantised per XQ_BLOCK of k
-    for each panel, so the sums need only sx. The float path (tag.ndim == 1) multiplies by
-    the widened int8 weights, scaling a group's sums (along K) or folding the row scale into
-    x (along N) likewise.
+    gk is the weights' group. Integer kernels (tag.ndim > 1, _vnni.isum_i16): x is rounded to
+    int16 per block of k (xq, sx). Groups along K: once by the caller, a block per group;
+    int32 sums per group and column, then acc[j] += sx[g] * scale[g, j] * isum[j]. Groups
+    along N: the row's scale is folded into x (x * scale[:, panel]) and that is rounded per
+    XQ_BLOCK of k, once per group of gk columns (a panel, or two for groups of 64), so the sums
+    need only sx. The float path (tag.ndim == 1) multiplies by the widened int8 weights,
+    scaling a group's sums (along K) or folding the row scale into x (along N) likewise.
     """
     nr = qpanels.shape[2]
     kq = qpanels.shape[1]
@@ -406,7 +406,8 @@ def _qgemv_panels(p_lo, p_hi, x, k, n, qpanels, scales, per_col, gk, c, tag, xq,
                         acc[j] += part[j] * sr[j]
         else:
             if use_int:
-                _quantize16(x, sc.reshape(-1), k, XQ_BLOCK, xq, sx)  # sc [K, 1]
+                if jp == p_lo or (jp * NR) // gk != ((jp - 1) * NR) // gk:  # else same scales
+                    _quantize16(x, sc.reshape(-1), k, XQ_BLOCK, xq, sx)  # sc [K, 1]
                 for b in range(sx.shape[0]):
                     q0 = b * XQ_BLOCK // 4
                     q1 = min(kq, q0 + XQ_BLOCK // 4)
@@ -488,7 +489,7 @@ def gemm_q(a: np.ndarray, qb: QuantB, bias: np.ndarray | None = None, gelu: bool
     if m == 0 or n == 0:
         return c
     n_chunks, blocks, _ = _plan(m, k, n, int(threads), False)
-    common = (k, n, qb.q32, qb.scales, qb.per_col, qb.k_group)
+    common = (k, n, qb.q32, qb.scales, qb.per_col, qb.group)
     if m == 1:  # a_flat and c_flat start at the row: k and n values of it
         level = int_dot_level() if qb.group <= XQ_GROUP_MAX else 0
         run_chunks(n_chunks, _qgemv_serial, _qgemv_parallel,
