@@ -65,6 +65,8 @@ FASTMATH_QUANT = {"nnan", "ninf", "nsz", "arcp", "contract", "afn", "reassoc"}
 XQ_GROUP_MAX = 256  # longest int32 sum of int16 x int8 products that cannot overflow (< 516)
 HOST_INT_DOT = config.host_int_dot()
 _TAGS = [isa_tag(level) for level in range(len(config.INT_DOT_NAMES))]
+# the tag of the kernel to run for each setting of config.INT_DOT, capped at the CPU's
+_RUN_TAGS = [_TAGS[min(level, HOST_INT_DOT)] for level in range(len(config.INT_DOT_NAMES))]
 
 
 @dataclass
@@ -153,17 +155,15 @@ class QuantB:
     scales[jp, p, 0].
     """
 
-    __slots__ = ("q", "scales", "k", "n", "group", "per_col")
+    __slots__ = ("q", "q32", "scales", "k", "n", "group", "per_col")
 
     def __init__(self, q: np.ndarray, scales: np.ndarray, k: int, n: int, group: int,
                  per_col: bool):
         self.q, self.scales, self.k, self.n = q, scales, k, n
         self.group, self.per_col = group, per_col
-
-    @property
-    def q32(self) -> np.ndarray:
-        """The same bytes as int32 [n_panels, K/4, NR]: one lane per column and quad of k."""
-        return self.q.view(np.int32).reshape(self.q.shape[:3])
+        # the same bytes as int32 [n_panels, K/4, NR]: one lane per column and quad of k (what
+        # the kernels take; made once, as a view costs microseconds a call)
+        self.q32 = q.view(np.int32).reshape(q.shape[:3])
 
     @property
     def k_group(self) -> int:
@@ -334,24 +334,26 @@ def _round16(y):
 def _quantize16(v, s, k, blk, xq, sx):
     """xq[p] = round(v[p] * s[p] / sx[b]) as int16, sx[b] = max |v * s| over block b of `blk`
     values / 32767 (0 for zeros), p < k; xq is zero from k to its own length (whole quads).
-    s is the weights' row scale folded into v, or ones. Blocks of blk = XQ_BLOCK run loops of
-    that constant trip count, which LLVM vectorises whole (a run-time bound, 10x slower)."""
+    s is the weights' row scale folded into v, or empty for none. Blocks of blk = XQ_BLOCK
+    run loops of that constant trip count, which LLVM vectorises whole (a run-time bound
+    measured 10x slower)."""
+    scaled = s.shape[0] > 0
     for b in range(sx.shape[0]):
         p0 = b * blk
         n = min(k, p0 + blk) - p0
         m = np.float32(0.0)
         if n == XQ_BLOCK:
             for i in range(XQ_BLOCK):
-                m = max_f32(m, abs(v[p0 + i] * s[p0 + i]))
+                m = max_f32(m, abs(v[p0 + i] * s[p0 + i] if scaled else v[p0 + i]))
             inv = np.float32(XQMAX) / m if m > 0 else np.float32(0.0)
             for i in range(XQ_BLOCK):
-                xq[p0 + i] = _round16(v[p0 + i] * s[p0 + i] * inv)
+                xq[p0 + i] = _round16((v[p0 + i] * s[p0 + i] if scaled else v[p0 + i]) * inv)
         else:
             for i in range(n):
-                m = max_f32(m, abs(v[p0 + i] * s[p0 + i]))
+                m = max_f32(m, abs(v[p0 + i] * s[p0 + i] if scaled else v[p0 + i]))
             inv = np.float32(XQMAX) / m if m > 0 else np.float32(0.0)
             for i in range(n):
-                xq[p0 + i] = _round16(v[p0 + i] * s[p0 + i] * inv)
+                xq[p0 + i] = _round16((v[p0 + i] * s[p0 + i] if scaled else v[p0 + i]) * inv)
         sx[b] = m / np.float32(XQMAX)
     for p in range(k, xq.shape[0]):
         xq[p] = 0
@@ -373,10 +375,10 @@ def _qgemv_panels(p_lo, p_hi, x, k, n, qpanels, scales, per_col, gk, c, tag, xq,
     kq = qpanels.shape[1]
     use_int = tag.ndim > 1
     qflat = qpanels.reshape(-1)  # isum_i16 takes byte offsets into it
-    acc = np.empty(nr, np.float32)
-    part = np.empty(nr, np.float32)
+    work = np.empty(2 * nr, np.float32)  # (a few allocations cost more than a small panel)
+    acc, part = work[:nr], work[nr:]
     isum = np.empty(nr, np.int32)
-    v = np.zeros(kq * 4, np.float32)
+    v = np.zeros(0 if use_int else kq * 4, np.float32)
     if not per_col:
         xq = np.empty(kq * 4, np.int16)
         sx = np.empty(-(-k // XQ_BLOCK), np.float32)
@@ -432,7 +434,7 @@ def _x_int16(x, k, kq, per_col, gk, tag):
     if tag.ndim > 1 and per_col:
         xq = np.empty(4 * kq, np.int16)
         sx = np.empty(-(-k // gk), np.float32)
-        _quantize16(x, np.ones(k, np.float32), k, gk, xq, sx)
+        _quantize16(x, x[:0], k, gk, xq, sx)
         return xq, sx
     return np.empty(0, np.int16), np.empty(0, np.float32)
 
@@ -491,9 +493,8 @@ def gemm_q(a: np.ndarray, qb: QuantB, bias: np.ndarray | None = None, gelu: bool
     n_chunks, blocks, _ = _plan(m, k, n, int(threads), False)
     common = (k, n, qb.q32, qb.scales, qb.per_col, qb.group)
     if m == 1:  # a_flat and c_flat start at the row: k and n values of it
-        level = int_dot_level() if qb.group <= XQ_GROUP_MAX else 0
-        run_chunks(n_chunks, _qgemv_serial, _qgemv_parallel,
-                   (a_flat, *common, c_flat, epi, _TAGS[level]))
+        tag = _RUN_TAGS[config.INT_DOT] if qb.group <= XQ_GROUP_MAX else _TAGS[0]
+        run_chunks(n_chunks, _qgemv_serial, _qgemv_parallel, (a_flat, *common, c_flat, epi, tag))
         return c
     ws = workspace(workspace_size(n_chunks, blocks[0], k, 1, min(k, blocks[1])))
     run_chunks(n_chunks, _qgemm_serial, _qgemm_parallel,
