@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import njit
 
 from hepti.kernels import (PackedB, QuantB, QuantMatrix, columns_any, config, ffn, ffn_any,
                            gemm_any, gemm_q, naive, pack_b, pack_q, pack_weight, quantize)
+from hepti.kernels._vnni import isa_tag, isum_i16
 from hepti.kernels.int8 import GROUP, XQ_BLOCK, XQMAX, quantize_x16
 from tests.test_kernels import assert_gemm_close
 
@@ -329,3 +331,25 @@ def test_int_dot_setting_from_the_environment(monkeypatch):
     monkeypatch.setattr(config, "INT_DOT", 2)
     from hepti.kernels import int8
     assert int8.int_dot_level() == min(2, host)
+
+
+@njit(cache=True)
+def _isum(tag, out, w, w_off, xq, x_off, nquads):
+    isum_i16(tag, out, w, w_off, xq, x_off, nquads)
+
+
+@pytest.mark.parametrize("level", [lv for lv in LEVELS if lv > 0])
+@pytest.mark.parametrize("nquads", [1, 2, 3, 16, 64])
+def test_isum_i16_equals_exact_integer_sums(level, nquads):
+    """The intrinsic's int32 sums of int16 x int8 products equal int64 ones exactly, at the
+    extremes too (|x| = 32767, |w| = 127 over 256 k, the longest block the GeMV uses)."""
+    rng = np.random.default_rng(nquads)
+    w = rng.integers(-127, 128, size=(3, nquads, NR, 4)).astype(np.int8)
+    xq = rng.integers(-32767, 32768, size=4 * nquads + 8).astype(np.int16)
+    if nquads == 64:
+        w[1] = 127 * np.where(rng.random((nquads, NR, 4)) < 0.5, -1, 1)
+        xq[8:] = 32767 * np.sign(w[1, :, 0, :].reshape(-1)).astype(np.int16)
+    out = np.zeros(NR, np.int32)
+    _isum(isa_tag(level), out, w.reshape(-1), nquads * NR * 4, xq, 8, nquads)
+    want = np.einsum("qjt,qt->j", w[1].astype(np.int64), xq[8:].reshape(nquads, 4).astype(np.int64))
+    np.testing.assert_array_equal(out, want)

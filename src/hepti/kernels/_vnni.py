@@ -1,24 +1,29 @@
 """Integer dot products of int8 weight panels with int16 activations, as Numba intrinsics.
 
-`isum_i16_avx512(out, w, w_off, xq, x_off, nquads)` and `isum_i16_avx2(...)` compute, for one
-k-interleaved panel (int8.QuantB's layout: [K/4, NR, 4], 4 consecutive k of a column in 4
-bytes) and `nquads` quads of k starting at quad w_off / (NR * 4):
+`isum_i16(tag, out, w, w_off, xq, x_off, nquads)` computes, for one k-interleaved panel
+(int8.QuantB's layout: [K/4, NR, 4], 4 consecutive k of a column in 4 bytes; w an int8 or
+int32 array, w_off in bytes) and `nquads` quads of k from the panel row at w_off:
 
     out[j] = sum over t < 4 * nquads of xq[x_off + t] * w[k0 + t, j]     (j < NR = 32; int32)
 
 The whole loop over the quads is emitted as LLVM IR, so its accumulators stay in registers:
 each 32 bytes of a quad row (8 columns x 4 k) are sign-extended to int16 (vpmovsxbw) and
 multiplied by the quad's 4 activations, broadcast, in pairs (vpdpwssd on AVX-512 VNNI:
-x0 w0 + x1 w1 into one int32 lane, x2 w2 + x3 w3 into the next; pmaddwd + vpaddd on AVX2).
-At the end the two lanes of each column are added. Two chains of accumulators alternate
-quads so that the multiply-add latency is hidden.
+x0 w0 + x1 w1 into one int32 lane, x2 w2 + x3 w3 into the next; 16-byte loads, pmaddwd and
+vpaddd on AVX2). At the end the two lanes of each column are added. Two chains of
+accumulators take alternate quads, so that the multiply-add latency is hidden.
 
 int32 cannot overflow: |xq| <= 32767 and |w| <= 127, so a sum of t products stays below
-2**31 for t <= 516; callers keep a group at most 256 k (int8.XQ_BLOCK_MAX).
+2**31 for t <= 516; callers keep a block at most 256 k (int8.XQ_GROUP_MAX).
 
-The intrinsics take the LLVM x86 intrinsics' int32-vector forms, which LLVM >= 21 upgrades
-to its int16 ones when it reads the module. They compile only where the CPU has the
-instructions: call them only after `config.INT_DOT` says so (int8.py dispatches in Python).
+Which instructions: `tag` is an empty array whose ndim names the level (`isa_tag`, levels as
+config.INT_DOT_NAMES), a type, so Numba compiles and caches one specialisation per level and
+a CPU only ever compiles the level Python hands it (int8.py caps it at the CPU's). A branch on
+a run-time value would compile both, and LLVM cannot select VNNI instructions for a CPU
+without them; closures per level were tried and are not cached by Numba across processes.
+The x86 intrinsics are declared in their int32-vector forms, which LLVM >= 21 upgrades to its
+int16 ones when it reads the module. On a VNNI CPU LLVM fuses the AVX2 level's pmaddwd + add
+into a 256-bit vpdpwssd, so the tests here exercise its arithmetic, not its instructions.
 """
 from __future__ import annotations
 
@@ -86,11 +91,11 @@ def _codegen_isum(vec_bytes, dot):
         sums = [builder.add(builder.load(slots[0][a]), builder.load(slots[1][a]))
                 for a in range(n_acc)]
         optr = builder.bitcast(out.data, _I32.as_pointer())
+        evens = ir.Constant(_vec(_I32, lanes), list(range(0, 2 * lanes, 2)))
+        odds = ir.Constant(_vec(_I32, lanes), list(range(1, 2 * lanes, 2)))
         for a in range(0, n_acc, 2):
-            even = builder.shuffle_vector(sums[a], sums[a + 1],
-                                          ir.Constant(_vec(_I32, lanes), list(range(0, 2 * lanes, 2))))
-            odd = builder.shuffle_vector(sums[a], sums[a + 1],
-                                         ir.Constant(_vec(_I32, lanes), list(range(1, 2 * lanes, 2))))
+            even = builder.shuffle_vector(sums[a], sums[a + 1], evens)
+            odd = builder.shuffle_vector(sums[a], sums[a + 1], odds)
             p = builder.bitcast(builder.gep(optr, [_I64(a * lanes // 2)]), acc_t.as_pointer())
             builder.store(builder.add(even, odd), p, align=4)
         return context.get_dummy_value()

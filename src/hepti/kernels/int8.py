@@ -19,17 +19,34 @@ product stays well under 1% (about 0.6% relative for Gaussian weights); it divid
 N of MiniLM, BERT, ViT and SmolLM2 (384, 576, 768, 1536, 3072). G must be a power of two and a
 multiple of NR (32), so that a packed panel row of a [K, N]-stored matrix has one scale.
 
-Packed form (`QuantB`, by `pack_q`): like `PackedB`, NR-wide column panels of B [K, N], int8
-[n_panels, K, NR], with scales [n_panels, S, W]: per k-group and column (S = ceil(K / G),
-W = NR) when the groups run along K, per k row (S = K, W = 1) when they run along N.
+Packed form (`QuantB`, by `pack_q`): NR-wide column panels of B [K, N], k-interleaved: int8
+[n_panels, ceil(K / 4), NR, 4], the 4 bytes of an int32 lane being 4 consecutive k of one
+column (the operand layout of the integer dot products; K padded with zeros to a multiple of
+4). One copy of the weights serves every kernel. Scales [n_panels, S, W]: per k-group and
+column (S = ceil(K / G), W = NR) when the groups run along K, per k row (S = K, W = 1) when
+they run along N.
 
 Kernels (the float32 GeMM's blocking, micro-kernels and epilogue, packed_gemm.py):
 - GeMM (M >= 2): for each A block and panel, each KC x NR slice of the panel is dequantised
   into an L1-sized float32 buffer, then every MR-row tile of A runs over it with the float32
   micro-kernel. No whole matrix is ever widened; the dequantisation costs K x NR per panel per
   A block, small next to the M x K x NR multiply-adds when M is large.
-- GeMV (M = 1): streams the int8 panels once, accumulates x[p] * q[p, :] per group and scales
-  the group's sum (groups along K), or folds the row's scale into x[p] (groups along N).
+- GeMV (M = 1), integer (`config.INT_DOT`: AVX-512 VNNI or AVX2, chosen in Python at each
+  call): the activation row is rounded to int16 per block of k (one float scale a block, as
+  Q8_0 rounds its activations, but int16: a step of 2**-15 of the block's largest value, so
+  that one of a decoder's massive activations (50-800x the RMS at down's input) does not
+  leave the rest of its block a few int8 steps),
+  each panel's int8 weights are sign-extended to int16 and multiplied in pairs into int32
+  sums (vpdpwssd / vpmaddwd, _vnni.py), and the sums are scaled once per block and column.
+  Groups along K: x is rounded once a call, per weight group; groups along N (o, down): the
+  row's scale is folded into x (x[k] * scale[k, panel's group]) and that is rounded per
+  XQ_BLOCK of k, once per group of columns, so the integer sum over k meets a constant scale
+  (a rank's K slice rounds in blocks from its own first row, so a split decode differs from
+  one rank's by that rounding). Against the widening float GeMV it replaced (13 G weights/s
+  on one quiet core, compute-bound), interleaved on a loaded machine: 2-5x on SmolLM2's and
+  llama-1b's shapes with groups along K, about 2x along N (rounding x times the scales for
+  each panel costs about as much as its sums). Float path (INT_DOT = 0, any CPU):
+  the widened weights times x, as before.
 `gemm_any` / `ffn_any` take a PackedB or a QuantB, so callers (the interpreter, a decoder) need
 not know which a folder holds.
 
