@@ -230,46 +230,30 @@ def pack_q(m: QuantMatrix, trans: bool = False) -> QuantB:
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
 def _dequant(qp, sc, per_col, gk, k0, kc, buf):
-    """buf[0:kc] = rows k0 .. k0+kc-1 (k0 a multiple of 4) of one int8 panel times their
-    scales sc. qp is the panel as int32 [K/4, NR]: byte t of qp[q, j] is row 4q + t of column
-    j, taken out by a shift and a truncation to int8 (plain int32 lanes, which vectorise;
-    reading the bytes with a stride of 4 did not).
+    """buf[0:kc] = rows k0 .. k0+kc-1 of one int8 panel times their scales sc. qp is the panel
+    as int32 [K/4, NR]: byte t of qp[q, j] is row 4q + t of column j, taken out by a shift and
+    a truncation to int8 (plain int32 lanes, which vectorise; reading the bytes with a stride
+    of 4 did not). A row at a time: four rows from one load measured no faster in the GeMM.
+    Either costs the GeMM 1-6% at a 30-row prefill against the old row-major panels (two more
+    integer operations a value), interleaved on a loaded machine.
 
     The loops over a row run to nr = qp.shape[1] (NR, but read at run time): with the constant
     NR, LLVM unrolls them fully before vectorising and converts the int8 values one by one
     (scalar vcvtsi2ss, measured 3x slower); a run-time bound gets the vector loop."""
     nr = qp.shape[1]
-    p = 0
-    while p + 4 <= kc:
-        kk = k0 + p
-        r = qp[kk >> 2]
-        b0, b1, b2, b3 = buf[p], buf[p + 1], buf[p + 2], buf[p + 3]
-        if per_col:
-            sr = sc[kk // gk]
-            for j in range(nr):
-                w, s = r[j], sr[j]
-                b0[j] = np.float32(np.int8(w)) * s
-                b1[j] = np.float32(np.int8(w >> 8)) * s
-                b2[j] = np.float32(np.int8(w >> 16)) * s
-                b3[j] = np.float32(np.int8(w >> 24)) * s
-        else:
-            s0, s1, s2, s3 = sc[kk, 0], sc[kk + 1, 0], sc[kk + 2, 0], sc[kk + 3, 0]
-            for j in range(nr):
-                w = r[j]
-                b0[j] = np.float32(np.int8(w)) * s0
-                b1[j] = np.float32(np.int8(w >> 8)) * s1
-                b2[j] = np.float32(np.int8(w >> 16)) * s2
-                b3[j] = np.float32(np.int8(w >> 24)) * s3
-        p += 4
-    while p < kc:  # the last rows of a K that is not a multiple of 4
+    for p in range(kc):
         kk = k0 + p
         r = qp[kk >> 2]
         shift = 8 * (kk & 3)
         br = buf[p]
-        for j in range(nr):
-            br[j] = (np.float32(np.int8(r[j] >> shift))
-                     * (sc[kk // gk, j] if per_col else sc[kk, 0]))
-        p += 1
+        if per_col:
+            sr = sc[kk // gk]
+            for j in range(nr):
+                br[j] = np.float32(np.int8(r[j] >> shift)) * sr[j]
+        else:
+            s = sc[kk, 0]
+            for j in range(nr):
+                br[j] = np.float32(np.int8(r[j] >> shift)) * s
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
