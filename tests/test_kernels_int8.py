@@ -353,3 +353,23 @@ def test_isum_i16_equals_exact_integer_sums(level, nquads):
     _isum(isa_tag(level), out, w.reshape(-1), nquads * NR * 4, xq, 8, nquads)
     want = np.einsum("qjt,qt->j", w[1].astype(np.int64), xq[8:].reshape(nquads, 4).astype(np.int64))
     np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("trans", [True, False])
+@pytest.mark.parametrize("k", [4, 130, 203])
+def test_dequant_widens_panels_exactly(k, trans):
+    """The GeMM's dequantisation (whole quads by a byte shuffle, the last rows by shifts) gives
+    exactly q * scale in float32, as QuantMatrix.dequantize does, from any quad-aligned k0."""
+    from hepti.kernels.int8 import _dequant
+    n = 2 * NR + 5
+    qm = quantize(stored(k, n, trans), 64)
+    qb = pack_q(qm, trans=trans)
+    b = as_b(qm.dequantize(), trans)  # float32 [K, N]
+    for jp in range(qb.q.shape[0]):
+        for k0 in (0, 4 * (k // 8)):
+            kc = k - k0
+            buf = np.full((kc, NR), np.nan, np.float32)
+            _dequant(qb.q32[jp], qb.scales[jp], qb.per_col, qb.group, k0, kc, buf)
+            cols = min(NR, n - jp * NR)
+            np.testing.assert_array_equal(buf[:, :cols], b[k0:, jp * NR:jp * NR + cols])
+            assert not buf[:, cols:].any()

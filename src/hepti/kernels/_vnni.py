@@ -1,4 +1,5 @@
-"""Integer dot products of int8 weight panels with int16 activations, as Numba intrinsics.
+"""Integer dot products of int8 weight panels with int16 activations, and the widening of a
+panel's quad of rows, as Numba intrinsics (`dequant_quad`: plain LLVM IR, every CPU).
 
 `isum_i16(tag, out, w, w_off, xq, x_off, nquads)` computes, for one k-interleaved panel
 (int8.QuantB's layout: [K/4, NR, 4], 4 consecutive k of a column in 4 bytes; w an int8 or
@@ -153,3 +154,56 @@ def isum_i16(typingctx, tag, out, w, w_off, xq, x_off, nquads):
         return context.get_dummy_value()
 
     return types.void(tag, *sig.args), codegen
+
+
+@intrinsic
+def dequant_quad(typingctx, buf, b_off, q, q_off, sc, s_off, per_col):
+    """Rows 4 of one quad of an int8 panel, widened and scaled, into a float32 buffer:
+    buf[b_off + t*32 + j] = float(byte t of q[q_off + j]) * (sc[s_off + j] if per_col else
+    sc[s_off + t]), t < 4, j < 32 (q the panel's int32 lanes, offsets in elements).
+
+    Plain LLVM vector IR (a byte shuffle per row, sitofp, fmul), which any CPU's backend
+    lowers (vpermb / vpermt2b with AVX-512 VBMI): the bytes of a row come out with one shuffle
+    instead of the shift pairs Numba's integer code makes."""
+    arrays = (buf, q, sc)
+    if not (all(isinstance(a, types.Array) for a in arrays)
+            and buf.dtype == types.float32 and q.dtype == types.int32
+            and sc.dtype == types.float32
+            and all(isinstance(t, types.Integer) for t in (b_off, q_off, s_off))
+            and isinstance(per_col, types.Boolean)):
+        return None
+    sig = types.void(buf, b_off, q, q_off, sc, s_off, per_col)
+
+    def codegen(context, builder, signature, args):
+        b_a = context.make_array(signature.args[0])(context, builder, args[0])
+        q_a = context.make_array(signature.args[2])(context, builder, args[2])
+        s_a = context.make_array(signature.args[4])(context, builder, args[4])
+        offs = [context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 3, 5)]
+        f32 = ir.FloatType()
+        v32f = _vec(f32, 32)
+        bptr = builder.gep(b_a.data, [offs[0]])
+        qptr = builder.bitcast(builder.gep(q_a.data, [offs[1]]), _vec(_I8, 128).as_pointer())
+        sptr = builder.gep(s_a.data, [offs[2]])
+        qv = builder.load(qptr, align=4)
+        rows = []
+        for t in range(4):
+            mask = ir.Constant(_vec(_I32, 32), [4 * j + t for j in range(32)])
+            rows.append(builder.sitofp(builder.shuffle_vector(qv, qv, mask), v32f))
+
+        def store(t, scale):
+            p = builder.bitcast(builder.gep(bptr, [_I64(32 * t)]), v32f.as_pointer())
+            builder.store(builder.fmul(rows[t], scale), p, align=4)
+
+        with builder.if_else(args[6]) as (col, row):
+            with col:
+                svec = builder.load(builder.bitcast(sptr, v32f.as_pointer()), align=4)
+                for t in range(4):
+                    store(t, svec)
+            with row:
+                for t in range(4):
+                    s = builder.load(builder.gep(sptr, [_I64(t)]))
+                    v = builder.insert_element(ir.Constant(v32f, None), s, _I32(0))
+                    store(t, builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, 32), [0] * 32)))
+        return context.get_dummy_value()
+
+    return sig, codegen
