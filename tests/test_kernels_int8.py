@@ -10,15 +10,28 @@ Two questions, kept apart:
 Shapes hit the blocking edges: K not a multiple of the group (a short last group) nor of KC,
 N not a multiple of NR, M = 1 (the GeMV) and M not a multiple of MR; both stored orientations
 (groups along K for [N, K], along N for [K, N]); threads 1 and 2.
+
+The one-row product (GeMV) has integer kernels (int16 activations x int8 weights, int32 sums;
+config.INT_DOT picks AVX-512 VNNI, AVX2 or the float path, capped at what the CPU has); each
+level this CPU runs is tested, the float fallback included:
+- with groups along K, against a float64 twin of the same arithmetic (the kernel's own int16
+  row from `quantize_x16`, exact integer sums, the scales applied in float64): equal to
+  float32 rounding;
+- against the float64 product with the int8 weights, within the activation rounding bound:
+  each int16 value is within half its block's step sx of x (groups along K: x itself; along N:
+  x times the row's weight scale, per XQ_BLOCK of k), so |c_j - (x @ B)_j| <= sum over k of
+  sx(k) / 2 * |q[k, j]| (times the weight scale along K), plus float32 rounding.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import njit
 
 from hepti.kernels import (PackedB, QuantB, QuantMatrix, columns_any, config, ffn, ffn_any,
                            gemm_any, gemm_q, naive, pack_b, pack_q, pack_weight, quantize)
-from hepti.kernels.int8 import GROUP
+from hepti.kernels._vnni import isa_tag, isum_i16
+from hepti.kernels.int8 import GROUP, XQ_BLOCK, XQMAX, quantize_x16
 from tests.test_kernels import assert_gemm_close
 
 RNG = np.random.default_rng(20261129)
@@ -77,7 +90,13 @@ def test_gemm_q_matches_float64_twin(m, k, n, trans, threads):
     assert (qb.k, qb.n, qb.per_col) == (k, n, trans)
     a = rand(m, k)
     b = twin(qm, trans)
-    assert_gemm_close(gemm_q(a, qb, threads=threads), naive.gemm(a, b), a, b, k)
+    got, ref = gemm_q(a, qb, threads=threads), naive.gemm(a, b)
+    if m == 1:  # the GeMV rounds x to int16 where config.INT_DOT allows: its bound (below)
+        tol = (activation_bound(a[0], qm, trans) * 1.0001
+               + 1e-5 * np.sqrt(k) * (np.abs(a.astype(np.float64)) @ np.abs(b)))
+        assert (np.abs(got - ref) <= tol).all()
+    else:
+        assert_gemm_close(got, ref, a, b, k)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -188,3 +207,169 @@ def test_columns_any_reads_a_packed_head_back_as_embedding_rows(v, c):
                                       qn.dequantize()[:, ids].T)
     with pytest.raises(IndexError):
         columns_any(pack_weight(e, trans=True), [v])
+
+
+# --- the integer GeMV ----------------------------------------------------------------------
+
+LEVELS = [lv for lv in range(len(config.INT_DOT_NAMES)) if lv <= config.host_int_dot()]
+
+
+@pytest.fixture(params=LEVELS, ids=[config.INT_DOT_NAMES[lv] for lv in LEVELS])
+def int_dot(request, monkeypatch):
+    """Each integer-dot level this CPU runs (0: the float fallback), set for the test."""
+    monkeypatch.setattr(config, "INT_DOT", request.param)
+    return request.param
+
+
+def test_pack_q_layout_is_k_interleaved_and_zero_padded():
+    k, n = 10, 40
+    qm = quantize(rand(k, n), 32)
+    qb = pack_q(qm)
+    assert qb.q.shape == (2, 3, NR, 4) and (qb.k, qb.n) == (k, n)
+    full = np.zeros((2 * NR, 12), np.int8)  # [column, k] padded
+    full[:n, :k] = qm.q.T
+    for jp in range(2):
+        for p in range(12):
+            np.testing.assert_array_equal(qb.q[jp, p // 4, :, p % 4], full[jp * NR:(jp + 1) * NR, p])
+    np.testing.assert_array_equal(qb.q32.view(np.int8).reshape(qb.q.shape), qb.q)
+
+
+def test_quantize_x16_rounds_each_block_to_nearest():
+    x = rand(150) * 3
+    x[64:128] = 0.0  # a block of zeros: scale 0, values 0
+    x[5] = 40.0  # a peak sets its block's step alone
+    xq, sx = quantize_x16(x, 64)
+    assert xq.shape == (152,) and sx.shape == (3,) and not xq[150:].any()
+    assert sx[1] == 0 and not xq[64:128].any()
+    np.testing.assert_allclose(sx, [40.0 / XQMAX, 0.0, np.abs(x[128:]).max() / XQMAX], rtol=1e-6)
+    step = np.repeat(sx, 64)[:150].astype(np.float64)
+    assert (np.abs(xq[:150] * step - x) <= 0.5 * step * (1 + 1e-5) + 1e-30).all()
+    assert np.abs(xq).max() == XQMAX
+
+
+def gemv_twin_same_arithmetic(x, qm):
+    """float64 x @ B the way the integer GeMV computes it for groups along K (B stored [N, K]):
+    its int16 row, exact integer sums per group, then sx[g] * scale[j, g] * sum."""
+    g = qm.group
+    k = qm.q.shape[1]
+    xq, sx = quantize_x16(x, g)
+    out = np.zeros(qm.q.shape[0])
+    terms = np.zeros(qm.q.shape[0])  # sum of |term|, for the rounding tolerance
+    for gi in range(sx.shape[0]):
+        sl = slice(gi * g, min(k, (gi + 1) * g))
+        isum = qm.q[:, sl].astype(np.int64) @ xq[sl].astype(np.int64)  # exact
+        term = float(sx[gi]) * qm.scales[:, gi].astype(np.float64) * isum
+        out += term
+        terms += np.abs(term)
+    return out, terms, sx.shape[0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k,n,group", [(1, 1, 64), (100, 70, 64), (576, 96, 64), (333, 45, 32),
+                                       (KC + 70, 2 * NR + 3, 64), (700, 33, 256)])
+def test_gemv_matches_twin_of_its_arithmetic(k, n, group, threads, int_dot):
+    """Groups along K: the integer kernels equal their float64 twin to float32 rounding (the
+    sums are exact; float32 rounds the scale products and the sum over groups)."""
+    qm = quantize(rand(n, k), group)
+    x = rand(1, k)
+    got = gemm_q(x, pack_q(qm, trans=True), threads=threads)[0].astype(np.float64)
+    if int_dot:
+        twin64, terms, n_groups = gemv_twin_same_arithmetic(x[0], qm)
+        tol = (n_groups + 3) * 2.0 ** -22 * terms + 1e-30
+        assert (np.abs(got - twin64) <= tol).all(), np.abs(got - twin64).max()
+    else:  # the float path: x unquantised, float32 rounding only
+        b = twin(qm, True)
+        assert_gemm_close(got[None, :], naive.gemm(x, b), x, b, k)
+
+
+def activation_bound(x, qm, trans):
+    """Elementwise bound on |x @ B - gemv| from the int16 activations (module docstring)."""
+    q = np.abs(as_b(qm.q, trans).astype(np.float64))  # [K, N]
+    k, n = q.shape
+    x64 = x.astype(np.float64)
+    if trans:  # groups along K: sx per group from x alone, the step times |q * scale|
+        wabs = np.abs(twin(qm, True))
+        sx = np.array([np.abs(x64[i:i + qm.group]).max() / XQMAX for i in range(0, k, qm.group)])
+        return (0.5 * np.repeat(sx, qm.group)[:k]) @ wabs
+    # groups along N: x' = x * the row's scale, stepped per XQ_BLOCK of k and column group
+    s = np.repeat(qm.scales.astype(np.float64), qm.group, axis=1)[:, :n]  # [K, N]
+    xs = np.abs(x64[:, None] * s)
+    bound = np.zeros(n)
+    for i in range(0, k, XQ_BLOCK):
+        step = xs[i:i + XQ_BLOCK].max(axis=0) / XQMAX  # [N]
+        bound += 0.5 * step * q[i:i + XQ_BLOCK].sum(axis=0)
+    return bound
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("trans", [True, False])
+@pytest.mark.parametrize("k,n,group", [(1, 1, 32), (100, 70, 64), (1536, 96, 32),
+                                       (KC + 70, 2 * NR + 3, 64), (333, 45, 32), (130, 64, 64)])
+def test_gemv_within_activation_rounding_of_float64(k, n, group, trans, threads, int_dot):
+    """Every level, both scale cases, odd shapes: within the int16 rounding bound of the
+    float64 product with the int8 weights (0 for the float path) plus float32 rounding."""
+    qm = quantize(stored(k, n, trans), group)
+    x = rand(1, k)
+    x[0, k // 2] *= 300.0  # a massive activation, as a decoder's down sees
+    got = gemm_q(x, pack_q(qm, trans=trans), threads=threads).astype(np.float64)
+    b = twin(qm, trans)
+    ref = naive.gemm(x, b)
+    bound = activation_bound(x[0], qm, trans) if int_dot else 0.0
+    float_tol = 1e-5 * np.sqrt(k) * (np.abs(x.astype(np.float64)) @ np.abs(b))
+    assert (np.abs(got - ref) <= bound * 1.0001 + float_tol + 1e-30).all()
+
+
+def test_int_dot_setting_from_the_environment(monkeypatch):
+    host = config.host_int_dot()
+    for value, want in [("0", 0), ("float", 0), ("avx2", min(1, host)), ("2", host), ("", host),
+                        ("avx512_vnni", min(2, host))]:
+        monkeypatch.setenv("HEPTI_INT_DOT", value)
+        assert config._int_dot_setting() == want
+    monkeypatch.setenv("HEPTI_INT_DOT", "sse9")
+    with pytest.raises(ValueError, match="HEPTI_INT_DOT"):
+        config._int_dot_setting()
+    monkeypatch.setattr(config, "INT_DOT", 2)
+    from hepti.kernels import int8
+    assert int8.int_dot_level() == min(2, host)
+
+
+@njit(cache=True)
+def _isum(tag, out, w, w_off, xq, x_off, nquads):
+    isum_i16(tag, out, w, w_off, xq, x_off, nquads)
+
+
+@pytest.mark.parametrize("level", [lv for lv in LEVELS if lv > 0])
+@pytest.mark.parametrize("nquads", [1, 2, 3, 16, 64])
+def test_isum_i16_equals_exact_integer_sums(level, nquads):
+    """The intrinsic's int32 sums of int16 x int8 products equal int64 ones exactly, at the
+    extremes too (|x| = 32767, |w| = 127 over 256 k, the longest block the GeMV uses)."""
+    rng = np.random.default_rng(nquads)
+    w = rng.integers(-127, 128, size=(3, nquads, NR, 4)).astype(np.int8)
+    xq = rng.integers(-32767, 32768, size=4 * nquads + 8).astype(np.int16)
+    if nquads == 64:
+        w[1] = 127 * np.where(rng.random((nquads, NR, 4)) < 0.5, -1, 1)
+        xq[8:] = 32767 * np.sign(w[1, :, 0, :].reshape(-1)).astype(np.int16)
+    out = np.zeros(NR, np.int32)
+    _isum(isa_tag(level), out, w.reshape(-1), nquads * NR * 4, xq, 8, nquads)
+    want = np.einsum("qjt,qt->j", w[1].astype(np.int64), xq[8:].reshape(nquads, 4).astype(np.int64))
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("trans", [True, False])
+@pytest.mark.parametrize("k", [4, 130, 203])
+def test_dequant_widens_panels_exactly(k, trans):
+    """The GeMM's dequantisation (whole quads by a byte shuffle, the last rows by shifts) gives
+    exactly q * scale in float32, as QuantMatrix.dequantize does, from any quad-aligned k0."""
+    from hepti.kernels.int8 import _dequant
+    n = 2 * NR + 5
+    qm = quantize(stored(k, n, trans), 64)
+    qb = pack_q(qm, trans=trans)
+    b = as_b(qm.dequantize(), trans)  # float32 [K, N]
+    for jp in range(qb.q.shape[0]):
+        for k0 in (0, 4 * (k // 8)):
+            kc = k - k0
+            buf = np.full((kc, NR), np.nan, np.float32)
+            _dequant(qb.q32[jp], qb.scales[jp], qb.per_col, qb.group, k0, kc, buf)
+            cols = min(NR, n - jp * NR)
+            np.testing.assert_array_equal(buf[:, :cols], b[k0:, jp * NR:jp * NR + cols])
+            assert not buf[:, cols:].any()

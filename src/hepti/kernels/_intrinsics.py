@@ -1,4 +1,4 @@
-"""Two LLVM operations Numba does not expose, written as Numba intrinsics.
+"""LLVM operations Numba does not expose, written as Numba intrinsics.
 
 * `int32_bits_as_float32(i)`: reinterpret an integer's low 32 bits as a float32 (builds 2**n in
   the vectorisable exp of mathfn.py).
@@ -6,6 +6,8 @@
   use (prefetcht1). The GeMM issues these for the next B panel while it computes the current
   one, so that panel arrives from L3/memory during arithmetic instead of stalling it. A
   prefetch never faults, so i may point past the array.
+* `max_f32(a, b)`: float32 max as llvm.maxnum, so that a max reduction vectorises (the int8
+  GeMV's activation quantiser).
 """
 from __future__ import annotations
 
@@ -45,5 +47,22 @@ def prefetch_l2(typingctx, arr, index):
         # args: address, rw = 0 (read), locality = 2 (-> prefetcht1: L2), cache = 1 (data)
         builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def max_f32(typingctx, a, b):
+    """max(a, b) of two float32 as llvm.maxnum (no NaN handling): a max reduction written with
+    it vectorises, where Numba's max() (NaN-aware branches) keeps the loop scalar."""
+    if not (a == types.float32 and b == types.float32):
+        return None
+    sig = types.float32(a, b)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32]),
+                                            "llvm.maxnum.f32")
+        return builder.call(fn, list(args), fastmath=("nnan", "nsz"))
 
     return sig, codegen

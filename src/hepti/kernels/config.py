@@ -104,3 +104,36 @@ def simd_status() -> dict:
         "zmm": "+avx512f" in features and "-prefer-256-bit" in features,
         "slp_vectorize": bool(numba.config.SLP_VECTORIZE),
     }
+
+# --- integer dot products for the int8 GeMV ------------------------------------------------------
+# Which integer-dot kernel int8.py's one-row product runs (chosen in Python at each call, so a
+# test can switch it): 2 = AVX-512 VNNI (vpdpwssd), 1 = AVX2 (vpmaddwd), 0 = the plain-Numba
+# float path, which every CPU runs. HEPTI_INT_DOT=0 (or 1, or a name) forces a lower one; a
+# higher one than the CPU has is capped to the CPU's, since its instructions would not run.
+INT_DOT_NAMES = ("float", "avx2", "avx512_vnni")
+
+
+def host_int_dot() -> int:
+    """The best integer-dot kernel this CPU runs (see INT_DOT_NAMES), from LLVM's host features."""
+    from numba.core.codegen import get_host_cpu_features
+
+    features = set(get_host_cpu_features().split(","))
+    if {"+avx512f", "+avx512bw", "+avx512vnni"} <= features:
+        return 2
+    return 1 if "+avx2" in features else 0
+
+
+def _int_dot_setting() -> int:
+    best = host_int_dot()
+    env = os.environ.get("HEPTI_INT_DOT", "").strip().lower()
+    if not env:
+        return best
+    level = INT_DOT_NAMES.index(env) if env in INT_DOT_NAMES else None
+    if level is None and env.isdigit():
+        level = int(env)
+    if level is None or not 0 <= level < len(INT_DOT_NAMES):
+        raise ValueError(f"HEPTI_INT_DOT={env!r}: use one of 0, 1, 2 or {INT_DOT_NAMES}")
+    return min(level, best)
+
+
+INT_DOT = _int_dot_setting()  # int8.py reads config.INT_DOT at each call; tests may set it

@@ -19,17 +19,34 @@ product stays well under 1% (about 0.6% relative for Gaussian weights); it divid
 N of MiniLM, BERT, ViT and SmolLM2 (384, 576, 768, 1536, 3072). G must be a power of two and a
 multiple of NR (32), so that a packed panel row of a [K, N]-stored matrix has one scale.
 
-Packed form (`QuantB`, by `pack_q`): like `PackedB`, NR-wide column panels of B [K, N], int8
-[n_panels, K, NR], with scales [n_panels, S, W]: per k-group and column (S = ceil(K / G),
-W = NR) when the groups run along K, per k row (S = K, W = 1) when they run along N.
+Packed form (`QuantB`, by `pack_q`): NR-wide column panels of B [K, N], k-interleaved: int8
+[n_panels, ceil(K / 4), NR, 4], the 4 bytes of an int32 lane being 4 consecutive k of one
+column (the operand layout of the integer dot products; K padded with zeros to a multiple of
+4). One copy of the weights serves every kernel. Scales [n_panels, S, W]: per k-group and
+column (S = ceil(K / G), W = NR) when the groups run along K, per k row (S = K, W = 1) when
+they run along N.
 
 Kernels (the float32 GeMM's blocking, micro-kernels and epilogue, packed_gemm.py):
 - GeMM (M >= 2): for each A block and panel, each KC x NR slice of the panel is dequantised
   into an L1-sized float32 buffer, then every MR-row tile of A runs over it with the float32
   micro-kernel. No whole matrix is ever widened; the dequantisation costs K x NR per panel per
   A block, small next to the M x K x NR multiply-adds when M is large.
-- GeMV (M = 1): streams the int8 panels once, accumulates x[p] * q[p, :] per group and scales
-  the group's sum (groups along K), or folds the row's scale into x[p] (groups along N).
+- GeMV (M = 1), integer (`config.INT_DOT`: AVX-512 VNNI or AVX2, chosen in Python at each
+  call): the activation row is rounded to int16 per block of k (one float scale a block, as
+  Q8_0 rounds its activations, but int16: a step of 2**-15 of the block's largest value, so
+  that one of a decoder's massive activations (50-800x the RMS at down's input) does not
+  leave the rest of its block a few int8 steps),
+  each panel's int8 weights are sign-extended to int16 and multiplied in pairs into int32
+  sums (vpdpwssd / vpmaddwd, _vnni.py), and the sums are scaled once per block and column.
+  Groups along K: x is rounded once a call, per weight group; groups along N (o, down): the
+  row's scale is folded into x (x[k] * scale[k, panel's group]) and that is rounded per
+  XQ_BLOCK of k, once per group of columns, so the integer sum over k meets a constant scale
+  (a rank's K slice rounds in blocks from its own first row, so a split decode differs from
+  one rank's by that rounding). Against the widening float GeMV it replaced (13 G weights/s
+  on one quiet core, compute-bound), interleaved on a loaded machine: 2-5x on SmolLM2's and
+  llama-1b's shapes with groups along K, about 2x along N (rounding x times the scales for
+  each panel costs about as much as its sums). Float path (INT_DOT = 0, any CPU):
+  the widened weights times x, as before.
 `gemm_any` / `ffn_any` take a PackedB or a QuantB, so callers (the interpreter, a decoder) need
 not know which a folder holds.
 
@@ -45,7 +62,10 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from hepti.kernels import config
 from hepti.kernels._microkernels import NR
+from hepti.kernels._intrinsics import max_f32
+from hepti.kernels._vnni import dequant_quad, isa_tag, isum_i16
 from hepti.kernels._views import aligned_empty, check_float32, workspace
 from hepti.kernels.config import FASTMATH_GEMM, JIT
 from hepti.kernels.packed_gemm import (PackedB, _carve, _epilogue, _finish, _kblock, _pack_a,
@@ -54,6 +74,16 @@ from hepti.kernels.packed_gemm import (PackedB, _carve, _epilogue, _finish, _kbl
 
 GROUP = 64  # values per scale along the stored rows (see the module docstring for why)
 QMAX = 127  # symmetric: -127 .. 127 (-128 unused, so that -q is always representable)
+XQMAX = 32767  # the integer GeMV's int16 activations: -32767 .. 32767
+XQ_BLOCK = 64  # k per activation scale where the weights' groups run along N (row-scaled)
+# The activation quantiser may reassociate its max (so that it vectorises): the max is the same
+# in any order; activations are finite.
+FASTMATH_QUANT = {"nnan", "ninf", "nsz", "arcp", "contract", "afn", "reassoc"}
+XQ_GROUP_MAX = 256  # longest int32 sum of int16 x int8 products that cannot overflow (< 516)
+HOST_INT_DOT = config.host_int_dot()
+_TAGS = [isa_tag(level) for level in range(len(config.INT_DOT_NAMES))]
+# the tag of the kernel to run for each setting of config.INT_DOT, capped at the CPU's
+_RUN_TAGS = [_TAGS[min(level, HOST_INT_DOT)] for level in range(len(config.INT_DOT_NAMES))]
 
 
 @dataclass
@@ -132,18 +162,25 @@ def dequantize(q: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
 
 
 class QuantB:
-    """B [K, N] packed for `gemm_q`: int8 panels [n_panels, K, NR] and their scales.
+    """B [K, N] packed for `gemm_q`: int8 panels [n_panels, ceil(K / 4), NR, 4] and their scales.
 
-    scales [n_panels, S, W]: per_col (groups along K): S = ceil(K / group), W = NR, and
-    B[p, jp*NR + j] ~= q[jp, p, j] * scales[jp, p // group, j]; otherwise (groups along N)
-    S = K, W = 1 and the scale is scales[jp, p, 0].
+    k-interleaved: q[jp, p // 4, j, p % 4] is B's int8 value at row p, column jp*NR + j, so the
+    4 bytes of an int32 lane are 4 consecutive k of one column, the operand layout of the
+    integer dot products (_vnni.py); rows past K are zero. scales [n_panels, S, W]: per_col
+    (groups along K): S = ceil(K / group), W = NR, and B[p, jp*NR + j] ~= q[...] *
+    scales[jp, p // group, j]; otherwise (groups along N) S = K, W = 1 and the scale is
+    scales[jp, p, 0].
     """
 
-    __slots__ = ("q", "scales", "k", "n", "group", "per_col")
+    __slots__ = ("q", "q32", "scales", "k", "n", "group", "per_col")
 
-    def __init__(self, q: np.ndarray, scales: np.ndarray, n: int, group: int, per_col: bool):
-        self.q, self.scales, self.n, self.group, self.per_col = q, scales, n, group, per_col
-        self.k = q.shape[1]
+    def __init__(self, q: np.ndarray, scales: np.ndarray, k: int, n: int, group: int,
+                 per_col: bool):
+        self.q, self.scales, self.k, self.n = q, scales, k, n
+        self.group, self.per_col = group, per_col
+        # the same bytes as int32 [n_panels, K/4, NR]: one lane per column and quad of k (what
+        # the kernels take; made once, as a view costs microseconds a call)
+        self.q32 = q.view(np.int32).reshape(q.shape[:3])
 
     @property
     def k_group(self) -> int:
@@ -165,23 +202,25 @@ def pack_q(m: QuantMatrix, trans: bool = False) -> QuantB:
         raise TypeError(f"pack_q takes a QuantMatrix (quantize()), got {type(m).__name__}")
     q, s, g = m.q, m.scales, m.group
     n, k = q.shape if trans else q.shape[::-1]
-    n_panels = -(-n // NR)
-    panels = np.zeros((n_panels, k, NR), np.int8)
-    if trans:  # q [N, K] -> panels[jp, p, j] = q[jp*NR + j, p]; scales likewise per column
-        qp = np.zeros((n_panels * NR, k), np.int8)
-        qp[:n] = q
-        panels[:] = qp.reshape(n_panels, NR, k).transpose(0, 2, 1)
+    n_panels, kq = -(-n // NR), -(-k // 4)
+    by_row = np.zeros((n_panels, kq * 4, NR), np.int8)  # [jp, p, j], k padded to quads
+    if trans:  # q [N, K]: panels[jp, p, j] = q[jp*NR + j, p]; scales likewise per column
+        for jp in range(n_panels):
+            cols = q[jp * NR:(jp + 1) * NR]
+            by_row[jp, :k, :cols.shape[0]] = cols.T
         sp = np.zeros((n_panels * NR, s.shape[1]), np.float32)
         sp[:n] = s
         scales = aligned_empty((n_panels, s.shape[1], NR))
         scales[:] = sp.reshape(n_panels, NR, s.shape[1]).transpose(0, 2, 1)
-    else:  # q [K, N] -> panels[jp, p, j] = q[p, jp*NR + j]; one scale per (panel, k row)
-        qp = np.zeros((k, n_panels * NR), np.int8)
-        qp[:, :n] = q
-        panels[:] = qp.reshape(k, n_panels, NR).transpose(1, 0, 2)
+    else:  # q [K, N]: panels[jp, p, j] = q[p, jp*NR + j]; one scale per (panel, k row)
+        for jp in range(n_panels):
+            cols = q[:, jp * NR:(jp + 1) * NR]
+            by_row[jp, :k, :cols.shape[1]] = cols
         scales = aligned_empty((n_panels, k, 1))
         scales[:, :, 0] = s[:, np.arange(n_panels) * NR // g].T
-    return QuantB(panels, scales, n, g, bool(trans))
+    # [jp, p // 4, p % 4, j] -> [jp, p // 4, j, p % 4]
+    panels = np.ascontiguousarray(by_row.reshape(n_panels, kq, 4, NR).transpose(0, 1, 3, 2))
+    return QuantB(panels, scales, k, n, g, bool(trans))
 
 
 # ------------------------------------------------------------------------------------------
@@ -191,24 +230,41 @@ def pack_q(m: QuantMatrix, trans: bool = False) -> QuantB:
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
 def _dequant(qp, sc, per_col, gk, k0, kc, buf):
-    """buf[0:kc] = rows k0 .. k0+kc-1 of one int8 panel qp [K, NR] times their scales sc.
+    """buf[0:kc] = rows k0 .. k0+kc-1 (k0 a multiple of 4) of one int8 panel times their
+    scales sc. qp is the panel as int32 [K/4, NR]: byte t of qp[q, j] is row 4q + t of column j.
+    Whole quads go through `_vnni.dequant_quad` (one byte shuffle a row, plain LLVM IR): the
+    GeMM at a 30-row prefill measured 1.0-1.17x the old row-major panels' (interleaved),
+    where taking the bytes out with Numba's shifts cost 0.95x. The last rows of K not a multiple
+    of 4 (and any NR other than 32) take the shifts.
 
     The loops over a row run to nr = qp.shape[1] (NR, but read at run time): with the constant
     NR, LLVM unrolls them fully before vectorising and converts the int8 values one by one
-    (scalar vcvtsi2ss, measured 3x slower); a run-time bound gets the vector loop
-    (vpmovsxbd + vcvtdq2ps)."""
+    (scalar vcvtsi2ss, measured 3x slower); a run-time bound gets the vector loop."""
     nr = qp.shape[1]
-    for p in range(kc):
-        qr = qp[k0 + p]
+    p = 0
+    if nr == NR and buf.shape[1] == NR:  # whole quads by the shuffle intrinsic
+        bflat = buf.reshape(-1)
+        qflat = qp.reshape(-1)
+        sflat = sc.reshape(-1)
+        while p + 4 <= kc:
+            kk = k0 + p
+            dequant_quad(bflat, p * NR, qflat, (kk >> 2) * NR, sflat,
+                         (kk // gk) * NR if per_col else kk, per_col)
+            p += 4
+    while p < kc:
+        kk = k0 + p
+        r = qp[kk >> 2]
+        shift = 8 * (kk & 3)
         br = buf[p]
         if per_col:
-            sr = sc[(k0 + p) // gk]
+            sr = sc[kk // gk]
             for j in range(nr):
-                br[j] = np.float32(qr[j]) * sr[j]
+                br[j] = np.float32(np.int8(r[j] >> shift)) * sr[j]
         else:
-            s = sc[k0 + p, 0]
+            s = sc[kk, 0]
             for j in range(nr):
-                br[j] = np.float32(qr[j]) * s
+                br[j] = np.float32(np.int8(r[j] >> shift)) * s
+        p += 1
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -265,54 +321,118 @@ def _qgemm_parallel(n_chunks, a, lda, m, k, n, qpanels, scales, per_col, gk, c, 
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _rows_into(acc, x, qp, p0, p1, sc, row_scaled):
-    """acc[:] += sum over p in [p0, p1) of x[p] (* sc[p, 0] if row_scaled) * qp[p, :], four
-    rows per pass over acc (a quarter of its loads and stores, as packed_gemm._gemv)."""
+def _quads_into(acc, v, qp, q0, q1):
+    """acc[:] += sum over quads q in [q0, q1) and t < 4 of v[4q + t] * (byte t of qp[q, :])
+    (float; qp the panel as int32 [K/4, NR], as in `_dequant`)."""
     nr = acc.shape[0]
-    p = p0
-    while p + 4 <= p1:
-        x0, x1, x2, x3 = x[p], x[p + 1], x[p + 2], x[p + 3]
-        if row_scaled:
-            x0, x1, x2, x3 = x0 * sc[p, 0], x1 * sc[p + 1, 0], x2 * sc[p + 2, 0], x3 * sc[p + 3, 0]
-        r0, r1, r2, r3 = qp[p], qp[p + 1], qp[p + 2], qp[p + 3]
+    for qd in range(q0, q1):
+        x0, x1, x2, x3 = v[4 * qd], v[4 * qd + 1], v[4 * qd + 2], v[4 * qd + 3]
+        r = qp[qd]
         for j in range(nr):
-            acc[j] += ((x0 * np.float32(r0[j]) + x1 * np.float32(r1[j]))
-                       + (x2 * np.float32(r2[j]) + x3 * np.float32(r3[j])))
-        p += 4
-    while p < p1:
-        x0 = x[p] * sc[p, 0] if row_scaled else x[p]
-        r0 = qp[p]
-        for j in range(nr):
-            acc[j] += x0 * np.float32(r0[j])
-        p += 1
+            w = r[j]
+            acc[j] += ((x0 * np.float32(np.int8(w)) + x1 * np.float32(np.int8(w >> 8)))
+                       + (x2 * np.float32(np.int8(w >> 16)) + x3 * np.float32(np.int8(w >> 24))))
+
+
+@njit(fastmath=FASTMATH_QUANT, **JIT)
+def _round16(y):
+    """y (|y| <= 32767 up to rounding) to the nearest int16, halves away from zero."""
+    y = min(max(y + (np.float32(0.5) if y >= 0 else np.float32(-0.5)), np.float32(-32767.5)),
+            np.float32(32767.5))
+    return np.int16(np.int32(y))
+
+
+@njit(fastmath=FASTMATH_QUANT, **JIT)
+def _quantize16(v, s, k, blk, xq, sx):
+    """xq[p] = round(v[p] * s[p] / sx[b]) as int16, sx[b] = max |v * s| over block b of `blk`
+    values / 32767 (0 for zeros), p < k; xq is zero from k to its own length (whole quads).
+    s is the weights' row scale folded into v, or empty for none. Blocks of blk = XQ_BLOCK
+    run loops of that constant trip count, which LLVM vectorises whole (a run-time bound
+    measured 10x slower)."""
+    scaled = s.shape[0] > 0
+    for b in range(sx.shape[0]):
+        p0 = b * blk
+        n = min(k, p0 + blk) - p0
+        m = np.float32(0.0)
+        if n == XQ_BLOCK:
+            for i in range(XQ_BLOCK):
+                m = max_f32(m, abs(v[p0 + i] * s[p0 + i] if scaled else v[p0 + i]))
+            inv = np.float32(XQMAX) / m if m > 0 else np.float32(0.0)
+            for i in range(XQ_BLOCK):
+                xq[p0 + i] = _round16((v[p0 + i] * s[p0 + i] if scaled else v[p0 + i]) * inv)
+        else:
+            for i in range(n):
+                m = max_f32(m, abs(v[p0 + i] * s[p0 + i] if scaled else v[p0 + i]))
+            inv = np.float32(XQMAX) / m if m > 0 else np.float32(0.0)
+            for i in range(n):
+                xq[p0 + i] = _round16((v[p0 + i] * s[p0 + i] if scaled else v[p0 + i]) * inv)
+        sx[b] = m / np.float32(XQMAX)
+    for p in range(k, xq.shape[0]):
+        xq[p] = 0
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _qgemv_panels(p_lo, p_hi, x, k, n, qpanels, scales, per_col, gk, c):
+def _qgemv_panels(p_lo, p_hi, x, k, n, qpanels, scales, per_col, gk, c, tag, xq, sx):
     """c[panels p_lo .. p_hi-1] = x [k] @ B, reading each int8 panel once, in order.
 
-    Groups along K: the products of a group are summed unscaled, then the sum is scaled (one
-    multiply per group and column); groups along N: x[p] * its row's scale is the multiplier.
-    Row loops run to a run-time nr, as in `_dequant`, so that they vectorise.
+    gk is the weights' group. Integer kernels (tag.ndim > 1, _vnni.isum_i16): x is rounded to
+    int16 per block of k (xq, sx). Groups along K: once by the caller, a block per group;
+    int32 sums per group and column, then acc[j] += sx[g] * scale[g, j] * isum[j]. Groups
+    along N: the row's scale is folded into x (x * scale[:, panel]) and that is rounded per
+    XQ_BLOCK of k, once per group of gk columns (a panel, or two for groups of 64), so the sums
+    need only sx. The float path (tag.ndim == 1) multiplies by the widened int8 weights,
+    scaling a group's sums (along K) or folding the row scale into x (along N) likewise.
     """
     nr = qpanels.shape[2]
-    acc = np.empty(nr, np.float32)
-    part = np.empty(nr, np.float32)
+    kq = qpanels.shape[1]
+    use_int = tag.ndim > 1
+    qflat = qpanels.reshape(-1)  # isum_i16 takes byte offsets into it
+    work = np.empty(2 * nr, np.float32)  # (a few allocations cost more than a small panel)
+    acc, part = work[:nr], work[nr:]
+    isum = np.empty(nr, np.int32)
+    v = np.zeros(0 if use_int else kq * 4, np.float32)
+    if not per_col:
+        xq = np.empty(kq * 4, np.int16)
+        sx = np.empty(-(-k // XQ_BLOCK), np.float32)
+    elif not use_int:
+        v[:k] = x[:k]
     for jp in range(p_lo, p_hi):
         qp = qpanels[jp]
         sc = scales[jp]
+        base = jp * kq * nr
         for j in range(nr):
             acc[j] = 0.0
         if per_col:
-            for g0 in range(0, k, gk):
-                for j in range(nr):
-                    part[j] = 0.0
-                _rows_into(part, x, qp, g0, min(k, g0 + gk), sc, False)
-                sr = sc[g0 // gk]
-                for j in range(nr):
-                    acc[j] += part[j] * sr[j]
+            for g in range(sc.shape[0]):
+                q0 = g * gk // 4
+                q1 = min(kq, q0 + gk // 4)
+                sr = sc[g]
+                if use_int:
+                    isum_i16(tag, isum, qflat, 4 * (base + q0 * nr), xq, q0 * 4, q1 - q0)
+                    s = sx[g]
+                    for j in range(nr):
+                        acc[j] += np.float32(isum[j]) * (s * sr[j])
+                else:
+                    for j in range(nr):
+                        part[j] = 0.0
+                    _quads_into(part, v, qp, q0, q1)
+                    for j in range(nr):
+                        acc[j] += part[j] * sr[j]
         else:
-            _rows_into(acc, x, qp, 0, k, sc, True)
+            if use_int:
+                if jp == p_lo or (jp * NR) // gk != ((jp - 1) * NR) // gk:  # else same scales
+                    _quantize16(x, sc.reshape(-1), k, XQ_BLOCK, xq, sx)  # sc [K, 1]
+                for b in range(sx.shape[0]):
+                    q0 = b * XQ_BLOCK // 4
+                    q1 = min(kq, q0 + XQ_BLOCK // 4)
+                    isum_i16(tag, isum, qflat, 4 * (base + q0 * nr), xq, q0 * 4, q1 - q0)
+                    s = sx[b]
+                    for j in range(nr):
+                        acc[j] += np.float32(isum[j]) * s
+            else:
+                for p in range(k):
+                    v[p] = x[p] * sc[p, 0]
+                _quads_into(acc, v, qp, 0, kq)
         j0 = jp * NR
         cr = c[j0:min(n, j0 + NR)]
         for j in range(cr.shape[0]):
@@ -320,20 +440,47 @@ def _qgemv_panels(p_lo, p_hi, x, k, n, qpanels, scales, per_col, gk, c):
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _qgemv_serial(x, k, n, qpanels, scales, per_col, gk, c, epi):
-    _qgemv_panels(0, qpanels.shape[0], x, k, n, qpanels, scales, per_col, gk, c)
+def _x_int16(x, k, kq, per_col, gk, tag):
+    """The activation row in int16 per weight group of k (xq, sx) where the integer kernels
+    run with groups along K; empty otherwise (the kernel quantises per panel, or not at all)."""
+    if tag.ndim > 1 and per_col:
+        xq = np.empty(4 * kq, np.int16)
+        sx = np.empty(-(-k // gk), np.float32)
+        _quantize16(x, x[:0], k, gk, xq, sx)
+        return xq, sx
+    return np.empty(0, np.int16), np.empty(0, np.float32)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _qgemv_serial(x, k, n, qpanels, scales, per_col, gk, c, epi, tag):
+    xq, sx = _x_int16(x, k, qpanels.shape[1], per_col, gk, tag)
+    _qgemv_panels(0, qpanels.shape[0], x, k, n, qpanels, scales, per_col, gk, c, tag, xq, sx)
     if epi[1] or epi[2] or epi[6]:
         _epilogue(c, 0, n, 1, n, 0, epi)
 
 
 @njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
-def _qgemv_parallel(n_chunks, x, k, n, qpanels, scales, per_col, gk, c, epi):
+def _qgemv_parallel(n_chunks, x, k, n, qpanels, scales, per_col, gk, c, epi, tag):
     n_panels = qpanels.shape[0]
+    xq, sx = _x_int16(x, k, qpanels.shape[1], per_col, gk, tag)
     for chunk in prange(n_chunks):
         _qgemv_panels(chunk * n_panels // n_chunks, (chunk + 1) * n_panels // n_chunks, x, k, n,
-                      qpanels, scales, per_col, gk, c)
+                      qpanels, scales, per_col, gk, c, tag, xq, sx)
     if epi[1] or epi[2] or epi[6]:
         _epilogue(c, 0, n, 1, n, 0, epi)
+
+
+def int_dot_level() -> int:
+    """The integer-dot kernel the one-row product runs now: config.INT_DOT (HEPTI_INT_DOT),
+    capped at what this CPU has (0: the float path)."""
+    return max(0, min(int(config.INT_DOT), HOST_INT_DOT))
+
+
+def quantize_x16(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(xq int16 [4 * ceil(K / 4)], sx float32 [ceil(K / block)]): x [K] in int16 per block, as
+    the integer GeMV quantises its activation row (x ~= xq * sx[p // block]); tests read it."""
+    x = np.ascontiguousarray(x, np.float32).reshape(-1)
+    return _x_int16(x, x.shape[0], -(-x.shape[0] // 4), True, int(block), _TAGS[2])
 
 
 # ------------------------------------------------------------------------------------------
@@ -356,9 +503,10 @@ def gemm_q(a: np.ndarray, qb: QuantB, bias: np.ndarray | None = None, gelu: bool
     if m == 0 or n == 0:
         return c
     n_chunks, blocks, _ = _plan(m, k, n, int(threads), False)
-    common = (k, n, qb.q, qb.scales, qb.per_col, qb.k_group)
+    common = (k, n, qb.q32, qb.scales, qb.per_col, qb.group)
     if m == 1:  # a_flat and c_flat start at the row: k and n values of it
-        run_chunks(n_chunks, _qgemv_serial, _qgemv_parallel, (a_flat, *common, c_flat, epi))
+        tag = _RUN_TAGS[config.INT_DOT] if qb.group <= XQ_GROUP_MAX else _TAGS[0]
+        run_chunks(n_chunks, _qgemv_serial, _qgemv_parallel, (a_flat, *common, c_flat, epi, tag))
         return c
     ws = workspace(workspace_size(n_chunks, blocks[0], k, 1, min(k, blocks[1])))
     run_chunks(n_chunks, _qgemm_serial, _qgemm_parallel,
@@ -396,7 +544,7 @@ def columns_any(w, idx) -> np.ndarray:
     jp, j = idx // NR, idx % NR
     if isinstance(w, PackedB):
         return np.ascontiguousarray(w.panels[jp, :, j])
-    rows = w.q[jp, :, j].astype(np.float32)  # [n, K]
+    rows = w.q[jp, :, j].reshape(idx.size, -1)[:, :w.k].astype(np.float32)  # [n, K]
     if w.per_col:  # a scale per group of k rows and column
         return rows * np.repeat(w.scales[jp, :, j], w.group, axis=1)[:, :w.k]
     return rows * w.scales[jp, :, 0]  # a scale per k row (the same for every column of a panel)
