@@ -493,7 +493,7 @@ def measure_decode_call(config, ctx: int = 64, ranks: int = 1,
     Until 2026-11-29 this timed a 64-wide layer of one KV head, hot: 133 us a layer of
     llama-1b where a rank's half of the real layer spent 264 us outside its GeMVs (uncapped,
     one process), and an emulated 0.4-core rank 0.36 ms of CPU (14 ms of its 164 ms step
-    where the plan counted 4.3; h2 of session 53)."""
+    where the plan counted 4.3; docs/results/llm.md)."""
     rng = np.random.default_rng(5)
     one = decode_call_config(config, ranks, 1, ctx)
     C, D, kv, f = one.hidden_size, one.head_dim, one.num_key_value_heads, one.intermediate_size

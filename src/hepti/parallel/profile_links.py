@@ -332,7 +332,7 @@ def calibrate_decoder_collectives(comm, prof: dict, config, reps: int = 30
     one call to the next on the shared host, stretched 2.5x: arrivals 1-2 ms apart) against
     0.3 ms after a barrier, and the profile priced llama-1b int8 at 8.1 tokens/s where it ran
     6.1; on emu-mixed4 the all-rank factor priced the two fast ranks' syncs at 0.11 ms where
-    they took 1.2-1.5 (h2 of session 53).
+    they took 1.2-1.5 (docs/results/llm.md).
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     C = config.hidden_size

@@ -28,7 +28,7 @@ prices its 2L + 2 syncs as the profile's `decode_syncs` measured a group of n me
 since a phase of the cost model ends when the slowest rank's mean compute does, but a sync
 ends when the last rank arrives, and a rank's GeMVs vary from call to call (on emu-equal2 the
 syncs took 1.2-2.3 ms where the allreduce after a barrier takes 0.3, and llama-1b int8 was
-priced at 0.76 of the speed it ran; h2 of session 53). Prefill's few syncs after long GeMMs
+priced at 0.76 of the speed it ran; docs/results/llm.md). Prefill's few syncs after long GeMMs
 are left as they were.
 
 The request's cost is prefill + (D - 1) decode steps, each at the longest context (P + D
