@@ -28,6 +28,7 @@ into a 256-bit vpdpwssd, so the tests here exercise its arithmetic, not its inst
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -132,8 +133,6 @@ def isa_tag(level: int):
     """The empty array that names integer-dot kernel `level` (config.INT_DOT_NAMES) by its ndim
     (level + 1): the kernels take it as an argument, so Numba compiles (and caches) one
     specialisation per level, and a CPU compiles only the level Python hands it."""
-    import numpy as np
-
     return np.empty((0,) * (int(level) + 1), np.int8)
 
 

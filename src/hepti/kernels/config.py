@@ -30,6 +30,7 @@ from pathlib import Path
 os.environ.setdefault("NUMBA_SLP_VECTORIZE", "1")
 
 import numba  # noqa: E402  (after the environment above)
+from numba.core.codegen import get_host_cpu_features  # noqa: E402
 from numba.core.registry import cpu_target  # noqa: E402
 
 numba.config.reload_config()
@@ -115,8 +116,6 @@ INT_DOT_NAMES = ("float", "avx2", "avx512_vnni")
 
 def host_int_dot() -> int:
     """The best integer-dot kernel this CPU runs (see INT_DOT_NAMES), from LLVM's host features."""
-    from numba.core.codegen import get_host_cpu_features
-
     features = set(get_host_cpu_features().split(","))
     if {"+avx512f", "+avx512bw", "+avx512vnni"} <= features:
         return 2

@@ -19,7 +19,8 @@ from hepti import kernels as K
 from hepti.config import ModelConfig
 from hepti.counts import counts as split, offsets
 from hepti.emulate import stretch as _stretch
-from hepti.graph.decoder import GREEDY_PAIR_BYTES
+from hepti.graph.decoder import GREEDY_PAIR_BYTES, int8_bytes
+from hepti.kernels.int8 import GROUP
 from hepti.parallel.comm import Comm, wait
 from hepti.plan.costmodel import Collective, collective_times
 from hepti.plan.profile import profile_from_dict
@@ -240,8 +241,6 @@ def decode_segments(config, share: float, rng, cold_bytes: float = 48 << 20,
     head) and the MLP's (3F) columns, at least one group each; in copies that together exceed
     `cold_bytes` (at most `max_copies`), so that each meets its weights cold, as a decode step
     meets every layer's."""
-    from hepti.graph.decoder import int8_bytes
-    from hepti.kernels.int8 import GROUP
     C, D, G = config.hidden_size, config.head_dim, config.group
     cols = ((2 * G + 2) * D * config.num_key_value_heads, 3 * config.intermediate_size)
     ns = [max(GROUP, int(round(share * c / GROUP)) * GROUP) for c in cols]
