@@ -198,6 +198,21 @@ def test_conv2d_fused_modes_refuse_partial_panels():
     with pytest.raises(ValueError, match="fused modes"):
         conv2d(rand(1, 4, 4, 8), rand(NR + 1, 8, 1, 1), _mode=conv._MODE_FLAT)
 
+@pytest.mark.parametrize("cout,k,stride,padding", [(64, 1, 1, 0), (32, 3, 1, 1), (32, 3, 2, 1),
+                                                   (40, 1, 1, 0)])
+def test_conv2d_out_is_the_residual(cout, k, stride, padding):
+    """out=residual: the fused store writes y over the residual (the same array comes back);
+    where it does not apply (Cout 40, a partial panel) a new array does. Same values as with
+    a separate output."""
+    x, wt, bias = rand(1, 9, 16, 8), rand(cout, 8, k, k), rand(cout)
+    ho, wo = (9 + 2 * padding - k) // stride + 1, (16 + 2 * padding - k) // stride + 1
+    residual = rand(1, ho, wo, cout)
+    want = conv2d(x, wt, bias, stride, padding, relu="relu", residual=residual)
+    r = residual.copy()
+    got = conv2d(x, wt, bias, stride, padding, relu="relu", residual=r, out=r)
+    assert (got is r) == (cout % NR == 0)
+    np.testing.assert_array_equal(got, want)
+
 def test_pack_conv_weight_layout():
     """Group g's panels are pack_b of B [kh*kw*Cin_g, Cout_g] with rows ordered (ky, kx, c)."""
     wt = rand(2 * (NR + 3), 5, 3, 2)  # 2 groups of NR + 3 output channels
@@ -331,8 +346,8 @@ def test_conv_rejects_bad_arguments():
     with pytest.raises(ValueError, match="bias"):
         conv2d(x, cw, bias=rand(7))
     with pytest.raises(ValueError, match="overlaps"):
-        r = rand(1, 4, 4, 8)
-        conv2d(x, cw, residual=r, out=r)
+        flat = rand(4 * 4 * 8 + 8)  # out and residual overlap, shifted by a pixel
+        conv2d(x, cw, residual=flat[8:].reshape(1, 4, 4, 8), out=flat[:-8].reshape(1, 4, 4, 8))
     with pytest.raises(ValueError, match="depthwise"):
         depthwise_conv2d(x, rand(4, 2, 3, 3))
     with pytest.raises(ValueError, match="depthwise"):

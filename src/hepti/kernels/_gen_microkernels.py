@@ -240,6 +240,12 @@ def _direct_tiles_epi(mr: int, nr: int) -> str:
         "    " + "; ".join(f"e{j} = bias[{j}]" for j in range(nr)),
         "    for t in range(t0, n_tiles):",
         f"        ao = a_off + t * {mr} * lda",
+        "        if has_res:  # the residual rows of this tile (the first) and the next: to L2",
+        "            for q in range(0 if t == t0 else 1, 2 if t + 1 < n_tiles else 1):",
+        f"                for i in range({mr}):",
+        f"                    ri = r_off + ((t + q) * {mr} + i) * ldr",
+        "                    " + "; ".join(f"prefetch_l2(res, ri + {f})"
+                                          for f in sorted({0, 16, nr - 1})),
     ]
     lines += _zero(mr, nr, "        ")
     lines += ["        for s in range(n_seg):",

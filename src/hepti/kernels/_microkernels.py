@@ -318,6 +318,11 @@ def direct_tiles_epi(t0, n_tiles, n_seg, kc, a, a_off, seg_a, lda, bp, bk0, c, c
     e0 = bias[0]; e1 = bias[1]; e2 = bias[2]; e3 = bias[3]; e4 = bias[4]; e5 = bias[5]; e6 = bias[6]; e7 = bias[7]; e8 = bias[8]; e9 = bias[9]; e10 = bias[10]; e11 = bias[11]; e12 = bias[12]; e13 = bias[13]; e14 = bias[14]; e15 = bias[15]; e16 = bias[16]; e17 = bias[17]; e18 = bias[18]; e19 = bias[19]; e20 = bias[20]; e21 = bias[21]; e22 = bias[22]; e23 = bias[23]; e24 = bias[24]; e25 = bias[25]; e26 = bias[26]; e27 = bias[27]; e28 = bias[28]; e29 = bias[29]; e30 = bias[30]; e31 = bias[31]
     for t in range(t0, n_tiles):
         ao = a_off + t * 8 * lda
+        if has_res:  # the residual rows of this tile (the first) and the next: to L2
+            for q in range(0 if t == t0 else 1, 2 if t + 1 < n_tiles else 1):
+                for i in range(8):
+                    ri = r_off + ((t + q) * 8 + i) * ldr
+                    prefetch_l2(res, ri + 0); prefetch_l2(res, ri + 16); prefetch_l2(res, ri + 31)
         c0_0 = c0_1 = c0_2 = c0_3 = c0_4 = c0_5 = c0_6 = c0_7 = c0_8 = c0_9 = c0_10 = c0_11 = c0_12 = c0_13 = c0_14 = c0_15 = c0_16 = c0_17 = c0_18 = c0_19 = c0_20 = c0_21 = c0_22 = c0_23 = c0_24 = c0_25 = c0_26 = c0_27 = c0_28 = c0_29 = c0_30 = c0_31 = np.float32(0.0)
         c1_0 = c1_1 = c1_2 = c1_3 = c1_4 = c1_5 = c1_6 = c1_7 = c1_8 = c1_9 = c1_10 = c1_11 = c1_12 = c1_13 = c1_14 = c1_15 = c1_16 = c1_17 = c1_18 = c1_19 = c1_20 = c1_21 = c1_22 = c1_23 = c1_24 = c1_25 = c1_26 = c1_27 = c1_28 = c1_29 = c1_30 = c1_31 = np.float32(0.0)
         c2_0 = c2_1 = c2_2 = c2_3 = c2_4 = c2_5 = c2_6 = c2_7 = c2_8 = c2_9 = c2_10 = c2_11 = c2_12 = c2_13 = c2_14 = c2_15 = c2_16 = c2_17 = c2_18 = c2_19 = c2_20 = c2_21 = c2_22 = c2_23 = c2_24 = c2_25 = c2_26 = c2_27 = c2_28 = c2_29 = c2_30 = c2_31 = np.float32(0.0)

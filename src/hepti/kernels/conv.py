@@ -887,7 +887,7 @@ def _residual(residual, shape, y) -> np.ndarray:
     if residual.shape != tuple(shape):
         raise ValueError(f"residual must have the output's shape {tuple(shape)}, got "
                          f"{residual.shape}")
-    if np.shares_memory(residual, y):
+    if y is not None and np.shares_memory(residual, y):
         raise ValueError("out overlaps residual; the kernel reads the residual after writing "
                          "the output: pass a separate output buffer")
     return residual.reshape(-1)
@@ -975,7 +975,11 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
     [N, Ho, Wo, Cout] added after the bias (ResNet's identity); relu None, "relu" or "relu6",
     applied last. stride and dilation: an int or (vertical, horizontal); padding: an int,
     (rows, columns) or (top, bottom, left, right). groups defaults to the packed weight's.
-    out: optional C-contiguous float32 [N, Ho, Wo, Cout], not overlapping x or residual.
+    out: optional C-contiguous float32 [N, Ho, Wo, Cout], not overlapping x or residual,
+    except that out may be the residual array itself: where the fused store applies (groups
+    1, Cout a multiple of NR) y is then written over the residual, each element read just
+    before it is overwritten (no second map to write: the output's lines are the residual's,
+    already in cache); elsewhere y is then a new array. Use the returned array.
     threads > 1 splits the output rows over that many Numba threads. A depthwise weight runs
     `depthwise_conv2d`. (_mode and _mb force the way A is formed and the rows per block: for
     hepti.bench.convbench and the tests only.)
@@ -1002,7 +1006,8 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
     if np.shares_memory(y, x):
         raise ValueError("out overlaps x; the kernel reads x while writing out: pass a "
                          "separate output buffer")
-    res = _residual(residual, y.shape, y)
+    in_place = residual is not None and residual is y
+    res = _residual(residual, y.shape, None if in_place else y)
     bias_v = vector(bias, "bias", cw.cout)
     m = n * ho * wo
     if m == 0:
@@ -1026,6 +1031,9 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
             _mode == _MODE_FLAT and not plain:
         raise ValueError("the fused modes need groups 1 and Cout a multiple of NR "
                          "(_MODE_FLAT: a 1x1 convolution at stride 1 without padding)")
+    if in_place and _mode not in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED):
+        y = np.empty(y.shape, np.float32)  # the unfused epilogue adds it after a strip: apart
+        in_place = False
     if _mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED) and bias is None:
         bias_v = np.zeros(cw.cout, np.float32)  # the fused store always adds a bias
     k = cw.k
