@@ -62,6 +62,32 @@ place was slower in 4 of 5 interleaved readings, by 4-24%, and 10% faster in one
 packs across rows, with no short tile per row). VGG-16 went from 1.04x torch's latency to
 0.93-0.94x with this (`bin/bench-cnn-single.sh`).
 
+Fused store (2026-11-29). Where Cout is whole panels of NR (groups 1: all of ResNet-50's and
+VGG-16's convolutions), each MR x NR tile of C is stored once, with the bias, the residual and
+ReLU/ReLU6 applied to it in registers (`direct_tiles_epi`): no epilogue pass over each strip,
+no activation pass over each block. A 1x1 convolution at stride 1 reads x as A in place over
+the flat M (`_MODE_FLAT`: tiles cross output rows, so 14- and 28-wide rows leave no short
+tile); rows of whole tiles keep reading patches in place, their border tiles gathered as
+patch rows (`_MODE_ROWS_FUSED`); other shapes gather each block's patch rows row-major
+(`_MODE_PATCHES`, an im2col per block, which the fused store made the faster way on 28-, 14-
+and 7-wide maps and at stride 2). out may be the residual itself: the fused store reads each
+residual element just before it overwrites it. Measured (ms, min of 15 interleaved rounds,
+1 thread, load average ~2; the old default mode against the new, each forced with _mode;
+`python -m hepti.bench.convbench` times the new one as "fused"):
+    layer (ResNet-50 at 224)                 before   fused   (GFLOP/s fused)
+    1x1 56x56x64 -> 256 + residual + ReLU      2.36     1.43   (72; 0.98 written over the
+                                                                residual, against 1.09 apart)
+    1x1 28x28x128 -> 512 + residual            1.30     1.00   (103)
+    1x1 14x14x256 -> 1024 + residual           1.08     0.94   (109)
+    1x1 28x28x512 -> 128                       1.15     0.94   (109)
+    1x1 56x56x64 -> 64                         0.35     0.27   (97)
+    3x3 14x14x256 -> 256                       2.46     2.26   (102)
+    3x3 28x28x256 -> 256 stride 2              2.44     2.25   (103)
+    stem 224x224x3 7x7 stride 2                2.79     2.70   (87)
+On the whole model (each op timed alone, min of 9, against onnxruntime's per-node profile,
+load average 5-6) the convolutions went from 95.0 ms to 86.9 ms, onnxruntime's 75.5: 1x1s
+46.5 -> 39.2 (ORT 33.0), 3x3s 30.7 -> 31.1 (27.0), stem 2.87 -> 2.61 (2.16).
+
 `depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
 loop over contiguous channels innermost (it vectorises). It is bound by loads, not FMAs: a 3x3
 pixel with all taps inside the image sums its nine products in registers, and four
