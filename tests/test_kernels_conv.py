@@ -150,6 +150,69 @@ def test_conv2d_reads_patches_in_place(n, h, w, cin, cout, k, stride, padding, d
     np.testing.assert_array_equal(forced, y)
 
 
+# Shapes for the fused modes (Cout whole panels: each tile stored once with bias, residual and
+# activation): (N, H, W, Cin, Cout, kernel, stride, padding)
+FUSED_CASES = [
+    (1, 5, 7, 8, 32, 1, 1, 0),  # 1x1: x is A in place, M = 35, a short last tile
+    (2, 6, 6, 16, 64, 1, 1, 0),  # batch 2, two panels
+    (1, 9, 9, 8, 64, 1, 2, 0),  # 1x1 stride 2 (ResNet's downsampling shortcut)
+    (1, 6, 24, 16, 32, 3, 1, 1),  # rows of whole tiles: in place, borders gathered
+    (2, 9, 17, 8, 32, 3, 1, 1),  # tiles crossing rows and images
+    (1, 3, 40, 8, 32, 3, 1, (3, 3, 1, 1)),  # rows whose every tap is padding
+    (1, 17, 16, 3, 64, 7, 2, 3),  # the stem, small
+    (1, 7, 7, 40, 32, 3, 2, 1),  # stride 2 on a 7x7 map
+]
+
+
+@pytest.mark.parametrize("n,h,w,cin,cout,k,stride,padding", FUSED_CASES)
+@pytest.mark.parametrize("mode", ["flat", "patches", "rows"])
+@pytest.mark.parametrize("act,with_bias,with_res,mb,threads",
+                         [("relu", True, True, 0, 1), (None, False, False, 1, 1),
+                          ("relu6", True, False, 0, 2), ("relu", False, True, 9, 1)])
+def test_conv2d_fused_modes_against_naive(n, h, w, cin, cout, k, stride, padding, mode, act,
+                                          with_bias, with_res, mb, threads):
+    """The fused modes (bias, residual and activation applied to the register tile before its
+    one store) against the naive twin, wherever they apply."""
+    from hepti.kernels import conv
+    x, wt = rand(n, h, w, cin), rand(cout, cin, k, k)
+    geo = conv._geometry(x.shape, k, k, stride, padding, 1, cin, "test")
+    m_mode = {"flat": conv._MODE_FLAT, "patches": conv._MODE_PATCHES,
+              "rows": conv._MODE_ROWS_FUSED}[mode]
+    if mode == "flat" and not (k == 1 and stride == 1 and padding == 0):
+        pytest.skip("_MODE_FLAT is a 1x1 convolution at stride 1 without padding")
+    if mode == "rows" and not conv._rows_apply(geo, 1):
+        pytest.skip("no tile of these rows lies inside x")
+    bias = rand(cout) if with_bias else None
+    residual = rand(n, geo[4], geo[5], cout) if with_res else None
+    if mode == "rows" and mb:
+        mb = geo[5]  # whole output rows
+    y = conv2d(x, wt, bias, stride, padding, relu=act, residual=residual, threads=threads,
+               _mode=m_mode, _mb=mb)
+    assert_conv_close(y, x, wt, bias, stride, padding, 1, 1, residual, act)
+
+
+def test_conv2d_fused_modes_refuse_partial_panels():
+    """A fused mode asked for where Cout leaves a partial panel is an error, not a wrong
+    answer."""
+    from hepti.kernels import conv
+    with pytest.raises(ValueError, match="fused modes"):
+        conv2d(rand(1, 4, 4, 8), rand(NR + 1, 8, 1, 1), _mode=conv._MODE_FLAT)
+
+@pytest.mark.parametrize("cout,k,stride,padding", [(64, 1, 1, 0), (32, 3, 1, 1), (32, 3, 2, 1),
+                                                   (40, 1, 1, 0)])
+def test_conv2d_out_is_the_residual(cout, k, stride, padding):
+    """out=residual: the fused store writes y over the residual (the same array comes back);
+    where it does not apply (Cout 40, a partial panel) a new array does. Same values as with
+    a separate output."""
+    x, wt, bias = rand(1, 9, 16, 8), rand(cout, 8, k, k), rand(cout)
+    ho, wo = (9 + 2 * padding - k) // stride + 1, (16 + 2 * padding - k) // stride + 1
+    residual = rand(1, ho, wo, cout)
+    want = conv2d(x, wt, bias, stride, padding, relu="relu", residual=residual)
+    r = residual.copy()
+    got = conv2d(x, wt, bias, stride, padding, relu="relu", residual=r, out=r)
+    assert (got is r) == (cout % NR == 0)
+    np.testing.assert_array_equal(got, want)
+
 def test_pack_conv_weight_layout():
     """Group g's panels are pack_b of B [kh*kw*Cin_g, Cout_g] with rows ordered (ky, kx, c)."""
     wt = rand(2 * (NR + 3), 5, 3, 2)  # 2 groups of NR + 3 output channels
@@ -283,8 +346,8 @@ def test_conv_rejects_bad_arguments():
     with pytest.raises(ValueError, match="bias"):
         conv2d(x, cw, bias=rand(7))
     with pytest.raises(ValueError, match="overlaps"):
-        r = rand(1, 4, 4, 8)
-        conv2d(x, cw, residual=r, out=r)
+        flat = rand(4 * 4 * 8 + 8)  # out and residual overlap, shifted by a pixel
+        conv2d(x, cw, residual=flat[8:].reshape(1, 4, 4, 8), out=flat[:-8].reshape(1, 4, 4, 8))
     with pytest.raises(ValueError, match="depthwise"):
         depthwise_conv2d(x, rand(4, 2, 3, 3))
     with pytest.raises(ValueError, match="depthwise"):

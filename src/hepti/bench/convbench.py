@@ -81,6 +81,8 @@ def _variants(x, cw, bias, stride, padding):
                     "implicit": run(conv._MODE_IMPLICIT)}
     if conv._rows_apply(geo, 1):
         variants["rows"] = run(conv._MODE_ROWS)
+    if cw.groups == 1 and cw.cout % conv.NR == 0:
+        variants["fused"] = run(None)  # conv2d's own choice there: the fused store
     return variants
 
 

@@ -62,6 +62,32 @@ place was slower in 4 of 5 interleaved readings, by 4-24%, and 10% faster in one
 packs across rows, with no short tile per row). VGG-16 went from 1.04x torch's latency to
 0.93-0.94x with this (`bin/bench-cnn-single.sh`).
 
+Fused store (2026-11-29). Where Cout is whole panels of NR (groups 1: all of ResNet-50's and
+VGG-16's convolutions), each MR x NR tile of C is stored once, with the bias, the residual and
+ReLU/ReLU6 applied to it in registers (`direct_tiles_epi`): no epilogue pass over each strip,
+no activation pass over each block. A 1x1 convolution at stride 1 reads x as A in place over
+the flat M (`_MODE_FLAT`: tiles cross output rows, so 14- and 28-wide rows leave no short
+tile); rows of whole tiles keep reading patches in place, their border tiles gathered as
+patch rows (`_MODE_ROWS_FUSED`); other shapes gather each block's patch rows row-major
+(`_MODE_PATCHES`, an im2col per block, which the fused store made the faster way on 28-, 14-
+and 7-wide maps and at stride 2). out may be the residual itself: the fused store reads each
+residual element just before it overwrites it. Measured (ms, min of 15 interleaved rounds,
+1 thread, load average ~2; the old default mode against the new, each forced with _mode;
+`python -m hepti.bench.convbench` times the new one as "fused"):
+    layer (ResNet-50 at 224)                 before   fused   (GFLOP/s fused)
+    1x1 56x56x64 -> 256 + residual + ReLU      2.36     1.43   (72; 0.98 written over the
+                                                                residual, against 1.09 apart)
+    1x1 28x28x128 -> 512 + residual            1.30     1.00   (103)
+    1x1 14x14x256 -> 1024 + residual           1.08     0.94   (109)
+    1x1 28x28x512 -> 128                       1.15     0.94   (109)
+    1x1 56x56x64 -> 64                         0.35     0.27   (97)
+    3x3 14x14x256 -> 256                       2.46     2.26   (102)
+    3x3 28x28x256 -> 256 stride 2              2.44     2.25   (103)
+    stem 224x224x3 7x7 stride 2                2.79     2.70   (87)
+On the whole model (each op timed alone, min of 9, against onnxruntime's per-node profile,
+load average 5-6) the convolutions went from 95.0 ms to 86.9 ms, onnxruntime's 75.5: 1x1s
+46.5 -> 39.2 (ORT 33.0), 3x3s 30.7 -> 31.1 (27.0), stem 2.87 -> 2.61 (2.16).
+
 `depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
 loop over contiguous channels innermost (it vectorises). It is bound by loads, not FMAs: a 3x3
 pixel with all taps inside the image sums its nine products in registers, and four
@@ -85,14 +111,17 @@ import numpy as np
 from numba import njit, prange
 
 from hepti.kernels import config
-from hepti.kernels._microkernels import MR, NR, direct_tiles, full_tiles, micro_tile, pack_a_tile
+from hepti.kernels._microkernels import (MR, NR, direct_tiles, direct_tiles_epi, full_tiles,
+                                        micro_tile, pack_a_tile)
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
-from hepti.kernels.packed_gemm import (_finish, _pack_a, _pack_all, _panel_range, panel_group,
-                                      row_block)
+from hepti.kernels.packed_gemm import (_epilogue, _finish, _pack_a, _pack_all, _panel_range,
+                                      panel_group, row_block)
 
 _ACT = {None: 0, "relu": 1, "relu6": 2}
-_MODE_DIRECT, _MODE_IMPLICIT, _MODE_IM2COL, _MODE_ROWS = 0, 1, 2, 3  # how A is formed (_conv_rows)
+# how A is formed (_conv_rows); the last three store each tile once, its epilogue applied
+_MODE_DIRECT, _MODE_IMPLICIT, _MODE_IM2COL, _MODE_ROWS = 0, 1, 2, 3
+_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED = 4, 5, 6
 
 
 class ConvWeight:
@@ -348,6 +377,130 @@ def _rows_block(x, geo, k, n_g, panels, c, ldc, m0, rows, epi, edge, buf, scratc
         _finish(rows, c, m0 * ldc, ldc, j0, ncols, scratch, epi)
 
 
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _patch_tile(x, geo, k, m, nr, dst):
+    """dst [MR * K] = the patch rows (row-major, K apart) of output pixels m .. m+nr-1, zero
+    rows after them: a border tile's A for `direct_tiles_epi`. Groups 1 and one contiguous
+    run per kernel row (`_rows_apply`): the taps of a kernel row inside the image are one
+    copy (tap by tap, `_patch_row`, the 7x7 stem's borders took longer than the rest)."""
+    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    run = kw * c
+    for i in range(nr):
+        mm = m + i
+        b, oy, ox = mm // (ho * wo), (mm // wo) % ho, mm % wo
+        ix0 = ox * sw - pl
+        kx_lo, kx_hi = max(0, -ix0), min(kw, w - ix0)  # taps kx_lo .. kx_hi-1 inside x
+        for ky in range(kh):
+            seg = dst[i * k + ky * run:i * k + (ky + 1) * run]
+            iy = oy * sh - pt + ky * dh
+            if iy < 0 or iy >= h or kx_hi <= kx_lo:
+                seg[:] = 0.0
+                continue
+            seg[:kx_lo * c] = 0.0
+            seg[kx_hi * c:] = 0.0
+            src0 = ((b * h + iy) * w + ix0 + kx_lo) * c
+            cnt = (kx_hi - kx_lo) * c
+            src = x[src0:src0 + cnt]
+            t = seg[kx_lo * c:kx_lo * c + cnt]
+            for q in range(cnt):
+                t[q] = src[q]
+    dst[nr * k:MR * k] = 0.0
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _padding_row(c, d_off, ldc, cols, j0, bias, res, r_off, ldr, has_res, act):
+    """An output row all of whose taps are padding: act(bias + residual) on cols pixels."""
+    for i in range(cols):
+        c[d_off + i * ldc:d_off + i * ldc + NR] = 0.0
+    _epilogue(c, d_off, ldc, cols, NR, j0, (bias, True, False, res, r_off, ldr, has_res))
+    if act:
+        _activate(c, d_off, ldc, cols, NR, act)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _rows_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ldr, has_res, act,
+                edge):
+    """`_rows_block` with every tile stored once, its bias, residual and activation applied in
+    registers (`direct_tiles_epi`): no epilogue pass over the strip, no activation pass over
+    the block. n_g is whole panels. The border tiles' patches are gathered row-major into edge
+    (MR * K floats a tile, `_patch_tile`) and run on the same kernel with lda = K. bias [Cout]
+    (zeros when the convolution has none); the residual's element of c[0] is res[r_off]."""
+    n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    run = kw * cin
+    lda = sw * cin
+    ox_lo, n_direct = _direct_span(geo)
+    ox_hi = ox_lo + n_direct * MR
+    n_rows = rows // wo
+    r0 = m0 // wo
+    starts = _edge_starts(ox_lo, ox_hi, wo)
+    n_edge = len(starts)
+    tile = MR * k
+    for r in range(n_rows):
+        for e in range(n_edge):
+            ox = starts[e]
+            nr = min(MR, (ox_lo if ox < ox_lo else wo) - ox)
+            s = r * n_edge + e
+            _patch_tile(x, geo, k, m0 + r * wo + ox, nr, edge[s * tile:(s + 1) * tile])
+    for jp in range(n_g // NR):
+        j0 = jp * NR
+        bp = panels[jp]
+        bj = bias[j0:j0 + NR]
+        for r in range(n_rows):
+            b, oy = (r0 + r) // ho, (r0 + r) % ho
+            d_row = (m0 + r * wo) * ldc + j0
+            r_row = r_off + (m0 + r * wo) * ldr + j0
+            ky0 = 0
+            while ky0 < kh and oy * sh - pt + ky0 * dh < 0:
+                ky0 += 1
+            ky1 = ky0
+            while ky1 < kh and oy * sh - pt + ky1 * dh < h:
+                ky1 += 1
+            if ky1 == ky0:
+                _padding_row(c, d_row, ldc, wo, j0, bias, res, r_row, ldr, has_res, act)
+                continue
+            iy0 = oy * sh - pt + ky0 * dh
+            x_row = ((b * h + iy0) * w - pl) * cin
+            direct_tiles_epi(0, n_direct, ky1 - ky0, run, x, x_row + ox_lo * lda, dh * w * cin,
+                             lda, bp, ky0 * run, c, d_row + ox_lo * ldc, ldc, MR, bj, res,
+                             r_row + ox_lo * ldr, ldr, has_res, act)
+            for e in range(n_edge):
+                ox = starts[e]
+                nr = min(MR, (ox_lo if ox < ox_lo else wo) - ox)
+                direct_tiles_epi(0, 1, 1, k, edge, (r * n_edge + e) * tile, 0, k, bp, 0, c,
+                                 d_row + ox * ldc, ldc, nr, bj, res, r_row + ox * ldr, ldr,
+                                 has_res, act)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ldr,
+                 has_res, act, buf):
+    """Output pixels m0 .. m0+rows-1 whose A rows lie row-major in a (row i at a_off +
+    i*lda): every panel over their tiles, each stored once with its epilogue
+    (`direct_tiles_epi`). A short last tile's rows are copied into buf [MR * K] first.
+    (_MODE_FLAT: a is x itself, a 1x1 convolution at stride 1; _MODE_PATCHES: a is the
+    block's patch rows.)"""
+    n_full = rows // MR
+    rem = rows - n_full * MR
+    if rem:
+        for i in range(rem):
+            src = a[a_off + (n_full * MR + i) * lda:a_off + (n_full * MR + i) * lda + k]
+            dst = buf[i * k:(i + 1) * k]
+            for p in range(k):
+                dst[p] = src[p]
+        buf[rem * k:MR * k] = 0.0
+    m_rem = m0 + n_full * MR
+    for jp in range(n_g // NR):
+        j0 = jp * NR
+        bp = panels[jp]
+        bj = bias[j0:j0 + NR]
+        if n_full:
+            direct_tiles_epi(0, n_full, 1, k, a, a_off, 0, lda, bp, 0, c, m0 * ldc + j0, ldc,
+                             MR, bj, res, r_off + m0 * ldr + j0, ldr, has_res, act)
+        if rem:
+            direct_tiles_epi(0, 1, 1, k, buf, 0, 0, k, bp, 0, c, m_rem * ldc + j0, ldc, rem, bj,
+                             res, r_off + m_rem * ldr + j0, ldr, has_res, act)
+
+
 @njit(fastmath=FASTMATH_ROWS, **JIT)
 def _activate(y, off, ldy, rows, cols, act):
     """In place on rows x cols of the flat y from off (row stride ldy): act 1 = ReLU,
@@ -374,10 +527,14 @@ def _pad16(n):
 @njit(**JIT)
 def _conv_sizes(mb, k, mode, wo):
     """Workspace floats of one chunk of _conv_rows: packed A, patch buffer, partial strip.
-    (_MODE_ROWS packs at most wo // MR + 2 tiles of each of its mb // wo output rows.)"""
+    (_MODE_ROWS packs at most wo // MR + 2 tiles of each of its mb // wo output rows; the
+    fused modes, whose n_g is whole panels, need no partial strip.)"""
     buf = mb * k if mode == _MODE_IM2COL else (0 if mode == _MODE_DIRECT else MR * k)
-    tiles = (mb // wo) * (wo // MR + 2) if mode == _MODE_ROWS else -(-mb // MR)
-    return (tiles * k * MR, buf, mb * NR)
+    by_rows = mode == _MODE_ROWS or mode == _MODE_ROWS_FUSED
+    tiles = (mb // wo) * (wo // MR + 2) if by_rows else -(-mb // MR)
+    if mode == _MODE_FLAT:  # A is x itself; a short last tile goes through buf
+        return (0, buf, 0)
+    return (tiles * k * MR, buf, 0 if mode == _MODE_PATCHES else mb * NR)
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -391,6 +548,10 @@ def _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, blk_lo, blk_hi, mb, m, bl
     output rows), _MODE_IMPLICIT packs patches from x (`_pack_patches`), _MODE_IM2COL copies
     the block's patch rows into a buffer first and packs that (kept for the benchmark).
     epi is the GeMM epilogue tuple for group 0 at row 0; act is applied after it.
+    Fused (groups 1, n_g whole panels, epi's bias [Cout] zeros if none): every tile is stored
+    once with bias, residual and act applied in registers. _MODE_FLAT reads x as A in place
+    (1x1, stride 1, no padding), _MODE_PATCHES gathers the block's patch rows row-major, and
+    _MODE_ROWS_FUSED is _MODE_ROWS so (`_rows_fused`).
     """
     sizes = _conv_sizes(mb, k, mode, geo[5])
     apack = ws[:sizes[0]].reshape((sizes[0] // (k * MR), k, MR))
@@ -405,6 +566,19 @@ def _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, blk_lo, blk_hi, mb, m, bl
     for blk in range(blk_lo, blk_hi):
         m0 = blk * mb
         rows = min(mb, m - m0)
+        if mode == _MODE_ROWS_FUSED:
+            _rows_fused(x, geo, k, n_g, panels[0], c, ldc, m0, rows, bias, res, r_off, ldr,
+                        has_res, act, ws[:sizes[0]])
+            continue
+        if mode == _MODE_FLAT:
+            _tiles_fused(x, m0 * cin, cin, k, n_g, panels[0], c, ldc, m0, rows, bias, res,
+                         r_off, ldr, has_res, act, buf)
+            continue
+        if mode == _MODE_PATCHES:
+            _im2col(x, geo, 0, m0, m0 + rows, ws, k)
+            _tiles_fused(ws, 0, k, k, n_g, panels[0], c, ldc, m0, rows, bias, res, r_off, ldr,
+                         has_res, act, buf)
+            continue
         if mode == _MODE_ROWS:
             _rows_block(x, geo, k, n_g, panels[0], c, ldc, m0, rows,
                         (bias, has_bias, gelu, res, r_off + m0 * ldr, ldr, has_res), apack, buf,
@@ -739,7 +913,7 @@ def _residual(residual, shape, y) -> np.ndarray:
     if residual.shape != tuple(shape):
         raise ValueError(f"residual must have the output's shape {tuple(shape)}, got "
                          f"{residual.shape}")
-    if np.shares_memory(residual, y):
+    if y is not None and np.shares_memory(residual, y):
         raise ValueError("out overlaps residual; the kernel reads the residual after writing "
                          "the output: pass a separate output buffer")
     return residual.reshape(-1)
@@ -792,7 +966,7 @@ def _conv_plan(m: int, k: int, mode: int, threads: int, mb: int = 0, wo: int = 1
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-    if mode == _MODE_ROWS:
+    if mode in (_MODE_ROWS, _MODE_ROWS_FUSED):
         n_rows = m // wo
         rb = max(1, round((mb or row_block(m, k)) / wo))
         if not mb and threads > 1 and -(-n_rows // rb) < threads:
@@ -827,7 +1001,11 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
     [N, Ho, Wo, Cout] added after the bias (ResNet's identity); relu None, "relu" or "relu6",
     applied last. stride and dilation: an int or (vertical, horizontal); padding: an int,
     (rows, columns) or (top, bottom, left, right). groups defaults to the packed weight's.
-    out: optional C-contiguous float32 [N, Ho, Wo, Cout], not overlapping x or residual.
+    out: optional C-contiguous float32 [N, Ho, Wo, Cout], not overlapping x or residual,
+    except that out may be the residual array itself: where the fused store applies (groups
+    1, Cout a multiple of NR) y is then written over the residual, each element read just
+    before it is overwritten (no second map to write: the output's lines are the residual's,
+    already in cache); elsewhere y is then a new array. Use the returned array.
     threads > 1 splits the output rows over that many Numba threads. A depthwise weight runs
     `depthwise_conv2d`. (_mode and _mb force the way A is formed and the rows per block: for
     hepti.bench.convbench and the tests only.)
@@ -854,22 +1032,36 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
     if np.shares_memory(y, x):
         raise ValueError("out overlaps x; the kernel reads x while writing out: pass a "
                          "separate output buffer")
-    res = _residual(residual, y.shape, y)
+    in_place = residual is not None and residual is y
+    res = _residual(residual, y.shape, None if in_place else y)
     bias_v = vector(bias, "bias", cw.cout)
     m = n * ho * wo
     if m == 0:
         return y
+    plain = (cw.kh == cw.kw == 1 and geo[8] == geo[9] == 1 and geo[10] == geo[11] == 0
+             and ho == geo[1] and wo == geo[2])
+    rows = _rows_apply(geo, groups)
+    fusable = groups == 1 and n_g % NR == 0  # whole panels: every tile stored once, fused
     if _mode is None:
-        plain = (cw.kh == cw.kw == 1 and geo[8] == geo[9] == 1 and geo[10] == geo[11] == 0
-                 and ho == geo[1] and wo == geo[2])
-        rows = _rows_apply(geo, groups)
-        if plain:  # x is A as it is: in place by rows unless rows leave short tiles
+        if fusable:
+            _mode = (_MODE_FLAT if plain else _MODE_ROWS_FUSED if rows and wo % MR == 0
+                     else _MODE_PATCHES)
+        elif plain:  # x is A as it is: in place by rows unless rows leave short tiles
             _mode = _MODE_ROWS if rows and wo % MR == 0 else _MODE_DIRECT
         else:
             _mode = _MODE_ROWS if rows else _MODE_IMPLICIT
-    elif _mode == _MODE_ROWS and not _rows_apply(geo, groups):
+    elif _mode in (_MODE_ROWS, _MODE_ROWS_FUSED) and not rows:
         raise ValueError("_MODE_ROWS needs groups 1, one contiguous run per kernel row and a "
                          "tile inside x on every output row")
+    if _mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED) and not fusable or \
+            _mode == _MODE_FLAT and not plain:
+        raise ValueError("the fused modes need groups 1 and Cout a multiple of NR "
+                         "(_MODE_FLAT: a 1x1 convolution at stride 1 without padding)")
+    if in_place and _mode not in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED):
+        y = np.empty(y.shape, np.float32)  # the unfused epilogue adds it after a strip: apart
+        in_place = False
+    if _mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED) and bias is None:
+        bias_v = np.zeros(cw.cout, np.float32)  # the fused store always adds a bias
     k = cw.k
     n_chunks, mb, n_blocks, ws_chunk = _conv_plan(m, k, _mode, int(threads), _mb, wo)
     blocks = (mb, config.KC, 1, config.PREFETCH_ROWS)
