@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hepti.bench.cnnsingle import ort_session
 from hepti.bench.harness import interleave, positive_int, summarise
 from hepti.bench.kernels import TRANSFORMER_SHAPES
 from hepti.kernels import gemm, pack_b
@@ -140,11 +141,13 @@ def classic_bert(tm):
 
 def ort_sessions(store, ids: np.ndarray, mask: np.ndarray, folder: Path) -> tuple[dict, dict]:
     """({"ort": session, "ort-fused": session}, fused model's op counts), or ({}, {}) when onnx
-    or onnxruntime isn't importable. The store's weights in `classic_bert`, exported (TorchScript exporter, opset 17, fixed shapes) to folder/model.onnx; `ort-fused` is
-    that file after onnxruntime.transformers' optimize_model(model_type="bert")."""
+    or onnxruntime isn't importable. The store's weights in `classic_bert`, exported
+    (TorchScript exporter, opset 17, fixed shapes) to folder/model.onnx; `ort-fused` is that
+    file after onnxruntime.transformers' optimize_model(model_type="bert"). Each session runs
+    as cnn-single's do (`ort_session`: one thread, every graph optimisation)."""
     try:
         import onnx  # noqa: F401  (torch.onnx.export needs it)
-        import onnxruntime as ort  # local: optional dependency
+        import onnxruntime  # noqa: F401  (local: optional dependency; ort_session's)
         import torch  # local: optional dependency
         from onnxruntime.transformers import optimizer  # local: optional dependency
     except ImportError:
@@ -168,16 +171,7 @@ def ort_sessions(store, ids: np.ndarray, mask: np.ndarray, folder: Path) -> tupl
     ops: dict[str, int] = {}
     for node in opt.model.graph.node:
         ops[node.op_type] = ops.get(node.op_type, 0) + 1
-
-    def session(path):
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = 1
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-    return {"ort": session(plain), "ort-fused": session(fused)}, ops
+    return {"ort": ort_session(plain), "ort-fused": ort_session(fused)}, ops
 
 
 def peak_variant():
