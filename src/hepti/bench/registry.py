@@ -24,6 +24,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "solver": ("solver", "the planner's solve time on random declared clusters of 2-32 devices"),
     "comm": ("comm", "under mpiexec -n N: hepti's row verbs against MPI's collectives"),
     "int8": ("int8", "int8 weights against float32: GeMV GB/s of weight bytes, GeMM GFLOP/s"),
+    "membw": ("membw", "this machine's memory read bandwidth: one core against all at once"),
     "conv": ("convbench", "the convolution kernels: im2col + GeMM against in place, depthwise"),
     "cnn-single": ("cnnsingle", "one CNN on one device: hepti against PyTorch and onnxruntime"),
     "cnn-program": ("cnn_program", "a CNN's band split priced three ways: program, CoEdge, measured"),
