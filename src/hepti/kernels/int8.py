@@ -203,23 +203,28 @@ def pack_q(m: QuantMatrix, trans: bool = False) -> QuantB:
     q, s, g = m.q, m.scales, m.group
     n, k = q.shape if trans else q.shape[::-1]
     n_panels, kq = -(-n // NR), -(-k // 4)
-    by_row = np.zeros((n_panels, kq * 4, NR), np.int8)  # [jp, p, j], k padded to quads
-    if trans:  # q [N, K]: panels[jp, p, j] = q[jp*NR + j, p]; scales likewise per column
-        for jp in range(n_panels):
+    # One panel at a time, [p, j] (k padded to quads) -> [p // 4, j, p % 4]: a rank loading its
+    # shard holds the stored matrix and its packed copy, never a third whole-matrix temporary
+    # (the decoder's memory plan counts the two: hepti.plan.workloads.with_overhead).
+    panels = np.empty((n_panels, kq, NR, 4), np.int8)
+    by_row = np.empty((kq * 4, NR), np.int8)
+    for jp in range(n_panels):
+        by_row[:] = 0
+        if trans:  # q [N, K]: panels[jp, p, j] = q[jp*NR + j, p]
             cols = q[jp * NR:(jp + 1) * NR]
-            by_row[jp, :k, :cols.shape[0]] = cols.T
+            by_row[:k, :cols.shape[0]] = cols.T
+        else:  # q [K, N]: panels[jp, p, j] = q[p, jp*NR + j]
+            cols = q[:, jp * NR:(jp + 1) * NR]
+            by_row[:k, :cols.shape[1]] = cols
+        panels[jp] = by_row.reshape(kq, 4, NR).transpose(0, 2, 1)
+    if trans:  # a scale per group of k and column
         sp = np.zeros((n_panels * NR, s.shape[1]), np.float32)
         sp[:n] = s
         scales = aligned_empty((n_panels, s.shape[1], NR))
         scales[:] = sp.reshape(n_panels, NR, s.shape[1]).transpose(0, 2, 1)
-    else:  # q [K, N]: panels[jp, p, j] = q[p, jp*NR + j]; one scale per (panel, k row)
-        for jp in range(n_panels):
-            cols = q[:, jp * NR:(jp + 1) * NR]
-            by_row[jp, :k, :cols.shape[1]] = cols
+    else:  # one scale per (panel, k row)
         scales = aligned_empty((n_panels, k, 1))
         scales[:, :, 0] = s[:, np.arange(n_panels) * NR // g].T
-    # [jp, p // 4, p % 4, j] -> [jp, p // 4, j, p % 4]
-    panels = np.ascontiguousarray(by_row.reshape(n_panels, kq, 4, NR).transpose(0, 1, 3, 2))
     return QuantB(panels, scales, k, n, g, bool(trans))
 
 
