@@ -201,9 +201,19 @@ def _direct_tiles(mr: int, nr: int) -> str:
         f"        ao = a_off + t * {mr} * lda",
     ]
     lines += _zero(mr, nr, "        ")
-    lines += ["        for s in range(n_seg):",
-              "            so = ao + s * seg_a",
-              "            bb = bp[bk0 + s * kc:bk0 + s * kc + kc]"]
+    lines += _segments(mr, nr)
+    lines.append(f"        co = c_off + t * {mr} * ldc")
+    lines += _store(mr, nr, "        ", "co")
+    return "\n".join(lines) + "\n"
+
+
+def _segments(mr: int, nr: int) -> list[str]:
+    """A direct tile's loop over its A segments (a convolution's kernel rows), each of kc
+    values, into the register tile c{i}_{j} (the body `direct_tiles` and `direct_tiles_epi`
+    share)."""
+    lines = ["        for s in range(n_seg):",
+             "            so = ao + s * seg_a",
+             "            bb = bp[bk0 + s * kc:bk0 + s * kc + kc]"]
     for i in range(mr):
         lines.append(f"            r{i} = a[so + {i} * lda:so + {i} * lda + kc]")
     lines += ["            for p in range(kc):",
@@ -212,9 +222,7 @@ def _direct_tiles(mr: int, nr: int) -> str:
     for i in range(mr):
         lines.append(f"                x = r{i}[p]")
         lines.append("                " + "; ".join(f"c{i}_{j} += x * b{j}" for j in range(nr)))
-    lines.append(f"        co = c_off + t * {mr} * ldc")
-    lines += _store(mr, nr, "        ", "co")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _direct_tiles_epi(mr: int, nr: int) -> str:
@@ -248,17 +256,7 @@ def _direct_tiles_epi(mr: int, nr: int) -> str:
                                           for f in sorted({0, 16, nr - 1})),
     ]
     lines += _zero(mr, nr, "        ")
-    lines += ["        for s in range(n_seg):",
-              "            so = ao + s * seg_a",
-              "            bb = bp[bk0 + s * kc:bk0 + s * kc + kc]"]
-    for i in range(mr):
-        lines.append(f"            r{i} = a[so + {i} * lda:so + {i} * lda + kc]")
-    lines += ["            for p in range(kc):",
-              "                br = bb[p]",
-              "                " + "; ".join(f"b{j} = br[{j}]" for j in range(nr))]
-    for i in range(mr):
-        lines.append(f"                x = r{i}[p]")
-        lines.append("                " + "; ".join(f"c{i}_{j} += x * b{j}" for j in range(nr)))
+    lines += _segments(mr, nr)
     lines.append(f"        co = c_off + t * {mr} * ldc")
     lines.append(f"        ro = r_off + t * {mr} * ldr")
     lines.append(f"        nv = last_rows if t == n_tiles - 1 else {mr}")
