@@ -417,6 +417,23 @@ def _padding_row(c, d_off, ldc, cols, j0, bias, res, r_off, ldr, has_res, act):
         _activate(c, d_off, ldc, cols, NR, act)
 
 
+@njit(**JIT)
+def _i64(x):
+    """x as a plain int64. Numba compiles a jitted callee once per distinct argument type, and
+    a constant argument (0, MR) or a parameter that a caller fixed (has_res=False) arrives as a
+    *literal* type, one compile per value: `direct_tiles_epi`, a fully unrolled 8 x 32 register
+    tile, takes ~60 s to compile, and its four call sites gave it eight specialisations, ~8 of
+    the fresh test suite's minutes. A call's result is never a literal, so wrapping each
+    argument leaves one specialisation."""
+    return np.int64(x)
+
+
+@njit(**JIT)
+def _flag(x):
+    """x as a plain bool (see `_i64`)."""
+    return x != 0
+
+
 @njit(fastmath=FASTMATH_GEMM, **JIT)
 def _rows_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ldr, has_res, act,
                 edge):
@@ -460,15 +477,18 @@ def _rows_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ldr,
                 continue
             iy0 = oy * sh - pt + ky0 * dh
             x_row = ((b * h + iy0) * w - pl) * cin
-            direct_tiles_epi(0, n_direct, ky1 - ky0, run, x, x_row + ox_lo * lda, dh * w * cin,
-                             lda, bp, ky0 * run, c, d_row + ox_lo * ldc, ldc, MR, bj, res,
-                             r_row + ox_lo * ldr, ldr, has_res, act)
+            direct_tiles_epi(_i64(0), _i64(n_direct), _i64(ky1 - ky0), _i64(run), x,
+                             _i64(x_row + ox_lo * lda), _i64(dh * w * cin), _i64(lda), bp,
+                             _i64(ky0 * run), c, _i64(d_row + ox_lo * ldc), _i64(ldc), _i64(MR),
+                             bj, res, _i64(r_row + ox_lo * ldr), _i64(ldr), _flag(has_res),
+                             _i64(act))
             for e in range(n_edge):
                 ox = starts[e]
                 nr = min(MR, (ox_lo if ox < ox_lo else wo) - ox)
-                direct_tiles_epi(0, 1, 1, k, edge, (r * n_edge + e) * tile, 0, k, bp, 0, c,
-                                 d_row + ox * ldc, ldc, nr, bj, res, r_row + ox * ldr, ldr,
-                                 has_res, act)
+                direct_tiles_epi(_i64(0), _i64(1), _i64(1), _i64(k), edge,
+                                 _i64((r * n_edge + e) * tile), _i64(0), _i64(k), bp, _i64(0), c,
+                                 _i64(d_row + ox * ldc), _i64(ldc), _i64(nr), bj, res,
+                                 _i64(r_row + ox * ldr), _i64(ldr), _flag(has_res), _i64(act))
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -494,11 +514,15 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
         bp = panels[jp]
         bj = bias[j0:j0 + NR]
         if n_full:
-            direct_tiles_epi(0, n_full, 1, k, a, a_off, 0, lda, bp, 0, c, m0 * ldc + j0, ldc,
-                             MR, bj, res, r_off + m0 * ldr + j0, ldr, has_res, act)
+            direct_tiles_epi(_i64(0), _i64(n_full), _i64(1), _i64(k), a, _i64(a_off), _i64(0),
+                             _i64(lda), bp, _i64(0), c, _i64(m0 * ldc + j0), _i64(ldc), _i64(MR),
+                             bj, res, _i64(r_off + m0 * ldr + j0), _i64(ldr), _flag(has_res),
+                             _i64(act))
         if rem:
-            direct_tiles_epi(0, 1, 1, k, buf, 0, 0, k, bp, 0, c, m_rem * ldc + j0, ldc, rem, bj,
-                             res, r_off + m_rem * ldr + j0, ldr, has_res, act)
+            direct_tiles_epi(_i64(0), _i64(1), _i64(1), _i64(k), buf, _i64(0), _i64(0), _i64(k),
+                             bp, _i64(0), c, _i64(m_rem * ldc + j0), _i64(ldc), _i64(rem), bj,
+                             res, _i64(r_off + m_rem * ldr + j0), _i64(ldr), _flag(has_res),
+                             _i64(act))
 
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)
