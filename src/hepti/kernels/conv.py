@@ -309,6 +309,19 @@ def _direct_span(geo):
     return ox0, max(0, ox_hi - ox0) // MR
 
 
+@njit(**JIT)
+def _rows_inside(oy, sh, pt, kh, dh, h):
+    """(ky0, ky1): the kernel rows ky0 .. ky1-1 of output row oy that fall inside the h input
+    rows (iy = oy*sh - pt + ky*dh rises with ky); the rest read padding."""
+    ky0 = 0
+    while ky0 < kh and oy * sh - pt + ky0 * dh < 0:
+        ky0 += 1
+    ky1 = ky0
+    while ky1 < kh and oy * sh - pt + ky1 * dh < h:
+        ky1 += 1
+    return ky0, ky1
+
+
 @njit(fastmath=FASTMATH_GEMM, **JIT)
 def _rows_block(x, geo, k, n_g, panels, c, ldc, m0, rows, epi, edge, buf, scratch):
     """Output pixels m0 .. m0+rows-1 (whole output rows) of a convolution with groups 1 and
@@ -350,13 +363,7 @@ def _rows_block(x, geo, k, n_g, panels, c, ldc, m0, rows, epi, edge, buf, scratc
         for r in range(n_rows):
             b, oy = (r0 + r) // ho, (r0 + r) % ho
             d_row = base + r * wo * ldd
-            # kernel rows ky0 .. ky1-1 fall inside x (iy rises with ky); the rest is padding
-            ky0 = 0
-            while ky0 < kh and oy * sh - pt + ky0 * dh < 0:
-                ky0 += 1
-            ky1 = ky0
-            while ky1 < kh and oy * sh - pt + ky1 * dh < h:
-                ky1 += 1
+            ky0, ky1 = _rows_inside(oy, sh, pt, kh, dh, h)
             if ky1 == ky0:  # every tap of this output row is padding: the products are zero
                 for i in range(wo):
                     dst[d_row + i * ldd:d_row + i * ldd + ncols] = 0.0
@@ -466,12 +473,7 @@ def _rows_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ldr,
             b, oy = (r0 + r) // ho, (r0 + r) % ho
             d_row = (m0 + r * wo) * ldc + j0
             r_row = r_off + (m0 + r * wo) * ldr + j0
-            ky0 = 0
-            while ky0 < kh and oy * sh - pt + ky0 * dh < 0:
-                ky0 += 1
-            ky1 = ky0
-            while ky1 < kh and oy * sh - pt + ky1 * dh < h:
-                ky1 += 1
+            ky0, ky1 = _rows_inside(oy, sh, pt, kh, dh, h)
             if ky1 == ky0:
                 _padding_row(c, d_row, ldc, wo, j0, bias, res, r_row, ldr, has_res, act)
                 continue

@@ -113,9 +113,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     barrier(comm)
     probe_s = measure_probe(config.hidden_size)  # after the barrier: see measure_probe
     disk_bps = measure_disk() if disk else None
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    on_host = local.Get_size()
-    local.Free()
+    on_host = _ranks_on_host(comm)
     memory, mem_source = _device_memory(on_host, mem_cap)
     barrier(comm)
     links = measure_links(comm)
@@ -148,6 +146,15 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     return prof
 
 
+def _ranks_on_host(comm) -> int:
+    """Collective: how many ranks of `comm` (an mpi4py communicator) share this rank's host."""
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    n = local.Get_size()
+    local.Free()
+    return n
+
+
 def _device_memory(on_host: int, mem_cap: float | None) -> tuple[float, str]:
     """(bytes, source): the memory this rank has for a model now, its share of the host's
     available memory (`hepti.resources.available_memory`, after handing the heap's freed pages
@@ -168,10 +175,7 @@ def _memory_as_now(comm, prof: dict, mem_cap: float | None) -> dict:
     planned rank 0's int8 share at 777-814 of its 891 MiB and was OOM-killed at the 1 GiB cap,
     where the same plan from the cache ran at 879 MiB of RSS. The cache keeps the measured
     figure; only this process's plan sees the lower one."""
-    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    on_host = local.Get_size()
-    local.Free()
+    on_host = _ranks_on_host(comm)
     now = comm.allgather(_device_memory(on_host, mem_cap)[0])
     out = json.loads(json.dumps(prof))
     for d, m in zip(out["devices"], now):
@@ -219,9 +223,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
                                               min_s=band_min_s)
     fetch_s, conv_load = stream_fit(stream, graph)
     barrier(comm)
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    on_host = local.Get_size()
-    local.Free()
+    on_host = _ranks_on_host(comm)
     per_row, shapes = graph.flops_per_row(h, w), graph.shapes(h, w)
     conv_flops = batch * sum(per_row[op.name] * shapes[op.output][0]
                              for op in graph.ops if op.kind == CONV)
