@@ -190,10 +190,11 @@ class arrays_mapped:
     Why: glibc raises its threshold to the size of each mapped array freed (up to 32 MiB); a
     process that profiled first had freed arrays of tens of MiB, so every stored array and its
     packed copy came from the heap, and a layer's freed arrays stayed in it until the next
-    trim: loading emu-mixed4's rank 0 share (627 MiB of int8 llama-1b) peaked 748 MiB over the
-    process's memory before it after a 30 MiB array was freed, 706 MiB under this context
-    (752 in the emulated launch that profiled first, where the plan counted 743). No-op
-    without glibc."""
+    trim. emu-mixed4's rank 0, planned 744 MiB for a 623 MiB int8 share of llama-1b over the
+    127 MiB it held after profiling, was OOM-killed holding 1042 MiB of anonymous memory (the
+    kernel's report). One process loading a 627 MiB share after a 30 MiB array was freed
+    peaked 748 MiB over its memory before the load; under this context (and `ShardWeights`'
+    trims), 706. No-op without glibc."""
 
     def __enter__(self):
         libc = _libc()
