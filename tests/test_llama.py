@@ -659,7 +659,8 @@ def test_a_shard_is_loaded_a_layer_at_a_time_with_its_freed_pages_handed_back(ti
                                                                              monkeypatch):
     """read_shard's tensors, consumed by the model, hand the heap back once per layer as the
     model takes them (`ShardWeights`), and the group's load runs with large arrays mapped on
-    their own (`arrays_mapped`: glibc's mmap threshold at 1 MiB, then its 32 MiB ceiling):
+    their own (`arrays_mapped`: glibc's mmap threshold at 1 MiB, then its 32 MiB ceiling and
+    the trim threshold at twice that):
     the bytes the plan counts for a rank's load (hepti.plan.decoder) are its stored arrays'
     and one layer's, not the heap's leftovers. No memory is measured here: only the calls."""
     from hepti.model.llama import Shard
@@ -684,7 +685,8 @@ def test_a_shard_is_loaded_a_layer_at_a_time_with_its_freed_pages_handed_back(ti
             n_layers = store.config.num_hidden_layers
             LlamaModel(store.config, weights, shard=shard, consume=True)
             assert not weights and trims == [0] * n_layers  # one trim a layer, none between
-        assert opts[-1] == (wd.M_MMAP_THRESHOLD, 32 << 20) and len(trims) == n_layers + 1
+        assert opts[1:] == [(wd.M_MMAP_THRESHOLD, 32 << 20), (wd.M_TRIM_THRESHOLD, 64 << 20)]
+        assert len(trims) == n_layers + 1
     w = wd.ShardWeights({"emb.word": 1, "layer.0.a": 2, "layer.0.b": 3, "layer.1.a": 4})
     trims.clear()
     assert [w.pop(k) for k in ("emb.word", "layer.0.a", "layer.0.b", "layer.1.a")] == [1, 2, 3, 4]

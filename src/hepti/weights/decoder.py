@@ -160,9 +160,10 @@ class ShardWeights(dict):
 
 
 _LIBC: list = []
-M_MMAP_THRESHOLD = -3  # glibc mallopt's parameter
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt's parameters
 LOAD_MMAP_THRESHOLD = 1 << 20  # while loading: arrays from 1 MiB up are mapped on their own
-MMAP_THRESHOLD_MAX = 32 << 20  # after: glibc's own ceiling (64-bit) of its dynamic threshold
+MMAP_THRESHOLD_MAX = 32 << 20  # after: glibc's own ceiling (64-bit) of its dynamic threshold,
+TRIM_THRESHOLD_AFTER = 2 * MMAP_THRESHOLD_MAX  # and the trim threshold glibc pairs with it
 
 
 def _libc():
@@ -185,7 +186,10 @@ class arrays_mapped:
     """A context for loading a shard: glibc maps every allocation of 1 MiB or more on its own
     (`mallopt(M_MMAP_THRESHOLD)`), so a stored array freed once its layer is packed goes back
     to the system at once, whatever the process allocated before; on leaving, the threshold
-    is glibc's ceiling for its dynamic one (32 MiB), where a profile's probes had left it.
+    is glibc's ceiling for its dynamic one (32 MiB), where a profile's probes had left it, and
+    the heap's top is trimmed past twice that, as glibc's dynamic rule would (setting one
+    threshold fixes both: left at 128 KiB, a prefill's arrays would be faulted in anew each
+    call).
 
     Why: glibc raises its threshold to the size of each mapped array freed (up to 32 MiB); a
     process that profiled first had freed arrays of tens of MiB, so every stored array and its
@@ -206,6 +210,7 @@ class arrays_mapped:
         libc = _libc()
         if libc is not None and hasattr(libc, "mallopt"):
             libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+            libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_AFTER)
         trim_heap()
         return False
 
