@@ -294,7 +294,8 @@ def _narrow_tiles_epi(mr: int, nw: int) -> str:
         "@njit(fastmath=FASTMATH_GEMM, **JIT)",
         f"def narrow_tiles_epi{nw}(n_tiles, kc, a, a_off, lda, bp, c, c_off, ldc, last_rows, bias,",
         f"                      {' ' * len(str(nw))}res, r_off, ldr, has_res, act):",
-        f'    """Tiles 0 .. n_tiles-1 ({mr} rows each) of a strip, A read in place (row i of tile t',
+        f'    """Tiles 0 .. n_tiles-1 ({mr} rows each) of a strip, A read in place '
+        "(row i of tile t",
         f"    at a[a_off + (t*{mr} + i)*lda], kc values), the first {nw} columns of the panel bp",
         f"    [kc, >= {nw}]: C[i, j] = act(sum_p A[i, p] * bp[p, j] + bias[j] (+ res[r_off +",
         f"    (t*{mr} + i)*ldr + j])) for j < {nw}, stored once at c[c_off + (t*{mr} + i)*ldc].",
