@@ -72,6 +72,12 @@ CASES = [
     (1, 10, 16, 8, 40, 8, True, 1, (0, 1), True),  # bottom only
     (1, 10, 10, 8, 40, 16, True, 2, (0, 0), False),  # inside the map: no padding
     (1, 3, 5, 8, 24, 8, True, 1, (1, 1), True),  # a map smaller than a tile
+    # the 1x1s on the fused store (_tiles_1x1): whole panels, and a last panel of 16 or 24
+    (1, 9, 12, 16, 64, 32, True, 1, (1, 1), True),  # 32 and 64: whole panels, residual
+    (1, 10, 13, 24, 48, 16, True, 1, (1, 1), True),  # 48 = 32 + 16, project to 16 + res
+    (1, 12, 9, 16, 56, 24, True, 2, (1, 1), False),  # 56 = 32 + 24, project to 24
+    (1, 11, 16, 16, 16, 16, False, 1, (1, 1), True),  # no expand, project to 16
+    (2, 6, 7, 24, 144, 24, True, 1, (1, 1), True),  # MobileNetV2's 144 and 24, batch 2
 ]
 
 

@@ -278,6 +278,66 @@ def _direct_tiles_epi(mr: int, nr: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+NARROW = (16, 24)  # the widths of `narrow_tiles_epi{w}`: MobileNetV2's 16- and 24-channel maps
+
+
+def _narrow_tiles_epi(mr: int, nw: int) -> str:
+    """Source of `narrow_tiles_epi{nw}`: `direct_tiles_epi` for one segment (a 1x1
+    convolution) on only the first nw columns of a packed panel: an mr x nw register tile.
+    MobileNetV2's projects to 16 and 24 channels, and the last 16 of its 144-channel
+    expands, ran on a whole 32-wide panel, half or a quarter of its FMAs on the panel's
+    zero padding, and were stored through a scratch strip with the epilogue and ReLU6 as
+    passes of their own; here the tile is nw wide and stored once, epilogue applied."""
+    lines = [
+        "",
+        "",
+        "@njit(fastmath=FASTMATH_GEMM, **JIT)",
+        f"def narrow_tiles_epi{nw}(n_tiles, kc, a, a_off, lda, bp, c, c_off, ldc, last_rows, bias,",
+        f"                      {' ' * len(str(nw))}res, r_off, ldr, has_res, act):",
+        f'    """Tiles 0 .. n_tiles-1 ({mr} rows each) of a strip, A read in place '
+        "(row i of tile t",
+        f"    at a[a_off + (t*{mr} + i)*lda], kc values), the first {nw} columns of the panel bp",
+        f"    [kc, >= {nw}]: C[i, j] = act(sum_p A[i, p] * bp[p, j] + bias[j] (+ res[r_off +",
+        f"    (t*{mr} + i)*ldr + j])) for j < {nw}, stored once at c[c_off + (t*{mr} + i)*ldc].",
+        "    Tile n_tiles-1 stores its first last_rows rows only (A must still hold them all).",
+        '    """',
+        "    zero = np.float32(0.0)",
+        "    six = np.float32(6.0)",
+        "    " + "; ".join(f"e{j} = bias[{j}]" for j in range(nw)),
+        "    bb = bp[0:kc]",
+        "    for t in range(n_tiles):",
+        f"        ao = a_off + t * {mr} * lda",
+    ]
+    lines += _zero(mr, nw, "        ")
+    for i in range(mr):
+        lines.append(f"        r{i} = a[ao + {i} * lda:ao + {i} * lda + kc]")
+    lines += ["        for p in range(kc):",
+              "            br = bb[p]",
+              "            " + "; ".join(f"b{j} = br[{j}]" for j in range(nw))]
+    for i in range(mr):
+        lines.append(f"            x = r{i}[p]")
+        lines.append("            " + "; ".join(f"c{i}_{j} += x * b{j}" for j in range(nw)))
+    lines.append(f"        co = c_off + t * {mr} * ldc")
+    lines.append(f"        ro = r_off + t * {mr} * ldr")
+    lines.append(f"        nv = last_rows if t == n_tiles - 1 else {mr}")
+    for i in range(mr):
+        names = [f"c{i}_{j}" for j in range(nw)]
+        lines.append("        " + "; ".join(f"{v} += e{j}" for j, v in enumerate(names)))
+        lines.append("        if has_res:")
+        lines.append(f"            rr = res[ro + {i} * ldr:ro + {i} * ldr + {nw}]")
+        lines.append("            " + "; ".join(f"{v} += rr[{j}]" for j, v in enumerate(names)))
+        lines.append("        if act != 0:")
+        lines.append("            " + "; ".join(f"{v} = {v} if {v} > zero else zero"
+                                               for v in names))
+        lines.append("            if act == 2:")
+        lines.append("                " + "; ".join(f"{v} = {v} if {v} < six else six"
+                                                   for v in names))
+        lines.append(f"        if nv > {i}:")
+        lines.append(f"            cr = c[co + {i} * ldc:co + {i} * ldc + {nw}]")
+        lines.append("            " + "; ".join(f"cr[{j}] = {v}" for j, v in enumerate(names)))
+    return "\n".join(lines) + "\n"
+
+
 def _copy_row(nr: int) -> str:
     """Source of `copy_row`: NR floats, all loads before all stores, so SLP emits vector moves
     (a plain loop stays scalar: Numba cannot tell LLVM the two arrays do not overlap)."""
@@ -351,6 +411,7 @@ def source(mr: int = MR, nr: int = NR) -> str:
     parts.append(_copy_row(nr))
     parts.append(_pack_a_tile(mr))
     parts.append(_row_max())
+    parts += [_narrow_tiles_epi(mr, nw) for nw in NARROW]
     return "".join(parts)
 
 

@@ -538,3 +538,289 @@ def row_max(s):
     for i in range(j, n):
         best = s[i] if s[i] > best else best
     return best
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def narrow_tiles_epi16(n_tiles, kc, a, a_off, lda, bp, c, c_off, ldc, last_rows, bias,
+                        res, r_off, ldr, has_res, act):
+    """Tiles 0 .. n_tiles-1 (8 rows each) of a strip, A read in place (row i of tile t
+    at a[a_off + (t*8 + i)*lda], kc values), the first 16 columns of the panel bp
+    [kc, >= 16]: C[i, j] = act(sum_p A[i, p] * bp[p, j] + bias[j] (+ res[r_off +
+    (t*8 + i)*ldr + j])) for j < 16, stored once at c[c_off + (t*8 + i)*ldc].
+    Tile n_tiles-1 stores its first last_rows rows only (A must still hold them all).
+    """
+    zero = np.float32(0.0)
+    six = np.float32(6.0)
+    e0 = bias[0]; e1 = bias[1]; e2 = bias[2]; e3 = bias[3]; e4 = bias[4]; e5 = bias[5]; e6 = bias[6]; e7 = bias[7]; e8 = bias[8]; e9 = bias[9]; e10 = bias[10]; e11 = bias[11]; e12 = bias[12]; e13 = bias[13]; e14 = bias[14]; e15 = bias[15]
+    bb = bp[0:kc]
+    for t in range(n_tiles):
+        ao = a_off + t * 8 * lda
+        c0_0 = c0_1 = c0_2 = c0_3 = c0_4 = c0_5 = c0_6 = c0_7 = c0_8 = c0_9 = c0_10 = c0_11 = c0_12 = c0_13 = c0_14 = c0_15 = np.float32(0.0)
+        c1_0 = c1_1 = c1_2 = c1_3 = c1_4 = c1_5 = c1_6 = c1_7 = c1_8 = c1_9 = c1_10 = c1_11 = c1_12 = c1_13 = c1_14 = c1_15 = np.float32(0.0)
+        c2_0 = c2_1 = c2_2 = c2_3 = c2_4 = c2_5 = c2_6 = c2_7 = c2_8 = c2_9 = c2_10 = c2_11 = c2_12 = c2_13 = c2_14 = c2_15 = np.float32(0.0)
+        c3_0 = c3_1 = c3_2 = c3_3 = c3_4 = c3_5 = c3_6 = c3_7 = c3_8 = c3_9 = c3_10 = c3_11 = c3_12 = c3_13 = c3_14 = c3_15 = np.float32(0.0)
+        c4_0 = c4_1 = c4_2 = c4_3 = c4_4 = c4_5 = c4_6 = c4_7 = c4_8 = c4_9 = c4_10 = c4_11 = c4_12 = c4_13 = c4_14 = c4_15 = np.float32(0.0)
+        c5_0 = c5_1 = c5_2 = c5_3 = c5_4 = c5_5 = c5_6 = c5_7 = c5_8 = c5_9 = c5_10 = c5_11 = c5_12 = c5_13 = c5_14 = c5_15 = np.float32(0.0)
+        c6_0 = c6_1 = c6_2 = c6_3 = c6_4 = c6_5 = c6_6 = c6_7 = c6_8 = c6_9 = c6_10 = c6_11 = c6_12 = c6_13 = c6_14 = c6_15 = np.float32(0.0)
+        c7_0 = c7_1 = c7_2 = c7_3 = c7_4 = c7_5 = c7_6 = c7_7 = c7_8 = c7_9 = c7_10 = c7_11 = c7_12 = c7_13 = c7_14 = c7_15 = np.float32(0.0)
+        r0 = a[ao + 0 * lda:ao + 0 * lda + kc]
+        r1 = a[ao + 1 * lda:ao + 1 * lda + kc]
+        r2 = a[ao + 2 * lda:ao + 2 * lda + kc]
+        r3 = a[ao + 3 * lda:ao + 3 * lda + kc]
+        r4 = a[ao + 4 * lda:ao + 4 * lda + kc]
+        r5 = a[ao + 5 * lda:ao + 5 * lda + kc]
+        r6 = a[ao + 6 * lda:ao + 6 * lda + kc]
+        r7 = a[ao + 7 * lda:ao + 7 * lda + kc]
+        for p in range(kc):
+            br = bb[p]
+            b0 = br[0]; b1 = br[1]; b2 = br[2]; b3 = br[3]; b4 = br[4]; b5 = br[5]; b6 = br[6]; b7 = br[7]; b8 = br[8]; b9 = br[9]; b10 = br[10]; b11 = br[11]; b12 = br[12]; b13 = br[13]; b14 = br[14]; b15 = br[15]
+            x = r0[p]
+            c0_0 += x * b0; c0_1 += x * b1; c0_2 += x * b2; c0_3 += x * b3; c0_4 += x * b4; c0_5 += x * b5; c0_6 += x * b6; c0_7 += x * b7; c0_8 += x * b8; c0_9 += x * b9; c0_10 += x * b10; c0_11 += x * b11; c0_12 += x * b12; c0_13 += x * b13; c0_14 += x * b14; c0_15 += x * b15
+            x = r1[p]
+            c1_0 += x * b0; c1_1 += x * b1; c1_2 += x * b2; c1_3 += x * b3; c1_4 += x * b4; c1_5 += x * b5; c1_6 += x * b6; c1_7 += x * b7; c1_8 += x * b8; c1_9 += x * b9; c1_10 += x * b10; c1_11 += x * b11; c1_12 += x * b12; c1_13 += x * b13; c1_14 += x * b14; c1_15 += x * b15
+            x = r2[p]
+            c2_0 += x * b0; c2_1 += x * b1; c2_2 += x * b2; c2_3 += x * b3; c2_4 += x * b4; c2_5 += x * b5; c2_6 += x * b6; c2_7 += x * b7; c2_8 += x * b8; c2_9 += x * b9; c2_10 += x * b10; c2_11 += x * b11; c2_12 += x * b12; c2_13 += x * b13; c2_14 += x * b14; c2_15 += x * b15
+            x = r3[p]
+            c3_0 += x * b0; c3_1 += x * b1; c3_2 += x * b2; c3_3 += x * b3; c3_4 += x * b4; c3_5 += x * b5; c3_6 += x * b6; c3_7 += x * b7; c3_8 += x * b8; c3_9 += x * b9; c3_10 += x * b10; c3_11 += x * b11; c3_12 += x * b12; c3_13 += x * b13; c3_14 += x * b14; c3_15 += x * b15
+            x = r4[p]
+            c4_0 += x * b0; c4_1 += x * b1; c4_2 += x * b2; c4_3 += x * b3; c4_4 += x * b4; c4_5 += x * b5; c4_6 += x * b6; c4_7 += x * b7; c4_8 += x * b8; c4_9 += x * b9; c4_10 += x * b10; c4_11 += x * b11; c4_12 += x * b12; c4_13 += x * b13; c4_14 += x * b14; c4_15 += x * b15
+            x = r5[p]
+            c5_0 += x * b0; c5_1 += x * b1; c5_2 += x * b2; c5_3 += x * b3; c5_4 += x * b4; c5_5 += x * b5; c5_6 += x * b6; c5_7 += x * b7; c5_8 += x * b8; c5_9 += x * b9; c5_10 += x * b10; c5_11 += x * b11; c5_12 += x * b12; c5_13 += x * b13; c5_14 += x * b14; c5_15 += x * b15
+            x = r6[p]
+            c6_0 += x * b0; c6_1 += x * b1; c6_2 += x * b2; c6_3 += x * b3; c6_4 += x * b4; c6_5 += x * b5; c6_6 += x * b6; c6_7 += x * b7; c6_8 += x * b8; c6_9 += x * b9; c6_10 += x * b10; c6_11 += x * b11; c6_12 += x * b12; c6_13 += x * b13; c6_14 += x * b14; c6_15 += x * b15
+            x = r7[p]
+            c7_0 += x * b0; c7_1 += x * b1; c7_2 += x * b2; c7_3 += x * b3; c7_4 += x * b4; c7_5 += x * b5; c7_6 += x * b6; c7_7 += x * b7; c7_8 += x * b8; c7_9 += x * b9; c7_10 += x * b10; c7_11 += x * b11; c7_12 += x * b12; c7_13 += x * b13; c7_14 += x * b14; c7_15 += x * b15
+        co = c_off + t * 8 * ldc
+        ro = r_off + t * 8 * ldr
+        nv = last_rows if t == n_tiles - 1 else 8
+        c0_0 += e0; c0_1 += e1; c0_2 += e2; c0_3 += e3; c0_4 += e4; c0_5 += e5; c0_6 += e6; c0_7 += e7; c0_8 += e8; c0_9 += e9; c0_10 += e10; c0_11 += e11; c0_12 += e12; c0_13 += e13; c0_14 += e14; c0_15 += e15
+        if has_res:
+            rr = res[ro + 0 * ldr:ro + 0 * ldr + 16]
+            c0_0 += rr[0]; c0_1 += rr[1]; c0_2 += rr[2]; c0_3 += rr[3]; c0_4 += rr[4]; c0_5 += rr[5]; c0_6 += rr[6]; c0_7 += rr[7]; c0_8 += rr[8]; c0_9 += rr[9]; c0_10 += rr[10]; c0_11 += rr[11]; c0_12 += rr[12]; c0_13 += rr[13]; c0_14 += rr[14]; c0_15 += rr[15]
+        if act != 0:
+            c0_0 = c0_0 if c0_0 > zero else zero; c0_1 = c0_1 if c0_1 > zero else zero; c0_2 = c0_2 if c0_2 > zero else zero; c0_3 = c0_3 if c0_3 > zero else zero; c0_4 = c0_4 if c0_4 > zero else zero; c0_5 = c0_5 if c0_5 > zero else zero; c0_6 = c0_6 if c0_6 > zero else zero; c0_7 = c0_7 if c0_7 > zero else zero; c0_8 = c0_8 if c0_8 > zero else zero; c0_9 = c0_9 if c0_9 > zero else zero; c0_10 = c0_10 if c0_10 > zero else zero; c0_11 = c0_11 if c0_11 > zero else zero; c0_12 = c0_12 if c0_12 > zero else zero; c0_13 = c0_13 if c0_13 > zero else zero; c0_14 = c0_14 if c0_14 > zero else zero; c0_15 = c0_15 if c0_15 > zero else zero
+            if act == 2:
+                c0_0 = c0_0 if c0_0 < six else six; c0_1 = c0_1 if c0_1 < six else six; c0_2 = c0_2 if c0_2 < six else six; c0_3 = c0_3 if c0_3 < six else six; c0_4 = c0_4 if c0_4 < six else six; c0_5 = c0_5 if c0_5 < six else six; c0_6 = c0_6 if c0_6 < six else six; c0_7 = c0_7 if c0_7 < six else six; c0_8 = c0_8 if c0_8 < six else six; c0_9 = c0_9 if c0_9 < six else six; c0_10 = c0_10 if c0_10 < six else six; c0_11 = c0_11 if c0_11 < six else six; c0_12 = c0_12 if c0_12 < six else six; c0_13 = c0_13 if c0_13 < six else six; c0_14 = c0_14 if c0_14 < six else six; c0_15 = c0_15 if c0_15 < six else six
+        if nv > 0:
+            cr = c[co + 0 * ldc:co + 0 * ldc + 16]
+            cr[0] = c0_0; cr[1] = c0_1; cr[2] = c0_2; cr[3] = c0_3; cr[4] = c0_4; cr[5] = c0_5; cr[6] = c0_6; cr[7] = c0_7; cr[8] = c0_8; cr[9] = c0_9; cr[10] = c0_10; cr[11] = c0_11; cr[12] = c0_12; cr[13] = c0_13; cr[14] = c0_14; cr[15] = c0_15
+        c1_0 += e0; c1_1 += e1; c1_2 += e2; c1_3 += e3; c1_4 += e4; c1_5 += e5; c1_6 += e6; c1_7 += e7; c1_8 += e8; c1_9 += e9; c1_10 += e10; c1_11 += e11; c1_12 += e12; c1_13 += e13; c1_14 += e14; c1_15 += e15
+        if has_res:
+            rr = res[ro + 1 * ldr:ro + 1 * ldr + 16]
+            c1_0 += rr[0]; c1_1 += rr[1]; c1_2 += rr[2]; c1_3 += rr[3]; c1_4 += rr[4]; c1_5 += rr[5]; c1_6 += rr[6]; c1_7 += rr[7]; c1_8 += rr[8]; c1_9 += rr[9]; c1_10 += rr[10]; c1_11 += rr[11]; c1_12 += rr[12]; c1_13 += rr[13]; c1_14 += rr[14]; c1_15 += rr[15]
+        if act != 0:
+            c1_0 = c1_0 if c1_0 > zero else zero; c1_1 = c1_1 if c1_1 > zero else zero; c1_2 = c1_2 if c1_2 > zero else zero; c1_3 = c1_3 if c1_3 > zero else zero; c1_4 = c1_4 if c1_4 > zero else zero; c1_5 = c1_5 if c1_5 > zero else zero; c1_6 = c1_6 if c1_6 > zero else zero; c1_7 = c1_7 if c1_7 > zero else zero; c1_8 = c1_8 if c1_8 > zero else zero; c1_9 = c1_9 if c1_9 > zero else zero; c1_10 = c1_10 if c1_10 > zero else zero; c1_11 = c1_11 if c1_11 > zero else zero; c1_12 = c1_12 if c1_12 > zero else zero; c1_13 = c1_13 if c1_13 > zero else zero; c1_14 = c1_14 if c1_14 > zero else zero; c1_15 = c1_15 if c1_15 > zero else zero
+            if act == 2:
+                c1_0 = c1_0 if c1_0 < six else six; c1_1 = c1_1 if c1_1 < six else six; c1_2 = c1_2 if c1_2 < six else six; c1_3 = c1_3 if c1_3 < six else six; c1_4 = c1_4 if c1_4 < six else six; c1_5 = c1_5 if c1_5 < six else six; c1_6 = c1_6 if c1_6 < six else six; c1_7 = c1_7 if c1_7 < six else six; c1_8 = c1_8 if c1_8 < six else six; c1_9 = c1_9 if c1_9 < six else six; c1_10 = c1_10 if c1_10 < six else six; c1_11 = c1_11 if c1_11 < six else six; c1_12 = c1_12 if c1_12 < six else six; c1_13 = c1_13 if c1_13 < six else six; c1_14 = c1_14 if c1_14 < six else six; c1_15 = c1_15 if c1_15 < six else six
+        if nv > 1:
+            cr = c[co + 1 * ldc:co + 1 * ldc + 16]
+            cr[0] = c1_0; cr[1] = c1_1; cr[2] = c1_2; cr[3] = c1_3; cr[4] = c1_4; cr[5] = c1_5; cr[6] = c1_6; cr[7] = c1_7; cr[8] = c1_8; cr[9] = c1_9; cr[10] = c1_10; cr[11] = c1_11; cr[12] = c1_12; cr[13] = c1_13; cr[14] = c1_14; cr[15] = c1_15
+        c2_0 += e0; c2_1 += e1; c2_2 += e2; c2_3 += e3; c2_4 += e4; c2_5 += e5; c2_6 += e6; c2_7 += e7; c2_8 += e8; c2_9 += e9; c2_10 += e10; c2_11 += e11; c2_12 += e12; c2_13 += e13; c2_14 += e14; c2_15 += e15
+        if has_res:
+            rr = res[ro + 2 * ldr:ro + 2 * ldr + 16]
+            c2_0 += rr[0]; c2_1 += rr[1]; c2_2 += rr[2]; c2_3 += rr[3]; c2_4 += rr[4]; c2_5 += rr[5]; c2_6 += rr[6]; c2_7 += rr[7]; c2_8 += rr[8]; c2_9 += rr[9]; c2_10 += rr[10]; c2_11 += rr[11]; c2_12 += rr[12]; c2_13 += rr[13]; c2_14 += rr[14]; c2_15 += rr[15]
+        if act != 0:
+            c2_0 = c2_0 if c2_0 > zero else zero; c2_1 = c2_1 if c2_1 > zero else zero; c2_2 = c2_2 if c2_2 > zero else zero; c2_3 = c2_3 if c2_3 > zero else zero; c2_4 = c2_4 if c2_4 > zero else zero; c2_5 = c2_5 if c2_5 > zero else zero; c2_6 = c2_6 if c2_6 > zero else zero; c2_7 = c2_7 if c2_7 > zero else zero; c2_8 = c2_8 if c2_8 > zero else zero; c2_9 = c2_9 if c2_9 > zero else zero; c2_10 = c2_10 if c2_10 > zero else zero; c2_11 = c2_11 if c2_11 > zero else zero; c2_12 = c2_12 if c2_12 > zero else zero; c2_13 = c2_13 if c2_13 > zero else zero; c2_14 = c2_14 if c2_14 > zero else zero; c2_15 = c2_15 if c2_15 > zero else zero
+            if act == 2:
+                c2_0 = c2_0 if c2_0 < six else six; c2_1 = c2_1 if c2_1 < six else six; c2_2 = c2_2 if c2_2 < six else six; c2_3 = c2_3 if c2_3 < six else six; c2_4 = c2_4 if c2_4 < six else six; c2_5 = c2_5 if c2_5 < six else six; c2_6 = c2_6 if c2_6 < six else six; c2_7 = c2_7 if c2_7 < six else six; c2_8 = c2_8 if c2_8 < six else six; c2_9 = c2_9 if c2_9 < six else six; c2_10 = c2_10 if c2_10 < six else six; c2_11 = c2_11 if c2_11 < six else six; c2_12 = c2_12 if c2_12 < six else six; c2_13 = c2_13 if c2_13 < six else six; c2_14 = c2_14 if c2_14 < six else six; c2_15 = c2_15 if c2_15 < six else six
+        if nv > 2:
+            cr = c[co + 2 * ldc:co + 2 * ldc + 16]
+            cr[0] = c2_0; cr[1] = c2_1; cr[2] = c2_2; cr[3] = c2_3; cr[4] = c2_4; cr[5] = c2_5; cr[6] = c2_6; cr[7] = c2_7; cr[8] = c2_8; cr[9] = c2_9; cr[10] = c2_10; cr[11] = c2_11; cr[12] = c2_12; cr[13] = c2_13; cr[14] = c2_14; cr[15] = c2_15
+        c3_0 += e0; c3_1 += e1; c3_2 += e2; c3_3 += e3; c3_4 += e4; c3_5 += e5; c3_6 += e6; c3_7 += e7; c3_8 += e8; c3_9 += e9; c3_10 += e10; c3_11 += e11; c3_12 += e12; c3_13 += e13; c3_14 += e14; c3_15 += e15
+        if has_res:
+            rr = res[ro + 3 * ldr:ro + 3 * ldr + 16]
+            c3_0 += rr[0]; c3_1 += rr[1]; c3_2 += rr[2]; c3_3 += rr[3]; c3_4 += rr[4]; c3_5 += rr[5]; c3_6 += rr[6]; c3_7 += rr[7]; c3_8 += rr[8]; c3_9 += rr[9]; c3_10 += rr[10]; c3_11 += rr[11]; c3_12 += rr[12]; c3_13 += rr[13]; c3_14 += rr[14]; c3_15 += rr[15]
+        if act != 0:
+            c3_0 = c3_0 if c3_0 > zero else zero; c3_1 = c3_1 if c3_1 > zero else zero; c3_2 = c3_2 if c3_2 > zero else zero; c3_3 = c3_3 if c3_3 > zero else zero; c3_4 = c3_4 if c3_4 > zero else zero; c3_5 = c3_5 if c3_5 > zero else zero; c3_6 = c3_6 if c3_6 > zero else zero; c3_7 = c3_7 if c3_7 > zero else zero; c3_8 = c3_8 if c3_8 > zero else zero; c3_9 = c3_9 if c3_9 > zero else zero; c3_10 = c3_10 if c3_10 > zero else zero; c3_11 = c3_11 if c3_11 > zero else zero; c3_12 = c3_12 if c3_12 > zero else zero; c3_13 = c3_13 if c3_13 > zero else zero; c3_14 = c3_14 if c3_14 > zero else zero; c3_15 = c3_15 if c3_15 > zero else zero
+            if act == 2:
+                c3_0 = c3_0 if c3_0 < six else six; c3_1 = c3_1 if c3_1 < six else six; c3_2 = c3_2 if c3_2 < six else six; c3_3 = c3_3 if c3_3 < six else six; c3_4 = c3_4 if c3_4 < six else six; c3_5 = c3_5 if c3_5 < six else six; c3_6 = c3_6 if c3_6 < six else six; c3_7 = c3_7 if c3_7 < six else six; c3_8 = c3_8 if c3_8 < six else six; c3_9 = c3_9 if c3_9 < six else six; c3_10 = c3_10 if c3_10 < six else six; c3_11 = c3_11 if c3_11 < six else six; c3_12 = c3_12 if c3_12 < six else six; c3_13 = c3_13 if c3_13 < six else six; c3_14 = c3_14 if c3_14 < six else six; c3_15 = c3_15 if c3_15 < six else six
+        if nv > 3:
+            cr = c[co + 3 * ldc:co + 3 * ldc + 16]
+            cr[0] = c3_0; cr[1] = c3_1; cr[2] = c3_2; cr[3] = c3_3; cr[4] = c3_4; cr[5] = c3_5; cr[6] = c3_6; cr[7] = c3_7; cr[8] = c3_8; cr[9] = c3_9; cr[10] = c3_10; cr[11] = c3_11; cr[12] = c3_12; cr[13] = c3_13; cr[14] = c3_14; cr[15] = c3_15
+        c4_0 += e0; c4_1 += e1; c4_2 += e2; c4_3 += e3; c4_4 += e4; c4_5 += e5; c4_6 += e6; c4_7 += e7; c4_8 += e8; c4_9 += e9; c4_10 += e10; c4_11 += e11; c4_12 += e12; c4_13 += e13; c4_14 += e14; c4_15 += e15
+        if has_res:
+            rr = res[ro + 4 * ldr:ro + 4 * ldr + 16]
+            c4_0 += rr[0]; c4_1 += rr[1]; c4_2 += rr[2]; c4_3 += rr[3]; c4_4 += rr[4]; c4_5 += rr[5]; c4_6 += rr[6]; c4_7 += rr[7]; c4_8 += rr[8]; c4_9 += rr[9]; c4_10 += rr[10]; c4_11 += rr[11]; c4_12 += rr[12]; c4_13 += rr[13]; c4_14 += rr[14]; c4_15 += rr[15]
+        if act != 0:
+            c4_0 = c4_0 if c4_0 > zero else zero; c4_1 = c4_1 if c4_1 > zero else zero; c4_2 = c4_2 if c4_2 > zero else zero; c4_3 = c4_3 if c4_3 > zero else zero; c4_4 = c4_4 if c4_4 > zero else zero; c4_5 = c4_5 if c4_5 > zero else zero; c4_6 = c4_6 if c4_6 > zero else zero; c4_7 = c4_7 if c4_7 > zero else zero; c4_8 = c4_8 if c4_8 > zero else zero; c4_9 = c4_9 if c4_9 > zero else zero; c4_10 = c4_10 if c4_10 > zero else zero; c4_11 = c4_11 if c4_11 > zero else zero; c4_12 = c4_12 if c4_12 > zero else zero; c4_13 = c4_13 if c4_13 > zero else zero; c4_14 = c4_14 if c4_14 > zero else zero; c4_15 = c4_15 if c4_15 > zero else zero
+            if act == 2:
+                c4_0 = c4_0 if c4_0 < six else six; c4_1 = c4_1 if c4_1 < six else six; c4_2 = c4_2 if c4_2 < six else six; c4_3 = c4_3 if c4_3 < six else six; c4_4 = c4_4 if c4_4 < six else six; c4_5 = c4_5 if c4_5 < six else six; c4_6 = c4_6 if c4_6 < six else six; c4_7 = c4_7 if c4_7 < six else six; c4_8 = c4_8 if c4_8 < six else six; c4_9 = c4_9 if c4_9 < six else six; c4_10 = c4_10 if c4_10 < six else six; c4_11 = c4_11 if c4_11 < six else six; c4_12 = c4_12 if c4_12 < six else six; c4_13 = c4_13 if c4_13 < six else six; c4_14 = c4_14 if c4_14 < six else six; c4_15 = c4_15 if c4_15 < six else six
+        if nv > 4:
+            cr = c[co + 4 * ldc:co + 4 * ldc + 16]
+            cr[0] = c4_0; cr[1] = c4_1; cr[2] = c4_2; cr[3] = c4_3; cr[4] = c4_4; cr[5] = c4_5; cr[6] = c4_6; cr[7] = c4_7; cr[8] = c4_8; cr[9] = c4_9; cr[10] = c4_10; cr[11] = c4_11; cr[12] = c4_12; cr[13] = c4_13; cr[14] = c4_14; cr[15] = c4_15
+        c5_0 += e0; c5_1 += e1; c5_2 += e2; c5_3 += e3; c5_4 += e4; c5_5 += e5; c5_6 += e6; c5_7 += e7; c5_8 += e8; c5_9 += e9; c5_10 += e10; c5_11 += e11; c5_12 += e12; c5_13 += e13; c5_14 += e14; c5_15 += e15
+        if has_res:
+            rr = res[ro + 5 * ldr:ro + 5 * ldr + 16]
+            c5_0 += rr[0]; c5_1 += rr[1]; c5_2 += rr[2]; c5_3 += rr[3]; c5_4 += rr[4]; c5_5 += rr[5]; c5_6 += rr[6]; c5_7 += rr[7]; c5_8 += rr[8]; c5_9 += rr[9]; c5_10 += rr[10]; c5_11 += rr[11]; c5_12 += rr[12]; c5_13 += rr[13]; c5_14 += rr[14]; c5_15 += rr[15]
+        if act != 0:
+            c5_0 = c5_0 if c5_0 > zero else zero; c5_1 = c5_1 if c5_1 > zero else zero; c5_2 = c5_2 if c5_2 > zero else zero; c5_3 = c5_3 if c5_3 > zero else zero; c5_4 = c5_4 if c5_4 > zero else zero; c5_5 = c5_5 if c5_5 > zero else zero; c5_6 = c5_6 if c5_6 > zero else zero; c5_7 = c5_7 if c5_7 > zero else zero; c5_8 = c5_8 if c5_8 > zero else zero; c5_9 = c5_9 if c5_9 > zero else zero; c5_10 = c5_10 if c5_10 > zero else zero; c5_11 = c5_11 if c5_11 > zero else zero; c5_12 = c5_12 if c5_12 > zero else zero; c5_13 = c5_13 if c5_13 > zero else zero; c5_14 = c5_14 if c5_14 > zero else zero; c5_15 = c5_15 if c5_15 > zero else zero
+            if act == 2:
+                c5_0 = c5_0 if c5_0 < six else six; c5_1 = c5_1 if c5_1 < six else six; c5_2 = c5_2 if c5_2 < six else six; c5_3 = c5_3 if c5_3 < six else six; c5_4 = c5_4 if c5_4 < six else six; c5_5 = c5_5 if c5_5 < six else six; c5_6 = c5_6 if c5_6 < six else six; c5_7 = c5_7 if c5_7 < six else six; c5_8 = c5_8 if c5_8 < six else six; c5_9 = c5_9 if c5_9 < six else six; c5_10 = c5_10 if c5_10 < six else six; c5_11 = c5_11 if c5_11 < six else six; c5_12 = c5_12 if c5_12 < six else six; c5_13 = c5_13 if c5_13 < six else six; c5_14 = c5_14 if c5_14 < six else six; c5_15 = c5_15 if c5_15 < six else six
+        if nv > 5:
+            cr = c[co + 5 * ldc:co + 5 * ldc + 16]
+            cr[0] = c5_0; cr[1] = c5_1; cr[2] = c5_2; cr[3] = c5_3; cr[4] = c5_4; cr[5] = c5_5; cr[6] = c5_6; cr[7] = c5_7; cr[8] = c5_8; cr[9] = c5_9; cr[10] = c5_10; cr[11] = c5_11; cr[12] = c5_12; cr[13] = c5_13; cr[14] = c5_14; cr[15] = c5_15
+        c6_0 += e0; c6_1 += e1; c6_2 += e2; c6_3 += e3; c6_4 += e4; c6_5 += e5; c6_6 += e6; c6_7 += e7; c6_8 += e8; c6_9 += e9; c6_10 += e10; c6_11 += e11; c6_12 += e12; c6_13 += e13; c6_14 += e14; c6_15 += e15
+        if has_res:
+            rr = res[ro + 6 * ldr:ro + 6 * ldr + 16]
+            c6_0 += rr[0]; c6_1 += rr[1]; c6_2 += rr[2]; c6_3 += rr[3]; c6_4 += rr[4]; c6_5 += rr[5]; c6_6 += rr[6]; c6_7 += rr[7]; c6_8 += rr[8]; c6_9 += rr[9]; c6_10 += rr[10]; c6_11 += rr[11]; c6_12 += rr[12]; c6_13 += rr[13]; c6_14 += rr[14]; c6_15 += rr[15]
+        if act != 0:
+            c6_0 = c6_0 if c6_0 > zero else zero; c6_1 = c6_1 if c6_1 > zero else zero; c6_2 = c6_2 if c6_2 > zero else zero; c6_3 = c6_3 if c6_3 > zero else zero; c6_4 = c6_4 if c6_4 > zero else zero; c6_5 = c6_5 if c6_5 > zero else zero; c6_6 = c6_6 if c6_6 > zero else zero; c6_7 = c6_7 if c6_7 > zero else zero; c6_8 = c6_8 if c6_8 > zero else zero; c6_9 = c6_9 if c6_9 > zero else zero; c6_10 = c6_10 if c6_10 > zero else zero; c6_11 = c6_11 if c6_11 > zero else zero; c6_12 = c6_12 if c6_12 > zero else zero; c6_13 = c6_13 if c6_13 > zero else zero; c6_14 = c6_14 if c6_14 > zero else zero; c6_15 = c6_15 if c6_15 > zero else zero
+            if act == 2:
+                c6_0 = c6_0 if c6_0 < six else six; c6_1 = c6_1 if c6_1 < six else six; c6_2 = c6_2 if c6_2 < six else six; c6_3 = c6_3 if c6_3 < six else six; c6_4 = c6_4 if c6_4 < six else six; c6_5 = c6_5 if c6_5 < six else six; c6_6 = c6_6 if c6_6 < six else six; c6_7 = c6_7 if c6_7 < six else six; c6_8 = c6_8 if c6_8 < six else six; c6_9 = c6_9 if c6_9 < six else six; c6_10 = c6_10 if c6_10 < six else six; c6_11 = c6_11 if c6_11 < six else six; c6_12 = c6_12 if c6_12 < six else six; c6_13 = c6_13 if c6_13 < six else six; c6_14 = c6_14 if c6_14 < six else six; c6_15 = c6_15 if c6_15 < six else six
+        if nv > 6:
+            cr = c[co + 6 * ldc:co + 6 * ldc + 16]
+            cr[0] = c6_0; cr[1] = c6_1; cr[2] = c6_2; cr[3] = c6_3; cr[4] = c6_4; cr[5] = c6_5; cr[6] = c6_6; cr[7] = c6_7; cr[8] = c6_8; cr[9] = c6_9; cr[10] = c6_10; cr[11] = c6_11; cr[12] = c6_12; cr[13] = c6_13; cr[14] = c6_14; cr[15] = c6_15
+        c7_0 += e0; c7_1 += e1; c7_2 += e2; c7_3 += e3; c7_4 += e4; c7_5 += e5; c7_6 += e6; c7_7 += e7; c7_8 += e8; c7_9 += e9; c7_10 += e10; c7_11 += e11; c7_12 += e12; c7_13 += e13; c7_14 += e14; c7_15 += e15
+        if has_res:
+            rr = res[ro + 7 * ldr:ro + 7 * ldr + 16]
+            c7_0 += rr[0]; c7_1 += rr[1]; c7_2 += rr[2]; c7_3 += rr[3]; c7_4 += rr[4]; c7_5 += rr[5]; c7_6 += rr[6]; c7_7 += rr[7]; c7_8 += rr[8]; c7_9 += rr[9]; c7_10 += rr[10]; c7_11 += rr[11]; c7_12 += rr[12]; c7_13 += rr[13]; c7_14 += rr[14]; c7_15 += rr[15]
+        if act != 0:
+            c7_0 = c7_0 if c7_0 > zero else zero; c7_1 = c7_1 if c7_1 > zero else zero; c7_2 = c7_2 if c7_2 > zero else zero; c7_3 = c7_3 if c7_3 > zero else zero; c7_4 = c7_4 if c7_4 > zero else zero; c7_5 = c7_5 if c7_5 > zero else zero; c7_6 = c7_6 if c7_6 > zero else zero; c7_7 = c7_7 if c7_7 > zero else zero; c7_8 = c7_8 if c7_8 > zero else zero; c7_9 = c7_9 if c7_9 > zero else zero; c7_10 = c7_10 if c7_10 > zero else zero; c7_11 = c7_11 if c7_11 > zero else zero; c7_12 = c7_12 if c7_12 > zero else zero; c7_13 = c7_13 if c7_13 > zero else zero; c7_14 = c7_14 if c7_14 > zero else zero; c7_15 = c7_15 if c7_15 > zero else zero
+            if act == 2:
+                c7_0 = c7_0 if c7_0 < six else six; c7_1 = c7_1 if c7_1 < six else six; c7_2 = c7_2 if c7_2 < six else six; c7_3 = c7_3 if c7_3 < six else six; c7_4 = c7_4 if c7_4 < six else six; c7_5 = c7_5 if c7_5 < six else six; c7_6 = c7_6 if c7_6 < six else six; c7_7 = c7_7 if c7_7 < six else six; c7_8 = c7_8 if c7_8 < six else six; c7_9 = c7_9 if c7_9 < six else six; c7_10 = c7_10 if c7_10 < six else six; c7_11 = c7_11 if c7_11 < six else six; c7_12 = c7_12 if c7_12 < six else six; c7_13 = c7_13 if c7_13 < six else six; c7_14 = c7_14 if c7_14 < six else six; c7_15 = c7_15 if c7_15 < six else six
+        if nv > 7:
+            cr = c[co + 7 * ldc:co + 7 * ldc + 16]
+            cr[0] = c7_0; cr[1] = c7_1; cr[2] = c7_2; cr[3] = c7_3; cr[4] = c7_4; cr[5] = c7_5; cr[6] = c7_6; cr[7] = c7_7; cr[8] = c7_8; cr[9] = c7_9; cr[10] = c7_10; cr[11] = c7_11; cr[12] = c7_12; cr[13] = c7_13; cr[14] = c7_14; cr[15] = c7_15
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def narrow_tiles_epi24(n_tiles, kc, a, a_off, lda, bp, c, c_off, ldc, last_rows, bias,
+                        res, r_off, ldr, has_res, act):
+    """Tiles 0 .. n_tiles-1 (8 rows each) of a strip, A read in place (row i of tile t
+    at a[a_off + (t*8 + i)*lda], kc values), the first 24 columns of the panel bp
+    [kc, >= 24]: C[i, j] = act(sum_p A[i, p] * bp[p, j] + bias[j] (+ res[r_off +
+    (t*8 + i)*ldr + j])) for j < 24, stored once at c[c_off + (t*8 + i)*ldc].
+    Tile n_tiles-1 stores its first last_rows rows only (A must still hold them all).
+    """
+    zero = np.float32(0.0)
+    six = np.float32(6.0)
+    e0 = bias[0]; e1 = bias[1]; e2 = bias[2]; e3 = bias[3]; e4 = bias[4]; e5 = bias[5]; e6 = bias[6]; e7 = bias[7]; e8 = bias[8]; e9 = bias[9]; e10 = bias[10]; e11 = bias[11]; e12 = bias[12]; e13 = bias[13]; e14 = bias[14]; e15 = bias[15]; e16 = bias[16]; e17 = bias[17]; e18 = bias[18]; e19 = bias[19]; e20 = bias[20]; e21 = bias[21]; e22 = bias[22]; e23 = bias[23]
+    bb = bp[0:kc]
+    for t in range(n_tiles):
+        ao = a_off + t * 8 * lda
+        c0_0 = c0_1 = c0_2 = c0_3 = c0_4 = c0_5 = c0_6 = c0_7 = c0_8 = c0_9 = c0_10 = c0_11 = c0_12 = c0_13 = c0_14 = c0_15 = c0_16 = c0_17 = c0_18 = c0_19 = c0_20 = c0_21 = c0_22 = c0_23 = np.float32(0.0)
+        c1_0 = c1_1 = c1_2 = c1_3 = c1_4 = c1_5 = c1_6 = c1_7 = c1_8 = c1_9 = c1_10 = c1_11 = c1_12 = c1_13 = c1_14 = c1_15 = c1_16 = c1_17 = c1_18 = c1_19 = c1_20 = c1_21 = c1_22 = c1_23 = np.float32(0.0)
+        c2_0 = c2_1 = c2_2 = c2_3 = c2_4 = c2_5 = c2_6 = c2_7 = c2_8 = c2_9 = c2_10 = c2_11 = c2_12 = c2_13 = c2_14 = c2_15 = c2_16 = c2_17 = c2_18 = c2_19 = c2_20 = c2_21 = c2_22 = c2_23 = np.float32(0.0)
+        c3_0 = c3_1 = c3_2 = c3_3 = c3_4 = c3_5 = c3_6 = c3_7 = c3_8 = c3_9 = c3_10 = c3_11 = c3_12 = c3_13 = c3_14 = c3_15 = c3_16 = c3_17 = c3_18 = c3_19 = c3_20 = c3_21 = c3_22 = c3_23 = np.float32(0.0)
+        c4_0 = c4_1 = c4_2 = c4_3 = c4_4 = c4_5 = c4_6 = c4_7 = c4_8 = c4_9 = c4_10 = c4_11 = c4_12 = c4_13 = c4_14 = c4_15 = c4_16 = c4_17 = c4_18 = c4_19 = c4_20 = c4_21 = c4_22 = c4_23 = np.float32(0.0)
+        c5_0 = c5_1 = c5_2 = c5_3 = c5_4 = c5_5 = c5_6 = c5_7 = c5_8 = c5_9 = c5_10 = c5_11 = c5_12 = c5_13 = c5_14 = c5_15 = c5_16 = c5_17 = c5_18 = c5_19 = c5_20 = c5_21 = c5_22 = c5_23 = np.float32(0.0)
+        c6_0 = c6_1 = c6_2 = c6_3 = c6_4 = c6_5 = c6_6 = c6_7 = c6_8 = c6_9 = c6_10 = c6_11 = c6_12 = c6_13 = c6_14 = c6_15 = c6_16 = c6_17 = c6_18 = c6_19 = c6_20 = c6_21 = c6_22 = c6_23 = np.float32(0.0)
+        c7_0 = c7_1 = c7_2 = c7_3 = c7_4 = c7_5 = c7_6 = c7_7 = c7_8 = c7_9 = c7_10 = c7_11 = c7_12 = c7_13 = c7_14 = c7_15 = c7_16 = c7_17 = c7_18 = c7_19 = c7_20 = c7_21 = c7_22 = c7_23 = np.float32(0.0)
+        r0 = a[ao + 0 * lda:ao + 0 * lda + kc]
+        r1 = a[ao + 1 * lda:ao + 1 * lda + kc]
+        r2 = a[ao + 2 * lda:ao + 2 * lda + kc]
+        r3 = a[ao + 3 * lda:ao + 3 * lda + kc]
+        r4 = a[ao + 4 * lda:ao + 4 * lda + kc]
+        r5 = a[ao + 5 * lda:ao + 5 * lda + kc]
+        r6 = a[ao + 6 * lda:ao + 6 * lda + kc]
+        r7 = a[ao + 7 * lda:ao + 7 * lda + kc]
+        for p in range(kc):
+            br = bb[p]
+            b0 = br[0]; b1 = br[1]; b2 = br[2]; b3 = br[3]; b4 = br[4]; b5 = br[5]; b6 = br[6]; b7 = br[7]; b8 = br[8]; b9 = br[9]; b10 = br[10]; b11 = br[11]; b12 = br[12]; b13 = br[13]; b14 = br[14]; b15 = br[15]; b16 = br[16]; b17 = br[17]; b18 = br[18]; b19 = br[19]; b20 = br[20]; b21 = br[21]; b22 = br[22]; b23 = br[23]
+            x = r0[p]
+            c0_0 += x * b0; c0_1 += x * b1; c0_2 += x * b2; c0_3 += x * b3; c0_4 += x * b4; c0_5 += x * b5; c0_6 += x * b6; c0_7 += x * b7; c0_8 += x * b8; c0_9 += x * b9; c0_10 += x * b10; c0_11 += x * b11; c0_12 += x * b12; c0_13 += x * b13; c0_14 += x * b14; c0_15 += x * b15; c0_16 += x * b16; c0_17 += x * b17; c0_18 += x * b18; c0_19 += x * b19; c0_20 += x * b20; c0_21 += x * b21; c0_22 += x * b22; c0_23 += x * b23
+            x = r1[p]
+            c1_0 += x * b0; c1_1 += x * b1; c1_2 += x * b2; c1_3 += x * b3; c1_4 += x * b4; c1_5 += x * b5; c1_6 += x * b6; c1_7 += x * b7; c1_8 += x * b8; c1_9 += x * b9; c1_10 += x * b10; c1_11 += x * b11; c1_12 += x * b12; c1_13 += x * b13; c1_14 += x * b14; c1_15 += x * b15; c1_16 += x * b16; c1_17 += x * b17; c1_18 += x * b18; c1_19 += x * b19; c1_20 += x * b20; c1_21 += x * b21; c1_22 += x * b22; c1_23 += x * b23
+            x = r2[p]
+            c2_0 += x * b0; c2_1 += x * b1; c2_2 += x * b2; c2_3 += x * b3; c2_4 += x * b4; c2_5 += x * b5; c2_6 += x * b6; c2_7 += x * b7; c2_8 += x * b8; c2_9 += x * b9; c2_10 += x * b10; c2_11 += x * b11; c2_12 += x * b12; c2_13 += x * b13; c2_14 += x * b14; c2_15 += x * b15; c2_16 += x * b16; c2_17 += x * b17; c2_18 += x * b18; c2_19 += x * b19; c2_20 += x * b20; c2_21 += x * b21; c2_22 += x * b22; c2_23 += x * b23
+            x = r3[p]
+            c3_0 += x * b0; c3_1 += x * b1; c3_2 += x * b2; c3_3 += x * b3; c3_4 += x * b4; c3_5 += x * b5; c3_6 += x * b6; c3_7 += x * b7; c3_8 += x * b8; c3_9 += x * b9; c3_10 += x * b10; c3_11 += x * b11; c3_12 += x * b12; c3_13 += x * b13; c3_14 += x * b14; c3_15 += x * b15; c3_16 += x * b16; c3_17 += x * b17; c3_18 += x * b18; c3_19 += x * b19; c3_20 += x * b20; c3_21 += x * b21; c3_22 += x * b22; c3_23 += x * b23
+            x = r4[p]
+            c4_0 += x * b0; c4_1 += x * b1; c4_2 += x * b2; c4_3 += x * b3; c4_4 += x * b4; c4_5 += x * b5; c4_6 += x * b6; c4_7 += x * b7; c4_8 += x * b8; c4_9 += x * b9; c4_10 += x * b10; c4_11 += x * b11; c4_12 += x * b12; c4_13 += x * b13; c4_14 += x * b14; c4_15 += x * b15; c4_16 += x * b16; c4_17 += x * b17; c4_18 += x * b18; c4_19 += x * b19; c4_20 += x * b20; c4_21 += x * b21; c4_22 += x * b22; c4_23 += x * b23
+            x = r5[p]
+            c5_0 += x * b0; c5_1 += x * b1; c5_2 += x * b2; c5_3 += x * b3; c5_4 += x * b4; c5_5 += x * b5; c5_6 += x * b6; c5_7 += x * b7; c5_8 += x * b8; c5_9 += x * b9; c5_10 += x * b10; c5_11 += x * b11; c5_12 += x * b12; c5_13 += x * b13; c5_14 += x * b14; c5_15 += x * b15; c5_16 += x * b16; c5_17 += x * b17; c5_18 += x * b18; c5_19 += x * b19; c5_20 += x * b20; c5_21 += x * b21; c5_22 += x * b22; c5_23 += x * b23
+            x = r6[p]
+            c6_0 += x * b0; c6_1 += x * b1; c6_2 += x * b2; c6_3 += x * b3; c6_4 += x * b4; c6_5 += x * b5; c6_6 += x * b6; c6_7 += x * b7; c6_8 += x * b8; c6_9 += x * b9; c6_10 += x * b10; c6_11 += x * b11; c6_12 += x * b12; c6_13 += x * b13; c6_14 += x * b14; c6_15 += x * b15; c6_16 += x * b16; c6_17 += x * b17; c6_18 += x * b18; c6_19 += x * b19; c6_20 += x * b20; c6_21 += x * b21; c6_22 += x * b22; c6_23 += x * b23
+            x = r7[p]
+            c7_0 += x * b0; c7_1 += x * b1; c7_2 += x * b2; c7_3 += x * b3; c7_4 += x * b4; c7_5 += x * b5; c7_6 += x * b6; c7_7 += x * b7; c7_8 += x * b8; c7_9 += x * b9; c7_10 += x * b10; c7_11 += x * b11; c7_12 += x * b12; c7_13 += x * b13; c7_14 += x * b14; c7_15 += x * b15; c7_16 += x * b16; c7_17 += x * b17; c7_18 += x * b18; c7_19 += x * b19; c7_20 += x * b20; c7_21 += x * b21; c7_22 += x * b22; c7_23 += x * b23
+        co = c_off + t * 8 * ldc
+        ro = r_off + t * 8 * ldr
+        nv = last_rows if t == n_tiles - 1 else 8
+        c0_0 += e0; c0_1 += e1; c0_2 += e2; c0_3 += e3; c0_4 += e4; c0_5 += e5; c0_6 += e6; c0_7 += e7; c0_8 += e8; c0_9 += e9; c0_10 += e10; c0_11 += e11; c0_12 += e12; c0_13 += e13; c0_14 += e14; c0_15 += e15; c0_16 += e16; c0_17 += e17; c0_18 += e18; c0_19 += e19; c0_20 += e20; c0_21 += e21; c0_22 += e22; c0_23 += e23
+        if has_res:
+            rr = res[ro + 0 * ldr:ro + 0 * ldr + 24]
+            c0_0 += rr[0]; c0_1 += rr[1]; c0_2 += rr[2]; c0_3 += rr[3]; c0_4 += rr[4]; c0_5 += rr[5]; c0_6 += rr[6]; c0_7 += rr[7]; c0_8 += rr[8]; c0_9 += rr[9]; c0_10 += rr[10]; c0_11 += rr[11]; c0_12 += rr[12]; c0_13 += rr[13]; c0_14 += rr[14]; c0_15 += rr[15]; c0_16 += rr[16]; c0_17 += rr[17]; c0_18 += rr[18]; c0_19 += rr[19]; c0_20 += rr[20]; c0_21 += rr[21]; c0_22 += rr[22]; c0_23 += rr[23]
+        if act != 0:
+            c0_0 = c0_0 if c0_0 > zero else zero; c0_1 = c0_1 if c0_1 > zero else zero; c0_2 = c0_2 if c0_2 > zero else zero; c0_3 = c0_3 if c0_3 > zero else zero; c0_4 = c0_4 if c0_4 > zero else zero; c0_5 = c0_5 if c0_5 > zero else zero; c0_6 = c0_6 if c0_6 > zero else zero; c0_7 = c0_7 if c0_7 > zero else zero; c0_8 = c0_8 if c0_8 > zero else zero; c0_9 = c0_9 if c0_9 > zero else zero; c0_10 = c0_10 if c0_10 > zero else zero; c0_11 = c0_11 if c0_11 > zero else zero; c0_12 = c0_12 if c0_12 > zero else zero; c0_13 = c0_13 if c0_13 > zero else zero; c0_14 = c0_14 if c0_14 > zero else zero; c0_15 = c0_15 if c0_15 > zero else zero; c0_16 = c0_16 if c0_16 > zero else zero; c0_17 = c0_17 if c0_17 > zero else zero; c0_18 = c0_18 if c0_18 > zero else zero; c0_19 = c0_19 if c0_19 > zero else zero; c0_20 = c0_20 if c0_20 > zero else zero; c0_21 = c0_21 if c0_21 > zero else zero; c0_22 = c0_22 if c0_22 > zero else zero; c0_23 = c0_23 if c0_23 > zero else zero
+            if act == 2:
+                c0_0 = c0_0 if c0_0 < six else six; c0_1 = c0_1 if c0_1 < six else six; c0_2 = c0_2 if c0_2 < six else six; c0_3 = c0_3 if c0_3 < six else six; c0_4 = c0_4 if c0_4 < six else six; c0_5 = c0_5 if c0_5 < six else six; c0_6 = c0_6 if c0_6 < six else six; c0_7 = c0_7 if c0_7 < six else six; c0_8 = c0_8 if c0_8 < six else six; c0_9 = c0_9 if c0_9 < six else six; c0_10 = c0_10 if c0_10 < six else six; c0_11 = c0_11 if c0_11 < six else six; c0_12 = c0_12 if c0_12 < six else six; c0_13 = c0_13 if c0_13 < six else six; c0_14 = c0_14 if c0_14 < six else six; c0_15 = c0_15 if c0_15 < six else six; c0_16 = c0_16 if c0_16 < six else six; c0_17 = c0_17 if c0_17 < six else six; c0_18 = c0_18 if c0_18 < six else six; c0_19 = c0_19 if c0_19 < six else six; c0_20 = c0_20 if c0_20 < six else six; c0_21 = c0_21 if c0_21 < six else six; c0_22 = c0_22 if c0_22 < six else six; c0_23 = c0_23 if c0_23 < six else six
+        if nv > 0:
+            cr = c[co + 0 * ldc:co + 0 * ldc + 24]
+            cr[0] = c0_0; cr[1] = c0_1; cr[2] = c0_2; cr[3] = c0_3; cr[4] = c0_4; cr[5] = c0_5; cr[6] = c0_6; cr[7] = c0_7; cr[8] = c0_8; cr[9] = c0_9; cr[10] = c0_10; cr[11] = c0_11; cr[12] = c0_12; cr[13] = c0_13; cr[14] = c0_14; cr[15] = c0_15; cr[16] = c0_16; cr[17] = c0_17; cr[18] = c0_18; cr[19] = c0_19; cr[20] = c0_20; cr[21] = c0_21; cr[22] = c0_22; cr[23] = c0_23
+        c1_0 += e0; c1_1 += e1; c1_2 += e2; c1_3 += e3; c1_4 += e4; c1_5 += e5; c1_6 += e6; c1_7 += e7; c1_8 += e8; c1_9 += e9; c1_10 += e10; c1_11 += e11; c1_12 += e12; c1_13 += e13; c1_14 += e14; c1_15 += e15; c1_16 += e16; c1_17 += e17; c1_18 += e18; c1_19 += e19; c1_20 += e20; c1_21 += e21; c1_22 += e22; c1_23 += e23
+        if has_res:
+            rr = res[ro + 1 * ldr:ro + 1 * ldr + 24]
+            c1_0 += rr[0]; c1_1 += rr[1]; c1_2 += rr[2]; c1_3 += rr[3]; c1_4 += rr[4]; c1_5 += rr[5]; c1_6 += rr[6]; c1_7 += rr[7]; c1_8 += rr[8]; c1_9 += rr[9]; c1_10 += rr[10]; c1_11 += rr[11]; c1_12 += rr[12]; c1_13 += rr[13]; c1_14 += rr[14]; c1_15 += rr[15]; c1_16 += rr[16]; c1_17 += rr[17]; c1_18 += rr[18]; c1_19 += rr[19]; c1_20 += rr[20]; c1_21 += rr[21]; c1_22 += rr[22]; c1_23 += rr[23]
+        if act != 0:
+            c1_0 = c1_0 if c1_0 > zero else zero; c1_1 = c1_1 if c1_1 > zero else zero; c1_2 = c1_2 if c1_2 > zero else zero; c1_3 = c1_3 if c1_3 > zero else zero; c1_4 = c1_4 if c1_4 > zero else zero; c1_5 = c1_5 if c1_5 > zero else zero; c1_6 = c1_6 if c1_6 > zero else zero; c1_7 = c1_7 if c1_7 > zero else zero; c1_8 = c1_8 if c1_8 > zero else zero; c1_9 = c1_9 if c1_9 > zero else zero; c1_10 = c1_10 if c1_10 > zero else zero; c1_11 = c1_11 if c1_11 > zero else zero; c1_12 = c1_12 if c1_12 > zero else zero; c1_13 = c1_13 if c1_13 > zero else zero; c1_14 = c1_14 if c1_14 > zero else zero; c1_15 = c1_15 if c1_15 > zero else zero; c1_16 = c1_16 if c1_16 > zero else zero; c1_17 = c1_17 if c1_17 > zero else zero; c1_18 = c1_18 if c1_18 > zero else zero; c1_19 = c1_19 if c1_19 > zero else zero; c1_20 = c1_20 if c1_20 > zero else zero; c1_21 = c1_21 if c1_21 > zero else zero; c1_22 = c1_22 if c1_22 > zero else zero; c1_23 = c1_23 if c1_23 > zero else zero
+            if act == 2:
+                c1_0 = c1_0 if c1_0 < six else six; c1_1 = c1_1 if c1_1 < six else six; c1_2 = c1_2 if c1_2 < six else six; c1_3 = c1_3 if c1_3 < six else six; c1_4 = c1_4 if c1_4 < six else six; c1_5 = c1_5 if c1_5 < six else six; c1_6 = c1_6 if c1_6 < six else six; c1_7 = c1_7 if c1_7 < six else six; c1_8 = c1_8 if c1_8 < six else six; c1_9 = c1_9 if c1_9 < six else six; c1_10 = c1_10 if c1_10 < six else six; c1_11 = c1_11 if c1_11 < six else six; c1_12 = c1_12 if c1_12 < six else six; c1_13 = c1_13 if c1_13 < six else six; c1_14 = c1_14 if c1_14 < six else six; c1_15 = c1_15 if c1_15 < six else six; c1_16 = c1_16 if c1_16 < six else six; c1_17 = c1_17 if c1_17 < six else six; c1_18 = c1_18 if c1_18 < six else six; c1_19 = c1_19 if c1_19 < six else six; c1_20 = c1_20 if c1_20 < six else six; c1_21 = c1_21 if c1_21 < six else six; c1_22 = c1_22 if c1_22 < six else six; c1_23 = c1_23 if c1_23 < six else six
+        if nv > 1:
+            cr = c[co + 1 * ldc:co + 1 * ldc + 24]
+            cr[0] = c1_0; cr[1] = c1_1; cr[2] = c1_2; cr[3] = c1_3; cr[4] = c1_4; cr[5] = c1_5; cr[6] = c1_6; cr[7] = c1_7; cr[8] = c1_8; cr[9] = c1_9; cr[10] = c1_10; cr[11] = c1_11; cr[12] = c1_12; cr[13] = c1_13; cr[14] = c1_14; cr[15] = c1_15; cr[16] = c1_16; cr[17] = c1_17; cr[18] = c1_18; cr[19] = c1_19; cr[20] = c1_20; cr[21] = c1_21; cr[22] = c1_22; cr[23] = c1_23
+        c2_0 += e0; c2_1 += e1; c2_2 += e2; c2_3 += e3; c2_4 += e4; c2_5 += e5; c2_6 += e6; c2_7 += e7; c2_8 += e8; c2_9 += e9; c2_10 += e10; c2_11 += e11; c2_12 += e12; c2_13 += e13; c2_14 += e14; c2_15 += e15; c2_16 += e16; c2_17 += e17; c2_18 += e18; c2_19 += e19; c2_20 += e20; c2_21 += e21; c2_22 += e22; c2_23 += e23
+        if has_res:
+            rr = res[ro + 2 * ldr:ro + 2 * ldr + 24]
+            c2_0 += rr[0]; c2_1 += rr[1]; c2_2 += rr[2]; c2_3 += rr[3]; c2_4 += rr[4]; c2_5 += rr[5]; c2_6 += rr[6]; c2_7 += rr[7]; c2_8 += rr[8]; c2_9 += rr[9]; c2_10 += rr[10]; c2_11 += rr[11]; c2_12 += rr[12]; c2_13 += rr[13]; c2_14 += rr[14]; c2_15 += rr[15]; c2_16 += rr[16]; c2_17 += rr[17]; c2_18 += rr[18]; c2_19 += rr[19]; c2_20 += rr[20]; c2_21 += rr[21]; c2_22 += rr[22]; c2_23 += rr[23]
+        if act != 0:
+            c2_0 = c2_0 if c2_0 > zero else zero; c2_1 = c2_1 if c2_1 > zero else zero; c2_2 = c2_2 if c2_2 > zero else zero; c2_3 = c2_3 if c2_3 > zero else zero; c2_4 = c2_4 if c2_4 > zero else zero; c2_5 = c2_5 if c2_5 > zero else zero; c2_6 = c2_6 if c2_6 > zero else zero; c2_7 = c2_7 if c2_7 > zero else zero; c2_8 = c2_8 if c2_8 > zero else zero; c2_9 = c2_9 if c2_9 > zero else zero; c2_10 = c2_10 if c2_10 > zero else zero; c2_11 = c2_11 if c2_11 > zero else zero; c2_12 = c2_12 if c2_12 > zero else zero; c2_13 = c2_13 if c2_13 > zero else zero; c2_14 = c2_14 if c2_14 > zero else zero; c2_15 = c2_15 if c2_15 > zero else zero; c2_16 = c2_16 if c2_16 > zero else zero; c2_17 = c2_17 if c2_17 > zero else zero; c2_18 = c2_18 if c2_18 > zero else zero; c2_19 = c2_19 if c2_19 > zero else zero; c2_20 = c2_20 if c2_20 > zero else zero; c2_21 = c2_21 if c2_21 > zero else zero; c2_22 = c2_22 if c2_22 > zero else zero; c2_23 = c2_23 if c2_23 > zero else zero
+            if act == 2:
+                c2_0 = c2_0 if c2_0 < six else six; c2_1 = c2_1 if c2_1 < six else six; c2_2 = c2_2 if c2_2 < six else six; c2_3 = c2_3 if c2_3 < six else six; c2_4 = c2_4 if c2_4 < six else six; c2_5 = c2_5 if c2_5 < six else six; c2_6 = c2_6 if c2_6 < six else six; c2_7 = c2_7 if c2_7 < six else six; c2_8 = c2_8 if c2_8 < six else six; c2_9 = c2_9 if c2_9 < six else six; c2_10 = c2_10 if c2_10 < six else six; c2_11 = c2_11 if c2_11 < six else six; c2_12 = c2_12 if c2_12 < six else six; c2_13 = c2_13 if c2_13 < six else six; c2_14 = c2_14 if c2_14 < six else six; c2_15 = c2_15 if c2_15 < six else six; c2_16 = c2_16 if c2_16 < six else six; c2_17 = c2_17 if c2_17 < six else six; c2_18 = c2_18 if c2_18 < six else six; c2_19 = c2_19 if c2_19 < six else six; c2_20 = c2_20 if c2_20 < six else six; c2_21 = c2_21 if c2_21 < six else six; c2_22 = c2_22 if c2_22 < six else six; c2_23 = c2_23 if c2_23 < six else six
+        if nv > 2:
+            cr = c[co + 2 * ldc:co + 2 * ldc + 24]
+            cr[0] = c2_0; cr[1] = c2_1; cr[2] = c2_2; cr[3] = c2_3; cr[4] = c2_4; cr[5] = c2_5; cr[6] = c2_6; cr[7] = c2_7; cr[8] = c2_8; cr[9] = c2_9; cr[10] = c2_10; cr[11] = c2_11; cr[12] = c2_12; cr[13] = c2_13; cr[14] = c2_14; cr[15] = c2_15; cr[16] = c2_16; cr[17] = c2_17; cr[18] = c2_18; cr[19] = c2_19; cr[20] = c2_20; cr[21] = c2_21; cr[22] = c2_22; cr[23] = c2_23
+        c3_0 += e0; c3_1 += e1; c3_2 += e2; c3_3 += e3; c3_4 += e4; c3_5 += e5; c3_6 += e6; c3_7 += e7; c3_8 += e8; c3_9 += e9; c3_10 += e10; c3_11 += e11; c3_12 += e12; c3_13 += e13; c3_14 += e14; c3_15 += e15; c3_16 += e16; c3_17 += e17; c3_18 += e18; c3_19 += e19; c3_20 += e20; c3_21 += e21; c3_22 += e22; c3_23 += e23
+        if has_res:
+            rr = res[ro + 3 * ldr:ro + 3 * ldr + 24]
+            c3_0 += rr[0]; c3_1 += rr[1]; c3_2 += rr[2]; c3_3 += rr[3]; c3_4 += rr[4]; c3_5 += rr[5]; c3_6 += rr[6]; c3_7 += rr[7]; c3_8 += rr[8]; c3_9 += rr[9]; c3_10 += rr[10]; c3_11 += rr[11]; c3_12 += rr[12]; c3_13 += rr[13]; c3_14 += rr[14]; c3_15 += rr[15]; c3_16 += rr[16]; c3_17 += rr[17]; c3_18 += rr[18]; c3_19 += rr[19]; c3_20 += rr[20]; c3_21 += rr[21]; c3_22 += rr[22]; c3_23 += rr[23]
+        if act != 0:
+            c3_0 = c3_0 if c3_0 > zero else zero; c3_1 = c3_1 if c3_1 > zero else zero; c3_2 = c3_2 if c3_2 > zero else zero; c3_3 = c3_3 if c3_3 > zero else zero; c3_4 = c3_4 if c3_4 > zero else zero; c3_5 = c3_5 if c3_5 > zero else zero; c3_6 = c3_6 if c3_6 > zero else zero; c3_7 = c3_7 if c3_7 > zero else zero; c3_8 = c3_8 if c3_8 > zero else zero; c3_9 = c3_9 if c3_9 > zero else zero; c3_10 = c3_10 if c3_10 > zero else zero; c3_11 = c3_11 if c3_11 > zero else zero; c3_12 = c3_12 if c3_12 > zero else zero; c3_13 = c3_13 if c3_13 > zero else zero; c3_14 = c3_14 if c3_14 > zero else zero; c3_15 = c3_15 if c3_15 > zero else zero; c3_16 = c3_16 if c3_16 > zero else zero; c3_17 = c3_17 if c3_17 > zero else zero; c3_18 = c3_18 if c3_18 > zero else zero; c3_19 = c3_19 if c3_19 > zero else zero; c3_20 = c3_20 if c3_20 > zero else zero; c3_21 = c3_21 if c3_21 > zero else zero; c3_22 = c3_22 if c3_22 > zero else zero; c3_23 = c3_23 if c3_23 > zero else zero
+            if act == 2:
+                c3_0 = c3_0 if c3_0 < six else six; c3_1 = c3_1 if c3_1 < six else six; c3_2 = c3_2 if c3_2 < six else six; c3_3 = c3_3 if c3_3 < six else six; c3_4 = c3_4 if c3_4 < six else six; c3_5 = c3_5 if c3_5 < six else six; c3_6 = c3_6 if c3_6 < six else six; c3_7 = c3_7 if c3_7 < six else six; c3_8 = c3_8 if c3_8 < six else six; c3_9 = c3_9 if c3_9 < six else six; c3_10 = c3_10 if c3_10 < six else six; c3_11 = c3_11 if c3_11 < six else six; c3_12 = c3_12 if c3_12 < six else six; c3_13 = c3_13 if c3_13 < six else six; c3_14 = c3_14 if c3_14 < six else six; c3_15 = c3_15 if c3_15 < six else six; c3_16 = c3_16 if c3_16 < six else six; c3_17 = c3_17 if c3_17 < six else six; c3_18 = c3_18 if c3_18 < six else six; c3_19 = c3_19 if c3_19 < six else six; c3_20 = c3_20 if c3_20 < six else six; c3_21 = c3_21 if c3_21 < six else six; c3_22 = c3_22 if c3_22 < six else six; c3_23 = c3_23 if c3_23 < six else six
+        if nv > 3:
+            cr = c[co + 3 * ldc:co + 3 * ldc + 24]
+            cr[0] = c3_0; cr[1] = c3_1; cr[2] = c3_2; cr[3] = c3_3; cr[4] = c3_4; cr[5] = c3_5; cr[6] = c3_6; cr[7] = c3_7; cr[8] = c3_8; cr[9] = c3_9; cr[10] = c3_10; cr[11] = c3_11; cr[12] = c3_12; cr[13] = c3_13; cr[14] = c3_14; cr[15] = c3_15; cr[16] = c3_16; cr[17] = c3_17; cr[18] = c3_18; cr[19] = c3_19; cr[20] = c3_20; cr[21] = c3_21; cr[22] = c3_22; cr[23] = c3_23
+        c4_0 += e0; c4_1 += e1; c4_2 += e2; c4_3 += e3; c4_4 += e4; c4_5 += e5; c4_6 += e6; c4_7 += e7; c4_8 += e8; c4_9 += e9; c4_10 += e10; c4_11 += e11; c4_12 += e12; c4_13 += e13; c4_14 += e14; c4_15 += e15; c4_16 += e16; c4_17 += e17; c4_18 += e18; c4_19 += e19; c4_20 += e20; c4_21 += e21; c4_22 += e22; c4_23 += e23
+        if has_res:
+            rr = res[ro + 4 * ldr:ro + 4 * ldr + 24]
+            c4_0 += rr[0]; c4_1 += rr[1]; c4_2 += rr[2]; c4_3 += rr[3]; c4_4 += rr[4]; c4_5 += rr[5]; c4_6 += rr[6]; c4_7 += rr[7]; c4_8 += rr[8]; c4_9 += rr[9]; c4_10 += rr[10]; c4_11 += rr[11]; c4_12 += rr[12]; c4_13 += rr[13]; c4_14 += rr[14]; c4_15 += rr[15]; c4_16 += rr[16]; c4_17 += rr[17]; c4_18 += rr[18]; c4_19 += rr[19]; c4_20 += rr[20]; c4_21 += rr[21]; c4_22 += rr[22]; c4_23 += rr[23]
+        if act != 0:
+            c4_0 = c4_0 if c4_0 > zero else zero; c4_1 = c4_1 if c4_1 > zero else zero; c4_2 = c4_2 if c4_2 > zero else zero; c4_3 = c4_3 if c4_3 > zero else zero; c4_4 = c4_4 if c4_4 > zero else zero; c4_5 = c4_5 if c4_5 > zero else zero; c4_6 = c4_6 if c4_6 > zero else zero; c4_7 = c4_7 if c4_7 > zero else zero; c4_8 = c4_8 if c4_8 > zero else zero; c4_9 = c4_9 if c4_9 > zero else zero; c4_10 = c4_10 if c4_10 > zero else zero; c4_11 = c4_11 if c4_11 > zero else zero; c4_12 = c4_12 if c4_12 > zero else zero; c4_13 = c4_13 if c4_13 > zero else zero; c4_14 = c4_14 if c4_14 > zero else zero; c4_15 = c4_15 if c4_15 > zero else zero; c4_16 = c4_16 if c4_16 > zero else zero; c4_17 = c4_17 if c4_17 > zero else zero; c4_18 = c4_18 if c4_18 > zero else zero; c4_19 = c4_19 if c4_19 > zero else zero; c4_20 = c4_20 if c4_20 > zero else zero; c4_21 = c4_21 if c4_21 > zero else zero; c4_22 = c4_22 if c4_22 > zero else zero; c4_23 = c4_23 if c4_23 > zero else zero
+            if act == 2:
+                c4_0 = c4_0 if c4_0 < six else six; c4_1 = c4_1 if c4_1 < six else six; c4_2 = c4_2 if c4_2 < six else six; c4_3 = c4_3 if c4_3 < six else six; c4_4 = c4_4 if c4_4 < six else six; c4_5 = c4_5 if c4_5 < six else six; c4_6 = c4_6 if c4_6 < six else six; c4_7 = c4_7 if c4_7 < six else six; c4_8 = c4_8 if c4_8 < six else six; c4_9 = c4_9 if c4_9 < six else six; c4_10 = c4_10 if c4_10 < six else six; c4_11 = c4_11 if c4_11 < six else six; c4_12 = c4_12 if c4_12 < six else six; c4_13 = c4_13 if c4_13 < six else six; c4_14 = c4_14 if c4_14 < six else six; c4_15 = c4_15 if c4_15 < six else six; c4_16 = c4_16 if c4_16 < six else six; c4_17 = c4_17 if c4_17 < six else six; c4_18 = c4_18 if c4_18 < six else six; c4_19 = c4_19 if c4_19 < six else six; c4_20 = c4_20 if c4_20 < six else six; c4_21 = c4_21 if c4_21 < six else six; c4_22 = c4_22 if c4_22 < six else six; c4_23 = c4_23 if c4_23 < six else six
+        if nv > 4:
+            cr = c[co + 4 * ldc:co + 4 * ldc + 24]
+            cr[0] = c4_0; cr[1] = c4_1; cr[2] = c4_2; cr[3] = c4_3; cr[4] = c4_4; cr[5] = c4_5; cr[6] = c4_6; cr[7] = c4_7; cr[8] = c4_8; cr[9] = c4_9; cr[10] = c4_10; cr[11] = c4_11; cr[12] = c4_12; cr[13] = c4_13; cr[14] = c4_14; cr[15] = c4_15; cr[16] = c4_16; cr[17] = c4_17; cr[18] = c4_18; cr[19] = c4_19; cr[20] = c4_20; cr[21] = c4_21; cr[22] = c4_22; cr[23] = c4_23
+        c5_0 += e0; c5_1 += e1; c5_2 += e2; c5_3 += e3; c5_4 += e4; c5_5 += e5; c5_6 += e6; c5_7 += e7; c5_8 += e8; c5_9 += e9; c5_10 += e10; c5_11 += e11; c5_12 += e12; c5_13 += e13; c5_14 += e14; c5_15 += e15; c5_16 += e16; c5_17 += e17; c5_18 += e18; c5_19 += e19; c5_20 += e20; c5_21 += e21; c5_22 += e22; c5_23 += e23
+        if has_res:
+            rr = res[ro + 5 * ldr:ro + 5 * ldr + 24]
+            c5_0 += rr[0]; c5_1 += rr[1]; c5_2 += rr[2]; c5_3 += rr[3]; c5_4 += rr[4]; c5_5 += rr[5]; c5_6 += rr[6]; c5_7 += rr[7]; c5_8 += rr[8]; c5_9 += rr[9]; c5_10 += rr[10]; c5_11 += rr[11]; c5_12 += rr[12]; c5_13 += rr[13]; c5_14 += rr[14]; c5_15 += rr[15]; c5_16 += rr[16]; c5_17 += rr[17]; c5_18 += rr[18]; c5_19 += rr[19]; c5_20 += rr[20]; c5_21 += rr[21]; c5_22 += rr[22]; c5_23 += rr[23]
+        if act != 0:
+            c5_0 = c5_0 if c5_0 > zero else zero; c5_1 = c5_1 if c5_1 > zero else zero; c5_2 = c5_2 if c5_2 > zero else zero; c5_3 = c5_3 if c5_3 > zero else zero; c5_4 = c5_4 if c5_4 > zero else zero; c5_5 = c5_5 if c5_5 > zero else zero; c5_6 = c5_6 if c5_6 > zero else zero; c5_7 = c5_7 if c5_7 > zero else zero; c5_8 = c5_8 if c5_8 > zero else zero; c5_9 = c5_9 if c5_9 > zero else zero; c5_10 = c5_10 if c5_10 > zero else zero; c5_11 = c5_11 if c5_11 > zero else zero; c5_12 = c5_12 if c5_12 > zero else zero; c5_13 = c5_13 if c5_13 > zero else zero; c5_14 = c5_14 if c5_14 > zero else zero; c5_15 = c5_15 if c5_15 > zero else zero; c5_16 = c5_16 if c5_16 > zero else zero; c5_17 = c5_17 if c5_17 > zero else zero; c5_18 = c5_18 if c5_18 > zero else zero; c5_19 = c5_19 if c5_19 > zero else zero; c5_20 = c5_20 if c5_20 > zero else zero; c5_21 = c5_21 if c5_21 > zero else zero; c5_22 = c5_22 if c5_22 > zero else zero; c5_23 = c5_23 if c5_23 > zero else zero
+            if act == 2:
+                c5_0 = c5_0 if c5_0 < six else six; c5_1 = c5_1 if c5_1 < six else six; c5_2 = c5_2 if c5_2 < six else six; c5_3 = c5_3 if c5_3 < six else six; c5_4 = c5_4 if c5_4 < six else six; c5_5 = c5_5 if c5_5 < six else six; c5_6 = c5_6 if c5_6 < six else six; c5_7 = c5_7 if c5_7 < six else six; c5_8 = c5_8 if c5_8 < six else six; c5_9 = c5_9 if c5_9 < six else six; c5_10 = c5_10 if c5_10 < six else six; c5_11 = c5_11 if c5_11 < six else six; c5_12 = c5_12 if c5_12 < six else six; c5_13 = c5_13 if c5_13 < six else six; c5_14 = c5_14 if c5_14 < six else six; c5_15 = c5_15 if c5_15 < six else six; c5_16 = c5_16 if c5_16 < six else six; c5_17 = c5_17 if c5_17 < six else six; c5_18 = c5_18 if c5_18 < six else six; c5_19 = c5_19 if c5_19 < six else six; c5_20 = c5_20 if c5_20 < six else six; c5_21 = c5_21 if c5_21 < six else six; c5_22 = c5_22 if c5_22 < six else six; c5_23 = c5_23 if c5_23 < six else six
+        if nv > 5:
+            cr = c[co + 5 * ldc:co + 5 * ldc + 24]
+            cr[0] = c5_0; cr[1] = c5_1; cr[2] = c5_2; cr[3] = c5_3; cr[4] = c5_4; cr[5] = c5_5; cr[6] = c5_6; cr[7] = c5_7; cr[8] = c5_8; cr[9] = c5_9; cr[10] = c5_10; cr[11] = c5_11; cr[12] = c5_12; cr[13] = c5_13; cr[14] = c5_14; cr[15] = c5_15; cr[16] = c5_16; cr[17] = c5_17; cr[18] = c5_18; cr[19] = c5_19; cr[20] = c5_20; cr[21] = c5_21; cr[22] = c5_22; cr[23] = c5_23
+        c6_0 += e0; c6_1 += e1; c6_2 += e2; c6_3 += e3; c6_4 += e4; c6_5 += e5; c6_6 += e6; c6_7 += e7; c6_8 += e8; c6_9 += e9; c6_10 += e10; c6_11 += e11; c6_12 += e12; c6_13 += e13; c6_14 += e14; c6_15 += e15; c6_16 += e16; c6_17 += e17; c6_18 += e18; c6_19 += e19; c6_20 += e20; c6_21 += e21; c6_22 += e22; c6_23 += e23
+        if has_res:
+            rr = res[ro + 6 * ldr:ro + 6 * ldr + 24]
+            c6_0 += rr[0]; c6_1 += rr[1]; c6_2 += rr[2]; c6_3 += rr[3]; c6_4 += rr[4]; c6_5 += rr[5]; c6_6 += rr[6]; c6_7 += rr[7]; c6_8 += rr[8]; c6_9 += rr[9]; c6_10 += rr[10]; c6_11 += rr[11]; c6_12 += rr[12]; c6_13 += rr[13]; c6_14 += rr[14]; c6_15 += rr[15]; c6_16 += rr[16]; c6_17 += rr[17]; c6_18 += rr[18]; c6_19 += rr[19]; c6_20 += rr[20]; c6_21 += rr[21]; c6_22 += rr[22]; c6_23 += rr[23]
+        if act != 0:
+            c6_0 = c6_0 if c6_0 > zero else zero; c6_1 = c6_1 if c6_1 > zero else zero; c6_2 = c6_2 if c6_2 > zero else zero; c6_3 = c6_3 if c6_3 > zero else zero; c6_4 = c6_4 if c6_4 > zero else zero; c6_5 = c6_5 if c6_5 > zero else zero; c6_6 = c6_6 if c6_6 > zero else zero; c6_7 = c6_7 if c6_7 > zero else zero; c6_8 = c6_8 if c6_8 > zero else zero; c6_9 = c6_9 if c6_9 > zero else zero; c6_10 = c6_10 if c6_10 > zero else zero; c6_11 = c6_11 if c6_11 > zero else zero; c6_12 = c6_12 if c6_12 > zero else zero; c6_13 = c6_13 if c6_13 > zero else zero; c6_14 = c6_14 if c6_14 > zero else zero; c6_15 = c6_15 if c6_15 > zero else zero; c6_16 = c6_16 if c6_16 > zero else zero; c6_17 = c6_17 if c6_17 > zero else zero; c6_18 = c6_18 if c6_18 > zero else zero; c6_19 = c6_19 if c6_19 > zero else zero; c6_20 = c6_20 if c6_20 > zero else zero; c6_21 = c6_21 if c6_21 > zero else zero; c6_22 = c6_22 if c6_22 > zero else zero; c6_23 = c6_23 if c6_23 > zero else zero
+            if act == 2:
+                c6_0 = c6_0 if c6_0 < six else six; c6_1 = c6_1 if c6_1 < six else six; c6_2 = c6_2 if c6_2 < six else six; c6_3 = c6_3 if c6_3 < six else six; c6_4 = c6_4 if c6_4 < six else six; c6_5 = c6_5 if c6_5 < six else six; c6_6 = c6_6 if c6_6 < six else six; c6_7 = c6_7 if c6_7 < six else six; c6_8 = c6_8 if c6_8 < six else six; c6_9 = c6_9 if c6_9 < six else six; c6_10 = c6_10 if c6_10 < six else six; c6_11 = c6_11 if c6_11 < six else six; c6_12 = c6_12 if c6_12 < six else six; c6_13 = c6_13 if c6_13 < six else six; c6_14 = c6_14 if c6_14 < six else six; c6_15 = c6_15 if c6_15 < six else six; c6_16 = c6_16 if c6_16 < six else six; c6_17 = c6_17 if c6_17 < six else six; c6_18 = c6_18 if c6_18 < six else six; c6_19 = c6_19 if c6_19 < six else six; c6_20 = c6_20 if c6_20 < six else six; c6_21 = c6_21 if c6_21 < six else six; c6_22 = c6_22 if c6_22 < six else six; c6_23 = c6_23 if c6_23 < six else six
+        if nv > 6:
+            cr = c[co + 6 * ldc:co + 6 * ldc + 24]
+            cr[0] = c6_0; cr[1] = c6_1; cr[2] = c6_2; cr[3] = c6_3; cr[4] = c6_4; cr[5] = c6_5; cr[6] = c6_6; cr[7] = c6_7; cr[8] = c6_8; cr[9] = c6_9; cr[10] = c6_10; cr[11] = c6_11; cr[12] = c6_12; cr[13] = c6_13; cr[14] = c6_14; cr[15] = c6_15; cr[16] = c6_16; cr[17] = c6_17; cr[18] = c6_18; cr[19] = c6_19; cr[20] = c6_20; cr[21] = c6_21; cr[22] = c6_22; cr[23] = c6_23
+        c7_0 += e0; c7_1 += e1; c7_2 += e2; c7_3 += e3; c7_4 += e4; c7_5 += e5; c7_6 += e6; c7_7 += e7; c7_8 += e8; c7_9 += e9; c7_10 += e10; c7_11 += e11; c7_12 += e12; c7_13 += e13; c7_14 += e14; c7_15 += e15; c7_16 += e16; c7_17 += e17; c7_18 += e18; c7_19 += e19; c7_20 += e20; c7_21 += e21; c7_22 += e22; c7_23 += e23
+        if has_res:
+            rr = res[ro + 7 * ldr:ro + 7 * ldr + 24]
+            c7_0 += rr[0]; c7_1 += rr[1]; c7_2 += rr[2]; c7_3 += rr[3]; c7_4 += rr[4]; c7_5 += rr[5]; c7_6 += rr[6]; c7_7 += rr[7]; c7_8 += rr[8]; c7_9 += rr[9]; c7_10 += rr[10]; c7_11 += rr[11]; c7_12 += rr[12]; c7_13 += rr[13]; c7_14 += rr[14]; c7_15 += rr[15]; c7_16 += rr[16]; c7_17 += rr[17]; c7_18 += rr[18]; c7_19 += rr[19]; c7_20 += rr[20]; c7_21 += rr[21]; c7_22 += rr[22]; c7_23 += rr[23]
+        if act != 0:
+            c7_0 = c7_0 if c7_0 > zero else zero; c7_1 = c7_1 if c7_1 > zero else zero; c7_2 = c7_2 if c7_2 > zero else zero; c7_3 = c7_3 if c7_3 > zero else zero; c7_4 = c7_4 if c7_4 > zero else zero; c7_5 = c7_5 if c7_5 > zero else zero; c7_6 = c7_6 if c7_6 > zero else zero; c7_7 = c7_7 if c7_7 > zero else zero; c7_8 = c7_8 if c7_8 > zero else zero; c7_9 = c7_9 if c7_9 > zero else zero; c7_10 = c7_10 if c7_10 > zero else zero; c7_11 = c7_11 if c7_11 > zero else zero; c7_12 = c7_12 if c7_12 > zero else zero; c7_13 = c7_13 if c7_13 > zero else zero; c7_14 = c7_14 if c7_14 > zero else zero; c7_15 = c7_15 if c7_15 > zero else zero; c7_16 = c7_16 if c7_16 > zero else zero; c7_17 = c7_17 if c7_17 > zero else zero; c7_18 = c7_18 if c7_18 > zero else zero; c7_19 = c7_19 if c7_19 > zero else zero; c7_20 = c7_20 if c7_20 > zero else zero; c7_21 = c7_21 if c7_21 > zero else zero; c7_22 = c7_22 if c7_22 > zero else zero; c7_23 = c7_23 if c7_23 > zero else zero
+            if act == 2:
+                c7_0 = c7_0 if c7_0 < six else six; c7_1 = c7_1 if c7_1 < six else six; c7_2 = c7_2 if c7_2 < six else six; c7_3 = c7_3 if c7_3 < six else six; c7_4 = c7_4 if c7_4 < six else six; c7_5 = c7_5 if c7_5 < six else six; c7_6 = c7_6 if c7_6 < six else six; c7_7 = c7_7 if c7_7 < six else six; c7_8 = c7_8 if c7_8 < six else six; c7_9 = c7_9 if c7_9 < six else six; c7_10 = c7_10 if c7_10 < six else six; c7_11 = c7_11 if c7_11 < six else six; c7_12 = c7_12 if c7_12 < six else six; c7_13 = c7_13 if c7_13 < six else six; c7_14 = c7_14 if c7_14 < six else six; c7_15 = c7_15 if c7_15 < six else six; c7_16 = c7_16 if c7_16 < six else six; c7_17 = c7_17 if c7_17 < six else six; c7_18 = c7_18 if c7_18 < six else six; c7_19 = c7_19 if c7_19 < six else six; c7_20 = c7_20 if c7_20 < six else six; c7_21 = c7_21 if c7_21 < six else six; c7_22 = c7_22 if c7_22 < six else six; c7_23 = c7_23 if c7_23 < six else six
+        if nv > 7:
+            cr = c[co + 7 * ldc:co + 7 * ldc + 24]
+            cr[0] = c7_0; cr[1] = c7_1; cr[2] = c7_2; cr[3] = c7_3; cr[4] = c7_4; cr[5] = c7_5; cr[6] = c7_6; cr[7] = c7_7; cr[8] = c7_8; cr[9] = c7_9; cr[10] = c7_10; cr[11] = c7_11; cr[12] = c7_12; cr[13] = c7_13; cr[14] = c7_14; cr[15] = c7_15; cr[16] = c7_16; cr[17] = c7_17; cr[18] = c7_18; cr[19] = c7_19; cr[20] = c7_20; cr[21] = c7_21; cr[22] = c7_22; cr[23] = c7_23
