@@ -456,7 +456,7 @@ def measure_gemvs(hidden: int, threads: int = 1) -> dict:
             "gemv_int8_Bps": measure_gemv(hidden, int8=True, threads=threads)}
 
 
-DECODE_CALL_MAX_COPIES = 16  # layers `measure_decode_call` cycles through at most
+DECODE_CALL_MAX_COPIES = 16  # layers `measure_decode_step` cycles through at most
 
 
 def decode_call_config(config, ranks: int = 1, copies: int = 1, ctx: int = 64):
@@ -472,28 +472,35 @@ def decode_call_config(config, ranks: int = 1, copies: int = 1, ctx: int = 64):
                        rope_theta=config.rope_theta)
 
 
-def measure_decode_call(config, ctx: int = 64, ranks: int = 1,
-                        cold_bytes: float = COLD_WEIGHT_BYTES) -> float:
-    """Seconds of one of a decode step's kernel or numpy calls, as a decode step makes them:
-    the profile's `call_overhead_s` for a decoder, which the decode program charges for each of
-    the calls it counts (hepti.graph.decoder `DECODE_CALLS` a layer).
+def measure_decode_step(config, ctx: int = 64, ranks: int = 1,
+                        cold_bytes: float = COLD_WEIGHT_BYTES) -> dict:
+    """What a decode step costs beyond its GeMVs' bytes, as a step meets it: the profile's
+    `call_overhead_s` for a decoder (seconds of one of the calls a layer makes, which the
+    decode program charges for each of the calls it counts: hepti.graph.decoder
+    `DECODE_CALLS` a layer) and `token_overhead_s` (seconds of a step's work outside its
+    layers and its head's GeMV: the ids checked, the embedding looked up, RoPE's row, the
+    final RMSNorm, the choice's argmax and Python; one "token" Work a step).
 
     A decode step's layer is some fifteen calls on one row (RMSNorm, q|k|v, RoPE, the cache,
     scores, softmax, context, o; RMSNorm, gate|up, SiLU, the product, down): each costs
     microseconds of Python and dispatch, and the elementwise ones and attention more as the
     width and the heads grow, and at one row that adds up to a part of the step the GeMVs'
-    bytes do not show. So this times `LlamaModel.layer` itself, one row against a cache of
-    `ctx` tokens, at a rank's shape (`decode_call_config`: its KV heads, MLP columns and the
-    whole width at even shares over `ranks`), int8 weights cycled through layers that together
-    exceed `cold_bytes` (a decode step meets each layer, and what its calls read, after the
-    others' weights went through the caches). The layer's part outside its four GeMVs, by the
-    CPU time of the calls (as `measure_layer` parts attention: the GeMVs' thread time
-    against the layer's), scaled to the layer's timed seconds, over `DECODE_CALLS`.
+    bytes do not show. So this times `LlamaModel.forward` itself, one token against a cache
+    of `ctx` tokens, and the choice of the next (argmax over the rank's share of the
+    vocabulary, and greedy's merge of `ranks` pairs), at a rank's shape (`decode_call_config`:
+    its KV heads, MLP columns and the whole width at even shares over `ranks`), int8 weights
+    in layers that together exceed `cold_bytes` (a decode step meets each layer, and what its
+    calls read, after the others' weights went through the caches). The head's GeMV is left
+    out (its bytes are priced; its logits are a fixed array of the rank's vocabulary rows).
+    The parts outside the GeMVs, by the CPU time of the calls (as `measure_layer` parts
+    attention: the GeMVs' thread time against the step's), scaled to the step's timed seconds.
 
     Until 2026-11-29 this timed a 64-wide layer of one KV head, hot: 133 us a layer of
     llama-1b where a rank's half of the real layer spent 264 us outside its GeMVs (uncapped,
     one process), and an emulated 0.4-core rank 0.36 ms of CPU (14 ms of its 164 ms step
-    where the plan counted 4.3; docs/results/llm.md)."""
+    where the plan counted 4.3; docs/results/llm.md). Then it timed the layer alone, and a
+    step's 0.6-0.9 ms of CPU outside its layers (20-22 ms of an emulated 0.4-core step
+    outside the GeMVs where the plan counted 9) went uncounted."""
     rng = np.random.default_rng(5)
     one = decode_call_config(config, ranks, 1, ctx)
     C, D, kv, f = one.hidden_size, one.head_dim, one.num_key_value_heads, one.intermediate_size
@@ -502,7 +509,7 @@ def measure_decode_call(config, ctx: int = 64, ranks: int = 1,
     cfg = decode_call_config(config, ranks, copies, ctx)
 
     def weight(name, shape):
-        if len(shape) == 2 and name.startswith("layer."):
+        if len(shape) == 2:
             q = rng.integers(-127, 128, shape, dtype=np.int8)
             scales = rng.random((shape[0], -(-shape[1] // GROUP)), dtype=np.float32)
             return K.QuantMatrix(q, scales * np.float32(1e-3), GROUP)
@@ -512,32 +519,49 @@ def measure_decode_call(config, ctx: int = 64, ranks: int = 1,
     model = LlamaModel(cfg, weights, consume=True)
     del weights
     cache = model.new_cache(ctx + 1)
-    cache.n = ctx
-    cos, sin = rope_tables(cfg.rope_theta, cfg.head_dim, np.arange(ctx, ctx + 1))
-    x = rng.standard_normal((1, C), dtype=np.float32)
-    gemv_cpu = [0.0]
-    mm = model._mm
+    # the head's logits: the rank's share of the real vocabulary, not computed (see above)
+    logits = rng.standard_normal((1, max(1, round(config.vocab_size / ranks))), dtype=np.float32)
+    gemv_cpu, layer_cpu = [0.0], [0.0]
+    mm, layer = model._mm, model.layer
 
     def timed_mm(a, w, residual=None):
+        if w is model.head:
+            return logits
         c0 = time.thread_time()
         y = mm(a, w, residual=residual)
         gemv_cpu[0] += time.thread_time() - c0
         return y
 
-    model._mm = timed_mm
-    turn, parts = [0], []  # the part outside the GeMVs of each call but the first
-
-    def layer():
-        gemv_cpu[0] = 0.0
+    def timed_layer(*a):
         c0 = time.thread_time()
-        model.layer(x, turn[0] % copies, cache, ctx, cos, sin, lambda a: a)
-        total = time.thread_time() - c0
-        if turn[0] and total > 0:
-            parts.append(max(total - gemv_cpu[0], 0.0) / total)
-        turn[0] += 1
+        y = layer(*a)
+        layer_cpu[0] += time.thread_time() - c0
+        return y
 
-    layer_s = _timed(layer)
-    return statistics.median(parts) * layer_s / DECODE_CALLS
+    model._mm, model.layer = timed_mm, timed_layer
+    pairs = np.zeros((max(ranks, 1), 2))
+    turn, parts = [0], []  # (calls, token) CPU fractions of each step
+
+    def step():
+        gemv_cpu[0] = layer_cpu[0] = 0.0
+        turn[0] += 1
+        c0 = time.thread_time()
+        cache.n = ctx
+        z = model.forward([turn[0] % cfg.vocab_size], cache)
+        i = int(np.argmax(z))  # TokenChooser.greedy's own work, its allgather left out
+        pairs[0] = (float(z[i]), i)
+        int(pairs[np.lexsort((pairs[:, 1], -pairs[:, 0]))[0], 1])
+        total = time.thread_time() - c0
+        if total > 0:
+            parts.append((max(layer_cpu[0] - gemv_cpu[0], 0.0) / total,
+                          max(total - layer_cpu[0], 0.0) / total))
+
+    step()
+    parts.clear()
+    step_s = _timed(step)
+    return {"call_overhead_s": statistics.median(p[0] for p in parts) * step_s
+            / (copies * DECODE_CALLS),
+            "token_overhead_s": statistics.median(p[1] for p in parts) * step_s}
 
 
 def measure_decoder(config, rows: int, threads: int = 1, ranks: int = 1) -> dict:
@@ -546,8 +570,8 @@ def measure_decoder(config, rows: int, threads: int = 1, ranks: int = 1) -> dict
     `gemm_flops`, a table by the GeMM's rows m up to the prompt's `rows` (the MLP's gate
     projection, [m, C] x [C, F], as prefill runs its GeMMs; the encoders' `measure_layer` times
     an encoder's layer graph, which a decoder has not), `elementwise_per_s` (RMSNorm on
-    [rows, C], as the decoder runs it) and `call_overhead_s` (`measure_decode_call`, at a
-    rank's shape at even shares over `ranks`).
+    [rows, C], as the decoder runs it), `call_overhead_s` and `token_overhead_s`
+    (`measure_decode_step`, at a rank's shape at even shares over `ranks`).
     Attention is left to the GeMM's table (the profile's default)."""
     rng = np.random.default_rng(4)
     C, F = config.hidden_size, config.intermediate_size
@@ -560,4 +584,4 @@ def measure_decoder(config, rows: int, threads: int = 1, ranks: int = 1) -> dict
     norm_s = _timed(lambda: x * (1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True)
                                                + np.float32(config.rms_norm_eps))) * gamma)
     return {"gemm_flops": gemm, "elementwise_per_s": rows * C / norm_s,
-            "call_overhead_s": measure_decode_call(config, ranks=ranks)}
+            **measure_decode_step(config, ranks=ranks)}

@@ -286,8 +286,10 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
 # starts level on an emulated device, `stretch.settle`; 14: a decoder's GeMVs timed on every
 # rank at once, its call overhead on its own layer, its one-row collectives calibrated; 15: a
 # decode step's syncs, per group (GeMV segments each followed by the allreduce, no barrier),
-# and a decode call's cost on a rank's real layer shape, cold, outside its GeMVs).
-PROFILER_REVISION = 15
+# and a decode call's cost on a rank's real layer shape, cold, outside its GeMVs; 16: a
+# decode step's work outside its layers (`token_overhead_s`), timed with the calls in a whole
+# step of `LlamaModel.forward`).
+PROFILER_REVISION = 16
 
 
 def cache_dir() -> Path:
