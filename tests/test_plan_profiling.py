@@ -203,7 +203,8 @@ def test_a_decode_calls_cost_is_timed_on_a_ranks_layer_shape():
     cost a call and a positive cost of the token's work outside the layers."""
     from hepti.kernels.int8 import GROUP
     from hepti.model.llama import LlamaConfig
-    from hepti.parallel.profile_compute import decode_call_config, measure_decode_step
+    from hepti.parallel.profile_compute import (decode_call_config, measure_decode_step,
+                                                measure_gemv)
     cfg = LlamaConfig(vocab_size=64, hidden_size=128, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=4, intermediate_size=512, head_dim=16)
     two = decode_call_config(cfg, ranks=2, copies=3, ctx=10)
@@ -213,3 +214,6 @@ def test_a_decode_calls_cost_is_timed_on_a_ranks_layer_shape():
     assert (many.num_key_value_heads, many.num_attention_heads, many.intermediate_size) == (1, 2, GROUP)
     got = measure_decode_step(cfg, ctx=10, ranks=2, cold_bytes=1 << 20)
     assert 0 < got["call_overhead_s"] < 0.01 and 0 < got["token_overhead_s"] < 0.01
+    # the GeMVs' bytes/s on the same shapes, cycled (float32 and int8)
+    assert measure_gemv(128, config=cfg, ranks=2, nbytes=1 << 20) > 0
+    assert measure_gemv(128, int8=True, config=cfg, ranks=2, nbytes=1 << 20) > 0

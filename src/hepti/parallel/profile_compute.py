@@ -422,38 +422,71 @@ def measure_weight_load(config: ModelConfig, directory: str | None = None, round
 # --- a decoder's compute (issue 46) -------------------------------------------------------------
 
 def measure_gemv(hidden: int, int8: bool = False, nbytes: int = COLD_WEIGHT_BYTES,
-                 threads: int = 1) -> float:
-    """Bytes/s of weights one row's product reads (a decode step's GeMV): x [1, C] times
-    weights [C, N] packed as the decoder packs them (float32 `pack_b`; int8 `pack_q` of an
-    [N, C] matrix in groups along C, as stored), N chosen so that the weights come to about
-    `nbytes`, more than the caches hold, as a decode step meets each layer's weights cold.
-    Bytes are the stored bytes (int8: values and their scales), so a plan prices the bytes a
-    rank holds."""
+                 threads: int = 1, config=None, ranks: int = 1) -> float:
+    """Bytes/s of weights one row's products read (a decode step's GeMVs): x [1, K] times
+    weights packed as the decoder packs them (float32 `pack_b`; int8 `pack_q` of an [N, K]
+    matrix in groups along K, as stored), as a decode step meets them cold. Bytes are the
+    stored bytes (int8: values and their scales), so a plan prices the bytes a rank holds.
+
+    With a decoder's `config`: the four products of a layer (q|k|v, o, gate|up, down) at the
+    shapes a rank holds at even shares over `ranks` (`decode_call_config`), through as many
+    layers as make `nbytes` at least (each at most 2 `nbytes`: a wider layer is timed at the
+    shape of a finer share), one after the other, as a step runs them. Until 2026-11-29 this
+    timed one [C, N] matrix of `nbytes` again and again (the figure without `config`): 1.3x
+    the bytes/s of llama-1b's real layers cycled the same way in one process (30 against 23
+    GB/s of CPU, 1 and 2 ranks' shapes, interleaved), and emulated decode steps spent 1.3x
+    the GeMV time the plan counted."""
     rng = np.random.default_rng(3)
-    per_col = hidden * (1 + 4 / GROUP if int8 else 4)  # stored bytes of one output column
-    n = max(GROUP, int(nbytes // per_col) // GROUP * GROUP)
-    if int8:  # int8 values and scales made as such: quantising a float32 matrix of the same
-        # shape held 4x the bytes a few times over (a 0.8 GiB peak for llama-1b's width, more
-        # than an 800 MiB emulated board has)
-        q = rng.integers(-127, 128, (n, hidden), dtype=np.int8)
-        scales = rng.random((n, -(-hidden // GROUP)), dtype=np.float32) * np.float32(1e-3)
-        packed = K.pack_q(K.QuantMatrix(q, scales, GROUP), trans=True)
-        del q
+    vb = 1 + 4 / GROUP if int8 else 4  # stored bytes of one weight value
+
+    def packed(n, k, trans):  # B [k, n] stored as the decoder stores it ([n, k] if trans,
+        # as HF's q/k/v and gate/up; [k, n] as o and down), packed as it packs it
+        shape = (n, k) if trans else (k, n)
+        if int8:  # int8 values and scales made as such: quantising a float32 matrix of the
+            # same shape held 4x the bytes a few times over (a 0.8 GiB peak for llama-1b's
+            # width, more than an 800 MiB emulated board has)
+            q = rng.integers(-127, 128, shape, dtype=np.int8)
+            scales = rng.random((shape[0], -(-shape[1] // GROUP)), dtype=np.float32)
+            return K.pack_q(K.QuantMatrix(q, scales * np.float32(1e-3), GROUP), trans=trans)
+        return K.pack_b(rng.standard_normal(shape, dtype=np.float32), trans=trans)
+
+    if config is None:
+        n = max(GROUP, int(nbytes // (hidden * vb)) // GROUP * GROUP)
+        shapes = [(n, hidden, True)]
     else:
-        packed = K.pack_b(rng.standard_normal((n, hidden), dtype=np.float32), trans=True)
-    x = rng.standard_normal((1, hidden), dtype=np.float32)
-    out = np.empty((1, n), np.float32)
-    return n * per_col / _timed(lambda: K.gemm_any(x, packed, out=out, threads=threads))
+        share = max(1, int(ranks))
+        while True:
+            one = decode_call_config(config, share)
+            C, D, kv, f = (one.hidden_size, one.head_dim, one.num_key_value_heads,
+                           one.intermediate_size)
+            layer = [((one.group + 2) * kv * D, C, True), (C, one.group * kv * D, False),
+                     (2 * f, C, True), (C, f, False)]  # q|k|v, o, gate|up, down: (N, K, HF's)
+            layer_bytes = sum(n * k for n, k, _ in layer) * vb
+            if layer_bytes <= 2 * nbytes or (kv == 1 and f == GROUP):
+                break
+            share *= 2
+        shapes = layer * int(min(DECODE_CALL_MAX_COPIES, max(1, math.ceil(nbytes / layer_bytes))))
+    mats = [(packed(n, k, t), rng.standard_normal((1, k), dtype=np.float32),
+             np.empty((1, n), np.float32)) for n, k, t in shapes]
+    total = sum(n * k for n, k, _ in shapes) * vb
+
+    def run():
+        for w, x, out in mats:
+            K.gemm_any(x, w, out=out, threads=threads)
+
+    return total / _timed(run)
 
 
-def measure_gemvs(hidden: int, threads: int = 1) -> dict:
-    """The profile's `gemv_Bps` and `gemv_int8_Bps` (`measure_gemv`). A one-row product is
+def measure_gemvs(hidden: int, threads: int = 1, config=None, ranks: int = 1) -> dict:
+    """The profile's `gemv_Bps` and `gemv_int8_Bps` (`measure_gemv`; with a decoder's
+    `config`, on a rank's layer shapes at even shares over `ranks`). A one-row product is
     bound by memory bandwidth, which ranks on one machine share while they decode, so
     hepti.parallel.profiling calls this on every rank at once, right after a barrier: each
     rank's figure is its share with the others reading too, as in a run (under `hepti emulate`
     each rank is also held to its own CPU share)."""
-    return {"gemv_Bps": measure_gemv(hidden, threads=threads),
-            "gemv_int8_Bps": measure_gemv(hidden, int8=True, threads=threads)}
+    kw = {"threads": threads, "config": config, "ranks": ranks}
+    return {"gemv_Bps": measure_gemv(hidden, **kw),
+            "gemv_int8_Bps": measure_gemv(hidden, int8=True, **kw)}
 
 
 DECODE_CALL_MAX_COPIES = 16  # layers `measure_decode_step` cycles through at most

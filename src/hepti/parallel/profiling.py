@@ -103,7 +103,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     if decoder:  # its GeMM table, RMSNorm, a decode call (no encoder layer graph to time)
         compute = measure_decoder(config, M, threads, ranks=size)
         barrier(comm)  # every rank's GeMV at once: they share the memory bandwidth
-        compute.update(measure_gemvs(config.hidden_size, threads))
+        compute.update(measure_gemvs(config.hidden_size, threads, config=config, ranks=size))
     else:
         gemm, attention = measure_layer(config, batch, seq_len, threads)
         compute = {"gemm_flops": gemm, "attention_flops": attention,
