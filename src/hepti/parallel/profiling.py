@@ -288,7 +288,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
 # decode step's syncs, per group (GeMV segments each followed by the allreduce, no barrier),
 # and a decode call's cost on a rank's real layer shape, cold, outside its GeMVs; 16: a
 # decode step's work outside its layers (`token_overhead_s`), timed with the calls in a whole
-# step of `LlamaModel.forward`).
+# step of `LlamaModel.forward`, and a decoder's GeMV bytes/s on a rank's real layer shapes).
 PROFILER_REVISION = 16
 
 
