@@ -678,3 +678,41 @@ def test_silu_times_and_one_ids_check_match_the_plain_forms():
     for bad in ([10], [-1]):
         with pytest.raises(InputError, match="token ids must be in"):
             checked_ids(bad, 10)
+
+
+def test_a_shard_is_loaded_a_layer_at_a_time_with_its_freed_pages_handed_back(tiny_int8_dir,
+                                                                             monkeypatch):
+    """read_shard's tensors, consumed by the model, hand the heap back once per layer as the
+    model takes them (`ShardWeights`), and the group's load runs with large arrays mapped on
+    their own (`arrays_mapped`: glibc's mmap threshold at 1 MiB, then its 32 MiB ceiling and
+    the trim threshold at twice that):
+    the bytes the plan counts for a rank's load (hepti.plan.decoder) are its stored arrays'
+    and one layer's, not the heap's leftovers. No memory is measured here: only the calls."""
+    from hepti.model.llama import Shard
+    from hepti.weights import WeightStore
+    from hepti.weights import decoder as wd
+    trims, opts = [], []
+
+    class FakeLibc:
+        def malloc_trim(self, pad):
+            trims.append(pad)
+
+        def mallopt(self, param, value):
+            opts.append((param, value))
+
+    monkeypatch.setattr(wd, "_libc", lambda: FakeLibc())
+    shard = Shard((1, 2), (37, 151), (11, 250), residual=False)
+    with WeightStore(tiny_int8_dir) as store:
+        with wd.arrays_mapped():
+            assert opts == [(wd.M_MMAP_THRESHOLD, 1 << 20)]
+            weights = wd.read_shard(store, shard)
+            assert isinstance(weights, wd.ShardWeights) and not trims
+            n_layers = store.config.num_hidden_layers
+            LlamaModel(store.config, weights, shard=shard, consume=True)
+            assert not weights and trims == [0] * n_layers  # one trim a layer, none between
+        assert opts[1:] == [(wd.M_MMAP_THRESHOLD, 32 << 20), (wd.M_TRIM_THRESHOLD, 64 << 20)]
+        assert len(trims) == n_layers + 1
+    w = wd.ShardWeights({"emb.word": 1, "layer.0.a": 2, "layer.0.b": 3, "layer.1.a": 4})
+    trims.clear()
+    assert [w.pop(k) for k in ("emb.word", "layer.0.a", "layer.0.b", "layer.1.a")] == [1, 2, 3, 4]
+    assert len(trims) == 2 and w.pop("missing", None) is None

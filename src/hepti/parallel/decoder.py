@@ -67,7 +67,7 @@ from hepti.counts import counts, offsets
 from hepti.errors import InputError
 from hepti.model.llama import KVCache, LlamaConfig, LlamaModel, Shard
 from hepti.parallel.comm import Comm
-from hepti.weights.decoder import read_shard
+from hepti.weights.decoder import arrays_mapped, read_shard
 
 FIRST_CANDIDATES = 64  # top-p: each rank's best (value, index) pairs in the first round
 # the categories the verbs time themselves under (Tracer.seconds): a rank's communication
@@ -164,10 +164,11 @@ class DecoderGroup:
         self.shards = shards(self.config, ratios)  # every rank's, for the logits' Gatherv
         self.shard = self.shards[comm.rank]
         self.rows = list(ratios["rows"])
-        weights = read_shard(store, self.shard)
-        self.weight_bytes = sum(int(w.nbytes) for w in weights.values())  # as read: int8 + scales
-        self.model = LlamaModel(self.config, weights, kernels=kernels, shard=self.shard,
-                                consume=True)
+        with arrays_mapped():  # each layer's stored arrays freed as it is packed
+            weights = read_shard(store, self.shard)
+            self.weight_bytes = sum(int(w.nbytes) for w in weights.values())  # int8 + scales
+            self.model = LlamaModel(self.config, weights, kernels=kernels, shard=self.shard,
+                                    consume=True)
 
     def sync(self, partial: np.ndarray) -> np.ndarray:
         """Sum a partial [T, C] over the group: an allreduce for one row, a reduce-scatter over

@@ -44,6 +44,7 @@ tensor's shape against the config.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -135,13 +136,93 @@ def shard_rows(name: str, shard: Shard, config: LlamaConfig) -> tuple[int, int] 
     return None
 
 
-def read_shard(store, shard: Shard) -> dict[str, np.ndarray]:
+class ShardWeights(dict):
+    """A rank's stored tensors (`read_shard`) that hand the heap's freed pages back to the
+    system as `LlamaModel(..., consume=True)` takes them a layer at a time: on the first `pop`
+    of each layer's tensors, glibc's `malloc_trim`.
+
+    Why: the model packs a layer and frees its stored arrays, but glibc's dynamic mmap
+    threshold rises to the size of the first large array freed, so the later arrays of that
+    size come from the heap, and the heap keeps their pages after they are freed. On
+    emu-mixed4's rank 0 (a 627 MiB int8 share of llama-1b) the load peaked 738 MiB over the
+    process's memory before it and kept 750 - 51 MiB; trimmed a layer at a time, 708 and 663
+    MiB (the packed model alone is 658), in the same 15-16 s. Not trimmed, the heap's pages
+    are the model's memory until the process ends."""
+
+    _layer: str | None = None
+
+    def pop(self, name, *default):
+        layer = name.split(".", 2)[1] if name.startswith("layer.") else None
+        if layer is not None and layer != self._layer:
+            self._layer = layer
+            trim_heap()
+        return super().pop(name, *default)
+
+
+_LIBC: list = []
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt's parameters
+LOAD_MMAP_THRESHOLD = 1 << 20  # while loading: arrays from 1 MiB up are mapped on their own
+MMAP_THRESHOLD_MAX = 32 << 20  # after: glibc's own ceiling (64-bit) of its dynamic threshold,
+TRIM_THRESHOLD_AFTER = 2 * MMAP_THRESHOLD_MAX  # and the trim threshold glibc pairs with it
+
+
+def _libc():
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL("libc.so.6"))
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]
+
+
+def trim_heap() -> None:
+    """glibc's `malloc_trim(0)`: the heap's free pages back to the system (nothing elsewhere)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+class arrays_mapped:
+    """A context for loading a shard: glibc maps every allocation of 1 MiB or more on its own
+    (`mallopt(M_MMAP_THRESHOLD)`), so a stored array freed once its layer is packed goes back
+    to the system at once, whatever the process allocated before; on leaving, the threshold
+    is glibc's ceiling for its dynamic one (32 MiB), where a profile's probes had left it, and
+    the heap's top is trimmed past twice that, as glibc's dynamic rule would (setting one
+    threshold fixes both: left at 128 KiB, a prefill's arrays would be faulted in anew each
+    call).
+
+    Why: glibc raises its threshold to the size of each mapped array freed (up to 32 MiB); a
+    process that profiled first had freed arrays of tens of MiB, so every stored array and its
+    packed copy came from the heap, and a layer's freed arrays stayed in it until the next
+    trim. emu-mixed4's rank 0, planned 744 MiB for a 623 MiB int8 share of llama-1b over the
+    127 MiB it held after profiling, was OOM-killed holding 1042 MiB of anonymous memory (the
+    kernel's report). One process loading a 627 MiB share after a 30 MiB array was freed
+    peaked 748 MiB over its memory before the load; under this context (and `ShardWeights`'
+    trims), 706. No-op without glibc."""
+
+    def __enter__(self):
+        libc = _libc()
+        if libc is not None and hasattr(libc, "mallopt"):
+            libc.mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD)
+        return self
+
+    def __exit__(self, *exc):
+        libc = _libc()
+        if libc is not None and hasattr(libc, "mallopt"):
+            libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+            libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_AFTER)
+        trim_heap()
+        return False
+
+
+def read_shard(store, shard: Shard) -> ShardWeights:
     """A rank's rows of every stored tensor (`hepti.weights.WeightStore.read`, one hyperslab
-    each): what `LlamaModel(config, weights, shard=shard)` takes. A rank reads nothing of the
+    each): what `LlamaModel(config, weights, shard=shard)` takes (as a `ShardWeights`, which
+    trims the heap as the model consumes it a layer at a time). A rank reads nothing of the
     rows it does not own."""
     config = store.config
-    return {name: store.read(name, shard_rows(name, shard, config))
-            for name in expected_shapes(config)}
+    return ShardWeights((name, store.read(name, shard_rows(name, shard, config)))
+                        for name in expected_shapes(config))
 
 
 def is_decoder(path: str | Path) -> bool:
