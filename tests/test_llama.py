@@ -19,7 +19,8 @@ gguf = pytest.importorskip("gguf")
 
 from hepti.errors import InputError, WeightsError  # noqa: E402
 from hepti.kernels import QuantMatrix, config as kernel_config  # noqa: E402
-from hepti.model.llama import KVCache, LlamaModel  # noqa: E402
+from hepti.model.llama import (  # noqa: E402
+    KVCache, LlamaConfig, LlamaModel, checked_ids, rope_tables, silu, silu_times)
 from hepti.weights.decoder import load_decoder, load_tokenizer  # noqa: E402
 from hepti.weights.gguf import (GGUFFile, convert_gguf, dequantize,  # noqa: E402
                                 unpermute_qk)
@@ -653,6 +654,30 @@ def test_convert_int8_calibrates_by_default_and_none_keeps_nothing(tmp_path):
     assert code == 0, err
     source = json.loads((tmp_path / "none" / "index.json").read_text())["source"]
     assert "keep_float32_by" not in source and not source.get("keep_float32")
+
+
+def test_a_caches_rope_rows_are_what_the_tables_give_each_position_alone():
+    """`KVCache.rope` slices tables made once for the context; each row is bit-equal to
+    `rope_tables` of that position (or range) alone, as the forward computed them before."""
+    cfg = LlamaConfig(vocab_size=16, hidden_size=12, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=8, head_dim=6, rope_theta=1e5)
+    cache = KVCache(cfg, 37)
+    for p0, t in ((0, 1), (5, 1), (36, 1), (0, 37), (10, 7)):
+        cos, sin = cache.rope(p0, t)
+        c1, s1 = rope_tables(1e5, 6, np.arange(p0, p0 + t))
+        assert np.array_equal(cos, c1) and np.array_equal(sin, s1)
+
+
+def test_silu_times_and_one_ids_check_match_the_plain_forms():
+    """`silu_times` is silu(g) * u bit for bit; `checked_ids` of a decode step's one id gives
+    what the general path gives, and refuses an id outside the vocabulary the same way."""
+    rng = np.random.default_rng(1)
+    g, u = (rng.standard_normal((1, 300), dtype=np.float32) * 4 for _ in range(2))
+    assert np.array_equal(silu_times(g, u), silu(g) * u)
+    assert checked_ids([7], 10).dtype == np.int64 and checked_ids([7], 10).tolist() == [7]
+    for bad in ([10], [-1]):
+        with pytest.raises(InputError, match="token ids must be in"):
+            checked_ids(bad, 10)
 
 
 def test_a_shard_is_loaded_a_layer_at_a_time_with_its_freed_pages_handed_back(tiny_int8_dir,

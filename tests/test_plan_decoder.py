@@ -74,6 +74,24 @@ def test_calls_cost_the_profiles_call_overhead_each_on_a_rank_with_their_dimensi
     assert r1 - r1_free == pytest.approx((2 * MLP_CALLS + 1) * 1e-3)
 
 
+def test_a_tokens_work_outside_the_layers_costs_the_profiles_token_overhead_once_a_step():
+    """The "token" Work at the head costs `token_overhead_s` once a step (no call overhead
+    with it), on every rank with vocabulary rows, in prefill too."""
+    whole = {"heads": [2], "ffn": [6], "vocab": [10]}
+    for p in (decode_program(TINY, 5), prefill_program(TINY, 1)):
+        free, tok = (declared_profile([dict(DEV, token_overhead_s=o)]) for o in (0.0, 2e-3))
+        extra = evaluate(p, whole, tok).latency_s - evaluate(p, whole, free).latency_s
+        assert extra == pytest.approx(2e-3)
+    two = declared_profile([dict(DEV, token_overhead_s=2e-3)] * 2)
+    split = {"heads": [1, 1], "ffn": [3, 3], "vocab": [5, 5]}
+    got = evaluate(decode_program(TINY, 5), split, two)
+    free = evaluate(decode_program(TINY, 5), split, declared_profile([DEV, DEV]))
+    for a, b in zip(got.per_rank, free.per_rank):
+        assert a.compute_s - b.compute_s == pytest.approx(2e-3)
+    assert declared_profile([dict(DEV, token_overhead_s=2e-3)]).devices[0].to_json()[
+        "token_overhead_s"] == 2e-3
+
+
 def test_decode_split_by_hand():
     """Two ranks, 1 KV head and 3 columns and 5 vocabulary rows each: half the bytes each, and
     per allreduce (n-1) latency + S / bandwidth + the adds."""

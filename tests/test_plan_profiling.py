@@ -197,13 +197,14 @@ def test_sync_figures_part_a_groups_waits_into_jitter_and_transfer():
 
 
 def test_a_decode_calls_cost_is_timed_on_a_ranks_layer_shape():
-    """`measure_decode_call` times a layer of a rank's shape at even shares
+    """`measure_decode_step` times a decode step of a rank's shape at even shares
     (`decode_call_config`): the whole width and head size, its KV heads (at least one) with
     their query heads, its MLP columns in whole groups (at least one), and gives a positive
-    cost a call."""
+    cost a call and a positive cost of the token's work outside the layers."""
     from hepti.kernels.int8 import GROUP
     from hepti.model.llama import LlamaConfig
-    from hepti.parallel.profile_compute import decode_call_config, measure_decode_call
+    from hepti.parallel.profile_compute import (decode_call_config, measure_decode_step,
+                                                measure_gemv)
     cfg = LlamaConfig(vocab_size=64, hidden_size=128, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=4, intermediate_size=512, head_dim=16)
     two = decode_call_config(cfg, ranks=2, copies=3, ctx=10)
@@ -211,7 +212,11 @@ def test_a_decode_calls_cost_is_timed_on_a_ranks_layer_shape():
     assert (two.num_key_value_heads, two.num_attention_heads, two.intermediate_size) == (2, 4, 256)
     many = decode_call_config(cfg, ranks=16)
     assert (many.num_key_value_heads, many.num_attention_heads, many.intermediate_size) == (1, 2, GROUP)
-    assert 0 < measure_decode_call(cfg, ctx=10, ranks=2, cold_bytes=1 << 20) < 0.01
+    got = measure_decode_step(cfg, ctx=10, ranks=2, cold_bytes=1 << 20)
+    assert 0 < got["call_overhead_s"] < 0.01 and 0 < got["token_overhead_s"] < 0.01
+    # the GeMVs' bytes/s on the same shapes, cycled (float32 and int8)
+    assert measure_gemv(128, config=cfg, ranks=2, nbytes=1 << 20) > 0
+    assert measure_gemv(128, int8=True, config=cfg, ranks=2, nbytes=1 << 20) > 0
 
 
 def test_a_devices_memory_leaves_out_the_file_pages_its_process_runs_from(monkeypatch):

@@ -28,9 +28,13 @@ RMSNorm, RoPE and SiLU's arithmetic is left out (elementwise over [T, C] or [T, 
 of a layer's time at SmolLM2's shapes), but not their calls: a layer makes ATTENTION_CALLS
 kernel and numpy calls on a rank with KV heads and MLP_CALLS on one with MLP columns, each
 costing the profile's `call_overhead_s` (for a decoder, measured on `LlamaModel.layer` itself:
-hepti.parallel.profile_compute `measure_decode_call`) whatever its bytes. At one row these fixed
+hepti.parallel.profile_compute `measure_decode_step`) whatever its bytes. At one row these fixed
 costs are a part of a decode step the bytes do not show, and they do not shrink as a rank's
 share does: each Work costs one call, and `_calls` adds the rest as Works of no arithmetic.
+A token's own work outside the layers (its ids checked, the embedding looked up, RoPE's row,
+the final RMSNorm, the choice's argmax and Python) is one "token" Work at the head, the
+profile's `token_overhead_s` (timed with the layers' calls: `measure_decode_step`): 0.6-0.9 ms
+of CPU a token on llama-1b, 2 ms of an emulated 0.4-core step, which the program did not count.
 
 Collectives, as `DecoderGroup.sync` and `TokenChooser.greedy` call the verbs: the embedding's
 sum and two per layer (after o and after down): for one row an "allreduce" of C floats (one
@@ -112,9 +116,13 @@ def _program(name: str, config, rows: int, ctx: int, weight_bytes: float,
 
 
 def _head(config, weight_bytes: float) -> list[Phase]:
-    """The tied head on one row (a GeMV over the rank's vocabulary rows), then greedy's choice."""
+    """The tied head on one row (a GeMV over the rank's vocabulary rows), then greedy's choice;
+    with them the token's work outside the layers (a "token" Work: the profile's
+    `token_overhead_s`, on a rank with vocabulary rows)."""
     head = Work(_gemv_kind(weight_bytes), "vocab", config.hidden_size * weight_bytes, name="head")
-    return [Phase((head,), Collective("allgather", None, GREEDY_PAIR_BYTES, "choose"), "head")]
+    token = Work("token", "vocab", 1.0, name="token")
+    return [Phase((head, token), Collective("allgather", None, GREEDY_PAIR_BYTES, "choose"),
+                  "head")]
 
 
 def decode_program(config, ctx: int, weight_bytes: float = F32) -> Program:

@@ -28,6 +28,8 @@ class Work:
     #            | "load" (stored weight bytes made into packed slices on the rank's CPU)
     #            | "gemv" / "gemv_int8" (bytes a one-row product reads: float32 / int8 weights,
     #              at the device's GeMV bytes/s; the decoder's decode, hepti.graph.decoder)
+    #            | "token" (`per_unit` times a token's fixed work outside a decoder's layers,
+    #              the device's `token_overhead_s`: hepti.graph.decoder; no call overhead)
     dim: str  # "heads" | "ffn" | "rows" | "vocab" | ROOT
     per_unit: float
     size_fixed: float = math.inf
@@ -70,6 +72,8 @@ class Work:
             return 0.0
         if self.kind == "load" and dev.weight_load_Bps is None:
             return 0.0
+        if self.kind == "token":  # measured whole, its calls included
+            return self.per_unit * dev.token_overhead_s
         return self.per_unit * self.blocks(count) / self.speed(dev, count) + dev.call_overhead_s
 
 

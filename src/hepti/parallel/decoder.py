@@ -247,11 +247,15 @@ class TokenChooser:
         """The largest logit over the group; ties to the lower index."""
         if logits.size:
             i = int(np.argmax(logits))
+            if self.comm.solo:  # a group of one: its own best (no gather, no sort)
+                return self.v0 + i
             mine = (float(logits[i]), self.v0 + i)
         else:
             mine = (-np.inf, np.inf)
-        g = self.comm.allgather_small(mine)  # (N, 2): each rank's (best value, its index)
-        return int(g[np.lexsort((g[:, 1], -g[:, 0]))[0], 1])
+        g = self.comm.allgather_small(mine).tolist()  # N x [best value, its index]
+        # the largest value, ties to the lower index (a sort of N pairs, in Python: cheaper
+        # than numpy's calls for a handful of ranks at a decode step)
+        return int(max(g, key=lambda p: (p[0], -p[1]))[1])
 
     def _normaliser(self, m: float, s: float) -> tuple[float, float]:
         """From this rank's max m of z and sum s of exp(z - m): the group's max M and the sum

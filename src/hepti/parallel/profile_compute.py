@@ -422,41 +422,74 @@ def measure_weight_load(config: ModelConfig, directory: str | None = None, round
 # --- a decoder's compute (issue 46) -------------------------------------------------------------
 
 def measure_gemv(hidden: int, int8: bool = False, nbytes: int = COLD_WEIGHT_BYTES,
-                 threads: int = 1) -> float:
-    """Bytes/s of weights one row's product reads (a decode step's GeMV): x [1, C] times
-    weights [C, N] packed as the decoder packs them (float32 `pack_b`; int8 `pack_q` of an
-    [N, C] matrix in groups along C, as stored), N chosen so that the weights come to about
-    `nbytes`, more than the caches hold, as a decode step meets each layer's weights cold.
-    Bytes are the stored bytes (int8: values and their scales), so a plan prices the bytes a
-    rank holds."""
+                 threads: int = 1, config=None, ranks: int = 1) -> float:
+    """Bytes/s of weights one row's products read (a decode step's GeMVs): x [1, K] times
+    weights packed as the decoder packs them (float32 `pack_b`; int8 `pack_q` of an [N, K]
+    matrix in groups along K, as stored), as a decode step meets them cold. Bytes are the
+    stored bytes (int8: values and their scales), so a plan prices the bytes a rank holds.
+
+    With a decoder's `config`: the four products of a layer (q|k|v, o, gate|up, down) at the
+    shapes a rank holds at even shares over `ranks` (`decode_call_config`), through as many
+    layers as make `nbytes` at least (each at most 2 `nbytes`: a wider layer is timed at the
+    shape of a finer share), one after the other, as a step runs them. Until 2026-11-29 this
+    timed one [C, N] matrix of `nbytes` again and again (the figure without `config`): 1.3x
+    the bytes/s of llama-1b's real layers cycled the same way in one process (30 against 23
+    GB/s of CPU, 1 and 2 ranks' shapes, interleaved), and emulated decode steps spent 1.3x
+    the GeMV time the plan counted."""
     rng = np.random.default_rng(3)
-    per_col = hidden * (1 + 4 / GROUP if int8 else 4)  # stored bytes of one output column
-    n = max(GROUP, int(nbytes // per_col) // GROUP * GROUP)
-    if int8:  # int8 values and scales made as such: quantising a float32 matrix of the same
-        # shape held 4x the bytes a few times over (a 0.8 GiB peak for llama-1b's width, more
-        # than an 800 MiB emulated board has)
-        q = rng.integers(-127, 128, (n, hidden), dtype=np.int8)
-        scales = rng.random((n, -(-hidden // GROUP)), dtype=np.float32) * np.float32(1e-3)
-        packed = K.pack_q(K.QuantMatrix(q, scales, GROUP), trans=True)
-        del q
+    vb = 1 + 4 / GROUP if int8 else 4  # stored bytes of one weight value
+
+    def packed(n, k, trans):  # B [k, n] stored as the decoder stores it ([n, k] if trans,
+        # as HF's q/k/v and gate/up; [k, n] as o and down), packed as it packs it
+        shape = (n, k) if trans else (k, n)
+        if int8:  # int8 values and scales made as such: quantising a float32 matrix of the
+            # same shape held 4x the bytes a few times over (a 0.8 GiB peak for llama-1b's
+            # width, more than an 800 MiB emulated board has)
+            q = rng.integers(-127, 128, shape, dtype=np.int8)
+            scales = rng.random((shape[0], -(-shape[1] // GROUP)), dtype=np.float32)
+            return K.pack_q(K.QuantMatrix(q, scales * np.float32(1e-3), GROUP), trans=trans)
+        return K.pack_b(rng.standard_normal(shape, dtype=np.float32), trans=trans)
+
+    if config is None:
+        n = max(GROUP, int(nbytes // (hidden * vb)) // GROUP * GROUP)
+        shapes = [(n, hidden, True)]
     else:
-        packed = K.pack_b(rng.standard_normal((n, hidden), dtype=np.float32), trans=True)
-    x = rng.standard_normal((1, hidden), dtype=np.float32)
-    out = np.empty((1, n), np.float32)
-    return n * per_col / _timed(lambda: K.gemm_any(x, packed, out=out, threads=threads))
+        share = max(1, int(ranks))
+        while True:
+            one = decode_call_config(config, share)
+            C, D, kv, f = (one.hidden_size, one.head_dim, one.num_key_value_heads,
+                           one.intermediate_size)
+            layer = [((one.group + 2) * kv * D, C, True), (C, one.group * kv * D, False),
+                     (2 * f, C, True), (C, f, False)]  # q|k|v, o, gate|up, down: (N, K, HF's)
+            layer_bytes = sum(n * k for n, k, _ in layer) * vb
+            if layer_bytes <= 2 * nbytes or (kv == 1 and f == GROUP):
+                break
+            share *= 2
+        shapes = layer * int(min(DECODE_CALL_MAX_COPIES, max(1, math.ceil(nbytes / layer_bytes))))
+    mats = [(packed(n, k, t), rng.standard_normal((1, k), dtype=np.float32),
+             np.empty((1, n), np.float32)) for n, k, t in shapes]
+    total = sum(n * k for n, k, _ in shapes) * vb
+
+    def run():
+        for w, x, out in mats:
+            K.gemm_any(x, w, out=out, threads=threads)
+
+    return total / _timed(run)
 
 
-def measure_gemvs(hidden: int, threads: int = 1) -> dict:
-    """The profile's `gemv_Bps` and `gemv_int8_Bps` (`measure_gemv`). A one-row product is
+def measure_gemvs(hidden: int, threads: int = 1, config=None, ranks: int = 1) -> dict:
+    """The profile's `gemv_Bps` and `gemv_int8_Bps` (`measure_gemv`; with a decoder's
+    `config`, on a rank's layer shapes at even shares over `ranks`). A one-row product is
     bound by memory bandwidth, which ranks on one machine share while they decode, so
     hepti.parallel.profiling calls this on every rank at once, right after a barrier: each
     rank's figure is its share with the others reading too, as in a run (under `hepti emulate`
     each rank is also held to its own CPU share)."""
-    return {"gemv_Bps": measure_gemv(hidden, threads=threads),
-            "gemv_int8_Bps": measure_gemv(hidden, int8=True, threads=threads)}
+    kw = {"threads": threads, "config": config, "ranks": ranks}
+    return {"gemv_Bps": measure_gemv(hidden, **kw),
+            "gemv_int8_Bps": measure_gemv(hidden, int8=True, **kw)}
 
 
-DECODE_CALL_MAX_COPIES = 16  # layers `measure_decode_call` cycles through at most
+DECODE_CALL_MAX_COPIES = 16  # layers `measure_decode_step` cycles through at most
 
 
 def decode_call_config(config, ranks: int = 1, copies: int = 1, ctx: int = 64):
@@ -472,28 +505,35 @@ def decode_call_config(config, ranks: int = 1, copies: int = 1, ctx: int = 64):
                        rope_theta=config.rope_theta)
 
 
-def measure_decode_call(config, ctx: int = 64, ranks: int = 1,
-                        cold_bytes: float = COLD_WEIGHT_BYTES) -> float:
-    """Seconds of one of a decode step's kernel or numpy calls, as a decode step makes them:
-    the profile's `call_overhead_s` for a decoder, which the decode program charges for each of
-    the calls it counts (hepti.graph.decoder `DECODE_CALLS` a layer).
+def measure_decode_step(config, ctx: int = 64, ranks: int = 1,
+                        cold_bytes: float = COLD_WEIGHT_BYTES) -> dict:
+    """What a decode step costs beyond its GeMVs' bytes, as a step meets it: the profile's
+    `call_overhead_s` for a decoder (seconds of one of the calls a layer makes, which the
+    decode program charges for each of the calls it counts: hepti.graph.decoder
+    `DECODE_CALLS` a layer) and `token_overhead_s` (seconds of a step's work outside its
+    layers and its head's GeMV: the ids checked, the embedding looked up, RoPE's row, the
+    final RMSNorm, the choice's argmax and Python; one "token" Work a step).
 
     A decode step's layer is some fifteen calls on one row (RMSNorm, q|k|v, RoPE, the cache,
     scores, softmax, context, o; RMSNorm, gate|up, SiLU, the product, down): each costs
     microseconds of Python and dispatch, and the elementwise ones and attention more as the
     width and the heads grow, and at one row that adds up to a part of the step the GeMVs'
-    bytes do not show. So this times `LlamaModel.layer` itself, one row against a cache of
-    `ctx` tokens, at a rank's shape (`decode_call_config`: its KV heads, MLP columns and the
-    whole width at even shares over `ranks`), int8 weights cycled through layers that together
-    exceed `cold_bytes` (a decode step meets each layer, and what its calls read, after the
-    others' weights went through the caches). The layer's part outside its four GeMVs, by the
-    CPU time of the calls (as `measure_layer` parts attention: the GeMVs' thread time
-    against the layer's), scaled to the layer's timed seconds, over `DECODE_CALLS`.
+    bytes do not show. So this times `LlamaModel.forward` itself, one token against a cache
+    of `ctx` tokens, and the choice of the next (argmax over the rank's share of the
+    vocabulary, and greedy's merge of `ranks` pairs), at a rank's shape (`decode_call_config`:
+    its KV heads, MLP columns and the whole width at even shares over `ranks`), int8 weights
+    in layers that together exceed `cold_bytes` (a decode step meets each layer, and what its
+    calls read, after the others' weights went through the caches). The head's GeMV is left
+    out (its bytes are priced; its logits are a fixed array of the rank's vocabulary rows).
+    The parts outside the GeMVs, by the CPU time of the calls (as `measure_layer` parts
+    attention: the GeMVs' thread time against the step's), scaled to the step's timed seconds.
 
     Until 2026-11-29 this timed a 64-wide layer of one KV head, hot: 133 us a layer of
     llama-1b where a rank's half of the real layer spent 264 us outside its GeMVs (uncapped,
     one process), and an emulated 0.4-core rank 0.36 ms of CPU (14 ms of its 164 ms step
-    where the plan counted 4.3; docs/results/llm.md)."""
+    where the plan counted 4.3; docs/results/llm.md). Then it timed the layer alone, and a
+    step's 0.6-0.9 ms of CPU outside its layers (20-22 ms of an emulated 0.4-core step
+    outside the GeMVs where the plan counted 9) went uncounted."""
     rng = np.random.default_rng(5)
     one = decode_call_config(config, ranks, 1, ctx)
     C, D, kv, f = one.hidden_size, one.head_dim, one.num_key_value_heads, one.intermediate_size
@@ -502,7 +542,7 @@ def measure_decode_call(config, ctx: int = 64, ranks: int = 1,
     cfg = decode_call_config(config, ranks, copies, ctx)
 
     def weight(name, shape):
-        if len(shape) == 2 and name.startswith("layer."):
+        if len(shape) == 2:
             q = rng.integers(-127, 128, shape, dtype=np.int8)
             scales = rng.random((shape[0], -(-shape[1] // GROUP)), dtype=np.float32)
             return K.QuantMatrix(q, scales * np.float32(1e-3), GROUP)
@@ -512,32 +552,49 @@ def measure_decode_call(config, ctx: int = 64, ranks: int = 1,
     model = LlamaModel(cfg, weights, consume=True)
     del weights
     cache = model.new_cache(ctx + 1)
-    cache.n = ctx
-    cos, sin = rope_tables(cfg.rope_theta, cfg.head_dim, np.arange(ctx, ctx + 1))
-    x = rng.standard_normal((1, C), dtype=np.float32)
-    gemv_cpu = [0.0]
-    mm = model._mm
+    # the head's logits: the rank's share of the real vocabulary, not computed (see above)
+    logits = rng.standard_normal((1, max(1, round(config.vocab_size / ranks))), dtype=np.float32)
+    gemv_cpu, layer_cpu = [0.0], [0.0]
+    mm, layer = model._mm, model.layer
 
     def timed_mm(a, w, residual=None):
+        if w is model.head:
+            return logits
         c0 = time.thread_time()
         y = mm(a, w, residual=residual)
         gemv_cpu[0] += time.thread_time() - c0
         return y
 
-    model._mm = timed_mm
-    turn, parts = [0], []  # the part outside the GeMVs of each call but the first
-
-    def layer():
-        gemv_cpu[0] = 0.0
+    def timed_layer(*a):
         c0 = time.thread_time()
-        model.layer(x, turn[0] % copies, cache, ctx, cos, sin, lambda a: a)
-        total = time.thread_time() - c0
-        if turn[0] and total > 0:
-            parts.append(max(total - gemv_cpu[0], 0.0) / total)
-        turn[0] += 1
+        y = layer(*a)
+        layer_cpu[0] += time.thread_time() - c0
+        return y
 
-    layer_s = _timed(layer)
-    return statistics.median(parts) * layer_s / DECODE_CALLS
+    model._mm, model.layer = timed_mm, timed_layer
+    pairs = np.zeros((max(ranks, 1), 2))
+    turn, parts = [0], []  # (calls, token) CPU fractions of each step
+
+    def step():
+        gemv_cpu[0] = layer_cpu[0] = 0.0
+        turn[0] += 1
+        c0 = time.thread_time()
+        cache.n = ctx
+        z = model.forward([turn[0] % cfg.vocab_size], cache)
+        i = int(np.argmax(z))  # TokenChooser.greedy's own work, its allgather left out
+        pairs[0] = (float(z[i]), i)
+        int(pairs[np.lexsort((pairs[:, 1], -pairs[:, 0]))[0], 1])
+        total = time.thread_time() - c0
+        if total > 0:
+            parts.append((max(layer_cpu[0] - gemv_cpu[0], 0.0) / total,
+                          max(total - layer_cpu[0], 0.0) / total))
+
+    step()
+    parts.clear()
+    step_s = _timed(step)
+    return {"call_overhead_s": statistics.median(p[0] for p in parts) * step_s
+            / (copies * DECODE_CALLS),
+            "token_overhead_s": statistics.median(p[1] for p in parts) * step_s}
 
 
 def measure_decoder(config, rows: int, threads: int = 1, ranks: int = 1) -> dict:
@@ -546,8 +603,8 @@ def measure_decoder(config, rows: int, threads: int = 1, ranks: int = 1) -> dict
     `gemm_flops`, a table by the GeMM's rows m up to the prompt's `rows` (the MLP's gate
     projection, [m, C] x [C, F], as prefill runs its GeMMs; the encoders' `measure_layer` times
     an encoder's layer graph, which a decoder has not), `elementwise_per_s` (RMSNorm on
-    [rows, C], as the decoder runs it) and `call_overhead_s` (`measure_decode_call`, at a
-    rank's shape at even shares over `ranks`).
+    [rows, C], as the decoder runs it), `call_overhead_s` and `token_overhead_s`
+    (`measure_decode_step`, at a rank's shape at even shares over `ranks`).
     Attention is left to the GeMM's table (the profile's default)."""
     rng = np.random.default_rng(4)
     C, F = config.hidden_size, config.intermediate_size
@@ -560,4 +617,4 @@ def measure_decoder(config, rows: int, threads: int = 1, ranks: int = 1) -> dict
     norm_s = _timed(lambda: x * (1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True)
                                                + np.float32(config.rms_norm_eps))) * gamma)
     return {"gemm_flops": gemm, "elementwise_per_s": rows * C / norm_s,
-            "call_overhead_s": measure_decode_call(config, ranks=ranks)}
+            **measure_decode_step(config, ranks=ranks)}

@@ -103,7 +103,7 @@ def measure_profile(comm, config: ModelConfig, seq_len: int, mem_cap: float | No
     if decoder:  # its GeMM table, RMSNorm, a decode call (no encoder layer graph to time)
         compute = measure_decoder(config, M, threads, ranks=size)
         barrier(comm)  # every rank's GeMV at once: they share the memory bandwidth
-        compute.update(measure_gemvs(config.hidden_size, threads))
+        compute.update(measure_gemvs(config.hidden_size, threads, config=config, ranks=size))
     else:
         gemm, attention = measure_layer(config, batch, seq_len, threads)
         compute = {"gemm_flops": gemm, "attention_flops": attention,
@@ -325,8 +325,10 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
 # rank at once, its call overhead on its own layer, its one-row collectives calibrated; 15: a
 # decode step's syncs, per group (GeMV segments each followed by the allreduce, no barrier),
 # and a decode call's cost on a rank's real layer shape, cold, outside its GeMVs; 16: a
-# device's memory less the file pages the process runs from, `code_pages_bytes`).
-PROFILER_REVISION = 16
+# device's memory less the file pages the process runs from, `code_pages_bytes`; 17: a
+# decode step's work outside its layers (`token_overhead_s`), timed with the calls in a whole
+# step of `LlamaModel.forward`, and a decoder's GeMV bytes/s on a rank's real layer shapes).
+PROFILER_REVISION = 17
 
 
 def cache_dir() -> Path:

@@ -39,6 +39,10 @@ planner does not care which. Schema (version 1), a JSON object:
          "call_overhead_s": 2e-5,       # optional; fixed cost of one kernel call (default 0;
                                         #   a decoder's profile: of one of a decode step's
                                         #   calls, timed on its own layer)
+         "token_overhead_s": 5e-4,      # optional; a decoder's decode step's work outside its
+                                        #   layers and its head's GeMV, on this rank (the
+                                        #   embedding, RoPE's tables, the final norm, the
+                                        #   token's choice; default 0)
          "probe_s": 3e-4}               # optional; seconds of the speed probe's GeMM
                                         #   (hepti.parallel.profile_compute.SpeedProbe): what
                                         #   an idle rank's probes while serving are compared with
@@ -141,6 +145,7 @@ class Device:
     reserved_bytes: float = 0.0
     disk_read_Bps: float | None = None
     call_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0  # a decode step's work outside its layers (decoders)
     weight_load_Bps: float | None = None  # CPU speed of loading weight slices (None: not counted)
     probe_s: float | None = None  # the speed probe's seconds (profile_compute.SpeedProbe)
     gemv_Bps: float | None = None  # float32 GeMV bytes/s (None: estimated, `gemv_estimates`)
@@ -176,6 +181,8 @@ class Device:
             d["disk_read_Bps"] = self.disk_read_Bps
         if self.call_overhead_s:
             d["call_overhead_s"] = self.call_overhead_s
+        if self.token_overhead_s:
+            d["token_overhead_s"] = self.token_overhead_s
         if self.weight_load_Bps is not None:
             d["weight_load_Bps"] = self.weight_load_Bps
         if self.probe_s is not None:
@@ -317,6 +324,8 @@ def device_from_dict(d: dict, index: int) -> Device:
         bandwidth_Bps=_positive(d, "bandwidth_Bps", what),
         disk_read_Bps=_positive(d, "disk_read_Bps", what, optional=True),
         call_overhead_s=_positive(d, "call_overhead_s", what, optional=True, zero_ok=True) or 0.0,
+        token_overhead_s=_positive(d, "token_overhead_s", what, optional=True, zero_ok=True)
+        or 0.0,
         weight_load_Bps=_positive(d, "weight_load_Bps", what, optional=True),
         probe_s=_positive(d, "probe_s", what, optional=True),
         gemv_Bps=_positive(d, "gemv_Bps", what, optional=True),
