@@ -347,7 +347,7 @@ class LlamaModel:
             i = int(ids[0])
             if not v0 <= i < v1:
                 return x
-            mine, rows = slice(None), np.array([i - v0])
+            rows = np.array([i - v0])
             if self.emb is None:
                 x[:] = K.columns_any(self.head, rows)
             else:

@@ -38,12 +38,12 @@ import numpy as np
 
 from hepti.counts import counts, offsets
 from hepti.errors import InputError
-from hepti.model.llama import KVCache, LlamaModel, Shard, checked_ids, no_sync, rope_tables
+from hepti.model.llama import KVCache, LlamaModel, Shard, checked_ids, no_sync
 from hepti.parallel.comm import Comm
 from hepti.parallel.decoder import DecoderGroup, Sampling, TokenChooser
 from hepti.plan.decoder import pipeline_path
 from hepti.weights import layout
-from hepti.weights.decoder import expected_shapes
+from hepti.weights.decoder import ShardWeights, arrays_mapped, expected_shapes
 
 ENDS = ("emb.word", "head.weight", "final_ln.gamma")  # rank 0's: the embedding and the head
 HOP_TAG = 0  # the hops' messages (each pair of ranks sees them in the order they are sent)
@@ -74,7 +74,7 @@ def layers_from_ratios(n_layers: int, ratios: list[float]) -> list[int]:
 def read_stage(store, layers: tuple[int, int], rank0: bool) -> dict:
     """What a stage reads from the HDF5 shards: its layers' tensors whole, the embedding, final
     norm and (untied) head on rank 0; every other tensor as 0 rows, which reads nothing."""
-    out = {}
+    out = ShardWeights()  # trims the heap as the model takes a layer's tensors
     for name in expected_shapes(store.config):
         i, _ = layout.local_name(name)
         held = layers[0] <= i < layers[1] if i is not None else rank0 and name in ENDS
@@ -124,7 +124,7 @@ class StageModel(LlamaModel):
         elif r in path:
             x = self._recv(path[path.index(r) - 1], T)
         if self.held[1] > self.held[0]:
-            cos, sin = rope_tables(c.rope_theta, c.head_dim, np.arange(p0, p0 + T))
+            cos, sin = cache.rope(p0, T)
             for i in range(*self.held):
                 x = self.layer(x, i, cache, p0, cos, sin, no_sync)
         cache.n = p0 + T
@@ -157,9 +157,10 @@ class PipelineGroup(DecoderGroup):
                              f"{L} layers; give one count per rank, adding up to {L}")
         self.layers = list(layers)
         first = offsets(self.layers)[comm.rank]
-        weights = read_stage(store, (first, first + layers[comm.rank]), comm.rank == 0)
-        self.weight_bytes = sum(int(w.nbytes) for w in weights.values())
-        self.model = StageModel(comm, self.config, weights, self.layers, kernels=kernels)
+        with arrays_mapped():  # as DecoderGroup: each layer's stored arrays freed as packed
+            weights = read_stage(store, (first, first + layers[comm.rank]), comm.rank == 0)
+            self.weight_bytes = sum(int(w.nbytes) for w in weights.values())
+            self.model = StageModel(comm, self.config, weights, self.layers, kernels=kernels)
         self.shard = self.model.shard
         self.sync = None  # a stage's layers are whole: nothing to sum
 

@@ -36,7 +36,7 @@ from hepti.families import config_from_dict, family_graph
 from hepti.graph import lower
 from hepti.graph.decoder import DECODE_CALLS
 from hepti.kernels.int8 import GROUP
-from hepti.model.llama import LlamaConfig, LlamaModel, rope_tables
+from hepti.model.llama import LlamaConfig, LlamaModel
 from hepti.parallel.interpreter import _mlp_pair
 from hepti.parallel.slices import LayerSlice
 from hepti.resources import cpu_limit
