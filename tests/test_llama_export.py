@@ -262,8 +262,10 @@ def test_bench_llm_variants_and_dllama_limits():
     v = llm.parse_variants("dllama:2, llamacpp:1,hepti:auto:4")
     assert [x["kind"] for x in v] == ["dllama", "llamacpp", "hepti"]
     assert (v[0]["nodes"], v[1]["threads"], v[2]["strategy"], v[2]["nodes"]) == (2, 1, "auto", 4)
-    with pytest.raises(ConfigError, match="not dllama:N"):
-        llm.parse_variants("dllama")
+    assert not v[2]["quota"] and llm.parse_variants("hepti:auto:2:quota")[0]["quota"]
+    for bad in ("dllama", "hepti:auto:2:fast"):
+        with pytest.raises(ConfigError, match="not dllama:N"):
+            llm.parse_variants(bad)
     big = {"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 2048,
            "intermediate_size": 8192}
     for n in (1, 2, 4, 8):

@@ -25,7 +25,9 @@ The emulator's CPU share is kept by a stretch inside hepti's own ranks
 (hepti.emulate.stretch), which a foreign program does not run: the peers' launches set
 HEPTI_EMULATE_STRETCH=0, so their devices are held at their share by the cgroup quota alone.
 A quota lets a program that waited run a short burst at full speed, so this favours the
-peers, never hepti (docs/emulate.md).
+peers, never hepti (docs/emulate.md). A hepti variant ending in `:quota`
+(`hepti:auto:2:quota`) runs hepti the peers' way too, held by the quota alone: the
+like-for-like figure beside the stretched one.
 
 Variants take turns in rounds (hepti.bench.harness.interleave: each round runs every variant
 once, the order rotating), each figure is the median over rounds, and each variant's decode and
@@ -60,7 +62,8 @@ LISTEN = "0A"  # /proc/net/tcp's state of a listening socket
 def parse_variants(text: str) -> list[dict]:
     """`dllama:1,dllama:2,llamacpp:1,llamacpp:2,hepti:tensor:2,hepti:auto:4` -> variant dicts.
 
-    dllama:N (N nodes), llamacpp:T (T threads, one device), hepti:STRATEGY:N (N ranks)."""
+    dllama:N (N nodes), llamacpp:T (T threads, one device), hepti:STRATEGY:N (N ranks), and
+    hepti:STRATEGY:N:quota (held at its devices' share by the quota alone, as the peers are)."""
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         parts = item.split(":")
@@ -69,14 +72,15 @@ def parse_variants(text: str) -> list[dict]:
                 out.append({"name": item, "kind": "dllama", "nodes": int(parts[1])})
             elif parts[0] == "llamacpp" and len(parts) == 2:
                 out.append({"name": item, "kind": "llamacpp", "threads": int(parts[1])})
-            elif parts[0] == "hepti" and len(parts) == 3:
+            elif parts[0] == "hepti" and (len(parts) == 3 or parts[3:] == ["quota"]):
                 out.append({"name": item, "kind": "hepti", "strategy": parts[1],
-                            "nodes": int(parts[2])})
+                            "nodes": int(parts[2]), "quota": len(parts) == 4})
             else:
                 raise ValueError
         except ValueError:
             raise ConfigError(f"variant {item!r} is not dllama:N, llamacpp:THREADS or "
-                              "hepti:STRATEGY:N (e.g. dllama:2,llamacpp:1,hepti:tensor:2)") from None
+                              "hepti:STRATEGY:N[:quota] (e.g. dllama:2,llamacpp:1,hepti:tensor:2)"
+                              ) from None
     if not out:
         raise ConfigError("no variants given; e.g. --variants dllama:1,dllama:2,llamacpp:1")
     return out
@@ -150,11 +154,12 @@ def dllama_files(args, converter: Path) -> tuple[Path, Path]:
 
 # --- one launch ----------------------------------------------------------------------------------
 
-def launch(args, cmd: list[str], nodes: int, foreign: bool) -> harness.Launch:
+def launch(args, cmd: list[str], nodes: int, quota_only: bool) -> harness.Launch:
     """The harness's launch: `mpiexec -n nodes CMD`, under `hepti emulate --cluster SPEC --`
-    when a cluster is given; a failure is returned (the variant records it), not raised."""
-    # no stretch inside a foreign program: its devices held at their share by the quota alone
-    env = {"HEPTI_EMULATE_STRETCH": "0"} if foreign and args.cluster else None
+    when a cluster is given; a failure is returned (the variant records it), not raised.
+    quota_only: no stretch (a foreign program runs none; a `:quota` hepti variant): the devices
+    held at their share by the cgroup quota alone."""
+    env = {"HEPTI_EMULATE_STRETCH": "0"} if quota_only and args.cluster else None
     return harness.launch(cmd, ranks=nodes, spec=args.cluster, env=env, timeout=args.timeout,
                           check=False)
 
@@ -177,7 +182,7 @@ def run_dllama(args, v: dict, files, n_prompt: int, rdv: Path, tokens: int | Non
                    "--prompt", args.prompt, "--steps", steps,
                    "--max-seq-len", steps + 8, "--nthreads", args.dllama_threads,
                    "--temperature", "0", "--seed", "1")
-    p = launch(args, cmd, v["nodes"], foreign=True)
+    p = launch(args, cmd, v["nodes"], quota_only=True)
     if p.rc != 0:
         return failed(p)
     return parse_dllama(p.stdout)
@@ -210,7 +215,7 @@ def parse_dllama(text: str) -> dict:
 def run_llamacpp(args, v: dict) -> dict:
     cmd = self_cmd("llamacpp", "--gguf", args.gguf, "--threads", v["threads"], "--prompt",
                    args.prompt, "--tokens", args.tokens)
-    p = launch(args, cmd, 1, foreign=True)
+    p = launch(args, cmd, 1, quota_only=True)
     if p.rc != 0:
         return failed(p)
     return {"status": "ok", **json.loads(p.stdout.strip().splitlines()[-1])}
@@ -223,7 +228,7 @@ def run_hepti(args, v: dict) -> dict:
     cmd = hepti_cmd() + ["generate", "--model", args.model, "--prompt", args.prompt,
                          "--max-tokens", str(args.tokens + 1), "--temperature", "0",
                          "--strategy", v["strategy"], "--json"]
-    p = launch(args, cmd, v["nodes"], foreign=False)
+    p = launch(args, cmd, v["nodes"], quota_only=v.get("quota", False))
     if p.rc != 0:
         return failed(p)
     return hepti_rates(json.loads(p.stdout.strip().splitlines()[-1]))
@@ -510,8 +515,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default="dllama:1,dllama:2,llamacpp:1,hepti:tensor:2",
                    help="comma-separated: dllama:N (distributed-llama, N nodes: a power of two "
                         "that divides the attention and KV heads), llamacpp:THREADS (one "
-                        "device), hepti:STRATEGY:N (`hepti generate`, N ranks). Default: "
-                        "%(default)s")
+                        "device), hepti:STRATEGY:N (`hepti generate`, N ranks; "
+                        "with :quota under --cluster, held by the CPU quota alone as the peers "
+                        "are, not by hepti's stretch). Default: %(default)s")
     p.add_argument("--cluster", metavar="SPEC.json",
                    help="run every variant under `hepti emulate --cluster SPEC` (root), rank i "
                         "on device i; default: this machine, workers on 127.0.0.1")
