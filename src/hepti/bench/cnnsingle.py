@@ -379,6 +379,18 @@ def export_onnx(model, pixels: np.ndarray, path: Path) -> None:
                           dynamo=False, input_names=["pixels"], output_names=["logits"])
 
 
+SETTLE_S = 0.02  # between two runtimes' runs on more than one thread (`settled`)
+
+
+def settled(threads: int) -> None:
+    """On more than one thread, wait SETTLE_S before a timed run (untimed): a thread pool
+    spins a while after its work (libgomp's, onnxruntime's), and on a machine with as many
+    cores as threads the next runtime's threads would share the cores with those spinners.
+    Every runtime then starts from idle pools alike."""
+    if threads > 1:
+        time.sleep(SETTLE_S)
+
+
 def ort_session(path: Path, threads: int = 1):
     """onnxruntime on the CPU, `threads` intra-op threads (one by default; inter-op one, the
     graph run sequentially), every graph optimisation."""
@@ -578,7 +590,8 @@ def bench_model(name: str, folder: Path, size: int, rounds: int, warmup: int, ha
         gc.collect()
         gc.disable()
         try:  # interleaved: hepti, torch, ort; torch, ort, hepti; ...
-            times = harness.interleave(list(runs), rounds, lambda rt, _k: runs[rt]()[0])
+            times = harness.interleave(list(runs), rounds,
+                                       lambda rt, _k: settled(threads) or runs[rt]()[0])
         finally:
             gc.enable()
     finally:
