@@ -74,3 +74,19 @@ def test_split_rows_balances_the_tiles(m, k, mode, wo):
     mb, busiest = conv._split_rows(m, k, mode, 2, wo)
     units = conv._block_units(m, mb, mode, wo)
     assert sum(units) >= -(-m // 8) and busiest <= -(-sum(units) // 2) + max(units) // 2 + 1
+
+
+@pytest.mark.parametrize("m,k,n", [(256, 768, 4 * NR), (100, 3072, 3 * NR + 7), (9, 64, 2 * NR),
+                                   (1, 128, 5 * NR)])
+def test_gemm_threads_match_one_thread(m, k, n):
+    """Panels split over the threads, each row block of A packed by the threads (K = 3072:
+    several blocks, the last short), GeMV for one row; with bias, GeLU and residual."""
+    from hepti.kernels import gemm, pack_b
+    a, w, bias, res = rand(m, k), rand(k, n), rand(n), rand(m, n)
+    pb = pack_b(w)
+    y1 = gemm(a, pb, bias=bias, gelu=True, residual=res, threads=1)
+    y2 = gemm(a, pb, bias=bias, gelu=True, residual=res, threads=THREADS)
+    np.testing.assert_array_equal(y2, y1)
+    ref = a.astype(np.float64) @ w.astype(np.float64) + bias
+    ref = 0.5 * ref * (1 + np.vectorize(__import__("math").erf)(ref / np.sqrt(2))) + res
+    np.testing.assert_allclose(y2, ref, rtol=1e-3, atol=1e-3 * np.sqrt(k))
