@@ -698,7 +698,8 @@ def run(args) -> int:
         r = bench_model(name, folder, args.size, args.rounds, args.warmup, has_torch, has_ort,
                         args.profile, args.profile_rounds, log, args.threads)
         if peak is not None and "hepti" in r["gflops"]:
-            r["hepti_fraction_of_peak"] = r["gflops"]["hepti"] / peak["gflops"]
+            # the peak is one thread's (`hepti bench kernels`): on N threads, against N of it
+            r["hepti_fraction_of_peak"] = r["gflops"]["hepti"] / (peak["gflops"] * args.threads)
         models.append(r)
         gc.collect()
     doc = result_doc("cnn-single", commit, size=args.size, batch=1, threads=args.threads,
