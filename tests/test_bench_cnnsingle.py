@@ -151,6 +151,18 @@ def test_report_and_csv():
     assert list(csv.DictReader(io.StringIO(cs.csv_text(alone))))[0]["target_met"] == ""
 
 
+def test_report_and_csv_with_threads():
+    m = model_result("resnet50", 50.0, 100.0, 60.0)
+    m["median_ms"]["hepti-1t"] = 92.0
+    m.update(threads=2, speedup=1.84)
+    doc = {"size": 224, "rounds": 5, "threads": 2, "models": [m]}
+    text = cs.format_table(doc)
+    assert "batch 1, 2 threads;" in text
+    assert "resnet50: hepti on 2 threads 50.00 ms, on 1 thread 92.00 ms: speedup 1.840" in text
+    row = next(csv.DictReader(io.StringIO(cs.csv_text(doc))))
+    assert (row["threads"], row["hepti_1t_ms"], row["speedup"]) == ("2", "92.000", "1.840")
+
+
 def test_unknown_model_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         registry.main("cnn-single", ["--models", "resnet50,alexnet"])

@@ -73,3 +73,23 @@ def test_classic_bert_matches_transformers(tiny_dir):
         got = bm.classic_bert(tm)(ti, tmask).numpy()
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], want[real], atol=1e-5)
+
+
+def test_format_model_bench_reports_the_speedup_over_one_thread():
+    res = {"model": "m", "batch": 1, "seq": 256, "repeat": 3, "threads": 2,
+           "hepti_median_s": 0.25, "hepti_gflops": 180.0, "hepti_1t_median_s": 0.46,
+           "speedup": 1.84, "flops": bm.model_flops(MINILM, 1, 256)}
+    text = bm.format_model_bench(res)
+    assert "2 threads" in text
+    assert "hepti-1t    460.00 ms  (1 thread; speedup on 2: 1.840" in text
+    assert "CPU time" not in text
+
+
+def test_threads_option_parses():
+    import argparse
+    ap = argparse.ArgumentParser()
+    bm.add_arguments(ap)
+    assert ap.parse_args([]).threads == 1
+    assert ap.parse_args(["--threads", "2"]).threads == 2
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--threads", "0"])

@@ -185,7 +185,8 @@ def target_verdict(model: str, ratio: float | None) -> dict:
 CSV_FIELDS = ["model", "weights", "hepti_ms", "torch_ms", "ort_ms", "hepti_over_torch",
               "hepti_over_ort", "target_hepti_over_torch", "target_met", "gflop", "hepti_gflops",
               "torch_gflops", "ort_gflops", "gemm_peak_gflops", "hepti_fraction_of_peak",
-              "max_rel_err_hepti", "max_rel_err_ort", "rounds"]
+              "max_rel_err_hepti", "max_rel_err_ort", "rounds", "threads", "hepti_1t_ms",
+              "speedup"]
 
 
 def csv_rows(doc: dict) -> list[dict]:
@@ -208,6 +209,9 @@ def csv_rows(doc: dict) -> list[dict]:
             "max_rel_err_hepti": _fmt(m["check"].get("hepti_vs_torch"), 1, "e"),
             "max_rel_err_ort": _fmt(m["check"].get("ort_vs_torch"), 1, "e"),
             "rounds": m["rounds"],
+            "threads": m.get("threads", 1),
+            "hepti_1t_ms": _fmt(ms.get("hepti-1t"), 3),
+            "speedup": _fmt(m.get("speedup"), 3),
         })
     return rows
 
@@ -223,7 +227,9 @@ def _fmt(v, digits: int, kind: str = "f") -> str:
 def format_table(doc: dict) -> str:
     """The plain-text report of a result document: a row per model, then the targets."""
     peak = doc.get("gemm_peak") or {}
-    lines = [f"single device, {doc['size']}x{doc['size']}, batch 1, 1 thread; medians of "
+    threads = doc.get("threads", 1)
+    lines = [f"single device, {doc['size']}x{doc['size']}, batch 1, {threads} "
+             f"thread{'s' if threads > 1 else ''}; medians of "
              f"{doc['rounds']} interleaved rounds (hepti, torch, ort); ratios: median of "
              "per-round ratios (<1: hepti is faster)",
              f"{'model':>13} {'hepti ms':>9} {'torch ms':>9} {'ort ms':>9} {'h/torch':>8} "
@@ -237,6 +243,11 @@ def format_table(doc: dict) -> str:
             f"{_cell(ratio.get('hepti/ort'), 7, 3)} {m['flops']['total'] / 1e9:6.2f} "
             f"{_cell(m['gflops'].get('hepti'), 10, 1)} "
             f"{'-' if frac is None else f'{frac:.0%}':>8}")
+    for m in doc["models"]:
+        if m.get("speedup") is not None:
+            lines.append(f"{m['model']}: hepti on {threads} threads {m['median_ms']['hepti']:.2f} "
+                         f"ms, on 1 thread {m['median_ms']['hepti-1t']:.2f} ms: speedup "
+                         f"{m['speedup']:.3f} (median of per-round ratios)")
     if peak:
         lines.append(f"GeMM peak (hepti bench kernels, best gemm): {peak['gflops']:.1f} GFLOP/s "
                      f"at {'x'.join(map(str, peak['shape']))}")
@@ -368,11 +379,24 @@ def export_onnx(model, pixels: np.ndarray, path: Path) -> None:
                           dynamo=False, input_names=["pixels"], output_names=["logits"])
 
 
-def ort_session(path: Path):
-    """onnxruntime on the CPU, one thread, every graph optimisation."""
+SETTLE_S = 0.02  # between two runtimes' runs on more than one thread (`settled`)
+
+
+def settled(threads: int) -> None:
+    """On more than one thread, wait SETTLE_S before a timed run (untimed): a thread pool
+    spins a while after its work (libgomp's, onnxruntime's), and on a machine with as many
+    cores as threads the next runtime's threads would share the cores with those spinners.
+    Every runtime then starts from idle pools alike."""
+    if threads > 1:
+        time.sleep(SETTLE_S)
+
+
+def ort_session(path: Path, threads: int = 1):
+    """onnxruntime on the CPU, `threads` intra-op threads (one by default; inter-op one, the
+    graph run sequentially), every graph optimisation."""
     import onnxruntime as ort  # local: optional dependency (onnxruntime)
     so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
+    so.intra_op_num_threads = int(threads)
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -481,14 +505,17 @@ def optional_runtimes(log) -> tuple[bool, bool, list[str]]:
 
 
 def bench_model(name: str, folder: Path, size: int, rounds: int, warmup: int, has_torch: bool,
-                has_ort: bool, profile: str, profile_rounds: int, log) -> dict:
-    """Build the model in each runtime, check the logits agree, time the interleaved rounds."""
+                has_ort: bool, profile: str, profile_rounds: int, log, threads: int = 1) -> dict:
+    """Build the model in each runtime, check the logits agree, time the interleaved rounds.
+    With threads > 1 every runtime runs on that many threads, and hepti also on one
+    (`hepti-1t`, the same engine with its thread count set to 1 for the call) in the same
+    rounds: `speedup` is the median of each round's hepti-1t / hepti."""
     store = WeightStore(folder)
     config = store.config
     if getattr(config, "model_type", None) != "cnn" or config.arch != MODELS[name]:
         raise SystemExit(f"{folder} holds {getattr(config, 'arch', config.model_type)}, not "
                          f"{MODELS[name]}: remove it, or convert {name} into it")
-    hepti = SingleCNN.from_store(store, threads=1)
+    hepti = SingleCNN.from_store(store, threads=threads)
     graph = hepti.model.graph
     tensors = {n: store.read(n) for n in graph.weights()}
     source = json.loads((folder / "index.json").read_text()).get("source", {})
@@ -507,6 +534,15 @@ def bench_model(name: str, folder: Path, size: int, rounds: int, warmup: int, ha
         return time.perf_counter() - t0, y
     runs["hepti"] = run_hepti
     outs["hepti"] = run_hepti()[1]  # compiles on first use
+    if threads > 1:
+        def run_hepti_1t():
+            hepti.executor.threads = 1
+            try:
+                return run_hepti()
+            finally:
+                hepti.executor.threads = threads
+        runs["hepti-1t"] = run_hepti_1t
+        outs["hepti-1t"] = run_hepti_1t()[1]
     tmp = tempfile.TemporaryDirectory(prefix="hepti-cnnsingle-")
     state = None
     try:
@@ -526,7 +562,7 @@ def bench_model(name: str, folder: Path, size: int, rounds: int, warmup: int, ha
             if has_ort:
                 path = Path(tmp.name) / f"{name}.onnx"
                 export_onnx(tmodel, pixels, path)
-                sess = ort_session(path)
+                sess = ort_session(path, threads)
 
                 def run_ort():
                     t0 = time.perf_counter()
@@ -535,6 +571,8 @@ def bench_model(name: str, folder: Path, size: int, rounds: int, warmup: int, ha
                 runs["ort"] = run_ort
                 outs["ort"] = run_ort()[1]
         del tensors
+        if "hepti-1t" in outs:  # the threads split the work, not the sums: the same logits
+            res["check"]["hepti_vs_1_thread"] = max_rel_err(outs["hepti"], outs["hepti-1t"])
         if "torch" in outs:
             res["check"]["hepti_vs_torch"] = max_rel_err(outs["hepti"], outs["torch"])
             if "ort" in outs:
@@ -552,12 +590,16 @@ def bench_model(name: str, folder: Path, size: int, rounds: int, warmup: int, ha
         gc.collect()
         gc.disable()
         try:  # interleaved: hepti, torch, ort; torch, ort, hepti; ...
-            times = harness.interleave(list(runs), rounds, lambda rt, _k: runs[rt]()[0])
+            times = harness.interleave(list(runs), rounds,
+                                       lambda rt, _k: settled(threads) or runs[rt]()[0])
         finally:
             gc.enable()
     finally:
         tmp.cleanup()
     res.update(summarise(times))
+    res["threads"] = threads
+    if "hepti-1t" in times:  # hepti on 1 thread over hepti on `threads`, round by round
+        res["speedup"] = statistics.median(a / b for a, b in zip(times["hepti-1t"], times["hepti"]))
     res["times_ms"] = {rt: [t * 1e3 for t in ts] for rt, ts in times.items()}
     res["gflops"] = {rt: res["flops"]["total"] / (ms * 1e-3) / 1e9
                      for rt, ms in res["median_ms"].items()}
@@ -617,6 +659,10 @@ def add_arguments(ap) -> None:
                          "auto = for each model hepti is slower on (default)")
     ap.add_argument("--profile-rounds", type=harness.positive_int, default=7,
                     help="rounds of the op-by-op profile (default 7)")
+    ap.add_argument("--threads", type=harness.positive_int, default=1,
+                    help="threads of every runtime (hepti's, torch's, onnxruntime's intra-op); "
+                         "above 1, hepti on 1 thread is timed in the same rounds too "
+                         "(`hepti-1t`, and its speedup) (default 1)")
 
 
 def run(args) -> int:
@@ -632,7 +678,7 @@ def run(args) -> int:
     has_torch, has_ort, notes = optional_runtimes(log)
     if has_torch:
         import torch  # local: optional dependency (torch)
-        torch.set_num_threads(1)
+        torch.set_num_threads(args.threads)
         try:
             torch.set_num_interop_threads(1)
         except RuntimeError:  # only before torch's first parallel work; already 1 thread then
@@ -650,12 +696,13 @@ def run(args) -> int:
     for name in names:
         folder = ensure_weights(name, Path(args.weights) / name, log)
         r = bench_model(name, folder, args.size, args.rounds, args.warmup, has_torch, has_ort,
-                        args.profile, args.profile_rounds, log)
+                        args.profile, args.profile_rounds, log, args.threads)
         if peak is not None and "hepti" in r["gflops"]:
-            r["hepti_fraction_of_peak"] = r["gflops"]["hepti"] / peak["gflops"]
+            # the peak is one thread's (`hepti bench kernels`): on N threads, against N of it
+            r["hepti_fraction_of_peak"] = r["gflops"]["hepti"] / (peak["gflops"] * args.threads)
         models.append(r)
         gc.collect()
-    doc = result_doc("cnn-single", commit, size=args.size, batch=1, threads=1,
+    doc = result_doc("cnn-single", commit, size=args.size, batch=1, threads=args.threads,
                      rounds=args.rounds, warmup=args.warmup, versions=versions(),
                      blas_threads={v: os.environ.get(v) for v in
                                    ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},

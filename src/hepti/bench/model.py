@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hepti.bench.cnnsingle import ort_session
+from hepti.bench.cnnsingle import ort_session, settled
 from hepti.bench.harness import interleave, positive_int, summarise
 from hepti.bench.kernels import TRANSFORMER_SHAPES
 from hepti.kernels import gemm, pack_b
@@ -60,7 +60,7 @@ def model_flops(config, batch: int, seq: int) -> dict:
     return {"gemm": gemm, "attention": attention, "total": gemm + attention}
 
 
-def torch_model(store):
+def torch_model(store, threads: int = 1):
     """transformers BertModel holding the store's weights, or None when torch isn't importable."""
     try:
         import torch  # local: optional dependency
@@ -93,7 +93,7 @@ def torch_model(store):
     missing = [k for k in missing if not k.endswith("position_ids")]
     if missing or unexpected:
         raise RuntimeError(f"torch weight mapping failed: missing {missing}, unexpected {unexpected}")
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(threads))
     return model
 
 
@@ -139,12 +139,14 @@ def classic_bert(tm):
     return Classic().eval()
 
 
-def ort_sessions(store, ids: np.ndarray, mask: np.ndarray, folder: Path) -> tuple[dict, dict]:
+def ort_sessions(store, ids: np.ndarray, mask: np.ndarray, folder: Path,
+                 threads: int = 1) -> tuple[dict, dict]:
     """({"ort": session, "ort-fused": session}, fused model's op counts), or ({}, {}) when onnx
     or onnxruntime isn't importable. The store's weights in `classic_bert`, exported
     (TorchScript exporter, opset 17, fixed shapes) to folder/model.onnx; `ort-fused` is that
     file after onnxruntime.transformers' optimize_model(model_type="bert"). Each session runs
-    as cnn-single's do (`ort_session`: one thread, every graph optimisation)."""
+    as cnn-single's do (`ort_session`: `threads` intra-op threads, every graph
+    optimisation)."""
     try:
         import onnx  # noqa: F401  (torch.onnx.export needs it)
         import onnxruntime  # noqa: F401  (local: optional dependency; ort_session's)
@@ -153,7 +155,7 @@ def ort_sessions(store, ids: np.ndarray, mask: np.ndarray, folder: Path) -> tupl
     except ImportError:
         return {}, {}
     cfg = store.config
-    tm = torch_model(store)
+    tm = torch_model(store, threads)
     if tm is None:
         return {}, {}
     plain, fused = folder / "model.onnx", folder / "model-fused.onnx"
@@ -171,14 +173,15 @@ def ort_sessions(store, ids: np.ndarray, mask: np.ndarray, folder: Path) -> tupl
     ops: dict[str, int] = {}
     for node in opt.model.graph.node:
         ops[node.op_type] = ops.get(node.op_type, 0) + 1
-    return {"ort": ort_session(plain), "ort-fused": ort_session(fused)}, ops
+    return {"ort": ort_session(plain, threads), "ort-fused": ort_session(fused, threads)}, ops
 
 
-def peak_variant():
+def peak_variant(threads: int = 1):
     """(run(k) -> seconds, per-shape wall times, per-shape CPU times): hepti's `gemm` with B
     packed beforehand on the transformer shapes of `hepti bench kernels`
     (hepti.bench.kernels.TRANSFORMER_SHAPES), a few weights in turn as a model's layers use
-    them; per shape and round, the fastest of those calls (B last read a few weights ago)."""
+    them; per shape and round, the fastest of those calls (B last read a few weights ago);
+    on `threads` threads."""
     rng = np.random.default_rng(0)
     cases = []
     for m, k, n in TRANSFORMER_SHAPES:
@@ -188,7 +191,7 @@ def peak_variant():
     wall = {shape: [] for shape, *_ in cases}
     cpu = {shape: [] for shape, *_ in cases}
     for _, a, ws, out in cases:
-        gemm(a, ws[0], out=out)  # compile / warm up
+        gemm(a, ws[0], out=out, threads=threads)  # compile / warm up
 
     def run(_k: int) -> float:
         total = 0.0
@@ -196,7 +199,7 @@ def peak_variant():
             best, best_cpu = float("inf"), float("inf")
             for w in ws:
                 c0, t0 = time.thread_time(), time.perf_counter()
-                gemm(a, w, out=out)
+                gemm(a, w, out=out, threads=threads)
                 best = min(best, time.perf_counter() - t0)
                 best_cpu = min(best_cpu, time.thread_time() - c0)
             wall[shape].append(best)
@@ -216,18 +219,19 @@ def peak_of(times: dict) -> dict:
 
 def run_model_bench(model_dir: str, seq: int = 128, batch: int = 1, repeat: int = 30,
                     torch: bool = True, ort: bool = True, peak: bool = True,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, threads: int = 1) -> dict:
     import numba  # local: start-up time (numba loads in about 0.5 s)
     from tqdm import tqdm  # local: start-up time (the bar is drawn on rank 0 only)
 
     numba.set_num_threads(1)
     store = WeightStore(model_dir)
     cfg = store.config
-    engine = BertEncoder.from_store(store, threads=1)
+    engine = BertEncoder.from_store(store, threads=threads)
     ids, mask = synthetic_batch(cfg, batch, min(seq, cfg.max_position_embeddings))
-    tm = torch_model(store) if torch else None
+    tm = torch_model(store, threads) if torch else None
     tmp = tempfile.TemporaryDirectory(prefix="hepti-bench-model-")
-    sessions, fused_ops = ort_sessions(store, ids, mask, Path(tmp.name)) if ort else ({}, {})
+    sessions, fused_ops = (ort_sessions(store, ids, mask, Path(tmp.name), threads) if ort
+                           else ({}, {}))
     store.close()
     runs, outs = {}, {}
 
@@ -236,6 +240,16 @@ def run_model_bench(model_dir: str, seq: int = 128, batch: int = 1, repeat: int 
         out = engine.forward(ids, mask)
         return time.perf_counter() - t0, out
     runs["hepti"] = run_hepti
+    if threads > 1:  # the same engine on 1 thread, in the same rounds: the speedup
+        executor = engine.engine.executor
+
+        def run_hepti_1t():
+            executor.threads = 1
+            try:
+                return run_hepti()
+            finally:
+                executor.threads = threads
+        runs["hepti-1t"] = run_hepti_1t
 
     if tm is not None:
         import torch as th  # local: optional dependency (torch)
@@ -264,7 +278,7 @@ def run_model_bench(model_dir: str, seq: int = 128, batch: int = 1, repeat: int 
         for name, fn in runs.items():
             outs[name] = fn()[1]
     res = {"model": cfg.name or model_dir, "seq": int(ids.shape[1]), "batch": batch,
-           "threads": 1, "repeat": repeat, "hepti_s": [], "torch_s": None}
+           "threads": threads, "repeat": repeat, "hepti_s": [], "torch_s": None}
     h = outs["hepti"].reshape(batch, -1, cfg.hidden_size)
     for name in runs:
         if name != "hepti":
@@ -288,16 +302,20 @@ def run_model_bench(model_dir: str, seq: int = 128, batch: int = 1, repeat: int 
     timed = {name: cpu_timed(name) for name in runs}
     peak_times = peak_cpu = None
     if peak:
-        timed["gemm-peak"], peak_times, peak_cpu = peak_variant()
+        timed["gemm-peak"], peak_times, peak_cpu = peak_variant(threads)
     with tqdm(total=repeat * len(timed), desc="bench model", disable=not progress,
               file=sys.stderr) as bar:
         times = interleave(list(timed), repeat,
-                           lambda name, k: timed[name](k) if name == "gemm-peak" else timed[name](),
+                           lambda name, k: settled(threads) or (
+                               timed[name](k) if name == "gemm-peak" else timed[name]()),
                            bar)
     tmp.cleanup()
     # the ratio of each round's pair is robust to slow drifts of the shared machine
     fig = summarise({n: ts for n, ts in times.items() if n != "gemm-peak"}, baseline="hepti")
     res["hepti_s"], res["hepti_median_s"] = times["hepti"], fig["hepti"]["median"]
+    if threads > 1:  # hepti on 1 thread over hepti on `threads`, round by round
+        res["hepti_1t_s"], res["hepti_1t_median_s"] = times["hepti-1t"], fig["hepti-1t"]["median"]
+        res["speedup"] = float(np.median([a / b for a, b in zip(times["hepti-1t"], times["hepti"])]))
     if tm is not None:
         res["torch_s"], res["torch_median_s"] = times["torch"], fig["torch"]["median"]
         res["ratio_torch_over_hepti"] = fig["torch"]["paired_ratio"]
@@ -310,9 +328,10 @@ def run_model_bench(model_dir: str, seq: int = 128, batch: int = 1, repeat: int 
     # CPU time (time.thread_time: every engine computes on the calling thread at 1 thread)
     # leaves out the time the scheduler gave other processes: on a shared machine a 15-70 ms
     # forward is preempted every round, a 1 ms GeMM of the peak rarely in its best of three
-    cfig = summarise(cpu, baseline="hepti")
-    res["cpu"] = {name: {"median_s": cfig[name]["median"],
-                         "ratio_over_hepti": cfig[name].get("paired_ratio")} for name in cpu}
+    if threads == 1:  # on more, the calling thread's CPU time leaves out the others'
+        cfig = summarise(cpu, baseline="hepti")
+        res["cpu"] = {name: {"median_s": cfig[name]["median"],
+                             "ratio_over_hepti": cfig[name].get("paired_ratio")} for name in cpu}
     if peak_times is not None:
         pk = peak_of(peak_times)
         res["gemm_peak"] = pk
@@ -324,18 +343,23 @@ def run_model_bench(model_dir: str, seq: int = 128, batch: int = 1, repeat: int 
         per_round = [t / (flops["total"] * p / (2.0 * m * k * n))
                      for t, p in zip(times["hepti"], peak_times[tuple(pk["shape"])])]
         res["hepti_over_limit_paired"] = float(np.median(per_round))
-        pkc = peak_of(peak_cpu)
-        res["gemm_peak_cpu"] = pkc
-        res["limit_cpu_s"] = flops["total"] / (pkc["gflops"] * 1e9)
-        res["hepti_cpu_over_limit"] = res["cpu"]["hepti"]["median_s"] / res["limit_cpu_s"]
+        if threads == 1:
+            pkc = peak_of(peak_cpu)
+            res["gemm_peak_cpu"] = pkc
+            res["limit_cpu_s"] = flops["total"] / (pkc["gflops"] * 1e9)
+            res["hepti_cpu_over_limit"] = res["cpu"]["hepti"]["median_s"] / res["limit_cpu_s"]
     res["hepti_gflops"] = flops["total"] / res["hepti_median_s"] / 1e9
     return res
 
 
 def format_model_bench(res: dict) -> str:
-    lines = [f"model {res['model']}, batch {res['batch']} x {res['seq']} tokens, 1 thread, "
-             f"median of {res['repeat']} interleaved runs",
+    th = res.get("threads", 1)
+    lines = [f"model {res['model']}, batch {res['batch']} x {res['seq']} tokens, {th} "
+             f"thread{'s' if th > 1 else ''}, median of {res['repeat']} interleaved runs",
              f"  hepti     {res['hepti_median_s'] * 1e3:8.2f} ms  {res['hepti_gflops']:6.1f} GFLOP/s"]
+    if res.get("speedup") is not None:
+        lines.append(f"  hepti-1t  {res['hepti_1t_median_s'] * 1e3:8.2f} ms  (1 thread; speedup "
+                     f"on {th}: {res['speedup']:.3f}, median of per-round ratios)")
     if res.get("torch_s") is not None:
         lines.append(f"  torch     {res['torch_median_s'] * 1e3:8.2f} ms  (PyTorch {res['torch_version']})")
     else:
@@ -385,13 +409,17 @@ def add_arguments(ap) -> None:
                     help="skip onnxruntime (plain and with the BERT fusions)")
     ap.add_argument("--no-peak", action="store_true",
                     help="skip the GeMM peak (and so the limit ratio)")
+    ap.add_argument("--threads", type=positive_int, default=1,
+                    help="threads of every engine (hepti's, torch's, onnxruntime's intra-op) and "
+                         "of the GeMM peak; above 1, hepti on 1 thread is timed in the same "
+                         "rounds too (hepti-1t, and its speedup) (default 1)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args) -> int:
     res = run_model_bench(args.model, seq=args.seq, batch=args.batch, repeat=args.repeat,
                           torch=not args.no_torch, ort=not args.no_ort, peak=not args.no_peak,
-                          progress=not args.json)
+                          progress=not args.json, threads=args.threads)
     print(json.dumps(res, indent=2) if args.json else format_model_bench(res))
     return 0
 

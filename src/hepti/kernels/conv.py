@@ -628,12 +628,25 @@ def _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, blk_lo, blk_hi, mb, m, bl
 
 @njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
 def _conv_parallel(n_chunks, x, geo, groups, k, n_g, panels, c, ldc, n_blocks, mb, m, blocks,
-                   epi, act, mode, ws, ws_chunk):
-    """_conv_rows with the row blocks split into n_chunks contiguous ranges, one per thread."""
+                   epi, act, mode, ws, ws_chunk, by_panels):
+    """_conv_rows with the row blocks split into n_chunks contiguous ranges, one per thread;
+    with by_panels (a fused mode: groups 1, whole panels, no pass over the rows after them),
+    every thread takes every row block and a contiguous range of the output panels instead
+    (each output element is still one micro-kernel's sum over the same k: the same bits)."""
+    n_panels = panels.shape[1]
+    bias, has_bias, gelu, res, r_off, ldr, has_res = epi
     for chunk in prange(n_chunks):
-        _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, chunk * n_blocks // n_chunks,
-                   (chunk + 1) * n_blocks // n_chunks, mb, m, blocks, epi, act, mode,
-                   ws[chunk * ws_chunk:(chunk + 1) * ws_chunk])
+        w = ws[chunk * ws_chunk:(chunk + 1) * ws_chunk]
+        if by_panels:
+            p0, p1 = chunk * n_panels // n_chunks, (chunk + 1) * n_panels // n_chunks
+            j0, j1 = p0 * NR, p1 * NR
+            sub = panels.reshape(-1)[p0 * k * NR:p1 * k * NR].reshape((1, p1 - p0, k, NR))
+            _conv_rows(x, geo, groups, k, j1 - j0, sub, c[j0:], ldc, 0, n_blocks, mb, m,
+                       blocks, (bias[j0:j1], has_bias, gelu, res, r_off + j0, ldr, has_res),
+                       act, mode, w)
+        else:
+            _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, chunk * n_blocks // n_chunks,
+                       (chunk + 1) * n_blocks // n_chunks, mb, m, blocks, epi, act, mode, w)
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -980,33 +993,78 @@ def pack_conv_weight(w: np.ndarray, groups: int = 1) -> ConvWeight:
     return ConvWeight(panels, np.zeros((0, 0), np.float32), cout, cin, kh, kw, groups)
 
 
-@functools.lru_cache(maxsize=512)
-def _conv_plan(m: int, k: int, mode: int, threads: int, mb: int = 0, wo: int = 1) -> tuple:
-    """(chunks, rows per block, blocks, workspace floats per chunk) for one conv shape.
+def _block_units(m: int, mb: int, mode: int, wo: int) -> list[int]:
+    """The micro-kernel tiles of each row block (mb pixels) of M output pixels: a short tile
+    costs a whole one. By rows (_MODE_ROWS*), a block is whole output rows of ceil(wo / MR)
+    tiles each."""
+    if mode in (_MODE_ROWS, _MODE_ROWS_FUSED):
+        return [min(mb, m - m0) // wo * -(-wo // MR) for m0 in range(0, m, mb)]
+    return [-(-min(mb, m - m0) // MR) for m0 in range(0, m, mb)]
 
-    Rows per block: packed_gemm.row_block (the packed A block fills about half of L2), and
-    at least one block per thread. _MODE_ROWS rounds a block to whole output rows (wo pixels
-    each); a row's working set there is the x rows it reads, not a packed block, and the
-    rows per block measured alike from 1 to 8 on VGG-16's 224x224x64 layer.
+
+def _split_rows(m: int, k: int, mode: int, threads: int, wo: int) -> tuple[int, int]:
+    """(rows per block, most tiles of a thread) splitting M's row blocks into `threads`
+    contiguous ranges: packed_gemm.row_block's blocks, their count rounded up to a multiple
+    of the threads (7 blocks of 448 pixels on 2 threads were 3 and 4 blocks: 12% idle), each
+    a multiple of MR (by rows: whole output rows)."""
+    if mode in (_MODE_ROWS, _MODE_ROWS_FUSED):
+        n_rows = m // wo
+        n_blocks = -(-n_rows // max(1, round(row_block(m, k) / wo)))
+        n_blocks = min(n_rows, -(-n_blocks // threads) * threads)
+        mb = -(-n_rows // n_blocks) * wo
+    else:
+        n_blocks = -(-m // min(row_block(m, k), m))
+        n_blocks = -(-n_blocks // threads) * threads
+        mb = -(-(-(-m // n_blocks)) // MR) * MR
+    units = _block_units(m, mb, mode, wo)
+    n = len(units)
+    chunks = min(threads, n)
+    return mb, max(sum(units[c * n // chunks:(c + 1) * n // chunks]) for c in range(chunks))
+
+
+@functools.lru_cache(maxsize=512)
+def _conv_plan(m: int, k: int, mode: int, threads: int, mb: int = 0, wo: int = 1,
+               n_panels: int = 0) -> tuple:
+    """(chunks, rows per block, blocks, workspace floats per chunk, split by panels) for one
+    conv shape.
+
+    Rows per block: packed_gemm.row_block (the packed A block fills about half of L2).
+    _MODE_ROWS rounds a block to whole output rows (wo pixels each); a row's working set
+    there is the x rows it reads, not a packed block, and the rows per block measured alike
+    from 1 to 8 on VGG-16's 224x224x64 layer.
+    On threads > 1, the row blocks are split among the threads (`_split_rows`) or, for a
+    fused mode with n_panels output panels (n_panels > 0), every thread takes every row and
+    a share of the panels, whichever leaves the busiest thread fewer tiles: a small map
+    (ResNet-50's 7x7 and 14x14 stages: 7 or 25 tiles) cannot be cut evenly by rows, its
+    256-2048 channels can. (The panel split repeats a block's patch gathering on each
+    thread: a copy of the block per thread, against its products with n_panels / threads
+    panels; so it wants at least 4 panels a thread, and a 2% better balance.)
     """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-    if mode in (_MODE_ROWS, _MODE_ROWS_FUSED):
-        n_rows = m // wo
-        rb = max(1, round((mb or row_block(m, k)) / wo))
-        if not mb and threads > 1 and -(-n_rows // rb) < threads:
-            rb = -(-n_rows // threads)
-        mb = min(rb, n_rows) * wo
-    elif not mb:
-        mb = min(row_block(m, k), m)
-        if threads > 1 and -(-m // mb) < threads:
-            mb = -(-(-(-m // threads)) // MR) * MR
+    by_panels = False
+    if mb:  # forced (convbench, tests): at least one block per thread, as it comes
+        if mode in (_MODE_ROWS, _MODE_ROWS_FUSED):
+            mb = min(max(1, round(mb / wo)), m // wo) * wo
+    elif threads == 1:
+        if mode in (_MODE_ROWS, _MODE_ROWS_FUSED):
+            mb = min(max(1, round(row_block(m, k) / wo)), m // wo) * wo
+        else:
+            mb = min(row_block(m, k), m)
+    else:
+        mb, busiest = _split_rows(m, k, mode, threads, wo)
+        if n_panels >= 4 * threads and mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED):
+            mb_p = (min(max(1, round(row_block(m, k) / wo)), m // wo) * wo
+                    if mode == _MODE_ROWS_FUSED else min(row_block(m, k), m))
+            tiles = sum(_block_units(m, mb_p, mode, wo))
+            if -(-n_panels // threads) * tiles < 0.98 * busiest * n_panels:
+                mb, by_panels = mb_p, True
     n_blocks = -(-m // mb)
-    n_chunks = max(1, min(threads, n_blocks))
+    n_chunks = max(1, min(threads, n_panels if by_panels else n_blocks))
     sizes = _conv_sizes(mb, k, mode, wo)
     ws_chunk = sum(pad16(s) for s in sizes)
-    return n_chunks, mb, n_blocks, ws_chunk
+    return n_chunks, mb, n_blocks, ws_chunk, by_panels
 
 
 def _rows_apply(geo: tuple, groups: int) -> bool:
@@ -1089,7 +1147,9 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
     if _mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED) and bias is None:
         bias_v = np.zeros(cw.cout, np.float32)  # the fused store always adds a bias
     k = cw.k
-    n_chunks, mb, n_blocks, ws_chunk = _conv_plan(m, k, _mode, int(threads), _mb, wo)
+    fused_mode = _mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED)
+    n_chunks, mb, n_blocks, ws_chunk, by_panels = _conv_plan(
+        m, k, _mode, int(threads), _mb, wo, n_g // NR if fused_mode else 0)
     blocks = (mb, config.KC, 1, config.PREFETCH_ROWS)
     epi = (bias_v, bias is not None, False, res, 0, cw.cout, residual is not None)
     ws = workspace(n_chunks * ws_chunk)
@@ -1101,7 +1161,7 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
         numba.set_num_threads(n_chunks)
         try:
             _conv_parallel(n_chunks, *args, n_blocks, mb, m, blocks, epi, act, _mode, ws,
-                           ws_chunk)
+                           ws_chunk, by_panels)
         finally:
             numba.set_num_threads(previous)
     return y

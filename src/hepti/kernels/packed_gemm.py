@@ -349,7 +349,10 @@ def _gemm_serial(a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc, b
 @njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
 def _gemm_parallel(n_chunks, a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc,
                    blocks, epi, ws):
-    """Whole GeMM with the panels split into n_chunks contiguous ranges, one per thread."""
+    """Whole GeMM with the panels split into n_chunks contiguous ranges, one per thread.
+    Each row block of A is packed by the threads too, a share of its MR-row tiles each: on
+    one thread that copy was 1-4% of BERT-base's and MiniLM's GeMMs (the down projection's
+    K = 3072 blocks: 280 us of 12.7 ms), time the other thread waited."""
     mc, group = blocks[0], blocks[2]
     buf_panels = 0 if panels.shape[0] > 0 else group
     buf_rows = min(k, blocks[1])
@@ -357,7 +360,11 @@ def _gemm_parallel(n_chunks, a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c
     apack, bufs, scratches = _carve(ws, n_chunks, mc, k, buf_panels, buf_rows)
     for m0 in range(0, m, mc):
         m1 = min(m, m0 + mc)
-        _pack_a(a, a_off, lda, m0, m1, k, apack)
+        n_tiles = -(-(m1 - m0) // MR)
+        for chunk in prange(n_chunks):
+            t0, t1 = chunk * n_tiles // n_chunks, (chunk + 1) * n_tiles // n_chunks
+            if t1 > t0:
+                _pack_a(a, a_off, lda, m0 + t0 * MR, min(m1, m0 + t1 * MR), k, apack[t0:t1])
         for chunk in prange(n_chunks):
             buf = bufs[chunk, :buf_panels * buf_rows * NR].reshape((buf_panels, buf_rows, NR))
             _panel_range(chunk * n_panels // n_chunks, (chunk + 1) * n_panels // n_chunks,
