@@ -180,7 +180,7 @@ def test_conv2d_fused_modes_against_naive(n, h, w, cin, cout, k, stride, padding
               "rows": conv._MODE_ROWS_FUSED}[mode]
     if mode == "flat" and not (k == 1 and stride == 1 and padding == 0):
         pytest.skip("_MODE_FLAT is a 1x1 convolution at stride 1 without padding")
-    if mode == "rows" and not conv._rows_apply(geo, 1):
+    if mode == "rows" and not conv._rows_apply(geo, 1, conv.MRF):
         pytest.skip("no tile of these rows lies inside x")
     bias = rand(cout) if with_bias else None
     residual = rand(n, geo[4], geo[5], cout) if with_res else None
