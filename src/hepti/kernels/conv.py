@@ -96,7 +96,8 @@ neighbouring pixels at stride 1 (two at stride 2) share their input columns and 
 timings, under load) tap by tap into y took 2.9 ms, nine products in registers 1.5 ms, pixel
 groups 1.1 ms; all seventeen of MobileNetV2's depthwise layers now take ~1.4-1.5 ms
 (convbench, sum of medians; 20-35 GFLOP/s). Border pixels and other kernel sizes take the
-tap-by-tap loop. Pools likewise, tap by tap.
+tap-by-tap loop. Pools likewise, except a 3x3 max pool, whose
+interior pixels take their nine taps at once in registers (`_max3x3_span`).
 
 Padding is per side, (top, bottom, left, right), so that a band of output rows can be computed
 from a band of input rows with padding only where the band meets the image border (a height
