@@ -180,7 +180,7 @@ def test_conv2d_fused_modes_against_naive(n, h, w, cin, cout, k, stride, padding
               "rows": conv._MODE_ROWS_FUSED}[mode]
     if mode == "flat" and not (k == 1 and stride == 1 and padding == 0):
         pytest.skip("_MODE_FLAT is a 1x1 convolution at stride 1 without padding")
-    if mode == "rows" and not conv._rows_apply(geo, 1):
+    if mode == "rows" and not conv._rows_apply(geo, 1, conv.MRF):
         pytest.skip("no tile of these rows lies inside x")
     bias = rand(cout) if with_bias else None
     residual = rand(n, geo[4], geo[5], cout) if with_res else None
@@ -269,6 +269,9 @@ def test_depthwise_channel_multiplier_runs_as_grouped_gemm():
     (3, 9, 7, 5, 2, None, 0),  # VGG's 2x2, odd sizes (floor)
     (1, 10, 11, 3, 3, 1, (1, 0, 1, 1)),  # asymmetric padding
     (2, 7, 7, 17, (3, 2), (2, 1), (1, 0)),
+    (2, 20, 23, 16, 3, 2, 1),  # 3x3 max pool: rows of pixels with all taps inside, at once
+    (1, 9, 10, 5, 3, 1, 0),  # ... without padding, stride 1
+    (1, 3, 3, 4, 3, 2, 1),  # ... no pixel with all its taps inside
 ])
 def test_pools_against_naive(n, h, w, c, k, stride, padding):
     x = rand(n, h, w, c)

@@ -66,6 +66,8 @@ def _cache_bytes(level: int, default: int) -> int:
 
 MR = 8  # rows of C per micro-tile (the generated kernels in _microkernels.py fix this)
 NR = 32  # columns per packed B panel = two zmm registers of float32
+# rows of the fused convolution tile (direct_tiles_epi, kernels/conv.py's fused modes)
+MR_FUSED = 8
 L1_BYTES = _cache_bytes(1, 32 << 10)  # Zen 4: 32 KiB, Sapphire Rapids: 48 KiB
 L2_BYTES = _cache_bytes(2, 1 << 20)  # Zen 4: 1 MiB, Sapphire Rapids: 2 MiB
 # KC: depth of one k-block. The KC x NR slice of a B panel is reused by every row tile, so it

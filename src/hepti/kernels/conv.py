@@ -96,7 +96,8 @@ neighbouring pixels at stride 1 (two at stride 2) share their input columns and 
 timings, under load) tap by tap into y took 2.9 ms, nine products in registers 1.5 ms, pixel
 groups 1.1 ms; all seventeen of MobileNetV2's depthwise layers now take ~1.4-1.5 ms
 (convbench, sum of medians; 20-35 GFLOP/s). Border pixels and other kernel sizes take the
-tap-by-tap loop. Pools likewise, tap by tap.
+tap-by-tap loop. Pools likewise, except a 3x3 max pool, whose
+interior pixels take their nine taps at once in registers (`_max3x3_span`).
 
 Padding is per side, (top, bottom, left, right), so that a band of output rows can be computed
 from a band of input rows with padding only where the band meets the image border (a height
@@ -111,7 +112,8 @@ import numpy as np
 from numba import njit, prange
 
 from hepti.kernels import config
-from hepti.kernels._microkernels import (MR, NR, direct_tiles, direct_tiles_epi, full_tiles,
+from hepti.kernels._intrinsics import max_f32
+from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi, full_tiles,
                                         micro_tile, pack_a_tile)
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
@@ -279,23 +281,23 @@ def _pack_patches(x, geo, c0, m0, rows, k, apack, tilebuf):
 
 
 @njit(**JIT)
-def _edge_starts(ox_lo, ox_hi, wo):
-    """First columns of the packed tiles of an output row: MR at a time over 0 .. ox_lo-1,
+def _edge_starts(ox_lo, ox_hi, wo, mr):
+    """First columns of the packed tiles of an output row: mr at a time over 0 .. ox_lo-1,
     then over ox_hi .. wo-1 (each tile ends at its range's end)."""
     starts = []
-    for ox in range(0, ox_lo, MR):
+    for ox in range(0, ox_lo, mr):
         starts.append(ox)
-    for ox in range(ox_hi, wo, MR):
+    for ox in range(ox_hi, wo, mr):
         starts.append(ox)
     return starts
 
 
 @njit(**JIT)
-def _direct_span(geo):
-    """(ox0, n_tiles): output columns ox0 .. ox0 + n_tiles*MR - 1 of every output row read
-    all their taps inside x, as n_tiles tiles of MR pixels, so `_rows_block` reads their A
+def _direct_span(geo, mr):
+    """(ox0, n_tiles): output columns ox0 .. ox0 + n_tiles*mr - 1 of every output row read
+    all their taps inside x, as n_tiles tiles of mr pixels (MR, or MRF for `_rows_fused`), so `_rows_block` reads their A
     from x in place; the columns left and right of them are packed. ox0 is the first multiple
-    of MR at or past the first such column, so the left border is one full packed tile, not
+    of mr at or past the first such column, so the left border is one full packed tile, not
     a sliver: short tiles run on a stack of narrower kernels, each a pass over B. (Starting
     at the first in-image column instead measured 4-20% slower on ResNet-50's and VGG-16's
     3x3 layers, interleaved; on rows 14 wide it left 1 tile in place and 6 columns in two
@@ -305,8 +307,8 @@ def _direct_span(geo):
     # column ox's last tap reads ix = ox*sw - pl + (kw-1)*dw, which must be < w
     span = w - 1 + pl - (kw - 1) * dw
     ox_hi = min(wo, span // sw + 1) if span >= 0 else 0
-    ox0 = -(-ox_lo // MR) * MR
-    return ox0, max(0, ox_hi - ox0) // MR
+    ox0 = -(-ox_lo // mr) * mr
+    return ox0, max(0, ox_hi - ox0) // mr
 
 
 @njit(**JIT)
@@ -339,11 +341,11 @@ def _rows_block(x, geo, k, n_g, panels, c, ldc, m0, rows, epi, edge, buf, scratc
     n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
     run = kw * cin
     lda = sw * cin
-    ox_lo, n_direct = _direct_span(geo)  # columns ox_lo .. ox_hi-1 are read in place
+    ox_lo, n_direct = _direct_span(geo, MR)  # columns ox_lo .. ox_hi-1 are read in place
     ox_hi = ox_lo + n_direct * MR
     n_rows = rows // wo
     r0 = m0 // wo  # first output row, b * Ho + oy
-    starts = _edge_starts(ox_lo, ox_hi, wo)  # the packed tiles' first columns, every row
+    starts = _edge_starts(ox_lo, ox_hi, wo, MR)  # the packed tiles' first columns, every row
     n_edge = len(starts)
     for r in range(n_rows):
         for e in range(n_edge):
@@ -386,7 +388,7 @@ def _rows_block(x, geo, k, n_g, panels, c, ldc, m0, rows, epi, edge, buf, scratc
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
 def _patch_tile(x, geo, k, m, nr, dst):
-    """dst [MR * K] = the patch rows (row-major, K apart) of output pixels m .. m+nr-1, zero
+    """dst [MRF * K] = the patch rows (row-major, K apart) of output pixels m .. m+nr-1, zero
     rows after them: a border tile's A for `direct_tiles_epi`. Groups 1 and one contiguous
     run per kernel row (`_rows_apply`): the taps of a kernel row inside the image are one
     copy (tap by tap, `_patch_row`, the 7x7 stem's borders took longer than the rest)."""
@@ -411,7 +413,7 @@ def _patch_tile(x, geo, k, m, nr, dst):
             t = seg[kx_lo * c:kx_lo * c + cnt]
             for q in range(cnt):
                 t[q] = src[q]
-    dst[nr * k:MR * k] = 0.0
+    dst[nr * k:MRF * k] = 0.0
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -427,7 +429,7 @@ def _padding_row(c, d_off, ldc, cols, j0, bias, res, r_off, ldr, has_res, act):
 @njit(**JIT)
 def _i64(x):
     """x as a plain int64. Numba compiles a jitted callee once per distinct argument type, and
-    a constant argument (0, MR) or a parameter that a caller fixed (has_res=False) arrives as a
+    a constant argument (0, MRF) or a parameter that a caller fixed (has_res=False) arrives as a
     *literal* type, one compile per value: `direct_tiles_epi`, a fully unrolled 8 x 32 register
     tile, takes ~60 s to compile, and its four call sites gave it eight specialisations, ~8 of
     the fresh test suite's minutes. A call's result is never a literal, so wrapping each
@@ -447,22 +449,22 @@ def _rows_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ldr,
     """`_rows_block` with every tile stored once, its bias, residual and activation applied in
     registers (`direct_tiles_epi`): no epilogue pass over the strip, no activation pass over
     the block. n_g is whole panels. The border tiles' patches are gathered row-major into edge
-    (MR * K floats a tile, `_patch_tile`) and run on the same kernel with lda = K. bias [Cout]
+    (MRF * K floats a tile, `_patch_tile`) and run on the same kernel with lda = K. bias [Cout]
     (zeros when the convolution has none); the residual's element of c[0] is res[r_off]."""
     n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
     run = kw * cin
     lda = sw * cin
-    ox_lo, n_direct = _direct_span(geo)
-    ox_hi = ox_lo + n_direct * MR
+    ox_lo, n_direct = _direct_span(geo, MRF)
+    ox_hi = ox_lo + n_direct * MRF
     n_rows = rows // wo
     r0 = m0 // wo
-    starts = _edge_starts(ox_lo, ox_hi, wo)
+    starts = _edge_starts(ox_lo, ox_hi, wo, MRF)
     n_edge = len(starts)
-    tile = MR * k
+    tile = MRF * k
     for r in range(n_rows):
         for e in range(n_edge):
             ox = starts[e]
-            nr = min(MR, (ox_lo if ox < ox_lo else wo) - ox)
+            nr = min(MRF, (ox_lo if ox < ox_lo else wo) - ox)
             s = r * n_edge + e
             _patch_tile(x, geo, k, m0 + r * wo + ox, nr, edge[s * tile:(s + 1) * tile])
     for jp in range(n_g // NR):
@@ -481,12 +483,12 @@ def _rows_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ldr,
             x_row = ((b * h + iy0) * w - pl) * cin
             direct_tiles_epi(_i64(0), _i64(n_direct), _i64(ky1 - ky0), _i64(run), x,
                              _i64(x_row + ox_lo * lda), _i64(dh * w * cin), _i64(lda), bp,
-                             _i64(ky0 * run), c, _i64(d_row + ox_lo * ldc), _i64(ldc), _i64(MR),
+                             _i64(ky0 * run), c, _i64(d_row + ox_lo * ldc), _i64(ldc), _i64(MRF),
                              bj, res, _i64(r_row + ox_lo * ldr), _i64(ldr), _flag(has_res),
                              _i64(act))
             for e in range(n_edge):
                 ox = starts[e]
-                nr = min(MR, (ox_lo if ox < ox_lo else wo) - ox)
+                nr = min(MRF, (ox_lo if ox < ox_lo else wo) - ox)
                 direct_tiles_epi(_i64(0), _i64(1), _i64(1), _i64(k), edge,
                                  _i64((r * n_edge + e) * tile), _i64(0), _i64(k), bp, _i64(0), c,
                                  _i64(d_row + ox * ldc), _i64(ldc), _i64(nr), bj, res,
@@ -498,26 +500,27 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
                  has_res, act, buf):
     """Output pixels m0 .. m0+rows-1 whose A rows lie row-major in a (row i at a_off +
     i*lda): every panel over their tiles, each stored once with its epilogue
-    (`direct_tiles_epi`). A short last tile's rows are copied into buf [MR * K] first.
+    (`direct_tiles_epi`, MRF rows a tile). A short last tile's rows are copied into buf
+    [MRF * K] first.
     (_MODE_FLAT: a is x itself, a 1x1 convolution at stride 1; _MODE_PATCHES: a is the
     block's patch rows.)"""
-    n_full = rows // MR
-    rem = rows - n_full * MR
+    n_full = rows // MRF
+    rem = rows - n_full * MRF
     if rem:
         for i in range(rem):
-            src = a[a_off + (n_full * MR + i) * lda:a_off + (n_full * MR + i) * lda + k]
+            src = a[a_off + (n_full * MRF + i) * lda:a_off + (n_full * MRF + i) * lda + k]
             dst = buf[i * k:(i + 1) * k]
             for p in range(k):
                 dst[p] = src[p]
-        buf[rem * k:MR * k] = 0.0
-    m_rem = m0 + n_full * MR
+        buf[rem * k:MRF * k] = 0.0
+    m_rem = m0 + n_full * MRF
     for jp in range(n_g // NR):
         j0 = jp * NR
         bp = panels[jp]
         bj = bias[j0:j0 + NR]
         if n_full:
             direct_tiles_epi(_i64(0), _i64(n_full), _i64(1), _i64(k), a, _i64(a_off), _i64(0),
-                             _i64(lda), bp, _i64(0), c, _i64(m0 * ldc + j0), _i64(ldc), _i64(MR),
+                             _i64(lda), bp, _i64(0), c, _i64(m0 * ldc + j0), _i64(ldc), _i64(MRF),
                              bj, res, _i64(r_off + m0 * ldr + j0), _i64(ldr), _flag(has_res),
                              _i64(act))
         if rem:
@@ -554,13 +557,15 @@ def _pad16(n):
 def _conv_sizes(mb, k, mode, wo):
     """Workspace floats of one chunk of _conv_rows: packed A, patch buffer, partial strip.
     (_MODE_ROWS packs at most wo // MR + 2 tiles of each of its mb // wo output rows; the
-    fused modes, whose n_g is whole panels, need no partial strip.)"""
-    buf = mb * k if mode == _MODE_IM2COL else (0 if mode == _MODE_DIRECT else MR * k)
+    fused modes, whose n_g is whole panels, need no partial strip and take tiles of MRF.)"""
+    fused = mode == _MODE_FLAT or mode == _MODE_PATCHES or mode == _MODE_ROWS_FUSED
+    mr = MRF if fused else MR
+    buf = mb * k if mode == _MODE_IM2COL else (0 if mode == _MODE_DIRECT else mr * k)
     by_rows = mode == _MODE_ROWS or mode == _MODE_ROWS_FUSED
-    tiles = (mb // wo) * (wo // MR + 2) if by_rows else -(-mb // MR)
+    tiles = (mb // wo) * (wo // mr + 2) if by_rows else -(-mb // mr)
     if mode == _MODE_FLAT:  # A is x itself; a short last tile goes through buf
         return (0, buf, 0)
-    return (tiles * k * MR, buf, 0 if mode == _MODE_PATCHES else mb * NR)
+    return (tiles * k * mr, buf, 0 if mode == _MODE_PATCHES else mb * NR)
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -824,39 +829,106 @@ def _depthwise_parallel(n_chunks, x, geo, taps, bias, res, has_res, act, y, n_ro
 
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)
+def _pool_pixel(x, geo, is_max, inv, b, oy, ox, yr):
+    """yr [C] = max (is_max) or average over the window of output pixel (b, oy, ox), tap by
+    tap: the first tap inside x is copied, the others folded in (a max ignores the padding;
+    an average counts it as zeros and multiplies by inv = 1 / (kh*kw))."""
+    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    first = True
+    for ky in range(kh):
+        iy = oy * sh - pt + ky * dh
+        if iy < 0 or iy >= h:
+            continue
+        row = (b * h + iy) * w
+        for kx in range(kw):
+            ix = ox * sw - pl + kx * dw
+            if ix < 0 or ix >= w:
+                continue
+            xr = x[(row + ix) * c:(row + ix + 1) * c]
+            if first:
+                for j in range(c):
+                    yr[j] = xr[j]
+                first = False
+            elif is_max:
+                for j in range(c):
+                    v = xr[j]
+                    yr[j] = v if v > yr[j] else yr[j]
+            else:
+                for j in range(c):
+                    yr[j] += xr[j]
+    if first:  # every tap in the padding
+        for j in range(c):
+            yr[j] = -np.inf if is_max else 0.0
+    if not is_max:
+        for j in range(c):
+            yr[j] *= inv
+
+
+@njit(fastmath=FASTMATH_ROWS, **JIT)
+def _max3x3_span(x, geo, b, oy, ox0, ox1, y, y_off):
+    """Output pixels ox0 .. ox1-1 of row (b, oy) of a 3x3 max pool, all nine taps inside x:
+    per channel the max of the nine is taken in registers and stored once (tap by tap,
+    `_pool_pixel` loads and stores y nine times a pixel; ResNet-50's pool took 2.5x
+    onnxruntime's time)."""
+    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    r0 = ((b * h + oy * sh - pt) * w - pl) * c  # x offset of tap (0, 0) for ox = 0
+    r1 = r0 + dh * w * c
+    r2 = r1 + dh * w * c
+    dx = dw * c
+    for ox in range(ox0, ox1):
+        o = ox * sw * c
+        x0 = x[r0 + o:r0 + o + c]
+        x1 = x[r0 + o + dx:r0 + o + dx + c]
+        x2 = x[r0 + o + 2 * dx:r0 + o + 2 * dx + c]
+        x3 = x[r1 + o:r1 + o + c]
+        x4 = x[r1 + o + dx:r1 + o + dx + c]
+        x5 = x[r1 + o + 2 * dx:r1 + o + 2 * dx + c]
+        x6 = x[r2 + o:r2 + o + c]
+        x7 = x[r2 + o + dx:r2 + o + dx + c]
+        x8 = x[r2 + o + 2 * dx:r2 + o + 2 * dx + c]
+        yr = y[y_off + (ox - ox0) * c:y_off + (ox - ox0 + 1) * c]
+        for j in range(c):
+            a = max_f32(x0[j], x1[j])
+            a = max_f32(a, x2[j])
+            a = max_f32(a, x3[j])
+            a = max_f32(a, x4[j])
+            a = max_f32(a, x5[j])
+            a = max_f32(a, x6[j])
+            a = max_f32(a, x7[j])
+            yr[j] = max_f32(a, x8[j])
+
+
+@njit(fastmath=FASTMATH_ROWS, **JIT)
 def _pool(x, geo, is_max, y):
     """y (flat [M, C]) = max (is_max) or average over each window of x; an average divides by
-    kh*kw whatever the padding (PyTorch's count_include_pad=True), a max ignores the padding."""
+    kh*kw whatever the padding (PyTorch's count_include_pad=True), a max ignores the padding.
+    A 3x3 max pool takes the pixels whose taps all lie inside x nine taps at once
+    (`_max3x3_span`), the others tap by tap (`_pool_pixel`)."""
     n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
     inv = np.float32(1.0) / np.float32(kh * kw)
-    for m in range(n * ho * wo):
-        b = m // (ho * wo)
-        oy = (m // wo) % ho
-        ox = m % wo
-        yr = y[m * c:(m + 1) * c]
-        fill = -np.inf if is_max else 0.0
-        for j in range(c):
-            yr[j] = fill
-        for ky in range(kh):
-            iy = oy * sh - pt + ky * dh
-            if iy < 0 or iy >= h:
-                continue
-            row = (b * h + iy) * w
-            for kx in range(kw):
-                ix = ox * sw - pl + kx * dw
-                if ix < 0 or ix >= w:
-                    continue
-                xr = x[(row + ix) * c:(row + ix + 1) * c]
-                if is_max:
-                    for j in range(c):
-                        v = xr[j]
-                        yr[j] = v if v > yr[j] else yr[j]
-                else:
-                    for j in range(c):
-                        yr[j] += xr[j]
-        if not is_max:
-            for j in range(c):
-                yr[j] *= inv
+    span = is_max and kh == 3 and kw == 3
+    # the columns whose taps are all inside x: ox_lo .. ox_hi-1
+    ox_lo = -(-pl // sw)
+    last = w - 1 + pl - (kw - 1) * dw  # ox*sw must be <= last
+    ox_hi = min(wo, last // sw + 1) if last >= 0 else 0
+    if ox_hi <= ox_lo:
+        span = False
+    for b in range(n):
+        for oy in range(ho):
+            ky0, ky1 = _rows_inside(oy, sh, pt, kh, dh, h)
+            m_row = (b * ho + oy) * wo
+            if span and ky0 == 0 and ky1 == kh:
+                for ox in range(ox_lo):
+                    _pool_pixel(x, geo, is_max, inv, b, oy, ox,
+                                y[(m_row + ox) * c:(m_row + ox + 1) * c])
+                _max3x3_span(x, geo, b, oy, ox_lo, ox_hi, y, (m_row + ox_lo) * c)
+                for ox in range(ox_hi, wo):
+                    _pool_pixel(x, geo, is_max, inv, b, oy, ox,
+                                y[(m_row + ox) * c:(m_row + ox + 1) * c])
+            else:
+                for ox in range(wo):
+                    _pool_pixel(x, geo, is_max, inv, b, oy, ox,
+                                y[(m_row + ox) * c:(m_row + ox + 1) * c])
 
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)
@@ -1067,11 +1139,11 @@ def _conv_plan(m: int, k: int, mode: int, threads: int, mb: int = 0, wo: int = 1
     return n_chunks, mb, n_blocks, ws_chunk, by_panels
 
 
-def _rows_apply(geo: tuple, groups: int) -> bool:
-    """Whether `_rows_block` can take this convolution: groups 1, each kernel row's taps one
-    contiguous run of x (dilation 1 across, or a single column), and at least one tile per
-    output row that reads x in place."""
-    return groups == 1 and (geo[13] == 1 or geo[7] == 1) and _direct_span(geo)[1] > 0
+def _rows_apply(geo: tuple, groups: int, mr: int = MR) -> bool:
+    """Whether `_rows_block` (tiles of mr = MR) or `_rows_fused` (MRF) can take this
+    convolution: groups 1, each kernel row's taps one contiguous run of x (dilation 1 across,
+    or a single column), and at least one tile per output row that reads x in place."""
+    return groups == 1 and (geo[13] == 1 or geo[7] == 1) and _direct_span(geo, mr)[1] > 0
 
 
 def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0, dilation=1,
@@ -1125,16 +1197,17 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
     plain = (cw.kh == cw.kw == 1 and geo[8] == geo[9] == 1 and geo[10] == geo[11] == 0
              and ho == geo[1] and wo == geo[2])
     rows = _rows_apply(geo, groups)
+    rows_f = _rows_apply(geo, groups, MRF)
     fusable = groups == 1 and n_g % NR == 0  # whole panels: every tile stored once, fused
     if _mode is None:
         if fusable:
-            _mode = (_MODE_FLAT if plain else _MODE_ROWS_FUSED if rows and wo % MR == 0
+            _mode = (_MODE_FLAT if plain else _MODE_ROWS_FUSED if rows_f and wo % MRF == 0
                      else _MODE_PATCHES)
         elif plain:  # x is A as it is: in place by rows unless rows leave short tiles
             _mode = _MODE_ROWS if rows and wo % MR == 0 else _MODE_DIRECT
         else:
             _mode = _MODE_ROWS if rows else _MODE_IMPLICIT
-    elif _mode in (_MODE_ROWS, _MODE_ROWS_FUSED) and not rows:
+    elif _mode == _MODE_ROWS and not rows or _mode == _MODE_ROWS_FUSED and not rows_f:
         raise ValueError("_MODE_ROWS needs groups 1, one contiguous run per kernel row and a "
                          "tile inside x on every output row")
     if _mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED) and not fusable or \
