@@ -1065,20 +1065,26 @@ def pack_conv_weight(w: np.ndarray, groups: int = 1) -> ConvWeight:
     return ConvWeight(panels, np.zeros((0, 0), np.float32), cout, cin, kh, kw, groups)
 
 
+def _tile_rows(mode: int) -> int:
+    """Output pixels a micro-kernel tile takes in this mode: MRF in the fused ones, else MR."""
+    return MRF if mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED) else MR
+
+
 def _block_units(m: int, mb: int, mode: int, wo: int) -> list[int]:
     """The micro-kernel tiles of each row block (mb pixels) of M output pixels: a short tile
-    costs a whole one. By rows (_MODE_ROWS*), a block is whole output rows of ceil(wo / MR)
-    tiles each."""
+    costs a whole one. By rows (_MODE_ROWS*), a block is whole output rows of ceil(wo / mr)
+    tiles each (mr: `_tile_rows`)."""
+    mr = _tile_rows(mode)
     if mode in (_MODE_ROWS, _MODE_ROWS_FUSED):
-        return [min(mb, m - m0) // wo * -(-wo // MR) for m0 in range(0, m, mb)]
-    return [-(-min(mb, m - m0) // MR) for m0 in range(0, m, mb)]
+        return [min(mb, m - m0) // wo * -(-wo // mr) for m0 in range(0, m, mb)]
+    return [-(-min(mb, m - m0) // mr) for m0 in range(0, m, mb)]
 
 
 def _split_rows(m: int, k: int, mode: int, threads: int, wo: int) -> tuple[int, int]:
     """(rows per block, most tiles of a thread) splitting M's row blocks into `threads`
     contiguous ranges: packed_gemm.row_block's blocks, their count rounded up to a multiple
     of the threads (7 blocks of 448 pixels on 2 threads were 3 and 4 blocks: 12% idle), each
-    a multiple of MR (by rows: whole output rows)."""
+    a multiple of the mode's tile (`_tile_rows`; by rows: whole output rows)."""
     if mode in (_MODE_ROWS, _MODE_ROWS_FUSED):
         n_rows = m // wo
         n_blocks = -(-n_rows // max(1, round(row_block(m, k) / wo)))
@@ -1087,7 +1093,8 @@ def _split_rows(m: int, k: int, mode: int, threads: int, wo: int) -> tuple[int, 
     else:
         n_blocks = -(-m // min(row_block(m, k), m))
         n_blocks = -(-n_blocks // threads) * threads
-        mb = -(-(-(-m // n_blocks)) // MR) * MR
+        mr = _tile_rows(mode)
+        mb = -(-(-(-m // n_blocks)) // mr) * mr
     units = _block_units(m, mb, mode, wo)
     n = len(units)
     chunks = min(threads, n)
