@@ -261,9 +261,17 @@ def _direct_tiles_epi(mr: int, nr: int) -> str:
     ]
     lines += _zero(mr, nr, "        ")
     lines += _segments(mr, nr)
-    lines.append(f"        co = c_off + t * {mr} * ldc")
-    lines.append(f"        ro = r_off + t * {mr} * ldr")
-    lines.append(f"        nv = last_rows if t == n_tiles - 1 else {mr}")
+    lines += _epilogue_store(mr, nr)
+    return "\n".join(lines) + "\n"
+
+
+def _epilogue_store(mr: int, nr: int) -> list[str]:
+    """The end of a tile of the epilogue kernels (`direct_tiles_epi`, `narrow_tiles_epi{w}`):
+    each row's accumulators c{i}_{j} get + bias (e{j}), + the residual row when has_res, then
+    ReLU or ReLU6, and are stored once; the last tile stores its first last_rows rows only."""
+    lines = [f"        co = c_off + t * {mr} * ldc",
+             f"        ro = r_off + t * {mr} * ldr",
+             f"        nv = last_rows if t == n_tiles - 1 else {mr}"]
     for i in range(mr):
         names = [f"c{i}_{j}" for j in range(nr)]
         lines.append("        " + "; ".join(f"{v} += e{j}" for j, v in enumerate(names)))
@@ -279,7 +287,7 @@ def _direct_tiles_epi(mr: int, nr: int) -> str:
         lines.append(f"        if nv > {i}:")
         lines.append(f"            cr = c[co + {i} * ldc:co + {i} * ldc + {nr}]")
         lines.append("            " + "; ".join(f"cr[{j}] = {v}" for j, v in enumerate(names)))
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 NARROW = (16, 24)  # the widths of `narrow_tiles_epi{w}`: MobileNetV2's 16- and 24-channel maps
@@ -321,24 +329,7 @@ def _narrow_tiles_epi(mr: int, nw: int) -> str:
     for i in range(mr):
         lines.append(f"            x = r{i}[p]")
         lines.append("            " + "; ".join(f"c{i}_{j} += x * b{j}" for j in range(nw)))
-    lines.append(f"        co = c_off + t * {mr} * ldc")
-    lines.append(f"        ro = r_off + t * {mr} * ldr")
-    lines.append(f"        nv = last_rows if t == n_tiles - 1 else {mr}")
-    for i in range(mr):
-        names = [f"c{i}_{j}" for j in range(nw)]
-        lines.append("        " + "; ".join(f"{v} += e{j}" for j, v in enumerate(names)))
-        lines.append("        if has_res:")
-        lines.append(f"            rr = res[ro + {i} * ldr:ro + {i} * ldr + {nw}]")
-        lines.append("            " + "; ".join(f"{v} += rr[{j}]" for j, v in enumerate(names)))
-        lines.append("        if act != 0:")
-        lines.append("            " + "; ".join(f"{v} = {v} if {v} > zero else zero"
-                                               for v in names))
-        lines.append("            if act == 2:")
-        lines.append("                " + "; ".join(f"{v} = {v} if {v} < six else six"
-                                                   for v in names))
-        lines.append(f"        if nv > {i}:")
-        lines.append(f"            cr = c[co + {i} * ldc:co + {i} * ldc + {nw}]")
-        lines.append("            " + "; ".join(f"cr[{j}] = {v}" for j, v in enumerate(names)))
+    lines += _epilogue_store(mr, nw)
     return "\n".join(lines) + "\n"
 
 
