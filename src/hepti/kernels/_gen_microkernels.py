@@ -406,7 +406,7 @@ def source(mr: int = MR, nr: int = NR, mrf: int = MRF) -> str:
     parts.append(_copy_row(nr))
     parts.append(_pack_a_tile(mr))
     parts.append(_row_max())
-    parts += [_narrow_tiles_epi(mr, nw) for nw in NARROW]
+    parts += [_narrow_tiles_epi(mrf, nw) for nw in NARROW]  # they finish `_tiles_fused`'s rows
     return "".join(parts)
 
 

@@ -33,7 +33,7 @@ from numba import njit
 
 from hepti.kernels import config
 from hepti.kernels._gen_microkernels import NARROW
-from hepti.kernels._microkernels import MR, NR, narrow_tiles_epi16, narrow_tiles_epi24
+from hepti.kernels._microkernels import MR, MRF, NR, narrow_tiles_epi16, narrow_tiles_epi24
 from hepti.kernels._views import pad16, vector
 from hepti.kernels.config import FASTMATH_GEMM, JIT
 from hepti.kernels.conv import (_MODE_DIRECT, _MODE_FLAT, _MODE_ROWS, ConvWeight, _conv_rows,
@@ -76,8 +76,9 @@ def _tiles_1x1(a, lda, k, n_out, panels, c, ldc, rows, bias, res, r_off, ldr, ha
     rows i < rows of a 1x1 convolution whose A rows lie in a (row i at i*lda, k values), B
     the packed panels [n_panels, k, NR]: the whole panels on conv's fused store
     (`_tiles_fused`), then a last panel of 16 or 24 columns on the register tile of its
-    width (`narrow_tiles_epi16` / `24`), the same sums in the same order. A short last tile's
-    rows go through buf [MR * k] (`_tiles_fused` copies them there)."""
+    width (`narrow_tiles_epi16` / `24`), the same sums in the same order. Both take tiles of
+    MRF rows (the fused tile's height): a short last tile's rows go through buf [MRF * k],
+    where `_tiles_fused` copied them."""
     _tiles_fused(a, _i64(0), lda, k, n_out, panels, c, ldc, _i64(0), rows, bias, res, r_off,
                  ldr, has_res, act, buf)
     tw = n_out % NR
@@ -86,15 +87,15 @@ def _tiles_1x1(a, lda, k, n_out, panels, c, ldc, rows, bias, res, r_off, ldr, ha
     j0 = n_out - tw
     bp = panels[n_out // NR]
     bj = bias[j0:j0 + tw]
-    n_full = rows // MR
-    rem = rows - n_full * MR
-    m_rem = n_full * MR
+    n_full = rows // MRF
+    rem = rows - n_full * MRF
+    m_rem = n_full * MRF
     if n_full:
         if tw == 16:
-            narrow_tiles_epi16(n_full, k, a, _i64(0), lda, bp, c, j0, ldc, _i64(MR), bj, res,
+            narrow_tiles_epi16(n_full, k, a, _i64(0), lda, bp, c, j0, ldc, _i64(MRF), bj, res,
                                r_off + j0, ldr, has_res, act)
         else:
-            narrow_tiles_epi24(n_full, k, a, _i64(0), lda, bp, c, j0, ldc, _i64(MR), bj, res,
+            narrow_tiles_epi24(n_full, k, a, _i64(0), lda, bp, c, j0, ldc, _i64(MRF), bj, res,
                                r_off + j0, ldr, has_res, act)
     if rem:
         if tw == 16:
