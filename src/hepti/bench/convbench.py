@@ -114,7 +114,11 @@ def run_conv_bench(repeat: int = 7, shapes=None) -> list[dict]:
 
 
 def run_depthwise_bench(repeat: int = 7) -> list[dict]:
-    """One row per MobileNetV2 depthwise shape: median and min ms, GFLOP/s, occurrences."""
+    """One row per MobileNetV2 depthwise shape: median and min ms, GFLOP/s, occurrences, and
+    the bytes it must move (x read, y written) per second, against a copy of as many bytes
+    (x into a buffer of its size, then a buffer of y's size written: `np.copyto`), timed in
+    turn with it: a depthwise 3x3 does 18 FLOPs a value, so memory, not FLOPs, should bound
+    it (issue 47)."""
     rng = np.random.default_rng(0)
     rows = []
     for (h, w, c, stride), count in DEPTHWISE_SHAPES.items():
@@ -122,15 +126,22 @@ def run_depthwise_bench(repeat: int = 7) -> list[dict]:
         cw = pack_conv_weight(rng.standard_normal((c, 1, 3, 3), dtype=np.float32), groups=c)
         bias = rng.standard_normal(c, dtype=np.float32)
         out = depthwise_conv2d(x, cw, bias, stride, 1, relu="relu6")
-        ts = []
+        xc, oc = np.empty_like(x), np.empty_like(out)
+        ts, tc = [], []
         for _ in range(repeat):
             t0 = time.perf_counter()
             depthwise_conv2d(x, cw, bias, stride, 1, relu="relu6", out=out)
             ts.append(time.perf_counter() - t0)
-        med = float(np.median(ts))
+            t0 = time.perf_counter()
+            np.copyto(xc, x)
+            np.copyto(oc, out)
+            tc.append(time.perf_counter() - t0)
+        med, moved = float(np.median(ts)), x.nbytes + out.nbytes
         rows.append({"shape": f"mbv2 dw 3x3s{stride} {h}x{w}x{c}", "variant": f"x{count}",
                      "ms": med * 1e3, "min_ms": min(ts) * 1e3,
-                     "gflops": 2.0 * out.size * 9 / med / 1e9, "count": count})
+                     "gflops": 2.0 * out.size * 9 / med / 1e9, "count": count,
+                     "gbps": moved / med / 1e9,
+                     "copy_gbps": 2 * moved / float(np.median(tc)) / 1e9})
     return rows
 
 
@@ -143,8 +154,10 @@ def run(args) -> int:
     numba.set_num_threads(1)
     dw_rows = run_depthwise_bench(args.repeat)
     for row in run_conv_bench(args.repeat) + dw_rows:
+        bw = (f"  {row['gbps']:5.1f} GB/s moved (a copy of as many bytes: "
+              f"{row['copy_gbps']:5.1f})" if "gbps" in row else "")
         print(f"{row['shape']:34s} {row['variant']:9s} {row['ms']:9.3f} ms "
-              f"(min {row['min_ms']:8.3f}) {row['gflops']:7.1f} GFLOP/s")
+              f"(min {row['min_ms']:8.3f}) {row['gflops']:7.1f} GFLOP/s{bw}")
     total = sum(row["ms"] * row["count"] for row in dw_rows)
     print(f"MobileNetV2's 17 depthwise layers: {total:.3f} ms (sum of medians)")
     return 0
