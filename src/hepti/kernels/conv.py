@@ -294,14 +294,15 @@ def _edge_starts(ox_lo, ox_hi, wo, mr):
 
 @njit(**JIT)
 def _direct_span(geo, mr):
-    """(ox0, n_tiles): output columns ox0 .. ox0 + n_tiles*mr - 1 of every output row read
-    all their taps inside x, as n_tiles tiles of mr pixels (MR, or MRF for `_rows_fused`), so `_rows_block` reads their A
-    from x in place; the columns left and right of them are packed. ox0 is the first multiple
-    of mr at or past the first such column, so the left border is one full packed tile, not
-    a sliver: short tiles run on a stack of narrower kernels, each a pass over B. (Starting
-    at the first in-image column instead measured 4-20% slower on ResNet-50's and VGG-16's
-    3x3 layers, interleaved; on rows 14 wide it left 1 tile in place and 6 columns in two
-    slivers, 4-24% slower than packing them all in 4 of 5 readings.)"""
+    """(ox0, n_tiles): output columns ox0 .. ox0 + n_tiles*mr - 1 of every output row read all
+    their taps inside x, as n_tiles tiles of mr pixels (MR, or MRF for `_rows_fused`), so
+    `_rows_block` reads their A from x in place; the columns left and right of them are
+    packed. ox0 is the first multiple of mr at or past the first such column, so the left
+    border is one full packed tile, not a sliver: short tiles run on a stack of narrower
+    kernels, each a pass over B. (Starting at the first in-image column instead measured
+    4-20% slower on ResNet-50's and VGG-16's 3x3 layers, interleaved; on rows 14 wide it
+    left 1 tile in place and 6 columns in two slivers, 4-24% slower than packing them all in
+    4 of 5 readings.)"""
     w, wo, kw, sw, pl, dw = geo[2], geo[5], geo[7], geo[9], geo[11], geo[13]
     ox_lo = -(-pl // sw)  # first column whose first tap reads ix >= 0
     # column ox's last tap reads ix = ox*sw - pl + (kw-1)*dw, which must be < w
