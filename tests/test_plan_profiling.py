@@ -219,30 +219,20 @@ def test_a_decode_calls_cost_is_timed_on_a_ranks_layer_shape():
     assert measure_gemv(128, int8=True, config=cfg, ranks=2, nbytes=1 << 20) > 0
 
 
-def test_a_devices_memory_leaves_out_the_file_pages_its_process_runs_from(monkeypatch):
+def test_a_devices_memory_is_what_the_re_planner_reads_shared_and_capped(monkeypatch):
     """`_device_memory`: the memory a rank has for a model is what the host or its cgroup has
-    available (page cache counted as free) less the file pages the process runs from
-    (`code_pages_bytes`: under a cgroup limit the mapped pages it is charged for, else the
-    process's RssFile), shared by the ranks on the host, at most the cap."""
+    available (page cache counted as free, as the serving re-planner reads it: not less the
+    process's file pages), shared by the ranks on the host, at most the cap; the process's
+    resident file pages are recorded beside it (`resident_file_bytes`)."""
     from hepti.parallel import profiling as P
     mib = 1 << 20
     monkeypatch.setattr(P, "_return_freed_memory", lambda: None)
     monkeypatch.setattr(P, "available_memory", lambda: (1000 * mib, "MemAvailable"))
-    monkeypatch.setattr(P, "resident_file_bytes", lambda status=None: 120 * mib)
-    assert P._device_memory(1, None) == (880 * mib, "MemAvailable")
-    assert P._device_memory(2, None)[0] == 440 * mib  # the host's pages once, then shared
-    assert P._device_memory(1, 500 * mib)[0] == 500 * mib
-    monkeypatch.setattr(P, "resident_file_bytes", lambda status=None: 2000 * mib)
-    assert P._device_memory(1, None)[0] == 0.0
-    monkeypatch.setattr(P, "available_memory", lambda: (1000 * mib, "cgroup limit (x)"))
-    monkeypatch.setattr(P, "cgroup_memory_stat", lambda: {"total_mapped_file": 6 * mib,
-                                                          "total_cache": 70 * mib})
-    assert P._device_memory(1, None)[0] == 994 * mib  # the group's own mapped pages only
+    assert P._device_memory(1, None) == (1000 * mib, "MemAvailable")
+    assert P._device_memory(2, None)[0] == 500 * mib
+    assert P._device_memory(1, 400 * mib)[0] == 400 * mib
     monkeypatch.undo()
-    assert P.code_pages_bytes("cgroup limit (x)", {"file_mapped": 5 * mib}) == 5 * mib  # v2
-    assert P.code_pages_bytes("cgroup limit (x)", {}) == 0
     status = "Name:\tpython\nVmRSS:\t  300 kB\nRssAnon:\t  100 kB\nRssFile:\t  180 kB\n"
-    assert P.code_pages_bytes("MemAvailable", status=status) == 180 * 1024
     assert P.resident_file_bytes(status) == 180 * 1024
     assert P.resident_file_bytes("Name:\tpython\n") == 0
     assert P.resident_file_bytes("RssFile: x kB\n") == 0

@@ -10,7 +10,7 @@ will during a run. Per rank:
   row counts: a table by the FLOPs of one call;
 - elementwise elements/s (`add_layernorm`) on [M, C];
 - memory available to hepti: MemAvailable (or the cgroup's limit minus usage other than page
-  cache, if lower), less the file pages this process runs from (`code_pages_bytes`), shared
+  cache, if lower), shared
   by the ranks on the same machine, and at most the user's cap;
 - optionally, reading a file from local disk (page cache dropped first);
 - turning stored weights into packed slices (HDF5 read + checks + pack_b), bytes/s: the CPU
@@ -173,33 +173,19 @@ def resident_file_bytes(status: str | None = None) -> int:
     return 0
 
 
-def code_pages_bytes(source: str, stat: dict | None = None, status: str | None = None) -> int:
-    """Bytes of the file pages this process runs from (the interpreter, NumPy, LLVM, Numba's
-    kernels, MPI: 114-132 MiB for a decoder's rank) that a memory figure from `source`
-    (`hepti.resources.available_memory`'s) counted as free page cache: under a cgroup limit,
-    those the group is charged for and has mapped (`stat`, its memory.stat: total_mapped_file
-    or file_mapped); from MemAvailable, all of this process's (`resident_file_bytes`)."""
-    if source.startswith("cgroup limit"):
-        stat = cgroup_memory_stat() if stat is None else stat
-        return int(stat.get("total_mapped_file", stat.get("file_mapped", 0)))
-    return resident_file_bytes(status)
-
-
 def _device_memory(on_host: int, mem_cap: float | None) -> tuple[float, str]:
     """(bytes, source): the memory this rank has for a model now, its share of the host's
     available memory (`hepti.resources.available_memory`, after handing the heap's freed pages
-    back: the probes' garbage is not the device's use) less the file pages the process runs
-    from (`code_pages_bytes`), at most `mem_cap`.
+    back: the probes' garbage is not the device's use), at most `mem_cap`.
 
-    The file pages: available memory counts page cache as free, but the process executes from
-    its mapped pages to the end. On a machine of its own that is all of its RssFile; under
-    `hepti emulate` a library page is charged to the group that touched it first, which on
-    this shared host is rarely a rank's (1-6 MiB of emu-mixed4's ranks' 126). Ranks on one
-    host share the pages, so they are taken from the host's figure once, before it is
-    shared."""
+    Not less the file pages the process runs from: taking them off (a helper's change of
+    2026-11-29, 1-6 MiB under emulation) made `hepti serve`'s memory re-plan come too late
+    in tests/test_serve_memory.py's squeeze (node-b OOM-killed in 4 of 18 runs, against 0 of
+    17 before and 0 of 8 after taking it back out): the re-planner reads free memory as
+    `available_memory` gives it, and the plan must count memory the same way."""
     _return_freed_memory()
     avail, source = available_memory()
-    memory = max(0.0, avail - code_pages_bytes(source)) / on_host
+    memory = avail / on_host
     return (memory if mem_cap is None else min(memory, float(mem_cap))), source
 
 
@@ -325,7 +311,8 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
 # rank at once, its call overhead on its own layer, its one-row collectives calibrated; 15: a
 # decode step's syncs, per group (GeMV segments each followed by the allreduce, no barrier),
 # and a decode call's cost on a rank's real layer shape, cold, outside its GeMVs; 16: a
-# device's memory less the file pages the process runs from, `code_pages_bytes`; 17: a
+# device's memory less the file pages the process runs from (taken back out: `_device_memory`
+# says why); 17: a
 # decode step's work outside its layers (`token_overhead_s`), timed with the calls in a whole
 # step of `LlamaModel.forward`, and a decoder's GeMV bytes/s on a rank's real layer shapes).
 PROFILER_REVISION = 17
