@@ -53,16 +53,34 @@ def reclaimable_cache(stat: dict[str, int]) -> int:
     return get("total_active_file", "active_file") + get("total_inactive_file", "inactive_file")
 
 
+_GLIBC: list = []
+
+
+def glibc():
+    """The C library as ctypes sees it (loaded once), or None where it is not glibc's."""
+    if not _GLIBC:
+        try:
+            _GLIBC.append(ctypes.CDLL("libc.so.6"))
+        except OSError:
+            _GLIBC.append(None)
+    return _GLIBC[0]
+
+
+def trim_heap(libc=None) -> None:
+    """glibc's `malloc_trim(0)` (of `libc`, default `glibc()`): the heap's free pages back to
+    the system; nothing without glibc."""
+    libc = glibc() if libc is None else libc
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def _return_freed_memory() -> None:
-    """Collect garbage and hand the heap's free pages back to the system (glibc `malloc_trim`),
+    """Collect garbage and hand the heap's free pages back to the system (`trim_heap`),
     so that memory the probes freed is not counted as used: freed arrays below glibc's mmap
     threshold stay in the heap, and the layer probe left 72-165 MiB of RSS behind (ViT-L),
     which the profile then subtracted from what a device has."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
-        pass
+    trim_heap()
 
 
 def available_memory() -> tuple[int, str]:

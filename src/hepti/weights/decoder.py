@@ -44,7 +44,6 @@ tensor's shape against the config.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -57,6 +56,8 @@ from hepti.errors import ConfigError, WeightsError
 from hepti.families import family
 from hepti.kernels.int8 import GROUP, QuantMatrix
 from hepti.model.llama import LAYER_TENSORS, LlamaConfig, Shard
+from hepti.resources import glibc
+from hepti.resources import trim_heap as _trim
 from hepti.weights import layout
 from hepti.weights.index import INDEX_NAME, load_index
 
@@ -159,27 +160,18 @@ class ShardWeights(dict):
         return super().pop(name, *default)
 
 
-_LIBC: list = []
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt's parameters
 LOAD_MMAP_THRESHOLD = 1 << 20  # while loading: arrays from 1 MiB up are mapped on their own
 MMAP_THRESHOLD_MAX = 32 << 20  # after: glibc's own ceiling (64-bit) of its dynamic threshold,
 TRIM_THRESHOLD_AFTER = 2 * MMAP_THRESHOLD_MAX  # and the trim threshold glibc pairs with it
 
 
-def _libc():
-    if not _LIBC:
-        try:
-            _LIBC.append(ctypes.CDLL("libc.so.6"))
-        except OSError:
-            _LIBC.append(None)
-    return _LIBC[0]
+_libc = glibc  # the C library the load's calls go to (a test gives its own)
 
 
 def trim_heap() -> None:
-    """glibc's `malloc_trim(0)`: the heap's free pages back to the system (nothing elsewhere)."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    """`hepti.resources.trim_heap` on this module's `_libc()`."""
+    _trim(_libc())
 
 
 class arrays_mapped:
