@@ -607,7 +607,7 @@ def test_a_silent_link_under_emulate_is_handled_as_a_hang(root_env, minilm_dir, 
 def test_a_killed_rank_under_emulate_is_dropped_and_its_device_taken_back(root_env, minilm_dir,  # noqa: F811
                                                                           tmp_path):
     """`kill -9` of worker rank 1 of `hepti serve -n 3` under `hepti emulate`, while idle. The
-    proxies run through an ssh launcher there, so mpiexec exits 255, not 9: the relaunch must
+    proxies run through an ssh launcher there, so mpiexec mostly exits 255, not 9: the relaunch must
     still go without the killed rank's device (2 ranks, it used to keep all 3), and once its
     device answers the probes it comes back, to 3 ranks and never more. The answers equal the
     single-device embeddings.
@@ -642,7 +642,9 @@ def test_a_killed_rank_under_emulate_is_dropped_and_its_device_taken_back(root_e
         nxt = wait_for("the relaunch", lambda: (lambda x: x[1] if len(x) > 1 and "ready_s" in x[1]
                                                 else None)(launches()), 240)
         first = launches()[0]
-        assert first["exit_code"] != 9, first  # the launcher's code, not the rank's signal
+        # mostly 255 (the ssh launcher's code, the signal named only in the job's report), at
+        # times 9 when Hydra's report of the signal wins the race: either way the rank is found
+        assert first["exit_code"] not in (0, None), first
         assert first.get("lost") == {"rank": 1, "host": "10.213.0.11"}, first
         assert nxt["n"] == 2 and nxt["hosts"] == ["10.213.0.10", "10.213.0.12"], nxt
         np.testing.assert_allclose(embed(), want, atol=2e-5)
