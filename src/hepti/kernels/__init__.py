@@ -29,9 +29,14 @@ CNN kernels (NHWC feature maps [N, H, W, C], PyTorch-layout weights [Cout, Cin/g
     relu(x, out=None), relu6(x, out=None)            out=x works in place
     fold_batchnorm(w, b, gamma, beta, mean, var, eps)   -> (w, b) with BatchNorm folded in
 naive.py holds a plain numpy reference for each. config is imported first: it sets the Numba
-code-generation options the kernels need before anything is compiled.
+code-generation options the kernels need before anything is compiled. Before it, _cache drops
+cached kernels compiled from sources that have changed since (Numba itself checks a kernel's
+own file only, not the files it calls into).
 """
-from hepti.kernels import config  # noqa: F401  (first: sets up Numba before any compile)
+from hepti.kernels import _cache
+
+_cache.drop_stale()  # before any kernel is loaded: cached code compiled from older imports goes
+from hepti.kernels import config  # noqa: E402,F401  (first: sets up Numba before any compile)
 from hepti.kernels.attention_core import attention, attention_qkv
 from hepti.kernels.conv import (ConvWeight, avg_pool2d, conv2d, depthwise_conv2d, fold_batchnorm,
                                 global_avg_pool, max_pool2d, pack_conv_weight, relu, relu6)

@@ -18,9 +18,9 @@ own; the target machine is then built at once, after which config changes cannot
 Both are left alone when the user set them (NUMBA_SLP_VECTORIZE, NUMBA_CPU_NAME/_FEATURES),
 and both apply to every Numba function compiled in this process.
 
-Numba's on-disk cache is keyed on each kernel's own source file, not on this one: after editing
-a constant here that a kernel reads at compile time (the fastmath sets), delete the
-`__pycache__` of src/hepti/kernels (block sizes are passed at run time, so they need nothing).
+Numba's on-disk cache is keyed on each kernel's own source file, not on this one; `_cache`
+drops the cached kernels of every module that imports this one when this file changes (a
+compile-time constant such as the fastmath sets).
 """
 from __future__ import annotations
 
