@@ -5,13 +5,15 @@ For one sequence b and head h (q, k, v rows of width D = head_dim):
     P = softmax(S) row by row                                   (HF BERT semantics)
     ctx_h = P V_h                                               [nq, D]
 Both products run on the register-tiled kernels of packed_gemm. The scores are made transposed,
-S^T = K_h Q_h^T, a panel of NR queries at a time: K_h is packed as the A operand and Q_h^T as
-a B panel (Q_h's rows read in place: the transpose-packing of pack_b). A panel's S^T [T, NR]
-stays in L1 while the softmax runs down its columns, across queries in vector lanes with no
-horizontal reduction, and its rows cut into MR-query pieces are already P's packed-A tiles;
-then P V_h on V_h's panels, each ctx row scaled by its query's 1 / sum. (S = Q K^T row by row,
-as before 2026-11-29, took ~8% longer at MiniLM's shape: horizontal max and sum per row and a
-transposing pack of P.) Every operand is addressed through a flat view
+S^T = K_h Q_h^T, a panel of NR queries at a time: K_h is the A operand, its full MR-row tiles
+read in place (`direct_tiles`), and Q_h^T a B panel (Q_h's rows read in place: the
+transpose-packing of pack_b). A panel's S^T [T, NR] stays in L1 while the softmax runs down its
+columns, across queries in vector lanes with no horizontal reduction, the column maxima and sums
+in registers (`_softmax_panel32`), writing e straight into P's packed-A tiles; then P V_h on
+V_h's panels, each ctx row scaled by its query's 1 / sum. (S = Q K^T row by row, as before
+2026-11-29, took ~8% longer at MiniLM's shape: horizontal max and sum per row and a transposing
+pack of P; the maxima and sums kept in workspace, and K packed, ~23% longer than now.) Every
+operand is addressed through a flat view
 with a row stride, so q, k and v may be column blocks of one fused QKV output and ctx may be a
 column block of a bigger buffer; nothing is copied beyond the small per-head packing.
 
@@ -40,10 +42,11 @@ _ONE, _ZERO = np.float32(1.0), np.float32(0.0)
 
 @njit(**JIT)
 def _head_sizes(nq, t, d):
-    """Workspace parts for one (sequence, head) item of `_attend_t`, in floats, each padded to
-    16: packed K, one packed Q^T panel, one panel's scores^T [T, NR], packed P (whole panels
-    of tiles: NR // MR per panel of queries, the last one's tiles past nq written, never
-    read), packed V panels, a partial strip, the per-query max and sum."""
+    """Workspace parts for one (sequence, head) item of `_attend`, in floats, each padded to
+    16: one packed tile of K (its last rows, when T is not a multiple of MR), one packed Q^T
+    panel, one panel's scores^T [T, NR], packed P (whole panels of tiles: NR // MR per panel
+    of queries, the last one's tiles past nq written, never read), packed V panels, a partial
+    strip, the per-query max and sum."""
     n_qp, n_dp = -(-nq // NR), -(-d // NR)
     sizes = (d * MR, d * NR, t * NR, n_qp * NR * t, n_dp * t * NR, max(nq, t) * NR,
              NR + n_qp * NR)
