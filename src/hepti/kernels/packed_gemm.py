@@ -174,23 +174,18 @@ def _epilogue32(c, c_off, ldc, rows, j0, epi):
     bias, held in named scalars: in `_epilogue`'s loops over slices of C, the bias and the
     residual (which, for all LLVM knows, may alias C) kept the adds and the GeLU scalar."""
     bias, has_bias, gelu, res, r_off, ldr, has_res = epi
-    bb = bias[j0:j0 + NR] if has_bias else c[c_off:c_off + NR]
-    b0 = bb[0] if has_bias else _ZERO; b1 = bb[1] if has_bias else _ZERO
-    b2 = bb[2] if has_bias else _ZERO; b3 = bb[3] if has_bias else _ZERO
-    b4 = bb[4] if has_bias else _ZERO; b5 = bb[5] if has_bias else _ZERO
-    b6 = bb[6] if has_bias else _ZERO; b7 = bb[7] if has_bias else _ZERO
-    b8 = bb[8] if has_bias else _ZERO; b9 = bb[9] if has_bias else _ZERO
-    b10 = bb[10] if has_bias else _ZERO; b11 = bb[11] if has_bias else _ZERO
-    b12 = bb[12] if has_bias else _ZERO; b13 = bb[13] if has_bias else _ZERO
-    b14 = bb[14] if has_bias else _ZERO; b15 = bb[15] if has_bias else _ZERO
-    b16 = bb[16] if has_bias else _ZERO; b17 = bb[17] if has_bias else _ZERO
-    b18 = bb[18] if has_bias else _ZERO; b19 = bb[19] if has_bias else _ZERO
-    b20 = bb[20] if has_bias else _ZERO; b21 = bb[21] if has_bias else _ZERO
-    b22 = bb[22] if has_bias else _ZERO; b23 = bb[23] if has_bias else _ZERO
-    b24 = bb[24] if has_bias else _ZERO; b25 = bb[25] if has_bias else _ZERO
-    b26 = bb[26] if has_bias else _ZERO; b27 = bb[27] if has_bias else _ZERO
-    b28 = bb[28] if has_bias else _ZERO; b29 = bb[29] if has_bias else _ZERO
-    b30 = bb[30] if has_bias else _ZERO; b31 = bb[31] if has_bias else _ZERO
+    b0 = _ZERO; b1 = _ZERO; b2 = _ZERO; b3 = _ZERO; b4 = _ZERO; b5 = _ZERO; b6 = _ZERO; b7 = _ZERO
+    b8 = _ZERO; b9 = _ZERO; b10 = _ZERO; b11 = _ZERO; b12 = _ZERO; b13 = _ZERO; b14 = _ZERO
+    b15 = _ZERO; b16 = _ZERO; b17 = _ZERO; b18 = _ZERO; b19 = _ZERO; b20 = _ZERO; b21 = _ZERO
+    b22 = _ZERO; b23 = _ZERO; b24 = _ZERO; b25 = _ZERO; b26 = _ZERO; b27 = _ZERO; b28 = _ZERO
+    b29 = _ZERO; b30 = _ZERO; b31 = _ZERO
+    if has_bias:
+        bb = bias[j0:j0 + NR]
+        b0 = bb[0]; b1 = bb[1]; b2 = bb[2]; b3 = bb[3]; b4 = bb[4]; b5 = bb[5]; b6 = bb[6]
+        b7 = bb[7]; b8 = bb[8]; b9 = bb[9]; b10 = bb[10]; b11 = bb[11]; b12 = bb[12]; b13 = bb[13]
+        b14 = bb[14]; b15 = bb[15]; b16 = bb[16]; b17 = bb[17]; b18 = bb[18]; b19 = bb[19]
+        b20 = bb[20]; b21 = bb[21]; b22 = bb[22]; b23 = bb[23]; b24 = bb[24]; b25 = bb[25]
+        b26 = bb[26]; b27 = bb[27]; b28 = bb[28]; b29 = bb[29]; b30 = bb[30]; b31 = bb[31]
     for i in range(rows):
         cr = c[c_off + i * ldc:c_off + i * ldc + NR]
         x0 = cr[0] + b0; x1 = cr[1] + b1; x2 = cr[2] + b2; x3 = cr[3] + b3; x4 = cr[4] + b4
