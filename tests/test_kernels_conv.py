@@ -155,6 +155,8 @@ def test_conv2d_reads_patches_in_place(n, h, w, cin, cout, k, stride, padding, d
 # activation): (N, H, W, Cin, Cout, kernel, stride, padding)
 FUSED_CASES = [
     (1, 5, 7, 8, 32, 1, 1, 0),  # 1x1: x is A in place, M = 35, a short last tile
+    (1, 2, 7, 24, 32, 1, 1, 0),  # M = 14: the short tile as 4 + 1 + 1 rows
+    (1, 3, 5, 8, 32, 1, 1, 0),  # M = 15: a short tile of MRF - 1 rows (zero-padded copy)
     (2, 6, 6, 16, 64, 1, 1, 0),  # batch 2, two panels
     (1, 9, 9, 8, 64, 1, 2, 0),  # 1x1 stride 2 (ResNet's downsampling shortcut)
     (1, 6, 24, 16, 32, 3, 1, 1),  # rows of whole tiles: in place, borders gathered

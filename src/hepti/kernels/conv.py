@@ -116,8 +116,9 @@ from hepti.kernels._depthwise_tiles import LANES as DW_LANES
 from hepti.kernels._depthwise_tiles import PIXELS as DW_PIXELS
 from hepti.kernels._depthwise_tiles import dw3x3_tiles16
 from hepti.kernels._intrinsics import max_f32
-from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi, full_tiles,
-                                        micro_tile, pack_a_tile)
+from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi,
+                                         direct_tiles_epi1, direct_tiles_epi4, full_tiles,
+                                         micro_tile, pack_a_tile)
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
 from hepti.kernels.packed_gemm import (_epilogue, _finish, _pack_a, _pack_all, _panel_range,
@@ -507,8 +508,10 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
                  has_res, act, buf):
     """Output pixels m0 .. m0+rows-1 whose A rows lie row-major in a (row i at a_off +
     i*lda): every panel over their tiles, each stored once with its epilogue
-    (`direct_tiles_epi`, MRF rows a tile). A short last tile's rows are copied into buf
-    [MRF * K] first.
+    (`direct_tiles_epi`, MRF rows a tile). A short last tile of MRF - 1 rows runs that
+    tile on a copy of its rows in buf [MRF * K]; one of fewer rows, tiles of 4 and of 1 row
+    (`direct_tiles_epi4`, `direct_tiles_epi1`: an MRF-row tile cost as much for one row as
+    for MRF). buf holds the short tile's rows either way (`inverted._tiles_1x1` reads them).
     (_MODE_FLAT: a is x itself, a 1x1 convolution at stride 1; _MODE_PATCHES: a is the
     block's patch rows.)"""
     n_full = rows // MRF
@@ -530,11 +533,26 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
                              _i64(lda), bp, _i64(0), c, _i64(m0 * ldc + j0), _i64(ldc), _i64(MRF),
                              bj, res, _i64(r_off + m0 * ldr + j0), _i64(ldr), _flag(has_res),
                              _i64(act))
-        if rem:
+        if rem == MRF - 1:  # the MRF-row tile on buf's copy (and a zero row)
             direct_tiles_epi(_i64(0), _i64(1), _i64(1), _i64(k), buf, _i64(0), _i64(0), _i64(k),
                              bp, _i64(0), c, _i64(m_rem * ldc + j0), _i64(ldc), _i64(rem), bj,
                              res, _i64(r_off + m_rem * ldr + j0), _i64(ldr), _flag(has_res),
                              _i64(act))
+        elif rem:  # a tile of 4 rows, then tiles of 1 (on a's rows in place)
+            i = 0
+            if rem >= 4:
+                direct_tiles_epi4(_i64(0), _i64(1), _i64(1), _i64(k), a,
+                                  _i64(a_off + n_full * MRF * lda), _i64(0), _i64(lda), bp,
+                                  _i64(0), c, _i64(m_rem * ldc + j0), _i64(ldc), _i64(4), bj,
+                                  res, _i64(r_off + m_rem * ldr + j0), _i64(ldr),
+                                  _flag(has_res), _i64(act))
+                i = 4
+            if rem > i:
+                direct_tiles_epi1(_i64(0), _i64(rem - i), _i64(1), _i64(k), a,
+                                  _i64(a_off + (n_full * MRF + i) * lda), _i64(0), _i64(lda), bp,
+                                  _i64(0), c, _i64((m_rem + i) * ldc + j0), _i64(ldc), _i64(1),
+                                  bj, res, _i64(r_off + (m_rem + i) * ldr + j0), _i64(ldr),
+                                  _flag(has_res), _i64(act))
 
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)
