@@ -16,6 +16,7 @@ import pytest
 from hepti.kernels import (ConvWeight, avg_pool2d, conv2d, depthwise_conv2d, fold_batchnorm,
                            global_avg_pool, max_pool2d, naive, pack_b, pack_conv_weight, relu,
                            relu6)
+from hepti.kernels import _gen_depthwise
 from hepti.kernels.config import NR
 
 RNG = np.random.default_rng(20240602)
@@ -154,6 +155,8 @@ def test_conv2d_reads_patches_in_place(n, h, w, cin, cout, k, stride, padding, d
 # activation): (N, H, W, Cin, Cout, kernel, stride, padding)
 FUSED_CASES = [
     (1, 5, 7, 8, 32, 1, 1, 0),  # 1x1: x is A in place, M = 35, a short last tile
+    (1, 2, 7, 24, 32, 1, 1, 0),  # M = 14: the short tile as 4 + 1 + 1 rows
+    (1, 3, 5, 8, 32, 1, 1, 0),  # M = 15: a short tile of MRF - 1 rows (zero-padded copy)
     (2, 6, 6, 16, 64, 1, 1, 0),  # batch 2, two panels
     (1, 9, 9, 8, 64, 1, 2, 0),  # 1x1 stride 2 (ResNet's downsampling shortcut)
     (1, 6, 24, 16, 32, 3, 1, 1),  # rows of whole tiles: in place, borders gathered
@@ -238,6 +241,8 @@ DEPTHWISE_CASES = [
     (1, 6, 7, 3, 1, 1, 0, 1),  # kernel 1
     (1, 15, 12, 4, 7, 3, 3, 1),  # kernel 7, stride 3
     (1, 3, 3, 40, 3, 1, 1, 1),  # no pixel has every tap inside
+    (1, 6, 11, 48, 3, 1, 1, 1),  # the generated 4 x 16 tiles (c < 64), a leftover pixel
+    (2, 7, 22, 16, 3, 1, (1, 0, 1, 1), 1),  # ... batch 2, asymmetric padding
 ]
 
 
@@ -251,6 +256,19 @@ def test_depthwise_against_naive(n, h, w, c, k, stride, padding, dilation):
     y2 = conv2d(x, pack_conv_weight(wt, groups=c), None, stride, padding, dilation,
                 residual=residual, threads=2)
     assert_conv_close(y2, x, wt, None, stride, padding, dilation, c, residual)
+
+
+@pytest.mark.parametrize("relu", ["relu", "relu6"])
+def test_depthwise_tiles_apply_the_activation(relu):
+    """The 4 x 16 tiles apply ReLU / ReLU6 in registers; the border pixels after them."""
+    x, wt, bias = rand(1, 8, 13, 32) * 3, rand(32, 1, 3, 3), rand(32)
+    y = depthwise_conv2d(x, wt, bias, 1, 1, relu=relu)
+    assert_conv_close(y, x, wt, bias, 1, 1, 1, 32, act=relu)
+
+
+def test_generated_depthwise_tiles_are_current():
+    assert _gen_depthwise.TARGET.read_text() == _gen_depthwise.source(), \
+        "run: python src/hepti/kernels/_gen_depthwise.py"
 
 
 def test_depthwise_channel_multiplier_runs_as_grouped_gemm():

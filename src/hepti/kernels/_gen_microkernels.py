@@ -34,7 +34,8 @@ by hand.
 `full_tiles` runs the MR x NR register tile over the full tiles of a strip, and `direct_tiles`
 over tiles of A read in place (a convolution's patches, straight from x; `direct_tiles_epi`
 with the convolution's bias, residual and activation applied before the store, on tiles
-of MRF rows);
+of MRF rows; `direct_tiles_epi4` / `1` the same on tiles of 4 and 1 rows, for a short last
+tile);
 `micro_tile(mr, kc, ap, bp, k0, bk0, c, c_off, ldc, accumulate)` computes a short mr x NR tile
     C[i, 0:NR] (+)= sum_(0 <= p < kc) ap[k0 + p, i] * bp[bk0 + p, 0:NR]      for i < mr
 where ap [K, MR] is one packed tile of A (row p holds A[0:MR, p]), bp one packed panel of B
@@ -229,8 +230,14 @@ def _segments(mr: int, nr: int) -> list[str]:
     return lines
 
 
-def _direct_tiles_epi(mr: int, nr: int) -> str:
-    """Source of `direct_tiles_epi`: `direct_tiles` (overwriting C) with the convolution's
+TAIL_HEIGHTS = (4, 1)  # `direct_tiles_epi{h}`: the short last tile of `_tiles_fused`, as a stack
+
+
+def _direct_tiles_epi(mr: int, nr: int, name: str = "direct_tiles_epi") -> str:
+    """Source of `direct_tiles_epi` (or of `direct_tiles_epi{h}` for the heights in
+    TAIL_HEIGHTS, which `conv._tiles_fused` stacks for a short last tile of 1-6 rows: the
+    MRF-row tile cost as much for one row as for eight, 12.5% of a 7x7 map's 49 rows and 22%
+    of a 5x5's 25): `direct_tiles` (overwriting C) with the convolution's
     epilogue applied to the register tile before its one store: + bias, + residual, then
     ReLU or ReLU6. Written this way C is stored once and never read back: a separate epilogue
     pass reads and writes the strip again and the activation pass the whole block (on
@@ -240,8 +247,8 @@ def _direct_tiles_epi(mr: int, nr: int) -> str:
         "",
         "",
         "@njit(fastmath=FASTMATH_GEMM, **JIT)",
-        "def direct_tiles_epi(t0, n_tiles, n_seg, kc, a, a_off, seg_a, lda, bp, bk0, c, c_off,",
-        "                     ldc, last_rows, bias, res, r_off, ldr, has_res, act):",
+        f"def {name}(t0, n_tiles, n_seg, kc, a, a_off, seg_a, lda, bp, bk0, c, c_off,",
+        f"    {' ' * len(name)}ldc, last_rows, bias, res, r_off, ldr, has_res, act):",
         f'    """`direct_tiles` (accumulate False), then on each {mr} x {nr} register tile:',
         f"    C[i, j] = act(acc[i, j] + bias[j] + res[r_off + (t*{mr} + i)*ldr + j]) (the residual",
         "    when has_res; act 0 none, 1 ReLU, 2 ReLU6). Tile n_tiles-1 stores its first",
@@ -403,6 +410,7 @@ def source(mr: int = MR, nr: int = NR, mrf: int = MRF) -> str:
     parts.append(_full_tiles(mr, nr))
     parts.append(_direct_tiles(mr, nr))
     parts.append(_direct_tiles_epi(mrf, nr))
+    parts += [_direct_tiles_epi(h, nr, f"direct_tiles_epi{h}") for h in TAIL_HEIGHTS]
     parts.append(_copy_row(nr))
     parts.append(_pack_a_tile(mr))
     parts.append(_row_max())

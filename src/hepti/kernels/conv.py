@@ -112,15 +112,22 @@ import numpy as np
 from numba import njit, prange
 
 from hepti.kernels import config
+from hepti.kernels._depthwise_tiles import LANES as DW_LANES
+from hepti.kernels._depthwise_tiles import PIXELS as DW_PIXELS
+from hepti.kernels._depthwise_tiles import dw3x3_tiles16
 from hepti.kernels._intrinsics import max_f32
-from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi, full_tiles,
-                                        micro_tile, pack_a_tile)
+from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi,
+                                         direct_tiles_epi1, direct_tiles_epi4, full_tiles,
+                                         micro_tile, pack_a_tile)
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
 from hepti.kernels.packed_gemm import (_epilogue, _finish, _pack_a, _pack_all, _panel_range,
                                       panel_group, row_block)
 
 _ACT = {None: 0, "relu": 1, "relu6": 2}
+# `dw3x3_tiles16` runs stride-1 depthwise 3x3 rows below this many channels: 0.60x the time of
+# `_dw3x3_quads` at 32 channels, 0.98-1.16x at 144-960 (_gen_depthwise.py's measurement)
+DW_TILE_MAX_C = 64
 # how A is formed (_conv_rows); the last three store each tile once, its epilogue applied
 _MODE_DIRECT, _MODE_IMPLICIT, _MODE_IM2COL, _MODE_ROWS = 0, 1, 2, 3
 _MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED = 4, 5, 6
@@ -501,8 +508,10 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
                  has_res, act, buf):
     """Output pixels m0 .. m0+rows-1 whose A rows lie row-major in a (row i at a_off +
     i*lda): every panel over their tiles, each stored once with its epilogue
-    (`direct_tiles_epi`, MRF rows a tile). A short last tile's rows are copied into buf
-    [MRF * K] first.
+    (`direct_tiles_epi`, MRF rows a tile). A short last tile of MRF - 1 rows runs that
+    tile on a copy of its rows in buf [MRF * K]; one of fewer rows, tiles of 4 and of 1 row
+    (`direct_tiles_epi4`, `direct_tiles_epi1`: an MRF-row tile cost as much for one row as
+    for MRF). buf holds the short tile's rows either way (`inverted._tiles_1x1` reads them).
     (_MODE_FLAT: a is x itself, a 1x1 convolution at stride 1; _MODE_PATCHES: a is the
     block's patch rows.)"""
     n_full = rows // MRF
@@ -524,11 +533,26 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
                              _i64(lda), bp, _i64(0), c, _i64(m0 * ldc + j0), _i64(ldc), _i64(MRF),
                              bj, res, _i64(r_off + m0 * ldr + j0), _i64(ldr), _flag(has_res),
                              _i64(act))
-        if rem:
+        if rem == MRF - 1:  # the MRF-row tile on buf's copy (and a zero row)
             direct_tiles_epi(_i64(0), _i64(1), _i64(1), _i64(k), buf, _i64(0), _i64(0), _i64(k),
                              bp, _i64(0), c, _i64(m_rem * ldc + j0), _i64(ldc), _i64(rem), bj,
                              res, _i64(r_off + m_rem * ldr + j0), _i64(ldr), _flag(has_res),
                              _i64(act))
+        elif rem:  # a tile of 4 rows, then tiles of 1 (on a's rows in place)
+            i = 0
+            if rem >= 4:
+                direct_tiles_epi4(_i64(0), _i64(1), _i64(1), _i64(k), a,
+                                  _i64(a_off + n_full * MRF * lda), _i64(0), _i64(lda), bp,
+                                  _i64(0), c, _i64(m_rem * ldc + j0), _i64(ldc), _i64(4), bj,
+                                  res, _i64(r_off + m_rem * ldr + j0), _i64(ldr),
+                                  _flag(has_res), _i64(act))
+                i = 4
+            if rem > i:
+                direct_tiles_epi1(_i64(0), _i64(rem - i), _i64(1), _i64(k), a,
+                                  _i64(a_off + (n_full * MRF + i) * lda), _i64(0), _i64(lda), bp,
+                                  _i64(0), c, _i64((m_rem + i) * ldc + j0), _i64(ldc), _i64(1),
+                                  bj, res, _i64(r_off + (m_rem + i) * ldr + j0), _i64(ldr),
+                                  _flag(has_res), _i64(act))
 
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)
@@ -785,7 +809,9 @@ def _depthwise(x, geo, taps, bias, res, has_res, act, y, row_lo, row_hi):
     """Output rows row_lo .. row_hi-1 (of N*Ho, flat y [M, C]) of a depthwise convolution:
     bias + taps, then the residual, then act. A 3x3 kernel's pixels with every tap inside
     the image go through `_dw3x3_quads` / `_dw3x3_pairs` and `_dw3x3_span`, the rest
-    through `_dw_pixel`."""
+    through `_dw_pixel`; at stride 1 with channels a multiple of 16 below DW_TILE_MAX_C,
+    `dw3x3_tiles16` (generated: _gen_depthwise.py) replaces `_dw3x3_quads` and applies act
+    itself where there is no residual."""
     n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
     ox_lo = min(wo, (pl + sw - 1) // sw)  # first ox whose leftmost tap is inside
     ox_hi = max(ox_lo, min(wo, (w - 1 + pl - (kw - 1) * dw) // sw + 1))
@@ -794,9 +820,16 @@ def _depthwise(x, geo, taps, bias, res, has_res, act, y, row_lo, row_hi):
         oy = r % ho
         off = r * wo * c
         fast = kh == 3 and kw == 3 and oy * sh - pt >= 0 and oy * sh - pt + 2 * dh < h
+        done = False  # act applied to pixels ox_lo .. ox_q-1 already
+        ox_q = ox_lo
         if fast and ox_hi > ox_lo:
-            ox_q = ox_lo
-            if dw == 1 and sw == 1:
+            if dw == 1 and sw == 1 and c % DW_LANES == 0 and c < DW_TILE_MAX_C:
+                nq = (ox_hi - ox_lo) // DW_PIXELS
+                done = not has_res
+                dw3x3_tiles16(x, ((b * h + oy * sh - pt) * w + ox_lo - pl) * c, dh * w * c,
+                              c, nq, taps, bias, y, off + ox_lo * c, act if done else 0)
+                ox_q += nq * DW_PIXELS
+            elif dw == 1 and sw == 1:
                 _dw3x3_quads(x, geo, taps, bias, b, oy, ox_lo, (ox_hi - ox_lo) // 4, y,
                              off + ox_lo * c)
                 ox_q += (ox_hi - ox_lo) // 4 * 4
@@ -817,7 +850,10 @@ def _depthwise(x, geo, taps, bias, res, has_res, act, y, row_lo, row_hi):
             rr = res[off:off + wo * c]
             for j in range(wo * c):
                 yr[j] += rr[j]
-        if act:
+        if act and done:  # only the pixels the tiles did not store
+            _activate(y, off, wo * c, 1, ox_lo * c, act)
+            _activate(y, off + ox_q * c, wo * c, 1, (wo - ox_q) * c, act)
+        elif act:
             _activate(y, off, wo * c, 1, wo * c, act)
 
 
