@@ -379,14 +379,17 @@ def export_onnx(model, pixels: np.ndarray, path: Path) -> None:
                           dynamo=False, input_names=["pixels"], output_names=["logits"])
 
 
-SETTLE_S = 0.02  # between two runtimes' runs on more than one thread (`settled`)
+SETTLE_S = 0.1  # between two runtimes' runs on more than one thread (`settled`)
 
 
 def settled(threads: int) -> None:
     """On more than one thread, wait SETTLE_S before a timed run (untimed): a thread pool
     spins a while after its work (libgomp's, onnxruntime's), and on a machine with as many
     cores as threads the next runtime's threads would share the cores with those spinners.
-    Every runtime then starts from idle pools alike."""
+    Every runtime then starts from idle pools alike. onnxruntime's pool spins for 20-50 ms
+    after a run: hepti's 2-thread ResNet-50 took 60-64 ms 20 ms after an ort run, 42-45 ms
+    50 ms or more after it or alone (2026-11-29, quiet machine); 20 ms here had made hepti's
+    2-thread speedup read 1.33x where it is 1.88x."""
     if threads > 1:
         time.sleep(SETTLE_S)
 
