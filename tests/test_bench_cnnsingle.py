@@ -168,3 +168,14 @@ def test_unknown_model_is_refused(capsys):
         registry.main("cnn-single", ["--models", "resnet50,alexnet"])
     assert e.value.code == 2
     assert "choose from resnet50, vgg16, mobilenet-v2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n, out", [(5, 7), (7, 7), (14, 7), (9, 4), (13, 3), (1, 1)])
+def test_pool_bins_are_pytorch_s_adaptive_average_pool(n, out):
+    """The bin matrices that stand in for an adaptive pool ONNX cannot export (VGG-16 at 160:
+    a 5x5 map to 7x7) pool as PyTorch does, both axes at once."""
+    torch = pytest.importorskip("torch")
+    x = torch.from_numpy(np.random.default_rng(n).standard_normal((2, 3, n, n + 2), dtype=np.float32))
+    want = torch.nn.functional.adaptive_avg_pool2d(x, (out, out - 1 if out > 1 else 1)).numpy()
+    ph, pw = cs.pool_bins(n, out), cs.pool_bins(n + 2, want.shape[-1])
+    np.testing.assert_allclose(ph @ x.numpy() @ pw.T, want, rtol=1e-6, atol=1e-6)

@@ -368,11 +368,65 @@ def torchvision_model(config, graph, state: dict[str, np.ndarray]):
     return model.eval()
 
 
+def pool_bins(n: int, out: int) -> np.ndarray:
+    """[out, n]: row i averages input rows floor(i*n/out) .. ceil((i+1)*n/out) - 1, the bins of
+    PyTorch's adaptive average pooling along one axis."""
+    m = np.zeros((out, n), np.float32)
+    for i in range(out):
+        lo, hi = i * n // out, -(-(i + 1) * n // out)
+        m[i, lo:hi] = 1.0 / (hi - lo)
+    return m
+
+
+def exportable_pools(model, pixels: np.ndarray):
+    """`model`, or a copy whose adaptive average pools that ONNX cannot export (an output size
+    that does not divide the input's: VGG-16's 7x7 pool after a 160x160 image's 5x5 map) are
+    the same pooling as two products with constant bin matrices, Ph @ x @ Pw^T (the bins are
+    separable: a rectangle's mean is its rows' mean of its columns' mean)."""
+    import copy
+
+    import torch  # local: optional dependency (torch)
+    from torch import nn  # local: optional dependency (torch)
+    sizes, hooks = {}, []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.AdaptiveAvgPool2d):
+            hooks.append(mod.register_forward_hook(
+                lambda _m, inp, _o, name=name: sizes.__setitem__(name, inp[0].shape[-2:])))
+    with torch.inference_mode():
+        model(torch.from_numpy(pixels))
+    for h in hooks:
+        h.remove()
+    odd = {}
+    for name, (h, w) in sizes.items():
+        oh, ow = nn.modules.utils._pair(model.get_submodule(name).output_size)
+        if h % oh or w % ow:
+            odd[name] = (torch.from_numpy(pool_bins(h, oh)), torch.from_numpy(pool_bins(w, ow)))
+    if not odd:
+        return model
+
+    class BinProducts(nn.Module):
+        def __init__(self, ph, pw):
+            super().__init__()
+            self.register_buffer("ph", ph)
+            self.register_buffer("pwt", pw.t().contiguous())
+
+        def forward(self, x):
+            return torch.matmul(torch.matmul(self.ph, x), self.pwt)
+
+    model = copy.deepcopy(model)
+    for name, (ph, pw) in odd.items():
+        parent, _, last = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, last, BinProducts(ph, pw))
+    return model.eval()
+
+
 def export_onnx(model, pixels: np.ndarray, path: Path) -> None:
     """The torch model as ONNX (opset 17, torch's TorchScript exporter: torch.onnx's dynamo
     exporter wants onnxscript, which hepti does not install), input "pixels", output
-    "logits", fixed shapes."""
+    "logits", fixed shapes. An adaptive pool it cannot export becomes two products
+    (`exportable_pools`); the logits are checked against torch's afterwards as always."""
     import torch  # local: optional dependency (torch)
+    model = exportable_pools(model, pixels)
     with warnings.catch_warnings(), torch.inference_mode():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (torch.from_numpy(pixels),), str(path), opset_version=17,
