@@ -33,6 +33,7 @@ for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")  # before numpy (and torch) are imported: one thread
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -383,8 +384,6 @@ def exportable_pools(model, pixels: np.ndarray):
     that does not divide the input's: VGG-16's 7x7 pool after a 160x160 image's 5x5 map) are
     the same pooling as two products with constant bin matrices, Ph @ x @ Pw^T (the bins are
     separable: a rectangle's mean is its rows' mean of its columns' mean)."""
-    import copy
-
     import torch  # local: optional dependency (torch)
     from torch import nn  # local: optional dependency (torch)
     sizes, hooks = {}, []
@@ -413,7 +412,7 @@ def exportable_pools(model, pixels: np.ndarray):
         def forward(self, x):
             return torch.matmul(torch.matmul(self.ph, x), self.pwt)
 
-    model = copy.deepcopy(model)
+    model = copy.deepcopy(model)  # the torch runtime times the model as it is
     for name, (ph, pw) in odd.items():
         parent, _, last = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, last, BinProducts(ph, pw))
