@@ -10,8 +10,7 @@ will during a run. Per rank:
   row counts: a table by the FLOPs of one call;
 - elementwise elements/s (`add_layernorm`) on [M, C];
 - memory available to hepti: MemAvailable (or the cgroup's limit minus usage other than page
-  cache, if lower), shared
-  by the ranks on the same machine, and at most the user's cap;
+  cache, if lower), shared by the ranks on the same machine, and at most the user's cap;
 - optionally, reading a file from local disk (page cache dropped first);
 - turning stored weights into packed slices (HDF5 read + checks + pack_b), bytes/s: the CPU
   work `stream` adds to every layer;
@@ -312,9 +311,9 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
 # decode step's syncs, per group (GeMV segments each followed by the allreduce, no barrier),
 # and a decode call's cost on a rank's real layer shape, cold, outside its GeMVs; 16: a
 # device's memory less the file pages the process runs from (taken back out: `_device_memory`
-# says why); 17: a
-# decode step's work outside its layers (`token_overhead_s`), timed with the calls in a whole
-# step of `LlamaModel.forward`, and a decoder's GeMV bytes/s on a rank's real layer shapes).
+# says why); 17: a decode step's work outside its layers (`token_overhead_s`), timed with the
+# calls in a whole step of `LlamaModel.forward`, and a decoder's GeMV bytes/s on a rank's real
+# layer shapes).
 PROFILER_REVISION = 17
 
 
