@@ -44,14 +44,17 @@ row i of the tile is c[c_off + i*ldc : ... + NR]. accumulate=False overwrites C,
 to it. Accumulators are named scalars so that SLP vectorisation keeps them in registers;
 rows are 1-D contiguous so their loads and stores are provably adjacent.
 `copy_row` and `pack_a_tile` are the packing loops and `row_max` the softmax's max, written
-out for the same reason.
+out for the same reason; so are `epilogue_strip` (packed_gemm's bias, GeLU and residual on a
+full NR-column strip) and `softmax_panel` (attention's softmax down one panel of NR queries).
 """
 import numpy as np
 from numba import njit
 
 from hepti.kernels._intrinsics import prefetch_l2
 from hepti.kernels.config import FASTMATH_GEMM, JIT
+from hepti.kernels.mathfn import F32_MIN, exp_nonpos, gelu32
 
+_ONE, _ZERO = np.float32(1.0), np.float32(0.0)
 MR = {mr}
 NR = {nr}
 MRF = {mrf}
@@ -402,6 +405,97 @@ def _row_max(lanes: int = 16) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _scalars(names: list[str], indent: str, width: int = 96) -> list[str]:
+    """Statements joined with '; ' into lines of at most `width` columns."""
+    lines, cur = [], ""
+    for st in names:
+        cand = st if not cur else cur + "; " + st
+        if cur and len(indent) + len(cand) > width:
+            lines.append(indent + cur)
+            cand = st
+        cur = cand
+    if cur:
+        lines.append(indent + cur)
+    return lines
+
+
+def _epilogue_strip(nr: int) -> str:
+    """Source of `epilogue_strip`: packed_gemm's epilogue (bias, GeLU, residual) on a full
+    strip of nr columns, each row's nr values and the bias held in named scalars: in the
+    general loops over slices of C, the bias and the residual (which, for all LLVM knows, may
+    alias C) kept the adds and the GeLU scalar."""
+    r = range(nr)
+    lines = [
+        "",
+        "",
+        "@njit(fastmath=FASTMATH_GEMM, **JIT)",
+        "def epilogue_strip(c, c_off, ldc, rows, j0, epi):",
+        f'    """packed_gemm\'s epilogue on rows 0 .. rows-1 of a full {nr}-column strip of C',
+        "    from c_off (row stride ldc; j0: the strip's first column, for the bias); epi =",
+        '    (bias, has_bias, gelu, res, r_off, ldr, has_res) as packed_gemm._epilogue."""',
+        "    bias, has_bias, gelu, res, r_off, ldr, has_res = epi",
+        "    " + " = ".join(f"b{j}" for j in r) + " = np.float32(0.0)",
+        "    if has_bias:",
+        f"        bb = bias[j0:j0 + {nr}]",
+    ]
+    lines += _scalars([f"b{j} = bb[{j}]" for j in r], "        ")
+    lines += ["    for i in range(rows):",
+              f"        cr = c[c_off + i * ldc:c_off + i * ldc + {nr}]"]
+    lines += _scalars([f"x{j} = cr[{j}] + b{j}" for j in r], "        ")
+    lines += ["        if gelu:"]
+    lines += _scalars([f"x{j} = gelu32(x{j})" for j in r], "            ")
+    lines += ["        if has_res:",
+              f"            rr = res[r_off + i * ldr:r_off + i * ldr + {nr}]"]
+    lines += _scalars([f"x{j} += rr[{j}]" for j in r], "            ")
+    lines += _scalars([f"cr[{j}] = x{j}" for j in r], "        ")
+    return "\n".join(lines) + "\n"
+
+
+def _softmax_panel(mr: int, nr: int) -> str:
+    """Source of `softmax_panel`: attention_core's softmax down the nr query columns of one
+    panel of S^T, the column maxima and sums in named scalars (kept in a workspace slice,
+    every row's update was a scalar load and store per query: the slices may alias st, so
+    nothing vectorised), e written straight into P's packed-A tiles (nr // mr of them)."""
+    if nr % mr:
+        raise ValueError(f"NR = {nr} must be a multiple of MR = {mr}: attention packs a panel "
+                         "of NR queries as NR // MR tiles of P")
+    r = range(nr)
+
+    def scaled(j):
+        return f"row[{j}] * scale + add"
+
+    lines = [
+        "",
+        "",
+        "@njit(fastmath=FASTMATH_GEMM, **JIT)",
+        "def softmax_panel(st, t, mask, scale, ap, tq0, tot):",
+        f'    """One panel\'s softmax: st [t, {nr}] holds S^T (row p: key p\'s scores for the',
+        f"    panel's {nr} queries). Writes e = exp(s * scale + mask add - column max) straight",
+        f"    into P's packed tiles ap[tq0 .. tq0+{nr // mr - 1}] (row p of tile tq0+g: the e of",
+        f"    queries {mr}g .. {mr}g+{mr - 1}; ap must have those tiles even past the last query),",
+        f'    and each query\'s sum of e into tot[0:{nr}]."""',
+        f"    row = st[0:{nr}]",
+        "    add = _ZERO if mask[0] == _ONE else (_ONE - mask[0]) * F32_MIN",
+    ]
+    lines += _scalars([f"m{j} = {scaled(j)}" for j in r], "    ")
+    lines += ["    for p in range(1, t):",
+              f"        row = st[p * {nr}:(p + 1) * {nr}]",
+              "        add = _ZERO if mask[p] == _ONE else (_ONE - mask[p]) * F32_MIN"]
+    lines += _scalars([f"x{j} = {scaled(j)}" for j in r], "        ")
+    lines += _scalars([f"m{j} = x{j} if x{j} > m{j} else m{j}" for j in r], "        ")
+    lines += ["    " + " = ".join(f"s{j}" for j in r) + " = _ZERO",
+              "    for p in range(t):",
+              f"        row = st[p * {nr}:(p + 1) * {nr}]",
+              "        add = _ZERO if mask[p] == _ONE else (_ONE - mask[p]) * F32_MIN"]
+    lines += _scalars([f"e{j} = exp_nonpos({scaled(j)} - m{j})" for j in r], "        ")
+    lines += _scalars([f"s{j} += e{j}" for j in r], "        ")
+    for g in range(nr // mr):
+        lines.append(f"        d = ap[tq0 + {g}, p]")
+        lines += _scalars([f"d[{i}] = e{g * mr + i}" for i in range(mr)], "        ")
+    lines += _scalars([f"tot[{j}] = s{j}" for j in r], "    ")
+    return "\n".join(lines) + "\n"
+
+
 def source(mr: int = MR, nr: int = NR, mrf: int = MRF) -> str:
     """The full text of _microkernels.py for these tile sizes."""
     parts = [HEADER.format(mr=mr, nr=nr, mrf=mrf)]
@@ -415,6 +509,8 @@ def source(mr: int = MR, nr: int = NR, mrf: int = MRF) -> str:
     parts.append(_pack_a_tile(mr))
     parts.append(_row_max())
     parts += [_narrow_tiles_epi(mrf, nw) for nw in NARROW]  # they finish `_tiles_fused`'s rows
+    parts.append(_epilogue_strip(nr))
+    parts.append(_softmax_panel(mr, nr))
     return "".join(parts)
 
 

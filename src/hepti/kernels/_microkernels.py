@@ -14,14 +14,17 @@ row i of the tile is c[c_off + i*ldc : ... + NR]. accumulate=False overwrites C,
 to it. Accumulators are named scalars so that SLP vectorisation keeps them in registers;
 rows are 1-D contiguous so their loads and stores are provably adjacent.
 `copy_row` and `pack_a_tile` are the packing loops and `row_max` the softmax's max, written
-out for the same reason.
+out for the same reason; so are `epilogue_strip` (packed_gemm's bias, GeLU and residual on a
+full NR-column strip) and `softmax_panel` (attention's softmax down one panel of NR queries).
 """
 import numpy as np
 from numba import njit
 
 from hepti.kernels._intrinsics import prefetch_l2
 from hepti.kernels.config import FASTMATH_GEMM, JIT
+from hepti.kernels.mathfn import F32_MIN, exp_nonpos, gelu32
 
+_ONE, _ZERO = np.float32(1.0), np.float32(0.0)
 MR = 8
 NR = 32
 MRF = 8
@@ -961,3 +964,157 @@ def narrow_tiles_epi24(n_tiles, kc, a, a_off, lda, bp, c, c_off, ldc, last_rows,
         if nv > 7:
             cr = c[co + 7 * ldc:co + 7 * ldc + 24]
             cr[0] = c7_0; cr[1] = c7_1; cr[2] = c7_2; cr[3] = c7_3; cr[4] = c7_4; cr[5] = c7_5; cr[6] = c7_6; cr[7] = c7_7; cr[8] = c7_8; cr[9] = c7_9; cr[10] = c7_10; cr[11] = c7_11; cr[12] = c7_12; cr[13] = c7_13; cr[14] = c7_14; cr[15] = c7_15; cr[16] = c7_16; cr[17] = c7_17; cr[18] = c7_18; cr[19] = c7_19; cr[20] = c7_20; cr[21] = c7_21; cr[22] = c7_22; cr[23] = c7_23
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def epilogue_strip(c, c_off, ldc, rows, j0, epi):
+    """packed_gemm's epilogue on rows 0 .. rows-1 of a full 32-column strip of C
+    from c_off (row stride ldc; j0: the strip's first column, for the bias); epi =
+    (bias, has_bias, gelu, res, r_off, ldr, has_res) as packed_gemm._epilogue."""
+    bias, has_bias, gelu, res, r_off, ldr, has_res = epi
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = b8 = b9 = b10 = b11 = b12 = b13 = b14 = b15 = b16 = b17 = b18 = b19 = b20 = b21 = b22 = b23 = b24 = b25 = b26 = b27 = b28 = b29 = b30 = b31 = np.float32(0.0)
+    if has_bias:
+        bb = bias[j0:j0 + 32]
+        b0 = bb[0]; b1 = bb[1]; b2 = bb[2]; b3 = bb[3]; b4 = bb[4]; b5 = bb[5]; b6 = bb[6]
+        b7 = bb[7]; b8 = bb[8]; b9 = bb[9]; b10 = bb[10]; b11 = bb[11]; b12 = bb[12]
+        b13 = bb[13]; b14 = bb[14]; b15 = bb[15]; b16 = bb[16]; b17 = bb[17]; b18 = bb[18]
+        b19 = bb[19]; b20 = bb[20]; b21 = bb[21]; b22 = bb[22]; b23 = bb[23]; b24 = bb[24]
+        b25 = bb[25]; b26 = bb[26]; b27 = bb[27]; b28 = bb[28]; b29 = bb[29]; b30 = bb[30]
+        b31 = bb[31]
+    for i in range(rows):
+        cr = c[c_off + i * ldc:c_off + i * ldc + 32]
+        x0 = cr[0] + b0; x1 = cr[1] + b1; x2 = cr[2] + b2; x3 = cr[3] + b3; x4 = cr[4] + b4
+        x5 = cr[5] + b5; x6 = cr[6] + b6; x7 = cr[7] + b7; x8 = cr[8] + b8; x9 = cr[9] + b9
+        x10 = cr[10] + b10; x11 = cr[11] + b11; x12 = cr[12] + b12; x13 = cr[13] + b13
+        x14 = cr[14] + b14; x15 = cr[15] + b15; x16 = cr[16] + b16; x17 = cr[17] + b17
+        x18 = cr[18] + b18; x19 = cr[19] + b19; x20 = cr[20] + b20; x21 = cr[21] + b21
+        x22 = cr[22] + b22; x23 = cr[23] + b23; x24 = cr[24] + b24; x25 = cr[25] + b25
+        x26 = cr[26] + b26; x27 = cr[27] + b27; x28 = cr[28] + b28; x29 = cr[29] + b29
+        x30 = cr[30] + b30; x31 = cr[31] + b31
+        if gelu:
+            x0 = gelu32(x0); x1 = gelu32(x1); x2 = gelu32(x2); x3 = gelu32(x3); x4 = gelu32(x4)
+            x5 = gelu32(x5); x6 = gelu32(x6); x7 = gelu32(x7); x8 = gelu32(x8); x9 = gelu32(x9)
+            x10 = gelu32(x10); x11 = gelu32(x11); x12 = gelu32(x12); x13 = gelu32(x13)
+            x14 = gelu32(x14); x15 = gelu32(x15); x16 = gelu32(x16); x17 = gelu32(x17)
+            x18 = gelu32(x18); x19 = gelu32(x19); x20 = gelu32(x20); x21 = gelu32(x21)
+            x22 = gelu32(x22); x23 = gelu32(x23); x24 = gelu32(x24); x25 = gelu32(x25)
+            x26 = gelu32(x26); x27 = gelu32(x27); x28 = gelu32(x28); x29 = gelu32(x29)
+            x30 = gelu32(x30); x31 = gelu32(x31)
+        if has_res:
+            rr = res[r_off + i * ldr:r_off + i * ldr + 32]
+            x0 += rr[0]; x1 += rr[1]; x2 += rr[2]; x3 += rr[3]; x4 += rr[4]; x5 += rr[5]
+            x6 += rr[6]; x7 += rr[7]; x8 += rr[8]; x9 += rr[9]; x10 += rr[10]; x11 += rr[11]
+            x12 += rr[12]; x13 += rr[13]; x14 += rr[14]; x15 += rr[15]; x16 += rr[16]
+            x17 += rr[17]; x18 += rr[18]; x19 += rr[19]; x20 += rr[20]; x21 += rr[21]
+            x22 += rr[22]; x23 += rr[23]; x24 += rr[24]; x25 += rr[25]; x26 += rr[26]
+            x27 += rr[27]; x28 += rr[28]; x29 += rr[29]; x30 += rr[30]; x31 += rr[31]
+        cr[0] = x0; cr[1] = x1; cr[2] = x2; cr[3] = x3; cr[4] = x4; cr[5] = x5; cr[6] = x6
+        cr[7] = x7; cr[8] = x8; cr[9] = x9; cr[10] = x10; cr[11] = x11; cr[12] = x12
+        cr[13] = x13; cr[14] = x14; cr[15] = x15; cr[16] = x16; cr[17] = x17; cr[18] = x18
+        cr[19] = x19; cr[20] = x20; cr[21] = x21; cr[22] = x22; cr[23] = x23; cr[24] = x24
+        cr[25] = x25; cr[26] = x26; cr[27] = x27; cr[28] = x28; cr[29] = x29; cr[30] = x30
+        cr[31] = x31
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def softmax_panel(st, t, mask, scale, ap, tq0, tot):
+    """One panel's softmax: st [t, 32] holds S^T (row p: key p's scores for the
+    panel's 32 queries). Writes e = exp(s * scale + mask add - column max) straight
+    into P's packed tiles ap[tq0 .. tq0+3] (row p of tile tq0+g: the e of
+    queries 8g .. 8g+7; ap must have those tiles even past the last query),
+    and each query's sum of e into tot[0:32]."""
+    row = st[0:32]
+    add = _ZERO if mask[0] == _ONE else (_ONE - mask[0]) * F32_MIN
+    m0 = row[0] * scale + add; m1 = row[1] * scale + add; m2 = row[2] * scale + add
+    m3 = row[3] * scale + add; m4 = row[4] * scale + add; m5 = row[5] * scale + add
+    m6 = row[6] * scale + add; m7 = row[7] * scale + add; m8 = row[8] * scale + add
+    m9 = row[9] * scale + add; m10 = row[10] * scale + add; m11 = row[11] * scale + add
+    m12 = row[12] * scale + add; m13 = row[13] * scale + add; m14 = row[14] * scale + add
+    m15 = row[15] * scale + add; m16 = row[16] * scale + add; m17 = row[17] * scale + add
+    m18 = row[18] * scale + add; m19 = row[19] * scale + add; m20 = row[20] * scale + add
+    m21 = row[21] * scale + add; m22 = row[22] * scale + add; m23 = row[23] * scale + add
+    m24 = row[24] * scale + add; m25 = row[25] * scale + add; m26 = row[26] * scale + add
+    m27 = row[27] * scale + add; m28 = row[28] * scale + add; m29 = row[29] * scale + add
+    m30 = row[30] * scale + add; m31 = row[31] * scale + add
+    for p in range(1, t):
+        row = st[p * 32:(p + 1) * 32]
+        add = _ZERO if mask[p] == _ONE else (_ONE - mask[p]) * F32_MIN
+        x0 = row[0] * scale + add; x1 = row[1] * scale + add; x2 = row[2] * scale + add
+        x3 = row[3] * scale + add; x4 = row[4] * scale + add; x5 = row[5] * scale + add
+        x6 = row[6] * scale + add; x7 = row[7] * scale + add; x8 = row[8] * scale + add
+        x9 = row[9] * scale + add; x10 = row[10] * scale + add; x11 = row[11] * scale + add
+        x12 = row[12] * scale + add; x13 = row[13] * scale + add; x14 = row[14] * scale + add
+        x15 = row[15] * scale + add; x16 = row[16] * scale + add; x17 = row[17] * scale + add
+        x18 = row[18] * scale + add; x19 = row[19] * scale + add; x20 = row[20] * scale + add
+        x21 = row[21] * scale + add; x22 = row[22] * scale + add; x23 = row[23] * scale + add
+        x24 = row[24] * scale + add; x25 = row[25] * scale + add; x26 = row[26] * scale + add
+        x27 = row[27] * scale + add; x28 = row[28] * scale + add; x29 = row[29] * scale + add
+        x30 = row[30] * scale + add; x31 = row[31] * scale + add
+        m0 = x0 if x0 > m0 else m0; m1 = x1 if x1 > m1 else m1; m2 = x2 if x2 > m2 else m2
+        m3 = x3 if x3 > m3 else m3; m4 = x4 if x4 > m4 else m4; m5 = x5 if x5 > m5 else m5
+        m6 = x6 if x6 > m6 else m6; m7 = x7 if x7 > m7 else m7; m8 = x8 if x8 > m8 else m8
+        m9 = x9 if x9 > m9 else m9; m10 = x10 if x10 > m10 else m10
+        m11 = x11 if x11 > m11 else m11; m12 = x12 if x12 > m12 else m12
+        m13 = x13 if x13 > m13 else m13; m14 = x14 if x14 > m14 else m14
+        m15 = x15 if x15 > m15 else m15; m16 = x16 if x16 > m16 else m16
+        m17 = x17 if x17 > m17 else m17; m18 = x18 if x18 > m18 else m18
+        m19 = x19 if x19 > m19 else m19; m20 = x20 if x20 > m20 else m20
+        m21 = x21 if x21 > m21 else m21; m22 = x22 if x22 > m22 else m22
+        m23 = x23 if x23 > m23 else m23; m24 = x24 if x24 > m24 else m24
+        m25 = x25 if x25 > m25 else m25; m26 = x26 if x26 > m26 else m26
+        m27 = x27 if x27 > m27 else m27; m28 = x28 if x28 > m28 else m28
+        m29 = x29 if x29 > m29 else m29; m30 = x30 if x30 > m30 else m30
+        m31 = x31 if x31 > m31 else m31
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = s8 = s9 = s10 = s11 = s12 = s13 = s14 = s15 = s16 = s17 = s18 = s19 = s20 = s21 = s22 = s23 = s24 = s25 = s26 = s27 = s28 = s29 = s30 = s31 = _ZERO
+    for p in range(t):
+        row = st[p * 32:(p + 1) * 32]
+        add = _ZERO if mask[p] == _ONE else (_ONE - mask[p]) * F32_MIN
+        e0 = exp_nonpos(row[0] * scale + add - m0); e1 = exp_nonpos(row[1] * scale + add - m1)
+        e2 = exp_nonpos(row[2] * scale + add - m2); e3 = exp_nonpos(row[3] * scale + add - m3)
+        e4 = exp_nonpos(row[4] * scale + add - m4); e5 = exp_nonpos(row[5] * scale + add - m5)
+        e6 = exp_nonpos(row[6] * scale + add - m6); e7 = exp_nonpos(row[7] * scale + add - m7)
+        e8 = exp_nonpos(row[8] * scale + add - m8); e9 = exp_nonpos(row[9] * scale + add - m9)
+        e10 = exp_nonpos(row[10] * scale + add - m10)
+        e11 = exp_nonpos(row[11] * scale + add - m11)
+        e12 = exp_nonpos(row[12] * scale + add - m12)
+        e13 = exp_nonpos(row[13] * scale + add - m13)
+        e14 = exp_nonpos(row[14] * scale + add - m14)
+        e15 = exp_nonpos(row[15] * scale + add - m15)
+        e16 = exp_nonpos(row[16] * scale + add - m16)
+        e17 = exp_nonpos(row[17] * scale + add - m17)
+        e18 = exp_nonpos(row[18] * scale + add - m18)
+        e19 = exp_nonpos(row[19] * scale + add - m19)
+        e20 = exp_nonpos(row[20] * scale + add - m20)
+        e21 = exp_nonpos(row[21] * scale + add - m21)
+        e22 = exp_nonpos(row[22] * scale + add - m22)
+        e23 = exp_nonpos(row[23] * scale + add - m23)
+        e24 = exp_nonpos(row[24] * scale + add - m24)
+        e25 = exp_nonpos(row[25] * scale + add - m25)
+        e26 = exp_nonpos(row[26] * scale + add - m26)
+        e27 = exp_nonpos(row[27] * scale + add - m27)
+        e28 = exp_nonpos(row[28] * scale + add - m28)
+        e29 = exp_nonpos(row[29] * scale + add - m29)
+        e30 = exp_nonpos(row[30] * scale + add - m30)
+        e31 = exp_nonpos(row[31] * scale + add - m31)
+        s0 += e0; s1 += e1; s2 += e2; s3 += e3; s4 += e4; s5 += e5; s6 += e6; s7 += e7; s8 += e8
+        s9 += e9; s10 += e10; s11 += e11; s12 += e12; s13 += e13; s14 += e14; s15 += e15
+        s16 += e16; s17 += e17; s18 += e18; s19 += e19; s20 += e20; s21 += e21; s22 += e22
+        s23 += e23; s24 += e24; s25 += e25; s26 += e26; s27 += e27; s28 += e28; s29 += e29
+        s30 += e30; s31 += e31
+        d = ap[tq0 + 0, p]
+        d[0] = e0; d[1] = e1; d[2] = e2; d[3] = e3; d[4] = e4; d[5] = e5; d[6] = e6; d[7] = e7
+        d = ap[tq0 + 1, p]
+        d[0] = e8; d[1] = e9; d[2] = e10; d[3] = e11; d[4] = e12; d[5] = e13; d[6] = e14
+        d[7] = e15
+        d = ap[tq0 + 2, p]
+        d[0] = e16; d[1] = e17; d[2] = e18; d[3] = e19; d[4] = e20; d[5] = e21; d[6] = e22
+        d[7] = e23
+        d = ap[tq0 + 3, p]
+        d[0] = e24; d[1] = e25; d[2] = e26; d[3] = e27; d[4] = e28; d[5] = e29; d[6] = e30
+        d[7] = e31
+    tot[0] = s0; tot[1] = s1; tot[2] = s2; tot[3] = s3; tot[4] = s4; tot[5] = s5; tot[6] = s6
+    tot[7] = s7; tot[8] = s8; tot[9] = s9; tot[10] = s10; tot[11] = s11; tot[12] = s12
+    tot[13] = s13; tot[14] = s14; tot[15] = s15; tot[16] = s16; tot[17] = s17; tot[18] = s18
+    tot[19] = s19; tot[20] = s20; tot[21] = s21; tot[22] = s22; tot[23] = s23; tot[24] = s24
+    tot[25] = s25; tot[26] = s26; tot[27] = s27; tot[28] = s28; tot[29] = s29; tot[30] = s30
+    tot[31] = s31

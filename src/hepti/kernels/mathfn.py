@@ -9,6 +9,8 @@ branch-free polynomials and vectorise:
 * `erf32(x)`: the rational approximation used by Eigen and XLA for float32, within ~2e-7
   absolute of erf on the whole line.
 * `gelu32(x)`: 0.5 * x * (1 + erf(x / sqrt(2))), the erf form BERT uses.
+
+`F32_MIN` is float32's lowest value, HF's mask value (torch.finfo(float32).min).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from hepti.kernels._intrinsics import int32_bits_as_float32
 from hepti.kernels.config import JIT
 
 
+F32_MIN = np.float32(np.finfo(np.float32).min)
 _LOG2E = np.float32(1.44269504088896341)
 _LN2_HI = np.float32(0.693359375)  # Cephes split of ln 2: hi + lo
 _LN2_LO = np.float32(-2.12194440e-4)

@@ -37,7 +37,8 @@ from numba import njit, prange
 
 from hepti.kernels import config
 from hepti.kernels._intrinsics import prefetch_l2
-from hepti.kernels._microkernels import MR, NR, copy_row, full_tiles, micro_tile, pack_a_tile
+from hepti.kernels._microkernels import (MR, NR, copy_row, epilogue_strip, full_tiles, micro_tile,
+                                        pack_a_tile)
 from hepti.kernels._views import (EMPTY, aligned_empty, check_float32, check_no_overlap,
                                   flat_rows, output, pad16, vector, workspace)
 from hepti.kernels.config import FASTMATH_GEMM, JIT
@@ -168,59 +169,6 @@ def _epilogue(c, c_off, ldc, rows, cols, j0, epi):
                 cr[j] += rr[j]
 
 
-@njit(fastmath=FASTMATH_GEMM, **JIT)
-def _epilogue32(c, c_off, ldc, rows, j0, epi):
-    """`_epilogue` on a full strip (NR = 32 columns) with each row's 32 values, and the
-    bias, held in named scalars: in `_epilogue`'s loops over slices of C, the bias and the
-    residual (which, for all LLVM knows, may alias C) kept the adds and the GeLU scalar."""
-    bias, has_bias, gelu, res, r_off, ldr, has_res = epi
-    b0 = _ZERO; b1 = _ZERO; b2 = _ZERO; b3 = _ZERO; b4 = _ZERO; b5 = _ZERO; b6 = _ZERO; b7 = _ZERO
-    b8 = _ZERO; b9 = _ZERO; b10 = _ZERO; b11 = _ZERO; b12 = _ZERO; b13 = _ZERO; b14 = _ZERO
-    b15 = _ZERO; b16 = _ZERO; b17 = _ZERO; b18 = _ZERO; b19 = _ZERO; b20 = _ZERO; b21 = _ZERO
-    b22 = _ZERO; b23 = _ZERO; b24 = _ZERO; b25 = _ZERO; b26 = _ZERO; b27 = _ZERO; b28 = _ZERO
-    b29 = _ZERO; b30 = _ZERO; b31 = _ZERO
-    if has_bias:
-        bb = bias[j0:j0 + NR]
-        b0 = bb[0]; b1 = bb[1]; b2 = bb[2]; b3 = bb[3]; b4 = bb[4]; b5 = bb[5]; b6 = bb[6]
-        b7 = bb[7]; b8 = bb[8]; b9 = bb[9]; b10 = bb[10]; b11 = bb[11]; b12 = bb[12]; b13 = bb[13]
-        b14 = bb[14]; b15 = bb[15]; b16 = bb[16]; b17 = bb[17]; b18 = bb[18]; b19 = bb[19]
-        b20 = bb[20]; b21 = bb[21]; b22 = bb[22]; b23 = bb[23]; b24 = bb[24]; b25 = bb[25]
-        b26 = bb[26]; b27 = bb[27]; b28 = bb[28]; b29 = bb[29]; b30 = bb[30]; b31 = bb[31]
-    for i in range(rows):
-        cr = c[c_off + i * ldc:c_off + i * ldc + NR]
-        x0 = cr[0] + b0; x1 = cr[1] + b1; x2 = cr[2] + b2; x3 = cr[3] + b3; x4 = cr[4] + b4
-        x5 = cr[5] + b5; x6 = cr[6] + b6; x7 = cr[7] + b7; x8 = cr[8] + b8; x9 = cr[9] + b9
-        x10 = cr[10] + b10; x11 = cr[11] + b11; x12 = cr[12] + b12; x13 = cr[13] + b13
-        x14 = cr[14] + b14; x15 = cr[15] + b15; x16 = cr[16] + b16; x17 = cr[17] + b17
-        x18 = cr[18] + b18; x19 = cr[19] + b19; x20 = cr[20] + b20; x21 = cr[21] + b21
-        x22 = cr[22] + b22; x23 = cr[23] + b23; x24 = cr[24] + b24; x25 = cr[25] + b25
-        x26 = cr[26] + b26; x27 = cr[27] + b27; x28 = cr[28] + b28; x29 = cr[29] + b29
-        x30 = cr[30] + b30; x31 = cr[31] + b31
-        if gelu:
-            x0 = gelu32(x0); x1 = gelu32(x1); x2 = gelu32(x2); x3 = gelu32(x3); x4 = gelu32(x4)
-            x5 = gelu32(x5); x6 = gelu32(x6); x7 = gelu32(x7); x8 = gelu32(x8); x9 = gelu32(x9)
-            x10 = gelu32(x10); x11 = gelu32(x11); x12 = gelu32(x12); x13 = gelu32(x13)
-            x14 = gelu32(x14); x15 = gelu32(x15); x16 = gelu32(x16); x17 = gelu32(x17)
-            x18 = gelu32(x18); x19 = gelu32(x19); x20 = gelu32(x20); x21 = gelu32(x21)
-            x22 = gelu32(x22); x23 = gelu32(x23); x24 = gelu32(x24); x25 = gelu32(x25)
-            x26 = gelu32(x26); x27 = gelu32(x27); x28 = gelu32(x28); x29 = gelu32(x29)
-            x30 = gelu32(x30); x31 = gelu32(x31)
-        if has_res:
-            rr = res[r_off + i * ldr:r_off + i * ldr + NR]
-            x0 += rr[0]; x1 += rr[1]; x2 += rr[2]; x3 += rr[3]; x4 += rr[4]; x5 += rr[5]
-            x6 += rr[6]; x7 += rr[7]; x8 += rr[8]; x9 += rr[9]; x10 += rr[10]; x11 += rr[11]
-            x12 += rr[12]; x13 += rr[13]; x14 += rr[14]; x15 += rr[15]; x16 += rr[16]
-            x17 += rr[17]; x18 += rr[18]; x19 += rr[19]; x20 += rr[20]; x21 += rr[21]
-            x22 += rr[22]; x23 += rr[23]; x24 += rr[24]; x25 += rr[25]; x26 += rr[26]
-            x27 += rr[27]; x28 += rr[28]; x29 += rr[29]; x30 += rr[30]; x31 += rr[31]
-        cr[0] = x0; cr[1] = x1; cr[2] = x2; cr[3] = x3; cr[4] = x4; cr[5] = x5; cr[6] = x6
-        cr[7] = x7; cr[8] = x8; cr[9] = x9; cr[10] = x10; cr[11] = x11; cr[12] = x12; cr[13] = x13
-        cr[14] = x14; cr[15] = x15; cr[16] = x16; cr[17] = x17; cr[18] = x18; cr[19] = x19
-        cr[20] = x20; cr[21] = x21; cr[22] = x22; cr[23] = x23; cr[24] = x24; cr[25] = x25
-        cr[26] = x26; cr[27] = x27; cr[28] = x28; cr[29] = x29; cr[30] = x30; cr[31] = x31
-
-
-
 @njit(**JIT)
 def _shift_epi(epi, rows, cols):
     """The epilogue tuple for a sub-block starting `rows` rows and `cols` columns further on."""
@@ -277,8 +225,8 @@ def _finish(rows, c, c_off, ldc, j0, ncols, scratch, epi):
             for j in range(ncols):
                 cr[j] = src[j]
     if epi[1] or epi[2] or epi[6]:
-        if ncols == NR and NR == 32:
-            _epilogue32(c, c_off + j0, ldc, rows, j0, _shift_epi(epi, 0, j0))
+        if ncols == NR:
+            epilogue_strip(c, c_off + j0, ldc, rows, j0, _shift_epi(epi, 0, j0))
         else:
             _epilogue(c, c_off + j0, ldc, rows, ncols, j0, _shift_epi(epi, 0, j0))
 

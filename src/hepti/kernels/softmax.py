@@ -13,9 +13,8 @@ from numba import njit
 from hepti.kernels._microkernels import row_max
 from hepti.kernels._views import EMPTY, check_float32, check_no_overlap, flat_rows, output
 from hepti.kernels.config import FASTMATH_ROWS, JIT
-from hepti.kernels.mathfn import exp_nonpos
+from hepti.kernels.mathfn import F32_MIN, exp_nonpos
 
-F32_MIN = np.float32(np.finfo(np.float32).min)  # HF's mask value: torch.finfo(float32).min
 _ONE = np.float32(1.0)
 
 
