@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hepti.kernels import conv2d, naive, pack_conv_weight
-from hepti.kernels.inverted import inverted_residual, tile_rows
+from hepti.kernels.inverted import InvertedBlock, inverted_residual, tile_rows
 
 RNG = np.random.default_rng(20261129)
 
@@ -116,6 +116,29 @@ def test_tile_rows_bounds():
     assert 8 <= tile_rows(56, 56, 144, 1, 56) < 56
 
 
+
+def test_inverted_block_keeps_a_plan_per_shape():
+    """One InvertedBlock called on shapes that change (sizes, batch, a band's padding, stride,
+    tile), and back: each result is a fresh `inverted_residual`'s, bit for bit."""
+    ws = block(16, 48, 16)
+    blk = InvertedBlock(*packed(ws))
+    shapes = [(1, 12, 10, 1, (1, 1), 0), (2, 7, 9, 1, (1, 1), 0), (1, 12, 10, 2, (1, 1), 0),
+              (1, 9, 10, 1, (1, 0), 0), (1, 9, 10, 1, (0, 1), 2), (1, 12, 10, 1, (1, 1), 0)]
+    for n, h, w, stride, pad, tile in shapes:
+        x = rand(n, h, w, 16)
+        ho, wo = (h + pad[0] + pad[1] - 3) // stride + 1, (w - 1) // stride + 1
+        res = rand(n, ho, wo, 16) if stride == 1 else None
+        y = blk(x, stride, pad, res, tile=tile)
+        assert y.shape == (n, ho, wo, 16)
+        np.testing.assert_array_equal(
+            y, inverted_residual(x, *packed(ws), stride=stride, padding=pad, residual=res,
+                                 tile=tile))
+        np.testing.assert_array_equal(y, separate(x, ws, stride, pad, res))
+    with pytest.raises(ValueError, match="expand"):
+        blk(rand(1, 8, 8, 8))
+    with pytest.raises(ValueError, match="stride"):
+        blk(rand(1, 8, 8, 16), stride=3)
+
 def test_inverted_residual_rejects_bad_arguments():
     x = rand(1, 8, 8, 8)
     e, be, d, bd, p, bp = packed(block(8, 32, 8))
@@ -177,3 +200,33 @@ def test_band_executor_runs_blocks_fused_where_it_can(groups):
     taps = {"features.3.conv.0": None}
     np.testing.assert_array_equal(ex.forward(x, taps=taps), want)
     assert taps["features.3.conv.0"] is not None
+
+
+def test_band_executor_blocks_right_when_the_size_changes():
+    """The kept blocks (hepti.model.cnn `Weights.inverted`, each with its plan per shape) give
+    the ops' own results at every size, back and forth; with streamed weights a block is
+    made from the weights fetched each time and let go with them."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from order_helpers import random_tensors
+    from hepti.graph.cnn import CONV
+    from hepti.graph.split import Split, spatial_ops
+    from hepti.model.cnn import Weights, tensors_reader
+    from hepti.model.livebytes import AllocationCounter
+    from hepti.parallel.bands import BandExecutor
+    from hepti.parallel.comm import Comm
+    model, pixels = _tiny_mobilenet()
+    g = model.graph
+    ex = BandExecutor(Comm(None), g, Split((1.0,), ((0, spatial_ops(g)),)), model.weights)
+    for h, w in [(48, 40), (32, 32), (40, 56), (48, 40)]:
+        x = pixels(1, h, w)
+        np.testing.assert_array_equal(ex.forward(x), ex.forward(x, counter=AllocationCounter()))
+    assert model.weights._blocks  # the fused path ran
+    streamed = Weights(g, tensors_reader(random_tensors("mobilenet_v2")),
+                       streamed={op.name for op in g.ops if op.kind == CONV})
+    exs = BandExecutor(Comm(None), g, Split((1.0,), ((0, spatial_ops(g)),)), streamed)
+    x = pixels(1, 48, 40)
+    np.testing.assert_array_equal(exs.forward(x), ex.forward(x))
+    np.testing.assert_array_equal(exs.forward(pixels(1, 32, 32)), ex.forward(pixels(1, 32, 32)))
+    assert not streamed._blocks and not streamed.conv  # dropped with their weights

@@ -26,6 +26,7 @@ CNN kernels (NHWC feature maps [N, H, W, C], PyTorch-layout weights [Cout, Cin/g
     depthwise_conv2d(x, w, bias, stride, padding, dilation, relu, residual, out, threads)
     max_pool2d / avg_pool2d(x, kernel_size, stride=None, padding=0, out=None)
     global_avg_pool(x, out=None)                     [N, H, W, C] -> [N, C]
+    nchw_to_nhwc(x, out=None)                        torch's [N, C, H, W] pixels -> NHWC
     relu(x, out=None), relu6(x, out=None)            out=x works in place
     fold_batchnorm(w, b, gamma, beta, mean, var, eps)   -> (w, b) with BatchNorm folded in
 naive.py holds a plain numpy reference for each. config is imported first: it sets the Numba
@@ -42,6 +43,7 @@ from hepti.kernels.conv import (ConvWeight, avg_pool2d, conv2d, depthwise_conv2d
                                 global_avg_pool, max_pool2d, pack_conv_weight, relu, relu6)
 from hepti.kernels.int8 import (QuantB, QuantMatrix, columns_any, ffn_any, gemm_any, gemm_q,
                                pack_q, pack_weight, quantize)
+from hepti.kernels.layout import nchw_to_nhwc
 from hepti.kernels.norm import add_layernorm, embed_layernorm, layernorm, rms_norm
 from hepti.kernels.packed_gemm import PackedB, ffn, gemm, matmul, pack_b
 from hepti.kernels.softmax import softmax_rows
@@ -49,6 +51,6 @@ from hepti.kernels.softmax import softmax_rows
 __all__ = ["PackedB", "pack_b", "gemm", "ffn", "matmul", "layernorm", "add_layernorm",
            "embed_layernorm", "rms_norm", "softmax_rows", "attention", "attention_qkv",
            "ConvWeight", "pack_conv_weight", "conv2d", "depthwise_conv2d", "max_pool2d",
-           "avg_pool2d", "global_avg_pool", "relu", "relu6", "fold_batchnorm",
+           "avg_pool2d", "global_avg_pool", "nchw_to_nhwc", "relu", "relu6", "fold_batchnorm",
            "QuantMatrix", "quantize", "QuantB", "pack_q", "gemm_q", "pack_weight", "gemm_any",
            "ffn_any", "columns_any"]

@@ -12,7 +12,7 @@ import numpy as np
 
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL, Graph, build
 from hepti import kernels as K
-from hepti.kernels.inverted import inverted_residual
+from hepti.kernels.inverted import InvertedBlock, inverted_residual
 
 
 class Weights:
@@ -29,6 +29,8 @@ class Weights:
                  conv_rows: dict | None = None, streamed: set | None = None):
         self.conv, self.linear, self.nbytes, self.streamed_bytes = {}, {}, 0, 0
         self._read, self._later = read, {}
+        # `inverted`: a block's last op -> (its ops' names, their conv entries, InvertedBlock)
+        self._blocks: dict = {}
         for op in graph.ops:
             if op.kind == CONV:
                 rows = (conv_rows or {}).get(op.name)
@@ -65,6 +67,25 @@ class Weights:
     def drop(self, name: str) -> None:
         if name in self._later:
             self.conv.pop(name, None)
+            for key in [k for k, v in self._blocks.items() if name in v[0]]:
+                del self._blocks[key]  # nor held by a block's kernel
+
+    def inverted(self, ops) -> InvertedBlock:
+        """The kernel of an `inverted_block`'s ops on their weights, made once and kept while
+        those weights are the ones loaded (a streamed conv's are packed anew on each fetch:
+        its block is then made again, and `drop` lets it go)."""
+        conv, hit = self.conv, self._blocks.get(ops[-1].name)
+        if hit is not None:
+            for op, part in zip(ops, hit[1]):
+                if conv[op.name] is not part:
+                    break
+            else:
+                return hit[2]
+        parts = tuple(conv[op.name] for op in ops)
+        we, be = parts[0] if len(ops) == 3 else (None, None)
+        block = InvertedBlock(we, be, *parts[-2], *parts[-1])
+        self._blocks[ops[-1].name] = (tuple(op.name for op in ops), parts, block)
+        return block
 
 
 def tensors_reader(tensors: dict):
@@ -124,11 +145,9 @@ def apply_inverted(ops, x: np.ndarray, weights: Weights, residual: np.ndarray | 
     """An `inverted_block`'s ops on x as one kernel (hepti.kernels.inverted): the project's
     output, what `apply` on each op in turn makes. `pad`: the depthwise's (top, bottom), x
     then the band of input rows that the project's output rows read (as `apply`'s)."""
-    *e, d, p = ops
-    we, be = weights.conv[e[0].name] if e else (None, None)
-    (wd, bd), (wp, bp) = weights.conv[d.name], weights.conv[p.name]
-    return inverted_residual(x, we, be, wd, bd, wp, bp, d.stride,
-                             (d.padding, d.padding) if pad is None else pad, residual, out)
+    d = ops[-2]
+    return weights.inverted(ops)(x, d.stride, (d.padding, d.padding) if pad is None else pad,
+                                 residual, out)
 
 
 def adaptive_avg_pool(x: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:

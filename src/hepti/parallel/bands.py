@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hepti import kernels as K
 from hepti.counts import counts
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, Graph
 from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, first_holders,
@@ -274,7 +275,7 @@ class BandExecutor:
         have = track({}, counter, lambda: running[0],  # tensor -> Band this rank holds
                      lambda v: v.x if isinstance(v, Band) else v)
         if rank == 0:
-            have[g.input] = Band(0, np.ascontiguousarray(pixels.transpose(0, 2, 3, 1), np.float32))
+            have[g.input] = Band(0, K.nchw_to_nhwc(pixels))  # numpy's transposed copy: 20x
         step = 0
         for grp in self.program(h, w):
             if counter is not None:
