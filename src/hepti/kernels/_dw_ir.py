@@ -1,0 +1,232 @@
+"""The interior of a 3x3 depthwise convolution (stride 1 or 2, no dilation) as LLVM IR with
+explicit vector types, written by a Numba intrinsic the way `_vnni.py` writes its loops.
+
+`dw3x3_s1` / `dw3x3_s2(x, x_off, rs, xrow, c, npix, nrows, taps, bias, res, has_res, y,
+y_off, yrow, act)`: nrows output rows of npix pixels each, every tap inside the image, flat
+NHWC with c channels. Output pixel i of row r reads, for tap (ky, kx), the c floats at
+x[x_off + r * xrow + ky * rs + (s * i + kx) * c] (s the stride; rs one input row, xrow s input
+rows) and is stored at y[y_off + r * yrow + i * c] as act(bias + the nine products (+ the
+residual res at the same offset as y when has_res)); act 0 none, 1 ReLU, 2 ReLU6.
+
+How: one 16-channel block (one zmm) at a time, its nine taps and bias held in registers, walks
+its rows. Along a row the input columns slide: each group of PIXELS outputs loads only the
+columns it does not share with the previous group (3 * s * PIXELS vectors), the 3 - s shared
+ones stay in registers, and the group's PIXELS independent FMA chains hide the FMA latency. A
+channel count that is not a multiple of 16 ends with one masked block (llvm.masked.load /
+store). ReLU / ReLU6 are a compare and a select against constants (one max / min each).
+
+Why: Numba's SLP vectoriser made the scalar versions of this (conv._dw3x3_quads, the
+generated 4 x 16 tiles) take about twice the cycles their loads and FMAs need. The IR here is
+plain LLVM (llvm.fma, llvm.masked.*, no x86 intrinsic), so it compiles for any CPU; LLVM
+splits <16 x float> into two ymm on AVX2.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+LANES = 16  # channels per block: one zmm register of float32
+PIXELS = 4  # outputs per step along a row (independent FMA chains)
+
+_F32, _I1, _I32, _I64 = ir.FloatType(), ir.IntType(1), ir.IntType(32), ir.IntType(64)
+_V = ir.VectorType(_F32, LANES)
+_M = ir.VectorType(_I1, LANES)
+
+
+def _splat(value: float):
+    return ir.Constant(_V, [value] * LANES)
+
+
+class _Emit:
+    """IR helpers bound to one builder: vector loads and stores (masked or not), fma."""
+
+    def __init__(self, builder, mask):
+        self.b, self.mask = builder, mask
+        mod = builder.module
+        self.fma = cgutils.get_or_insert_function(
+            mod, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v16f32")
+        if mask is not None:
+            self.mload = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(_V, [_V.as_pointer(), _I32, _M, _V]),
+                "llvm.masked.load.v16f32.p0")
+            self.mstore = cgutils.get_or_insert_function(
+                mod, ir.FunctionType(ir.VoidType(), [_V, _V.as_pointer(), _I32, _M]),
+                "llvm.masked.store.v16f32.p0")
+
+    def ptr(self, base, off):
+        return self.b.bitcast(self.b.gep(base, [off]), _V.as_pointer())
+
+    def load(self, base, off):
+        p = self.ptr(base, off)
+        if self.mask is None:
+            return self.b.load(p, align=4)
+        return self.b.call(self.mload, [p, _I32(4), self.mask, ir.Constant(_V, None)])
+
+    def store(self, value, base, off):
+        p = self.ptr(base, off)
+        if self.mask is None:
+            self.b.store(value, p, align=4)
+        else:
+            self.b.call(self.mstore, [value, p, _I32(4), self.mask])
+
+
+def _codegen(stride: int):
+    s = stride
+    keep = 3 - s  # input columns a step shares with the next one
+
+    def block(builder, e, xrows, dims, j0, act, has_res):
+        """One channel block from channel j0 of the whole output row."""
+        tp, bp, rp, yp, w, c, wo, ox_lo, ox_hi, pl, y_off = dims
+        k = [e.load(tp, builder.add(builder.mul(_I64(t), c), j0)) for t in range(9)]
+        bias = e.load(bp, j0)
+        carry = [[cgutils.alloca_once(builder, _V) for _ in range(keep)] for _ in range(3)]
+        zero = ir.Constant(_V, None)
+
+        def col(ky, q):  # input column q (any int) of kernel row ky, zero outside the image
+            return e.load(xrows[ky], builder.add(builder.mul(q, c), j0))
+
+        def col_checked(ky, q):
+            inside = builder.and_(builder.icmp_signed(">=", q, _I64(0)),
+                                  builder.icmp_signed("<", q, w))
+            qc = builder.select(inside, q, _I64(0))
+            return builder.select(inside, col(ky, qc), zero)
+
+        def finish(accs, i0):
+            for i, v in enumerate(accs):
+                yo = builder.add(builder.add(y_off, builder.mul(builder.add(i0, _I64(i)), c)),
+                                 j0)
+                if has_res:
+                    v = builder.fadd(v, e.load(rp, yo))
+                if act:
+                    v = builder.select(builder.fcmp_ordered(">", v, zero), v, zero)
+                if act == 2:
+                    six = _splat(6.0)
+                    v = builder.select(builder.fcmp_ordered("<", v, six), v, six)
+                e.store(v, yp, yo)
+
+        def products(cols, n):
+            accs = [bias] * n
+            for ky in range(3):
+                for kx in range(3):
+                    for i in range(n):
+                        accs[i] = builder.call(e.fma, [cols[ky][s * i + kx], k[3 * ky + kx],
+                                                       accs[i]])
+            return accs
+
+        def pixels(q0, i0, n):
+            """n outputs from output pixel i0, whose first column q0 is in the carry."""
+            cols = [[builder.load(carry[ky][q]) for q in range(keep)] for ky in range(3)]
+            for ky in range(3):
+                for q in range(keep, s * (n - 1) + 3):
+                    cols[ky].append(col(ky, builder.add(q0, _I64(q))))
+            finish(products(cols, n), i0)
+            for ky in range(3):
+                for q in range(keep):
+                    builder.store(cols[ky][s * n + q], carry[ky][q])
+
+        def edge_pixel(i):
+            q0 = builder.sub(builder.mul(i, _I64(s)), pl)
+            cols = [[col_checked(ky, builder.add(q0, _I64(q))) for q in range(3)]
+                    for ky in range(3)]
+            finish(products(cols, 1), i)
+
+        left = builder.select(builder.icmp_signed("<", ox_lo, wo), ox_lo, wo)
+        with cgutils.for_range(builder, left) as loop:
+            edge_pixel(loop.index)
+        with builder.if_then(builder.icmp_signed(">", ox_hi, ox_lo)):
+            q0 = builder.sub(builder.mul(ox_lo, _I64(s)), pl)
+            for ky in range(3):
+                for q in range(keep):
+                    builder.store(col(ky, builder.add(q0, _I64(q))), carry[ky][q])
+            n = builder.sub(ox_hi, ox_lo)
+            steps = builder.sdiv(n, _I64(PIXELS))
+            with cgutils.for_range(builder, steps) as loop:
+                i0 = builder.add(ox_lo, builder.mul(loop.index, _I64(PIXELS)))
+                pixels(builder.sub(builder.mul(i0, _I64(s)), pl), i0, PIXELS)
+            tail0 = builder.add(ox_lo, builder.mul(steps, _I64(PIXELS)))
+            with cgutils.for_range(builder, builder.sub(ox_hi, tail0)) as loop:
+                i0 = builder.add(tail0, loop.index)
+                pixels(builder.sub(builder.mul(i0, _I64(s)), pl), i0, 1)
+        right = builder.select(builder.icmp_signed(">", ox_hi, left), ox_hi, left)
+        with cgutils.for_range(builder, builder.sub(wo, right)) as loop:
+            edge_pixel(builder.add(right, loop.index))
+
+    def codegen(context, builder, sig, args):
+        def arg64(i):
+            return context.cast(builder, args[i], sig.args[i], types.int64)
+
+        def data(i):
+            return context.make_array(sig.args[i])(context, builder, args[i]).data
+
+        xp, zp = data(0), data(4)
+        xrows = []
+        for i in (1, 2, 3):  # a kernel row outside the image reads the zero row
+            o = arg64(i)
+            xrows.append(builder.select(builder.icmp_signed(">=", o, _I64(0)),
+                                        builder.gep(xp, [o]), zp))
+        w, c, wo, ox_lo, ox_hi, pl = (arg64(i) for i in (5, 6, 7, 8, 9, 10))
+        dims = (data(11), data(12), data(13), data(15), w, c, wo, ox_lo, ox_hi, pl, arg64(16))
+        act = arg64(17)
+        has_res = context.cast(builder, args[14], sig.args[14], types.boolean)
+        variant = builder.add(act, builder.select(has_res, _I64(3), _I64(0)))
+        nblk = builder.sdiv(c, _I64(LANES))
+        c16 = builder.mul(nblk, _I64(LANES))
+        rem = builder.sub(c, c16)
+        lane = ir.Constant(ir.VectorType(_I64, LANES), list(range(LANES)))
+        rem_v = builder.insert_element(ir.Constant(ir.VectorType(_I64, LANES), None), rem,
+                                       _I32(0))
+        rem_v = builder.shuffle_vector(rem_v, rem_v,
+                                       ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+        mask = builder.icmp_signed("<", lane, rem_v)
+        end = builder.append_basic_block("dw_end")
+        cases = [(a, hr, builder.append_basic_block(f"dw_act{a}_res{int(hr)}"))
+                 for a in (0, 1, 2) for hr in (False, True)]
+        switch = builder.switch(variant, end)
+        for a, hr, bb in cases:
+            switch.add_case(_I64(a + 3 * hr), bb)
+        for a, hr, bb in cases:
+            builder.position_at_end(bb)
+            with cgutils.for_range(builder, nblk) as blk:
+                block(builder, _Emit(builder, None), xrows, dims,
+                      builder.mul(blk.index, _I64(LANES)), a, hr)
+            with builder.if_then(builder.icmp_signed(">", rem, _I64(0))):
+                block(builder, _Emit(builder, mask), xrows, dims, c16, a, hr)
+            builder.branch(end)
+        builder.position_at_end(end)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _typer(x, o0, o1, o2, zero, w, c, wo, ox_lo, ox_hi, pl, taps, bias, res, has_res, y,
+           y_off, act):
+    f32_1d = all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32
+                 for a in (x, zero, bias, res, y))
+    ok = (f32_1d and isinstance(taps, types.Array) and taps.ndim == 2 and taps.layout == "C"
+          and taps.dtype == types.float32 and isinstance(has_res, types.Boolean)
+          and all(isinstance(t, types.Integer)
+                  for t in (o0, o1, o2, w, c, wo, ox_lo, ox_hi, pl, y_off, act)))
+    if not ok:
+        return None
+    return types.void(x, o0, o1, o2, zero, w, c, wo, ox_lo, ox_hi, pl, taps, bias, res, has_res,
+                      y, y_off, act)
+
+
+@intrinsic
+def dw3x3_s1(typingctx, x, o0, o1, o2, zero, w, c, wo, ox_lo, ox_hi, pl, taps, bias, res,
+             has_res, y, y_off, act):
+    """One output row of a stride-1 depthwise 3x3 convolution (see the module docstring)."""
+    sig = _typer(x, o0, o1, o2, zero, w, c, wo, ox_lo, ox_hi, pl, taps, bias, res, has_res, y,
+                 y_off, act)
+    return None if sig is None else (sig, _codegen(1))
+
+
+@intrinsic
+def dw3x3_s2(typingctx, x, o0, o1, o2, zero, w, c, wo, ox_lo, ox_hi, pl, taps, bias, res,
+             has_res, y, y_off, act):
+    """One output row of a stride-2 depthwise 3x3 convolution (see the module docstring)."""
+    sig = _typer(x, o0, o1, o2, zero, w, c, wo, ox_lo, ox_hi, pl, taps, bias, res, has_res, y,
+                 y_off, act)
+    return None if sig is None else (sig, _codegen(2))
