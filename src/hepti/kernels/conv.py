@@ -750,10 +750,10 @@ def _depthwise(x, geo, taps, bias, res, has_res, act, y, row_lo, row_hi):
             o1 = (b * h + iy + dh) * w * c if 0 <= iy + dh < h else -1
             o2 = (b * h + iy + 2 * dh) * w * c if 0 <= iy + 2 * dh < h else -1
             if sw == 1:
-                dw3x3_s1(x, o0, o1, o2, zero, w, c, wo, ox_lo, ox_hi, pl, taps, bias, res,
+                dw3x3_s1(x, o0, o1, o2, zero, w, c, wo, pl, taps, bias, res,
                          has_res, y, r * wo * c, act)
             else:
-                dw3x3_s2(x, o0, o1, o2, zero, w, c, wo, ox_lo, ox_hi, pl, taps, bias, res,
+                dw3x3_s2(x, o0, o1, o2, zero, w, c, wo, pl, taps, bias, res,
                          has_res, y, r * wo * c, act)
         return
     for r in range(row_lo, row_hi):
