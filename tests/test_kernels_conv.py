@@ -16,6 +16,7 @@ import pytest
 from hepti.kernels import (ConvWeight, avg_pool2d, conv2d, depthwise_conv2d, fold_batchnorm,
                            global_avg_pool, max_pool2d, naive, pack_b, pack_conv_weight, relu,
                            relu6)
+from hepti.kernels import conv
 from hepti.kernels.config import NR
 
 RNG = np.random.default_rng(20240602)
@@ -281,6 +282,16 @@ def test_depthwise_vector_kernel(n, h, w, c, stride, padding, act, with_residual
     residual = rand(n, ho, wo, c) if with_residual else None
     y = depthwise_conv2d(x, wt, bias, stride, padding, relu=act, residual=residual)
     assert_conv_close(y, x, wt, bias, stride, padding, 1, c, residual, act=act)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_depthwise_vector_kernel_bands(threads):
+    """Stride-1 rows go to the kernel in bands of DW_ROWS_BYTES (here 6 rows of 13 per image,
+    then 1), and threads split the rows mid-image."""
+    x, wt, bias = rand(2, 13, 64, 160) * 3, rand(160, 1, 3, 3), rand(160)
+    assert conv.DW_ROWS_BYTES // (64 * 160 * 4) == 6
+    y = depthwise_conv2d(x, wt, bias, 1, 1, relu="relu6", threads=threads)
+    assert_conv_close(y, x, wt, bias, 1, 1, 1, 160, act="relu6")
 
 
 def _pads(padding):

@@ -1,24 +1,29 @@
-"""The interior of a 3x3 depthwise convolution (stride 1 or 2, no dilation) as LLVM IR with
-explicit vector types, written by a Numba intrinsic the way `_vnni.py` writes its loops.
+"""Output rows of a 3x3 depthwise convolution (stride 1 or 2, no column dilation) as LLVM
+IR with explicit vector types, written by a Numba intrinsic the way `_vnni.py` writes its loops.
 
-`dw3x3_s1` / `dw3x3_s2(x, x_off, rs, xrow, c, npix, nrows, taps, bias, res, has_res, y,
-y_off, yrow, act)`: nrows output rows of npix pixels each, every tap inside the image, flat
-NHWC with c channels. Output pixel i of row r reads, for tap (ky, kx), the c floats at
-x[x_off + r * xrow + ky * rs + (s * i + kx) * c] (s the stride; rs one input row, xrow s input
-rows) and is stored at y[y_off + r * yrow + i * c] as act(bias + the nine products (+ the
-residual res at the same offset as y when has_res)); act 0 none, 1 ReLU, 2 ReLU6.
+`dw3x3_s1` / `dw3x3_s2(x, x_img, iy0, h, dh, nrows, zero, w, c, wo, pl, taps, bias, res,
+has_res, y, y_off, act)`: nrows output rows of wo pixels of one image, flat NHWC with c
+channels, the image's h rows of w pixels starting at x[x_img]. Kernel row ky of output row r
+reads input row iy0 + r * s + ky * dh (s the stride), or the row of zeros `zero` (w * c floats)
+when that row lies outside 0 .. h-1; output pixel i's tap (ky, kx) is that row's column
+i * s - pl + kx, zero outside 0 .. w-1. Pixel i of row r is stored at
+y[y_off + (r * wo + i) * c:][:c] as act(bias + the nine products (+ res at the same offset
+as y when has_res)); act 0 none, 1 ReLU, 2 ReLU6. taps is [9, c] (conv.ConvWeight.taps).
 
 How: one 16-channel block (one zmm) at a time, its nine taps and bias held in registers, walks
-its rows. Along a row the input columns slide: each group of PIXELS outputs loads only the
-columns it does not share with the previous group (3 * s * PIXELS vectors), the 3 - s shared
-ones stay in registers, and the group's PIXELS independent FMA chains hide the FMA latency. A
-channel count that is not a multiple of 16 ends with one masked block (llvm.masked.load /
-store). ReLU / ReLU6 are a compare and a select against constants (one max / min each).
+the rows. The input columns slide: each step of PIXELS outputs loads only the 3 * s * PIXELS
+column vectors it does not share with the step before, the 3 - s shared ones stay in
+registers, and its PIXELS independent FMA chains hide the FMA latency. Only the first and last
+pixels, whose columns may lie outside the image, check their loads (one column at a time,
+a select to zero). A channel count that is not a multiple of 16 ends with one masked block
+(llvm.masked.load / store). ReLU / ReLU6 are a compare and a select against constants (one
+max / min each); each (act, residual) pair has its own loop, chosen once per call.
 
-Why: Numba's SLP vectoriser made the scalar versions of this (conv._dw3x3_quads, the
-generated 4 x 16 tiles) take about twice the cycles their loads and FMAs need. The IR here is
-plain LLVM (llvm.fma, llvm.masked.*, no x86 intrinsic), so it compiles for any CPU; LLVM
-splits <16 x float> into two ymm on AVX2.
+Why: Numba's SLP vectoriser left the scalar versions of this (the 4-pixel `_dw3x3_quads`, a
+generated 4 x 16-channel tile) at about twice the cycles their loads and FMAs need, and the
+border pixels went tap by tap (`conv._dw_pixel`). The IR is plain LLVM (llvm.fma,
+llvm.masked.*, no x86 intrinsic), so it compiles for any CPU; LLVM splits <16 x float> into
+two ymm on AVX2.
 """
 from __future__ import annotations
 
@@ -76,12 +81,29 @@ def _codegen(stride: int, step: int = PIXELS):
     s = stride
     keep = 3 - s  # input columns a step shares with the next one
 
-    def block(builder, e, xrows, dims, j0, act, has_res):
-        """One channel block from channel j0 of the whole output row."""
-        tp, bp, rp, yp, w, c, wo, pl, y_off = dims
+    def block(builder, e, rows, dims, j0, act, has_res):
+        """One channel block from channel j0 of all the output rows."""
+        xp, zp, x_img, iy0, h, dh, nrows = rows
+        tp, bp, rp, yp, w, c, wo, pl, y_off0 = dims
         k = [e.load(tp, builder.add(builder.mul(_I64(t), c), j0)) for t in range(9)]
         bias = e.load(bp, j0)
         carry = [[cgutils.alloca_once(builder, _V) for _ in range(keep)] for _ in range(3)]
+        with cgutils.for_range(builder, nrows) as row:
+            xrows = []
+            for ky in range(3):  # a kernel row outside the image reads the zero row
+                iy = builder.add(builder.add(iy0, builder.mul(row.index, _I64(s))),
+                                 builder.mul(_I64(ky), dh))
+                inside = builder.and_(builder.icmp_signed(">=", iy, _I64(0)),
+                                      builder.icmp_signed("<", iy, h))
+                o = builder.add(x_img, builder.mul(builder.mul(iy, w), c))
+                xrows.append(builder.select(inside, builder.gep(xp, [o]), zp))
+            y_off = builder.add(y_off0, builder.mul(row.index, builder.mul(wo, c)))
+            _row(builder, e, k, bias, carry, xrows, w, c, wo, pl, rp, yp, y_off, j0, act,
+                 has_res)
+
+    def _row(builder, e, k, bias, carry, xrows, w, c, wo, pl, rp, yp, y_off, j0, act,
+             has_res):
+        """Output row from its kernel rows' pointers xrows, channel block j0."""
         zero = ir.Constant(_V, None)
 
         def col(ky, q, checked):  # input column q of kernel row ky (checked: zero outside)
@@ -161,16 +183,11 @@ def _codegen(stride: int, step: int = PIXELS):
         def data(i):
             return context.make_array(sig.args[i])(context, builder, args[i]).data
 
-        xp, zp = data(0), data(4)
-        xrows = []
-        for i in (1, 2, 3):  # a kernel row outside the image reads the zero row
-            o = arg64(i)
-            xrows.append(builder.select(builder.icmp_signed(">=", o, _I64(0)),
-                                        builder.gep(xp, [o]), zp))
-        w, c, wo, pl = (arg64(i) for i in (5, 6, 7, 8))
-        dims = (data(9), data(10), data(11), data(13), w, c, wo, pl, arg64(14))
-        act = arg64(15)
-        has_res = context.cast(builder, args[12], sig.args[12], types.boolean)
+        rows = (data(0), data(6), arg64(1), arg64(2), arg64(3), arg64(4), arg64(5))
+        w, c, wo, pl = (arg64(i) for i in (7, 8, 9, 10))
+        dims = (data(11), data(12), data(13), data(15), w, c, wo, pl, arg64(16))
+        act = arg64(17)
+        has_res = context.cast(builder, args[14], sig.args[14], types.boolean)
         variant = builder.add(act, builder.select(has_res, _I64(3), _I64(0)))
         nblk = builder.sdiv(c, _I64(LANES))
         c16 = builder.mul(nblk, _I64(LANES))
@@ -190,10 +207,10 @@ def _codegen(stride: int, step: int = PIXELS):
         for a, hr, bb in cases:
             builder.position_at_end(bb)
             with cgutils.for_range(builder, nblk) as blk:
-                block(builder, _Emit(builder, None), xrows, dims,
+                block(builder, _Emit(builder, None), rows, dims,
                       builder.mul(blk.index, _I64(LANES)), a, hr)
             with builder.if_then(builder.icmp_signed(">", rem, _I64(0))):
-                block(builder, _Emit(builder, mask), xrows, dims, c16, a, hr)
+                block(builder, _Emit(builder, mask), rows, dims, c16, a, hr)
             builder.branch(end)
         builder.position_at_end(end)
         return context.get_dummy_value()
@@ -201,33 +218,33 @@ def _codegen(stride: int, step: int = PIXELS):
     return codegen
 
 
-def _typer(x, o0, o1, o2, zero, w, c, wo, pl, taps, bias, res, has_res, y,
+def _typer(x, x_img, iy0, h, dh, nrows, zero, w, c, wo, pl, taps, bias, res, has_res, y,
            y_off, act):
     f32_1d = all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float32
                  for a in (x, zero, bias, res, y))
     ok = (f32_1d and isinstance(taps, types.Array) and taps.ndim == 2 and taps.layout == "C"
           and taps.dtype == types.float32 and isinstance(has_res, types.Boolean)
           and all(isinstance(t, types.Integer)
-                  for t in (o0, o1, o2, w, c, wo, pl, y_off, act)))
+                  for t in (x_img, iy0, h, dh, nrows, w, c, wo, pl, y_off, act)))
     if not ok:
         return None
-    return types.void(x, o0, o1, o2, zero, w, c, wo, pl, taps, bias, res, has_res,
+    return types.void(x, x_img, iy0, h, dh, nrows, zero, w, c, wo, pl, taps, bias, res, has_res,
                       y, y_off, act)
 
 
 @intrinsic
-def dw3x3_s1(typingctx, x, o0, o1, o2, zero, w, c, wo, pl, taps, bias, res,
+def dw3x3_s1(typingctx, x, x_img, iy0, h, dh, nrows, zero, w, c, wo, pl, taps, bias, res,
              has_res, y, y_off, act):
-    """One output row of a stride-1 depthwise 3x3 convolution (see the module docstring)."""
-    sig = _typer(x, o0, o1, o2, zero, w, c, wo, pl, taps, bias, res, has_res, y,
+    """Output rows of a stride-1 depthwise 3x3 convolution (see the module docstring)."""
+    sig = _typer(x, x_img, iy0, h, dh, nrows, zero, w, c, wo, pl, taps, bias, res, has_res, y,
                  y_off, act)
     return None if sig is None else (sig, _codegen(1))
 
 
 @intrinsic
-def dw3x3_s2(typingctx, x, o0, o1, o2, zero, w, c, wo, pl, taps, bias, res,
+def dw3x3_s2(typingctx, x, x_img, iy0, h, dh, nrows, zero, w, c, wo, pl, taps, bias, res,
              has_res, y, y_off, act):
-    """One output row of a stride-2 depthwise 3x3 convolution (see the module docstring)."""
-    sig = _typer(x, o0, o1, o2, zero, w, c, wo, pl, taps, bias, res, has_res, y,
+    """Output rows of a stride-2 depthwise 3x3 convolution (see the module docstring)."""
+    sig = _typer(x, x_img, iy0, h, dh, nrows, zero, w, c, wo, pl, taps, bias, res, has_res, y,
                  y_off, act)
     return None if sig is None else (sig, _codegen(2))

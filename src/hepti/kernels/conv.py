@@ -89,14 +89,16 @@ load average 5-6) the convolutions went from 95.0 ms to 86.9 ms, onnxruntime's 7
 46.5 -> 39.2 (ORT 33.0), 3x3s 30.7 -> 31.1 (27.0), stem 2.87 -> 2.61 (2.16).
 
 `depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
-loop over contiguous channels innermost (it vectorises). It is bound by loads, not FMAs: a 3x3
-pixel with all taps inside the image sums its nine products in registers, and four
-neighbouring pixels at stride 1 (two at stride 2) share their input columns and weight loads
-(`_dw3x3_quads`, `_dw3x3_pairs`). On eight MobileNetV2 depthwise shapes (sum of min-of-25
-timings, under load) tap by tap into y took 2.9 ms, nine products in registers 1.5 ms, pixel
-groups 1.1 ms; all seventeen of MobileNetV2's depthwise layers now take ~1.4-1.5 ms
-(convbench, sum of medians; 20-35 GFLOP/s). Border pixels and other kernel sizes take the
-tap-by-tap loop. Pools likewise, except a 3x3 max pool, whose
+loop over contiguous channels innermost (it vectorises). A 3x3 at stride 1 or 2 runs an
+explicit-vector LLVM IR kernel row by row (`_dw_ir`): per 16-channel block the nine taps stay
+in registers, the input columns slide along the row (each loaded once per kernel row), border
+pixels included (zero rows and columns outside the image), the residual and ReLU/ReLU6 applied
+before the store. MobileNetV2's seventeen depthwise layers took 1.16 ms with the scalar
+4-pixel groups Numba's SLP vectoriser packed (`_dw3x3_quads`, `_dw3x3_pairs`, a generated 4 x
+16 tile) and their borders tap by tap, 0.75 ms with it (interleaved, 1 thread, load ~4; 40-90
+GFLOP/s against 27-44). Other 3x3s (dilated columns, stride 3) take their interior pixels'
+nine taps in registers (`_dw3x3_span`), other kernel sizes and their borders the tap-by-tap
+loop (`_dw_pixel`). Pools likewise, except a 3x3 max pool, whose
 interior pixels take their nine taps at once in registers (`_max3x3_span`).
 
 Padding is per side, (top, bottom, left, right), so that a band of output rows can be computed
@@ -123,6 +125,12 @@ from hepti.kernels.packed_gemm import (_epilogue, _finish, _pack_a, _pack_all, _
                                       panel_group, row_block)
 
 _ACT = {None: 0, "relu": 1, "relu6": 2}
+# input bytes of the output rows one call of the depthwise IR kernel runs at stride 1 (each
+# channel block walks them all, its input rows reused from L1): 0.76-0.89x the time of one row
+# per call at 56x56x144, 28x28x192 and 14x14x384-576, 0.85-1.08x at 112x112x32 and 7x7x960
+# (two runs); at stride 2 one row per call was 1.03-1.2x faster than several in one run, with
+# one exception (interleaved, 1 thread, load ~4; MobileNetV2's shapes)
+DW_ROWS_BYTES = 1 << 18
 # how A is formed (_conv_rows); the last three store each tile once, its epilogue applied
 _MODE_DIRECT, _MODE_IMPLICIT, _MODE_IM2COL, _MODE_ROWS = 0, 1, 2, 3
 _MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED = 4, 5, 6
@@ -729,10 +737,11 @@ def _dw3x3_span(x, geo, taps, bias, b, oy, ox0, ox1, y, y_off):
 def _depthwise(x, geo, taps, bias, res, has_res, act, y, row_lo, row_hi):
     """Output rows row_lo .. row_hi-1 (of N*Ho, flat y [M, C]) of a depthwise convolution:
     bias + taps, then the residual, then act. A 3x3 kernel at stride 1 or 2 without column
-    dilation runs the vector IR kernel (`_dw_ir.dw3x3_s1` / `dw3x3_s2`) row by row, borders
-    included (a kernel row outside the image reads a row of zeros), with the residual and act
-    applied in registers. Other 3x3s take `_dw3x3_span` for their pixels with every tap
-    inside the image, and everything else `_dw_pixel`, then the residual and act."""
+    dilation runs the vector IR kernel (`_dw_ir.dw3x3_s1` / `dw3x3_s2`) over bands of rows
+    (DW_ROWS_BYTES at stride 1, single rows at stride 2), borders included (a kernel row
+    outside the image reads a row of zeros), with the residual and act applied in registers.
+    Other 3x3s take `_dw3x3_span` for their pixels with every tap inside the image, and
+    everything else `_dw_pixel`, then the residual and act."""
     n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
     ox_lo = min(wo, (pl + sw - 1) // sw)  # first ox whose leftmost tap is inside
     ox_hi = max(ox_lo, min(wo, (w - 1 + pl - (kw - 1) * dw) // sw + 1))
@@ -743,18 +752,17 @@ def _depthwise(x, geo, taps, bias, res, has_res, act, y, row_lo, row_hi):
         for r in range(row_lo, row_hi):
             border = border or not (oy_lo <= r % ho < oy_hi)
         zero = np.zeros(w * c if border else 0, np.float32)
-        for r in range(row_lo, row_hi):
-            b = r // ho
-            iy = r % ho * sh - pt
-            o0 = (b * h + iy) * w * c if 0 <= iy < h else -1
-            o1 = (b * h + iy + dh) * w * c if 0 <= iy + dh < h else -1
-            o2 = (b * h + iy + 2 * dh) * w * c if 0 <= iy + 2 * dh < h else -1
-            if sw == 1:
-                dw3x3_s1(x, o0, o1, o2, zero, w, c, wo, pl, taps, bias, res,
-                         has_res, y, r * wo * c, act)
-            else:
-                dw3x3_s2(x, o0, o1, o2, zero, w, c, wo, pl, taps, bias, res,
-                         has_res, y, r * wo * c, act)
+        rows = max(1, DW_ROWS_BYTES // (w * c * 4)) if sw == 1 else 1
+        for b in range(row_lo // ho, (row_hi - 1) // ho + 1):  # the rows of each image
+            for r0 in range(max(row_lo, b * ho), min(row_hi, (b + 1) * ho), rows):
+                nr = min(rows, row_hi - r0, (b + 1) * ho - r0)
+                iy0 = (r0 - b * ho) * sh - pt
+                if sw == 1:
+                    dw3x3_s1(x, b * h * w * c, iy0, h, dh, nr, zero, w, c, wo, pl, taps, bias,
+                             res, has_res, y, r0 * wo * c, act)
+                else:
+                    dw3x3_s2(x, b * h * w * c, iy0, h, dh, nr, zero, w, c, wo, pl, taps, bias,
+                             res, has_res, y, r0 * wo * c, act)
         return
     for r in range(row_lo, row_hi):
         b = r // ho
