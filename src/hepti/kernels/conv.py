@@ -90,16 +90,17 @@ load average 5-6) the convolutions went from 95.0 ms to 86.9 ms, onnxruntime's 7
 
 `depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
 loop over contiguous channels innermost (it vectorises). A 3x3 at stride 1 or 2 runs an
-explicit-vector LLVM IR kernel row by row (`_dw_ir`): per 16-channel block the nine taps stay
-in registers, the input columns slide along the row (each loaded once per kernel row), border
-pixels included (zero rows and columns outside the image), the residual and ReLU/ReLU6 applied
-before the store. MobileNetV2's seventeen depthwise layers took 1.16 ms with the scalar
-4-pixel groups Numba's SLP vectoriser packed (`_dw3x3_quads`, `_dw3x3_pairs`, a generated 4 x
-16 tile) and their borders tap by tap, 0.75 ms with it (interleaved, 1 thread, load ~4; 40-90
-GFLOP/s against 27-44). Other 3x3s (dilated columns, stride 3) take their interior pixels'
-nine taps in registers (`_dw3x3_span`), other kernel sizes and their borders the tap-by-tap
-loop (`_dw_pixel`). Pools likewise, except a 3x3 max pool, whose
-interior pixels take their nine taps at once in registers (`_max3x3_span`).
+explicit-vector LLVM IR kernel over bands of rows (`_dw_ir`): per 16-channel block the nine
+taps stay in registers, the input columns slide along each row (each loaded once per kernel
+row), border pixels included (zero rows and columns outside the image), the residual and
+ReLU/ReLU6 applied before the store. MobileNetV2's seventeen depthwise layers took 1.16 ms
+with the scalar 4-pixel groups Numba's SLP vectoriser packed (`_dw3x3_quads`, `_dw3x3_pairs`,
+a generated 4 x 16 tile) and their borders tap by tap, 0.69 ms with it (interleaved, 1
+thread, load ~3; stride 1: 59-92 GFLOP/s against 30-42, 2.0-2.4x; stride 2: 30-40 against
+26-31, 1.1-1.5x). Other 3x3s (dilated columns, stride 3) take their interior pixels' nine
+taps in registers (`_dw3x3_span`), other kernel sizes and their borders the tap-by-tap loop
+(`_dw_pixel`). Pools likewise, except a 3x3 max pool, whose interior pixels take their nine
+taps at once in registers (`_max3x3_span`).
 
 Padding is per side, (top, bottom, left, right), so that a band of output rows can be computed
 from a band of input rows with padding only where the band meets the image border (a height
