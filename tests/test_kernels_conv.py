@@ -16,7 +16,7 @@ import pytest
 from hepti.kernels import (ConvWeight, avg_pool2d, conv2d, depthwise_conv2d, fold_batchnorm,
                            global_avg_pool, max_pool2d, naive, pack_b, pack_conv_weight, relu,
                            relu6)
-from hepti.kernels import _gen_depthwise
+from hepti.kernels import conv
 from hepti.kernels.config import NR
 
 RNG = np.random.default_rng(20240602)
@@ -258,17 +258,45 @@ def test_depthwise_against_naive(n, h, w, c, k, stride, padding, dilation):
     assert_conv_close(y2, x, wt, None, stride, padding, dilation, c, residual)
 
 
-@pytest.mark.parametrize("relu", ["relu", "relu6"])
-def test_depthwise_tiles_apply_the_activation(relu):
-    """The 4 x 16 tiles apply ReLU / ReLU6 in registers; the border pixels after them."""
-    x, wt, bias = rand(1, 8, 13, 32) * 3, rand(32, 1, 3, 3), rand(32)
-    y = depthwise_conv2d(x, wt, bias, 1, 1, relu=relu)
-    assert_conv_close(y, x, wt, bias, 1, 1, 1, 32, act=relu)
+# (N, H, W, C, stride, padding): the vector kernel (_dw_ir) over whole rows, borders included
+DEPTHWISE_IR_CASES = [
+    (1, 9, 13, 16, 1, 1),  # one channel block, a tail of pixels after the groups of four
+    (1, 10, 11, 32, 1, 1),  # MobileNetV2's first block's width, a row of whole groups + 1
+    (2, 7, 9, 96, 2, 1),  # 6 blocks, stride 2, batch 2, odd sizes
+    (1, 8, 8, 40, 2, (0, 1, 0, 1)),  # 2 blocks and a masked 8-lane block, no top/left pad
+    (1, 5, 6, 21, 1, (2, 0, 1, 2)),  # a masked 5-lane block; pad 2: kernel rows all outside
+    (1, 4, 3, 960, 1, 1),  # 60 blocks, too narrow for a group of four (no interior pixel...
+    (1, 2, 2, 3, 2, 1),  # ... none at all: every pixel a border pixel)
+    (1, 9, 9, 8, 1, (1, 1, 0, 0)),  # a single masked block, right-hand columns unpadded
+]
 
 
-def test_generated_depthwise_tiles_are_current():
-    assert _gen_depthwise.TARGET.read_text() == _gen_depthwise.source(), \
-        "run: python src/hepti/kernels/_gen_depthwise.py"
+@pytest.mark.parametrize("n,h,w,c,stride,padding", DEPTHWISE_IR_CASES)
+@pytest.mark.parametrize("act", [None, "relu", "relu6"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_depthwise_vector_kernel(n, h, w, c, stride, padding, act, with_residual):
+    """ReLU / ReLU6 and the residual applied in registers, against the float64 reference."""
+    x, wt, bias = rand(n, h, w, c) * 3, rand(c, 1, 3, 3), rand(c)
+    ho = (h + sum(_pads(padding)[:2]) - 3) // stride + 1
+    wo = (w + sum(_pads(padding)[2:]) - 3) // stride + 1
+    residual = rand(n, ho, wo, c) if with_residual else None
+    y = depthwise_conv2d(x, wt, bias, stride, padding, relu=act, residual=residual)
+    assert_conv_close(y, x, wt, bias, stride, padding, 1, c, residual, act=act)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_depthwise_vector_kernel_bands(threads):
+    """Stride-1 rows go to the kernel in bands of DW_ROWS_BYTES (here 6 rows of 13 per image,
+    then 1), and threads split the rows mid-image."""
+    x, wt, bias = rand(2, 13, 64, 160) * 3, rand(160, 1, 3, 3), rand(160)
+    assert conv.DW_ROWS_BYTES // (64 * 160 * 4) == 6
+    y = depthwise_conv2d(x, wt, bias, 1, 1, relu="relu6", threads=threads)
+    assert_conv_close(y, x, wt, bias, 1, 1, 1, 160, act="relu6")
+
+
+def _pads(padding):
+    """(top, bottom, left, right) of an int or a 4-tuple padding."""
+    return (padding,) * 4 if isinstance(padding, int) else padding
 
 
 def test_depthwise_channel_multiplier_runs_as_grouped_gemm():
