@@ -1,0 +1,147 @@
+"""The fused convolution tile (`direct_tiles_epi*` in _microkernels.py) as explicit-vector LLVM
+IR: `tile_epi8`, `tile_epi4`, `tile_epi1`, one mr x 32 register tile each (mr = 8, 4, 1).
+
+    tile_epiMR(a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro, ldr,
+               has_res, act)
+
+computes, for i < mr and j < 32,
+
+    acc[i, j] = sum_(s < n_seg) sum_(p < kc) a[ao + s*seg_a + i*lda + p] * bp[bk0 + s*kc + p, j]
+    c[co + i*ldc + j] = act(acc[i, j] + bias[j] (+ res[ro + i*ldr + j] when has_res))
+
+for the rows i < nv only (act 0 none, 1 ReLU, 2 ReLU6); a, c, bias, res flat float32, bp a 2-D
+[K, 32] panel (any row stride). No bounds checks: the callers' index arithmetic is the
+generated kernels'.
+
+Why IR: the generated Numba kernel writes the tile as 256 named scalars that LLVM's SLP
+vectoriser packs into zmm registers; its k loop is as tight as this one, but the code around
+it is not (slices with wraparound checks and spills on every segment, and the epilogue's
+scalar-to-vector shuffles), which cost 2-15% of a tile at ResNet-50's and VGG-16's K (the
+figures are in _gen_microkernels.py). Here the accumulators are <16 x float> values from the
+start (mem2reg'd allocas), the FMAs `llvm.fma.v16f32`, the activation `llvm.maxnum` /
+`llvm.minnum`: plain LLVM IR, no x86 intrinsics, so an AVX2 CPU gets the same tile as pairs
+of ymm registers.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+NR = 32  # columns of the tile: two 16-float vectors
+_LANES = 16
+_NV = NR // _LANES
+_F32, _I64, _I32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+_V = ir.VectorType(_F32, _LANES)
+_FAST = ("contract", "nnan", "nsz")
+
+
+def _vptr(builder, base, index):
+    """A <16 x float>* at float index `index` of the float* `base`."""
+    return builder.bitcast(builder.gep(base, [index]), _V.as_pointer())
+
+
+def _make(mr: int):
+    """The intrinsic for an mr x 32 tile."""
+
+    @intrinsic
+    def tile(typingctx, a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro,
+             ldr, has_res, act):
+        arrays = (a, c, bias, res)
+        if not (all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
+                    for t in arrays)
+                and isinstance(bp, types.Array) and bp.ndim == 2 and bp.dtype == types.float32):
+            return None
+        sig = types.void(a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro,
+                         ldr, has_res, act)
+
+        def codegen(context, builder, signature, args):
+            st = signature.args
+            A = context.make_array(st[0])(context, builder, args[0])
+            B = context.make_array(st[6])(context, builder, args[6])
+            C = context.make_array(st[8])(context, builder, args[8])
+            E = context.make_array(st[12])(context, builder, args[12])
+            R = context.make_array(st[13])(context, builder, args[13])
+
+            def i64(k):
+                return context.cast(builder, args[k], st[k], types.int64)
+
+            ao_, n_seg_, kc_, seg_a_, lda_, bk0_ = (i64(k) for k in (1, 2, 3, 4, 5, 7))
+            co_, ldc_, nv_, ro_, ldr_, act_ = (i64(k) for k in (9, 10, 11, 14, 15, 17))
+            has_res_ = context.cast(builder, args[16], st[16], types.boolean)
+            ldb = builder.sdiv(cgutils.unpack_tuple(builder, B.strides, 2)[0], _I64(4))
+            fma = cgutils.get_or_insert_function(builder.module,
+                                                 ir.FunctionType(_V, [_V, _V, _V]),
+                                                 "llvm.fma.v16f32")
+            vmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
+                                                  "llvm.maxnum.v16f32")
+            vmin = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
+                                                  "llvm.minnum.v16f32")
+            zero = ir.Constant(_V, None)
+            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(_NV)]
+                   for _ in range(mr)]
+            splat_mask = ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
+            with cgutils.for_range(builder, n_seg_) as seg:
+                s = seg.index
+                abase = builder.gep(A.data, [builder.add(ao_, builder.mul(s, seg_a_))])
+                rows = [builder.gep(abase, [builder.mul(_I64(i), lda_)]) for i in range(mr)]
+                brow0 = builder.add(bk0_, builder.mul(s, kc_))
+                bbase = builder.gep(B.data, [builder.mul(brow0, ldb)])
+                with cgutils.for_range(builder, kc_) as kl:
+                    p = kl.index
+                    bq = builder.gep(bbase, [builder.mul(p, ldb)])
+                    bv = [builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4)
+                          for j in range(_NV)]
+                    for i in range(mr):
+                        x = builder.load(builder.gep(rows[i], [p]), align=4)
+                        xv = builder.shuffle_vector(
+                            builder.insert_element(ir.Constant(_V, ir.Undefined), x, _I32(0)),
+                            ir.Constant(_V, ir.Undefined), splat_mask)
+                        for j in range(_NV):
+                            slot = acc[i][j]
+                            builder.store(builder.call(fma, [xv, bv[j], builder.load(slot)]),
+                                          slot)
+            bv = [builder.load(_vptr(builder, E.data, _I64(_LANES * j)), align=4)
+                  for j in range(_NV)]
+            is_act = builder.icmp_signed("!=", act_, _I64(0))
+            is_six = builder.icmp_signed("==", act_, _I64(2))
+            six = ir.Constant(_V, [6.0] * _LANES)
+            for i in range(mr):
+                with builder.if_then(builder.icmp_signed(">", nv_, _I64(i)), likely=True):
+                    vals = [builder.fadd(builder.load(acc[i][j]), bv[j], flags=_FAST)
+                            for j in range(_NV)]
+                    rrow = builder.gep(R.data, [builder.add(ro_, builder.mul(_I64(i), ldr_))])
+                    with_res = []
+                    with builder.if_else(has_res_) as (then, otherwise):
+                        with then:
+                            r_vals = [builder.fadd(v, builder.load(
+                                _vptr(builder, rrow, _I64(_LANES * j)), align=4), flags=_FAST)
+                                for j, v in enumerate(vals)]
+                            then_bb = builder.block
+                        with otherwise:
+                            else_bb = builder.block
+                    for j in range(_NV):
+                        phi = builder.phi(_V)
+                        phi.add_incoming(r_vals[j], then_bb)
+                        phi.add_incoming(vals[j], else_bb)
+                        with_res.append(phi)
+                    relu = [builder.call(vmax, [v, zero]) for v in with_res]
+                    relu6 = [builder.call(vmin, [v, six]) for v in relu]
+                    out = [builder.select(is_act, builder.select(is_six, r6, r), v)
+                           for v, r, r6 in zip(with_res, relu, relu6)]
+                    crow = builder.gep(C.data, [builder.add(co_, builder.mul(_I64(i), ldc_))])
+                    for j, v in enumerate(out):
+                        builder.store(v, _vptr(builder, crow, _I64(_LANES * j)), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+# the heights _gen_microkernels.py may ask for (MR_FUSED and TAIL_HEIGHTS); each compiles only
+# where a kernel uses it
+tile_epi8 = _make(8)
+tile_epi4 = _make(4)
+tile_epi1 = _make(1)
