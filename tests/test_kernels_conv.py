@@ -169,7 +169,7 @@ FUSED_CASES = [
 
 
 @pytest.mark.parametrize("n,h,w,cin,cout,k,stride,padding", FUSED_CASES)
-@pytest.mark.parametrize("mode", ["flat", "patches", "rows"])
+@pytest.mark.parametrize("mode", ["flat", "patches", "rows", "padded"])
 @pytest.mark.parametrize("act,with_bias,with_res,mb,threads",
                          [("relu", True, True, 0, 1), (None, False, False, 1, 1),
                           ("relu6", True, False, 0, 2), ("relu", False, True, 9, 1)])
@@ -181,7 +181,7 @@ def test_conv2d_fused_modes_against_naive(n, h, w, cin, cout, k, stride, padding
     x, wt = rand(n, h, w, cin), rand(cout, cin, k, k)
     geo = conv._geometry(x.shape, k, k, stride, padding, 1, cin, "test")
     m_mode = {"flat": conv._MODE_FLAT, "patches": conv._MODE_PATCHES,
-              "rows": conv._MODE_ROWS_FUSED}[mode]
+              "rows": conv._MODE_ROWS_FUSED, "padded": conv._MODE_PADDED}[mode]
     if mode == "flat" and not (k == 1 and stride == 1 and padding == 0):
         pytest.skip("_MODE_FLAT is a 1x1 convolution at stride 1 without padding")
     if mode == "rows" and not conv._rows_apply(geo, 1, conv.MRF):

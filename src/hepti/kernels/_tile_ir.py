@@ -42,13 +42,16 @@ def _vptr(builder, base, index):
     return builder.bitcast(builder.gep(base, [index]), _V.as_pointer())
 
 
-def _make(mr: int):
-    """The intrinsic for an mr x 32 tile."""
+def _make(mr: int, gathered: bool = False):
+    """The intrinsic for an mr x 32 tile; `gathered`: ao is an int64 array, row i of the tile
+    starting at a[ao[i]] (lda unused), for tiles whose rows cross output rows."""
 
     @intrinsic
     def tile(typingctx, a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro,
              ldr, has_res, act):
         arrays = (a, c, bias, res)
+        if gathered != (isinstance(ao, types.Array) and ao.dtype == types.int64):
+            return None
         if not (all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
                     for t in arrays)
                 and isinstance(bp, types.Array) and bp.ndim == 2 and bp.dtype == types.float32):
@@ -67,7 +70,13 @@ def _make(mr: int):
             def i64(k):
                 return context.cast(builder, args[k], st[k], types.int64)
 
-            ao_, n_seg_, kc_, seg_a_, lda_, bk0_ = (i64(k) for k in (1, 2, 3, 4, 5, 7))
+            n_seg_, kc_, seg_a_, lda_, bk0_ = (i64(k) for k in (2, 3, 4, 5, 7))
+            if gathered:
+                offs = context.make_array(st[1])(context, builder, args[1]).data
+                starts = [builder.load(builder.gep(offs, [_I64(i)])) for i in range(mr)]
+            else:
+                ao_ = i64(1)
+                starts = [builder.add(ao_, builder.mul(_I64(i), lda_)) for i in range(mr)]
             co_, ldc_, nv_, ro_, ldr_, act_ = (i64(k) for k in (9, 10, 11, 14, 15, 17))
             has_res_ = context.cast(builder, args[16], st[16], types.boolean)
             ldb = builder.sdiv(cgutils.unpack_tuple(builder, B.strides, 2)[0], _I64(4))
@@ -84,8 +93,8 @@ def _make(mr: int):
             splat_mask = ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
             with cgutils.for_range(builder, n_seg_) as seg:
                 s = seg.index
-                abase = builder.gep(A.data, [builder.add(ao_, builder.mul(s, seg_a_))])
-                rows = [builder.gep(abase, [builder.mul(_I64(i), lda_)]) for i in range(mr)]
+                abase = builder.gep(A.data, [builder.mul(s, seg_a_)])
+                rows = [builder.gep(abase, [starts[i]]) for i in range(mr)]
                 brow0 = builder.add(bk0_, builder.mul(s, kc_))
                 bbase = builder.gep(B.data, [builder.mul(brow0, ldb)])
                 with cgutils.for_range(builder, kc_) as kl:
@@ -145,3 +154,4 @@ def _make(mr: int):
 tile_epi8 = _make(8)
 tile_epi4 = _make(4)
 tile_epi1 = _make(1)
+tile_gathered8 = _make(8, True)
