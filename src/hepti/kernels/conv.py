@@ -88,6 +88,18 @@ On the whole model (each op timed alone, min of 9, against onnxruntime's per-nod
 load average 5-6) the convolutions went from 95.0 ms to 86.9 ms, onnxruntime's 75.5: 1x1s
 46.5 -> 39.2 (ORT 33.0), 3x3s 30.7 -> 31.1 (27.0), stem 2.87 -> 2.61 (2.16).
 
+Padded rows (2026-11-29, later). The fused tile is explicit-vector LLVM IR (`_tile_ir`), and
+a variant of it takes each of its rows' A offsets from an array: on a zero-padded copy of x
+(`_zero_padded`: the input's size, not the patches' K floats a pixel) a tile of MRF
+consecutive output pixels may cross output rows and still read every patch in place, with no
+border tiles (`_MODE_PADDED`, `_padded_fused`). It replaces `_MODE_PATCHES` wherever a kernel
+row is one contiguous run (28-, 14- and 7-wide maps, stride 2), and `_MODE_ROWS_FUSED` where
+those runs are short (kw * Cin < PADDED_RUN: the stem, VGG-16's first layer). Interleaved
+against the main branch's conv2d (min of 15 rounds, load 2.5-3; 224 / 160):
+3x3 28x28x128 2.14 -> 2.03 ms / 1.11 -> 1.04, 3x3 14x14x256 2.08 -> 2.03 / 1.06 -> 1.04, VGG-16's
+28x28x512 33.3 -> 32.7 / 17.1 -> 16.8, its 14x14x512 8.45 -> 8.23, 3x3 stride 2 56 -> 28
+2.14 -> 2.09 / 1.11 -> 1.07, 1x1 stride 2 1.88 -> 1.84; the 7x7 maps unchanged.
+
 `depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
 loop over contiguous channels innermost (it vectorises). It is bound by loads, not FMAs: a 3x3
 pixel with all taps inside the image sums its nine products in registers, and four
@@ -119,7 +131,7 @@ from hepti.kernels._intrinsics import max_f32, prefetch_l2
 from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi,
                                          direct_tiles_epi1, direct_tiles_epi4, full_tiles,
                                          micro_tile, pack_a_tile)
-from hepti.kernels._tile_ir import tile_gathered8
+from hepti.kernels._tile_ir import tile_gathered1, tile_gathered4, tile_gathered8
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
 from hepti.kernels.packed_gemm import (_epilogue, _finish, _pack_a, _pack_all, _panel_range,
@@ -134,6 +146,11 @@ _MODE_DIRECT, _MODE_IMPLICIT, _MODE_IM2COL, _MODE_ROWS = 0, 1, 2, 3
 _MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED = 4, 5, 6
 _MODE_PADDED = 7  # fused, on a zero-padded copy of x: every tile's rows read x in place
 _FUSED_MODES = (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED, _MODE_PADDED)
+# _MODE_PADDED, not _MODE_ROWS_FUSED, below this many floats a kernel row (kw * Cin): the
+# segments are short there and the border tiles many (interleaved against the default, 31
+# rounds: ResNet-50's stem, 7 x 3 = 21, 0.95x the time at 224 and 160; VGG-16's first layer,
+# 3 x 3 = 9, 0.94x / 0.99x; a 3x3 on 64 channels, 192, 1.00x, on VGG-16's 224x224x64 1.04x)
+PADDED_RUN = 64
 
 
 class ConvWeight:
@@ -569,27 +586,40 @@ def _padded_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ld
     copy (`_MODE_PATCHES` copies K floats a pixel) and no border tiles (`_rows_fused`'s
     gathered edges, and its short tiles on rows not a multiple of MRF wide)."""
     n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
-    n_t = -(-rows // MRF)
-    offs = np.empty(n_t * MRF, np.int64)
-    for i in range(n_t * MRF):
-        mm = m0 + min(i, rows - 1)  # the last tile's rows past `rows` read the last pixel
+    n_full = rows // MRF
+    rem = rows - n_full * MRF
+    offs = np.empty((n_full + 1) * MRF, np.int64)
+    for i in range((n_full + 1) * MRF):
+        mm = m0 + min(i, rows - 1)  # rows past `rows` (a short tile's) read the last pixel
         b, r = mm // (ho * wo), mm % (ho * wo)
         offs[i] = ((b * h + (r // wo) * sh) * w + (r % wo) * sw) * cin
     run, seg_a = kw * cin, dh * w * cin
-    last = rows - (n_t - 1) * MRF
     for jp in range(n_g // NR):
         j0 = jp * NR
         bp = panels[jp]
         bj = bias[j0:j0 + NR]
-        for t in range(n_t):
+        for t in range(n_full):
             ro = r_off + (m0 + t * MRF) * ldr + j0
-            if has_res and t + 1 < n_t:  # the next tile's residual rows: to L2
+            if has_res and t + 1 < n_full:  # the next tile's residual rows: to L2
                 for i in range(MRF):
                     prefetch_l2(res, ro + (MRF + i) * ldr)
                     prefetch_l2(res, ro + (MRF + i) * ldr + NR - 1)
             tile_gathered8(x, offs[t * MRF:(t + 1) * MRF], kh, run, seg_a, 0, bp, 0, c,
-                           (m0 + t * MRF) * ldc + j0, ldc, last if t == n_t - 1 else MRF, bj,
-                           res, ro, ldr, has_res, act)
+                           (m0 + t * MRF) * ldc + j0, ldc, MRF, bj, res, ro, ldr, has_res, act)
+        # a short last tile as `_tiles_fused` runs it: MRF rows for MRF - 1, else 4 and 1s
+        i = n_full * MRF
+        if rem == MRF - 1:
+            tile_gathered8(x, offs[i:i + MRF], kh, run, seg_a, 0, bp, 0, c, (m0 + i) * ldc + j0,
+                           ldc, rem, bj, res, r_off + (m0 + i) * ldr + j0, ldr, has_res, act)
+            continue
+        if rem >= 4:
+            tile_gathered4(x, offs[i:i + 4], kh, run, seg_a, 0, bp, 0, c, (m0 + i) * ldc + j0,
+                           ldc, 4, bj, res, r_off + (m0 + i) * ldr + j0, ldr, has_res, act)
+            i += 4
+        while i < rows:
+            tile_gathered1(x, offs[i:i + 1], kh, run, seg_a, 0, bp, 0, c, (m0 + i) * ldc + j0,
+                           ldc, 1, bj, res, r_off + (m0 + i) * ldr + j0, ldr, has_res, act)
+            i += 1
 
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)
@@ -1305,8 +1335,11 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
     fusable = groups == 1 and n_g % NR == 0  # whole panels: every tile stored once, fused
     if _mode is None:
         if fusable:
-            _mode = (_MODE_FLAT if plain else _MODE_ROWS_FUSED if rows_f and wo % MRF == 0
-                     else _MODE_PADDED if geo[13] == 1 or geo[7] == 1 else _MODE_PATCHES)
+            runs = geo[13] == 1 or geo[7] == 1  # one contiguous run of x per kernel row
+            long_runs = geo[7] * cg >= PADDED_RUN
+            _mode = (_MODE_FLAT if plain else
+                     _MODE_ROWS_FUSED if rows_f and wo % MRF == 0 and long_runs else
+                     _MODE_PADDED if runs else _MODE_PATCHES)
         elif plain:  # x is A as it is: in place by rows unless rows leave short tiles
             _mode = _MODE_ROWS if rows and wo % MR == 0 else _MODE_DIRECT
         else:
