@@ -94,11 +94,13 @@ a variant of it takes each of its rows' A offsets from an array: on a zero-padde
 consecutive output pixels may cross output rows and still read every patch in place, with no
 border tiles (`_MODE_PADDED`, `_padded_fused`). It replaces `_MODE_PATCHES` wherever a kernel
 row is one contiguous run (28-, 14- and 7-wide maps, stride 2), and `_MODE_ROWS_FUSED` where
-those runs are short (kw * Cin < PADDED_RUN: the stem, VGG-16's first layer). Interleaved
-against the main branch's conv2d (min of 15 rounds, load 2.5-3; 224 / 160):
-3x3 28x28x128 2.14 -> 2.03 ms / 1.11 -> 1.04, 3x3 14x14x256 2.08 -> 2.03 / 1.06 -> 1.04, VGG-16's
-28x28x512 33.3 -> 32.7 / 17.1 -> 16.8, its 14x14x512 8.45 -> 8.23, 3x3 stride 2 56 -> 28
-2.14 -> 2.09 / 1.11 -> 1.07, 1x1 stride 2 1.88 -> 1.84; the 7x7 maps unchanged.
+those runs are short at a stride of 2 (kw * Cin < PADDED_RUN: the stem). Interleaved
+against the previous conv2d (min of 11-15 rounds, load 2.5-3; the image at 224 / at 160, where
+the same layers are 20, 10 and 5 wide): 3x3 28x28x128 2.14 -> 2.03 ms / 1.11 -> 1.04, 3x3
+14x14x256 2.08 -> 2.03 / 1.06 -> 1.04, VGG-16's 28x28x512 33.3 -> 32.7 / 17.1 -> 16.8, its
+14x14x512 8.45 -> 8.23 / 4.26 -> 4.26, 3x3 stride 2 56 -> 28 2.14 -> 2.09 / 1.11 -> 1.07, 1x1
+stride 2 1.88 -> 1.84 / 0.96 -> 0.94, the stem 2.26 -> 2.17 / 1.18 -> 1.11; the 7x7 maps
+unchanged.
 
 `depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
 loop over contiguous channels innermost (it vectorises). It is bound by loads, not FMAs: a 3x3
@@ -146,10 +148,11 @@ _MODE_DIRECT, _MODE_IMPLICIT, _MODE_IM2COL, _MODE_ROWS = 0, 1, 2, 3
 _MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED = 4, 5, 6
 _MODE_PADDED = 7  # fused, on a zero-padded copy of x: every tile's rows read x in place
 _FUSED_MODES = (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED, _MODE_PADDED)
-# _MODE_PADDED, not _MODE_ROWS_FUSED, below this many floats a kernel row (kw * Cin): the
-# segments are short there and the border tiles many (interleaved against the default, 31
-# rounds: ResNet-50's stem, 7 x 3 = 21, 0.95x the time at 224 and 160; VGG-16's first layer,
-# 3 x 3 = 9, 0.94x / 0.99x; a 3x3 on 64 channels, 192, 1.00x, on VGG-16's 224x224x64 1.04x)
+# _MODE_PADDED, not _MODE_ROWS_FUSED, at a stride across > 1 and below this many floats a
+# kernel row (kw * Cin): the segments are short there and the border tiles a larger share of
+# a row's (interleaved, forced modes, 61 rounds, twice: ResNet-50's stem, 7 x 3 = 21 floats,
+# 0.95-0.96x the time at 224, 0.94x at 160; at stride 1 VGG-16's first layer, 3 x 3 = 9,
+# measured 1.00-1.02x, and a 3x3 on 64 channels, 192, 1.00x: they keep _MODE_ROWS_FUSED)
 PADDED_RUN = 64
 
 
@@ -1336,9 +1339,9 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
     if _mode is None:
         if fusable:
             runs = geo[13] == 1 or geo[7] == 1  # one contiguous run of x per kernel row
-            long_runs = geo[7] * cg >= PADDED_RUN
+            short_strided = geo[7] * cg < PADDED_RUN and geo[9] > 1  # the stem
             _mode = (_MODE_FLAT if plain else
-                     _MODE_ROWS_FUSED if rows_f and wo % MRF == 0 and long_runs else
+                     _MODE_ROWS_FUSED if rows_f and wo % MRF == 0 and not short_strided else
                      _MODE_PADDED if runs else _MODE_PATCHES)
         elif plain:  # x is A as it is: in place by rows unless rows leave short tiles
             _mode = _MODE_ROWS if rows and wo % MR == 0 else _MODE_DIRECT
