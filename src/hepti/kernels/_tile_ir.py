@@ -13,14 +13,22 @@ for the rows i < nv only (act 0 none, 1 ReLU, 2 ReLU6); a, c, bias, res flat flo
 [K, 32] panel (any row stride). No bounds checks: the callers' index arithmetic is the
 generated kernels'.
 
-Why IR: the generated Numba kernel writes the tile as 256 named scalars that LLVM's SLP
-vectoriser packs into zmm registers; its k loop is as tight as this one, but the code around
-it is not (slices with wraparound checks and spills on every segment, and the epilogue's
-scalar-to-vector shuffles), which cost 2-15% of a tile at ResNet-50's and VGG-16's K (the
-figures are in _gen_microkernels.py). Here the accumulators are <16 x float> values from the
-start (mem2reg'd allocas), the FMAs `llvm.fma.v16f32`, the activation `llvm.maxnum` /
-`llvm.minnum`: plain LLVM IR, no x86 intrinsics, so an AVX2 CPU gets the same tile as pairs
-of ymm registers.
+Why IR: the generated Numba kernel wrote the tile as 256 named scalars that LLVM's SLP
+vectoriser packs into zmm registers. Its k loop was as tight as this one (two B loads, eight
+broadcasts, 16 FMAs a k, unrolled by 2); around it, each segment re-derived its nine slices
+with wraparound checks and stack spills. In cache, interleaved, this tile took 0.95x the
+named scalars' time at kc 64, 0.96-0.99x at 3 segments of 192 and 0.98x at 3 of 768 (A read
+in place; the same IR tile on packed A, one pointer, ran 112-116 GFLOP/s where both ran
+93-113, so reading A in place from 8 row pointers, not the code, is most of what is left).
+Here the accumulators are <16 x float> values from the start (mem2reg'd allocas), the FMAs
+`llvm.fma.v16f32`, the activation `llvm.maxnum` / `llvm.minnum`: plain LLVM IR, no x86
+intrinsics, so an AVX2 CPU gets the same tile as pairs of ymm registers.
+`tile_gathered{8,4,1}` take each row's start from an array (conv.py's `_MODE_PADDED`: tiles
+whose rows cross output rows of a zero-padded x).
+
+Numba's cache does not see this file change under the cached kernels that inline it
+(_microkernels.py's, conv.py's): after editing it, run `python
+src/hepti/kernels/_gen_microkernels.py`, which clears the kernels' cache.
 """
 from __future__ import annotations
 
