@@ -17,6 +17,7 @@ from hepti.kernels import (ConvWeight, avg_pool2d, conv2d, depthwise_conv2d, fol
                            global_avg_pool, max_pool2d, naive, pack_b, pack_conv_weight, relu,
                            relu6)
 from hepti.kernels import conv
+from hepti.kernels import _microkernels as mk
 from hepti.kernels.config import NR
 
 RNG = np.random.default_rng(20240602)
@@ -168,7 +169,7 @@ FUSED_CASES = [
 
 
 @pytest.mark.parametrize("n,h,w,cin,cout,k,stride,padding", FUSED_CASES)
-@pytest.mark.parametrize("mode", ["flat", "patches", "rows"])
+@pytest.mark.parametrize("mode", ["flat", "patches", "rows", "padded"])
 @pytest.mark.parametrize("act,with_bias,with_res,mb,threads",
                          [("relu", True, True, 0, 1), (None, False, False, 1, 1),
                           ("relu6", True, False, 0, 2), ("relu", False, True, 9, 1)])
@@ -180,7 +181,7 @@ def test_conv2d_fused_modes_against_naive(n, h, w, cin, cout, k, stride, padding
     x, wt = rand(n, h, w, cin), rand(cout, cin, k, k)
     geo = conv._geometry(x.shape, k, k, stride, padding, 1, cin, "test")
     m_mode = {"flat": conv._MODE_FLAT, "patches": conv._MODE_PATCHES,
-              "rows": conv._MODE_ROWS_FUSED}[mode]
+              "rows": conv._MODE_ROWS_FUSED, "padded": conv._MODE_PADDED}[mode]
     if mode == "flat" and not (k == 1 and stride == 1 and padding == 0):
         pytest.skip("_MODE_FLAT is a 1x1 convolution at stride 1 without padding")
     if mode == "rows" and not conv._rows_apply(geo, 1, conv.MRF):
@@ -215,6 +216,38 @@ def test_conv2d_out_is_the_residual(cout, k, stride, padding):
     got = conv2d(x, wt, bias, stride, padding, relu="relu", residual=r, out=r)
     assert (got is r) == (cout % NR == 0)
     np.testing.assert_array_equal(got, want)
+
+@pytest.mark.parametrize("height, n_seg, kc, last_rows, has_res, act", [
+    (8, 3, 21, 5, True, 1), (8, 1, 64, 8, False, 2), (4, 2, 9, 4, True, 0), (1, 1, 33, 1, True, 2),
+])
+def test_fused_tiles_against_float64(height, n_seg, kc, last_rows, has_res, act):
+    """The fused tile (`direct_tiles_epi*`, each tile `_tile_ir`'s IR) on its own: segments of
+    A read in place at a row stride, a panel with a row stride of its own, bias, residual,
+    ReLU / ReLU6, and a short last tile whose rows past last_rows stay untouched."""
+    kern = {8: mk.direct_tiles_epi, 4: mk.direct_tiles_epi4, 1: mk.direct_tiles_epi1}[height]
+    i64, nt, lda, seg_a, ldc, ldr = np.int64, 3, n_seg * kc + 5, kc + 1, 40, 36
+    a = rand(nt * height * lda + n_seg * seg_a + kc)
+    panel = rand(n_seg * kc + 7, 48)[4:, 8:40]  # rows 48 floats apart, from row 4 (bk0 = 3)
+    bias, res = rand(NR), rand(nt * height * ldr + NR + 2)
+    c = np.full(nt * height * ldc + NR + 1, 7.0, np.float32)
+    kern(i64(0), i64(nt), i64(n_seg), i64(kc), a, i64(2), i64(seg_a), i64(lda), panel, i64(3),
+         c, i64(1), i64(ldc), i64(last_rows), bias, res, i64(2), i64(ldr), has_res, i64(act))
+    want = np.full(c.shape, 7.0)
+    for t in range(nt):
+        for i in range(last_rows if t == nt - 1 else height):
+            row = t * height + i
+            acc = np.zeros(NR)
+            for s in range(n_seg):
+                ar = a[2 + row * lda + s * seg_a:][:kc].astype(np.float64)
+                acc += ar @ panel[3 + s * kc:3 + s * kc + kc].astype(np.float64)
+            acc += bias
+            if has_res:
+                acc += res[2 + row * ldr:][:NR]
+            if act:
+                acc = np.maximum(acc, 0.0) if act == 1 else np.clip(acc, 0.0, 6.0)
+            want[1 + row * ldc:][:NR] = acc
+    np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-5 * math.sqrt(n_seg * kc))
+
 
 def test_pack_conv_weight_layout():
     """Group g's panels are pack_b of B [kh*kw*Cin_g, Cout_g] with rows ordered (ky, kx, c)."""

@@ -88,6 +88,20 @@ On the whole model (each op timed alone, min of 9, against onnxruntime's per-nod
 load average 5-6) the convolutions went from 95.0 ms to 86.9 ms, onnxruntime's 75.5: 1x1s
 46.5 -> 39.2 (ORT 33.0), 3x3s 30.7 -> 31.1 (27.0), stem 2.87 -> 2.61 (2.16).
 
+Padded rows (2026-11-29, later). The fused tile is explicit-vector LLVM IR (`_tile_ir`), and
+a variant of it takes each of its rows' A offsets from an array: on a zero-padded copy of x
+(`_zero_padded`: the input's size, not the patches' K floats a pixel) a tile of MRF
+consecutive output pixels may cross output rows and still read every patch in place, with no
+border tiles (`_MODE_PADDED`, `_padded_fused`). It replaces `_MODE_PATCHES` wherever a kernel
+row is one contiguous run (28-, 14- and 7-wide maps, stride 2), and `_MODE_ROWS_FUSED` where
+those runs are short at a stride of 2 (kw * Cin < PADDED_RUN: the stem). Interleaved
+against the previous conv2d (min of 11-15 rounds, load 2.5-3; the image at 224 / at 160, where
+the same layers are 20, 10 and 5 wide): 3x3 28x28x128 2.14 -> 2.03 ms / 1.11 -> 1.04, 3x3
+14x14x256 2.08 -> 2.03 / 1.06 -> 1.04, VGG-16's 28x28x512 33.3 -> 32.7 / 17.1 -> 16.8, its
+14x14x512 8.45 -> 8.23 / 4.26 -> 4.26, 3x3 stride 2 56 -> 28 2.14 -> 2.09 / 1.11 -> 1.07, 1x1
+stride 2 1.88 -> 1.84 / 0.96 -> 0.94, the stem 2.26 -> 2.17 / 1.18 -> 1.11; the 7x7 maps
+unchanged.
+
 `depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
 loop over contiguous channels innermost (it vectorises). A 3x3 at stride 1 or 2 runs an
 explicit-vector LLVM IR kernel over bands of rows (`_dw_ir`): per 16-channel block the nine
@@ -116,10 +130,11 @@ from numba import njit, prange
 
 from hepti.kernels import config
 from hepti.kernels._dw_ir import dw3x3_s1, dw3x3_s2
-from hepti.kernels._intrinsics import max_f32
+from hepti.kernels._intrinsics import max_f32, prefetch_l2
 from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi,
                                          direct_tiles_epi1, direct_tiles_epi4, full_tiles,
                                          micro_tile, pack_a_tile)
+from hepti.kernels._tile_ir import tile_gathered1, tile_gathered4, tile_gathered8
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
 from hepti.kernels.packed_gemm import (_epilogue, _finish, _pack_a, _pack_all, _panel_range,
@@ -135,6 +150,14 @@ DW_ROWS_BYTES = 1 << 18
 # how A is formed (_conv_rows); the last three store each tile once, its epilogue applied
 _MODE_DIRECT, _MODE_IMPLICIT, _MODE_IM2COL, _MODE_ROWS = 0, 1, 2, 3
 _MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED = 4, 5, 6
+_MODE_PADDED = 7  # fused, on a zero-padded copy of x: every tile's rows read x in place
+_FUSED_MODES = (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED, _MODE_PADDED)
+# _MODE_PADDED, not _MODE_ROWS_FUSED, at a stride across > 1 and below this many floats a
+# kernel row (kw * Cin): the segments are short there and the border tiles a larger share of
+# a row's (interleaved, forced modes, 61 rounds, twice: ResNet-50's stem, 7 x 3 = 21 floats,
+# 0.95-0.96x the time at 224, 0.94x at 160; at stride 1 VGG-16's first layer, 3 x 3 = 9,
+# measured 1.00-1.02x, and a 3x3 on 64 channels, 192, 1.00x: they keep _MODE_ROWS_FUSED)
+PADDED_RUN = 64
 
 
 class ConvWeight:
@@ -559,6 +582,53 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
                                   _flag(has_res), _i64(act))
 
 
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _padded_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ldr, has_res,
+                  act):
+    """Output pixels m0 .. m0+rows-1 of a convolution on a zero-padded x (geo's padding 0,
+    every tap inside x; groups 1, one contiguous run of kw*C floats per kernel row), every
+    panel over tiles of MRF consecutive pixels, each stored once with its epilogue: a tile's
+    rows may cross output rows, each row reading its patch from x in place at an offset of
+    its own (`_tile_ir.tile_gathered8`, kh segments of kw*C floats, dh*w*C apart). No patch
+    copy (`_MODE_PATCHES` copies K floats a pixel) and no border tiles (`_rows_fused`'s
+    gathered edges, and its short tiles on rows not a multiple of MRF wide)."""
+    n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    n_full = rows // MRF
+    rem = rows - n_full * MRF
+    offs = np.empty((n_full + 1) * MRF, np.int64)
+    for i in range((n_full + 1) * MRF):
+        mm = m0 + min(i, rows - 1)  # rows past `rows` (a short tile's) read the last pixel
+        b, r = mm // (ho * wo), mm % (ho * wo)
+        offs[i] = ((b * h + (r // wo) * sh) * w + (r % wo) * sw) * cin
+    run, seg_a = kw * cin, dh * w * cin
+    for jp in range(n_g // NR):
+        j0 = jp * NR
+        bp = panels[jp]
+        bj = bias[j0:j0 + NR]
+        for t in range(n_full):
+            ro = r_off + (m0 + t * MRF) * ldr + j0
+            if has_res and t + 1 < n_full:  # the next tile's residual rows: to L2
+                for i in range(MRF):
+                    prefetch_l2(res, ro + (MRF + i) * ldr)
+                    prefetch_l2(res, ro + (MRF + i) * ldr + NR - 1)
+            tile_gathered8(x, offs[t * MRF:(t + 1) * MRF], kh, run, seg_a, 0, bp, 0, c,
+                           (m0 + t * MRF) * ldc + j0, ldc, MRF, bj, res, ro, ldr, has_res, act)
+        # a short last tile as `_tiles_fused` runs it: MRF rows for MRF - 1, else 4 and 1s
+        i = n_full * MRF
+        if rem == MRF - 1:
+            tile_gathered8(x, offs[i:i + MRF], kh, run, seg_a, 0, bp, 0, c, (m0 + i) * ldc + j0,
+                           ldc, rem, bj, res, r_off + (m0 + i) * ldr + j0, ldr, has_res, act)
+            continue
+        if rem >= 4:
+            tile_gathered4(x, offs[i:i + 4], kh, run, seg_a, 0, bp, 0, c, (m0 + i) * ldc + j0,
+                           ldc, 4, bj, res, r_off + (m0 + i) * ldr + j0, ldr, has_res, act)
+            i += 4
+        while i < rows:
+            tile_gathered1(x, offs[i:i + 1], kh, run, seg_a, 0, bp, 0, c, (m0 + i) * ldc + j0,
+                           ldc, 1, bj, res, r_off + (m0 + i) * ldr + j0, ldr, has_res, act)
+            i += 1
+
+
 @njit(fastmath=FASTMATH_ROWS, **JIT)
 def _activate(y, off, ldy, rows, cols, act):
     """In place on rows x cols of the flat y from off (row stride ldy): act 1 = ReLU,
@@ -587,6 +657,8 @@ def _conv_sizes(mb, k, mode, wo):
     """Workspace floats of one chunk of _conv_rows: packed A, patch buffer, partial strip.
     (_MODE_ROWS packs at most wo // MR + 2 tiles of each of its mb // wo output rows; the
     fused modes, whose n_g is whole panels, need no partial strip and take tiles of MRF.)"""
+    if mode == _MODE_PADDED:  # reads x in place, no workspace
+        return (0, 0, 0)
     fused = mode == _MODE_FLAT or mode == _MODE_PATCHES or mode == _MODE_ROWS_FUSED
     mr = MRF if fused else MR
     buf = mb * k if mode == _MODE_IM2COL else (0 if mode == _MODE_DIRECT else mr * k)
@@ -633,6 +705,10 @@ def _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, blk_lo, blk_hi, mb, m, bl
         if mode == _MODE_FLAT:
             _tiles_fused(x, m0 * cin, cin, k, n_g, panels[0], c, ldc, m0, rows, bias, res,
                          r_off, ldr, has_res, act, buf)
+            continue
+        if mode == _MODE_PADDED:
+            _padded_fused(x, geo, k, n_g, panels[0], c, ldc, m0, rows, bias, res, r_off, ldr,
+                          has_res, act)
             continue
         if mode == _MODE_PATCHES:
             _im2col(x, geo, 0, m0, m0 + rows, ws, k)
@@ -1038,7 +1114,7 @@ def pack_conv_weight(w: np.ndarray, groups: int = 1) -> ConvWeight:
 
 def _tile_rows(mode: int) -> int:
     """Output pixels a micro-kernel tile takes in this mode: MRF in the fused ones, else MR."""
-    return MRF if mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED) else MR
+    return MRF if mode in _FUSED_MODES else MR
 
 
 def _block_units(m: int, mb: int, mode: int, wo: int) -> list[int]:
@@ -1104,7 +1180,7 @@ def _conv_plan(m: int, k: int, mode: int, threads: int, mb: int = 0, wo: int = 1
             mb = min(row_block(m, k), m)
     else:
         mb, busiest = _split_rows(m, k, mode, threads, wo)
-        if n_panels >= 4 * threads and mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED):
+        if n_panels >= 4 * threads and mode in _FUSED_MODES:
             mb_p = (min(max(1, round(row_block(m, k) / wo)), m // wo) * wo
                     if mode == _MODE_ROWS_FUSED else min(row_block(m, k), m))
             tiles = sum(_block_units(m, mb_p, mode, wo))
@@ -1122,6 +1198,19 @@ def _rows_apply(geo: tuple, groups: int, mr: int = MR) -> bool:
     convolution: groups 1, each kernel row's taps one contiguous run of x (dilation 1 across,
     or a single column), and at least one tile per output row that reads x in place."""
     return groups == 1 and (geo[13] == 1 or geo[7] == 1) and _direct_span(geo, mr)[1] > 0
+
+
+def _zero_padded(x: np.ndarray, geo: tuple) -> tuple[np.ndarray, tuple]:
+    """(x with its zero padding written in, geo for it with padding 0) for `_MODE_PADDED`: as
+    many rows and columns as the taps reach (x itself when they stay inside it)."""
+    n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    hp = max(h + pt, (ho - 1) * sh + (kh - 1) * dh + 1)
+    wp = max(w + pl, (wo - 1) * sw + (kw - 1) * dw + 1)
+    if pt or pl or hp > h or wp > w:
+        xp = np.zeros((n, hp, wp, cin), np.float32)
+        xp[:, pt:pt + h, pl:pl + w] = x
+        x, h, w = xp, hp, wp
+    return x, (n, h, w, cin, ho, wo, kh, kw, sh, sw, 0, 0, dh, dw, cg)
 
 
 def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0, dilation=1,
@@ -1179,26 +1268,33 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
     fusable = groups == 1 and n_g % NR == 0  # whole panels: every tile stored once, fused
     if _mode is None:
         if fusable:
-            _mode = (_MODE_FLAT if plain else _MODE_ROWS_FUSED if rows_f and wo % MRF == 0
-                     else _MODE_PATCHES)
+            runs = geo[13] == 1 or geo[7] == 1  # one contiguous run of x per kernel row
+            short_strided = geo[7] * cg < PADDED_RUN and geo[9] > 1  # the stem
+            _mode = (_MODE_FLAT if plain else
+                     _MODE_ROWS_FUSED if rows_f and wo % MRF == 0 and not short_strided else
+                     _MODE_PADDED if runs else _MODE_PATCHES)
         elif plain:  # x is A as it is: in place by rows unless rows leave short tiles
             _mode = _MODE_ROWS if rows and wo % MR == 0 else _MODE_DIRECT
         else:
             _mode = _MODE_ROWS if rows else _MODE_IMPLICIT
+    elif _mode == _MODE_PADDED and not (geo[13] == 1 or geo[7] == 1):
+        raise ValueError("_MODE_PADDED needs one contiguous run per kernel row")
     elif _mode == _MODE_ROWS and not rows or _mode == _MODE_ROWS_FUSED and not rows_f:
         raise ValueError("_MODE_ROWS needs groups 1, one contiguous run per kernel row and a "
                          "tile inside x on every output row")
-    if _mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED) and not fusable or \
+    if _mode in _FUSED_MODES and not fusable or \
             _mode == _MODE_FLAT and not plain:
         raise ValueError("the fused modes need groups 1 and Cout a multiple of NR "
                          "(_MODE_FLAT: a 1x1 convolution at stride 1 without padding)")
-    if in_place and _mode not in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED):
+    if in_place and _mode not in _FUSED_MODES:
         y = np.empty(y.shape, np.float32)  # the unfused epilogue adds it after a strip: apart
         in_place = False
-    if _mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED) and bias is None:
+    if _mode in _FUSED_MODES and bias is None:
         bias_v = np.zeros(cw.cout, np.float32)  # the fused store always adds a bias
     k = cw.k
-    fused_mode = _mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED)
+    fused_mode = _mode in _FUSED_MODES
+    if _mode == _MODE_PADDED:
+        x, geo = _zero_padded(x, geo)
     n_chunks, mb, n_blocks, ws_chunk, by_panels = _conv_plan(
         m, k, _mode, int(threads), _mb, wo, n_g // NR if fused_mode else 0)
     blocks = (mb, config.KC, 1, config.PREFETCH_ROWS)
