@@ -346,6 +346,9 @@ def test_depthwise_channel_multiplier_runs_as_grouped_gemm():
 @pytest.mark.parametrize("n,h,w,c,k,stride,padding", [
     (1, 12, 12, 8, 3, 2, 1),  # ResNet's max pool
     (3, 9, 7, 5, 2, None, 0),  # VGG's 2x2, odd sizes (floor)
+    (1, 8, 8, 64, 2, None, 0),  # ... all four taps at once (_max2x2_span), whole rows
+    (2, 9, 10, 16, 2, 1, 1),  # 2x2, stride 1, padding: border pixels tap by tap
+    (1, 7, 9, 8, 2, 2, (0, 1, 1, 0)),  # 2x2, asymmetric padding
     (1, 10, 11, 3, 3, 1, (1, 0, 1, 1)),  # asymmetric padding
     (2, 7, 7, 17, (3, 2), (2, 1), (1, 0)),
     (2, 20, 23, 16, 3, 2, 1),  # 3x3 max pool: rows of pixels with all taps inside, at once
