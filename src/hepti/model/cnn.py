@@ -31,6 +31,7 @@ class Weights:
         self._read, self._later = read, {}
         # `inverted`: a block's last op -> (its ops' names, their conv entries, InvertedBlock)
         self._blocks: dict = {}
+        self._layers: dict = {}  # `layer`: a conv op's name -> (its conv entry, ConvLayer)
         for op in graph.ops:
             if op.kind == CONV:
                 rows = (conv_rows or {}).get(op.name)
@@ -67,8 +68,19 @@ class Weights:
     def drop(self, name: str) -> None:
         if name in self._later:
             self.conv.pop(name, None)
+            self._layers.pop(name, None)
             for key in [k for k, v in self._blocks.items() if name in v[0]]:
                 del self._blocks[key]  # nor held by a block's kernel
+
+    def layer(self, op) -> K.ConvLayer:
+        """Conv op's `ConvLayer` on its weights, made once and kept while they are the ones
+        loaded (as `inverted`'s blocks)."""
+        entry, hit = self.conv[op.name], self._layers.get(op.name)
+        if hit is not None and hit[0] is entry:
+            return hit[1]
+        layer = K.ConvLayer(entry[0], entry[1], op.stride, op.dilation, op.act or None)
+        self._layers[op.name] = (entry, layer)
+        return layer
 
     def inverted(self, ops) -> InvertedBlock:
         """The kernel of an `inverted_block`'s ops on their weights, made once and kept while
@@ -104,9 +116,7 @@ def apply(op, x: np.ndarray, weights: Weights, residual: np.ndarray | None = Non
         padding = (top, bottom, op.padding, op.padding)
         if op.kind == MAXPOOL:
             return K.max_pool2d(x, op.kernel, op.stride, padding, out=out)
-        cw, bias = weights.conv[op.name]
-        return K.conv2d(x, cw, bias, op.stride, padding, op.dilation, relu=op.act or None,
-                        residual=residual, out=out, threads=threads)
+        return weights.layer(op)(x, padding, residual, out, threads)
     if out is not None:
         raise ValueError(f"{op.name}: a {op.kind} op makes a new array; out= is for "
                          "convolutions and max pools")
