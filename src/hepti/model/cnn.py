@@ -8,6 +8,8 @@ ranks share every line of arithmetic.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL, Graph, build
@@ -163,18 +165,32 @@ def apply_inverted(ops, x: np.ndarray, weights: Weights, residual: np.ndarray | 
 def adaptive_avg_pool(x: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:
     """torch's adaptive_avg_pool2d on NHWC x: output cell (i, j) averages input rows
     [floor(i H / oh), ceil((i + 1) H / oh)) and the columns likewise (cells overlap when the
-    map is smaller than the output, as VGG's 7x7 pool of a small image's map does)."""
+    map is smaller than the output, as VGG's 7x7 pool of a small image's map does). The sums
+    in float64, rows then columns, as two products with 0/1 matrices (`_pool_sums`), each
+    divided by its cell's count: the 49 numpy means of a 5x5 map (VGG-16 at 160) took
+    ~0.25 ms, more than the rest of its forward's Python."""
     n, h, w, c = x.shape
     oh, ow = out_hw
     if (h, w) == (oh, ow):
         return np.ascontiguousarray(x)
-    y = np.empty((n, oh, ow, c), np.float32)
-    for i in range(oh):
-        r0, r1 = i * h // oh, -(-(i + 1) * h // oh)
-        for j in range(ow):
-            c0, c1 = j * w // ow, -(-(j + 1) * w // ow)
-            y[:, i, j] = x[:, r0:r1, c0:c1].mean(axis=(1, 2), dtype=np.float64)
-    return y
+    (rows, per_row), (cols, per_col) = _pool_sums(h, oh), _pool_sums(w, ow)
+    t = np.matmul(rows, x.astype(np.float64).reshape(n, h, w * c))  # [n, oh, w * c]
+    y = np.matmul(cols, t.reshape(n * oh, w, c)).reshape(n, oh, ow, c)
+    y /= (per_row[:, None] * per_col[None, :])[None, :, :, None]
+    return y.astype(np.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _pool_sums(size: int, out: int) -> tuple[np.ndarray, np.ndarray]:
+    """([out, size] float64 with 1 where output cell i sums input index r, the counts [out])
+    of `adaptive_avg_pool` along one axis."""
+    m = np.zeros((out, size))
+    for i in range(out):
+        m[i, i * size // out:-(-(i + 1) * size // out)] = 1.0
+    m.flags.writeable = False
+    counts = m.sum(axis=1)
+    counts.flags.writeable = False
+    return m, counts
 
 
 class CNNModel:
