@@ -16,7 +16,8 @@ import pytest
 from hepti.kernels import (ConvWeight, avg_pool2d, conv2d, depthwise_conv2d, fold_batchnorm,
                            global_avg_pool, max_pool2d, naive, pack_b, pack_conv_weight, relu,
                            relu6)
-from hepti.kernels import _gen_depthwise
+from hepti.kernels import conv
+from hepti.kernels import _microkernels as mk
 from hepti.kernels.config import NR
 
 RNG = np.random.default_rng(20240602)
@@ -168,7 +169,7 @@ FUSED_CASES = [
 
 
 @pytest.mark.parametrize("n,h,w,cin,cout,k,stride,padding", FUSED_CASES)
-@pytest.mark.parametrize("mode", ["flat", "patches", "rows"])
+@pytest.mark.parametrize("mode", ["flat", "patches", "rows", "padded"])
 @pytest.mark.parametrize("act,with_bias,with_res,mb,threads",
                          [("relu", True, True, 0, 1), (None, False, False, 1, 1),
                           ("relu6", True, False, 0, 2), ("relu", False, True, 9, 1)])
@@ -180,7 +181,7 @@ def test_conv2d_fused_modes_against_naive(n, h, w, cin, cout, k, stride, padding
     x, wt = rand(n, h, w, cin), rand(cout, cin, k, k)
     geo = conv._geometry(x.shape, k, k, stride, padding, 1, cin, "test")
     m_mode = {"flat": conv._MODE_FLAT, "patches": conv._MODE_PATCHES,
-              "rows": conv._MODE_ROWS_FUSED}[mode]
+              "rows": conv._MODE_ROWS_FUSED, "padded": conv._MODE_PADDED}[mode]
     if mode == "flat" and not (k == 1 and stride == 1 and padding == 0):
         pytest.skip("_MODE_FLAT is a 1x1 convolution at stride 1 without padding")
     if mode == "rows" and not conv._rows_apply(geo, 1, conv.MRF):
@@ -215,6 +216,38 @@ def test_conv2d_out_is_the_residual(cout, k, stride, padding):
     got = conv2d(x, wt, bias, stride, padding, relu="relu", residual=r, out=r)
     assert (got is r) == (cout % NR == 0)
     np.testing.assert_array_equal(got, want)
+
+@pytest.mark.parametrize("height, n_seg, kc, last_rows, has_res, act", [
+    (8, 3, 21, 5, True, 1), (8, 1, 64, 8, False, 2), (4, 2, 9, 4, True, 0), (1, 1, 33, 1, True, 2),
+])
+def test_fused_tiles_against_float64(height, n_seg, kc, last_rows, has_res, act):
+    """The fused tile (`direct_tiles_epi*`, each tile `_tile_ir`'s IR) on its own: segments of
+    A read in place at a row stride, a panel with a row stride of its own, bias, residual,
+    ReLU / ReLU6, and a short last tile whose rows past last_rows stay untouched."""
+    kern = {8: mk.direct_tiles_epi, 4: mk.direct_tiles_epi4, 1: mk.direct_tiles_epi1}[height]
+    i64, nt, lda, seg_a, ldc, ldr = np.int64, 3, n_seg * kc + 5, kc + 1, 40, 36
+    a = rand(nt * height * lda + n_seg * seg_a + kc)
+    panel = rand(n_seg * kc + 7, 48)[4:, 8:40]  # rows 48 floats apart, from row 4 (bk0 = 3)
+    bias, res = rand(NR), rand(nt * height * ldr + NR + 2)
+    c = np.full(nt * height * ldc + NR + 1, 7.0, np.float32)
+    kern(i64(0), i64(nt), i64(n_seg), i64(kc), a, i64(2), i64(seg_a), i64(lda), panel, i64(3),
+         c, i64(1), i64(ldc), i64(last_rows), bias, res, i64(2), i64(ldr), has_res, i64(act))
+    want = np.full(c.shape, 7.0)
+    for t in range(nt):
+        for i in range(last_rows if t == nt - 1 else height):
+            row = t * height + i
+            acc = np.zeros(NR)
+            for s in range(n_seg):
+                ar = a[2 + row * lda + s * seg_a:][:kc].astype(np.float64)
+                acc += ar @ panel[3 + s * kc:3 + s * kc + kc].astype(np.float64)
+            acc += bias
+            if has_res:
+                acc += res[2 + row * ldr:][:NR]
+            if act:
+                acc = np.maximum(acc, 0.0) if act == 1 else np.clip(acc, 0.0, 6.0)
+            want[1 + row * ldc:][:NR] = acc
+    np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-5 * math.sqrt(n_seg * kc))
+
 
 def test_pack_conv_weight_layout():
     """Group g's panels are pack_b of B [kh*kw*Cin_g, Cout_g] with rows ordered (ky, kx, c)."""
@@ -258,17 +291,45 @@ def test_depthwise_against_naive(n, h, w, c, k, stride, padding, dilation):
     assert_conv_close(y2, x, wt, None, stride, padding, dilation, c, residual)
 
 
-@pytest.mark.parametrize("relu", ["relu", "relu6"])
-def test_depthwise_tiles_apply_the_activation(relu):
-    """The 4 x 16 tiles apply ReLU / ReLU6 in registers; the border pixels after them."""
-    x, wt, bias = rand(1, 8, 13, 32) * 3, rand(32, 1, 3, 3), rand(32)
-    y = depthwise_conv2d(x, wt, bias, 1, 1, relu=relu)
-    assert_conv_close(y, x, wt, bias, 1, 1, 1, 32, act=relu)
+# (N, H, W, C, stride, padding): the vector kernel (_dw_ir) over whole rows, borders included
+DEPTHWISE_IR_CASES = [
+    (1, 9, 13, 16, 1, 1),  # one channel block, a tail of pixels after the groups of four
+    (1, 10, 11, 32, 1, 1),  # MobileNetV2's first block's width, a row of whole groups + 1
+    (2, 7, 9, 96, 2, 1),  # 6 blocks, stride 2, batch 2, odd sizes
+    (1, 8, 8, 40, 2, (0, 1, 0, 1)),  # 2 blocks and a masked 8-lane block, no top/left pad
+    (1, 5, 6, 21, 1, (2, 0, 1, 2)),  # a masked 5-lane block; pad 2: kernel rows all outside
+    (1, 4, 3, 960, 1, 1),  # 60 blocks, too narrow for a group of four (no interior pixel...
+    (1, 2, 2, 3, 2, 1),  # ... none at all: every pixel a border pixel)
+    (1, 9, 9, 8, 1, (1, 1, 0, 0)),  # a single masked block, right-hand columns unpadded
+]
 
 
-def test_generated_depthwise_tiles_are_current():
-    assert _gen_depthwise.TARGET.read_text() == _gen_depthwise.source(), \
-        "run: python src/hepti/kernels/_gen_depthwise.py"
+@pytest.mark.parametrize("n,h,w,c,stride,padding", DEPTHWISE_IR_CASES)
+@pytest.mark.parametrize("act", [None, "relu", "relu6"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_depthwise_vector_kernel(n, h, w, c, stride, padding, act, with_residual):
+    """ReLU / ReLU6 and the residual applied in registers, against the float64 reference."""
+    x, wt, bias = rand(n, h, w, c) * 3, rand(c, 1, 3, 3), rand(c)
+    ho = (h + sum(_pads(padding)[:2]) - 3) // stride + 1
+    wo = (w + sum(_pads(padding)[2:]) - 3) // stride + 1
+    residual = rand(n, ho, wo, c) if with_residual else None
+    y = depthwise_conv2d(x, wt, bias, stride, padding, relu=act, residual=residual)
+    assert_conv_close(y, x, wt, bias, stride, padding, 1, c, residual, act=act)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_depthwise_vector_kernel_bands(threads):
+    """Stride-1 rows go to the kernel in bands of DW_ROWS_BYTES (here 6 rows of 13 per image,
+    then 1), and threads split the rows mid-image."""
+    x, wt, bias = rand(2, 13, 64, 160) * 3, rand(160, 1, 3, 3), rand(160)
+    assert conv.DW_ROWS_BYTES // (64 * 160 * 4) == 6
+    y = depthwise_conv2d(x, wt, bias, 1, 1, relu="relu6", threads=threads)
+    assert_conv_close(y, x, wt, bias, 1, 1, 1, 160, act="relu6")
+
+
+def _pads(padding):
+    """(top, bottom, left, right) of an int or a 4-tuple padding."""
+    return (padding,) * 4 if isinstance(padding, int) else padding
 
 
 def test_depthwise_channel_multiplier_runs_as_grouped_gemm():

@@ -14,6 +14,7 @@ import importlib.util
 from pathlib import Path
 
 TARGET = Path(__file__).with_name("_microkernels.py")
+IR_NR = 32  # the width of _tile_ir's tiles (two 16-float vectors); another NR keeps the scalars
 
 
 def _tile_sizes() -> tuple[int, int, int]:
@@ -51,7 +52,7 @@ import numpy as np
 from numba import njit
 
 from hepti.kernels._intrinsics import prefetch_l2
-from hepti.kernels.config import FASTMATH_GEMM, JIT
+{ir_import}from hepti.kernels.config import FASTMATH_GEMM, JIT
 from hepti.kernels.mathfn import F32_MIN, exp_nonpos, gelu32
 
 _ONE, _ZERO = np.float32(1.0), np.float32(0.0)
@@ -245,7 +246,13 @@ def _direct_tiles_epi(mr: int, nr: int, name: str = "direct_tiles_epi") -> str:
     ReLU or ReLU6. Written this way C is stored once and never read back: a separate epilogue
     pass reads and writes the strip again and the activation pass the whole block (on
     ResNet-50's 1x1 convolutions with a residual, as long as the GeMM itself). The last tile
-    may be short: only its first last_rows rows are stored (A must still hold MR rows)."""
+    may be short: only its first last_rows rows are stored (A must still hold MR rows).
+
+    Each tile is `_tile_ir.tile_epi{mr}`, the tile as explicit-vector LLVM IR (for nr = 32; the
+    named scalars otherwise, as `direct_tiles`): 1-5% faster than the named scalars on
+    ResNet-50's and VGG-16's shapes, interleaved in one process (kc 64: 0.95x the time, kc 192
+    x 3 segments 0.96-0.99x, kc 768 x 3 0.98x; the scalar tile's k loop is as tight, the code
+    around it is not), and it compiles in seconds where the scalar tile took ~60 s."""
     lines = [
         "",
         "",
@@ -257,9 +264,12 @@ def _direct_tiles_epi(mr: int, nr: int, name: str = "direct_tiles_epi") -> str:
         "    when has_res; act 0 none, 1 ReLU, 2 ReLU6). Tile n_tiles-1 stores its first",
         "    last_rows rows only.",
         '    """',
-        "    zero = np.float32(0.0)",
-        "    six = np.float32(6.0)",
-        "    " + "; ".join(f"e{j} = bias[{j}]" for j in range(nr)),
+    ]
+    if nr != IR_NR:
+        lines += ["    zero = np.float32(0.0)",
+                  "    six = np.float32(6.0)",
+                  "    " + "; ".join(f"e{j} = bias[{j}]" for j in range(nr))]
+    lines += [
         "    for t in range(t0, n_tiles):",
         f"        ao = a_off + t * {mr} * lda",
         "        if has_res:  # the residual rows of this tile (the first) and the next: to L2",
@@ -269,6 +279,12 @@ def _direct_tiles_epi(mr: int, nr: int, name: str = "direct_tiles_epi") -> str:
         "                    " + "; ".join(f"prefetch_l2(res, ri + {f})"
                                           for f in sorted({0, 16, nr - 1})),
     ]
+    if nr == IR_NR:
+        call = f"        tile_epi{mr}("
+        lines += [f"        nv = last_rows if t == n_tiles - 1 else {mr}",
+                  f"{call}a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, c_off + t * {mr} * ldc,",
+                  f"{' ' * len(call)}ldc, nv, bias, res, r_off + t * {mr} * ldr, ldr, has_res, act)"]
+        return "\n".join(lines) + "\n"
     lines += _zero(mr, nr, "        ")
     lines += _segments(mr, nr)
     lines += _epilogue_store(mr, nr)
@@ -498,7 +514,10 @@ def _softmax_panel(mr: int, nr: int) -> str:
 
 def source(mr: int = MR, nr: int = NR, mrf: int = MRF) -> str:
     """The full text of _microkernels.py for these tile sizes."""
-    parts = [HEADER.format(mr=mr, nr=nr, mrf=mrf)]
+    heights = sorted({mrf, *TAIL_HEIGHTS})
+    ir_import = ("from hepti.kernels._tile_ir import "
+                 + ", ".join(f"tile_epi{h}" for h in heights) + "\n") if nr == IR_NR else ""
+    parts = [HEADER.format(mr=mr, nr=nr, mrf=mrf, ir_import=ir_import)]
     parts += [_kernel(h, nr) for h in sorted(tile_heights(mr))]
     parts.append(_dispatch(mr))
     parts.append(_full_tiles(mr, nr))

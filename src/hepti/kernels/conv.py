@@ -88,16 +88,33 @@ On the whole model (each op timed alone, min of 9, against onnxruntime's per-nod
 load average 5-6) the convolutions went from 95.0 ms to 86.9 ms, onnxruntime's 75.5: 1x1s
 46.5 -> 39.2 (ORT 33.0), 3x3s 30.7 -> 31.1 (27.0), stem 2.87 -> 2.61 (2.16).
 
+Padded rows (2026-11-29, later). The fused tile is explicit-vector LLVM IR (`_tile_ir`), and
+a variant of it takes each of its rows' A offsets from an array: on a zero-padded copy of x
+(`_zero_padded`: the input's size, not the patches' K floats a pixel) a tile of MRF
+consecutive output pixels may cross output rows and still read every patch in place, with no
+border tiles (`_MODE_PADDED`, `_padded_fused`). It replaces `_MODE_PATCHES` wherever a kernel
+row is one contiguous run (28-, 14- and 7-wide maps, stride 2), and `_MODE_ROWS_FUSED` where
+those runs are short at a stride of 2 (kw * Cin < PADDED_RUN: the stem). Interleaved
+against the previous conv2d (min of 11-15 rounds, load 2.5-3; the image at 224 / at 160, where
+the same layers are 20, 10 and 5 wide): 3x3 28x28x128 2.14 -> 2.03 ms / 1.11 -> 1.04, 3x3
+14x14x256 2.08 -> 2.03 / 1.06 -> 1.04, VGG-16's 28x28x512 33.3 -> 32.7 / 17.1 -> 16.8, its
+14x14x512 8.45 -> 8.23 / 4.26 -> 4.26, 3x3 stride 2 56 -> 28 2.14 -> 2.09 / 1.11 -> 1.07, 1x1
+stride 2 1.88 -> 1.84 / 0.96 -> 0.94, the stem 2.26 -> 2.17 / 1.18 -> 1.11; the 7x7 maps
+unchanged.
+
 `depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
-loop over contiguous channels innermost (it vectorises). It is bound by loads, not FMAs: a 3x3
-pixel with all taps inside the image sums its nine products in registers, and four
-neighbouring pixels at stride 1 (two at stride 2) share their input columns and weight loads
-(`_dw3x3_quads`, `_dw3x3_pairs`). On eight MobileNetV2 depthwise shapes (sum of min-of-25
-timings, under load) tap by tap into y took 2.9 ms, nine products in registers 1.5 ms, pixel
-groups 1.1 ms; all seventeen of MobileNetV2's depthwise layers now take ~1.4-1.5 ms
-(convbench, sum of medians; 20-35 GFLOP/s). Border pixels and other kernel sizes take the
-tap-by-tap loop. Pools likewise, except a 3x3 max pool, whose
-interior pixels take their nine taps at once in registers (`_max3x3_span`).
+loop over contiguous channels innermost (it vectorises). A 3x3 at stride 1 or 2 runs an
+explicit-vector LLVM IR kernel over bands of rows (`_dw_ir`): per 16-channel block the nine
+taps stay in registers, the input columns slide along each row (each loaded once per kernel
+row), border pixels included (zero rows and columns outside the image), the residual and
+ReLU/ReLU6 applied before the store. MobileNetV2's seventeen depthwise layers took 1.16 ms
+with the scalar 4-pixel groups Numba's SLP vectoriser packed (`_dw3x3_quads`, `_dw3x3_pairs`,
+a generated 4 x 16 tile) and their borders tap by tap, 0.69 ms with it (interleaved, 1
+thread, load ~3; stride 1: 59-92 GFLOP/s against 30-42, 2.0-2.4x; stride 2: 30-40 against
+26-31, 1.1-1.5x). Other 3x3s (dilated columns, stride 3) take their interior pixels' nine
+taps in registers (`_dw3x3_span`), other kernel sizes and their borders the tap-by-tap loop
+(`_dw_pixel`). Pools likewise, except a 3x3 max pool, whose interior pixels take their nine
+taps at once in registers (`_max3x3_span`).
 
 Padding is per side, (top, bottom, left, right), so that a band of output rows can be computed
 from a band of input rows with padding only where the band meets the image border (a height
@@ -112,25 +129,35 @@ import numpy as np
 from numba import njit, prange
 
 from hepti.kernels import config
-from hepti.kernels._depthwise_tiles import LANES as DW_LANES
-from hepti.kernels._depthwise_tiles import PIXELS as DW_PIXELS
-from hepti.kernels._depthwise_tiles import dw3x3_tiles16
-from hepti.kernels._intrinsics import max_f32
+from hepti.kernels._dw_ir import dw3x3_s1, dw3x3_s2
+from hepti.kernels._intrinsics import max_f32, prefetch_l2
 from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi,
                                          direct_tiles_epi1, direct_tiles_epi4, full_tiles,
                                          micro_tile, pack_a_tile)
+from hepti.kernels._tile_ir import tile_gathered1, tile_gathered4, tile_gathered8
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
 from hepti.kernels.packed_gemm import (_epilogue, _finish, _pack_a, _pack_all, _panel_range,
                                       panel_group, row_block)
 
 _ACT = {None: 0, "relu": 1, "relu6": 2}
-# `dw3x3_tiles16` runs stride-1 depthwise 3x3 rows below this many channels: 0.60x the time of
-# `_dw3x3_quads` at 32 channels, 0.98-1.16x at 144-960 (_gen_depthwise.py's measurement)
-DW_TILE_MAX_C = 64
+# input bytes of the output rows one call of the depthwise IR kernel runs at stride 1 (each
+# channel block walks them all, its input rows reused from L1): 0.76-0.89x the time of one row
+# per call at 56x56x144, 28x28x192 and 14x14x384-576, 0.85-1.08x at 112x112x32 and 7x7x960
+# (two runs); at stride 2 one row per call was 1.03-1.2x faster than several in one run, with
+# one exception (interleaved, 1 thread, load ~4; MobileNetV2's shapes)
+DW_ROWS_BYTES = 1 << 18
 # how A is formed (_conv_rows); the last three store each tile once, its epilogue applied
 _MODE_DIRECT, _MODE_IMPLICIT, _MODE_IM2COL, _MODE_ROWS = 0, 1, 2, 3
 _MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED = 4, 5, 6
+_MODE_PADDED = 7  # fused, on a zero-padded copy of x: every tile's rows read x in place
+_FUSED_MODES = (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED, _MODE_PADDED)
+# _MODE_PADDED, not _MODE_ROWS_FUSED, at a stride across > 1 and below this many floats a
+# kernel row (kw * Cin): the segments are short there and the border tiles a larger share of
+# a row's (interleaved, forced modes, 61 rounds, twice: ResNet-50's stem, 7 x 3 = 21 floats,
+# 0.95-0.96x the time at 224, 0.94x at 160; at stride 1 VGG-16's first layer, 3 x 3 = 9,
+# measured 1.00-1.02x, and a 3x3 on 64 channels, 192, 1.00x: they keep _MODE_ROWS_FUSED)
+PADDED_RUN = 64
 
 
 class ConvWeight:
@@ -555,6 +582,53 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
                                   _flag(has_res), _i64(act))
 
 
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _padded_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ldr, has_res,
+                  act):
+    """Output pixels m0 .. m0+rows-1 of a convolution on a zero-padded x (geo's padding 0,
+    every tap inside x; groups 1, one contiguous run of kw*C floats per kernel row), every
+    panel over tiles of MRF consecutive pixels, each stored once with its epilogue: a tile's
+    rows may cross output rows, each row reading its patch from x in place at an offset of
+    its own (`_tile_ir.tile_gathered8`, kh segments of kw*C floats, dh*w*C apart). No patch
+    copy (`_MODE_PATCHES` copies K floats a pixel) and no border tiles (`_rows_fused`'s
+    gathered edges, and its short tiles on rows not a multiple of MRF wide)."""
+    n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    n_full = rows // MRF
+    rem = rows - n_full * MRF
+    offs = np.empty((n_full + 1) * MRF, np.int64)
+    for i in range((n_full + 1) * MRF):
+        mm = m0 + min(i, rows - 1)  # rows past `rows` (a short tile's) read the last pixel
+        b, r = mm // (ho * wo), mm % (ho * wo)
+        offs[i] = ((b * h + (r // wo) * sh) * w + (r % wo) * sw) * cin
+    run, seg_a = kw * cin, dh * w * cin
+    for jp in range(n_g // NR):
+        j0 = jp * NR
+        bp = panels[jp]
+        bj = bias[j0:j0 + NR]
+        for t in range(n_full):
+            ro = r_off + (m0 + t * MRF) * ldr + j0
+            if has_res and t + 1 < n_full:  # the next tile's residual rows: to L2
+                for i in range(MRF):
+                    prefetch_l2(res, ro + (MRF + i) * ldr)
+                    prefetch_l2(res, ro + (MRF + i) * ldr + NR - 1)
+            tile_gathered8(x, offs[t * MRF:(t + 1) * MRF], kh, run, seg_a, 0, bp, 0, c,
+                           (m0 + t * MRF) * ldc + j0, ldc, MRF, bj, res, ro, ldr, has_res, act)
+        # a short last tile as `_tiles_fused` runs it: MRF rows for MRF - 1, else 4 and 1s
+        i = n_full * MRF
+        if rem == MRF - 1:
+            tile_gathered8(x, offs[i:i + MRF], kh, run, seg_a, 0, bp, 0, c, (m0 + i) * ldc + j0,
+                           ldc, rem, bj, res, r_off + (m0 + i) * ldr + j0, ldr, has_res, act)
+            continue
+        if rem >= 4:
+            tile_gathered4(x, offs[i:i + 4], kh, run, seg_a, 0, bp, 0, c, (m0 + i) * ldc + j0,
+                           ldc, 4, bj, res, r_off + (m0 + i) * ldr + j0, ldr, has_res, act)
+            i += 4
+        while i < rows:
+            tile_gathered1(x, offs[i:i + 1], kh, run, seg_a, 0, bp, 0, c, (m0 + i) * ldc + j0,
+                           ldc, 1, bj, res, r_off + (m0 + i) * ldr + j0, ldr, has_res, act)
+            i += 1
+
+
 @njit(fastmath=FASTMATH_ROWS, **JIT)
 def _activate(y, off, ldy, rows, cols, act):
     """In place on rows x cols of the flat y from off (row stride ldy): act 1 = ReLU,
@@ -583,6 +657,8 @@ def _conv_sizes(mb, k, mode, wo):
     """Workspace floats of one chunk of _conv_rows: packed A, patch buffer, partial strip.
     (_MODE_ROWS packs at most wo // MR + 2 tiles of each of its mb // wo output rows; the
     fused modes, whose n_g is whole panels, need no partial strip and take tiles of MRF.)"""
+    if mode == _MODE_PADDED:  # reads x in place, no workspace
+        return (0, 0, 0)
     fused = mode == _MODE_FLAT or mode == _MODE_PATCHES or mode == _MODE_ROWS_FUSED
     mr = MRF if fused else MR
     buf = mb * k if mode == _MODE_IM2COL else (0 if mode == _MODE_DIRECT else mr * k)
@@ -629,6 +705,10 @@ def _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, blk_lo, blk_hi, mb, m, bl
         if mode == _MODE_FLAT:
             _tiles_fused(x, m0 * cin, cin, k, n_g, panels[0], c, ldc, m0, rows, bias, res,
                          r_off, ldr, has_res, act, buf)
+            continue
+        if mode == _MODE_PADDED:
+            _padded_fused(x, geo, k, n_g, panels[0], c, ldc, m0, rows, bias, res, r_off, ldr,
+                          has_res, act)
             continue
         if mode == _MODE_PATCHES:
             _im2col(x, geo, 0, m0, m0 + rows, ws, k)
@@ -731,113 +811,42 @@ def _dw3x3_span(x, geo, taps, bias, b, oy, ox0, ox1, y, y_off):
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _dw3x3_quads(x, geo, taps, bias, b, oy, ox0, n_quads, y, y_off):
-    """4 * n_quads output pixels from ox0 of row (b, oy) of a 3x3 depthwise convolution with
-    stride 1, no dilation, all taps inside the image. Four neighbouring pixels share their
-    6 input columns per kernel row, and each weight is loaded once for the four: ~2x the
-    speed of one pixel at a time (`_dw3x3_span`), which is bound by loads, not FMAs."""
-    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
-    w0, w1, w2, w3, w4, w5, w6, w7, w8 = (taps[0], taps[1], taps[2], taps[3], taps[4],
-                                          taps[5], taps[6], taps[7], taps[8])
-    rs = dh * w * c
-    for q in range(n_quads):
-        r0 = ((b * h + oy * sh - pt) * w + ox0 + 4 * q - pl) * c  # x offset of tap (0, 0)
-        r1 = r0 + rs
-        r2 = r1 + rs
-        yo = y_off + 4 * q * c
-        y0, y1 = y[yo:yo + c], y[yo + c:yo + 2 * c]
-        y2, y3 = y[yo + 2 * c:yo + 3 * c], y[yo + 3 * c:yo + 4 * c]
-        a0, a1, a2 = x[r0:r0 + c], x[r0 + c:r0 + 2 * c], x[r0 + 2 * c:r0 + 3 * c]
-        a3, a4, a5 = x[r0 + 3 * c:r0 + 4 * c], x[r0 + 4 * c:r0 + 5 * c], x[r0 + 5 * c:r0 + 6 * c]
-        b0, b1, b2 = x[r1:r1 + c], x[r1 + c:r1 + 2 * c], x[r1 + 2 * c:r1 + 3 * c]
-        b3, b4, b5 = x[r1 + 3 * c:r1 + 4 * c], x[r1 + 4 * c:r1 + 5 * c], x[r1 + 5 * c:r1 + 6 * c]
-        d0, d1, d2 = x[r2:r2 + c], x[r2 + c:r2 + 2 * c], x[r2 + 2 * c:r2 + 3 * c]
-        d3, d4, d5 = x[r2 + 3 * c:r2 + 4 * c], x[r2 + 4 * c:r2 + 5 * c], x[r2 + 5 * c:r2 + 6 * c]
-        for j in range(c):  # pixel i reads columns i, i+1, i+2
-            k0, k1, k2, k3, k4, k5, k6, k7, k8 = (w0[j], w1[j], w2[j], w3[j], w4[j], w5[j],
-                                                  w6[j], w7[j], w8[j])
-            bj = bias[j]
-            p0, p1, p2, p3, p4, p5 = a0[j], a1[j], a2[j], a3[j], a4[j], a5[j]
-            u0, u1, u2, u3, u4, u5 = b0[j], b1[j], b2[j], b3[j], b4[j], b5[j]
-            v0, v1, v2, v3, v4, v5 = d0[j], d1[j], d2[j], d3[j], d4[j], d5[j]
-            y0[j] = (bj + p0 * k0 + p1 * k1 + p2 * k2 + u0 * k3 + u1 * k4 + u2 * k5
-                     + v0 * k6 + v1 * k7 + v2 * k8)
-            y1[j] = (bj + p1 * k0 + p2 * k1 + p3 * k2 + u1 * k3 + u2 * k4 + u3 * k5
-                     + v1 * k6 + v2 * k7 + v3 * k8)
-            y2[j] = (bj + p2 * k0 + p3 * k1 + p4 * k2 + u2 * k3 + u3 * k4 + u4 * k5
-                     + v2 * k6 + v3 * k7 + v4 * k8)
-            y3[j] = (bj + p3 * k0 + p4 * k1 + p5 * k2 + u3 * k3 + u4 * k4 + u5 * k5
-                     + v3 * k6 + v4 * k7 + v5 * k8)
-
-
-@njit(fastmath=FASTMATH_GEMM, **JIT)
-def _dw3x3_pairs(x, geo, taps, bias, b, oy, ox0, n_pairs, y, y_off):
-    """2 * n_pairs output pixels as in `_dw3x3_quads`, at stride 2: a pair shares 5 input
-    columns per kernel row. (Four pixels, 9 columns, were not vectorised by LLVM: too many
-    arrays to check for overlap.)"""
-    n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
-    w0, w1, w2, w3, w4, w5, w6, w7, w8 = (taps[0], taps[1], taps[2], taps[3], taps[4],
-                                          taps[5], taps[6], taps[7], taps[8])
-    rs = dh * w * c
-    for q in range(n_pairs):
-        r0 = ((b * h + oy * sh - pt) * w + (ox0 + 2 * q) * 2 - pl) * c
-        r1 = r0 + rs
-        r2 = r1 + rs
-        yo = y_off + 2 * q * c
-        y0, y1 = y[yo:yo + c], y[yo + c:yo + 2 * c]
-        a0, a1, a2 = x[r0:r0 + c], x[r0 + c:r0 + 2 * c], x[r0 + 2 * c:r0 + 3 * c]
-        a3, a4 = x[r0 + 3 * c:r0 + 4 * c], x[r0 + 4 * c:r0 + 5 * c]
-        b0, b1, b2 = x[r1:r1 + c], x[r1 + c:r1 + 2 * c], x[r1 + 2 * c:r1 + 3 * c]
-        b3, b4 = x[r1 + 3 * c:r1 + 4 * c], x[r1 + 4 * c:r1 + 5 * c]
-        d0, d1, d2 = x[r2:r2 + c], x[r2 + c:r2 + 2 * c], x[r2 + 2 * c:r2 + 3 * c]
-        d3, d4 = x[r2 + 3 * c:r2 + 4 * c], x[r2 + 4 * c:r2 + 5 * c]
-        for j in range(c):  # pixel i reads columns 2i, 2i+1, 2i+2
-            k0, k1, k2, k3, k4, k5, k6, k7, k8 = (w0[j], w1[j], w2[j], w3[j], w4[j], w5[j],
-                                                  w6[j], w7[j], w8[j])
-            bj = bias[j]
-            p0, p1, p2, p3, p4 = a0[j], a1[j], a2[j], a3[j], a4[j]
-            u0, u1, u2, u3, u4 = b0[j], b1[j], b2[j], b3[j], b4[j]
-            v0, v1, v2, v3, v4 = d0[j], d1[j], d2[j], d3[j], d4[j]
-            y0[j] = (bj + p0 * k0 + p1 * k1 + p2 * k2 + u0 * k3 + u1 * k4 + u2 * k5
-                     + v0 * k6 + v1 * k7 + v2 * k8)
-            y1[j] = (bj + p2 * k0 + p3 * k1 + p4 * k2 + u2 * k3 + u3 * k4 + u4 * k5
-                     + v2 * k6 + v3 * k7 + v4 * k8)
-
-
-@njit(fastmath=FASTMATH_GEMM, **JIT)
 def _depthwise(x, geo, taps, bias, res, has_res, act, y, row_lo, row_hi):
     """Output rows row_lo .. row_hi-1 (of N*Ho, flat y [M, C]) of a depthwise convolution:
-    bias + taps, then the residual, then act. A 3x3 kernel's pixels with every tap inside
-    the image go through `_dw3x3_quads` / `_dw3x3_pairs` and `_dw3x3_span`, the rest
-    through `_dw_pixel`; at stride 1 with channels a multiple of 16 below DW_TILE_MAX_C,
-    `dw3x3_tiles16` (generated: _gen_depthwise.py) replaces `_dw3x3_quads` and applies act
-    itself where there is no residual."""
+    bias + taps, then the residual, then act. A 3x3 kernel at stride 1 or 2 without column
+    dilation runs the vector IR kernel (`_dw_ir.dw3x3_s1` / `dw3x3_s2`) over bands of rows
+    (DW_ROWS_BYTES at stride 1, single rows at stride 2), borders included (a kernel row
+    outside the image reads a row of zeros), with the residual and act applied in registers.
+    Other 3x3s take `_dw3x3_span` for their pixels with every tap inside the image, and
+    everything else `_dw_pixel`, then the residual and act."""
     n, h, w, c, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
     ox_lo = min(wo, (pl + sw - 1) // sw)  # first ox whose leftmost tap is inside
     ox_hi = max(ox_lo, min(wo, (w - 1 + pl - (kw - 1) * dw) // sw + 1))
+    oy_lo = min(ho, (pt + sh - 1) // sh)  # likewise the rows whose taps are all inside
+    oy_hi = max(oy_lo, min(ho, (h - 1 + pt - (kh - 1) * dh) // sh + 1))
+    if kh == 3 and kw == 3 and dw == 1 and (sw == 1 or sw == 2):
+        border = False  # does a row in range have a kernel row outside the image?
+        for r in range(row_lo, row_hi):
+            border = border or not (oy_lo <= r % ho < oy_hi)
+        zero = np.zeros(w * c if border else 0, np.float32)
+        rows = max(1, DW_ROWS_BYTES // (w * c * 4)) if sw == 1 else 1
+        for b in range(row_lo // ho, (row_hi - 1) // ho + 1):  # the rows of each image
+            for r0 in range(max(row_lo, b * ho), min(row_hi, (b + 1) * ho), rows):
+                nr = min(rows, row_hi - r0, (b + 1) * ho - r0)
+                iy0 = (r0 - b * ho) * sh - pt
+                if sw == 1:
+                    dw3x3_s1(x, b * h * w * c, iy0, h, dh, nr, zero, w, c, wo, pl, taps, bias,
+                             res, has_res, y, r0 * wo * c, act)
+                else:
+                    dw3x3_s2(x, b * h * w * c, iy0, h, dh, nr, zero, w, c, wo, pl, taps, bias,
+                             res, has_res, y, r0 * wo * c, act)
+        return
     for r in range(row_lo, row_hi):
         b = r // ho
         oy = r % ho
         off = r * wo * c
-        fast = kh == 3 and kw == 3 and oy * sh - pt >= 0 and oy * sh - pt + 2 * dh < h
-        done = False  # act applied to pixels ox_lo .. ox_q-1 already
-        ox_q = ox_lo
-        if fast and ox_hi > ox_lo:
-            if dw == 1 and sw == 1 and c % DW_LANES == 0 and c < DW_TILE_MAX_C:
-                nq = (ox_hi - ox_lo) // DW_PIXELS
-                done = not has_res
-                dw3x3_tiles16(x, ((b * h + oy * sh - pt) * w + ox_lo - pl) * c, dh * w * c,
-                              c, nq, taps, bias, y, off + ox_lo * c, act if done else 0)
-                ox_q += nq * DW_PIXELS
-            elif dw == 1 and sw == 1:
-                _dw3x3_quads(x, geo, taps, bias, b, oy, ox_lo, (ox_hi - ox_lo) // 4, y,
-                             off + ox_lo * c)
-                ox_q += (ox_hi - ox_lo) // 4 * 4
-            elif dw == 1 and sw == 2:
-                _dw3x3_pairs(x, geo, taps, bias, b, oy, ox_lo, (ox_hi - ox_lo) // 2, y,
-                             off + ox_lo * c)
-                ox_q += (ox_hi - ox_lo) // 2 * 2
-            _dw3x3_span(x, geo, taps, bias, b, oy, ox_q, ox_hi, y, off + ox_q * c)
+        if kh == 3 and kw == 3 and oy_lo <= oy < oy_hi and ox_hi > ox_lo:
+            _dw3x3_span(x, geo, taps, bias, b, oy, ox_lo, ox_hi, y, off + ox_lo * c)
             for ox in range(ox_lo):
                 _dw_pixel(x, geo, taps, bias, b, oy, ox, y[off + ox * c:off + (ox + 1) * c])
             for ox in range(ox_hi, wo):
@@ -850,10 +859,7 @@ def _depthwise(x, geo, taps, bias, res, has_res, act, y, row_lo, row_hi):
             rr = res[off:off + wo * c]
             for j in range(wo * c):
                 yr[j] += rr[j]
-        if act and done:  # only the pixels the tiles did not store
-            _activate(y, off, wo * c, 1, ox_lo * c, act)
-            _activate(y, off + ox_q * c, wo * c, 1, (wo - ox_q) * c, act)
-        elif act:
+        if act:
             _activate(y, off, wo * c, 1, wo * c, act)
 
 
@@ -1108,7 +1114,7 @@ def pack_conv_weight(w: np.ndarray, groups: int = 1) -> ConvWeight:
 
 def _tile_rows(mode: int) -> int:
     """Output pixels a micro-kernel tile takes in this mode: MRF in the fused ones, else MR."""
-    return MRF if mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED) else MR
+    return MRF if mode in _FUSED_MODES else MR
 
 
 def _block_units(m: int, mb: int, mode: int, wo: int) -> list[int]:
@@ -1174,7 +1180,7 @@ def _conv_plan(m: int, k: int, mode: int, threads: int, mb: int = 0, wo: int = 1
             mb = min(row_block(m, k), m)
     else:
         mb, busiest = _split_rows(m, k, mode, threads, wo)
-        if n_panels >= 4 * threads and mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED):
+        if n_panels >= 4 * threads and mode in _FUSED_MODES:
             mb_p = (min(max(1, round(row_block(m, k) / wo)), m // wo) * wo
                     if mode == _MODE_ROWS_FUSED else min(row_block(m, k), m))
             tiles = sum(_block_units(m, mb_p, mode, wo))
@@ -1192,6 +1198,19 @@ def _rows_apply(geo: tuple, groups: int, mr: int = MR) -> bool:
     convolution: groups 1, each kernel row's taps one contiguous run of x (dilation 1 across,
     or a single column), and at least one tile per output row that reads x in place."""
     return groups == 1 and (geo[13] == 1 or geo[7] == 1) and _direct_span(geo, mr)[1] > 0
+
+
+def _zero_padded(x: np.ndarray, geo: tuple) -> tuple[np.ndarray, tuple]:
+    """(x with its zero padding written in, geo for it with padding 0) for `_MODE_PADDED`: as
+    many rows and columns as the taps reach (x itself when they stay inside it)."""
+    n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    hp = max(h + pt, (ho - 1) * sh + (kh - 1) * dh + 1)
+    wp = max(w + pl, (wo - 1) * sw + (kw - 1) * dw + 1)
+    if pt or pl or hp > h or wp > w:
+        xp = np.zeros((n, hp, wp, cin), np.float32)
+        xp[:, pt:pt + h, pl:pl + w] = x
+        x, h, w = xp, hp, wp
+    return x, (n, h, w, cin, ho, wo, kh, kw, sh, sw, 0, 0, dh, dw, cg)
 
 
 def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0, dilation=1,
@@ -1265,16 +1284,21 @@ def _conv_shape_checked(kh: int, kw: int, cout: int, groups: int, geo: tuple, th
     fusable = groups == 1 and n_g % NR == 0  # whole panels: every tile stored once, fused
     if mode is None:
         if fusable:
-            mode = (_MODE_FLAT if plain else _MODE_ROWS_FUSED if rows_f and wo % MRF == 0
-                    else _MODE_PATCHES)
+            runs = geo[13] == 1 or geo[7] == 1  # one contiguous run of x per kernel row
+            short_strided = kw * (c // groups) < PADDED_RUN and geo[9] > 1  # the stem
+            mode = (_MODE_FLAT if plain else
+                    _MODE_ROWS_FUSED if rows_f and wo % MRF == 0 and not short_strided else
+                    _MODE_PADDED if runs else _MODE_PATCHES)
         elif plain:  # x is A as it is: in place by rows unless rows leave short tiles
             mode = _MODE_ROWS if rows and wo % MR == 0 else _MODE_DIRECT
         else:
             mode = _MODE_ROWS if rows else _MODE_IMPLICIT
+    elif mode == _MODE_PADDED and not (geo[13] == 1 or geo[7] == 1):
+        raise ValueError("_MODE_PADDED needs one contiguous run per kernel row")
     elif mode == _MODE_ROWS and not rows or mode == _MODE_ROWS_FUSED and not rows_f:
         raise ValueError("_MODE_ROWS needs groups 1, one contiguous run per kernel row and a "
                          "tile inside x on every output row")
-    fused = mode in (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED)
+    fused = mode in _FUSED_MODES
     if fused and not fusable or mode == _MODE_FLAT and not plain:
         raise ValueError("the fused modes need groups 1 and Cout a multiple of NR "
                          "(_MODE_FLAT: a 1x1 convolution at stride 1 without padding)")
@@ -1289,6 +1313,8 @@ def _conv_run(x, cw, geo, y, epi, act, plan) -> None:
     """The convolution of checked x into y (`_conv_shape`'s plan; epi the GeMM epilogue)."""
     mode, _, n_chunks, mb, n_blocks, ws_chunk, by_panels = plan
     m = geo[0] * geo[4] * geo[5]
+    if mode == _MODE_PADDED:
+        x, geo = _zero_padded(x, geo)
     blocks = (mb, config.KC, 1, config.PREFETCH_ROWS)
     ws = workspace(n_chunks * ws_chunk)
     args = (x.reshape(-1), geo, cw.groups, cw.k, cw.cout // cw.groups, cw.panels,

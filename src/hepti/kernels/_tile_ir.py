@@ -1,0 +1,167 @@
+"""The fused convolution tile (`direct_tiles_epi*` in _microkernels.py) as explicit-vector LLVM
+IR: `tile_epi8`, `tile_epi4`, `tile_epi1`, one mr x 32 register tile each (mr = 8, 4, 1).
+
+    tile_epiMR(a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro, ldr,
+               has_res, act)
+
+computes, for i < mr and j < 32,
+
+    acc[i, j] = sum_(s < n_seg) sum_(p < kc) a[ao + s*seg_a + i*lda + p] * bp[bk0 + s*kc + p, j]
+    c[co + i*ldc + j] = act(acc[i, j] + bias[j] (+ res[ro + i*ldr + j] when has_res))
+
+for the rows i < nv only (act 0 none, 1 ReLU, 2 ReLU6); a, c, bias, res flat float32, bp a 2-D
+[K, 32] panel (any row stride). No bounds checks: the callers' index arithmetic is the
+generated kernels'.
+
+Why IR: the generated Numba kernel wrote the tile as 256 named scalars that LLVM's SLP
+vectoriser packs into zmm registers. Its k loop was as tight as this one (two B loads, eight
+broadcasts, 16 FMAs a k, unrolled by 2); around it, each segment re-derived its nine slices
+with wraparound checks and stack spills. In cache, interleaved, this tile took 0.95x the
+named scalars' time at kc 64, 0.96-0.99x at 3 segments of 192 and 0.98x at 3 of 768 (A read
+in place; the same IR tile on packed A, one pointer, ran 112-116 GFLOP/s where both ran
+93-113, so reading A in place from 8 row pointers, not the code, is most of what is left).
+Here the accumulators are <16 x float> values from the start (mem2reg'd allocas), the FMAs
+`llvm.fma.v16f32`, the activation `llvm.maxnum` / `llvm.minnum`: plain LLVM IR, no x86
+intrinsics, so an AVX2 CPU gets the same tile as pairs of ymm registers.
+`tile_gathered{8,4,1}` take each row's start from an array (conv.py's `_MODE_PADDED`: tiles
+whose rows cross output rows of a zero-padded x).
+
+Numba's own cache does not see this file change under the cached kernels that inline it
+(_microkernels.py's, conv.py's); hepti.kernels._cache does (each module's stamp covers the
+kernel modules it imports), and drops them on the next import.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+NR = 32  # columns of the tile: two 16-float vectors
+_LANES = 16
+_NV = NR // _LANES
+_F32, _I64, _I32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+_V = ir.VectorType(_F32, _LANES)
+_FAST = ("contract", "nnan", "nsz")
+
+
+def _vptr(builder, base, index):
+    """A <16 x float>* at float index `index` of the float* `base`."""
+    return builder.bitcast(builder.gep(base, [index]), _V.as_pointer())
+
+
+def _make(mr: int, gathered: bool = False):
+    """The intrinsic for an mr x 32 tile; `gathered`: ao is an int64 array, row i of the tile
+    starting at a[ao[i]] (lda unused), for tiles whose rows cross output rows."""
+
+    @intrinsic
+    def tile(typingctx, a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro,
+             ldr, has_res, act):
+        arrays = (a, c, bias, res)
+        if gathered != (isinstance(ao, types.Array) and ao.dtype == types.int64):
+            return None
+        if not (all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
+                    for t in arrays)
+                and isinstance(bp, types.Array) and bp.ndim == 2 and bp.dtype == types.float32):
+            return None
+        sig = types.void(a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro,
+                         ldr, has_res, act)
+
+        def codegen(context, builder, signature, args):
+            st = signature.args
+            A = context.make_array(st[0])(context, builder, args[0])
+            B = context.make_array(st[6])(context, builder, args[6])
+            C = context.make_array(st[8])(context, builder, args[8])
+            E = context.make_array(st[12])(context, builder, args[12])
+            R = context.make_array(st[13])(context, builder, args[13])
+
+            def i64(k):
+                return context.cast(builder, args[k], st[k], types.int64)
+
+            n_seg_, kc_, seg_a_, lda_, bk0_ = (i64(k) for k in (2, 3, 4, 5, 7))
+            if gathered:
+                offs = context.make_array(st[1])(context, builder, args[1]).data
+                starts = [builder.load(builder.gep(offs, [_I64(i)])) for i in range(mr)]
+            else:
+                ao_ = i64(1)
+                starts = [builder.add(ao_, builder.mul(_I64(i), lda_)) for i in range(mr)]
+            co_, ldc_, nv_, ro_, ldr_, act_ = (i64(k) for k in (9, 10, 11, 14, 15, 17))
+            has_res_ = context.cast(builder, args[16], st[16], types.boolean)
+            ldb = builder.sdiv(cgutils.unpack_tuple(builder, B.strides, 2)[0], _I64(4))
+            fma = cgutils.get_or_insert_function(builder.module,
+                                                 ir.FunctionType(_V, [_V, _V, _V]),
+                                                 "llvm.fma.v16f32")
+            vmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
+                                                  "llvm.maxnum.v16f32")
+            vmin = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
+                                                  "llvm.minnum.v16f32")
+            zero = ir.Constant(_V, None)
+            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(_NV)]
+                   for _ in range(mr)]
+            splat_mask = ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
+            with cgutils.for_range(builder, n_seg_) as seg:
+                s = seg.index
+                abase = builder.gep(A.data, [builder.mul(s, seg_a_)])
+                rows = [builder.gep(abase, [starts[i]]) for i in range(mr)]
+                brow0 = builder.add(bk0_, builder.mul(s, kc_))
+                bbase = builder.gep(B.data, [builder.mul(brow0, ldb)])
+                with cgutils.for_range(builder, kc_) as kl:
+                    p = kl.index
+                    bq = builder.gep(bbase, [builder.mul(p, ldb)])
+                    bv = [builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4)
+                          for j in range(_NV)]
+                    for i in range(mr):
+                        x = builder.load(builder.gep(rows[i], [p]), align=4)
+                        xv = builder.shuffle_vector(
+                            builder.insert_element(ir.Constant(_V, ir.Undefined), x, _I32(0)),
+                            ir.Constant(_V, ir.Undefined), splat_mask)
+                        for j in range(_NV):
+                            slot = acc[i][j]
+                            builder.store(builder.call(fma, [xv, bv[j], builder.load(slot)]),
+                                          slot)
+            bv = [builder.load(_vptr(builder, E.data, _I64(_LANES * j)), align=4)
+                  for j in range(_NV)]
+            is_act = builder.icmp_signed("!=", act_, _I64(0))
+            is_six = builder.icmp_signed("==", act_, _I64(2))
+            six = ir.Constant(_V, [6.0] * _LANES)
+            for i in range(mr):
+                with builder.if_then(builder.icmp_signed(">", nv_, _I64(i)), likely=True):
+                    vals = [builder.fadd(builder.load(acc[i][j]), bv[j], flags=_FAST)
+                            for j in range(_NV)]
+                    rrow = builder.gep(R.data, [builder.add(ro_, builder.mul(_I64(i), ldr_))])
+                    with_res = []
+                    with builder.if_else(has_res_) as (then, otherwise):
+                        with then:
+                            r_vals = [builder.fadd(v, builder.load(
+                                _vptr(builder, rrow, _I64(_LANES * j)), align=4), flags=_FAST)
+                                for j, v in enumerate(vals)]
+                            then_bb = builder.block
+                        with otherwise:
+                            else_bb = builder.block
+                    for j in range(_NV):
+                        phi = builder.phi(_V)
+                        phi.add_incoming(r_vals[j], then_bb)
+                        phi.add_incoming(vals[j], else_bb)
+                        with_res.append(phi)
+                    relu = [builder.call(vmax, [v, zero]) for v in with_res]
+                    relu6 = [builder.call(vmin, [v, six]) for v in relu]
+                    out = [builder.select(is_act, builder.select(is_six, r6, r), v)
+                           for v, r, r6 in zip(with_res, relu, relu6)]
+                    crow = builder.gep(C.data, [builder.add(co_, builder.mul(_I64(i), ldc_))])
+                    for j, v in enumerate(out):
+                        builder.store(v, _vptr(builder, crow, _I64(_LANES * j)), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+# the heights _gen_microkernels.py may ask for (MR_FUSED and TAIL_HEIGHTS); each compiles only
+# where a kernel uses it
+tile_epi8 = _make(8)
+tile_epi4 = _make(4)
+tile_epi1 = _make(1)
+tile_gathered8 = _make(8, True)
+tile_gathered4 = _make(4, True)
+tile_gathered1 = _make(1, True)
