@@ -108,16 +108,24 @@ def test_vgg_flatten_order_is_permuted():
                                state["classifier.0.weight"] @ x.ravel(), rtol=1e-4, atol=1e-5)
 
 
-def test_adaptive_pool_matches_torch_definition():
+@pytest.mark.parametrize("shape,out_hw", [((2, 3, 5, 4), (7, 7)), ((1, 5, 5, 16), (7, 7)),
+                                          ((1, 10, 9, 8), (7, 7)), ((3, 6, 7, 2), (2, 3)),
+                                          ((1, 7, 7, 4), (7, 7))])
+def test_adaptive_pool_matches_torch_definition(shape, out_hw):
+    """Each cell the float64 mean of its window (cells overlapping where the map is smaller
+    than the output, fewer where it is larger), as torch defines it."""
     from hepti.model.cnn import adaptive_avg_pool
-    x = np.random.default_rng(1).standard_normal((2, 3, 5, 4)).astype(np.float32)
-    y = adaptive_avg_pool(x, (7, 7))
-    for i in range(7):
-        for j in range(7):
-            r0, r1 = i * 3 // 7, -(-(i + 1) * 3 // 7)
-            c0, c1 = j * 5 // 7, -(-(j + 1) * 5 // 7)
-            np.testing.assert_allclose(y[:, i, j], x[:, r0:r1, c0:c1].mean(axis=(1, 2)),
-                                       rtol=1e-6)
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    n, h, w, c = shape
+    oh, ow = out_hw
+    y = adaptive_avg_pool(x, out_hw)
+    assert y.dtype == np.float32 and y.shape == (n, oh, ow, c) and y.flags.c_contiguous
+    for i in range(oh):
+        for j in range(ow):
+            r0, r1 = i * h // oh, -(-(i + 1) * h // oh)
+            c0, c1 = j * w // ow, -(-(j + 1) * w // ow)
+            np.testing.assert_allclose(
+                y[:, i, j], x[:, r0:r1, c0:c1].mean(axis=(1, 2), dtype=np.float64), rtol=1e-6)
 
 
 def test_random_cnn_is_deterministic_and_finite(tmp_path):

@@ -23,6 +23,9 @@ CNN kernels (NHWC feature maps [N, H, W, C], PyTorch-layout weights [Cout, Cin/g
     ConvWeight, pack_conv_weight(w, groups=1)        conv weights packed once, at load time
     conv2d(x, w, bias, stride, padding, dilation, groups, relu, residual, out, threads)
                                                      act(conv + bias + residual), any groups
+    ConvLayer(w, bias, stride, dilation, relu)(x, padding, residual, out, threads)
+                                                     conv2d with its weight checked once and its
+                                                     plan kept per input shape (a network's)
     depthwise_conv2d(x, w, bias, stride, padding, dilation, relu, residual, out, threads)
     max_pool2d / avg_pool2d(x, kernel_size, stride=None, padding=0, out=None)
     global_avg_pool(x, out=None)                     [N, H, W, C] -> [N, C]
@@ -39,8 +42,9 @@ from hepti.kernels import _cache
 _cache.drop_stale()  # before any kernel is loaded: cached code compiled from older imports goes
 from hepti.kernels import config  # noqa: E402,F401  (first: sets up Numba before any compile)
 from hepti.kernels.attention_core import attention, attention_qkv
-from hepti.kernels.conv import (ConvWeight, avg_pool2d, conv2d, depthwise_conv2d, fold_batchnorm,
-                                global_avg_pool, max_pool2d, pack_conv_weight, relu, relu6)
+from hepti.kernels.conv import (ConvLayer, ConvWeight, avg_pool2d, conv2d,
+                                depthwise_conv2d, fold_batchnorm, global_avg_pool, max_pool2d,
+                                pack_conv_weight, relu, relu6)
 from hepti.kernels.int8 import (QuantB, QuantMatrix, columns_any, ffn_any, gemm_any, gemm_q,
                                pack_q, pack_weight, quantize)
 from hepti.kernels.layout import nchw_to_nhwc
@@ -50,7 +54,7 @@ from hepti.kernels.softmax import softmax_rows
 
 __all__ = ["PackedB", "pack_b", "gemm", "ffn", "matmul", "layernorm", "add_layernorm",
            "embed_layernorm", "rms_norm", "softmax_rows", "attention", "attention_qkv",
-           "ConvWeight", "pack_conv_weight", "conv2d", "depthwise_conv2d", "max_pool2d",
-           "avg_pool2d", "global_avg_pool", "nchw_to_nhwc", "relu", "relu6", "fold_batchnorm",
+           "ConvWeight", "ConvLayer", "pack_conv_weight", "conv2d", "depthwise_conv2d",
+           "max_pool2d", "avg_pool2d", "global_avg_pool", "nchw_to_nhwc", "relu", "relu6", "fold_batchnorm",
            "QuantMatrix", "quantize", "QuantB", "pack_q", "gemm_q", "pack_weight", "gemm_any",
            "ffn_any", "columns_any"]

@@ -1272,8 +1272,8 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
                               threads)
     act = _act(relu)
     groups = cw.groups
-    cg, n_g = cw.cin // groups, cw.cout // groups
-    geo = _geometry(x.shape, cw.kh, cw.kw, stride, padding, dilation, cg, "conv2d")
+    geo = _geometry(x.shape, cw.kh, cw.kw, stride, padding, dilation, cw.cin // groups,
+                    "conv2d")
     n, ho, wo = geo[0], geo[4], geo[5]
     y = _out4(out, (n, ho, wo, cw.cout))
     if np.shares_memory(y, x):
@@ -1282,60 +1282,154 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
     in_place = residual is not None and residual is y
     res = _residual(residual, y.shape, None if in_place else y)
     bias_v = vector(bias, "bias", cw.cout)
-    m = n * ho * wo
-    if m == 0:
+    if n * ho * wo == 0:
         return y
-    plain = (cw.kh == cw.kw == 1 and geo[8] == geo[9] == 1 and geo[10] == geo[11] == 0
-             and ho == geo[1] and wo == geo[2])
+    plan = _conv_shape(cw.kh, cw.kw, cw.cout, groups, geo, int(threads), _mode, _mb)
+    if in_place and not plan[1]:
+        y = np.empty(y.shape, np.float32)  # the unfused epilogue adds it after a strip: apart
+    if plan[1] and bias is None:
+        bias_v = np.zeros(cw.cout, np.float32)  # the fused store always adds a bias
+    _conv_run(x, cw, geo, y, (bias_v, bias is not None, False, res, 0, cw.cout,
+                              residual is not None), act, plan)
+    return y
+
+
+def _conv_shape_checked(kh: int, kw: int, cout: int, groups: int, geo: tuple, threads: int,
+                        mode: int | None = None, mb: int = 0) -> tuple:
+    """(mode, fused, chunks, rows per block, blocks, workspace floats per chunk, split by
+    panels) of a conv2d: how A is formed (`mode` forces it: checked here) and `_conv_plan`'s
+    blocks, from the weight's shape and the geometry alone (`_conv_shape` keeps them)."""
+    n, h, w, c, ho, wo = geo[:6]
+    n_g = cout // groups
+    plain = (kh == kw == 1 and geo[8] == geo[9] == 1 and geo[10] == geo[11] == 0
+             and ho == h and wo == w)
     rows = _rows_apply(geo, groups)
     rows_f = _rows_apply(geo, groups, MRF)
     fusable = groups == 1 and n_g % NR == 0  # whole panels: every tile stored once, fused
-    if _mode is None:
+    if mode is None:
         if fusable:
             runs = geo[13] == 1 or geo[7] == 1  # one contiguous run of x per kernel row
-            short_strided = geo[7] * cg < PADDED_RUN and geo[9] > 1  # the stem
-            _mode = (_MODE_FLAT if plain else
-                     _MODE_ROWS_FUSED if rows_f and wo % MRF == 0 and not short_strided else
-                     _MODE_PADDED if runs else _MODE_PATCHES)
+            short_strided = kw * (c // groups) < PADDED_RUN and geo[9] > 1  # the stem
+            mode = (_MODE_FLAT if plain else
+                    _MODE_ROWS_FUSED if rows_f and wo % MRF == 0 and not short_strided else
+                    _MODE_PADDED if runs else _MODE_PATCHES)
         elif plain:  # x is A as it is: in place by rows unless rows leave short tiles
-            _mode = _MODE_ROWS if rows and wo % MR == 0 else _MODE_DIRECT
+            mode = _MODE_ROWS if rows and wo % MR == 0 else _MODE_DIRECT
         else:
-            _mode = _MODE_ROWS if rows else _MODE_IMPLICIT
-    elif _mode == _MODE_PADDED and not (geo[13] == 1 or geo[7] == 1):
+            mode = _MODE_ROWS if rows else _MODE_IMPLICIT
+    elif mode == _MODE_PADDED and not (geo[13] == 1 or geo[7] == 1):
         raise ValueError("_MODE_PADDED needs one contiguous run per kernel row")
-    elif _mode == _MODE_ROWS and not rows or _mode == _MODE_ROWS_FUSED and not rows_f:
+    elif mode == _MODE_ROWS and not rows or mode == _MODE_ROWS_FUSED and not rows_f:
         raise ValueError("_MODE_ROWS needs groups 1, one contiguous run per kernel row and a "
                          "tile inside x on every output row")
-    if _mode in _FUSED_MODES and not fusable or \
-            _mode == _MODE_FLAT and not plain:
+    fused = mode in _FUSED_MODES
+    if fused and not fusable or mode == _MODE_FLAT and not plain:
         raise ValueError("the fused modes need groups 1 and Cout a multiple of NR "
                          "(_MODE_FLAT: a 1x1 convolution at stride 1 without padding)")
-    if in_place and _mode not in _FUSED_MODES:
-        y = np.empty(y.shape, np.float32)  # the unfused epilogue adds it after a strip: apart
-        in_place = False
-    if _mode in _FUSED_MODES and bias is None:
-        bias_v = np.zeros(cw.cout, np.float32)  # the fused store always adds a bias
-    k = cw.k
-    fused_mode = _mode in _FUSED_MODES
-    if _mode == _MODE_PADDED:
+    return (mode, fused) + _conv_plan(n * ho * wo, kh * kw * (c // groups), mode, threads, mb,
+                                      wo, n_g // NR if fused else 0)
+
+
+_conv_shape = functools.lru_cache(maxsize=1024)(_conv_shape_checked)
+
+
+def _conv_run(x, cw, geo, y, epi, act, plan) -> None:
+    """The convolution of checked x into y (`_conv_shape`'s plan; epi the GeMM epilogue)."""
+    mode, _, n_chunks, mb, n_blocks, ws_chunk, by_panels = plan
+    m = geo[0] * geo[4] * geo[5]
+    if mode == _MODE_PADDED:
         x, geo = _zero_padded(x, geo)
-    n_chunks, mb, n_blocks, ws_chunk, by_panels = _conv_plan(
-        m, k, _mode, int(threads), _mb, wo, n_g // NR if fused_mode else 0)
     blocks = (mb, config.KC, 1, config.PREFETCH_ROWS)
-    epi = (bias_v, bias is not None, False, res, 0, cw.cout, residual is not None)
     ws = workspace(n_chunks * ws_chunk)
-    args = (x.reshape(-1), geo, groups, k, n_g, cw.panels, y.reshape(-1), cw.cout)
+    args = (x.reshape(-1), geo, cw.groups, cw.k, cw.cout // cw.groups, cw.panels,
+            y.reshape(-1), cw.cout)
     if n_chunks == 1:
-        _conv_rows(*args, 0, n_blocks, mb, m, blocks, epi, act, _mode, ws)
+        _conv_rows(*args, 0, n_blocks, mb, m, blocks, epi, act, mode, ws)
     else:
         previous = numba.get_num_threads()
         numba.set_num_threads(n_chunks)
         try:
-            _conv_parallel(n_chunks, *args, n_blocks, mb, m, blocks, epi, act, _mode, ws,
+            _conv_parallel(n_chunks, *args, n_blocks, mb, m, blocks, epi, act, mode, ws,
                            ws_chunk, by_panels)
         finally:
             numba.set_num_threads(previous)
-    return y
+
+
+_F32 = np.dtype(np.float32)
+
+
+class ConvLayer:
+    """One convolution's packed weight, bias, stride, dilation and activation, checked once,
+    and its plan per input shape (`_conv_shape`, the output's shape), kept: `__call__` is
+    `conv2d` on them without redoing per call what depends on the weight alone or on the
+    input's shape alone. ResNet-50 runs 53 convolutions a forward (hepti.model.cnn
+    `Weights.layer` keeps one per op). x of another kind than a writeable C-contiguous
+    float32 array, an unhashable padding and depthwise weights take `conv2d` itself."""
+
+    def __init__(self, w: ConvWeight, bias: np.ndarray | None = None, stride=1, dilation=1,
+                 relu: str | None = None):
+        if not isinstance(w, ConvWeight):
+            raise TypeError(f"w must be a ConvWeight (pack_conv_weight), got {type(w).__name__}")
+        _pair(stride, "stride")
+        _pair(dilation, "dilation")
+        self.w, self.bias, self.stride, self.dilation, self.relu = w, bias, stride, dilation, relu
+        self.act = _act(relu)
+        if not w.depthwise:
+            self.bias_v = vector(bias, "bias", w.cout)
+            # the fused store always adds a bias
+            self.bias_f = np.zeros(w.cout, np.float32) if bias is None else self.bias_v
+        self._shapes: dict = {}  # (x's shape, padding, threads) -> `_shape`
+
+    def _shape(self, x_shape: tuple, padding, threads) -> tuple:
+        """(the output's shape, geo, `_conv_shape`'s plan) for x of this shape (checked here,
+        once per shape, as conv2d checks it)."""
+        cw = self.w
+        if x_shape[3] != cw.cin:
+            raise ValueError(f"x {x_shape} has {x_shape[3]} channels but the weight expects "
+                             f"Cin={cw.cin} ({cw!r})")
+        geo = _geometry_checked(x_shape, cw.kh, cw.kw, self.stride, padding, self.dilation,
+                                cw.cin // cw.groups, "conv2d")
+        n, ho, wo = geo[0], geo[4], geo[5]
+        plan = _conv_shape(cw.kh, cw.kw, cw.cout, cw.groups, geo, int(threads)) \
+            if n * ho * wo else None
+        if len(self._shapes) >= 64:  # bands of many sizes (a planner's trials): start again
+            self._shapes.clear()
+        got = self._shapes[(x_shape, padding, threads)] = ((n, ho, wo, cw.cout), geo, plan)
+        return got
+
+    def __call__(self, x: np.ndarray, padding=0, residual: np.ndarray | None = None,
+                 out: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
+        """y = the convolution of x [N, H, W, Cin], as `conv2d`'s with this layer's weight,
+        bias, stride, dilation and relu."""
+        cw = self.w
+        if cw.depthwise or type(x) is not np.ndarray or x.dtype is not _F32 or \
+                x.ndim != 4 or not (x.flags.c_contiguous and x.flags.writeable):
+            return conv2d(x, cw, self.bias, self.stride, padding, self.dilation,
+                          relu=self.relu, residual=residual, out=out, threads=threads)
+        try:
+            got = self._shapes.get((x.shape, padding, threads))
+        except TypeError:  # an unhashable padding (a list)
+            return conv2d(x, cw, self.bias, self.stride, padding, self.dilation,
+                          relu=self.relu, residual=residual, out=out, threads=threads)
+        shape, geo, plan = got if got is not None else self._shape(x.shape, padding, threads)
+        if out is None:
+            y = np.empty(shape, np.float32)
+        else:
+            y = _out4(out, shape)
+            if np.shares_memory(y, x):
+                raise ValueError("out overlaps x; the kernel reads x while writing out: pass "
+                                 "a separate output buffer")
+        if residual is None:
+            res = EMPTY
+        else:  # a new y cannot overlap it; out may be the residual itself
+            res = _residual(residual, shape, None if out is None or residual is y else y)
+        if plan is None:
+            return y
+        if not plan[1] and residual is y:
+            y = np.empty(shape, np.float32)  # the unfused epilogue adds it after a strip: apart
+        _conv_run(x, cw, geo, y, (self.bias_f if plan[1] else self.bias_v, self.bias is not None,
+                                  False, res, 0, cw.cout, residual is not None), self.act, plan)
+        return y
 
 
 def _depthwise_run(x, cw, bias, stride, padding, dilation, relu, residual, out, threads):

@@ -112,8 +112,13 @@ class Band:
         return self.lo + self.x.shape[1]
 
     def rows(self, lo: int, hi: int) -> np.ndarray:
-        assert self.lo <= lo and hi <= self.hi, (self.lo, self.hi, lo, hi)
-        return self.x[:, lo - self.lo:hi - self.lo]
+        """Rows [lo, hi) of the map: x itself when they are all of it (one rank's whole map,
+        every op of a forward on one process), else a view of them."""
+        x, at = self.x, self.lo
+        if lo == at and hi - lo == x.shape[1]:
+            return x
+        assert at <= lo and hi <= at + x.shape[1], (at, at + x.shape[1], lo, hi)
+        return x[:, lo - at:hi - at]
 
 
 @dataclass
