@@ -224,8 +224,8 @@ def load_kernels(threads: int = 1) -> None:
     encoders. The kernels' Numba signatures depend on dtypes and ranks, not on sizes or on the
     model (the conv's path, rows or implicit im2col, is a run-time argument of one function), so
     a 1x1, a 3x3 at stride 2 with a residual, a depthwise 3x3, an inverted-residual block
-    (hepti.kernels.inverted), the pools and the head's GeMM cover MobileNetV2, ResNet-50 and
-    VGG-16 alike, on one rank or on bands of rows."""
+    (hepti.kernels.inverted), the pools, the head's GeMM and the pixels' NCHW -> NHWC copy
+    cover MobileNetV2, ResNet-50 and VGG-16 alike, on one rank or on bands of rows."""
     rng = np.random.default_rng(0)
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     x = r(1, 8, 8, 16)  # NHWC
@@ -245,6 +245,7 @@ def load_kernels(threads: int = 1) -> None:
     v = K.global_avg_pool(x)
     K.relu(K.gemm(v, K.pack_b(r(8, 16), trans=True), r(8), threads=threads))
     K.relu6(x)
+    K.nchw_to_nhwc(r(1, 3, 8, 8))
 
 
 def top_k(logits: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
