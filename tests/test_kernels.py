@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hepti.kernels import (PackedB, add_layernorm, attention, attention_qkv, config,
+from hepti.kernels import (PackedB, add_layernorm, attention, attention_block, attention_qkv,
+                           config,
                            embed_layernorm, ffn, gemm, layernorm, matmul, naive, pack_b, rms_norm,
                            softmax_rows)
 from hepti.kernels import _gen_microkernels
@@ -386,6 +387,42 @@ def test_attention_qkv_equals_attention_on_views(row0, mq, threads):
     np.testing.assert_array_equal(attention_qkv(mine, mask, h, kv=kv, row0=row0, threads=threads),
                                   attention(q[row0:row0 + mq], k, v, mask, h, row0=row0,
                                             threads=threads))
+
+
+@pytest.mark.parametrize("n_seq,t,h,d,n_o,pad,bias", [
+    (1, 1, 1, 1, 1, [0], True), (2, 7, 3, 5, 17, [0, 3], False), (3, 33, 4, 32, 40, [0, 5, 32], True),
+    (1, 128, 12, 32, 384, [40], True),
+])
+def test_attention_block_is_the_three_calls(n_seq, t, h, d, n_o, pad, bias):
+    """attention_block (QKV GeMM, attention, output GeMM in one kernel call) gives the same
+    floats as gemm -> attention_qkv -> gemm, and those are the float64 reference's."""
+    c = 24
+    x = rand(n_seq * t, c)
+    w, wo = rand(c, 3 * h * d), rand(h * d, n_o)
+    bq, bo = (rand(3 * h * d), rand(n_o)) if bias else (None, None)
+    mask = attention_case(n_seq, t, h, d, pad)[3]
+    pw, po = pack_b(w), pack_b(wo)
+    y = attention_block(x, pw, bq, mask, h, po, bo)
+    three = gemm(attention_qkv(gemm(x, pw, bias=bq), mask, h), po, bias=bo)
+    np.testing.assert_array_equal(y, three)
+    qkv = x.astype(np.float64) @ w + (0 if bq is None else bq)
+    hd = h * d
+    ctx = naive.attention(qkv[:, :hd], qkv[:, hd:2 * hd], qkv[:, 2 * hd:], mask, h)
+    ref = ctx @ wo + (0 if bo is None else bo)
+    np.testing.assert_allclose(y, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+def test_attention_block_rejects_bad_arguments():
+    x, mask = rand(20, 8), np.ones((2, 10), np.float32)
+    pw, po = pack_b(rand(8, 12)), pack_b(rand(4, 5))
+    with pytest.raises(ValueError, match="cannot chain"):
+        attention_block(x[:19], pw, None, mask, 2, po)
+    with pytest.raises(ValueError, match="cannot chain"):
+        attention_block(x, pw, None, mask, 2, pack_b(rand(5, 5)))
+    with pytest.raises(ValueError, match="n_heads"):
+        attention_block(x, pw, None, mask, 3, po)
+    with pytest.raises(TypeError, match="PackedB"):
+        attention_block(x, rand(8, 12), None, mask, 2, po)
 
 
 def test_attention_qkv_rejects_bad_arguments():

@@ -31,9 +31,11 @@ import numpy as np
 from numba import njit, prange
 
 from hepti.kernels._microkernels import MR, NR, direct_tiles, micro_tile, softmax_panel
-from hepti.kernels._views import EMPTY, check_float32, check_no_overlap, flat_rows, output, workspace
+from hepti.kernels._views import (EMPTY, check_float32, check_no_overlap, flat_rows, output,
+                                 vector, workspace)
 from hepti.kernels.config import FASTMATH_GEMM, JIT, KC
-from hepti.kernels.packed_gemm import _pack_a, _pack_panel, _strip
+from hepti.kernels.packed_gemm import (PackedB, _gemm_serial, _pack_a, _pack_panel, _plan,
+                                       _strip, gemm)
 
 _ONE = np.float32(1.0)
 
@@ -163,6 +165,62 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray,
             check_no_overlap(ctx, x, name)
     return _attend_all(flat_rows(q, "q"), flat_rows(k, "k"), flat_rows(v, "v"), key_mask, ctx,
                        n_heads, row0, threads)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _block_serial(x, m, c, wqkv, n3, qkv_blocks, qkv_epi, qkv, work, key_mask, t, d, scale,
+                  ctx, wo, n_o, o_blocks, o_epi, y, kc_max, no_epi, ws, none):
+    """y [m, n_o] = attention(x [m, c] @ Wqkv + bias) @ Wo (+ its bias), on the calling thread:
+    `attention_block`'s three kernels in one call (qkv [m, n3] and ctx [m, n3 / 3] between)."""
+    _gemm_serial(x, 0, c, m, c, n3, wqkv, none, 0, 1, qkv, 0, n3, qkv_blocks, qkv_epi, ws)
+    width = n3 // 3
+    _items(0, work.shape[0], work, qkv, n3, qkv[width:], n3, qkv[2 * width:], n3, key_mask, t,
+           d, 0, scale, ctx, width, kc_max, no_epi, ws)
+    _gemm_serial(ctx, 0, width, m, width, n_o, wo, none, 0, 1, y, 0, n_o, o_blocks, o_epi, ws)
+
+
+def attention_block(x: np.ndarray, wqkv: PackedB, qkv_bias: np.ndarray | None,
+                    key_mask: np.ndarray, n_heads: int, wo: PackedB,
+                    o_bias: np.ndarray | None = None) -> np.ndarray:
+    """attention_qkv(gemm(x, wqkv, qkv_bias), key_mask, n_heads) @ wo (+ o_bias), one thread,
+    every row's own keys and values: a BERT layer's attention piece as one kernel call.
+
+    x: C-contiguous float32 [B*T, C]; wqkv packs [C, 3*H*D] (columns q | k | v); wo packs
+    [H*D, N]. Returns a new [B*T, N]. The same kernels in the same order as the three calls,
+    so the same floats; one call, because the Python around each kernel call runs with the
+    interpreter's data pushed out of the caches by the GeMMs (~20 us a call in MiniLM).
+    """
+    if not isinstance(wqkv, PackedB) or not isinstance(wo, PackedB):
+        raise TypeError("wqkv and wo must be PackedB from pack_b()")
+    check_float32(x, "x", 2)
+    check_float32(key_mask, "key_mask", 2)
+    m, c = x.shape
+    n3, width, n_o = wqkv.n, wqkv.n // 3, wo.n
+    n_seq, t = key_mask.shape
+    if c != wqkv.k or n3 % 3 or wo.k != width or m != n_seq * t:
+        raise ValueError(f"cannot chain x {x.shape} -> qkv [K={wqkv.k}, N={n3}] -> attention "
+                         f"(key_mask {key_mask.shape}) -> wo [K={wo.k}, N={n_o}]")
+    n_heads = int(n_heads)
+    if n_heads < 1 or width % n_heads:
+        raise ValueError(f"the qkv width {width} is not a multiple of n_heads={n_heads}")
+    if m == 0 or width == 0 or n_o == 0:  # nothing to fuse: the three calls
+        return gemm(attention_qkv(gemm(x, wqkv, bias=qkv_bias), key_mask, n_heads), wo,
+                    bias=o_bias)
+    y = np.empty((m, n_o), np.float32)
+    x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+    mask = key_mask if key_mask.flags.c_contiguous else np.ascontiguousarray(key_mask)
+    d = width // n_heads
+    _, qkv_blocks, qkv_ws = _plan(m, c, n3, 1, False)
+    _, o_blocks, o_ws = _plan(m, width, n_o, 1, False)
+    work, att_ws, _ = _work_plan(n_seq, t, 0, m, n_heads, d, 1)
+    qkv_epi = (vector(qkv_bias, "qkv_bias", n3), qkv_bias is not None, False, EMPTY, 0, 1, False)
+    o_epi = (vector(o_bias, "o_bias", n_o), o_bias is not None, False, EMPTY, 0, 1, False)
+    qkv = np.empty(m * n3, np.float32)
+    ctx = np.empty(m * width, np.float32)
+    _block_serial(x.reshape(-1), m, c, wqkv.panels, n3, qkv_blocks, qkv_epi, qkv, work, mask,
+                  t, d, np.float32(1.0 / math.sqrt(d)), ctx, wo.panels, n_o, o_blocks, o_epi,
+                  y.reshape(-1), KC, _EPI_NONE, workspace(max(qkv_ws, o_ws, att_ws)), EMPTY)
+    return y
 
 
 def attention_qkv(qkv: np.ndarray, key_mask: np.ndarray, n_heads: int,

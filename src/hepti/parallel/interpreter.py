@@ -50,6 +50,7 @@ class Interpreter:
         self.threads = threads
         self.outside = outside.params if outside is not None else {}
         self._plan = self._prepare(steps)
+        self._blocks = self._attention_blocks() if group.solo and threads == 1 else {}
 
     def _prepare(self, steps: list[Step]) -> list[tuple]:
         """The steps as entries to run: ("sync", kind, tensor) (none on a group of one), or
@@ -110,6 +111,45 @@ class Interpreter:
                            for a, b in e[1]]
         return out
 
+    def _attention_blocks(self) -> dict[int, tuple]:
+        """The runs that are exactly a QKV GeMM, attention on its own rows' keys and values and
+        the output GeMM, by id of the run's list: on one process and one thread, `run` hands
+        them to K.attention_block, one kernel call for the three (when no counter is told of
+        the tensors between them, which then never reach `env`)."""
+        out = {}
+        for e in self._plan:
+            if e[0] != "ops" or len(e[1]) != 3:
+                continue
+            (a, pa, ia, _), (b, pb, ib, _), (c, pc, ic, _) = e[1]
+            if (pa or pb or pc or ia or ib or ic or a.own_rows or b.own_rows or c.own_rows
+                    or a.op.kind != "gemm" or b.op.kind != "attention" or c.op.kind != "gemm"
+                    or a.op.act or c.op.act or len(c.op.outputs) != 1
+                    or tuple(b.op.inputs) != tuple(a.op.outputs) or len(a.op.outputs) != 2
+                    or tuple(c.op.inputs) != tuple(b.op.outputs)):
+                continue
+            q, kv = a.op.outputs
+            if 2 * self.graph.tensors[q].width != self.graph.tensors[kv].width:
+                continue
+            out[id(e[1])] = (a, b, c)
+        return out
+
+    def _attention_block(self, block: tuple, run: list, env: dict, fused: dict, params,
+                         ctx: "_Batch") -> bool:
+        """Run an attention run (`_attention_blocks`) as one K.attention_block call; False
+        (nothing run) where its weights are not float32 or it has no heads."""
+        a, b, c = block
+        (wqkv, bqkv), (wo, bo) = params[a.op.name], params[c.op.name]
+        heads = b.op.heads if b.split == BY_ROWS else self.units[b.op.unit][self.g.rank]
+        if not (isinstance(wqkv, K.PackedB) and isinstance(wo, K.PackedB)) or heads == 0:
+            return False
+        env[c.op.outputs[0]] = K.attention_block(env[a.op.inputs[0]], wqkv, bqkv,
+                                                 ctx.mask(env), heads, wo, bo)
+        for item in run:
+            for t in item[3]:
+                env.pop(t, None)
+                fused.pop(t, None)
+        return True
+
     # --- one batch -----------------------------------------------------------------------
     def forward(self, batch, B: int, T: int, counter=None):
         """Run the schedule on one batch. `batch` (rank 0; None elsewhere) has the inputs
@@ -150,6 +190,10 @@ class Interpreter:
                 with tr.span(weights_label, "io"):
                     params = self.layers.get(layer).params
             with tr.span(label, "compute"):
+                block = self._blocks.get(id(run)) if counter is None else None
+                if block is not None and self._attention_block(
+                        block, run, env, fused, params, ctx):
+                    run = ()
                 for item in run:
                     running[0] = item[0]
                     self._op(item, env, fused, params if first.layer is not None else self.outside,
