@@ -87,6 +87,38 @@ def add_layernorm(x: np.ndarray, bias: np.ndarray | None, residual: np.ndarray |
     return y
 
 
+@njit(fastmath=FASTMATH_ROWS, **JIT)
+def _add_ln_rows(x, bias, res, gamma, beta, eps, y):
+    """_add_layernorm on C-contiguous [m, c] x, res and y (bias, res empty when absent): seven
+    arguments, not fourteen; inside a forward each costs its Numba call ~1 us, cold."""
+    m, c = y.shape
+    _add_layernorm(x.reshape(-1), c, m, c, bias, bias.shape[0] > 0, res.reshape(-1), c,
+                   res.shape[0] > 0, gamma, beta, eps, y.reshape(-1), c)
+
+
+_EMPTY_ROWS = np.empty((0, 0), np.float32)
+
+
+def add_layernorm_rows(x: np.ndarray, bias: np.ndarray | None, residual: np.ndarray | None,
+                       gamma: np.ndarray, beta: np.ndarray, eps: float) -> np.ndarray:
+    """add_layernorm(x, bias, residual, gamma, beta, eps) into a new array, for a caller (the
+    interpreter) that hands it what its kernels made and the layer's own parameters: float32
+    throughout, bias, gamma and beta contiguous writeable [C]. Only the shapes and the rows'
+    contiguity are checked here (anything else goes to add_layernorm and its checks): inside a
+    forward, with the interpreter's data out of the caches, add_layernorm's checks of every
+    operand cost ~20 us a call."""
+    m, c = x.shape
+    if (not x.flags.c_contiguous or m == 0 or gamma.shape != (c,) or beta.shape != (c,)
+            or (bias is not None and bias.shape != (c,))
+            or (residual is not None
+                and (residual.shape != (m, c) or not residual.flags.c_contiguous))):
+        return add_layernorm(x, bias, residual, gamma, beta, eps)
+    y = np.empty((m, c), np.float32)
+    _add_ln_rows(x, EMPTY if bias is None else bias,
+                 _EMPTY_ROWS if residual is None else residual, gamma, beta, np.float32(eps), y)
+    return y
+
+
 def layernorm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float,
               out: np.ndarray | None = None) -> np.ndarray:
     """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last axis of float32 [M, C]."""

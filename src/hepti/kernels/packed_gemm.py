@@ -653,8 +653,11 @@ def ffn(x: np.ndarray, up: PackedB, up_bias: np.ndarray, down: PackedB,
     _, up_blocks, up_ws = _plan(m, k, f, 1, False)
     _, down_blocks, down_ws = _plan(m, f, n, 1, False)
     h = output(hidden, (m, f), "hidden")
-    out = output(out, (m, n))
-    check_no_overlap(out, x, "x")
+    if out is None:  # a new array: nothing to overlap
+        out = np.empty((m, n), np.float32)
+    else:
+        out = output(out, (m, n))
+        check_no_overlap(out, x, "x")
     up_epi = (vector(up_bias, "up_bias", f), up_bias is not None, True, EMPTY, 0, 1, False)
     _ffn_serial(x.reshape(-1), m, k, up.panels, f, up_blocks, up_epi, h.reshape(-1), down.panels,
                 n, down_blocks, _NO_EPI, out.reshape(-1), workspace(max(up_ws, down_ws)), EMPTY)

@@ -36,7 +36,7 @@ def validate_inputs(config: BertConfig, ids: np.ndarray, mask: np.ndarray | None
     mask = np.ones(ids.shape, np.float32) if mask is None else np.asarray(mask)
     if mask.shape != ids.shape:
         raise InputError(f"mask shape {mask.shape} differs from ids shape {ids.shape}")
-    if not np.isin(mask, (0, 1)).all():
+    if not ((mask == 0) | (mask == 1)).all():  # np.isin's sort: ~40 us a forward
         raise InputError("mask must hold only 0 (padding) and 1 (real token)")
     token_type = np.zeros(ids.shape, np.int64) if token_type is None else np.asarray(token_type)
     if token_type.shape != ids.shape:

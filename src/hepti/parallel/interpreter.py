@@ -32,6 +32,7 @@ from hepti.counts import counts, offsets
 from hepti.graph.ir import BY_K, BY_ROWS, ON_PRIMARY, Graph
 from hepti.graph.lower import Step
 from hepti.graph.lower import mlp_pair as _mlp_pair
+from hepti.kernels.norm import add_layernorm_rows
 from hepti.model.livebytes import track
 
 
@@ -276,8 +277,11 @@ class Interpreter:
                                                      row0=ctx.r0, threads=th)
         elif op.kind == "elementwise" and op.fn == "add_ln":
             bias, gamma, beta = params[op.name]
-            env[op.outputs[0]] = K.add_layernorm(ins[0], bias, ins[1], gamma, beta, op.eps,
-                                                 out=out)
+            if out is None:  # checks only shapes and rows: kernels made the inputs
+                env[op.outputs[0]] = add_layernorm_rows(ins[0], bias, ins[1], gamma, beta, op.eps)
+            else:
+                env[op.outputs[0]] = K.add_layernorm(ins[0], bias, ins[1], gamma, beta, op.eps,
+                                                     out=out)
         elif op.kind == "elementwise" and op.fn == "ln":
             gamma, beta = params[op.name]
             env[op.outputs[0]] = K.add_layernorm(ins[0], None, None, gamma, beta, op.eps, out=out)
