@@ -19,6 +19,7 @@ from hepti.kernels import (PackedB, add_layernorm, attention, attention_block, a
                            embed_layernorm, ffn, gemm, layernorm, matmul, naive, pack_b, rms_norm,
                            softmax_rows)
 from hepti.kernels import _gen_microkernels
+from hepti.kernels.norm import add_layernorm_rows
 
 RNG = np.random.default_rng(20240601)
 KC, MR, NR = config.KC, config.MR, config.NR
@@ -276,6 +277,25 @@ def test_add_layernorm_and_in_place(with_bias, with_res):
     add_layernorm(big[1:1 + m, c:], bias, res, g, b, 1e-5, out=out_big[:, c:2 * c])
     np.testing.assert_allclose(out_big[:, c:2 * c], ref, rtol=1e-5, atol=2e-5)
     assert not out_big[:, :c].any() and not out_big[:, 2 * c:].any()
+
+
+@pytest.mark.parametrize("with_bias,with_res", [(True, True), (False, True), (True, False),
+                                               (False, False)])
+def test_add_layernorm_rows_is_add_layernorm(with_bias, with_res):
+    """The interpreter's entry (shapes and rows checked only) gives add_layernorm's floats, and
+    hands anything it does not take (strided rows, no rows) to add_layernorm."""
+    m, c = 9, 96
+    x, g, b = rand(m, c), rand(c), rand(c)
+    bias = rand(c) if with_bias else None
+    res = rand(m, c) if with_res else None
+    np.testing.assert_array_equal(add_layernorm_rows(x, bias, res, g, b, 1e-5),
+                                  add_layernorm(x, bias, res, g, b, 1e-5))
+    big = rand(m, 2 * c)
+    np.testing.assert_array_equal(add_layernorm_rows(big[:, c:], bias, res, g, b, 1e-5),
+                                  add_layernorm(big[:, c:], bias, res, g, b, 1e-5))
+    assert add_layernorm_rows(x[:0], bias, None, g, b, 1e-5).shape == (0, c)
+    with pytest.raises(ValueError, match="gamma"):
+        add_layernorm_rows(x, bias, res, g[:-1], b, 1e-5)
 
 
 # --- softmax ----------------------------------------------------------------------------------

@@ -168,15 +168,40 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray,
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _block_serial(x, m, c, wqkv, n3, qkv_blocks, qkv_epi, qkv, work, key_mask, t, d, scale,
-                  ctx, wo, n_o, o_blocks, o_epi, y, kc_max, no_epi, ws, none):
-    """y [m, n_o] = attention(x [m, c] @ Wqkv + bias) @ Wo (+ its bias), on the calling thread:
-    `attention_block`'s three kernels in one call (qkv [m, n3] and ctx [m, n3 / 3] between)."""
-    _gemm_serial(x, 0, c, m, c, n3, wqkv, none, 0, 1, qkv, 0, n3, qkv_blocks, qkv_epi, ws)
+def _block_serial(x, wqkv, qkv_bias, key_mask, wo, o_bias, y, work, sizes, ws):
+    """y [m, n_o] = attention(x [m, c] @ Wqkv + qkv_bias) @ Wo + o_bias on the calling thread:
+    `attention_block`'s three kernels in one call, qkv [m, n3] and ctx [m, n3 / 3] between
+    them. A bias is absent when empty; sizes = (n3, d, scale, qkv blocks, o blocks, KC). Few
+    arguments: inside a forward each costs the call ~1 us, cold."""
+    n3, d, scale, qkv_blocks, o_blocks, kc_max = sizes
+    m, c = x.shape
+    n_o = y.shape[1]
+    t = key_mask.shape[1]
     width = n3 // 3
+    none = np.empty(0, np.float32)
+    qkv = np.empty(m * n3, np.float32)
+    ctx = np.empty(m * width, np.float32)
+    qkv_epi = (qkv_bias, qkv_bias.shape[0] > 0, False, none, 0, 1, False)
+    _gemm_serial(x.reshape(-1), 0, c, m, c, n3, wqkv, none, 0, 1, qkv, 0, n3, qkv_blocks,
+                 qkv_epi, ws)
+    no_epi = (none, False, False, none, 0, 1, False)
     _items(0, work.shape[0], work, qkv, n3, qkv[width:], n3, qkv[2 * width:], n3, key_mask, t,
            d, 0, scale, ctx, width, kc_max, no_epi, ws)
-    _gemm_serial(ctx, 0, width, m, width, n_o, wo, none, 0, 1, y, 0, n_o, o_blocks, o_epi, ws)
+    o_epi = (o_bias, o_bias.shape[0] > 0, False, none, 0, 1, False)
+    _gemm_serial(ctx, 0, width, m, width, n_o, wo, none, 0, 1, y.reshape(-1), 0, n_o, o_blocks,
+                 o_epi, ws)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_plan(m: int, c: int, n3: int, n_o: int, n_seq: int, t: int, n_heads: int):
+    """(sizes, work items, workspace floats) of one `attention_block` shape."""
+    width = n3 // 3
+    d = width // n_heads
+    _, qkv_blocks, qkv_ws = _plan(m, c, n3, 1, False)
+    _, o_blocks, o_ws = _plan(m, width, n_o, 1, False)
+    work, att_ws, _ = _work_plan(n_seq, t, 0, m, n_heads, d, 1)
+    sizes = (n3, d, np.float32(1.0 / math.sqrt(d)), qkv_blocks, o_blocks, KC)
+    return sizes, work, max(qkv_ws, o_ws, att_ws)
 
 
 def attention_block(x: np.ndarray, wqkv: PackedB, qkv_bias: np.ndarray | None,
@@ -185,10 +210,10 @@ def attention_block(x: np.ndarray, wqkv: PackedB, qkv_bias: np.ndarray | None,
     """attention_qkv(gemm(x, wqkv, qkv_bias), key_mask, n_heads) @ wo (+ o_bias), one thread,
     every row's own keys and values: a BERT layer's attention piece as one kernel call.
 
-    x: C-contiguous float32 [B*T, C]; wqkv packs [C, 3*H*D] (columns q | k | v); wo packs
-    [H*D, N]. Returns a new [B*T, N]. The same kernels in the same order as the three calls,
-    so the same floats; one call, because the Python around each kernel call runs with the
-    interpreter's data pushed out of the caches by the GeMMs (~20 us a call in MiniLM).
+    x: float32 [B*T, C]; wqkv packs [C, 3*H*D] (columns q | k | v); wo packs [H*D, N].
+    Returns a new [B*T, N]. The same kernels in the same order as the three calls, so the
+    same floats; one call, because inside a forward the Python around each kernel call runs
+    with the interpreter's data pushed out of the caches by the GeMMs (~20 us a call, MiniLM).
     """
     if not isinstance(wqkv, PackedB) or not isinstance(wo, PackedB):
         raise TypeError("wqkv and wo must be PackedB from pack_b()")
@@ -206,20 +231,12 @@ def attention_block(x: np.ndarray, wqkv: PackedB, qkv_bias: np.ndarray | None,
     if m == 0 or width == 0 or n_o == 0:  # nothing to fuse: the three calls
         return gemm(attention_qkv(gemm(x, wqkv, bias=qkv_bias), key_mask, n_heads), wo,
                     bias=o_bias)
+    sizes, work, ws = _block_plan(m, c, n3, n_o, n_seq, t, n_heads)
     y = np.empty((m, n_o), np.float32)
-    x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
-    mask = key_mask if key_mask.flags.c_contiguous else np.ascontiguousarray(key_mask)
-    d = width // n_heads
-    _, qkv_blocks, qkv_ws = _plan(m, c, n3, 1, False)
-    _, o_blocks, o_ws = _plan(m, width, n_o, 1, False)
-    work, att_ws, _ = _work_plan(n_seq, t, 0, m, n_heads, d, 1)
-    qkv_epi = (vector(qkv_bias, "qkv_bias", n3), qkv_bias is not None, False, EMPTY, 0, 1, False)
-    o_epi = (vector(o_bias, "o_bias", n_o), o_bias is not None, False, EMPTY, 0, 1, False)
-    qkv = np.empty(m * n3, np.float32)
-    ctx = np.empty(m * width, np.float32)
-    _block_serial(x.reshape(-1), m, c, wqkv.panels, n3, qkv_blocks, qkv_epi, qkv, work, mask,
-                  t, d, np.float32(1.0 / math.sqrt(d)), ctx, wo.panels, n_o, o_blocks, o_epi,
-                  y.reshape(-1), KC, _EPI_NONE, workspace(max(qkv_ws, o_ws, att_ws)), EMPTY)
+    _block_serial(x if x.flags.c_contiguous else np.ascontiguousarray(x), wqkv.panels,
+                  vector(qkv_bias, "qkv_bias", n3),
+                  key_mask if key_mask.flags.c_contiguous else np.ascontiguousarray(key_mask),
+                  wo.panels, vector(o_bias, "o_bias", n_o), y, work, sizes, workspace(ws))
     return y
 
 

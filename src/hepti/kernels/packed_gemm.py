@@ -618,11 +618,19 @@ def gemm(a: np.ndarray, pb: PackedB, bias: np.ndarray | None = None, gelu: bool 
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _ffn_serial(x, m, k, up, f, up_blocks, up_epi, h, down, n, down_blocks, no_epi, out, ws,
-                none):
-    """out [m, n] = GeLU(x [m, k] @ up + bias) @ down, both GeMMs in one call (h [m, f] between)."""
-    _gemm_serial(x, 0, k, m, k, f, up, none, 0, 1, h, 0, f, up_blocks, up_epi, ws)
-    _gemm_serial(h, 0, f, m, f, n, down, none, 0, 1, out, 0, n, down_blocks, no_epi, ws)
+def _ffn_serial(x, up, up_bias, h, down, out, blocks, ws):
+    """out [m, n] = GeLU(x [m, k] @ up + up_bias) @ down, both GeMMs in one call, h [m, f]
+    between them (all three C-contiguous; up_bias empty when absent); blocks = (up's, down's). Few arguments: inside a
+    forward each costs the call ~1 us, cold."""
+    m, k = x.shape
+    f, n = h.shape[1], out.shape[1]
+    none = np.empty(0, np.float32)
+    up_epi = (up_bias, up_bias.shape[0] > 0, True, none, 0, 1, False)
+    _gemm_serial(x.reshape(-1), 0, k, m, k, f, up, none, 0, 1, h.reshape(-1), 0, f, blocks[0],
+                 up_epi, ws)
+    no_epi = (none, False, False, none, 0, 1, False)
+    _gemm_serial(h.reshape(-1), 0, f, m, f, n, down, none, 0, 1, out.reshape(-1), 0, n,
+                 blocks[1], no_epi, ws)
 
 
 def ffn(x: np.ndarray, up: PackedB, up_bias: np.ndarray, down: PackedB,
@@ -658,13 +666,9 @@ def ffn(x: np.ndarray, up: PackedB, up_bias: np.ndarray, down: PackedB,
     else:
         out = output(out, (m, n))
         check_no_overlap(out, x, "x")
-    up_epi = (vector(up_bias, "up_bias", f), up_bias is not None, True, EMPTY, 0, 1, False)
-    _ffn_serial(x.reshape(-1), m, k, up.panels, f, up_blocks, up_epi, h.reshape(-1), down.panels,
-                n, down_blocks, _NO_EPI, out.reshape(-1), workspace(max(up_ws, down_ws)), EMPTY)
+    _ffn_serial(x, up.panels, vector(up_bias, "up_bias", f), h, down.panels, out,
+                (up_blocks, down_blocks), workspace(max(up_ws, down_ws)))
     return out
-
-
-_NO_EPI = (EMPTY, False, False, EMPTY, 0, 1, False)
 
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,

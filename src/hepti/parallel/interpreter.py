@@ -51,6 +51,7 @@ class Interpreter:
         self.threads = threads
         self.outside = outside.params if outside is not None else {}
         self._plan = self._prepare(steps)
+        self._rows: dict[int, tuple[list[int], int]] = {}  # token rows M -> (counts, my first)
         self._blocks = self._attention_blocks() if group.solo and threads == 1 else {}
 
     def _prepare(self, steps: list[Step]) -> list[tuple]:
@@ -171,8 +172,12 @@ class Interpreter:
         running = [None]  # the step running, named only when a counter asks (off the hot path)
         env = track(env, counter, lambda: _step_name(running[0]))
         M = B * T
-        rc = counts(M, self.row_ratios)
-        r0 = offsets(rc)[g.rank]
+        rows = self._rows.get(M)
+        if rows is None:  # the same few batch sizes recur: their split is worked out once
+            rc = counts(M, self.row_ratios)
+            r0 = offsets(rc)[g.rank]
+            rows = self._rows[M] = (rc, r0)
+        rc, r0 = rows
         ctx = _Batch(B, T, M, rc, r0, slice(r0, r0 + rc[g.rank]))
         fused: dict[str, np.ndarray] = {}  # a GeMM's whole output, by each of its outputs
         layer = None
