@@ -18,6 +18,11 @@ Two GeMMs in a row where the first's only output feeds only the second, the firs
 and the second with neither bias nor activation (an MLP), run as one `K.ffn` call: the same
 arithmetic in one kernel call (its docstring says what that saves). GeMMs go through
 `K.gemm_any` / `K.ffn_any`, so a layer packed from an int8 folder runs the int8 kernels.
+On one process and one thread, a run that is a QKV GeMM, attention and the output GeMM (a
+layer's attention piece, float32) is one `K.attention_block` call (`_attention_blocks`); an
+add+ln goes through `add_layernorm_rows`, which checks only shapes. Inside a forward every
+kernel call's dispatch and checks run cold (the GeMMs push the interpreter out of the caches):
+~20 us a call, so fewer calls and fewer arguments are most of what the Python costs.
 
 Compute is traced as one span per (layer, piece) run of operators ("L3 attention", "L3 ffn"),
 collectives by the verbs; each layer's slice is fetched (`layers.get`, an "io" span: the
