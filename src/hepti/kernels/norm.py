@@ -136,9 +136,20 @@ def _embed_layernorm(ids, types, word, position, type_table, gamma, beta, eps, y
             w, p, ty = word[ids[b, t]], position[t], type_table[types[b, t]]
             for j in range(c):
                 yr[j] = w[j] + p[j] + ty[j]  # numpy's order: (word + position) + type
-    flat = y.reshape(-1)
-    _add_layernorm(flat, c, n_seq * t_len, c, EMPTY, False, EMPTY, 1, False, gamma, beta, eps,
-                   flat, c)
+    inv_c = np.float32(1.0) / np.float32(c)
+    for i in range(n_seq * t_len):  # _add_layernorm in place, less its copy: reading and
+        yr = y[i]                   # writing one array, its loops would not vectorise
+        total = np.float32(0.0)
+        for j in range(c):
+            total += yr[j]
+        mean = total * inv_c
+        sq = np.float32(0.0)
+        for j in range(c):
+            d = yr[j] - mean
+            sq += d * d
+        rstd = np.float32(1.0) / np.sqrt(sq * inv_c + eps)
+        for j in range(c):
+            yr[j] = (yr[j] - mean) * rstd * gamma[j] + beta[j]
 
 
 def embed_layernorm(ids: np.ndarray, token_type: np.ndarray, word: np.ndarray,
