@@ -432,6 +432,26 @@ def test_attention_block_is_the_three_calls(n_seq, t, h, d, n_o, pad, bias):
     np.testing.assert_allclose(y, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("n_seq,t,h,d,n_o", [(1, 1, 1, 1, 1), (2, 7, 3, 5, 17), (1, 40, 4, 32, 96)])
+def test_attention_block_with_add_layernorm(n_seq, t, h, d, n_o):
+    """With residual and ln, attention_block is add_layernorm(three calls, bias, residual)
+    (float32 sums in another order: close, not equal)."""
+    c = 24
+    x, res = rand(n_seq * t, c), rand(n_seq * t, n_o)
+    pw, po = pack_b(rand(c, 3 * h * d)), pack_b(rand(h * d, n_o))
+    bq, bo, g, be = rand(3 * h * d), rand(n_o), rand(n_o), rand(n_o)
+    mask = attention_case(n_seq, t, h, d, [0] * n_seq)[3]
+    y = attention_block(x, pw, bq, mask, h, po, bo, residual=res, ln=(g, be, 1e-12))
+    ref = add_layernorm(gemm(attention_qkv(gemm(x, pw, bias=bq), mask, h), po), bo, res, g, be,
+                        1e-12)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+    y = attention_block(x, pw, bq, mask, h, po, None, residual=res)
+    np.testing.assert_array_equal(y, gemm(attention_qkv(gemm(x, pw, bias=bq), mask, h), po,
+                                          residual=res))
+    with pytest.raises(ValueError, match="residual"):
+        attention_block(x, pw, bq, mask, h, po, bo, residual=res[1:], ln=(g, be, 1e-12))
+
+
 def test_attention_block_rejects_bad_arguments():
     x, mask = rand(20, 8), np.ones((2, 10), np.float32)
     pw, po = pack_b(rand(8, 12)), pack_b(rand(4, 5))
@@ -481,6 +501,24 @@ def test_embed_layernorm_equals_numpy_gathers_then_layernorm():
                                naive.layernorm(x, gamma, beta, 1e-12), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="tables disagree"):
         embed_layernorm(ids, token_type, word, position[:5], types, gamma, beta, 1e-12)
+
+
+@pytest.mark.parametrize("m", [1, 8, 37, 128])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ffn_with_bias_residual_and_layernorm(m, threads):
+    """ffn's tail: + down_bias + residual, then LayerNorm, as add_layernorm on ffn's output
+    (the same floats before the LayerNorm; its sums in another order: close, not equal)."""
+    x, up, down, bias = rand(m, 40), pack_b(rand(40, 70)), pack_b(rand(70, 24)), rand(70)
+    b2, res, g, be = rand(24), rand(m, 24), rand(24), rand(24)
+    plain = ffn(x, up, bias, down)
+    np.testing.assert_array_equal(ffn(x, up, bias, down, threads=threads, down_bias=b2,
+                                      residual=res), gemm(plain, pack_b(np.eye(24, dtype=np.float32)),
+                                                          bias=b2, residual=res))
+    want = add_layernorm(plain, b2, res, g, be, 1e-12)
+    got = ffn(x, up, bias, down, threads=threads, down_bias=b2, residual=res, ln=(g, be, 1e-12))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        ffn(x, up, bias, down, residual=res[:, 1:])
 
 
 @pytest.mark.parametrize("m", [1, 8, 37, 128])

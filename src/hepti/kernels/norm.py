@@ -119,6 +119,28 @@ def add_layernorm_rows(x: np.ndarray, bias: np.ndarray | None, residual: np.ndar
     return y
 
 
+_NO_LN = (_EMPTY_ROWS, EMPTY, EMPTY, np.float32(0.0), False, False)
+
+
+def ln_tail(residual: np.ndarray | None, ln: tuple | None, m: int, n: int) -> tuple:
+    """The (residual, gamma, beta, eps, has_res, has_ln) tuple a GeMM kernel that ends in
+    `+ residual, then LayerNorm(gamma, beta, eps)` takes (attention_block, ffn), checked: the
+    residual float32 [m, n] (copied if its rows are not one C-contiguous block)."""
+    if residual is None and ln is None:
+        return _NO_LN
+    res, has_res = _EMPTY_ROWS, residual is not None
+    if has_res:
+        check_float32(residual, "residual", 2)
+        if residual.shape != (m, n):
+            raise ValueError(f"residual must have shape {(m, n)}, got {residual.shape}")
+        res = residual if residual.flags.c_contiguous else np.ascontiguousarray(residual)
+    if ln is None:
+        return (res, EMPTY, EMPTY, np.float32(0.0), has_res, False)
+    gamma, beta, eps = ln
+    return (res, vector(gamma, "gamma", n), vector(beta, "beta", n), np.float32(eps), has_res,
+            True)
+
+
 def layernorm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float,
               out: np.ndarray | None = None) -> np.ndarray:
     """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last axis of float32 [M, C]."""
@@ -136,9 +158,19 @@ def _embed_layernorm(ids, types, word, position, type_table, gamma, beta, eps, y
             w, p, ty = word[ids[b, t]], position[t], type_table[types[b, t]]
             for j in range(c):
                 yr[j] = w[j] + p[j] + ty[j]  # numpy's order: (word + position) + type
+    layernorm_inplace(y, gamma, beta, eps)
+
+
+@njit(fastmath=FASTMATH_ROWS, **JIT)
+def layernorm_inplace(y, gamma, beta, eps):
+    """y[i] = LayerNorm(y[i]) * gamma + beta for the rows of a C-contiguous [m, c] y:
+    `_add_layernorm` in place, less its copy (reading and writing one array, those loops
+    would not vectorise). For kernels that leave the sum to normalise in y (the embedding, a
+    GeMM whose epilogue added the bias and residual)."""
+    m, c = y.shape
     inv_c = np.float32(1.0) / np.float32(c)
-    for i in range(n_seq * t_len):  # _add_layernorm in place, less its copy: reading and
-        yr = y[i]                   # writing one array, its loops would not vectorise
+    for i in range(m):
+        yr = y[i]
         total = np.float32(0.0)
         for j in range(c):
             total += yr[j]
