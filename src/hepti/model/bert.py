@@ -102,6 +102,11 @@ def load_kernels(threads: int = 1, int8: bool = False) -> None:
     x = K.add_layernorm(part, r(C), x, r(C), r(C), cfg.layer_norm_eps)
     K.ffn(x, up, r(F), down, threads=threads, out=np.empty_like(x))
     K.ffn(x, up, r(F), down, threads=threads)
+    if threads == 1:  # one process, one thread: each piece and its add+ln in one call
+        x = K.attention_block(x, qkv_w, r(3 * C), key_mask, H, o, r(C), residual=x,
+                              ln=(r(C), r(C), cfg.layer_norm_eps))
+        x = K.ffn(x, up, r(F), down, down_bias=r(C), residual=x,
+                  ln=(r(C), r(C), cfg.layer_norm_eps))
     # `rows`: own query rows against every row's gathered keys and values
     kv = np.ascontiguousarray(qkv[:, C:])
     ctx = K.attention_qkv(np.ascontiguousarray(qkv[:4]), key_mask, H, kv=kv, row0=0, threads=threads)
