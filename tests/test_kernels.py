@@ -14,10 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hepti.kernels import (PackedB, add_layernorm, attention, attention_qkv, config,
+from hepti.kernels import (PackedB, add_layernorm, attention, attention_block, attention_qkv,
+                           config,
                            embed_layernorm, ffn, gemm, layernorm, matmul, naive, pack_b, rms_norm,
                            softmax_rows)
 from hepti.kernels import _gen_microkernels
+from hepti.kernels.norm import add_layernorm_rows
 
 RNG = np.random.default_rng(20240601)
 KC, MR, NR = config.KC, config.MR, config.NR
@@ -277,6 +279,25 @@ def test_add_layernorm_and_in_place(with_bias, with_res):
     assert not out_big[:, :c].any() and not out_big[:, 2 * c:].any()
 
 
+@pytest.mark.parametrize("with_bias,with_res", [(True, True), (False, True), (True, False),
+                                               (False, False)])
+def test_add_layernorm_rows_is_add_layernorm(with_bias, with_res):
+    """The interpreter's entry (shapes and rows checked only) gives add_layernorm's floats, and
+    hands anything it does not take (strided rows, no rows) to add_layernorm."""
+    m, c = 9, 96
+    x, g, b = rand(m, c), rand(c), rand(c)
+    bias = rand(c) if with_bias else None
+    res = rand(m, c) if with_res else None
+    np.testing.assert_array_equal(add_layernorm_rows(x, bias, res, g, b, 1e-5),
+                                  add_layernorm(x, bias, res, g, b, 1e-5))
+    big = rand(m, 2 * c)
+    np.testing.assert_array_equal(add_layernorm_rows(big[:, c:], bias, res, g, b, 1e-5),
+                                  add_layernorm(big[:, c:], bias, res, g, b, 1e-5))
+    assert add_layernorm_rows(x[:0], bias, None, g, b, 1e-5).shape == (0, c)
+    with pytest.raises(ValueError, match="gamma"):
+        add_layernorm_rows(x, bias, res, g[:-1], b, 1e-5)
+
+
 # --- softmax ----------------------------------------------------------------------------------
 
 
@@ -388,6 +409,62 @@ def test_attention_qkv_equals_attention_on_views(row0, mq, threads):
                                             threads=threads))
 
 
+@pytest.mark.parametrize("n_seq,t,h,d,n_o,pad,bias", [
+    (1, 1, 1, 1, 1, [0], True), (2, 7, 3, 5, 17, [0, 3], False), (3, 33, 4, 32, 40, [0, 5, 32], True),
+    (1, 128, 12, 32, 384, [40], True),
+])
+def test_attention_block_is_the_three_calls(n_seq, t, h, d, n_o, pad, bias):
+    """attention_block (QKV GeMM, attention, output GeMM in one kernel call) gives the same
+    floats as gemm -> attention_qkv -> gemm, and those are the float64 reference's."""
+    c = 24
+    x = rand(n_seq * t, c)
+    w, wo = rand(c, 3 * h * d), rand(h * d, n_o)
+    bq, bo = (rand(3 * h * d), rand(n_o)) if bias else (None, None)
+    mask = attention_case(n_seq, t, h, d, pad)[3]
+    pw, po = pack_b(w), pack_b(wo)
+    y = attention_block(x, pw, bq, mask, h, po, bo)
+    three = gemm(attention_qkv(gemm(x, pw, bias=bq), mask, h), po, bias=bo)
+    np.testing.assert_array_equal(y, three)
+    qkv = x.astype(np.float64) @ w + (0 if bq is None else bq)
+    hd = h * d
+    ctx = naive.attention(qkv[:, :hd], qkv[:, hd:2 * hd], qkv[:, 2 * hd:], mask, h)
+    ref = ctx @ wo + (0 if bo is None else bo)
+    np.testing.assert_allclose(y, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("n_seq,t,h,d,n_o", [(1, 1, 1, 1, 1), (2, 7, 3, 5, 17), (1, 40, 4, 32, 96)])
+def test_attention_block_with_add_layernorm(n_seq, t, h, d, n_o):
+    """With residual and ln, attention_block is add_layernorm(three calls, bias, residual)
+    (float32 sums in another order: close, not equal)."""
+    c = 24
+    x, res = rand(n_seq * t, c), rand(n_seq * t, n_o)
+    pw, po = pack_b(rand(c, 3 * h * d)), pack_b(rand(h * d, n_o))
+    bq, bo, g, be = rand(3 * h * d), rand(n_o), rand(n_o), rand(n_o)
+    mask = attention_case(n_seq, t, h, d, [0] * n_seq)[3]
+    y = attention_block(x, pw, bq, mask, h, po, bo, residual=res, ln=(g, be, 1e-12))
+    ref = add_layernorm(gemm(attention_qkv(gemm(x, pw, bias=bq), mask, h), po), bo, res, g, be,
+                        1e-12)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+    y = attention_block(x, pw, bq, mask, h, po, None, residual=res)
+    np.testing.assert_array_equal(y, gemm(attention_qkv(gemm(x, pw, bias=bq), mask, h), po,
+                                          residual=res))
+    with pytest.raises(ValueError, match="residual"):
+        attention_block(x, pw, bq, mask, h, po, bo, residual=res[1:], ln=(g, be, 1e-12))
+
+
+def test_attention_block_rejects_bad_arguments():
+    x, mask = rand(20, 8), np.ones((2, 10), np.float32)
+    pw, po = pack_b(rand(8, 12)), pack_b(rand(4, 5))
+    with pytest.raises(ValueError, match="cannot chain"):
+        attention_block(x[:19], pw, None, mask, 2, po)
+    with pytest.raises(ValueError, match="cannot chain"):
+        attention_block(x, pw, None, mask, 2, pack_b(rand(5, 5)))
+    with pytest.raises(ValueError, match="n_heads"):
+        attention_block(x, pw, None, mask, 3, po)
+    with pytest.raises(TypeError, match="PackedB"):
+        attention_block(x, rand(8, 12), None, mask, 2, po)
+
+
 def test_attention_qkv_rejects_bad_arguments():
     q, k, v, mask = attention_case(2, 10, 2, 4, [0, 0])
     qkv = q.base
@@ -424,6 +501,24 @@ def test_embed_layernorm_equals_numpy_gathers_then_layernorm():
                                naive.layernorm(x, gamma, beta, 1e-12), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="tables disagree"):
         embed_layernorm(ids, token_type, word, position[:5], types, gamma, beta, 1e-12)
+
+
+@pytest.mark.parametrize("m", [1, 8, 37, 128])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ffn_with_bias_residual_and_layernorm(m, threads):
+    """ffn's tail: + down_bias + residual, then LayerNorm, as add_layernorm on ffn's output
+    (the same floats before the LayerNorm; its sums in another order: close, not equal)."""
+    x, up, down, bias = rand(m, 40), pack_b(rand(40, 70)), pack_b(rand(70, 24)), rand(70)
+    b2, res, g, be = rand(24), rand(m, 24), rand(24), rand(24)
+    plain = ffn(x, up, bias, down)
+    np.testing.assert_array_equal(ffn(x, up, bias, down, threads=threads, down_bias=b2,
+                                      residual=res), gemm(plain, pack_b(np.eye(24, dtype=np.float32)),
+                                                          bias=b2, residual=res))
+    want = add_layernorm(plain, b2, res, g, be, 1e-12)
+    got = ffn(x, up, bias, down, threads=threads, down_bias=b2, residual=res, ln=(g, be, 1e-12))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        ffn(x, up, bias, down, residual=res[:, 1:])
 
 
 @pytest.mark.parametrize("m", [1, 8, 37, 128])

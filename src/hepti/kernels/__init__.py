@@ -12,6 +12,8 @@ Public API (what the model code calls):
     softmax_rows(x, key_mask=None, scale=1.0, out=None)
     attention(q, k, v, key_mask, n_heads, row0=0, out=None, threads=1)
     attention_qkv(qkv, key_mask, n_heads, kv=None, row0=0, threads=1)   on a fused QKV output
+    attention_block(x, wqkv, qkv_bias, key_mask, n_heads, wo, o_bias=None)   QKV GeMM,
+                                                     attention and output GeMM in one call
 int8 weights, one float32 scale per group of 64 along the stored rows (int8.py):
     QuantMatrix, quantize(w, group=64)               symmetric, round to nearest
     QuantB, pack_q(m, trans=False)                   int8 panels + scales, packed at load time
@@ -41,7 +43,7 @@ from hepti.kernels import _cache
 
 _cache.drop_stale()  # before any kernel is loaded: cached code compiled from older imports goes
 from hepti.kernels import config  # noqa: E402,F401  (first: sets up Numba before any compile)
-from hepti.kernels.attention_core import attention, attention_qkv
+from hepti.kernels.attention_core import attention, attention_block, attention_qkv
 from hepti.kernels.conv import (ConvLayer, ConvWeight, avg_pool2d, conv2d,
                                 depthwise_conv2d, fold_batchnorm, global_avg_pool, max_pool2d,
                                 pack_conv_weight, relu, relu6)
@@ -54,7 +56,9 @@ from hepti.kernels.softmax import softmax_rows
 
 __all__ = ["PackedB", "pack_b", "gemm", "ffn", "matmul", "layernorm", "add_layernorm",
            "embed_layernorm", "rms_norm", "softmax_rows", "attention", "attention_qkv",
+           "attention_block",
            "ConvWeight", "ConvLayer", "pack_conv_weight", "conv2d", "depthwise_conv2d",
-           "max_pool2d", "avg_pool2d", "global_avg_pool", "nchw_to_nhwc", "relu", "relu6", "fold_batchnorm",
+           "max_pool2d", "avg_pool2d", "global_avg_pool", "nchw_to_nhwc", "relu", "relu6",
+           "fold_batchnorm",
            "QuantMatrix", "quantize", "QuantB", "pack_q", "gemm_q", "pack_weight", "gemm_any",
            "ffn_any", "columns_any"]

@@ -31,9 +31,12 @@ import numpy as np
 from numba import njit, prange
 
 from hepti.kernels._microkernels import MR, NR, direct_tiles, micro_tile, softmax_panel
-from hepti.kernels._views import EMPTY, check_float32, check_no_overlap, flat_rows, output, workspace
+from hepti.kernels._views import (EMPTY, check_float32, check_no_overlap, flat_rows, output,
+                                 vector, workspace)
 from hepti.kernels.config import FASTMATH_GEMM, JIT, KC
-from hepti.kernels.packed_gemm import _pack_a, _pack_panel, _strip
+from hepti.kernels.norm import add_layernorm, layernorm_inplace, ln_tail
+from hepti.kernels.packed_gemm import (PackedB, _gemm_serial, _pack_a, _pack_panel, _plan,
+                                       _strip, gemm)
 
 _ONE = np.float32(1.0)
 
@@ -163,6 +166,87 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_mask: np.ndarray,
             check_no_overlap(ctx, x, name)
     return _attend_all(flat_rows(q, "q"), flat_rows(k, "k"), flat_rows(v, "v"), key_mask, ctx,
                        n_heads, row0, threads)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _block_serial(x, wqkv, qkv_bias, key_mask, wo, o_bias, y, work, sizes, ws, tail):
+    """y [m, n_o] = attention(x [m, c] @ Wqkv + qkv_bias) @ Wo + o_bias (+ residual, then
+    LayerNorm) on the calling thread: `attention_block`'s kernels in one call, qkv [m, n3] and
+    ctx [m, n3 / 3] between them. A bias is absent when empty; sizes = (n3, d, scale, qkv
+    blocks, o blocks, KC); tail = (residual [m, n_o], gamma, beta, eps, has_res, has_ln). Few
+    arguments: inside a forward each costs the call ~1 us, cold."""
+    n3, d, scale, qkv_blocks, o_blocks, kc_max = sizes
+    m, c = x.shape
+    n_o = y.shape[1]
+    t = key_mask.shape[1]
+    width = n3 // 3
+    none = np.empty(0, np.float32)
+    qkv = np.empty(m * n3, np.float32)
+    ctx = np.empty(m * width, np.float32)
+    qkv_epi = (qkv_bias, qkv_bias.shape[0] > 0, False, none, 0, 1, False)
+    _gemm_serial(x.reshape(-1), 0, c, m, c, n3, wqkv, none, 0, 1, qkv, 0, n3, qkv_blocks,
+                 qkv_epi, ws)
+    no_epi = (none, False, False, none, 0, 1, False)
+    _items(0, work.shape[0], work, qkv, n3, qkv[width:], n3, qkv[2 * width:], n3, key_mask, t,
+           d, 0, scale, ctx, width, kc_max, no_epi, ws)
+    res, gamma, beta, eps, has_res, has_ln = tail
+    o_epi = (o_bias, o_bias.shape[0] > 0, False, res.reshape(-1), 0, n_o, has_res)
+    _gemm_serial(ctx, 0, width, m, width, n_o, wo, none, 0, 1, y.reshape(-1), 0, n_o, o_blocks,
+                 o_epi, ws)
+    if has_ln:
+        layernorm_inplace(y, gamma, beta, eps)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_plan(m: int, c: int, n3: int, n_o: int, n_seq: int, t: int, n_heads: int):
+    """(sizes, work items, workspace floats) of one `attention_block` shape."""
+    width = n3 // 3
+    d = width // n_heads
+    _, qkv_blocks, qkv_ws = _plan(m, c, n3, 1, False)
+    _, o_blocks, o_ws = _plan(m, width, n_o, 1, False)
+    work, att_ws, _ = _work_plan(n_seq, t, 0, m, n_heads, d, 1)
+    sizes = (n3, d, np.float32(1.0 / math.sqrt(d)), qkv_blocks, o_blocks, KC)
+    return sizes, work, max(qkv_ws, o_ws, att_ws)
+
+
+def attention_block(x: np.ndarray, wqkv: PackedB, qkv_bias: np.ndarray | None,
+                    key_mask: np.ndarray, n_heads: int, wo: PackedB,
+                    o_bias: np.ndarray | None = None, residual: np.ndarray | None = None,
+                    ln: tuple | None = None) -> np.ndarray:
+    """attention_qkv(gemm(x, wqkv, qkv_bias), key_mask, n_heads) @ wo (+ o_bias) (+ residual
+    [B*T, N]) (then LayerNorm with ln = (gamma, beta, eps)), one thread, every row's own keys
+    and values: a BERT layer's attention piece (and its add+ln) as one kernel call.
+
+    x: float32 [B*T, C]; wqkv packs [C, 3*H*D] (columns q | k | v); wo packs [H*D, N].
+    Returns a new [B*T, N]. The same kernels in the same order as the three calls, so the
+    same floats; one call, because inside a forward the Python around each kernel call runs
+    with the interpreter's data pushed out of the caches by the GeMMs (~20 us a call, MiniLM).
+    """
+    if not isinstance(wqkv, PackedB) or not isinstance(wo, PackedB):
+        raise TypeError("wqkv and wo must be PackedB from pack_b()")
+    check_float32(x, "x", 2)
+    check_float32(key_mask, "key_mask", 2)
+    m, c = x.shape
+    n3, width, n_o = wqkv.n, wqkv.n // 3, wo.n
+    n_seq, t = key_mask.shape
+    if c != wqkv.k or n3 % 3 or wo.k != width or m != n_seq * t:
+        raise ValueError(f"cannot chain x {x.shape} -> qkv [K={wqkv.k}, N={n3}] -> attention "
+                         f"(key_mask {key_mask.shape}) -> wo [K={wo.k}, N={n_o}]")
+    n_heads = int(n_heads)
+    if n_heads < 1 or width % n_heads:
+        raise ValueError(f"the qkv width {width} is not a multiple of n_heads={n_heads}")
+    tail = ln_tail(residual, ln, m, n_o)
+    if m == 0 or width == 0 or n_o == 0:  # nothing to fuse: the separate calls
+        y = gemm(attention_qkv(gemm(x, wqkv, bias=qkv_bias), key_mask, n_heads), wo,
+                 bias=o_bias, residual=residual)
+        return y if ln is None else add_layernorm(y, None, None, ln[0], ln[1], ln[2], out=y)
+    sizes, work, ws = _block_plan(m, c, n3, n_o, n_seq, t, n_heads)
+    y = np.empty((m, n_o), np.float32)
+    _block_serial(x if x.flags.c_contiguous else np.ascontiguousarray(x), wqkv.panels,
+                  vector(qkv_bias, "qkv_bias", n3),
+                  key_mask if key_mask.flags.c_contiguous else np.ascontiguousarray(key_mask),
+                  wo.panels, vector(o_bias, "o_bias", n_o), y, work, sizes, workspace(ws), tail)
+    return y
 
 
 def attention_qkv(qkv: np.ndarray, key_mask: np.ndarray, n_heads: int,

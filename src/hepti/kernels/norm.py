@@ -87,6 +87,60 @@ def add_layernorm(x: np.ndarray, bias: np.ndarray | None, residual: np.ndarray |
     return y
 
 
+@njit(fastmath=FASTMATH_ROWS, **JIT)
+def _add_ln_rows(x, bias, res, gamma, beta, eps, y):
+    """_add_layernorm on C-contiguous [m, c] x, res and y (bias, res empty when absent): seven
+    arguments, not fourteen; inside a forward each costs its Numba call ~1 us, cold."""
+    m, c = y.shape
+    _add_layernorm(x.reshape(-1), c, m, c, bias, bias.shape[0] > 0, res.reshape(-1), c,
+                   res.shape[0] > 0, gamma, beta, eps, y.reshape(-1), c)
+
+
+_EMPTY_ROWS = np.empty((0, 0), np.float32)
+
+
+def add_layernorm_rows(x: np.ndarray, bias: np.ndarray | None, residual: np.ndarray | None,
+                       gamma: np.ndarray, beta: np.ndarray, eps: float) -> np.ndarray:
+    """add_layernorm(x, bias, residual, gamma, beta, eps) into a new array, for a caller (the
+    interpreter) that hands it what its kernels made and the layer's own parameters: float32
+    throughout, bias, gamma and beta contiguous writeable [C]. Only the shapes and the rows'
+    contiguity are checked here (anything else goes to add_layernorm and its checks): inside a
+    forward, with the interpreter's data out of the caches, add_layernorm's checks of every
+    operand cost ~20 us a call."""
+    m, c = x.shape
+    if (not x.flags.c_contiguous or m == 0 or gamma.shape != (c,) or beta.shape != (c,)
+            or (bias is not None and bias.shape != (c,))
+            or (residual is not None
+                and (residual.shape != (m, c) or not residual.flags.c_contiguous))):
+        return add_layernorm(x, bias, residual, gamma, beta, eps)
+    y = np.empty((m, c), np.float32)
+    _add_ln_rows(x, EMPTY if bias is None else bias,
+                 _EMPTY_ROWS if residual is None else residual, gamma, beta, np.float32(eps), y)
+    return y
+
+
+_NO_LN = (_EMPTY_ROWS, EMPTY, EMPTY, np.float32(0.0), False, False)
+
+
+def ln_tail(residual: np.ndarray | None, ln: tuple | None, m: int, n: int) -> tuple:
+    """The (residual, gamma, beta, eps, has_res, has_ln) tuple a GeMM kernel that ends in
+    `+ residual, then LayerNorm(gamma, beta, eps)` takes (attention_block, ffn), checked: the
+    residual float32 [m, n] (copied if its rows are not one C-contiguous block)."""
+    if residual is None and ln is None:
+        return _NO_LN
+    res, has_res = _EMPTY_ROWS, residual is not None
+    if has_res:
+        check_float32(residual, "residual", 2)
+        if residual.shape != (m, n):
+            raise ValueError(f"residual must have shape {(m, n)}, got {residual.shape}")
+        res = residual if residual.flags.c_contiguous else np.ascontiguousarray(residual)
+    if ln is None:
+        return (res, EMPTY, EMPTY, np.float32(0.0), has_res, False)
+    gamma, beta, eps = ln
+    return (res, vector(gamma, "gamma", n), vector(beta, "beta", n), np.float32(eps), has_res,
+            True)
+
+
 def layernorm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float,
               out: np.ndarray | None = None) -> np.ndarray:
     """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last axis of float32 [M, C]."""
@@ -104,9 +158,30 @@ def _embed_layernorm(ids, types, word, position, type_table, gamma, beta, eps, y
             w, p, ty = word[ids[b, t]], position[t], type_table[types[b, t]]
             for j in range(c):
                 yr[j] = w[j] + p[j] + ty[j]  # numpy's order: (word + position) + type
-    flat = y.reshape(-1)
-    _add_layernorm(flat, c, n_seq * t_len, c, EMPTY, False, EMPTY, 1, False, gamma, beta, eps,
-                   flat, c)
+    layernorm_inplace(y, gamma, beta, eps)
+
+
+@njit(fastmath=FASTMATH_ROWS, **JIT)
+def layernorm_inplace(y, gamma, beta, eps):
+    """y[i] = LayerNorm(y[i]) * gamma + beta for the rows of a C-contiguous [m, c] y:
+    `_add_layernorm` in place, less its copy (reading and writing one array, those loops
+    would not vectorise). For kernels that leave the sum to normalise in y (the embedding, a
+    GeMM whose epilogue added the bias and residual)."""
+    m, c = y.shape
+    inv_c = np.float32(1.0) / np.float32(c)
+    for i in range(m):
+        yr = y[i]
+        total = np.float32(0.0)
+        for j in range(c):
+            total += yr[j]
+        mean = total * inv_c
+        sq = np.float32(0.0)
+        for j in range(c):
+            d = yr[j] - mean
+            sq += d * d
+        rstd = np.float32(1.0) / np.sqrt(sq * inv_c + eps)
+        for j in range(c):
+            yr[j] = (yr[j] - mean) * rstd * gamma[j] + beta[j]
 
 
 def embed_layernorm(ids: np.ndarray, token_type: np.ndarray, word: np.ndarray,

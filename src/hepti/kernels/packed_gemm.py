@@ -43,6 +43,7 @@ from hepti.kernels._views import (EMPTY, aligned_empty, check_float32, check_no_
                                   flat_rows, output, pad16, vector, workspace)
 from hepti.kernels.config import FASTMATH_GEMM, JIT
 from hepti.kernels.mathfn import gelu32
+from hepti.kernels.norm import layernorm, layernorm_inplace, ln_tail
 
 _PANELS_NONE = np.zeros((0, 0, NR), np.float32)  # stands in for "no pre-packed B"
 _ZERO = np.float32(0.0)
@@ -618,20 +619,34 @@ def gemm(a: np.ndarray, pb: PackedB, bias: np.ndarray | None = None, gelu: bool 
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _ffn_serial(x, m, k, up, f, up_blocks, up_epi, h, down, n, down_blocks, no_epi, out, ws,
-                none):
-    """out [m, n] = GeLU(x [m, k] @ up + bias) @ down, both GeMMs in one call (h [m, f] between)."""
-    _gemm_serial(x, 0, k, m, k, f, up, none, 0, 1, h, 0, f, up_blocks, up_epi, ws)
-    _gemm_serial(h, 0, f, m, f, n, down, none, 0, 1, out, 0, n, down_blocks, no_epi, ws)
+def _ffn_serial(x, up, up_bias, h, down, out, blocks, ws, down_bias, tail):
+    """out [m, n] = GeLU(x [m, k] @ up + up_bias) @ down (+ down_bias) (+ residual, then
+    LayerNorm), both GeMMs in one call, h [m, f] between them (all three C-contiguous; a bias
+    empty when absent); blocks = (up's, down's); tail = (residual [m, n], gamma, beta, eps,
+    has_res, has_ln). Few arguments: inside a forward each costs the call ~1 us, cold."""
+    m, k = x.shape
+    f, n = h.shape[1], out.shape[1]
+    none = np.empty(0, np.float32)
+    up_epi = (up_bias, up_bias.shape[0] > 0, True, none, 0, 1, False)
+    _gemm_serial(x.reshape(-1), 0, k, m, k, f, up, none, 0, 1, h.reshape(-1), 0, f, blocks[0],
+                 up_epi, ws)
+    res, gamma, beta, eps, has_res, has_ln = tail
+    down_epi = (down_bias, down_bias.shape[0] > 0, False, res.reshape(-1), 0, n, has_res)
+    _gemm_serial(h.reshape(-1), 0, f, m, f, n, down, none, 0, 1, out.reshape(-1), 0, n,
+                 blocks[1], down_epi, ws)
+    if has_ln:
+        layernorm_inplace(out, gamma, beta, eps)
 
 
 def ffn(x: np.ndarray, up: PackedB, up_bias: np.ndarray, down: PackedB,
         threads: int = 1, out: np.ndarray | None = None,
-        hidden: np.ndarray | None = None) -> np.ndarray:
-    """GeLU(x @ up + up_bias) @ down for float32 x [M, K]: BERT's MLP without its output bias.
-    out: optional float32 [M, N] with contiguous rows, as for gemm(); hidden: optional
-    contiguous float32 [M, F] for GeLU(x @ up + up_bias), the tensor between the two GeMMs
-    (the caller's, so that it can count it as the activation it is).
+        hidden: np.ndarray | None = None, down_bias: np.ndarray | None = None,
+        residual: np.ndarray | None = None, ln: tuple | None = None) -> np.ndarray:
+    """GeLU(x @ up + up_bias) @ down for float32 x [M, K]: BERT's MLP, without its output bias
+    unless down_bias is given, (+ residual [M, N]) (then LayerNorm with ln = (gamma, beta,
+    eps): BERT's add+ln after it). out: optional float32 [M, N] with contiguous rows, as for
+    gemm(); hidden: optional contiguous float32 [M, F] for GeLU(x @ up + up_bias), the tensor
+    between the two GeMMs (the caller's, so that it can count it as the activation it is).
 
     The same arithmetic as gemm(gemm(x, up, up_bias, gelu=True), down), in one call on one
     thread: a forward makes six of these per rank, and each kernel call's Python runs with
@@ -647,21 +662,24 @@ def ffn(x: np.ndarray, up: PackedB, up_bias: np.ndarray, down: PackedB,
     if (int(threads) != 1 or not x.flags.c_contiguous or x.shape[0] == 0
             or (out is not None and not out.flags.c_contiguous)
             or (hidden is not None and not hidden.flags.c_contiguous)):
-        return gemm(gemm(x, up, bias=up_bias, gelu=True, threads=threads, out=hidden), down,
-                    out=out, threads=threads)
+        y = gemm(gemm(x, up, bias=up_bias, gelu=True, threads=threads, out=hidden), down,
+                 bias=down_bias, residual=residual, out=out, threads=threads)
+        return y if ln is None else layernorm(y, ln[0], ln[1], ln[2], out=y)
     m, k, f, n = x.shape[0], up.k, up.n, down.n
+    tail = ln_tail(residual, ln, m, n)
     _, up_blocks, up_ws = _plan(m, k, f, 1, False)
     _, down_blocks, down_ws = _plan(m, f, n, 1, False)
     h = output(hidden, (m, f), "hidden")
-    out = output(out, (m, n))
-    check_no_overlap(out, x, "x")
-    up_epi = (vector(up_bias, "up_bias", f), up_bias is not None, True, EMPTY, 0, 1, False)
-    _ffn_serial(x.reshape(-1), m, k, up.panels, f, up_blocks, up_epi, h.reshape(-1), down.panels,
-                n, down_blocks, _NO_EPI, out.reshape(-1), workspace(max(up_ws, down_ws)), EMPTY)
+    if out is None:  # a new array: nothing to overlap
+        out = np.empty((m, n), np.float32)
+    else:
+        out = output(out, (m, n))
+        check_no_overlap(out, x, "x")
+        check_no_overlap(out, residual, "residual")
+    _ffn_serial(x, up.panels, vector(up_bias, "up_bias", f), h, down.panels, out,
+                (up_blocks, down_blocks), workspace(max(up_ws, down_ws)),
+                vector(down_bias, "down_bias", n), tail)
     return out
-
-
-_NO_EPI = (EMPTY, False, False, EMPTY, 0, 1, False)
 
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,

@@ -18,6 +18,13 @@ Two GeMMs in a row where the first's only output feeds only the second, the firs
 and the second with neither bias nor activation (an MLP), run as one `K.ffn` call: the same
 arithmetic in one kernel call (its docstring says what that saves). GeMMs go through
 `K.gemm_any` / `K.ffn_any`, so a layer packed from an int8 folder runs the int8 kernels.
+On one process and one thread (float32 weights, no allocation counter), a layer's attention
+piece (QKV GeMM, attention, output GeMM) is one `K.attention_block` call and its MLP one
+`K.ffn` call, each with the add+ln that follows folded in (`_fusions`): four kernel calls a
+layer become two, and the add+ln spans go (their time is in the attention and ffn spans). An
+add+ln that runs alone goes through `add_layernorm_rows`, which checks only shapes. Inside a
+forward every kernel call's dispatch and checks run cold (the GeMMs push the interpreter out
+of the caches): ~20 us a call, so fewer calls and fewer arguments are most of the Python cost.
 
 Compute is traced as one span per (layer, piece) run of operators ("L3 attention", "L3 ffn"),
 collectives by the verbs; each layer's slice is fetched (`layers.get`, an "io" span: the
@@ -32,6 +39,7 @@ from hepti.counts import counts, offsets
 from hepti.graph.ir import BY_K, BY_ROWS, ON_PRIMARY, Graph
 from hepti.graph.lower import Step
 from hepti.graph.lower import mlp_pair as _mlp_pair
+from hepti.kernels.norm import add_layernorm_rows
 from hepti.model.livebytes import track
 
 
@@ -50,6 +58,8 @@ class Interpreter:
         self.threads = threads
         self.outside = outside.params if outside is not None else {}
         self._plan = self._prepare(steps)
+        self._rows: dict[int, tuple[list[int], int]] = {}  # token rows M -> (counts, my first)
+        self._fusion = self._fusions() if group.solo and threads == 1 else {}
 
     def _prepare(self, steps: list[Step]) -> list[tuple]:
         """The steps as entries to run: ("sync", kind, tensor) (none on a group of one), or
@@ -110,6 +120,84 @@ class Interpreter:
                            for a, b in e[1]]
         return out
 
+    def _fusions(self) -> dict[int, tuple]:
+        """Runs that one kernel call does on one process and one thread, by id of the run's
+        list: (kind, steps, the add+ln after them or None, that add+ln's entry or None).
+        "attention": a run that is exactly a QKV GeMM, attention on its own rows' keys and
+        values and the output GeMM (K.attention_block); "ffn": a run that is one MLP pair
+        (K.ffn). When the next entry is an add+ln of the run's output alone, of the same layer,
+        the kernel does it too, and `run` skips that entry (its span with it). Only when no
+        counter is told of the tensors between them, which then never reach `env`."""
+        readers: dict[str, int] = {}
+        for op in self.graph.prologue + self.graph.layer + self.graph.epilogue:
+            for t in op.inputs:
+                readers[t] = readers.get(t, 0) + 1
+        out = {}
+        for j, e in enumerate(self._plan):
+            if e[0] != "ops" or any(it[2] or it[0].own_rows for it in e[1]):
+                continue
+            items = e[1]
+            if len(items) == 3 and not any(it[1] for it in items):
+                a, b, c = (it[0] for it in items)
+                if (a.op.kind != "gemm" or b.op.kind != "attention" or c.op.kind != "gemm"
+                        or a.op.act or c.op.act or len(c.op.outputs) != 1
+                        or tuple(b.op.inputs) != tuple(a.op.outputs) or len(a.op.outputs) != 2
+                        or tuple(c.op.inputs) != tuple(b.op.outputs)):
+                    continue
+                q, kv = a.op.outputs
+                if 2 * self.graph.tensors[q].width != self.graph.tensors[kv].width:
+                    continue
+                kind, steps, last = "attention", (a, b, c), c
+            elif len(items) == 1 and items[0][1] is not None:
+                kind, steps, last = "ffn", (items[0][0], items[0][1]), items[0][1]
+            else:
+                continue
+            ln = nxt = None
+            if j + 1 < len(self._plan) and self._plan[j + 1][0] == "ops":
+                n_items = self._plan[j + 1][1]
+                s, pair, into, _ = n_items[0]
+                if (len(n_items) == 1 and pair is None and into is None
+                        and s.op.kind == "elementwise" and s.op.fn == "add_ln"
+                        and s.layer == last.layer and len(s.op.inputs) == 2
+                        and s.op.inputs[0] == last.op.outputs[0]
+                        and readers.get(last.op.outputs[0]) == 1):
+                    ln, nxt = s, self._plan[j + 1]
+            out[id(items)] = (kind, steps, ln, nxt)
+        return out
+
+    def _fused(self, fusion: tuple, run: list, env: dict, fused: dict, params,
+               ctx: "_Batch") -> bool:
+        """Run a run of `_fusions` as one kernel call; False (nothing run) where its weights are
+        not float32, it has no heads or units, or its add+ln cannot be folded in."""
+        kind, steps, ln, _ = fusion
+        last = steps[-1]
+        residual = ln_args = bias = None
+        if ln is not None:
+            bias, gamma, beta = params[ln.op.name]
+            residual, ln_args = env[ln.op.inputs[1]], (gamma, beta, ln.op.eps)
+        if kind == "attention":
+            a, b, c = steps
+            (wqkv, bqkv), (wo, bo) = params[a.op.name], params[c.op.name]
+            heads = b.op.heads if b.split == BY_ROWS else self.units[b.op.unit][self.g.rank]
+            if (not (isinstance(wqkv, K.PackedB) and isinstance(wo, K.PackedB)) or heads == 0
+                    or (ln is not None and bo is not None)):
+                return False
+            y = K.attention_block(env[a.op.inputs[0]], wqkv, bqkv, ctx.mask(env), heads, wo,
+                                  bo if ln is None else bias, residual=residual, ln=ln_args)
+        else:
+            a, b = steps
+            (w1, b1), (w2, _) = params[a.op.name], params[b.op.name]
+            if not (isinstance(w1, K.PackedB) and isinstance(w2, K.PackedB)):
+                return False
+            y = K.ffn(env[a.op.inputs[0]], w1, b1, w2, down_bias=bias, residual=residual,
+                      ln=ln_args)
+        env[(ln or last).op.outputs[0]] = y
+        for item in run + (ln and fusion[3][1] or []):
+            for t in item[3]:
+                env.pop(t, None)
+                fused.pop(t, None)
+        return True
+
     # --- one batch -----------------------------------------------------------------------
     def forward(self, batch, B: int, T: int, counter=None):
         """Run the schedule on one batch. `batch` (rank 0; None elsewhere) has the inputs
@@ -130,12 +218,20 @@ class Interpreter:
         running = [None]  # the step running, named only when a counter asks (off the hot path)
         env = track(env, counter, lambda: _step_name(running[0]))
         M = B * T
-        rc = counts(M, self.row_ratios)
-        r0 = offsets(rc)[g.rank]
+        rows = self._rows.get(M)
+        if rows is None:  # the same few batch sizes recur: their split is worked out once
+            rc = counts(M, self.row_ratios)
+            r0 = offsets(rc)[g.rank]
+            rows = self._rows[M] = (rc, r0)
+        rc, r0 = rows
         ctx = _Batch(B, T, M, rc, r0, slice(r0, r0 + rc[g.rank]))
         fused: dict[str, np.ndarray] = {}  # a GeMM's whole output, by each of its outputs
-        layer = None
+        layer = skip = None
         for entry in self._plan:
+            if entry is skip:  # an add+ln the previous run's kernel did: drop, release
+                if entry[2] is not None:
+                    self.layers.done(entry[2])
+                continue
             if entry[0] == "sync":
                 _, kind, t = entry
                 env[t] = self._sync(kind, t, env.get(t), ctx)
@@ -150,6 +246,9 @@ class Interpreter:
                 with tr.span(weights_label, "io"):
                     params = self.layers.get(layer).params
             with tr.span(label, "compute"):
+                fusion = self._fusion.get(id(run)) if counter is None else None
+                if fusion is not None and self._fused(fusion, run, env, fused, params, ctx):
+                    run, skip = (), fusion[3]
                 for item in run:
                     running[0] = item[0]
                     self._op(item, env, fused, params if first.layer is not None else self.outside,
@@ -232,8 +331,11 @@ class Interpreter:
                                                      row0=ctx.r0, threads=th)
         elif op.kind == "elementwise" and op.fn == "add_ln":
             bias, gamma, beta = params[op.name]
-            env[op.outputs[0]] = K.add_layernorm(ins[0], bias, ins[1], gamma, beta, op.eps,
-                                                 out=out)
+            if out is None:  # checks only shapes and rows: kernels made the inputs
+                env[op.outputs[0]] = add_layernorm_rows(ins[0], bias, ins[1], gamma, beta, op.eps)
+            else:
+                env[op.outputs[0]] = K.add_layernorm(ins[0], bias, ins[1], gamma, beta, op.eps,
+                                                     out=out)
         elif op.kind == "elementwise" and op.fn == "ln":
             gamma, beta = params[op.name]
             env[op.outputs[0]] = K.add_layernorm(ins[0], None, None, gamma, beta, op.eps, out=out)
