@@ -15,6 +15,19 @@ from hepti.kernels._views import EMPTY, check_float32, flat_rows, output, vector
 from hepti.kernels.config import FASTMATH_ROWS, JIT
 
 
+@njit(inline="always", fastmath=FASTMATH_ROWS, **JIT)
+def _normalise(yr, c, mean, inv_c, gamma, beta, eps):
+    """yr[j] = (yr[j] - mean) / sqrt(var + eps) * gamma[j] + beta[j] over a row of c floats
+    whose mean is given: the squared deviations, then the normalisation (the row in L1)."""
+    sq = np.float32(0.0)
+    for j in range(c):
+        d = yr[j] - mean
+        sq += d * d
+    rstd = np.float32(1.0) / np.sqrt(sq * inv_c + eps)
+    for j in range(c):
+        yr[j] = (yr[j] - mean) * rstd * gamma[j] + beta[j]
+
+
 @njit(fastmath=FASTMATH_ROWS, **JIT)
 def _add_layernorm(x, ldx, m, c, bias, has_bias, res, ldr, has_res, gamma, beta, eps, y, ldy):
     """y[i] = LayerNorm(x[i] (+ bias) (+ res[i])) * gamma + beta for i < m; rows of c floats.
@@ -48,14 +61,7 @@ def _add_layernorm(x, ldx, m, c, bias, has_bias, res, ldr, has_res, gamma, beta,
                 v = xr[j]
                 yr[j] = v
                 total += v
-        mean = total * inv_c
-        sq = np.float32(0.0)
-        for j in range(c):
-            d = yr[j] - mean
-            sq += d * d
-        rstd = np.float32(1.0) / np.sqrt(sq * inv_c + eps)
-        for j in range(c):
-            yr[j] = (yr[j] - mean) * rstd * gamma[j] + beta[j]
+        _normalise(yr, c, total * inv_c, inv_c, gamma, beta, eps)
 
 
 def add_layernorm(x: np.ndarray, bias: np.ndarray | None, residual: np.ndarray | None,
@@ -174,14 +180,7 @@ def layernorm_inplace(y, gamma, beta, eps):
         total = np.float32(0.0)
         for j in range(c):
             total += yr[j]
-        mean = total * inv_c
-        sq = np.float32(0.0)
-        for j in range(c):
-            d = yr[j] - mean
-            sq += d * d
-        rstd = np.float32(1.0) / np.sqrt(sq * inv_c + eps)
-        for j in range(c):
-            yr[j] = (yr[j] - mean) * rstd * gamma[j] + beta[j]
+        _normalise(yr, c, total * inv_c, inv_c, gamma, beta, eps)
 
 
 def embed_layernorm(ids: np.ndarray, token_type: np.ndarray, word: np.ndarray,
