@@ -466,10 +466,10 @@ def _padding_row(c, d_off, ldc, cols, j0, bias, res, r_off, ldr, has_res, act):
 def _i64(x):
     """x as a plain int64. Numba compiles a jitted callee once per distinct argument type, and
     a constant argument (0, MRF) or a parameter that a caller fixed (has_res=False) arrives as a
-    *literal* type, one compile per value: `direct_tiles_epi`, a fully unrolled 8 x 32 register
-    tile, takes ~60 s to compile, and its four call sites gave it eight specialisations, ~8 of
-    the fresh test suite's minutes. A call's result is never a literal, so wrapping each
-    argument leaves one specialisation."""
+    *literal* type, one compile per value: `direct_tiles_epi`, when it was a fully unrolled 8 x
+    32 tile of named scalars (~60 s to compile; the IR tile of `_tile_ir` takes seconds), got
+    eight specialisations from its four call sites, ~8 of the fresh test suite's minutes. A
+    call's result is never a literal, so wrapping each argument leaves one specialisation."""
     return np.int64(x)
 
 
