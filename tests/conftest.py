@@ -12,19 +12,6 @@ from helpers import (FIXTURES, ROOT, convert_mobilenet, convert_once, convert_ti
                      minilm_source)
 
 
-# Tests whose MPI ranks run the encoder's kernels in fresh processes: run first (the file order
-# puts test_bench_hetero third), both ranks compiled the float32 set cold at once, beside
-# tests/warm.py (139 s of the suite in a fresh clone, 64 s on a warm cache). Run last, they
-# find the cache the rest of the suite has filled. Nothing else depends on the order.
-RUN_LAST = ("tests/test_bench_hetero.py::test_quick_run_accounts_for_every_strategy",)
-
-
-def pytest_collection_modifyitems(config, items):
-    last = [item for item in items if item.nodeid in RUN_LAST]
-    if last:
-        items[:] = [item for item in items if item.nodeid not in RUN_LAST] + last
-
-
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES
