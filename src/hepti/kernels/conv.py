@@ -1230,8 +1230,12 @@ def _zero_padded(x: np.ndarray, geo: tuple) -> tuple[np.ndarray, tuple]:
     n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
     hp = max(h + pt, (ho - 1) * sh + (kh - 1) * dh + 1)
     wp = max(w + pl, (wo - 1) * sw + (kw - 1) * dw + 1)
-    if pt or pl or hp > h or wp > w:
-        xp = np.zeros((n, hp, wp, cin), np.float32)
+    if pt or pl or hp > h or wp > w:  # zeros only where x does not go (np.zeros wrote all)
+        xp = np.empty((n, hp, wp, cin), np.float32)
+        xp[:, :pt] = 0.0
+        xp[:, pt + h:] = 0.0
+        xp[:, pt:pt + h, :pl] = 0.0
+        xp[:, pt:pt + h, pl + w:] = 0.0
         xp[:, pt:pt + h, pl:pl + w] = x
         x, h, w = xp, hp, wp
     return x, (n, h, w, cin, ho, wo, kh, kw, sh, sw, 0, 0, dh, dw, cg)

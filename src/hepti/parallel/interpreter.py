@@ -57,6 +57,10 @@ class Interpreter:
         self.primary_ops, self.row_ratios, self.units = primary_ops, row_ratios, units
         self.threads = threads
         self.outside = outside.params if outside is not None else {}
+        self._readers: dict[str, int] = {}  # how many of the graph's operators read each tensor
+        for op in self.graph.prologue + self.graph.layer + self.graph.epilogue:
+            for t in op.inputs:
+                self._readers[t] = self._readers.get(t, 0) + 1
         self._plan = self._prepare(steps)
         self._rows: dict[int, tuple[list[int], int]] = {}  # token rows M -> (counts, my first)
         self._fusion = self._fusions() if group.solo and threads == 1 else {}
@@ -68,10 +72,7 @@ class Interpreter:
         reduce_scatter's buffer]), `release` the layer whose slice is done after the run (its
         last operator) or None, and the names of its compute span and of its layer's fetch."""
         out, run = [], []
-        readers: dict[str, int] = {}  # how many of the graph's operators read each tensor
-        for op in self.graph.prologue + self.graph.layer + self.graph.epilogue:
-            for t in op.inputs:
-                readers[t] = readers.get(t, 0) + 1
+        readers = self._readers
         for s in steps:
             if s.kind != "op":
                 if run:
@@ -128,10 +129,7 @@ class Interpreter:
         (K.ffn). When the next entry is an add+ln of the run's output alone, of the same layer,
         the kernel does it too, and `run` skips that entry (its span with it). Only when no
         counter is told of the tensors between them, which then never reach `env`."""
-        readers: dict[str, int] = {}
-        for op in self.graph.prologue + self.graph.layer + self.graph.epilogue:
-            for t in op.inputs:
-                readers[t] = readers.get(t, 0) + 1
+        readers = self._readers
         out = {}
         for j, e in enumerate(self._plan):
             if e[0] != "ops" or any(it[2] or it[0].own_rows for it in e[1]):
