@@ -10,7 +10,8 @@ The steps, all between batches on the front end's thread that talks to the worke
    and a plan that no longer fits is replaced whatever the speed);
 2. re-solve (`make_plan` on the re-fitted profile, at the recent batch shape, with the
    service's strategy) and compare with the current plan evaluated on the same profile;
-3. switch only if the predicted gain per batch, over the batches expected in `HORIZON_S`,
+3. switch only if the predicted gain per batch, over the batches expected in the horizon
+   (`HORIZON_S`, or how long conditions lasted of late where they moved more often: `_horizon`),
    beats the switch's cost (`SWITCH_COST_S`: the stall, and the slower batches while the next
    plan's weights load beside the serving one), and not within `COOLDOWN_S` of the last switch;
 4. `prepare`: every rank reads its new slices on a background thread (nothing if they are
@@ -46,6 +47,17 @@ from hepti.serve.protocol import CHECK_SIZES
 
 log = logging.getLogger("hepti")
 HORIZON_S = 10.0  # conditions are assumed to hold this long after a change
+# ... unless the service has seen them move more often than that: then the horizon is how long
+# they have lasted of late, the median gap between the last HORIZON_N re-plans on compute and
+# this decision (`_horizon`). CI at 64746ba (stop 55, a shared host): a neighbour's bursts
+# moved MiniLM's emulated ranks by 0.3-2.5x in turn, a compute re-plan every 0.3-1 s. Against
+# 10 s, predicted gains of 3-6 ms a batch at ~50 batches/s paid for switches the next burst
+# undid, and the plans each left behind (a previous plan's slices, an idle rank's standby copy
+# of the model) sat in node-b's memory as another program took it: the OOM killer took the
+# rank. A switch kept back only by a short horizon is decided again once its conditions have
+# held as long as it needs to pay (`redecide`), so a change that lasts is still acted on, a few
+# seconds late; changes as far apart as bench-adapt's (20 s and more) keep the full horizon.
+HORIZON_N = 3
 SWITCH_COST_S = 0.5  # what a switch costs, in seconds of serving, besides loading weights
 # Loading a rank's new slices competes with its serving for its CPU: bench-adapt's first runs
 # switched rows onto a 0.15-core device, whose 340 MB load took its batches from 0.8 to
@@ -180,6 +192,7 @@ class PlanWatcher:
         self.swing_range = SWING_RANGE
         self.last_link_check = -math.inf
         self.requested = None  # a plan asked for from outside (Supervisor.switch_plan)
+        self.redecide = None  # {"at", "since", "reason"}: a switch kept back by the horizon
         # per rank, the layer_spec of weights it still holds from a plan before (JSON, or None):
         # from each switch's answer, and dropped when a batch says the rank let them go
         self.held: list = [None] * self.base.world_size
@@ -257,6 +270,17 @@ class PlanWatcher:
                      "new_ratios": plan.ratios, "before": (list(self.factors), dict(self.links))}
             self.sup.replans.append(event)
             self._prepare(sock, plan, event)
+            return
+        if self.redecide is not None and time.time() >= self.redecide["at"] and \
+                now - self.last_switch > COOLDOWN_S:
+            held = time.time() - self.redecide["since"]
+            event = {"t": time.time(), "batch_shape": list(shape), "alarms": [],
+                     "before": (list(self.factors), dict(self.links)),
+                     "redecided": self.redecide["reason"],
+                     "reason": f"the conditions of the re-plan {held:.1f} s ago held "
+                               f"({self.redecide['reason']}): decided again"}
+            event["since"] = self.redecide["since"]
+            self._decide(sock, event, horizon=held)
             return
         alarms = observed if observed is not None else self._observe(shape, ranks_s)
         if self.confirming is not None:  # one more batch in the new regime sizes the step
@@ -659,10 +683,13 @@ class PlanWatcher:
         self._decide(sock, event)
 
     # --- deciding ------------------------------------------------------------------------------
-    def _decide(self, sock, event: dict, must: list[int] | None = None) -> None:
-        """Re-solve on the re-fitted profile and switch if it pays (or, `must`: ranks the
-        current plan overfills, if the new plan differs at all)."""
+    def _decide(self, sock, event: dict, must: list[int] | None = None,
+                horizon: float | None = None) -> None:
+        """Re-solve on the re-fitted profile and switch if it pays over the horizon (`_horizon`
+        unless given), or, `must`: ranks the current plan overfills, if the new plan differs
+        at all."""
         self.verifying = None  # a decision anew: the plan it leaves in force is checked anew
+        self.redecide = None
         B = int(statistics.median(s[0] for s in self.shapes))
         T = int(statistics.median(s[1] for s in self.shapes))
         t0 = time.perf_counter()
@@ -688,17 +715,26 @@ class PlanWatcher:
         now = predict(self.cfg, self.profile, self.plan, B, T).predicted_latency_s
         new = best.predicted_latency_s
         rate = self._batches_per_s()
+        horizon = self._horizon() if horizon is None else min(HORIZON_S, horizon)
         gain = now - new
         event.update(current_predicted_s=now, new_predicted_s=new, new_strategy=best.strategy,
-                     new_ratios=best.ratios, batches_per_s=rate)
+                     new_ratios=best.ratios, batches_per_s=rate, horizon_s=horizon)
         load_s = self._load_seconds(best)
         cost = SWITCH_COST_S + LOAD_COST_FRACTION * load_s
         event.update(load_s=load_s, switch_cost_s=cost)
         if must:
             event["overfilled_ranks"] = must
         if tried is not None or _same(best, self.plan) or \
-                (not must and (gain < MIN_GAIN * now or gain * rate * HORIZON_S < cost)):
+                (not must and (gain < MIN_GAIN * now or gain * rate * horizon < cost)):
             event["decision"] = "keep"
+            if tried is None and not _same(best, self.plan) and gain >= MIN_GAIN * now and \
+                    gain * rate * HORIZON_S >= cost and rate > 0:
+                # it would pay if its conditions last: decided again once they have lasted
+                since = event.get("since", time.time())  # the conditions' start
+                self.redecide = {"since": since,
+                                 "at": max(since + cost / (gain * rate), time.time() + 0.5),
+                                 "reason": event.get("redecided", event["reason"])}
+                event["redecide_in_s"] = cost / (gain * rate)
             # links as profiled: the communication's new level is this plan's normal, not a
             # change to act on again
             self._refitted(alarmed={a["rank"] for a in event["alarms"]},
@@ -1009,6 +1045,16 @@ class PlanWatcher:
             c.lam = max(c.lam, self.monitor.comm_lambda)
 
     # --- figures ---------------------------------------------------------------------------------
+    def _horizon(self) -> float:
+        """How long the conditions a decision is made on may be expected to hold (HORIZON_N):
+        HORIZON_S, or less where the re-plans on compute came more often than that."""
+        ts = [e["t"] for e in self.sup.replans
+              if any(a.get("kind") == "compute" for a in e.get("alarms", []))][-HORIZON_N:]
+        ts.append(time.time())  # this decision's
+        if len(ts) < 2:
+            return HORIZON_S
+        return min(HORIZON_S, statistics.median(b - a for a, b in zip(ts, ts[1:])))
+
     def _batches_per_s(self) -> float:
         t = self.batch_times
         return (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 1.0
