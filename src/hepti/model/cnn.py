@@ -15,6 +15,7 @@ import numpy as np
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL, Graph, build
 from hepti import kernels as K
 from hepti.kernels.inverted import InvertedBlock, inverted_residual
+from hepti.kernels.inverted_chain import InvertedChain
 
 
 class Weights:
@@ -34,6 +35,7 @@ class Weights:
         # `inverted`: a block's last op -> (its ops' names, their conv entries, InvertedBlock)
         self._blocks: dict = {}
         self._layers: dict = {}  # `layer`: a conv op's name -> (its conv entry, ConvLayer)
+        self._chains: dict = {}  # `chain`: its blocks' last ops' names -> (blocks, chain)
         for op in graph.ops:
             if op.kind == CONV:
                 rows = (conv_rows or {}).get(op.name)
@@ -66,6 +68,10 @@ class Weights:
         """A streamed conv's weights, read from the store and packed, until `drop`."""
         if name in self._later and name not in self.conv:
             self.streamed_bytes = max(self.streamed_bytes, self._load(*self._later[name]))
+
+    def streams(self, name: str) -> bool:
+        """Whether conv `name`'s weights are streamed (`fetch` before it runs)."""
+        return name in self._later
 
     def drop(self, name: str) -> None:
         if name in self._later:
@@ -100,6 +106,27 @@ class Weights:
         block = InvertedBlock(we, be, *parts[-2], *parts[-1])
         self._blocks[ops[-1].name] = (tuple(op.name for op in ops), parts, block)
         return block
+
+
+    def chain(self, runs) -> InvertedChain:
+        """The kernel of consecutive `inverted_block`s (runs: each block's ops), on their
+        weights (not streamed ones), made once and kept while its blocks are `inverted`'s.
+        The chain holds the blocks' weights in one buffer; the ConvWeights they came from
+        take its views of them too, so that they are held once."""
+        blocks = [self.inverted(ops) for ops in runs]
+        key = tuple(ops[-1].name for ops in runs)
+        hit = self._chains.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], blocks)):
+            return hit[1]
+        chain = InvertedChain(blocks)
+        for ops, block in zip(runs, blocks):
+            *e, d, p = ops
+            if e:
+                self.conv[e[0].name][0].panels = block.we
+            self.conv[d.name][0].taps = block.taps
+            self.conv[p.name][0].panels = block.wp
+        self._chains[key] = (blocks, chain)
+        return chain
 
 
 def tensors_reader(tensors: dict):
