@@ -251,8 +251,9 @@ def load_kernels(threads: int = 1) -> None:
     encoders. The kernels' Numba signatures depend on dtypes and ranks, not on sizes or on the
     model (the conv's path, rows or implicit im2col, is a run-time argument of one function), so
     a 1x1, a 3x3 at stride 2 with a residual, a depthwise 3x3, an inverted-residual block
-    (hepti.kernels.inverted), the pools, the head's GeMM and the pixels' NCHW -> NHWC copy
-    cover MobileNetV2, ResNet-50 and VGG-16 alike, on one rank or on bands of rows."""
+    (hepti.kernels.inverted) and a run of them (hepti.kernels.inverted_chain), the pools, the
+    head's GeMM and the pixels' NCHW -> NHWC copy cover MobileNetV2, ResNet-50 and VGG-16
+    alike, on one rank or on bands of rows."""
     rng = np.random.default_rng(0)
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     x = r(1, 8, 8, 16)  # NHWC
@@ -267,6 +268,9 @@ def load_kernels(threads: int = 1) -> None:
     pw = K.pack_conv_weight(r(16, 16, 1, 1))  # an inverted-residual block, fused (bands.py)
     inverted_residual(x, pw, r(16), dw, r(16), pw, r(16), 1, (1, 0), residual=r(1, 7, 8, 16))
     inverted_residual(x, None, None, dw, r(16), pw, r(16), 2)
+    InvertedChain([InvertedBlock(None, None, dw, r(16), pw, r(16)),  # a run of them (bands.py)
+                   InvertedBlock(pw, r(16), dw, r(16), pw, r(16))])(x, (1, 2), ((1, 1), (1, 0)),
+                                                                    (0, None))
     K.max_pool2d(x, 3, 2, 1, out=np.empty((1, 4, 4, 16), np.float32))
     K.avg_pool2d(x, 2)
     v = K.global_avg_pool(x)
