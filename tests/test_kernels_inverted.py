@@ -303,3 +303,26 @@ def test_band_executor_blocks_right_when_the_size_changes():
     np.testing.assert_array_equal(exs.forward(x), ex.forward(x))
     np.testing.assert_array_equal(exs.forward(pixels(1, 32, 32)), ex.forward(pixels(1, 32, 32)))
     assert not streamed._blocks and not streamed.conv  # dropped with their weights
+
+
+def test_band_executor_makes_a_run_again_when_a_conv_is_packed_again():
+    """A run of blocks is kept on its group while no conv's entry changed (`Weights.version`);
+    a conv packed again (here the same weights: new arrays) makes its chain again, on them."""
+    from hepti.graph.split import Split, spatial_ops
+    from hepti.model.livebytes import AllocationCounter
+    from hepti.parallel.bands import BandExecutor
+    from hepti.parallel.comm import Comm
+    model, pixels = _tiny_mobilenet()
+    g, weights = model.graph, model.weights
+    ex = BandExecutor(Comm(None), g, Split((1.0,), ((0, spatial_ops(g)),)), weights)
+    x = pixels(1, 40, 40)
+    want = ex.forward(x, counter=AllocationCounter())
+    np.testing.assert_array_equal(ex.forward(x), want)
+    (grp,) = ex.program(40, 40)
+    (before,) = [v[1] for v in grp.kernels.values()]
+    op = next(op for op in g.ops if op.name == "features.5.conv.1.0")  # a depthwise, mid-run
+    weights._load(op, None)
+    np.testing.assert_array_equal(ex.forward(x), want)
+    (after,) = [v[1] for v in grp.kernels.values()]
+    assert after is not before
+    assert np.shares_memory(weights.conv[op.name][0].taps, after.wts)
