@@ -15,6 +15,7 @@ import pytest
 
 from hepti.kernels import conv2d, naive, pack_conv_weight
 from hepti.kernels.inverted import InvertedBlock, inverted_residual, tile_rows
+from hepti.kernels.inverted_chain import InvertedChain
 
 RNG = np.random.default_rng(20261129)
 
@@ -160,6 +161,71 @@ def test_inverted_residual_rejects_bad_arguments():
         inverted_residual(x, e, be, d, bd, p, bp, out=x)
 
 
+# --- a run of blocks as one call (InvertedChain) ------------------------------------------------
+
+# per block: (cin, hid, cout, expand, stride, residual); a band's input rows and each block's
+# (pad top, bottom) and residual rows (its output's offset in its input band)
+CHAIN = [(16, 16, 16, False, 1, True), (16, 96, 24, True, 2, False), (24, 144, 24, True, 1, True),
+         (24, 144, 32, True, 2, False), (32, 192, 32, True, 1, True), (32, 48, 16, True, 1, False)]
+
+
+@pytest.mark.parametrize("n,h,w,pads,rows", [
+    (1, 21, 19, ((1, 1),) * 6, (0,) * 6),  # a whole map
+    (2, 13, 10, ((1, 1),) * 6, (0,) * 6),  # batch 2
+    (1, 30, 12, ((0, 0),) * 6, (1, 0, 1, 0, 1, 0)),  # a band inside the map: halos each side
+    (1, 27, 9, ((1, 0),) * 6, (0,) * 6),  # a band at the top
+])
+def test_inverted_chain_is_its_blocks_one_by_one(n, h, w, pads, rows):
+    """The chain's output equals (bit for bit) its blocks run one by one, each block's residual
+    its input's rows that its output rows are; the blocks' weights then live in the chain's
+    buffer, and the blocks alone still give the same."""
+    blocks = [InvertedBlock(*packed(block(ci, hi, co, e))) for ci, hi, co, e, _, _ in CHAIN]
+    strides = tuple(c[4] for c in CHAIN)
+    res_rows = tuple(r if c[5] else None for c, r in zip(CHAIN, rows))
+    x = rand(n, h, w, CHAIN[0][0])
+    want = x
+    for blk, s, pad, rr in zip(blocks, strides, pads, res_rows):
+        y = blk(want, s, pad)
+        res = None if rr is None else np.ascontiguousarray(want[:, rr:rr + y.shape[1]])
+        want = blk(want, s, pad, res)
+    chain = InvertedChain(blocks)
+    for _ in range(2):  # the second time on the kept plan and workspaces
+        np.testing.assert_array_equal(chain(x, strides, pads, res_rows), want)
+    assert all(np.shares_memory(b.wp, chain.wts) for b in blocks)
+    out = np.empty_like(want)
+    assert chain(x, strides, pads, res_rows, out=out) is out
+    np.testing.assert_array_equal(out, want)
+    one = x
+    for blk, s, pad, rr in zip(blocks, strides, pads, res_rows):  # the views: the same weights
+        y = blk(one, s, pad)
+        res = None if rr is None else np.ascontiguousarray(one[:, rr:rr + y.shape[1]])
+        one = blk(one, s, pad, res)
+    np.testing.assert_array_equal(one, want)
+
+
+def test_inverted_chain_rejects_bad_arguments():
+    a = InvertedBlock(*packed(block(8, 24, 8)))
+    b = InvertedBlock(*packed(block(16, 48, 8)))
+    with pytest.raises(ValueError, match="input channels"):
+        InvertedChain([a, b])
+    with pytest.raises(ValueError, match="at least one"):
+        InvertedChain([])
+    chain = InvertedChain([a, InvertedBlock(*packed(block(8, 24, 8)))])
+    x = rand(1, 8, 8, 8)
+    with pytest.raises(ValueError, match="channels"):
+        chain(rand(1, 8, 8, 4), (1, 1), ((1, 1), (1, 1)), (None, None))
+    with pytest.raises(ValueError, match="one entry per block"):
+        chain(x, (1,), ((1, 1),), (None,))
+    with pytest.raises(ValueError, match="residual"):
+        chain(x, (1, 2), ((1, 1), (1, 1)), (None, 0))  # stride 2: no residual
+    with pytest.raises(ValueError, match="residual"):
+        chain(x, (1, 1), ((0, 0), (1, 1)), (3, None))  # rows past the band
+    with pytest.raises(ValueError, match="residual"):
+        chain(rand(2, 8, 8, 8), (1, 1), ((0, 0), (1, 1)), (1, None))  # batch 2: not one piece
+    with pytest.raises(ValueError, match="overlaps"):
+        chain(x, (1, 1), ((1, 1), (1, 1)), (None, None), out=x)
+
+
 # --- the band executor ------------------------------------------------------------------------
 
 def _tiny_mobilenet():
@@ -196,6 +262,13 @@ def test_band_executor_runs_blocks_fused_where_it_can(groups):
     else:
         assert fused["features.1.conv.0.0"] == 2 and fused["features.3.conv.0.0"] == 3
         assert ("features.2.conv.0.0" in fused) == (groups == "one")
+    # runs of blocks as one call: from block 1 on with one group; after the cut with two
+    chains = {grp.ops[j][0].name: len(blocks) for grp in ex.program(48, 40)
+              for j, blocks in getattr(grp, "chains", {}).items()}
+    if groups == "one":
+        assert chains["features.1.conv.0.0"] == 17
+    elif groups == "cut":
+        assert chains["features.1.conv.0.0"] == 1 and chains["features.3.conv.0.0"] == 15
     # a tap on a block's inner map: that block runs op by op, and the tap is its band
     taps = {"features.3.conv.0": None}
     np.testing.assert_array_equal(ex.forward(x, taps=taps), want)
@@ -230,3 +303,26 @@ def test_band_executor_blocks_right_when_the_size_changes():
     np.testing.assert_array_equal(exs.forward(x), ex.forward(x))
     np.testing.assert_array_equal(exs.forward(pixels(1, 32, 32)), ex.forward(pixels(1, 32, 32)))
     assert not streamed._blocks and not streamed.conv  # dropped with their weights
+
+
+def test_band_executor_makes_a_run_again_when_a_conv_is_packed_again():
+    """A run of blocks is kept on its group while no conv's entry changed (`Weights.version`);
+    a conv packed again (here the same weights: new arrays) makes its chain again, on them."""
+    from hepti.graph.split import Split, spatial_ops
+    from hepti.model.livebytes import AllocationCounter
+    from hepti.parallel.bands import BandExecutor
+    from hepti.parallel.comm import Comm
+    model, pixels = _tiny_mobilenet()
+    g, weights = model.graph, model.weights
+    ex = BandExecutor(Comm(None), g, Split((1.0,), ((0, spatial_ops(g)),)), weights)
+    x = pixels(1, 40, 40)
+    want = ex.forward(x, counter=AllocationCounter())
+    np.testing.assert_array_equal(ex.forward(x), want)
+    (grp,) = ex.program(40, 40)
+    (before,) = [v[1] for v in grp.kernels.values()]
+    op = next(op for op in g.ops if op.name == "features.5.conv.1.0")  # a depthwise, mid-run
+    weights._load(op, None)
+    np.testing.assert_array_equal(ex.forward(x), want)
+    (after,) = [v[1] for v in grp.kernels.values()]
+    assert after is not before
+    assert np.shares_memory(weights.conv[op.name][0].taps, after.wts)

@@ -47,6 +47,7 @@ allocation counter (hepti.model.livebytes) passed to `forward` measures what is 
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -299,17 +300,17 @@ class BandExecutor:
                             del have[t]
                     step += 1
                 continue
-            fused = {} if counter is not None or self.threads != 1 else \
-                self._fusions(grp, taps)
+            chains = {} if counter is not None or self.threads != 1 else \
+                self._chains(grp, taps)
             with comm.tracer.span(grp.name, "compute"):
-                skip = 0
-                for j, (op, r, (i0, i1), pad, frees, _, alloc) in enumerate(grp.ops):
+                entries = enumerate(grp.ops)
+                for j, (op, r, (i0, i1), pad, frees, _, alloc) in entries:
                     if counter is not None:  # the step an allocation is charged to
                         running[0] = op.name
-                    if skip:  # inside a block run as one kernel: its input already let go
-                        skip -= 1
-                    elif j in fused:
-                        skip = self._run_fused(grp.ops[j:j + fused[j]], have, shapes, taps)
+                    if j in chains:  # then past the entries it ran (what they read let go)
+                        skip = self._run_chain(grp, chains[j], have, shapes, taps)
+                        next(itertools.islice(entries, skip, skip), None)
+                        step += skip
                     elif r is not None:
                         x = have[op.input].rows(i0, i1)
                         res = have[op.residual].rows(*r) if op.residual is not None else None
@@ -368,6 +369,75 @@ class BandExecutor:
             return grp.fused
         return {j: k for j, k in grp.fused.items()
                 if not any(e[0].output in taps for e in grp.ops[j:j + k - 1])}
+
+    def _chains(self, grp: "_Group", taps: dict | None) -> dict[int, list[tuple[int, int]]]:
+        """{position in grp.ops: [(position, length) of each block]} of each run of
+        `_fusions`' blocks that hepti.kernels.inverted_chain runs as one call: each block
+        next to the one before in the sequence, reading its output rows as they are, that
+        output read by this block alone (not widened, not tapped) and let go in it; each
+        block's residual, if any, its own input; no streamed weights. A block on its own is
+        a run of one."""
+        if not taps and hasattr(grp, "chains"):
+            return grp.chains
+        fused, ops = self._fusions(grp, taps), grp.ops
+        out, cur = {}, None
+        for j in sorted(fused):
+            k = fused[j]
+            run = ops[j:j + k]
+            ok = run[-1][0].residual in (None, run[0][0].input) and \
+                (run[-1][0].residual is None or
+                 run[0][2][0] <= run[-1][1][0] and run[-1][1][1] <= run[0][2][1]) and \
+                not any(self.weights.streams(e[0].name) for e in run)
+            if ok and cur is not None and cur[-1][0] + cur[-1][1] == j:
+                last = ops[j - 1]
+                t = last[0].output
+                if run[0][0].input == t and run[0][2] == last[1] and last[6] is None and \
+                        any(t in e[4] for e in run) and not (taps and t in taps):
+                    cur.append((j, k))
+                    continue
+            cur = [(j, k)] if ok else None
+            out[j] = cur if ok else [(j, k)]
+        if not taps:
+            grp.chains = out
+        return out
+
+    def _run_chain(self, grp: "_Group", blocks, have, shapes, taps) -> int:
+        """A run of blocks (`_chains`) as one kernel call (an InvertedChain on their
+        weights): the last block's rows, as `_run_fused` on each in turn would make them.
+        Returns how many of the group's next entries it ran."""
+        at = (blocks[0][0], blocks[-1][0])  # (taps may end a run sooner)
+        kept = grp.__dict__.setdefault("kernels", {}).get(at)
+        if kept is None:  # what does not change from one forward to the next
+            runs = [grp.ops[j:j + k] for j, k in blocks]
+            dws = [run[-2] for run in runs]
+            kept = grp.kernels[at] = [
+                None, None, runs,
+                tuple(None if run[-1][0].residual is None else run[-1][1][0] - run[0][2][0]
+                      for run in runs),
+                tuple(d[0].stride for d in dws),
+                tuple(d[3] if d[3] is not None else (d[0].padding, d[0].padding) for d in dws),
+                tuple(t for run in runs for e in run for t in e[4])]
+        version, chain, runs, res_rows, strides, pads, frees = kept
+        x = have[runs[0][0][0].input].rows(*runs[0][0][2])
+        if len(runs) == 1 or (x.shape[0] > 1 and any(res_rows)):  # a residual not in one piece
+            return sum(self._run_fused(run, have, shapes, taps) + 1 for run in runs) - 1
+        if version != self.weights.version:  # a conv's entry was made or let go since
+            chain = self.weights.chain([[e[0] for e in run] for run in runs])
+            kept[0], kept[1] = self.weights.version, chain  # (Weights.chain checks each op's:
+        last = runs[-1][-1]  # ~10 us hot, 20-40 in a forward)
+        p = last[0]
+        alloc, r, out, buf = last[6], last[1], None, None
+        if alloc is not None and x.shape[0] == 1:  # room for the halos to come
+            buf = np.empty((1, alloc[1] - alloc[0]) + tuple(shapes[p.output][1:]), np.float32)
+            out = buf[:, r[0] - alloc[0]:r[1] - alloc[0]]
+        y = chain(np.ascontiguousarray(x), strides, pads, res_rows, out=out)
+        have[p.output] = Band(r[0], y) if buf is None else Band(r[0], y, alloc[0], buf)
+        if taps is not None and p.output in taps:
+            taps[p.output] = y
+        for t in frees:
+            if t in have:
+                del have[t]
+        return sum(len(run) for run in runs) - 1
 
     def _run_fused(self, run, have, shapes, taps) -> int:
         """One inverted-residual block (`_fusions`) on this rank's bands: the project's rows,
