@@ -112,7 +112,6 @@ class Weights:
         self._blocks[ops[-1].name] = (tuple(op.name for op in ops), parts, block)
         return block
 
-
     def chain(self, runs) -> InvertedChain:
         """The kernel of consecutive `inverted_block`s (runs: each block's ops), on their
         weights (not streamed ones), made once and kept while its blocks are `inverted`'s.
