@@ -202,12 +202,14 @@ def test_conv2d_fused_modes_against_naive(n, h, w, cin, cout, k, stride, padding
     (1, 12, 10, 24, 64, 2, 1),  # the 3x3 at stride 2
     (1, 6, 7, 16, 256, 1, 2),  # two threads (8 panels)
     (1, 15, 7, 16, 32, 2, 2),  # two threads, 105 = 13 * 8 + 1, stride 2
+    (1, 5, 16, 16, 32, 1, 1),  # rows of whole tiles: _MODE_ROWS_FUSED alone, padded here
 ])
 def test_conv_layer_pair_writes_into_the_bordered_map(n, h, w, cin, cmid, stride, threads):
     """A 1x1 written straight into the zero-bordered map the next 3x3 reads in place
     (`ConvLayer.into`, `ConvLayer.bordered`): the map's interior is the 1x1's output (against
     the naive twin, and bit-equal to its own `_MODE_FLAT` run), its border zero, and the 3x3's
-    output bit-equal to the 3x3 on the 1x1's output as usual (its own zero-padded copy)."""
+    output bit-equal to the 3x3 on the 1x1's output as usual (its own zero-padded copy, or
+    in place with its border tiles gathered: `conv.BORDERED_ROWS`)."""
     w1, b1, w2, b2 = rand(cmid, cin, 1, 1), rand(cmid), rand(cmid, cmid, 3, 3), rand(cmid)
     first = conv.ConvLayer(conv.pack_conv_weight(w1), b1, relu="relu")
     second = conv.ConvLayer(conv.pack_conv_weight(w2), b2, stride, relu="relu")

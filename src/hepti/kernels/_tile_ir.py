@@ -24,7 +24,9 @@ Here the accumulators are <16 x float> values from the start (mem2reg'd allocas)
 `llvm.fma.v16f32`, the activation `llvm.maxnum` / `llvm.minnum`: plain LLVM IR, no x86
 intrinsics, so an AVX2 CPU gets the same tile as pairs of ymm registers.
 `tile_gathered{8,4,1}` take each row's start from an array (conv.py's `_MODE_PADDED`: tiles
-whose rows cross output rows of a zero-padded x).
+whose rows cross output rows of a zero-padded x); `tile_scattered{8,4,1}` also store each
+row at an offset from an array (conv.py's `_into_fused`: a 1x1's output written into the
+interior of the zero-bordered map the next convolution reads).
 
 Numba's own cache does not see this file change under the cached kernels that inline it
 (_microkernels.py's, conv.py's); hepti.kernels._cache does (each module's stamp covers the

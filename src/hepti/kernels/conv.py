@@ -102,6 +102,16 @@ the same layers are 20, 10 and 5 wide): 3x3 28x28x128 2.14 -> 2.03 ms / 1.11 -> 
 stride 2 1.88 -> 1.84 / 0.96 -> 0.94, the stem 2.26 -> 2.17 / 1.18 -> 1.11; the 7x7 maps
 unchanged.
 
+Bordered pairs (2026-11-30). That copy goes too where a 1x1 at stride 1 makes the map: the
+1x1 (`ConvLayer.into`, `_into_fused`) stores each tile's rows at offsets of their own
+(`_tile_ir.tile_scattered8`), into the interior of the zero-bordered map the next
+convolution reads in place (`ConvLayer.border`, `ConvLayer.bordered`; hepti.model.cnn
+`apply_pair`, ResNet-50's bottleneck). A 3x3 that would run `_MODE_ROWS_FUSED` runs
+`_MODE_PADDED` on such a map (`BORDERED_ROWS`: no gathered border tiles). Outputs bit-equal.
+Interleaved per pair (1x1 then 3x3, ResNet-50's shapes, 1 thread, load ~8, 41-61 rounds):
+0.97-0.99x the time at 160 (0.32 ms a forward), 0.965-0.97x at stride 2 and 0.99-1.0x
+elsewhere at 224 (0.37 ms a forward).
+
 `depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
 loop over contiguous channels innermost (it vectorises). A 3x3 at stride 1 or 2 runs an
 explicit-vector LLVM IR kernel over bands of rows (`_dw_ir`): per 16-channel block the nine
@@ -160,6 +170,10 @@ _FUSED_MODES = (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED, _MODE_PADDED)
 # 0.95-0.96x the time at 224, 0.94x at 160; at stride 1 VGG-16's first layer, 3 x 3 = 9,
 # measured 1.00-1.02x, and a 3x3 on 64 channels, 192, 1.00x: they keep _MODE_ROWS_FUSED)
 PADDED_RUN = 64
+# a convolution that would run _MODE_ROWS_FUSED runs _MODE_PADDED where the layer before it
+# writes its input into a zero-bordered map (ConvLayer.border; ResNet-50's 3x3s on 56-wide
+# maps): no copy to make there, and no gathered border tiles
+BORDERED_ROWS = True
 
 
 class ConvWeight:
@@ -1460,7 +1474,8 @@ class ConvLayer:
             self.bias_v = vector(bias, "bias", w.cout)
             # the fused store always adds a bias
             self.bias_f = np.zeros(w.cout, np.float32) if bias is None else self.bias_v
-        self._shapes: dict = {}  # (x's shape, padding, threads) -> `_shape`
+        # (x's shape, padding, threads) -> `_shape`; also `_bordered_plan`'s and `into`'s
+        self._shapes: dict = {}
 
     def _shape(self, x_shape: tuple, padding, threads) -> tuple:
         """(the output's shape, geo, `_conv_shape`'s plan) for x of this shape (checked here,
@@ -1519,16 +1534,32 @@ class ConvLayer:
     # the interior of the zero-bordered map the second reads in place (`border`, `into`,
     # `bordered`), and `_zero_padded`'s copy of it goes (hepti.model.cnn `apply_pair`).
 
-    def border(self, x_shape: tuple, padding, threads: int = 1) -> tuple | None:
-        """The extent (hp, wp, top, left) of the zero-bordered map this layer would copy x of
-        this shape into (`_MODE_PADDED`), None when it reads x otherwise."""
-        if self.w.depthwise:
-            return None
-        _, geo, plan = self._shapes.get((x_shape, padding, threads)) or \
+    def _bordered_plan(self, x_shape: tuple, padding, threads) -> tuple | None:
+        """`_shape`'s (output shape, geo, plan) with the plan `_MODE_PADDED`'s, where this
+        layer reads x of this shape from a zero-bordered map when one is given: where it makes
+        that map itself, and where it runs `_MODE_ROWS_FUSED` (with BORDERED_ROWS), whose
+        gathered border tiles cost about what the copy did; None elsewhere."""
+        key = ("bordered", x_shape, padding, threads)
+        got = self._shapes.get(key)
+        if got is not None or key in self._shapes:
+            return got
+        cw = self.w
+        shape, geo, plan = self._shapes.get((x_shape, padding, threads)) or \
             self._shape(x_shape, padding, threads)
-        if plan is None or plan[0] != _MODE_PADDED:
-            return None
-        return _padded_extent(geo)
+        if cw.depthwise or plan is None or not (
+                plan[0] == _MODE_PADDED or BORDERED_ROWS and plan[0] == _MODE_ROWS_FUSED):
+            got = None
+        else:
+            got = (shape, geo, plan if plan[0] == _MODE_PADDED else _conv_shape(
+                cw.kh, cw.kw, cw.cout, cw.groups, geo, int(threads), _MODE_PADDED))
+        self._shapes[key] = got
+        return got
+
+    def border(self, x_shape: tuple, padding, threads: int = 1) -> tuple | None:
+        """The extent (hp, wp, top, left) of the zero-bordered map this layer reads x of this
+        shape from when given one (`_bordered_plan`), None when it reads x otherwise."""
+        got = self._bordered_plan(x_shape, padding, threads)
+        return None if got is None else _padded_extent(got[1])
 
     def into(self, x: np.ndarray, extent: tuple, threads: int = 1) -> np.ndarray | None:
         """This layer (a 1x1 at stride 1 without padding, `_MODE_FLAT`) on x, written into
@@ -1567,10 +1598,8 @@ class ConvLayer:
         """This layer on the map x of x_shape held in xp, the zero-bordered map of `border`'s
         extent (from `into`): as `__call__` on x, with no copy of it."""
         cw = self.w
-        shape, geo, plan = self._shapes.get((x_shape, padding, threads)) or \
-            self._shape(x_shape, padding, threads)
-        if plan is None or plan[0] != _MODE_PADDED or xp.shape[:3] != (
-                x_shape[0],) + _padded_extent(geo)[:2]:
+        shape, geo, plan = self._bordered_plan(x_shape, padding, threads) or (None, None, None)
+        if plan is None or xp.shape[:3] != (x_shape[0],) + _padded_extent(geo)[:2]:
             raise ValueError(f"xp {xp.shape} is not the bordered map this layer reads for x "
                              f"{x_shape} (padding {padding})")
         y = np.empty(shape, np.float32)
