@@ -162,17 +162,23 @@ def apply_inverted(ops, x: np.ndarray, weights: Weights, residual: np.ndarray | 
                                  residual, out)
 
 
+def pairable(first, second) -> bool:
+    """Whether second may read first's output from a zero-bordered map first writes
+    (`bordered_pair` says whether it does, for an input's shape): first a 1x1 at stride 1
+    without padding or residual, second a convolution (not depthwise) reading its output."""
+    return (first.kind == CONV == second.kind and second.input == first.output
+            and first.kernel == 1 and first.stride == 1 and first.padding == 0
+            and first.dilation == 1 and first.groups == 1 and first.residual is None
+            and not second.depthwise and second.residual != first.output)
+
+
 def bordered_pair(first, second, x_shape: tuple, weights: Weights, pad: tuple[int, int],
                   threads: int = 1) -> tuple | None:
     """Whether `apply_pair` can run first then second (reading first's output, x_shape) with
-    no copy between them: first a 1x1 at stride 1 without padding or residual, second a
-    convolution that reads a zero-bordered copy of its input (hepti.kernels.conv
-    `_MODE_PADDED`); the extent of that map (`ConvLayer.border`), else None. pad: second's
-    (top, bottom), as `apply`'s."""
-    if not (first.kind == CONV == second.kind and second.input == first.output
-            and first.kernel == 1 and first.stride == 1 and first.padding == 0
-            and first.dilation == 1 and first.groups == 1 and first.residual is None
-            and not second.depthwise and second.residual != first.output):
+    no copy between them: `pairable`, and second reads a zero-bordered copy of its input
+    (hepti.kernels.conv `_MODE_PADDED`); the extent of that map (`ConvLayer.border`), else
+    None. pad: second's (top, bottom), as `apply`'s."""
+    if not pairable(first, second):
         return None
     return weights.layer(second).border(x_shape, pad + (second.padding, second.padding),
                                         threads)

@@ -60,7 +60,7 @@ from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, fir
                                spatial_ops, union)
 from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo, from_cnn
 from hepti.model.cnn import (adaptive_avg_pool, apply, apply_inverted, apply_pair,
-                             bordered_pair, inverted_block)
+                             bordered_pair, inverted_block, pairable)
 from hepti.model.livebytes import track
 from hepti.order.search import executor_order
 
@@ -376,17 +376,18 @@ class BandExecutor:
                 if not any(e[0].output in taps for e in grp.ops[j:j + k - 1])}
 
     def _pairs(self, grp: "_Group", fused: dict, taps: dict | None) -> tuple:
-        """The positions in grp.ops of each op whose output the next op alone reads, both
-        convolutions with every row to make (a group of one rank: no halo), not inside an
-        inverted block, its output not tapped: where `_run_pair` may write it straight into
-        the zero-bordered map the next op reads (hepti.model.cnn `bordered_pair` decides)."""
+        """The positions in grp.ops of each op whose output the next op alone reads, the two
+        `pairable` (hepti.model.cnn), both with every row to make (a group of one rank: no
+        halo), not inside an inverted block, its output not tapped: where `_run_pair` may
+        write it straight into the zero-bordered map the next op reads (`bordered_pair`
+        decides, per input shape)."""
         if not hasattr(grp, "pairs"):
             ops = grp.ops
             grp.pairs = tuple(
                 j for j, (a, b) in enumerate(zip(ops, ops[1:]))
-                if a[0].kind == CONV == b[0].kind and b[0].input == a[0].output
-                and a[0].output in b[4] and a[1] is not None and b[1] is not None
-                and a[5] is None and b[5] is None and a[6] is None and b[2] == a[1])
+                if pairable(a[0], b[0]) and a[0].output in b[4] and a[1] is not None
+                and b[1] is not None and a[5] is None and b[5] is None and a[6] is None
+                and b[2] == a[1])
         skip = {j + i for j, k in fused.items() for i in range(k)}
         return tuple(j for j in grp.pairs if j not in skip and not (
             taps and grp.ops[j][0].output in taps))
