@@ -61,6 +61,27 @@ def test_tiny_cnns_match_torchvision(name, resnet_tiny_dir, vgg_tiny_dir):
         _close(taps["layer4.2"].transpose(0, 3, 1, 2), e["layer4"])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bordered_pairs_change_no_bit(resnet_tiny_dir, monkeypatch, threads):
+    """ResNet's 1x1 written straight into the zero-bordered map of the 3x3 after it
+    (BandExecutor._pairs: layer4's at 1/16 width, the only stage with whole 32-wide panels)
+    gives the logits bit for bit those of the ops one by one."""
+    from hepti.parallel import bands
+    from hepti.parallel.single import SingleCNN
+    from hepti.weights import WeightStore
+    pixels = np.load(FIXTURES / "resnet50_tiny_expected.npz")["pixels"].astype(np.float32)
+    with WeightStore(resnet_tiny_dir) as store:
+        model = SingleCNN.from_store(store, threads=threads)
+    ran = []
+    run_pair = bands.BandExecutor._run_pair
+    monkeypatch.setattr(bands.BandExecutor, "_run_pair",
+                        lambda self, *a: ran.append(run_pair(self, *a)) or ran[-1])
+    paired = model.forward(pixels)
+    assert sum(ran) == 3  # layer4's three blocks
+    monkeypatch.setattr(bands.BandExecutor, "_pairs", lambda self, *a: ())
+    np.testing.assert_array_equal(paired, model.forward(pixels))
+
+
 def test_graph_names_every_torchvision_tensor(mobilenet_dir):
     """The graph reads every tensor of torchvision's state_dicts (nothing silently unused) and
     the stored weights are what the graph says."""

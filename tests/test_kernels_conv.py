@@ -195,6 +195,44 @@ def test_conv2d_fused_modes_against_naive(n, h, w, cin, cout, k, stride, padding
     assert_conv_close(y, x, wt, bias, stride, padding, 1, 1, residual, act)
 
 
+@pytest.mark.parametrize("n,h,w,cin,cmid,stride,threads", [
+    (1, 7, 7, 16, 32, 1, 1),  # 49 pixels: a short last tile of 1 (4 + 1s past 6 full tiles)
+    (1, 9, 14, 40, 64, 1, 1),  # tiles crossing rows, two panels
+    (2, 5, 5, 8, 32, 1, 1),  # batch 2: tiles crossing images, 50 = 6 * 8 + 2
+    (1, 12, 10, 24, 64, 2, 1),  # the 3x3 at stride 2
+    (1, 6, 7, 16, 256, 1, 2),  # two threads (8 panels)
+    (1, 15, 7, 16, 32, 2, 2),  # two threads, 105 = 13 * 8 + 1, stride 2
+    (1, 5, 16, 16, 32, 1, 1),  # rows of whole tiles: _MODE_ROWS_FUSED alone, padded here
+])
+def test_conv_layer_pair_writes_into_the_bordered_map(n, h, w, cin, cmid, stride, threads):
+    """A 1x1 written straight into the zero-bordered map the next 3x3 reads in place
+    (`ConvLayer.into`, `ConvLayer.bordered`): the map's interior is the 1x1's output (against
+    the naive twin, and bit-equal to its own `_MODE_FLAT` run), its border zero, and the 3x3's
+    output bit-equal to the 3x3 on the 1x1's output as usual (its own zero-padded copy, or
+    in place with its border tiles gathered: `conv.BORDERED_ROWS`)."""
+    w1, b1, w2, b2 = rand(cmid, cin, 1, 1), rand(cmid), rand(cmid, cmid, 3, 3), rand(cmid)
+    first = conv.ConvLayer(conv.pack_conv_weight(w1), b1, relu="relu")
+    second = conv.ConvLayer(conv.pack_conv_weight(w2), b2, stride, relu="relu")
+    x, pad = rand(n, h, w, cin), (1, 1, 1, 1)
+    mid = first(x, 0, threads=threads)
+    extent = second.border(mid.shape, pad, threads)
+    assert extent is not None and first.border(x.shape, 0, threads) is None
+    xp = first.into(x, extent, threads)
+    hp, wp, top, left = extent
+    assert xp.shape == (n, hp, wp, cmid)
+    inner = xp[:, top:top + h, left:left + w]
+    assert_conv_close(inner, x, w1, b1, act="relu")
+    np.testing.assert_array_equal(inner, mid)
+    border = xp.copy()
+    border[:, top:top + h, left:left + w] = 0.0
+    assert not border.any()
+    y = second.bordered(xp, mid.shape, pad, threads=threads)
+    np.testing.assert_array_equal(y, second(mid, pad, threads=threads))
+    assert second.into(mid, extent, threads) is None  # a 3x3 is not written into a map
+    with pytest.raises(ValueError, match="bordered map"):
+        second.bordered(xp[:, 1:].copy(), mid.shape, pad, threads=threads)
+
+
 def test_conv2d_fused_modes_refuse_partial_panels():
     """A fused mode asked for where Cout leaves a partial panel is an error, not a wrong
     answer."""

@@ -24,7 +24,9 @@ Here the accumulators are <16 x float> values from the start (mem2reg'd allocas)
 `llvm.fma.v16f32`, the activation `llvm.maxnum` / `llvm.minnum`: plain LLVM IR, no x86
 intrinsics, so an AVX2 CPU gets the same tile as pairs of ymm registers.
 `tile_gathered{8,4,1}` take each row's start from an array (conv.py's `_MODE_PADDED`: tiles
-whose rows cross output rows of a zero-padded x).
+whose rows cross output rows of a zero-padded x); `tile_scattered{8,4,1}` also store each
+row at an offset from an array (conv.py's `_into_fused`: a 1x1's output written into the
+interior of the zero-bordered map the next convolution reads).
 
 Numba's own cache does not see this file change under the cached kernels that inline it
 (_microkernels.py's, conv.py's); hepti.kernels._cache does (each module's stamp covers the
@@ -50,15 +52,19 @@ def _vptr(builder, base, index):
     return builder.bitcast(builder.gep(base, [index]), _V.as_pointer())
 
 
-def _make(mr: int, gathered: bool = False):
+def _make(mr: int, gathered: bool = False, scattered: bool = False):
     """The intrinsic for an mr x 32 tile; `gathered`: ao is an int64 array, row i of the tile
-    starting at a[ao[i]] (lda unused), for tiles whose rows cross output rows."""
+    starting at a[ao[i]] (lda unused), for tiles whose rows cross output rows; `scattered`
+    (with gathered): co is one too, row i stored at c[co[i]] (ldc unused), for a tile whose
+    output rows cross rows of a zero-bordered map (conv.py's `_into_fused`)."""
 
     @intrinsic
     def tile(typingctx, a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro,
              ldr, has_res, act):
         arrays = (a, c, bias, res)
         if gathered != (isinstance(ao, types.Array) and ao.dtype == types.int64):
+            return None
+        if scattered != (isinstance(co, types.Array) and co.dtype == types.int64):
             return None
         if not (all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
                     for t in arrays)
@@ -85,7 +91,13 @@ def _make(mr: int, gathered: bool = False):
             else:
                 ao_ = i64(1)
                 starts = [builder.add(ao_, builder.mul(_I64(i), lda_)) for i in range(mr)]
-            co_, ldc_, nv_, ro_, ldr_, act_ = (i64(k) for k in (9, 10, 11, 14, 15, 17))
+            nv_, ro_, ldr_, act_ = (i64(k) for k in (11, 14, 15, 17))
+            if scattered:
+                coffs = context.make_array(st[9])(context, builder, args[9]).data
+                c_rows = [builder.load(builder.gep(coffs, [_I64(i)])) for i in range(mr)]
+            else:
+                co_, ldc_ = i64(9), i64(10)
+                c_rows = [builder.add(co_, builder.mul(_I64(i), ldc_)) for i in range(mr)]
             has_res_ = context.cast(builder, args[16], st[16], types.boolean)
             ldb = builder.sdiv(cgutils.unpack_tuple(builder, B.strides, 2)[0], _I64(4))
             fma = cgutils.get_or_insert_function(builder.module,
@@ -147,7 +159,7 @@ def _make(mr: int, gathered: bool = False):
                     relu6 = [builder.call(vmin, [v, six]) for v in relu]
                     out = [builder.select(is_act, builder.select(is_six, r6, r), v)
                            for v, r, r6 in zip(with_res, relu, relu6)]
-                    crow = builder.gep(C.data, [builder.add(co_, builder.mul(_I64(i), ldc_))])
+                    crow = builder.gep(C.data, [c_rows[i]])
                     for j, v in enumerate(out):
                         builder.store(v, _vptr(builder, crow, _I64(_LANES * j)), align=4)
             return context.get_dummy_value()
@@ -165,3 +177,6 @@ tile_epi1 = _make(1)
 tile_gathered8 = _make(8, True)
 tile_gathered4 = _make(4, True)
 tile_gathered1 = _make(1, True)
+tile_scattered8 = _make(8, True, True)
+tile_scattered4 = _make(4, True, True)
+tile_scattered1 = _make(1, True, True)

@@ -102,6 +102,16 @@ the same layers are 20, 10 and 5 wide): 3x3 28x28x128 2.14 -> 2.03 ms / 1.11 -> 
 stride 2 1.88 -> 1.84 / 0.96 -> 0.94, the stem 2.26 -> 2.17 / 1.18 -> 1.11; the 7x7 maps
 unchanged.
 
+Bordered pairs (2026-11-30). That copy goes too where a 1x1 at stride 1 makes the map: the
+1x1 (`ConvLayer.into`, `_into_fused`) stores each tile's rows at offsets of their own
+(`_tile_ir.tile_scattered8`), into the interior of the zero-bordered map the next
+convolution reads in place (`ConvLayer.border`, `ConvLayer.bordered`; hepti.model.cnn
+`apply_pair`, ResNet-50's bottleneck). A 3x3 that would run `_MODE_ROWS_FUSED` runs
+`_MODE_PADDED` on such a map (`BORDERED_ROWS`: no gathered border tiles). Outputs bit-equal.
+Interleaved per pair (1x1 then 3x3, ResNet-50's shapes, 1 thread, load ~8, 41-61 rounds):
+0.97-0.99x the time at 160 (0.32 ms a forward), 0.965-0.97x at stride 2 and 0.99-1.0x
+elsewhere at 224 (0.37 ms a forward).
+
 `depthwise_conv2d` (groups == C == Cout, MobileNetV2's 3x3s) has its own kernel, with the
 loop over contiguous channels innermost (it vectorises). A 3x3 at stride 1 or 2 runs an
 explicit-vector LLVM IR kernel over bands of rows (`_dw_ir`): per 16-channel block the nine
@@ -135,7 +145,8 @@ from hepti.kernels._intrinsics import max_f32, prefetch_l2
 from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi,
                                          direct_tiles_epi1, direct_tiles_epi4, full_tiles,
                                          micro_tile, pack_a_tile)
-from hepti.kernels._tile_ir import tile_gathered1, tile_gathered4, tile_gathered8
+from hepti.kernels._tile_ir import (tile_gathered1, tile_gathered4, tile_gathered8,
+                                    tile_scattered1, tile_scattered4, tile_scattered8)
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
 from hepti.kernels.packed_gemm import (_epilogue, _finish, _pack_a, _pack_all, _panel_range,
@@ -159,6 +170,10 @@ _FUSED_MODES = (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED, _MODE_PADDED)
 # 0.95-0.96x the time at 224, 0.94x at 160; at stride 1 VGG-16's first layer, 3 x 3 = 9,
 # measured 1.00-1.02x, and a 3x3 on 64 channels, 192, 1.00x: they keep _MODE_ROWS_FUSED)
 PADDED_RUN = 64
+# a convolution that would run _MODE_ROWS_FUSED runs _MODE_PADDED where the layer before it
+# writes its input into a zero-bordered map (ConvLayer.border; ResNet-50's 3x3s on 56-wide
+# maps): no copy to make there, and no gathered border tiles
+BORDERED_ROWS = True
 
 
 class ConvWeight:
@@ -628,6 +643,66 @@ def _padded_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ld
             tile_gathered1(x, offs[i:i + 1], kh, run, seg_a, 0, bp, 0, c, (m0 + i) * ldc + j0,
                            ldc, 1, bj, res, r_off + (m0 + i) * ldr + j0, ldr, has_res, act)
             i += 1
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _into_fused(x, cin, n_g, panels, c, c_offs, blk_lo, blk_hi, mb, m, bias, act):
+    """A 1x1 convolution at stride 1 without padding (`_MODE_FLAT`: x [M, cin] is A in place)
+    whose output pixel i is stored at c[c_offs[i]:] (c_offs [M] int64, `into_offsets`: the
+    interior of a zero-bordered map that the next convolution reads in place, `_MODE_PADDED`,
+    with no copy of its input). Row blocks blk_lo .. blk_hi-1 of mb pixels, every panel over
+    each block's tiles of MRF pixels (`_tile_ir.tile_scattered8`: a tile may cross rows of
+    the map), each stored once with bias and act (no residual). A short last tile as
+    `_padded_fused`'s: MRF rows for MRF - 1 (the missing row reads and would store the last
+    pixel's, not stored), else 4 and 1s."""
+    a_offs = np.empty(mb + MRF, np.int64)
+    co = np.empty(mb + MRF, np.int64)
+    for blk in range(blk_lo, blk_hi):
+        m0 = blk * mb
+        rows = min(mb, m - m0)
+        for i in range(rows + MRF):
+            mm = m0 + min(i, rows - 1)
+            a_offs[i] = mm * cin
+            co[i] = c_offs[mm]
+        n_full = rows // MRF
+        rem = rows - n_full * MRF
+        for jp in range(n_g // NR):
+            j0 = jp * NR
+            bp = panels[jp]
+            bj = bias[j0:j0 + NR]
+            cj = c[j0:]
+            for t in range(n_full):
+                tile_scattered8(x, a_offs[t * MRF:(t + 1) * MRF], 1, cin, 0, 0, bp, 0, cj,
+                                co[t * MRF:(t + 1) * MRF], 0, MRF, bj, bj, 0, 0, False, act)
+            i = n_full * MRF
+            if rem == MRF - 1:
+                tile_scattered8(x, a_offs[i:i + MRF], 1, cin, 0, 0, bp, 0, cj, co[i:i + MRF],
+                                0, rem, bj, bj, 0, 0, False, act)
+                continue
+            if rem >= 4:
+                tile_scattered4(x, a_offs[i:i + 4], 1, cin, 0, 0, bp, 0, cj, co[i:i + 4], 0, 4,
+                                bj, bj, 0, 0, False, act)
+                i += 4
+            while i < rows:
+                tile_scattered1(x, a_offs[i:i + 1], 1, cin, 0, 0, bp, 0, cj, co[i:i + 1], 0, 1,
+                                bj, bj, 0, 0, False, act)
+                i += 1
+
+
+@njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
+def _into_parallel(n_chunks, x, cin, n_g, panels, c, c_offs, n_blocks, mb, m, bias, act,
+                   by_panels):
+    """`_into_fused` on n_chunks threads: contiguous ranges of the row blocks, or with
+    by_panels every block and a contiguous range of the panels each (as `_conv_parallel`)."""
+    n_panels = panels.shape[0]
+    for chunk in prange(n_chunks):
+        if by_panels:
+            p0, p1 = chunk * n_panels // n_chunks, (chunk + 1) * n_panels // n_chunks
+            _into_fused(x, cin, (p1 - p0) * NR, panels[p0:p1], c[p0 * NR:], c_offs, 0,
+                        n_blocks, mb, m, bias[p0 * NR:p1 * NR], act)
+        else:
+            _into_fused(x, cin, n_g, panels, c, c_offs, chunk * n_blocks // n_chunks,
+                        (chunk + 1) * n_blocks // n_chunks, mb, m, bias, act)
 
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)
@@ -1224,18 +1299,34 @@ def _rows_apply(geo: tuple, groups: int, mr: int = MR) -> bool:
     return groups == 1 and (geo[13] == 1 or geo[7] == 1) and _direct_span(geo, mr)[1] > 0
 
 
+def _padded_extent(geo: tuple) -> tuple:
+    """(hp, wp, top, left): the zero-bordered map `_MODE_PADDED` reads for geo's x, as many
+    rows and columns as the taps reach, x's at (top, left) in it."""
+    n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    return (max(h + pt, (ho - 1) * sh + (kh - 1) * dh + 1),
+            max(w + pl, (wo - 1) * sw + (kw - 1) * dw + 1), pt, pl)
+
+
+def _bordered(n: int, h: int, w: int, c: int, extent: tuple) -> np.ndarray:
+    """An [n, hp, wp, c] map whose border around the h x w interior at (top, left) is zero;
+    the interior is left for the caller to write."""
+    hp, wp, pt, pl = extent
+    xp = np.empty((n, hp, wp, c), np.float32)
+    xp[:, :pt] = 0.0
+    xp[:, pt + h:] = 0.0
+    xp[:, pt:pt + h, :pl] = 0.0
+    xp[:, pt:pt + h, pl + w:] = 0.0
+    return xp
+
+
 def _zero_padded(x: np.ndarray, geo: tuple) -> tuple[np.ndarray, tuple]:
     """(x with its zero padding written in, geo for it with padding 0) for `_MODE_PADDED`: as
     many rows and columns as the taps reach (x itself when they stay inside it)."""
     n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
-    hp = max(h + pt, (ho - 1) * sh + (kh - 1) * dh + 1)
-    wp = max(w + pl, (wo - 1) * sw + (kw - 1) * dw + 1)
+    extent = _padded_extent(geo)
+    hp, wp = extent[:2]
     if pt or pl or hp > h or wp > w:  # zeros only where x does not go (np.zeros wrote all)
-        xp = np.empty((n, hp, wp, cin), np.float32)
-        xp[:, :pt] = 0.0
-        xp[:, pt + h:] = 0.0
-        xp[:, pt:pt + h, :pl] = 0.0
-        xp[:, pt:pt + h, pl + w:] = 0.0
+        xp = _bordered(n, h, w, cin, extent)
         xp[:, pt:pt + h, pl:pl + w] = x
         x, h, w = xp, hp, wp
     return x, (n, h, w, cin, ho, wo, kh, kw, sh, sw, 0, 0, dh, dw, cg)
@@ -1337,11 +1428,12 @@ def _conv_shape_checked(kh: int, kw: int, cout: int, groups: int, geo: tuple, th
 _conv_shape = functools.lru_cache(maxsize=1024)(_conv_shape_checked)
 
 
-def _conv_run(x, cw, geo, y, epi, act, plan) -> None:
-    """The convolution of checked x into y (`_conv_shape`'s plan; epi the GeMM epilogue)."""
+def _conv_run(x, cw, geo, y, epi, act, plan, pad: bool = True) -> None:
+    """The convolution of checked x into y (`_conv_shape`'s plan; epi the GeMM epilogue).
+    pad False: x is `_MODE_PADDED`'s zero-bordered map already (geo its, padding 0)."""
     mode, _, n_chunks, mb, n_blocks, ws_chunk, by_panels = plan
     m = geo[0] * geo[4] * geo[5]
-    if mode == _MODE_PADDED:
+    if mode == _MODE_PADDED and pad:
         x, geo = _zero_padded(x, geo)
     blocks = (mb, config.KC, 1, config.PREFETCH_ROWS)
     ws = workspace(n_chunks * ws_chunk)
@@ -1382,7 +1474,8 @@ class ConvLayer:
             self.bias_v = vector(bias, "bias", w.cout)
             # the fused store always adds a bias
             self.bias_f = np.zeros(w.cout, np.float32) if bias is None else self.bias_v
-        self._shapes: dict = {}  # (x's shape, padding, threads) -> `_shape`
+        # (x's shape, padding, threads) -> `_shape`; also `_bordered_plan`'s and `into`'s
+        self._shapes: dict = {}
 
     def _shape(self, x_shape: tuple, padding, threads) -> tuple:
         """(the output's shape, geo, `_conv_shape`'s plan) for x of this shape (checked here,
@@ -1434,6 +1527,96 @@ class ConvLayer:
         _conv_run(x, cw, geo, y, (self.bias_f if plan[1] else self.bias_v, self.bias is not None,
                                   False, res, 0, cw.cout, residual is not None), self.act, plan)
         return y
+
+    # A pair of convolutions, the second reading the first's output alone, where the second
+    # runs `_MODE_PADDED` and the first `_MODE_FLAT` (ResNet-50's bottleneck: the 1x1 before
+    # each 3x3 on a 28-, 14- or 7-wide map or at stride 2): the first writes its output into
+    # the interior of the zero-bordered map the second reads in place (`border`, `into`,
+    # `bordered`), and `_zero_padded`'s copy of it goes (hepti.model.cnn `apply_pair`).
+
+    def _bordered_plan(self, x_shape: tuple, padding, threads) -> tuple | None:
+        """`_shape`'s (output shape, geo, plan) with the plan `_MODE_PADDED`'s, where this
+        layer reads x of this shape from a zero-bordered map when one is given: where it makes
+        that map itself, and where it runs `_MODE_ROWS_FUSED` (with BORDERED_ROWS), whose
+        gathered border tiles cost about what the copy did; None elsewhere."""
+        key = ("bordered", x_shape, padding, threads)
+        got = self._shapes.get(key)
+        if got is not None or key in self._shapes:
+            return got
+        cw = self.w
+        shape, geo, plan = self._shapes.get((x_shape, padding, threads)) or \
+            self._shape(x_shape, padding, threads)
+        if cw.depthwise or plan is None or not (
+                plan[0] == _MODE_PADDED or BORDERED_ROWS and plan[0] == _MODE_ROWS_FUSED):
+            got = None
+        else:
+            got = (shape, geo, plan if plan[0] == _MODE_PADDED else _conv_shape(
+                cw.kh, cw.kw, cw.cout, cw.groups, geo, int(threads), _MODE_PADDED))
+        self._shapes[key] = got
+        return got
+
+    def border(self, x_shape: tuple, padding, threads: int = 1) -> tuple | None:
+        """The extent (hp, wp, top, left) of the zero-bordered map this layer reads x of this
+        shape from when given one (`_bordered_plan`), None when it reads x otherwise."""
+        got = self._bordered_plan(x_shape, padding, threads)
+        return None if got is None else _padded_extent(got[1])
+
+    def into(self, x: np.ndarray, extent: tuple, threads: int = 1) -> np.ndarray | None:
+        """This layer (a 1x1 at stride 1 without padding, `_MODE_FLAT`) on x, written into
+        the interior of a new zero-bordered map of `extent` (`border`'s): that map [N, hp, wp,
+        Cout]; None where this layer does not run `_MODE_FLAT` (call it as usual then)."""
+        cw = self.w
+        if cw.depthwise or type(x) is not np.ndarray or x.dtype is not _F32 or \
+                x.ndim != 4 or not x.flags.c_contiguous:
+            return None
+        shape, _, plan = self._shapes.get((x.shape, 0, threads)) or \
+            self._shape(x.shape, 0, threads)
+        if plan is None or plan[0] != _MODE_FLAT:
+            return None
+        n, h, w, cout = shape
+        xp = _bordered(n, h, w, cout, extent)
+        key = ("into", x.shape, extent)
+        offs = self._shapes.get(key)
+        if offs is None:
+            offs = self._shapes[key] = into_offsets(n, h, w, cout, extent)
+        _, _, n_chunks, mb, n_blocks, _, by_panels = plan
+        args = (x.reshape(-1), cw.cin, cw.cout, cw.panels[0], xp.reshape(-1), offs)
+        if n_chunks == 1:
+            _into_fused(*args, 0, n_blocks, mb, n * h * w, self.bias_f, self.act)
+        else:
+            previous = numba.get_num_threads()
+            numba.set_num_threads(n_chunks)
+            try:
+                _into_parallel(n_chunks, *args, n_blocks, mb, n * h * w, self.bias_f,
+                               self.act, by_panels)
+            finally:
+                numba.set_num_threads(previous)
+        return xp
+
+    def bordered(self, xp: np.ndarray, x_shape: tuple, padding,
+                 residual: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
+        """This layer on the map x of x_shape held in xp, the zero-bordered map of `border`'s
+        extent (from `into`): as `__call__` on x, with no copy of it."""
+        cw = self.w
+        shape, geo, plan = self._bordered_plan(x_shape, padding, threads) or (None, None, None)
+        if plan is None or xp.shape[:3] != (x_shape[0],) + _padded_extent(geo)[:2]:
+            raise ValueError(f"xp {xp.shape} is not the bordered map this layer reads for x "
+                             f"{x_shape} (padding {padding})")
+        y = np.empty(shape, np.float32)
+        res = EMPTY if residual is None else _residual(residual, shape, y)
+        n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+        geo_p = (n, xp.shape[1], xp.shape[2], cin, ho, wo, kh, kw, sh, sw, 0, 0, dh, dw, cg)
+        _conv_run(xp, cw, geo_p, y, (self.bias_f, self.bias is not None, False, res, 0,
+                                     cw.cout, residual is not None), self.act, plan, False)
+        return y
+
+
+def into_offsets(n: int, h: int, w: int, c: int, extent: tuple) -> np.ndarray:
+    """int64 [n*h*w]: where pixel (b, y, x) of an [n, h, w, c] map starts in the flat
+    zero-bordered map of extent (hp, wp, top, left) (`ConvLayer.into`)."""
+    hp, wp, pt, pl = extent
+    b, yy, xx = np.meshgrid(np.arange(n), np.arange(h), np.arange(w), indexing="ij")
+    return (((b * hp + yy + pt) * wp + xx + pl) * c).reshape(-1).astype(np.int64)
 
 
 def _depthwise_run(x, cw, bias, stride, padding, dilation, relu, residual, out, threads):

@@ -60,7 +60,8 @@ from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, fir
                                gaps, head_rows, hold, needs, out_channels, owned,  # noqa: F401
                                spatial_ops, union)
 from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo, from_cnn
-from hepti.model.cnn import adaptive_avg_pool, apply, apply_inverted, inverted_block
+from hepti.model.cnn import (adaptive_avg_pool, apply, apply_inverted, apply_pair,
+                             bordered_pair, inverted_block, pairable)
 from hepti.model.livebytes import track
 from hepti.order.search import executor_order
 
@@ -302,6 +303,8 @@ class BandExecutor:
                 continue
             chains = {} if counter is not None or self.threads != 1 else \
                 self._chains(grp, taps)
+            paired = () if counter is not None or comm.size != 1 else \
+                self._pairs(grp, {p: k for run in chains.values() for p, k in run}, taps)
             with comm.tracer.span(grp.name, "compute"):
                 entries = enumerate(grp.ops)
                 for j, (op, r, (i0, i1), pad, frees, _, alloc) in entries:
@@ -311,6 +314,10 @@ class BandExecutor:
                         skip = self._run_chain(grp, chains[j], have, shapes, taps)
                         next(itertools.islice(entries, skip, skip), None)
                         step += skip
+                    elif j in paired and self._run_pair(grp.ops[j:j + 2], have, shapes, n,
+                                                        taps):
+                        next(entries, None)  # the pair's second, run with it
+                        step += 1
                     elif r is not None:
                         x = have[op.input].rows(i0, i1)
                         res = have[op.residual].rows(*r) if op.residual is not None else None
@@ -438,6 +445,54 @@ class BandExecutor:
             if t in have:
                 del have[t]
         return sum(len(run) for run in runs) - 1
+
+    def _pairs(self, grp: "_Group", fused: dict, taps: dict | None) -> tuple:
+        """The positions in grp.ops of each op whose output the next op alone reads, the two
+        `pairable` (hepti.model.cnn), both with every row to make (a group of one rank: no
+        halo), not inside an inverted block, its output not tapped: where `_run_pair` may
+        write it straight into the zero-bordered map the next op reads (`bordered_pair`
+        decides, per input shape)."""
+        if not hasattr(grp, "pairs"):
+            ops = grp.ops
+            grp.pairs = tuple(
+                j for j, (a, b) in enumerate(zip(ops, ops[1:]))
+                if pairable(a[0], b[0]) and a[0].output in b[4] and a[1] is not None
+                and b[1] is not None and a[5] is None and b[5] is None and a[6] is None
+                and b[2] == a[1])
+        skip = {j + i for j, k in fused.items() for i in range(k)}
+        return tuple(j for j in grp.pairs if j not in skip and not (
+            taps and grp.ops[j][0].output in taps))
+
+    def _run_pair(self, run, have, shapes, n: int, taps) -> bool:
+        """Two convolutions of `_pairs` as hepti.model.cnn `apply_pair` (the second's output
+        as `apply` on each would make it), when `bordered_pair` finds them such; False (and
+        nothing run) otherwise."""
+        (a, ra, (i0, i1), _, frees_a, _, _), (b, rb, _, pad, frees_b, _, alloc) = run
+        self.weights.fetch(a.name)
+        self.weights.fetch(b.name)
+        x_shape = (n, ra[1] - ra[0]) + tuple(shapes[a.output][1:])
+        extent = bordered_pair(a, b, x_shape, self.weights, pad, self.threads)
+        if extent is None:
+            return False
+        x = have[a.input].rows(i0, i1)
+        res = have[b.residual].rows(*rb) if b.residual is not None else None
+        y = apply_pair(a, b, np.ascontiguousarray(x), self.weights, extent, pad,
+                       None if res is None else np.ascontiguousarray(res), self.threads)
+        self.weights.drop(a.name)
+        self.weights.drop(b.name)
+        if alloc is not None and n == 1:  # room for the halos to come
+            buf = np.empty((1, alloc[1] - alloc[0]) + tuple(shapes[b.output][1:]), np.float32)
+            buf[:, rb[0] - alloc[0]:rb[1] - alloc[0]] = y
+            have[b.output] = Band(rb[0], buf[:, rb[0] - alloc[0]:rb[1] - alloc[0]], alloc[0],
+                                  buf)
+        else:
+            have[b.output] = Band(rb[0], y)
+        if taps is not None and b.output in taps:
+            taps[b.output] = have[b.output].x
+        for t in frees_a + frees_b:
+            if t in have:
+                del have[t]
+        return True
 
     def _run_fused(self, run, have, shapes, taps) -> int:
         """One inverted-residual block (`_fusions`) on this rank's bands: the project's rows,
