@@ -295,7 +295,8 @@ def load_kernels(threads: int = 1) -> None:
     encoders. The kernels' Numba signatures depend on dtypes and ranks, not on sizes or on the
     model (the conv's path, rows or implicit im2col, is a run-time argument of one function), so
     a 1x1, a 3x3 at stride 2 with a residual, a depthwise 3x3, an inverted-residual block
-    (hepti.kernels.inverted) and a run of them (hepti.kernels.inverted_chain), the pools, the
+    (hepti.kernels.inverted) and a run of them (hepti.kernels.inverted_chain), a 1x1 written
+    into the zero-bordered map of the 3x3 after it (`ConvLayer.into`, `bordered`), the pools, the
     head's GeMM and the pixels' NCHW -> NHWC copy cover MobileNetV2, ResNet-50 and VGG-16
     alike, on one rank or on bands of rows."""
     rng = np.random.default_rng(0)
@@ -315,6 +316,13 @@ def load_kernels(threads: int = 1) -> None:
     InvertedChain([InvertedBlock(None, None, dw, r(16), pw, r(16)),  # a run of them (bands.py)
                    InvertedBlock(pw, r(16), dw, r(16), pw, r(16))])(x, (1, 2), ((1, 1), (1, 0)),
                                                                     (0, None))
+    # a 1x1 into the next 3x3's zero-bordered map (bands.py `_run_pair`; whole panels of
+    # 32 output channels: a partial one takes no fused mode)
+    x32 = r(1, 8, 8, 32)
+    first = K.ConvLayer(K.pack_conv_weight(r(32, 32, 1, 1)), r(32), relu="relu")
+    second = K.ConvLayer(K.pack_conv_weight(r(32, 32, 3, 3)), r(32), 2, relu="relu")
+    extent = second.border(x32.shape, (1, 1, 1, 1), threads)
+    second.bordered(first.into(x32, extent, threads), x32.shape, (1, 1, 1, 1), threads=threads)
     K.max_pool2d(x, 3, 2, 1, out=np.empty((1, 4, 4, 16), np.float32))
     K.avg_pool2d(x, 2)
     v = K.global_avg_pool(x)
