@@ -429,6 +429,32 @@ def test_exp2_of_the_ir_softmax_against_float64():
     assert not exp2_nonpos_ref(np.float32([-127.0, -200.0, -3.4e38, -np.inf])).any()
 
 
+@pytest.mark.parametrize("d,ncols", [(32, NR), (64, NR), (32, 7), (24, NR), (16, NR), (48, 1)])
+def test_pack_qt_is_pack_panel(d, ncols):
+    """attention's Q^T panel (16 x 16 register transposes for a full panel, d a multiple of 16)
+    is exactly _pack_panel's transposing pack, zero padding included."""
+    from hepti.kernels.attention_core import _pack_qt
+    from hepti.kernels.packed_gemm import _pack_panel
+
+    @numba.njit
+    def both(q, d, ncols, a, b, bf):
+        _pack_panel(q, 5, 3 * 96, True, d, 3, ncols, a)
+        _pack_qt(q, 5, 3 * 96, d, 3, ncols, b, bf)
+
+    q = rand(40 * 3 * 96)
+    a = np.full((d, NR), 7.0, np.float32)
+    bf = np.full(d * NR, 7.0, np.float32)
+    both(q, d, ncols, a, bf.reshape(d, NR), bf)
+    assert np.array_equal(a, bf.reshape(d, NR))
+
+
+def test_transpose16_stages():
+    """The shuffle stages of _transpose_ir, on Python lists, transpose a 16 x 16 block."""
+    from hepti.kernels._transpose_ir import transpose_ref
+    a = np.arange(256).reshape(16, 16)
+    assert np.array_equal(np.array(transpose_ref(a.tolist())), a.T)
+
+
 def test_attention_contiguous_inputs_match_strided():
     q, k, v, mask = attention_case(2, 21, 3, 8, [0, 4])
     strided = attention(q, k, v, mask, 3)

@@ -31,6 +31,7 @@ import numpy as np
 from numba import njit, prange
 
 from hepti.kernels import _softmax_ir
+from hepti.kernels._transpose_ir import transpose16
 from hepti.kernels._microkernels import MR, NR, direct_tiles, micro_tile, softmax_panel
 from hepti.kernels._views import (EMPTY, check_float32, check_no_overlap, flat_rows, output,
                                  vector, workspace)
@@ -64,6 +65,20 @@ def _head_sizes(nq, t, d):
     return sizes, total
 
 
+@njit(**JIT)
+def _pack_qt(q, q_off, ldq, d, j0, ncols, qt, qt_flat):
+    """qt [d, NR] (qt_flat: the same floats, flat) = query rows j0 .. j0+ncols-1 of Q
+    transposed, zero-padded to NR columns: `_pack_panel(q, q_off, ldq, True, d, j0, ncols,
+    qt)`. A full panel with d a multiple of 16 goes by 16 x 16 register transposes (MiniLM's
+    32 x 32 panels: 5.2 us a layer against 14.1, interleaved); the rest as _pack_panel does."""
+    if NR % 16 == 0 and ncols == NR and d % 16 == 0:
+        for i0 in range(0, NR, 16):
+            for p0 in range(0, d, 16):
+                transpose16(q, q_off + (j0 + i0) * ldq + p0, ldq, qt_flat, p0 * NR + i0, NR)
+    else:
+        _pack_panel(q, q_off, ldq, True, d, j0, ncols, qt)
+
+
 @njit(fastmath=FASTMATH_GEMM, **JIT)
 def _attend(q, q_off, ldq, nq, kf, k_off, ldk, vf, v_off, ldv, t, d, mask, scale,
               out, o_off, ldo, kc_max, epi, ws):
@@ -84,7 +99,8 @@ def _attend(q, q_off, ldq, nq, kf, k_off, ldk, vf, v_off, ldv, t, d, mask, scale
     o = 0
     ak = ws[o:o + sizes[0]].reshape((1, d, MR))
     o += -(-sizes[0] // 16) * 16
-    qt = ws[o:o + sizes[1]].reshape((d, NR))
+    qt_flat = ws[o:o + sizes[1]]
+    qt = qt_flat.reshape((d, NR))
     o += -(-sizes[1] // 16) * 16
     st = ws[o:o + sizes[2]]  # one panel's scores^T / probabilities^T, [t, NR] row-major
     o += -(-sizes[2] // 16) * 16
@@ -101,7 +117,7 @@ def _attend(q, q_off, ldq, nq, kf, k_off, ldk, vf, v_off, ldv, t, d, mask, scale
         _pack_a(kf, k_off, ldk, n_kf * MR, t, d, ak)
     for jp in range(n_qp):
         # S^T panel = K Q^T[:, panel]: Q^T is zero-padded past nq (those columns never read)
-        _pack_panel(q, q_off, ldq, True, d, jp * NR, min(NR, nq - jp * NR), qt)
+        _pack_qt(q, q_off, ldq, d, jp * NR, min(NR, nq - jp * NR), qt, qt_flat)
         direct_tiles(0, n_kf, 1, d, kf, k_off, 0, ldk, qt, 0, st, 0, NR, False)
         if t > n_kf * MR:
             micro_tile(t - n_kf * MR, d, ak[0], qt, 0, 0, st, n_kf * MR * NR, NR, False)
