@@ -6,10 +6,11 @@ For one sequence b and head h (q, k, v rows of width D = head_dim):
     ctx_h = P V_h                                               [nq, D]
 Both products run on the register-tiled kernels of packed_gemm. The scores are made transposed,
 S^T = K_h Q_h^T, a panel of NR queries at a time: K_h is the A operand, its full MR-row tiles
-read in place (`direct_tiles`), and Q_h^T a B panel (Q_h's rows read in place: the
-transpose-packing of pack_b). A panel's S^T [T, NR] stays in L1 while the softmax runs down its
+read in place (`direct_tiles`), and Q_h^T a B panel (`_pack_qt`: 16 x 16 register transposes,
+_transpose_ir). A panel's S^T [T, NR] stays in L1 while the softmax runs down its
 columns, across queries in vector lanes with no horizontal reduction, the column maxima and sums
-in registers (`softmax_panel`), writing e straight into P's packed-A tiles; then P V_h on
+in registers (`softmax_panel`: for NR = 32 the IR panel of _softmax_ir, a base-2 exp),
+writing e straight into P's packed-A tiles; then P V_h on
 V_h's panels, each ctx row scaled by its query's 1 / sum. (S = Q K^T row by row, as before
 2026-11-29, took ~8% longer at MiniLM's shape: horizontal max and sum per row and a transposing
 pack of P; the maxima and sums kept in workspace, and K packed, ~23% longer than now.) Every
