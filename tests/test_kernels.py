@@ -371,8 +371,8 @@ def _softmax_panels():
     from hepti.kernels import _softmax_ir
     from hepti.kernels._microkernels import softmax_panel
     panels = {"generated": softmax_panel}
-    if NR == _softmax_ir.NR and MR in (8, 4):
-        ir_panel = _softmax_ir.softmax_panel8 if MR == 8 else _softmax_ir.softmax_panel4
+    if NR == _softmax_ir.NR and MR == 8:
+        ir_panel = _softmax_ir.softmax_panel8
 
         @numba.njit
         def call_ir(st, t, mask, scale, ap, tq0, tot):  # an intrinsic runs inside njit only

@@ -1,7 +1,7 @@
 """Attention's softmax down one panel of 32 queries (`softmax_panel` of _microkernels.py) as
-explicit-vector LLVM IR: `softmax_panel8` / `softmax_panel4(st, t, mask, scale, ap, tq0,
-tot)`, the generated kernel's arguments and result for NR = 32 and MR = 8 / 4 (ap
-C-contiguous); intrinsics, so called from njit code only.
+explicit-vector LLVM IR: `softmax_panel8(st, t, mask, scale, ap, tq0, tot)`, the generated
+kernel's arguments and result for NR = 32 and MR = 8 (ap C-contiguous); an intrinsic, so
+called from njit code only.
 
 st [t, 32] (flat) holds S^T: row p, key p's scores for the panel's 32 queries. For each query
 j, with x = s * scale + add_p (add_p = (1 - mask[p]) * float32 min, 0 for mask 1) and m_j its
@@ -204,5 +204,4 @@ def _make(mr: int):
     return panel
 
 
-softmax_panel8 = _make(8)
-softmax_panel4 = _make(4)
+softmax_panel8 = _make(8)  # config.MR; _make(4) would serve MR = 4 (untested: no such config)

@@ -43,11 +43,10 @@ from hepti.kernels.packed_gemm import (PackedB, _gemm_serial, _pack_a, _pack_pan
 
 _ONE = np.float32(1.0)
 
-if NR == _softmax_ir.NR and MR in (8, 4):
+if NR == _softmax_ir.NR and MR == 8:
     # the explicit-vector IR panel (base-2 exp, 0.61x the generated one's time at MiniLM's
     # shape); other tile sizes keep the generated named-scalar panel
-    softmax_panel = (_softmax_ir.softmax_panel8 if MR == 8  # noqa: F811
-                     else _softmax_ir.softmax_panel4)
+    softmax_panel = _softmax_ir.softmax_panel8  # noqa: F811
 
 
 @njit(**JIT)
