@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -366,23 +367,92 @@ def test_attention_row_ranges(row0, mq, threads):
     assert np.all(big_out[:, :h * d] == 3.0) and np.all(big_out[:, 2 * h * d:] == 3.0)
 
 
-@pytest.mark.parametrize("t", [1, 9, 37])
-def test_softmax_panel_against_the_reference(t):
-    """softmax_panel (generated: maxima and sums in registers, e written into P's tiles) gives
-    the float64 softmax of each query's column, padded keys included, and writes only the
-    panel's own tiles."""
+def _softmax_panels():
+    from hepti.kernels import _softmax_ir
     from hepti.kernels._microkernels import softmax_panel
+    panels = {"generated": softmax_panel}
+    if NR == _softmax_ir.NR and MR == 8:
+        ir_panel = _softmax_ir.softmax_panel8
+
+        @numba.njit
+        def call_ir(st, t, mask, scale, ap, tq0, tot):  # an intrinsic runs inside njit only
+            ir_panel(st, t, mask, scale, ap, tq0, tot)
+
+        panels["ir"] = call_ir
+    return panels
+
+
+@pytest.mark.parametrize("panel", ["generated", "ir"])
+@pytest.mark.parametrize("t,masked,scale", [
+    (1, "some", 1 / math.sqrt(32)), (9, "some", 1 / math.sqrt(32)),
+    (37, "some", 1 / math.sqrt(32)), (128, "none", 1 / math.sqrt(32)),
+    (37, "all", 1 / math.sqrt(32)), (9, "half", 1 / math.sqrt(32)), (37, "some", -0.3),
+])
+def test_softmax_panel_against_the_reference(panel, t, masked, scale):
+    """softmax_panel (generated: maxima and sums in registers, e written into P's tiles; or
+    the IR panel of _softmax_ir, base-2 exp) gives the float64 softmax of each query's column,
+    padded keys included (every key padded: the softmax of equal scores, HF's result), and
+    writes only the panel's own tiles. A negative scale takes the IR panel's general pass."""
+    fn = _softmax_panels().get(panel)
+    if fn is None:
+        pytest.skip(f"no IR panel for NR = {NR}, MR = {MR}")
     st = rand(t, NR).reshape(-1) * np.float32(4.0)
     mask = np.ones(t, np.float32)
-    mask[t // 2::3] = 0.0
-    scale = np.float32(1 / math.sqrt(32))
+    if masked == "some":
+        mask[t // 2::3] = 0.0
+    elif masked == "all":
+        mask[:] = 0.0
+    elif masked == "half":
+        mask[::2] = 0.5  # a fractional mask value: a finite, very negative add
+    scale = np.float32(scale)
     ap1 = np.zeros((2 * NR // MR, t, MR), np.float32)
     tot1 = np.zeros(NR, np.float32)
-    softmax_panel(st.copy(), t, mask, scale, ap1, NR // MR, tot1)
+    fn(st.copy(), t, mask, scale, ap1, NR // MR, tot1)
     assert not ap1[:NR // MR].any()  # only the panel's own tiles are written
     e = ap1[NR // MR:].transpose(1, 0, 2).reshape(t, NR)  # [key, query]
-    ref = naive.softmax_rows(st.reshape(t, NR).T * scale + (1 - mask) * np.finfo(np.float32).min)
+    add = ((1 - mask) * np.finfo(np.float32).min).astype(np.float32)
+    ref = naive.softmax_rows(st.reshape(t, NR).T * scale + add)
     np.testing.assert_allclose(e / tot1, ref.T, rtol=1e-5, atol=1e-7)
+    if masked == "some" and t > 1:
+        assert not e[mask == 0].any()  # padded keys' e is exactly 0
+
+
+def test_exp2_of_the_ir_softmax_against_float64():
+    """The IR panel's 2**y (its numpy transcription) is within 2 ulp of 2**y for y in
+    [-126, 0], exactly 1 at 0, and 0 at and below -127 (where 2**y leaves the normal range)."""
+    from hepti.kernels._softmax_ir import exp2_nonpos_ref
+    y = -np.linspace(0.0, 126.0, 400_001).astype(np.float32)
+    ref = np.exp2(y.astype(np.float64))
+    rel = np.abs(exp2_nonpos_ref(y) - ref) / ref
+    assert rel.max() < 2 * 2.0 ** -23
+    assert exp2_nonpos_ref(np.float32([0.0]))[0] == 1.0
+    assert not exp2_nonpos_ref(np.float32([-127.0, -200.0, -3.4e38, -np.inf])).any()
+
+
+@pytest.mark.parametrize("d,ncols", [(32, NR), (64, NR), (32, 7), (24, NR), (16, NR), (48, 1)])
+def test_pack_qt_is_pack_panel(d, ncols):
+    """attention's Q^T panel (16 x 16 register transposes for a full panel, d a multiple of 16)
+    is exactly _pack_panel's transposing pack, zero padding included."""
+    from hepti.kernels.attention_core import _pack_qt
+    from hepti.kernels.packed_gemm import _pack_panel
+
+    @numba.njit
+    def both(q, d, ncols, a, b, bf):
+        _pack_panel(q, 5, 3 * 96, True, d, 3, ncols, a)
+        _pack_qt(q, 5, 3 * 96, d, 3, ncols, b, bf)
+
+    q = rand(40 * 3 * 96)
+    a = np.full((d, NR), 7.0, np.float32)
+    bf = np.full(d * NR, 7.0, np.float32)
+    both(q, d, ncols, a, bf.reshape(d, NR), bf)
+    assert np.array_equal(a, bf.reshape(d, NR))
+
+
+def test_transpose16_stages():
+    """The shuffle stages of _transpose_ir, on Python lists, transpose a 16 x 16 block."""
+    from hepti.kernels._transpose_ir import transpose_ref
+    a = np.arange(256).reshape(16, 16)
+    assert np.array_equal(np.array(transpose_ref(a.tolist())), a.T)
 
 
 def test_attention_contiguous_inputs_match_strided():
