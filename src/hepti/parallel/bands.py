@@ -304,7 +304,7 @@ class BandExecutor:
             chains = {} if counter is not None or self.threads != 1 else \
                 self._chains(grp, taps, join=comm.size == 1)
             paired = () if counter is not None or comm.size != 1 else \
-                self._pairs(grp, {p: k for run in chains.values() for p, k in run}, taps)
+                self._pairs(grp, taps)
             with comm.tracer.span(grp.name, "compute"):
                 entries = enumerate(grp.ops)
                 for j, (op, r, (i0, i1), pad, frees, _, alloc) in entries:
@@ -451,12 +451,13 @@ class BandExecutor:
                 del have[t]
         return sum(len(run) for run in runs) - 1
 
-    def _pairs(self, grp: "_Group", fused: dict, taps: dict | None) -> tuple:
+    def _pairs(self, grp: "_Group", taps: dict | None) -> tuple:
         """The positions in grp.ops of each op whose output the next op alone reads, the two
         `pairable` (hepti.model.cnn), both with every row to make (a group of one rank: no
-        halo), not inside an inverted block, its output not tapped: where `_run_pair` may
-        write it straight into the zero-bordered map the next op reads (`bordered_pair`
-        decides, per input shape)."""
+        halo), its output not tapped: where `_run_pair` may write it straight into the
+        zero-bordered map the next op reads (`bordered_pair` decides, per input shape). A
+        position inside a run of inverted blocks never comes up: `forward` steps past the
+        entries a run made."""
         if not hasattr(grp, "pairs"):
             ops = grp.ops
             grp.pairs = tuple(
@@ -464,9 +465,9 @@ class BandExecutor:
                 if pairable(a[0], b[0]) and a[0].output in b[4] and a[1] is not None
                 and b[1] is not None and a[5] is None and b[5] is None and a[6] is None
                 and b[2] == a[1])
-        skip = {j + i for j, k in fused.items() for i in range(k)}
-        return tuple(j for j in grp.pairs if j not in skip and not (
-            taps and grp.ops[j][0].output in taps))
+        if not taps:
+            return grp.pairs
+        return tuple(j for j in grp.pairs if grp.ops[j][0].output not in taps)
 
     def _run_pair(self, run, have, shapes, n: int, taps) -> bool:
         """Two convolutions of `_pairs` as hepti.model.cnn `apply_pair` (the second's output
