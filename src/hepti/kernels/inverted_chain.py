@@ -13,7 +13,12 @@ block's residual its own input (MobileNetV2's).
 
 Only the last block's output is new per call (or `out`). A band of rows (the height split)
 chains likewise: each block's padding is its band's own, and a residual is the rows of the
-block's input band that its output rows are (`res_rows`, the offset of those rows).
+block's input band that its output rows are (`res_rows`, the offset of those rows). The
+kernel reads a residual as one piece of its input, which a batch's is only where it is the
+whole band (rows 0 on, as many as the output's); where it is not, the chain runs image by
+image (the batch of 3 photos on bands of 2-4 ranks: a band's first block reads a halo row
+below its output rows, so its residual, rows 0 to ho of each image, is not one piece of
+the batch; read as one, it gave logits 0.31 off).
 """
 from __future__ import annotations
 
@@ -116,23 +121,25 @@ class InvertedChain:
 
     def _plan(self, n: int, h: int, w: int, strides: tuple, pads: tuple, res_rows: tuple
               ) -> tuple:
-        """(meta, the output's shape, ping, pong, ebuf, dbuf, ws) of an input [n, h, w, cin]
-        (checked here, once per shape)."""
+        """(meta, the output's shape, ping, pong, ebuf, dbuf, ws, by image) of an input
+        [n, h, w, cin] (checked here, once per shape); by image: meta and the workspaces are
+        one image's, to be run on each in turn (a residual not in one piece of the batch)."""
         nb = len(self.blocks)
         if not (len(strides) == len(pads) == len(res_rows) == nb):
             raise ValueError(f"strides, pads and res_rows need one entry per block ({nb})")
         meta = np.zeros((nb, _COLS), np.int64)
         inter = e_max = d_max = ws_max = 0
+        h0, w0, whole = h, w, True
         for k, (blk, s, (pt, pb), rr, offs) in enumerate(
                 zip(self.blocks, strides, pads, res_rows, self._offsets)):
             ho, wo, dims, t, mode_e, mode_p, n_e, n_d, n_we, n_wp = \
                 blk._shape(n, h, w, int(s), int(pt), int(pb), 0)
             if rr is not None:
-                if blk.cin != blk.cout or s != 1 or not 0 <= rr <= h - ho or \
-                        (n > 1 and rr != 0):
+                if blk.cin != blk.cout or s != 1 or not 0 <= rr <= h - ho:
                     raise ValueError(f"block {k}: its residual, rows {rr} on of its input "
                                      f"{(n, h, w, blk.cin)}, is not its output's shape "
-                                     f"{(n, ho, wo, blk.cout)} in one piece")
+                                     f"{(n, ho, wo, blk.cout)}")
+                whole = whole and rr == 0 and ho == h
             m = meta[k]
             m[:11] = [int(v) for v in dims]
             m[_T], m[_ME], m[_MP] = t, mode_e, mode_p
@@ -148,9 +155,12 @@ class InvertedChain:
                 inter = max(inter, n * ho * wo * blk.cout)
             e_max, d_max, ws_max = max(e_max, n_e), max(d_max, n_d), max(ws_max, n_we + n_wp)
             h, w = ho, wo
+        if n > 1 and not whole:
+            one = self._plan(1, h0, w0, strides, pads, res_rows)
+            return one[:1] + ((n,) + one[1][1:],) + one[2:7] + (True,)
         f32 = lambda size: aligned_empty(max(int(size), 1))  # noqa: E731
         return (meta, (n, h, w, self.cout), f32(inter), f32(inter if nb > 2 else 0), f32(e_max),
-                f32(d_max), f32(ws_max))
+                f32(d_max), f32(ws_max), False)
 
     def __call__(self, x: np.ndarray, strides: tuple, pads: tuple, res_rows: tuple,
                  out: np.ndarray | None = None) -> np.ndarray:
@@ -168,11 +178,13 @@ class InvertedChain:
             if len(self._shapes) >= 64:  # bands of many sizes (a planner's trials)
                 self._shapes.clear()
             got = self._shapes[key] = self._plan(n, h, w, *key[3:])
-        meta, shape, ping, pong, ebuf, dbuf, ws = got
+        meta, shape, ping, pong, ebuf, dbuf, ws, by_image = got
         y = _out4(out, shape)
         if out is not None and np.shares_memory(y, x):
             raise ValueError("out overlaps x: pass a separate output buffer")
-        _chain(x.reshape(-1), meta, self.wts, y.reshape(-1), ping, pong, ebuf, dbuf, ws,
-               (0, config.KC, 1, config.PREFETCH_ROWS))
+        blocks = (0, config.KC, 1, config.PREFETCH_ROWS)
+        for xi, yi in zip(x, y) if by_image else ((x, y),):
+            _chain(xi.reshape(-1), meta, self.wts, yi.reshape(-1), ping, pong, ebuf, dbuf, ws,
+                   blocks)
         return y
 

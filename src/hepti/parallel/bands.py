@@ -302,7 +302,7 @@ class BandExecutor:
                     step += 1
                 continue
             chains = {} if counter is not None or self.threads != 1 else \
-                self._chains(grp, taps, join=comm.size == 1)
+                self._chains(grp, taps)
             paired = () if counter is not None or comm.size != 1 else \
                 self._pairs(grp, taps)
             with comm.tracer.span(grp.name, "compute"):
@@ -377,20 +377,15 @@ class BandExecutor:
         return {j: k for j, k in grp.fused.items()
                 if not any(e[0].output in taps for e in grp.ops[j:j + k - 1])}
 
-    def _chains(self, grp: "_Group", taps: dict | None, join: bool = True
-                ) -> dict[int, list[tuple[int, int]]]:
+    def _chains(self, grp: "_Group", taps: dict | None) -> dict[int, list[tuple[int, int]]]:
         """{position in grp.ops: [(position, length) of each block]} of each run of
         `_fusions`' blocks that hepti.kernels.inverted_chain runs as one call: each block
         next to the one before in the sequence, reading its output rows as they are, that
         output read by this block alone (not widened, not tapped) and let go in it; each
         block's residual, if any, its own input; no streamed weights. A block on its own is
-        a run of one. join False: every block a run of one. On bands of several ranks runs of
-        more than one block gave wrong logits (tests/mpi/cnn_equivalence.py, MobileNetV2
-        under `--strategy grid`, every layer in one fused group: 0.31 relative at 2 ranks;
-        every other strategy, with fused groups of one block, right), so they are joined on
-        one rank only, until that is found."""
-        if not taps and getattr(grp, "chains", (None,))[0] == join:
-            return grp.chains[1]
+        a run of one."""
+        if not taps and hasattr(grp, "chains"):
+            return grp.chains
         fused, ops = self._fusions(grp, taps), grp.ops
         out, cur = {}, None
         for j in sorted(fused):
@@ -400,7 +395,7 @@ class BandExecutor:
                 (run[-1][0].residual is None or
                  run[0][2][0] <= run[-1][1][0] and run[-1][1][1] <= run[0][2][1]) and \
                 not any(self.weights.streams(e[0].name) for e in run)
-            if ok and join and cur is not None and cur[-1][0] + cur[-1][1] == j:
+            if ok and cur is not None and cur[-1][0] + cur[-1][1] == j:
                 last = ops[j - 1]
                 t = last[0].output
                 if run[0][0].input == t and run[0][2] == last[1] and last[6] is None and \
@@ -410,7 +405,7 @@ class BandExecutor:
             cur = [(j, k)] if ok else None
             out[j] = cur if ok else [(j, k)]
         if not taps:
-            grp.chains = (join, out)
+            grp.chains = out
         return out
 
     def _run_chain(self, grp: "_Group", blocks, have, shapes, taps) -> int:
@@ -431,7 +426,7 @@ class BandExecutor:
                 tuple(t for run in runs for e in run for t in e[4])]
         version, chain, runs, res_rows, strides, pads, frees = kept
         x = have[runs[0][0][0].input].rows(*runs[0][0][2])
-        if len(runs) == 1 or (x.shape[0] > 1 and any(res_rows)):  # a residual not in one piece
+        if len(runs) == 1:
             return sum(self._run_fused(run, have, shapes, taps) + 1 for run in runs) - 1
         if version != self.weights.version:  # a conv's entry was made or let go since
             chain = self.weights.chain([[e[0] for e in run] for run in runs])
