@@ -73,6 +73,17 @@ L2_BYTES = _cache_bytes(2, 1 << 20)  # Zen 4: 1 MiB, Sapphire Rapids: 2 MiB
 # KC: depth of one k-block. The KC x NR slice of a B panel is reused by every row tile, so it
 # should stay in L1 next to the streaming A tiles: about 2/3 of L1 (256 for 48 KiB).
 KC = max(64, min(512, (L1_BYTES * 2 // 3) // (NR * 4) // 32 * 32))
+# KC_PACKED: the deepest k-block of a GeMM on a pre-packed B (packed_gemm.gemm / ffn, attention's
+# projections); k is cut into equal blocks of at most this depth. Each k-block after the first
+# reads and rewrites the C strip, whose rows (ldc apart: at N = 384 .. 3072 they map to 2-16 of
+# L1's 64 sets) do not stay in L1; on Zen 4 that pass costs more than streaming a slice deeper
+# than L1 from L2. Measured 2026-11-30, in one process, interleaved, CPU time (loaded 2-core
+# machine): MiniLM's layer GeMMs (M = 128) 2-8% faster than with KC (384 deep: one block, not
+# 160 + 160 + 64), BERT-base's (M = 256) 1-5%; whole forwards 0.97-0.98x (MiniLM @128) and
+# 0.965x (BERT-base @256). The peak shapes of `hepti bench model` gain as much or more (4-6%),
+# so its ratio to the limit does not fall with it. Packing B on the fly, the int8 GeMM (its
+# slice is dequantised into an L1 buffer) and the convolutions keep KC.
+KC_PACKED = 768
 # A is packed in blocks of up to MC rows x K that stay in L2 while all panels pass over them.
 A_BLOCK_BYTES = L2_BYTES // 2
 # Software prefetch (0 turns it off): the next pre-packed B panel is prefetched into L2 while

@@ -10,7 +10,8 @@ written in place through flat views (see _views.py), so row slices and column bl
 Loop order with B pre-packed (`gemm`), for each block of MC rows of A (packed into MR-row
 tiles, k-major, kept in L2):
     for each panel jp (prange over panel ranges when threads > 1)
-        for each k-block of KC rows of the panel (KC x NR floats, stays in L1)
+        for each k-block of up to KC_PACKED rows of the panel (config.py: the C strip's
+        read-modify-write per k-block costs more than streaming a deep slice from L2)
             for each MR-row tile: C tile (+)= A tile @ panel slice   (register tile)
         then bias, GeLU, residual on the strip (rows x NR) while it is in L1/L2.
 While a pre-packed panel is computed, the next one (contiguous after it) is prefetched into
@@ -596,7 +597,9 @@ def _plan(m: int, k: int, n: int, threads: int, on_the_fly: bool) -> tuple:
     mc = min(row_block(m, k), m)
     buf_rows = min(k, config.KC)  # rows of B packed at a time on the fly: one k-block
     group = min(otf_group(buf_rows), -(-n_panels // n_chunks)) if on_the_fly else 1
-    blocks = (mc, config.KC, group, config.PREFETCH_ROWS)
+    # pre-packed: k in equal blocks of at most KC_PACKED (config.py says why)
+    kc = config.KC if on_the_fly else -(-k // max(1, -(-k // config.KC_PACKED)))
+    blocks = (mc, max(kc, 1), group, config.PREFETCH_ROWS)
     return n_chunks, blocks, workspace_size(n_chunks, mc, k, group if on_the_fly else 0, buf_rows)
 
 
