@@ -82,8 +82,10 @@ KC = max(64, min(512, (L1_BYTES * 2 // 3) // (NR * 4) // 32 * 32))
 # 160 + 160 + 64), BERT-base's (M = 256) 1-5%; whole forwards 0.97-0.98x (MiniLM @128) and
 # 0.965x (BERT-base @256). The peak shapes of `hepti bench model` gain as much or more (4-6%),
 # so its ratio to the limit does not fall with it. Packing B on the fly, the int8 GeMM (its
-# slice is dequantised into an L1 buffer) and the convolutions keep KC.
-KC_PACKED = 768
+# slice is dequantised into an L1 buffer) and the convolutions keep KC. The slice (KC_PACKED x
+# NR floats, 96 KiB at 768) is held to an eighth of L2, so a device with a smaller L2 streams
+# it from there too; 768 deep is as far as it was measured.
+KC_PACKED = max(KC, min(768, L2_BYTES // 8 // (NR * 4) // 32 * 32))
 # A is packed in blocks of up to MC rows x K that stay in L2 while all panels pass over them.
 A_BLOCK_BYTES = L2_BYTES // 2
 # Software prefetch (0 turns it off): the next pre-packed B panel is prefetched into L2 while
