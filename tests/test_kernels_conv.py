@@ -233,6 +233,23 @@ def test_conv_layer_pair_writes_into_the_bordered_map(n, h, w, cin, cmid, stride
         second.bordered(xp[:, 1:].copy(), mid.shape, pad, threads=threads)
 
 
+def test_conv_layer_into_reuses_its_map_only_once_let_go():
+    """`ConvLayer.into(reuse=True)` hands back the map of its last such call when nobody
+    holds it any more (its border still zero, its interior the new input's 1x1), and a new
+    map while a caller still holds the old one."""
+    from hepti.kernels import conv
+    first = conv.ConvLayer(conv.pack_conv_weight(rand(32, 16, 1, 1)), rand(32), relu="relu")
+    extent = (9, 9, 1, 1)
+    x1, x2 = rand(1, 7, 7, 16), rand(1, 7, 7, 16)
+    held = first.into(x1, extent, reuse=True)
+    other = first.into(x2, extent, reuse=True)  # held: a new map, the old one untouched
+    assert other is not held
+    np.testing.assert_array_equal(held, first.into(x1, extent))
+    addr = other.ctypes.data
+    del held, other
+    again = first.into(x2, extent, reuse=True)
+    assert again.ctypes.data == addr  # let go: the same map, written again
+    np.testing.assert_array_equal(again, first.into(x2, extent))
 def test_conv2d_fused_modes_refuse_partial_panels():
     """A fused mode asked for where Cout leaves a partial panel is an error, not a wrong
     answer."""

@@ -134,6 +134,7 @@ split: see docs/cnn.md, "Height split").
 from __future__ import annotations
 
 import functools
+import sys
 
 import numba
 import numpy as np
@@ -1561,10 +1562,18 @@ class ConvLayer:
         got = self._bordered_plan(x_shape, padding, threads)
         return None if got is None else _padded_extent(got[1])
 
-    def into(self, x: np.ndarray, extent: tuple, threads: int = 1) -> np.ndarray | None:
+    def into(self, x: np.ndarray, extent: tuple, threads: int = 1,
+             reuse: bool = False) -> np.ndarray | None:
         """This layer (a 1x1 at stride 1 without padding, `_MODE_FLAT`) on x, written into
         the interior of a new zero-bordered map of `extent` (`border`'s): that map [N, hp, wp,
-        Cout]; None where this layer does not run `_MODE_FLAT` (call it as usual then)."""
+        Cout]; None where this layer does not run `_MODE_FLAT` (call it as usual then).
+
+        reuse: the map may be the one this layer made on its last call with reuse, when
+        nothing else holds it any more (its refcount says so): only its interior is written
+        (the kernel writes all of it), its border is still the zeros it was made with. For a
+        caller that lets the map go before this layer runs again (hepti.model.cnn
+        `apply_pair`). A new map's np.empty and four border stores cost ~30 us an op in a
+        forward (cold caches between multi-ms kernels), ~0.5 ms of ResNet-50's at 224."""
         cw = self.w
         if cw.depthwise or type(x) is not np.ndarray or x.dtype is not _F32 or \
                 x.ndim != 4 or not x.flags.c_contiguous:
@@ -1574,11 +1583,20 @@ class ConvLayer:
         if plan is None or plan[0] != _MODE_FLAT:
             return None
         n, h, w, cout = shape
-        xp = _bordered(n, h, w, cout, extent)
         key = ("into", x.shape, extent)
         offs = self._shapes.get(key)
         if offs is None:
             offs = self._shapes[key] = into_offsets(n, h, w, cout, extent)
+        xp = None
+        if reuse:
+            kept = self._shapes.get(("kept", x.shape, extent))
+            # held by the dict, `kept` and getrefcount's argument alone: nobody else has it
+            if kept is not None and sys.getrefcount(kept) == 3:
+                xp = kept
+        if xp is None:
+            xp = _bordered(n, h, w, cout, extent)
+            if reuse:
+                self._shapes[("kept", x.shape, extent)] = xp
         _, _, n_chunks, mb, n_blocks, _, by_panels = plan
         args = (x.reshape(-1), cw.cin, cw.cout, cw.panels[0], xp.reshape(-1), offs)
         if n_chunks == 1:

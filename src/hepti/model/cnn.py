@@ -225,7 +225,7 @@ def apply_pair(first, second, x: np.ndarray, weights: Weights, extent: tuple,
     second's copy of it into one goes (ResNet-50's 1x1 before a 3x3 on a 28-, 14- or 7-wide
     map or at stride 2: 13 copies, 0.4 MB to 1.6 MB each at 224)."""
     padding = pad + (second.padding, second.padding)
-    xp = weights.layer(first).into(x, extent, threads)
+    xp = weights.layer(first).into(x, extent, threads, reuse=True)  # let go below
     if xp is None:  # not a plain 1x1 after all: one after the other
         return apply(second, apply(first, x, weights, threads=threads), weights, residual,
                      pad, threads)
