@@ -234,12 +234,13 @@ def test_conv_layer_pair_writes_into_the_bordered_map(n, h, w, cin, cmid, stride
 
 
 def test_conv_layer_into_reuses_its_map_only_once_let_go():
-    """`ConvLayer.into(reuse=True)` hands back the map of its last such call when nobody
-    holds it any more (its border still zero, its interior the new input's 1x1), and a new
-    map while a caller still holds the old one."""
+    """`ConvLayer.into(reuse=True)` hands back the map of an earlier such call for this
+    shape when nobody holds it any more (its border still zero, its interior the new input's
+    1x1), and a new map while a caller still holds the old one."""
     from hepti.kernels import conv
     first = conv.ConvLayer(conv.pack_conv_weight(rand(32, 16, 1, 1)), rand(32), relu="relu")
     extent = (9, 9, 1, 1)
+    conv._KEPT_MAPS.clear()
     x1, x2 = rand(1, 7, 7, 16), rand(1, 7, 7, 16)
     held = first.into(x1, extent, reuse=True)
     other = first.into(x2, extent, reuse=True)  # held: a new map, the old one untouched
@@ -250,6 +251,11 @@ def test_conv_layer_into_reuses_its_map_only_once_let_go():
     again = first.into(x2, extent, reuse=True)
     assert again.ctypes.data == addr  # let go: the same map, written again
     np.testing.assert_array_equal(again, first.into(x2, extent))
+    other_layer = conv.ConvLayer(conv.pack_conv_weight(rand(32, 16, 1, 1)), rand(32))
+    del again
+    shared = other_layer.into(x1, extent, reuse=True)  # any layer's, of this shape
+    assert shared.ctypes.data == addr
+    np.testing.assert_array_equal(shared, other_layer.into(x1, extent))
 def test_conv2d_fused_modes_refuse_partial_panels():
     """A fused mode asked for where Cout leaves a partial panel is an error, not a wrong
     answer."""

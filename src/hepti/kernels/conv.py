@@ -1568,12 +1568,13 @@ class ConvLayer:
         the interior of a new zero-bordered map of `extent` (`border`'s): that map [N, hp, wp,
         Cout]; None where this layer does not run `_MODE_FLAT` (call it as usual then).
 
-        reuse: the map may be the one this layer made on its last call with reuse, when
-        nothing else holds it any more (its refcount says so): only its interior is written
-        (the kernel writes all of it), its border is still the zeros it was made with. For a
-        caller that lets the map go before this layer runs again (hepti.model.cnn
-        `apply_pair`). A new map's np.empty and four border stores cost ~30 us an op in a
-        forward (cold caches between multi-ms kernels), ~0.5 ms of ResNet-50's at 224."""
+        reuse: the map may be one an earlier call with reuse made for a map of this shape
+        (any layer's: `_KEPT_MAPS`), when nothing else holds it any more (its refcount says
+        so): only its interior is written (the kernel writes all of it), its border is still
+        the zeros it was made with. For a caller that lets the map go before the next pair
+        (hepti.model.cnn `apply_pair`). A new map's np.empty and four border stores cost
+        ~30 us a pair in a forward (cold caches between multi-ms kernels; ~4 us hot), ~0.5-1
+        ms of ResNet-50's at 224; the maps kept are one per shape (7 at 224, 4.9 MB)."""
         cw = self.w
         if cw.depthwise or type(x) is not np.ndarray or x.dtype is not _F32 or \
                 x.ndim != 4 or not x.flags.c_contiguous:
@@ -1589,14 +1590,16 @@ class ConvLayer:
             offs = self._shapes[key] = into_offsets(n, h, w, cout, extent)
         xp = None
         if reuse:
-            kept = self._shapes.get(("kept", x.shape, extent))
+            kept = _KEPT_MAPS.get((shape, extent))
             # held by the dict, `kept` and getrefcount's argument alone: nobody else has it
             if kept is not None and sys.getrefcount(kept) == 3:
                 xp = kept
         if xp is None:
             xp = _bordered(n, h, w, cout, extent)
             if reuse:
-                self._shapes[("kept", x.shape, extent)] = xp
+                if len(_KEPT_MAPS) >= 16:  # many shapes (a planner's trials): start again
+                    _KEPT_MAPS.clear()
+                _KEPT_MAPS[(shape, extent)] = xp
         _, _, n_chunks, mb, n_blocks, _, by_panels = plan
         args = (x.reshape(-1), cw.cin, cw.cout, cw.panels[0], xp.reshape(-1), offs)
         if n_chunks == 1:
@@ -1627,6 +1630,11 @@ class ConvLayer:
         _conv_run(xp, cw, geo_p, y, (self.bias_f, self.bias is not None, False, res, 0,
                                      cw.cout, residual is not None), self.act, plan, False)
         return y
+
+
+# (output shape, extent) -> the zero-bordered map `ConvLayer.into(reuse=True)` made last for
+# it, written again once nobody holds it
+_KEPT_MAPS: dict = {}
 
 
 def into_offsets(n: int, h: int, w: int, c: int, extent: tuple) -> np.ndarray:
