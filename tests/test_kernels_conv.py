@@ -256,6 +256,8 @@ def test_conv_layer_into_reuses_its_map_only_once_let_go():
     shared = other_layer.into(x1, extent, reuse=True)  # any layer's, of this shape
     assert shared.ctypes.data == addr
     np.testing.assert_array_equal(shared, other_layer.into(x1, extent))
+
+
 def test_conv2d_fused_modes_refuse_partial_panels():
     """A fused mode asked for where Cout leaves a partial panel is an error, not a wrong
     answer."""
@@ -275,6 +277,11 @@ def test_conv2d_out_is_the_residual(cout, k, stride, padding):
     want = conv2d(x, wt, bias, stride, padding, relu="relu", residual=residual)
     r = residual.copy()
     got = conv2d(x, wt, bias, stride, padding, relu="relu", residual=r, out=r)
+    assert (got is r) == (cout % NR == 0)
+    np.testing.assert_array_equal(got, want)
+    layer = conv.ConvLayer(conv.pack_conv_weight(wt), bias, stride, relu="relu")
+    r = residual.copy()  # ConvLayer's own path for it (the band executor's call)
+    got = layer(x, padding, r, out=r)
     assert (got is r) == (cout % NR == 0)
     np.testing.assert_array_equal(got, want)
 
