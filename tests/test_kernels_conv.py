@@ -228,6 +228,11 @@ def test_conv_layer_pair_writes_into_the_bordered_map(n, h, w, cin, cmid, stride
     assert not border.any()
     y = second.bordered(xp, mid.shape, pad, threads=threads)
     np.testing.assert_array_equal(y, second(mid, pad, threads=threads))
+    # both in one kernel call (one thread): the same bits, residual or not
+    np.testing.assert_array_equal(first.pair(second, x, extent, pad), y)
+    res = rand(*y.shape)
+    np.testing.assert_array_equal(first.pair(second, x, extent, pad, res),
+                                  second(mid, pad, res, threads=threads))
     assert second.into(mid, extent, threads) is None  # a 3x3 is not written into a map
     with pytest.raises(ValueError, match="bordered map"):
         second.bordered(xp[:, 1:].copy(), mid.shape, pad, threads=threads)

@@ -706,6 +706,17 @@ def _into_parallel(n_chunks, x, cin, n_g, panels, c, c_offs, n_blocks, mb, m, bi
                         (chunk + 1) * n_blocks // n_chunks, mb, m, bias, act)
 
 
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _pair_rows(x, cin, n_g, panels, xp, offs, n_blocks, mb, m, bias, act, geo_p, k2, n_g2,
+               panels2, y, n_blocks2, mb2, m2, blocks2, epi2, act2, mode2, ws):
+    """`ConvLayer.pair` on one thread: the 1x1 into the zero-bordered map xp
+    (`_into_fused`), then the convolution reading it in place (`_conv_rows` on geo_p, groups
+    1, Cout n_g2 = its row stride), in one call."""
+    _into_fused(x, cin, n_g, panels, xp, offs, 0, n_blocks, mb, m, bias, act)
+    _conv_rows(xp, geo_p, 1, k2, n_g2, panels2, y, n_g2, 0, n_blocks2, mb2, m2, blocks2, epi2,
+               act2, mode2, ws)
+
+
 @njit(fastmath=FASTMATH_ROWS, **JIT)
 def _activate(y, off, ldy, rows, cols, act):
     """In place on rows x cols of the flat y from off (row stride ldy): act 1 = ReLU,
@@ -1594,22 +1605,7 @@ class ConvLayer:
         if plan is None or plan[0] != _MODE_FLAT:
             return None
         n, h, w, cout = shape
-        key = ("into", x.shape, extent)
-        offs = self._shapes.get(key)
-        if offs is None:
-            offs = self._shapes[key] = into_offsets(n, h, w, cout, extent)
-        xp = None
-        if reuse:
-            kept = _KEPT_MAPS.get((shape, extent))
-            # held by the dict, `kept` and getrefcount's argument alone: nobody else has it
-            if kept is not None and sys.getrefcount(kept) == 3:
-                xp = kept
-        if xp is None:
-            xp = _bordered(n, h, w, cout, extent)
-            if reuse:
-                if len(_KEPT_MAPS) >= 16:  # many shapes (a planner's trials): start again
-                    _KEPT_MAPS.clear()
-                _KEPT_MAPS[(shape, extent)] = xp
+        xp, offs = self._map(x.shape, shape, extent, reuse)
         _, _, n_chunks, mb, n_blocks, _, by_panels = plan
         args = (x.reshape(-1), cw.cin, cw.cout, cw.panels[0], xp.reshape(-1), offs)
         if n_chunks == 1:
@@ -1623,6 +1619,63 @@ class ConvLayer:
             finally:
                 numba.set_num_threads(previous)
         return xp
+
+    def _map(self, x_shape: tuple, shape: tuple, extent: tuple, reuse: bool) -> tuple:
+        """(the zero-bordered map `into` writes this layer's output of `shape` into, the
+        offsets of its pixels there): a kept one with reuse when nobody holds it (`into`)."""
+        key = ("into", x_shape, extent)
+        offs = self._shapes.get(key)
+        if offs is None:
+            offs = self._shapes[key] = into_offsets(*shape, extent)
+        if reuse:
+            kept = _KEPT_MAPS.get((shape, extent))
+            # held by the dict, `kept` and getrefcount's argument alone: nobody else has it
+            if kept is not None and sys.getrefcount(kept) == 3:
+                return kept, offs
+        xp = _bordered(*shape, extent)
+        if reuse:
+            if len(_KEPT_MAPS) >= 16:  # many shapes (a planner's trials): start again
+                _KEPT_MAPS.clear()
+            _KEPT_MAPS[(shape, extent)] = xp
+        return xp, offs
+
+    def pair(self, second: "ConvLayer", x: np.ndarray, extent: tuple, padding,
+             residual: np.ndarray | None = None) -> np.ndarray | None:
+        """`into(x, extent, reuse=True)` then second's `bordered` on it, on one thread, as one
+        kernel call (`_pair_rows`): second's output, bit for bit theirs; None where either
+        would not run so on one thread (call them, or the layers, as usual then). A kernel
+        call's dispatch costs ~16-20 us in a forward (its arguments unboxed with the caches
+        cold after the kernel before it), the Python between the two calls as much again."""
+        cw, cw2 = self.w, second.w
+        if cw.depthwise or type(x) is not np.ndarray or x.dtype is not _F32 or \
+                x.ndim != 4 or not x.flags.c_contiguous:
+            return None
+        shape, _, plan = self._shapes.get((x.shape, 0, 1)) or self._shape(x.shape, 0, 1)
+        if plan is None or plan[0] != _MODE_FLAT or plan[2] != 1:
+            return None
+        got = second._bordered_plan(shape, padding, 1)
+        if got is None or got[2][2] != 1:
+            return None
+        shape2, geo, plan2 = got
+        n, h, w, cout = shape
+        hp, wp = _padded_extent(geo)[:2]
+        if (hp, wp) != extent[:2]:
+            raise ValueError(f"extent {extent} is not the bordered map {second!r} reads for "
+                             f"x {shape} (padding {padding})")
+        xp, offs = self._map(x.shape, shape, extent, True)
+        y = np.empty(shape2, np.float32)
+        res = EMPTY if residual is None else _residual(residual, shape2, y)
+        _, h_, w_, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+        geo_p = (n, hp, wp, cin, ho, wo, kh, kw, sh, sw, 0, 0, dh, dw, cg)
+        _, _, _, mb, n_blocks, ws_chunk, _ = plan
+        mode2, _, _, mb2, n_blocks2, ws_chunk2, _ = plan2
+        _pair_rows(x.reshape(-1), cw.cin, cout, cw.panels[0], xp.reshape(-1), offs, n_blocks,
+                   mb, n * h * w, self.bias_f, self.act, geo_p, cw2.k, cw2.cout, cw2.panels,
+                   y.reshape(-1), n_blocks2, mb2, n * ho * wo,
+                   (mb2, config.KC, 1, config.PREFETCH_ROWS),
+                   (second.bias_f, second.bias is not None, False, res, 0, cw2.cout,
+                    residual is not None), second.act, mode2, workspace(ws_chunk2))
+        return y
 
     def bordered(self, xp: np.ndarray, x_shape: tuple, padding,
                  residual: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
