@@ -1629,8 +1629,8 @@ class ConvLayer:
             offs = self._shapes[key] = into_offsets(*shape, extent)
         if reuse:
             kept = _KEPT_MAPS.get((shape, extent))
-            # held by the dict, `kept` and getrefcount's argument alone: nobody else has it
-            if kept is not None and sys.getrefcount(kept) == 3:
+            # held by the dict alone (as `_free_refs` counts it): nobody else has it
+            if kept is not None and sys.getrefcount(kept) == _FREE_REFS:
                 return kept, offs
         xp = _bordered(*shape, extent)
         if reuse:
@@ -1698,6 +1698,18 @@ class ConvLayer:
 # (output shape, extent) -> the zero-bordered map `ConvLayer.into(reuse=True)` made last for
 # it, written again once nobody holds it
 _KEPT_MAPS: dict = {}
+
+
+def _free_refs() -> int:
+    """sys.getrefcount of an array a dict alone holds, read as `ConvLayer._map` reads it (3
+    on CPython 3.11: the dict, the local, the call's argument; an interpreter that borrows the
+    local's reference counts fewer, and a fixed 3 would then let a held map be written)."""
+    d = {0: np.empty(0, np.float32)}
+    kept = d.get(0)
+    return sys.getrefcount(kept)
+
+
+_FREE_REFS = _free_refs()
 
 
 def into_offsets(n: int, h: int, w: int, c: int, extent: tuple) -> np.ndarray:
