@@ -228,9 +228,39 @@ def test_conv_layer_pair_writes_into_the_bordered_map(n, h, w, cin, cmid, stride
     assert not border.any()
     y = second.bordered(xp, mid.shape, pad, threads=threads)
     np.testing.assert_array_equal(y, second(mid, pad, threads=threads))
+    # both in one kernel call (one thread): the same bits, residual or not
+    np.testing.assert_array_equal(first.pair(second, x, extent, pad), y)
+    res = rand(*y.shape)
+    np.testing.assert_array_equal(first.pair(second, x, extent, pad, res),
+                                  second(mid, pad, res, threads=threads))
     assert second.into(mid, extent, threads) is None  # a 3x3 is not written into a map
     with pytest.raises(ValueError, match="bordered map"):
         second.bordered(xp[:, 1:].copy(), mid.shape, pad, threads=threads)
+
+
+def test_conv_layer_into_reuses_its_map_only_once_let_go():
+    """`ConvLayer.into(reuse=True)` hands back the map of an earlier such call for this
+    shape when nobody holds it any more (its border still zero, its interior the new input's
+    1x1), and a new map while a caller still holds the old one."""
+    from hepti.kernels import conv
+    first = conv.ConvLayer(conv.pack_conv_weight(rand(32, 16, 1, 1)), rand(32), relu="relu")
+    extent = (9, 9, 1, 1)
+    conv._KEPT_MAPS.clear()
+    x1, x2 = rand(1, 7, 7, 16), rand(1, 7, 7, 16)
+    held = first.into(x1, extent, reuse=True)
+    other = first.into(x2, extent, reuse=True)  # held: a new map, the old one untouched
+    assert other is not held
+    np.testing.assert_array_equal(held, first.into(x1, extent))
+    addr = other.ctypes.data
+    del held, other
+    again = first.into(x2, extent, reuse=True)
+    assert again.ctypes.data == addr  # let go: the same map, written again
+    np.testing.assert_array_equal(again, first.into(x2, extent))
+    other_layer = conv.ConvLayer(conv.pack_conv_weight(rand(32, 16, 1, 1)), rand(32))
+    del again
+    shared = other_layer.into(x1, extent, reuse=True)  # any layer's, of this shape
+    assert shared.ctypes.data == addr
+    np.testing.assert_array_equal(shared, other_layer.into(x1, extent))
 
 
 def test_conv2d_fused_modes_refuse_partial_panels():
@@ -252,6 +282,11 @@ def test_conv2d_out_is_the_residual(cout, k, stride, padding):
     want = conv2d(x, wt, bias, stride, padding, relu="relu", residual=residual)
     r = residual.copy()
     got = conv2d(x, wt, bias, stride, padding, relu="relu", residual=r, out=r)
+    assert (got is r) == (cout % NR == 0)
+    np.testing.assert_array_equal(got, want)
+    layer = conv.ConvLayer(conv.pack_conv_weight(wt), bias, stride, relu="relu")
+    r = residual.copy()  # ConvLayer's own path for it (the band executor's call)
+    got = layer(x, padding, r, out=r)
     assert (got is r) == (cout % NR == 0)
     np.testing.assert_array_equal(got, want)
 

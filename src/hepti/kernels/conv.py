@@ -134,6 +134,7 @@ split: see docs/cnn.md, "Height split").
 from __future__ import annotations
 
 import functools
+import sys
 
 import numba
 import numpy as np
@@ -703,6 +704,17 @@ def _into_parallel(n_chunks, x, cin, n_g, panels, c, c_offs, n_blocks, mb, m, bi
         else:
             _into_fused(x, cin, n_g, panels, c, c_offs, chunk * n_blocks // n_chunks,
                         (chunk + 1) * n_blocks // n_chunks, mb, m, bias, act)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _pair_rows(x, cin, n_g, panels, xp, offs, n_blocks, mb, m, bias, act, geo_p, k2, n_g2,
+               panels2, y, n_blocks2, mb2, m2, blocks2, epi2, act2, mode2, ws):
+    """`ConvLayer.pair` on one thread: the 1x1 into the zero-bordered map xp
+    (`_into_fused`), then the convolution reading it in place (`_conv_rows` on geo_p, groups
+    1, Cout n_g2 = its row stride), in one call."""
+    _into_fused(x, cin, n_g, panels, xp, offs, 0, n_blocks, mb, m, bias, act)
+    _conv_rows(xp, geo_p, 1, k2, n_g2, panels2, y, n_g2, 0, n_blocks2, mb2, m2, blocks2, epi2,
+               act2, mode2, ws)
 
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)
@@ -1509,6 +1521,16 @@ class ConvLayer:
             return conv2d(x, cw, self.bias, self.stride, padding, self.dilation,
                           relu=self.relu, residual=residual, out=out, threads=threads)
         shape, geo, plan = got if got is not None else self._shape(x.shape, padding, threads)
+        if out is not None and out is residual and plan is not None and plan[1] and \
+                type(out) is np.ndarray and out.dtype is _F32 and out.shape == shape:
+            # the band executor's y written over its residual (ResNet's 1x1 with the
+            # identity): the checks below at once (each numpy call ~5-10 us with the caches
+            # cold between kernels: 60 us an op in all against 25 for the kernel's dispatch)
+            flags = out.flags
+            if flags.c_contiguous and flags.writeable and not np.shares_memory(out, x):
+                _conv_run(x, cw, geo, out, (self.bias_f, self.bias is not None, False,
+                                            out.reshape(-1), 0, cw.cout, True), self.act, plan)
+                return out
         if out is None:
             y = np.empty(shape, np.float32)
         else:
@@ -1561,10 +1583,19 @@ class ConvLayer:
         got = self._bordered_plan(x_shape, padding, threads)
         return None if got is None else _padded_extent(got[1])
 
-    def into(self, x: np.ndarray, extent: tuple, threads: int = 1) -> np.ndarray | None:
+    def into(self, x: np.ndarray, extent: tuple, threads: int = 1,
+             reuse: bool = False) -> np.ndarray | None:
         """This layer (a 1x1 at stride 1 without padding, `_MODE_FLAT`) on x, written into
         the interior of a new zero-bordered map of `extent` (`border`'s): that map [N, hp, wp,
-        Cout]; None where this layer does not run `_MODE_FLAT` (call it as usual then)."""
+        Cout]; None where this layer does not run `_MODE_FLAT` (call it as usual then).
+
+        reuse: the map may be one an earlier call with reuse made for a map of this shape
+        (any layer's: `_KEPT_MAPS`), when nothing else holds it any more (its refcount says
+        so): only its interior is written (the kernel writes all of it), its border is still
+        the zeros it was made with. For a caller that lets the map go before the next pair
+        (hepti.model.cnn `apply_pair`). A new map's np.empty and four border stores cost
+        ~30 us a pair in a forward (cold caches between multi-ms kernels; ~4 us hot), ~0.5-1
+        ms of ResNet-50's at 224; the maps kept are one per shape (7 at 224, 4.9 MB)."""
         cw = self.w
         if cw.depthwise or type(x) is not np.ndarray or x.dtype is not _F32 or \
                 x.ndim != 4 or not x.flags.c_contiguous:
@@ -1574,11 +1605,7 @@ class ConvLayer:
         if plan is None or plan[0] != _MODE_FLAT:
             return None
         n, h, w, cout = shape
-        xp = _bordered(n, h, w, cout, extent)
-        key = ("into", x.shape, extent)
-        offs = self._shapes.get(key)
-        if offs is None:
-            offs = self._shapes[key] = into_offsets(n, h, w, cout, extent)
+        xp, offs = self._map(x.shape, shape, extent, reuse)
         _, _, n_chunks, mb, n_blocks, _, by_panels = plan
         args = (x.reshape(-1), cw.cin, cw.cout, cw.panels[0], xp.reshape(-1), offs)
         if n_chunks == 1:
@@ -1592,6 +1619,63 @@ class ConvLayer:
             finally:
                 numba.set_num_threads(previous)
         return xp
+
+    def _map(self, x_shape: tuple, shape: tuple, extent: tuple, reuse: bool) -> tuple:
+        """(the zero-bordered map `into` writes this layer's output of `shape` into, the
+        offsets of its pixels there): a kept one with reuse when nobody holds it (`into`)."""
+        key = ("into", x_shape, extent)
+        offs = self._shapes.get(key)
+        if offs is None:
+            offs = self._shapes[key] = into_offsets(*shape, extent)
+        if reuse:
+            kept = _KEPT_MAPS.get((shape, extent))
+            # held by the dict alone (as `_free_refs` counts it): nobody else has it
+            if kept is not None and sys.getrefcount(kept) == _FREE_REFS:
+                return kept, offs
+        xp = _bordered(*shape, extent)
+        if reuse:
+            if len(_KEPT_MAPS) >= 16:  # many shapes (a planner's trials): start again
+                _KEPT_MAPS.clear()
+            _KEPT_MAPS[(shape, extent)] = xp
+        return xp, offs
+
+    def pair(self, second: "ConvLayer", x: np.ndarray, extent: tuple, padding,
+             residual: np.ndarray | None = None) -> np.ndarray | None:
+        """`into(x, extent, reuse=True)` then second's `bordered` on it, on one thread, as one
+        kernel call (`_pair_rows`): second's output, bit for bit theirs; None where either
+        would not run so on one thread (call them, or the layers, as usual then). A kernel
+        call's dispatch costs ~16-20 us in a forward (its arguments unboxed with the caches
+        cold after the kernel before it), the Python between the two calls as much again."""
+        cw, cw2 = self.w, second.w
+        if cw.depthwise or type(x) is not np.ndarray or x.dtype is not _F32 or \
+                x.ndim != 4 or not x.flags.c_contiguous:
+            return None
+        shape, _, plan = self._shapes.get((x.shape, 0, 1)) or self._shape(x.shape, 0, 1)
+        if plan is None or plan[0] != _MODE_FLAT or plan[2] != 1:
+            return None
+        got = second._bordered_plan(shape, padding, 1)
+        if got is None or got[2][2] != 1:
+            return None
+        shape2, geo, plan2 = got
+        n, h, w, cout = shape
+        hp, wp = _padded_extent(geo)[:2]
+        if (hp, wp) != extent[:2]:
+            raise ValueError(f"extent {extent} is not the bordered map {second!r} reads for "
+                             f"x {shape} (padding {padding})")
+        xp, offs = self._map(x.shape, shape, extent, True)
+        y = np.empty(shape2, np.float32)
+        res = EMPTY if residual is None else _residual(residual, shape2, y)
+        _, h_, w_, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+        geo_p = (n, hp, wp, cin, ho, wo, kh, kw, sh, sw, 0, 0, dh, dw, cg)
+        _, _, _, mb, n_blocks, ws_chunk, _ = plan
+        mode2, _, _, mb2, n_blocks2, ws_chunk2, _ = plan2
+        _pair_rows(x.reshape(-1), cw.cin, cout, cw.panels[0], xp.reshape(-1), offs, n_blocks,
+                   mb, n * h * w, self.bias_f, self.act, geo_p, cw2.k, cw2.cout, cw2.panels,
+                   y.reshape(-1), n_blocks2, mb2, n * ho * wo,
+                   (mb2, config.KC, 1, config.PREFETCH_ROWS),
+                   (second.bias_f, second.bias is not None, False, res, 0, cw2.cout,
+                    residual is not None), second.act, mode2, workspace(ws_chunk2))
+        return y
 
     def bordered(self, xp: np.ndarray, x_shape: tuple, padding,
                  residual: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
@@ -1609,6 +1693,23 @@ class ConvLayer:
         _conv_run(xp, cw, geo_p, y, (self.bias_f, self.bias is not None, False, res, 0,
                                      cw.cout, residual is not None), self.act, plan, False)
         return y
+
+
+# (output shape, extent) -> the zero-bordered map `ConvLayer.into(reuse=True)` made last for
+# it, written again once nobody holds it
+_KEPT_MAPS: dict = {}
+
+
+def _free_refs() -> int:
+    """sys.getrefcount of an array a dict alone holds, read as `ConvLayer._map` reads it (3
+    on CPython 3.11: the dict, the local, the call's argument; an interpreter that borrows the
+    local's reference counts fewer, and a fixed 3 would then let a held map be written)."""
+    d = {0: np.empty(0, np.float32)}
+    kept = d.get(0)
+    return sys.getrefcount(kept)
+
+
+_FREE_REFS = _free_refs()
 
 
 def into_offsets(n: int, h: int, w: int, c: int, extent: tuple) -> np.ndarray:

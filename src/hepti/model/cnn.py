@@ -225,7 +225,11 @@ def apply_pair(first, second, x: np.ndarray, weights: Weights, extent: tuple,
     second's copy of it into one goes (ResNet-50's 1x1 before a 3x3 on a 28-, 14- or 7-wide
     map or at stride 2: 13 copies, 0.4 MB to 1.6 MB each at 224)."""
     padding = pad + (second.padding, second.padding)
-    xp = weights.layer(first).into(x, extent, threads)
+    if threads == 1:  # both in one kernel call
+        y = weights.layer(first).pair(weights.layer(second), x, extent, padding, residual)
+        if y is not None:
+            return y
+    xp = weights.layer(first).into(x, extent, threads, reuse=True)  # let go below
     if xp is None:  # not a plain 1x1 after all: one after the other
         return apply(second, apply(first, x, weights, threads=threads), weights, residual,
                      pad, threads)
@@ -296,9 +300,9 @@ def load_kernels(threads: int = 1) -> None:
     model (the conv's path, rows or implicit im2col, is a run-time argument of one function), so
     a 1x1, a 3x3 at stride 2 with a residual, a depthwise 3x3, an inverted-residual block
     (hepti.kernels.inverted) and a run of them (hepti.kernels.inverted_chain), a 1x1 written
-    into the zero-bordered map of the 3x3 after it (`ConvLayer.into`, `bordered`), the pools, the
-    head's GeMM and the pixels' NCHW -> NHWC copy cover MobileNetV2, ResNet-50 and VGG-16
-    alike, on one rank or on bands of rows."""
+    into the zero-bordered map of the 3x3 after it (`ConvLayer.into`, `bordered`; `pair`, both
+    in one call), the pools, the head's GeMM and the pixels' NCHW -> NHWC copy cover
+    MobileNetV2, ResNet-50 and VGG-16 alike, on one rank or on bands of rows."""
     rng = np.random.default_rng(0)
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     x = r(1, 8, 8, 16)  # NHWC
@@ -323,6 +327,7 @@ def load_kernels(threads: int = 1) -> None:
     second = K.ConvLayer(K.pack_conv_weight(r(32, 32, 3, 3)), r(32), 2, relu="relu")
     extent = second.border(x32.shape, (1, 1, 1, 1), threads)
     second.bordered(first.into(x32, extent, threads), x32.shape, (1, 1, 1, 1), threads=threads)
+    first.pair(second, x32, extent, (1, 1, 1, 1))  # both in one call (one thread)
     K.max_pool2d(x, 3, 2, 1, out=np.empty((1, 4, 4, 16), np.float32))
     K.avg_pool2d(x, 2)
     v = K.global_avg_pool(x)
