@@ -208,6 +208,7 @@ def test_quick_run_accounts_for_every_strategy(tmp_path):
     assert runs["auto"]["status"] == "ok" and runs["auto"]["predicted_latency_s"] > 0, runs["auto"]
     assert (tmp_path / "hetero.csv").read_text().startswith(",".join(rep.CSV_FIELDS))
     assert doc["profiles"] and doc["profiles"][0]["spec"] == "emu-pair-940-full"
+    assert doc["settings"]["keep_page_cache"]  # --quick's launches keep the page cache
 
 
 def test_solver_bench_times_the_planners_own_solve_s(tmp_path):

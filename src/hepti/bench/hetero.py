@@ -26,7 +26,7 @@ out-of-memory kill is the launch's own and the baselines run in the same runtime
 
 The default set, about 15 minutes a round here: BERT-base @256 tokens on every spec, MiniLM @128,
 BERT-large @128 and ViT-L/16 @224 (197 tokens) on emu-mixed4 only (`--case` changes it); `--quick` is one pair spec with
-MiniLM, one round (under 2 minutes). Each record keeps the machine's load average around its
+MiniLM, one round, the page cache kept (under 2 minutes). Each record keeps the machine's load average around its
 launch: device quotas are caps, so other jobs on a shared machine slow the devices down.
 
 Numba's cache is warmed outside the emulation first (a 0.15-core device compiling kernels would
@@ -78,20 +78,24 @@ EXTRA = ("emu-tight:rows",) + tuple(f"{sp}:auto/fuse{k}" for sp in ("emu-pair-24
 CASES = ("weights/bert-base:256", "weights/minilm-l6:128:emu-mixed4", "weights/bert-large:128:emu-mixed4",
          "weights/vit-large:197:emu-mixed4", "weights/resnet50:224:emu-mixed4",
          "weights/mobilenet-v2:224:emu-mixed4+emu-pair-240-full+emu-pair-940-full")
+# --quick keeps the page cache: its launches are checked for running, not timed against a cold
+# disk, and each drop cost a launch 13 -> 19 s here (this machine's Python libraries and
+# Numba's cache read back from disk), and slowed whatever else ran beside it
 QUICK = {"spec": ["emu-pair-940-quarter"], "case": ["weights/minilm-l6:128"], "repeat": 3, "rounds": 1,
-         "min_repeat": 2, "target_s": 2.0, "timeout": 120.0}
+         "min_repeat": 2, "target_s": 2.0, "timeout": 120.0, "keep_page_cache": True}
 LAUNCHER_OOM = re.compile(r"rank \d+ \(device [^)]*\) was killed by the out-of-memory killer[^\n]*")
 
 
 # --- launching ---------------------------------------------------------------------------------
 
 def launch(spec_path: Path, n: int, hepti_args: list[str], cache: Path, timeout: float,
-           workdir: Path) -> dict:
+           workdir: Path, keep_page_cache: bool = False) -> dict:
     """One `hepti emulate ... -- mpiexec -n n hepti ARGS`: return code, stdout, stderr, the
     launcher's summary (OOM kills and peak memory per device) and the wall time."""
     summary = workdir / f"summary-{time.monotonic_ns()}.json"
+    emulate = ["--summary", str(summary)] + (["--keep-page-cache"] if keep_page_cache else [])
     res = harness.launch(hepti_cmd() + hepti_args, ranks=n, spec=spec_path,
-                         emulate=["--summary", str(summary)], env={"HEPTI_CACHE": str(cache)},
+                         emulate=emulate, env={"HEPTI_CACHE": str(cache)},
                          timeout=timeout, check=False)
     out = {"rc": res.rc, "stdout": res.stdout, "stderr": res.stderr, "wall_s": res.wall_s,
            "summary": None, "loadavg_1min": res.loadavg_1min}
@@ -317,7 +321,7 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
                     profile_path = workdir / f"profile-{spec.name}-{case['name']}-r{k}.json"
                     launch(spec_path, n, ["profile", "--model", case["dir"], "--image-size",
                                           str(case["seq"]), "--out", str(profile_path)],
-                           cache, args.timeout, workdir)
+                           cache, args.timeout, workdir, args.keep_page_cache)
                     if profile_path.exists():
                         profiles.append({**profile_summary(spec, case, profile_path,
                                                            "hepti profile"), "round": k})
@@ -330,7 +334,8 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
                     if profile_path is None:  # auto did not get as far: measure one for the baselines
                         profile_path = workdir / f"profile-{spec.name}-{case['name']}.json"
                         launch(spec_path, n, ["profile", "--model", case["dir"], "--seq", str(case["seq"]),
-                                              "--out", str(profile_path)], cache, args.timeout, workdir)
+                                              "--out", str(profile_path)], cache, args.timeout,
+                               workdir, args.keep_page_cache)
                         source = "hepti profile (auto did not profile)"
                         if not profile_path.exists():
                             profile_path = None
@@ -352,7 +357,8 @@ def sweep(args, specs: list, cases: list[dict], workdir: Path, bar) -> tuple[lis
                     extra += ["--fuse-depth", fuse]
                 if (strategy != "auto" or cnn) and profile_path is not None:
                     extra += ["--profile", str(profile_path)]
-                res = launch(spec_path, n, common + extra, cache, args.timeout, workdir)
+                res = launch(spec_path, n, common + extra, cache, args.timeout, workdir,
+                             args.keep_page_cache)
                 status, reason, rep = classify(res)
                 runs.append({**run_record(spec, case, strategy, status, reason, rep, res, repeat),
                              "round": k})
@@ -405,6 +411,9 @@ def add_arguments(ap) -> None:
                     help="run baselines even when the planner says they do not fit memory")
     ap.add_argument("--out-dir", default="results", help="where hetero.json/.csv/.png go")
     ap.add_argument("--no-warm", action="store_true", help="skip warming Numba's cache")
+    ap.add_argument("--keep-page-cache", action="store_true",
+                    help="pass --keep-page-cache to hepti emulate: launches start with the files "
+                         "earlier runs cached (--quick's default)")
 
 
 def run(args) -> int:
@@ -449,7 +458,8 @@ def run(args) -> int:
         settings={"quick": args.quick, "specs": args.spec, "cases": args.case,
                   "strategies": args.strategies, "extra": list(args.extra), "repeat": args.repeat,
                   "min_repeat": args.min_repeat, "target_s": args.target_s, "timeout_s": args.timeout,
-                  "run_unfit": args.run_unfit, "threads_per_rank": 1, "rounds": args.rounds},
+                  "run_unfit": args.run_unfit, "threads_per_rank": 1, "rounds": args.rounds,
+                  "keep_page_cache": args.keep_page_cache},
         specs={s.name: s.to_dict() for s, _ in specs},
         duration_s=round(time.perf_counter() - t_start, 1), numba_warm_s=round(warm_s, 1),
         runs=runs, targets=targets, profiles=profiles, round_runs=round_runs,
