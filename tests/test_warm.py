@@ -55,14 +55,3 @@ def test_steps_and_bad_arguments():
     assert p.returncode == 0 and {"cnn", "int8", "models", "bert"} <= set(p.stdout.split())
     p = subprocess.run([sys.executable, str(WARM), "gpu"], capture_output=True, text=True)
     assert p.returncode == 2 and "unknown step gpu" in p.stderr
-
-
-def test_the_kernel_free_files_named_first_exist():
-    """conftest.NO_KERNELS (run first, while the warmer compiles) names files that are there: a
-    renamed one would only run in its usual place again, its cold-cache head start lost."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("unit_conftest", ROOT / "tests" / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
-    missing = sorted(n for n in conftest.NO_KERNELS if not (ROOT / "tests" / n).is_file())
-    assert not missing, missing
