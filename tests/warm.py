@@ -129,16 +129,16 @@ def _int8_dots():
 
 # (name, call): in about the order the suite first needs them. The encoders' float32 set first:
 # the suite's first test files run no kernel (tests/conftest.py, NO_KERNELS), and the files after
-# them start with it (the hetero quick run, test_cli); a CNN's kernels next, on one thread and on
-# two (test_cnn.py runs both), the decoders', the kernel tests' integer-dot levels later.
+# them start with it (the hetero quick run, test_cli); a CNN's kernels next, the decoders', the
+# kernel tests' threads and integer-dot levels later.
 STEPS = [
     ("bert", lambda: _bert(1)),
     ("cnn", lambda: _cnn(1)),
-    ("cnn-threads", lambda: _cnn(2)),
     ("int8", lambda: _bert(1, int8=True)),
     ("models", None),  # _models, in a temporary folder
     ("vit", lambda: _vit(1)),
     ("int8-dots", _int8_dots),
+    ("cnn-threads", lambda: _cnn(2)),
     ("bert-threads", lambda: _bert(2, int8=True)),
 ]
 
