@@ -12,28 +12,6 @@ from helpers import (FIXTURES, ROOT, convert_mobilenet, convert_once, convert_ti
                      minilm_source)
 
 
-# Test files that run no Numba kernel (checked on a cold cache: they leave no cache file). They
-# run first: on a cold cache (a fresh clone, CI) bin/test's warmer, tests/warm.py, compiles the
-# encoders' kernels on the second core meanwhile, so the tests after them load those kernels
-# instead of compiling them on pytest's core. A file missing here only runs in its usual place.
-NO_KERNELS = frozenset({
-    "test_band_program.py", "test_bench_adapt.py", "test_bench_cnnsingle.py",
-    "test_bench_geneflow.py", "test_bench_harness.py", "test_bench_model.py", "test_counts.py",
-    "test_emulate_stretch.py", "test_families.py", "test_fixtures_sanity.py", "test_graph.py",
-    "test_images.py", "test_interpreter.py", "test_layers.py", "test_onnx_import.py",
-    "test_order.py", "test_order_graphs.py", "test_order_hier.py", "test_plan.py",
-    "test_plan_coedge.py", "test_plan_decoder.py", "test_plan_hepti.py", "test_plan_partition.py",
-    "test_plan_single.py", "test_serve_http.py", "test_serve_monitor.py", "test_torchzip.py",
-    "test_vit_weights.py", "test_warm.py",
-})
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """The files of NO_KERNELS first, the others after them in their usual order (the sort is
-    stable)."""
-    items.sort(key=lambda item: 0 if item.path.name in NO_KERNELS else 1)
-
-
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES
