@@ -80,8 +80,9 @@ KC = max(64, min(512, (L1_BYTES * 2 // 3) // (NR * 4) // 32 * 32))
 # than L1 from L2. Measured 2026-11-30, in one process, interleaved, CPU time (loaded 2-core
 # machine): MiniLM's layer GeMMs (M = 128) 2-8% faster than with KC (384 deep: one block, not
 # 160 + 160 + 64), BERT-base's (M = 256) 1-5%; whole forwards 0.97-0.98x (MiniLM @128) and
-# 0.965x (BERT-base @256). The peak shapes of `hepti bench model` gain as much or more (4-6%),
-# so its ratio to the limit does not fall with it. Packing B on the fly, the int8 GeMM (its
+# 0.965x (BERT-base @256); on the quiet machine, 20 rounds, MiniLM 0.978x. The peak shapes of
+# `hepti bench model` gain as much or more (4-6%; quiet, 102.3 -> 108.3 GFLOP/s), so its ratio
+# to the limit does not fall with it. Packing B on the fly, the int8 GeMM (its
 # slice is dequantised into an L1 buffer) and the convolutions keep KC. The slice (KC_PACKED x
 # NR floats, 96 KiB at 768) is held to an eighth of L2, so a device with a smaller L2 streams
 # it from there too; 768 deep is as far as it was measured.
