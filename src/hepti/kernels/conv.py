@@ -1597,13 +1597,10 @@ class ConvLayer:
         ~30 us a pair in a forward (cold caches between multi-ms kernels; ~4 us hot), ~0.5-1
         ms of ResNet-50's at 224; the maps kept are one per shape (7 at 224, 4.9 MB)."""
         cw = self.w
-        if cw.depthwise or type(x) is not np.ndarray or x.dtype is not _F32 or \
-                x.ndim != 4 or not x.flags.c_contiguous:
+        got = self._flat(x, threads)
+        if got is None:
             return None
-        shape, _, plan = self._shapes.get((x.shape, 0, threads)) or \
-            self._shape(x.shape, 0, threads)
-        if plan is None or plan[0] != _MODE_FLAT:
-            return None
+        shape, plan = got
         n, h, w, cout = shape
         xp, offs = self._map(x.shape, shape, extent, reuse)
         _, _, n_chunks, mb, n_blocks, _, by_panels = plan
@@ -1619,6 +1616,18 @@ class ConvLayer:
             finally:
                 numba.set_num_threads(previous)
         return xp
+
+    def _flat(self, x: np.ndarray, threads: int) -> tuple | None:
+        """(output shape, plan) where this layer runs on x as `_MODE_FLAT` (a 1x1 at stride 1
+        without padding, x a C-contiguous float32 [N, H, W, Cin]), else None."""
+        if self.w.depthwise or type(x) is not np.ndarray or x.dtype is not _F32 or \
+                x.ndim != 4 or not x.flags.c_contiguous:
+            return None
+        shape, _, plan = self._shapes.get((x.shape, 0, threads)) or \
+            self._shape(x.shape, 0, threads)
+        if plan is None or plan[0] != _MODE_FLAT:
+            return None
+        return shape, plan
 
     def _map(self, x_shape: tuple, shape: tuple, extent: tuple, reuse: bool) -> tuple:
         """(the zero-bordered map `into` writes this layer's output of `shape` into, the
@@ -1647,12 +1656,10 @@ class ConvLayer:
         call's dispatch costs ~16-20 us in a forward (its arguments unboxed with the caches
         cold after the kernel before it), the Python between the two calls as much again."""
         cw, cw2 = self.w, second.w
-        if cw.depthwise or type(x) is not np.ndarray or x.dtype is not _F32 or \
-                x.ndim != 4 or not x.flags.c_contiguous:
+        got = self._flat(x, 1)
+        if got is None or got[1][2] != 1:
             return None
-        shape, _, plan = self._shapes.get((x.shape, 0, 1)) or self._shape(x.shape, 0, 1)
-        if plan is None or plan[0] != _MODE_FLAT or plan[2] != 1:
-            return None
+        shape, plan = got
         got = second._bordered_plan(shape, padding, 1)
         if got is None or got[2][2] != 1:
             return None

@@ -507,10 +507,9 @@ def gemm_q(a: np.ndarray, qb: QuantB, bias: np.ndarray | None = None, gelu: bool
     c, a_flat, lda, c_flat, ldc, epi = operands(a, k, n, bias, gelu, residual, out)
     if m == 0 or n == 0:
         return c
-    n_chunks, blocks, _ = _plan(m, k, n, int(threads), False)
     # KC, not the float32 path's deeper KC_PACKED: each k-block's int8 slice is dequantised
     # into a buffer [KC, NR] meant to stay in L1
-    blocks = (blocks[0], config.KC, blocks[2], blocks[3])
+    n_chunks, blocks, _ = _plan(m, k, n, int(threads), False, config.KC)
     common = (k, n, qb.q32, qb.scales, qb.per_col, qb.group)
     if m == 1:  # a_flat and c_flat start at the row: k and n values of it
         tag = _RUN_TAGS[config.INT_DOT] if qb.group <= XQ_GROUP_MAX else _TAGS[0]

@@ -585,11 +585,12 @@ def run_chunks(n_chunks: int, serial, parallel, args: tuple) -> None:
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(m: int, k: int, n: int, threads: int, on_the_fly: bool) -> tuple:
+def _plan(m: int, k: int, n: int, threads: int, on_the_fly: bool, kc: int = 0) -> tuple:
     """(chunks, blocks, workspace floats) of one GeMM shape. A forward repeats a few shapes,
     and inside one the interpreter's own data is cold (the GeMMs have just streamed megabytes
     of weights through the caches): working these out on every call cost 1-5 of the 12-25 us
-    of Python per GeMM call in a MiniLM layer."""
+    of Python per GeMM call in a MiniLM layer. kc: the k-block's depth (0: KC on the fly,
+    else equal blocks of at most KC_PACKED)."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     n_panels = -(-n // NR)
@@ -598,7 +599,8 @@ def _plan(m: int, k: int, n: int, threads: int, on_the_fly: bool) -> tuple:
     buf_rows = min(k, config.KC)  # rows of B packed at a time on the fly: one k-block
     group = min(otf_group(buf_rows), -(-n_panels // n_chunks)) if on_the_fly else 1
     # pre-packed: k in equal blocks of at most KC_PACKED (config.py says why)
-    kc = config.KC if on_the_fly else -(-k // max(1, -(-k // config.KC_PACKED)))
+    if not kc:
+        kc = config.KC if on_the_fly else -(-k // max(1, -(-k // config.KC_PACKED)))
     blocks = (mc, max(kc, 1), group, config.PREFETCH_ROWS)
     return n_chunks, blocks, workspace_size(n_chunks, mc, k, group if on_the_fly else 0, buf_rows)
 

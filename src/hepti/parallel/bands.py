@@ -425,9 +425,9 @@ class BandExecutor:
                 tuple(d[3] if d[3] is not None else (d[0].padding, d[0].padding) for d in dws),
                 tuple(t for run in runs for e in run for t in e[4])]
         version, chain, runs, res_rows, strides, pads, frees = kept
-        x = have[runs[0][0][0].input].rows(*runs[0][0][2])
         if len(runs) == 1:
-            return sum(self._run_fused(run, have, shapes, taps) + 1 for run in runs) - 1
+            return self._run_fused(runs[0], have, shapes, taps)
+        x = have[runs[0][0][0].input].rows(*runs[0][0][2])
         if version != self.weights.version:  # a conv's entry was made or let go since
             chain = self.weights.chain([[e[0] for e in run] for run in runs])
             kept[0], kept[1] = self.weights.version, chain  # (Weights.chain checks each op's:
