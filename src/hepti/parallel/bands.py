@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hepti import kernels as K
+from hepti.kernels.bottleneck_chain import fused_cout
 from hepti.counts import counts
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, Graph
 from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, first_holders,
@@ -62,7 +63,6 @@ from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, fir
 from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo, from_cnn
 from hepti.model.cnn import (adaptive_avg_pool, apply, apply_inverted, apply_pair,
                              bordered_pair, bottleneck_block, inverted_block, pairable)
-from hepti.kernels.bottleneck_chain import fused_cout
 from hepti.model.livebytes import track
 from hepti.order.search import executor_order
 
@@ -515,10 +515,10 @@ class BandExecutor:
             pads = tuple((e[3] if e[3] is not None else (e[0].padding,) * 2) +
                          (e[0].padding,) * 2 for e in c2s)
             kept = grp.kernels[key] = (self.weights.version, chain, pads)
-        c1 = runs[0][-3]  # (a downsample at stride 2 reads fewer rows: not the last)
-        x = have[c1[0].input].rows(*c1[2])
         if kept[1] is None:
             return 0
+        c1 = runs[0][-3]  # (a downsample at stride 2 reads fewer rows: not the last)
+        x = have[c1[0].input].rows(*c1[2])
         y = kept[1](np.ascontiguousarray(x), kept[2], threads=self.threads)
         if y is None:
             return 0
