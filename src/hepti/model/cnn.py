@@ -343,8 +343,9 @@ def load_kernels(threads: int = 1) -> None:
     a 1x1, a 3x3 at stride 2 with a residual, a depthwise 3x3, an inverted-residual block
     (hepti.kernels.inverted) and a run of them (hepti.kernels.inverted_chain), a 1x1 written
     into the zero-bordered map of the 3x3 after it (`ConvLayer.into`, `bordered`; `pair`, both
-    in one call), a run of ResNet bottleneck blocks (hepti.kernels.bottleneck_chain), the pools, the head's GeMM and the pixels' NCHW -> NHWC copy cover
-    MobileNetV2, ResNet-50 and VGG-16 alike, on one rank or on bands of rows."""
+    in one call), a run of ResNet bottleneck blocks (hepti.kernels.bottleneck_chain), the
+    pools, the head's GeMM and the pixels' NCHW -> NHWC copy cover MobileNetV2, ResNet-50 and
+    VGG-16 alike, on one rank or on bands of rows."""
     rng = np.random.default_rng(0)
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     x = r(1, 8, 8, 16)  # NHWC
