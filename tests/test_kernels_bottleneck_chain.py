@@ -135,13 +135,14 @@ def test_bottleneck_chain_declines_and_rejects():
         chain(x, ((1, 1, 1, 1),), out=big)
 
 
-@pytest.mark.parametrize("order", ["file", "late_downsample"])
-def test_band_executor_runs_bottlenecks_in_one_call(order):
+@pytest.mark.parametrize("order,threads", [("file", 1), ("late_downsample", 1), ("file", 2)])
+def test_band_executor_runs_bottlenecks_in_one_call(order, threads):
     """On one rank and one thread the executor runs each run of bottleneck blocks whose
     convolutions fuse (layer3 and layer4 at 1/8 width: one run across the stages) as one
     call, the logits and every stage's output equal (bit for bit) to the ops one by one
     (what it runs with a counter); a tap on a block's inner map or output ends the run
-    there; with the downsample after conv2 (another order) the first blocks run op by op."""
+    there; with the downsample after conv2 (another order) the first blocks run op by op.
+    On 2 threads each convolution of the chain is split as the layer alone splits it."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
@@ -161,7 +162,7 @@ def test_band_executor_runs_bottlenecks_in_one_call(order):
     g = model.graph
     names = late_downsample_order(g) if order == "late_downsample" else None
     ex = BandExecutor(Comm(None), g, Split((1.0,), ((0, spatial_ops(g)),)), model.weights,
-                      order=names)
+                      threads, names)
     for n, h, w in [(1, 64, 56), (2, 40, 48)]:
         x = pixels(n, h, w)
         want = ex.forward(x, counter=AllocationCounter())
