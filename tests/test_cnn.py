@@ -64,14 +64,17 @@ def test_tiny_cnns_match_torchvision(name, resnet_tiny_dir, vgg_tiny_dir):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bordered_pairs_change_no_bit(resnet_tiny_dir, monkeypatch, threads):
     """ResNet's 1x1 written straight into the zero-bordered map of the 3x3 after it
-    (BandExecutor._pairs: layer4's at 1/16 width, the only stage with whole 32-wide panels)
-    gives the logits bit for bit those of the ops one by one."""
+    (BandExecutor._pairs: layer4's at 1/16 width, the only stage with whole 32-wide panels;
+    its blocks otherwise run as one call, `_bottlenecks`) gives the logits bit for bit those
+    of the ops one by one, and so does the run of blocks in one call."""
     from hepti.parallel import bands
     from hepti.parallel.single import SingleCNN
     from hepti.weights import WeightStore
     pixels = np.load(FIXTURES / "resnet50_tiny_expected.npz")["pixels"].astype(np.float32)
     with WeightStore(resnet_tiny_dir) as store:
         model = SingleCNN.from_store(store, threads=threads)
+    chained = model.forward(pixels)  # layer4 as one call (hepti.kernels.bottleneck_chain)
+    monkeypatch.setattr(bands.BandExecutor, "_bottlenecks", lambda self, *a: {})
     ran = []
     run_pair = bands.BandExecutor._run_pair
     monkeypatch.setattr(bands.BandExecutor, "_run_pair",
@@ -80,6 +83,7 @@ def test_bordered_pairs_change_no_bit(resnet_tiny_dir, monkeypatch, threads):
     assert sum(ran) == 3  # layer4's three blocks
     monkeypatch.setattr(bands.BandExecutor, "_pairs", lambda self, *a: ())
     np.testing.assert_array_equal(paired, model.forward(pixels))
+    np.testing.assert_array_equal(chained, paired)
 
 
 def test_graph_names_every_torchvision_tensor(mobilenet_dir):

@@ -15,6 +15,7 @@ import numpy as np
 
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL, Graph, build
 from hepti import kernels as K
+from hepti.kernels.bottleneck_chain import BottleneckChain
 from hepti.kernels.inverted import InvertedBlock, inverted_residual
 from hepti.kernels.inverted_chain import InvertedChain
 
@@ -37,8 +38,10 @@ class Weights:
         # `inverted`: a block's last op -> (its ops' names, their conv entries, InvertedBlock)
         self._blocks: dict = {}
         self._layers: dict = {}  # `layer`: a conv op's name -> (its conv entry, ConvLayer)
-        # `chain`: its blocks' last ops' names -> (all their ops' names, conv entries, chain)
+        # `chain`: its blocks' last ops' names -> (all their ops' names, conv entries, chain);
+        # `bottlenecks` likewise
         self._chains: dict = {}
+        self._bottlenecks: dict = {}
         for op in graph.ops:
             if op.kind == CONV:
                 rows = (conv_rows or {}).get(op.name)
@@ -131,6 +134,26 @@ class Weights:
             self.conv[p.name][0].panels = block.wp
         names = tuple(op.name for ops in runs for op in ops)
         self._chains[key] = (names, tuple(self.conv[n] for n in names), chain)
+        return chain
+
+
+    def bottlenecks(self, runs) -> BottleneckChain | None:
+        """The kernel of consecutive `bottleneck_block`s (runs: each block's ops), on their
+        weights (not streamed ones), made once and kept while every op's conv entry is the one
+        it was made on. The chain holds the convolutions' panels in one buffer; their
+        ConvWeights take its views of them, so that they are held once. None where `layer`
+        gives something else than ConvLayers (a test's stand-in): run the ops one by one."""
+        key = tuple(ops[-1].name for ops in runs)
+        hit = self._bottlenecks.get(key)
+        if hit is not None and all(map(operator.is_, map(self.conv.get, hit[0]), hit[1])):
+            return hit[2]
+        blocks = [((self.layer(ops[0]),) if len(ops) == 4 else (None,)) +
+                  tuple(self.layer(op) for op in ops[-3:]) for ops in runs]
+        if not all(isinstance(c, K.ConvLayer) for blk in blocks for c in blk if c is not None):
+            return None
+        chain = BottleneckChain(blocks)
+        names = tuple(op.name for ops in runs for op in ops)
+        self._bottlenecks[key] = (names, tuple(self.conv[n] for n in names), chain)
         return chain
 
 
@@ -237,6 +260,25 @@ def apply_pair(first, second, x: np.ndarray, weights: Weights, extent: tuple,
     return weights.layer(second).bordered(xp, x_shape, padding, residual, threads)
 
 
+def bottleneck_block(ops) -> bool:
+    """Whether `ops` (3 or 4 consecutive ops) are one ResNet bottleneck block that
+    hepti.kernels.bottleneck_chain runs: [downsample 1x1 of the block's input, no
+    activation,] conv1 (`pairable` with conv2), conv2 (dense, no residual), conv3 a 1x1 at
+    stride 1 reading conv2's output and adding the downsample's output, or the block's
+    input."""
+    if len(ops) not in (3, 4) or any(op.kind != CONV for op in ops):
+        return False
+    *ds, c1, c2, c3 = ops
+    plain = lambda op: (op.kernel == 1 and op.padding == 0 and op.groups == 1  # noqa: E731
+                        and op.dilation == 1 and not op.depthwise)
+    if ds and not (plain(ds[0]) and ds[0].input == c1.input and ds[0].residual is None
+                   and not ds[0].act):
+        return False
+    return (pairable(c1, c2) and c2.groups == 1 and c2.residual is None and plain(c3)
+            and c3.stride == 1 and c3.input == c2.output
+            and c3.residual == (ds[0].output if ds else c1.input))
+
+
 def adaptive_avg_pool(x: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:
     """torch's adaptive_avg_pool2d on NHWC x: output cell (i, j) averages input rows
     [floor(i H / oh), ceil((i + 1) H / oh)) and the columns likewise (cells overlap when the
@@ -301,8 +343,9 @@ def load_kernels(threads: int = 1) -> None:
     a 1x1, a 3x3 at stride 2 with a residual, a depthwise 3x3, an inverted-residual block
     (hepti.kernels.inverted) and a run of them (hepti.kernels.inverted_chain), a 1x1 written
     into the zero-bordered map of the 3x3 after it (`ConvLayer.into`, `bordered`; `pair`, both
-    in one call), the pools, the head's GeMM and the pixels' NCHW -> NHWC copy cover
-    MobileNetV2, ResNet-50 and VGG-16 alike, on one rank or on bands of rows."""
+    in one call), a run of ResNet bottleneck blocks (hepti.kernels.bottleneck_chain), the
+    pools, the head's GeMM and the pixels' NCHW -> NHWC copy cover MobileNetV2, ResNet-50 and
+    VGG-16 alike, on one rank or on bands of rows."""
     rng = np.random.default_rng(0)
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     x = r(1, 8, 8, 16)  # NHWC
@@ -328,6 +371,11 @@ def load_kernels(threads: int = 1) -> None:
     extent = second.border(x32.shape, (1, 1, 1, 1), threads)
     second.bordered(first.into(x32, extent, threads), x32.shape, (1, 1, 1, 1), threads=threads)
     first.pair(second, x32, extent, (1, 1, 1, 1))  # both in one call (one thread)
+    conv = lambda cin, k, s=1, relu="relu": K.ConvLayer(  # noqa: E731
+        K.pack_conv_weight(r(32, cin, k, k)), r(32), s, relu=relu)
+    BottleneckChain([(conv(32, 1, 2, None), conv(32, 1), conv(32, 3, 2), conv(32, 1)),
+                     (None, conv(32, 1), conv(32, 3), conv(32, 1))])(  # a run of ResNet's
+        x32, ((1, 1, 1, 1), (1, 1, 1, 1)))  # bottleneck blocks in one call (bands.py)
     K.max_pool2d(x, 3, 2, 1, out=np.empty((1, 4, 4, 16), np.float32))
     K.avg_pool2d(x, 2)
     v = K.global_avg_pool(x)

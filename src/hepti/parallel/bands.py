@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hepti import kernels as K
+from hepti.kernels.bottleneck_chain import fused_cout
 from hepti.counts import counts
 from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, Graph
 from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, first_holders,
@@ -61,7 +62,7 @@ from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, fir
                                spatial_ops, union)
 from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo, from_cnn
 from hepti.model.cnn import (adaptive_avg_pool, apply, apply_inverted, apply_pair,
-                             bordered_pair, inverted_block, pairable)
+                             bordered_pair, bottleneck_block, inverted_block, pairable)
 from hepti.model.livebytes import track
 from hepti.order.search import executor_order
 
@@ -305,6 +306,8 @@ class BandExecutor:
                 self._chains(grp, taps)
             paired = () if counter is not None or comm.size != 1 else \
                 self._pairs(grp, taps)
+            bottlenecks = {} if counter is not None or comm.size != 1 else \
+                self._bottlenecks(grp, taps)
             with comm.tracer.span(grp.name, "compute"):
                 entries = enumerate(grp.ops)
                 for j, (op, r, (i0, i1), pad, frees, _, alloc) in entries:
@@ -312,6 +315,10 @@ class BandExecutor:
                         running[0] = op.name
                     if j in chains:  # then past the entries it ran (what they read let go)
                         skip = self._run_chain(grp, chains[j], have, shapes, taps)
+                        next(itertools.islice(entries, skip, skip), None)
+                        step += skip
+                    elif j in bottlenecks and (skip := self._run_bottlenecks(
+                            grp, bottlenecks[j], have, taps)):
                         next(itertools.islice(entries, skip, skip), None)
                         step += skip
                     elif j in paired and self._run_pair(grp.ops[j:j + 2], have, shapes, n,
@@ -444,6 +451,86 @@ class BandExecutor:
         for t in frees:
             if t in have:
                 del have[t]
+        return sum(len(run) for run in runs) - 1
+
+    def _bottlenecks(self, grp: "_Group", taps: dict | None) -> dict[int, list]:
+        """{position in grp.ops: [(position, length) of each block]} of each run of ResNet
+        bottleneck blocks (hepti.model.cnn `bottleneck_block`) that
+        hepti.kernels.bottleneck_chain runs as one call: each block's ops next to each other
+        in the group's sequence, every row of each made here (a group of one rank), each
+        inner map (the downsample's, conv1's, conv2's) let go in the block and not tapped,
+        no streamed weights; each block reading the previous one's output, let go in it and
+        not tapped; every convolution's output channels whole panels (`fused_cout`: else
+        the chain would decline it at every size). (On one rank: `forward` asks only then.)"""
+        if not taps and hasattr(grp, "bottlenecks"):
+            return grp.bottlenecks
+        ops, out, cur, j = grp.ops, {}, None, 0
+        tapped = set(taps or ())
+        while j < len(ops):
+            k = next((k for k in (4, 3) if j + k <= len(ops) and
+                      self._bottleneck_at(ops[j:j + k], tapped)), 0)
+            if not k:
+                cur, j = None, j + 1
+                continue
+            if cur is not None and cur[-1][0] + cur[-1][1] == j:
+                last, run = ops[j - 1], ops[j:j + k]
+                t = last[0].output
+                if run[-3][0].input == t and run[-3][2] == last[1] and t not in tapped and \
+                        any(t in e[4] for e in run):
+                    cur.append((j, k))
+                    j += k
+                    continue
+            cur = out[j] = [(j, k)]
+            j += k
+        if not taps:
+            grp.bottlenecks = out
+        return out
+
+    def _bottleneck_at(self, run, tapped) -> bool:
+        """Whether grp.ops entries `run` are one block `_bottlenecks` may chain."""
+        if not bottleneck_block([e[0] for e in run]) or any(
+                e[1] is None or e[5] is not None or e[6] is not None or
+                self.weights.streams(e[0].name) or not fused_cout(e[0].cout) for e in run):
+            return False
+        *ds, c1, c2, c3 = run
+        inner = [c1, c2] + ds
+        return (c2[2] == c1[1] and c3[2] == c2[1] and all(e[1] == c3[1] for e in ds)
+                and all(e[2][0] == c1[2][0] and e[2][1] <= c1[2][1] for e in ds)
+                and c1[0].output in c2[4] and c2[0].output in c3[4]
+                and all(e[0].output in c3[4] for e in ds)
+                and not any(e[0].output in tapped for e in inner))
+
+    def _run_bottlenecks(self, grp: "_Group", blocks, have, taps) -> int:
+        """A run of bottleneck blocks (`_bottlenecks`) as one kernel call (a
+        BottleneckChain on their weights): the last block's output, as the ops one by one
+        would make it. Returns how many of the group's next entries it ran, 0 where the
+        chain does not take this input (the ops then run one by one)."""
+        runs = [grp.ops[j:j + k] for j, k in blocks]
+        last = runs[-1][-1]
+        key = ("bottlenecks", tuple(blocks))  # (taps may end a run sooner)
+        kept = grp.__dict__.setdefault("kernels", {}).get(key)
+        if kept is None or kept[0] != self.weights.version:
+            chain = self.weights.bottlenecks([[e[0] for e in run] for run in runs])
+            c2s = [run[-2] for run in runs]  # each conv2's padding, as `apply` gives it
+            pads = tuple((e[3] if e[3] is not None else (e[0].padding,) * 2) +
+                         (e[0].padding,) * 2 for e in c2s)
+            kept = grp.kernels[key] = (self.weights.version, chain, pads)
+        if kept[1] is None:
+            return 0
+        c1 = runs[0][-3]  # (a downsample at stride 2 reads fewer rows: not the last)
+        x = have[c1[0].input].rows(*c1[2])
+        y = kept[1](np.ascontiguousarray(x), kept[2], threads=self.threads)
+        if y is None:
+            return 0
+        p = last[0]
+        have[p.output] = Band(last[1][0], y)
+        if taps is not None and p.output in taps:
+            taps[p.output] = y
+        for run in runs:
+            for e in run:
+                for t in e[4]:
+                    if t in have:
+                        del have[t]
         return sum(len(run) for run in runs) - 1
 
     def _pairs(self, grp: "_Group", taps: dict | None) -> tuple:
