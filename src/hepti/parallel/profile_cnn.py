@@ -17,7 +17,7 @@ import numpy as np
 
 from hepti.counts import counts
 from hepti.emulate import stretch as _stretch
-from hepti.graph.cnn import CONV
+from hepti.graph.cnn import CONV, inverted_runs
 from hepti.graph.split import Split, spatial_ops
 from hepti.model.cnn import Weights, apply
 from hepti.parallel.bands import BandExecutor, lay_out_channels
@@ -102,7 +102,7 @@ BAND_MAX_ROUNDS = 61
 def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
                        fractions: tuple = BAND_FRACTIONS, read=None,
                        min_s: float = BAND_MIN_S) -> tuple:
-    """(points, spread, stream). Points: per op, [(k, seconds)] for a band of k output rows
+    """(points, spread, stream, joined). Points: per op, [(k, seconds)] for a band of k output rows
     at each fraction of the rows, as the band executor runs it at h x w: rank 0 of a two-rank
     split with the messages left out (`_Unsent`), one group per op, each band made from the
     one before as a forward makes it, stretched on an emulated device as the runtime is; the
@@ -116,6 +116,14 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
     rounds (a streamed forward's reads and allocations would be in the next forward's times),
     the largest band with every conv streamed, alternating with the resident one, for as
     long, the median of each pair's difference; None for other ops (`stream_fit` fits them).
+    Joined (a network with inverted-residual blocks, else None): [(fraction, seconds, op by
+    op)] of the same bands with every spatial op in one group, where the executor runs each
+    run of blocks as one call (`BandExecutor._chains`), from the forward's start to the
+    group's end, in the same rotation, and of the op-by-op forward to its last spatial op's
+    end: hepti.plan.coedge `joined_factors` prices a group's blocks by their ratio. The ratio
+    of two whole forwards, not a forward against the sum of its ops' medians: on a loaded
+    host (load 6 on 2 cores, 2026-11-30) a 15-25 ms forward was preempted in every round and
+    its median ran 2.3-2.9x its ops' medians summed, where quiet it ran 0.64-0.66x.
 
     Why not the whole-map timings and a one-row band, joined by a line (profiler revision 8):
     on emu-geneflow4 (four devices sharing two cores, 2026-11-27) MobileNetV2's bands ran
@@ -127,7 +135,7 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
     shapes = g.shapes(h, w)
     n = spatial_ops(g)
     x = np.random.default_rng(5).standard_normal((batch, 3, h, w), dtype=np.float32)
-    runs = []
+    runs, joined_s, whole_s = [], {}, {}
     for f in fractions:
         unsent = _Unsent()
         unsent.tracer.record_events = True
@@ -136,8 +144,20 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
         run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
         run(x)
         runs.append((f, unsent.tracer, run, [[] for _ in range(n)]))
-    for f, tracer, run, spans in _band_rotation(runs, rounds, min_s):
-        _band_round(tracer, run, x, spans, n)
+    joins = []  # the same bands in one group: the runs of blocks as the executor joins them
+    for f in fractions if inverted_runs(g.ops[:n]) else ():
+        unsent = _Unsent()
+        unsent.tracer.record_events = True
+        ex = BandExecutor(unsent, g, Split((f, 1.0 - f), ((0, n),), head="primary"),
+                          model.weights, model.threads)
+        run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
+        run(x)
+        joins.append((f, unsent.tracer, run, None))
+    for f, tracer, run, spans in _band_rotation(runs + joins, rounds, min_s):
+        if spans is None:
+            _joined_round(tracer, run, x, joined_s.setdefault(f, []))
+        else:
+            _band_round(tracer, run, x, spans, n, whole_s.setdefault(f, []))
     stream = None
     if read is not None:  # the largest band again, every conv's weights streamed
         unsent = _Unsent()
@@ -163,7 +183,9 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
             if k and spans[l]:
                 pts.append((k, statistics.median(spans[l])))
         out.append(sorted(pts) or None)
-    return out, band_spread(runs[-1][3]), stream
+    joined = [(f, statistics.median(joined_s[f]), statistics.median(whole_s[f]))
+              for f in fractions if joined_s.get(f)]
+    return out, band_spread(runs[-1][3]), stream, joined or None
 
 
 def stream_fit(stream: list, graph) -> tuple[float, float]:
@@ -210,15 +232,30 @@ def _band_rotation(items: list, rounds: int, min_s: float):
         r += 1
 
 
-def _band_round(tracer, run, x, spans: list[list[float]], n: int) -> None:
+def _band_round(tracer, run, x, spans: list[list[float]], n: int,
+                whole: list[float] | None = None) -> None:
     """One forward of a `measure_band_costs` executor: each of the first n ops' seconds, from
-    the end of the op before to its own end, appended to its list."""
+    the end of the op before to its own end, appended to its list (and to `whole`, the n ops'
+    together)."""
     tracer.reset()
     tracer.set_epoch()
     run(x)
     ends = [e["ts"] + e["dur"] for e in tracer.events if e["cat"] == "compute"]
     for l, (t0, t1) in enumerate(zip([0.0] + ends, ends[:n])):
         spans[l].append((t1 - t0) * 1e-6)
+    if whole is not None:
+        whole.append(ends[n - 1] * 1e-6)
+
+
+def _joined_round(tracer, run, x, times: list[float]) -> None:
+    """One forward of a one-group `measure_band_costs` executor: seconds from its start to
+    the end of the group's compute span (the exchange before it included, as an op's band
+    time includes the exchange before it), appended to `times`."""
+    tracer.reset()
+    tracer.set_epoch()
+    run(x)
+    e = next(e for e in tracer.events if e["cat"] == "compute")
+    times.append((e["ts"] + e["dur"]) * 1e-6)
 
 
 def band_spread(spans: list[list[float]]) -> tuple[float, float]:
