@@ -283,7 +283,9 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
              "band_sigma_s": [a for _, a in all_spread],
              "allgather_s": {str(k): list(v) for k, v in collectives.items()}}
     if any(j is not None for j in all_joined):  # a network with inverted blocks
-        table["op_joined_measured"] = [[list(p) for p in j or ()] for j in all_joined]
+        table["op_joined_ranges"] = [list(r) for r in next(j for j in all_joined if j)[0]]
+        table["op_joined_measured"] = [[[f, list(a), list(b)] for f, a, b in j[1]] if j else []
+                                       for j in all_joined]
     if power is not None:
         table["power"] = [list(p) for p in power]
     prof = {"hepti_profile": SCHEMA_VERSION, "created": time.time(), "source": "measured",

@@ -8,7 +8,10 @@ starts with one halo exchange, point to point between the ranks whose rows meet.
   executor runs it, on bands of two sizes, its bookkeeping and exchange copies included:
   `op_band_s`; older profiles: the whole map's time by its rows, plus a one-row band's fixed
   part and a call's overhead). A fused group recomputes its overlap:
-  rows_i(l) are the rows it must compute (`bands.needs`), not the rows it owns.
+  rows_i(l) are the rows it must compute (`bands.needs`), not the rows it owns. The ops of
+  each MobileNetV2 block that lies whole in a group, which the executor runs as one call a
+  run of blocks, take that time times the device's measured factor for their range of the
+  net (`joined_factors`, from the profile's op_joined_measured).
 - Exchange: the rows each rank receives and sends are exact (`bands.needs` on the integer
   row counts); rank i's time is its link's latency plus the larger of its bytes in and out
   over its bandwidth (a full-duplex port on a switch, as the profile measured it). Its own
@@ -126,10 +129,10 @@ class CNNCosts:
     # per device, the relative spread (sigma / mean) of an op's time from one run to the next
     # (the profile's band_spread; none in older profiles): `straggle`
     spread: list[float] | None = None
-    # per device, what a group's inverted-residual blocks cost against their ops' band timings
-    # when the executor runs them as one call (the profile's op_joined_measured, through
-    # `joined_factors`; None in older profiles and for networks without such blocks)
-    joined: list[float] | None = None
+    # per device and op, what an op of a group's inverted-residual blocks costs against its
+    # band timing when the executor runs them as one call (the profile's op_joined_measured,
+    # through `joined_factors`; None in older profiles and for networks without such blocks)
+    joined: list[list[float]] | None = None
     _rows: dict = field(default_factory=dict, repr=False, compare=False)  # row_seconds' memo
 
     @property
@@ -182,7 +185,8 @@ class CNNCosts:
                                 for k, v in table["allgather_s"].items()}
                    if table.get("allgather_s") else None)
         if table.get("op_joined_measured") and costs.band_measured:
-            costs.joined = joined_factors(costs, graph, table["op_joined_measured"])
+            costs.joined = joined_factors(costs, graph, table["op_joined_ranges"],
+                                          table["op_joined_measured"])
         return costs
 
     def exchange_work(self, i: int) -> float:
@@ -226,22 +230,22 @@ def _band_costs(table: dict, graph: Graph, op_s: list[list[float]]):
     return out_s, fixed, zeros, list(zeros)
 
 
-def joined_factors(costs: CNNCosts, graph: Graph, measured: list) -> list[float] | None:
-    """Per device, the factor on a group's inverted blocks' op-by-op seconds (`group_cost`)
-    that gives a forward's bands in one group, as the executor runs them (runs of blocks as
-    one call), their measured time against the same bands one op a group (the profile's
-    op_joined_measured: [(fraction, one group's seconds, one op a group's seconds)] of rank 0
-    of two, hepti.parallel.profile_cnn `measure_band_costs`): the one-group bands predicted
-    at that ratio times this model's op-by-op bands, less what it gives the ops outside
-    blocks, over what it gives the blocks' ops (`joined_ops`), summed over the fractions;
-    clipped to [0.2, 1.5]; 1 for a device with no such timing. Why: on emu-mixed4
-    (2026-11-30) MobileNetV2's `grid` (one group) ran its slow ranks' compute in 51.6 and
-    42.6 ms against 93.5 and 90.7 predicted op by op."""
+def joined_factors(costs: CNNCosts, graph: Graph, ranges: list, measured: list
+                   ) -> list[list[float]] | None:
+    """Per device and op, the factor on an op's band seconds when it is in one of a group's
+    inverted blocks (`joined_ops`, `group_cost`); 1 elsewhere. From the profile's
+    op_joined_measured (hepti.parallel.profile_cnn `measure_band_costs`), per device
+    [(fraction, [seconds per range], [op by op, per range])] of rank 0 of two, with the
+    spatial ops in `ranges` as groups, where the executor runs each range's runs of blocks as
+    one call, against the same bands one op a group: per range, this model's bands in that
+    group at the measured ratio of its op-by-op bands, less what it gives the range's ops
+    outside blocks, over what it gives the blocks' ops, summed over the fractions; clipped to
+    [0.2, 1.5]. Why: on emu-mixed4 (2026-11-30) MobileNetV2's `grid` (one group) ran its slow
+    ranks' compute in 51.6 and 42.6 ms against 93.5 and 90.7 predicted op by op."""
     L = spatial_ops(graph)
     shapes = graph.shapes(costs.h, costs.w)
     per_row = row_seconds(costs, graph, costs.w, costs.n)
-    blocks = joined_ops(graph, (0, L))
-    if not blocks:
+    if not joined_ops(graph, (0, L)):
         return None
 
     def seconds(i, l, r):
@@ -251,20 +255,27 @@ def joined_factors(costs: CNNCosts, graph: Graph, measured: list) -> list[float]
 
     out = []
     for i, pts in enumerate(measured):
-        want = other = chain = 0.0
-        for f, joined, by_op in pts or ():
-            ratios = (float(f), 1.0 - float(f))
-            one = needs(graph, shapes, (0, L), ratios, 0)
-            alone = sum(seconds(i, l, needs(graph, shapes, (l, l + 1), ratios, 0).get(
-                graph.ops[l].output)) for l in range(L))
-            want += float(joined) / float(by_op) * alone
-            for l in range(L):
-                t = seconds(i, l, one.get(graph.ops[l].output))
-                if l in blocks:
-                    chain += t
-                else:
-                    other += t
-        out.append(min(max((want - other) / chain, 0.2), 1.5) if chain > 0 else 1.0)
+        row = [1.0] * len(graph.ops)
+        for k, (a, b) in enumerate(ranges):
+            blocks = joined_ops(graph, (a, b))
+            want = other = chain = 0.0
+            for f, joined, by_op in pts or ():
+                ratios = (float(f), 1.0 - float(f))
+                one = needs(graph, shapes, (a, b), ratios, 0)
+                alone = sum(seconds(i, l, needs(graph, shapes, (l, l + 1), ratios, 0).get(
+                    graph.ops[l].output)) for l in range(a, b))
+                want += float(joined[k]) / float(by_op[k]) * alone
+                for l in range(a, b):
+                    t = seconds(i, l, one.get(graph.ops[l].output))
+                    if l in blocks:
+                        chain += t
+                    else:
+                        other += t
+            if chain > 0:
+                factor = min(max((want - other) / chain, 0.2), 1.5)
+                for l in blocks:
+                    row[l] = factor
+        out.append(row)
     return out
 
 
@@ -387,7 +398,7 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
             if r is None or r[1] <= r[0]:
                 continue
             s = (r[1] - r[0]) * per_row[i][l] + costs.fixed(i, l) + costs.overhead_s[i]
-            comp[i] += s * costs.joined[i] if l in blocks else s
+            comp[i] += s * costs.joined[i][l] if l in blocks else s
     if load is not None:  # the streamed weights' reads (`stream_seconds`), one per op run
         comp = [u + v for u, v in zip(comp, load)]
     comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners,
