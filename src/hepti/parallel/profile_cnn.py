@@ -102,11 +102,11 @@ BAND_MAX_ROUNDS = 61
 def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
                        fractions: tuple = BAND_FRACTIONS, read=None,
                        min_s: float = BAND_MIN_S) -> tuple:
-    """(points, spread, stream, joined). Points: per op, [(k, seconds)] for a band of k output rows
-    at each fraction of the rows, as the band executor runs it at h x w: rank 0 of a two-rank
-    split with the messages left out (`_Unsent`), one group per op, each band made from the
-    one before as a forward makes it, stretched on an emulated device as the runtime is; the
-    fractions interleaved round by round (at least `rounds`, and on for `min_s`), the median
+    """(points, spread, stream, joined). Points: per op, [(k, seconds)] for a band of k output
+    rows at each fraction of the rows, as the band executor runs it at h x w: rank 0 of a
+    two-rank split with the messages left out (`_Unsent`), one group per op, each band made
+    from the one before as a forward makes it, stretched on an emulated device as the runtime
+    is; the fractions interleaved round by round (at least `rounds`, and on for `min_s`), the median
     of the rounds. An op's time is from the end of the op before to its own end: the
     executor's bookkeeping around it, the exchange's copies and the stretch's payment for both
     are in it; None for the ops after the spatial part. `pooled_band` makes each device's
@@ -123,12 +123,11 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
     same rotation, and each range's ops together in the op-by-op forward:
     hepti.plan.coedge `joined_factors` prices each range's blocks by their ratio. The whole
     map, as one device runs it: on emu-mixed4 (2026-11-30) a factor from the bands alone
-    priced `single` 22% under what it ran. Ranges: one factor for the net priced `pipeline`'s
-    late stages (14x14 and 7x7 maps) on its 0.15-core devices at 0.4-0.6 of what they ran,
-    its early ones about right. The ratio
-    of two whole forwards, not a forward against the sum of its ops' medians: on a loaded
-    host (load 6 on 2 cores, 2026-11-30) a 15-25 ms forward was preempted in every round and
-    its median ran 2.3-2.9x its ops' medians summed, where quiet it ran 0.64-0.66x.
+    priced `single` 22% under what it ran. Ranges: what joining saves differs along the net
+    (there, 0.40-0.49 of the op-by-op time on the first range, 0.66-0.77 on the last). The
+    ratio of two forwards' parts, not of a forward to the sum of its ops' medians: on a
+    loaded host (load 6 on 2 cores, 2026-11-30) a 15-25 ms forward was preempted in every
+    round and its median ran 2.3-2.9x its ops' medians summed, where quiet it ran 0.64-0.66x.
 
     Why not the whole-map timings and a one-row band, joined by a line (profiler revision 8):
     on emu-geneflow4 (four devices sharing two cores, 2026-11-27) MobileNetV2's bands ran

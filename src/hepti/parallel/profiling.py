@@ -243,7 +243,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     layout = measure_layout_rate()
     barrier(comm)  # every rank at once, as a forward has them
     band, spread, stream, joined = measure_band_costs(model, h, w, batch, read=store.read,
-                                              min_s=band_min_s)
+                                                      min_s=band_min_s)
     fetch_s, conv_load = stream_fit(stream, graph)
     barrier(comm)
     on_host = _ranks_on_host(comm)
@@ -318,8 +318,8 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
 # device's memory less the file pages the process runs from (taken back out: `_device_memory`
 # says why); 17: a decode step's work outside its layers (`token_overhead_s`), timed with the
 # calls in a whole step of `LlamaModel.forward`, and a decoder's GeMV bytes/s on a rank's real
-# layer shapes); 18: a CNN's bands timed in one group too, where runs of inverted blocks run
-# as one call (`op_joined_measured`).
+# layer shapes); 18: a CNN's bands and whole map timed in a few groups too, where runs of
+# inverted blocks run as one call (`op_joined_measured`).
 PROFILER_REVISION = 18
 
 
