@@ -163,7 +163,8 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
         if spans is None:
             _joined_round(tracer, run, x, joined_s.setdefault(f, []))
         else:
-            _band_round(tracer, run, x, spans, n, whole_s.setdefault(f, []), ranges)
+            _band_round(tracer, run, x, spans, n,
+                        whole_s.setdefault(f, []) if ranges else None, ranges)
     stream = None
     if read is not None:  # the largest band again, every conv's weights streamed
         unsent = _Unsent()
