@@ -434,3 +434,75 @@ def test_a_group_waits_for_its_slowest_rank_by_the_measured_spread():
         predict(g, one, costs, H, W)["latency_s"])
     four = Split((0.25,) * 4)
     assert predict(g, four, spread, H, W)["latency_s"] > predict(g, four, costs, H, W)["latency_s"]
+
+
+def test_a_groups_inverted_blocks_are_priced_by_the_measured_forward_in_one_group():
+    """The profile's op_joined_measured (profiler revision 18): the bands in one group, where
+    the executor runs each run of inverted blocks as one call, against the same bands one op
+    a group. The blocks' ops of a group (every op of a block lying whole in it) are priced at
+    the factor that makes the model's one-group bands that ratio of its op-by-op bands; other
+    ops, and groups of one op, as before; and one device is one group (no exchange to save)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from hepti.config import CNNConfig
+    from hepti.graph.cnn import build
+    from hepti.graph.split import Split, needs, spatial_ops
+    from hepti.plan.coedge import CNNCosts, joined_ops, plan_cnn, predict
+    g = build(CNNConfig(arch="mobilenet_v2", width_divisor=8, num_classes=10))
+    L, shapes = spatial_ops(g), g.shapes(H, W)
+    blocks = joined_ops(g, (0, L))
+    assert len(blocks) == L - 2 and 0 not in blocks and L - 1 not in blocks  # stem, last 1x1
+    assert joined_ops(g, (1, 2)) == frozenset()
+    assert joined_ops(g, (0, 3)) == frozenset({1, 2})  # block 1: depthwise, project
+    assert joined_ops(g, (0, 4)) == frozenset({1, 2})  # the next block's expand alone: not
+    band = [[(1e-4, 2e-5) if l < L else None for l in range(len(g.ops))] for _ in range(2)]
+
+    def model(ratios, groups, at=21):  # rank 0's spatial seconds op by op: ([in blocks
+        inside, outside = [0.0, 0.0], 0.0  # before op `at` (a block's start), from it], outside)
+        for a, b in groups:
+            need = needs(g, shapes, (a, b), ratios, 0)
+            for l in range(a, b):
+                r = need.get(g.ops[l].output)
+                if r and r[1] > r[0]:
+                    t = 1e-4 + 2e-5 * (r[1] - r[0])
+                    if l in joined_ops(g, (a, b)):
+                        inside[l >= at] += t
+                    else:
+                        outside += t
+        return inside, outside
+
+    ranges, factor = [(0, 21), (21, L)], (0.6, 0.8)  # measured: each range's blocks at its
+    pts = []  # factor of their op-by-op time
+    for f in (0.15, 0.5, 1.0):
+        row = [f, [], []]
+        for (a, b), k in zip(ranges, factor):
+            inside, outside = model((f, 1 - f), [(a, b)])
+            row[1].append(k * sum(inside) + outside)
+            alone = model((f, 1 - f), [(l, l + 1) for l in range(a, b)])
+            row[2].append(sum(alone[0]) + alone[1])
+        pts.append(row)
+    table = {"arch": "mobilenet_v2", "ops": [op.name for op in g.ops], "input": [H, W],
+             "batch": 1, "op_s": [[1e-3] * len(g.ops)] * 2, "op_band_s": band,
+             "op_joined_ranges": ranges, "op_joined_measured": [pts, pts]}
+    dev = SimpleNamespace(power=None, call_overhead_s=0.0, latency_s=0.0, bandwidth_Bps=1e12,
+                          usable_bytes=1e10, weight_load_Bps=1e8, disk_read_Bps=None)
+    costs = CNNCosts.from_profile(SimpleNamespace(extra={"cnn": table}, devices=[dev, dev]), g)
+    for i in range(2):
+        for l in range(len(g.ops)):
+            want = factor[l >= 21] if l in blocks else 1.0
+            assert costs.joined[i][l] == pytest.approx(want), (i, l)
+    plain = dataclasses.replace(costs, joined=None, _rows={})
+    for ratios, groups in [((0.3, 0.7), [(0, L)]), ((0.5, 0.5), [(0, 7), (7, L)]),
+                           ((0.5, 0.5), [(l, l + 1) for l in range(L)])]:
+        inside, outside = model(ratios, groups)
+        split = Split(ratios, tuple(groups), "primary")
+        was = predict(g, split, plain, H, W)["per_rank"][0]["compute_s"]
+        got = predict(g, split, costs, H, W)["per_rank"][0]["compute_s"]
+        assert got - was == pytest.approx(-0.4 * inside[0] - 0.2 * inside[1], abs=1e-12)
+        assert sum(inside) > 0 or len(groups) == L
+    single = plan_cnn(g, costs, H, W, strategy="single")["split"]
+    assert single.groups == ((0, L),) and single.ratios == (1.0, 0.0)
+    inside, _ = model((1.0, 0.0), [(0, L)])
+    assert predict(g, single, costs, H, W)["latency_s"] == pytest.approx(
+        predict(g, single, plain, H, W)["latency_s"] - 0.4 * inside[0] - 0.2 * inside[1])

@@ -237,3 +237,24 @@ def test_a_devices_memory_is_what_the_re_planner_reads_shared_and_capped(monkeyp
     assert P.resident_file_bytes("Name:\tpython\n") == 0
     assert P.resident_file_bytes("RssFile: x kB\n") == 0
     assert P.resident_file_bytes() > 0  # this process runs from files too (Linux)
+
+
+def test_joined_ranges_cut_mobilenets_blocks_into_four_and_resnet_has_none():
+    """`joined_ranges`: the spatial ops in four ranges of about as many inverted blocks each,
+    every cut where a block starts (so that each range's blocks run joined, as in a plan's
+    group); None for a network without such blocks (its profile times no joined forward)."""
+    from hepti.config import CNNConfig
+    from hepti.graph.cnn import build, inverted_runs
+    from hepti.graph.split import spatial_ops
+    from hepti.parallel.profile_cnn import joined_ranges
+    g = build(CNNConfig(arch="mobilenet_v2", width_divisor=8, num_classes=10))
+    n = spatial_ops(g)
+    ranges = joined_ranges(g, n)
+    starts = [j for j, _ in inverted_runs(g.ops[:n])]
+    assert len(ranges) == 4 and ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a == b for (_, a), (b, _) in zip(ranges, ranges[1:]))
+    assert all(a in starts for a, _ in ranges[1:])
+    per = [sum(a <= j < b for j in starts) for a, b in ranges]
+    assert max(per) - min(per) <= 1, per
+    r50 = build(CNNConfig(arch="resnet50", width_divisor=16, num_classes=10))
+    assert joined_ranges(r50, spatial_ops(r50)) is None

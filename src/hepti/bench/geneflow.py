@@ -124,7 +124,8 @@ def sub_profile(full, n: int):
                   "op_overhead_measured_s", "exchange_overhead_s", "exchange_overhead_measured_s",
                   "layout_s_per_byte", "layout_s_per_byte_measured", "fetch_overhead_s",
                   "fetch_overhead_measured_s", "op_stream_measured", "op_band_s",
-                  "op_band_measured", "band_spread", "band_sigma_s", "power"):
+                  "op_band_measured", "band_spread", "band_sigma_s", "op_joined_measured",
+                  "power"):
             if cnn.get(k):
                 cnn[k] = cnn[k][:n]
         if cnn.get("allgather_s"):  # among ranks 0..k-1: the first n devices' own

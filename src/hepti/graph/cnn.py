@@ -209,6 +209,39 @@ class Graph:
 
 # --- builders (torchvision's architectures and module names) ------------------------------------
 
+def inverted_block(ops) -> bool:
+    """Whether `ops` (2 or 3 consecutive ops) are one MobileNetV2 inverted-residual block that
+    hepti.kernels.inverted runs as one kernel: [expand 1x1 + ReLU6,] depthwise 3x3 (stride 1
+    or 2, padding 1) + ReLU6, project 1x1 (its residual, if any, added in its epilogue), each
+    reading the one before."""
+    if len(ops) not in (2, 3) or any(op.kind != CONV for op in ops):
+        return False
+    *e, d, p = ops
+    plain = lambda op: (op.kernel == 1 and op.stride == 1 and op.padding == 0  # noqa: E731
+                        and op.groups == 1 and op.dilation == 1)
+    if e and not (plain(e[0]) and e[0].act == "relu6" and e[0].residual is None
+                  and d.input == e[0].output):
+        return False
+    return (d.depthwise and d.kernel == 3 and d.stride in (1, 2) and d.padding == 1
+            and d.dilation == 1 and d.act == "relu6" and d.residual is None
+            and plain(p) and not p.act and p.input == d.output)
+
+
+def inverted_runs(ops) -> list[tuple[int, int]]:
+    """(start, length) in `ops` (consecutive ops, in order) of each `inverted_block`, scanned
+    from the front as the band executor finds them in a group (hepti.parallel.bands
+    `BandExecutor._fusions`), each op in one block at most."""
+    out, j = [], 0
+    while j < len(ops):
+        for k in (3, 2):
+            if j + k <= len(ops) and inverted_block(ops[j:j + k]):
+                out.append((j, k))
+                j += k - 1
+                break
+        j += 1
+    return out
+
+
 def build(config) -> Graph:
     """The operator graph of a CNNConfig."""
     return Graph(config, {"mobilenet_v2": _mobilenet_v2, "resnet50": _resnet50,

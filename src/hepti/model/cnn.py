@@ -13,7 +13,8 @@ import operator
 
 import numpy as np
 
-from hepti.graph.cnn import ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL, Graph, build
+from hepti.graph.cnn import (ADAPTIVE_AVG, CONV, LINEAR, MAXPOOL, Graph, build,
+                             inverted_block)  # noqa: F401 (the band executor's, from here)
 from hepti import kernels as K
 from hepti.kernels.bottleneck_chain import BottleneckChain
 from hepti.kernels.inverted import InvertedBlock, inverted_residual
@@ -186,24 +187,6 @@ def apply(op, x: np.ndarray, weights: Weights, residual: np.ndarray | None = Non
         y = K.gemm(np.ascontiguousarray(x.reshape(x.shape[0], -1)), pb, bias, threads=threads)
         return K.relu(y, out=y) if op.act == "relu" else y
     raise ValueError(f"{op.name}: unknown op kind {op.kind!r}")
-
-
-def inverted_block(ops) -> bool:
-    """Whether `ops` (2 or 3 consecutive ops) are one MobileNetV2 inverted-residual block that
-    hepti.kernels.inverted runs as one kernel: [expand 1x1 + ReLU6,] depthwise 3x3 (stride 1
-    or 2, padding 1) + ReLU6, project 1x1 (its residual, if any, added in its epilogue), each
-    reading the one before."""
-    if len(ops) not in (2, 3) or any(op.kind != CONV for op in ops):
-        return False
-    *e, d, p = ops
-    plain = lambda op: (op.kernel == 1 and op.stride == 1 and op.padding == 0  # noqa: E731
-                        and op.groups == 1 and op.dilation == 1)
-    if e and not (plain(e[0]) and e[0].act == "relu6" and e[0].residual is None
-                  and d.input == e[0].output):
-        return False
-    return (d.depthwise and d.kernel == 3 and d.stride in (1, 2) and d.padding == 1
-            and d.dilation == 1 and d.act == "relu6" and d.residual is None
-            and plain(p) and not p.act and p.input == d.output)
 
 
 def apply_inverted(ops, x: np.ndarray, weights: Weights, residual: np.ndarray | None = None,

@@ -17,7 +17,7 @@ import numpy as np
 
 from hepti.counts import counts
 from hepti.emulate import stretch as _stretch
-from hepti.graph.cnn import CONV
+from hepti.graph.cnn import CONV, inverted_runs
 from hepti.graph.split import Split, spatial_ops
 from hepti.model.cnn import Weights, apply
 from hepti.parallel.bands import BandExecutor, lay_out_channels
@@ -102,11 +102,11 @@ BAND_MAX_ROUNDS = 61
 def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
                        fractions: tuple = BAND_FRACTIONS, read=None,
                        min_s: float = BAND_MIN_S) -> tuple:
-    """(points, spread, stream). Points: per op, [(k, seconds)] for a band of k output rows
-    at each fraction of the rows, as the band executor runs it at h x w: rank 0 of a two-rank
-    split with the messages left out (`_Unsent`), one group per op, each band made from the
-    one before as a forward makes it, stretched on an emulated device as the runtime is; the
-    fractions interleaved round by round (at least `rounds`, and on for `min_s`), the median
+    """(points, spread, stream, joined). Points: per op, [(k, seconds)] for a band of k output
+    rows at each fraction of the rows, as the band executor runs it at h x w: rank 0 of a
+    two-rank split with the messages left out (`_Unsent`), one group per op, each band made
+    from the one before as a forward makes it, stretched on an emulated device as the runtime
+    is; the fractions interleaved round by round (at least `rounds`, and on for `min_s`), the median
     of the rounds. An op's time is from the end of the op before to its own end: the
     executor's bookkeeping around it, the exchange's copies and the stretch's payment for both
     are in it; None for the ops after the spatial part. `pooled_band` makes each device's
@@ -116,6 +116,18 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
     rounds (a streamed forward's reads and allocations would be in the next forward's times),
     the largest band with every conv streamed, alternating with the resident one, for as
     long, the median of each pair's difference; None for other ops (`stream_fit` fits them).
+    Joined (a network with inverted-residual blocks, else None): (ranges, [(fraction, [seconds
+    per range], [op by op, per range])]): the same bands and the whole map (fraction 1) in
+    `joined_ranges`' groups, where the executor runs each run of blocks as one call
+    (`BandExecutor._chains`), each group from the end of the one before to its own, in the
+    same rotation, and each range's ops together in the op-by-op forward:
+    hepti.plan.coedge `joined_factors` prices each range's blocks by their ratio. The whole
+    map, as one device runs it: on emu-mixed4 (2026-11-30) a factor from the bands alone
+    priced `single` 22% under what it ran. Ranges: what joining saves differs along the net
+    (there, 0.40-0.49 of the op-by-op time on the first range, 0.66-0.77 on the last). The
+    ratio of two forwards' parts, not of a forward to the sum of its ops' medians: on a
+    loaded host (load 6 on 2 cores, 2026-11-30) a 15-25 ms forward was preempted in every
+    round and its median ran 2.3-2.9x its ops' medians summed, where quiet it ran 0.64-0.66x.
 
     Why not the whole-map timings and a one-row band, joined by a line (profiler revision 8):
     on emu-geneflow4 (four devices sharing two cores, 2026-11-27) MobileNetV2's bands ran
@@ -127,7 +139,7 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
     shapes = g.shapes(h, w)
     n = spatial_ops(g)
     x = np.random.default_rng(5).standard_normal((batch, 3, h, w), dtype=np.float32)
-    runs = []
+    runs, joined_s, whole_s = [], {}, {}
     for f in fractions:
         unsent = _Unsent()
         unsent.tracer.record_events = True
@@ -136,8 +148,23 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
         run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
         run(x)
         runs.append((f, unsent.tracer, run, [[] for _ in range(n)]))
-    for f, tracer, run, spans in _band_rotation(runs, rounds, min_s):
-        _band_round(tracer, run, x, spans, n)
+    joins = []  # the same bands in a few groups: the runs of blocks as the executor joins them
+    ranges = joined_ranges(g, n)
+    for f in (fractions + (1.0,)) if ranges else ():
+        for groups in ([ranges] if f < 1.0 else [ranges, None]):  # the whole map: both
+            unsent = _Unsent()
+            unsent.tracer.record_events = True
+            ex = BandExecutor(unsent, g, Split((f, 1.0 - f), groups, head="primary"),
+                              model.weights, model.threads)
+            run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
+            run(x)
+            joins.append((f, unsent.tracer, run, None if groups else [[] for _ in range(n)]))
+    for f, tracer, run, spans in _band_rotation(runs + joins, rounds, min_s):
+        if spans is None:
+            _joined_round(tracer, run, x, joined_s.setdefault(f, []))
+        else:
+            _band_round(tracer, run, x, spans, n,
+                        whole_s.setdefault(f, []) if ranges else None, ranges)
     stream = None
     if read is not None:  # the largest band again, every conv's weights streamed
         unsent = _Unsent()
@@ -163,7 +190,24 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
             if k and spans[l]:
                 pts.append((k, statistics.median(spans[l])))
         out.append(sorted(pts) or None)
-    return out, band_spread(runs[-1][3]), stream
+    med = lambda xs: [statistics.median(t) for t in zip(*xs)]  # noqa: E731 (per range)
+    joined = [(f, med(joined_s[f]), med(whole_s[f])) for f in fractions + (1.0,)
+              if joined_s.get(f)]
+    return out, band_spread(runs[-1][3]), stream, (ranges, joined) if joined else None
+
+
+JOINED_RANGES = 4  # the spatial ops' ranges `measure_band_costs` times joined, each alone
+
+
+def joined_ranges(graph, n: int, k: int = JOINED_RANGES) -> tuple | None:
+    """The first n ops in k ranges ([start, stop)) with about as many inverted-residual blocks
+    each, cut where a block starts (hepti.graph.cnn `inverted_runs`); None with no blocks."""
+    starts = [j for j, _ in inverted_runs(graph.ops[:n])]
+    if not starts:
+        return None
+    cuts = sorted({starts[round(q * len(starts) / k)] for q in range(1, k)} - {0})
+    bounds = [0] + cuts + [n]
+    return tuple(zip(bounds, bounds[1:]))
 
 
 def stream_fit(stream: list, graph) -> tuple[float, float]:
@@ -210,15 +254,31 @@ def _band_rotation(items: list, rounds: int, min_s: float):
         r += 1
 
 
-def _band_round(tracer, run, x, spans: list[list[float]], n: int) -> None:
+def _band_round(tracer, run, x, spans: list[list[float]], n: int,
+                whole: list[float] | None = None, ranges=()) -> None:
     """One forward of a `measure_band_costs` executor: each of the first n ops' seconds, from
-    the end of the op before to its own end, appended to its list."""
+    the end of the op before to its own end, appended to its list (and to `whole`, each of
+    `ranges`' ops' together, as a list)."""
     tracer.reset()
     tracer.set_epoch()
     run(x)
     ends = [e["ts"] + e["dur"] for e in tracer.events if e["cat"] == "compute"]
     for l, (t0, t1) in enumerate(zip([0.0] + ends, ends[:n])):
         spans[l].append((t1 - t0) * 1e-6)
+    if whole is not None:
+        whole.append([(ends[b - 1] - (ends[a - 1] if a else 0.0)) * 1e-6 for a, b in ranges])
+
+
+def _joined_round(tracer, run, x, times: list) -> None:
+    """One forward of a `measure_band_costs` executor in a few groups: each group's seconds,
+    from the end of the one before (the forward's start) to its compute span's end (the
+    exchange before it included, as an op's band time includes the exchange before it), a
+    list appended to `times`."""
+    tracer.reset()
+    tracer.set_epoch()
+    run(x)
+    ends = [e["ts"] + e["dur"] for e in tracer.events if e["cat"] == "compute"]
+    times.append([(t1 - t0) * 1e-6 for t0, t1 in zip([0.0] + ends, ends)])
 
 
 def band_spread(spans: list[list[float]]) -> tuple[float, float]:

@@ -242,8 +242,8 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     overhead = measure_call_overhead()
     layout = measure_layout_rate()
     barrier(comm)  # every rank at once, as a forward has them
-    band, spread, stream = measure_band_costs(model, h, w, batch, read=store.read,
-                                              min_s=band_min_s)
+    band, spread, stream, joined = measure_band_costs(model, h, w, batch, read=store.read,
+                                                      min_s=band_min_s)
     fetch_s, conv_load = stream_fit(stream, graph)
     barrier(comm)
     on_host = _ranks_on_host(comm)
@@ -269,6 +269,7 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
     all_stream = comm.allgather(stream)
     all_band = comm.allgather(band)
     all_spread = comm.allgather(spread)
+    all_joined = comm.allgather(joined)
     cfg = store.config
     elapsed = comm.allreduce(time.perf_counter() - t_start, op=MPI.MAX)
     table = {"arch": cfg.arch, "ops": [op.name for op in graph.ops],
@@ -281,6 +282,10 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
              "op_band_measured": all_band, "band_spread": [r for r, _ in all_spread],
              "band_sigma_s": [a for _, a in all_spread],
              "allgather_s": {str(k): list(v) for k, v in collectives.items()}}
+    if any(j is not None for j in all_joined):  # a network with inverted blocks
+        table["op_joined_ranges"] = [list(r) for r in next(j for j in all_joined if j)[0]]
+        table["op_joined_measured"] = [[[f, list(a), list(b)] for f, a, b in j[1]] if j else []
+                                       for j in all_joined]
     if power is not None:
         table["power"] = [list(p) for p in power]
     prof = {"hepti_profile": SCHEMA_VERSION, "created": time.time(), "source": "measured",
@@ -313,8 +318,9 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
 # device's memory less the file pages the process runs from (taken back out: `_device_memory`
 # says why); 17: a decode step's work outside its layers (`token_overhead_s`), timed with the
 # calls in a whole step of `LlamaModel.forward`, and a decoder's GeMV bytes/s on a rank's real
-# layer shapes).
-PROFILER_REVISION = 17
+# layer shapes); 18: a CNN's bands and whole map timed in a few groups too, where runs of
+# inverted blocks run as one call (`op_joined_measured`).
+PROFILER_REVISION = 18
 
 
 def cache_dir() -> Path:

@@ -8,7 +8,10 @@ starts with one halo exchange, point to point between the ranks whose rows meet.
   executor runs it, on bands of two sizes, its bookkeeping and exchange copies included:
   `op_band_s`; older profiles: the whole map's time by its rows, plus a one-row band's fixed
   part and a call's overhead). A fused group recomputes its overlap:
-  rows_i(l) are the rows it must compute (`bands.needs`), not the rows it owns.
+  rows_i(l) are the rows it must compute (`bands.needs`), not the rows it owns. The ops of
+  each MobileNetV2 block that lies whole in a group, which the executor runs as one call a
+  run of blocks, take that time times the device's measured factor for their range of the
+  net (`joined_factors`, from the profile's op_joined_measured).
 - Exchange: the rows each rank receives and sends are exact (`bands.needs` on the integer
   row counts); rank i's time is its link's latency plus the larger of its bytes in and out
   over its bandwidth (a full-duplex port on a switch, as the profile measured it). Its own
@@ -64,7 +67,7 @@ import numpy as np
 
 from hepti.counts import counts
 from hepti.errors import PlanError
-from hepti.graph.cnn import ADAPTIVE_AVG, CONV, F32, Graph, LINEAR, build
+from hepti.graph.cnn import ADAPTIVE_AVG, CONV, F32, Graph, LINEAR, build, inverted_runs
 from hepti.graph.split import (Split, channel_needs, channel_slice, conv_rows, fetches,
                                first_holders, hold, needs, out_channels, owned, spatial_ops)
 from hepti.graph.opdag import from_cnn
@@ -126,6 +129,10 @@ class CNNCosts:
     # per device, the relative spread (sigma / mean) of an op's time from one run to the next
     # (the profile's band_spread; none in older profiles): `straggle`
     spread: list[float] | None = None
+    # per device and op, what an op of a group's inverted-residual blocks costs against its
+    # band timing when the executor runs them as one call (the profile's op_joined_measured,
+    # through `joined_factors`; None in older profiles and for networks without such blocks)
+    joined: list[list[float]] | None = None
     _rows: dict = field(default_factory=dict, repr=False, compare=False)  # row_seconds' memo
 
     @property
@@ -155,7 +162,7 @@ class CNNCosts:
         exchange = [float(x) for x in table.get("exchange_overhead_s") or [0.0] * len(devs)]
         if table.get("op_band_s"):  # each op as the band executor ran it (profiler rev. 9)
             op_s, fixed, over, exchange = _band_costs(table, graph, op_s)
-        return cls(op_s=op_s, band_measured=bool(table.get("op_band_s")),
+        costs = cls(op_s=op_s, band_measured=bool(table.get("op_band_s")),
                    spread=[float(x) for x in table["band_spread"]]
                    if table.get("band_spread") else None,
                    overhead_s=[float(x) for x in over],
@@ -177,6 +184,10 @@ class CNNCosts:
                    allgather_s={int(k): tuple(map(float, v))
                                 for k, v in table["allgather_s"].items()}
                    if table.get("allgather_s") else None)
+        if table.get("op_joined_measured") and costs.band_measured:
+            costs.joined = joined_factors(costs, graph, table["op_joined_ranges"],
+                                          table["op_joined_measured"])
+        return costs
 
     def exchange_work(self, i: int) -> float:
         """Device i's own seconds in one halo exchange (0 when the profile does not say)."""
@@ -217,6 +228,70 @@ def _band_costs(table: dict, graph: Graph, op_s: list[list[float]]):
                 fixed[i][l] = a
     zeros = [0.0] * len(op_s)
     return out_s, fixed, zeros, list(zeros)
+
+
+def joined_factors(costs: CNNCosts, graph: Graph, ranges: list, measured: list
+                   ) -> list[list[float]] | None:
+    """Per device and op, the factor on an op's band seconds when it is in one of a group's
+    inverted blocks (`joined_ops`, `group_cost`); 1 elsewhere. From the profile's
+    op_joined_measured (hepti.parallel.profile_cnn `measure_band_costs`), per device
+    [(fraction, [seconds per range], [op by op, per range])] of rank 0 of two, with the
+    spatial ops in `ranges` as groups, where the executor runs each range's runs of blocks as
+    one call, against the same bands one op a group: per range, this model's bands in that
+    group at the measured ratio of its op-by-op bands, less what it gives the range's ops
+    outside blocks, over what it gives the blocks' ops, summed over the fractions; clipped to
+    [0.2, 1.5]. Why: on emu-mixed4 (2026-11-30) MobileNetV2's `grid` (one group) ran its slow
+    ranks' compute in 51.6 and 42.6 ms against 93.5 and 90.7 predicted op by op."""
+    L = spatial_ops(graph)
+    shapes = graph.shapes(costs.h, costs.w)
+    per_row = row_seconds(costs, graph, costs.w, costs.n)
+    if not joined_ops(graph, (0, L)):
+        return None
+
+    def seconds(i, l, r):
+        if r is None or r[1] <= r[0]:
+            return 0.0
+        return (r[1] - r[0]) * per_row[i][l] + costs.fixed(i, l) + costs.overhead_s[i]
+
+    out = []
+    for i, pts in enumerate(measured):
+        row = [1.0] * len(graph.ops)
+        for k, (a, b) in enumerate(ranges):
+            blocks = joined_ops(graph, (a, b))
+            want = other = chain = 0.0
+            for f, joined, by_op in pts or ():
+                ratios = (float(f), 1.0 - float(f))
+                one = needs(graph, shapes, (a, b), ratios, 0)
+                alone = sum(seconds(i, l, needs(graph, shapes, (l, l + 1), ratios, 0).get(
+                    graph.ops[l].output)) for l in range(a, b))
+                want += float(joined[k]) / float(by_op[k]) * alone
+                for l in range(a, b):
+                    t = seconds(i, l, one.get(graph.ops[l].output))
+                    if l in blocks:
+                        chain += t
+                    else:
+                        other += t
+            if chain > 0:
+                factor = min(max((want - other) / chain, 0.2), 1.5)
+                for l in blocks:
+                    row[l] = factor
+        out.append(row)
+    return out
+
+
+def joined_ops(graph: Graph, group) -> frozenset:
+    """The ops of `group` ([a, b)) that the band executor runs as inverted-residual blocks
+    (hepti.graph.cnn `inverted_runs`: every op of a block that lies whole in the group; in a
+    group split by rows, without streamed weights, consecutive blocks as one call)."""
+    key = (id(graph), group[0], group[1])
+    if _JOINED.get(key, (None,))[0] is not graph:
+        a, b = group
+        _JOINED[key] = (graph, frozenset(a + j + d for j, k in inverted_runs(graph.ops[a:b])
+                                         for d in range(k)))
+    return _JOINED[key][1]
+
+
+_JOINED: dict = {}  # (id(graph), a, b) -> (graph, ops): the fusion search asks per group
 
 
 # --- the cost model -----------------------------------------------------------------------------
@@ -315,12 +390,15 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
     need = [needs(graph, shapes, group, ratios, r) for r in range(P)]
     comp = [0.0] * P
     a, b = group
+    # a group's inverted blocks run as one call each run of them (not with streamed weights)
+    blocks = joined_ops(graph, group) if costs.joined and load is None else ()
     for i in range(P):
         for l in range(a, b):
             r = need[i].get(graph.ops[l].output)
             if r is None or r[1] <= r[0]:
                 continue
-            comp[i] += (r[1] - r[0]) * per_row[i][l] + costs.fixed(i, l) + costs.overhead_s[i]
+            s = (r[1] - r[0]) * per_row[i][l] + costs.fixed(i, l) + costs.overhead_s[i]
+            comp[i] += s * costs.joined[i][l] if l in blocks else s
     if load is not None:  # the streamed weights' reads (`stream_seconds`), one per op run
         comp = [u + v for u, v in zip(comp, load)]
     comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners,
@@ -729,15 +807,19 @@ def plan_cnn(graph: Graph, costs: CNNCosts, h: int, w: int, n: int = 1, strategy
     "solve_s"}. Strategies: "auto" (the LP over every device subset, then fusion), "even"
     (equal rows), "proportional" (rows by each device's speed over the whole net: MoDNN),
     "grid" (DeepThings: equal bands, the whole spatial part one fused group), "pipeline"
-    (layer ranges by speed), "single" (rank 0 alone); "auto" chooses its fusion, or with
+    (layer ranges by speed), "single" (rank 0 alone, every op in one group: no exchange to
+    save, and the executor then runs a group's inverted blocks as one call and ResNet's 1x1
+    into its 3x3's bordered map, which one op a group runs op by op; so is "auto"'s split
+    over one device); "auto" chooses its fusion, or with
     `fuse_depth` K is the best split over two or more devices fused in groups of K ops (the
     fixed depths the planner's choice is measured against: a split that one device alone
     would beat is still a split, or no depth would be measured at all)."""
     t0 = time.perf_counter()
     P = costs.size
     weights = [graph.weight_bytes()] * P
+    whole = ((0, spatial_ops(graph)),)  # one device: every op in one group (`alone`)
     if strategy == "single":
-        split = Split(tuple([1.0] + [0.0] * (P - 1)), head="primary")
+        split = Split(tuple([1.0] + [0.0] * (P - 1)), whole, head="primary")
     elif strategy == "even":
         split = Split(tuple([1.0 / P] * P), head=head)
     elif strategy == "proportional":
@@ -757,7 +839,8 @@ def plan_cnn(graph: Graph, costs: CNNCosts, h: int, w: int, n: int = 1, strategy
         for active in candidate_sets(costs):
             ratios = solve_ratios(graph, costs, active, h, w, n, objective, deadline_s, weights)
             if ratios is not None:
-                s = Split(tuple(ratios), head=head if len(active) > 1 else "primary")
+                s = (Split(tuple(ratios), head=head) if len(active) > 1 else
+                     Split(tuple(ratios), whole, head="primary"))
                 found.append((key(s), len(active), s))
         found.sort(key=lambda x: x[0])
         if not found or found[0][0] == math.inf:
@@ -786,7 +869,8 @@ def plan_cnn(graph: Graph, costs: CNNCosts, h: int, w: int, n: int = 1, strategy
     fused = split.groups is not None and len(split.groups) < spatial_ops(graph)
     why = (f"{strategy}: rows {', '.join(f'{r:.2f}' for r in split.ratios)} over rank(s) "
            f"{', '.join(map(str, active))}; "
-           + (f"{len(split.groups)} fused groups of the {spatial_ops(graph)} spatial ops "
+           + ("every op in one group, no exchange" if len(active) == 1 and fused else
+              f"{len(split.groups)} fused groups of the {spatial_ops(graph)} spatial ops "
               f"(one halo exchange each)" if fused else "one halo exchange per op")
            + f"; predicted {pred['latency_s'] * 1e3:.1f} ms")
     if objective == "energy":
