@@ -455,6 +455,29 @@ def test_transpose16_stages():
     assert np.array_equal(np.array(transpose_ref(a.tolist())), a.T)
 
 
+def test_pack8_stages():
+    """pack8's shuffle stages, on Python lists, give the packed A tile of an 8 x 16 block."""
+    from hepti.kernels._transpose_ir import pack8_ref
+    a = np.arange(128).reshape(8, 16)
+    assert np.array_equal(np.array(pack8_ref(a.tolist())), a.T.reshape(-1))
+
+
+@pytest.mark.parametrize("m,k", [(16, 48), (24, 37), (13, 16), (8, 15), (5, 40)])
+def test_pack_a_tiles(m, k):
+    """_pack_a (full tiles by pack8, 16 columns at a time, the rest and short tiles by scalar
+    copies) lays A out as apack[t, p, i] = A[t*MR + i, p], from an offset and a row stride."""
+    from hepti.kernels.packed_gemm import _pack_a
+    MR = 8
+    lda = k + 3
+    flat = np.random.default_rng(k).standard_normal(2 + m * lda).astype(np.float32)
+    a = flat[2:].reshape(m, lda)[:, :k]
+    apack = np.full((-(-m // MR), k, MR), np.nan, np.float32)
+    _pack_a(flat, 2, lda, 0, m, k, apack)
+    for t in range(apack.shape[0]):
+        rows = min(MR, m - t * MR)
+        np.testing.assert_array_equal(apack[t, :, :rows], a[t * MR:t * MR + rows].T)
+
+
 def test_attention_contiguous_inputs_match_strided():
     q, k, v, mask = attention_case(2, 21, 3, 8, [0, 4])
     strided = attention(q, k, v, mask, 3)
