@@ -8,7 +8,9 @@ for float32 and int8 weights, on one thread and on two), in about the order the 
 needs them, so that a later test loads them from the cache (cache=True, per source file) instead
 of compiling. It checks nothing and changes no result: a kernel it has not reached yet is compiled
 by the test as before, and a failure here only costs the time it would have saved (its output
-goes to bin/test's run folder, warm.log).
+goes to bin/test's run folder, warm.log). A kernel signature this process and a test
+want at the same moment is compiled by whichever asked first, the other waiting for it and
+loading it (hepti.kernels._cache.share_compiles), not by both.
 
 Cache files written by two processes at once: Numba's IndexDataCacheFile.save reads the index,
 takes the first free data-file number, then writes both, with no lock. Two processes saving

@@ -42,6 +42,7 @@ own file only, not the files it calls into).
 from hepti.kernels import _cache
 
 _cache.drop_stale()  # before any kernel is loaded: cached code compiled from older imports goes
+_cache.share_compiles()  # a kernel two processes want at once is compiled by one of them
 from hepti.kernels import config  # noqa: E402,F401  (first: sets up Numba before any compile)
 from hepti.kernels.attention_core import attention, attention_block, attention_qkv
 from hepti.kernels.conv import (ConvLayer, ConvWeight, avg_pool2d, conv2d,
