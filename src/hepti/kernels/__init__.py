@@ -42,8 +42,11 @@ own file only, not the files it calls into).
 from hepti.kernels import _cache
 
 _cache.drop_stale()  # before any kernel is loaded: cached code compiled from older imports goes
-_cache.share_compiles()  # a kernel two processes want at once is compiled by one of them
 from hepti.kernels import config  # noqa: E402,F401  (first: sets up Numba before any compile)
+
+# after config (which sets Numba up before importing it): a kernel signature several processes
+# want at once is compiled by one of them, the others load it
+_cache.share_compiles()
 from hepti.kernels.attention_core import attention, attention_block, attention_qkv
 from hepti.kernels.conv import (ConvLayer, ConvWeight, avg_pool2d, conv2d,
                                 depthwise_conv2d, fold_batchnorm, global_avg_pool, max_pool2d,

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import time
+import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -117,7 +118,6 @@ def _lock_fd(folder: str) -> int | None:
 def lock_offset(func, sig) -> int:
     """The byte of the lock file that stands for compiling `sig` of the Python function `func`
     (the same in every process)."""
-    import zlib
     return zlib.crc32(f"{func.__module__}.{func.__qualname__}\0{sig}".encode())
 
 
@@ -139,7 +139,7 @@ def share_compiles() -> bool:
     every 50 ms and after WAIT_S compiles the signature itself, as does a process whose lock
     file cannot be made. Returns whether the wrapper is in place."""
     try:
-        from numba.core import caching, dispatcher, sigutils
+        from numba.core import caching, dispatcher, sigutils  # local: after config sets Numba up
     except ImportError:
         return False
     Dispatcher = dispatcher.Dispatcher
