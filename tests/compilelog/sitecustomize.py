@@ -45,7 +45,8 @@ def _patch(module) -> None:
                 rec = {"pid": os.getpid(), "argv": sys.argv[:6],
                        "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
                        "fn": f"{self.py_func.__module__}.{self.py_func.__qualname__}",
-                       "sig": str(sig), "hit": sum(self._cache_hits.values()) > hits,
+                       "sig": str(sig), "cached": type(self._cache).__name__ != "NullCache",
+                       "hit": sum(self._cache_hits.values()) > hits,
                        "miss": sum(self._cache_misses.values()) > misses,
                        "wall": wall - inner[0], "cpu": cpu - inner[1], "t": time.time()}
                 with open(os.path.join(LOG, f"c-{os.getpid()}.jsonl"), "a") as f:
