@@ -17,7 +17,9 @@ takes the first free data-file number, then writes both, with no lock. Two proce
 different signatures of one function at the same moment could take the same number, and the
 index would then name the other signature's code. This process therefore numbers its data files
 from WARM_NUMBERS up, a range no other process takes; the worst a race with a test can do is
-drop one index entry, which that signature's next caller compiles again.
+drop one index entry, which that signature's next caller compiles again. (hepti.kernels._cache.share_compiles
+now also has processes save one function's signatures one at a time; the numbering stays for
+a process without it.)
 
 `python tests/warm.py [STEP ...]` (default: every step, in order); `--list` prints the steps.
 """

@@ -97,7 +97,9 @@ def drop_stale(cache: Path = HERE / "__pycache__", want: dict[str, str] | None =
 # --- one process compiles a kernel, the others starting it at the same time load it --------------
 
 LOCK = "hepti-compile.lock"
+SAVES = 1 << 32  # the lock file's bytes from here on stand for a function's index (its saves)
 WAIT_S = 300.0  # a process waits at most this long for another's compile, then compiles itself
+SAVE_WAIT_S = 30.0  # and this long for another's save, then saves unlocked
 _lock_fds: dict[str, int] = {}
 
 
@@ -113,6 +115,20 @@ def _lock_fd(folder: str) -> int | None:
             return None
         _lock_fds[folder] = fd
     return fd
+
+
+def _acquire(fd: int, offset: int, wait_s: float) -> bool:
+    """Take the exclusive record lock on byte `offset` of the lock file, trying every 50 ms for
+    at most wait_s; False if it could not (held all that time, or no record locks here)."""
+    give_up = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN) or time.monotonic() > give_up:
+                return False
+            time.sleep(0.05)
 
 
 def lock_offset(func, sig) -> int:
@@ -137,7 +153,9 @@ def share_compiles() -> bool:
     has no cycles, so neither have the waits. A process that dies holding a lock releases it;
     one stopped while compiling (SIGSTOP, a frozen emulated device) holds it, so a waiter tries
     every 50 ms and after WAIT_S compiles the signature itself, as does a process whose lock
-    file cannot be made. Returns whether the wrapper is in place."""
+    file cannot be made. Numba's Cache.save_overload is wrapped too, so that two processes
+    saving two signatures of one function (an index of several entries) do not drop one
+    another's entry. Returns whether the wrappers are in place."""
     try:
         from numba.core import caching, dispatcher, sigutils  # local: after config sets Numba up
     except ImportError:
@@ -159,19 +177,31 @@ def share_compiles() -> bool:
         if fd is None:
             return plain(self, sig)
         key = lock_offset(self.py_func, sig)
-        give_up = time.monotonic() + WAIT_S
-        while True:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, key)
-                break
-            except OSError as e:  # held by another process, or no record locks here
-                if e.errno not in (errno.EACCES, errno.EAGAIN) or time.monotonic() > give_up:
-                    return plain(self, sig)  # compile it as Numba would
-                time.sleep(0.05)
+        if not _acquire(fd, key, WAIT_S):
+            return plain(self, sig)  # compile it as Numba would
         try:
             return plain(self, sig)
         finally:
             fcntl.lockf(fd, fcntl.LOCK_UN, 1, key)
     compile._hepti_shared = True
     Dispatcher.compile = compile
+
+    save = caching.Cache.save_overload
+
+    def save_overload(self, sig, data):
+        """Numba's save, one process at a time per function: it reads the function's index,
+        adds its entry and writes the index back, so two processes saving two signatures of
+        one function at once left one of them out (compiled again by its next user)."""
+        fd = _lock_fd(self._cache_path)
+        index = getattr(getattr(self, "_cache_file", None), "_index_name", None)
+        if fd is None or index is None:
+            return save(self, sig, data)
+        key = SAVES + zlib.crc32(index.encode())  # the index file's name: the same in every process
+        if not _acquire(fd, key, SAVE_WAIT_S):  # a save takes milliseconds, and nests nothing
+            return save(self, sig, data)
+        try:
+            return save(self, sig, data)
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN, 1, key)
+    caching.Cache.save_overload = save_overload
     return True
