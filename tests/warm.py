@@ -8,9 +8,10 @@ for float32 and int8 weights, on one thread and on two), in about the order the 
 needs them, so that a later test loads them from the cache (cache=True, per source file) instead
 of compiling. It checks nothing and changes no result: a kernel it has not reached yet is compiled
 by the test as before, and a failure here only costs the time it would have saved (its output
-goes to bin/test's run folder, warm.log). A kernel signature this process and a test
-want at the same moment is compiled by whichever asked first, the other waiting for it and
-loading it (hepti.kernels._cache.share_compiles), not by both.
+goes to bin/test's run folder, warm.log). A kernel signature a test is compiling is
+loaded here once the test has saved it, not compiled a second time (hepti.kernels._cache
+.share_compiles); one this process is compiling is compiled by a test that wants it too, as
+before: the test does not wait for a process at nice 19.
 
 Cache files written by two processes at once: Numba's IndexDataCacheFile.save reads the index,
 takes the first free data-file number, then writes both, with no lock. Two processes saving
@@ -161,7 +162,8 @@ def main(argv: list[str]) -> int:
               "as expected)", file=sys.stderr)
         return 0
     t0 = time.perf_counter()
-    import hepti.kernels  # noqa: F401  (sets Numba's code-generation options first)
+    import hepti.kernels  # (sets Numba's code-generation options first)
+    hepti.kernels._cache.HOLD = False  # at nice 19: the suite never waits for this process
     print(f"warm.py: imports {time.perf_counter() - t0:.1f} s", flush=True)
     for name, call in STEPS:
         if argv and name not in argv:
