@@ -66,3 +66,45 @@ def test_the_package_s_own_stamp_is_current_after_import():
     if stamp.exists():  # absent only where the package cannot write beside its sources
         assert json.loads(stamp.read_text()) == _cache.fingerprints()
         assert set(_cache.fingerprints()) >= {"conv", "packed_gemm", "config", "int8"}
+
+
+def test_a_kernel_another_process_is_compiling_is_loaded_not_compiled_again(tmp_path):
+    """share_compiles: a process that needs a signature while another compiles it waits for
+    that one's lock, then loads what it saved (Numba alone compiles it a second time)."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from numba import types
+    (tmp_path / "kern.py").write_text(
+        "from numba import njit\n\n\n@njit(cache=True)\ndef plus(x):\n    return x + 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import kern
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert _cache.share_compiles()  # already in place: hepti.kernels put it there
+    fd = _cache._lock_fd(kern.plus._cache._cache_path)
+    # this process "is compiling" plus(int64): it holds that signature's byte of the lock file
+    fcntl.lockf(fd, fcntl.LOCK_EX, 1, _cache.lock_offset(kern.plus.py_func, (types.int64,)))
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import hepti.kernels, kern; print('ready', flush=True); "
+         "print(kern.plus(1), sum(kern.plus._cache_misses.values()), "
+         "sum(kern.plus._cache_hits.values()))"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n", child.communicate()
+        time.sleep(1.0)  # the child asks for plus(int64): without the lock it compiles it now
+        assert kern.plus(1) == 2  # compiled here and saved; the lock goes after
+        out, err = child.communicate(timeout=120)
+    finally:
+        sys.modules.pop("kern", None)  # after the compile: Numba's cache names its module
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 0, err
+    assert sum(kern.plus._cache_misses.values()) == 1
+    assert out.split() == ["2", "0", "1"], (out, err)  # the child compiled nothing: it loaded

@@ -8,14 +8,19 @@ for float32 and int8 weights, on one thread and on two), in about the order the 
 needs them, so that a later test loads them from the cache (cache=True, per source file) instead
 of compiling. It checks nothing and changes no result: a kernel it has not reached yet is compiled
 by the test as before, and a failure here only costs the time it would have saved (its output
-goes to bin/test's run folder, warm.log).
+goes to bin/test's run folder, warm.log). A kernel signature a test is compiling is
+loaded here once the test has saved it, not compiled a second time (hepti.kernels._cache
+.share_compiles); one this process is compiling is compiled by a test that wants it too, as
+before: the test does not wait for a process at nice 19.
 
 Cache files written by two processes at once: Numba's IndexDataCacheFile.save reads the index,
 takes the first free data-file number, then writes both, with no lock. Two processes saving
 different signatures of one function at the same moment could take the same number, and the
 index would then name the other signature's code. This process therefore numbers its data files
 from WARM_NUMBERS up, a range no other process takes; the worst a race with a test can do is
-drop one index entry, which that signature's next caller compiles again.
+drop one index entry, which that signature's next caller compiles again. (hepti.kernels._cache.share_compiles
+now also has processes save one function's signatures one at a time; the numbering stays for
+a process without it.)
 
 `python tests/warm.py [STEP ...]` (default: every step, in order); `--list` prints the steps.
 """
@@ -157,7 +162,8 @@ def main(argv: list[str]) -> int:
               "as expected)", file=sys.stderr)
         return 0
     t0 = time.perf_counter()
-    import hepti.kernels  # noqa: F401  (sets Numba's code-generation options first)
+    import hepti.kernels  # (sets Numba's code-generation options first)
+    hepti.kernels._cache.HOLD = False  # at nice 19: the suite never waits for this process
     print(f"warm.py: imports {time.perf_counter() - t0:.1f} s", flush=True)
     for name, call in STEPS:
         if argv and name not in argv:

@@ -43,6 +43,10 @@ from hepti.kernels import _cache
 
 _cache.drop_stale()  # before any kernel is loaded: cached code compiled from older imports goes
 from hepti.kernels import config  # noqa: E402,F401  (first: sets up Numba before any compile)
+
+# after config (which sets Numba up before importing it): a kernel signature several processes
+# want at once is compiled by one of them, the others load it
+_cache.share_compiles()
 from hepti.kernels.attention_core import attention, attention_block, attention_qkv
 from hepti.kernels.conv import (ConvLayer, ConvWeight, avg_pool2d, conv2d,
                                 depthwise_conv2d, fold_batchnorm, global_avg_pool, max_pool2d,
