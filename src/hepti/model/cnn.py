@@ -121,10 +121,9 @@ class Weights:
         weights (not streamed ones), made once and kept while its blocks are `inverted`'s.
         The chain holds the blocks' weights in one buffer; the ConvWeights they came from
         take its views of them too, so that they are held once."""
-        key = tuple(ops[-1].name for ops in runs)
-        hit = self._chains.get(key)  # kept while every op's conv entry is the one it was made
-        if hit is not None and all(map(operator.is_, map(self.conv.get, hit[0]), hit[1])):
-            return hit[2]  # on (17 `inverted` calls: ~35 us a forward)
+        hit = self._kept(self._chains, runs)  # (17 `inverted` calls: ~35 us a forward)
+        if hit is not False:
+            return hit
         blocks = [self.inverted(ops) for ops in runs]
         chain = InvertedChain(blocks)
         for ops, block in zip(runs, blocks):
@@ -133,10 +132,22 @@ class Weights:
                 self.conv[e[0].name][0].panels = block.we
             self.conv[d.name][0].taps = block.taps
             self.conv[p.name][0].panels = block.wp
-        names = tuple(op.name for ops in runs for op in ops)
-        self._chains[key] = (names, tuple(self.conv[n] for n in names), chain)
-        return chain
+        return self._keep(self._chains, runs, chain)
 
+    def _kept(self, kept: dict, runs):
+        """The kernel `_keep` kept in `kept` for these runs of blocks while every op's conv
+        entry is still the one it was made on; False where there is none (or it is stale)."""
+        hit = kept.get(tuple(ops[-1].name for ops in runs))
+        if hit is not None and all(map(operator.is_, map(self.conv.get, hit[0]), hit[1])):
+            return hit[2]
+        return False
+
+    def _keep(self, kept: dict, runs, kernel):
+        """kernel, kept in `kept` with the conv entries of runs' ops it was made on."""
+        names = tuple(op.name for ops in runs for op in ops)
+        kept[tuple(ops[-1].name for ops in runs)] = (names, tuple(self.conv[n] for n in names),
+                                                      kernel)
+        return kernel
 
     def bottlenecks(self, runs) -> BottleneckChain | None:
         """The kernel of consecutive `bottleneck_block`s (runs: each block's ops), on their
@@ -144,18 +155,14 @@ class Weights:
         it was made on. The chain holds the convolutions' panels in one buffer; their
         ConvWeights take its views of them, so that they are held once. None where `layer`
         gives something else than ConvLayers (a test's stand-in): run the ops one by one."""
-        key = tuple(ops[-1].name for ops in runs)
-        hit = self._bottlenecks.get(key)
-        if hit is not None and all(map(operator.is_, map(self.conv.get, hit[0]), hit[1])):
-            return hit[2]
+        hit = self._kept(self._bottlenecks, runs)
+        if hit is not False:
+            return hit
         blocks = [((self.layer(ops[0]),) if len(ops) == 4 else (None,)) +
                   tuple(self.layer(op) for op in ops[-3:]) for ops in runs]
         if not all(isinstance(c, K.ConvLayer) for blk in blocks for c in blk if c is not None):
             return None
-        chain = BottleneckChain(blocks)
-        names = tuple(op.name for ops in runs for op in ops)
-        self._bottlenecks[key] = (names, tuple(self.conv[n] for n in names), chain)
-        return chain
+        return self._keep(self._bottlenecks, runs, BottleneckChain(blocks))
 
 
 def tensors_reader(tensors: dict):

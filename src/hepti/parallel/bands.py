@@ -445,9 +445,18 @@ class BandExecutor:
             buf = np.empty((1, alloc[1] - alloc[0]) + tuple(shapes[p.output][1:]), np.float32)
             out = buf[:, r[0] - alloc[0]:r[1] - alloc[0]]
         y = chain(np.ascontiguousarray(x), strides, pads, res_rows, out=out)
-        have[p.output] = Band(r[0], y) if buf is None else Band(r[0], y, alloc[0], buf)
-        if taps is not None and p.output in taps:
-            taps[p.output] = y
+        return self._landed(runs, Band(r[0], y) if buf is None else Band(r[0], y, alloc[0], buf),
+                            frees, have, taps)
+
+    @staticmethod
+    def _landed(runs, band: Band, frees, have, taps) -> int:
+        """A run of blocks made in one call (`_run_chain`, `_run_bottlenecks`): its last op's
+        output put in `have` (and in `taps` if asked), the maps its ops let go dropped; how many
+        of the group's entries after the run's first it ran."""
+        name = runs[-1][-1][0].output
+        have[name] = band
+        if taps is not None and name in taps:
+            taps[name] = band.x
         for t in frees:
             if t in have:
                 del have[t]
@@ -505,33 +514,25 @@ class BandExecutor:
         BottleneckChain on their weights): the last block's output, as the ops one by one
         would make it. Returns how many of the group's next entries it ran, 0 where the
         chain does not take this input (the ops then run one by one)."""
-        runs = [grp.ops[j:j + k] for j, k in blocks]
-        last = runs[-1][-1]
         key = ("bottlenecks", tuple(blocks))  # (taps may end a run sooner)
         kept = grp.__dict__.setdefault("kernels", {}).get(key)
         if kept is None or kept[0] != self.weights.version:
+            runs = [grp.ops[j:j + k] for j, k in blocks]
             chain = self.weights.bottlenecks([[e[0] for e in run] for run in runs])
             c2s = [run[-2] for run in runs]  # each conv2's padding, as `apply` gives it
             pads = tuple((e[3] if e[3] is not None else (e[0].padding,) * 2) +
                          (e[0].padding,) * 2 for e in c2s)
-            kept = grp.kernels[key] = (self.weights.version, chain, pads)
-        if kept[1] is None:
+            frees = tuple(t for run in runs for e in run for t in e[4])
+            kept = grp.kernels[key] = (self.weights.version, chain, pads, runs, frees)
+        _, chain, pads, runs, frees = kept
+        if chain is None:
             return 0
         c1 = runs[0][-3]  # (a downsample at stride 2 reads fewer rows: not the last)
         x = have[c1[0].input].rows(*c1[2])
-        y = kept[1](np.ascontiguousarray(x), kept[2], threads=self.threads)
+        y = chain(np.ascontiguousarray(x), pads, threads=self.threads)
         if y is None:
             return 0
-        p = last[0]
-        have[p.output] = Band(last[1][0], y)
-        if taps is not None and p.output in taps:
-            taps[p.output] = y
-        for run in runs:
-            for e in run:
-                for t in e[4]:
-                    if t in have:
-                        del have[t]
-        return sum(len(run) for run in runs) - 1
+        return self._landed(runs, Band(runs[-1][-1][1][0], y), frees, have, taps)
 
     def _pairs(self, grp: "_Group", taps: dict | None) -> tuple:
         """The positions in grp.ops of each op whose output the next op alone reads, the two
