@@ -7,13 +7,11 @@ weights/smollm2 and skips without it (its int8 folder is converted here, in tmp)
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from helpers import FIXTURES, ROOT
+from helpers import FIXTURES, ROOT, hepti
 
 pytest.importorskip("gguf")
 
@@ -98,9 +96,7 @@ def test_score_equals_a_plain_reference_on_the_tiny_model(tiny_dirs):
 
 
 def _bench(*args):
-    p = subprocess.run([sys.executable, "-m", "hepti", "bench", "decoder-accuracy",
-                        *map(str, args)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    return p.returncode, p.stdout, p.stderr
+    return hepti("bench", "decoder-accuracy", *args, cwd=ROOT, timeout=600)
 
 
 def test_command_on_the_tiny_folders_and_bad_input(tiny_dirs, tmp_path):
