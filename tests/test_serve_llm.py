@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from helpers import FIXTURES, ROOT
+from helpers import FIXTURES, ROOT, hepti
 from test_distributed_launch import mpiexec
 from test_serve_http import FakeService, call, running
 
@@ -140,12 +140,10 @@ def generated(tiny_dir):
     """`hepti generate --json` on each fixture prompt (one process): prompt, tokens, text."""
     out = []
     for k in (0, 1):
-        p = subprocess.run([sys.executable, "-m", "hepti", "generate", "--model", str(tiny_dir),
-                            "--prompt", _expected(k)["text"], "--max-tokens",
-                            str(TINY_MAX_TOKENS), "--json"],
-                           capture_output=True, text=True, timeout=600, cwd=ROOT)
-        assert p.returncode == 0, p.stderr
-        out.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        code, stdout, err = hepti("generate", "--model", tiny_dir, "--prompt", _expected(k)["text"],
+                                  "--max-tokens", TINY_MAX_TOKENS, "--json", cwd=ROOT, timeout=600)
+        assert code == 0, err
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
     return out
 
 
@@ -343,10 +341,8 @@ def test_smollm2_chat_answers_paris():
 ])
 def test_serve_refuses_flags_a_decoder_does_not_take(tiny_dir, flags, needle):
     """Before any worker starts: exit 2 with the reason, no traceback."""
-    p = subprocess.run([sys.executable, "-m", "hepti", "serve", "--model", str(tiny_dir),
-                        "--port", "0", *flags], capture_output=True, text=True, timeout=300,
-                       cwd=ROOT, stdin=subprocess.DEVNULL)
-    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
+    code, _, err = hepti("serve", "--model", tiny_dir, "--port", "0", *flags, cwd=ROOT)  # stdin: /dev/null
+    assert code == 2 and needle in err and "Traceback" not in err, err
 
 
 def test_completions_on_an_encoder_is_404():

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from helpers import load_all
+from helpers import hepti, load_all
 from hepti.config import BertConfig
 from hepti.errors import ConfigError, HeptiError, WeightsError
 from hepti.families import preset_config
@@ -617,18 +617,18 @@ def test_convert_lock_across_processes_and_after_a_kill(tmp_path):
                               text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        convert = [sys.executable, "-m", "hepti", "convert", "--random", "tiny-odd", "--out", str(out)]
-        p = subprocess.run(convert, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 2, p.stderr
-        assert "Traceback" not in p.stderr
-        assert f"(process {holder.pid}) is writing a model into {out}" in p.stderr
+        convert = ["convert", "--random", "tiny-odd", "--out", out]
+        code, _, err = hepti(*convert)
+        assert code == 2, err
+        assert "Traceback" not in err
+        assert f"(process {holder.pid}) is writing a model into {out}" in err
         assert not out.exists()
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(60)
     assert lock_path(out).exists()  # the killed holder left its file, but no lock on it
-    p = subprocess.run(convert, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
+    code, _, err = hepti(*convert)
+    assert code == 0, err
     assert sorted(x.name for x in tmp_path.iterdir()) == ["m"]
     assert verify(out) == []
 
@@ -797,15 +797,12 @@ def test_int8_only_for_encoders_and_known_dtypes(tmp_path):
 def test_int8_random_model_and_cli(tmp_path):
     """`hepti convert --random tiny-odd --dtype int8` writes an int8 folder verify accepts."""
     out = tmp_path / "r8"
-    run = subprocess.run([sys.executable, "-m", "hepti", "convert", "--random", "tiny-odd",
-                          "--dtype", "int8", "--out", str(out)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
+    code, _, err = hepti("convert", "--random", "tiny-odd", "--dtype", "int8", "--out", out)
+    assert code == 0, err
     assert json.loads((out / "index.json").read_text())["dtype"] == "int8"
     assert verify(out) == []
-    bad = subprocess.run([sys.executable, "-m", "hepti", "convert", "--random", "tiny-odd",
-                          "--dtype", "int4", "--out", str(tmp_path / "x")],
-                         capture_output=True, text=True)
-    assert bad.returncode != 0 and "invalid choice" in bad.stderr
+    code, _, err = hepti("convert", "--random", "tiny-odd", "--dtype", "int4", "--out", tmp_path / "x")
+    assert code != 0 and "invalid choice" in err
 
 
 # --- an int8 folder runs: the int8 kernels in the encoder ---------------------------------
