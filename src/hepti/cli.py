@@ -439,8 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the plan file (for `hepti run --plan`)")
     s.add_argument("--out", metavar="PLAN.json", help="also write the plan file here")
 
-    from hepti.serve.http import READ_TIMEOUT_S, ROUTES_HELP  # local: start-up time (hepti --help)
-    from hepti.serve.stall import STALL_FLOOR_S  # local: start-up time (hepti --help)
+    from hepti.serve.defaults import READ_TIMEOUT_S, ROUTES_HELP, STALL_FLOOR_S
     s = sub.add_parser(
         "serve", help="serve embeddings, or a decoder's completions, over HTTP from a "
                       "long-lived MPI job",

@@ -29,6 +29,7 @@ import numpy as np
 from hepti.errors import InputError
 from hepti.model.chat import TextStream, render_chat
 from hepti.serve import ServiceUnavailable
+from hepti.serve.defaults import READ_TIMEOUT_S, ROUTES_HELP  # noqa: F401 (ROUTES_HELP: the routes it serves)
 from hepti.serve.requests import (CompletionRequest, Limits, ParsedRequest, RequestError,
                                   check_completion_request, check_content_type,
                                   check_embeddings_request, decode_json, parse_embeddings_request)
@@ -43,10 +44,6 @@ DECODER_ROUTE_LIST = ("POST /v1/completions, POST /v1/chat/completions (or witho
                       "GET /health, GET /metrics")
 RETRY_AFTER_S = 5      # what a 503 tells clients to wait
 IDLE_TIMEOUT_S = 60    # a kept-alive connection idle this long is closed (it holds a thread)
-# A request's body must arrive whole within this many seconds of its headers, else 408 and the
-# connection closes: a client that announces more than it sends (or trickles it) holds a thread
-# only this long. 8 MiB (the default --max-body-bytes) takes ~7 s at 10 Mbit/s. --read-timeout.
-READ_TIMEOUT_S = 10.0
 # A body refused unread (413, 401, 404...) is still read and dropped after the answer, up to
 # this many bytes and this many seconds (and no byte READ_TIMEOUT_S apart): Python's urllib
 # and http.client send the whole body before they read, and a server that closes on an unread
@@ -56,56 +53,6 @@ READ_TIMEOUT_S = 10.0
 DRAIN_MAX_BYTES = 128 << 20
 DRAIN_MAX_S = 30.0
 
-ROUTES_HELP = """\
-routes:
-  POST /v1/embeddings   embed texts or token ids (also POST /embeddings); OpenAI's shape
-  GET  /health          200 {"status": "ok", ...} when the workers are up, else 503 with why:
-                        "starting", "relaunching", "failed", or "degraded" (a rank silent for
-                        seconds: hung, starved or cut off; named in "late"; past its batch's
-                        deadline it is declared lost, and its device listed in "lost" until
-                        it answers again). No API key needed
-  GET  /metrics         plan epoch, ranks' shares and predicted and measured times, each rank's
-                        seconds since its last heartbeat, the stall deadline and the lost
-                        devices' probes, latencies, re-plans and flags with their reasons,
-                        each rank's detector bounds (with --replan on; JSON)
-
-A text encoder answers POST /v1/embeddings; a decoder (a Llama-style model) answers
-POST /v1/completions and POST /v1/chat/completions instead, one generation at a time (the
-others wait in the queue in arrival order), each token streamed back as it is made.
-
-embeddings request:  {"input": "text" | ["text", ...] | [id, ...] | [[id, ...], ...],
-           "encoding_format": "float" | "base64",   (optional; base64: little-endian float32)
-           "truncate": false,   (true: cut inputs longer than the model takes instead of 413)
-           "dimensions": C, "model": "...", "user": "..."}   (optional; model is ignored)
-answer:   {"object": "list", "model": "NAME", "usage": {"prompt_tokens": N, "total_tokens": N},
-           "data": [{"object": "embedding", "index": 0, "embedding": [0.0123, ...]}, ...]}
-errors:   {"error": {"message": "...", "type": "invalid_request_error", "code": "..."}}
-
-example:
-  curl -s http://127.0.0.1:8080/v1/embeddings -H 'Content-Type: application/json' \\
-       -d '{"input": ["A cat sat.", "A dog sat."]}'
-
-completions (a decoder):
-  POST /v1/completions  {"prompt": "text", "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
-                         "seed": 0, "stream": false, "stop": "text" | ["text", ...]}
-        -> {"object": "text_completion", "choices": [{"index": 0, "text": "...",
-            "finish_reason": "stop" | "length"}], "usage": {"prompt_tokens",
-            "completion_tokens", "total_tokens"}, "id", "created", "model"}
-  POST /v1/chat/completions  {"messages": [{"role": "user", "content": "..."}], ...as above;
-                              max_tokens defaults to 256}, rendered by the model's chat template
-        -> {"object": "chat.completion", "choices": [{"index": 0, "message": {"role":
-            "assistant", "content": "..."}, "finish_reason": ...}], "usage": {...}}
-  "temperature": 0 is greedy; "stream": true answers text/event-stream, one "data: {chunk}"
-  event per token that adds text ("text_completion" chunks with choices[0].text, or
-  "chat.completion.chunk" with choices[0].delta.content, the first carrying delta.role), a
-  last chunk with the finish reason, then "data: [DONE]". A client that disconnects stops its
-  generation. A prompt and max_tokens beyond the model's context get 400.
-  curl -s http://127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' \\
-       -d '{"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}'
-  curl -sN http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "stream": true}'
-"""
 
 
 def make_server(service, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,

@@ -34,20 +34,9 @@ from dataclasses import dataclass, field
 from hepti.emulate.command import find_mpiexec
 from hepti.resources import process_rss
 from hepti.serve import protocol
+from hepti.serve.defaults import STALL_FLOOR_S
 from hepti.serve.replan import COOLDOWN_S, FLAP_HOLD_S, FLAP_WINDOW_S, HORIZON_S, LINK_CHECK_S
 
-# The least any batch gets before a silent rank in it is declared lost. Above LATE_AFTER_S
-# (3 s: six beats missed), so a rank is late, and named by /health, for a moment before it is
-# lost; low enough that the first answer after a SIGSTOP comes within the 10 s. On one
-# machine the relaunch takes the spare job (hepti.serve.supervisor), so it costs a first batch:
-# `python -m hepti.bench.stall --runs 5` at load averages 10.9-14.2 on this shared 2-core
-# machine (2026-11-29): declared 4.04-4.36 s after the stop, first answer 4.09-4.39 s (median
-# 4.20); without the spare (`--spare off`, or a hostfile) 6.97-16.2 s (median 8.1, 3 of 5
-# within 10 s), where a fresh start's 1.5 s of CPU (imports 0.7, kernels 0.6, weights 0.2:
-# `--stages`) takes 4-19 s of wall. Lowering the floor would buy at most its own difference,
-# and a rank starved of CPU for 3-4 s on a machine this loaded would then be taken for hung.
-# `hepti serve --stall-floor S` sets it; 0 turns the handling off (late ranks are only named).
-STALL_FLOOR_S = 4.0
 # A batch's deadline is this many times its expected time when that is above the floor: the
 # plan's prediction is within 15% on a quiet host (results/), but an emulated capped rank ran
 # 2x its prediction (DESIGN.md: quota bursts) and this 2-core machine is shared.
