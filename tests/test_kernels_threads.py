@@ -66,6 +66,21 @@ def test_conv_plan_splits_small_maps_by_panels():
     assert not conv._conv_plan(56 * 56, 64 * 9, conv._MODE_ROWS_FUSED, 2, 0, 56, 2)[4]
 
 
+def test_padded_blocks_grow_with_the_weight():
+    """_MODE_PADDED (no packed A) takes blocks of PADDED_BLOCK pixels or the whole map where
+    its panels are over half of L2, equal and whole tiles; row_block's where they fit."""
+    L2 = conv.config.L2_BYTES
+    for m, k, n_panels in ((49, 4608, 16), (784, 4608, 16), (12544, 2304, 16)):
+        assert 2 * k * n_panels * conv.NR * 4 > L2
+        mb, n_blocks = conv._conv_plan(m, k, conv._MODE_PADDED, 1, 0, 7, n_panels)[1:3]
+        assert mb * n_blocks >= m and (mb == m or mb >= conv.PADDED_BLOCK)
+        assert mb == m or mb % conv.MRF == 0
+        assert mb * (n_blocks - 1) < m  # no empty block
+    m, k = 12544, 147  # the stem: 2 panels of 147 rows fit
+    assert conv._conv_plan(m, k, conv._MODE_PADDED, 1, 0, 112, 2)[1] == \
+        min(conv.row_block(m, k), m)
+
+
 @pytest.mark.parametrize("m,k,mode,wo", [(3136, 256, 4, 56), (784, 1152, 5, 28),
                                          (3136, 576, 6, 56), (196, 1024, 4, 14)])
 def test_split_rows_balances_the_tiles(m, k, mode, wo):

@@ -171,6 +171,17 @@ _FUSED_MODES = (_MODE_FLAT, _MODE_PATCHES, _MODE_ROWS_FUSED, _MODE_PADDED)
 # 0.95-0.96x the time at 224, 0.94x at 160; at stride 1 VGG-16's first layer, 3 x 3 = 9,
 # measured 1.00-1.02x, and a 3x3 on 64 channels, 192, 1.00x: they keep _MODE_ROWS_FUSED)
 PADDED_RUN = 64
+# _MODE_PADDED's row blocks on one thread hold at least this many output pixels (or all of
+# them) where the packed weight is over half of L2: the mode packs no A, so packed_gemm's
+# row_block (an A block of half of L2) only sets how often the panels are read again from L3
+# (24 pixels a block at K = 4608: ResNet-50's 7x7 stage read its 9.4 MB weight per 24
+# pixels). Forced blocks, interleaved, 1 thread (CPU time, 9-11 rounds, outputs bit-equal;
+# ResNet-50's and VGG-16's 3x3s at 224): 7x7x512 0.93-0.94x the time, 14x14x512 stride 2
+# 0.92x, 56x56x128 stride 2 0.96x, 14x14x512 0.97-0.98x, 28x28x512 0.99x, 28x28x128 and
+# 14x14x256 0.98-0.99x; blocks of 784 to the whole map measured alike. _MODE_ROWS_FUSED
+# keeps its blocks (VGG-16's 56- and 112-wide maps: 1.03-1.10x the time in blocks of 896
+# and more).
+PADDED_BLOCK = 784
 # a convolution that would run _MODE_ROWS_FUSED runs _MODE_PADDED where the layer before it
 # writes its input into a zero-bordered map (ConvLayer.border; ResNet-50's 3x3s on 56-wide
 # maps): no copy to make there, and no gathered border tiles
@@ -1259,6 +1270,17 @@ def _split_rows(m: int, k: int, mode: int, threads: int, wo: int) -> tuple[int, 
     return mb, max(sum(units[c * n // chunks:(c + 1) * n // chunks]) for c in range(chunks))
 
 
+def _padded_rows(m: int, k: int, n_panels: int) -> int:
+    """Rows per block of `_MODE_PADDED` over n_panels panels of k rows on one thread:
+    row_block's, or equal blocks of whole tiles of PADDED_BLOCK pixels or more (all M when
+    fewer) where the panels are over half of L2 (it packs no A; see PADDED_BLOCK)."""
+    mb = min(row_block(m, k), m)
+    if 2 * k * n_panels * NR * 4 <= config.L2_BYTES:
+        return mb
+    n_blocks = -(-m // max(mb, PADDED_BLOCK))
+    return min(m, -(-(-(-m // n_blocks)) // MRF) * MRF)
+
+
 @functools.lru_cache(maxsize=512)
 def _conv_plan(m: int, k: int, mode: int, threads: int, mb: int = 0, wo: int = 1,
                n_panels: int = 0) -> tuple:
@@ -1268,7 +1290,9 @@ def _conv_plan(m: int, k: int, mode: int, threads: int, mb: int = 0, wo: int = 1
     Rows per block: packed_gemm.row_block (the packed A block fills about half of L2).
     _MODE_ROWS rounds a block to whole output rows (wo pixels each); a row's working set
     there is the x rows it reads, not a packed block, and the rows per block measured alike
-    from 1 to 8 on VGG-16's 224x224x64 layer.
+    from 1 to 8 on VGG-16's 224x224x64 layer. _MODE_PADDED on one thread (and on each
+    thread of a split by panels) takes larger blocks where the panels are over half of L2
+    (`_padded_rows`).
     On threads > 1, the row blocks are split among the threads (`_split_rows`) or, for a
     fused mode with n_panels output panels (n_panels > 0), every thread takes every row and
     a share of the panels, whichever leaves the busiest thread fewer tiles: a small map
@@ -1288,12 +1312,14 @@ def _conv_plan(m: int, k: int, mode: int, threads: int, mb: int = 0, wo: int = 1
         if mode in (_MODE_ROWS, _MODE_ROWS_FUSED):
             mb = min(max(1, round(row_block(m, k) / wo)), m // wo) * wo
         else:
-            mb = min(row_block(m, k), m)
+            mb = (_padded_rows(m, k, n_panels) if mode == _MODE_PADDED
+                  else min(row_block(m, k), m))
     else:
         mb, busiest = _split_rows(m, k, mode, threads, wo)
         if n_panels >= 4 * threads and mode in _FUSED_MODES:
             mb_p = (min(max(1, round(row_block(m, k) / wo)), m // wo) * wo
-                    if mode == _MODE_ROWS_FUSED else min(row_block(m, k), m))
+                    if mode == _MODE_ROWS_FUSED else _padded_rows(m, k, n_panels // threads)
+                    if mode == _MODE_PADDED else min(row_block(m, k), m))
             tiles = sum(_block_units(m, mb_p, mode, wo))
             if -(-n_panels // threads) * tiles < 0.98 * busiest * n_panels:
                 mb, by_panels = mb_p, True
