@@ -1278,7 +1278,8 @@ def _padded_rows(m: int, k: int, n_panels: int) -> int:
     if 2 * k * n_panels * NR * 4 <= config.L2_BYTES:
         return mb
     n_blocks = -(-m // max(mb, PADDED_BLOCK))
-    return min(m, -(-(-(-m // n_blocks)) // MRF) * MRF)
+    per_block = -(-m // n_blocks)
+    return min(m, -(-per_block // MRF) * MRF)  # whole tiles
 
 
 @functools.lru_cache(maxsize=512)
