@@ -236,6 +236,11 @@ def test_gelu_matches_erf_form():
     y = gemm(x.T.copy(), eye, gelu=True)[:, 0]  # GeLU through the real epilogue
     ref = naive.gemm(x.T, np.eye(1), gelu=True)[:, 0]
     assert np.max(np.abs(y - ref)) < 2e-6
+    # full NR-column panels of full MR-row tiles: the GeLU of the IR register tile (_gemm_ir)
+    xm = np.linspace(-12, 12, 3200 * NR).astype(np.float32).reshape(3200, NR)
+    ym = gemm(xm, pack_b(np.eye(NR, dtype=np.float32)), gelu=True)
+    refm = naive.gemm(xm, np.eye(NR), gelu=True)
+    assert np.max(np.abs(ym - refm)) < 2e-6
 
 
 # --- LayerNorm --------------------------------------------------------------------------------
