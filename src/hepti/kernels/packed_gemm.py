@@ -422,6 +422,31 @@ def _gemm_serial(a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc, b
                      c_off + m0 * ldc, ldc, blocks, scratches[0], _shift_epi(epi, m0, 0))
 
 
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _packed_serial(a, a_off, lda, m, k, n, panels, c, c_off, ldc, blocks, epi, ws, nxt, nxt_n):
+    """`_gemm_serial` for a pre-packed B (panels [n_panels, k, NR]), where a row block's last
+    panel prefetches what is read next instead of nothing: the first panel again when another
+    row block follows, else nxt[0:nxt_n] (the first panel of the GeMM that runs next, in
+    `_ffn_serial` and attention_core's `_block_serial`; nxt_n = 0 for none)."""
+    mc, kc_max, pf_dist = blocks[0], blocks[1], blocks[3]
+    apack, bufs, scratches = _carve(ws, 1, mc, k, 0, min(k, kc_max))
+    panels_flat = panels.reshape(-1)
+    n_panels = -(-n // NR)
+    for m0 in range(0, m, mc):
+        m1 = min(m, m0 + mc)
+        _pack_a(a, a_off, lda, m0, m1, k, apack)
+        e = _shift_epi(epi, m0, 0)
+        for jp in range(n_panels):
+            pf, lo, hi = panels_flat, (jp + 1) * k * NR, (jp + 2) * k * NR
+            if jp + 1 == n_panels:
+                if m1 < m:
+                    lo, hi = 0, k * NR
+                else:
+                    pf, lo, hi = nxt, 0, nxt_n
+            _strip(apack, m1 - m0, k, kc_max, panels[jp], c, c_off + m0 * ldc, ldc, jp * NR,
+                   min(NR, n - jp * NR), scratches[0], e, pf, lo, hi if pf_dist > 0 else lo)
+
+
 @njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
 def _gemm_parallel(n_chunks, a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc,
                    blocks, epi, ws):
@@ -702,12 +727,13 @@ def _ffn_serial(x, up, up_bias, h, down, out, blocks, ws, down_bias, tail):
     f, n = h.shape[1], out.shape[1]
     none = np.empty(0, np.float32)
     up_epi = (up_bias, up_bias.shape[0] > 0, True, none, 0, 1, False)
-    _gemm_serial(x.reshape(-1), 0, k, m, k, f, up, none, 0, 1, h.reshape(-1), 0, f, blocks[0],
-                 up_epi, ws)
+    # the up projection's last panel prefetches the down projection's first
+    _packed_serial(x.reshape(-1), 0, k, m, k, f, up, h.reshape(-1), 0, f, blocks[0], up_epi, ws,
+                   down.reshape(-1), f * NR)
     res, gamma, beta, eps, has_res, has_ln = tail
     down_epi = (down_bias, down_bias.shape[0] > 0, False, res.reshape(-1), 0, n, has_res)
-    _gemm_serial(h.reshape(-1), 0, f, m, f, n, down, none, 0, 1, out.reshape(-1), 0, n,
-                 blocks[1], down_epi, ws)
+    _packed_serial(h.reshape(-1), 0, f, m, f, n, down, out.reshape(-1), 0, n, blocks[1],
+                   down_epi, ws, none, 0)
     if has_ln:
         layernorm_inplace(out, gamma, beta, eps)
 
