@@ -236,6 +236,11 @@ def test_gelu_matches_erf_form():
     y = gemm(x.T.copy(), eye, gelu=True)[:, 0]  # GeLU through the real epilogue
     ref = naive.gemm(x.T, np.eye(1), gelu=True)[:, 0]
     assert np.max(np.abs(y - ref)) < 2e-6
+    # full NR-column panels of full MR-row tiles: the GeLU of the IR register tile (_gemm_ir)
+    xm = np.linspace(-12, 12, 3200 * NR).astype(np.float32).reshape(3200, NR)
+    ym = gemm(xm, pack_b(np.eye(NR, dtype=np.float32)), gelu=True)
+    refm = naive.gemm(xm, np.eye(NR), gelu=True)
+    assert np.max(np.abs(ym - refm)) < 2e-6
 
 
 # --- LayerNorm --------------------------------------------------------------------------------
@@ -612,6 +617,16 @@ def test_ffn_with_bias_residual_and_layernorm(m, threads):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="residual"):
         ffn(x, up, bias, down, residual=res[:, 1:])
+
+
+def test_ffn_with_row_blocks_equals_two_gemms():
+    """A hidden width past the A block budget: the down projection runs in several row blocks,
+    each block's last panel prefetching the first again (packed_gemm._packed_serial)."""
+    from hepti.kernels import config
+    f = config.A_BLOCK_BYTES // (4 * 64) + 8  # so that fewer than 64 rows of h make a block
+    x, up, down, bias = rand(128, 40), pack_b(rand(40, f)), pack_b(rand(f, 24)), rand(f)
+    want = gemm(gemm(x, up, bias=bias, gelu=True), down)
+    np.testing.assert_array_equal(ffn(x, up, bias, down), want)
 
 
 @pytest.mark.parametrize("m", [1, 8, 37, 128])

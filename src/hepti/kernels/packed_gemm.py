@@ -13,7 +13,14 @@ tiles, k-major, kept in L2):
         for each k-block of up to KC_PACKED rows of the panel (config.py: the C strip's
         read-modify-write per k-block costs more than streaming a deep slice from L2)
             for each MR-row tile: C tile (+)= A tile @ panel slice   (register tile)
-        then bias, GeLU, residual on the strip (rows x NR) while it is in L1/L2.
+            after the last k-block, bias, GeLU, residual on the tile in registers, one store
+A full panel's full tiles run the explicit-vector IR tile (`_gemm_ir.tile_packed8`, epilogue
+included); a short last tile (rows % MR) and a partial last panel keep the generated Numba
+micro-kernels and get the epilogue as a pass over the strip (`_finish`, `epilogue_strip`).
+Measured 2026-11-30, one process, interleaved, CPU time, load ~5: the IR tile took 0.94-0.97x
+the named-scalar tile's time on the peak shapes (no epilogue) and on MiniLM's QKV, output and
+up projections (bias; bias + GeLU), the down projection (K = 1536: two k-blocks) 1.00x; MiniLM's
+forward 0.972x, outputs within 1.6e-6.
 While a pre-packed panel is computed, the next one (contiguous after it) is prefetched into
 L2 by software prefetch, one cache line every few k steps of the micro-kernel (see
 _gen_microkernels._full_tiles): MiniLM's weights, 42 MB, are read from DRAM every forward.
@@ -37,6 +44,7 @@ import numpy as np
 from numba import njit, prange
 
 from hepti.kernels import config
+from hepti.kernels._gemm_ir import tile_packed8
 from hepti.kernels._intrinsics import prefetch_l2
 from hepti.kernels._transpose_ir import pack8
 from hepti.kernels._microkernels import (MR, NR, copy_row, epilogue_strip, full_tiles, micro_tile,
@@ -248,27 +256,74 @@ def _finish(rows, c, c_off, ldc, j0, ncols, scratch, epi):
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
+def _ir_tiles(n_full, kc, apack, bp, k0, c, c_off, ldc, accumulate, epi, j0, fuse, pf, pf_lo,
+              pf_hi):
+    """The full MR-row tiles 0 .. n_full-1 of a full NR-column strip of C (from c_off, row
+    stride ldc; j0: the strip's first column): C (+)= apack[t] columns k0 .. k0+kc-1 @ bp rows
+    k0 .. k0+kc-1, by the IR tile (`_gemm_ir.tile_packed8`); with `fuse`, the epilogue epi
+    (its residual offset at the strip's row 0, column j0) is applied in registers before the
+    store. Meanwhile pf[pf_lo:pf_hi] is prefetched into L2, an equal share per tile, spread
+    over its k loop (as `full_tiles`)."""
+    bias, has_bias, gelu, res, r_off, ldr, has_res = epi
+    if not fuse:
+        has_bias = has_res = gelu = False
+    apf = apack.reshape(-1)
+    tile_len = apack.shape[1] * MR
+    n_lines = -(-(pf_hi - pf_lo) // 16)
+    per_tile = -(-n_lines // max(n_full, 1))
+    for t in range(n_full):
+        q = pf_lo + t * per_tile * 16
+        n_here = max(0, -(-(min(pf_hi, q + per_tile * 16) - q) // 16))
+        while n_here > kc:  # more lines than k steps: the excess up front
+            prefetch_l2(pf, q)
+            q += 16
+            n_here -= 1
+        tile_packed8(apf, t * tile_len + k0 * MR, kc, bp, k0, c, c_off + t * MR * ldc, ldc,
+                     accumulate, bias, j0, has_bias, gelu, res, r_off + t * MR * ldr, ldr,
+                     has_res, pf, q, n_here, max(1, kc // max(n_here, 1)))
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
 def _strip(apack, rows, k, kc_max, bp, c, c_off, ldc, j0, ncols, scratch, epi, pf, pf_lo,
            pf_hi):
     """C[0:rows, j0:j0+ncols] = epilogue(packed A block @ pre-packed panel bp [k, NR]).
 
     c_off and epi point at row 0 of the block. A full panel (ncols == NR) is written straight
-    into C; the last, partial one goes through scratch [rows * NR]. Meanwhile B data needed
-    next (pf[pf_lo:pf_hi], 64-byte aligned at pf_lo) is prefetched into L2, a share per
-    k-block.
+    into C, its full MR-row tiles by the IR tile with the epilogue applied in registers after
+    the last k-block (`_ir_tiles`); the last, partial panel goes through scratch
+    [rows * NR] and gets the epilogue as a pass over the strip (`_finish`). Meanwhile B data
+    needed next (pf[pf_lo:pf_hi], 64-byte aligned at pf_lo) is prefetched into L2, a share
+    per k-block.
     """
-    if ncols == NR:
-        dst, d_off, ldd = c, c_off + j0, ldc
-    else:
-        dst, d_off, ldd = scratch, 0, NR
     n_kblocks = max(1, -(-k // kc_max))
     per_block = -(-(pf_hi - pf_lo) // (n_kblocks * 16)) * 16  # whole cache lines
+    if ncols < NR:
+        for kb in range(n_kblocks):
+            k0 = kb * kc_max
+            lo = min(pf_hi, pf_lo + kb * per_block)
+            _kblock(apack, rows, k0, min(kc_max, k - k0), bp, k0, scratch, 0, NR, kb > 0,
+                    pf, lo, min(pf_hi, lo + per_block))
+        _finish(rows, c, c_off, ldc, j0, ncols, scratch, epi)
+        return
+    n_full = rows // MR
+    rem = rows - n_full * MR
+    epi_j = _shift_epi(epi, 0, j0)
     for kb in range(n_kblocks):
         k0 = kb * kc_max
+        kc = min(kc_max, k - k0)
         lo = min(pf_hi, pf_lo + kb * per_block)
-        _kblock(apack, rows, k0, min(kc_max, k - k0), bp, k0, dst, d_off, ldd, kb > 0,
-                pf, lo, min(pf_hi, lo + per_block))
-    _finish(rows, c, c_off, ldc, j0, ncols, scratch, epi)
+        hi = min(pf_hi, lo + per_block)
+        if n_full == 0:
+            for q in range(lo, hi, 16):
+                prefetch_l2(pf, q)
+        _ir_tiles(n_full, kc, apack, bp, k0, c, c_off + j0, ldc, kb > 0, epi_j, j0,
+                  kb == n_kblocks - 1, pf, lo, hi)
+        if rem:
+            micro_tile(rem, kc, apack[n_full], bp, k0, k0, c, c_off + j0 + n_full * MR * ldc,
+                       ldc, kb > 0)
+    if rem and (epi[1] or epi[2] or epi[6]):
+        epilogue_strip(c, c_off + j0 + n_full * MR * ldc, ldc, rem, j0,
+                       _shift_epi(epi, n_full * MR, j0))
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -365,6 +420,31 @@ def _gemm_serial(a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc, b
         _pack_a(a, a_off, lda, m0, m1, k, apack)
         _panel_range(0, -(-n // NR), apack, m1 - m0, k, n, panels, b, b_off, ldb, buf, c,
                      c_off + m0 * ldc, ldc, blocks, scratches[0], _shift_epi(epi, m0, 0))
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _packed_serial(a, a_off, lda, m, k, n, panels, c, c_off, ldc, blocks, epi, ws, nxt, nxt_n):
+    """`_gemm_serial` for a pre-packed B (panels [n_panels, k, NR]), where a row block's last
+    panel prefetches what is read next instead of nothing: the first panel again when another
+    row block follows, else nxt[0:nxt_n] (the first panel of the GeMM that runs next, in
+    `_ffn_serial` and attention_core's `_block_serial`; nxt_n = 0 for none)."""
+    mc, kc_max, pf_dist = blocks[0], blocks[1], blocks[3]
+    apack, bufs, scratches = _carve(ws, 1, mc, k, 0, min(k, kc_max))
+    panels_flat = panels.reshape(-1)
+    n_panels = -(-n // NR)
+    for m0 in range(0, m, mc):
+        m1 = min(m, m0 + mc)
+        _pack_a(a, a_off, lda, m0, m1, k, apack)
+        e = _shift_epi(epi, m0, 0)
+        for jp in range(n_panels):
+            pf, lo, hi = panels_flat, (jp + 1) * k * NR, (jp + 2) * k * NR
+            if jp + 1 == n_panels:
+                if m1 < m:
+                    lo, hi = 0, k * NR
+                else:
+                    pf, lo, hi = nxt, 0, nxt_n
+            _strip(apack, m1 - m0, k, kc_max, panels[jp], c, c_off + m0 * ldc, ldc, jp * NR,
+                   min(NR, n - jp * NR), scratches[0], e, pf, lo, hi if pf_dist > 0 else lo)
 
 
 @njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
@@ -647,12 +727,13 @@ def _ffn_serial(x, up, up_bias, h, down, out, blocks, ws, down_bias, tail):
     f, n = h.shape[1], out.shape[1]
     none = np.empty(0, np.float32)
     up_epi = (up_bias, up_bias.shape[0] > 0, True, none, 0, 1, False)
-    _gemm_serial(x.reshape(-1), 0, k, m, k, f, up, none, 0, 1, h.reshape(-1), 0, f, blocks[0],
-                 up_epi, ws)
+    # the up projection's last panel prefetches the down projection's first
+    _packed_serial(x.reshape(-1), 0, k, m, k, f, up, h.reshape(-1), 0, f, blocks[0], up_epi, ws,
+                   down.reshape(-1), f * NR)
     res, gamma, beta, eps, has_res, has_ln = tail
     down_epi = (down_bias, down_bias.shape[0] > 0, False, res.reshape(-1), 0, n, has_res)
-    _gemm_serial(h.reshape(-1), 0, f, m, f, n, down, none, 0, 1, out.reshape(-1), 0, n,
-                 blocks[1], down_epi, ws)
+    _packed_serial(h.reshape(-1), 0, f, m, f, n, down, out.reshape(-1), 0, n, blocks[1],
+                   down_epi, ws, none, 0)
     if has_ln:
         layernorm_inplace(out, gamma, beta, eps)
 

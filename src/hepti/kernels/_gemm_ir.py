@@ -1,0 +1,176 @@
+"""packed_gemm's 8 x 32 register tile on packed A as explicit-vector LLVM IR, with the GeMM's
+epilogue (bias, GeLU, residual) applied to the tile while it is still in registers.
+
+    tile_packed8(ap, ao, kc, bp, bk0, c, co, ldc, accumulate, bias, bo, has_bias, gelu,
+                 res, ro, ldr, has_res, pf, pq, pn, every)
+
+computes, for i < 8 and j < 32,
+
+    acc[i, j] = sum_(p < kc) ap[ao + p*8 + i] * bp[bk0 + p, j]      (+ c[co + i*ldc + j]
+                                                                       when accumulate)
+    c[co + i*ldc + j] = (GeLU(acc[i, j] + bias[bo + j]) + res[ro + i*ldr + j])
+
+with the bias, the GeLU and the residual each only when its flag is set (packed_gemm
+`_epilogue`'s order). ap is one packed A tile's k-major data (packed_gemm `_pack_a`, flat),
+bp a 2-D [K, 32] panel, the others flat float32. While the k loop runs, pn cache lines of
+pf from pf[pq] on (one every `every` k steps) are prefetched into L2: the next B panel,
+as `_microkernels.full_tiles` does. No bounds checks: the callers' index arithmetic is
+full_tiles'.
+
+Why: the up projection's bias + GeLU ran as a second pass over each finished strip
+(`epilogue_strip`): 16 more loads and stores a tile, and the GeLU's ~20 vector operations a
+register could not overlap the next tile's FMAs. Here the GeLU is the erf form of
+mathfn.gelu32 on <16 x float> values (the same rational erf, `llvm.fma.v16f32`, one fdiv),
+before the single store. As in _tile_ir.py, plain LLVM IR without x86 intrinsics.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from hepti.kernels import mathfn
+
+_LANES = 16
+_NV = 2  # 32 columns: two 16-float vectors
+_MR = 8
+_F32, _I64, _I32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+_V = ir.VectorType(_F32, _LANES)
+_FAST = ("contract", "nnan", "nsz")
+
+
+def _vptr(builder, base, index):
+    """A <16 x float>* at float index `index` of the float* `base`."""
+    return builder.bitcast(builder.gep(base, [index]), _V.as_pointer())
+
+
+def _splat(value: float):
+    return ir.Constant(_V, [float(value)] * _LANES)
+
+
+def _gelu(builder, fma, vmax, vmin, x):
+    """0.5 * x * (1 + erf(x / sqrt 2)) on a <16 x float>, mathfn.erf32's rational form."""
+    t = builder.fmul(x, _splat(mathfn._INV_SQRT2), flags=_FAST)
+    t = builder.call(vmin, [builder.call(vmax, [t, _splat(-mathfn._ERF_CLAMP)]),
+                            _splat(mathfn._ERF_CLAMP)])
+    x2 = builder.fmul(t, t, flags=_FAST)
+    p = builder.call(fma, [_splat(mathfn._A13), x2, _splat(mathfn._A11)])
+    for a in (mathfn._A9, mathfn._A7, mathfn._A5, mathfn._A3, mathfn._A1):
+        p = builder.call(fma, [p, x2, _splat(a)])
+    q = builder.call(fma, [_splat(mathfn._B8), x2, _splat(mathfn._B6)])
+    for b in (mathfn._B4, mathfn._B2, mathfn._B0):
+        q = builder.call(fma, [q, x2, _splat(b)])
+    erf = builder.fdiv(builder.fmul(t, p, flags=_FAST), q, flags=_FAST)
+    half_x = builder.fmul(x, _splat(0.5), flags=_FAST)
+    return builder.call(fma, [half_x, erf, half_x])  # 0.5x + 0.5x * erf
+
+
+@intrinsic
+def tile_packed8(typingctx, ap, ao, kc, bp, bk0, c, co, ldc, accumulate, bias, bo, has_bias,
+                 gelu, res, ro, ldr, has_res, pf, pq, pn, every):
+    flat = (ap, c, bias, res, pf)
+    if not (all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
+                for t in flat)
+            and isinstance(bp, types.Array) and bp.ndim == 2 and bp.dtype == types.float32):
+        return None
+    sig = types.void(ap, ao, kc, bp, bk0, c, co, ldc, accumulate, bias, bo, has_bias, gelu,
+                     res, ro, ldr, has_res, pf, pq, pn, every)
+
+    def codegen(context, builder, signature, args):
+        st = signature.args
+        A = context.make_array(st[0])(context, builder, args[0])
+        B = context.make_array(st[3])(context, builder, args[3])
+        C = context.make_array(st[5])(context, builder, args[5])
+        E = context.make_array(st[9])(context, builder, args[9])
+        R = context.make_array(st[13])(context, builder, args[13])
+        P = context.make_array(st[17])(context, builder, args[17])
+
+        def i64(k):
+            return context.cast(builder, args[k], st[k], types.int64)
+
+        def flag(k):
+            return context.cast(builder, args[k], st[k], types.boolean)
+
+        ao_, kc_, bk0_, co_, ldc_, bo_, ro_, ldr_, pq_, pn_, every_ = (
+            i64(k) for k in (1, 2, 4, 6, 7, 10, 14, 15, 18, 19, 20))
+        accumulate_, has_bias_, gelu_, has_res_ = (flag(k) for k in (8, 11, 12, 16))
+        ldb = builder.sdiv(cgutils.unpack_tuple(builder, B.strides, 2)[0], _I64(4))
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V, _V]),
+                                             "llvm.fma.v16f32")
+        vmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
+                                              "llvm.maxnum.v16f32")
+        vmin = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
+                                              "llvm.minnum.v16f32")
+        i8p = ir.IntType(8).as_pointer()
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+            "llvm.prefetch.p0")
+        zero = ir.Constant(_V, None)
+        acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(_NV)]
+               for _ in range(_MR)]
+        countdown = cgutils.alloca_once_value(builder, every_)
+        pline = cgutils.alloca_once_value(builder, pq_)
+        pend = builder.add(pq_, builder.mul(pn_, _I64(16)))
+        splat_mask = ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
+        abase = builder.gep(A.data, [ao_])
+        bbase = builder.gep(B.data, [builder.mul(bk0_, ldb)])
+        with cgutils.for_range(builder, kc_) as kl:
+            p = kl.index
+            cd = builder.sub(builder.load(countdown), _I64(1))
+            builder.store(cd, countdown)
+            with builder.if_then(builder.icmp_signed("==", cd, _I64(0)), likely=False):
+                builder.store(every_, countdown)
+                q = builder.load(pline)
+                with builder.if_then(builder.icmp_signed("<", q, pend)):
+                    builder.call(prefetch, [builder.bitcast(builder.gep(P.data, [q]), i8p),
+                                            _I32(0), _I32(2), _I32(1)])
+                    builder.store(builder.add(q, _I64(16)), pline)
+            bq = builder.gep(bbase, [builder.mul(p, ldb)])
+            bv = [builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4)
+                  for j in range(_NV)]
+            arow = builder.gep(abase, [builder.mul(p, _I64(_MR))])
+            for i in range(_MR):
+                x = builder.load(builder.gep(arow, [_I64(i)]), align=4)
+                xv = builder.shuffle_vector(
+                    builder.insert_element(ir.Constant(_V, ir.Undefined), x, _I32(0)),
+                    ir.Constant(_V, ir.Undefined), splat_mask)
+                for j in range(_NV):
+                    slot = acc[i][j]
+                    builder.store(builder.call(fma, [xv, bv[j], builder.load(slot)]), slot)
+        c_rows = [builder.gep(C.data, [builder.add(co_, builder.mul(_I64(i), ldc_))])
+                  for i in range(_MR)]
+        with builder.if_then(accumulate_):
+            for i in range(_MR):
+                for j in range(_NV):
+                    slot = acc[i][j]
+                    old = builder.load(_vptr(builder, c_rows[i], _I64(_LANES * j)), align=4)
+                    builder.store(builder.fadd(builder.load(slot), old, flags=_FAST), slot)
+        with builder.if_then(has_bias_):
+            ebase = builder.gep(E.data, [bo_])
+            bias_v = [builder.load(_vptr(builder, ebase, _I64(_LANES * j)), align=4)
+                      for j in range(_NV)]
+            for i in range(_MR):
+                for j in range(_NV):
+                    slot = acc[i][j]
+                    builder.store(builder.fadd(builder.load(slot), bias_v[j], flags=_FAST),
+                                  slot)
+        with builder.if_then(gelu_):
+            for i in range(_MR):
+                for j in range(_NV):
+                    slot = acc[i][j]
+                    builder.store(_gelu(builder, fma, vmax, vmin, builder.load(slot)), slot)
+        with builder.if_then(has_res_):
+            for i in range(_MR):
+                rrow = builder.gep(R.data, [builder.add(ro_, builder.mul(_I64(i), ldr_))])
+                for j in range(_NV):
+                    slot = acc[i][j]
+                    r = builder.load(_vptr(builder, rrow, _I64(_LANES * j)), align=4)
+                    builder.store(builder.fadd(builder.load(slot), r, flags=_FAST), slot)
+        for i in range(_MR):
+            for j in range(_NV):
+                builder.store(builder.load(acc[i][j]),
+                              _vptr(builder, c_rows[i], _I64(_LANES * j)), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
