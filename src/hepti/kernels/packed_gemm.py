@@ -55,6 +55,10 @@ from hepti.kernels.config import FASTMATH_GEMM, JIT
 from hepti.kernels.mathfn import gelu32
 from hepti.kernels.norm import layernorm, layernorm_inplace, ln_tail
 
+if (MR, NR) != (8, 32):  # _gemm_ir.tile_packed8 is written for 8 x 32 (two 16-float vectors)
+    raise ImportError(f"packed_gemm's IR tile is 8 x 32, but config.py sets MR = {MR}, NR = {NR}: "
+                      "give _gemm_ir a tile of that size, or set MR = 8, NR = 32")
+
 _PANELS_NONE = np.zeros((0, 0, NR), np.float32)  # stands in for "no pre-packed B"
 _ZERO = np.float32(0.0)
 
