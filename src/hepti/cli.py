@@ -22,6 +22,7 @@ from hepti.bench.registry import main as run_bench  # noqa: E402
 from hepti.plan.strategies import BANDS, INTERPRETER  # noqa: E402
 from hepti.plan.strategies import help_text as strategy_help  # noqa: E402
 from hepti.plan.strategies import names as strategy_names  # noqa: E402
+from hepti.serve.defaults import READ_TIMEOUT_S, ROUTES_HELP, STALL_FLOOR_S  # noqa: E402
 
 DEFAULT_MODEL = "weights/minilm-l6"
 PLANNERS = strategy_names(choosable=True)  # --strategy's choices
@@ -439,7 +440,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the plan file (for `hepti run --plan`)")
     s.add_argument("--out", metavar="PLAN.json", help="also write the plan file here")
 
-    from hepti.serve.defaults import READ_TIMEOUT_S, ROUTES_HELP, STALL_FLOOR_S
     s = sub.add_parser(
         "serve", help="serve embeddings, or a decoder's completions, over HTTP from a "
                       "long-lived MPI job",
