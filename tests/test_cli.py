@@ -247,3 +247,15 @@ def test_bench_scripts_start(module):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "usage" in p.stdout
+
+
+def test_serve_defaults_are_the_services_not_the_run_watchdogs():
+    """`hepti serve`'s --stall-floor and --read-timeout default to hepti.serve's own values
+    (a 4 s floor), not to `hepti run`'s watchdog floor of the same name (30 s): a refactor
+    once gave serve the 30 s floor, and a silent rank then held a batch for 30 s."""
+    from hepti.cli import build_parser
+    from hepti.parallel import watchdog
+    from hepti.serve import http, stall
+    args = build_parser().parse_args(["serve", "--model", "m"])
+    assert args.stall_floor == stall.STALL_FLOOR_S != watchdog.STALL_FLOOR_S
+    assert args.read_timeout == http.READ_TIMEOUT_S

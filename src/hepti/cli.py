@@ -22,7 +22,7 @@ from hepti.bench.registry import main as run_bench  # noqa: E402
 from hepti.plan.strategies import BANDS, INTERPRETER  # noqa: E402
 from hepti.plan.strategies import help_text as strategy_help  # noqa: E402
 from hepti.plan.strategies import names as strategy_names  # noqa: E402
-from hepti.serve.defaults import READ_TIMEOUT_S, ROUTES_HELP, STALL_FLOOR_S  # noqa: E402
+from hepti.serve import defaults as serve_defaults  # noqa: E402  (not watchdog's STALL_FLOOR_S)
 
 DEFAULT_MODEL = "weights/minilm-l6"
 PLANNERS = strategy_names(choosable=True)  # --strategy's choices
@@ -462,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Under `hepti emulate --cluster SPEC -- hepti serve -n N ...` worker rank i runs "
             "on emulated device i and the service is still reachable at the host's "
             "127.0.0.1:PORT."),
-        epilog=ROUTES_HELP + "\nmore examples:\n"
+        epilog=serve_defaults.ROUTES_HELP + "\nmore examples:\n"
                "  hepti serve --model weights/minilm-l6 -n 2 --port 8080\n"
                "  hepti serve -n 4 -f hostfiles/my-cluster --host 0.0.0.0 "
                "--api-key-file ~/.hepti-key\n"
@@ -531,11 +531,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "free of the spread between launches")
     s.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="answer 503 to a request not done in S seconds (default 600)")
-    s.add_argument("--stall-floor", type=float, default=STALL_FLOOR_S, metavar="S",
+    s.add_argument("--stall-floor", type=float, default=serve_defaults.STALL_FLOOR_S, metavar="S",
                    help="a rank that stops beating (a stopped process, a frozen board, a link "
                         "that drops every packet) is declared lost once the batch it is in is "
                         "past its deadline: 5x the batch's expected time, at least S seconds "
-                        f"(default {STALL_FLOOR_S:g}); it is killed, the job relaunched without "
+                        f"(default {serve_defaults.STALL_FLOOR_S:g}); it is killed, the job relaunched without "
                         "its device, and the device taken back when it answers again. 0: never "
                         "(a silent rank is only named by /health)")
     s.add_argument("--spare", choices=("on", "off"), default="on",
@@ -545,11 +545,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the weights under load (8-16 s on a busy 2-core machine). It holds "
                         "one more copy of the weights per rank of the smaller world. off: "
                         "relaunch from scratch")
-    s.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, metavar="S",
+    s.add_argument("--read-timeout", type=float, default=serve_defaults.READ_TIMEOUT_S, metavar="S",
                    help="answer 408 and close the connection when a request's body is not "
                         "whole S seconds after its headers: a client that sends less than its "
                         "Content-Length, or trickles it, holds a thread no longer (default "
-                        f"{READ_TIMEOUT_S:g}; raise it for large bodies over slow links)")
+                        f"{serve_defaults.READ_TIMEOUT_S:g}; raise it for large bodies over slow links)")
 
     s = sub.add_parser(
         "bench", help="benchmarks: hepti bench NAME (hepti bench --help lists them)",

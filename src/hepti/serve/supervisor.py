@@ -675,12 +675,14 @@ class Supervisor:
             self._cancel_incoming()  # made for a world that is changing now
             stall, self._stall = self._stall, None
             if stall is not None:
-                launch["stall"] = stall
                 reason = (f"rank(s) {', '.join(stall['silent_s'])} silent in "
                           f"{_phase_text(Phase(stall['phase'], 0.0, 0.0, stall['batch']))} "
                           f"past its {stall['deadline_s']:g} s deadline")
                 if stall["ranks"]:
                     self._drop_ranks(stall["ranks"], launch, "silent past its deadline")
+                # last: /metrics, read on another thread, never shows a stall without its
+                # lost ranks
+                launch["stall"] = stall
             elif not relost:
                 lost = self._lost_rank(launch.get("exit_code"), job.tail if job else ())
                 if lost is not None:
