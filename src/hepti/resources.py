@@ -12,6 +12,7 @@ import functools
 import gc
 import os
 import resource
+import sys
 from pathlib import Path
 
 
@@ -72,6 +73,22 @@ def trim_heap(libc=None) -> None:
     libc = glibc() if libc is None else libc
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+MADV_FREE = 8  # <asm-generic/mman-common.h>: the same on every Linux architecture
+
+
+def lazy_free(addr: int, nbytes: int, libc=None) -> bool:
+    """Tell the kernel it may take the pages of [addr, addr + nbytes) (page-aligned, private
+    anonymous memory) when memory runs short: `madvise(MADV_FREE)`. They stay as they are
+    until then, and read back as zeros once taken; a write to a page keeps it. MemAvailable and
+    a cgroup's inactive file pages count them as free meanwhile. True if the kernel took the
+    advice (Linux 4.5 on); False without glibc, elsewhere, or for a file-backed mapping."""
+    libc = glibc() if libc is None else libc
+    if libc is None or not sys.platform.startswith("linux") or not hasattr(libc, "madvise"):
+        return False
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(addr, nbytes, MADV_FREE) == 0
 
 
 def _return_freed_memory() -> None:

@@ -4,13 +4,18 @@
 packed slices in RAM: a background thread reads (and packs) the next layers' slices from the
 local HDF5 shards while the current one computes (the kernels release the GIL), and a semaphore
 of `window` slots bounds what is resident. Both give `get(i)` / `done(i)` to the executors.
+`SpareLayers` holds resident slices no plan uses, which the kernel may take back.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
+import numpy as np
+
 from hepti.parallel.slices import LayerSlice
+from hepti.resources import lazy_free
 
 
 def slice_packer(graph):
@@ -101,3 +106,94 @@ class StreamingLayers:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(timeout=5)
+
+
+class SpareLayers:
+    """Resident slices kept beside a plan (the plan before, or an idle rank's standby copy of
+    the whole model), for a switch back that then reads nothing, which the kernel may take
+    back before it kills anything for memory.
+
+    Why: tests/test_serve_memory.py's squeeze failed in CI at 97d3bd5, and 1 run in 6 on a
+    loaded box. A re-plan for speed moved node-b's share a few seconds before another program
+    took 250 of its 267 MiB free. The previous share was kept beside the new one, and the OOM
+    killer took the rank. The rank reads its memory every 2 s and lets a kept copy go after a
+    batch; the program took the memory in a fraction of a second, sharing the device's CPU
+    quota with the rank. No reading between batches can be fast enough. The kernel is: the
+    packed arrays' pages are handed to it as lazily free (`lazy_free`, MADV_FREE). It reclaims
+    them like page cache when memory runs short, and until then they stay as they are.
+
+    A page it took reads back as zeros. So each page's last word is set to a sentinel first,
+    with its value kept aside. `take` writes every page's first word before it looks at the
+    sentinels: the write keeps a page still there, or maps a zero page in place of one taken,
+    whose sentinel then reads 0. So a page taken at any moment is seen, and the slices are used
+    only whole. Where the kernel refuses the advice, they are plain memory (`lazy` False), kept
+    while there is room (hepti.serve.worker `_trim`)."""
+
+    SENTINEL = np.uint64(0x5EED_CAFE_F00D_BEEF)
+
+    def __init__(self, layers: ResidentLayers):
+        self.layers, self.nbytes = layers, layers.resident_bytes
+        self._pages = []  # (words [n_pages, page // 8] of one buffer, first words, last words)
+        page = os.sysconf("SC_PAGE_SIZE")
+        for buf in _packed_buffers(layers):
+            addr = buf.ctypes.data
+            lo, hi = -(-addr // page) * page, (addr + buf.nbytes) // page * page
+            if hi <= lo:
+                continue
+            words = buf.reshape(-1).view(np.uint8)[lo - addr:hi - addr].view(np.uint64)
+            words = words.reshape(-1, page // 8)
+            first, last = words[:, 0].copy(), words[:, -1].copy()
+            words[:, -1] = self.SENTINEL
+            if not lazy_free(lo, hi - lo):
+                words[:, -1] = last
+                break  # refused once (no MADV_FREE here): refused for every buffer
+            self._pages.append((words, first, last))
+
+    @property
+    def lazy(self) -> bool:
+        """Whether the kernel may take them (the advice was taken, and not yet taken back)."""
+        return bool(self._pages)
+
+    @property
+    def lazy_bytes(self) -> int:
+        """What MemAvailable and the cgroup count as free though it is still held."""
+        return sum(w.nbytes for w, _, _ in self._pages)
+
+    def lost(self) -> bool:
+        """Whether the kernel took any page (it reads only: a page taken stays taken)."""
+        return any((w[:, -1] != self.SENTINEL).any() for w, _, _ in self._pages)
+
+    def take(self) -> bool:
+        """Make the slices plain memory again, to serve with (`layers`): True if every page
+        was still there, else False (then they are of no use: close them)."""
+        for words, first, _ in self._pages:
+            words[:, 0] = first  # a write: the page stays, or a zero page takes its place
+        if self.lost():
+            return False
+        for words, _, last in self._pages:
+            words[:, -1] = last
+        self._pages = []
+        return True
+
+    def close(self) -> None:
+        self._pages = []
+        self.layers.close()
+
+
+def _packed_buffers(layers: ResidentLayers) -> list[np.ndarray]:
+    """The buffers of the packed weights in `layers` (the float32 and int8 panels and their
+    scales, which packing made and nothing else refers to), each once. Biases and norms are
+    left out: small, and possibly the store's own arrays."""
+    seen, out = set(), []
+    for s in layers.layers.values():
+        for entry in s.params.values():
+            for w in entry if isinstance(entry, tuple) else ():
+                for name in ("panels", "q", "scales"):
+                    a = getattr(w, name, None)
+                    while isinstance(a, np.ndarray) and isinstance(a.base, np.ndarray):
+                        a = a.base
+                    if isinstance(a, np.ndarray) and a.flags.owndata and a.flags.writeable \
+                            and a.flags.c_contiguous and a.ctypes.data not in seen:
+                        seen.add(a.ctypes.data)
+                        out.append(a)
+    return out

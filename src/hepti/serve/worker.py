@@ -37,7 +37,7 @@ from hepti.parallel.comm import Comm
 from hepti.parallel.engine import Job, build_layers, layer_spec
 from hepti.parallel.plans import get_profile, needs_planner, plan_with_profile, resolve_plan
 from hepti.parallel.world import agree, run_guarded_fn
-from hepti.parallel.layers import ResidentLayers, slice_packer
+from hepti.parallel.layers import ResidentLayers, SpareLayers, slice_packer
 from hepti.parallel.profile_compute import SpeedProbe, measure_probe
 from hepti.parallel.profile_links import fit_link, ping_pong
 from hepti.parallel.trace import Tracer
@@ -287,13 +287,14 @@ class _InBatchWatch:
 
 class _State:
     """A rank's serving state: its job, the next plan's weights while they load, and the
-    previous plan's (`kept`), while memory allows."""
+    previous plan's (`kept`, which the kernel may take back: SpareLayers), while memory
+    allows."""
 
     def __init__(self, world, store, job, args):
         self.world, self.store, self.job, self.args = world, store, job, args
         self.cfg = store.config
         self.next = None  # (plan, spec, thread, holder) while a new plan's weights load
-        self.kept = None  # (spec, layers) of the plan before the current one
+        self.kept = None  # (spec, SpareLayers) of the plan before the current one
         self._probe = None  # speed_probe's SpeedProbe
         self._probed = 0.0  # an idle rank's last speed probe (s), sent with the next batch
         self._free_after = -1.0  # free memory read after the last batch's gather (`batch`)
@@ -304,22 +305,36 @@ class _State:
         self._mem = None  # (when, bytes): the last reading of `_free_memory`
 
     def _free_memory(self) -> float:
-        """This rank's free memory (hepti.resources.available_memory), read at most
-        every MEM_READ_S: its cgroup files cost 0.5-2 ms of CPU a reading, 3-10 ms on a 0.15-
-        to 0.2-core device, after every batch (bench-adapt --quiet-ab at 4de90d9: the monitor
-        cost 1.9% of a BERT-base request)."""
+        """This rank's free memory beside what it keeps (hepti.resources.available_memory,
+        which counts a lazily free `kept` as free: the re-planner adds what a rank keeps to its
+        free memory itself), read at most every MEM_READ_S: its cgroup files cost 0.5-2 ms of
+        CPU a reading, 3-10 ms on a 0.15- to 0.2-core device, after every batch (bench-adapt
+        --quiet-ab at 4de90d9: the monitor cost 1.9% of a BERT-base request)."""
         now = time.monotonic()
         if self._mem is None or now - self._mem[0] >= MEM_READ_S:
-            self._mem = (now, float(available_memory()[0]))
+            lazy = self.kept[1].lazy_bytes if self.kept is not None else 0
+            self._mem = (now, float(available_memory()[0] - lazy))
         return self._mem[1]
 
     def _trim(self) -> None:
-        """Drop the previous plan's weights when memory runs short."""
-        if self.kept is not None and self.next is None \
-                and self._free_memory() < self.kept[1].resident_bytes:
-            self.kept[1].close()
-            self.kept = None
-            self._give_back()
+        """Drop the weights kept beside the plan once they are no use: the kernel took some of
+        their pages (memory ran short: SpareLayers), looked at as often as the free memory is
+        read; or, where the kernel cannot take them, the free memory is under their size."""
+        if self.kept is None or self.next is not None:
+            return
+        spare = self.kept[1]
+        if spare.lazy:
+            gone = (self._mem is None or time.monotonic() - self._mem[0] >= MEM_READ_S) \
+                and spare.lost()
+        else:
+            gone = self._free_memory() < spare.nbytes
+        if gone:
+            self._drop_kept()
+
+    def _drop_kept(self) -> None:
+        self.kept[1].close()
+        self.kept, self.kept_whole = None, False
+        self._give_back()
 
     def _give_back(self) -> None:
         """Hand weights just let go back to the system, and read the free memory afresh.
@@ -352,8 +367,8 @@ class _State:
             return
         spec = ("resident", (0, H), (0, F), (0, L))
         try:
-            self.kept = (spec, build_layers(self.store, spec,
-                                            slice_packer(family_graph(cfg, 1, 1))))
+            self.kept = (spec, SpareLayers(build_layers(self.store, spec,
+                                                        slice_packer(family_graph(cfg, 1, 1)))))
             self.kept_whole = True
         except Exception:  # noqa: BLE001 - a standby copy is an optimisation; serve on
             self.kept = None
@@ -483,6 +498,10 @@ class _State:
         plan = Plan.from_dict(plan).validate(w.size)
         spec = layer_spec(plan, self.cfg, w.rank)
         holder = {"read0": self.store.bytes_read}
+        if self.kept is not None and spec == self.kept[0]:  # to serve with: plain memory again
+            if not self.kept[1].take():
+                self._drop_kept()  # the kernel took some of it back: read afresh below
+            self._mem = None
         # whether this rank reads anything for the next plan
         loads = spec is not None and spec != self.job.spec and \
             (self.kept is None or spec != self.kept[0])
@@ -536,8 +555,8 @@ class _State:
         old_spec, old_layers = self.job.spec, self.job.layers
         if keep:
             layers = old_layers
-        elif self.kept is not None and spec == self.kept[0]:
-            layers, self.kept, self.kept_whole = self.kept[1], None, False
+        elif self.kept is not None and spec == self.kept[0] and self.kept[1].take():
+            layers, self.kept, self.kept_whole = self.kept[1].layers, None, False
         else:
             layers = holder.get("layers")
         ops = self.job.primary_ops or None  # the primary's embeddings, if it stays the primary
@@ -545,7 +564,7 @@ class _State:
         if not keep and isinstance(old_layers, ResidentLayers):  # the one before goes
             if self.kept is not None:
                 self.kept[1].close()
-            self.kept = (old_spec, old_layers) \
+            self.kept = (old_spec, SpareLayers(old_layers)) \
                 if available_memory()[0] >= KEEP_PREVIOUS_FREE * old_layers.resident_bytes else None
             self.kept_whole = False
             if self.kept is None:
