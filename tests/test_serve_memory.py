@@ -368,13 +368,14 @@ def test_a_squeezed_device_is_re_planned_off_before_the_oom_killer(root_env, min
             clients.stop()
         _stop(p)
     log = "".join(said)
-    import os as _os
-    if _os.environ.get("SQZ_LOG"):
-        open(_os.environ["SQZ_LOG"], "w").write(log + "\nSUMMARY\n" + summary.read_text())
     assert switch is not None, "no re-plan for memory within 45 s:\n" + log[-4000:]
     got = json.loads(summary.read_text())
     kills = {d["name"]: d["oom_kills"] for d in got["devices"]}
-    assert kills == {"node-a": 0, "node-b": 0, "node-c": 0}, (kills, log[-3000:])
+    # the story, not the log's tail: CI's report of a kill at 97d3bd5 cut it to its last lines
+    story = [x for x in said if any(k in x for k in ("re-plan", "lost", "killed", "t=10 s",
+                                                     "relaunch", "ready"))]
+    assert kills == {"node-a": 0, "node-b": 0, "node-c": 0}, \
+        f"OOM kills {kills}:\n" + "".join(story[-40:])
     [hogged] = [e for e in got["schedule_applied"] if "mem_hog" in e]
     assert "failed" not in hogged, hogged
     assert not clients.errors, clients.errors[:3]
