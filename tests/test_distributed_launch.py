@@ -56,6 +56,26 @@ def launch_scripts(n: int, scripts: dict[str, list], timeout=600) -> dict[str, l
     return by_script
 
 
+def launch_runs(n: int, *commands: list, timeout=600) -> tuple[list[int], list[str]]:
+    """Several `hepti` command lines run one after another in one job at N ranks
+    (tests/mpi/runs.py) -> (each command's exit code, what each wrote on stderr)."""
+    argv = [str(x) for cmd in commands for x in ("--", *cmd)][1:]
+    code, out, err, _ = launch(n, "-m", "mpi4py", ROOT / "tests/mpi" / "runs.py", *argv,
+                               timeout=timeout)
+    assert code == 0, err[-3000:]
+    codes = [json.loads(ln)["code"] for ln in out.splitlines() if ln.startswith('{"runs.py"')]
+    assert len(codes) == len(commands), (out[-2000:], err[-2000:])
+    errs, part = [], []
+    for ln in err.splitlines(keepends=True):
+        if ln.startswith('{"runs.py"'):
+            errs.append("".join(part))
+            part = []
+        else:
+            part.append(ln)
+    assert len(errs) == len(commands), err[-3000:]
+    return codes, errs
+
+
 @pytest.mark.parametrize("n", [1, 4])
 def test_equivalence_other_world_sizes(n, tiny_dir, minilm_dir, vit_dir):
     """Every strategy and ratio vector at N ranks equals the single-device engine (1e-4), for
@@ -203,17 +223,19 @@ def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path, sweeps_killed_
                          "--mem-cap", "60%", "--generations", "8", "--out", gplan)
     assert code == 0, err
     assert "channels" in json.loads(gplan.read_text())["group_dims"]
-    for extra in (["--strategy", "auto"], ["--strategy", "even"], ["--plan", plan],
-                  ["--plan", gplan]):
-        out = tmp_path / "y.npy"
-        code, _, err, _ = launch(3, "-m", "hepti", "run", "--model", resnet_tiny_dir,
-                                 "--input-pixels", px, "--output", out, "--force", "--json", *extra)
-        assert code == 0, (extra, err[-2000:])
+    # the four runs and the refusal in one job (tests/mpi/runs.py: the ranks' start-up paid once)
+    cases = (["--strategy", "auto"], ["--strategy", "even"], ["--plan", plan], ["--plan", gplan])
+    outs = [tmp_path / f"y{i}.npy" for i in range(len(cases))]
+    codes, errs = launch_runs(3, *[["run", "--model", resnet_tiny_dir, "--input-pixels", px,
+                                   "--output", out, "--force", "--json", *extra]
+                                  for out, extra in zip(outs, cases)],
+                             ["run", "--model", resnet_tiny_dir, "--input-pixels", px,
+                              "--strategy", "tensor"])
+    assert codes[:-1] == [0] * len(cases), (codes, errs)
+    for out, extra in zip(outs, cases):
         got = np.load(out)
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), extra
-    code, _, err, _ = launch(3, "-m", "hepti", "run", "--model", resnet_tiny_dir,
-                             "--input-pixels", px, "--strategy", "tensor")
-    assert code != 0 and "split by height" in err and "Traceback" not in err
+    assert codes[-1] != 0 and "split by height" in errs[-1] and "Traceback" not in errs[-1], errs
 
 
 # --- issue 19: the CNNs against torchvision across ranks ------------------------------------
