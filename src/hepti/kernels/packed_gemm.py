@@ -367,12 +367,12 @@ def _on_the_fly(p_lo, p_hi, apack, rows, k, n, b, b_off, ldb, buf, c, c_off, ldc
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
 def _panel_range(p_lo, p_hi, apack, rows, k, n, panels, b, b_off, ldb, buf, c, c_off, ldc,
-                 blocks, scratch, epi, nxt, nxt_lo, nxt_hi):
+                 blocks, scratch, epi, nxt, nxt_n):
     """Panels p_lo .. p_hi-1 of C for one packed block of A.
 
     With pre-packed `panels`, the next panel is prefetched into L2 while one is computed, and
-    while the last is, nxt[nxt_lo:nxt_hi] (what is read next: the range's first panel again
-    when another row block follows, the next GeMM's first panel, or nothing when lo == hi).
+    while the last is, nxt[0:nxt_n] (what is read next: the range's first panel again when
+    another row block follows, the next GeMM's first panel, or nothing when nxt_n = 0).
     Otherwise the flat B [K, N] (row p at b[b_off + p*ldb]) is packed as it is used
     (`_on_the_fly`, into buf) and nxt is not read.
     """
@@ -385,7 +385,7 @@ def _panel_range(p_lo, p_hi, apack, rows, k, n, panels, b, b_off, ldb, buf, c, c
     for jp in range(p_lo, p_hi):
         pf, pf_lo, pf_hi = panels_flat, (jp + 1) * k * NR, (jp + 2) * k * NR  # contiguous
         if jp + 1 == p_hi:
-            pf, pf_lo, pf_hi = nxt, nxt_lo, nxt_hi
+            pf, pf_lo, pf_hi = nxt, 0, nxt_n
         _strip(apack, rows, k, kc_max, panels[jp], c, c_off, ldc, jp * NR,
                min(NR, n - jp * NR), scratch, epi, pf, pf_lo, pf_hi if pf_dist > 0 else pf_lo)
 
@@ -419,7 +419,10 @@ def _gemm_serial(a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc, b
     blocks = (MC rows of A per block, KC, panels per on-the-fly group, prefetch distance).
     With pre-packed `panels`, a row block's last panel prefetches the first panel again when
     another row block follows, else nxt[0:nxt_n]: the first panel of the GeMM that runs next
-    (`_ffn_serial`, attention_core's `_block_serial`), or nothing (nxt_n = 0).
+    (`_ffn_serial`, attention_core's `_block_serial`), or nothing (nxt_n = 0). Its callers
+    pass non-literal scalars (np.int64, np.bool_, also inside the epilogue tuple): a literal 0
+    or True types a call apart, and each such type is one more compiled signature of this
+    function and of everything under it.
     """
     mc, group = blocks[0], blocks[2]
     buf_panels = 0 if panels.shape[0] > 0 else group
@@ -430,10 +433,10 @@ def _gemm_serial(a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc, b
     for m0 in range(0, m, mc):
         m1 = min(m, m0 + mc)
         _pack_a(a, a_off, lda, m0, m1, k, apack)
-        pf, pf_hi = (panels_flat, k * NR) if m1 < m else (nxt, nxt_n)
+        pf, pf_n = (panels_flat, k * NR) if m1 < m else (nxt, nxt_n)
         _panel_range(0, -(-n // NR), apack, m1 - m0, k, n, panels, b, b_off, ldb, buf, c,
                      c_off + m0 * ldc, ldc, blocks, scratches[0], _shift_epi(epi, m0, 0),
-                     pf, 0, pf_hi)
+                     pf, pf_n)
 
 
 @njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
@@ -447,6 +450,7 @@ def _gemm_parallel(n_chunks, a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c
     buf_panels = 0 if panels.shape[0] > 0 else group
     buf_rows = min(k, blocks[1])
     n_panels = -(-n // NR)
+    panels_flat = panels.reshape(-1)  # nothing of it prefetched after a chunk's last panel
     apack, bufs, scratches = _carve(ws, n_chunks, mc, k, buf_panels, buf_rows)
     for m0 in range(0, m, mc):
         m1 = min(m, m0 + mc)
@@ -460,7 +464,7 @@ def _gemm_parallel(n_chunks, a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c
             _panel_range(chunk * n_panels // n_chunks, (chunk + 1) * n_panels // n_chunks,
                          apack, m1 - m0, k, n, panels, b, b_off, ldb, buf, c,
                          c_off + m0 * ldc, ldc, blocks, scratches[chunk],
-                         _shift_epi(epi, m0, 0), EMPTY, 0, 0)
+                         _shift_epi(epi, m0, 0), panels_flat, np.int64(0))
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -718,14 +722,15 @@ def _ffn_serial(x, up, up_bias, h, down, out, blocks, ws, down_bias, tail):
     m, k = x.shape
     f, n = h.shape[1], out.shape[1]
     none = np.empty(0, np.float32)
-    up_epi = (up_bias, up_bias.shape[0] > 0, True, none, 0, 1, False)
+    z, one, yes, no = np.int64(0), np.int64(1), np.bool_(True), np.bool_(False)  # no literals
+    up_epi = (up_bias, up_bias.shape[0] > 0, yes, none, z, one, no)
     # the up projection's last panel prefetches the down projection's first
-    _gemm_serial(x.reshape(-1), 0, k, m, k, f, up, none, 0, 1, h.reshape(-1), 0, f, blocks[0],
+    _gemm_serial(x.reshape(-1), z, k, m, k, f, up, none, z, one, h.reshape(-1), z, f, blocks[0],
                  up_epi, ws, down.reshape(-1), f * NR)
     res, gamma, beta, eps, has_res, has_ln = tail
-    down_epi = (down_bias, down_bias.shape[0] > 0, False, res.reshape(-1), 0, n, has_res)
-    _gemm_serial(h.reshape(-1), 0, f, m, f, n, down, none, 0, 1, out.reshape(-1), 0, n,
-                 blocks[1], down_epi, ws, none, 0)
+    down_epi = (down_bias, down_bias.shape[0] > 0, no, res.reshape(-1), z, n, has_res)
+    _gemm_serial(h.reshape(-1), z, f, m, f, n, down, none, z, one, out.reshape(-1), z, n,
+                 blocks[1], down_epi, ws, none, z)
     if has_ln:
         layernorm_inplace(out, gamma, beta, eps)
 
