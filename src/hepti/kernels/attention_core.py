@@ -39,7 +39,7 @@ from hepti.kernels._views import (EMPTY, check_float32, check_no_overlap, flat_r
 from hepti.kernels.config import FASTMATH_GEMM, JIT, KC
 from hepti.kernels.norm import add_layernorm, layernorm_inplace, ln_tail
 from hepti.kernels.packed_gemm import (PackedB, _pack_a, _pack_panel,
-                                       _packed_serial, _plan,
+                                       _gemm_serial, _plan,
                                        _strip, gemm)
 
 _ONE = np.float32(1.0)
@@ -207,17 +207,18 @@ def _block_serial(x, wqkv, qkv_bias, key_mask, wo, o_bias, y, work, sizes, ws, t
     none = np.empty(0, np.float32)
     qkv = np.empty(m * n3, np.float32)
     ctx = np.empty(m * width, np.float32)
-    qkv_epi = (qkv_bias, qkv_bias.shape[0] > 0, False, none, 0, 1, False)
+    z, one, no = np.int64(0), np.int64(1), np.bool_(False)  # no literals: _gemm_serial says why
+    qkv_epi = (qkv_bias, qkv_bias.shape[0] > 0, no, none, z, one, no)
     # the QKV projection's last panel prefetches the output projection's first
-    _packed_serial(x.reshape(-1), 0, c, m, c, n3, wqkv, qkv, 0, n3, qkv_blocks, qkv_epi, ws,
-                   wo.reshape(-1), width * NR)
+    _gemm_serial(x.reshape(-1), z, c, m, c, n3, wqkv, none, z, one, qkv, z, n3, qkv_blocks,
+                 qkv_epi, ws, wo.reshape(-1), width * NR)
     no_epi = (none, False, False, none, 0, 1, False)
     _items(0, work.shape[0], work, qkv, n3, qkv[width:], n3, qkv[2 * width:], n3, key_mask, t,
            d, 0, scale, ctx, width, kc_max, no_epi, ws)
     res, gamma, beta, eps, has_res, has_ln = tail
-    o_epi = (o_bias, o_bias.shape[0] > 0, False, res.reshape(-1), 0, n_o, has_res)
-    _packed_serial(ctx, 0, width, m, width, n_o, wo, y.reshape(-1), 0, n_o, o_blocks, o_epi,
-                   ws, none, 0)
+    o_epi = (o_bias, o_bias.shape[0] > 0, no, res.reshape(-1), z, n_o, has_res)
+    _gemm_serial(ctx, z, width, m, width, n_o, wo, none, z, one, y.reshape(-1), z, n_o, o_blocks,
+                 o_epi, ws, none, z)
     if has_ln:
         layernorm_inplace(y, gamma, beta, eps)
 

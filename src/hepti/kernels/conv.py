@@ -830,7 +830,7 @@ def _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, blk_lo, blk_hi, mb, m, bl
                 bias_g = bias[g * n_g:(g + 1) * n_g] if has_bias else bias
                 epi_g = (bias_g, has_bias, gelu, res, r_off + m0 * ldr + g * n_g, ldr, has_res)
                 _panel_range(0, n_panels, apack, rows, k, n_g, panels[g], x, 0, 1, no_buf, c,
-                             m0 * ldc + g * n_g, ldc, blocks, scratch, epi_g)
+                             m0 * ldc + g * n_g, ldc, blocks, scratch, epi_g, ws, np.int64(0))
         if act:
             _activate(c, m0 * ldc, ldc, rows, ldc, act)
 

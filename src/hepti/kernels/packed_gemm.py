@@ -367,12 +367,14 @@ def _on_the_fly(p_lo, p_hi, apack, rows, k, n, b, b_off, ldb, buf, c, c_off, ldc
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
 def _panel_range(p_lo, p_hi, apack, rows, k, n, panels, b, b_off, ldb, buf, c, c_off, ldc,
-                 blocks, scratch, epi):
+                 blocks, scratch, epi, nxt, nxt_n):
     """Panels p_lo .. p_hi-1 of C for one packed block of A.
 
-    With pre-packed `panels`, the next panel is prefetched into L2 while one is computed.
+    With pre-packed `panels`, the next panel is prefetched into L2 while one is computed, and
+    while the last is, nxt[0:nxt_n] (what is read next: the range's first panel again when
+    another row block follows, the next GeMM's first panel, or nothing when nxt_n = 0).
     Otherwise the flat B [K, N] (row p at b[b_off + p*ldb]) is packed as it is used
-    (`_on_the_fly`, into buf).
+    (`_on_the_fly`, into buf) and nxt is not read.
     """
     if panels.shape[0] == 0:
         _on_the_fly(p_lo, p_hi, apack, rows, k, n, b, b_off, ldb, buf, c, c_off, ldc, blocks,
@@ -381,10 +383,11 @@ def _panel_range(p_lo, p_hi, apack, rows, k, n, panels, b, b_off, ldb, buf, c, c
     kc_max, pf_dist = blocks[1], blocks[3]
     panels_flat = panels.reshape(-1)
     for jp in range(p_lo, p_hi):
-        pf_lo = (jp + 1) * k * NR  # the next panel: contiguous after this one
-        pf_hi = pf_lo + k * NR if pf_dist > 0 and jp + 1 < p_hi else pf_lo
+        pf, pf_lo, pf_hi = panels_flat, (jp + 1) * k * NR, (jp + 2) * k * NR  # contiguous
+        if jp + 1 == p_hi:
+            pf, pf_lo, pf_hi = nxt, 0, nxt_n
         _strip(apack, rows, k, kc_max, panels[jp], c, c_off, ldc, jp * NR,
-               min(NR, n - jp * NR), scratch, epi, panels_flat, pf_lo, pf_hi)
+               min(NR, n - jp * NR), scratch, epi, pf, pf_lo, pf_hi if pf_dist > 0 else pf_lo)
 
 
 @njit(**JIT)
@@ -409,46 +412,31 @@ def workspace_size(n_chunks: int, mc: int, k: int, buf_panels: int, buf_rows: in
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _gemm_serial(a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc, blocks, epi, ws):
+def _gemm_serial(a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc, blocks, epi, ws,
+                 nxt, nxt_n):
     """Whole GeMM on the calling thread: row blocks of A, each packed, times all panels.
 
     blocks = (MC rows of A per block, KC, panels per on-the-fly group, prefetch distance).
+    With pre-packed `panels`, a row block's last panel prefetches the first panel again when
+    another row block follows, else nxt[0:nxt_n]: the first panel of the GeMM that runs next
+    (`_ffn_serial`, attention_core's `_block_serial`), or nothing (nxt_n = 0). Its callers
+    pass non-literal scalars (np.int64, np.bool_, also inside the epilogue tuple): a literal 0
+    or True types a call apart, and each such type is one more compiled signature of this
+    function and of everything under it.
     """
     mc, group = blocks[0], blocks[2]
     buf_panels = 0 if panels.shape[0] > 0 else group
     buf_rows = min(k, blocks[1])
     apack, bufs, scratches = _carve(ws, 1, mc, k, buf_panels, buf_rows)
     buf = bufs[0, :buf_panels * buf_rows * NR].reshape((buf_panels, buf_rows, NR))
-    for m0 in range(0, m, mc):
-        m1 = min(m, m0 + mc)
-        _pack_a(a, a_off, lda, m0, m1, k, apack)
-        _panel_range(0, -(-n // NR), apack, m1 - m0, k, n, panels, b, b_off, ldb, buf, c,
-                     c_off + m0 * ldc, ldc, blocks, scratches[0], _shift_epi(epi, m0, 0))
-
-
-@njit(fastmath=FASTMATH_GEMM, **JIT)
-def _packed_serial(a, a_off, lda, m, k, n, panels, c, c_off, ldc, blocks, epi, ws, nxt, nxt_n):
-    """`_gemm_serial` for a pre-packed B (panels [n_panels, k, NR]), where a row block's last
-    panel prefetches what is read next instead of nothing: the first panel again when another
-    row block follows, else nxt[0:nxt_n] (the first panel of the GeMM that runs next, in
-    `_ffn_serial` and attention_core's `_block_serial`; nxt_n = 0 for none)."""
-    mc, kc_max, pf_dist = blocks[0], blocks[1], blocks[3]
-    apack, bufs, scratches = _carve(ws, 1, mc, k, 0, min(k, kc_max))
     panels_flat = panels.reshape(-1)
-    n_panels = -(-n // NR)
     for m0 in range(0, m, mc):
         m1 = min(m, m0 + mc)
         _pack_a(a, a_off, lda, m0, m1, k, apack)
-        e = _shift_epi(epi, m0, 0)
-        for jp in range(n_panels):
-            pf, lo, hi = panels_flat, (jp + 1) * k * NR, (jp + 2) * k * NR
-            if jp + 1 == n_panels:
-                if m1 < m:
-                    lo, hi = 0, k * NR
-                else:
-                    pf, lo, hi = nxt, 0, nxt_n
-            _strip(apack, m1 - m0, k, kc_max, panels[jp], c, c_off + m0 * ldc, ldc, jp * NR,
-                   min(NR, n - jp * NR), scratches[0], e, pf, lo, hi if pf_dist > 0 else lo)
+        pf, pf_n = (panels_flat, k * NR) if m1 < m else (nxt, nxt_n)
+        _panel_range(0, -(-n // NR), apack, m1 - m0, k, n, panels, b, b_off, ldb, buf, c,
+                     c_off + m0 * ldc, ldc, blocks, scratches[0], _shift_epi(epi, m0, 0),
+                     pf, pf_n)
 
 
 @njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
@@ -462,6 +450,7 @@ def _gemm_parallel(n_chunks, a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c
     buf_panels = 0 if panels.shape[0] > 0 else group
     buf_rows = min(k, blocks[1])
     n_panels = -(-n // NR)
+    panels_flat = panels.reshape(-1)  # nothing of it prefetched after a chunk's last panel
     apack, bufs, scratches = _carve(ws, n_chunks, mc, k, buf_panels, buf_rows)
     for m0 in range(0, m, mc):
         m1 = min(m, m0 + mc)
@@ -475,7 +464,7 @@ def _gemm_parallel(n_chunks, a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c
             _panel_range(chunk * n_panels // n_chunks, (chunk + 1) * n_panels // n_chunks,
                          apack, m1 - m0, k, n, panels, b, b_off, ldb, buf, c,
                          c_off + m0 * ldc, ldc, blocks, scratches[chunk],
-                         _shift_epi(epi, m0, 0))
+                         _shift_epi(epi, m0, 0), panels_flat, np.int64(0))
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -664,7 +653,10 @@ def _run(a, k, n, panels, b_flat, ldb, bias, gelu, residual, out, threads):
         return c
     ws = workspace(ws_size)
     args = (a_flat, 0, lda, m, k, n, panels, b_flat, 0, ldb, c_flat, 0, ldc, blocks, epi, ws)
-    run_chunks(n_chunks, _gemm_serial, _gemm_parallel, args)
+    if n_chunks == 1:  # nothing is read next that the last panel could prefetch
+        _gemm_serial(*args, EMPTY, 0)
+    else:
+        run_chunks(n_chunks, None, _gemm_parallel, args)  # None: the serial case is above
     return c
 
 
@@ -730,14 +722,15 @@ def _ffn_serial(x, up, up_bias, h, down, out, blocks, ws, down_bias, tail):
     m, k = x.shape
     f, n = h.shape[1], out.shape[1]
     none = np.empty(0, np.float32)
-    up_epi = (up_bias, up_bias.shape[0] > 0, True, none, 0, 1, False)
+    z, one, yes, no = np.int64(0), np.int64(1), np.bool_(True), np.bool_(False)  # no literals
+    up_epi = (up_bias, up_bias.shape[0] > 0, yes, none, z, one, no)
     # the up projection's last panel prefetches the down projection's first
-    _packed_serial(x.reshape(-1), 0, k, m, k, f, up, h.reshape(-1), 0, f, blocks[0], up_epi, ws,
-                   down.reshape(-1), f * NR)
+    _gemm_serial(x.reshape(-1), z, k, m, k, f, up, none, z, one, h.reshape(-1), z, f, blocks[0],
+                 up_epi, ws, down.reshape(-1), f * NR)
     res, gamma, beta, eps, has_res, has_ln = tail
-    down_epi = (down_bias, down_bias.shape[0] > 0, False, res.reshape(-1), 0, n, has_res)
-    _packed_serial(h.reshape(-1), 0, f, m, f, n, down, out.reshape(-1), 0, n, blocks[1],
-                   down_epi, ws, none, 0)
+    down_epi = (down_bias, down_bias.shape[0] > 0, no, res.reshape(-1), z, n, has_res)
+    _gemm_serial(h.reshape(-1), z, f, m, f, n, down, none, z, one, out.reshape(-1), z, n,
+                 blocks[1], down_epi, ws, none, z)
     if has_ln:
         layernorm_inplace(out, gamma, beta, eps)
 
