@@ -11,12 +11,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (FIXTURES, ROOT, convert_mobilenet, convert_once, convert_tiny_cnn,  # noqa: E402
                      minilm_source)
 
-if os.environ.get("HEPTI_TEST_NO_HOLD") == "1":
-    # bin/test's side stream, at nice 19: it waits for the other processes' compiles but holds no
-    # compile lock itself, so that a test of the first stream never waits for it (tests/warm.py)
-    import hepti.kernels
-    hepti.kernels._cache.HOLD = False
-
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
