@@ -113,7 +113,7 @@ class SpareLayers:
     the whole model), for a switch back that then reads nothing, which the kernel may take
     back before it kills anything for memory.
 
-    Why: tests/test_serve_memory.py's squeeze failed in CI at 97d3bd5, and 1 run in 6 on a
+    Why: tests/test_serve_memory.py's squeeze failed in CI at 97d3bd5, and 1 run in 8 on a
     loaded box. A re-plan for speed moved node-b's share a few seconds before another program
     took 250 of its 267 MiB free. The previous share was kept beside the new one, and the OOM
     killer took the rank. The rank reads its memory every 2 s and lets a kept copy go after a
