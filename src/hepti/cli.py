@@ -535,8 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rank that stops beating (a stopped process, a frozen board, a link "
                         "that drops every packet) is declared lost once the batch it is in is "
                         "past its deadline: 5x the batch's expected time, at least S seconds "
-                        f"(default {serve_defaults.STALL_FLOOR_S:g}); it is killed, the job relaunched without "
-                        "its device, and the device taken back when it answers again. 0: never "
+                        f"(default {serve_defaults.STALL_FLOOR_S:g}); it is killed, the job "
+                        "relaunched without its device, and the device taken back when it "
+                        "answers again. 0: never "
                         "(a silent rank is only named by /health)")
     s.add_argument("--spare", choices=("on", "off"), default="on",
                    help="on (default; with -n above 1 on this machine, no hostfile): keep a "
@@ -549,7 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer 408 and close the connection when a request's body is not "
                         "whole S seconds after its headers: a client that sends less than its "
                         "Content-Length, or trickles it, holds a thread no longer (default "
-                        f"{serve_defaults.READ_TIMEOUT_S:g}; raise it for large bodies over slow links)")
+                        f"{serve_defaults.READ_TIMEOUT_S:g}; raise it for large bodies over "
+                        "slow links)")
 
     s = sub.add_parser(
         "bench", help="benchmarks: hepti bench NAME (hepti bench --help lists them)",

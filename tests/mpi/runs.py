@@ -3,8 +3,9 @@
 
 Each ARGS is a command line of `hepti` (`run --model DIR ...`), run by `hepti.cli.main` as
 `python -m hepti` runs it; after each, rank 0 prints {"runs.py": i, "code": exit code} on its
-own line, on stdout and on stderr. A launch's fixed cost (N interpreters importing hepti, numpy and Numba and loading the
-kernels: most of a tiny model's `hepti run`) is then paid once for all of them. Every command
+own line, on stdout and on stderr. A launch's fixed cost (N interpreters importing hepti,
+numpy and Numba and loading the kernels: most of a tiny model's `hepti run`) is then paid once
+for all of them. Every command
 runs even when an earlier one failed or was refused (an agreed error returns 2 on every rank);
 the job exits 0 (the caller checks each code). tests/test_distributed_launch.py: `launch_runs`.
 """

@@ -653,11 +653,13 @@ def _run(a, k, n, panels, b_flat, ldb, bias, gelu, residual, out, threads):
         return c
     ws = workspace(ws_size)
     args = (a_flat, 0, lda, m, k, n, panels, b_flat, 0, ldb, c_flat, 0, ldc, blocks, epi, ws)
-    if n_chunks == 1:  # nothing is read next that the last panel could prefetch
-        _gemm_serial(*args, EMPTY, 0)
-    else:
-        run_chunks(n_chunks, None, _gemm_parallel, args)  # None: the serial case is above
+    run_chunks(n_chunks, _gemm_alone, _gemm_parallel, args)
     return c
+
+
+def _gemm_alone(*args) -> None:
+    """`_gemm_serial` of a GeMM that nothing follows: its last panel prefetches nothing."""
+    _gemm_serial(*args, EMPTY, 0)
 
 
 def run_chunks(n_chunks: int, serial, parallel, args: tuple) -> None:
