@@ -243,6 +243,73 @@ def test_a_rank_counts_its_spare_copy_as_held_and_drops_it_once_taken(monkeypatc
     assert state.kept is None and closed == [1] and state._free_memory() == 5e8
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_FREE is Linux's")
+def test_the_next_plans_slices_wait_lazily_free_and_are_read_again_if_taken(minilm_dir,
+                                                                            monkeypatch):
+    """The next plan's slices, once read beside the current ones, serve nothing until the
+    switch: the kernel may take them meanwhile, the rank does not count them as free, and a
+    copy the kernel took from is read again at the switch, after the current plan is let go
+    (a deferred load: a stall, never an OOM kill)."""
+    import types
+
+    from hepti.serve import worker as W
+    store = types.SimpleNamespace(config=types.SimpleNamespace(), bytes_read=0)
+    make = _layers(minilm_dir)
+    builds, events = [], []
+
+    def build(*_):
+        builds.append(make())
+        return builds[-1]
+
+    class Job:
+        def __init__(self, world, store, plan, threads, layers=None, primary_ops=None):
+            self.spec, self.layers, self.primary_ops = plan["spec"], layers, None
+            events.append(("job", layers))
+
+        def close(self, keep_layers=False):
+            events.append(("close", self.layers))
+
+    world = types.SimpleNamespace(rank=0, size=1, bcast_obj=lambda o: o,
+                                  gather_obj=lambda o: [o])
+    class Plan(dict):
+        strategy = "rows"
+        from_dict = classmethod(lambda cls, d: cls(d))
+        validate = lambda self, n: self  # noqa: E731
+
+    monkeypatch.setattr(W, "Plan", Plan)
+    monkeypatch.setattr(W, "layer_spec", lambda plan, cfg, rank: plan["spec"])
+    monkeypatch.setattr(W, "spec_bytes", lambda cfg, spec: 1.0)
+    monkeypatch.setattr(W, "available_memory", lambda: (5e9, "test"))
+    monkeypatch.setattr(W, "build_layers", build)
+    monkeypatch.setattr(W, "family_graph", lambda *a: None)
+    monkeypatch.setattr(W, "Job", Job)
+    monkeypatch.setattr(W, "KEEP_PREVIOUS_FREE", 1e30)  # the plan before is not kept
+    state = W._State(world, store, Job(world, store, {"spec": "old"}, 1),
+                     types.SimpleNamespace(threads=1))
+
+    for lose in (False, True):
+        builds.clear(), events.clear()
+        state.prepare({"plan": {"spec": f"next-{lose}"}})
+        state.next[2].join()
+        spare = state.next[3]["spare"]
+        state._mem = None  # read afresh (every MEM_READ_S)
+        assert spare.lazy and state._free_memory() == 5e9 - spare.lazy_bytes
+        if lose:  # what a page the kernel took reads as
+            words = spare._pages[0][0]
+            words[len(words) // 2] = 0
+        state._mem = None
+        answer, _ = state.switch()
+        assert [r["deferred"] if "deferred" in r else False for r in answer["ranks"]] == [lose]
+        assert len(builds) == 1 + lose and state.job.layers is builds[-1]
+        assert not spare.lazy and state._free_memory() == 5e9
+        if lose:  # read again only once the current plan was let go
+            assert [e[0] for e in events] == ["close", "job"], events
+        else:
+            want = _panels(make())
+            got = _panels(state.job.layers)
+            assert all(np.array_equal(a, b) for a, b in zip(got, want)) and got
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.isdir("/sys/fs/cgroup/memory"),
                     reason="needs root and the cgroup v1 memory controller")
 def test_the_kernel_takes_a_spare_copy_before_it_kills_for_memory(minilm_dir, tmp_path):

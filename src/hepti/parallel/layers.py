@@ -109,9 +109,9 @@ class StreamingLayers:
 
 
 class SpareLayers:
-    """Resident slices kept beside a plan (the plan before, or an idle rank's standby copy of
-    the whole model), for a switch back that then reads nothing, which the kernel may take
-    back before it kills anything for memory.
+    """Resident slices kept beside a plan (the plan before, an idle rank's standby copy of the
+    whole model, or the next plan's until the switch), for a switch that then reads nothing,
+    which the kernel may take back before it kills anything for memory.
 
     Why: tests/test_serve_memory.py's squeeze failed in CI at 97d3bd5, and 1 run in 8 on a
     loaded box. A re-plan for speed moved node-b's share a few seconds before another program

@@ -780,7 +780,8 @@ class PlanWatcher:
                      stall_s=max(r["stall_s"] for r in answer["ranks"]),
                      bytes_read=[r["bytes_read"] for r in answer["ranks"]])
         deferred = [r["rank"] for r in answer["ranks"] if r.get("deferred")]
-        if deferred:  # no room for both plans: read after letting the old one go
+        if deferred:  # no room for both plans (or the kernel took the next plan's while it
+            # waited: SpareLayers): read after letting the old one go
             event["deferred_ranks"] = deferred
         with self.sup._cv:
             self.sup.epoch += 1

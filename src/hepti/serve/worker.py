@@ -312,9 +312,17 @@ class _State:
         --quiet-ab at 4de90d9: the monitor cost 1.9% of a BERT-base request)."""
         now = time.monotonic()
         if self._mem is None or now - self._mem[0] >= MEM_READ_S:
-            lazy = self.kept[1].lazy_bytes if self.kept is not None else 0
+            lazy = sum(spare.lazy_bytes for spare in self._spares())
             self._mem = (now, float(available_memory()[0] - lazy))
         return self._mem[1]
+
+    def _spares(self) -> list:
+        """What this rank holds lazily free (SpareLayers): the weights it keeps beside its
+        plan, and the next plan's once read, until the switch."""
+        spares = [self.kept[1]] if self.kept is not None else []
+        if self.next is not None and "spare" in self.next[3]:
+            spares.append(self.next[3]["spare"])
+        return spares
 
     def _trim(self) -> None:
         """Drop the weights kept beside the plan once they are no use: the kernel took some of
@@ -518,8 +526,12 @@ class _State:
             try:
                 if spec is not None and spec != self.job.spec and \
                         (self.kept is None or spec != self.kept[0]):
-                    holder["layers"] = build_layers(self.store, spec,
-                                                    slice_packer(family_graph(self.cfg, 1, 1)))
+                    layers = build_layers(self.store, spec,
+                                          slice_packer(family_graph(self.cfg, 1, 1)))
+                    holder["layers"] = layers
+                    # until the switch they serve nothing: the kernel may take them (`switch`)
+                    if isinstance(layers, ResidentLayers):
+                        holder["spare"] = SpareLayers(layers)
             except BaseException as e:  # noqa: BLE001 - raised by switch(), on the main thread
                 holder["error"] = e
         thread = threading.Thread(target=load, name="hepti-next-plan", daemon=True)
@@ -537,6 +549,13 @@ class _State:
         thread.join()
         if "error" in holder:
             raise holder["error"]
+        spare = holder.pop("spare", None)
+        if spare is not None and not spare.take():
+            # memory ran short while they waited, and the kernel took pages of them: read
+            # them at the switch, as a deferred load, once the current ones are let go
+            spare.close()
+            spare = holder["layers"] = None  # let go before that read
+            holder["deferred"] = True
         if holder["deferred"]:  # the current weights go first, then the next plan's are read
             self.job.close()
             if self.kept is not None:
