@@ -19,12 +19,13 @@ full_tiles'.
 
 Why: the up projection's bias + GeLU ran as a second pass over each finished strip
 (`epilogue_strip`): 16 more loads and stores a tile, and the GeLU's ~20 vector operations a
-register could not overlap the next tile's FMAs. Here the GeLU is the erf form of
-mathfn.gelu32 on <16 x float> values (the same rational erf, `llvm.fma.v16f32`, one fdiv),
-before the single store. As in _tile_ir.py, plain LLVM IR without x86 intrinsics.
+register could not overlap the next tile's FMAs. Here the GeLU is mathfn.gelu32 on
+<16 x float> values (the same rational function, `llvm.fma.v16f32`, one fdiv), before the
+single store. As in _tile_ir.py, plain LLVM IR without x86 intrinsics.
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -50,20 +51,25 @@ def _splat(value: float):
 
 
 def _gelu(builder, fma, vmax, vmin, x):
-    """0.5 * x * (1 + erf(x / sqrt 2)) on a <16 x float>, mathfn.erf32's rational form."""
-    t = builder.fmul(x, _splat(mathfn._INV_SQRT2), flags=_FAST)
-    t = builder.call(vmin, [builder.call(vmax, [t, _splat(-mathfn._ERF_CLAMP)]),
-                            _splat(mathfn._ERF_CLAMP)])
-    x2 = builder.fmul(t, t, flags=_FAST)
-    p = builder.call(fma, [_splat(mathfn._A13), x2, _splat(mathfn._A11)])
-    for a in (mathfn._A9, mathfn._A7, mathfn._A5, mathfn._A3, mathfn._A1):
-        p = builder.call(fma, [p, x2, _splat(a)])
-    q = builder.call(fma, [_splat(mathfn._B8), x2, _splat(mathfn._B6)])
-    for b in (mathfn._B4, mathfn._B2, mathfn._B0):
-        q = builder.call(fma, [q, x2, _splat(b)])
-    erf = builder.fdiv(builder.fmul(t, p, flags=_FAST), q, flags=_FAST)
-    half_x = builder.fmul(x, _splat(0.5), flags=_FAST)
-    return builder.call(fma, [half_x, erf, half_x])  # 0.5x + 0.5x * erf
+    """mathfn.gelu32 on a <16 x float>: x * (t P(t^2) + Qh(t^2)) / (2 Qh(t^2)), t = x clamped."""
+    t = builder.call(vmin, [builder.call(vmax, [x, _splat(-mathfn._GELU_CLAMP)]),
+                            _splat(mathfn._GELU_CLAMP)])
+    s = builder.fmul(t, t, flags=_FAST)
+    cp, cq = mathfn.GELU_P, mathfn.GELU_QH
+    p = builder.call(fma, [_splat(_f32(cp[-1])), s, _splat(_f32(cp[-2]))])
+    for c in cp[-3::-1]:
+        p = builder.call(fma, [p, s, _splat(_f32(c))])
+    qh = builder.call(fma, [_splat(_f32(cq[-1])), s, _splat(_f32(cq[-2]))])
+    for c in cq[-3::-1]:
+        qh = builder.call(fma, [qh, s, _splat(_f32(c))])
+    num = builder.call(fma, [t, p, qh])
+    den = builder.fadd(qh, qh, flags=_FAST)
+    return builder.fdiv(builder.fmul(x, num, flags=_FAST), den, flags=_FAST)
+
+
+def _f32(c: float) -> float:
+    """c rounded to float32, as mathfn's scalar constants are."""
+    return float(np.float32(c))
 
 
 @intrinsic
