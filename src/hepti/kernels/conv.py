@@ -1177,7 +1177,7 @@ def _nhwc(x, name: str = "x") -> np.ndarray:
 def _out4(out, shape, name: str = "out") -> np.ndarray:
     """A new float32 array of this shape, or `out` checked to be a C-contiguous one."""
     if out is None:
-        return np.empty(shape, np.float32)
+        return aligned_empty(shape)
     check_float32(out, name, len(shape))
     if out.shape != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {out.shape}")
@@ -1350,7 +1350,7 @@ def _bordered(n: int, h: int, w: int, c: int, extent: tuple) -> np.ndarray:
     """An [n, hp, wp, c] map whose border around the h x w interior at (top, left) is zero;
     the interior is left for the caller to write."""
     hp, wp, pt, pl = extent
-    xp = np.empty((n, hp, wp, c), np.float32)
+    xp = aligned_empty((n, hp, wp, c))
     xp[:, :pt] = 0.0
     xp[:, pt + h:] = 0.0
     xp[:, pt:pt + h, :pl] = 0.0
@@ -1420,7 +1420,7 @@ def conv2d(x: np.ndarray, w, bias: np.ndarray | None = None, stride=1, padding=0
         return y
     plan = _conv_shape(cw.kh, cw.kw, cw.cout, groups, geo, int(threads), _mode, _mb)
     if in_place and not plan[1]:
-        y = np.empty(y.shape, np.float32)  # the unfused epilogue adds it after a strip: apart
+        y = aligned_empty(y.shape)  # the unfused epilogue adds it after a strip: apart
     if plan[1] and bias is None:
         bias_v = np.zeros(cw.cout, np.float32)  # the fused store always adds a bias
     _conv_run(x, cw, geo, y, (bias_v, bias is not None, False, res, 0, cw.cout,
@@ -1559,7 +1559,7 @@ class ConvLayer:
                                             out.reshape(-1), 0, cw.cout, True), self.act, plan)
                 return out
         if out is None:
-            y = np.empty(shape, np.float32)
+            y = aligned_empty(shape)
         else:
             y = _out4(out, shape)
             if np.shares_memory(y, x):
@@ -1572,7 +1572,7 @@ class ConvLayer:
         if plan is None:
             return y
         if not plan[1] and residual is y:
-            y = np.empty(shape, np.float32)  # the unfused epilogue adds it after a strip: apart
+            y = aligned_empty(shape)  # the unfused epilogue adds it after a strip: apart
         _conv_run(x, cw, geo, y, (self.bias_f if plan[1] else self.bias_v, self.bias is not None,
                                   False, res, 0, cw.cout, residual is not None), self.act, plan)
         return y
@@ -1697,7 +1697,7 @@ class ConvLayer:
             raise ValueError(f"extent {extent} is not the bordered map {second!r} reads for "
                              f"x {shape} (padding {padding})")
         xp, offs = self._map(x.shape, shape, extent, True)
-        y = np.empty(shape2, np.float32)
+        y = aligned_empty(shape2)
         res = EMPTY if residual is None else _residual(residual, shape2, y)
         _, h_, w_, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
         geo_p = (n, hp, wp, cin, ho, wo, kh, kw, sh, sw, 0, 0, dh, dw, cg)
@@ -1720,7 +1720,7 @@ class ConvLayer:
         if plan is None or xp.shape[:3] != (x_shape[0],) + _padded_extent(geo)[:2]:
             raise ValueError(f"xp {xp.shape} is not the bordered map this layer reads for x "
                              f"{x_shape} (padding {padding})")
-        y = np.empty(shape, np.float32)
+        y = aligned_empty(shape)
         res = EMPTY if residual is None else _residual(residual, shape, y)
         n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
         geo_p = (n, xp.shape[1], xp.shape[2], cin, ho, wo, kh, kw, sh, sw, 0, 0, dh, dw, cg)
