@@ -213,7 +213,8 @@ class BottleneckChain:
                 at += pad16(maps[key][1])
                 offs.append(o)
                 of_at += o.size
-        mem = np.zeros(max(at, 1), np.float32)  # the bordered maps' borders stay zero
+        mem = aligned_empty(max(at, 1))  # 64-byte aligned: each tile row's stores in whole
+        mem.fill(0.0)  # lines (numpy's own start 16-48 bytes past one); the borders stay zero
         p_bufs = [(_MEM, 0, p_size), (_MEM, pad16(p_size), p_size)]
         t_buf = (_MEM, 2 * pad16(p_size), t_size)
         meta, ws = [], 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from hepti.kernels._views import aligned_empty
 from hepti.kernels.config import JIT
 
 
@@ -51,7 +52,7 @@ def nchw_to_nhwc(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     n, c, h, w = x.shape
     x = np.ascontiguousarray(x, np.float32)
     if out is None:
-        y = np.empty((n, h, w, c), np.float32)
+        y = aligned_empty((n, h, w, c))
     else:
         y = out
         if not isinstance(y, np.ndarray) or y.dtype != np.float32 or \

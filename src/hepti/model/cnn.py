@@ -250,6 +250,30 @@ def apply_pair(first, second, x: np.ndarray, weights: Weights, extent: tuple,
     return weights.layer(second).bordered(xp, x_shape, padding, residual, threads)
 
 
+def poolable(conv, pool) -> bool:
+    """Whether `apply_pooled` may make pool (a max pool) from conv's rows: conv a dense
+    convolution without residual, pool reading its output."""
+    return (conv.kind == CONV and pool.kind == MAXPOOL and pool.input == conv.output
+            and not conv.depthwise and conv.groups == 1 and conv.residual is None)
+
+
+def apply_pooled(conv, pool, x: np.ndarray, weights: Weights,
+                 pad: tuple[int, int] | None = None,
+                 pool_pad: tuple[int, int] | None = None) -> np.ndarray:
+    """`apply` of conv on x, then of pool on that (each pad as `apply`'s), `poolable`: one
+    kernel call where `ConvLayer.pooled` takes them (each pool row made while the conv rows it
+    reads are in L2: VGG-16's five pools, ResNet-50's after its stem), else the two."""
+    layer = weights.layer(conv)
+    if isinstance(layer, K.ConvLayer):
+        top, bottom = (conv.padding, conv.padding) if pad is None else pad
+        p_top, p_bottom = (pool.padding, pool.padding) if pool_pad is None else pool_pad
+        y = layer.pooled(x, (top, bottom, conv.padding, conv.padding), pool.kernel,
+                         pool.stride, (p_top, p_bottom, pool.padding, pool.padding))
+        if y is not None:
+            return y
+    return apply(pool, apply(conv, x, weights, pad=pad), weights, pad=pool_pad)
+
+
 def bottleneck_block(ops) -> bool:
     """Whether `ops` (3 or 4 consecutive ops) are one ResNet bottleneck block that
     hepti.kernels.bottleneck_chain runs: [downsample 1x1 of the block's input, no
@@ -333,9 +357,10 @@ def load_kernels(threads: int = 1) -> None:
     a 1x1, a 3x3 at stride 2 with a residual, a depthwise 3x3, an inverted-residual block
     (hepti.kernels.inverted) and a run of them (hepti.kernels.inverted_chain), a 1x1 written
     into the zero-bordered map of the 3x3 after it (`ConvLayer.into`, `bordered`; `pair`, both
-    in one call), a run of ResNet bottleneck blocks (hepti.kernels.bottleneck_chain), the
-    pools, the head's GeMM and the pixels' NCHW -> NHWC copy cover MobileNetV2, ResNet-50 and
-    VGG-16 alike, on one rank or on bands of rows."""
+    in one call), a convolution with the max pool after it (`ConvLayer.pooled`), a run of
+    ResNet bottleneck blocks (hepti.kernels.bottleneck_chain), the pools, the head's GeMM and
+    the pixels' NCHW -> NHWC copy cover MobileNetV2, ResNet-50 and VGG-16 alike, on one rank
+    or on bands of rows."""
     rng = np.random.default_rng(0)
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     x = r(1, 8, 8, 16)  # NHWC
@@ -361,6 +386,7 @@ def load_kernels(threads: int = 1) -> None:
     extent = second.border(x32.shape, (1, 1, 1, 1), threads)
     second.bordered(first.into(x32, extent, threads), x32.shape, (1, 1, 1, 1), threads=threads)
     first.pair(second, x32, extent, (1, 1, 1, 1))  # both in one call (one thread)
+    second.pooled(x32, (1, 1, 1, 1), 2, 2, (0, 0, 0, 0))  # with the max pool after it (bands.py)
     conv = lambda cin, k, s=1, relu="relu": K.ConvLayer(  # noqa: E731
         K.pack_conv_weight(r(32, cin, k, k)), r(32), s, relu=relu)
     BottleneckChain([(conv(32, 1, 2, None), conv(32, 1), conv(32, 3, 2), conv(32, 1)),

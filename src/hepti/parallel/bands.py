@@ -62,7 +62,8 @@ from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, fir
                                spatial_ops, union)
 from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo, from_cnn
 from hepti.model.cnn import (adaptive_avg_pool, apply, apply_inverted, apply_pair,
-                             bordered_pair, bottleneck_block, inverted_block, pairable)
+                             apply_pooled, bordered_pair, bottleneck_block, inverted_block,
+                             pairable, poolable)
 from hepti.model.livebytes import track
 from hepti.order.search import executor_order
 
@@ -308,6 +309,8 @@ class BandExecutor:
                 self._pairs(grp, taps)
             bottlenecks = {} if counter is not None or comm.size != 1 else \
                 self._bottlenecks(grp, taps)
+            pooled = () if counter is not None or comm.size != 1 or self.threads != 1 else \
+                self._pooled(grp, taps)
             with comm.tracer.span(grp.name, "compute"):
                 entries = enumerate(grp.ops)
                 for j, (op, r, (i0, i1), pad, frees, _, alloc) in entries:
@@ -324,6 +327,10 @@ class BandExecutor:
                     elif j in paired and self._run_pair(grp.ops[j:j + 2], have, shapes, n,
                                                         taps):
                         next(entries, None)  # the pair's second, run with it
+                        step += 1
+                    elif j in pooled:
+                        self._run_pooled(grp.ops[j:j + 2], have, taps)
+                        next(entries, None)  # the pool, made with it
                         step += 1
                     elif r is not None:
                         x = have[op.input].rows(i0, i1)
@@ -551,6 +558,35 @@ class BandExecutor:
         if not taps:
             return grp.pairs
         return tuple(j for j in grp.pairs if grp.ops[j][0].output not in taps)
+
+    def _pooled(self, grp: "_Group", taps: dict | None) -> tuple:
+        """The positions in grp.ops of each convolution whose output a max pool right after
+        it alone reads, the two `poolable` (hepti.model.cnn), both with every row to make (a
+        group of one rank), the convolution's weights resident and its output not tapped:
+        `_run_pooled` makes the pool from the convolution's rows as they are made."""
+        if not hasattr(grp, "pooled"):
+            ops = grp.ops
+            grp.pooled = tuple(
+                j for j, (a, b) in enumerate(zip(ops, ops[1:]))
+                if poolable(a[0], b[0]) and a[0].output in b[4] and a[1] is not None
+                and b[1] is not None and a[5] is None and b[5] is None and a[6] is None
+                and b[6] is None and b[2] == a[1] and not self.weights.streams(a[0].name))
+        if not taps:
+            return grp.pooled
+        return tuple(j for j in grp.pooled if grp.ops[j][0].output not in taps)
+
+    def _run_pooled(self, run, have, taps) -> None:
+        """A convolution and the max pool after it (`_pooled`) as hepti.model.cnn
+        `apply_pooled`: the pool's output, as `apply` on each would make it."""
+        (a, _, (i0, i1), pad_a, frees_a, _, _), (b, rb, _, pad_b, frees_b, _, _) = run
+        y = apply_pooled(a, b, np.ascontiguousarray(have[a.input].rows(i0, i1)), self.weights,
+                         pad_a, pad_b)
+        have[b.output] = Band(rb[0], y)
+        if taps is not None and b.output in taps:
+            taps[b.output] = y
+        for t in frees_a + frees_b:
+            if t in have:
+                del have[t]
 
     def _run_pair(self, run, have, shapes, n: int, taps) -> bool:
         """Two convolutions of `_pairs` as hepti.model.cnn `apply_pair` (the second's output
