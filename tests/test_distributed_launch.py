@@ -58,7 +58,8 @@ def launch_scripts(n: int, scripts: dict[str, list], timeout=600) -> dict[str, l
 
 def launch_runs(n: int, *commands: list, timeout=600) -> tuple[list[int], list[str]]:
     """Several `hepti` command lines run one after another in one job at N ranks
-    (tests/mpi/runs.py) -> (each command's exit code, what each wrote on stderr)."""
+    (tests/mpi/runs.py) -> (each command's exit code, what each wrote on stderr; what came
+    after the last command's line, a rank's late output, counts as the last command's)."""
     argv = [str(x) for cmd in commands for x in ("--", *cmd)][1:]
     code, out, err, _ = launch(n, "-m", "mpi4py", ROOT / "tests/mpi" / "runs.py", *argv,
                                timeout=timeout)
@@ -73,6 +74,7 @@ def launch_runs(n: int, *commands: list, timeout=600) -> tuple[list[int], list[s
         else:
             part.append(ln)
     assert len(errs) == len(commands), err[-3000:]
+    errs[-1] += "".join(part)  # anything after the last line (a rank's late output): the last's
     return codes, errs
 
 
@@ -129,30 +131,38 @@ def test_fault_on_rank_1_ends_job(tiny_dir, ids_file, sweeps_killed_job):
     assert "rank 1" in err and "injected fault" in err, err
 
 
-@pytest.mark.parametrize("extra,msg", [
+# bad --ratios vectors and --mem-budgets, each refused before any work with its message
+BAD_VECTORS = [
     (["--strategy", "tensor", "--ratios", "0.5,0.3,0.2"], "3 entries but there are 2 ranks"),
     (["--strategy", "tensor", "--ratios", "0.5,-0.5"], "finite and >= 0"),
     (["--strategy", "rows", "--ratios", "nan,1"], "finite and >= 0"),
     (["--strategy", "tensor", "--ratios", "0,0"], "all zeros"),
     (["--strategy", "stream", "--mem-budget", "1000"], "below one layer's slice"),
     (["--strategy", "stream"], "needs --mem-budget"),
-])
-def test_bad_vector_rejected_before_work(tiny_dir, ids_file, extra, msg):
-    code, out, err, secs = launch(2, "-m", "hepti", "run", "--model", tiny_dir, "--input-ids",
-                                  ids_file, *extra, timeout=120)
-    assert code != 0 and msg in err, err
-    assert "Traceback" not in err
-    assert err.count(msg) == 1, "only the primary reports an error every rank agrees on"
+]
 
 
-def test_plan_for_other_world_size_rejected(tiny_dir, ids_file, tmp_path):
+def test_bad_vectors_and_plans_rejected_before_work(tiny_dir, ids_file, tmp_path):
+    """Each bad vector above, and a plan for 3 ranks in a job of 2, is refused before any work:
+    a non-zero exit, its message written once (only the primary reports an error every rank
+    agrees on), no traceback. The seven `hepti run`s in one job at 2 ranks (tests/mpi/runs.py:
+    each command's exit code and stderr; the ranks' start-up paid once, not seven times)."""
     from hepti.plan.planfile import Plan
     p = tmp_path / "plan.json"
     p.write_text(Plan(strategy="tensor", world_size=3,
                       ratios={d: [0.5, 0.25, 0.25] for d in ("heads", "ffn", "rows")}).to_json())
-    code, out, err, _ = launch(2, "-m", "hepti", "run", "--model", tiny_dir, "--input-ids", ids_file,
-                               "--plan", p, timeout=120)
-    assert code != 0 and "plan is for 3 ranks but the job has 2" in err, err
+    cases = BAD_VECTORS + [(["--plan", p], "plan is for 3 ranks but the job has 2")]
+    codes, errs = launch_runs(2, *[["run", "--model", tiny_dir, "--input-ids", ids_file, *extra]
+                                   for extra, _ in cases], timeout=300)
+    for (extra, msg), code, err in zip(cases, codes, errs):
+        assert code != 0 and msg in err, (extra, err)
+        assert "Traceback" not in err, (extra, err)
+        assert err.count(msg) == 1, ("only the primary reports an error every rank agrees on",
+                                     extra, err)
+    # and none in another command's part (a rank's line written late): each message as often
+    # in the whole job's stderr as commands expect it
+    for msg in {m for _, m in cases}:
+        assert "".join(errs).count(msg) == sum(m == msg for _, m in cases), (msg, errs)
 
 
 def test_run_json_reports_per_rank(tiny_dir, ids_file, tmp_path):
