@@ -78,15 +78,32 @@ def launch_runs(n: int, *commands: list, timeout=600) -> tuple[list[int], list[s
     return codes, errs
 
 
-@pytest.mark.parametrize("n", [1, 4])
-def test_equivalence_other_world_sizes(n, tiny_dir, minilm_dir, vit_dir):
-    """Every strategy and ratio vector at N ranks equals the single-device engine (1e-4), for
-    both families (3 ranks: the next test)."""
-    rows = launch_cases(n, "equivalence.py", "--model", tiny_dir, "--model", minilm_dir,
-                        "--model", vit_dir)
+def test_equivalence_other_world_sizes(tiny_dir, minilm_dir, vit_dir):
+    """Every strategy and ratio vector at 1 rank equals the single-device engine (1e-4), for
+    both families (3 ranks: the next test; 4 ranks: with the CNNs, below)."""
+    check_equivalence(1, launch_cases(1, "equivalence.py", "--model", tiny_dir, "--model",
+                                      minilm_dir, "--model", vit_dir))
+
+
+def check_equivalence(n: int, rows: list[dict]) -> None:
+    """equivalence.py's lines at N ranks: every case of every model equal (1e-4)."""
     # (strategies x ratio vectors, "moved" too) per model; GenEFlow's three mixed plans: 3 and 12
     expected = 3 * (9 if n == 1 else 29)
     assert len(rows) == expected and all(r["ok"] for r in rows), rows
+
+
+def test_both_families_and_the_cnns_equal_one_device_at_4_ranks(
+        tiny_dir, minilm_dir, vit_dir, mobilenet_dir, resnet_tiny_dir, vgg_tiny_dir):
+    """One launch at 4 ranks for two scripts (each had its own; the ranks' start-up paid once):
+    tests/mpi/equivalence.py (every strategy and ratio vector equals the single-device engine,
+    1e-4, for both families, as at 1 rank above) and tests/mpi/cnn_equivalence.py (as
+    test_cnn_equivalence_other_world_sizes checks it at 2 ranks, below)."""
+    got = launch_scripts(4, {
+        "equivalence.py": ["--model", tiny_dir, "--model", minilm_dir, "--model", vit_dir],
+        "cnn_equivalence.py": ["--model", mobilenet_dir, "--model", resnet_tiny_dir,
+                               "--model", vgg_tiny_dir]}, timeout=900)
+    check_equivalence(4, got["equivalence.py"])
+    check_cnn_equivalence(4, got["cnn_equivalence.py"])
 
 
 def test_equivalence_and_messages_equal_the_program_at_3_ranks(tiny_dir, minilm_dir, vit_dir):
@@ -260,15 +277,15 @@ def _cnn_equivalence():
     return module
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_cnn_equivalence_other_world_sizes(n, mobilenet_dir, resnet_tiny_dir, vgg_tiny_dir):
-    """tests/mpi/cnn_equivalence.py at N ranks, one launch: every CNN strategy (planned on
+def test_cnn_equivalence_other_world_sizes(mobilenet_dir, resnet_tiny_dir, vgg_tiny_dir):
+    """tests/mpi/cnn_equivalence.py at 2 ranks, one launch: every CNN strategy (planned on
     unequal declared devices) and --ratios vector (skewed, with zeros) gives torchvision's
     logits (1e-3) and, for the three photos through MobileNetV2, its top-5; the tiny ResNet-50
-    and VGG-16 too. (3 ranks: in one launch with cnn_agreement.py, above.)"""
-    rows = launch_cases(n, "cnn_equivalence.py", "--model", mobilenet_dir, "--model", resnet_tiny_dir,
+    and VGG-16 too. (3 ranks: in one launch with cnn_agreement.py, above; 4 ranks: with the
+    transformers' equivalence.py, above.)"""
+    rows = launch_cases(2, "cnn_equivalence.py", "--model", mobilenet_dir, "--model", resnet_tiny_dir,
                         "--model", vgg_tiny_dir, timeout=300)
-    check_cnn_equivalence(n, rows)
+    check_cnn_equivalence(2, rows)
 
 
 def check_cnn_equivalence(n: int, rows: list[dict]) -> None:
