@@ -283,8 +283,8 @@ def test_cnn_equivalence_other_world_sizes(mobilenet_dir, resnet_tiny_dir, vgg_t
     logits (1e-3) and, for the three photos through MobileNetV2, its top-5; the tiny ResNet-50
     and VGG-16 too. (3 ranks: in one launch with cnn_agreement.py, above; 4 ranks: with the
     transformers' equivalence.py, above.)"""
-    rows = launch_cases(2, "cnn_equivalence.py", "--model", mobilenet_dir, "--model", resnet_tiny_dir,
-                        "--model", vgg_tiny_dir, timeout=300)
+    rows = launch_cases(2, "cnn_equivalence.py", "--model", mobilenet_dir, "--model",
+                        resnet_tiny_dir, "--model", vgg_tiny_dir, timeout=300)
     check_cnn_equivalence(2, rows)
 
 
