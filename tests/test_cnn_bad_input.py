@@ -155,7 +155,7 @@ def test_ranks_without_rows_idle(tmp_path, n, cases, mobilenet_dir, resnet_tiny_
         runs.append((name, hw, args, model, want, out, report,
                      ["run", "--model", model, "--input-pixels", px, "--output", out,
                       "--report", report, *args]))
-    codes, errs = launch_runs(n, *[r[-1] for r in runs], timeout=300)
+    codes, _, errs = launch_runs(n, *[r[-1] for r in runs], timeout=300)
     for (name, hw, args, model, want, out, report, _), code, err in zip(runs, codes, errs):
         assert code == 0, (name, hw, err[-2000:])
         ratios = json.loads(report.read_text())["ratios"]["rows"]

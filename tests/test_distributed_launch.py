@@ -56,26 +56,38 @@ def launch_scripts(n: int, scripts: dict[str, list], timeout=600) -> dict[str, l
     return by_script
 
 
-def launch_runs(n: int, *commands: list, timeout=600) -> tuple[list[int], list[str]]:
+def launch_runs(n: int, *commands: list, timeout=600
+                ) -> tuple[list[int], list[str], list[str]]:
     """Several `hepti` command lines run one after another in one job at N ranks
-    (tests/mpi/runs.py) -> (each command's exit code, what each wrote on stderr; what came
-    after the last command's line, a rank's late output, counts as the last command's)."""
+    (tests/mpi/runs.py) -> (each command's exit code, what each wrote on stdout, and on
+    stderr; what came after the last command's line, a rank's late output, counts as the last
+    command's). A line one rank wrote could reach mpiexec after another rank's end-of-command
+    line: a check that no rank but the primary wrote something counts it in the whole job's
+    output too, not only in its command's part."""
     argv = [str(x) for cmd in commands for x in ("--", *cmd)][1:]
     code, out, err, _ = launch(n, "-m", "mpi4py", ROOT / "tests/mpi" / "runs.py", *argv,
                                timeout=timeout)
     assert code == 0, err[-3000:]
     codes = [json.loads(ln)["code"] for ln in out.splitlines() if ln.startswith('{"runs.py"')]
     assert len(codes) == len(commands), (out[-2000:], err[-2000:])
-    errs, part = [], []
-    for ln in err.splitlines(keepends=True):
+    outs, errs = _runs_parts(out), _runs_parts(err)
+    assert len(outs) == len(errs) == len(commands), (out[-2000:], err[-3000:])
+    return codes, outs, errs
+
+
+def _runs_parts(text: str) -> list[str]:
+    """tests/mpi/runs.py's output cut at its {"runs.py": ...} lines: one part per command (what
+    follows the last line added to the last part)."""
+    parts, part = [], []
+    for ln in text.splitlines(keepends=True):
         if ln.startswith('{"runs.py"'):
-            errs.append("".join(part))
+            parts.append("".join(part))
             part = []
         else:
             part.append(ln)
-    assert len(errs) == len(commands), err[-3000:]
-    errs[-1] += "".join(part)  # anything after the last line (a rank's late output): the last's
-    return codes, errs
+    if parts:
+        parts[-1] += "".join(part)
+    return parts
 
 
 def test_equivalence_other_world_sizes(tiny_dir, minilm_dir, vit_dir):
@@ -169,7 +181,7 @@ def test_bad_vectors_and_plans_rejected_before_work(tiny_dir, ids_file, tmp_path
     p.write_text(Plan(strategy="tensor", world_size=3,
                       ratios={d: [0.5, 0.25, 0.25] for d in ("heads", "ffn", "rows")}).to_json())
     cases = BAD_VECTORS + [(["--plan", p], "plan is for 3 ranks but the job has 2")]
-    codes, errs = launch_runs(2, *[["run", "--model", tiny_dir, "--input-ids", ids_file, *extra]
+    codes, _, errs = launch_runs(2, *[["run", "--model", tiny_dir, "--input-ids", ids_file, *extra]
                                    for extra, _ in cases], timeout=300)
     for (extra, msg), code, err in zip(cases, codes, errs):
         assert code != 0 and msg in err, (extra, err)
@@ -253,7 +265,7 @@ def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path, sweeps_killed_
     # the four runs and the refusal in one job (tests/mpi/runs.py: the ranks' start-up paid once)
     cases = (["--strategy", "auto"], ["--strategy", "even"], ["--plan", plan], ["--plan", gplan])
     outs = [tmp_path / f"y{i}.npy" for i in range(len(cases))]
-    codes, errs = launch_runs(3, *[["run", "--model", resnet_tiny_dir, "--input-pixels", px,
+    codes, _, errs = launch_runs(3, *[["run", "--model", resnet_tiny_dir, "--input-pixels", px,
                                    "--output", out, "--force", "--json", *extra]
                                   for out, extra in zip(outs, cases)],
                              ["run", "--model", resnet_tiny_dir, "--input-pixels", px,
