@@ -22,7 +22,7 @@ import pytest
 
 from helpers import FIXTURES
 from test_cli import assert_clean_error, hepti
-from test_distributed_launch import launch
+from test_distributed_launch import launch, launch_runs
 from test_torchzip import payloads, write_legacy, write_zip
 
 ATOL = 1e-3  # logits against torchvision's, absolute
@@ -137,26 +137,32 @@ def _zero_row_maps(model_dir, h: int, w: int, ratios) -> list[str]:
                                                     ratios))]
 
 
-@pytest.mark.parametrize("name,hw,n,args", [
-    ("resnet50_tiny", "9x7", 4, ["--ratios", "0.1,0.2,0.3,0.4"]),  # layer3, layer4: 1 row
-    ("mobilenet_v2", "1x1", 3, ["--strategy", "even"]),            # every map 1 row
-    ("resnet50_tiny", "2x3", 4, ["--strategy", "auto"]),           # measured, planned on 1 row
-])
-def test_ranks_without_rows_idle(tmp_path, name, hw, n, args, mobilenet_dir, resnet_tiny_dir):
+@pytest.mark.parametrize("n,cases", [
+    (4, [("resnet50_tiny", "9x7", ["--ratios", "0.1,0.2,0.3,0.4"]),  # layer3, layer4: 1 row
+         ("resnet50_tiny", "2x3", ["--strategy", "auto"])]),          # measured, planned on 1 row
+    (3, [("mobilenet_v2", "1x1", ["--strategy", "even"])]),           # every map 1 row
+], ids=["resnet50_tiny-4", "mobilenet_v2-3"])
+def test_ranks_without_rows_idle(tmp_path, n, cases, mobilenet_dir, resnet_tiny_dir):
     """`hepti run` under mpiexec on maps with fewer rows than ranks: a rank with a share of the
     rows but none of some map idles for that layer (no exchange, no compute), and the logits
-    are still torchvision's."""
-    px, want = _small(name, hw, tmp_path)
-    model = mobilenet_dir if name == "mobilenet_v2" else resnet_tiny_dir
-    out = tmp_path / "y.npy"
-    code, stdout, err, _ = launch(n, "-m", "hepti", "run", "--model", model, "--input-pixels",
-                                  px, "--output", out, "--json", *args, timeout=300)
-    assert code == 0, err[-2000:]
-    ratios = json.loads(stdout)["ratios"]["rows"]
-    if args[0] != "--strategy" or args[1] != "auto":  # auto may well put it on one rank
-        h, w = map(int, hw.split("x"))
-        assert _zero_row_maps(model, h, w, ratios), "no rank went without rows: a weak test"
-    assert np.abs(np.load(out) - want).max() <= ATOL, ratios
+    are still torchvision's. The runs at one world size in one job (tests/mpi/runs.py: the
+    ranks' start-up paid once; each run's --report read for its ratios)."""
+    runs = []
+    for i, (name, hw, args) in enumerate(cases):
+        px, want = _small(name, hw, tmp_path)
+        model = mobilenet_dir if name == "mobilenet_v2" else resnet_tiny_dir
+        out, report = tmp_path / f"y{i}.npy", tmp_path / f"report{i}.json"
+        runs.append((name, hw, args, model, want, out, report,
+                     ["run", "--model", model, "--input-pixels", px, "--output", out,
+                      "--report", report, *args]))
+    codes, _, errs = launch_runs(n, *[r[-1] for r in runs], timeout=300)
+    for (name, hw, args, model, want, out, report, _), code, err in zip(runs, codes, errs):
+        assert code == 0, (name, hw, err[-2000:])
+        ratios = json.loads(report.read_text())["ratios"]["rows"]
+        if args[0] != "--strategy" or args[1] != "auto":  # auto may well put it on one rank
+            h, w = map(int, hw.split("x"))
+            assert _zero_row_maps(model, h, w, ratios), "no rank went without rows: a weak test"
+        assert np.abs(np.load(out) - want).max() <= ATOL, (name, hw, ratios)
 
 
 def test_too_small_refused_once_under_mpiexec(tmp_path, vgg_tiny_dir):

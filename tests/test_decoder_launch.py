@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from test_distributed_launch import ROOT, launch
+from test_distributed_launch import ROOT, launch, launch_runs
 
 SMOLLM2 = ROOT / "weights" / "smollm2"
 
@@ -57,14 +57,20 @@ def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
     # two devices that cannot hold the tiny decoder alone, on slow links: auto runs pipeline
     declared_profile([dict(gemm_flops=1e11, memory_bytes=1.2e6, latency_s=2e-3,
                            bandwidth_Bps=1.2e7, gemv_Bps=1.5e10)] * 2).save(tmp_path / "p.json")
-    for ran, extra in (("tensor", ["--ratios", "0,1"]), ("tensor", ["--ratios", "1,0"]),
-                       ("single", ["--strategy", "single"]),
-                       ("pipeline", ["--strategy", "pipeline", "--layers", "0,5"]),
-                       ("pipeline", ["--strategy", "auto", "--profile", tmp_path / "p.json"])):
-        out_file = tmp_path / "logits.npy"
-        code, out, err, _ = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,
-                                   "--prompt", text, "--max-tokens", 32, "--json",
-                                   "--logits-out", out_file, *extra, timeout=300)
+    runs = (("tensor", ["--ratios", "0,1"]), ("tensor", ["--ratios", "1,0"]),
+            ("single", ["--strategy", "single"]),
+            ("pipeline", ["--strategy", "pipeline", "--layers", "0,5"]),
+            ("pipeline", ["--strategy", "auto", "--profile", tmp_path / "p.json"]))
+    logits = [tmp_path / f"logits{i}.npy" for i in range(len(runs))]
+    # the five runs and the refusal in one job (tests/mpi/runs.py: the ranks' start-up paid
+    # once, not six times)
+    codes, outs, errs = launch_runs(
+        2, *[["generate", "--model", llama_tiny_dir, "--prompt", text, "--max-tokens", 32,
+              "--json", "--logits-out", out_file, *extra]
+             for out_file, (_, extra) in zip(logits, runs)],
+        ["generate", "--model", llama_tiny_dir, "--prompt", "hi", "--ratios", "0.2,0.3,0.5"],
+        timeout=600)
+    for (ran, extra), out_file, code, out, err in zip(runs, logits, codes, outs, errs):
         assert code == 0, err
         doc = _json_tail(out)
         assert out.count('"prompt_ids"') == 1 and err.count("hepti generate: ") == 2, (out, err)
@@ -79,10 +85,12 @@ def test_generate_cli_at_2_ranks(llama_tiny_dir, tmp_path):
         elif ran == "single" or extra[-1] == "1,0":  # rank 1 was left out: no shard, no syncs
             assert doc["per_rank"][1]["weight_bytes"] == 0
             assert doc["per_rank"][1]["comm_s"] == 0 and doc["per_rank"][0]["comm_s"] == 0
-    code, out, err, _ = launch(2, "-m", "hepti", "generate", "--model", llama_tiny_dir,
-                               "--prompt", "hi", "--ratios", "0.2,0.3,0.5", timeout=300)
     msg = "3 entries but there are 2 ranks"
-    assert code == 2 and err.count(msg) == 1 and "Traceback" not in err, err
+    assert codes[-1] == 2 and errs[-1].count(msg) == 1 and "Traceback" not in errs[-1], errs[-1]
+    # printed once (by rank 0) in the whole job too, whichever command's part a line reached
+    assert "".join(outs).count('"prompt_ids"') == len(runs), outs
+    assert "".join(errs).count("hepti generate: ") == 2 * len(runs) + 1, errs  # + the refusal
+    assert "".join(errs).count(msg) == 1 and "Traceback" not in "".join(errs), errs
 
 
 def test_tensor_group_leaves_out_ranks_of_no_share():

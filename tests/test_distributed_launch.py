@@ -56,35 +56,66 @@ def launch_scripts(n: int, scripts: dict[str, list], timeout=600) -> dict[str, l
     return by_script
 
 
-def launch_runs(n: int, *commands: list, timeout=600) -> tuple[list[int], list[str]]:
+def launch_runs(n: int, *commands: list, timeout=600
+                ) -> tuple[list[int], list[str], list[str]]:
     """Several `hepti` command lines run one after another in one job at N ranks
-    (tests/mpi/runs.py) -> (each command's exit code, what each wrote on stderr)."""
+    (tests/mpi/runs.py) -> (each command's exit code, what each wrote on stdout, and on
+    stderr; what came after the last command's line, a rank's late output, counts as the last
+    command's). A line one rank wrote could reach mpiexec after another rank's end-of-command
+    line: a check that no rank but the primary wrote something counts it in the whole job's
+    output too, not only in its command's part."""
     argv = [str(x) for cmd in commands for x in ("--", *cmd)][1:]
     code, out, err, _ = launch(n, "-m", "mpi4py", ROOT / "tests/mpi" / "runs.py", *argv,
                                timeout=timeout)
     assert code == 0, err[-3000:]
     codes = [json.loads(ln)["code"] for ln in out.splitlines() if ln.startswith('{"runs.py"')]
     assert len(codes) == len(commands), (out[-2000:], err[-2000:])
-    errs, part = [], []
-    for ln in err.splitlines(keepends=True):
+    outs, errs = _runs_parts(out), _runs_parts(err)
+    assert len(outs) == len(errs) == len(commands), (out[-2000:], err[-3000:])
+    return codes, outs, errs
+
+
+def _runs_parts(text: str) -> list[str]:
+    """tests/mpi/runs.py's output cut at its {"runs.py": ...} lines: one part per command (what
+    follows the last line added to the last part)."""
+    parts, part = [], []
+    for ln in text.splitlines(keepends=True):
         if ln.startswith('{"runs.py"'):
-            errs.append("".join(part))
+            parts.append("".join(part))
             part = []
         else:
             part.append(ln)
-    assert len(errs) == len(commands), err[-3000:]
-    return codes, errs
+    if parts:
+        parts[-1] += "".join(part)
+    return parts
 
 
-@pytest.mark.parametrize("n", [1, 4])
-def test_equivalence_other_world_sizes(n, tiny_dir, minilm_dir, vit_dir):
-    """Every strategy and ratio vector at N ranks equals the single-device engine (1e-4), for
-    both families (3 ranks: the next test)."""
-    rows = launch_cases(n, "equivalence.py", "--model", tiny_dir, "--model", minilm_dir,
-                        "--model", vit_dir)
+def test_equivalence_other_world_sizes(tiny_dir, minilm_dir, vit_dir):
+    """Every strategy and ratio vector at 1 rank equals the single-device engine (1e-4), for
+    both families (3 ranks: the next test; 4 ranks: with the CNNs, below)."""
+    check_equivalence(1, launch_cases(1, "equivalence.py", "--model", tiny_dir, "--model",
+                                      minilm_dir, "--model", vit_dir))
+
+
+def check_equivalence(n: int, rows: list[dict]) -> None:
+    """equivalence.py's lines at N ranks: every case of every model equal (1e-4)."""
     # (strategies x ratio vectors, "moved" too) per model; GenEFlow's three mixed plans: 3 and 12
     expected = 3 * (9 if n == 1 else 29)
     assert len(rows) == expected and all(r["ok"] for r in rows), rows
+
+
+def test_both_families_and_the_cnns_equal_one_device_at_4_ranks(
+        tiny_dir, minilm_dir, vit_dir, mobilenet_dir, resnet_tiny_dir, vgg_tiny_dir):
+    """One launch at 4 ranks for two scripts (each had its own; the ranks' start-up paid once):
+    tests/mpi/equivalence.py (every strategy and ratio vector equals the single-device engine,
+    1e-4, for both families, as at 1 rank above) and tests/mpi/cnn_equivalence.py (as
+    test_cnn_equivalence_other_world_sizes checks it at 2 ranks, below)."""
+    got = launch_scripts(4, {
+        "equivalence.py": ["--model", tiny_dir, "--model", minilm_dir, "--model", vit_dir],
+        "cnn_equivalence.py": ["--model", mobilenet_dir, "--model", resnet_tiny_dir,
+                               "--model", vgg_tiny_dir]}, timeout=900)
+    check_equivalence(4, got["equivalence.py"])
+    check_cnn_equivalence(4, got["cnn_equivalence.py"])
 
 
 def test_equivalence_and_messages_equal_the_program_at_3_ranks(tiny_dir, minilm_dir, vit_dir):
@@ -129,30 +160,38 @@ def test_fault_on_rank_1_ends_job(tiny_dir, ids_file, sweeps_killed_job):
     assert "rank 1" in err and "injected fault" in err, err
 
 
-@pytest.mark.parametrize("extra,msg", [
+# bad --ratios vectors and --mem-budgets, each refused before any work with its message
+BAD_VECTORS = [
     (["--strategy", "tensor", "--ratios", "0.5,0.3,0.2"], "3 entries but there are 2 ranks"),
     (["--strategy", "tensor", "--ratios", "0.5,-0.5"], "finite and >= 0"),
     (["--strategy", "rows", "--ratios", "nan,1"], "finite and >= 0"),
     (["--strategy", "tensor", "--ratios", "0,0"], "all zeros"),
     (["--strategy", "stream", "--mem-budget", "1000"], "below one layer's slice"),
     (["--strategy", "stream"], "needs --mem-budget"),
-])
-def test_bad_vector_rejected_before_work(tiny_dir, ids_file, extra, msg):
-    code, out, err, secs = launch(2, "-m", "hepti", "run", "--model", tiny_dir, "--input-ids",
-                                  ids_file, *extra, timeout=120)
-    assert code != 0 and msg in err, err
-    assert "Traceback" not in err
-    assert err.count(msg) == 1, "only the primary reports an error every rank agrees on"
+]
 
 
-def test_plan_for_other_world_size_rejected(tiny_dir, ids_file, tmp_path):
+def test_bad_vectors_and_plans_rejected_before_work(tiny_dir, ids_file, tmp_path):
+    """Each bad vector above, and a plan for 3 ranks in a job of 2, is refused before any work:
+    a non-zero exit, its message written once (only the primary reports an error every rank
+    agrees on), no traceback. The seven `hepti run`s in one job at 2 ranks (tests/mpi/runs.py:
+    each command's exit code and stderr; the ranks' start-up paid once, not seven times)."""
     from hepti.plan.planfile import Plan
     p = tmp_path / "plan.json"
     p.write_text(Plan(strategy="tensor", world_size=3,
                       ratios={d: [0.5, 0.25, 0.25] for d in ("heads", "ffn", "rows")}).to_json())
-    code, out, err, _ = launch(2, "-m", "hepti", "run", "--model", tiny_dir, "--input-ids", ids_file,
-                               "--plan", p, timeout=120)
-    assert code != 0 and "plan is for 3 ranks but the job has 2" in err, err
+    cases = BAD_VECTORS + [(["--plan", p], "plan is for 3 ranks but the job has 2")]
+    codes, _, errs = launch_runs(2, *[["run", "--model", tiny_dir, "--input-ids", ids_file, *extra]
+                                   for extra, _ in cases], timeout=300)
+    for (extra, msg), code, err in zip(cases, codes, errs):
+        assert code != 0 and msg in err, (extra, err)
+        assert "Traceback" not in err, (extra, err)
+        assert err.count(msg) == 1, ("only the primary reports an error every rank agrees on",
+                                     extra, err)
+    # and none in another command's part (a rank's line written late): each message as often
+    # in the whole job's stderr as commands expect it
+    for msg in {m for _, m in cases}:
+        assert "".join(errs).count(msg) == sum(m == msg for _, m in cases), (msg, errs)
 
 
 def test_run_json_reports_per_rank(tiny_dir, ids_file, tmp_path):
@@ -226,7 +265,7 @@ def test_cnn_run_at_3_ranks_equals_one(resnet_tiny_dir, tmp_path, sweeps_killed_
     # the four runs and the refusal in one job (tests/mpi/runs.py: the ranks' start-up paid once)
     cases = (["--strategy", "auto"], ["--strategy", "even"], ["--plan", plan], ["--plan", gplan])
     outs = [tmp_path / f"y{i}.npy" for i in range(len(cases))]
-    codes, errs = launch_runs(3, *[["run", "--model", resnet_tiny_dir, "--input-pixels", px,
+    codes, _, errs = launch_runs(3, *[["run", "--model", resnet_tiny_dir, "--input-pixels", px,
                                    "--output", out, "--force", "--json", *extra]
                                   for out, extra in zip(outs, cases)],
                              ["run", "--model", resnet_tiny_dir, "--input-pixels", px,
@@ -250,15 +289,15 @@ def _cnn_equivalence():
     return module
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_cnn_equivalence_other_world_sizes(n, mobilenet_dir, resnet_tiny_dir, vgg_tiny_dir):
-    """tests/mpi/cnn_equivalence.py at N ranks, one launch: every CNN strategy (planned on
+def test_cnn_equivalence_other_world_sizes(mobilenet_dir, resnet_tiny_dir, vgg_tiny_dir):
+    """tests/mpi/cnn_equivalence.py at 2 ranks, one launch: every CNN strategy (planned on
     unequal declared devices) and --ratios vector (skewed, with zeros) gives torchvision's
     logits (1e-3) and, for the three photos through MobileNetV2, its top-5; the tiny ResNet-50
-    and VGG-16 too. (3 ranks: in one launch with cnn_agreement.py, above.)"""
-    rows = launch_cases(n, "cnn_equivalence.py", "--model", mobilenet_dir, "--model", resnet_tiny_dir,
-                        "--model", vgg_tiny_dir, timeout=300)
-    check_cnn_equivalence(n, rows)
+    and VGG-16 too. (3 ranks: in one launch with cnn_agreement.py, above; 4 ranks: with the
+    transformers' equivalence.py, above.)"""
+    rows = launch_cases(2, "cnn_equivalence.py", "--model", mobilenet_dir, "--model",
+                        resnet_tiny_dir, "--model", vgg_tiny_dir, timeout=300)
+    check_cnn_equivalence(2, rows)
 
 
 def check_cnn_equivalence(n: int, rows: list[dict]) -> None:
