@@ -154,6 +154,24 @@ def pooled_sum(comm, rows, n: int, c: int, holders: list[bool]) -> np.ndarray:
     return parts.sum(axis=0, dtype=np.float64).astype(np.float32)
 
 
+def _adjacent(grp: "_Group", key: str, fits, taps: dict | None) -> tuple:
+    """The positions j in grp.ops (`_Group.ops` entries) where op j+1 alone reads op j's
+    output and `fits(entry j, entry j+1)`: both with output rows to make, op j+1 reading
+    the rows op j makes, neither split by channels, op j's output no wider than its rows.
+    Worked out once per group (kept as grp.<key>); less those whose output is tapped.
+    `_pairs` and `_pooled` say what each runs as one call."""
+    if not hasattr(grp, key):
+        ops = grp.ops
+        setattr(grp, key, tuple(
+            j for j, (a, b) in enumerate(zip(ops, ops[1:]))
+            if fits(a, b) and a[0].output in b[4] and a[1] is not None and b[1] is not None
+            and a[5] is None and b[5] is None and a[6] is None and b[2] == a[1]))
+    found = getattr(grp, key)
+    if not taps:
+        return found
+    return tuple(j for j in found if grp.ops[j][0].output not in taps)
+
+
 class BandExecutor:
     """The height split of one CNN on one rank of `comm` (a Comm): `forward(pixels)` on rank 0
     (pixels [N, 3, H, W], torch's layout) -> logits [N, classes] on rank 0 (None elsewhere);
@@ -548,32 +566,15 @@ class BandExecutor:
         zero-bordered map the next op reads (`bordered_pair` decides, per input shape). A
         position inside a run of inverted blocks never comes up: `forward` steps past the
         entries a run made."""
-        if not hasattr(grp, "pairs"):
-            ops = grp.ops
-            grp.pairs = tuple(
-                j for j, (a, b) in enumerate(zip(ops, ops[1:]))
-                if pairable(a[0], b[0]) and a[0].output in b[4] and a[1] is not None
-                and b[1] is not None and a[5] is None and b[5] is None and a[6] is None
-                and b[2] == a[1])
-        if not taps:
-            return grp.pairs
-        return tuple(j for j in grp.pairs if grp.ops[j][0].output not in taps)
+        return _adjacent(grp, "pairs", lambda a, b: pairable(a[0], b[0]), taps)
 
     def _pooled(self, grp: "_Group", taps: dict | None) -> tuple:
         """The positions in grp.ops of each convolution whose output a max pool right after
         it alone reads, the two `poolable` (hepti.model.cnn), both with every row to make (a
         group of one rank), the convolution's weights resident and its output not tapped:
         `_run_pooled` makes the pool from the convolution's rows as they are made."""
-        if not hasattr(grp, "pooled"):
-            ops = grp.ops
-            grp.pooled = tuple(
-                j for j, (a, b) in enumerate(zip(ops, ops[1:]))
-                if poolable(a[0], b[0]) and a[0].output in b[4] and a[1] is not None
-                and b[1] is not None and a[5] is None and b[5] is None and a[6] is None
-                and b[6] is None and b[2] == a[1] and not self.weights.streams(a[0].name))
-        if not taps:
-            return grp.pooled
-        return tuple(j for j in grp.pooled if grp.ops[j][0].output not in taps)
+        return _adjacent(grp, "pooled", lambda a, b: poolable(a[0], b[0]) and b[6] is None
+                         and not self.weights.streams(a[0].name), taps)
 
     def _run_pooled(self, run, have, taps) -> None:
         """A convolution and the max pool after it (`_pooled`) as hepti.model.cnn
