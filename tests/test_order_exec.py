@@ -31,6 +31,23 @@ def test_counter_counts_buffers_once_and_replacement_overlaps():
     assert c.live == 0 and buffer_of(y[:, 1:]) is y
 
 
+def test_an_aligned_arrays_slack_is_not_counted():
+    """hepti.kernels._views.aligned_empty's array starts on a line inside a buffer 64 bytes
+    longer: the activation's own bytes count, as for numpy's own arrays; a view of part of
+    a buffer still counts the whole buffer."""
+    from hepti.kernels._views import aligned_empty
+    c = AllocationCounter()
+    env = TrackedDict(c)
+    env["x"] = a = aligned_empty((3, 5, 16))
+    assert buffer_of(a).nbytes == a.nbytes + 64 and c.live == a.nbytes
+    env["y"] = a[1:]  # the same buffer, held once
+    del env["x"]
+    assert c.live == a.nbytes
+    del env["y"]
+    env["z"] = np.zeros(40, np.float32)[:20]  # half a buffer: the buffer's bytes
+    assert c.live == 160
+
+
 # --- one process (the band executor on a group of one, every spatial op in one group) -------
 
 @pytest.mark.parametrize("name", sorted(TINY))

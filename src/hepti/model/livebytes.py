@@ -8,7 +8,8 @@ keeps the live bytes and their largest value (`peak`), with the operator it was 
 
 What counts is memory, not names: an array's bytes are its *buffer's*, the ndarray at the end
 of its `.base` chain, counted once however many held names view it (the interpreter's Q and
-K/V are column views of one QKV output, which stays allocated until the last view goes). An
+K/V are column views of one QKV output, which stays allocated until the last view goes), less
+an aligned allocation's slack (`held_bytes`). An
 array over memory numpy did not allocate (an MPI shared window) counts its own bytes.
 Storing a name again counts the new array before the old one is let go: for that moment both
 are held, as they are in the executor (a collective's result replacing its input, a band
@@ -32,6 +33,20 @@ def buffer_of(a: np.ndarray) -> np.ndarray:
     while isinstance(root.base, np.ndarray):
         root = root.base
     return a if root.base is not None else root
+
+
+# hepti.kernels._views.aligned_empty starts an array on a 64-byte line inside a buffer up to
+# this many bytes longer: that slack is the allocator's, as malloc's header is, not the
+# activation's, and is not counted (the CNN executor's feature maps are made so)
+ALIGN_SLACK = 64
+
+
+def held_bytes(a: np.ndarray, buf: np.ndarray) -> int:
+    """The bytes `a` holds of its buffer `buf` (`buffer_of`): the buffer's, except where `a` is
+    the whole of a 1-D buffer but an alignment's slack at its ends (`ALIGN_SLACK`)."""
+    if buf is not a and buf.ndim == 1 and 0 < buf.nbytes - a.nbytes <= ALIGN_SLACK:
+        return a.nbytes
+    return buf.nbytes
 
 
 class AllocationCounter:
@@ -62,8 +77,9 @@ class AllocationCounter:
         entry = self._bufs.get(key)
         if entry is None:
             # the buffer is kept referenced while counted, so its id cannot be reused meanwhile
-            self._bufs[key] = [buf.nbytes, 1, buf]
-            self.live += buf.nbytes
+            held = held_bytes(a, buf)
+            self._bufs[key] = [held, 1, buf]
+            self.live += held
         else:
             entry[1] += 1
         old = self._name_buf.get(name)
