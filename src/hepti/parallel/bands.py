@@ -475,9 +475,9 @@ class BandExecutor:
 
     @staticmethod
     def _landed(runs, band: Band, frees, have, taps) -> int:
-        """A run of blocks made in one call (`_run_chain`, `_run_bottlenecks`): its last op's
-        output put in `have` (and in `taps` if asked), the maps its ops let go dropped; how many
-        of the group's entries after the run's first it ran."""
+        """A run of ops made in one call (`_run_chain`, `_run_bottlenecks`, `_run_pooled`): its
+        last op's output put in `have` (and in `taps` if asked), the maps its ops let go
+        dropped; how many of the group's entries after the run's first it ran."""
         name = runs[-1][-1][0].output
         have[name] = band
         if taps is not None and name in taps:
@@ -582,12 +582,7 @@ class BandExecutor:
         (a, _, (i0, i1), pad_a, frees_a, _, _), (b, rb, _, pad_b, frees_b, _, _) = run
         y = apply_pooled(a, b, np.ascontiguousarray(have[a.input].rows(i0, i1)), self.weights,
                          pad_a, pad_b)
-        have[b.output] = Band(rb[0], y)
-        if taps is not None and b.output in taps:
-            taps[b.output] = y
-        for t in frees_a + frees_b:
-            if t in have:
-                del have[t]
+        self._landed([run], Band(rb[0], y), frees_a + frees_b, have, taps)
 
     def _run_pair(self, run, have, shapes, n: int, taps) -> bool:
         """Two convolutions of `_pairs` as hepti.model.cnn `apply_pair` (the second's output
