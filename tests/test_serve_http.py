@@ -400,6 +400,26 @@ def test_length_required(addr):
     assert post(addr, {"input": [1]})[0] == 200
 
 
+def test_a_refused_chunked_body_is_read_to_its_end_before_the_close(addr):
+    # CI once failed test_length_required with BrokenPipeError: the server closed right after
+    # its 411 while http.client still sent the last chunk, and the kernel reset the connection.
+    # Here the chunks go only after the answer came, with a pause between: a server that does
+    # not read them to the last resets the connection under the client.
+    with socket.create_connection(addr, timeout=10) as s:
+        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                  b"Content-Type: application/json\r\n\r\n")
+        data = b""
+        while b"}}" not in data:   # the whole 411, then the server's end of sending
+            data += s.recv(65536)
+        assert data.startswith(b"HTTP/1.1 411") and s.recv(1) == b""
+        time.sleep(0.3)
+        s.sendall(b"e\r\n" + b'{"input": [1]}' + b"\r\n")
+        time.sleep(0.3)
+        s.sendall(b"0\r\nX-Trailer: 1\r\n\r\n")
+        assert s.recv(1) == b""   # the close, not a reset
+    assert post(addr, {"input": [1]})[0] == 200
+
+
 def test_not_found_and_wrong_method(addr):
     status, answer, _ = call(addr, "GET", "/v1/embed")
     assert status == 404

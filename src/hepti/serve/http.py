@@ -239,26 +239,62 @@ class _Handler(BaseHTTPRequestHandler):
     def _drain_body(self) -> None:
         """After answering a request whose body was refused unread: end our side of the
         connection (the client sees the whole answer and the close), then read and drop the
-        body its Content-Length declares, within DRAIN_MAX_BYTES and DRAIN_MAX_S, so a client
-        that sends it all before reading gets the answer (see DRAIN_MAX_BYTES)."""
+        body, within DRAIN_MAX_BYTES and DRAIN_MAX_S, so a client that sends it all before
+        reading gets the answer (see DRAIN_MAX_BYTES). The body is the Content-Length's bytes,
+        or a chunked one's chunks up to its last: closing with a chunk still coming would reset
+        the connection under a client still sending (http.client's BrokenPipeError)."""
         length = self.headers["Content-Length"]
-        if "Transfer-Encoding" in self.headers or length is None or not length.isdigit() \
-                or not 0 < int(length) <= DRAIN_MAX_BYTES:
+        chunked = "chunked" in (self.headers["Transfer-Encoding"] or "").lower()
+        if not chunked and (length is None or not length.isdigit()
+                            or not 0 < int(length) <= DRAIN_MAX_BYTES):
             return
-        left, deadline = int(length), time.monotonic() + DRAIN_MAX_S
-        sink = memoryview(bytearray(1 << 16))
+        deadline = time.monotonic() + DRAIN_MAX_S
         try:
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_WR)
-            while left > 0 and (wait := deadline - time.monotonic()) > 0:
-                self.connection.settimeout(min(wait, self.server.read_timeout_s))
-                k = self.rfile.readinto1(sink[:min(left, len(sink))])
-                if k == 0:   # the client closed
-                    break
-                left -= k
-        except OSError:   # timed out, or the client went away: the connection closes anyway
-            pass
+            if chunked:
+                self._drop_chunks(deadline)
+            else:
+                self._drop(int(length), deadline)
+        except (OSError, ValueError):   # timed out, the client went away, or a malformed
+            pass                        # chunk: the connection closes anyway
         self.close_connection = True
+
+    def _wait(self, deadline: float) -> None:
+        wait = deadline - time.monotonic()
+        if wait <= 0:
+            raise TimeoutError
+        self.connection.settimeout(min(wait, self.server.read_timeout_s))
+
+    def _drop(self, left: int, deadline: float) -> None:
+        """Read and drop `left` bytes of the body, until the deadline or the client closes."""
+        sink = memoryview(bytearray(1 << 16))
+        while left > 0:
+            self._wait(deadline)
+            k = self.rfile.readinto1(sink[:min(left, len(sink))])
+            if k == 0:   # the client closed
+                return
+            left -= k
+
+    def _drop_chunks(self, deadline: float) -> None:
+        """Read and drop a chunked body through its last chunk and trailers, DRAIN_MAX_BYTES
+        at most (ValueError past it, or on a chunk size that is not hex)."""
+        budget = DRAIN_MAX_BYTES
+        while True:
+            self._wait(deadline)
+            line = self.rfile.readline(1024)
+            if not line:
+                return
+            size = int(line.split(b";")[0].strip(), 16)
+            budget -= size + len(line) + 2
+            if budget < 0:
+                raise ValueError("the chunked body is over DRAIN_MAX_BYTES")
+            if size == 0:
+                break
+            self._drop(size + 2, deadline)   # the chunk and its CRLF
+        while line.strip():   # the trailer lines, up to the empty one
+            self._wait(deadline)
+            line = self.rfile.readline(1024)
 
     def _declares_body(self) -> bool:
         length = self.headers["Content-Length"]
