@@ -184,7 +184,7 @@ def test_the_hog_leaves_once_its_parent_is_gone(tmp_path):
 
 # --- what a rank keeps beside its plan: the kernel may take it -------------------------------
 def _layers(minilm_dir, n: int = 2):
-    """() -> MiniLM's first `n` layers, whole, as a rank builds them."""
+    """(on_layer=None) -> MiniLM's first `n` layers, whole, as a rank builds them."""
     from hepti.families import family_graph
     from hepti.parallel.engine import build_layers
     from hepti.parallel.layers import slice_packer
@@ -192,7 +192,8 @@ def _layers(minilm_dir, n: int = 2):
     store = WeightStore(minilm_dir)
     cfg = store.config
     spec = ("resident", (0, cfg.num_attention_heads), (0, cfg.intermediate_size), (0, n))
-    return lambda: build_layers(store, spec, slice_packer(family_graph(cfg, 1, 1)))
+    return lambda on_layer=None: build_layers(store, spec, slice_packer(family_graph(cfg, 1, 1)),
+                                              on_layer=on_layer)
 
 
 def _panels(layers) -> list[np.ndarray]:
@@ -246,8 +247,8 @@ def test_a_rank_counts_its_spare_copy_as_held_and_drops_it_once_taken(monkeypatc
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_FREE is Linux's")
 def test_the_next_plans_slices_wait_lazily_free_and_are_read_again_if_taken(minilm_dir,
                                                                             monkeypatch):
-    """The next plan's slices, once read beside the current ones, serve nothing until the
-    switch: the kernel may take them meanwhile, the rank does not count them as free, and a
+    """The next plan's slices, read beside the current ones, serve nothing until the switch:
+    the kernel may take each from the moment it is read, the rank does not count them as free, and a
     copy the kernel took from is read again at the switch, after the current plan is let go
     (a deferred load: a stall, never an OOM kill)."""
     import types
@@ -255,10 +256,13 @@ def test_the_next_plans_slices_wait_lazily_free_and_are_read_again_if_taken(mini
     from hepti.serve import worker as W
     store = types.SimpleNamespace(config=types.SimpleNamespace(), bytes_read=0)
     make = _layers(minilm_dir)
-    builds, events = [], []
+    builds, events, lazy_as_read = [], [], []
 
-    def build(*_):
-        builds.append(make())
+    def build(store, spec, pack, on_layer=None):
+        def read(one):  # on_layer is SpareLayers.add, ahead of the switch; None at it
+            on_layer(one)
+            lazy_as_read.append(on_layer.__self__.lazy_bytes)
+        builds.append(make(read if on_layer else None))
         return builds[-1]
 
     class Job:
@@ -292,6 +296,9 @@ def test_the_next_plans_slices_wait_lazily_free_and_are_read_again_if_taken(mini
         state.prepare({"plan": {"spec": f"next-{lose}"}})
         state.next[2].join()
         spare = state.next[3]["spare"]
+        # a squeeze during the read finds the slices read so far lazily free already
+        assert 0 < lazy_as_read[0] < lazy_as_read[1] == spare.lazy_bytes, lazy_as_read
+        lazy_as_read.clear()
         state._mem = None  # read afresh (every MEM_READ_S)
         assert spare.lazy and state._free_memory() == 5e9 - spare.lazy_bytes
         if lose:  # what a page the kernel took reads as

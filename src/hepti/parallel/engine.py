@@ -89,17 +89,18 @@ def layer_spec(plan: Plan, cfg, rank: int) -> tuple | None:
     return ("resident", heads, ffn, (0, L))
 
 
-def build_layers(store, spec: tuple, pack):
+def build_layers(store, spec: tuple, pack, on_layer=None):
     """The layer weights a `layer_spec` names, read from this device's own files (no MPI: a
-    background thread may build them while another plan serves)."""
+    background thread may build them while another plan serves). `on_layer(slice)` sees each
+    resident slice as it is read (hepti.parallel.layers.ResidentLayers)."""
     kind, heads, ffn, extra = spec
     L = store.config.num_hidden_layers
     if kind == "stream":
         return StreamingLayers(store, L, heads, ffn, pack, extra)
     if kind == "layers":  # per layer (heads, ffn): `heads` holds them
-        return ResidentLayers(store, L, None, None, pack, ranges=heads)
+        return ResidentLayers(store, L, None, None, pack, ranges=heads, on_layer=on_layer)
     layers = None if extra == (0, L) else range(*extra)
-    return ResidentLayers(store, L, heads, ffn, pack, layers=layers)
+    return ResidentLayers(store, L, heads, ffn, pack, layers=layers, on_layer=on_layer)
 
 
 class Job:

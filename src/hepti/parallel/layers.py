@@ -25,13 +25,16 @@ def slice_packer(graph):
 
 class ResidentLayers:
     def __init__(self, store, n_layers: int, heads, ffn, pack, layers: range | None = None,
-                 progress=None, ranges=None):
+                 progress=None, ranges=None, on_layer=None):
         """`ranges`, if given, is each layer's own (heads, ffn) ranges instead (a GenEFlow
-        plan whose layers split differently: hepti.plan.genetic)."""
+        plan whose layers split differently: hepti.plan.genetic). `on_layer(slice)` is called
+        with each layer's slice as soon as it is read (`SpareLayers.add`)."""
         self.layers = {}
         for i in (layers if layers is not None else range(n_layers)):
             h, f = ranges[i] if ranges is not None else (heads, ffn)
             self.layers[i] = pack(i, store.read_layer_slice(i, h, f))
+            if on_layer is not None:
+                on_layer(self.layers[i])
             if progress is not None:
                 progress.update(1)
         self.peak_bytes = self.resident_bytes
@@ -131,11 +134,26 @@ class SpareLayers:
 
     SENTINEL = np.uint64(0x5EED_CAFE_F00D_BEEF)
 
-    def __init__(self, layers: ResidentLayers):
-        self.layers, self.nbytes = layers, layers.resident_bytes
+    def __init__(self, layers: ResidentLayers | None = None):
+        """`layers` whole, or (None) none yet: then each slice is handed over by `add` as it is
+        read, and `layers` set once all are."""
+        self.layers, self.nbytes = layers, 0
         self._pages = []  # (words [n_pages, page // 8] of one buffer, first words, last words)
+        self._seen: set = set()
+        self._refused = False
+        for one in (layers.layers.values() if layers is not None else ()):
+            self.add(one)
+
+    def add(self, one) -> None:
+        """Hand one more slice's packed buffers to the kernel. The next plan's slices go one
+        by one as they are read (hepti.serve.worker): a squeeze *during* the read then finds
+        all but the slice in hand lazily free, where handing them over once all were read
+        left every one of them plain memory until the last."""
+        self.nbytes += one.nbytes
         page = os.sysconf("SC_PAGE_SIZE")
-        for buf in _packed_buffers(layers):
+        for buf in _packed_buffers([one], self._seen):
+            if self._refused:
+                return
             addr = buf.ctypes.data
             lo, hi = -(-addr // page) * page, (addr + buf.nbytes) // page * page
             if hi <= lo:
@@ -146,7 +164,8 @@ class SpareLayers:
             words[:, -1] = self.SENTINEL
             if not lazy_free(lo, hi - lo):
                 words[:, -1] = last
-                break  # refused once (no MADV_FREE here): refused for every buffer
+                self._refused = True  # refused once (no MADV_FREE here): refused for every buffer
+                return
             self._pages.append((words, first, last))
 
     @property
@@ -177,15 +196,17 @@ class SpareLayers:
 
     def close(self) -> None:
         self._pages = []
-        self.layers.close()
+        if self.layers is not None:
+            self.layers.close()
 
 
-def _packed_buffers(layers: ResidentLayers) -> list[np.ndarray]:
-    """The buffers of the packed weights in `layers` (the float32 and int8 panels and their
-    scales, which packing made and nothing else refers to), each once. Biases and norms are
-    left out: small, and possibly the store's own arrays."""
-    seen, out = set(), []
-    for s in layers.layers.values():
+def _packed_buffers(slices, seen: set) -> list[np.ndarray]:
+    """The buffers of the packed weights in `slices` (the float32 and int8 panels and their
+    scales, which packing made and nothing else refers to), each once: `seen` holds the
+    addresses of those met before. Biases and norms are left out: small, and possibly the
+    store's own arrays."""
+    out = []
+    for s in slices:
         for entry in s.params.values():
             for w in entry if isinstance(entry, tuple) else ():
                 for name in ("panels", "q", "scales"):

@@ -375,8 +375,10 @@ class _State:
             return
         spec = ("resident", (0, H), (0, F), (0, L))
         try:
-            self.kept = (spec, SpareLayers(build_layers(self.store, spec,
-                                                        slice_packer(family_graph(cfg, 1, 1)))))
+            spare = SpareLayers()   # each slice lazily free once read, as the next plan's
+            spare.layers = build_layers(self.store, spec, slice_packer(family_graph(cfg, 1, 1)),
+                                        on_layer=spare.add)
+            self.kept = (spec, spare)
             self.kept_whole = True
         except Exception:  # noqa: BLE001 - a standby copy is an optimisation; serve on
             self.kept = None
@@ -526,12 +528,15 @@ class _State:
             try:
                 if spec is not None and spec != self.job.spec and \
                         (self.kept is None or spec != self.kept[0]):
+                    # until the switch they serve nothing: the kernel may take each slice
+                    # from the moment it is read (`switch` reads again what it took)
+                    spare = holder["spare"] = SpareLayers()
                     layers = build_layers(self.store, spec,
-                                          slice_packer(family_graph(self.cfg, 1, 1)))
-                    holder["layers"] = layers
-                    # until the switch they serve nothing: the kernel may take them (`switch`)
-                    if isinstance(layers, ResidentLayers):
-                        holder["spare"] = SpareLayers(layers)
+                                          slice_packer(family_graph(self.cfg, 1, 1)),
+                                          on_layer=spare.add)
+                    holder["layers"] = spare.layers = layers
+                    if not isinstance(layers, ResidentLayers):  # streamed: nothing to keep
+                        del holder["spare"]
             except BaseException as e:  # noqa: BLE001 - raised by switch(), on the main thread
                 holder["error"] = e
         thread = threading.Thread(target=load, name="hepti-next-plan", daemon=True)
