@@ -480,26 +480,29 @@ class Comm:
 WAIT_SLEEP_S = 50e-6  # between tests of a pending request; far below a message's time on a link
 # A wait that has gone on longer than WAIT_BACKOFF_AFTER_S sleeps WAIT_BACKOFF_FRACTION of its
 # age between tests, WAIT_SLEEP_MAX_S at most (`sleep_interval`).
-WAIT_BACKOFF_AFTER_S = 1e-3
-WAIT_BACKOFF_FRACTION = 0.125
+WAIT_BACKOFF_AFTER_S = 4e-3
+WAIT_BACKOFF_FRACTION = 1 / 16
 WAIT_SLEEP_MAX_S = 0.5e-3
 
 
 def sleep_interval(waited_s: float) -> float:
     """Seconds a sleeping wait (`wait`, on a capped rank) sleeps before its next test, after
-    `waited_s` seconds of waiting: WAIT_SLEEP_S for the first WAIT_BACKOFF_AFTER_S, then an
-    eighth of the time waited so far, WAIT_SLEEP_MAX_S at most. A message is then seen at most
-    an eighth of its wait (and 0.5 ms) late, and a long wait wakes a few hundred times a second,
-    not 20,000.
+    `waited_s` seconds of waiting: WAIT_SLEEP_S for the first WAIT_BACKOFF_AFTER_S, then a
+    sixteenth of the time waited so far, WAIT_SLEEP_MAX_S at most. A message is then seen at
+    most a sixteenth of its wait (and 0.5 ms) late, and a long wait wakes a few hundred times
+    a second, not 20,000; a wait shorter than 4 ms (a band's halo exchange, mostly) is as it
+    was.
 
     Why: every wake-up of a waiting rank lands on a core a computing rank may be using (an
-    emulated cluster's devices share the host's cores: a timer interrupt, a switch, a cold
+    emulated cluster's devices share the host's two cores: a timer interrupt, a switch, a cold
     cache, charged to the rank that computes), and an emulated device's stretch turns that CPU
     into 1/share of wall time. In MobileNetV2's `pipeline` on emu-mixed4 three ranks wait
-    while one computes, for the whole forward: with every wait at 50 us the stages' CPU ran
-    1.16-1.43x what the same stages took with the waits backed off (interleaved in one launch,
-    2026-11-30), and the forward 42.3 ms against 37.2 (planned 35.0; the same stages alone,
-    natively, within 7% of the plan's compute)."""
+    while one computes, for the whole forward (rank 3 ~30 ms of it). Interleaved in one launch
+    (2026-11-30, the host at load 8-10 from other jobs): the stages' CPU on the 0.3- and
+    0.15-core devices ran 1.19-1.29x with every wait at 50 us what it did with the waits
+    backed off by this rule (the last stage 1.59 ms against 1.23, planned 1.10, natively in a
+    4-rank job 1.07), and the forward 46.7 ms against 39.9 (40.2 backing off from 1 ms at an
+    eighth; 32 forwards each, in turns). A real board waits on its own core."""
     if waited_s < WAIT_BACKOFF_AFTER_S:
         return WAIT_SLEEP_S
     return min(WAIT_SLEEP_MAX_S, max(WAIT_SLEEP_S, waited_s * WAIT_BACKOFF_FRACTION))
