@@ -500,7 +500,7 @@ def sleep_interval(waited_s: float) -> float:
     while one computes, for the whole forward (rank 3 ~30 ms of it). Interleaved in one launch
     (2026-11-30, the host at load 8-10 from other jobs): the stages' CPU on the 0.3- and
     0.15-core devices ran 1.19-1.29x with every wait at 50 us what it did with the waits
-    backed off by this rule (the last stage 1.59 ms against 1.23, planned 1.10, natively in a
+    backed off by this rule (the last stage 1.59 ms against 1.23, planned 1.03, natively in a
     4-rank job 1.07), and the forward 46.7 ms against 39.9 (40.2 backing off from 1 ms at an
     eighth; 32 forwards each, in turns). A real board waits on its own core."""
     if waited_s < WAIT_BACKOFF_AFTER_S:
