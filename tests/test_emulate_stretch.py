@@ -140,6 +140,28 @@ def test_off_outside_the_emulator():
     assert (stretch.DEVICE_ENV, stretch.STATE_ENV) == (state.DEVICE_ENV, state.STATE_ENV)
 
 
+def test_a_long_wait_wakes_seldom_and_sees_its_message_soon():
+    """A capped rank's sleeping wait (hepti.parallel.comm `sleep_interval`): short waits test
+    every WAIT_SLEEP_S as before; a long one backs off, so that the waiting ranks of a pipeline
+    stop waking on the cores the computing rank uses, and sees its message at most a sixteenth
+    of its wait (and WAIT_SLEEP_MAX_S) late; a wait shorter than WAIT_BACKOFF_AFTER_S (a band's
+    halo exchange) tests every WAIT_SLEEP_S as before."""
+    from hepti.parallel import comm
+    assert comm.sleep_interval(0.0) == comm.sleep_interval(3.9e-3) == comm.WAIT_SLEEP_S
+    steps = [comm.sleep_interval(t * 1e-4) for t in range(1000)]
+    assert steps == sorted(steps) and max(steps) == comm.WAIT_SLEEP_MAX_S
+    for wait_s in (0.5e-3, 3e-3, 7e-3, 30e-3):  # a message arriving after wait_s
+        t = tests = 0
+        while t < wait_s:
+            t += comm.sleep_interval(t)
+            tests += 1
+        late = t - wait_s
+        assert late <= max(comm.WAIT_SLEEP_S, min(wait_s / 16, comm.WAIT_SLEEP_MAX_S)) + 1e-12
+        # 20 tests a millisecond for 4 ms, then 17/16 of the time waited each, then 0.5 ms
+        assert tests <= 80 + 23 + max(0.0, wait_s - 8e-3) / comm.WAIT_SLEEP_MAX_S + 1
+    assert tests < 160  # a 30 ms wait (the last stage of MobileNetV2's pipeline): 600 at 50 us
+
+
 SHARES = (0.15, 0.3, 0.6)
 TOLERANCE = 0.10
 # A 0.1 ms phase is judged against the matched hub reference alone (each hub phase one device

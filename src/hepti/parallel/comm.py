@@ -328,8 +328,9 @@ class Comm:
         """-> the object send_obj sent, of any size (mpi4py's irecv takes 32 KiB at most: a
         batch of images is more), once a probe sees it: sleeping between probes, as `wait`."""
         with self.tracer.span("Recv", "recv"):
+            t0 = time.perf_counter()
             while SLEEPY and not self.mpi.iprobe(source=source, tag=tag):
-                time.sleep(WAIT_SLEEP_S)
+                time.sleep(sleep_interval(time.perf_counter() - t0))
             return self.mpi.recv(source=source, tag=tag)
 
     def send_known(self, a: np.ndarray, dest: int, tag: int = 0, name: str = "Send"):
@@ -477,6 +478,34 @@ class Comm:
 
 
 WAIT_SLEEP_S = 50e-6  # between tests of a pending request; far below a message's time on a link
+# A wait that has gone on longer than WAIT_BACKOFF_AFTER_S sleeps WAIT_BACKOFF_FRACTION of its
+# age between tests, WAIT_SLEEP_MAX_S at most (`sleep_interval`).
+WAIT_BACKOFF_AFTER_S = 4e-3
+WAIT_BACKOFF_FRACTION = 1 / 16
+WAIT_SLEEP_MAX_S = 0.5e-3
+
+
+def sleep_interval(waited_s: float) -> float:
+    """Seconds a sleeping wait (`wait`, on a capped rank) sleeps before its next test, after
+    `waited_s` seconds of waiting: WAIT_SLEEP_S for the first WAIT_BACKOFF_AFTER_S, then a
+    sixteenth of the time waited so far, WAIT_SLEEP_MAX_S at most. A message is then seen at
+    most a sixteenth of its wait (and 0.5 ms) late, and a long wait wakes a few hundred times
+    a second, not 20,000; a wait shorter than 4 ms (a band's halo exchange, mostly) is as it
+    was.
+
+    Why: every wake-up of a waiting rank lands on a core a computing rank may be using (an
+    emulated cluster's devices share the host's two cores: a timer interrupt, a switch, a cold
+    cache, charged to the rank that computes), and an emulated device's stretch turns that CPU
+    into 1/share of wall time. In MobileNetV2's `pipeline` on emu-mixed4 three ranks wait
+    while one computes, for the whole forward (rank 3 ~30 ms of it). Interleaved in one launch
+    (2026-11-30, the host at load 8-10 from other jobs): the stages' CPU on the 0.3- and
+    0.15-core devices ran 1.19-1.29x with every wait at 50 us what it did with the waits
+    backed off by this rule (the last stage 1.59 ms against 1.23, planned 1.03, natively in a
+    4-rank job 1.07), and the forward 46.7 ms against 39.9 (40.2 backing off from 1 ms at an
+    eighth; 32 forwards each, in turns). A real board waits on its own core."""
+    if waited_s < WAIT_BACKOFF_AFTER_S:
+        return WAIT_SLEEP_S
+    return min(WAIT_SLEEP_MAX_S, max(WAIT_SLEEP_S, waited_s * WAIT_BACKOFF_FRACTION))
 
 
 def _choose_sleepy() -> bool:
@@ -501,14 +530,15 @@ SLEEPY = _choose_sleepy()
 
 def wait(req) -> None:
     """Complete a non-blocking MPI request, or a list of them: block in MPI, or sleep between
-    tests (see `_choose_sleepy`)."""
+    tests (see `_choose_sleepy`), longer as the wait goes on (`sleep_interval`)."""
     reqs = req if isinstance(req, list) else [req]  # Waitall of one: +0.2 us, nothing per forward
     MPI = _MPI()
     if not SLEEPY:
         MPI.Request.Waitall(reqs)
         return
+    t0 = time.perf_counter()
     while not MPI.Request.Testall(reqs):
-        time.sleep(WAIT_SLEEP_S)
+        time.sleep(sleep_interval(time.perf_counter() - t0))
 
 
 def wait_idle(req, spin_s: float = 0.002, interval: float = 0.0005) -> None:
@@ -525,11 +555,12 @@ def wait_obj(req):
     """Complete a non-blocking pickled receive (mpi4py `irecv`) the same way; its object."""
     if not SLEEPY:
         return req.wait()
+    t0 = time.perf_counter()
     while True:
         done, obj = req.test()
         if done:
             return obj
-        time.sleep(WAIT_SLEEP_S)
+        time.sleep(sleep_interval(time.perf_counter() - t0))
 
 
 # --- the shared-memory transport ---------------------------------------------------------------
