@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hepti.kernels import (EncoderLayer, PackedB, add_layernorm, attention, attention_block,
-                           attention_qkv, config,
+                           attention_qkv, config, encoder_layers,
                            embed_layernorm, ffn, gemm, layernorm, matmul, naive, pack_b, rms_norm,
                            softmax_rows)
 from hepti.kernels import _gen_microkernels
@@ -572,6 +572,28 @@ def test_encoder_layer_is_attention_block_then_ffn(n_seq, t, h, d, f, pad):
     x1 = naive.add_layernorm(ctx @ wo, bo, x64, *ln1)
     ref = naive.add_layernorm(naive.gemm(x1, w1, b1, gelu=True) @ w2, b2, x1, *ln2)
     np.testing.assert_allclose(y, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+def test_encoder_layers_is_the_layers_one_by_one():
+    """encoder_layers runs 10 layers (two kernel calls: 8, then 2 and repeats) as the layers'
+    own calls do, and refuses layers of different shapes."""
+    c, h, f = 16, 2, 24
+    mask = attention_case(2, 5, h, c // h, [0, 2])[3]
+    layers = [EncoderLayer(pack_b(rand(c, 3 * c)), rand(3 * c), h, pack_b(rand(c, c)), rand(c),
+                           (rand(c), rand(c), 1e-12), pack_b(rand(c, f)), rand(f),
+                           pack_b(rand(f, c)), rand(c), (rand(c), rand(c), 1e-12))
+              for _ in range(10)]
+    x = y = rand(10, c)
+    for layer in layers:
+        y = layer(y, mask)
+    np.testing.assert_array_equal(encoder_layers(layers, x, mask), y)
+    np.testing.assert_array_equal(encoder_layers(layers[:1], np.asfortranarray(x), mask),
+                                  layers[0](x, mask))
+    other = EncoderLayer(pack_b(rand(c, 3 * c)), None, 4, pack_b(rand(c, c)), None,
+                         (rand(c), rand(c), 1e-12), pack_b(rand(c, f)), None,
+                         pack_b(rand(f, c)), None, (rand(c), rand(c), 1e-12))
+    with pytest.raises(ValueError, match="one shape"):
+        encoder_layers(layers[:2] + [other], x, mask)
 
 
 def test_encoder_layer_rejects_bad_arguments():

@@ -1,20 +1,20 @@
-"""A post-LayerNorm encoder layer (BERT's) in one kernel call:
+"""A post-LayerNorm encoder layer (BERT's) in one kernel call, and layers in a row in one:
     x1 = LayerNorm(attention_block(x) + o_bias + x)          (gamma1, beta1)
     y  = LayerNorm(GeLU(x1 @ up + up_bias) @ down + down_bias + x1)   (gamma2, beta2)
 the same kernels in the same order as `attention_block(..., residual=x, ln=ln1)` then
 `ffn(..., residual=x1, ln=ln2)`, so the same floats.
 
-Why one call: inside a forward, every return from a kernel to Python and call back costs far
-more than its arguments' checks say. Measured 2026-11-30 (MiniLM at 128 tokens, one process,
-40 interleaved rounds, thread CPU time, load 6-7): a loop of the 12 `attention_block` / `ffn`
-calls ran 0.32-0.46 ms a forward under the interpreter's; the same 12 kernels called straight
-from Python, wrappers and checks skipped, 0.50; one call a layer, 6 a forward, 0.76-0.80; one
-call for the six layers 0.81-0.94. The wrappers' checks are not the cost: the round trip is
-(the interpreter, the dispatcher and the arguments' unboxing run cold after a 2 ms kernel
-that streamed megabytes of weights through the caches).
+Why: inside a forward, every return from a kernel to Python and call back costs far more than
+its arguments' checks say. The dispatch of a layer call takes ~2 us hot, but ~33 us right after
+a layer's kernels (a no-op kernel taking the same arguments, timed there), and the kernel that
+follows runs the slower for it: MiniLM's six layer calls took 0.30-0.52 ms more CPU time
+inside the calls than one call doing the six (2026-11-30, 40-60 interleaved rounds, load
+8-10). The wrappers' checks and the count of arrays passed are not the cost (12 arrays against
+5 in one array: -0.03 ms a forward). So the interpreter hands a resident model's layers over
+at once (`encoder_layers`), LAYERS_PER_CALL a call.
 
 `EncoderLayer` holds a layer's weights checked once, as the tuple `_layer_serial` takes
-(`ConvLayer`'s way), and the plan per token count; `__call__` checks only x and the mask.
+(`ConvLayer`'s way), and its plan per pair of shapes; a call checks only x and the mask.
 """
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ from hepti.kernels.config import FASTMATH_GEMM, JIT
 from hepti.kernels.packed_gemm import PackedB, _ffn_serial, _plan
 
 _F32 = np.dtype(np.float32)
+# layers a kernel call runs at most: its weights are a tuple of this many layers' (one compiled
+# signature whatever a model's count; a call with fewer repeats the last)
+LAYERS_PER_CALL = 8
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -50,6 +53,15 @@ def _layer_serial(x, key_mask, w, plan, ws):
     _ffn_serial(x1, up, up_bias, h, down, y, ffn_blocks, ws, down_bias,
                 (x1, gamma2, beta2, eps2, yes, yes))
     return y
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _layers_serial(x, key_mask, layers, n, plan, ws):
+    """The first n of `layers` (a tuple of LAYERS_PER_CALL `_layer_serial` weight tuples, the
+    rest repeats) one after the other on x: one compiled signature for any count of layers."""
+    for i in range(n):
+        x = _layer_serial(x, key_mask, layers[i], plan, ws)
+    return x
 
 
 @functools.lru_cache(maxsize=64)
@@ -118,16 +130,29 @@ class EncoderLayer:
         return got
 
     def __call__(self, x: np.ndarray, key_mask: np.ndarray) -> np.ndarray:
-        if (type(x) is not np.ndarray or type(key_mask) is not np.ndarray
-                or x.dtype is not _F32 or key_mask.dtype is not _F32):
-            return self._call(x, key_mask)
-        got = self._shapes.get((x.shape, key_mask.shape))
-        if got is None or not (x.flags.c_contiguous and key_mask.flags.c_contiguous):
-            return self._call(x, key_mask)
-        return _layer_serial(x, key_mask, self.weights, got[0], workspace(got[1]))
+        return encoder_layers((self,), x, key_mask)
 
-    def _call(self, x, key_mask) -> np.ndarray:
-        """`__call__` checking everything (a new shape, another type, rows not contiguous)."""
-        plan, ws = self._shape(x, key_mask)
-        return _layer_serial(np.ascontiguousarray(x), np.ascontiguousarray(key_mask),
-                             self.weights, plan, workspace(ws))
+
+def encoder_layers(layers, x: np.ndarray, key_mask: np.ndarray) -> np.ndarray:
+    """x through `layers` (EncoderLayer, all of one shape) one after the other, as many as
+    LAYERS_PER_CALL in one kernel call: layers[-1](...(layers[0](x, key_mask))...)."""
+    first, n = layers[0], len(layers)
+    if (type(x) is not np.ndarray or type(key_mask) is not np.ndarray
+            or x.dtype is not _F32 or key_mask.dtype is not _F32
+            or not (x.flags.c_contiguous and key_mask.flags.c_contiguous)):
+        first._shape(x, key_mask)  # raises on what is not float32 [M, C], [B, T]
+        x, key_mask = np.ascontiguousarray(x), np.ascontiguousarray(key_mask)
+    got = first._shapes.get((x.shape, key_mask.shape)) or first._shape(x, key_mask)
+    for layer in layers[1:]:
+        if (layer.c, layer.n3, layer.f, layer.n_heads) != (first.c, first.n3, first.f,
+                                                           first.n_heads):
+            raise ValueError(f"encoder_layers: layers of one shape only, got [C={layer.c}, "
+                             f"3C={layer.n3}, F={layer.f}, heads {layer.n_heads}] after "
+                             f"[C={first.c}, 3C={first.n3}, F={first.f}, heads {first.n_heads}]")
+    ws = workspace(got[1])
+    for i in range(0, n, LAYERS_PER_CALL):
+        group = tuple(layer.weights for layer in layers[i:i + LAYERS_PER_CALL])
+        k = len(group)
+        x = _layers_serial(x, key_mask, group + group[-1:] * (LAYERS_PER_CALL - k), k, got[0],
+                           ws)
+    return x

@@ -23,7 +23,9 @@ piece (QKV GeMM, attention, output GeMM) is one `K.attention_block` call and its
 `K.ffn` call, each with the add+ln that follows folded in (`_fusions`): four kernel calls a
 layer become two, and the add+ln spans go (their time is in the attention and ffn spans); and
 where the MLP reads the attention piece's add+ln alone (BERT's post-LayerNorm layer) the two
-are one `K.EncoderLayer` call, made once per layer slice, under one "L3 layer" span. An
+are one `K.EncoderLayer`, made once per layer slice, under one "L3 layer" span; with every
+layer resident (`ResidentLayers`), such layers in a row run as one `K.encoder_layers` call
+under one "L0-5 layers" span (a `stream` window could not hold them all at once). An
 add+ln that runs alone goes through `add_layernorm_rows`, which checks only shapes. Inside a
 forward every return from a kernel to Python runs cold (the GeMMs push the interpreter out
 of the caches): ~20-60 us a call, so fewer calls are most of the Python cost
@@ -43,6 +45,7 @@ from hepti.graph.ir import BY_K, BY_ROWS, ON_PRIMARY, Graph
 from hepti.graph.lower import Step
 from hepti.graph.lower import mlp_pair as _mlp_pair
 from hepti.kernels.norm import add_layernorm_rows
+from hepti.parallel.layers import ResidentLayers
 from hepti.model.livebytes import track
 
 
@@ -183,7 +186,38 @@ class Interpreter:
                 dead = tuple(t for r in runs for item in r[1] for t in item[3])
                 out[id(e[1])] = ("layer", (att, mlp), None, runs[1:], f"L{up.layer} layer",
                                  att[1][0].op.inputs[0], mlp[2].op.outputs[0], dead)
+        if isinstance(self.layers, ResidentLayers):  # every layer's slice at hand at once
+            self._chain_layers(out)
         return out
+
+    def _chain_layers(self, out: dict) -> None:
+        """Layers in a row, each a "layer" fusion reading the one before's output, in one
+        `K.encoder_layers` call (as few kernel calls as it makes): ("layers", their "layer"
+        fusions, None, the entries it does besides its own, span label, input, output, the
+        tensors it drops), under the first one's run."""
+        at = {id(e): j for j, e in enumerate(self._plan)}
+        chains, chain = [], []
+        for e in self._plan:
+            f = out.get(id(e[1])) if e[0] == "ops" else None
+            if f is None or f[0] != "layer":
+                continue
+            prev = chain[-1] if chain else None
+            if (prev is not None and at[id(prev[3][-1])] + 1 == at[id(e)]
+                    and prev[6] == f[5]):
+                chain.append(f)
+            else:
+                chains.append(chain)
+                chain = [f]
+        chains.append(chain)
+        for chain in chains:
+            if len(chain) < 2:
+                continue
+            first = self._plan[at[id(chain[0][3][0])] - 1]
+            skips = chain[0][3] + tuple(e for f in chain[1:]
+                                        for e in (self._plan[at[id(f[3][0])] - 1], *f[3]))
+            out[id(first[1])] = ("layers", tuple(chain), None, skips,
+                                 f"L{_layer_of(chain[0])}-{_layer_of(chain[-1])} layers",
+                                 chain[0][5], chain[-1][6], tuple(t for f in chain for t in f[7]))
 
     def _layer_call(self, fusion: tuple, params) -> "K.EncoderLayer | None":
         """A "layer" fusion's K.EncoderLayer on this layer slice's weights, made once per slice
@@ -208,12 +242,24 @@ class Interpreter:
         self._layer_calls[a.layer] = (params, call)
         return call
 
+    def _chain_calls(self, fusion: tuple, params) -> "list[K.EncoderLayer] | None":
+        """A "layers" fusion's K.EncoderLayer of each layer (the first one's slice is `params`),
+        or None where one of them has none."""
+        calls = []
+        for f in fusion[1]:
+            lay = _layer_of(f)
+            call = self._layer_call(f, params if not calls else self.layers.get(lay).params)
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
     @staticmethod
-    def _whole_layer(call: "K.EncoderLayer", fusion: tuple, env: dict, fused: dict,
-                     ctx: "_Batch") -> None:
-        """Run a "layer" fusion as one call: the tensors it drops go first, as its output may
-        have the name of its input (BERT's `x`)."""
-        y = call(env[fusion[5]], ctx.mask(env))
+    def _whole_layers(calls: list, fusion: tuple, env: dict, fused: dict,
+                      ctx: "_Batch") -> None:
+        """Run a "layer" or "layers" fusion as one call: the tensors it drops go first, as its
+        output may have the name of its input (BERT's `x`)."""
+        y = K.encoder_layers(calls, env[fusion[5]], ctx.mask(env))
         for t in fusion[7]:
             env.pop(t, None)
             fused.pop(t, None)
@@ -301,16 +347,22 @@ class Interpreter:
                 with tr.span(weights_label, "io"):
                     params = self.layers.get(layer).params
             fusion = self._fusion.get(id(run)) if counter is None else None
-            call = None
+            calls = None
+            if fusion is not None and fusion[0] == "layers":
+                calls = self._chain_calls(fusion, params)
+                if calls is None:
+                    fusion = fusion[1][0]  # its first layer alone
             if fusion is not None and fusion[0] == "layer":
                 call = self._layer_call(fusion, params)
                 if call is None:
                     fusion = fusion[1][0]  # its attention piece alone
                 else:
-                    label = fusion[4]
+                    calls = (call,)
+            if calls is not None:
+                label = fusion[4]
             with tr.span(label, "compute"):
-                if call is not None:
-                    self._whole_layer(call, fusion, env, fused, ctx)
+                if calls is not None:
+                    self._whole_layers(calls, fusion, env, fused, ctx)
                     run, skip = (), fusion[3]
                 elif fusion is not None and self._fused(fusion, run, env, fused, params, ctx):
                     run, skip = (), (fusion[3],) if fusion[3] is not None else ()
@@ -453,6 +505,11 @@ def _last_reads(steps: list[Step]) -> dict[Step, tuple[str, ...]]:
         if last is not None:
             out[last] = out.get(last, ()) + (t,)
     return out
+
+
+def _layer_of(fusion: tuple) -> int:
+    """The layer of a "layer" fusion (its attention piece's first step's)."""
+    return fusion[1][0][1][0].layer
 
 
 def _zeros(out, shape) -> np.ndarray:
