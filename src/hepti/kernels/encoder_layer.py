@@ -13,7 +13,7 @@ inside the calls than one call doing the six (2026-11-30, 40-60 interleaved roun
 5 in one array: -0.03 ms a forward). So the interpreter hands a resident model's layers over
 at once (`encoder_layers`), LAYERS_PER_CALL a call.
 
-`EncoderLayer` holds a layer's weights checked once, as the tuple `_layer_serial` takes
+`EncoderLayer` holds a layer's weights checked once, as the tuple `_layers_serial` takes
 (`ConvLayer`'s way), and its plan per pair of shapes; a call checks only x and the mask.
 """
 from __future__ import annotations
@@ -35,38 +35,34 @@ LAYERS_PER_CALL = 8
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _layer_serial(x, key_mask, w, plan, ws):
-    """y [m, c] = the layer on x [m, c] (C-contiguous): w = (wqkv panels, qkv_bias, wo panels,
-    o_bias, gamma1, beta1, eps1, up panels, up_bias, down panels, down_bias, gamma2, beta2,
-    eps2), a bias empty when absent; plan = (attention's sizes, its work items, (up's blocks,
-    down's blocks), the FFN's width)."""
-    wqkv, qkv_bias, wo, o_bias, gamma1, beta1, eps1, up, up_bias, down, down_bias, gamma2, \
-        beta2, eps2 = w
+def _layers_serial(x, key_mask, layers, n, plan, ws):
+    """y [m, c] = the first n of `layers` one after the other on x [m, c] (C-contiguous).
+    layers: a tuple of LAYERS_PER_CALL layers' weights (the rest repeats: one compiled
+    signature for any count of layers), each (wqkv panels, qkv_bias, wo panels, o_bias,
+    gamma1, beta1, eps1, up panels, up_bias, down panels, down_bias, gamma2, beta2, eps2), a
+    bias empty when absent; plan = (attention's sizes, its work items, (up's blocks, down's
+    blocks), the FFN's width). The layer's body is written here, not in a function of its
+    own: a cold compile then makes the GeMMs' machine code once more, not twice (~7 s)."""
     sizes, work, ffn_blocks, f = plan
     m, c = x.shape
     yes = np.bool_(True)  # not a literal: the callees' one compiled signature
-    x1 = np.empty((m, c), np.float32)
-    _block_serial(x, wqkv, qkv_bias, key_mask, wo, o_bias, x1, work, sizes, ws,
-                  (x, gamma1, beta1, eps1, yes, yes))
-    h = np.empty((m, f), np.float32)
-    y = np.empty((m, c), np.float32)
-    _ffn_serial(x1, up, up_bias, h, down, y, ffn_blocks, ws, down_bias,
-                (x1, gamma2, beta2, eps2, yes, yes))
-    return y
-
-
-@njit(fastmath=FASTMATH_GEMM, **JIT)
-def _layers_serial(x, key_mask, layers, n, plan, ws):
-    """The first n of `layers` (a tuple of LAYERS_PER_CALL `_layer_serial` weight tuples, the
-    rest repeats) one after the other on x: one compiled signature for any count of layers."""
     for i in range(n):
-        x = _layer_serial(x, key_mask, layers[i], plan, ws)
+        wqkv, qkv_bias, wo, o_bias, gamma1, beta1, eps1, up, up_bias, down, down_bias, \
+            gamma2, beta2, eps2 = layers[i]
+        x1 = np.empty((m, c), np.float32)
+        _block_serial(x, wqkv, qkv_bias, key_mask, wo, o_bias, x1, work, sizes, ws,
+                      (x, gamma1, beta1, eps1, yes, yes))
+        h = np.empty((m, f), np.float32)
+        y = np.empty((m, c), np.float32)
+        _ffn_serial(x1, up, up_bias, h, down, y, ffn_blocks, ws, down_bias,
+                    (x1, gamma2, beta2, eps2, yes, yes))
+        x = y
     return x
 
 
 @functools.lru_cache(maxsize=64)
 def _layer_plan(m: int, c: int, n3: int, f: int, n_seq: int, t: int, n_heads: int) -> tuple:
-    """(`_layer_serial`'s plan, workspace floats) of one layer shape."""
+    """(`_layers_serial`'s plan, workspace floats) of one layer shape."""
     sizes, work, att_ws = _block_plan(m, c, n3, c, n_seq, t, n_heads)
     _, up_blocks, up_ws = _plan(m, c, f, 1, False)
     _, down_blocks, down_ws = _plan(m, f, c, 1, False)
@@ -114,7 +110,7 @@ class EncoderLayer:
         self._shapes: dict = {}  # (x's shape, key_mask's) -> `_shape`
 
     def _shape(self, x: np.ndarray, key_mask: np.ndarray) -> tuple:
-        """(`_layer_serial`'s plan, workspace floats) for x and key_mask of these shapes,
+        """(`_layers_serial`'s plan, workspace floats) for x and key_mask of these shapes,
         checked here, once per pair of shapes."""
         check_float32(x, "x", 2)
         check_float32(key_mask, "key_mask", 2)
