@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hepti.kernels import (PackedB, add_layernorm, attention, attention_block, attention_qkv,
-                           config,
+from hepti.kernels import (EncoderLayer, PackedB, add_layernorm, attention, attention_block,
+                           attention_qkv, config, encoder_layers,
                            embed_layernorm, ffn, gemm, layernorm, matmul, naive, pack_b, rms_norm,
                            softmax_rows)
 from hepti.kernels import _gen_microkernels
@@ -548,6 +548,67 @@ def test_attention_block_with_add_layernorm(n_seq, t, h, d, n_o):
                                           residual=res))
     with pytest.raises(ValueError, match="residual"):
         attention_block(x, pw, bq, mask, h, po, bo, residual=res[1:], ln=(g, be, 1e-12))
+
+
+@pytest.mark.parametrize("n_seq,t,h,d,f,pad", [(1, 1, 1, 1, 1, [0]), (2, 7, 3, 8, 40, [0, 3]),
+                                                 (1, 40, 4, 16, 96, [5])])
+def test_encoder_layer_is_attention_block_then_ffn(n_seq, t, h, d, f, pad):
+    """EncoderLayer (a BERT layer in one kernel call) gives the same floats as attention_block
+    then ffn, each with its add+ln, and those the float64 reference's."""
+    c = h * d
+    x = rand(n_seq * t, c)
+    w, wo, w1, w2 = rand(c, 3 * c), rand(c, c), rand(c, f), rand(f, c)
+    bq, bo, b1, b2 = rand(3 * c), rand(c), rand(f), rand(c)
+    ln1, ln2 = (rand(c), rand(c), 1e-12), (rand(c), rand(c), 1e-5)
+    mask = attention_case(n_seq, t, h, d, pad)[3]
+    pw, po, p1, p2 = pack_b(w), pack_b(wo), pack_b(w1), pack_b(w2)
+    layer = EncoderLayer(pw, bq, h, po, bo, ln1, p1, b1, p2, b2, ln2)
+    y = layer(x, mask)
+    x1 = attention_block(x, pw, bq, mask, h, po, bo, residual=x, ln=ln1)
+    np.testing.assert_array_equal(y, ffn(x1, p1, b1, p2, down_bias=b2, residual=x1, ln=ln2))
+    x64 = x.astype(np.float64)
+    qkv = x64 @ w + bq
+    ctx = naive.attention(qkv[:, :c], qkv[:, c:2 * c], qkv[:, 2 * c:], mask, h)
+    x1 = naive.add_layernorm(ctx @ wo, bo, x64, *ln1)
+    ref = naive.add_layernorm(naive.gemm(x1, w1, b1, gelu=True) @ w2, b2, x1, *ln2)
+    np.testing.assert_allclose(y, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+def test_encoder_layers_is_the_layers_one_by_one():
+    """encoder_layers runs 10 layers (two kernel calls: 8, then 2 and repeats) as the layers'
+    own calls do, and refuses layers of different shapes."""
+    c, h, f = 16, 2, 24
+    mask = attention_case(2, 5, h, c // h, [0, 2])[3]
+    layers = [EncoderLayer(pack_b(rand(c, 3 * c)), rand(3 * c), h, pack_b(rand(c, c)), rand(c),
+                           (rand(c), rand(c), 1e-12), pack_b(rand(c, f)), rand(f),
+                           pack_b(rand(f, c)), rand(c), (rand(c), rand(c), 1e-12))
+              for _ in range(10)]
+    x = y = rand(10, c)
+    for layer in layers:
+        y = layer(y, mask)
+    np.testing.assert_array_equal(encoder_layers(layers, x, mask), y)
+    np.testing.assert_array_equal(encoder_layers(layers[:1], np.asfortranarray(x), mask),
+                                  layers[0](x, mask))
+    other = EncoderLayer(pack_b(rand(c, 3 * c)), None, 4, pack_b(rand(c, c)), None,
+                         (rand(c), rand(c), 1e-12), pack_b(rand(c, f)), None,
+                         pack_b(rand(f, c)), None, (rand(c), rand(c), 1e-12))
+    with pytest.raises(ValueError, match="one shape"):
+        encoder_layers(layers[:2] + [other], x, mask)
+
+
+def test_encoder_layer_rejects_bad_arguments():
+    p8, mask = pack_b(rand(8, 24)), np.ones((2, 10), np.float32)
+    po, p1, p2 = pack_b(rand(8, 8)), pack_b(rand(8, 16)), pack_b(rand(16, 8))
+    ln = (rand(8), rand(8), 1e-12)
+    layer = EncoderLayer(p8, None, 2, po, None, ln, p1, None, p2, None, ln)
+    with pytest.raises(ValueError, match="do not fit"):
+        layer(rand(19, 8), mask)
+    with pytest.raises(ValueError, match="cannot chain"):
+        EncoderLayer(p8, None, 2, po, None, ln, p2, None, p1, None, ln)
+    with pytest.raises(ValueError, match="n_heads"):
+        EncoderLayer(p8, None, 3, po, None, ln, p1, None, p2, None, ln)
+    with pytest.raises(TypeError, match="PackedB"):
+        EncoderLayer(rand(8, 24), None, 2, po, None, ln, p1, None, p2, None, ln)
 
 
 def test_attention_block_rejects_bad_arguments():

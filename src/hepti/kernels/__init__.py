@@ -14,6 +14,10 @@ Public API (what the model code calls):
     attention_qkv(qkv, key_mask, n_heads, kv=None, row0=0, threads=1)   on a fused QKV output
     attention_block(x, wqkv, qkv_bias, key_mask, n_heads, wo, o_bias=None)   QKV GeMM,
                                                      attention and output GeMM in one call
+    EncoderLayer(wqkv, qkv_bias, n_heads, wo, o_bias, ln1, up, up_bias, down, down_bias, ln2)
+                                                     (x, key_mask): a BERT layer (attention_block
+                                                     then ffn, each with its add+ln) in one call
+    encoder_layers(layers, x, key_mask)              EncoderLayers in a row, up to 8 a call
 int8 weights, one float32 scale per group of 64 along the stored rows (int8.py):
     QuantMatrix, quantize(w, group=64)               symmetric, round to nearest
     QuantB, pack_q(m, trans=False)                   int8 panels + scales, packed at load time
@@ -51,6 +55,7 @@ from hepti.kernels.attention_core import attention, attention_block, attention_q
 from hepti.kernels.conv import (ConvLayer, ConvWeight, avg_pool2d, conv2d,
                                 depthwise_conv2d, fold_batchnorm, global_avg_pool, max_pool2d,
                                 pack_conv_weight, relu, relu6)
+from hepti.kernels.encoder_layer import EncoderLayer, encoder_layers
 from hepti.kernels.int8 import (QuantB, QuantMatrix, columns_any, ffn_any, gemm_any, gemm_q,
                                pack_q, pack_weight, quantize)
 from hepti.kernels.layout import nchw_to_nhwc
@@ -60,7 +65,7 @@ from hepti.kernels.softmax import softmax_rows
 
 __all__ = ["PackedB", "pack_b", "gemm", "ffn", "matmul", "layernorm", "add_layernorm",
            "embed_layernorm", "rms_norm", "softmax_rows", "attention", "attention_qkv",
-           "attention_block",
+           "attention_block", "EncoderLayer", "encoder_layers",
            "ConvWeight", "ConvLayer", "pack_conv_weight", "conv2d", "depthwise_conv2d",
            "max_pool2d", "avg_pool2d", "global_avg_pool", "nchw_to_nhwc", "relu", "relu6",
            "fold_batchnorm",

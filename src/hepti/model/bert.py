@@ -107,6 +107,9 @@ def load_kernels(threads: int = 1, int8: bool = False) -> None:
                               ln=(r(C), r(C), cfg.layer_norm_eps))
         x = K.ffn(x, up, r(F), down, down_bias=r(C), residual=x,
                   ln=(r(C), r(C), cfg.layer_norm_eps))
+        # the two in one call (the interpreter's on a BERT layer)
+        x = K.EncoderLayer(qkv_w, r(3 * C), H, o, r(C), (r(C), r(C), cfg.layer_norm_eps), up,
+                           r(F), down, r(C), (r(C), r(C), cfg.layer_norm_eps))(x, key_mask)
     # `rows`: own query rows against every row's gathered keys and values
     kv = np.ascontiguousarray(qkv[:, C:])
     ctx = K.attention_qkv(np.ascontiguousarray(qkv[:4]), key_mask, H, kv=kv, row0=0, threads=threads)

@@ -21,10 +21,15 @@ arithmetic in one kernel call (its docstring says what that saves). GeMMs go thr
 On one process and one thread (float32 weights, no allocation counter), a layer's attention
 piece (QKV GeMM, attention, output GeMM) is one `K.attention_block` call and its MLP one
 `K.ffn` call, each with the add+ln that follows folded in (`_fusions`): four kernel calls a
-layer become two, and the add+ln spans go (their time is in the attention and ffn spans). An
+layer become two, and the add+ln spans go (their time is in the attention and ffn spans); and
+where the MLP reads the attention piece's add+ln alone (BERT's post-LayerNorm layer) the two
+are one `K.EncoderLayer`, made once per layer slice, under one "L3 layer" span; with every
+layer resident (`ResidentLayers`), such layers in a row run as one `K.encoder_layers` call
+under one "L0-5 layers" span (a `stream` window could not hold them all at once). An
 add+ln that runs alone goes through `add_layernorm_rows`, which checks only shapes. Inside a
-forward every kernel call's dispatch and checks run cold (the GeMMs push the interpreter out
-of the caches): ~20 us a call, so fewer calls and fewer arguments are most of the Python cost.
+forward every return from a kernel to Python runs cold (the GeMMs push the interpreter out
+of the caches): ~20-60 us a call, so fewer calls are most of the Python cost
+(hepti.kernels.encoder_layer has the figures).
 
 Compute is traced as one span per (layer, piece) run of operators ("L3 attention", "L3 ffn"),
 collectives by the verbs; each layer's slice is fetched (`layers.get`, an "io" span: the
@@ -40,6 +45,7 @@ from hepti.graph.ir import BY_K, BY_ROWS, ON_PRIMARY, Graph
 from hepti.graph.lower import Step
 from hepti.graph.lower import mlp_pair as _mlp_pair
 from hepti.kernels.norm import add_layernorm_rows
+from hepti.parallel.layers import ResidentLayers
 from hepti.model.livebytes import track
 
 
@@ -64,6 +70,7 @@ class Interpreter:
         self._plan = self._prepare(steps)
         self._rows: dict[int, tuple[list[int], int]] = {}  # token rows M -> (counts, my first)
         self._fusion = self._fusions() if group.solo and threads == 1 else {}
+        self._layer_calls: dict[int, tuple] = {}  # layer -> (its params, K.EncoderLayer | None)
 
     def _prepare(self, steps: list[Step]) -> list[tuple]:
         """The steps as entries to run: ("sync", kind, tensor) (none on a group of one), or
@@ -161,7 +168,102 @@ class Interpreter:
                         and readers.get(last.op.outputs[0]) == 1):
                     ln, nxt = s, self._plan[j + 1]
             out[id(items)] = (kind, steps, ln, nxt)
+        # a layer's attention piece then its MLP, each with its add+ln, the MLP reading the
+        # first add+ln's output alone (BERT's post-LayerNorm layer): one K.EncoderLayer call
+        # in place of the two, as ("layer", (attention's, MLP's), None, the three entries it
+        # does besides its own, span label, input, output, the tensors it drops)
+        plan = self._plan
+        for j, e in enumerate(plan[:-3]):
+            att = out.get(id(e[1])) if e[0] == "ops" else None
+            mlp = out.get(id(plan[j + 2][1])) if plan[j + 2][0] == "ops" else None
+            if (att is None or mlp is None or att[0] != "attention" or mlp[0] != "ffn"
+                    or att[2] is None or mlp[2] is None):
+                continue
+            x1, up = att[2].op.outputs[0], mlp[1][0]
+            if (up.layer == att[2].layer and up.op.inputs[0] == x1
+                    and mlp[2].op.inputs[1] == x1 and readers.get(x1) == 2):
+                runs = (e, *plan[j + 1:j + 4])
+                dead = tuple(t for r in runs for item in r[1] for t in item[3])
+                out[id(e[1])] = ("layer", (att, mlp), None, runs[1:], f"L{up.layer} layer",
+                                 att[1][0].op.inputs[0], mlp[2].op.outputs[0], dead)
+        if isinstance(self.layers, ResidentLayers):  # every layer's slice at hand at once
+            self._chain_layers(out)
         return out
+
+    def _chain_layers(self, out: dict) -> None:
+        """Layers in a row, each a "layer" fusion reading the one before's output, in one
+        `K.encoder_layers` call (as few kernel calls as it makes): ("layers", their "layer"
+        fusions, None, the entries it does besides its own, span label, input, output, the
+        tensors it drops), under the first one's run."""
+        at = {id(e): j for j, e in enumerate(self._plan)}
+        chains, chain = [], []
+        for e in self._plan:
+            f = out.get(id(e[1])) if e[0] == "ops" else None
+            if f is None or f[0] != "layer":
+                continue
+            prev = chain[-1] if chain else None
+            if (prev is not None and at[id(prev[3][-1])] + 1 == at[id(e)]
+                    and prev[6] == f[5]):
+                chain.append(f)
+            else:
+                chains.append(chain)
+                chain = [f]
+        chains.append(chain)
+        for chain in chains:
+            if len(chain) < 2:
+                continue
+            first = self._plan[at[id(chain[0][3][0])] - 1]
+            skips = chain[0][3] + tuple(e for f in chain[1:]
+                                        for e in (self._plan[at[id(f[3][0])] - 1], *f[3]))
+            out[id(first[1])] = ("layers", tuple(chain), None, skips,
+                                 f"L{_layer_of(chain[0])}-{_layer_of(chain[-1])} layers",
+                                 chain[0][5], chain[-1][6], tuple(t for f in chain for t in f[7]))
+
+    def _layer_call(self, fusion: tuple, params) -> "K.EncoderLayer | None":
+        """A "layer" fusion's K.EncoderLayer on this layer slice's weights, made once per slice
+        (the weights checked once): None where its weights are not float32, it has no heads,
+        or a GeMM has a bias of its own (the add+ln holds it)."""
+        att, mlp = fusion[1]
+        a, b, c = att[1]
+        got = self._layer_calls.get(a.layer)
+        if got is not None and got[0] is params:
+            return got[1]
+        (wqkv, bqkv), (wo, bo) = params[a.op.name], params[c.op.name]
+        (w1, b1), (w2, b2) = params[mlp[1][0].op.name], params[mlp[1][1].op.name]
+        heads = b.op.heads if b.split == BY_ROWS else self.units[b.op.unit][self.g.rank]
+        call = None
+        if (all(isinstance(w, K.PackedB) for w in (wqkv, wo, w1, w2)) and heads
+                and bo is None and b2 is None):
+            ln1, ln2 = att[2].op, mlp[2].op
+            bias1, g1, be1 = params[ln1.name]
+            bias2, g2, be2 = params[ln2.name]
+            call = K.EncoderLayer(wqkv, bqkv, heads, wo, bias1, (g1, be1, ln1.eps), w1, b1, w2,
+                                  bias2, (g2, be2, ln2.eps))
+        self._layer_calls[a.layer] = (params, call)
+        return call
+
+    def _chain_calls(self, fusion: tuple, params) -> "list[K.EncoderLayer] | None":
+        """A "layers" fusion's K.EncoderLayer of each layer (the first one's slice is `params`),
+        or None where one of them has none."""
+        calls = []
+        for f in fusion[1]:
+            lay = _layer_of(f)
+            call = self._layer_call(f, params if not calls else self.layers.get(lay).params)
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+    @staticmethod
+    def _whole_layers(calls: list, fusion: tuple, env: dict, fused: dict,
+                      ctx: "_Batch") -> None:
+        """Run a "layer" or "layers" fusion as one call: the tensors it drops go first, as its
+        output may have the name of its input (BERT's `x`)."""
+        y = K.encoder_layers(calls, env[fusion[5]], ctx.mask(env))
+        for t in fusion[7]:
+            env.pop(t, None)
+            fused.pop(t, None)
+        env[fusion[6]] = y
 
     def _fused(self, fusion: tuple, run: list, env: dict, fused: dict, params,
                ctx: "_Batch") -> bool:
@@ -224,9 +326,10 @@ class Interpreter:
         rc, r0 = rows
         ctx = _Batch(B, T, M, rc, r0, slice(r0, r0 + rc[g.rank]))
         fused: dict[str, np.ndarray] = {}  # a GeMM's whole output, by each of its outputs
-        layer = skip = None
+        layer, skip = None, ()
         for entry in self._plan:
-            if entry is skip:  # an add+ln the previous run's kernel did: drop, release
+            if skip and entry is skip[0]:  # a run the previous run's kernel did: drop, release
+                skip = skip[1:]
                 if entry[2] is not None:
                     self.layers.done(entry[2])
                 continue
@@ -243,10 +346,26 @@ class Interpreter:
                 layer = first.layer
                 with tr.span(weights_label, "io"):
                     params = self.layers.get(layer).params
+            fusion = self._fusion.get(id(run)) if counter is None else None
+            calls = None
+            if fusion is not None and fusion[0] == "layers":
+                calls = self._chain_calls(fusion, params)
+                if calls is None:
+                    fusion = fusion[1][0]  # its first layer alone
+            if fusion is not None and fusion[0] == "layer":
+                call = self._layer_call(fusion, params)
+                if call is None:
+                    fusion = fusion[1][0]  # its attention piece alone
+                else:
+                    calls = (call,)
+            if calls is not None:
+                label = fusion[4]
             with tr.span(label, "compute"):
-                fusion = self._fusion.get(id(run)) if counter is None else None
-                if fusion is not None and self._fused(fusion, run, env, fused, params, ctx):
+                if calls is not None:
+                    self._whole_layers(calls, fusion, env, fused, ctx)
                     run, skip = (), fusion[3]
+                elif fusion is not None and self._fused(fusion, run, env, fused, params, ctx):
+                    run, skip = (), (fusion[3],) if fusion[3] is not None else ()
                 for item in run:
                     running[0] = item[0]
                     self._op(item, env, fused, params if first.layer is not None else self.outside,
@@ -386,6 +505,11 @@ def _last_reads(steps: list[Step]) -> dict[Step, tuple[str, ...]]:
         if last is not None:
             out[last] = out.get(last, ()) + (t,)
     return out
+
+
+def _layer_of(fusion: tuple) -> int:
+    """The layer of a "layer" fusion (its attention piece's first step's)."""
+    return fusion[1][0][1][0].layer
 
 
 def _zeros(out, shape) -> np.ndarray:
