@@ -37,6 +37,8 @@ stream window may wait for it) before its first operator and released after its 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from hepti import kernels as K
@@ -47,6 +49,20 @@ from hepti.graph.lower import mlp_pair as _mlp_pair
 from hepti.kernels.norm import add_layernorm_rows
 from hepti.parallel.layers import ResidentLayers
 from hepti.model.livebytes import track
+
+
+class _Fusion(NamedTuple):
+    """Plan entries that one kernel call does, on one process and one thread (`_fusions`)."""
+    kind: str  # "attention" (K.attention_block), "ffn" (K.ffn), "layer" or "layers"
+    # attention: its three steps; ffn: its two; layer: (the attention's _Fusion, the MLP's);
+    # layers: each layer's "layer" _Fusion
+    parts: tuple
+    ln: Step | None  # attention, ffn: the add+ln after it, which the call does too
+    skips: tuple  # the plan entries after the run's own that the call does (`run` skips them)
+    label: str = ""  # layer(s): the compute span's label
+    input: str = ""  # layer(s): the tensor it reads
+    output: str = ""  # layer(s): the tensor it makes
+    drops: tuple = ()  # layer(s): the tensors it lets go
 
 
 class Interpreter:
@@ -128,9 +144,9 @@ class Interpreter:
                            for a, b in e[1]]
         return out
 
-    def _fusions(self) -> dict[int, tuple]:
+    def _fusions(self) -> dict[int, _Fusion]:
         """Runs that one kernel call does on one process and one thread, by id of the run's
-        list: (kind, steps, the add+ln after them or None, that add+ln's entry or None).
+        list (`_Fusion`).
         "attention": a run that is exactly a QKV GeMM, attention on its own rows' keys and
         values and the output GeMM (K.attention_block); "ffn": a run that is one MLP pair
         (K.ffn). When the next entry is an add+ln of the run's output alone, of the same layer,
@@ -167,43 +183,41 @@ class Interpreter:
                         and s.op.inputs[0] == last.op.outputs[0]
                         and readers.get(last.op.outputs[0]) == 1):
                     ln, nxt = s, self._plan[j + 1]
-            out[id(items)] = (kind, steps, ln, nxt)
+            out[id(items)] = _Fusion(kind, steps, ln, (nxt,) if nxt is not None else ())
         # a layer's attention piece then its MLP, each with its add+ln, the MLP reading the
         # first add+ln's output alone (BERT's post-LayerNorm layer): one K.EncoderLayer call
-        # in place of the two, as ("layer", (attention's, MLP's), None, the three entries it
-        # does besides its own, span label, input, output, the tensors it drops)
+        # in place of the two
         plan = self._plan
         for j, e in enumerate(plan[:-3]):
             att = out.get(id(e[1])) if e[0] == "ops" else None
             mlp = out.get(id(plan[j + 2][1])) if plan[j + 2][0] == "ops" else None
-            if (att is None or mlp is None or att[0] != "attention" or mlp[0] != "ffn"
-                    or att[2] is None or mlp[2] is None):
+            if (att is None or mlp is None or att.kind != "attention" or mlp.kind != "ffn"
+                    or att.ln is None or mlp.ln is None):
                 continue
-            x1, up = att[2].op.outputs[0], mlp[1][0]
-            if (up.layer == att[2].layer and up.op.inputs[0] == x1
-                    and mlp[2].op.inputs[1] == x1 and readers.get(x1) == 2):
+            x1, up = att.ln.op.outputs[0], mlp.parts[0]
+            if (up.layer == att.ln.layer and up.op.inputs[0] == x1
+                    and mlp.ln.op.inputs[1] == x1 and readers.get(x1) == 2):
                 runs = (e, *plan[j + 1:j + 4])
                 dead = tuple(t for r in runs for item in r[1] for t in item[3])
-                out[id(e[1])] = ("layer", (att, mlp), None, runs[1:], f"L{up.layer} layer",
-                                 att[1][0].op.inputs[0], mlp[2].op.outputs[0], dead)
+                out[id(e[1])] = _Fusion("layer", (att, mlp), None, runs[1:], f"L{up.layer} layer",
+                                        att.parts[0].op.inputs[0], mlp.ln.op.outputs[0], dead)
         if isinstance(self.layers, ResidentLayers):  # every layer's slice at hand at once
             self._chain_layers(out)
         return out
 
     def _chain_layers(self, out: dict) -> None:
         """Layers in a row, each a "layer" fusion reading the one before's output, in one
-        `K.encoder_layers` call (as few kernel calls as it makes): ("layers", their "layer"
-        fusions, None, the entries it does besides its own, span label, input, output, the
-        tensors it drops), under the first one's run."""
+        `K.encoder_layers` call (as few kernel calls as it makes): a "layers" `_Fusion` of
+        their "layer" ones, under the first one's run."""
         at = {id(e): j for j, e in enumerate(self._plan)}
         chains, chain = [], []
         for e in self._plan:
             f = out.get(id(e[1])) if e[0] == "ops" else None
-            if f is None or f[0] != "layer":
+            if f is None or f.kind != "layer":
                 continue
             prev = chain[-1] if chain else None
-            if (prev is not None and at[id(prev[3][-1])] + 1 == at[id(e)]
-                    and prev[6] == f[5]):
+            if (prev is not None and at[id(prev.skips[-1])] + 1 == at[id(e)]
+                    and prev.output == f.input):
                 chain.append(f)
             else:
                 chains.append(chain)
@@ -212,29 +226,30 @@ class Interpreter:
         for chain in chains:
             if len(chain) < 2:
                 continue
-            first = self._plan[at[id(chain[0][3][0])] - 1]
-            skips = chain[0][3] + tuple(e for f in chain[1:]
-                                        for e in (self._plan[at[id(f[3][0])] - 1], *f[3]))
-            out[id(first[1])] = ("layers", tuple(chain), None, skips,
-                                 f"L{_layer_of(chain[0])}-{_layer_of(chain[-1])} layers",
-                                 chain[0][5], chain[-1][6], tuple(t for f in chain for t in f[7]))
+            first = self._plan[at[id(chain[0].skips[0])] - 1]
+            skips = chain[0].skips + tuple(e for f in chain[1:]
+                                           for e in (self._plan[at[id(f.skips[0])] - 1], *f.skips))
+            out[id(first[1])] = _Fusion(
+                "layers", tuple(chain), None, skips,
+                f"L{_layer_of(chain[0])}-{_layer_of(chain[-1])} layers", chain[0].input,
+                chain[-1].output, tuple(t for f in chain for t in f.drops))
 
-    def _layer_call(self, fusion: tuple, params) -> "K.EncoderLayer | None":
+    def _layer_call(self, fusion: _Fusion, params) -> "K.EncoderLayer | None":
         """A "layer" fusion's K.EncoderLayer on this layer slice's weights, made once per slice
         (the weights checked once): None where its weights are not float32, it has no heads,
         or a GeMM has a bias of its own (the add+ln holds it)."""
-        att, mlp = fusion[1]
-        a, b, c = att[1]
+        att, mlp = fusion.parts
+        a, b, c = att.parts
         got = self._layer_calls.get(a.layer)
         if got is not None and got[0] is params:
             return got[1]
         (wqkv, bqkv), (wo, bo) = params[a.op.name], params[c.op.name]
-        (w1, b1), (w2, b2) = params[mlp[1][0].op.name], params[mlp[1][1].op.name]
+        (w1, b1), (w2, b2) = params[mlp.parts[0].op.name], params[mlp.parts[1].op.name]
         heads = b.op.heads if b.split == BY_ROWS else self.units[b.op.unit][self.g.rank]
         call = None
         if (all(isinstance(w, K.PackedB) for w in (wqkv, wo, w1, w2)) and heads
                 and bo is None and b2 is None):
-            ln1, ln2 = att[2].op, mlp[2].op
+            ln1, ln2 = att.ln.op, mlp.ln.op
             bias1, g1, be1 = params[ln1.name]
             bias2, g2, be2 = params[ln2.name]
             call = K.EncoderLayer(wqkv, bqkv, heads, wo, bias1, (g1, be1, ln1.eps), w1, b1, w2,
@@ -242,11 +257,11 @@ class Interpreter:
         self._layer_calls[a.layer] = (params, call)
         return call
 
-    def _chain_calls(self, fusion: tuple, params) -> "list[K.EncoderLayer] | None":
+    def _chain_calls(self, fusion: _Fusion, params) -> "list[K.EncoderLayer] | None":
         """A "layers" fusion's K.EncoderLayer of each layer (the first one's slice is `params`),
         or None where one of them has none."""
         calls = []
-        for f in fusion[1]:
+        for f in fusion.parts:
             lay = _layer_of(f)
             call = self._layer_call(f, params if not calls else self.layers.get(lay).params)
             if call is None:
@@ -255,21 +270,21 @@ class Interpreter:
         return calls
 
     @staticmethod
-    def _whole_layers(calls: list, fusion: tuple, env: dict, fused: dict,
+    def _whole_layers(calls: list, fusion: _Fusion, env: dict, fused: dict,
                       ctx: "_Batch") -> None:
         """Run a "layer" or "layers" fusion as one call: the tensors it drops go first, as its
         output may have the name of its input (BERT's `x`)."""
-        y = K.encoder_layers(calls, env[fusion[5]], ctx.mask(env))
-        for t in fusion[7]:
+        y = K.encoder_layers(calls, env[fusion.input], ctx.mask(env))
+        for t in fusion.drops:
             env.pop(t, None)
             fused.pop(t, None)
-        env[fusion[6]] = y
+        env[fusion.output] = y
 
-    def _fused(self, fusion: tuple, run: list, env: dict, fused: dict, params,
+    def _fused(self, fusion: _Fusion, run: list, env: dict, fused: dict, params,
                ctx: "_Batch") -> bool:
         """Run a run of `_fusions` as one kernel call; False (nothing run) where its weights are
         not float32, it has no heads or units, or its add+ln cannot be folded in."""
-        kind, steps, ln, _ = fusion
+        kind, steps, ln = fusion.kind, fusion.parts, fusion.ln
         last = steps[-1]
         residual = ln_args = bias = None
         if ln is not None:
@@ -292,7 +307,7 @@ class Interpreter:
             y = K.ffn(env[a.op.inputs[0]], w1, b1, w2, down_bias=bias, residual=residual,
                       ln=ln_args)
         env[(ln or last).op.outputs[0]] = y
-        for item in run + (ln and fusion[3][1] or []):
+        for item in run + [it for e in fusion.skips for it in e[1]]:  # and its add+ln's
             for t in item[3]:
                 env.pop(t, None)
                 fused.pop(t, None)
@@ -348,24 +363,24 @@ class Interpreter:
                     params = self.layers.get(layer).params
             fusion = self._fusion.get(id(run)) if counter is None else None
             calls = None
-            if fusion is not None and fusion[0] == "layers":
+            if fusion is not None and fusion.kind == "layers":
                 calls = self._chain_calls(fusion, params)
                 if calls is None:
-                    fusion = fusion[1][0]  # its first layer alone
-            if fusion is not None and fusion[0] == "layer":
+                    fusion = fusion.parts[0]  # its first layer alone
+            if fusion is not None and fusion.kind == "layer":
                 call = self._layer_call(fusion, params)
                 if call is None:
-                    fusion = fusion[1][0]  # its attention piece alone
+                    fusion = fusion.parts[0]  # its attention piece alone
                 else:
                     calls = (call,)
             if calls is not None:
-                label = fusion[4]
+                label = fusion.label
             with tr.span(label, "compute"):
                 if calls is not None:
                     self._whole_layers(calls, fusion, env, fused, ctx)
-                    run, skip = (), fusion[3]
+                    run, skip = (), fusion.skips
                 elif fusion is not None and self._fused(fusion, run, env, fused, params, ctx):
-                    run, skip = (), (fusion[3],) if fusion[3] is not None else ()
+                    run, skip = (), fusion.skips
                 for item in run:
                     running[0] = item[0]
                     self._op(item, env, fused, params if first.layer is not None else self.outside,
@@ -507,9 +522,9 @@ def _last_reads(steps: list[Step]) -> dict[Step, tuple[str, ...]]:
     return out
 
 
-def _layer_of(fusion: tuple) -> int:
+def _layer_of(fusion: _Fusion) -> int:
     """The layer of a "layer" fusion (its attention piece's first step's)."""
-    return fusion[1][0][1][0].layer
+    return fusion.parts[0].parts[0].layer
 
 
 def _zeros(out, shape) -> np.ndarray:
