@@ -28,7 +28,8 @@ from hepti.kernels.conv import (_MODE_PADDED, PADDED_WIDE_K, POOLED_ROWS, ConvLa
 
 # the blocks of `_padded_into`: the padded mode's (`_conv_shape`), made whole tiles of both
 # heights, 6 and 8 (VGG-16's conv1_2 alone with the wide tile: 0.966x the rows mode's time in
-# blocks of 224 pixels, 0.976x in 240's; 56x56x256 0.990x in 784's, 0.985x in 240's: alike).
+# blocks of 224 pixels, 0.976x in 240's; 56x56x256 0.990x in 784's, 0.985x in 240's; the
+# whole chain at 224 with blocks of 240 on every wide step 1.007x, 16 rounds: alike).
 # A pooled step's blocks are POOLED_ROWS rows, `ConvLayer.pooled`'s (in blocks of the padded
 # mode's rows, 8 to 28, the pooled 3x3s on 112-, 56-, 28- and 14-wide maps measured 0.99-1.01x
 # the time of POOLED_ROWS', in-process, interleaved, 12 rounds, load ~8: alike)
@@ -111,7 +112,8 @@ class PlainChain:
                 buf = bco = None
                 co = _offsets(n, ho, wo, cw.cout, ext)
                 mb0 = _conv_shape(cw.kh, cw.kw, cw.cout, 1, geo, 1, _MODE_PADDED)[3]
-                mb = min(n * ho * wo, max(BLOCK_UNIT, round(mb0 / BLOCK_UNIT) * BLOCK_UNIT))
+                mb = n * ho * wo if mb0 >= n * ho * wo else \
+                    max(BLOCK_UNIT, round(mb0 / BLOCK_UNIT) * BLOCK_UNIT)
             steps.append((geo_p, cw.k, cw.cout, cw.panels[0], layer.bias_f, layer.act, wide,
                           mb, co, pool, buf, bco, dst))
             src = dst
