@@ -73,6 +73,7 @@ def test_plain_chain_declines():
     assert not PlainChain.takes(dw)
     part = ConvLayer(pack_conv_weight(rand(48, 16, 3, 3)), rand(48))
     assert not PlainChain.takes(part)
+    assert not PlainChain.takes(object())  # a test's stand-in for a layer
 
 
 def test_band_executor_runs_vgg_features_in_one_call():

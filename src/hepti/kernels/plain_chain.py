@@ -61,10 +61,12 @@ class PlainChain:
         """Whether a step of this layer (and pool) may be in a chain, whatever the input: a
         dense convolution with whole panels of output channels, each kernel row one run of
         x (dilation 1 across, or one column)."""
+        if not isinstance(layer, ConvLayer):
+            return False
         w = layer.w
         dil = layer.dilation if isinstance(layer.dilation, tuple) else (layer.dilation,) * 2
-        return (isinstance(layer, ConvLayer) and not w.depthwise and w.groups == 1
-                and w.cout % NR == 0 and (dil[1] == 1 or w.kw == 1) and pool >= 0)
+        return (not w.depthwise and w.groups == 1 and w.cout % NR == 0
+                and (dil[1] == 1 or w.kw == 1) and pool >= 0)
 
     def _plan(self, x_shape: tuple, paddings: tuple):
         """Per step (geo on its zero-bordered input, k, cout, panels, bias, act, wide, block,
@@ -92,7 +94,7 @@ class PlainChain:
         src = first
         for i, ((layer, pool), geo) in enumerate(zip(self.steps, geos)):
             cw = layer.w
-            n, h, w, cin, ho, wo = geo[:6]
+            n, cin, ho, wo = geo[0], geo[3], geo[4], geo[5]
             oh, ow = (ho, wo) if not pool else ((ho - pool) // pool + 1, (wo - pool) // pool + 1)
             last = i + 1 == len(self.steps)
             ext = None if last else extents[i + 1]
