@@ -26,7 +26,9 @@ intrinsics, so an AVX2 CPU gets the same tile as pairs of ymm registers.
 `tile_gathered{8,4,1}` take each row's start from an array (conv.py's `_MODE_PADDED`: tiles
 whose rows cross output rows of a zero-padded x); `tile_scattered{8,4,1}` also store each
 row at an offset from an array (conv.py's `_into_fused`: a 1x1's output written into the
-interior of the zero-bordered map the next convolution reads).
+interior of the zero-bordered map the next convolution reads). `tile_wide6` is a gathered and
+scattered 6 x 64 tile over two panels at once, without a residual (conv.py's `_padded_into`: 6
+broadcasts of A for 24 FMAs, where the 8 x 32 tile has 8 for 16).
 
 Numba's own cache does not see this file change under the cached kernels that inline it
 (_microkernels.py's, conv.py's); hepti.kernels._cache does (each module's stamp covers the
@@ -169,6 +171,106 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False):
     return tile
 
 
+def _make_wide(mr: int):
+    """The intrinsic for an mr x 64 tile over two panels at once (four <16 x float> columns),
+    row i of A starting at a[ao[i]] and stored at c[co[i]] (ao, co int64 arrays, as
+    `tile_scattered8`'s), bias and act applied, no residual:
+
+        tile_wide(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act)
+
+    computes for i < mr and j < 64 (panel jp + j // 32, column j % 32)
+
+        acc[i, j] = sum_(s < n_seg) sum_(p < kc) a[ao[i] + s*seg_a + p] * B[s*kc + p, j]
+        c[co[i] + j] = act(acc[i, j] + bias[j])
+
+    panels a C-contiguous [n_panels, K, 32] array. Each output's sum runs over the same k in
+    the same order as the 32-wide tiles': the same bits. (s61-hA measured this tile, stored
+    by ldc, on ResNet-50's zero-padded copies: 0.95-0.99x per layer, the forward within its
+    noise; VGG-16's 3x3s on maps they no longer copy: conv.py's `_padded_into`.)"""
+
+    @intrinsic
+    def tile(typingctx, a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act):
+        if not (all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
+                    for t in (a, c, bias))
+                and all(isinstance(t, types.Array) and t.dtype == types.int64 for t in (ao, co))
+                and isinstance(panels, types.Array) and panels.ndim == 3
+                and panels.dtype == types.float32 and panels.layout == "C"):
+            return None
+        sig = types.void(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act)
+        nv = 2 * _NV
+
+        def codegen(context, builder, signature, args):
+            st = signature.args
+            A = context.make_array(st[0])(context, builder, args[0])
+            P = context.make_array(st[5])(context, builder, args[5])
+            C = context.make_array(st[7])(context, builder, args[7])
+            E = context.make_array(st[9])(context, builder, args[9])
+
+            def i64(k):
+                return context.cast(builder, args[k], st[k], types.int64)
+
+            n_seg_, kc_, seg_a_, jp_, act_ = (i64(k) for k in (2, 3, 4, 6, 10))
+            offs = context.make_array(st[1])(context, builder, args[1]).data
+            starts = [builder.load(builder.gep(offs, [_I64(i)])) for i in range(mr)]
+            coffs = context.make_array(st[8])(context, builder, args[8]).data
+            c_rows = [builder.load(builder.gep(coffs, [_I64(i)])) for i in range(mr)]
+            lds = builder.sdiv(cgutils.unpack_tuple(builder, P.strides, 3)[0], _I64(4))
+            ldb = _I64(NR)  # C-contiguous panels: the k loop's B addresses fold
+            pbase = [builder.gep(P.data, [builder.mul(builder.add(jp_, _I64(q)), lds)])
+                     for q in range(2)]
+            fma = cgutils.get_or_insert_function(builder.module,
+                                                 ir.FunctionType(_V, [_V, _V, _V]),
+                                                 "llvm.fma.v16f32")
+            vmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
+                                                  "llvm.maxnum.v16f32")
+            vmin = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
+                                                  "llvm.minnum.v16f32")
+            zero = ir.Constant(_V, None)
+            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nv)]
+                   for _ in range(mr)]
+            splat_mask = ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
+            with cgutils.for_range(builder, n_seg_) as seg:
+                s = seg.index
+                abase = builder.gep(A.data, [builder.mul(s, seg_a_)])
+                rows = [builder.gep(abase, [starts[i]]) for i in range(mr)]
+                brow0 = builder.mul(builder.mul(s, kc_), ldb)
+                bbase = [builder.gep(q, [brow0]) for q in pbase]
+                with cgutils.for_range(builder, kc_) as kl:
+                    p = kl.index
+                    bq = [builder.gep(q, [builder.mul(p, ldb)]) for q in bbase]
+                    bv = [builder.load(_vptr(builder, bq[j // _NV], _I64(_LANES * (j % _NV))),
+                                       align=4) for j in range(nv)]
+                    for i in range(mr):
+                        x = builder.load(builder.gep(rows[i], [p]), align=4)
+                        xv = builder.shuffle_vector(
+                            builder.insert_element(ir.Constant(_V, ir.Undefined), x, _I32(0)),
+                            ir.Constant(_V, ir.Undefined), splat_mask)
+                        for j in range(nv):
+                            slot = acc[i][j]
+                            builder.store(builder.call(fma, [xv, bv[j], builder.load(slot)]),
+                                          slot)
+            bv = [builder.load(_vptr(builder, E.data, _I64(_LANES * j)), align=4)
+                  for j in range(nv)]
+            is_act = builder.icmp_signed("!=", act_, _I64(0))
+            is_six = builder.icmp_signed("==", act_, _I64(2))
+            six = ir.Constant(_V, [6.0] * _LANES)
+            for i in range(mr):
+                vals = [builder.fadd(builder.load(acc[i][j]), bv[j], flags=_FAST)
+                        for j in range(nv)]
+                relu = [builder.call(vmax, [v, zero]) for v in vals]
+                relu6 = [builder.call(vmin, [v, six]) for v in relu]
+                out = [builder.select(is_act, builder.select(is_six, r6, r), v)
+                       for v, r, r6 in zip(vals, relu, relu6)]
+                crow = builder.gep(C.data, [c_rows[i]])
+                for j, v in enumerate(out):
+                    builder.store(v, _vptr(builder, crow, _I64(_LANES * j)), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
 # the heights _gen_microkernels.py may ask for (MR_FUSED and TAIL_HEIGHTS); each compiles only
 # where a kernel uses it
 tile_epi8 = _make(8)
@@ -180,3 +282,6 @@ tile_gathered1 = _make(1, True)
 tile_scattered8 = _make(8, True, True)
 tile_scattered4 = _make(4, True, True)
 tile_scattered1 = _make(1, True, True)
+# MR_WIDE x 64 over two panels, gathered and scattered (conv.py's `_padded_into`)
+MR_WIDE = 6
+tile_wide6 = _make_wide(MR_WIDE)

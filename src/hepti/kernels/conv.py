@@ -146,8 +146,9 @@ from hepti.kernels._intrinsics import max_f32, prefetch_l2
 from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi,
                                          direct_tiles_epi1, direct_tiles_epi4, full_tiles,
                                          micro_tile, pack_a_tile)
-from hepti.kernels._tile_ir import (tile_gathered1, tile_gathered4, tile_gathered8,
-                                    tile_scattered1, tile_scattered4, tile_scattered8)
+from hepti.kernels._tile_ir import (MR_WIDE, tile_gathered1, tile_gathered4, tile_gathered8,
+                                    tile_scattered1, tile_scattered4, tile_scattered8,
+                                    tile_wide6)
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
 from hepti.kernels.packed_gemm import (_epilogue, _finish, _pack_a, _pack_all, _panel_range,
@@ -182,6 +183,10 @@ PADDED_RUN = 64
 # keeps its blocks (VGG-16's 56- and 112-wide maps: 1.03-1.10x the time in blocks of 896
 # and more).
 PADDED_BLOCK = 784
+# `_padded_into` runs pairs of panels as one MR_WIDE x 64 tile where a pair fits in L2 (K up to
+# this; VGG-16's K = 4608 layers measured 1.00-1.01x the time with it, its K <= 2304 ones
+# 0.83-0.99x: hepti.kernels.plain_chain)
+PADDED_WIDE_K = config.L2_BYTES // (2 * NR * 4)
 # a convolution that would run _MODE_ROWS_FUSED runs _MODE_PADDED where the layer before it
 # writes its input into a zero-bordered map (ConvLayer.border; ResNet-50's 3x3s on 56-wide
 # maps): no copy to make there, and no gathered border tiles
@@ -663,6 +668,69 @@ def _padded_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ld
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
+def _scattered_tail(x, offs, co, i, rows, kh, run, seg_a, bp, cj, bj, act):
+    """Rows i .. rows-1 (fewer than MRF) of one panel of `_padded_into` as `_tiles_fused`
+    runs a short last tile: MRF rows for MRF - 1 (the missing row not stored), else a tile of
+    4 and tiles of 1."""
+    rem = rows - i
+    if rem == MRF - 1:
+        tile_scattered8(x, offs[i:i + MRF], kh, run, seg_a, 0, bp, 0, cj, co[i:i + MRF], 0, rem,
+                        bj, bj, 0, 0, False, act)
+        return
+    if rem >= 4:
+        tile_scattered4(x, offs[i:i + 4], kh, run, seg_a, 0, bp, 0, cj, co[i:i + 4], 0, 4, bj,
+                        bj, 0, 0, False, act)
+        i += 4
+    while i < rows:
+        tile_scattered1(x, offs[i:i + 1], kh, run, seg_a, 0, bp, 0, cj, co[i:i + 1], 0, 1, bj,
+                        bj, 0, 0, False, act)
+        i += 1
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _padded_into(x, geo, k, n_g, panels, c, co, m0, rows, bias, act, wide):
+    """Output pixels m0 .. m0+rows-1 of a convolution on a zero-bordered x (geo's padding 0,
+    as `_padded_fused`'s: groups 1, one contiguous run of kw*C floats per kernel row), pixel
+    m0 + i stored at c[co[i]:] (co int64, rows + MRF entries or more): into the interior of
+    the zero-bordered map the next convolution reads (hepti.kernels.plain_chain). Bias and
+    act, no residual. wide: pairs of panels run as one MR_WIDE x 64 tile (`tile_wide6`: 6
+    broadcasts of A for 24 FMAs, not 8 for 16), the rows past the last whole MR_WIDE on the
+    32-wide tiles; an odd last panel, and all of them without wide, on the 8 x 32 tiles.
+    Every output the same sum in the same order either way: bit for bit `_padded_fused`'s."""
+    n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
+    offs = np.empty(rows + MRF, np.int64)
+    for i in range(rows + MRF):
+        mm = m0 + min(i, rows - 1)  # rows past `rows` (a short tile's) read the last pixel
+        b, r = mm // (ho * wo), mm % (ho * wo)
+        offs[i] = ((b * h + (r // wo) * sh) * w + (r % wo) * sw) * cin
+    run, seg_a = kw * cin, dh * w * cin
+    n_p = n_g // NR
+    n_pairs = n_p // 2 if wide else 0
+    n_w = rows // MR_WIDE
+    for q in range(n_pairs):
+        j0 = 2 * q * NR
+        bw = bias[j0:j0 + 2 * NR]
+        cj = c[j0:]
+        for t in range(n_w):
+            tile_wide6(x, offs[t * MR_WIDE:(t + 1) * MR_WIDE], kh, run, seg_a, panels, 2 * q,
+                       cj, co[t * MR_WIDE:(t + 1) * MR_WIDE], bw, act)
+        for jp in range(2 * q, 2 * q + 2):
+            jj = jp * NR
+            _scattered_tail(x, offs, co, n_w * MR_WIDE, rows, kh, run, seg_a, panels[jp],
+                            c[jj:], bias[jj:jj + NR], act)
+    n_full = rows // MRF
+    for jp in range(2 * n_pairs, n_p):
+        j0 = jp * NR
+        bp = panels[jp]
+        bj = bias[j0:j0 + NR]
+        cj = c[j0:]
+        for t in range(n_full):
+            tile_scattered8(x, offs[t * MRF:(t + 1) * MRF], kh, run, seg_a, 0, bp, 0, cj,
+                            co[t * MRF:(t + 1) * MRF], 0, MRF, bj, bj, 0, 0, False, act)
+        _scattered_tail(x, offs, co, n_full * MRF, rows, kh, run, seg_a, bp, cj, bj, act)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
 def _into_fused(x, cin, n_g, panels, c, c_offs, blk_lo, blk_hi, mb, m, bias, act):
     """A 1x1 convolution at stride 1 without padding (`_MODE_FLAT`: x [M, cin] is A in place)
     whose output pixel i is stored at c[c_offs[i]:] (c_offs [M] int64, `into_offsets`: the
@@ -1136,6 +1204,36 @@ def _conv_pooled(x, geo, k, n_g, panels, c, bias, act, mode, edge, blk, pgeo, y)
             if py1 > py:
                 _pool_rows(c, pgeo, True, y, b, py, py1)
                 py = py1
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _padded_blocks(x, geo, k, n_g, panels, c, co, mb, bias, act, wide):
+    """`_padded_into` over all the output pixels, in blocks of mb (co: every pixel's offset in
+    c, and MRF more)."""
+    m = geo[0] * geo[4] * geo[5]
+    for m0 in range(0, m, mb):
+        _padded_into(x, geo, k, n_g, panels, c, co[m0:], m0, min(mb, m - m0), bias, act, wide)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _pooled_into(x, geo, k, n_g, panels, buf, bco, bias, act, wide, pk, q, y, y_rows):
+    """`_padded_into` on a zero-bordered x, then a pk x pk max pool at stride pk without
+    padding of its output, by blocks of q * pk output rows: each block's rows made into buf
+    (bco: their offsets there, q*pk*wo + MRF entries) and the q pool rows that read them made
+    from it while in L2, pool row r of image b stored from y[y_rows[b * pool rows + r]] on
+    (into the zero-bordered map the next convolution reads). The rows past the last whole
+    window (none read them) are not made. Bit for bit the convolution then `_pool`."""
+    n, ho, wo = geo[0], geo[4], geo[5]
+    pho, pwo = (ho - pk) // pk + 1, (wo - pk) // pk + 1
+    pgeo = (1, pk, wo, n_g, 1, pwo, pk, pk, pk, pk, 0, 0, 1, 1, 1)
+    step = pk * wo * n_g  # floats of buf a pool row reads
+    for b in range(n):
+        for py in range(0, pho, q):
+            nq = min(q, pho - py)
+            _padded_into(x, geo, k, n_g, panels, buf, bco, (b * ho + py * pk) * wo,
+                         nq * pk * wo, bias, act, wide)
+            for i in range(nq):
+                _pool_rows(buf[i * step:], pgeo, True, y[y_rows[b * pho + py + i]:], 0, 0, 1)
 
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)

@@ -19,6 +19,7 @@ from hepti import kernels as K
 from hepti.kernels.bottleneck_chain import BottleneckChain
 from hepti.kernels.inverted import InvertedBlock, inverted_residual
 from hepti.kernels.inverted_chain import InvertedChain
+from hepti.kernels.plain_chain import PlainChain
 
 
 class Weights:
@@ -43,6 +44,7 @@ class Weights:
         # `bottlenecks` likewise
         self._chains: dict = {}
         self._bottlenecks: dict = {}
+        self._plains: dict = {}  # `plain`: likewise, keyed by the convolutions alone
         for op in graph.ops:
             if op.kind == CONV:
                 rows = (conv_rows or {}).get(op.name)
@@ -165,6 +167,22 @@ class Weights:
         return self._keep(self._bottlenecks, runs, BottleneckChain(blocks))
 
 
+    def plain(self, runs) -> PlainChain | None:
+        """The kernel of a run of `plain_step`s (runs: each step's ops, a convolution and
+        the max pool after it, if any), on their weights (not streamed ones), made once and
+        kept while every convolution's entry is the one it was made on. None where `layer`
+        gives something else than ConvLayers (a test's stand-in): run the ops one by one."""
+        convs = [ops[:1] for ops in runs]
+        hit = self._kept(self._plains, convs)
+        if hit is not False:
+            return hit
+        steps = [(self.layer(ops[0]), ops[1].kernel if len(ops) == 2 else 0) for ops in runs]
+        if not all(isinstance(layer, K.ConvLayer) and PlainChain.takes(layer, pool)
+                   for layer, pool in steps):
+            return None
+        return self._keep(self._plains, convs, PlainChain(steps))
+
+
 def tensors_reader(tensors: dict):
     """`Weights`' read over a dict of arrays."""
     return lambda name, rows: tensors[name] if rows is None else tensors[name][rows[0]:rows[1]]
@@ -274,6 +292,24 @@ def apply_pooled(conv, pool, x: np.ndarray, weights: Weights,
     return apply(pool, apply(conv, x, weights, pad=pad), weights, pad=pool_pad)
 
 
+def plain_step(ops) -> bool:
+    """Whether `ops` (1 or 2 consecutive ops) are one step of a run that
+    hepti.kernels.plain_chain runs as one call: a dense convolution wider than 1x1 without
+    residual (1 group), then, if two, a max pool of its output alone at a stride of its
+    kernel without padding (`poolable`; VGG-16's 3x3s and their 2x2 pools). Not a 1x1: those
+    read their input flat in place, and ResNet's and MobileNetV2's run in their own chains."""
+    if not ops or len(ops) > 2:
+        return False
+    conv = ops[0]
+    if not (conv.kind == CONV and not conv.depthwise and conv.groups == 1
+            and conv.residual is None and conv.kernel > 1):
+        return False
+    if len(ops) == 1:
+        return True
+    pool = ops[1]
+    return poolable(conv, pool) and pool.stride == pool.kernel and pool.padding == 0
+
+
 def bottleneck_block(ops) -> bool:
     """Whether `ops` (3 or 4 consecutive ops) are one ResNet bottleneck block that
     hepti.kernels.bottleneck_chain runs: [downsample 1x1 of the block's input, no
@@ -358,6 +394,7 @@ def load_kernels(threads: int = 1) -> None:
     (hepti.kernels.inverted) and a run of them (hepti.kernels.inverted_chain), a 1x1 written
     into the zero-bordered map of the 3x3 after it (`ConvLayer.into`, `bordered`; `pair`, both
     in one call), a convolution with the max pool after it (`ConvLayer.pooled`), a run of
+    convolutions and pools each into the next one's zero-bordered map (`PlainChain`), a run of
     ResNet bottleneck blocks (hepti.kernels.bottleneck_chain), the pools, the head's GeMM and
     the pixels' NCHW -> NHWC copy cover MobileNetV2, ResNet-50 and VGG-16 alike, on one rank
     or on bands of rows."""
@@ -387,8 +424,10 @@ def load_kernels(threads: int = 1) -> None:
     second.bordered(first.into(x32, extent, threads), x32.shape, (1, 1, 1, 1), threads=threads)
     first.pair(second, x32, extent, (1, 1, 1, 1))  # both in one call (one thread)
     second.pooled(x32, (1, 1, 1, 1), 2, 2, (0, 0, 0, 0))  # with the max pool after it (bands.py)
-    conv = lambda cin, k, s=1, relu="relu": K.ConvLayer(  # noqa: E731
-        K.pack_conv_weight(r(32, cin, k, k)), r(32), s, relu=relu)
+    conv = lambda cin, k, s=1, relu="relu", cout=32: K.ConvLayer(  # noqa: E731
+        K.pack_conv_weight(r(cout, cin, k, k)), r(cout), s, relu=relu)
+    PlainChain([(conv(32, 3, cout=64), 0), (conv(64, 3, cout=64), 2)])(  # VGG's convolutions
+        x32, ((1, 1, 1, 1),) * 2)  # into each other's zero-bordered maps (bands.py)
     BottleneckChain([(conv(32, 1, 2, None), conv(32, 1), conv(32, 3, 2), conv(32, 1)),
                      (None, conv(32, 1), conv(32, 3), conv(32, 1))])(  # a run of ResNet's
         x32, ((1, 1, 1, 1), (1, 1, 1, 1)))  # bottleneck blocks in one call (bands.py)

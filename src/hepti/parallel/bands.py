@@ -63,7 +63,7 @@ from hepti.graph.split import (Split, channel_needs, channel_slice, fetches, fir
 from hepti.graph.opdag import F32, OpDag, OpNode, TensorInfo, from_cnn
 from hepti.model.cnn import (adaptive_avg_pool, apply, apply_inverted, apply_pair,
                              apply_pooled, bordered_pair, bottleneck_block, inverted_block,
-                             pairable, poolable)
+                             pairable, plain_step, poolable)
 from hepti.model.livebytes import track
 from hepti.order.search import executor_order
 
@@ -329,6 +329,8 @@ class BandExecutor:
                 self._bottlenecks(grp, taps)
             pooled = () if counter is not None or comm.size != 1 or self.threads != 1 else \
                 self._pooled(grp, taps)
+            plains = {} if counter is not None or comm.size != 1 or self.threads != 1 else \
+                self._plains(grp, taps)
             with comm.tracer.span(grp.name, "compute"):
                 entries = enumerate(grp.ops)
                 for j, (op, r, (i0, i1), pad, frees, _, alloc) in entries:
@@ -340,6 +342,10 @@ class BandExecutor:
                         step += skip
                     elif j in bottlenecks and (skip := self._run_bottlenecks(
                             grp, bottlenecks[j], have, taps)):
+                        next(itertools.islice(entries, skip, skip), None)
+                        step += skip
+                    elif j in plains and (skip := self._run_plain(grp, plains[j], have,
+                                                                  taps)):
                         next(itertools.islice(entries, skip, skip), None)
                         step += skip
                     elif j in paired and self._run_pair(grp.ops[j:j + 2], have, shapes, n,
@@ -555,6 +561,68 @@ class BandExecutor:
         c1 = runs[0][-3]  # (a downsample at stride 2 reads fewer rows: not the last)
         x = have[c1[0].input].rows(*c1[2])
         y = chain(np.ascontiguousarray(x), pads, threads=self.threads)
+        if y is None:
+            return 0
+        return self._landed(runs, Band(runs[-1][-1][1][0], y), frees, have, taps)
+
+    def _plains(self, grp: "_Group", taps: dict | None) -> dict[int, list]:
+        """{position in grp.ops: [(position, length) of each step]} of each run of two or
+        more `plain_step`s (hepti.model.cnn: a convolution, and the max pool of its output
+        after it) that hepti.kernels.plain_chain runs as one call: every row of each op made
+        here (a group of one rank), none split by channels or widened for a later group, no
+        streamed weights; each step reading the one before's output, let go in it and not
+        tapped. (On one rank and thread: `forward` asks only then.)"""
+        if not taps and hasattr(grp, "plains"):
+            return grp.plains
+        ops, out, cur, j = grp.ops, {}, None, 0
+        tapped = set(taps or ())
+
+        def fits(run):
+            return plain_step([e[0] for e in run]) and all(
+                e[1] is not None and e[5] is None and e[6] is None for e in run) and \
+                not self.weights.streams(run[0][0].name) and (
+                    len(run) == 1 or (run[0][0].output in run[1][4] and
+                                      run[1][2] == run[0][1] and run[1][3] in (None, (0, 0))
+                                      and run[0][0].output not in tapped))
+        while j < len(ops):
+            k = next((k for k in (2, 1) if j + k <= len(ops) and fits(ops[j:j + k])), 0)
+            if not k:
+                cur, j = None, j + 1
+                continue
+            if cur is not None and cur[-1][0] + cur[-1][1] == j:
+                last = ops[j - 1]
+                t = last[0].output
+                if ops[j][0].input == t and ops[j][2] == last[1] and t in ops[j][4] and \
+                        t not in tapped:
+                    cur.append((j, k))
+                    j += k
+                    continue
+            cur = out[j] = [(j, k)]
+            j += k
+        out = {j: run for j, run in out.items() if len(run) >= 2}
+        if not taps:
+            grp.plains = out
+        return out
+
+    def _run_plain(self, grp: "_Group", steps, have, taps) -> int:
+        """A run of plain steps (`_plains`) as one kernel call (a PlainChain on their
+        weights): the last step's output, as the ops one by one would make it. Returns how
+        many of the group's next entries it ran, 0 where the chain does not take this input
+        (the ops then run one by one)."""
+        key = ("plains", tuple(steps))
+        kept = grp.__dict__.setdefault("kernels", {}).get(key)
+        if kept is None or kept[0] != self.weights.version:
+            runs = [grp.ops[j:j + k] for j, k in steps]
+            chain = self.weights.plain([[e[0] for e in run] for run in runs])
+            pads = tuple((e[3] if e[3] is not None else (e[0].padding,) * 2) +
+                         (e[0].padding,) * 2 for e in (run[0] for run in runs))
+            frees = tuple(t for run in runs for e in run for t in e[4])
+            kept = grp.kernels[key] = (self.weights.version, chain, pads, runs, frees)
+        _, chain, pads, runs, frees = kept
+        if chain is None:
+            return 0
+        first = runs[0][0]
+        y = chain(np.ascontiguousarray(have[first[0].input].rows(*first[2])), pads)
         if y is None:
             return 0
         return self._landed(runs, Band(runs[-1][-1][1][0], y), frees, have, taps)
