@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import left_after
 from test_cli import hepti
 from test_distributed_launch import ROOT, launch, mpiexec
 from test_run_file import _rank_pid, ids_file
@@ -175,8 +176,7 @@ def test_stopped_rank_ends_run_and_resume_completes(uninterrupted, tmp_path, vic
         t0 = time.monotonic()
         _, err = p.communicate(timeout=TIMEOUT + 120)
         secs = time.monotonic() - t0
-        time.sleep(0.5)
-        left = _left_running(str(out))
+        left = left_after(lambda: _left_running(str(out)))
     finally:
         if pid is not None:  # whatever happened, nothing stays stopped
             for sig in (signal.SIGCONT, signal.SIGKILL):
