@@ -81,6 +81,15 @@ def serve_emulated(spec: Path, model: Path, *serve_args: str, n: int = 3, summar
     raise AssertionError(f"hepti serve never listened (exit {p.wait()}): {''.join(said)}")
 
 
+def left_after(find, timeout: float = 10.0):
+    """find()'s answer once it is empty, or its last one after TIMEOUT seconds: processes that
+    must end are given until then, polled, not a fixed sleep a loaded machine can outlast."""
+    t_end = time.monotonic() + timeout
+    while (left := find()) and time.monotonic() < t_end:
+        time.sleep(0.1)
+    return left
+
+
 def wait_for(what: str, cond, timeout: float):
     """cond()'s first truthy value, polled every 0.1 s; fails naming WHAT after TIMEOUT seconds.
     A scenario waits for the event it needs (answers, a relaunch), not for a fixed time."""

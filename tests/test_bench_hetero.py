@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hepti.bench import hetero
@@ -194,9 +195,21 @@ def test_parse_case():
 def test_quick_run_accounts_for_every_strategy(tmp_path):
     if not (REPO / "weights" / "minilm-l6" / "index.json").exists():
         pytest.skip("weights/minilm-l6 is missing; bin/setup makes it")
+    # The bench's own warm-up (hetero.warm_numba: seven launches outside the emulation, ~25 s
+    # with the cache warm) keeps the emulated devices from compiling; here the kernels a
+    # forward and a distributed job load are compiled or loaded in this process instead
+    # (test_warm_numba_launches_valid_commands checks the warm-up's commands).
+    from hepti.inputs import Batch
+    from hepti.model import bert
+    from hepti.parallel.single import SingleDevice
+    from hepti.weights import WeightStore
+    bert.load_kernels(1)
+    ids = np.ones((1, 16), np.int64)
+    SingleDevice.from_store(WeightStore(REPO / "weights" / "minilm-l6")).run(
+        Batch(ids, np.ones_like(ids), np.zeros_like(ids)))
     env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "hepti", "bench", "hetero", "--quick", "--spec", "emu-pair-940-full",
-           "--repeat", "1", "--min-repeat", "1", "--out-dir", str(tmp_path)]
+           "--repeat", "1", "--min-repeat", "1", "--no-warm", "--out-dir", str(tmp_path)]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads((tmp_path / "hetero.json").read_text())
@@ -209,6 +222,32 @@ def test_quick_run_accounts_for_every_strategy(tmp_path):
     assert (tmp_path / "hetero.csv").read_text().startswith(",".join(rep.CSV_FIELDS))
     assert doc["profiles"] and doc["profiles"][0]["spec"] == "emu-pair-940-full"
     assert doc["settings"]["keep_page_cache"]  # --quick's launches keep the page cache
+
+
+def test_warm_numba_launches_valid_commands(tmp_path, monkeypatch, minilm_dir, resnet_tiny_dir):
+    """The bench's Numba warm-up (the quick run above skips it): each model's forward on one
+    process, then on two ranks the profile and every distributed path, each a command `hepti`'s
+    own parser takes."""
+    from hepti.cli import build_parser as hepti_parser
+    launched = []
+    monkeypatch.setattr(hetero.harness, "launch", lambda argv, ranks=None, **kw: launched.append(
+        (ranks, list(argv))))
+    cases = [hetero.parse_case(f"{minilm_dir}:16", []), hetero.parse_case(f"{resnet_tiny_dir}:32", [])]
+    for c in cases:
+        hetero.make_inputs(c, tmp_path)
+    hetero.warm_numba(cases, tmp_path)
+    parser = hepti_parser()
+    for ranks, argv in launched:
+        assert argv[:3] == hetero.hepti_cmd(), argv
+        args = parser.parse_args(argv[3:])
+        assert args.model in (str(minilm_dir), str(resnet_tiny_dir)), argv
+    ones = [argv[3] for ranks, argv in launched if ranks is None]
+    assert ones == ["run", "run"]  # each model on one process
+    two = [(argv[3], argv[argv.index("--strategy") + 1] if "--strategy" in argv else None,
+            Path(argv[argv.index("--model") + 1]).name) for ranks, argv in launched if ranks == 2]
+    assert set(two) == {("profile", None, resnet_tiny_dir.name), ("run", "even", resnet_tiny_dir.name),
+                        ("profile", None, minilm_dir.name)} | {
+        ("run", s, minilm_dir.name) for s in ("tensor", "rows", "pipeline", "stream")}
 
 
 def test_solver_bench_times_the_planners_own_solve_s(tmp_path):

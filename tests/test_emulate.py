@@ -717,7 +717,9 @@ def _run_as_nobody(spec: Path) -> str:
 
 def test_schedule_can_wait_for_usr1(root_env, tmp_path):
     """--schedule-on-usr1: no event before the launcher gets SIGUSR1, then each at its time from
-    the signal (bin/bench-adapt.sh starts the clock once its service is up)."""
+    the signal (bin/bench-adapt.sh starts the clock once its service is up). The change is
+    polled for, not read after a fixed sleep: on a loaded machine a 0.5-core device's sleep of
+    0.5 s could end past the event's 1 s, and a read 2 s after the signal come before it."""
     spec = _write(tmp_path, "one.json", {
         "name": "test-usr1", "devices": [{"name": "dev-a", "cpu": 0.5, "link_mbit": 100}],
         "schedule": [{"t": 1.0, "device": 0, "cpu": 0.3}]})
@@ -728,12 +730,16 @@ def test_schedule_can_wait_for_usr1(root_env, tmp_path):
             return json.load(open(os.environ["HEPTI_EMULATE_STATE"]))["devices"][0]["cpu"]
         time.sleep(2.5)
         before = cpu()
+        t0 = time.time()
         os.kill(os.getppid(), signal.SIGUSR1)
-        time.sleep(0.5)
         early = cpu()
-        time.sleep(1.5)
-        json.dump([before, early, cpu()], open({str(out)!r}, "w"))
+        while cpu() != 0.3 and time.time() - t0 < 30:
+            time.sleep(0.05)
+        json.dump([before, early, cpu(), time.time() - t0], open({str(out)!r}, "w"))
     ''')
     rc = launch.run_emulated(spec, [sys.executable, "-c", code], timeout=60, schedule_on_usr1=True)
     assert rc == 0
-    assert json.loads(out.read_text()) == [0.5, 0.5, 0.3]
+    before, early, after, changed_s = json.loads(out.read_text())
+    assert [before, early, after] == [0.5, 0.5, 0.3]
+    # the clock starts when the launcher gets the signal, after it was sent (both clocks: time.time)
+    assert changed_s >= 1.0, changed_s

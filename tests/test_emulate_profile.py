@@ -223,8 +223,9 @@ def test_profile_sees_each_link_and_cpu_share(root_env, tmp_path, minilm_dir):
     runs, cached = [], []
     t0 = time.monotonic()
     # The RUNS profiles are separate jobs (each its own mpiexec, processes and cache folder) on
-    # one emulated cluster: setting it up and tearing it down is paid once, not per run.
-    jobs = [f"HEPTI_CACHE={shlex.quote(str(tmp_path / f'cache-{k}'))} "
+    # one emulated cluster: setting it up and tearing it down is paid once, not per run. Lean
+    # profiles (hepti.parallel.profiling.LEAN): none of the parts this test does not read.
+    jobs = [f"HEPTI_PROFILE_LEAN=1 HEPTI_CACHE={shlex.quote(str(tmp_path / f'cache-{k}'))} "
             + shlex.join([launch.find_mpiexec(), "-n", "3",
                           *_profile_cmd(minilm_dir, tmp_path / f"profile-{k}.json")])
             for k in range(RUNS)]
@@ -257,6 +258,8 @@ def test_profile_sees_each_link_and_cpu_share(root_env, tmp_path, minilm_dir):
     # each rank measured its own caps, which key the cache
     assert len(cached) == RUNS
     for prof in cached:
+        assert "calibration" not in prof["network"]  # lean: what it leaves out is not measured
+        assert not {"weight_load_Bps", "probe_s", "disk_read_Bps"} & set(prof["devices"][0])
         for i, dev in enumerate(spec.devices):
             lim = prof["devices"][i]["measured"]["limits"]
             # the quota is the device's share, times the guard when the stretch slows it down

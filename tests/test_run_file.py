@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import left_after
 from test_cli import DEV, _profile, assert_clean_error, hepti
 from test_distributed_launch import ROOT, launch, mpiexec
 
@@ -198,8 +199,8 @@ def test_ctrl_c_one_line_exit_130(tiny_dir, tmp_path, ranks, sweeps_killed_job):
     assert "Traceback" not in err, err
     assert err.count("interrupted") == 1, err
     assert not out.exists()  # nothing half-written under the output's name
-    time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    left = left_after(lambda: subprocess.run(["pgrep", "-f", str(out)], capture_output=True,
+                                             text=True).stdout.split())
     assert not left, f"processes left running: {left}"
 
 

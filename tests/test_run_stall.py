@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import left_after
 from test_cli import hepti
-from test_distributed_launch import ROOT, launch, mpiexec
+from test_distributed_launch import ROOT, launch_runs, mpiexec
 from test_run_file import _rank_pid, ids_file
 
 N, BS, TIMEOUT = 1600, 16, 5  # 100 batches of the tiny model: seconds, not minutes
@@ -97,20 +98,6 @@ def test_stall_timeout_0_watches_nothing():
     assert watchdog.start(world, 0.0) is None and world.sent == [None]
 
 
-def test_planned_run_takes_its_timeout_from_the_prediction(tiny_dir, tmp_path):
-    """A plan on a slow declared profile predicts seconds a batch: the default timeout is 10x
-    that (above the 30 s floor), and the --json report says so."""
-    from test_cli import DEV, _profile
-    prof = _profile(tmp_path, [dict(DEV, gemm_flops=2e6)] * 2)
-    code, stdout, err, _ = launch(2, "-m", "hepti", "run", "--model", tiny_dir, "--input-ids",
-                                  ids_file(tmp_path / "i.npz", 8), "--batch-size", "4",
-                                  "--strategy", "auto", "--profile", prof, "--json", timeout=600)
-    assert code == 0, err
-    rep = json.loads(stdout)
-    assert rep["predicted_latency_s"] > 3.0  # so that 10x it is above the floor
-    assert rep["stall_timeout_s"] == pytest.approx(10 * rep["predicted_latency_s"])
-
-
 def test_help_says_stall_timeout_and_exit_code():
     code, out, _ = hepti("run", "--help")
     assert code == 0 and "--stall-timeout" in out and "stopped answering" in out
@@ -122,18 +109,39 @@ def test_help_says_stall_timeout_and_exit_code():
 # --- a stopped rank, end to end ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_dir, tmp_path_factory):
-    """The run's command (without --output) and the bytes of its output when nothing stops."""
+def two_runs(tiny_dir, tmp_path_factory):
+    """Two 2-rank runs in one job (tests/mpi/runs.py: the ranks' start-up paid once): the stall
+    scenario's command uninterrupted, and a run planned on a slow declared profile -> (the
+    first's command without --output, the bytes of its output, both runs' --json reports)."""
+    from test_cli import DEV, _profile
     d = tmp_path_factory.mktemp("stall")
     run = ["-m", "hepti", "run", "--model", str(tiny_dir), "--input-ids",
            str(ids_file(d / "i.npz", N)), "--batch-size", str(BS), "--strategy", "tensor",
            "--ratios", "0.6,0.4"]
     whole = d / "whole.npy"
-    code, stdout, err, _ = launch(2, *run, "--output", whole, "--json", timeout=600)
-    assert code == 0, err
+    prof = _profile(d, [dict(DEV, gemm_flops=2e6)] * 2)
+    planned = ["run", "--model", tiny_dir, "--input-ids", ids_file(d / "p.npz", 8), "--batch-size",
+               "4", "--strategy", "auto", "--profile", prof, "--json"]
+    codes, outs, errs = launch_runs(2, [*run[2:], "--output", whole, "--json"], planned, timeout=600)
+    assert codes == [0, 0], errs
+    return run, whole.read_bytes(), [json.loads(out) for out in outs]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(two_runs):
+    """The run's command (without --output) and the bytes of its output when nothing stops."""
+    run, whole, (rep, _) = two_runs
     # no prediction (--ratios): the fixed default
-    assert json.loads(stdout)["stall_timeout_s"] == 120
-    return run, whole.read_bytes()
+    assert rep["stall_timeout_s"] == 120
+    return run, whole
+
+
+def test_planned_run_takes_its_timeout_from_the_prediction(two_runs):
+    """A plan on a slow declared profile predicts seconds a batch: the default timeout is 10x
+    that (above the 30 s floor), and the --json report says so."""
+    rep = two_runs[2][1]
+    assert rep["predicted_latency_s"] > 3.0  # so that 10x it is above the floor
+    assert rep["stall_timeout_s"] == pytest.approx(10 * rep["predicted_latency_s"])
 
 
 def _left_running(marker: str) -> list[str]:
@@ -175,8 +183,7 @@ def test_stopped_rank_ends_run_and_resume_completes(uninterrupted, tmp_path, vic
         t0 = time.monotonic()
         _, err = p.communicate(timeout=TIMEOUT + 120)
         secs = time.monotonic() - t0
-        time.sleep(0.5)
-        left = _left_running(str(out))
+        left = left_after(lambda: _left_running(str(out)))
     finally:
         if pid is not None:  # whatever happened, nothing stays stopped
             for sig in (signal.SIGCONT, signal.SIGKILL):

@@ -71,7 +71,9 @@ MAX_HOLD_S = 3600.0  # a device that keeps flapping is held out at most this lon
 # serves without it first serves this long, the re-planner's horizon (a change is assumed to
 # hold that long): a device confirmed while its job is still starting (on one machine, 10 s
 # after the loss) does not cost a second launch's CPU the moment that job says hello.
-SERVE_BEFORE_ADMIT_S = HORIZON_S
+# $HEPTI_SERVE_BEFORE_ADMIT_S sets it, read once (tests/test_serve_stall.py's emulated
+# re-admissions wait 1 s, not for a horizon that holds no check of theirs).
+SERVE_BEFORE_ADMIT_S = float(os.environ.get("HEPTI_SERVE_BEFORE_ADMIT_S", HORIZON_S))
 # What a rank holds besides the model's weights, where its resident memory cannot be read
 # here (a rank on another host): a MiniLM worker of `hepti serve -n 2 --strategy tensor` on
 # this machine held 302 MiB resident (Python, numpy, Numba's kernels, MPI, its weights and
