@@ -54,6 +54,35 @@ def _vptr(builder, base, index):
     return builder.bitcast(builder.gep(base, [index]), _V.as_pointer())
 
 
+def _vector_fns(builder) -> tuple:
+    """(fma, maxnum, minnum) on <16 x float> in the builder's module."""
+    def fn(name, n):
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V] * n),
+                                              name)
+    return fn("llvm.fma.v16f32", 3), fn("llvm.maxnum.v16f32", 2), fn("llvm.minnum.v16f32", 2)
+
+
+def _splat(builder, x):
+    """<16 x float> of the float x in every lane."""
+    return builder.shuffle_vector(
+        builder.insert_element(ir.Constant(_V, ir.Undefined), x, _I32(0)),
+        ir.Constant(_V, ir.Undefined), ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES))
+
+
+def _activation(builder, vmax, vmin, act_):
+    """vals -> act(vals), act_ an int64 (0 none, 1 ReLU, 2 ReLU6), chosen by selects."""
+    is_act = builder.icmp_signed("!=", act_, _I64(0))
+    is_six = builder.icmp_signed("==", act_, _I64(2))
+    zero, six = ir.Constant(_V, None), ir.Constant(_V, [6.0] * _LANES)
+
+    def act(vals):
+        relu = [builder.call(vmax, [v, zero]) for v in vals]
+        relu6 = [builder.call(vmin, [v, six]) for v in relu]
+        return [builder.select(is_act, builder.select(is_six, r6, r), v)
+                for v, r, r6 in zip(vals, relu, relu6)]
+    return act
+
+
 def _make(mr: int, gathered: bool = False, scattered: bool = False):
     """The intrinsic for an mr x 32 tile; `gathered`: ao is an int64 array, row i of the tile
     starting at a[ao[i]] (lda unused), for tiles whose rows cross output rows; `scattered`
@@ -102,17 +131,10 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False):
                 c_rows = [builder.add(co_, builder.mul(_I64(i), ldc_)) for i in range(mr)]
             has_res_ = context.cast(builder, args[16], st[16], types.boolean)
             ldb = builder.sdiv(cgutils.unpack_tuple(builder, B.strides, 2)[0], _I64(4))
-            fma = cgutils.get_or_insert_function(builder.module,
-                                                 ir.FunctionType(_V, [_V, _V, _V]),
-                                                 "llvm.fma.v16f32")
-            vmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
-                                                  "llvm.maxnum.v16f32")
-            vmin = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
-                                                  "llvm.minnum.v16f32")
+            fma, vmax, vmin = _vector_fns(builder)
             zero = ir.Constant(_V, None)
             acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(_NV)]
                    for _ in range(mr)]
-            splat_mask = ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
             with cgutils.for_range(builder, n_seg_) as seg:
                 s = seg.index
                 abase = builder.gep(A.data, [builder.mul(s, seg_a_)])
@@ -125,19 +147,14 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False):
                     bv = [builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4)
                           for j in range(_NV)]
                     for i in range(mr):
-                        x = builder.load(builder.gep(rows[i], [p]), align=4)
-                        xv = builder.shuffle_vector(
-                            builder.insert_element(ir.Constant(_V, ir.Undefined), x, _I32(0)),
-                            ir.Constant(_V, ir.Undefined), splat_mask)
+                        xv = _splat(builder, builder.load(builder.gep(rows[i], [p]), align=4))
                         for j in range(_NV):
                             slot = acc[i][j]
                             builder.store(builder.call(fma, [xv, bv[j], builder.load(slot)]),
                                           slot)
             bv = [builder.load(_vptr(builder, E.data, _I64(_LANES * j)), align=4)
                   for j in range(_NV)]
-            is_act = builder.icmp_signed("!=", act_, _I64(0))
-            is_six = builder.icmp_signed("==", act_, _I64(2))
-            six = ir.Constant(_V, [6.0] * _LANES)
+            act = _activation(builder, vmax, vmin, act_)
             for i in range(mr):
                 with builder.if_then(builder.icmp_signed(">", nv_, _I64(i)), likely=True):
                     vals = [builder.fadd(builder.load(acc[i][j]), bv[j], flags=_FAST)
@@ -157,10 +174,7 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False):
                         phi.add_incoming(r_vals[j], then_bb)
                         phi.add_incoming(vals[j], else_bb)
                         with_res.append(phi)
-                    relu = [builder.call(vmax, [v, zero]) for v in with_res]
-                    relu6 = [builder.call(vmin, [v, six]) for v in relu]
-                    out = [builder.select(is_act, builder.select(is_six, r6, r), v)
-                           for v, r, r6 in zip(with_res, relu, relu6)]
+                    out = act(with_res)
                     crow = builder.gep(C.data, [c_rows[i]])
                     for j, v in enumerate(out):
                         builder.store(v, _vptr(builder, crow, _I64(_LANES * j)), align=4)
@@ -218,17 +232,10 @@ def _make_wide(mr: int):
             ldb = _I64(NR)  # C-contiguous panels: the k loop's B addresses fold
             pbase = [builder.gep(P.data, [builder.mul(builder.add(jp_, _I64(q)), lds)])
                      for q in range(2)]
-            fma = cgutils.get_or_insert_function(builder.module,
-                                                 ir.FunctionType(_V, [_V, _V, _V]),
-                                                 "llvm.fma.v16f32")
-            vmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
-                                                  "llvm.maxnum.v16f32")
-            vmin = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
-                                                  "llvm.minnum.v16f32")
+            fma, vmax, vmin = _vector_fns(builder)
             zero = ir.Constant(_V, None)
             acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nv)]
                    for _ in range(mr)]
-            splat_mask = ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
             with cgutils.for_range(builder, n_seg_) as seg:
                 s = seg.index
                 abase = builder.gep(A.data, [builder.mul(s, seg_a_)])
@@ -241,26 +248,18 @@ def _make_wide(mr: int):
                     bv = [builder.load(_vptr(builder, bq[j // _NV], _I64(_LANES * (j % _NV))),
                                        align=4) for j in range(nv)]
                     for i in range(mr):
-                        x = builder.load(builder.gep(rows[i], [p]), align=4)
-                        xv = builder.shuffle_vector(
-                            builder.insert_element(ir.Constant(_V, ir.Undefined), x, _I32(0)),
-                            ir.Constant(_V, ir.Undefined), splat_mask)
+                        xv = _splat(builder, builder.load(builder.gep(rows[i], [p]), align=4))
                         for j in range(nv):
                             slot = acc[i][j]
                             builder.store(builder.call(fma, [xv, bv[j], builder.load(slot)]),
                                           slot)
             bv = [builder.load(_vptr(builder, E.data, _I64(_LANES * j)), align=4)
                   for j in range(nv)]
-            is_act = builder.icmp_signed("!=", act_, _I64(0))
-            is_six = builder.icmp_signed("==", act_, _I64(2))
-            six = ir.Constant(_V, [6.0] * _LANES)
+            act = _activation(builder, vmax, vmin, act_)
             for i in range(mr):
                 vals = [builder.fadd(builder.load(acc[i][j]), bv[j], flags=_FAST)
                         for j in range(nv)]
-                relu = [builder.call(vmax, [v, zero]) for v in vals]
-                relu6 = [builder.call(vmin, [v, six]) for v in relu]
-                out = [builder.select(is_act, builder.select(is_six, r6, r), v)
-                       for v, r, r6 in zip(vals, relu, relu6)]
+                out = act(vals)
                 crow = builder.gep(C.data, [c_rows[i]])
                 for j, v in enumerate(out):
                     builder.store(v, _vptr(builder, crow, _I64(_LANES * j)), align=4)
