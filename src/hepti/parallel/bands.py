@@ -545,22 +545,33 @@ class BandExecutor:
         BottleneckChain on their weights): the last block's output, as the ops one by one
         would make it. Returns how many of the group's next entries it ran, 0 where the
         chain does not take this input (the ops then run one by one)."""
-        key = ("bottlenecks", tuple(blocks))  # (taps may end a run sooner)
+        return self._run_whole(  # each conv2's padding; the input is conv1's (a downsample at
+            grp, "bottlenecks", blocks, have, taps, self.weights.bottlenecks,  # stride 2 reads
+            lambda run: run[-2], lambda runs: runs[0][-3], threads=self.threads)  # fewer rows)
+
+    def _run_whole(self, grp: "_Group", kind: str, blocks, have, taps, make, padded, reads,
+                   **kw) -> int:
+        """A run of blocks ([(position, length)] in grp.ops) as one kernel call: `make(ops of
+        each block)` the chain on their weights (None: it takes none), `padded(block's
+        entries)` the entry whose padding each block's chain step takes, `reads(blocks'
+        entries)` the entry whose input rows it reads; chain(x, pads, **kw) the last block's
+        output, or None where it does not take x. Returns how many of the group's next
+        entries it ran, 0 where it ran nothing (the ops then run one by one). What does not
+        change between forwards is kept per group, while the weights' version holds."""
+        key = (kind, tuple(blocks))  # (taps may end a run sooner)
         kept = grp.__dict__.setdefault("kernels", {}).get(key)
         if kept is None or kept[0] != self.weights.version:
             runs = [grp.ops[j:j + k] for j, k in blocks]
-            chain = self.weights.bottlenecks([[e[0] for e in run] for run in runs])
-            c2s = [run[-2] for run in runs]  # each conv2's padding, as `apply` gives it
+            chain = make([[e[0] for e in run] for run in runs])
             pads = tuple((e[3] if e[3] is not None else (e[0].padding,) * 2) +
-                         (e[0].padding,) * 2 for e in c2s)
+                         (e[0].padding,) * 2 for e in map(padded, runs))
             frees = tuple(t for run in runs for e in run for t in e[4])
             kept = grp.kernels[key] = (self.weights.version, chain, pads, runs, frees)
         _, chain, pads, runs, frees = kept
         if chain is None:
             return 0
-        c1 = runs[0][-3]  # (a downsample at stride 2 reads fewer rows: not the last)
-        x = have[c1[0].input].rows(*c1[2])
-        y = chain(np.ascontiguousarray(x), pads, threads=self.threads)
+        first = reads(runs)
+        y = chain(np.ascontiguousarray(have[first[0].input].rows(*first[2])), pads, **kw)
         if y is None:
             return 0
         return self._landed(runs, Band(runs[-1][-1][1][0], y), frees, have, taps)
@@ -609,23 +620,8 @@ class BandExecutor:
         weights): the last step's output, as the ops one by one would make it. Returns how
         many of the group's next entries it ran, 0 where the chain does not take this input
         (the ops then run one by one)."""
-        key = ("plains", tuple(steps))
-        kept = grp.__dict__.setdefault("kernels", {}).get(key)
-        if kept is None or kept[0] != self.weights.version:
-            runs = [grp.ops[j:j + k] for j, k in steps]
-            chain = self.weights.plain([[e[0] for e in run] for run in runs])
-            pads = tuple((e[3] if e[3] is not None else (e[0].padding,) * 2) +
-                         (e[0].padding,) * 2 for e in (run[0] for run in runs))
-            frees = tuple(t for run in runs for e in run for t in e[4])
-            kept = grp.kernels[key] = (self.weights.version, chain, pads, runs, frees)
-        _, chain, pads, runs, frees = kept
-        if chain is None:
-            return 0
-        first = runs[0][0]
-        y = chain(np.ascontiguousarray(have[first[0].input].rows(*first[2])), pads)
-        if y is None:
-            return 0
-        return self._landed(runs, Band(runs[-1][-1][1][0], y), frees, have, taps)
+        return self._run_whole(grp, "plains", steps, have, taps, self.weights.plain,
+                               lambda run: run[0], lambda runs: runs[0][0])
 
     def _pairs(self, grp: "_Group", taps: dict | None) -> tuple:
         """The positions in grp.ops of each op whose output the next op alone reads, the two
