@@ -238,7 +238,7 @@ def test_vgg_band_chain_equals_one_rank(split):
     (`BandExecutor._band_runs`: each writing into the zero-bordered map the next reads, the
     halo received into its rows above and below the band; at 1/2 width, every Cout whole
     32-wide panels): the logits bit for bit one rank's (its chain), even and uneven bands,
-    odd heights, fused groups; and the runs are there."""
+    odd heights, a batch of 2, fused groups; and the runs are there."""
     from hepti.config import CNNConfig
     from hepti.graph.cnn import build
     from hepti.graph.split import Split, conv_rows, spatial_ops, streamed_convs
@@ -261,8 +261,8 @@ def test_vgg_band_chain_equals_one_rank(split):
     ex = BandExecutor(comm, g, sp, w, 1)
     one = BandExecutor(Comm(None), g, Split((1.0,), ((0, spatial_ops(g)),)),
                        Weights(g, tensors_reader(tensors)), 1) if comm.rank == 0 else None
-    for h, wd in [(32, 32), (44, 38)]:
-        x = rng.standard_normal((1, 3, h, wd), dtype=np.float32)
+    for b, h, wd in [(1, 32, 32), (2, 44, 38)]:  # a batch: the halo through a buffer
+        x = rng.standard_normal((b, 3, h, wd), dtype=np.float32)
         got = ex.forward(x if comm.rank == 0 else None)
         again = ex.forward(x if comm.rank == 0 else None)  # the kept plan and maps
         runs = ex._band_runs(ex.program(h, wd))
