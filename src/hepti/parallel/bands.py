@@ -183,11 +183,13 @@ class BandExecutor:
     the head's linears with head "cols": `head_rows`)."""
 
     def __init__(self, comm, graph: Graph, split: Split, weights, threads: int = 1,
-                 order: list[str] | None = None):
+                 order: list[str] | None = None, band_runs: bool = True):
         """`order`: the operator order to follow within each group (names of all the ops:
-        hepti.graph.cnn `Graph.run_order`); the graph's own when None."""
+        hepti.graph.cnn `Graph.run_order`); the graph's own when None. `band_runs`: False
+        runs VGG's convolutions on bands of several ranks one by one, each its group's one
+        compute span (hepti.parallel.profile_cnn times them so), not as `_band_runs`."""
         self.comm, self.graph, self.split, self.weights = comm, graph, split, weights
-        self.threads = threads
+        self.threads, self.band_runs = threads, band_runs
         self.groups = split.group_ranges(graph)
         self.n_spatial = spatial_ops(graph)
         self.owners = split.owners(graph)
@@ -311,7 +313,7 @@ class BandExecutor:
         step = 0
         prog = self.program(h, w)
         banded = {} if counter is not None or comm.size == 1 or self.threads != 1 or taps \
-            else self._band_runs(prog)
+            or not self.band_runs else self._band_runs(prog)
         past = 0  # groups before this one ran inside a band run
         for k, grp in enumerate(prog):
             if k < past:
