@@ -229,3 +229,49 @@ def test_streamed_groups_equal_single(resnet_tiny_dir):
     streamed = tuple(k % 3 != 1 for k in range(len(groups)))
     want, got = _both(resnet_tiny_dir, Split((0.7, 0.3), groups, "cols", None, dims, streamed), px)
     _check(want, got, "streamed groups")
+
+
+@pytest.mark.parametrize("split", [((0.5, 0.5), None), ((0.6, 0.4), None),
+                                   ((0.45, 0.55), ((0, 5), (5, 18)))])
+def test_vgg_band_chain_equals_one_rank(split):
+    """VGG's convolutions on 2 ranks' bands as one PlainChain across the halo exchanges
+    (`BandExecutor._band_runs`: each writing into the zero-bordered map the next reads, the
+    halo received into its rows above and below the band; at 1/2 width, every Cout whole
+    32-wide panels): the logits bit for bit one rank's (its chain), even and uneven bands,
+    odd heights, a batch of 2, fused groups; and the runs are there."""
+    from hepti.config import CNNConfig
+    from hepti.graph.cnn import build
+    from hepti.graph.split import Split, conv_rows, spatial_ops, streamed_convs
+    from hepti.model.cnn import Weights, tensors_reader
+    from hepti.parallel.bands import BandExecutor, head_rows
+    from hepti.parallel.comm import Comm
+    cfg = CNNConfig(arch="vgg16", width_divisor=2, num_classes=10, classifier_hidden=64,
+                    name="v2")
+    rng = np.random.default_rng(0)
+    g = build(cfg)
+    tensors = {k: rng.standard_normal(s, dtype=np.float32) *
+               np.float32((0.5 / max(1, np.prod(s[1:]))) ** 0.5)
+               for k, s in g.weights().items()}
+    ratios, groups = split
+    assert groups is None or groups[-1][1] == spatial_ops(g)
+    sp = Split(ratios, groups=groups, head="primary")
+    comm = Comm(COMM)
+    w = Weights(g, tensors_reader(tensors), head_rows(g, sp, comm.rank, comm.size),
+                conv_rows(g, sp, comm.rank, comm.size), streamed_convs(g, sp))
+    ex = BandExecutor(comm, g, sp, w, 1)
+    one = BandExecutor(Comm(None), g, Split((1.0,), ((0, spatial_ops(g)),)),
+                       Weights(g, tensors_reader(tensors)), 1) if comm.rank == 0 else None
+    for b, h, wd in [(1, 32, 32), (2, 44, 38)]:  # a batch: the halo through a buffer
+        x = rng.standard_normal((b, 3, h, wd), dtype=np.float32)
+        got = ex.forward(x if comm.rank == 0 else None)
+        again = ex.forward(x if comm.rank == 0 else None)  # the kept plan and maps
+        runs = ex._band_runs(ex.program(h, wd))
+        all_ok(sum(len(st) for run in runs.values() for st in run) >= (4 if groups else 12),
+               f"{split} {h}x{wd}: runs {runs}")
+        if comm.rank == 0:
+            want = one.forward(x)
+            all_ok(np.array_equal(got, want) and np.array_equal(again, want),
+                   f"{split} {h}x{wd}: error {float(np.abs(got - want).max()):.2e}")
+        else:
+            all_ok(got is None and again is None, "rank 1 returned logits")
+    comm.close()

@@ -68,17 +68,28 @@ class PlainChain:
         return (not w.depthwise and w.groups == 1 and w.cout % NR == 0
                 and (dil[1] == 1 or w.kw == 1) and pool >= 0)
 
-    def _plan(self, x_shape: tuple, paddings: tuple):
+    def _plan(self, x_shape: tuple, paddings: tuple, bands: tuple | None = None):
         """Per step (geo on its zero-bordered input, k, cout, panels, bias, act, wide, block,
-        output offsets, pool's buffer and its offsets, the output map), the first map and
-        its extent; None where a step cannot run here."""
+        output offsets, pool's buffer and its offsets, the output map), the first map, its
+        extent, and each step's input extent; None where a step cannot run here. `bands`:
+        per step after the first, (rows, at): its input is `rows` tall, the step before's
+        output its rows from `at` on, the others (a band's halo) written by the caller."""
         if len(paddings) != len(self.steps) or not all(
-                self.takes(layer, pool) for layer, pool in self.steps):
+                self.takes(layer, pool) for layer, pool in self.steps) or (
+                bands is not None and len(bands) != len(self.steps) - 1):
             return None
         shape, steps = x_shape, []
-        geos = []
-        for (layer, pool), padding in zip(self.steps, paddings):
+        geos, ats = [], [0]
+        for i, ((layer, pool), padding) in enumerate(zip(self.steps, paddings)):
             cw = layer.w
+            if i and bands is not None:
+                rows, at = bands[i - 1]
+                if at < 0 or at + shape[1] > rows:
+                    return None
+                shape = (shape[0], rows) + tuple(shape[2:])
+                ats.append(at)
+            elif i:
+                ats.append(0)
             if shape[3] != cw.cin:
                 return None
             geo = _geometry_checked(shape, cw.kh, cw.kw, layer.stride, padding, layer.dilation,
@@ -99,7 +110,9 @@ class PlainChain:
             last = i + 1 == len(self.steps)
             ext = None if last else extents[i + 1]
             dst = aligned_empty((n, oh, ow, cw.cout)) if last else \
-                _bordered(n, oh, ow, cw.cout, ext)
+                _bordered(n, geos[i + 1][1], ow, cw.cout, ext)
+            if not last:  # its rows from `at` of the next input's
+                ext = ext[:2] + (ext[2] + ats[i + 1], ext[3])
             geo_p = (n, src.shape[1], src.shape[2], cin, ho, wo, cw.kh, cw.kw, geo[8], geo[9],
                      0, 0, geo[12], geo[13], cin)
             wide = cw.k <= PADDED_WIDE_K and cw.cout >= 2 * NR
@@ -119,7 +132,58 @@ class PlainChain:
             steps.append((geo_p, cw.k, cw.cout, cw.panels[0], layer.bias_f, layer.act, wide,
                           mb, co, pool, buf, bco, dst))
             src = dst
-        return steps, first, extents[0]
+        return steps, first, extents[0], [(g[1], g[2]) for g in geos], extents
+
+    def prepare(self, x_shape: tuple, paddings, bands: tuple | None = None):
+        """The chain's plan for an input of x_shape [N, H, W, C], each step's convolution
+        with its padding (top, bottom, left, right) of `paddings` (and `bands`, `_plan`'s),
+        kept per shape; None where it does not run so. Then `start(plan, x)`, `step(plan,
+        i)` for each step in turn (`input_rows` says where a band's halo rows go before it),
+        and `finish(plan)`: what `__call__` does at once."""
+        key = (tuple(x_shape), tuple(tuple(p) for p in paddings),
+               None if bands is None else tuple(tuple(b) for b in bands))
+        if key not in self._plans:
+            if len(self._plans) >= 4:  # maps a shape (~38 MB for VGG-16 at 224): start again
+                self._plans.clear()
+            self._plans[key] = self._plan(*key)
+        return self._plans[key]
+
+    @staticmethod
+    def start(plan, x: np.ndarray) -> None:
+        """x (its plan's shape) copied into the first step's zero-bordered map."""
+        _, first, (_, _, pt, pl) = plan[:3]
+        first[:, pt:pt + x.shape[1], pl:pl + x.shape[2]] = x
+
+    @staticmethod
+    def input_rows(plan, i: int) -> np.ndarray:
+        """Step i's input [N, rows, W, C] as a view of the zero-bordered map it reads (its
+        interior): a band's halo rows are written here before `step(plan, i)`; rows
+        [at, at + made) of it are the step before's output once that has run."""
+        steps, first, _, hws, extents = plan
+        src = first if i == 0 else steps[i - 1][-1]
+        (h, w), (_, _, pt, pl) = hws[i], extents[i]
+        return src[:, pt:pt + h, pl:pl + w]
+
+    @staticmethod
+    def step(plan, i: int) -> None:
+        """Step i (its convolution, and its pool if any), from its zero-bordered input into
+        the next one's (the last: into the output)."""
+        steps, first = plan[:2]
+        src = first if i == 0 else steps[i - 1][-1]
+        geo, k, cout, panels, bias, act, wide, mb, co, pool, buf, bco, dst = steps[i]
+        xf, df = src.reshape(-1), dst.reshape(-1)
+        if pool:
+            _pooled_into(xf, geo, k, cout, panels, buf, bco, bias, act, wide, pool, mb, df, co)
+        else:
+            _padded_blocks(xf, geo, k, cout, panels, df, co, mb, bias, act, wide)
+
+    @staticmethod
+    def finish(plan) -> np.ndarray:
+        """The last step's output; the plan keeps a new one for the next call."""
+        steps = plan[0]
+        out = steps[-1][-1]
+        steps[-1] = steps[-1][:-1] + (aligned_empty(out.shape),)  # the next call's: new
+        return out
 
     def __call__(self, x: np.ndarray, paddings) -> np.ndarray | None:
         """The chain on x [N, H, W, C] (C-contiguous float32), each step's convolution with
@@ -127,25 +191,10 @@ class PlainChain:
         or None where it does not run here."""
         if type(x) is not np.ndarray or x.dtype != np.float32 or x.ndim != 4:
             return None
-        key = (x.shape, tuple(tuple(p) for p in paddings))
-        if key not in self._plans:
-            if len(self._plans) >= 4:  # maps a shape (~38 MB for VGG-16 at 224): start again
-                self._plans.clear()
-            self._plans[key] = self._plan(*key)
-        plan = self._plans[key]
+        plan = self.prepare(x.shape, paddings)
         if plan is None:
             return None
-        steps, first, (_, _, pt, pl) = plan
-        first[:, pt:pt + x.shape[1], pl:pl + x.shape[2]] = x
-        src = first
-        for geo, k, cout, panels, bias, act, wide, mb, co, pool, buf, bco, dst in steps:
-            xf, df = src.reshape(-1), dst.reshape(-1)
-            if pool:
-                _pooled_into(xf, geo, k, cout, panels, buf, bco, bias, act, wide, pool, mb, df,
-                             co)
-            else:
-                _padded_blocks(xf, geo, k, cout, panels, df, co, mb, bias, act, wide)
-            src = dst
-        out = steps[-1][-1]
-        steps[-1] = steps[-1][:-1] + (aligned_empty(out.shape),)  # the next call's: new
-        return out
+        self.start(plan, x)
+        for i in range(len(self.steps)):
+            self.step(plan, i)
+        return self.finish(plan)

@@ -43,10 +43,14 @@ the graph. Each band is let go as soon as the last op to read it in that sequenc
 inside a fused group too (a fused group used to hold every band it made until its end). So a
 rank holds what the memory model of operator order (hepti.order.memory) prices for the
 sequence with each tensor at this rank's rows of it: `rank_dag` is that graph, and an
-allocation counter (hepti.model.livebytes) passed to `forward` measures what is held.
+allocation counter (hepti.model.livebytes) passed to `forward` measures what is held. (Without
+a counter, a run of VGG's convolutions runs as one hepti.kernels.plain_chain across the
+exchanges, `_band_runs`; the chain keeps its zero-bordered maps between forwards, as on one
+rank: ~19 MB a rank at 224 on 2 equal bands, outside that model.)
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -179,16 +183,19 @@ class BandExecutor:
     the head's linears with head "cols": `head_rows`)."""
 
     def __init__(self, comm, graph: Graph, split: Split, weights, threads: int = 1,
-                 order: list[str] | None = None):
+                 order: list[str] | None = None, band_runs: bool = True):
         """`order`: the operator order to follow within each group (names of all the ops:
-        hepti.graph.cnn `Graph.run_order`); the graph's own when None."""
+        hepti.graph.cnn `Graph.run_order`); the graph's own when None. `band_runs`: False
+        runs VGG's convolutions on bands of several ranks one by one, each its group's one
+        compute span (hepti.parallel.profile_cnn times them so), not as `_band_runs`."""
         self.comm, self.graph, self.split, self.weights = comm, graph, split, weights
-        self.threads = threads
+        self.threads, self.band_runs = threads, band_runs
         self.groups = split.group_ranges(graph)
         self.n_spatial = spatial_ops(graph)
         self.owners = split.owners(graph)
         self._schedules: dict = {}  # (h, w) -> (shapes, needs): `schedule`
         self._programs: dict = {}  # (h, w, rank) -> [_Group]: `program`
+        self._banded: dict = {}  # id(program) -> (program, its `_band_runs`)
         at = {i: k for k, i in enumerate(graph.run_order(order))}
         # each group's ops in the order's sequence, then the head in its own
         self.runs = [sorted(range(a, b), key=at.__getitem__) for a, b in self.groups]
@@ -304,11 +311,18 @@ class BandExecutor:
         if rank == 0:
             have[g.input] = Band(0, K.nchw_to_nhwc(pixels))  # numpy's transposed copy: 20x
         step = 0
-        for grp in self.program(h, w):
+        prog = self.program(h, w)
+        banded = {} if counter is not None or comm.size == 1 or self.threads != 1 or taps \
+            or not self.band_runs else self._band_runs(prog)
+        past = 0  # groups before this one ran inside a band run
+        for k, grp in enumerate(prog):
+            if k < past:
+                continue
             if counter is not None:
                 running[0] = grp.exchange_name
             if grp.sends or grp.recvs or grp.widen:
                 self._fetch(grp, have, shapes, n)
+            band = self._band_plan(prog, banded[k], shapes, n) if k in banded else None
             if grp.channels:  # each op's compute span, then its allgather (not inside it)
                 for op, _, _, _, frees, chan, _ in grp.ops:
                     if counter is not None:
@@ -331,8 +345,11 @@ class BandExecutor:
                 self._pooled(grp, taps)
             plains = {} if counter is not None or comm.size != 1 or self.threads != 1 else \
                 self._plains(grp, taps)
-            with comm.tracer.span(grp.name, "compute"):
-                entries = enumerate(grp.ops)
+            if band is not None:  # the entries before the run (the run's ops: in it)
+                chains = paired = bottlenecks = pooled = plains = {}
+            stop = banded[k][0][0][1] if band is not None else len(grp.ops)
+            with comm.tracer.span(grp.name, "compute") if stop else contextlib.nullcontext():
+                entries = enumerate(grp.ops[:stop])
                 for j, (op, r, (i0, i1), pad, frees, _, alloc) in entries:
                     if counter is not None:  # the step an allocation is charged to
                         running[0] = op.name
@@ -387,7 +404,162 @@ class BandExecutor:
                         if t in have:
                             del have[t]
                     step += 1
+            if band is not None:
+                step += self._run_bands(prog, banded[k], band, have, n)
+                past = banded[k][-1][-1][0] + 1
         return self._tail(have, shapes, n, step, running)
+
+    def _band_runs(self, prog: list) -> dict[int, list]:
+        """{group index: [each step's entries, [(group, position)] (a convolution, and the
+        max pool of its output after it if any)]} of each run of two or more `plain_step`s
+        that hepti.kernels.plain_chain runs as one chain on this rank's bands (`_run_bands`),
+        across the exchanges between them: each convolution writing its rows into the
+        zero-bordered map the next one reads, the halo rows the next one needs received
+        into that map's rows above and below them. A run ends at its last group's last
+        entry (the entries before it in its first group run one by one first); every
+        convolution makes rows, none split by
+        channels or streamed; each step reads the one before's output, let go in it; an
+        exchange inside a run moves only that output's rows (the halo), its band widened to
+        exactly the rows the next convolution reads. Worked out once per program."""
+        kept = self._banded.get(id(prog))
+        if kept is not None and kept[0] is prog:
+            return kept[1]
+        flat = [(k, j) for k, grp in enumerate(prog) if not grp.channels
+                for j in range(len(grp.ops))]
+        entry = lambda kj: prog[kj[0]].ops[kj[1]]  # noqa: E731
+        quiet = lambda grp: not (grp.sends or grp.recvs or grp.widen)  # noqa: E731
+
+        def conv_ok(e):
+            return plain_step([e[0]]) and e[1] is not None and e[5] is None and \
+                not self.weights.streams(e[0].name)
+
+        def follows(prev, kj):  # step kj's convolution reads the step `prev` ends with
+            (ka, ja), (kb, jb) = prev, kj
+            a, b = entry(prev), entry(kj)
+            t = a[0].output
+            if b[0].input != t or t not in b[4]:
+                return False
+            if kb == ka:
+                return jb == ja + 1 and b[2] == a[1] and a[6] is None
+            grp = prog[kb]
+            if kb != ka + 1 or jb != 0 or ja != len(prog[ka].ops) - 1 or grp.channels:
+                return False
+            pieces = [x for xs in (*grp.sends.values(), *grp.recvs.values()) for x in xs]
+            if any(x[0] != t for x in pieces) or any(wd[0] != t for wd in grp.widen):
+                return False
+            lo, hi = b[2]
+            if not grp.widen:
+                return b[2] == a[1] and a[6] is None
+            got = sum(s1 - s0 for xs in grp.recvs.values() for _, s0, s1 in xs)
+            return (len(grp.widen) == 1 and grp.widen[0][1:] == (lo, hi) and
+                    lo <= a[1][0] and a[1][1] <= hi and got == hi - lo - (a[1][1] - a[1][0])
+                    and a[6] in (None, (lo, hi)))
+
+        runs, cur, i = {}, None, 0
+        while i < len(flat):
+            kj = flat[i]
+            e = entry(kj)
+            if not conv_ok(e):
+                cur, i = None, i + 1
+                continue
+            step = [kj]
+            if i + 1 < len(flat):  # its pool, if any (in its group or the next, no exchange)
+                pk = flat[i + 1]
+                p = entry(pk)
+                if (pk[0] == kj[0] or (pk[0] == kj[0] + 1 and pk[1] == 0 and
+                                       kj[1] == len(prog[kj[0]].ops) - 1 and
+                                       quiet(prog[pk[0]]))) and \
+                        plain_step([e[0], p[0]]) and p[1] is not None and p[5] is None and \
+                        p[2] == e[1] and e[0].output in p[4] and p[3] in (None, (0, 0)) and \
+                        e[6] is None:
+                    step.append(pk)
+            if cur is not None and follows(cur[-1][-1], kj):
+                cur.append(step)
+            else:
+                cur = runs[kj[0]] = [step]
+            i += len(step)
+        out = {}
+        for k, run in runs.items():
+            while run and run[-1][-1][1] != len(prog[run[-1][-1][0]].ops) - 1:
+                run = run[:-1]  # it ends with its last group
+            if len(run) >= 2:
+                out[k] = run
+        self._banded[id(prog)] = (prog, out)
+        return out
+
+    def _band_plan(self, prog: list, run: list, shapes, n: int):
+        """(the run's kept kernel and geometry, the chain's plan at this input) for a run of
+        `_band_runs`' steps, or None where the chain does not take it (the ops then run one by
+        one). Asked before its first group's entries run."""
+        entry = lambda kj: prog[kj[0]].ops[kj[1]]  # noqa: E731
+        key = ("bands", tuple(kj for st in run for kj in st))
+        grp0 = prog[run[0][0][0]]
+        kept = grp0.__dict__.setdefault("kernels", {}).get(key)
+        if kept is None or kept[0] != self.weights.version:
+            steps = [[entry(kj) for kj in st] for st in run]
+            chain = self.weights.plain([[e[0] for e in st] for st in steps])
+            pads = tuple((st[0][3] if st[0][3] is not None else (st[0][0].padding,) * 2) +
+                         (st[0][0].padding,) * 2 for st in steps)
+            bands = tuple((b[0][2][1] - b[0][2][0], a[-1][1][0] - b[0][2][0])
+                          for a, b in zip(steps, steps[1:]))
+            frees = tuple(t for st in steps for e in st for t in e[4])
+            kept = grp0.kernels[key] = (self.weights.version, chain, pads, bands, frees, steps)
+        chain, pads, bands, steps = kept[1], kept[2], kept[3], kept[5]
+        if chain is None:
+            return None
+        first = steps[0][0]
+        x_shape = (n, first[2][1] - first[2][0]) + tuple(shapes[first[0].input][1:])
+        plan = chain.prepare(x_shape, pads, bands)
+        return None if plan is None else (kept, plan)
+
+    def _run_bands(self, prog: list, run: list, band, have, n: int) -> int:
+        """A run of `_band_runs`' steps as one PlainChain on this rank's bands (`band`:
+        `_band_plan`'s): the first step reads its input band (fetched already), each later
+        group's exchange sends this rank's edge rows from the zero-bordered map the step
+        before wrote and receives the neighbours' into its rows above and below them
+        (straight in where they are one run of memory: one image's rows, else through a
+        buffer), then the step. Returns how many entries it ran."""
+        (_, chain, _, _, frees, steps), plan = band
+        first = steps[0][0]
+        chain.start(plan, have[first[0].input].rows(*first[2]))
+        tracer = self.comm.tracer
+        for i, (st, kjs) in enumerate(zip(steps, run)):
+            grp = prog[kjs[0][0]]
+            if i and kjs[0][1] == 0 and (grp.sends or grp.recvs):  # the halo, into the map
+                self._halo_into(grp, chain.input_rows(plan, i), st[0][2][0])
+            with tracer.span(grp.name if len(kjs) == 1 else f"{grp.name}+", "compute"):
+                chain.step(plan, i)
+        last = steps[-1][-1]
+        have[last[0].output] = Band(last[1][0], chain.finish(plan))
+        for t in frees:
+            if t in have and t != last[0].output:
+                del have[t]
+        return sum(len(st) for st in steps)
+
+    def _halo_into(self, grp: "_Group", band: np.ndarray, lo: int) -> None:
+        """The group's exchange (`_fetch`'s messages) with this rank's rows of the tensor
+        sent from `band` (rows [lo, ...) of it, [N, rows, W, C], a view of a zero-bordered
+        map) and the neighbours' received into it."""
+        def view(s0, s1):
+            return band[:, s0 - lo:s1 - lo]
+        sends = {p: (view(*xs[0][1:]).reshape(-1) if len(xs) == 1 and
+                     view(*xs[0][1:]).flags.c_contiguous else
+                     np.concatenate([view(s0, s1).ravel() for _, s0, s1 in xs]))
+                 for p, xs in grp.sends.items()}
+        recvs, later = {}, []
+        for p, xs in grp.recvs.items():
+            if len(xs) == 1 and view(*xs[0][1:]).flags.c_contiguous:
+                recvs[p] = view(*xs[0][1:]).reshape(-1)  # a view: straight into the map
+            else:
+                recvs[p] = np.empty(sum(view(s0, s1).size for _, s0, s1 in xs), np.float32)
+                later.append((recvs[p], xs))
+        self.comm.exchange(sends, recvs)
+        for buf, xs in later:
+            at = 0
+            for _, s0, s1 in xs:
+                v = view(s0, s1)
+                v[...] = buf[at:at + v.size].reshape(v.shape)
+                at += v.size
 
     def _fusions(self, grp: "_Group", taps: dict | None) -> dict[int, int]:
         """{position in grp.ops: its length} of each MobileNetV2 inverted-residual block

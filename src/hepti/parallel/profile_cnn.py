@@ -144,7 +144,7 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
         unsent = _Unsent()
         unsent.tracer.record_events = True
         ex = BandExecutor(unsent, g, Split((f, 1.0 - f), head="primary"), model.weights,
-                          model.threads)
+                          model.threads, band_runs=False)  # one compute span an op
         run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
         run(x)
         runs.append((f, unsent.tracer, run, [[] for _ in range(n)]))
@@ -155,7 +155,7 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
             unsent = _Unsent()
             unsent.tracer.record_events = True
             ex = BandExecutor(unsent, g, Split((f, 1.0 - f), groups, head="primary"),
-                              model.weights, model.threads)
+                              model.weights, model.threads, band_runs=False)
             run = _stretch.wrap(ex.forward) if _stretch.ON else ex.forward
             run(x)
             joins.append((f, unsent.tracer, run, None if groups else [[] for _ in range(n)]))
