@@ -91,6 +91,22 @@ def test_split_rows_balances_the_tiles(m, k, mode, wo):
     assert sum(units) >= -(-m // 8) and busiest <= -(-sum(units) // 2) + max(units) // 2 + 1
 
 
+def test_split_rows_takes_more_blocks_where_they_share_the_tiles_evenly():
+    """ResNet-50's 28x28 3x3s read in place (98 tiles): row_block's 8 blocks of 13 tiles
+    were 52 and 46 a thread; 14 blocks of 7 are 49 and 49. A split already even keeps its
+    blocks (56x56: row_block's)."""
+    m, k = 28 * 28, 9 * 128
+    mb, busiest = conv._split_rows(m, k, conv._MODE_PADDED, 2, 28)
+    units = conv._block_units(m, mb, conv._MODE_PADDED, 28)
+    assert sum(units) == 98 and busiest == 49 and mb % conv.MRF == 0
+    assert conv._busiest(conv._block_units(m, 104, conv._MODE_PADDED, 28), 2) == 52
+    m, k = 56 * 56, 256
+    n0 = -(-m // conv.row_block(m, k))
+    n0 = -(-n0 // 2) * 2
+    assert conv._split_rows(m, k, conv._MODE_FLAT, 2, 56)[0] == \
+        -(-(-(-m // n0)) // conv.MRF) * conv.MRF
+
+
 @pytest.mark.parametrize("m,k,n", [(256, 768, 4 * NR), (100, 3072, 3 * NR + 7), (9, 64, 2 * NR),
                                    (1, 128, 5 * NR)])
 def test_gemm_threads_match_one_thread(m, k, n):

@@ -8,6 +8,7 @@ keeps row loads and stores vectorised and the number of compiled specialisations
 """
 from __future__ import annotations
 
+import mmap
 import threading
 
 import numpy as np
@@ -16,20 +17,50 @@ from numpy.lib.stride_tricks import as_strided
 EMPTY = np.empty(0, np.float32)  # stands in for an absent optional array (bias, residual)
 ITEM = 4  # bytes per float32
 ALIGN = 64  # bytes: one cache line, one zmm register
+HUGE_PAGE = 1 << 21  # bytes: a transparent huge page on x86-64
 _local = threading.local()
 
 
-def aligned_empty(shape, align: int = ALIGN) -> np.ndarray:
+def aligned_empty(shape, align: int = ALIGN, huge: bool = False) -> np.ndarray:
     """An uninitialised float32 C-contiguous array whose data starts on an `align`-byte boundary.
 
     Packed panels are read one 128-byte row per k step; misaligned, every row would straddle
     three cache lines instead of two.
+
+    huge: a buffer kept for the life of a model (a chain's weights, its arena of maps) in whole
+    2 MiB pages of its own (zero-filled, `_huge_empty`), not from the heap, so that it lies
+    alike in every process. numpy advises huge pages for arrays of 4 MiB or more, but malloc
+    may hand out memory it had already touched in 4 KiB pages: ResNet-50's 11 MB arena was in
+    huge pages in some processes and half in 4 KiB ones in others (/proc/self/pagemap). The
+    forward's time did not follow it beyond the machine's noise (docs/cnn.md, "Feature maps
+    on a 64-byte boundary"). Not for outputs made per call: each new mapping's pages are
+    faulted and zeroed again.
     """
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     size = int(np.prod(shape))
+    if huge:
+        return _huge_empty(shape, size)
     raw = np.empty(size + align // ITEM, np.float32)
     start = (-raw.ctypes.data % align) // ITEM
     return raw[start:start + size].reshape(shape)
+
+
+def _huge_empty(shape: tuple, size: int) -> np.ndarray:
+    """A zero-filled float32 array of `size` floats starting on a 2 MiB boundary, in an
+    anonymous mapping of its own advised MADV_HUGEPAGE and rounded up to whole 2 MiB pages,
+    so that every page of it is a huge one when the kernel has them (transparent huge pages
+    `madvise` or `always`): the same placement in every process (physically contiguous 2 MiB
+    at a time, one TLB entry each). Where it has none, the pages are 4 KiB ones, as before."""
+    nbytes = -(-max(size * ITEM, 1) // HUGE_PAGE) * HUGE_PAGE
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(buf, np.uint8)  # holds the mapping for as long as a view of it lives
+    start = -raw.ctypes.data % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+        except OSError:  # a kernel without transparent huge pages: 4 KiB pages
+            pass
+    return raw[start:start + size * ITEM].view(np.float32).reshape(shape)
 
 
 def pad16(n: int) -> int:

@@ -124,7 +124,7 @@ class BottleneckChain:
         if any(c.w.depthwise or c.w.groups != 1 for c in layers):
             raise ValueError("a bottleneck chain takes dense convolutions (groups 1)")
         total = sum(pad16(c.w.panels.size) + pad16(c.w.cout) for c in layers)
-        self.wts = aligned_empty(max(total, 1))
+        self.wts = aligned_empty(max(total, 1), huge=True)
         self._at, at = {}, 0  # id(layer) -> (panels' offset, bias's offset)
         for c in layers:
             p = c.w.panels
@@ -213,8 +213,8 @@ class BottleneckChain:
                 at += pad16(maps[key][1])
                 offs.append(o)
                 of_at += o.size
-        mem = aligned_empty(max(at, 1))  # 64-byte aligned: each tile row's stores in whole
-        mem.fill(0.0)  # lines (numpy's own start 16-48 bytes past one); the borders stay zero
+        mem = aligned_empty(max(at, 1), huge=True)  # zero-filled (the borders stay zero), on
+        # a 2 MiB boundary in huge pages of its own: alike in every process
         p_bufs = [(_MEM, 0, p_size), (_MEM, pad16(p_size), p_size)]
         t_buf = (_MEM, 2 * pad16(p_size), t_size)
         meta, ws = [], 0
