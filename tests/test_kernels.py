@@ -391,10 +391,17 @@ def _softmax_panels():
             ir_panel(st, t, mask, scale, ap, tq0, tot)
 
         panels["ir"] = call_ir
+        shift_panel = _softmax_ir.softmax_panel8_shift
+
+        @numba.njit
+        def call_shift(st, t, mask, scale, ap, tq0, tot):  # without vscalefps (AVX2's form)
+            shift_panel(st, t, mask, scale, ap, tq0, tot)
+
+        panels["ir-shift"] = call_shift
     return panels
 
 
-@pytest.mark.parametrize("panel", ["generated", "ir"])
+@pytest.mark.parametrize("panel", ["generated", "ir", "ir-shift"])
 @pytest.mark.parametrize("t,masked,scale", [
     (1, "some", 1 / math.sqrt(32)), (9, "some", 1 / math.sqrt(32)),
     (37, "some", 1 / math.sqrt(32)), (128, "none", 1 / math.sqrt(32)),
@@ -429,16 +436,18 @@ def test_softmax_panel_against_the_reference(panel, t, masked, scale):
         assert not e[mask == 0].any()  # padded keys' e is exactly 0
 
 
-def test_exp2_of_the_ir_softmax_against_float64():
-    """The IR panel's 2**y (its numpy transcription) is within 2 ulp of 2**y for y in
-    [-126, 0], exactly 1 at 0, and 0 at and below -127 (where 2**y leaves the normal range)."""
+@pytest.mark.parametrize("scalef", [True, False])
+def test_exp2_of_the_ir_softmax_against_float64(scalef):
+    """The IR panel's 2**y (its numpy transcription, in either form: 2**n by vscalefps or by
+    shifting n's bits) is within 2 ulp of 2**y for y in [-126, 0], exactly 1 at 0, and 0 for
+    a masked row's y far below (-152 and lower, -inf included)."""
     from hepti.kernels._softmax_ir import exp2_nonpos_ref
     y = -np.linspace(0.0, 126.0, 400_001).astype(np.float32)
     ref = np.exp2(y.astype(np.float64))
-    rel = np.abs(exp2_nonpos_ref(y) - ref) / ref
+    rel = np.abs(exp2_nonpos_ref(y, scalef) - ref) / ref
     assert rel.max() < 2 * 2.0 ** -23
-    assert exp2_nonpos_ref(np.float32([0.0]))[0] == 1.0
-    assert not exp2_nonpos_ref(np.float32([-127.0, -200.0, -3.4e38, -np.inf])).any()
+    assert exp2_nonpos_ref(np.float32([0.0]), scalef)[0] == 1.0
+    assert not exp2_nonpos_ref(np.float32([-152.0, -200.0, -3.4e38, -np.inf]), scalef).any()
 
 
 @pytest.mark.parametrize("d,ncols", [(32, NR), (64, NR), (32, 7), (24, NR), (16, NR), (48, 1)])
