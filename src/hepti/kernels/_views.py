@@ -8,6 +8,7 @@ keeps row loads and stores vectorised and the number of compiled specialisations
 """
 from __future__ import annotations
 
+import mmap
 import threading
 
 import numpy as np
@@ -30,6 +31,36 @@ def aligned_empty(shape, align: int = ALIGN) -> np.ndarray:
     raw = np.empty(size + align // ITEM, np.float32)
     start = (-raw.ctypes.data % align) // ITEM
     return raw[start:start + size].reshape(shape)
+
+
+HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+_PAGE = mmap.PAGESIZE
+
+
+def huge_empty(size: int) -> np.ndarray:
+    """An uninitialised float32 [size] array starting on a 2 MiB boundary, in private anonymous
+    memory advised MADV_HUGEPAGE, so that the kernel may back its whole 2 MiB stretches with
+    transparent huge pages (THP "always" or "madvise"); below 2 MiB, or without madvise, an
+    `aligned_empty` one. The mapping ends at the array's last 4 KiB page, so its tail (and the
+    untouched lead up to the boundary) costs no memory.
+
+    Why: numpy advises huge pages only for arrays of 4 MiB and more, and glibc's mapping of a
+    smaller one is rarely 2 MiB-aligned, so a transformer layer's packed weights (MiniLM's are
+    0.6-2.4 MB each) sat in 4 KiB pages at physical addresses that differ from process to
+    process. One mapping a layer (parallel/slices.py) took MiniLM's forward to 0.95-0.97x and
+    its process-to-process spread from ~1.5% to ~0.5% (2026-12-01, docs/results/model.md)."""
+    nbytes = int(size) * ITEM
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return aligned_empty(size)
+    m = mmap.mmap(-1, HUGE_PAGE + -(-nbytes // _PAGE) * _PAGE,
+                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without THP: plain pages
+        pass
+    raw = np.frombuffer(m, np.float32)  # keeps the mapping alive as long as a view of it
+    start = (-raw.ctypes.data % HUGE_PAGE) // ITEM
+    return raw[start:start + size]
 
 
 def pad16(n: int) -> int:
