@@ -721,3 +721,34 @@ def test_ffn_equals_two_gemms(m, threads):
     got = ffn(x, up, bias, down, threads=threads, out=wide[:, 3:27])
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(wide[:, 3:27], want)
+
+
+# --- huge pages ---------------------------------------------------------------------------------
+
+
+def test_huge_empty_is_a_2mib_aligned_writeable_array():
+    """huge_empty(n): float32 [n], writeable; from 2 MiB on it starts on a 2 MiB boundary (so
+    the kernel may back it with huge pages), below that it is an ordinary aligned array."""
+    from hepti.kernels import HUGE_PAGE, huge_empty
+    big = huge_empty(HUGE_PAGE // 4 + 1000)
+    assert big.dtype == np.float32 and big.shape == (HUGE_PAGE // 4 + 1000,)
+    assert big.ctypes.data % HUGE_PAGE == 0 and big.flags.writeable
+    big[:] = 3.0
+    assert big[-1] == 3.0
+    small = huge_empty(1000)
+    assert small.shape == (1000,) and small.ctypes.data % 64 == 0 and small.flags.writeable
+
+
+def test_a_layer_slice_packs_into_one_huge_page_mapping():
+    """A layer's packed fp32 weights share one mapping (parallel/slices.py) and keep their
+    values: the same panels as pack_b's own arrays."""
+    from hepti.parallel.slices import _into_huge_pages
+    rng = np.random.default_rng(0)
+    ws = [rng.standard_normal((384, 1536), dtype=np.float32) for _ in range(2)]
+    packed = [pack_b(w) for w in ws]
+    want = [p.panels.copy() for p in packed]
+    _into_huge_pages(packed)
+    roots = {id(p.panels.base) for p in packed}
+    assert len(roots) == 1 and packed[0].panels.ctypes.data % (2 << 20) == 0
+    assert all(np.array_equal(p.panels, w) for p, w in zip(packed, want))
+    assert all(p.panels.ctypes.data % 64 == 0 for p in packed)
