@@ -391,10 +391,17 @@ def _softmax_panels():
             ir_panel(st, t, mask, scale, ap, tq0, tot)
 
         panels["ir"] = call_ir
+        shift_panel = _softmax_ir.softmax_panel8_shift
+
+        @numba.njit
+        def call_shift(st, t, mask, scale, ap, tq0, tot):  # without vscalefps (AVX2's form)
+            shift_panel(st, t, mask, scale, ap, tq0, tot)
+
+        panels["ir-shift"] = call_shift
     return panels
 
 
-@pytest.mark.parametrize("panel", ["generated", "ir"])
+@pytest.mark.parametrize("panel", ["generated", "ir", "ir-shift"])
 @pytest.mark.parametrize("t,masked,scale", [
     (1, "some", 1 / math.sqrt(32)), (9, "some", 1 / math.sqrt(32)),
     (37, "some", 1 / math.sqrt(32)), (128, "none", 1 / math.sqrt(32)),
@@ -429,16 +436,18 @@ def test_softmax_panel_against_the_reference(panel, t, masked, scale):
         assert not e[mask == 0].any()  # padded keys' e is exactly 0
 
 
-def test_exp2_of_the_ir_softmax_against_float64():
-    """The IR panel's 2**y (its numpy transcription) is within 2 ulp of 2**y for y in
-    [-126, 0], exactly 1 at 0, and 0 at and below -127 (where 2**y leaves the normal range)."""
+@pytest.mark.parametrize("scalef", [True, False])
+def test_exp2_of_the_ir_softmax_against_float64(scalef):
+    """The IR panel's 2**y (its numpy transcription, in either form: 2**n by vscalefps or by
+    shifting n's bits) is within 2 ulp of 2**y for y in [-126, 0], exactly 1 at 0, and 0 for
+    a masked row's y far below (-152 and lower, -inf included)."""
     from hepti.kernels._softmax_ir import exp2_nonpos_ref
     y = -np.linspace(0.0, 126.0, 400_001).astype(np.float32)
     ref = np.exp2(y.astype(np.float64))
-    rel = np.abs(exp2_nonpos_ref(y) - ref) / ref
+    rel = np.abs(exp2_nonpos_ref(y, scalef) - ref) / ref
     assert rel.max() < 2 * 2.0 ** -23
-    assert exp2_nonpos_ref(np.float32([0.0]))[0] == 1.0
-    assert not exp2_nonpos_ref(np.float32([-127.0, -200.0, -3.4e38, -np.inf])).any()
+    assert exp2_nonpos_ref(np.float32([0.0]), scalef)[0] == 1.0
+    assert not exp2_nonpos_ref(np.float32([-152.0, -200.0, -3.4e38, -np.inf]), scalef).any()
 
 
 @pytest.mark.parametrize("d,ncols", [(32, NR), (64, NR), (32, 7), (24, NR), (16, NR), (48, 1)])
@@ -712,3 +721,34 @@ def test_ffn_equals_two_gemms(m, threads):
     got = ffn(x, up, bias, down, threads=threads, out=wide[:, 3:27])
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(wide[:, 3:27], want)
+
+
+# --- huge pages ---------------------------------------------------------------------------------
+
+
+def test_huge_empty_is_a_2mib_aligned_writeable_array():
+    """huge_empty(n): float32 [n], writeable; from 2 MiB on it starts on a 2 MiB boundary (so
+    the kernel may back it with huge pages), below that it is an ordinary aligned array."""
+    from hepti.kernels import HUGE_PAGE, huge_empty
+    big = huge_empty(HUGE_PAGE // 4 + 1000)
+    assert big.dtype == np.float32 and big.shape == (HUGE_PAGE // 4 + 1000,)
+    assert big.ctypes.data % HUGE_PAGE == 0 and big.flags.writeable
+    big[:] = 3.0
+    assert big[-1] == 3.0
+    small = huge_empty(1000)
+    assert small.shape == (1000,) and small.ctypes.data % 64 == 0 and small.flags.writeable
+
+
+def test_a_layer_slice_packs_into_one_huge_page_mapping():
+    """A layer's packed fp32 weights share one mapping (parallel/slices.py) and keep their
+    values: the same panels as pack_b's own arrays."""
+    from hepti.parallel.slices import _into_huge_pages
+    rng = np.random.default_rng(0)
+    ws = [rng.standard_normal((384, 1536), dtype=np.float32) for _ in range(2)]
+    packed = [pack_b(w) for w in ws]
+    want = [p.panels.copy() for p in packed]
+    _into_huge_pages(packed)
+    roots = {id(p.panels.base) for p in packed}
+    assert len(roots) == 1 and packed[0].panels.ctypes.data % (2 << 20) == 0
+    assert all(np.array_equal(p.panels, w) for p, w in zip(packed, want))
+    assert all(p.panels.ctypes.data % 64 == 0 for p in packed)

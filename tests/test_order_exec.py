@@ -48,28 +48,27 @@ def test_an_aligned_arrays_slack_is_not_counted():
     assert c.live == 160
 
 
-def test_a_huge_aligned_array_is_its_own_zeroed_2mib_mapping():
-    """aligned_empty(huge=True) (a chain's weights and arena): zero-filled, writeable, on a
-    2 MiB boundary, held by its views alone after the array goes; the counter counts its
-    mapping's bytes as a buffer like any other."""
+def test_a_huge_page_array_is_held_by_its_views_and_counted():
+    """huge_empty (a chain's weights and arena, a layer's packed weights): from 2 MiB on a
+    mapping of its own on a 2 MiB boundary, held by its views alone after the array goes; the
+    counter counts its bytes as a buffer like any other, below 2 MiB as at it."""
     import gc
-    from hepti.kernels._views import HUGE_PAGE, aligned_empty
-    for shape in (1, (3, 5, 16), HUGE_PAGE // 4 + 3):
-        a = aligned_empty(shape, huge=True)
-        assert a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
-        assert a.shape == ((shape,) if isinstance(shape, int) else shape)
-        assert a.ctypes.data % HUGE_PAGE == 0 and not a.any()
+    from hepti.kernels._views import HUGE_PAGE, huge_empty
+    a = huge_empty(HUGE_PAGE // 4 + 3)
+    assert a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+    assert a.shape == (HUGE_PAGE // 4 + 3,) and a.ctypes.data % HUGE_PAGE == 0
     tail = a[-3:]
     del a
     gc.collect()
     tail[...] = 1.0  # the mapping lives while a view of it does
     assert tail.sum() == 3.0
-    c = AllocationCounter()
-    env = TrackedDict(c)
-    env["w"] = aligned_empty(100, huge=True)
-    assert c.live >= 400
-    del env["w"]
-    assert c.live == 0
+    for n in (100, HUGE_PAGE // 4 + 3):
+        c = AllocationCounter()
+        env = TrackedDict(c)
+        env["w"] = huge_empty(n)
+        assert c.live >= 4 * n
+        del env["w"]
+        assert c.live == 0
 
 
 # --- one process (the band executor on a group of one, every spatial op in one group) -------

@@ -2,6 +2,7 @@
 
 Public API (what the model code calls):
     PackedB, pack_b(w, trans=False)                  weights packed once, at load time
+    huge_empty(size)                                 float32 [size] that may sit in 2 MiB pages
     gemm(a, pb, bias, gelu, residual, out, threads)  a @ B with a fused epilogue
     matmul(a, b, out=None, threads=1)                a @ b, packing b on the fly
     ffn(x, up, up_bias, down, threads=1)             GeLU(x @ up + up_bias) @ down in one call
@@ -62,6 +63,7 @@ from hepti.kernels.layout import nchw_to_nhwc
 from hepti.kernels.norm import add_layernorm, embed_layernorm, layernorm, rms_norm
 from hepti.kernels.packed_gemm import PackedB, ffn, gemm, matmul, pack_b
 from hepti.kernels.softmax import softmax_rows
+from hepti.kernels._views import HUGE_PAGE, huge_empty
 
 __all__ = ["PackedB", "pack_b", "gemm", "ffn", "matmul", "layernorm", "add_layernorm",
            "embed_layernorm", "rms_norm", "softmax_rows", "attention", "attention_qkv",
@@ -70,4 +72,4 @@ __all__ = ["PackedB", "pack_b", "gemm", "ffn", "matmul", "layernorm", "add_layer
            "max_pool2d", "avg_pool2d", "global_avg_pool", "nchw_to_nhwc", "relu", "relu6",
            "fold_batchnorm",
            "QuantMatrix", "quantize", "QuantB", "pack_q", "gemm_q", "pack_weight", "gemm_any",
-           "ffn_any", "columns_any"]
+           "ffn_any", "columns_any", "huge_empty", "HUGE_PAGE"]

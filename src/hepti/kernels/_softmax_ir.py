@@ -10,26 +10,34 @@ of query MR*g + i) and the column sums into tot[0:32].
 
 How: the 32 columns are two <16 x float> values; the maxima and sums stay in registers. The
 exponent is taken in base 2: x2 = s * (scale * log2 e) + add_p, y = x2 - max x2 <= 0, and
-2**y = 2**n * 2**r with n = round(y) (adding and subtracting 1.5 * 2**23 + 127, which also
-leaves n + 127 in the low bits of the sum: shifted left by 23 they are 2**n's float bits) and
-r = y - n in [-0.5, 0.5] exact, 2**r a degree-6 polynomial (relative error 2e-9 in exact
-arithmetic, ~1e-7 in float32 Horner: within 2 ulp). y is clamped at -127, where n + 127 = 0
-makes 2**n (and e) exactly 0. A row of mask 1 (the usual case) costs one FMA for y
-(s * c - max) and, in the max pass, one max over the raw scores (scaled once at the end: for
-scale > 0, x2 is monotone in s; other scales take a general pass); masked rows take the
-add. Against Cephes' expf in `exp_nonpos` (natural base: a multiply by log2 e, a floor, a
-two-constant ln 2 reduction, a degree-7 form, a convert, an underflow select) and the
-generated panel's two FMA-and-max passes, that is about 20 vector operations per 16 scores
-where there were about 30: at MiniLM's shape (T = 128, 12 heads) 43.8 us a layer against
+2**y = 2**n * 2**r with n = round(y) and r = y - n in [-0.5, 0.5] exact, 2**r a degree-5
+polynomial (relative error 9e-8 in exact arithmetic, within 1.6 ulp in float32 Horner). With
+AVX-512 (`SCALEF`), n = roundeven(y) (vrndscaleps) and e = 2**r * 2**n by vscalefps, which
+is exactly 0 for n below -151 and needs no clamp for a finite y: an unmasked row's y is a
+finite score minus its column's maximum. Without it, n comes from adding and subtracting
+1.5 * 2**23 + 127 (which also leaves n + 127 in the low bits of the sum: shifted left by 23
+they are 2**n's float bits), after a clamp at -127, where n + 127 = 0 makes 2**n (and e)
+exactly 0. Masked rows (y near float32's lowest, or -inf were a maximum that large) are
+clamped either way, at -152 with vscalefps. A row of mask 1 (the usual case) costs one FMA
+for y (s * c - max) and, in the max pass, one max over the raw scores (scaled once at the end:
+for scale > 0, x2 is monotone in s; other scales take a general pass); masked rows take the
+add. At MiniLM's shape the degree-5 polynomial, vscalefps and the unmasked rows' clamp
+dropped took the panel to 0.79-0.80x of the degree-6 / shift-and-multiply one (48 panels,
+41.4 against 52.2 us, in cache, 60 interleaved rounds; 2026-12-01). Before that (degree 6,
+the shift), against Cephes' expf in `exp_nonpos` (natural base: a multiply by log2 e, a
+floor, a two-constant ln 2 reduction, a degree-7 form, a convert, an underflow select) and
+the generated panel's two FMA-and-max passes, about 20 vector operations per 16 scores where
+there were about 30: at MiniLM's shape (T = 128, 12 heads) 43.8 us a layer against
 72.2 (0.61x), attention 307 us against 332 (0.92x), interleaved, 1 thread. The masked keys'
 add is not scaled by log2 e: it only has to send e to 0 (or, every key masked, be the same
 for all keys: the softmax of equal scores, HF's result), which it does in either base. The
 results are the generated panel's within float32 rounding of the exponent's argument (the
 extra rounding of scale * log2 e: relative 6e-8 of |y|), not bit-equal.
 
-Plain LLVM IR (llvm.fma, llvm.maxnum, shifts and bitcasts), no x86 intrinsic: an AVX2 CPU
-gets pairs of ymm. Numba's cache does not see this file change under kernels that inline it;
-hepti.kernels._cache does (attention_core imports it).
+Plain LLVM IR (llvm.fma, llvm.maxnum, llvm.roundeven, shifts and bitcasts) but for vscalefps
+(`llvm.x86.avx512.mask.scalef.ps.512`), used only where the target has AVX-512F: an AVX2 CPU
+gets the shift-and-multiply form as pairs of ymm. Numba's cache does not see this file change
+under kernels that inline it; hepti.kernels._cache does (attention_core imports it).
 """
 from __future__ import annotations
 
@@ -41,6 +49,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from hepti.kernels.config import simd_status
+
 NR = 32  # queries in a panel: two 16-float vectors
 _LANES = 16
 _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
@@ -49,12 +59,16 @@ _VI = ir.VectorType(_I32, _LANES)
 _FAST = ("contract", "nsz")  # no reassociation: the rounding trick needs the add then the sub
 
 LOG2E = 1.4426950408889634
-# 2**r ~ 1 + C[0] r + ... + C[5] r**6 on [-0.5, 0.5] (relative least squares, Lawson-weighted
-# to minimax; float32-rounded coefficients)
-C = (0.6931471824645996, 0.24022647738456726, 0.055503323674201965, 0.00961843691766262,
-     0.0013398875016719103, 0.00015353361959569156)
+# 2**r ~ 1 + C[0] r + ... + C[4] r**5 on [-0.5, 0.5] (relative least squares, Lawson-weighted
+# to minimax; float32-rounded coefficients). Degree 6 (relative 2e-9, 0.84 ulp in float32)
+# took one more FMA a value for nothing the softmax's tolerance sees.
+C = (0.6931470036506653, 0.24022242426872253, 0.05550733953714371, 0.009671509265899658,
+     0.0013264698209241033)
 _MAGIC = 12582912.0 + 127.0  # 1.5 * 2**23 + 127: adding it rounds to an integer, biased by 127
-_Y_LOW = -127.0
+_Y_LOW = -127.0  # the shift-and-multiply form's clamp: 2**n exactly 0 there
+_Y_LOW_SCALEF = -152.0  # vscalefps's, masked rows only: 2**r * 2**-152 rounds to exactly 0
+# vscalefps for 2**n where the code generator targets AVX-512F (as hepti.kernels.config sets it)
+SCALEF = simd_status()["avx512f"]
 F32_MIN = float(np.finfo(np.float32).min)
 
 
@@ -62,23 +76,33 @@ def _splat(value: float):
     return ir.Constant(_V, [value] * _LANES)
 
 
-def exp2_nonpos_ref(y: np.ndarray) -> np.ndarray:
-    """The kernel's 2**y for float32 y <= 0, in numpy (the same operations in the same order,
-    without the FMA's single rounding): for tests."""
-    y = np.maximum(np.asarray(y, np.float32), np.float32(_Y_LOW))
-    t = y + np.float32(_MAGIC)
-    n = t - np.float32(_MAGIC)
-    r = y - n
-    p = np.float32(C[5])
-    for c in C[4::-1]:
+def exp2_nonpos_ref(y: np.ndarray, scalef: bool = SCALEF) -> np.ndarray:
+    """The kernel's 2**y for float32 y <= 0 (a masked row's: clamped), in numpy (the same
+    operations in the same order, without the FMA's single rounding): for tests. scalef: the
+    AVX-512 form (roundeven, then 2**n by ldexp, which rounds as vscalefps does)."""
+    y = np.asarray(y, np.float32)
+    if scalef:
+        y = np.maximum(y, np.float32(_Y_LOW_SCALEF))
+        n = np.round(y)  # half to even, as llvm.roundeven
+        r = y - n
+    else:
+        y = np.maximum(y, np.float32(_Y_LOW))
+        t = y + np.float32(_MAGIC)
+        n = t - np.float32(_MAGIC)
+        r = y - n
+    p = np.float32(C[-1])
+    for c in C[-2::-1]:
         p = p * r + np.float32(c)
     p = p * r + np.float32(1.0)
+    if scalef:
+        return np.ldexp(p, n.astype(np.int32)).astype(np.float32)
     scale = (t.view(np.int32) << 23).view(np.float32)
     return p * scale
 
 
-def _make(mr: int):
-    """The intrinsic for P's tiles of height mr (a divisor of 16)."""
+def _make(mr: int, scalef: bool = SCALEF):
+    """The intrinsic for P's tiles of height mr (a divisor of 16); scalef: 2**n by vscalefps
+    (AVX-512F only)."""
 
     @intrinsic
     def panel(typingctx, st, t, mask, scale, ap, tq0, tot):
@@ -108,6 +132,12 @@ def _make(mr: int):
             clamp = cgutils.get_or_insert_function(mod, ir.FunctionType(_V, [_V, _V]),
                                                    "llvm.maxnum.v16f32")
             undef = ir.Constant(_V, ir.Undefined)
+            if scalef:
+                rint = cgutils.get_or_insert_function(mod, ir.FunctionType(_V, [_V]),
+                                                      "llvm.roundeven.v16f32")
+                vscalef = cgutils.get_or_insert_function(
+                    mod, ir.FunctionType(_V, [_V, _V, _V, ir.IntType(16), _I32]),
+                    "llvm.x86.avx512.mask.scalef.ps.512")
             splat0 = ir.Constant(_VI, [0] * _LANES)
 
             def splat(x):
@@ -174,18 +204,30 @@ def _make(mr: int):
                             builder.store(builder.call(fma, [v, c2, nm]), slot)
                     with masked:
                         for slot, x, mj in zip(ys, scaled(mp, s), m):
-                            builder.store(builder.fsub(x, mj, flags=_FAST), slot)
+                            y = builder.fsub(x, mj, flags=_FAST)
+                            if scalef:  # only here: an unmasked row's y is finite
+                                y = builder.call(clamp, [y, _splat(_Y_LOW_SCALEF)])
+                            builder.store(y, slot)
                 for j in range(nv):
-                    y = builder.call(clamp, [builder.load(ys[j]), _splat(_Y_LOW)])
-                    tt = builder.fadd(y, _splat(_MAGIC))
-                    n = builder.fsub(tt, _splat(_MAGIC))
+                    y = builder.load(ys[j])
+                    if scalef:
+                        n = builder.call(rint, [y])
+                    else:
+                        y = builder.call(clamp, [y, _splat(_Y_LOW)])
+                        tt = builder.fadd(y, _splat(_MAGIC))
+                        n = builder.fsub(tt, _splat(_MAGIC))
                     r = builder.fsub(y, n)
-                    poly = _splat(C[5])
-                    for c in C[4::-1]:
+                    poly = _splat(C[-1])
+                    for c in C[-2::-1]:
                         poly = builder.call(fma, [poly, r, _splat(c)])
                     poly = builder.call(fma, [poly, r, _splat(1.0)])
-                    bits = builder.shl(builder.bitcast(tt, _VI), ir.Constant(_VI, [23] * _LANES))
-                    e = builder.fmul(poly, builder.bitcast(bits, _V), flags=_FAST)
+                    if scalef:  # poly * 2**n, all lanes, current rounding
+                        e = builder.call(vscalef, [poly, n, undef, ir.Constant(ir.IntType(16), -1),
+                                                   _I32(4)])
+                    else:
+                        bits = builder.shl(builder.bitcast(tt, _VI),
+                                           ir.Constant(_VI, [23] * _LANES))
+                        e = builder.fmul(poly, builder.bitcast(bits, _V), flags=_FAST)
                     builder.store(builder.fadd(builder.load(sums[j]), e, flags=_FAST), sums[j])
                     # queries 16j + k go to ap[tq0 + (16j + k) // mr, p, k % mr]
                     for g in range(_LANES // mr):
@@ -205,3 +247,5 @@ def _make(mr: int):
 
 
 softmax_panel8 = _make(8)  # config.MR; _make(4) would serve MR = 4 (untested: no such config)
+# the shift-and-multiply form, for tests on an AVX-512 machine (what an AVX2 one runs)
+softmax_panel8_shift = _make(8, scalef=False) if SCALEF else softmax_panel8

@@ -17,50 +17,55 @@ from numpy.lib.stride_tricks import as_strided
 EMPTY = np.empty(0, np.float32)  # stands in for an absent optional array (bias, residual)
 ITEM = 4  # bytes per float32
 ALIGN = 64  # bytes: one cache line, one zmm register
-HUGE_PAGE = 1 << 21  # bytes: a transparent huge page on x86-64
 _local = threading.local()
 
 
-def aligned_empty(shape, align: int = ALIGN, huge: bool = False) -> np.ndarray:
+def aligned_empty(shape, align: int = ALIGN) -> np.ndarray:
     """An uninitialised float32 C-contiguous array whose data starts on an `align`-byte boundary.
 
     Packed panels are read one 128-byte row per k step; misaligned, every row would straddle
     three cache lines instead of two.
-
-    huge: a buffer kept for the life of a model (a chain's weights, its arena of maps) in whole
-    2 MiB pages of its own (zero-filled, `_huge_empty`), not from the heap, so that it lies
-    alike in every process. numpy advises huge pages for arrays of 4 MiB or more, but malloc
-    may hand out memory it had already touched in 4 KiB pages: ResNet-50's 11 MB arena was in
-    huge pages in some processes and half in 4 KiB ones in others (/proc/self/pagemap). The
-    forward's time did not follow it beyond the machine's noise (docs/cnn.md, "Feature maps
-    on a 64-byte boundary"). Not for outputs made per call: each new mapping's pages are
-    faulted and zeroed again.
     """
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     size = int(np.prod(shape))
-    if huge:
-        return _huge_empty(shape, size)
     raw = np.empty(size + align // ITEM, np.float32)
     start = (-raw.ctypes.data % align) // ITEM
     return raw[start:start + size].reshape(shape)
 
 
-def _huge_empty(shape: tuple, size: int) -> np.ndarray:
-    """A zero-filled float32 array of `size` floats starting on a 2 MiB boundary, in an
-    anonymous mapping of its own advised MADV_HUGEPAGE and rounded up to whole 2 MiB pages,
-    so that every page of it is a huge one when the kernel has them (transparent huge pages
-    `madvise` or `always`): the same placement in every process (physically contiguous 2 MiB
-    at a time, one TLB entry each). Where it has none, the pages are 4 KiB ones, as before."""
-    nbytes = -(-max(size * ITEM, 1) // HUGE_PAGE) * HUGE_PAGE
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = np.frombuffer(buf, np.uint8)  # holds the mapping for as long as a view of it lives
-    start = -raw.ctypes.data % HUGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
-        except OSError:  # a kernel without transparent huge pages: 4 KiB pages
-            pass
-    return raw[start:start + size * ITEM].view(np.float32).reshape(shape)
+HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+_PAGE = mmap.PAGESIZE
+
+
+def huge_empty(size: int) -> np.ndarray:
+    """An uninitialised float32 [size] array starting on a 2 MiB boundary, in private anonymous
+    memory advised MADV_HUGEPAGE, so that the kernel may back its whole 2 MiB stretches with
+    transparent huge pages (THP "always" or "madvise"); below 2 MiB, or without madvise, an
+    `aligned_empty` one. The mapping ends at the array's last 4 KiB page, so its tail (and the
+    untouched lead up to the boundary) costs no memory.
+
+    Why: numpy advises huge pages only for arrays of 4 MiB and more, and glibc's mapping of a
+    smaller one is rarely 2 MiB-aligned, so a transformer layer's packed weights (MiniLM's are
+    0.6-2.4 MB each) sat in 4 KiB pages at physical addresses that differ from process to
+    process. One mapping a layer (parallel/slices.py) took MiniLM's forward to 0.95-0.97x and
+    its process-to-process spread from ~1.5% to ~0.5% (2026-12-01, docs/results/model.md).
+    ResNet-50's bottleneck chain (its 94 MB of weights, its 11 MB arena) had come from malloc's
+    heap, in huge pages in some processes and half in 4 KiB ones in others (/proc/self/pagemap):
+    in huge pages of their own, hepti/onnxruntime read 0.983x main's over 8 alternated launch
+    pairs (docs/cnn.md). For buffers kept for a model's life only: each new mapping's pages
+    are faulted again."""
+    nbytes = int(size) * ITEM
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return aligned_empty(size)
+    m = mmap.mmap(-1, HUGE_PAGE + -(-nbytes // _PAGE) * _PAGE,
+                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without THP: plain pages
+        pass
+    raw = np.frombuffer(m, np.float32)  # keeps the mapping alive as long as a view of it
+    start = (-raw.ctypes.data % HUGE_PAGE) // ITEM
+    return raw[start:start + size]
 
 
 def pad16(n: int) -> int:

@@ -28,7 +28,7 @@ from numba import njit
 
 from hepti.kernels import config
 from hepti.kernels._microkernels import NR
-from hepti.kernels._views import aligned_empty, pad16
+from hepti.kernels._views import aligned_empty, huge_empty, pad16
 from hepti.kernels.config import FASTMATH_GEMM, JIT
 from hepti.kernels.conv import (_MODE_FLAT, _MODE_PADDED, ConvLayer, _conv_parallel,
                                 _conv_rows, _flag, _i64, _into_fused, _into_parallel, _nhwc,
@@ -124,7 +124,7 @@ class BottleneckChain:
         if any(c.w.depthwise or c.w.groups != 1 for c in layers):
             raise ValueError("a bottleneck chain takes dense convolutions (groups 1)")
         total = sum(pad16(c.w.panels.size) + pad16(c.w.cout) for c in layers)
-        self.wts = aligned_empty(max(total, 1), huge=True)
+        self.wts = huge_empty(max(total, 1))
         self._at, at = {}, 0  # id(layer) -> (panels' offset, bias's offset)
         for c in layers:
             p = c.w.panels
@@ -213,8 +213,8 @@ class BottleneckChain:
                 at += pad16(maps[key][1])
                 offs.append(o)
                 of_at += o.size
-        mem = aligned_empty(max(at, 1), huge=True)  # zero-filled (the borders stay zero), on
-        # a 2 MiB boundary in huge pages of its own: alike in every process
+        mem = huge_empty(max(at, 1))  # on a 2 MiB boundary in huge pages of its own: alike in
+        mem.fill(0.0)  # every process; the borders stay zero
         p_bufs = [(_MEM, 0, p_size), (_MEM, pad16(p_size), p_size)]
         t_buf = (_MEM, 2 * pad16(p_size), t_size)
         meta, ws = [], 0

@@ -8,6 +8,7 @@ of `window` slots bounds what is resident. Both give `get(i)` / `done(i)` to the
 """
 from __future__ import annotations
 
+import mmap
 import os
 import queue
 import threading
@@ -200,6 +201,13 @@ class SpareLayers:
             self.layers.close()
 
 
+def _in_mapping(a: np.ndarray) -> bool:
+    """Whether a is a view of a `K.huge_empty` mapping (a layer's weights in huge pages,
+    parallel/slices.py): then a itself is the buffer, not the whole mapping."""
+    root = a.base.base if isinstance(a.base, np.ndarray) else None
+    return isinstance(getattr(root, "obj", root), mmap.mmap)  # np.frombuffer's memoryview
+
+
 def _packed_buffers(slices, seen: set) -> list[np.ndarray]:
     """The buffers of the packed weights in `slices` (the float32 and int8 panels and their
     scales, which packing made and nothing else refers to), each once: `seen` holds the
@@ -211,10 +219,12 @@ def _packed_buffers(slices, seen: set) -> list[np.ndarray]:
             for w in entry if isinstance(entry, tuple) else ():
                 for name in ("panels", "q", "scales"):
                     a = getattr(w, name, None)
-                    while isinstance(a, np.ndarray) and isinstance(a.base, np.ndarray):
+                    while isinstance(a, np.ndarray) and isinstance(a.base, np.ndarray) \
+                            and not _in_mapping(a):
                         a = a.base
-                    if isinstance(a, np.ndarray) and a.flags.owndata and a.flags.writeable \
-                            and a.flags.c_contiguous and a.ctypes.data not in seen:
+                    if isinstance(a, np.ndarray) and (a.flags.owndata or _in_mapping(a)) \
+                            and a.flags.writeable and a.flags.c_contiguous \
+                            and a.ctypes.data not in seen:
                         seen.add(a.ctypes.data)
                         out.append(a)
     return out
