@@ -223,10 +223,13 @@ def _rank_pid(marker: str, rank: int) -> int | None:
 
 
 def test_resume_after_kill_equals_uninterrupted_run(tiny_dir, tmp_path, sweeps_killed_job):
-    """kill -9 rank 1 halfway through 10,000 inputs on 2 ranks, then --resume: the output is
+    """kill -9 rank 1 halfway through 3,000 inputs on 2 ranks, then --resume: the output is
     byte for byte the output of a run that was never interrupted, and the report says where it
-    resumed (so how many batches were computed again)."""
-    n, bs = 10000, 4
+    resumed (so how many batches were computed again). Both ranks are stopped (SIGSTOP) the
+    moment the output holds half the rows, so the job cannot run on to its end while rank 1 is
+    found and killed, however loaded the machine: it needs no more inputs than the half before
+    the kill (10,000 had bought that margin, at 2.5 times the work)."""
+    n, bs = 3000, 4
     ids = ids_file(tmp_path / "i.npz", n)
     run = ["-m", "hepti", "run", "--model", tiny_dir, "--input-ids", ids, "--batch-size", bs,
            "--strategy", "tensor", "--ratios", "0.6,0.4"]
@@ -238,18 +241,35 @@ def test_resume_after_kill_equals_uninterrupted_run(tiny_dir, tmp_path, sweeps_k
     partial = Path(f"{out}.partial")
     cmd = [mpiexec(), "-n", "2", sys.executable, *map(str, run), "--output", str(out)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    stopped = []
     try:
-        half = 128 + n // 2 * 96 * 4  # header + half the rows
         t_end = time.monotonic() + 300
+        pids = [None, None]
+        while p.poll() is None and None in pids:  # the ranks start long before they write rows
+            assert time.monotonic() < t_end, "the ranks were not found"
+            pids = [_rank_pid(str(out), r) for r in (0, 1)]
+            time.sleep(0.01)
+        half = 128 + n // 2 * 96 * 4  # header + half the rows
         while p.poll() is None and not (partial.exists() and partial.stat().st_size >= half):
             assert time.monotonic() < t_end, f"{partial.name} never reached half the rows"
             time.sleep(0.005)
-        assert p.poll() is None, "the run finished before it could be killed"
-        pid = _rank_pid(str(out), 1)
-        assert pid, "rank 1 not found"
-        os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except ProcessLookupError:  # ended: the assertion below says so
+                pass
+        assert p.poll() is None and len(stopped) == 2, "the run finished before it could be killed"
+        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[0], signal.SIGCONT)  # it finds rank 1 gone: the job ends
+        stopped.clear()
         p.communicate(timeout=120)
     finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         if p.poll() is None:
             p.kill()
             p.communicate()

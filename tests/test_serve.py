@@ -53,8 +53,10 @@ def served(minilm_dir):
     mpiexec()  # skips without one
     made = []
 
-    def start(n, *worker_args, **kw):
-        s = Supervisor(minilm_dir, n, worker_args=list(worker_args), **kw).start()
+    def start(n, *worker_args, spare=False, **kw):
+        """A service without the spare job it keeps for a relaunch (an n-1 rank copy loading
+        beside the test) unless the test relaunches: tests/test_serve_stall.py checks spares."""
+        s = Supervisor(minilm_dir, n, worker_args=list(worker_args), spare=spare, **kw).start()
         made.append(s)
         return s
     yield start
@@ -87,7 +89,7 @@ def test_answers_equal_the_single_device_engine_and_requests_are_batched(served,
 
 def test_token_ids_on_a_model_without_a_tokenizer(tiny_dir):
     mpiexec()
-    sup = Supervisor(tiny_dir, 2, worker_args=["--strategy", "rows"]).start()
+    sup = Supervisor(tiny_dir, 2, worker_args=["--strategy", "rows"], spare=False).start()
     try:
         assert sup.tokenizer is None
         ids = [np.array([2, 5, 7, 9, 11]), np.array([3, 4]), np.arange(1, 30)]
@@ -101,7 +103,7 @@ def test_a_killed_rank_loses_no_accepted_request(served, minilm_dir, victim):
     """kill -9 of a worker rank (the primary, or another) while requests are in flight: the job ends, the front end
     relaunches on the ranks left (one fewer here, on one machine) and answers every request,
     each equal to the single-device embeddings."""
-    sup = served(3, "--strategy", "tensor")
+    sup = served(3, "--strategy", "tensor", spare=True)  # the relaunch as it is served
     ids = texts_ids(sup, TEXTS)
     want = single_device(minilm_dir, ids)
     sup.embed(ids[:1])  # the workers are up

@@ -22,6 +22,7 @@ from hepti.bench.registry import main as run_bench  # noqa: E402
 from hepti.plan.strategies import BANDS, INTERPRETER  # noqa: E402
 from hepti.plan.strategies import help_text as strategy_help  # noqa: E402
 from hepti.plan.strategies import names as strategy_names  # noqa: E402
+from hepti.resources import exit_without_collecting  # noqa: E402
 from hepti.serve import defaults as serve_defaults  # noqa: E402  (not watchdog's STALL_FLOOR_S)
 
 DEFAULT_MODEL = "weights/minilm-l6"
@@ -1034,6 +1035,7 @@ COMMANDS.update(order=cmd_order, graph=cmd_graph, generate=cmd_generate)
 
 
 def main(argv=None) -> int:
+    exit_without_collecting()  # the process's end comes 0.2-0.4 s of CPU sooner (resources)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="hepti: %(levelname)s: %(message)s")

@@ -42,7 +42,7 @@ from hepti.parallel.profile_compute import SpeedProbe, measure_probe
 from hepti.parallel.profile_links import fit_link, ping_pong
 from hepti.parallel.trace import Tracer
 from hepti.plan.planfile import Plan
-from hepti.resources import _return_freed_memory, available_memory
+from hepti.resources import _return_freed_memory, available_memory, exit_without_collecting
 from hepti.serve import protocol
 from hepti.serve.generation import DecoderWorker, stray_cancel
 from hepti.serve.protocol import BEAT_EVERY_S, CHECK_SIZES, PROBE_SIZES
@@ -616,6 +616,7 @@ class _State:
 
 
 def main(argv=None) -> int:
+    exit_without_collecting()  # a stopped service's ranks end 0.2-0.4 s of CPU sooner
     return run_guarded_fn("serve (worker)", serve, parse_args(argv))
 
 
