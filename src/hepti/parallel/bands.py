@@ -158,6 +158,13 @@ def pooled_sum(comm, rows, n: int, c: int, holders: list[bool]) -> np.ndarray:
     return parts.sum(axis=0, dtype=np.float64).astype(np.float32)
 
 
+def _chain_padding(entry) -> tuple:
+    """A program entry's convolution padding (top, bottom, left, right) as a chain's step takes
+    it: the rows' own where the band sets them (its first or last rank's edge), else the op's."""
+    op, pad = entry[0], entry[3]
+    return (pad if pad is not None else (op.padding,) * 2) + (op.padding,) * 2
+
+
 def _adjacent(grp: "_Group", key: str, fits, taps: dict | None) -> tuple:
     """The positions j in grp.ops (`_Group.ops` entries) where op j+1 alone reads op j's
     output and `fits(entry j, entry j+1)`: both with output rows to make, op j+1 reading
@@ -498,8 +505,7 @@ class BandExecutor:
         if kept is None or kept[0] != self.weights.version:
             steps = [[entry(kj) for kj in st] for st in run]
             chain = self.weights.plain([[e[0] for e in st] for st in steps])
-            pads = tuple((st[0][3] if st[0][3] is not None else (st[0][0].padding,) * 2) +
-                         (st[0][0].padding,) * 2 for st in steps)
+            pads = tuple(_chain_padding(st[0]) for st in steps)
             bands = tuple((b[0][2][1] - b[0][2][0], a[-1][1][0] - b[0][2][0])
                           for a, b in zip(steps, steps[1:]))
             frees = tuple(t for st in steps for e in st for t in e[4])
@@ -735,8 +741,7 @@ class BandExecutor:
         if kept is None or kept[0] != self.weights.version:
             runs = [grp.ops[j:j + k] for j, k in blocks]
             chain = make([[e[0] for e in run] for run in runs])
-            pads = tuple((e[3] if e[3] is not None else (e[0].padding,) * 2) +
-                         (e[0].padding,) * 2 for e in map(padded, runs))
+            pads = tuple(_chain_padding(padded(run)) for run in runs)
             frees = tuple(t for run in runs for e in run for t in e[4])
             kept = grp.kernels[key] = (self.weights.version, chain, pads, runs, frees)
         _, chain, pads, runs, frees = kept
