@@ -435,7 +435,8 @@ def load_kernels(threads: int = 1) -> None:
     K.max_pool2d(x, 3, 2, 1, out=np.empty((1, 4, 4, 16), np.float32))
     K.avg_pool2d(x, 2)
     v = K.global_avg_pool(x)
-    K.relu(K.gemm(v, K.pack_b(r(8, 16), trans=True), r(8), threads=threads))
+    # the head (two panels of outputs: on threads > 1 its parallel GeMV, as the 1000 classes')
+    K.relu(K.gemm(v, K.pack_b(r(64, 16), trans=True), r(64), threads=threads))
     K.relu6(x)
     K.nchw_to_nhwc(r(1, 3, 8, 8))
 
