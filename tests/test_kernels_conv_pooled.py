@@ -2,9 +2,11 @@
 kernel call, each pool row made from the convolution's rows as they are made. Its result is
 the layer's then `max_pool2d`'s, bit for bit (the same tiles on the same plan, the same pool
 rows), in either fused mode by rows, at batch 2, on bands with their own padding, with pool
-rows that read past the map's last row; a layer that runs another mode declines (None)."""
+rows that read past the map's last row; a layer that runs another mode declines (None). On 2
+threads (each a range of the pool rows, from the convolution rows they read) the same bits."""
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 
@@ -46,3 +48,30 @@ def test_pooled_declines_other_modes():
     """A 1x1 at stride 1 reads x flat (`_MODE_FLAT`): not by rows, so None."""
     layer = ConvLayer(pack_conv_weight(rand(NR, 16, 1, 1)), rand(NR), 1, 1, "relu")
     assert layer.pooled(rand(1, 8, 8, 16), (0, 0, 0, 0), 2, 2, (0, 0, 0, 0)) is None
+
+
+@pytest.mark.parametrize("cin,cout,k,stride,padding,shape,pk,ps,pp,mode", CASES)
+def test_pooled_on_two_threads_is_one_threads(cin, cout, k, stride, padding, shape, pk, ps,
+                                              pp, mode):
+    """Each thread a contiguous range of the pool rows (a convolution row both ranges read,
+    made by both): bit for bit one thread's, and the layer then the pool on 2 threads."""
+    threads = min(2, numba.config.NUMBA_NUM_THREADS)
+    layer = ConvLayer(pack_conv_weight(rand(cout, cin, k, k)), rand(cout), stride, 1, "relu")
+    x = rand(*shape, cin)
+    want = layer.pooled(x, padding, pk, ps, pp)
+    got = layer.pooled(x, padding, pk, ps, pp, threads)
+    assert got is not None
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(max_pool2d(layer(x, padding, threads=threads), pk, ps, pp),
+                                  want)
+
+
+def test_pooled_on_two_threads_declines_a_split_by_panels():
+    """Where the convolution's plan on 2 threads splits by output panels (a 7x7 map of 8
+    panels), blocks of POOLED_ROWS rows would read every panel again per block: None."""
+    threads = min(2, numba.config.NUMBA_NUM_THREADS)
+    layer = ConvLayer(pack_conv_weight(rand(8 * NR, 32, 3, 3)), rand(8 * NR), 1, 1, "relu")
+    x = rand(1, 7, 7, 32)
+    if threads < 2 or not layer._shape(x.shape, (1, 1, 1, 1), threads)[2][6]:
+        pytest.skip("no split by panels here")
+    assert layer.pooled(x, (1, 1, 1, 1), 2, 2, (0, 0, 0, 0), threads) is None

@@ -1185,25 +1185,57 @@ def _conv_pooled(x, geo, k, n_g, panels, c, bias, act, mode, edge, blk, pgeo, y)
     a max pool of its output c (pgeo), by blocks of blk output rows: each pool row made as
     soon as the rows its taps read exist, while they are in L2 (the pool alone read them
     back cold). y the pool's output, bit for bit `_conv_rows` then `_pool`'s."""
-    n, ho, wo = geo[0], geo[4], geo[5]
-    pho, psh, ppt, pkh, pdh = pgeo[4], pgeo[8], pgeo[10], pgeo[6], pgeo[12]
-    for b in range(n):
-        py = 0
-        for r0 in range(0, ho, blk):
-            r1 = min(ho, r0 + blk)
-            m0 = (b * ho + r0) * wo
-            if mode == _MODE_PADDED:
-                _padded_fused(x, geo, k, n_g, panels, c, n_g, m0, (r1 - r0) * wo, bias, bias,
-                              0, 0, False, act)  # (bias: the absent residual's stand-in)
-            else:
-                _rows_fused(x, geo, k, n_g, panels, c, n_g, m0, (r1 - r0) * wo, bias, bias, 0,
-                            0, False, act, edge)
-            py1 = py
-            while py1 < pho and (r1 == ho or py1 * psh - ppt + (pkh - 1) * pdh < r1):
-                py1 += 1
-            if py1 > py:
-                _pool_rows(c, pgeo, True, y, b, py, py1)
-                py = py1
+    for b in range(geo[0]):
+        _pooled_rows(x, geo, k, n_g, panels, c, bias, act, mode, edge, blk, pgeo, y, b, 0,
+                     pgeo[4])
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
+def _pooled_rows(x, geo, k, n_g, panels, c, bias, act, mode, edge, blk, pgeo, y, b, py0,
+                 py1):
+    """Pool rows py0 .. py1-1 of image b of `_conv_pooled`: the convolution's rows they read
+    (from the first, in blocks of blk), each pool row made once the rows it reads exist."""
+    ho, wo = geo[4], geo[5]
+    psh, ppt, pkh, pdh = pgeo[8], pgeo[10], pgeo[6], pgeo[12]
+    if py1 <= py0:
+        return
+    r0 = max(0, py0 * psh - ppt)
+    r_end = min(ho, (py1 - 1) * psh - ppt + (pkh - 1) * pdh + 1)
+    py = py0
+    while r0 < r_end:
+        r1 = min(r_end, r0 + blk)
+        m0 = (b * ho + r0) * wo
+        if mode == _MODE_PADDED:
+            _padded_fused(x, geo, k, n_g, panels, c, n_g, m0, (r1 - r0) * wo, bias, bias, 0, 0,
+                          False, act)  # (bias: the absent residual's stand-in)
+        else:
+            _rows_fused(x, geo, k, n_g, panels, c, n_g, m0, (r1 - r0) * wo, bias, bias, 0, 0,
+                        False, act, edge)
+        q = py
+        while q < py1 and (r1 == r_end or q * psh - ppt + (pkh - 1) * pdh < r1):
+            q += 1
+        if q > py:
+            _pool_rows(c, pgeo, True, y, b, py, q)
+            py = q
+        r0 = r1
+
+
+@njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
+def _pooled_parallel(n_chunks, x, geo, k, n_g, panels, c, bias, act, mode, edge, blk, pgeo,
+                     y):
+    """`_conv_pooled` on n_chunks threads: each a contiguous range of every image's pool
+    rows, making the convolution's rows they read into c [n_chunks, N * ho * wo * n_g] (its own:
+    a convolution row two ranges read is made by both, the same bits), edge one chunk's
+    workspace after another. Bit for bit `_conv_pooled`'s y."""
+    pho = pgeo[4]
+    c_size = c.size // n_chunks
+    e_size = edge.size // n_chunks
+    for chunk in prange(n_chunks):
+        cc = c[chunk * c_size:(chunk + 1) * c_size]
+        ee = edge[chunk * e_size:(chunk + 1) * e_size]
+        for b in range(geo[0]):
+            _pooled_rows(x, geo, k, n_g, panels, cc, bias, act, mode, ee, blk, pgeo, y, b,
+                         chunk * pho // n_chunks, (chunk + 1) * pho // n_chunks)
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -1727,33 +1759,52 @@ class ConvLayer:
         return y
 
     def pooled(self, x: np.ndarray, padding, kernel: int, stride: int,
-               pool_padding) -> np.ndarray | None:
-        """`max_pool2d(kernel, stride, pool_padding)` of this layer's output on x, on one
-        thread, as one kernel call (`_conv_pooled`: each pool row made while the rows it reads
-        are in L2): bit for bit the two one after the other; None where the convolution does
-        not run a fused mode by rows here (`_MODE_ROWS_FUSED`, `_MODE_PADDED`): call the two."""
+               pool_padding, threads: int = 1) -> np.ndarray | None:
+        """`max_pool2d(kernel, stride, pool_padding)` of this layer's output on x as one
+        kernel call (`_conv_pooled`: each pool row made while the rows it reads are in L2):
+        bit for bit the two one after the other; None where the convolution does not run a
+        fused mode by rows here (`_MODE_ROWS_FUSED`, `_MODE_PADDED`): call the two.
+        On `threads` > 1, each thread makes a contiguous range of the pool rows from the
+        convolution rows they read (`_pooled_parallel`; a row two ranges read, made twice),
+        where the convolution's own plan there splits by rows and its panels fit in half of
+        L2 (POOLED_ROWS rows a block would read larger ones again from L3 per block): else
+        None."""
         cw = self.w
         if cw.depthwise or type(x) is not np.ndarray or x.dtype is not _F32 or \
                 x.ndim != 4 or not (x.flags.c_contiguous and x.flags.writeable):
             return None
+        threads = max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS))
         try:
-            got = self._shapes.get((x.shape, padding, 1))
+            got = self._shapes.get((x.shape, padding, threads))
         except TypeError:  # an unhashable padding (a list)
             return None
-        shape, geo, plan = got if got is not None else self._shape(x.shape, padding, 1)
+        shape, geo, plan = got if got is not None else self._shape(x.shape, padding, threads)
         if plan is None or plan[0] not in (_MODE_ROWS_FUSED, _MODE_PADDED):
+            return None
+        if threads > 1 and (plan[6] or 2 * cw.panels.nbytes > config.L2_BYTES):
             return None
         pgeo = _geometry(shape, kernel, kernel, stride, pool_padding, 1, 1, "max_pool2d")
         y = aligned_empty((pgeo[0], pgeo[4], pgeo[5], pgeo[3]))
         if y.size == 0:
             return None
-        c = aligned_empty(shape)
+        chunks = min(threads, pgeo[4])
+        c = aligned_empty((chunks,) + shape)
         blk = POOLED_ROWS
         if plan[0] == _MODE_PADDED:
             x, geo = _zero_padded(x, geo)
-        edge = workspace(max(16, _conv_sizes(blk * geo[5], cw.k, plan[0], geo[5])[0]))
-        _conv_pooled(x.reshape(-1), geo, cw.k, cw.cout, cw.panels[0], c.reshape(-1),
-                     self.bias_f, self.act, plan[0], edge, blk, pgeo, y.reshape(-1))
+        e_size = pad16(max(16, _conv_sizes(blk * geo[5], cw.k, plan[0], geo[5])[0]))
+        edge = workspace(chunks * e_size)
+        args = (x.reshape(-1), geo, cw.k, cw.cout, cw.panels[0], c.reshape(-1), self.bias_f,
+                self.act, plan[0], edge, blk, pgeo, y.reshape(-1))
+        if chunks == 1:
+            _conv_pooled(*args)
+            return y
+        previous = numba.get_num_threads()
+        numba.set_num_threads(chunks)
+        try:
+            _pooled_parallel(chunks, *args)
+        finally:
+            numba.set_num_threads(previous)
         return y
 
     # A pair of convolutions, the second reading the first's output alone, where the second

@@ -277,7 +277,7 @@ def poolable(conv, pool) -> bool:
 
 def apply_pooled(conv, pool, x: np.ndarray, weights: Weights,
                  pad: tuple[int, int] | None = None,
-                 pool_pad: tuple[int, int] | None = None) -> np.ndarray:
+                 pool_pad: tuple[int, int] | None = None, threads: int = 1) -> np.ndarray:
     """`apply` of conv on x, then of pool on that (each pad as `apply`'s), `poolable`: one
     kernel call where `ConvLayer.pooled` takes them (each pool row made while the conv rows it
     reads are in L2: VGG-16's five pools, ResNet-50's after its stem), else the two."""
@@ -286,10 +286,11 @@ def apply_pooled(conv, pool, x: np.ndarray, weights: Weights,
         top, bottom = (conv.padding, conv.padding) if pad is None else pad
         p_top, p_bottom = (pool.padding, pool.padding) if pool_pad is None else pool_pad
         y = layer.pooled(x, (top, bottom, conv.padding, conv.padding), pool.kernel,
-                         pool.stride, (p_top, p_bottom, pool.padding, pool.padding))
+                         pool.stride, (p_top, p_bottom, pool.padding, pool.padding), threads)
         if y is not None:
             return y
-    return apply(pool, apply(conv, x, weights, pad=pad), weights, pad=pool_pad)
+    return apply(pool, apply(conv, x, weights, pad=pad, threads=threads), weights,
+                 pad=pool_pad)
 
 
 def plain_step(ops) -> bool:
@@ -423,7 +424,7 @@ def load_kernels(threads: int = 1) -> None:
     extent = second.border(x32.shape, (1, 1, 1, 1), threads)
     second.bordered(first.into(x32, extent, threads), x32.shape, (1, 1, 1, 1), threads=threads)
     first.pair(second, x32, extent, (1, 1, 1, 1))  # both in one call (one thread)
-    second.pooled(x32, (1, 1, 1, 1), 2, 2, (0, 0, 0, 0))  # with the max pool after it (bands.py)
+    second.pooled(x32, (1, 1, 1, 1), 2, 2, (0, 0, 0, 0), threads)  # with its max pool (bands.py)
     conv = lambda cin, k, s=1, relu="relu", cout=32: K.ConvLayer(  # noqa: E731
         K.pack_conv_weight(r(cout, cin, k, k)), r(cout), s, relu=relu)
     PlainChain([(conv(32, 3, cout=64), 0), (conv(64, 3, cout=64), 2)])(  # VGG's convolutions
@@ -434,7 +435,8 @@ def load_kernels(threads: int = 1) -> None:
     K.max_pool2d(x, 3, 2, 1, out=np.empty((1, 4, 4, 16), np.float32))
     K.avg_pool2d(x, 2)
     v = K.global_avg_pool(x)
-    K.relu(K.gemm(v, K.pack_b(r(8, 16), trans=True), r(8), threads=threads))
+    # the head (two panels of outputs: on threads > 1 its parallel GeMV, as the 1000 classes')
+    K.relu(K.gemm(v, K.pack_b(r(64, 16), trans=True), r(64), threads=threads))
     K.relu6(x)
     K.nchw_to_nhwc(r(1, 3, 8, 8))
 

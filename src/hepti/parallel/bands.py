@@ -348,7 +348,7 @@ class BandExecutor:
                 self._pairs(grp, taps)
             bottlenecks = {} if counter is not None or comm.size != 1 else \
                 self._bottlenecks(grp, taps)
-            pooled = () if counter is not None or comm.size != 1 or self.threads != 1 else \
+            pooled = () if counter is not None or comm.size != 1 else \
                 self._pooled(grp, taps)
             plains = {} if counter is not None or comm.size != 1 or self.threads != 1 else \
                 self._plains(grp, taps)
@@ -822,7 +822,7 @@ class BandExecutor:
         `apply_pooled`: the pool's output, as `apply` on each would make it."""
         (a, _, (i0, i1), pad_a, frees_a, _, _), (b, rb, _, pad_b, frees_b, _, _) = run
         y = apply_pooled(a, b, np.ascontiguousarray(have[a.input].rows(i0, i1)), self.weights,
-                         pad_a, pad_b)
+                         pad_a, pad_b, self.threads)
         self._landed([run], Band(rb[0], y), frees_a + frees_b, have, taps)
 
     def _run_pair(self, run, have, shapes, n: int, taps) -> bool:
