@@ -563,3 +563,34 @@ def test_a_groups_inverted_blocks_take_the_factor_measured_at_their_bands_fracti
     got = predict(g, single, costs, H, W)["per_rank"][0]["compute_s"]
     was = predict(g, single, flat, H, W)["per_rank"][0]["compute_s"]
     assert got - was == pytest.approx((0.8 - costs.joined[0][l]) * inside, rel=1e-9)
+
+
+def test_a_links_credit_comes_off_each_exchanges_bytes_and_a_real_forwards_compute_is_added():
+    """A link that passes its first bytes at once after an idle spell (the profile's
+    link_credit_bytes: a shaper's bucket) takes them off each halo exchange's bytes, never
+    below its latency; what a real forward's compute came to beyond the bands' (the profile's
+    exchange_resume_s) is charged to every exchange a rank takes part in."""
+    import dataclasses
+
+    from hepti.graph.split import Split
+    from hepti.plan.coedge import CNNCosts, exchange_seconds, predict
+    from hepti.graph.split import needs
+    g = _graph()
+    shapes = g.shapes(H, W)
+    costs = _costs(g, [1.0, 1.0], latency=1e-4, bandwidth=1e6)
+    split = Split((0.5, 0.5))
+    l = next(i for i, op in enumerate(g.ops) if getattr(op, "padding", 0) > 0 and i > 0)
+    group = (l, l + 1)  # a padded conv past the stem: one halo each way
+    need = [needs(g, shapes, group, split.ratios, r) for r in range(2)]
+    plain, sent, got = exchange_seconds(g, shapes, group, split.ratios, need, costs, 1)
+    nbytes = max(sent[0], got[0])
+    assert nbytes > 0
+    credited = dataclasses.replace(costs, credit_bytes=[nbytes / 2, 2 * nbytes], _rows={})
+    secs, _, _ = exchange_seconds(g, shapes, group, split.ratios, need, credited, 1)
+    assert secs[0] == pytest.approx(plain[0] - nbytes / 2 / costs.bandwidth_Bps[0])
+    assert secs[1] == pytest.approx(costs.latency_s[1])  # all of it at once: the latency
+    resumed = dataclasses.replace(costs, exchange_s=[1e-3, 2e-3], _rows={})
+    secs, _, _ = exchange_seconds(g, shapes, group, split.ratios, need, resumed, 1)
+    assert secs == pytest.approx([plain[0] + 1e-3, plain[1] + 2e-3])
+    assert (predict(g, split, resumed, H, W)["latency_s"]
+            > predict(g, split, costs, H, W)["latency_s"])

@@ -137,6 +137,10 @@ class CNNCosts:
     # the same per device and op at each measured band fraction ((fraction, factor), ...):
     # `joined_points`; group_cost takes a band's own (None: `joined` alone)
     joined_pts: list[list[tuple]] | None = None
+    # per device, the bytes its link passes at once after an idle spell, beyond latency +
+    # bytes / bandwidth (the profile's link_credit_bytes: hepti.parallel.profile_links
+    # `link_credit`; none in older profiles): `exchange_seconds`
+    credit_bytes: list[float] | None = None
     _rows: dict = field(default_factory=dict, repr=False, compare=False)  # row_seconds' memo
 
     @property
@@ -166,6 +170,8 @@ class CNNCosts:
         exchange = [float(x) for x in table.get("exchange_overhead_s") or [0.0] * len(devs)]
         if table.get("op_band_s"):  # each op as the band executor ran it (profiler rev. 9)
             op_s, fixed, over, exchange = _band_costs(table, graph, op_s)
+            if table.get("exchange_resume_s"):  # a real forward's compute beyond the bands'
+                exchange = [float(x) for x in table["exchange_resume_s"]]
         costs = cls(op_s=op_s, band_measured=bool(table.get("op_band_s")),
                    spread=[float(x) for x in table["band_spread"]]
                    if table.get("band_spread") else None,
@@ -187,7 +193,9 @@ class CNNCosts:
                    if table.get("op_stream_measured") else None,
                    allgather_s={int(k): tuple(map(float, v))
                                 for k, v in table["allgather_s"].items()}
-                   if table.get("allgather_s") else None)
+                   if table.get("allgather_s") else None,
+                   credit_bytes=[float(x) for x in table["link_credit_bytes"]]
+                   if table.get("link_credit_bytes") else None)
         if table.get("op_joined_measured") and costs.band_measured:
             pts = joined_points(costs, graph, table["op_joined_ranges"],
                                 table["op_joined_measured"])
@@ -582,8 +590,10 @@ def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int
         if partners is not None:
             partners[i].add(j)
             partners[j].add(i)
-    secs = [(costs.latency_s[i] + max(sent[i], got[i]) / costs.bandwidth_Bps[i]
-             + costs.exchange_work(i)) if sent[i] or got[i] else 0.0 for i in range(P)]
+    credit = costs.credit_bytes or [0.0] * P  # what the link passes at once, idle before
+    secs = [(costs.latency_s[i] + max(0.0, max(sent[i], got[i]) - credit[i])
+             / costs.bandwidth_Bps[i] + costs.exchange_work(i)) if sent[i] or got[i] else 0.0
+            for i in range(P)]
     return secs, sent, got
 
 
