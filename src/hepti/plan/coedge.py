@@ -14,10 +14,13 @@ starts with one halo exchange, point to point between the ranks whose rows meet.
   net at the band's fraction of the rows (`joined_points`, `joined_at`, from the profile's
   op_joined_measured: a whole map saves less than a thin band).
 - Exchange: the rows each rank receives and sends are exact (`bands.needs` on the integer
-  row counts); rank i's time is its link's latency plus the larger of its bytes in and out
-  over its bandwidth (a full-duplex port on a switch, as the profile measured it). Its own
-  work around the messages is in the band timings (older profiles: `CNNCosts.exchange_s`,
-  their `exchange_overhead_s`).
+  row counts); rank i's time is its link's latency plus the larger of its bytes in and out,
+  less the link's credit (what it passes at once after an idle spell: the profile's
+  link_credit_bytes, 0 on a link that keeps to its rate), over its bandwidth (a full-duplex
+  port on a switch, as the profile measured it). Its own work around the messages is in the
+  band timings; what waiting at the exchange adds to the compute after it, measured on a
+  real forward of the `even` split (the profile's exchange_resume_s), is charged to each
+  exchange (`CNNCosts.exchange_s`; older profiles: their `exchange_overhead_s`, or none).
 - Latency: each rank's clock runs through the groups, a group starting when the rank and
   its exchange's peers are done (the expected latest of them, each rank's time a normal
   with its device's measured spread: `expected_max`), then the pooling (an allgather of each
@@ -104,7 +107,8 @@ class CNNCosts:
     # weight_load_Bps, else disk_read_Bps; DEFAULT_LOAD_BPS when it has neither)
     load_Bps: list[float] | None = None
     # per device, seconds of its own work in each halo exchange it takes part in, beyond the
-    # link's latency and bytes (the profile's exchange_overhead_s; 0 in older profiles)
+    # link's latency and bytes (the profile's exchange_resume_s: a real forward's compute
+    # beyond its bands'; older profiles' exchange_overhead_s; else 0)
     exchange_s: list[float] | None = None
     # per device and op, the part of op_s[i][l] a band of any rows pays whole (reading and
     # packing the weight, the kernel call: the profile's op_fixed_s; 0 in older profiles)
