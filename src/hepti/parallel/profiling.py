@@ -344,7 +344,10 @@ def measure_exchange_resume(comm, store, prof: dict, h: int, w: int, batch: int 
     size, rank = comm.Get_size(), comm.Get_rank()
     graph = build(store.config)
     costs = coedge.CNNCosts.from_profile(profile_from_dict(prof, "measured profile"), graph)
-    split = coedge.plan_cnn(graph, costs, h, w, batch, "even", fuse=False)["split"]
+    try:  # the same on every rank (one profile): all go on, or none
+        split = coedge.plan_cnn(graph, costs, h, w, batch, "even", fuse=False)["split"]
+    except PlanError:  # no even split here (a map too small for the ranks): no figure
+        return [0.0] * size, []
     predicted = coedge.predict(graph, split, costs, h, w, batch)["per_rank"][rank]["compute_s"]
     world = Comm(comm)
     weights = Weights(graph, store.read, head_rows(graph, split, rank, size),
