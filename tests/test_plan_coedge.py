@@ -506,3 +506,91 @@ def test_a_groups_inverted_blocks_are_priced_by_the_measured_forward_in_one_grou
     inside, _ = model((1.0, 0.0), [(0, L)])
     assert predict(g, single, costs, H, W)["latency_s"] == pytest.approx(
         predict(g, single, plain, H, W)["latency_s"] - 0.4 * inside[0] - 0.2 * inside[1])
+
+
+def test_a_groups_inverted_blocks_take_the_factor_measured_at_their_bands_fraction():
+    """What joining a range's blocks saves differs with the band (on emu-mixed4 MobileNetV2's
+    blocks joined took 0.30-0.45 of their op-by-op time on bands of 15% of the rows, 0.51-0.61
+    on the whole map): each fraction's factor is kept (`joined_points`), a band takes the one
+    at its fraction of the rows, linear between the measured ones (`joined_at`), and a whole
+    map the whole map's; `joined` stays the sum over the fractions."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from hepti.config import CNNConfig
+    from hepti.graph.cnn import build
+    from hepti.graph.split import needs, spatial_ops
+    from hepti.plan.coedge import CNNCosts, joined_at, joined_ops, plan_cnn, predict
+    assert joined_at((), 0.5) is None
+    pts = ((0.3, 0.4), (0.5, 0.6), (1.0, 0.8))
+    assert joined_at(pts, 0.1) == 0.4 and joined_at(pts, 1.0) == 0.8
+    assert joined_at(pts, 0.75) == pytest.approx(0.7)
+    g = build(CNNConfig(arch="mobilenet_v2", width_divisor=8, num_classes=10))
+    L, shapes = spatial_ops(g), g.shapes(H, W)
+    blocks = joined_ops(g, (0, L))
+    band = [[(1e-4, 2e-5) if l < L else None for l in range(len(g.ops))] for _ in range(2)]
+
+    def seconds(ratios, group):  # rank 0's seconds op by op: (in blocks, outside)
+        need = needs(g, shapes, group, ratios, 0)
+        inside = outside = 0.0
+        for l in range(*group):
+            r = need.get(g.ops[l].output)
+            if r and r[1] > r[0]:
+                t = 1e-4 + 2e-5 * (r[1] - r[0])
+                if l in joined_ops(g, group):
+                    inside += t
+                else:
+                    outside += t
+        return inside, outside
+
+    measured = []
+    for f, k in pts:  # one range: the spatial ops; its blocks at k of their op-by-op time
+        inside, outside = seconds((f, 1 - f), (0, L))
+        alone = sum(sum(seconds((f, 1 - f), (l, l + 1))) for l in range(L))
+        measured.append([f, [k * inside + outside], [alone]])
+    table = {"arch": "mobilenet_v2", "ops": [op.name for op in g.ops], "input": [H, W],
+             "batch": 1, "op_s": [[1e-3] * len(g.ops)] * 2, "op_band_s": band,
+             "op_joined_ranges": [(0, L)], "op_joined_measured": [measured, measured]}
+    dev = SimpleNamespace(power=None, call_overhead_s=0.0, latency_s=0.0, bandwidth_Bps=1e12,
+                          usable_bytes=1e10, weight_load_Bps=1e8, disk_read_Bps=None)
+    costs = CNNCosts.from_profile(SimpleNamespace(extra={"cnn": table}, devices=[dev, dev]), g)
+    l = min(blocks)
+    assert [k for _, k in costs.joined_pts[0][l]] == pytest.approx([0.4, 0.6, 0.8])
+    assert 0.4 < costs.joined[0][l] < 0.8
+    single = plan_cnn(g, costs, H, W, strategy="single")["split"]
+    inside, outside = seconds((1.0, 0.0), (0, L))
+    flat = dataclasses.replace(costs, joined_pts=None, _rows={})  # the sum's factor alone
+    got = predict(g, single, costs, H, W)["per_rank"][0]["compute_s"]
+    was = predict(g, single, flat, H, W)["per_rank"][0]["compute_s"]
+    assert got - was == pytest.approx((0.8 - costs.joined[0][l]) * inside, rel=1e-9)
+
+
+def test_a_links_credit_comes_off_each_exchanges_bytes_and_a_real_forwards_compute_is_added():
+    """A link that passes its first bytes at once after an idle spell (the profile's
+    link_credit_bytes: a shaper's bucket) takes them off each halo exchange's bytes, never
+    below its latency; what a real forward's compute came to beyond the bands' (the profile's
+    exchange_resume_s) is charged to every exchange a rank takes part in."""
+    import dataclasses
+
+    from hepti.graph.split import Split
+    from hepti.plan.coedge import CNNCosts, exchange_seconds, predict
+    from hepti.graph.split import needs
+    g = _graph()
+    shapes = g.shapes(H, W)
+    costs = _costs(g, [1.0, 1.0], latency=1e-4, bandwidth=1e6)
+    split = Split((0.5, 0.5))
+    l = next(i for i, op in enumerate(g.ops) if getattr(op, "padding", 0) > 0 and i > 0)
+    group = (l, l + 1)  # a padded conv past the stem: one halo each way
+    need = [needs(g, shapes, group, split.ratios, r) for r in range(2)]
+    plain, sent, got = exchange_seconds(g, shapes, group, split.ratios, need, costs, 1)
+    nbytes = max(sent[0], got[0])
+    assert nbytes > 0
+    credited = dataclasses.replace(costs, credit_bytes=[nbytes / 2, 2 * nbytes], _rows={})
+    secs, _, _ = exchange_seconds(g, shapes, group, split.ratios, need, credited, 1)
+    assert secs[0] == pytest.approx(plain[0] - nbytes / 2 / costs.bandwidth_Bps[0])
+    assert secs[1] == pytest.approx(costs.latency_s[1])  # all of it at once: the latency
+    resumed = dataclasses.replace(costs, exchange_s=[1e-3, 2e-3], _rows={})
+    secs, _, _ = exchange_seconds(g, shapes, group, split.ratios, need, resumed, 1)
+    assert secs == pytest.approx([plain[0] + 1e-3, plain[1] + 2e-3])
+    assert (predict(g, split, resumed, H, W)["latency_s"]
+            > predict(g, split, costs, H, W)["latency_s"])

@@ -8,7 +8,7 @@ import pytest
 
 from hepti.parallel.profile_cnn import pooled_overhead
 from hepti.parallel.profile_compute import gemm_sizes
-from hepti.parallel.profile_links import fit_link
+from hepti.parallel.profile_links import fit_link, link_credit
 from hepti.parallel.profiling import profile_cache_path
 from hepti.families import preset_config
 
@@ -22,6 +22,20 @@ def test_link_fit_recovers_latency_and_bandwidth():
     lat, bw = fit_link([(8, 2e-6), (4096, 1.8e-6), (1 << 20, 1.7e-4), (4 << 20, 6.5e-4)])
     assert lat >= 0 and 5e9 < bw < 8e9
 
+
+
+def test_link_credit_is_what_a_mid_sized_message_came_in_ahead_of_the_line():
+    """A shaped link passes its first bytes at once after an idle spell: `link_credit` is
+    the most any message below the two that fit the bandwidth came in ahead of latency +
+    bytes / bandwidth (at most its own size); 0 on a link that keeps to the line."""
+    lat, bw, credit = 5e-5, 12.5e6, 18000.0
+    t = lambda b: lat + max(0.0, b - credit) / bw  # noqa: E731
+    points = [(b, t(b)) for b in (8, 4096, 65536, 262144, 1 << 20)]
+    assert link_credit(points, lat, bw) == pytest.approx(credit)
+    line = [(b, lat + b / bw) for b in (8, 4096, 65536, 262144, 1 << 20)]
+    assert link_credit(line, lat, bw) == pytest.approx(0.0, abs=1e-6)
+    # a small message all at once gives its own size, no more
+    assert link_credit([(8, lat), (4096, lat), (1 << 20, 1.0), (4 << 20, 2.0)], lat, bw) == 4096
 
 def test_cache_path_depends_on_hostfile_contents_model_and_world(tmp_path, monkeypatch):
     monkeypatch.setenv("HEPTI_CACHE", str(tmp_path))

@@ -50,6 +50,25 @@ def fit_link(points: list[tuple[float, float]]) -> tuple[float, float]:
     return float(max(y[0] - x[0] * slope, 0.0)), float(1.0 / slope)
 
 
+def link_credit(points: list[tuple[float, float]], latency_s: float, bandwidth_Bps: float
+                ) -> float:
+    """Bytes a link passes at once after an idle spell, beyond latency + bytes / bandwidth:
+    the most any message below the two that fit the bandwidth (`fit_link`) came in ahead of
+    that line, at most its own size; 0 on a link with no such credit. A ping-pong's message
+    finds the link idle (the reply went the other way), as a halo exchange after a rank's
+    compute does. The emulator's shaper (hepti.emulate.net: a 1 ms bucket and one packet)
+    passed 17-19 KB of a 32-64 KB exchange at once on a 100 Mbit/s link and ~90 KB on a
+    940 Mbit/s one (2026-12-01, two ranks exchanging both ways after 3 ms idle: 64 KB in 3.93
+    ms where the line says 5.29); hepti.plan.coedge `exchange_seconds` takes it off each
+    exchange's bytes."""
+    pts = sorted(points)[:-2]
+    best = 0.0
+    for nbytes, t in pts:
+        ahead = nbytes - max(0.0, t - latency_s) * bandwidth_Bps
+        best = max(best, min(float(nbytes), ahead))
+    return best
+
+
 def ping_pong(comm, peer: int, nbytes: int, reps: int) -> float:
     """Median one-way seconds (half the round trip) of nbytes between rank 0 and `peer`, as
     timed by rank 0; both must call it. The first round trip is a warm-up."""
@@ -142,7 +161,8 @@ def measure_links(comm) -> list[dict]:
             if t > PING_TARGET_S:  # a slow link: larger messages would take too long
                 break
         lat, bw = fit_link(points)
-        out.append({"rank": peer, "points": points, "latency_s": lat, "bandwidth_Bps": bw})
+        out.append({"rank": peer, "points": points, "latency_s": lat, "bandwidth_Bps": bw,
+                    "credit_bytes": link_credit(points, lat, bw)})
     return out
 
 

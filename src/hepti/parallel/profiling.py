@@ -43,8 +43,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 from pathlib import Path
+
+import numpy as np
 
 from hepti.config import ModelConfig
 from hepti.emulate import stretch as _stretch
@@ -300,7 +303,73 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
             "measure_s": elapsed, "batch": batch, "cnn": table}
     prof = comm.bcast(prof, root=0)
     profile_from_dict(prof, "measured profile")
+    if comm.Get_size() > 1:
+        # each device's link credit (rank 0's: the largest of its paths', as its bandwidth)
+        credit = {p["rank"]: float(p.get("credit_bytes", 0.0)) for p in links}
+        prof["cnn"]["link_credit_bytes"] = [max(credit.values())] + [
+            credit[r] for r in range(1, comm.Get_size())]
+        resume, points = measure_exchange_resume(comm, store, prof, h, w, batch, threads)
+        prof["cnn"]["exchange_resume_s"] = resume
+        prof["cnn"]["exchange_resume_measured"] = points
+        profile_from_dict(prof, "measured profile")
     return prof
+
+
+RESUME_FORWARDS = 5  # the reference forwards `measure_exchange_resume` times (after one warm-up)
+
+
+def measure_exchange_resume(comm, store, prof: dict, h: int, w: int, batch: int = 1,
+                            threads: int = 1) -> tuple[list[float], list[list[float]]]:
+    """(per rank, seconds of compute each halo exchange it takes part in adds beyond what its
+    bands cost; per rank [measured compute, predicted compute, exchanges]): the planner's
+    `even` split (every rank a band, every op a group) run for real, the band executor's
+    forward with its halo exchanges over the links, each rank's compute (the tracer's, as a
+    run reports it: median of `RESUME_FORWARDS`) against what the profile's band timings
+    predict for it (hepti.plan.coedge `predict`, from `prof` as measured so far), the
+    difference over its exchanges; at least 0. The band timings are taken with every rank
+    computing and no message sent (hepti.parallel.profile_cnn `_Unsent`); in a forward a rank
+    waits at each exchange, then computes the next op after the wait. On emu-mixed4
+    (2026-12-01) MobileNetV2's one-group-per-op splits ran their ranks' compute at 1.03-1.8x
+    the band timings' (launch to launch), where a group of the whole net, one exchange, ran
+    at 0.9-1.1x. hepti.plan.coedge charges it to each exchange (`CNNCosts.exchange_work`)."""
+    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
+
+    from hepti.graph.cnn import build
+    from hepti.graph.split import conv_rows, streamed_convs
+    from hepti.model.cnn import Weights
+    from hepti.parallel.bands import BandExecutor, btsearch_order, head_rows
+    from hepti.parallel.comm import Comm
+    from hepti.plan import coedge
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    graph = build(store.config)
+    costs = coedge.CNNCosts.from_profile(profile_from_dict(prof, "measured profile"), graph)
+    try:  # the same on every rank (one profile): all go on, or none
+        split = coedge.plan_cnn(graph, costs, h, w, batch, "even", fuse=False)["split"]
+    except PlanError:  # no even split here (a map too small for the ranks): no figure
+        return [0.0] * size, []
+    predicted = coedge.predict(graph, split, costs, h, w, batch)["per_rank"][rank]["compute_s"]
+    world = Comm(comm)
+    weights = Weights(graph, store.read, head_rows(graph, split, rank, size),
+                      conv_rows(graph, split, rank, size), streamed_convs(graph, split))
+    ex = BandExecutor(world, graph, split, weights, threads, btsearch_order(graph))
+    x = (np.random.default_rng(7).standard_normal((batch, 3, h, w), dtype=np.float32)
+         if rank == 0 else None)
+    exchanges = sum(1 for grp in ex.program(h, w) if grp.sends or grp.recvs)
+    times = []
+    for k in range(RESUME_FORWARDS + 1):
+        barrier(comm)
+        world.tracer.reset()
+        with world.tracer.span("reference", "batch"):
+            ex.forward(x)
+        if k:
+            times.append(world.tracer.seconds.get("compute", 0.0))
+    measured = statistics.median(times)
+    per = max(0.0, measured - predicted) / exchanges if exchanges else 0.0
+    del ex, weights
+    world.close()
+    barrier(comm)
+    return (comm.allgather(per), comm.allgather([measured, predicted, exchanges]))
 
 
 # --- cache -------------------------------------------------------------------------------------
@@ -325,8 +394,10 @@ def measure_cnn_profile(comm, store, h: int, w: int, batch: int = 1, threads: in
 # says why); 17: a decode step's work outside its layers (`token_overhead_s`), timed with the
 # calls in a whole step of `LlamaModel.forward`, and a decoder's GeMV bytes/s on a rank's real
 # layer shapes); 18: a CNN's bands and whole map timed in a few groups too, where runs of
-# inverted blocks run as one call (`op_joined_measured`).
-PROFILER_REVISION = 18
+# inverted blocks run as one call (`op_joined_measured`); 19: a link's credit (the bytes it passes
+# at once after an idle spell) and a CNN's reference forward on the `even` split
+# (`exchange_resume_s`).
+PROFILER_REVISION = 19
 
 
 def cache_dir() -> Path:

@@ -11,12 +11,16 @@ starts with one halo exchange, point to point between the ranks whose rows meet.
   rows_i(l) are the rows it must compute (`bands.needs`), not the rows it owns. The ops of
   each MobileNetV2 block that lies whole in a group, which the executor runs as one call a
   run of blocks, take that time times the device's measured factor for their range of the
-  net (`joined_factors`, from the profile's op_joined_measured).
+  net at the band's fraction of the rows (`joined_points`, `joined_at`, from the profile's
+  op_joined_measured: a whole map saves less than a thin band).
 - Exchange: the rows each rank receives and sends are exact (`bands.needs` on the integer
-  row counts); rank i's time is its link's latency plus the larger of its bytes in and out
-  over its bandwidth (a full-duplex port on a switch, as the profile measured it). Its own
-  work around the messages is in the band timings (older profiles: `CNNCosts.exchange_s`,
-  their `exchange_overhead_s`).
+  row counts); rank i's time is its link's latency plus the larger of its bytes in and out,
+  less the link's credit (what it passes at once after an idle spell: the profile's
+  link_credit_bytes, 0 on a link that keeps to its rate), over its bandwidth (a full-duplex
+  port on a switch, as the profile measured it). Its own work around the messages is in the
+  band timings; what waiting at the exchange adds to the compute after it, measured on a
+  real forward of the `even` split (the profile's exchange_resume_s), is charged to each
+  exchange (`CNNCosts.exchange_s`; older profiles: their `exchange_overhead_s`, or none).
 - Latency: each rank's clock runs through the groups, a group starting when the rank and
   its exchange's peers are done (the expected latest of them, each rank's time a normal
   with its device's measured spread: `expected_max`), then the pooling (an allgather of each
@@ -103,7 +107,8 @@ class CNNCosts:
     # weight_load_Bps, else disk_read_Bps; DEFAULT_LOAD_BPS when it has neither)
     load_Bps: list[float] | None = None
     # per device, seconds of its own work in each halo exchange it takes part in, beyond the
-    # link's latency and bytes (the profile's exchange_overhead_s; 0 in older profiles)
+    # link's latency and bytes (the profile's exchange_resume_s: a real forward's compute
+    # beyond its bands'; older profiles' exchange_overhead_s; else 0)
     exchange_s: list[float] | None = None
     # per device and op, the part of op_s[i][l] a band of any rows pays whole (reading and
     # packing the weight, the kernel call: the profile's op_fixed_s; 0 in older profiles)
@@ -133,6 +138,13 @@ class CNNCosts:
     # band timing when the executor runs them as one call (the profile's op_joined_measured,
     # through `joined_factors`; None in older profiles and for networks without such blocks)
     joined: list[list[float]] | None = None
+    # the same per device and op at each measured band fraction ((fraction, factor), ...):
+    # `joined_points`; group_cost takes a band's own (None: `joined` alone)
+    joined_pts: list[list[tuple]] | None = None
+    # per device, the bytes its link passes at once after an idle spell, beyond latency +
+    # bytes / bandwidth (the profile's link_credit_bytes: hepti.parallel.profile_links
+    # `link_credit`; none in older profiles): `exchange_seconds`
+    credit_bytes: list[float] | None = None
     _rows: dict = field(default_factory=dict, repr=False, compare=False)  # row_seconds' memo
 
     @property
@@ -162,6 +174,8 @@ class CNNCosts:
         exchange = [float(x) for x in table.get("exchange_overhead_s") or [0.0] * len(devs)]
         if table.get("op_band_s"):  # each op as the band executor ran it (profiler rev. 9)
             op_s, fixed, over, exchange = _band_costs(table, graph, op_s)
+            if table.get("exchange_resume_s"):  # a real forward's compute beyond the bands'
+                exchange = [float(x) for x in table["exchange_resume_s"]]
         costs = cls(op_s=op_s, band_measured=bool(table.get("op_band_s")),
                    spread=[float(x) for x in table["band_spread"]]
                    if table.get("band_spread") else None,
@@ -183,10 +197,15 @@ class CNNCosts:
                    if table.get("op_stream_measured") else None,
                    allgather_s={int(k): tuple(map(float, v))
                                 for k, v in table["allgather_s"].items()}
-                   if table.get("allgather_s") else None)
+                   if table.get("allgather_s") else None,
+                   credit_bytes=[float(x) for x in table["link_credit_bytes"]]
+                   if table.get("link_credit_bytes") else None)
         if table.get("op_joined_measured") and costs.band_measured:
-            costs.joined = joined_factors(costs, graph, table["op_joined_ranges"],
-                                          table["op_joined_measured"])
+            pts = joined_points(costs, graph, table["op_joined_ranges"],
+                                table["op_joined_measured"])
+            if pts is not None:
+                costs.joined = [[p[0] for p in row] for row in pts]
+                costs.joined_pts = [[p[1] for p in row] for row in pts]
         return costs
 
     def exchange_work(self, i: int) -> float:
@@ -241,7 +260,23 @@ def joined_factors(costs: CNNCosts, graph: Graph, ranges: list, measured: list
     group at the measured ratio of its op-by-op bands, less what it gives the range's ops
     outside blocks, over what it gives the blocks' ops, summed over the fractions; clipped to
     [0.2, 1.5]. Why: on emu-mixed4 (2026-11-30) MobileNetV2's `grid` (one group) ran its slow
-    ranks' compute in 51.6 and 42.6 ms against 93.5 and 90.7 predicted op by op."""
+    ranks' compute in 51.6 and 42.6 ms against 93.5 and 90.7 predicted op by op.
+    `group_cost` takes each fraction's own factor (`joined_points`, `joined_at`); this sum
+    over the fractions is what a caller without a band's fraction gets."""
+    pts = joined_points(costs, graph, ranges, measured)
+    return None if pts is None else [[p[0] for p in row] for row in pts]
+
+
+def joined_points(costs: CNNCosts, graph: Graph, ranges: list, measured: list
+                  ) -> list[list[tuple]] | None:
+    """Per device and op, (factor over all fractions, ((fraction, factor), ...)): the joined
+    factor of `joined_factors` summed over the measured fractions, and each fraction's own
+    (its band alone, clipped alike); (1.0, ()) outside a range's blocks. What joining saves
+    depends on the band: on emu-mixed4 (2026-12-01, MobileNetV2) a range's blocks joined took
+    0.30-0.45 of their op-by-op time on bands of 15% of the rows and 0.51-0.61 on the whole
+    map (the middle ranges, every device), so the sum over the fractions priced a whole map's
+    blocks ~20% low: `pipeline` (every stage a whole map) ran 8-20% over its prediction in
+    every round of four runs, `single` 2-11%."""
     L = spatial_ops(graph)
     shapes = graph.shapes(costs.h, costs.w)
     per_row = row_seconds(costs, graph, costs.w, costs.n)
@@ -253,30 +288,52 @@ def joined_factors(costs: CNNCosts, graph: Graph, ranges: list, measured: list
             return 0.0
         return (r[1] - r[0]) * per_row[i][l] + costs.fixed(i, l) + costs.overhead_s[i]
 
+    def clip(x):
+        return min(max(x, 0.2), 1.5)
+
     out = []
     for i, pts in enumerate(measured):
-        row = [1.0] * len(graph.ops)
+        row = [(1.0, ())] * len(graph.ops)
         for k, (a, b) in enumerate(ranges):
             blocks = joined_ops(graph, (a, b))
-            want = other = chain = 0.0
+            sums = [0.0, 0.0, 0.0]  # want, other, chain over the fractions
+            each = []
             for f, joined, by_op in pts or ():
                 ratios = (float(f), 1.0 - float(f))
                 one = needs(graph, shapes, (a, b), ratios, 0)
                 alone = sum(seconds(i, l, needs(graph, shapes, (l, l + 1), ratios, 0).get(
                     graph.ops[l].output)) for l in range(a, b))
-                want += float(joined[k]) / float(by_op[k]) * alone
+                want = float(joined[k]) / float(by_op[k]) * alone
+                other = chain = 0.0
                 for l in range(a, b):
                     t = seconds(i, l, one.get(graph.ops[l].output))
                     if l in blocks:
                         chain += t
                     else:
                         other += t
-            if chain > 0:
-                factor = min(max((want - other) / chain, 0.2), 1.5)
+                sums = [sums[0] + want, sums[1] + other, sums[2] + chain]
+                if chain > 0:
+                    each.append((float(f), clip((want - other) / chain)))
+            if sums[2] > 0:
+                entry = (clip((sums[0] - sums[1]) / sums[2]), tuple(sorted(each)))
                 for l in blocks:
-                    row[l] = factor
+                    row[l] = entry
         out.append(row)
     return out
+
+
+def joined_at(points: tuple, fraction: float) -> float | None:
+    """The joined factor at a band of `fraction` of the rows, linear between the measured
+    fractions' `points` ((fraction, factor), ...), the nearest one's beyond them; None
+    without points."""
+    if not points:
+        return None
+    if fraction <= points[0][0]:
+        return points[0][1]
+    for (f0, k0), (f1, k1) in zip(points, points[1:]):
+        if fraction <= f1:
+            return k0 + (k1 - k0) * (fraction - f0) / (f1 - f0) if f1 > f0 else k1
+    return points[-1][1]
 
 
 def joined_ops(graph: Graph, group) -> frozenset:
@@ -398,7 +455,11 @@ def group_cost(graph: Graph, shapes: dict, group, ratios, costs: CNNCosts, n: in
             if r is None or r[1] <= r[0]:
                 continue
             s = (r[1] - r[0]) * per_row[i][l] + costs.fixed(i, l) + costs.overhead_s[i]
-            comp[i] += s * costs.joined[i][l] if l in blocks else s
+            if l in blocks:  # at the factor measured for a band of its fraction of the rows
+                at = (joined_at(costs.joined_pts[i][l], (r[1] - r[0]) / shapes[
+                    graph.ops[l].output][0]) if costs.joined_pts else None)
+                s *= costs.joined[i][l] if at is None else at
+            comp[i] += s
     if load is not None:  # the streamed weights' reads (`stream_seconds`), one per op run
         comp = [u + v for u, v in zip(comp, load)]
     comm, sent, got = exchange_seconds(graph, shapes, group, ratios, need, costs, n, owners,
@@ -533,8 +594,10 @@ def exchange_seconds(graph, shapes, group, ratios, need, costs: CNNCosts, n: int
         if partners is not None:
             partners[i].add(j)
             partners[j].add(i)
-    secs = [(costs.latency_s[i] + max(sent[i], got[i]) / costs.bandwidth_Bps[i]
-             + costs.exchange_work(i)) if sent[i] or got[i] else 0.0 for i in range(P)]
+    credit = costs.credit_bytes or [0.0] * P  # what the link passes at once, idle before
+    secs = [(costs.latency_s[i] + max(0.0, max(sent[i], got[i]) - credit[i])
+             / costs.bandwidth_Bps[i] + costs.exchange_work(i)) if sent[i] or got[i] else 0.0
+            for i in range(P)]
     return secs, sent, got
 
 
