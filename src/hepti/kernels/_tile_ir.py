@@ -28,7 +28,9 @@ whose rows cross output rows of a zero-padded x); `tile_scattered{8,4,1}` also s
 row at an offset from an array (conv.py's `_into_fused`: a 1x1's output written into the
 interior of the zero-bordered map the next convolution reads). `tile_wide6` is a gathered and
 scattered 6 x 64 tile over two panels at once, without a residual (conv.py's `_padded_into`: 6
-broadcasts of A for 24 FMAs, where the 8 x 32 tile has 8 for 16).
+broadcasts of A for 24 FMAs, where the 8 x 32 tile has 8 for 16). `tile_*9` (MR_NINE rows) take
+a block's last whole tile and the one row past it at once; `prefetch_w` brings a line the
+tiles will store to in owned (prefetchw).
 
 Numba's own cache does not see this file change under the cached kernels that inline it
 (_microkernels.py's, conv.py's); hepti.kernels._cache does (each module's stamp covers the
