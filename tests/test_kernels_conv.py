@@ -165,6 +165,8 @@ FUSED_CASES = [
     (1, 3, 40, 8, 32, 3, 1, (3, 3, 1, 1)),  # rows whose every tap is padding
     (1, 17, 16, 3, 64, 7, 2, 3),  # the stem, small
     (1, 7, 7, 40, 32, 3, 2, 1),  # stride 2 on a 7x7 map
+    (1, 7, 7, 8, 64, 1, 1, 0),  # M = 49 = 5 * 8 + 9: the last whole tile and its row over as one
+    (1, 13, 13, 8, 32, 3, 2, 1),  # a 7x7 output (49 pixels) at stride 2, the same
 ]
 
 
@@ -196,7 +198,7 @@ def test_conv2d_fused_modes_against_naive(n, h, w, cin, cout, k, stride, padding
 
 
 @pytest.mark.parametrize("n,h,w,cin,cmid,stride,threads", [
-    (1, 7, 7, 16, 32, 1, 1),  # 49 pixels: a short last tile of 1 (4 + 1s past 6 full tiles)
+    (1, 7, 7, 16, 32, 1, 1),  # 49 pixels: 5 tiles of 8 and the last 9 rows as one tile
     (1, 9, 14, 40, 64, 1, 1),  # tiles crossing rows, two panels
     (2, 5, 5, 8, 32, 1, 1),  # batch 2: tiles crossing images, 50 = 6 * 8 + 2
     (1, 12, 10, 24, 64, 2, 1),  # the 3x3 at stride 2

@@ -146,9 +146,10 @@ from hepti.kernels._intrinsics import max_f32, prefetch_l2
 from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi,
                                          direct_tiles_epi1, direct_tiles_epi4, full_tiles,
                                          micro_tile, pack_a_tile)
-from hepti.kernels._tile_ir import (MR_WIDE, tile_gathered1, tile_gathered4, tile_gathered8,
-                                    tile_scattered1, tile_scattered4, tile_scattered8,
-                                    tile_wide6)
+from hepti.kernels._tile_ir import (MR_NINE, MR_WIDE, prefetch_w, tile_epi8, tile_epi9,
+                                    tile_gathered1, tile_gathered4, tile_gathered8,
+                                    tile_gathered9, tile_scattered1, tile_scattered4,
+                                    tile_scattered8, tile_scattered9, tile_wide6)
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
 from hepti.kernels.packed_gemm import (_epilogue, _finish, _pack_a, _pack_all, _panel_range,
@@ -568,6 +569,15 @@ def _rows_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ldr,
                                  _i64(r_row + ox * ldr), _i64(ldr), _flag(has_res), _i64(act))
 
 
+@njit(inline="always", **JIT)
+def _prefetch_rows(c, c0, ldc):
+    """The MRF rows of NR floats at c[c0 + i*ldc] (a tile's output, 64-byte aligned),
+    prefetched for writing."""
+    for i in range(MRF):
+        prefetch_w(c, c0 + i * ldc)
+        prefetch_w(c, c0 + i * ldc + NR - 1)
+
+
 @njit(fastmath=FASTMATH_GEMM, **JIT)
 def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ldr,
                  has_res, act, buf):
@@ -576,11 +586,15 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
     (`direct_tiles_epi`, MRF rows a tile). A short last tile of MRF - 1 rows runs that
     tile on a copy of its rows in buf [MRF * K]; one of fewer rows, tiles of 4 and of 1 row
     (`direct_tiles_epi4`, `direct_tiles_epi1`: an MRF-row tile cost as much for one row as
-    for MRF). buf holds the short tile's rows either way (`inverted._tiles_1x1` reads them).
-    (_MODE_FLAT: a is x itself, a 1x1 convolution at stride 1; _MODE_PATCHES: a is the
-    block's patch rows.)"""
+    for MRF); one row past a whole tile, that tile and the row as one of MR_NINE rows
+    (`tile_epi9`). Without a residual, each tile's rows are prefetched for writing while the
+    tile before it runs (`prefetch_w`). buf holds the short tile's rows either way
+    (`inverted._tiles_1x1` reads them). (_MODE_FLAT: a is x itself, a 1x1 convolution at
+    stride 1; _MODE_PATCHES: a is the block's patch rows.)"""
     n_full = rows // MRF
     rem = rows - n_full * MRF
+    nine = rem == 1 and n_full > 0
+    n_8 = n_full - 1 if nine else n_full  # the tiles of MRF rows
     if rem:
         for i in range(rem):
             src = a[a_off + (n_full * MRF + i) * lda:a_off + (n_full * MRF + i) * lda + k]
@@ -593,12 +607,23 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
         j0 = jp * NR
         bp = panels[jp]
         bj = bias[j0:j0 + NR]
-        if n_full:
-            direct_tiles_epi(_i64(0), _i64(n_full), _i64(1), _i64(k), a, _i64(a_off), _i64(0),
+        if n_8 and has_res:
+            direct_tiles_epi(_i64(0), _i64(n_8), _i64(1), _i64(k), a, _i64(a_off), _i64(0),
                              _i64(lda), bp, _i64(0), c, _i64(m0 * ldc + j0), _i64(ldc), _i64(MRF),
                              bj, res, _i64(r_off + m0 * ldr + j0), _i64(ldr), _flag(has_res),
                              _i64(act))
-        if rem == MRF - 1:  # the MRF-row tile on buf's copy (and a zero row)
+        elif n_8:
+            for t in range(n_8):
+                c_t = (m0 + t * MRF) * ldc + j0
+                if t + 1 < n_8:
+                    _prefetch_rows(c, c_t + MRF * ldc, ldc)
+                tile_epi8(a, a_off + t * MRF * lda, 1, k, 0, lda, bp, 0, c, c_t, ldc, MRF, bj,
+                          res, 0, ldr, False, act)
+        if nine:
+            m9 = m0 + n_8 * MRF
+            tile_epi9(a, a_off + n_8 * MRF * lda, 1, k, 0, lda, bp, 0, c, m9 * ldc + j0, ldc,
+                      MR_NINE, bj, res, r_off + m9 * ldr + j0, ldr, has_res, act)
+        elif rem == MRF - 1:  # the MRF-row tile on buf's copy (and a zero row)
             direct_tiles_epi(_i64(0), _i64(1), _i64(1), _i64(k), buf, _i64(0), _i64(0), _i64(k),
                              bp, _i64(0), c, _i64(m_rem * ldc + j0), _i64(ldc), _i64(rem), bj,
                              res, _i64(r_off + m_rem * ldr + j0), _i64(ldr), _flag(has_res),
@@ -629,10 +654,14 @@ def _padded_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ld
     rows may cross output rows, each row reading its patch from x in place at an offset of
     its own (`_tile_ir.tile_gathered8`, kh segments of kw*C floats, dh*w*C apart). No patch
     copy (`_MODE_PATCHES` copies K floats a pixel) and no border tiles (`_rows_fused`'s
-    gathered edges, and its short tiles on rows not a multiple of MRF wide)."""
+    gathered edges, and its short tiles on rows not a multiple of MRF wide). A short last tile
+    as `_tiles_fused` runs it (one row past a whole tile: the two as one `tile_gathered9`);
+    without a residual, the next tile's rows prefetched for writing (`prefetch_w`)."""
     n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
     n_full = rows // MRF
     rem = rows - n_full * MRF
+    nine = rem == 1 and n_full > 0
+    n_8 = n_full - 1 if nine else n_full  # the tiles of MRF rows
     offs = np.empty((n_full + 1) * MRF, np.int64)
     for i in range((n_full + 1) * MRF):
         mm = m0 + min(i, rows - 1)  # rows past `rows` (a short tile's) read the last pixel
@@ -643,14 +672,22 @@ def _padded_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ld
         j0 = jp * NR
         bp = panels[jp]
         bj = bias[j0:j0 + NR]
-        for t in range(n_full):
+        for t in range(n_8):
             ro = r_off + (m0 + t * MRF) * ldr + j0
             if has_res and t + 1 < n_full:  # the next tile's residual rows: to L2
                 for i in range(MRF):
                     prefetch_l2(res, ro + (MRF + i) * ldr)
                     prefetch_l2(res, ro + (MRF + i) * ldr + NR - 1)
+            elif not has_res and t + 1 < n_8:  # the next tile's rows, for writing
+                _prefetch_rows(c, (m0 + (t + 1) * MRF) * ldc + j0, ldc)
             tile_gathered8(x, offs[t * MRF:(t + 1) * MRF], kh, run, seg_a, 0, bp, 0, c,
                            (m0 + t * MRF) * ldc + j0, ldc, MRF, bj, res, ro, ldr, has_res, act)
+        if nine:
+            i = n_8 * MRF
+            tile_gathered9(x, offs[i:i + MR_NINE], kh, run, seg_a, 0, bp, 0, c,
+                           (m0 + i) * ldc + j0, ldc, MR_NINE, bj, res,
+                           r_off + (m0 + i) * ldr + j0, ldr, has_res, act)
+            continue
         # a short last tile as `_tiles_fused` runs it: MRF rows for MRF - 1, else 4 and 1s
         i = n_full * MRF
         if rem == MRF - 1:
@@ -739,7 +776,9 @@ def _into_fused(x, cin, n_g, panels, c, c_offs, blk_lo, blk_hi, mb, m, bias, act
     each block's tiles of MRF pixels (`_tile_ir.tile_scattered8`: a tile may cross rows of
     the map), each stored once with bias and act (no residual). A short last tile as
     `_padded_fused`'s: MRF rows for MRF - 1 (the missing row reads and would store the last
-    pixel's, not stored), else 4 and 1s."""
+    pixel's, not stored), one row past a whole tile the two as one `tile_scattered9`, else 4
+    and 1s. Each tile's rows are prefetched for writing while the tile before it runs
+    (`prefetch_w`)."""
     a_offs = np.empty(mb + MRF, np.int64)
     co = np.empty(mb + MRF, np.int64)
     for blk in range(blk_lo, blk_hi):
@@ -751,14 +790,25 @@ def _into_fused(x, cin, n_g, panels, c, c_offs, blk_lo, blk_hi, mb, m, bias, act
             co[i] = c_offs[mm]
         n_full = rows // MRF
         rem = rows - n_full * MRF
+        nine = rem == 1 and n_full > 0
+        n_8 = n_full - 1 if nine else n_full  # the tiles of MRF rows
         for jp in range(n_g // NR):
             j0 = jp * NR
             bp = panels[jp]
             bj = bias[j0:j0 + NR]
             cj = c[j0:]
-            for t in range(n_full):
+            for t in range(n_8):
+                if t + 1 < n_8:  # the next tile's rows, for writing
+                    for i in range((t + 1) * MRF, (t + 2) * MRF):
+                        prefetch_w(cj, co[i])
+                        prefetch_w(cj, co[i] + NR - 1)
                 tile_scattered8(x, a_offs[t * MRF:(t + 1) * MRF], 1, cin, 0, 0, bp, 0, cj,
                                 co[t * MRF:(t + 1) * MRF], 0, MRF, bj, bj, 0, 0, False, act)
+            if nine:
+                i = n_8 * MRF
+                tile_scattered9(x, a_offs[i:i + MR_NINE], 1, cin, 0, 0, bp, 0, cj,
+                                co[i:i + MR_NINE], 0, MR_NINE, bj, bj, 0, 0, False, act)
+                continue
             i = n_full * MRF
             if rem == MRF - 1:
                 tile_scattered8(x, a_offs[i:i + MRF], 1, cin, 0, 0, bp, 0, cj, co[i:i + MRF],
