@@ -114,12 +114,15 @@ def _attend(q, q_off, ldq, nq, kf, k_off, ldk, vf, v_off, ldv, t, d, mask, scale
     total = ws[o:o + n_qp * NR]
 
     n_kf = t // MR  # full tiles of key rows, read in place; the rest packed into ak[0]
+    # np.int64 / np.bool_, not literals: the tile kernels' signature of the CNN kernels' calls
+    z, one, no = np.int64(0), np.int64(1), np.bool_(False)
     if t > n_kf * MR:
         _pack_a(kf, k_off, ldk, n_kf * MR, t, d, ak)
     for jp in range(n_qp):
         # S^T panel = K Q^T[:, panel]: Q^T is zero-padded past nq (those columns never read)
         _pack_qt(q, q_off, ldq, d, jp * NR, min(NR, nq - jp * NR), qt, qt_flat)
-        direct_tiles(0, n_kf, 1, d, kf, k_off, 0, ldk, qt, 0, st, 0, NR, False)
+        direct_tiles(z, n_kf, one, np.int64(d), kf, np.int64(k_off), z, np.int64(ldk), qt, z, st,
+                     z, np.int64(NR), no)
         if t > n_kf * MR:
             micro_tile(t - n_kf * MR, d, ak[0], qt, 0, 0, st, n_kf * MR * NR, NR, False)
         tot = total[jp * NR:(jp + 1) * NR]
@@ -128,7 +131,7 @@ def _attend(q, q_off, ldq, nq, kf, k_off, ldk, vf, v_off, ldv, t, d, mask, scale
     for jp in range(n_dp):
         _pack_panel(vf, v_off, ldv, False, t, jp * NR, min(NR, d - jp * NR), vp[jp])
         _strip(ap, nq, t, kc_max, vp[jp], out, o_off, ldo, jp * NR, min(NR, d - jp * NR),
-               scratch, epi, st, 0, 0)
+               scratch, epi, st, z, z)
     for i in range(nq):
         inv = _ONE / total[i]
         r = out[o_off + i * ldo:o_off + i * ldo + d]
