@@ -154,8 +154,8 @@ def _items(lo, hi, work, q, ldq, kf, ldk, vf, ldv, key_mask, t, d, row0, scale, 
 def _attention_serial(work, q, ldq, kf, ldk, vf, ldv, key_mask, t, d, row0, scale, out, ldo,
                       kc_max, epi, ws):
     """All work items on the calling thread."""
-    _items(0, work.shape[0], work, q, ldq, kf, ldk, vf, ldv, key_mask, t, d, row0, scale, out,
-           ldo, kc_max, epi, ws)
+    _items(np.int64(0), work.shape[0], work, q, ldq, kf, ldk, vf, ldv, key_mask, t, d, row0,
+           scale, out, ldo, kc_max, epi, ws)  # np.int64: _parallel's signature, not a literal's
 
 
 @njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
@@ -215,9 +215,9 @@ def _block_serial(x, wqkv, qkv_bias, key_mask, wo, o_bias, y, work, sizes, ws, t
     # the QKV projection's last panel prefetches the output projection's first
     _gemm_serial(x.reshape(-1), z, c, m, c, n3, wqkv, none, z, one, qkv, z, n3, qkv_blocks,
                  qkv_epi, ws, wo.reshape(-1), width * NR)
-    no_epi = (none, False, False, none, 0, 1, False)
-    _items(0, work.shape[0], work, qkv, n3, qkv[width:], n3, qkv[2 * width:], n3, key_mask, t,
-           d, 0, scale, ctx, width, kc_max, no_epi, ws)
+    no_epi = (none, no, no, none, z, one, no)
+    _items(z, work.shape[0], work, qkv, n3, qkv[width:], n3, qkv[2 * width:], n3, key_mask, t,
+           d, z, scale, ctx, width, kc_max, no_epi, ws)
     res, gamma, beta, eps, has_res, has_ln = tail
     o_epi = (o_bias, o_bias.shape[0] > 0, no, res.reshape(-1), z, n_o, has_res)
     _gemm_serial(ctx, z, width, m, width, n_o, wo, none, z, one, y.reshape(-1), z, n_o, o_blocks,
