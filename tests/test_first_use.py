@@ -49,6 +49,7 @@ SIGNATURES = textwrap.dedent("""
     import json, sys
     import numba
     import numpy as np
+    from numba.core import types
     from numba.core.registry import CPUDispatcher
     from hepti.inputs import Batch
     from hepti.families import load_kernels
@@ -59,6 +60,19 @@ SIGNATURES = textwrap.dedent("""
         return {f"{m}.{k}": len(v.signatures) for m, mod in list(sys.modules.items())
                 if m.startswith("hepti.kernels") for k, v in vars(mod).items()
                 if isinstance(v, CPUDispatcher)}
+
+    def literal_copies(names):  # the named kernels' signatures of one type once plain
+        out = {}
+        for d in {id(v): v for m, mod in list(sys.modules.items()) if m.startswith("hepti.kernels")
+                  for v in vars(mod).values() if isinstance(v, CPUDispatcher)}.values():
+            name = f"{d.py_func.__module__}.{d.py_func.__name__}"
+            if name[len("hepti.kernels."):] in names:
+                groups = {}
+                for sig in d.signatures:
+                    groups.setdefault(tuple(types.unliteral(t) for t in sig), []).append(str(sig))
+                if any(len(g) > 1 for g in groups.values()):
+                    out[name] = [g for g in groups.values() if len(g) > 1]
+        return out
 
     store = WeightStore(sys.argv[1])
     cfg = store.config
@@ -75,19 +89,55 @@ SIGNATURES = textwrap.dedent("""
     engine.run(batch)
     after = signatures()
     print(json.dumps({k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}))
+    print(json.dumps(literal_copies(sys.argv[2].split(","))))
 """)
+
+# The kernels that take seconds to compile (3-30 s each): a caller passing one of them a literal
+# constant (a 0 offset, ldc NR, accumulate False, a True in an epilogue tuple, a 1 in a geometry)
+# gives it a signature per value, where np.int64 / np.bool_ give it one. Such copies were 94 s
+# of the 278 s of CPU a cold test_cnn.py + test_bench_hetero.py spent compiling.
+HEAVY = ("_microkernels.full_tiles", "_microkernels.direct_tiles",
+         "_microkernels.direct_tiles_epi", "_microkernels._tile1", "_microkernels._tile2",
+         "_microkernels._tile4", "_microkernels.micro_tile", "_microkernels.epilogue_strip",
+         "conv._conv_rows", "conv._depthwise", "conv._tiles_fused", "conv._rows_fused",
+         "conv._padded_fused", "conv._rows_block", "packed_gemm._panel_range",
+         "packed_gemm._on_the_fly", "packed_gemm._strip", "packed_gemm._ir_tiles",
+         "packed_gemm._finish", "attention_core._items", "attention_core._attend")
 
 
 @pytest.mark.parametrize("model", ["tiny_dir", "resnet_tiny_dir", "vgg_tiny_dir", "mobilenet_dir"])
 def test_a_forward_compiles_nothing_after_the_kernels_are_loaded(model, request):
     """Every kernel a forward calls is loaded (or compiled, on a cold cache) before it, so a
     first run's forward time is not compile time. In a fresh process, where Numba's
-    dispatchers start empty: the forward adds no signature to any of them."""
+    dispatchers start empty: the forward adds no signature to any of them. And no HEAVY kernel
+    then holds two signatures that differ only in literal types (a jitted caller passes it a
+    constant: np.int64 / np.bool_ that argument)."""
     folder = request.getfixturevalue(model)
-    p = subprocess.run([sys.executable, "-c", SIGNATURES, str(folder)], capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", SIGNATURES, str(folder), ",".join(HEAVY)],
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout.strip().splitlines()[-1]) == {}
+    added, copies = p.stdout.strip().splitlines()[-2:]
+    assert json.loads(added) == {}
+    assert json.loads(copies) == {}
+
+
+def test_literal_copies_are_found():
+    """The check above on a callee given 0, 1 and np.int64(2) by its jitted caller: Literal[int]
+    (0), Literal[int](1) and int64, three signatures of one type."""
+    from numba import njit
+    from numba.core import types
+
+    @njit
+    def callee(a, b):
+        return a + b
+
+    @njit
+    def caller(x):
+        return callee(x, 0) + callee(x, 1) + callee(x, np.int64(2))
+
+    assert caller(np.int64(1)) == 6
+    assert len(callee.signatures) == 3
+    assert len({tuple(types.unliteral(t) for t in sig) for sig in callee.signatures}) == 1
 
 
 def test_slow_kernel_loading_is_announced(monkeypatch, caplog, tiny_dir):

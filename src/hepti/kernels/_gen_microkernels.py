@@ -127,7 +127,11 @@ def _dispatch(mr_max: int) -> str:
         "",
         "@njit(fastmath=FASTMATH_GEMM, **JIT)",
         "def micro_tile(mr, kc, ap, bp, k0, bk0, c, c_off, ldc, accumulate):",
-        '    """C tile (+)= A tile rows k0.. @ B panel rows bk0.. (kc of each); mr in 1..MR-1."""',
+        '    """C tile (+)= A tile rows k0.. @ B panel rows bk0.. (kc of each); mr in 1..MR-1.',
+        "    A caller's constant (c_off 0, ldc NR, accumulate False) arrives as a literal type;",
+        '    the tiles get plain int64 / bool, one compiled signature each."""',
+        "    kc, k0, bk0, ldc = np.int64(kc), np.int64(k0), np.int64(bk0), np.int64(ldc)",
+        "    c_off, accumulate = np.int64(c_off), np.bool_(accumulate)",
         "    i = 0",
     ]
     for h in tile_heights(mr_max):

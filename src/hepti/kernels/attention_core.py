@@ -114,12 +114,15 @@ def _attend(q, q_off, ldq, nq, kf, k_off, ldk, vf, v_off, ldv, t, d, mask, scale
     total = ws[o:o + n_qp * NR]
 
     n_kf = t // MR  # full tiles of key rows, read in place; the rest packed into ak[0]
+    # np.int64 / np.bool_, not literals: the tile kernels' signature of the CNN kernels' calls
+    z, one, no = np.int64(0), np.int64(1), np.bool_(False)
     if t > n_kf * MR:
         _pack_a(kf, k_off, ldk, n_kf * MR, t, d, ak)
     for jp in range(n_qp):
         # S^T panel = K Q^T[:, panel]: Q^T is zero-padded past nq (those columns never read)
         _pack_qt(q, q_off, ldq, d, jp * NR, min(NR, nq - jp * NR), qt, qt_flat)
-        direct_tiles(0, n_kf, 1, d, kf, k_off, 0, ldk, qt, 0, st, 0, NR, False)
+        direct_tiles(z, n_kf, one, np.int64(d), kf, np.int64(k_off), z, np.int64(ldk), qt, z, st,
+                     z, np.int64(NR), no)
         if t > n_kf * MR:
             micro_tile(t - n_kf * MR, d, ak[0], qt, 0, 0, st, n_kf * MR * NR, NR, False)
         tot = total[jp * NR:(jp + 1) * NR]
@@ -128,7 +131,7 @@ def _attend(q, q_off, ldq, nq, kf, k_off, ldk, vf, v_off, ldv, t, d, mask, scale
     for jp in range(n_dp):
         _pack_panel(vf, v_off, ldv, False, t, jp * NR, min(NR, d - jp * NR), vp[jp])
         _strip(ap, nq, t, kc_max, vp[jp], out, o_off, ldo, jp * NR, min(NR, d - jp * NR),
-               scratch, epi, st, 0, 0)
+               scratch, epi, st, z, z)
     for i in range(nq):
         inv = _ONE / total[i]
         r = out[o_off + i * ldo:o_off + i * ldo + d]
@@ -151,8 +154,8 @@ def _items(lo, hi, work, q, ldq, kf, ldk, vf, ldv, key_mask, t, d, row0, scale, 
 def _attention_serial(work, q, ldq, kf, ldk, vf, ldv, key_mask, t, d, row0, scale, out, ldo,
                       kc_max, epi, ws):
     """All work items on the calling thread."""
-    _items(0, work.shape[0], work, q, ldq, kf, ldk, vf, ldv, key_mask, t, d, row0, scale, out,
-           ldo, kc_max, epi, ws)
+    _items(np.int64(0), work.shape[0], work, q, ldq, kf, ldk, vf, ldv, key_mask, t, d, row0,
+           scale, out, ldo, kc_max, epi, ws)  # np.int64: _parallel's signature, not a literal's
 
 
 @njit(fastmath=FASTMATH_GEMM, parallel=True, **JIT)
@@ -212,9 +215,9 @@ def _block_serial(x, wqkv, qkv_bias, key_mask, wo, o_bias, y, work, sizes, ws, t
     # the QKV projection's last panel prefetches the output projection's first
     _gemm_serial(x.reshape(-1), z, c, m, c, n3, wqkv, none, z, one, qkv, z, n3, qkv_blocks,
                  qkv_epi, ws, wo.reshape(-1), width * NR)
-    no_epi = (none, False, False, none, 0, 1, False)
-    _items(0, work.shape[0], work, qkv, n3, qkv[width:], n3, qkv[2 * width:], n3, key_mask, t,
-           d, 0, scale, ctx, width, kc_max, no_epi, ws)
+    no_epi = (none, no, no, none, z, one, no)
+    _items(z, work.shape[0], work, qkv, n3, qkv[width:], n3, qkv[2 * width:], n3, key_mask, t,
+           d, z, scale, ctx, width, kc_max, no_epi, ws)
     res, gamma, beta, eps, has_res, has_ln = tail
     o_epi = (o_bias, o_bias.shape[0] > 0, no, res.reshape(-1), z, n_o, has_res)
     _gemm_serial(ctx, z, width, m, width, n_o, wo, none, z, one, y.reshape(-1), z, n_o, o_blocks,

@@ -428,6 +428,7 @@ def _rows_block(x, geo, k, n_g, panels, c, ldc, m0, rows, epi, edge, buf, scratc
             _pack_patches(x, geo, 0, m0 + r * wo + ox, nr, k,
                           edge[r * n_edge + e:r * n_edge + e + 1], buf)
     pf = x[:0]
+    z, one, no = np.int64(0), np.int64(1), np.bool_(False)  # not literals: one signature each
     for jp in range(-(-n_g // NR)):
         j0 = jp * NR
         ncols = min(NR, n_g - j0)
@@ -446,17 +447,18 @@ def _rows_block(x, geo, k, n_g, panels, c, ldc, m0, rows, epi, edge, buf, scratc
                 continue
             iy0 = oy * sh - pt + ky0 * dh
             x_row = ((b * h + iy0) * w - pl) * cin  # column ox's A row: x_row + ox * lda
-            direct_tiles(0, n_direct, ky1 - ky0, run, x, x_row + ox_lo * lda, dh * w * cin,
-                         lda, bp, ky0 * run, dst, d_row + ox_lo * ldd, ldd, False)
+            direct_tiles(z, n_direct, ky1 - ky0, run, x, x_row + ox_lo * lda, dh * w * cin,
+                         lda, bp, ky0 * run, dst, d_row + ox_lo * ldd, np.int64(ldd), no)
             k0, kc = ky0 * run, (ky1 - ky0) * run  # the packed tiles: those rows of K at once
             for e in range(n_edge):
                 ox, s = starts[e], r * n_edge + e
                 nr = min(MR, (ox_lo if ox < ox_lo else wo) - ox)
                 if nr == MR:
-                    full_tiles(0, 1, kc, edge[s:s + 1], bp, k0, k0, dst, d_row + ox * ldd, ldd,
-                               False, pf, 0, 0)
+                    full_tiles(z, one, kc, edge[s:s + 1], bp, k0, k0, dst, d_row + ox * ldd,
+                               np.int64(ldd), no, pf, z, z)
                 else:
-                    micro_tile(nr, kc, edge[s], bp, k0, k0, dst, d_row + ox * ldd, ldd, False)
+                    micro_tile(nr, kc, edge[s], bp, k0, k0, dst, d_row + ox * ldd,
+                               np.int64(ldd), no)
         _finish(rows, c, m0 * ldc, ldc, j0, ncols, scratch, epi)
 
 
@@ -495,9 +497,11 @@ def _padding_row(c, d_off, ldc, cols, j0, bias, res, r_off, ldr, has_res, act):
     """An output row all of whose taps are padding: act(bias + residual) on cols pixels."""
     for i in range(cols):
         c[d_off + i * ldc:d_off + i * ldc + NR] = 0.0
-    _epilogue(c, d_off, ldc, cols, NR, j0, (bias, True, False, res, r_off, ldr, has_res))
+    nr = np.int64(NR)  # np.int64 and np.bool_, not literals: the callees' one signature
+    _epilogue(c, d_off, ldc, cols, nr, j0, (bias, np.bool_(True), np.bool_(False), res,
+                                            np.int64(r_off), np.int64(ldr), np.bool_(has_res)))
     if act:
-        _activate(c, d_off, ldc, cols, NR, act)
+        _activate(c, d_off, ldc, cols, nr, np.int64(act))
 
 
 @njit(**JIT)
@@ -847,8 +851,8 @@ def _pair_rows(x, cin, n_g, panels, xp, offs, n_blocks, mb, m, bias, act, geo_p,
     (`_into_fused`), then the convolution reading it in place (`_conv_rows` on geo_p, groups
     1, Cout n_g2 = its row stride), in one call."""
     _into_fused(x, cin, n_g, panels, xp, offs, 0, n_blocks, mb, m, bias, act)
-    _conv_rows(xp, geo_p, 1, k2, n_g2, panels2, y, n_g2, 0, n_blocks2, mb2, m2, blocks2, epi2,
-               act2, mode2, ws)
+    _conv_rows(xp, geo_p, np.int64(1), k2, n_g2, panels2, y, n_g2, np.int64(0), n_blocks2, mb2,
+               m2, blocks2, epi2, act2, mode2, ws)
 
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)
@@ -934,8 +938,8 @@ def _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, blk_lo, blk_hi, mb, m, bl
             continue
         if mode == _MODE_PATCHES:
             _im2col(x, geo, 0, m0, m0 + rows, ws, k)
-            _tiles_fused(ws, 0, k, k, n_g, panels[0], c, ldc, m0, rows, bias, res, r_off, ldr,
-                         has_res, act, buf)
+            _tiles_fused(ws, np.int64(0), k, k, n_g, panels[0], c, ldc, m0, rows, bias, res,
+                         r_off, ldr, has_res, act, buf)
             continue
         if mode == _MODE_ROWS:
             _rows_block(x, geo, k, n_g, panels[0], c, ldc, m0, rows,
@@ -949,10 +953,11 @@ def _conv_rows(x, geo, groups, k, n_g, panels, c, ldc, blk_lo, blk_hi, mb, m, bl
                     _pack_patches(x, geo, g * cg, m0, rows, k, apack, buf)
                 else:
                     _im2col(x, geo, g * cg, m0, m0 + rows, buf, k)
-                    _pack_a(buf, 0, k, 0, rows, k, apack)
+                    _pack_a(buf, np.int64(0), k, np.int64(0), rows, k, apack)
                 bias_g = bias[g * n_g:(g + 1) * n_g] if has_bias else bias
                 epi_g = (bias_g, has_bias, gelu, res, r_off + m0 * ldr + g * n_g, ldr, has_res)
-                _panel_range(0, n_panels, apack, rows, k, n_g, panels[g], x, 0, 1, no_buf, c,
+                _panel_range(np.int64(0), n_panels, apack, rows, k, n_g, panels[g], x,
+                             np.int64(0), np.int64(1), no_buf, c,
                              m0 * ldc + g * n_g, ldc, blocks, scratch, epi_g, ws, np.int64(0))
         if act:
             _activate(c, m0 * ldc, ldc, rows, ldc, act)
@@ -973,7 +978,7 @@ def _conv_parallel(n_chunks, x, geo, groups, k, n_g, panels, c, ldc, n_blocks, m
             p0, p1 = chunk * n_panels // n_chunks, (chunk + 1) * n_panels // n_chunks
             j0, j1 = p0 * NR, p1 * NR
             sub = panels.reshape(-1)[p0 * k * NR:p1 * k * NR].reshape((1, p1 - p0, k, NR))
-            _conv_rows(x, geo, groups, k, j1 - j0, sub, c[j0:], ldc, 0, n_blocks, mb, m,
+            _conv_rows(x, geo, groups, k, j1 - j0, sub, c[j0:], ldc, np.int64(0), n_blocks, mb, m,
                        blocks, (bias[j0:j1], has_bias, gelu, res, r_off + j0, ldr, has_res),
                        act, mode, w)
         else:
@@ -1194,7 +1199,7 @@ def _pool(x, geo, is_max, y):
     A 3x3 or 2x2 max pool takes the pixels whose taps all lie inside x all taps at once
     (`_max3x3_span`, `_max2x2_span`), the others tap by tap (`_pool_pixel`)."""
     for b in range(geo[0]):
-        _pool_rows(x, geo, is_max, y, b, 0, geo[4])
+        _pool_rows(x, geo, is_max, y, b, np.int64(0), geo[4])  # not a literal: one signature
 
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)
@@ -1252,20 +1257,21 @@ def _pooled_rows(x, geo, k, n_g, panels, c, bias, act, mode, edge, blk, pgeo, y,
     r0 = max(0, py0 * psh - ppt)
     r_end = min(ho, (py1 - 1) * psh - ppt + (pkh - 1) * pdh + 1)
     py = py0
+    z, no, yes = np.int64(0), np.bool_(False), np.bool_(True)  # not literals: one signature
     while r0 < r_end:
         r1 = min(r_end, r0 + blk)
         m0 = (b * ho + r0) * wo
         if mode == _MODE_PADDED:
-            _padded_fused(x, geo, k, n_g, panels, c, n_g, m0, (r1 - r0) * wo, bias, bias, 0, 0,
-                          False, act)  # (bias: the absent residual's stand-in)
+            _padded_fused(x, geo, k, n_g, panels, c, n_g, m0, (r1 - r0) * wo, bias, bias, z, z,
+                          no, act)  # (bias: the absent residual's stand-in)
         else:
-            _rows_fused(x, geo, k, n_g, panels, c, n_g, m0, (r1 - r0) * wo, bias, bias, 0, 0,
-                        False, act, edge)
+            _rows_fused(x, geo, k, n_g, panels, c, n_g, m0, (r1 - r0) * wo, bias, bias, z, z,
+                        no, act, edge)
         q = py
         while q < py1 and (r1 == r_end or q * psh - ppt + (pkh - 1) * pdh < r1):
             q += 1
         if q > py:
-            _pool_rows(c, pgeo, True, y, b, py, q)
+            _pool_rows(c, pgeo, yes, y, b, py, q)
             py = q
         r0 = r1
 
@@ -1307,7 +1313,8 @@ def _pooled_into(x, geo, k, n_g, panels, buf, bco, bias, act, wide, pk, q, y, y_
     window (none read them) are not made. Bit for bit the convolution then `_pool`."""
     n, ho, wo = geo[0], geo[4], geo[5]
     pho, pwo = (ho - pk) // pk + 1, (wo - pk) // pk + 1
-    pgeo = (1, pk, wo, n_g, 1, pwo, pk, pk, pk, pk, 0, 0, 1, 1, 1)
+    z, one = np.int64(0), np.int64(1)  # not literals: _pool_rows' one signature
+    pgeo = (one, pk, wo, n_g, one, pwo, pk, pk, pk, pk, z, z, one, one, one)
     step = pk * wo * n_g  # floats of buf a pool row reads
     for b in range(n):
         for py in range(0, pho, q):
@@ -1315,7 +1322,8 @@ def _pooled_into(x, geo, k, n_g, panels, buf, bco, bias, act, wide, pk, q, y, y_
             _padded_into(x, geo, k, n_g, panels, buf, bco, (b * ho + py * pk) * wo,
                          nq * pk * wo, bias, act, wide)
             for i in range(nq):
-                _pool_rows(buf[i * step:], pgeo, True, y[y_rows[b * pho + py + i]:], 0, 0, 1)
+                _pool_rows(buf[i * step:], pgeo, np.bool_(True), y[y_rows[b * pho + py + i]:], z,
+                           z, one)
 
 
 @njit(fastmath=FASTMATH_ROWS, **JIT)

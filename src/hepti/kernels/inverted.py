@@ -116,6 +116,9 @@ def _block(x, dims, we, be, taps, bd, wp, bp, res, has_res, y, t_rows, ebuf, dbu
     n, h, w, cin, hid, cout, ho, wo, s, pt, has_expand = dims
     empty = y[:0]
     row = w * hid
+    # np.int64 / np.bool_, not literals, in the geometries, epilogues and flags passed on:
+    # _conv_rows and _depthwise then have the one signature a layer's call gives them
+    z, one, three, yes, no = np.int64(0), np.int64(1), np.int64(3), np.bool_(True), np.bool_(False)
     for b in range(n):
         lo = hi = 0  # the expanded rows [lo, hi) in ebuf, from its start
         for o0 in range(0, ho, t_rows):
@@ -137,18 +140,19 @@ def _block(x, dims, we, be, taps, bd, wp, bp, res, has_res, y, t_rows, ebuf, dbu
                                    ebuf[keep * row:ne * row], _i64(hid), _i64(me), be, empty,
                                    _i64(0), _i64(hid), _flag(False), _i64(2), ws_e)
                     else:
-                        geo_e = (1, i1 - i0 - keep, w, cin, i1 - i0 - keep, w, 1, 1, 1, 1, 0,
-                                 0, 1, 1, cin)
-                        _conv_rows(xs, geo_e, 1, cin, hid, we, ebuf[keep * row:ne * row], hid,
-                                   0, 1, me, me, (me, blocks_e[1], blocks_e[2], blocks_e[3]),
-                                   (be, True, False, empty, 0, hid, False), 2, mode_e, ws_e)
+                        geo_e = (one, i1 - i0 - keep, w, cin, i1 - i0 - keep, w, one, one, one,
+                                 one, z, z, one, one, cin)
+                        _conv_rows(xs, geo_e, one, cin, hid, we, ebuf[keep * row:ne * row], hid,
+                                   z, one, me, me, (me, blocks_e[1], blocks_e[2], blocks_e[3]),
+                                   (be, yes, no, empty, z, hid, no), np.int64(2), mode_e, ws_e)
                 lo, hi = i0, i1
                 e = ebuf
             else:
                 e = x[(b * h + i0) * w * cin:(b * h + i1) * w * cin]
             nt = o1 - o0
-            geo_d = (1, ne, w, hid, nt, wo, 3, 3, s, s, i0 - (o0 * s - pt), 1, 1, 1, 1)
-            _depthwise(e, geo_d, taps, bd, empty, False, 2, dbuf, 0, nt)
+            geo_d = (one, ne, w, hid, nt, wo, three, three, s, s, i0 - (o0 * s - pt), one, one,
+                     one, one)
+            _depthwise(e, geo_d, taps, bd, empty, no, np.int64(2), dbuf, z, nt)
             mp = nt * wo
             y_off = (b * ho + o0) * wo * cout
             if mode_p == _MODE_FLAT:
@@ -156,10 +160,10 @@ def _block(x, dims, we, be, taps, bd, wp, bp, res, has_res, y, t_rows, ebuf, dbu
                            y[y_off:y_off + mp * cout], _i64(cout), _i64(mp), bp, res,
                            _i64(y_off), _i64(cout), has_res, _i64(0), ws_p)
             else:
-                geo_p = (1, nt, wo, hid, nt, wo, 1, 1, 1, 1, 0, 0, 1, 1, hid)
-                _conv_rows(dbuf, geo_p, 1, hid, cout, wp, y[y_off:y_off + mp * cout], cout, 0,
-                           1, mp, mp, (mp, blocks_p[1], blocks_p[2], blocks_p[3]),
-                           (bp, True, False, res, y_off, cout, has_res), 0, mode_p, ws_p)
+                geo_p = (one, nt, wo, hid, nt, wo, one, one, one, one, z, z, one, one, hid)
+                _conv_rows(dbuf, geo_p, one, hid, cout, wp, y[y_off:y_off + mp * cout], cout, z,
+                           one, mp, mp, (mp, blocks_p[1], blocks_p[2], blocks_p[3]),
+                           (bp, yes, no, res, y_off, cout, has_res), z, mode_p, ws_p)
 
 
 @functools.lru_cache(maxsize=256)

@@ -186,9 +186,12 @@ def _epilogue(c, c_off, ldc, rows, cols, j0, epi):
 
 @njit(**JIT)
 def _shift_epi(epi, rows, cols):
-    """The epilogue tuple for a sub-block starting `rows` rows and `cols` columns further on."""
+    """The epilogue tuple for a sub-block starting `rows` rows and `cols` columns further on,
+    its flags and offsets as np.bool_ / np.int64 whatever the caller's (a literal True or 0 in
+    a caller's tuple would otherwise give the kernels under it a signature of their own)."""
     bias, has_bias, gelu, res, r_off, ldr, has_res = epi
-    return (bias, has_bias, gelu, res, r_off + rows * ldr + cols, ldr, has_res)
+    return (bias, np.bool_(has_bias), np.bool_(gelu), res, np.int64(r_off + rows * ldr + cols),
+            np.int64(ldr), np.bool_(has_res))
 
 
 @njit(**JIT)
@@ -228,17 +231,23 @@ def _pack_a(a, a_off, lda, m0, m1, k, apack):
 def _kblock(apack, rows, k0, kc, bp, bk0, dst, d_off, ldd, accumulate, pf, pf_lo, pf_hi):
     """dst rows 0 .. rows-1 (flat, from d_off, stride ldd; NR wide) (+)= packed A block
     columns k0 .. k0+kc-1 @ bp rows bk0 .. bk0+kc-1. Meanwhile pf[pf_lo:pf_hi] is prefetched
-    into L2, spread over the full tiles' k loops (all at once if there are none)."""
+    into L2, spread over the full tiles' k loops (all at once if there are none).
+
+    Its callers pass constants (d_off 0, ldd NR, no prefetch 0, 0), which arrive as literal
+    types: the tile kernels get plain np.int64 / np.bool_, one compiled signature each (a
+    literal one compiled `full_tiles`, ~9 s, again per caller)."""
     n_full = rows // MR
     rem = rows - n_full * MR
     if n_full == 0:
         for q in range(pf_lo, pf_hi, 16):
             prefetch_l2(pf, q)
-    full_tiles(0, n_full, kc, apack, bp, k0, bk0, dst, d_off, ldd, accumulate,
-               pf, pf_lo, pf_hi)
+    kc, k0, bk0, ldd = np.int64(kc), np.int64(k0), np.int64(bk0), np.int64(ldd)
+    acc = np.bool_(accumulate)
+    full_tiles(np.int64(0), np.int64(n_full), kc, apack, bp, k0, bk0, dst, np.int64(d_off),
+               ldd, acc, pf, np.int64(pf_lo), np.int64(pf_hi))
     if rem:
-        micro_tile(rem, kc, apack[n_full], bp, k0, bk0, dst, d_off + n_full * MR * ldd, ldd,
-                   accumulate)
+        micro_tile(np.int64(rem), kc, apack[n_full], bp, k0, bk0, dst,
+                   np.int64(d_off + n_full * MR * ldd), ldd, acc)
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
@@ -434,7 +443,7 @@ def _gemm_serial(a, a_off, lda, m, k, n, panels, b, b_off, ldb, c, c_off, ldc, b
         m1 = min(m, m0 + mc)
         _pack_a(a, a_off, lda, m0, m1, k, apack)
         pf, pf_n = (panels_flat, k * NR) if m1 < m else (nxt, nxt_n)
-        _panel_range(0, -(-n // NR), apack, m1 - m0, k, n, panels, b, b_off, ldb, buf, c,
+        _panel_range(np.int64(0), -(-n // NR), apack, m1 - m0, k, n, panels, b, b_off, ldb, buf, c,
                      c_off + m0 * ldc, ldc, blocks, scratches[0], _shift_epi(epi, m0, 0),
                      pf, pf_n)
 
