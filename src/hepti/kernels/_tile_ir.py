@@ -29,8 +29,7 @@ row at an offset from an array (conv.py's `_into_fused`: a 1x1's output written 
 interior of the zero-bordered map the next convolution reads). `tile_wide6` is a gathered and
 scattered 6 x 64 tile over two panels at once, without a residual (conv.py's `_padded_into`: 6
 broadcasts of A for 24 FMAs, where the 8 x 32 tile has 8 for 16). `tile_*9` (MR_NINE rows) take
-a block's last whole tile and the one row past it at once; `prefetch_w` brings a line the
-tiles will store to in owned (prefetchw).
+a block's last whole tile and the one row past it at once.
 
 Numba's own cache does not see this file change under the cached kernels that inline it
 (_microkernels.py's, conv.py's); hepti.kernels._cache does (each module's stamp covers the
@@ -49,31 +48,6 @@ _NV = NR // _LANES
 _F32, _I64, _I32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
 _V = ir.VectorType(_F32, _LANES)
 _FAST = ("contract", "nnan", "nsz")
-
-
-@intrinsic
-def prefetch_w(typingctx, arr, index):
-    """Prefetch the cache line of arr[index] (1-D, no bounds check; a prefetch never faults)
-    for writing (prefetchw): the line arrives owned, so a tile's store to it does not wait
-    for the read-for-ownership a store to a line not in cache makes. For the fused tiles'
-    outputs where no residual is read before them (conv.py's `_tiles_fused`,
-    `_padded_fused`, `_into_fused`: the next tile's rows, ResNet-50's maps written fresh
-    each block, 0.8-3.3 MB at 224)."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer)):
-        return None
-    sig = types.void(arr, index)
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        # args: address, rw = 1 (write: prefetchw), locality = 3, cache = 1 (data)
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(1), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 def _vptr(builder, base, index):

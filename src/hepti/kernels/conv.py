@@ -142,18 +142,18 @@ from numba import njit, prange
 
 from hepti.kernels import config
 from hepti.kernels._dw_ir import dw3x3_s1, dw3x3_s2
-from hepti.kernels._intrinsics import max_f32, prefetch_l2
+from hepti.kernels._intrinsics import max_f32, prefetch_l2, prefetch_w
 from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi,
                                          direct_tiles_epi1, direct_tiles_epi4, full_tiles,
                                          micro_tile, pack_a_tile)
-from hepti.kernels._tile_ir import (MR_NINE, MR_WIDE, prefetch_w, tile_epi8, tile_epi9,
+from hepti.kernels._tile_ir import (MR_NINE, MR_WIDE, tile_epi8, tile_epi9,
                                     tile_gathered1, tile_gathered4, tile_gathered8,
                                     tile_gathered9, tile_scattered1, tile_scattered4,
                                     tile_scattered8, tile_scattered9, tile_wide6)
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
 from hepti.kernels.packed_gemm import (_epilogue, _finish, _pack_a, _pack_all, _panel_range,
-                                      panel_group, row_block)
+                                      panel_group, row_block, run_chunks)
 
 _ACT = {None: 0, "relu": 1, "relu6": 2}
 # input bytes of the output rows one call of the depthwise IR kernel runs at stride 1 (each
@@ -1854,15 +1854,7 @@ class ConvLayer:
         edge = workspace(chunks * e_size)
         args = (x.reshape(-1), geo, cw.k, cw.cout, cw.panels[0], c.reshape(-1), self.bias_f,
                 self.act, plan[0], edge, blk, pgeo, y.reshape(-1))
-        if chunks == 1:
-            _conv_pooled(*args)
-            return y
-        previous = numba.get_num_threads()
-        numba.set_num_threads(chunks)
-        try:
-            _pooled_parallel(chunks, *args)
-        finally:
-            numba.set_num_threads(previous)
+        run_chunks(chunks, _conv_pooled, _pooled_parallel, args)
         return y
 
     # A pair of convolutions, the second reading the first's output alone, where the second

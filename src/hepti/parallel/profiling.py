@@ -54,8 +54,11 @@ from hepti.emulate import stretch as _stretch
 from hepti.emulate.state import current_device, read_state
 from hepti.errors import PlanError
 from hepti.families import family
-from hepti.graph.cnn import CONV
-from hepti.model.cnn import CNNModel
+from hepti.graph.cnn import CONV, build
+from hepti.graph.split import conv_rows, streamed_convs
+from hepti.model.cnn import CNNModel, Weights
+from hepti.parallel.bands import BandExecutor, btsearch_order, head_rows
+from hepti.parallel.comm import Comm
 from hepti.parallel.profile_cnn import (BAND_MIN_S, measure_band_costs, measure_cnn_ops,
                                         measure_layout_rate, pooled_band, pooled_overhead,
                                         stream_fit)
@@ -65,6 +68,7 @@ from hepti.parallel.profile_compute import (measure_call_overhead, measure_decod
 from hepti.parallel.profile_links import (barrier, calibrate_collectives,
                                           calibrate_decoder_collectives, measure_collectives,
                                           measure_links)
+from hepti.plan import coedge
 from hepti.plan.decoder import SYNCS_KEY
 from hepti.plan.profile import NETWORK_DEFAULTS, SCHEMA_VERSION, Profile, load_profile, profile_from_dict
 from hepti.resources import (_return_freed_memory, available_memory, cgroup_memory_stat, cpu_limit,
@@ -332,15 +336,6 @@ def measure_exchange_resume(comm, store, prof: dict, h: int, w: int, batch: int 
     (2026-12-01) MobileNetV2's one-group-per-op splits ran their ranks' compute at 1.03-1.8x
     the band timings' (launch to launch), where a group of the whole net, one exchange, ran
     at 0.9-1.1x. hepti.plan.coedge charges it to each exchange (`CNNCosts.exchange_work`)."""
-    from mpi4py import MPI  # local: importing mpi4py.MPI starts MPI (MPI_Init)
-
-    from hepti.graph.cnn import build
-    from hepti.graph.split import conv_rows, streamed_convs
-    from hepti.model.cnn import Weights
-    from hepti.parallel.bands import BandExecutor, btsearch_order, head_rows
-    from hepti.parallel.comm import Comm
-    from hepti.plan import coedge
-
     size, rank = comm.Get_size(), comm.Get_rank()
     graph = build(store.config)
     costs = coedge.CNNCosts.from_profile(profile_from_dict(prof, "measured profile"), graph)
