@@ -121,7 +121,7 @@ def measure_band_costs(model, h: int, w: int, batch: int = 1, rounds: int = 7,
     `joined_ranges`' groups, where the executor runs each run of blocks as one call
     (`BandExecutor._chains`), each group from the end of the one before to its own, in the
     same rotation, and each range's ops together in the op-by-op forward:
-    hepti.plan.coedge `joined_factors` prices each range's blocks by their ratio. The whole
+    hepti.plan.coedge `joined_points` prices each range's blocks by their ratio. The whole
     map, as one device runs it: on emu-mixed4 (2026-11-30) a factor from the bands alone
     priced `single` 22% under what it ran. Ranges: what joining saves differs along the net
     (there, 0.40-0.49 of the op-by-op time on the first range, 0.66-0.77 on the last). The

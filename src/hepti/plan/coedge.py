@@ -136,7 +136,7 @@ class CNNCosts:
     spread: list[float] | None = None
     # per device and op, what an op of a group's inverted-residual blocks costs against its
     # band timing when the executor runs them as one call (the profile's op_joined_measured,
-    # through `joined_factors`; None in older profiles and for networks without such blocks)
+    # through `joined_points`; None in older profiles and for networks without such blocks)
     joined: list[list[float]] | None = None
     # the same per device and op at each measured band fraction ((fraction, factor), ...):
     # `joined_points`; group_cost takes a band's own (None: `joined` alone)
@@ -249,34 +249,26 @@ def _band_costs(table: dict, graph: Graph, op_s: list[list[float]]):
     return out_s, fixed, zeros, list(zeros)
 
 
-def joined_factors(costs: CNNCosts, graph: Graph, ranges: list, measured: list
-                   ) -> list[list[float]] | None:
-    """Per device and op, the factor on an op's band seconds when it is in one of a group's
-    inverted blocks (`joined_ops`, `group_cost`); 1 elsewhere. From the profile's
-    op_joined_measured (hepti.parallel.profile_cnn `measure_band_costs`), per device
-    [(fraction, [seconds per range], [op by op, per range])] of rank 0 of two, with the
-    spatial ops in `ranges` as groups, where the executor runs each range's runs of blocks as
-    one call, against the same bands one op a group: per range, this model's bands in that
-    group at the measured ratio of its op-by-op bands, less what it gives the range's ops
-    outside blocks, over what it gives the blocks' ops, summed over the fractions; clipped to
-    [0.2, 1.5]. Why: on emu-mixed4 (2026-11-30) MobileNetV2's `grid` (one group) ran its slow
-    ranks' compute in 51.6 and 42.6 ms against 93.5 and 90.7 predicted op by op.
-    `group_cost` takes each fraction's own factor (`joined_points`, `joined_at`); this sum
-    over the fractions is what a caller without a band's fraction gets."""
-    pts = joined_points(costs, graph, ranges, measured)
-    return None if pts is None else [[p[0] for p in row] for row in pts]
-
-
 def joined_points(costs: CNNCosts, graph: Graph, ranges: list, measured: list
                   ) -> list[list[tuple]] | None:
-    """Per device and op, (factor over all fractions, ((fraction, factor), ...)): the joined
-    factor of `joined_factors` summed over the measured fractions, and each fraction's own
-    (its band alone, clipped alike); (1.0, ()) outside a range's blocks. What joining saves
-    depends on the band: on emu-mixed4 (2026-12-01, MobileNetV2) a range's blocks joined took
+    """Per device and op, (factor over all fractions, ((fraction, factor), ...)): the factor on
+    an op's band seconds when it is in one of a group's inverted blocks (`joined_ops`,
+    `group_cost`); (1.0, ()) elsewhere. From the profile's op_joined_measured
+    (hepti.parallel.profile_cnn `measure_band_costs`), per device [(fraction, [seconds per
+    range], [op by op, per range])] of rank 0 of two, with the spatial ops in `ranges` as
+    groups, where the executor runs each range's runs of blocks as one call, against the same
+    bands one op a group: per range, this model's bands in that group at the measured ratio of
+    its op-by-op bands, less what it gives the range's ops outside blocks, over what it gives
+    the blocks' ops; summed over the fractions, and each fraction's own (its band alone);
+    clipped to [0.2, 1.5]. Why: on emu-mixed4 (2026-11-30) MobileNetV2's `grid` (one group)
+    ran its slow ranks' compute in 51.6 and 42.6 ms against 93.5 and 90.7 predicted op by op.
+    `group_cost` takes the factor at a band's own fraction (`joined_at`): what joining saves
+    depends on the band. On emu-mixed4 (2026-12-01, MobileNetV2) a range's blocks joined took
     0.30-0.45 of their op-by-op time on bands of 15% of the rows and 0.51-0.61 on the whole
     map (the middle ranges, every device), so the sum over the fractions priced a whole map's
     blocks ~20% low: `pipeline` (every stage a whole map) ran 8-20% over its prediction in
-    every round of four runs, `single` 2-11%."""
+    every round of four runs, `single` 2-11%. The sum stays `CNNCosts.joined`, for a caller
+    without a band's fraction."""
     L = spatial_ops(graph)
     shapes = graph.shapes(costs.h, costs.w)
     per_row = row_seconds(costs, graph, costs.w, costs.n)
