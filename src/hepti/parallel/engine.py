@@ -242,9 +242,13 @@ class Job:
 
     def close(self, keep_layers: bool = False):
         """Collective over the active ranks (the group frees its shared window). keep_layers:
-        the weights stay open for a next job that holds the same (`layer_spec`)."""
+        the weights stay open for a next job that holds the same (`layer_spec`). A closed job
+        refers to no weights (its executor binds the slices' arrays too): the caller decides
+        what outlives it, and a serve rank's switch reads the next plan's slices only once the
+        current ones are gone (hepti.serve.worker)."""
         if self.layers is not None and not keep_layers:
             self.layers.close()
+        self.layers = self.executor = None
         if self.group is not None:
             self.group.close()
 
