@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -215,8 +216,13 @@ def test_a_spare_copy_is_served_only_whole(minilm_dir):
     assert len(got) == len(want) > 0 and all(np.array_equal(a, b) for a, b in zip(got, want))
     taken = SpareLayers(make())
     words = taken._pages[len(taken._pages) // 2][0]
-    words[len(words) // 2] = 0  # what a page the kernel took reads as
+    page = words[len(words) // 2]
+    assert page[0] != 0
+    page[:] = 0  # what a page the kernel took reads as
     assert taken.lost() and not taken.take()
+    # nothing was written to it: a write to a page the kernel took maps a fresh one, and
+    # writing first made a copy emptied in a squeeze whole again in memory at that moment
+    assert page[0] == 0
 
 
 def test_a_rank_counts_its_spare_copy_as_held_and_drops_it_once_taken(monkeypatch):
@@ -262,6 +268,8 @@ def test_the_next_plans_slices_wait_lazily_free_and_are_read_again_if_taken(mini
         def read(one):  # on_layer is SpareLayers.add, ahead of the switch; None at it
             on_layer(one)
             lazy_as_read.append(on_layer.__self__.lazy_bytes)
+        if on_layer is None:  # a deferred read: whether the plan before's buffers are gone
+            events.append(("read", [r() is None for r in before]))
         builds.append(make(read if on_layer else None))
         return builds[-1]
 
@@ -270,8 +278,24 @@ def test_the_next_plans_slices_wait_lazily_free_and_are_read_again_if_taken(mini
             self.spec, self.layers, self.primary_ops = plan["spec"], layers, None
             events.append(("job", layers))
 
-        def close(self, keep_layers=False):
+        def close(self, keep_layers=False):  # as the engine's: a closed job holds no weights
             events.append(("close", self.layers))
+            if self.layers is not None and not keep_layers:
+                self.layers.close()
+            self.layers = None
+
+    from hepti.parallel import layers as L
+    plain_free, plain_take = L.lazy_free, L.SpareLayers.take
+
+    def lazy_free(addr, nbytes, libc=None):
+        events.append(("free", addr, nbytes))
+        return plain_free(addr, nbytes, libc)
+
+    def take(self):
+        events.append(("take",))
+        return plain_take(self)
+    monkeypatch.setattr(L, "lazy_free", lazy_free)
+    monkeypatch.setattr(L.SpareLayers, "take", take)
 
     world = types.SimpleNamespace(rank=0, size=1, bcast_obj=lambda o: o,
                                   gather_obj=lambda o: [o])
@@ -291,9 +315,14 @@ def test_the_next_plans_slices_wait_lazily_free_and_are_read_again_if_taken(mini
     state = W._State(world, store, Job(world, store, {"spec": "old"}, 1),
                      types.SimpleNamespace(threads=1))
 
-    for lose in (False, True):
+    # the first switch from no slices, the second and third from the plan before's
+    for k, lose in enumerate((False, False, True)):
+        old = state.job.layers  # the plan in force's packed buffers, not held here
+        before = [weakref.ref(b) for b in L._packed_buffers(old.layers.values(), set())] \
+            if old is not None else []
+        del old
         builds.clear(), events.clear()
-        state.prepare({"plan": {"spec": f"next-{lose}"}})
+        state.prepare({"plan": {"spec": f"next-{k}"}})
         state.next[2].join()
         spare = state.next[3]["spare"]
         # a squeeze during the read finds the slices read so far lazily free already
@@ -305,12 +334,19 @@ def test_the_next_plans_slices_wait_lazily_free_and_are_read_again_if_taken(mini
             words = spare._pages[0][0]
             words[len(words) // 2] = 0
         state._mem = None
+        events.clear()
         answer, _ = state.switch()
         assert [r["deferred"] if "deferred" in r else False for r in answer["ranks"]] == [lose]
         assert len(builds) == 1 + lose and state.job.layers is builds[-1]
         assert not spare.lazy and state._free_memory() == 5e9
-        if lose:  # read again only once the current plan was let go
-            assert [e[0] for e in events] == ["close", "job"], events
+        # the plan in force was the kernel's to take before the next one was taken back
+        at = [x[0] for x in events].index("take")
+        assert bool(before) == (k > 0) and all(x[0] == "free" for x in events[:at]) \
+            and (k == 0 or sum(x[2] for x in events[:at]) >= 0.95 * spare.nbytes), events[:at + 1]
+        if lose:  # read again only once the current plan was let go, and nothing holds it
+            assert [e[0] for e in events if e[0] not in ("free", "take")] \
+                == ["close", "read", "job"], events
+            assert all(next(e[1] for e in events if e[0] == "read")), "the plan before is held"
         else:
             want = _panels(make())
             got = _panels(state.job.layers)
@@ -321,9 +357,12 @@ def test_the_next_plans_slices_wait_lazily_free_and_are_read_again_if_taken(mini
                     reason="needs root and the cgroup v1 memory controller")
 def test_the_kernel_takes_a_spare_copy_before_it_kills_for_memory(minilm_dir, tmp_path):
     """A process holding a spare copy (MiniLM's layers, 40 MiB) in a memory cgroup with 60 MiB
-    free, and another program there taking 80. Not handed to the kernel, the copy gets the
-    process OOM-killed (the squeeze's CI failure at 97d3bd5); handed to it, the kernel takes
-    the copy's pages, nothing is killed, and the copy is refused."""
+    free, and another program there taking 80 more than the page cache the cgroup holds (its
+    reads of the weights, which the kernel takes first: 15-126 MiB of it, by what was cached
+    before, let a hog of 80 alone fit without the copy's pages on 2026-12-01's machine). Not
+    handed to the kernel, the copy gets the process OOM-killed (the squeeze's CI failure at
+    97d3bd5); handed to it, the kernel takes the copy's pages, nothing is killed, and the copy
+    is refused."""
     cg = Path(f"/sys/fs/cgroup/memory/hepti-test-spare-{os.getpid()}")
     cg.mkdir()
     code = f"""
@@ -336,8 +375,9 @@ open({str(cg / "cgroup.procs")!r}, "w").write("0")
 spare = SpareLayers(_layers({str(minilm_dir)!r}, 6)())
 gc.collect()
 used = int(open({str(cg / "memory.usage_in_bytes")!r}).read())
+stat = dict(line.split() for line in open({str(cg / "memory.stat")!r}))
 open({str(cg / "memory.limit_in_bytes")!r}, "w").write(str(used + (60 << 20)))
-p = hog.start([{str(cg)!r}], 80 << 20)
+p = hog.start([{str(cg)!r}], (80 << 20) + int(stat["cache"]))
 held = hog.wait_held(p, 60)
 hog.stop(p)
 print(spare.lazy_bytes >> 20, held is not None, spare.lost(), spare.take())

@@ -127,6 +127,7 @@ class Job:
         # straight to the end. `single`'s is rank 0 alone: a group of one, whose verbs return
         self.group = world.split(self.is_active, first=rank == plan.primary)
         self.layers = self.executor = None
+        self._layers_peak = 0  # the layers' peak once closed (`close` lets them go)
         self.primary_ops = {}
         self.spec = layer_spec(plan, cfg, rank)
         if not self.is_active:
@@ -242,15 +243,21 @@ class Job:
 
     def close(self, keep_layers: bool = False):
         """Collective over the active ranks (the group frees its shared window). keep_layers:
-        the weights stay open for a next job that holds the same (`layer_spec`)."""
-        if self.layers is not None and not keep_layers:
-            self.layers.close()
+        the weights stay open for a next job that holds the same (`layer_spec`). A closed job
+        refers to no weights (its executor binds the slices' arrays too): the caller decides
+        what outlives it, and a serve rank's switch reads the next plan's slices only once the
+        current ones are gone (hepti.serve.worker)."""
+        if self.layers is not None:
+            self._layers_peak = self.layers.peak_bytes  # rank_stats after close (run_plan's callers)
+            if not keep_layers:
+                self.layers.close()
+        self.layers = self.executor = None
         if self.group is not None:
             self.group.close()
 
     def rank_stats(self, runs: list[dict]) -> dict:
         """This rank's figures: medians over the timed runs, plus memory and disk reads."""
-        layer_bytes = self.layers.peak_bytes if self.layers is not None else 0
+        layer_bytes = self.layers.peak_bytes if self.layers is not None else self._layers_peak
         emb = sum(getattr(f, "nbytes", 0) for f in self.primary_ops.values())
         return {**pass_figures(self.world.rank, self.is_active, runs),
                 "layer_weight_bytes_resident": int(layer_bytes),

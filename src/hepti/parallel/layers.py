@@ -51,7 +51,10 @@ class ResidentLayers:
         pass
 
     def close(self) -> None:
-        pass
+        """Let the slices go: what still refers to this object (a closed job, a caller's
+        name for it) then no longer holds their memory (hepti.serve.worker's switch reads the
+        next plan's slices once the current ones are gone)."""
+        self.layers = {}
 
 
 class StreamingLayers:
@@ -185,7 +188,15 @@ class SpareLayers:
 
     def take(self) -> bool:
         """Make the slices plain memory again, to serve with (`layers`): True if every page
-        was still there, else False (then they are of no use: close them)."""
+        was still there, else False (then they are of no use: close them).
+
+        It looks before it writes: a read of a page the kernel took maps the shared zero page,
+        a write maps a fresh page. Writing first made a copy the kernel had emptied in a
+        squeeze whole again in memory (zeros), at the moment memory was short, beside the plan
+        in force, before it was found missing and let go. Only a page taken between the look
+        and the write is mapped again."""
+        if self.lost():
+            return False
         for words, first, _ in self._pages:
             words[:, 0] = first  # a write: the page stays, or a zero page takes its place
         if self.lost():

@@ -508,10 +508,10 @@ class _State:
         plan = Plan.from_dict(plan).validate(w.size)
         spec = layer_spec(plan, self.cfg, w.rank)
         holder = {"read0": self.store.bytes_read}
-        if self.kept is not None and spec == self.kept[0]:  # to serve with: plain memory again
-            if not self.kept[1].take():
-                self._drop_kept()  # the kernel took some of it back: read afresh below
-            self._mem = None
+        # the copy kept beside the plan holds the next one's slices: it stays the kernel's to
+        # take until the switch (taken back there, or read afresh there if the kernel took some)
+        if self.kept is not None and spec == self.kept[0] and self.kept[1].lost():
+            self._drop_kept()  # the kernel took some of it back already: read afresh below
         # whether this rank reads anything for the next plan
         loads = spec is not None and spec != self.job.spec and \
             (self.kept is None or spec != self.kept[0])
@@ -547,21 +547,37 @@ class _State:
     def switch(self):
         """Every rank together, between batches: wait for the next plan's weights, close the
         current job (keeping its weights if the next plan holds the same) and start the next.
-        Rank 0's answer: the stall, and each rank's bytes read for the switch."""
+        Rank 0's answer: the stall, and each rank's bytes read for the switch.
+
+        Never two plans' weights in plain memory at once, so that a squeeze at the switch (a
+        re-plan for speed just before another program takes the device's memory:
+        tests/test_serve_memory.py's squeeze, node-b OOM-killed under load) finds the kernel
+        something to take. The current plan's slices are handed to it (`going`) before the
+        next plan's are taken back from it (read beside them, or kept from the plan before);
+        a next copy the kernel took from is read afresh once the current one is let go (a
+        deferred load); and the closed job refers to no weights, so what is let go is gone
+        before those reads, and before `_give_back` returns it to the system."""
         w = self.world
         t0 = time.perf_counter()
         plan, spec, thread, holder = self.next
         thread.join()
         if "error" in holder:
             raise holder["error"]
-        spare = holder.pop("spare", None)
+        keep = spec is not None and spec == self.job.spec
+        old_spec, old_layers = self.job.spec, self.job.layers
+        going = SpareLayers(old_layers) if not keep and not holder["deferred"] \
+            and isinstance(old_layers, ResidentLayers) else None
+        from_kept = not keep and self.kept is not None and spec == self.kept[0]
+        spare = self.kept[1] if from_kept else holder.pop("spare", None)
         if spare is not None and not spare.take():
             # memory ran short while they waited, and the kernel took pages of them: read
             # them at the switch, as a deferred load, once the current ones are let go
-            spare.close()
-            spare = holder["layers"] = None  # let go before that read
             holder["deferred"] = True
         if holder["deferred"]:  # the current weights go first, then the next plan's are read
+            for copy in (spare, going):
+                if copy is not None:
+                    copy.close()
+            old_layers = going = spare = holder["layers"] = None
             self.job.close()
             if self.kept is not None:
                 self.kept[1].close()
@@ -575,26 +591,28 @@ class _State:
                                      "stall_s": time.perf_counter() - t0})
             return ({"op": "switched", "ranks": per_rank, "strategy": plan.strategy}, None) \
                 if w.rank == 0 else None
-        keep = spec is not None and spec == self.job.spec
-        old_spec, old_layers = self.job.spec, self.job.layers
         if keep:
             layers = old_layers
-        elif self.kept is not None and spec == self.kept[0] and self.kept[1].take():
-            layers, self.kept, self.kept_whole = self.kept[1].layers, None, False
+        elif from_kept:
+            layers, self.kept, self.kept_whole = spare.layers, None, False
         else:
             layers = holder.get("layers")
         ops = self.job.primary_ops or None  # the primary's embeddings, if it stays the primary
         self.job.close(keep_layers=True)
-        if not keep and isinstance(old_layers, ResidentLayers):  # the one before goes
+        if going is not None:  # the one before stays beside the new plan while there is room
             if self.kept is not None:
                 self.kept[1].close()
-            self.kept = (old_spec, SpareLayers(old_layers)) \
-                if available_memory()[0] >= KEEP_PREVIOUS_FREE * old_layers.resident_bytes else None
+            # what is free beside it: the kernel counts its lazily free pages as free
+            room = available_memory()[0] - going.lazy_bytes
+            self.kept = (old_spec, going) \
+                if room >= KEEP_PREVIOUS_FREE * old_layers.resident_bytes and not going.lost() \
+                else None
             self.kept_whole = False
             if self.kept is None:
-                old_layers.close()
+                going.close()
         elif not keep and old_layers is not None:
             old_layers.close()
+        old_layers = going = spare = None
         if not keep:
             self._give_back()
         self.job = Job(w, self.store, plan, self.args.threads, layers=layers, primary_ops=ops)
