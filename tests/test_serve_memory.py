@@ -221,6 +221,15 @@ def test_the_launcher_starts_the_program_sized_and_records_what_it_took(tmp_path
     record = run.applied[-1]
     assert record["mem_hog_bytes"] == 0 and "less than 16MiB to take" in record["failed"], record
     assert "warning: it takes nothing" in capsys.readouterr().err
+    # one the OOM killer takes says what it asked for, how it was sized, and what befell it
+    import types
+    _fake_room(tmp_path, run, 1, 400 << 20, 175 << 20, 25 << 20)
+    monkeypatch.setattr(hog, "start", lambda dirs, n: types.SimpleNamespace(poll=lambda: -9))
+    monkeypatch.setattr(hog, "wait_held", lambda proc: None)
+    run.apply_event(run.spec.schedule[1])
+    err = capsys.readouterr().err
+    assert "another program asked for 225MiB (the device had 250 MiB free" in err, err
+    assert "it does not hold it: the OOM killer took it" in run.applied[-1]["failed"]
 
 
 def test_a_cap_the_kernel_refuses_stays_and_is_reported(tmp_path, monkeypatch, capsys):

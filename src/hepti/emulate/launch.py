@@ -267,7 +267,7 @@ class _Run:
 
     def hog_size(self, ev) -> tuple[int | None, str]:
         """(bytes, how they were worked out) of the program a `mem_hog` event starts: its size,
-        or for `{"leave": SIZE}` all device's free memory now (cap - used + page cache, as its
+        or for `{"leave": SIZE}` all the device's free memory now (cap - used + page cache, as its
         ranks read it: the kernel reclaims the cache before it OOM-kills) but SIZE; None (and
         why) when that is below MIN_HOG or the device's memory cannot be read."""
         if ev.hog_leave is None:
@@ -296,11 +296,11 @@ class _Run:
         had, dev["mem_hog_bytes"] = dev.get("mem_hog_bytes", 0), 0
         if not ev.hog_bytes and ev.hog_leave is None:
             return f"another program lets its {had / 2**20:.0f} MiB go", None
-        want, how = self.hog_size(ev)
+        want, sized = self.hog_size(ev)
         if want is None:
             return (f"another program would leave {format_mem(ev.hog_leave)} free",
-                    f"it takes nothing: {how}")
-        how = f" ({how})" if how else ""
+                    f"it takes nothing: {sized}")
+        sized = f" ({sized})" if sized else ""
         kills0 = self.cg.oom_kills(self.names, i)
         proc = hog.start(self.cg.leaf_dirs(self.names, i), want)
         held = hog.wait_held(proc)
@@ -315,13 +315,13 @@ class _Run:
             how = "the OOM killer took it" if rc == -signal.SIGKILL else \
                 f"it ended with status {rc}" if rc is not None else \
                 f"it did not finish within {hog.HELD_WITHIN_S:g} s"
-            return (f"another program asked for {format_mem(want)}{how}" + room,
+            return (f"another program asked for {format_mem(want)}{sized}" + room,
                     f"it does not hold it: {how}")
         self.hogs[i] = proc
         dev["mem_hog_bytes"] = held
         use = "" if used is None or cap is None else \
             f" (the device now uses {used / 2**20:.0f} of {cap / 2**20:.0f} MiB)"
-        return f"another program takes {held / 2**20:.0f} MiB{how}{use}{room}", None
+        return f"another program takes {held / 2**20:.0f} MiB{sized}{use}{room}", None
 
     def stop_hogs(self) -> None:
         for proc in self.hogs.values():
