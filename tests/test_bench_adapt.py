@@ -3,7 +3,10 @@ median over interleaved rounds (hepti.bench.adapt.combine) of figures taken with
 import json
 from pathlib import Path
 
+import pytest
+
 from hepti.bench import adapt
+from hepti.emulate.spec import SpecError
 
 SPEC = json.loads((Path(__file__).resolve().parents[1] / "hostfiles" / "emu-drift4.json").read_text())
 
@@ -121,8 +124,14 @@ def test_an_outage_s_figures_are_the_wait_for_an_answer_and_the_requests_lost():
 def test_another_program_s_memory_is_a_condition_and_a_smaller_cap_for_the_oracle():
     """emu-squeeze: a mem_hog moves the conditions, and the steady oracle's device has its cap
     less what the program holds (a device cannot carry a mem_hog)."""
-    phs = adapt.phases(_spec("emu-squeeze.json"), 60.0)
+    squeeze = _spec("emu-squeeze.json")
+    phs = adapt.phases(squeeze, 60.0)
     assert len(phs) == 2
     assert adapt.conditions_key(phs[1]["devices"]) != adapt.conditions_key(phs[0]["devices"])
-    steady = adapt.steady_spec(_spec("emu-squeeze.json"), phs[1]["devices"], "o")
+    # the shipped spec's program leaves a size free, sized while serving: no steady cap for it
+    with pytest.raises(SpecError, match="no steady cap can stand for it"):
+        adapt.steady_spec(squeeze, phs[1]["devices"], "o")
+    squeeze["schedule"][0]["mem_hog"] = "250MiB"  # a fixed size is one
+    phs = adapt.phases(squeeze, 60.0)
+    steady = adapt.steady_spec(squeeze, phs[1]["devices"], "o")
     assert [d["mem"] for d in steady["devices"]] == ["400MiB", "150MiB", "400MiB"]

@@ -131,13 +131,24 @@ def available_memory() -> tuple[int, str]:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         source = "free pages"
     for limit_f, usage_f in cgroup_memory_files():
-        limit, usage = _read_int(limit_f), _read_int(usage_f)
-        if limit is None or usage is None or limit >= (1 << 60):
+        room = cgroup_room(limit_f, usage_f)
+        if room is None:
             continue
-        cache = min(usage, reclaimable_cache(_memory_stat(str(Path(limit_f).parent))))
+        limit, usage, cache = room
         if limit - usage + cache < avail:
             avail, source = max(0, limit - usage + cache), f"cgroup limit ({limit_f})"
     return avail, source
+
+
+def cgroup_room(limit_f: str, usage_f: str) -> tuple[int, int, int] | None:
+    """(limit, usage, page cache) in bytes of one memory cgroup, from its limit and usage files
+    and the memory.stat beside them; None if one is unreadable or it has no limit. What it has
+    free is limit - usage + cache (`reclaimable_cache`): what a rank reads (`available_memory`)
+    and what `hepti emulate` sizes a `mem_hog` that leaves a size free by."""
+    limit, usage = _read_int(limit_f), _read_int(usage_f)
+    if limit is None or usage is None or limit >= (1 << 60):  # v1 says "no limit" with ~2^63
+        return None
+    return limit, usage, min(usage, reclaimable_cache(_memory_stat(str(Path(limit_f).parent))))
 
 
 def cgroup_mounts(mountinfo: str | None = None) -> list[tuple[str, str, str, str]]:

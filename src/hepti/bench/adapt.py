@@ -55,7 +55,7 @@ from hepti.bench.harness import (command, drop_stale, git_commit, hepti_cmd, int
                                  positive_int, result_doc, round_order, service, write_csv,
                                  write_json)
 from hepti.bench.registry import module_main
-from hepti.emulate.spec import format_mem, parse_hog, parse_mem
+from hepti.emulate.spec import SpecError, format_mem, parse_hog, parse_mem
 
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = ROOT / "hostfiles" / "emu-drift4.json"
@@ -96,7 +96,13 @@ def steady_spec(base: dict, devs: list[dict], name: str) -> dict:
             for d in devs if not is_out(d)]
     for d, src in zip(keep, [d for d in devs if not is_out(d)]):
         if src.get("mem_hog"):  # another program holds memory: the device has that much less
-            d["mem"] = format_mem(parse_mem(d["mem"]) - parse_hog(src["mem_hog"]))
+            held, leave = parse_hog(src["mem_hog"])
+            if held is None:  # sized at the event from what the ranks then used: not known here
+                raise SpecError(f"{name}: {d['name']}'s mem_hog {src['mem_hog']} is sized from "
+                                "its free memory while the service runs, so no steady cap can "
+                                "stand for it; give bench adapt a spec with a fixed mem_hog "
+                                "(e.g. \"250MiB\")")
+            d["mem"] = format_mem(parse_mem(d["mem"]) - held)
     return {**{k: v for k, v in base.items() if k != "schedule"}, "name": name, "devices": keep}
 
 

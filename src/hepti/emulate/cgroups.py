@@ -38,7 +38,7 @@ from pathlib import Path
 from hepti.emulate.actions import Action, Mkdir, Rmdir, Write
 from hepti.emulate.names import CGROUP_RE, RunNames
 from hepti.emulate.spec import ClusterSpec, EmulateError
-from hepti.resources import cgroup_mounts, cgroup_path, own_cgroups
+from hepti.resources import cgroup_mounts, cgroup_path, cgroup_room, own_cgroups
 
 PERIOD_US = 10_000
 MIN_QUOTA_US = 1_000
@@ -181,6 +181,14 @@ class Cgroups:
             return int(Path(f).read_text().split()[0])
         except (OSError, ValueError, IndexError):
             return None
+
+    def mem_room(self, names: RunNames, i: int) -> tuple[int, int, int] | None:
+        """(cap, used, page cache) of device i now, in bytes (hepti.resources.cgroup_room: it
+        has cap - used + cache free, as its ranks read it); None without a cap."""
+        d = self._mem_dir(names, i)
+        if self.version == 2:
+            return cgroup_room(f"{d}/memory.max", f"{d}/memory.current")
+        return cgroup_room(f"{d}/memory.limit_in_bytes", f"{d}/memory.usage_in_bytes")
 
     def create_actions(self, names: RunNames, spec: ClusterSpec) -> list[Action]:
         """Make the group, its leaves, and write every device's caps."""

@@ -25,7 +25,8 @@ Around COMMAND: a monitor thread applies the spec's schedule and rewrites the st
 (state.py), and idle fillers keep the CPUs from halting (idle.py); when COMMAND ends,
 out-of-memory kills are reported per device. A schedule's `mem` rewrites a device's cap, and
 says so when the kernel refuses one below what the device uses (EBUSY); its `mem_hog` starts
-another program in the device that takes memory (hog.py), and reports any OOM kill that made
+another program in the device that takes memory (hog.py: a fixed size, or all the device has
+free at that moment but a size, read from its cgroup), and reports any OOM kill that made
 room for it. Before COMMAND starts, the host's clean page cache
 is dropped (`--keep-page-cache` skips it): a device's RAM holds its own page cache, and a cgroup
 is charged only for the file pages it faults in first, so weights an earlier run left cached
@@ -64,7 +65,8 @@ from hepti.emulate.command import die_with_parent, find_mpiexec, log, prepare_co
 from hepti.emulate.leftovers import (check_leftovers, cleanup, find_runs, proc_starttime,
                                      require_root, require_tools)
 from hepti.emulate.names import INNER_IFACE, RunNames
-from hepti.emulate.spec import ClusterSpec, EmulateError, check_cpu_fits, format_mem, load_spec
+from hepti.emulate.spec import (MIN_HOG, ClusterSpec, EmulateError, check_cpu_fits, format_mem,
+                                load_spec)
 from hepti.emulate.state import DEVICE_ENV, HOST_NETNS_ENV, STATE_ENV, write_state
 
 MPICH_TCP_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
@@ -263,18 +265,44 @@ class _Run:
         dev["mem_bytes"], dev["mem"] = new, format_mem(new)
         return f"mem {was} -> {format_mem(new)}", None
 
+    def hog_size(self, ev) -> tuple[int | None, str]:
+        """(bytes, how they were worked out) of the program a `mem_hog` event starts: its size,
+        or for `{"leave": SIZE}` all the device's free memory now (cap - used + page cache, as its
+        ranks read it: the kernel reclaims the cache before it OOM-kills) but SIZE; None (and
+        why) when that is below MIN_HOG or the device's memory cannot be read."""
+        if ev.hog_leave is None:
+            return ev.hog_bytes, ""
+        room = self.cg.mem_room(self.names, ev.device)
+        if room is None:
+            return None, "the device's cap and use could not be read"
+        cap, used, cache = room
+        free = cap - used + cache
+        take = free - ev.hog_leave
+        how = (f"the device had {free / 2**20:.0f} MiB free (cap {cap / 2**20:.0f}, used "
+               f"{used / 2**20:.0f} of which page cache {cache / 2**20:.0f}), leave "
+               f"{format_mem(ev.hog_leave)}")
+        if take < MIN_HOG:
+            return None, how + f": less than {format_mem(MIN_HOG)} to take"
+        return take, how
+
     def _set_hog(self, ev, dev: dict) -> tuple[str, str | None]:
         """A `mem_hog` event: the program taking the device's memory is replaced by one that
-        takes `hog_bytes` (none for 0). (what changed, why it failed or None)."""
+        takes `hog_bytes`, or all the device has free but `hog_leave` (`hog_size`, worked out
+        once the one before is gone), or none for 0. (what changed, why it failed or None)."""
         i = ev.device
         before = self.hogs.pop(i, None)
         if before is not None:
             hog.stop(before)
         had, dev["mem_hog_bytes"] = dev.get("mem_hog_bytes", 0), 0
-        if not ev.hog_bytes:
+        if not ev.hog_bytes and ev.hog_leave is None:
             return f"another program lets its {had / 2**20:.0f} MiB go", None
+        want, sized = self.hog_size(ev)
+        if want is None:
+            return (f"another program would leave {format_mem(ev.hog_leave)} free",
+                    f"it takes nothing: {sized}")
+        sized = f" ({sized})" if sized else ""
         kills0 = self.cg.oom_kills(self.names, i)
-        proc = hog.start(self.cg.leaf_dirs(self.names, i), ev.hog_bytes)
+        proc = hog.start(self.cg.leaf_dirs(self.names, i), want)
         held = hog.wait_held(proc)
         kills = self.cg.oom_kills(self.names, i) - kills0
         used = self.cg.mem_used(self.names, i)
@@ -287,13 +315,13 @@ class _Run:
             how = "the OOM killer took it" if rc == -signal.SIGKILL else \
                 f"it ended with status {rc}" if rc is not None else \
                 f"it did not finish within {hog.HELD_WITHIN_S:g} s"
-            return (f"another program asked for {format_mem(ev.hog_bytes)}" + room,
+            return (f"another program asked for {format_mem(want)}{sized}" + room,
                     f"it does not hold it: {how}")
         self.hogs[i] = proc
         dev["mem_hog_bytes"] = held
         use = "" if used is None or cap is None else \
             f" (the device now uses {used / 2**20:.0f} of {cap / 2**20:.0f} MiB)"
-        return f"another program takes {held / 2**20:.0f} MiB{use}{room}", None
+        return f"another program takes {held / 2**20:.0f} MiB{sized}{use}{room}", None
 
     def stop_hogs(self) -> None:
         for proc in self.hogs.values():
@@ -307,8 +335,9 @@ class _Run:
         dev = self.devices_now[ev.device]
         changes = []
         refused = []
-        for field_set, setter in ((ev.mem_bytes, self._set_mem), (ev.hog_bytes, self._set_hog)):
-            if field_set is not None:
+        for field_set, setter in ((ev.mem_bytes is not None, self._set_mem),
+                                  (ev.has_hog, self._set_hog)):
+            if field_set:
                 what, why = setter(ev, dev)
                 changes.append(what)
                 if why:
@@ -327,6 +356,8 @@ class _Run:
             changes.append("hangs (frozen)" if ev.hang else "runs again (thawed)")
             dev["hang"] = ev.hang
         record = {**ev.to_dict(), "applied_at": time.time()}
+        if ev.has_hog:  # what the program took (a `leave` one is sized only now)
+            record["mem_hog_bytes"] = dev["mem_hog_bytes"]
         if refused:
             record["failed"] = "; ".join(refused)
         self.applied.append(record)
@@ -462,7 +493,7 @@ class _Run:
             if kills and dev.mem_bytes is None:
                 log(f"rank {i} (device {dev.name}, no memory cap) was killed by the out-of-memory "
                     "killer: the machine itself ran out of memory")
-            elif kills and any(e.device == i and (e.mem_bytes or e.hog_bytes)
+            elif kills and any(e.device == i and e.takes_memory
                                for e in self.spec.schedule[:len(self.applied)]):
                 log(f"{kills} process(es) of device {dev.name} killed by the out-of-memory killer "
                     "after the schedule squeezed it (cap "
@@ -520,12 +551,15 @@ def _dry_run(run: _Run, command: list[str]) -> None:
     for ev in spec.schedule:
         out.append(f"# at t={ev.t:g} s:")
         out += [actions.render(a) for a in run.event_actions(ev)]
-        if ev.hog_bytes is not None:
+        if ev.has_hog:
             leaves = " ".join(d + "/cgroup.procs" for d in run.cg.leaf_dirs(names, ev.device))
+            size = format_mem(ev.hog_bytes) if ev.hog_leave is None else \
+                f"all the device then has free but {format_mem(ev.hog_leave)}"
             out.append(f"# another program on {spec.devices[ev.device].name}: the previous one "
                        "(if any) is killed" + (f"; a new one joins {leaves} and takes "
-                                               f"{format_mem(ev.hog_bytes)} (hepti.emulate.hog)"
-                                               if ev.hog_bytes else ""))
+                                               f"{size} (hepti.emulate.hog)"
+                                               if ev.hog_bytes or ev.hog_leave is not None
+                                               else ""))
     out.append("# teardown: kill every process in the run's cgroups, then")
     out += [actions.render(a) for a in net.teardown_actions(names)]
     out += [actions.render(a) for a in run.cg.remove_actions(names)]

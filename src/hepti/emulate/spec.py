@@ -18,6 +18,7 @@ Schema (JSON object):
         {"t": 70.0, "device": 1, "loss": 0},             # ... and is back
         {"t": 50.0, "device": "pi4-b", "mem_hog": "500MiB"},  # another program takes memory ...
         {"t": 80.0, "device": "pi4-b", "mem_hog": 0},    # ... and lets it go
+        {"t": 85.0, "device": 1, "mem_hog": {"leave": "25MiB"}},  # all it has free but 25 MiB
         {"t": 90.0, "device": 0, "mem": "700MiB"},       # the device's cap itself changes
         {"t": 95.0, "device": 2, "hang": true},          # it hangs: every process frozen ...
         {"t": 99.0, "device": 2, "hang": false}]         # ... and runs on
@@ -41,6 +42,16 @@ Schema (JSON object):
   OOM killer picks a victim in the device (the largest process: usually a rank), as on a real
   device. Only on a device with a `mem` cap (elsewhere it would take the host's memory, which
   no rank would see), and less than that cap (the program would be killed by it at once).
+- `mem_hog: {"leave": SIZE}` sizes that program from the device as it is at `t`: it takes
+  everything the device has free but SIZE, so the ranks are left SIZE free on any machine
+  (a fixed size tuned on one machine leaves nothing, and the OOM killer acts at once, where
+  the ranks and Python take more memory). Free is the cap less what the device uses, page
+  cache not counted as used: the kernel reclaims that cache before it OOM-kills, and a rank
+  counts it as free too (hepti.resources.available_memory), so SIZE is what a rank then
+  reads. The launcher logs the bytes the program took (and records them in the summary's
+  `schedule_applied`, `mem_hog_bytes`); if that is below 16 MiB (the smallest program) it
+  takes nothing and the event is recorded as failed. SIZE may be 0 and must be below the
+  device's cap at `t` less those 16 MiB.
 - `mem` changes the device's cap itself (as `mem` of a device, at least 64 MiB). Raising it
   always works, and so does lowering it while the device uses less. Lowering it below what
   the device's processes use and the kernel cannot reclaim (anonymous memory: there is no
@@ -123,7 +134,18 @@ class ScheduleEvent:
     loss: float | None = None
     mem_bytes: int | None = None
     hog_bytes: int | None = None
+    hog_leave: int | None = None  # mem_hog {"leave": bytes}: all the device has free but this
     hang: bool | None = None
+
+    @property
+    def has_hog(self) -> bool:
+        """Whether the event starts, replaces or stops another program (`mem_hog`)."""
+        return self.hog_bytes is not None or self.hog_leave is not None
+
+    @property
+    def takes_memory(self) -> bool:
+        """Whether the event squeezes the device's memory (a cap, or a program taking some)."""
+        return bool(self.mem_bytes or self.hog_bytes) or self.hog_leave is not None
 
     def to_dict(self) -> dict:
         d = {"t": self.t, "device": self.device}
@@ -137,6 +159,8 @@ class ScheduleEvent:
             d["mem"] = format_mem(self.mem_bytes)
         if self.hog_bytes is not None:
             d["mem_hog"] = format_mem(self.hog_bytes) if self.hog_bytes else 0
+        if self.hog_leave is not None:
+            d["mem_hog"] = {"leave": format_mem(self.hog_leave) if self.hog_leave else 0}
         if self.hang is not None:
             d["hang"] = self.hang
         return d
@@ -193,8 +217,22 @@ def parse_mem(value, what: str = "mem", minimum: int = MIN_MEM) -> int:
     return n
 
 
-def parse_hog(value, what: str = "mem_hog") -> int:
-    """Bytes another program takes (`mem_hog`): a size as `mem` takes it, or 0 (it lets go)."""
+HOG_FIELDS = ("leave",)  # mem_hog as an object: sized from the device's free memory at t
+
+
+def parse_hog(value, what: str = "mem_hog") -> tuple[int | None, int | None]:
+    """(bytes, None) for another program of a fixed size (`mem_hog`: a size as `mem` takes it,
+    or 0: it lets go); (None, leave) for `{"leave": SIZE}`, all the device has free but SIZE."""
+    if isinstance(value, dict):
+        if not value:
+            raise SpecError(f"{what}: an empty object; give {{\"leave\": SIZE}} (the program takes "
+                            "all the device has free but SIZE), a size, or 0")
+        _check_fields(value, HOG_FIELDS, what)
+        leave = value["leave"]
+        if isinstance(leave, int) and not isinstance(leave, bool) and leave < 0:
+            raise SpecError(f"{what}.leave: {leave!r} is negative; give what the program leaves "
+                            "free, 0 or a size, e.g. \"25MiB\"")
+        return None, parse_mem(leave, f"{what}.leave", minimum=0)
     if isinstance(value, int) and not isinstance(value, bool) and value < 0:
         raise SpecError(f"{what}: {value!r} is negative; give 0 (the program lets its memory go) "
                         "or a size, e.g. \"500MiB\"")
@@ -202,7 +240,7 @@ def parse_hog(value, what: str = "mem_hog") -> int:
     if 0 < n < MIN_HOG:
         raise SpecError(f"{what}: {value!r} is below {format_mem(MIN_HOG)}; give 0 (the program "
                         f"lets its memory go) or at least {format_mem(MIN_HOG)}")
-    return n
+    return n, None
 
 
 def format_mem(n: int) -> str:
@@ -282,28 +320,37 @@ def _event(d, j: int, devices: list[Device], src: str) -> ScheduleEvent:
                         "of the packets needs tc's netem qdisc, which this kernel does not have "
                         "(`tc qdisc add ... netem` fails)")
     mem = None if d.get("mem") is None else parse_mem(d["mem"], f"{what}.mem")
-    hog = None if d.get("mem_hog") is None else parse_hog(d["mem_hog"], f"{what}.mem_hog")
+    hog, leave = (None, None) if d.get("mem_hog") is None else \
+        parse_hog(d["mem_hog"], f"{what}.mem_hog")
     hang = d.get("hang")
     if hang is not None and not isinstance(hang, bool):
         raise SpecError(f"{what}.hang: {hang!r} must be true (the device hangs) or false (it runs on)")
     return ScheduleEvent(t=t, device=index, link_mbit=link, cpu=cpu, loss=loss, mem_bytes=mem,
-                         hog_bytes=hog, hang=hang)
+                         hog_bytes=hog, hog_leave=leave, hang=hang)
 
 
 def _check_hogs(devices: list[Device], events: list[ScheduleEvent], src: str) -> None:
     """Every `mem_hog` in time order against the device's cap at that moment (its `mem`, as
-    changed by earlier `mem` events): it needs a cap, and must stay below it."""
+    changed by earlier `mem` events): it needs a cap, and must stay below it; one that leaves
+    a size free must leave less than the cap, with room for the smallest program beside it."""
     caps = [dev.mem_bytes for dev in devices]
     for ev in events:
         if ev.mem_bytes is not None:
             caps[ev.device] = ev.mem_bytes
-        if not ev.hog_bytes:
+        if not ev.hog_bytes and ev.hog_leave is None:
             continue
         name, cap = devices[ev.device].name, caps[ev.device]
         what = f"{src}: the schedule's mem_hog at t={ev.t:g} on {name}"
         if cap is None:
             raise SpecError(f"{what}: {name} has no mem cap, so the program would take the "
                             "host's memory, which none of its ranks would see; give the device a mem")
+        if ev.hog_leave is not None:
+            if ev.hog_leave > cap - MIN_HOG:
+                raise SpecError(f"{what}: leave {format_mem(ev.hog_leave)} is not below {name}'s "
+                                f"cap of {format_mem(cap)} then less {format_mem(MIN_HOG)} (the "
+                                "smallest program), so the program could never take anything. "
+                                "Leave less, or raise the cap")
+            continue
         if ev.hog_bytes >= cap:
             raise SpecError(f"{what}: {format_mem(ev.hog_bytes)} is not below {name}'s cap of "
                             f"{format_mem(cap)} then; the program would be killed by the cap "
