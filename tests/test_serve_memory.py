@@ -551,12 +551,13 @@ def _stop(p: subprocess.Popen) -> None:
 
 def test_a_squeezed_device_is_re_planned_off_before_the_oom_killer(root_env, minilm_dir,  # noqa: F811
                                                                    tmp_path):
-    """hostfiles/emu-squeeze.json under `hepti serve --strategy tensor --replan on`, two clients posting: 10 s
-    after the schedule starts another program on node-b takes all its rank has free but
-    25 MiB, less than the re-planner's headroom. The service re-plans for memory (a plan that leaves node-b its headroom: a
-    smaller share or none; or, when a re-plan for speed already left node-b a share that fits,
-    the plan in force, kept), every accepted request is answered once and equals the
-    single-device embeddings, and `--summary` counts no OOM kill on any device."""
+    """hostfiles/emu-squeeze.json under `hepti serve --strategy tensor --replan on`, two
+    clients posting: 10 s after the schedule starts another program on node-b takes all its
+    rank has free but 25 MiB, less than the re-planner's headroom. The service re-plans for
+    memory (a plan that leaves node-b its headroom: a smaller share or none; or, when a re-plan
+    for speed already left node-b a share that fits, the plan in force, kept), every accepted
+    request is answered once and equals the single-device embeddings, and `--summary` counts
+    no OOM kill on any device."""
     summary = tmp_path / "summary.json"
     texts = ["A cat sat.", "Edge devices differ in speed, memory and link.", "x " * 100]
     from tokenizers import Tokenizer
