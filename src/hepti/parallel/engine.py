@@ -248,7 +248,8 @@ class Job:
         what outlives it, and a serve rank's switch reads the next plan's slices only once the
         current ones are gone (hepti.serve.worker)."""
         if self.layers is not None:
-            self._layers_peak = self.layers.peak_bytes  # rank_stats after close (run_plan's callers)
+            # kept for rank_stats after close (run_plan closes before its callers read it)
+            self._layers_peak = self.layers.peak_bytes
             if not keep_layers:
                 self.layers.close()
         self.layers = self.executor = None
