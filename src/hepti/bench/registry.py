@@ -27,6 +27,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "membw": ("membw", "this machine's memory read bandwidth: one core against all at once"),
     "conv": ("convbench", "the convolution kernels: im2col + GeMM against in place, depthwise"),
     "cnn-single": ("cnnsingle", "one CNN on one device: hepti against PyTorch and onnxruntime"),
+    "cnn-ops": ("cnnops", "ResNet-50 op by op, one thread: hepti against onnxruntime's node profile"),
     "cnn-program": ("cnn_program", "a CNN's band split priced three ways: program, CoEdge, measured"),
     "scaling": ("scaling", "1 rank against N ranks for each strategy, at even shares"),
     "fit": ("fit", "the planner's predicted latency against the measured one, N local ranks"),
