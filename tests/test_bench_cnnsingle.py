@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 
 import numpy as np
 import pytest
@@ -179,3 +180,21 @@ def test_pool_bins_are_pytorch_s_adaptive_average_pool(n, out):
     want = torch.nn.functional.adaptive_avg_pool2d(x, (out, out - 1 if out > 1 else 1)).numpy()
     ph, pw = cs.pool_bins(n, out), cs.pool_bins(n + 2, want.shape[-1])
     np.testing.assert_allclose(ph @ x.numpy() @ pw.T, want, rtol=1e-6, atol=1e-6)
+
+
+def test_cnn_ops_names_every_resnet_op_by_its_onnxruntime_node(tmp_path):
+    """hepti bench cnn-ops: each ResNet-50 op has onnxruntime's node of its own (the fused
+    node named by the torchvision module output it ends with), and the profile's kernel
+    times are read per node, the warm-up runs left out."""
+    from hepti.bench import cnnops
+    graph = build(CNNConfig(arch="resnet50", width_divisor=16, num_classes=10))
+    names = [cnnops.ort_node(op.name) for op in graph.ops]
+    assert len(set(names)) == len(names) == len(graph.ops)
+    assert cnnops.ort_node("layer1.0.conv2") == "/layer1/layer1.0/relu_1/Relu"
+    assert cnnops.ort_node("layer4.0.downsample.0") == "/layer4/layer4.0/downsample/downsample.0/Conv"
+    events = [{"cat": "Node", "name": "/layer1/layer1.0/relu_1/Relu_output_0_nchwc_kernel_time",
+               "dur": d} for d in (900, 800, 700)] + [{"cat": "Session", "name": "x", "dur": 1}]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(events))
+    got = cnnops.node_times(path, skip=1)
+    assert got == {"/layer1/layer1.0/relu_1/Relu": [0.0008, 0.0007]}
