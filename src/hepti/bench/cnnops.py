@@ -36,6 +36,9 @@ import numpy as np  # noqa: E402
 from hepti.bench import cnnsingle, harness  # noqa: E402
 from hepti.bench.harness import result_doc, write_json  # noqa: E402
 from hepti.bench.registry import module_main  # noqa: E402
+from hepti.parallel.profile_cnn import measure_cnn_ops  # noqa: E402
+from hepti.parallel.single import SingleCNN  # noqa: E402
+from hepti.weights import WeightStore  # noqa: E402
 
 MODEL = "resnet50"
 
@@ -70,10 +73,6 @@ def node_times(profile: Path, skip: int) -> dict[str, list[float]]:
 
 def run(args) -> int:
     from tqdm import tqdm  # local: start-up time
-
-    from hepti.parallel.profile_cnn import measure_cnn_ops
-    from hepti.parallel.single import SingleCNN
-    from hepti.weights import WeightStore
     has_torch, has_ort, missing = cnnsingle.optional_runtimes(print)
     if not (has_torch and has_ort):
         raise SystemExit(f"hepti bench cnn-ops needs torch and onnxruntime ({', '.join(missing)} "

@@ -192,6 +192,20 @@ PADDED_WIDE_K = config.L2_BYTES // (2 * NR * 4)
 # writes its input into a zero-bordered map (ConvLayer.border; ResNet-50's 3x3s on 56-wide
 # maps): no copy to make there, and no gathered border tiles
 BORDERED_ROWS = True
+# `_tiles_fused` (a 1x1 at stride 1 on x in place) runs every panel on a tile before the next
+# tile where the packed weight (K x Cout) takes at most this many bytes, and each panel over
+# all the tiles before the next panel above it. Panel by panel, each pass reads (the residual)
+# and writes 32 floats of every output row, Cout * 4 bytes apart (1 KB on layer1's 56x56x256
+# map): streams the L2 prefetcher does not follow across 4 KB pages, from L3 or memory on maps
+# larger than L2. Tile by tile, the tile's rows are read and written whole, one after the
+# other, and the panels come again from L2 for each tile, which pays while they are a small
+# part of it. On an Emerald Rapids core (2 MiB L2; in-process, interleaved, bit-equal, 40
+# rounds, thread time, median ratios), with the residual (ResNet-50's 1x1 that ends each
+# bottleneck, written over it): 64 -> 256 at 56x56 0.82x the time (105 -> 137 GFLOP/s), 128 ->
+# 512 at 28x28 0.98x, at 160 (40x40, 20x20) 0.91x and 0.95x, 256 -> 1024 (1 MB of weight)
+# 1.02x, so a quarter of L2, not half; without (layer1's downsample): 64 -> 256 at 56x56 0.87x,
+# 64 -> 64 0.92x, 128 -> 512 0.96x, 256 -> 64 and 512 -> 128 0.98-1.02x.
+BY_TILES_BYTES = config.L2_BYTES // 4
 # `ConvLayer.pooled` makes its convolution's output rows this many at a time, the max pool's
 # rows that read them right after (in-process scratch, interleaved, bit-equal: VGG-16's
 # conv1_2 then its 2x2 pool 0.987x the time of the two apart in blocks of 2 rows, 0.991x of
@@ -607,16 +621,25 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
                 dst[p] = src[p]
         buf[rem * k:MRF * k] = 0.0
     m_rem = m0 + n_full * MRF
+    by_tiles = n_8 > 0 and k * n_g * 4 <= BY_TILES_BYTES
+    if by_tiles:  # every panel on a tile, then the next tile (BY_TILES_BYTES)
+        for t in range(n_8):
+            m_t = m0 + t * MRF
+            for jp in range(n_g // NR):
+                j0 = jp * NR
+                tile_epi8(a, a_off + t * MRF * lda, 1, k, 0, lda, panels[jp], 0, c,
+                          m_t * ldc + j0, ldc, MRF, bias[j0:j0 + NR], res, r_off + m_t * ldr + j0,
+                          ldr, has_res, act)
     for jp in range(n_g // NR):
         j0 = jp * NR
         bp = panels[jp]
         bj = bias[j0:j0 + NR]
-        if n_8 and has_res:
+        if n_8 and has_res and not by_tiles:
             direct_tiles_epi(_i64(0), _i64(n_8), _i64(1), _i64(k), a, _i64(a_off), _i64(0),
                              _i64(lda), bp, _i64(0), c, _i64(m0 * ldc + j0), _i64(ldc), _i64(MRF),
                              bj, res, _i64(r_off + m0 * ldr + j0), _i64(ldr), _flag(has_res),
                              _i64(act))
-        elif n_8:
+        elif n_8 and not has_res and not by_tiles:
             for t in range(n_8):
                 c_t = (m0 + t * MRF) * ldc + j0
                 if t + 1 < n_8:
@@ -1479,20 +1502,22 @@ def _split_rows(m: int, k: int, mode: int, threads: int, wo: int) -> tuple[int, 
     """(rows per block, most tiles of a thread) splitting M's row blocks into `threads`
     contiguous ranges: packed_gemm.row_block's blocks, their count rounded up to a multiple
     of the threads (7 blocks of 448 pixels on 2 threads were 3 and 4 blocks: 12% idle), each
-    a multiple of the mode's tile (`_tile_rows`; by rows: whole output rows). Not by rows,
-    more blocks where they share the tiles out more evenly: ResNet-50's 28x28 3x3s (98
+    a multiple of the mode's tile (`_tile_rows`; by rows: whole output rows). Not by rows, up
+    to four times as many blocks where they share the tiles out more evenly: ResNet-50's 28x28 3x3s (98
     tiles) in 8 blocks of 13 tiles were 52 and 46 a thread, in 14 of 7 are 49 and 49."""
     if mode in (_MODE_ROWS, _MODE_ROWS_FUSED):
         n_rows = m // wo
         n_blocks = -(-n_rows // max(1, round(row_block(m, k) / wo)))
         n_blocks = min(n_rows, -(-n_blocks // threads) * threads)
         mb = -(-n_rows // n_blocks) * wo
-    else:  # and up to twice as many blocks where they split the tiles 1% more evenly
+    else:  # and up to four times as many blocks where they split the tiles 1% more evenly
+        # (row_block's blocks follow L2: with 2 MiB, ResNet-50's 28x28 3x3s start from 4
+        # blocks, and twice as many never reached the 14 that split 98 tiles 49 and 49)
         n0 = -(-m // min(row_block(m, k), m))
         n0 = -(-n0 // threads) * threads
         mr = _tile_rows(mode)
         best = None
-        for n_blocks in range(n0, max(n0, min(2 * n0, -(-m // mr))) + 1, threads):
+        for n_blocks in range(n0, max(n0, min(4 * n0, -(-m // mr))) + 1, threads):
             mb = -(-(-(-m // n_blocks)) // mr) * mr
             busiest = _busiest(_block_units(m, mb, mode, wo), threads)
             if best is None or busiest < 0.99 * best[1]:
