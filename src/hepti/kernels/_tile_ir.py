@@ -26,7 +26,7 @@ intrinsics, so an AVX2 CPU gets the same tile as pairs of ymm registers.
 `tile_gathered{8,4,1}` take each row's start from an array (conv.py's `_MODE_PADDED`: tiles
 whose rows cross output rows of a zero-padded x); `tile_scattered{8,4,1}` also store each
 row at an offset from an array (conv.py's `_into_fused`: a 1x1's output written into the
-interior of the zero-bordered map the next convolution reads). `tile_wide6` is a gathered and
+interior of the zero-bordered map the next convolution reads). `tile_wide6_pf` is a gathered and
 scattered 6 x 64 tile over two panels at once, without a residual (conv.py's `_padded_into`: 6
 broadcasts of A for 24 FMAs, where the 8 x 32 tile has 8 for 16). `tile_*9` (MR_NINE rows) take
 a block's last whole tile and the one row past it at once.
@@ -84,15 +84,51 @@ def _activation(builder, vmax, vmin, act_):
     return act
 
 
-def _make(mr: int, gathered: bool = False, scattered: bool = False):
+def _prefetcher(context, builder, st, args):
+    """For a tile whose last four arguments are (pf, pq, pn, every): a function that, called
+    once a k step inside the k loop, prefetches into L2 the next of pn lines of pf's memory
+    from float pq of it on every `every` calls (`_make`'s prefetch; pf a float32 array of any
+    shape, read as the contiguous floats from its start: a packed panel)."""
+    n = len(st)
+    P = context.make_array(st[n - 4])(context, builder, args[n - 4])
+    pq_, pn_, every_ = (context.cast(builder, args[k], st[k], types.int64)
+                        for k in (n - 3, n - 2, n - 1))
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+        "llvm.prefetch.p0")
+    countdown = cgutils.alloca_once_value(builder, every_)
+    line = cgutils.alloca_once_value(builder, pq_)
+    end = builder.add(pq_, builder.mul(pn_, _I64(16)))
+
+    def step():
+        cd = builder.sub(builder.load(countdown), _I64(1))
+        builder.store(cd, countdown)
+        with builder.if_then(builder.icmp_signed("==", cd, _I64(0)), likely=False):
+            builder.store(every_, countdown)
+            q = builder.load(line)
+            with builder.if_then(builder.icmp_signed("<", q, end)):
+                builder.call(fn, [builder.bitcast(builder.gep(P.data, [q]), i8p),
+                                  _I32(0), _I32(2), _I32(1)])
+                builder.store(builder.add(q, _I64(16)), line)
+    return step
+
+
+def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bool = False):
     """The intrinsic for an mr x 32 tile; `gathered`: ao is an int64 array, row i of the tile
     starting at a[ao[i]] (lda unused), for tiles whose rows cross output rows; `scattered`
     (with gathered): co is one too, row i stored at c[co[i]] (ldc unused), for a tile whose
-    output rows cross rows of a zero-bordered map (conv.py's `_into_fused`)."""
+    output rows cross rows of a zero-bordered map (conv.py's `_into_fused`). `prefetch`: four
+    more arguments (pf, pq, pn, every), and while the k loop runs pn cache lines of the
+    float32 pf (its contiguous floats) from float pq on, one every `every` k steps, are
+    prefetched into L2 (as _gemm_ir.tile_packed8's: the next panel, whose first tile would
+    otherwise wait on memory; conv.py's PANEL_PREFETCH)."""
 
-    @intrinsic
-    def tile(typingctx, a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro,
-             ldr, has_res, act):
+    def typer(a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro, ldr, has_res,
+              act, *pf_args):
+        if prefetch and not (isinstance(pf_args[0], types.Array)
+                             and pf_args[0].dtype == types.float32):
+            return None
         arrays = (a, c, bias, res)
         if gathered != (isinstance(ao, types.Array) and ao.dtype == types.int64):
             return None
@@ -103,12 +139,13 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False):
                 and isinstance(bp, types.Array) and bp.ndim == 2 and bp.dtype == types.float32):
             return None
         sig = types.void(a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro,
-                         ldr, has_res, act)
+                         ldr, has_res, act, *pf_args)
 
         def codegen(context, builder, signature, args):
             st = signature.args
             A = context.make_array(st[0])(context, builder, args[0])
             B = context.make_array(st[6])(context, builder, args[6])
+            step = _prefetcher(context, builder, st, args) if prefetch else None
             C = context.make_array(st[8])(context, builder, args[8])
             E = context.make_array(st[12])(context, builder, args[12])
             R = context.make_array(st[13])(context, builder, args[13])
@@ -144,6 +181,8 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False):
                 bbase = builder.gep(B.data, [builder.mul(brow0, ldb)])
                 with cgutils.for_range(builder, kc_) as kl:
                     p = kl.index
+                    if step is not None:
+                        step()
                     bq = builder.gep(bbase, [builder.mul(p, ldb)])
                     bv = [builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4)
                           for j in range(_NV)]
@@ -183,10 +222,23 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False):
 
         return sig, codegen
 
+    if prefetch:
+        @intrinsic
+        def tile_pf(typingctx, a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res,
+                    ro, ldr, has_res, act, pf, pq, pn, every):
+            return typer(a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro,
+                         ldr, has_res, act, pf, pq, pn, every)
+        return tile_pf
+
+    @intrinsic
+    def tile(typingctx, a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro,
+             ldr, has_res, act):
+        return typer(a, ao, n_seg, kc, seg_a, lda, bp, bk0, c, co, ldc, nv, bias, res, ro, ldr,
+                     has_res, act)
     return tile
 
 
-def _make_wide(mr: int):
+def _make_wide(mr: int, prefetch: bool = False):
     """The intrinsic for an mr x 64 tile over two panels at once (four <16 x float> columns),
     row i of A starting at a[ao[i]] and stored at c[co[i]] (ao, co int64 arrays, as
     `tile_scattered8`'s), bias and act applied, no residual:
@@ -201,22 +253,26 @@ def _make_wide(mr: int):
     panels a C-contiguous [n_panels, K, 32] array. Each output's sum runs over the same k in
     the same order as the 32-wide tiles': the same bits. (s61-hA measured this tile, stored
     by ldc, on ResNet-50's zero-padded copies: 0.95-0.99x per layer, the forward within its
-    noise; VGG-16's 3x3s on maps they no longer copy: conv.py's `_padded_into`.)"""
+    noise; VGG-16's 3x3s on maps they no longer copy: conv.py's `_padded_into`.) `prefetch`:
+    four more arguments, as `_make`'s."""
 
-    @intrinsic
-    def tile(typingctx, a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act):
+    def typer(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act, *pf_args):
+        if prefetch and not (isinstance(pf_args[0], types.Array)
+                             and pf_args[0].dtype == types.float32):
+            return None
         if not (all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
                     for t in (a, c, bias))
                 and all(isinstance(t, types.Array) and t.dtype == types.int64 for t in (ao, co))
                 and isinstance(panels, types.Array) and panels.ndim == 3
                 and panels.dtype == types.float32 and panels.layout == "C"):
             return None
-        sig = types.void(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act)
+        sig = types.void(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act, *pf_args)
         nv = 2 * _NV
 
         def codegen(context, builder, signature, args):
             st = signature.args
             A = context.make_array(st[0])(context, builder, args[0])
+            step = _prefetcher(context, builder, st, args) if prefetch else None
             P = context.make_array(st[5])(context, builder, args[5])
             C = context.make_array(st[7])(context, builder, args[7])
             E = context.make_array(st[9])(context, builder, args[9])
@@ -245,6 +301,8 @@ def _make_wide(mr: int):
                 bbase = [builder.gep(q, [brow0]) for q in pbase]
                 with cgutils.for_range(builder, kc_) as kl:
                     p = kl.index
+                    if step is not None:
+                        step()
                     bq = [builder.gep(q, [builder.mul(p, ldb)]) for q in bbase]
                     bv = [builder.load(_vptr(builder, bq[j // _NV], _I64(_LANES * (j % _NV))),
                                        align=4) for j in range(nv)]
@@ -268,6 +326,17 @@ def _make_wide(mr: int):
 
         return sig, codegen
 
+    if prefetch:
+        @intrinsic
+        def tile_pf(typingctx, a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act, pf, pq,
+                    pn, every):
+            return typer(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act, pf, pq, pn,
+                         every)
+        return tile_pf
+
+    @intrinsic
+    def tile(typingctx, a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act):
+        return typer(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act)
     return tile
 
 
@@ -285,11 +354,16 @@ tile_scattered1 = _make(1, True, True)
 # a block's last whole tile and the one row past it as one tile (rows = 8k + 1: ResNet-50's
 # 7x7 maps at 224, its 5x5 at 160): 18 accumulators; the 1-row tile runs its two FMA chains at
 # their latency, a quarter of the 8-row tile's time for an eighth of its rows (conv.py's
-# `_tiles_fused`, `_padded_fused`, `_into_fused`)
+# `_tiles_fused`, `_padded_fused`, `_into_fused`), as the tiles of 8 before it, prefetching
 MR_NINE = 9
-tile_epi9 = _make(MR_NINE)
-tile_gathered9 = _make(MR_NINE, True)
-tile_scattered9 = _make(MR_NINE, True, True)
+# the 8- and 9-row tiles prefetching the next panel into L2 along the k loop (`_make`'s
+# prefetch; conv.py's PANEL_PREFETCH)
+tile_epi8_pf = _make(8, prefetch=True)
+tile_epi9_pf = _make(MR_NINE, prefetch=True)
+tile_gathered8_pf = _make(8, True, prefetch=True)
+tile_gathered9_pf = _make(MR_NINE, True, prefetch=True)
+tile_scattered8_pf = _make(8, True, True, prefetch=True)
+tile_scattered9_pf = _make(MR_NINE, True, True, prefetch=True)
 # MR_WIDE x 64 over two panels, gathered and scattered (conv.py's `_padded_into`)
 MR_WIDE = 6
-tile_wide6 = _make_wide(MR_WIDE)
+tile_wide6_pf = _make_wide(MR_WIDE, prefetch=True)

@@ -146,10 +146,11 @@ from hepti.kernels._intrinsics import max_f32, prefetch_l2, prefetch_w
 from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi,
                                          direct_tiles_epi1, direct_tiles_epi4, full_tiles,
                                          micro_tile, pack_a_tile)
-from hepti.kernels._tile_ir import (MR_NINE, MR_WIDE, tile_epi8, tile_epi9,
+from hepti.kernels._tile_ir import (MR_NINE, MR_WIDE, tile_epi8, tile_epi8_pf, tile_epi9_pf,
                                     tile_gathered1, tile_gathered4, tile_gathered8,
-                                    tile_gathered9, tile_scattered1, tile_scattered4,
-                                    tile_scattered8, tile_scattered9, tile_wide6)
+                                    tile_gathered8_pf, tile_gathered9_pf, tile_scattered1,
+                                    tile_scattered4, tile_scattered8, tile_scattered8_pf,
+                                    tile_scattered9_pf, tile_wide6_pf)
 from hepti.kernels._views import EMPTY, aligned_empty, check_float32, pad16, vector, workspace
 from hepti.kernels.config import FASTMATH_GEMM, FASTMATH_ROWS, JIT
 from hepti.kernels.packed_gemm import (_epilogue, _finish, _pack_a, _pack_all, _panel_range,
@@ -206,6 +207,18 @@ BORDERED_ROWS = True
 # 1.02x, so a quarter of L2, not half; without (layer1's downsample): 64 -> 256 at 56x56 0.87x,
 # 64 -> 64 0.92x, 128 -> 512 0.96x, 256 -> 64 and 512 -> 128 0.98-1.02x.
 BY_TILES_BYTES = config.L2_BYTES // 4
+# The fused tiles of a panel prefetch the next panel into L2 along their k loops, an equal
+# share each (`_pf_share`, `_tile_ir._make`'s prefetch), where this panel and the next fit in
+# L2 together. In a forward the weights come from memory (ResNet-50's 100 MB pass through L3
+# once), and the L2 streamer, which stops at each 4 KB page, left the first tile of every panel
+# waiting on it: on an Emerald Rapids core the 7x7x512 3x3 (9.4 MB of weight, 7 tiles a panel)
+# ran 1.6x the time with its weight fresh from memory as with it in L3; prefetched, 0.73x the
+# time of the same cold run, as fast as warm (in-process scratch, interleaved, bit-equal).
+# Whole forwards in one process, the two trees taking turns (median of per-round ratios, 20-30
+# rounds): ResNet-50 at 224 0.90-0.92x the time, VGG-16 0.96x. VGG-16's pairs of panels at K =
+# 4608 (1.2 MB a pair) prefetching the next pair ran 1.04-1.10x the time cold: two pairs do not
+# fit in a 2 MiB L2, hence the cap.
+PANEL_PREFETCH = True
 # `ConvLayer.pooled` makes its convolution's output rows this many at a time, the max pool's
 # rows that read them right after (in-process scratch, interleaved, bit-equal: VGG-16's
 # conv1_2 then its 2x2 pool 0.987x the time of the two apart in blocks of 2 rows, 0.991x of
@@ -588,6 +601,17 @@ def _rows_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ldr,
 
 
 @njit(inline="always", **JIT)
+def _pf_share(k, n_t, n_next):
+    """(lines, every) for n_t tiles of k steps each, prefetching between them the next
+    n_next panels (k rows of NR floats, NR / 16 cache lines each) into L2 along their k
+    loops: `lines` lines a tile, one every `every` k steps (PANEL_PREFETCH)."""
+    if not PANEL_PREFETCH or 2 * n_next * k * NR * 4 > config.L2_BYTES:  # they'd evict these
+        return 0, k
+    per = -(-(n_next * k * NR // 16) // max(n_t, 1))
+    return per, max(1, k // per)
+
+
+@njit(inline="always", **JIT)
 def _prefetch_rows(c, c0, ldc):
     """The MRF rows of NR floats at c[c0 + i*ldc] (a tile's output, 64-byte aligned),
     prefetched for writing."""
@@ -601,12 +625,14 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
                  has_res, act, buf):
     """Output pixels m0 .. m0+rows-1 whose A rows lie row-major in a (row i at a_off +
     i*lda): every panel over their tiles, each stored once with its epilogue
-    (`direct_tiles_epi`, MRF rows a tile). A short last tile of MRF - 1 rows runs that
-    tile on a copy of its rows in buf [MRF * K]; one of fewer rows, tiles of 4 and of 1 row
-    (`direct_tiles_epi4`, `direct_tiles_epi1`: an MRF-row tile cost as much for one row as
-    for MRF); one row past a whole tile, that tile and the row as one of MR_NINE rows
-    (`tile_epi9`). Without a residual, each tile's rows are prefetched for writing while the
-    tile before it runs (`prefetch_w`). buf holds the short tile's rows either way
+    (`tile_epi8_pf`, MRF rows a tile, the next panel prefetched along them: PANEL_PREFETCH),
+    or every panel on a tile before the next (BY_TILES_BYTES). A short last tile of MRF - 1
+    rows runs that tile on a copy of its rows in buf [MRF * K]; one of fewer rows, tiles of 4
+    and of 1 row (`direct_tiles_epi4`, `direct_tiles_epi1`: an MRF-row tile cost as much for
+    one row as for MRF); one row past a whole tile, that tile and the row as one of MR_NINE
+    rows (`tile_epi9_pf`). The residual rows of a tile and the next are prefetched into L2;
+    without a residual, each tile's rows are prefetched for writing while the tile before it
+    runs (`prefetch_w`). buf holds the short tile's rows either way
     (`inverted._tiles_1x1` reads them). (_MODE_FLAT: a is x itself, a 1x1 convolution at
     stride 1; _MODE_PATCHES: a is the block's patch rows.)"""
     n_full = rows // MRF
@@ -630,26 +656,32 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
                 tile_epi8(a, a_off + t * MRF * lda, 1, k, 0, lda, panels[jp], 0, c,
                           m_t * ldc + j0, ldc, MRF, bias[j0:j0 + NR], res, r_off + m_t * ldr + j0,
                           ldr, has_res, act)
-    for jp in range(n_g // NR):
+    n_p = n_g // NR
+    per, every = _pf_share(k, n_8 + nine, 1)
+    for jp in range(n_p):
         j0 = jp * NR
         bp = panels[jp]
         bj = bias[j0:j0 + NR]
-        if n_8 and has_res and not by_tiles:
-            direct_tiles_epi(_i64(0), _i64(n_8), _i64(1), _i64(k), a, _i64(a_off), _i64(0),
-                             _i64(lda), bp, _i64(0), c, _i64(m0 * ldc + j0), _i64(ldc), _i64(MRF),
-                             bj, res, _i64(r_off + m0 * ldr + j0), _i64(ldr), _flag(has_res),
-                             _i64(act))
-        elif n_8 and not has_res and not by_tiles:
+        nxt = panels[min(jp + 1, n_p - 1)]  # the next panel, into L2 (PANEL_PREFETCH)
+        pn = per if jp + 1 < n_p and not by_tiles else 0
+        if n_8 and not by_tiles:
             for t in range(n_8):
                 c_t = (m0 + t * MRF) * ldc + j0
-                if t + 1 < n_8:
+                ro = r_off + (m0 + t * MRF) * ldr + j0
+                if has_res:  # the residual rows of this tile (the first) and the next: to L2
+                    for q in range(0 if t == 0 else 1, 2 if t + 1 < n_8 else 1):
+                        for i in range(MRF):
+                            prefetch_l2(res, ro + (q * MRF + i) * ldr)
+                            prefetch_l2(res, ro + (q * MRF + i) * ldr + NR - 1)
+                elif t + 1 < n_8:
                     _prefetch_rows(c, c_t + MRF * ldc, ldc)
-                tile_epi8(a, a_off + t * MRF * lda, 1, k, 0, lda, bp, 0, c, c_t, ldc, MRF, bj,
-                          res, 0, ldr, False, act)
+                tile_epi8_pf(a, a_off + t * MRF * lda, 1, k, 0, lda, bp, 0, c, c_t, ldc, MRF, bj,
+                             res, ro, ldr, has_res, act, nxt, t * per * 16, pn, every)
         if nine:
             m9 = m0 + n_8 * MRF
-            tile_epi9(a, a_off + n_8 * MRF * lda, 1, k, 0, lda, bp, 0, c, m9 * ldc + j0, ldc,
-                      MR_NINE, bj, res, r_off + m9 * ldr + j0, ldr, has_res, act)
+            tile_epi9_pf(a, a_off + n_8 * MRF * lda, 1, k, 0, lda, bp, 0, c, m9 * ldc + j0, ldc,
+                         MR_NINE, bj, res, r_off + m9 * ldr + j0, ldr, has_res, act, nxt,
+                         n_8 * per * 16, pn, every)
         elif rem == MRF - 1:  # the MRF-row tile on buf's copy (and a zero row)
             direct_tiles_epi(_i64(0), _i64(1), _i64(1), _i64(k), buf, _i64(0), _i64(0), _i64(k),
                              bp, _i64(0), c, _i64(m_rem * ldc + j0), _i64(ldc), _i64(rem), bj,
@@ -682,7 +714,7 @@ def _padded_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ld
     its own (`_tile_ir.tile_gathered8`, kh segments of kw*C floats, dh*w*C apart). No patch
     copy (`_MODE_PATCHES` copies K floats a pixel) and no border tiles (`_rows_fused`'s
     gathered edges, and its short tiles on rows not a multiple of MRF wide). A short last tile
-    as `_tiles_fused` runs it (one row past a whole tile: the two as one `tile_gathered9`);
+    as `_tiles_fused` runs it (one row past a whole tile: the two as one `tile_gathered9_pf`);
     without a residual, the next tile's rows prefetched for writing (`prefetch_w`)."""
     n, h, w, cin, ho, wo, kh, kw, sh, sw, pt, pl, dh, dw, cg = geo
     n_full = rows // MRF
@@ -695,10 +727,14 @@ def _padded_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ld
         b, r = mm // (ho * wo), mm % (ho * wo)
         offs[i] = ((b * h + (r // wo) * sh) * w + (r % wo) * sw) * cin
     run, seg_a = kw * cin, dh * w * cin
-    for jp in range(n_g // NR):
+    n_p = n_g // NR
+    per, every = _pf_share(k, n_8 + nine, 1)
+    for jp in range(n_p):
         j0 = jp * NR
         bp = panels[jp]
         bj = bias[j0:j0 + NR]
+        nxt = panels[min(jp + 1, n_p - 1)]  # the next panel, into L2 (PANEL_PREFETCH)
+        pn = per if jp + 1 < n_p else 0
         for t in range(n_8):
             ro = r_off + (m0 + t * MRF) * ldr + j0
             if has_res and t + 1 < n_full:  # the next tile's residual rows: to L2
@@ -707,13 +743,15 @@ def _padded_fused(x, geo, k, n_g, panels, c, ldc, m0, rows, bias, res, r_off, ld
                     prefetch_l2(res, ro + (MRF + i) * ldr + NR - 1)
             elif not has_res and t + 1 < n_8:  # the next tile's rows, for writing
                 _prefetch_rows(c, (m0 + (t + 1) * MRF) * ldc + j0, ldc)
-            tile_gathered8(x, offs[t * MRF:(t + 1) * MRF], kh, run, seg_a, 0, bp, 0, c,
-                           (m0 + t * MRF) * ldc + j0, ldc, MRF, bj, res, ro, ldr, has_res, act)
+            tile_gathered8_pf(x, offs[t * MRF:(t + 1) * MRF], kh, run, seg_a, 0, bp, 0, c,
+                              (m0 + t * MRF) * ldc + j0, ldc, MRF, bj, res, ro, ldr, has_res,
+                              act, nxt, t * per * 16, pn, every)
         if nine:
             i = n_8 * MRF
-            tile_gathered9(x, offs[i:i + MR_NINE], kh, run, seg_a, 0, bp, 0, c,
-                           (m0 + i) * ldc + j0, ldc, MR_NINE, bj, res,
-                           r_off + (m0 + i) * ldr + j0, ldr, has_res, act)
+            tile_gathered9_pf(x, offs[i:i + MR_NINE], kh, run, seg_a, 0, bp, 0, c,
+                              (m0 + i) * ldc + j0, ldc, MR_NINE, bj, res,
+                              r_off + (m0 + i) * ldr + j0, ldr, has_res, act, nxt,
+                              n_8 * per * 16, pn, every)
             continue
         # a short last tile as `_tiles_fused` runs it: MRF rows for MRF - 1, else 4 and 1s
         i = n_full * MRF
@@ -757,7 +795,7 @@ def _padded_into(x, geo, k, n_g, panels, c, co, m0, rows, bias, act, wide):
     as `_padded_fused`'s: groups 1, one contiguous run of kw*C floats per kernel row), pixel
     m0 + i stored at c[co[i]:] (co int64, rows + MRF entries or more): into the interior of
     the zero-bordered map the next convolution reads (hepti.kernels.plain_chain). Bias and
-    act, no residual. wide: pairs of panels run as one MR_WIDE x 64 tile (`tile_wide6`: 6
+    act, no residual. wide: pairs of panels run as one MR_WIDE x 64 tile (`tile_wide6_pf`: 6
     broadcasts of A for 24 FMAs, not 8 for 16), the rows past the last whole MR_WIDE on the
     32-wide tiles; an odd last panel, and all of them without wide, on the 8 x 32 tiles.
     Every output the same sum in the same order either way: bit for bit `_padded_fused`'s."""
@@ -771,26 +809,33 @@ def _padded_into(x, geo, k, n_g, panels, c, co, m0, rows, bias, act, wide):
     n_p = n_g // NR
     n_pairs = n_p // 2 if wide else 0
     n_w = rows // MR_WIDE
+    per, every = _pf_share(k, n_w, 2)  # the next pair of panels (PANEL_PREFETCH)
     for q in range(n_pairs):
         j0 = 2 * q * NR
         bw = bias[j0:j0 + 2 * NR]
         cj = c[j0:]
+        pn = per if 2 * q + 2 < n_p else 0
         for t in range(n_w):
-            tile_wide6(x, offs[t * MR_WIDE:(t + 1) * MR_WIDE], kh, run, seg_a, panels, 2 * q,
-                       cj, co[t * MR_WIDE:(t + 1) * MR_WIDE], bw, act)
+            tile_wide6_pf(x, offs[t * MR_WIDE:(t + 1) * MR_WIDE], kh, run, seg_a, panels, 2 * q,
+                          cj, co[t * MR_WIDE:(t + 1) * MR_WIDE], bw, act, panels,
+                          (2 * q + 2) * k * NR + t * per * 16, pn, every)
         for jp in range(2 * q, 2 * q + 2):
             jj = jp * NR
             _scattered_tail(x, offs, co, n_w * MR_WIDE, rows, kh, run, seg_a, panels[jp],
                             c[jj:], bias[jj:jj + NR], act)
     n_full = rows // MRF
+    per, every = _pf_share(k, n_full, 1)
     for jp in range(2 * n_pairs, n_p):
         j0 = jp * NR
         bp = panels[jp]
         bj = bias[j0:j0 + NR]
         cj = c[j0:]
+        nxt = panels[min(jp + 1, n_p - 1)]
+        pn = per if jp + 1 < n_p else 0
         for t in range(n_full):
-            tile_scattered8(x, offs[t * MRF:(t + 1) * MRF], kh, run, seg_a, 0, bp, 0, cj,
-                            co[t * MRF:(t + 1) * MRF], 0, MRF, bj, bj, 0, 0, False, act)
+            tile_scattered8_pf(x, offs[t * MRF:(t + 1) * MRF], kh, run, seg_a, 0, bp, 0, cj,
+                               co[t * MRF:(t + 1) * MRF], 0, MRF, bj, bj, 0, 0, False, act, nxt,
+                               t * per * 16, pn, every)
         _scattered_tail(x, offs, co, n_full * MRF, rows, kh, run, seg_a, bp, cj, bj, act)
 
 
@@ -800,12 +845,12 @@ def _into_fused(x, cin, n_g, panels, c, c_offs, blk_lo, blk_hi, mb, m, bias, act
     whose output pixel i is stored at c[c_offs[i]:] (c_offs [M] int64, `into_offsets`: the
     interior of a zero-bordered map that the next convolution reads in place, `_MODE_PADDED`,
     with no copy of its input). Row blocks blk_lo .. blk_hi-1 of mb pixels, every panel over
-    each block's tiles of MRF pixels (`_tile_ir.tile_scattered8`: a tile may cross rows of
-    the map), each stored once with bias and act (no residual). A short last tile as
-    `_padded_fused`'s: MRF rows for MRF - 1 (the missing row reads and would store the last
-    pixel's, not stored), one row past a whole tile the two as one `tile_scattered9`, else 4
-    and 1s. Each tile's rows are prefetched for writing while the tile before it runs
-    (`prefetch_w`)."""
+    each block's tiles of MRF pixels (`_tile_ir.tile_scattered8_pf`: a tile may cross rows
+    of the map; the next panel prefetched along them), each stored once with bias and act (no
+    residual). A short last tile as `_padded_fused`'s: MRF rows for MRF - 1 (the missing row
+    reads and would store the last pixel's, not stored), one row past a whole tile the two as
+    one `tile_scattered9_pf`, else 4 and 1s. Each tile's rows are prefetched for writing while
+    the tile before it runs (`prefetch_w`)."""
     a_offs = np.empty(mb + MRF, np.int64)
     co = np.empty(mb + MRF, np.int64)
     for blk in range(blk_lo, blk_hi):
@@ -819,22 +864,28 @@ def _into_fused(x, cin, n_g, panels, c, c_offs, blk_lo, blk_hi, mb, m, bias, act
         rem = rows - n_full * MRF
         nine = rem == 1 and n_full > 0
         n_8 = n_full - 1 if nine else n_full  # the tiles of MRF rows
-        for jp in range(n_g // NR):
+        n_p = n_g // NR
+        per, every = _pf_share(cin, n_8 + nine, 1)
+        for jp in range(n_p):
             j0 = jp * NR
             bp = panels[jp]
             bj = bias[j0:j0 + NR]
             cj = c[j0:]
+            nxt = panels[min(jp + 1, n_p - 1)]  # the next panel, into L2 (PANEL_PREFETCH)
+            pn = per if jp + 1 < n_p else 0
             for t in range(n_8):
                 if t + 1 < n_8:  # the next tile's rows, for writing
                     for i in range((t + 1) * MRF, (t + 2) * MRF):
                         prefetch_w(cj, co[i])
                         prefetch_w(cj, co[i] + NR - 1)
-                tile_scattered8(x, a_offs[t * MRF:(t + 1) * MRF], 1, cin, 0, 0, bp, 0, cj,
-                                co[t * MRF:(t + 1) * MRF], 0, MRF, bj, bj, 0, 0, False, act)
+                tile_scattered8_pf(x, a_offs[t * MRF:(t + 1) * MRF], 1, cin, 0, 0, bp, 0, cj,
+                                   co[t * MRF:(t + 1) * MRF], 0, MRF, bj, bj, 0, 0, False, act,
+                                   nxt, t * per * 16, pn, every)
             if nine:
                 i = n_8 * MRF
-                tile_scattered9(x, a_offs[i:i + MR_NINE], 1, cin, 0, 0, bp, 0, cj,
-                                co[i:i + MR_NINE], 0, MR_NINE, bj, bj, 0, 0, False, act)
+                tile_scattered9_pf(x, a_offs[i:i + MR_NINE], 1, cin, 0, 0, bp, 0, cj,
+                                   co[i:i + MR_NINE], 0, MR_NINE, bj, bj, 0, 0, False, act, nxt,
+                                   n_8 * per * 16, pn, every)
                 continue
             i = n_full * MRF
             if rem == MRF - 1:
@@ -1503,8 +1554,9 @@ def _split_rows(m: int, k: int, mode: int, threads: int, wo: int) -> tuple[int, 
     contiguous ranges: packed_gemm.row_block's blocks, their count rounded up to a multiple
     of the threads (7 blocks of 448 pixels on 2 threads were 3 and 4 blocks: 12% idle), each
     a multiple of the mode's tile (`_tile_rows`; by rows: whole output rows). Not by rows, up
-    to four times as many blocks where they share the tiles out more evenly: ResNet-50's 28x28 3x3s (98
-    tiles) in 8 blocks of 13 tiles were 52 and 46 a thread, in 14 of 7 are 49 and 49."""
+    to four times as many blocks where they share the tiles out more evenly: ResNet-50's 28x28
+    3x3s (98 tiles) in 8 blocks of 13 tiles were 52 and 46 a thread, in 14 of 7 are 49 and
+    49."""
     if mode in (_MODE_ROWS, _MODE_ROWS_FUSED):
         n_rows = m // wo
         n_blocks = -(-n_rows // max(1, round(row_block(m, k) / wo)))

@@ -10,7 +10,7 @@ one reads (`conv._padded_into`: each tile's rows stored at offsets of their own)
 after one is made from its rows while they are in L2 and written likewise
 (`conv._pooled_into`); every convolution then reads its input in place, padding included,
 with no copy and no gathered border tiles, and where a pair of panels fits in L2 (K up to
-`conv.PADDED_WIDE_K`) runs 6 x 64 tiles over two panels at once (`_tile_ir.tile_wide6`: 6
+`conv.PADDED_WIDE_K`) runs 6 x 64 tiles over two panels at once (`_tile_ir.tile_wide6_pf`: 6
 broadcasts of A for 24 FMAs, not 8 for 16). Outputs bit for bit the layers' one by one.
 
 The zero-bordered maps are kept per input shape, their borders zeroed once (VGG-16 at 224:
