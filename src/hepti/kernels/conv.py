@@ -146,7 +146,7 @@ from hepti.kernels._intrinsics import max_f32, prefetch_l2, prefetch_w
 from hepti.kernels._microkernels import (MR, MRF, NR, direct_tiles, direct_tiles_epi,
                                          direct_tiles_epi1, direct_tiles_epi4, full_tiles,
                                          micro_tile, pack_a_tile)
-from hepti.kernels._tile_ir import (MR_NINE, MR_WIDE, tile_epi8, tile_epi8_pf, tile_epi9_pf,
+from hepti.kernels._tile_ir import (MR_NINE, MR_WIDE, tile_epi8_pf, tile_epi9_pf,
                                     tile_gathered1, tile_gathered4, tile_gathered8,
                                     tile_gathered8_pf, tile_gathered9_pf, tile_scattered1,
                                     tile_scattered4, tile_scattered8, tile_scattered8_pf,
@@ -219,6 +219,14 @@ BY_TILES_BYTES = config.L2_BYTES // 4
 # 4608 (1.2 MB a pair) prefetching the next pair ran 1.04-1.10x the time cold: two pairs do not
 # fit in a 2 MiB L2, hence the cap.
 PANEL_PREFETCH = True
+# A 1x1's tile prefetches the next tile's rows of A into L2 along its k loop where it reads
+# them first: every tile over its panels (BY_TILES_BYTES), else the first panel's tiles (the
+# others prefetch the next panel). The tile reads its MRF rows as MRF streams a row apart (1 KB
+# on layer1's 56x56x256 map), which the L2 streamer follows poorly from a map larger than L2.
+# Emerald Rapids, tile by tile, in-process scratch, maps fresh from memory (warm: in cache),
+# bit-equal: 56x56 256 -> 64 0.76-0.80x the time (warm 0.80-0.86x), 256 -> 128 0.92x (0.93x),
+# 28x28 512 -> 128 0.88-0.99x (0.95-1.05x).
+ROWS_PREFETCH = True
 # `ConvLayer.pooled` makes its convolution's output rows this many at a time, the max pool's
 # rows that read them right after (in-process scratch, interleaved, bit-equal: VGG-16's
 # conv1_2 then its 2x2 pool 0.987x the time of the two apart in blocks of 2 rows, 0.991x of
@@ -612,6 +620,17 @@ def _pf_share(k, n_t, n_next):
 
 
 @njit(inline="always", **JIT)
+def _pf_rows(k, lda, n_t):
+    """(lines, every) for n_t tiles of k steps each (one tile's panels), prefetching between
+    them the next tile's MRF rows of A, lda floats apart (read as MRF * lda contiguous floats,
+    MRF * lda / 16 lines), into L2 along their k loops (ROWS_PREFETCH)."""
+    if not ROWS_PREFETCH:
+        return 0, k
+    per = -(-(MRF * lda // 16) // max(n_t, 1))
+    return per, max(1, k // per)
+
+
+@njit(inline="always", **JIT)
 def _prefetch_rows(c, c0, ldc):
     """The MRF rows of NR floats at c[c0 + i*ldc] (a tile's output, 64-byte aligned),
     prefetched for writing."""
@@ -648,16 +667,22 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
         buf[rem * k:MRF * k] = 0.0
     m_rem = m0 + n_full * MRF
     by_tiles = n_8 > 0 and k * n_g * 4 <= BY_TILES_BYTES
-    if by_tiles:  # every panel on a tile, then the next tile (BY_TILES_BYTES)
+    n_p = n_g // NR
+    if by_tiles:  # every panel on a tile, then the next tile (BY_TILES_BYTES), its panels
+        # sharing out the next tile's rows to prefetch (ROWS_PREFETCH)
+        per_a, every_a = _pf_rows(k, lda, n_p)
         for t in range(n_8):
             m_t = m0 + t * MRF
-            for jp in range(n_g // NR):
+            pa = a_off + (t + 1) * MRF * lda
+            pn_a = per_a if t + 1 < n_full else 0
+            for jp in range(n_p):
                 j0 = jp * NR
-                tile_epi8(a, a_off + t * MRF * lda, 1, k, 0, lda, panels[jp], 0, c,
-                          m_t * ldc + j0, ldc, MRF, bias[j0:j0 + NR], res, r_off + m_t * ldr + j0,
-                          ldr, has_res, act)
-    n_p = n_g // NR
+                tile_epi8_pf(a, a_off + t * MRF * lda, 1, k, 0, lda, panels[jp], 0, c,
+                             m_t * ldc + j0, ldc, MRF, bias[j0:j0 + NR], res,
+                             r_off + m_t * ldr + j0, ldr, has_res, act, a, pa + jp * per_a * 16,
+                             pn_a, every_a)
     per, every = _pf_share(k, n_8 + nine, 1)
+    per_a, every_a = _pf_rows(k, lda, 1)
     for jp in range(n_p):
         j0 = jp * NR
         bp = panels[jp]
@@ -675,8 +700,14 @@ def _tiles_fused(a, a_off, lda, k, n_g, panels, c, ldc, m0, rows, bias, res, r_o
                             prefetch_l2(res, ro + (q * MRF + i) * ldr + NR - 1)
                 elif t + 1 < n_8:
                     _prefetch_rows(c, c_t + MRF * ldc, ldc)
-                tile_epi8_pf(a, a_off + t * MRF * lda, 1, k, 0, lda, bp, 0, c, c_t, ldc, MRF, bj,
-                             res, ro, ldr, has_res, act, nxt, t * per * 16, pn, every)
+                if jp == 0:  # the first pass over the rows: the next tile's (ROWS_PREFETCH)
+                    tile_epi8_pf(a, a_off + t * MRF * lda, 1, k, 0, lda, bp, 0, c, c_t, ldc, MRF,
+                                 bj, res, ro, ldr, has_res, act, a,
+                                 a_off + (t + 1) * MRF * lda, per_a if t + 1 < n_full else 0,
+                                 every_a)
+                else:
+                    tile_epi8_pf(a, a_off + t * MRF * lda, 1, k, 0, lda, bp, 0, c, c_t, ldc, MRF,
+                                 bj, res, ro, ldr, has_res, act, nxt, t * per * 16, pn, every)
         if nine:
             m9 = m0 + n_8 * MRF
             tile_epi9_pf(a, a_off + n_8 * MRF * lda, 1, k, 0, lda, bp, 0, c, m9 * ldc + j0, ldc,
@@ -866,6 +897,7 @@ def _into_fused(x, cin, n_g, panels, c, c_offs, blk_lo, blk_hi, mb, m, bias, act
         n_8 = n_full - 1 if nine else n_full  # the tiles of MRF rows
         n_p = n_g // NR
         per, every = _pf_share(cin, n_8 + nine, 1)
+        per_a, every_a = _pf_rows(cin, cin, 1)
         for jp in range(n_p):
             j0 = jp * NR
             bp = panels[jp]
@@ -878,9 +910,15 @@ def _into_fused(x, cin, n_g, panels, c, c_offs, blk_lo, blk_hi, mb, m, bias, act
                     for i in range((t + 1) * MRF, (t + 2) * MRF):
                         prefetch_w(cj, co[i])
                         prefetch_w(cj, co[i] + NR - 1)
-                tile_scattered8_pf(x, a_offs[t * MRF:(t + 1) * MRF], 1, cin, 0, 0, bp, 0, cj,
-                                   co[t * MRF:(t + 1) * MRF], 0, MRF, bj, bj, 0, 0, False, act,
-                                   nxt, t * per * 16, pn, every)
+                if jp == 0:  # the first pass over x's rows: the next tile's (ROWS_PREFETCH)
+                    tile_scattered8_pf(x, a_offs[t * MRF:(t + 1) * MRF], 1, cin, 0, 0, bp, 0, cj,
+                                       co[t * MRF:(t + 1) * MRF], 0, MRF, bj, bj, 0, 0, False,
+                                       act, x, a_offs[(t + 1) * MRF],
+                                       per_a if t + 1 < n_full else 0, every_a)
+                else:
+                    tile_scattered8_pf(x, a_offs[t * MRF:(t + 1) * MRF], 1, cin, 0, 0, bp, 0, cj,
+                                       co[t * MRF:(t + 1) * MRF], 0, MRF, bj, bj, 0, 0, False,
+                                       act, nxt, t * per * 16, pn, every)
             if nine:
                 i = n_8 * MRF
                 tile_scattered9_pf(x, a_offs[i:i + MR_NINE], 1, cin, 0, 0, bp, 0, cj,
