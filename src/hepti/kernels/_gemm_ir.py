@@ -32,6 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from hepti.kernels import mathfn
+from hepti.kernels._tile_ir import prefetcher
 
 _LANES = 16
 _NV = 2  # 32 columns: two 16-float vectors
@@ -90,7 +91,6 @@ def tile_packed8(typingctx, ap, ao, kc, bp, bk0, c, co, ldc, accumulate, bias, b
         C = context.make_array(st[5])(context, builder, args[5])
         E = context.make_array(st[9])(context, builder, args[9])
         R = context.make_array(st[13])(context, builder, args[13])
-        P = context.make_array(st[17])(context, builder, args[17])
 
         def i64(k):
             return context.cast(builder, args[k], st[k], types.int64)
@@ -98,8 +98,8 @@ def tile_packed8(typingctx, ap, ao, kc, bp, bk0, c, co, ldc, accumulate, bias, b
         def flag(k):
             return context.cast(builder, args[k], st[k], types.boolean)
 
-        ao_, kc_, bk0_, co_, ldc_, bo_, ro_, ldr_, pq_, pn_, every_ = (
-            i64(k) for k in (1, 2, 4, 6, 7, 10, 14, 15, 18, 19, 20))
+        ao_, kc_, bk0_, co_, ldc_, bo_, ro_, ldr_ = (
+            i64(k) for k in (1, 2, 4, 6, 7, 10, 14, 15))
         accumulate_, has_bias_, gelu_, has_res_ = (flag(k) for k in (8, 11, 12, 16))
         ldb = builder.sdiv(cgutils.unpack_tuple(builder, B.strides, 2)[0], _I64(4))
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V, _V]),
@@ -108,30 +108,16 @@ def tile_packed8(typingctx, ap, ao, kc, bp, bk0, c, co, ldc, accumulate, bias, b
                                               "llvm.maxnum.v16f32")
         vmin = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
                                               "llvm.minnum.v16f32")
-        i8p = ir.IntType(8).as_pointer()
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
-            "llvm.prefetch.p0")
         zero = ir.Constant(_V, None)
         acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(_NV)]
                for _ in range(_MR)]
-        countdown = cgutils.alloca_once_value(builder, every_)
-        pline = cgutils.alloca_once_value(builder, pq_)
-        pend = builder.add(pq_, builder.mul(pn_, _I64(16)))
+        step = prefetcher(context, builder, st, args)  # pf, pq, pn, every: the last four
         splat_mask = ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
         abase = builder.gep(A.data, [ao_])
         bbase = builder.gep(B.data, [builder.mul(bk0_, ldb)])
         with cgutils.for_range(builder, kc_) as kl:
             p = kl.index
-            cd = builder.sub(builder.load(countdown), _I64(1))
-            builder.store(cd, countdown)
-            with builder.if_then(builder.icmp_signed("==", cd, _I64(0)), likely=False):
-                builder.store(every_, countdown)
-                q = builder.load(pline)
-                with builder.if_then(builder.icmp_signed("<", q, pend)):
-                    builder.call(prefetch, [builder.bitcast(builder.gep(P.data, [q]), i8p),
-                                            _I32(0), _I32(2), _I32(1)])
-                    builder.store(builder.add(q, _I64(16)), pline)
+            step()
             bq = builder.gep(bbase, [builder.mul(p, ldb)])
             bv = [builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4)
                   for j in range(_NV)]

@@ -84,7 +84,7 @@ def _activation(builder, vmax, vmin, act_):
     return act
 
 
-def _prefetcher(context, builder, st, args):
+def prefetcher(context, builder, st, args):
     """For a tile whose last four arguments are (pf, pq, pn, every): a function that, called
     once a k step inside the k loop, prefetches into L2 the next of pn lines of pf's memory
     from float pq of it on every `every` calls (`_make`'s prefetch; pf a float32 array of any
@@ -145,7 +145,7 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bo
             st = signature.args
             A = context.make_array(st[0])(context, builder, args[0])
             B = context.make_array(st[6])(context, builder, args[6])
-            step = _prefetcher(context, builder, st, args) if prefetch else None
+            step = prefetcher(context, builder, st, args) if prefetch else None
             C = context.make_array(st[8])(context, builder, args[8])
             E = context.make_array(st[12])(context, builder, args[12])
             R = context.make_array(st[13])(context, builder, args[13])
@@ -272,7 +272,7 @@ def _make_wide(mr: int, prefetch: bool = False):
         def codegen(context, builder, signature, args):
             st = signature.args
             A = context.make_array(st[0])(context, builder, args[0])
-            step = _prefetcher(context, builder, st, args) if prefetch else None
+            step = prefetcher(context, builder, st, args) if prefetch else None
             P = context.make_array(st[5])(context, builder, args[5])
             C = context.make_array(st[7])(context, builder, args[7])
             E = context.make_array(st[9])(context, builder, args[9])
