@@ -238,12 +238,12 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bo
     return tile
 
 
-def _make_wide(mr: int, prefetch: bool = False):
+def _make_wide(mr: int):
     """The intrinsic for an mr x 64 tile over two panels at once (four <16 x float> columns),
     row i of A starting at a[ao[i]] and stored at c[co[i]] (ao, co int64 arrays, as
     `tile_scattered8`'s), bias and act applied, no residual:
 
-        tile_wide(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act)
+        tile_wide(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act, pf, pq, pn, every)
 
     computes for i < mr and j < 64 (panel jp + j // 32, column j % 32)
 
@@ -253,12 +253,13 @@ def _make_wide(mr: int, prefetch: bool = False):
     panels a C-contiguous [n_panels, K, 32] array. Each output's sum runs over the same k in
     the same order as the 32-wide tiles': the same bits. (s61-hA measured this tile, stored
     by ldc, on ResNet-50's zero-padded copies: 0.95-0.99x per layer, the forward within its
-    noise; VGG-16's 3x3s on maps they no longer copy: conv.py's `_padded_into`.) `prefetch`:
-    four more arguments, as `_make`'s."""
+    noise; VGG-16's 3x3s on maps they no longer copy: conv.py's `_padded_into`.) Four more
+    arguments (pf, pq, pn, every) prefetch the next pair of panels, as `_make`'s prefetch does."""
 
-    def typer(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act, *pf_args):
-        if prefetch and not (isinstance(pf_args[0], types.Array)
-                             and pf_args[0].dtype == types.float32):
+    @intrinsic
+    def tile(typingctx, a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act, pf, pq, pn,
+             every):
+        if not (isinstance(pf, types.Array) and pf.dtype == types.float32):
             return None
         if not (all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
                     for t in (a, c, bias))
@@ -266,13 +267,14 @@ def _make_wide(mr: int, prefetch: bool = False):
                 and isinstance(panels, types.Array) and panels.ndim == 3
                 and panels.dtype == types.float32 and panels.layout == "C"):
             return None
-        sig = types.void(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act, *pf_args)
+        sig = types.void(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act, pf, pq, pn,
+                         every)
         nv = 2 * _NV
 
         def codegen(context, builder, signature, args):
             st = signature.args
             A = context.make_array(st[0])(context, builder, args[0])
-            step = prefetcher(context, builder, st, args) if prefetch else None
+            step = prefetcher(context, builder, st, args)
             P = context.make_array(st[5])(context, builder, args[5])
             C = context.make_array(st[7])(context, builder, args[7])
             E = context.make_array(st[9])(context, builder, args[9])
@@ -301,8 +303,7 @@ def _make_wide(mr: int, prefetch: bool = False):
                 bbase = [builder.gep(q, [brow0]) for q in pbase]
                 with cgutils.for_range(builder, kc_) as kl:
                     p = kl.index
-                    if step is not None:
-                        step()
+                    step()
                     bq = [builder.gep(q, [builder.mul(p, ldb)]) for q in bbase]
                     bv = [builder.load(_vptr(builder, bq[j // _NV], _I64(_LANES * (j % _NV))),
                                        align=4) for j in range(nv)]
@@ -326,17 +327,6 @@ def _make_wide(mr: int, prefetch: bool = False):
 
         return sig, codegen
 
-    if prefetch:
-        @intrinsic
-        def tile_pf(typingctx, a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act, pf, pq,
-                    pn, every):
-            return typer(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act, pf, pq, pn,
-                         every)
-        return tile_pf
-
-    @intrinsic
-    def tile(typingctx, a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act):
-        return typer(a, ao, n_seg, kc, seg_a, panels, jp, c, co, bias, act)
     return tile
 
 
@@ -354,7 +344,7 @@ tile_scattered1 = _make(1, True, True)
 # a block's last whole tile and the one row past it as one tile (rows = 8k + 1: ResNet-50's
 # 7x7 maps at 224, its 5x5 at 160): 18 accumulators; the 1-row tile runs its two FMA chains at
 # their latency, a quarter of the 8-row tile's time for an eighth of its rows (conv.py's
-# `_tiles_fused`, `_padded_fused`, `_into_fused`), as the tiles of 8 before it, prefetching
+# `_tiles_fused`, `_padded_fused`, `_into_fused`)
 MR_NINE = 9
 # the 8- and 9-row tiles prefetching the next panel into L2 along the k loop (`_make`'s
 # prefetch; conv.py's PANEL_PREFETCH)
@@ -366,4 +356,4 @@ tile_scattered8_pf = _make(8, True, True, prefetch=True)
 tile_scattered9_pf = _make(MR_NINE, True, True, prefetch=True)
 # MR_WIDE x 64 over two panels, gathered and scattered (conv.py's `_padded_into`)
 MR_WIDE = 6
-tile_wide6_pf = _make_wide(MR_WIDE, prefetch=True)
+tile_wide6_pf = _make_wide(MR_WIDE)
