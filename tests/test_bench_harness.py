@@ -10,6 +10,7 @@ none of them.
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import json
 import pkgutil
@@ -21,6 +22,8 @@ import pytest
 import hepti.bench
 from hepti.bench import harness, registry
 from helpers import hepti as hepti_cli  # the name hepti is the package here
+
+ROOT_SRC = harness.ROOT / "src"
 
 HELPERS = {"harness", "registry", "hetero_report"}  # modules of hepti.bench that are not benches
 
@@ -142,3 +145,19 @@ def test_hepti_help_imports_no_bench():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout.replace("'", '"')) == ["hepti.bench.registry"]
+
+
+def test_import_tree_renames_every_absolute_import(tmp_path):
+    """`hepti bench against --in-process` imports a tree's package under another name: every
+    module of the copy must resolve to the copy, none to this tree's hepti."""
+    from hepti.bench.against import import_tree
+    pkg = import_tree(ROOT_SRC, "hepti_copy_under_test", tmp_path)
+    try:
+        mod = importlib.import_module("hepti_copy_under_test.bench.against")
+        assert mod.__file__.startswith(str(tmp_path))
+        assert mod.round_order.__module__ == "hepti_copy_under_test.bench.harness"
+        assert pkg.__file__.startswith(str(tmp_path))
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [m for m in sys.modules if m.startswith("hepti_copy_under_test")]:
+            del sys.modules[name]
