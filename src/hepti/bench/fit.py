@@ -36,13 +36,20 @@ def one_round(model_dir: str, seq: int, inp: tuple[str, Path], prof_file: Path, 
             "per_rank": [{"rank": r["rank"], "compute_s": r["compute_s"],
                           "comm_total_s": r["comm_total_s"],
                           "predicted_compute_s": r["predicted"]["compute_s"],
-                          "predicted_comm_s": sum(r["predicted"]["comm_s"].values())}
+                          "predicted_comm_s": predicted_comm(r["predicted"])}
                          for r in rep["per_rank"]]}
+
+
+def predicted_comm(pr: dict) -> float:
+    """A rank's predicted communication seconds: a transformer plan's per kind of collective
+    (`comm_s`), a CNN band plan's halo exchanges and allgathers as one (`exchange_s`)."""
+    return sum(pr["comm_s"].values()) if "comm_s" in pr else pr["exchange_s"]
 
 
 def add_arguments(ap) -> None:
     ap.add_argument("--case", action="append", metavar="MODEL_DIR:SEQ", required=True,
-                    help="a model folder and a token count, e.g. weights/minilm-l6:128")
+                    help="a model folder and a token count, e.g. weights/minilm-l6:128 (a "
+                         "CNN's: the image side, e.g. weights/resnet50:224)")
     ap.add_argument("--ranks", type=positive_int, default=2, help="local ranks (default 2)")
     ap.add_argument("--rounds", type=positive_int, default=5,
                     help="profile + plan + run, per case, interleaved (default 5)")
