@@ -64,7 +64,8 @@ def import_tree(src: Path, name: str, into: Path):
 def forward_fn(pkg, model_dir: str, inp: tuple[str, Path]):
     """A one-thread forward of the model in `model_dir` on the input file `inp` (from
     synthetic_input), built with package `pkg` (hepti or a tree's copy): () -> its output."""
-    imp = lambda mod: importlib.import_module(f"{pkg.__name__}.{mod}")
+    def imp(mod: str):
+        return importlib.import_module(f"{pkg.__name__}.{mod}")
     store = imp("weights").WeightStore(model_dir)
     cfg = store.config
     engine = imp("parallel.single").SINGLE[imp("families").family(cfg).executor].from_store(store, threads=1)
