@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+import hepti
 from hepti.bench.harness import (ROOT, checkout, git_commit, hepti_cmd, interleave, launch,
                                  positive_int, result_doc, round_order, summarise, write_json)
 from hepti.bench.registry import module_main
@@ -84,8 +85,7 @@ def run_in_process(args, cases, inputs, rev_src: Path, tmp: Path) -> tuple[dict,
     """Per case, the two trees' forwards in this process, taking turns: ({(case, 1, None):
     [{tree: s}] by round}, {case: max |this - rev| / max |rev|})."""
     from tqdm import tqdm  # local: start-up time
-    import hepti
-    import numba
+    import numba  # local: start-up time (numba loads in about 0.5 s)
     numba.set_num_threads(1)
     pkgs = {"this": hepti, "rev": import_tree(rev_src, "hepti_rev", tmp / "trees")}
     out, diffs = {}, {}
