@@ -79,3 +79,20 @@ def sweeps_killed_job():
     before = jobfiles.snapshot()
     yield
     jobfiles.sweep(before)
+
+
+# The modules whose tests are the first to run a CNN's kernels, run after every other module. On
+# a cold Numba cache (a fresh clone, CI) tests/warm.py compiles those kernels on the second core
+# (its `cnn` steps, about 200 s of CPU) while the rest of the suite runs; in alphabetical order
+# test_cnn.py came 140 s in, before warm.py was done, and compiled the same kernels itself on
+# the suite's core (2026-12-02, a fresh clone: ~100 s of the unit tests' 933 s, some of them
+# compiled twice). Each module keeps its own order; a run of a few modules is unaffected.
+CNN_FIRST_USERS = frozenset({
+    "test_cnn.py", "test_cnn_bad_input.py", "test_distributed_launch.py",
+    "test_kernels_bottleneck_chain.py", "test_kernels_conv.py", "test_kernels_conv_layer.py",
+    "test_kernels_conv_pooled.py", "test_kernels_inverted.py", "test_kernels_plain_chain.py",
+})
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: item.path.name in CNN_FIRST_USERS)  # stable: the rest keep order

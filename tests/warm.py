@@ -132,16 +132,17 @@ def _int8_dots():
     quantize_x16(r(64), 64)
 
 
-# (name, call): in about the order the suite first needs them (a CNN's kernels a minute or two in,
-# the decoders', the kernel tests' threads and integer-dot levels later). Not the encoders' float32
-# set first: the suite's first tests compile it themselves at once, and the steps here that call
-# it (int8, bert) then load it.
+# (name, call): in about the order the suite first needs them: the decoders', the ViT's and the
+# integer-dot levels' early, a CNN's after them (conftest.py runs the modules that first use a
+# CNN's kernels after all the others, several minutes in), the threads' last. Not the encoders'
+# float32 set first: the suite's first tests compile it themselves at once, and the steps here
+# that call it (int8, bert) then load it.
 STEPS = [
-    ("cnn", lambda: _cnn(1)),
     ("int8", lambda: _bert(1, int8=True)),
     ("models", None),  # _models, in a temporary folder
     ("vit", lambda: _vit(1)),
     ("int8-dots", _int8_dots),
+    ("cnn", lambda: _cnn(1)),
     ("cnn-threads", lambda: _cnn(2)),
     ("bert-threads", lambda: _bert(2, int8=True)),
     ("bert", lambda: _bert(1)),
