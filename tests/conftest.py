@@ -86,9 +86,10 @@ def sweeps_killed_job():
 # (its `cnn` steps, about 200 s of CPU) while the rest of the suite runs; in alphabetical order
 # test_cnn.py came 140 s in, before warm.py was done, and compiled the same kernels itself on
 # the suite's core (2026-12-02, a fresh clone: ~100 s of the unit tests' 933 s, some of them
-# compiled twice). Each module keeps its own order; a run of a few modules is unaffected.
+# compiled twice; with only test_cnn.py moved, test_first_use.py's ResNet case compiled them
+# instead, 64 s). Each module keeps its own order; a run of a few modules is unaffected.
 CNN_FIRST_USERS = frozenset({
-    "test_cnn.py", "test_cnn_bad_input.py", "test_distributed_launch.py",
+    "test_cnn.py", "test_cnn_bad_input.py", "test_distributed_launch.py", "test_first_use.py",
     "test_kernels_bottleneck_chain.py", "test_kernels_conv.py", "test_kernels_conv_layer.py",
     "test_kernels_conv_pooled.py", "test_kernels_inverted.py", "test_kernels_plain_chain.py",
 })
