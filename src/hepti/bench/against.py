@@ -94,7 +94,13 @@ def run_in_process(args, cases, inputs, rev_src: Path, tmp: Path) -> tuple[dict,
         fns, ys = {}, {}
         for tree in TREES:
             print(f"{case}: building and compiling in {tree} tree", file=sys.stderr)
-            fns[tree] = forward_fn(pkgs[tree], model_dir, inputs[case])
+            try:
+                fns[tree] = forward_fn(pkgs[tree], model_dir, inputs[case])
+            except (ImportError, AttributeError, KeyError) as e:  # an older tree's other API
+                raise SystemExit(f"--in-process cannot build {model_dir} with {tree} tree "
+                                 f"({args.rev if tree == 'rev' else 'HEAD'}): {e!r}; it needs "
+                                 "hepti.parallel.single.SINGLE, so compare launches instead "
+                                 "(without --in-process)") from e
             for _ in range(2):  # compile, then touch
                 ys[tree] = np.asarray(fns[tree]())
         diffs[case] = float(np.max(np.abs(ys["this"] - ys["rev"])) / max(np.max(np.abs(ys["rev"])), 1e-30))
