@@ -49,6 +49,24 @@ def test_engine_matches_torch(which, threads, tiny_dir, minilm_dir, tiny_expecte
     assert np.abs(cls - exp["cls"]).max() <= 1e-3
 
 
+def test_an_engine_built_for_two_threads_runs_one_thread_fused(tiny_dir, tiny_expected):
+    """`threads` set to 1 on an engine built for 2 (how `hepti bench model --threads 2` times
+    its 1-thread forward) runs the one-thread engine's fused layer calls (K.EncoderLayer, made
+    on first use), not the op-by-op path of 2 threads: the speedup it reports is over hepti's
+    own best on one thread. Bit-equal to a 1-thread engine's output."""
+    two = BertEncoder.from_store(WeightStore(tiny_dir), threads=2)
+    executor = two.engine.executor
+    h2 = two.forward(tiny_expected["ids"], tiny_expected["mask"], tiny_expected["token_type"])
+    assert not executor._layer_calls  # two threads: no fused layer call made
+    executor.threads = 1
+    h1 = two.forward(tiny_expected["ids"], tiny_expected["mask"], tiny_expected["token_type"])
+    assert executor._layer_calls  # one thread: the fused layers ran
+    ref = BertEncoder.from_store(WeightStore(tiny_dir), threads=1).forward(
+        tiny_expected["ids"], tiny_expected["mask"], tiny_expected["token_type"])
+    np.testing.assert_array_equal(h1, ref)
+    assert np.abs(h2 - ref).max() <= 1e-4
+
+
 @pytest.mark.parametrize("variant", ["tiny-odd-sharded", "tiny-odd-mlm"])
 def test_checkpoint_variants_convert_alike(variant, fixtures_dir, tiny_dir, tmp_path, tiny_expected):
     """Sharded safetensors without a pooler, and a BertForMaskedLM checkpoint (bert. prefix,

@@ -85,7 +85,10 @@ class Interpreter:
                 self._readers[t] = self._readers.get(t, 0) + 1
         self._plan = self._prepare(steps)
         self._rows: dict[int, tuple[list[int], int]] = {}  # token rows M -> (counts, my first)
-        self._fusion = self._fusions() if group.solo and threads == 1 else {}
+        # worked out on a group of one whatever `threads` is, used while it is 1: a caller may
+        # set `threads` per call (`hepti bench model --threads 2` times its 1-thread forward
+        # on the same engine, and that must be the fused one a 1-thread engine runs)
+        self._fusion = self._fusions() if group.solo else {}
         self._layer_calls: dict[int, tuple] = {}  # layer -> (its params, K.EncoderLayer | None)
 
     def _prepare(self, steps: list[Step]) -> list[tuple]:
@@ -361,7 +364,7 @@ class Interpreter:
                 layer = first.layer
                 with tr.span(weights_label, "io"):
                     params = self.layers.get(layer).params
-            fusion = self._fusion.get(id(run)) if counter is None else None
+            fusion = self._fusion.get(id(run)) if counter is None and self.threads == 1 else None
             calls = None
             if fusion is not None and fusion.kind == "layers":
                 calls = self._chain_calls(fusion, params)
