@@ -596,13 +596,13 @@ def test_a_links_credit_comes_off_each_exchanges_bytes_and_a_real_forwards_compu
             > predict(g, split, costs, H, W)["latency_s"])
 
 
-def test_bench_fit_reads_a_cnn_plans_per_rank_prediction():
-    """`hepti bench fit` sets each rank's predicted communication beside its measured one: a
-    CNN plan predicts it as `exchange_s` (halos and allgathers), not per collective."""
-    from hepti.bench.fit import predicted_comm
+def test_a_cnn_plans_per_rank_prediction_has_the_plan_files_comm_s():
+    """Every plan predicts each rank's communication as `comm_s` {kind: seconds} (the plan
+    file's schema), which `hepti bench fit` and `bench hetero` sum: a CNN band plan's is its
+    halo exchanges and allgathers, the seconds its report shows as `exchange_s`."""
     from hepti.plan.coedge import plan_cnn
     g = _graph()
     pred = plan_cnn(g, _costs(g, [1.0, 1.0], latency=1e-4, bandwidth=1e8), H, W)["predicted"]
-    comm = [predicted_comm(pr) for pr in pred["per_rank"]]
+    comm = [sum(pr["comm_s"].values()) for pr in pred["per_rank"]]
     assert all(c > 0 for c in comm)
-    assert predicted_comm({"compute_s": 1.0, "comm_s": {"allgather": 0.25, "allreduce": 0.5}}) == 0.75
+    assert comm == [pr["exchange_s"] for pr in pred["per_rank"]]

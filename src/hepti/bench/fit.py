@@ -36,14 +36,8 @@ def one_round(model_dir: str, seq: int, inp: tuple[str, Path], prof_file: Path, 
             "per_rank": [{"rank": r["rank"], "compute_s": r["compute_s"],
                           "comm_total_s": r["comm_total_s"],
                           "predicted_compute_s": r["predicted"]["compute_s"],
-                          "predicted_comm_s": predicted_comm(r["predicted"])}
+                          "predicted_comm_s": sum(r["predicted"]["comm_s"].values())}
                          for r in rep["per_rank"]]}
-
-
-def predicted_comm(pr: dict) -> float:
-    """A rank's predicted communication seconds: a transformer plan's per kind of collective
-    (`comm_s`), a CNN band plan's halo exchanges and allgathers as one (`exchange_s`)."""
-    return sum(pr["comm_s"].values()) if "comm_s" in pr else pr["exchange_s"]
 
 
 def add_arguments(ap) -> None:

@@ -169,7 +169,7 @@ def run_record(spec, case: dict, strategy: str, status: str, reason: str, rep: d
                       "io_wait_s": s.get("io_wait_s"), "bytes_sent": s["bytes_sent"], "bytes_recv": s["bytes_recv"],
                       "predicted_compute_s": p.get("compute_s"),
                       "predicted_comm_s": sum(p["comm_s"].values()) if p.get("comm_s") is not None
-                      else p.get("exchange_s"),  # a CNN's: its halo exchanges
+                      else None,
                       "predicted_comm_by_kind_s": p.get("comm_s"), "predicted_wait_s": p.get("wait_s"),
                       "predicted_mem_bytes": p.get("mem_bytes"),
                       "weight_bytes_resident": s["weight_bytes_resident"], "peak_rss_bytes": s["peak_rss_bytes"],

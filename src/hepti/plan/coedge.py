@@ -695,7 +695,11 @@ def predict(graph: Graph, split: Split, costs: CNNCosts, h: int, w: int, n: int 
     comp = [u + v for u, v in zip(comp, c)]
     comm = [u + v for u, v in zip(comm, x)]
     out = {"latency_s": latency, "groups": len(groups),
+           # comm_s by kind, as every plan's per-rank prediction has it (hepti.plan.planfile;
+           # what `hepti bench fit` and `bench hetero` sum); exchange_s: the same seconds,
+           # the name the band plan's own report and readers use
            "per_rank": [{"rank": i, "compute_s": comp[i], "exchange_s": comm[i],
+                         "comm_s": {"exchange": comm[i]},
                          "halo_bytes_sent": moved[i][0], "halo_bytes_recv": moved[i][1],
                          "rows": owned(shapes[graph.ops[0].output][0], split.ratios)[i]}
                         for i in range(P)]}
