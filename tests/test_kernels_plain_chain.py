@@ -63,6 +63,30 @@ def test_plain_chain_is_its_layers_one_by_one(specs, shape, paddings):
     assert again is not got
 
 
+def test_pooled_steps_whose_panels_overflow_l2_take_the_padded_modes_blocks(monkeypatch,
+                                                                           request):
+    """A pooled step whose panels are over half of L2 makes its rows in blocks of
+    `_padded_rows`' (each block reads every panel again: from L3 once they overflow L2), not of
+    POOLED_ROWS; the output stays the layers' one by one, bit for bit. L2 is made small here
+    so that this machine's takes that path."""
+    from hepti.kernels import config, conv
+    from hepti.kernels.conv import POOLED_ROWS, pooled_rows
+    for cached in (conv._conv_shape, conv._conv_plan):  # plans made on the small L2: dropped
+        request.addfinalizer(cached.cache_clear)
+    steps, _ = make(VGG_LIKE[:2])
+    k, n_p = steps[1][0].w.k, steps[1][0].w.cout // 32
+    assert pooled_rows(32 * 40, k, n_p, 40) == POOLED_ROWS  # 2 panels of K = 576: 147 KB
+    monkeypatch.setattr(config, "L2_BYTES", 2 * k * n_p * 32 * 4 - 4)
+    rows = pooled_rows(32 * 40, k, n_p, 40)
+    assert rows > POOLED_ROWS
+    x, paddings = rand(1, 32, 40, 3), ((1, 1, 1, 1),) * 2
+    want = max_pool2d(steps[1][0](steps[0][0](x, paddings[0]), paddings[1]), 2, 2)
+    chain = PlainChain(steps)
+    np.testing.assert_array_equal(chain(x, paddings), want)
+    plan = chain.prepare(x.shape, paddings)
+    assert plan[0][1][7] == rows // 2  # the pooled step's block, in pool rows
+
+
 def test_plain_chain_declines():
     """A depthwise or grouped step, a partial panel of output channels, or a pool wider than
     its map: None (the layers run one by one)."""

@@ -230,7 +230,8 @@ ROWS_PREFETCH = True
 # `ConvLayer.pooled` makes its convolution's output rows this many at a time, the max pool's
 # rows that read them right after (in-process scratch, interleaved, bit-equal: VGG-16's
 # conv1_2 then its 2x2 pool 0.987x the time of the two apart in blocks of 2 rows, 0.991x of
-# 4, 0.994x of 8; ResNet-50's stem and 3x3/2 pool 0.95-0.97x in blocks of 2 to 16)
+# 4, 0.994x of 8; ResNet-50's stem and 3x3/2 pool 0.95-0.97x in blocks of 2 to 16), where
+# its panels fit in half of L2 (`pooled_rows`)
 POOLED_ROWS = 2
 
 
@@ -1624,6 +1625,18 @@ def _busiest(units: list[int], threads: int) -> int:
     return max(sum(units[c * n // chunks:(c + 1) * n // chunks]) for c in range(chunks))
 
 
+def pooled_rows(m: int, k: int, n_panels: int, wo: int) -> int:
+    """Convolution rows a block of a convolution made with the max pool after it (`ConvLayer.
+    pooled`, plain_chain's pooled steps): POOLED_ROWS, or where its panels are over half of
+    L2, the rows of `_padded_rows`' block. Each block reads every panel, from L3 once they
+    overflow L2: VGG-16's pooled 3x3s at K = 4608 (9.4 MB of weight) in blocks of 2 rows read
+    it 14 times at 28x28 and ran 1.28x onnxruntime's time where the same layer unpooled ran
+    1.04x (Emerald Rapids, 2 MiB L2; the other pooled steps' panels fit)."""
+    if 2 * k * n_panels * NR * 4 <= config.L2_BYTES:
+        return POOLED_ROWS
+    return max(POOLED_ROWS, _padded_rows(m, k, n_panels) // wo)
+
+
 def _padded_rows(m: int, k: int, n_panels: int) -> int:
     """Rows per block of `_MODE_PADDED` over n_panels panels of k rows on one thread:
     row_block's, or equal blocks of whole tiles of PADDED_BLOCK pixels or more (all M when
@@ -1962,7 +1975,7 @@ class ConvLayer:
             return None
         chunks = min(threads, pgeo[4])
         c = aligned_empty((chunks,) + shape)
-        blk = POOLED_ROWS
+        blk = pooled_rows(geo[0] * geo[4] * geo[5], cw.k, cw.cout // NR, geo[5])
         if plan[0] == _MODE_PADDED:
             x, geo = _zero_padded(x, geo)
         e_size = pad16(max(16, _conv_sizes(blk * geo[5], cw.k, plan[0], geo[5])[0]))

@@ -22,7 +22,7 @@ import numpy as np
 
 from hepti.kernels._microkernels import MRF, NR
 from hepti.kernels._views import aligned_empty
-from hepti.kernels.conv import (_MODE_PADDED, PADDED_WIDE_K, POOLED_ROWS, ConvLayer,
+from hepti.kernels.conv import (_MODE_PADDED, PADDED_WIDE_K, ConvLayer, pooled_rows,
                                 _bordered, _conv_shape, _geometry_checked, _padded_blocks,
                                 _padded_extent, _pooled_into, into_offsets)
 
@@ -30,9 +30,12 @@ from hepti.kernels.conv import (_MODE_PADDED, PADDED_WIDE_K, POOLED_ROWS, ConvLa
 # heights, 6 and 8 (VGG-16's conv1_2 alone with the wide tile: 0.966x the rows mode's time in
 # blocks of 224 pixels, 0.976x in 240's; 56x56x256 0.990x in 784's, 0.985x in 240's; the
 # whole chain at 224 with blocks of 240 on every wide step 1.007x, 16 rounds: alike).
-# A pooled step's blocks are POOLED_ROWS rows, `ConvLayer.pooled`'s (in blocks of the padded
+# A pooled step's blocks are `ConvLayer.pooled`'s rows (`conv.pooled_rows`): POOLED_ROWS, or
+# the padded mode's where its panels overflow half of L2. (On Zen 4, in blocks of the padded
 # mode's rows, 8 to 28, the pooled 3x3s on 112-, 56-, 28- and 14-wide maps measured 0.99-1.01x
-# the time of POOLED_ROWS', in-process, interleaved, 12 rounds, load ~8: alike)
+# the time of POOLED_ROWS', in-process, interleaved, 12 rounds, load ~8: alike. On Emerald
+# Rapids the K = 4608 ones in blocks of POOLED_ROWS ran 1.28x and 1.39x onnxruntime's time,
+# 1.08x in the padded mode's blocks: each block read their 9.4 MB of weight again.)
 BLOCK_UNIT = 24
 
 
@@ -116,8 +119,8 @@ class PlainChain:
             geo_p = (n, src.shape[1], src.shape[2], cin, ho, wo, cw.kh, cw.kw, geo[8], geo[9],
                      0, 0, geo[12], geo[13], cin)
             wide = cw.k <= PADDED_WIDE_K and cw.cout >= 2 * NR
-            if pool:  # blocks of whole windows, POOLED_ROWS as `ConvLayer.pooled`'s
-                mb = max(1, POOLED_ROWS // pool)
+            if pool:  # blocks of whole windows, `ConvLayer.pooled`'s rows
+                mb = max(1, pooled_rows(n * ho * wo, cw.k, cw.cout // NR, wo) // pool)
                 buf = aligned_empty(mb * pool * wo * cw.cout)
                 bco = _offsets(1, mb * pool, wo, cw.cout, None)
                 b, py = np.divmod(np.arange(n * oh, dtype=np.int64), oh)
