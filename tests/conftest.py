@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,5 +96,36 @@ CNN_FIRST_USERS = frozenset({
 })
 
 
+# The modules that time devices under emulation and check the speeds they read, run last, after
+# tests/warm.py is done (see `warmer_done`).
+WARMER_SHY = frozenset({"test_emulate_profile.py"})
+
+
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: item.path.name in CNN_FIRST_USERS)  # stable: the rest keep order
+    # stable: the rest keep their order
+    items.sort(key=lambda item: 2 if item.path.name in WARMER_SHY else
+               int(item.path.name in CNN_FIRST_USERS))
+
+
+WARMER_WAIT_S = 900.0
+
+
+@pytest.fixture
+def warmer_done():
+    """For a test that checks the speeds emulated devices are profiled at: first waits (up to
+    WARMER_WAIT_S) for bin/test's cache warmer (tests/warm.py, HEPTI_TEST_WARM_PID) to end.
+    The warmer compiles at nice 19, which yields the CPU to the devices but not the caches:
+    while a capped device sleeps off its stretch, the compiler runs on that core, and the
+    device comes back to caches it filled (a fresh clone's bin/test, 2026-12-02, Emerald Rapids:
+    the 0.5- and 0.25-core devices profiled at 0.82 and 0.80 of their share, outside the 15%
+    the test allows; 0.95 and 0.90 run alone). Ordered last (WARMER_SHY), it seldom waits."""
+    pid = os.environ.get("HEPTI_TEST_WARM_PID", "")
+    deadline = time.monotonic() + WARMER_WAIT_S
+    while pid.isdigit() and time.monotonic() < deadline:
+        try:  # gone, or a zombie its shell has not reaped yet: done
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except (OSError, IndexError):
+            break
+        time.sleep(1.0)
+    yield

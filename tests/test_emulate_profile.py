@@ -215,7 +215,7 @@ def _forward_compute_s(dev: dict, cfg) -> float:
     return evaluate(program, {"rows": [float(SEQ)]}, one).per_rank[0].compute_s
 
 
-def test_profile_sees_each_link_and_cpu_share(root_env, tmp_path, minilm_dir):
+def test_profile_sees_each_link_and_cpu_share(root_env, tmp_path, minilm_dir, warmer_done):
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(SPEC))
     spec = load_spec(spec_path)
