@@ -198,3 +198,31 @@ def test_cnn_ops_names_every_resnet_op_by_its_onnxruntime_node(tmp_path):
     path.write_text(json.dumps(events))
     got = cnnops.node_times(path, skip=1)
     assert got == {"/layer1/layer1.0/relu_1/Relu": [0.0008, 0.0007]}
+
+
+def test_cnn_ops_takes_vgg_by_its_chain_steps_and_names_their_onnxruntime_nodes():
+    """hepti bench cnn-ops --model vgg16: VGG-16's 13 convolutions are the PlainChain's steps
+    (5 with their max pool), each named by onnxruntime's fused node (the ReLU after it) and
+    its pool's, and the head's ops by theirs."""
+    from hepti.bench import cnnops
+    graph = build(CNNConfig(arch="vgg16", width_divisor=16, num_classes=10))
+
+    class Model:  # what vgg_steps reads of a CNNModel
+        pass
+    model = Model()
+    model.graph = graph
+    steps = cnnops.vgg_steps(model)
+    assert len(steps) == 13 and sum(p is not None for _, p in steps) == 5
+    assert [c.name for c, _ in steps[:2]] == ["features.0", "features.2"]
+    assert steps[1][1].name == "features.4"
+    assert cnnops.vgg_node(steps[1][0]) == "/features/features.3/Relu"
+    assert cnnops.vgg_node(steps[1][1]) == "/features/features.4/MaxPool"
+    ops = {op.name: op for op in graph.ops}
+    assert cnnops.vgg_node(ops["classifier.0"]) == "/classifier/classifier.0/Gemm"
+    assert cnnops.vgg_node(ops["avgpool"]) == "/avgpool/AveragePool"
+    nodes = {"/features/features.3/Relu": [0.002, 0.001], "/features/features.4/MaxPool":
+             [0.0005, 0.0004], "fused /classifier/classifier.0/Gemm": [0.003, 0.004]}
+    assert cnnops._ort_ms(nodes, ["/features/features.3/Relu", "/features/features.4/MaxPool"],
+                          min) == pytest.approx(1.4)
+    assert cnnops._ort_ms(nodes, ["/classifier/classifier.0/Gemm"], min) == pytest.approx(3.0)
+    assert cnnops._ort_ms(nodes, ["/nowhere"], min) is None

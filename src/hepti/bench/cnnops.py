@@ -1,5 +1,5 @@
-"""`hepti bench cnn-ops`: ResNet-50 op by op, hepti against onnxruntime's own per-node profile,
-one thread, interleaved in one process.
+"""`hepti bench cnn-ops`: ResNet-50 (or VGG-16) op by op, hepti against onnxruntime's own
+per-node profile, one thread, interleaved in one process.
 
 Each round times one hepti forward op by op (hepti.parallel.profile_cnn.measure_cnn_ops: each
 op alone on the previous op's output, as the forward runs them) and one onnxruntime forward
@@ -10,10 +10,16 @@ difference; the sums; and the whole forwards' minima and medians. onnxruntime ru
 bench's ONNX export of torchvision's model holding hepti's weights (`hepti bench cnn-single`'s),
 its NCHWc convolutions fused with their bias, ReLU and residual add, as hepti's are.
 
-ResNet-50 only: onnxruntime names each fused node after its torchvision module's output
-(`/layer1/layer1.0/relu_1/Relu` is layer1.0's 3x3 with its ReLU), which `ort_node` maps to
-hepti's op names; other models' exports name their nodes otherwise.
-Writes results/cnn-ops-resnet50-SIZE.json and .csv.
+ResNet-50 and VGG-16: onnxruntime names each fused node after its torchvision module's
+output (`/layer1/layer1.0/relu_1/Relu` is layer1.0's 3x3 with its ReLU,
+`/features/features.3/Relu` VGG-16's features.2 with its), which `ort_node` and `vgg_node` map
+to hepti's op names; other models' exports name their nodes otherwise. VGG-16's 13
+convolutions and 5 pools run on one rank as one `PlainChain` call, each convolution writing
+into the zero-bordered map the next reads (docs/cnn.md), which op by op they do not: there each
+step of the chain (a convolution and the max pool after it, if any) is timed alone on the
+chain's own maps (`PlainChain.step`, after the step before it), set beside onnxruntime's
+convolution node plus its pool's; the head's ops, op by op.
+Writes results/cnn-ops-MODEL-SIZE.json and .csv.
 """
 from __future__ import annotations
 
@@ -36,11 +42,14 @@ import numpy as np  # noqa: E402
 from hepti.bench import cnnsingle, harness  # noqa: E402
 from hepti.bench.harness import result_doc, write_json  # noqa: E402
 from hepti.bench.registry import module_main  # noqa: E402
+from hepti.graph.cnn import CONV  # noqa: E402
+from hepti.kernels.plain_chain import PlainChain  # noqa: E402
+from hepti.model.cnn import plain_step  # noqa: E402
 from hepti.parallel.profile_cnn import measure_cnn_ops  # noqa: E402
 from hepti.parallel.single import SingleCNN  # noqa: E402
 from hepti.weights import WeightStore  # noqa: E402
 
-MODEL = "resnet50"
+MODELS = ("resnet50", "vgg16")
 
 
 def ort_node(op_name: str) -> str:
@@ -58,6 +67,63 @@ def ort_node(op_name: str) -> str:
         return f"{where}/downsample/downsample.0/Conv"
     return {"conv1": f"{where}/relu/Relu", "conv2": f"{where}/relu_1/Relu",
             "conv3": f"{where}/conv3/Conv"}[part]
+
+
+def vgg_node(op) -> str:
+    """onnxruntime's node for a hepti op of VGG-16: a convolution's is the ReLU after it (the
+    fused node), features.N's `/features/features.N+1/Relu`."""
+    if op.name == "avgpool":
+        return "/avgpool/AveragePool"
+    part, n = op.name.rsplit(".", 1)
+    if part == "classifier":
+        return f"/classifier/{op.name}/Gemm"
+    return f"/features/features.{int(n) + 1}/Relu" if op.kind == CONV else \
+        f"/features/{op.name}/MaxPool"
+
+
+def vgg_steps(model) -> list[tuple]:
+    """VGG-16's convolutions, each with the max pool after it or None: the steps of the
+    `PlainChain` its one-rank forward runs (hepti.model.cnn `plain_step`)."""
+    ops, steps, i = model.graph.ops, [], 0
+    while i < len(ops):
+        if i + 1 < len(ops) and plain_step(ops[i:i + 2]):
+            steps.append((ops[i], ops[i + 1]))
+            i += 2
+        elif plain_step(ops[i:i + 1]):
+            steps.append((ops[i], None))
+            i += 1
+        else:
+            i += 1
+    return steps
+
+
+def _chain_timer(model, steps, pixels):
+    """() -> each step's seconds, one pass of the chain on pixels (NCHW)."""
+    chain = PlainChain([(model.weights.layer(c), p.kernel if p else 0) for c, p in steps])
+    x = np.ascontiguousarray(pixels.transpose(0, 2, 3, 1))
+    plan = chain.prepare(x.shape, tuple((c.padding,) * 4 for c, _ in steps))
+    if plan is None:
+        raise SystemExit("hepti bench cnn-ops: VGG-16's convolutions do not run as one chain "
+                         "at this size")
+
+    def times() -> list[float]:
+        out = []
+        chain.start(plan, x)
+        for i in range(len(steps)):
+            t0 = time.perf_counter()
+            chain.step(plan, i)
+            out.append(time.perf_counter() - t0)
+        chain.finish(plan)
+        return out
+    return times
+
+
+def _ort_ms(nodes: dict, names: list[str], pick) -> float | None:
+    """pick (min or median) over rounds of the named nodes' summed kernel times, in ms."""
+    got = [nodes.get(n) or nodes.get(f"fused {n}") for n in names]
+    if any(g is None for g in got):
+        return None
+    return pick([sum(r) for r in zip(*got)]) * 1e3
 
 
 def node_times(profile: Path, skip: int) -> dict[str, list[float]]:
@@ -78,7 +144,8 @@ def run(args) -> int:
         raise SystemExit(f"hepti bench cnn-ops needs torch and onnxruntime ({', '.join(missing)} "
                          "missing): bin/setup --with-torch installs them")
     import onnxruntime as ort  # local: optional dependency (onnxruntime)
-    folder = cnnsingle.ensure_weights(MODEL, Path(args.weights) / MODEL, print)
+    model = args.model
+    folder = cnnsingle.ensure_weights(model, Path(args.weights) / model, print)
     store = WeightStore(folder)
     hepti = SingleCNN.from_store(store, threads=1)
     graph = hepti.model.graph
@@ -91,9 +158,12 @@ def run(args) -> int:
     state = cnnsingle.torch_state(graph, tensors)
     del tensors
     tmodel = cnnsingle.torchvision_model(config, graph, state)
+    steps = vgg_steps(hepti.model) if model == "vgg16" else []
+    in_chain = {op.name for st in steps for op in st if op is not None}
     with tempfile.TemporaryDirectory(prefix="hepti-cnnops-") as tmp:
-        path = Path(tmp) / f"{MODEL}.onnx"
+        path = Path(tmp) / f"{model}.onnx"
         cnnsingle.export_onnx(tmodel, pixels, path)
+        del tmodel
         so = ort.SessionOptions()
         so.intra_op_num_threads = so.inter_op_num_threads = 1
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -105,11 +175,15 @@ def run(args) -> int:
         for _ in range(warm):
             sess.run(None, {"pixels": pixels})
             plain.run(None, {"pixels": pixels})
+            hepti.forward(pixels)
+        chain_times = _chain_timer(hepti.model, steps, pixels) if steps else None
         measure_cnn_ops(hepti.model, size, size, rounds=1)
-        h_ops, fwd = [], {"hepti": [], "ort": []}
+        h_ops, h_steps, fwd = [], [], {"hepti": [], "ort": []}
         bar = tqdm(total=args.rounds, desc="cnn-ops", unit="round")
         for _ in range(args.rounds):
             h_ops.append(measure_cnn_ops(hepti.model, size, size, rounds=1))
+            if chain_times is not None:
+                h_steps.append(chain_times())
             sess.run(None, {"pixels": pixels})
             t0 = time.perf_counter()
             plain.run(None, {"pixels": pixels})
@@ -122,21 +196,32 @@ def run(args) -> int:
         nodes = node_times(Path(sess.end_profiling()), warm)
     flops = cnnsingle.op_flops(graph, size, size)
     shapes = graph.shapes(size, size)
+    node = vgg_node if model == "vgg16" else (lambda op: ort_node(op.name))
     rows = []
+    for i, (conv, pool) in enumerate(steps):  # the chain's steps
+        names = [node(conv)] + ([node(pool)] if pool is not None else [])
+        hs = [r[i] for r in h_steps]
+        rows.append({"op": conv.name + (f"+{pool.name}" if pool is not None else ""),
+                     "label": cnnsingle.op_label(conv, shapes) + (" +pool" if pool else ""),
+                     "hepti_ms": min(hs) * 1e3, "ort_ms": _ort_ms(nodes, names, min),
+                     "hepti_median_ms": statistics.median(hs) * 1e3,
+                     "ort_median_ms": _ort_ms(nodes, names, statistics.median),
+                     "gflop": flops.get(conv.name, 0.0) / 1e9})
     for i, op in enumerate(graph.ops):
-        h = min(r[i] for r in h_ops)
-        o = nodes.get(ort_node(op.name))
+        if op.name in in_chain:
+            continue
+        hs = [r[i] for r in h_ops]
         rows.append({"op": op.name, "label": cnnsingle.op_label(op, shapes),
-                     "hepti_ms": h * 1e3, "ort_ms": min(o) * 1e3 if o else None,
-                     "hepti_median_ms": statistics.median(r[i] for r in h_ops) * 1e3,
-                     "ort_median_ms": statistics.median(o) * 1e3 if o else None,
+                     "hepti_ms": min(hs) * 1e3, "ort_ms": _ort_ms(nodes, [node(op)], min),
+                     "hepti_median_ms": statistics.median(hs) * 1e3,
+                     "ort_median_ms": _ort_ms(nodes, [node(op)], statistics.median),
                      "gflop": flops.get(op.name, 0.0) / 1e9})
-    doc = result_doc("cnn-ops", model=MODEL, size=size, rounds=args.rounds,
+    doc = result_doc("cnn-ops", model=model, size=size, rounds=args.rounds,
                      versions=cnnsingle.versions(), ops=rows,
                      forward_min_ms={k: min(v) * 1e3 for k, v in fwd.items()},
                      forward_median_ms={k: statistics.median(v) * 1e3 for k, v in fwd.items()})
     print(format_table(doc))
-    out = Path(args.out or f"results/cnn-ops-{MODEL}-{size}.json")
+    out = Path(args.out or f"results/cnn-ops-{model}-{size}.json")
     write_json(doc, out)
     harness.write_csv(rows, list(rows[0]), out.with_suffix(".csv"))
     print(f"wrote {out}, {out.with_suffix('.csv')}")
@@ -169,14 +254,16 @@ def format_table(doc: dict) -> str:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", choices=MODELS, default="resnet50",
+                    help="the model (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=15,
                     help="interleaved rounds (default %(default)s)")
     ap.add_argument("--size", type=int, default=224, help="image side (default %(default)s)")
     ap.add_argument("--weights", default="weights",
-                    help="folder of the converted models, DIR/resnet50 (default %(default)s)")
+                    help="folder of the converted models, DIR/MODEL (default %(default)s)")
     ap.add_argument("--out", default=None,
                     help="the JSON; the CSV goes beside it (default "
-                         "results/cnn-ops-resnet50-SIZE.json)")
+                         "results/cnn-ops-MODEL-SIZE.json)")
 
 
 if __name__ == "__main__":
