@@ -209,8 +209,8 @@ BORDERED_ROWS = True
 # Tile by tile, each panel's call also prefetches into L2 the next tile's residual lines of
 # its panel (the panel-by-panel loop had; here nothing did, and each tile's epilogue waited
 # on L3 for them): with the maps in L3, Emerald Rapids, in-process against the tree before,
-# interleaved, thread time, 60 rounds, bit-equal: 64 -> 256 at 56x56 0.88x and 0.93x the
-# time, 128 -> 512 at 28x28 0.92x and 0.92x. The same for the output lines without a
+# interleaved, thread time, 40-60 rounds, bit-equal: 64 -> 256 at 56x56 0.88x and 0.93x the
+# time, 128 -> 512 at 28x28 0.90-0.93x. The same for the output lines without a
 # residual (prefetched for writing, as the panel-by-panel loop does) read 1.04-1.11x: not.
 BY_TILES_BYTES = config.L2_BYTES // 4
 # The fused tiles of a panel prefetch the next panel into L2 along their k loops, an equal
@@ -1642,7 +1642,7 @@ def pooled_rows(m: int, k: int, n_panels: int, wo: int) -> int:
     L2, the rows of `_padded_rows`' block. Each block reads every panel, from L3 once they
     overflow L2: VGG-16's pooled 3x3s at K = 4608 (9.4 MB of weight) in blocks of 2 rows read
     it 14 times at 28x28 and ran 1.28x onnxruntime's time where the same layer unpooled ran
-    1.04x (Emerald Rapids, 2 MiB L2; the other pooled steps' panels fit)."""
+    1.04x (Emerald Rapids, 2 MiB L2; in the padded mode's blocks, 1.08x)."""
     if 2 * k * n_panels * NR * 4 <= config.L2_BYTES:
         return POOLED_ROWS
     return max(POOLED_ROWS, _padded_rows(m, k, n_panels) // wo)
