@@ -80,9 +80,11 @@ def test_pooled_steps_whose_panels_overflow_l2_take_the_padded_modes_blocks(monk
     rows = pooled_rows(32 * 40, k, n_p, 40)
     assert rows > POOLED_ROWS
     x, paddings = rand(1, 32, 40, 3), ((1, 1, 1, 1),) * 2
-    want = max_pool2d(steps[1][0](steps[0][0](x, paddings[0]), paddings[1]), 2, 2)
+    mid = steps[0][0](x, paddings[0])
+    want = max_pool2d(steps[1][0](mid, paddings[1]), 2, 2)
     chain = PlainChain(steps)
     np.testing.assert_array_equal(chain(x, paddings), want)
+    np.testing.assert_array_equal(steps[1][0].pooled(mid, paddings[1], 2, 2, 0), want)  # alone
     plan = chain.prepare(x.shape, paddings)
     assert plan[0][1][7] == rows // 2  # the pooled step's block, in pool rows
 
