@@ -294,6 +294,9 @@ def test_conv2d_out_is_the_residual(cout, k, stride, padding):
 
 @pytest.mark.parametrize("height, n_seg, kc, last_rows, has_res, act", [
     (8, 3, 21, 5, True, 1), (8, 1, 64, 8, False, 2), (4, 2, 9, 4, True, 0), (1, 1, 33, 1, True, 2),
+    # panels deeper than _tile_ir.B_L1_BYTES (48 KB and more: L1 halves are 16-32 KB), whose
+    # k loops prefetch B's rows into L1 and read them past the panel's last row
+    (8, 3, 130, 7, True, 1), (4, 1, 400, 4, False, 0),
 ])
 def test_fused_tiles_against_float64(height, n_seg, kc, last_rows, has_res, act):
     """The fused tile (`direct_tiles_epi*`, each tile `_tile_ir`'s IR) on its own: segments of
@@ -322,6 +325,33 @@ def test_fused_tiles_against_float64(height, n_seg, kc, last_rows, has_res, act)
                 acc = np.maximum(acc, 0.0) if act == 1 else np.clip(acc, 0.0, 6.0)
             want[1 + row * ldc:][:NR] = acc
     np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-5 * math.sqrt(n_seg * kc))
+
+
+def test_fused_tiles_prefetch_deep_panels_into_l1():
+    """The fused tile's k loop prefetches B's rows B_L1_AHEAD ahead into L1 (prefetcht0, in
+    the loop taken where the panel is deeper than B_L1_BYTES). The tile in a function of its
+    own, not cached (Numba shows no assembly for cached code); `_make`'s L2 prefetch of the
+    next panel is prefetcht1, and this tile (tile_epi8) has none."""
+    import platform
+
+    from numba import njit
+
+    from hepti.kernels import _tile_ir
+    if platform.machine() not in ("x86_64", "AMD64") or not _tile_ir.B_L1_AHEAD:
+        pytest.skip("x86 assembly, with the L1 prefetch on")
+
+    @njit(cache=False)
+    def tile(a, kc, bp, c, bias):
+        _tile_ir.tile_epi8(a, 0, 1, kc, 0, kc, bp, 0, c, 0, NR, 8, bias, bias, 0, 0, False, 0)
+
+    kc = 400
+    a, panel = rand(8 * kc), rand(kc, NR)
+    c, bias = np.zeros(8 * NR, np.float32), rand(NR)
+    tile(a, kc, panel, c, bias)
+    np.testing.assert_allclose(c.reshape(8, NR), a.reshape(8, kc).astype(np.float64) @ panel + bias,
+                               rtol=1e-4, atol=1e-4)
+    asm = "".join(tile.inspect_asm().values())
+    assert "prefetcht0" in asm and "prefetcht1" not in asm
 
 
 def test_pack_conv_weight_layout():

@@ -42,12 +42,29 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from hepti.kernels import config
+
 NR = 32  # columns of the tile: two 16-float vectors
 _LANES = 16
 _NV = NR // _LANES
 _F32, _I64, _I32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
 _V = ir.VectorType(_F32, _LANES)
 _FAST = ("contract", "nnan", "nsz")
+# The fused tiles (`_make`'s) read the whole K x 32 panel for every tile: there is no k-block,
+# since each tile is stored once with its epilogue, so a panel deeper than L1 (K > ~300) comes
+# from L2 a row of B (two lines) per k step. Each k step also prefetches into L1 the row
+# B_L1_AHEAD steps ahead (0: none), so those loads do not rest on the core's own window to hide
+# L2's latency. 16 rows is 2 KB of L1 and ~130 cycles of lead at the FMA peak (8 cycles a step),
+# far more than L2's latency, for when the core runs slower than that. Emerald Rapids guest, in
+# one process against the tree without it, the trees taking turns, bit-equal (2026-12-02):
+# ResNet-50 0.966x and 0.979x the time (80 rounds each), VGG-16 0.988x and 1.019x (40, 30);
+# 8 ahead 0.983x, 4 ahead 1.002x (ResNet-50). Not in the 6 x 64 tile (`_make_wide`: not measured).
+B_L1_AHEAD = 16
+# ... where the panel is deeper than this many bytes (K x 32 floats; half of L1: the tile's A
+# rows take the rest); a shallower panel stays in L1 from tile to tile, and the prefetches
+# cost issue slots for nothing (MobileNetV2, whose 1x1s are mostly shallow: 1.018x the time
+# with them everywhere)
+B_L1_BYTES = config.L1_BYTES // 2
 
 
 def _vptr(builder, base, index):
@@ -114,6 +131,24 @@ def prefetcher(context, builder, st, args):
     return step
 
 
+def _l1_prefetch(builder):
+    """A function that, given the float* of B's row for this k step and the panel's row stride
+    (floats), prefetches into L1 the lines of the row B_L1_AHEAD rows on (a no-op at 0)."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+        "llvm.prefetch.p0")
+
+    def ahead(bq, ldb):
+        if not B_L1_AHEAD:
+            return
+        row = builder.gep(bq, [builder.mul(_I64(B_L1_AHEAD), ldb)])
+        for j in range(_NV):  # a row of 32 floats: two lines (read, L1)
+            builder.call(fn, [builder.bitcast(builder.gep(row, [_I64(_LANES * j)]), i8p),
+                              _I32(0), _I32(3), _I32(1)])
+    return ahead
+
+
 def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bool = False):
     """The intrinsic for an mr x 32 tile; `gathered`: ao is an int64 array, row i of the tile
     starting at a[ao[i]] (lda unused), for tiles whose rows cross output rows; `scattered`
@@ -146,6 +181,7 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bo
             A = context.make_array(st[0])(context, builder, args[0])
             B = context.make_array(st[6])(context, builder, args[6])
             step = prefetcher(context, builder, st, args) if prefetch else None
+            ahead = _l1_prefetch(builder)  # (`k_loops`, where the panel is deep)
             C = context.make_array(st[8])(context, builder, args[8])
             E = context.make_array(st[12])(context, builder, args[12])
             R = context.make_array(st[13])(context, builder, args[13])
@@ -173,25 +209,41 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bo
             zero = ir.Constant(_V, None)
             acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(_NV)]
                    for _ in range(mr)]
-            with cgutils.for_range(builder, n_seg_) as seg:
-                s = seg.index
-                abase = builder.gep(A.data, [builder.mul(s, seg_a_)])
-                rows = [builder.gep(abase, [starts[i]]) for i in range(mr)]
-                brow0 = builder.add(bk0_, builder.mul(s, kc_))
-                bbase = builder.gep(B.data, [builder.mul(brow0, ldb)])
-                with cgutils.for_range(builder, kc_) as kl:
-                    p = kl.index
-                    if step is not None:
-                        step()
-                    bq = builder.gep(bbase, [builder.mul(p, ldb)])
-                    bv = [builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4)
-                          for j in range(_NV)]
-                    for i in range(mr):
-                        xv = _splat(builder, builder.load(builder.gep(rows[i], [p]), align=4))
-                        for j in range(_NV):
-                            slot = acc[i][j]
-                            builder.store(builder.call(fma, [xv, bv[j], builder.load(slot)]),
-                                          slot)
+
+            def k_loops(from_l2):
+                with cgutils.for_range(builder, n_seg_) as seg:
+                    s = seg.index
+                    abase = builder.gep(A.data, [builder.mul(s, seg_a_)])
+                    rows = [builder.gep(abase, [starts[i]]) for i in range(mr)]
+                    brow0 = builder.add(bk0_, builder.mul(s, kc_))
+                    bbase = builder.gep(B.data, [builder.mul(brow0, ldb)])
+                    with cgutils.for_range(builder, kc_) as kl:
+                        p = kl.index
+                        if step is not None:
+                            step()
+                        bq = builder.gep(bbase, [builder.mul(p, ldb)])
+                        if from_l2:
+                            ahead(bq, ldb)
+                        bv = [builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4)
+                              for j in range(_NV)]
+                        for i in range(mr):
+                            xv = _splat(builder, builder.load(builder.gep(rows[i], [p]),
+                                                              align=4))
+                            for j in range(_NV):
+                                slot = acc[i][j]
+                                builder.store(
+                                    builder.call(fma, [xv, bv[j], builder.load(slot)]), slot)
+
+            if B_L1_AHEAD:  # the panel's rows from L2 (B_L1_AHEAD): prefetched into L1
+                depth = builder.mul(builder.mul(n_seg_, kc_), _I64(NR * 4))
+                with builder.if_else(builder.icmp_signed(">", depth, _I64(B_L1_BYTES))) as (
+                        deep, shallow):
+                    with deep:
+                        k_loops(True)
+                    with shallow:
+                        k_loops(False)
+            else:
+                k_loops(False)
             bv = [builder.load(_vptr(builder, E.data, _I64(_LANES * j)), align=4)
                   for j in range(_NV)]
             act = _activation(builder, vmax, vmin, act_)
