@@ -56,14 +56,16 @@ _FAST = ("contract", "nnan", "nsz")
 # B_L1_AHEAD steps ahead (0: none), so those loads do not rest on the core's own window to hide
 # L2's latency. 16 rows is 2 KB of L1 and ~130 cycles of lead at the FMA peak (8 cycles a step),
 # far more than L2's latency, for when the core runs slower than that. Emerald Rapids guest, in
-# one process against the tree without it, the trees taking turns, bit-equal (2026-12-02):
-# ResNet-50 0.966x and 0.979x the time (80 rounds each), VGG-16 0.988x and 1.019x (40, 30);
-# 8 ahead 0.983x, 4 ahead 1.002x (ResNet-50). Not in the 6 x 64 tile (`_make_wide`: not measured).
+# one process against the tree without it, the trees taking turns, bit-equal (2026-12-02;
+# `hepti bench against REV --in-process`, 40 rounds): ResNet-50 0.955x the time at 160, 0.978x
+# and 0.988x at 224; MobileNetV2 0.962x at 160, 0.975x at 224; VGG-16 1.001x. In scratch
+# runs, ungated: 8 ahead 0.983x, 4 ahead 1.002x (ResNet-50). Not in the 6 x 64 tile
+# (`_make_wide`: not measured). Not measured on Zen 4.
 B_L1_AHEAD = 16
 # ... where the panel is deeper than this many bytes (K x 32 floats; half of L1: the tile's A
-# rows take the rest); a shallower panel stays in L1 from tile to tile, and the prefetches
-# cost issue slots for nothing (MobileNetV2, whose 1x1s are mostly shallow: 1.018x the time
-# with them everywhere)
+# rows take the rest). A shallower panel stays in L1 from tile to tile, and the prefetches
+# cost issue slots for nothing: with them everywhere MobileNetV2, whose 1x1s are mostly
+# shallow, took 1.018x the time.
 B_L1_BYTES = config.L1_BYTES // 2
 
 
