@@ -295,7 +295,7 @@ def test_conv2d_out_is_the_residual(cout, k, stride, padding):
 @pytest.mark.parametrize("height, n_seg, kc, last_rows, has_res, act", [
     (8, 3, 21, 5, True, 1), (8, 1, 64, 8, False, 2), (4, 2, 9, 4, True, 0), (1, 1, 33, 1, True, 2),
     # panels deeper than _tile_ir.B_L1_BYTES (48 KB and more: L1 halves are 16-32 KB), whose
-    # k loops prefetch B's rows into L1 and read them past the panel's last row
+    # k loops prefetch B's rows into L1, up to B_L1_AHEAD rows past the panel's last
     (8, 3, 130, 7, True, 1), (4, 1, 400, 4, False, 0),
 ])
 def test_fused_tiles_against_float64(height, n_seg, kc, last_rows, has_res, act):
