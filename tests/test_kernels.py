@@ -752,3 +752,34 @@ def test_a_layer_slice_packs_into_one_huge_page_mapping():
     assert len(roots) == 1 and packed[0].panels.ctypes.data % (2 << 20) == 0
     assert all(np.array_equal(p.panels, w) for p, w in zip(packed, want))
     assert all(p.panels.ctypes.data % 64 == 0 for p in packed)
+
+
+def test_packed_tile_prefetches_deep_k_blocks_into_l1():
+    """packed_gemm's IR tile (`_gemm_ir.tile_packed8`) prefetches a k-block's B rows
+    _tile_ir.B_L1_AHEAD ahead into L1 (prefetcht0) where the block is deeper than B_L1_BYTES,
+    as the fused convolution tiles do; the next panel's L2 prefetch is prefetcht1. The tile in
+    a function of its own, not cached (Numba shows no assembly for cached code)."""
+    import platform
+
+    from numba import njit
+
+    from hepti.kernels import _gemm_ir, _tile_ir
+    if platform.machine() not in ("x86_64", "AMD64") or not _tile_ir.B_L1_AHEAD:
+        pytest.skip("x86 assembly, with the L1 prefetch on")
+
+    @njit(cache=False)
+    def tile(ap, kc, bp, c, bias, pf):
+        _gemm_ir.tile_packed8(ap, 0, kc, bp, 0, c, 0, 32, False, bias, 0, True, False, c, 0, 0,
+                              False, pf, 0, 4, 16)
+
+    rng = np.random.default_rng(7)
+    kc = 400  # 50 KB of B: deeper than half of any L1 this code meets
+    a = rng.standard_normal((8, kc)).astype(np.float32)
+    bp = rng.standard_normal((kc, 32)).astype(np.float32)
+    bias, pf = rng.standard_normal(32).astype(np.float32), np.zeros(64 * 16, np.float32)
+    c = np.zeros(8 * 32, np.float32)
+    tile(np.ascontiguousarray(a.T).reshape(-1), kc, bp, c, bias, pf)  # A packed k-major
+    np.testing.assert_allclose(c.reshape(8, 32), a.astype(np.float64) @ bp + bias,
+                               rtol=1e-4, atol=1e-4)
+    asm = "".join(tile.inspect_asm().values())
+    assert "prefetcht0" in asm and "prefetcht1" in asm
