@@ -32,7 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from hepti.kernels import mathfn
-from hepti.kernels._tile_ir import B_L1_AHEAD, B_L1_BYTES, _l1_prefetch, prefetcher
+from hepti.kernels._tile_ir import _l1_prefetch, by_depth, prefetcher
 
 _LANES = 16
 _NV = 2  # 32 columns: two 16-float vectors
@@ -142,16 +142,7 @@ def tile_packed8(typingctx, ap, ao, kc, bp, bk0, c, co, ldc, accumulate, bias, b
         # --in-process --case weights/minilm-l6:128 --case weights/bert-base:256 --rounds 40`,
         # two launches (2026-12-02): MiniLM 0.944x and 0.973x the time, BERT-base 0.979x and
         # 0.953x. Not measured on Zen 4.
-        if B_L1_AHEAD:
-            depth = builder.mul(kc_, _I64(_NV * _LANES * 4))
-            with builder.if_else(builder.icmp_signed(">", depth, _I64(B_L1_BYTES))) as (
-                    deep, shallow):
-                with deep:
-                    k_loop(True)
-                with shallow:
-                    k_loop(False)
-        else:
-            k_loop(False)
+        by_depth(builder, builder.mul(kc_, _I64(_NV * _LANES * 4)), k_loop)
         c_rows = [builder.gep(C.data, [builder.add(co_, builder.mul(_I64(i), ldc_))])
                   for i in range(_MR)]
         with builder.if_then(accumulate_):

@@ -151,6 +151,20 @@ def _l1_prefetch(builder):
     return ahead
 
 
+def by_depth(builder, depth, k_loops) -> None:
+    """Emit k_loops(True) for a panel or k-block of `depth` bytes (an i64) deeper than
+    B_L1_BYTES, where its rows come from L2 and are prefetched into L1 (`_l1_prefetch`), and
+    k_loops(False) for a shallower one; only k_loops(False) when B_L1_AHEAD is 0."""
+    if not B_L1_AHEAD:
+        k_loops(False)
+        return
+    with builder.if_else(builder.icmp_signed(">", depth, _I64(B_L1_BYTES))) as (deep, shallow):
+        with deep:
+            k_loops(True)
+        with shallow:
+            k_loops(False)
+
+
 def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bool = False):
     """The intrinsic for an mr x 32 tile; `gathered`: ao is an int64 array, row i of the tile
     starting at a[ao[i]] (lda unused), for tiles whose rows cross output rows; `scattered`
@@ -236,16 +250,7 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bo
                                 builder.store(
                                     builder.call(fma, [xv, bv[j], builder.load(slot)]), slot)
 
-            if B_L1_AHEAD:  # the panel's rows from L2 (B_L1_AHEAD): prefetched into L1
-                depth = builder.mul(builder.mul(n_seg_, kc_), _I64(NR * 4))
-                with builder.if_else(builder.icmp_signed(">", depth, _I64(B_L1_BYTES))) as (
-                        deep, shallow):
-                    with deep:
-                        k_loops(True)
-                    with shallow:
-                        k_loops(False)
-            else:
-                k_loops(False)
+            by_depth(builder, builder.mul(builder.mul(n_seg_, kc_), _I64(NR * 4)), k_loops)
             bv = [builder.load(_vptr(builder, E.data, _I64(_LANES * j)), align=4)
                   for j in range(_NV)]
             act = _activation(builder, vmax, vmin, act_)
