@@ -32,7 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from hepti.kernels import mathfn
-from hepti.kernels._tile_ir import _l1_prefetch, by_depth, prefetcher
+from hepti.kernels._tile_ir import by_depth, l1_prefetch, prefetcher
 
 _LANES = 16
 _NV = 2  # 32 columns: two 16-float vectors
@@ -115,7 +115,7 @@ def tile_packed8(typingctx, ap, ao, kc, bp, bk0, c, co, ldc, accumulate, bias, b
         splat_mask = ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
         abase = builder.gep(A.data, [ao_])
         bbase = builder.gep(B.data, [builder.mul(bk0_, ldb)])
-        ahead = _l1_prefetch(builder)
+        ahead = l1_prefetch(builder)
 
         def k_loop(from_l2):
             with cgutils.for_range(builder, kc_) as kl:

@@ -133,7 +133,7 @@ def prefetcher(context, builder, st, args):
     return step
 
 
-def _l1_prefetch(builder):
+def l1_prefetch(builder):
     """A function that, given the float* of B's row for this k step and the panel's row stride
     (floats), prefetches into L1 the lines of the row B_L1_AHEAD rows on (a no-op at 0)."""
     i8p = ir.IntType(8).as_pointer()
@@ -153,7 +153,7 @@ def _l1_prefetch(builder):
 
 def by_depth(builder, depth, k_loops) -> None:
     """Emit k_loops(True) for a panel or k-block of `depth` bytes (an i64) deeper than
-    B_L1_BYTES, where its rows come from L2 and are prefetched into L1 (`_l1_prefetch`), and
+    B_L1_BYTES, where its rows come from L2 and are prefetched into L1 (`l1_prefetch`), and
     k_loops(False) for a shallower one; only k_loops(False) when B_L1_AHEAD is 0."""
     if not B_L1_AHEAD:
         k_loops(False)
@@ -197,7 +197,7 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bo
             A = context.make_array(st[0])(context, builder, args[0])
             B = context.make_array(st[6])(context, builder, args[6])
             step = prefetcher(context, builder, st, args) if prefetch else None
-            ahead = _l1_prefetch(builder)  # (`k_loops`, where the panel is deep)
+            ahead = l1_prefetch(builder)  # (`k_loops`, where the panel is deep)
             C = context.make_array(st[8])(context, builder, args[8])
             E = context.make_array(st[12])(context, builder, args[12])
             R = context.make_array(st[13])(context, builder, args[13])
