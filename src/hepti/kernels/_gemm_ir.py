@@ -32,7 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from hepti.kernels import mathfn
-from hepti.kernels._tile_ir import by_depth, l1_prefetch, prefetcher
+from hepti.kernels._tile_ir import b_row, by_depth, l1_prefetch, prefetcher
 
 _LANES = 16
 _NV = 2  # 32 columns: two 16-float vectors
@@ -121,11 +121,7 @@ def tile_packed8(typingctx, ap, ao, kc, bp, bk0, c, co, ldc, accumulate, bias, b
             with cgutils.for_range(builder, kc_) as kl:
                 p = kl.index
                 step()
-                bq = builder.gep(bbase, [builder.mul(p, ldb)])
-                if from_l2:
-                    ahead(bq, ldb)
-                bv = [builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4)
-                      for j in range(_NV)]
+                bv = b_row(builder, bbase, p, ldb, ahead if from_l2 else None)
                 arow = builder.gep(abase, [builder.mul(p, _I64(_MR))])
                 for i in range(_MR):
                     x = builder.load(builder.gep(arow, [_I64(i)]), align=4)

@@ -135,20 +135,28 @@ def prefetcher(context, builder, st, args):
 
 def l1_prefetch(builder):
     """A function that, given the float* of B's row for this k step and the panel's row stride
-    (floats), prefetches into L1 the lines of the row B_L1_AHEAD rows on (a no-op at 0)."""
+    (floats), prefetches into L1 the lines of the row B_L1_AHEAD rows on (`b_row`'s, in the
+    loops `by_depth` emits for a deep panel)."""
     i8p = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
         "llvm.prefetch.p0")
 
     def ahead(bq, ldb):
-        if not B_L1_AHEAD:
-            return
         row = builder.gep(bq, [builder.mul(_I64(B_L1_AHEAD), ldb)])
         for j in range(_NV):  # a row of 32 floats: two lines (read, L1)
             builder.call(fn, [builder.bitcast(builder.gep(row, [_I64(_LANES * j)]), i8p),
                               _I32(0), _I32(3), _I32(1)])
     return ahead
+
+
+def b_row(builder, bbase, p, ldb, ahead):
+    """Row p of a B panel (float* bbase, ldb floats a row) as _NV <16 x float> values, the
+    row B_L1_AHEAD on prefetched into L1 first where `ahead` (an `l1_prefetch`) is given."""
+    bq = builder.gep(bbase, [builder.mul(p, ldb)])
+    if ahead is not None:
+        ahead(bq, ldb)
+    return [builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4) for j in range(_NV)]
 
 
 def by_depth(builder, depth, k_loops) -> None:
@@ -237,11 +245,7 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bo
                         p = kl.index
                         if step is not None:
                             step()
-                        bq = builder.gep(bbase, [builder.mul(p, ldb)])
-                        if from_l2:
-                            ahead(bq, ldb)
-                        bv = [builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4)
-                              for j in range(_NV)]
+                        bv = b_row(builder, bbase, p, ldb, ahead if from_l2 else None)
                         for i in range(mr):
                             xv = _splat(builder, builder.load(builder.gep(rows[i], [p]),
                                                               align=4))
