@@ -354,6 +354,91 @@ def test_fused_tiles_prefetch_deep_panels_into_l1():
     assert "prefetcht0" in asm and "prefetcht1" not in asm
 
 
+@pytest.mark.parametrize("regs, lanes, mr, nv, plan", [
+    (32, 16, 8, 2, [((0, 1, 2, 3, 4, 5, 6, 7), (0, 1))]),  # AVX-512: each tile in one pass
+    (32, 16, 9, 2, [(tuple(range(9)), (0, 1))]),
+    (32, 16, 6, 4, [(tuple(range(6)), (0, 1, 2, 3))]),
+    (16, 8, 8, 2, [((0, 1, 2, 3, 4, 5), (0,)), ((0, 1, 2, 3, 4, 5), (1,)), ((6, 7), (0, 1))]),
+    (16, 8, 1, 2, [((0,), (0, 1))]),  # AVX2: 4 accumulators, 4 of B, a broadcast
+])
+def test_register_passes_fit_the_register_file(monkeypatch, regs, lanes, mr, nv, plan):
+    """`_tile_ir.register_passes` keeps a tile whole where its accumulators, one row of B and a
+    broadcast fit the registers, and else covers every (row, column) once with passes that
+    each fit."""
+    from hepti.kernels import _tile_ir, config
+    monkeypatch.setattr(config, "VECTOR_REGS", regs)
+    monkeypatch.setattr(config, "VECTOR_LANES", lanes)
+    assert _tile_ir.register_passes(mr, nv) == plan
+    for mr, nv in ((8, 2), (9, 2), (4, 2), (6, 4)):
+        passes = _tile_ir.register_passes(mr, nv)
+        cells = [(i, j) for rows, cols in passes for i in rows for j in cols]
+        assert sorted(cells) == [(i, j) for i in range(mr) for j in range(nv)]
+        per_v = 16 // lanes
+        assert all(per_v * (len(r) * len(c) + len(c)) + 1 <= regs for r, c in passes)
+
+
+def test_tiles_in_passes_give_the_same_bits(monkeypatch):
+    """The IR tiles compiled for AVX2's 16 ymm, where they run as several register passes,
+    store the same bits as compiled for AVX-512's 32 zmm (one pass; only the register file
+    `register_passes` reads is set, so both compile on any machine), and both agree with
+    float64: the fused 8- and 9-row convolution tiles (bias, residual, ReLU6, a deep panel),
+    the 6 x 64 tile, and packed_gemm's tile with all of its epilogue."""
+    from numba import njit
+
+    from hepti.kernels import _gemm_ir, _tile_ir, config
+    rng = np.random.default_rng(3)
+    kc, nt = 400, 2  # 400 x 32 floats: deeper than B_L1_BYTES, the L1-prefetching loop
+
+    def f32(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    a, panels, bias, res = f32(9 * kc), f32(2, kc, NR), f32(2 * NR), f32(9 * NR)
+    ap = np.ascontiguousarray(a[:8 * kc].reshape(8, kc).T).reshape(-1)  # k-major, 8 rows
+    ao = np.arange(9, dtype=np.int64) * kc
+    pf = np.zeros(64 * 16, np.float32)
+
+    def run():
+        @njit(cache=False)
+        def tiles(a, ao, panels, bias, res, ap, pf):
+            c9 = np.zeros(9 * NR, np.float32)
+            _tile_ir.tile_epi9_pf(a, 0, 1, kc, 0, kc, panels[0], 0, c9, 0, NR, 9, bias, res, 0,
+                                  NR, True, 2, pf, 0, 4, 16)
+            c8 = np.zeros(8 * NR, np.float32)
+            _tile_ir.tile_epi8(a, 0, 1, kc, 0, kc, panels[1], 0, c8, 0, NR, 8, bias, res, 0,
+                               NR, False, 1)
+            cw = np.zeros(6 * 2 * NR, np.float32)
+            _tile_ir.tile_wide6_pf(a, ao, 1, kc, 0, panels, 0, cw, ao[:6] // kc * 2 * NR,
+                                   bias, 0, pf, 0, 4, 16)
+            cg = np.ones(8 * NR, np.float32)
+            _gemm_ir.tile_packed8(ap, 0, kc, panels[0], 0, cg, 0, NR, True, bias, 0, True,
+                                  True, res, 0, NR, True, pf, 0, 4, 16)
+            return c9, c8, cw, cg
+        return tiles(a, ao, panels, bias, res, ap, pf)
+
+    monkeypatch.setattr(config, "VECTOR_REGS", 32)
+    monkeypatch.setattr(config, "VECTOR_LANES", 16)
+    whole = run()
+    monkeypatch.setattr(config, "VECTOR_REGS", 16)
+    monkeypatch.setattr(config, "VECTOR_LANES", 8)
+    assert len(_tile_ir.register_passes(8, 2)) > 1
+    passes = run()
+    for w, p in zip(whole, passes):
+        np.testing.assert_array_equal(w, p)
+
+    a64, b64 = a.astype(np.float64).reshape(9, kc), panels.astype(np.float64)
+    r64 = res.astype(np.float64).reshape(9, NR)
+    want9 = np.clip(a64 @ b64[0] + bias[:NR] + r64, 0.0, 6.0)
+    want8 = np.maximum(a64[:8] @ b64[1] + bias[:NR], 0.0)
+    want_w = a64[:6] @ np.concatenate([b64[0], b64[1]], axis=1) + bias
+    h = a64[:8] @ b64[0] + 1.0 + bias[:NR]
+    want_g = h * 0.5 * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0))) + r64[:8]
+    tol = dict(rtol=1e-4, atol=1e-4 * math.sqrt(kc))
+    np.testing.assert_allclose(passes[0].reshape(9, NR), want9, **tol)
+    np.testing.assert_allclose(passes[1].reshape(8, NR), want8, **tol)
+    np.testing.assert_allclose(passes[2].reshape(6, 2 * NR), want_w, **tol)
+    np.testing.assert_allclose(passes[3].reshape(8, NR), want_g, **tol)
+
+
 def test_pack_conv_weight_layout():
     """Group g's panels are pack_b of B [kh*kw*Cin_g, Cout_g] with rows ordered (ky, kx, c)."""
     wt = rand(2 * (NR + 3), 5, 3, 2)  # 2 groups of NR + 3 output channels

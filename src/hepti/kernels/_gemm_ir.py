@@ -32,7 +32,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from hepti.kernels import mathfn
-from hepti.kernels._tile_ir import b_row, by_depth, l1_prefetch, prefetcher
+from hepti.kernels._tile_ir import (accumulators, b_row, by_depth, fma_rows, l1_prefetch,
+                                    prefetcher, register_passes)
 
 _LANES = 16
 _NV = 2  # 32 columns: two 16-float vectors
@@ -108,70 +109,67 @@ def tile_packed8(typingctx, ap, ao, kc, bp, bk0, c, co, ldc, accumulate, bias, b
                                               "llvm.maxnum.v16f32")
         vmin = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V]),
                                               "llvm.minnum.v16f32")
-        zero = ir.Constant(_V, None)
-        acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(_NV)]
-               for _ in range(_MR)]
         step = prefetcher(context, builder, st, args)  # pf, pq, pn, every: the last four
         splat_mask = ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
         abase = builder.gep(A.data, [ao_])
         bbase = builder.gep(B.data, [builder.mul(bk0_, ldb)])
         ahead = l1_prefetch(builder)
 
-        def k_loop(from_l2):
+        def k_loop(acc, cols, from_l2):
             with cgutils.for_range(builder, kc_) as kl:
                 p = kl.index
                 step()
-                bv = b_row(builder, bbase, p, ldb, ahead if from_l2 else None)
+                bv = b_row(builder, bbase, p, ldb, ahead if from_l2 else None, cols)
                 arow = builder.gep(abase, [builder.mul(p, _I64(_MR))])
-                for i in range(_MR):
+
+                def x_of(i):
                     x = builder.load(builder.gep(arow, [_I64(i)]), align=4)
-                    xv = builder.shuffle_vector(
+                    return builder.shuffle_vector(
                         builder.insert_element(ir.Constant(_V, ir.Undefined), x, _I32(0)),
                         ir.Constant(_V, ir.Undefined), splat_mask)
-                    for j in range(_NV):
-                        slot = acc[i][j]
-                        builder.store(builder.call(fma, [xv, bv[j], builder.load(slot)]), slot)
+                fma_rows(builder, fma, acc, x_of, bv)
 
+        def update(acc, f):
+            """acc[i][j] = f(i, j, acc[i][j]) for each of the pass's accumulators."""
+            for i, row in acc.items():
+                for j, slot in row.items():
+                    builder.store(f(i, j, builder.load(slot)), slot)
+
+        def c_vec(i, j):
+            return _vptr(builder, c_rows[i], _I64(_LANES * j))
+
+        def r_vec(i, j):
+            rrow = builder.gep(R.data, [builder.add(ro_, builder.mul(_I64(i), ldr_))])
+            return _vptr(builder, rrow, _I64(_LANES * j))
+
+        c_rows = [builder.gep(C.data, [builder.add(co_, builder.mul(_I64(i), ldc_))])
+                  for i in range(_MR)]
         # a k-block's slice deeper than half of L1 (KC_PACKED's are up to 96 KB) comes from
         # L2 for each tile: its rows are prefetched into L1 ahead, as the fused convolution
         # tiles' are (_tile_ir.B_L1_AHEAD). Emerald Rapids guest, `hepti bench against REV
         # --in-process --case weights/minilm-l6:128 --case weights/bert-base:256 --rounds 40`,
         # two launches (2026-12-02): MiniLM 0.944x and 0.973x the time, BERT-base 0.979x and
         # 0.953x. Not measured on Zen 4.
-        by_depth(builder, builder.mul(kc_, _I64(_NV * _LANES * 4)), k_loop)
-        c_rows = [builder.gep(C.data, [builder.add(co_, builder.mul(_I64(i), ldc_))])
-                  for i in range(_MR)]
-        with builder.if_then(accumulate_):
-            for i in range(_MR):
-                for j in range(_NV):
-                    slot = acc[i][j]
-                    old = builder.load(_vptr(builder, c_rows[i], _I64(_LANES * j)), align=4)
-                    builder.store(builder.fadd(builder.load(slot), old, flags=_FAST), slot)
-        with builder.if_then(has_bias_):
-            ebase = builder.gep(E.data, [bo_])
-            bias_v = [builder.load(_vptr(builder, ebase, _I64(_LANES * j)), align=4)
-                      for j in range(_NV)]
-            for i in range(_MR):
-                for j in range(_NV):
-                    slot = acc[i][j]
-                    builder.store(builder.fadd(builder.load(slot), bias_v[j], flags=_FAST),
-                                  slot)
-        with builder.if_then(gelu_):
-            for i in range(_MR):
-                for j in range(_NV):
-                    slot = acc[i][j]
-                    builder.store(_gelu(builder, fma, vmax, vmin, builder.load(slot)), slot)
-        with builder.if_then(has_res_):
-            for i in range(_MR):
-                rrow = builder.gep(R.data, [builder.add(ro_, builder.mul(_I64(i), ldr_))])
-                for j in range(_NV):
-                    slot = acc[i][j]
-                    r = builder.load(_vptr(builder, rrow, _I64(_LANES * j)), align=4)
-                    builder.store(builder.fadd(builder.load(slot), r, flags=_FAST), slot)
-        for i in range(_MR):
-            for j in range(_NV):
-                builder.store(builder.load(acc[i][j]),
-                              _vptr(builder, c_rows[i], _I64(_LANES * j)), align=4)
+        depth = builder.mul(kc_, _I64(_NV * _LANES * 4))
+        for rows, cols in register_passes(_MR, _NV):  # one pass where the tile fits
+            acc = accumulators(builder, rows, cols)
+            by_depth(builder, depth, lambda deep: k_loop(acc, cols, deep))
+            with builder.if_then(accumulate_):
+                update(acc, lambda i, j, v: builder.fadd(
+                    v, builder.load(c_vec(i, j), align=4), flags=_FAST))
+            with builder.if_then(has_bias_):
+                ebase = builder.gep(E.data, [bo_])
+                bias_v = {j: builder.load(_vptr(builder, ebase, _I64(_LANES * j)), align=4)
+                          for j in cols}
+                update(acc, lambda i, j, v: builder.fadd(v, bias_v[j], flags=_FAST))
+            with builder.if_then(gelu_):
+                update(acc, lambda i, j, v: _gelu(builder, fma, vmax, vmin, v))
+            with builder.if_then(has_res_):
+                update(acc, lambda i, j, v: builder.fadd(
+                    v, builder.load(r_vec(i, j), align=4), flags=_FAST))
+            for i, row in acc.items():
+                for j, slot in row.items():
+                    builder.store(builder.load(slot), c_vec(i, j), align=4)
         return context.get_dummy_value()
 
     return sig, codegen

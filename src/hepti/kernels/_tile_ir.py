@@ -22,7 +22,9 @@ in place; the same IR tile on packed A, one pointer, ran 112-116 GFLOP/s where b
 93-113, so reading A in place from 8 row pointers, not the code, is most of what is left).
 Here the accumulators are <16 x float> values from the start (mem2reg'd allocas), the FMAs
 `llvm.fma.v16f32`, the activation `llvm.maxnum` / `llvm.minnum`: plain LLVM IR, no x86
-intrinsics, so an AVX2 CPU gets the same tile as pairs of ymm registers.
+intrinsics, so an AVX2 CPU gets the same tile as pairs of ymm registers. Where the tile's
+accumulators do not fit the register file (AVX2's 16 ymm), it runs as passes over parts of it
+that do (`register_passes`).
 `tile_gathered{8,4,1}` take each row's start from an array (conv.py's `_MODE_PADDED`: tiles
 whose rows cross output rows of a zero-padded x); `tile_scattered{8,4,1}` also store each
 row at an offset from an array (conv.py's `_into_fused`: a 1x1's output written into the
@@ -134,29 +136,82 @@ def prefetcher(context, builder, st, args):
 
 
 def l1_prefetch(builder):
-    """A function that, given the float* of B's row for this k step and the panel's row stride
-    (floats), prefetches into L1 the lines of the row B_L1_AHEAD rows on (`b_row`'s, in the
-    loops `by_depth` emits for a deep panel)."""
+    """A function that, given the float* of B's row for this k step, the panel's row stride
+    (floats) and the row's 16-float columns a pass reads, prefetches into L1 their lines in the
+    row B_L1_AHEAD rows on (`b_row`'s, in the loops `by_depth` emits for a deep panel)."""
     i8p = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
         "llvm.prefetch.p0")
 
-    def ahead(bq, ldb):
+    def ahead(bq, ldb, cols):
         row = builder.gep(bq, [builder.mul(_I64(B_L1_AHEAD), ldb)])
-        for j in range(_NV):  # a row of 32 floats: two lines (read, L1)
+        for j in cols:  # 16 floats: one line (read, L1)
             builder.call(fn, [builder.bitcast(builder.gep(row, [_I64(_LANES * j)]), i8p),
                               _I32(0), _I32(3), _I32(1)])
     return ahead
 
 
-def b_row(builder, bbase, p, ldb, ahead):
-    """Row p of a B panel (float* bbase, ldb floats a row) as _NV <16 x float> values, the
-    row B_L1_AHEAD on prefetched into L1 first where `ahead` (an `l1_prefetch`) is given."""
+def b_row(builder, bbase, p, ldb, ahead, cols=range(_NV)):
+    """Row p of a B panel (float* bbase, ldb floats a row) as {j: <16 x float>} for the
+    16-float columns j in `cols`, those lines of the row B_L1_AHEAD on prefetched into L1
+    first where `ahead` (an `l1_prefetch`) is given."""
     bq = builder.gep(bbase, [builder.mul(p, ldb)])
     if ahead is not None:
-        ahead(bq, ldb)
-    return [builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4) for j in range(_NV)]
+        ahead(bq, ldb, cols)
+    return {j: builder.load(_vptr(builder, bq, _I64(_LANES * j)), align=4) for j in cols}
+
+
+# --- register passes -----------------------------------------------------------------------
+# A tile of mr rows x nv 16-float columns keeps mr * nv accumulators in registers, plus one
+# row of B (nv) and a broadcast of A. AVX-512 holds an 8 x 32 tile in 19 of its 32 zmm; AVX2
+# has 16 ymm of 8 floats, where the same tile wants 32 + 4 + 1: LLVM spilled accumulators to
+# the stack in the k loop, and `hepti bench kernels`' gemm ran at 28-33 GFLOP/s on a Zen 3
+# core where numpy's BLAS ran 55-67. Such a tile runs as passes over its rows and columns that
+# each fit (6 x 16 floats: 12 accumulators, 2 of B, 1 broadcast, BLIS's Haswell shape), each
+# pass the whole k loop and its own stores: B is read once a pass, not once a tile. Every
+# output's sum takes the same FMAs in the same order, so the bits do not change. Zen 3, in one
+# process, interleaved (2026-12-02, `hepti bench kernels --repeat 10`): gemm 53-66 GFLOP/s
+# (0.85-0.98x numpy's time) where it ran 28-33; passes of 2 x 32 ran 44-50, of 3 x 32 (17
+# registers: one accumulator spilled) 32-34.
+def register_passes(mr: int, nv: int) -> list:
+    """The passes, as (rows, columns) index tuples, that cover an mr x nv tile (nv 16-float
+    columns) with each pass's accumulators, B row and broadcast in config's vector registers
+    (read at each call, when a tile is compiled): the whole tile where it fits; else runs of
+    rows as tall as a one-column pass holds, each with all columns where that fits and else
+    one pass a column."""
+    per_v = max(1, _LANES // config.VECTOR_LANES)  # hardware registers a <16 x float> takes
+
+    def fits(r, c):
+        return per_v * (r * c + c) + 1 <= config.VECTOR_REGS
+
+    if fits(mr, nv):
+        return [(tuple(range(mr)), tuple(range(nv)))]
+    run = max([r for r in range(1, mr + 1) if fits(r, 1)], default=1)
+    passes = []
+    for r0 in range(0, mr, run):
+        rows = tuple(range(r0, min(mr, r0 + run)))
+        if fits(len(rows), nv):
+            passes.append((rows, tuple(range(nv))))
+        else:
+            passes += [(rows, (j,)) for j in range(nv)]
+    return passes
+
+
+def accumulators(builder, rows, cols) -> dict:
+    """acc[i][j], a zeroed <16 x float> slot (mem2reg makes it a register) for each i, j."""
+    zero = ir.Constant(_V, None)
+    return {i: {j: cgutils.alloca_once_value(builder, zero) for j in cols} for i in rows}
+
+
+def fma_rows(builder, fma, acc, x_of, bv) -> None:
+    """One k step of a pass: acc[i][j] += x_of(i) * bv[j] for its rows i and columns j, x_of(i)
+    emitting the broadcast of row i's element of A."""
+    for i in acc:
+        xv = x_of(i)
+        for j, b in bv.items():
+            slot = acc[i][j]
+            builder.store(builder.call(fma, [xv, b, builder.load(slot)]), slot)
 
 
 def by_depth(builder, depth, k_loops) -> None:
@@ -230,57 +285,55 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bo
             has_res_ = context.cast(builder, args[16], st[16], types.boolean)
             ldb = builder.sdiv(cgutils.unpack_tuple(builder, B.strides, 2)[0], _I64(4))
             fma, vmax, vmin = _vector_fns(builder)
-            zero = ir.Constant(_V, None)
-            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(_NV)]
-                   for _ in range(mr)]
+            act = _activation(builder, vmax, vmin, act_)
 
-            def k_loops(from_l2):
+            def k_loops(acc, cols, from_l2):
                 with cgutils.for_range(builder, n_seg_) as seg:
                     s = seg.index
                     abase = builder.gep(A.data, [builder.mul(s, seg_a_)])
-                    rows = [builder.gep(abase, [starts[i]]) for i in range(mr)]
+                    rows = {i: builder.gep(abase, [starts[i]]) for i in acc}
                     brow0 = builder.add(bk0_, builder.mul(s, kc_))
                     bbase = builder.gep(B.data, [builder.mul(brow0, ldb)])
                     with cgutils.for_range(builder, kc_) as kl:
                         p = kl.index
                         if step is not None:
                             step()
-                        bv = b_row(builder, bbase, p, ldb, ahead if from_l2 else None)
-                        for i in range(mr):
-                            xv = _splat(builder, builder.load(builder.gep(rows[i], [p]),
-                                                              align=4))
-                            for j in range(_NV):
-                                slot = acc[i][j]
-                                builder.store(
-                                    builder.call(fma, [xv, bv[j], builder.load(slot)]), slot)
+                        bv = b_row(builder, bbase, p, ldb, ahead if from_l2 else None, cols)
+                        fma_rows(builder, fma, acc, lambda i: _splat(builder, builder.load(
+                            builder.gep(rows[i], [p]), align=4)), bv)
 
-            by_depth(builder, builder.mul(builder.mul(n_seg_, kc_), _I64(NR * 4)), k_loops)
-            bv = [builder.load(_vptr(builder, E.data, _I64(_LANES * j)), align=4)
-                  for j in range(_NV)]
-            act = _activation(builder, vmax, vmin, act_)
-            for i in range(mr):
-                with builder.if_then(builder.icmp_signed(">", nv_, _I64(i)), likely=True):
-                    vals = [builder.fadd(builder.load(acc[i][j]), bv[j], flags=_FAST)
-                            for j in range(_NV)]
-                    rrow = builder.gep(R.data, [builder.add(ro_, builder.mul(_I64(i), ldr_))])
-                    with_res = []
-                    with builder.if_else(has_res_) as (then, otherwise):
-                        with then:
-                            r_vals = [builder.fadd(v, builder.load(
-                                _vptr(builder, rrow, _I64(_LANES * j)), align=4), flags=_FAST)
-                                for j, v in enumerate(vals)]
-                            then_bb = builder.block
-                        with otherwise:
-                            else_bb = builder.block
-                    for j in range(_NV):
-                        phi = builder.phi(_V)
-                        phi.add_incoming(r_vals[j], then_bb)
-                        phi.add_incoming(vals[j], else_bb)
-                        with_res.append(phi)
-                    out = act(with_res)
-                    crow = builder.gep(C.data, [c_rows[i]])
-                    for j, v in enumerate(out):
-                        builder.store(v, _vptr(builder, crow, _I64(_LANES * j)), align=4)
+            def store(acc, cols):
+                bv = {j: builder.load(_vptr(builder, E.data, _I64(_LANES * j)), align=4)
+                      for j in cols}
+                for i in acc:
+                    with builder.if_then(builder.icmp_signed(">", nv_, _I64(i)), likely=True):
+                        vals = [builder.fadd(builder.load(acc[i][j]), bv[j], flags=_FAST)
+                                for j in cols]
+                        rrow = builder.gep(R.data, [builder.add(ro_, builder.mul(_I64(i), ldr_))])
+                        with_res = []
+                        with builder.if_else(has_res_) as (then, otherwise):
+                            with then:
+                                r_vals = [builder.fadd(v, builder.load(
+                                    _vptr(builder, rrow, _I64(_LANES * j)), align=4), flags=_FAST)
+                                    for j, v in zip(cols, vals)]
+                                then_bb = builder.block
+                            with otherwise:
+                                else_bb = builder.block
+                        for r_val, val in zip(r_vals, vals):
+                            phi = builder.phi(_V)
+                            phi.add_incoming(r_val, then_bb)
+                            phi.add_incoming(val, else_bb)
+                            with_res.append(phi)
+                        out = act(with_res)
+                        crow = builder.gep(C.data, [c_rows[i]])
+                        for j, v in zip(cols, out):
+                            builder.store(v, _vptr(builder, crow, _I64(_LANES * j)), align=4)
+
+            depth = builder.mul(builder.mul(n_seg_, kc_), _I64(NR * 4))
+            for rows_, cols in register_passes(mr, _NV):
+                acc = accumulators(builder, rows_, cols)
+                by_depth(builder, depth, lambda deep: k_loops(acc, cols, deep))
+                store(acc, cols)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -355,37 +408,32 @@ def _make_wide(mr: int):
             pbase = [builder.gep(P.data, [builder.mul(builder.add(jp_, _I64(q)), lds)])
                      for q in range(2)]
             fma, vmax, vmin = _vector_fns(builder)
-            zero = ir.Constant(_V, None)
-            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nv)]
-                   for _ in range(mr)]
-            with cgutils.for_range(builder, n_seg_) as seg:
-                s = seg.index
-                abase = builder.gep(A.data, [builder.mul(s, seg_a_)])
-                rows = [builder.gep(abase, [starts[i]]) for i in range(mr)]
-                brow0 = builder.mul(builder.mul(s, kc_), ldb)
-                bbase = [builder.gep(q, [brow0]) for q in pbase]
-                with cgutils.for_range(builder, kc_) as kl:
-                    p = kl.index
-                    step()
-                    bq = [builder.gep(q, [builder.mul(p, ldb)]) for q in bbase]
-                    bv = [builder.load(_vptr(builder, bq[j // _NV], _I64(_LANES * (j % _NV))),
-                                       align=4) for j in range(nv)]
-                    for i in range(mr):
-                        xv = _splat(builder, builder.load(builder.gep(rows[i], [p]), align=4))
-                        for j in range(nv):
-                            slot = acc[i][j]
-                            builder.store(builder.call(fma, [xv, bv[j], builder.load(slot)]),
-                                          slot)
-            bv = [builder.load(_vptr(builder, E.data, _I64(_LANES * j)), align=4)
-                  for j in range(nv)]
             act = _activation(builder, vmax, vmin, act_)
-            for i in range(mr):
-                vals = [builder.fadd(builder.load(acc[i][j]), bv[j], flags=_FAST)
-                        for j in range(nv)]
-                out = act(vals)
-                crow = builder.gep(C.data, [c_rows[i]])
-                for j, v in enumerate(out):
-                    builder.store(v, _vptr(builder, crow, _I64(_LANES * j)), align=4)
+            for rows_, cols in register_passes(mr, nv):
+                acc = accumulators(builder, rows_, cols)
+                with cgutils.for_range(builder, n_seg_) as seg:
+                    s = seg.index
+                    abase = builder.gep(A.data, [builder.mul(s, seg_a_)])
+                    rows = {i: builder.gep(abase, [starts[i]]) for i in rows_}
+                    brow0 = builder.mul(builder.mul(s, kc_), ldb)
+                    bbase = [builder.gep(q, [brow0]) for q in pbase]
+                    with cgutils.for_range(builder, kc_) as kl:
+                        p = kl.index
+                        step()
+                        bq = [builder.gep(q, [builder.mul(p, ldb)]) for q in bbase]
+                        bv = {j: builder.load(_vptr(builder, bq[j // _NV],
+                                                    _I64(_LANES * (j % _NV))), align=4)
+                              for j in cols}
+                        fma_rows(builder, fma, acc, lambda i: _splat(builder, builder.load(
+                            builder.gep(rows[i], [p]), align=4)), bv)
+                bv = {j: builder.load(_vptr(builder, E.data, _I64(_LANES * j)), align=4)
+                      for j in cols}
+                for i in rows_:
+                    vals = [builder.fadd(builder.load(acc[i][j]), bv[j], flags=_FAST)
+                            for j in cols]
+                    crow = builder.gep(C.data, [c_rows[i]])
+                    for j, v in zip(cols, act(vals)):
+                        builder.store(v, _vptr(builder, crow, _I64(_LANES * j)), align=4)
             return context.get_dummy_value()
 
         return sig, codegen

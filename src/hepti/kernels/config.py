@@ -122,6 +122,21 @@ def simd_status() -> dict:
         "slp_vectorize": bool(numba.config.SLP_VECTORIZE),
     }
 
+# The vector register file the code generator targets: (registers, float32 lanes a register).
+# The IR tiles (_tile_ir.register_passes) split a tile whose accumulators would not fit it into
+# passes that do: an 8 x 32 tile is 16 of AVX-512's 32 zmm, but 32 of AVX2's 16 ymm.
+def _vector_file() -> tuple[int, int]:
+    status = simd_status()
+    if status["zmm"]:
+        return 32, 16
+    if status["avx512f"]:  # AVX-512 held to ymm: 32 registers of 8 floats
+        return 32, 8
+    features = getattr(cpu_target.target_context.codegen(), "_tm_features", "") or ""
+    return (16, 8) if "+avx" in features.split(",") else (16, 4)
+
+
+VECTOR_REGS, VECTOR_LANES = _vector_file()
+
 # --- integer dot products for the int8 GeMV ------------------------------------------------------
 # Which integer-dot kernel int8.py's one-row product runs (chosen in Python at each call, so a
 # test can switch it): 2 = AVX-512 VNNI (vpdpwssd), 1 = AVX2 (vpmaddwd), 0 = the plain-Numba
