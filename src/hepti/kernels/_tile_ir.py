@@ -173,7 +173,15 @@ def b_row(builder, bbase, p, ldb, ahead, cols=range(_NV)):
 # output's sum takes the same FMAs in the same order, so the bits do not change. Zen 3, in one
 # process, interleaved (2026-12-02, `hepti bench kernels --repeat 10`): gemm 53-66 GFLOP/s
 # (0.85-0.98x numpy's time) where it ran 28-33; passes of 2 x 32 ran 44-50, of 3 x 32 (17
-# registers: one accumulator spilled) 32-34.
+# registers: one accumulator spilled) 32-34. Whole forwards against the tree before, in one
+# process, the trees taking turns, bit-equal (`hepti bench against 4e1bdd6 --in-process`, 12
+# rounds): ResNet-50 @224 0.662x the time, VGG-16 0.507x, MobileNetV2 0.757x, MiniLM @128
+# 0.612x (docs/cnn.md, "On a Zen 3 core"). Taking a deep panel's k in L1-sized chunks, every
+# pass over a chunk before the next (the partial sums in a stack tile), so that B comes from L2
+# once a tile and not once a pass, was slower: ResNet-50 1.10x, VGG-16 1.16x the time (`hepti
+# bench against f75cc6e --in-process`, 12 rounds); the passes' long runs down the panel stream
+# from L2 well. Nor did the 9-row tile's runs of 5 + 4 rows (10 and 8 accumulators, not 6 + 6
+# + 3 + 3) change ResNet-50 (0.992x at 160, 1.016x at 224, 16 rounds).
 def register_passes(mr: int, nv: int) -> list:
     """The passes, as (rows, columns) index tuples, that cover an mr x nv tile (nv 16-float
     columns) with each pass's accumulators, B row and broadcast in config's vector registers
