@@ -111,6 +111,39 @@ def test_inverted_residual_writes_out():
     np.testing.assert_array_equal(out, separate(x, ws, 1, (1, 1), x))
 
 
+@pytest.mark.parametrize("width", [16, 24])
+@pytest.mark.parametrize("has_res, act, last_rows", [(True, 0, 8), (False, 2, 5), (True, 1, 1)])
+def test_narrow_tiles_on_the_ir_tile(width, has_res, act, last_rows):
+    """`narrow_tiles_ir` (the IR tile of width 16 or 24, which inverted.py runs where the
+    generated narrow tile does not fit the registers: AVX2) on the first columns of a 32-wide
+    panel: against float64, bit-equal to the generated `narrow_tiles_epi{width}`, and nothing
+    written past the width, past last_rows or between the rows (row stride 40)."""
+    from hepti.kernels import _microkernels as mk
+    from hepti.kernels.inverted import narrow_tiles_ir
+    rng = np.random.default_rng(width + last_rows)
+    i64, nt, kc, ldc = np.int64, 3, 150, 40
+    a = rng.standard_normal(nt * 8 * kc).astype(np.float32)
+    bp = rng.standard_normal((kc, 32)).astype(np.float32)
+    bias = rng.standard_normal(32).astype(np.float32)[:width]
+    res = rng.standard_normal(nt * 8 * ldc + 8).astype(np.float32)
+    got = np.full(nt * 8 * ldc + 8, 7.0, np.float32)
+    gen = got.copy()
+    args = (i64(nt), i64(kc), a, i64(0), i64(kc), bp)
+    tail = (i64(last_rows), bias, res, i64(2), i64(ldc), has_res, i64(act))
+    narrow_tiles_ir(i64(width), *args, got, i64(3), i64(ldc), *tail)
+    getattr(mk, f"narrow_tiles_epi{width}")(*args, gen, i64(3), i64(ldc), *tail)
+    np.testing.assert_array_equal(got, gen)
+    want = np.full(got.shape, 7.0)
+    for row in range(nt * 8 - 8 + last_rows):
+        acc = a[row * kc:(row + 1) * kc].astype(np.float64) @ bp[:, :width] + bias
+        if has_res:
+            acc += res[2 + row * ldc:][:width]
+        if act:
+            acc = np.maximum(acc, 0.0) if act == 1 else np.clip(acc, 0.0, 6.0)
+        want[3 + row * ldc:][:width] = acc
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def test_tile_rows_bounds():
     assert tile_rows(112, 112, 96, 2, 56) >= 4  # at least MIN_TILE
     assert tile_rows(7, 7, 960, 1, 7) == 7  # a small map: one tile

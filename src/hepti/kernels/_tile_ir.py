@@ -76,6 +76,34 @@ def _vptr(builder, base, index):
     return builder.bitcast(builder.gep(base, [index]), _V.as_pointer())
 
 
+def _lanes_mask(n: int):
+    """<16 x i1>: the first n lanes."""
+    return ir.Constant(ir.VectorType(ir.IntType(1), _LANES), [1] * n + [0] * (_LANES - n))
+
+
+def load_cols(builder, ptr, n: int = _LANES):
+    """The <16 x float> at ptr (a <16 x float>*), only its first n floats read (the rest 0)."""
+    if n == _LANES:
+        return builder.load(ptr, align=4)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V, [ptr.type, _I32, ir.VectorType(ir.IntType(1),
+                                                                            _LANES), _V]),
+        "llvm.masked.load.v16f32.p0")
+    return builder.call(fn, [ptr, _I32(4), _lanes_mask(n), ir.Constant(_V, None)])
+
+
+def store_cols(builder, value, ptr, n: int = _LANES) -> None:
+    """Store the <16 x float> value at ptr, only its first n floats."""
+    if n == _LANES:
+        builder.store(value, ptr, align=4)
+        return
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_V, ptr.type, _I32,
+                                                        ir.VectorType(ir.IntType(1), _LANES)]),
+        "llvm.masked.store.v16f32.p0")
+    builder.call(fn, [value, ptr, _I32(4), _lanes_mask(n)])
+
+
 def _vector_fns(builder) -> tuple:
     """(fma, maxnum, minnum) on <16 x float> in the builder's module."""
     def fn(name, n):
@@ -236,8 +264,11 @@ def by_depth(builder, depth, k_loops) -> None:
             k_loops(False)
 
 
-def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bool = False):
-    """The intrinsic for an mr x 32 tile; `gathered`: ao is an int64 array, row i of the tile
+def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bool = False,
+          width: int = NR):
+    """The intrinsic for an mr x width tile (width 32, or 16 or 24: the first columns of a
+    32-wide panel, their bias, residual and output read and written only that far; MobileNetV2's
+    narrow 1x1s, inverted.py); `gathered`: ao is an int64 array, row i of the tile
     starting at a[ao[i]] (lda unused), for tiles whose rows cross output rows; `scattered`
     (with gathered): co is one too, row i stored at c[co[i]] (ldc unused), for a tile whose
     output rows cross rows of a zero-bordered map (conv.py's `_into_fused`). `prefetch`: four
@@ -310,8 +341,14 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bo
                         fma_rows(builder, fma, acc, lambda i: _splat(builder, builder.load(
                             builder.gep(rows[i], [p]), align=4)), bv)
 
+            nv = -(-width // _LANES)
+
+            def n_of(j):
+                """The floats of 16-float column j inside the tile's width."""
+                return min(_LANES, width - _LANES * j)
+
             def store(acc, cols):
-                bv = {j: builder.load(_vptr(builder, E.data, _I64(_LANES * j)), align=4)
+                bv = {j: load_cols(builder, _vptr(builder, E.data, _I64(_LANES * j)), n_of(j))
                       for j in cols}
                 for i in acc:
                     with builder.if_then(builder.icmp_signed(">", nv_, _I64(i)), likely=True):
@@ -321,9 +358,9 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bo
                         with_res = []
                         with builder.if_else(has_res_) as (then, otherwise):
                             with then:
-                                r_vals = [builder.fadd(v, builder.load(
-                                    _vptr(builder, rrow, _I64(_LANES * j)), align=4), flags=_FAST)
-                                    for j, v in zip(cols, vals)]
+                                r_vals = [builder.fadd(v, load_cols(
+                                    builder, _vptr(builder, rrow, _I64(_LANES * j)), n_of(j)),
+                                    flags=_FAST) for j, v in zip(cols, vals)]
                                 then_bb = builder.block
                             with otherwise:
                                 else_bb = builder.block
@@ -335,10 +372,11 @@ def _make(mr: int, gathered: bool = False, scattered: bool = False, prefetch: bo
                         out = act(with_res)
                         crow = builder.gep(C.data, [c_rows[i]])
                         for j, v in zip(cols, out):
-                            builder.store(v, _vptr(builder, crow, _I64(_LANES * j)), align=4)
+                            store_cols(builder, v, _vptr(builder, crow, _I64(_LANES * j)),
+                                       n_of(j))
 
             depth = builder.mul(builder.mul(n_seg_, kc_), _I64(NR * 4))
-            for rows_, cols in register_passes(mr, _NV):
+            for rows_, cols in register_passes(mr, nv):
                 acc = accumulators(builder, rows_, cols)
                 by_depth(builder, depth, lambda deep: k_loops(acc, cols, deep))
                 store(acc, cols)
@@ -473,6 +511,10 @@ tile_gathered8_pf = _make(8, True, prefetch=True)
 tile_gathered9_pf = _make(MR_NINE, True, prefetch=True)
 tile_scattered8_pf = _make(8, True, True, prefetch=True)
 tile_scattered9_pf = _make(MR_NINE, True, True, prefetch=True)
+# 8 x 16 and 8 x 24 on the first columns of a panel (inverted.py's narrow 1x1s, where the
+# generated narrow tiles do not fit the registers)
+tile_narrow16 = _make(8, width=16)
+tile_narrow24 = _make(8, width=24)
 # MR_WIDE x 64 over two panels, gathered and scattered (conv.py's `_padded_into`)
 MR_WIDE = 6
 tile_wide6_pf = _make_wide(MR_WIDE)

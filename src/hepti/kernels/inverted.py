@@ -33,7 +33,7 @@ import functools
 import numpy as np
 from numba import njit
 
-from hepti.kernels import config
+from hepti.kernels import _tile_ir, config
 from hepti.kernels._gen_microkernels import NARROW
 from hepti.kernels._microkernels import MR, MRF, NR, narrow_tiles_epi16, narrow_tiles_epi24
 from hepti.kernels._views import pad16, vector
@@ -42,6 +42,14 @@ from hepti.kernels.conv import (_MODE_DIRECT, _MODE_FLAT, _MODE_ROWS, ConvWeight
                                 _conv_sizes, _depthwise, _flag, _i64, _nhwc, _out4, _residual,
                                 _tiles_fused)
 
+# The generated narrow tiles hold 8 x 16 (or 24) accumulators as named scalars: 8 (or 16) of
+# AVX-512's 32 zmm, but 16 (or 24) of AVX2's 16 ymm, where LLVM spilled them inside the k loop
+# (Zen 3: 12 and 18 GFLOP/s, where the IR tile in register passes ran 84 on 32 columns). Where
+# the tile does not fit the registers in one pass, the narrow columns run on the IR tile of
+# their width (`_tile_ir.tile_narrow16` / `24`), in passes: bit-equal; alone 1.65x (16) and
+# 2.55x (24) as fast; MobileNetV2's forward 0.912x the time at 224 and 0.944x at 160 (`hepti
+# bench against edc36fc --in-process`, 30 rounds, Zen 3, 2026-12-02).
+NARROW_IR = len(_tile_ir.register_passes(MRF, 1)) > 1
 TILE_BYTES = 1 << 20  # expanded + depthwise rows of one tile aimed at (Zen 4's L2)
 MIN_TILE = {1: 8, 2: 4}  # output rows: fewer paid a tile's fixed costs too often
 
@@ -72,6 +80,23 @@ def tile_rows(h: int, w: int, hid: int, stride: int, ho: int, target: int = TILE
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
+def narrow_tiles_ir(width, n_tiles, kc, a, a_off, lda, bp, c, c_off, ldc, last_rows, bias, res,
+                    r_off, ldr, has_res, act):
+    """`narrow_tiles_epi16` / `24` (width 16 or 24) on the IR tile of that width, tile by tile:
+    the same arguments, the same sums in the same order."""
+    z, one = np.int64(0), np.int64(1)
+    for t in range(n_tiles):
+        nv = last_rows if t == n_tiles - 1 else np.int64(MRF)
+        ao, co, ro = a_off + t * MRF * lda, c_off + t * MRF * ldc, r_off + t * MRF * ldr
+        if width == 16:
+            _tile_ir.tile_narrow16(a, ao, one, kc, z, lda, bp, z, c, co, ldc, nv, bias, res,
+                                   ro, ldr, has_res, act)
+        else:
+            _tile_ir.tile_narrow24(a, ao, one, kc, z, lda, bp, z, c, co, ldc, nv, bias, res,
+                                   ro, ldr, has_res, act)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
 def _tiles_1x1(a, lda, k, n_out, panels, c, ldc, rows, bias, res, r_off, ldr, has_res, act,
                buf):
     """c[i, 0:n_out] (row stride ldc) = act(a[i] @ B + bias (+ res[r_off + i*ldr])) for the
@@ -92,6 +117,14 @@ def _tiles_1x1(a, lda, k, n_out, panels, c, ldc, rows, bias, res, r_off, ldr, ha
     n_full = rows // MRF
     rem = rows - n_full * MRF
     m_rem = n_full * MRF
+    if NARROW_IR:
+        if n_full:
+            narrow_tiles_ir(tw, n_full, k, a, _i64(0), lda, bp, c, j0, ldc, _i64(MRF), bj, res,
+                            r_off + j0, ldr, has_res, act)
+        if rem:
+            narrow_tiles_ir(tw, _i64(1), k, buf, _i64(0), k, bp, c, m_rem * ldc + j0, ldc, rem,
+                            bj, res, r_off + m_rem * ldr + j0, ldr, has_res, act)
+        return
     if n_full:
         if tw == 16:
             narrow_tiles_epi16(n_full, k, a, _i64(0), lda, bp, c, j0, ldc, _i64(MRF), bj, res,
