@@ -97,13 +97,29 @@ def narrow_tiles_ir(width, n_tiles, kc, a, a_off, lda, bp, c, c_off, ldc, last_r
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
+def _narrow_tiles(width, n_tiles, kc, a, a_off, lda, bp, c, c_off, ldc, last_rows, bias, res,
+                  r_off, ldr, has_res, act):
+    """The narrow tiles of `width` (16 or 24; `narrow_tiles_epi16`'s arguments): on the IR
+    tile where the generated one does not fit the registers (NARROW_IR), else the generated."""
+    if NARROW_IR:
+        narrow_tiles_ir(width, n_tiles, kc, a, a_off, lda, bp, c, c_off, ldc, last_rows, bias,
+                        res, r_off, ldr, has_res, act)
+    elif width == 16:
+        narrow_tiles_epi16(n_tiles, kc, a, a_off, lda, bp, c, c_off, ldc, last_rows, bias, res,
+                           r_off, ldr, has_res, act)
+    else:
+        narrow_tiles_epi24(n_tiles, kc, a, a_off, lda, bp, c, c_off, ldc, last_rows, bias, res,
+                           r_off, ldr, has_res, act)
+
+
+@njit(fastmath=FASTMATH_GEMM, **JIT)
 def _tiles_1x1(a, lda, k, n_out, panels, c, ldc, rows, bias, res, r_off, ldr, has_res, act,
                buf):
     """c[i, 0:n_out] (row stride ldc) = act(a[i] @ B + bias (+ res[r_off + i*ldr])) for the
     rows i < rows of a 1x1 convolution whose A rows lie in a (row i at i*lda, k values), B
     the packed panels [n_panels, k, NR]: the whole panels on conv's fused store
     (`_tiles_fused`), then a last panel of 16 or 24 columns on the register tile of its
-    width (`narrow_tiles_epi16` / `24`), the same sums in the same order. Both take tiles of
+    width (`_narrow_tiles`), the same sums in the same order. Both take tiles of
     MRF rows (the fused tile's height): a short last tile's rows go through buf [MRF * k],
     where `_tiles_fused` copied them."""
     _tiles_fused(a, _i64(0), lda, k, n_out, panels, c, ldc, _i64(0), rows, bias, res, r_off,
@@ -117,28 +133,12 @@ def _tiles_1x1(a, lda, k, n_out, panels, c, ldc, rows, bias, res, r_off, ldr, ha
     n_full = rows // MRF
     rem = rows - n_full * MRF
     m_rem = n_full * MRF
-    if NARROW_IR:
-        if n_full:
-            narrow_tiles_ir(tw, n_full, k, a, _i64(0), lda, bp, c, j0, ldc, _i64(MRF), bj, res,
-                            r_off + j0, ldr, has_res, act)
-        if rem:
-            narrow_tiles_ir(tw, _i64(1), k, buf, _i64(0), k, bp, c, m_rem * ldc + j0, ldc, rem,
-                            bj, res, r_off + m_rem * ldr + j0, ldr, has_res, act)
-        return
     if n_full:
-        if tw == 16:
-            narrow_tiles_epi16(n_full, k, a, _i64(0), lda, bp, c, j0, ldc, _i64(MRF), bj, res,
-                               r_off + j0, ldr, has_res, act)
-        else:
-            narrow_tiles_epi24(n_full, k, a, _i64(0), lda, bp, c, j0, ldc, _i64(MRF), bj, res,
-                               r_off + j0, ldr, has_res, act)
+        _narrow_tiles(tw, n_full, k, a, _i64(0), lda, bp, c, j0, ldc, _i64(MRF), bj, res,
+                      r_off + j0, ldr, has_res, act)
     if rem:
-        if tw == 16:
-            narrow_tiles_epi16(_i64(1), k, buf, _i64(0), k, bp, c, m_rem * ldc + j0, ldc, rem,
-                               bj, res, r_off + m_rem * ldr + j0, ldr, has_res, act)
-        else:
-            narrow_tiles_epi24(_i64(1), k, buf, _i64(0), k, bp, c, m_rem * ldc + j0, ldc, rem,
-                               bj, res, r_off + m_rem * ldr + j0, ldr, has_res, act)
+        _narrow_tiles(tw, _i64(1), k, buf, _i64(0), k, bp, c, m_rem * ldc + j0, ldc, rem, bj,
+                      res, r_off + m_rem * ldr + j0, ldr, has_res, act)
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
