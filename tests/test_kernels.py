@@ -700,7 +700,7 @@ def test_ffn_with_row_blocks_equals_two_gemms():
     """A hidden width past the A block budget: the down projection runs in several row blocks,
     each block's last panel prefetching the first again (packed_gemm._gemm_serial)."""
     from hepti.kernels import config
-    f = config.A_BLOCK_BYTES // (4 * 64) + 8  # so that fewer than 64 rows of h make a block
+    f = config.GEMM_A_BLOCK_BYTES // (4 * 64) + 8  # so that fewer than 64 rows of h make a block
     x, up, down, bias = rand(128, 40), pack_b(rand(40, f)), pack_b(rand(f, 24)), rand(f)
     want = gemm(gemm(x, up, bias=bias, gelu=True), down)
     np.testing.assert_array_equal(ffn(x, up, bias, down), want)

@@ -87,8 +87,20 @@ KC = max(64, min(512, (L1_BYTES * 2 // 3) // (NR * 4) // 32 * 32))
 # NR floats, 96 KiB at 768) is held to an eighth of L2, so a device with a smaller L2 streams
 # it from there too; 768 deep is as far as it was measured.
 KC_PACKED = max(KC, min(768, L2_BYTES // 8 // (NR * 4) // 32 * 32))
-# A is packed in blocks of up to MC rows x K that stay in L2 while all panels pass over them.
+# A is packed in blocks of up to MC rows x K. A convolution's blocks stay in L2 while all
+# panels pass over them (A_BLOCK_BYTES).
 A_BLOCK_BYTES = L2_BYTES // 2
+# A GeMM's (packed_gemm: the transformers' projections, matmul, int8) may not: under L2 / 2 a
+# 512 KiB L2 cut MiniLM's down projection (M = 128, K = 1536) into 4 blocks of 32 rows and
+# BERT-base's (M = 256, K = 3072) into 16 of 16, and each block streamed all of B, the weights,
+# from memory again. Reading the packed A block from L3 instead, once a panel, is one byte per
+# 16 FLOPs (NR = 32 columns), a sequential stream the hardware prefetchers keep up with. Zen 3
+# (512 KiB L2), in one process against the tree before, the trees taking turns, bit-equal
+# (`hepti bench against 21ddbc5 --in-process`, 20 rounds): MiniLM @128 0.958x the time,
+# BERT-base @256 0.712x. A budget of 2 x L2 measured about the same (12 rounds: 0.95x, 0.80x
+# where 8 x L2 read 0.94x, 0.82x). The convolutions' blocks at 8 x L2 measured ResNet-50
+# 0.98-1.00x and VGG-16 0.95-1.02x (noise, 12 rounds), so they keep theirs.
+GEMM_A_BLOCK_BYTES = L2_BYTES * 8
 # Software prefetch (0 turns it off): the next pre-packed B panel is prefetched into L2 while
 # the current one is computed, and packing B on the fly prefetches this many rows ahead.
 PREFETCH_ROWS = 16

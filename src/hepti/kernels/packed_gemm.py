@@ -8,7 +8,7 @@ Layout. B is cut into NR-wide column panels, each stored [K, NR] with rows conti
 written in place through flat views (see _views.py), so row slices and column blocks cost nothing.
 
 Loop order with B pre-packed (`gemm`), for each block of MC rows of A (packed into MR-row
-tiles, k-major, kept in L2):
+tiles, k-major; in L3 when not in L2: config.GEMM_A_BLOCK_BYTES says why):
     for each panel jp (prange over panel ranges when threads > 1)
         for each k-block of up to KC_PACKED rows of the panel (config.py: the C strip's
         read-modify-write per k-block costs more than streaming a deep slice from L2)
@@ -586,12 +586,13 @@ def _gemv_parallel(n_chunks, x, k, n, panels, c, epi):
 # ------------------------------------------------------------------------------------------
 
 
-def row_block(m: int, k: int) -> int:
-    """MC: rows of A per block, so that an MC x K block fits the L2 budget.
+def row_block(m: int, k: int, budget: int = 0) -> int:
+    """MC: rows of A per block, so that an MC x K block fits `budget` bytes (0: a
+    convolution's, config.A_BLOCK_BYTES).
 
     The M rows are cut into equal blocks (a multiple of MR each), not full blocks plus a sliver.
     """
-    cap = max(MR, config.A_BLOCK_BYTES // (4 * max(k, 1)) // MR * MR)
+    cap = max(MR, (budget or config.A_BLOCK_BYTES) // (4 * max(k, 1)) // MR * MR)
     n_blocks = -(-m // cap)
     return min(cap, -(-(-(-m // n_blocks)) // MR) * MR)
 
@@ -696,7 +697,7 @@ def _plan(m: int, k: int, n: int, threads: int, on_the_fly: bool, kc: int = 0) -
         raise ValueError(f"threads must be >= 1, got {threads}")
     n_panels = -(-n // NR)
     n_chunks = max(1, min(threads, numba.config.NUMBA_NUM_THREADS, n_panels))
-    mc = min(row_block(m, k), m)
+    mc = min(row_block(m, k, config.GEMM_A_BLOCK_BYTES), m)
     buf_rows = min(k, config.KC)  # rows of B packed at a time on the fly: one k-block
     group = min(otf_group(buf_rows), -(-n_panels // n_chunks)) if on_the_fly else 1
     # pre-packed: k in equal blocks of at most KC_PACKED (config.py says why)
