@@ -15,15 +15,18 @@ tiles, k-major; in L3 when not in L2: config.GEMM_A_BLOCK_BYTES says why):
             for each MR-row tile: C tile (+)= A tile @ panel slice   (register tile)
             after the last k-block, bias, GeLU, residual on the tile in registers, one store
 A full panel's full tiles run the explicit-vector IR tile (`_gemm_ir.tile_packed8`, epilogue
-included); a short last tile (rows % MR) and a partial last panel keep the generated Numba
-micro-kernels and get the epilogue as a pass over the strip (`_finish`, `epilogue_strip`).
+included); a partial last panel's full tiles and those of B packed on the fly (`_kblock`) run it
+without the epilogue, which they get as a pass over the strip (`_finish`, `epilogue_strip`), as
+does a short last tile (rows % MR, the generated Numba `micro_tile`). Since 2026-12-02 `_kblock`
+no longer runs the generated 8 x 32 tile (`full_tiles`), whose named accumulators spilled on
+AVX2's sixteen registers where the IR tile runs in passes that fit (`register_passes`).
 Measured 2026-11-30, one process, interleaved, CPU time, load ~5: the IR tile took 0.94-0.97x
 the named-scalar tile's time on the peak shapes (no epilogue) and on MiniLM's QKV, output and
 up projections (bias; bias + GeLU), the down projection (K = 1536: two k-blocks) 1.00x; MiniLM's
 forward 0.972x, outputs within 1.6e-6.
 While a pre-packed panel is computed, the next one (contiguous after it) is prefetched into
 L2 by software prefetch, one cache line every few k steps of the micro-kernel (see
-_gen_microkernels._full_tiles): MiniLM's weights, 42 MB, are read from DRAM every forward.
+`_ir_tiles`): MiniLM's weights, 42 MB, are read from DRAM every forward.
 
 `matmul` packs B on the fly with the k-blocks outermost (`_on_the_fly`): for each k-block, a
 group of panels (~L2/8) is packed from B's rows [KC, group * NR] into a per-thread buffer, each
@@ -47,7 +50,7 @@ from hepti.kernels import config
 from hepti.kernels._gemm_ir import tile_packed8
 from hepti.kernels._intrinsics import prefetch_l2
 from hepti.kernels._transpose_ir import pack8
-from hepti.kernels._microkernels import (MR, NR, copy_row, epilogue_strip, full_tiles, micro_tile,
+from hepti.kernels._microkernels import (MR, NR, copy_row, epilogue_strip, micro_tile,
                                         pack_a_tile)
 from hepti.kernels._views import (EMPTY, aligned_empty, check_float32, check_no_overlap,
                                   flat_rows, output, pad16, vector, workspace)
@@ -230,12 +233,12 @@ def _pack_a(a, a_off, lda, m0, m1, k, apack):
 @njit(fastmath=FASTMATH_GEMM, **JIT)
 def _kblock(apack, rows, k0, kc, bp, bk0, dst, d_off, ldd, accumulate, pf, pf_lo, pf_hi):
     """dst rows 0 .. rows-1 (flat, from d_off, stride ldd; NR wide) (+)= packed A block
-    columns k0 .. k0+kc-1 @ bp rows bk0 .. bk0+kc-1. Meanwhile pf[pf_lo:pf_hi] is prefetched
-    into L2, spread over the full tiles' k loops (all at once if there are none).
+    columns k0 .. k0+kc-1 @ bp rows bk0 .. bk0+kc-1, the full tiles on the IR tile
+    (`_ir_tiles`, no epilogue). Meanwhile pf[pf_lo:pf_hi] is prefetched into L2, spread over
+    the full tiles' k loops (all at once if there are none).
 
     Its callers pass constants (d_off 0, ldd NR, no prefetch 0, 0), which arrive as literal
-    types: the tile kernels get plain np.int64 / np.bool_, one compiled signature each (a
-    literal one compiled `full_tiles`, ~9 s, again per caller)."""
+    types: the tiles get plain np.int64 / np.bool_, one compiled signature each."""
     n_full = rows // MR
     rem = rows - n_full * MR
     if n_full == 0:
@@ -243,8 +246,10 @@ def _kblock(apack, rows, k0, kc, bp, bk0, dst, d_off, ldd, accumulate, pf, pf_lo
             prefetch_l2(pf, q)
     kc, k0, bk0, ldd = np.int64(kc), np.int64(k0), np.int64(bk0), np.int64(ldd)
     acc = np.bool_(accumulate)
-    full_tiles(np.int64(0), np.int64(n_full), kc, apack, bp, k0, bk0, dst, np.int64(d_off),
-               ldd, acc, pf, np.int64(pf_lo), np.int64(pf_hi))
+    no = np.bool_(False)
+    _ir_tiles(np.int64(n_full), kc, apack, bp, k0, bk0, dst, np.int64(d_off), ldd, acc,
+              (pf[:0], no, no, pf[:0], np.int64(0), np.int64(1), no), np.int64(0), no, pf,
+              np.int64(pf_lo), np.int64(pf_hi))
     if rem:
         micro_tile(np.int64(rem), kc, apack[n_full], bp, k0, bk0, dst,
                    np.int64(d_off + n_full * MR * ldd), ldd, acc)
@@ -269,14 +274,14 @@ def _finish(rows, c, c_off, ldc, j0, ncols, scratch, epi):
 
 
 @njit(fastmath=FASTMATH_GEMM, **JIT)
-def _ir_tiles(n_full, kc, apack, bp, k0, c, c_off, ldc, accumulate, epi, j0, fuse, pf, pf_lo,
-              pf_hi):
+def _ir_tiles(n_full, kc, apack, bp, k0, bk0, c, c_off, ldc, accumulate, epi, j0, fuse, pf,
+              pf_lo, pf_hi):
     """The full MR-row tiles 0 .. n_full-1 of a full NR-column strip of C (from c_off, row
     stride ldc; j0: the strip's first column): C (+)= apack[t] columns k0 .. k0+kc-1 @ bp rows
-    k0 .. k0+kc-1, by the IR tile (`_gemm_ir.tile_packed8`); with `fuse`, the epilogue epi
+    bk0 .. bk0+kc-1, by the IR tile (`_gemm_ir.tile_packed8`); with `fuse`, the epilogue epi
     (its residual offset at the strip's row 0, column j0) is applied in registers before the
     store. Meanwhile pf[pf_lo:pf_hi] is prefetched into L2, an equal share per tile, spread
-    over its k loop (as `full_tiles`)."""
+    over its k loop."""
     bias, has_bias, gelu, res, r_off, ldr, has_res = epi
     if not fuse:
         has_bias = has_res = gelu = False
@@ -291,7 +296,7 @@ def _ir_tiles(n_full, kc, apack, bp, k0, c, c_off, ldc, accumulate, epi, j0, fus
             prefetch_l2(pf, q)
             q += 16
             n_here -= 1
-        tile_packed8(apf, t * tile_len + k0 * MR, kc, bp, k0, c, c_off + t * MR * ldc, ldc,
+        tile_packed8(apf, t * tile_len + k0 * MR, kc, bp, bk0, c, c_off + t * MR * ldc, ldc,
                      accumulate, bias, j0, has_bias, gelu, res, r_off + t * MR * ldr, ldr,
                      has_res, pf, q, n_here, max(1, kc // max(n_here, 1)))
 
@@ -329,7 +334,7 @@ def _strip(apack, rows, k, kc_max, bp, c, c_off, ldc, j0, ncols, scratch, epi, p
         if n_full == 0:
             for q in range(lo, hi, 16):
                 prefetch_l2(pf, q)
-        _ir_tiles(n_full, kc, apack, bp, k0, c, c_off + j0, ldc, kb > 0, epi_j, j0,
+        _ir_tiles(n_full, kc, apack, bp, k0, k0, c, c_off + j0, ldc, kb > 0, epi_j, j0,
                   kb == n_kblocks - 1, pf, lo, hi)
         if rem:
             micro_tile(rem, kc, apack[n_full], bp, k0, k0, c, c_off + j0 + n_full * MR * ldc,
