@@ -99,7 +99,9 @@ A_BLOCK_BYTES = L2_BYTES // 2
 # (`hepti bench against 21ddbc5 --in-process`, 20 rounds): MiniLM @128 0.958x the time,
 # BERT-base @256 0.712x. A budget of 2 x L2 measured about the same (12 rounds: 0.95x, 0.80x
 # where 8 x L2 read 0.94x, 0.82x). The convolutions' blocks at 8 x L2 measured ResNet-50
-# 0.98-1.00x and VGG-16 0.95-1.02x (noise, 12 rounds), so they keep theirs.
+# 0.98-1.00x and VGG-16 0.95-1.02x (noise, 12 rounds), so they keep theirs. Not measured on a
+# device without an L3 (a Raspberry Pi's shared L2 is its last level): there the block would
+# stream from DRAM once a panel.
 GEMM_A_BLOCK_BYTES = L2_BYTES * 8
 # Software prefetch (0 turns it off): the next pre-packed B panel is prefetched into L2 while
 # the current one is computed, and packing B on the fly prefetches this many rows ahead.
