@@ -6,13 +6,13 @@ For one sequence b and head h (q, k, v rows of width D = head_dim):
     ctx_h = P V_h                                               [nq, D]
 Both products run on the register-tiled kernels of packed_gemm. The scores are made transposed,
 S^T = K_h Q_h^T, a panel of NR queries at a time: K_h is the A operand, its full MR-row tiles
-read in place by the IR tile (`_tile_ir.tile_epi8`, a zero bias), and Q_h^T a B panel
+read in place by the IR tile (`direct_tiles_epi`, conv.py's, a zero bias), and Q_h^T a B panel
 (`_pack_qt`: 16 x 16 register transposes, _transpose_ir). The IR tile, not the generated
 named-scalar one (`direct_tiles`), because on AVX2 that tile's 32 ymm of accumulators spilled
 in the k loop, where the IR tile runs in passes that fit (`register_passes`): Zen 3, MiniLM
 @128 in one process against the tree before, the trees taking turns (`hepti bench against
 6fc4534 --in-process`, 20 rounds), 0.914x the time, BERT-base @256 0.918x; outputs within
-rounding (9.2e-7 of the largest). A panel's S^T [T, NR] stays in L1 while the softmax runs down its
+rounding (within 1e-6 of the largest). A panel's S^T [T, NR] stays in L1 while the softmax runs down its
 columns, across queries in vector lanes with no horizontal reduction, the column maxima and sums
 in registers (`softmax_panel`: for NR = 32 the IR panel of _softmax_ir, a base-2 exp),
 writing e straight into P's packed-A tiles; then P V_h on
@@ -38,8 +38,7 @@ from numba import njit, prange
 
 from hepti.kernels import _softmax_ir
 from hepti.kernels._transpose_ir import transpose16
-from hepti.kernels._microkernels import MR, NR, micro_tile, softmax_panel
-from hepti.kernels._tile_ir import tile_epi8
+from hepti.kernels._microkernels import MR, NR, direct_tiles_epi, micro_tile, softmax_panel
 from hepti.kernels._views import (EMPTY, check_float32, check_no_overlap, flat_rows, output,
                                  vector, workspace)
 from hepti.kernels.config import FASTMATH_GEMM, JIT, KC
@@ -130,9 +129,8 @@ def _attend(q, q_off, ldq, nq, kf, k_off, ldk, vf, v_off, ldv, t, d, mask, scale
     for jp in range(n_qp):
         # S^T panel = K Q^T[:, panel]: Q^T is zero-padded past nq (those columns never read)
         _pack_qt(q, q_off, ldq, d, jp * NR, min(NR, nq - jp * NR), qt, qt_flat)
-        for tk in range(n_kf):
-            tile_epi8(kf, k_off + tk * MR * ldk, one, d, z, ldk, qt, z, st, tk * MR * NR, NR,
-                      MR, _NO_BIAS, st, z, z, no, z)
+        direct_tiles_epi(z, n_kf, one, np.int64(d), kf, np.int64(k_off), z, np.int64(ldk), qt,
+                         z, st, z, np.int64(NR), np.int64(MR), _NO_BIAS, st, z, z, no, z)
         if t > n_kf * MR:
             micro_tile(t - n_kf * MR, d, ak[0], qt, 0, 0, st, n_kf * MR * NR, NR, False)
         tot = total[jp * NR:(jp + 1) * NR]
